@@ -1,0 +1,3 @@
+"""pipeweave: pipeline-model-parallel schedules, simulated, searched and trained on PyTorch."""
+
+__version__ = "0.1.0"

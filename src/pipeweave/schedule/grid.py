@@ -1,0 +1,39 @@
+"""A compact text grid of a schedule: one row per rank, one column per step.
+
+Example (1F1B, 2 stages, 3 microbatches)::
+
+    rank 0 | 0F0 0F1 0B0 0F2 0B1 0B2 0U0
+    rank 1 | 1F0 1B0 1F1 1B1 1F2 1B2 1U0
+"""
+
+from __future__ import annotations
+
+from pipeweave.schedule.ir import Schedule
+
+
+def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, max_steps: int = 48) -> str:
+    """Render the action lists; ``mark=(rank, step)`` brackets one cell.
+
+    Args:
+        schedule: the schedule to draw.
+        mark: a cell to highlight as ``[1B0]``, e.g. the step a validator rejects.
+        max_steps: columns shown; around ``mark`` when it is given.
+    """
+    cells = [[str(a) for a in row] for row in schedule.actions]
+    width = max((len(c) for row in cells for c in row), default=3) + 2
+    longest = max((len(row) for row in cells), default=0)
+    lo = 0
+    if mark is not None and mark[1] >= max_steps:
+        lo = max(0, mark[1] - max_steps // 2)
+    hi = min(longest, lo + max_steps)
+    label = len(f"rank {len(cells) - 1}")
+    lines = []
+    for r, row in enumerate(cells):
+        shown = []
+        for k in range(lo, min(hi, len(row))):
+            text = f"[{row[k]}]" if mark == (r, k) else f" {row[k]} "
+            shown.append(text.ljust(width))
+        tail = " ..." if len(row) > hi else ""
+        head = "... " if lo > 0 else ""
+        lines.append(f"{f'rank {r}'.ljust(label)} |{head}{''.join(shown).rstrip()}{tail}")
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""The registry of schedule names: a plain dict from name to ``ScheduleInfo``.
+
+The names are the CLI's ``-s`` values. Each entry carries the closed forms of
+its paper (as text, for ``pipeweave schedules``) and the conditions they need.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeweave.schedule.gpipe import gpipe
+from pipeweave.schedule.ir import Schedule, ScheduleError
+from pipeweave.schedule.naive import naive
+from pipeweave.schedule.one_f_one_b import one_f_one_b
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleInfo:
+    """What the registry knows of one schedule family."""
+
+    name: str
+    """Registry key, e.g. ``"1f1b"``."""
+    generator: Callable[..., Schedule]
+    """``generator(num_stages, num_microbatches, **options) -> Schedule``."""
+    family: str
+    """The paper's name for it, e.g. ``"DAPPLE / PipeDream-Flush"``."""
+    synchronous: bool
+    """True when every step ends in a flush and equals plain training."""
+    bubble: str
+    """Closed-form bubble (and the conditions it needs)."""
+    activations: str
+    """Peak activation memory, in M_a."""
+    weights: str
+    """Weight memory per rank, in M_theta."""
+    chunks: int | None = None
+    """Fixed chunks per rank (2 for V shapes), or None when ``--chunks`` applies (default 1)."""
+
+
+SCHEDULES: dict[str, ScheduleInfo] = {
+    "naive": ScheduleInfo(
+        name="naive", generator=naive, family="naive model parallelism", synchronous=True,
+        bubble="(D-1)/D", activations="M_a", weights="M_theta", chunks=1,
+    ),
+    "gpipe": ScheduleInfo(
+        name="gpipe", generator=gpipe, family="GPipe", synchronous=True,
+        bubble="(D-1)/(T+D-1)", activations="T M_a", weights="M_theta", chunks=1,
+    ),
+    "1f1b": ScheduleInfo(
+        name="1f1b", generator=one_f_one_b, family="DAPPLE / PipeDream-Flush", synchronous=True,
+        bubble="(D-1)/(T+D-1)", activations="min(D-r, T) M_a on rank r", weights="M_theta", chunks=1,
+    ),
+}
+
+
+def generate(
+    name: str,
+    *,
+    num_stages: int,
+    num_microbatches: int,
+    num_chunks: int | None = None,
+    **options: object,
+) -> Schedule:
+    """Build the named schedule.
+
+    Args:
+        name: a registry key (``pipeweave schedules`` lists them).
+        num_stages: D, the pipeline depth in ranks (devices).
+        num_microbatches: T, microbatches per mini-batch.
+        num_chunks: v, chunks per rank, for schedules that take it.
+        options: family-specific options (see each generator).
+
+    Raises:
+        ScheduleError: unknown name, or a configuration the family cannot serve.
+
+    Example:
+        >>> generate("gpipe", num_stages=4, num_microbatches=8).num_ranks
+        4
+    """
+    info = SCHEDULES.get(name)
+    if info is None:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
+    params = inspect.signature(info.generator).parameters
+    kwargs = dict(options)
+    if num_chunks is not None and num_chunks != (info.chunks or num_chunks):
+        raise ScheduleError(
+            f"{name} uses {info.chunks} chunk(s) per rank, not --chunks {num_chunks}; drop --chunks"
+        )
+    if "num_chunks" in params and num_chunks is not None:
+        kwargs["num_chunks"] = num_chunks
+    unknown = [k for k in kwargs if k not in params]
+    if unknown:
+        raise ScheduleError(f"{name} takes no option {unknown[0]!r}; its options: {list(params)[2:]}")
+    return info.generator(num_stages, num_microbatches, **kwargs)

@@ -1,0 +1,124 @@
+"""Text forms of actions and schedules: ``"2F0"`` and torch's compute-only CSV.
+
+The CSV has one row per rank and one action per cell, as written by
+``torch.distributed.pipelining`` (``_dump_csv(..., format="compute_only")``);
+empty cells (torch's idle steps) are skipped on reading. torch has no ``U``:
+exporting with ``updates=False`` drops them, and reading a CSV without any
+``U`` appends each stage's update at the end of its rank, as torch does
+implicitly after a step.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from pipeweave.schedule.ir import (
+    Action,
+    Op,
+    Placement,
+    Schedule,
+    ScheduleError,
+    WeightPolicy,
+    append_updates,
+)
+
+_ACTION = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|U)(\d+)\s*$")
+
+
+def parse_action(text: str) -> Action:
+    """Parse ``"2F0"`` into ``Action(2, Op.F, 0)``.
+
+    Raises:
+        ScheduleError: the text is not ``<stage><op><microbatch>``.
+
+    Example:
+        >>> parse_action("1I3")
+        Action(stage=1, op=<Op.I: 'I'>, microbatch=3)
+    """
+    match = _ACTION.match(text)
+    if match is None:
+        raise ScheduleError(
+            f"cannot read action {text!r}; write <stage><op><microbatch> with op one of "
+            "F B I W U SEND_F RECV_F SEND_B RECV_B, e.g. 2F0"
+        )
+    stage, op, microbatch = match.groups()
+    return Action(int(stage), Op(op), int(microbatch))
+
+
+def parse_actions(text: str) -> list[Action]:
+    """Parse whitespace- or comma-separated actions: ``"0F0 0F1, 0B0"``."""
+    return [parse_action(tok) for tok in re.split(r"[\s,]+", text.strip()) if tok]
+
+
+def format_actions(actions: Iterable[Action]) -> str:
+    return " ".join(str(a) for a in actions)
+
+
+def to_csv(schedule: Schedule, *, updates: bool = True) -> str:
+    """The schedule as CSV text, one row per rank.
+
+    Args:
+        schedule: any schedule.
+        updates: keep ``U`` actions; pass False for torch.distributed.pipelining,
+            which has no update action.
+    """
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for row in schedule.actions:
+        writer.writerow([str(a) for a in row if updates or a.op is not Op.U])
+    return out.getvalue()
+
+
+def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = None) -> Schedule:
+    """Read a compute-only CSV (ours or torch's) into a synchronous schedule.
+
+    The placement is inferred: one pipeline through stages 0..S-1 in order, each
+    stage on the rank whose row holds it (torch's convention, which covers its
+    straight, looped and V-shaped schedules).
+
+    Raises:
+        ScheduleError: a cell is not an action, or a stage appears on two ranks.
+    """
+    rows: list[list[Action]] = []
+    for line_no, cells in enumerate(csv.reader(io.StringIO(text)), start=1):
+        try:
+            rows.append([parse_action(c) for c in cells if c.strip() and c.strip() != "None"])
+        except ScheduleError as exc:
+            raise ScheduleError(f"line {line_no}: {exc}") from None
+    while rows and not rows[-1]:
+        rows.pop()
+    if not rows:
+        raise ScheduleError("the CSV holds no actions; give one row of actions per rank")
+    stage_rank: dict[int, int] = {}
+    for rank, row in enumerate(rows):
+        for a in row:
+            if stage_rank.setdefault(a.stage, rank) != rank:
+                raise ScheduleError(
+                    f"stage {a.stage} appears on ranks {stage_rank[a.stage]} and {rank}; "
+                    "a stage lives on one rank"
+                )
+    num_stages = max(stage_rank) + 1
+    missing = [s for s in range(num_stages) if s not in stage_rank]
+    if missing:
+        raise ScheduleError(f"stages {missing} have no actions; number stages 0..S-1 without gaps")
+    stages = tuple(range(num_stages))
+    placement = Placement(tuple(stage_rank[s] for s in stages), stages, (stages,))
+    compute = [a for row in rows for a in row if a.op in (Op.F, Op.B, Op.I, Op.W)]
+    t = num_microbatches if num_microbatches is not None else 1 + max(a.microbatch for a in compute)
+    if not any(a.op is Op.U for row in rows for a in row):
+        append_updates(rows, placement)
+    rows = [[a for a in row if a.op not in (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)] for row in rows]
+    return Schedule(name, placement, t, tuple(tuple(r) for r in rows), policy=WeightPolicy.SYNC)
+
+
+def write_csv(schedule: Schedule, path: str | Path, *, updates: bool = True) -> None:
+    Path(path).write_text(to_csv(schedule, updates=updates))
+
+
+def read_csv(path: str | Path, *, name: str | None = None) -> Schedule:
+    """Read a CSV file (see ``from_csv``); the schedule is named after the file."""
+    return from_csv(Path(path).read_text(), name=name or Path(path).stem)

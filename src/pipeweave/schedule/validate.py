@@ -1,0 +1,185 @@
+"""The validator: every dependency rule of DESIGN.md, and a deadlock check.
+
+``validate(schedule)`` raises ``InvalidSchedule`` naming the rank and step of
+the first problem, with a text grid of the schedule and that step marked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pipeweave.schedule.dataflow import execute
+from pipeweave.schedule.grid import format_grid
+from pipeweave.schedule.ir import Action, Op, Schedule, ScheduleError
+from pipeweave.schedule.lower import lower
+
+
+class InvalidSchedule(ScheduleError):
+    """A schedule breaks a rule; ``rank`` and ``step`` locate it (-1 when global)."""
+
+    def __init__(self, reason: str, schedule: Schedule, rank: int = -1, step: int = -1) -> None:
+        self.reason, self.rank, self.step = reason, rank, step
+        where = f"rank {rank} step {step}: " if rank >= 0 else ""
+        mark = (rank, step) if rank >= 0 and step >= 0 else None
+        grid = format_grid(schedule, mark=mark)
+        super().__init__(f"invalid schedule {schedule.name!r}: {where}{reason}\n{grid}")
+
+
+def validate(schedule: Schedule) -> None:
+    """Check placement, exactly-once, order and deadlock freedom.
+
+    Raises:
+        InvalidSchedule: with the rank, the step and a marked grid.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> validate(generate("zb-h1", num_stages=4, num_microbatches=8))
+    """
+    check_actions(schedule)
+    check_order(schedule)
+    check_updates(schedule)
+    check_lowering(schedule)
+
+
+def is_valid(schedule: Schedule) -> bool:
+    try:
+        validate(schedule)
+    except InvalidSchedule:
+        return False
+    return True
+
+
+def check_actions(schedule: Schedule) -> None:
+    """Placement and exactly-once rules, without looking at the order."""
+    placement = schedule.placement
+    if schedule.num_ranks != placement.num_ranks:
+        raise InvalidSchedule(
+            f"{schedule.num_ranks} action lists for a placement over {placement.num_ranks} ranks",
+            schedule,
+        )
+    seen: dict[Action, tuple[int, int]] = {}
+    for rank, step, a in schedule.iter_actions():
+        if a.op not in (Op.F, Op.B, Op.I, Op.W, Op.U):
+            raise InvalidSchedule(f"{a} is a communication action; give compute actions only", schedule, rank, step)
+        if not 0 <= a.stage < placement.num_stages:
+            raise InvalidSchedule(f"{a} names stage {a.stage}, but there are {placement.num_stages}", schedule, rank, step)
+        if placement.stage_rank[a.stage] != rank:
+            raise InvalidSchedule(
+                f"{a} runs on rank {rank}, but stage {a.stage} is placed on rank {placement.stage_rank[a.stage]}",
+                schedule, rank, step,
+            )
+        if a.op is not Op.U:
+            if not 0 <= a.microbatch < schedule.num_microbatches:
+                raise InvalidSchedule(
+                    f"{a} names microbatch {a.microbatch}, but there are {schedule.num_microbatches}",
+                    schedule, rank, step,
+                )
+            if a.stage not in schedule.route(a.microbatch):
+                raise InvalidSchedule(
+                    f"{a}: microbatch {a.microbatch} does not pass through stage {a.stage}", schedule, rank, step
+                )
+        if a in seen:
+            r0, k0 = seen[a]
+            raise InvalidSchedule(f"{a} appears twice (first at rank {r0} step {k0})", schedule, rank, step)
+        seen[a] = (rank, step)
+    for j in range(schedule.num_microbatches):
+        for s in schedule.route(j):
+            _check_microbatch(schedule, seen, s, j)
+
+
+def _check_microbatch(schedule: Schedule, seen: dict[Action, tuple[int, int]], s: int, j: int) -> None:
+    def at(op: Op) -> tuple[int, int] | None:
+        return seen.get(Action(s, op, j))
+
+    rank = schedule.placement.stage_rank[s]
+    if at(Op.F) is None:
+        raise InvalidSchedule(f"{s}F{j} is missing: every stage runs F once per microbatch", schedule, rank)
+    full, inp, wgt = at(Op.B), at(Op.I), at(Op.W)
+    if full is not None and (inp is not None or wgt is not None):
+        r, k = inp or wgt or full
+        raise InvalidSchedule(f"stage {s} microbatch {j} has both B and I/W; use one or the other", schedule, r, k)
+    if full is None and inp is None:
+        raise InvalidSchedule(f"{s}B{j} (or {s}I{j} + {s}W{j}) is missing", schedule, rank)
+    if inp is not None and wgt is None:
+        raise InvalidSchedule(f"{s}W{j} is missing: {s}I{j} needs its weight-gradient half", schedule, *inp)
+    if wgt is not None and inp is None:
+        raise InvalidSchedule(f"{s}I{j} is missing: {s}W{j} has no input-gradient half", schedule, *wgt)
+
+
+def check_order(schedule: Schedule) -> None:
+    """Run the schedule in order; explain the first stuck rank (order or deadlock)."""
+    run = execute(schedule)
+    if run.complete:
+        return
+    position = {a: (r, k) for r, k, a in schedule.iter_actions()}
+    for rank in sorted(run.waiting_for):  # a rank waiting on its own later step is the root cause
+        step, need = run.done[rank], run.waiting_for[rank]
+        action = schedule.actions[rank][step]
+        if need.op is Op.W and need.microbatch == -1:
+            raise InvalidSchedule(
+                f"{action} waits for every weight gradient of part {need.stage}, which never all arrive",
+                schedule, rank, step,
+            )
+        producer = _producer(need, position)
+        if producer is not None and producer[0] == rank:
+            raise InvalidSchedule(
+                f"{action} needs {_name(need, position)}, which rank {rank} only runs later, at step {producer[1]}",
+                schedule, rank, step,
+            )
+    rank = min(run.waiting_for)
+    chain = [f"rank {r} step {run.done[r]} ({schedule.actions[r][run.done[r]]}) waits for "
+             f"{_name(run.waiting_for[r], position)}" for r in sorted(run.waiting_for)]
+    raise InvalidSchedule("deadlock: " + "; ".join(chain), schedule, rank, run.done[rank])
+
+
+def _producer(need: Action, position: dict[Action, tuple[int, int]]) -> tuple[int, int] | None:
+    if need.op is Op.B:  # the input gradient comes from B or I
+        return position.get(need) or position.get(Action(need.stage, Op.I, need.microbatch))
+    return position.get(need)
+
+
+def _name(need: Action, position: dict[Action, tuple[int, int]]) -> str:
+    if need.op is Op.B and need not in position:
+        return str(Action(need.stage, Op.I, need.microbatch))
+    return str(need)
+
+
+def check_updates(schedule: Schedule) -> None:
+    """Synchronous schedules: one U per stage, after all of that stage's work."""
+    if not schedule.is_synchronous:
+        return
+    for rank, row in enumerate(schedule.actions):
+        counts = Counter(a.stage for a in row if a.op is Op.U)
+        for s in schedule.placement.stages_on(rank):
+            if counts[s] != 1:
+                raise InvalidSchedule(
+                    f"stage {s} has {counts[s]} U actions; a synchronous schedule updates each stage once",
+                    schedule, rank,
+                )
+        updated: set[int] = set()
+        for step, a in enumerate(row):
+            if a.op is Op.U:
+                updated.add(a.stage)
+            elif a.stage in updated:
+                raise InvalidSchedule(
+                    f"{a} comes after {a.stage}U0: a synchronous step updates a stage after all its work",
+                    schedule, rank, step,
+                )
+
+
+def check_lowering(schedule: Schedule) -> None:
+    """Every send of the lowered schedule has its receive, in the same order per pair."""
+    lowered = lower(schedule)
+    sends: dict[tuple[int, int], list[Action]] = {}
+    recvs: dict[tuple[int, int], list[Action]] = {}
+    for rank, row in enumerate(lowered.actions):
+        for a in row:
+            if a.op in (Op.SEND_F, Op.SEND_B):
+                sends.setdefault((rank, lowered.peer(a)), []).append(a)
+            elif a.op in (Op.RECV_F, Op.RECV_B):
+                recvs.setdefault((lowered.peer(a), rank), []).append(a)
+    for pair in set(sends) | set(recvs):
+        s_keys = [(a.op is Op.SEND_F, a.microbatch) for a in sends.get(pair, [])]
+        r_keys = [(a.op is Op.RECV_F, a.microbatch) for a in recvs.get(pair, [])]
+        if sorted(s_keys) != sorted(r_keys):  # pragma: no cover - lowering bug
+            raise InvalidSchedule(f"sends and receives from rank {pair[0]} to {pair[1]} do not match", schedule)

@@ -1,0 +1,7 @@
+"""Simulation of schedules under a cost and memory model (no torch)."""
+
+from pipeweave.sim.cost import CostModel, PartCosts
+from pipeweave.sim.metrics import Metrics, compute_metrics
+from pipeweave.sim.timeline import Event, Timeline, simulate
+
+__all__ = ["CostModel", "Event", "Metrics", "PartCosts", "Timeline", "compute_metrics", "simulate"]

@@ -1,0 +1,87 @@
+"""The cost and memory model: per-part times of F, I, W, communication, memory.
+
+A scalar is the cost of one D-th of the model (one stage of a straight D-rank
+pipeline); the simulator divides it evenly among the parts of a pipeline, so
+interleaved chunks of a looped placement cost f/v and ZB-V's chunks f/2, and
+schedules with different chunk counts compare on the same model. A sequence
+gives each part its own value, as is, for load imbalance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Value = float | Sequence[float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Times and memory of the model's parts.
+
+    Example:
+        >>> CostModel(f=2.0, b=2.0, w=1.0).for_parts(num_parts=8, num_ranks=4).f
+        (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    """
+
+    f: Value = 1.0
+    """Forward time."""
+    b: Value = 1.0
+    """Input-gradient half of the backward (``I``); a full ``B`` costs b + w."""
+    w: Value = 1.0
+    """Weight-gradient half of the backward (``W``)."""
+    comm: float = 0.0
+    """Latency of one hop between stages on different ranks."""
+    activation: Value = 1.0
+    """Activation memory a microbatch holds from its F until its backward (M_a)."""
+    mem_w: float = 0.5
+    """Fraction of M_a still held between I and W (M_W / M_a); 0.5 as in the zero-bubble paper."""
+    weight: Value = 1.0
+    """Weight memory (M_theta)."""
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w", "activation", "weight"):
+            value = getattr(self, name)
+            values = [value] if isinstance(value, (int, float)) else list(value)
+            if not values or any(v < 0 for v in values):
+                raise ValueError(f"cost {name}={value!r} is invalid; give times and memory >= 0")
+        if self.comm < 0:
+            raise ValueError(f"comm={self.comm!r} is invalid; give a latency >= 0")
+        if not 0.0 <= self.mem_w <= 1.0:
+            raise ValueError(f"mem_w={self.mem_w!r} is invalid; give a fraction in [0, 1]")
+
+    def for_parts(self, *, num_parts: int, num_ranks: int) -> PartCosts:
+        """Resolve every value to one number per part.
+
+        Raises:
+            ValueError: a per-part sequence whose length is not ``num_parts``.
+        """
+        scale = num_ranks / num_parts if num_parts else 1.0
+
+        def resolve(name: str) -> tuple[float, ...]:
+            value = getattr(self, name)
+            if isinstance(value, (int, float)):
+                return (float(value) * scale,) * num_parts
+            if len(value) != num_parts:
+                raise ValueError(
+                    f"cost {name} has {len(value)} values for {num_parts} parts; give one per part or a scalar"
+                )
+            return tuple(float(v) for v in value)
+
+        return PartCosts(
+            f=resolve("f"), b=resolve("b"), w=resolve("w"), comm=self.comm,
+            activation=resolve("activation"), mem_w=self.mem_w, weight=resolve("weight"),
+        )
+
+
+@dataclass(frozen=True)
+class PartCosts:
+    """A cost model resolved to one value per part (see ``CostModel.for_parts``)."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    comm: float
+    activation: tuple[float, ...]
+    mem_w: float
+    weight: tuple[float, ...]

@@ -1,0 +1,110 @@
+"""The metrics of DESIGN.md, computed one way for simulated and measured timelines.
+
+- ``makespan``: first start to last end of the step;
+- ``span[r]``: rank r's first start to its last end;
+- ``bubble_ratio`` = 1 - busy / (ranks x max span) (zero-bubble paper's bubble rate);
+- ``bubble_ratio_flush`` = 1 - busy / (ranks x makespan) (steps end in a barrier);
+- ``bubble_overhead`` = idle / busy over the max span (Megatron-LM's (D-1)/(vT));
+- ``peak_activations[r]``: peak activation memory of rank r, in the cost model's
+  units of M_a (allocated when F starts, released when B ends, or (1 - mem_w)
+  of it when I ends and the rest when W ends);
+- ``weight_versions[r]``: peak weight copies held by rank r, in M_theta;
+- ``staleness[s]``: per stage, the largest number of updates between the
+  version a gradient was computed on and the version it is applied to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pipeweave.schedule.ir import Op
+from pipeweave.sim.cost import PartCosts
+from pipeweave.sim.timeline import Timeline
+from pipeweave.sim.versions import staleness, weight_copies
+
+_COMPUTE = (Op.F, Op.B, Op.I, Op.W, Op.U)
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Metrics of one step of a timeline (see the module docstring)."""
+
+    makespan: float
+    span: tuple[float, ...]
+    busy: tuple[float, ...]
+    bubble_ratio: float
+    bubble_ratio_flush: float
+    bubble_overhead: float
+    peak_activations: tuple[float, ...]
+    weight_versions: tuple[float, ...]
+    staleness: tuple[int, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def bubble_metrics(timeline: Timeline) -> tuple[float, tuple[float, ...], tuple[float, ...], float, float, float]:
+    """``(makespan, span, busy, bubble_ratio, bubble_ratio_flush, bubble_overhead)``."""
+    rows = [row for row in timeline.events if row]
+    if not rows:
+        return 0.0, (), (), 0.0, 0.0, 0.0
+    first = min(row[0].start for row in rows)
+    last = max(max(e.end for e in row) for row in rows)
+    makespan = last - first
+    span = tuple((max(e.end for e in row) - row[0].start) if row else 0.0 for row in timeline.events)
+    busy = tuple(sum(e.end - e.start for e in row if e.action.op in _COMPUTE) for row in timeline.events)
+    n, total, widest = len(timeline.events), sum(busy), max(span)
+    ratio = 1.0 - total / (n * widest) if widest > 0 else 0.0
+    flush = 1.0 - total / (n * makespan) if makespan > 0 else 0.0
+    overhead = (n * widest - total) / total if total > 0 else 0.0
+    return makespan, span, busy, ratio, flush, overhead
+
+
+def peak_activations(timeline: Timeline, costs: PartCosts) -> tuple[float, ...]:
+    """Per rank, the peak activation memory under the cost model's M_a and M_W."""
+    part_of = timeline.schedule.placement.stage_part
+    peaks = []
+    for row in timeline.events:
+        held = peak = 0.0
+        for e in row:
+            s, op, _ = e.action
+            a = costs.activation[part_of[s]]
+            if op is Op.F:
+                held += a
+                peak = max(peak, held)
+            elif op is Op.B:
+                held -= a
+            elif op is Op.I:
+                held -= a * (1.0 - costs.mem_w)
+            elif op is Op.W:
+                held -= a * costs.mem_w
+        peaks.append(round(peak, 9))
+    return tuple(peaks)
+
+
+def compute_metrics(timeline: Timeline, costs: PartCosts | None = None) -> Metrics:
+    """All metrics of a timeline; ``costs`` defaults to the simulated timeline's own.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> from pipeweave.sim.timeline import simulate
+        >>> m = compute_metrics(simulate(generate("1f1b", num_stages=4, num_microbatches=8)))
+        >>> round(m.bubble_ratio, 4), m.peak_activations
+        (0.2727, (4.0, 3.0, 2.0, 1.0))
+    """
+    costs = costs or timeline.costs
+    if costs is None:
+        raise ValueError("a measured timeline needs its cost model for memory metrics; pass costs=")
+    makespan, span, busy, ratio, flush, overhead = bubble_metrics(timeline)
+    return Metrics(
+        makespan=makespan,
+        span=span,
+        busy=busy,
+        bubble_ratio=ratio,
+        bubble_ratio_flush=flush,
+        bubble_overhead=overhead,
+        peak_activations=peak_activations(timeline, costs),
+        weight_versions=weight_copies(timeline.schedule, costs),
+        staleness=staleness(timeline.schedule),
+    )
