@@ -18,8 +18,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pipeweave.errors import UserError
 
-class ScheduleError(ValueError):
+
+class ScheduleError(UserError):
     """A schedule or a schedule configuration is invalid; the message says how."""
 
 

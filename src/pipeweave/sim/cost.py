@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipeweave.errors import UserError
+
 Value = float | Sequence[float]
 
 
@@ -44,11 +46,11 @@ class CostModel:
             value = getattr(self, name)
             values = [value] if isinstance(value, (int, float)) else list(value)
             if not values or any(v < 0 for v in values):
-                raise ValueError(f"cost {name}={value!r} is invalid; give times and memory >= 0")
+                raise UserError(f"cost {name}={value!r} is invalid; give times and memory >= 0")
         if self.comm < 0:
-            raise ValueError(f"comm={self.comm!r} is invalid; give a latency >= 0")
+            raise UserError(f"comm={self.comm!r} is invalid; give a latency >= 0")
         if not 0.0 <= self.mem_w <= 1.0:
-            raise ValueError(f"mem_w={self.mem_w!r} is invalid; give a fraction in [0, 1]")
+            raise UserError(f"mem_w={self.mem_w!r} is invalid; give a fraction in [0, 1]")
 
     def for_parts(self, *, num_parts: int, num_ranks: int) -> PartCosts:
         """Resolve every value to one number per part.
@@ -63,7 +65,7 @@ class CostModel:
             if isinstance(value, (int, float)):
                 return (float(value) * scale,) * num_parts
             if len(value) != num_parts:
-                raise ValueError(
+                raise UserError(
                     f"cost {name} has {len(value)} values for {num_parts} parts; give one per part or a scalar"
                 )
             return tuple(float(v) for v in value)

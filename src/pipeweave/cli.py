@@ -1,0 +1,50 @@
+"""``pipeweave``: the command line. Thin: each subcommand lives in ``pipeweave.commands``.
+
+A subcommand module defines ``add_parser(subparsers) -> argparse.ArgumentParser``
+and ``run(args) -> int``. User errors (``UserError``) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from pipeweave import __version__
+from pipeweave.errors import UserError
+
+# Subcommands in the order ``pipeweave --help`` lists them.
+COMMANDS = ("schedules", "simulate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipeweave", description="Pipeline-parallel schedules: simulate, search, partition, train."
+    )
+    parser.add_argument("--version", action="version", version=f"pipeweave {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(f"pipeweave.commands.{name}")
+        module.add_parser(sub).set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args))
+    except UserError as exc:
+        print(f"pipeweave {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"pipeweave {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

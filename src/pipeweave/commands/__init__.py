@@ -1,0 +1,1 @@
+"""The ``pipeweave`` subcommands, one module each with ``add_parser`` and ``run``."""
