@@ -1,0 +1,71 @@
+"""A small byte-level decoder-only transformer (GPT-2 layout, pre-norm), as a list of layers.
+
+Layer 0 embeds tokens and positions, layers 1..L are transformer blocks
+(causal self-attention through ``scaled_dot_product_attention``, then a 4h
+MLP, each residual), layer L+1 is the final LayerNorm and the vocabulary head.
+No dropout, so a replayed forward (activation recomputation) is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeweave.models.layers import Embedding, LayerNorm, Linear
+from pipeweave.models.spec import ModelSpec
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention."""
+
+    def __init__(self, hidden: int, heads: int, *, generator: torch.Generator) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = Linear(hidden, 3 * hidden, generator=generator)
+        self.proj = Linear(hidden, hidden, generator=generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=-1)
+        # (batch, seq, width) -> (batch, heads, seq, width / heads)
+        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class Block(nn.Module):
+    """``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, hidden: int, heads: int, *, generator: torch.Generator) -> None:
+        super().__init__()
+        self.norm1 = LayerNorm(hidden)
+        self.attn = Attention(hidden, heads, generator=generator)
+        self.norm2 = LayerNorm(hidden)
+        self.up = Linear(hidden, 4 * hidden, generator=generator)
+        self.down = Linear(4 * hidden, hidden, generator=generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the projection to vocabulary logits."""
+
+    def __init__(self, hidden: int, vocab: int, *, generator: torch.Generator) -> None:
+        super().__init__()
+        self.norm = LayerNorm(hidden)
+        self.out = Linear(hidden, vocab, generator=generator, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def build_layer(spec: ModelSpec, index: int, generator: torch.Generator) -> nn.Module:
+    """Layer ``index`` of the gpt: embedding, blocks, head."""
+    if index == 0:
+        return Embedding(spec.vocab, spec.hidden, spec.seq_len, generator=generator)
+    if index == spec.num_layers - 1:
+        return Head(spec.hidden, spec.vocab, generator=generator)
+    return Block(spec.hidden, spec.heads, generator=generator)

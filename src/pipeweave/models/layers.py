@@ -1,0 +1,213 @@
+"""Linear, LayerNorm and Embedding whose weight gradients can be deferred (zero bubble's W).
+
+Zero-bubble pipelining (Qi et al., ICLR 2024) splits a backward into ``I``
+(input gradients, on the critical path) and ``W`` (weight gradients, deferred).
+Running autograd twice, or keeping the graph alive until ``W``, would pay the
+backward twice. Instead every layer with parameters here is a custom autograd
+function: during ``I`` its backward returns only the input gradient and hands
+a small closure -- holding exactly what its weight gradient needs (the layer
+input and the output gradient, M_W of the paper) -- to a ``WeightGradStore``;
+the autograd graph itself is freed as usual. ``W`` runs the closures. Outside
+``I`` (a full backward ``B``, or plain training) the same backward returns the
+weight gradients to autograd directly, computed by the same formulas, so
+``I`` + ``W`` equals ``B``.
+
+Parameter initialisation takes an explicit ``torch.Generator`` so that a layer
+is identical whatever rank builds it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WeightGrad = Callable[[], None]
+"""A deferred weight-gradient computation; it accumulates into ``param.grad``."""
+
+
+class WeightGradStore:
+    """Collects the weight-gradient closures of one stage while ``deferring`` is set.
+
+    The stage worker sets ``deferring`` around an ``I`` and moves ``pending`` to
+    its per-microbatch queue; ``on_stash`` (optional) sees every tensor a
+    closure keeps, for activation accounting.
+    """
+
+    def __init__(self) -> None:
+        self.deferring = False
+        self.pending: list[tuple[WeightGrad, tuple[torch.Tensor, ...]]] = []
+
+    def defer(self, fn: WeightGrad, held: tuple[torch.Tensor, ...]) -> None:
+        self.pending.append((fn, held))
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    # Same semantics as autograd's AccumulateGrad (first gradient is stored, later ones added).
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+def _deferring(store: WeightGradStore | None) -> bool:
+    return store is not None and store.deferring
+
+
+def _linear_weight_grads(x: torch.Tensor, gy: torch.Tensor, has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    gy2 = gy.reshape(-1, gy.shape[-1])
+    gw = gy2.t().mm(x.reshape(-1, x.shape[-1]))
+    return gw, (gy2.sum(0) if has_bias else None)
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any) -> torch.Tensor:
+        # Parameters travel as attributes: a saved tensor unpacks to a different
+        # Python object, and .grad must land on the Parameter itself.
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias = weight, bias
+        ctx.store = store
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
+        gx = gy.matmul(weight) if ctx.needs_input_grad[0] else None
+        if _deferring(ctx.store):
+
+            def weight_grad() -> None:
+                gw, gb = _linear_weight_grads(x, gy, bias is not None)
+                _accumulate(weight, gw)
+                if bias is not None:
+                    _accumulate(bias, gb)
+
+            ctx.store.defer(weight_grad, (x, gy))
+            return gx, None, None, None
+        gw, gb = _linear_weight_grads(x, gy, bias is not None)
+        return gx, gw, gb, None
+
+
+class _LayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, store: Any) -> torch.Tensor:
+        shape = [x.shape[-1]]
+        y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        ctx.save_for_backward(x, mean, rstd)
+        ctx.weight, ctx.bias = weight, bias
+        ctx.store = store
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
+        x, mean, rstd = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
+        shape = [x.shape[-1]]
+        if _deferring(ctx.store):
+            gx = None
+            if ctx.needs_input_grad[0]:
+                gx = torch.ops.aten.native_layer_norm_backward(
+                    gy, x, shape, mean, rstd, weight, bias, [True, False, False]
+                )[0]
+
+            def weight_grad() -> None:
+                _, gw, gb = torch.ops.aten.native_layer_norm_backward(
+                    gy, x, shape, mean, rstd, weight, bias, [False, True, True]
+                )
+                _accumulate(weight, gw)
+                _accumulate(bias, gb)
+
+            ctx.store.defer(weight_grad, (x, gy, mean, rstd))
+            return gx, None, None, None, None
+        mask = [bool(ctx.needs_input_grad[0]), True, True]
+        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(gy, x, shape, mean, rstd, weight, bias, mask)
+        return gx, gw, gb, None, None
+
+
+def _embedding_weight_grads(
+    idx: torch.Tensor, gy: torch.Tensor, token: torch.Tensor, position: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = gy.shape[-1]
+    g_token = torch.zeros_like(token).index_add_(0, idx.reshape(-1), gy.reshape(-1, width))
+    g_position = torch.zeros_like(position)
+    g_position[: gy.shape[-2]] = gy.reshape(-1, gy.shape[-2], width).sum(0)
+    return g_token, g_position
+
+
+class _EmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, idx: torch.Tensor, token: torch.Tensor, position: torch.Tensor, store: Any) -> torch.Tensor:
+        ctx.save_for_backward(idx)
+        ctx.token, ctx.position = token, position
+        ctx.store = store
+        return F.embedding(idx, token) + position[: idx.shape[-1]]
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
+        (idx,) = ctx.saved_tensors
+        token, position = ctx.token, ctx.position
+        if _deferring(ctx.store):
+
+            def weight_grad() -> None:
+                g_token, g_position = _embedding_weight_grads(idx, gy, token, position)
+                _accumulate(token, g_token)
+                _accumulate(position, g_position)
+
+            ctx.store.defer(weight_grad, (idx, gy))
+            return None, None, None, None
+        g_token, g_position = _embedding_weight_grads(idx, gy, token, position)
+        return None, g_token, g_position, None
+
+
+class Deferrable(nn.Module):
+    """Base of the layers here: ``grad_store`` is set by the stage that owns the layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grad_store: WeightGradStore | None = None
+
+
+class Linear(Deferrable):
+    """``y = x W^T + b``, PyTorch's default uniform(-1/sqrt(in), 1/sqrt(in)) initialisation."""
+
+    def __init__(self, in_features: int, out_features: int, *, generator: torch.Generator, bias: bool = True) -> None:
+        super().__init__()
+        bound = 1.0 / math.sqrt(in_features)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features).uniform_(-bound, bound, generator=generator))
+        self.bias = (
+            nn.Parameter(torch.empty(out_features).uniform_(-bound, bound, generator=generator)) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LinearFn.apply(x, self.weight, self.bias, self.grad_store)  # type: ignore[no-any-return]
+
+
+class LayerNorm(Deferrable):
+    """Layer normalisation over the last dimension with an affine weight and bias."""
+
+    def __init__(self, width: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+        self.bias = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LayerNormFn.apply(x, self.weight, self.bias, self.eps, self.grad_store)  # type: ignore[no-any-return]
+
+
+class Embedding(Deferrable):
+    """Token plus learned position embedding: ``token[idx] + position[:seq]``."""
+
+    def __init__(self, vocab: int, width: int, max_len: int, *, generator: torch.Generator) -> None:
+        super().__init__()
+        # GPT-2's initialisation scale (std 0.02) for both tables.
+        self.token = nn.Parameter(torch.empty(vocab, width).normal_(0.0, 0.02, generator=generator))
+        self.position = nn.Parameter(torch.empty(max_len, width).normal_(0.0, 0.02, generator=generator))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return _EmbeddingFn.apply(idx, self.token, self.position, self.grad_store)  # type: ignore[no-any-return]

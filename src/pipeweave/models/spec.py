@@ -1,0 +1,133 @@
+"""The model configuration, the lazy layer list it describes, and how layers are cut into parts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeweave.errors import UserError
+
+KINDS = ("mlp", "gpt")
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A reference model, as the command line's ``--model ... --layers --hidden`` describe it.
+
+    Example:
+        >>> ModelSpec(kind="mlp", layers=4, hidden=32).num_layers
+        4
+        >>> ModelSpec(kind="gpt", layers=2, hidden=32, heads=2).num_layers
+        4
+    """
+
+    kind: str = "gpt"
+    """``"mlp"`` (residual MLP blocks, MSE) or ``"gpt"`` (byte-level transformer, cross-entropy)."""
+    layers: int = 4
+    """Residual blocks: MLP blocks, or transformer blocks (the gpt adds an embedding and a head layer)."""
+    hidden: int = 128
+    """Width h of the residual stream."""
+    vocab: int = 256
+    """gpt only: vocabulary size; 256 means bytes."""
+    heads: int = 4
+    """gpt only: attention heads; must divide ``hidden``."""
+    seq_len: int = 128
+    """gpt only: tokens per sample (context length)."""
+    seed: int = 0
+    """Initialisation seed; layer k is seeded by (seed, k), so any rank builds it identically."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise UserError(f"model kind {self.kind!r} is unknown; choose one of: {', '.join(KINDS)}")
+        for name in ("layers", "hidden", "vocab", "heads", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"{name}={value!r} is invalid; give an integer >= 1")
+        if self.kind == "gpt" and self.hidden % self.heads:
+            raise UserError(f"hidden={self.hidden} is not divisible by heads={self.heads}; choose heads dividing hidden")
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the lazy layer list: the unit that parts are cut from."""
+        return self.layers + 2 if self.kind == "gpt" else self.layers
+
+
+def layer_generator(spec: ModelSpec, index: int) -> torch.Generator:
+    """The random generator that initialises layer ``index`` (independent of ranks and of other layers)."""
+    # A large odd multiplier keeps (seed, index) pairs from colliding for any realistic sizes.
+    return torch.Generator().manual_seed(spec.seed * 1_000_003 + index)
+
+
+def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Module]:
+    """Build only the layers with the given indices, each initialised from its own seed.
+
+    Args:
+        spec: the model.
+        layer_indices: indices in ``range(spec.num_layers)``.
+
+    Raises:
+        UserError: an index outside the model.
+
+    Example:
+        >>> spec = ModelSpec(kind="mlp", layers=3, hidden=8)
+        >>> a, b = build_layers(spec, [1]), build_layers(spec, range(3))
+        >>> bool(torch.equal(a[0].up.weight, b[1].up.weight))
+        True
+    """
+    from pipeweave.models import gpt, mlp  # the families import this module
+
+    build = mlp.build_layer if spec.kind == "mlp" else gpt.build_layer
+    layers = []
+    for index in layer_indices:
+        if not 0 <= index < spec.num_layers:
+            raise UserError(f"layer {index} is outside the model's {spec.num_layers} layers; give 0..{spec.num_layers - 1}")
+        layers.append(build(spec, index, layer_generator(spec, index)))
+    return layers
+
+
+def uniform_parts(num_layers: int, num_parts: int) -> list[range]:
+    """Cut ``num_layers`` consecutive layers into ``num_parts`` parts, sizes differing by at most one.
+
+    The first parts get the extra layers.
+
+    Raises:
+        UserError: fewer layers than parts, or a count below 1.
+
+    Example:
+        >>> uniform_parts(5, 2)
+        [range(0, 3), range(3, 5)]
+    """
+    if num_parts < 1:
+        raise UserError(f"num_parts={num_parts} is invalid; give at least 1 part")
+    if num_layers < num_parts:
+        raise UserError(
+            f"{num_parts} parts need at least {num_parts} layers, the model has {num_layers}; "
+            "Reduce num_stages or increase num_layers"
+        )
+    base, extra = divmod(num_layers, num_parts)
+    bounds = [0]
+    for k in range(num_parts):
+        bounds.append(bounds[-1] + base + (1 if k < extra else 0))
+    return [range(bounds[k], bounds[k + 1]) for k in range(num_parts)]
+
+
+def loss_fn(spec: ModelSpec) -> LossFn:
+    """The mean loss of a batch: MSE for the mlp, cross-entropy over all tokens for the gpt.
+
+    Example:
+        >>> float(loss_fn(ModelSpec(kind="mlp", hidden=2))(torch.ones(1, 2), torch.zeros(1, 2)))
+        1.0
+    """
+    if spec.kind == "mlp":
+        return F.mse_loss
+    return _token_cross_entropy
+
+
+def _token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

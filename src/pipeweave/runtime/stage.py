@@ -1,0 +1,332 @@
+"""One stage's computation: F, B, I, W and U of a consecutive slice of layers, on one process.
+
+This is the unit both executors drive (``runtime/reference.py`` in one process,
+the torch.distributed executor one rank per process). It knows nothing of
+schedules, ranks or communication: an executor calls one method per action and
+moves the tensors between stages.
+
+Constructing a worker for stage ``s`` of a schedule::
+
+    parts = uniform_parts(spec.num_layers, schedule.num_parts)   # or any partition
+    worker = StageWorker(
+        spec, parts[schedule.placement.stage_part[s]],
+        optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
+        batch_size=batch_size,      # the mini-batch size, for the loss scale
+        recompute=False, device="cpu",
+    )
+
+The layers are initialised from ``(spec.seed, layer index)`` only, so every
+replica of a part, on any rank, starts equal to the same layers of plain
+training. The first stage is the one whose layers start at 0 (it takes the
+data inputs), the last the one whose layers end at ``spec.num_layers`` (it
+takes the targets and computes the loss); a one-part model is both.
+
+Tensors in and out (microbatch ``mb`` is the IR's microbatch index):
+
+- ``forward(mb, x, target=None)``: ``x`` is the microbatch's data input on the
+  first stage (float (b, h) for the mlp, int64 (b, seq) tokens for the gpt) or
+  the previous stage's output otherwise. Returns this stage's output, detached
+  (send it to the next stage as is). On the last stage pass ``target`` (the
+  microbatch's slice of the targets); it returns the microbatch's loss scaled
+  by its share of the mini-batch, ``mean_loss * b / batch_size``, detached:
+  the sum over microbatches is the mini-batch mean loss.
+- ``backward(mb, grad_output)`` (B) / ``backward_input(mb, grad_output)`` (I):
+  ``grad_output`` is the gradient of this stage's output received from the
+  next stage (None on the last stage: the loss is the root). Returns the
+  gradient of the stage input to send back, or None on the first stage.
+- ``backward_weight(mb)`` (W): accumulates the weight gradients that I
+  deferred. B accumulates them at once.
+- ``update()`` (U): calls ``combine_grads(worker)`` if set, then the optimizer
+  step, then zeroes the gradients.
+
+Replicated parts (Chimera, GEMS, DualPipe: several stages hold one part): each
+replica's gradients cover only its own microbatches, each already scaled by
+its share of the whole mini-batch, so the part's gradient is the SUM over
+replicas. Set ``worker.combine_grads`` to a function that all-reduces (sum)
+``worker.gradients()`` in place across the replicas (it returns the gradient
+tensors in a fixed order, zero-filled if a replica had no microbatch); the
+reference executor sums them in-process.
+
+Accounting: ``weight_bytes()``; ``activation_bytes()`` and
+``peak_activation_bytes()`` count, through saved-tensor hooks, the distinct
+storages currently held for a backward (graph tensors, kept stage inputs and
+outputs, and the inputs/output gradients a deferred W still needs),
+parameters excluded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeweave.errors import UserError
+from pipeweave.models.layers import Deferrable, WeightGrad, WeightGradStore
+from pipeweave.models.spec import ModelSpec, build_layers, loss_fn
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def sgd(lr: float = 0.1) -> OptimizerFactory:
+    """The default optimizer factory: plain SGD with learning rate ``lr``."""
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
+class _Held:
+    """A saved tensor, counted by the meter until autograd frees it."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, key: int | None) -> None:
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self) -> None:
+        if self.key is not None:
+            self.meter.release(self.key)
+
+
+class ActivationMeter:
+    """Bytes of distinct tensor storages held for backward, reference-counted."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude  # storages of parameters: weight, not activation, memory
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
+        self.current = 0
+        self.peak = 0
+
+    def hold(self, t: torch.Tensor) -> int | None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or key in self.exclude:
+            return None
+        entry = self.live.get(key)
+        if entry is None:
+            self.live[key] = [storage.nbytes(), 1]
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        else:
+            entry[1] += 1
+        return key
+
+    def release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.live[key]
+            self.current -= entry[0]
+
+    def pack(self, t: torch.Tensor) -> _Held:
+        return _Held(t, self, self.hold(t))
+
+
+def _unpack(held: _Held) -> torch.Tensor:
+    return held.tensor
+
+
+@dataclass
+class _Microbatch:
+    """What a stage keeps of one microbatch between its F and its backward."""
+
+    input: torch.Tensor
+    output: torch.Tensor | None  # None under recomputation: replayed before the backward
+    target: torch.Tensor | None
+    keys: list[int | None]
+
+
+class StageWorker:
+    """Runs the actions of one stage; see the module docstring for the contract.
+
+    Args:
+        spec: the model.
+        layer_indices: the consecutive layers of this stage's part.
+        optimizer_factory: builds the optimizer from the parameters (default SGD lr 0.1).
+        batch_size: mini-batch size, to scale each microbatch's loss by its share.
+        recompute: keep only the stage input at F and replay the forward before the backward.
+        device: where the layers live; inputs must be given on it.
+        track_memory: count activation bytes with saved-tensor hooks.
+
+    Raises:
+        UserError: an empty or non-consecutive layer range, or batch_size < 1.
+
+    Example:
+        >>> spec = ModelSpec(kind="mlp", layers=2, hidden=4)
+        >>> w = StageWorker(spec, range(2), batch_size=2)
+        >>> loss = w.forward(0, torch.ones(2, 4), target=torch.zeros(2, 4))
+        >>> w.backward(0, None) is None, w.activation_bytes()
+        (True, 0)
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layer_indices: Iterable[int],
+        *,
+        batch_size: int,
+        optimizer_factory: OptimizerFactory | None = None,
+        recompute: bool = False,
+        device: torch.device | str = "cpu",
+        track_memory: bool = True,
+    ) -> None:
+        indices = list(layer_indices)
+        if not indices or indices != list(range(indices[0], indices[0] + len(indices))):
+            raise UserError(f"layer indices {indices} are not a non-empty consecutive range; give range(start, stop)")
+        if batch_size < 1:
+            raise UserError(f"batch_size={batch_size} is invalid; give batch_size >= 1")
+        self.spec = spec
+        self.layer_indices = range(indices[0], indices[-1] + 1)
+        self.batch_size = batch_size
+        self.recompute = recompute
+        self.is_first = indices[0] == 0
+        self.is_last = indices[-1] == spec.num_layers - 1
+        layers = build_layers(spec, indices)
+        self.module = nn.ModuleDict({str(i): layer for i, layer in zip(indices, layers)}).to(device)
+        self.store = WeightGradStore()
+        for m in self.module.modules():
+            if isinstance(m, Deferrable):
+                m.grad_store = self.store
+        self.optimizer = (optimizer_factory or sgd())(list(self.module.parameters()))
+        self.loss = loss_fn(spec)
+        self.combine_grads: Callable[[StageWorker], None] | None = None
+        self.meter = ActivationMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()})
+        self.track_memory = track_memory
+        self._saved: dict[int, _Microbatch] = {}
+        self._weight_grads: dict[int, list[tuple[WeightGrad, tuple[torch.Tensor, ...]]]] = {}
+        self._stash_keys: dict[int, list[int | None]] = {}
+
+    # ---- F ----------------------------------------------------------------
+    def forward(self, mb: int, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        """F: run the stage on microbatch ``mb``; returns the output, or the scaled loss on the last stage."""
+        if mb in self._saved:
+            raise RuntimeError(f"stage {self.layer_indices} got F for microbatch {mb} twice before its backward")
+        if self.is_last and target is None:
+            raise RuntimeError("the last stage needs the microbatch's target to compute the loss")
+        x = x.detach()
+        if not self.is_first and x.is_floating_point():
+            x.requires_grad_(True)
+        if self.recompute:
+            with torch.no_grad():
+                out = self._run(x, target)
+            record = _Microbatch(x, None, target, [self._hold(x)])
+        else:
+            with self._hooks():
+                out = self._run(x, target)
+            record = _Microbatch(x, out, target, [self._hold(x), self._hold(out)])
+        self._saved[mb] = record
+        return out.detach()
+
+    def _run(self, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+        for layer in self.module.values():
+            x = layer(x)
+        if not self.is_last:
+            return x
+        assert target is not None
+        # The microbatch's share of the mini-batch: the shares' sum makes the mean loss.
+        return self.loss(x, target) * (target.shape[0] / self.batch_size)
+
+    # ---- B, I, W -----------------------------------------------------------
+    def backward(self, mb: int, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
+        """B: input and weight gradients of microbatch ``mb``; returns the input gradient (None on the first stage)."""
+        return self._backward(mb, grad_output, defer=False)
+
+    def backward_input(self, mb: int, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
+        """I: the input gradient only; the weight gradients wait for ``backward_weight(mb)``."""
+        return self._backward(mb, grad_output, defer=True)
+
+    def backward_weight(self, mb: int) -> None:
+        """W: accumulate the weight gradients that ``backward_input(mb)`` deferred."""
+        closures = self._weight_grads.pop(mb, None)
+        if closures is None:
+            raise RuntimeError(f"W of microbatch {mb} before its I on stage {self.layer_indices}")
+        with torch.no_grad():
+            for fn, _ in closures:
+                fn()
+        closures.clear()
+        self._release(self._stash_keys.pop(mb))
+
+    def _backward(self, mb: int, grad_output: torch.Tensor | None, *, defer: bool) -> torch.Tensor | None:
+        record = self._saved.pop(mb, None)
+        if record is None:
+            raise RuntimeError(f"backward of microbatch {mb} before its F on stage {self.layer_indices}")
+        out = record.output
+        if out is None:  # recomputation: replay the forward, now recording the graph
+            with torch.enable_grad(), self._hooks():
+                out = self._run(record.input, record.target)
+        if not self.is_last and grad_output is None:
+            raise RuntimeError("a backward on a stage other than the last needs grad_output")
+        self.store.deferring = defer
+        try:
+            if out.requires_grad:
+                torch.autograd.backward(out, None if self.is_last else grad_output)
+        finally:
+            self.store.deferring = False
+        if defer:
+            closures, self.store.pending = self.store.pending, []
+            self._weight_grads[mb] = closures
+            self._stash_keys[mb] = [self._hold(t) for _, held in closures for t in held]
+        grad_input = record.input.grad if record.input.requires_grad else None
+        del out
+        record.output = None
+        self._release(record.keys)
+        return grad_input
+
+    # ---- U -----------------------------------------------------------------
+    def update(self) -> None:
+        """U: combine replicas' gradients (``combine_grads``), optimizer step, zero gradients."""
+        if self._weight_grads:
+            raise RuntimeError(f"U on stage {self.layer_indices} with W pending for microbatches {list(self._weight_grads)}")
+        if self.combine_grads is not None:
+            self.combine_grads(self)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The parameters' gradient tensors in parameter order, created as zeros where missing (for all-reduce)."""
+        grads = []
+        for p in self.module.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        return grads
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """Parameters by global name ``"<layer index>.<name in layer>"``, as in plain training."""
+        return dict(self.module.named_parameters())
+
+    # ---- accounting ----------------------------------------------------------
+    def weight_bytes(self) -> int:
+        """Bytes of this stage's parameters."""
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+    def activation_bytes(self) -> int:
+        """Bytes of distinct storages held now for backward (0 when no microbatch is in flight)."""
+        return self.meter.current
+
+    def peak_activation_bytes(self) -> int:
+        """Highest ``activation_bytes()`` since construction or ``reset_peak()``."""
+        return self.meter.peak
+
+    def reset_peak(self) -> None:
+        self.meter.peak = self.meter.current
+
+    @property
+    def in_flight(self) -> list[int]:
+        """Microbatches with a forward and no finished backward (I done, W pending counts)."""
+        return sorted(set(self._saved) | set(self._weight_grads))
+
+    # ---- helpers -------------------------------------------------------------
+    def _hooks(self) -> Any:
+        if not self.track_memory:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self.meter.pack, _unpack)
+
+    def _hold(self, t: torch.Tensor) -> int | None:
+        return self.meter.hold(t) if self.track_memory else None
+
+    def _release(self, keys: list[int | None]) -> None:
+        for key in keys:
+            if key is not None:
+                self.meter.release(key)
