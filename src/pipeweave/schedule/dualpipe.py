@@ -1,0 +1,176 @@
+"""DualPipe (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024) and DualPipeV (DeepSeek's DualPipe repository).
+
+Both follow the eight phases of DeepSeek's reference ``DualPipe.step``; per
+rank, with "phase 0" the stage nearer the start of its pipeline and "phase 1"
+the other stage on the rank, n the half depth, h the rank's distance from
+the nearer end and C the microbatches per phase::
+
+    1. 2(n-h-1) x F0            warm-up of phase 0
+    2. (h+1)    x F0 F1
+    3. (n-h-1)  x I1 W1 F1       split backward fills the gap
+    4. (C-2n+h+1) x F0 B1 F1 B0  steady state (DeepSeek overlaps F&B pairs)
+    5. (n-h-1)  x B1 F1 B0
+    6. (h+1)    x B1 B0          from the middle on, B becomes I (W deferred)
+    7. (n-h-1)  x W I0
+    8. (h+1)    x W              deferred W in FIFO order
+
+- ``dualpipe``: ``Placement.bidirectional`` (2 M_theta per rank), D even,
+  n = D/2, h = min(r, D-1-r), C = T/2: microbatches 0..C-1 go down from rank
+  0, C..T-1 go up from rank D-1. DeepSeek's table gives the bubble
+  (PP/2-1)(F&B + B - 3W) with F&B an overlapped forward+backward pair and
+  PP+1 microbatches of activations on the heaviest rank.
+- ``dualpipe-v``: ``Placement.vshape`` (2 chunks per rank, M_theta per rank),
+  n = D, h = r, C = T: every microbatch goes down the ranks and back up.
+
+Our simulator runs one action at a time per rank, so F&B reads F + B (B a
+full backward, b + w) and DeepSeek's bubble reads (D/2-1)(f + 2b - w). What
+the simulator gives, exactly, at f = b = w per stage, no communication, and
+T >= 2D (tests/schedule/test_dualpipe.py checks it on the grid): every rank
+is busy 3 T f and idles, over the widest span,
+
+    dualpipe:    (D/2 - 1) f     bubble ratio (D-2)/(6T+D-2)
+    dualpipe-v:  (D - 1) f/2     bubble ratio (D-1)/(6T+D-1)   (chunks cost f/2)
+
+i.e. half of DeepSeek's (D/2-1)(f + 2b - w) = (D/2-1) 2f for dualpipe: our
+lowering sends every output as soon as it is made, while DeepSeek's step
+batches some sends with the next chunk's compute (to overlap them), which an
+idealised zero-latency model does not charge. Other cost ratios give other
+(piecewise linear) idle times; no closed form is claimed for them.
+Peak activations: D + 1 microbatches on every rank for dualpipe (DeepSeek's
+PP + 1), D + 1/2 M_a for dualpipe-v (2D + 1 chunk activations of M_a/2).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from pipeweave.schedule.ir import (
+    Action,
+    Op,
+    Placement,
+    Schedule,
+    ScheduleError,
+    append_updates,
+    check_positive,
+)
+
+# One step of the program: (phase, op), op F, B, I, or W (phase ignored for W).
+Step = tuple[int, Op]
+
+
+def deepseek_program(half: int, h: int, per_phase: int) -> list[Step]:
+    """The (phase, op) sequence of one rank of DeepSeek's DualPipe step.
+
+    Args:
+        half: n, half the pipeline depth (D/2 for DualPipe, D for DualPipeV).
+        h: the rank's position, 0 <= h < n.
+        per_phase: C, microbatches through each of the rank's two stages.
+
+    Example:
+        >>> [f"{op}{p}" for p, op in deepseek_program(1, 0, 2)]
+        ['F0', 'F1', 'F0', 'B1', 'F1', 'B0', 'B1', 'I0', 'W0']
+    """
+    rest = half - h - 1
+    steps: list[Step] = [(0, Op.F)] * (2 * rest)
+    steps += [(0, Op.F), (1, Op.F)] * (h + 1)
+    steps += [(1, Op.I), (1, Op.W), (1, Op.F)] * rest
+    steps += [(0, Op.F), (1, Op.B), (1, Op.F), (0, Op.B)] * (per_phase - 2 * half + h + 1)
+    steps += [(1, Op.B), (1, Op.F), (0, Op.B)] * rest
+    split = False  # DeepSeek switches to split backward half way through phase 6
+    for i in range(h + 1):
+        split = split or (i == (h + 1) // 2 and h % 2 == 1)
+        steps.append((1, Op.I if split else Op.B))
+        split = split or (i == (h + 1) // 2 and h % 2 == 0)
+        steps.append((0, Op.I if split else Op.B))
+    steps += [(0, Op.W), (0, Op.I)] * rest
+    steps += [(0, Op.W)] * (h + 1)
+    return steps
+
+
+def _actions(steps: list[Step], stages: tuple[int, int], microbatches: tuple[range, range]) -> Iterator[Action]:
+    """Turn a program into actions: per phase, microbatches in order; W in I order."""
+    forward = [iter(m) for m in microbatches]
+    backward = [iter(m) for m in microbatches]
+    pending: deque[Action] = deque()  # deferred weight gradients, FIFO
+    for phase, op in steps:
+        if op is Op.W:
+            yield Action(pending[0].stage, Op.W, pending.popleft().microbatch)
+            continue
+        j = next(forward[phase] if op is Op.F else backward[phase])
+        a = Action(stages[phase], op, j)
+        if op is Op.I:
+            pending.append(a)
+        yield a
+
+
+def _check_depth(name: str, num_stages: int, num_microbatches: int, even: bool) -> None:
+    check_positive("num_stages", num_stages)
+    check_positive("num_microbatches", num_microbatches)
+    if even and num_stages % 2:
+        raise ScheduleError(
+            f"{name} needs an even number of stages, got num_stages={num_stages}; "
+            f"use {num_stages + 1} or {max(2, num_stages - 1)}"
+        )
+    if num_microbatches < 2 * num_stages or (even and num_microbatches % 2):
+        need = "an even num_microbatches >= 2 x num_stages" if even else "num_microbatches >= 2 x num_stages"
+        raise ScheduleError(
+            f"{name} needs {need}, got num_microbatches={num_microbatches} for num_stages={num_stages}; "
+            f"use {max(2 * num_stages, num_microbatches + num_microbatches % 2)}"
+        )
+
+
+def dualpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """DualPipe: two opposite pipelines, T/2 microbatches each.
+
+    Args:
+        num_stages: D, the number of ranks (even).
+        num_microbatches: T, even and at least 2D (as DeepSeek's reference requires).
+
+    Raises:
+        ScheduleError: odd D, odd T or T < 2D.
+
+    Example:
+        >>> [str(a) for a in dualpipe(2, 4).actions[0]]
+        ['0F0', '3F2', '0F1', '3B2', '3F3', '0B0', '3B3', '0I1', '0W1', '0U0', '3U0']
+    """
+    _check_depth("dualpipe", num_stages, num_microbatches, even=True)
+    d, half = num_stages, num_stages // 2
+    per_phase = num_microbatches // 2
+    placement = Placement.bidirectional(d)
+    down, up = range(per_phase), range(per_phase, num_microbatches)
+    rows = []
+    for r in range(d):
+        h = min(r, d - 1 - r)
+        stages, mbs = ((r, 2 * d - 1 - r), (down, up))
+        if r >= half:  # phase 0 is the stage nearer the start of its pipeline
+            stages, mbs = (stages[1], stages[0]), (up, down)
+        rows.append(list(_actions(deepseek_program(half, h, per_phase), stages, mbs)))
+    append_updates(rows, placement)
+    pipelines = tuple(int(j >= per_phase) for j in range(num_microbatches))
+    return Schedule("dualpipe", placement, num_microbatches, tuple(map(tuple, rows)), pipelines)
+
+
+def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
+    """DualPipeV: DualPipe cut in half, a V of 2D stages on D ranks.
+
+    Args:
+        num_stages: D, the number of ranks.
+        num_microbatches: T >= 2D.
+
+    Raises:
+        ScheduleError: T < 2D.
+
+    Example:
+        >>> [str(a) for a in dualpipe_v(1, 2).actions[0]]
+        ['0F0', '1F0', '0F1', '1B0', '1F1', '0B0', '1B1', '0I1', '0W1', '0U0', '1U0']
+    """
+    _check_depth("dualpipe-v", num_stages, num_microbatches, even=False)
+    d, t = num_stages, num_microbatches
+    placement = Placement.vshape(d)
+    rows = [
+        list(_actions(deepseek_program(d, r, t), (r, 2 * d - 1 - r), (range(t), range(t))))
+        for r in range(d)
+    ]
+    append_updates(rows, placement)
+    return Schedule("dualpipe-v", placement, t, tuple(map(tuple, rows)))
