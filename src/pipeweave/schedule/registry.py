@@ -14,6 +14,9 @@ from pipeweave.schedule.gpipe import gpipe
 from pipeweave.schedule.ir import Schedule, ScheduleError
 from pipeweave.schedule.naive import naive
 from pipeweave.schedule.one_f_one_b import one_f_one_b
+from pipeweave.schedule.chimera import chimera
+from pipeweave.schedule.dualpipe import dualpipe, dualpipe_v
+from pipeweave.schedule.gems import gems
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +53,26 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     "1f1b": ScheduleInfo(
         name="1f1b", generator=one_f_one_b, family="DAPPLE / PipeDream-Flush", synchronous=True,
         bubble="(D-1)/(T+D-1)", activations="min(D-r, T) M_a on rank r", weights="M_theta", chunks=1,
+    ),
+    "chimera": ScheduleInfo(
+        name="chimera", generator=chimera, family="Chimera (bidirectional)", synchronous=True,
+        bubble="(D-2)/(2T+D-2) at T = D, f = b+w (D even, T multiple of D)",
+        activations="(D/2+1) M_a to D M_a", weights="2 M_theta", chunks=1,
+    ),
+    "gems": ScheduleInfo(
+        name="gems", generator=gems, family="GEMS (mirrored replicas)", synchronous=True,
+        bubble="~(D-1)/(D+1/2) at b+w = 2f (per pair; exact step form in gems.py)",
+        activations="M_a", weights="2 M_theta", chunks=1,
+    ),
+    "dualpipe": ScheduleInfo(
+        name="dualpipe", generator=dualpipe, family="DualPipe (DeepSeek-V3)", synchronous=True,
+        bubble="(PP/2-1)(F&B+B-3W); no overlap, f=b=w: (D-2)/(6T+D-2) (D even, T even >= 2D)",
+        activations="D+1 M_a", weights="2 M_theta", chunks=1,
+    ),
+    "dualpipe-v": ScheduleInfo(
+        name="dualpipe-v", generator=dualpipe_v, family="DualPipeV (DeepSeek, cut-in-half V)",
+        synchronous=True, bubble="no overlap, f=b=w: (D-1)/(6T+D-1) (T >= 2D)",
+        activations="D+1/2 M_a", weights="M_theta", chunks=2,
     ),
 }
 
