@@ -1,0 +1,77 @@
+"""Offline data for the main job, and the split of a batch into microbatches.
+
+``data_source(spec, ...)`` gives an object with ``batch(step) -> (inputs,
+targets)``; every rank calls it with the same arguments and keeps what it
+needs (the first stage the inputs, the last stage the targets).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+from pipeweave.data.corpus import ByteCorpus, read_text_file, stdlib_sources
+from pipeweave.data.synthetic import RandomRegression
+from pipeweave.errors import UserError
+from pipeweave.models.spec import ModelSpec
+
+
+class DataSource(Protocol):
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def data_source(
+    spec: ModelSpec, *, batch_size: int, seed: int = 0, path: str | os.PathLike[str] | None = None
+) -> DataSource:
+    """The model's data: fixed random regression for the mlp, byte windows of a corpus for the gpt.
+
+    Args:
+        spec: the model.
+        batch_size: samples per mini-batch.
+        seed: data seed.
+        path: gpt only: a text file to train on instead of the standard library sources.
+
+    Raises:
+        UserError: a path given for the mlp, a gpt vocabulary too small for bytes, an unreadable file.
+
+    Example:
+        >>> x, y = data_source(ModelSpec(kind="mlp", hidden=8), batch_size=4).batch(0)
+        >>> tuple(y.shape)
+        (4, 8)
+    """
+    if spec.kind == "mlp":
+        if path is not None:
+            raise UserError("--data applies to --model gpt only; drop --data or use --model gpt")
+        return RandomRegression(hidden=spec.hidden, batch_size=batch_size, seed=seed)
+    if spec.vocab < 256:
+        raise UserError(f"vocab={spec.vocab} cannot hold bytes; give vocab >= 256 for the byte-level corpus")
+    text = None if path is None else read_text_file(path)
+    return ByteCorpus(text, seq_len=spec.seq_len, batch_size=batch_size, seed=seed)
+
+
+def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
+    """Split along the batch dimension with ``torch.tensor_split``: the last ones may be one sample smaller.
+
+    Raises:
+        UserError: fewer samples than microbatches, or ``num_microbatches`` < 1.
+
+    Example:
+        >>> [len(m) for m in split_microbatches(torch.zeros(7, 2), 3)]
+        [3, 2, 2]
+    """
+    if num_microbatches < 1:
+        raise UserError(f"num_microbatches={num_microbatches} is invalid; give at least 1")
+    if len(batch) < num_microbatches:
+        raise UserError(
+            f"a batch of {len(batch)} samples cannot make {num_microbatches} microbatches; "
+            "increase --batch or reduce --microbatches"
+        )
+    return list(torch.tensor_split(batch, num_microbatches))
+
+
+__all__ = [
+    "ByteCorpus", "DataSource", "RandomRegression", "data_source", "read_text_file",
+    "split_microbatches", "stdlib_sources",
+]
