@@ -8,7 +8,10 @@ the data it needs exists (DESIGN.md, dependencies):
   ``next(s)`` for ``j`` (made by its ``B`` or ``I``);
 - ``W(s, j)`` needs ``I(s, j)``;
 - under the synchronous policy ``U(s, k)`` needs every weight gradient of every
-  stage holding the same part (the replicas' gradients are combined first).
+  stage holding the same part (the replicas' gradients are combined first);
+- under an asynchronous policy ``U(s, k)`` applies the weight gradients of
+  stage s that its rank ran since ``U(s, k-1)`` (``consumed_gradients``): they
+  precede it on its own rank, so the order alone satisfies the dependency.
 
 Sends are non-blocking (the runtime's ``isend`` is waited lazily), so with sends
 and receives inserted the schedule deadlocks exactly when this execution gets
@@ -232,6 +235,37 @@ def _wake(waiters: dict[int, list[int]], blocked: dict[int, int], queue: deque[i
         for r in ranks:
             del blocked[r]
             queue.append(r)
+
+
+def consumed_gradients(schedule: Schedule) -> dict[Action, tuple[Action, ...]]:
+    """Per ``U``, the weight-gradient actions (``B`` or ``W``) whose gradients it applies.
+
+    Synchronous: ``U(s, 0)`` applies every gradient of every stage holding
+    stage s's part (replicas all-reduced). Asynchronous: ``U(s, k)`` applies
+    stage s's gradients that its rank ran after ``U(s, k-1)`` and before it.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> g = consumed_gradients(generate("1f1b", num_stages=2, num_microbatches=2))
+        >>> [str(a) for a in g[Action(1, Op.U, 0)]]
+        ['1B0', '1B1']
+    """
+    out: dict[Action, tuple[Action, ...]] = {}
+    if schedule.is_synchronous:
+        part_of = schedule.placement.stage_part
+        grads = [a for _, _, a in schedule.iter_actions() if a.op in (Op.B, Op.W)]
+        for _, _, a in schedule.iter_actions():
+            if a.op is Op.U:
+                out[a] = tuple(g for g in grads if part_of[g.stage] == part_of[a.stage])
+        return out
+    for row in schedule.actions:
+        pending: dict[int, list[Action]] = {}
+        for a in row:
+            if a.op in (Op.B, Op.W):
+                pending.setdefault(a.stage, []).append(a)
+            elif a.op is Op.U:
+                out[a] = tuple(pending.pop(a.stage, []))
+    return out
 
 
 def _describe(key: tuple[int, int, int]) -> Action:

@@ -10,6 +10,8 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pipeweave.schedule.ampnet import ampnet
+from pipeweave.schedule.avgpipe import avgpipe
 from pipeweave.schedule.gpipe import gpipe
 from pipeweave.schedule.ir import Schedule, ScheduleError
 from pipeweave.schedule.naive import naive
@@ -17,6 +19,11 @@ from pipeweave.schedule.one_f_one_b import one_f_one_b
 from pipeweave.schedule.chimera import chimera
 from pipeweave.schedule.dualpipe import dualpipe, dualpipe_v
 from pipeweave.schedule.gems import gems
+from pipeweave.schedule.pipedream import pipedream, pipedream_2bw
+from pipeweave.schedule.pipemare import pipemare
+from pipeweave.schedule.spectrain import spectrain
+from pipeweave.schedule.wpipe import wpipe
+from pipeweave.schedule.xpipe import xpipe
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +80,44 @@ SCHEDULES: dict[str, ScheduleInfo] = {
         name="dualpipe-v", generator=dualpipe_v, family="DualPipeV (DeepSeek, cut-in-half V)",
         synchronous=True, bubble="no overlap, f=b=w: (D-1)/(6T+D-1) (T >= 2D)",
         activations="D+1/2 M_a", weights="M_theta", chunks=2,
+    ),
+    # Asynchronous streams (no flush): options num_steps (mini-batches, default 4) and
+    # each family's hyperparameters; "~0" is the steady-state bubble at f = b = w.
+    "pipedream": ScheduleInfo(
+        name="pipedream", generator=pipedream, family="PipeDream (weight stashing; vertical_sync)",
+        synchronous=False, bubble="~0 (steady state)", activations="D-r M_a on rank r",
+        weights="D-r M_theta on rank r (stash); D M_theta with vertical sync", chunks=1,
+    ),
+    "pipedream-2bw": ScheduleInfo(
+        name="pipedream-2bw", generator=pipedream_2bw, family="PipeDream-2BW", synchronous=False,
+        bubble="~0 (steady state)", activations="D-r M_a on rank r", weights="2 M_theta (T >= D)", chunks=1,
+    ),
+    "pipemare": ScheduleInfo(
+        name="pipemare", generator=pipemare, family="PipeMare", synchronous=False,
+        bubble="~0 (steady state; warmup_steps are flushed)", activations="D-r M_a on rank r",
+        weights="M_theta + velocity M_theta", chunks=1,
+    ),
+    "spectrain": ScheduleInfo(
+        name="spectrain", generator=spectrain, family="SpecTrain", synchronous=False,
+        bubble="~0 (steady state)", activations="D-r M_a on rank r",
+        weights="M_theta + prediction M_theta", chunks=1,
+    ),
+    "xpipe": ScheduleInfo(
+        name="xpipe", generator=xpipe, family="XPipe", synchronous=False, bubble="~0 (steady state)",
+        activations="D-r M_a on rank r", weights="M_theta + cached predictions (<= 2 M_theta)", chunks=1,
+    ),
+    "ampnet": ScheduleInfo(
+        name="ampnet", generator=ampnet, family="AMPNet", synchronous=False,
+        bubble="~0 (steady state, max_active_keys >= D)", activations="D-r M_a on rank r",
+        weights="M_theta", chunks=1,
+    ),
+    "wpipe": ScheduleInfo(
+        name="wpipe", generator=wpipe, family="WPipe (double-grouped weight updates)", synchronous=False,
+        bubble="~0 (steady state)", activations="see simulate", weights="<= 2 M_theta", chunks=2,
+    ),
+    "avgpipe": ScheduleInfo(
+        name="avgpipe", generator=avgpipe, family="AvgPipe (elastic averaging)", synchronous=False,
+        bubble="~0 (steady state)", activations="[1, D] P M_a", weights="P M_theta", chunks=1,
     ),
 }
 

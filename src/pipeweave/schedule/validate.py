@@ -38,6 +38,7 @@ def validate(schedule: Schedule) -> None:
     check_actions(schedule)
     check_order(schedule)
     check_updates(schedule)
+    check_stream_updates(schedule)
     check_lowering(schedule)
 
 
@@ -165,6 +166,37 @@ def check_updates(schedule: Schedule) -> None:
                     f"{a} comes after {a.stage}U0: a synchronous step updates a stage after all its work",
                     schedule, rank, step,
                 )
+
+
+def check_stream_updates(schedule: Schedule) -> None:
+    """Asynchronous streams: each stage's U counted 0, 1, ... in order, none empty, none missing.
+
+    ``U(s, k)`` applies stage s's gradients since ``U(s, k-1)`` on its rank
+    (``dataflow.consumed_gradients``), so it comes after them by construction;
+    what can go wrong is an update with nothing to apply, or gradients left
+    unapplied at the end of the stream.
+    """
+    if schedule.is_synchronous:
+        return
+    for rank, row in enumerate(schedule.actions):
+        updates: dict[int, int] = {}
+        pending: dict[int, int] = {}
+        for step, a in enumerate(row):
+            if a.op in (Op.B, Op.W):
+                pending[a.stage] = pending.get(a.stage, 0) + 1
+            elif a.op is Op.U:
+                k = updates.get(a.stage, 0)
+                if a.microbatch != k:
+                    raise InvalidSchedule(f"{a} should be {a.stage}U{k}: number a stage's updates 0, 1, ...",
+                                          schedule, rank, step)
+                if not pending.get(a.stage):
+                    raise InvalidSchedule(f"{a} applies no gradient: give it a B or W of stage {a.stage} first",
+                                          schedule, rank, step)
+                updates[a.stage], pending[a.stage] = k + 1, 0
+        for s, n in pending.items():
+            if n:
+                raise InvalidSchedule(f"stage {s} ends with {n} gradient(s) no U applies; end its list with a U",
+                                      schedule, rank)
 
 
 def check_lowering(schedule: Schedule) -> None:

@@ -21,7 +21,8 @@ from typing import Any
 from pipeweave.schedule.ir import Op
 from pipeweave.sim.cost import PartCosts
 from pipeweave.sim.timeline import Timeline
-from pipeweave.sim.versions import staleness, weight_copies
+from pipeweave.sim.steady import steady_bubble_ratio
+from pipeweave.sim.versions import inconsistency, staleness, weight_copies
 
 _COMPUTE = (Op.F, Op.B, Op.I, Op.W, Op.U)
 
@@ -39,6 +40,10 @@ class Metrics:
     peak_activations: tuple[float, ...]
     weight_versions: tuple[float, ...]
     staleness: tuple[int, ...]
+    inconsistency: tuple[int, ...] = ()
+    """Per stage, the most versions between a backward's weights and its forward's."""
+    steady_bubble_ratio: float = 0.0
+    """Bubble of an asynchronous stream's steady state (sim.steady); bubble_ratio for one step."""
 
     def as_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -107,4 +112,6 @@ def compute_metrics(timeline: Timeline, costs: PartCosts | None = None) -> Metri
         peak_activations=peak_activations(timeline, costs),
         weight_versions=weight_copies(timeline.schedule, costs),
         staleness=staleness(timeline.schedule),
+        inconsistency=inconsistency(timeline.schedule),
+        steady_bubble_ratio=steady_bubble_ratio(timeline),
     )
