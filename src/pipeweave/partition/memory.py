@@ -1,6 +1,6 @@
 """The memory a part needs on its rank under a schedule: activations in flight plus weights and their state.
 
-A part's memory is ``activations[k] x (bytes kept per microbatch) +
+A part's memory is ``activations[k] x (bytes kept per microbatch, its output included) +
 (weights[k] + state) x (parameter bytes)``, where ``activations[k]`` is the peak
 number of microbatches whose activations part k holds at once under the
 schedule (1F1B: D - r on rank r; GPipe: T), ``weights[k]`` the weight copies
@@ -100,7 +100,10 @@ class MemoryProfile:
     def part_memory(self, costs: LayerCosts, part: int, starts: np.ndarray, stop: int) -> np.ndarray:
         """Bytes part ``part`` needs when it is layers ``[start, stop)``, for every start."""
         act, par = costs.prefix("activation"), costs.prefix("params")
-        result: np.ndarray = self.activations[part] * (act[stop] - act[starts]) + (
+        # a part keeps its layers' activations and its own output (the layers' outputs inside
+        # the part are counted as the next layer's input).
+        kept = act[stop] - act[starts] + costs.output[stop - 1]
+        result: np.ndarray = self.activations[part] * kept + (
             self.weights[part] + self.state
         ) * (par[stop] - par[starts])
         return result

@@ -53,11 +53,13 @@ class LayerCosts:
     weight_grad: tuple[float, ...]
     """Weight-gradient half of the backward (W)."""
     activation: tuple[float, ...]
-    """Bytes a microbatch keeps for the backward, from its F until its backward (M_a)."""
+    """Bytes a microbatch keeps for the backward from its F until its backward, the layer's
+    input included and its output excluded (the next layer keeps that as its input)."""
     params: tuple[float, ...]
     """Parameter bytes (M_theta)."""
     output: tuple[float, ...] = ()
-    """Bytes of the layer's output, sent to the next stage when a part ends here (default: 0)."""
+    """Bytes of the layer's output: sent to the next stage, and kept until the backward, when a
+    part ends here (default: 0)."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     """Where the costs come from (model spec, device, shapes); informative only."""
     _prefix: dict[str, np.ndarray] = field(init=False, repr=False, compare=False)

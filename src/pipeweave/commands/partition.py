@@ -1,0 +1,200 @@
+"""``pipeweave partition``: cut a model into parts, and predict each part's time and memory and the schedule's bubble.
+
+Costs come from the profiler (measured once on this machine, then cached) or
+from ``--costs FILE``. Per part it prints the layers, the F + I + W time of one
+microbatch, the memory its rank holds at peak under the schedule, and then
+the bubble and step time the simulator predicts with those per-part costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from pipeweave.errors import UserError
+from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
+from pipeweave.schedule import generate
+from pipeweave.schedule.ir import Schedule
+from pipeweave.sim import CostModel, compute_metrics, simulate
+
+MODEL_OPTIONS = ("layers", "hidden", "vocab", "heads", "seq_len", "seed")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model mlp|gpt`` and its sizes (defaults: ``ModelSpec``'s)."""
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", choices=("mlp", "gpt"), default="gpt", help="reference model (default gpt)")
+    group.add_argument("--layers", type=int, help="residual blocks")
+    group.add_argument("--hidden", type=int, help="width h")
+    group.add_argument("--vocab", type=int, help="gpt vocabulary size")
+    group.add_argument("--heads", type=int, help="gpt attention heads")
+    group.add_argument("--seq-len", type=int, help="gpt tokens per sample")
+    group.add_argument("--seed", type=int, help="initialisation seed")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "partition", help="balance a model's layers over the stages",
+        description="Cut a model into parts; predict per-part time and memory and the schedule's bubble.",
+    )
+    add_model_arguments(p)
+    p.add_argument("--costs", metavar="FILE", help="per-layer costs (JSON) instead of profiling the model")
+    p.add_argument("--save-costs", metavar="FILE", help="write the per-layer costs used (JSON)")
+    p.add_argument("--stages", type=int, required=True, help="D, pipeline ranks")
+    p.add_argument("-s", "--schedule", default="1f1b", help="schedule name (default 1f1b)")
+    p.add_argument("--microbatches", type=int, default=8, help="T, microbatches per step (default 8)")
+    p.add_argument("--chunks", type=int, help="v, chunks per rank, for interleaved schedules")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per step, split into T microbatches (default 32)")
+    p.add_argument(
+        "--partition", default="uniform", metavar="METHOD",
+        help="uniform, parameters, type:REGEX, time, pipedream, memory or explicit (default uniform)",
+    )
+    p.add_argument("--memory-limit", type=float, metavar="BYTES", help="memory: bytes one rank may hold")
+    p.add_argument("--layers-per-stage", metavar="N,N,...", help="explicit: layer count of each part, e.g. 3,2,2,1")
+    p.add_argument("--optimizer-state", type=float, default=1.0, metavar="X",
+                   help="bytes of gradient and optimizer state per weight byte (SGD 1, Adam 3; default 1)")
+    p.add_argument("--bandwidth", type=float, default=1e10, help="pipedream: bytes/s between ranks (default 1e10)")
+    p.add_argument("--device", default="cpu", help="where to profile: the device the run uses (default cpu)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads while profiling, as per rank (default 1)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per layer when profiling (default 5)")
+    p.add_argument("--refresh", action="store_true", help="profile again even if a cached profile exists")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def parse_counts(text: str | None) -> tuple[int, ...] | None:
+    """``"3,2,2,1"`` -> ``(3, 2, 2, 1)``."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"--layers-per-stage {text!r} is not a list of integers; write e.g. 3,2,2,1") from None
+
+
+def model_spec(args: argparse.Namespace) -> Any:
+    """The ``ModelSpec`` the model options describe (torch is imported only here)."""
+    from pipeweave.models import ModelSpec
+
+    given = {name: getattr(args, name) for name in MODEL_OPTIONS if getattr(args, name, None) is not None}
+    return ModelSpec(kind=args.model, **given)
+
+
+def layer_costs(args: argparse.Namespace) -> LayerCosts:
+    """The costs from ``--costs``, or measured by the profiler (cached)."""
+    if args.costs:
+        return LayerCosts.load(args.costs)
+    if args.batch_size % args.microbatches:
+        raise UserError(
+            f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
+            "give a multiple of the microbatch count"
+        )
+    import torch
+
+    from pipeweave.runtime.profile import profile_model
+
+    torch.set_num_threads(args.threads)
+    return profile_model(
+        model_spec(args), args.batch_size // args.microbatches, device=args.device,
+        repeats=args.repeats, refresh=args.refresh,
+    )
+
+
+def part_costs(costs: LayerCosts, plan: Partition) -> dict[str, list[float]]:
+    """Per part: F, I and W time (over replicas: PipeDream's round robin), activation and weight bytes."""
+    out: dict[str, list[float]] = {"f": [], "b": [], "w": [], "activation": [], "weight": []}
+    for (start, stop), replicas in zip(plan.bounds, plan.replicas):
+        out["f"].append(costs.total("forward", start, stop) / replicas)
+        out["b"].append(costs.total("input_grad", start, stop) / replicas)
+        out["w"].append(costs.total("weight_grad", start, stop) / replicas)
+        out["activation"].append(costs.total("activation", start, stop) + costs.output[stop - 1])
+        out["weight"].append(costs.total("params", start, stop))
+    return out
+
+
+def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, Any]:
+    """Partition ``costs`` for the schedule of ``args``; simulate the schedule with the parts' costs."""
+    schedule = generate(args.schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks)
+    profile = memory_profile(schedule, args)
+    context = PartitionContext(
+        counts=parse_counts(args.layers_per_stage), memory_limit=args.memory_limit, profile=profile,
+        bandwidth=args.bandwidth,
+    )
+    plan = partition(args.partition, costs, schedule.num_parts, context)
+    if plan.num_parts != schedule.num_parts:  # PipeDream chose fewer, replicated stages
+        schedule = generate(args.schedule, num_stages=plan.num_parts, num_microbatches=args.microbatches)
+        profile = memory_profile(schedule, args)
+    per_part = part_costs(costs, plan)
+    cost = CostModel(
+        f=per_part["f"], b=per_part["b"], w=per_part["w"], activation=per_part["activation"], weight=per_part["weight"]
+    )
+    metrics = compute_metrics(simulate(schedule, cost))
+    parts: list[dict[str, Any]] = []
+    for k, (start, stop) in enumerate(plan.bounds):
+        memory = profile.memory_of(costs, k, start, stop) if profile else None
+        time = per_part["f"][k] + per_part["b"][k] + per_part["w"][k]
+        parts.append({
+            "layers": list(range(start, stop)), "names": list(costs.names[start:stop]), "replicas": plan.replicas[k],
+            "time": time, "f": per_part["f"][k], "b": per_part["b"][k], "w": per_part["w"][k], "memory": memory,
+        })
+    return {
+        "schedule": schedule.name, "stages": args.stages, "microbatches": args.microbatches,
+        "partition": args.partition, "parts": parts, "max_stage_time": max(float(p["time"]) for p in parts),
+        "max_memory": max((float(p["memory"]) for p in parts if p["memory"] is not None), default=None),
+        "memory_limit": args.memory_limit, "bubble_ratio": metrics.bubble_ratio,
+        "bubble_ratio_flush": metrics.bubble_ratio_flush, "makespan": metrics.makespan,
+    }
+
+
+def memory_profile(schedule: Schedule, args: argparse.Namespace) -> MemoryProfile | None:
+    """The schedule's memory profile, or None where its weight policy has no model (memory is then not predicted)."""
+    try:
+        return MemoryProfile.of_schedule(schedule, state=args.optimizer_state)
+    except UserError:
+        if args.partition == "memory":
+            raise
+        return None
+
+
+def render(result: dict[str, Any]) -> str:
+    """The human-readable table of ``run``."""
+    lines = [
+        f"{result['schedule']}, {result['stages']} stages, {result['microbatches']} microbatches, "
+        f"partition {result['partition']}",
+        f"{'part':>4}  {'layers':<14} {'replicas':>8}  {'time/mb':>10}  {'memory':>12}",
+    ]
+    for k, part in enumerate(result["parts"]):
+        layers = part["layers"]
+        span = f"{layers[0]}-{layers[-1]} ({len(layers)})" if len(layers) > 1 else f"{layers[0]} (1)"
+        memory = "-" if part["memory"] is None else _bytes(part["memory"])
+        lines.append(f"{k:>4}  {span:<14} {part['replicas']:>8}  {_seconds(part['time']):>10}  {memory:>12}")
+    lines.append(
+        f"slowest part {_seconds(result['max_stage_time'])}/microbatch; predicted step {_seconds(result['makespan'])}, "
+        f"bubble {result['bubble_ratio']:.1%}"
+    )
+    return "\n".join(lines)
+
+
+def _seconds(t: float) -> str:
+    return f"{t * 1e3:.3f} ms"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError  # pragma: no cover
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("stages", "microbatches", "batch_size", "threads", "repeats"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid; give an integer >= 1")
+    costs = layer_costs(args)
+    if args.save_costs:
+        costs.save(args.save_costs)
+    result = plan_and_predict(args, costs)
+    print(json.dumps(result) if args.json else render(result))
+    return 0

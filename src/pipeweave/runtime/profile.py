@@ -1,0 +1,157 @@
+"""The profiler: per-layer F, I and W time, activation and parameter bytes, measured where the run runs.
+
+Each layer is run alone as a one-layer ``StageWorker`` (the same code the
+executors drive, with its saved-tensor accounting), fed with the previous
+layer's output, so what is measured is what a stage of the run does:
+
+- ``forward``, ``input_grad`` (I, weight gradients deferred), ``weight_grad``
+  (W): the median of ``repeats`` timed runs after ``warmup`` untimed ones;
+- ``activation``: bytes the layer keeps for its backward (saved-tensor hooks),
+  its output excluded; ``output``: bytes of that output;
+- ``params``: parameter bytes.
+
+The last layer's forward includes the loss, as on the last stage. Results are
+cached as JSON under ``cache_dir`` (default ``$PIPEWEAVE_CACHE`` or
+``~/.cache/pipeweave``), keyed by the model spec, the microbatch shape, the
+device, the thread count and the torch version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeweave.errors import UserError
+from pipeweave.models.spec import ModelSpec
+from pipeweave.partition.problem import LayerCosts
+from pipeweave.runtime.stage import StageWorker
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PIPEWEAVE_CACHE", Path.home() / ".cache" / "pipeweave")) / "profiles"
+
+
+def sample_input(spec: ModelSpec, microbatch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random microbatch of the model's data shape: ``(inputs, targets)``."""
+    b = microbatch_size
+    if spec.kind == "mlp":
+        return torch.randn(b, spec.hidden, generator=generator), torch.randn(b, spec.hidden, generator=generator)
+    tokens = torch.randint(0, spec.vocab, (b, spec.seq_len + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def cache_key(spec: ModelSpec, microbatch_size: int, device: torch.device) -> dict[str, Any]:
+    """What a profile depends on; its hash names the cache file."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {
+        "spec": asdict(spec), "microbatch_size": microbatch_size, "device": str(device.type), "device_name": name,
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+    }
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], tuple[float, Any]]:
+    def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        result = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start, result
+
+    return timed
+
+
+def _profile_layer(
+    spec: ModelSpec, index: int, x: torch.Tensor, target: torch.Tensor, *, warmup: int, repeats: int,
+    device: torch.device,
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Costs of layer ``index`` on input ``x``; returns them and the layer's output."""
+    worker = StageWorker(spec, [index], batch_size=x.shape[0], device=device)
+    layer = worker.module[str(index)]
+    timed = _timer(device)
+    times: dict[str, list[float]] = {"forward": [], "input_grad": [], "weight_grad": []}
+    out = x
+    for mb in range(warmup + repeats):
+        worker.reset_peak()
+        held_before = worker.activation_bytes()
+        f, out = timed(lambda: worker.forward(mb, x, target if worker.is_last else None))
+        kept = worker.peak_activation_bytes() - held_before
+        grad = None if worker.is_last else torch.randn_like(out)
+        i, _ = timed(lambda: worker.backward_input(mb, grad))
+        w, _ = timed(lambda: worker.backward_weight(mb))
+        worker.optimizer.zero_grad(set_to_none=True)
+        if mb >= warmup:
+            for key, value in zip(times, (f, i, w)):
+                times[key].append(value)
+    output_bytes = out.untyped_storage().nbytes()
+    costs = {key: statistics.median(values) for key, values in times.items()}
+    costs.update(
+        name=f"layers.{index}", type=type(layer).__name__, params=worker.weight_bytes(),
+        activation=max(0, kept - output_bytes), output=output_bytes,
+    )
+    return costs, out.detach()
+
+
+def profile_model(
+    spec: ModelSpec,
+    microbatch_size: int,
+    *,
+    device: torch.device | str = "cpu",
+    warmup: int = 2,
+    repeats: int = 5,
+    cache_dir: Path | str | None = None,
+    refresh: bool = False,
+) -> LayerCosts:
+    """Per-layer costs of one microbatch of ``spec`` on ``device`` (cached).
+
+    Args:
+        spec: the model.
+        microbatch_size: samples per microbatch (the run's batch size / microbatches).
+        device: where to measure: the device the run uses.
+        warmup, repeats: untimed and timed runs per layer (the median is kept).
+        cache_dir: where profiles are kept (None: ``$PIPEWEAVE_CACHE`` or ``~/.cache/pipeweave``).
+        refresh: measure again even if a cached profile exists.
+
+    Raises:
+        UserError: microbatch_size or repeats < 1.
+
+    Example:
+        >>> costs = profile_model(ModelSpec(kind="mlp", layers=2, hidden=8), 4, repeats=1, cache_dir="/tmp/pw")
+        >>> costs.num_layers, costs.params[0] == (8 * 32 + 32 + 32 * 8 + 8 + 2 * 8) * 4
+        (2, True)
+    """
+    if microbatch_size < 1 or repeats < 1 or warmup < 0:
+        raise UserError(
+            f"microbatch_size={microbatch_size}, repeats={repeats}, warmup={warmup}: give sizes and repeats >= 1"
+        )
+    device = torch.device(device)
+    key = cache_key(spec, microbatch_size, device)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = Path(cache_dir) / f"{digest}.json" if cache_dir is not None else default_cache_dir() / f"{digest}.json"
+    if path.exists() and not refresh:
+        return LayerCosts.load(path)
+    generator = torch.Generator().manual_seed(spec.seed)
+    x, target = (t.to(device) for t in sample_input(spec, microbatch_size, generator))
+    rows = []
+    for index in range(spec.num_layers):
+        row, x = _profile_layer(spec, index, x, target, warmup=warmup, repeats=repeats, device=device)
+        rows.append(row)
+    costs = LayerCosts(
+        **{field: [row[field] for row in rows] for field in ("forward", "input_grad", "weight_grad", "activation", "params", "output")},
+        names=[row["name"] for row in rows], types=[row["type"] for row in rows], meta=key,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    costs.save(tmp)
+    tmp.replace(path)  # atomic: concurrent ranks never read a half-written profile
+    return costs

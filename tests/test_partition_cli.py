@@ -1,0 +1,127 @@
+"""``pipeweave partition``: the table, the JSON contract, profiling, and one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeweave.commands import partition as command
+from pipeweave.errors import UserError
+from pipeweave.partition import LayerCosts
+
+
+def main(argv: list[str]) -> int:
+    """``pipeweave partition ARGV`` through the real CLI entry point when every subcommand exists."""
+    try:
+        from pipeweave.cli import main as cli_main, build_parser
+
+        build_parser()
+    except ModuleNotFoundError:  # another subcommand not landed yet: drive ours the same way
+        parser = argparse.ArgumentParser(prog="pipeweave")
+        command.add_parser(parser.add_subparsers(dest="command")).set_defaults(run=command.run)
+        args = parser.parse_args(["partition", *argv])
+        try:
+            return int(args.run(args))
+        except UserError as exc:
+            print(f"pipeweave partition: error: {exc}", file=__import__("sys").stderr)
+            return 2
+    return cli_main(["partition", *argv])
+
+
+@pytest.fixture
+def head_heavy(tmp_path: Path) -> Path:
+    """Eight layers of F+I+W 3 ms and a head of 15 ms; activations 1 KiB, weights 1 KiB per layer."""
+    costs = LayerCosts(
+        names=[f"layers.{i}" for i in range(8)], types=["Embedding"] + ["Block"] * 6 + ["Head"],
+        forward=[1e-3] * 7 + [5e-3], input_grad=[1e-3] * 7 + [6e-3], weight_grad=[1e-3] * 7 + [4e-3],
+        activation=[1024.0] * 8, params=[1024.0] * 8,
+    )
+    path = tmp_path / "costs.json"
+    costs.save(path)
+    return path
+
+
+def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:  # type: ignore[type-arg]
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_fields_and_time_beats_uniform(head_heavy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--costs", str(head_heavy), "--stages", "2", "-s", "1f1b", "--microbatches", "4"]
+    uniform = run_json(capsys, [*base, "--partition", "uniform"])
+    timed = run_json(capsys, [*base, "--partition", "time"])
+    assert [p["layers"] for p in uniform["parts"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [p["layers"] for p in timed["parts"]] == [[0, 1, 2, 3, 4, 5], [6, 7]]
+    # uniform: 12 | 24 ms; time: 18 | 18 ms
+    assert uniform["max_stage_time"] == pytest.approx(24e-3) and timed["max_stage_time"] == pytest.approx(18e-3)
+    # 1F1B, D = 2, T = 4, equal stages of 18 ms: makespan (T + D - 1) x 18, bubble (D-1)/(T+D-1) = 1/5
+    assert timed["makespan"] == pytest.approx(5 * 18e-3) and timed["bubble_ratio"] == pytest.approx(0.2)
+    assert uniform["bubble_ratio"] > timed["bubble_ratio"]
+    # memory under 1F1B: part 0 holds 2 microbatches, part 1 one; weights + SGD gradient twice the params
+    assert [p["memory"] for p in timed["parts"]] == [2 * 6 * 1024 + 2 * 6 * 1024, 2 * 1024 + 2 * 2 * 1024]
+    for key in ("parts", "max_stage_time", "bubble_ratio"):
+        assert key in timed
+
+
+def test_memory_fits_a_limit_that_time_exceeds(head_heavy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--costs", str(head_heavy), "--stages", "2", "--microbatches", "4"]
+    timed = run_json(capsys, [*base, "--partition", "time"])
+    limit = 20 * 1024  # time's part 0 needs 24 KiB
+    assert timed["max_memory"] > limit
+    fitted = run_json(capsys, [*base, "--partition", "memory", "--memory-limit", str(limit)])
+    assert fitted["max_memory"] <= limit
+    assert [len(p["layers"]) for p in fitted["parts"]] == [5, 3]  # 4 x 5 KiB = 20 KiB on part 0
+
+
+def test_explicit_and_table(head_heavy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--costs", str(head_heavy), "--stages", "4", "--partition", "explicit", "--layers-per-stage", "3,2,2,1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "0-2 (3)" in out and "7 (1)" in out and "bubble" in out
+
+
+def test_pipedream_replicates_on_fast_links(head_heavy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(capsys, ["--costs", str(head_heavy), "--stages", "4", "--partition", "pipedream", "--bandwidth", "1e12"])
+    assert sum(p["replicas"] for p in result["parts"]) == 4
+    assert sum(len(p["layers"]) for p in result["parts"]) == 8
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--stages", "9"], "9 parts for a model of 8 layers"),
+        (["--stages", "4", "--partition", "explicit", "--layers-per-stage", "3,2,2"], "gives 3 parts for 4"),
+        (["--stages", "4", "--partition", "explicit", "--layers-per-stage", "3,x"], "not a list of integers"),
+        (["--stages", "2", "--partition", "memory", "--memory-limit", "100"], "--memory-limit 100 bytes is below"),
+        (["--stages", "2", "--partition", "memory"], "needs --memory-limit"),
+        (["--stages", "2", "--partition", "bogus"], "unknown partition method 'bogus'"),
+        (["--stages", "2", "-s", "nope"], "unknown schedule 'nope'"),
+        (["--stages", "0"], "--stages 0 is invalid"),
+    ],
+)
+def test_errors_are_one_line(
+    head_heavy: Path, capsys: pytest.CaptureFixture[str], extra: list[str], fragment: str
+) -> None:
+    assert main(["--costs", str(head_heavy), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert fragment in err and len(err.splitlines()) == 1
+
+
+def test_profiles_a_real_model_once(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPEWEAVE_CACHE", str(tmp_path))
+    argv = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--stages", "2", "--batch-size", "8",
+            "--microbatches", "2", "--repeats", "1", "--partition", "time", "--save-costs", str(tmp_path / "c.json")]
+    first = run_json(capsys, argv)
+    cached = list((tmp_path / "profiles").glob("*.json"))
+    assert len(cached) == 1
+    costs = LayerCosts.load(tmp_path / "c.json")
+    assert costs.types == ("MLPBlock",) * 4
+    # parameters of a block: LayerNorm 2h, Linear(h, 4h) 4h^2 + 4h, Linear(4h, h) 4h^2 + h; float32
+    assert costs.params == ((2 * 16 + 4 * 16 * 16 + 4 * 16 + 4 * 16 * 16 + 16) * 4.0,) * 4
+    assert all(t > 0 for t in costs.forward + costs.input_grad + costs.weight_grad)
+    # the output of a block is the microbatch (4, 16) float32; the next run reads the cache
+    assert costs.output[:3] == (4 * 16 * 4.0,) * 3
+    assert run_json(capsys, argv)["parts"] == first["parts"]
