@@ -1,0 +1,277 @@
+"""The per-rank interpreter of a lowered schedule: one small method per op.
+
+Each rank walks its lowered action list (``pipeweave.schedule.lower``) and
+dispatches every action through ``Executor.dispatch``, a dict from ``Op`` to a
+method, in the spirit of DeepSpeed's ``_INSTRUCTION_MAP``. Tensors between
+stages on the same rank are handed over in memory; between ranks they travel
+through ``P2P`` (tagged ``isend``/``irecv``, receives posted ahead). The first
+stage of a pipeline takes the microbatch's data, the last computes its loss.
+
+Replicated parts (Chimera, GEMS, DualPipe: ``Placement.replicas``): as soon as
+a replica's last weight gradient of the step is done, its flattened gradient
+is sent to the ranks of the other replicas; at ``U`` each replica sums every
+replica's gradient in stage order, so all replicas apply bitwise the same
+update (the validator's dataflow makes ``U`` wait for exactly these).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipeweave.runtime.comm import P2P
+from pipeweave.runtime.stage import StageWorker
+from pipeweave.schedule.ir import Action, Op
+from pipeweave.schedule.lower import LoweredSchedule
+
+Record = tuple[Action, int, int]  # action, start and end in perf_counter_ns
+
+
+class ReplicaGradients:
+    """Sums the gradients of a part's replicas across ranks before ``U``.
+
+    Args:
+        lowered: the lowered schedule.
+        rank: this rank.
+        workers: this rank's stage workers.
+        tag_base: first tag free of activation/gradient messages.
+    """
+
+    def __init__(self, lowered: LoweredSchedule, rank: int, workers: dict[int, StageWorker], tag_base: int) -> None:
+        placement = lowered.schedule.placement
+        self.placement, self.rank, self.workers, self.tag_base = placement, rank, workers, tag_base
+        self.replicated = {s for s in workers if len(placement.replicas(s)) > 1}
+        # Per local replicated stage, how many B/W of a step complete its gradient.
+        self.grad_actions = {s: 0 for s in self.replicated}
+        for a in lowered.schedule.actions[rank]:
+            if a.stage in self.replicated and a.op in (Op.B, Op.W):
+                self.grad_actions[a.stage] += 1
+        self._left: dict[int, int] = {}
+        self._recv: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._combined: set[int] = set()  # parts combined this step
+        for s in self.replicated:
+            workers[s].combine_grads = self._combine
+
+    def begin_step(self) -> None:
+        self._left = dict(self.grad_actions)
+        self._combined.clear()
+        posted: set[int] = set()
+        for s in self.replicated:
+            for other in self.placement.replicas(s):
+                peer = self.placement.stage_rank[other]
+                if peer != self.rank and other not in posted:
+                    posted.add(other)
+                    buffer = torch.empty(self._numel(s), dtype=torch.float32, device=self._device(s))
+                    work = dist.irecv(buffer, src=peer, tag=self.tag_base + other)
+                    assert work is not None
+                    self._recv[other] = (work, buffer)
+        for s, left in self._left.items():
+            if left == 0:  # a replica that saw no microbatch still sends its zeros
+                self._send(s)
+
+    def after(self, a: Action) -> None:
+        """Call after every compute action: sends a replica's gradient once it is complete."""
+        if a.stage in self._left and a.op in (Op.B, Op.W):
+            self._left[a.stage] -= 1
+            if self._left[a.stage] == 0:
+                self._send(a.stage)
+
+    def end_step(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+
+    def _send(self, s: int) -> None:
+        flat = _flatten(self.workers[s].gradients())
+        peers = {self.placement.stage_rank[o] for o in self.placement.replicas(s)} - {self.rank}
+        for peer in sorted(peers):
+            work = dist.isend(flat, dst=peer, tag=self.tag_base + s)
+            assert work is not None
+            self._sends.append((work, flat))
+
+    def _combine(self, worker: StageWorker) -> None:
+        stage = next(s for s, w in self.workers.items() if w is worker)
+        part = self.placement.stage_part[stage]
+        if part in self._combined:
+            return
+        self._combined.add(part)
+        replicas = self.placement.replicas(stage)
+        flats = []
+        for other in replicas:  # stage order on every rank: bitwise equal sums
+            if other in self.workers:
+                flats.append(_flatten(self.workers[other].gradients()))
+            else:
+                work, buffer = self._recv.pop(other)
+                work.wait()
+                flats.append(buffer)
+        total = flats[0].clone()
+        for flat in flats[1:]:
+            total += flat
+        for other in replicas:
+            if other in self.workers:
+                _unflatten(total, self.workers[other].gradients())
+
+    def _numel(self, s: int) -> int:
+        return sum(p.numel() for p in self.workers[s].module.parameters())
+
+    def _device(self, s: int) -> torch.device:
+        return next(self.workers[s].module.parameters()).device
+
+
+def _flatten(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(-1).float() for g in grads])
+
+
+def _unflatten(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class Executor:
+    """Runs one rank's lowered action list, one step at a time.
+
+    Args:
+        lowered: the lowered schedule.
+        rank: this rank.
+        workers: a ``StageWorker`` per stage placed on this rank.
+        microbatch_sizes: dimension 0 of every microbatch (for the shape handshake).
+        device: where tensors live.
+
+    Example:
+        ex = Executor(lower(schedule), rank, workers, sizes, torch.device("cpu"))
+        loss_part, records = ex.run_step(inputs, targets)
+    """
+
+    def __init__(
+        self,
+        lowered: LoweredSchedule,
+        rank: int,
+        workers: dict[int, StageWorker],
+        microbatch_sizes: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
+        self.placement = lowered.schedule.placement
+        self.row = lowered.actions[rank]
+        self.p2p = P2P(lowered, rank, microbatch_sizes, device)
+        tag_base = 2 * self.placement.num_stages * (len(microbatch_sizes) + 1) + 1
+        self.replicas = ReplicaGradients(lowered, rank, workers, tag_base)
+        self.dispatch: dict[Op, Callable[[Action], None]] = {
+            Op.F: self.forward,
+            Op.B: self.backward,
+            Op.I: self.backward_input,
+            Op.W: self.backward_weight,
+            Op.U: self.update,
+            Op.SEND_F: self.send_forward,
+            Op.RECV_F: self.recv_forward,
+            Op.SEND_B: self.send_backward,
+            Op.RECV_B: self.recv_backward,
+        }
+        self.peak_activation_bytes = 0
+        # Per-step state: what flows between actions, keyed by (stage, microbatch).
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._grads_in: dict[tuple[int, int], torch.Tensor] = {}
+        self._grads_out: dict[tuple[int, int], torch.Tensor] = {}
+        self._data: Sequence[torch.Tensor] = ()
+        self._targets: Sequence[torch.Tensor] = ()
+        self._losses: list[torch.Tensor] = []
+
+    def run_step(self, data: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> tuple[float, list[Record]]:
+        """Run the rank's actions once: returns this rank's share of the loss and the timings.
+
+        ``data[j]`` is microbatch j's input (used by first stages), ``targets[j]``
+        its target (used by last stages). The loss share is the sum of the
+        scaled microbatch losses computed here; summed over ranks it is the
+        mini-batch mean loss.
+        """
+        self._data, self._targets, self._losses = data, targets, []
+        self.p2p.begin_step()
+        self.replicas.begin_step()
+        records: list[Record] = []
+        clock = time.perf_counter_ns
+        for i, a in enumerate(self.row):
+            self.p2p.post_ahead(i)
+            t0 = clock()
+            self._run(a)
+            records.append((a, t0, clock()))
+        self.p2p.end_step()
+        self.replicas.end_step()
+        if self._inputs or self._outputs or self._grads_in or self._grads_out:  # pragma: no cover
+            raise RuntimeError(f"rank {self.rank}: tensors left over at the end of a step")
+        loss = float(torch.stack(self._losses).sum()) if self._losses else 0.0
+        return loss, records
+
+    def _run(self, a: Action) -> None:
+        handler = self.dispatch.get(a.op)
+        if handler is None:
+            raise ValueError(f"Unknown op {a.op!r} in action {a} on rank {self.rank}")
+        worker = self.workers.get(a.stage)
+        if worker is None or a.op in (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B):
+            handler(a)
+            return
+        # Per-rank peak: the other stages' held bytes are constant during this action.
+        others = sum(w.activation_bytes() for s, w in self.workers.items() if s != a.stage)
+        worker.reset_peak()
+        handler(a)
+        self.replicas.after(a)
+        self.peak_activation_bytes = max(self.peak_activation_bytes, others + worker.peak_activation_bytes())
+
+    # ---- compute -----------------------------------------------------------
+    def forward(self, a: Action) -> None:
+        s, _, j = a
+        prev = self.placement.prev_stage(s)
+        x = self._data[j] if prev is None else self._inputs.pop((s, j))
+        nxt = self.placement.next_stage(s)
+        out = self.workers[s].forward(j, x, target=self._targets[j] if nxt is None else None)
+        if nxt is None:
+            self._losses.append(out)  # summed at the end of the step: no sync per microbatch
+        elif self.placement.stage_rank[nxt] == self.rank:
+            self._inputs[(nxt, j)] = out  # a neighbour on this rank: no message
+        else:
+            self._outputs[(s, j)] = out
+
+    def backward(self, a: Action) -> None:
+        self._backward(a, self.workers[a.stage].backward)
+
+    def backward_input(self, a: Action) -> None:
+        self._backward(a, self.workers[a.stage].backward_input)
+
+    def _backward(self, a: Action, run: Callable[[int, torch.Tensor | None], torch.Tensor | None]) -> None:
+        s, _, j = a
+        nxt = self.placement.next_stage(s)
+        grad_output = None if nxt is None else self._grads_in.pop((s, j))
+        grad_input = run(j, grad_output)
+        prev = self.placement.prev_stage(s)
+        if prev is None:
+            return
+        assert grad_input is not None, f"{a}: stage input has no gradient"
+        if self.placement.stage_rank[prev] == self.rank:
+            self._grads_in[(prev, j)] = grad_input
+        else:
+            self._grads_out[(s, j)] = grad_input
+
+    def backward_weight(self, a: Action) -> None:
+        self.workers[a.stage].backward_weight(a.microbatch)
+
+    def update(self, a: Action) -> None:
+        self.workers[a.stage].update()
+
+    # ---- communication -----------------------------------------------------
+    def send_forward(self, a: Action) -> None:
+        self.p2p.send(a, self._outputs.pop((a.stage, a.microbatch)))
+
+    def recv_forward(self, a: Action) -> None:
+        self._inputs[(a.stage, a.microbatch)] = self.p2p.recv(a)
+
+    def send_backward(self, a: Action) -> None:
+        self.p2p.send(a, self._grads_out.pop((a.stage, a.microbatch)))
+
+    def recv_backward(self, a: Action) -> None:
+        self._grads_in[(a.stage, a.microbatch)] = self.p2p.recv(a)

@@ -1,0 +1,178 @@
+"""A distributed training run: its configuration, and what every rank does in it.
+
+``TrainConfig`` is checked before anything is spawned (``TrainConfig.check``
+builds and validates the schedule, the partition and the data split), so an
+invalid configuration is one line, not a crash on every rank. ``run_rank`` is
+the function each rank runs: build its stage workers, align clocks, train for
+``steps`` steps through the ``Executor``, and gather everything measured to
+rank 0, which returns it as a ``RunRecord``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeweave.data import data_source, split_microbatches
+from pipeweave.errors import UserError
+from pipeweave.models.spec import ModelSpec, uniform_parts
+from pipeweave.runtime import launch as launch_module
+from pipeweave.runtime.executor import Executor
+from pipeweave.runtime.stage import OptimizerFactory, StageWorker
+from pipeweave.runtime.trace import align_clocks
+from pipeweave.schedule import Schedule, generate, lower, validate
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a rank needs to take part in a run (picklable)."""
+
+    schedule: str = "1f1b"
+    """Registry name of the schedule."""
+    num_stages: int = 2
+    """D: pipeline ranks."""
+    num_microbatches: int = 4
+    """T: microbatches per step."""
+    num_chunks: int | None = None
+    """v: chunks per rank, for schedules that take it."""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    """The model."""
+    batch_size: int = 8
+    """Samples per step (split into T microbatches, the last ones may be smaller)."""
+    steps: int = 10
+    """Optimizer steps."""
+    lr: float = 0.1
+    """Learning rate."""
+    optimizer: str = "sgd"
+    """``sgd`` or ``adamw``."""
+    recompute: bool = False
+    """Activation recomputation on every stage."""
+    seed: int = 0
+    """Data seed (the model's seed is ``model.seed``)."""
+    data: str | None = None
+    """gpt only: a text file instead of the built-in corpus."""
+    collect_parameters: bool = False
+    """Send every stage's final parameters to rank 0 (tests)."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"--optimizer {self.optimizer!r} is unknown; choose one of: {', '.join(OPTIMIZERS)}")
+        for name in ("steps", "batch_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise UserError(f"--{name.replace('_size', '')} {value} is invalid; give an integer >= 1")
+        if not self.lr > 0:
+            raise UserError(f"--lr {self.lr} is invalid; give a learning rate > 0")
+
+    def build_schedule(self) -> Schedule:
+        """The schedule of this run (raises ScheduleError, a UserError, if it cannot be built)."""
+        return generate(self.schedule, num_stages=self.num_stages, num_microbatches=self.num_microbatches,
+                        num_chunks=self.num_chunks)
+
+    def check(self) -> Schedule:
+        """Validate everything that can be validated without spawning; returns the schedule.
+
+        Raises:
+            UserError: one line naming the value and the fix.
+        """
+        schedule = self.build_schedule()
+        if not schedule.is_synchronous:
+            raise UserError(f"schedule {self.schedule!r} is asynchronous; `pipeweave train` runs synchronous ones")
+        validate(schedule)
+        if self.model.num_layers < schedule.num_parts:
+            raise UserError(
+                f"{schedule.num_parts} parts ({self.schedule}, D={self.num_stages}) need at least "
+                f"{schedule.num_parts} layers, the model has {self.model.num_layers}; "
+                "reduce --stages or increase --layers"
+            )
+        if self.batch_size < self.num_microbatches:
+            raise UserError(f"--batch {self.batch_size} cannot make {self.num_microbatches} microbatches; "
+                            "increase --batch or reduce --microbatches")
+        return schedule
+
+    def optimizer_factory(self) -> OptimizerFactory:
+        lr = self.lr
+        if self.optimizer == "adamw":
+            return lambda params: torch.optim.AdamW(params, lr=lr)
+        return lambda params: torch.optim.SGD(params, lr=lr)
+
+    @property
+    def microbatch_sizes(self) -> list[int]:
+        return [len(m) for m in split_microbatches(torch.empty(self.batch_size, 0), self.num_microbatches)]
+
+
+@dataclass
+class RankRecord:
+    """What one rank measured; rank 0 receives every rank's."""
+
+    rank: int
+    losses: list[float]
+    """Per step, this rank's share of the loss (sums of scaled microbatch losses)."""
+    records: list[list[tuple[int, str, int, float, float]]]
+    """Per step, ``(stage, op, microbatch, start s, end s)`` on rank 0's clock."""
+    peak_activation_bytes: int
+    weight_bytes: int
+    parameters: dict[int, dict[str, torch.Tensor]]
+    """Per stage on this rank, its final parameters (when collected)."""
+
+
+@dataclass
+class RunRecord:
+    """Everything a run measured, as gathered on rank 0."""
+
+    config: TrainConfig
+    ranks: list[RankRecord]
+    wall_s: float
+
+    @property
+    def losses(self) -> list[float]:
+        """Per step, the mini-batch mean loss (every rank's share summed)."""
+        return [sum(r.losses[k] for r in self.ranks) for k in range(self.config.steps)]
+
+
+def build_workers(schedule: Schedule, config: TrainConfig, rank: int, device: torch.device) -> dict[int, StageWorker]:
+    """The stage workers of ``rank``, built from the model's seed (equal to plain training's layers)."""
+    parts = uniform_parts(config.model.num_layers, schedule.num_parts)
+    return {
+        s: StageWorker(config.model, parts[schedule.placement.stage_part[s]], batch_size=config.batch_size,
+                       optimizer_factory=config.optimizer_factory(), recompute=config.recompute, device=device)
+        for s in schedule.placement.stages_on(rank)
+    }
+
+
+def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
+    """Train on this rank; rank 0 returns the gathered ``RunRecord``, the others None."""
+    started = time.perf_counter()
+    schedule = config.build_schedule()
+    device = launch_module.device_for(rank)
+    workers = build_workers(schedule, config, rank, device)
+    executor = Executor(lower(schedule), rank, workers, config.microbatch_sizes, device)
+    source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
+    offset = align_clocks(rank, world)
+    t = config.num_microbatches
+    losses, records = [], []
+    for step in range(config.steps):
+        inputs, targets = source.batch(step)
+        data = [m.to(device) for m in split_microbatches(inputs, t)]
+        target = [m.to(device) for m in split_microbatches(targets, t)]
+        loss, timings = executor.run_step(data, target)
+        losses.append(loss)
+        records.append([(a.stage, a.op.value, a.microbatch, (t0 - offset) * 1e-9, (t1 - offset) * 1e-9) for a, t0, t1 in timings])
+        launch_module.progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
+    params = {}
+    if config.collect_parameters:
+        params = {s: {k: p.detach().cpu().clone() for k, p in w.named_parameters().items()} for s, w in workers.items()}
+    mine = RankRecord(rank, losses, records, executor.peak_activation_bytes,
+                      sum(w.weight_bytes() for w in workers.values()), params)
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if rank != 0:
+        return None
+    assert gathered is not None
+    return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started)

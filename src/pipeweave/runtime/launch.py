@@ -1,0 +1,280 @@
+"""Start the ranks of a run: spawn local processes, or join a ``torchrun`` group.
+
+``launch(fn, payload, num_ranks)`` runs ``fn(rank, world_size, payload)`` on
+every rank of a gloo (CPU) or NCCL (CUDA) process group and returns rank 0's
+result. Two ways in:
+
+- **spawned** (the default): the launcher hosts the rendezvous store on
+  127.0.0.1 (a free port chosen by the OS, no race), starts one process per
+  rank and watches them. The first failure -- an exception, a process that
+  dies, Ctrl-C or SIGTERM to the launcher -- terminates every other rank at
+  once, prints the cause once and raises ``RankFailure`` (exit code non-zero).
+  Children ignore SIGINT (the launcher owns Ctrl-C) and die with their parent
+  (``PR_SET_PDEATHSIG``), so nothing is left behind.
+- **torchrun** (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set): the process
+  joins the existing group; torchrun's agents watch the processes and the
+  process-group timeout ends ranks whose peer on another node vanished.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import pickle
+import queue
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RankFn = Callable[[int, int, Any], Any]
+ProgressFn = Callable[[int, Any], None]
+
+# Where ``progress`` goes in this process: the launcher's queue in a spawned
+# rank, the caller's callback on rank 0 under torchrun, nowhere otherwise.
+_progress_sink: Callable[[Any], None] | None = None
+
+_PR_SET_PDEATHSIG = 1
+_GRACE_S = 2.0  # how long terminated ranks get before SIGKILL
+_SETTLE_S = 0.3  # after a first failure, how long to wait for a likelier root cause
+
+
+class RankFailure(RuntimeError):
+    """A rank failed; ``cause`` is the one line printed for the user."""
+
+    def __init__(self, cause: str, exit_code: int = 1) -> None:
+        super().__init__(cause)
+        self.cause, self.exit_code = cause, exit_code
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """How ranks are started."""
+
+    threads: int = 1
+    """Intra-op threads per rank (``torch.set_num_threads``)."""
+    timeout_s: float = 60.0
+    """Process-group timeout: a rank blocked this long on a vanished peer fails."""
+    quiet_errors: bool = False
+    """Do not print the cause (the caller reports it)."""
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or any env:// launcher)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def device_for(rank: int) -> torch.device:
+    """CPU for gloo; for NCCL the GPU of the local rank."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+    return torch.device("cuda", local)
+
+
+def progress(value: Any) -> None:
+    """Called by a rank to report progress; reaches ``launch``'s ``on_progress(rank, value)``."""
+    if _progress_sink is not None:
+        _progress_sink(value)
+
+
+def launch(
+    fn: RankFn,
+    payload: Any,
+    num_ranks: int,
+    options: LaunchOptions | None = None,
+    on_progress: ProgressFn | None = None,
+) -> Any:
+    """Run ``fn(rank, world_size, payload)`` on ``num_ranks`` ranks; return rank 0's result.
+
+    Under torchrun every process returns its own result (None on ranks > 0 by
+    convention of ``fn``), and only rank 0's own progress reaches ``on_progress``.
+
+    Raises:
+        RankFailure: a rank raised, died or the run was interrupted.
+
+    Example:
+        >>> launch(lambda r, w, p: r, None, 1)  # doctest: +SKIP
+        0
+    """
+    options = options or LaunchOptions()
+    if under_torchrun():
+        return _join_torchrun(fn, payload, num_ranks, options, on_progress)
+    return _spawn(fn, payload, num_ranks, options, on_progress)
+
+
+# ---- torchrun ----------------------------------------------------------------
+def _join_torchrun(
+    fn: RankFn, payload: Any, num_ranks: int, options: LaunchOptions, on_progress: ProgressFn | None
+) -> Any:
+    global _progress_sink
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    if rank == 0 and on_progress is not None:
+        _progress_sink = lambda value: on_progress(0, value)  # noqa: E731
+    if world != num_ranks:
+        raise RankFailure(f"torchrun started {world} processes but the schedule needs {num_ranks} ranks; "
+                          f"give --nnodes x --nproc-per-node = {num_ranks}", 2)
+    torch.set_num_threads(options.threads)
+    device = device_for(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=options.timeout_s),
+    )
+    try:
+        return fn(rank, world, payload)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- spawned ranks -----------------------------------------------------------
+def _spawn(
+    fn: RankFn, payload: Any, num_ranks: int, options: LaunchOptions, on_progress: ProgressFn | None
+) -> Any:
+    store = dist.TCPStore("127.0.0.1", 0, num_ranks + 1, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.SimpleQueue()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, payload, rank, num_ranks, store.port, options, results),
+            daemon=True,
+            name=f"pipeweave-rank{rank}",
+        )
+        for rank in range(num_ranks)
+    ]
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        for p in procs:
+            p.start()
+        return _watch(procs, results, options, on_progress)
+    except KeyboardInterrupt:
+        _terminate(procs)
+        _report("interrupted (Ctrl-C); every rank was stopped", options)
+        raise RankFailure("interrupted", 130) from None
+    finally:
+        _terminate(procs)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        del store
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _watch(procs: list[Any], results: Any, options: LaunchOptions, on_progress: ProgressFn | None) -> Any:
+    """Wait for every rank; on the first failure stop the rest and raise."""
+    done: dict[int, Any] = {}
+    failures: list[tuple[int, str, bool]] = []  # (rank, cause, is a consequence of another failure)
+    first_failure = 0.0
+    while len(done) < len(procs):
+        while not results.empty():
+            kind, rank, value = results.get()
+            if kind == "ok":
+                done[rank] = pickle.loads(value)
+            elif kind == "progress":
+                if on_progress is not None and not failures:
+                    on_progress(rank, value)
+            else:
+                failures.append((rank, value[0], value[1]))
+        for rank, p in enumerate(procs):
+            if rank not in done and p.exitcode is not None and p.exitcode != 0 and \
+                    not any(f[0] == rank for f in failures):
+                failures.append((rank, _exit_cause(rank, p.exitcode), False))
+        if failures:
+            first_failure = first_failure or time.monotonic()
+            if time.monotonic() - first_failure >= _SETTLE_S:
+                _terminate(procs)
+                root = next((f for f in failures if not f[2]), failures[0])
+                _report(root[1], options)
+                raise RankFailure(root[1], 1)
+        time.sleep(0.02)
+    for p in procs:
+        p.join(timeout=10)
+    return done.get(0)
+
+
+def _exit_cause(rank: int, code: int) -> str:
+    if code < 0:
+        return f"rank {rank} was killed by {signal.Signals(-code).name}"
+    return f"rank {rank} exited with code {code}"
+
+
+def _terminate(procs: list[Any]) -> None:
+    alive = [p for p in procs if p.pid is not None and p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for p in alive:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def _report(cause: str, options: LaunchOptions) -> None:
+    if not options.quiet_errors:
+        print(f"pipeweave: {cause}", file=sys.stderr, flush=True)
+
+
+def _child(fn: RankFn, payload: Any, rank: int, world: int, port: int, options: LaunchOptions, results: Any) -> None:
+    # Ctrl-C reaches the whole foreground process group; only the launcher acts on it.
+    global _progress_sink
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    _progress_sink = lambda value: results.put(("progress", rank, value))  # noqa: E731
+    try:
+        torch.set_num_threads(options.threads)
+        device = device_for(rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
+                              timeout=datetime.timedelta(seconds=options.timeout_s))
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=options.timeout_s),
+        )
+        value = fn(rank, world, payload)
+        # Plain pickle bytes: torch's queue pickler would share tensors through
+        # file descriptors that vanish with this process.
+        results.put(("ok", rank, pickle.dumps(value if rank == 0 else None)))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher
+        results.put(("error", rank, (_describe(rank, exc), _is_consequence(exc))))
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _describe(rank: int, exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"rank {rank} failed: {type(exc).__name__}: {first_line}{where}"
+
+
+def _is_consequence(exc: BaseException) -> bool:
+    """A communication error is usually the echo of another rank's failure."""
+    text = f"{type(exc).__name__} {exc}".lower()
+    return isinstance(exc, dist.DistError) or any(
+        s in text for s in ("connection closed", "connection reset", "broken pipe", "timed out", "gloo")
+    )
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:  # pragma: no cover - no libc: the launcher still terminates children
+            pass

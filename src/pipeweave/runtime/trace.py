@@ -1,0 +1,185 @@
+"""Measured timelines: aligned clocks, per-step ``Timeline``s, the simulator's metrics on them.
+
+Every rank records each action's start and end (``perf_counter_ns``). Clocks
+are aligned once at start with an NTP-style exchange with rank 0 (the round
+trip with the smallest delay among a few gives the offset to within half of
+it), so several nodes share rank 0's time base. The measured step becomes a
+``pipeweave.sim.Timeline`` of the compute actions and goes through the same
+``bubble_metrics`` as a simulation; per-part F/I/W times profiled from the same
+run feed ``pipeweave.sim.simulate`` for the predicted figures beside them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from pipeweave.schedule.ir import Action, Op, Schedule
+from pipeweave.sim import CostModel, Event, Timeline, simulate
+from pipeweave.sim.metrics import bubble_metrics
+
+if TYPE_CHECKING:
+    from pipeweave.runtime.job import RunRecord
+
+_ROUNDS = 8
+_CLOCK_TAG = 1 << 30  # far above the executor's message tags
+_COMPUTE = {op.value for op in (Op.F, Op.B, Op.I, Op.W, Op.U)}
+
+
+def align_clocks(rank: int, world: int, rounds: int = _ROUNDS) -> int:
+    """This rank's ``perf_counter_ns`` minus rank 0's, in ns, by ping-pong with rank 0.
+
+    Every rank calls it; rank 0 returns 0. Rank 0 sends its time t1, the peer
+    answers with its arrival time t2, rank 0 notes the answer's arrival t4:
+    offset = t2 - (t1 + t4) / 2, from the round with the smallest t4 - t1.
+    Subtract the offset from local times to put them on rank 0's clock.
+    """
+    if world == 1:
+        return 0
+    buf = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        for peer in range(1, world):
+            best: tuple[int, int] | None = None  # (round trip, offset)
+            for _ in range(rounds):
+                t1 = time.perf_counter_ns()
+                buf[0] = t1
+                dist.send(buf, dst=peer, tag=_CLOCK_TAG)
+                dist.recv(buf, src=peer, tag=_CLOCK_TAG)
+                t4 = time.perf_counter_ns()
+                sample = (t4 - t1, int(buf[0]) - (t1 + t4) // 2)
+                best = sample if best is None or sample < best else best
+            assert best is not None
+            buf[0] = best[1]
+            dist.send(buf, dst=peer, tag=_CLOCK_TAG)
+        dist.barrier()
+        return 0
+    for _ in range(rounds):
+        dist.recv(buf, src=0, tag=_CLOCK_TAG)
+        buf[0] = time.perf_counter_ns()
+        dist.send(buf, dst=0, tag=_CLOCK_TAG)
+    dist.recv(buf, src=0, tag=_CLOCK_TAG)
+    dist.barrier()
+    return int(buf[0])
+
+
+def step_timeline(schedule: Schedule, record: RunRecord, step: int) -> Timeline:
+    """Step ``step`` of a run as a Timeline of its compute actions, times in seconds."""
+    events = []
+    for rank in record.ranks:
+        row = [Event(Action(s, Op(op), j), t0, t1) for s, op, j, t0, t1 in rank.records[step] if op in _COMPUTE]
+        events.append(tuple(row))
+    return Timeline(schedule, tuple(events))
+
+
+def measured_steps(config_steps: int) -> range:
+    """The steps that count: all but the first (warm-up) when there are several."""
+    return range(1 if config_steps > 1 else 0, config_steps)
+
+
+def step_times(record: RunRecord) -> list[float]:
+    """Per step, seconds from the previous step's last end (first step: its first start) to its last end."""
+    ends = [max(r.records[k][-1][4] for r in record.ranks) for k in range(record.config.steps)]
+    first = min(r.records[0][0][3] for r in record.ranks)
+    return [ends[0] - first] + [b - a for a, b in zip(ends, ends[1:])]
+
+
+def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = None) -> CostModel:
+    """Per-part median F, I (or B) and W durations of the measured steps, as a CostModel.
+
+    A part run with a full backward gets ``b`` = its B time and ``w`` = 0, so
+    a simulated B (= b + w) takes what it measured.
+    """
+    durations: dict[tuple[int, str], list[float]] = {}
+    part_of = schedule.placement.stage_part
+    for rank in record.ranks:
+        for k in measured_steps(record.config.steps):
+            for s, op, _, t0, t1 in rank.records[k]:
+                durations.setdefault((part_of[s], op), []).append(t1 - t0)
+
+    def median(part: int, op: str) -> float | None:
+        values = durations.get((part, op))
+        return statistics.median(values) if values else None
+
+    f, b, w = [], [], []
+    for part in range(schedule.num_parts):
+        f.append(median(part, "F") or 0.0)
+        i_time = median(part, "I")
+        b.append(i_time if i_time is not None else (median(part, "B") or 0.0))
+        w.append(median(part, "W") or 0.0 if i_time is not None else 0.0)
+    return CostModel(f=f, b=b, w=w, comm=comm if comm is not None else hop_latency(schedule, record))
+
+
+def hop_latency(schedule: Schedule, record: RunRecord) -> float:
+    """The smallest observed send-start to receive-end delay between ranks (0 without messages)."""
+    sends: dict[tuple[int, str, int], float] = {}
+    recvs: dict[tuple[int, str, int], float] = {}
+    placement = schedule.placement
+    for rank in record.ranks:
+        for k in measured_steps(record.config.steps):
+            for s, op, j, t0, t1 in rank.records[k]:
+                if op == "SEND_F":
+                    sends[(k, f"F{s}", j)] = t0
+                elif op == "SEND_B":
+                    sends[(k, f"B{s}", j)] = t0
+                elif op == "RECV_F":
+                    recvs[(k, f"F{placement.prev_stage(s)}", j)] = t1
+                elif op == "RECV_B":
+                    recvs[(k, f"B{placement.next_stage(s)}", j)] = t1
+    delays = [recvs[key] - sends[key] for key in sends if key in recvs]
+    return max(0.0, min(delays)) if delays else 0.0
+
+
+def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
+    """Measured and simulated figures of a run (the JSON record's numbers)."""
+    config = record.config
+    steps = measured_steps(config.steps)
+    per_step = [bubble_metrics(step_timeline(schedule, record, k)) for k in steps]
+    times = step_times(record)
+    step_time = statistics.median(times[k] for k in steps)
+    cost = profile_costs(schedule, record)
+    predicted = simulate(schedule, cost, check=False)
+    sim = bubble_metrics(predicted)
+    samples = config.batch_size / step_time
+    tokens = samples * config.model.seq_len if config.model.kind == "gpt" else None
+    return {
+        "step_time_s": step_time,
+        "step_times_s": times,
+        "samples_per_s": samples,
+        "tokens_per_s": tokens,
+        "makespan_s": statistics.median(m[0] for m in per_step),
+        "bubble_ratio": statistics.median(m[3] for m in per_step),
+        "bubble_ratio_flush": statistics.median(m[4] for m in per_step),
+        "bubble_overhead": statistics.median(m[5] for m in per_step),
+        "makespan_simulated_s": sim[0],
+        "bubble_ratio_simulated": sim[3],
+        "bubble_ratio_flush_simulated": sim[4],
+        "profiled_costs_s": {"f": list(_values(cost.f)), "b": list(_values(cost.b)), "w": list(_values(cost.w)),
+                             "comm": cost.comm},
+        "peak_activation_bytes": [r.peak_activation_bytes for r in record.ranks],
+        "weight_bytes": [r.weight_bytes for r in record.ranks],
+    }
+
+
+def _values(value: float | Sequence[float]) -> Sequence[float]:
+    return [value] if isinstance(value, (int, float)) else value
+
+
+def chrome_trace(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
+    """Every recorded action of every step as Chrome trace events (one process row per rank)."""
+    events: list[dict[str, Any]] = []
+    origin = min(r.records[0][0][3] for r in record.ranks)
+    for rank in record.ranks:
+        events.append({"name": "process_name", "ph": "M", "pid": rank.rank, "args": {"name": f"rank {rank.rank}"}})
+        for k, step in enumerate(record.ranks[rank.rank].records):
+            for s, op, j, t0, t1 in step:
+                events.append({
+                    "name": f"{s}{op}{j}", "cat": "compute" if op in _COMPUTE else "comm", "ph": "X",
+                    "pid": rank.rank, "tid": 0 if op in _COMPUTE else 1,
+                    "ts": (t0 - origin) * 1e6, "dur": (t1 - t0) * 1e6, "args": {"step": k},
+                })
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": schedule.name}}
