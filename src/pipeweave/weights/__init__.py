@@ -1,0 +1,1 @@
+"""Weight-version policies (stash, double buffer, discrepancy correction, prediction, averaging) for the executors."""
