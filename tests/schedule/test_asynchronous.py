@@ -1,0 +1,117 @@
+"""Asynchronous streams: valid over a grid, golden orders, which gradients each U applies, steady-state bubble."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeweave.schedule import Action, Op, ScheduleError, generate, validate
+from pipeweave.schedule.dataflow import consumed_gradients
+from pipeweave.schedule.validate import InvalidSchedule
+from pipeweave.sim import simulate
+from pipeweave.sim.steady import steady_bubble_ratio
+
+ASYNC = ["pipedream", "pipedream-2bw", "pipemare", "spectrain", "xpipe", "ampnet", "wpipe", "avgpipe"]
+
+
+def rows(schedule: object) -> list[list[str]]:
+    return [[str(a) for a in row] for row in schedule.actions]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ASYNC)
+@pytest.mark.parametrize("d,t,steps", [(1, 1, 1), (2, 3, 2), (3, 2, 3), (4, 5, 2), (3, 7, 1)])
+def test_valid_over_a_grid(name: str, d: int, t: int, steps: int) -> None:
+    s = generate(name, num_stages=d, num_microbatches=t, num_steps=steps)
+    validate(s)
+    assert not s.is_synchronous and s.num_steps == steps
+    per_step = t * (2 if name == "avgpipe" else 1)  # AvgPipe: one mini-batch per pipeline, P = 2
+    assert s.num_microbatches == steps * per_step
+
+
+def test_pipedream_golden() -> None:
+    # 1F1B without a flush, a U after every backward:
+    #   rank 0 | F0 F1 B0 U0 F2 B1 U1 F3 B2 U2 B3 U3
+    #   rank 1 | .. F0 B0 U0 F1 B1 U1 F2 B2 U2 F3 B3 U3
+    assert rows(generate("pipedream", num_stages=2, num_microbatches=2, num_steps=2)) == [
+        ["0F0", "0F1", "0B0", "0U0", "0F2", "0B1", "0U1", "0F3", "0B2", "0U2", "0B3", "0U3"],
+        ["1F0", "1B0", "1U0", "1F1", "1B1", "1U1", "1F2", "1B2", "1U2", "1F3", "1B3", "1U3"],
+    ]
+
+
+def test_2bw_and_xpipe_update_once_per_mini_batch() -> None:
+    for name in ("pipedream-2bw", "xpipe", "pipemare"):
+        s = generate(name, num_stages=3, num_microbatches=4, num_steps=3)
+        for u, grads in consumed_gradients(s).items():
+            assert [g.microbatch for g in grads] == list(range(4 * u.microbatch, 4 * u.microbatch + 4))
+            assert all(g.stage == u.stage and g.op is Op.B for g in grads)
+
+
+def test_pipedream_updates_after_every_microbatch() -> None:
+    s = generate("pipedream", num_stages=3, num_microbatches=2, num_steps=3)
+    groups = consumed_gradients(s)
+    assert len(groups) == 3 * 6
+    assert all(grads == (Action(u.stage, Op.B, u.microbatch),) for u, grads in groups.items())
+
+
+def test_ampnet_update_frequency_and_bound() -> None:
+    s = generate("ampnet", num_stages=3, num_microbatches=3, num_steps=2, min_update_frequency=2)
+    sizes = [len(g) for u, g in sorted(consumed_gradients(s).items()) if u.stage == 0]
+    assert sizes == [2, 2, 2]
+    one = generate("ampnet", num_stages=3, num_microbatches=2, num_steps=1, max_active_keys=1)
+    # One microbatch in flight: naive model parallelism, bubble (D-1)/D at f = b = w... with B = 2f.
+    t = simulate(one)
+    busy = sum(e.end - e.start for row in t.events for e in row)
+    assert busy == 2 * 3 * 3  # 2 microbatches x 3 stages x (f + b + w)
+    assert max(e.end for e in t.events[0]) == 2 * 3 * 3  # everything serial
+
+
+def test_sync_rules_unchanged() -> None:
+    g = consumed_gradients(generate("1f1b", num_stages=3, num_microbatches=4))
+    assert [str(a) for a in g[Action(0, Op.U, 0)]] == ["0B0", "0B1", "0B2", "0B3"]
+
+
+def test_stream_update_rules_are_checked() -> None:
+    s = generate("pipedream", num_stages=2, num_microbatches=2, num_steps=1)
+    drop_last_u = [list(r) for r in s.actions]
+    drop_last_u[0] = drop_last_u[0][:-1]
+    with pytest.raises(InvalidSchedule, match="no U applies"):
+        validate(s.with_actions(drop_last_u))
+    empty = [list(r) for r in s.actions]  # rank 1: 1F0 1B0 1U0 1U1 1F1 1B1 1U2
+    empty[1] = empty[1][:3] + [Action(1, Op.U, 1)] + empty[1][3:5] + [Action(1, Op.U, 2)]
+    with pytest.raises(InvalidSchedule, match="applies no gradient"):
+        validate(s.with_actions(empty))
+    renumbered = [[Action(a.stage, a.op, a.microbatch + 1) if a.op is Op.U else a for a in r] for r in s.actions]
+    with pytest.raises(InvalidSchedule, match="should be 0U0"):
+        validate(s.with_actions(renumbered))
+
+
+@pytest.mark.parametrize("name", ["pipedream", "pipedream-2bw", "pipemare", "spectrain", "xpipe", "ampnet", "avgpipe"])
+@pytest.mark.parametrize("d,t", [(2, 2), (4, 4), (3, 5)])
+def test_steady_state_bubble_is_zero(name: str, d: int, t: int) -> None:
+    s = generate(name, num_stages=d, num_microbatches=t, num_steps=4)
+    assert steady_bubble_ratio(simulate(s)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_wpipe_steady_bubble_shrinks_with_t() -> None:
+    # Measured with our greedy order, not the paper's ~0 (see schedule/wpipe.py).
+    b = [steady_bubble_ratio(simulate(generate("wpipe", num_stages=4, num_microbatches=t, num_steps=5)))
+         for t in (4, 8, 16)]
+    assert b[0] > b[1] > b[2] and b[2] < 0.05
+
+
+def test_flush_warmup_makes_a_bubble() -> None:
+    warm = generate("pipemare", num_stages=4, num_microbatches=4, num_steps=4, warmup_steps=2)
+    validate(warm)
+    t = simulate(warm)
+    # Two flushed 1F1B steps then the stream: slower than the pure stream.
+    assert t.events[0][-1].end > simulate(generate("pipemare", num_stages=4, num_microbatches=4)).events[0][-1].end
+
+
+def test_bad_options() -> None:
+    with pytest.raises(ScheduleError, match="num_steps"):
+        generate("pipedream", num_stages=2, num_microbatches=2, num_steps=0)
+    with pytest.raises(ScheduleError, match="warmup_steps"):
+        generate("pipemare", num_stages=2, num_microbatches=2, num_steps=2, warmup_steps=3)
+    with pytest.raises(ScheduleError, match="takes no option"):
+        generate("xpipe", num_stages=2, num_microbatches=2, vertical_sync=True)
+    with pytest.raises(ScheduleError, match="chunk"):
+        generate("wpipe", num_stages=2, num_microbatches=2, num_chunks=1)
