@@ -20,11 +20,14 @@ import torch.distributed as dist
 from pipeweave.data import data_source, split_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec, uniform_parts
+from pipeweave.partition.methods import PartitionContext, explicit
+from pipeweave.partition.problem import LayerCosts, Partition
 from pipeweave.runtime import launch as launch_module
 from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.stage import OptimizerFactory, StageWorker
 from pipeweave.runtime.trace import align_clocks
 from pipeweave.schedule import Schedule, generate, lower, validate
+from pipeweave.schedule.data_parallel import data_parallel
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -59,6 +62,10 @@ class TrainConfig:
     """gpt only: a text file instead of the built-in corpus."""
     collect_parameters: bool = False
     """Send every stage's final parameters to rank 0 (tests)."""
+    layers_per_part: tuple[int, ...] | None = None
+    """Layer count of each part (``pipeweave.partition``); None: uniform."""
+    data_parallel: int = 1
+    """P: pipeline replicas (``schedule.data_parallel``); the batch is the global batch, T per replica."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -72,8 +79,17 @@ class TrainConfig:
 
     def build_schedule(self) -> Schedule:
         """The schedule of this run (raises ScheduleError, a UserError, if it cannot be built)."""
-        return generate(self.schedule, num_stages=self.num_stages, num_microbatches=self.num_microbatches,
+        base = generate(self.schedule, num_stages=self.num_stages, num_microbatches=self.num_microbatches,
                         num_chunks=self.num_chunks)
+        return data_parallel(base, self.data_parallel) if self.data_parallel != 1 else base
+
+    def layer_ranges(self, schedule: Schedule) -> list[range]:
+        """The layers of each part: ``layers_per_part``, checked, or uniform."""
+        if self.layers_per_part is None:
+            return uniform_parts(self.model.num_layers, schedule.num_parts)
+        counts = Partition(self.layers_per_part)
+        explicit(LayerCosts.uniform(self.model.num_layers), schedule.num_parts, PartitionContext(counts=counts.counts))
+        return [range(a, b) for a, b in counts.bounds]
 
     def check(self) -> Schedule:
         """Validate everything that can be validated without spawning; returns the schedule.
@@ -91,9 +107,10 @@ class TrainConfig:
                 f"{schedule.num_parts} layers, the model has {self.model.num_layers}; "
                 "reduce --stages or increase --layers"
             )
-        if self.batch_size < self.num_microbatches:
-            raise UserError(f"--batch {self.batch_size} cannot make {self.num_microbatches} microbatches; "
+        if self.batch_size < schedule.num_microbatches:
+            raise UserError(f"--batch {self.batch_size} cannot make {schedule.num_microbatches} microbatches; "
                             "increase --batch or reduce --microbatches")
+        self.layer_ranges(schedule)
         return schedule
 
     def optimizer_factory(self) -> OptimizerFactory:
@@ -104,7 +121,8 @@ class TrainConfig:
 
     @property
     def microbatch_sizes(self) -> list[int]:
-        return [len(m) for m in split_microbatches(torch.empty(self.batch_size, 0), self.num_microbatches)]
+        t = self.num_microbatches * self.data_parallel  # every replica's microbatches
+        return [len(m) for m in split_microbatches(torch.empty(self.batch_size, 0), t)]
 
 
 @dataclass
@@ -138,7 +156,7 @@ class RunRecord:
 
 def build_workers(schedule: Schedule, config: TrainConfig, rank: int, device: torch.device) -> dict[int, StageWorker]:
     """The stage workers of ``rank``, built from the model's seed (equal to plain training's layers)."""
-    parts = uniform_parts(config.model.num_layers, schedule.num_parts)
+    parts = config.layer_ranges(schedule)
     return {
         s: StageWorker(config.model, parts[schedule.placement.stage_part[s]], batch_size=config.batch_size,
                        optimizer_factory=config.optimizer_factory(), recompute=config.recompute, device=device)
@@ -155,7 +173,7 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
     executor = Executor(lower(schedule), rank, workers, config.microbatch_sizes, device)
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
     offset = align_clocks(rank, world)
-    t = config.num_microbatches
+    t = schedule.num_microbatches
     losses, records = [], []
     for step in range(config.steps):
         inputs, targets = source.batch(step)
