@@ -142,7 +142,7 @@ def _spawn(
     fn: RankFn, payload: Any, num_ranks: int, options: LaunchOptions, on_progress: ProgressFn | None
 ) -> Any:
     store = dist.TCPStore("127.0.0.1", 0, num_ranks + 1, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: Any = ctx.SimpleQueue()
     procs = [
         ctx.Process(
@@ -168,6 +168,18 @@ def _spawn(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         del store
+
+
+def _context() -> Any:
+    """Fork ranks from a fresh server process that imported torch once (per launcher process).
+
+    Forking the launcher itself could inherit its OpenMP threads; spawning
+    re-imports torch in every rank (seconds each on a busy machine).
+    """
+    ctx = mp.get_context("forkserver")
+    # torch.optim imports torch._dynamo on first use: seconds per rank unless preloaded.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipeweave.runtime.job"])
+    return ctx
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

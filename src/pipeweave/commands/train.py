@@ -1,0 +1,233 @@
+"""``pipeweave train``: train a model with a schedule on local ranks (or under torchrun), measured.
+
+With no arguments it trains the byte-level gpt on the Python standard
+library's sources, on 2 ranks with a zero-bubble schedule where the registry
+has one (1F1B otherwise), shows a progress bar, and ends with a summary --
+loss first -> last, throughput, measured beside simulated bubble, memory per
+rank -- and a JSON record, a Chrome trace and a timeline plot under
+``./pipeweave-out/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeweave.commands.partition import add_model_arguments, model_spec
+from pipeweave.errors import UserError
+
+DEFAULT_OUT = Path("pipeweave-out")
+# Preferred defaults, first one present in the registry wins (zero bubble is
+# registered by another part of the project; 1F1B always is).
+DEFAULT_SCHEDULES = ("zb-h1", "1f1b")
+# The default gpt: small enough to train 40 steps in a few seconds on 2 cores.
+DEFAULT_GPT = {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "train", help="train a model with a pipeline schedule on local ranks, measured",
+        description="Train on torch.distributed with any synchronous schedule; measure bubble, memory, throughput.",
+    )
+    p.add_argument("-s", "--schedule", help="schedule name (default: zb-h1 if registered, else 1f1b)")
+    p.add_argument("--stages", type=int, default=2, help="D, pipeline ranks (default 2)")
+    p.add_argument("--microbatches", type=int, default=4, help="T, microbatches per step (default 4)")
+    p.add_argument("--chunks", type=int, help="v, chunks per rank, for schedules that take it")
+    add_model_arguments(p)
+    p.add_argument("--batch", "--batch-size", dest="batch", type=int, default=16,
+                   help="samples per step, split into T microbatches (default 16)")
+    p.add_argument("--data", metavar="FILE", help="gpt: a text file to train on (default: the stdlib sources)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    p.add_argument("--lr", type=float, help="learning rate (default 3e-3 for adamw, 0.1 for sgd)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), help="default adamw for the gpt, sgd for the mlp")
+    p.add_argument("--recompute", action="store_true", help="activation recomputation on every stage")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a rank may wait on a peer (default 60)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="folder of the default outputs (default ./pipeweave-out)")
+    p.add_argument("--json", metavar="FILE", help="write the JSON record here (default OUT/train.json)")
+    p.add_argument("--plot", metavar="FILE", help="write the measured timeline plot here (default OUT/timeline.png)")
+    p.add_argument("--trace", metavar="FILE", help="write the Chrome trace here (default OUT/trace.json)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    return p
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """The ``TrainConfig`` of the arguments (torch is imported only here)."""
+    from pipeweave.runtime.job import TrainConfig
+    from pipeweave.schedule import SCHEDULES
+
+    if args.model == "gpt":
+        for name, value in DEFAULT_GPT.items():
+            if getattr(args, name, None) is None:
+                setattr(args, name, value)
+    spec = model_spec(args)
+    optimizer = args.optimizer or ("adamw" if spec.kind == "gpt" else "sgd")
+    lr = args.lr if args.lr is not None else (3e-3 if optimizer == "adamw" else 0.1)
+    schedule = args.schedule or next(n for n in DEFAULT_SCHEDULES if n in SCHEDULES)
+    if args.threads < 1:
+        raise UserError(f"--threads {args.threads} is invalid; give at least 1")
+    return TrainConfig(
+        schedule=schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks,
+        model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
+        recompute=args.recompute, seed=args.seed or 0, data=args.data,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeweave.runtime.job import run_rank
+    from pipeweave.runtime.launch import LaunchOptions, RankFailure, launch, under_torchrun
+
+    config = build_config(args)
+    schedule = config.check()  # one line before anything is spawned
+    progress = _Progress(config, quiet=args.quiet or (under_torchrun() and _rank() != 0))
+    options = LaunchOptions(threads=args.threads, timeout_s=args.timeout)
+    try:
+        with progress:
+            record = launch(run_rank, config, schedule.num_ranks, options, on_progress=progress.update)
+    except RankFailure as failure:
+        return failure.exit_code
+    if record is None:  # a rank other than 0 under torchrun
+        return 0
+    report = build_report(schedule, record)
+    paths = write_outputs(schedule, record, report, args)
+    if not args.quiet:
+        print_summary(report, paths)
+    return 0
+
+
+def _rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+class _Progress:
+    """A rich progress bar fed by the ranks' per-step reports (loss shares summed over ranks)."""
+
+    def __init__(self, config: Any, quiet: bool) -> None:
+        self.config, self.quiet = config, quiet
+        self.shares: dict[int, dict[int, float]] = {}
+        self.bar: Any = None
+        self.started = time.perf_counter()
+
+    def __enter__(self) -> _Progress:
+        if not self.quiet:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[status]}"), TimeElapsedColumn(), transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task("train", total=self.config.steps, status="starting ranks...")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, rank: int, value: dict[str, Any]) -> None:
+        step = value["step"]
+        self.shares.setdefault(step, {})[rank] = value["loss"]
+        if self.bar is None or len(self.shares[step]) < self._num_reporting():
+            return
+        if step == 0:
+            self.started = time.perf_counter()
+            rate = ""
+        else:
+            rate = f"  {self.config.batch_size * step / (time.perf_counter() - self.started):.1f} samples/s"
+        self.bar.update(self.task, completed=step + 1, status=f"loss {sum(self.shares[step].values()):.4f}{rate}")
+
+    def _num_reporting(self) -> int:
+        from pipeweave.runtime.launch import under_torchrun
+
+        return 1 if under_torchrun() else self.config.build_schedule().num_ranks
+
+
+def build_report(schedule: Any, record: Any) -> dict[str, Any]:
+    """The JSON record: configuration, losses and every measured and simulated figure."""
+    from dataclasses import asdict
+
+    from pipeweave.runtime.trace import summarize
+
+    config = record.config
+    return {
+        "schedule": config.schedule, "stages": config.num_stages, "microbatches": config.num_microbatches,
+        "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.steps,
+        "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
+        "recompute": config.recompute, "losses": record.losses, "wall_s": record.wall_s,
+        **summarize(schedule, record),
+    }
+
+
+def write_outputs(schedule: Any, record: Any, report: dict[str, Any], args: argparse.Namespace) -> dict[str, str]:
+    """Write the JSON record, the Chrome trace and the timeline plot; return their paths."""
+    from pipeweave.runtime.trace import chrome_trace, step_timeline
+
+    out = Path(args.out)
+    paths = {
+        "json": Path(args.json) if args.json else out / "train.json",
+        "trace": Path(args.trace) if args.trace else out / "trace.json",
+        "plot": Path(args.plot) if args.plot else out / "timeline.png",
+    }
+    for path in paths.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    paths["json"].write_text(json.dumps(report, indent=2) + "\n")
+    paths["trace"].write_text(json.dumps(chrome_trace(schedule, record)))
+    last = step_timeline(schedule, record, record.config.steps - 1)
+    if not _plot(last, paths["plot"]):
+        del paths["plot"]
+    return {k: str(v) for k, v in paths.items()}
+
+
+def _plot(timeline: Any, path: Path) -> bool:
+    """Draw with ``pipeweave.sim.plot`` when the project has it; False when it does not."""
+    try:
+        from pipeweave.sim import plot
+    except ImportError:
+        return False
+    draw = getattr(plot, "plot_timeline", None) or getattr(plot, "plot", None)
+    if draw is None:
+        return False
+    draw(timeline, str(path))
+    return True
+
+
+def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    losses = report["losses"]
+    table = Table(title=f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  "
+                        f"{report['model']['kind']}  {report['steps']} steps", show_header=True)
+    table.add_column("measure")
+    table.add_column("measured", justify="right")
+    table.add_column("simulated", justify="right")
+    table.add_row("loss first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}", "")
+    table.add_row("step time", _ms(report["step_time_s"]), _ms(report["makespan_simulated_s"]))
+    rate = f"{report['samples_per_s']:.1f} samples/s"
+    if report.get("tokens_per_s"):
+        rate += f"  ({report['tokens_per_s']:.0f} tokens/s)"
+    table.add_row("throughput", rate, "")
+    table.add_row("bubble ratio", f"{report['bubble_ratio']:.3f}", f"{report['bubble_ratio_simulated']:.3f}")
+    table.add_row("bubble ratio (flush)", f"{report['bubble_ratio_flush']:.3f}",
+                  f"{report['bubble_ratio_flush_simulated']:.3f}")
+    for r, (act, weight) in enumerate(zip(report["peak_activation_bytes"], report["weight_bytes"])):
+        table.add_row(f"rank {r} memory", f"act {_bytes(act)}  weights {_bytes(weight)}", "")
+    console = Console()
+    console.print(table)
+    for kind, path in paths.items():
+        console.print(f"{kind}: {path}")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
