@@ -39,28 +39,71 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Cut a model into parts; predict per-part time and memory and the schedule's bubble.",
     )
     add_model_arguments(p)
-    p.add_argument("--costs", metavar="FILE", help="per-layer costs (JSON) instead of profiling the model")
     p.add_argument("--save-costs", metavar="FILE", help="write the per-layer costs used (JSON)")
     p.add_argument("--stages", type=int, required=True, help="D, pipeline ranks")
     p.add_argument("-s", "--schedule", default="1f1b", help="schedule name (default 1f1b)")
     p.add_argument("--microbatches", type=int, default=8, help="T, microbatches per step (default 8)")
     p.add_argument("--chunks", type=int, help="v, chunks per rank, for interleaved schedules")
     p.add_argument("--batch-size", type=int, default=32, help="samples per step, split into T microbatches (default 32)")
-    p.add_argument(
+    add_partition_arguments(p)
+    p.add_argument("--device", default="cpu", help="where to profile: the device the run uses (default cpu)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads while profiling, as per rank (default 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--partition METHOD`` and what the methods need (shared by ``partition`` and ``train``)."""
+    group = parser.add_argument_group("partition")
+    group.add_argument(
         "--partition", default="uniform", metavar="METHOD",
         help="uniform, parameters, type:REGEX, time, pipedream, memory or explicit (default uniform)",
     )
-    p.add_argument("--memory-limit", type=float, metavar="BYTES", help="memory: bytes one rank may hold")
-    p.add_argument("--layers-per-stage", metavar="N,N,...", help="explicit: layer count of each part, e.g. 3,2,2,1")
-    p.add_argument("--optimizer-state", type=float, default=1.0, metavar="X",
-                   help="bytes of gradient and optimizer state per weight byte (SGD 1, Adam 3; default 1)")
-    p.add_argument("--bandwidth", type=float, default=1e10, help="pipedream: bytes/s between ranks (default 1e10)")
-    p.add_argument("--device", default="cpu", help="where to profile: the device the run uses (default cpu)")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads while profiling, as per rank (default 1)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per layer when profiling (default 5)")
-    p.add_argument("--refresh", action="store_true", help="profile again even if a cached profile exists")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
+    group.add_argument("--memory-limit", type=float, metavar="BYTES", help="memory: bytes one rank may hold")
+    group.add_argument("--layers-per-stage", metavar="N,N,...", help="explicit: layer count of each part, e.g. 3,2,2,1")
+    group.add_argument("--optimizer-state", type=float, default=1.0, metavar="X",
+                       help="bytes of gradient and optimizer state per weight byte (SGD 1, Adam 3; default 1)")
+    group.add_argument("--bandwidth", type=float, default=1e10, help="pipedream: bytes/s between ranks (default 1e10)")
+    group.add_argument("--costs", metavar="FILE", help="per-layer costs (JSON) instead of profiling the model")
+    group.add_argument("--repeats", type=int, default=5, help="timed runs per layer when profiling (default 5)")
+    group.add_argument("--refresh", action="store_true", help="profile again even if a cached profile exists")
+
+
+def partition_context(args: argparse.Namespace, profile: MemoryProfile | None) -> PartitionContext:
+    return PartitionContext(
+        counts=parse_counts(args.layers_per_stage), memory_limit=args.memory_limit, profile=profile,
+        bandwidth=args.bandwidth,
+    )
+
+
+def layers_per_part(
+    args: argparse.Namespace, spec: Any, schedule: Schedule, microbatch_size: int, device: str
+) -> tuple[int, ...] | None:
+    """For ``train``: the layer counts ``--partition`` gives for ``schedule`` (None: uniform).
+
+    Costs come from ``--costs`` or the profiler (cached) on ``device``.
+
+    Raises:
+        UserError: the method's errors, or a PipeDream plan that replicates parts.
+    """
+    if args.partition == "uniform" and args.layers_per_stage is None:
+        return None
+    if args.partition == "explicit" or args.costs:
+        costs = LayerCosts.load(args.costs) if args.costs else LayerCosts.uniform(spec.num_layers)
+    else:
+        from pipeweave.runtime.profile import profile_model
+
+        costs = profile_model(spec, microbatch_size, device=device, repeats=args.repeats, refresh=args.refresh)
+    if costs.num_layers != spec.num_layers:
+        raise UserError(f"--costs has {costs.num_layers} layers for a model of {spec.num_layers}; profile this model")
+    profile = memory_profile(schedule, args)
+    plan = partition(args.partition, costs, schedule.num_parts, partition_context(args, profile))
+    if plan.num_parts != schedule.num_parts:
+        raise UserError(
+            f"--partition {args.partition} replicates parts {list(plan.replicas)}; train one replica per part "
+            "with --partition time, or replicate whole pipelines with --data-parallel"
+        )
+    return plan.counts
 
 
 def parse_counts(text: str | None) -> tuple[int, ...] | None:
@@ -117,11 +160,7 @@ def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, A
     """Partition ``costs`` for the schedule of ``args``; simulate the schedule with the parts' costs."""
     schedule = generate(args.schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks)
     profile = memory_profile(schedule, args)
-    context = PartitionContext(
-        counts=parse_counts(args.layers_per_stage), memory_limit=args.memory_limit, profile=profile,
-        bandwidth=args.bandwidth,
-    )
-    plan = partition(args.partition, costs, schedule.num_parts, context)
+    plan = partition(args.partition, costs, schedule.num_parts, partition_context(args, profile))
     if plan.num_parts != schedule.num_parts:  # PipeDream chose fewer, replicated stages
         schedule = generate(args.schedule, num_stages=plan.num_parts, num_microbatches=args.microbatches)
         profile = memory_profile(schedule, args)
