@@ -1,0 +1,301 @@
+"""The zero-bubble paper's constructive heuristic (Qi et al., ICLR 2024, section 3.1), searched.
+
+A list scheduler walks time: a rank that is free runs, in priority order,
+an ``I`` whose gradient has arrived (it unblocks the rank before it), an ``F``
+whose input has arrived if the rank's in-flight count and memory allow it
+(the warm-up goes as deep as its cap), else a pending ``W`` (weight gradients
+fill what would be bubbles), else it waits. ``Policy`` holds the choices the
+paper leaves open — warm-up depth per rank, how far W may lag, which chunk
+goes first in a V — and ``heuristic`` tries a small grid of them, keeping the
+schedule of least max span.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pipeweave.schedule.ir import Action, Op
+from pipeweave.search.problem import MEMORY_EPS, Problem
+
+Order = list[list[Action]]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The heuristic's open choices.
+
+    Attributes:
+        extra: warm-up depth beyond 1F1B's: rank r keeps at most
+            ``base(r) + extra`` microbatches in flight (F done, I not).
+        slope: how much deeper earlier ranks warm up: ``base(r) = D - r``
+            plus ``slope x (D - 1 - r)`` (slope 1 is ZB-H2's 2D - 2r - 1 + 1).
+        w_lag: pending W above which W runs before a new F (inf: only in gaps).
+        deep_first: in a V, prefer the chunk further down the pipeline.
+        f_first: an arrived F goes before an arrived I (keeps the forward
+            wave at rank 0's pace; the memory and warm-up cap still apply).
+        lookahead: when an I is known to arrive before an F or W would end,
+            run only what fits in the gap, else wait for the I.
+    """
+
+    extra: int = 0
+    slope: float = 0.0
+    w_lag: float = math.inf
+    deep_first: bool = True
+    lookahead: bool = False
+    f_first: bool = False
+
+
+@dataclass
+class Result:
+    """A list schedule: per rank its actions in order, with start times."""
+
+    order: Order
+    starts: list[list[float]]
+    span: float
+    makespan: float
+
+
+class _Rank:
+    """Mutable state of one rank during the list schedule."""
+
+    def __init__(self, problem: Problem, rank: int, policy: Policy) -> None:
+        d, t = problem.num_stages, problem.num_microbatches
+        self.stages = sorted(problem.stages_on(rank), reverse=policy.deep_first)
+        chunks = len(self.stages)
+        depth = d - rank + policy.extra + round(policy.slope * (d - 1 - rank))
+        self.cap = max(chunks, min(t * chunks, depth * chunks))
+        self.limit = problem.limit[rank] + MEMORY_EPS
+        self.held = 0.0
+        self.in_flight = 0
+        self.pending_w = 0
+        self.free_at = 0.0
+        self.durations = {s: {op: problem.duration(s, op) for op in (Op.F, Op.I, Op.W)} for s in self.stages}
+        self.order: list[Action] = []
+        self.starts: list[float] = []
+
+
+def list_schedule(problem: Problem, policy: Policy) -> Result | None:
+    """Run the list scheduler under one policy; None when it stalls (memory deadlock).
+
+    Example:
+        >>> r = list_schedule(Problem(num_stages=2, num_microbatches=2), Policy())
+        >>> [str(a) for a in r.order[1]], r.span
+        (['1F0', '1I0', '1F1', '1I1', '1W0', '1W1'], 6.0)
+    """
+    d, t = problem.num_stages, problem.num_microbatches
+    c, place = problem.costs, problem.placement
+    stages = place.num_stages
+    ranks = [_Rank(problem, r, policy) for r in range(d)]
+    f_ready = [[math.inf] * t for _ in range(stages)]  # input of F(s, j) available
+    i_ready = [[math.inf] * t for _ in range(stages)]  # gradient of I(s, j) available
+    f_ready[0] = [0.0] * t
+    nf, ni, nw = [0] * stages, [0] * stages, [0] * stages  # next microbatch per op
+    heap = [(0.0, r) for r in range(d)]
+    done_count, total = 0, 3 * t * stages
+
+    def post(ready: list[list[float]], s: int, j: int, at: float) -> None:
+        ready[s][j] = at
+        rank = ranks[place.stage_rank[s]]
+        heapq.heappush(heap, (max(at, rank.free_at), place.stage_rank[s]))
+
+    while heap:
+        now, r = heapq.heappop(heap)
+        rank = ranks[r]
+        if now < rank.free_at:
+            continue  # stale wake-up: the rank is busy
+        action = _choose(rank, now, policy, nf, ni, nw, f_ready, i_ready, c.activation, t)
+        if action is None:
+            continue  # wait for an arrival
+        s, op, j = action
+        end = now + problem.duration(s, op)
+        rank.order.append(action)
+        rank.starts.append(now)
+        rank.free_at = end
+        done_count += 1
+        a = c.activation[s]
+        if op is Op.F:
+            nf[s] += 1
+            rank.held += a
+            rank.in_flight += 1
+            nxt = place.next_stage(s)
+            if nxt is None:
+                post(i_ready, s, j, end)
+            else:
+                post(f_ready, nxt, j, end + problem.hop(s, nxt))
+        elif op is Op.I:
+            ni[s] += 1
+            rank.held -= a * (1.0 - c.mem_w)
+            rank.in_flight -= 1
+            rank.pending_w += 1
+            prev = place.prev_stage(s)
+            if prev is not None:
+                post(i_ready, prev, j, end + problem.hop(s, prev))
+        else:
+            nw[s] += 1
+            rank.held -= a * c.mem_w
+            rank.pending_w -= 1
+        heapq.heappush(heap, (end, r))
+    if done_count < total:
+        return None
+    return _result(problem, ranks)
+
+
+def _choose(
+    rank: _Rank, now: float, policy: Policy, nf: list[int], ni: list[int], nw: list[int],
+    f_ready: list[list[float]], i_ready: list[list[float]], activation: tuple[float, ...], t: int,
+) -> Action | None:
+    """The action a free rank starts at ``now``, or None to wait."""
+    if policy.f_first and rank.in_flight < rank.cap:
+        forward = _forward(rank, now, nf, f_ready, activation, t)
+        if forward is not None:
+            return forward
+    # I first: it passes the gradient upstream and frees memory.
+    best_i: Action | None = None
+    for s in rank.stages:
+        j = ni[s]
+        if j < nf[s] and i_ready[s][j] <= now and (best_i is None or j < best_i.microbatch):
+            best_i = Action(s, Op.I, j)
+    if best_i is not None:
+        return best_i
+    if policy.lookahead:
+        return _fill_gap(rank, now, policy, nf, ni, nw, f_ready, i_ready, activation, t)
+    return _greedy(rank, now, policy, nf, nw, ni, f_ready, activation, t)
+
+
+def _next_i(rank: _Rank, nf: list[int], ni: list[int], i_ready: list[list[float]]) -> float:
+    """When the next gradient is known to arrive (inf when not known yet)."""
+    return min((i_ready[s][ni[s]] for s in rank.stages if ni[s] < nf[s]), default=math.inf)
+
+
+def _fill_gap(
+    rank: _Rank, now: float, policy: Policy, nf: list[int], ni: list[int], nw: list[int],
+    f_ready: list[list[float]], i_ready: list[list[float]], activation: tuple[float, ...], t: int,
+) -> Action | None:
+    """Greedy, but never start what would still run when a known gradient arrives."""
+    action = _greedy(rank, now, policy, nf, nw, ni, f_ready, activation, t)
+    gap = _next_i(rank, nf, ni, i_ready) - now
+    if action is None or gap == math.inf or rank.durations[action.stage][action.op] <= gap + 1e-12:
+        return action
+    if rank.pending_w:  # a W that fits, else wait for the gradient
+        s = min((s for s in rank.stages if nw[s] < ni[s]), key=lambda s: nw[s])
+        if rank.durations[s][Op.W] <= gap + 1e-12:
+            return Action(s, Op.W, nw[s])
+    return None
+
+
+def _greedy(
+    rank: _Rank, now: float, policy: Policy, nf: list[int], nw: list[int], ni: list[int],
+    f_ready: list[list[float]], activation: tuple[float, ...], t: int,
+) -> Action | None:
+    """F if the warm-up cap and memory allow it, else the oldest W, else wait."""
+    w_first = rank.pending_w > policy.w_lag
+    if not w_first and rank.in_flight < rank.cap:
+        forward = _forward(rank, now, nf, f_ready, activation, t)
+        if forward is not None:
+            return forward
+    if rank.pending_w:
+        oldest = min((s for s in rank.stages if nw[s] < ni[s]), key=lambda s: nw[s])
+        return Action(oldest, Op.W, nw[oldest])
+    if w_first and rank.in_flight < rank.cap:  # no W left to run first
+        return _forward(rank, now, nf, f_ready, activation, t)
+    return None
+
+
+def _forward(
+    rank: _Rank, now: float, nf: list[int], f_ready: list[list[float]], activation: tuple[float, ...], t: int,
+) -> Action | None:
+    """An arrived F that fits in memory, or None.
+
+    In a V, a shallow chunk's F must leave room for the deep chunk's F of the
+    same microbatch: filling memory with shallow F's would starve the deep
+    chunk, whose I is what frees memory (a deadlock).
+    """
+    for s in rank.stages:
+        j = nf[s]
+        if j >= t or f_ready[s][j] > now:
+            continue
+        need = rank.held + activation[s]
+        need += sum(activation[d] for d in rank.stages if d > s and nf[d] <= j)
+        if need <= rank.limit:
+            return Action(s, Op.F, j)
+    return None
+
+
+def _result(problem: Problem, ranks: list[_Rank]) -> Result:
+    span = max(rk.free_at - rk.starts[0] for rk in ranks)
+    return Result([rk.order for rk in ranks], [rk.starts for rk in ranks], span,
+                  max(rk.free_at for rk in ranks))
+
+
+def policies(problem: Problem) -> Iterator[Policy]:
+    """The grid the heuristic tries, most promising first (1F1B-like depth first)."""
+    d = problem.num_stages
+    # A V holds two chunks per microbatch and warms up about twice as deep.
+    extras = [d, 2 * d, d // 2, 4, 2, 1, 0] if problem.vshape else [0, 1, 2, 4, d // 2, d]
+    slopes = [1.0, 0.5, 0.0]
+    lags = [math.inf, 1.0, 0.0, 2.0]
+    deep = [True, False] if problem.vshape else [True]
+    seen: set[Policy] = set()
+    # Most promising first: the budget may stop the walk after a few policies.
+    grid = itertools.product(deep, (True, False), (True, False), lags, slopes, list(dict.fromkeys(extras)))
+    for first, f_first, look, lag, slope, extra in grid:
+        p = Policy(extra=extra, slope=slope, w_lag=lag, deep_first=first, lookahead=look, f_first=f_first)
+        if p not in seen:
+            seen.add(p)
+            yield p
+
+
+def one_at_a_time(problem: Problem) -> Result:
+    """The fallback that always fits: one microbatch in the pipeline at a time."""
+    place, t = problem.placement, problem.num_microbatches
+    order: Order = [[] for _ in range(problem.num_ranks)]
+    for j in range(t):
+        route = place.pipelines[0]
+        for s in route:
+            order[place.stage_rank[s]].append(Action(s, Op.F, j))
+        for s in reversed(route):
+            order[place.stage_rank[s]] += [Action(s, Op.I, j), Action(s, Op.W, j)]
+    return evaluate(problem, order)
+
+
+def evaluate(problem: Problem, order: Order) -> Result:
+    """ASAP start times of a given order (the simulator's semantics, no validation)."""
+    from pipeweave.schedule.dataflow import execute
+    from pipeweave.search.build import to_schedule
+
+    run = execute(to_schedule(problem, order, updates=False),
+                  duration=lambda a: problem.duration(a.stage, a.op),
+                  latency=(lambda x, y: problem.costs.comm) if problem.costs.comm else None)
+    if not run.complete:
+        raise ValueError("the order cannot complete")  # pragma: no cover - callers pass valid orders
+    span = max(row_end[-1] - row_start[0] for row_start, row_end in zip(run.start, run.end))
+    makespan = max(row_end[-1] for row_end in run.end)
+    return Result(order, run.start, span, makespan)
+
+
+def heuristic(problem: Problem, *, budget_s: float = 0.5) -> Result:
+    """The best list schedule over ``policies(problem)`` found within ``budget_s``.
+
+    Args:
+        problem: the instance.
+        budget_s: wall-clock budget for trying policies (the first always runs).
+
+    Example:
+        >>> from pipeweave.search.problem import problem_from_times
+        >>> heuristic(problem_from_times(4, 8, memory_limit=2)).span
+        24.0
+    """
+    deadline = time.perf_counter() + budget_s
+    best: Result | None = None
+    for policy in policies(problem):
+        result = list_schedule(problem, policy)
+        if result is not None and (best is None or result.span < best.span - 1e-12):
+            best = result
+        if time.perf_counter() > deadline:
+            break
+    return best if best is not None else one_at_a_time(problem)

@@ -1,0 +1,146 @@
+"""A zero-bubble scheduling instance (Qi et al., ICLR 2024, section 3): stages, times, memory.
+
+The instance is what the automatic schedulers of the zero-bubble paper take as
+input: D ranks, T microbatches, a straight or V-shaped placement, per-part
+times of F, I (the paper's B) and W, a per-hop communication time, the
+activation memory M_a of a microbatch (M_W of it held from I until W) and a
+per-rank activation limit. Costs are resolved exactly as the simulator resolves
+them (``CostModel.for_parts``), so a schedule's simulated times are the times
+the searches reason about.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pipeweave.schedule.ir import Action, Op, Placement, ScheduleError
+from pipeweave.sim.cost import CostModel, PartCosts
+
+# Tolerance of memory comparisons: limits are sums of floats such as 0.5 x 8.
+MEMORY_EPS = 1e-9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One instance of automatic zero-bubble scheduling.
+
+    Example:
+        >>> p = Problem(num_stages=4, num_microbatches=8, memory_limit=1.0)
+        >>> p.limit, p.start_offset
+        ((4.0, 4.0, 4.0, 4.0), (0.0, 1.0, 2.0, 3.0))
+    """
+
+    num_stages: int
+    """D: pipeline depth in ranks."""
+    num_microbatches: int
+    """T: microbatches per step."""
+    vshape: bool = False
+    """Two chunks per rank in a V (ZB-V) instead of one straight stage per rank."""
+    cost: CostModel = field(default_factory=CostModel)
+    """Times and memory; a scalar is the cost of one D-th of the model."""
+    memory_limit: float = 1.0
+    """K: per-rank activation limit as a multiple of the 1F1B peak D x M_a (``math.inf``: none)."""
+    placement: Placement = field(init=False, repr=False, compare=False)
+    costs: PartCosts = field(init=False, repr=False, compare=False)
+    limit: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    """Per rank, the activation limit in the cost model's units."""
+    start_offset: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    """Per rank, the earliest start of its first action (F of microbatch 0)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_stages", "num_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ScheduleError(f"{name}={value!r} is invalid; give an integer >= 1")
+        d = self.num_stages
+        placement = Placement.vshape(d) if self.vshape else Placement.straight(d)
+        costs = self.cost.for_parts(num_parts=placement.num_parts, num_ranks=d)
+        object.__setattr__(self, "placement", placement)
+        object.__setattr__(self, "costs", costs)
+        per_mb = [sum(costs.activation[s] for s in placement.stages_on(r)) for r in range(d)]
+        if not self.memory_limit * d >= 1.0 - MEMORY_EPS:  # also rejects NaN
+            raise ScheduleError(
+                f"memory_limit={self.memory_limit!r} holds less than one microbatch per rank; "
+                f"give memory_limit >= 1/{d}"
+            )
+        object.__setattr__(self, "limit", tuple(self.memory_limit * d * m for m in per_mb))
+        object.__setattr__(self, "start_offset", tuple(self._first_start(r) for r in range(d)))
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_stages
+
+    @property
+    def num_parts(self) -> int:
+        return self.placement.num_parts
+
+    def stages_on(self, rank: int) -> tuple[int, ...]:
+        return self.placement.stages_on(rank)
+
+    def rank_of(self, stage: int) -> int:
+        return self.placement.stage_rank[stage]
+
+    def hop(self, stage: int, other: int | None) -> float:
+        """Communication time from ``stage`` to ``other`` (0 on the same rank)."""
+        if other is None or self.rank_of(other) == self.rank_of(stage):
+            return 0.0
+        return self.costs.comm
+
+    def duration(self, stage: int, op: Op) -> float:
+        if op is Op.F:
+            return self.costs.f[stage]
+        if op is Op.I:
+            return self.costs.b[stage]
+        if op is Op.W:
+            return self.costs.w[stage]
+        raise ValueError(f"op {op} has no duration in a zero-bubble instance")
+
+    def work(self, rank: int) -> float:
+        """Busy time of a rank in one step: T x (f + b + w) of its stages."""
+        c = self.costs
+        return self.num_microbatches * sum(c.f[s] + c.b[s] + c.w[s] for s in self.stages_on(rank))
+
+    def actions_on(self, rank: int) -> list[Action]:
+        """Every F, I, W of a rank (in no particular order)."""
+        return [Action(s, op, j) for s in self.stages_on(rank) for op in (Op.F, Op.I, Op.W)
+                for j in range(self.num_microbatches)]
+
+    def _first_start(self, rank: int) -> float:
+        # F of microbatch 0 on the rank's first stage, after the forward chain before it.
+        first = min(self.stages_on(rank))
+        t, s = 0.0, 0
+        while s != first:
+            nxt = self.placement.next_stage(s)
+            assert nxt is not None
+            t += self.costs.f[s] + self.hop(s, nxt)
+            s = nxt
+        return t
+
+
+def problem_from_times(
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    vshape: bool = False,
+    time_f: float = 1.0,
+    time_b: float = 1.0,
+    time_w: float = 1.0,
+    time_comm: float = 0.0,
+    memory_limit: float = 1.0,
+    mem_w: float = 0.5,
+) -> Problem:
+    """An instance from scalar times (per D-th of the model), as the CLI takes them.
+
+    Raises:
+        UserError: a negative time, mem_w outside [0, 1], or a limit below one microbatch.
+
+    Example:
+        >>> problem_from_times(8, 24, time_f=18.522, memory_limit=2).limit[0]
+        16.0
+    """
+    if isinstance(memory_limit, float) and math.isnan(memory_limit):
+        raise ScheduleError("memory_limit=nan is invalid; give a number such as 1 or 2")
+    cost = CostModel(f=time_f, b=time_b, w=time_w, comm=time_comm, mem_w=mem_w)
+    return Problem(num_stages=num_stages, num_microbatches=num_microbatches, vshape=vshape,
+                   cost=cost, memory_limit=memory_limit)
