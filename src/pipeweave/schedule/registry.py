@@ -48,6 +48,27 @@ class ScheduleInfo:
     """Fixed chunks per rank (2 for V shapes), or None when ``--chunks`` applies (default 1)."""
 
 
+# zb-auto and zb-v-auto live in pipeweave.search, which imports schedule.ir: importing
+# it here at module level would be a cycle (search -> schedule package -> registry ->
+# search), so these wrappers import it when called. Their signatures are the options.
+def _zb_auto(num_stages: int, num_microbatches: int, *, memory_limit: float = 1.0, mem_w: float = 0.5,
+             time_f: float = 1.0, time_b: float = 1.0, time_w: float = 1.0, time_comm: float = 0.0,
+             solver: str = "heuristic", time_limit: float = 10.0) -> Schedule:
+    from pipeweave.search.registry_entries import zb_auto
+
+    return zb_auto(num_stages, num_microbatches, memory_limit=memory_limit, mem_w=mem_w, time_f=time_f,
+                   time_b=time_b, time_w=time_w, time_comm=time_comm, solver=solver, time_limit=time_limit)
+
+
+def _zb_v_auto(num_stages: int, num_microbatches: int, *, memory_limit: float = 1.0, mem_w: float = 0.5,
+               time_f: float = 1.0, time_b: float = 1.0, time_w: float = 1.0, time_comm: float = 0.0,
+               solver: str = "heuristic", time_limit: float = 10.0) -> Schedule:
+    from pipeweave.search.registry_entries import zb_v_auto
+
+    return zb_v_auto(num_stages, num_microbatches, memory_limit=memory_limit, mem_w=mem_w, time_f=time_f,
+                     time_b=time_b, time_w=time_w, time_comm=time_comm, solver=solver, time_limit=time_limit)
+
+
 SCHEDULES: dict[str, ScheduleInfo] = {
     "naive": ScheduleInfo(
         name="naive", generator=naive, family="naive model parallelism", synchronous=True,
@@ -118,6 +139,16 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     "avgpipe": ScheduleInfo(
         name="avgpipe", generator=avgpipe, family="AvgPipe (elastic averaging)", synchronous=False,
         bubble="~0 (steady state)", activations="[1, D] P M_a", weights="P M_theta", chunks=1,
+    ),
+    "zb-auto": ScheduleInfo(
+        name="zb-auto", generator=_zb_auto, family="zero bubble, automatic (ZB-1p/ZB-2p)", synchronous=True,
+        bubble="searched; ZB-H1's (D-1)(f+b-w) or less at memory_limit=1", activations="<= K D M_a",
+        weights="M_theta", chunks=1,
+    ),
+    "zb-v-auto": ScheduleInfo(
+        name="zb-v-auto", generator=_zb_v_auto, family="zero bubble, automatic, V placement", synchronous=True,
+        bubble="searched; 0 at f = b = w, no comm, memory_limit=1", activations="<= K D M_a",
+        weights="M_theta", chunks=2,
     ),
 }
 
