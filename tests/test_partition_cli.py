@@ -125,3 +125,23 @@ def test_profiles_a_real_model_once(tmp_path: Path, capsys: pytest.CaptureFixtur
     # the output of a block is the microbatch (4, 16) float32; the next run reads the cache
     assert costs.output[:3] == (4 * 16 * 4.0,) * 3
     assert run_json(capsys, argv)["parts"] == first["parts"]
+
+
+def train_config(argv: list[str]):  # type: ignore[no-untyped-def]
+    from pipeweave.commands import train
+
+    parser = argparse.ArgumentParser()
+    train.add_parser(parser.add_subparsers()).set_defaults(run=train.run)
+    return train.build_config(parser.parse_args(["train", "--model", "mlp", "--layers", "8", *argv]))
+
+
+def test_train_takes_the_partition_and_the_data_parallel_degree(head_heavy: Path) -> None:
+    config = train_config(["--stages", "4", "--partition", "explicit", "--layers-per-stage", "3,2,2,1"])
+    assert config.layers_per_part == (3, 2, 2, 1)
+    assert [len(r) for r in config.layer_ranges(config.check())] == [3, 2, 2, 1]
+    config = train_config(["--stages", "2", "--partition", "time", "--costs", str(head_heavy), "--data-parallel", "3"])
+    assert config.layers_per_part == (6, 2) and config.data_parallel == 3
+    assert config.check().num_ranks == 6
+    assert train_config(["--stages", "2"]).layers_per_part is None
+    with pytest.raises(UserError, match="sums to 9 layers"):
+        train_config(["--stages", "2", "--partition", "explicit", "--layers-per-stage", "5,4"])

@@ -11,12 +11,13 @@ rank -- and a JSON record, a Chrome trace and a timeline plot under
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any
 
-from pipeweave.commands.partition import add_model_arguments, model_spec
+from pipeweave.commands.partition import add_model_arguments, add_partition_arguments, layers_per_part, model_spec
 from pipeweave.errors import UserError
 
 DEFAULT_OUT = Path("pipeweave-out")
@@ -37,6 +38,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=4, help="T, microbatches per step (default 4)")
     p.add_argument("--chunks", type=int, help="v, chunks per rank, for schedules that take it")
     add_model_arguments(p)
+    add_partition_arguments(p)
+    p.add_argument("--data-parallel", type=int, default=1, metavar="P",
+                   help="pipeline replicas, gradients all-reduced across them; ranks P x D (default 1)")
     p.add_argument("--batch", "--batch-size", dest="batch", type=int, default=16,
                    help="samples per step, split into T microbatches (default 16)")
     p.add_argument("--data", metavar="FILE", help="gpt: a text file to train on (default: the stdlib sources)")
@@ -69,11 +73,25 @@ def build_config(args: argparse.Namespace) -> Any:
     schedule = args.schedule or next(n for n in DEFAULT_SCHEDULES if n in SCHEDULES)
     if args.threads < 1:
         raise UserError(f"--threads {args.threads} is invalid; give at least 1")
-    return TrainConfig(
+    config = TrainConfig(
         schedule=schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks,
         model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
-        recompute=args.recompute, seed=args.seed or 0, data=args.data,
+        recompute=args.recompute, seed=args.seed or 0, data=args.data, data_parallel=args.data_parallel,
     )
+    return _with_partition(config, args)
+
+
+def _with_partition(config: Any, args: argparse.Namespace) -> Any:
+    """``config`` with the layer counts of ``--partition`` (profiled on this machine's device, cached)."""
+    import dataclasses
+
+    import torch
+
+    base = dataclasses.replace(config, data_parallel=1).build_schedule()  # one replica: the parts
+    microbatch = max(1, config.batch_size // (config.num_microbatches * config.data_parallel))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    counts = layers_per_part(args, config.model, base, microbatch, device)
+    return dataclasses.replace(config, layers_per_part=counts) if counts is not None else config
 
 
 def run(args: argparse.Namespace) -> int:
