@@ -15,7 +15,7 @@ from pipeweave import __version__
 from pipeweave.errors import UserError
 
 # Subcommands in the order ``pipeweave --help`` lists them.
-COMMANDS = ("schedules", "simulate", "partition", "train")
+COMMANDS = ("schedules", "simulate", "partition", "train", "search")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,7 @@ both warm-started from the heuristic and time-limited.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import time
@@ -234,8 +235,11 @@ def exact(problem: Problem, *, solver: str = DEFAULT_SOLVER, time_limit: float =
                 best = candidate
     elif solver != "heuristic":
         status = "optimal"  # the heuristic meets the bound
-    return finish(problem, best.order, lower_bound=bound, solver=solver,
-                  solver_time=time.perf_counter() - t0, status=status)
+    result = finish(problem, best.order, lower_bound=bound, solver=solver,
+                    solver_time=time.perf_counter() - t0, status=status)
+    if result.gap == 0.0 and status != "optimal":  # the hand bound closed what the solver left open
+        result = dataclasses.replace(result, status="optimal")
+    return result
 
 
 def _run_back_end(solver: str, model: Model, warm: list[int], time_limit: float, workers: int) -> Solved:

@@ -1,0 +1,71 @@
+"""``pipeweave search``: an automatic zero-bubble schedule under a memory limit, with its bound and gap."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from typing import Any
+
+from pipeweave.errors import UserError
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "search", help="search a zero-bubble schedule under a memory limit",
+        description="Heuristic and exact (CP-SAT or HiGHS) zero-bubble search; prints bubble, bound, gap.",
+    )
+    p.add_argument("--stages", type=int, required=True, help="D, ranks")
+    p.add_argument("--microbatches", type=int, required=True, help="T")
+    p.add_argument("--chunks", type=int, choices=(1, 2), default=1, help="2: V placement (zb-v-auto)")
+    p.add_argument("--v-shape", action="store_true", help="same as --chunks 2")
+    for op, text in (("f", "forward"), ("b", "input-gradient (I)"), ("w", "weight-gradient (W)")):
+        p.add_argument(f"--time-{op}", type=float, default=1.0, help=f"{text} time of one D-th of the model")
+    p.add_argument("--time-comm", type=float, default=0.0, help="one hop between ranks")
+    p.add_argument("--memory-limit", type=float, default=1.0, help="K: activation limit / (D x M_a); 1 ZB-1p, 2 ZB-2p")
+    p.add_argument("--mem-w", type=float, default=0.5, help="M_W / M_a held between I and W (default 0.5)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="seconds for the exact solver")
+    p.add_argument("--solver", choices=("cpsat", "highs", "heuristic"), default="cpsat")
+    p.add_argument("--csv", metavar="FILE", help="write the schedule as CSV")
+    p.add_argument("--plot", metavar="FILE", help="write a timeline plot")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeweave.schedule.text import write_csv
+    from pipeweave.search import exact, problem_from_times
+
+    if args.time_limit <= 0:
+        raise UserError(f"--time-limit {args.time_limit} is invalid; give seconds > 0")
+    problem = problem_from_times(
+        args.stages, args.microbatches, vshape=args.v_shape or args.chunks == 2, time_f=args.time_f,
+        time_b=args.time_b, time_w=args.time_w, time_comm=args.time_comm, memory_limit=args.memory_limit,
+        mem_w=args.mem_w)
+    result = exact(problem, solver=args.solver, time_limit=args.time_limit)
+    if args.csv:
+        write_csv(result.schedule, args.csv)
+    plot_note = _plot(result, args.plot, problem.cost) if args.plot else ""
+    if args.json:
+        print(json.dumps(result.as_dict()))
+        return 0
+    print(f"{result.schedule.name}: D={args.stages} T={args.microbatches} K={args.memory_limit} "
+          f"solver={result.solver} ({result.status}, {result.solver_time:.2f} s)")
+    print(f"  bubble ratio {result.bubble_ratio:.4f}  (bound {result.bubble_bound:.4f})")
+    print(f"  max span {result.span:.4f}  lower bound {result.lower_bound:.4f}  gap {100 * result.gap:.2f} %")
+    print(f"  peak activations {list(result.metrics.peak_activations)} (limit {problem.limit[0]:g})")
+    if plot_note:
+        print(f"  {plot_note}")
+    return 0
+
+
+def _plot(result: Any, path: str, cost: Any) -> str:
+    if importlib.util.find_spec("pipeweave.sim.plot") is None:
+        return "no plot: pipeweave.sim.plot is not available in this version"
+    from pipeweave.sim import plot, simulate
+
+    draw = getattr(plot, "plot_timeline", None) or getattr(plot, "save_timeline", None)
+    if draw is None:
+        return "no plot: pipeweave.sim.plot has no plot_timeline"
+    draw(simulate(result.schedule, cost), path)
+    return f"plot written to {path}"
