@@ -84,7 +84,7 @@ class _LinearFn(torch.autograd.Function):
             def weight_grad() -> None:
                 gw, gb = _linear_weight_grads(x, gy, bias is not None)
                 _accumulate(weight, gw)
-                if bias is not None:
+                if bias is not None and gb is not None:
                     _accumulate(bias, gb)
 
             ctx.store.defer(weight_grad, (x, gy))
@@ -184,7 +184,7 @@ class Linear(Deferrable):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LinearFn.apply(x, self.weight, self.bias, self.grad_store)  # type: ignore[no-any-return]
+        return _LinearFn.apply(x, self.weight, self.bias, self.grad_store)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class LayerNorm(Deferrable):
@@ -197,7 +197,7 @@ class LayerNorm(Deferrable):
         self.bias = nn.Parameter(torch.zeros(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LayerNormFn.apply(x, self.weight, self.bias, self.eps, self.grad_store)  # type: ignore[no-any-return]
+        return _LayerNormFn.apply(x, self.weight, self.bias, self.eps, self.grad_store)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class Embedding(Deferrable):
@@ -205,9 +205,13 @@ class Embedding(Deferrable):
 
     def __init__(self, vocab: int, width: int, max_len: int, *, generator: torch.Generator) -> None:
         super().__init__()
-        # GPT-2's initialisation scale (std 0.02) for both tables.
-        self.token = nn.Parameter(torch.empty(vocab, width).normal_(0.0, 0.02, generator=generator))
+        self.token = nn.Parameter(self.initial_token(vocab, width, generator))
         self.position = nn.Parameter(torch.empty(max_len, width).normal_(0.0, 0.02, generator=generator))
 
+    @staticmethod
+    def initial_token(vocab: int, width: int, generator: torch.Generator) -> torch.Tensor:
+        """The token table's initial values: GPT-2's scale (std 0.02), drawn first from the layer's generator."""
+        return torch.empty(vocab, width).normal_(0.0, 0.02, generator=generator)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return _EmbeddingFn.apply(idx, self.token, self.position, self.grad_store)  # type: ignore[no-any-return]
+        return _EmbeddingFn.apply(idx, self.token, self.position, self.grad_store)  # type: ignore[no-untyped-call,no-any-return]

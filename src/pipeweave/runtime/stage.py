@@ -47,6 +47,10 @@ replicas. Set ``worker.combine_grads`` to a function that all-reduces (sum)
 tensors in a fixed order, zero-filled if a replica had no microbatch); the
 reference executor sums them in-process.
 
+Tensors given to and returned by a worker are shared with what it keeps for
+the backward (``x`` and ``grad_output`` may be held until W): never modify
+them in place or reuse their buffers for later microbatches.
+
 Accounting: ``weight_bytes()``; ``activation_bytes()`` and
 ``peak_activation_bytes()`` count, through saved-tensor hooks, the distinct
 storages currently held for a backward (graph tensors, kept stage inputs and
@@ -57,6 +61,7 @@ parameters excluded.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -97,27 +102,31 @@ class ActivationMeter:
         self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
         self.current = 0
         self.peak = 0
+        # On CUDA, autograd may free saved tensors (and so call release) from its device thread.
+        self.lock = threading.Lock()
 
     def hold(self, t: torch.Tensor) -> int | None:
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key == 0 or key in self.exclude:
             return None
-        entry = self.live.get(key)
-        if entry is None:
-            self.live[key] = [storage.nbytes(), 1]
-            self.current += storage.nbytes()
-            self.peak = max(self.peak, self.current)
-        else:
-            entry[1] += 1
+        with self.lock:
+            entry = self.live.get(key)
+            if entry is None:
+                self.live[key] = [storage.nbytes(), 1]
+                self.current += storage.nbytes()
+                self.peak = max(self.peak, self.current)
+            else:
+                entry[1] += 1
         return key
 
     def release(self, key: int) -> None:
-        entry = self.live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.live[key]
-            self.current -= entry[0]
+        with self.lock:
+            entry = self.live[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.live[key]
+                self.current -= entry[0]
 
     def pack(self, t: torch.Tensor) -> _Held:
         return _Held(t, self, self.hold(t))
