@@ -24,6 +24,9 @@ from pipeweave.schedule.pipemare import pipemare
 from pipeweave.schedule.spectrain import spectrain
 from pipeweave.schedule.wpipe import wpipe
 from pipeweave.schedule.xpipe import xpipe
+from pipeweave.schedule.interleaved import interleaved_1f1b
+from pipeweave.schedule.zb_v import zb_v
+from pipeweave.schedule.zero_bubble import zb_h1, zb_h2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +84,28 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     "1f1b": ScheduleInfo(
         name="1f1b", generator=one_f_one_b, family="DAPPLE / PipeDream-Flush", synchronous=True,
         bubble="(D-1)/(T+D-1)", activations="min(D-r, T) M_a on rank r", weights="M_theta", chunks=1,
+    ),
+    "interleaved-1f1b": ScheduleInfo(
+        name="interleaved-1f1b", generator=interleaved_1f1b, family="Megatron-LM interleaved 1F1B",
+        synchronous=True, bubble="overhead (D-1)/(vT) (T multiple of D when v > 1; any f, b, w)",
+        activations="min(2(D-r-1)+(v-1)D+1, vT)/v M_a on rank r; D+(D-1)/v on rank 0",
+        weights="M_theta", chunks=None,
+    ),
+    "zb-h1": ScheduleInfo(
+        name="zb-h1", generator=zb_h1, family="zero bubble ZB-H1", synchronous=True,
+        bubble="time (D-1)(f+b-w) (T >= D, w <= f)",
+        activations="(D-r) M_a + r M_W on rank r; D M_a on rank 0 (T >= D)", weights="M_theta", chunks=1,
+    ),
+    "zb-h2": ScheduleInfo(
+        name="zb-h2", generator=zb_h2, family="zero bubble ZB-H2", synchronous=True,
+        bubble="time (D-1)(f+b-2w) (T >= 2D-1, w <= f, 2w <= f+b); 0 at f = b = w",
+        activations="(2D-2r-1) M_a + 2r M_W on rank r; (2D-1) M_a on rank 0 (T >= 2D-1)",
+        weights="M_theta", chunks=1,
+    ),
+    "zb-v": ScheduleInfo(
+        name="zb-v", generator=zb_v, family="zero bubble ZB-V", synchronous=True,
+        bubble="0 at f = b = w (T >= 2D-1)", activations="D M_a on every rank (T >= 2D-1)",
+        weights="M_theta", chunks=2,
     ),
     "chimera": ScheduleInfo(
         name="chimera", generator=chimera, family="Chimera (bidirectional)", synchronous=True,
