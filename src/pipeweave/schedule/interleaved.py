@@ -20,7 +20,7 @@ lose the closed form; with v = 1 the schedule is exactly ``1f1b``, any T).
 Closed forms (uniform per-part costs f, b, w, no communication, all accepted
 configurations): ``bubble_overhead`` = (D-1)/(v T) exactly, for any f, b, w;
 rank r holds at most min(2 (D-r-1) + (v-1) D + 1, v T) chunk activations of
-M_a / v each, D + (D-1)/v M_a on rank 0 when T >= D (v > 1).
+M_a / v each, D + (D-1)/v M_a on rank 0 when T >= 2D (v > 1).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     "interleaved-1f1b": ScheduleInfo(
         name="interleaved-1f1b", generator=interleaved_1f1b, family="Megatron-LM interleaved 1F1B",
         synchronous=True, bubble="overhead (D-1)/(vT) (T multiple of D when v > 1; any f, b, w)",
-        activations="min(2(D-r-1)+(v-1)D+1, vT)/v M_a on rank r; D+(D-1)/v on rank 0",
+        activations="min(2(D-r-1)+(v-1)D+1, vT)/v M_a on rank r; D+(D-1)/v on rank 0 (T >= 2D)",
         weights="M_theta", chunks=None,
     ),
     "zb-h1": ScheduleInfo(
@@ -98,7 +98,7 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     ),
     "zb-h2": ScheduleInfo(
         name="zb-h2", generator=zb_h2, family="zero bubble ZB-H2", synchronous=True,
-        bubble="time (D-1)(f+b-2w) (T >= 2D-1, w <= f, 2w <= f+b); 0 at f = b = w",
+        bubble="time max(0, (D-1)(f+b-2w)) (T >= 2D-1, w <= f); 0 at f = b = w",
         activations="(2D-2r-1) M_a + 2r M_W on rank r; (2D-1) M_a on rank 0 (T >= 2D-1)",
         weights="M_theta", chunks=1,
     ),

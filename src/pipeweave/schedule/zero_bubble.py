@@ -22,7 +22,8 @@ max over ranks of span - busy (busy is (f+b+w) T on every rank):
 
 - ZB-H1: (D-1)(f+b-w) exactly when T >= D and w <= f (for any b).
 - ZB-H2: (D-1)(f+b-2w) exactly when T >= 2D-1, w <= f and 2w <= f+b;
-  0 at f = b = w.
+  0 at f = b = w. With 2w > f+b (still w <= f) it is 0: the form is
+  max(0, (D-1)(f+b-2w)) for T >= 2D-1 and w <= f.
 
 (The order is fixed by D and T alone, so a W longer than F shows up as extra
 idle time; the simulator checks these conditions on D 1..8, T 1..24.)
@@ -99,7 +100,7 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
 
 
 def zb_h2(num_stages: int, num_microbatches: int) -> Schedule:
-    """ZB-H2: (2D-1) M_a on rank 0, bubble (D-1)(f+b-2w) (T >= 2D-1, w <= f, 2w <= f+b).
+    """ZB-H2: (2D-1) M_a on rank 0, bubble max(0, (D-1)(f+b-2w)) (T >= 2D-1, w <= f).
 
     Args:
         num_stages: D, ranks (one stage each).
