@@ -1,0 +1,79 @@
+"""A launcher script for the failure tests: ``python failing_ranks.py MODE``.
+
+MODE: ``raise`` (rank 1 raises), ``kill`` (rank 1 dies by SIGKILL), ``hang``
+(every rank blocks until interrupted), ``train-raise`` (a real training run
+whose rank 1 fails inside a backward). Rank 0 blocks in a receive the failed
+rank never answers, so only the launcher can end it. Prints ``PID <pid>`` per
+rank and for the fork server, and exits with the launcher's exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from multiprocessing import forkserver
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeweave.models import ModelSpec
+from pipeweave.runtime.job import TrainConfig, run_rank
+from pipeweave.runtime.launch import RankFailure, launch, progress
+
+
+def blocking(rank: int, world: int, mode: str) -> None:
+    progress(os.getpid())
+    time.sleep(0.5)
+    if rank == 1 and mode == "raise":
+        raise ValueError("injected failure on rank 1")
+    if rank == 1 and mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0:
+        dist.recv(torch.zeros(1), src=1)  # never sent
+    time.sleep(600)
+
+
+def failing_training(rank: int, world: int, config: TrainConfig) -> Any:
+    progress(os.getpid())
+    if rank == 1:
+        from pipeweave.runtime.stage import StageWorker
+
+        original = StageWorker.backward
+        calls = [0]
+
+        def backward(self: StageWorker, mb: int, grad_output: torch.Tensor | None = None) -> Any:
+            calls[0] += 1
+            if calls[0] == 6:  # inside the second step
+                raise RuntimeError("injected failure in a backward on rank 1")
+            return original(self, mb, grad_output)
+
+        StageWorker.backward = backward  # type: ignore[method-assign]
+    return run_rank(rank, world, config)
+
+
+def report(rank: int, value: Any) -> None:
+    if isinstance(value, int):
+        print(f"PID {value}", flush=True)
+        server = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+        if server:
+            print(f"PID {server}", flush=True)
+
+
+def main(mode: str) -> int:
+    try:
+        if mode == "train-raise":
+            config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=8, steps=50,
+                                 model=ModelSpec(kind="mlp", layers=2, hidden=8))
+            launch(failing_training, config, 2, on_progress=report)
+        else:
+            launch(blocking, mode, 2, on_progress=report)
+    except RankFailure as failure:
+        return failure.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
