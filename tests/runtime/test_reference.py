@@ -16,7 +16,7 @@ from pipeweave.data import ByteCorpus, RandomRegression
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import TrainResult, run_plain
-from pipeweave.runtime.reference import run_reference
+from pipeweave.runtime.reference import build_workers, run_reference
 from pipeweave.runtime.stage import OptimizerFactory
 from pipeweave.schedule import SCHEDULES, Action, Op, Schedule, ScheduleError, WeightPolicy, generate
 
@@ -163,3 +163,18 @@ def test_split_backward_schedule_runs_i_and_w() -> None:
         rows.append(out)
     result = _run(base.with_actions(rows), MLP, recompute=False)
     _assert_equal_training(result, _plain(MLP, 3))
+
+
+def test_peak_activations_follow_the_schedule() -> None:
+    """Measured peaks are the closed forms: rank r of 1F1B holds min(D-r, T) microbatches, GPipe T."""
+    spec, t = ModelSpec(kind="mlp", layers=4, hidden=16), 6
+    batch = 2 * t  # equal microbatches, so each holds the same bytes
+    data = _data(spec, batch)
+    x, y = (m[0] for m in (data.batch(0)[0].tensor_split(t), data.batch(0)[1].tensor_split(t)))
+    first, last = build_workers(generate("naive", num_stages=2, num_microbatches=t), spec, batch_size=batch)
+    last.forward(0, first.forward(0, x), y)
+    one = [first.activation_bytes(), last.activation_bytes()]  # M_a of each stage, measured alone
+    expected = {"naive": [1, 1], "1f1b": [2, 1], "gpipe": [t, t]}
+    for name, counts in expected.items():
+        result = run_reference(generate(name, num_stages=2, num_microbatches=t), spec, steps=1, batch_size=batch, data=data)
+        assert result.peak_activation_bytes == [c * m for c, m in zip(counts, one)], name

@@ -21,11 +21,14 @@ class TrainResult:
         parameters: final parameters by global name ``"<layer>.<name>"``.
         stage_parameters: per stage, its final parameters (pipelined runs only;
             the replicas of a part must agree).
+        peak_activation_bytes: per stage, the most activation bytes it held
+            at once over the run (pipelined runs only).
     """
 
     losses: list[float]
     parameters: dict[str, torch.Tensor]
     stage_parameters: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    peak_activation_bytes: list[int] = field(default_factory=list)
 
 
 def run_plain(

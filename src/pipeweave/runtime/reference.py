@@ -16,6 +16,7 @@ from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec, uniform_parts
 from pipeweave.runtime.plain import TrainResult
 from pipeweave.runtime.stage import OptimizerFactory, StageWorker
+from pipeweave.runtime.tied import TiedGradients, tie_peer_parts
 from pipeweave.schedule.ir import Action, Op, Schedule
 
 
@@ -77,8 +78,9 @@ class _Step:
             return (s, j) in self.forwarded and (nxt is None or (nxt, j) in self.grads)
         if op is Op.W:
             return (s, j) in self.input_done
-        if op is Op.U:
-            return self.remaining.get(placement.stage_part[s], 0) == 0
+        if op is Op.U:  # its part's gradients, and those of a tied peer's part (runtime.tied)
+            parts = (placement.stage_part[s], *tie_peer_parts(placement, s, self.workers[s]))
+            return all(self.remaining.get(p, 0) == 0 for p in parts)
         raise ValueError(f"unknown op in action {a}")
 
     def run(self, a: Action) -> None:
@@ -191,6 +193,7 @@ def run_reference(
     workers = build_workers(
         schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory, recompute=recompute, parts=parts
     )
+    TiedGradients(schedule.placement, dict(enumerate(workers)))  # hooks the tied stages' updates
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
     losses = []
     for step in range(steps):
@@ -202,4 +205,5 @@ def run_reference(
     for params in stage_parameters:
         for k, p in params.items():
             parameters.setdefault(k, p)
-    return TrainResult(losses, parameters, stage_parameters)
+    peaks = [w.peak_activation_bytes() for w in workers]
+    return TrainResult(losses, parameters, stage_parameters, peaks)

@@ -132,6 +132,14 @@ class ActivationMeter:
         return _Held(t, self, self.hold(t))
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied if it is a view into a larger storage (a microbatch of a batch).
+
+    The copy makes a microbatch keep only its own samples alive, and be counted as such.
+    """
+    return t.clone() if t.untyped_storage().nbytes() > t.nbytes else t
+
+
 def _unpack(held: _Held) -> torch.Tensor:
     return held.tensor
 
@@ -213,7 +221,8 @@ class StageWorker:
             raise RuntimeError(f"stage {self.layer_indices} got F for microbatch {mb} twice before its backward")
         if self.is_last and target is None:
             raise RuntimeError("the last stage needs the microbatch's target to compute the loss")
-        x = x.detach()
+        x = _own(x.detach())
+        target = None if target is None else _own(target)
         if not self.is_first and x.is_floating_point():
             x.requires_grad_(True)
         if self.recompute:
