@@ -33,7 +33,7 @@ def validate(schedule: Schedule) -> None:
 
     Example:
         >>> from pipeweave.schedule import generate
-        >>> validate(generate("1f1b", num_stages=4, num_microbatches=8))
+        >>> validate(generate("zb-h1", num_stages=4, num_microbatches=8))
     """
     check_actions(schedule)
     check_order(schedule)
