@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeweave.models.layers import Embedding, LayerNorm, Linear
-from pipeweave.models.spec import ModelSpec
+from pipeweave.models.spec import ModelSpec, layer_generator
 
 
 class Attention(nn.Module):
@@ -67,5 +67,9 @@ def build_layer(spec: ModelSpec, index: int, generator: torch.Generator) -> nn.M
     if index == 0:
         return Embedding(spec.vocab, spec.hidden, spec.seq_len, generator=generator)
     if index == spec.num_layers - 1:
-        return Head(spec.hidden, spec.vocab, generator=generator)
+        head = Head(spec.hidden, spec.vocab, generator=generator)
+        if spec.tie_embeddings:  # the token table's initialisation, drawn without building layer 0
+            with torch.no_grad():
+                head.out.weight.copy_(Embedding.initial_token(spec.vocab, spec.hidden, layer_generator(spec, 0)))
+        return head
     return Block(spec.hidden, spec.heads, generator=generator)

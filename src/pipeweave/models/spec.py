@@ -41,6 +41,9 @@ class ModelSpec:
     """gpt only: tokens per sample (context length)."""
     seed: int = 0
     """Initialisation seed; layer k is seeded by (seed, k), so any rank builds it identically."""
+    tie_embeddings: bool = False
+    """gpt only: the head's output weight starts equal to the token embedding and their gradients
+    are summed before every update (``pipeweave.runtime.tied``), so the two stay identical."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -49,6 +52,8 @@ class ModelSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"{name}={value!r} is invalid; give an integer >= 1")
+        if self.tie_embeddings and self.kind != "gpt":
+            raise UserError("tie_embeddings applies to the gpt only; drop it or use --model gpt")
         if self.kind == "gpt" and self.hidden % self.heads:
             raise UserError(f"hidden={self.hidden} is not divisible by heads={self.heads}; choose heads dividing hidden")
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from pipeweave.runtime.comm import P2P
 from pipeweave.runtime.stage import StageWorker
+from pipeweave.runtime.tied import TiedGradients
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.schedule.lower import LoweredSchedule
 
@@ -162,6 +163,7 @@ class Executor:
         self.p2p = P2P(lowered, rank, microbatch_sizes, device)
         tag_base = 2 * self.placement.num_stages * (len(microbatch_sizes) + 1) + 1
         self.replicas = ReplicaGradients(lowered, rank, workers, tag_base)
+        self.tied = TiedGradients(self.placement, workers, rank, tag_base + self.placement.num_stages)
         self.dispatch: dict[Op, Callable[[Action], None]] = {
             Op.F: self.forward,
             Op.B: self.backward,
