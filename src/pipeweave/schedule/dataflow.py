@@ -253,10 +253,13 @@ def consumed_gradients(schedule: Schedule) -> dict[Action, tuple[Action, ...]]:
     out: dict[Action, tuple[Action, ...]] = {}
     if schedule.is_synchronous:
         part_of = schedule.placement.stage_part
-        grads = [a for _, _, a in schedule.iter_actions() if a.op in (Op.B, Op.W)]
+        by_part: dict[int, list[Action]] = {}  # grouped first: one pass, not one per U
+        for _, _, a in schedule.iter_actions():
+            if a.op is Op.B or a.op is Op.W:
+                by_part.setdefault(part_of[a.stage], []).append(a)
         for _, _, a in schedule.iter_actions():
             if a.op is Op.U:
-                out[a] = tuple(g for g in grads if part_of[g.stage] == part_of[a.stage])
+                out[a] = tuple(by_part.get(part_of[a.stage], ()))
         return out
     for row in schedule.actions:
         pending: dict[int, list[Action]] = {}

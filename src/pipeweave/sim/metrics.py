@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pipeweave.schedule.ir import Op
+from pipeweave.schedule.ir import Op, Schedule
 from pipeweave.sim.cost import PartCosts
 from pipeweave.sim.timeline import Timeline
 from pipeweave.sim.steady import steady_bubble_ratio
@@ -102,6 +102,8 @@ def compute_metrics(timeline: Timeline, costs: PartCosts | None = None) -> Metri
     if costs is None:
         raise ValueError("a measured timeline needs its cost model for memory metrics; pass costs=")
     makespan, span, busy, ratio, flush, overhead = bubble_metrics(timeline)
+    schedule = timeline.schedule
+    weights, lag, gap = version_metrics(schedule, costs)
     return Metrics(
         makespan=makespan,
         span=span,
@@ -110,8 +112,36 @@ def compute_metrics(timeline: Timeline, costs: PartCosts | None = None) -> Metri
         bubble_ratio_flush=flush,
         bubble_overhead=overhead,
         peak_activations=peak_activations(timeline, costs),
-        weight_versions=weight_copies(timeline.schedule, costs),
-        staleness=staleness(timeline.schedule),
-        inconsistency=inconsistency(timeline.schedule),
-        steady_bubble_ratio=steady_bubble_ratio(timeline),
+        weight_versions=weights,
+        staleness=lag,
+        inconsistency=gap,
+        # One step has no steady state: steady.py would recompute this same ratio.
+        steady_bubble_ratio=steady_bubble_ratio(timeline) if schedule.num_steps >= 3 else ratio,
     )
+
+
+def version_metrics(schedule: Schedule, costs: PartCosts) -> tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(weight_versions, staleness, inconsistency)`` of a schedule.
+
+    A synchronous schedule has them in closed form: every action reads version
+    0 and ``U(s, 0)`` applies all of its part's gradients (the validator's
+    update rule), so each stage holds one copy and both lags are 0. That is
+    what ``sim.versions`` derives too, through per-action maps that cost about
+    a microsecond and a hundred bytes per action, three times over: 12 s and
+    several GB at D=1024, T=4096. Asynchronous schedules go through it.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> from pipeweave.sim.cost import CostModel
+        >>> version_metrics(generate("gpipe", num_stages=2, num_microbatches=3),
+        ...                 CostModel().for_parts(num_parts=2, num_ranks=2))
+        ((1.0, 1.0), (0, 0), (0, 0))
+    """
+    if not schedule.is_synchronous:
+        return weight_copies(schedule, costs), staleness(schedule), inconsistency(schedule)
+    held = [0.0] * schedule.num_ranks
+    part_of = schedule.placement.stage_part
+    for stage, rank in enumerate(schedule.placement.stage_rank):
+        held[rank] += costs.weight[part_of[stage]]
+    zeros = (0,) * schedule.num_stages
+    return tuple(round(h, 9) for h in held), zeros, zeros
