@@ -1,0 +1,63 @@
+"""``pipeweave train``: the JSON record's fields, against plain training and closed forms."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeweave.models import ModelSpec
+from pipeweave.runtime.plain import run_plain
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
+
+HIDDEN = 16
+
+
+def _train(tmp_path: Path, *argv: str) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    record = tmp_path / "record.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeweave.cli", "train", *argv, "--out", str(tmp_path / "out"), "--json", str(record)],
+        capture_output=True, text=True, timeout=150, cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(record.read_text()), run
+
+
+def test_json_record_of_an_mlp_run(tmp_path: Path) -> None:
+    report, run = _train(
+        tmp_path, "-s", "1f1b", "--stages", "2", "--microbatches", "4", "--model", "mlp", "--layers", "4",
+        "--hidden", str(HIDDEN), "--batch", "8", "--steps", "4", "--quiet",
+    )
+    assert run.stdout == ""  # --quiet
+    assert (report["schedule"], report["stages"], report["microbatches"], report["steps"]) == ("1f1b", 2, 4, 4)
+    plain = run_plain(ModelSpec(kind="mlp", layers=4, hidden=HIDDEN), steps=4, batch_size=8, num_microbatches=4)
+    assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
+    assert report["step_time_s"] > 0
+    assert report["samples_per_s"] == pytest.approx(8 / report["step_time_s"])
+    for key in ("bubble_ratio", "bubble_ratio_flush", "bubble_ratio_simulated"):
+        assert 0.0 <= report[key] < 1.0, key
+    # 1F1B's flush bubble equals its bubble (same makespan), measured and simulated alike
+    assert report["bubble_ratio_flush"] == pytest.approx(report["bubble_ratio"], abs=0.05)
+    # two blocks per rank: LayerNorm (2h) + Linear(h, 4h) + Linear(4h, h), float32
+    block = 4 * (2 * HIDDEN + (HIDDEN * 4 * HIDDEN + 4 * HIDDEN) + (4 * HIDDEN * HIDDEN + HIDDEN))
+    assert report["weight_bytes"] == [2 * block, 2 * block]
+    assert len(report["peak_activation_bytes"]) == 2 and all(b > 0 for b in report["peak_activation_bytes"])
+    # the Chrome trace holds every action of every step of both ranks
+    trace = json.loads((tmp_path / "out" / "trace.json").read_text())
+    actions = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    per_step = 2 * (4 + 4 + 1) + 2 * 2 * 4  # F, B, U on 2 ranks + one send and one receive per message
+    assert len(actions) == 4 * per_step
+
+
+def test_default_model_is_the_gpt_with_a_summary(tmp_path: Path) -> None:
+    report, run = _train(tmp_path, "--steps", "2")
+    assert report["model"]["kind"] == "gpt" and report["stages"] == 2
+    assert report["tokens_per_s"] == pytest.approx(report["samples_per_s"] * report["model"]["seq_len"])
+    assert len(report["losses"]) == 2
+    for needle in ("loss first -> last", "bubble ratio", "rank 1 memory", "json:", "trace:"):
+        assert needle in run.stdout, needle
