@@ -45,7 +45,7 @@ def solve_cpsat(model: Model, warm: list[int], time_limit: float, workers: int) 
     if workers:
         solver.parameters.num_workers = workers
     # The heuristic's schedule is feasible; without repair CP-SAT can miss it (seen on V shapes).
-    solver.parameters.repair_hint = True
+    # No repair_hint: in OR-Tools 9.15 it trips a "heuristics.fixed_search" check that aborts the process.
     # Probing the reservoirs' expansion can eat the whole budget in presolve (seen: 8.4 s of 10).
     solver.parameters.cp_model_probing_level = 0
     code = solver.solve(cp)

@@ -24,6 +24,7 @@ import math
 import multiprocessing
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.search.bound import lower_bound
@@ -260,12 +261,27 @@ def solve_isolated(solver: str, model: Model, warm: list[int], time_limit: float
     hard deadline end a solver that overruns its own time limit.
     """
     context = multiprocessing.get_context("spawn")
-    with context.Pool(1) as pool:
-        job = pool.apply_async(_run_back_end, (solver, model, warm, time_limit, workers))
-        try:
-            return job.get(timeout=time_limit + 120.0)
-        except multiprocessing.TimeoutError:
-            return Solved(None, -math.inf, "timeout")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(sender, solver, model, warm, time_limit, workers), daemon=True)
+    child.start()
+    sender.close()
+    try:
+        # A solver that aborts (a failed internal check) closes the pipe: EOFError, no hang.
+        if receiver.poll(time_limit + 120.0):
+            solved: Solved = receiver.recv()
+            return solved
+        return Solved(None, -math.inf, "timeout")
+    except EOFError:
+        return Solved(None, -math.inf, "solver crashed")
+    finally:
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+
+
+def _child(sender: Any, solver: str, model: Model, warm: list[int], time_limit: float, workers: int) -> None:
+    sender.send(_run_back_end(solver, model, warm, time_limit, workers))
+    sender.close()
 
 
 def _checked(problem: Problem, order: list[list[Action]]) -> Result | None:
