@@ -1,0 +1,272 @@
+"""``pipeweave simulate``: time a schedule under a cost model and show its timeline and metrics.
+
+Without arguments it simulates 1F1B on 4 stages and 8 microbatches: a text
+timeline, then the simulated metrics beside the registry's closed forms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import json
+import operator
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pipeweave.errors import UserError
+from pipeweave.schedule import InvalidSchedule, Schedule, generate, read_csv, validate, write_csv
+from pipeweave.schedule.registry import SCHEDULES, ScheduleInfo
+from pipeweave.sim import CostModel, Metrics, compute_metrics, simulate
+from pipeweave.sim.textline import format_timeline
+
+Times = float | list[float]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "simulate", help="simulate a schedule: timeline, bubble, memory",
+        description="Simulate a schedule under a cost model; print its timeline and metrics beside "
+        "the closed forms. Times: a number, or a comma list with one value per part (uneven stages).",
+    )
+    p.add_argument("-s", "--schedule", default="1f1b", help="registry name (pipeweave schedules; default 1f1b)")
+    p.add_argument("--stages", "-D", type=int, default=4, help="D, pipeline ranks (default 4)")
+    p.add_argument("--microbatches", "-T", type=int, default=8, help="T, microbatches per step (default 8)")
+    p.add_argument("--chunks", "-v", type=int, help="v, chunks per rank, for interleaved schedules")
+    p.add_argument("--time-f", default="1", metavar="F", help="forward time (default 1)")
+    p.add_argument("--time-b", default="1", metavar="B",
+                   help="input-gradient time I (default 1); a full backward B takes b + w")
+    p.add_argument("--time-w", default="1", metavar="W", help="weight-gradient time W (default 1)")
+    p.add_argument("--time-comm", type=float, default=0.0, metavar="C", help="latency of one hop (default 0)")
+    p.add_argument("--mem-w", type=float, default=0.5, metavar="R",
+                   help="share of M_a still held between I and W (default 0.5)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument("--plot", metavar="FILE", help="write a timeline picture (.png, .svg or .pdf)")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in ui.perfetto.dev)")
+    p.add_argument("--csv", metavar="FILE", help="export the schedule as CSV (torch.distributed.pipelining's form)")
+    p.add_argument("--from-csv", metavar="FILE", help="simulate a hand-written CSV schedule instead of -s")
+    p.add_argument("--width", type=int, default=100, help="columns of the text timeline (default 100)")
+    return p
+
+
+def parse_times(flag: str, text: str) -> Times:
+    """``"1.5"`` -> 1.5, ``"1,2,1"`` -> [1.0, 2.0, 1.0].
+
+    Raises:
+        UserError: a value that is not a number >= 0.
+
+    Example:
+        >>> parse_times("--time-f", "1,2")
+        [1.0, 2.0]
+    """
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag} {text!r} is not a number; give one time, or one per part as a comma list") from None
+    if any(v < 0 for v in values):
+        raise UserError(f"{flag} {text!r} has a negative time; give times >= 0")
+    return values[0] if len(values) == 1 and "," not in text else values
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    for flag, value in (("--stages", args.stages), ("--microbatches", args.microbatches),
+                        ("--chunks", args.chunks), ("--width", args.width)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value} is invalid; give {flag} >= 1")
+    if args.time_comm < 0:
+        raise UserError(f"--time-comm {args.time_comm} is invalid; give a latency >= 0")
+    if not 0.0 <= args.mem_w <= 1.0:
+        raise UserError(f"--mem-w {args.mem_w} is invalid; give a fraction in [0, 1]")
+
+
+def _check_lengths(times: dict[str, Times], num_parts: int) -> None:
+    for flag, value in times.items():
+        if isinstance(value, list) and len(value) != num_parts:
+            raise UserError(
+                f"{flag} has {len(value)} values but the schedule has {num_parts} parts; "
+                f"give one value per part or a single number"
+            )
+
+
+def _build(args: argparse.Namespace, times: dict[str, Times]) -> tuple[Schedule, ScheduleInfo | None]:
+    if args.from_csv:
+        path = Path(args.from_csv)
+        if not path.is_file():
+            raise UserError(f"--from-csv {args.from_csv!r} is not a file; give the path of a CSV schedule")
+        return read_csv(path), None
+    info = SCHEDULES.get(args.schedule)
+    if info is None:
+        raise UserError(f"unknown schedule {args.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+    options: dict[str, object] = {}
+    # Searched schedules take the cost model as options: hand them the scalar times.
+    params = inspect.signature(info.generator).parameters
+    for flag, key in (("--time-f", "time_f"), ("--time-b", "time_b"), ("--time-w", "time_w")):
+        if key in params and isinstance(times[flag], float):
+            options[key] = times[flag]
+    if "time_comm" in params:
+        options["time_comm"] = args.time_comm
+    if "mem_w" in params:
+        options["mem_w"] = args.mem_w
+    schedule = generate(args.schedule, num_stages=args.stages, num_microbatches=args.microbatches,
+                        num_chunks=args.chunks, **options)
+    return schedule, info
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_counts(args)
+    times = {flag: parse_times(flag, getattr(args, flag[2:].replace("-", "_")))
+             for flag in ("--time-f", "--time-b", "--time-w")}
+    schedule, info = _build(args, times)
+    _check_lengths(times, schedule.num_parts)
+    cost = CostModel(f=times["--time-f"], b=times["--time-b"], w=times["--time-w"],
+                     comm=args.time_comm, mem_w=args.mem_w)
+    try:
+        validate(schedule)
+    except InvalidSchedule as exc:
+        return _report_invalid(args, schedule, exc)
+    timeline = simulate(schedule, cost, check=False)  # validated just above
+    metrics = compute_metrics(timeline)
+    files = _write_files(args, schedule, timeline)
+    if args.json:
+        print(json.dumps(_as_json(schedule, info, cost, metrics, files)))
+        return 0
+    _print_report(schedule, info, cost, metrics, format_timeline(timeline, width=args.width), files)
+    return 0
+
+
+def _report_invalid(args: argparse.Namespace, schedule: Schedule, exc: InvalidSchedule) -> int:
+    if args.json:
+        print(json.dumps({"schedule": schedule.name, "stages": schedule.num_ranks,
+                          "microbatches": schedule.num_microbatches, "valid": False, "reason": exc.reason,
+                          "rank": exc.rank, "step": exc.step}))
+    else:
+        print(f"pipeweave simulate: {exc}", file=sys.stderr)
+    return 1
+
+
+def _write_files(args: argparse.Namespace, schedule: Schedule, timeline: Any) -> dict[str, str]:
+    files: dict[str, str] = {}
+    if args.csv:
+        write_csv(schedule, args.csv)
+        files["csv"] = args.csv
+    if args.plot:
+        from pipeweave.sim.plot import plot_timeline  # matplotlib only when asked
+
+        files["plot"] = str(plot_timeline(timeline, args.plot))
+    if args.trace:
+        from pipeweave.sim.trace import write_trace
+
+        files["trace"] = str(write_trace(timeline, args.trace))
+    return files
+
+
+def _cost_dict(cost: CostModel) -> dict[str, Any]:
+    def plain(v: Any) -> Any:
+        return v if isinstance(v, (int, float)) else list(v)
+
+    return {"f": plain(cost.f), "b": plain(cost.b), "w": plain(cost.w), "comm": cost.comm, "mem_w": cost.mem_w}
+
+
+def _as_json(schedule: Schedule, info: ScheduleInfo | None, cost: CostModel, metrics: Metrics,
+             files: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "schedule": schedule.name,
+        "family": info.family if info else "csv",
+        "synchronous": schedule.is_synchronous,
+        "stages": schedule.num_ranks,
+        "microbatches": schedule.num_microbatches,
+        "chunks": schedule.num_chunks,
+        "valid": True,
+        "cost": _cost_dict(cost),
+    }
+    out.update(metrics.as_dict())
+    out["closed_form"] = _closed_forms(schedule, info)
+    out["files"] = files
+    return out
+
+
+_OPS: dict[type, Callable[[float, float], float]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+}
+
+
+def evaluate(formula: str, names: dict[str, float]) -> float | None:
+    """The value of a plain arithmetic formula such as ``"(D-1)/(T+D-1)"``; None for prose.
+
+    Example:
+        >>> evaluate("(D-1)/(T+D-1)", {"D": 4, "T": 8})
+        0.2727272727272727
+        >>> evaluate("T M_a", {"T": 8}) is None
+        True
+    """
+    def walk(node: ast.AST) -> float:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return float(node.value)
+        if isinstance(node, ast.Name) and node.id in names:
+            return float(names[node.id])
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -walk(node.operand)
+        raise ValueError(node)
+
+    try:
+        return walk(ast.parse(formula.strip(), mode="eval"))
+    except (SyntaxError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _closed_forms(schedule: Schedule, info: ScheduleInfo | None) -> dict[str, Any]:
+    if info is None:
+        return {}
+    names = {"D": float(schedule.num_ranks), "T": float(schedule.num_microbatches), "v": float(schedule.num_chunks)}
+    value = evaluate(info.bubble, names)
+    return {"bubble": info.bubble, "bubble_value": value, "activations": info.activations, "weights": info.weights}
+
+
+def _short(values: tuple[float, ...] | tuple[int, ...], limit: int = 8) -> str:
+    text = [f"{v:g}" for v in values]
+    if len(text) <= limit:
+        return ", ".join(text)
+    return ", ".join(text[: limit // 2]) + ", ..., " + ", ".join(text[-limit // 2:]) + f"  (max {max(values):g})"
+
+
+def _print_report(schedule: Schedule, info: ScheduleInfo | None, cost: CostModel, metrics: Metrics,
+                  timeline_text: str, files: dict[str, str]) -> None:
+    console = Console(highlight=False)
+    family = info.family if info else "CSV schedule"
+    kind = "synchronous" if schedule.is_synchronous else "asynchronous"
+    c = _cost_dict(cost)
+    console.print(f"[bold]{schedule.name}[/bold] ({family}, {kind}): D={schedule.num_ranks} ranks, "
+                  f"T={schedule.num_microbatches} microbatches, v={schedule.num_chunks}; "
+                  f"f={c['f']} b={c['b']} w={c['w']} comm={c['comm']}", soft_wrap=True)
+    print(timeline_text)
+    forms = _closed_forms(schedule, info)
+    bubble_form = forms.get("bubble", "")
+    if forms.get("bubble_value") is not None:
+        bubble_form += f" = {forms['bubble_value']:.4f}"
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("simulated", overflow="fold")
+    table.add_column("closed form", overflow="fold")
+    table.add_row("makespan", f"{metrics.makespan:g}", "")
+    table.add_row("bubble_ratio", f"{metrics.bubble_ratio:.4f}", bubble_form)
+    table.add_row("bubble_ratio_flush", f"{metrics.bubble_ratio_flush:.4f}", "")
+    table.add_row("bubble_overhead", f"{metrics.bubble_overhead:.4f}", "")
+    widest = max(metrics.span, default=0.0)
+    table.add_row("idle time / rank (max span - busy)", _short(tuple(round(widest - b, 9) for b in metrics.busy)), "")
+    if not schedule.is_synchronous:
+        table.add_row("steady_bubble_ratio", f"{metrics.steady_bubble_ratio:.4f}", "")
+    table.add_row("peak activations / rank (M_a)", _short(metrics.peak_activations), forms.get("activations", ""))
+    table.add_row("weight copies / rank (M_theta)", _short(metrics.weight_versions), forms.get("weights", ""))
+    table.add_row("staleness / stage", _short(metrics.staleness), "0" if schedule.is_synchronous else "")
+    console.print(table)
+    for kind_, path in files.items():
+        print(f"wrote {kind_} to {path}")
