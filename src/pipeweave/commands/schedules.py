@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -47,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"{len(entries)} schedules (pipeweave simulate -s NAME)", show_lines=False)
     for column, style in (("name", "bold"), ("family", ""), ("sync", ""), ("bubble", ""),
                           ("activations", ""), ("weights", "")):
-        table.add_column(column, style=style or None, overflow="fold")
+        table.add_column(column, style=style or None, no_wrap=column in ("name", "sync"))
     for e in entries:
         table.add_row(e["name"], e["family"], "sync" if e["synchronous"] else "async",
                       e["bubble"], e["activations"], e["weights"])
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 140).print(table)
     return 0

@@ -240,7 +240,7 @@ def _short(values: tuple[float, ...] | tuple[int, ...], limit: int = 8) -> str:
 
 def _print_report(schedule: Schedule, info: ScheduleInfo | None, cost: CostModel, metrics: Metrics,
                   timeline_text: str, files: dict[str, str]) -> None:
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
     family = info.family if info else "CSV schedule"
     kind = "synchronous" if schedule.is_synchronous else "asynchronous"
     c = _cost_dict(cost)
