@@ -31,6 +31,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--heads", type=int, help="gpt attention heads")
     group.add_argument("--seq-len", type=int, help="gpt tokens per sample")
     group.add_argument("--seed", type=int, help="initialisation seed")
+    group.add_argument("--tie-embeddings", action="store_true",
+                       help="gpt: one matrix for the token embedding and the output head (gradients summed)")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -121,6 +123,8 @@ def model_spec(args: argparse.Namespace) -> Any:
     from pipeweave.models import ModelSpec
 
     given = {name: getattr(args, name) for name in MODEL_OPTIONS if getattr(args, name, None) is not None}
+    if getattr(args, "tie_embeddings", False):
+        given["tie_embeddings"] = True
     return ModelSpec(kind=args.model, **given)
 
 
