@@ -127,6 +127,7 @@ class _Progress:
 
     def __init__(self, config: Any, quiet: bool) -> None:
         self.config, self.quiet = config, quiet
+        self.world = config.build_schedule().num_ranks
         self.shares: dict[int, dict[int, float]] = {}
         self.bar: Any = None
         self.started = time.perf_counter()
@@ -155,12 +156,14 @@ class _Progress:
             rate = ""
         else:
             rate = f"  {self.config.batch_size * step / (time.perf_counter() - self.started):.1f} samples/s"
-        self.bar.update(self.task, completed=step + 1, status=f"loss {sum(self.shares[step].values()):.4f}{rate}")
+        # Under torchrun rank 0 sees only its own share of the loss: show the rate alone.
+        loss = "" if self._num_reporting() == 1 and self.world > 1 else f"loss {sum(self.shares[step].values()):.4f}"
+        self.bar.update(self.task, completed=step + 1, status=f"{loss}{rate}")
 
     def _num_reporting(self) -> int:
         from pipeweave.runtime.launch import under_torchrun
 
-        return 1 if under_torchrun() else self.config.build_schedule().num_ranks
+        return 1 if under_torchrun() else self.world
 
 
 def build_report(schedule: Any, record: Any) -> dict[str, Any]:
@@ -181,7 +184,7 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
 
 def write_outputs(schedule: Any, record: Any, report: dict[str, Any], args: argparse.Namespace) -> dict[str, str]:
     """Write the JSON record, the Chrome trace and the timeline plot; return their paths."""
-    from pipeweave.runtime.trace import chrome_trace, step_timeline
+    from pipeweave.runtime.trace import chrome_trace, rebased, step_timeline
 
     out = Path(args.out)
     paths = {
@@ -193,22 +196,21 @@ def write_outputs(schedule: Any, record: Any, report: dict[str, Any], args: argp
         path.parent.mkdir(parents=True, exist_ok=True)
     paths["json"].write_text(json.dumps(report, indent=2) + "\n")
     paths["trace"].write_text(json.dumps(chrome_trace(schedule, record)))
-    last = step_timeline(schedule, record, record.config.steps - 1)
-    if not _plot(last, paths["plot"]):
+    last = rebased(step_timeline(schedule, record, record.config.steps - 1))
+    title = (f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  measured last step (ms), "
+             f"bubble {report['bubble_ratio']:.3f} (simulated {report['bubble_ratio_simulated']:.3f})")
+    if not _plot(last, paths["plot"], title):
         del paths["plot"]
     return {k: str(v) for k, v in paths.items()}
 
 
-def _plot(timeline: Any, path: Path) -> bool:
-    """Draw with ``pipeweave.sim.plot`` when the project has it; False when it does not."""
+def _plot(timeline: Any, path: Path, title: str) -> bool:
+    """Draw with ``pipeweave.sim.plot``; False when matplotlib cannot be imported."""
     try:
-        from pipeweave.sim import plot
+        from pipeweave.sim.plot import plot_timeline
     except ImportError:
         return False
-    draw = getattr(plot, "plot_timeline", None) or getattr(plot, "plot", None)
-    if draw is None:
-        return False
-    draw(timeline, str(path))
+    plot_timeline(timeline, path, title=title)
     return True
 
 

@@ -76,6 +76,14 @@ def step_timeline(schedule: Schedule, record: RunRecord, step: int) -> Timeline:
     return Timeline(schedule, tuple(events))
 
 
+def rebased(timeline: Timeline, scale: float = 1e3) -> Timeline:
+    """The same timeline starting at 0, times multiplied by ``scale`` (default: seconds to ms)."""
+    origin = min((row[0].start for row in timeline.events if row), default=0.0)
+    events = tuple(tuple(Event(e.action, (e.start - origin) * scale, (e.end - origin) * scale) for e in row)
+                   for row in timeline.events)
+    return Timeline(timeline.schedule, events, timeline.costs)
+
+
 def measured_steps(config_steps: int) -> range:
     """The steps that count: all but the first (warm-up) when there are several."""
     return range(1 if config_steps > 1 else 0, config_steps)

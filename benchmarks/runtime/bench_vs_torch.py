@@ -1,0 +1,178 @@
+"""pipeweave's runtime against torch.distributed.pipelining, side by side in one run.
+
+The model of the issue: the residual mlp (8 blocks of LayerNorm -> Linear(h,4h)
+-> GELU -> Linear(4h,h)), h = 256, batch 256 in T = 8 microbatches, MSE, SGD,
+2 ranks on gloo, one thread per rank. In one process group, in turn:
+
+1. the single-rank baseline: the whole model on rank 0, 8-microbatch gradient
+   accumulation (rank 1 waits), which gives the ideal 2-rank 1F1B step time
+   t_1 / D x (T + D - 1) / T;
+2. pipeweave's schedules (``run_rank``, the code ``pipeweave train`` runs),
+   with measured and simulated bubble ratios;
+3. torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe,
+   ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble on the same
+   architecture (standard nn modules).
+
+Step times are the median over ``--steps`` steps after ``--warmup`` steps.
+Usage: ``python benchmarks/runtime/bench_vs_torch.py [--steps 20] [--ranks 2] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeweave.models import ModelSpec
+from pipeweave.runtime.job import TrainConfig, run_rank
+from pipeweave.runtime.launch import LaunchOptions, launch
+from pipeweave.runtime.plain import run_plain
+from pipeweave.runtime.trace import summarize
+
+HIDDEN, LAYERS, BATCH, T = 256, 8, 256, 8
+OURS = (("1f1b", None), ("zb-h1", None), ("gpipe", None), ("zb-h2", None), ("interleaved-1f1b", 2), ("zb-v", None))
+THEIRS = ("Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
+
+
+class TorchBlock(nn.Module):
+    """The same residual block, from standard modules (what a torch user would write)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def single_rank_time(steps: int, warmup: int) -> float:
+    """Median step time of plain training with T-microbatch accumulation on one rank."""
+    spec = ModelSpec(kind="mlp", layers=LAYERS, hidden=HIDDEN)
+    times = []
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        run_plain(spec, steps=1, batch_size=BATCH, num_microbatches=T)
+        times.append(time.perf_counter() - t0)
+    # run_plain builds the model each call: time that alone and subtract it.
+    build = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run_plain(spec, steps=0, batch_size=BATCH, num_microbatches=T)
+        build.append(time.perf_counter() - t0)
+    return statistics.median(times[warmup:]) - statistics.median(build)
+
+
+def ours(rank: int, world: int, name: str, chunks: int | None, steps: int, warmup: int) -> dict[str, Any] | None:
+    config = TrainConfig(schedule=name, num_stages=world, num_microbatches=T, num_chunks=chunks,
+                         model=ModelSpec(kind="mlp", layers=LAYERS, hidden=HIDDEN), batch_size=BATCH,
+                         steps=steps + warmup, lr=0.01)
+    record = run_rank(rank, world, config)
+    if record is None:
+        return None
+    schedule = config.build_schedule()
+    report = summarize(schedule, record)
+    times = report["step_times_s"][warmup:]
+    return {"step_time_s": statistics.median(times), "bubble_ratio": report["bubble_ratio"],
+            "bubble_ratio_simulated": report["bubble_ratio_simulated"],
+            "bubble_ratio_flush": report["bubble_ratio_flush"],
+            "makespan_simulated_s": report["makespan_simulated_s"], "costs": report["profiled_costs_s"],
+            "losses": [record.losses[0], record.losses[-1]]}
+
+
+def theirs(rank: int, world: int, name: str, steps: int, warmup: int) -> float:
+    """Median step time of a torch.distributed.pipelining schedule (optimizer step included)."""
+    from torch.distributed import pipelining
+
+    interleaved = "Interleaved" in name
+    num_stages = 2 * world if interleaved else world
+    per_stage = LAYERS // num_stages
+    torch.manual_seed(0)
+    blocks = [TorchBlock(HIDDEN) for _ in range(LAYERS)]
+    mine = [k for k in range(num_stages) if k % world == rank]
+    stages = [
+        pipelining.PipelineStage(nn.Sequential(*blocks[k * per_stage:(k + 1) * per_stage]), k, num_stages,
+                                 torch.device("cpu"))
+        for k in mine
+    ]
+    cls = getattr(pipelining, name)
+    schedule = cls(stages if interleaved else stages[0], n_microbatches=T, loss_fn=nn.functional.mse_loss)
+    params = [p for s in stages for p in s.submod.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.01)
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(BATCH, HIDDEN, generator=generator), torch.randn(BATCH, HIDDEN, generator=generator)
+    first, last = 0 in mine, num_stages - 1 in mine
+    times = []
+    dist.barrier()
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        args = (x,) if first else ()
+        kwargs: dict[str, Any] = {"target": y, "losses": []} if last else {}
+        schedule.step(*args, **kwargs)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return statistics.median(times[warmup:])
+
+
+def bench(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any] | None:
+    steps, warmup = options["steps"], options["warmup"]
+    results: dict[str, Any] = {"ours": {}, "theirs": {}}
+    dist.barrier()
+    if rank == 0:
+        results["single_rank_s"] = single_rank_time(steps, warmup)
+    dist.barrier()
+    for name, chunks in OURS:
+        results["ours"][name] = ours(rank, world, name, chunks, steps, warmup)
+    for name in THEIRS:
+        results["theirs"][name] = theirs(rank, world, name, steps, warmup)
+    return results if rank == 0 else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    results = launch(bench, {"steps": args.steps, "warmup": args.warmup}, args.ranks, LaunchOptions(timeout_s=300))
+    d = args.ranks
+    results["ideal_1f1b_s"] = results["single_rank_s"] / d * (T + d - 1) / T
+    results["machine"] = {"platform": platform.platform(), "processor": platform.processor(),
+                          "cpus": __import__("os").cpu_count(), "torch": torch.__version__,
+                          "date": time.strftime("%Y-%m-%d %H:%M"), "ranks": d, "threads_per_rank": 1}
+    print_results(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def print_results(r: dict[str, Any]) -> None:
+    ms = 1e3
+    print(f"single rank, T={T} accumulation: {r['single_rank_s'] * ms:.1f} ms/step;  "
+          f"ideal {r['machine']['ranks']}-rank 1F1B: {r['ideal_1f1b_s'] * ms:.1f} ms")
+    print(f"{'schedule':34} {'step ms':>8} {'bubble':>7} {'sim':>7}")
+    for name, v in r["ours"].items():
+        print(f"pipeweave {name:24} {v['step_time_s'] * ms:8.1f} {v['bubble_ratio']:7.3f} {v['bubble_ratio_simulated']:7.3f}")
+    for name, t in r["theirs"].items():
+        print(f"torch {name:28} {t * ms:8.1f}")
+    one = r["ours"]["1f1b"]["step_time_s"]
+    print(f"ours 1f1b / torch Schedule1F1B: {one / r['theirs']['Schedule1F1B']:.3f};  "
+          f"ours 1f1b / ideal: {one / r['ideal_1f1b_s']:.3f};  "
+          f"ours zb-h1 / ours 1f1b: {r['ours']['zb-h1']['step_time_s'] / one:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
