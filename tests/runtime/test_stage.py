@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pipeweave.models import ModelSpec, uniform_parts
+from pipeweave.models.layers import Deferrable
 from pipeweave.runtime.stage import StageWorker
 
 MLP = ModelSpec(kind="mlp", layers=4, hidden=16)
@@ -67,7 +68,8 @@ def test_split_backward_equals_full_backward(spec: ModelSpec) -> None:
     _backward(full, 0, split=False)
     _forward(split, 0, x, y)
     _backward(split, 0, split=True)
-    assert all(p.grad is None for w in split for p in w.module.parameters())  # I computed no weight gradient
+    deferred = [p for w in split for m in w.module.modules() if isinstance(m, Deferrable) for p in m.parameters()]
+    assert deferred and all(p.grad is None for p in deferred)  # I computed no matmul weight gradient
     for w in split:
         w.backward_weight(0)
     want = _grads(full)
@@ -110,9 +112,8 @@ def test_split_backward_frees_the_graph_and_keeps_only_what_w_needs(spec: ModelS
         stash = {t.untyped_storage().data_ptr() for _, held in w._weight_grads[0] for t in held}
         # Every storage still counted belongs to a deferred W: no autograd graph is alive.
         assert set(w.meter.live) == stash - w.meter.exclude
-        # Not doubled: what W keeps is at most about what the forward kept (the gpt head's
-        # logits gradient makes it a little more there).
-        assert w.activation_bytes() <= 1.25 * before
+        # Not doubled: what W keeps (matmul inputs and output gradients) is less than the forward kept.
+        assert 0 < w.activation_bytes() < before
     for w in workers:
         w.backward_weight(0)
         assert w.activation_bytes() == 0 and w.in_flight == []

@@ -1,4 +1,4 @@
-"""Linear, LayerNorm and Embedding whose weight gradients can be deferred (zero bubble's W).
+"""Linear and Embedding whose weight gradients can be deferred (zero bubble's W), and LayerNorm.
 
 Zero-bubble pipelining (Qi et al., ICLR 2024) splits a backward into ``I``
 (input gradients, on the critical path) and ``W`` (weight gradients, deferred).
@@ -7,7 +7,9 @@ backward twice. Instead every layer with parameters here is a custom autograd
 function: during ``I`` its backward returns only the input gradient and hands
 a small closure -- holding exactly what its weight gradient needs (the layer
 input and the output gradient, M_W of the paper) -- to a ``WeightGradStore``;
-the autograd graph itself is freed as usual. ``W`` runs the closures. Outside
+the autograd graph itself is freed as usual. ``W`` runs the closures.
+LayerNorm computes its (elementwise, cheap) weight gradient at once even then,
+so that ``W`` keeps about what the forward kept, not more. Outside
 ``I`` (a full backward ``B``, or plain training) the same backward returns the
 weight gradients to autograd directly, computed by the same formulas, so
 ``I`` + ``W`` equals ``B``.
@@ -95,38 +97,22 @@ class _LinearFn(torch.autograd.Function):
 
 class _LayerNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, store: Any) -> torch.Tensor:
-        shape = [x.shape[-1]]
-        y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        y, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
         ctx.save_for_backward(x, mean, rstd)
         ctx.weight, ctx.bias = weight, bias
-        ctx.store = store
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
+        # Never deferred: its weight gradient is elementwise work, negligible next to
+        # the matmuls, while deferring it would keep x and gy (2 x width per sample)
+        # alive until W. Zero bubble's own implementation defers its linear layers'.
         x, mean, rstd = ctx.saved_tensors
-        weight, bias = ctx.weight, ctx.bias
-        shape = [x.shape[-1]]
-        if _deferring(ctx.store):
-            gx = None
-            if ctx.needs_input_grad[0]:
-                gx = torch.ops.aten.native_layer_norm_backward(
-                    gy, x, shape, mean, rstd, weight, bias, [True, False, False]
-                )[0]
-
-            def weight_grad() -> None:
-                _, gw, gb = torch.ops.aten.native_layer_norm_backward(
-                    gy, x, shape, mean, rstd, weight, bias, [False, True, True]
-                )
-                _accumulate(weight, gw)
-                _accumulate(bias, gb)
-
-            ctx.store.defer(weight_grad, (x, gy, mean, rstd))
-            return gx, None, None, None, None
         mask = [bool(ctx.needs_input_grad[0]), True, True]
-        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(gy, x, shape, mean, rstd, weight, bias, mask)
-        return gx, gw, gb, None, None
+        return (*torch.ops.aten.native_layer_norm_backward(
+            gy, x, [x.shape[-1]], mean, rstd, ctx.weight, ctx.bias, mask
+        ), None)
 
 
 def _embedding_weight_grads(
@@ -187,7 +173,7 @@ class Linear(Deferrable):
         return _LinearFn.apply(x, self.weight, self.bias, self.grad_store)  # type: ignore[no-untyped-call,no-any-return]
 
 
-class LayerNorm(Deferrable):
+class LayerNorm(nn.Module):
     """Layer normalisation over the last dimension with an affine weight and bias."""
 
     def __init__(self, width: int, eps: float = 1e-5) -> None:
@@ -197,7 +183,7 @@ class LayerNorm(Deferrable):
         self.bias = nn.Parameter(torch.zeros(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LayerNormFn.apply(x, self.weight, self.bias, self.eps, self.grad_store)  # type: ignore[no-untyped-call,no-any-return]
+        return _LayerNormFn.apply(x, self.weight, self.bias, self.eps)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class Embedding(Deferrable):
