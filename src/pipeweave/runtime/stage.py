@@ -162,7 +162,8 @@ class StageWorker:
         layer_indices: the consecutive layers of this stage's part.
         optimizer_factory: builds the optimizer from the parameters (default SGD lr 0.1).
         batch_size: mini-batch size, to scale each microbatch's loss by its share.
-        recompute: keep only the stage input at F and replay the forward before the backward.
+        recompute: keep only the stage input at F and replay the forward before the backward
+            (exact for layers without randomness, as the reference models are: no dropout).
         device: where the layers live; inputs must be given on it.
         track_memory: count activation bytes with saved-tensor hooks.
 
