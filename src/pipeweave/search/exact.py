@@ -267,7 +267,7 @@ def solve_isolated(solver: str, model: Model, warm: list[int], time_limit: float
     sender.close()
     try:
         # A solver that aborts (a failed internal check) closes the pipe: EOFError, no hang.
-        if receiver.poll(time_limit + 120.0):
+        if receiver.poll(1.1 * time_limit + 10.0):  # the solver may overrun its own limit in presolve
             solved: Solved = receiver.recv()
             return solved
         return Solved(None, -math.inf, "timeout")
