@@ -108,7 +108,7 @@ def test_a_deadlocked_schedule_is_not_simulated() -> None:
 
 def _reference(schedule: Schedule, cost: CostModel) -> list[list[tuple[float, float]]]:
     """Start and end of every action by fixed-point relaxation, from the dependency rules directly."""
-    costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.num_ranks)
+    costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
     p = schedule.placement
     where = {a: (r, k) for r, k, a in schedule.iter_actions()}
     end: dict[Action, float] = {}

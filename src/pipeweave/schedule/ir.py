@@ -131,6 +131,11 @@ class Placement:
     def num_ranks(self) -> int:
         return max(self.stage_rank) + 1 if self.stage_rank else 0
 
+    @property
+    def ranks_per_pipeline(self) -> int:
+        """Ranks one pipeline spans (D); a data-parallel grid of P pipelines has P x D ranks."""
+        return len({self.stage_rank[s] for s in self.pipelines[0]}) if self.pipelines else 0
+
     def next_stage(self, stage: int) -> int | None:
         """The stage after ``stage`` in its pipeline, or None for the last."""
         p, i = self._position[stage]

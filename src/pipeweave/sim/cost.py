@@ -1,7 +1,8 @@
 """The cost and memory model: per-part times of F, I, W, communication, memory.
 
 A scalar is the cost of one D-th of the model (one stage of a straight D-rank
-pipeline); the simulator divides it evenly among the parts of a pipeline, so
+pipeline, D the ranks one pipeline spans, so data-parallel replicas do not
+change it); the simulator divides it evenly among the parts of a pipeline, so
 interleaved chunks of a looped placement cost f/v and ZB-V's chunks f/2, and
 schedules with different chunk counts compare on the same model. A sequence
 gives each part its own value, as is, for load imbalance.

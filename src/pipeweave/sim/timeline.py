@@ -72,7 +72,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, check: bool =
         [('1F0', 1.0, 2.0), ('1F1', 2.0, 3.0)]
     """
     cost = cost or CostModel()
-    costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.num_ranks)
+    costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
     part_of = schedule.placement.stage_part
     if check:
         check_actions(schedule)
