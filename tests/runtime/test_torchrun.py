@@ -58,3 +58,4 @@ def test_two_torchrun_nodes_on_loopback_train_exactly(tmp_path: Path) -> None:
     plain = run_plain(ModelSpec(kind="mlp", layers=4, hidden=8), steps=3, batch_size=7, num_microbatches=3)
     assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
     assert report["stages"] == 2 and len(report["weight_bytes"]) == 2
+

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pipeweave.runtime.launch import wait_timeout
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.schedule.lower import LoweredSchedule
 
@@ -162,7 +163,7 @@ class P2P:
     def end_step(self) -> None:
         """Wait for every send of the step (lazily, only now)."""
         for work, _ in self._pending_sends:
-            work.wait()
+            work.wait(wait_timeout())
         self._pending_sends.clear()
         if self._posted or any(self._queues.values()):  # pragma: no cover - lowering bug
             raise RuntimeError(f"rank {self.rank}: unreceived messages at the end of a step")
@@ -203,7 +204,7 @@ class P2P:
         key = message_key(self.lowered, a)
         self._post_through(self.lowered.peer(a), key, block=True)
         posted = self._posted.pop(key)
-        posted.work.wait()
+        posted.work.wait(wait_timeout())
         return posted.buffer
 
     def _post_through(self, peer: int, key: Key, *, block: bool) -> None:
@@ -229,7 +230,7 @@ class P2P:
             raise RuntimeError(f"rank {self.rank}: no shape handshake for stream {stream}")
         if not block and not meta.work.is_completed():
             return False
-        meta.work.wait()
+        meta.work.wait(wait_timeout())
         del self._posted[(stream[0], stream[1], _META)]
         self._shapes[stream] = _decode_meta(meta.buffer.cpu())
         return True

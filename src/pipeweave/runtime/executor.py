@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.runtime.comm import P2P
+from pipeweave.runtime.launch import wait_timeout
 from pipeweave.runtime.stage import StageWorker
 from pipeweave.runtime.tied import TiedGradients
 from pipeweave.schedule.ir import Action, Op
@@ -83,7 +84,7 @@ class ReplicaGradients:
 
     def end_step(self) -> None:
         for work, _ in self._sends:
-            work.wait()
+            work.wait(wait_timeout())
         self._sends.clear()
 
     def _send(self, s: int) -> None:
@@ -107,7 +108,7 @@ class ReplicaGradients:
                 flats.append(_flatten(self.workers[other].gradients()))
             else:
                 work, buffer = self._recv.pop(other)
-                work.wait()
+                work.wait(wait_timeout())
                 flats.append(buffer)
         total = flats[0].clone()
         for flat in flats[1:]:

@@ -41,6 +41,14 @@ ProgressFn = Callable[[int, Any], None]
 # Where ``progress`` goes in this process: the launcher's queue in a spawned
 # rank, the caller's callback on rank 0 under torchrun, nowhere otherwise.
 _progress_sink: Callable[[Any], None] | None = None
+# The process-group timeout of this rank. Gloo applies it to collectives but
+# not to a bare ``Work.wait()`` of a send or receive, so p2p waits pass it.
+_timeout = datetime.timedelta(seconds=60)
+
+
+def wait_timeout() -> datetime.timedelta:
+    """How long a rank waits on a peer's message before failing (the launch's ``timeout_s``)."""
+    return _timeout
 
 _PR_SET_PDEATHSIG = 1
 _GRACE_S = 2.0  # how long terminated ranks get before SIGKILL
@@ -115,7 +123,8 @@ def launch(
 def _join_torchrun(
     fn: RankFn, payload: Any, num_ranks: int, options: LaunchOptions, on_progress: ProgressFn | None
 ) -> Any:
-    global _progress_sink
+    global _progress_sink, _timeout
+    _timeout = datetime.timedelta(seconds=options.timeout_s)
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     if rank == 0 and on_progress is not None:
@@ -133,6 +142,10 @@ def _join_torchrun(
     )
     try:
         return fn(rank, world, payload)
+    except Exception as exc:  # one line per failing rank; torchrun's agent reports the exit
+        cause = _describe(rank, exc)
+        _report(cause, options)
+        raise RankFailure(cause, 1) from None
     finally:
         dist.destroy_process_group()
 
@@ -243,7 +256,8 @@ def _report(cause: str, options: LaunchOptions) -> None:
 
 def _child(fn: RankFn, payload: Any, rank: int, world: int, port: int, options: LaunchOptions, results: Any) -> None:
     # Ctrl-C reaches the whole foreground process group; only the launcher acts on it.
-    global _progress_sink
+    global _progress_sink, _timeout
+    _timeout = datetime.timedelta(seconds=options.timeout_s)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     _progress_sink = lambda value: results.put(("progress", rank, value))  # noqa: E731
