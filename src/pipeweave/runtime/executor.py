@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -185,6 +186,10 @@ class Executor:
         self._data: Sequence[torch.Tensor] = ()
         self._targets: Sequence[torch.Tensor] = ()
         self._losses: list[torch.Tensor] = []
+        # Asynchronous schedules: runtime.policy.RankPolicy, called around every compute action
+        # (the weights each reads), and every microbatch's loss, for per-mini-batch losses.
+        self.policy: Any = None
+        self.losses_by_microbatch: dict[int, torch.Tensor] = {}
 
     def run_step(self, data: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> tuple[float, list[Record]]:
         """Run the rank's actions once: returns this rank's share of the loss and the timings.
@@ -222,7 +227,11 @@ class Executor:
         # Per-rank peak: the other stages' held bytes are constant during this action.
         others = sum(w.activation_bytes() for s, w in self.workers.items() if s != a.stage)
         worker.reset_peak()
+        if self.policy is not None:
+            self.policy.enter(a)
         handler(a)
+        if self.policy is not None:
+            self.policy.exit(a)
         self.replicas.after(a)
         self.peak_activation_bytes = max(self.peak_activation_bytes, others + worker.peak_activation_bytes())
 
@@ -235,6 +244,8 @@ class Executor:
         out = self.workers[s].forward(j, x, target=self._targets[j] if nxt is None else None)
         if nxt is None:
             self._losses.append(out)  # summed at the end of the step: no sync per microbatch
+            if self.policy is not None:
+                self.losses_by_microbatch[j] = out
         elif self.placement.stage_rank[nxt] == self.rank:
             self._inputs[(nxt, j)] = out  # a neighbour on this rank: no message
         else:
