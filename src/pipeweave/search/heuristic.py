@@ -40,6 +40,9 @@ class Policy:
             wave at rank 0's pace; the memory and warm-up cap still apply).
         lookahead: when an I is known to arrive before an F or W would end,
             run only what fits in the gap, else wait for the I.
+        look_f: the lookahead also waits for a known F arrival the rank may
+            run (cap and memory): a W started just before it would delay the
+            forward wave, and every later rank with it.
     """
 
     extra: int = 0
@@ -48,6 +51,7 @@ class Policy:
     deep_first: bool = True
     lookahead: bool = False
     f_first: bool = False
+    look_f: bool = False
 
 
 @dataclass
@@ -172,6 +176,15 @@ def _next_i(rank: _Rank, nf: list[int], ni: list[int], i_ready: list[list[float]
     return min((i_ready[s][ni[s]] for s in rank.stages if ni[s] < nf[s]), default=math.inf)
 
 
+def _next_f(rank: _Rank, nf: list[int], f_ready: list[list[float]], activation: tuple[float, ...],
+            t: int) -> float:
+    """When the next F the rank may run (cap and memory) is known to arrive (inf: not known)."""
+    if rank.in_flight >= rank.cap:
+        return math.inf
+    return min((f_ready[s][nf[s]] for s in rank.stages
+                if nf[s] < t and rank.held + activation[s] <= rank.limit), default=math.inf)
+
+
 def _fill_gap(
     rank: _Rank, now: float, policy: Policy, nf: list[int], ni: list[int], nw: list[int],
     f_ready: list[list[float]], i_ready: list[list[float]], activation: tuple[float, ...], t: int,
@@ -179,6 +192,8 @@ def _fill_gap(
     """Greedy, but never start what would still run when a known gradient arrives."""
     action = _greedy(rank, now, policy, nf, nw, ni, f_ready, activation, t)
     gap = _next_i(rank, nf, ni, i_ready) - now
+    if policy.look_f:
+        gap = min(gap, _next_f(rank, nf, f_ready, activation, t) - now)
     if action is None or gap == math.inf or rank.durations[action.stage][action.op] <= gap + 1e-12:
         return action
     if rank.pending_w:  # a W that fits, else wait for the gradient
@@ -242,16 +257,20 @@ def policies(problem: Problem) -> Iterator[Policy]:
     deep = [True, False] if problem.vshape else [True]
     # Best on REFERENCE.md's rows (ZB-1p, ZB-2p) and on V shapes, measured: tried first.
     first_v = [Policy(extra=d, slope=1.0, lookahead=True, f_first=True), Policy(extra=d, slope=1.0)]
-    first_straight = [Policy(slope=1.0, lookahead=True, f_first=True), Policy(slope=1.0),
+    # ZB-1p: 1F1B's depth, W only where it delays no F and no I (reaches the bound on all three rows).
+    first_straight = [Policy(lookahead=True, f_first=True, look_f=True),
+                      Policy(slope=1.0, lookahead=True, f_first=True), Policy(slope=1.0),
                       Policy(extra=1, slope=1.0), Policy(extra=1, slope=1.0, f_first=True)]
     seen: set[Policy] = set()
     for p in first_v if problem.vshape else first_straight:
         seen.add(p)
         yield p
     # Most promising first: the budget may stop the walk after a few policies.
-    grid = itertools.product(deep, (True, False), (True, False), lags, slopes, list(dict.fromkeys(extras)))
-    for first, f_first, look, lag, slope, extra in grid:
-        p = Policy(extra=extra, slope=slope, w_lag=lag, deep_first=first, lookahead=look, f_first=f_first)
+    looks = ((True, True), (True, False), (False, False))  # (lookahead, look_f): look_f needs lookahead
+    grid = itertools.product(deep, (True, False), looks, lags, slopes, list(dict.fromkeys(extras)))
+    for first, f_first, (look, look_f), lag, slope, extra in grid:
+        p = Policy(extra=extra, slope=slope, w_lag=lag, deep_first=first, lookahead=look, f_first=f_first,
+                   look_f=look_f)
         if p not in seen:
             seen.add(p)
             yield p
