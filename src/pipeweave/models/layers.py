@@ -10,9 +10,11 @@ input and the output gradient, M_W of the paper) -- to a ``WeightGradStore``;
 the autograd graph itself is freed as usual. ``W`` runs the closures.
 LayerNorm computes its (elementwise, cheap) weight gradient at once even then,
 so that ``W`` keeps about what the forward kept, not more. Outside
-``I`` (a full backward ``B``, or plain training) the same backward returns the
-weight gradients to autograd directly, computed by the same formulas, so
-``I`` + ``W`` equals ``B``.
+``I`` (a full backward ``B``, or plain training) the same backward computes the
+weight gradients at once by the same code, so ``I`` + ``W`` equals ``B``. Either
+way they are accumulated straight into ``param.grad`` (``addmm_`` with beta 1,
+``index_add_``), never returned to autograd: that saves a weight-sized
+temporary and a separate accumulation pass per layer and microbatch.
 
 Parameter initialisation takes an explicit ``torch.Generator`` so that a layer
 is identical whatever rank builds it.
@@ -60,10 +62,21 @@ def _deferring(store: WeightGradStore | None) -> bool:
     return store is not None and store.deferring
 
 
-def _linear_weight_grads(x: torch.Tensor, gy: torch.Tensor, has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _linear_weight_grads(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, gy: torch.Tensor) -> None:
+    """Accumulate ``gy^T x`` into ``weight.grad`` (and ``sum(gy)`` into ``bias.grad``).
+
+    Straight into ``.grad`` with ``addmm_`` (beta = 1): no temporary weight-sized
+    gradient, no separate pass to add it, where autograd's own path pays both.
+    B and W both come here, so I + W equals B bitwise for the same microbatch order.
+    """
     gy2 = gy.reshape(-1, gy.shape[-1])
-    gw = gy2.t().mm(x.reshape(-1, x.shape[-1]))
-    return gw, (gy2.sum(0) if has_bias else None)
+    x2 = x.reshape(-1, x.shape[-1])
+    if weight.grad is None:
+        weight.grad = gy2.t().mm(x2)
+    else:
+        weight.grad.addmm_(gy2.t(), x2)
+    if bias is not None:
+        _accumulate(bias, gy2.sum(0))
 
 
 class _LinearFn(torch.autograd.Function):
@@ -82,17 +95,10 @@ class _LinearFn(torch.autograd.Function):
         weight, bias = ctx.weight, ctx.bias
         gx = gy.matmul(weight) if ctx.needs_input_grad[0] else None
         if _deferring(ctx.store):
-
-            def weight_grad() -> None:
-                gw, gb = _linear_weight_grads(x, gy, bias is not None)
-                _accumulate(weight, gw)
-                if bias is not None and gb is not None:
-                    _accumulate(bias, gb)
-
-            ctx.store.defer(weight_grad, (x, gy))
-            return gx, None, None, None
-        gw, gb = _linear_weight_grads(x, gy, bias is not None)
-        return gx, gw, gb, None
+            ctx.store.defer(lambda: _linear_weight_grads(weight, bias, x, gy), (x, gy))
+        else:  # B: at once, by the same code as W
+            _linear_weight_grads(weight, bias, x, gy)
+        return gx, None, None, None
 
 
 class _LayerNormFn(torch.autograd.Function):
@@ -115,14 +121,15 @@ class _LayerNormFn(torch.autograd.Function):
         ), None)
 
 
-def _embedding_weight_grads(
-    idx: torch.Tensor, gy: torch.Tensor, token: torch.Tensor, position: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _embedding_weight_grads(idx: torch.Tensor, gy: torch.Tensor, token: torch.Tensor, position: torch.Tensor) -> None:
+    """Accumulate the token and position gradients into ``.grad`` in place (as the linear layer does)."""
     width = gy.shape[-1]
-    g_token = torch.zeros_like(token).index_add_(0, idx.reshape(-1), gy.reshape(-1, width))
-    g_position = torch.zeros_like(position)
-    g_position[: gy.shape[-2]] = gy.reshape(-1, gy.shape[-2], width).sum(0)
-    return g_token, g_position
+    if token.grad is None:
+        token.grad = torch.zeros_like(token)
+    token.grad.index_add_(0, idx.reshape(-1), gy.reshape(-1, width))
+    if position.grad is None:
+        position.grad = torch.zeros_like(position)
+    position.grad[: gy.shape[-2]] += gy.reshape(-1, gy.shape[-2], width).sum(0)
 
 
 class _EmbeddingFn(torch.autograd.Function):
@@ -138,16 +145,10 @@ class _EmbeddingFn(torch.autograd.Function):
         (idx,) = ctx.saved_tensors
         token, position = ctx.token, ctx.position
         if _deferring(ctx.store):
-
-            def weight_grad() -> None:
-                g_token, g_position = _embedding_weight_grads(idx, gy, token, position)
-                _accumulate(token, g_token)
-                _accumulate(position, g_position)
-
-            ctx.store.defer(weight_grad, (idx, gy))
-            return None, None, None, None
-        g_token, g_position = _embedding_weight_grads(idx, gy, token, position)
-        return None, g_token, g_position, None
+            ctx.store.defer(lambda: _embedding_weight_grads(idx, gy, token, position), (idx, gy))
+        else:
+            _embedding_weight_grads(idx, gy, token, position)
+        return None, None, None, None
 
 
 class Deferrable(nn.Module):

@@ -178,6 +178,9 @@ class Executor:
             Op.RECV_B: self.recv_backward,
         }
         self.peak_activation_bytes = 0
+        # Of the last step: thread CPU ns per action (parallel to the records), process CPU ns of the step.
+        self.action_cpu_ns: list[int] = []
+        self.step_cpu_ns = 0
         # Per-step state: what flows between actions, keyed by (stage, microbatch).
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -203,14 +206,19 @@ class Executor:
         self.p2p.begin_step()
         self.replicas.begin_step()
         records: list[Record] = []
-        clock = time.perf_counter_ns
+        # CPU time beside wall time: robust to other processes sharing the cores.
+        self.action_cpu_ns = cpu_ns = []
+        clock, cpu = time.perf_counter_ns, time.thread_time_ns
+        step_cpu = time.process_time_ns()
         for i, a in enumerate(self.row):
             self.p2p.post_ahead(i)
-            t0 = clock()
+            c0, t0 = cpu(), clock()
             self._run(a)
             records.append((a, t0, clock()))
+            cpu_ns.append(cpu() - c0)
         self.p2p.end_step()
         self.replicas.end_step()
+        self.step_cpu_ns = time.process_time_ns() - step_cpu
         if self._inputs or self._outputs or self._grads_in or self._grads_out:  # pragma: no cover
             raise RuntimeError(f"rank {self.rank}: tensors left over at the end of a step")
         loss = float(torch.stack(self._losses).sum()) if self._losses else 0.0
@@ -224,16 +232,18 @@ class Executor:
         if worker is None or a.op in (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B):
             handler(a)
             return
-        # Per-rank peak: the other stages' held bytes are constant during this action.
-        others = sum(w.activation_bytes() for s, w in self.workers.items() if s != a.stage)
-        worker.reset_peak()
+        track = worker.track_memory  # off after the first step unless asked (StageWorker.track_memory)
+        if track:  # per-rank peak: the other stages' held bytes are constant during this action
+            others = sum(w.activation_bytes() for s, w in self.workers.items() if s != a.stage)
+            worker.reset_peak()
         if self.policy is not None:
             self.policy.enter(a)
         handler(a)
         if self.policy is not None:
             self.policy.exit(a)
         self.replicas.after(a)
-        self.peak_activation_bytes = max(self.peak_activation_bytes, others + worker.peak_activation_bytes())
+        if track:
+            self.peak_activation_bytes = max(self.peak_activation_bytes, others + worker.peak_activation_bytes())
 
     # ---- compute -----------------------------------------------------------
     def forward(self, a: Action) -> None:
