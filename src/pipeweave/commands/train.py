@@ -6,6 +6,12 @@ has one (1F1B otherwise), shows a progress bar, and ends with a summary --
 loss first -> last, throughput, measured beside simulated bubble, memory per
 rank -- and a JSON record, a Chrome trace and a timeline plot under
 ``./pipeweave-out/``.
+
+Asynchronous schedules (pipedream, pipedream-2bw, pipemare, spectrain, xpipe,
+ampnet, wpipe, avgpipe) run as one stream of ``--steps`` mini-batches
+(``runtime.stream``); their options are in the "asynchronous schedules" group
+of ``--help``, and the summary shows the steady-state bubble and the weight
+bytes held (every version and buffer) beside the simulator's.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ DEFAULT_GPT = {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64}
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "train", help="train a model with a pipeline schedule on local ranks, measured",
-        description="Train on torch.distributed with any synchronous schedule; measure bubble, memory, throughput.",
+        description="Train on torch.distributed with any schedule; measure bubble, memory, throughput. "
+        "An asynchronous schedule runs as one stream of --steps mini-batches.",
     )
     p.add_argument("-s", "--schedule", help="schedule name (default: zb-h1 if registered, else 1f1b)")
     p.add_argument("--stages", type=int, default=2, help="D, pipeline ranks (default 2)")
@@ -58,7 +65,75 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE", help="write the measured timeline plot here (default OUT/timeline.png)")
     p.add_argument("--trace", metavar="FILE", help="write the Chrome trace here (default OUT/trace.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    add_async_arguments(p)
     return p
+
+
+# Asynchronous schedules: flag -> (generator option, the schedules that take it). Defaults are the generators'.
+SCHEDULE_FLAGS = {
+    "warmup_steps": ("warmup_steps", "pipemare"),
+    "vertical_sync": ("vertical_sync", "pipedream"),
+    "update_every": ("update_every", "pipedream, spectrain"),
+    "min_update_frequency": ("min_update_frequency", "ampnet"),
+    "max_active_keys": ("max_active_keys", "ampnet"),
+    "pipelines": ("num_pipelines", "avgpipe"),
+}
+
+
+def add_async_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of the asynchronous schedules and their weight policies (defaults from their papers)."""
+    g = p.add_argument_group(
+        "asynchronous schedules",
+        "A stream of --steps mini-batches with no flush (avgpipe: --steps/P rounds of P pipelines). "
+        "Losses are per mini-batch, as its forwards computed them.")
+    g.add_argument("--momentum", type=float,
+                   help="SGD momentum (default 0.9 for spectrain/xpipe, which predict along it; 0 otherwise)")
+    g.add_argument("--warmup-steps", type=int, help="pipemare: leading mini-batches run synchronously (default 0)")
+    g.add_argument("--vertical-sync", action="store_true", default=None,
+                   help="pipedream: every stage reads the version stage 0 read")
+    g.add_argument("--update-every", type=int, help="pipedream, spectrain: microbatches per update (default 1)")
+    g.add_argument("--min-update-frequency", type=int, help="ampnet: local gradients per update (default 1)")
+    g.add_argument("--max-active-keys", type=int, help="ampnet: microbatches in flight (default D)")
+    g.add_argument("--pipelines", type=int, metavar="P", help="avgpipe: replicated pipelines (default 2)")
+    g.add_argument("--anneal-steps", type=int, metavar="K",
+                   help="pipemare: updates over which the step size lr/tau returns to lr (default 1000; 0: off)")
+    g.add_argument("--decay", type=float, help="pipemare: velocity moving-average weight gamma (default 0.9)")
+    g.add_argument("--no-correction", action="store_true", help="pipemare: no discrepancy correction")
+    g.add_argument("--averaging-rate", type=float, metavar="ALPHA",
+                   help="avgpipe: elastic averaging rate toward the replicas' mean (default 0.9/P)")
+    g.add_argument("--averaging-period", type=int, help="avgpipe: update rounds between averagings (default 1)")
+
+
+def async_options(args: argparse.Namespace, schedule: str) -> tuple[dict[str, Any], Any]:
+    """The generator options and ``PolicyOptions`` the flags give for ``schedule``.
+
+    Raises:
+        UserError: a flag the schedule does not take.
+    """
+    from pipeweave.runtime.policy import PolicyOptions
+
+    options: dict[str, Any] = {}
+    for flag, (key, takers) in SCHEDULE_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        if schedule not in takers.split(", "):
+            raise UserError(f"--{flag.replace('_', '-')} applies to {takers}, not {schedule}; drop it")
+        options[key] = value
+    policy: dict[str, Any] = {}
+    for flag, field_name, taker in (("anneal_steps", "anneal_steps", "pipemare"), ("decay", "decay", "pipemare"),
+                                    ("averaging_rate", "averaging_rate", "avgpipe"),
+                                    ("averaging_period", "averaging_period", "avgpipe")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            if schedule != taker:
+                raise UserError(f"--{flag.replace('_', '-')} applies to {taker}, not {schedule}; drop it")
+            policy[field_name] = value
+    if getattr(args, "no_correction", False):
+        if schedule != "pipemare":
+            raise UserError(f"--no-correction applies to pipemare, not {schedule}; drop it")
+        policy["correction"] = False
+    return options, PolicyOptions(**policy)
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -76,10 +151,13 @@ def build_config(args: argparse.Namespace) -> Any:
     schedule = args.schedule or next(n for n in DEFAULT_SCHEDULES if n in SCHEDULES)
     if args.threads < 1:
         raise UserError(f"--threads {args.threads} is invalid; give at least 1")
+    options, policy = async_options(args, schedule)
+    momentum = args.momentum if args.momentum is not None else (0.9 if schedule in ("spectrain", "xpipe") else 0.0)
     config = TrainConfig(
         schedule=schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks,
         model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
         recompute=args.recompute, seed=args.seed or 0, data=args.data, data_parallel=args.data_parallel,
+        momentum=momentum, schedule_options=tuple(options.items()), policy=policy,
     )
     return _with_partition(config, args)
 
@@ -173,6 +251,7 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
     """The JSON record: configuration, losses and every measured and simulated figure."""
     from dataclasses import asdict
 
+    from pipeweave.runtime.stream import summarize_stream
     from pipeweave.runtime.trace import summarize
 
     config = record.config
@@ -181,7 +260,7 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
         "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.steps,
         "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
         "recompute": config.recompute, "losses": record.losses, "wall_s": record.wall_s,
-        **summarize(schedule, record),
+        **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
     }
 
 
@@ -199,8 +278,13 @@ def write_outputs(schedule: Any, record: Any, report: dict[str, Any], args: argp
         path.parent.mkdir(parents=True, exist_ok=True)
     paths["json"].write_text(json.dumps(report, indent=2) + "\n")
     paths["trace"].write_text(json.dumps(chrome_trace(schedule, record)))
-    last = rebased(step_timeline(schedule, record, record.config.steps - 1))
-    title = (f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  measured last step (ms), "
+    if schedule.is_synchronous:
+        last, what = rebased(step_timeline(schedule, record, record.config.steps - 1)), "last step"
+    else:
+        from pipeweave.runtime.stream import stream_timeline
+
+        last, what = rebased(stream_timeline(schedule, record)), "stream"
+    title = (f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  measured {what} (ms), "
              f"bubble {report['bubble_ratio']:.3f} (simulated {report['bubble_ratio_simulated']:.3f})")
     if not _plot(last, paths["plot"], title):
         del paths["plot"]
@@ -228,7 +312,8 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
     table.add_column("measured", justify="right")
     table.add_column("simulated", justify="right")
     table.add_row("loss first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}", "")
-    table.add_row("step time", _ms(report["step_time_s"]), _ms(report["makespan_simulated_s"]))
+    per = "step time" if "weight_bytes_simulated" not in report else "time per mini-batch"
+    table.add_row(per, _ms(report["step_time_s"]), _ms(report["makespan_simulated_s"]))
     rate = f"{report['samples_per_s']:.1f} samples/s"
     if report.get("tokens_per_s"):
         rate += f"  ({report['tokens_per_s']:.0f} tokens/s)"
@@ -236,8 +321,10 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
     table.add_row("bubble ratio", f"{report['bubble_ratio']:.3f}", f"{report['bubble_ratio_simulated']:.3f}")
     table.add_row("bubble ratio (flush)", f"{report['bubble_ratio_flush']:.3f}",
                   f"{report['bubble_ratio_flush_simulated']:.3f}")
+    simulated = report.get("weight_bytes_simulated")
     for r, (act, weight) in enumerate(zip(report["peak_activation_bytes"], report["weight_bytes"])):
-        table.add_row(f"rank {r} memory", f"act {_bytes(act)}  weights {_bytes(weight)}", "")
+        table.add_row(f"rank {r} memory", f"act {_bytes(act)}  weights {_bytes(weight)}",
+                      f"weights {_bytes(simulated[r])}" if simulated else "")
     console = Console()
     console.print(table)
     for kind, path in paths.items():

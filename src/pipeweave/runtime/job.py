@@ -24,9 +24,10 @@ from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
 from pipeweave.runtime import launch as launch_module
 from pipeweave.runtime.executor import Executor
+from pipeweave.runtime.policy import PolicyOptions
 from pipeweave.runtime.stage import OptimizerFactory, StageWorker
 from pipeweave.runtime.trace import align_clocks
-from pipeweave.schedule import Schedule, generate, lower, validate
+from pipeweave.schedule import SCHEDULES, Schedule, generate, lower, validate
 from pipeweave.schedule.data_parallel import data_parallel
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -66,6 +67,18 @@ class TrainConfig:
     """Layer count of each part (``pipeweave.partition``); None: uniform."""
     data_parallel: int = 1
     """P: pipeline replicas (``schedule.data_parallel``); the batch is the global batch, T per replica."""
+    memory_every_step: bool = False
+    """Count activation bytes (saved-tensor hooks) in every step, not only the first.
+
+    Every step holds the same tensors (same microbatch sizes, same schedule), so
+    the first step's peak is every step's; the hooks cost a few % of compute time.
+    """
+    momentum: float = 0.0
+    """SGD momentum (SpecTrain predicts along its velocity)."""
+    schedule_options: tuple[tuple[str, Any], ...] = ()
+    """Options of the schedule's generator, e.g. ``(("warmup_steps", 2),)`` (asynchronous schedules)."""
+    policy: PolicyOptions = field(default_factory=PolicyOptions)
+    """Run-time hyperparameters of the asynchronous weight policies (``runtime.policy``)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -76,11 +89,24 @@ class TrainConfig:
                 raise UserError(f"--{name.replace('_size', '')} {value} is invalid; give an integer >= 1")
         if not self.lr > 0:
             raise UserError(f"--lr {self.lr} is invalid; give a learning rate > 0")
+        if not 0.0 <= self.momentum < 1.0:
+            raise UserError(f"--momentum {self.momentum} is invalid; give 0 <= momentum < 1")
+
+    @property
+    def is_stream(self) -> bool:
+        """An asynchronous schedule: one stream of ``steps`` mini-batches (``runtime.stream``)."""
+        info = SCHEDULES.get(self.schedule)
+        return info is not None and not info.synchronous
 
     def build_schedule(self) -> Schedule:
         """The schedule of this run (raises ScheduleError, a UserError, if it cannot be built)."""
+        options = dict(self.schedule_options)
+        if self.is_stream:  # --steps N: a stream of N mini-batches (runtime.stream)
+            from pipeweave.runtime.stream import stream_steps
+
+            options["num_steps"] = stream_steps(self.schedule, self.steps, options)
         base = generate(self.schedule, num_stages=self.num_stages, num_microbatches=self.num_microbatches,
-                        num_chunks=self.num_chunks)
+                        num_chunks=self.num_chunks, **options)
         return data_parallel(base, self.data_parallel) if self.data_parallel != 1 else base
 
     def layer_ranges(self, schedule: Schedule) -> list[range]:
@@ -98,8 +124,12 @@ class TrainConfig:
             UserError: one line naming the value and the fix.
         """
         schedule = self.build_schedule()
+        if not schedule.is_synchronous and self.data_parallel != 1:
+            raise UserError(f"{self.schedule} is asynchronous; --data-parallel applies to synchronous schedules, drop it")
         if not schedule.is_synchronous:
-            raise UserError(f"schedule {self.schedule!r} is asynchronous; `pipeweave train` runs synchronous ones")
+            from pipeweave.runtime.stream import check_stream_model
+
+            check_stream_model(self.model)
         validate(schedule)
         if self.model.num_layers < schedule.num_parts:
             raise UserError(
@@ -107,8 +137,9 @@ class TrainConfig:
                 f"{schedule.num_parts} layers, the model has {self.model.num_layers}; "
                 "reduce --stages or increase --layers"
             )
-        if self.batch_size < schedule.num_microbatches:
-            raise UserError(f"--batch {self.batch_size} cannot make {schedule.num_microbatches} microbatches; "
+        per_batch = self.num_microbatches * self.data_parallel if self.is_stream else schedule.num_microbatches
+        if self.batch_size < per_batch:
+            raise UserError(f"--batch {self.batch_size} cannot make {per_batch} microbatches; "
                             "increase --batch or reduce --microbatches")
         self.layer_ranges(schedule)
         return schedule
@@ -117,12 +148,14 @@ class TrainConfig:
         lr = self.lr
         if self.optimizer == "adamw":
             return lambda params: torch.optim.AdamW(params, lr=lr)
-        return lambda params: torch.optim.SGD(params, lr=lr)
+        momentum = self.momentum
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
 
     @property
     def microbatch_sizes(self) -> list[int]:
         t = self.num_microbatches * self.data_parallel  # every replica's microbatches
-        return [len(m) for m in split_microbatches(torch.empty(self.batch_size, 0), t)]
+        sizes = [len(m) for m in split_microbatches(torch.empty(self.batch_size, 0), t)]
+        return sizes * self.steps if self.is_stream else sizes  # a stream: every mini-batch's
 
 
 @dataclass
@@ -136,8 +169,15 @@ class RankRecord:
     """Per step, ``(stage, op, microbatch, start s, end s)`` on rank 0's clock."""
     peak_activation_bytes: int
     weight_bytes: int
+    """Bytes of this rank's weights; streams: the peak of every version and extra buffer held."""
     parameters: dict[int, dict[str, torch.Tensor]]
     """Per stage on this rank, its final parameters (when collected)."""
+    step_cpu_s: list[float] = field(default_factory=list)
+    """Per step, CPU seconds of this rank's process (every thread, gloo's included)."""
+    action_cpu_s: list[list[float]] = field(default_factory=list)
+    """Per step, thread CPU seconds of each recorded action (parallel to ``records``)."""
+    versions: dict[Any, tuple[int, int]] = field(default_factory=dict)
+    """Streams: per F/B/I/W action, the ``(version, target)`` it read (``runtime.policy``)."""
 
 
 @dataclass
@@ -166,6 +206,10 @@ def build_workers(schedule: Schedule, config: TrainConfig, rank: int, device: to
 
 def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
     """Train on this rank; rank 0 returns the gathered ``RunRecord``, the others None."""
+    if config.is_stream:
+        from pipeweave.runtime.stream import run_stream_rank
+
+        return run_stream_rank(rank, world, config)
     started = time.perf_counter()
     schedule = config.build_schedule()
     device = launch_module.device_for(rank)
@@ -175,19 +219,26 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
     offset = align_clocks(rank, world)
     t = schedule.num_microbatches
     losses, records = [], []
+    step_cpu: list[float] = []
+    action_cpu: list[list[float]] = []
     for step in range(config.steps):
         inputs, targets = source.batch(step)
         data = [m.to(device) for m in split_microbatches(inputs, t)]
         target = [m.to(device) for m in split_microbatches(targets, t)]
         loss, timings = executor.run_step(data, target)
         losses.append(loss)
+        step_cpu.append(executor.step_cpu_ns * 1e-9)
+        action_cpu.append([c * 1e-9 for c in executor.action_cpu_ns])
+        if step == 0 and not config.memory_every_step:
+            for w in workers.values():
+                w.track_memory = False
         records.append([(a.stage, a.op.value, a.microbatch, (t0 - offset) * 1e-9, (t1 - offset) * 1e-9) for a, t0, t1 in timings])
         launch_module.progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
     params = {}
     if config.collect_parameters:
         params = {s: {k: p.detach().cpu().clone() for k, p in w.named_parameters().items()} for s, w in workers.items()}
     mine = RankRecord(rank, losses, records, executor.peak_activation_bytes,
-                      sum(w.weight_bytes() for w in workers.values()), params)
+                      sum(w.weight_bytes() for w in workers.values()), params, step_cpu, action_cpu)
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if rank != 0:

@@ -1,4 +1,4 @@
-"""The reference executor: any synchronous schedule, every stage in one process, deterministically.
+"""The reference executor: any schedule, every stage in one process, deterministically (streams: ``runtime.stream``).
 
 It walks the ranks round-robin, each running its action list in order as far
 as the data dependencies of the IR allow (the same rules as
@@ -131,13 +131,15 @@ def _weight_grad_counts(schedule: Schedule) -> dict[int, int]:
 
 
 def run_step(schedule: Schedule, workers: list[StageWorker], inputs: list[torch.Tensor],
-             targets: list[torch.Tensor]) -> float:
+             targets: list[torch.Tensor], state: _Step | None = None) -> float:
     """Run one step of a synchronous schedule; returns the mini-batch mean loss.
+
+    ``state`` replaces the walk's state (``runtime.stream`` walks an asynchronous stream with its own).
 
     Raises:
         RuntimeError: the schedule gets stuck (no rank can run its next action).
     """
-    state = _Step(schedule, workers, inputs, targets)
+    state = state if state is not None else _Step(schedule, workers, inputs, targets)
     ptr = [0] * schedule.num_ranks
     while any(ptr[r] < len(row) for r, row in enumerate(schedule.actions)):
         progressed = False
@@ -168,7 +170,8 @@ def run_reference(
     """Train with ``schedule`` for ``steps`` steps, every stage in this process.
 
     Args:
-        schedule: a synchronous schedule (one step; it is repeated each step).
+        schedule: a synchronous schedule (one step; it is repeated each step), or an
+            asynchronous stream, run once (``steps`` = its mini-batches; default policy options).
         spec: the model.
         steps: optimizer steps.
         batch_size: samples per mini-batch, split into ``schedule.num_microbatches``.
@@ -179,7 +182,7 @@ def run_reference(
         parts: layer range per part (default ``uniform_parts``).
 
     Raises:
-        UserError: an asynchronous schedule, more parts than layers, fewer samples than microbatches.
+        UserError: a stream of another length than ``steps``, more parts than layers, fewer samples than microbatches.
 
     Example:
         >>> from pipeweave.schedule import generate
@@ -188,8 +191,15 @@ def run_reference(
         >>> len(r.losses), sorted(r.parameters)[0]
         (2, '0.down.bias')
     """
-    if not schedule.is_synchronous:
-        raise UserError(f"schedule {schedule.name} is asynchronous; the reference executor runs synchronous ones")
+    if not schedule.is_synchronous:  # a stream: run once, its mini-batches are the steps (runtime.stream)
+        from pipeweave.runtime.stream import run_stream_reference
+
+        minibatches = schedule.num_steps * len(schedule.placement.pipelines)
+        if steps != minibatches:
+            raise UserError(f"the {schedule.name} stream covers {minibatches} mini-batches, not steps={steps}; "
+                            f"generate it with num_steps for {steps} mini-batches")
+        return run_stream_reference(schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
+                                    seed=seed, recompute=recompute, data=data, parts=parts)
     workers = build_workers(
         schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory, recompute=recompute, parts=parts
     )

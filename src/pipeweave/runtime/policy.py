@@ -1,0 +1,453 @@
+"""Weight-version policies at run time: the weights each F/B/I/W computes with, for both executors.
+
+The executors call one narrow hook per compute action of a rank (``RankPolicy``):
+``enter(a)`` before it and ``exit(a)`` after it. For ``F``/``B``/``I``/``W``
+``enter`` makes the stage's parameters hold the weights the policy says the
+action reads (DESIGN.md's table, ``sim.versions.read_versions``) and records
+that version; ``exit`` puts the live weights back and frees what is no longer
+needed. For ``U`` they bracket the optimizer step (copy a version aside,
+velocity, step size, averaging). Synchronous schedules get no hook.
+
+How weights are swapped: the layers keep their ``Parameter`` objects on the
+autograd context (``models.layers``), not copies, so a backward computes with
+whatever the parameter holds when it runs. ``enter`` points ``p.data`` at the
+chosen tensors and ``exit`` points it back at the live ones, which the
+optimizer updates in place.
+
+| policy | F | B / I / W | held per stage (M_theta) |
+|---|---|---|---|
+| stash, 2BW, WPipe (``weights.stash``) | live | the copy F read | live + copies still read |
+| vertical sync | the version stage 0 read | same | as stash, pending forwards too |
+| none (AMPNet), averaging (AvgPipe) | live | live | 1 (AvgPipe: P replicas per rank) |
+| discrepancy correction (PipeMare) | live | live - gap x velocity, in place | 2 (velocity) |
+| prediction (SpecTrain) | live - s x direction | same | 2 (prediction buffer) |
+| prediction, bellwether (XPipe) | cached per mini-batch and pass | same | 1 + live caches |
+
+Prediction uses the optimizer's own next-step direction: lr v for momentum
+SGD (SpecTrain's formula), lr m_hat / (sqrt(v_hat) + eps) for Adam and AdamW
+(XPipe's); plain SGD has none and is refused. PipeMare's correction is applied
+in place and undone after the backward (no third copy; the undo rounds to
+within an ulp). Weight memory is measured after every action, before its
+releases: the peak over a rank of the sum of its stages' held bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pipeweave.errors import UserError
+from pipeweave.runtime.stage import StageWorker
+from pipeweave.schedule.ir import Action, Op, Schedule, WeightPolicy
+from pipeweave.sim.versions import applied_to, current_versions, is_bellwether_schedule, staleness
+from pipeweave.weights.avgpipe import default_alpha, elastic_average
+from pipeweave.weights.double_buffer import DoubleBuffer
+from pipeweave.weights.pipemare import DEFAULT_ANNEAL_STEPS, DEFAULT_DECAY, DiscrepancyCorrection, rescheduled_lr
+from pipeweave.weights.stash import WeightStash
+from pipeweave.weights.wpipe import weights_for_part
+from pipeweave.weights.xpipe import adam_direction
+
+Read = tuple[int, int]  # (stored version, version it stands for): sim.versions.VersionRead's fields
+_BACKWARD = (Op.B, Op.I, Op.W)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyOptions:
+    """Run-time hyperparameters of the asynchronous policies (the schedules carry the rest)."""
+
+    anneal_steps: int = DEFAULT_ANNEAL_STEPS
+    """PipeMare K: updates over which the rescheduled step size returns to lr (0: no rescheduling)."""
+    decay: float = DEFAULT_DECAY
+    """PipeMare gamma: weight of the old velocity in the moving average of updates."""
+    correction: bool = True
+    """PipeMare: discrepancy correction of the backward weights."""
+    averaging_rate: float | None = None
+    """AvgPipe alpha: pull toward the replicas' mean (None: 0.9 / P, EASGD's beta = 0.9)."""
+    averaging_period: int = 1
+    """AvgPipe: rounds of updates between two averagings."""
+
+    def __post_init__(self) -> None:
+        if self.anneal_steps < 0:
+            raise UserError(f"--anneal-steps {self.anneal_steps} is invalid; give K >= 0 (0: no rescheduling)")
+        if not 0.0 <= self.decay < 1.0:
+            raise UserError(f"--decay {self.decay} is invalid; give 0 <= gamma < 1")
+        if self.averaging_rate is not None and not 0.0 <= self.averaging_rate <= 1.0:
+            raise UserError(f"--averaging-rate {self.averaging_rate} is invalid; give 0 <= alpha <= 1")
+        if self.averaging_period < 1:
+            raise UserError(f"--averaging-period {self.averaging_period} is invalid; give an integer >= 1")
+
+
+class _Tables:
+    """What every rank derives from the order alone, once per schedule."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.target = applied_to(schedule)  # (stage, mb) -> the update its gradient goes into
+        self.now = current_versions(schedule)
+        corrected = schedule.policy is WeightPolicy.DISCREPANCY_CORRECTION
+        self.delay = staleness(schedule) if corrected else ()
+        self.warmup = _warmup_updates(schedule) if corrected else 0
+        self.last: dict[tuple[int, int], Action] = {}  # (stage, mb) -> its last backward action
+        self.last_of_pass: dict[tuple[int, bool, int], Action] = {}  # XPipe: (stage, is F, k) -> last action
+        for row in schedule.actions:
+            for a in row:
+                if a.op in _BACKWARD:
+                    self.last[(a.stage, a.microbatch)] = a
+                if a.op is not Op.U:
+                    k = self.target.get((a.stage, a.microbatch), self.now[a])
+                    self.last_of_pass[(a.stage, a.op is Op.F, k)] = a
+
+    def stage0_version(self, microbatch: int) -> int:
+        """Vertical sync: the version stage 0 of the microbatch's pipeline reads (PipeDream sends it along)."""
+        return self.now[Action(self.schedule.route(microbatch)[0], Op.F, microbatch)]
+
+
+class _Stage:
+    """One stage's policy state; the base reads the live weights (AMPNet, AvgPipe)."""
+
+    def __init__(self, worker: StageWorker) -> None:
+        self.worker = worker
+        self.params = list(worker.module.parameters())
+        self.version = 0  # updates done: the live weights are this version
+
+    def read(self, a: Action) -> tuple[list[torch.Tensor] | None, Read]:
+        """The tensors ``a`` computes with (None: the live ones) and the version they are."""
+        return None, (self.version, self.version)
+
+    def done(self, a: Action) -> None:
+        """After ``a`` (and after the live weights are back)."""
+
+    def before_update(self) -> None:
+        pass
+
+    def after_update(self) -> None:
+        self.version += 1
+
+    def copies(self) -> int:
+        """Weight-sized buffers held now, the live weights included."""
+        return 1
+
+
+class _Stored(_Stage):
+    """Stash, vertical sync, double buffer: the backward reads the copy its forward read."""
+
+    def __init__(self, worker: StageWorker, store: WeightStash, tables: _Tables, stage: int, vertical: bool) -> None:
+        super().__init__(worker)
+        self.store, self.tables, self.stage, self.vertical = store, tables, stage, vertical
+
+    def read(self, a: Action) -> tuple[list[torch.Tensor] | None, Read]:
+        j = a.microbatch
+        if a.op is Op.F:
+            first = self.tables.schedule.route(j)[0] == self.stage
+            version = self.tables.stage0_version(j) if self.vertical and not first else None
+            tensors = self.store.weights_for_forward(j, version)
+        else:
+            tensors = self.store.weights_for_backward(j)
+        v = self.store.read_version(j)
+        return (None if tensors is self.store.params else tensors), (v, v)
+
+    def done(self, a: Action) -> None:
+        if self.tables.last.get((a.stage, a.microbatch)) == a:
+            self.store.release(a.microbatch)
+
+    def before_update(self) -> None:
+        self.store.before_update()
+
+    def after_update(self) -> None:
+        super().after_update()
+        self.store.after_update()
+
+    def copies(self) -> int:
+        return self.store.versions_held()
+
+
+class VerticalSyncStash(WeightStash):
+    """A stash whose forwards read the version stage 0 read: pending forwards keep their version too.
+
+    Example:
+        >>> p = [torch.zeros(1)]
+        >>> s = VerticalSyncStash(p, {3: 0})       # microbatch 3's forward will read version 0
+        >>> s.before_update(); p[0] += 1; s.after_update()
+        >>> s.weights_for_forward(3, version=0)[0].item(), s.versions_held()
+        (0.0, 2)
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], forward_versions: dict[int, int]) -> None:
+        super().__init__(params)
+        self._reads.update(forward_versions)  # held like an in-flight microbatch's version
+
+
+class _Corrected(_Stage):
+    """PipeMare: step size rescheduled by the stage's delay; backward weights extrapolated back."""
+
+    def __init__(self, worker: StageWorker, tables: _Tables, stage: int, options: PolicyOptions) -> None:
+        super().__init__(worker)
+        self.correction = DiscrepancyCorrection(self.params, decay=options.decay)
+        self.delay = tables.delay[stage]
+        self.options = options
+        self.warmup = tables.warmup
+        self.base_lr = [float(g["lr"]) for g in worker.optimizer.param_groups]
+        self.forward_version: dict[int, int] = {}
+        self.applied = 0  # gap applied in place by the running backward
+
+    def read(self, a: Action) -> tuple[list[torch.Tensor] | None, Read]:
+        if a.op is Op.F:
+            self.forward_version[a.microbatch] = self.version
+            return None, (self.version, self.version)
+        f = self.forward_version[a.microbatch]
+        gap = self.version - f
+        if gap and self.options.correction and a.op is not Op.W:  # W reads no weights  # w - gap x velocity, in place: no third copy
+            with torch.no_grad():
+                for p, v in zip(self.params, self.correction.velocity):
+                    p.sub_(v, alpha=gap)
+            self.applied = gap
+        return None, (self.version, f)
+
+    def done(self, a: Action) -> None:
+        if self.applied:
+            with torch.no_grad():
+                for p, v in zip(self.params, self.correction.velocity):
+                    p.add_(v, alpha=self.applied)
+            self.applied = 0
+        if a.op is Op.B or a.op is Op.W:  # the microbatch's last backward
+            self.forward_version.pop(a.microbatch, None)
+
+    def before_update(self) -> None:
+        k = self.version - self.warmup  # the synchronous warm-up keeps lr; the stream's updates count from 0
+        for group, lr in zip(self.worker.optimizer.param_groups, self.base_lr):
+            group["lr"] = lr if k < 0 or self.options.anneal_steps == 0 else rescheduled_lr(
+                lr, self.delay, k, self.options.anneal_steps)
+        self.correction.before_update()
+
+    def after_update(self) -> None:
+        super().after_update()
+        self.correction.after_update()
+
+    def copies(self) -> int:
+        return 2
+
+
+def _warmup_updates(schedule: Schedule) -> int:
+    """PipeMare: mini-batches of the synchronous warm-up, read from the order.
+
+    A warm-up mini-batch m ends in a flush: on the first stage, no forward of
+    mini-batch m + 1 runs before its update ``U(0, m)``; in the stream, the
+    next mini-batch's forwards run ahead of it.
+    """
+    first = schedule.route(0)[0]
+    row = schedule.actions[schedule.placement.stage_rank[first]]
+    t = schedule.num_microbatches // max(1, schedule.num_steps)
+    updates = [i for i, a in enumerate(row) if a.stage == first and a.op is Op.U]
+    warm = 0
+    for m, u in enumerate(updates[:-1]):
+        if any(a.stage == first and a.op is Op.F and a.microbatch >= (m + 1) * t for a in row[:u]):
+            break
+        warm = m + 1
+    return warm
+
+
+def update_direction(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The optimizer's next step per parameter, from its state: lr v (momentum SGD), lr m_hat/(sqrt(v_hat)+eps) (Adam).
+
+    Raises:
+        UserError: an optimizer without such a state (plain SGD, others).
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.tensor([1.0]))
+        >>> opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+        >>> p.grad = torch.tensor([2.0]); opt.step()
+        >>> update_direction(opt, [p])[0].tolist()   # lr x momentum buffer = 0.1 x 2
+        [0.2000000029802322]
+    """
+    group = optimizer.param_groups[0]
+    lr = float(group["lr"])
+    out = []
+    for p in params:
+        state = optimizer.state.get(p, {})
+        if isinstance(optimizer, torch.optim.SGD):
+            buf = state.get("momentum_buffer")
+            out.append(torch.zeros_like(p) if buf is None else lr * buf)
+        elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            if not state:
+                out.append(torch.zeros_like(p))
+                continue
+            step = int(state["step"])
+            out.append(lr * adam_direction(state["exp_avg"], state["exp_avg_sq"], step, group["betas"], group["eps"]))
+        else:
+            raise UserError(f"weight prediction needs momentum SGD or Adam(W), not {type(optimizer).__name__}")
+    return out
+
+
+def check_predictable(optimizer: torch.optim.Optimizer) -> None:
+    """Raise UserError unless prediction has a direction to follow."""
+    if isinstance(optimizer, torch.optim.SGD) and not optimizer.param_groups[0]["momentum"]:
+        raise UserError("spectrain/xpipe predict weights from the optimizer's momentum; "
+                        "give --momentum 0.9 (sgd) or --optimizer adamw")
+    if not isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)):
+        raise UserError(f"weight prediction needs momentum SGD or Adam(W), not {type(optimizer).__name__}")
+
+
+class _Predicted(_Stage):
+    """SpecTrain: each action predicts the weights s updates ahead into one persistent buffer."""
+
+    def __init__(self, worker: StageWorker, tables: _Tables) -> None:
+        super().__init__(worker)
+        check_predictable(worker.optimizer)
+        self.tables = tables
+        self.buffer = [torch.empty_like(p) for p in self.params]
+
+    def read(self, a: Action) -> tuple[list[torch.Tensor] | None, Read]:
+        k = self.tables.target.get((a.stage, a.microbatch), self.version)
+        s = k - self.version
+        if s == 0 or a.op is Op.W:  # W reads no weights
+            return None, (self.version, k)
+        with torch.no_grad():
+            for buf, p, d in zip(self.buffer, self.params, update_direction(self.worker.optimizer, self.params)):
+                torch.sub(p, d, alpha=s, out=buf)
+        return self.buffer, (self.version, k)
+
+    def copies(self) -> int:
+        return 2
+
+
+class _Bellwether(_Stage):
+    """XPipe: the first microbatch of a mini-batch predicts once per pass; the others reuse it."""
+
+    def __init__(self, worker: StageWorker, tables: _Tables) -> None:
+        super().__init__(worker)
+        check_predictable(worker.optimizer)
+        self.tables = tables
+        self.cache: dict[tuple[bool, int], tuple[list[torch.Tensor], int]] = {}
+
+    def _key(self, a: Action) -> tuple[bool, int]:
+        return a.op is Op.F, self.tables.target.get((a.stage, a.microbatch), self.version)
+
+    def read(self, a: Action) -> tuple[list[torch.Tensor] | None, Read]:
+        key = self._key(a)
+        if key not in self.cache:  # the bellwether
+            s = key[1] - self.version
+            with torch.no_grad():
+                direction = update_direction(self.worker.optimizer, self.params)
+                self.cache[key] = ([p - s * d for p, d in zip(self.params, direction)], self.version)
+        tensors, version = self.cache[key]
+        return tensors, (version, key[1])
+
+    def done(self, a: Action) -> None:
+        key = self._key(a)
+        if self.tables.last_of_pass.get((a.stage, *key)) == a:
+            del self.cache[key]
+
+    def copies(self) -> int:
+        return 1 + len(self.cache)
+
+
+def _stage_state(schedule: Schedule, stage: int, worker: StageWorker, tables: _Tables,
+                 options: PolicyOptions) -> _Stage:
+    policy = schedule.policy
+    params = list(worker.module.parameters())
+    if policy is WeightPolicy.STASH:
+        return _Stored(worker, WeightStash(params), tables, stage, vertical=False)
+    if policy is WeightPolicy.VERTICAL_SYNC:
+        pending = {j: tables.stage0_version(j) for j in schedule.microbatches_of(stage)}
+        return _Stored(worker, VerticalSyncStash(params, pending), tables, stage, vertical=True)
+    if policy is WeightPolicy.DOUBLE_BUFFER:
+        part = schedule.placement.stage_part[stage]
+        grouped = schedule.num_parts == 2 * schedule.num_ranks  # WPipe's two groups
+        store = weights_for_part(part, schedule.num_ranks, params) if grouped else DoubleBuffer(params)
+        return _Stored(worker, store, tables, stage, vertical=False)
+    if policy is WeightPolicy.DISCREPANCY_CORRECTION:
+        return _Corrected(worker, tables, stage, options)
+    if policy is WeightPolicy.PREDICTION:
+        return _Bellwether(worker, tables) if is_bellwether_schedule(schedule) else _Predicted(worker, tables)
+    if policy in (WeightPolicy.NONE, WeightPolicy.AVERAGING):
+        return _Stage(worker)
+    raise ValueError(f"no run-time policy for {policy}")
+
+
+class RankPolicy:
+    """The hook one rank's executor calls around each compute action of an asynchronous schedule.
+
+    Args:
+        schedule: the (asynchronous) schedule.
+        workers: this rank's stage workers, by stage.
+        options: PipeMare's and AvgPipe's hyperparameters.
+
+    Attributes:
+        versions: per F/B/I/W run, ``(version, target)`` as ``sim.versions.read_versions`` defines them.
+        peak_weight_bytes: the most weight bytes (every version and extra buffer) the rank held at once.
+
+    Example:
+        policy = RankPolicy(schedule, workers)
+        policy.enter(a); run(a); policy.exit(a)
+    """
+
+    def __init__(self, schedule: Schedule, workers: dict[int, StageWorker], options: PolicyOptions | None = None,
+                 tables: _Tables | None = None) -> None:
+        self.options = options or PolicyOptions()
+        tables = tables or _Tables(schedule)
+        self.schedule = schedule
+        self.states = {s: _stage_state(schedule, s, w, tables, self.options) for s, w in workers.items()}
+        self.bytes = {s: w.weight_bytes() for s, w in workers.items()}
+        self.versions: dict[Action, Read] = {}
+        self.peak_weight_bytes = 0
+        self._live: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its live data) while swapped
+        self._averaging = self._averaging_groups(schedule, workers)
+
+    def enter(self, a: Action) -> None:
+        state = self.states[a.stage]
+        if a.op is Op.U:
+            state.before_update()
+            return
+        tensors, read = state.read(a)
+        self.versions[a] = read
+        if tensors is not None:
+            for p, t in zip(state.params, tensors):
+                self._live.append((p, p.data))
+                p.data = t
+
+    def exit(self, a: Action) -> None:
+        state = self.states[a.stage]
+        if a.op is Op.U:
+            state.after_update()
+            self._average(a.stage)
+        self._measure()
+        for p, live in self._live:
+            p.data = live
+        self._live.clear()
+        if a.op is not Op.U:
+            state.done(a)
+
+    def held_bytes(self) -> int:
+        """Weight bytes held now by this rank's stages."""
+        return sum(state.copies() * self.bytes[s] for s, state in self.states.items())
+
+    def _measure(self) -> None:
+        self.peak_weight_bytes = max(self.peak_weight_bytes, self.held_bytes())
+
+    # ---- AvgPipe -------------------------------------------------------------------
+    def _averaging_groups(self, schedule: Schedule, workers: dict[int, StageWorker]) -> dict[int, tuple[int, ...]]:
+        if schedule.policy is not WeightPolicy.AVERAGING:
+            return {}
+        groups = {s: schedule.placement.replicas(s) for s in workers}
+        for s, replicas in groups.items():
+            if not set(replicas) <= set(workers):
+                raise UserError(f"avgpipe: the replicas {replicas} of stage {s} must share its rank")
+        self._rounds: dict[int, int] = {}
+        return groups
+
+    def _average(self, stage: int) -> None:
+        """AvgPipe: once every replica of the part has made round r's update, pull them together."""
+        replicas = self._averaging.get(stage)
+        if not replicas or len(replicas) < 2:
+            return
+        part = self.schedule.placement.stage_part[stage]
+        done = min(self.states[s].version for s in replicas)
+        if done <= self._rounds.get(part, 0):
+            return
+        self._rounds[part] = done
+        if done % self.options.averaging_period == 0:
+            alpha = self.options.averaging_rate
+            alpha = default_alpha(len(replicas)) if alpha is None else alpha
+            elastic_average([self.states[s].params for s in replicas], alpha)

@@ -1,0 +1,344 @@
+"""Asynchronous streams at run time: what ``--steps N`` means, the stream's data, and both executors' runs.
+
+An asynchronous schedule is one stream across many mini-batches with no flush
+(``schedule.stream``), so a run executes it once, start to end:
+
+- ``--steps N`` means N mini-batches of ``--batch`` samples, for every
+  schedule: the stream is generated for ``num_steps = N`` (AvgPipe: N / P
+  rounds of one mini-batch per pipeline, so N must be a multiple of P). The
+  optimizer steps this makes per stage follow from the policy (PipeDream and
+  SpecTrain: one per microbatch; the others: one per mini-batch).
+- Microbatch j of the stream is microbatch j mod T of mini-batch j // T, and
+  mini-batch m is the data source's batch m: every schedule sees the same
+  samples in the same order.
+- ``losses[m]`` is mini-batch m's mean loss as its forwards computed it (with
+  whatever weights they read): comparable across schedules.
+
+The same ``RankPolicy`` (``runtime.policy``) drives the reference executor
+(every rank in this process, ``run_stream_reference``) and the distributed one
+(``run_stream_rank``), so their losses agree; each records the version every
+F/B/I/W read and the peak weight bytes per rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, overload
+
+import torch
+import torch.distributed as dist
+
+from pipeweave.data import DataSource, data_source, split_microbatches
+from pipeweave.errors import UserError
+from pipeweave.models.spec import ModelSpec
+from pipeweave.runtime.plain import TrainResult
+from pipeweave.runtime.policy import PolicyOptions, RankPolicy, Read, _Tables
+from pipeweave.runtime.reference import _Step, build_workers, run_step
+from pipeweave.runtime.stage import OptimizerFactory, StageWorker
+from pipeweave.schedule.ir import Action, Op, Schedule
+
+if TYPE_CHECKING:
+    from pipeweave.runtime.job import RankRecord, RunRecord, TrainConfig
+
+
+def stream_steps(name: str, steps: int, options: dict[str, Any]) -> int:
+    """The stream's ``num_steps`` for N = ``steps`` mini-batches (AvgPipe: N / P rounds).
+
+    Raises:
+        UserError: AvgPipe with N not a multiple of P.
+
+    Example:
+        >>> stream_steps("avgpipe", 8, {"num_pipelines": 2}), stream_steps("pipedream", 8, {})
+        (4, 8)
+    """
+    if name != "avgpipe":
+        return steps
+    from pipeweave.schedule.avgpipe import DEFAULT_PIPELINES
+
+    p = int(options.get("num_pipelines", DEFAULT_PIPELINES))
+    if steps % p:
+        raise UserError(f"--steps {steps} is not a multiple of avgpipe's P={p} pipelines; give --steps {steps - steps % p + p}")
+    return steps // p
+
+
+def microbatches_per_minibatch(schedule: Schedule) -> int:
+    """T: the stream's microbatches over its mini-batches (AvgPipe: one per pipeline and round)."""
+    return schedule.num_microbatches // (max(1, schedule.num_steps) * len(schedule.placement.pipelines))
+
+
+class StreamData(Sequence[torch.Tensor]):
+    """Microbatch j of the stream: slice j mod T of the data source's batch j // T, fetched when first asked.
+
+    Example:
+        >>> src = data_source(ModelSpec(kind="mlp", hidden=4), batch_size=4)
+        >>> d = StreamData(src, num_microbatches=2, length=6, part=0)
+        >>> torch.equal(d[3], src.batch(1)[0][2:4]), len(d)
+        (True, 6)
+    """
+
+    def __init__(self, source: DataSource, *, num_microbatches: int, length: int, part: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.source, self.t, self.length, self.part, self.device = source, num_microbatches, length, part, device
+        self._cached: tuple[int, list[torch.Tensor]] | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    @overload
+    def __getitem__(self, j: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, j: slice) -> Sequence[torch.Tensor]: ...
+    def __getitem__(self, j: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(self.length))]
+        m = j // self.t
+        if self._cached is None or self._cached[0] != m:  # the stream asks in about increasing order
+            batch = self.source.batch(m)[self.part]
+            self._cached = (m, [x.to(self.device) for x in split_microbatches(batch, self.t)])
+        return self._cached[1][j % self.t]
+
+
+def minibatch_losses(losses: dict[int, float], num_microbatches: int, num_minibatches: int) -> list[float]:
+    """Per mini-batch, the sum of its microbatches' scaled losses (its mean loss), in microbatch order."""
+    out = [0.0] * num_minibatches
+    for j in sorted(losses):
+        out[j // num_microbatches] += losses[j]
+    return out
+
+
+@dataclass
+class StreamResult(TrainResult):
+    """A reference run of a stream: ``TrainResult`` plus what the policy recorded.
+
+    Attributes:
+        versions: per F/B/I/W, ``(version, target)`` as read (``sim.versions.read_versions``'s fields).
+        weight_bytes: per rank, the peak bytes of weights held (every version and extra buffer).
+    """
+
+    versions: dict[Action, Read] = field(default_factory=dict)
+    weight_bytes: list[int] = field(default_factory=list)
+
+
+class _StreamStep(_Step):
+    """The reference walk of a stream: a rank's U follows its own backwards; the policy brackets each action."""
+
+    def __init__(self, schedule: Schedule, workers: list[StageWorker], inputs: Sequence[torch.Tensor],
+                 targets: Sequence[torch.Tensor], policies: dict[int, RankPolicy]) -> None:
+        super().__init__(schedule, workers, inputs, targets)  # type: ignore[arg-type]
+        self.policy_of = {s: policies[r] for r, policy in policies.items() for s in policy.states}
+
+    def ready(self, a: Action) -> bool:
+        # U(s, k) applies the gradients its rank ran since U(s, k-1) (dataflow.consumed_gradients).
+        return True if a.op is Op.U else super().ready(a)
+
+    def run(self, a: Action) -> None:
+        policy = self.policy_of[a.stage]
+        policy.enter(a)
+        if a.op is Op.U:
+            self.workers[a.stage].update()  # no replica sum: AvgPipe's replicas train apart
+        else:
+            super().run(a)
+        policy.exit(a)
+
+
+def check_stream_model(spec: ModelSpec) -> None:
+    """Tied embeddings sum gradients across stages at every update, which a stream does not synchronise."""
+    if spec.tie_embeddings:
+        raise UserError("tied embeddings need synchronous updates; drop --tie-embeddings for asynchronous schedules")
+
+
+def run_stream_reference(
+    schedule: Schedule,
+    spec: ModelSpec,
+    *,
+    batch_size: int,
+    optimizer_factory: OptimizerFactory | None = None,
+    seed: int = 0,
+    recompute: bool = False,
+    data: DataSource | None = None,
+    parts: list[range] | None = None,
+    options: PolicyOptions | None = None,
+) -> StreamResult:
+    """Run an asynchronous stream once, every stage in this process, its policy applied.
+
+    Args:
+        schedule: an asynchronous schedule (its ``num_steps`` mini-batches are the run).
+        spec, batch_size, optimizer_factory, seed, recompute, data, parts: as ``run_reference``.
+        options: the policies' run-time hyperparameters.
+
+    Raises:
+        UserError: a synchronous schedule, tied embeddings, an optimizer prediction cannot follow.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> s = generate("pipedream", num_stages=2, num_microbatches=2, num_steps=3)
+        >>> r = run_stream_reference(s, ModelSpec(kind="mlp", layers=2, hidden=8), batch_size=4)
+        >>> len(r.losses), r.versions[Action(0, Op.B, 2)]
+        (3, (1, 1))
+    """
+    if schedule.is_synchronous:
+        raise UserError(f"schedule {schedule.name} is synchronous; run it with run_reference")
+    check_stream_model(spec)
+    workers = build_workers(schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
+                            recompute=recompute, parts=parts)
+    tables = _Tables(schedule)
+    policies = {
+        r: RankPolicy(schedule, {s: workers[s] for s in schedule.placement.stages_on(r)}, options, tables)
+        for r in range(schedule.num_ranks)
+    }
+    source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
+    t = microbatches_per_minibatch(schedule)
+    total = schedule.num_microbatches
+    inputs = StreamData(source, num_microbatches=t, length=total, part=0)
+    targets = StreamData(source, num_microbatches=t, length=total, part=1)
+    state = _StreamStep(schedule, workers, inputs, targets, policies)
+    run_step(schedule, workers, [], [], state=state)
+    losses = minibatch_losses(state.losses, t, total // t)
+    stage_parameters = [{k: p.detach().clone() for k, p in w.named_parameters().items()} for w in workers]
+    parameters: dict[str, torch.Tensor] = {}
+    for params in stage_parameters:
+        for k, p in params.items():
+            parameters.setdefault(k, p)
+    versions = {a: v for policy in policies.values() for a, v in policy.versions.items()}
+    return StreamResult(losses, parameters, stage_parameters, [w.peak_activation_bytes() for w in workers],
+                        versions=versions, weight_bytes=[policies[r].peak_weight_bytes for r in sorted(policies)])
+
+
+def split_by_minibatch(records: list[tuple[Action, int, int]], t: int, num_minibatches: int
+                       ) -> list[list[tuple[Action, int, int]]]:
+    """A rank's records of the whole stream, grouped by mini-batch (a U joins its last backward's)."""
+    groups: list[list[tuple[Action, int, int]]] = [[] for _ in range(num_minibatches)]
+    backward = 0  # mini-batch of the rank's last backward
+    for rec in records:
+        a = rec[0]
+        if a.op in (Op.B, Op.W):
+            backward = a.microbatch // t
+        groups[backward if a.op is Op.U else a.microbatch // t].append(rec)
+    return groups
+
+
+def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
+    """``job.run_rank`` for an asynchronous schedule: one pass of the stream through the ``Executor``."""
+    from pipeweave.runtime import launch as launch_module
+    from pipeweave.runtime.executor import Executor
+    from pipeweave.runtime.job import RankRecord, RunRecord, build_workers as rank_workers
+    from pipeweave.runtime.trace import align_clocks
+    from pipeweave.schedule import lower
+
+    started = time.perf_counter()
+    schedule = config.build_schedule()
+    check_stream_model(config.model)
+    device = launch_module.device_for(rank)
+    workers = rank_workers(schedule, config, rank, device)
+    executor = Executor(lower(schedule), rank, workers, config.microbatch_sizes, device)
+    _keep_replicas_apart(executor, workers)
+    policy = RankPolicy(schedule, workers, config.policy)
+    executor.policy = policy
+    source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
+    t, total = config.num_microbatches, schedule.num_microbatches
+    data = StreamData(source, num_microbatches=t, length=total, part=0, device=device)
+    targets = StreamData(source, num_microbatches=t, length=total, part=1, device=device)
+    offset = align_clocks(rank, world)
+    _, timings = executor.run_step(data, targets)
+    mine = {j: float(x) for j, x in executor.losses_by_microbatch.items()}
+    losses = minibatch_losses(mine, t, config.steps)
+    groups = split_by_minibatch(timings, t, config.steps)
+    records = [[(a.stage, a.op.value, a.microbatch, (t0 - offset) * 1e-9, (t1 - offset) * 1e-9) for a, t0, t1 in g]
+               for g in groups]
+    for m, loss in enumerate(losses):
+        launch_module.progress({"step": m, "loss": loss, "time": records[m][-1][4] if records[m] else 0.0})
+    params = {}
+    if config.collect_parameters:
+        params = {s: {k: p.detach().cpu().clone() for k, p in w.named_parameters().items()} for s, w in workers.items()}
+    record: RankRecord = RankRecord(rank, losses, records, executor.peak_activation_bytes,
+                                    policy.peak_weight_bytes, params)
+    record.versions = dict(policy.versions)
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(record, gathered, dst=0)
+    if rank != 0:
+        return None
+    assert gathered is not None
+    return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started)
+
+
+def _keep_replicas_apart(executor: Any, workers: dict[int, StageWorker]) -> None:
+    """AvgPipe's replicas train apart (averaged by the policy): no gradient sums between them."""
+    for w in workers.values():
+        w.combine_grads = None
+    executor.replicas.replicated.clear()
+    executor.replicas.grad_actions.clear()
+
+
+def stream_timeline(schedule: Schedule, record: RunRecord) -> Any:
+    """The whole measured stream as one ``Timeline`` of compute actions (seconds on rank 0's clock)."""
+    from pipeweave.sim import Event, Timeline
+
+    rows = []
+    for rank in record.ranks:
+        events = [Event(Action(s, Op(op), j), t0, t1) for group in rank.records for s, op, j, t0, t1 in group
+                  if op in ("F", "B", "I", "W", "U")]
+        rows.append(tuple(sorted(events, key=lambda e: e.start)))
+    return Timeline(schedule, tuple(rows))
+
+
+def minibatch_period(timeline: Any, num_microbatches: int) -> float:
+    """Time per mini-batch in the steady state: last ends of mini-batches 0 and S-2, over S-2 (S < 3: total / S)."""
+    end: dict[int, float] = {}
+    for row in timeline.events:
+        for e in row:
+            if e.action.op is not Op.U:
+                m = e.action.microbatch // num_microbatches
+                end[m] = max(end.get(m, e.end), e.end)
+    s = len(end)
+    if s < 3:
+        start = min((row[0].start for row in timeline.events if row), default=0.0)
+        return (max(end.values()) - start) / max(1, s)
+    return (end[s - 2] - end[0]) / (s - 2)
+
+
+def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
+    """``trace.summarize`` for a stream: bubbles of the whole measured stream, steady state first.
+
+    ``bubble_ratio`` is the steady-state bubble (``sim.steady``), measured and
+    simulated with the run's profiled costs; ``bubble_ratio_stream`` includes
+    the fill and drain. ``step_time_s`` is the time per mini-batch,
+    ``weight_bytes`` the peak of every weight version and buffer per rank,
+    beside ``weight_bytes_simulated`` = ``sim.versions.weight_copies`` x each part's bytes.
+    """
+    from pipeweave.runtime.trace import profile_costs, summarize
+    from pipeweave.sim import CostModel, simulate
+    from pipeweave.sim.metrics import bubble_metrics
+    from pipeweave.sim.steady import steady_bubble_ratio
+    from pipeweave.sim.versions import weight_copies
+
+    out = summarize(schedule, record)  # per-mini-batch times, throughput, profiled costs, memory
+    t = microbatches_per_minibatch(schedule)
+    measured = stream_timeline(schedule, record)
+    predicted = simulate(schedule, profile_costs(schedule, record), check=False)
+    m, p = bubble_metrics(measured), bubble_metrics(predicted)
+    part_bytes = _part_bytes(schedule, record)
+    out.update({
+        "bubble_ratio": steady_bubble_ratio(measured), "bubble_ratio_stream": m[3], "bubble_ratio_flush": m[4],
+        "bubble_overhead": m[5], "makespan_s": m[0],
+        "bubble_ratio_simulated": steady_bubble_ratio(predicted), "bubble_ratio_stream_simulated": p[3],
+        "bubble_ratio_flush_simulated": p[4], "makespan_simulated_s": minibatch_period(predicted, t),
+        "step_time_s": minibatch_period(measured, t),
+        "weight_bytes": [r.weight_bytes for r in record.ranks],
+        "weight_bytes_simulated": list(weight_copies(schedule, CostModel(weight=part_bytes).for_parts(
+            num_parts=schedule.num_parts, num_ranks=schedule.num_ranks))),
+    })
+    out["samples_per_s"] = record.config.batch_size / out["step_time_s"]
+    if out.get("tokens_per_s"):
+        out["tokens_per_s"] = out["samples_per_s"] * record.config.model.seq_len
+    return out
+
+
+def _part_bytes(schedule: Schedule, record: RunRecord) -> list[float]:
+    """Bytes of one copy of each part's weights (M_theta), from the model's layers."""
+    from pipeweave.models.spec import build_layers
+
+    ranges = record.config.layer_ranges(schedule)
+    return [float(sum(p.numel() * p.element_size() for layer in build_layers(record.config.model, list(r))
+                      for p in layer.parameters())) for r in ranges]
