@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 from ortools.sat.python import cp_model
 
-from pipeweave.search.exact import Model, Solved, order_from_starts
+from pipeweave.search.exact_model import Model, Solved, order_from_starts
 
 
-def solve_cpsat(model: Model, warm: list[int], time_limit: float, workers: int) -> Solved:
+class _Stream(cp_model.CpSolverSolutionCallback):
+    """Hands every improving solution's start times to ``report`` (the parent keeps the last)."""
+
+    def __init__(self, start: list[cp_model.IntVar], report: Callable[[list[int]], None]) -> None:
+        super().__init__()
+        self.start, self.report = start, report
+
+    def on_solution_callback(self) -> None:
+        self.report([self.value(s) for s in self.start])
+
+
+def solve_cpsat(model: Model, warm: list[int], time_limit: float, workers: int, *,
+                work_limit: float | None = None, seed: int = 0,
+                on_solution: Callable[[list[int]], None] | None = None) -> Solved:
     """Minimise the max span of ``model`` with CP-SAT, hinted with the ``warm`` starts.
 
-    Run it through ``exact.exact`` (or ``exact.solve_isolated``): this solver's
-    library must not share a process with the other one's.
+    Run it through ``exact.exact`` (or ``isolate.solve_isolated``): this solver's
+    library must not share a process with the other one's. ``work_limit`` is
+    CP-SAT's deterministic time; ``on_solution`` receives each improving
+    solution's starts.
 
     Example:
         >>> from pipeweave.search.exact import exact
@@ -44,11 +59,14 @@ def solve_cpsat(model: Model, warm: list[int], time_limit: float, workers: int) 
     solver.parameters.max_time_in_seconds = float(time_limit)
     if workers:
         solver.parameters.num_workers = workers
+    if work_limit is not None:
+        solver.parameters.max_deterministic_time = float(work_limit)
+    solver.parameters.random_seed = seed
     # The heuristic's schedule is feasible; without repair CP-SAT can miss it (seen on V shapes).
     # No repair_hint: in OR-Tools 9.15 it trips a "heuristics.fixed_search" check that aborts the process.
     # Probing the reservoirs' expansion can eat the whole budget in presolve (seen: 8.4 s of 10).
     solver.parameters.cp_model_probing_level = 0
-    code = solver.solve(cp)
+    code = solver.solve(cp, _Stream(start, on_solution) if on_solution is not None else None)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return Solved(None, solver.best_objective_bound, "unknown")
     starts = [solver.value(s) for s in start]

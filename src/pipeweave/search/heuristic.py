@@ -89,7 +89,7 @@ def list_schedule(problem: Problem, policy: Policy) -> Result | None:
     Example:
         >>> r = list_schedule(Problem(num_stages=2, num_microbatches=2), Policy())
         >>> [str(a) for a in r.order[1]], r.span
-        (['1F0', '1I0', '1F1', '1I1', '1W0', '1W1'], 6.0)
+        (['1F0', '1I0', '1F1', '1I1', '1W0', '1W1'], 7.0)
     """
     d, t = problem.num_stages, problem.num_microbatches
     c, place = problem.costs, problem.placement

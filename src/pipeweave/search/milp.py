@@ -13,12 +13,12 @@ import math
 import highspy
 import numpy as np
 
-from pipeweave.search.exact import Model, Solved, order_from_starts
+from pipeweave.search.exact_model import Model, Solved, order_from_starts
 
 
 def _ancestors(model: Model) -> list[int]:
     """Per action, a bitset of every action that must precede it (transitively)."""
-    from pipeweave.search.exact import _topo_key
+    from pipeweave.search.exact_model import _topo_key
 
     anc = [0] * len(model.actions)
     for i in sorted(range(len(model.actions)), key=lambda i: _topo_key(model.actions[i])):
