@@ -43,6 +43,9 @@ class Policy:
         look_f: the lookahead also waits for a known F arrival the rank may
             run (cap and memory): a W started just before it would delay the
             forward wave, and every later rank with it.
+        balance: when the lookahead would leave a gap shorter than a W, run
+            the W anyway if waiting would make this rank's idle time so far
+            the largest of all ranks (the paper's rule for short gaps).
     """
 
     extra: int = 0
@@ -52,6 +55,7 @@ class Policy:
     lookahead: bool = False
     f_first: bool = False
     look_f: bool = False
+    balance: bool = False
 
 
 @dataclass
@@ -78,6 +82,8 @@ class _Rank:
         self.in_flight = 0
         self.pending_w = 0
         self.free_at = 0.0
+        self.idle = 0.0  # waiting since the rank's first action
+        self.peers: list[_Rank] = []
         self.durations = {s: {op: problem.duration(s, op) for op in (Op.F, Op.I, Op.W)} for s in self.stages}
         self.order: list[Action] = []
         self.starts: list[float] = []
@@ -95,6 +101,8 @@ def list_schedule(problem: Problem, policy: Policy) -> Result | None:
     c, place = problem.costs, problem.placement
     stages = place.num_stages
     ranks = [_Rank(problem, r, policy) for r in range(d)]
+    for rank in ranks:
+        rank.peers = ranks
     f_ready = [[math.inf] * t for _ in range(stages)]  # input of F(s, j) available
     i_ready = [[math.inf] * t for _ in range(stages)]  # gradient of I(s, j) available
     f_ready[0] = [0.0] * t
@@ -117,6 +125,8 @@ def list_schedule(problem: Problem, policy: Policy) -> Result | None:
             continue  # wait for an arrival
         s, op, j = action
         end = now + problem.duration(s, op)
+        if rank.order:
+            rank.idle += now - rank.free_at
         rank.order.append(action)
         rank.starts.append(now)
         rank.free_at = end
@@ -198,7 +208,8 @@ def _fill_gap(
         return action
     if rank.pending_w:  # a W that fits, else wait for the gradient
         s = min((s for s in rank.stages if nw[s] < ni[s]), key=lambda s: nw[s])
-        if rank.durations[s][Op.W] <= gap + 1e-12:
+        fits = rank.durations[s][Op.W] <= gap + 1e-12
+        if fits or (policy.balance and rank.idle + gap > max(p.idle for p in rank.peers) + 1e-12):
             return Action(s, Op.W, nw[s])
     return None
 
@@ -257,8 +268,12 @@ def policies(problem: Problem) -> Iterator[Policy]:
     deep = [True, False] if problem.vshape else [True]
     # Best on REFERENCE.md's rows (ZB-1p, ZB-2p) and on V shapes, measured: tried first.
     first_v = [Policy(extra=d, slope=1.0, lookahead=True, f_first=True), Policy(extra=d, slope=1.0)]
-    # ZB-1p: 1F1B's depth, W only where it delays no F and no I (reaches the bound on all three rows).
-    first_straight = [Policy(lookahead=True, f_first=True, look_f=True),
+    # W only where it delays no F and no I, unless waiting makes this rank the idlest (the paper's
+    # rule): reaches REFERENCE.md's six 1.5B rows (ZB-1p at 1F1B's depth, ZB-2p at ZB-H2's).
+    paper = Policy(slope=1.0, lookahead=True, f_first=True, look_f=True, balance=True)
+    first_straight = [paper, Policy(lookahead=True, f_first=True, look_f=True, balance=True),
+                      Policy(lookahead=True, f_first=True, look_f=True),
+                      Policy(extra=1, slope=1.0, lookahead=True, f_first=True, look_f=True, balance=True),
                       Policy(slope=1.0, lookahead=True, f_first=True), Policy(slope=1.0),
                       Policy(extra=1, slope=1.0), Policy(extra=1, slope=1.0, f_first=True)]
     seen: set[Policy] = set()
@@ -266,11 +281,13 @@ def policies(problem: Problem) -> Iterator[Policy]:
         seen.add(p)
         yield p
     # Most promising first: the budget may stop the walk after a few policies.
-    looks = ((True, True), (True, False), (False, False))  # (lookahead, look_f): look_f needs lookahead
+    # (lookahead, look_f, balance): the last two refine the lookahead, so they need it.
+    looks = ((True, True, True), (True, False, True), (True, True, False), (True, False, False),
+             (False, False, False))
     grid = itertools.product(deep, (True, False), looks, lags, slopes, list(dict.fromkeys(extras)))
-    for first, f_first, (look, look_f), lag, slope, extra in grid:
+    for first, f_first, (look, look_f, balance), lag, slope, extra in grid:
         p = Policy(extra=extra, slope=slope, w_lag=lag, deep_first=first, lookahead=look, f_first=f_first,
-                   look_f=look_f)
+                   look_f=look_f, balance=balance)
         if p not in seen:
             seen.add(p)
             yield p
