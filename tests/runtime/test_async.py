@@ -1,0 +1,171 @@
+"""Asynchronous streams at run time: distributed = reference, versions = the simulator's, weight bytes = its copies.
+
+For every asynchronous schedule of the registry (read at test time) and a few
+option variants, on 2 and 3 gloo ranks, one process group per rank count runs
+every case (``runtime.stream``: ``--steps N`` is one stream of N mini-batches).
+Each case must give:
+
+- per-mini-batch losses and final parameters equal to the reference executor's;
+- the version each F/B/I/W read, as recorded by ``runtime.policy`` on every
+  rank, equal to ``sim.versions.read_versions`` (an independent derivation from
+  the order alone);
+- the peak weight bytes each rank held equal to ``sim.versions.weight_copies``
+  x each part's bytes (PipeDream D - r versions, 2BW/WPipe 2, AvgPipe P, ...).
+
+Independent oracles without the simulator: on one stage a stream with one
+update per mini-batch is plain training; a prediction swaps in exactly
+w - s lr v. A synchronous schedule in the same group records no versions and
+still equals the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pipeweave.models import ModelSpec
+from pipeweave.runtime.job import RunRecord, TrainConfig, run_rank
+from pipeweave.runtime.launch import LaunchOptions, launch
+from pipeweave.runtime.plain import run_plain
+from pipeweave.runtime.policy import RankPolicy, update_direction
+from pipeweave.runtime.reference import run_reference
+from pipeweave.runtime.stage import StageWorker
+from pipeweave.runtime.stream import run_stream_reference, stream_steps
+from pipeweave.schedule import SCHEDULES, generate
+from pipeweave.schedule.ir import Action, Op
+from pipeweave.sim.cost import CostModel
+from pipeweave.sim.versions import read_versions, weight_copies
+
+RANKS = (2, 3)
+STEPS = 4  # mini-batches: warm-up, two steady, drain
+T = 4
+VARIANTS: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
+    # case -> (schedule, generator options, TrainConfig overrides)
+    **{name: (name, {}, {}) for name, info in SCHEDULES.items() if not info.synchronous},
+    "pipedream+vertical-sync": ("pipedream", {"vertical_sync": True}, {}),
+    "pipemare+warmup": ("pipemare", {"warmup_steps": 1}, {}),
+    "xpipe+adamw": ("xpipe", {}, {"optimizer": "adamw", "lr": 1e-2}),
+    "spectrain+adamw": ("spectrain", {}, {"optimizer": "adamw", "lr": 1e-2}),
+    "1f1b (synchronous)": ("1f1b", {}, {"steps": 2}),
+}
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """The in-process reference runs: one intra-op thread (tiny tensors; several threads thrash a loaded machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _config(case: str, ranks: int) -> TrainConfig:
+    name, options, overrides = VARIANTS[case]
+    fields: dict[str, object] = dict(
+        schedule=name, num_stages=ranks, num_microbatches=T, model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8),
+        batch_size=2 * T - 1, steps=STEPS, lr=0.05, momentum=0.9, collect_parameters=True,
+        schedule_options=tuple(options.items()),
+    )
+    fields.update(overrides)
+    return TrainConfig(**fields)  # type: ignore[arg-type]
+
+
+def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(rank, world, c) for c in configs]
+
+
+@pytest.fixture(scope="module", params=RANKS, ids=lambda r: f"{r}ranks")
+def runs(request: pytest.FixtureRequest) -> dict[str, tuple[TrainConfig, RunRecord]]:
+    configs = {case: _config(case, request.param) for case in VARIANTS}
+    for config in configs.values():
+        config.check()
+    records = launch(_run_all, list(configs.values()), request.param, LaunchOptions(timeout_s=60))
+    return {case: (configs[case], record) for case, record in zip(configs, records)}
+
+
+def _part_bytes(config: TrainConfig, stage_parameters: list[dict[str, torch.Tensor]], part_of: tuple[int, ...]) -> list[float]:
+    out = [0.0] * (max(part_of) + 1)
+    for s, params in enumerate(stage_parameters):
+        out[part_of[s]] = float(sum(p.numel() * p.element_size() for p in params.values()))
+    return out
+
+
+@pytest.mark.parametrize("case", list(VARIANTS))
+def test_stream_distributed_equals_reference_versions_and_weight_bytes(
+    runs: dict[str, tuple[TrainConfig, RunRecord]], case: str
+) -> None:
+    config, record = runs[case]
+    schedule = config.build_schedule()
+    reference = run_reference(schedule, config.model, steps=config.steps, batch_size=config.batch_size,
+                              optimizer_factory=config.optimizer_factory())
+    assert len(record.losses) == config.steps
+    torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
+    for rank_record in record.ranks:
+        for stage, params in rank_record.parameters.items():
+            for name, value in params.items():
+                torch.testing.assert_close(value, reference.stage_parameters[stage][name], rtol=1e-5, atol=1e-6)
+    if schedule.is_synchronous:
+        assert all(not r.versions for r in record.ranks)  # no policy hook on the synchronous path
+        return
+    expected = {a: (v.version, v.target) for a, v in read_versions(schedule).items()}
+    recorded = {a: v for r in record.ranks for a, v in r.versions.items()}
+    assert recorded == expected  # every F/B/I/W, on the rank that ran it
+    assert reference.versions == expected
+    part_bytes = _part_bytes(config, reference.stage_parameters, schedule.placement.stage_part)
+    costs = CostModel(weight=part_bytes).for_parts(num_parts=schedule.num_parts, num_ranks=schedule.num_ranks)
+    simulated = [int(c) for c in weight_copies(schedule, costs)]
+    assert [r.weight_bytes for r in record.ranks] == simulated
+    assert reference.weight_bytes == simulated
+
+
+def test_pipedream_weight_bytes_follow_the_survey(runs: dict[str, tuple[TrainConfig, RunRecord]]) -> None:
+    """PipeDream: rank r of D holds D - r versions; 2BW 2 (last rank 1: its B follows its F); AvgPipe P."""
+    config, record = runs["pipedream"]
+    d = config.num_stages
+    one = [r.weight_bytes for r in runs["ampnet"][1].ranks]  # a single copy per rank
+    assert [r.weight_bytes for r in record.ranks] == [(d - r) * one[r] for r in range(d)]
+    assert [r.weight_bytes for r in runs["pipedream-2bw"][1].ranks] == [2 * b for b in one[:-1]] + [one[-1]]
+    assert [r.weight_bytes for r in runs["avgpipe"][1].ranks] == [2 * b for b in one]
+
+
+@pytest.mark.parametrize("name", ["pipedream-2bw", "pipemare", "xpipe", "avgpipe"])
+def test_one_stage_stream_with_an_update_per_minibatch_is_plain_training(name: str) -> None:
+    """With D = 1 there is no delay: F and B read the live weights, corrections and predictions vanish."""
+    spec = ModelSpec(kind="mlp", layers=2, hidden=8)
+    options = {"num_pipelines": 1} if name == "avgpipe" else {}
+    schedule = generate(name, num_stages=1, num_microbatches=3, num_steps=stream_steps(name, 3, options), **options)
+    factory = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    got = run_stream_reference(schedule, spec, batch_size=7, optimizer_factory=factory)
+    plain = run_plain(spec, steps=3, batch_size=7, num_microbatches=3, optimizer_factory=factory)
+    torch.testing.assert_close(got.losses, plain.losses, rtol=1e-6, atol=1e-7)
+    for name_, value in plain.parameters.items():
+        torch.testing.assert_close(got.parameters[name_], value, rtol=1e-6, atol=1e-7)
+
+
+def test_spectrain_swaps_in_w_minus_s_lr_v_and_restores_the_live_weights() -> None:
+    schedule = generate("spectrain", num_stages=2, num_microbatches=2, num_steps=2)
+    worker = StageWorker(ModelSpec(kind="mlp", layers=2, hidden=4), range(1), batch_size=2,
+                         optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9))
+    p = next(worker.module.parameters())
+    p.grad = torch.ones_like(p)
+    worker.optimizer.step()  # momentum buffer = 1, w -= 0.5
+    live = p.detach().clone()
+    policy = RankPolicy(schedule, {0: worker})
+    a = Action(0, Op.F, 1)  # stage 0's forward of microbatch 1: read at version 0, applied by U(0, 1)
+    policy.enter(a)
+    assert policy.versions[a] == (0, 1)
+    torch.testing.assert_close(p.detach(), live - 1 * 0.5 * 1.0)  # s = 1, lr = 0.5, v = 1
+    policy.exit(a)
+    assert torch.equal(p.detach(), live)
+
+
+def test_update_direction_of_adam_is_lr_m_hat_over_sqrt_v_hat() -> None:
+    p = torch.nn.Parameter(torch.tensor([1.0]))
+    opt = torch.optim.Adam([p], lr=0.1, betas=(0.5, 0.5), eps=0.0)
+    p.grad = torch.tensor([2.0])
+    opt.step()  # m = 1, v = 2; m_hat = 2, v_hat = 4: direction 0.1 x 2 / 2
+    assert update_direction(opt, [p])[0].item() == pytest.approx(0.1)
