@@ -1,14 +1,22 @@
-"""Zero-bubble search benchmark: REFERENCE.md's 1.5B rows, D=32 T=256, CP-SAT vs HiGHS.
+"""Zero-bubble search benchmark: REFERENCE.md's 1.5B rows, D=32 T=256, small instances proven, CP-SAT vs HiGHS.
 
-Run: python benchmarks/search/bench.py [--time-limit S] [--workers N]
+Run: python benchmarks/search/bench.py [--section rows|big|small|compare|all] [--time-limit S]
+         [--work-limit W] [--workers N]
+
+With one worker and a work limit (CP-SAT's deterministic time) that binds
+before the time limit, every CP-SAT figure is the same on every run; the
+heuristic is deterministic (a work budget, not a clock).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 from pipeweave.search import exact, heuristic, lower_bound, problem_from_times
+from pipeweave.sim.metrics import peak_activations
+from pipeweave.sim.timeline import simulate
 
 ROWS = [  # m, T_F, T_B, T_W, T_comm, published ZB-1p, ZB-2p (REFERENCE.md, p = 8)
     (24, 18.522, 18.086, 9.337, 0.601, 0.1585, 0.0433),
@@ -17,36 +25,74 @@ ROWS = [  # m, T_F, T_B, T_W, T_comm, published ZB-1p, ZB-2p (REFERENCE.md, p = 
 ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--time-limit", type=float, default=20.0)
-    parser.add_argument("--workers", type=int, default=0)
-    args = parser.parse_args()
-    print("| m | K | published | heuristic | cpsat | bound | gap | cpsat s |")
-    print("|---|---|---|---|---|---|---|---|")
+def rows(args: argparse.Namespace) -> None:
+    print("| m | K | published | heuristic | heuristic s | CP-SAT | bound | gap | status | s | peak / limit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for m, f, b, w, c, z1, z2 in ROWS:
         for k, published in ((1, z1), (2, z2)):
             p = problem_from_times(8, m, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=k)
+            t0 = time.perf_counter()
             h = heuristic(p)
-            r = exact(p, solver="cpsat", time_limit=args.time_limit, workers=args.workers)
-            print(f"| {m} | {k} | {published} | {1 - p.work(0) / h.span:.4f} | {r.bubble_ratio:.4f} | "
-                  f"{r.bubble_bound:.4f} | {100 * r.gap:.2f} % | {r.solver_time:.1f} |", flush=True)
-    print("\nD=32 T=256 (f=b=w=1, comm 0.1):")
-    for k in (1, 2):
-        p = problem_from_times(32, 256, memory_limit=k, time_comm=0.1)
+            h_s = time.perf_counter() - t0
+            r = exact(p, solver="cpsat", time_limit=args.time_limit, workers=args.workers,
+                      work_limit=args.work_limit)
+            peak = max(peak_activations(simulate(r.schedule, p.cost), p.costs))  # validated in exact
+            print(f"| {m} | {k} | {published} | {1 - p.work(0) / h.span:.4f} | {h_s:.2f} | "
+                  f"{r.bubble_ratio:.4f} | {r.bubble_bound:.4f} | {100 * r.gap:.2f} % | {r.status} | "
+                  f"{r.solver_time:.1f} | {peak:g} / {p.limit[0]:g} |", flush=True)
+
+
+def big(args: argparse.Namespace) -> None:
+    print("| D=32 T=256 f=b=w=1 comm 0.1 | K | heuristic s | heuristic span | CP-SAT span | status | "
+          "search s (limit) | total s | bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for v, k in ((False, 1), (False, 2), (True, 1)):
+        p = problem_from_times(32, 256, memory_limit=k, time_comm=0.1, vshape=v)
         t0 = time.perf_counter()
         h = heuristic(p)
-        elapsed = time.perf_counter() - t0
+        h_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
         r = exact(p, solver="cpsat", time_limit=args.time_limit, workers=args.workers)
-        print(f"K={k}: heuristic {elapsed:.2f} s span {h.span:.1f}; cpsat best {r.span:.1f} in {r.solver_time:.1f} s "
-              f"({r.status}); bound {lower_bound(p):.1f}", flush=True)
-    print("\nCP-SAT vs HiGHS (same instances, same limit):")
-    for d, t, kk in ((3, 6, 1), (4, 8, 1), (8, 24, 1)):
-        p = problem_from_times(d, t, memory_limit=kk, time_b=2.0, time_comm=0.5)
+        total = time.perf_counter() - t0
+        print(f"| {'V' if v else 'straight'} | {k} | {h_s:.2f} | {h.span:.1f} | {r.span:.1f} | {r.status} | "
+              f"{r.solver_time:.1f} ({args.time_limit:g}) | {total:.1f} | {lower_bound(p):.1f} |", flush=True)
+
+
+def small(args: argparse.Namespace) -> None:
+    print("| D | T | placement | K | f, b, w, comm | heuristic | best | bound | status | s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    times = ((1.0, 1.0, 1.0, 0.0), (1.0, 2.0, 1.0, 0.5))
+    for (d, t), v, k, (f, b, w, c) in itertools.product(((2, 4), (3, 6), (4, 8)), (False, True), (1, 2), times):
+        p = problem_from_times(d, t, vshape=v, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=k)
+        r = exact(p, solver="cpsat", time_limit=60, workers=1)
+        print(f"| {d} | {t} | {'V' if v else 'straight'} | {k} | {f:g}, {b:g}, {w:g}, {c:g} | "
+              f"{heuristic(p).span:g} | {r.span:g} | {r.lower_bound:.4g} | {r.status} | {r.solver_time:.1f} |",
+              flush=True)
+
+
+def compare(args: argparse.Namespace) -> None:
+    print("| instance (f=1, b=2, w=1, comm 0.5) | heuristic | CP-SAT | s | HiGHS | s |")
+    print("|---|---|---|---|---|---|")
+    for d, t, k, v in ((3, 6, 1.5, False), (4, 8, 1.5, False), (4, 8, 1, True), (4, 8, 2, True), (8, 24, 1.5, False)):
+        p = problem_from_times(d, t, vshape=v, memory_limit=k, time_b=2.0, time_comm=0.5)
+        cells = []
         for solver in ("cpsat", "highs"):
-            r = exact(p, solver=solver, time_limit=args.time_limit, workers=args.workers)
-            print(f"D={d} T={t} {solver}: span {r.span} bound {r.lower_bound:.3f} {r.status} {r.solver_time:.1f} s",
-                  flush=True)
+            r = exact(p, solver=solver, time_limit=args.time_limit, workers=1)
+            cells.append(f"{r.span:g} {r.status} (bound {r.lower_bound:.4g}) | {r.solver_time:.1f}")
+        print(f"| D={d} T={t} K={k}{' V' if v else ''} | {heuristic(p).span:g} | {' | '.join(cells)} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--section", choices=("rows", "big", "small", "compare", "all"), default="all")
+    parser.add_argument("--time-limit", type=float, default=20.0)
+    parser.add_argument("--work-limit", type=float, default=None, help="CP-SAT deterministic time")
+    parser.add_argument("--workers", type=int, default=1)
+    args = parser.parse_args()
+    for name, run in (("rows", rows), ("big", big), ("small", small), ("compare", compare)):
+        if args.section in (name, "all"):
+            print(f"\n## {name}\n", flush=True)
+            run(args)
 
 
 if __name__ == "__main__":

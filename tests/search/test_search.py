@@ -9,8 +9,18 @@ import pytest
 from pipeweave.schedule import generate, validate
 from pipeweave.search import exact, heuristic, lower_bound, problem_from_times
 from pipeweave.search.build import finish
+from pipeweave.search.exact import build_model, incumbent_starts
+from pipeweave.search.heuristic import one_at_a_time
+from pipeweave.search.isolate import Budget, solve_isolated
 from pipeweave.search.problem import Problem
 from pipeweave.sim.cost import CostModel
+from pipeweave.sim.metrics import peak_activations
+from pipeweave.sim.timeline import simulate
+
+# REFERENCE.md's 1.5B rows, p = 8: m, T_F, T_B, T_W, T_comm, published ZB-1p, ZB-2p bubble rates.
+REFERENCE_ROWS = [(24, 18.522, 18.086, 9.337, 0.601, 0.1585, 0.0433),
+                  (32, 18.513, 18.086, 9.331, 0.626, 0.1242, 0.0039),
+                  (64, 18.546, 18.097, 9.321, 0.762, 0.0674, 0.0026)]
 
 # (D, T, K, vshape, f, b, w, comm): uniform, uneven-ish times with comm, a V.
 CASES = [
@@ -50,31 +60,62 @@ def test_bound_matches_closed_forms_where_they_hold() -> None:
 
 def test_bound_reproduces_the_papers_zb_1p_rows() -> None:
     # REFERENCE.md, 1.5B model, p = 8: the published ZB-1p bubble rates are this bound's.
-    for m, f, b, w, c, published in [(24, 18.522, 18.086, 9.337, 0.601, 0.1585),
-                                     (32, 18.513, 18.086, 9.331, 0.626, 0.1242),
-                                     (64, 18.546, 18.097, 9.321, 0.762, 0.0674)]:
+    for m, f, b, w, c, published, _ in REFERENCE_ROWS:
         p = problem_from_times(8, m, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=1)
         assert 1 - p.work(0) / lower_bound(p) == pytest.approx(published, abs=6e-5)
 
 
 @pytest.mark.parametrize("solver", ["cpsat", "highs"])
-def test_exact_proves_small_instances_optimal(solver: str) -> None:
+def test_back_ends_prove_the_hand_bound_from_a_poor_start(solver: str) -> None:
+    # The heuristic meets the bound here, so exact() would not call a solver: start each back-end
+    # from one microbatch at a time (span 72) and let it prove the hand bound, 32, on its own.
     problem = _problem(CASES[2])
+    poor = one_at_a_time(problem)
+    model = build_model(problem, poor.span)
     start = time.perf_counter()
-    result = exact(problem, solver=solver, time_limit=30, workers=1)
+    solved = solve_isolated(solver, model, incumbent_starts(model, poor.order),
+                            Budget(time.perf_counter() + 50, workers=1))
+    assert time.perf_counter() - start < 60
+    assert solved.status == "optimal" and solved.order is not None
+    checked = finish(problem, solved.order, lower_bound=lower_bound(problem), solver=solver, solver_time=0.0,
+                     status=solved.status)  # validates and checks memory
+    assert poor.span == pytest.approx(72.0) and checked.span == pytest.approx(lower_bound(problem))
+    assert checked.span == pytest.approx(32.0) and solved.bound / model.time_scale == pytest.approx(32.0)
+
+
+def test_exact_proves_a_v_instance_the_heuristic_misses() -> None:
+    problem = problem_from_times(3, 6, vshape=True, time_f=1, time_b=2, time_w=1, time_comm=0.5, memory_limit=1)
+    start = time.perf_counter()
+    result = exact(problem, solver="cpsat", time_limit=50, workers=1)
     assert time.perf_counter() - start < 60
     validate(result.schedule)
-    assert result.gap == 0.0 and result.status == "optimal"
-    assert result.span <= heuristic(problem).span + 1e-9
-    assert result.span >= lower_bound(problem) - 1e-9
-    assert result.span == pytest.approx(32.0)  # both solvers agree (CP-SAT and HiGHS)
+    assert result.status == "optimal" and result.gap == 0.0
+    # strictly better than the heuristic, and above the (weaker, V) hand bound
+    assert lower_bound(problem) < result.span < heuristic(problem).span - 1e-9
 
 
 def test_exact_is_never_worse_than_the_heuristic_nor_below_the_bound() -> None:
     problem = _problem(CASES[4])  # a V with uneven times: not proven within the limit
+    start = time.perf_counter()
     result = exact(problem, solver="cpsat", time_limit=3, workers=1)
+    # the solver is stopped at the limit; checking and simulating the result come on top
+    assert time.perf_counter() - start < 3 + 2.0
     validate(result.schedule)
     assert lower_bound(problem) - 1e-9 <= result.lower_bound <= result.span <= heuristic(problem).span + 1e-9
+
+
+@pytest.mark.parametrize("row", REFERENCE_ROWS)
+@pytest.mark.parametrize("k", [1, 2])
+def test_heuristic_reaches_the_papers_1p5b_rows(row: tuple, k: int) -> None:  # type: ignore[type-arg]
+    m, f, b, w, c, *published = row
+    problem = problem_from_times(8, m, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=k)
+    result = heuristic(problem, work_budget=1)  # its first policy alone: the paper's rules
+    checked = finish(problem, result.order, lower_bound=lower_bound(problem), solver="heuristic",
+                     solver_time=0.0, status="heuristic")  # validates and checks the memory limit
+    peaks = peak_activations(simulate(checked.schedule, problem.cost), problem.costs)
+    assert max(peaks) <= 8 * k + 1e-9  # K x D x M_a, M_a = 1
+    assert checked.bubble_ratio <= published[k - 1] + 1e-3
+    assert checked.bubble_ratio >= checked.bubble_bound - 1e-12
 
 
 def test_uneven_parts_are_accepted() -> None:
