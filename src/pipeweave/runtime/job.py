@@ -27,6 +27,7 @@ from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.policy import PolicyOptions
 from pipeweave.runtime.stage import OptimizerFactory, StageWorker
 from pipeweave.runtime.trace import align_clocks
+from pipeweave.runtime.validation_step import PostValidation, check_post_validation, install_post_validation
 from pipeweave.schedule import SCHEDULES, Schedule, generate, lower, validate
 from pipeweave.schedule.data_parallel import data_parallel
 
@@ -79,6 +80,8 @@ class TrainConfig:
     """Options of the schedule's generator, e.g. ``(("warmup_steps", 2),)`` (asynchronous schedules)."""
     policy: PolicyOptions = field(default_factory=PolicyOptions)
     """Run-time hyperparameters of the asynchronous weight policies (``runtime.policy``)."""
+    post_validation: PostValidation | None = None
+    """Clip and skip without a barrier: optimistic step, exact rollback (``runtime.validation_step``)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -142,6 +145,8 @@ class TrainConfig:
             raise UserError(f"--batch {self.batch_size} cannot make {per_batch} microbatches; "
                             "increase --batch or reduce --microbatches")
         self.layer_ranges(schedule)
+        if self.post_validation is not None:
+            check_post_validation(schedule)
         return schedule
 
     def optimizer_factory(self) -> OptimizerFactory:
@@ -197,11 +202,15 @@ class RunRecord:
 def build_workers(schedule: Schedule, config: TrainConfig, rank: int, device: torch.device) -> dict[int, StageWorker]:
     """The stage workers of ``rank``, built from the model's seed (equal to plain training's layers)."""
     parts = config.layer_ranges(schedule)
-    return {
+    workers = {
         s: StageWorker(config.model, parts[schedule.placement.stage_part[s]], batch_size=config.batch_size,
                        optimizer_factory=config.optimizer_factory(), recompute=config.recompute, device=device)
         for s in schedule.placement.stages_on(rank)
     }
+    if config.post_validation is not None:  # replaces each stage's optimizer (runtime.validation_step)
+        install_post_validation(config.post_validation, schedule, workers, config.optimizer, config.lr,
+                                config.momentum)
+    return workers
 
 
 def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:

@@ -1,0 +1,160 @@
+"""Optimizer post-validation in the distributed runtime (Qi et al., ICLR 2024, section 4).
+
+With ``TrainConfig.post_validation`` set, each stage's optimizer is replaced by
+a ``ValidatedOptimizer`` (``install_post_validation``, called by ``job.build_workers``).
+At its ``U`` a stage:
+
+1. receives the partial state (sum of squared gradient norms, non-finite
+   flag) of the stages before it from the previous rank, adds its own, and
+   sends it on to the next rank;
+2. steps optimistically on what it has seen (``weights.post_validation``);
+3. receives the complete state from the last stage, which sends it to every
+   rank, and validates: keeps the step, rolls it back in place (a non-finite
+   gradient anywhere: the step is skipped), or rolls back and steps again on
+   gradients clipped to ``max_norm`` (torch.nn.utils.clip_grad_norm_'s factor).
+
+No all-reduce and no barrier: the state travels down the pipeline with the
+stages' own ``U`` order, and the only wait is for the complete state, before
+the stage's next forward. The result equals synchronous clipping and skipping
+to float rounding (tests/runtime/test_validation_step.py). Messages use gloo
+tags above the schedule transport's; NCCL ignores tags, so on GPUs this is
+not yet supported. Straight placements only (one stage per rank, no replicas):
+1F1B, ZB-H1/H2, zb-auto.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeweave.errors import UserError
+from pipeweave.runtime import launch as launch_module
+from pipeweave.runtime.stage import StageWorker
+from pipeweave.schedule.ir import Schedule
+from pipeweave.weights.post_validation import SGD, AdamW, GradState, PostValidatedStep
+
+# Far above the transport's tags ((stage x kinds + kind) x span + microbatch + 1).
+_TAG_PARTIAL = 1 << 28
+_TAG_TOTAL = _TAG_PARTIAL + 1
+
+
+@dataclass(frozen=True)
+class PostValidation:
+    """The run's post-validation options.
+
+    Attributes:
+        max_norm: clip the global gradient norm to this (None: no clipping).
+        fault: ``(step, stage)``: that stage's gradient is set to NaN at that
+            step, before anything is measured (tests of the skip path).
+    """
+
+    max_norm: float | None = None
+    fault: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_norm is not None and not self.max_norm > 0:
+            raise UserError(f"--clip-grad-norm {self.max_norm} is invalid; give a norm > 0")
+
+
+def check_post_validation(schedule: Schedule) -> None:
+    """Raise UserError unless post-validation applies to ``schedule``."""
+    placement = schedule.placement
+    if schedule.num_chunks != 1 or len(placement.pipelines) != 1 or placement.num_parts != schedule.num_ranks:
+        raise UserError(f"post-validation needs one stage per rank and no replicas; {schedule.name} has "
+                        f"{schedule.num_chunks} chunks and {len(placement.pipelines)} pipelines; "
+                        "use a straight schedule such as zb-auto, zb-h2 or 1f1b")
+
+
+class ValidatedOptimizer:
+    """Stands in for one stage's torch optimizer: ``step`` is the post-validated step.
+
+    Example:
+        >>> # built by install_post_validation(); outcomes after a run: ["kept", "clipped", "skipped", ...]
+    """
+
+    def __init__(self, worker: StageWorker, stage: int, schedule: Schedule, options: PostValidation,
+                 inner: SGD | AdamW) -> None:
+        placement = schedule.placement
+        self.params = list(worker.module.parameters())
+        self.stage, self.options = stage, options
+        prev, nxt = placement.prev_stage(stage), placement.next_stage(stage)
+        self.prev_rank = None if prev is None else placement.stage_rank[prev]
+        self.next_rank = None if nxt is None else placement.stage_rank[nxt]
+        self.last_rank = placement.stage_rank[placement.pipelines[0][-1]]
+        self.other_ranks = [r for r in range(schedule.num_ranks) if r != self.last_rank]
+        self.step_state = PostValidatedStep(self.params, inner, options.max_norm)
+        self.outcomes: list[str] = []
+        self._sends: list[Any] = []
+
+    def step(self) -> None:
+        self._wait_sends()
+        if self.options.fault == (len(self.outcomes), self.stage):
+            grad = next(p.grad for p in self.params if p.grad is not None)
+            grad.view(-1)[0] = float("nan")
+        partial = GradState.of(self.params)
+        if self.prev_rank is not None:
+            partial = _recv(self.prev_rank, _TAG_PARTIAL).combine(partial)
+        if self.next_rank is not None:
+            self._sends.append(_isend(partial, self.next_rank, _TAG_PARTIAL))
+        self.step_state.step_optimistic(partial)
+        if self.next_rank is None:  # the last stage knows the total: every other rank needs it
+            total = partial
+            self._sends += [_isend(total, r, _TAG_TOTAL) for r in self.other_ranks]
+        else:
+            total = _recv(self.last_rank, _TAG_TOTAL)
+        self.outcomes.append(self.step_state.validate(total))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _wait_sends(self) -> None:
+        for work in self._sends:
+            work.wait(launch_module.wait_timeout())
+        self._sends.clear()
+
+
+def install_post_validation(options: PostValidation, schedule: Schedule, workers: dict[int, StageWorker], optimizer: str,
+            lr: float, momentum: float = 0.0) -> dict[int, ValidatedOptimizer]:
+    """Replace each local stage's optimizer by its post-validated equivalent.
+
+    Args:
+        options: clipping and test faults.
+        schedule: the run's schedule (checked by ``check``).
+        workers: this rank's stage workers.
+        optimizer: "sgd" (torch.optim.SGD with ``momentum``) or "adamw" (torch.optim.AdamW's defaults).
+        lr: learning rate.
+
+    Raises:
+        UserError: a schedule it does not apply to, or an unknown optimizer.
+    """
+    check_post_validation(schedule)
+    installed = {}
+    for stage, worker in workers.items():
+        inner: SGD | AdamW
+        if optimizer == "sgd":
+            inner = SGD(lr=lr, momentum=momentum)
+        elif optimizer == "adamw":
+            inner = AdamW(lr=lr)
+        else:
+            raise UserError(f"--optimizer {optimizer!r} has no post-validated step; use sgd or adamw")
+        installed[stage] = ValidatedOptimizer(worker, stage, schedule, options, inner)
+        worker.optimizer = installed[stage]  # type: ignore[assignment]
+    return installed
+
+
+def _isend(state: GradState, dst: int, tag: int) -> Any:
+    return dist.isend(_pack(state), dst, tag=tag)
+
+
+def _recv(src: int, tag: int) -> GradState:
+    buffer = torch.zeros(2, dtype=torch.float64)
+    dist.irecv(buffer, src, tag=tag).wait(launch_module.wait_timeout())
+    return GradState(float(buffer[0]), bool(buffer[1] != 0))
+
+
+def _pack(state: GradState) -> torch.Tensor:
+    return torch.tensor([state.sq_norm, 1.0 if state.nonfinite else 0.0], dtype=torch.float64)
