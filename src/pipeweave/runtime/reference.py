@@ -196,7 +196,7 @@ def run_reference(
 
         minibatches = schedule.num_steps * len(schedule.placement.pipelines)
         if steps != minibatches:
-            raise UserError(f"the {schedule.name} stream covers {minibatches} mini-batches, not steps={steps}; "
+            raise UserError(f"the asynchronous {schedule.name} stream covers {minibatches} mini-batches, not steps={steps}; "
                             f"generate it with num_steps for {steps} mini-batches")
         return run_stream_reference(schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
                                     seed=seed, recompute=recompute, data=data, parts=parts)
