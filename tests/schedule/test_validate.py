@@ -52,8 +52,7 @@ def _fails(s: Schedule) -> InvalidSchedule:
 
 
 def test_every_family_is_covered() -> None:
-    assert {s.name.split("-D")[0] for s in ALL} >= {"naive", "gpipe", "1f1b"}
-    assert len({s.name for s in ALL}) >= len(SCHEDULES) - 2  # names may carry a suffix
+    assert {s.name for s in ALL} == set(SCHEDULES)  # each serves at least one of the sizes
 
 
 @pytest.mark.parametrize("schedule", ALL, ids=_id)
