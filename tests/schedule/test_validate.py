@@ -168,3 +168,24 @@ def test_message_is_one_line_plus_the_grid() -> None:
     lines = str(_fails(_schedule(rows))).splitlines()
     assert lines[0].startswith("invalid schedule '1f1b': rank 2 step 0:")
     assert [line.split("|")[0].strip() for line in lines[1:]] == ["rank 0", "rank 1", "rank 2"]
+
+
+@pytest.mark.parametrize("schedule", ALL, ids=_id)
+def test_lowering_pairs_every_send_with_its_receive(schedule: Schedule) -> None:
+    from pipeweave.schedule.lower import lower
+    from pipeweave.schedule.validate import check_lowering
+
+    check_lowering(schedule)
+    lowered = lower(schedule)
+    compute = [[a for a in row if a.op in (Op.F, Op.B, Op.I, Op.W, Op.U)] for row in lowered.actions]
+    assert compute == [list(row) for row in schedule.actions]  # lowering only inserts communication
+    sends = sum(a.op in (Op.SEND_F, Op.SEND_B) for row in lowered.actions for a in row)
+    recvs = sum(a.op in (Op.RECV_F, Op.RECV_B) for row in lowered.actions for a in row)
+    placement = schedule.placement
+    crossings = sum(  # one activation and one gradient message per cross-rank hop of each microbatch
+        2
+        for j in range(schedule.num_microbatches)
+        for a, b in zip(schedule.route(j), schedule.route(j)[1:])
+        if placement.stage_rank[a] != placement.stage_rank[b]
+    )
+    assert sends == recvs == crossings

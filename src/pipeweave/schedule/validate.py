@@ -28,6 +28,13 @@ class InvalidSchedule(ScheduleError):
 def validate(schedule: Schedule) -> None:
     """Check placement, exactly-once, order and deadlock freedom.
 
+    Deadlock freedom of the lowered schedule (``lower``) follows from the
+    in-order walk: sends are non-blocking and each receive sits right before
+    its consumer, so the lowered schedule gets stuck exactly where the walk
+    does. ``check_lowering`` checks the lowering itself (run by the tests on
+    every registry family); it is not repeated here because it costs as much
+    as the rest of validation together.
+
     Raises:
         InvalidSchedule: with the rank, the step and a marked grid.
 
@@ -39,7 +46,6 @@ def validate(schedule: Schedule) -> None:
     check_order(schedule)
     check_updates(schedule)
     check_stream_updates(schedule)
-    check_lowering(schedule)
 
 
 def is_valid(schedule: Schedule) -> bool:
@@ -50,8 +56,45 @@ def is_valid(schedule: Schedule) -> bool:
     return True
 
 
+_OP_BIT = {Op.F: 1, Op.B: 2, Op.I: 4, Op.W: 8}
+_COMPLETE = (1 | 2, 1 | 4 | 8)  # F + B, or F + I + W
+
+
+def _actions_look_valid(schedule: Schedule) -> bool:
+    """One fast pass over the rules of ``check_actions``; False sends it to the detailed pass."""
+    placement = schedule.placement
+    stage_rank, t, mbp = placement.stage_rank, schedule.num_microbatches, schedule.microbatch_pipeline
+    num_stages = len(stage_rank)
+    stage_pipe = [placement.pipeline_of(s) for s in range(num_stages)]
+    if schedule.num_ranks != placement.num_ranks:
+        return False
+    masks: dict[int, int] = {}
+    updates: set[tuple[int, int]] = set()
+    for rank, row in enumerate(schedule.actions):
+        for s, op, j in row:
+            if not (0 <= s < num_stages and stage_rank[s] == rank):
+                return False
+            if op is Op.U:
+                if (s, j) in updates:
+                    return False
+                updates.add((s, j))
+                continue
+            bit = _OP_BIT.get(op)
+            if bit is None or not 0 <= j < t or (mbp[j] if mbp else 0) != stage_pipe[s]:
+                return False
+            key = s * t + j
+            mask = masks.get(key, 0)
+            if mask & bit:
+                return False
+            masks[key] = mask | bit
+    expected = sum(len(schedule.route(j)) for j in range(t)) if mbp else t * len(placement.pipelines[0])
+    return len(masks) == expected and all(m in _COMPLETE for m in masks.values())
+
+
 def check_actions(schedule: Schedule) -> None:
     """Placement and exactly-once rules, without looking at the order."""
+    if _actions_look_valid(schedule):
+        return
     placement = schedule.placement
     if schedule.num_ranks != placement.num_ranks:
         raise InvalidSchedule(
