@@ -1,0 +1,208 @@
+"""Convergence study: every synchronous and asynchronous schedule, same model, data order, optimizer and samples.
+
+Each schedule trains through the reference executor (``run_reference``; an
+asynchronous schedule runs as one stream of ``--steps`` mini-batches,
+``runtime.stream``), deterministically, one thread. Every run sees mini-batch
+m = the data source's batch m, so the curves are paired: a difference is the
+schedule's, not the data's. Time is the survey's t_total = steps x t_bar with
+t_bar the simulated time per mini-batch at f = b = w = 1, no communication:
+a synchronous step's makespan (it ends in a flush), an asynchronous stream's
+steady-state period (``runtime.stream.minibatch_period`` on an 8-mini-batch stream).
+
+    python benchmarks/convergence/study.py --task gpt          # the study (~10 min here)
+    python benchmarks/convergence/study.py --task mlp          # the fast task (< 1 min)
+    python benchmarks/convergence/study.py --task gpt --plot-only
+
+Writes ``results_<task>.json``, ``loss_vs_samples_<task>.png``,
+``loss_vs_time_<task>.png`` next to this file and prints the README's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeweave.data import data_source
+from pipeweave.models import ModelSpec
+from pipeweave.models.spec import build_layers, loss_fn
+from pipeweave.runtime.reference import run_reference
+from pipeweave.runtime.stream import minibatch_period, stream_steps
+from pipeweave.schedule import SCHEDULES, generate
+from pipeweave.sim import simulate
+
+HERE = Path(__file__).parent
+D, T = 4, 8  # T = 8 lets every synchronous schedule run at D = 4 (ZB-H2/ZB-V: T >= 2D-1; DualPipe: T >= 2D)
+SKIP = ("zb-auto", "zb-v-auto")  # searched: same step as zb-h1/zb-v here, and their search costs minutes
+# The convergence column from the measured numbers: r = final model loss / synchronous final model loss - 1
+# (``evaluate``: the trained weights after the stream drained, on the same evaluation batches for all):
+# excellent r <= 1 %, good 1 % < r <= 5 %, poor r > 5 % or diverged.
+EXCELLENT, GOOD = 0.01, 0.05
+EVAL_SEED = 12345  # held-out batches: another seed of the same source
+
+
+@dataclass(frozen=True)
+class Task:
+    spec: ModelSpec
+    batch_size: int
+    steps: int
+    lr: float
+    momentum: float = 0.9
+
+
+TASKS = {
+    # The gpt (6 blocks: 8 layers, so the 2-chunk schedules have a layer per part) on the stdlib corpus.
+    "gpt": Task(ModelSpec(kind="gpt", layers=6, hidden=32, heads=2, seq_len=32), batch_size=16, steps=100, lr=0.3),
+    # The fast task: the residual mlp regressing fixed random targets (MSE).
+    "mlp": Task(ModelSpec(kind="mlp", layers=8, hidden=16), batch_size=16, steps=40, lr=0.05),
+}
+
+
+def schedule_for(name: str, steps: int) -> Any:
+    info = SCHEDULES[name]
+    if info.synchronous:
+        return generate(name, num_stages=D, num_microbatches=T, num_chunks=2 if info.chunks is None else None)
+    return generate(name, num_stages=D, num_microbatches=T, num_steps=stream_steps(name, steps, {}))
+
+
+def time_per_minibatch(name: str) -> float:
+    """t_bar at f = b = w = 1: makespan of a synchronous step, steady period of a stream."""
+    schedule = schedule_for(name, 8)
+    timeline = simulate(schedule, check=False)
+    if schedule.is_synchronous:
+        return max(e.end for row in timeline.events for e in row) - min(row[0].start for row in timeline.events if row)
+    return minibatch_period(timeline, T)
+
+
+def run(task: Task, name: str) -> dict[str, Any]:
+    started = time.perf_counter()
+    schedule = schedule_for(name, task.steps)
+    generated = time.perf_counter() - started
+    momentum = task.momentum
+    result = run_reference(
+        schedule, task.spec, steps=task.steps, batch_size=task.batch_size,
+        optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=task.lr, momentum=momentum),
+    )
+    return {"schedule": name, "synchronous": schedule.is_synchronous, "losses": result.losses,
+            "eval_loss": evaluate(task, final_parameters(result.stage_parameters)),
+            "t_bar": time_per_minibatch(name), "generate_s": generated,
+            "wall_s": time.perf_counter() - started}
+
+
+def final_parameters(stage_parameters: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The trained model: each parameter, averaged over the stages holding it (AvgPipe's replicas' mean)."""
+    values: dict[str, list[torch.Tensor]] = {}
+    for params in stage_parameters:
+        for k, v in params.items():
+            values.setdefault(k, []).append(v)
+    return {k: torch.stack(v).mean(0) for k, v in values.items()}
+
+
+@torch.no_grad()
+def evaluate(task: Task, parameters: dict[str, torch.Tensor], batches: int = 4) -> float:
+    """Mean loss of the final model: gpt on held-out windows (another seed), mlp on its one fixed batch (it memorises)."""
+    model = torch.nn.ModuleDict({str(i): layer for i, layer in enumerate(build_layers(task.spec, range(task.spec.num_layers)))})
+    for k, p in model.named_parameters():
+        p.copy_(parameters[k])
+    memorise = task.spec.kind == "mlp"
+    source = data_source(task.spec, batch_size=task.batch_size, seed=0 if memorise else EVAL_SEED)
+    batches = 1 if memorise else batches
+    total = 0.0
+    for m in range(batches):
+        x, y = source.batch(m)
+        for layer in model.values():
+            x = layer(x)
+        total += float(loss_fn(task.spec)(x, y))
+    return total / batches
+
+
+def final(losses: list[float]) -> float:
+    tail = max(5, len(losses) // 10)
+    values = losses[-tail:]
+    return sum(values) / len(values) if all(math.isfinite(v) for v in values) else math.inf
+
+
+def classify(r: float) -> str:
+    if not math.isfinite(r) or r > GOOD:
+        return "poor"
+    return "excellent" if r <= EXCELLENT else "good"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """Final model loss (``evaluate``) and training loss (last 10 %) relative to synchronous training."""
+    sync = [r for r in results if r["synchronous"]]
+    base_eval = sum(r["eval_loss"] for r in sync) / len(sync)
+    base_train = sum(final(r["losses"]) for r in sync) / len(sync)
+    lines = ["| schedule | kind | final model loss | vs sync | training loss (last 10 %) | vs sync | t_bar | "
+             "time to end | convergence |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in sorted(results, key=lambda r: (not r["synchronous"], r["eval_loss"])):
+        rel = r["eval_loss"] / base_eval - 1
+        f = final(r["losses"])
+        lines.append(f"| {r['schedule']} | {'sync' if r['synchronous'] else 'async'} | {r['eval_loss']:.4f} | "
+                     f"{rel:+.2%} | {f:.4f} | {f / base_train - 1:+.2%} | {r['t_bar']:g} | "
+                     f"{r['t_bar'] * len(r['losses']):g} | {classify(rel)} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], task: str, task_spec: Task) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def smooth(xs: list[float], k: int = 5) -> list[float]:
+        return [sum(xs[max(0, i - k + 1): i + 1]) / len(xs[max(0, i - k + 1): i + 1]) for i in range(len(xs))]
+
+    sync_done = False
+    for kind, xlabel in (("samples", "samples"), ("time", "simulated time (t_bar x mini-batches, f = b = w = 1)")):
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        for r in results:
+            if r["synchronous"] and kind == "samples" and sync_done:
+                continue  # synchronous curves coincide against samples: draw one
+            label = "synchronous (all 12, identical)" if r["synchronous"] and kind == "samples" else r["schedule"]
+            sync_done = sync_done or (r["synchronous"] and kind == "samples")
+            n = len(r["losses"])
+            xs = [(m + 1) * (task_spec.batch_size if kind == "samples" else r["t_bar"]) for m in range(n)]
+            style = "-" if not r["synchronous"] else ("--" if kind == "time" else "k-")
+            ax.plot(xs, smooth(r["losses"]), style, label=label, linewidth=1.4 if not r["synchronous"] else 1.0)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("mini-batch loss (moving average of 5)")
+        ax.set_title(f"{task}: D={D}, T={T}, momentum SGD lr={task_spec.lr}, same data order")
+        ax.legend(fontsize=7, ncol=2)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(HERE / f"loss_vs_{kind}_{task}.png", dpi=110)
+        plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="gpt")
+    parser.add_argument("--plot-only", action="store_true", help="redraw from results_<task>.json")
+    parser.add_argument("--only", nargs="*", help="these schedules only (appended to existing results)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    task = TASKS[args.task]
+    path = HERE / f"results_{args.task}.json"
+    results: list[dict[str, Any]] = json.loads(path.read_text())["runs"] if path.exists() else []
+    if not args.plot_only:
+        names = args.only or [n for n in SCHEDULES if n not in SKIP]
+        results = [r for r in results if r["schedule"] not in names]
+        for name in names:
+            r = run(task, name)
+            results.append(r)
+            print(f"{name:18s} final {final(r['losses']):.4f}  wall {r['wall_s']:.1f} s "
+                  f"(generate {r['generate_s']:.1f} s)", flush=True)
+            path.write_text(json.dumps({"task": args.task, "D": D, "T": T, "runs": results}, indent=1))
+    plot(results, args.task, task)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
