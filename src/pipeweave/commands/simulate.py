@@ -51,6 +51,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="FILE", help="export the schedule as CSV (torch.distributed.pipelining's form)")
     p.add_argument("--from-csv", metavar="FILE", help="simulate a hand-written CSV schedule instead of -s")
     p.add_argument("--width", type=int, default=100, help="columns of the text timeline (default 100)")
+    from pipeweave.commands.stream_options import add_schedule_arguments
+
+    g = p.add_argument_group("asynchronous schedules", "a stream of --steps mini-batches with no flush")
+    g.add_argument("--steps", type=int, help="mini-batches in the stream (default 4; avgpipe: rounds of P)")
+    add_schedule_arguments(g)
     return p
 
 
@@ -112,6 +117,12 @@ def _build(args: argparse.Namespace, times: dict[str, Times]) -> tuple[Schedule,
         options["time_comm"] = args.time_comm
     if "mem_w" in params:
         options["mem_w"] = args.mem_w
+    if not info.synchronous:  # the stream's length and its generator's options
+        from pipeweave.commands.stream_options import schedule_options
+
+        options.update(schedule_options(args, args.schedule))
+        if getattr(args, "steps", None) is not None:
+            options["num_steps"] = args.steps
     schedule = generate(args.schedule, num_stages=args.stages, num_microbatches=args.microbatches,
                         num_chunks=args.chunks, **options)
     return schedule, info

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeweave.commands.partition import add_model_arguments, add_partition_arguments, layers_per_part, model_spec
+from pipeweave.commands.stream_options import add_async_arguments, async_options
 from pipeweave.errors import UserError
 
 DEFAULT_OUT = Path("pipeweave-out")
@@ -67,73 +68,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     add_async_arguments(p)
     return p
-
-
-# Asynchronous schedules: flag -> (generator option, the schedules that take it). Defaults are the generators'.
-SCHEDULE_FLAGS = {
-    "warmup_steps": ("warmup_steps", "pipemare"),
-    "vertical_sync": ("vertical_sync", "pipedream"),
-    "update_every": ("update_every", "pipedream, spectrain"),
-    "min_update_frequency": ("min_update_frequency", "ampnet"),
-    "max_active_keys": ("max_active_keys", "ampnet"),
-    "pipelines": ("num_pipelines", "avgpipe"),
-}
-
-
-def add_async_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of the asynchronous schedules and their weight policies (defaults from their papers)."""
-    g = p.add_argument_group(
-        "asynchronous schedules",
-        "A stream of --steps mini-batches with no flush (avgpipe: --steps/P rounds of P pipelines). "
-        "Losses are per mini-batch, as its forwards computed them.")
-    g.add_argument("--momentum", type=float,
-                   help="SGD momentum (default 0.9 for spectrain/xpipe, which predict along it; 0 otherwise)")
-    g.add_argument("--warmup-steps", type=int, help="pipemare: leading mini-batches run synchronously (default 0)")
-    g.add_argument("--vertical-sync", action="store_true", default=None,
-                   help="pipedream: every stage reads the version stage 0 read")
-    g.add_argument("--update-every", type=int, help="pipedream, spectrain: microbatches per update (default 1)")
-    g.add_argument("--min-update-frequency", type=int, help="ampnet: local gradients per update (default 1)")
-    g.add_argument("--max-active-keys", type=int, help="ampnet: microbatches in flight (default D)")
-    g.add_argument("--pipelines", type=int, metavar="P", help="avgpipe: replicated pipelines (default 2)")
-    g.add_argument("--anneal-steps", type=int, metavar="K",
-                   help="pipemare: updates over which the step size lr/tau returns to lr (default 1000; 0: off)")
-    g.add_argument("--decay", type=float, help="pipemare: velocity moving-average weight gamma (default 0.9)")
-    g.add_argument("--no-correction", action="store_true", help="pipemare: no discrepancy correction")
-    g.add_argument("--averaging-rate", type=float, metavar="ALPHA",
-                   help="avgpipe: elastic averaging rate toward the replicas' mean (default 0.9/P)")
-    g.add_argument("--averaging-period", type=int, help="avgpipe: update rounds between averagings (default 1)")
-
-
-def async_options(args: argparse.Namespace, schedule: str) -> tuple[dict[str, Any], Any]:
-    """The generator options and ``PolicyOptions`` the flags give for ``schedule``.
-
-    Raises:
-        UserError: a flag the schedule does not take.
-    """
-    from pipeweave.runtime.policy import PolicyOptions
-
-    options: dict[str, Any] = {}
-    for flag, (key, takers) in SCHEDULE_FLAGS.items():
-        value = getattr(args, flag, None)
-        if value is None:
-            continue
-        if schedule not in takers.split(", "):
-            raise UserError(f"--{flag.replace('_', '-')} applies to {takers}, not {schedule}; drop it")
-        options[key] = value
-    policy: dict[str, Any] = {}
-    for flag, field_name, taker in (("anneal_steps", "anneal_steps", "pipemare"), ("decay", "decay", "pipemare"),
-                                    ("averaging_rate", "averaging_rate", "avgpipe"),
-                                    ("averaging_period", "averaging_period", "avgpipe")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            if schedule != taker:
-                raise UserError(f"--{flag.replace('_', '-')} applies to {taker}, not {schedule}; drop it")
-            policy[field_name] = value
-    if getattr(args, "no_correction", False):
-        if schedule != "pipemare":
-            raise UserError(f"--no-correction applies to pipemare, not {schedule}; drop it")
-        policy["correction"] = False
-    return options, PolicyOptions(**policy)
 
 
 def build_config(args: argparse.Namespace) -> Any:
