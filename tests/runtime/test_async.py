@@ -20,7 +20,11 @@ still equals the reference.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +33,7 @@ from pipeweave.models import ModelSpec
 from pipeweave.runtime.job import RunRecord, TrainConfig, run_rank
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
-from pipeweave.runtime.policy import RankPolicy, update_direction
+from pipeweave.runtime.policy import PolicyOptions, RankPolicy, update_direction
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.stage import StageWorker
 from pipeweave.runtime.stream import run_stream_reference, stream_steps
@@ -169,3 +173,25 @@ def test_update_direction_of_adam_is_lr_m_hat_over_sqrt_v_hat() -> None:
     p.grad = torch.tensor([2.0])
     opt.step()  # m = 1, v = 2; m_hat = 2, v_hat = 4: direction 0.1 x 2 / 2
     assert update_direction(opt, [p])[0].item() == pytest.approx(0.1)
+
+
+def test_train_cli_runs_a_stream_with_its_options(tmp_path: Path) -> None:
+    """``pipeweave train -s pipemare --warmup-steps 1``: N mini-batch losses = the reference's, weights = simulated."""
+    record = tmp_path / "record.json"
+    argv = ["-s", "pipemare", "--stages", "2", "--microbatches", "4", "--model", "mlp", "--layers", "4",
+            "--hidden", "8", "--batch", "8", "--steps", "4", "--warmup-steps", "1", "--anneal-steps", "2",
+            "--lr", "0.05", "--quiet"]
+    run = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", *argv, "--out", str(tmp_path),
+                          "--json", str(record)], capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(record.read_text())
+    schedule = generate("pipemare", num_stages=2, num_microbatches=4, num_steps=4, warmup_steps=1)
+    reference = run_stream_reference(schedule, ModelSpec(kind="mlp", layers=4, hidden=8), batch_size=8,
+                                     optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.05),
+                                     options=PolicyOptions(anneal_steps=2))
+    assert report["losses"] == pytest.approx(reference.losses, rel=1e-5)
+    assert report["weight_bytes"] == report["weight_bytes_simulated"] == reference.weight_bytes
+    assert 0.0 <= report["bubble_ratio"] < 1.0 and report["bubble_ratio_stream"] >= 0.0
+    bad = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipedream", "--warmup-steps", "1"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("--warmup-steps applies to pipemare, not pipedream; drop it")
