@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -55,21 +56,29 @@ class TorchBlock(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
-def single_rank_time(steps: int, warmup: int) -> float:
-    """Median step time of plain training with T-microbatch accumulation on one rank."""
+def single_rank_time(steps: int, warmup: int) -> tuple[float, float]:
+    """Median wall and CPU seconds per step of plain training with T-microbatch accumulation on one rank."""
     spec = ModelSpec(kind="mlp", layers=LAYERS, hidden=HIDDEN)
-    times = []
-    for _ in range(warmup + steps):
-        t0 = time.perf_counter()
-        run_plain(spec, steps=1, batch_size=BATCH, num_microbatches=T)
-        times.append(time.perf_counter() - t0)
+
+    def timed(n: int) -> tuple[list[float], list[float]]:
+        wall, cpu = [], []
+        for _ in range(n):
+            t0, c0 = time.perf_counter(), time.process_time()
+            run_plain(spec, steps=1 if n else 0, batch_size=BATCH, num_microbatches=T)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        return wall, cpu
+
+    wall, cpu = timed(warmup + steps)
     # run_plain builds the model each call: time that alone and subtract it.
-    build = []
+    build_wall, build_cpu = [], []
     for _ in range(3):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         run_plain(spec, steps=0, batch_size=BATCH, num_microbatches=T)
-        build.append(time.perf_counter() - t0)
-    return statistics.median(times[warmup:]) - statistics.median(build)
+        build_wall.append(time.perf_counter() - t0)
+        build_cpu.append(time.process_time() - c0)
+    return (statistics.median(wall[warmup:]) - statistics.median(build_wall),
+            statistics.median(cpu[warmup:]) - statistics.median(build_cpu))
 
 
 def ours(rank: int, world: int, name: str, chunks: int | None, steps: int, warmup: int) -> dict[str, Any] | None:
@@ -82,15 +91,20 @@ def ours(rank: int, world: int, name: str, chunks: int | None, steps: int, warmu
     schedule = config.build_schedule()
     report = summarize(schedule, record)
     times = report["step_times_s"][warmup:]
-    return {"step_time_s": statistics.median(times), "bubble_ratio": report["bubble_ratio"],
+    cpu = [statistics.median(r.step_cpu_s[warmup:]) for r in record.ranks]
+    compute_cpu = [statistics.median(sum(c for (_, op, *_), c in zip(rec, acts) if op in "FBIWU")
+                                     for rec, acts in zip(r.records[warmup:], r.action_cpu_s[warmup:]))
+                   for r in record.ranks]
+    return {"step_time_s": statistics.median(times), "step_times_s": times, "cpu_s_per_rank": cpu,
+            "compute_cpu_s_per_rank": compute_cpu, "bubble_ratio": report["bubble_ratio"],
             "bubble_ratio_simulated": report["bubble_ratio_simulated"],
             "bubble_ratio_flush": report["bubble_ratio_flush"],
             "makespan_simulated_s": report["makespan_simulated_s"], "costs": report["profiled_costs_s"],
             "losses": [record.losses[0], record.losses[-1]]}
 
 
-def theirs(rank: int, world: int, name: str, steps: int, warmup: int) -> float:
-    """Median step time of a torch.distributed.pipelining schedule (optimizer step included)."""
+def theirs(rank: int, world: int, name: str, steps: int, warmup: int) -> dict[str, Any]:
+    """Median wall and per-rank CPU step time of a torch.distributed.pipelining schedule (optimizer step included)."""
     from torch.distributed import pipelining
 
     interleaved = "Interleaved" in name
@@ -111,31 +125,40 @@ def theirs(rank: int, world: int, name: str, steps: int, warmup: int) -> float:
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, HIDDEN, generator=generator), torch.randn(BATCH, HIDDEN, generator=generator)
     first, last = 0 in mine, num_stages - 1 in mine
-    times = []
+    times, cpu = [], []
     dist.barrier()
     for _ in range(warmup + steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         args = (x,) if first else ()
         kwargs: dict[str, Any] = {"target": y, "losses": []} if last else {}
         schedule.step(*args, **kwargs)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-    dist.barrier()
-    return statistics.median(times[warmup:])
+        cpu.append(time.process_time() - c0)
+    per_rank: list[Any] = [None] * world
+    dist.all_gather_object(per_rank, statistics.median(cpu[warmup:]))
+    return {"step_time_s": statistics.median(times[warmup:]), "step_times_s": times[warmup:],
+            "cpu_s_per_rank": per_rank}
 
 
 def bench(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any] | None:
     steps, warmup = options["steps"], options["warmup"]
     results: dict[str, Any] = {"ours": {}, "theirs": {}}
     dist.barrier()
+    results["load_average"] = {"start": os.getloadavg()}
     if rank == 0:
-        results["single_rank_s"] = single_rank_time(steps, warmup)
+        results["single_rank_s"], results["single_rank_cpu_s"] = single_rank_time(steps, warmup)
     dist.barrier()
-    for name, chunks in OURS:
-        results["ours"][name] = ours(rank, world, name, chunks, steps, warmup)
-    for name in THEIRS:
-        results["theirs"][name] = theirs(rank, world, name, steps, warmup)
+    # Rounds alternate ours and theirs, so both meet the same load on a shared machine.
+    for _ in range(options["rounds"]):
+        for name, chunks in OURS:
+            if name in options["only"]:
+                results["ours"].setdefault(name, []).append(ours(rank, world, name, chunks, steps, warmup))
+        for name in THEIRS:
+            if name in options["only"]:
+                results["theirs"].setdefault(name, []).append(theirs(rank, world, name, steps, warmup))
+    results["load_average"]["end"] = os.getloadavg()
     return results if rank == 0 else None
 
 
@@ -144,13 +167,21 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="alternate ours and theirs this many times")
+    parser.add_argument("--only", nargs="*", help="schedules to run (default: all)")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="niceness of the ranks, e.g. -10 (root only): measure as on a quieter machine")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    results = launch(bench, {"steps": args.steps, "warmup": args.warmup}, args.ranks, LaunchOptions(timeout_s=300))
+    if args.nice:
+        os.nice(args.nice)  # the ranks are forked from here and inherit it
+    only = set(args.only or [n for n, _ in OURS] + list(THEIRS))
+    payload = {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "only": only}
+    results = launch(bench, payload, args.ranks, LaunchOptions(timeout_s=300))
     d = args.ranks
     results["ideal_1f1b_s"] = results["single_rank_s"] / d * (T + d - 1) / T
     results["machine"] = {"platform": platform.platform(), "processor": platform.processor(),
-                          "cpus": __import__("os").cpu_count(), "torch": torch.__version__,
+                          "cpus": os.cpu_count(), "torch": torch.__version__, "nice": args.nice,
                           "date": time.strftime("%Y-%m-%d %H:%M"), "ranks": d, "threads_per_rank": 1}
     print_results(results)
     if args.json:
@@ -159,19 +190,36 @@ def main() -> int:
     return 0
 
 
+def _med(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
 def print_results(r: dict[str, Any]) -> None:
     ms = 1e3
-    print(f"single rank, T={T} accumulation: {r['single_rank_s'] * ms:.1f} ms/step;  "
-          f"ideal {r['machine']['ranks']}-rank 1F1B: {r['ideal_1f1b_s'] * ms:.1f} ms")
-    print(f"{'schedule':34} {'step ms':>8} {'bubble':>7} {'sim':>7}")
-    for name, v in r["ours"].items():
-        print(f"pipeweave {name:24} {v['step_time_s'] * ms:8.1f} {v['bubble_ratio']:7.3f} {v['bubble_ratio_simulated']:7.3f}")
-    for name, t in r["theirs"].items():
-        print(f"torch {name:28} {t * ms:8.1f}")
-    one = r["ours"]["1f1b"]["step_time_s"]
-    print(f"ours 1f1b / torch Schedule1F1B: {one / r['theirs']['Schedule1F1B']:.3f};  "
-          f"ours 1f1b / ideal: {one / r['ideal_1f1b_s']:.3f};  "
-          f"ours zb-h1 / ours 1f1b: {r['ours']['zb-h1']['step_time_s'] / one:.3f}")
+    d = r["machine"]["ranks"]
+    print(f"load average {r['load_average']['start']} -> {r['load_average']['end']}, nice {r['machine']['nice']}")
+    print(f"single rank, T={T} accumulation: {r['single_rank_s'] * ms:.1f} ms/step wall, "
+          f"{r['single_rank_cpu_s'] * ms:.1f} ms CPU;  ideal {d}-rank 1F1B: {r['ideal_1f1b_s'] * ms:.1f} ms")
+    print(f"{'schedule (median of rounds)':34} {'wall ms':>8} {'CPU ms/rank':>18} {'bubble':>7} {'sim':>7}")
+    for name, runs in r["ours"].items():
+        cpu = "/".join(f"{statistics.median(x['cpu_s_per_rank'][k] for x in runs) * ms:.1f}" for k in range(d))
+        print(f"pipeweave {name:24} {_med(runs, 'step_time_s') * ms:8.1f} {cpu:>18} "
+              f"{_med(runs, 'bubble_ratio'):7.3f} {_med(runs, 'bubble_ratio_simulated'):7.3f}")
+    for name, runs in r["theirs"].items():
+        cpu = "/".join(f"{statistics.median(x['cpu_s_per_rank'][k] for x in runs) * ms:.1f}" for k in range(d))
+        print(f"torch {name:28} {_med(runs, 'step_time_s') * ms:8.1f} {cpu:>18}")
+    if "1f1b" in r["ours"] and "Schedule1F1B" in r["theirs"]:
+        ours_runs, their_runs = r["ours"]["1f1b"], r["theirs"]["Schedule1F1B"]
+        walls = [o["step_time_s"] / t["step_time_s"] for o, t in zip(ours_runs, their_runs)]
+        cpus = [sum(o["cpu_s_per_rank"]) / sum(t["cpu_s_per_rank"]) for o, t in zip(ours_runs, their_runs)]
+        print(f"ours 1f1b / torch Schedule1F1B per round: wall {', '.join(f'{x:.3f}' for x in walls)}; "
+              f"CPU (both ranks) {', '.join(f'{x:.3f}' for x in cpus)}")
+        one = _med(ours_runs, "step_time_s")
+        print(f"ours 1f1b / ideal: {one / r['ideal_1f1b_s']:.3f};  ours 1f1b CPU (both ranks) / single-rank CPU: "
+              f"{statistics.median(sum(o['cpu_s_per_rank']) for o in ours_runs) / r['single_rank_cpu_s']:.3f}")
+    if "1f1b" in r["ours"] and "zb-h1" in r["ours"]:
+        pairs = [z["step_time_s"] / o["step_time_s"] for o, z in zip(r["ours"]["1f1b"], r["ours"]["zb-h1"])]
+        print(f"ours zb-h1 / ours 1f1b per round: {', '.join(f'{x:.3f}' for x in pairs)}")
 
 
 if __name__ == "__main__":

@@ -1,22 +1,29 @@
-"""Point-to-point transport of a lowered schedule: tagged isend/irecv, receives posted ahead.
+"""Point-to-point transport of a lowered schedule: isend/irecv posted in one per-pair order.
 
-Every message is named by a key ``(sender stage, direction, microbatch)``:
-direction 0 carries an activation forward (``SEND_F`` -> ``RECV_F``), 1 an
-input gradient backward (``SEND_B`` -> ``RECV_B``). Two rules make matching
-unambiguous even when several stages share a pair of ranks (Chimera, DualPipe,
-ZB-V, interleaved):
+Every message is named by a key ``(sender stage, kind, microbatch)``: kind 0
+carries an activation forward (``SEND_F`` -> ``RECV_F``), 1 an input gradient
+backward (``SEND_B`` -> ``RECV_B``), 2 a replicated part's whole weight
+gradient to the ranks of its other replicas (Chimera, GEMS, DualPipe; sent
+as soon as the replica's last B/W of the step is done, summed before ``U``),
+3 a tied embedding/head gradient (``runtime.tied``, exchanged at ``U``: that
+module posts it; the transport only keeps its place in the order).
 
-- every message has its own tag (gloo matches on peer and tag);
-- a receiver posts its receives from a peer in the order that peer sends them,
-  an order every rank computes from the lowered schedule (NCCL ignores tags and
-  matches in posting order per pair).
+NCCL ignores tags and matches the messages of a pair of ranks in posting
+order, so correctness must not rest on tags. ``rank_sends`` derives from the
+lowered schedule alone the order in which a rank posts its sends, message kind
+by message kind as the executor runs them; a receiver posts its receives from
+a peer in exactly that peer's order (computed the same way on every rank),
+waiting on them in its own order. Tags are still unique per message, which
+gloo matches on, so both transports see the same pairing.
 
-Shapes travel once: the first message of each ``(sender stage, direction)``
-is preceded by a small metadata tensor holding the dtype and the per-sample
-shape (every dimension but the first). Dimension 0 is the microbatch, whose
-size every rank knows from the batch split, so a last microbatch smaller than
-the others needs no further message. Sends are non-blocking and waited lazily
-(the validator's deadlock check assumes exactly that).
+Shapes travel once: the first message of each ``(sender stage, kind)``
+activation stream is preceded by a small metadata tensor holding the dtype
+and the per-sample shape (every dimension but the first). Dimension 0 is the
+microbatch, whose size every rank knows from the batch split, so a last
+microbatch smaller than the others needs no further message; a replica
+gradient's size is its part's parameter count, known to both replicas. Sends
+are non-blocking and waited lazily (the validator's deadlock check assumes
+exactly that).
 """
 
 from __future__ import annotations
@@ -39,9 +46,10 @@ _DTYPES = (
 _MAX_DIMS = 8
 _META_LEN = 2 + _MAX_DIMS  # dtype code, number of sample dims, the sample dims
 _META = -1  # microbatch field of a metadata message
-_FWD, _BWD = 0, 1
+_FWD, _BWD, _GRAD, _TIED = 0, 1, 2, 3
+_KINDS = 4
 
-Key = tuple[int, int, int]  # (sender stage, direction, microbatch or _META)
+Key = tuple[int, int, int]  # (sender stage, kind, microbatch or _META; 0 for _GRAD)
 
 
 def message_key(lowered: LoweredSchedule, a: Action) -> Key:
@@ -71,23 +79,79 @@ def message_key(lowered: LoweredSchedule, a: Action) -> Key:
     return (sender, direction, a.microbatch)
 
 
-def send_order(lowered: LoweredSchedule, rank: int, *, with_meta: bool) -> dict[int, list[Key]]:
-    """Per destination rank, the keys ``rank`` sends in one step, in order.
+def replica_points(lowered: LoweredSchedule, rank: int) -> dict[int, int]:
+    """Per replicated stage on ``rank``, the index in its lowered row of the B/W completing its gradient.
 
-    With ``with_meta`` a metadata key precedes the first message of each
-    ``(sender stage, direction)`` (the first step's handshake).
+    -1 for a replica that runs no B/W in the step (it sends its zeros at the start).
     """
-    order: dict[int, list[Key]] = {}
+    placement = lowered.schedule.placement
+    points: dict[int, int] = {}
+    for s in placement.stages_on(rank):
+        if len(placement.replicas(s)) > 1:
+            points[s] = -1
+    for i, a in enumerate(lowered.actions[rank]):
+        if a.stage in points and a.op in (Op.B, Op.W):
+            points[a.stage] = i
+    return points
+
+
+def replica_peers(lowered: LoweredSchedule, rank: int, stage: int) -> list[int]:
+    """The other ranks holding a replica of ``stage``'s part, ascending: where its gradient goes."""
+    placement = lowered.schedule.placement
+    return sorted({placement.stage_rank[o] for o in placement.replicas(stage)} - {rank})
+
+
+def rank_sends(
+    lowered: LoweredSchedule, rank: int, *, with_meta: bool, tied: dict[int, int] | None = None
+) -> list[tuple[int, Key]]:
+    """Every message ``rank`` sends in one step, as ``(destination rank, key)`` in posting order.
+
+    The executor's order: replica gradients of replicas without B/W first, then
+    along the row a SEND action's message (preceded in the first step by its
+    stream's metadata with ``with_meta``), right after the B/W completing a
+    replica's gradient, that gradient to each peer replica's rank, ascending,
+    and at the ``U`` of a stage tied to a stage on another rank (``tied``:
+    stage -> the stage holding the other end), its tied gradient.
+
+    Example:
+        >>> from pipeweave.schedule import generate, lower
+        >>> rank_sends(lower(generate("1f1b", num_stages=2, num_microbatches=2)), 1, with_meta=False)
+        [(0, (1, 1, 0)), (0, (1, 1, 1))]
+    """
+    points = replica_points(lowered, rank)
+    after: dict[int, list[int]] = {}
+    for s, i in sorted(points.items()):
+        after.setdefault(i, []).append(s)
+    out: list[tuple[int, Key]] = []
+
+    def replicas_done(i: int) -> None:
+        for s in after.get(i, ()):
+            out.extend((peer, (s, _GRAD, 0)) for peer in replica_peers(lowered, rank, s))
+
+    replicas_done(-1)
     announced: set[tuple[int, int]] = set()
-    for a in lowered.actions[rank]:
-        if a.op not in (Op.SEND_F, Op.SEND_B):
-            continue
-        key = message_key(lowered, a)
-        keys = order.setdefault(lowered.peer(a), [])
-        if with_meta and key[:2] not in announced:
-            announced.add(key[:2])
-            keys.append((key[0], key[1], _META))
-        keys.append(key)
+    rank_of = lowered.schedule.placement.stage_rank
+    for i, a in enumerate(lowered.actions[rank]):
+        if a.op is Op.U and tied and a.stage in tied and rank_of[tied[a.stage]] != rank:
+            out.append((rank_of[tied[a.stage]], (a.stage, _TIED, 0)))
+        if a.op in (Op.SEND_F, Op.SEND_B):
+            key = message_key(lowered, a)
+            peer = lowered.peer(a)
+            if with_meta and key[:2] not in announced:
+                announced.add(key[:2])
+                out.append((peer, (key[0], key[1], _META)))
+            out.append((peer, key))
+        replicas_done(i)
+    return out
+
+
+def send_order(
+    lowered: LoweredSchedule, rank: int, *, with_meta: bool, tied: dict[int, int] | None = None
+) -> dict[int, list[Key]]:
+    """Per destination rank, the keys ``rank`` sends in one step, in posting order (``rank_sends``)."""
+    order: dict[int, list[Key]] = {}
+    for peer, key in rank_sends(lowered, rank, with_meta=with_meta, tied=tied):
+        order.setdefault(peer, []).append(key)
     return order
 
 
@@ -131,6 +195,12 @@ class P2P:
         self._queues: dict[int, deque[Key]] = {}
         self._next_compute = self._compute_positions()
         self._first_step = True
+        # Per peer, the keys it sends here, first step (with metadata) and later: computed once.
+        self._orders: dict[bool, dict[int, list[Key]]] = {}
+        self.grad_numel: dict[int, int] = {}
+        """Per remote replica stage whose gradient this rank receives, its element count (float32)."""
+        self.tied: dict[int, int] = {}
+        """Every tied stage of the schedule -> the stage of its other end (set before the first step)."""
 
     def _compute_positions(self) -> list[int]:
         """For each position, the index of the lookahead-th compute action after it."""
@@ -144,20 +214,27 @@ class P2P:
         return out
 
     def tag(self, key: Key) -> int:
-        """A unique non-negative tag per key within a step."""
-        stage, direction, j = key
-        return (stage * 2 + direction) * self._span + j + 1
+        """A unique non-negative tag per key within a step (gloo matches on it; NCCL ignores it)."""
+        stage, kind, j = key
+        return (stage * _KINDS + kind) * self._span + j + 1
+
+    @property
+    def tag_limit(self) -> int:
+        """The first tag above every tag of this transport (free for other exchanges)."""
+        return self.lowered.schedule.placement.num_stages * _KINDS * self._span + 1
 
     # ---- steps ----------------------------------------------------------
     def begin_step(self) -> None:
         """Compute, per peer, the order in which its messages to this rank arrive."""
-        self._queues = {}
-        for peer in range(len(self.lowered.actions)):
-            if peer == self.rank:
-                continue
-            keys = send_order(self.lowered, peer, with_meta=self._first_step).get(self.rank, [])
-            if keys:
-                self._queues[peer] = deque(keys)
+        orders = self._orders.get(self._first_step)
+        if orders is None:
+            orders = self._orders[self._first_step] = {
+                peer: keys
+                for peer in range(len(self.lowered.actions)) if peer != self.rank
+                for keys in [send_order(self.lowered, peer, with_meta=self._first_step, tied=self.tied).get(
+                    self.rank, [])] if keys
+            }
+        self._queues = {peer: deque(keys) for peer, keys in orders.items()}
         self._first_step = False
 
     def end_step(self) -> None:
@@ -186,6 +263,24 @@ class P2P:
         self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
         self._isend(tensor, peer, key)
 
+    def send_gradient(self, stage: int, peer: int, flat: torch.Tensor) -> None:
+        """Post the send of replica ``stage``'s flattened gradient to ``peer`` (its place in ``rank_sends``)."""
+        self._isend(flat, peer, (stage, _GRAD, 0))
+
+    def before_update(self, stage: int) -> None:
+        """At ``U`` of ``stage``: if it is tied across ranks, post every receive its peer sends before the tie.
+
+        ``runtime.tied`` then posts the tied exchange itself, in its place.
+        """
+        other = self.tied.get(stage)
+        rank_of = self.lowered.schedule.placement.stage_rank
+        if other is not None and rank_of[other] != self.rank:
+            self._post_through(rank_of[other], (other, _TIED, 0), block=True)
+
+    def recv_gradient(self, stage: int, peer: int) -> torch.Tensor:
+        """Wait for remote replica ``stage``'s flattened gradient from ``peer`` and return it."""
+        return self._wait((stage, _GRAD, 0), peer)
+
     def _isend(self, tensor: torch.Tensor, peer: int, key: Key) -> None:
         work = dist.isend(tensor, dst=peer, tag=self.tag(key))
         assert work is not None
@@ -201,9 +296,11 @@ class P2P:
 
     def recv(self, a: Action) -> torch.Tensor:
         """Wait for the message of the RECV action ``a`` and return it."""
-        key = message_key(self.lowered, a)
-        self._post_through(self.lowered.peer(a), key, block=True)
-        posted = self._posted.pop(key)
+        return self._wait(message_key(self.lowered, a), self.lowered.peer(a))
+
+    def _wait(self, key: Key, peer: int) -> torch.Tensor:
+        self._post_through(peer, key, block=True)
+        posted = self._posted.pop(key)  # a tied key never reaches here: runtime.tied waits on its own
         posted.work.wait(wait_timeout())
         return posted.buffer
 
@@ -214,7 +311,14 @@ class P2P:
         queue = self._queues.get(peer)
         while queue:
             nxt = queue[0]
-            if nxt[2] != _META and nxt[:2] not in self._shapes:
+            if nxt[1] == _TIED:  # posted by runtime.tied at this rank's U, not here
+                if nxt != key:
+                    if block:  # pragma: no cover - a receive needed after the peer's U
+                        raise RuntimeError(f"rank {self.rank}: message {key} is queued behind a tied exchange")
+                    return
+                queue.popleft()
+                return
+            if nxt[2] != _META and nxt[1] != _GRAD and nxt[:2] not in self._shapes:
                 if not self._read_meta(nxt[:2], block):
                     return
             queue.popleft()
@@ -238,6 +342,8 @@ class P2P:
     def _post(self, peer: int, key: Key) -> None:
         if key[2] == _META:
             buffer = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
+        elif key[1] == _GRAD:
+            buffer = torch.empty(self.grad_numel[key[0]], dtype=torch.float32, device=self.device)
         else:
             dtype, sample = self._shapes[key[:2]]
             buffer = torch.empty((self.sizes[key[2]], *sample), dtype=dtype, device=self.device)

@@ -4,12 +4,12 @@ Each rank walks its lowered action list (``pipeweave.schedule.lower``) and
 dispatches every action through ``Executor.dispatch``, a dict from ``Op`` to a
 method, in the spirit of DeepSpeed's ``_INSTRUCTION_MAP``. Tensors between
 stages on the same rank are handed over in memory; between ranks they travel
-through ``P2P`` (tagged ``isend``/``irecv``, receives posted ahead). The first
+through ``P2P`` (``isend``/``irecv`` in one per-pair order, receives posted ahead). The first
 stage of a pipeline takes the microbatch's data, the last computes its loss.
 
 Replicated parts (Chimera, GEMS, DualPipe: ``Placement.replicas``): as soon as
 a replica's last weight gradient of the step is done, its flattened gradient
-is sent to the ranks of the other replicas; at ``U`` each replica sums every
+is sent to the ranks of the other replicas (through ``P2P``, in its order); at ``U`` each replica sums every
 replica's gradient in stage order, so all replicas apply bitwise the same
 update (the validator's dataflow makes ``U`` wait for exactly these).
 """
@@ -21,10 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from pipeweave.runtime.comm import P2P
-from pipeweave.runtime.launch import wait_timeout
+from pipeweave.runtime.comm import P2P, replica_peers
 from pipeweave.runtime.stage import StageWorker
 from pipeweave.runtime.tied import TiedGradients
 from pipeweave.schedule.ir import Action, Op
@@ -36,16 +34,19 @@ Record = tuple[Action, int, int]  # action, start and end in perf_counter_ns
 class ReplicaGradients:
     """Sums the gradients of a part's replicas across ranks before ``U``.
 
+    Messages go through the rank's ``P2P``, at the places ``comm.rank_sends``
+    gives them, so both ends post them in one order (as NCCL needs).
+
     Args:
         lowered: the lowered schedule.
         rank: this rank.
         workers: this rank's stage workers.
-        tag_base: first tag free of activation/gradient messages.
+        p2p: this rank's transport.
     """
 
-    def __init__(self, lowered: LoweredSchedule, rank: int, workers: dict[int, StageWorker], tag_base: int) -> None:
+    def __init__(self, lowered: LoweredSchedule, rank: int, workers: dict[int, StageWorker], p2p: P2P) -> None:
         placement = lowered.schedule.placement
-        self.placement, self.rank, self.workers, self.tag_base = placement, rank, workers, tag_base
+        self.placement, self.rank, self.workers, self.p2p, self.lowered = placement, rank, workers, p2p, lowered
         self.replicated = {s for s in workers if len(placement.replicas(s)) > 1}
         # Per local replicated stage, how many B/W of a step complete its gradient.
         self.grad_actions = {s: 0 for s in self.replicated}
@@ -53,27 +54,19 @@ class ReplicaGradients:
             if a.stage in self.replicated and a.op in (Op.B, Op.W):
                 self.grad_actions[a.stage] += 1
         self._left: dict[int, int] = {}
-        self._recv: dict[int, tuple[dist.Work, torch.Tensor]] = {}
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self._combined: set[int] = set()  # parts combined this step
         for s in self.replicated:
             workers[s].combine_grads = self._combine
+            numel = sum(p.numel() for p in workers[s].module.parameters())
+            for other in placement.replicas(s):
+                if other not in workers:  # a remote replica of the same part: same size
+                    p2p.grad_numel[other] = numel
 
     def begin_step(self) -> None:
         self._left = dict(self.grad_actions)
         self._combined.clear()
-        posted: set[int] = set()
-        for s in self.replicated:
-            for other in self.placement.replicas(s):
-                peer = self.placement.stage_rank[other]
-                if peer != self.rank and other not in posted:
-                    posted.add(other)
-                    buffer = torch.empty(self._numel(s), dtype=torch.float32, device=self._device(s))
-                    work = dist.irecv(buffer, src=peer, tag=self.tag_base + other)
-                    assert work is not None
-                    self._recv[other] = (work, buffer)
-        for s, left in self._left.items():
-            if left == 0:  # a replica that saw no microbatch still sends its zeros
+        for s in sorted(self._left):
+            if self._left[s] == 0:  # a replica that saw no microbatch still sends its zeros
                 self._send(s)
 
     def after(self, a: Action) -> None:
@@ -84,17 +77,12 @@ class ReplicaGradients:
                 self._send(a.stage)
 
     def end_step(self) -> None:
-        for work, _ in self._sends:
-            work.wait(wait_timeout())
-        self._sends.clear()
+        """Nothing left: the sends are waited with the transport's (``P2P.end_step``)."""
 
     def _send(self, s: int) -> None:
         flat = _flatten(self.workers[s].gradients())
-        peers = {self.placement.stage_rank[o] for o in self.placement.replicas(s)} - {self.rank}
-        for peer in sorted(peers):
-            work = dist.isend(flat, dst=peer, tag=self.tag_base + s)
-            assert work is not None
-            self._sends.append((work, flat))
+        for peer in replica_peers(self.lowered, self.rank, s):
+            self.p2p.send_gradient(s, peer, flat)
 
     def _combine(self, worker: StageWorker) -> None:
         stage = next(s for s, w in self.workers.items() if w is worker)
@@ -108,21 +96,13 @@ class ReplicaGradients:
             if other in self.workers:
                 flats.append(_flatten(self.workers[other].gradients()))
             else:
-                work, buffer = self._recv.pop(other)
-                work.wait(wait_timeout())
-                flats.append(buffer)
+                flats.append(self.p2p.recv_gradient(other, self.placement.stage_rank[other]))
         total = flats[0].clone()
         for flat in flats[1:]:
             total += flat
         for other in replicas:
             if other in self.workers:
                 _unflatten(total, self.workers[other].gradients())
-
-    def _numel(self, s: int) -> int:
-        return sum(p.numel() for p in self.workers[s].module.parameters())
-
-    def _device(self, s: int) -> torch.device:
-        return next(self.workers[s].module.parameters()).device
 
 
 def _flatten(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -163,9 +143,13 @@ class Executor:
         self.placement = lowered.schedule.placement
         self.row = lowered.actions[rank]
         self.p2p = P2P(lowered, rank, microbatch_sizes, device)
-        tag_base = 2 * self.placement.num_stages * (len(microbatch_sizes) + 1) + 1
-        self.replicas = ReplicaGradients(lowered, rank, workers, tag_base)
-        self.tied = TiedGradients(self.placement, workers, rank, tag_base + self.placement.num_stages)
+        self.replicas = ReplicaGradients(lowered, rank, workers, self.p2p)
+        self.tied = TiedGradients(self.placement, workers, rank, self.p2p.tag_limit)
+        if any(getattr(w.spec, "tie_embeddings", False) for w in workers.values()):
+            # Every pipeline's first and last stage hold the two ends (runtime.tied), on any rank.
+            for line in self.placement.pipelines:
+                if line[0] != line[-1]:
+                    self.p2p.tied.update({line[0]: line[-1], line[-1]: line[0]})
         self.dispatch: dict[Op, Callable[[Action], None]] = {
             Op.F: self.forward,
             Op.B: self.backward,
@@ -285,6 +269,7 @@ class Executor:
         self.workers[a.stage].backward_weight(a.microbatch)
 
     def update(self, a: Action) -> None:
+        self.p2p.before_update(a.stage)  # a tied exchange takes its place in the per-pair order
         self.workers[a.stage].update()
 
     # ---- communication -----------------------------------------------------
