@@ -93,11 +93,12 @@ def test_distributed_post_validation_equals_synchronous_clip_and_skip(
     runs: dict[str, tuple[TrainConfig, RunRecord, float]], optimizer: str
 ) -> None:
     config, record, max_norm = runs[optimizer]
-    expected = _plain(optimizer, max_norm, FAULT_STEP)
-    unclipped = _plain(optimizer, None, FAULT_STEP)
-    unskipped = _plain(optimizer, max_norm, None)
-    assert any(not torch.allclose(expected[k], unclipped[k], rtol=1e-4) for k in expected)  # clipping mattered
-    assert any(not torch.allclose(expected[k], unskipped[k], rtol=1e-4) for k in expected)  # so did the skip
+    norms: list[float] = []
+    expected = _plain(optimizer, max_norm, FAULT_STEP, norms)
+    # the run exercises all three outcomes: skipped (the NaN), clipped, kept
+    assert math.isnan(norms[FAULT_STEP])
+    finite = [n for n in norms if math.isfinite(n)]
+    assert any(n > max_norm for n in finite) and any(n < max_norm for n in finite)
     seen = set()
     for rank_record in record.ranks:
         for params in rank_record.parameters.values():
