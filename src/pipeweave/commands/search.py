@@ -24,7 +24,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--time-comm", type=float, default=0.0, help="one hop between ranks")
     p.add_argument("--memory-limit", type=float, default=1.0, help="K: activation limit / (D x M_a); 1 ZB-1p, 2 ZB-2p")
     p.add_argument("--mem-w", type=float, default=0.5, help="M_W / M_a held between I and W (default 0.5)")
-    p.add_argument("--time-limit", type=float, default=10.0, help="seconds for the exact solver")
+    p.add_argument("--time-limit", type=float, default=10.0, help="seconds for the whole search; the solver stops then with its best so far")
+    p.add_argument("--work-limit", type=float, default=None,
+                   help="CP-SAT deterministic seconds; with --workers 1 the result is the same on every run")
+    p.add_argument("--workers", type=int, default=0, help="solver threads (0: the solver's default)")
     p.add_argument("--solver", choices=("cpsat", "highs", "heuristic"), default="cpsat")
     p.add_argument("--csv", metavar="FILE", help="write the schedule as CSV")
     p.add_argument("--plot", metavar="FILE", help="write a timeline plot")
@@ -42,7 +45,12 @@ def run(args: argparse.Namespace) -> int:
         args.stages, args.microbatches, vshape=args.v_shape or args.chunks == 2, time_f=args.time_f,
         time_b=args.time_b, time_w=args.time_w, time_comm=args.time_comm, memory_limit=args.memory_limit,
         mem_w=args.mem_w)
-    result = exact(problem, solver=args.solver, time_limit=args.time_limit)
+    if args.work_limit is not None and args.work_limit <= 0:
+        raise UserError(f"--work-limit {args.work_limit} is invalid; give deterministic seconds > 0")
+    if args.workers < 0:
+        raise UserError(f"--workers {args.workers} is invalid; give 0 (the solver's default) or more")
+    result = exact(problem, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
+                   work_limit=args.work_limit)
     if args.csv:
         write_csv(result.schedule, args.csv)
     plot_note = _plot(result, args.plot, problem.cost) if args.plot else ""

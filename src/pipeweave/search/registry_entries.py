@@ -20,7 +20,10 @@ def plan(num_stages: int, num_microbatches: int, *, vshape: bool, memory_limit: 
     cost = CostModel(f=time_f, b=time_b, w=time_w, comm=time_comm, mem_w=mem_w)
     problem = Problem(num_stages=num_stages, num_microbatches=num_microbatches, vshape=vshape,
                       cost=cost, memory_limit=memory_limit)
-    return exact(problem, solver=solver, time_limit=time_limit).schedule
+    # Every rank of a run builds its schedule itself, so they must agree: one worker and a
+    # deterministic work limit make CP-SAT's result independent of the clock; the wall limit
+    # (10 x) only guards a machine so slow that the work limit cannot bind first.
+    return exact(problem, solver=solver, time_limit=10 * time_limit, workers=1, work_limit=time_limit).schedule
 
 
 def zb_auto(num_stages: int, num_microbatches: int, *, memory_limit: float = 1.0, mem_w: float = 0.5,
@@ -36,7 +39,9 @@ def zb_auto(num_stages: int, num_microbatches: int, *, memory_limit: float = 1.0
         mem_w: M_W / M_a, the activation still held between I and W (paper: 0.5).
         time_f, time_b, time_w, time_comm: the costs to plan for (b is I's time).
         solver: "heuristic" (fast, deterministic; the default), "cpsat" or "highs".
-        time_limit: seconds for an exact solver.
+        time_limit: work for an exact solver: CP-SAT's deterministic seconds (about
+            wall seconds on an idle core), so every rank builds the same schedule;
+            HiGHS (single-threaded) stops at 10 x this many wall seconds.
 
     Raises:
         ScheduleError: a limit below one microbatch per rank, or an unknown solver.
