@@ -39,7 +39,7 @@ DEFAULT_SOLVER = "cpsat"  # measured faster and tighter than HiGHS: benchmarks/s
 
 
 def exact(problem: Problem, *, solver: str = DEFAULT_SOLVER, time_limit: float = 10.0,
-          workers: int = 0, heuristic_budget: float = 0.5, work_limit: float | None = None,
+          workers: int = 0, heuristic_budget: float | None = None, work_limit: float | None = None,
           seed: int = 0) -> SearchResult:
     """The best schedule a time-limited exact search finds, warm-started from the heuristic.
 
@@ -52,7 +52,8 @@ def exact(problem: Problem, *, solver: str = DEFAULT_SOLVER, time_limit: float =
             solver is stopped then, keeping its best-so-far; checking and
             simulating the result come on top (about a second at D=32, T=256).
         workers: solver threads (0: the solver's default).
-        heuristic_budget: seconds for the heuristic's policy search.
+        heuristic_budget: wall seconds for the heuristic's policy search (None: its
+            deterministic work budget alone).
         work_limit: CP-SAT's deterministic time (its own seconds; None: only the
             time limit). With ``workers=1`` and a work limit that binds before
             the time limit, the result is the same on every run and machine.
@@ -74,7 +75,7 @@ def exact(problem: Problem, *, solver: str = DEFAULT_SOLVER, time_limit: float =
     if not time_limit > 0:
         raise ScheduleError(f"time_limit={time_limit!r} is invalid; give seconds > 0")
     t0 = time.perf_counter()
-    best: Result = heuristic(problem, budget_s=min(heuristic_budget, time_limit / 2))
+    best: Result = heuristic(problem, budget_s=heuristic_budget)
     bound = lower_bound(problem)
     status = "heuristic"
     if solver != "heuristic" and best.span - bound > 1e-9 * best.span:

@@ -326,26 +326,33 @@ def evaluate(problem: Problem, order: Order) -> Result:
 WORK_BUDGET = 75_000
 
 
-def heuristic(problem: Problem, *, budget_s: float = 2.0, work_budget: int = WORK_BUDGET) -> Result:
+def heuristic(problem: Problem, *, budget_s: float | None = None, work_budget: int = WORK_BUDGET) -> Result:
     """The best list schedule over the first policies of ``policies(problem)``.
 
     Args:
         problem: the instance.
-        budget_s: wall-clock safety limit (the first policy always runs).
-        work_budget: policies are tried while (policies x actions) stays within it.
+        budget_s: an optional wall-clock limit (the first policy always runs); None, the
+            default, keeps the result independent of the machine's load.
+        work_budget: policies are tried while (policies x actions) stays within it,
+            and no longer once one meets the lower bound.
 
     Example:
         >>> from pipeweave.search.problem import problem_from_times
         >>> heuristic(problem_from_times(4, 8, memory_limit=2)).span
         24.0
     """
-    deadline = time.perf_counter() + budget_s
+    from pipeweave.search.bound import lower_bound
+
+    deadline = math.inf if budget_s is None else time.perf_counter() + budget_s
+    bound = lower_bound(problem)
     best: Result | None = None
     count = max(1, work_budget // (3 * problem.num_microbatches * problem.num_parts))
     for policy in itertools.islice(policies(problem), count):
         result = list_schedule(problem, policy)
         if result is not None and (best is None or result.span < best.span - 1e-12):
             best = result
+        if best is not None and best.span - bound <= 1e-9 * best.span:
+            break  # proven optimal: no policy can do better
         if time.perf_counter() > deadline:
             break
     return best if best is not None else one_at_a_time(problem)
