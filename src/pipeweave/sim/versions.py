@@ -20,7 +20,7 @@ inconsistency and the weight copies a stage holds follow from the order alone.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from pipeweave.schedule.dataflow import consumed_gradients
 from pipeweave.schedule.ir import Action, Op, Schedule, ScheduleError, WeightPolicy
@@ -109,6 +109,18 @@ def read_versions(schedule: Schedule, *, bellwether: bool | None = None) -> dict
         >>> r[Action(0, Op.F, 2)], r[Action(0, Op.B, 2)]
         (VersionRead(version=1, target=1), VersionRead(version=1, target=1))
     """
+    key = (id(schedule), bellwether)
+    if _last_reads[0] == key and _last_reads[1] is schedule:
+        return cast(dict[Action, VersionRead], _last_reads[2])
+    out = _read_versions(schedule, bellwether)
+    _last_reads[:] = [key, schedule, out]
+    return out
+
+
+_last_reads: list[object] = [None, None, None]  # (key, schedule, reads) of the last call
+
+
+def _read_versions(schedule: Schedule, bellwether: bool | None) -> dict[Action, VersionRead]:
     policy = schedule.policy
     now = current_versions(schedule)
     target = applied_to(schedule)
@@ -247,10 +259,29 @@ def _stored_versions(schedule: Schedule, reads: dict[Action, VersionRead]) -> li
                 v = reads[a].version
                 span = life.setdefault((a.stage, v), [-1, i])
                 span[1] = max(span[1], i)
-        for i, a in enumerate(row):
-            alive = sum(1 for (s, _), (lo, hi) in life.items() if s == a.stage and lo <= i <= hi)
-            peak[a.stage] = max(peak[a.stage], alive)
+        _peak_alive(row, life, peak)
     return peak
+
+
+def _peak_alive(row: tuple[Action, ...], life: dict[tuple[int, int], list[int]], peak: list[int]) -> None:
+    """Raise ``peak[s]`` to the most intervals of stage s alive at one of s's positions in ``row``.
+
+    A sweep over interval ends: O(n log n) where counting at every position was O(n^2).
+    """
+    events: dict[int, list[tuple[int, int]]] = {}  # stage -> (position, +1 at birth / -1 after death)
+    for key, (lo, hi) in life.items():
+        events.setdefault(key[0], []).extend(((lo, 1), (hi + 1, -1)))
+    positions: dict[int, list[int]] = {}
+    for i, a in enumerate(row):
+        positions.setdefault(a.stage, []).append(i)
+    for stage, evs in events.items():
+        evs.sort()
+        alive = k = 0
+        for i in positions.get(stage, ()):
+            while k < len(evs) and evs[k][0] <= i:
+                alive += evs[k][1]
+                k += 1
+            peak[stage] = max(peak[stage], alive)
 
 
 def _cached_predictions(schedule: Schedule, reads: dict[Action, VersionRead]) -> list[int]:
@@ -258,14 +289,12 @@ def _cached_predictions(schedule: Schedule, reads: dict[Action, VersionRead]) ->
     peak = [0] * schedule.num_stages
     for row in schedule.actions:
         # A cache lives from the pass's first action of a mini-batch to its last.
-        span: dict[tuple[int, bool, int], list[int]] = {}
+        span: dict[tuple[int, int], list[int]] = {}
         for i, a in enumerate(row):
             if a.op is not Op.U:
-                key = (a.stage, a.op is Op.F, reads[a].target)
+                key = (a.stage, 2 * reads[a].target + (a.op is Op.F))  # (stage, (mini-batch, pass))
                 span.setdefault(key, [i, i])[1] = i
-        for i, a in enumerate(row):
-            alive = sum(1 for (s, _, _), (lo, hi) in span.items() if s == a.stage and lo <= i <= hi)
-            peak[a.stage] = max(peak[a.stage], alive)
+        _peak_alive(row, span, peak)
     return peak
 
 
