@@ -140,12 +140,11 @@ def greedy_stream(
         for r in range(n):
             if free[r] > t:
                 continue
-            cands = [c for c in todo[r] if ready(*c)]
-            if not cands:
+            choice = _pick(todo[r], ready, pos)
+            if choice is None:
                 continue
-            # Backward first (frees memory, feeds the ranks before), oldest microbatch first.
-            op, j, s = min(cands, key=lambda c: (c[0] is Op.F, c[1], -pos[c[2]]))
-            todo[r].remove((op, j, s))
+            op, j, s = choice
+            todo[r].remove(choice)
             rows[r].append(Action(s, op, j))
             free[r] = t + (1 if op is Op.F else 2)
             done_at[(op, j, s)] = free[r]
@@ -157,3 +156,33 @@ def greedy_stream(
             raise ScheduleError("the in-flight bounds leave every rank idle; raise the bound")
         t += 1
     return rows
+
+
+def _pick(
+    todo: list[tuple[Op, int, int]],
+    ready: Callable[[Op, int, int], bool],
+    pos: dict[int, int],
+) -> tuple[Op, int, int] | None:
+    """The ready action of least (is forward, microbatch, -position): backward first, oldest first.
+
+    ``todo`` is in (microbatch, route) order, so the scan for forwards can stop
+    at the first microbatch that has a ready one; backwards are all considered.
+    """
+    best: tuple[Op, int, int] | None = None
+    best_key: tuple[bool, int, int] | None = None
+    stop_j: int | None = None  # once a ready forward is found, later microbatches cannot win
+    for c in todo:
+        op, j, s = c
+        if op is Op.F and stop_j is not None and j > stop_j:
+            continue
+        if best_key is not None and best_key[0] is False and op is Op.F:
+            continue
+        if not ready(op, j, s):
+            continue
+        key = (op is Op.F, j, -pos[s])
+        if best_key is None or key < best_key:
+            best, best_key = c, key
+        if op is Op.F:
+            stop_j = j if stop_j is None else min(stop_j, j)
+    return best
+
