@@ -109,8 +109,8 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     ),
     "chimera": ScheduleInfo(
         name="chimera", generator=chimera, family="Chimera (bidirectional)", synchronous=True,
-        bubble="(D-2)/(2T+D-2) at T = D, f = b+w (D even, T multiple of D)",
-        activations="(D/2+1) M_a to D M_a", weights="2 M_theta", chunks=1,
+        bubble="(D-2)/(2T+D-2) at f = b+w, overlapped units (D even, T multiple of D)",
+        activations="(D/2+1) M_a to D M_a (T = D); D M_a (T >= 2D)", weights="2 M_theta", chunks=1,
     ),
     "gems": ScheduleInfo(
         name="gems", generator=gems, family="GEMS (mirrored replicas)", synchronous=True,
