@@ -59,12 +59,20 @@ class Task:
 TASKS = {
     # The gpt (6 blocks: 8 layers, so the 2-chunk schedules have a layer per part) on the stdlib corpus.
     "gpt": Task(ModelSpec(kind="gpt", layers=6, hidden=32, heads=2, seq_len=32), batch_size=16, steps=100, lr=0.3),
-    # The fast task: the residual mlp regressing fixed random targets (MSE).
+    # Fast tasks (--fast: 1f1b stands for the synchronous schedules, whose losses are all equal):
+    # the residual mlp regressing fixed random targets (MSE), and a smaller gpt on fewer samples.
     "mlp": Task(ModelSpec(kind="mlp", layers=8, hidden=16), batch_size=16, steps=40, lr=0.05),
+    "gpt-small": Task(ModelSpec(kind="gpt", layers=6, hidden=16, heads=2, seq_len=16), batch_size=16, steps=40, lr=0.3),
 }
+# A control for the update count: PipeDream, SpecTrain and AMPNet update after every microbatch (T updates
+# per mini-batch, each on 1/T of its gradient); the same stream on ONE stage has no delay at all, so it
+# is synchronous training with an update per microbatch. Comparing with it separates staleness from frequency.
+CONTROL = "control: 1 stage, update per microbatch"
 
 
 def schedule_for(name: str, steps: int) -> Any:
+    if name == CONTROL:
+        return generate("pipedream", num_stages=1, num_microbatches=T, num_steps=steps)
     info = SCHEDULES[name]
     if info.synchronous:
         return generate(name, num_stages=D, num_microbatches=T, num_chunks=2 if info.chunks is None else None)
@@ -72,8 +80,8 @@ def schedule_for(name: str, steps: int) -> Any:
 
 
 def time_per_minibatch(name: str) -> float:
-    """t_bar at f = b = w = 1: makespan of a synchronous step, steady period of a stream."""
-    schedule = schedule_for(name, 8)
+    """t_bar at f = b = w = 1: makespan of a synchronous step, steady period of a stream (control: naive's)."""
+    schedule = schedule_for("naive" if name == CONTROL else name, 8)
     timeline = simulate(schedule, check=False)
     if schedule.is_synchronous:
         return max(e.end for row in timeline.events for e in row) - min(row[0].start for row in timeline.events if row)
@@ -89,7 +97,7 @@ def run(task: Task, name: str) -> dict[str, Any]:
         schedule, task.spec, steps=task.steps, batch_size=task.batch_size,
         optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=task.lr, momentum=momentum),
     )
-    return {"schedule": name, "synchronous": schedule.is_synchronous, "losses": result.losses,
+    return {"schedule": name, "synchronous": schedule.is_synchronous and name != CONTROL, "losses": result.losses,
             "eval_loss": evaluate(task, final_parameters(result.stage_parameters)),
             "t_bar": time_per_minibatch(name), "generate_s": generated,
             "wall_s": time.perf_counter() - started}
@@ -144,7 +152,8 @@ def table(results: list[dict[str, Any]]) -> str:
     for r in sorted(results, key=lambda r: (not r["synchronous"], r["eval_loss"])):
         rel = r["eval_loss"] / base_eval - 1
         f = final(r["losses"])
-        lines.append(f"| {r['schedule']} | {'sync' if r['synchronous'] else 'async'} | {r['eval_loss']:.4f} | "
+        kind = "control" if r["schedule"] == CONTROL else ("sync" if r["synchronous"] else "async")
+        lines.append(f"| {r['schedule']} | {kind} | {r['eval_loss']:.4f} | "
                      f"{rel:+.2%} | {f:.4f} | {f / base_train - 1:+.2%} | {r['t_bar']:g} | "
                      f"{r['t_bar'] * len(r['losses']):g} | {classify(rel)} |")
     return "\n".join(lines)
@@ -165,7 +174,9 @@ def plot(results: list[dict[str, Any]], task: str, task_spec: Task) -> None:
         for r in results:
             if r["synchronous"] and kind == "samples" and sync_done:
                 continue  # synchronous curves coincide against samples: draw one
-            label = "synchronous (all 12, identical)" if r["synchronous"] and kind == "samples" else r["schedule"]
+            label = "synchronous (all, identical)" if r["synchronous"] and kind == "samples" else r["schedule"]
+            if r["schedule"] == CONTROL and kind == "time":
+                continue  # not a pipeline schedule: no time of its own
             sync_done = sync_done or (r["synchronous"] and kind == "samples")
             n = len(r["losses"])
             xs = [(m + 1) * (task_spec.batch_size if kind == "samples" else r["t_bar"]) for m in range(n)]
@@ -186,13 +197,15 @@ def main() -> None:
     parser.add_argument("--task", choices=sorted(TASKS), default="gpt")
     parser.add_argument("--plot-only", action="store_true", help="redraw from results_<task>.json")
     parser.add_argument("--only", nargs="*", help="these schedules only (appended to existing results)")
+    parser.add_argument("--fast", action="store_true", help="1f1b for the synchronous schedules (equal losses)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = TASKS[args.task]
     path = HERE / f"results_{args.task}.json"
     results: list[dict[str, Any]] = json.loads(path.read_text())["runs"] if path.exists() else []
     if not args.plot_only:
-        names = args.only or [n for n in SCHEDULES if n not in SKIP]
+        names = args.only or [n for n in SCHEDULES if n not in SKIP and (not args.fast or n == "1f1b"
+                                                                       or not SCHEDULES[n].synchronous)] + [CONTROL]
         results = [r for r in results if r["schedule"] not in names]
         for name in names:
             r = run(task, name)
