@@ -6,6 +6,14 @@ empty cells (torch's idle steps) are skipped on reading. torch has no ``U``:
 exporting with ``updates=False`` drops them, and reading a CSV without any
 ``U`` appends each stage's update at the end of its rank, as torch does
 implicitly after a step.
+
+Schedules torch's form cannot carry (several pipelines, as in Chimera, GEMS,
+DualPipe, AvgPipe or data parallelism, a stage that is not its part, or an
+asynchronous weight policy) get one header line before the rows::
+
+    # pipeweave: policy=sync; num_microbatches=4; num_steps=1; stage_rank=0 1 1 0; stage_part=0 1 0 1; pipelines=0 1|2 3; microbatch_pipeline=0 0 1 1
+
+so that they read back identical; torch's own reader cannot take those files.
 """
 
 from __future__ import annotations
@@ -58,8 +66,54 @@ def format_actions(actions: Iterable[Action]) -> str:
     return " ".join(str(a) for a in actions)
 
 
+_HEADER = "# pipeweave:"
+
+
+def torch_compatible(schedule: Schedule) -> bool:
+    """True when torch's CSV form carries the schedule: one pipeline 0..S-1, stage = part, synchronous."""
+    stages = tuple(range(schedule.num_stages))
+    placement = schedule.placement
+    return placement.pipelines == (stages,) and placement.stage_part == stages and schedule.is_synchronous
+
+
+def _header(schedule: Schedule) -> str:
+    placement = schedule.placement
+
+    def ints(values: tuple[int, ...]) -> str:
+        return " ".join(map(str, values))
+
+    fields = {
+        "policy": schedule.policy.value,
+        "num_microbatches": str(schedule.num_microbatches),
+        "num_steps": str(schedule.num_steps),
+        "stage_rank": ints(placement.stage_rank),
+        "stage_part": ints(placement.stage_part),
+        "pipelines": "|".join(ints(p) for p in placement.pipelines),
+        "microbatch_pipeline": ints(schedule.microbatch_pipeline),
+    }
+    return f"{_HEADER} " + "; ".join(f"{k}={v}" for k, v in fields.items()) + "\n"
+
+
+def _parse_header(line: str, name: str, rows: list[list[Action]]) -> Schedule:
+    try:
+        fields = dict(item.strip().split("=", 1) for item in line[len(_HEADER):].split(";"))
+
+        def ints(key: str) -> tuple[int, ...]:
+            return tuple(int(v) for v in fields[key].split())
+
+        placement = Placement(ints("stage_rank"), ints("stage_part"),
+                              tuple(tuple(int(v) for v in p.split()) for p in fields["pipelines"].split("|")))
+        return Schedule(name, placement, int(fields["num_microbatches"]), tuple(tuple(r) for r in rows),
+                        microbatch_pipeline=ints("microbatch_pipeline"), policy=WeightPolicy(fields["policy"]),
+                        num_steps=int(fields["num_steps"]))
+    except (KeyError, ValueError) as exc:
+        if isinstance(exc, ScheduleError):
+            raise
+        raise ScheduleError(f"cannot read the header line {line.strip()!r} ({exc}); write it as to_csv does") from None
+
+
 def to_csv(schedule: Schedule, *, updates: bool = True) -> str:
-    """The schedule as CSV text, one row per rank.
+    """The schedule as CSV text, one row per rank (after a header when torch's form cannot carry it).
 
     Args:
         schedule: any schedule.
@@ -67,6 +121,8 @@ def to_csv(schedule: Schedule, *, updates: bool = True) -> str:
             which has no update action.
     """
     out = io.StringIO()
+    if not torch_compatible(schedule):
+        out.write(_header(schedule))
     writer = csv.writer(out, lineterminator="\n")
     for row in schedule.actions:
         writer.writerow([str(a) for a in row if updates or a.op is not Op.U])
@@ -74,17 +130,20 @@ def to_csv(schedule: Schedule, *, updates: bool = True) -> str:
 
 
 def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = None) -> Schedule:
-    """Read a compute-only CSV (ours or torch's) into a synchronous schedule.
+    """Read a compute-only CSV (ours or torch's) into a schedule.
 
-    The placement is inferred: one pipeline through stages 0..S-1 in order, each
-    stage on the rank whose row holds it (torch's convention, which covers its
-    straight, looped and V-shaped schedules).
+    With our header line, placement, policy and microbatch routes come from it.
+    Without, the placement is inferred: one pipeline through stages 0..S-1 in
+    order, each stage on the rank whose row holds it (torch's convention, which
+    covers its straight, looped and V-shaped schedules), synchronous.
 
     Raises:
         ScheduleError: a cell is not an action, or a stage appears on two ranks.
     """
+    header = next((line for line in text.splitlines() if line.startswith(_HEADER)), None)
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
     rows: list[list[Action]] = []
-    for line_no, cells in enumerate(csv.reader(io.StringIO(text)), start=1):
+    for line_no, cells in enumerate(csv.reader(io.StringIO(body)), start=1):
         try:
             rows.append([parse_action(c) for c in cells if c.strip() and c.strip() != "None"])
         except ScheduleError as exc:
@@ -93,6 +152,12 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
         rows.pop()
     if not rows:
         raise ScheduleError("the CSV holds no actions; give one row of actions per rank")
+    if header is not None:
+        schedule = _parse_header(header, name, rows)
+        if schedule.is_synchronous and not any(a.op is Op.U for row in rows for a in row):
+            append_updates(rows, schedule.placement)
+            schedule = schedule.with_actions(rows)
+        return schedule
     stage_rank: dict[int, int] = {}
     for rank, row in enumerate(rows):
         for a in row:
