@@ -168,6 +168,8 @@ def plot(results: list[dict[str, Any]], task: str, task_spec: Task) -> None:
     def smooth(xs: list[float], k: int = 5) -> list[float]:
         return [sum(xs[max(0, i - k + 1): i + 1]) / len(xs[max(0, i - k + 1): i + 1]) for i in range(len(xs))]
 
+    palette = plt.get_cmap("tab20").colors
+    color = {r["schedule"]: palette[i % len(palette)] for i, r in enumerate(results)}
     sync_done = False
     for kind, xlabel in (("samples", "samples"), ("time", "simulated time (t_bar x mini-batches, f = b = w = 1)")):
         fig, ax = plt.subplots(figsize=(9, 5.5))
@@ -180,8 +182,9 @@ def plot(results: list[dict[str, Any]], task: str, task_spec: Task) -> None:
             sync_done = sync_done or (r["synchronous"] and kind == "samples")
             n = len(r["losses"])
             xs = [(m + 1) * (task_spec.batch_size if kind == "samples" else r["t_bar"]) for m in range(n)]
-            style = "-" if not r["synchronous"] else ("--" if kind == "time" else "k-")
-            ax.plot(xs, smooth(r["losses"]), style, label=label, linewidth=1.4 if not r["synchronous"] else 1.0)
+            style = "-" if not r["synchronous"] else "--"
+            c = "black" if r["synchronous"] and kind == "samples" else color[r["schedule"]]
+            ax.plot(xs, smooth(r["losses"]), style, color=c, label=label, linewidth=1.4 if not r["synchronous"] else 1.0)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("mini-batch loss (moving average of 5)")
         ax.set_title(f"{task}: D={D}, T={T}, momentum SGD lr={task_spec.lr}, same data order")
