@@ -16,7 +16,7 @@ from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec, uniform_parts
 from pipeweave.runtime.plain import TrainResult
 from pipeweave.runtime.stage import OptimizerFactory, StageWorker
-from pipeweave.runtime.tied import TiedGradients, tie_peer_parts
+from pipeweave.runtime.tied import TiedGradients, tie_peer, tie_peer_parts
 from pipeweave.schedule.ir import Action, Op, Schedule
 
 
@@ -113,10 +113,15 @@ class _Step:
             self.remaining[placement.stage_part[s]] -= 1
 
     def _update(self, stage: int) -> None:
-        part = self.schedule.placement.stage_part[stage]
-        if part not in self.combined:  # combine once, before the part's first U of the step
-            sum_replica_gradients([self.workers[r] for r in self.schedule.placement.replicas(stage)])
-            self.combined.add(part)
+        placement = self.schedule.placement
+        peer = tie_peer(placement, stage, self.workers[stage])
+        # Combine once per part, before its first U of the step. A tied U also reads its peer's
+        # gradients (runtime.tied): that part's replicas are combined first too, as every rank of
+        # the distributed executor does before its exchange; else a replicated tie sums partial ones.
+        for s in (stage,) if peer is None else (stage, peer):
+            if placement.stage_part[s] not in self.combined:
+                sum_replica_gradients([self.workers[r] for r in placement.replicas(s)])
+                self.combined.add(placement.stage_part[s])
         self.workers[stage].update()
 
 
