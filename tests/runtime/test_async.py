@@ -33,7 +33,8 @@ from pipeweave.models import ModelSpec
 from pipeweave.runtime.job import RunRecord, TrainConfig, run_rank
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
-from pipeweave.runtime.policy import PolicyOptions, RankPolicy, update_direction
+from pipeweave.runtime.policy import PolicyOptions, RankPolicy
+from pipeweave.runtime.prediction import update_direction
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.stage import StageWorker
 from pipeweave.runtime.stream import run_stream_reference, stream_steps

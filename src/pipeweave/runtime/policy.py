@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeweave.errors import UserError
+from pipeweave.runtime.prediction import check_predictable, update_direction
 from pipeweave.runtime.stage import StageWorker
 from pipeweave.schedule.ir import Action, Op, Schedule, WeightPolicy
 from pipeweave.sim.versions import applied_to, current_versions, is_bellwether_schedule, staleness
@@ -47,7 +48,6 @@ from pipeweave.weights.double_buffer import DoubleBuffer
 from pipeweave.weights.pipemare import DEFAULT_ANNEAL_STEPS, DEFAULT_DECAY, DiscrepancyCorrection, rescheduled_lr
 from pipeweave.weights.stash import WeightStash
 from pipeweave.weights.wpipe import weights_for_part
-from pipeweave.weights.xpipe import adam_direction
 
 Read = tuple[int, int]  # (stored version, version it stands for): sim.versions.VersionRead's fields
 _BACKWARD = (Op.B, Op.I, Op.W)
@@ -79,7 +79,7 @@ class PolicyOptions:
             raise UserError(f"--averaging-period {self.averaging_period} is invalid; give an integer >= 1")
 
 
-class _Tables:
+class ScheduleTables:
     """What every rank derives from the order alone, once per schedule."""
 
     def __init__(self, schedule: Schedule) -> None:
@@ -133,7 +133,7 @@ class _Stage:
 class _Stored(_Stage):
     """Stash, vertical sync, double buffer: the backward reads the copy its forward read."""
 
-    def __init__(self, worker: StageWorker, store: WeightStash, tables: _Tables, stage: int, vertical: bool) -> None:
+    def __init__(self, worker: StageWorker, store: WeightStash, tables: ScheduleTables, stage: int, vertical: bool) -> None:
         super().__init__(worker)
         self.store, self.tables, self.stage, self.vertical = store, tables, stage, vertical
 
@@ -182,7 +182,7 @@ class VerticalSyncStash(WeightStash):
 class _Corrected(_Stage):
     """PipeMare: step size rescheduled by the stage's delay; backward weights extrapolated back."""
 
-    def __init__(self, worker: StageWorker, tables: _Tables, stage: int, options: PolicyOptions) -> None:
+    def __init__(self, worker: StageWorker, tables: ScheduleTables, stage: int, options: PolicyOptions) -> None:
         super().__init__(worker)
         self.correction = DiscrepancyCorrection(self.params, decay=options.decay)
         self.delay = tables.delay[stage]
@@ -248,51 +248,10 @@ def _warmup_updates(schedule: Schedule) -> int:
     return warm
 
 
-def update_direction(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The optimizer's next step per parameter, from its state: lr v (momentum SGD), lr m_hat/(sqrt(v_hat)+eps) (Adam).
-
-    Raises:
-        UserError: an optimizer without such a state (plain SGD, others).
-
-    Example:
-        >>> p = torch.nn.Parameter(torch.tensor([1.0]))
-        >>> opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
-        >>> p.grad = torch.tensor([2.0]); opt.step()
-        >>> update_direction(opt, [p])[0].tolist()   # lr x momentum buffer = 0.1 x 2
-        [0.2000000029802322]
-    """
-    group = optimizer.param_groups[0]
-    lr = float(group["lr"])
-    out = []
-    for p in params:
-        state = optimizer.state.get(p, {})
-        if isinstance(optimizer, torch.optim.SGD):
-            buf = state.get("momentum_buffer")
-            out.append(torch.zeros_like(p) if buf is None else lr * buf)
-        elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            if not state:
-                out.append(torch.zeros_like(p))
-                continue
-            step = int(state["step"])
-            out.append(lr * adam_direction(state["exp_avg"], state["exp_avg_sq"], step, group["betas"], group["eps"]))
-        else:
-            raise UserError(f"weight prediction needs momentum SGD or Adam(W), not {type(optimizer).__name__}")
-    return out
-
-
-def check_predictable(optimizer: torch.optim.Optimizer) -> None:
-    """Raise UserError unless prediction has a direction to follow."""
-    if isinstance(optimizer, torch.optim.SGD) and not optimizer.param_groups[0]["momentum"]:
-        raise UserError("spectrain/xpipe predict weights from the optimizer's momentum; "
-                        "give --momentum 0.9 (sgd) or --optimizer adamw")
-    if not isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)):
-        raise UserError(f"weight prediction needs momentum SGD or Adam(W), not {type(optimizer).__name__}")
-
-
 class _Predicted(_Stage):
     """SpecTrain: each action predicts the weights s updates ahead into one persistent buffer."""
 
-    def __init__(self, worker: StageWorker, tables: _Tables) -> None:
+    def __init__(self, worker: StageWorker, tables: ScheduleTables) -> None:
         super().__init__(worker)
         check_predictable(worker.optimizer)
         self.tables = tables
@@ -315,7 +274,7 @@ class _Predicted(_Stage):
 class _Bellwether(_Stage):
     """XPipe: the first microbatch of a mini-batch predicts once per pass; the others reuse it."""
 
-    def __init__(self, worker: StageWorker, tables: _Tables) -> None:
+    def __init__(self, worker: StageWorker, tables: ScheduleTables) -> None:
         super().__init__(worker)
         check_predictable(worker.optimizer)
         self.tables = tables
@@ -343,7 +302,7 @@ class _Bellwether(_Stage):
         return 1 + len(self.cache)
 
 
-def _stage_state(schedule: Schedule, stage: int, worker: StageWorker, tables: _Tables,
+def _stage_state(schedule: Schedule, stage: int, worker: StageWorker, tables: ScheduleTables,
                  options: PolicyOptions) -> _Stage:
     policy = schedule.policy
     params = list(worker.module.parameters())
@@ -384,9 +343,9 @@ class RankPolicy:
     """
 
     def __init__(self, schedule: Schedule, workers: dict[int, StageWorker], options: PolicyOptions | None = None,
-                 tables: _Tables | None = None) -> None:
+                 tables: ScheduleTables | None = None) -> None:
         self.options = options or PolicyOptions()
-        tables = tables or _Tables(schedule)
+        tables = tables or ScheduleTables(schedule)
         self.schedule = schedule
         self.states = {s: _stage_state(schedule, s, w, tables, self.options) for s, w in workers.items()}
         self.bytes = {s: w.weight_bytes() for s, w in workers.items()}

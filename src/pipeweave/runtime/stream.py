@@ -34,7 +34,7 @@ from pipeweave.data import DataSource, data_source, split_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.plain import TrainResult
-from pipeweave.runtime.policy import PolicyOptions, RankPolicy, Read, _Tables
+from pipeweave.runtime.policy import PolicyOptions, RankPolicy, Read, ScheduleTables
 from pipeweave.runtime.reference import _Step, build_workers, run_step
 from pipeweave.runtime.stage import OptimizerFactory, StageWorker
 from pipeweave.schedule.ir import Action, Op, Schedule
@@ -183,7 +183,7 @@ def run_stream_reference(
     check_stream_model(spec)
     workers = build_workers(schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
                             recompute=recompute, parts=parts)
-    tables = _Tables(schedule)
+    tables = ScheduleTables(schedule)
     policies = {
         r: RankPolicy(schedule, {s: workers[s] for s in schedule.placement.stages_on(r)}, options, tables)
         for r in range(schedule.num_ranks)
