@@ -196,3 +196,27 @@ def test_train_cli_runs_a_stream_with_its_options(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipedream", "--warmup-steps", "1"],
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("--warmup-steps applies to pipemare, not pipedream; drop it")
+
+
+def test_pipemare_steps_with_the_rescheduled_lr_after_its_warmup() -> None:
+    """D = 3, T = 1: stage 0's gradients lag tau = 2 updates; K = 2. Hand values of alpha / tau^(1 - k/K)."""
+    schedule = generate("pipemare", num_stages=3, num_microbatches=1, num_steps=5, warmup_steps=1)
+    seen: dict[int, list[float]] = {}
+
+    def factory(params: object) -> torch.optim.Optimizer:
+        opt = torch.optim.SGD(params, lr=0.1)  # type: ignore[arg-type]
+        log = seen.setdefault(len(seen), [])
+        step = opt.step
+
+        def logged(*args: object, **kwargs: object) -> object:
+            log.append(opt.param_groups[0]["lr"])
+            return step(*args, **kwargs)  # type: ignore[arg-type]
+
+        opt.step = logged  # type: ignore[method-assign]
+        return opt
+
+    run_stream_reference(schedule, ModelSpec(kind="mlp", layers=3, hidden=4), batch_size=2,
+                         optimizer_factory=factory, options=PolicyOptions(anneal_steps=2))
+    # Update 0 is the synchronous warm-up (lr); then k = 0, 1, 2, 3: 0.1/2, 0.1/sqrt(2), 0.1, 0.1.
+    assert seen[0] == pytest.approx([0.1, 0.05, 0.1 / 2 ** 0.5, 0.1, 0.1])
+    assert seen[1] == pytest.approx([0.1] * 5) and seen[2] == pytest.approx([0.1] * 5)  # tau <= 1: alpha
