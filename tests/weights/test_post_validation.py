@@ -71,3 +71,10 @@ def test_undo_inverts_a_step_to_a_few_ulps() -> None:
         opt.step([q], [g * 3])
         opt.undo([q], [g * 3], first=False)
         assert (q - before).abs().max() <= 8 * torch.finfo(torch.float64).eps * before.abs().max()
+
+
+def test_a_parameter_without_gradient_is_refused() -> None:
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    a.grad = torch.ones(2)  # b has none: the optimizers index their state by position
+    with pytest.raises(ValueError, match=r"parameters \[1\] have no gradient"):
+        PostValidatedStep([a, b], SGD(lr=0.1)).step_optimistic(GradState.of([a, b]))

@@ -71,8 +71,11 @@ def check_post_validation(schedule: Schedule) -> None:
 class ValidatedOptimizer:
     """Stands in for one stage's torch optimizer: ``step`` is the post-validated step.
 
-    Example:
-        >>> # built by install_post_validation(); outcomes after a run: ["kept", "clipped", "skipped", ...]
+    Built by ``install_post_validation``; ``outcomes`` lists each step's
+    ("kept", "clipped" or "skipped"). Example, on every rank of a run::
+
+        config = TrainConfig(schedule="zb-auto", num_stages=4, post_validation=PostValidation(max_norm=1.0))
+        launch(run_rank, config, 4)
     """
 
     def __init__(self, worker: StageWorker, stage: int, schedule: Schedule, options: PostValidation,

@@ -134,12 +134,19 @@ class PostValidatedStep:
         self.steps = 0
         self._stepped: list[torch.Tensor] | None = None
 
+    def _grads(self) -> list[torch.Tensor]:
+        """Every parameter's gradient: the optimizers index their state by position."""
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if missing:
+            raise ValueError(f"parameters {missing} have no gradient; post-validation steps every parameter")
+        return [p.grad.detach() for p in self.params if p.grad is not None]
+
     def step_optimistic(self, partial: GradState) -> None:
         """Step on unclipped gradients unless what is known already says to skip."""
         self._stepped = None
         if partial.nonfinite:
             return
-        grads = [p.grad.detach().clone() for p in self.params if p.grad is not None]
+        grads = [g.clone() for g in self._grads()]
         self.optimizer.step(self.params, grads)
         self._stepped = grads
 
@@ -154,7 +161,7 @@ class PostValidatedStep:
             if stepped is not None:
                 self.optimizer.undo(self.params, stepped, first=self.steps == 0)
             factor = self.max_norm / (total.norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s factor
-            self.optimizer.step(self.params, [p.grad.detach() * factor for p in self.params if p.grad is not None])
+            self.optimizer.step(self.params, [g * factor for g in self._grads()])
             self.steps += 1
             return "clipped"
         if stepped is None:  # skipped on partial news that turned out fine: cannot happen
