@@ -166,7 +166,7 @@ class _Progress:
         self.shares.setdefault(step, {})[rank] = value["loss"]
         if self.bar is None or len(self.shares[step]) < self._num_reporting():
             return
-        if step == 0:
+        if step == 0 or self.config.is_stream:  # a stream reports its mini-batches at its end: no rate
             self.started = time.perf_counter()
             rate = ""
         else:
