@@ -9,6 +9,7 @@ losses must equal plain training's.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -59,3 +60,67 @@ def test_two_torchrun_nodes_on_loopback_train_exactly(tmp_path: Path) -> None:
     assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
     assert report["stages"] == 2 and len(report["weight_bytes"]) == 2
 
+
+
+def _workers_of(marker: str) -> list[int]:
+    """PIDs of live processes whose command line holds ``marker``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_torchrun_node_ends_the_other_without_leftovers(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    assert torchrun is not None
+    port = _free_port()
+    out = tmp_path / "run"
+    train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--microbatches", "3", "--model", "mlp",
+             "--layers", "4", "--hidden", "8", "--batch", "7", "--steps", "1000000", "--timeout", "20",
+             "--out", str(out)]
+    logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [torchrun, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+             "--master-addr", "127.0.0.1", "--master-port", str(port), *train],
+            stdout=logs[n].open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+        )
+        for n in (0, 1)
+    ]
+    try:
+        # Training has started once both ranks have burnt more CPU than importing torch
+        # and joining the group take (the progress bar only renders at the end off a terminal).
+        deadline = time.monotonic() + 150
+        while sum(_cpu_seconds(p) > 6.0 for p in _workers_of(str(out))) < 2:
+            assert time.monotonic() < deadline and nodes[0].poll() is None, logs[0].read_text()
+            time.sleep(0.5)
+        nodes[1].send_signal(signal.SIGKILL)  # the agent dies without a chance to stop its worker
+        t0 = time.monotonic()
+        nodes[0].wait(timeout=60)
+        assert time.monotonic() - t0 < 30
+        assert nodes[0].returncode != 0
+        time.sleep(1)
+        assert _workers_of(str(out)) == []  # no rank of either node left behind
+        assert logs[0].read_text().count("pipeweave: rank 0 failed") == 1
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+        for pid in _workers_of(str(out)):
+            os.kill(pid, signal.SIGKILL)

@@ -124,6 +124,9 @@ def _join_torchrun(
     fn: RankFn, payload: Any, num_ranks: int, options: LaunchOptions, on_progress: ProgressFn | None
 ) -> Any:
     global _progress_sink, _timeout
+    # If torchrun's agent is killed it cannot stop its workers: die with it, so the
+    # other nodes' ranks fail on their peer timeout instead of training on forever.
+    _die_with_parent()
     _timeout = datetime.timedelta(seconds=options.timeout_s)
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
