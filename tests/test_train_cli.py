@@ -61,3 +61,20 @@ def test_default_model_is_the_gpt_with_a_summary(tmp_path: Path) -> None:
     assert len(report["losses"]) == 2
     for needle in ("loss first -> last", "bubble ratio", "rank 1 memory", "json:", "trace:"):
         assert needle in run.stdout, needle
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--clip-grad-norm", "0"], "--clip-grad-norm 0.0 is invalid; give a norm > 0"),
+        (["-s", "chimera", "--clip-grad-norm", "1"], "post-validation needs one stage per rank"),
+    ],
+)
+def test_clip_grad_norm_is_checked_before_spawning(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipeweave.cli import main
+
+    assert main(["train", "--model", "mlp", "--layers", "4", "--hidden", "8", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

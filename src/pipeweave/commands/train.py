@@ -56,6 +56,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, help="learning rate (default 3e-3 for adamw, 0.1 for sgd)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), help="default adamw for the gpt, sgd for the mlp")
     p.add_argument("--recompute", action="store_true", help="activation recomputation on every stage")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
+                   help="clip the global gradient norm; steps are post-validated (optimistic step, exact "
+                        "rollback on NaN/inf or clipping), so no global barrier precedes the update")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
     # Under torchrun no launcher watches the other node: the process-group timeout
     # is what ends a rank whose remote peer died, so it stays under the 30 s promise.
@@ -92,8 +95,17 @@ def build_config(args: argparse.Namespace) -> Any:
         model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
         recompute=args.recompute, seed=args.seed or 0, data=args.data, data_parallel=args.data_parallel,
         momentum=momentum, schedule_options=tuple(options.items()), policy=policy,
+        post_validation=_post_validation(args),
     )
     return _with_partition(config, args)
+
+
+def _post_validation(args: argparse.Namespace) -> Any:
+    if args.clip_grad_norm is None:
+        return None
+    from pipeweave.runtime.validation_step import PostValidation  # torch: only when training
+
+    return PostValidation(max_norm=args.clip_grad_norm)
 
 
 def _with_partition(config: Any, args: argparse.Namespace) -> Any:
