@@ -64,6 +64,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     # is what ends a rank whose remote peer died, so it stays under the 30 s promise.
     p.add_argument("--timeout", type=float, default=25.0,
                    help="seconds a rank may wait on a peer before failing (default 25)")
+    p.add_argument("--transport", choices=("gloo", "shm"), default="gloo",
+                   help="point-to-point messages of spawned CPU ranks: gloo (default), or shm: shared-memory "
+                        "rings between the ranks on this host (collectives stay on gloo)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="folder of the default outputs (default ./pipeweave-out)")
     p.add_argument("--json", metavar="FILE", help="write the JSON record here (default OUT/train.json)")
     p.add_argument("--plot", metavar="FILE", help="write the measured timeline plot here (default OUT/timeline.png)")
@@ -100,6 +103,19 @@ def build_config(args: argparse.Namespace) -> Any:
     return _with_partition(config, args)
 
 
+def _check_transport(args: argparse.Namespace, config: Any, torchrun: bool) -> None:
+    """``--transport shm`` needs ranks spawned here on CPU, running a synchronous schedule (one line otherwise)."""
+    if args.transport != "shm":
+        return
+    import torch
+
+    if torchrun or torch.cuda.is_available():
+        raise UserError("--transport shm needs CPU ranks spawned by pipeweave on one host; use --transport gloo")
+    if config.is_stream:
+        raise UserError(f"--transport shm does not carry asynchronous schedules ({config.schedule}); "
+                        "use --transport gloo")
+
+
 def _post_validation(args: argparse.Namespace) -> Any:
     if args.clip_grad_norm is None:
         return None
@@ -128,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(args)
     schedule = config.check()  # one line before anything is spawned
     progress = _Progress(config, quiet=args.quiet or (under_torchrun() and _rank() != 0))
-    options = LaunchOptions(threads=args.threads, timeout_s=args.timeout)
+    _check_transport(args, config, under_torchrun())
+    options = LaunchOptions(threads=args.threads, timeout_s=args.timeout, transport=args.transport)
     try:
         with progress:
             record = launch(run_rank, config, schedule.num_ranks, options, on_progress=progress.update)

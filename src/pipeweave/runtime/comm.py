@@ -31,10 +31,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipeweave.runtime import shm
 from pipeweave.runtime.launch import wait_timeout
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.schedule.lower import LoweredSchedule
@@ -157,7 +159,7 @@ def send_order(
 
 @dataclass
 class _Posted:
-    work: dist.Work
+    work: Any  # dist.Work, or shm.RecvWork under --transport shm
     buffer: torch.Tensor
 
 
@@ -190,7 +192,7 @@ class P2P:
         self._span = len(self.sizes) + 1
         self._sent_meta: set[tuple[int, int]] = set()
         self._shapes: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
-        self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pending_sends: list[tuple[Any, torch.Tensor]] = []
         self._posted: dict[Key, _Posted] = {}
         self._queues: dict[int, deque[Key]] = {}
         self._next_compute = self._compute_positions()
@@ -282,7 +284,8 @@ class P2P:
         return self._wait((stage, _GRAD, 0), peer)
 
     def _isend(self, tensor: torch.Tensor, peer: int, key: Key) -> None:
-        work = dist.isend(tensor, dst=peer, tag=self.tag(key))
+        ring = shm.active()  # --transport shm: the same messages, in the same order, through shared memory
+        work: Any = ring.isend(tensor, peer, self.tag(key)) if ring else dist.isend(tensor, dst=peer, tag=self.tag(key))
         assert work is not None
         self._pending_sends.append((work, tensor))
 
@@ -347,7 +350,8 @@ class P2P:
         else:
             dtype, sample = self._shapes[key[:2]]
             buffer = torch.empty((self.sizes[key[2]], *sample), dtype=dtype, device=self.device)
-        work = dist.irecv(buffer, src=peer, tag=self.tag(key))
+        ring = shm.active()
+        work: Any = ring.irecv(buffer, peer, self.tag(key)) if ring else dist.irecv(buffer, src=peer, tag=self.tag(key))
         assert work is not None
         self._posted[key] = _Posted(work, buffer)
 

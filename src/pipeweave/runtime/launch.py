@@ -73,6 +73,8 @@ class LaunchOptions:
     """Process-group timeout: a rank blocked this long on a vanished peer fails."""
     quiet_errors: bool = False
     """Do not print the cause (the caller reports it)."""
+    transport: str = "gloo"
+    """Point-to-point messages of spawned ranks: ``gloo``, or ``shm`` (``runtime.shm``; collectives stay on gloo)."""
 
 
 def under_torchrun() -> bool:
@@ -160,10 +162,15 @@ def _spawn(
     store = dist.TCPStore("127.0.0.1", 0, num_ranks + 1, is_master=True, wait_for_workers=False)
     ctx = _context()
     results: Any = ctx.SimpleQueue()
+    channels = None
+    if options.transport == "shm":  # allocated here, before spawning, and handed to every rank
+        from pipeweave.runtime import shm
+
+        channels = shm.make_channels(ctx, num_ranks)
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, payload, rank, num_ranks, store.port, options, results),
+            args=(fn, payload, rank, num_ranks, store.port, options, results, channels),
             daemon=True,
             name=f"pipeweave-rank{rank}",
         )
@@ -257,7 +264,10 @@ def _report(cause: str, options: LaunchOptions) -> None:
         print(f"pipeweave: {cause}", file=sys.stderr, flush=True)
 
 
-def _child(fn: RankFn, payload: Any, rank: int, world: int, port: int, options: LaunchOptions, results: Any) -> None:
+def _child(
+    fn: RankFn, payload: Any, rank: int, world: int, port: int, options: LaunchOptions, results: Any,
+    channels: Any = None,
+) -> None:
     # Ctrl-C reaches the whole foreground process group; only the launcher acts on it.
     global _progress_sink, _timeout
     _timeout = datetime.timedelta(seconds=options.timeout_s)
@@ -275,6 +285,10 @@ def _child(fn: RankFn, payload: Any, rank: int, world: int, port: int, options: 
             "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=options.timeout_s),
         )
+        if channels is not None:
+            from pipeweave.runtime import shm
+
+            shm.install(rank, channels)
         value = fn(rank, world, payload)
         # Plain pickle bytes: torch's queue pickler would share tensors through
         # file descriptors that vanish with this process.

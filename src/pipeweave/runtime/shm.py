@@ -1,0 +1,229 @@
+"""Opt-in shared-memory point-to-point transport for ranks spawned on one host (``--transport shm``).
+
+Per ordered rank pair, the launcher allocates before spawning a byte ring in
+shared memory (a torch uint8 tensor) and a semaphore. The sender copies each
+message into the ring as one record -- a 64-byte header (tag, bytes) then the
+payload, 64-byte aligned, skipping to the ring's start when it would not fit
+before its end -- advances the ``written`` counter and releases the semaphore;
+the receiver copies the record out, advances ``read`` and acquires it once.
+Both counters count bytes since the start and each has a single writer, so the
+ring needs no lock (x86 keeps stores in program order: the payload is visible
+before the counter that publishes it).
+
+Records of a pair are read in the order they were written, which is the
+per-pair posting order ``comm.rank_sends`` fixes on both sides -- the same
+pairing as gloo and NCCL. The receiver knows every message's size before it
+arrives (the shape handshake), so it finds the padding the sender skipped
+without reading it; the header's tag and size are checked anyway.
+
+Sends never block: a record that does not fit waits in this rank's own queue
+and is written as the receiver frees room (at every later call and while the
+rank waits). Waits spin briefly, then block on the semaphore in short slices
+up to the launch's timeout; a dead peer ends the run sooner through the
+launcher, which terminates every rank at the first failure.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+_CTRL = 128  # written (bytes) at offset 0, read at 64: separate cache lines
+_HEADER = 64
+_ALIGN = 64
+_SPIN_S = 100e-6  # busy-poll this long before blocking (a semaphore wake-up costs about as much)
+_SLICE_S = 0.002  # blocking slice while own sends are queued behind a full ring
+DEFAULT_CAPACITY = 32 << 20
+
+
+class Channel:
+    """One ordered pair's ring: ``buffer`` (control block then data) and its ``ready`` semaphore."""
+
+    def __init__(self, ctx: Any, capacity: int) -> None:
+        self.capacity = capacity
+        self.buffer = torch.zeros(_CTRL + capacity, dtype=torch.uint8).share_memory_()
+        self.ready = ctx.Semaphore(0)
+        self._views()
+
+    def _views(self) -> None:
+        self.ctrl = self.buffer[:_CTRL].view(torch.int64)
+        self.data = self.buffer[_CTRL:]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"capacity": self.capacity, "buffer": self.buffer, "ready": self.ready}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._views()
+
+
+def make_channels(ctx: Any, num_ranks: int, capacity: int = DEFAULT_CAPACITY) -> dict[tuple[int, int], Channel]:
+    """Every ordered pair's channel, ``(sender, receiver) -> Channel`` (called by the launcher before spawning).
+
+    Example:
+        >>> import multiprocessing
+        >>> sorted(make_channels(multiprocessing.get_context("spawn"), 2, 1 << 12))
+        [(0, 1), (1, 0)]
+    """
+    return {(s, r): Channel(ctx, capacity) for s in range(num_ranks) for r in range(num_ranks) if s != r}
+
+
+def _record(pos: int, nbytes: int, capacity: int) -> tuple[int, int]:
+    """(padding skipped before the record, record length) for a record of ``nbytes`` written at byte ``pos``."""
+    length = _HEADER + -(-nbytes // _ALIGN) * _ALIGN
+    offset = pos % capacity
+    return (capacity - offset if offset + length > capacity else 0), length
+
+
+class SendWork:
+    """A posted send: complete once its record is in the ring (the tensor may then change)."""
+
+    def __init__(self, transport: ShmTransport, peer: int) -> None:
+        self.transport, self.peer, self.done = transport, peer, False
+
+    def is_completed(self) -> bool:
+        self.transport.flush(self.peer)
+        return self.done
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self.transport.wait_until(lambda: self.is_completed(), None, timeout)
+        return True
+
+
+class RecvWork:
+    """A posted receive into ``buffer``: complete once its record was copied out of the ring."""
+
+    def __init__(self, transport: ShmTransport, peer: int, buffer: torch.Tensor, tag: int) -> None:
+        self.transport, self.peer, self.buffer, self.tag, self.done = transport, peer, buffer, tag, False
+
+    def is_completed(self) -> bool:
+        self.transport.progress(self.peer)
+        return self.done
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        t = self.transport
+        t.wait_until(lambda: self.is_completed(), t.incoming[self.peer], timeout)
+        return True
+
+
+class ShmTransport:
+    """This rank's ends of every channel: ``isend``/``irecv`` returning work objects like gloo's.
+
+    Args:
+        rank: this rank.
+        channels: every ordered pair's channel (``make_channels``).
+    """
+
+    def __init__(self, rank: int, channels: dict[tuple[int, int], Channel]) -> None:
+        self.rank = rank
+        self.outgoing = {r: c for (s, r), c in channels.items() if s == rank}
+        self.incoming = {s: c for (s, r), c in channels.items() if r == rank}
+        self._queued: dict[int, deque[tuple[torch.Tensor, int, SendWork]]] = {p: deque() for p in self.outgoing}
+        self._posted: dict[int, deque[RecvWork]] = {p: deque() for p in self.incoming}
+        self._tokens = {p: 0 for p in self.incoming}  # semaphore acquires made ahead of their record
+
+    # ---- sends ----------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> SendWork:
+        """Copy ``tensor`` into the ring to ``peer`` now, or queue it if the ring is full."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if _HEADER + nbytes > self.outgoing[peer].capacity:
+            raise ValueError(f"a message of {nbytes} bytes exceeds the shm ring of "
+                             f"{self.outgoing[peer].capacity} bytes; use --transport gloo")
+        work = SendWork(self, peer)
+        self._queued[peer].append((tensor, tag, work))
+        self.flush(peer)
+        return work
+
+    def flush(self, peer: int) -> None:
+        """Write the queued sends to ``peer`` that fit in its ring, in order."""
+        queued, channel = self._queued[peer], self.outgoing[peer]
+        while queued:
+            tensor, tag, work = queued[0]
+            nbytes = tensor.numel() * tensor.element_size()
+            written, read = int(channel.ctrl[0]), int(channel.ctrl[8])
+            pad, length = _record(written, nbytes, channel.capacity)
+            if written + pad + length - read > channel.capacity:
+                return
+            start = (written + pad) % channel.capacity
+            channel.data[start : start + 16].view(torch.int64).copy_(torch.tensor([tag, nbytes]))
+            if nbytes:
+                channel.data[start + _HEADER : start + _HEADER + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+            channel.ctrl[0] = written + pad + length
+            channel.ready.release()
+            work.done = True
+            queued.popleft()
+
+    def pending_sends(self) -> bool:
+        return any(self._queued.values())
+
+    # ---- receives -------------------------------------------------------
+    def irecv(self, buffer: torch.Tensor, peer: int, tag: int) -> RecvWork:
+        """Post a receive from ``peer``; records are matched to posted receives in order."""
+        work = RecvWork(self, peer, buffer, tag)
+        self._posted[peer].append(work)
+        self.progress(peer)
+        return work
+
+    def progress(self, peer: int) -> None:
+        """Copy out every record from ``peer`` that has arrived for a posted receive, in order."""
+        posted, channel = self._posted[peer], self.incoming[peer]
+        while posted:
+            work = posted[0]
+            written, read = int(channel.ctrl[0]), int(channel.ctrl[8])
+            if written == read:
+                return
+            nbytes = work.buffer.numel() * work.buffer.element_size()
+            pad, length = _record(read, nbytes, channel.capacity)
+            start = (read + pad) % channel.capacity
+            tag, size = channel.data[start : start + 16].view(torch.int64).tolist()
+            if (tag, size) != (work.tag, nbytes):  # pragma: no cover - an ordering bug
+                raise RuntimeError(f"rank {self.rank}: shm message from rank {peer} has tag {tag} "
+                                   f"({size} bytes), expected tag {work.tag} ({nbytes} bytes)")
+            if nbytes:
+                work.buffer.reshape(-1).view(torch.uint8).copy_(
+                    channel.data[start + _HEADER : start + _HEADER + nbytes])
+            channel.ctrl[8] = read + pad + length
+            if self._tokens[peer]:
+                self._tokens[peer] -= 1
+            elif not channel.ready.acquire(timeout=5.0):  # pragma: no cover - released right after writing
+                raise RuntimeError(f"rank {self.rank}: shm semaphore from rank {peer} lost a release")
+            work.done = True
+            posted.popleft()
+
+    # ---- waiting --------------------------------------------------------
+    def wait_until(self, done: Any, channel: Channel | None, timeout: datetime.timedelta | None) -> None:
+        """Spin, then block (on ``channel``'s semaphore when given), until ``done()``; flush own sends meanwhile."""
+        limit = timeout.total_seconds() if timeout is not None else 1800.0
+        start = time.monotonic()
+        while not done():
+            for peer in self._queued:
+                self.flush(peer)
+            now = time.monotonic()
+            if now - start > limit:
+                raise TimeoutError(f"rank {self.rank}: no shm message for {limit:.0f} s (a peer failed or hung)")
+            if now - start < _SPIN_S:
+                continue
+            slice_s = _SLICE_S if (self.pending_sends() or channel is None) else min(1.0, limit)
+            if channel is None:
+                time.sleep(slice_s / 10)
+            elif channel.ready.acquire(timeout=slice_s):
+                peer = next(p for p, c in self.incoming.items() if c is channel)
+                self._tokens[peer] += 1
+
+
+_transport: ShmTransport | None = None
+
+
+def install(rank: int, channels: dict[tuple[int, int], Channel] | None) -> None:
+    """Make this process's ``P2P`` use shared memory (a spawned rank, before its work starts)."""
+    global _transport
+    _transport = ShmTransport(rank, channels) if channels is not None else None
+
+
+def active() -> ShmTransport | None:
+    """This rank's shared-memory transport, or None (gloo or NCCL through ``torch.distributed``)."""
+    return _transport

@@ -1,0 +1,156 @@
+"""``--transport shm``: the shared-memory rings train exactly like plain training, and fail fast.
+
+Each rank also reports how many bytes it wrote into each ring, so a run that
+silently fell back to gloo fails the test.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from pipeweave.models import ModelSpec
+from pipeweave.runtime import shm
+from pipeweave.runtime.job import TrainConfig, run_rank
+from pipeweave.runtime.launch import LaunchOptions, RankFailure, launch
+from pipeweave.runtime.plain import run_plain
+from pipeweave.schedule import ScheduleError
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+
+STEPS = 2
+SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "chimera")
+
+
+def _config(name: str, ranks: int) -> TrainConfig | None:
+    for t in (4, 6, 8):
+        config = TrainConfig(
+            schedule=name, num_stages=ranks, num_microbatches=t, batch_size=2 * t - 1, steps=STEPS,
+            model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8), collect_parameters=True,
+        )
+        try:
+            if config.check().num_ranks == ranks:
+                return config
+        except ScheduleError:
+            continue
+    return None
+
+
+def _tied_gpt() -> TrainConfig:
+    gpt = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8, tie_embeddings=True)
+    return TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=3, model=gpt, batch_size=5,
+                       steps=STEPS, collect_parameters=True)
+
+
+def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> tuple[list[Any], list[int]]:
+    records = [run_rank(rank, world, c) for c in configs]
+    ring = shm.active()
+    written = [] if ring is None else [int(c.ctrl[0]) for _, c in sorted(ring.outgoing.items())]
+    written_all = [torch.zeros(world - 1, dtype=torch.int64) for _ in range(world)]
+    torch.distributed.all_gather(written_all, torch.tensor(written or [0] * (world - 1)))
+    return records, [int(v) for t in written_all for v in t]
+
+
+@pytest.mark.parametrize("ranks", (2, 3))
+def test_shm_runs_equal_plain_training(ranks: int) -> None:
+    configs = {n: c for n in SCHEDULES if (c := _config(n, ranks)) is not None}
+    assert {"1f1b", "zb-h1", "interleaved-1f1b"} <= set(configs)
+    if ranks == 2:
+        configs["gpt-tied"] = _tied_gpt()
+    records, written = launch(_run_all, list(configs.values()), ranks, LaunchOptions(transport="shm"))
+    assert all(w > 0 for w in written), written  # every rank sent to every peer through its ring
+    for (name, config), record in zip(configs.items(), records):
+        if name == "gpt-tied":
+            continue
+        plain = run_plain(config.model, steps=STEPS, batch_size=config.batch_size,
+                          num_microbatches=config.num_microbatches, optimizer_factory=config.optimizer_factory())
+        torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6, msg=name)
+        seen = set()
+        for rank_record in record.ranks:
+            for params in rank_record.parameters.values():
+                for pname, value in params.items():
+                    torch.testing.assert_close(value, plain.parameters[pname], rtol=1e-5, atol=1e-6, msg=name)
+                    seen.add(pname)
+        assert seen == set(plain.parameters), name
+    if ranks == 2:  # the tied gpt: bitwise the same as over gloo (the tied exchange itself stays on gloo)
+        gloo, _ = launch(_run_all, [configs["gpt-tied"]], 2, LaunchOptions(transport="gloo"))
+        assert records[-1].losses == gloo[0].losses
+        for ours, theirs in zip(records[-1].ranks, gloo[0].ranks, strict=True):
+            assert ours.parameters.keys() == theirs.parameters.keys()
+            for stage, params in theirs.parameters.items():
+                for pname, value in params.items():
+                    assert torch.equal(ours.parameters[stage][pname], value), pname
+
+
+def _fail_in_backward(rank: int, world: int, config: TrainConfig, hang: bool) -> Any:
+    if rank == 1:
+        from pipeweave.runtime.stage import StageWorker
+
+        original, calls = StageWorker.backward, [0]
+
+        def backward(self: StageWorker, mb: int, grad_output: torch.Tensor | None = None) -> Any:
+            calls[0] += 1
+            if calls[0] == 6:  # inside the second step: rank 0 is blocked on a ring
+                if hang:  # alive but silent: only rank 0's own wait can end the run
+                    time.sleep(60)
+                raise RuntimeError("injected failure on rank 1")
+            return original(self, mb, grad_output)
+
+        StageWorker.backward = backward  # type: ignore[method-assign]
+    return run_rank(rank, world, config)
+
+
+def _raise_in_backward(rank: int, world: int, config: TrainConfig) -> Any:
+    return _fail_in_backward(rank, world, config, hang=False)
+
+
+def _hang(rank: int, world: int, config: TrainConfig) -> Any:
+    return _fail_in_backward(rank, world, config, hang=True)
+
+
+@pytest.mark.parametrize("fn, timeout_s, cause", [
+    (_raise_in_backward, 60.0, "rank 1 failed: RuntimeError: injected failure on rank 1"),
+    (_hang, 3.0, "rank 0 failed: TimeoutError: rank 0: no shm message for 3 s"),
+])
+def test_a_failure_ends_every_rank_quickly(fn: Any, timeout_s: float, cause: str) -> None:
+    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=8, steps=50,
+                         model=ModelSpec(kind="mlp", layers=2, hidden=8))
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        launch(fn, config, 2, LaunchOptions(transport="shm", timeout_s=timeout_s, quiet_errors=True))
+    assert failure.value.cause.startswith(cause), failure.value.cause
+    assert time.monotonic() - start < 25
+
+
+def test_a_small_ring_wraps_queues_and_keeps_order() -> None:
+    """Both ends in one process: records wrap, pad and queue behind a full ring, arriving intact in order."""
+    import multiprocessing
+
+    channels = shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1024)
+    sender, receiver = shm.ShmTransport(0, channels), shm.ShmTransport(1, channels)
+    sizes = [7, 100, 50, 1, 200, 3, 90, 64, 150, 5] * 3  # float32: 28 to 800 bytes, records of 128 to 896
+    sent = [torch.arange(n, dtype=torch.float32) + 1000 * i for i, n in enumerate(sizes)]
+    works = [sender.isend(t, 1, tag=i) for i, t in enumerate(sent)]
+    assert works[0].is_completed() and not works[-1].is_completed()  # the ring is full: queued, not blocked
+    for i, n in enumerate(sizes):
+        got = receiver.irecv(torch.empty(n), 0, tag=i)
+        sender.flush(1)  # room freed by the receiver lets queued records in
+        got.wait()
+        assert torch.equal(got.buffer, sent[i]), i
+    assert all(w.is_completed() for w in works)
+    assert int(channels[0, 1].ctrl[0]) > 3 * 1024  # it went around the ring more than three times
+
+
+def test_shm_refuses_an_asynchronous_schedule_in_one_line() -> None:
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipedream", "--model", "mlp",
+                          "--transport", "shm", "--quiet"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--transport shm does not carry asynchronous schedules (pipedream)" in lines[0], \
+        run.stderr
