@@ -14,7 +14,7 @@ The model of the issue: the residual mlp (8 blocks of LayerNorm -> Linear(h,4h)
    architecture (standard nn modules).
 
 Step times are the median over ``--steps`` steps after ``--warmup`` steps.
-Usage: ``python benchmarks/runtime/bench_vs_torch.py [--steps 20] [--ranks 2] [--json FILE]``.
+Usage: ``python benchmarks/runtime/bench_vs_torch.py [--steps 20] [--ranks 2] [--transport shm] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -172,18 +172,21 @@ def main() -> int:
     parser.add_argument("--nice", type=int, default=0,
                         help="niceness of the ranks and of their session, e.g. -10 (root only): "
                              "measure as on a quieter machine")
+    parser.add_argument("--transport", choices=("gloo", "shm"), default="gloo",
+                        help="point-to-point transport of pipeweave's schedules (torch's always use gloo)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.nice:
         set_priority(args.nice)
     only = set(args.only or [n for n, _ in OURS] + list(THEIRS))
     payload = {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "only": only}
-    results = launch(bench, payload, args.ranks, LaunchOptions(timeout_s=300))
+    results = launch(bench, payload, args.ranks, LaunchOptions(timeout_s=300, transport=args.transport))
     d = args.ranks
     results["ideal_1f1b_s"] = results["single_rank_s"] / d * (T + d - 1) / T
     results["machine"] = {"platform": platform.platform(), "processor": platform.processor(),
                           "cpus": os.cpu_count(), "torch": torch.__version__, "nice": args.nice,
-                          "date": time.strftime("%Y-%m-%d %H:%M"), "ranks": d, "threads_per_rank": 1}
+                          "date": time.strftime("%Y-%m-%d %H:%M"), "ranks": d, "threads_per_rank": 1,
+                          "transport": args.transport}
     print_results(results)
     if args.json:
         with open(args.json, "w") as f:
@@ -217,7 +220,8 @@ def _med(runs: list[dict[str, Any]], key: str) -> float:
 def print_results(r: dict[str, Any]) -> None:
     ms = 1e3
     d = r["machine"]["ranks"]
-    print(f"load average {r['load_average']['start']} -> {r['load_average']['end']}, nice {r['machine']['nice']}")
+    print(f"load average {r['load_average']['start']} -> {r['load_average']['end']}, nice {r['machine']['nice']}, "
+          f"pipeweave transport {r['machine'].get('transport', 'gloo')}")
     print(f"single rank, T={T} accumulation: {r['single_rank_s'] * ms:.1f} ms/step wall, "
           f"{r['single_rank_cpu_s'] * ms:.1f} ms CPU;  ideal {d}-rank 1F1B: {r['ideal_1f1b_s'] * ms:.1f} ms")
     print(f"{'schedule (median of rounds)':34} {'wall ms':>8} {'CPU ms/rank':>18} {'bubble':>7} {'sim':>7}")
