@@ -35,7 +35,7 @@ import torch
 _CTRL = 128  # written (bytes) at offset 0, read at 64: separate cache lines
 _HEADER = 64
 _ALIGN = 64
-_SPIN_S = 100e-6  # busy-poll this long before blocking (a semaphore wake-up costs about as much)
+_SPIN_S = 0.0  # busy-poll this long before blocking: none, on a 2-core host a spinning rank steals its peer's core
 _SLICE_S = 0.002  # blocking slice while own sends are queued behind a full ring
 DEFAULT_CAPACITY = 32 << 20
 
