@@ -37,7 +37,7 @@ _HEADER = 64
 _ALIGN = 64
 _SPIN_S = 0.0  # busy-poll this long before blocking: none, on a 2-core host a spinning rank steals its peer's core
 _SLICE_S = 0.002  # blocking slice while own sends are queued behind a full ring
-DEFAULT_CAPACITY = 32 << 20
+DEFAULT_CAPACITY = 8 << 20  # per ordered pair (8 ranks: 56 pairs, 448 MiB of /dev/shm); a larger message is refused
 
 
 class Channel:
