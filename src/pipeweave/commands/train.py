@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,8 @@ def _check_transport(args: argparse.Namespace, config: Any, torchrun: bool) -> N
 
     if torchrun or torch.cuda.is_available():
         raise UserError("--transport shm needs CPU ranks spawned by pipeweave on one host; use --transport gloo")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise UserError(f"--transport shm is implemented for x86-64, not {platform.machine()}; use --transport gloo")
     if config.is_stream:
         raise UserError(f"--transport shm does not carry asynchronous schedules ({config.schedule}); "
                         "use --transport gloo")

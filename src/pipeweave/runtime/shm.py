@@ -7,8 +7,10 @@ payload, 64-byte aligned, skipping to the ring's start when it would not fit
 before its end -- advances the ``written`` counter and releases the semaphore;
 the receiver copies the record out, advances ``read`` and acquires it once.
 Both counters count bytes since the start and each has a single writer, so the
-ring needs no lock (x86 keeps stores in program order: the payload is visible
-before the counter that publishes it).
+ring needs no lock. The receiver acquires the semaphore before it reads a
+record, which orders the payload on any CPU; that the receiver's copy-out is done before
+the sender sees ``read`` move relies on x86-64's ordering, so ``train``
+accepts ``--transport shm`` on x86-64 only.
 
 Records of a pair are read in the order they were written, which is the
 per-pair posting order ``comm.rank_sends`` fixes on both sides -- the same
@@ -18,8 +20,8 @@ without reading it; the header's tag and size are checked anyway.
 
 Sends never block: a record that does not fit waits in this rank's own queue
 and is written as the receiver frees room (at every later call and while the
-rank waits). Waits spin briefly, then block on the semaphore in short slices
-up to the launch's timeout; a dead peer ends the run sooner through the
+rank waits). Waits block on the semaphore (in short slices while own sends
+are queued) up to the launch's timeout; a dead peer ends the run sooner through the
 launcher, which terminates every rank at the first failure.
 """
 
@@ -176,6 +178,11 @@ class ShmTransport:
             written, read = int(channel.ctrl[0]), int(channel.ctrl[8])
             if written == read:
                 return
+            # The semaphore first: its release follows the sender's payload write on any CPU.
+            if self._tokens[peer]:
+                self._tokens[peer] -= 1
+            elif not channel.ready.acquire(timeout=5.0):  # pragma: no cover - released right after writing
+                raise RuntimeError(f"rank {self.rank}: shm semaphore from rank {peer} lost a release")
             nbytes = work.buffer.numel() * work.buffer.element_size()
             pad, length = _record(read, nbytes, channel.capacity)
             start = (read + pad) % channel.capacity
@@ -187,10 +194,6 @@ class ShmTransport:
                 work.buffer.reshape(-1).view(torch.uint8).copy_(
                     channel.data[start + _HEADER : start + _HEADER + nbytes])
             channel.ctrl[8] = read + pad + length
-            if self._tokens[peer]:
-                self._tokens[peer] -= 1
-            elif not channel.ready.acquire(timeout=5.0):  # pragma: no cover - released right after writing
-                raise RuntimeError(f"rank {self.rank}: shm semaphore from rank {peer} lost a release")
             work.done = True
             posted.popleft()
 
