@@ -23,12 +23,10 @@ from pipeweave.runtime.plain import run_plain
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
 
 def test_two_torchrun_nodes_on_loopback_train_exactly(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
@@ -38,29 +36,30 @@ def test_two_torchrun_nodes_on_loopback_train_exactly(tmp_path: Path) -> None:
     train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--microbatches", "3", "--model", "mlp",
              "--layers", "4", "--hidden", "8", "--batch", "7", "--steps", "3", "--quiet", "--out", str(tmp_path),
              "--json", str(record)]
+    # Logs go to files, not pipes: a pipe nobody drains while we wait on the other
+    # node fills up and blocks that node, which the waited-on node then waits for.
+    logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
     nodes = [
         subprocess.Popen(
             [torchrun, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
              "--master-addr", "127.0.0.1", "--master-port", str(port), *train],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+            stdout=logs[n].open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
         )
         for n in (0, 1)
     ]
-    outputs = []
     try:
         for node in nodes:
-            outputs.append(node.communicate(timeout=150)[0])
+            node.wait(timeout=150)
     finally:
         for node in nodes:
             if node.poll() is None:
                 node.kill()
+    outputs = [log.read_text(errors="replace")[-3000:] for log in logs]
     assert [n.returncode for n in nodes] == [0, 0], outputs
     report = json.loads(record.read_text())
     plain = run_plain(ModelSpec(kind="mlp", layers=4, hidden=8), steps=3, batch_size=7, num_microbatches=3)
     assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
     assert report["stages"] == 2 and len(report["weight_bytes"]) == 2
-
-
 
 def _workers_of(marker: str) -> list[int]:
     """PIDs of live processes whose command line holds ``marker``."""
@@ -73,14 +72,12 @@ def _workers_of(marker: str) -> list[int]:
             continue
     return pids
 
-
 def _cpu_seconds(pid: int) -> float:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_killed_torchrun_node_ends_the_other_without_leftovers(tmp_path: Path) -> None:

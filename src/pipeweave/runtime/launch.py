@@ -146,7 +146,12 @@ def _join_torchrun(
         timeout=datetime.timedelta(seconds=options.timeout_s),
     )
     try:
-        return fn(rank, world, payload)
+        value = fn(rank, world, payload)
+        # Every rank's last messages (the gather to rank 0) must have left before the
+        # group goes: tearing gloo down under an in-flight op aborts the process
+        # ("terminate called without an active exception"), seen under CPU contention.
+        dist.barrier()
+        return value
     except Exception as exc:  # one line per failing rank; torchrun's agent reports the exit
         cause = _describe(rank, exc)
         _report(cause, options)
@@ -290,6 +295,7 @@ def _child(
 
             shm.install(rank, channels)
         value = fn(rank, world, payload)
+        dist.barrier()  # nothing in flight when the group is destroyed (see _join_torchrun)
         # Plain pickle bytes: torch's queue pickler would share tensors through
         # file descriptors that vanish with this process.
         results.put(("ok", rank, pickle.dumps(value if rank == 0 else None)))
