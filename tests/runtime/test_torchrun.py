@@ -121,3 +121,36 @@ def test_a_killed_torchrun_node_ends_the_other_without_leftovers(tmp_path: Path)
                 node.kill()
         for pid in _workers_of(str(out)):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_data_parallel_pipelines_across_two_torchrun_nodes(tmp_path: Path) -> None:
+    """P = 2 replicas of a D = 2 pipeline on 2 nodes x 2 processes equal plain training on the global batch."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    assert torchrun is not None
+    port = _free_port()
+    record = tmp_path / "record.json"
+    train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--data-parallel", "2",
+             "--microbatches", "3", "--model", "mlp", "--layers", "4", "--hidden", "8", "--batch", "14",
+             "--steps", "3", "--quiet", "--out", str(tmp_path), "--json", str(record)]
+    logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [torchrun, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "2",
+             "--master-addr", "127.0.0.1", "--master-port", str(port), *train],
+            stdout=logs[n].open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+        )
+        for n in (0, 1)
+    ]
+    try:
+        for node in nodes:
+            node.wait(timeout=150)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert [n.returncode for n in nodes] == [0, 0], [log.read_text(errors="replace")[-3000:] for log in logs]
+    report = json.loads(record.read_text())
+    # The global batch of 14 samples is split into P x T = 6 microbatches.
+    plain = run_plain(ModelSpec(kind="mlp", layers=4, hidden=8), steps=3, batch_size=14, num_microbatches=6)
+    assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
+    assert len(report["weight_bytes"]) == 4
