@@ -28,20 +28,19 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
-def test_two_torchrun_nodes_on_loopback_train_exactly(tmp_path: Path) -> None:
+def _two_nodes(tmp_path: Path, train: list[str], nproc: int = 1) -> list[str]:
+    """Run ``train`` under two torchrun "nodes" on loopback; return their logs' tails, assert both exit 0.
+
+    Logs go to files, not pipes: a pipe nobody drains while we wait on the other
+    node fills up and blocks that node, which the waited-on node then waits for.
+    """
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
     assert torchrun is not None, "torchrun is installed with torch"
     port = _free_port()
-    record = tmp_path / "record.json"
-    train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--microbatches", "3", "--model", "mlp",
-             "--layers", "4", "--hidden", "8", "--batch", "7", "--steps", "3", "--quiet", "--out", str(tmp_path),
-             "--json", str(record)]
-    # Logs go to files, not pipes: a pipe nobody drains while we wait on the other
-    # node fills up and blocks that node, which the waited-on node then waits for.
     logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
     nodes = [
         subprocess.Popen(
-            [torchrun, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+            [torchrun, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", str(nproc),
              "--master-addr", "127.0.0.1", "--master-port", str(port), *train],
             stdout=logs[n].open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
         )
@@ -56,6 +55,15 @@ def test_two_torchrun_nodes_on_loopback_train_exactly(tmp_path: Path) -> None:
                 node.kill()
     outputs = [log.read_text(errors="replace")[-3000:] for log in logs]
     assert [n.returncode for n in nodes] == [0, 0], outputs
+    return outputs
+
+
+def test_two_torchrun_nodes_on_loopback_train_exactly(tmp_path: Path) -> None:
+    record = tmp_path / "record.json"
+    train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--microbatches", "3", "--model", "mlp",
+             "--layers", "4", "--hidden", "8", "--batch", "7", "--steps", "3", "--quiet", "--out", str(tmp_path),
+             "--json", str(record)]
+    _two_nodes(tmp_path, train)
     report = json.loads(record.read_text())
     plain = run_plain(ModelSpec(kind="mlp", layers=4, hidden=8), steps=3, batch_size=7, num_microbatches=3)
     assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
@@ -125,30 +133,11 @@ def test_a_killed_torchrun_node_ends_the_other_without_leftovers(tmp_path: Path)
 
 def test_data_parallel_pipelines_across_two_torchrun_nodes(tmp_path: Path) -> None:
     """P = 2 replicas of a D = 2 pipeline on 2 nodes x 2 processes equal plain training on the global batch."""
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    assert torchrun is not None
-    port = _free_port()
     record = tmp_path / "record.json"
     train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--data-parallel", "2",
              "--microbatches", "3", "--model", "mlp", "--layers", "4", "--hidden", "8", "--batch", "14",
              "--steps", "3", "--quiet", "--out", str(tmp_path), "--json", str(record)]
-    logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
-    nodes = [
-        subprocess.Popen(
-            [torchrun, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "2",
-             "--master-addr", "127.0.0.1", "--master-port", str(port), *train],
-            stdout=logs[n].open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
-        )
-        for n in (0, 1)
-    ]
-    try:
-        for node in nodes:
-            node.wait(timeout=150)
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-    assert [n.returncode for n in nodes] == [0, 0], [log.read_text(errors="replace")[-3000:] for log in logs]
+    _two_nodes(tmp_path, train, nproc=2)
     report = json.loads(record.read_text())
     # The global batch of 14 samples is split into P x T = 6 microbatches.
     plain = run_plain(ModelSpec(kind="mlp", layers=4, hidden=8), steps=3, batch_size=14, num_microbatches=6)

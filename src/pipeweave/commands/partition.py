@@ -12,6 +12,7 @@ import argparse
 import json
 from typing import Any
 
+from pipeweave.commands.units import format_bytes
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
 from pipeweave.schedule import generate
@@ -224,11 +225,7 @@ def _seconds(t: float) -> str:
 
 
 def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError  # pragma: no cover
+    return format_bytes(n, 2)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 
 from pipeweave.commands.partition import add_model_arguments, add_partition_arguments, layers_per_part, model_spec
 from pipeweave.commands.stream_options import add_async_arguments, async_options
+from pipeweave.commands.units import format_bytes
 from pipeweave.errors import UserError
 
 DEFAULT_OUT = Path("pipeweave-out")
@@ -302,8 +303,4 @@ def _ms(seconds: float) -> str:
 
 
 def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
+    return format_bytes(n, 1)
