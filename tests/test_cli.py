@@ -143,3 +143,14 @@ def test_bad_csv_text_is_a_user_error(capsys: pytest.CaptureFixture[str], tmp_pa
     bad.write_text("0F0,zzz\n")
     err = _error(capsys, ["simulate", "--from-csv", str(bad)])
     assert "cannot read action 'zzz'" in err and err.count("\n") == 0
+
+
+def test_simulate_zb_auto_takes_its_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    peaks = {}
+    for k in (1, 2):
+        assert main(["simulate", "-s", "zb-auto", "--stages", "4", "--microbatches", "8", "--memory-limit", str(k),
+                     "--json"]) == 0
+        peaks[k] = max(json.loads(capsys.readouterr().out)["peak_activations"])
+    assert peaks[1] <= 4 < peaks[2] <= 8  # K x D x M_a, and K = 2 is used
+    assert main(["simulate", "-s", "1f1b", "--memory-limit", "2"]) == 2
+    assert "applies to zb-auto and zb-v-auto" in capsys.readouterr().err

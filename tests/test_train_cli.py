@@ -68,9 +68,10 @@ def test_default_model_is_the_gpt_with_a_summary(tmp_path: Path) -> None:
     [
         (["--clip-grad-norm", "0"], "--clip-grad-norm 0.0 is invalid; give a norm > 0"),
         (["-s", "chimera", "--clip-grad-norm", "1"], "post-validation needs one stage per rank"),
+        (["-s", "1f1b", "--memory-limit", "2"], "--memory-limit 2 applies to --partition memory"),
     ],
 )
-def test_clip_grad_norm_is_checked_before_spawning(
+def test_misplaced_options_are_one_line_before_spawning(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from pipeweave.cli import main
@@ -78,3 +79,22 @@ def test_clip_grad_norm_is_checked_before_spawning(
     assert main(["train", "--model", "mlp", "--layers", "4", "--hidden", "8", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_zb_auto_is_searched_for_the_profiled_costs_and_its_memory_limit(tmp_path: Path) -> None:
+    from pipeweave.cli import build_parser
+    from pipeweave.commands.train import build_config
+    from pipeweave.sim import CostModel, compute_metrics, simulate
+
+    args = build_parser().parse_args(["train", "-s", "zb-auto", "--stages", "2", "--microbatches", "4",
+                                      "--model", "mlp", "--layers", "4", "--hidden", "16", "--memory-limit", "2"])
+    config = build_config(args)
+    options = dict(config.schedule_options)
+    assert options["memory_limit"] == 2
+    for key in ("time_f", "time_b", "time_w"):  # one profiled time per part, in seconds
+        assert len(options[key]) == 2 and all(t > 0 for t in options[key])
+    schedule = config.check()
+    cost = CostModel(f=options["time_f"], b=options["time_b"], w=options["time_w"])
+    peaks = compute_metrics(simulate(schedule, cost)).peak_activations
+    assert max(peaks) <= 2 * 2 + 1e-9  # K x D x M_a
+    assert max(peaks) > 2  # the limit is used: deeper than 1F1B's D x M_a

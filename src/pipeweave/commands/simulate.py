@@ -43,6 +43,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="input-gradient time I (default 1); a full backward B takes b + w")
     p.add_argument("--time-w", default="1", metavar="W", help="weight-gradient time W (default 1)")
     p.add_argument("--time-comm", type=float, default=0.0, metavar="C", help="latency of one hop (default 0)")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="K",
+                   help="zb-auto, zb-v-auto: activation limit per rank, K x the 1F1B peak D x M_a (default 1)")
     p.add_argument("--mem-w", type=float, default=0.5, metavar="R",
                    help="share of M_a still held between I and W (default 0.5)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -117,6 +119,10 @@ def _build(args: argparse.Namespace, times: dict[str, Times]) -> tuple[Schedule,
         options["time_comm"] = args.time_comm
     if "mem_w" in params:
         options["mem_w"] = args.mem_w
+    if args.memory_limit is not None:
+        if "memory_limit" not in params:
+            raise UserError(f"--memory-limit applies to zb-auto and zb-v-auto, not {args.schedule}; drop it")
+        options["memory_limit"] = args.memory_limit
     if not info.synchronous:  # the stream's length and its generator's options
         from pipeweave.commands.stream_options import schedule_options
 

@@ -102,7 +102,7 @@ def build_config(args: argparse.Namespace) -> Any:
         momentum=momentum, schedule_options=tuple(options.items()), policy=policy,
         post_validation=_post_validation(args),
     )
-    return _with_partition(config, args)
+    return _with_searched_costs(_with_partition(config, args), args)
 
 
 def _check_transport(args: argparse.Namespace, config: Any, torchrun: bool) -> None:
@@ -128,9 +128,46 @@ def _post_validation(args: argparse.Namespace) -> Any:
     return PostValidation(max_norm=args.clip_grad_norm)
 
 
+SEARCHED = ("zb-auto", "zb-v-auto")
+"""Schedules searched for the run's own costs (pipeweave.search)."""
+
+
+def _with_searched_costs(config: Any, args: argparse.Namespace) -> Any:
+    """zb-auto/zb-v-auto: plan with this model's per-part F, I, W times, profiled per layer (cached).
+
+    ``--memory-limit K`` is their activation limit (K x the 1F1B peak) unless it is
+    the memory partitioner's byte budget. The numbers travel in the config, so every
+    rank searches the same instance and builds the same schedule.
+    """
+    if config.schedule not in SEARCHED:
+        return config
+    import dataclasses
+
+    import torch
+
+    from pipeweave.runtime.profile import profile_model
+
+    options = dict(config.schedule_options)
+    if args.memory_limit is not None and args.partition != "memory":
+        options["memory_limit"] = args.memory_limit
+    parts = dataclasses.replace(config, data_parallel=1).build_schedule()
+    microbatch = max(1, config.batch_size // (config.num_microbatches * config.data_parallel))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    costs = profile_model(config.model, microbatch, device=device)
+    ranges = config.layer_ranges(parts)
+    for key, per_layer in (("time_f", costs.forward), ("time_b", costs.input_grad), ("time_w", costs.weight_grad)):
+        options[key] = tuple(sum(per_layer[i] for i in r) for r in ranges)
+    return dataclasses.replace(config, schedule_options=tuple(options.items()))
+
+
 def _with_partition(config: Any, args: argparse.Namespace) -> Any:
     """``config`` with the layer counts of ``--partition`` (profiled on this machine's device, cached)."""
     import dataclasses
+
+    if args.memory_limit is not None and args.partition != "memory" and config.schedule not in SEARCHED:
+        # Otherwise --memory-limit would be ignored: say so instead.
+        raise UserError(f"--memory-limit {args.memory_limit:g} applies to --partition memory (bytes per rank) and to "
+                        f"zb-auto/zb-v-auto (K x the 1F1B peak); add one of them or drop it")
 
     import torch
 

@@ -7,7 +7,7 @@ its paper (as text, for ``pipeweave schedules``) and the conditions they need.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeweave.schedule.ampnet import ampnet
@@ -51,11 +51,13 @@ class ScheduleInfo:
     """Fixed chunks per rank (2 for V shapes), or None when ``--chunks`` applies (default 1)."""
 
 
+Times = float | Sequence[float]  # a scalar per D-th of the model, or one value per part
+
 # zb-auto and zb-v-auto live in pipeweave.search, which imports schedule.ir: importing
 # it here at module level would be a cycle (search -> schedule package -> registry ->
 # search), so these wrappers import it when called. Their signatures are the options.
 def _zb_auto(num_stages: int, num_microbatches: int, *, memory_limit: float = 1.0, mem_w: float = 0.5,
-             time_f: float = 1.0, time_b: float = 1.0, time_w: float = 1.0, time_comm: float = 0.0,
+             time_f: Times = 1.0, time_b: Times = 1.0, time_w: Times = 1.0, time_comm: float = 0.0,
              solver: str = "heuristic", time_limit: float = 10.0) -> Schedule:
     from pipeweave.search.registry_entries import zb_auto
 
@@ -64,7 +66,7 @@ def _zb_auto(num_stages: int, num_microbatches: int, *, memory_limit: float = 1.
 
 
 def _zb_v_auto(num_stages: int, num_microbatches: int, *, memory_limit: float = 1.0, mem_w: float = 0.5,
-               time_f: float = 1.0, time_b: float = 1.0, time_w: float = 1.0, time_comm: float = 0.0,
+               time_f: Times = 1.0, time_b: Times = 1.0, time_w: Times = 1.0, time_comm: float = 0.0,
                solver: str = "heuristic", time_limit: float = 10.0) -> Schedule:
     from pipeweave.search.registry_entries import zb_v_auto
 
