@@ -31,6 +31,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--json", default=str(HERE / "bubble_2ranks.json"))
+    parser.add_argument("--transport", choices=("auto", "gloo", "shm"), default="auto",
+                        help="as `pipeweave train --transport` (default auto, train's default)")
     args = parser.parse_args()
     rows = []
     for name, info in SCHEDULES.items():
@@ -40,14 +42,16 @@ def main() -> None:
                              model=ModelSpec(kind="mlp", layers=8, hidden=256), lr=0.01, momentum=0.9)
         config.check()
         before = os.getloadavg()[0]
-        record = launch(run_rank, config, config.build_schedule().num_ranks, LaunchOptions(threads=1))
+        record = launch(run_rank, config, config.build_schedule().num_ranks, LaunchOptions(threads=1, transport=args.transport))
         report = summarize_stream(config.build_schedule(), record)
-        row = {"schedule": name, "load_before": before, "load_after": os.getloadavg()[0],
+        row = {"schedule": name, "transport": record.transport, "load_before": before,
+               "load_after": os.getloadavg()[0],
                **{k: report[k] for k in ("bubble_ratio", "bubble_ratio_stream", "bubble_ratio_simulated",
                                          "step_time_s", "weight_bytes", "weight_bytes_simulated")}}
         rows.append(row)
         print(f"{name:14s} bubble {row['bubble_ratio']:.3f} (stream {row['bubble_ratio_stream']:.3f}, "
               f"simulated {row['bubble_ratio_simulated']:.3f})  {row['step_time_s'] * 1e3:.0f} ms/mini-batch  "
+              f"{record.transport}  "
               f"load {before:.1f} -> {row['load_after']:.1f}", flush=True)
     Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -56,29 +56,27 @@ class TorchBlock(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
-def single_rank_time(steps: int, warmup: int) -> tuple[float, float]:
-    """Median wall and CPU seconds per step of plain training with T-microbatch accumulation on one rank."""
+def single_rank_time(steps: int, warmup: int, repeats: int = 3) -> tuple[float, float]:
+    """Wall and CPU seconds per step of plain training with T-microbatch accumulation on one rank.
+
+    ``run_plain`` builds the model in each call, so a call of ``warmup`` steps
+    is timed beside one of ``warmup + steps``: their difference over
+    ``steps`` is the steady step, without the build and the first steps. The
+    median of ``repeats`` such pairs.
+    """
     spec = ModelSpec(kind="mlp", layers=LAYERS, hidden=HIDDEN)
 
-    def timed(n: int) -> tuple[list[float], list[float]]:
-        wall, cpu = [], []
-        for _ in range(n):
-            t0, c0 = time.perf_counter(), time.process_time()
-            run_plain(spec, steps=1 if n else 0, batch_size=BATCH, num_microbatches=T)
-            wall.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-        return wall, cpu
-
-    wall, cpu = timed(warmup + steps)
-    # run_plain builds the model each call: time that alone and subtract it.
-    build_wall, build_cpu = [], []
-    for _ in range(3):
+    def timed(n: int) -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
-        run_plain(spec, steps=0, batch_size=BATCH, num_microbatches=T)
-        build_wall.append(time.perf_counter() - t0)
-        build_cpu.append(time.process_time() - c0)
-    return (statistics.median(wall[warmup:]) - statistics.median(build_wall),
-            statistics.median(cpu[warmup:]) - statistics.median(build_cpu))
+        run_plain(spec, steps=n, batch_size=BATCH, num_microbatches=T)
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    wall, cpu = [], []
+    for _ in range(repeats):
+        (short_wall, short_cpu), (long_wall, long_cpu) = timed(warmup), timed(warmup + steps)
+        wall.append((long_wall - short_wall) / steps)
+        cpu.append((long_cpu - short_cpu) / steps)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def ours(rank: int, world: int, name: str, chunks: int | None, steps: int, warmup: int) -> dict[str, Any] | None:
@@ -100,7 +98,7 @@ def ours(rank: int, world: int, name: str, chunks: int | None, steps: int, warmu
             "bubble_ratio_simulated": report["bubble_ratio_simulated"],
             "bubble_ratio_flush": report["bubble_ratio_flush"],
             "makespan_simulated_s": report["makespan_simulated_s"], "costs": report["profiled_costs_s"],
-            "losses": [record.losses[0], record.losses[-1]]}
+            "losses": [record.losses[0], record.losses[-1]], "transport": record.transport}
 
 
 def theirs(rank: int, world: int, name: str, steps: int, warmup: int) -> dict[str, Any]:
@@ -172,8 +170,9 @@ def main() -> int:
     parser.add_argument("--nice", type=int, default=0,
                         help="niceness of the ranks and of their session, e.g. -10 (root only): "
                              "measure as on a quieter machine")
-    parser.add_argument("--transport", choices=("gloo", "shm"), default="gloo",
-                        help="point-to-point transport of pipeweave's schedules (torch's always use gloo)")
+    parser.add_argument("--transport", choices=("auto", "gloo", "shm"), default="auto",
+                        help="point-to-point transport of pipeweave's schedules, as `pipeweave train --transport` "
+                             "(default auto, train's default); torch's schedules always use gloo")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.nice:
@@ -221,7 +220,8 @@ def print_results(r: dict[str, Any]) -> None:
     ms = 1e3
     d = r["machine"]["ranks"]
     print(f"load average {r['load_average']['start']} -> {r['load_average']['end']}, nice {r['machine']['nice']}, "
-          f"pipeweave transport {r['machine'].get('transport', 'gloo')}")
+          f"pipeweave transport {r['machine'].get('transport', 'gloo')} (used: "
+          f"{', '.join(sorted({x.get('transport', '?') for runs in r['ours'].values() for x in runs}))})")
     print(f"single rank, T={T} accumulation: {r['single_rank_s'] * ms:.1f} ms/step wall, "
           f"{r['single_rank_cpu_s'] * ms:.1f} ms CPU;  ideal {d}-rank 1F1B: {r['ideal_1f1b_s'] * ms:.1f} ms")
     print(f"{'schedule (median of rounds)':34} {'wall ms':>8} {'CPU ms/rank':>18} {'bubble':>7} {'sim':>7}")

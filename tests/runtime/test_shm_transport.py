@@ -144,13 +144,50 @@ def test_a_small_ring_wraps_queues_and_keeps_order() -> None:
     assert int(channels[0, 1].ctrl[0]) > 3 * 1024  # it went around the ring more than three times
 
 
-def test_shm_refuses_an_asynchronous_schedule_in_one_line() -> None:
-    import subprocess
-    import sys
+ASYNC = ("pipedream", "pipemare", "spectrain", "avgpipe")
 
-    run = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipedream", "--model", "mlp",
-                          "--transport", "shm", "--quiet"], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--transport shm does not carry asynchronous schedules (pipedream)" in lines[0], \
-        run.stderr
+
+def test_shm_carries_asynchronous_streams_exactly() -> None:
+    """A stream is one long step for the transport: the rings carry it, equal to the reference executor."""
+    from pipeweave.runtime.reference import run_reference
+
+    configs = [TrainConfig(schedule=name, num_stages=2, num_microbatches=4, batch_size=7, steps=4, lr=0.05,
+                           momentum=0.9, model=ModelSpec(kind="mlp", layers=4, hidden=8), collect_parameters=True)
+               for name in ASYNC]
+    records, written = launch(_run_all, configs, 2, LaunchOptions(transport="shm"))
+    assert all(w > 0 for w in written), written
+    for config, record in zip(configs, records, strict=True):
+        assert record.transport == "shm"
+        reference = run_reference(config.build_schedule(), config.model, steps=config.steps,
+                                  batch_size=config.batch_size, optimizer_factory=config.optimizer_factory())
+        torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6, msg=config.schedule)
+        for rank_record in record.ranks:
+            for stage, params in rank_record.parameters.items():
+                for pname, value in params.items():
+                    torch.testing.assert_close(value, reference.stage_parameters[stage][pname], rtol=1e-5,
+                                               atol=1e-6, msg=config.schedule)
+
+
+def test_auto_takes_shm_here_and_gloo_when_asked() -> None:
+    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4, steps=1,
+                         model=ModelSpec(kind="mlp", layers=2, hidden=8))
+    auto = launch(run_rank, config, 2, LaunchOptions(transport="auto"))
+    gloo = launch(run_rank, config, 2, LaunchOptions(transport="gloo"))
+    assert auto.transport == ("shm" if shm.unavailable(2) is None else "gloo")
+    assert gloo.transport == "gloo"
+    assert auto.losses == gloo.losses
+
+
+def test_shm_is_refused_in_one_line_where_it_cannot_run() -> None:
+    import argparse
+
+    from pipeweave.commands.train import _check_transport
+    from pipeweave.errors import UserError
+
+    schedule = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4,
+                           model=ModelSpec(kind="mlp", layers=2, hidden=8)).check()
+    with pytest.raises(UserError, match="^--transport shm needs ranks spawned by pipeweave on one host, "
+                                        "not torchrun; use --transport gloo$"):
+        _check_transport(argparse.Namespace(transport="shm"), schedule, torchrun=True)
+    _check_transport(argparse.Namespace(transport="auto"), schedule, torchrun=True)  # auto: gloo, no error
+    assert shm.unavailable(2, capacity=1 << 60) is not None  # no /dev/shm holds that

@@ -78,6 +78,20 @@ def test_split_backward_times() -> None:
     assert got == [[("0F0", 0, 2), ("0I0", 2, 5), ("0W0", 5, 10), ("0U0", 10, 10)]]
 
 
+def test_update_takes_u_per_part_and_counts_as_busy() -> None:
+    # zb-h1 on one rank with u = 4: U is charged after W; 1F1B on 2 ranks with uneven u: each
+    # rank's U follows its last backward, so the makespan grows by rank 0's u (it ends last).
+    got = _timeline(generate("zb-h1", num_stages=1, num_microbatches=1), CostModel(f=2, b=3, w=5, u=4))
+    assert got[0][-1] == ("0U0", 10, 14)
+    s = generate("1f1b", num_stages=2, num_microbatches=3)
+    base = compute_metrics(simulate(s, CostModel()))
+    uneven = compute_metrics(simulate(s, CostModel(u=[0.5, 0.25])))
+    assert uneven.makespan == pytest.approx(base.makespan + 0.5)
+    assert uneven.bubble_ratio_flush == pytest.approx(1 - (2 * 9 + 0.75) / (2 * (base.makespan + 0.5)))
+    with pytest.raises(UserError, match="cost u=-1"):
+        CostModel(u=-1)
+
+
 @pytest.mark.parametrize("comm", [0.25, 1.0])
 def test_comm_latency_adds_two_hops_per_boundary_to_gpipe(comm: float) -> None:
     # Forward crosses D-1 boundaries, backward D-1 back: 3(T+D-1) + 2(D-1)c.

@@ -42,6 +42,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--time-b", default="1", metavar="B",
                    help="input-gradient time I (default 1); a full backward B takes b + w")
     p.add_argument("--time-w", default="1", metavar="W", help="weight-gradient time W (default 1)")
+    p.add_argument("--time-u", default="0", metavar="U",
+                   help="optimizer step time U (default 0, as in the papers' bubble formulas)")
     p.add_argument("--time-comm", type=float, default=0.0, metavar="C", help="latency of one hop (default 0)")
     p.add_argument("--memory-limit", type=float, default=None, metavar="K",
                    help="zb-auto, zb-v-auto: activation limit per rank, K x the 1F1B peak D x M_a (default 1)")
@@ -137,10 +139,10 @@ def _build(args: argparse.Namespace, times: dict[str, Times]) -> tuple[Schedule,
 def run(args: argparse.Namespace) -> int:
     _check_counts(args)
     times = {flag: parse_times(flag, getattr(args, flag[2:].replace("-", "_")))
-             for flag in ("--time-f", "--time-b", "--time-w")}
+             for flag in ("--time-f", "--time-b", "--time-w", "--time-u")}
     schedule, info = _build(args, times)
     _check_lengths(times, schedule.num_parts)
-    cost = CostModel(f=times["--time-f"], b=times["--time-b"], w=times["--time-w"],
+    cost = CostModel(f=times["--time-f"], b=times["--time-b"], w=times["--time-w"], u=times["--time-u"],
                      comm=args.time_comm, mem_w=args.mem_w)
     try:
         validate(schedule)

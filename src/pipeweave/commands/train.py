@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -66,9 +65,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     # is what ends a rank whose remote peer died, so it stays under the 30 s promise.
     p.add_argument("--timeout", type=float, default=25.0,
                    help="seconds a rank may wait on a peer before failing (default 25)")
-    p.add_argument("--transport", choices=("gloo", "shm"), default="gloo",
-                   help="point-to-point messages of spawned CPU ranks: gloo (default), or shm: shared-memory "
-                        "rings between the ranks on this host (collectives stay on gloo)")
+    p.add_argument("--transport", choices=("auto", "gloo", "shm"), default="auto",
+                   help="point-to-point messages of spawned CPU ranks: shm, shared-memory rings between the "
+                        "ranks on this host (collectives stay on gloo), or gloo; auto (default): shm on x86-64 "
+                        "with room in /dev/shm, gloo otherwise and under torchrun, NCCL on CUDA")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="folder of the default outputs (default ./pipeweave-out)")
     p.add_argument("--json", metavar="FILE", help="write the JSON record here (default OUT/train.json)")
     p.add_argument("--plot", metavar="FILE", help="write the measured timeline plot here (default OUT/timeline.png)")
@@ -105,19 +105,18 @@ def build_config(args: argparse.Namespace) -> Any:
     return _with_searched_costs(_with_partition(config, args), args)
 
 
-def _check_transport(args: argparse.Namespace, config: Any, torchrun: bool) -> None:
-    """``--transport shm`` needs ranks spawned here on CPU, running a synchronous schedule (one line otherwise)."""
+def _check_transport(args: argparse.Namespace, schedule: Any, torchrun: bool) -> None:
+    """``--transport shm`` needs CPU ranks spawned here on x86-64 with room in /dev/shm (one line otherwise)."""
     if args.transport != "shm":
         return
-    import torch
+    from pipeweave.runtime import shm
 
-    if torchrun or torch.cuda.is_available():
-        raise UserError("--transport shm needs CPU ranks spawned by pipeweave on one host; use --transport gloo")
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise UserError(f"--transport shm is implemented for x86-64, not {platform.machine()}; use --transport gloo")
-    if config.is_stream:
-        raise UserError(f"--transport shm does not carry asynchronous schedules ({config.schedule}); "
+    if torchrun:
+        raise UserError("--transport shm needs ranks spawned by pipeweave on one host, not torchrun; "
                         "use --transport gloo")
+    why = shm.unavailable(schedule.num_ranks)
+    if why is not None:
+        raise UserError(f"--transport shm cannot run here: {why}; use --transport gloo")
 
 
 def _post_validation(args: argparse.Namespace) -> Any:
@@ -185,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(args)
     schedule = config.check()  # one line before anything is spawned
     progress = _Progress(config, quiet=args.quiet or (under_torchrun() and _rank() != 0))
-    _check_transport(args, config, under_torchrun())
+    _check_transport(args, schedule, under_torchrun())
     options = LaunchOptions(threads=args.threads, timeout_s=args.timeout, transport=args.transport)
     try:
         with progress:
@@ -264,6 +263,7 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
         "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.steps,
         "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
         "recompute": config.recompute, "losses": record.losses, "wall_s": record.wall_s,
+        "transport": record.transport,
         **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
     }
 
@@ -311,7 +311,7 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
 
     losses = report["losses"]
     table = Table(title=f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  "
-                        f"{report['model']['kind']}  {report['steps']} steps", show_header=True)
+                        f"{report['model']['kind']}  {report['steps']} steps  ({report['transport']})", show_header=True)
     table.add_column("measure")
     table.add_column("measured", justify="right")
     table.add_column("simulated", justify="right")

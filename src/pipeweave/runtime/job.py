@@ -192,11 +192,20 @@ class RunRecord:
     config: TrainConfig
     ranks: list[RankRecord]
     wall_s: float
+    transport: str = ""
+    """What carried the point-to-point messages: ``shm``, ``gloo`` or ``nccl`` (``used_transport``)."""
 
     @property
     def losses(self) -> list[float]:
         """Per step, the mini-batch mean loss (every rank's share summed)."""
         return [sum(r.losses[k] for r in self.ranks) for k in range(self.config.steps)]
+
+
+def used_transport() -> str:
+    """This rank's point-to-point transport: ``shm`` (``runtime.shm``) or the process group's backend."""
+    from pipeweave.runtime import shm
+
+    return "shm" if shm.active() is not None else str(dist.get_backend())
 
 
 def build_workers(schedule: Schedule, config: TrainConfig, rank: int, device: torch.device) -> dict[int, StageWorker]:
@@ -253,4 +262,5 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
     if rank != 0:
         return None
     assert gathered is not None
-    return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started)
+    return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started,
+                     used_transport())

@@ -223,7 +223,7 @@ def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | N
     """``job.run_rank`` for an asynchronous schedule: one pass of the stream through the ``Executor``."""
     from pipeweave.runtime import launch as launch_module
     from pipeweave.runtime.executor import Executor
-    from pipeweave.runtime.job import RankRecord, RunRecord, build_workers as rank_workers
+    from pipeweave.runtime.job import RankRecord, RunRecord, build_workers as rank_workers, used_transport
     from pipeweave.runtime.trace import align_clocks
     from pipeweave.schedule import lower
 
@@ -260,7 +260,8 @@ def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | N
     if rank != 0:
         return None
     assert gathered is not None
-    return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started)
+    return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started,
+                     used_transport())
 
 
 def _keep_replicas_apart(executor: Any, workers: dict[int, StageWorker]) -> None:

@@ -97,7 +97,7 @@ def step_times(record: RunRecord) -> list[float]:
 
 
 def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = None) -> CostModel:
-    """Per-part median F, I (or B) and W durations of the measured steps, as a CostModel.
+    """Per-part median F, I (or B), W and U durations of the measured steps, as a CostModel.
 
     A part run with a full backward gets ``b`` = its B time and ``w`` = 0, so
     a simulated B (= b + w) takes what it measured.
@@ -113,13 +113,14 @@ def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = No
         values = durations.get((part, op))
         return statistics.median(values) if values else None
 
-    f, b, w = [], [], []
+    f, b, w, u = [], [], [], []
     for part in range(schedule.num_parts):
         f.append(median(part, "F") or 0.0)
         i_time = median(part, "I")
         b.append(i_time if i_time is not None else (median(part, "B") or 0.0))
         w.append(median(part, "W") or 0.0 if i_time is not None else 0.0)
-    return CostModel(f=f, b=b, w=w, comm=comm if comm is not None else hop_latency(schedule, record))
+        u.append(median(part, "U") or 0.0)
+    return CostModel(f=f, b=b, w=w, u=u, comm=comm if comm is not None else hop_latency(schedule, record))
 
 
 def hop_latency(schedule: Schedule, record: RunRecord) -> float:
@@ -167,7 +168,7 @@ def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
         "bubble_ratio_simulated": sim[3],
         "bubble_ratio_flush_simulated": sim[4],
         "profiled_costs_s": {"f": list(_values(cost.f)), "b": list(_values(cost.b)), "w": list(_values(cost.w)),
-                             "comm": cost.comm},
+                             "u": list(_values(cost.u)), "comm": cost.comm},
         "peak_activation_bytes": [r.peak_activation_bytes for r in record.ranks],
         "weight_bytes": [r.weight_bytes for r in record.ranks],
     }

@@ -33,6 +33,9 @@ class CostModel:
     """Input-gradient half of the backward (``I``); a full ``B`` costs b + w."""
     w: Value = 1.0
     """Weight-gradient half of the backward (``W``)."""
+    u: Value = 0.0
+    """Optimizer step (``U``); 0 by default, as in the bubble formulas of the papers. It matters where
+    updates are frequent (the per-microbatch updaters of the asynchronous family) or uneven (weight stashing)."""
     comm: float = 0.0
     """Latency of one hop between stages on different ranks."""
     activation: Value = 1.0
@@ -43,7 +46,7 @@ class CostModel:
     """Weight memory (M_theta)."""
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "activation", "weight"):
+        for name in ("f", "b", "w", "u", "activation", "weight"):
             value = getattr(self, name)
             values = [value] if isinstance(value, (int, float)) else list(value)
             if not values or any(v < 0 for v in values):
@@ -72,7 +75,7 @@ class CostModel:
             return tuple(float(v) for v in value)
 
         return PartCosts(
-            f=resolve("f"), b=resolve("b"), w=resolve("w"), comm=self.comm,
+            f=resolve("f"), b=resolve("b"), w=resolve("w"), u=resolve("u"), comm=self.comm,
             activation=resolve("activation"), mem_w=self.mem_w, weight=resolve("weight"),
         )
 
@@ -84,6 +87,7 @@ class PartCosts:
     f: tuple[float, ...]
     b: tuple[float, ...]
     w: tuple[float, ...]
+    u: tuple[float, ...]
     comm: float
     activation: tuple[float, ...]
     mem_w: float

@@ -42,7 +42,7 @@ class Timeline:
 
 
 def action_time(costs: PartCosts, part: int, op: Op) -> float:
-    """Duration of ``op`` on ``part`` (B = I + W; U and communication take 0)."""
+    """Duration of ``op`` on ``part`` (B = I + W; communication takes 0, its latency is the hop's)."""
     if op is Op.F:
         return costs.f[part]
     if op is Op.B:
@@ -51,6 +51,8 @@ def action_time(costs: PartCosts, part: int, op: Op) -> float:
         return costs.b[part]
     if op is Op.W:
         return costs.w[part]
+    if op is Op.U:
+        return costs.u[part]
     return 0.0
 
 
