@@ -96,6 +96,7 @@ def ours(rank: int, world: int, name: str, chunks: int | None, steps: int, warmu
     return {"step_time_s": statistics.median(times), "step_times_s": times, "cpu_s_per_rank": cpu,
             "compute_cpu_s_per_rank": compute_cpu, "bubble_ratio": report["bubble_ratio"],
             "bubble_ratio_simulated": report["bubble_ratio_simulated"],
+            "bubble_ratio_simulated_no_dispatch": report["bubble_ratio_simulated_no_dispatch"],
             "bubble_ratio_flush": report["bubble_ratio_flush"],
             "makespan_simulated_s": report["makespan_simulated_s"], "costs": report["profiled_costs_s"],
             "losses": [record.losses[0], record.losses[-1]], "transport": record.transport}
@@ -145,11 +146,15 @@ def bench(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any] | No
     results: dict[str, Any] = {"ours": {}, "theirs": {}}
     dist.barrier()
     results["load_average"] = {"start": os.getloadavg()}
-    if rank == 0:
-        results["single_rank_s"], results["single_rank_cpu_s"] = single_rank_time(steps, warmup)
-    dist.barrier()
-    # Rounds alternate ours and theirs, so both meet the same load on a shared machine.
+    results["single_rank_s_rounds"], results["single_rank_cpu_s_rounds"] = [], []
+    # Rounds alternate the baseline, ours and theirs, so all meet the same load on a shared
+    # machine (this VM's single-rank step moved between 110 and 134 ms across runs).
     for _ in range(options["rounds"]):
+        if rank == 0:
+            wall, cpu = single_rank_time(steps, warmup)
+            results["single_rank_s_rounds"].append(wall)
+            results["single_rank_cpu_s_rounds"].append(cpu)
+        dist.barrier()
         for name, chunks in OURS:
             if name in options["only"]:
                 results["ours"].setdefault(name, []).append(ours(rank, world, name, chunks, steps, warmup))
@@ -181,6 +186,9 @@ def main() -> int:
     payload = {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "only": only}
     results = launch(bench, payload, args.ranks, LaunchOptions(timeout_s=300, transport=args.transport))
     d = args.ranks
+    results["single_rank_s"] = statistics.median(results["single_rank_s_rounds"])
+    results["single_rank_cpu_s"] = statistics.median(results["single_rank_cpu_s_rounds"])
+    results["ideal_1f1b_s_rounds"] = [t / d * (T + d - 1) / T for t in results["single_rank_s_rounds"]]
     results["ideal_1f1b_s"] = results["single_rank_s"] / d * (T + d - 1) / T
     results["machine"] = {"platform": platform.platform(), "processor": platform.processor(),
                           "cpus": os.cpu_count(), "torch": torch.__version__, "nice": args.nice,
@@ -224,11 +232,13 @@ def print_results(r: dict[str, Any]) -> None:
           f"{', '.join(sorted({x.get('transport', '?') for runs in r['ours'].values() for x in runs}))})")
     print(f"single rank, T={T} accumulation: {r['single_rank_s'] * ms:.1f} ms/step wall, "
           f"{r['single_rank_cpu_s'] * ms:.1f} ms CPU;  ideal {d}-rank 1F1B: {r['ideal_1f1b_s'] * ms:.1f} ms")
-    print(f"{'schedule (median of rounds)':34} {'wall ms':>8} {'CPU ms/rank':>18} {'bubble':>7} {'sim':>7}")
+    print(f"{'schedule (median of rounds)':34} {'wall ms':>8} {'CPU ms/rank':>18} {'bubble':>7} {'sim':>7} "
+          f"{'sim, no dispatch':>16}")
     for name, runs in r["ours"].items():
         cpu = "/".join(f"{statistics.median(x['cpu_s_per_rank'][k] for x in runs) * ms:.1f}" for k in range(d))
         print(f"pipeweave {name:24} {_med(runs, 'step_time_s') * ms:8.1f} {cpu:>18} "
-              f"{_med(runs, 'bubble_ratio'):7.3f} {_med(runs, 'bubble_ratio_simulated'):7.3f}")
+              f"{_med(runs, 'bubble_ratio'):7.3f} {_med(runs, 'bubble_ratio_simulated'):7.3f} "
+              f"{_med(runs, 'bubble_ratio_simulated_no_dispatch'):16.3f}")
     for name, runs in r["theirs"].items():
         cpu = "/".join(f"{statistics.median(x['cpu_s_per_rank'][k] for x in runs) * ms:.1f}" for k in range(d))
         print(f"torch {name:28} {_med(runs, 'step_time_s') * ms:8.1f} {cpu:>18}")
@@ -239,7 +249,10 @@ def print_results(r: dict[str, Any]) -> None:
         print(f"ours 1f1b / torch Schedule1F1B per round: wall {', '.join(f'{x:.3f}' for x in walls)}; "
               f"CPU (both ranks) {', '.join(f'{x:.3f}' for x in cpus)}")
         one = _med(ours_runs, "step_time_s")
-        print(f"ours 1f1b / ideal: {one / r['ideal_1f1b_s']:.3f};  ours 1f1b CPU (both ranks) / single-rank CPU: "
+        ideal = [o["step_time_s"] / i for o, i in zip(ours_runs, r["ideal_1f1b_s_rounds"])]
+        print(f"single rank per round: {', '.join(f'{x * ms:.1f}' for x in r['single_rank_s_rounds'])} ms; "
+              f"ours 1f1b / ideal of the same round: {', '.join(f'{x:.3f}' for x in ideal)}")
+        print(f"ours 1f1b / ideal (medians): {one / r['ideal_1f1b_s']:.3f};  ours 1f1b CPU (both ranks) / single-rank CPU: "
               f"{statistics.median(sum(o['cpu_s_per_rank']) for o in ours_runs) / r['single_rank_cpu_s']:.3f}")
     if "1f1b" in r["ours"] and "zb-h1" in r["ours"]:
         pairs = [z["step_time_s"] / o["step_time_s"] for o, z in zip(r["ours"]["1f1b"], r["ours"]["zb-h1"])]

@@ -325,6 +325,8 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
     table.add_row("bubble ratio", f"{report['bubble_ratio']:.3f}", f"{report['bubble_ratio_simulated']:.3f}")
     table.add_row("bubble ratio (flush)", f"{report['bubble_ratio_flush']:.3f}",
                   f"{report['bubble_ratio_flush_simulated']:.3f}")
+    table.add_row("dispatch per action", f"{report['profiled_costs_s']['dispatch'] * 1e6:.0f} us", "")
+    table.add_row("bubble, schedule alone", "", f"{report['bubble_ratio_simulated_no_dispatch']:.3f}")
     simulated = report.get("weight_bytes_simulated")
     for r, (act, weight) in enumerate(zip(report["peak_activation_bytes"], report["weight_bytes"])):
         table.add_row(f"rank {r} memory", f"act {_bytes(act)}  weights {_bytes(weight)}",

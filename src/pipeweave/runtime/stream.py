@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
@@ -317,13 +317,16 @@ def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     out = summarize(schedule, record)  # per-mini-batch times, throughput, profiled costs, memory
     t = microbatches_per_minibatch(schedule)
     measured = stream_timeline(schedule, record)
-    predicted = simulate(schedule, profile_costs(schedule, record), check=False)
+    cost = profile_costs(schedule, record)
+    predicted = simulate(schedule, cost, check=False)
+    alone = simulate(schedule, replace(cost, dispatch=0.0), check=False)
     m, p = bubble_metrics(measured), bubble_metrics(predicted)
     part_bytes = _part_bytes(schedule, record)
     out.update({
         "bubble_ratio": steady_bubble_ratio(measured), "bubble_ratio_stream": m[3], "bubble_ratio_flush": m[4],
         "bubble_overhead": m[5], "makespan_s": m[0],
         "bubble_ratio_simulated": steady_bubble_ratio(predicted), "bubble_ratio_stream_simulated": p[3],
+        "bubble_ratio_simulated_no_dispatch": steady_bubble_ratio(alone),
         "bubble_ratio_flush_simulated": p[4], "makespan_simulated_s": minibatch_period(predicted, t),
         "step_time_s": minibatch_period(measured, t),
         "weight_bytes": [r.weight_bytes for r in record.ranks],

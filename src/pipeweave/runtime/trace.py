@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,7 +101,9 @@ def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = No
     """Per-part median F, I (or B), W and U durations of the measured steps, as a CostModel.
 
     A part run with a full backward gets ``b`` = its B time and ``w`` = 0, so
-    a simulated B (= b + w) takes what it measured.
+    a simulated B (= b + w) takes what it measured. ``comm`` is the hop
+    latency (default ``hop_latency``), ``dispatch`` the runtime's own time
+    between actions (``dispatch_time``).
     """
     durations: dict[tuple[int, str], list[float]] = {}
     part_of = schedule.placement.stage_part
@@ -120,7 +123,32 @@ def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = No
         b.append(i_time if i_time is not None else (median(part, "B") or 0.0))
         w.append(median(part, "W") or 0.0 if i_time is not None else 0.0)
         u.append(median(part, "U") or 0.0)
-    return CostModel(f=f, b=b, w=w, u=u, comm=comm if comm is not None else hop_latency(schedule, record))
+    return CostModel(f=f, b=b, w=w, u=u, comm=comm if comm is not None else hop_latency(schedule, record),
+                     dispatch=dispatch_time(record))
+
+
+def dispatch_time(record: RunRecord) -> float:
+    """Mean host time between two consecutive compute actions of a rank, receive waits excluded.
+
+    Everything a rank does between the end of one compute action and the
+    start of its next -- posting sends and receives, copying messages,
+    bookkeeping -- except the time inside its receives (which is where it
+    waits for a peer; the simulator derives waits from the dataflow). The mean, not the
+    median: the total over a step is what lengthens it.
+    """
+    gaps: list[float] = []
+    for rank in record.ranks:
+        for k in measured_steps(record.config.steps):
+            last_end: float | None = None
+            waited = 0.0
+            for _, op, _, t0, t1 in rank.records[k]:
+                if op in _COMPUTE:
+                    if last_end is not None:
+                        gaps.append(max(0.0, t0 - last_end - waited))
+                    last_end, waited = t1, 0.0
+                elif op in ("RECV_F", "RECV_B"):
+                    waited += t1 - t0
+    return statistics.fmean(gaps) if gaps else 0.0
 
 
 def hop_latency(schedule: Schedule, record: RunRecord) -> float:
@@ -153,6 +181,7 @@ def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     cost = profile_costs(schedule, record)
     predicted = simulate(schedule, cost, check=False)
     sim = bubble_metrics(predicted)
+    alone = bubble_metrics(simulate(schedule, replace(cost, dispatch=0.0), check=False))
     samples = config.batch_size / step_time
     tokens = samples * config.model.seq_len if config.model.kind == "gpt" else None
     return {
@@ -167,8 +196,9 @@ def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
         "makespan_simulated_s": sim[0],
         "bubble_ratio_simulated": sim[3],
         "bubble_ratio_flush_simulated": sim[4],
+        "bubble_ratio_simulated_no_dispatch": alone[3],
         "profiled_costs_s": {"f": list(_values(cost.f)), "b": list(_values(cost.b)), "w": list(_values(cost.w)),
-                             "u": list(_values(cost.u)), "comm": cost.comm},
+                             "u": list(_values(cost.u)), "comm": cost.comm, "dispatch": cost.dispatch},
         "peak_activation_bytes": [r.peak_activation_bytes for r in record.ranks],
         "weight_bytes": [r.weight_bytes for r in record.ranks],
     }

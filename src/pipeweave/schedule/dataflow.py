@@ -75,6 +75,7 @@ def execute(
     latency: Latency | None = None,
     *,
     op_times: Sequence[Mapping[Op, float]] | None = None,
+    gap: float = 0.0,
 ) -> Execution:
     """Run every rank's list in order over the data dependencies.
 
@@ -85,6 +86,8 @@ def execute(
         latency: communication time between two stages on different ranks.
         op_times: per stage, the time of each op; a faster alternative to
             ``duration`` (the simulator's path). Ignored when ``duration`` is given.
+        gap: time between the end of an action and the earliest start of the
+            next one on the same rank (a runtime's dispatch time).
 
     Example:
         >>> from pipeweave.schedule import generate
@@ -93,7 +96,7 @@ def execute(
     """
     if op_times is None or duration is not None:
         op_times = [{op: 0.0 for op in Op}] * schedule.num_stages
-    start, end, done, blocked = _walk(schedule, duration, latency, op_times)
+    start, end, done, blocked = _walk(schedule, duration, latency, op_times, gap)
     waiting = {r: _describe(_decode(code, schedule.num_stages)) for r, code in blocked.items()}
     rows = schedule.actions
     for r in range(len(rows)):
@@ -114,6 +117,7 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
     duration: Duration | None,
     latency: Latency | None,
     op_times: Sequence[Mapping[Op, float]],
+    gap: float = 0.0,
 ) -> tuple[list[list[float]], list[list[float]], list[int], dict[int, int]]:
     """The in-order walk: ``(start, end, done, blocked)``, ``blocked[rank]`` a waiter code.
 
@@ -153,7 +157,7 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
             a = row[i]
             s, op, j = a
             base = j * S
-            t0 = t
+            t0 = t + gap if gap and i else t
             need = -1  # waiter code of missing data, -1 when all is there
             if op is F:
                 p = prev[s]

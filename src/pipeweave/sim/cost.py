@@ -38,6 +38,10 @@ class CostModel:
     updates are frequent (the per-microbatch updaters of the asynchronous family) or uneven (weight stashing)."""
     comm: float = 0.0
     """Latency of one hop between stages on different ranks."""
+    dispatch: float = 0.0
+    """Host time a rank spends between two consecutive actions of its own (posting sends and
+    receives, bookkeeping): idle in the bubble, as a runtime's is. 0 for the schedule alone;
+    ``pipeweave train`` profiles its own (``runtime.trace.dispatch_time``)."""
     activation: Value = 1.0
     """Activation memory a microbatch holds from its F until its backward (M_a)."""
     mem_w: float = 0.5
@@ -53,6 +57,8 @@ class CostModel:
                 raise UserError(f"cost {name}={value!r} is invalid; give times and memory >= 0")
         if self.comm < 0:
             raise UserError(f"comm={self.comm!r} is invalid; give a latency >= 0")
+        if self.dispatch < 0:
+            raise UserError(f"dispatch={self.dispatch!r} is invalid; give a time >= 0")
         if not 0.0 <= self.mem_w <= 1.0:
             raise UserError(f"mem_w={self.mem_w!r} is invalid; give a fraction in [0, 1]")
 
@@ -75,7 +81,7 @@ class CostModel:
             return tuple(float(v) for v in value)
 
         return PartCosts(
-            f=resolve("f"), b=resolve("b"), w=resolve("w"), u=resolve("u"), comm=self.comm,
+            f=resolve("f"), b=resolve("b"), w=resolve("w"), u=resolve("u"), comm=self.comm, dispatch=self.dispatch,
             activation=resolve("activation"), mem_w=self.mem_w, weight=resolve("weight"),
         )
 
@@ -89,6 +95,7 @@ class PartCosts:
     w: tuple[float, ...]
     u: tuple[float, ...]
     comm: float
+    dispatch: float
     activation: tuple[float, ...]
     mem_w: float
     weight: tuple[float, ...]

@@ -82,7 +82,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, check: bool =
     # A table per stage instead of a call per action: the walk's hot loop.
     op_times = [{op: action_time(costs, part, op) for op in Op} for part in part_of]
     with _gc_paused():
-        run = execute(schedule, latency=(lambda src, dst: comm) if comm else None, op_times=op_times)
+        run = execute(schedule, latency=(lambda src, dst: comm) if comm else None, op_times=op_times,
+                      gap=costs.dispatch)
         if not run.complete:
             check_order(schedule)  # raises with the explanation
             raise InvalidSchedule("the schedule cannot complete", schedule)  # pragma: no cover
