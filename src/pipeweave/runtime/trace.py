@@ -136,18 +136,24 @@ def dispatch_time(record: RunRecord) -> float:
     waits for a peer; the simulator derives waits from the dataflow). The mean, not the
     median: the total over a step is what lengthens it.
     """
+    # A synchronous step's actions are one stretch of a rank's time (the gap between
+    # steps is the loop's, not the executor's); a stream's mini-batches interleave,
+    # so its records are put back in time order first.
+    if record.config.is_stream:
+        stretches = [sorted((a for step in rank.records for a in step), key=lambda a: a[3]) for rank in record.ranks]
+    else:
+        stretches = [rank.records[k] for rank in record.ranks for k in measured_steps(record.config.steps)]
     gaps: list[float] = []
-    for rank in record.ranks:
-        for k in measured_steps(record.config.steps):
-            last_end: float | None = None
-            waited = 0.0
-            for _, op, _, t0, t1 in rank.records[k]:
-                if op in _COMPUTE:
-                    if last_end is not None:
-                        gaps.append(max(0.0, t0 - last_end - waited))
-                    last_end, waited = t1, 0.0
-                elif op in ("RECV_F", "RECV_B"):
-                    waited += t1 - t0
+    for stretch in stretches:
+        last_end: float | None = None
+        waited = 0.0
+        for _, op, _, t0, t1 in stretch:
+            if op in _COMPUTE:
+                if last_end is not None:
+                    gaps.append(max(0.0, t0 - last_end - waited))
+                last_end, waited = t1, 0.0
+            elif op in ("RECV_F", "RECV_B"):
+                waited += t1 - t0
     return statistics.fmean(gaps) if gaps else 0.0
 
 
