@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeweave.errors import UserError
-from pipeweave.runtime.prediction import check_predictable, update_direction
+from pipeweave.runtime.prediction import check_predictable, predict_weights
 from pipeweave.runtime.stage import StageWorker
 from pipeweave.schedule.ir import Action, Op, Schedule, WeightPolicy
 from pipeweave.sim.versions import applied_to, current_versions, is_bellwether_schedule, staleness
@@ -262,9 +262,7 @@ class _Predicted(_Stage):
         s = k - self.version
         if s == 0 or a.op is Op.W:  # W reads no weights
             return None, (self.version, k)
-        with torch.no_grad():
-            for buf, p, d in zip(self.buffer, self.params, update_direction(self.worker.optimizer, self.params)):
-                torch.sub(p, d, alpha=s, out=buf)
+        predict_weights(self.worker.optimizer, self.params, s, out=self.buffer)
         return self.buffer, (self.version, k)
 
     def copies(self) -> int:
@@ -287,9 +285,7 @@ class _Bellwether(_Stage):
         key = self._key(a)
         if key not in self.cache:  # the bellwether
             s = key[1] - self.version
-            with torch.no_grad():
-                direction = update_direction(self.worker.optimizer, self.params)
-                self.cache[key] = ([p - s * d for p, d in zip(self.params, direction)], self.version)
+            self.cache[key] = (predict_weights(self.worker.optimizer, self.params, s), self.version)
         tensors, version = self.cache[key]
         return tensors, (version, key[1])
 

@@ -98,9 +98,12 @@ def step_times(record: RunRecord) -> list[float]:
 
 
 def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = None) -> CostModel:
-    """Per-part median F, I (or B), W and U durations of the measured steps, as a CostModel.
+    """Per-part mean F, I (or B), W and U durations of the measured steps, as a CostModel.
 
-    A part run with a full backward gets ``b`` = its B time and ``w`` = 0, so
+    The mean, not the median: the simulator charges every action its part's
+    value, so the total work it simulates is what the run measured, including
+    actions that are slower by design (the first backward of a step allocates
+    the gradients; XPipe's bellwether predicts for its mini-batch). A part run with a full backward gets ``b`` = its B time and ``w`` = 0, so
     a simulated B (= b + w) takes what it measured. ``comm`` is the hop
     latency (default ``hop_latency``), ``dispatch`` the runtime's own time
     between actions (``dispatch_time``).
@@ -114,7 +117,7 @@ def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = No
 
     def median(part: int, op: str) -> float | None:
         values = durations.get((part, op))
-        return statistics.median(values) if values else None
+        return statistics.fmean(values) if values else None
 
     f, b, w, u = [], [], [], []
     for part in range(schedule.num_parts):
