@@ -144,6 +144,23 @@ def test_a_small_ring_wraps_queues_and_keeps_order() -> None:
     assert int(channels[0, 1].ctrl[0]) > 3 * 1024  # it went around the ring more than three times
 
 
+def test_a_message_larger_than_the_ring_streams_through_in_records() -> None:
+    import multiprocessing
+
+    channels = shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1024)
+    sender, receiver = shm.ShmTransport(0, channels), shm.ShmTransport(1, channels)
+    big = torch.arange(3000, dtype=torch.float64)  # 24,000 bytes through a 1,024-byte ring: 94 records of 256
+    small = torch.tensor([7, 8], dtype=torch.int32)
+    empty = torch.empty(0)
+    works = [sender.isend(big, 1, tag=1), sender.isend(small, 1, tag=2), sender.isend(empty, 1, tag=3)]
+    got = [receiver.irecv(torch.empty_like(t), 0, tag=i + 1) for i, t in enumerate((big, small, empty))]
+    for _ in range(200):
+        sender.flush(1)
+        receiver.progress(0)
+    assert all(w.is_completed() for w in works) and all(g.is_completed() for g in got)
+    assert torch.equal(got[0].buffer, big) and torch.equal(got[1].buffer, small) and got[2].buffer.numel() == 0
+
+
 ASYNC = ("pipedream", "pipemare", "spectrain", "avgpipe")
 
 

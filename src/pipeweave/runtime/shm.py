@@ -22,6 +22,9 @@ pairing as gloo and NCCL. The receiver knows every message's size before it
 arrives (the shape handshake), so it finds the padding the sender skipped
 without reading it; the header's tag and size are checked anyway.
 
+A message larger than a quarter of the ring travels as several records of at
+most that size, so any message streams through any ring.
+
 Sends never block: a record that does not fit waits in this rank's own queue
 and is written as the receiver frees room (at every later call and while the
 rank waits). Waits block on the semaphore (in short slices while own sends
@@ -47,7 +50,7 @@ _ALIGN = 64
 _PAGE = 4096
 _SPIN_S = 0.0  # busy-poll this long before blocking: none, on a 2-core host a spinning rank steals its peer's core
 _SLICE_S = 0.002  # blocking slice while own sends are queued behind a full ring
-DEFAULT_CAPACITY = 8 << 20  # per ordered pair (8 ranks: 56 pairs, 448 MiB of /dev/shm); a larger message is refused
+DEFAULT_CAPACITY = 8 << 20  # per ordered pair (8 ranks: 56 pairs, 448 MiB of /dev/shm); any message size streams
 
 
 class Channel:
@@ -124,6 +127,16 @@ def _record(pos: int, nbytes: int, capacity: int) -> tuple[int, int]:
     return (capacity - offset if offset + length > capacity else 0), length
 
 
+def _chunk(capacity: int) -> int:
+    """Payload bytes of a full record: a quarter of the ring, so a message of any size streams through it."""
+    return max(_ALIGN, capacity // 4 // _ALIGN * _ALIGN)
+
+
+def _pieces(nbytes: int, chunk: int) -> int:
+    """Records of a message of ``nbytes`` (one, empty, for an empty message)."""
+    return max(1, -(-nbytes // chunk))
+
+
 def _bytes(tensor: torch.Tensor) -> np.ndarray:
     """The bytes of a contiguous CPU tensor as a flat numpy view (any dtype, bfloat16 included)."""
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
@@ -149,6 +162,8 @@ class RecvWork:
 
     def __init__(self, transport: ShmTransport, peer: int, buffer: torch.Tensor, tag: int) -> None:
         self.transport, self.peer, self.buffer, self.tag, self.done = transport, peer, buffer, tag, False
+        self.target = _bytes(buffer)
+        self.offset = 0  # bytes copied out so far
 
     def is_completed(self) -> bool:
         self.transport.progress(self.peer)
@@ -172,39 +187,47 @@ class ShmTransport:
         self.rank = rank
         self.outgoing = {r: c for (s, r), c in channels.items() if s == rank}
         self.incoming = {s: c for (s, r), c in channels.items() if r == rank}
-        self._queued: dict[int, deque[tuple[torch.Tensor, int, SendWork]]] = {p: deque() for p in self.outgoing}
+        # Per peer, messages not yet wholly in its ring: [payload bytes, tag, work, bytes written so far].
+        self._queued: dict[int, deque[list[Any]]] = {p: deque() for p in self.outgoing}
         self._posted: dict[int, deque[RecvWork]] = {p: deque() for p in self.incoming}
         self._tokens = {p: 0 for p in self.incoming}  # semaphore acquires made ahead of their record
 
     # ---- sends ----------------------------------------------------------
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> SendWork:
-        """Copy ``tensor`` into the ring to ``peer`` now, or queue it if the ring is full."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if _HEADER + nbytes > self.outgoing[peer].capacity:
-            raise ValueError(f"a message of {nbytes} bytes exceeds the shm ring of "
-                             f"{self.outgoing[peer].capacity} bytes; use --transport gloo")
+        """Copy ``tensor`` into the ring to ``peer`` now, as far as it fits; the rest is queued.
+
+        A message larger than a quarter of the ring goes as several records
+        (``_chunk``), written as the receiver frees room.
+        """
         work = SendWork(self, peer)
-        self._queued[peer].append((tensor, tag, work))
+        self._queued[peer].append([_bytes(tensor), tag, work, 0])
         self.flush(peer)
         return work
 
     def flush(self, peer: int) -> None:
-        """Write the queued sends to ``peer`` that fit in its ring, in order."""
+        """Write the queued records to ``peer`` that fit in its ring, in order."""
         queued, channel = self._queued[peer], self.outgoing[peer]
+        chunk, data, ctrl, capacity = _chunk(channel.capacity), channel.data, channel.ctrl, channel.capacity
         while queued:
-            tensor, tag, work = queued[0]
-            nbytes = tensor.numel() * tensor.element_size()
-            written, read = int(channel.ctrl[0]), int(channel.ctrl[8])
-            pad, length = _record(written, nbytes, channel.capacity)
-            if written + pad + length - read > channel.capacity:
-                return
-            start = (written + pad) % channel.capacity
-            header = channel.data[start : start + 16].view(np.int64)
-            header[0], header[1] = tag, nbytes
-            if nbytes:
-                channel.data[start + _HEADER : start + _HEADER + nbytes] = _bytes(tensor)
-            channel.ctrl[0] = written + pad + length
-            channel.ready.release()
+            message = queued[0]
+            payload, tag, work, offset = message
+            while True:
+                n = min(chunk, payload.size - offset)
+                written, read = int(ctrl[0]), int(ctrl[8])
+                pad, length = _record(written, n, capacity)
+                if written + pad + length - read > capacity:
+                    message[3] = offset
+                    return
+                start = (written + pad) % capacity
+                header = data[start : start + 16].view(np.int64)
+                header[0], header[1] = tag, n
+                if n:
+                    data[start + _HEADER : start + _HEADER + n] = payload[offset : offset + n]
+                ctrl[0] = written + pad + length
+                channel.ready.release()
+                offset += n
+                if offset >= payload.size:
+                    break
             work.done = True
             queued.popleft()
 
@@ -222,9 +245,11 @@ class ShmTransport:
     def progress(self, peer: int) -> None:
         """Copy out every record from ``peer`` that has arrived for a posted receive, in order."""
         posted, channel = self._posted[peer], self.incoming[peer]
+        chunk, data, ctrl, capacity = _chunk(channel.capacity), channel.data, channel.ctrl, channel.capacity
         while posted:
             work = posted[0]
-            written, read = int(channel.ctrl[0]), int(channel.ctrl[8])
+            target = work.target
+            written, read = int(ctrl[0]), int(ctrl[8])
             if written == read:
                 return
             # The semaphore first: its release follows the sender's payload write on any CPU.
@@ -232,19 +257,21 @@ class ShmTransport:
                 self._tokens[peer] -= 1
             elif not channel.ready.acquire(timeout=5.0):  # pragma: no cover - released right after writing
                 raise RuntimeError(f"rank {self.rank}: shm semaphore from rank {peer} lost a release")
-            nbytes = work.buffer.numel() * work.buffer.element_size()
-            pad, length = _record(read, nbytes, channel.capacity)
-            start = (read + pad) % channel.capacity
-            header = channel.data[start : start + 16].view(np.int64)
+            n = min(chunk, target.size - work.offset)
+            pad, length = _record(read, n, capacity)
+            start = (read + pad) % capacity
+            header = data[start : start + 16].view(np.int64)
             tag, size = int(header[0]), int(header[1])
-            if (tag, size) != (work.tag, nbytes):  # pragma: no cover - an ordering bug
-                raise RuntimeError(f"rank {self.rank}: shm message from rank {peer} has tag {tag} "
-                                   f"({size} bytes), expected tag {work.tag} ({nbytes} bytes)")
-            if nbytes:
-                _bytes(work.buffer)[:] = channel.data[start + _HEADER : start + _HEADER + nbytes]
-            channel.ctrl[8] = read + pad + length
-            work.done = True
-            posted.popleft()
+            if (tag, size) != (work.tag, n):  # pragma: no cover - an ordering bug
+                raise RuntimeError(f"rank {self.rank}: shm record from rank {peer} has tag {tag} "
+                                   f"({size} bytes), expected tag {work.tag} ({n} bytes)")
+            if n:
+                target[work.offset : work.offset + n] = data[start + _HEADER : start + _HEADER + n]
+            ctrl[8] = read + pad + length
+            work.offset += n
+            if work.offset >= target.size:
+                work.done = True
+                posted.popleft()
 
     # ---- waiting --------------------------------------------------------
     def wait_until(self, done: Any, channel: Channel | None, timeout: datetime.timedelta | None) -> None:
