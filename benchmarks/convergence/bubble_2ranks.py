@@ -8,7 +8,7 @@ stream's, the simulator's with costs profiled in the same run, the time per
 mini-batch, and the 1-minute load average before and after (this machine is
 shared: a rank descheduled by another job shows up as bubble).
 
-    python benchmarks/convergence/bubble_2ranks.py [--steps 8] [--json bubble_2ranks.json]
+    python benchmarks/convergence/bubble_2ranks.py [--steps 32] [--transport auto] [--json bubble_2ranks.json]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ HERE = Path(__file__).parent
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=32, help="mini-batches per stream (default 32)")
     parser.add_argument("--json", default=str(HERE / "bubble_2ranks.json"))
     parser.add_argument("--transport", choices=("auto", "gloo", "shm"), default="auto",
                         help="as `pipeweave train --transport` (default auto, train's default)")
