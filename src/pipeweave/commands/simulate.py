@@ -45,6 +45,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--time-u", default="0", metavar="U",
                    help="optimizer step time U (default 0, as in the papers' bubble formulas)")
     p.add_argument("--time-comm", type=float, default=0.0, metavar="C", help="latency of one hop (default 0)")
+    p.add_argument("--time-dispatch", type=float, default=0.0, metavar="G",
+                   help="a runtime's time between two actions of a rank (default 0; pipeweave train profiles its own)")
     p.add_argument("--memory-limit", type=float, default=None, metavar="K",
                    help="zb-auto, zb-v-auto: activation limit per rank, K x the 1F1B peak D x M_a (default 1)")
     p.add_argument("--mem-w", type=float, default=0.5, metavar="R",
@@ -89,6 +91,8 @@ def _check_counts(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} {value} is invalid; give {flag} >= 1")
     if args.time_comm < 0:
         raise UserError(f"--time-comm {args.time_comm} is invalid; give a latency >= 0")
+    if args.time_dispatch < 0:
+        raise UserError(f"--time-dispatch {args.time_dispatch} is invalid; give a time >= 0")
     if not 0.0 <= args.mem_w <= 1.0:
         raise UserError(f"--mem-w {args.mem_w} is invalid; give a fraction in [0, 1]")
 
@@ -143,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     schedule, info = _build(args, times)
     _check_lengths(times, schedule.num_parts)
     cost = CostModel(f=times["--time-f"], b=times["--time-b"], w=times["--time-w"], u=times["--time-u"],
-                     comm=args.time_comm, mem_w=args.mem_w)
+                     comm=args.time_comm, dispatch=args.time_dispatch, mem_w=args.mem_w)
     try:
         validate(schedule)
     except InvalidSchedule as exc:
@@ -188,7 +192,8 @@ def _cost_dict(cost: CostModel) -> dict[str, Any]:
     def plain(v: Any) -> Any:
         return v if isinstance(v, (int, float)) else list(v)
 
-    return {"f": plain(cost.f), "b": plain(cost.b), "w": plain(cost.w), "comm": cost.comm, "mem_w": cost.mem_w}
+    return {"f": plain(cost.f), "b": plain(cost.b), "w": plain(cost.w), "u": plain(cost.u), "comm": cost.comm,
+            "dispatch": cost.dispatch, "mem_w": cost.mem_w}
 
 
 def _as_json(schedule: Schedule, info: ScheduleInfo | None, cost: CostModel, metrics: Metrics,
@@ -265,7 +270,8 @@ def _print_report(schedule: Schedule, info: ScheduleInfo | None, cost: CostModel
     c = _cost_dict(cost)
     console.print(f"[bold]{schedule.name}[/bold] ({family}, {kind}): D={schedule.num_ranks} ranks, "
                   f"T={schedule.num_microbatches} microbatches, v={schedule.num_chunks}; "
-                  f"f={c['f']} b={c['b']} w={c['w']} comm={c['comm']}", soft_wrap=True)
+                  f"f={c['f']} b={c['b']} w={c['w']} comm={c['comm']}"
+                  + "".join(f" {k}={c[k]}" for k in ("u", "dispatch") if c[k]), soft_wrap=True)
     print(timeline_text)
     forms = _closed_forms(schedule, info)
     bubble_form = forms.get("bubble", "")
