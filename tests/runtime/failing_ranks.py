@@ -2,7 +2,9 @@
 
 MODE: ``raise`` (rank 1 raises), ``kill`` (rank 1 dies by SIGKILL), ``hang``
 (every rank blocks until interrupted), ``train-raise`` (a real training run
-whose rank 1 fails inside a backward). Rank 0 blocks in a receive the failed
+whose rank 1 fails inside a backward), ``train-raise-auto`` and
+``train-kill-auto`` (the same, or SIGKILL there, on train's default transport,
+shared memory where available). Rank 0 blocks in a receive the failed
 rank never answers, so only the launcher can end it. Prints ``PID <pid>`` per
 rank and for the fork server, and exits with the launcher's exit code.
 """
@@ -21,7 +23,7 @@ import torch.distributed as dist
 
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.job import TrainConfig, run_rank
-from pipeweave.runtime.launch import RankFailure, launch, progress
+from pipeweave.runtime.launch import LaunchOptions, RankFailure, launch, progress
 
 
 def blocking(rank: int, world: int, mode: str) -> None:
@@ -36,7 +38,8 @@ def blocking(rank: int, world: int, mode: str) -> None:
     time.sleep(600)
 
 
-def failing_training(rank: int, world: int, config: TrainConfig) -> Any:
+def failing_training(rank: int, world: int, payload: tuple[TrainConfig, bool]) -> Any:
+    config, kill = payload
     progress(os.getpid())
     if rank == 1:
         from pipeweave.runtime.stage import StageWorker
@@ -47,6 +50,8 @@ def failing_training(rank: int, world: int, config: TrainConfig) -> Any:
         def backward(self: StageWorker, mb: int, grad_output: torch.Tensor | None = None) -> Any:
             calls[0] += 1
             if calls[0] == 6:  # inside the second step
+                if kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError("injected failure in a backward on rank 1")
             return original(self, mb, grad_output)
 
@@ -64,10 +69,11 @@ def report(rank: int, value: Any) -> None:
 
 def main(mode: str) -> int:
     try:
-        if mode == "train-raise":
+        if mode.startswith("train-"):
             config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=8, steps=50,
                                  model=ModelSpec(kind="mlp", layers=2, hidden=8))
-            launch(failing_training, config, 2, on_progress=report)
+            options = LaunchOptions(transport="auto" if mode.endswith("-auto") else "gloo")
+            launch(failing_training, (config, "kill" in mode), 2, options, on_progress=report)
         else:
             launch(blocking, mode, 2, on_progress=report)
     except RankFailure as failure:

@@ -75,6 +75,8 @@ def _assert_gone(pids: set[int]) -> None:
         ("raise", "rank 1 failed: ValueError: injected failure on rank 1"),
         ("kill", "rank 1 was killed by SIGKILL"),
         ("train-raise", "rank 1 failed: RuntimeError: injected failure in a backward on rank 1"),
+        ("train-raise-auto", "rank 1 failed: RuntimeError: injected failure in a backward on rank 1"),
+        ("train-kill-auto", "rank 1 was killed by SIGKILL"),
     ],
 )
 def test_a_failing_rank_ends_every_rank(mode: str, cause: str) -> None:
