@@ -69,6 +69,26 @@ def test_two_torchrun_nodes_on_loopback_train_exactly(tmp_path: Path) -> None:
     assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
     assert report["stages"] == 2 and len(report["weight_bytes"]) == 2
 
+def test_an_asynchronous_stream_across_two_torchrun_nodes_equals_the_reference(tmp_path: Path) -> None:
+    """PipeDream's stream (weight stashing) under torchrun: gloo between the nodes, losses = the reference's."""
+    import torch
+
+    from pipeweave.runtime.reference import run_reference
+    from pipeweave.schedule import generate
+
+    record = tmp_path / "record.json"
+    train = ["-m", "pipeweave.cli", "train", "-s", "pipedream", "--stages", "2", "--microbatches", "3", "--model",
+             "mlp", "--layers", "4", "--hidden", "8", "--batch", "7", "--steps", "4", "--lr", "0.05",
+             "--momentum", "0.9", "--quiet", "--out", str(tmp_path), "--json", str(record)]
+    _two_nodes(tmp_path, train)
+    report = json.loads(record.read_text())
+    schedule = generate("pipedream", num_stages=2, num_microbatches=3, num_steps=4)
+    reference = run_reference(schedule, ModelSpec(kind="mlp", layers=4, hidden=8), steps=4, batch_size=7,
+                              optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+    assert report["transport"] == "gloo"
+    assert report["losses"] == pytest.approx(reference.losses, rel=1e-5)
+    assert report["weight_bytes"] == report["weight_bytes_simulated"]
+
 def _workers_of(marker: str) -> list[int]:
     """PIDs of live processes whose command line holds ``marker``."""
     pids = []
