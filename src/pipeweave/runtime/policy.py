@@ -42,7 +42,7 @@ from pipeweave.errors import UserError
 from pipeweave.runtime.prediction import check_predictable, predict_weights
 from pipeweave.runtime.stage import StageWorker
 from pipeweave.schedule.ir import Action, Op, Schedule, WeightPolicy
-from pipeweave.sim.versions import applied_to, current_versions, is_bellwether_schedule, staleness
+from pipeweave.sim.versions import applied_to, current_versions, staleness
 from pipeweave.weights.avgpipe import default_alpha, elastic_average
 from pipeweave.weights.double_buffer import DoubleBuffer
 from pipeweave.weights.pipemare import DEFAULT_ANNEAL_STEPS, DEFAULT_DECAY, DiscrepancyCorrection, rescheduled_lr
@@ -314,8 +314,10 @@ def _stage_state(schedule: Schedule, stage: int, worker: StageWorker, tables: Sc
         return _Stored(worker, store, tables, stage, vertical=False)
     if policy is WeightPolicy.DISCREPANCY_CORRECTION:
         return _Corrected(worker, tables, stage, options)
+    if policy is WeightPolicy.BELLWETHER_PREDICTION:
+        return _Bellwether(worker, tables)
     if policy is WeightPolicy.PREDICTION:
-        return _Bellwether(worker, tables) if is_bellwether_schedule(schedule) else _Predicted(worker, tables)
+        return _Predicted(worker, tables)
     if policy in (WeightPolicy.NONE, WeightPolicy.AVERAGING):
         return _Stage(worker)
     raise ValueError(f"no run-time policy for {policy}")

@@ -66,7 +66,8 @@ class WeightPolicy(str, enum.Enum):
     DOUBLE_BUFFER = "double-buffer"  # PipeDream-2BW
     NONE = "none"  # AMPNet: read whatever is current
     DISCREPANCY_CORRECTION = "discrepancy-correction"  # PipeMare
-    PREDICTION = "prediction"  # SpecTrain, XPipe
+    PREDICTION = "prediction"  # SpecTrain: every F and B predicts for its own distance
+    BELLWETHER_PREDICTION = "bellwether-prediction"  # XPipe: one prediction per mini-batch and pass
     AVERAGING = "averaging"  # AvgPipe
 
     def __str__(self) -> str:

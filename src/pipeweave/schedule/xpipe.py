@@ -5,7 +5,7 @@ per mini-batch (its T microbatches' gradients accumulated). The first
 microbatch of each mini-batch at a stage, the "bellwether", computes the
 version distance s and the predicted weights w_hat = w - s lr m_hat /
 (sqrt(v_hat) + eps) from Adam's state once per pass; the other microbatches of
-that mini-batch reuse them (policy PREDICTION; ``weights.xpipe``).
+that mini-batch reuse them (policy BELLWETHER_PREDICTION; ``weights.xpipe``).
 """
 
 from __future__ import annotations
@@ -24,5 +24,5 @@ def xpipe(num_stages: int, num_microbatches: int, *, num_steps: int = DEFAULT_NU
         ['0F0', '0F1', '0B0', '0F2', '0B1', '0U0', '0F3', '0B2', '0B3', '0U1']
     """
     return async_1f1b(
-        "xpipe", WeightPolicy.PREDICTION, num_stages, num_microbatches, num_steps, update_every=num_microbatches
+        "xpipe", WeightPolicy.BELLWETHER_PREDICTION, num_stages, num_microbatches, num_steps, update_every=num_microbatches
     )

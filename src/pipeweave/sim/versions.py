@@ -64,9 +64,12 @@ class StageWeights(NamedTuple):
         return self.versions + self.extra
 
 
+_PREDICTED = (WeightPolicy.PREDICTION, WeightPolicy.BELLWETHER_PREDICTION)
+
+
 def is_bellwether_schedule(schedule: Schedule) -> bool:
-    """XPipe: predictions are computed once per mini-batch by its first microbatch."""
-    return schedule.policy is WeightPolicy.PREDICTION and schedule.name.startswith("xpipe")
+    """XPipe: predictions are computed once per mini-batch by its first microbatch (its policy says so)."""
+    return schedule.policy is WeightPolicy.BELLWETHER_PREDICTION
 
 
 def current_versions(schedule: Schedule) -> dict[Action, int]:
@@ -98,7 +101,7 @@ def read_versions(schedule: Schedule, *, bellwether: bool | None = None) -> dict
     Args:
         schedule: any schedule of the IR.
         bellwether: XPipe's once-per-mini-batch prediction (default: the
-            schedule is named ``xpipe``).
+            schedule's policy is ``BELLWETHER_PREDICTION``).
 
     Raises:
         ScheduleError: vertical sync asks a stage for a version it has not made yet.
@@ -144,7 +147,7 @@ def _read_versions(schedule: Schedule, bellwether: bool | None) -> dict[Action, 
             out[a] = VersionRead(now[f], now[f])
         elif policy is WeightPolicy.DISCREPANCY_CORRECTION and op in _BACKWARD:
             out[a] = VersionRead(c, now[f])
-        elif policy is WeightPolicy.PREDICTION:
+        elif policy in _PREDICTED:
             k = target.get((s, j), c)
             if bell:  # the bellwether's stored version, same pass (forward or backward)
                 b = first.get((s, k), j)
@@ -234,7 +237,7 @@ def stage_weights(schedule: Schedule) -> tuple[StageWeights, ...]:
     extra, kind = [0] * schedule.num_stages, ""
     if policy is WeightPolicy.DISCREPANCY_CORRECTION:
         extra, kind = [1] * schedule.num_stages, "velocity"
-    elif policy is WeightPolicy.PREDICTION:
+    elif policy in _PREDICTED:
         kind = "prediction"
         extra = _cached_predictions(schedule, reads) if is_bellwether_schedule(schedule) else [1] * len(extra)
     return tuple(StageWeights(v, e, kind) for v, e in zip(versions, extra))
