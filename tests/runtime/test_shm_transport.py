@@ -195,6 +195,20 @@ def test_auto_takes_shm_here_and_gloo_when_asked() -> None:
     assert auto.losses == gloo.losses
 
 
+def test_rings_are_sized_for_the_largest_message() -> None:
+    mlp = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=30,
+                      model=ModelSpec(kind="mlp", layers=4, hidden=64))
+    assert mlp.largest_message_bytes(mlp.check()) == 8 * 64 * 4  # microbatches of 8, 8, 7, 7 samples
+    gpt = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=64,
+                      model=ModelSpec(kind="gpt", layers=2, hidden=512, heads=8, seq_len=256))
+    assert gpt.largest_message_bytes(gpt.check()) == 32 * 256 * 512 * 4  # 16 MiB
+    assert shm.capacity_for(16 << 20) == 49 << 20 and shm.capacity_for(100) == shm.DEFAULT_CAPACITY
+    chimera = TrainConfig(schedule="chimera", num_stages=2, num_microbatches=2, batch_size=4,
+                          model=ModelSpec(kind="mlp", layers=4, hidden=64))
+    block = 2 * 64 + 2 * 64 * 256 + 256 + 64  # LayerNorm, Linear(h, 4h), Linear(4h, h)
+    assert chimera.largest_message_bytes(chimera.check()) == 2 * block * 4  # a part's gradient: 2 blocks
+
+
 def test_shm_is_refused_in_one_line_where_it_cannot_run() -> None:
     import argparse
 

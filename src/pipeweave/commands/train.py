@@ -105,7 +105,7 @@ def build_config(args: argparse.Namespace) -> Any:
     return _with_searched_costs(_with_partition(config, args), args)
 
 
-def _check_transport(args: argparse.Namespace, schedule: Any, torchrun: bool) -> None:
+def _check_transport(args: argparse.Namespace, schedule: Any, torchrun: bool, capacity: int | None = None) -> None:
     """``--transport shm`` needs CPU ranks spawned here on x86-64 with room in /dev/shm (one line otherwise)."""
     if args.transport != "shm":
         return
@@ -114,9 +114,18 @@ def _check_transport(args: argparse.Namespace, schedule: Any, torchrun: bool) ->
     if torchrun:
         raise UserError("--transport shm needs ranks spawned by pipeweave on one host, not torchrun; "
                         "use --transport gloo")
-    why = shm.unavailable(schedule.num_ranks)
+    why = shm.unavailable(schedule.num_ranks, capacity or shm.DEFAULT_CAPACITY)
     if why is not None:
         raise UserError(f"--transport shm cannot run here: {why}; use --transport gloo")
+
+
+def _ring_capacity(args: argparse.Namespace, config: Any, schedule: Any) -> int | None:
+    """Shared-memory rings sized for this run's largest message (``shm.capacity_for``), if rings may be used."""
+    if args.transport == "gloo":
+        return None
+    from pipeweave.runtime import shm
+
+    return shm.capacity_for(config.largest_message_bytes(schedule))
 
 
 def _post_validation(args: argparse.Namespace) -> Any:
@@ -184,8 +193,10 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(args)
     schedule = config.check()  # one line before anything is spawned
     progress = _Progress(config, quiet=args.quiet or (under_torchrun() and _rank() != 0))
-    _check_transport(args, schedule, under_torchrun())
-    options = LaunchOptions(threads=args.threads, timeout_s=args.timeout, transport=args.transport)
+    capacity = _ring_capacity(args, config, schedule)
+    _check_transport(args, schedule, under_torchrun(), capacity)
+    options = LaunchOptions(threads=args.threads, timeout_s=args.timeout, transport=args.transport,
+                            shm_capacity=capacity)
     try:
         with progress:
             record = launch(run_rank, config, schedule.num_ranks, options, on_progress=progress.update)

@@ -162,6 +162,24 @@ class TrainConfig:
         sizes = [len(m) for m in split_microbatches(torch.empty(self.batch_size, 0), t)]
         return sizes * self.steps if self.is_stream else sizes  # a stream: every mini-batch's
 
+    def largest_message_bytes(self, schedule: Schedule) -> int:
+        """Bytes of the largest point-to-point message a run sends (what a shared-memory ring must hold).
+
+        A microbatch's activation or input gradient (float32, (b, h) for the
+        mlp, (b, seq, h) for the gpt) and, where parts are replicated (Chimera,
+        GEMS, DualPipe), a part's whole gradient, counted from its layers.
+        """
+        per_sample = self.model.hidden * (self.model.seq_len if self.model.kind == "gpt" else 1)
+        largest = max(self.microbatch_sizes) * per_sample * 4
+        placement = schedule.placement
+        if any(len(placement.replicas(s)) > 1 for s in range(placement.num_stages)):
+            from pipeweave.models.spec import build_layers
+
+            for part in self.layer_ranges(schedule):
+                numel = sum(p.numel() for layer in build_layers(self.model, part) for p in layer.parameters())
+                largest = max(largest, numel * 4)
+        return largest
+
 
 @dataclass
 class RankRecord:

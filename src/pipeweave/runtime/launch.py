@@ -76,6 +76,8 @@ class LaunchOptions:
     transport: str = "gloo"
     """Point-to-point messages of spawned ranks: ``gloo``, ``shm`` (``runtime.shm``; collectives stay on gloo),
     or ``auto``: ``shm`` where ``shm.unavailable`` finds nothing against it, else gloo (NCCL on CUDA)."""
+    shm_capacity: int | None = None
+    """Bytes of each shared-memory ring (default ``shm.DEFAULT_CAPACITY``); see ``shm.capacity_for``."""
     keep_host_memory: bool = True
     """Keep freed host memory for reuse in each rank (``keep_freed_host_memory``)."""
 
@@ -176,8 +178,9 @@ def _spawn(
     if options.transport in ("shm", "auto"):  # allocated here, before spawning, and handed to every rank
         from pipeweave.runtime import shm
 
-        if options.transport == "shm" or shm.unavailable(num_ranks) is None:
-            channels = shm.make_channels(ctx, num_ranks)
+        capacity = options.shm_capacity or shm.DEFAULT_CAPACITY
+        if options.transport == "shm" or shm.unavailable(num_ranks, capacity) is None:
+            channels = shm.make_channels(ctx, num_ranks, capacity)
     procs = [
         ctx.Process(
             target=_child,

@@ -83,6 +83,22 @@ class Channel:
         self._views()
 
 
+def capacity_for(largest_message: int) -> int:
+    """A ring that holds two of the largest messages at once (and at least ``DEFAULT_CAPACITY``).
+
+    A message that does not fit waits, in part, for its sender's next call into
+    the transport, which may come only after the sender's next compute action:
+    sized so, back-to-back messages never wait on the receiver. Three messages'
+    bytes plus 1 MiB: two messages, their headers and the padding skipped at
+    the ring's end (less than one record, a quarter of the ring).
+
+    Example:
+        >>> capacity_for(1 << 10) == DEFAULT_CAPACITY, capacity_for(16 << 20) >> 20
+        (True, 49)
+    """
+    return max(DEFAULT_CAPACITY, 3 * largest_message + (1 << 20))
+
+
 def unavailable(num_ranks: int, capacity: int = DEFAULT_CAPACITY) -> str | None:
     """Why rings for ``num_ranks`` spawned ranks cannot be used on this host, or None if they can.
 
