@@ -24,6 +24,7 @@ Two stream builders:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 
 from pipeweave.schedule.ir import Action, Op, Placement, ScheduleError, check_positive
@@ -103,86 +104,93 @@ def greedy_stream(
 ) -> list[list[Action]]:
     """List-schedule F and B of every microbatch at f = 1, B = 2; returns per-rank orders.
 
+    At every time unit each free rank runs, of its ready actions, the one of
+    least (is forward, microbatch, -position in the route): its oldest ready
+    backward, deepest first, else its oldest admissible forward. Event-driven:
+    an action becomes ready when the one it waits for is scheduled (its end is
+    known then), so a rank never rescans its whole list; forwards wait per
+    stage in microbatch order, because a stage's gates (``in_flight`` and
+    ``admit``) do not pass a later microbatch where they stop an earlier one.
+
     Args:
         placement: stages and ranks.
         routes: per microbatch, the stages it visits in forward order.
         in_flight: per stage, how many microbatches may sit between F and B.
         admit: ``admit(stage, microbatch, backwards_done)``: may this forward
             start, given how many backwards the stage has finished (AvgPipe's
-            replicas finish a mini-batch before starting the next).
+            replicas finish a mini-batch before starting the next); it must
+            not admit a microbatch after refusing an earlier one.
 
     Raises:
         ScheduleError: the bounds leave no rank able to progress.
     """
     n = placement.num_ranks
-    todo: list[list[tuple[Op, int, int]]] = [[] for _ in range(n)]  # (op, microbatch, stage)
+    rank_of = placement.stage_rank
+    pos = {s: i for route in routes for i, s in enumerate(route)}  # a stage belongs to one pipeline
+    # Per rank, actions whose input is scheduled, by the time it is done: (time, is forward, j, -pos, stage).
+    coming: list[list[tuple[int, bool, int, int, int]]] = [[] for _ in range(n)]
+    backward: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]  # ready backwards: (j, -pos, stage)
+    forward: dict[int, list[int]] = {}  # per stage, its ready forwards' microbatches
+    stages_of: list[list[int]] = [[] for _ in range(n)]
+    for s in sorted(pos):
+        stages_of[rank_of[s]].append(s)
     for j, route in enumerate(routes):
-        for s in route:
-            todo[placement.stage_rank[s]] += [(Op.F, j, s), (Op.B, j, s)]
-    pos = {s: i for route in routes for i, s in enumerate(route)}
-    done_at: dict[tuple[Op, int, int], int] = {}
+        heapq.heappush(coming[rank_of[route[0]]], (0, True, j, -pos[route[0]], route[0]))
     open_: dict[int, int] = {}  # stage -> microbatches between F and B
     backs: dict[int, int] = {}  # stage -> backwards done
     rows: list[list[Action]] = [[] for _ in range(n)]
-    free, t, left = [0] * n, 0, sum(map(len, todo))
-
-    def ready(op: Op, j: int, s: int) -> bool:
-        route, i = routes[j], pos[s]  # a stage belongs to one pipeline: one position
-        if op is Op.F:
-            prev_ok = i == 0 or done_at.get((Op.F, j, route[i - 1]), t + 1) <= t
-            gate = admit is None or admit(s, j, backs.get(s, 0))
-            return prev_ok and gate and open_.get(s, 0) < in_flight(s)
-        nxt_ok = i == len(route) - 1 or done_at.get((Op.B, j, route[i + 1]), t + 1) <= t
-        return nxt_ok and done_at.get((Op.F, j, s), t + 1) <= t
+    free, t, left = [0] * n, 0, 2 * sum(map(len, routes))
 
     while left:
         progressed = False
         for r in range(n):
+            arriving = coming[r]
+            while arriving and arriving[0][0] <= t:
+                _, is_f, j, neg_pos, s = heapq.heappop(arriving)
+                if is_f:
+                    heapq.heappush(forward.setdefault(s, []), j)
+                else:
+                    heapq.heappush(backward[r], (j, neg_pos, s))
             if free[r] > t:
                 continue
-            choice = _pick(todo[r], ready, pos)
-            if choice is None:
-                continue
-            op, j, s = choice
-            todo[r].remove(choice)
+            if backward[r]:
+                j, _, s = heapq.heappop(backward[r])
+                op = Op.B
+            else:
+                best: tuple[int, int, int] | None = None
+                for s in stages_of[r]:
+                    waiting = forward.get(s)
+                    if not waiting or open_.get(s, 0) >= in_flight(s):
+                        continue
+                    j = waiting[0]
+                    if admit is not None and not admit(s, j, backs.get(s, 0)):
+                        continue
+                    if best is None or (j, -pos[s]) < best[:2]:
+                        best = (j, -pos[s], s)
+                if best is None:
+                    continue
+                j, _, s = best
+                heapq.heappop(forward[s])
+                op = Op.F
             rows[r].append(Action(s, op, j))
-            free[r] = t + (1 if op is Op.F else 2)
-            done_at[(op, j, s)] = free[r]
-            open_[s] = open_.get(s, 0) + (1 if op is Op.F else -1)
-            backs[s] = backs.get(s, 0) + (op is Op.B)
+            free[r] = done = t + (1 if op is Op.F else 2)
+            route, i = routes[j], pos[s]
+            if op is Op.F:
+                open_[s] = open_.get(s, 0) + 1
+                nxt = route[i + 1] if i + 1 < len(route) else None
+                if nxt is None:  # the last stage's backward waits for its own forward only
+                    heapq.heappush(coming[r], (done, False, j, -i, s))
+                else:
+                    heapq.heappush(coming[rank_of[nxt]], (done, True, j, -(i + 1), nxt))
+            else:
+                open_[s] -= 1
+                backs[s] = backs.get(s, 0) + 1
+                if i > 0:
+                    prev = route[i - 1]
+                    heapq.heappush(coming[rank_of[prev]], (done, False, j, -(i - 1), prev))
             left -= 1
             progressed = True
         if not progressed and all(f <= t for f in free):
             raise ScheduleError("the in-flight bounds leave every rank idle; raise the bound")
         t += 1
     return rows
-
-
-def _pick(
-    todo: list[tuple[Op, int, int]],
-    ready: Callable[[Op, int, int], bool],
-    pos: dict[int, int],
-) -> tuple[Op, int, int] | None:
-    """The ready action of least (is forward, microbatch, -position): backward first, oldest first.
-
-    ``todo`` is in (microbatch, route) order, so the scan for forwards can stop
-    at the first microbatch that has a ready one; backwards are all considered.
-    """
-    best: tuple[Op, int, int] | None = None
-    best_key: tuple[bool, int, int] | None = None
-    stop_j: int | None = None  # once a ready forward is found, later microbatches cannot win
-    for c in todo:
-        op, j, s = c
-        if op is Op.F and stop_j is not None and j > stop_j:
-            continue
-        if best_key is not None and best_key[0] is False and op is Op.F:
-            continue
-        if not ready(op, j, s):
-            continue
-        key = (op is Op.F, j, -pos[s])
-        if best_key is None or key < best_key:
-            best, best_key = c, key
-        if op is Op.F:
-            stop_j = j if stop_j is None else min(stop_j, j)
-    return best
-
