@@ -103,8 +103,9 @@ def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = No
     The mean, not the median: the simulator charges every action its part's
     value, so the total work it simulates is what the run measured, including
     actions that are slower by design (the first backward of a step allocates
-    the gradients; XPipe's bellwether predicts for its mini-batch). A part run with a full backward gets ``b`` = its B time and ``w`` = 0, so
-    a simulated B (= b + w) takes what it measured. ``comm`` is the hop
+    the gradients; XPipe's bellwether predicts for its mini-batch). A part run
+    with a full backward gets ``b`` = its B time and ``w`` = 0, so a simulated
+    B (= b + w) takes what it measured. ``comm`` is the hop
     latency (default ``hop_latency``), ``dispatch`` the runtime's own time
     between actions (``dispatch_time``).
     """
@@ -115,17 +116,17 @@ def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = No
             for s, op, _, t0, t1 in rank.records[k]:
                 durations.setdefault((part_of[s], op), []).append(t1 - t0)
 
-    def median(part: int, op: str) -> float | None:
+    def mean(part: int, op: str) -> float | None:
         values = durations.get((part, op))
         return statistics.fmean(values) if values else None
 
     f, b, w, u = [], [], [], []
     for part in range(schedule.num_parts):
-        f.append(median(part, "F") or 0.0)
-        i_time = median(part, "I")
-        b.append(i_time if i_time is not None else (median(part, "B") or 0.0))
-        w.append(median(part, "W") or 0.0 if i_time is not None else 0.0)
-        u.append(median(part, "U") or 0.0)
+        f.append(mean(part, "F") or 0.0)
+        i_time = mean(part, "I")
+        b.append(i_time if i_time is not None else (mean(part, "B") or 0.0))
+        w.append(mean(part, "W") or 0.0 if i_time is not None else 0.0)
+        u.append(mean(part, "U") or 0.0)
     return CostModel(f=f, b=b, w=w, u=u, comm=comm if comm is not None else hop_latency(schedule, record),
                      dispatch=dispatch_time(record))
 
@@ -136,8 +137,8 @@ def dispatch_time(record: RunRecord) -> float:
     Everything a rank does between the end of one compute action and the
     start of its next -- posting sends and receives, copying messages,
     bookkeeping -- except the time inside its receives (which is where it
-    waits for a peer; the simulator derives waits from the dataflow). The mean, not the
-    median: the total over a step is what lengthens it.
+    waits for a peer; the simulator derives waits from the dataflow). The
+    mean, not the median: the total over a step is what lengthens it.
     """
     # A synchronous step's actions are one stretch of a rank's time (the gap between
     # steps is the loop's, not the executor's); a stream's mini-batches interleave,
