@@ -187,6 +187,15 @@ def _with_partition(config: Any, args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeweave.runtime.launch import exit_torchrun_rank, under_torchrun
+
+    code = _train(args)
+    if under_torchrun():
+        exit_torchrun_rank(code)  # does not return
+    return code
+
+
+def _train(args: argparse.Namespace) -> int:
     from pipeweave.runtime.job import run_rank
     from pipeweave.runtime.launch import LaunchOptions, RankFailure, launch, under_torchrun
 

@@ -167,6 +167,21 @@ def _join_torchrun(
         dist.destroy_process_group()
 
 
+def exit_torchrun_rank(code: int) -> None:
+    """End a torchrun rank whose work is done (group destroyed, outputs written) without finalization.
+
+    A spawned rank leaves through ``os._exit`` (multiprocessing's own way), a
+    torchrun rank through the interpreter's finalization, where a gloo rank
+    was seen to abort now and then ("terminate called without an active
+    exception", exit -6) after its training had finished -- and its node's
+    agent then waited out the elastic exit barrier (300 s) for the other
+    node. Streams are flushed first; nothing else is left to run.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 # ---- spawned ranks -----------------------------------------------------------
 def _spawn(
     fn: RankFn, payload: Any, num_ranks: int, options: LaunchOptions, on_progress: ProgressFn | None
