@@ -31,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=32, help="mini-batches per stream (default 32)")
     parser.add_argument("--json", default=str(HERE / "bubble_2ranks.json"))
+    parser.add_argument("--hidden", type=int, default=256, help="width h of the mlp (default 256, issue 3's model)")
     parser.add_argument("--transport", choices=("auto", "gloo", "shm"), default="auto",
                         help="as `pipeweave train --transport` (default auto, train's default)")
     args = parser.parse_args()
@@ -39,7 +40,7 @@ def main() -> None:
         if info.synchronous:
             continue
         config = TrainConfig(schedule=name, num_stages=2, num_microbatches=8, batch_size=256, steps=args.steps,
-                             model=ModelSpec(kind="mlp", layers=8, hidden=256), lr=0.01, momentum=0.9)
+                             model=ModelSpec(kind="mlp", layers=8, hidden=args.hidden), lr=0.01, momentum=0.9)
         config.check()
         before = os.getloadavg()[0]
         record = launch(run_rank, config, config.build_schedule().num_ranks, LaunchOptions(threads=1, transport=args.transport))
