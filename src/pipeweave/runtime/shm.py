@@ -177,7 +177,7 @@ class RecvWork:
 
     def __init__(self, transport: ShmTransport, peer: int, buffer: torch.Tensor, tag: int) -> None:
         self.transport, self.peer, self.buffer, self.tag, self.done = transport, peer, buffer, tag, False
-        self.target = memoryview(_bytes(buffer))
+        self.target = _bytes(buffer).data
         self.offset = 0  # bytes copied out so far
 
     def is_completed(self) -> bool:
@@ -215,7 +215,7 @@ class ShmTransport:
         (``_chunk``), written as the receiver frees room.
         """
         work = SendWork(self, peer)
-        self._queued[peer].append([memoryview(_bytes(tensor)), tag, work, 0])
+        self._queued[peer].append([_bytes(tensor).data, tag, work, 0])
         self.flush(peer)
         return work
 
