@@ -12,6 +12,8 @@ steady-state period (``runtime.stream.minibatch_period`` on an 8-mini-batch stre
     python benchmarks/convergence/study.py --task gpt          # the study (~10 min here)
     python benchmarks/convergence/study.py --task mlp          # the fast task (< 1 min)
     python benchmarks/convergence/study.py --task gpt --plot-only
+    python benchmarks/convergence/study.py --task gpt --fast --seed 1   # another init and data order
+    python benchmarks/convergence/study.py --task gpt --seeds 0 1 2     # vs sync per seed, from the results
 
 Writes ``results_<task>.json``, ``loss_vs_samples_<task>.png``,
 ``loss_vs_time_<task>.png`` next to this file and prints the README's table.
@@ -23,7 +25,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,13 +90,15 @@ def time_per_minibatch(name: str) -> float:
     return minibatch_period(timeline, T)
 
 
-def run(task: Task, name: str) -> dict[str, Any]:
+def run(task: Task, name: str, seed: int = 0) -> dict[str, Any]:
+    """One schedule's run; ``seed`` sets both the model's initialisation and the data order (0: the study's)."""
     started = time.perf_counter()
     schedule = schedule_for(name, task.steps)
     generated = time.perf_counter() - started
     momentum = task.momentum
+    task = replace(task, spec=replace(task.spec, seed=seed))
     result = run_reference(
-        schedule, task.spec, steps=task.steps, batch_size=task.batch_size,
+        schedule, task.spec, steps=task.steps, batch_size=task.batch_size, seed=seed,
         optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=task.lr, momentum=momentum),
     )
     return {"schedule": name, "synchronous": schedule.is_synchronous and name != CONTROL, "losses": result.losses,
@@ -119,7 +123,7 @@ def evaluate(task: Task, parameters: dict[str, torch.Tensor], batches: int = 4) 
     for k, p in model.named_parameters():
         p.copy_(parameters[k])
     memorise = task.spec.kind == "mlp"
-    source = data_source(task.spec, batch_size=task.batch_size, seed=0 if memorise else EVAL_SEED)
+    source = data_source(task.spec, batch_size=task.batch_size, seed=task.spec.seed if memorise else EVAL_SEED)
     batches = 1 if memorise else batches
     total = 0.0
     for m in range(batches):
@@ -201,23 +205,55 @@ def main() -> None:
     parser.add_argument("--plot-only", action="store_true", help="redraw from results_<task>.json")
     parser.add_argument("--only", nargs="*", help="these schedules only (appended to existing results)")
     parser.add_argument("--fast", action="store_true", help="1f1b for the synchronous schedules (equal losses)")
+    parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order (default 0)")
+    parser.add_argument("--seeds", nargs="+", type=int, help="print the per-seed table of these seeds' results")
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = TASKS[args.task]
-    path = HERE / f"results_{args.task}.json"
+    if args.seeds:
+        print(seeds_table(args.task, args.seeds))
+        return
+    path = results_path(args.task, args.seed)
     results: list[dict[str, Any]] = json.loads(path.read_text())["runs"] if path.exists() else []
     if not args.plot_only:
         names = args.only or [n for n in SCHEDULES if n not in SKIP and (not args.fast or n == "1f1b"
                                                                        or not SCHEDULES[n].synchronous)] + [CONTROL]
         results = [r for r in results if r["schedule"] not in names]
         for name in names:
-            r = run(task, name)
+            r = run(task, name, args.seed)
             results.append(r)
             print(f"{name:18s} final {final(r['losses']):.4f}  wall {r['wall_s']:.1f} s "
                   f"(generate {r['generate_s']:.1f} s)", flush=True)
-            path.write_text(json.dumps({"task": args.task, "D": D, "T": T, "runs": results}, indent=1))
-    plot(results, args.task, task)
+            path.write_text(json.dumps({"task": args.task, "D": D, "T": T, "seed": args.seed, "runs": results},
+                                       indent=1))
+    if args.seed == 0:
+        plot(results, args.task, task)
     print(table(results))
+
+
+def results_path(task: str, seed: int) -> Path:
+    return HERE / (f"results_{task}.json" if seed == 0 else f"results_{task}_seed{seed}.json")
+
+
+def seeds_table(task: str, seeds: list[int]) -> str:
+    """Per schedule, its final model loss vs synchronous training of the same seed, for each seed."""
+    rel: dict[str, list[float]] = {}
+    for seed in seeds:
+        runs = json.loads(results_path(task, seed).read_text())["runs"]
+        sync = [r["eval_loss"] for r in runs if r["synchronous"]]
+        base = sum(sync) / len(sync)
+        for r in runs:
+            if not r["synchronous"]:
+                rel.setdefault(r["schedule"], []).append(r["eval_loss"] / base - 1)
+    lines = [f"| schedule | vs sync, seeds {' / '.join(map(str, seeds))} | mean | class per seed | class of the mean |",
+             "|---|---|---:|---|---|"]
+    for name, values in sorted(rel.items(), key=lambda kv: sum(kv[1]) / len(kv[1])):
+        if len(values) != len(seeds):
+            continue
+        mean = sum(values) / len(values)
+        lines.append(f"| {name} | {' / '.join(f'{v:+.2%}' for v in values)} | {mean:+.2%} | "
+                     f"{' / '.join(classify(v) for v in values)} | {classify(mean)} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
