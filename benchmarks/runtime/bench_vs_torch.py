@@ -147,6 +147,7 @@ def bench(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any] | No
     dist.barrier()
     results["load_average"] = {"start": os.getloadavg()}
     results["single_rank_s_rounds"], results["single_rank_cpu_s_rounds"] = [], []
+    results["contended_single_rank_s_rounds"] = []
     # Rounds alternate the baseline, ours and theirs, so all meet the same load on a shared
     # machine (this VM's single-rank step moved between 110 and 134 ms across runs).
     for _ in range(options["rounds"]):
@@ -155,6 +156,12 @@ def bench(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any] | No
             results["single_rank_s_rounds"].append(wall)
             results["single_rank_cpu_s_rounds"].append(cpu)
         dist.barrier()
+        # The same accumulation on every rank at once: what one rank's compute costs while the
+        # others compute too (shared caches and memory bandwidth), the floor under any pipeline here.
+        wall, _ = single_rank_time(steps, warmup)
+        walls: list[Any] = [None] * world
+        dist.all_gather_object(walls, wall)
+        results["contended_single_rank_s_rounds"].append(statistics.median(walls))
         for name, chunks in OURS:
             if name in options["only"]:
                 results["ours"].setdefault(name, []).append(ours(rank, world, name, chunks, steps, warmup))
@@ -190,6 +197,8 @@ def main() -> int:
     results["single_rank_cpu_s"] = statistics.median(results["single_rank_cpu_s_rounds"])
     results["ideal_1f1b_s_rounds"] = [t / d * (T + d - 1) / T for t in results["single_rank_s_rounds"]]
     results["ideal_1f1b_s"] = results["single_rank_s"] / d * (T + d - 1) / T
+    results["ideal_1f1b_contended_s_rounds"] = [t / d * (T + d - 1) / T
+                                                for t in results["contended_single_rank_s_rounds"]]
     results["machine"] = {"platform": platform.platform(), "processor": platform.processor(),
                           "cpus": os.cpu_count(), "torch": torch.__version__, "nice": args.nice,
                           "date": time.strftime("%Y-%m-%d %H:%M"), "ranks": d, "threads_per_rank": 1,
@@ -250,6 +259,11 @@ def print_results(r: dict[str, Any]) -> None:
               f"CPU (both ranks) {', '.join(f'{x:.3f}' for x in cpus)}")
         one = _med(ours_runs, "step_time_s")
         ideal = [o["step_time_s"] / i for o, i in zip(ours_runs, r["ideal_1f1b_s_rounds"])]
+        contended = [o["step_time_s"] / i for o, i in zip(ours_runs, r.get("ideal_1f1b_contended_s_rounds", []))]
+        if contended:
+            print(f"single rank while every rank runs it: "
+                  f"{', '.join(f'{x * ms:.1f}' for x in r['contended_single_rank_s_rounds'])} ms; ours 1f1b / "
+                  f"that ideal: {', '.join(f'{x:.3f}' for x in contended)}")
         print(f"single rank per round: {', '.join(f'{x * ms:.1f}' for x in r['single_rank_s_rounds'])} ms; "
               f"ours 1f1b / ideal of the same round: {', '.join(f'{x:.3f}' for x in ideal)}")
         print(f"ours 1f1b / ideal (medians): {one / r['ideal_1f1b_s']:.3f};  ours 1f1b CPU (both ranks) / single-rank CPU: "
