@@ -119,9 +119,9 @@ def _check_transport(args: argparse.Namespace, schedule: Any, torchrun: bool, ca
         raise UserError(f"--transport shm cannot run here: {why}; use --transport gloo")
 
 
-def _ring_capacity(args: argparse.Namespace, config: Any, schedule: Any) -> int | None:
+def _ring_capacity(args: argparse.Namespace, config: Any, schedule: Any, torchrun: bool) -> int | None:
     """Shared-memory rings sized for this run's largest message (``shm.capacity_for``), if rings may be used."""
-    if args.transport == "gloo":
+    if args.transport == "gloo" or torchrun:
         return None
     from pipeweave.runtime import shm
 
@@ -202,7 +202,7 @@ def _train(args: argparse.Namespace) -> int:
     config = build_config(args)
     schedule = config.check()  # one line before anything is spawned
     progress = _Progress(config, quiet=args.quiet or (under_torchrun() and _rank() != 0))
-    capacity = _ring_capacity(args, config, schedule)
+    capacity = _ring_capacity(args, config, schedule, under_torchrun())
     _check_transport(args, schedule, under_torchrun(), capacity)
     options = LaunchOptions(threads=args.threads, timeout_s=args.timeout, transport=args.transport,
                             shm_capacity=capacity)

@@ -11,6 +11,7 @@ rank 0, which returns it as a ``RunRecord``.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from pipeweave.runtime.trace import align_clocks
 from pipeweave.runtime.validation_step import PostValidation, check_post_validation, install_post_validation
 from pipeweave.schedule import SCHEDULES, Schedule, generate, lower, validate
 from pipeweave.schedule.data_parallel import data_parallel
+from pipeweave.schedule.ir import Action
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -173,12 +175,15 @@ class TrainConfig:
         largest = max(self.microbatch_sizes) * per_sample * 4
         placement = schedule.placement
         if any(len(placement.replicas(s)) > 1 for s in range(placement.num_stages)):
-            from pipeweave.models.spec import build_layers
-
-            for part in self.layer_ranges(schedule):
-                numel = sum(p.numel() for layer in build_layers(self.model, part) for p in layer.parameters())
-                largest = max(largest, numel * 4)
+            largest = max(largest, int(max(self.part_weight_bytes(schedule))))  # float32, as sent
         return largest
+
+    def part_weight_bytes(self, schedule: Schedule) -> list[float]:
+        """Bytes of one copy of each part's weights (M_theta), counted from the model's layers."""
+        from pipeweave.models.spec import build_layers
+
+        return [float(sum(p.numel() * p.element_size() for layer in build_layers(self.model, list(part))
+                          for p in layer.parameters())) for part in self.layer_ranges(schedule)]
 
 
 @dataclass
@@ -268,13 +273,28 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
         if step == 0 and not config.memory_every_step:
             for w in workers.values():
                 w.track_memory = False
-        records.append([(a.stage, a.op.value, a.microbatch, (t0 - offset) * 1e-9, (t1 - offset) * 1e-9) for a, t0, t1 in timings])
+        records.append(seconds_since(timings, offset))
         launch_module.progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
-    params = {}
-    if config.collect_parameters:
-        params = {s: {k: p.detach().cpu().clone() for k, p in w.named_parameters().items()} for s, w in workers.items()}
     mine = RankRecord(rank, losses, records, executor.peak_activation_bytes,
-                      sum(w.weight_bytes() for w in workers.values()), params, step_cpu, action_cpu)
+                      sum(w.weight_bytes() for w in workers.values()), final_parameters(config, workers),
+                      step_cpu, action_cpu)
+    return gather_run(config, mine, rank, world, started)
+
+
+def seconds_since(timings: Sequence[tuple[Action, int, int]], offset: int) -> list[tuple[int, str, int, float, float]]:
+    """Executor timings (perf_counter ns) as ``RankRecord.records`` rows, seconds since ``offset`` (rank 0's clock)."""
+    return [(a.stage, a.op.value, a.microbatch, (t0 - offset) * 1e-9, (t1 - offset) * 1e-9) for a, t0, t1 in timings]
+
+
+def final_parameters(config: TrainConfig, workers: dict[int, StageWorker]) -> dict[int, dict[str, torch.Tensor]]:
+    """Per local stage, copies of its parameters when the config asks to collect them (else empty)."""
+    if not config.collect_parameters:
+        return {}
+    return {s: {k: p.detach().cpu().clone() for k, p in w.named_parameters().items()} for s, w in workers.items()}
+
+
+def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, started: float) -> RunRecord | None:
+    """Gather every rank's record on rank 0: the ``RunRecord`` there, None elsewhere."""
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if rank != 0:

@@ -142,12 +142,7 @@ def _join_torchrun(
     if world != num_ranks:
         raise RankFailure(f"torchrun started {world} processes but the schedule needs {num_ranks} ranks; "
                           f"give --nnodes x --nproc-per-node = {num_ranks}", 2)
-    torch.set_num_threads(options.threads)
-    if options.keep_host_memory:
-        keep_freed_host_memory()
-    device = device_for(rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = _prepare_rank(rank, options)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         timeout=datetime.timedelta(seconds=options.timeout_s),
@@ -165,6 +160,17 @@ def _join_torchrun(
         raise RankFailure(cause, 1) from None
     finally:
         dist.destroy_process_group()
+
+
+def _prepare_rank(rank: int, options: LaunchOptions) -> torch.device:
+    """This process as ``rank`` before its group exists: threads, host allocator, its device."""
+    torch.set_num_threads(options.threads)
+    if options.keep_host_memory:
+        keep_freed_host_memory()
+    device = device_for(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 def exit_torchrun_rank(code: int) -> None:
@@ -304,12 +310,7 @@ def _child(
     _die_with_parent()
     _progress_sink = lambda value: results.put(("progress", rank, value))  # noqa: E731
     try:
-        torch.set_num_threads(options.threads)
-        if options.keep_host_memory:
-            keep_freed_host_memory()
-        device = device_for(rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        device = _prepare_rank(rank, options)
         store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
                               timeout=datetime.timedelta(seconds=options.timeout_s))
         dist.init_process_group(

@@ -9,6 +9,8 @@ executor's tests and a fast path for convergence studies.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from pipeweave.data import DataSource, data_source, split_microbatches
@@ -215,10 +217,18 @@ def run_reference(
         inputs, targets = source.batch(step)
         t = schedule.num_microbatches
         losses.append(run_step(schedule, workers, split_microbatches(inputs, t), split_microbatches(targets, t)))
+    parameters, stage_parameters = trained_parameters(workers)
+    peaks = [w.peak_activation_bytes() for w in workers]
+    return TrainResult(losses, parameters, stage_parameters, peaks)
+
+
+def trained_parameters(
+    workers: Sequence[StageWorker],
+) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Copies of the workers' parameters: by name (a replicated part's first replica) and per stage."""
     stage_parameters = [{k: p.detach().clone() for k, p in w.named_parameters().items()} for w in workers]
     parameters: dict[str, torch.Tensor] = {}
     for params in stage_parameters:
         for k, p in params.items():
             parameters.setdefault(k, p)
-    peaks = [w.peak_activation_bytes() for w in workers]
-    return TrainResult(losses, parameters, stage_parameters, peaks)
+    return parameters, stage_parameters

@@ -28,14 +28,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
-import torch.distributed as dist
 
 from pipeweave.data import DataSource, data_source, split_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.plain import TrainResult
 from pipeweave.runtime.policy import PolicyOptions, RankPolicy, Read, ScheduleTables
-from pipeweave.runtime.reference import _Step, build_workers, run_step
+from pipeweave.runtime.reference import _Step, build_workers, run_step, trained_parameters
 from pipeweave.runtime.stage import OptimizerFactory, StageWorker
 from pipeweave.schedule.ir import Action, Op, Schedule
 
@@ -196,11 +195,7 @@ def run_stream_reference(
     state = _StreamStep(schedule, workers, inputs, targets, policies)
     run_step(schedule, workers, [], [], state=state)
     losses = minibatch_losses(state.losses, t, total // t)
-    stage_parameters = [{k: p.detach().clone() for k, p in w.named_parameters().items()} for w in workers]
-    parameters: dict[str, torch.Tensor] = {}
-    for params in stage_parameters:
-        for k, p in params.items():
-            parameters.setdefault(k, p)
+    parameters, stage_parameters = trained_parameters(workers)
     versions = {a: v for policy in policies.values() for a, v in policy.versions.items()}
     return StreamResult(losses, parameters, stage_parameters, [w.peak_activation_bytes() for w in workers],
                         versions=versions, weight_bytes=[policies[r].peak_weight_bytes for r in sorted(policies)])
@@ -223,7 +218,7 @@ def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | N
     """``job.run_rank`` for an asynchronous schedule: one pass of the stream through the ``Executor``."""
     from pipeweave.runtime import launch as launch_module
     from pipeweave.runtime.executor import Executor
-    from pipeweave.runtime.job import RankRecord, RunRecord, build_workers as rank_workers, used_transport
+    from pipeweave.runtime.job import RankRecord, build_workers as rank_workers, final_parameters, gather_run, seconds_since
     from pipeweave.runtime.trace import align_clocks
     from pipeweave.schedule import lower
 
@@ -245,23 +240,13 @@ def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | N
     mine = {j: float(x) for j, x in executor.losses_by_microbatch.items()}
     losses = minibatch_losses(mine, t, config.steps)
     groups = split_by_minibatch(timings, t, config.steps)
-    records = [[(a.stage, a.op.value, a.microbatch, (t0 - offset) * 1e-9, (t1 - offset) * 1e-9) for a, t0, t1 in g]
-               for g in groups]
+    records = [seconds_since(g, offset) for g in groups]
     for m, loss in enumerate(losses):
         launch_module.progress({"step": m, "loss": loss, "time": records[m][-1][4] if records[m] else 0.0})
-    params = {}
-    if config.collect_parameters:
-        params = {s: {k: p.detach().cpu().clone() for k, p in w.named_parameters().items()} for s, w in workers.items()}
     record: RankRecord = RankRecord(rank, losses, records, executor.peak_activation_bytes,
-                                    policy.peak_weight_bytes, params)
+                                    policy.peak_weight_bytes, final_parameters(config, workers))
     record.versions = dict(policy.versions)
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(record, gathered, dst=0)
-    if rank != 0:
-        return None
-    assert gathered is not None
-    return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started,
-                     used_transport())
+    return gather_run(config, record, rank, world, started)
 
 
 def _keep_replicas_apart(executor: Any, workers: dict[int, StageWorker]) -> None:
@@ -308,20 +293,20 @@ def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     ``weight_bytes`` the peak of every weight version and buffer per rank,
     beside ``weight_bytes_simulated`` = ``sim.versions.weight_copies`` x each part's bytes.
     """
-    from pipeweave.runtime.trace import profile_costs, summarize
+    from pipeweave.runtime.trace import measured_summary, profile_costs
     from pipeweave.sim import CostModel, simulate
     from pipeweave.sim.metrics import bubble_metrics
     from pipeweave.sim.steady import steady_bubble_ratio
     from pipeweave.sim.versions import weight_copies
 
-    out = summarize(schedule, record)  # per-mini-batch times, throughput, profiled costs, memory
+    cost = profile_costs(schedule, record)
+    out = measured_summary(schedule, record, cost)  # per-mini-batch times, throughput, profiled costs, memory
     t = microbatches_per_minibatch(schedule)
     measured = stream_timeline(schedule, record)
-    cost = profile_costs(schedule, record)
     predicted = simulate(schedule, cost, check=False)
     alone = simulate(schedule, replace(cost, dispatch=0.0), check=False)
     m, p = bubble_metrics(measured), bubble_metrics(predicted)
-    part_bytes = _part_bytes(schedule, record)
+    part_bytes = record.config.part_weight_bytes(schedule)
     out.update({
         "bubble_ratio": steady_bubble_ratio(measured), "bubble_ratio_stream": m[3], "bubble_ratio_flush": m[4],
         "bubble_overhead": m[5], "makespan_s": m[0],
@@ -338,11 +323,3 @@ def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
         out["tokens_per_s"] = out["samples_per_s"] * record.config.model.seq_len
     return out
 
-
-def _part_bytes(schedule: Schedule, record: RunRecord) -> list[float]:
-    """Bytes of one copy of each part's weights (M_theta), from the model's layers."""
-    from pipeweave.models.spec import build_layers
-
-    ranges = record.config.layer_ranges(schedule)
-    return [float(sum(p.numel() * p.element_size() for layer in build_layers(record.config.model, list(r))
-                      for p in layer.parameters())) for r in ranges]

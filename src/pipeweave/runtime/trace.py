@@ -183,15 +183,25 @@ def hop_latency(schedule: Schedule, record: RunRecord) -> float:
 
 def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     """Measured and simulated figures of a run (the JSON record's numbers)."""
+    cost = profile_costs(schedule, record)
+    sim = bubble_metrics(simulate(schedule, cost, check=False))
+    alone = bubble_metrics(simulate(schedule, replace(cost, dispatch=0.0), check=False))
+    return {
+        **measured_summary(schedule, record, cost),
+        "makespan_simulated_s": sim[0],
+        "bubble_ratio_simulated": sim[3],
+        "bubble_ratio_flush_simulated": sim[4],
+        "bubble_ratio_simulated_no_dispatch": alone[3],
+    }
+
+
+def measured_summary(schedule: Schedule, record: RunRecord, cost: CostModel) -> dict[str, Any]:
+    """The measured figures of a run, per step, beside the costs profiled from it (``cost``)."""
     config = record.config
     steps = measured_steps(config.steps)
     per_step = [bubble_metrics(step_timeline(schedule, record, k)) for k in steps]
     times = step_times(record)
     step_time = statistics.median(times[k] for k in steps)
-    cost = profile_costs(schedule, record)
-    predicted = simulate(schedule, cost, check=False)
-    sim = bubble_metrics(predicted)
-    alone = bubble_metrics(simulate(schedule, replace(cost, dispatch=0.0), check=False))
     samples = config.batch_size / step_time
     tokens = samples * config.model.seq_len if config.model.kind == "gpt" else None
     return {
@@ -203,10 +213,6 @@ def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
         "bubble_ratio": statistics.median(m[3] for m in per_step),
         "bubble_ratio_flush": statistics.median(m[4] for m in per_step),
         "bubble_overhead": statistics.median(m[5] for m in per_step),
-        "makespan_simulated_s": sim[0],
-        "bubble_ratio_simulated": sim[3],
-        "bubble_ratio_flush_simulated": sim[4],
-        "bubble_ratio_simulated_no_dispatch": alone[3],
         "profiled_costs_s": {"f": list(_values(cost.f)), "b": list(_values(cost.b)), "w": list(_values(cost.w)),
                              "u": list(_values(cost.u)), "comm": cost.comm, "dispatch": cost.dispatch},
         "peak_activation_bytes": [r.peak_activation_bytes for r in record.ranks],
