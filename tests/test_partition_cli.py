@@ -145,3 +145,10 @@ def test_train_takes_the_partition_and_the_data_parallel_degree(head_heavy: Path
     assert train_config(["--stages", "2"]).layers_per_part is None
     with pytest.raises(UserError, match="sums to 9 layers"):
         train_config(["--stages", "2", "--partition", "explicit", "--layers-per-stage", "5,4"])
+
+
+def test_layers_per_stage_alone_is_explicit_and_is_never_ignored(head_heavy: Path) -> None:
+    # It used to be dropped silently unless --partition explicit came with it.
+    assert train_config(["--stages", "2", "--layers-per-stage", "7,1"]).layers_per_part == (7, 1)
+    with pytest.raises(UserError, match="^--layers-per-stage applies to --partition explicit, not time; drop one"):
+        train_config(["--stages", "2", "--partition", "time", "--costs", str(head_heavy), "--layers-per-stage", "7,1"])

@@ -72,6 +72,19 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--refresh", action="store_true", help="profile again even if a cached profile exists")
 
 
+def partition_method(args: argparse.Namespace) -> str:
+    """``--partition``, or ``explicit`` when ``--layers-per-stage`` is given with the default method.
+
+    Raises:
+        UserError: ``--layers-per-stage`` beside another method, which would ignore it.
+    """
+    if args.layers_per_stage is None:
+        return str(args.partition)
+    if args.partition not in ("uniform", "explicit"):
+        raise UserError(f"--layers-per-stage applies to --partition explicit, not {args.partition}; drop one of them")
+    return "explicit"
+
+
 def partition_context(args: argparse.Namespace, profile: MemoryProfile | None) -> PartitionContext:
     return PartitionContext(
         counts=parse_counts(args.layers_per_stage), memory_limit=args.memory_limit, profile=profile,
@@ -89,9 +102,10 @@ def layers_per_part(
     Raises:
         UserError: the method's errors, or a PipeDream plan that replicates parts.
     """
-    if args.partition == "uniform" and args.layers_per_stage is None:
+    method = partition_method(args)
+    if method == "uniform":
         return None
-    if args.partition == "explicit" or args.costs:
+    if method == "explicit" or args.costs:
         costs = LayerCosts.load(args.costs) if args.costs else LayerCosts.uniform(spec.num_layers)
     else:
         from pipeweave.runtime.profile import profile_model
@@ -100,10 +114,10 @@ def layers_per_part(
     if costs.num_layers != spec.num_layers:
         raise UserError(f"--costs has {costs.num_layers} layers for a model of {spec.num_layers}; profile this model")
     profile = memory_profile(schedule, args)
-    plan = partition(args.partition, costs, schedule.num_parts, partition_context(args, profile))
+    plan = partition(method, costs, schedule.num_parts, partition_context(args, profile))
     if plan.num_parts != schedule.num_parts:
         raise UserError(
-            f"--partition {args.partition} replicates parts {list(plan.replicas)}; train one replica per part "
+            f"--partition {method} replicates parts {list(plan.replicas)}; train one replica per part "
             "with --partition time, or replicate whole pipelines with --data-parallel"
         )
     return plan.counts
@@ -165,7 +179,7 @@ def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, A
     """Partition ``costs`` for the schedule of ``args``; simulate the schedule with the parts' costs."""
     schedule = generate(args.schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks)
     profile = memory_profile(schedule, args)
-    plan = partition(args.partition, costs, schedule.num_parts, partition_context(args, profile))
+    plan = partition(partition_method(args), costs, schedule.num_parts, partition_context(args, profile))
     if plan.num_parts != schedule.num_parts:  # PipeDream chose fewer, replicated stages
         schedule = generate(args.schedule, num_stages=plan.num_parts, num_microbatches=args.microbatches)
         profile = memory_profile(schedule, args)
@@ -184,7 +198,7 @@ def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, A
         })
     return {
         "schedule": schedule.name, "stages": args.stages, "microbatches": args.microbatches,
-        "partition": args.partition, "parts": parts, "max_stage_time": max(float(p["time"]) for p in parts),
+        "partition": partition_method(args), "parts": parts, "max_stage_time": max(float(p["time"]) for p in parts),
         "max_memory": max((float(p["memory"]) for p in parts if p["memory"] is not None), default=None),
         "memory_limit": args.memory_limit, "bubble_ratio": metrics.bubble_ratio,
         "bubble_ratio_flush": metrics.bubble_ratio_flush, "makespan": metrics.makespan,
