@@ -2,8 +2,8 @@
 
 For ``uniform``, ``time`` and ``memory`` it prints the partition, the step time
 the simulator predicts from the per-layer profile, and the step time and
-per-rank memory measured by a real ``pipeweave train`` run (gloo, CPU, one
-thread per rank). Run from the repository root:
+per-rank memory measured by a real ``pipeweave train`` run (its default
+transport, CPU, one thread per rank). Run from the repository root:
 
     python benchmarks/partition/run.py [--steps 12] [--vocab 8192]
 """
@@ -44,7 +44,7 @@ def measure(spec: ModelSpec, counts: tuple[int, ...], args: argparse.Namespace) 
         batch_size=args.batch, steps=args.steps, lr=0.01, layers_per_part=counts, data=args.data,
     )
     schedule = config.check()
-    record = launch(run_rank, config, schedule.num_ranks, LaunchOptions(threads=1, timeout_s=120))
+    record = launch(run_rank, config, schedule.num_ranks, LaunchOptions(threads=1, timeout_s=120, transport="auto"))
     summary = summarize(schedule, record)
     return {k: summary[k] for k in ("step_time_s", "peak_activation_bytes", "weight_bytes", "bubble_ratio")}
 

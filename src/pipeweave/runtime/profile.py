@@ -10,7 +10,10 @@ layer's output, so what is measured is what a stage of the run does:
   its output excluded; ``output``: bytes of that output;
 - ``params``: parameter bytes.
 
-The last layer's forward includes the loss, as on the last stage. Results are
+The last layer's forward includes the loss, as on the last stage. The host
+allocator is set as in every rank (``launch.keep_freed_host_memory``): a
+large layer's tensors cost page faults without it, which the run does not
+pay. Results are
 cached as JSON under ``cache_dir`` (default ``$PIPEWEAVE_CACHE`` or
 ``~/.cache/pipeweave``), keyed by the model spec, the microbatch shape, the
 device, the thread count and the torch version.
@@ -33,6 +36,7 @@ import torch
 from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec
 from pipeweave.partition.problem import LayerCosts
+from pipeweave.runtime.launch import keep_freed_host_memory
 from pipeweave.runtime.stage import StageWorker
 
 
@@ -54,7 +58,7 @@ def cache_key(spec: ModelSpec, microbatch_size: int, device: torch.device) -> di
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
         "spec": asdict(spec), "microbatch_size": microbatch_size, "device": str(device.type), "device_name": name,
-        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "host_memory": "kept",
     }
 
 
@@ -135,6 +139,7 @@ def profile_model(
             f"microbatch_size={microbatch_size}, repeats={repeats}, warmup={warmup}: give sizes and repeats >= 1"
         )
     device = torch.device(device)
+    keep_freed_host_memory()  # as every rank runs (launch.LaunchOptions.keep_host_memory)
     key = cache_key(spec, microbatch_size, device)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = Path(cache_dir) / f"{digest}.json" if cache_dir is not None else default_cache_dir() / f"{digest}.json"
