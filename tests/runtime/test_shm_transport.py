@@ -222,3 +222,46 @@ def test_shm_is_refused_in_one_line_where_it_cannot_run() -> None:
         _check_transport(argparse.Namespace(transport="shm"), schedule, torchrun=True)
     _check_transport(argparse.Namespace(transport="auto"), schedule, torchrun=True)  # auto: gloo, no error
     assert shm.unavailable(2, capacity=1 << 60) is not None  # no /dev/shm holds that
+
+
+def test_a_queued_message_keeps_its_tensor_alive_and_odd_tensors_are_refused() -> None:
+    """Payloads move by address: a queued send holds its tensor until written; no strided tensor is read raw."""
+    import gc
+    import multiprocessing
+
+    channels = shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1024)
+    sender, receiver = shm.ShmTransport(0, channels), shm.ShmTransport(1, channels)
+    works = [sender.isend(torch.full((100,), float(i)), 1, tag=i) for i in range(6)]  # 400 bytes each: 2 fit
+    assert not works[-1].is_completed()
+    gc.collect()  # the caller kept no reference to the queued tensors
+    for i in range(6):
+        got = receiver.irecv(torch.empty(100), 0, tag=i)
+        sender.flush(1)
+        got.wait()
+        assert torch.equal(got.buffer, torch.full((100,), float(i))), i
+    with pytest.raises(ValueError, match="contiguous"):
+        sender.isend(torch.ones(4, 3).t(), 1, tag=9)
+
+
+def test_a_stream_refuses_a_tensor_unlike_the_one_it_announced() -> None:
+    import multiprocessing
+
+    from pipeweave.runtime.comm import P2P
+    from pipeweave.schedule import generate, lower
+    from pipeweave.schedule.ir import Action, Op
+
+    shm.install(0, shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1 << 16))
+    try:
+        p2p = P2P(lower(generate("1f1b", num_stages=2, num_microbatches=3)), 0, [2, 2, 1], torch.device("cpu"))
+        p2p.begin_step()
+        p2p.send(Action(0, Op.SEND_F, 0), torch.ones(2, 4))
+        with pytest.raises(ValueError, match="per-sample shape"):
+            p2p.send(Action(0, Op.SEND_F, 1), torch.ones(2, 5))
+        with pytest.raises(ValueError, match="announced as torch.float32"):
+            p2p.send(Action(0, Op.SEND_F, 1), torch.ones(2, 4, dtype=torch.float64))
+        with pytest.raises(ValueError, match="does not have the microbatch"):
+            p2p.send(Action(0, Op.SEND_F, 2), torch.ones(2, 4))
+        p2p.send(Action(0, Op.SEND_F, 1), torch.ones(4, 2).t())  # strided: sent as a contiguous copy
+        p2p.send(Action(0, Op.SEND_F, 2), torch.ones(1, 4))  # the smaller last microbatch
+    finally:
+        shm.install(0, None)

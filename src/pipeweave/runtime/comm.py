@@ -28,6 +28,7 @@ exactly that).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -190,8 +191,10 @@ class P2P:
         self.lookahead = lookahead
         self.row = lowered.actions[rank]
         self._span = len(self.sizes) + 1
-        self._sent_meta: set[tuple[int, int]] = set()
-        self._shapes: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
+        # Per (stage, kind) stream sent: dtype, per-sample shape and bytes (announced by its metadata).
+        self._sent: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int]] = {}
+        # Per stream received: dtype, per-sample shape and bytes (read from its metadata).
+        self._shapes: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int]] = {}
         self._pending_sends: list[tuple[Any, torch.Tensor]] = []
         self._posted: dict[Key, _Posted] = {}
         self._queues: dict[int, deque[Key]] = {}
@@ -249,21 +252,32 @@ class P2P:
 
     # ---- sends ----------------------------------------------------------
     def send(self, a: Action, tensor: torch.Tensor) -> None:
-        """Post a non-blocking send of ``tensor`` for the SEND action ``a``."""
+        """Post a non-blocking send of ``tensor`` for the SEND action ``a``.
+
+        Few tensor calls on this path: right after a compute action each costs
+        ~10 us of cold caches, which a microbatch's message paid several times.
+        """
         key = message_key(self.lowered, a)
         peer = self.lowered.peer(a)
-        tensor = tensor.detach().contiguous()
-        if tensor.dim() == 0 or tensor.shape[0] != self.sizes[a.microbatch]:
+        shape = tensor.shape
+        if not shape or shape[0] != self.sizes[a.microbatch]:
             raise ValueError(
-                f"{a}: tensor of shape {tuple(tensor.shape)} does not have the microbatch "
+                f"{a}: tensor of shape {tuple(shape)} does not have the microbatch "
                 f"({self.sizes[a.microbatch]}) as dimension 0"
             )
-        if key[:2] not in self._sent_meta:
-            self._sent_meta.add(key[:2])
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        stream = key[:2]
+        sent = self._sent.get(stream)
+        if sent is None:
+            sent = self._sent[stream] = (tensor.dtype, tuple(shape[1:]), tensor.element_size() * math.prod(shape[1:]))
             self._isend(_encode_meta(tensor).to(self.device), peer, (key[0], key[1], _META))
+        elif tuple(shape[1:]) != sent[1] or tensor.dtype != sent[0]:
+            raise ValueError(f"{a}: a {tensor.dtype} tensor of per-sample shape {tuple(shape[1:])} in a stream "
+                             f"announced as {sent[0]} {sent[1]}")
         # Forget finished sends so their buffers can be freed before the step ends.
         self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
-        self._isend(tensor, peer, key)
+        self._isend(tensor, peer, key, sent[2] * shape[0])
 
     def send_gradient(self, stage: int, peer: int, flat: torch.Tensor) -> None:
         """Post the send of replica ``stage``'s flattened gradient to ``peer`` (its place in ``rank_sends``)."""
@@ -283,9 +297,11 @@ class P2P:
         """Wait for remote replica ``stage``'s flattened gradient from ``peer`` and return it."""
         return self._wait((stage, _GRAD, 0), peer)
 
-    def _isend(self, tensor: torch.Tensor, peer: int, key: Key) -> None:
+    def _isend(self, tensor: torch.Tensor, peer: int, key: Key, nbytes: int | None = None) -> None:
+        """Post the send; ``nbytes``: the (contiguous) tensor's bytes, when known."""
         ring = shm.active()  # --transport shm: the same messages, in the same order, through shared memory
-        work: Any = ring.isend(tensor, peer, self.tag(key)) if ring else dist.isend(tensor, dst=peer, tag=self.tag(key))
+        work: Any = (ring.isend(tensor, peer, self.tag(key), nbytes) if ring
+                     else dist.isend(tensor, dst=peer, tag=self.tag(key)))
         assert work is not None
         self._pending_sends.append((work, tensor))
 
@@ -339,19 +355,24 @@ class P2P:
             return False
         meta.work.wait(wait_timeout())
         del self._posted[(stream[0], stream[1], _META)]
-        self._shapes[stream] = _decode_meta(meta.buffer.cpu())
+        dtype, sample = _decode_meta(meta.buffer.cpu())
+        self._shapes[stream] = (dtype, sample, torch.empty((), dtype=dtype).element_size() * math.prod(sample))
         return True
 
     def _post(self, peer: int, key: Key) -> None:
         if key[2] == _META:
             buffer = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
+            nbytes = 8 * _META_LEN
         elif key[1] == _GRAD:
             buffer = torch.empty(self.grad_numel[key[0]], dtype=torch.float32, device=self.device)
+            nbytes = 4 * self.grad_numel[key[0]]
         else:
-            dtype, sample = self._shapes[key[:2]]
+            dtype, sample, sample_bytes = self._shapes[key[:2]]
             buffer = torch.empty((self.sizes[key[2]], *sample), dtype=dtype, device=self.device)
+            nbytes = sample_bytes * self.sizes[key[2]]
         ring = shm.active()
-        work: Any = ring.irecv(buffer, peer, self.tag(key)) if ring else dist.irecv(buffer, src=peer, tag=self.tag(key))
+        work: Any = (ring.irecv(buffer, peer, self.tag(key), nbytes) if ring
+                     else dist.irecv(buffer, src=peer, tag=self.tag(key)))
         assert work is not None
         self._posted[key] = _Posted(work, buffer)
 
