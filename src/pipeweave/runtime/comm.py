@@ -197,8 +197,14 @@ class P2P:
         self._shapes: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int]] = {}
         self._pending_sends: list[tuple[Any, torch.Tensor]] = []
         self._posted: dict[Key, _Posted] = {}
+        self._buffers: dict[Key, tuple[torch.Tensor, int]] = {}  # per activation/gradient key: its receive buffer
         self._queues: dict[int, deque[Key]] = {}
         self._next_compute = self._compute_positions()
+        # Per position, (peer, key) of every receive up to the lookahead-th compute action after it.
+        self._ahead = [
+            [(lowered.peer(a), message_key(lowered, a)) for a in self.row[i:stop] if a.op in (Op.RECV_F, Op.RECV_B)]
+            for i, stop in enumerate(self._next_compute)
+        ]
         self._first_step = True
         # Per peer, the keys it sends here, first step (with metadata) and later: computed once.
         self._orders: dict[bool, dict[int, list[Key]]] = {}
@@ -275,8 +281,8 @@ class P2P:
         elif tuple(shape[1:]) != sent[1] or tensor.dtype != sent[0]:
             raise ValueError(f"{a}: a {tensor.dtype} tensor of per-sample shape {tuple(shape[1:])} in a stream "
                              f"announced as {sent[0]} {sent[1]}")
-        # Forget finished sends so their buffers can be freed before the step ends.
-        self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
+        if len(self._pending_sends) >= _PRUNE_AT:  # forget finished sends: their buffers may go before the step ends
+            self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
         self._isend(tensor, peer, key, sent[2] * shape[0])
 
     def send_gradient(self, stage: int, peer: int, flat: torch.Tensor) -> None:
@@ -303,15 +309,15 @@ class P2P:
         work: Any = (ring.isend(tensor, peer, self.tag(key), nbytes) if ring
                      else dist.isend(tensor, dst=peer, tag=self.tag(key)))
         assert work is not None
-        self._pending_sends.append((work, tensor))
+        if work is not shm.SENT:  # a record already in the ring needs no waiting (and no tensor)
+            self._pending_sends.append((work, tensor))
 
     # ---- receives -------------------------------------------------------
     def post_ahead(self, index: int) -> None:
         """Post the receives of the actions before the next ``lookahead`` compute actions."""
-        stop = self._next_compute[index]
-        for a in self.row[index:stop]:
-            if a.op in (Op.RECV_F, Op.RECV_B):
-                self._post_through(self.lowered.peer(a), message_key(self.lowered, a), block=False)
+        for peer, key in self._ahead[index]:
+            if key not in self._posted:
+                self._post_through(peer, key, block=False)
 
     def recv(self, a: Action) -> torch.Tensor:
         """Wait for the message of the RECV action ``a`` and return it."""
@@ -360,6 +366,7 @@ class P2P:
         return True
 
     def _post(self, peer: int, key: Key) -> None:
+        nbytes: int | None
         if key[2] == _META:
             buffer = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
             nbytes = 8 * _META_LEN
@@ -367,9 +374,15 @@ class P2P:
             buffer = torch.empty(self.grad_numel[key[0]], dtype=torch.float32, device=self.device)
             nbytes = 4 * self.grad_numel[key[0]]
         else:
-            dtype, sample, sample_bytes = self._shapes[key[:2]]
-            buffer = torch.empty((self.sizes[key[2]], *sample), dtype=dtype, device=self.device)
-            nbytes = sample_bytes * self.sizes[key[2]]
+            # An activation or its gradient: every one a step receives is used up within the
+            # step (the executor checks), so the next step receives the same key into the same
+            # buffer, without allocating.
+            reused = self._buffers.get(key)
+            if reused is None:
+                dtype, sample, sample_bytes = self._shapes[key[:2]]
+                buffer = torch.empty((self.sizes[key[2]], *sample), dtype=dtype, device=self.device)
+                reused = self._buffers[key] = (buffer, sample_bytes * self.sizes[key[2]])
+            buffer, nbytes = reused
         ring = shm.active()
         work: Any = (ring.irecv(buffer, peer, self.tag(key), nbytes) if ring
                      else dist.irecv(buffer, src=peer, tag=self.tag(key)))
@@ -378,6 +391,7 @@ class P2P:
 
 
 _COMM = (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
+_PRUNE_AT = 4  # unfinished sends held before looking for finished ones (a look costs a call per send)
 
 
 def _encode_meta(tensor: torch.Tensor) -> torch.Tensor:

@@ -178,6 +178,19 @@ class SendWork:
         return True
 
 
+class _Sent:
+    """The work of a send whose record went into the ring at once (most sends): nothing to wait for."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+
+SENT = _Sent()
+
+
 class RecvWork:
     """A posted receive into ``buffer``: complete once its record was copied out of the ring."""
 
@@ -192,7 +205,10 @@ class RecvWork:
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         t = self.transport
-        t.wait_until(lambda: self.is_completed(), t.incoming[self.peer], timeout)
+        if not self.done:
+            t.progress(self.peer)  # the record is often there already: no waiting machinery
+        if not self.done:
+            t.wait_until(lambda: self.is_completed(), t.incoming[self.peer], timeout)
         return True
 
 
@@ -215,17 +231,19 @@ class ShmTransport:
         self._tokens = {p: 0 for p in self.incoming}  # semaphore acquires made ahead of their record
 
     # ---- sends ----------------------------------------------------------
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int, nbytes: int | None = None) -> SendWork:
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int, nbytes: int | None = None) -> SendWork | _Sent:
         """Copy contiguous CPU ``tensor`` into the ring to ``peer`` now, as far as it fits; the rest is queued.
 
         ``nbytes``: the tensor's size in bytes when the caller knows it (saves
         asking the tensor). A message larger than a quarter of the ring goes as
         several records (``_chunk``), written as the receiver frees room.
+        Returns ``SENT`` when the whole message is in the ring already.
         """
         work = SendWork(self, peer)
-        self._queued[peer].append([tensor.data_ptr(), _nbytes(tensor, nbytes), tag, work, 0, tensor])
+        queued = self._queued[peer]
+        queued.append([tensor.data_ptr(), _nbytes(tensor, nbytes), tag, work, 0, tensor])
         self.flush(peer)
-        return work
+        return work if queued else SENT
 
     def flush(self, peer: int) -> None:
         """Write the queued records to ``peer`` that fit in its ring, in order."""
