@@ -24,6 +24,11 @@ microbatch smaller than the others needs no further message; a replica
 gradient's size is its part's parameter count, known to both replicas. Sends
 are non-blocking and waited lazily (the validator's deadlock check assumes
 exactly that).
+
+An activation or input gradient is received, step after step, into the same
+buffer per key: everything a step receives is used up within that step (the
+executor checks that nothing is left over), so the next step may overwrite
+it, and no step allocates its messages again.
 """
 
 from __future__ import annotations
