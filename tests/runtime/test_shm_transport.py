@@ -265,3 +265,34 @@ def test_a_stream_refuses_a_tensor_unlike_the_one_it_announced() -> None:
         p2p.send(Action(0, Op.SEND_F, 2), torch.ones(1, 4))  # the smaller last microbatch
     finally:
         shm.install(0, None)
+
+
+def test_a_received_message_is_not_kept_by_the_transport() -> None:
+    """Once its consumer lets go, a received activation is freed (a stream receives thousands of them)."""
+    import gc
+    import multiprocessing
+    import weakref
+
+    from pipeweave.runtime.comm import P2P, _encode_meta
+    from pipeweave.schedule import generate, lower
+    from pipeweave.schedule.ir import Action, Op
+
+    channels = shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1 << 16)
+    sender = shm.ShmTransport(0, channels)
+    shm.install(1, channels)
+    try:
+        p2p = P2P(lower(generate("1f1b", num_stages=2, num_microbatches=2)), 1, [3, 3], torch.device("cpu"))
+        p2p.begin_step()
+        sender.isend(_encode_meta(torch.ones(3, 4)), 1, tag=p2p.tag((0, 0, -1)))
+        for j in range(2):
+            sender.isend(torch.full((3, 4), float(j)), 1, tag=p2p.tag((0, 0, j)))
+        alive = []
+        for j in range(2):
+            x = p2p.recv(Action(1, Op.RECV_F, j))
+            assert torch.equal(x, torch.full((3, 4), float(j)))
+            alive.append(weakref.ref(x))
+            del x
+        gc.collect()
+        assert all(ref() is None for ref in alive)
+    finally:
+        shm.install(1, None)

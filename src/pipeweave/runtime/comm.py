@@ -25,10 +25,9 @@ gradient's size is its part's parameter count, known to both replicas. Sends
 are non-blocking and waited lazily (the validator's deadlock check assumes
 exactly that).
 
-An activation or input gradient is received, step after step, into the same
-buffer per key: everything a step receives is used up within that step (the
-executor checks that nothing is left over), so the next step may overwrite
-it, and no step allocates its messages again.
+Every message is received into a buffer of its own, freed when its consumer
+lets go of it (reusing buffers across steps would hold all T of a step's
+messages at once, against what 1F1B saves, and a stream's forever).
 """
 
 from __future__ import annotations
@@ -202,7 +201,6 @@ class P2P:
         self._shapes: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int]] = {}
         self._pending_sends: list[tuple[Any, torch.Tensor]] = []
         self._posted: dict[Key, _Posted] = {}
-        self._buffers: dict[Key, tuple[torch.Tensor, int]] = {}  # per activation/gradient key: its receive buffer
         self._queues: dict[int, deque[Key]] = {}
         self._next_compute = self._compute_positions()
         # Per position, (peer, key) of every receive up to the lookahead-th compute action after it.
@@ -371,7 +369,6 @@ class P2P:
         return True
 
     def _post(self, peer: int, key: Key) -> None:
-        nbytes: int | None
         if key[2] == _META:
             buffer = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
             nbytes = 8 * _META_LEN
@@ -379,15 +376,9 @@ class P2P:
             buffer = torch.empty(self.grad_numel[key[0]], dtype=torch.float32, device=self.device)
             nbytes = 4 * self.grad_numel[key[0]]
         else:
-            # An activation or its gradient: every one a step receives is used up within the
-            # step (the executor checks), so the next step receives the same key into the same
-            # buffer, without allocating.
-            reused = self._buffers.get(key)
-            if reused is None:
-                dtype, sample, sample_bytes = self._shapes[key[:2]]
-                buffer = torch.empty((self.sizes[key[2]], *sample), dtype=dtype, device=self.device)
-                reused = self._buffers[key] = (buffer, sample_bytes * self.sizes[key[2]])
-            buffer, nbytes = reused
+            dtype, sample, sample_bytes = self._shapes[key[:2]]
+            buffer = torch.empty((self.sizes[key[2]], *sample), dtype=dtype, device=self.device)
+            nbytes = sample_bytes * self.sizes[key[2]]
         ring = shm.active()
         work: Any = (ring.irecv(buffer, peer, self.tag(key), nbytes) if ring
                      else dist.irecv(buffer, src=peer, tag=self.tag(key)))
