@@ -196,3 +196,34 @@ def test_weight_bytes_counts_parameters() -> None:
     h = MLP.hidden
     per_block = 2 * h + (h * 4 * h + 4 * h) + (4 * h * h + h)  # LayerNorm, up, down
     assert w.weight_bytes() == 4 * MLP.layers * per_block
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_gradients_prepared_in_a_wait_change_no_number(kind: str) -> None:
+    """``prepare_gradients`` (zeros before the step's first backward) gives the same updates, step after step."""
+    spec = ModelSpec(kind="mlp", layers=2, hidden=8) if kind == "mlp" else ModelSpec(
+        kind="gpt", layers=2, hidden=16, heads=2, seq_len=6, vocab=32)
+    workers = [StageWorker(spec, range(spec.num_layers), batch_size=4, track_memory=False) for _ in range(2)]
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        if kind == "mlp":
+            x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)
+        else:
+            x, y = torch.randint(0, 32, (4, 6), generator=generator), torch.randint(0, 32, (4, 6), generator=generator)
+        workers[1].prepare_gradients()
+        assert all(p.grad is not None and not p.grad.any() for p in workers[1].module.parameters())
+        for w in workers:
+            for j in range(2):
+                w.forward(j, x[2 * j:2 * j + 2], target=y[2 * j:2 * j + 2])
+            w.backward(0)
+        before = [p.grad.clone() for p in workers[1].module.parameters()]
+        workers[1].prepare_gradients()  # after a backward of the step: leaves the gradients alone
+        assert all(torch.equal(a, p.grad) for a, p in zip(before, workers[1].module.parameters()))
+        for w in workers:
+            w.backward(1)
+        for a, b in zip(workers[0].module.parameters(), workers[1].module.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-7)
+        for w in workers:
+            w.update()
+    for (name, a), b in zip(workers[0].named_parameters().items(), workers[1].named_parameters().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7, msg=name)

@@ -322,6 +322,13 @@ class P2P:
             if key not in self._posted:
                 self._post_through(peer, key, block=False)
 
+    def arrived(self, a: Action) -> bool:
+        """Whether the message of the RECV action ``a`` is here already (its receive is posted if not yet)."""
+        key = message_key(self.lowered, a)
+        self._post_through(self.lowered.peer(a), key, block=False)
+        posted = self._posted.get(key)
+        return posted is not None and bool(posted.work.is_completed())
+
     def recv(self, a: Action) -> torch.Tensor:
         """Wait for the message of the RECV action ``a`` and return it."""
         return self._wait(message_key(self.lowered, a), self.lowered.peer(a))

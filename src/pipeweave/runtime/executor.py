@@ -177,6 +177,7 @@ class Executor:
         # (the weights each reads), and every microbatch's loss, for per-mini-batch losses.
         self.policy: Any = None
         self.losses_by_microbatch: dict[int, torch.Tensor] = {}
+        self._prepared = False  # gradients zero-filled in this step (``_before_waiting``)
 
     def run_step(self, data: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> tuple[float, list[Record]]:
         """Run the rank's actions once: returns this rank's share of the loss and the timings.
@@ -187,6 +188,7 @@ class Executor:
         mini-batch mean loss.
         """
         self._data, self._targets, self._losses = data, targets, []
+        self._prepared = False
         self.p2p.begin_step()
         self.replicas.begin_step()
         records: list[Record] = []
@@ -277,10 +279,23 @@ class Executor:
         self.p2p.send(a, self._outputs.pop((a.stage, a.microbatch)))
 
     def recv_forward(self, a: Action) -> None:
+        self._before_waiting(a)
         self._inputs[(a.stage, a.microbatch)] = self.p2p.recv(a)
 
     def send_backward(self, a: Action) -> None:
         self.p2p.send(a, self._grads_out.pop((a.stage, a.microbatch)))
 
     def recv_backward(self, a: Action) -> None:
+        self._before_waiting(a)
         self._grads_in[(a.stage, a.microbatch)] = self.p2p.recv(a)
+
+    def _before_waiting(self, a: Action) -> None:
+        """Use a wait for a message (part of the bubble) to zero-fill the gradients the step will accumulate.
+
+        Synchronous schedules only: an asynchronous policy updates per
+        microbatch and keeps gradients its own way.
+        """
+        if self.policy is None and not self._prepared and not self.p2p.arrived(a):
+            self._prepared = True
+            for worker in self.workers.values():
+                worker.prepare_gradients()

@@ -214,6 +214,7 @@ class StageWorker:
         self._saved: dict[int, _Microbatch] = {}
         self._weight_grads: dict[int, list[tuple[WeightGrad, tuple[torch.Tensor, ...]]]] = {}
         self._stash_keys: dict[int, list[int | None]] = {}
+        self._backward_ran = False  # in this step (since the last U)
 
     # ---- F ----------------------------------------------------------------
     def forward(self, mb: int, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -267,6 +268,7 @@ class StageWorker:
         self._release(self._stash_keys.pop(mb))
 
     def _backward(self, mb: int, grad_output: torch.Tensor | None, *, defer: bool) -> torch.Tensor | None:
+        self._backward_ran = True
         record = self._saved.pop(mb, None)
         if record is None:
             raise RuntimeError(f"backward of microbatch {mb} before its F on stage {self.layer_indices}")
@@ -292,6 +294,22 @@ class StageWorker:
         self._release(record.keys)
         return grad_input
 
+    def prepare_gradients(self) -> None:
+        """Give every parameter without a gradient a zero one now, before the step's first backward.
+
+        For a rank waiting on a message (a bubble): the step's first backward
+        then accumulates into memory just written, instead of allocating its
+        gradients cold (that first backward ran ~0.5 ms slower than the others
+        on the 4-block mlp stage of the runtime benchmark). Zero plus the first
+        microbatch's gradient is that gradient, so the numbers do not change.
+        A no-op once a backward of the step has run.
+        """
+        if self._backward_ran:
+            return
+        for p in self.module.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     # ---- U -----------------------------------------------------------------
     def update(self) -> None:
         """U: combine replicas' gradients (``combine_grads``), optimizer step, zero gradients."""
@@ -301,6 +319,7 @@ class StageWorker:
             self.combine_grads(self)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._backward_ran = False
 
     def gradients(self) -> list[torch.Tensor]:
         """The parameters' gradient tensors in parameter order, created as zeros where missing (for all-reduce)."""
