@@ -241,6 +241,14 @@ def test_a_queued_message_keeps_its_tensor_alive_and_odd_tensors_are_refused() -
         assert torch.equal(got.buffer, torch.full((100,), float(i))), i
     with pytest.raises(ValueError, match="contiguous"):
         sender.isend(torch.ones(4, 3).t(), 1, tag=9)
+    odd = shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1000)  # rounded to whole records
+    assert odd[0, 1].capacity == 1024
+    sender, receiver = shm.ShmTransport(0, odd), shm.ShmTransport(1, odd)
+    for i in range(5):
+        sender.isend(torch.full((60,), float(i)), 1, tag=i)  # 240 bytes: records wrap around the ring
+        got = receiver.irecv(torch.empty(60), 0, tag=i)
+        got.wait()
+        assert torch.equal(got.buffer, torch.full((60,), float(i)))
 
 
 def test_a_stream_refuses_a_tensor_unlike_the_one_it_announced() -> None:
