@@ -319,8 +319,7 @@ class P2P:
     def post_ahead(self, index: int) -> None:
         """Post the receives of the actions before the next ``lookahead`` compute actions."""
         for peer, key in self._ahead[index]:
-            if key not in self._posted:
-                self._post_through(peer, key, block=False)
+            self._post_through(peer, key, block=False)
 
     def arrived(self, a: Action) -> bool:
         """Whether the message of the RECV action ``a`` is here already (its receive is posted if not yet)."""
@@ -372,7 +371,7 @@ class P2P:
         meta.work.wait(wait_timeout())
         del self._posted[(stream[0], stream[1], _META)]
         dtype, sample = _decode_meta(meta.buffer.cpu())
-        self._shapes[stream] = (dtype, sample, torch.empty((), dtype=dtype).element_size() * math.prod(sample))
+        self._shapes[stream] = (dtype, sample, dtype.itemsize * math.prod(sample))
         return True
 
     def _post(self, peer: int, key: Key) -> None:

@@ -48,7 +48,6 @@ _CTRL = 128  # written (bytes) at offset 0, read at 64: separate cache lines
 _HEADER = 64
 _ALIGN = 64
 _PAGE = 4096
-_SPIN_S = 0.0  # busy-poll this long before blocking: none, on a 2-core host a spinning rank steals its peer's core
 _SLICE_S = 0.002  # blocking slice while own sends are queued behind a full ring
 _memmove = ctypes.memmove
 DEFAULT_CAPACITY = 8 << 20  # per ordered pair (8 ranks: 56 pairs, 448 MiB of /dev/shm); any message size streams
@@ -317,7 +316,12 @@ class ShmTransport:
 
     # ---- waiting --------------------------------------------------------
     def wait_until(self, done: Any, channel: Channel | None, timeout: datetime.timedelta | None) -> None:
-        """Spin, then block (on ``channel``'s semaphore when given), until ``done()``; flush own sends meanwhile."""
+        """Block (on ``channel``'s semaphore when given) until ``done()``; flush own sends meanwhile.
+
+        No busy-polling first: it halved the hand-over of a message to a waiting
+        rank but did not shorten steps (benchmarks/runtime/README.md), and where
+        ranks outnumber cores a polling rank takes a computing rank's core.
+        """
         limit = timeout.total_seconds() if timeout is not None else 1800.0
         start = time.monotonic()
         while not done():
@@ -326,8 +330,6 @@ class ShmTransport:
             now = time.monotonic()
             if now - start > limit:
                 raise TimeoutError(f"rank {self.rank}: no shm message for {limit:.0f} s (a peer failed or hung)")
-            if now - start < _SPIN_S:
-                continue
             slice_s = _SLICE_S if (self.pending_sends() or channel is None) else min(1.0, limit)
             if channel is None:
                 time.sleep(slice_s / 10)

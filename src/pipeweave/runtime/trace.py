@@ -102,8 +102,8 @@ def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = No
 
     The mean, not the median: the simulator charges every action its part's
     value, so the total work it simulates is what the run measured, including
-    actions that are slower by design (the first backward of a step allocates
-    the gradients; XPipe's bellwether predicts for its mini-batch). A part run
+    actions that are slower by design (XPipe's bellwether predicts for its
+    mini-batch) or by circumstance (the first actions after a long wait). A part run
     with a full backward gets ``b`` = its B time and ``w`` = 0, so a simulated
     B (= b + w) takes what it measured. ``comm`` is the hop
     latency (default ``hop_latency``), ``dispatch`` the runtime's own time
