@@ -19,6 +19,7 @@ HIDDEN = 16
 
 
 def _train(tmp_path: Path, *argv: str) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     record = tmp_path / "record.json"
     run = subprocess.run(
         [sys.executable, "-m", "pipeweave.cli", "train", *argv, "--out", str(tmp_path / "out"), "--json", str(record)],
@@ -63,12 +64,26 @@ def test_default_model_is_the_gpt_with_a_summary(tmp_path: Path) -> None:
         assert needle in run.stdout, needle
 
 
+def test_save_then_resume_on_another_schedule_continues_the_gpt_run(tmp_path: Path) -> None:
+    gpt = ["--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch", "4"]
+    straight, _ = _train(tmp_path / "straight", *gpt, "--steps", "5", "--quiet")
+    ckpt = str(tmp_path / "ckpt")
+    first, run = _train(tmp_path / "first", *gpt, "--steps", "3", "--save", ckpt)
+    assert f"checkpoint: {ckpt}" in run.stdout and first["first_step"] == 0
+    second, run = _train(tmp_path / "second", *gpt, "--steps", "2", "-s", "gpipe", "--stages", "3", "--resume", ckpt)
+    assert "resumed after step 3: steps 4-5 of the training" in run.stdout
+    assert second["first_step"] == 3
+    assert first["losses"] + second["losses"] == pytest.approx(straight["losses"], rel=1e-5)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--clip-grad-norm", "0"], "--clip-grad-norm 0.0 is invalid; give a norm > 0"),
         (["-s", "chimera", "--clip-grad-norm", "1"], "post-validation needs one stage per rank"),
         (["-s", "1f1b", "--memory-limit", "2"], "--memory-limit 2 applies to --partition memory"),
+        (["--resume", "no-such-folder"], "--resume no-such-folder: no checkpoint there"),
+        (["-s", "pipedream", "--save", "ckpt"], "--save applies to synchronous schedules"),
     ],
 )
 def test_misplaced_options_are_one_line_before_spawning(

@@ -60,6 +60,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
                    help="clip the global gradient norm; steps are post-validated (optimistic step, exact "
                         "rollback on NaN/inf or clipping), so no global barrier precedes the update")
+    p.add_argument("--save", metavar="DIR",
+                   help="after the last step, write a checkpoint here: every part's parameters and optimizer "
+                        "state (synchronous schedules)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="start from the checkpoint in DIR (written by --save) and train --steps more steps, the "
+                        "data going on from where it stopped; any synchronous schedule, D or partition of the "
+                        "same model")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
     # Under torchrun no launcher watches the other node: the process-group timeout
     # is what ends a rank whose remote peer died, so it stays under the 30 s promise.
@@ -100,7 +107,7 @@ def build_config(args: argparse.Namespace) -> Any:
         model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
         recompute=args.recompute, seed=args.seed or 0, data=args.data, data_parallel=args.data_parallel,
         momentum=momentum, schedule_options=tuple(options.items()), policy=policy,
-        post_validation=_post_validation(args),
+        post_validation=_post_validation(args), save=args.save, resume=args.resume,
     )
     return _with_searched_costs(_with_partition(config, args), args)
 
@@ -282,7 +289,8 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
         "schedule": config.schedule, "stages": config.num_stages, "microbatches": config.num_microbatches,
         "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.steps,
         "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
-        "recompute": config.recompute, "losses": record.losses, "wall_s": record.wall_s,
+        "recompute": config.recompute, "first_step": record.first_step, "losses": record.losses,
+        "wall_s": record.wall_s,
         "transport": record.transport,
         **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
     }
@@ -312,6 +320,8 @@ def write_outputs(schedule: Any, record: Any, report: dict[str, Any], args: argp
              f"bubble {report['bubble_ratio']:.3f} (simulated {report['bubble_ratio_simulated']:.3f})")
     if not _plot(last, paths["plot"], title):
         del paths["plot"]
+    if record.config.save is not None:
+        paths["checkpoint"] = Path(record.config.save)
     return {k: str(v) for k, v in paths.items()}
 
 
@@ -353,6 +363,9 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
                       f"weights {_bytes(simulated[r])}" if simulated else "")
     console = Console()
     console.print(table)
+    if report.get("first_step"):
+        console.print(f"resumed after step {report['first_step']}: steps {report['first_step'] + 1}-"
+                      f"{report['first_step'] + report['steps']} of the training")
     for kind, path in paths.items():
         console.print(f"{kind}: {path}")
 

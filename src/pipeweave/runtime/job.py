@@ -23,7 +23,7 @@ from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec, uniform_parts
 from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
-from pipeweave.runtime import launch as launch_module
+from pipeweave.runtime import checkpoint, launch as launch_module
 from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.policy import PolicyOptions
 from pipeweave.runtime.stage import OptimizerFactory, StageWorker
@@ -84,6 +84,10 @@ class TrainConfig:
     """Run-time hyperparameters of the asynchronous weight policies (``runtime.policy``)."""
     post_validation: PostValidation | None = None
     """Clip and skip without a barrier: optimistic step, exact rollback (``runtime.validation_step``)."""
+    save: str | None = None
+    """Write a checkpoint to this folder after the last step (``runtime.checkpoint``)."""
+    resume: str | None = None
+    """Start from the checkpoint in this folder: its parameters, optimizer state and step (``runtime.checkpoint``)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -149,6 +153,7 @@ class TrainConfig:
         self.layer_ranges(schedule)
         if self.post_validation is not None:
             check_post_validation(schedule)
+        checkpoint.check(self)
         return schedule
 
     def optimizer_factory(self) -> OptimizerFactory:
@@ -217,6 +222,8 @@ class RunRecord:
     wall_s: float
     transport: str = ""
     """What carried the point-to-point messages: ``shm``, ``gloo`` or ``nccl`` (``used_transport``)."""
+    first_step: int = 0
+    """Steps trained before this run (``TrainConfig.resume``): ``losses[k]`` is step ``first_step + k``."""
 
     @property
     def losses(self) -> list[float]:
@@ -255,6 +262,9 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
     schedule = config.build_schedule()
     device = launch_module.device_for(rank)
     workers = build_workers(schedule, config, rank, device)
+    done = checkpoint.steps_done(config)  # the data goes on from the batch after the checkpoint's last
+    if config.resume is not None:
+        checkpoint.load(config, workers)
     executor = Executor(lower(schedule), rank, workers, config.microbatch_sizes, device)
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
     offset = align_clocks(rank, world)
@@ -263,7 +273,7 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
     step_cpu: list[float] = []
     action_cpu: list[list[float]] = []
     for step in range(config.steps):
-        inputs, targets = source.batch(step)
+        inputs, targets = source.batch(done + step)
         data = [m.to(device) for m in split_microbatches(inputs, t)]
         target = [m.to(device) for m in split_microbatches(targets, t)]
         loss, timings = executor.run_step(data, target)
@@ -275,6 +285,8 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
                 w.track_memory = False
         records.append(seconds_since(timings, offset))
         launch_module.progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
+    if config.save is not None:
+        checkpoint.save(config, schedule, workers, rank, done + config.steps)
     mine = RankRecord(rank, losses, records, executor.peak_activation_bytes,
                       sum(w.weight_bytes() for w in workers.values()), final_parameters(config, workers),
                       step_cpu, action_cpu)
@@ -301,4 +313,4 @@ def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, sta
         return None
     assert gathered is not None
     return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started,
-                     used_transport())
+                     used_transport(), checkpoint.steps_done(config))

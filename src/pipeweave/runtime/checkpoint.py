@@ -1,0 +1,217 @@
+"""Checkpoints of a synchronous run: save what was trained, resume exactly where it stopped.
+
+A checkpoint is a folder (``pipeweave train --save DIR``, resumed with ``--resume DIR``)::
+
+    meta.json     what was trained: the model, the optimizer, the steps done, the parts and their files
+    part-000.pt   one file per part (torch.save): its parameters and their optimizer state
+
+Parameters and optimizer state are keyed by the parameter's global name
+(``"<layer index>.<name in layer>"``, as in plain training), so a checkpoint
+resumes on any synchronous schedule, stage count or partition of the same
+model: a stage loads, from every part file that overlaps its layers, the
+names of its own layers. Optimizer state is stored under torch.optim's names
+(``momentum_buffer`` for SGD, ``step``, ``exp_avg`` and ``exp_avg_sq`` for
+AdamW), whether it came from a torch optimizer or from the post-validated
+step of ``--clip-grad-norm`` (``weights.post_validation``), so either resumes
+the other.
+
+Each part is written by the rank of its first stage: the replicas of a part
+(Chimera, GEMS, DualPipe, data parallelism) are equal after every update.
+Every rank must see the folder (one host, or a shared file system). Rank 0
+writes ``meta.json`` last, once every part is on disk, and each file is
+written under a temporary name and renamed, so a folder whose ``meta.json``
+exists holds a whole checkpoint.
+
+Resuming continues the data with the batch after the last one trained
+(batches are indexed by step), so training N steps and training k steps,
+saving and resuming for N - k give the same losses and parameters.
+Asynchronous schedules are refused: their weight versions, stashes and
+policy state live in the stream, not in a part's parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from pipeweave.errors import UserError
+
+if TYPE_CHECKING:
+    from pipeweave.runtime.job import TrainConfig
+    from pipeweave.runtime.stage import StageWorker
+    from pipeweave.schedule.ir import Schedule
+
+FORMAT = "pipeweave-checkpoint/1"
+META = "meta.json"
+_MODEL_FIELDS = ("kind", "layers", "hidden", "vocab", "heads", "seq_len", "tie_embeddings")  # not the seed
+
+
+def check(config: TrainConfig) -> None:
+    """Refuse, in one line and before anything is spawned, a ``save`` or ``resume`` that cannot work.
+
+    Raises:
+        UserError: an asynchronous schedule, or a ``resume`` folder without a
+            checkpoint, with missing part files, or of another model or optimizer.
+    """
+    if config.save is None and config.resume is None:
+        return
+    if config.is_stream:
+        flag = "--save" if config.save is not None else "--resume"
+        raise UserError(f"{flag} applies to synchronous schedules; {config.schedule} is asynchronous (its weight "
+                        "versions live in the stream, not in a checkpoint): drop it or use a synchronous schedule")
+    if config.resume is None:
+        return
+    meta = read_meta(config.resume)
+    here = {k: getattr(config.model, k) for k in _MODEL_FIELDS}
+    there = {k: meta["model"].get(k) for k in _MODEL_FIELDS}
+    if here != there:
+        differ = ", ".join(f"{k}={there[k]!r} (this run {here[k]!r})" for k in _MODEL_FIELDS if here[k] != there[k])
+        raise UserError(f"--resume {config.resume} holds another model: {differ}; give the model options it was "
+                        "saved with")
+    if meta["optimizer"] != config.optimizer:
+        raise UserError(f"--resume {config.resume} holds {meta['optimizer']} state and this run uses "
+                        f"--optimizer {config.optimizer}; give --optimizer {meta['optimizer']}")
+    missing = [f for f in meta["files"] if not (Path(config.resume) / f).is_file()]
+    if missing:
+        raise UserError(f"--resume {config.resume} lacks {', '.join(missing)} named by its {META}; the checkpoint "
+                        "is incomplete: save it again")
+
+
+def read_meta(folder: str) -> dict[str, Any]:
+    """The ``meta.json`` of a checkpoint folder (raises UserError, one line, where there is none)."""
+    path = Path(folder) / META
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"--resume {folder}: no checkpoint there (no {META}); give a folder written by --save") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--resume {folder}: {META} is unreadable ({exc}); save the checkpoint again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise UserError(f"--resume {folder}: {META} is not a {FORMAT} checkpoint; give a folder written by --save")
+    return meta
+
+
+def steps_done(config: TrainConfig) -> int:
+    """Steps trained before this run: the resumed checkpoint's, else 0."""
+    return 0 if config.resume is None else int(read_meta(config.resume)["steps"])
+
+
+# ---- save ------------------------------------------------------------------------
+def save(config: TrainConfig, schedule: Schedule, workers: dict[int, StageWorker], rank: int, steps: int) -> None:
+    """Write the checkpoint of ``steps`` trained steps to ``config.save``; every rank calls it (it synchronises)."""
+    assert config.save is not None
+    folder = Path(config.save)
+    folder.mkdir(parents=True, exist_ok=True)
+    placement = schedule.placement
+    parts = config.layer_ranges(schedule)
+    files = [f"part-{p:03d}.pt" for p in range(len(parts))]
+    for stage, worker in workers.items():
+        part = placement.stage_part[stage]
+        if min(s for s in range(placement.num_stages) if placement.stage_part[s] == part) != stage:
+            continue  # a replica: the first stage of the part writes it
+        params = {name: p.detach().cpu().clone() for name, p in worker.named_parameters().items()}
+        _write(folder / files[part], lambda tmp: torch.save(
+            {"layers": [parts[part].start, parts[part].stop], "parameters": params,
+             "optimizer": optimizer_state(worker)}, tmp))
+    dist.barrier()
+    if rank == 0:
+        meta = {"format": FORMAT, "steps": steps, "model": asdict(config.model), "optimizer": config.optimizer,
+                "lr": config.lr, "momentum": config.momentum, "schedule": config.schedule,
+                "parts": [[r.start, r.stop] for r in parts], "files": files}
+        _write(folder / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
+        for stale in folder.glob("part-*.pt"):  # of an earlier checkpoint with more parts
+            if stale.name not in files:
+                stale.unlink()
+    dist.barrier()  # the folder is whole before any rank goes on (and may resume from it)
+
+
+def _write(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def optimizer_state(worker: StageWorker) -> dict[str, dict[str, Any]]:
+    """The worker's optimizer state per global parameter name, under torch.optim's names, on the CPU."""
+    from pipeweave.runtime.validation_step import ValidatedOptimizer
+    from pipeweave.weights.post_validation import SGD
+
+    names = {id(p): name for name, p in worker.named_parameters().items()}
+    optimizer: Any = worker.optimizer
+    out: dict[str, dict[str, Any]] = {}
+    if isinstance(optimizer, ValidatedOptimizer):
+        inner = optimizer.step_state.optimizer
+        for i, p in enumerate(optimizer.params):
+            if isinstance(inner, SGD):
+                buf = inner.buf.get(i)
+                state = {} if buf is None else {"momentum_buffer": buf}
+            elif i in inner.m:
+                state = {"step": torch.tensor(float(inner.t)), "exp_avg": inner.m[i], "exp_avg_sq": inner.v[i]}
+            else:
+                state = {}
+            if state:
+                out[names[id(p)]] = state
+    else:
+        for p, state in optimizer.state.items():
+            if state:
+                out[names[id(p)]] = dict(state)
+    return {name: {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            for name, state in out.items()}
+
+
+# ---- resume ----------------------------------------------------------------------
+def load(config: TrainConfig, workers: dict[int, StageWorker]) -> None:
+    """Set every local worker's parameters and optimizer state from the checkpoint ``config.resume``."""
+    assert config.resume is not None
+    folder = Path(config.resume)
+    meta = read_meta(config.resume)
+    for worker in workers.values():
+        mine = worker.named_parameters()
+        params: dict[str, torch.Tensor] = {}
+        states: dict[str, dict[str, Any]] = {}
+        for (start, stop), name in zip(meta["parts"], meta["files"]):
+            if stop <= worker.layer_indices.start or start >= worker.layer_indices.stop:
+                continue
+            saved = torch.load(folder / name, map_location="cpu", weights_only=True)
+            params.update({k: v for k, v in saved["parameters"].items() if k in mine})
+            states.update({k: v for k, v in saved["optimizer"].items() if k in mine})
+        missing = sorted(set(mine) - set(params))
+        if missing:
+            raise UserError(f"--resume {config.resume} has no values for {', '.join(missing[:3])}"
+                            f"{' ...' if len(missing) > 3 else ''}; save the checkpoint again")
+        with torch.no_grad():
+            for name, p in mine.items():
+                p.copy_(params[name])
+        _load_optimizer_state(worker, states, int(meta["steps"]))
+
+
+def _load_optimizer_state(worker: StageWorker, states: dict[str, dict[str, Any]], steps: int) -> None:
+    from pipeweave.runtime.validation_step import ValidatedOptimizer
+    from pipeweave.weights.post_validation import SGD
+
+    named = worker.named_parameters()
+    optimizer: Any = worker.optimizer
+    if isinstance(optimizer, ValidatedOptimizer):
+        inner = optimizer.step_state.optimizer
+        index = {id(p): i for i, p in enumerate(optimizer.params)}
+        for name, state in states.items():
+            p, i = named[name], index[id(named[name])]
+            if isinstance(inner, SGD):
+                if "momentum_buffer" in state:
+                    inner.buf[i] = state["momentum_buffer"].to(p.device).clone()
+            elif "exp_avg" in state:
+                inner.m[i] = state["exp_avg"].to(p.device).clone()
+                inner.v[i] = state["exp_avg_sq"].to(p.device).clone()
+                inner.t = int(state["step"])
+        optimizer.step_state.steps = steps
+        return
+    for name, state in states.items():
+        p = named[name]
+        optimizer.state[p] = {k: v.to(p.device).clone() if isinstance(v, torch.Tensor) and k != "step" else v
+                              for k, v in state.items()}
