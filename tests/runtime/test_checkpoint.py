@@ -132,3 +132,26 @@ def test_a_smaller_checkpoint_replaces_a_larger_one(tmp_path: Path) -> None:
     _train(dataclasses.replace(config, num_stages=2))
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.json", "part-000.pt", "part-001.pt"]
     assert checkpoint.read_meta(str(tmp_path / "ckpt"))["parts"] == [[0, 3], [3, 6]]
+
+
+def _counting_saves(rank: int, world: int, config: TrainConfig) -> tuple[RunRecord | None, list[int]]:
+    saved: list[int] = []
+    real = checkpoint.save
+
+    def save(*args: object) -> None:
+        saved.append(int(args[-1]))  # type: ignore[call-overload]
+        real(*args)  # type: ignore[arg-type]
+
+    checkpoint.save = save  # type: ignore[assignment]  # this rank's process only
+    return run_rank(rank, world, config), saved
+
+
+def test_save_every_writes_the_checkpoint_during_the_run(tmp_path: Path) -> None:
+    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=MLP, batch_size=4, steps=5,
+                         save=str(tmp_path / "ckpt"), save_every=2)
+    config.check()
+    _, saved = launch(_counting_saves, config, 2, LaunchOptions(timeout_s=60))
+    assert saved == [2, 4, 5]
+    assert checkpoint.read_meta(str(tmp_path / "ckpt"))["steps"] == 5
+    with pytest.raises(UserError, match="--save-every 2 is invalid; give an integer >= 1 together with --save DIR"):
+        dataclasses.replace(config, save=None)

@@ -63,6 +63,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--save", metavar="DIR",
                    help="after the last step, write a checkpoint here: every part's parameters and optimizer "
                         "state (synchronous schedules)")
+    p.add_argument("--save-every", type=int, metavar="N",
+                   help="with --save: also write the checkpoint every N steps (each replaces the last)")
     p.add_argument("--resume", metavar="DIR",
                    help="start from the checkpoint in DIR (written by --save) and train --steps more steps, the "
                         "data going on from where it stopped; any synchronous schedule, D or partition of the "
@@ -107,7 +109,8 @@ def build_config(args: argparse.Namespace) -> Any:
         model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
         recompute=args.recompute, seed=args.seed or 0, data=args.data, data_parallel=args.data_parallel,
         momentum=momentum, schedule_options=tuple(options.items()), policy=policy,
-        post_validation=_post_validation(args), save=args.save, resume=args.resume,
+        post_validation=_post_validation(args), save=args.save, save_every=args.save_every,
+        resume=args.resume,
     )
     return _with_searched_costs(_with_partition(config, args), args)
 

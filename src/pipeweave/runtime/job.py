@@ -86,6 +86,8 @@ class TrainConfig:
     """Clip and skip without a barrier: optimistic step, exact rollback (``runtime.validation_step``)."""
     save: str | None = None
     """Write a checkpoint to this folder after the last step (``runtime.checkpoint``)."""
+    save_every: int | None = None
+    """With ``save``: also every this many steps (each replaces the previous)."""
     resume: str | None = None
     """Start from the checkpoint in this folder: its parameters, optimizer state and step (``runtime.checkpoint``)."""
 
@@ -98,6 +100,8 @@ class TrainConfig:
                 raise UserError(f"--{name.replace('_size', '')} {value} is invalid; give an integer >= 1")
         if not self.lr > 0:
             raise UserError(f"--lr {self.lr} is invalid; give a learning rate > 0")
+        if self.save_every is not None and (self.save_every < 1 or self.save is None):
+            raise UserError(f"--save-every {self.save_every} is invalid; give an integer >= 1 together with --save DIR")
         if not 0.0 <= self.momentum < 1.0:
             raise UserError(f"--momentum {self.momentum} is invalid; give 0 <= momentum < 1")
 
@@ -285,8 +289,8 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
                 w.track_memory = False
         records.append(seconds_since(timings, offset))
         launch_module.progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
-    if config.save is not None:
-        checkpoint.save(config, schedule, workers, rank, done + config.steps)
+        if config.save is not None and (step + 1 == config.steps or (step + 1) % (config.save_every or config.steps) == 0):
+            checkpoint.save(config, schedule, workers, rank, done + step + 1)
     mine = RankRecord(rank, losses, records, executor.peak_activation_bytes,
                       sum(w.weight_bytes() for w in workers.values()), final_parameters(config, workers),
                       step_cpu, action_cpu)
