@@ -101,8 +101,9 @@ def test_resuming_from_a_checkpoint_is_not_training_from_scratch(tmp_path: Path)
     assert resumed.losses[0] < fresh.losses[0]
     meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
     assert meta["steps"] == FIRST and meta["parts"] == [[0, 3], [3, 6]]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.json", "part-000.pt", "part-001.pt"]
-    state = torch.load(tmp_path / "ckpt" / "part-001.pt", weights_only=True)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.json", "part-000-step2.pt",
+                                                                     "part-001-step2.pt"]
+    state = torch.load(tmp_path / "ckpt" / "part-001-step2.pt", weights_only=True)
     assert set(state["optimizer"]["3.up.weight"]) == {"momentum_buffer"}
 
 
@@ -117,20 +118,23 @@ def test_a_bad_resume_is_one_line_before_spawning(tmp_path: Path) -> None:
         dataclasses.replace(base, optimizer="adamw", resume=str(tmp_path / "ckpt")).check()
     with pytest.raises(UserError, match="asynchronous"):
         dataclasses.replace(base, schedule="pipedream", save=str(tmp_path / "x")).check()
-    (tmp_path / "ckpt" / "part-001.pt").unlink()
-    with pytest.raises(UserError, match="lacks part-001.pt"):
+    (tmp_path / "ckpt" / "part-001-step1.pt").unlink()
+    with pytest.raises(UserError, match="lacks part-001-step1.pt"):
         dataclasses.replace(base, resume=str(tmp_path / "ckpt")).check()
     (tmp_path / "ckpt" / "meta.json").write_text("{}")
     with pytest.raises(UserError, match="not a pipeweave-checkpoint/1 checkpoint"):
         dataclasses.replace(base, resume=str(tmp_path / "ckpt")).check()
 
 
-def test_a_smaller_checkpoint_replaces_a_larger_one(tmp_path: Path) -> None:
+def test_a_new_checkpoint_replaces_the_old_one_only_once_whole(tmp_path: Path) -> None:
     config = TrainConfig(schedule="1f1b", num_stages=3, num_microbatches=3, model=MLP, batch_size=6, steps=1,
                          save=str(tmp_path / "ckpt"))
     _train(config)
-    _train(dataclasses.replace(config, num_stages=2))
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.json", "part-000.pt", "part-001.pt"]
+    (tmp_path / "ckpt" / "part-000-step7.pt").write_bytes(b"a save that died half-way")
+    dataclasses.replace(config, save=None, resume=str(tmp_path / "ckpt")).check()  # meta.json names step 1's parts
+    _train(dataclasses.replace(config, num_stages=2, steps=2))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.json", "part-000-step2.pt",
+                                                                     "part-001-step2.pt"]
     assert checkpoint.read_meta(str(tmp_path / "ckpt"))["parts"] == [[0, 3], [3, 6]]
 
 

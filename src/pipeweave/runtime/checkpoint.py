@@ -2,8 +2,8 @@
 
 A checkpoint is a folder (``pipeweave train --save DIR``, resumed with ``--resume DIR``)::
 
-    meta.json     what was trained: the model, the optimizer, the steps done, the parts and their files
-    part-000.pt   one file per part (torch.save): its parameters and their optimizer state
+    meta.json           what was trained: the model, the optimizer, the steps done, the parts and their files
+    part-000-step4.pt   one file per part (torch.save): its parameters and their optimizer state
 
 Parameters and optimizer state are keyed by the parameter's global name
 (``"<layer index>.<name in layer>"``, as in plain training), so a checkpoint
@@ -17,10 +17,11 @@ the other.
 
 Each part is written by the rank of its first stage: the replicas of a part
 (Chimera, GEMS, DualPipe, data parallelism) are equal after every update.
-Every rank must see the folder (one host, or a shared file system). Rank 0
-writes ``meta.json`` last, once every part is on disk, and each file is
-written under a temporary name and renamed, so a folder whose ``meta.json``
-exists holds a whole checkpoint.
+Every rank must see the folder (one host, or a shared file system). Part
+files are named by the step they hold and rank 0 writes ``meta.json`` last,
+once every part is on disk (each file under a temporary name, then renamed),
+and only then removes the previous checkpoint's parts: a run that dies while
+saving leaves the previous checkpoint whole.
 
 Resuming continues the data with the batch after the last one trained
 (batches are indexed by step), so training N steps and training k steps,
@@ -110,7 +111,7 @@ def save(config: TrainConfig, schedule: Schedule, workers: dict[int, StageWorker
     folder.mkdir(parents=True, exist_ok=True)
     placement = schedule.placement
     parts = config.layer_ranges(schedule)
-    files = [f"part-{p:03d}.pt" for p in range(len(parts))]
+    files = [f"part-{p:03d}-step{steps}.pt" for p in range(len(parts))]
     for stage, worker in workers.items():
         part = placement.stage_part[stage]
         if min(s for s in range(placement.num_stages) if placement.stage_part[s] == part) != stage:
@@ -125,7 +126,7 @@ def save(config: TrainConfig, schedule: Schedule, workers: dict[int, StageWorker
                 "lr": config.lr, "momentum": config.momentum, "schedule": config.schedule,
                 "parts": [[r.start, r.stop] for r in parts], "files": files}
         _write(folder / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
-        for stale in folder.glob("part-*.pt"):  # of an earlier checkpoint with more parts
+        for stale in folder.glob("part-*.pt"):  # the previous checkpoint's, now replaced
             if stale.name not in files:
                 stale.unlink()
     dist.barrier()  # the folder is whole before any rank goes on (and may resume from it)
