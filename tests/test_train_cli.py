@@ -76,6 +76,17 @@ def test_save_then_resume_on_another_schedule_continues_the_gpt_run(tmp_path: Pa
     assert first["losses"] + second["losses"] == pytest.approx(straight["losses"], rel=1e-5)
 
 
+def test_held_out_loss_in_the_record_the_summary_and_the_progress_bar(tmp_path: Path) -> None:
+    gpt = ["--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch", "4"]
+    report, run = _train(tmp_path, *gpt, "--steps", "5", "--eval-every", "2", "--eval-batches", "3")
+    assert [e["step"] for e in report["eval_losses"]] == [2, 4, 5]
+    assert all(e["loss"] > 0 for e in report["eval_losses"])
+    last = report["eval_losses"][-1]["loss"]
+    assert "held-out loss (step 2 -> 5)" in run.stdout and f"held-out {last:.4f}" in run.stdout
+    plain, _ = _train(tmp_path / "plain", *gpt, "--steps", "5", "--quiet")
+    assert plain["eval_losses"] == [] and plain["losses"] == report["losses"]  # evaluating trains nothing
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -83,6 +94,7 @@ def test_save_then_resume_on_another_schedule_continues_the_gpt_run(tmp_path: Pa
         (["-s", "chimera", "--clip-grad-norm", "1"], "post-validation needs one stage per rank"),
         (["-s", "1f1b", "--memory-limit", "2"], "--memory-limit 2 applies to --partition memory"),
         (["--resume", "no-such-folder"], "--resume no-such-folder: no checkpoint there"),
+        (["--eval-every", "2"], "--eval-every applies to --model gpt"),
         (["-s", "pipedream", "--save", "ckpt"], "--save applies to synchronous schedules"),
     ],
 )

@@ -84,3 +84,35 @@ def test_scaled_microbatch_losses_sum_to_the_batch_mean(spec: ModelSpec) -> None
     parts = zip(split_microbatches(out, 3), split_microbatches(target, 3))
     total = sum(float(loss(o, t)) * len(t) / 7 for o, t in parts)
     assert total == pytest.approx(float(loss(out, target)), rel=1e-6)
+
+
+@pytest.mark.parametrize(("length", "seq_len"), [(8 << 20, 128), (1 << 20, 64), (5000, 16), (1000, 9)])
+def test_held_out_blocks_are_spread_disjoint_and_never_in_a_training_window(length: int, seq_len: int) -> None:
+    from pipeweave.data.corpus import HELD_OUT, split_blocks
+
+    train, held = split_blocks(length, seq_len)
+    assert held and train
+    covered = sorted(train + held)
+    assert all(b <= c for (_, b), (c, _) in zip(covered, covered[1:]))  # disjoint
+    share = sum(b - a for a, b in held) / length
+    assert 0.5 / HELD_OUT <= share <= 1.5 / HELD_OUT
+    if length >= HELD_OUT * (64 << 10):  # the standard library's size: held-out blocks all over the text
+        assert held[0][1] < length / 2 and len(held) >= 5
+    # The held-out bytes are "b", every other byte "a": a window that strays over the border shows it.
+    text = bytearray(b"a" * length)
+    for a, b in held:
+        text[a:b] = b"b" * (b - a)
+    corpus = ByteCorpus(bytes(text), seq_len=seq_len, batch_size=256, seed=0)
+    for k in range(8):
+        x, y = corpus.batch(k)
+        assert set(x.unique().tolist()) | set(y.unique().tolist()) == {ord("a")}
+        x, y = corpus.eval_batch(k)
+        assert set(x.unique().tolist()) | set(y.unique().tolist()) == {ord("b")}
+    assert torch.equal(corpus.eval_batch(3)[0], corpus.eval_batch(3)[0])  # the same held-out batches every time
+
+
+def test_a_text_too_short_to_hold_out_a_window_trains_on_all_of_it() -> None:
+    corpus = ByteCorpus(b"x" * 30, seq_len=9, batch_size=2)
+    assert corpus.held_out == [] and corpus.train_segments == [(0, 30)]
+    with pytest.raises(UserError, match="too few to hold out a window"):
+        corpus.eval_batch(0)

@@ -60,6 +60,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
                    help="clip the global gradient norm; steps are post-validated (optimistic step, exact "
                         "rollback on NaN/inf or clipping), so no global barrier precedes the update")
+    p.add_argument("--eval-every", type=int, metavar="N",
+                   help="gpt, synchronous schedules: every N steps and after the last, the mean loss of held-out "
+                        "batches (the corpus's last 5 %%, never trained on) through a forward-only pipeline")
+    p.add_argument("--eval-batches", type=int, default=4, metavar="K",
+                   help="held-out batches per evaluation, the same every time (default 4)")
     p.add_argument("--save", metavar="DIR",
                    help="after the last step, write a checkpoint here: every part's parameters and optimizer "
                         "state (synchronous schedules)")
@@ -110,6 +115,7 @@ def build_config(args: argparse.Namespace) -> Any:
         recompute=args.recompute, seed=args.seed or 0, data=args.data, data_parallel=args.data_parallel,
         momentum=momentum, schedule_options=tuple(options.items()), policy=policy,
         post_validation=_post_validation(args), save=args.save, save_every=args.save_every,
+        eval_every=args.eval_every, eval_batches=args.eval_batches,
         resume=args.resume,
     )
     return _with_searched_costs(_with_partition(config, args), args)
@@ -243,6 +249,8 @@ class _Progress:
         self.config, self.quiet = config, quiet
         self.world = config.build_schedule().num_ranks
         self.shares: dict[int, dict[int, float]] = {}
+        self.eval_shares: dict[int, dict[int, float]] = {}
+        self.eval_text = self.loss_text = self.rate_text = ""
         self.bar: Any = None
         self.started = time.perf_counter()
 
@@ -261,6 +269,14 @@ class _Progress:
             self.bar.stop()
 
     def update(self, rank: int, value: dict[str, Any]) -> None:
+        if "eval" in value:  # a held-out loss share: shown beside the training loss once every rank's is in
+            shares = self.eval_shares.setdefault(value["eval"], {})
+            shares[rank] = value["loss"]
+            if len(shares) == self._num_reporting() and not (self._num_reporting() == 1 and self.world > 1):
+                self.eval_text = f"  held-out {sum(shares.values()):.4f}"
+                if self.bar is not None:
+                    self.bar.update(self.task, status=f"{self.loss_text}{self.eval_text}{self.rate_text}")
+            return
         step = value["step"]
         self.shares.setdefault(step, {})[rank] = value["loss"]
         if self.bar is None or len(self.shares[step]) < self._num_reporting():
@@ -272,7 +288,8 @@ class _Progress:
             rate = f"  {self.config.batch_size * step / (time.perf_counter() - self.started):.1f} samples/s"
         # Under torchrun rank 0 sees only its own share of the loss: show the rate alone.
         loss = "" if self._num_reporting() == 1 and self.world > 1 else f"loss {sum(self.shares[step].values()):.4f}"
-        self.bar.update(self.task, completed=step + 1, status=f"{loss}{rate}")
+        self.loss_text, self.rate_text = loss, rate
+        self.bar.update(self.task, completed=step + 1, status=f"{loss}{self.eval_text}{rate}")
 
     def _num_reporting(self) -> int:
         from pipeweave.runtime.launch import under_torchrun
@@ -293,6 +310,7 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
         "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.steps,
         "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
         "recompute": config.recompute, "first_step": record.first_step, "losses": record.losses,
+        "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
         "wall_s": record.wall_s,
         "transport": record.transport,
         **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
@@ -349,6 +367,10 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
     table.add_column("measured", justify="right")
     table.add_column("simulated", justify="right")
     table.add_row("loss first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}", "")
+    evals = report.get("eval_losses")
+    if evals:
+        table.add_row(f"held-out loss (step {evals[0]['step']} -> {evals[-1]['step']})",
+                      f"{evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}", "")
     per = "step time" if "weight_bytes_simulated" not in report else "time per mini-batch"
     table.add_row(per, _ms(report["step_time_s"]), _ms(report["makespan_simulated_s"]))
     rate = f"{report['samples_per_s']:.1f} samples/s"

@@ -61,12 +61,58 @@ def read_text_file(path: str | os.PathLike[str]) -> bytes:
         raise UserError(f"cannot read --data {str(path)!r} ({exc.strerror}); give a readable text file") from exc
 
 
+HELD_OUT = 20
+"""One block in this many is held out for evaluation (``split_blocks``)."""
+BLOCK_BYTES = 64 << 10
+"""Size of the corpus's blocks (smaller for short texts, so that there are at least ``HELD_OUT`` of them)."""
+
+Segments = list[tuple[int, int]]
+
+
+def split_blocks(length: int, seq_len: int) -> tuple[Segments, Segments]:
+    """``(train, held_out)``: the byte ranges of a text of ``length`` bytes that each side draws windows from.
+
+    The text is cut into blocks of ``BLOCK_BYTES`` (at least ``seq_len + 1``,
+    and at most ``length // HELD_OUT`` so that a short text still has
+    ``HELD_OUT`` of them); every ``HELD_OUT``-th block is held out, spread over
+    the whole text (the standard library's sources end with codec tables: a
+    held-out tail would not be like the rest). Training windows lie within the
+    runs of blocks between them, evaluation windows within one held-out block,
+    so no window of one side shares a byte with the other. A text too short
+    for a window on each side holds nothing out: ``([(0, length)], [])``.
+
+    Example:
+        >>> split_blocks(100, 4)
+        ([(0, 95)], [(95, 100)])
+    """
+    block = max(seq_len + 1, min(BLOCK_BYTES, length // HELD_OUT))
+    held = [(b, min(b + block, length)) for b in range(block * (HELD_OUT - 1), length, block * HELD_OUT)]
+    held = [(a, b) for a, b in held if b - a >= seq_len + 1]
+    bounds = [0] + [x for ab in held for x in ab] + [length]
+    train = [(a, b) for a, b in zip(bounds[::2], bounds[1::2]) if b - a >= seq_len + 1]
+    if not held or not train:
+        return [(0, length)], []
+    return train, held
+
+
+def _draw(segments: Segments, seq_len: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` window starts, uniform over every window that fits inside one of ``segments``."""
+    first = torch.tensor([a for a, _ in segments])
+    fits = torch.tensor([b - a - seq_len for a, b in segments])
+    ends = fits.cumsum(0)
+    u = torch.randint(0, int(ends[-1]), (count,), generator=generator)
+    i = torch.searchsorted(ends, u, right=True)
+    return first[i] + u - (ends[i] - fits[i])
+
+
 class ByteCorpus:
     """Random windows of a byte string: inputs ``text[o:o+seq_len]``, targets shifted by one byte.
 
     Batch ``step`` draws its window offsets from a generator seeded by
     ``(seed, step)``, so every rank (the first stage wants the inputs, the last
-    the targets) gets the same batch without communication.
+    the targets) gets the same batch without communication. One block in
+    ``HELD_OUT`` of the text is never trained on: ``eval_batch(k)`` draws
+    from those alone (``split_blocks``).
 
     Args:
         text: the corpus; None reads the standard library sources.
@@ -96,10 +142,25 @@ class ByteCorpus:
         self.tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self._window = torch.arange(seq_len + 1)
+        self.train_segments, self.held_out = split_blocks(len(text), seq_len)
+        """Byte ranges the training and the held-out windows are drawn from (``split_blocks``)."""
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)`` of step ``step``: int64 tensors of shape (batch_size, seq_len)."""
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        offsets = torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=generator)
+        return self._windows(self.seed * 1_000_003 + step, self.train_segments)
+
+    def eval_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch ``k``: windows of the held-out blocks, never trained on.
+
+        Raises:
+            UserError: the text is too short to hold any window out.
+        """
+        if not self.held_out:
+            raise UserError(f"the corpus has {len(self.tokens)} bytes, too few to hold out a window of "
+                            f"seq_len+1={self.seq_len + 1} for evaluation; give a longer text or a smaller seq_len")
+        return self._windows(-(self.seed * 1_000_003 + k + 1), self.held_out)
+
+    def _windows(self, seed: int, segments: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = _draw(segments, self.seq_len, self.batch_size, torch.Generator().manual_seed(seed))
         windows = self.tokens[offsets[:, None] + self._window].long()
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

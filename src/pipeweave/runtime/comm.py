@@ -89,12 +89,14 @@ def message_key(lowered: LoweredSchedule, a: Action) -> Key:
 def replica_points(lowered: LoweredSchedule, rank: int) -> dict[int, int]:
     """Per replicated stage on ``rank``, the index in its lowered row of the B/W completing its gradient.
 
-    -1 for a replica that runs no B/W in the step (it sends its zeros at the start).
+    -1 for a replica that runs no B/W in the step (it sends its zeros at the start). Only stages the
+    row updates (``U``) combine gradients: a forward-only schedule (``schedule.evaluation``) sends none.
     """
     placement = lowered.schedule.placement
+    updated = {a.stage for a in lowered.actions[rank] if a.op is Op.U}
     points: dict[int, int] = {}
     for s in placement.stages_on(rank):
-        if len(placement.replicas(s)) > 1:
+        if len(placement.replicas(s)) > 1 and s in updated:
             points[s] = -1
     for i, a in enumerate(lowered.actions[rank]):
         if a.stage in points and a.op in (Op.B, Op.W):

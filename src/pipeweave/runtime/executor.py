@@ -125,6 +125,8 @@ class Executor:
         workers: a ``StageWorker`` per stage placed on this rank.
         microbatch_sizes: dimension 0 of every microbatch (for the shape handshake).
         device: where tensors live.
+        evaluate: run a forward-only schedule (``schedule.evaluation``) for evaluation: F runs as
+            ``StageWorker.evaluate`` and the workers' gradient exchanges are left to the training executor.
 
     Example:
         ex = Executor(lower(schedule), rank, workers, sizes, torch.device("cpu"))
@@ -138,14 +140,19 @@ class Executor:
         workers: dict[int, StageWorker],
         microbatch_sizes: Sequence[int],
         device: torch.device,
+        *,
+        evaluate: bool = False,
     ) -> None:
         self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
         self.placement = lowered.schedule.placement
         self.row = lowered.actions[rank]
         self.p2p = P2P(lowered, rank, microbatch_sizes, device)
-        self.replicas = ReplicaGradients(lowered, rank, workers, self.p2p)
-        self.tied = TiedGradients(self.placement, workers, rank, self.p2p.tag_limit)
-        if any(getattr(w.spec, "tie_embeddings", False) for w in workers.values()):
+        self.evaluating = evaluate
+        """F runs as ``StageWorker.evaluate``; no gradient is prepared or exchanged."""
+        exchanging = {} if evaluate else workers  # the training executor owns the workers' combine_grads
+        self.replicas = ReplicaGradients(lowered, rank, exchanging, self.p2p)
+        self.tied = TiedGradients(self.placement, exchanging, rank, self.p2p.tag_limit)
+        if not evaluate and any(getattr(w.spec, "tie_embeddings", False) for w in workers.values()):
             # Every pipeline's first and last stage hold the two ends (runtime.tied), on any rank.
             for line in self.placement.pipelines:
                 if line[0] != line[-1]:
@@ -237,7 +244,9 @@ class Executor:
         prev = self.placement.prev_stage(s)
         x = self._data[j] if prev is None else self._inputs.pop((s, j))
         nxt = self.placement.next_stage(s)
-        out = self.workers[s].forward(j, x, target=self._targets[j] if nxt is None else None)
+        target = self._targets[j] if nxt is None else None
+        worker = self.workers[s]
+        out = worker.evaluate(x, target) if self.evaluating else worker.forward(j, x, target=target)
         if nxt is None:
             self._losses.append(out)  # summed at the end of the step: no sync per microbatch
             if self.policy is not None:
@@ -295,7 +304,7 @@ class Executor:
         Synchronous schedules only: an asynchronous policy updates per
         microbatch and keeps gradients its own way.
         """
-        if self.policy is None and not self._prepared and not self.p2p.arrived(a):
+        if self.policy is None and not self.evaluating and not self._prepared and not self.p2p.arrived(a):
             self._prepared = True
             for worker in self.workers.values():
                 worker.prepare_gradients()

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.data import data_source, split_microbatches
+from pipeweave.data.corpus import read_text_file, split_blocks
 from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec, uniform_parts
 from pipeweave.partition.methods import PartitionContext, explicit
@@ -31,6 +32,7 @@ from pipeweave.runtime.trace import align_clocks
 from pipeweave.runtime.validation_step import PostValidation, check_post_validation, install_post_validation
 from pipeweave.schedule import SCHEDULES, Schedule, generate, lower, validate
 from pipeweave.schedule.data_parallel import data_parallel
+from pipeweave.schedule.evaluation import forward_only
 from pipeweave.schedule.ir import Action
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -88,6 +90,10 @@ class TrainConfig:
     """Write a checkpoint to this folder after the last step (``runtime.checkpoint``)."""
     save_every: int | None = None
     """With ``save``: also every this many steps (each replaces the previous)."""
+    eval_every: int | None = None
+    """Evaluate every this many steps and after the last: the mean loss of ``eval_batches`` held-out batches."""
+    eval_batches: int = 4
+    """Held-out batches per evaluation (``ByteCorpus.eval_batch``), the same ones every time."""
     resume: str | None = None
     """Start from the checkpoint in this folder: its parameters, optimizer state and step (``runtime.checkpoint``)."""
 
@@ -102,6 +108,10 @@ class TrainConfig:
             raise UserError(f"--lr {self.lr} is invalid; give a learning rate > 0")
         if self.save_every is not None and (self.save_every < 1 or self.save is None):
             raise UserError(f"--save-every {self.save_every} is invalid; give an integer >= 1 together with --save DIR")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise UserError(f"--eval-every {self.eval_every} is invalid; give an integer >= 1")
+        if self.eval_batches < 1:
+            raise UserError(f"--eval-batches {self.eval_batches} is invalid; give an integer >= 1")
         if not 0.0 <= self.momentum < 1.0:
             raise UserError(f"--momentum {self.momentum} is invalid; give 0 <= momentum < 1")
 
@@ -158,7 +168,20 @@ class TrainConfig:
         if self.post_validation is not None:
             check_post_validation(schedule)
         checkpoint.check(self)
+        if self.eval_every is not None:
+            self._check_evaluation()
         return schedule
+
+    def _check_evaluation(self) -> None:
+        if self.model.kind != "gpt":
+            raise UserError("--eval-every applies to --model gpt (the mlp fits fixed random targets: there is "
+                            "nothing held out to generalise to); drop it or use --model gpt")
+        if self.is_stream:
+            raise UserError(f"--eval-every applies to synchronous schedules; {self.schedule} is asynchronous "
+                            "(one stream, no step boundary to evaluate at): drop it or use a synchronous schedule")
+        if self.data is not None and not split_blocks(len(read_text_file(self.data)), self.model.seq_len)[1]:
+            raise UserError(f"--data {self.data} is too short to hold out a window of seq_len+1="
+                            f"{self.model.seq_len + 1} bytes for evaluation; give a longer file or drop --eval-every")
 
     def optimizer_factory(self) -> OptimizerFactory:
         lr = self.lr
@@ -215,6 +238,8 @@ class RankRecord:
     """Per step, thread CPU seconds of each recorded action (parallel to ``records``)."""
     versions: dict[Any, tuple[int, int]] = field(default_factory=dict)
     """Streams: per F/B/I/W action, the ``(version, target)`` it read (``runtime.policy``)."""
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    """Per evaluation, ``(steps trained, this rank's share of the held-out loss)`` (``TrainConfig.eval_every``)."""
 
 
 @dataclass
@@ -233,6 +258,12 @@ class RunRecord:
     def losses(self) -> list[float]:
         """Per step, the mini-batch mean loss (every rank's share summed)."""
         return [sum(r.losses[k] for r in self.ranks) for k in range(self.config.steps)]
+
+    @property
+    def eval_losses(self) -> list[tuple[int, float]]:
+        """Per evaluation, ``(steps trained, mean held-out loss)`` (every rank's share summed)."""
+        evals = self.ranks[0].eval_losses
+        return [(at, sum(r.eval_losses[k][1] for r in self.ranks)) for k, (at, _) in enumerate(evals)]
 
 
 def used_transport() -> str:
@@ -276,6 +307,8 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
     losses, records = [], []
     step_cpu: list[float] = []
     action_cpu: list[list[float]] = []
+    evaluator: Executor | None = None
+    eval_losses: list[tuple[int, float]] = []
     for step in range(config.steps):
         inputs, targets = source.batch(done + step)
         data = [m.to(device) for m in split_microbatches(inputs, t)]
@@ -289,12 +322,29 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
                 w.track_memory = False
         records.append(seconds_since(timings, offset))
         launch_module.progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
+        if config.eval_every is not None and (step + 1 == config.steps or (step + 1) % config.eval_every == 0):
+            if evaluator is None:
+                evaluator = Executor(lower(forward_only(schedule)), rank, workers, config.microbatch_sizes, device,
+                                     evaluate=True)
+            eval_losses.append((done + step + 1, evaluate(evaluator, source, config, t, device)))
+            launch_module.progress({"eval": len(eval_losses) - 1, "loss": eval_losses[-1][1]})
         if config.save is not None and (step + 1 == config.steps or (step + 1) % (config.save_every or config.steps) == 0):
             checkpoint.save(config, schedule, workers, rank, done + step + 1)
     mine = RankRecord(rank, losses, records, executor.peak_activation_bytes,
                       sum(w.weight_bytes() for w in workers.values()), final_parameters(config, workers),
-                      step_cpu, action_cpu)
+                      step_cpu, action_cpu, eval_losses=eval_losses)
     return gather_run(config, mine, rank, world, started)
+
+
+def evaluate(evaluator: Executor, source: Any, config: TrainConfig, t: int, device: torch.device) -> float:
+    """This rank's share of the mean loss over the held-out batches, through the forward-only schedule."""
+    total = 0.0
+    for k in range(config.eval_batches):
+        inputs, targets = source.eval_batch(k)
+        data = [m.to(device) for m in split_microbatches(inputs, t)]
+        target = [m.to(device) for m in split_microbatches(targets, t)]
+        total += evaluator.run_step(data, target)[0]
+    return total / config.eval_batches
 
 
 def seconds_since(timings: Sequence[tuple[Action, int, int]], offset: int) -> list[tuple[int, str, int, float, float]]:

@@ -38,6 +38,8 @@ Tensors in and out (microbatch ``mb`` is the IR's microbatch index):
   deferred. B accumulates them at once.
 - ``update()`` (U): calls ``combine_grads(worker)`` if set, then the optimizer
   step, then zeroes the gradients.
+- ``evaluate(x, target=None)``: F for evaluation (``schedule.evaluation``):
+  the same output or scaled loss, computed without a graph, nothing kept.
 
 Replicated parts (Chimera, GEMS, DualPipe: several stages hold one part): each
 replica's gradients cover only its own microbatches, each already scaled by
@@ -237,6 +239,13 @@ class StageWorker:
             record = _Microbatch(x, out, target, [self._hold(x), self._hold(out)])
         self._saved[mb] = record
         return out.detach()
+
+    def evaluate(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        """F for evaluation: the same output (or scaled loss) as ``forward``, with no graph and nothing kept."""
+        if self.is_last and target is None:
+            raise RuntimeError("the last stage needs the microbatch's target to compute the loss")
+        with torch.no_grad():
+            return self._run(x, target)
 
     def _run(self, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
         for layer in self.module.values():
