@@ -51,9 +51,11 @@ def _straight_and_resumed(tmp_path: Path, first: TrainConfig, second: TrainConfi
 
 CASES = {
     # (first run, second run): the second changes schedule, stage count or partition
-    "sgd-momentum 1f1b D=2 -> zb-h1 D=3": (
-        TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=7, momentum=0.9),
-        TrainConfig(schedule="zb-h1", num_stages=3, num_microbatches=4, model=MLP, batch_size=7, momentum=0.9),
+    "sgd-momentum cosine 1f1b D=2 -> zb-h1 D=3": (
+        TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=7, momentum=0.9,
+                    lr_schedule="cosine", lr_warmup=1, lr_decay_steps=STEPS),
+        TrainConfig(schedule="zb-h1", num_stages=3, num_microbatches=4, model=MLP, batch_size=7, momentum=0.9,
+                    lr_schedule="cosine", lr_warmup=1, lr_decay_steps=STEPS),
     ),
     "adamw interleaved -> 1f1b uneven parts": (
         TrainConfig(schedule="interleaved-1f1b", num_stages=2, num_chunks=2, num_microbatches=4, model=MLP,

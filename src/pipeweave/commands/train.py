@@ -56,6 +56,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--lr", type=float, help="learning rate (default 3e-3 for adamw, 0.1 for sgd)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), help="default adamw for the gpt, sgd for the mlp")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant",
+                   help="after --lr-warmup, keep --lr or decay it to a tenth by --lr-decay-steps (default constant)")
+    p.add_argument("--lr-warmup", type=int, default=0, metavar="N",
+                   help="steps of linear warm-up to --lr (default 0)")
+    p.add_argument("--lr-decay-steps", type=int, metavar="N",
+                   help="the step where the decay ends (default: the last step of this run; give the same one "
+                        "when resuming)")
     p.add_argument("--recompute", action="store_true", help="activation recomputation on every stage")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
                    help="clip the global gradient norm; steps are post-validated (optimistic step, exact "
@@ -115,7 +122,8 @@ def build_config(args: argparse.Namespace) -> Any:
         recompute=args.recompute, seed=args.seed or 0, data=args.data, data_parallel=args.data_parallel,
         momentum=momentum, schedule_options=tuple(options.items()), policy=policy,
         post_validation=_post_validation(args), save=args.save, save_every=args.save_every,
-        eval_every=args.eval_every, eval_batches=args.eval_batches,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
+        lr_warmup=args.lr_warmup, lr_decay_steps=args.lr_decay_steps,
         resume=args.resume,
     )
     return _with_searched_costs(_with_partition(config, args), args)
@@ -311,10 +319,19 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
         "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
         "recompute": config.recompute, "first_step": record.first_step, "losses": record.losses,
         "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
+        "lr_schedule": config.lr_schedule, "lrs": _learning_rates(config, record.first_step),
         "wall_s": record.wall_s,
         "transport": record.transport,
         **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
     }
+
+
+def _learning_rates(config: Any, first_step: int) -> list[float]:
+    """The learning rate of each step of the run (a stream's policy keeps its own: its base rate)."""
+    if config.is_stream:
+        return [config.lr] * config.steps
+    rates = config.learning_rates()
+    return [rates.at(first_step + k) for k in range(config.steps)]
 
 
 def write_outputs(schedule: Any, record: Any, report: dict[str, Any], args: argparse.Namespace) -> dict[str, str]:

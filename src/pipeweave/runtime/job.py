@@ -26,6 +26,7 @@ from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
 from pipeweave.runtime import checkpoint, launch as launch_module
 from pipeweave.runtime.executor import Executor
+from pipeweave.runtime.lr_schedule import LrSchedule, set_lr
 from pipeweave.runtime.policy import PolicyOptions
 from pipeweave.runtime.stage import OptimizerFactory, StageWorker
 from pipeweave.runtime.trace import align_clocks
@@ -90,6 +91,12 @@ class TrainConfig:
     """Write a checkpoint to this folder after the last step (``runtime.checkpoint``)."""
     save_every: int | None = None
     """With ``save``: also every this many steps (each replaces the previous)."""
+    lr_schedule: str = "constant"
+    """``constant``, ``cosine`` or ``linear`` decay after ``lr_warmup`` warm-up steps (``runtime.lr_schedule``)."""
+    lr_warmup: int = 0
+    """Steps of linear warm-up to ``lr``."""
+    lr_decay_steps: int | None = None
+    """The step where the decay ends; None: the last step of this run (give it when resuming)."""
     eval_every: int | None = None
     """Evaluate every this many steps and after the last: the mean loss of ``eval_batches`` held-out batches."""
     eval_batches: int = 4
@@ -168,6 +175,10 @@ class TrainConfig:
         if self.post_validation is not None:
             check_post_validation(schedule)
         checkpoint.check(self)
+        if self.is_stream and (self.lr_schedule != "constant" or self.lr_warmup):
+            raise UserError(f"--lr-schedule and --lr-warmup apply to synchronous schedules; {self.schedule} is "
+                            "asynchronous (its policy owns the learning rate): drop them")
+        self.learning_rates()
         if self.eval_every is not None:
             self._check_evaluation()
         return schedule
@@ -182,6 +193,11 @@ class TrainConfig:
         if self.data is not None and not split_blocks(len(read_text_file(self.data)), self.model.seq_len)[1]:
             raise UserError(f"--data {self.data} is too short to hold out a window of seq_len+1="
                             f"{self.model.seq_len + 1} bytes for evaluation; give a longer file or drop --eval-every")
+
+    def learning_rates(self) -> LrSchedule:
+        """The learning rate of every step of the training (``runtime.lr_schedule``)."""
+        decay = self.lr_decay_steps if self.lr_decay_steps is not None else checkpoint.steps_done(self) + self.steps
+        return LrSchedule(self.lr_schedule, self.lr, self.lr_warmup, decay)
 
     def optimizer_factory(self) -> OptimizerFactory:
         lr = self.lr
@@ -309,7 +325,11 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
     action_cpu: list[list[float]] = []
     evaluator: Executor | None = None
     eval_losses: list[tuple[int, float]] = []
+    rates = config.learning_rates() if config.lr_schedule != "constant" or config.lr_warmup else None
     for step in range(config.steps):
+        if rates is not None:
+            for w in workers.values():
+                set_lr(w.optimizer, rates.at(done + step))
         inputs, targets = source.batch(done + step)
         data = [m.to(device) for m in split_microbatches(inputs, t)]
         target = [m.to(device) for m in split_microbatches(targets, t)]

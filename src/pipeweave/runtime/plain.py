@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,7 @@ def run_plain(
     optimizer_factory: OptimizerFactory | None = None,
     seed: int = 0,
     data: DataSource | None = None,
+    lr_at: Callable[[int], float] | None = None,
 ) -> TrainResult:
     """Train the whole model in one process, accumulating gradients over the microbatches of each step.
 
@@ -55,6 +57,7 @@ def run_plain(
         optimizer_factory: builds the optimizer (default SGD, lr 0.1).
         seed: data seed.
         data: a data source (default ``data_source(spec, ...)``).
+        lr_at: the learning rate of each step (``LrSchedule.at``); None keeps the optimizer's.
 
     Raises:
         UserError: fewer samples than microbatches.
@@ -80,6 +83,9 @@ def run_plain(
             mb_loss.backward()
             step_losses.append(mb_loss.item())
         losses.append(sum(step_losses))
+        if lr_at is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return TrainResult(losses, {k: p.detach().clone() for k, p in model.named_parameters()})
