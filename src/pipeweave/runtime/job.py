@@ -342,13 +342,14 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
                 w.track_memory = False
         records.append(seconds_since(timings, offset))
         launch_module.progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
-        if config.eval_every is not None and (step + 1 == config.steps or (step + 1) % config.eval_every == 0):
+        last = step + 1 == config.steps
+        if config.eval_every is not None and (last or (step + 1) % config.eval_every == 0):
             if evaluator is None:
                 evaluator = Executor(lower(forward_only(schedule)), rank, workers, config.microbatch_sizes, device,
                                      evaluate=True)
             eval_losses.append((done + step + 1, evaluate(evaluator, source, config, t, device)))
             launch_module.progress({"eval": len(eval_losses) - 1, "loss": eval_losses[-1][1]})
-        if config.save is not None and (step + 1 == config.steps or (step + 1) % (config.save_every or config.steps) == 0):
+        if config.save is not None and (last or (step + 1) % (config.save_every or config.steps) == 0):
             checkpoint.save(config, schedule, workers, rank, done + step + 1)
     mine = RankRecord(rank, losses, records, executor.peak_activation_bytes,
                       sum(w.weight_bytes() for w in workers.values()), final_parameters(config, workers),
