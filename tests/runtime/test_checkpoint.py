@@ -161,3 +161,15 @@ def test_save_every_writes_the_checkpoint_during_the_run(tmp_path: Path) -> None
     assert checkpoint.read_meta(str(tmp_path / "ckpt"))["steps"] == 5
     with pytest.raises(UserError, match="--save-every 2 is invalid; give an integer >= 1 together with --save DIR"):
         dataclasses.replace(config, save=None)
+
+
+def test_resuming_into_the_checkpoint_folder_itself(tmp_path: Path) -> None:
+    """The run reads the checkpoint it resumes before it writes over it: its first step stays the checkpoint's."""
+    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.9,
+                         lr_schedule="cosine", lr_warmup=1)
+    straight = _train(dataclasses.replace(config, steps=STEPS))
+    folder = str(tmp_path / "ckpt")
+    _train(dataclasses.replace(config, steps=FIRST, save=folder, lr_decay_steps=STEPS))
+    resumed = _train(dataclasses.replace(config, steps=STEPS - FIRST, resume=folder, save=folder))
+    assert resumed.first_step == FIRST and checkpoint.read_meta(folder)["steps"] == STEPS
+    torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)

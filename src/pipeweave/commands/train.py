@@ -330,7 +330,7 @@ def _learning_rates(config: Any, first_step: int) -> list[float]:
     """The learning rate of each step of the run (a stream's policy keeps its own: its base rate)."""
     if config.is_stream:
         return [config.lr] * config.steps
-    rates = config.learning_rates()
+    rates = config.learning_rates(first_step)
     return [rates.at(first_step + k) for k in range(config.steps)]
 
 

@@ -178,7 +178,7 @@ class TrainConfig:
         if self.is_stream and (self.lr_schedule != "constant" or self.lr_warmup):
             raise UserError(f"--lr-schedule and --lr-warmup apply to synchronous schedules; {self.schedule} is "
                             "asynchronous (its policy owns the learning rate): drop them")
-        self.learning_rates()
+        self.learning_rates(checkpoint.steps_done(self))
         if self.eval_every is not None:
             self._check_evaluation()
         return schedule
@@ -194,9 +194,9 @@ class TrainConfig:
             raise UserError(f"--data {self.data} is too short to hold out a window of seq_len+1="
                             f"{self.model.seq_len + 1} bytes for evaluation; give a longer file or drop --eval-every")
 
-    def learning_rates(self) -> LrSchedule:
-        """The learning rate of every step of the training (``runtime.lr_schedule``)."""
-        decay = self.lr_decay_steps if self.lr_decay_steps is not None else checkpoint.steps_done(self) + self.steps
+    def learning_rates(self, first_step: int = 0) -> LrSchedule:
+        """The learning rate of every step of the training (``runtime.lr_schedule``), ``first_step`` steps done."""
+        decay = self.lr_decay_steps if self.lr_decay_steps is not None else first_step + self.steps
         return LrSchedule(self.lr_schedule, self.lr, self.lr_warmup, decay)
 
     def optimizer_factory(self) -> OptimizerFactory:
@@ -325,7 +325,7 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
     action_cpu: list[list[float]] = []
     evaluator: Executor | None = None
     eval_losses: list[tuple[int, float]] = []
-    rates = config.learning_rates() if config.lr_schedule != "constant" or config.lr_warmup else None
+    rates = config.learning_rates(done) if config.lr_schedule != "constant" or config.lr_warmup else None
     for step in range(config.steps):
         if rates is not None:
             for w in workers.values():
@@ -354,7 +354,7 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
     mine = RankRecord(rank, losses, records, executor.peak_activation_bytes,
                       sum(w.weight_bytes() for w in workers.values()), final_parameters(config, workers),
                       step_cpu, action_cpu, eval_losses=eval_losses)
-    return gather_run(config, mine, rank, world, started)
+    return gather_run(config, mine, rank, world, started, done)
 
 
 def evaluate(evaluator: Executor, source: Any, config: TrainConfig, t: int, device: torch.device) -> float:
@@ -380,7 +380,8 @@ def final_parameters(config: TrainConfig, workers: dict[int, StageWorker]) -> di
     return {s: {k: p.detach().cpu().clone() for k, p in w.named_parameters().items()} for s, w in workers.items()}
 
 
-def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, started: float) -> RunRecord | None:
+def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, started: float,
+               first_step: int = 0) -> RunRecord | None:
     """Gather every rank's record on rank 0: the ``RunRecord`` there, None elsewhere."""
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
@@ -388,4 +389,4 @@ def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, sta
         return None
     assert gathered is not None
     return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started,
-                     used_transport(), checkpoint.steps_done(config))
+                     used_transport(), first_step)
