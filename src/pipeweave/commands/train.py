@@ -69,7 +69,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "rollback on NaN/inf or clipping), so no global barrier precedes the update")
     p.add_argument("--eval-every", type=int, metavar="N",
                    help="gpt, synchronous schedules: every N steps and after the last, the mean loss of held-out "
-                        "batches (the corpus's last 5 %%, never trained on) through a forward-only pipeline")
+                        "batches (one block in 20 of the corpus, never trained on) through a forward-only pipeline")
     p.add_argument("--eval-batches", type=int, default=4, metavar="K",
                    help="held-out batches per evaluation, the same every time (default 4)")
     p.add_argument("--save", metavar="DIR",
@@ -280,7 +280,7 @@ class _Progress:
         if "eval" in value:  # a held-out loss share: shown beside the training loss once every rank's is in
             shares = self.eval_shares.setdefault(value["eval"], {})
             shares[rank] = value["loss"]
-            if len(shares) == self._num_reporting() and not (self._num_reporting() == 1 and self.world > 1):
+            if len(shares) == self._num_reporting() and self._sees_every_share:
                 self.eval_text = f"  held-out {sum(shares.values()):.4f}"
                 if self.bar is not None:
                     self.bar.update(self.task, status=f"{self.loss_text}{self.eval_text}{self.rate_text}")
@@ -294,10 +294,14 @@ class _Progress:
             rate = ""
         else:
             rate = f"  {self.config.batch_size * step / (time.perf_counter() - self.started):.1f} samples/s"
-        # Under torchrun rank 0 sees only its own share of the loss: show the rate alone.
-        loss = "" if self._num_reporting() == 1 and self.world > 1 else f"loss {sum(self.shares[step].values()):.4f}"
+        loss = f"loss {sum(self.shares[step].values()):.4f}" if self._sees_every_share else ""
         self.loss_text, self.rate_text = loss, rate
         self.bar.update(self.task, completed=step + 1, status=f"{loss}{self.eval_text}{rate}")
+
+    @property
+    def _sees_every_share(self) -> bool:
+        """Whether the losses shown are whole: under torchrun rank 0 sees only its own share (the rate alone shows)."""
+        return not (self._num_reporting() == 1 and self.world > 1)
 
     def _num_reporting(self) -> int:
         from pipeweave.runtime.launch import under_torchrun

@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.errors import UserError
+from pipeweave.runtime.validation_step import ValidatedOptimizer
+from pipeweave.weights.post_validation import SGD
 
 if TYPE_CHECKING:
     from pipeweave.runtime.job import TrainConfig
@@ -140,9 +142,6 @@ def _write(path: Path, write: Any) -> None:
 
 def optimizer_state(worker: StageWorker) -> dict[str, dict[str, Any]]:
     """The worker's optimizer state per global parameter name, under torch.optim's names, on the CPU."""
-    from pipeweave.runtime.validation_step import ValidatedOptimizer
-    from pipeweave.weights.post_validation import SGD
-
     names = {id(p): name for name, p in worker.named_parameters().items()}
     optimizer: Any = worker.optimizer
     out: dict[str, dict[str, Any]] = {}
@@ -172,6 +171,7 @@ def load(config: TrainConfig, workers: dict[int, StageWorker]) -> None:
     assert config.resume is not None
     folder = Path(config.resume)
     meta = read_meta(config.resume)
+    files: dict[str, dict[str, Any]] = {}  # read once, whichever local stages need them
     for worker in workers.values():
         mine = worker.named_parameters()
         params: dict[str, torch.Tensor] = {}
@@ -179,7 +179,9 @@ def load(config: TrainConfig, workers: dict[int, StageWorker]) -> None:
         for (start, stop), name in zip(meta["parts"], meta["files"]):
             if stop <= worker.layer_indices.start or start >= worker.layer_indices.stop:
                 continue
-            saved = torch.load(folder / name, map_location="cpu", weights_only=True)
+            if name not in files:
+                files[name] = torch.load(folder / name, map_location="cpu", weights_only=True)
+            saved = files[name]
             params.update({k: v for k, v in saved["parameters"].items() if k in mine})
             states.update({k: v for k, v in saved["optimizer"].items() if k in mine})
         missing = sorted(set(mine) - set(params))
@@ -193,9 +195,6 @@ def load(config: TrainConfig, workers: dict[int, StageWorker]) -> None:
 
 
 def _load_optimizer_state(worker: StageWorker, states: dict[str, dict[str, Any]], steps: int) -> None:
-    from pipeweave.runtime.validation_step import ValidatedOptimizer
-    from pipeweave.weights.post_validation import SGD
-
     named = worker.named_parameters()
     optimizer: Any = worker.optimizer
     if isinstance(optimizer, ValidatedOptimizer):

@@ -330,10 +330,7 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
         if rates is not None:
             for w in workers.values():
                 set_lr(w.optimizer, rates.at(done + step))
-        inputs, targets = source.batch(done + step)
-        data = [m.to(device) for m in split_microbatches(inputs, t)]
-        target = [m.to(device) for m in split_microbatches(targets, t)]
-        loss, timings = executor.run_step(data, target)
+        loss, timings = executor.run_step(*_microbatches(source.batch(done + step), t, device))
         losses.append(loss)
         step_cpu.append(executor.step_cpu_ns * 1e-9)
         action_cpu.append([c * 1e-9 for c in executor.action_cpu_ns])
@@ -359,13 +356,17 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
 
 def evaluate(evaluator: Executor, source: Any, config: TrainConfig, t: int, device: torch.device) -> float:
     """This rank's share of the mean loss over the held-out batches, through the forward-only schedule."""
-    total = 0.0
-    for k in range(config.eval_batches):
-        inputs, targets = source.eval_batch(k)
-        data = [m.to(device) for m in split_microbatches(inputs, t)]
-        target = [m.to(device) for m in split_microbatches(targets, t)]
-        total += evaluator.run_step(data, target)[0]
+    total = sum(evaluator.run_step(*_microbatches(source.eval_batch(k), t, device))[0]
+                for k in range(config.eval_batches))
     return total / config.eval_batches
+
+
+def _microbatches(batch: tuple[torch.Tensor, torch.Tensor], t: int, device: torch.device
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A batch's inputs and targets, each split into ``t`` microbatches on ``device``."""
+    inputs, targets = batch
+    return ([m.to(device) for m in split_microbatches(inputs, t)],
+            [m.to(device) for m in split_microbatches(targets, t)])
 
 
 def seconds_since(timings: Sequence[tuple[Action, int, int]], offset: int) -> list[tuple[int, str, int, float, float]]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeweave.errors import UserError
+from pipeweave.runtime.validation_step import ValidatedOptimizer
 
 KINDS = ("constant", "cosine", "linear")
 MIN_RATIO = 0.1
@@ -62,8 +63,6 @@ class LrSchedule:
 
 def set_lr(optimizer: Any, lr: float) -> None:
     """Give ``optimizer`` (a torch optimizer, or the post-validated step of ``runtime.validation_step``) rate ``lr``."""
-    from pipeweave.runtime.validation_step import ValidatedOptimizer
-
     if isinstance(optimizer, ValidatedOptimizer):
         optimizer.step_state.optimizer.lr = lr
         return
