@@ -46,7 +46,7 @@ SKIP = ("zb-auto", "zb-v-auto")  # searched: same step as zb-h1/zb-v here, and t
 # (``evaluate``: the trained weights after the stream drained, on the same evaluation batches for all):
 # excellent r <= 1 %, good 1 % < r <= 5 %, poor r > 5 % or diverged.
 EXCELLENT, GOOD = 0.01, 0.05
-EVAL_SEED = 12345  # held-out batches: another seed of the same source
+EVAL_SEED = 12345  # the held-out batches' seed, the same for every run and seed of the study
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,8 @@ def final_parameters(stage_parameters: list[dict[str, torch.Tensor]]) -> dict[st
 
 @torch.no_grad()
 def evaluate(task: Task, parameters: dict[str, torch.Tensor], batches: int = 4) -> float:
-    """Mean loss of the final model: gpt on held-out windows (another seed), mlp on its one fixed batch (it memorises)."""
+    """Mean loss of the final model: gpt on the corpus's held-out windows (``ByteCorpus.eval_batch``, never
+    trained on), mlp on its one fixed batch (it memorises)."""
     model = torch.nn.ModuleDict({str(i): layer for i, layer in enumerate(build_layers(task.spec, range(task.spec.num_layers)))})
     for k, p in model.named_parameters():
         p.copy_(parameters[k])
@@ -127,7 +128,7 @@ def evaluate(task: Task, parameters: dict[str, torch.Tensor], batches: int = 4) 
     batches = 1 if memorise else batches
     total = 0.0
     for m in range(batches):
-        x, y = source.batch(m)
+        x, y = source.batch(m) if memorise else source.eval_batch(m)
         for layer in model.values():
             x = layer(x)
         total += float(loss_fn(task.spec)(x, y))
