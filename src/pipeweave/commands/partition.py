@@ -23,9 +23,11 @@ MODEL_OPTIONS = ("layers", "hidden", "vocab", "heads", "seq_len", "seed")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--model mlp|gpt`` and its sizes (defaults: ``ModelSpec``'s)."""
+    """``--model mlp|gpt|FILE.py:NAME`` and the built-in models' sizes (defaults: ``ModelSpec``'s)."""
     group = parser.add_argument_group("model")
-    group.add_argument("--model", choices=("mlp", "gpt"), default="gpt", help="reference model (default gpt)")
+    group.add_argument("--model", default="gpt", metavar="gpt|mlp|FILE.py:NAME",
+                       help="a reference model (default gpt), or your own: the LayerModel (or a function "
+                            "returning one) NAME in FILE.py or in an importable module (pipeweave.models.custom)")
     group.add_argument("--layers", type=int, help="residual blocks")
     group.add_argument("--hidden", type=int, help="width h")
     group.add_argument("--vocab", type=int, help="gpt vocabulary size")
@@ -137,10 +139,21 @@ def model_spec(args: argparse.Namespace) -> Any:
     """The ``ModelSpec`` the model options describe (torch is imported only here)."""
     from pipeweave.models import ModelSpec
 
+    from pipeweave.models.custom import is_entry
+
     given = {name: getattr(args, name) for name in MODEL_OPTIONS if getattr(args, name, None) is not None}
     if getattr(args, "tie_embeddings", False):
         given["tie_embeddings"] = True
-    return ModelSpec(kind=args.model, **given)
+    if args.model in ("mlp", "gpt"):
+        return ModelSpec(kind=args.model, **given)
+    if not is_entry(args.model):
+        raise UserError(f"--model {args.model!r} is unknown; choose gpt, mlp or FILE.py:NAME (your own LayerModel)")
+    sizes = [name for name in given if name != "seed"]
+    if sizes:
+        flag = "--" + sizes[0].replace("_", "-")
+        raise UserError(f"{flag} applies to the built-in models; {args.model}'s layers are its LayerModel's: "
+                        f"drop {flag}")
+    return ModelSpec(kind="custom", entry=args.model, seed=given.get("seed", 0))
 
 
 def layer_costs(args: argparse.Namespace) -> LayerCosts:

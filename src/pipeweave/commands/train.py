@@ -55,7 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--data", metavar="FILE", help="gpt: a text file to train on (default: the stdlib sources)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--lr", type=float, help="learning rate (default 3e-3 for adamw, 0.1 for sgd)")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), help="default adamw for the gpt, sgd for the mlp")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), help="default sgd for the mlp, adamw otherwise")
     p.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant",
                    help="after --lr-warmup, keep --lr or decay it to a tenth by --lr-decay-steps (default constant)")
     p.add_argument("--lr-warmup", type=int, default=0, metavar="N",
@@ -68,8 +68,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="clip the global gradient norm; steps are post-validated (optimistic step, exact "
                         "rollback on NaN/inf or clipping), so no global barrier precedes the update")
     p.add_argument("--eval-every", type=int, metavar="N",
-                   help="gpt, synchronous schedules: every N steps and after the last, the mean loss of held-out "
-                        "batches (one block in 20 of the corpus, never trained on) through a forward-only pipeline")
+                   help="synchronous schedules: every N steps and after the last, the mean loss of held-out "
+                        "batches through a forward-only pipeline (gpt: one block in 20 of the corpus, never "
+                        "trained on; a custom model: its eval_dataset)")
     p.add_argument("--eval-batches", type=int, default=4, metavar="K",
                    help="held-out batches per evaluation, the same every time (default 4)")
     p.add_argument("--save", metavar="DIR",
@@ -109,7 +110,7 @@ def build_config(args: argparse.Namespace) -> Any:
             if getattr(args, name, None) is None:
                 setattr(args, name, value)
     spec = model_spec(args)
-    optimizer = args.optimizer or ("adamw" if spec.kind == "gpt" else "sgd")
+    optimizer = args.optimizer or ("sgd" if spec.kind == "mlp" else "adamw")
     lr = args.lr if args.lr is not None else (3e-3 if optimizer == "adamw" else 0.1)
     schedule = args.schedule or next(n for n in DEFAULT_SCHEDULES if n in SCHEDULES)
     if args.threads < 1:
@@ -383,7 +384,7 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
 
     losses = report["losses"]
     table = Table(title=f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  "
-                        f"{report['model']['kind']}  {report['steps']} steps  ({report['transport']})", show_header=True)
+                        f"{report['model']['entry'] or report['model']['kind']}  {report['steps']} steps  ({report['transport']})", show_header=True)
     table.add_column("measure")
     table.add_column("measured", justify="right")
     table.add_column("simulated", justify="right")

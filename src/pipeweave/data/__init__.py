@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from pipeweave.data.corpus import ByteCorpus, read_text_file, stdlib_sources
+from pipeweave.data.dataset import DatasetSource
 from pipeweave.data.synthetic import RandomRegression
 from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec
@@ -25,7 +26,8 @@ class DataSource(Protocol):
 def data_source(
     spec: ModelSpec, *, batch_size: int, seed: int = 0, path: str | os.PathLike[str] | None = None
 ) -> DataSource:
-    """The model's data: fixed random regression for the mlp, byte windows of a corpus for the gpt.
+    """The model's data: fixed random regression for the mlp, byte windows of a corpus for the gpt,
+    a custom model's own dataset (``DatasetSource``).
 
     Args:
         spec: the model.
@@ -41,6 +43,11 @@ def data_source(
         >>> tuple(y.shape)
         (4, 8)
     """
+    if spec.kind == "custom":
+        if path is not None:
+            raise UserError("--data applies to --model gpt only; a custom model brings its own dataset: drop --data")
+        model = spec.custom
+        return DatasetSource(model.dataset, batch_size=batch_size, seed=seed, eval_dataset=model.eval_dataset)
     if spec.kind == "mlp":
         if path is not None:
             raise UserError("--data applies to --model gpt only; drop --data or use --model gpt")
@@ -72,6 +79,6 @@ def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch
 
 
 __all__ = [
-    "ByteCorpus", "DataSource", "RandomRegression", "data_source", "read_text_file",
+    "ByteCorpus", "DataSource", "DatasetSource", "RandomRegression", "data_source", "read_text_file",
     "split_microbatches", "stdlib_sources",
 ]

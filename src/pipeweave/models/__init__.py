@@ -1,5 +1,6 @@
-"""Reference models for the main job: a residual MLP and a byte-level GPT, as lazy layer lists."""
+"""Models as lazy layer lists: the reference residual MLP and byte-level GPT, and your own (``LayerModel``)."""
 
+from pipeweave.models.custom import LayerModel
 from pipeweave.models.spec import ModelSpec, build_layers, layer_generator, loss_fn, uniform_parts
 
-__all__ = ["ModelSpec", "build_layers", "layer_generator", "loss_fn", "uniform_parts"]
+__all__ = ["LayerModel", "ModelSpec", "build_layers", "layer_generator", "loss_fn", "uniform_parts"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -169,6 +169,15 @@ class Linear(Deferrable):
         self.bias = (
             nn.Parameter(torch.empty(out_features).uniform_(-bound, bound, generator=generator)) if bias else None
         )
+
+    @classmethod
+    def wrapping(cls, linear: nn.Linear) -> Linear:
+        """A ``Linear`` on the very parameters of ``linear`` (same objects, same values)."""
+        layer = cls.__new__(cls)
+        Deferrable.__init__(layer)
+        layer.weight = cast(nn.Parameter, linear.weight)
+        layer.bias = cast(nn.Parameter | None, linear.bias)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _LinearFn.apply(x, self.weight, self.bias, self.grad_store)  # type: ignore[no-untyped-call,no-any-return]

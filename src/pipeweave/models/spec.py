@@ -10,15 +10,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeweave.errors import UserError
+from pipeweave.models.custom import LayerModel, entry_of, load_model
+from pipeweave.models.custom import build_layer as build_custom_layer
 
-KINDS = ("mlp", "gpt")
+KINDS = ("mlp", "gpt", "custom")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A reference model, as the command line's ``--model ... --layers --hidden`` describe it.
+    """A model, as the command line's ``--model ... --layers --hidden`` describe it.
+
+    A built-in reference model (the mlp, the gpt), or your own (``kind="custom"``,
+    ``entry``; see ``models.custom``), for which the size fields do not apply.
 
     Example:
         >>> ModelSpec(kind="mlp", layers=4, hidden=32).num_layers
@@ -28,7 +33,8 @@ class ModelSpec:
     """
 
     kind: str = "gpt"
-    """``"mlp"`` (residual MLP blocks, MSE) or ``"gpt"`` (byte-level transformer, cross-entropy)."""
+    """``"mlp"`` (residual MLP blocks, MSE), ``"gpt"`` (byte-level transformer, cross-entropy) or
+    ``"custom"`` (your own ``LayerModel``, named by ``entry``; ``models.custom``)."""
     layers: int = 4
     """Residual blocks: MLP blocks, or transformer blocks (the gpt adds an embedding and a head layer)."""
     hidden: int = 128
@@ -41,6 +47,8 @@ class ModelSpec:
     """gpt only: tokens per sample (context length)."""
     seed: int = 0
     """Initialisation seed; layer k is seeded by (seed, k), so any rank builds it identically."""
+    entry: str | None = None
+    """custom only: ``FILE.py:NAME`` or ``module:NAME`` of a ``LayerModel`` or a function returning one."""
     tie_embeddings: bool = False
     """gpt only: the head's output weight starts equal to the token embedding and their gradients
     are summed before every update (``pipeweave.runtime.tied``), so the two stay identical."""
@@ -52,6 +60,9 @@ class ModelSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"{name}={value!r} is invalid; give an integer >= 1")
+        if (self.kind == "custom") != (self.entry is not None):
+            raise UserError("a custom model needs its entry, and only a custom model takes one; "
+                            "give ModelSpec(kind='custom', entry='my_model.py:model')")
         if self.tie_embeddings and self.kind != "gpt":
             raise UserError("tie_embeddings applies to the gpt only; drop it or use --model gpt")
         if self.kind == "gpt" and self.hidden % self.heads:
@@ -60,13 +71,40 @@ class ModelSpec:
     @property
     def num_layers(self) -> int:
         """Layers of the lazy layer list: the unit that parts are cut from."""
+        if self.kind == "custom":
+            return len(self.custom.layers)
         return self.layers + 2 if self.kind == "gpt" else self.layers
+
+    @property
+    def custom(self) -> LayerModel:
+        """The ``LayerModel`` of a custom model (loaded once per process).
+
+        Raises:
+            UserError: not a custom model, or its entry cannot be loaded.
+        """
+        if self.entry is None:
+            raise UserError(f"the {self.kind} model is built in; only --model FILE.py:NAME has a LayerModel")
+        return load_model(self.entry)
+
+    @classmethod
+    def of(cls, factory: Callable[[], LayerModel], *, seed: int = 0) -> ModelSpec:
+        """The spec of a custom model returned by ``factory``, a module-level function (``models.custom``).
+
+        Example:
+            >>> spec = ModelSpec.of(some_function_returning_a_layer_model)  # doctest: +SKIP
+        """
+        return cls(kind="custom", entry=entry_of(factory), seed=seed)
 
 
 def layer_generator(spec: ModelSpec, index: int) -> torch.Generator:
     """The random generator that initialises layer ``index`` (independent of ranks and of other layers)."""
+    return torch.Generator().manual_seed(layer_seed(spec, index))
+
+
+def layer_seed(spec: ModelSpec, index: int) -> int:
+    """The seed of layer ``index``: a function of ``(spec.seed, index)`` alone."""
     # A large odd multiplier keeps (seed, index) pairs from colliding for any realistic sizes.
-    return torch.Generator().manual_seed(spec.seed * 1_000_003 + index)
+    return spec.seed * 1_000_003 + index
 
 
 def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Module]:
@@ -92,7 +130,10 @@ def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Modul
     for index in layer_indices:
         if not 0 <= index < spec.num_layers:
             raise UserError(f"layer {index} is outside the model's {spec.num_layers} layers; give 0..{spec.num_layers - 1}")
-        layers.append(build(spec, index, layer_generator(spec, index)))
+        if spec.kind == "custom":
+            layers.append(build_custom_layer(spec.custom, index, layer_seed(spec, index)))
+        else:
+            layers.append(build(spec, index, layer_generator(spec, index)))
     return layers
 
 
@@ -131,6 +172,8 @@ def loss_fn(spec: ModelSpec) -> LossFn:
     """
     if spec.kind == "mlp":
         return F.mse_loss
+    if spec.kind == "custom":
+        return spec.custom.loss
     return _token_cross_entropy
 
 

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 FORMAT = "pipeweave-checkpoint/1"
 META = "meta.json"
-_MODEL_FIELDS = ("kind", "layers", "hidden", "vocab", "heads", "seq_len", "tie_embeddings")  # not the seed
+_MODEL_FIELDS = ("kind", "entry", "layers", "hidden", "vocab", "heads", "seq_len", "tie_embeddings")  # not the seed
 
 
 def check(config: TrainConfig) -> None:

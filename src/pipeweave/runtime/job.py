@@ -37,6 +37,7 @@ from pipeweave.schedule.evaluation import forward_only
 from pipeweave.schedule.ir import Action
 
 OPTIMIZERS = ("sgd", "adamw")
+_PROBED: dict[tuple[ModelSpec, int], int] = {}  # TrainConfig.probe_model, per process
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,14 +165,16 @@ class TrainConfig:
         if self.model.num_layers < schedule.num_parts:
             raise UserError(
                 f"{schedule.num_parts} parts ({self.schedule}, D={self.num_stages}) need at least "
-                f"{schedule.num_parts} layers, the model has {self.model.num_layers}; "
-                "reduce --stages or increase --layers"
+                f"{schedule.num_parts} layers, the model has {self.model.num_layers}; reduce --stages or "
+                + ("give the model more layers" if self.model.kind == "custom" else "increase --layers")
             )
         per_batch = self.num_microbatches * self.data_parallel if self.is_stream else schedule.num_microbatches
         if self.batch_size < per_batch:
             raise UserError(f"--batch {self.batch_size} cannot make {per_batch} microbatches; "
                             "increase --batch or reduce --microbatches")
         self.layer_ranges(schedule)
+        if self.model.kind == "custom":
+            self.probe_model()
         if self.post_validation is not None:
             check_post_validation(schedule)
         checkpoint.check(self)
@@ -184,9 +187,12 @@ class TrainConfig:
         return schedule
 
     def _check_evaluation(self) -> None:
-        if self.model.kind != "gpt":
-            raise UserError("--eval-every applies to --model gpt (the mlp fits fixed random targets: there is "
-                            "nothing held out to generalise to); drop it or use --model gpt")
+        if self.model.kind == "mlp":
+            raise UserError("--eval-every applies to --model gpt or a custom model (the mlp fits fixed random "
+                            "targets: there is nothing held out to generalise to); drop it or change --model")
+        if self.model.kind == "custom" and self.model.custom.eval_dataset is None:
+            raise UserError(f"--eval-every needs held-out data and {self.model.entry} has no eval_dataset; give "
+                            "LayerModel(eval_dataset=...) or drop --eval-every")
         if self.is_stream:
             raise UserError(f"--eval-every applies to synchronous schedules; {self.schedule} is asynchronous "
                             "(one stream, no step boundary to evaluate at): drop it or use a synchronous schedule")
@@ -216,15 +222,35 @@ class TrainConfig:
         """Bytes of the largest point-to-point message a run sends (what a shared-memory ring must hold).
 
         A microbatch's activation or input gradient (float32, (b, h) for the
-        mlp, (b, seq, h) for the gpt) and, where parts are replicated (Chimera,
+        mlp, (b, seq, h) for the gpt, a custom model's largest as ``probe_model``
+        finds it) and, where parts are replicated (Chimera,
         GEMS, DualPipe), a part's whole gradient, counted from its layers.
         """
-        per_sample = self.model.hidden * (self.model.seq_len if self.model.kind == "gpt" else 1)
-        largest = max(self.microbatch_sizes) * per_sample * 4
+        if self.model.kind == "custom":
+            per_sample = self.probe_model()
+        else:
+            per_sample = self.model.hidden * (self.model.seq_len if self.model.kind == "gpt" else 1) * 4
+        largest = max(self.microbatch_sizes) * per_sample
         placement = schedule.placement
         if any(len(placement.replicas(s)) > 1 for s in range(placement.num_stages)):
             largest = max(largest, int(max(self.part_weight_bytes(schedule))))  # float32, as sent
         return largest
+
+    def probe_model(self) -> int:
+        """A custom model, checked by running two samples through it: the largest bytes per sample between layers.
+
+        Raises:
+            UserError: a layer or the loss that does not fit the ``LayerModel`` contract (``models.custom.probe``).
+        """
+        key = (self.model, self.seed)
+        if key not in _PROBED:
+            from pipeweave.models.custom import probe
+            from pipeweave.models.spec import layer_seed
+
+            inputs, targets = data_source(self.model, batch_size=2, seed=self.seed).batch(0)
+            seeds = [layer_seed(self.model, k) for k in range(self.model.num_layers)]
+            _PROBED[key] = probe(self.model.custom, seeds, inputs, targets)
+        return _PROBED[key]
 
     def part_weight_bytes(self, schedule: Schedule) -> list[float]:
         """Bytes of one copy of each part's weights (M_theta), counted from the model's layers."""

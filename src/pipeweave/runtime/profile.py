@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from pipeweave.errors import UserError
+from pipeweave.models.custom import fingerprint
 from pipeweave.models.spec import ModelSpec
 from pipeweave.partition.problem import LayerCosts
 from pipeweave.runtime.launch import keep_freed_host_memory
@@ -47,6 +48,11 @@ def default_cache_dir() -> Path:
 def sample_input(spec: ModelSpec, microbatch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A random microbatch of the model's data shape: ``(inputs, targets)``."""
     b = microbatch_size
+    if spec.kind == "custom":  # the dataset's first samples (profiling needs shapes and types, not randomness)
+        from pipeweave.data import data_source
+
+        del generator
+        return data_source(spec, batch_size=b).batch(0)
     if spec.kind == "mlp":
         return torch.randn(b, spec.hidden, generator=generator), torch.randn(b, spec.hidden, generator=generator)
     tokens = torch.randint(0, spec.vocab, (b, spec.seq_len + 1), generator=generator)
@@ -57,7 +63,7 @@ def cache_key(spec: ModelSpec, microbatch_size: int, device: torch.device) -> di
     """What a profile depends on; its hash names the cache file."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
-        "spec": asdict(spec), "microbatch_size": microbatch_size, "device": str(device.type), "device_name": name,
+        "spec": asdict(spec), "source": fingerprint(spec.entry) if spec.entry else None, "microbatch_size": microbatch_size, "device": str(device.type), "device_name": name,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "host_memory": "kept",
     }
 

@@ -241,11 +241,15 @@ class StageWorker:
         return out.detach()
 
     def evaluate(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
-        """F for evaluation: the same output (or scaled loss) as ``forward``, with no graph and nothing kept."""
+        """F for evaluation: the output (or scaled loss) of ``forward`` in ``eval()`` mode, no graph, nothing kept."""
         if self.is_last and target is None:
             raise RuntimeError("the last stage needs the microbatch's target to compute the loss")
-        with torch.no_grad():
-            return self._run(x, target)
+        self.module.eval()  # dropout off, batch norm on its running statistics (custom models)
+        try:
+            with torch.no_grad():
+                return self._run(x, target)
+        finally:
+            self.module.train()
 
     def _run(self, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
         for layer in self.module.values():

@@ -1,0 +1,75 @@
+"""A custom model's data: mini-batches drawn from a map-style dataset, the same on every rank.
+
+Every rank that needs data (the first stage its inputs, the last its targets)
+draws mini-batch ``k`` itself, so nothing but activations travels between
+stages. The order is a function of the seed alone: the samples of epoch ``e``
+in the order of ``torch.randperm`` seeded by ``(seed, e)``, epochs one after
+another, mini-batch ``k`` the samples at positions ``k B .. (k+1) B - 1`` of
+that sequence (a batch may straddle two epochs; a dataset smaller than a batch
+is fine). So a resumed run goes on with the next batch of the same sequence.
+Samples are collated with torch's ``default_collate``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from pipeweave.errors import UserError
+
+
+class DatasetSource:
+    """``batch(step)`` and ``eval_batch(k)`` over map-style datasets of ``(input, target)`` pairs.
+
+    Example:
+        >>> data = torch.utils.data.TensorDataset(torch.arange(10.0), torch.arange(10.0) * 2)
+        >>> x, y = DatasetSource(data, batch_size=4, seed=0).batch(2)
+        >>> bool(torch.equal(y, x * 2)), len(x)
+        (True, 4)
+    """
+
+    def __init__(self, dataset: Any, *, batch_size: int, seed: int = 0, eval_dataset: Any = None) -> None:
+        if batch_size < 1:
+            raise UserError(f"batch_size={batch_size} is invalid; give batch_size >= 1")
+        self.dataset, self.eval_dataset = dataset, eval_dataset
+        self.batch_size, self.seed = batch_size, seed
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        order = self._orders.get(epoch)
+        if order is None:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(len(self.dataset), generator=generator)
+            self._orders = {epoch: order}  # batches walk forward: keep the current epoch only
+        return order
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(inputs, targets)`` of optimizer step ``step``."""
+        n = len(self.dataset)
+        indices = []
+        for position in range(step * self.batch_size, (step + 1) * self.batch_size):
+            epoch, at = divmod(position, n)
+            indices.append(int(self._order(epoch)[at]))
+        return _collate(self.dataset, indices, "dataset")
+
+    def eval_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch ``k``: the eval dataset's samples ``k B ..`` in order (wrapping around).
+
+        Raises:
+            UserError: the model has no eval dataset.
+        """
+        if self.eval_dataset is None:
+            raise UserError("the model has no eval_dataset; give LayerModel(eval_dataset=...) or drop --eval-every")
+        n = len(self.eval_dataset)
+        indices = [p % n for p in range(k * self.batch_size, (k + 1) * self.batch_size)]
+        return _collate(self.eval_dataset, indices, "eval_dataset")
+
+
+def _collate(dataset: Any, indices: list[int], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = default_collate([dataset[i] for i in indices])
+    if not isinstance(batch, (list, tuple)) or len(batch) != 2 or not all(isinstance(t, torch.Tensor) for t in batch):
+        raise UserError(f"the model's {name} must give (input, target) pairs of tensors; sample "
+                        f"{indices[0]} collates to {type(batch).__name__}")
+    return batch[0], batch[1]

@@ -1,0 +1,263 @@
+"""Your own model: a list of layers, a loss and a dataset, named by ``--model FILE.py:NAME``.
+
+pipeweave cuts a model into consecutive layers (``DESIGN.md``), so a model of
+your own is described the way DeepSpeed's pipeline module and
+``nn.Sequential`` describe one: a list of layers, each mapping one tensor to
+one tensor, the first taking the dataset's inputs and the last's output going
+to the loss with the targets. Each layer is given as a zero-argument function
+that builds it, so every rank builds only the layers of its own stages::
+
+    # my_model.py
+    import torch
+    from torch import nn
+    from pipeweave.models import LayerModel
+
+    def model() -> LayerModel:
+        data = torch.utils.data.TensorDataset(torch.randn(512, 32), torch.randint(0, 4, (512,)))
+        return LayerModel(
+            layers=[lambda: nn.Linear(32, 64), lambda: nn.Sequential(nn.GELU(), nn.Linear(64, 4))],
+            loss=nn.functional.cross_entropy,
+            dataset=data,
+        )
+
+    $ pipeweave train --model my_model.py:model -s zb-h1 --batch 64 --microbatches 4
+
+The entry ``FILE.py:NAME`` or ``package.module:NAME`` names a ``LayerModel``
+or a function returning one; every rank loads it again (spawned ranks and
+torchrun's alike), so on several nodes the file must be at the same path on
+each. Within one process an entry is loaded once.
+
+What pipeweave does with it:
+
+- layer ``k`` is built with torch's global generator seeded by ``(seed, k)``
+  (``--seed``), in a forked RNG state: a layer is identical whatever rank
+  builds it, so every schedule starts from plain training's weights;
+- every ``nn.Linear`` inside a layer is swapped for pipeweave's ``Linear``
+  holding the same parameters, so zero-bubble schedules defer its weight
+  gradient to ``W`` (``models.layers``); other parameters get their gradients
+  from autograd at once, in ``I`` (exact, just not deferred);
+- mini-batch ``k`` is ``batch_size`` samples of the dataset drawn in the
+  order of a seeded permutation per epoch (``data.dataset``), collated with
+  torch's ``default_collate``; the first stage keeps the inputs, the last the
+  targets;
+- ``loss(output, targets)`` must be the mean over the samples (torch's default
+  reduction): each microbatch's loss is scaled by its share of the batch;
+- ``eval_dataset``, if given, is what ``--eval-every`` evaluates on (in order,
+  no shuffling), the layers in ``eval()`` mode.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeweave.errors import UserError
+from pipeweave.models.layers import Linear
+
+LayerBuilder = Callable[[], nn.Module]
+_FILE_MODULE = "pipeweave_user_"  # prefix of the module names of model files loaded by path
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerModel:
+    """A model as pipeweave trains it: lazily built layers, a mean loss, a map-style dataset.
+
+    Example:
+        >>> data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 2))
+        >>> m = LayerModel(layers=[lambda: nn.Linear(4, 2)], loss=nn.functional.mse_loss, dataset=data)
+        >>> len(m.layers)
+        1
+    """
+
+    layers: Sequence[LayerBuilder]
+    """One zero-argument builder per layer, in order; each layer maps one tensor to one tensor."""
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """``loss(last layer's output, targets)``: the mean over the samples."""
+    dataset: Any
+    """A map-style dataset (``__len__``, ``__getitem__``) of ``(input, target)`` pairs."""
+    eval_dataset: Any = None
+    """Held-out ``(input, target)`` pairs for ``--eval-every`` (optional)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, Sequence) or not self.layers:
+            raise UserError("LayerModel.layers must be a non-empty list of functions that build one layer each")
+        for k, build in enumerate(self.layers):
+            if not callable(build) or isinstance(build, nn.Module):
+                raise UserError(f"LayerModel.layers[{k}] is {type(build).__name__}, not a function; write "
+                                f"lambda: <the layer> so that only the rank that holds it builds it")
+        if not callable(self.loss):
+            raise UserError(f"LayerModel.loss is {type(self.loss).__name__}; give a function (output, target) -> loss")
+        for name in ("dataset", "eval_dataset"):
+            data = getattr(self, name)
+            if data is None and name == "eval_dataset":
+                continue
+            if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+                raise UserError(f"LayerModel.{name} is {type(data).__name__}; give a map-style dataset "
+                                "(__len__ and __getitem__ returning (input, target)), e.g. a TensorDataset")
+            if len(data) < 1:
+                raise UserError(f"LayerModel.{name} is empty; give at least one (input, target) pair")
+
+
+def is_entry(text: str) -> bool:
+    """Whether ``text`` names a model entry (``FILE.py:NAME`` or ``module:NAME``) rather than a built-in model."""
+    return ":" in text
+
+
+def load_model(entry: str) -> LayerModel:
+    """The ``LayerModel`` that ``entry`` names, loaded once per process.
+
+    Raises:
+        UserError: a malformed entry, a missing file or module, a missing name, or not a LayerModel.
+    """
+    return _load(entry)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(entry: str) -> LayerModel:
+    where, sep, name = entry.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise UserError(f"--model {entry!r} is not FILE.py:NAME or module:NAME; write e.g. my_model.py:model")
+    module = _module(where, entry)
+    if not hasattr(module, name):
+        raise UserError(f"--model {entry}: {where} has no {name!r}; name a LayerModel or a function returning one")
+    value = getattr(module, name)
+    if callable(value) and not isinstance(value, LayerModel):
+        value = value()
+    if not isinstance(value, LayerModel):
+        raise UserError(f"--model {entry} gives {type(value).__name__}, not a pipeweave.models.LayerModel; "
+                        "return LayerModel(layers=..., loss=..., dataset=...)")
+    return value
+
+
+def _module(where: str, entry: str) -> Any:
+    if not where.endswith(".py"):
+        try:
+            return importlib.import_module(where)
+        except ImportError as e:
+            raise UserError(f"--model {entry}: cannot import {where} ({e}); give FILE.py:NAME or an importable "
+                            "module") from None
+    path = Path(where).resolve()
+    if not path.is_file():
+        raise UserError(f"--model {entry}: no file {where}; give the path of the Python file that defines the model")
+    main = sys.modules.get("__main__")  # a model defined in the running script (spawned ranks: its re-import)
+    main_file = getattr(main, "__file__", None)
+    if main_file and Path(main_file).resolve() == path:
+        return main
+    module_name = f"{_FILE_MODULE}{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # pickling and dataclasses look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+def entry_of(factory: Callable[[], LayerModel]) -> str:
+    """The entry naming ``factory`` (a module-level function), for ``ModelSpec(kind="custom", entry=...)``.
+
+    A function of the running script is named by its file, so spawned ranks find it.
+
+    Raises:
+        UserError: a nested function or lambda, which no other process can load by name.
+    """
+    name = getattr(factory, "__qualname__", "")
+    if not name.isidentifier():
+        raise UserError(f"{name or factory!r} is not a module-level function; define the model factory at the top "
+                        "level of a module or script")
+    module = sys.modules.get(factory.__module__)
+    by_file = factory.__module__ in ("__main__", "__mp_main__") or factory.__module__.startswith(_FILE_MODULE)
+    if by_file and getattr(module, "__file__", None):  # the running script, or a file loaded by its path
+        return f"{Path(module.__file__).resolve()}:{name}"  # type: ignore[union-attr,arg-type]
+    return f"{factory.__module__}:{name}"
+
+
+def fingerprint(entry: str) -> str:
+    """A digest of the source that defines ``entry`` (profile caches must not outlive an edit of it)."""
+    where = entry.rpartition(":")[0]
+    if where.endswith(".py"):
+        path: str | None = str(Path(where).resolve())
+    else:
+        spec = importlib.util.find_spec(where)
+        path = spec.origin if spec is not None else None
+    text = Path(path).read_bytes() if path and Path(path).is_file() else entry.encode()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def build_layer(model: LayerModel, index: int, seed: int) -> nn.Module:
+    """Layer ``index`` of ``model``, initialised from torch's generator seeded by ``seed``, deferrable Linears."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layer = model.layers[index]()
+    if not isinstance(layer, nn.Module):
+        raise UserError(f"layer {index} of the model is {type(layer).__name__}, not a torch.nn.Module; "
+                        "each builder must return one module")
+    return deferrable(layer)
+
+
+def deferrable(module: nn.Module) -> nn.Module:
+    """``module`` with every ``nn.Linear`` in it replaced by pipeweave's ``Linear`` on the same parameters.
+
+    Only exact ``nn.Linear`` instances: subclasses may be used by their owners
+    through their parameters rather than their ``forward``.
+
+    Example:
+        >>> seq = deferrable(nn.Sequential(nn.Linear(2, 3), nn.ReLU()))
+        >>> isinstance(seq[0], Linear), type(seq[0]) is nn.Linear, tuple(seq[0].weight.shape)
+        (True, False, (3, 2))
+    """
+    if type(module) is nn.Linear:
+        return Linear.wrapping(module)
+    for name, child in list(module.named_children()):
+        replaced = deferrable(child)
+        if replaced is not child:
+            setattr(module, name, replaced)
+    return module
+
+
+def probe(model: LayerModel, seeds: Sequence[int], inputs: torch.Tensor, targets: torch.Tensor) -> int:
+    """Run a few samples through every layer and the loss; the largest bytes per sample between two layers.
+
+    What a stage boundary may have to carry (activations forward, their
+    gradients back): shared-memory rings are sized from it before any rank
+    starts. Layers are built one at a time (``seeds[k]`` for layer ``k``) and
+    run in ``eval()`` mode without a graph.
+
+    Raises:
+        UserError: a layer that does not return one tensor, or a loss that is not a scalar.
+    """
+    largest = 0
+    x = inputs
+    with torch.no_grad():
+        for index, seed in enumerate(seeds):
+            layer = build_layer(model, index, seed).eval()
+            try:
+                x = layer(x)
+            except Exception as e:
+                raise UserError(f"layer {index} of the model fails on the output of layer {index - 1} "
+                                f"({type(e).__name__}: {e}); check the layer list") from None
+            if not isinstance(x, torch.Tensor):
+                raise UserError(f"layer {index} of the model returns {type(x).__name__}; each layer must "
+                                "return one tensor (the next layer's input)")
+            if index + 1 < len(seeds):
+                largest = max(largest, -(-x.nbytes // max(1, len(x))))
+        loss = model.loss(x, targets)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        raise UserError(f"the model's loss gives {type(loss).__name__} {getattr(loss, 'shape', '')}; it must "
+                        "return the mean loss, a floating-point scalar tensor")
+    return largest

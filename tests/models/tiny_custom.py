@@ -1,0 +1,66 @@
+"""A small model of its own for the custom-model tests: not one of pipeweave's reference models.
+
+Token sequences are classified by whether their sum is even. The layers mix
+what pipeweave swaps (``nn.Linear``, inside other modules too) with what it
+leaves to autograd (``nn.Embedding``, ``nn.LayerNorm``, ``nn.Conv1d``), and
+the first layer takes integer inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeweave.models import LayerModel
+
+VOCAB, SEQ, WIDTH, CLASSES = 16, 8, 24, 2
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.mix = nn.Conv1d(WIDTH, WIDTH, kernel_size=3, padding=1)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        h = self.mix(h.transpose(1, 2)).transpose(1, 2)
+        return x + self.mlp(h)
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x.mean(1))
+
+
+def _pairs(n: int, seed: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return torch.utils.data.TensorDataset(tokens, tokens.sum(1) % CLASSES)
+
+
+def model() -> LayerModel:
+    return LayerModel(
+        layers=[lambda: nn.Embedding(VOCAB, WIDTH)] + [Residual] * 4 + [Head],
+        loss=nn.functional.cross_entropy,
+        dataset=_pairs(96, 0),
+        eval_dataset=_pairs(32, 1),
+    )
+
+
+def shallow() -> LayerModel:
+    return LayerModel(layers=[lambda: nn.Embedding(VOCAB, WIDTH), Residual, Head], loss=nn.functional.cross_entropy,
+                      dataset=_pairs(96, 0))
+
+
+not_a_model = 3
+
+
+def returns_tuple() -> LayerModel:
+    return LayerModel(layers=[lambda: nn.LSTM(4, 4), lambda: nn.Linear(4, 4)], loss=nn.functional.mse_loss,
+                      dataset=torch.utils.data.TensorDataset(torch.randn(4, 2, 4), torch.randn(4, 2, 4)))

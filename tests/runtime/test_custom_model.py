@@ -1,0 +1,265 @@
+"""Your own model (``--model FILE.py:NAME``): trained exactly like the reference models.
+
+``tests/models/tiny_custom.py`` is a model pipeweave knows nothing of: integer
+inputs into ``nn.Embedding``, residual blocks with ``nn.LayerNorm``,
+``nn.Conv1d`` and ``nn.Linear`` inside ``nn.Sequential``, a pooling head,
+cross-entropy. On 2 gloo ranks, synchronous schedules (split backward,
+recomputation, chunks, replicated parts) equal plain training of the same
+layers; an asynchronous stream equals its one-process reference; the
+held-out loss is the final weights' loss in ``eval()`` mode; a checkpoint
+resumes on another schedule. Then the contract's pieces one by one, and bad
+entries as one line each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import doctest
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipeweave.data import DatasetSource, data_source
+from pipeweave.errors import UserError
+from pipeweave.models import LayerModel, ModelSpec, build_layers, loss_fn
+from pipeweave.models.custom import deferrable, entry_of, load_model
+from pipeweave.models.layers import Linear
+from pipeweave.runtime.job import RunRecord, TrainConfig, run_rank
+from pipeweave.runtime.launch import LaunchOptions, launch
+from pipeweave.runtime.plain import run_plain
+from pipeweave.runtime.reference import run_reference
+from pipeweave.runtime.stage import StageWorker
+
+FILE = Path(__file__).resolve().parent.parent / "models" / "tiny_custom.py"
+SPEC = ModelSpec(kind="custom", entry=f"{FILE}:model")
+STEPS = 3
+BASE = dict(num_stages=2, num_microbatches=4, model=SPEC, batch_size=14, steps=STEPS, collect_parameters=True)
+
+CASES = {
+    "1f1b": TrainConfig(schedule="1f1b", **BASE),  # type: ignore[arg-type]
+    "zb-h1": TrainConfig(schedule="zb-h1", **BASE),  # type: ignore[arg-type]
+    "zb-h1+recompute": TrainConfig(schedule="zb-h1", recompute=True, **BASE),  # type: ignore[arg-type]
+    "interleaved-1f1b": TrainConfig(schedule="interleaved-1f1b", num_chunks=2, **BASE),  # type: ignore[arg-type]
+    "zb-v": TrainConfig(schedule="zb-v", **{**BASE, "num_microbatches": 4}),  # type: ignore[arg-type]
+    "chimera": TrainConfig(schedule="chimera", **BASE),  # type: ignore[arg-type]
+    "1f1b adamw eval": TrainConfig(schedule="1f1b", optimizer="adamw", lr=1e-2, eval_every=2, eval_batches=2,
+                                   **BASE),  # type: ignore[arg-type]
+    "pipedream": TrainConfig(schedule="pipedream", **{**BASE, "steps": 6}),  # type: ignore[arg-type]
+}
+
+
+def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(rank, world, c) for c in configs]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, tuple[TrainConfig, RunRecord]]:
+    for config in CASES.values():
+        config.check()
+    records = launch(_run_all, list(CASES.values()), 2, LaunchOptions(timeout_s=60))
+    return {name: (config, record) for (name, config), record in zip(CASES.items(), records)}
+
+
+def _plain(config: TrainConfig):  # type: ignore[no-untyped-def]
+    return run_plain(config.model, steps=config.steps, batch_size=config.batch_size,
+                     num_microbatches=config.num_microbatches, optimizer_factory=config.optimizer_factory())
+
+
+def _parameters(record: RunRecord) -> dict[str, torch.Tensor]:
+    return {name: value for r in record.ranks for params in r.parameters.values() for name, value in params.items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", [c for c in CASES if c != "pipedream"])
+def test_synchronous_schedules_equal_plain_training(runs: dict[str, tuple[TrainConfig, RunRecord]], case: str) -> None:
+    config, record = runs[case]
+    plain = _plain(config)
+    torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
+    params = _parameters(record)
+    assert set(params) == set(plain.parameters)
+    for name, value in params.items():
+        torch.testing.assert_close(value, plain.parameters[name], rtol=1e-5, atol=1e-6)
+    initial = dict(nn.ModuleDict({str(i): m for i, m in enumerate(build_layers(SPEC, range(6)))}).named_parameters())
+    moved = [name for name, value in params.items() if not torch.equal(value, initial[name])]
+    assert len(moved) == len(params)  # every parameter was trained, the Linears' (deferred) among them
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_stream_equals_its_reference(runs: dict[str, tuple[TrainConfig, RunRecord]]) -> None:
+    config, record = runs["pipedream"]
+    reference = run_reference(config.build_schedule(), SPEC, steps=config.steps, batch_size=config.batch_size,
+                              optimizer_factory=config.optimizer_factory())
+    torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
+    for rank_record in record.ranks:
+        for stage, params in rank_record.parameters.items():
+            for name, value in params.items():
+                torch.testing.assert_close(value, reference.stage_parameters[stage][name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_held_out_loss_is_the_final_weights_loss_in_eval_mode(runs: dict[str, tuple[TrainConfig, RunRecord]]) -> None:
+    config, record = runs["1f1b adamw eval"]
+    model = nn.ModuleDict({str(i): layer for i, layer in enumerate(build_layers(SPEC, range(SPEC.num_layers)))})
+    model.load_state_dict(_parameters(record))
+    model.eval()
+    source = data_source(SPEC, batch_size=config.batch_size)
+    with torch.no_grad():
+        losses = []
+        for k in range(config.eval_batches):
+            x, y = source.eval_batch(k)
+            for layer in model.values():
+                x = layer(x)
+            losses.append(float(loss_fn(SPEC)(x, y)))
+    assert [at for at, _ in record.eval_losses] == [2, 3]
+    assert record.eval_losses[-1][1] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_checkpoint_resumes_on_another_schedule(tmp_path: Path) -> None:
+    first = TrainConfig(schedule="1f1b", **{**BASE, "steps": 2, "collect_parameters": False},  # type: ignore[arg-type]
+                        optimizer="adamw", lr=1e-2, save=str(tmp_path / "ckpt"))
+    first.check()
+    launch(run_rank, first, 2, LaunchOptions(timeout_s=60))
+    second = TrainConfig(schedule="zb-h1", **{**BASE, "steps": 3}, optimizer="adamw", lr=1e-2,  # type: ignore[arg-type]
+                         resume=str(tmp_path / "ckpt"))
+    second.check()
+    resumed = launch(run_rank, second, 2, LaunchOptions(timeout_s=60))
+    plain = _plain(dataclasses.replace(second, steps=5))
+    torch.testing.assert_close(resumed.losses, plain.losses[2:], rtol=1e-5, atol=1e-6)
+    for name, value in _parameters(resumed).items():
+        torch.testing.assert_close(value, plain.parameters[name], rtol=1e-5, atol=1e-6)
+    other = ModelSpec(kind="custom", entry=f"{FILE}:shallow")
+    with pytest.raises(UserError, match="holds another model: entry="):
+        dataclasses.replace(second, model=other).check()
+
+
+def test_linear_layers_are_swapped_on_their_parameters_and_their_weight_gradients_deferred() -> None:
+    worker = StageWorker(SPEC, range(0, 3), batch_size=4)
+    linears = [m for m in worker.module.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 and not any(type(m) is nn.Linear for m in worker.module.modules())
+    x, _ = data_source(SPEC, batch_size=4).batch(0)
+    out = worker.forward(0, x)
+    worker.backward_input(0, torch.ones_like(out))
+    assert all(m.weight.grad is None for m in linears)  # deferred to W
+    conv = worker.module["1"].mix.weight
+    assert conv.grad is not None  # autograd's, at once
+    worker.backward_weight(0)
+    deferred = {name: p.grad.clone() for name, p in worker.named_parameters().items()}
+    worker.optimizer.zero_grad(set_to_none=True)
+    worker.forward(1, x)
+    worker.backward(1, torch.ones_like(out))  # B computes the same gradients at once
+    for name, p in worker.named_parameters().items():
+        assert torch.equal(p.grad, deferred[name]), name
+
+
+def test_a_layer_is_the_same_on_any_rank_and_differs_from_its_neighbours() -> None:
+    a = build_layers(SPEC, [2])[0]
+    b = build_layers(SPEC, range(SPEC.num_layers))[2]
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    c = build_layers(SPEC, [3])[0]
+    assert not torch.equal(a.norm.weight + a.mix.weight.sum(), c.norm.weight + c.mix.weight.sum())
+    reseeded = build_layers(dataclasses.replace(SPEC, seed=1), [2])[0]
+    assert not torch.equal(a.mix.weight, reseeded.mix.weight)
+    torch.manual_seed(5)
+    before = torch.rand(1)
+    torch.manual_seed(5)
+    build_layers(SPEC, [2])
+    assert torch.equal(torch.rand(1), before)  # the user's global RNG state is left alone
+
+
+def test_deferrable_keeps_the_parameter_objects_and_leaves_subclasses() -> None:
+    linear = nn.Linear(3, 2)
+    attention = nn.MultiheadAttention(4, 2)  # out_proj: a subclass its owner uses by its parameters
+    seq = deferrable(nn.Sequential(linear, nn.ReLU(), attention))
+    assert seq[0].weight is linear.weight and seq[0].bias is linear.bias
+    assert type(seq[2].out_proj) is not Linear
+    assert isinstance(deferrable(nn.Linear(2, 2, bias=False)), Linear)
+
+
+def test_batches_follow_seeded_epoch_permutations() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(10), torch.arange(10) * 3)
+    source = DatasetSource(data, batch_size=4, seed=7)
+    drawn = torch.cat([source.batch(k)[0] for k in range(5)])  # 20 samples: two epochs
+    assert sorted(drawn[:10].tolist()) == list(range(10)) and sorted(drawn[10:].tolist()) == list(range(10))
+    assert not torch.equal(drawn[:10], drawn[10:])  # each epoch its own order
+    assert torch.equal(DatasetSource(data, batch_size=4, seed=7).batch(3)[0], source.batch(3)[0])
+    assert not torch.equal(DatasetSource(data, batch_size=4, seed=8).batch(0)[0], source.batch(0)[0])
+    x, y = source.batch(2)
+    assert torch.equal(y, x * 3)
+    tiny = DatasetSource(torch.utils.data.TensorDataset(torch.arange(3), torch.arange(3)), batch_size=7)
+    assert len(tiny.batch(0)[0]) == 7
+    with pytest.raises(UserError, match="no eval_dataset"):
+        source.eval_batch(0)
+
+
+def test_model_spec_of_a_module_level_function() -> None:
+    module = load_model(f"{FILE}:model")  # loads the file as a module of its own
+    assert isinstance(module, LayerModel)
+    factory = sys.modules[type(module.layers[1]()).__module__].model
+    spec = ModelSpec.of(factory, seed=3)
+    assert spec.entry == f"{FILE}:model" and spec.seed == 3 and spec.num_layers == 6
+    with pytest.raises(UserError, match="not a module-level function"):
+        entry_of(lambda: module)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("no_colon", "unknown"),
+    ("missing_file.py:model", "no file missing_file.py"),
+    ("no_such_module_xyz:model", "cannot import no_such_module_xyz"),
+    ("{FILE}:absent", "has no 'absent'"),
+    ("{FILE}:not_a_model", "gives int, not a pipeweave.models.LayerModel"),
+    ("{FILE}:returns_tuple", "layer 0 of the model returns tuple"),
+])
+def test_bad_entries_are_one_line_before_anything_is_spawned(entry: str, message: str) -> None:
+    entry = entry.replace("{FILE}", str(FILE))
+    from pipeweave.commands.train import build_config
+    from pipeweave.cli import build_parser
+
+    with pytest.raises(UserError, match=message):
+        build_config(build_parser().parse_args(["train", "--model", entry])).check()
+
+
+def test_size_options_and_bad_contracts_are_refused() -> None:
+    from pipeweave.cli import build_parser
+    from pipeweave.commands.train import build_config
+
+    with pytest.raises(UserError, match="--hidden applies to the built-in models"):
+        build_config(build_parser().parse_args(["train", "--model", f"{FILE}:model", "--hidden", "8"]))
+    with pytest.raises(UserError, match="not a function"):
+        LayerModel(layers=[nn.Linear(2, 2)], loss=nn.functional.mse_loss, dataset=[(torch.ones(2), torch.ones(2))])
+    with pytest.raises(UserError, match="map-style dataset"):
+        LayerModel(layers=[lambda: nn.Linear(2, 2)], loss=nn.functional.mse_loss, dataset=iter([]))
+    with pytest.raises(UserError, match="needs its entry"):
+        ModelSpec(kind="custom")
+    mlp_eval = TrainConfig(model=ModelSpec(kind="mlp", layers=2, hidden=4), eval_every=1)
+    with pytest.raises(UserError, match="--eval-every applies to --model gpt or a custom model"):
+        mlp_eval.check()
+
+
+def test_train_cli_trains_a_model_file(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeweave.cli", "train", "--model", f"{FILE}:model", "-s", "zb-h1", "--batch", "8",
+         "--microbatches", "4", "--steps", "3", "--quiet", "--json", str(out), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    assert record["model"]["entry"] == f"{FILE}:model" and len(record["losses"]) == 3
+    assert record["optimizer"] == "adamw"
+
+
+@pytest.mark.parametrize("name", ["pipeweave.models.custom", "pipeweave.data.dataset"])
+def test_examples(name: str) -> None:
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
