@@ -163,3 +163,16 @@ def test_data_parallel_pipelines_across_two_torchrun_nodes(tmp_path: Path) -> No
     plain = run_plain(ModelSpec(kind="mlp", layers=4, hidden=8), steps=3, batch_size=14, num_microbatches=6)
     assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
     assert len(report["weight_bytes"]) == 4
+
+
+def test_two_torchrun_nodes_train_a_model_file_exactly(tmp_path: Path) -> None:
+    """Your own model under torchrun: each node loads the file itself (``models.custom``)."""
+    entry = f"{Path(__file__).resolve().parent.parent / 'models' / 'tiny_custom.py'}:model"
+    record = tmp_path / "record.json"
+    train = ["-m", "pipeweave.cli", "train", "-s", "zb-h1", "--stages", "2", "--microbatches", "3", "--model", entry,
+             "--batch", "7", "--steps", "3", "--optimizer", "sgd", "--quiet", "--out", str(tmp_path),
+             "--json", str(record)]
+    _two_nodes(tmp_path, train)
+    report = json.loads(record.read_text())
+    plain = run_plain(ModelSpec(kind="custom", entry=entry), steps=3, batch_size=7, num_microbatches=3)
+    assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
