@@ -64,3 +64,17 @@ not_a_model = 3
 def returns_tuple() -> LayerModel:
     return LayerModel(layers=[lambda: nn.LSTM(4, 4), lambda: nn.Linear(4, 4)], loss=nn.functional.mse_loss,
                       dataset=torch.utils.data.TensorDataset(torch.randn(4, 2, 4), torch.randn(4, 2, 4)))
+
+
+def raises() -> LayerModel:
+    raise RuntimeError("no data here")
+
+
+def wrong_width() -> LayerModel:
+    return LayerModel(layers=[lambda: nn.Linear(4, 8), lambda: nn.Linear(5, 2)], loss=nn.functional.mse_loss,
+                      dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 2)))
+
+
+def wrong_targets() -> LayerModel:
+    return LayerModel(layers=[lambda: nn.Linear(4, 8), lambda: nn.Linear(8, 2)], loss=nn.functional.mse_loss,
+                      dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 3)))

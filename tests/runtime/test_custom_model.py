@@ -219,9 +219,15 @@ def test_model_spec_of_a_module_level_function() -> None:
     ("{FILE}:absent", "has no 'absent'"),
     ("{FILE}:not_a_model", "gives int, not a pipeweave.models.LayerModel"),
     ("{FILE}:returns_tuple", "layer 0 of the model returns tuple"),
+    ("{FILE}:raises", r"raises\(\) raised RuntimeError: no data here \(.*tiny_custom.py:\d+\)"),
+    ("{FILE}:wrong_width", "layer 1 of the model fails on the output of layer 0: RuntimeError"),
+    ("{FILE}:wrong_targets", "the model's loss fails on the last layer's output and the targets"),
+    ("{SYNTAX}:model", r"loading .*broken.py raised SyntaxError: .* \(.*broken.py:2\)"),
 ])
-def test_bad_entries_are_one_line_before_anything_is_spawned(entry: str, message: str) -> None:
-    entry = entry.replace("{FILE}", str(FILE))
+@pytest.mark.filterwarnings("ignore:Using a target size")  # mse_loss's own warning before it fails
+def test_bad_entries_are_one_line_before_anything_is_spawned(tmp_path: Path, entry: str, message: str) -> None:
+    (tmp_path / "broken.py").write_text("def model():\n    return (\n")
+    entry = entry.replace("{FILE}", str(FILE)).replace("{SYNTAX}", str(tmp_path / "broken.py"))
     from pipeweave.commands.train import build_config
     from pipeweave.cli import build_parser
 

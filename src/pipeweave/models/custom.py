@@ -53,6 +53,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,7 +133,12 @@ def _load(entry: str) -> LayerModel:
         raise UserError(f"--model {entry}: {where} has no {name!r}; name a LayerModel or a function returning one")
     value = getattr(module, name)
     if callable(value) and not isinstance(value, LayerModel):
-        value = value()
+        try:
+            value = value()
+        except UserError:
+            raise
+        except Exception as e:
+            raise UserError(f"--model {entry}: {name}() raised {_where(e)}; fix the model's code") from None
     if not isinstance(value, LayerModel):
         raise UserError(f"--model {entry} gives {type(value).__name__}, not a pipeweave.models.LayerModel; "
                         "return LayerModel(layers=..., loss=..., dataset=...)")
@@ -162,10 +168,20 @@ def _module(where: str, entry: str) -> Any:
     sys.modules[module_name] = module  # pickling and dataclasses look the module up by name
     try:
         spec.loader.exec_module(module)
-    except Exception:
+    except Exception as e:
         del sys.modules[module_name]
-        raise
+        raise UserError(f"--model {entry}: loading {where} raised {_where(e)}; fix the file") from None
     return module
+
+
+def _where(error: BaseException) -> str:
+    """``Type: message (file:line)`` of an exception raised in the user's code: one line, the place to look."""
+    if isinstance(error, SyntaxError):
+        return f"SyntaxError: {error.msg} ({error.filename}:{error.lineno})"
+    libraries = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]))
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(libraries)]
+    place = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""  # the user's line, if any
+    return f"{type(error).__name__}: {error}{place}"
 
 
 def entry_of(factory: Callable[[], LayerModel]) -> str:
@@ -203,7 +219,12 @@ def build_layer(model: LayerModel, index: int, seed: int) -> nn.Module:
     """Layer ``index`` of ``model``, initialised from torch's generator seeded by ``seed``, deferrable Linears."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        layer = model.layers[index]()
+        try:
+            layer = model.layers[index]()
+        except UserError:
+            raise
+        except Exception as e:
+            raise UserError(f"building layer {index} of the model raised {_where(e)}; fix its builder") from None
     if not isinstance(layer, nn.Module):
         raise UserError(f"layer {index} of the model is {type(layer).__name__}, not a torch.nn.Module; "
                         "each builder must return one module")
@@ -249,14 +270,19 @@ def probe(model: LayerModel, seeds: Sequence[int], inputs: torch.Tensor, targets
             try:
                 x = layer(x)
             except Exception as e:
-                raise UserError(f"layer {index} of the model fails on the output of layer {index - 1} "
-                                f"({type(e).__name__}: {e}); check the layer list") from None
+                given = "the dataset's inputs" if index == 0 else f"the output of layer {index - 1}"
+                raise UserError(f"layer {index} of the model fails on {given}: {_where(e)}; check the "
+                                "layer list") from None
             if not isinstance(x, torch.Tensor):
                 raise UserError(f"layer {index} of the model returns {type(x).__name__}; each layer must "
                                 "return one tensor (the next layer's input)")
             if index + 1 < len(seeds):
                 largest = max(largest, -(-x.nbytes // max(1, len(x))))
-        loss = model.loss(x, targets)
+        try:
+            loss = model.loss(x, targets)
+        except Exception as e:
+            raise UserError(f"the model's loss fails on the last layer's output and the targets: {_where(e)}; "
+                            "check the loss and the dataset's targets") from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
         raise UserError(f"the model's loss gives {type(loss).__name__} {getattr(loss, 'shape', '')}; it must "
                         "return the mean loss, a floating-point scalar tensor")
