@@ -269,3 +269,21 @@ def test_train_cli_trains_a_model_file(tmp_path: Path) -> None:
 def test_examples(name: str) -> None:
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_only_ranks_with_a_first_or_last_stage_draw_batches() -> None:
+    from pipeweave.runtime.job import _microbatches
+
+    drawn: list[int] = []
+
+    class Counting:
+        def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            drawn.append(k)
+            return data_source(SPEC, batch_size=8).batch(k)
+
+    middle = {1: StageWorker(SPEC, range(2, 4), batch_size=8)}
+    assert _microbatches(Counting(), 0, 4, torch.device("cpu"), middle) == ([], [])
+    assert drawn == []  # a middle rank loads nothing from a user's (maybe costly) dataset
+    last = {2: StageWorker(SPEC, range(4, 6), batch_size=8)}
+    inputs, targets = _microbatches(Counting(), 5, 4, torch.device("cpu"), last)
+    assert drawn == [5] and [len(t) for t in targets] == [2, 2, 2, 2]

@@ -356,7 +356,7 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
         if rates is not None:
             for w in workers.values():
                 set_lr(w.optimizer, rates.at(done + step))
-        loss, timings = executor.run_step(*_microbatches(source.batch(done + step), t, device))
+        loss, timings = executor.run_step(*_microbatches(source, done + step, t, device, workers))
         losses.append(loss)
         step_cpu.append(executor.step_cpu_ns * 1e-9)
         action_cpu.append([c * 1e-9 for c in executor.action_cpu_ns])
@@ -382,15 +382,22 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
 
 def evaluate(evaluator: Executor, source: Any, config: TrainConfig, t: int, device: torch.device) -> float:
     """This rank's share of the mean loss over the held-out batches, through the forward-only schedule."""
-    total = sum(evaluator.run_step(*_microbatches(source.eval_batch(k), t, device))[0]
+    total = sum(evaluator.run_step(*_microbatches(source, k, t, device, evaluator.workers, held_out=True))[0]
                 for k in range(config.eval_batches))
     return total / config.eval_batches
 
 
-def _microbatches(batch: tuple[torch.Tensor, torch.Tensor], t: int, device: torch.device
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A batch's inputs and targets, each split into ``t`` microbatches on ``device``."""
-    inputs, targets = batch
+def _microbatches(source: Any, k: int, t: int, device: torch.device, workers: dict[int, StageWorker], *,
+                  held_out: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Batch ``k``'s inputs and targets (held-out batch ``k``), each split into ``t`` microbatches on ``device``.
+
+    Only a rank with a first or a last stage draws the batch (the inputs go to
+    the first stage, the targets to the last, as DeepSpeed's pipeline engine
+    loads them); a rank with neither gets empty lists and loads nothing.
+    """
+    if not any(w.is_first or w.is_last for w in workers.values()):
+        return [], []
+    inputs, targets = source.eval_batch(k) if held_out else source.batch(k)
     return ([m.to(device) for m in split_microbatches(inputs, t)],
             [m.to(device) for m in split_microbatches(targets, t)])
 
