@@ -78,3 +78,22 @@ def wrong_width() -> LayerModel:
 def wrong_targets() -> LayerModel:
     return LayerModel(layers=[lambda: nn.Linear(4, 8), lambda: nn.Linear(8, 2)], loss=nn.functional.mse_loss,
                       dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 3)))
+
+
+class Peak(nn.Module):
+    """A block with a persistent buffer its forward updates: the largest input magnitude seen in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Residual()
+        self.register_buffer("peak", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.peak = torch.maximum(self.peak, x.detach().abs().max())
+        return self.block(x)
+
+
+def with_buffer() -> LayerModel:
+    return LayerModel(layers=[lambda: nn.Embedding(VOCAB, WIDTH), Peak, Head], loss=nn.functional.cross_entropy,
+                      dataset=_pairs(96, 0))

@@ -287,3 +287,22 @@ def test_only_ranks_with_a_first_or_last_stage_draw_batches() -> None:
     last = {2: StageWorker(SPEC, range(4, 6), batch_size=8)}
     inputs, targets = _microbatches(Counting(), 5, 4, torch.device("cpu"), last)
     assert drawn == [5] and [len(t) for t in targets] == [2, 2, 2, 2]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_checkpoint_keeps_the_buffers(tmp_path: Path) -> None:
+    from pipeweave.runtime import checkpoint
+
+    spec = ModelSpec(kind="custom", entry=f"{FILE}:with_buffer")
+    first = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=spec, batch_size=8, steps=2,
+                        save=str(tmp_path / "ckpt"))
+    first.check()
+    launch(run_rank, first, 2, LaunchOptions(timeout_s=60))
+    meta = checkpoint.read_meta(str(tmp_path / "ckpt"))
+    saved = torch.load(tmp_path / "ckpt" / meta["files"][0], weights_only=True)["buffers"]
+    assert set(saved) == {"1.peak"} and float(saved["1.peak"]) > 0  # trained, not the initial zero
+    worker = StageWorker(spec, range(0, 3), batch_size=8)  # resumed on one stage holding every layer
+    assert float(worker.module["1"].peak) == 0
+    checkpoint.load(dataclasses.replace(first, save=None, resume=str(tmp_path / "ckpt")), {0: worker})
+    assert torch.equal(worker.module["1"].peak, saved["1.peak"])

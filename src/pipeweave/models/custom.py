@@ -43,7 +43,12 @@ What pipeweave does with it:
 - ``loss(output, targets)`` must be the mean over the samples (torch's default
   reduction): each microbatch's loss is scaled by its share of the batch;
 - ``eval_dataset``, if given, is what ``--eval-every`` evaluates on (in order,
-  no shuffling), the layers in ``eval()`` mode.
+  no shuffling), the layers in ``eval()`` mode;
+- checkpoints keep each part's persistent buffers beside its parameters.
+
+Exactness against plain training holds for deterministic layers; dropout and
+batch norm train, but ``--recompute`` replays their forward and replicated
+parts see only their own microbatches.
 """
 
 from __future__ import annotations

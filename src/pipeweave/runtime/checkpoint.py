@@ -3,7 +3,7 @@
 A checkpoint is a folder (``pipeweave train --save DIR``, resumed with ``--resume DIR``)::
 
     meta.json           what was trained: the model, the optimizer, the steps done, the parts and their files
-    part-000-step4.pt   one file per part (torch.save): its parameters and their optimizer state
+    part-000-step4.pt   one file per part (torch.save): its parameters, their optimizer state, its buffers
 
 Parameters and optimizer state are keyed by the parameter's global name
 (``"<layer index>.<name in layer>"``, as in plain training), so a checkpoint
@@ -13,10 +13,12 @@ names of its own layers. Optimizer state is stored under torch.optim's names
 (``momentum_buffer`` for SGD, ``step``, ``exp_avg`` and ``exp_avg_sq`` for
 AdamW), whether it came from a torch optimizer or from the post-validated
 step of ``--clip-grad-norm`` (``weights.post_validation``), so either resumes
-the other.
+the other. A part's persistent buffers (a custom model's batch-norm running
+statistics, say) are saved and restored by name beside its parameters.
 
 Each part is written by the rank of its first stage: the replicas of a part
-(Chimera, GEMS, DualPipe, data parallelism) are equal after every update.
+(Chimera, GEMS, DualPipe, data parallelism) are equal after every update
+(buffers a forward updates are the first replica's).
 Every rank must see the folder (one host, or a shared file system). Part
 files are named by the step they hold and rank 0 writes ``meta.json`` last,
 once every part is on disk (each file under a temporary name, then renamed),
@@ -119,8 +121,10 @@ def save(config: TrainConfig, schedule: Schedule, workers: dict[int, StageWorker
         if min(s for s in range(placement.num_stages) if placement.stage_part[s] == part) != stage:
             continue  # a replica: the first stage of the part writes it
         params = {name: p.detach().cpu().clone() for name, p in worker.named_parameters().items()}
+        buffers = {name: b.detach().cpu().clone() for name, b in worker.module.state_dict().items()
+                   if name not in params}  # persistent buffers: batch norm's running statistics, ...
         _write(folder / files[part], lambda tmp: torch.save(
-            {"layers": [parts[part].start, parts[part].stop], "parameters": params,
+            {"layers": [parts[part].start, parts[part].stop], "parameters": params, "buffers": buffers,
              "optimizer": optimizer_state(worker)}, tmp))
     dist.barrier()
     if rank == 0:
@@ -174,7 +178,9 @@ def load(config: TrainConfig, workers: dict[int, StageWorker]) -> None:
     files: dict[str, dict[str, Any]] = {}  # read once, whichever local stages need them
     for worker in workers.values():
         mine = worker.named_parameters()
+        my_buffers = {k: v for k, v in worker.module.state_dict(keep_vars=True).items() if k not in mine}
         params: dict[str, torch.Tensor] = {}
+        buffers: dict[str, torch.Tensor] = {}
         states: dict[str, dict[str, Any]] = {}
         for (start, stop), name in zip(meta["parts"], meta["files"]):
             if stop <= worker.layer_indices.start or start >= worker.layer_indices.stop:
@@ -183,14 +189,17 @@ def load(config: TrainConfig, workers: dict[int, StageWorker]) -> None:
                 files[name] = torch.load(folder / name, map_location="cpu", weights_only=True)
             saved = files[name]
             params.update({k: v for k, v in saved["parameters"].items() if k in mine})
+            buffers.update({k: v for k, v in saved.get("buffers", {}).items() if k in my_buffers})
             states.update({k: v for k, v in saved["optimizer"].items() if k in mine})
-        missing = sorted(set(mine) - set(params))
+        missing = sorted((set(mine) - set(params)) | (set(my_buffers) - set(buffers)))
         if missing:
             raise UserError(f"--resume {config.resume} has no values for {', '.join(missing[:3])}"
                             f"{' ...' if len(missing) > 3 else ''}; save the checkpoint again")
         with torch.no_grad():
             for name, p in mine.items():
                 p.copy_(params[name])
+            for name, b in my_buffers.items():
+                b.copy_(buffers[name])
         _load_optimizer_state(worker, states, int(meta["steps"]))
 
 
