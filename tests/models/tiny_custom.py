@@ -97,3 +97,13 @@ class Peak(nn.Module):
 def with_buffer() -> LayerModel:
     return LayerModel(layers=[lambda: nn.Embedding(VOCAB, WIDTH), Peak, Head], loss=nn.functional.cross_entropy,
                       dataset=_pairs(96, 0))
+
+
+class SequenceFirst(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1)
+
+
+def batch_second() -> LayerModel:
+    return LayerModel(layers=[lambda: nn.Embedding(VOCAB, WIDTH), SequenceFirst, Head],
+                      loss=nn.functional.cross_entropy, dataset=_pairs(8, 0))

@@ -222,6 +222,7 @@ def test_model_spec_of_a_module_level_function() -> None:
     ("{FILE}:raises", r"raises\(\) raised RuntimeError: no data here \(.*tiny_custom.py:\d+\)"),
     ("{FILE}:wrong_width", "layer 1 of the model fails on the output of layer 0: RuntimeError"),
     ("{FILE}:wrong_targets", "the model's loss fails on the last layer's output and the targets"),
+    ("{FILE}:batch_second", r"layer 1 of the model returns shape \(8, 2, 24\) for 2 samples; keep the samples"),
     ("{SYNTAX}:model", r"loading .*broken.py raised SyntaxError: .* \(.*broken.py:2\)"),
 ])
 @pytest.mark.filterwarnings("ignore:Using a target size")  # mse_loss's own warning before it fails

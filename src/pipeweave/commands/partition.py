@@ -138,7 +138,6 @@ def parse_counts(text: str | None) -> tuple[int, ...] | None:
 def model_spec(args: argparse.Namespace) -> Any:
     """The ``ModelSpec`` the model options describe (torch is imported only here)."""
     from pipeweave.models import ModelSpec
-
     from pipeweave.models.custom import is_entry
 
     given = {name: getattr(args, name) for name in MODEL_OPTIONS if getattr(args, name, None) is not None}

@@ -383,8 +383,9 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
     from rich.table import Table
 
     losses = report["losses"]
+    model = report["model"]["entry"] or report["model"]["kind"]
     table = Table(title=f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  "
-                        f"{report['model']['entry'] or report['model']['kind']}  {report['steps']} steps  ({report['transport']})", show_header=True)
+                        f"{model}  {report['steps']} steps  ({report['transport']})", show_header=True)
     table.add_column("measure")
     table.add_column("measured", justify="right")
     table.add_column("simulated", justify="right")

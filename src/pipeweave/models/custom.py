@@ -281,8 +281,12 @@ def probe(model: LayerModel, seeds: Sequence[int], inputs: torch.Tensor, targets
             if not isinstance(x, torch.Tensor):
                 raise UserError(f"layer {index} of the model returns {type(x).__name__}; each layer must "
                                 "return one tensor (the next layer's input)")
-            if index + 1 < len(seeds):
-                largest = max(largest, -(-x.nbytes // max(1, len(x))))
+            if index + 1 < len(seeds):  # a boundary: microbatches are split and sent along dimension 0
+                if x.dim() == 0 or len(x) != len(inputs):
+                    raise UserError(f"layer {index} of the model returns shape {tuple(x.shape)} for "
+                                    f"{len(inputs)} samples; keep the samples in dimension 0 between layers "
+                                    "(e.g. batch_first=True)")
+                largest = max(largest, -(-x.nbytes // len(x)))
         try:
             loss = model.loss(x, targets)
         except Exception as e:

@@ -90,8 +90,8 @@ class ModelSpec:
     def of(cls, factory: Callable[[], LayerModel], *, seed: int = 0) -> ModelSpec:
         """The spec of a custom model returned by ``factory``, a module-level function (``models.custom``).
 
-        Example:
-            >>> spec = ModelSpec.of(some_function_returning_a_layer_model)  # doctest: +SKIP
+        In a script, ``ModelSpec.of(model)`` names ``model`` by the script's
+        path, so ranks spawned from it load the same function.
         """
         return cls(kind="custom", entry=entry_of(factory), seed=seed)
 

@@ -63,7 +63,8 @@ def cache_key(spec: ModelSpec, microbatch_size: int, device: torch.device) -> di
     """What a profile depends on; its hash names the cache file."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
-        "spec": asdict(spec), "source": fingerprint(spec.entry) if spec.entry else None, "microbatch_size": microbatch_size, "device": str(device.type), "device_name": name,
+        "spec": asdict(spec), "source": fingerprint(spec.entry) if spec.entry else None,  # a custom model's code
+        "microbatch_size": microbatch_size, "device": str(device.type), "device_name": name,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "host_memory": "kept",
     }
 
