@@ -119,17 +119,13 @@ def is_entry(text: str) -> bool:
     return ":" in text
 
 
+@functools.lru_cache(maxsize=None)
 def load_model(entry: str) -> LayerModel:
     """The ``LayerModel`` that ``entry`` names, loaded once per process.
 
     Raises:
         UserError: a malformed entry, a missing file or module, a missing name, or not a LayerModel.
     """
-    return _load(entry)
-
-
-@functools.lru_cache(maxsize=None)
-def _load(entry: str) -> LayerModel:
     where, sep, name = entry.rpartition(":")
     if not sep or not where or not name.isidentifier():
         raise UserError(f"--model {entry!r} is not FILE.py:NAME or module:NAME; write e.g. my_model.py:model")

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeweave.errors import UserError
-from pipeweave.models.custom import LayerModel, entry_of, load_model
-from pipeweave.models.custom import build_layer as build_custom_layer
+from pipeweave.models.custom import LayerModel, build_layer as build_custom_layer, entry_of, load_model
 
 KINDS = ("mlp", "gpt", "custom")
 

@@ -10,6 +10,7 @@ rank 0, which returns it as a ``RunRecord``.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,7 +38,6 @@ from pipeweave.schedule.evaluation import forward_only
 from pipeweave.schedule.ir import Action
 
 OPTIMIZERS = ("sgd", "adamw")
-_PROBED: dict[tuple[ModelSpec, int], int] = {}  # TrainConfig.probe_model, per process
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,15 +242,7 @@ class TrainConfig:
         Raises:
             UserError: a layer or the loss that does not fit the ``LayerModel`` contract (``models.custom.probe``).
         """
-        key = (self.model, self.seed)
-        if key not in _PROBED:
-            from pipeweave.models.custom import probe
-            from pipeweave.models.spec import layer_seed
-
-            inputs, targets = data_source(self.model, batch_size=2, seed=self.seed).batch(0)
-            seeds = [layer_seed(self.model, k) for k in range(self.model.num_layers)]
-            _PROBED[key] = probe(self.model.custom, seeds, inputs, targets)
-        return _PROBED[key]
+        return _probe(self.model, self.seed)
 
     def part_weight_bytes(self, schedule: Schedule) -> list[float]:
         """Bytes of one copy of each part's weights (M_theta), counted from the model's layers."""
@@ -258,6 +250,16 @@ class TrainConfig:
 
         return [float(sum(p.numel() * p.element_size() for layer in build_layers(self.model, list(part))
                           for p in layer.parameters())) for part in self.layer_ranges(schedule)]
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(spec: ModelSpec, seed: int) -> int:
+    """``TrainConfig.probe_model``, once per model and data seed in a process."""
+    from pipeweave.models.custom import probe
+    from pipeweave.models.spec import layer_seed
+
+    inputs, targets = data_source(spec, batch_size=2, seed=seed).batch(0)
+    return probe(spec.custom, [layer_seed(spec, k) for k in range(spec.num_layers)], inputs, targets)
 
 
 @dataclass
