@@ -3,7 +3,7 @@
 Token sequences are classified by whether their sum is even. The layers mix
 what pipeweave swaps (``nn.Linear``, inside other modules too) with what it
 leaves to autograd (``nn.Embedding``, ``nn.LayerNorm``, ``nn.Conv1d``), and
-the first layer takes integer inputs.
+the first layer takes integer inputs. ``noisy`` adds dropout and batch norm.
 """
 
 from __future__ import annotations
@@ -38,6 +38,19 @@ class Head(nn.Module):
         return self.out(x.mean(1))
 
 
+class Noisy(nn.Module):
+    """A residual block that draws random numbers (dropout) and keeps running statistics (batch norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Dropout(0.25), nn.Linear(2 * WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        return x + nn.functional.dropout(self.mlp(h), 0.1, self.training)
+
+
 def _pairs(n: int, seed: int) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (n, SEQ), generator=g)
@@ -50,6 +63,14 @@ def model() -> LayerModel:
         loss=nn.functional.cross_entropy,
         dataset=_pairs(96, 0),
         eval_dataset=_pairs(32, 1),
+    )
+
+
+def noisy() -> LayerModel:
+    return LayerModel(
+        layers=[lambda: nn.Embedding(VOCAB, WIDTH), Noisy, Residual, Noisy, Head],
+        loss=nn.functional.cross_entropy,
+        dataset=_pairs(96, 0),
     )
 
 

@@ -20,6 +20,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,6 +53,16 @@ CASES = {
                                    **BASE),  # type: ignore[arg-type]
     "pipedream": TrainConfig(schedule="pipedream", **{**BASE, "steps": 6}),  # type: ignore[arg-type]
 }
+# The same with dropout and batch norm (``tiny_custom.noisy``): masks keyed by (step, microbatch, layer).
+NOISY = ModelSpec(kind="custom", entry=f"{FILE}:noisy")
+NOISY_BASE = {**BASE, "model": NOISY}
+CASES.update({
+    "noisy 1f1b": TrainConfig(schedule="1f1b", **NOISY_BASE),  # type: ignore[arg-type]
+    "noisy zb-h1+recompute": TrainConfig(schedule="zb-h1", recompute=True, **NOISY_BASE),  # type: ignore[arg-type]
+    "noisy interleaved-1f1b": TrainConfig(schedule="interleaved-1f1b", num_chunks=2,
+                                          **NOISY_BASE),  # type: ignore[arg-type]
+    "noisy chimera": TrainConfig(schedule="chimera", **NOISY_BASE),  # type: ignore[arg-type]
+})
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
@@ -86,7 +97,8 @@ def test_synchronous_schedules_equal_plain_training(runs: dict[str, tuple[TrainC
     assert set(params) == set(plain.parameters)
     for name, value in params.items():
         torch.testing.assert_close(value, plain.parameters[name], rtol=1e-5, atol=1e-6)
-    initial = dict(nn.ModuleDict({str(i): m for i, m in enumerate(build_layers(SPEC, range(6)))}).named_parameters())
+    layers = build_layers(config.model, range(config.model.num_layers))
+    initial = dict(nn.ModuleDict({str(i): m for i, m in enumerate(layers)}).named_parameters())
     moved = [name for name, value in params.items() if not torch.equal(value, initial[name])]
     assert len(moved) == len(params)  # every parameter was trained, the Linears' (deferred) among them
 
@@ -126,12 +138,13 @@ def test_held_out_loss_is_the_final_weights_loss_in_eval_mode(runs: dict[str, tu
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_a_checkpoint_resumes_on_another_schedule(tmp_path: Path) -> None:
-    first = TrainConfig(schedule="1f1b", **{**BASE, "steps": 2, "collect_parameters": False},  # type: ignore[arg-type]
+    # The model with dropout: the resumed run draws the masks of steps 2.. (the key counts steps).
+    first = TrainConfig(schedule="1f1b", **{**NOISY_BASE, "steps": 2, "collect_parameters": False},  # type: ignore[arg-type]
                         optimizer="adamw", lr=1e-2, save=str(tmp_path / "ckpt"))
     first.check()
     launch(run_rank, first, 2, LaunchOptions(timeout_s=60))
-    second = TrainConfig(schedule="zb-h1", **{**BASE, "steps": 3}, optimizer="adamw", lr=1e-2,  # type: ignore[arg-type]
-                         resume=str(tmp_path / "ckpt"))
+    second = TrainConfig(schedule="zb-h1", **{**NOISY_BASE, "steps": 3}, optimizer="adamw",  # type: ignore[arg-type]
+                         lr=1e-2, resume=str(tmp_path / "ckpt"))
     second.check()
     resumed = launch(run_rank, second, 2, LaunchOptions(timeout_s=60))
     plain = _plain(dataclasses.replace(second, steps=5))
@@ -266,7 +279,7 @@ def test_train_cli_trains_a_model_file(tmp_path: Path) -> None:
     assert record["optimizer"] == "adamw"
 
 
-@pytest.mark.parametrize("name", ["pipeweave.models.custom", "pipeweave.data.dataset"])
+@pytest.mark.parametrize("name", ["pipeweave.models.custom", "pipeweave.models.randomness", "pipeweave.data.dataset"])
 def test_examples(name: str) -> None:
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
@@ -307,3 +320,61 @@ def test_a_checkpoint_keeps_the_buffers(tmp_path: Path) -> None:
     assert float(worker.module["1"].peak) == 0
     checkpoint.load(dataclasses.replace(first, save=None, resume=str(tmp_path / "ckpt")), {0: worker})
     assert torch.equal(worker.module["1"].peak, saved["1.peak"])
+
+
+def _noisy_stage(**options: Any) -> StageWorker:
+    return StageWorker(NOISY, range(0, 2), batch_size=8, **options)
+
+
+def test_dropout_masks_are_keyed_by_step_microbatch_and_layer() -> None:
+    tokens = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(0))
+    a, b = _noisy_stage(), _noisy_stage()
+    first = a.forward(0, tokens)
+    torch.testing.assert_close(b.forward(0, tokens), first, rtol=0, atol=0)  # same key, same masks
+    assert not torch.equal(a.forward(1, tokens), first)  # another microbatch, other masks
+    grad = torch.ones_like(first)
+    a.backward(0, grad)
+    a.backward(1, grad)
+    a.update()
+    assert a.steps_done == 1
+    b.module.load_state_dict(a.module.state_dict())
+    b.backward(0, grad)
+    again = b.forward(0, tokens)
+    assert not torch.equal(a.forward(0, tokens), again)  # another step, other masks
+
+
+def test_a_keyed_forward_leaves_the_callers_random_stream_alone() -> None:
+    tokens = torch.randint(0, 16, (4, 8))
+    worker = _noisy_stage()
+    torch.manual_seed(7)
+    expected = torch.rand(5)
+    torch.manual_seed(7)
+    worker.forward(0, tokens)
+    torch.testing.assert_close(torch.rand(5), expected, rtol=0, atol=0)
+
+
+def test_a_replayed_forward_draws_its_first_masks_and_leaves_the_running_statistics() -> None:
+    tokens = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(4, 8, 24, generator=torch.Generator().manual_seed(2))
+    kept, replayed = _noisy_stage(), _noisy_stage(recompute=True)
+    for worker in (kept, replayed):
+        for mb in range(2):
+            worker.forward(mb, tokens)
+            worker.backward(mb, grad)
+    for (name, x), (_, y) in zip(kept.module.named_buffers(), replayed.module.named_buffers()):
+        torch.testing.assert_close(y, x, rtol=0, atol=0, msg=name)
+    assert int(dict(kept.module.named_buffers())["1.norm.num_batches_tracked"]) == 2
+    for (name, x), (_, y) in zip(kept.module.named_parameters(), replayed.module.named_parameters()):
+        torch.testing.assert_close(y.grad, x.grad, rtol=0, atol=0, msg=name)
+
+
+def test_data_parallel_replicas_draw_the_masks_of_plain_training() -> None:
+    from pipeweave.schedule import generate
+    from pipeweave.schedule.data_parallel import data_parallel
+
+    grid = data_parallel(generate("1f1b", num_stages=2, num_microbatches=2), 2)
+    reference = run_reference(grid, NOISY, steps=2, batch_size=12)
+    plain = run_plain(NOISY, steps=2, batch_size=12, num_microbatches=4)
+    torch.testing.assert_close(reference.losses, plain.losses, rtol=1e-5, atol=1e-6)
+    for name, value in plain.parameters.items():
+        torch.testing.assert_close(reference.parameters[name], value, rtol=1e-5, atol=1e-6)

@@ -46,9 +46,10 @@ What pipeweave does with it:
   no shuffling), the layers in ``eval()`` mode;
 - checkpoints keep each part's persistent buffers beside its parameters.
 
-Exactness against plain training holds for deterministic layers; dropout and
-batch norm train, but ``--recompute`` replays their forward and replicated
-parts see only their own microbatches.
+Exactness against plain training holds for dropout too: every layer call
+draws from torch's generator reseeded by (seed, step, microbatch, layer)
+(``models.randomness``); and for batch norm's outputs and gradients, but the
+replicas of a part keep running statistics of their own microbatches only.
 """
 
 from __future__ import annotations

@@ -344,6 +344,8 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
     done = checkpoint.steps_done(config)  # the data goes on from the batch after the checkpoint's last
     if config.resume is not None:
         checkpoint.load(config, workers)
+    for w in workers.values():
+        w.steps_done = done
     executor = Executor(lower(schedule), rank, workers, config.microbatch_sizes, device)
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
     offset = align_clocks(rank, world)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pipeweave.data import DataSource, data_source, split_microbatches
+from pipeweave.models.randomness import run_keyed
 from pipeweave.models.spec import ModelSpec, build_layers, loss_fn
 from pipeweave.runtime.stage import OptimizerFactory, sgd
 
@@ -76,9 +77,13 @@ def run_plain(
     for step in range(steps):
         inputs, targets = source.batch(step)
         step_losses = []
-        for x, target in zip(split_microbatches(inputs, num_microbatches), split_microbatches(targets, num_microbatches)):
-            for layer in model.values():
-                x = layer(x)
+        pairs = zip(split_microbatches(inputs, num_microbatches), split_microbatches(targets, num_microbatches))
+        for j, (x, target) in enumerate(pairs):
+            if spec.kind == "custom":  # dropout masks keyed as the pipeline's (models.randomness)
+                x = run_keyed(enumerate(model.values()), x, seed=spec.seed, step=step, microbatch=j)
+            else:
+                for layer in model.values():
+                    x = layer(x)
             mb_loss = loss(x, target) * (target.shape[0] / batch_size)
             mb_loss.backward()
             step_losses.append(mb_loss.item())

@@ -53,6 +53,11 @@ Tensors given to and returned by a worker are shared with what it keeps for
 the backward (``x`` and ``grad_output`` may be held until W): never modify
 them in place or reuse their buffers for later microbatches.
 
+Random numbers: a custom model's layers draw from torch's generator reseeded
+by (model seed, ``steps_done``, microbatch, layer) before each layer call
+(``models.randomness``), so their dropout masks are plain training's, on any
+rank and in a replay; set ``steps_done`` when resuming.
+
 Accounting: ``weight_bytes()``; ``activation_bytes()`` and
 ``peak_activation_bytes()`` count, through saved-tensor hooks, the distinct
 storages currently held for a backward (graph tensors, kept stage inputs and
@@ -73,6 +78,7 @@ from torch import nn
 
 from pipeweave.errors import UserError
 from pipeweave.models.layers import Deferrable, WeightGrad, WeightGradStore
+from pipeweave.models.randomness import run_keyed
 from pipeweave.models.spec import ModelSpec, build_layers, loss_fn
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -154,6 +160,7 @@ class _Microbatch:
     output: torch.Tensor | None  # None under recomputation: replayed before the backward
     target: torch.Tensor | None
     keys: list[int | None]
+    step: int  # steps done at F: a replay draws F's random numbers
 
 
 class StageWorker:
@@ -165,7 +172,8 @@ class StageWorker:
         optimizer_factory: builds the optimizer from the parameters (default SGD lr 0.1).
         batch_size: mini-batch size, to scale each microbatch's loss by its share.
         recompute: keep only the stage input at F and replay the forward before the backward
-            (exact for layers without randomness, as the reference models are: no dropout).
+            (exact: a custom model's layers redraw F's random numbers, and running statistics
+            are left as F left them).
         device: where the layers live; inputs must be given on it.
         track_memory: count activation bytes with saved-tensor hooks.
 
@@ -217,6 +225,11 @@ class StageWorker:
         self._weight_grads: dict[int, list[tuple[WeightGrad, tuple[torch.Tensor, ...]]]] = {}
         self._stash_keys: dict[int, list[int | None]] = {}
         self._backward_ran = False  # in this step (since the last U)
+        # Updates done (set on resume): with microbatch and layer, the key of a custom layer's random numbers.
+        self.steps_done = 0
+        self.keyed = spec.kind == "custom"  # the reference models draw no random numbers
+        self.device = torch.device(device)
+        self._buffers = list(self.module.buffers())  # running statistics, left as F left them by a replay
 
     # ---- F ----------------------------------------------------------------
     def forward(self, mb: int, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -231,12 +244,12 @@ class StageWorker:
             x.requires_grad_(True)
         if self.recompute:
             with torch.no_grad():
-                out = self._run(x, target)
-            record = _Microbatch(x, None, target, [self._hold(x)])
+                out = self._run(x, target, mb, self.steps_done)
+            record = _Microbatch(x, None, target, [self._hold(x)], self.steps_done)
         else:
             with self._hooks():
-                out = self._run(x, target)
-            record = _Microbatch(x, out, target, [self._hold(x), self._hold(out)])
+                out = self._run(x, target, mb, self.steps_done)
+            record = _Microbatch(x, out, target, [self._hold(x), self._hold(out)], self.steps_done)
         self._saved[mb] = record
         return out.detach()
 
@@ -247,13 +260,17 @@ class StageWorker:
         self.module.eval()  # dropout off, batch norm on its running statistics (custom models)
         try:
             with torch.no_grad():
-                return self._run(x, target)
+                return self._run(x, target, None, self.steps_done)
         finally:
             self.module.train()
 
-    def _run(self, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
-        for layer in self.module.values():
-            x = layer(x)
+    def _run(self, x: torch.Tensor, target: torch.Tensor | None, mb: int | None, step: int) -> torch.Tensor:
+        if self.keyed and mb is not None:  # models.randomness: the masks plain training draws
+            x = run_keyed(zip(self.layer_indices, self.module.values()), x, seed=self.spec.seed, step=step,
+                          microbatch=mb, device=self.device)
+        else:
+            for layer in self.module.values():
+                x = layer(x)
         if not self.is_last:
             return x
         assert target is not None
@@ -286,9 +303,11 @@ class StageWorker:
         if record is None:
             raise RuntimeError(f"backward of microbatch {mb} before its F on stage {self.layer_indices}")
         out = record.output
+        kept: list[torch.Tensor] = []
         if out is None:  # recomputation: replay the forward, now recording the graph
+            kept = [b.clone() for b in self._buffers]  # F already updated the running statistics
             with torch.enable_grad(), self._hooks():
-                out = self._run(record.input, record.target)
+                out = self._run(record.input, record.target, mb, record.step)
         if not self.is_last and grad_output is None:
             raise RuntimeError("a backward on a stage other than the last needs grad_output")
         self.store.deferring = defer
@@ -297,6 +316,9 @@ class StageWorker:
                 torch.autograd.backward(out, None if self.is_last else grad_output)
         finally:
             self.store.deferring = False
+        with torch.no_grad():  # after the backward: the replayed graph may hold the buffers
+            for buffer, value in zip(self._buffers, kept):
+                buffer.copy_(value)
         if defer:
             closures, self.store.pending = self.store.pending, []
             self._weight_grads[mb] = closures
@@ -333,6 +355,7 @@ class StageWorker:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._backward_ran = False
+        self.steps_done += 1
 
     def gradients(self) -> list[torch.Tensor]:
         """The parameters' gradient tensors in parameter order, created as zeros where missing (for all-reduce)."""
