@@ -3,7 +3,9 @@
 Token sequences are classified by whether their sum is even. The layers mix
 what pipeweave swaps (``nn.Linear``, inside other modules too) with what it
 leaves to autograd (``nn.Embedding``, ``nn.LayerNorm``, ``nn.Conv1d``), and
-the first layer takes integer inputs. ``noisy`` adds dropout and batch norm.
+the first layer takes integer inputs. ``noisy`` adds dropout and batch norm;
+``tuples`` passes tuples between its layers (a bool mask beside one or two
+floating-point tensors), from a dataset whose inputs are tuples.
 """
 
 from __future__ import annotations
@@ -51,6 +53,75 @@ class Noisy(nn.Module):
         return x + nn.functional.dropout(self.mlp(h), 0.1, self.training)
 
 
+class Embed(nn.Module):
+    """(tokens, lengths) -> (hidden, mask): the first layer takes a tuple and returns one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.embed(tokens), torch.arange(SEQ) < lengths.unsqueeze(1)
+
+
+class Masked(nn.Module):
+    """(hidden, mask) -> (hidden, mask): positions past a sequence's length are left alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h + torch.tanh(self.mix(h)) * mask.unsqueeze(-1), mask
+
+
+class Fork(nn.Module):
+    """(hidden, mask) -> (hidden, gate, mask): two floating-point tensors and a bool one cross the next boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return h, torch.sigmoid(self.gate(h)), mask
+
+
+class Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor, gate: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h + gate * self.value(h) * mask.unsqueeze(-1), mask
+
+
+class Pool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        kept = mask.unsqueeze(-1).float()
+        return self.out((h * kept).sum(1) / kept.sum(1))
+
+
+class _WithLengths(torch.utils.data.Dataset[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]):
+    """((tokens, length), label): is the sum of the first ``length`` tokens even."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        self.lengths = torch.randint(1, SEQ + 1, (n,), generator=g)
+        kept = torch.arange(SEQ) < self.lengths.unsqueeze(1)
+        self.labels = (self.tokens * kept).sum(1) % CLASSES
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return (self.tokens[i], self.lengths[i]), self.labels[i]
+
+
 def _pairs(n: int, seed: int) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (n, SEQ), generator=g)
@@ -72,6 +143,21 @@ def noisy() -> LayerModel:
         loss=nn.functional.cross_entropy,
         dataset=_pairs(96, 0),
     )
+
+
+def tuples() -> LayerModel:
+    return LayerModel(layers=[Embed, Masked, Fork, Join, Masked, Pool], loss=nn.functional.cross_entropy,
+                      dataset=_WithLengths(96, 0), eval_dataset=_WithLengths(32, 1))
+
+
+def returns_list() -> LayerModel:
+    return LayerModel(layers=[lambda: _AsList(), lambda: nn.Linear(4, 2)], loss=nn.functional.mse_loss,
+                      dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 2)))
+
+
+class _AsList(nn.Module):
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x, x]
 
 
 def shallow() -> LayerModel:

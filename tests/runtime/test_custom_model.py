@@ -53,16 +53,30 @@ CASES = {
                                    **BASE),  # type: ignore[arg-type]
     "pipedream": TrainConfig(schedule="pipedream", **{**BASE, "steps": 6}),  # type: ignore[arg-type]
 }
-# The same with dropout and batch norm (``tiny_custom.noisy``): masks keyed by (step, microbatch, layer).
+
+
+def _variants(label: str, base: dict[str, Any], *, stream: bool = False) -> dict[str, TrainConfig]:
+    """Split backward with recomputation, chunks and replicated parts (and a stream) on another model."""
+    cases = {
+        f"{label} 1f1b": TrainConfig(schedule="1f1b", **base),
+        f"{label} zb-h1+recompute": TrainConfig(schedule="zb-h1", recompute=True, **base),
+        f"{label} interleaved-1f1b": TrainConfig(schedule="interleaved-1f1b", num_chunks=2, **base),
+        f"{label} chimera": TrainConfig(schedule="chimera", **base),
+    }
+    if stream:
+        cases[f"{label} pipedream"] = TrainConfig(schedule="pipedream", **{**base, "steps": 6})
+    return cases
+
+
+# With dropout and batch norm (``tiny_custom.noisy``): masks keyed by (step, microbatch, layer).
 NOISY = ModelSpec(kind="custom", entry=f"{FILE}:noisy")
 NOISY_BASE = {**BASE, "model": NOISY}
-CASES.update({
-    "noisy 1f1b": TrainConfig(schedule="1f1b", **NOISY_BASE),  # type: ignore[arg-type]
-    "noisy zb-h1+recompute": TrainConfig(schedule="zb-h1", recompute=True, **NOISY_BASE),  # type: ignore[arg-type]
-    "noisy interleaved-1f1b": TrainConfig(schedule="interleaved-1f1b", num_chunks=2,
-                                          **NOISY_BASE),  # type: ignore[arg-type]
-    "noisy chimera": TrainConfig(schedule="chimera", **NOISY_BASE),  # type: ignore[arg-type]
-})
+# Tuples between layers (``tiny_custom.tuples``): (hidden, mask), (hidden, gate, mask) cross the boundaries.
+TUPLES = ModelSpec(kind="custom", entry=f"{FILE}:tuples")
+TUPLES_BASE = {**BASE, "model": TUPLES}
+CASES.update(_variants("noisy", NOISY_BASE))
+CASES.update(_variants("tuples", TUPLES_BASE, stream=True))
+STREAMS = ("pipedream", "tuples pipedream")
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
@@ -88,7 +102,7 @@ def _parameters(record: RunRecord) -> dict[str, torch.Tensor]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", [c for c in CASES if c != "pipedream"])
+@pytest.mark.parametrize("case", [c for c in CASES if c not in STREAMS])
 def test_synchronous_schedules_equal_plain_training(runs: dict[str, tuple[TrainConfig, RunRecord]], case: str) -> None:
     config, record = runs[case]
     plain = _plain(config)
@@ -105,10 +119,11 @@ def test_synchronous_schedules_equal_plain_training(runs: dict[str, tuple[TrainC
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_a_stream_equals_its_reference(runs: dict[str, tuple[TrainConfig, RunRecord]]) -> None:
-    config, record = runs["pipedream"]
-    reference = run_reference(config.build_schedule(), SPEC, steps=config.steps, batch_size=config.batch_size,
-                              optimizer_factory=config.optimizer_factory())
+@pytest.mark.parametrize("case", STREAMS)
+def test_a_stream_equals_its_reference(runs: dict[str, tuple[TrainConfig, RunRecord]], case: str) -> None:
+    config, record = runs[case]
+    reference = run_reference(config.build_schedule(), config.model, steps=config.steps,
+                              batch_size=config.batch_size, optimizer_factory=config.optimizer_factory())
     torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
     for rank_record in record.ranks:
         for stage, params in rank_record.parameters.items():
@@ -231,7 +246,9 @@ def test_model_spec_of_a_module_level_function() -> None:
     ("no_such_module_xyz:model", "cannot import no_such_module_xyz"),
     ("{FILE}:absent", "has no 'absent'"),
     ("{FILE}:not_a_model", "gives int, not a pipeweave.models.LayerModel"),
-    ("{FILE}:returns_tuple", "layer 0 of the model returns tuple"),
+    ("{FILE}:returns_tuple", "layer 0 of the model returns tuple; each layer must return a tensor or a tuple of "
+                             "tensors"),  # LSTM: (output, (h, c))
+    ("{FILE}:returns_list", "layer 0 of the model returns list; each layer must return a tensor or a tuple"),
     ("{FILE}:raises", r"raises\(\) raised RuntimeError: no data here \(.*tiny_custom.py:\d+\)"),
     ("{FILE}:wrong_width", "layer 1 of the model fails on the output of layer 0: RuntimeError"),
     ("{FILE}:wrong_targets", "the model's loss fails on the last layer's output and the targets"),
@@ -378,3 +395,50 @@ def test_data_parallel_replicas_draw_the_masks_of_plain_training() -> None:
     torch.testing.assert_close(reference.losses, plain.losses, rtol=1e-5, atol=1e-6)
     for name, value in plain.parameters.items():
         torch.testing.assert_close(reference.parameters[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_tuples_cross_three_ranks_over_shared_memory() -> None:
+    config = TrainConfig(schedule="zb-h1", **{**TUPLES_BASE, "num_stages": 3, "num_microbatches": 5})  # type: ignore[arg-type]
+    config.check()
+    record = launch(run_rank, config, 3, LaunchOptions(transport="shm", timeout_s=60))
+    assert record.transport == "shm"
+    plain = _plain(config)
+    torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
+    for name, value in _parameters(record).items():
+        torch.testing.assert_close(value, plain.parameters[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_tuples_gradient_has_one_tensor_per_floating_point_input_zeros_where_unused() -> None:
+    worker = StageWorker(TUPLES, range(3, 4), batch_size=4)  # Join: (hidden, gate, mask) -> (hidden, mask)
+    h, gate = torch.randn(4, 8, 24), torch.rand(4, 8, 24)
+    mask = torch.zeros(4, 8, dtype=torch.bool)  # nothing kept: the gate gets a zero gradient
+    out = worker.forward(0, (h, gate, mask))
+    assert isinstance(out, tuple) and [t.dtype for t in out] == [torch.float32, torch.bool]
+    grad_h, grad_gate = worker.backward(0, (torch.ones(4, 8, 24),))
+    torch.testing.assert_close(grad_h, torch.ones(4, 8, 24))
+    torch.testing.assert_close(grad_gate, torch.zeros(4, 8, 24))
+    with pytest.raises(RuntimeError, match="2 gradients for a stage output with 1 floating-point tensors"):
+        worker.forward(1, (h, gate, mask))
+        worker.backward(1, (torch.ones(4, 8, 24), torch.ones(4, 8, 24)))
+
+
+def test_the_profiler_takes_tuples(tmp_path: Path) -> None:
+    from pipeweave.runtime.profile import profile_model
+
+    costs = profile_model(TUPLES, 4, repeats=1, warmup=0, cache_dir=tmp_path)
+    assert costs.num_layers == 6 and all(t > 0 for t in costs.forward)
+    assert costs.output[2] > costs.output[1]  # Fork's output holds the gate beside the hidden states
+
+
+def test_a_tuple_message_packs_mixed_dtypes_each_aligned() -> None:
+    from pipeweave.runtime.comm import _Layout
+
+    parts = (torch.rand(3, 5) > 0.5, torch.randn(3, 2, dtype=torch.float64), torch.arange(3, dtype=torch.int16))
+    layout = _Layout.of(parts)
+    assert layout.spans(3) == [(0, 15), (16, 48), (64, 6)] and layout.nbytes(3) == 70
+    back = layout.unpack(layout.pack(parts, 3), 3)
+    for sent, received in zip(parts, back):
+        assert received.dtype == sent.dtype and torch.equal(received, sent)
+    assert _Layout.decode(layout.encode().tolist()) == layout

@@ -16,11 +16,13 @@ from pipeweave.data.corpus import ByteCorpus, read_text_file, stdlib_sources
 from pipeweave.data.dataset import DatasetSource
 from pipeweave.data.synthetic import RandomRegression
 from pipeweave.errors import UserError
+from pipeweave.models import boundary
+from pipeweave.models.boundary import Boundary, num_samples
 from pipeweave.models.spec import ModelSpec
 
 
 class DataSource(Protocol):
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def batch(self, step: int) -> tuple[Boundary, Boundary]: ...
 
 
 def data_source(
@@ -58,8 +60,10 @@ def data_source(
     return ByteCorpus(text, seq_len=spec.seq_len, batch_size=batch_size, seed=seed)
 
 
-def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
+def split_microbatches(batch: Boundary, num_microbatches: int) -> list[Boundary]:
     """Split along the batch dimension with ``torch.tensor_split``: the last ones may be one sample smaller.
+
+    A tuple of tensors (``models.boundary``) is split tensor by tensor into tuples.
 
     Raises:
         UserError: fewer samples than microbatches, or ``num_microbatches`` < 1.
@@ -70,12 +74,12 @@ def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch
     """
     if num_microbatches < 1:
         raise UserError(f"num_microbatches={num_microbatches} is invalid; give at least 1")
-    if len(batch) < num_microbatches:
+    if num_samples(batch) < num_microbatches:
         raise UserError(
-            f"a batch of {len(batch)} samples cannot make {num_microbatches} microbatches; "
+            f"a batch of {num_samples(batch)} samples cannot make {num_microbatches} microbatches; "
             "increase --batch or reduce --microbatches"
         )
-    return list(torch.tensor_split(batch, num_microbatches))
+    return boundary.split(batch, num_microbatches, torch.tensor_split)
 
 
 __all__ = [

@@ -7,7 +7,8 @@ in the order of ``torch.randperm`` seeded by ``(seed, e)``, epochs one after
 another, mini-batch ``k`` the samples at positions ``k B .. (k+1) B - 1`` of
 that sequence (a batch may straddle two epochs; a dataset smaller than a batch
 is fine). So a resumed run goes on with the next batch of the same sequence.
-Samples are collated with torch's ``default_collate``.
+Samples are collated with torch's ``default_collate``; an input (or target)
+that is a tuple of tensors stays one (``models.boundary``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch.utils.data import default_collate
 
 from pipeweave.errors import UserError
+from pipeweave.models.boundary import Boundary, normalize, tensors
 
 
 class DatasetSource:
@@ -45,7 +47,7 @@ class DatasetSource:
             self._orders = {epoch: order}  # batches walk forward: keep the current epoch only
         return order
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int) -> tuple[Boundary, Boundary]:
         """The ``(inputs, targets)`` of optimizer step ``step``."""
         n = len(self.dataset)
         indices = []
@@ -54,7 +56,7 @@ class DatasetSource:
             indices.append(int(self._order(epoch)[at]))
         return _collate(self.dataset, indices, "dataset")
 
-    def eval_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def eval_batch(self, k: int) -> tuple[Boundary, Boundary]:
         """Held-out batch ``k``: the eval dataset's samples ``k B ..`` in order (wrapping around).
 
         Raises:
@@ -67,9 +69,10 @@ class DatasetSource:
         return _collate(self.eval_dataset, indices, "eval_dataset")
 
 
-def _collate(dataset: Any, indices: list[int], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _collate(dataset: Any, indices: list[int], name: str) -> tuple[Boundary, Boundary]:
     batch = default_collate([dataset[i] for i in indices])
-    if not isinstance(batch, (list, tuple)) or len(batch) != 2 or not all(isinstance(t, torch.Tensor) for t in batch):
-        raise UserError(f"the model's {name} must give (input, target) pairs of tensors; sample "
-                        f"{indices[0]} collates to {type(batch).__name__}")
-    return batch[0], batch[1]
+    pair = [normalize(x) for x in batch] if isinstance(batch, (list, tuple)) else []
+    if len(pair) != 2 or not all(isinstance(t, torch.Tensor) for x in pair for t in tensors(x)):
+        raise UserError(f"the model's {name} must give (input, target) pairs, each a tensor or a tuple of "
+                        f"tensors; sample {indices[0]} collates to {type(batch).__name__}")
+    return pair[0], pair[1]

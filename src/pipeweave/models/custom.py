@@ -3,8 +3,10 @@
 pipeweave cuts a model into consecutive layers (``DESIGN.md``), so a model of
 your own is described the way DeepSpeed's pipeline module and
 ``nn.Sequential`` describe one: a list of layers, each mapping one tensor to
-one tensor, the first taking the dataset's inputs and the last's output going
-to the loss with the targets. Each layer is given as a zero-argument function
+one tensor -- or a tuple of tensors, handed to the next layer as its
+arguments (``models.boundary``: hidden states and a mask, say) -- the first
+taking the dataset's inputs and the last's output going to the loss with the
+targets. Each layer is given as a zero-argument function
 that builds it, so every rank builds only the layers of its own stages::
 
     # my_model.py
@@ -69,6 +71,8 @@ import torch
 from torch import nn
 
 from pipeweave.errors import UserError
+from pipeweave.models import boundary
+from pipeweave.models.boundary import Boundary, num_samples, tensors
 from pipeweave.models.layers import Linear
 
 LayerBuilder = Callable[[], nn.Module]
@@ -87,11 +91,13 @@ class LayerModel:
     """
 
     layers: Sequence[LayerBuilder]
-    """One zero-argument builder per layer, in order; each layer maps one tensor to one tensor."""
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """One zero-argument builder per layer, in order; each layer maps a tensor, or a tuple of tensors
+    (its arguments), to a tensor or a tuple of tensors, the samples in dimension 0 of each."""
+    loss: Callable[[Any, Any], torch.Tensor]
     """``loss(last layer's output, targets)``: the mean over the samples."""
     dataset: Any
-    """A map-style dataset (``__len__``, ``__getitem__``) of ``(input, target)`` pairs."""
+    """A map-style dataset (``__len__``, ``__getitem__``) of ``(input, target)`` pairs; an input may be a
+    tuple of tensors (the first layer's arguments)."""
     eval_dataset: Any = None
     """Held-out ``(input, target)`` pairs for ``--eval-every`` (optional)."""
 
@@ -253,37 +259,43 @@ def deferrable(module: nn.Module) -> nn.Module:
     return module
 
 
-def probe(model: LayerModel, seeds: Sequence[int], inputs: torch.Tensor, targets: torch.Tensor) -> int:
+def probe(model: LayerModel, seeds: Sequence[int], inputs: Boundary, targets: Boundary) -> int:
     """Run a few samples through every layer and the loss; the largest bytes per sample between two layers.
 
     What a stage boundary may have to carry (activations forward, their
     gradients back): shared-memory rings are sized from it before any rank
-    starts. Layers are built one at a time (``seeds[k]`` for layer ``k``) and
-    run in ``eval()`` mode without a graph.
+    starts (a tuple's tensors each start at a multiple of 8 bytes in its
+    message: 8 bytes per tensor are added). Layers are built one at a time
+    (``seeds[k]`` for layer ``k``) and run in ``eval()`` mode without a graph.
 
     Raises:
-        UserError: a layer that does not return one tensor, or a loss that is not a scalar.
+        UserError: a layer that does not return a tensor or a tuple of tensors with the samples
+            in dimension 0, or a loss that is not a scalar.
     """
     largest = 0
-    x = inputs
+    x: Any = inputs
+    samples = num_samples(inputs)
     with torch.no_grad():
         for index, seed in enumerate(seeds):
             layer = build_layer(model, index, seed).eval()
             try:
-                x = layer(x)
+                x = boundary.call(layer, x)
             except Exception as e:
                 given = "the dataset's inputs" if index == 0 else f"the output of layer {index - 1}"
                 raise UserError(f"layer {index} of the model fails on {given}: {_where(e)}; check the "
                                 "layer list") from None
-            if not isinstance(x, torch.Tensor):
+            if not isinstance(x, torch.Tensor) and not (
+                    isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x)):
                 raise UserError(f"layer {index} of the model returns {type(x).__name__}; each layer must "
-                                "return one tensor (the next layer's input)")
+                                "return a tensor or a tuple of tensors (the next layer's arguments)")
             if index + 1 < len(seeds):  # a boundary: microbatches are split and sent along dimension 0
-                if x.dim() == 0 or len(x) != len(inputs):
-                    raise UserError(f"layer {index} of the model returns shape {tuple(x.shape)} for "
-                                    f"{len(inputs)} samples; keep the samples in dimension 0 between layers "
-                                    "(e.g. batch_first=True)")
-                largest = max(largest, -(-x.nbytes // len(x)))
+                for t in tensors(x):
+                    if t.dim() == 0 or len(t) != samples:
+                        raise UserError(f"layer {index} of the model returns shape {tuple(t.shape)} for "
+                                        f"{samples} samples; keep the samples in dimension 0 between layers "
+                                        "(e.g. batch_first=True)")
+                padding = 8 * len(x) if isinstance(x, tuple) else 0
+                largest = max(largest, -(-boundary.nbytes(x) // samples) + padding)
         try:
             loss = model.loss(x, targets)
         except Exception as e:

@@ -27,6 +27,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pipeweave.models import boundary
+from pipeweave.models.boundary import Boundary
+
 
 def draw_seed(seed: int, step: int, microbatch: int, layer: int) -> int:
     """The seed of ``layer``'s forward on ``microbatch`` of ``step`` (63 bits, a hash of the key).
@@ -47,8 +50,8 @@ def _generators(device: torch.device) -> list[torch.Generator]:
     return generators
 
 
-def run_keyed(layers: Iterable[tuple[int, nn.Module]], x: torch.Tensor, *, seed: int, step: int, microbatch: int,
-              device: torch.device | str = "cpu") -> torch.Tensor:
+def run_keyed(layers: Iterable[tuple[int, nn.Module]], x: Boundary, *, seed: int, step: int, microbatch: int,
+              device: torch.device | str = "cpu") -> Boundary:
     """Run ``(index, layer)`` pairs in turn on ``x``, torch's generator reseeded by the key before each.
 
     Args:
@@ -73,7 +76,7 @@ def run_keyed(layers: Iterable[tuple[int, nn.Module]], x: torch.Tensor, *, seed:
             value = draw_seed(seed, step, microbatch, index)
             for g in generators:
                 g.manual_seed(value)
-            x = layer(x)
+            x = boundary.call(layer, x)
     finally:
         for g, state in zip(generators, states):
             g.set_state(state)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,7 @@ from pipeweave.models.custom import LayerModel, build_layer as build_custom_laye
 
 KINDS = ("mlp", "gpt", "custom")
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]  # (output, target): a tensor or a tuple of tensors each
 
 
 @dataclass(frozen=True, kw_only=True)

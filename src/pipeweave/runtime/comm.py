@@ -25,6 +25,12 @@ gradient's size is its part's parameter count, known to both replicas. Sends
 are non-blocking and waited lazily (the validator's deadlock check assumes
 exactly that).
 
+A tuple of tensors (a custom model's layers may pass several,
+``models.boundary``) travels as one message: its tensors' bytes one after the
+other in a byte buffer (each aligned to 8 bytes), the stream's metadata
+holding every tensor's dtype and per-sample shape; the receiver unpacks views
+of the buffer. An input gradient of a tuple is a tuple too.
+
 Every message is received into a buffer of its own, freed when its consumer
 lets go of it (reusing buffers across steps would hold all T of a step's
 messages at once, against what 1F1B saves, and a stream's forever).
@@ -51,7 +57,10 @@ _DTYPES = (
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 )
 _MAX_DIMS = 8
-_META_LEN = 2 + _MAX_DIMS  # dtype code, number of sample dims, the sample dims
+_MAX_TENSORS = 8  # in a tuple message
+# One tensor: dtype code, number of sample dims, the sample dims. A tuple: -count, then that per tensor.
+_META_LEN = 1 + _MAX_TENSORS * (2 + _MAX_DIMS)
+_ALIGN = 8  # each tensor of a packed tuple starts at a multiple of this many bytes
 _META = -1  # microbatch field of a metadata message
 _FWD, _BWD, _GRAD, _TIED = 0, 1, 2, 3
 _KINDS = 4
@@ -168,6 +177,62 @@ def send_order(
 class _Posted:
     work: Any  # dist.Work, or shm.RecvWork under --transport shm
     buffer: torch.Tensor
+    layout: _Layout | None = None  # a packed tuple, unpacked when waited
+    samples: int = 0
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A tuple message's tensors: dtype and per-sample shape of each, packed into one byte buffer."""
+
+    entries: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> _Layout:
+        return cls(tuple((t.dtype, tuple(t.shape[1:])) for t in tensors))
+
+    def spans(self, samples: int) -> list[tuple[int, int]]:
+        """(offset, bytes) of each tensor in the buffer of a microbatch of ``samples``."""
+        out, offset = [], 0
+        for dtype, sample in self.entries:
+            n = samples * dtype.itemsize * math.prod(sample)
+            out.append((offset, n))
+            offset += -(-n // _ALIGN) * _ALIGN
+        return out
+
+    def nbytes(self, samples: int) -> int:
+        spans = self.spans(samples)
+        return spans[-1][0] + spans[-1][1] if spans else 0
+
+    def pack(self, tensors: Sequence[torch.Tensor], samples: int) -> torch.Tensor:
+        device = tensors[0].device if tensors else torch.device("cpu")
+        buffer = torch.empty(self.nbytes(samples), dtype=torch.uint8, device=device)
+        for t, (offset, n) in zip(tensors, self.spans(samples)):
+            buffer[offset:offset + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+        return buffer
+
+    def unpack(self, buffer: torch.Tensor, samples: int) -> tuple[torch.Tensor, ...]:
+        return tuple(buffer[offset:offset + n].view(dtype).view(samples, *sample)
+                     for (dtype, sample), (offset, n) in zip(self.entries, self.spans(samples)))
+
+    def encode(self) -> torch.Tensor:
+        if len(self.entries) > _MAX_TENSORS:
+            raise ValueError(f"cannot send a tuple of {len(self.entries)} tensors (at most {_MAX_TENSORS})")
+        values = [-len(self.entries)]
+        for dtype, sample in self.entries:
+            if len(sample) > _MAX_DIMS or dtype not in _DTYPES:
+                raise ValueError(f"cannot send a {dtype} tensor of per-sample shape {sample}")
+            values += [_DTYPES.index(dtype), len(sample), *sample, *[0] * (_MAX_DIMS - len(sample))]
+        return torch.tensor(values + [0] * (_META_LEN - len(values)), dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, values: list[int]) -> _Layout:
+        entries, at = [], 1
+        for _ in range(-values[0]):
+            ndim = values[at + 1]
+            entries.append((_DTYPES[values[at]], tuple(values[at + 2:at + 2 + ndim])))
+            at += 2 + _MAX_DIMS
+        return cls(tuple(entries))
 
 
 class P2P:
@@ -199,8 +264,9 @@ class P2P:
         self._span = len(self.sizes) + 1
         # Per (stage, kind) stream sent: dtype, per-sample shape and bytes (announced by its metadata).
         self._sent: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int]] = {}
-        # Per stream received: dtype, per-sample shape and bytes (read from its metadata).
-        self._shapes: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int]] = {}
+        self._sent_layouts: dict[tuple[int, int], _Layout] = {}  # streams of tuples
+        # Per stream received: dtype, per-sample shape and bytes (read from its metadata), or a tuple's layout.
+        self._shapes: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int] | _Layout] = {}
         self._pending_sends: list[tuple[Any, torch.Tensor]] = []
         self._posted: dict[Key, _Posted] = {}
         self._queues: dict[int, deque[Key]] = {}
@@ -262,14 +328,17 @@ class P2P:
             raise RuntimeError(f"rank {self.rank}: unreceived messages at the end of a step")
 
     # ---- sends ----------------------------------------------------------
-    def send(self, a: Action, tensor: torch.Tensor) -> None:
-        """Post a non-blocking send of ``tensor`` for the SEND action ``a``.
+    def send(self, a: Action, tensor: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        """Post a non-blocking send of ``tensor`` (or a tuple of tensors) for the SEND action ``a``.
 
         Few tensor calls on this path: right after a compute action each costs
         ~10 us of cold caches, which a microbatch's message paid several times.
         """
         key = message_key(self.lowered, a)
         peer = self.lowered.peer(a)
+        if isinstance(tensor, tuple):
+            self._send_packed(a, key, peer, tensor)
+            return
         shape = tensor.shape
         if not shape or shape[0] != self.sizes[a.microbatch]:
             raise ValueError(
@@ -289,6 +358,23 @@ class P2P:
         if len(self._pending_sends) >= _PRUNE_AT:  # forget finished sends: their buffers may go before the step ends
             self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
         self._isend(tensor, peer, key, sent[2] * shape[0])
+
+    def _send_packed(self, a: Action, key: Key, peer: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        samples = self.sizes[a.microbatch]
+        for t in tensors:
+            if not t.shape or t.shape[0] != samples:
+                raise ValueError(f"{a}: a tuple's tensor of shape {tuple(t.shape)} does not have the microbatch "
+                                 f"({samples}) as dimension 0")
+        layout = _Layout.of(tensors)
+        stream = key[:2]
+        sent = self._sent_layouts.get(stream)
+        if sent is None:
+            sent = self._sent_layouts[stream] = layout
+            self._isend(layout.encode().to(self.device), peer, (key[0], key[1], _META))
+        elif layout != sent:
+            raise ValueError(f"{a}: a tuple {layout.entries} in a stream announced as {sent.entries}")
+        buffer = layout.pack(tensors, samples)
+        self._isend(buffer, peer, key, buffer.numel())
 
     def send_gradient(self, stage: int, peer: int, flat: torch.Tensor) -> None:
         """Post the send of replica ``stage``'s flattened gradient to ``peer`` (its place in ``rank_sends``)."""
@@ -330,15 +416,19 @@ class P2P:
         posted = self._posted.get(key)
         return posted is not None and bool(posted.work.is_completed())
 
-    def recv(self, a: Action) -> torch.Tensor:
-        """Wait for the message of the RECV action ``a`` and return it."""
-        return self._wait(message_key(self.lowered, a), self.lowered.peer(a))
+    def recv(self, a: Action) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Wait for the message of the RECV action ``a`` and return it (a tuple if a tuple was sent)."""
+        posted = self._take(message_key(self.lowered, a), self.lowered.peer(a))
+        return posted.buffer if posted.layout is None else posted.layout.unpack(posted.buffer, posted.samples)
 
     def _wait(self, key: Key, peer: int) -> torch.Tensor:
+        return self._take(key, peer).buffer
+
+    def _take(self, key: Key, peer: int) -> _Posted:
         self._post_through(peer, key, block=True)
         posted = self._posted.pop(key)  # a tied key never reaches here: runtime.tied waits on its own
         posted.work.wait(wait_timeout())
-        return posted.buffer
+        return posted
 
     def _post_through(self, peer: int, key: Key, *, block: bool) -> None:
         """Post receives from ``peer`` in its send order, up to and including ``key``."""
@@ -372,11 +462,16 @@ class P2P:
             return False
         meta.work.wait(wait_timeout())
         del self._posted[(stream[0], stream[1], _META)]
-        dtype, sample = _decode_meta(meta.buffer.cpu())
+        values = meta.buffer.cpu().tolist()
+        if values[0] < 0:
+            self._shapes[stream] = _Layout.decode(values)
+            return True
+        dtype, sample = _decode_meta(values)
         self._shapes[stream] = (dtype, sample, dtype.itemsize * math.prod(sample))
         return True
 
     def _post(self, peer: int, key: Key) -> None:
+        layout = None
         if key[2] == _META:
             buffer = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
             nbytes = 8 * _META_LEN
@@ -384,14 +479,20 @@ class P2P:
             buffer = torch.empty(self.grad_numel[key[0]], dtype=torch.float32, device=self.device)
             nbytes = 4 * self.grad_numel[key[0]]
         else:
-            dtype, sample, sample_bytes = self._shapes[key[:2]]
-            buffer = torch.empty((self.sizes[key[2]], *sample), dtype=dtype, device=self.device)
-            nbytes = sample_bytes * self.sizes[key[2]]
+            shape = self._shapes[key[:2]]
+            samples = self.sizes[key[2]]
+            if isinstance(shape, _Layout):
+                layout, nbytes = shape, shape.nbytes(samples)
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            else:
+                dtype, sample, sample_bytes = shape
+                buffer = torch.empty((samples, *sample), dtype=dtype, device=self.device)
+                nbytes = sample_bytes * samples
         ring = shm.active()
         work: Any = (ring.irecv(buffer, peer, self.tag(key), nbytes) if ring
                      else dist.irecv(buffer, src=peer, tag=self.tag(key)))
         assert work is not None
-        self._posted[key] = _Posted(work, buffer)
+        self._posted[key] = _Posted(work, buffer, layout, self.sizes[key[2]] if layout is not None else 0)
 
 
 _COMM = (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
@@ -406,7 +507,6 @@ def _encode_meta(tensor: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values + [0] * (_META_LEN - len(values)), dtype=torch.int64)
 
 
-def _decode_meta(meta: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
-    values = meta.tolist()
+def _decode_meta(values: list[int]) -> tuple[torch.dtype, tuple[int, ...]]:
     ndim = values[1]
     return _DTYPES[values[0]], tuple(values[2 : 2 + ndim])

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from pipeweave.models.boundary import Boundary
 from pipeweave.runtime.comm import P2P, replica_peers
 from pipeweave.runtime.stage import StageWorker
 from pipeweave.runtime.tied import TiedGradients
@@ -173,12 +174,12 @@ class Executor:
         self.action_cpu_ns: list[int] = []
         self.step_cpu_ns = 0
         # Per-step state: what flows between actions, keyed by (stage, microbatch).
-        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
-        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self._grads_in: dict[tuple[int, int], torch.Tensor] = {}
-        self._grads_out: dict[tuple[int, int], torch.Tensor] = {}
-        self._data: Sequence[torch.Tensor] = ()
-        self._targets: Sequence[torch.Tensor] = ()
+        self._inputs: dict[tuple[int, int], Boundary] = {}
+        self._outputs: dict[tuple[int, int], Boundary] = {}
+        self._grads_in: dict[tuple[int, int], Boundary] = {}
+        self._grads_out: dict[tuple[int, int], Boundary] = {}
+        self._data: Sequence[Boundary] = ()
+        self._targets: Sequence[Boundary] = ()
         self._losses: list[torch.Tensor] = []
         # Asynchronous schedules: runtime.policy.RankPolicy, called around every compute action
         # (the weights each reads), and every microbatch's loss, for per-mini-batch losses.
@@ -186,7 +187,7 @@ class Executor:
         self.losses_by_microbatch: dict[int, torch.Tensor] = {}
         self._prepared = False  # gradients zero-filled in this step (``_before_waiting``)
 
-    def run_step(self, data: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> tuple[float, list[Record]]:
+    def run_step(self, data: Sequence[Boundary], targets: Sequence[Boundary]) -> tuple[float, list[Record]]:
         """Run the rank's actions once: returns this rank's share of the loss and the timings.
 
         ``data[j]`` is microbatch j's input (used by first stages), ``targets[j]``
@@ -248,9 +249,10 @@ class Executor:
         worker = self.workers[s]
         out = worker.evaluate(x, target) if self.evaluating else worker.forward(j, x, target=target)
         if nxt is None:
-            self._losses.append(out)  # summed at the end of the step: no sync per microbatch
+            loss = cast(torch.Tensor, out)  # the last stage returns its scaled loss
+            self._losses.append(loss)  # summed at the end of the step: no sync per microbatch
             if self.policy is not None:
-                self.losses_by_microbatch[j] = out
+                self.losses_by_microbatch[j] = loss
         elif self.placement.stage_rank[nxt] == self.rank:
             self._inputs[(nxt, j)] = out  # a neighbour on this rank: no message
         else:
@@ -262,7 +264,7 @@ class Executor:
     def backward_input(self, a: Action) -> None:
         self._backward(a, self.workers[a.stage].backward_input)
 
-    def _backward(self, a: Action, run: Callable[[int, torch.Tensor | None], torch.Tensor | None]) -> None:
+    def _backward(self, a: Action, run: Callable[[int, Boundary | None], Boundary | None]) -> None:
         s, _, j = a
         nxt = self.placement.next_stage(s)
         grad_output = None if nxt is None else self._grads_in.pop((s, j))

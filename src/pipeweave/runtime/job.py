@@ -22,6 +22,7 @@ import torch.distributed as dist
 from pipeweave.data import data_source, split_microbatches
 from pipeweave.data.corpus import read_text_file, split_blocks
 from pipeweave.errors import UserError
+from pipeweave.models import boundary
 from pipeweave.models.spec import ModelSpec, uniform_parts
 from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
@@ -392,7 +393,7 @@ def evaluate(evaluator: Executor, source: Any, config: TrainConfig, t: int, devi
 
 
 def _microbatches(source: Any, k: int, t: int, device: torch.device, workers: dict[int, StageWorker], *,
-                  held_out: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                  held_out: bool = False) -> tuple[list[boundary.Boundary], list[boundary.Boundary]]:
     """Batch ``k``'s inputs and targets (held-out batch ``k``), each split into ``t`` microbatches on ``device``.
 
     Only a rank with a first or a last stage draws the batch (the inputs go to
@@ -402,8 +403,11 @@ def _microbatches(source: Any, k: int, t: int, device: torch.device, workers: di
     if not any(w.is_first or w.is_last for w in workers.values()):
         return [], []
     inputs, targets = source.eval_batch(k) if held_out else source.batch(k)
-    return ([m.to(device) for m in split_microbatches(inputs, t)],
-            [m.to(device) for m in split_microbatches(targets, t)])
+    def to(m: torch.Tensor) -> torch.Tensor:
+        return m.to(device)
+
+    return ([boundary.apply(to, m) for m in split_microbatches(inputs, t)],
+            [boundary.apply(to, m) for m in split_microbatches(targets, t)])
 
 
 def seconds_since(timings: Sequence[tuple[Action, int, int]], offset: int) -> list[tuple[int, str, int, float, float]]:

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from pipeweave.data import DataSource, data_source, split_microbatches
+from pipeweave.models import boundary
+from pipeweave.models.boundary import num_samples
 from pipeweave.models.randomness import run_keyed
 from pipeweave.models.spec import ModelSpec, build_layers, loss_fn
 from pipeweave.runtime.stage import OptimizerFactory, sgd
@@ -83,8 +85,8 @@ def run_plain(
                 x = run_keyed(enumerate(model.values()), x, seed=spec.seed, step=step, microbatch=j)
             else:
                 for layer in model.values():
-                    x = layer(x)
-            mb_loss = loss(x, target) * (target.shape[0] / batch_size)
+                    x = boundary.call(layer, x)
+            mb_loss = loss(x, target) * (num_samples(target) / batch_size)
             mb_loss.backward()
             step_losses.append(mb_loss.item())
         losses.append(sum(step_losses))

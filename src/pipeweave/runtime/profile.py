@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from pipeweave.errors import UserError
+from pipeweave.models import boundary
+from pipeweave.models.boundary import Boundary, num_samples, tensors
 from pipeweave.models.custom import fingerprint
 from pipeweave.models.spec import ModelSpec
 from pipeweave.partition.problem import LayerCosts
@@ -45,7 +47,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("PIPEWEAVE_CACHE", Path.home() / ".cache" / "pipeweave")) / "profiles"
 
 
-def sample_input(spec: ModelSpec, microbatch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_input(spec: ModelSpec, microbatch_size: int, generator: torch.Generator) -> tuple[Boundary, Boundary]:
     """A random microbatch of the model's data shape: ``(inputs, targets)``."""
     b = microbatch_size
     if spec.kind == "custom":  # the dataset's first samples (profiling needs shapes and types, not randomness)
@@ -83,11 +85,11 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], tuple[float, A
 
 
 def _profile_layer(
-    spec: ModelSpec, index: int, x: torch.Tensor, target: torch.Tensor, *, warmup: int, repeats: int,
+    spec: ModelSpec, index: int, x: Boundary, target: Boundary, *, warmup: int, repeats: int,
     device: torch.device,
-) -> tuple[dict[str, Any], torch.Tensor]:
+) -> tuple[dict[str, Any], Boundary]:
     """Costs of layer ``index`` on input ``x``; returns them and the layer's output."""
-    worker = StageWorker(spec, [index], batch_size=x.shape[0], device=device)
+    worker = StageWorker(spec, [index], batch_size=num_samples(x), device=device)
     layer = worker.module[str(index)]
     timed = _timer(device)
     times: dict[str, list[float]] = {"forward": [], "input_grad": [], "weight_grad": []}
@@ -97,20 +99,27 @@ def _profile_layer(
         held_before = worker.activation_bytes()
         f, out = timed(lambda: worker.forward(mb, x, target if worker.is_last else None))
         kept = worker.peak_activation_bytes() - held_before
-        grad = None if worker.is_last else torch.randn_like(out)
+        grad = None if worker.is_last else _gradient_like(out)
         i, _ = timed(lambda: worker.backward_input(mb, grad))
         w, _ = timed(lambda: worker.backward_weight(mb))
         worker.optimizer.zero_grad(set_to_none=True)
         if mb >= warmup:
             for key, value in zip(times, (f, i, w)):
                 times[key].append(value)
-    output_bytes = out.untyped_storage().nbytes()
+    output_bytes = sum(t.untyped_storage().nbytes() for t in tensors(out))
     costs = {key: statistics.median(values) for key, values in times.items()}
     costs.update(
         name=f"layers.{index}", type=type(layer).__name__, params=worker.weight_bytes(),
         activation=max(0, kept - output_bytes), output=output_bytes,
     )
-    return costs, out.detach()
+    return costs, boundary.apply(torch.Tensor.detach, out)
+
+
+def _gradient_like(out: Boundary) -> Boundary:
+    """A random gradient for a stage output: one tensor, or one per floating-point tensor of a tuple."""
+    if isinstance(out, torch.Tensor):
+        return torch.randn_like(out)
+    return tuple(torch.randn_like(t) for t in boundary.differentiable(out))
 
 
 def profile_model(
@@ -153,7 +162,7 @@ def profile_model(
     if path.exists() and not refresh:
         return LayerCosts.load(path)
     generator = torch.Generator().manual_seed(spec.seed)
-    x, target = (t.to(device) for t in sample_input(spec, microbatch_size, generator))
+    x, target = (boundary.apply(lambda t: t.to(device), part) for part in sample_input(spec, microbatch_size, generator))
     rows = []
     for index in range(spec.num_layers):
         row, x = _profile_layer(spec, index, x, target, warmup=warmup, repeats=repeats, device=device)

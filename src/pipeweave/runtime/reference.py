@@ -10,11 +10,13 @@ executor's tests and a fast path for convergence studies.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
 from pipeweave.data import DataSource, data_source, split_microbatches
 from pipeweave.errors import UserError
+from pipeweave.models.boundary import Boundary
 from pipeweave.models.spec import ModelSpec, uniform_parts
 from pipeweave.runtime.plain import TrainResult
 from pipeweave.runtime.stage import OptimizerFactory, StageWorker
@@ -57,12 +59,12 @@ def sum_replica_gradients(replicas: list[StageWorker]) -> None:
 class _Step:
     """The state of one step's walk: tensors in flight between stages and what has run."""
 
-    def __init__(self, schedule: Schedule, workers: list[StageWorker], inputs: list[torch.Tensor],
-                 targets: list[torch.Tensor]) -> None:
+    def __init__(self, schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Boundary],
+                 targets: Sequence[Boundary]) -> None:
         self.schedule, self.workers = schedule, workers
         self.inputs, self.targets = inputs, targets
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> its output, until consumed
-        self.grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> its input gradient
+        self.outputs: dict[tuple[int, int], Boundary] = {}  # (stage, mb) -> its output, until consumed
+        self.grads: dict[tuple[int, int], Boundary] = {}  # (stage, mb) -> its input gradient
         self.forwarded: set[tuple[int, int]] = set()
         self.input_done: set[tuple[int, int]] = set()
         self.losses: dict[int, float] = {}
@@ -94,7 +96,7 @@ class _Step:
             x = self.inputs[j] if prev is None else self.outputs.pop((prev, j))
             out = worker.forward(j, x, self.targets[j] if nxt is None else None)
             if nxt is None:
-                self.losses[j] = out.item()
+                self.losses[j] = cast(torch.Tensor, out).item()
             else:
                 self.outputs[(s, j)] = out
             self.forwarded.add((s, j))
@@ -137,8 +139,8 @@ def _weight_grad_counts(schedule: Schedule) -> dict[int, int]:
     return counts
 
 
-def run_step(schedule: Schedule, workers: list[StageWorker], inputs: list[torch.Tensor],
-             targets: list[torch.Tensor], state: _Step | None = None) -> float:
+def run_step(schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Boundary],
+             targets: Sequence[Boundary], state: _Step | None = None) -> float:
     """Run one step of a synchronous schedule; returns the mini-batch mean loss.
 
     ``state`` replaces the walk's state (``runtime.stream`` walks an asynchronous stream with its own).

@@ -36,6 +36,9 @@ Tensors in and out (microbatch ``mb`` is the IR's microbatch index):
   gradient of the stage input to send back, or None on the first stage.
 - ``backward_weight(mb)`` (W): accumulates the weight gradients that I
   deferred. B accumulates them at once.
+- A custom model's layers may pass tuples of tensors (``models.boundary``):
+  then ``x`` and the output are tuples, a ``grad_output`` or an input
+  gradient is the tuple of the floating-point elements' gradients.
 - ``update()`` (U): calls ``combine_grads(worker)`` if set, then the optimizer
   step, then zeroes the gradients.
 - ``evaluate(x, target=None)``: F for evaluation (``schedule.evaluation``):
@@ -77,6 +80,8 @@ import torch
 from torch import nn
 
 from pipeweave.errors import UserError
+from pipeweave.models import boundary
+from pipeweave.models.boundary import Boundary, num_samples, tensors
 from pipeweave.models.layers import Deferrable, WeightGrad, WeightGradStore
 from pipeweave.models.randomness import run_keyed
 from pipeweave.models.spec import ModelSpec, build_layers, loss_fn
@@ -156,9 +161,9 @@ def _unpack(held: _Held) -> torch.Tensor:
 class _Microbatch:
     """What a stage keeps of one microbatch between its F and its backward."""
 
-    input: torch.Tensor
-    output: torch.Tensor | None  # None under recomputation: replayed before the backward
-    target: torch.Tensor | None
+    input: Boundary
+    output: Boundary | None  # None under recomputation: replayed before the backward
+    target: Boundary | None
     keys: list[int | None]
     step: int  # steps done at F: a replay draws F's random numbers
 
@@ -232,28 +237,33 @@ class StageWorker:
         self._buffers = list(self.module.buffers())  # running statistics, left as F left them by a replay
 
     # ---- F ----------------------------------------------------------------
-    def forward(self, mb: int, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, mb: int, x: Boundary, target: Boundary | None = None) -> Boundary:
         """F: run the stage on microbatch ``mb``; returns the output, or the scaled loss on the last stage."""
         if mb in self._saved:
             raise RuntimeError(f"stage {self.layer_indices} got F for microbatch {mb} twice before its backward")
         if self.is_last and target is None:
             raise RuntimeError("the last stage needs the microbatch's target to compute the loss")
-        x = _own(x.detach())
-        target = None if target is None else _own(target)
-        if not self.is_first and x.is_floating_point():
-            x.requires_grad_(True)
+        x = tuple(self._input(t) for t in x) if isinstance(x, tuple) else self._input(x)
+        target = None if target is None else boundary.apply(_own, target)
         if self.recompute:
             with torch.no_grad():
                 out = self._run(x, target, mb, self.steps_done)
-            record = _Microbatch(x, None, target, [self._hold(x)], self.steps_done)
+            record = _Microbatch(x, None, target, [self._hold(t) for t in tensors(x)], self.steps_done)
         else:
             with self._hooks():
                 out = self._run(x, target, mb, self.steps_done)
-            record = _Microbatch(x, out, target, [self._hold(x), self._hold(out)], self.steps_done)
+            held = [self._hold(t) for t in tensors(x)] + [self._hold(t) for t in tensors(out)]
+            record = _Microbatch(x, out, target, held, self.steps_done)
         self._saved[mb] = record
-        return out.detach()
+        return out.detach() if isinstance(out, torch.Tensor) else boundary.apply(torch.Tensor.detach, out)
 
-    def evaluate(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+    def _input(self, t: torch.Tensor) -> torch.Tensor:
+        t = _own(t.detach())
+        if not self.is_first and t.is_floating_point():
+            t.requires_grad_(True)  # a leaf: its .grad is the input gradient to send back
+        return t
+
+    def evaluate(self, x: Boundary, target: Boundary | None = None) -> Boundary:
         """F for evaluation: the output (or scaled loss) of ``forward`` in ``eval()`` mode, no graph, nothing kept."""
         if self.is_last and target is None:
             raise RuntimeError("the last stage needs the microbatch's target to compute the loss")
@@ -264,25 +274,25 @@ class StageWorker:
         finally:
             self.module.train()
 
-    def _run(self, x: torch.Tensor, target: torch.Tensor | None, mb: int | None, step: int) -> torch.Tensor:
+    def _run(self, x: Boundary, target: Boundary | None, mb: int | None, step: int) -> Boundary:
         if self.keyed and mb is not None:  # models.randomness: the masks plain training draws
             x = run_keyed(zip(self.layer_indices, self.module.values()), x, seed=self.spec.seed, step=step,
                           microbatch=mb, device=self.device)
         else:
             for layer in self.module.values():
-                x = layer(x)
+                x = boundary.call(layer, x)
         if not self.is_last:
             return x
         assert target is not None
         # The microbatch's share of the mini-batch: the shares' sum makes the mean loss.
-        return self.loss(x, target) * (target.shape[0] / self.batch_size)
+        return self.loss(x, target) * (num_samples(target) / self.batch_size)
 
     # ---- B, I, W -----------------------------------------------------------
-    def backward(self, mb: int, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
+    def backward(self, mb: int, grad_output: Boundary | None = None) -> Boundary | None:
         """B: input and weight gradients of microbatch ``mb``; returns the input gradient (None on the first stage)."""
         return self._backward(mb, grad_output, defer=False)
 
-    def backward_input(self, mb: int, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
+    def backward_input(self, mb: int, grad_output: Boundary | None = None) -> Boundary | None:
         """I: the input gradient only; the weight gradients wait for ``backward_weight(mb)``."""
         return self._backward(mb, grad_output, defer=True)
 
@@ -297,7 +307,7 @@ class StageWorker:
         closures.clear()
         self._release(self._stash_keys.pop(mb))
 
-    def _backward(self, mb: int, grad_output: torch.Tensor | None, *, defer: bool) -> torch.Tensor | None:
+    def _backward(self, mb: int, grad_output: Boundary | None, *, defer: bool) -> Boundary | None:
         self._backward_ran = True
         record = self._saved.pop(mb, None)
         if record is None:
@@ -312,8 +322,14 @@ class StageWorker:
             raise RuntimeError("a backward on a stage other than the last needs grad_output")
         self.store.deferring = defer
         try:
-            if out.requires_grad:
-                torch.autograd.backward(out, None if self.is_last else grad_output)
+            if isinstance(out, torch.Tensor):
+                if out.requires_grad:
+                    torch.autograd.backward(out, None if self.is_last else grad_output)
+            else:  # a tuple: from its floating-point outputs that have a graph
+                assert grad_output is not None
+                outputs, grads = boundary.roots(out, grad_output)
+                if outputs:
+                    torch.autograd.backward(outputs, grads)
         finally:
             self.store.deferring = False
         with torch.no_grad():  # after the backward: the replayed graph may hold the buffers
@@ -323,7 +339,7 @@ class StageWorker:
             closures, self.store.pending = self.store.pending, []
             self._weight_grads[mb] = closures
             self._stash_keys[mb] = [self._hold(t) for _, held in closures for t in held]
-        grad_input = record.input.grad if record.input.requires_grad else None
+        grad_input = None if self.is_first else boundary.input_gradient(record.input)
         del out
         record.output = None
         self._release(record.keys)

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 
 from pipeweave.data import DataSource, data_source, split_microbatches
+from pipeweave.models import boundary
+from pipeweave.models.boundary import Boundary
 from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.plain import TrainResult
@@ -67,7 +69,7 @@ def microbatches_per_minibatch(schedule: Schedule) -> int:
     return schedule.num_microbatches // (max(1, schedule.num_steps) * len(schedule.placement.pipelines))
 
 
-class StreamData(Sequence[torch.Tensor]):
+class StreamData(Sequence[Boundary]):
     """Microbatch j of the stream: slice j mod T of the data source's batch j // T, fetched when first asked.
 
     Example:
@@ -80,22 +82,25 @@ class StreamData(Sequence[torch.Tensor]):
     def __init__(self, source: DataSource, *, num_microbatches: int, length: int, part: int,
                  device: torch.device | str = "cpu") -> None:
         self.source, self.t, self.length, self.part, self.device = source, num_microbatches, length, part, device
-        self._cached: tuple[int, list[torch.Tensor]] | None = None
+        self._cached: tuple[int, list[Boundary]] | None = None
 
     def __len__(self) -> int:
         return self.length
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device)
+
     @overload
-    def __getitem__(self, j: int) -> torch.Tensor: ...
+    def __getitem__(self, j: int) -> Boundary: ...
     @overload
-    def __getitem__(self, j: slice) -> Sequence[torch.Tensor]: ...
-    def __getitem__(self, j: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
+    def __getitem__(self, j: slice) -> Sequence[Boundary]: ...
+    def __getitem__(self, j: int | slice) -> Boundary | Sequence[Boundary]:
         if isinstance(j, slice):
             return [self[i] for i in range(*j.indices(self.length))]
         m = j // self.t
         if self._cached is None or self._cached[0] != m:  # the stream asks in about increasing order
             batch = self.source.batch(m)[self.part]
-            self._cached = (m, [x.to(self.device) for x in split_microbatches(batch, self.t)])
+            self._cached = (m, [boundary.apply(self._to_device, x) for x in split_microbatches(batch, self.t)])
         return self._cached[1][j % self.t]
 
 
@@ -123,9 +128,9 @@ class StreamResult(TrainResult):
 class _StreamStep(_Step):
     """The reference walk of a stream: a rank's U follows its own backwards; the policy brackets each action."""
 
-    def __init__(self, schedule: Schedule, workers: list[StageWorker], inputs: Sequence[torch.Tensor],
-                 targets: Sequence[torch.Tensor], policies: dict[int, RankPolicy]) -> None:
-        super().__init__(schedule, workers, inputs, targets)  # type: ignore[arg-type]
+    def __init__(self, schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Boundary],
+                 targets: Sequence[Boundary], policies: dict[int, RankPolicy]) -> None:
+        super().__init__(schedule, workers, inputs, targets)
         self.policy_of = {s: policies[r] for r, policy in policies.items() for s in policy.states}
 
     def ready(self, a: Action) -> bool:
