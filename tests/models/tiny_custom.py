@@ -155,6 +155,25 @@ def returns_list() -> LayerModel:
                       dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 2)))
 
 
+def wide_tuple() -> LayerModel:
+    return LayerModel(layers=[lambda: _Copies(9), lambda: _First()], loss=nn.functional.mse_loss,
+                      dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 4)))
+
+
+class _Copies(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x,) * self.n
+
+
+class _First(nn.Module):
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return xs[0]
+
+
 class _AsList(nn.Module):
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [x, x]

@@ -249,6 +249,7 @@ def test_model_spec_of_a_module_level_function() -> None:
     ("{FILE}:returns_tuple", "layer 0 of the model returns tuple; each layer must return a tensor or a tuple of "
                              "tensors"),  # LSTM: (output, (h, c))
     ("{FILE}:returns_list", "layer 0 of the model returns list; each layer must return a tensor or a tuple"),
+    ("{FILE}:wide_tuple", "layer 0 of the model returns a tuple of 9 tensors; a stage boundary carries at most 8"),
     ("{FILE}:raises", r"raises\(\) raised RuntimeError: no data here \(.*tiny_custom.py:\d+\)"),
     ("{FILE}:wrong_width", "layer 1 of the model fails on the output of layer 0: RuntimeError"),
     ("{FILE}:wrong_targets", "the model's loss fails on the last layer's output and the targets"),

@@ -19,6 +19,8 @@ from typing import Any, Union
 import torch
 
 Boundary = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+MAX_TENSORS = 8
+"""The most tensors a tuple may hold (its layout travels in a fixed-size metadata message)."""
 
 
 def call(layer: Callable[..., Any], x: Boundary) -> Any:

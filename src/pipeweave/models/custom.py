@@ -288,6 +288,9 @@ def probe(model: LayerModel, seeds: Sequence[int], inputs: Boundary, targets: Bo
                     isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x)):
                 raise UserError(f"layer {index} of the model returns {type(x).__name__}; each layer must "
                                 "return a tensor or a tuple of tensors (the next layer's arguments)")
+            if isinstance(x, tuple) and len(x) > boundary.MAX_TENSORS:
+                raise UserError(f"layer {index} of the model returns a tuple of {len(x)} tensors; a stage "
+                                f"boundary carries at most {boundary.MAX_TENSORS}: group some of them")
             if index + 1 < len(seeds):  # a boundary: microbatches are split and sent along dimension 0
                 for t in tensors(x):
                     if t.dim() == 0 or len(t) != samples:

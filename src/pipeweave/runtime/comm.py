@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeweave.models.boundary import MAX_TENSORS as _MAX_TENSORS
 from pipeweave.runtime import shm
 from pipeweave.runtime.launch import wait_timeout
 from pipeweave.schedule.ir import Action, Op
@@ -57,7 +58,6 @@ _DTYPES = (
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 )
 _MAX_DIMS = 8
-_MAX_TENSORS = 8  # in a tuple message
 # One tensor: dtype code, number of sample dims, the sample dims. A tuple: -count, then that per tensor.
 _META_LEN = 1 + _MAX_TENSORS * (2 + _MAX_DIMS)
 _ALIGN = 8  # each tensor of a packed tuple starts at a multiple of this many bytes
@@ -373,6 +373,8 @@ class P2P:
             self._isend(layout.encode().to(self.device), peer, (key[0], key[1], _META))
         elif layout != sent:
             raise ValueError(f"{a}: a tuple {layout.entries} in a stream announced as {sent.entries}")
+        if len(self._pending_sends) >= _PRUNE_AT:  # as in send
+            self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
         buffer = layout.pack(tensors, samples)
         self._isend(buffer, peer, key, buffer.numel())
 
