@@ -297,7 +297,8 @@ def test_train_cli_trains_a_model_file(tmp_path: Path) -> None:
     assert record["optimizer"] == "adamw"
 
 
-@pytest.mark.parametrize("name", ["pipeweave.models.custom", "pipeweave.models.randomness", "pipeweave.data.dataset"])
+@pytest.mark.parametrize("name", ["pipeweave.models.custom", "pipeweave.models.randomness", "pipeweave.data.dataset",
+                                  "pipeweave.runtime.message"])
 def test_examples(name: str) -> None:
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
@@ -434,12 +435,12 @@ def test_the_profiler_takes_tuples(tmp_path: Path) -> None:
 
 
 def test_a_tuple_message_packs_mixed_dtypes_each_aligned() -> None:
-    from pipeweave.runtime.comm import _Layout
+    from pipeweave.runtime.message import Layout, read_meta
 
     parts = (torch.rand(3, 5) > 0.5, torch.randn(3, 2, dtype=torch.float64), torch.arange(3, dtype=torch.int16))
-    layout = _Layout.of(parts)
+    layout = Layout.of(parts)
     assert layout.spans(3) == [(0, 15), (16, 48), (64, 6)] and layout.nbytes(3) == 70
     back = layout.unpack(layout.pack(parts, 3), 3)
     for sent, received in zip(parts, back):
         assert received.dtype == sent.dtype and torch.equal(received, sent)
-    assert _Layout.decode(layout.encode().tolist()) == layout
+    assert read_meta(layout.encode().tolist()) == layout

@@ -281,7 +281,8 @@ def test_a_received_message_is_not_kept_by_the_transport() -> None:
     import multiprocessing
     import weakref
 
-    from pipeweave.runtime.comm import P2P, _encode_meta
+    from pipeweave.runtime.comm import P2P
+    from pipeweave.runtime.message import tensor_meta
     from pipeweave.schedule import generate, lower
     from pipeweave.schedule.ir import Action, Op
 
@@ -291,7 +292,7 @@ def test_a_received_message_is_not_kept_by_the_transport() -> None:
     try:
         p2p = P2P(lower(generate("1f1b", num_stages=2, num_microbatches=2)), 1, [3, 3], torch.device("cpu"))
         p2p.begin_step()
-        sender.isend(_encode_meta(torch.ones(3, 4)), 1, tag=p2p.tag((0, 0, -1)))
+        sender.isend(tensor_meta(torch.ones(3, 4)), 1, tag=p2p.tag((0, 0, -1)))
         for j in range(2):
             sender.isend(torch.full((3, 4), float(j)), 1, tag=p2p.tag((0, 0, j)))
         alive = []

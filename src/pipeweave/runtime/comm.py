@@ -26,10 +26,9 @@ are non-blocking and waited lazily (the validator's deadlock check assumes
 exactly that).
 
 A tuple of tensors (a custom model's layers may pass several,
-``models.boundary``) travels as one message: its tensors' bytes one after the
-other in a byte buffer (each aligned to 8 bytes), the stream's metadata
-holding every tensor's dtype and per-sample shape; the receiver unpacks views
-of the buffer. An input gradient of a tuple is a tuple too.
+``models.boundary``) travels as one message, packed into a byte buffer and
+described by its stream's metadata (``runtime.message``); the receiver
+unpacks views of the buffer. An input gradient of a tuple is a tuple too.
 
 Every message is received into a buffer of its own, freed when its consumer
 lets go of it (reusing buffers across steps would hold all T of a step's
@@ -47,20 +46,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeweave.models.boundary import MAX_TENSORS as _MAX_TENSORS
 from pipeweave.runtime import shm
 from pipeweave.runtime.launch import wait_timeout
+from pipeweave.runtime.message import META_LEN, Layout, read_meta, tensor_meta
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.schedule.lower import LoweredSchedule
 
-_DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)
-_MAX_DIMS = 8
-# One tensor: dtype code, number of sample dims, the sample dims. A tuple: -count, then that per tensor.
-_META_LEN = 1 + _MAX_TENSORS * (2 + _MAX_DIMS)
-_ALIGN = 8  # each tensor of a packed tuple starts at a multiple of this many bytes
 _META = -1  # microbatch field of a metadata message
 _FWD, _BWD, _GRAD, _TIED = 0, 1, 2, 3
 _KINDS = 4
@@ -177,62 +168,8 @@ def send_order(
 class _Posted:
     work: Any  # dist.Work, or shm.RecvWork under --transport shm
     buffer: torch.Tensor
-    layout: _Layout | None = None  # a packed tuple, unpacked when waited
+    layout: Layout | None = None  # a packed tuple, unpacked when waited
     samples: int = 0
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """A tuple message's tensors: dtype and per-sample shape of each, packed into one byte buffer."""
-
-    entries: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
-
-    @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor]) -> _Layout:
-        return cls(tuple((t.dtype, tuple(t.shape[1:])) for t in tensors))
-
-    def spans(self, samples: int) -> list[tuple[int, int]]:
-        """(offset, bytes) of each tensor in the buffer of a microbatch of ``samples``."""
-        out, offset = [], 0
-        for dtype, sample in self.entries:
-            n = samples * dtype.itemsize * math.prod(sample)
-            out.append((offset, n))
-            offset += -(-n // _ALIGN) * _ALIGN
-        return out
-
-    def nbytes(self, samples: int) -> int:
-        spans = self.spans(samples)
-        return spans[-1][0] + spans[-1][1] if spans else 0
-
-    def pack(self, tensors: Sequence[torch.Tensor], samples: int) -> torch.Tensor:
-        device = tensors[0].device if tensors else torch.device("cpu")
-        buffer = torch.empty(self.nbytes(samples), dtype=torch.uint8, device=device)
-        for t, (offset, n) in zip(tensors, self.spans(samples)):
-            buffer[offset:offset + n].copy_(t.contiguous().view(-1).view(torch.uint8))
-        return buffer
-
-    def unpack(self, buffer: torch.Tensor, samples: int) -> tuple[torch.Tensor, ...]:
-        return tuple(buffer[offset:offset + n].view(dtype).view(samples, *sample)
-                     for (dtype, sample), (offset, n) in zip(self.entries, self.spans(samples)))
-
-    def encode(self) -> torch.Tensor:
-        if len(self.entries) > _MAX_TENSORS:
-            raise ValueError(f"cannot send a tuple of {len(self.entries)} tensors (at most {_MAX_TENSORS})")
-        values = [-len(self.entries)]
-        for dtype, sample in self.entries:
-            if len(sample) > _MAX_DIMS or dtype not in _DTYPES:
-                raise ValueError(f"cannot send a {dtype} tensor of per-sample shape {sample}")
-            values += [_DTYPES.index(dtype), len(sample), *sample, *[0] * (_MAX_DIMS - len(sample))]
-        return torch.tensor(values + [0] * (_META_LEN - len(values)), dtype=torch.int64)
-
-    @classmethod
-    def decode(cls, values: list[int]) -> _Layout:
-        entries, at = [], 1
-        for _ in range(-values[0]):
-            ndim = values[at + 1]
-            entries.append((_DTYPES[values[at]], tuple(values[at + 2:at + 2 + ndim])))
-            at += 2 + _MAX_DIMS
-        return cls(tuple(entries))
 
 
 class P2P:
@@ -264,9 +201,9 @@ class P2P:
         self._span = len(self.sizes) + 1
         # Per (stage, kind) stream sent: dtype, per-sample shape and bytes (announced by its metadata).
         self._sent: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int]] = {}
-        self._sent_layouts: dict[tuple[int, int], _Layout] = {}  # streams of tuples
+        self._sent_layouts: dict[tuple[int, int], Layout] = {}  # streams of tuples
         # Per stream received: dtype, per-sample shape and bytes (read from its metadata), or a tuple's layout.
-        self._shapes: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int] | _Layout] = {}
+        self._shapes: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int] | Layout] = {}
         self._pending_sends: list[tuple[Any, torch.Tensor]] = []
         self._posted: dict[Key, _Posted] = {}
         self._queues: dict[int, deque[Key]] = {}
@@ -351,7 +288,7 @@ class P2P:
         sent = self._sent.get(stream)
         if sent is None:
             sent = self._sent[stream] = (tensor.dtype, tuple(shape[1:]), tensor.element_size() * math.prod(shape[1:]))
-            self._isend(_encode_meta(tensor).to(self.device), peer, (key[0], key[1], _META))
+            self._isend(tensor_meta(tensor).to(self.device), peer, (key[0], key[1], _META))
         elif tuple(shape[1:]) != sent[1] or tensor.dtype != sent[0]:
             raise ValueError(f"{a}: a {tensor.dtype} tensor of per-sample shape {tuple(shape[1:])} in a stream "
                              f"announced as {sent[0]} {sent[1]}")
@@ -365,7 +302,7 @@ class P2P:
             if not t.shape or t.shape[0] != samples:
                 raise ValueError(f"{a}: a tuple's tensor of shape {tuple(t.shape)} does not have the microbatch "
                                  f"({samples}) as dimension 0")
-        layout = _Layout.of(tensors)
+        layout = Layout.of(tensors)
         stream = key[:2]
         sent = self._sent_layouts.get(stream)
         if sent is None:
@@ -464,26 +401,26 @@ class P2P:
             return False
         meta.work.wait(wait_timeout())
         del self._posted[(stream[0], stream[1], _META)]
-        values = meta.buffer.cpu().tolist()
-        if values[0] < 0:
-            self._shapes[stream] = _Layout.decode(values)
-            return True
-        dtype, sample = _decode_meta(values)
-        self._shapes[stream] = (dtype, sample, dtype.itemsize * math.prod(sample))
+        described = read_meta(meta.buffer.cpu().tolist())
+        if isinstance(described, Layout):
+            self._shapes[stream] = described
+        else:
+            dtype, sample = described
+            self._shapes[stream] = (dtype, sample, dtype.itemsize * math.prod(sample))
         return True
 
     def _post(self, peer: int, key: Key) -> None:
         layout = None
         if key[2] == _META:
-            buffer = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
-            nbytes = 8 * _META_LEN
+            buffer = torch.zeros(META_LEN, dtype=torch.int64, device=self.device)
+            nbytes = 8 * META_LEN
         elif key[1] == _GRAD:
             buffer = torch.empty(self.grad_numel[key[0]], dtype=torch.float32, device=self.device)
             nbytes = 4 * self.grad_numel[key[0]]
         else:
             shape = self._shapes[key[:2]]
             samples = self.sizes[key[2]]
-            if isinstance(shape, _Layout):
+            if isinstance(shape, Layout):
                 layout, nbytes = shape, shape.nbytes(samples)
                 buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             else:
@@ -499,16 +436,3 @@ class P2P:
 
 _COMM = (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
 _PRUNE_AT = 4  # unfinished sends held before looking for finished ones (a look costs a call per send)
-
-
-def _encode_meta(tensor: torch.Tensor) -> torch.Tensor:
-    sample = tuple(tensor.shape[1:])
-    if len(sample) > _MAX_DIMS or tensor.dtype not in _DTYPES:
-        raise ValueError(f"cannot send a {tensor.dtype} tensor of shape {tuple(tensor.shape)}")
-    values = [_DTYPES.index(tensor.dtype), len(sample), *sample]
-    return torch.tensor(values + [0] * (_META_LEN - len(values)), dtype=torch.int64)
-
-
-def _decode_meta(values: list[int]) -> tuple[torch.dtype, tuple[int, ...]]:
-    ndim = values[1]
-    return _DTYPES[values[0]], tuple(values[2 : 2 + ndim])
