@@ -38,6 +38,11 @@ def apply(fn: Callable[[torch.Tensor], torch.Tensor], x: Boundary) -> Boundary:
     return tuple(fn(t) for t in x) if isinstance(x, tuple) else fn(x)
 
 
+def to(x: Boundary, device: torch.device | str) -> Boundary:
+    """``x`` on ``device``, keeping its structure."""
+    return tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
+
+
 def normalize(x: Any) -> Boundary:
     """A collated batch as a boundary: a list (``default_collate`` of tuples) becomes a tuple."""
     return tuple(x) if isinstance(x, list) else x

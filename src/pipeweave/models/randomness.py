@@ -29,6 +29,12 @@ from torch import nn
 
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary
+from pipeweave.models.spec import ModelSpec
+
+
+def is_keyed(spec: ModelSpec) -> bool:
+    """Whether ``spec``'s layer calls are keyed: a custom model's (the reference models draw no random numbers)."""
+    return spec.kind == "custom"
 
 
 def draw_seed(seed: int, step: int, microbatch: int, layer: int) -> int:

@@ -403,11 +403,8 @@ def _microbatches(source: Any, k: int, t: int, device: torch.device, workers: di
     if not any(w.is_first or w.is_last for w in workers.values()):
         return [], []
     inputs, targets = source.eval_batch(k) if held_out else source.batch(k)
-    def to(m: torch.Tensor) -> torch.Tensor:
-        return m.to(device)
-
-    return ([boundary.apply(to, m) for m in split_microbatches(inputs, t)],
-            [boundary.apply(to, m) for m in split_microbatches(targets, t)])
+    return ([boundary.to(m, device) for m in split_microbatches(inputs, t)],
+            [boundary.to(m, device) for m in split_microbatches(targets, t)])
 
 
 def seconds_since(timings: Sequence[tuple[Action, int, int]], offset: int) -> list[tuple[int, str, int, float, float]]:

@@ -11,7 +11,7 @@ from torch import nn
 from pipeweave.data import DataSource, data_source, split_microbatches
 from pipeweave.models import boundary
 from pipeweave.models.boundary import num_samples
-from pipeweave.models.randomness import run_keyed
+from pipeweave.models.randomness import is_keyed, run_keyed
 from pipeweave.models.spec import ModelSpec, build_layers, loss_fn
 from pipeweave.runtime.stage import OptimizerFactory, sgd
 
@@ -81,7 +81,7 @@ def run_plain(
         step_losses = []
         pairs = zip(split_microbatches(inputs, num_microbatches), split_microbatches(targets, num_microbatches))
         for j, (x, target) in enumerate(pairs):
-            if spec.kind == "custom":  # dropout masks keyed as the pipeline's (models.randomness)
+            if is_keyed(spec):  # dropout masks keyed as the pipeline's (models.randomness)
                 x = run_keyed(enumerate(model.values()), x, seed=spec.seed, step=step, microbatch=j)
             else:
                 for layer in model.values():

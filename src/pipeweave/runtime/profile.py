@@ -162,7 +162,7 @@ def profile_model(
     if path.exists() and not refresh:
         return LayerCosts.load(path)
     generator = torch.Generator().manual_seed(spec.seed)
-    x, target = (boundary.apply(lambda t: t.to(device), part) for part in sample_input(spec, microbatch_size, generator))
+    x, target = (boundary.to(part, device) for part in sample_input(spec, microbatch_size, generator))
     rows = []
     for index in range(spec.num_layers):
         row, x = _profile_layer(spec, index, x, target, warmup=warmup, repeats=repeats, device=device)

@@ -83,7 +83,7 @@ from pipeweave.errors import UserError
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary, num_samples, tensors
 from pipeweave.models.layers import Deferrable, WeightGrad, WeightGradStore
-from pipeweave.models.randomness import run_keyed
+from pipeweave.models.randomness import is_keyed, run_keyed
 from pipeweave.models.spec import ModelSpec, build_layers, loss_fn
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -232,7 +232,7 @@ class StageWorker:
         self._backward_ran = False  # in this step (since the last U)
         # Updates done (set on resume): with microbatch and layer, the key of a custom layer's random numbers.
         self.steps_done = 0
-        self.keyed = spec.kind == "custom"  # the reference models draw no random numbers
+        self.keyed = is_keyed(spec)
         self.device = torch.device(device)
         self._buffers = list(self.module.buffers())  # running statistics, left as F left them by a replay
 

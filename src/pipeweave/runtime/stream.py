@@ -87,9 +87,6 @@ class StreamData(Sequence[Boundary]):
     def __len__(self) -> int:
         return self.length
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device)
-
     @overload
     def __getitem__(self, j: int) -> Boundary: ...
     @overload
@@ -100,7 +97,7 @@ class StreamData(Sequence[Boundary]):
         m = j // self.t
         if self._cached is None or self._cached[0] != m:  # the stream asks in about increasing order
             batch = self.source.batch(m)[self.part]
-            self._cached = (m, [boundary.apply(self._to_device, x) for x in split_microbatches(batch, self.t)])
+            self._cached = (m, [boundary.to(x, self.device) for x in split_microbatches(batch, self.t)])
         return self._cached[1][j % self.t]
 
 
