@@ -96,6 +96,8 @@ def test_held_out_loss_in_the_record_the_summary_and_the_progress_bar(tmp_path: 
         (["--resume", "no-such-folder"], "--resume no-such-folder: no checkpoint there"),
         (["--eval-every", "2"], "--eval-every applies to --model gpt"),
         (["-s", "pipedream", "--save", "ckpt"], "--save applies to synchronous schedules"),
+        (["--precision", "fp16"], "--precision fp16 needs loss scaling, which pipeweave does not do; give bf16"),
+        (["--precision", "bfloat16"], "--precision 'bfloat16' is unknown; give one of: fp32, bf16"),
     ],
 )
 def test_misplaced_options_are_one_line_before_spawning(

@@ -149,3 +149,37 @@ def test_custom_layers_match_torch_autograd(defer: bool) -> None:
     for got, want in zip(_grads(emb, idx, gz, defer=defer), [tok.grad, pos.grad]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert torch.count_nonzero(pos.grad[4:]) == 0  # positions beyond the sequence get no gradient
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_linear_under_autocast_is_torch_autocast_linear_bitwise(defer: bool) -> None:
+    """bf16: the forward, input gradient and float32 weight gradients of an autocast ``nn.Linear``, I + W as B."""
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(16, 24, generator=g)
+    torch_lin = torch.nn.Linear(16, 24)
+    with torch.no_grad():
+        torch_lin.weight.copy_(lin.weight)
+        torch_lin.bias.copy_(lin.bias)
+    x, gy = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 24, generator=g)
+    xr = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch_lin(xr)
+        got = lin(x)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    want.float().backward(gy)
+    store = WeightGradStore()
+    lin.grad_store = store
+    xg = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(xg)
+    store.deferring = defer
+    y.float().backward(gy)
+    store.deferring = False
+    for fn, held in store.pending:
+        assert all(t.dtype == torch.bfloat16 for t in held)  # W keeps the bfloat16 input: half the bytes
+        fn()
+    assert lin.weight.grad is not None and lin.bias.grad is not None
+    assert lin.weight.grad.dtype == torch.float32 and xg.grad is not None and xg.grad.dtype == torch.float32
+    for ours, theirs in ((lin.weight.grad, torch_lin.weight.grad), (lin.bias.grad, torch_lin.bias.grad),
+                         (xg.grad, xr.grad)):
+        assert torch.equal(ours, theirs)

@@ -53,6 +53,7 @@ VARIANTS: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
     "pipemare+warmup": ("pipemare", {"warmup_steps": 1}, {}),
     "xpipe+adamw": ("xpipe", {}, {"optimizer": "adamw", "lr": 1e-2}),
     "spectrain+adamw": ("spectrain", {}, {"optimizer": "adamw", "lr": 1e-2}),
+    "pipedream+bf16": ("pipedream", {}, {"precision": "bf16"}),
     "1f1b (synchronous)": ("1f1b", {}, {"steps": 2}),
 }
 
@@ -106,7 +107,7 @@ def test_stream_distributed_equals_reference_versions_and_weight_bytes(
     config, record = runs[case]
     schedule = config.build_schedule()
     reference = run_reference(schedule, config.model, steps=config.steps, batch_size=config.batch_size,
-                              optimizer_factory=config.optimizer_factory())
+                              optimizer_factory=config.optimizer_factory(), precision=config.precision)
     assert len(record.losses) == config.steps
     torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
     for rank_record in record.ranks:

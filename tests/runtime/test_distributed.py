@@ -72,7 +72,23 @@ def _cases(ranks: int) -> dict[str, TrainConfig]:
         adamw = _config("1f1b", ranks, False, optimizer="adamw", lr=1e-2)
         assert adamw is not None
         cases["1f1b-adamw"] = adamw
+        cases["gpt-zb-h1-bf16"] = TrainConfig(
+            schedule="zb-h1", num_stages=2, num_microbatches=3, model=gpt, batch_size=5, steps=STEPS,
+            collect_parameters=True, precision="bf16", optimizer="adamw", lr=1e-2,
+        )
+    for name, recompute in BF16:  # mixed precision: the same autocast as plain training's
+        bf16 = _config(name, ranks, recompute, precision="bf16")
+        if bf16 is not None:
+            cases[_bf16_case(name, recompute)] = bf16
     return cases
+
+
+BF16 = (("1f1b", False), ("zb-h1", True), ("interleaved-1f1b", False), ("chimera", False))
+"""Schedules also checked under ``--precision bf16``: split backward, recomputation, chunks, replicas."""
+
+
+def _bf16_case(name: str, recompute: bool) -> str:
+    return f"{name}-bf16{'+recompute' if recompute else ''}"
 
 
 @pytest.fixture(scope="module", params=RANKS, ids=lambda r: f"{r}ranks")
@@ -83,16 +99,18 @@ def runs(request: pytest.FixtureRequest) -> tuple[int, dict[str, tuple[TrainConf
 
 
 @functools.lru_cache(maxsize=None)
-def _plain(model: ModelSpec, batch_size: int, num_microbatches: int, optimizer: str, lr: float) -> TrainResult:
+def _plain(model: ModelSpec, batch_size: int, num_microbatches: int, optimizer: str, lr: float,
+           precision: str = "fp32") -> TrainResult:
     """Plain training, shared by the schedules that run the same model and batch."""
     config = TrainConfig(optimizer=optimizer, lr=lr)
     return run_plain(model, steps=STEPS, batch_size=batch_size, num_microbatches=num_microbatches,
-                     optimizer_factory=config.optimizer_factory())
+                     optimizer_factory=config.optimizer_factory(), precision=precision)
 
 
 def _names() -> list[str]:
     names = [n for n, info in SCHEDULES.items() if info.synchronous]
-    return [f"{n}{suffix}" for n in names for suffix in ("", "+recompute")] + ["gpt-1f1b", "1f1b-adamw"]
+    return ([f"{n}{suffix}" for n in names for suffix in ("", "+recompute")] + ["gpt-1f1b", "1f1b-adamw"]
+            + [_bf16_case(n, r) for n, r in BF16] + ["gpt-zb-h1-bf16"])
 
 
 @pytest.mark.parametrize("case", _names())
@@ -105,9 +123,10 @@ def test_distributed_run_equals_plain_training_and_reference(
     config, record = results[case]
     schedule = config.build_schedule()
     optimizer = config.optimizer_factory()
-    plain = _plain(config.model, config.batch_size, config.num_microbatches, config.optimizer, config.lr)
+    plain = _plain(config.model, config.batch_size, config.num_microbatches, config.optimizer, config.lr,
+                   config.precision)
     reference = run_reference(schedule, config.model, steps=STEPS, batch_size=config.batch_size,
-                              optimizer_factory=optimizer, recompute=config.recompute)
+                              optimizer_factory=optimizer, recompute=config.recompute, precision=config.precision)
     torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
     assert record.losses[-1] < record.losses[0]  # it trains
@@ -159,3 +178,20 @@ def test_microbatches_are_uneven_and_measurements_are_sane(
     # Recomputation keeps only stage inputs: less activation memory on every rank.
     recomputed = summarize(config.build_schedule(), results["1f1b+recompute"][1])["peak_activation_bytes"]
     assert all(r < p for r, p in zip(recomputed, peaks))
+
+
+def test_bf16_is_mixed_precision(runs: tuple[int, dict[str, tuple[TrainConfig, RunRecord]]]) -> None:
+    """``--precision bf16`` computes in bfloat16 (other losses, smaller activations), keeps float32 parameters."""
+    from pipeweave.runtime.trace import summarize
+
+    _, results = runs
+    (config, fp32), (_, bf16) = results["1f1b"], results["1f1b-bf16"]
+    assert config.batch_size == results["1f1b-bf16"][0].batch_size
+    assert bf16.losses[0] != fp32.losses[0]
+    torch.testing.assert_close(bf16.losses, fp32.losses, rtol=2e-2, atol=1e-3)  # bfloat16's 8 bits of mantissa
+    for rank_record in bf16.ranks:
+        for params in rank_record.parameters.values():
+            assert all(p.dtype == torch.float32 for p in params.values())
+    schedule = config.build_schedule()
+    peaks = [summarize(schedule, r)["peak_activation_bytes"] for r in (fp32, bf16)]
+    assert all(b < f for f, b in zip(*peaks))  # the linear layers keep their inputs in bfloat16

@@ -52,6 +52,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="samples per step, split into T microbatches (default 32)")
     add_partition_arguments(p)
     p.add_argument("--device", default="cpu", help="where to profile: the device the run uses (default cpu)")
+    p.add_argument("--precision", default="fp32", metavar="fp32|bf16",
+                   help="profile as the run computes: bf16, under bfloat16 autocast (default fp32)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads while profiling, as per rank (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -112,7 +114,8 @@ def layers_per_part(
     else:
         from pipeweave.runtime.profile import profile_model
 
-        costs = profile_model(spec, microbatch_size, device=device, repeats=args.repeats, refresh=args.refresh)
+        costs = profile_model(spec, microbatch_size, device=device, repeats=args.repeats, refresh=args.refresh,
+                              precision=args.precision)
     if costs.num_layers != spec.num_layers:
         raise UserError(f"--costs has {costs.num_layers} layers for a model of {spec.num_layers}; profile this model")
     profile = memory_profile(schedule, args)
@@ -171,7 +174,7 @@ def layer_costs(args: argparse.Namespace) -> LayerCosts:
     torch.set_num_threads(args.threads)
     return profile_model(
         model_spec(args), args.batch_size // args.microbatches, device=args.device,
-        repeats=args.repeats, refresh=args.refresh,
+        repeats=args.repeats, refresh=args.refresh, precision=args.precision,
     )
 
 

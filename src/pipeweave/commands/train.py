@@ -64,6 +64,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the step where the decay ends (default: the last step of this run; give the same one "
                         "when resuming)")
     p.add_argument("--recompute", action="store_true", help="activation recomputation on every stage")
+    p.add_argument("--precision", default="fp32", metavar="fp32|bf16",
+                   help="bf16: mixed precision, every forward under torch.autocast to bfloat16 (parameters, "
+                        "gradients and optimizer state float32); default fp32")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
                    help="clip the global gradient norm; steps are post-validated (optimistic step, exact "
                         "rollback on NaN/inf or clipping), so no global barrier precedes the update")
@@ -120,7 +123,7 @@ def build_config(args: argparse.Namespace) -> Any:
     config = TrainConfig(
         schedule=schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks,
         model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
-        recompute=args.recompute, seed=args.seed or 0, data=args.data, data_parallel=args.data_parallel,
+        recompute=args.recompute, precision=args.precision, seed=args.seed or 0, data=args.data, data_parallel=args.data_parallel,
         momentum=momentum, schedule_options=tuple(options.items()), policy=policy,
         post_validation=_post_validation(args), save=args.save, save_every=args.save_every,
         eval_every=args.eval_every, eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
@@ -186,7 +189,7 @@ def _with_searched_costs(config: Any, args: argparse.Namespace) -> Any:
     parts = dataclasses.replace(config, data_parallel=1).build_schedule()
     microbatch = max(1, config.batch_size // (config.num_microbatches * config.data_parallel))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    costs = profile_model(config.model, microbatch, device=device)
+    costs = profile_model(config.model, microbatch, device=device, precision=config.precision)
     ranges = config.layer_ranges(parts)
     for key, per_layer in (("time_f", costs.forward), ("time_b", costs.input_grad), ("time_w", costs.weight_grad)):
         options[key] = tuple(sum(per_layer[i] for i in r) for r in ranges)
@@ -322,7 +325,7 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
         "schedule": config.schedule, "stages": config.num_stages, "microbatches": config.num_microbatches,
         "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.steps,
         "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
-        "recompute": config.recompute, "first_step": record.first_step, "losses": record.losses,
+        "recompute": config.recompute, "precision": config.precision, "first_step": record.first_step, "losses": record.losses,
         "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
         "lr_schedule": config.lr_schedule, "lrs": _learning_rates(config, record.first_step),
         "wall_s": record.wall_s,
@@ -385,7 +388,8 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
     losses = report["losses"]
     model = report["model"]["entry"] or report["model"]["kind"]
     table = Table(title=f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  "
-                        f"{model}  {report['steps']} steps  ({report['transport']})", show_header=True)
+                        f"{model}  {report['steps']} steps  ({report['transport']}"
+                        f"{', bf16 autocast' if report.get('precision') == 'bf16' else ''})", show_header=True)
     table.add_column("measure")
     table.add_column("measured", justify="right")
     table.add_column("simulated", justify="right")

@@ -16,6 +16,14 @@ way they are accumulated straight into ``param.grad`` (``addmm_`` with beta 1,
 ``index_add_``), never returned to autograd: that saves a weight-sized
 temporary and a separate accumulation pass per layer and microbatch.
 
+Under ``torch.autocast`` (``--precision bf16``) the linear layer computes as
+``nn.Linear`` does there: input, weight and bias cast to the autocast dtype,
+the output in that dtype, the cast input kept for the weight gradient (half
+the bytes), the weight cast again at the backward; its weight gradient is
+computed in that dtype and accumulated into the float32 ``param.grad``, as
+autograd accumulates an autocast ``nn.Linear``'s. LayerNorm and Embedding
+compute in their input's dtype, as the built-in ones do on the CPU.
+
 Parameter initialisation takes an explicit ``torch.Generator`` so that a layer
 is identical whatever rank builds it.
 """
@@ -71,6 +79,11 @@ def _linear_weight_grads(weight: torch.Tensor, bias: torch.Tensor | None, x: tor
     """
     gy2 = gy.reshape(-1, gy.shape[-1])
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != weight.dtype:  # autocast: the product in its dtype, accumulated in the parameter's
+        _accumulate(weight, gy2.t().mm(x2).to(weight.dtype))
+        if bias is not None:
+            _accumulate(bias, gy2.sum(0).to(bias.dtype))
+        return
     if weight.grad is None:
         weight.grad = gy2.t().mm(x2)
     else:
@@ -79,21 +92,39 @@ def _linear_weight_grads(weight: torch.Tensor, bias: torch.Tensor | None, x: tor
         _accumulate(bias, gy2.sum(0))
 
 
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` gives a linear layer on ``x``'s device now, or None outside autocast."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    dtype = torch.get_autocast_dtype(kind)
+    return dtype if x.is_floating_point() and x.dtype != torch.float64 else None
+
+
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any) -> torch.Tensor:
         # Parameters travel as attributes: a saved tensor unpacks to a different
         # Python object, and .grad must land on the Parameter itself.
-        ctx.save_for_backward(x)
         ctx.weight, ctx.bias = weight, bias
         ctx.store = store
-        return F.linear(x, weight, bias)
+        ctx.dtype = dtype = _autocast_dtype(x)
+        if dtype is not None:  # as autocast runs nn.Linear: everything cast, the cast input kept
+            x = x.to(dtype)
+            with torch.autocast(x.device.type, enabled=False):
+                y = F.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
+        else:
+            y = F.linear(x, weight, bias)
+        ctx.save_for_backward(x)
+        return y
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
         (x,) = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
-        gx = gy.matmul(weight) if ctx.needs_input_grad[0] else None
+        if ctx.dtype is not None:
+            gy = gy.to(ctx.dtype)
+        gx = gy.matmul(weight if ctx.dtype is None else weight.to(ctx.dtype)) if ctx.needs_input_grad[0] else None
         if _deferring(ctx.store):
             ctx.store.defer(lambda: _linear_weight_grads(weight, bias, x, gy), (x, gy))
         else:  # B: at once, by the same code as W

@@ -24,6 +24,7 @@ from pipeweave.data.corpus import read_text_file, split_blocks
 from pipeweave.errors import UserError
 from pipeweave.models import boundary
 from pipeweave.models.spec import ModelSpec, uniform_parts
+from pipeweave.models.precision import check as precision_check
 from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
 from pipeweave.runtime import checkpoint, launch as launch_module
@@ -65,6 +66,8 @@ class TrainConfig:
     """``sgd`` or ``adamw``."""
     recompute: bool = False
     """Activation recomputation on every stage."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16``: every forward under bfloat16 autocast (``models.precision``)."""
     seed: int = 0
     """Data seed (the model's seed is ``model.seed``)."""
     data: str | None = None
@@ -107,6 +110,7 @@ class TrainConfig:
     """Start from the checkpoint in this folder: its parameters, optimizer state and step (``runtime.checkpoint``)."""
 
     def __post_init__(self) -> None:
+        precision_check(self.precision)
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"--optimizer {self.optimizer!r} is unknown; choose one of: {', '.join(OPTIMIZERS)}")
         for name in ("steps", "batch_size"):
@@ -323,7 +327,8 @@ def build_workers(schedule: Schedule, config: TrainConfig, rank: int, device: to
     parts = config.layer_ranges(schedule)
     workers = {
         s: StageWorker(config.model, parts[schedule.placement.stage_part[s]], batch_size=config.batch_size,
-                       optimizer_factory=config.optimizer_factory(), recompute=config.recompute, device=device)
+                       optimizer_factory=config.optimizer_factory(), recompute=config.recompute, device=device,
+                       precision=config.precision)
         for s in schedule.placement.stages_on(rank)
     }
     if config.post_validation is not None:  # replaces each stage's optimizer (runtime.validation_step)

@@ -11,6 +11,8 @@ from torch import nn
 from pipeweave.data import DataSource, data_source, split_microbatches
 from pipeweave.models import boundary
 from pipeweave.models.boundary import num_samples
+from pipeweave.models.precision import autocast
+from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
 from pipeweave.models.spec import ModelSpec, build_layers, loss_fn
 from pipeweave.runtime.stage import OptimizerFactory, sgd
@@ -45,6 +47,7 @@ def run_plain(
     seed: int = 0,
     data: DataSource | None = None,
     lr_at: Callable[[int], float] | None = None,
+    precision: str = "fp32",
 ) -> TrainResult:
     """Train the whole model in one process, accumulating gradients over the microbatches of each step.
 
@@ -61,6 +64,7 @@ def run_plain(
         seed: data seed.
         data: a data source (default ``data_source(spec, ...)``).
         lr_at: the learning rate of each step (``LrSchedule.at``); None keeps the optimizer's.
+        precision: ``fp32`` or ``bf16`` (forwards under bfloat16 autocast, ``models.precision``).
 
     Raises:
         UserError: fewer samples than microbatches.
@@ -71,6 +75,7 @@ def run_plain(
         >>> r.losses[0] > r.losses[-1]
         True
     """
+    precision_check(precision)
     model = nn.ModuleDict({str(i): layer for i, layer in enumerate(build_layers(spec, range(spec.num_layers)))})
     optimizer = (optimizer_factory or sgd())(list(model.parameters()))
     loss = loss_fn(spec)
@@ -81,12 +86,13 @@ def run_plain(
         step_losses = []
         pairs = zip(split_microbatches(inputs, num_microbatches), split_microbatches(targets, num_microbatches))
         for j, (x, target) in enumerate(pairs):
-            if is_keyed(spec):  # dropout masks keyed as the pipeline's (models.randomness)
-                x = run_keyed(enumerate(model.values()), x, seed=spec.seed, step=step, microbatch=j)
-            else:
-                for layer in model.values():
-                    x = boundary.call(layer, x)
-            mb_loss = loss(x, target) * (num_samples(target) / batch_size)
+            with autocast(precision, torch.device("cpu")):
+                if is_keyed(spec):  # dropout masks keyed as the pipeline's (models.randomness)
+                    x = run_keyed(enumerate(model.values()), x, seed=spec.seed, step=step, microbatch=j)
+                else:
+                    for layer in model.values():
+                        x = boundary.call(layer, x)
+                mb_loss = loss(x, target) * (num_samples(target) / batch_size)
             mb_loss.backward()
             step_losses.append(mb_loss.item())
         losses.append(sum(step_losses))

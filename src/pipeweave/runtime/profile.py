@@ -37,6 +37,7 @@ from pipeweave.errors import UserError
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary, num_samples, tensors
 from pipeweave.models.custom import fingerprint
+from pipeweave.models.precision import check as precision_check
 from pipeweave.models.spec import ModelSpec
 from pipeweave.partition.problem import LayerCosts
 from pipeweave.runtime.launch import keep_freed_host_memory
@@ -61,13 +62,14 @@ def sample_input(spec: ModelSpec, microbatch_size: int, generator: torch.Generat
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def cache_key(spec: ModelSpec, microbatch_size: int, device: torch.device) -> dict[str, Any]:
+def cache_key(spec: ModelSpec, microbatch_size: int, device: torch.device, precision: str = "fp32") -> dict[str, Any]:
     """What a profile depends on; its hash names the cache file."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
         "spec": asdict(spec), "source": fingerprint(spec.entry) if spec.entry else None,  # a custom model's code
         "microbatch_size": microbatch_size, "device": str(device.type), "device_name": name,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "host_memory": "kept",
+        "precision": precision,
     }
 
 
@@ -86,10 +88,10 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], tuple[float, A
 
 def _profile_layer(
     spec: ModelSpec, index: int, x: Boundary, target: Boundary, *, warmup: int, repeats: int,
-    device: torch.device,
+    device: torch.device, precision: str,
 ) -> tuple[dict[str, Any], Boundary]:
     """Costs of layer ``index`` on input ``x``; returns them and the layer's output."""
-    worker = StageWorker(spec, [index], batch_size=num_samples(x), device=device)
+    worker = StageWorker(spec, [index], batch_size=num_samples(x), device=device, precision=precision)
     layer = worker.module[str(index)]
     timed = _timer(device)
     times: dict[str, list[float]] = {"forward": [], "input_grad": [], "weight_grad": []}
@@ -131,6 +133,7 @@ def profile_model(
     repeats: int = 5,
     cache_dir: Path | str | None = None,
     refresh: bool = False,
+    precision: str = "fp32",
 ) -> LayerCosts:
     """Per-layer costs of one microbatch of ``spec`` on ``device`` (cached).
 
@@ -141,6 +144,7 @@ def profile_model(
         warmup, repeats: untimed and timed runs per layer (the median is kept).
         cache_dir: where profiles are kept (None: ``$PIPEWEAVE_CACHE`` or ``~/.cache/pipeweave``).
         refresh: measure again even if a cached profile exists.
+        precision: ``fp32`` or ``bf16``, as the run computes (``models.precision``).
 
     Raises:
         UserError: microbatch_size or repeats < 1.
@@ -156,7 +160,7 @@ def profile_model(
         )
     device = torch.device(device)
     keep_freed_host_memory()  # as every rank runs (launch.LaunchOptions.keep_host_memory)
-    key = cache_key(spec, microbatch_size, device)
+    key = cache_key(spec, microbatch_size, device, precision_check(precision))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = Path(cache_dir) / f"{digest}.json" if cache_dir is not None else default_cache_dir() / f"{digest}.json"
     if path.exists() and not refresh:
@@ -165,7 +169,8 @@ def profile_model(
     x, target = (boundary.to(part, device) for part in sample_input(spec, microbatch_size, generator))
     rows = []
     for index in range(spec.num_layers):
-        row, x = _profile_layer(spec, index, x, target, warmup=warmup, repeats=repeats, device=device)
+        row, x = _profile_layer(spec, index, x, target, warmup=warmup, repeats=repeats, device=device,
+                                precision=precision)
         rows.append(row)
     costs = LayerCosts(
         **{field: [row[field] for row in rows] for field in ("forward", "input_grad", "weight_grad", "activation", "params", "output")},

@@ -32,6 +32,7 @@ def build_workers(
     optimizer_factory: OptimizerFactory | None = None,
     recompute: bool = False,
     parts: list[range] | None = None,
+    precision: str = "fp32",
 ) -> list[StageWorker]:
     """One worker per stage of ``schedule``; part k gets ``parts[k]`` (default: uniform)."""
     parts = parts if parts is not None else uniform_parts(spec.num_layers, schedule.num_parts)
@@ -39,7 +40,8 @@ def build_workers(
         raise UserError(f"{len(parts)} layer ranges given for {schedule.num_parts} parts; give one per part")
     return [
         StageWorker(
-            spec, parts[part], batch_size=batch_size, optimizer_factory=optimizer_factory, recompute=recompute
+            spec, parts[part], batch_size=batch_size, optimizer_factory=optimizer_factory, recompute=recompute,
+            precision=precision,
         )
         for part in schedule.placement.stage_part
     ]
@@ -175,6 +177,7 @@ def run_reference(
     recompute: bool = False,
     data: DataSource | None = None,
     parts: list[range] | None = None,
+    precision: str = "fp32",
 ) -> TrainResult:
     """Train with ``schedule`` for ``steps`` steps, every stage in this process.
 
@@ -189,6 +192,7 @@ def run_reference(
         recompute: activation recomputation on every stage.
         data: a data source (default ``data_source(spec, ...)``).
         parts: layer range per part (default ``uniform_parts``).
+        precision: ``fp32`` or ``bf16`` (``models.precision``).
 
     Raises:
         UserError: a stream of another length than ``steps``, more parts than layers, fewer samples than microbatches.
@@ -208,9 +212,10 @@ def run_reference(
             raise UserError(f"the asynchronous {schedule.name} stream covers {minibatches} mini-batches, not steps={steps}; "
                             f"generate it with num_steps for {steps} mini-batches")
         return run_stream_reference(schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
-                                    seed=seed, recompute=recompute, data=data, parts=parts)
+                                    seed=seed, recompute=recompute, data=data, parts=parts, precision=precision)
     workers = build_workers(
-        schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory, recompute=recompute, parts=parts
+        schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory, recompute=recompute, parts=parts,
+        precision=precision,
     )
     TiedGradients(schedule.placement, dict(enumerate(workers)))  # hooks the tied stages' updates
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)

@@ -83,6 +83,8 @@ from pipeweave.errors import UserError
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary, num_samples, tensors
 from pipeweave.models.layers import Deferrable, WeightGrad, WeightGradStore
+from pipeweave.models.precision import autocast
+from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
 from pipeweave.models.spec import ModelSpec, build_layers, loss_fn
 
@@ -181,6 +183,7 @@ class StageWorker:
             are left as F left them).
         device: where the layers live; inputs must be given on it.
         track_memory: count activation bytes with saved-tensor hooks.
+        precision: ``fp32``, or ``bf16`` (every forward under bfloat16 autocast; ``models.precision``).
 
     Raises:
         UserError: an empty or non-consecutive layer range, or batch_size < 1.
@@ -203,6 +206,7 @@ class StageWorker:
         recompute: bool = False,
         device: torch.device | str = "cpu",
         track_memory: bool = True,
+        precision: str = "fp32",
     ) -> None:
         indices = list(layer_indices)
         if not indices or indices != list(range(indices[0], indices[0] + len(indices))):
@@ -234,6 +238,7 @@ class StageWorker:
         self.steps_done = 0
         self.keyed = is_keyed(spec)
         self.device = torch.device(device)
+        self.precision = precision_check(precision)
         self._buffers = list(self.module.buffers())  # running statistics, left as F left them by a replay
 
     # ---- F ----------------------------------------------------------------
@@ -275,6 +280,10 @@ class StageWorker:
             self.module.train()
 
     def _run(self, x: Boundary, target: Boundary | None, mb: int | None, step: int) -> Boundary:
+        with autocast(self.precision, self.device):
+            return self._run_layers(x, target, mb, step)
+
+    def _run_layers(self, x: Boundary, target: Boundary | None, mb: int | None, step: int) -> Boundary:
         if self.keyed and mb is not None:  # models.randomness: the masks plain training draws
             x = run_keyed(zip(self.layer_indices, self.module.values()), x, seed=self.spec.seed, step=step,
                           microbatch=mb, device=self.device)

@@ -161,12 +161,13 @@ def run_stream_reference(
     data: DataSource | None = None,
     parts: list[range] | None = None,
     options: PolicyOptions | None = None,
+    precision: str = "fp32",
 ) -> StreamResult:
     """Run an asynchronous stream once, every stage in this process, its policy applied.
 
     Args:
         schedule: an asynchronous schedule (its ``num_steps`` mini-batches are the run).
-        spec, batch_size, optimizer_factory, seed, recompute, data, parts: as ``run_reference``.
+        spec, batch_size, optimizer_factory, seed, recompute, data, parts, precision: as ``run_reference``.
         options: the policies' run-time hyperparameters.
 
     Raises:
@@ -183,7 +184,7 @@ def run_stream_reference(
         raise UserError(f"schedule {schedule.name} is synchronous; run it with run_reference")
     check_stream_model(spec)
     workers = build_workers(schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
-                            recompute=recompute, parts=parts)
+                            recompute=recompute, parts=parts, precision=precision)
     tables = ScheduleTables(schedule)
     policies = {
         r: RankPolicy(schedule, {s: workers[s] for s in schedule.placement.stages_on(r)}, options, tables)

@@ -1,0 +1,53 @@
+"""Numeric precision of a run: float32, or bfloat16 mixed precision through ``torch.autocast``.
+
+``bf16`` is PyTorch's automatic mixed precision: parameters, gradients and
+optimizer state stay float32; inside each layer call autocast runs the matmuls
+(linear layers, attention) in bfloat16 and keeps float32 where autocast keeps
+it (the losses, reductions). Every forward of a stage -- F, a recomputation's
+replay, evaluation -- and plain training's forward run under the same
+autocast, so a pipelined run still equals plain training with the same
+precision. Backward passes run outside autocast, as PyTorch recommends; the
+layers of ``models.layers`` accumulate their bfloat16 weight gradients into
+float32 ``.grad`` as autograd does for ``nn.Linear``.
+
+float16 is refused: without loss scaling its gradients underflow, and bfloat16
+has float32's range.
+
+Example:
+    >>> with autocast("bf16", torch.device("cpu")):
+    ...     torch.ones(2, 3).matmul(torch.ones(3, 1)).dtype
+    torch.bfloat16
+    >>> check("fp16")
+    Traceback (most recent call last):
+    ...
+    pipeweave.errors.UserError: --precision fp16 needs loss scaling, which pipeweave does not do; give bf16 (float32's range) or fp32
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from pipeweave.errors import UserError
+
+PRECISIONS = ("fp32", "bf16")
+"""What ``--precision`` takes."""
+
+
+def check(precision: str) -> str:
+    """``precision`` if it is one of ``PRECISIONS``; one line naming the value otherwise."""
+    if precision == "fp16":
+        raise UserError("--precision fp16 needs loss scaling, which pipeweave does not do; "
+                        "give bf16 (float32's range) or fp32")
+    if precision not in PRECISIONS:
+        raise UserError(f"--precision {precision!r} is unknown; give one of: {', '.join(PRECISIONS)}")
+    return precision
+
+
+def autocast(precision: str, device: torch.device) -> Any:
+    """The context a forward runs in: ``torch.autocast`` to bfloat16 for ``bf16``, nothing for ``fp32``."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
