@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.job import RunRecord, TrainConfig, run_rank
+from pipeweave.runtime.job import RunRecord, TrainConfig, run_rank, stream_updates
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.policy import PolicyOptions, RankPolicy
@@ -54,6 +54,8 @@ VARIANTS: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
     "xpipe+adamw": ("xpipe", {}, {"optimizer": "adamw", "lr": 1e-2}),
     "spectrain+adamw": ("spectrain", {}, {"optimizer": "adamw", "lr": 1e-2}),
     "pipedream+bf16": ("pipedream", {}, {"precision": "bf16"}),
+    "pipedream+cosine": ("pipedream", {}, {"lr_schedule": "cosine", "lr_warmup": 1}),
+    "pipemare+linear": ("pipemare", {"warmup_steps": 1}, {"lr_schedule": "linear", "lr_warmup": 2}),
     "1f1b (synchronous)": ("1f1b", {}, {"steps": 2}),
 }
 
@@ -106,8 +108,11 @@ def test_stream_distributed_equals_reference_versions_and_weight_bytes(
 ) -> None:
     config, record = runs[case]
     schedule = config.build_schedule()
+    rates = None
+    if config.lr_schedule != "constant":
+        rates = config.learning_rates(updates=stream_updates(schedule) if config.is_stream else None).at
     reference = run_reference(schedule, config.model, steps=config.steps, batch_size=config.batch_size,
-                              optimizer_factory=config.optimizer_factory(), precision=config.precision)
+                              optimizer_factory=config.optimizer_factory(), precision=config.precision, lr_at=rates)
     assert len(record.losses) == config.steps
     torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
     for rank_record in record.ranks:
@@ -148,6 +153,25 @@ def test_one_stage_stream_with_an_update_per_minibatch_is_plain_training(name: s
     got = run_stream_reference(schedule, spec, batch_size=7, optimizer_factory=factory)
     plain = run_plain(spec, steps=3, batch_size=7, num_microbatches=3, optimizer_factory=factory)
     torch.testing.assert_close(got.losses, plain.losses, rtol=1e-6, atol=1e-7)
+    for name_, value in plain.parameters.items():
+        torch.testing.assert_close(got.parameters[name_], value, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["pipedream-2bw", "pipemare"])
+def test_one_stage_stream_follows_the_lr_schedule_of_plain_training(name: str) -> None:
+    """--lr-schedule on a stream: each stage's k-th update takes step k's rate (D = 1: plain training's steps)."""
+    from pipeweave.runtime.lr_schedule import LrSchedule
+
+    spec = ModelSpec(kind="mlp", layers=2, hidden=8)
+    schedule = generate(name, num_stages=1, num_microbatches=3, num_steps=stream_steps(name, 4, {}))
+    assert stream_updates(schedule) == 4
+    rates = LrSchedule("cosine", lr=0.2, warmup=1, decay_steps=4)
+    factory = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)  # noqa: E731
+    got = run_stream_reference(schedule, spec, batch_size=7, optimizer_factory=factory, lr_at=rates.at)
+    plain = run_plain(spec, steps=4, batch_size=7, num_microbatches=3, optimizer_factory=factory, lr_at=rates.at)
+    constant = run_stream_reference(schedule, spec, batch_size=7, optimizer_factory=factory)
+    torch.testing.assert_close(got.losses, plain.losses, rtol=1e-6, atol=1e-7)
+    assert got.losses[1:] != constant.losses[1:]  # the rates took effect
     for name_, value in plain.parameters.items():
         torch.testing.assert_close(got.parameters[name_], value, rtol=1e-6, atol=1e-7)
 

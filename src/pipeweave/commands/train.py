@@ -57,12 +57,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, help="learning rate (default 3e-3 for adamw, 0.1 for sgd)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), help="default sgd for the mlp, adamw otherwise")
     p.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant",
-                   help="after --lr-warmup, keep --lr or decay it to a tenth by --lr-decay-steps (default constant)")
+                   help="after --lr-warmup, keep --lr or decay it to a tenth by --lr-decay-steps (default constant); "
+                        "an asynchronous schedule counts each stage's updates as steps")
     p.add_argument("--lr-warmup", type=int, default=0, metavar="N",
                    help="steps of linear warm-up to --lr (default 0)")
     p.add_argument("--lr-decay-steps", type=int, metavar="N",
-                   help="the step where the decay ends (default: the last step of this run; give the same one "
-                        "when resuming)")
+                   help="the step where the decay ends (default: the last step, or a stream's last update, of "
+                        "this run; give the same one when resuming)")
     p.add_argument("--recompute", action="store_true", help="activation recomputation on every stage")
     p.add_argument("--precision", default="fp32", metavar="fp32|bf16",
                    help="bf16: mixed precision, every forward under torch.autocast to bfloat16 (parameters, "
@@ -327,17 +328,21 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
         "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
         "recompute": config.recompute, "precision": config.precision, "first_step": record.first_step, "losses": record.losses,
         "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
-        "lr_schedule": config.lr_schedule, "lrs": _learning_rates(config, record.first_step),
+        "lr_schedule": config.lr_schedule, "lrs": _learning_rates(config, schedule, record.first_step),
         "wall_s": record.wall_s,
         "transport": record.transport,
         **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
     }
 
 
-def _learning_rates(config: Any, first_step: int) -> list[float]:
-    """The learning rate of each step of the run (a stream's policy keeps its own: its base rate)."""
+def _learning_rates(config: Any, schedule: Any, first_step: int) -> list[float]:
+    """The learning rate of each step of the run; a stream's: of each stage's k-th update (before PipeMare's rescaling)."""
     if config.is_stream:
-        return [config.lr] * config.steps
+        from pipeweave.runtime.job import stream_updates
+
+        updates = stream_updates(schedule)
+        rates = config.learning_rates(updates=updates)
+        return [rates.at(k) for k in range(updates)]
     rates = config.learning_rates(first_step)
     return [rates.at(first_step + k) for k in range(config.steps)]
 

@@ -37,7 +37,7 @@ from pipeweave.runtime.validation_step import PostValidation, check_post_validat
 from pipeweave.schedule import SCHEDULES, Schedule, generate, lower, validate
 from pipeweave.schedule.data_parallel import data_parallel
 from pipeweave.schedule.evaluation import forward_only
-from pipeweave.schedule.ir import Action
+from pipeweave.schedule.ir import Action, Op
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -183,10 +183,7 @@ class TrainConfig:
         if self.post_validation is not None:
             check_post_validation(schedule)
         checkpoint.check(self)
-        if self.is_stream and (self.lr_schedule != "constant" or self.lr_warmup):
-            raise UserError(f"--lr-schedule and --lr-warmup apply to synchronous schedules; {self.schedule} is "
-                            "asynchronous (its policy owns the learning rate): drop them")
-        self.learning_rates(checkpoint.steps_done(self))
+        self.learning_rates(checkpoint.steps_done(self), updates=stream_updates(schedule) if self.is_stream else None)
         if self.eval_every is not None:
             self._check_evaluation()
         return schedule
@@ -205,9 +202,14 @@ class TrainConfig:
             raise UserError(f"--data {self.data} is too short to hold out a window of seq_len+1="
                             f"{self.model.seq_len + 1} bytes for evaluation; give a longer file or drop --eval-every")
 
-    def learning_rates(self, first_step: int = 0) -> LrSchedule:
-        """The learning rate of every step of the training (``runtime.lr_schedule``), ``first_step`` steps done."""
-        decay = self.lr_decay_steps if self.lr_decay_steps is not None else first_step + self.steps
+    def learning_rates(self, first_step: int = 0, updates: int | None = None) -> LrSchedule:
+        """The learning rate of every step of the training (``runtime.lr_schedule``), ``first_step`` steps done.
+
+        An asynchronous stream counts its stages' ``updates`` (``stream_updates``) instead of steps:
+        each stage's k-th update takes the rate of step k.
+        """
+        end = updates if updates is not None else first_step + self.steps
+        decay = self.lr_decay_steps if self.lr_decay_steps is not None else end
         return LrSchedule(self.lr_schedule, self.lr, self.lr_warmup, decay)
 
     def optimizer_factory(self) -> OptimizerFactory:
@@ -434,3 +436,8 @@ def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, sta
     assert gathered is not None
     return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started,
                      used_transport(), first_step)
+
+
+def stream_updates(schedule: Schedule) -> int:
+    """Updates each stage of an asynchronous stream makes (stage 0's U actions; every stage makes as many)."""
+    return sum(1 for row in schedule.actions for a in row if a.op is Op.U and a.stage == 0)

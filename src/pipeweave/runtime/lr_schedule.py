@@ -1,4 +1,4 @@
-"""Learning-rate schedules of a synchronous run: linear warm-up, then constant, cosine or linear decay.
+"""Learning-rate schedules: linear warm-up, then constant, cosine or linear decay.
 
 The learning rate of optimizer step ``k`` (counted over the whole training,
 across ``--resume``) is
@@ -10,7 +10,9 @@ across ``--resume``) is
 
 It is a function of the step alone, so a resumed run continues it exactly
 when given the same ``decay_steps``. Every stage sets it on its own optimizer
-before each step (``set_lr``): no message is needed.
+before each step (``set_lr``): no message is needed. An asynchronous stream
+has no global step: a stage's k-th update takes the rate of step k
+(``runtime.policy.RankPolicy``).
 
 Example:
     >>> schedule = LrSchedule("cosine", lr=1.0, warmup=2, decay_steps=6)

@@ -33,7 +33,7 @@ releases: the peak over a rank of the sum of its stages' held bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +118,11 @@ class _Stage:
 
     def done(self, a: Action) -> None:
         """After ``a`` (and after the live weights are back)."""
+
+    def set_base_lr(self, lr: float) -> None:
+        """The learning rate of the coming update before the policy's own changes (``--lr-schedule``)."""
+        for group in self.worker.optimizer.param_groups:
+            group["lr"] = lr
 
     def before_update(self) -> None:
         pass
@@ -213,6 +218,9 @@ class _Corrected(_Stage):
             self.applied = 0
         if a.op is Op.B or a.op is Op.W:  # the microbatch's last backward
             self.forward_version.pop(a.microbatch, None)
+
+    def set_base_lr(self, lr: float) -> None:
+        self.base_lr = [lr] * len(self.base_lr)  # PipeMare's rescheduling scales the scheduled rate
 
     def before_update(self) -> None:
         k = self.version - self.warmup  # the synchronous warm-up keeps lr; the stream's updates count from 0
@@ -330,6 +338,8 @@ class RankPolicy:
         schedule: the (asynchronous) schedule.
         workers: this rank's stage workers, by stage.
         options: PipeMare's and AvgPipe's hyperparameters.
+        lr_at: the learning rate of a stage's k-th update (``LrSchedule.at``), before PipeMare's
+            rescheduling; None keeps the optimizer's.
 
     Attributes:
         versions: per F/B/I/W run, ``(version, target)`` as ``sim.versions.read_versions`` defines them.
@@ -341,8 +351,9 @@ class RankPolicy:
     """
 
     def __init__(self, schedule: Schedule, workers: dict[int, StageWorker], options: PolicyOptions | None = None,
-                 tables: ScheduleTables | None = None) -> None:
+                 tables: ScheduleTables | None = None, lr_at: Callable[[int], float] | None = None) -> None:
         self.options = options or PolicyOptions()
+        self.lr_at = lr_at
         tables = tables or ScheduleTables(schedule)
         self.schedule = schedule
         self.states = {s: _stage_state(schedule, s, w, tables, self.options) for s, w in workers.items()}
@@ -355,6 +366,8 @@ class RankPolicy:
     def enter(self, a: Action) -> None:
         state = self.states[a.stage]
         if a.op is Op.U:
+            if self.lr_at is not None:
+                state.set_base_lr(self.lr_at(state.version))
             state.before_update()
             return
         tensors, read = state.read(a)

@@ -9,7 +9,7 @@ executor's tests and a fast path for convergence studies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -18,6 +18,7 @@ from pipeweave.data import DataSource, data_source, split_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models.boundary import Boundary
 from pipeweave.models.spec import ModelSpec, uniform_parts
+from pipeweave.runtime.lr_schedule import set_lr
 from pipeweave.runtime.plain import TrainResult
 from pipeweave.runtime.stage import OptimizerFactory, StageWorker
 from pipeweave.runtime.tied import TiedGradients, tie_peer, tie_peer_parts
@@ -178,6 +179,7 @@ def run_reference(
     data: DataSource | None = None,
     parts: list[range] | None = None,
     precision: str = "fp32",
+    lr_at: Callable[[int], float] | None = None,
 ) -> TrainResult:
     """Train with ``schedule`` for ``steps`` steps, every stage in this process.
 
@@ -193,6 +195,8 @@ def run_reference(
         data: a data source (default ``data_source(spec, ...)``).
         parts: layer range per part (default ``uniform_parts``).
         precision: ``fp32`` or ``bf16`` (``models.precision``).
+        lr_at: the learning rate of step k (of a stream: of each stage's k-th update), ``LrSchedule.at``;
+            None keeps the optimizers'.
 
     Raises:
         UserError: a stream of another length than ``steps``, more parts than layers, fewer samples than microbatches.
@@ -212,7 +216,8 @@ def run_reference(
             raise UserError(f"the asynchronous {schedule.name} stream covers {minibatches} mini-batches, not steps={steps}; "
                             f"generate it with num_steps for {steps} mini-batches")
         return run_stream_reference(schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
-                                    seed=seed, recompute=recompute, data=data, parts=parts, precision=precision)
+                                    seed=seed, recompute=recompute, data=data, parts=parts, precision=precision,
+                                    lr_at=lr_at)
     workers = build_workers(
         schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory, recompute=recompute, parts=parts,
         precision=precision,
@@ -223,6 +228,9 @@ def run_reference(
     for step in range(steps):
         inputs, targets = source.batch(step)
         t = schedule.num_microbatches
+        if lr_at is not None:
+            for worker in workers:
+                set_lr(worker.optimizer, lr_at(step))
         losses.append(run_step(schedule, workers, split_microbatches(inputs, t), split_microbatches(targets, t)))
     parameters, stage_parameters = trained_parameters(workers)
     peaks = [w.peak_activation_bytes() for w in workers]

@@ -23,7 +23,7 @@ F/B/I/W read and the peak weight bytes per rank.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, overload
 
@@ -162,12 +162,14 @@ def run_stream_reference(
     parts: list[range] | None = None,
     options: PolicyOptions | None = None,
     precision: str = "fp32",
+    lr_at: Callable[[int], float] | None = None,
 ) -> StreamResult:
     """Run an asynchronous stream once, every stage in this process, its policy applied.
 
     Args:
         schedule: an asynchronous schedule (its ``num_steps`` mini-batches are the run).
         spec, batch_size, optimizer_factory, seed, recompute, data, parts, precision: as ``run_reference``.
+        lr_at: the learning rate of each stage's k-th update (``LrSchedule.at``); None keeps the optimizer's.
         options: the policies' run-time hyperparameters.
 
     Raises:
@@ -187,7 +189,7 @@ def run_stream_reference(
                             recompute=recompute, parts=parts, precision=precision)
     tables = ScheduleTables(schedule)
     policies = {
-        r: RankPolicy(schedule, {s: workers[s] for s in schedule.placement.stages_on(r)}, options, tables)
+        r: RankPolicy(schedule, {s: workers[s] for s in schedule.placement.stages_on(r)}, options, tables, lr_at)
         for r in range(schedule.num_ranks)
     }
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
@@ -221,7 +223,8 @@ def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | N
     """``job.run_rank`` for an asynchronous schedule: one pass of the stream through the ``Executor``."""
     from pipeweave.runtime import launch as launch_module
     from pipeweave.runtime.executor import Executor
-    from pipeweave.runtime.job import RankRecord, build_workers as rank_workers, final_parameters, gather_run, seconds_since
+    from pipeweave.runtime.job import (RankRecord, build_workers as rank_workers, final_parameters, gather_run,
+                                       seconds_since, stream_updates)
     from pipeweave.runtime.trace import align_clocks
     from pipeweave.schedule import lower
 
@@ -232,7 +235,9 @@ def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | N
     workers = rank_workers(schedule, config, rank, device)
     executor = Executor(lower(schedule), rank, workers, config.microbatch_sizes, device)
     _keep_replicas_apart(executor, workers)
-    policy = RankPolicy(schedule, workers, config.policy)
+    constant = config.lr_schedule == "constant" and not config.lr_warmup
+    rates = None if constant else config.learning_rates(updates=stream_updates(schedule)).at
+    policy = RankPolicy(schedule, workers, config.policy, lr_at=rates)
     executor.policy = policy
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
     t, total = config.num_microbatches, schedule.num_microbatches
