@@ -245,3 +245,12 @@ def test_pipemare_steps_with_the_rescheduled_lr_after_its_warmup() -> None:
     # Update 0 is the synchronous warm-up (lr); then k = 0, 1, 2, 3: 0.1/2, 0.1/sqrt(2), 0.1, 0.1.
     assert seen[0] == pytest.approx([0.1, 0.05, 0.1 / 2 ** 0.5, 0.1, 0.1])
     assert seen[1] == pytest.approx([0.1] * 5) and seen[2] == pytest.approx([0.1] * 5)  # tau <= 1: alpha
+
+
+@pytest.mark.parametrize("name", [n for n, info in SCHEDULES.items() if not info.synchronous])
+def test_every_stage_of_a_stream_makes_stream_updates_updates(name: str) -> None:
+    """What a stream's learning-rate schedule counts: stage 0's updates stand for every stage's."""
+    schedule = generate(name, num_stages=3, num_microbatches=T, num_steps=stream_steps(name, 6, {}))
+    counts = [sum(1 for row in schedule.actions for a in row if a.op is Op.U and a.stage == s)
+              for s in range(schedule.placement.num_stages)]
+    assert counts == [stream_updates(schedule)] * len(counts) and counts[0] > 0
