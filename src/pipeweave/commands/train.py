@@ -124,7 +124,8 @@ def build_config(args: argparse.Namespace) -> Any:
     config = TrainConfig(
         schedule=schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks,
         model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
-        recompute=args.recompute, precision=args.precision, seed=args.seed or 0, data=args.data, data_parallel=args.data_parallel,
+        recompute=args.recompute, precision=args.precision, seed=args.seed or 0, data=args.data,
+        data_parallel=args.data_parallel,
         momentum=momentum, schedule_options=tuple(options.items()), policy=policy,
         post_validation=_post_validation(args), save=args.save, save_every=args.save_every,
         eval_every=args.eval_every, eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
@@ -326,7 +327,8 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
         "schedule": config.schedule, "stages": config.num_stages, "microbatches": config.num_microbatches,
         "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.steps,
         "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
-        "recompute": config.recompute, "precision": config.precision, "first_step": record.first_step, "losses": record.losses,
+        "recompute": config.recompute, "precision": config.precision, "first_step": record.first_step,
+        "losses": record.losses,
         "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
         "lr_schedule": config.lr_schedule, "lrs": _learning_rates(config, schedule, record.first_step),
         "wall_s": record.wall_s,
@@ -336,7 +338,7 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
 
 
 def _learning_rates(config: Any, schedule: Any, first_step: int) -> list[float]:
-    """The learning rate of each step of the run; a stream's: of each stage's k-th update (before PipeMare's rescaling)."""
+    """The learning rate of each step of the run; a stream's: of each stage's k-th update (before PipeMare's)."""
     if config.is_stream:
         from pipeweave.runtime.job import stream_updates
 

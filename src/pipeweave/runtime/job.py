@@ -23,8 +23,8 @@ from pipeweave.data import data_source, split_microbatches
 from pipeweave.data.corpus import read_text_file, split_blocks
 from pipeweave.errors import UserError
 from pipeweave.models import boundary
-from pipeweave.models.spec import ModelSpec, uniform_parts
 from pipeweave.models.precision import check as precision_check
+from pipeweave.models.spec import ModelSpec, uniform_parts
 from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
 from pipeweave.runtime import checkpoint, launch as launch_module
