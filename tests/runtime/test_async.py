@@ -109,7 +109,7 @@ def test_stream_distributed_equals_reference_versions_and_weight_bytes(
     config, record = runs[case]
     schedule = config.build_schedule()
     rates = None
-    if config.lr_schedule != "constant":
+    if config.lr_scheduled:
         rates = config.learning_rates(updates=stream_updates(schedule) if config.is_stream else None).at
     reference = run_reference(schedule, config.model, steps=config.steps, batch_size=config.batch_size,
                               optimizer_factory=config.optimizer_factory(), precision=config.precision, lr_at=rates)

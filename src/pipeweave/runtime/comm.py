@@ -292,8 +292,7 @@ class P2P:
         elif tuple(shape[1:]) != sent[1] or tensor.dtype != sent[0]:
             raise ValueError(f"{a}: a {tensor.dtype} tensor of per-sample shape {tuple(shape[1:])} in a stream "
                              f"announced as {sent[0]} {sent[1]}")
-        if len(self._pending_sends) >= _PRUNE_AT:  # forget finished sends: their buffers may go before the step ends
-            self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
+        self._forget_finished_sends()
         self._isend(tensor, peer, key, sent[2] * shape[0])
 
     def _send_packed(self, a: Action, key: Key, peer: int, tensors: tuple[torch.Tensor, ...]) -> None:
@@ -310,10 +309,14 @@ class P2P:
             self._isend(layout.encode().to(self.device), peer, (key[0], key[1], _META))
         elif layout != sent:
             raise ValueError(f"{a}: a tuple {layout.entries} in a stream announced as {sent.entries}")
-        if len(self._pending_sends) >= _PRUNE_AT:  # as in send
-            self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
+        self._forget_finished_sends()
         buffer = layout.pack(tensors, samples)
         self._isend(buffer, peer, key, buffer.numel())
+
+    def _forget_finished_sends(self) -> None:
+        """Drop finished sends (a look every ``_PRUNE_AT`` held): their buffers may go before the step ends."""
+        if len(self._pending_sends) >= _PRUNE_AT:
+            self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
 
     def send_gradient(self, stage: int, peer: int, flat: torch.Tensor) -> None:
         """Post the send of replica ``stage``'s flattened gradient to ``peer`` (its place in ``rank_sends``)."""

@@ -202,6 +202,11 @@ class TrainConfig:
             raise UserError(f"--data {self.data} is too short to hold out a window of seq_len+1="
                             f"{self.model.seq_len + 1} bytes for evaluation; give a longer file or drop --eval-every")
 
+    @property
+    def lr_scheduled(self) -> bool:
+        """Whether the learning rate moves (a warm-up or a decay): each update then sets its own."""
+        return self.lr_schedule != "constant" or self.lr_warmup > 0
+
     def learning_rates(self, first_step: int = 0, updates: int | None = None) -> LrSchedule:
         """The learning rate of every step of the training (``runtime.lr_schedule``), ``first_step`` steps done.
 
@@ -363,7 +368,7 @@ def run_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
     action_cpu: list[list[float]] = []
     evaluator: Executor | None = None
     eval_losses: list[tuple[int, float]] = []
-    rates = config.learning_rates(done) if config.lr_schedule != "constant" or config.lr_warmup else None
+    rates = config.learning_rates(done) if config.lr_scheduled else None
     for step in range(config.steps):
         if rates is not None:
             for w in workers.values():

@@ -15,6 +15,7 @@ from pipeweave.models.precision import autocast
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
 from pipeweave.models.spec import ModelSpec, build_layers, loss_fn
+from pipeweave.runtime.lr_schedule import set_lr
 from pipeweave.runtime.stage import OptimizerFactory, sgd
 
 
@@ -97,8 +98,7 @@ def run_plain(
             step_losses.append(mb_loss.item())
         losses.append(sum(step_losses))
         if lr_at is not None:
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step)
+            set_lr(optimizer, lr_at(step))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return TrainResult(losses, {k: p.detach().clone() for k, p in model.named_parameters()})

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeweave.errors import UserError
+from pipeweave.runtime.lr_schedule import set_lr
 from pipeweave.runtime.prediction import check_predictable, predict_weights
 from pipeweave.runtime.stage import StageWorker
 from pipeweave.schedule.ir import Action, Op, Schedule, WeightPolicy
@@ -121,8 +122,7 @@ class _Stage:
 
     def set_base_lr(self, lr: float) -> None:
         """The learning rate of the coming update before the policy's own changes (``--lr-schedule``)."""
-        for group in self.worker.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.worker.optimizer, lr)
 
     def before_update(self) -> None:
         pass

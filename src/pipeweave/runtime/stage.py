@@ -248,7 +248,7 @@ class StageWorker:
             raise RuntimeError(f"stage {self.layer_indices} got F for microbatch {mb} twice before its backward")
         if self.is_last and target is None:
             raise RuntimeError("the last stage needs the microbatch's target to compute the loss")
-        x = tuple(self._input(t) for t in x) if isinstance(x, tuple) else self._input(x)
+        x = boundary.apply(self._input, x)
         target = None if target is None else boundary.apply(_own, target)
         if self.recompute:
             with torch.no_grad():
@@ -260,7 +260,7 @@ class StageWorker:
             held = [self._hold(t) for t in tensors(x)] + [self._hold(t) for t in tensors(out)]
             record = _Microbatch(x, out, target, held, self.steps_done)
         self._saved[mb] = record
-        return out.detach() if isinstance(out, torch.Tensor) else boundary.apply(torch.Tensor.detach, out)
+        return boundary.apply(torch.Tensor.detach, out)
 
     def _input(self, t: torch.Tensor) -> torch.Tensor:
         t = _own(t.detach())

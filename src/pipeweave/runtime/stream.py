@@ -235,8 +235,7 @@ def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | N
     workers = rank_workers(schedule, config, rank, device)
     executor = Executor(lower(schedule), rank, workers, config.microbatch_sizes, device)
     _keep_replicas_apart(executor, workers)
-    constant = config.lr_schedule == "constant" and not config.lr_warmup
-    rates = None if constant else config.learning_rates(updates=stream_updates(schedule)).at
+    rates = config.learning_rates(updates=stream_updates(schedule)).at if config.lr_scheduled else None
     policy = RankPolicy(schedule, workers, config.policy, lr_at=rates)
     executor.policy = policy
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
