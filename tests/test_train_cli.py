@@ -87,6 +87,23 @@ def test_held_out_loss_in_the_record_the_summary_and_the_progress_bar(tmp_path: 
     assert plain["eval_losses"] == [] and plain["losses"] == report["losses"]  # evaluating trains nothing
 
 
+def test_an_asynchronous_run_evaluates_saves_and_resumes_between_its_streams(tmp_path: Path) -> None:
+    gpt = ["-s", "pipemare", "--warmup-steps", "1", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads",
+           "2", "--seq-len", "8", "--batch", "4", "--lr-schedule", "cosine", "--lr-decay-steps", "6"]
+    ckpt = str(tmp_path / "ckpt")
+    straight, run = _train(tmp_path / "straight", *gpt, "--steps", "6", "--eval-every", "2", "--save", ckpt,
+                           "--save-every", "4")
+    assert straight["streams"] == 3 and straight["paused_s"] > 0  # drained after steps 2 and 4
+    assert [e["step"] for e in straight["eval_losses"]] == [2, 4, 6]
+    assert "3 streams, drained between them to evaluate or save" in run.stdout
+    assert len(straight["lrs"]) == 6  # pipemare: one update per mini-batch, each its step's rate
+    first, _ = _train(tmp_path / "first", *gpt, "--steps", "4", "--eval-every", "2", "--save", str(tmp_path / "c4"),
+                      "--quiet")
+    second, run = _train(tmp_path / "second", *gpt, "--steps", "2", "--resume", str(tmp_path / "c4"), "--quiet")
+    assert second["first_step"] == 4 and second["streams"] == 1
+    assert first["losses"] + second["losses"] == pytest.approx(straight["losses"], rel=1e-5)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -95,7 +112,9 @@ def test_held_out_loss_in_the_record_the_summary_and_the_progress_bar(tmp_path: 
         (["-s", "1f1b", "--memory-limit", "2"], "--memory-limit 2 applies to --partition memory"),
         (["--resume", "no-such-folder"], "--resume no-such-folder: no checkpoint there"),
         (["--eval-every", "2"], "--eval-every applies to --model gpt"),
-        (["-s", "pipedream", "--save", "ckpt"], "--save applies to synchronous schedules"),
+        (["-s", "avgpipe", "--steps", "8", "--save", "ckpt", "--save-every", "3"],
+         "--save-every 3 is not a multiple of avgpipe's P=2 pipelines (each stream between two drains is whole "
+         "rounds); give --save-every 4"),
         (["--precision", "fp16"], "--precision fp16 needs loss scaling, which pipeweave does not do; give bf16"),
         (["--precision", "bfloat16"], "--precision 'bfloat16' is unknown; give one of: fp32, bf16"),
     ],

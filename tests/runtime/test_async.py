@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -59,16 +58,7 @@ VARIANTS: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
     "1f1b (synchronous)": ("1f1b", {}, {"steps": 2}),
 }
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """The in-process reference runs: one intra-op thread (tiny tensors; several threads thrash a loaded machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.distributed, pytest.mark.timeout(240)]
 
 
 def _config(case: str, ranks: int) -> TrainConfig:

@@ -118,8 +118,6 @@ def test_a_bad_resume_is_one_line_before_spawning(tmp_path: Path) -> None:
         dataclasses.replace(base, model=ModelSpec(kind="mlp", layers=6, hidden=16), resume=str(tmp_path / "ckpt")).check()
     with pytest.raises(UserError, match="give --optimizer sgd"):
         dataclasses.replace(base, optimizer="adamw", resume=str(tmp_path / "ckpt")).check()
-    with pytest.raises(UserError, match="asynchronous"):
-        dataclasses.replace(base, schedule="pipedream", save=str(tmp_path / "x")).check()
     (tmp_path / "ckpt" / "part-001-step1.pt").unlink()
     with pytest.raises(UserError, match="lacks part-001-step1.pt"):
         dataclasses.replace(base, resume=str(tmp_path / "ckpt")).check()

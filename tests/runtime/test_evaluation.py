@@ -90,8 +90,8 @@ def test_held_out_loss_is_the_final_weights_loss_and_training_is_unchanged(
 def test_evaluation_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
     from pipeweave.errors import UserError
 
-    with pytest.raises(UserError, match="--eval-every applies to synchronous schedules; pipedream is asynchronous"):
-        TrainConfig(schedule="pipedream", model=GPT, eval_every=2).check()
+    with pytest.raises(UserError, match="--eval-every 3 is not a multiple of avgpipe's P=2 pipelines"):
+        TrainConfig(schedule="avgpipe", model=GPT, eval_every=3, steps=8).check()
     with pytest.raises(UserError, match="--eval-every applies to --model gpt"):
         TrainConfig(model=ModelSpec(kind="mlp"), eval_every=2).check()
     short = tmp_path / "short.txt"

@@ -27,13 +27,7 @@ STEPS = 2
 SYNC = [name for name, info in SCHEDULES.items() if info.synchronous]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> object:
-    # Tiny models: intra-op threads only add contention (8x CPU time on a loaded 2-core machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _schedule(name: str, num_stages: int, num_chunks: int | None) -> Schedule:

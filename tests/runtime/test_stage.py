@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,12 +15,7 @@ GPT = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8)
 BATCH = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads only add contention
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch(spec: ModelSpec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,8 @@ rank -- and a JSON record, a Chrome trace and a timeline plot under
 
 Asynchronous schedules (pipedream, pipedream-2bw, pipemare, spectrain, xpipe,
 ampnet, wpipe, avgpipe) run as one stream of ``--steps`` mini-batches
-(``runtime.stream``); their options are in the "asynchronous schedules" group
+(``runtime.stream``), drained and restarted where ``--eval-every`` or
+``--save-every`` stop it; their options are in the "asynchronous schedules" group
 of ``--help``, and the summary shows the steady-state bubble and the weight
 bytes held (every version and buffer) beside the simulator's.
 """
@@ -40,7 +41,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "train", help="train a model with a pipeline schedule on local ranks, measured",
         description="Train on torch.distributed with any schedule; measure bubble, memory, throughput. "
-        "An asynchronous schedule runs as one stream of --steps mini-batches.",
+        "An asynchronous schedule runs as one stream of --steps mini-batches, drained where --eval-every or "
+        "--save-every stop it.",
     )
     p.add_argument("-s", "--schedule", help="schedule name (default: zb-h1 if registered, else 1f1b)")
     p.add_argument("--stages", type=int, default=2, help="D, pipeline ranks (default 2)")
@@ -72,20 +74,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="clip the global gradient norm; steps are post-validated (optimistic step, exact "
                         "rollback on NaN/inf or clipping), so no global barrier precedes the update")
     p.add_argument("--eval-every", type=int, metavar="N",
-                   help="synchronous schedules: every N steps and after the last, the mean loss of held-out "
-                        "batches through a forward-only pipeline (gpt: one block in 20 of the corpus, never "
-                        "trained on; a custom model: its eval_dataset)")
+                   help="every N steps and after the last, the mean loss of held-out batches through a "
+                        "forward-only pipeline (gpt: one block in 20 of the corpus, never trained on; a custom "
+                        "model: its eval_dataset); an asynchronous schedule drains its stream there")
     p.add_argument("--eval-batches", type=int, default=4, metavar="K",
                    help="held-out batches per evaluation, the same every time (default 4)")
     p.add_argument("--save", metavar="DIR",
                    help="after the last step, write a checkpoint here: every part's parameters and optimizer "
-                        "state (synchronous schedules)")
+                        "state (and an asynchronous policy's state)")
     p.add_argument("--save-every", type=int, metavar="N",
-                   help="with --save: also write the checkpoint every N steps (each replaces the last)")
+                   help="with --save: also write the checkpoint every N steps (each replaces the last); an "
+                        "asynchronous schedule drains its stream there")
     p.add_argument("--resume", metavar="DIR",
                    help="start from the checkpoint in DIR (written by --save) and train --steps more steps, the "
-                        "data going on from where it stopped; any synchronous schedule, D or partition of the "
-                        "same model")
+                        "data going on from where it stopped; any schedule, D or partition of the same model")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
     # Under torchrun no launcher watches the other node: the process-group timeout
     # is what ends a rank whose remote peer died, so it stays under the 30 s promise.
@@ -331,7 +333,8 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
         "losses": record.losses,
         "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
         "lr_schedule": config.lr_schedule, "lrs": _learning_rates(config, schedule, record.first_step),
-        "wall_s": record.wall_s,
+        "wall_s": record.wall_s, "paused_s": record.paused_s,
+        **({"streams": len(config.segments())} if config.is_stream else {}),
         "transport": record.transport,
         **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
     }
@@ -340,11 +343,13 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
 def _learning_rates(config: Any, schedule: Any, first_step: int) -> list[float]:
     """The learning rate of each step of the run; a stream's: of each stage's k-th update (before PipeMare's)."""
     if config.is_stream:
+        from pipeweave.runtime.checkpoint import updates_done
         from pipeweave.runtime.job import stream_updates
+        from pipeweave.runtime.stream import stream_rates
 
-        updates = stream_updates(schedule)
-        rates = config.learning_rates(updates=updates)
-        return [rates.at(k) for k in range(updates)]
+        first = updates_done(config)
+        rates = stream_rates(config, schedule)
+        return [rates.at(first + k) for k in range(stream_updates(schedule))]
     rates = config.learning_rates(first_step)
     return [rates.at(first_step + k) for k in range(config.steps)]
 
@@ -422,6 +427,9 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
                       f"weights {_bytes(simulated[r])}" if simulated else "")
     console = Console()
     console.print(table)
+    if report.get("streams", 1) > 1:
+        console.print(f"{report['streams']} streams, drained between them to evaluate or save: "
+                      f"{report['paused_s']:.2f} s spent there, not in the times above")
     if report.get("first_step"):
         console.print(f"resumed after step {report['first_step']}: steps {report['first_step'] + 1}-"
                       f"{report['first_step'] + report['steps']} of the training")

@@ -28,8 +28,18 @@ saving leaves the previous checkpoint whole.
 Resuming continues the data with the batch after the last one trained
 (batches are indexed by step), so training N steps and training k steps,
 saving and resuming for N - k give the same losses and parameters.
-Asynchronous schedules are refused: their weight versions, stashes and
-policy state live in the stream, not in a part's parameters.
+
+An asynchronous run saves where its stream has drained (``runtime.stream``:
+``--save-every K`` ends a stream every K steps, ``--save`` saves after the
+last), so no microbatch is in flight and no stash or prediction is held;
+what its policy carries to the next stream (``runtime.policy.StreamCarry``)
+is saved too: the updates made (``updates`` in ``meta.json``; a synchronous
+run's equal its steps), PipeMare's annealing count and velocity (per part,
+by parameter name), and AvgPipe's replicas, which train apart (per part, the
+other replicas' parameters, buffers and optimizer state, in replica order).
+Training N steps with a drain after k and training k, saving and resuming
+for N - k give the same losses and parameters. Another schedule resumes
+from the first replica and starts its own policy state afresh.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ from pipeweave.weights.post_validation import SGD
 
 if TYPE_CHECKING:
     from pipeweave.runtime.job import TrainConfig
+    from pipeweave.runtime.policy import StreamCarry
     from pipeweave.runtime.stage import StageWorker
     from pipeweave.schedule.ir import Schedule
 
@@ -61,15 +72,9 @@ def check(config: TrainConfig) -> None:
     """Refuse, in one line and before anything is spawned, a ``save`` or ``resume`` that cannot work.
 
     Raises:
-        UserError: an asynchronous schedule, or a ``resume`` folder without a
-            checkpoint, with missing part files, or of another model or optimizer.
+        UserError: a ``resume`` folder without a checkpoint, with missing part
+            files, or of another model or optimizer.
     """
-    if config.save is None and config.resume is None:
-        return
-    if config.is_stream:
-        flag = "--save" if config.save is not None else "--resume"
-        raise UserError(f"{flag} applies to synchronous schedules; {config.schedule} is asynchronous (its weight "
-                        "versions live in the stream, not in a checkpoint): drop it or use a synchronous schedule")
     if config.resume is None:
         return
     meta = read_meta(config.resume)
@@ -107,9 +112,21 @@ def steps_done(config: TrainConfig) -> int:
     return 0 if config.resume is None else int(read_meta(config.resume)["steps"])
 
 
+def updates_done(config: TrainConfig) -> int:
+    """Updates every stage made before this run: the resumed checkpoint's, else 0."""
+    if config.resume is None:
+        return 0
+    meta = read_meta(config.resume)
+    return int(meta.get("updates", meta["steps"]))
+
+
 # ---- save ------------------------------------------------------------------------
-def save(config: TrainConfig, schedule: Schedule, workers: dict[int, StageWorker], rank: int, steps: int) -> None:
-    """Write the checkpoint of ``steps`` trained steps to ``config.save``; every rank calls it (it synchronises)."""
+def save(config: TrainConfig, schedule: Schedule, workers: dict[int, StageWorker], rank: int, steps: int, *,
+         carry: StreamCarry | None = None) -> None:
+    """Write the checkpoint of ``steps`` trained steps to ``config.save``; every rank calls it (it synchronises).
+
+    ``carry``: an asynchronous run's policy state after its drained stream (this rank's stages).
+    """
     assert config.save is not None
     folder = Path(config.save)
     folder.mkdir(parents=True, exist_ok=True)
@@ -117,25 +134,38 @@ def save(config: TrainConfig, schedule: Schedule, workers: dict[int, StageWorker
     parts = config.layer_ranges(schedule)
     files = [f"part-{p:03d}-step{steps}.pt" for p in range(len(parts))]
     for stage, worker in workers.items():
-        part = placement.stage_part[stage]
-        if min(s for s in range(placement.num_stages) if placement.stage_part[s] == part) != stage:
+        replicas = placement.replicas(stage)
+        if replicas[0] != stage:
             continue  # a replica: the first stage of the part writes it
-        params = {name: p.detach().cpu().clone() for name, p in worker.named_parameters().items()}
-        buffers = {name: b.detach().cpu().clone() for name, b in worker.module.state_dict().items()
-                   if name not in params}  # persistent buffers: batch norm's running statistics, ...
+        part = placement.stage_part[stage]
+        saved = _stage_state(worker)
+        if carry is not None:  # AvgPipe's replicas train apart (on this rank); PipeMare's velocity
+            saved["replicas"] = [_stage_state(workers[other]) for other in replicas[1:]]
+            if stage in carry.velocity:
+                saved["velocity"] = {name: v.detach().cpu().clone() for name, v in
+                                     zip(worker.named_parameters(), carry.velocity[stage])}
         _write(folder / files[part], lambda tmp: torch.save(
-            {"layers": [parts[part].start, parts[part].stop], "parameters": params, "buffers": buffers,
-             "optimizer": optimizer_state(worker)}, tmp))
+            {"layers": [parts[part].start, parts[part].stop], **saved}, tmp))
     dist.barrier()
     if rank == 0:
         meta = {"format": FORMAT, "steps": steps, "model": asdict(config.model), "optimizer": config.optimizer,
                 "lr": config.lr, "momentum": config.momentum, "schedule": config.schedule,
+                "updates": steps if carry is None else carry.updates,
+                **({} if carry is None or not carry.velocity else {"annealed": carry.annealed}),
                 "parts": [[r.start, r.stop] for r in parts], "files": files}
         _write(folder / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
         for stale in folder.glob("part-*.pt"):  # the previous checkpoint's, now replaced
             if stale.name not in files:
                 stale.unlink()
     dist.barrier()  # the folder is whole before any rank goes on (and may resume from it)
+
+
+def _stage_state(worker: StageWorker) -> dict[str, Any]:
+    """A stage's parameters, persistent buffers and optimizer state, by global name, on the CPU."""
+    params = {name: p.detach().cpu().clone() for name, p in worker.named_parameters().items()}
+    buffers = {name: b.detach().cpu().clone() for name, b in worker.module.state_dict().items()
+               if name not in params}  # persistent buffers: batch norm's running statistics, ...
+    return {"parameters": params, "buffers": buffers, "optimizer": optimizer_state(worker)}
 
 
 def _write(path: Path, write: Any) -> None:
@@ -170,24 +200,37 @@ def optimizer_state(worker: StageWorker) -> dict[str, dict[str, Any]]:
 
 
 # ---- resume ----------------------------------------------------------------------
-def load(config: TrainConfig, workers: dict[int, StageWorker]) -> None:
-    """Set every local worker's parameters and optimizer state from the checkpoint ``config.resume``."""
+def load(config: TrainConfig, workers: dict[int, StageWorker]) -> StreamCarry:
+    """Set every local worker's parameters and optimizer state from the checkpoint ``config.resume``.
+
+    Returns what an asynchronous run's next stream takes from it (``StreamCarry``; a synchronous run ignores it):
+    the updates made, PipeMare's annealing count and, where saved, each local stage's velocity.
+    """
+    from pipeweave.runtime.policy import StreamCarry
+
     assert config.resume is not None
     folder = Path(config.resume)
     meta = read_meta(config.resume)
     files: dict[str, dict[str, Any]] = {}  # read once, whichever local stages need them
-    for worker in workers.values():
+    carry = StreamCarry(int(meta.get("updates", meta["steps"])), int(meta.get("annealed", 0)))
+    for stage, worker in workers.items():
+        replica = worker_replica(worker, stage, workers)
         mine = worker.named_parameters()
         my_buffers = {k: v for k, v in worker.module.state_dict(keep_vars=True).items() if k not in mine}
         params: dict[str, torch.Tensor] = {}
         buffers: dict[str, torch.Tensor] = {}
         states: dict[str, dict[str, Any]] = {}
+        velocity: dict[str, torch.Tensor] = {}
         for (start, stop), name in zip(meta["parts"], meta["files"]):
             if stop <= worker.layer_indices.start or start >= worker.layer_indices.stop:
                 continue
             if name not in files:
                 files[name] = torch.load(folder / name, map_location="cpu", weights_only=True)
             saved = files[name]
+            velocity.update({k: v for k, v in saved.get("velocity", {}).items() if k in mine})
+            others = saved.get("replicas", [])
+            if 0 < replica <= len(others):  # AvgPipe's replica i, where the checkpoint has one
+                saved = others[replica - 1]
             params.update({k: v for k, v in saved["parameters"].items() if k in mine})
             buffers.update({k: v for k, v in saved.get("buffers", {}).items() if k in my_buffers})
             states.update({k: v for k, v in saved["optimizer"].items() if k in mine})
@@ -201,6 +244,15 @@ def load(config: TrainConfig, workers: dict[int, StageWorker]) -> None:
             for name, b in my_buffers.items():
                 b.copy_(buffers[name])
         _load_optimizer_state(worker, states, int(meta["steps"]))
+        if set(velocity) == set(mine):
+            carry.velocity[stage] = [velocity[name].to(p.device) for name, p in mine.items()]
+    return carry
+
+
+def worker_replica(worker: StageWorker, stage: int, workers: dict[int, StageWorker]) -> int:
+    """Which replica of its layers ``stage`` is among this rank's stages (0: the first, or the only one)."""
+    same = sorted(s for s, w in workers.items() if w.layer_indices == worker.layer_indices)
+    return same.index(stage)
 
 
 def _load_optimizer_state(worker: StageWorker, states: dict[str, dict[str, Any]], steps: int) -> None:

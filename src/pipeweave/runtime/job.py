@@ -135,15 +135,49 @@ class TrainConfig:
         return info is not None and not info.synchronous
 
     def build_schedule(self) -> Schedule:
-        """The schedule of this run (raises ScheduleError, a UserError, if it cannot be built)."""
-        options = dict(self.schedule_options)
-        if self.is_stream:  # --steps N: a stream of N mini-batches (runtime.stream)
-            from pipeweave.runtime.stream import stream_steps
+        """The schedule of this run (raises ScheduleError, a UserError, if it cannot be built).
 
-            options["num_steps"] = stream_steps(self.schedule, self.steps, options)
+        An asynchronous run: its streams (``stream_segments``) as one schedule (``schedule.stream.concatenate``).
+        """
+        if self.is_stream:
+            from pipeweave.schedule.stream import concatenate
+
+            return concatenate(self.stream_segments())
         base = generate(self.schedule, num_stages=self.num_stages, num_microbatches=self.num_microbatches,
-                        num_chunks=self.num_chunks, **options)
+                        num_chunks=self.num_chunks, **dict(self.schedule_options))
         return data_parallel(base, self.data_parallel) if self.data_parallel != 1 else base
+
+    def segments(self) -> list[tuple[int, int]]:
+        """An asynchronous run's streams, as ``(first step of this run, steps)``.
+
+        A stream has no step boundary to evaluate or save at, so the run drains
+        it after every ``eval_every``-th and ``save_every``-th step (of this run,
+        as synchronous runs count them) and goes on with a new stream; without
+        them the run is one stream. A drain is a flush: the segments' staleness
+        starts over (``runtime.stream``).
+
+        Example:
+            >>> TrainConfig(schedule="pipedream", steps=7, eval_every=3).segments()
+            [(0, 3), (3, 3), (6, 1)]
+        """
+        from pipeweave.runtime.stream import check_segment_steps
+
+        cuts = {self.steps}
+        for flag, every in (("--eval-every", self.eval_every), ("--save-every", self.save_every)):
+            if every is not None and every < self.steps:
+                check_segment_steps(self, flag, every)
+                cuts.update(range(every, self.steps, every))
+        bounds = [0, *sorted(cuts)]
+        return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+    def stream_segments(self) -> list[Schedule]:
+        """An asynchronous run's streams, one per ``segments`` entry, each generated for its steps."""
+        from pipeweave.runtime.stream import segment_options
+
+        done = checkpoint.steps_done(self)
+        return [generate(self.schedule, num_stages=self.num_stages, num_microbatches=self.num_microbatches,
+                         num_chunks=self.num_chunks, **segment_options(self, done + first, steps))
+                for first, steps in self.segments()]
 
     def layer_ranges(self, schedule: Schedule) -> list[range]:
         """The layers of each part: ``layers_per_part``, checked, or uniform."""
@@ -183,7 +217,12 @@ class TrainConfig:
         if self.post_validation is not None:
             check_post_validation(schedule)
         checkpoint.check(self)
-        self.learning_rates(checkpoint.steps_done(self), updates=stream_updates(schedule) if self.is_stream else None)
+        if self.is_stream:
+            from pipeweave.runtime.stream import stream_rates
+
+            stream_rates(self, schedule)
+        else:
+            self.learning_rates(checkpoint.steps_done(self))
         if self.eval_every is not None:
             self._check_evaluation()
         return schedule
@@ -195,9 +234,6 @@ class TrainConfig:
         if self.model.kind == "custom" and self.model.custom.eval_dataset is None:
             raise UserError(f"--eval-every needs held-out data and {self.model.entry} has no eval_dataset; give "
                             "LayerModel(eval_dataset=...) or drop --eval-every")
-        if self.is_stream:
-            raise UserError(f"--eval-every applies to synchronous schedules; {self.schedule} is asynchronous "
-                            "(one stream, no step boundary to evaluate at): drop it or use a synchronous schedule")
         if self.data is not None and not split_blocks(len(read_text_file(self.data)), self.model.seq_len)[1]:
             raise UserError(f"--data {self.data} is too short to hold out a window of seq_len+1="
                             f"{self.model.seq_len + 1} bytes for evaluation; give a longer file or drop --eval-every")
@@ -309,6 +345,8 @@ class RunRecord:
     """What carried the point-to-point messages: ``shm``, ``gloo`` or ``nccl`` (``used_transport``)."""
     first_step: int = 0
     """Steps trained before this run (``TrainConfig.resume``): ``losses[k]`` is step ``first_step + k``."""
+    paused_s: float = 0.0
+    """Streams: seconds between them (evaluations, checkpoints) taken out of ``records`` (``stream.close_pauses``)."""
 
     @property
     def losses(self) -> list[float]:

@@ -29,12 +29,18 @@ SGD (SpecTrain's formula), lr m_hat / (sqrt(v_hat) + eps) for Adam and AdamW
 in place and undone after the backward (no third copy; the undo rounds to
 within an ulp). Weight memory is measured after every action, before its
 releases: the peak over a rank of the sum of its stages' held bytes.
+
+A run that evaluates or saves drains its stream there and starts the next
+one (``runtime.stream``); what one stream's policy hands the next, or a
+checkpoint, is a ``StreamCarry``: the updates made (the learning-rate
+schedule's and AvgPipe's count), PipeMare's annealing count and velocity.
+A stash, a double buffer or a prediction holds nothing once drained.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -78,6 +84,22 @@ class PolicyOptions:
             raise UserError(f"--averaging-rate {self.averaging_rate} is invalid; give 0 <= alpha <= 1")
         if self.averaging_period < 1:
             raise UserError(f"--averaging-period {self.averaging_period} is invalid; give an integer >= 1")
+
+
+@dataclass
+class StreamCarry:
+    """What a drained stream's policy hands the next stream of the run (``RankPolicy.carry``).
+
+    Attributes:
+        updates: updates every stage made before this stream (k of the learning-rate schedule,
+            AvgPipe's averaging rounds).
+        annealed: PipeMare: updates after its synchronous warm-up (k of the step-size rescheduling).
+        velocity: PipeMare: per stage, its moving average of updates, in parameter order.
+    """
+
+    updates: int = 0
+    annealed: int = 0
+    velocity: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
 class ScheduleTables:
@@ -187,9 +209,13 @@ class VerticalSyncStash(WeightStash):
 class _Corrected(_Stage):
     """PipeMare: step size rescheduled by the stage's delay; backward weights extrapolated back."""
 
-    def __init__(self, worker: StageWorker, tables: ScheduleTables, stage: int, options: PolicyOptions) -> None:
+    def __init__(self, worker: StageWorker, tables: ScheduleTables, stage: int, options: PolicyOptions,
+                 carry: StreamCarry) -> None:
         super().__init__(worker)
         self.correction = DiscrepancyCorrection(self.params, decay=options.decay)
+        for v, before in zip(self.correction.velocity, carry.velocity.get(stage, ())):
+            v.copy_(before)
+        self.annealed = carry.annealed
         self.delay = tables.delay[stage]
         self.options = options
         self.warmup = tables.warmup
@@ -226,12 +252,14 @@ class _Corrected(_Stage):
         k = self.version - self.warmup  # the synchronous warm-up keeps lr; the stream's updates count from 0
         for group, lr in zip(self.worker.optimizer.param_groups, self.base_lr):
             group["lr"] = lr if k < 0 or self.options.anneal_steps == 0 else rescheduled_lr(
-                lr, self.delay, k, self.options.anneal_steps)
+                lr, self.delay, self.annealed + k, self.options.anneal_steps)
         self.correction.before_update()
 
     def after_update(self) -> None:
         super().after_update()
         self.correction.after_update()
+        for group, lr in zip(self.worker.optimizer.param_groups, self.base_lr):
+            group["lr"] = lr  # the rescheduled rate was this update's: the next stream reads the base rate
 
     def copies(self) -> int:
         return 2
@@ -242,7 +270,8 @@ def _warmup_updates(schedule: Schedule) -> int:
 
     A warm-up mini-batch m ends in a flush: on the first stage, no forward of
     mini-batch m + 1 runs before its update ``U(0, m)``; in the stream, the
-    next mini-batch's forwards run ahead of it.
+    next mini-batch's forwards run ahead of it. A stream whose every
+    mini-batch is flushed (all warm-up, or a single mini-batch) is all warm-up.
     """
     first = schedule.route(0)[0]
     row = schedule.actions[schedule.placement.stage_rank[first]]
@@ -251,9 +280,9 @@ def _warmup_updates(schedule: Schedule) -> int:
     warm = 0
     for m, u in enumerate(updates[:-1]):
         if any(a.stage == first and a.op is Op.F and a.microbatch >= (m + 1) * t for a in row[:u]):
-            break
+            return warm
         warm = m + 1
-    return warm
+    return len(updates)
 
 
 class _Predicted(_Stage):
@@ -307,7 +336,7 @@ class _Bellwether(_Stage):
 
 
 def _stage_state(schedule: Schedule, stage: int, worker: StageWorker, tables: ScheduleTables,
-                 options: PolicyOptions) -> _Stage:
+                 options: PolicyOptions, carry: StreamCarry) -> _Stage:
     policy = schedule.policy
     params = list(worker.module.parameters())
     if policy is WeightPolicy.STASH:
@@ -321,7 +350,7 @@ def _stage_state(schedule: Schedule, stage: int, worker: StageWorker, tables: Sc
         store = weights_for_part(part, schedule.num_ranks, params) if grouped else DoubleBuffer(params)
         return _Stored(worker, store, tables, stage, vertical=False)
     if policy is WeightPolicy.DISCREPANCY_CORRECTION:
-        return _Corrected(worker, tables, stage, options)
+        return _Corrected(worker, tables, stage, options, carry)
     if policy is WeightPolicy.BELLWETHER_PREDICTION:
         return _Bellwether(worker, tables)
     if policy is WeightPolicy.PREDICTION:
@@ -340,6 +369,7 @@ class RankPolicy:
         options: PipeMare's and AvgPipe's hyperparameters.
         lr_at: the learning rate of a stage's k-th update (``LrSchedule.at``), before PipeMare's
             rescheduling; None keeps the optimizer's.
+        carry: what the run's previous stream (or a checkpoint) left (``StreamCarry``).
 
     Attributes:
         versions: per F/B/I/W run, ``(version, target)`` as ``sim.versions.read_versions`` defines them.
@@ -351,12 +381,14 @@ class RankPolicy:
     """
 
     def __init__(self, schedule: Schedule, workers: dict[int, StageWorker], options: PolicyOptions | None = None,
-                 tables: ScheduleTables | None = None, lr_at: Callable[[int], float] | None = None) -> None:
+                 tables: ScheduleTables | None = None, lr_at: Callable[[int], float] | None = None,
+                 carry: StreamCarry | None = None) -> None:
         self.options = options or PolicyOptions()
         self.lr_at = lr_at
+        self.before = carry or StreamCarry()
         tables = tables or ScheduleTables(schedule)
         self.schedule = schedule
-        self.states = {s: _stage_state(schedule, s, w, tables, self.options) for s, w in workers.items()}
+        self.states = {s: _stage_state(schedule, s, w, tables, self.options, self.before) for s, w in workers.items()}
         self.bytes = {s: w.weight_bytes() for s, w in workers.items()}
         self.versions: dict[Action, Read] = {}
         self.peak_weight_bytes = 0
@@ -367,7 +399,7 @@ class RankPolicy:
         state = self.states[a.stage]
         if a.op is Op.U:
             if self.lr_at is not None:
-                state.set_base_lr(self.lr_at(state.version))
+                state.set_base_lr(self.lr_at(self.before.updates + state.version))
             state.before_update()
             return
         tensors, read = state.read(a)
@@ -388,6 +420,14 @@ class RankPolicy:
         self._live.clear()
         if a.op is not Op.U:
             state.done(a)
+
+    def carry(self) -> StreamCarry:
+        """What this stream leaves the next (call it once the stream has drained)."""
+        updates = max((state.version for state in self.states.values()), default=0)  # every stage makes as many
+        corrected = {s: state for s, state in self.states.items() if isinstance(state, _Corrected)}
+        annealed = self.before.annealed + max((max(0, c.version - c.warmup) for c in corrected.values()), default=0)
+        return StreamCarry(self.before.updates + updates, annealed,
+                           {s: [v.clone() for v in c.correction.velocity] for s, c in corrected.items()})
 
     def held_bytes(self) -> int:
         """Weight bytes held now by this rank's stages."""
@@ -417,7 +457,7 @@ class RankPolicy:
         if done <= self._rounds.get(part, 0):
             return
         self._rounds[part] = done
-        if done % self.options.averaging_period == 0:
+        if (self.before.updates + done) % self.options.averaging_period == 0:
             alpha = self.options.averaging_rate
             alpha = default_alpha(len(replicas)) if alpha is None else alpha
             elastic_average([self.states[s].params for s in replicas], alpha)

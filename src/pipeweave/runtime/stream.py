@@ -1,7 +1,19 @@
 """Asynchronous streams at run time: what ``--steps N`` means, the stream's data, and both executors' runs.
 
 An asynchronous schedule is one stream across many mini-batches with no flush
-(``schedule.stream``), so a run executes it once, start to end:
+(``schedule.stream``), so a run executes it once, start to end -- unless it
+stops to evaluate or save (``--eval-every K``, ``--save-every K``): a stream
+has no step boundary to do that at, so the run drains it after every K-th
+mini-batch and starts the next (``TrainConfig.segments``), as PipeDream's
+runtime flushes at the end of an epoch to validate. Each segment is a stream
+of its own -- its warm-up, staleness and PipeMare delays are its own -- and
+its policy takes over what the last one carried (``policy.StreamCarry``:
+updates made, PipeMare's annealing count and velocity; the parameters and
+optimizer state stay in the workers). A run resumed from a checkpoint starts
+a new segment the same way, so training N mini-batches with a drain after k
+equals training k, saving and resuming for N - k. The run's schedule, for
+the simulator and the trace, is its segments concatenated
+(``schedule.stream.concatenate``). Within each stream:
 
 - ``--steps N`` means N mini-batches of ``--batch`` samples, for every
   schedule: the stream is generated for ``num_steps = N`` (AvgPipe: N / P
@@ -35,7 +47,7 @@ from pipeweave.models.boundary import Boundary
 from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.plain import TrainResult
-from pipeweave.runtime.policy import PolicyOptions, RankPolicy, Read, ScheduleTables
+from pipeweave.runtime.policy import PolicyOptions, RankPolicy, Read, ScheduleTables, StreamCarry
 from pipeweave.runtime.reference import _Step, build_workers, run_step, trained_parameters
 from pipeweave.runtime.stage import OptimizerFactory, StageWorker
 from pipeweave.schedule.ir import Action, Op, Schedule
@@ -54,14 +66,57 @@ def stream_steps(name: str, steps: int, options: dict[str, Any]) -> int:
         >>> stream_steps("avgpipe", 8, {"num_pipelines": 2}), stream_steps("pipedream", 8, {})
         (4, 8)
     """
-    if name != "avgpipe":
-        return steps
-    from pipeweave.schedule.avgpipe import DEFAULT_PIPELINES
-
-    p = int(options.get("num_pipelines", DEFAULT_PIPELINES))
+    p = _pipelines(name, options)
     if steps % p:
         raise UserError(f"--steps {steps} is not a multiple of avgpipe's P={p} pipelines; give --steps {steps - steps % p + p}")
     return steps // p
+
+
+def _pipelines(name: str, options: dict[str, Any]) -> int:
+    """Mini-batches per round of the stream: AvgPipe's P, else 1."""
+    if name != "avgpipe":
+        return 1
+    from pipeweave.schedule.avgpipe import DEFAULT_PIPELINES
+
+    return int(options.get("num_pipelines", DEFAULT_PIPELINES))
+
+
+def check_segment_steps(config: TrainConfig, flag: str, every: int) -> None:
+    """Refuse a drain inside an AvgPipe round: every stream is whole rounds of P mini-batches."""
+    p = _pipelines(config.schedule, dict(config.schedule_options))
+    if every % p:
+        raise UserError(f"{flag} {every} is not a multiple of avgpipe's P={p} pipelines (each stream between two "
+                        f"drains is whole rounds); give {flag} {every - every % p + p}")
+
+
+def segment_options(config: TrainConfig, first: int, steps: int) -> dict[str, Any]:
+    """The generator options of the stream of the training's mini-batches ``first`` to ``first + steps - 1``.
+
+    PipeMare's ``warmup_steps`` are the training's first mini-batches: a
+    stream gets those of them it holds, so a run shorter than the warm-up is
+    all warm-up and a later stream (after a drain, or resumed) gets what is left.
+
+    Example:
+        >>> from pipeweave.runtime.job import TrainConfig
+        >>> c = TrainConfig(schedule="pipemare", schedule_options=(("warmup_steps", 3),))
+        >>> segment_options(c, 2, 4), segment_options(c, 0, 2)["warmup_steps"]
+        ({'warmup_steps': 1, 'num_steps': 4}, 2)
+    """
+    options = dict(config.schedule_options)
+    warmup = options.get("warmup_steps")
+    if isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= 0:
+        options["warmup_steps"] = min(max(0, warmup - first), steps)
+    options["num_steps"] = stream_steps(config.schedule, steps, options)
+    return options
+
+
+def stream_rates(config: TrainConfig, schedule: Schedule) -> Any:
+    """The learning rates of a stream's updates (``LrSchedule``): a stage's k-th update of the training takes
+    step k's, the decay ending by default at this run's last update (after a checkpoint's)."""
+    from pipeweave.runtime import checkpoint
+    from pipeweave.runtime.job import stream_updates
+
+    return config.learning_rates(updates=checkpoint.updates_done(config) + stream_updates(schedule))
 
 
 def microbatches_per_minibatch(schedule: Schedule) -> int:
@@ -70,7 +125,7 @@ def microbatches_per_minibatch(schedule: Schedule) -> int:
 
 
 class StreamData(Sequence[Boundary]):
-    """Microbatch j of the stream: slice j mod T of the data source's batch j // T, fetched when first asked.
+    """Microbatch j of the stream: slice j mod T of the data source's batch ``first`` + j // T, fetched when first asked.
 
     Example:
         >>> src = data_source(ModelSpec(kind="mlp", hidden=4), batch_size=4)
@@ -80,8 +135,9 @@ class StreamData(Sequence[Boundary]):
     """
 
     def __init__(self, source: DataSource, *, num_microbatches: int, length: int, part: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", first: int = 0) -> None:
         self.source, self.t, self.length, self.part, self.device = source, num_microbatches, length, part, device
+        self.first = first  # the data source's batch of the stream's mini-batch 0
         self._cached: tuple[int, list[Boundary]] | None = None
 
     def __len__(self) -> int:
@@ -96,7 +152,7 @@ class StreamData(Sequence[Boundary]):
             return [self[i] for i in range(*j.indices(self.length))]
         m = j // self.t
         if self._cached is None or self._cached[0] != m:  # the stream asks in about increasing order
-            batch = self.source.batch(m)[self.part]
+            batch = self.source.batch(self.first + m)[self.part]
             self._cached = (m, [boundary.to(x, self.device) for x in split_microbatches(batch, self.t)])
         return self._cached[1][j % self.t]
 
@@ -151,7 +207,7 @@ def check_stream_model(spec: ModelSpec) -> None:
 
 
 def run_stream_reference(
-    schedule: Schedule,
+    schedule: Schedule | Sequence[Schedule],
     spec: ModelSpec,
     *,
     batch_size: int,
@@ -167,7 +223,9 @@ def run_stream_reference(
     """Run an asynchronous stream once, every stage in this process, its policy applied.
 
     Args:
-        schedule: an asynchronous schedule (its ``num_steps`` mini-batches are the run).
+        schedule: an asynchronous schedule (its ``num_steps`` mini-batches are the run), or the
+            streams of a run that drains between them (``TrainConfig.stream_segments``), run one
+            after the other on the same workers, each policy taking the last one's ``StreamCarry``.
         spec, batch_size, optimizer_factory, seed, recompute, data, parts, precision: as ``run_reference``.
         lr_at: the learning rate of each stage's k-th update (``LrSchedule.at``); None keeps the optimizer's.
         options: the policies' run-time hyperparameters.
@@ -182,28 +240,68 @@ def run_stream_reference(
         >>> len(r.losses), r.versions[Action(0, Op.B, 2)]
         (3, (1, 1))
     """
-    if schedule.is_synchronous:
-        raise UserError(f"schedule {schedule.name} is synchronous; run it with run_reference")
+    segments = [schedule] if isinstance(schedule, Schedule) else list(schedule)
+    first = segments[0]
+    if first.is_synchronous:
+        raise UserError(f"schedule {first.name} is synchronous; run it with run_reference")
     check_stream_model(spec)
-    workers = build_workers(schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
+    workers = build_workers(first, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
                             recompute=recompute, parts=parts, precision=precision)
-    tables = ScheduleTables(schedule)
-    policies = {
-        r: RankPolicy(schedule, {s: workers[s] for s in schedule.placement.stages_on(r)}, options, tables, lr_at)
-        for r in range(schedule.num_ranks)
-    }
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
-    t = microbatches_per_minibatch(schedule)
-    total = schedule.num_microbatches
-    inputs = StreamData(source, num_microbatches=t, length=total, part=0)
-    targets = StreamData(source, num_microbatches=t, length=total, part=1)
-    state = _StreamStep(schedule, workers, inputs, targets, policies)
-    run_step(schedule, workers, [], [], state=state)
-    losses = minibatch_losses(state.losses, t, total // t)
+    t = microbatches_per_minibatch(first)
+    carry = StreamCarry()
+    losses: list[float] = []
+    versions: dict[Action, Read] = {}
+    weight_bytes = [0] * first.num_ranks
+    position = _Position()
+    for seg in segments:
+        for w in workers:
+            w.steps_done = position.minibatches
+        tables = ScheduleTables(seg)
+        policies = {
+            r: RankPolicy(seg, {s: workers[s] for s in seg.placement.stages_on(r)}, options, tables, lr_at, carry)
+            for r in range(seg.num_ranks)
+        }
+        total = seg.num_microbatches
+        inputs = StreamData(source, num_microbatches=t, length=total, part=0, first=position.minibatches)
+        targets = StreamData(source, num_microbatches=t, length=total, part=1, first=position.minibatches)
+        state = _StreamStep(seg, workers, inputs, targets, policies)
+        run_step(seg, workers, [], [], state=state)
+        losses += minibatch_losses(state.losses, t, total // t)
+        for policy in policies.values():
+            versions.update(position.versions(policy.versions))
+        weight_bytes = [max(b, policies[r].peak_weight_bytes) for r, b in enumerate(weight_bytes)]
+        carries = [policy.carry() for policy in policies.values()]
+        carry = StreamCarry(carries[0].updates, carries[0].annealed,
+                            {s: v for c in carries for s, v in c.velocity.items()})
+        position.advance(seg, t)
     parameters, stage_parameters = trained_parameters(workers)
-    versions = {a: v for policy in policies.values() for a, v in policy.versions.items()}
     return StreamResult(losses, parameters, stage_parameters, [w.peak_activation_bytes() for w in workers],
-                        versions=versions, weight_bytes=[policies[r].peak_weight_bytes for r in sorted(policies)])
+                        versions=versions, weight_bytes=weight_bytes)
+
+
+class _Position:
+    """Where a stream starts in its run: mini-batches, microbatches and updates per stage before it.
+
+    Actions of a stream are numbered from 0; ``shift`` numbers them as the
+    run's schedule does (``schedule.stream.concatenate``).
+    """
+
+    def __init__(self) -> None:
+        self.minibatches = self.microbatches = self.updates = 0
+
+    def shift(self, a: Action) -> Action:
+        return Action(a.stage, a.op, a.microbatch + (self.updates if a.op is Op.U else self.microbatches))
+
+    def versions(self, reads: dict[Action, Read]) -> dict[Action, Read]:
+        return {self.shift(a): (v + self.updates, k + self.updates) for a, (v, k) in reads.items()}
+
+    def advance(self, segment: Schedule, t: int) -> None:
+        from pipeweave.runtime.job import stream_updates
+
+        self.minibatches += segment.num_microbatches // t
+        self.microbatches += segment.num_microbatches
+        self.updates += stream_updates(segment)
 
 
 def split_by_minibatch(records: list[tuple[Action, int, int]], t: int, num_minibatches: int
@@ -220,40 +318,108 @@ def split_by_minibatch(records: list[tuple[Action, int, int]], t: int, num_minib
 
 
 def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
-    """``job.run_rank`` for an asynchronous schedule: one pass of the stream through the ``Executor``."""
-    from pipeweave.runtime import launch as launch_module
+    """``job.run_rank`` for an asynchronous schedule: its streams through the ``Executor``, one after the other.
+
+    Between two streams (``TrainConfig.segments``) nothing is in flight: the
+    run evaluates and saves there, and the next stream's policy takes the
+    last one's ``StreamCarry``. Records are numbered as the run's schedule
+    (``TrainConfig.build_schedule``) numbers its actions.
+    """
+    from pipeweave.runtime import checkpoint, launch as launch_module
     from pipeweave.runtime.executor import Executor
-    from pipeweave.runtime.job import (RankRecord, build_workers as rank_workers, final_parameters, gather_run,
-                                       seconds_since, stream_updates)
+    from pipeweave.runtime.job import (RankRecord, build_workers as rank_workers, evaluate, final_parameters,
+                                       gather_run, seconds_since)
     from pipeweave.runtime.trace import align_clocks
     from pipeweave.schedule import lower
+    from pipeweave.schedule.evaluation import forward_only
+    from pipeweave.schedule.stream import concatenate
 
     started = time.perf_counter()
-    schedule = config.build_schedule()
+    segments = config.stream_segments()
     check_stream_model(config.model)
     device = launch_module.device_for(rank)
-    workers = rank_workers(schedule, config, rank, device)
-    executor = Executor(lower(schedule), rank, workers, config.microbatch_sizes, device)
-    _keep_replicas_apart(executor, workers)
-    rates = config.learning_rates(updates=stream_updates(schedule)).at if config.lr_scheduled else None
-    policy = RankPolicy(schedule, workers, config.policy, lr_at=rates)
-    executor.policy = policy
+    workers = rank_workers(segments[0], config, rank, device)
+    done = checkpoint.steps_done(config)
+    carry = checkpoint.load(config, workers) if config.resume is not None else StreamCarry()
+    rates = stream_rates(config, concatenate(segments)).at if config.lr_scheduled else None
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
-    t, total = config.num_microbatches, schedule.num_microbatches
-    data = StreamData(source, num_microbatches=t, length=total, part=0, device=device)
-    targets = StreamData(source, num_microbatches=t, length=total, part=1, device=device)
+    t = config.num_microbatches
+    sizes = config.microbatch_sizes
     offset = align_clocks(rank, world)
-    _, timings = executor.run_step(data, targets)
-    mine = {j: float(x) for j, x in executor.losses_by_microbatch.items()}
-    losses = minibatch_losses(mine, t, config.steps)
-    groups = split_by_minibatch(timings, t, config.steps)
-    records = [seconds_since(g, offset) for g in groups]
-    for m, loss in enumerate(losses):
-        launch_module.progress({"step": m, "loss": loss, "time": records[m][-1][4] if records[m] else 0.0})
-    record: RankRecord = RankRecord(rank, losses, records, executor.peak_activation_bytes,
-                                    policy.peak_weight_bytes, final_parameters(config, workers))
-    record.versions = dict(policy.versions)
-    return gather_run(config, record, rank, world, started)
+    losses: list[float] = []
+    timings: list[tuple[Action, int, int]] = []
+    versions: dict[Action, Read] = {}
+    peak_activations = peak_weights = 0
+    evaluator: Executor | None = None
+    eval_losses: list[tuple[int, float]] = []
+    position = _Position()
+    for (first, steps), seg in zip(config.segments(), segments):
+        for w in workers.values():
+            w.steps_done = done + first  # dropout keys: (steps before the stream, microbatch in it)
+        executor = Executor(lower(seg), rank, workers, sizes[: seg.num_microbatches], device)
+        _keep_replicas_apart(executor, workers)
+        policy = RankPolicy(seg, workers, config.policy, lr_at=rates, carry=carry)
+        executor.policy = policy
+        data = StreamData(source, num_microbatches=t, length=seg.num_microbatches, part=0, device=device,
+                          first=done + first)
+        targets = StreamData(source, num_microbatches=t, length=seg.num_microbatches, part=1, device=device,
+                             first=done + first)
+        _, ran = executor.run_step(data, targets)
+        mine = {j: float(x) for j, x in executor.losses_by_microbatch.items()}
+        losses += minibatch_losses(mine, t, steps)
+        timings += [(position.shift(a), t0, t1) for a, t0, t1 in ran]
+        versions.update(position.versions(policy.versions))
+        peak_activations = max(peak_activations, executor.peak_activation_bytes)
+        peak_weights = max(peak_weights, policy.peak_weight_bytes)
+        carry = policy.carry()
+        position.advance(seg, t)
+        end = first + steps
+        groups = split_by_minibatch(timings, t, end)
+        for m in range(first, end):
+            times = seconds_since(groups[m], offset)
+            launch_module.progress({"step": m, "loss": losses[m], "time": times[-1][4] if times else 0.0})
+        last = end == config.steps
+        if config.eval_every is not None and (last or end % config.eval_every == 0):
+            if evaluator is None:
+                evaluator = Executor(lower(forward_only(seg)), rank, workers, sizes[:t], device, evaluate=True)
+            eval_losses.append((done + end, evaluate(evaluator, source, config, t, device)))
+            launch_module.progress({"eval": len(eval_losses) - 1, "loss": eval_losses[-1][1]})
+        if config.save is not None and (last or end % (config.save_every or config.steps) == 0):
+            checkpoint.save(config, seg, workers, rank, done + end, carry=carry)
+    records = [seconds_since(g, offset) for g in split_by_minibatch(timings, t, config.steps)]
+    record: RankRecord = RankRecord(rank, losses, records, peak_activations, peak_weights,
+                                    final_parameters(config, workers), eval_losses=eval_losses)
+    record.versions = versions
+    run = gather_run(config, record, rank, world, started, done)
+    if run is not None:
+        run.paused_s = close_pauses(run)
+    return run
+
+
+def close_pauses(record: RunRecord) -> float:
+    """Take the pauses between a run's streams (evaluations, checkpoints) out of its measured times.
+
+    Between two streams every rank evaluates or saves, which is not the
+    schedule's time. Each pause -- from the last action of a stream on any
+    rank to the first action of the next on any rank, where positive -- is
+    subtracted from every later time on every rank alike, so the order of
+    all events is kept. Returns the seconds taken out.
+    """
+    removed = 0.0
+    segments = record.config.segments()
+    for (first, steps), (nxt, _) in zip(segments, segments[1:]):
+        end = max((a[4] for r in record.ranks for m in range(first, first + steps) for a in r.records[m]),
+                  default=0.0)
+        start = min((a[3] for r in record.ranks for m in range(nxt, record.config.steps) for a in r.records[m]),
+                    default=end)
+        pause = start - end
+        if pause <= 0:
+            continue
+        removed += pause
+        for r in record.ranks:
+            for m in range(nxt, record.config.steps):
+                r.records[m] = [(s, op, j, t0 - pause, t1 - pause) for s, op, j, t0, t1 in r.records[m]]
+    return removed
 
 
 def _keep_replicas_apart(executor: Any, workers: dict[int, StageWorker]) -> None:

@@ -142,9 +142,11 @@ def dispatch_time(record: RunRecord) -> float:
     """
     # A synchronous step's actions are one stretch of a rank's time (the gap between
     # steps is the loop's, not the executor's); a stream's mini-batches interleave,
-    # so its records are put back in time order first.
+    # so each stream's records are put back in time order first (between two streams
+    # of a run a rank waits for the others to drain: not dispatch).
     if record.config.is_stream:
-        stretches = [sorted((a for step in rank.records for a in step), key=lambda a: a[3]) for rank in record.ranks]
+        stretches = [sorted((a for m in range(first, first + steps) for a in rank.records[m]), key=lambda a: a[3])
+                     for rank in record.ranks for first, steps in record.config.segments()]
     else:
         stretches = [rank.records[k] for rank in record.ranks for k in measured_steps(record.config.steps)]
     gaps: list[float] = []

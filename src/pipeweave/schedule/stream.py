@@ -11,6 +11,11 @@ gradients (``B`` or ``W``) of stage s that its rank ran since ``U(s, k-1)``.
 Generators therefore place each ``U`` right after the backward that completes
 its group: ``every(n)`` closes a group after every n microbatches of a stage.
 
+A run that stops to evaluate or to save (``pipeweave train --eval-every K``)
+drains its stream there and starts another: ``concatenate`` is such a run of
+several streams as one schedule, for the simulator, the version tables and
+the timeline.
+
 Two stream builders:
 
 - ``stream_order``: 1F1B without a flush (PipeDream's order), rank r warms up
@@ -27,7 +32,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from pipeweave.schedule.ir import Action, Op, Placement, ScheduleError, check_positive
+from pipeweave.schedule.ir import Action, Op, Placement, Schedule, ScheduleError, check_positive
 
 Boundary = Callable[[int, int], bool]  # (stage, microbatch) -> does a U follow its backward?
 
@@ -40,6 +45,57 @@ def check_stream(num_stages: int, num_microbatches: int, num_steps: int) -> None
     check_positive("num_stages", num_stages)
     check_positive("num_microbatches", num_microbatches)
     check_positive("num_steps", num_steps, "give num_steps >= 1 (mini-batches in the stream)")
+
+
+def concatenate(segments: Sequence[Schedule]) -> Schedule:
+    """Streams run one after the other, each drained before the next starts, as one schedule.
+
+    Every rank's list is the segments' lists in order; segment i's microbatches
+    are numbered after segment i - 1's, and so is each stage's ``U`` (update k
+    of a segment is update ``k + updates before it`` of the run), so the
+    versions every action reads (``sim.versions``) are the run's. Between two
+    segments nothing is in flight: the drain is a flush.
+
+    Raises:
+        ScheduleError: no segment, a synchronous one, or segments of different placements or policies.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> one = generate("pipedream", num_stages=2, num_microbatches=1, num_steps=1)
+        >>> [str(a) for a in concatenate([one, one]).actions[1]]
+        ['1F0', '1B0', '1U0', '1F1', '1B1', '1U1']
+    """
+    if not segments:
+        raise ScheduleError("concatenate needs at least one stream; give one or more segments")
+    first = segments[0]
+    for seg in segments:
+        if seg.is_synchronous:
+            raise ScheduleError(f"{seg.name} is synchronous: its steps already end in a flush; concatenate streams")
+        if (seg.placement, seg.policy) != (first.placement, first.policy):
+            raise ScheduleError(f"segments of one run share a placement and a policy; {seg.name} differs from "
+                                f"{first.name}: generate every segment with the same D, T and options")
+    if len(segments) == 1:
+        return first
+    rows: list[list[Action]] = [[] for _ in first.actions]
+    pipelines: list[int] = []
+    microbatches = 0
+    updates: dict[int, int] = {}  # per stage, updates of the segments before
+    for seg in segments:
+        made: dict[int, int] = {}
+        for rank, row in enumerate(seg.actions):
+            for a in row:
+                if a.op is Op.U:
+                    rows[rank].append(Action(a.stage, Op.U, a.microbatch + updates.get(a.stage, 0)))
+                    made[a.stage] = made.get(a.stage, 0) + 1
+                else:
+                    rows[rank].append(Action(a.stage, a.op, a.microbatch + microbatches))
+        for stage, n in made.items():
+            updates[stage] = updates.get(stage, 0) + n
+        pipelines += seg.microbatch_pipeline or [0] * seg.num_microbatches
+        microbatches += seg.num_microbatches
+    return Schedule(first.name, first.placement, microbatches, tuple(map(tuple, rows)),
+                    microbatch_pipeline=tuple(pipelines) if any(pipelines) else (), policy=first.policy,
+                    num_steps=sum(seg.num_steps for seg in segments))
 
 
 def stream_order(warmup: int, total: int) -> list[tuple[Op, int]]:
