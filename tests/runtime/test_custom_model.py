@@ -298,7 +298,8 @@ def test_train_cli_trains_a_model_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["pipeweave.models.custom", "pipeweave.models.randomness", "pipeweave.data.dataset",
-                                  "pipeweave.runtime.message", "pipeweave.models.precision"])
+                                  "pipeweave.runtime.message", "pipeweave.models.precision",
+                                  "pipeweave.runtime.stream", "pipeweave.runtime.job"])
 def test_examples(name: str) -> None:
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

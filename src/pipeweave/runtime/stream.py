@@ -46,6 +46,7 @@ from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary
 from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec
+from pipeweave.runtime.lr_schedule import LrSchedule
 from pipeweave.runtime.plain import TrainResult
 from pipeweave.runtime.policy import PolicyOptions, RankPolicy, Read, ScheduleTables, StreamCarry
 from pipeweave.runtime.reference import _Step, build_workers, run_step, trained_parameters
@@ -110,7 +111,7 @@ def segment_options(config: TrainConfig, first: int, steps: int) -> dict[str, An
     return options
 
 
-def stream_rates(config: TrainConfig, schedule: Schedule) -> Any:
+def stream_rates(config: TrainConfig, schedule: Schedule) -> LrSchedule:
     """The learning rates of a stream's updates (``LrSchedule``): a stage's k-th update of the training takes
     step k's, the decay ending by default at this run's last update (after a checkpoint's)."""
     from pipeweave.runtime import checkpoint
