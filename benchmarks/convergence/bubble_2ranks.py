@@ -19,9 +19,10 @@ import os
 from pathlib import Path
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.job import TrainConfig, run_rank
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import run_rank
 from pipeweave.runtime.launch import LaunchOptions, launch
-from pipeweave.runtime.stream import summarize_stream
+from pipeweave.runtime.stream_summary import summarize_stream
 from pipeweave.schedule import SCHEDULES
 
 HERE = Path(__file__).parent

@@ -18,7 +18,8 @@ import torch
 
 from pipeweave.models import ModelSpec
 from pipeweave.partition import LayerCosts, MemoryProfile, PartitionContext, partition
-from pipeweave.runtime.job import TrainConfig, run_rank
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import run_rank
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.profile import profile_model
 from pipeweave.runtime.trace import summarize

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.job import TrainConfig, run_rank
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import run_rank
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.trace import summarize

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.job import TrainConfig
+from pipeweave.runtime.config import TrainConfig
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.lazy import run_rank_recording_builds
 from pipeweave.runtime.plain import run_plain

@@ -9,7 +9,8 @@ from torch import nn
 from pipeweave.data import ByteCorpus, split_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec, build_layers, loss_fn
-from pipeweave.runtime.job import TrainConfig, run_rank
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import run_rank
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.reference import build_workers, run_reference, run_step
 from pipeweave.runtime.tied import TiedGradients

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.job import TrainConfig, run_rank
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import run_rank
 from pipeweave.runtime.launch import LaunchOptions, RankFailure, launch, progress
 
 

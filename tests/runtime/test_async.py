@@ -29,14 +29,15 @@ import pytest
 import torch
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.job import RunRecord, TrainConfig, run_rank, stream_updates
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import RunRecord, run_rank
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.policy import PolicyOptions, RankPolicy
 from pipeweave.runtime.prediction import update_direction
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.stage import StageWorker
-from pipeweave.runtime.stream import run_stream_reference, stream_steps
+from pipeweave.runtime.stream import run_stream_reference, stream_steps, stream_updates
 from pipeweave.schedule import SCHEDULES, generate
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.sim.cost import CostModel

@@ -19,7 +19,8 @@ import torch
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime import checkpoint
-from pipeweave.runtime.job import RunRecord, TrainConfig, run_rank
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import RunRecord, run_rank
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.validation_step import PostValidation
 
@@ -142,9 +143,9 @@ def _counting_saves(rank: int, world: int, config: TrainConfig) -> tuple[RunReco
     saved: list[int] = []
     real = checkpoint.save
 
-    def save(*args: object) -> None:
+    def save(*args: object, **kwargs: object) -> None:
         saved.append(int(args[-1]))  # type: ignore[call-overload]
-        real(*args)  # type: ignore[arg-type]
+        real(*args, **kwargs)  # type: ignore[arg-type]
 
     checkpoint.save = save  # type: ignore[assignment]  # this rank's process only
     return run_rank(rank, world, config), saved

@@ -31,7 +31,8 @@ from pipeweave.errors import UserError
 from pipeweave.models import LayerModel, ModelSpec, build_layers, loss_fn
 from pipeweave.models.custom import deferrable, entry_of, load_model
 from pipeweave.models.layers import Linear
-from pipeweave.runtime.job import RunRecord, TrainConfig, run_rank
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import RunRecord, run_rank
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.reference import run_reference
@@ -299,7 +300,7 @@ def test_train_cli_trains_a_model_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["pipeweave.models.custom", "pipeweave.models.randomness", "pipeweave.data.dataset",
                                   "pipeweave.runtime.message", "pipeweave.models.precision",
-                                  "pipeweave.runtime.stream", "pipeweave.runtime.job"])
+                                  "pipeweave.runtime.stream", "pipeweave.runtime.config"])
 def test_examples(name: str) -> None:
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.job import RunRecord, TrainConfig, run_rank
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import RunRecord, run_rank
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.runtime.reference import run_reference

@@ -9,7 +9,8 @@ import torch
 
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.job import TrainConfig, run_rank
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import run_rank
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.lr_schedule import MIN_RATIO, LrSchedule
 from pipeweave.runtime.plain import run_plain

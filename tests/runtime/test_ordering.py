@@ -31,7 +31,8 @@ from pipeweave.data import data_source, split_microbatches
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.comm import message_key, rank_sends
 from pipeweave.runtime.executor import Executor
-from pipeweave.runtime.job import TrainConfig, build_workers
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import build_workers
 from pipeweave.runtime.reference import run_reference
 from pipeweave.schedule import SCHEDULES, ScheduleError, generate, lower
 from pipeweave.schedule.ir import Op

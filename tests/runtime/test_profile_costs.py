@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.job import RankRecord, RunRecord, TrainConfig
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import RankRecord, RunRecord
 from pipeweave.runtime.trace import dispatch_time, hop_latency, profile_costs
 from pipeweave.schedule import generate
 from pipeweave.sim import CostModel, compute_metrics, simulate

@@ -14,7 +14,8 @@ import torch
 
 from pipeweave.models import ModelSpec
 from pipeweave.runtime import shm
-from pipeweave.runtime.job import TrainConfig, run_rank
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import run_rank
 from pipeweave.runtime.launch import LaunchOptions, RankFailure, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.schedule import ScheduleError

@@ -17,7 +17,8 @@ import torch
 
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.job import RunRecord, TrainConfig, run_rank
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import RunRecord, run_rank
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.validation_step import PostValidation

@@ -108,7 +108,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def build_config(args: argparse.Namespace) -> Any:
     """The ``TrainConfig`` of the arguments (torch is imported only here)."""
-    from pipeweave.runtime.job import TrainConfig
+    from pipeweave.runtime.config import TrainConfig
     from pipeweave.schedule import SCHEDULES
 
     if args.model == "gpt":
@@ -321,7 +321,7 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
     """The JSON record: configuration, losses and every measured and simulated figure."""
     from dataclasses import asdict
 
-    from pipeweave.runtime.stream import summarize_stream
+    from pipeweave.runtime.stream_summary import summarize_stream
     from pipeweave.runtime.trace import summarize
 
     config = record.config
@@ -344,8 +344,7 @@ def _learning_rates(config: Any, schedule: Any, first_step: int) -> list[float]:
     """The learning rate of each step of the run; a stream's: of each stage's k-th update (before PipeMare's)."""
     if config.is_stream:
         from pipeweave.runtime.checkpoint import updates_done
-        from pipeweave.runtime.job import stream_updates
-        from pipeweave.runtime.stream import stream_rates
+        from pipeweave.runtime.stream import stream_rates, stream_updates
 
         first = updates_done(config)
         rates = stream_rates(config, schedule)
@@ -371,7 +370,7 @@ def write_outputs(schedule: Any, record: Any, report: dict[str, Any], args: argp
     if schedule.is_synchronous:
         last, what = rebased(step_timeline(schedule, record, record.config.steps - 1)), "last step"
     else:
-        from pipeweave.runtime.stream import stream_timeline
+        from pipeweave.runtime.stream_summary import stream_timeline
 
         last, what = rebased(stream_timeline(schedule, record)), "stream"
     title = (f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  measured {what} (ms), "

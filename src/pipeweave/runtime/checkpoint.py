@@ -58,7 +58,7 @@ from pipeweave.runtime.validation_step import ValidatedOptimizer
 from pipeweave.weights.post_validation import SGD
 
 if TYPE_CHECKING:
-    from pipeweave.runtime.job import TrainConfig
+    from pipeweave.runtime.config import TrainConfig
     from pipeweave.runtime.policy import StreamCarry
     from pipeweave.runtime.stage import StageWorker
     from pipeweave.schedule.ir import Schedule

@@ -16,7 +16,8 @@ from typing import Any
 import torch.distributed as dist
 
 from pipeweave.models import gpt, mlp
-from pipeweave.runtime.job import RunRecord, TrainConfig, run_rank
+from pipeweave.runtime.config import TrainConfig
+from pipeweave.runtime.job import RunRecord, run_rank
 
 _FAMILIES = {"mlp": mlp, "gpt": gpt}
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
@@ -54,7 +54,8 @@ from pipeweave.runtime.stage import OptimizerFactory, StageWorker
 from pipeweave.schedule.ir import Action, Op, Schedule
 
 if TYPE_CHECKING:
-    from pipeweave.runtime.job import RankRecord, RunRecord, TrainConfig
+    from pipeweave.runtime.config import TrainConfig
+    from pipeweave.runtime.job import RunRecord
 
 
 def stream_steps(name: str, steps: int, options: dict[str, Any]) -> int:
@@ -98,7 +99,7 @@ def segment_options(config: TrainConfig, first: int, steps: int) -> dict[str, An
     all warm-up and a later stream (after a drain, or resumed) gets what is left.
 
     Example:
-        >>> from pipeweave.runtime.job import TrainConfig
+        >>> from pipeweave.runtime.config import TrainConfig
         >>> c = TrainConfig(schedule="pipemare", schedule_options=(("warmup_steps", 3),))
         >>> segment_options(c, 2, 4), segment_options(c, 0, 2)["warmup_steps"]
         ({'warmup_steps': 1, 'num_steps': 4}, 2)
@@ -115,9 +116,13 @@ def stream_rates(config: TrainConfig, schedule: Schedule) -> LrSchedule:
     """The learning rates of a stream's updates (``LrSchedule``): a stage's k-th update of the training takes
     step k's, the decay ending by default at this run's last update (after a checkpoint's)."""
     from pipeweave.runtime import checkpoint
-    from pipeweave.runtime.job import stream_updates
 
     return config.learning_rates(updates=checkpoint.updates_done(config) + stream_updates(schedule))
+
+
+def stream_updates(schedule: Schedule) -> int:
+    """Updates each stage of an asynchronous stream makes (stage 0's U actions; every stage makes as many)."""
+    return sum(1 for row in schedule.actions for a in row if a.op is Op.U and a.stage == 0)
 
 
 def microbatches_per_minibatch(schedule: Schedule) -> int:
@@ -298,8 +303,6 @@ class _Position:
         return {self.shift(a): (v + self.updates, k + self.updates) for a, (v, k) in reads.items()}
 
     def advance(self, segment: Schedule, t: int) -> None:
-        from pipeweave.runtime.job import stream_updates
-
         self.minibatches += segment.num_microbatches // t
         self.microbatches += segment.num_microbatches
         self.updates += stream_updates(segment)
@@ -328,11 +331,10 @@ def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | N
     """
     from pipeweave.runtime import checkpoint, launch as launch_module
     from pipeweave.runtime.executor import Executor
-    from pipeweave.runtime.job import (RankRecord, build_workers as rank_workers, evaluate, final_parameters,
+    from pipeweave.runtime.job import (Milestones, RankRecord, build_workers as rank_workers, final_parameters,
                                        gather_run, seconds_since)
     from pipeweave.runtime.trace import align_clocks
     from pipeweave.schedule import lower
-    from pipeweave.schedule.evaluation import forward_only
     from pipeweave.schedule.stream import concatenate
 
     started = time.perf_counter()
@@ -351,8 +353,7 @@ def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | N
     timings: list[tuple[Action, int, int]] = []
     versions: dict[Action, Read] = {}
     peak_activations = peak_weights = 0
-    evaluator: Executor | None = None
-    eval_losses: list[tuple[int, float]] = []
+    milestones = Milestones(config, segments[0], rank, workers, device, source, done)  # any segment: same placement
     position = _Position()
     for (first, steps), seg in zip(config.segments(), segments):
         for w in workers.values():
@@ -379,48 +380,17 @@ def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | N
         for m in range(first, end):
             times = seconds_since(groups[m], offset)
             launch_module.progress({"step": m, "loss": losses[m], "time": times[-1][4] if times else 0.0})
-        last = end == config.steps
-        if config.eval_every is not None and (last or end % config.eval_every == 0):
-            if evaluator is None:
-                evaluator = Executor(lower(forward_only(seg)), rank, workers, sizes[:t], device, evaluate=True)
-            eval_losses.append((done + end, evaluate(evaluator, source, config, t, device)))
-            launch_module.progress({"eval": len(eval_losses) - 1, "loss": eval_losses[-1][1]})
-        if config.save is not None and (last or end % (config.save_every or config.steps) == 0):
-            checkpoint.save(config, seg, workers, rank, done + end, carry=carry)
+        milestones.reached(end, carry)
     records = [seconds_since(g, offset) for g in split_by_minibatch(timings, t, config.steps)]
     record: RankRecord = RankRecord(rank, losses, records, peak_activations, peak_weights,
-                                    final_parameters(config, workers), eval_losses=eval_losses)
+                                    final_parameters(config, workers), eval_losses=milestones.eval_losses)
     record.versions = versions
     run = gather_run(config, record, rank, world, started, done)
     if run is not None:
+        from pipeweave.runtime.stream_summary import close_pauses
+
         run.paused_s = close_pauses(run)
     return run
-
-
-def close_pauses(record: RunRecord) -> float:
-    """Take the pauses between a run's streams (evaluations, checkpoints) out of its measured times.
-
-    Between two streams every rank evaluates or saves, which is not the
-    schedule's time. Each pause -- from the last action of a stream on any
-    rank to the first action of the next on any rank, where positive -- is
-    subtracted from every later time on every rank alike, so the order of
-    all events is kept. Returns the seconds taken out.
-    """
-    removed = 0.0
-    segments = record.config.segments()
-    for (first, steps), (nxt, _) in zip(segments, segments[1:]):
-        end = max((a[4] for r in record.ranks for m in range(first, first + steps) for a in r.records[m]),
-                  default=0.0)
-        start = min((a[3] for r in record.ranks for m in range(nxt, record.config.steps) for a in r.records[m]),
-                    default=end)
-        pause = start - end
-        if pause <= 0:
-            continue
-        removed += pause
-        for r in record.ranks:
-            for m in range(nxt, record.config.steps):
-                r.records[m] = [(s, op, j, t0 - pause, t1 - pause) for s, op, j, t0, t1 in r.records[m]]
-    return removed
 
 
 def _keep_replicas_apart(executor: Any, workers: dict[int, StageWorker]) -> None:
@@ -429,71 +399,3 @@ def _keep_replicas_apart(executor: Any, workers: dict[int, StageWorker]) -> None
         w.combine_grads = None
     executor.replicas.replicated.clear()
     executor.replicas.grad_actions.clear()
-
-
-def stream_timeline(schedule: Schedule, record: RunRecord) -> Any:
-    """The whole measured stream as one ``Timeline`` of compute actions (seconds on rank 0's clock)."""
-    from pipeweave.sim import Event, Timeline
-
-    rows = []
-    for rank in record.ranks:
-        events = [Event(Action(s, Op(op), j), t0, t1) for group in rank.records for s, op, j, t0, t1 in group
-                  if op in ("F", "B", "I", "W", "U")]
-        rows.append(tuple(sorted(events, key=lambda e: e.start)))
-    return Timeline(schedule, tuple(rows))
-
-
-def minibatch_period(timeline: Any, num_microbatches: int) -> float:
-    """Time per mini-batch in the steady state: last ends of mini-batches 0 and S-2, over S-2 (S < 3: total / S)."""
-    end: dict[int, float] = {}
-    for row in timeline.events:
-        for e in row:
-            if e.action.op is not Op.U:
-                m = e.action.microbatch // num_microbatches
-                end[m] = max(end.get(m, e.end), e.end)
-    s = len(end)
-    if s < 3:
-        start = min((row[0].start for row in timeline.events if row), default=0.0)
-        return (max(end.values()) - start) / max(1, s)
-    return (end[s - 2] - end[0]) / (s - 2)
-
-
-def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
-    """``trace.summarize`` for a stream: bubbles of the whole measured stream, steady state first.
-
-    ``bubble_ratio`` is the steady-state bubble (``sim.steady``), measured and
-    simulated with the run's profiled costs; ``bubble_ratio_stream`` includes
-    the fill and drain. ``step_time_s`` is the time per mini-batch,
-    ``weight_bytes`` the peak of every weight version and buffer per rank,
-    beside ``weight_bytes_simulated`` = ``sim.versions.weight_copies`` x each part's bytes.
-    """
-    from pipeweave.runtime.trace import measured_summary, profile_costs
-    from pipeweave.sim import CostModel, simulate
-    from pipeweave.sim.metrics import bubble_metrics
-    from pipeweave.sim.steady import steady_bubble_ratio
-    from pipeweave.sim.versions import weight_copies
-
-    cost = profile_costs(schedule, record)
-    out = measured_summary(schedule, record, cost)  # per-mini-batch times, throughput, profiled costs, memory
-    t = microbatches_per_minibatch(schedule)
-    measured = stream_timeline(schedule, record)
-    predicted = simulate(schedule, cost, check=False)
-    alone = simulate(schedule, replace(cost, dispatch=0.0), check=False)
-    m, p = bubble_metrics(measured), bubble_metrics(predicted)
-    part_bytes = record.config.part_weight_bytes(schedule)
-    out.update({
-        "bubble_ratio": steady_bubble_ratio(measured), "bubble_ratio_stream": m[3], "bubble_ratio_flush": m[4],
-        "bubble_overhead": m[5], "makespan_s": m[0],
-        "bubble_ratio_simulated": steady_bubble_ratio(predicted), "bubble_ratio_stream_simulated": p[3],
-        "bubble_ratio_simulated_no_dispatch": steady_bubble_ratio(alone),
-        "bubble_ratio_flush_simulated": p[4], "makespan_simulated_s": minibatch_period(predicted, t),
-        "step_time_s": minibatch_period(measured, t),
-        "weight_bytes": [r.weight_bytes for r in record.ranks],
-        "weight_bytes_simulated": list(weight_copies(schedule, CostModel(weight=part_bytes).for_parts(
-            num_parts=schedule.num_parts, num_ranks=schedule.num_ranks))),
-    })
-    out["samples_per_s"] = record.config.batch_size / out["step_time_s"]
-    if out.get("tokens_per_s"):
-        out["tokens_per_s"] = out["samples_per_s"] * record.config.model.seq_len
-    return out
-

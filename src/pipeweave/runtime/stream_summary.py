@@ -1,0 +1,114 @@
+"""What a run of asynchronous streams measured: its timeline, its time per mini-batch, its summary.
+
+A stream has no steps to time one by one (``runtime.stream``): its measured
+actions make one ``Timeline`` (``stream_timeline``), the time per mini-batch
+is the steady state's period (``minibatch_period``), and ``summarize_stream``
+sets the measured bubbles and weight bytes beside the simulator's for the
+run's schedule. Where the run drained its stream to evaluate or save, the
+pauses between streams are taken out of its times first (``close_pauses``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from pipeweave.runtime.stream import microbatches_per_minibatch
+from pipeweave.schedule.ir import Action, Op, Schedule
+
+if TYPE_CHECKING:
+    from pipeweave.runtime.job import RunRecord
+
+
+def close_pauses(record: RunRecord) -> float:
+    """Take the pauses between a run's streams (evaluations, checkpoints) out of its measured times.
+
+    Between two streams every rank evaluates or saves, which is not the
+    schedule's time. Each pause -- from the last action of a stream on any
+    rank to the first action of the next on any rank, where positive -- is
+    subtracted from every later time on every rank alike, so the order of
+    all events is kept. Returns the seconds taken out.
+    """
+    removed = 0.0
+    segments = record.config.segments()
+    for (first, steps), (nxt, _) in zip(segments, segments[1:]):
+        end = max((a[4] for r in record.ranks for m in range(first, first + steps) for a in r.records[m]),
+                  default=0.0)
+        start = min((a[3] for r in record.ranks for m in range(nxt, record.config.steps) for a in r.records[m]),
+                    default=end)
+        pause = start - end
+        if pause <= 0:
+            continue
+        removed += pause
+        for r in record.ranks:
+            for m in range(nxt, record.config.steps):
+                r.records[m] = [(s, op, j, t0 - pause, t1 - pause) for s, op, j, t0, t1 in r.records[m]]
+    return removed
+
+
+def stream_timeline(schedule: Schedule, record: RunRecord) -> Any:
+    """The whole measured stream as one ``Timeline`` of compute actions (seconds on rank 0's clock)."""
+    from pipeweave.sim import Event, Timeline
+
+    rows = []
+    for rank in record.ranks:
+        events = [Event(Action(s, Op(op), j), t0, t1) for group in rank.records for s, op, j, t0, t1 in group
+                  if op in ("F", "B", "I", "W", "U")]
+        rows.append(tuple(sorted(events, key=lambda e: e.start)))
+    return Timeline(schedule, tuple(rows))
+
+
+def minibatch_period(timeline: Any, num_microbatches: int) -> float:
+    """Time per mini-batch in the steady state: last ends of mini-batches 0 and S-2, over S-2 (S < 3: total / S)."""
+    end: dict[int, float] = {}
+    for row in timeline.events:
+        for e in row:
+            if e.action.op is not Op.U:
+                m = e.action.microbatch // num_microbatches
+                end[m] = max(end.get(m, e.end), e.end)
+    s = len(end)
+    if s < 3:
+        start = min((row[0].start for row in timeline.events if row), default=0.0)
+        return (max(end.values()) - start) / max(1, s)
+    return (end[s - 2] - end[0]) / (s - 2)
+
+
+def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
+    """``trace.summarize`` for a stream: bubbles of the whole measured stream, steady state first.
+
+    ``bubble_ratio`` is the steady-state bubble (``sim.steady``), measured and
+    simulated with the run's profiled costs; ``bubble_ratio_stream`` includes
+    the fill and drain. ``step_time_s`` is the time per mini-batch,
+    ``weight_bytes`` the peak of every weight version and buffer per rank,
+    beside ``weight_bytes_simulated`` = ``sim.versions.weight_copies`` x each part's bytes.
+    """
+    from pipeweave.runtime.trace import measured_summary, profile_costs
+    from pipeweave.sim import CostModel, simulate
+    from pipeweave.sim.metrics import bubble_metrics
+    from pipeweave.sim.steady import steady_bubble_ratio
+    from pipeweave.sim.versions import weight_copies
+
+    cost = profile_costs(schedule, record)
+    out = measured_summary(schedule, record, cost)  # per-mini-batch times, throughput, profiled costs, memory
+    t = microbatches_per_minibatch(schedule)
+    measured = stream_timeline(schedule, record)
+    predicted = simulate(schedule, cost, check=False)
+    alone = simulate(schedule, replace(cost, dispatch=0.0), check=False)
+    m, p = bubble_metrics(measured), bubble_metrics(predicted)
+    part_bytes = record.config.part_weight_bytes(schedule)
+    out.update({
+        "bubble_ratio": steady_bubble_ratio(measured), "bubble_ratio_stream": m[3], "bubble_ratio_flush": m[4],
+        "bubble_overhead": m[5], "makespan_s": m[0],
+        "bubble_ratio_simulated": steady_bubble_ratio(predicted), "bubble_ratio_stream_simulated": p[3],
+        "bubble_ratio_simulated_no_dispatch": steady_bubble_ratio(alone),
+        "bubble_ratio_flush_simulated": p[4], "makespan_simulated_s": minibatch_period(predicted, t),
+        "step_time_s": minibatch_period(measured, t),
+        "weight_bytes": [r.weight_bytes for r in record.ranks],
+        "weight_bytes_simulated": list(weight_copies(schedule, CostModel(weight=part_bytes).for_parts(
+            num_parts=schedule.num_parts, num_ranks=schedule.num_ranks))),
+    })
+    out["samples_per_s"] = record.config.batch_size / out["step_time_s"]
+    if out.get("tokens_per_s"):
+        out["tokens_per_s"] = out["samples_per_s"] * record.config.model.seq_len
+    return out
+
