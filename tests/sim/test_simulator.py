@@ -186,3 +186,28 @@ def test_simulator_equals_brute_force_relaxation(schedule: Schedule) -> None:
     want = _reference(schedule, cost)
     for r, (g, w) in enumerate(zip(got, want)):
         assert [t for pair in g for t in pair] == pytest.approx([t for pair in w for t in pair], abs=1e-9), f"rank {r}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, info in SCHEDULES.items() if not info.synchronous))
+def test_concatenated_streams_already_wait_at_each_drain(name: str) -> None:
+    """A run drained for evaluation waits for every rank between streams; its concatenated schedule's
+    simulation does too, with no barrier of its own: the first rank drains last and starts the next first."""
+    from pipeweave.schedule.stream import concatenate
+
+    rng = random.Random(name)
+    d = 3
+    for _ in range(4):
+        segments = [generate(name, num_stages=d, num_microbatches=d, num_steps=rng.randint(1, 3) * 2)
+                    for _ in range(3)]
+        n = segments[0].num_parts
+        cost = CostModel(f=[rng.uniform(0.5, 2) for _ in range(n)], b=[rng.uniform(0.5, 2) for _ in range(n)],
+                         w=[rng.uniform(0.1, 1) for _ in range(n)], u=[rng.uniform(0, 0.5) for _ in range(n)],
+                         comm=rng.choice([0.0, 0.3]))
+        whole = simulate(concatenate(segments), cost)
+        offset, ends = 0.0, []
+        for seg in segments:  # each stream on its own, after every rank has ended the last
+            alone = simulate(seg, cost)
+            ends.append([[t + offset for e in row for t in (e.start, e.end)] for row in alone.events])
+            offset = max(row[-1].end for row in alone.events if row) + offset
+        for r, row in enumerate(whole.events):
+            assert [t for e in row for t in (e.start, e.end)] == pytest.approx(sum((seg[r] for seg in ends), [])), r

@@ -332,7 +332,7 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
         "recompute": config.recompute, "precision": config.precision, "first_step": record.first_step,
         "losses": record.losses,
         "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
-        "lr_schedule": config.lr_schedule, "lrs": _learning_rates(config, schedule, record.first_step),
+        "lr_schedule": config.lr_schedule, "lrs": _learning_rates(config, schedule, record),
         "wall_s": record.wall_s, "paused_s": record.paused_s,
         **({"streams": len(config.segments())} if config.is_stream else {}),
         "transport": record.transport,
@@ -340,15 +340,19 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
     }
 
 
-def _learning_rates(config: Any, schedule: Any, first_step: int) -> list[float]:
-    """The learning rate of each step of the run; a stream's: of each stage's k-th update (before PipeMare's)."""
+def _learning_rates(config: Any, schedule: Any, record: Any) -> list[float]:
+    """The learning rate of each step of the run; a stream's: of each stage's k-th update (before PipeMare's).
+
+    What the resumed checkpoint had done comes from the record (read when the
+    run started): a run that saved into the folder it resumed from rewrote it.
+    """
     if config.is_stream:
-        from pipeweave.runtime.checkpoint import updates_done
         from pipeweave.runtime.stream import stream_rates, stream_updates
 
-        first = updates_done(config)
-        rates = stream_rates(config, schedule)
+        first = record.first_update
+        rates = stream_rates(config, schedule, first)
         return [rates.at(first + k) for k in range(stream_updates(schedule))]
+    first_step = record.first_step
     rates = config.learning_rates(first_step)
     return [rates.at(first_step + k) for k in range(config.steps)]
 

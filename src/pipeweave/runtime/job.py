@@ -68,6 +68,8 @@ class RunRecord:
     """What carried the point-to-point messages: ``shm``, ``gloo`` or ``nccl`` (``used_transport``)."""
     first_step: int = 0
     """Steps trained before this run (``TrainConfig.resume``): ``losses[k]`` is step ``first_step + k``."""
+    first_update: int = 0
+    """Updates each stage made before this run (a stream's: ``checkpoint.updates_done``; else ``first_step``)."""
     paused_s: float = 0.0
     """Streams: seconds between them (evaluations, checkpoints) taken out of ``records`` (``stream_summary.close_pauses``)."""
 
@@ -220,12 +222,16 @@ def final_parameters(config: TrainConfig, workers: dict[int, StageWorker]) -> di
 
 
 def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, started: float,
-               first_step: int = 0) -> RunRecord | None:
-    """Gather every rank's record on rank 0: the ``RunRecord`` there, None elsewhere."""
+               first_step: int = 0, first_update: int | None = None) -> RunRecord | None:
+    """Gather every rank's record on rank 0: the ``RunRecord`` there, None elsewhere.
+
+    ``first_step``/``first_update``: what the resumed checkpoint had done, read
+    when the run started (a run saving to the folder it resumed from rewrites it).
+    """
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
         return None
     assert gathered is not None
     return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started,
-                     used_transport(), first_step)
+                     used_transport(), first_step, first_step if first_update is None else first_update)

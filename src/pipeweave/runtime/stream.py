@@ -112,12 +112,17 @@ def segment_options(config: TrainConfig, first: int, steps: int) -> dict[str, An
     return options
 
 
-def stream_rates(config: TrainConfig, schedule: Schedule) -> LrSchedule:
+def stream_rates(config: TrainConfig, schedule: Schedule, first_update: int | None = None) -> LrSchedule:
     """The learning rates of a stream's updates (``LrSchedule``): a stage's k-th update of the training takes
-    step k's, the decay ending by default at this run's last update (after a checkpoint's)."""
+    step k's, the decay ending by default at this run's last update (after a checkpoint's).
+
+    ``first_update``: updates made before this run (default: the resumed checkpoint's, read now).
+    """
     from pipeweave.runtime import checkpoint
 
-    return config.learning_rates(updates=checkpoint.updates_done(config) + stream_updates(schedule))
+    if first_update is None:
+        first_update = checkpoint.updates_done(config)
+    return config.learning_rates(updates=first_update + stream_updates(schedule))
 
 
 def stream_updates(schedule: Schedule) -> int:
@@ -344,7 +349,8 @@ def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | N
     workers = rank_workers(segments[0], config, rank, device)
     done = checkpoint.steps_done(config)
     carry = checkpoint.load(config, workers) if config.resume is not None else StreamCarry()
-    rates = stream_rates(config, concatenate(segments)).at if config.lr_scheduled else None
+    first_update = checkpoint.updates_done(config)
+    rates = stream_rates(config, concatenate(segments), first_update).at if config.lr_scheduled else None
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
     t = config.num_microbatches
     sizes = config.microbatch_sizes
@@ -385,7 +391,7 @@ def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | N
     record: RankRecord = RankRecord(rank, losses, records, peak_activations, peak_weights,
                                     final_parameters(config, workers), eval_losses=milestones.eval_losses)
     record.versions = versions
-    run = gather_run(config, record, rank, world, started, done)
+    run = gather_run(config, record, rank, world, started, done, first_update)
     if run is not None:
         from pipeweave.runtime.stream_summary import close_pauses
 
