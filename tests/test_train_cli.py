@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 
@@ -130,6 +131,29 @@ def test_misplaced_options_are_one_line_before_spawning(
     assert main(["train", "--model", "mlp", "--layers", "4", "--hidden", "8", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("model", "text", "message"),
+    [
+        ("gpt", None, "cannot read --data"),
+        ("gpt", "abc", "the corpus has 3 bytes, fewer than one window of seq_len+1=9"),
+        ("mlp", "abc" * 100, "--data applies to --model gpt only"),
+    ],
+)
+def test_a_bad_data_file_is_one_line_before_spawning(
+    model: str, text: str | None, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipeweave.cli import main
+
+    path = tmp_path / "corpus.txt"
+    if text is not None:
+        path.write_text(text)
+    with patch("pipeweave.runtime.launch._spawn", side_effect=AssertionError("spawned")):
+        code = main(["train", "--model", model, "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8",
+                     "--data", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
 
 
 def test_zb_auto_is_searched_for_the_profiled_costs_and_its_memory_limit(tmp_path: Path) -> None:

@@ -261,6 +261,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("stages", "microbatches", "batch_size", "threads", "repeats"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid; give an integer >= 1")
+    if args.save_costs:
+        from pipeweave.commands.outputs import output_file
+
+        output_file("--save-costs", args.save_costs)  # before the profiling, which takes a while
     costs = layer_costs(args)
     if args.save_costs:
         costs.save(args.save_costs)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from typing import Any
 
@@ -39,8 +38,14 @@ def run(args: argparse.Namespace) -> int:
     from pipeweave.schedule.text import write_csv
     from pipeweave.search import exact, problem_from_times
 
+    from pipeweave.commands.outputs import output_file, picture_file
+
     if args.time_limit <= 0:
         raise UserError(f"--time-limit {args.time_limit} is invalid; give seconds > 0")
+    if args.csv:
+        output_file("--csv", args.csv)
+    if args.plot:
+        picture_file("--plot", args.plot)
     problem = problem_from_times(
         args.stages, args.microbatches, vshape=args.v_shape or args.chunks == 2, time_f=args.time_f,
         time_b=args.time_b, time_w=args.time_w, time_comm=args.time_comm, memory_limit=args.memory_limit,
@@ -53,7 +58,11 @@ def run(args: argparse.Namespace) -> int:
                    work_limit=args.work_limit)
     if args.csv:
         write_csv(result.schedule, args.csv)
-    plot_note = _plot(result, args.plot, problem.cost) if args.plot else ""
+    if args.plot:
+        from pipeweave.sim import simulate
+        from pipeweave.sim.plot import plot_timeline
+
+        plot_timeline(simulate(result.schedule, problem.cost), args.plot)
     if args.json:
         print(json.dumps(result.as_dict()))
         return 0
@@ -62,18 +71,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"  bubble ratio {result.bubble_ratio:.4f}  (bound {result.bubble_bound:.4f})")
     print(f"  max span {result.span:.4f}  lower bound {result.lower_bound:.4f}  gap {100 * result.gap:.2f} %")
     print(f"  peak activations {list(result.metrics.peak_activations)} (limit {problem.limit[0]:g})")
-    if plot_note:
-        print(f"  {plot_note}")
+    if args.plot:
+        print(f"  plot written to {args.plot}")
     return 0
-
-
-def _plot(result: Any, path: str, cost: Any) -> str:
-    if importlib.util.find_spec("pipeweave.sim.plot") is None:
-        return "no plot: pipeweave.sim.plot is not available in this version"
-    from pipeweave.sim import plot, simulate
-
-    draw = getattr(plot, "plot_timeline", None) or getattr(plot, "save_timeline", None)
-    if draw is None:
-        return "no plot: pipeweave.sim.plot has no plot_timeline"
-    draw(simulate(result.schedule, cost), path)
-    return f"plot written to {path}"

@@ -142,6 +142,7 @@ def _build(args: argparse.Namespace, times: dict[str, Times]) -> tuple[Schedule,
 
 def run(args: argparse.Namespace) -> int:
     _check_counts(args)
+    _check_outputs(args)
     times = {flag: parse_times(flag, getattr(args, flag[2:].replace("-", "_")))
              for flag in ("--time-f", "--time-b", "--time-w", "--time-u")}
     schedule, info = _build(args, times)
@@ -170,6 +171,16 @@ def _report_invalid(args: argparse.Namespace, schedule: Schedule, exc: InvalidSc
     else:
         print(f"pipeweave simulate: {exc}", file=sys.stderr)
     return 1
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    from pipeweave.commands.outputs import output_file, picture_file
+
+    for flag, value in (("--csv", args.csv), ("--trace", args.trace)):
+        if value:
+            output_file(flag, value)
+    if args.plot:
+        picture_file("--plot", args.plot)
 
 
 def _write_files(args: argparse.Namespace, schedule: Schedule, timeline: Any) -> dict[str, str]:

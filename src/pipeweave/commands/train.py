@@ -233,6 +233,7 @@ def _train(args: argparse.Namespace) -> int:
 
     config = build_config(args)
     schedule = config.check()  # one line before anything is spawned
+    output_paths(args)  # likewise: a run must not learn at its end that it cannot write its record
     progress = _Progress(config, quiet=args.quiet or (under_torchrun() and _rank() != 0))
     capacity = _ring_capacity(args, config, schedule, under_torchrun())
     _check_transport(args, schedule, under_torchrun(), capacity)
@@ -357,18 +358,31 @@ def _learning_rates(config: Any, schedule: Any, record: Any) -> list[float]:
     return [rates.at(first_step + k) for k in range(config.steps)]
 
 
+def output_paths(args: argparse.Namespace) -> dict[str, Path]:
+    """Where the JSON record, the Chrome trace and the timeline plot go: checked writable, folders created.
+
+    Raises:
+        UserError: a path that cannot be written (``commands.outputs``).
+    """
+    from pipeweave.commands.outputs import output_file, output_folder, picture_file
+
+    out = Path(args.out)
+    if not (args.json and args.trace and args.plot):
+        output_folder("--out", out)
+    if args.save is not None:
+        output_folder("--save", args.save)  # written by every rank, at the end or every --save-every steps
+    return {
+        "json": output_file("--json", args.json) if args.json else output_file("--out", out / "train.json"),
+        "trace": output_file("--trace", args.trace) if args.trace else output_file("--out", out / "trace.json"),
+        "plot": picture_file("--plot", args.plot) if args.plot else output_file("--out", out / "timeline.png"),
+    }
+
+
 def write_outputs(schedule: Any, record: Any, report: dict[str, Any], args: argparse.Namespace) -> dict[str, str]:
     """Write the JSON record, the Chrome trace and the timeline plot; return their paths."""
     from pipeweave.runtime.trace import chrome_trace, rebased, step_timeline
 
-    out = Path(args.out)
-    paths = {
-        "json": Path(args.json) if args.json else out / "train.json",
-        "trace": Path(args.trace) if args.trace else out / "trace.json",
-        "plot": Path(args.plot) if args.plot else out / "timeline.png",
-    }
-    for path in paths.values():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    paths = output_paths(args)
     paths["json"].write_text(json.dumps(report, indent=2) + "\n")
     paths["trace"].write_text(json.dumps(chrome_trace(schedule, record)))
     if schedule.is_synchronous:

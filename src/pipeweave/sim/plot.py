@@ -31,7 +31,8 @@ COLOURS = {
     Op.U: (0.80, 0.20, 0.20),
 }
 _NAMES = {Op.F: "F forward", Op.B: "B backward", Op.I: "I input grad", Op.W: "W weight grad", Op.U: "U update"}
-_FORMATS = (".png", ".svg", ".pdf")
+FORMATS = (".png", ".svg", ".pdf")
+"""The picture formats ``plot_timeline`` writes, by file extension."""
 _MAX_LABELS = 4000  # text artists are slow (~0.2 ms each); past this many, boxes stay unlabelled
 
 
@@ -62,7 +63,7 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
         PosixPath('1f1b.png')
     """
     path = Path(path)
-    if path.suffix.lower() not in _FORMATS:
+    if path.suffix.lower() not in FORMATS:
         raise UserError(f"cannot write a plot to {str(path)!r}; end the file name in .png, .svg or .pdf")
     import matplotlib
 

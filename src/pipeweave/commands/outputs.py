@@ -1,0 +1,74 @@
+"""The files and folders a command writes, checked before any work: one line for a path that cannot be written.
+
+A training run that learns only at its end that ``--json`` names a folder, or
+that ``--plot`` has a suffix matplotlib cannot draw, would lose what it
+measured; so every command checks its output paths first, creating their
+folders as it would have anyway.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pipeweave.errors import UserError
+
+def picture_file(flag: str, value: str | os.PathLike[str]) -> Path:
+    """``output_file`` for a timeline picture: its suffix must be one ``sim.plot`` writes.
+
+    Raises:
+        UserError: as ``output_file``, or another suffix.
+
+    Example:
+        >>> picture_file("--plot", "timeline.xyz")
+        Traceback (most recent call last):
+        ...
+        pipeweave.errors.UserError: --plot timeline.xyz: cannot draw a .xyz file; end the file name in .png, .svg or .pdf
+    """
+    from pipeweave.sim.plot import FORMATS
+
+    path = Path(value)
+    if path.suffix.lower() not in FORMATS:
+        what = f"a {path.suffix} file" if path.suffix else "a file without a suffix"
+        raise UserError(f"{flag} {value}: cannot draw {what}; end the file name in .png, .svg or .pdf")
+    return output_file(flag, path)
+
+
+def output_file(flag: str, value: str | os.PathLike[str]) -> Path:
+    """``value`` of option ``flag`` as a file this command can write; its folder is created.
+
+    Raises:
+        UserError: the path is a folder, or its folder cannot be made or written.
+    """
+    path = Path(value)
+    if path.is_dir():
+        raise UserError(f"{flag} {value} is a folder; give a file path")
+    blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise UserError(f"{flag} {value}: {blocking} is a file, not a folder; give another path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{flag} {value}: cannot create its folder ({exc.strerror}); give a writable path") from exc
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"{flag} {value} cannot be written; give a writable path")
+    return path
+
+
+def output_folder(flag: str, value: str | os.PathLike[str]) -> Path:
+    """``value`` of option ``flag`` as a folder this command can write into; it is created.
+
+    Raises:
+        UserError: the path or one of its parents is a file, or the folder cannot be made or written.
+    """
+    path = Path(value)
+    blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise UserError(f"{flag} {value}: {blocking} is a file, not a folder; give another path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{flag} {value}: cannot create the folder ({exc.strerror}); give a writable path") from exc
+    if not os.access(path, os.W_OK):
+        raise UserError(f"{flag} {value} cannot be written; give a writable path")
+    return path
