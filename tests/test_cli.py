@@ -154,3 +154,13 @@ def test_simulate_zb_auto_takes_its_memory_limit(capsys: pytest.CaptureFixture[s
     assert peaks[1] <= 4 < peaks[2] <= 8  # K x D x M_a, and K = 2 is used
     assert main(["simulate", "-s", "1f1b", "--memory-limit", "2"]) == 2
     assert "applies to zb-auto and zb-v-auto" in capsys.readouterr().err
+
+
+def test_a_simulation_larger_than_free_memory_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from unittest.mock import patch
+
+    with patch("pipeweave.commands.simulate._available_memory", return_value=2**30):
+        err = _error(capsys, ["simulate", "-s", "zb-v", "--stages", "1024", "--microbatches", "1024"])
+        assert err.count("\n") == 0, err
+        assert "make up to 6.3e+06 actions, ~2 GiB to simulate, more than the 1.0 GiB free here" in err, err
+        assert main(["simulate", "-s", "zb-v", "--stages", "8", "--microbatches", "16", "--json"]) == 0

@@ -11,6 +11,7 @@ import ast
 import inspect
 import json
 import operator
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -95,6 +96,40 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise UserError(f"--time-dispatch {args.time_dispatch} is invalid; give a time >= 0")
     if not 0.0 <= args.mem_w <= 1.0:
         raise UserError(f"--mem-w {args.mem_w} is invalid; give a fraction in [0, 1]")
+    _check_size(args)
+
+
+BYTES_PER_ACTION = 300
+"""Memory the simulation of one action takes, measured: 1f1b D=512 T=2048 (2.1 M actions) peaks at 624 MB."""
+
+
+def _check_size(args: argparse.Namespace) -> None:
+    """Refuse, in one line, a simulation too large for this machine's free memory (it would swap, then be killed)."""
+    if args.stages is None or args.microbatches is None or args.schedule not in SCHEDULES:
+        return
+    chunks = args.chunks or SCHEDULES[args.schedule].chunks or 1
+    # F, B (or I and W) per microbatch, chunk and stage; U's are few
+    actions = 3 * args.stages * args.microbatches * chunks * max(1, getattr(args, "steps", 1) or 1)
+    free = _available_memory()
+    if free is not None and actions * BYTES_PER_ACTION > free:
+        raise UserError(f"--stages {args.stages} x --microbatches {args.microbatches} make up to {actions:.2g} actions, "
+                        f"~{actions * BYTES_PER_ACTION / 2**30:.0f} GiB to simulate, more than the "
+                        f"{free / 2**30:.1f} GiB free here; give fewer stages or microbatches")
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory a new allocation can have: Linux's MemAvailable (free plus reclaimable cache), else free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _check_lengths(times: dict[str, Times], num_parts: int) -> None:
