@@ -121,6 +121,13 @@ def test_an_asynchronous_run_evaluates_saves_and_resumes_between_its_streams(tmp
          "rounds); give --save-every 4"),
         (["--precision", "fp16"], "--precision fp16 needs loss scaling, which pipeweave does not do; give bf16"),
         (["--precision", "bfloat16"], "--precision 'bfloat16' is unknown; give one of: fp32, bf16"),
+        (["--layers-per-stage", "1,2"], "--layers-per-stage 1,2 sums to 3 layers but the model has 4; make the counts "
+                                        "sum to 4"),
+        (["--model", "gpt", "--heads", "2", "--layers-per-stage", "2,2"],
+         "--layers-per-stage 2,2 sums to 4 layers but the model has 6 (the embedding, 4 blocks, the head); make the "
+         "counts sum to 6"),
+        (["--model", "gpt", "--heads", "2", "--layers", "1", "--stages", "4"],
+         "4 parts (zb-h1, D=4) need at least 4 layers, the model has 3 (the embedding, 1 block, the head)"),
     ],
 )
 def test_misplaced_options_are_one_line_before_spawning(

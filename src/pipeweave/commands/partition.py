@@ -67,7 +67,8 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
         help="uniform, parameters, type:REGEX, time, pipedream, memory or explicit (default uniform)",
     )
     group.add_argument("--memory-limit", type=float, metavar="BYTES", help="memory: bytes one rank may hold")
-    group.add_argument("--layers-per-stage", metavar="N,N,...", help="explicit: layer count of each part, e.g. 3,2,2,1")
+    group.add_argument("--layers-per-stage", metavar="N,N,...", help="explicit: layer count of each part, e.g. 3,2,2,1 (the gpt's layers "
+                       "are its embedding, its --layers blocks and its head)")
     group.add_argument("--optimizer-state", type=float, default=1.0, metavar="X",
                        help="bytes of gradient and optimizer state per weight byte (SGD 1, Adam 3; default 1)")
     group.add_argument("--bandwidth", type=float, default=1e10, help="pipedream: bytes/s between ranks (default 1e10)")
@@ -109,6 +110,10 @@ def layers_per_part(
     method = partition_method(args)
     if method == "uniform":
         return None
+    counts = parse_counts(args.layers_per_stage)
+    if counts is not None and sum(counts) != spec.num_layers:  # the layers named: a gpt has more than --layers
+        raise UserError(f"--layers-per-stage {args.layers_per_stage} sums to {sum(counts)} layers but the model has "
+                        f"{spec.layers_described}; make the counts sum to {spec.num_layers}")
     if method == "explicit" or args.costs:
         costs = LayerCosts.load(args.costs) if args.costs else LayerCosts.uniform(spec.num_layers)
     else:

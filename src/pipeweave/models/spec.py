@@ -76,6 +76,18 @@ class ModelSpec:
         return self.layers + 2 if self.kind == "gpt" else self.layers
 
     @property
+    def layers_described(self) -> str:
+        """``num_layers`` in words, for messages: the gpt's are its blocks, its embedding and its head.
+
+        Example:
+            >>> ModelSpec(kind="gpt", layers=4, hidden=32, heads=2).layers_described
+            '6 (the embedding, 4 blocks, the head)'
+        """
+        if self.kind == "gpt":
+            return f"{self.num_layers} (the embedding, {self.layers} block{'s' * (self.layers != 1)}, the head)"
+        return str(self.num_layers)
+
+    @property
     def custom(self) -> LayerModel:
         """The ``LayerModel`` of a custom model (loaded once per process).
 

@@ -197,7 +197,7 @@ class TrainConfig:
         if self.model.num_layers < schedule.num_parts:
             raise UserError(
                 f"{schedule.num_parts} parts ({self.schedule}, D={self.num_stages}) need at least "
-                f"{schedule.num_parts} layers, the model has {self.model.num_layers}; reduce --stages or "
+                f"{schedule.num_parts} layers, the model has {self.model.layers_described}; reduce --stages or "
                 + ("give the model more layers" if self.model.kind == "custom" else "increase --layers")
             )
         per_batch = self.num_microbatches * self.data_parallel if self.is_stream else schedule.num_microbatches
