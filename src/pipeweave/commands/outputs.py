@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipeweave.errors import UserError
 
+
 def picture_file(flag: str, value: str | os.PathLike[str]) -> Path:
     """``output_file`` for a timeline picture: its suffix must be one ``sim.plot`` writes.
 
@@ -50,7 +51,8 @@ def output_file(flag: str, value: str | os.PathLike[str]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"{flag} {value}: cannot create its folder ({exc.strerror}); give a writable path") from exc
-    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    writable = os.access(path.parent, os.W_OK) and (not path.exists() or os.access(path, os.W_OK))
+    if not path.parent.is_dir() or not writable:
         raise UserError(f"{flag} {value} cannot be written; give a writable path")
     return path
 

@@ -67,8 +67,9 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
         help="uniform, parameters, type:REGEX, time, pipedream, memory or explicit (default uniform)",
     )
     group.add_argument("--memory-limit", type=float, metavar="BYTES", help="memory: bytes one rank may hold")
-    group.add_argument("--layers-per-stage", metavar="N,N,...", help="explicit: layer count of each part, e.g. 3,2,2,1 (the gpt's layers "
-                       "are its embedding, its --layers blocks and its head)")
+    group.add_argument("--layers-per-stage", metavar="N,N,...",
+                       help="explicit: layer count of each part, e.g. 3,2,2,1 (the gpt's layers are its embedding, "
+                            "its --layers blocks and its head)")
     group.add_argument("--optimizer-state", type=float, default=1.0, metavar="X",
                        help="bytes of gradient and optimizer state per weight byte (SGD 1, Adam 3; default 1)")
     group.add_argument("--bandwidth", type=float, default=1e10, help="pipedream: bytes/s between ranks (default 1e10)")

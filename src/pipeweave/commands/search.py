@@ -35,10 +35,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeweave.commands.outputs import output_file, picture_file
     from pipeweave.schedule.text import write_csv
     from pipeweave.search import exact, problem_from_times
-
-    from pipeweave.commands.outputs import output_file, picture_file
 
     if args.time_limit <= 0:
         raise UserError(f"--time-limit {args.time_limit} is invalid; give seconds > 0")

@@ -210,7 +210,7 @@ class TrainConfig:
         if self.post_validation is not None:
             check_post_validation(schedule)
         checkpoint.check(self)
-        if self.data is not None or self.model.kind == "gpt" and self.model.vocab < 256:
+        if self.data is not None or (self.model.kind == "gpt" and self.model.vocab < 256):
             # the file is read on the first and last ranks; a bad one is one line here, not a failing rank
             data_source(self.model, batch_size=self.batch_size, seed=self.seed, path=self.data)
         if self.is_stream:
