@@ -114,9 +114,11 @@ def steps_done(config: TrainConfig) -> int:
 
 def updates_done(config: TrainConfig) -> int:
     """Updates every stage made before this run: the resumed checkpoint's, else 0."""
-    if config.resume is None:
-        return 0
-    meta = read_meta(config.resume)
+    return 0 if config.resume is None else _updates(read_meta(config.resume))
+
+
+def _updates(meta: dict[str, Any]) -> int:
+    """A checkpoint's updates per stage (``meta.json``; a synchronous run's are its steps)."""
     return int(meta.get("updates", meta["steps"]))
 
 
@@ -212,7 +214,7 @@ def load(config: TrainConfig, workers: dict[int, StageWorker]) -> StreamCarry:
     folder = Path(config.resume)
     meta = read_meta(config.resume)
     files: dict[str, dict[str, Any]] = {}  # read once, whichever local stages need them
-    carry = StreamCarry(int(meta.get("updates", meta["steps"])), int(meta.get("annealed", 0)))
+    carry = StreamCarry(_updates(meta), int(meta.get("annealed", 0)))
     for stage, worker in workers.items():
         replica = worker_replica(worker, stage, workers)
         mine = worker.named_parameters()

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from pipeweave.data import data_source, split_microbatches
-from pipeweave.data.corpus import read_text_file, split_blocks
 from pipeweave.errors import UserError
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.spec import ModelSpec, uniform_parts
@@ -210,9 +209,10 @@ class TrainConfig:
         if self.post_validation is not None:
             check_post_validation(schedule)
         checkpoint.check(self)
+        source = None
         if self.data is not None or (self.model.kind == "gpt" and self.model.vocab < 256):
             # the file is read on the first and last ranks; a bad one is one line here, not a failing rank
-            data_source(self.model, batch_size=self.batch_size, seed=self.seed, path=self.data)
+            source = data_source(self.model, batch_size=self.batch_size, seed=self.seed, path=self.data)
         if self.is_stream:
             from pipeweave.runtime.stream import stream_rates
 
@@ -220,17 +220,17 @@ class TrainConfig:
         else:
             self.learning_rates(checkpoint.steps_done(self))
         if self.eval_every is not None:
-            self._check_evaluation()
+            self._check_evaluation(source)
         return schedule
 
-    def _check_evaluation(self) -> None:
+    def _check_evaluation(self, source: Any) -> None:
         if self.model.kind == "mlp":
             raise UserError("--eval-every applies to --model gpt or a custom model (the mlp fits fixed random "
                             "targets: there is nothing held out to generalise to); drop it or change --model")
         if self.model.kind == "custom" and self.model.custom.eval_dataset is None:
             raise UserError(f"--eval-every needs held-out data and {self.model.entry} has no eval_dataset; give "
                             "LayerModel(eval_dataset=...) or drop --eval-every")
-        if self.data is not None and not split_blocks(len(read_text_file(self.data)), self.model.seq_len)[1]:
+        if self.data is not None and not source.held_out:  # source: --data's ByteCorpus, built by check
             raise UserError(f"--data {self.data} is too short to hold out a window of seq_len+1="
                             f"{self.model.seq_len + 1} bytes for evaluation; give a longer file or drop --eval-every")
 

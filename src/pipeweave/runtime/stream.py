@@ -349,7 +349,7 @@ def run_stream_rank(rank: int, world: int, config: TrainConfig) -> RunRecord | N
     workers = rank_workers(segments[0], config, rank, device)
     done = checkpoint.steps_done(config)
     carry = checkpoint.load(config, workers) if config.resume is not None else StreamCarry()
-    first_update = checkpoint.updates_done(config)
+    first_update = carry.updates  # the checkpoint's, read once (a run may save over it)
     rates = stream_rates(config, concatenate(segments), first_update).at if config.lr_scheduled else None
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
     t = config.num_microbatches

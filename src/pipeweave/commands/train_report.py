@@ -1,0 +1,161 @@
+"""What a finished ``pipeweave train`` run writes and prints: its JSON record, trace, plot and summary table.
+
+``commands.train`` parses, checks and launches; this module turns the
+gathered ``RunRecord`` into the JSON record (``build_report``: configuration,
+losses, every measured figure beside the simulator's), writes it with the
+Chrome trace and the timeline plot (``write_outputs``, to paths checked
+before the run by ``output_paths``) and prints the summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeweave.commands.units import format_bytes
+
+
+def build_report(schedule: Any, record: Any) -> dict[str, Any]:
+    """The JSON record: configuration, losses and every measured and simulated figure."""
+    from dataclasses import asdict
+
+    from pipeweave.runtime.stream_summary import summarize_stream
+    from pipeweave.runtime.trace import summarize
+
+    config = record.config
+    return {
+        "schedule": config.schedule, "stages": config.num_stages, "microbatches": config.num_microbatches,
+        "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.steps,
+        "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
+        "recompute": config.recompute, "precision": config.precision, "first_step": record.first_step,
+        "losses": record.losses,
+        "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
+        "lr_schedule": config.lr_schedule, "lrs": _learning_rates(config, schedule, record),
+        "wall_s": record.wall_s, "paused_s": record.paused_s,
+        **({"streams": len(config.segments())} if config.is_stream else {}),
+        "transport": record.transport,
+        **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
+    }
+
+
+def _learning_rates(config: Any, schedule: Any, record: Any) -> list[float]:
+    """The learning rate of each step of the run; a stream's: of each stage's k-th update (before PipeMare's).
+
+    What the resumed checkpoint had done comes from the record (read when the
+    run started): a run that saved into the folder it resumed from rewrote it.
+    """
+    if config.is_stream:
+        from pipeweave.runtime.stream import stream_rates, stream_updates
+
+        first = record.first_update
+        rates = stream_rates(config, schedule, first)
+        return [rates.at(first + k) for k in range(stream_updates(schedule))]
+    first_step = record.first_step
+    rates = config.learning_rates(first_step)
+    return [rates.at(first_step + k) for k in range(config.steps)]
+
+
+def output_paths(args: argparse.Namespace) -> dict[str, Path]:
+    """Where the JSON record, the Chrome trace and the timeline plot go: checked writable, folders created.
+
+    Raises:
+        UserError: a path that cannot be written (``commands.outputs``).
+    """
+    from pipeweave.commands.outputs import output_file, output_folder, picture_file
+
+    out = Path(args.out)
+    if not (args.json and args.trace and args.plot):
+        output_folder("--out", out)
+    if args.save is not None:
+        output_folder("--save", args.save)  # written by every rank, at the end or every --save-every steps
+    return {
+        "json": output_file("--json", args.json) if args.json else output_file("--out", out / "train.json"),
+        "trace": output_file("--trace", args.trace) if args.trace else output_file("--out", out / "trace.json"),
+        "plot": picture_file("--plot", args.plot) if args.plot else output_file("--out", out / "timeline.png"),
+    }
+
+
+def write_outputs(schedule: Any, record: Any, report: dict[str, Any], args: argparse.Namespace) -> dict[str, str]:
+    """Write the JSON record, the Chrome trace and the timeline plot; return their paths."""
+    from pipeweave.runtime.trace import chrome_trace, rebased, step_timeline
+
+    paths = output_paths(args)
+    paths["json"].write_text(json.dumps(report, indent=2) + "\n")
+    paths["trace"].write_text(json.dumps(chrome_trace(schedule, record)))
+    if schedule.is_synchronous:
+        last, what = rebased(step_timeline(schedule, record, record.config.steps - 1)), "last step"
+    else:
+        from pipeweave.runtime.stream_summary import stream_timeline
+
+        last, what = rebased(stream_timeline(schedule, record)), "stream"
+    title = (f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  measured {what} (ms), "
+             f"bubble {report['bubble_ratio']:.3f} (simulated {report['bubble_ratio_simulated']:.3f})")
+    if not _plot(last, paths["plot"], title):
+        del paths["plot"]
+    if record.config.save is not None:
+        paths["checkpoint"] = Path(record.config.save)
+    return {k: str(v) for k, v in paths.items()}
+
+
+def _plot(timeline: Any, path: Path, title: str) -> bool:
+    """Draw with ``pipeweave.sim.plot``; False when matplotlib cannot be imported."""
+    try:
+        from pipeweave.sim.plot import plot_timeline
+    except ImportError:
+        return False
+    plot_timeline(timeline, path, title=title)
+    return True
+
+
+def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    losses = report["losses"]
+    model = report["model"]["entry"] or report["model"]["kind"]
+    table = Table(title=f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  "
+                        f"{model}  {report['steps']} steps  ({report['transport']}"
+                        f"{', bf16 autocast' if report.get('precision') == 'bf16' else ''})", show_header=True)
+    table.add_column("measure")
+    table.add_column("measured", justify="right")
+    table.add_column("simulated", justify="right")
+    table.add_row("loss first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}", "")
+    evals = report.get("eval_losses")
+    if evals:
+        table.add_row(f"held-out loss (step {evals[0]['step']} -> {evals[-1]['step']})",
+                      f"{evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}", "")
+    per = "step time" if "weight_bytes_simulated" not in report else "time per mini-batch"
+    table.add_row(per, _ms(report["step_time_s"]), _ms(report["makespan_simulated_s"]))
+    rate = f"{report['samples_per_s']:.1f} samples/s"
+    if report.get("tokens_per_s"):
+        rate += f"  ({report['tokens_per_s']:.0f} tokens/s)"
+    table.add_row("throughput", rate, "")
+    table.add_row("bubble ratio", f"{report['bubble_ratio']:.3f}", f"{report['bubble_ratio_simulated']:.3f}")
+    table.add_row("bubble ratio (flush)", f"{report['bubble_ratio_flush']:.3f}",
+                  f"{report['bubble_ratio_flush_simulated']:.3f}")
+    table.add_row("dispatch per action", f"{report['profiled_costs_s']['dispatch'] * 1e6:.0f} us", "")
+    table.add_row("bubble, schedule alone", "", f"{report['bubble_ratio_simulated_no_dispatch']:.3f}")
+    simulated = report.get("weight_bytes_simulated")
+    for r, (act, weight) in enumerate(zip(report["peak_activation_bytes"], report["weight_bytes"])):
+        table.add_row(f"rank {r} memory", f"act {_bytes(act)}  weights {_bytes(weight)}",
+                      f"weights {_bytes(simulated[r])}" if simulated else "")
+    console = Console()
+    console.print(table)
+    if report.get("streams", 1) > 1:
+        console.print(f"{report['streams']} streams, drained between them to evaluate or save: "
+                      f"{report['paused_s']:.2f} s spent there, not in the times above")
+    if report.get("first_step"):
+        console.print(f"resumed after step {report['first_step']}: steps {report['first_step'] + 1}-"
+                      f"{report['first_step'] + report['steps']} of the training")
+    for kind, path in paths.items():
+        console.print(f"{kind}: {path}")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _bytes(n: float) -> str:
+    return format_bytes(n, 1)
