@@ -42,7 +42,7 @@ def test_an_unwritable_output_is_one_line_before_any_work(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     work = {"simulate": "pipeweave.commands.simulate.simulate", "search": "pipeweave.search.exact",
-            "partition": "pipeweave.commands.partition.layer_costs", "train": "pipeweave.runtime.launch._spawn"}
+            "partition": "pipeweave.commands.partition.layer_costs", "train": "pipeweave.runtime.run.launch._spawn"}
     with patch(work[command[0]], side_effect=AssertionError("worked before checking its outputs")):
         code = main([*command, flag, value.format(**places)])
     err = capsys.readouterr().err.strip()

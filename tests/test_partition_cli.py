@@ -11,6 +11,7 @@ import pytest
 from pipeweave.commands import partition as command
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts
+from pipeweave.runtime.run.plan import layer_ranges, prepare
 
 
 def main(argv: list[str]) -> int:
@@ -138,10 +139,10 @@ def train_config(argv: list[str]):  # type: ignore[no-untyped-def]
 def test_train_takes_the_partition_and_the_data_parallel_degree(head_heavy: Path) -> None:
     config = train_config(["--stages", "4", "--partition", "explicit", "--layers-per-stage", "3,2,2,1"])
     assert config.layers_per_part == (3, 2, 2, 1)
-    assert [len(r) for r in config.layer_ranges(config.check())] == [3, 2, 2, 1]
+    assert [len(r) for r in layer_ranges(config, prepare(config).schedule)] == [3, 2, 2, 1]
     config = train_config(["--stages", "2", "--partition", "time", "--costs", str(head_heavy), "--data-parallel", "3"])
     assert config.layers_per_part == (6, 2) and config.data_parallel == 3
-    assert config.check().num_ranks == 6
+    assert prepare(config).schedule.num_ranks == 6
     assert train_config(["--stages", "2"]).layers_per_part is None
     with pytest.raises(UserError, match="sums to 9 layers"):
         train_config(["--stages", "2", "--partition", "explicit", "--layers-per-stage", "5,4"])

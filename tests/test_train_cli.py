@@ -13,6 +13,7 @@ import pytest
 
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import run_plain
+from pipeweave.runtime.run.plan import prepare
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -156,7 +157,7 @@ def test_a_bad_data_file_is_one_line_before_spawning(
     path = tmp_path / "corpus.txt"
     if text is not None:
         path.write_text(text)
-    with patch("pipeweave.runtime.launch._spawn", side_effect=AssertionError("spawned")):
+    with patch("pipeweave.runtime.run.launch._spawn", side_effect=AssertionError("spawned")):
         code = main(["train", "--model", model, "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8",
                      "--data", str(path)])
     err = capsys.readouterr().err.strip()
@@ -165,7 +166,7 @@ def test_a_bad_data_file_is_one_line_before_spawning(
 
 def test_zb_auto_is_searched_for_the_profiled_costs_and_its_memory_limit(tmp_path: Path) -> None:
     from pipeweave.cli import build_parser
-    from pipeweave.commands.train import build_config
+    from pipeweave.commands.train_run import build_config
     from pipeweave.sim import CostModel, compute_metrics, simulate
 
     args = build_parser().parse_args(["train", "-s", "zb-auto", "--stages", "2", "--microbatches", "4",
@@ -175,7 +176,7 @@ def test_zb_auto_is_searched_for_the_profiled_costs_and_its_memory_limit(tmp_pat
     assert options["memory_limit"] == 2
     for key in ("time_f", "time_b", "time_w"):  # one profiled time per part, in seconds
         assert len(options[key]) == 2 and all(t > 0 for t in options[key])
-    schedule = config.check()
+    schedule = prepare(config).schedule
     cost = CostModel(f=options["time_f"], b=options["time_b"], w=options["time_w"])
     peaks = compute_metrics(simulate(schedule, cost)).peak_activations
     assert max(peaks) <= 2 * 2 + 1e-9  # K x D x M_a

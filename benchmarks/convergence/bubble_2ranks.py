@@ -19,11 +19,12 @@ import os
 from pathlib import Path
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import run_rank
-from pipeweave.runtime.launch import LaunchOptions, launch
-from pipeweave.runtime.stream_summary import summarize_stream
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.report.stream_summary import summarize_stream
 from pipeweave.schedule import SCHEDULES
+from pipeweave.runtime.run.plan import build_schedule, prepare
 
 HERE = Path(__file__).parent
 
@@ -42,10 +43,10 @@ def main() -> None:
             continue
         config = TrainConfig(schedule=name, num_stages=2, num_microbatches=8, batch_size=256, steps=args.steps,
                              model=ModelSpec(kind="mlp", layers=8, hidden=args.hidden), lr=0.01, momentum=0.9)
-        config.check()
+        prepare(config).schedule
         before = os.getloadavg()[0]
-        record = launch(run_rank, config, config.build_schedule().num_ranks, LaunchOptions(threads=1, transport=args.transport))
-        report = summarize_stream(config.build_schedule(), record)
+        record = launch(run_rank, prepare(config), build_schedule(config).num_ranks, LaunchOptions(threads=1, transport=args.transport))
+        report = summarize_stream(build_schedule(config), record)
         row = {"schedule": name, "transport": record.transport, "load_before": before,
                "load_after": os.getloadavg()[0],
                **{k: report[k] for k in ("bubble_ratio", "bubble_ratio_stream", "bubble_ratio_simulated",

@@ -7,7 +7,7 @@ m = the data source's batch m, so the curves are paired: a difference is the
 schedule's, not the data's. Time is the survey's t_total = steps x t_bar with
 t_bar the simulated time per mini-batch at f = b = w = 1, no communication:
 a synchronous step's makespan (it ends in a flush), an asynchronous stream's
-steady-state period (``runtime.stream_summary.minibatch_period`` on an 8-mini-batch stream).
+steady-state period (``runtime.report.stream_summary.minibatch_period`` on an 8-mini-batch stream).
 
     python benchmarks/convergence/study.py --task gpt          # the study (~10 min here)
     python benchmarks/convergence/study.py --task mlp          # the fast task (< 1 min)
@@ -33,10 +33,11 @@ import torch
 
 from pipeweave.data import data_source
 from pipeweave.models import ModelSpec
-from pipeweave.models.spec import build_layers, loss_fn
+from pipeweave.models.build import build_layers
+from pipeweave.models.spec import loss_fn
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.stream import stream_steps
-from pipeweave.runtime.stream_summary import minibatch_period
+from pipeweave.runtime.report.stream_summary import minibatch_period
 from pipeweave.schedule import SCHEDULES, generate
 from pipeweave.sim import simulate
 

@@ -18,13 +18,14 @@ import torch
 
 from pipeweave.models import ModelSpec
 from pipeweave.partition import LayerCosts, MemoryProfile, PartitionContext, partition
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import run_rank
-from pipeweave.runtime.launch import LaunchOptions, launch
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.profile import profile_model
-from pipeweave.runtime.trace import summarize
+from pipeweave.runtime.report.trace import summarize
 from pipeweave.schedule import generate
 from pipeweave.sim import CostModel, compute_metrics, simulate
+from pipeweave.runtime.run.plan import prepare
 
 
 def predicted(costs: LayerCosts, counts: tuple[int, ...], schedule_name: str, stages: int, microbatches: int) -> float:
@@ -44,8 +45,8 @@ def measure(spec: ModelSpec, counts: tuple[int, ...], args: argparse.Namespace) 
         schedule=args.schedule, num_stages=args.stages, num_microbatches=args.microbatches, model=spec,
         batch_size=args.batch, steps=args.steps, lr=0.01, layers_per_part=counts, data=args.data,
     )
-    schedule = config.check()
-    record = launch(run_rank, config, schedule.num_ranks, LaunchOptions(threads=1, timeout_s=120, transport="auto"))
+    schedule = prepare(config).schedule
+    record = launch(run_rank, prepare(config), schedule.num_ranks, LaunchOptions(threads=1, timeout_s=120, transport="auto"))
     summary = summarize(schedule, record)
     return {k: summary[k] for k in ("step_time_s", "peak_activation_bytes", "weight_bytes", "bubble_ratio")}
 

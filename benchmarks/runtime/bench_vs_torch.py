@@ -33,11 +33,12 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import run_rank
-from pipeweave.runtime.launch import LaunchOptions, launch
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
-from pipeweave.runtime.trace import summarize
+from pipeweave.runtime.report.trace import summarize
+from pipeweave.runtime.run.plan import build_schedule, prepare
 
 HIDDEN, LAYERS, BATCH, T = 256, 8, 256, 8
 OURS = (("1f1b", None), ("zb-h1", None), ("gpipe", None), ("zb-h2", None), ("interleaved-1f1b", 2), ("zb-v", None))
@@ -84,10 +85,10 @@ def ours(rank: int, world: int, name: str, chunks: int | None, steps: int, warmu
     config = TrainConfig(schedule=name, num_stages=world, num_microbatches=T, num_chunks=chunks,
                          model=ModelSpec(kind="mlp", layers=LAYERS, hidden=HIDDEN), batch_size=BATCH,
                          steps=steps + warmup, lr=0.01)
-    record = run_rank(rank, world, config)
+    record = run_rank(rank, world, prepare(config))
     if record is None:
         return None
-    schedule = config.build_schedule()
+    schedule = build_schedule(config)
     report = summarize(schedule, record)
     times = report["step_times_s"][warmup:]
     cpu = [statistics.median(r.step_cpu_s[warmup:]) for r in record.ranks]

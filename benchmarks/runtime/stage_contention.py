@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from pipeweave.models import ModelSpec
 from pipeweave.models.spec import uniform_parts
-from pipeweave.runtime.launch import LaunchOptions, launch
-from pipeweave.runtime.stage import StageWorker
+from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule import generate
 
 HIDDEN, LAYERS, BATCH, T = 256, 8, 256, 8

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.launch import LaunchOptions, launch
-from pipeweave.runtime.lazy import run_rank_recording_builds
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.run.lazy import run_rank_recording_builds
 from pipeweave.runtime.plain import run_plain
+from pipeweave.runtime.run.plan import prepare
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -20,9 +21,9 @@ def test_dp_x_pp_with_a_partition_equals_plain_training_and_builds_only_own_laye
         schedule="1f1b", num_stages=2, num_microbatches=2, model=spec, batch_size=9, steps=3,
         layers_per_part=(3, 2), data_parallel=2, collect_parameters=True,
     )
-    schedule = config.check()
+    schedule = prepare(config).schedule
     assert schedule.num_ranks == 4
-    record, built = launch(run_rank_recording_builds, config, schedule.num_ranks, LaunchOptions(timeout_s=60))
+    record, built = launch(run_rank_recording_builds, prepare(config), schedule.num_ranks, LaunchOptions(timeout_s=60))
     plain = run_plain(spec, steps=3, batch_size=9, num_microbatches=4)
     assert record.losses == pytest.approx(plain.losses, rel=1e-5)
     # ranks as a grid: rank p*2 + r holds part r of replica p, and built exactly that part's layers, once

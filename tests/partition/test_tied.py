@@ -9,12 +9,14 @@ from torch import nn
 from pipeweave.data import ByteCorpus, split_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec, build_layers, loss_fn
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import run_rank
-from pipeweave.runtime.launch import LaunchOptions, launch
-from pipeweave.runtime.reference import build_workers, run_reference, run_step
-from pipeweave.runtime.tied import TiedGradients
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.reference import run_reference
+from pipeweave.runtime.walk import build_workers, run_step
+from pipeweave.runtime.stage.tied import TiedGradients
 from pipeweave.schedule import SCHEDULES, generate
+from pipeweave.runtime.run.plan import prepare
 
 TEXT = b"a tied embedding and head share one matrix; " * 30
 SPEC = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8, tie_embeddings=True)
@@ -91,7 +93,7 @@ def test_distributed_tied_weights_stay_bit_identical(tmp_path) -> None:  # type:
     data.write_bytes(TEXT)
     config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=3, model=SPEC, batch_size=6, steps=3,
                          lr=0.1, data=str(data), collect_parameters=True, layers_per_part=(1, 3))
-    record = launch(run_rank, config, 2, LaunchOptions(timeout_s=60))
+    record = launch(run_rank, prepare(config), 2, LaunchOptions(timeout_s=60))
     rank0, rank1 = (r.parameters for r in record.ranks)
     assert torch.equal(rank0[0]["0.token"], rank1[1][HEAD])
     assert record.losses == pytest.approx(shared_parameter_training(SPEC, 3, 6, 3), rel=1e-5)

@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import run_rank
-from pipeweave.runtime.launch import LaunchOptions, RankFailure, launch, progress
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.process import progress
+from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
 
 
 def blocking(rank: int, world: int, mode: str) -> None:
@@ -43,7 +45,7 @@ def failing_training(rank: int, world: int, payload: tuple[TrainConfig, bool]) -
     config, kill = payload
     progress(os.getpid())
     if rank == 1:
-        from pipeweave.runtime.stage import StageWorker
+        from pipeweave.runtime.stage.worker import StageWorker
 
         original = StageWorker.backward
         calls = [0]
@@ -57,7 +59,7 @@ def failing_training(rank: int, world: int, payload: tuple[TrainConfig, bool]) -
             return original(self, mb, grad_output)
 
         StageWorker.backward = backward  # type: ignore[method-assign]
-    return run_rank(rank, world, config)
+    return run_rank(rank, world, prepare(config))
 
 
 def report(rank: int, value: Any) -> None:

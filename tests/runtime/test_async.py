@@ -6,7 +6,7 @@ every case (``runtime.stream``: ``--steps N`` is one stream of N mini-batches).
 Each case must give:
 
 - per-mini-batch losses and final parameters equal to the reference executor's;
-- the version each F/B/I/W read, as recorded by ``runtime.policy`` on every
+- the version each F/B/I/W read, as recorded by ``runtime.stage.policy`` on every
   rank, equal to ``sim.versions.read_versions`` (an independent derivation from
   the order alone);
 - the peak weight bytes each rank held equal to ``sim.versions.weight_copies``
@@ -29,19 +29,22 @@ import pytest
 import torch
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import RunRecord, run_rank
-from pipeweave.runtime.launch import LaunchOptions, launch
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
-from pipeweave.runtime.policy import PolicyOptions, RankPolicy
-from pipeweave.runtime.prediction import update_direction
+from pipeweave.runtime.stage.policy import PolicyOptions, RankPolicy
+from pipeweave.runtime.stage.prediction import update_direction
 from pipeweave.runtime.reference import run_reference
-from pipeweave.runtime.stage import StageWorker
-from pipeweave.runtime.stream import run_stream_reference, stream_steps, stream_updates
+from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.reference import run_stream_reference
+from pipeweave.runtime.stream import stream_steps, stream_updates
 from pipeweave.schedule import SCHEDULES, generate
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.versions import read_versions, weight_copies
+from pipeweave.runtime.run.plan import build_schedule, learning_rates, optimizer_factory, prepare
 
 RANKS = (2, 3)
 STEPS = 4  # mini-batches: warm-up, two steady, drain
@@ -74,14 +77,14 @@ def _config(case: str, ranks: int) -> TrainConfig:
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, c) for c in configs]
+    return [run_rank(rank, world, prepare(c)) for c in configs]
 
 
 @pytest.fixture(scope="module", params=RANKS, ids=lambda r: f"{r}ranks")
 def runs(request: pytest.FixtureRequest) -> dict[str, tuple[TrainConfig, RunRecord]]:
     configs = {case: _config(case, request.param) for case in VARIANTS}
     for config in configs.values():
-        config.check()
+        prepare(config)
     records = launch(_run_all, list(configs.values()), request.param, LaunchOptions(timeout_s=60))
     return {case: (configs[case], record) for case, record in zip(configs, records)}
 
@@ -98,12 +101,12 @@ def test_stream_distributed_equals_reference_versions_and_weight_bytes(
     runs: dict[str, tuple[TrainConfig, RunRecord]], case: str
 ) -> None:
     config, record = runs[case]
-    schedule = config.build_schedule()
+    schedule = build_schedule(config)
     rates = None
     if config.lr_scheduled:
-        rates = config.learning_rates(updates=stream_updates(schedule) if config.is_stream else None).at
+        rates = learning_rates(config, updates=stream_updates(schedule) if config.is_stream else None).at
     reference = run_reference(schedule, config.model, steps=config.steps, batch_size=config.batch_size,
-                              optimizer_factory=config.optimizer_factory(), precision=config.precision, lr_at=rates)
+                              optimizer_factory=optimizer_factory(config), precision=config.precision, lr_at=rates)
     assert len(record.losses) == config.steps
     torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
     for rank_record in record.ranks:
@@ -151,7 +154,7 @@ def test_one_stage_stream_with_an_update_per_minibatch_is_plain_training(name: s
 @pytest.mark.parametrize("name", ["pipedream-2bw", "pipemare"])
 def test_one_stage_stream_follows_the_lr_schedule_of_plain_training(name: str) -> None:
     """--lr-schedule on a stream: each stage's k-th update takes step k's rate (D = 1: plain training's steps)."""
-    from pipeweave.runtime.lr_schedule import LrSchedule
+    from pipeweave.runtime.stage.lr_schedule import LrSchedule
 
     spec = ModelSpec(kind="mlp", layers=2, hidden=8)
     schedule = generate(name, num_stages=1, num_microbatches=3, num_steps=stream_steps(name, 4, {}))

@@ -18,11 +18,13 @@ import torch
 
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.runtime import checkpoint
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import RunRecord, run_rank
-from pipeweave.runtime.launch import LaunchOptions, launch
-from pipeweave.runtime.validation_step import PostValidation
+from pipeweave.runtime.run import checkpoint
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.stage.post_validation import PostValidation
+from pipeweave.runtime.run.plan import prepare
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -32,8 +34,8 @@ STEPS, FIRST = 5, 2
 
 
 def _train(config: TrainConfig) -> RunRecord:
-    schedule = config.check()
-    record = launch(run_rank, config, schedule.num_ranks, LaunchOptions(timeout_s=60))
+    schedule = prepare(config).schedule
+    record = launch(run_rank, prepare(config), schedule.num_ranks, LaunchOptions(timeout_s=60))
     assert record is not None
     return record
 
@@ -113,18 +115,18 @@ def test_resuming_from_a_checkpoint_is_not_training_from_scratch(tmp_path: Path)
 def test_a_bad_resume_is_one_line_before_spawning(tmp_path: Path) -> None:
     base = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=MLP, batch_size=4, steps=1)
     with pytest.raises(UserError, match="no checkpoint there"):
-        dataclasses.replace(base, resume=str(tmp_path / "nothing")).check()
+        prepare(dataclasses.replace(base, resume=str(tmp_path / "nothing")))
     _train(dataclasses.replace(base, save=str(tmp_path / "ckpt")))
     with pytest.raises(UserError, match=r"another model: hidden=8 \(this run 16\)"):
-        dataclasses.replace(base, model=ModelSpec(kind="mlp", layers=6, hidden=16), resume=str(tmp_path / "ckpt")).check()
+        prepare(dataclasses.replace(base, model=ModelSpec(kind="mlp", layers=6, hidden=16), resume=str(tmp_path / "ckpt")))
     with pytest.raises(UserError, match="give --optimizer sgd"):
-        dataclasses.replace(base, optimizer="adamw", resume=str(tmp_path / "ckpt")).check()
+        prepare(dataclasses.replace(base, optimizer="adamw", resume=str(tmp_path / "ckpt")))
     (tmp_path / "ckpt" / "part-001-step1.pt").unlink()
     with pytest.raises(UserError, match="lacks part-001-step1.pt"):
-        dataclasses.replace(base, resume=str(tmp_path / "ckpt")).check()
+        prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt")))
     (tmp_path / "ckpt" / "meta.json").write_text("{}")
     with pytest.raises(UserError, match="not a pipeweave-checkpoint/1 checkpoint"):
-        dataclasses.replace(base, resume=str(tmp_path / "ckpt")).check()
+        prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt")))
 
 
 def test_a_new_checkpoint_replaces_the_old_one_only_once_whole(tmp_path: Path) -> None:
@@ -132,7 +134,7 @@ def test_a_new_checkpoint_replaces_the_old_one_only_once_whole(tmp_path: Path) -
                          save=str(tmp_path / "ckpt"))
     _train(config)
     (tmp_path / "ckpt" / "part-000-step7.pt").write_bytes(b"a save that died half-way")
-    dataclasses.replace(config, save=None, resume=str(tmp_path / "ckpt")).check()  # meta.json names step 1's parts
+    prepare(dataclasses.replace(config, save=None, resume=str(tmp_path / "ckpt")))  # meta.json names step 1's parts
     _train(dataclasses.replace(config, num_stages=2, steps=2))
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.json", "part-000-step2.pt",
                                                                      "part-001-step2.pt"]
@@ -148,13 +150,13 @@ def _counting_saves(rank: int, world: int, config: TrainConfig) -> tuple[RunReco
         real(*args, **kwargs)  # type: ignore[arg-type]
 
     checkpoint.save = save  # type: ignore[assignment]  # this rank's process only
-    return run_rank(rank, world, config), saved
+    return run_rank(rank, world, prepare(config)), saved
 
 
 def test_save_every_writes_the_checkpoint_during_the_run(tmp_path: Path) -> None:
     config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=MLP, batch_size=4, steps=5,
                          save=str(tmp_path / "ckpt"), save_every=2)
-    config.check()
+    prepare(config)
     _, saved = launch(_counting_saves, config, 2, LaunchOptions(timeout_s=60))
     assert saved == [2, 4, 5]
     assert checkpoint.read_meta(str(tmp_path / "ckpt"))["steps"] == 5

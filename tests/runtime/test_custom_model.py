@@ -31,12 +31,14 @@ from pipeweave.errors import UserError
 from pipeweave.models import LayerModel, ModelSpec, build_layers, loss_fn
 from pipeweave.models.custom import deferrable, entry_of, load_model
 from pipeweave.models.layers import Linear
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import RunRecord, run_rank
-from pipeweave.runtime.launch import LaunchOptions, launch
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.reference import run_reference
-from pipeweave.runtime.stage import StageWorker
+from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.run.plan import build_schedule, optimizer_factory, prepare
 
 FILE = Path(__file__).resolve().parent.parent / "models" / "tiny_custom.py"
 SPEC = ModelSpec(kind="custom", entry=f"{FILE}:model")
@@ -81,20 +83,20 @@ STREAMS = ("pipedream", "tuples pipedream")
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, c) for c in configs]
+    return [run_rank(rank, world, prepare(c)) for c in configs]
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, tuple[TrainConfig, RunRecord]]:
     for config in CASES.values():
-        config.check()
+        prepare(config)
     records = launch(_run_all, list(CASES.values()), 2, LaunchOptions(timeout_s=60))
     return {name: (config, record) for (name, config), record in zip(CASES.items(), records)}
 
 
 def _plain(config: TrainConfig):  # type: ignore[no-untyped-def]
     return run_plain(config.model, steps=config.steps, batch_size=config.batch_size,
-                     num_microbatches=config.num_microbatches, optimizer_factory=config.optimizer_factory())
+                     num_microbatches=config.num_microbatches, optimizer_factory=optimizer_factory(config))
 
 
 def _parameters(record: RunRecord) -> dict[str, torch.Tensor]:
@@ -123,8 +125,8 @@ def test_synchronous_schedules_equal_plain_training(runs: dict[str, tuple[TrainC
 @pytest.mark.parametrize("case", STREAMS)
 def test_a_stream_equals_its_reference(runs: dict[str, tuple[TrainConfig, RunRecord]], case: str) -> None:
     config, record = runs[case]
-    reference = run_reference(config.build_schedule(), config.model, steps=config.steps,
-                              batch_size=config.batch_size, optimizer_factory=config.optimizer_factory())
+    reference = run_reference(build_schedule(config), config.model, steps=config.steps,
+                              batch_size=config.batch_size, optimizer_factory=optimizer_factory(config))
     torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
     for rank_record in record.ranks:
         for stage, params in rank_record.parameters.items():
@@ -157,19 +159,18 @@ def test_a_checkpoint_resumes_on_another_schedule(tmp_path: Path) -> None:
     # The model with dropout: the resumed run draws the masks of steps 2.. (the key counts steps).
     first = TrainConfig(schedule="1f1b", **{**NOISY_BASE, "steps": 2, "collect_parameters": False},  # type: ignore[arg-type]
                         optimizer="adamw", lr=1e-2, save=str(tmp_path / "ckpt"))
-    first.check()
-    launch(run_rank, first, 2, LaunchOptions(timeout_s=60))
+    launch(run_rank, prepare(first), 2, LaunchOptions(timeout_s=60))
     second = TrainConfig(schedule="zb-h1", **{**NOISY_BASE, "steps": 3}, optimizer="adamw",  # type: ignore[arg-type]
                          lr=1e-2, resume=str(tmp_path / "ckpt"))
-    second.check()
-    resumed = launch(run_rank, second, 2, LaunchOptions(timeout_s=60))
+    prepare(second)
+    resumed = launch(run_rank, prepare(second), 2, LaunchOptions(timeout_s=60))
     plain = _plain(dataclasses.replace(second, steps=5))
     torch.testing.assert_close(resumed.losses, plain.losses[2:], rtol=1e-5, atol=1e-6)
     for name, value in _parameters(resumed).items():
         torch.testing.assert_close(value, plain.parameters[name], rtol=1e-5, atol=1e-6)
     other = ModelSpec(kind="custom", entry=f"{FILE}:shallow")
     with pytest.raises(UserError, match="holds another model: entry="):
-        dataclasses.replace(second, model=other).check()
+        prepare(dataclasses.replace(second, model=other))
 
 
 def test_linear_layers_are_swapped_on_their_parameters_and_their_weight_gradients_deferred() -> None:
@@ -261,16 +262,16 @@ def test_model_spec_of_a_module_level_function() -> None:
 def test_bad_entries_are_one_line_before_anything_is_spawned(tmp_path: Path, entry: str, message: str) -> None:
     (tmp_path / "broken.py").write_text("def model():\n    return (\n")
     entry = entry.replace("{FILE}", str(FILE)).replace("{SYNTAX}", str(tmp_path / "broken.py"))
-    from pipeweave.commands.train import build_config
+    from pipeweave.commands.train_run import build_config
     from pipeweave.cli import build_parser
 
     with pytest.raises(UserError, match=message):
-        build_config(build_parser().parse_args(["train", "--model", entry])).check()
+        prepare(build_config(build_parser().parse_args(["train", "--model", entry])))
 
 
 def test_size_options_and_bad_contracts_are_refused() -> None:
     from pipeweave.cli import build_parser
-    from pipeweave.commands.train import build_config
+    from pipeweave.commands.train_run import build_config
 
     with pytest.raises(UserError, match="--hidden applies to the built-in models"):
         build_config(build_parser().parse_args(["train", "--model", f"{FILE}:model", "--hidden", "8"]))
@@ -282,7 +283,7 @@ def test_size_options_and_bad_contracts_are_refused() -> None:
         ModelSpec(kind="custom")
     mlp_eval = TrainConfig(model=ModelSpec(kind="mlp", layers=2, hidden=4), eval_every=1)
     with pytest.raises(UserError, match="--eval-every applies to --model gpt or a custom model"):
-        mlp_eval.check()
+        prepare(mlp_eval)
 
 
 def test_train_cli_trains_a_model_file(tmp_path: Path) -> None:
@@ -299,15 +300,16 @@ def test_train_cli_trains_a_model_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["pipeweave.models.custom", "pipeweave.models.randomness", "pipeweave.data.dataset",
-                                  "pipeweave.runtime.message", "pipeweave.models.precision",
-                                  "pipeweave.runtime.stream", "pipeweave.runtime.config"])
+                                  "pipeweave.runtime.transport.message", "pipeweave.models.precision",
+                                  "pipeweave.runtime.stream", "pipeweave.runtime.run.config",
+                                  "pipeweave.runtime.run.plan"])
 def test_examples(name: str) -> None:
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
 
 
 def test_only_ranks_with_a_first_or_last_stage_draw_batches() -> None:
-    from pipeweave.runtime.job import _microbatches
+    from pipeweave.runtime.run.milestones import rank_microbatches
 
     drawn: list[int] = []
 
@@ -317,29 +319,28 @@ def test_only_ranks_with_a_first_or_last_stage_draw_batches() -> None:
             return data_source(SPEC, batch_size=8).batch(k)
 
     middle = {1: StageWorker(SPEC, range(2, 4), batch_size=8)}
-    assert _microbatches(Counting(), 0, 4, torch.device("cpu"), middle) == ([], [])
+    assert rank_microbatches(Counting(), 0, 4, torch.device("cpu"), middle) == ([], [])
     assert drawn == []  # a middle rank loads nothing from a user's (maybe costly) dataset
     last = {2: StageWorker(SPEC, range(4, 6), batch_size=8)}
-    inputs, targets = _microbatches(Counting(), 5, 4, torch.device("cpu"), last)
+    inputs, targets = rank_microbatches(Counting(), 5, 4, torch.device("cpu"), last)
     assert drawn == [5] and [len(t) for t in targets] == [2, 2, 2, 2]
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_a_checkpoint_keeps_the_buffers(tmp_path: Path) -> None:
-    from pipeweave.runtime import checkpoint
+    from pipeweave.runtime.run import checkpoint
 
     spec = ModelSpec(kind="custom", entry=f"{FILE}:with_buffer")
     first = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=spec, batch_size=8, steps=2,
                         save=str(tmp_path / "ckpt"))
-    first.check()
-    launch(run_rank, first, 2, LaunchOptions(timeout_s=60))
+    launch(run_rank, prepare(first), 2, LaunchOptions(timeout_s=60))
     meta = checkpoint.read_meta(str(tmp_path / "ckpt"))
     saved = torch.load(tmp_path / "ckpt" / meta["files"][0], weights_only=True)["buffers"]
     assert set(saved) == {"1.peak"} and float(saved["1.peak"]) > 0  # trained, not the initial zero
     worker = StageWorker(spec, range(0, 3), batch_size=8)  # resumed on one stage holding every layer
     assert float(worker.module["1"].peak) == 0
-    checkpoint.load(dataclasses.replace(first, save=None, resume=str(tmp_path / "ckpt")), {0: worker})
+    checkpoint.load(str(tmp_path / "ckpt"), meta, {0: worker})
     assert torch.equal(worker.module["1"].peak, saved["1.peak"])
 
 
@@ -405,8 +406,8 @@ def test_data_parallel_replicas_draw_the_masks_of_plain_training() -> None:
 @pytest.mark.timeout(240)
 def test_tuples_cross_three_ranks_over_shared_memory() -> None:
     config = TrainConfig(schedule="zb-h1", **{**TUPLES_BASE, "num_stages": 3, "num_microbatches": 5})  # type: ignore[arg-type]
-    config.check()
-    record = launch(run_rank, config, 3, LaunchOptions(transport="shm", timeout_s=60))
+    prepare(config)
+    record = launch(run_rank, prepare(config), 3, LaunchOptions(transport="shm", timeout_s=60))
     assert record.transport == "shm"
     plain = _plain(config)
     torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
@@ -437,7 +438,7 @@ def test_the_profiler_takes_tuples(tmp_path: Path) -> None:
 
 
 def test_a_tuple_message_packs_mixed_dtypes_each_aligned() -> None:
-    from pipeweave.runtime.message import Layout, read_meta
+    from pipeweave.runtime.transport.message import Layout, read_meta
 
     parts = (torch.rand(3, 5) > 0.5, torch.randn(3, 2, dtype=torch.float64), torch.arange(3, dtype=torch.int16))
     layout = Layout.of(parts)

@@ -18,12 +18,15 @@ import pytest
 import torch
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import RunRecord, run_rank
-from pipeweave.runtime.launch import LaunchOptions, launch
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.runtime.reference import run_reference
 from pipeweave.schedule import SCHEDULES, ScheduleError
+from pipeweave.runtime.run.plan import build_schedule, optimizer_factory, prepare
+from pipeweave.runtime.run.sizes import microbatch_sizes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -32,7 +35,7 @@ STEPS = 2
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, c) for c in configs]
+    return [run_rank(rank, world, prepare(c)) for c in configs]
 
 
 def _config(name: str, ranks: int, recompute: bool, **overrides: object) -> TrainConfig | None:
@@ -47,7 +50,7 @@ def _config(name: str, ranks: int, recompute: bool, **overrides: object) -> Trai
         fields.update(overrides)
         config = TrainConfig(**fields)  # type: ignore[arg-type]
         try:
-            schedule = config.check()
+            schedule = prepare(config).schedule
         except ScheduleError:
             continue
         if schedule.num_ranks == ranks:
@@ -105,7 +108,7 @@ def _plain(model: ModelSpec, batch_size: int, num_microbatches: int, optimizer: 
     """Plain training, shared by the schedules that run the same model and batch."""
     config = TrainConfig(optimizer=optimizer, lr=lr)
     return run_plain(model, steps=STEPS, batch_size=batch_size, num_microbatches=num_microbatches,
-                     optimizer_factory=config.optimizer_factory(), precision=precision)
+                     optimizer_factory=optimizer_factory(config), precision=precision)
 
 
 def _names() -> list[str]:
@@ -122,8 +125,8 @@ def test_distributed_run_equals_plain_training_and_reference(
     if case not in results:
         pytest.skip(f"{case} cannot run on {ranks} ranks (see its ScheduleError)")
     config, record = results[case]
-    schedule = config.build_schedule()
-    optimizer = config.optimizer_factory()
+    schedule = build_schedule(config)
+    optimizer = optimizer_factory(config)
     plain = _plain(config.model, config.batch_size, config.num_microbatches, config.optimizer, config.lr,
                    config.precision)
     reference = run_reference(schedule, config.model, steps=STEPS, batch_size=config.batch_size,
@@ -147,7 +150,7 @@ def test_replicas_of_a_part_stay_bitwise_equal(runs: tuple[int, dict[str, tuple[
     _, results = runs
     checked = 0
     for config, record in results.values():
-        placement = config.build_schedule().placement
+        placement = build_schedule(config).placement
         params = {s: p for r in record.ranks for s, p in r.parameters.items()}
         for stage in range(placement.num_stages):
             for other in placement.replicas(stage):
@@ -162,13 +165,13 @@ def test_replicas_of_a_part_stay_bitwise_equal(runs: tuple[int, dict[str, tuple[
 def test_microbatches_are_uneven_and_measurements_are_sane(
     runs: tuple[int, dict[str, tuple[TrainConfig, RunRecord]]],
 ) -> None:
-    from pipeweave.runtime.trace import summarize
+    from pipeweave.runtime.report.trace import summarize
 
     _, results = runs
     config, record = results["1f1b"]
-    sizes = config.microbatch_sizes
+    sizes = microbatch_sizes(config)
     assert sizes[-1] < sizes[0] and sum(sizes) == config.batch_size
-    report = summarize(config.build_schedule(), record)
+    report = summarize(build_schedule(config), record)
     assert 0.0 <= report["bubble_ratio"] < 1.0 and 0.0 <= report["bubble_ratio_simulated"] < 1.0
     assert report["step_time_s"] > 0 and report["samples_per_s"] == pytest.approx(config.batch_size / report["step_time_s"])
     # 1F1B: rank r keeps min(D - r, T) microbatches in flight, so rank 0 holds the most.
@@ -177,13 +180,13 @@ def test_microbatches_are_uneven_and_measurements_are_sane(
     held = [sum(p.numel() * p.element_size() for ps in r.parameters.values() for p in ps.values()) for r in record.ranks]
     assert report["weight_bytes"] == held
     # Recomputation keeps only stage inputs: less activation memory on every rank.
-    recomputed = summarize(config.build_schedule(), results["1f1b+recompute"][1])["peak_activation_bytes"]
+    recomputed = summarize(build_schedule(config), results["1f1b+recompute"][1])["peak_activation_bytes"]
     assert all(r < p for r, p in zip(recomputed, peaks))
 
 
 def test_bf16_is_mixed_precision(runs: tuple[int, dict[str, tuple[TrainConfig, RunRecord]]]) -> None:
     """``--precision bf16`` computes in bfloat16 (other losses, smaller activations), keeps float32 parameters."""
-    from pipeweave.runtime.trace import summarize
+    from pipeweave.runtime.report.trace import summarize
 
     _, results = runs
     (config, fp32), (_, bf16) = results["1f1b"], results["1f1b-bf16"]
@@ -193,6 +196,6 @@ def test_bf16_is_mixed_precision(runs: tuple[int, dict[str, tuple[TrainConfig, R
     for rank_record in bf16.ranks:
         for params in rank_record.parameters.values():
             assert all(p.dtype == torch.float32 for p in params.values())
-    schedule = config.build_schedule()
+    schedule = build_schedule(config)
     peaks = [summarize(schedule, r)["peak_activation_bytes"] for r in (fp32, bf16)]
     assert all(b < f for f, b in zip(*peaks))  # the linear layers keep their inputs in bfloat16

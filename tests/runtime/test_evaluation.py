@@ -17,12 +17,15 @@ from torch import nn
 
 from pipeweave.data import ByteCorpus, stdlib_sources
 from pipeweave.models import ModelSpec
-from pipeweave.models.spec import build_layers, loss_fn
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import RunRecord, run_rank
-from pipeweave.runtime.launch import LaunchOptions, launch
+from pipeweave.models.build import build_layers
+from pipeweave.models.spec import loss_fn
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.schedule import SCHEDULES, ScheduleError
+from pipeweave.runtime.run.plan import prepare
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -31,7 +34,7 @@ STEPS, EVAL_BATCHES = 2, 2
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, c) for c in configs]
+    return [run_rank(rank, world, prepare(c)) for c in configs]
 
 
 def _cases(text: Path) -> dict[str, TrainConfig]:
@@ -44,7 +47,7 @@ def _cases(text: Path) -> dict[str, TrainConfig]:
                                  steps=STEPS, data=str(text), eval_every=1, eval_batches=EVAL_BATCHES,
                                  num_chunks=2 if info.chunks is None else None)
             try:
-                schedule = config.check()
+                schedule = prepare(config).schedule
             except ScheduleError:
                 continue
             if schedule.num_ranks == 2:
@@ -92,12 +95,12 @@ def test_evaluation_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
     from pipeweave.errors import UserError
 
     with pytest.raises(UserError, match="--eval-every 3 is not a multiple of avgpipe's P=2 pipelines"):
-        TrainConfig(schedule="avgpipe", model=GPT, eval_every=3, steps=8).check()
+        prepare(TrainConfig(schedule="avgpipe", model=GPT, eval_every=3, steps=8))
     with pytest.raises(UserError, match="--eval-every applies to --model gpt"):
-        TrainConfig(model=ModelSpec(kind="mlp"), eval_every=2).check()
+        prepare(TrainConfig(model=ModelSpec(kind="mlp"), eval_every=2))
     short = tmp_path / "short.txt"
     short.write_bytes(b"x" * 15)
     with pytest.raises(UserError, match="too short to hold out a window of seq_len\\+1=9 bytes"):
-        TrainConfig(model=GPT, data=str(short), eval_every=2, batch_size=4).check()
+        prepare(TrainConfig(model=GPT, data=str(short), eval_every=2, batch_size=4))
     with pytest.raises(UserError, match="--eval-batches 0 is invalid"):
         TrainConfig(model=GPT, eval_every=2, eval_batches=0)

@@ -13,7 +13,7 @@ import pytest
                     reason="mallopt thresholds are glibc's")
 def test_keep_freed_host_memory_takes_effect_on_glibc() -> None:
     # In a child: the setting is per process, and this one stays as it was.
-    code = "from pipeweave.runtime.launch import keep_freed_host_memory as k; print(k())"
+    code = "from pipeweave.runtime.process import keep_freed_host_memory as k; print(k())"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "True"

@@ -9,12 +9,13 @@ import torch
 
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import run_rank
-from pipeweave.runtime.launch import LaunchOptions, launch
-from pipeweave.runtime.lr_schedule import MIN_RATIO, LrSchedule
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.stage.lr_schedule import MIN_RATIO, LrSchedule
 from pipeweave.runtime.plain import run_plain
-from pipeweave.runtime.validation_step import PostValidation
+from pipeweave.runtime.stage.post_validation import PostValidation
+from pipeweave.runtime.run.plan import learning_rates, optimizer_factory, prepare
 
 
 def test_warmup_then_decay_to_a_tenth() -> None:
@@ -40,7 +41,7 @@ def test_bad_schedules_are_one_line(kwargs: dict[str, object], message: str) -> 
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[object]:
-    return [run_rank(rank, world, c) for c in configs]
+    return [run_rank(rank, world, prepare(c)) for c in configs]
 
 
 @pytest.mark.distributed
@@ -55,14 +56,14 @@ def test_distributed_runs_with_a_schedule_equal_plain_training_with_it() -> None
                     post_validation=PostValidation(max_norm=1e9), **common),
     ]
     for c in configs:
-        c.check()
+        prepare(c)
     records = launch(_run_all, configs, 2, LaunchOptions(timeout_s=60))
     for config, record in zip(configs, records):
-        rates = config.learning_rates()
-        plain = run_plain(mlp, steps=6, batch_size=8, num_microbatches=4, optimizer_factory=config.optimizer_factory(),
+        rates = learning_rates(config)
+        plain = run_plain(mlp, steps=6, batch_size=8, num_microbatches=4, optimizer_factory=optimizer_factory(config),
                           lr_at=rates.at)
         constant = run_plain(mlp, steps=6, batch_size=8, num_microbatches=4,
-                             optimizer_factory=config.optimizer_factory())
+                             optimizer_factory=optimizer_factory(config))
         assert record is not None
         torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
         assert record.losses[2:] != pytest.approx(constant.losses[2:], rel=1e-4)  # the schedule did something

@@ -29,13 +29,15 @@ import torch.distributed as dist
 
 from pipeweave.data import data_source, split_microbatches
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.comm import message_key, rank_sends
+from pipeweave.runtime.transport.p2p import message_key, rank_sends
 from pipeweave.runtime.executor import Executor
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import build_workers
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.workers import build_workers
 from pipeweave.runtime.reference import run_reference
 from pipeweave.schedule import SCHEDULES, ScheduleError, generate, lower
 from pipeweave.schedule.ir import Op
+from pipeweave.runtime.run.plan import optimizer_factory, prepare
+from pipeweave.runtime.run.sizes import microbatch_sizes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -102,7 +104,8 @@ class InOrderTransport:
 
 def _run_threads(config: TrainConfig, transport: InOrderTransport) -> list[float]:
     """Every rank's Executor in its own thread over ``transport``; the per-step mini-batch losses."""
-    schedule = config.check()
+    plan = prepare(config)
+    schedule = plan.schedule
     lowered = lower(schedule)
     device = torch.device("cpu")
     losses = [[0.0] * schedule.num_ranks for _ in range(config.steps)]
@@ -111,8 +114,8 @@ def _run_threads(config: TrainConfig, transport: InOrderTransport) -> list[float
     def rank_main(rank: int) -> None:
         transport.local.rank = rank
         try:
-            workers = build_workers(schedule, config, rank, device)
-            executor = Executor(lowered, rank, workers, config.microbatch_sizes, device)
+            workers = build_workers(plan, rank, device)
+            executor = Executor(lowered, rank, workers, microbatch_sizes(config), device)
             source = data_source(config.model, batch_size=config.batch_size, seed=config.seed)
             for step in range(config.steps):
                 inputs, targets = source.batch(step)
@@ -140,7 +143,7 @@ def _config(name: str, ranks: int, model: ModelSpec | None = None) -> TrainConfi
             num_chunks=2 if info.chunks is None else None,
         )
         try:
-            schedule = config.check()
+            schedule = prepare(config).schedule
         except ScheduleError:
             continue
         if schedule.num_ranks == ranks:
@@ -183,14 +186,14 @@ def test_posting_order_matches_per_pair_and_losses_equal_reference(case: str, mo
     # (Not the same schedule: the reference's own chimera with tied embeddings drifts from its 1F1B.)
     one_f_one_b = generate("1f1b", num_stages=config.num_stages, num_microbatches=config.num_microbatches)
     reference = run_reference(one_f_one_b, config.model, steps=config.steps, batch_size=config.batch_size,
-                              optimizer_factory=config.optimizer_factory(), seed=config.seed)
+                              optimizer_factory=optimizer_factory(config), seed=config.seed)
     torch.testing.assert_close(losses, reference.losses, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_rank_sends_are_what_the_receivers_consume(case: str) -> None:
     """Each rank's sends to a peer, as a multiset, are exactly what that peer's actions consume from it."""
-    schedule = CASES[case].check()
+    schedule = prepare(CASES[case]).schedule
     lowered = lower(schedule)
     placement = schedule.placement
     for rank in range(schedule.num_ranks):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import RankRecord, RunRecord
-from pipeweave.runtime.trace import dispatch_time, hop_latency, profile_costs
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.record import RankRecord, RunRecord
+from pipeweave.runtime.report.trace import dispatch_time, hop_latency, profile_costs
 from pipeweave.schedule import generate
 from pipeweave.sim import CostModel, compute_metrics, simulate
 

@@ -16,8 +16,9 @@ from pipeweave.data import ByteCorpus, RandomRegression
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import TrainResult, run_plain
-from pipeweave.runtime.reference import build_workers, run_reference
-from pipeweave.runtime.stage import OptimizerFactory
+from pipeweave.runtime.reference import run_reference
+from pipeweave.runtime.walk import build_workers
+from pipeweave.runtime.stage.worker import OptimizerFactory
 from pipeweave.schedule import SCHEDULES, Action, Op, Schedule, ScheduleError, WeightPolicy, generate
 
 MLP = ModelSpec(kind="mlp", layers=6, hidden=8)  # 6 layers: room for D x v = 3 x 2 parts

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime import shm
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import run_rank
-from pipeweave.runtime.launch import LaunchOptions, RankFailure, launch
+from pipeweave.runtime.transport import shm
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.schedule import ScheduleError
+from pipeweave.runtime.run.plan import build_schedule, layer_ranges, optimizer_factory, prepare
+from pipeweave.runtime.run.sizes import largest_message_bytes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -33,7 +35,7 @@ def _config(name: str, ranks: int) -> TrainConfig | None:
             model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8), collect_parameters=True,
         )
         try:
-            if config.check().num_ranks == ranks:
+            if prepare(config).schedule.num_ranks == ranks:
                 return config
         except ScheduleError:
             continue
@@ -47,7 +49,7 @@ def _tied_gpt() -> TrainConfig:
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> tuple[list[Any], list[int]]:
-    records = [run_rank(rank, world, c) for c in configs]
+    records = [run_rank(rank, world, prepare(c)) for c in configs]
     ring = shm.active()
     written = [] if ring is None else [int(c.ctrl[0]) for _, c in sorted(ring.outgoing.items())]
     written_all = [torch.zeros(world - 1, dtype=torch.int64) for _ in range(world)]
@@ -67,7 +69,7 @@ def test_shm_runs_equal_plain_training(ranks: int) -> None:
         if name == "gpt-tied":
             continue
         plain = run_plain(config.model, steps=STEPS, batch_size=config.batch_size,
-                          num_microbatches=config.num_microbatches, optimizer_factory=config.optimizer_factory())
+                          num_microbatches=config.num_microbatches, optimizer_factory=optimizer_factory(config))
         torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6, msg=name)
         seen = set()
         for rank_record in record.ranks:
@@ -88,7 +90,7 @@ def test_shm_runs_equal_plain_training(ranks: int) -> None:
 
 def _fail_in_backward(rank: int, world: int, config: TrainConfig, hang: bool) -> Any:
     if rank == 1:
-        from pipeweave.runtime.stage import StageWorker
+        from pipeweave.runtime.stage.worker import StageWorker
 
         original, calls = StageWorker.backward, [0]
 
@@ -101,7 +103,7 @@ def _fail_in_backward(rank: int, world: int, config: TrainConfig, hang: bool) ->
             return original(self, mb, grad_output)
 
         StageWorker.backward = backward  # type: ignore[method-assign]
-    return run_rank(rank, world, config)
+    return run_rank(rank, world, prepare(config))
 
 
 def _raise_in_backward(rank: int, world: int, config: TrainConfig) -> Any:
@@ -176,8 +178,8 @@ def test_shm_carries_asynchronous_streams_exactly() -> None:
     assert all(w > 0 for w in written), written
     for config, record in zip(configs, records, strict=True):
         assert record.transport == "shm"
-        reference = run_reference(config.build_schedule(), config.model, steps=config.steps,
-                                  batch_size=config.batch_size, optimizer_factory=config.optimizer_factory())
+        reference = run_reference(build_schedule(config), config.model, steps=config.steps,
+                                  batch_size=config.batch_size, optimizer_factory=optimizer_factory(config))
         torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6, msg=config.schedule)
         for rank_record in record.ranks:
             for stage, params in rank_record.parameters.items():
@@ -189,8 +191,8 @@ def test_shm_carries_asynchronous_streams_exactly() -> None:
 def test_auto_takes_shm_here_and_gloo_when_asked() -> None:
     config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4, steps=1,
                          model=ModelSpec(kind="mlp", layers=2, hidden=8))
-    auto = launch(run_rank, config, 2, LaunchOptions(transport="auto"))
-    gloo = launch(run_rank, config, 2, LaunchOptions(transport="gloo"))
+    auto = launch(run_rank, prepare(config), 2, LaunchOptions(transport="auto"))
+    gloo = launch(run_rank, prepare(config), 2, LaunchOptions(transport="gloo"))
     assert auto.transport == ("shm" if shm.unavailable(2) is None else "gloo")
     assert gloo.transport == "gloo"
     assert auto.losses == gloo.losses
@@ -199,25 +201,25 @@ def test_auto_takes_shm_here_and_gloo_when_asked() -> None:
 def test_rings_are_sized_for_the_largest_message() -> None:
     mlp = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=30,
                       model=ModelSpec(kind="mlp", layers=4, hidden=64))
-    assert mlp.largest_message_bytes(mlp.check()) == 8 * 64 * 4  # microbatches of 8, 8, 7, 7 samples
+    assert largest_message_bytes(mlp, prepare(mlp).schedule, layer_ranges(mlp, prepare(mlp).schedule)) == 8 * 64 * 4  # microbatches of 8, 8, 7, 7 samples
     gpt = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=64,
                       model=ModelSpec(kind="gpt", layers=2, hidden=512, heads=8, seq_len=256))
-    assert gpt.largest_message_bytes(gpt.check()) == 32 * 256 * 512 * 4  # 16 MiB
+    assert largest_message_bytes(gpt, prepare(gpt).schedule, layer_ranges(gpt, prepare(gpt).schedule)) == 32 * 256 * 512 * 4  # 16 MiB
     assert shm.capacity_for(16 << 20) == 49 << 20 and shm.capacity_for(100) == shm.DEFAULT_CAPACITY
     chimera = TrainConfig(schedule="chimera", num_stages=2, num_microbatches=2, batch_size=4,
                           model=ModelSpec(kind="mlp", layers=4, hidden=64))
     block = 2 * 64 + 2 * 64 * 256 + 256 + 64  # LayerNorm, Linear(h, 4h), Linear(4h, h)
-    assert chimera.largest_message_bytes(chimera.check()) == 2 * block * 4  # a part's gradient: 2 blocks
+    assert largest_message_bytes(chimera, prepare(chimera).schedule, layer_ranges(chimera, prepare(chimera).schedule)) == 2 * block * 4  # a part's gradient: 2 blocks
 
 
 def test_shm_is_refused_in_one_line_where_it_cannot_run() -> None:
     import argparse
 
-    from pipeweave.commands.train import _check_transport
+    from pipeweave.commands.train_run import _check_transport
     from pipeweave.errors import UserError
 
-    schedule = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4,
-                           model=ModelSpec(kind="mlp", layers=2, hidden=8)).check()
+    schedule = prepare(TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4,
+                           model=ModelSpec(kind="mlp", layers=2, hidden=8))).schedule
     with pytest.raises(UserError, match="^--transport shm needs ranks spawned by pipeweave on one host, "
                                         "not torchrun; use --transport gloo$"):
         _check_transport(argparse.Namespace(transport="shm"), schedule, torchrun=True)
@@ -255,7 +257,7 @@ def test_a_queued_message_keeps_its_tensor_alive_and_odd_tensors_are_refused() -
 def test_a_stream_refuses_a_tensor_unlike_the_one_it_announced() -> None:
     import multiprocessing
 
-    from pipeweave.runtime.comm import P2P
+    from pipeweave.runtime.transport.p2p import P2P
     from pipeweave.schedule import generate, lower
     from pipeweave.schedule.ir import Action, Op
 
@@ -282,8 +284,8 @@ def test_a_received_message_is_not_kept_by_the_transport() -> None:
     import multiprocessing
     import weakref
 
-    from pipeweave.runtime.comm import P2P
-    from pipeweave.runtime.message import tensor_meta
+    from pipeweave.runtime.transport.p2p import P2P
+    from pipeweave.runtime.transport.message import tensor_meta
     from pipeweave.schedule import generate, lower
     from pipeweave.schedule.ir import Action, Op
 

@@ -8,7 +8,7 @@ import torch
 
 from pipeweave.models import ModelSpec, uniform_parts
 from pipeweave.models.layers import Deferrable
-from pipeweave.runtime.stage import StageWorker
+from pipeweave.runtime.stage.worker import StageWorker
 
 MLP = ModelSpec(kind="mlp", layers=4, hidden=16)
 GPT = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8)

@@ -2,7 +2,7 @@
 
 ``--save-every K`` / ``--eval-every K`` make an asynchronous run one stream
 per K mini-batches (``TrainConfig.segments``), the policy state carried from
-one to the next (``runtime.policy.StreamCarry``). On 2 gloo ranks, every
+one to the next (``runtime.stage.policy.StreamCarry``). On 2 gloo ranks, every
 asynchronous schedule of the registry (read at test time) and a few variants
 must give:
 
@@ -32,17 +32,21 @@ from torch import nn
 
 from pipeweave.data import ByteCorpus, stdlib_sources
 from pipeweave.models import ModelSpec
-from pipeweave.models.spec import build_layers, loss_fn
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import RunRecord, run_rank
-from pipeweave.runtime.launch import LaunchOptions, launch
+from pipeweave.models.build import build_layers
+from pipeweave.models.spec import loss_fn
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
-from pipeweave.runtime.policy import PolicyOptions
-from pipeweave.runtime.stream import run_stream_reference, stream_rates
+from pipeweave.runtime.stage.policy import PolicyOptions
+from pipeweave.runtime.reference import run_stream_reference
+from pipeweave.runtime.run.plan import stream_rates
 from pipeweave.schedule import SCHEDULES, Schedule
 from pipeweave.schedule.ir import Op
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.versions import read_versions, staleness, weight_copies
+from pipeweave.runtime.run.plan import build_schedule, optimizer_factory, prepare, stream_schedules
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -88,12 +92,12 @@ def _steps(case: str) -> tuple[int, int]:
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, c) for c in configs]
+    return [run_rank(rank, world, prepare(c)) for c in configs]
 
 
 def _launch(configs: list[TrainConfig]) -> list[RunRecord]:
     for c in configs:
-        c.check()
+        prepare(c)
     records = launch(_run_all, configs, 2, LaunchOptions(timeout_s=90))
     assert all(r is not None for r in records)
     return records
@@ -120,16 +124,16 @@ def test_segmented_run_equals_its_reference_and_reads_the_concatenated_versions(
     segmented: dict[str, tuple[TrainConfig, RunRecord]], case: str
 ) -> None:
     config, record = segmented[case]
-    segments = config.stream_segments()
+    segments = stream_schedules(config)
     assert len(segments) == 3  # two drains
-    run = config.build_schedule()
+    run = build_schedule(config)
     rates = stream_rates(config, run).at if config.lr_scheduled else None
     reference = run_stream_reference(segments, config.model, batch_size=config.batch_size,
-                                     optimizer_factory=config.optimizer_factory(), options=config.policy,
+                                     optimizer_factory=optimizer_factory(config), options=config.policy,
                                      lr_at=rates, data=_corpus(config))
     # The oracle without StreamCarry: one policy over the run's schedule, its drains mere flushes in one stream.
     one = run_stream_reference(run, config.model, batch_size=config.batch_size,
-                               optimizer_factory=config.optimizer_factory(), options=config.policy, lr_at=rates,
+                               optimizer_factory=optimizer_factory(config), options=config.policy, lr_at=rates,
                                data=_corpus(config))
     assert len(record.losses) == config.steps
     for oracle in (reference, one):
@@ -149,9 +153,9 @@ def test_segmented_run_equals_its_reference_and_reads_the_concatenated_versions(
 def test_a_drain_changes_the_stream(segmented: dict[str, tuple[TrainConfig, RunRecord]]) -> None:
     """The segments are streams of their own: one unbroken stream of the same steps trains otherwise."""
     config, record = segmented["pipedream"]
-    whole = run_stream_reference(dataclasses.replace(config, save=None, save_every=None).build_schedule(),
+    whole = run_stream_reference(build_schedule(dataclasses.replace(config, save=None, save_every=None)),
                                  config.model, batch_size=config.batch_size,
-                                 optimizer_factory=config.optimizer_factory(), data=_corpus(config))
+                                 optimizer_factory=optimizer_factory(config), data=_corpus(config))
     assert record.losses[:2] == pytest.approx(whole.losses[:2], rel=1e-5)  # the same first stream
     assert record.losses[2:] != pytest.approx(whole.losses[2:], rel=1e-5)
 
@@ -165,10 +169,10 @@ def test_one_stage_segmented_stream_is_plain_training_with_its_rates(name: str) 
     config = TrainConfig(schedule=name, num_stages=1, num_microbatches=3, model=spec, batch_size=7, steps=5,
                          lr=0.05, momentum=0.9, lr_schedule="cosine", lr_warmup=1, save="unused", save_every=2,
                          schedule_options=options)
-    rates = stream_rates(config, config.build_schedule())
-    got = run_stream_reference(config.stream_segments(), spec, batch_size=7,
-                               optimizer_factory=config.optimizer_factory(), lr_at=rates.at)
-    plain = run_plain(spec, steps=5, batch_size=7, num_microbatches=3, optimizer_factory=config.optimizer_factory(),
+    rates = stream_rates(config, build_schedule(config))
+    got = run_stream_reference(stream_schedules(config), spec, batch_size=7,
+                               optimizer_factory=optimizer_factory(config), lr_at=rates.at)
+    plain = run_plain(spec, steps=5, batch_size=7, num_microbatches=3, optimizer_factory=optimizer_factory(config),
                       lr_at=rates.at)
     torch.testing.assert_close(got.losses, plain.losses, rtol=1e-5, atol=1e-6)
     for name_, value in plain.parameters.items():
@@ -243,13 +247,13 @@ def test_evaluation_between_streams_is_the_weights_held_out_loss(tmp_path: Path,
                          data=str(text), eval_every=2, eval_batches=2, collect_parameters=True, lr=0.05)
     (record,) = _launch([config])
     assert [at for at, _ in record.eval_losses] == [2, 4]
-    reference = run_stream_reference(config.stream_segments(), GPT, batch_size=4,
-                                     optimizer_factory=config.optimizer_factory(),
+    reference = run_stream_reference(stream_schedules(config), GPT, batch_size=4,
+                                     optimizer_factory=optimizer_factory(config),
                                      data=ByteCorpus(text.read_bytes(), seq_len=GPT.seq_len, batch_size=4))
     torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
     corpus = ByteCorpus(text.read_bytes(), seq_len=GPT.seq_len, batch_size=4)
     first_replica = {n: v for r in record.ranks for s, params in r.parameters.items()
-                     if s == min(config.build_schedule().placement.replicas(s)) for n, v in params.items()}
+                     if s == min(build_schedule(config).placement.replicas(s)) for n, v in params.items()}
     model = nn.ModuleDict({str(i): layer for i, layer in enumerate(build_layers(GPT, range(GPT.num_layers)))})
     model.load_state_dict(first_replica)
     with torch.no_grad():
@@ -278,24 +282,24 @@ def test_pipemare_warmup_annealing_and_velocity_cross_drains_and_checkpoints(tmp
     firsts = [dataclasses.replace(base, steps=k, save=str(tmp_path / f"after{k}")) for k in (2, 3, 6)]
     firsts[2] = dataclasses.replace(firsts[2], save_every=3)
     for c in (straight, *firsts):
-        c.check()
+        prepare(c)
     records = launch(_run_all, [straight, *firsts], 3, LaunchOptions(timeout_s=90))
     record = records[0]
     assert record is not None
-    run = straight.build_schedule()
+    run = build_schedule(straight)
     assert _flushed(run) == [True] * 3 + [False, False, True] * 2  # the warm-up, the drains
     assert staleness(run)[0] == 2  # stage 0's delay: the rescheduling depends on the updates counted
-    one = run_stream_reference(run, MODEL, batch_size=3, optimizer_factory=straight.optimizer_factory(),
+    one = run_stream_reference(run, MODEL, batch_size=3, optimizer_factory=optimizer_factory(straight),
                                options=straight.policy, data=_corpus(straight))
     torch.testing.assert_close(record.losses, one.losses, rtol=1e-5, atol=1e-6)
     for (stage, name), value in _stage_parameters(record).items():
         torch.testing.assert_close(value, one.stage_parameters[stage][name], rtol=1e-5, atol=1e-6)
     after2 = dataclasses.replace(base, steps=4, resume=firsts[0].save)
-    assert _flushed(after2.build_schedule()) == [True, False, False, True]
+    assert _flushed(build_schedule(after2)) == [True, False, False, True]
     resumed = [dataclasses.replace(base, steps=9 - k, save=str(tmp_path / f"r{k}"), save_every=3, resume=first.save)
                for k, first in zip((3, 6), firsts[1:])]
     for c in resumed:
-        c.check()
+        prepare(c)
     again = launch(_run_all, resumed, 3, LaunchOptions(timeout_s=90))
     for got, k in zip(again, (3, 6)):
         assert got is not None and got.first_step == k

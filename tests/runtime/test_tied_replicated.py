@@ -17,7 +17,7 @@ from torch import nn
 from pipeweave.data import data_source, split_microbatches
 from pipeweave.models import ModelSpec, build_layers, loss_fn
 from pipeweave.runtime.reference import run_reference
-from pipeweave.runtime.stage import sgd
+from pipeweave.runtime.stage.worker import sgd
 from pipeweave.schedule import generate
 
 SPEC = ModelSpec(kind="gpt", layers=4, hidden=16, heads=2, seq_len=8, tie_embeddings=True)

@@ -17,11 +17,13 @@ import torch
 
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import RunRecord, run_rank
-from pipeweave.runtime.launch import LaunchOptions, launch
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
-from pipeweave.runtime.validation_step import PostValidation
+from pipeweave.runtime.stage.post_validation import PostValidation
+from pipeweave.runtime.run.plan import optimizer_factory, prepare
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -56,7 +58,7 @@ def _plain(optimizer: str, max_norm: float | None, fault_step: int | None,
 
     def factory(params: Iterable[torch.nn.Parameter]) -> _Synchronous:
         params = list(params)
-        return _Synchronous(params, torch_factory.optimizer_factory()(params), max_norm, fault_step,
+        return _Synchronous(params, optimizer_factory(torch_factory)(params), max_norm, fault_step,
                             norms if norms is not None else [])
 
     make: Callable[..., object] = factory
@@ -72,7 +74,7 @@ def _config(optimizer: str, options: PostValidation) -> TrainConfig:
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, c) for c in configs]
+    return [run_rank(rank, world, prepare(c)) for c in configs]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,7 @@ def runs() -> dict[str, tuple[TrainConfig, RunRecord, float]]:
         _plain(optimizer, None, None, norms)
         max_norm = sorted(norms)[len(norms) // 2]  # clips about half of the steps
         config = _config(optimizer, PostValidation(max_norm=max_norm, fault=(FAULT_STEP, RANKS - 1)))
-        config.check()
+        prepare(config)
         cases[optimizer] = (config, max_norm)
     records = launch(_run_all, [c for c, _ in cases.values()], RANKS, LaunchOptions(timeout_s=60))
     return {name: (c, r, m) for (name, (c, m)), r in zip(cases.items(), records)}
@@ -114,6 +116,6 @@ def test_post_validation_refuses_a_v_schedule() -> None:
     config = TrainConfig(schedule="zb-v-auto", num_stages=2, num_microbatches=4, model=SPEC, batch_size=8,
                          post_validation=PostValidation(max_norm=1.0))
     with pytest.raises(UserError, match="one stage per rank"):
-        config.check()
+        prepare(config)
     with pytest.raises(UserError, match="clip-grad-norm"):
         PostValidation(max_norm=0.0)

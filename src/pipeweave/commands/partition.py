@@ -98,42 +98,6 @@ def partition_context(args: argparse.Namespace, profile: MemoryProfile | None) -
     )
 
 
-def layers_per_part(
-    args: argparse.Namespace, spec: Any, schedule: Schedule, microbatch_size: int, device: str
-) -> tuple[int, ...] | None:
-    """For ``train``: the layer counts ``--partition`` gives for ``schedule`` (None: uniform).
-
-    Costs come from ``--costs`` or the profiler (cached) on ``device``.
-
-    Raises:
-        UserError: the method's errors, or a PipeDream plan that replicates parts.
-    """
-    method = partition_method(args)
-    if method == "uniform":
-        return None
-    counts = parse_counts(args.layers_per_stage)
-    if counts is not None and sum(counts) != spec.num_layers:  # the layers named: a gpt has more than --layers
-        raise UserError(f"--layers-per-stage {args.layers_per_stage} sums to {sum(counts)} layers but the model has "
-                        f"{spec.layers_described}; make the counts sum to {spec.num_layers}")
-    if method == "explicit" or args.costs:
-        costs = LayerCosts.load(args.costs) if args.costs else LayerCosts.uniform(spec.num_layers)
-    else:
-        from pipeweave.runtime.profile import profile_model
-
-        costs = profile_model(spec, microbatch_size, device=device, repeats=args.repeats, refresh=args.refresh,
-                              precision=args.precision)
-    if costs.num_layers != spec.num_layers:
-        raise UserError(f"--costs has {costs.num_layers} layers for a model of {spec.num_layers}; profile this model")
-    profile = memory_profile(schedule, args)
-    plan = partition(method, costs, schedule.num_parts, partition_context(args, profile))
-    if plan.num_parts != schedule.num_parts:
-        raise UserError(
-            f"--partition {method} replicates parts {list(plan.replicas)}; train one replica per part "
-            "with --partition time, or replicate whole pipelines with --data-parallel"
-        )
-    return plan.counts
-
-
 def parse_counts(text: str | None) -> tuple[int, ...] | None:
     """``"3,2,2,1"`` -> ``(3, 2, 2, 1)``."""
     if text is None:
@@ -173,15 +137,11 @@ def layer_costs(args: argparse.Namespace) -> LayerCosts:
             f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
             "give a multiple of the microbatch count"
         )
-    import torch
+    # Imported here, when profiling: ``pipeweave partition --costs FILE`` and the other commands need no torch.
+    from pipeweave.commands.profiled import profiled_costs
 
-    from pipeweave.runtime.profile import profile_model
-
-    torch.set_num_threads(args.threads)
-    return profile_model(
-        model_spec(args), args.batch_size // args.microbatches, device=args.device,
-        repeats=args.repeats, refresh=args.refresh, precision=args.precision,
-    )
+    return profiled_costs(args, model_spec(args), args.batch_size // args.microbatches, args.device,
+                          threads=args.threads)
 
 
 def part_costs(costs: LayerCosts, plan: Partition) -> dict[str, list[float]]:

@@ -2,7 +2,7 @@
 
 Two kinds: options of the schedule generators (they change the order, so the
 simulator sees them too) and run-time hyperparameters of the weight policies
-(``runtime.policy.PolicyOptions``, ``train`` only). Defaults are the
+(``runtime.stage.policy.PolicyOptions``, ``train`` only). Defaults are the
 generators' and the policies', taken from their papers; a flag given to a
 schedule that does not take it is one error line.
 """
@@ -86,17 +86,15 @@ def schedule_options(args: argparse.Namespace, schedule: str) -> dict[str, Any]:
     return _given(args, SCHEDULE_FLAGS, schedule)
 
 
-def async_options(args: argparse.Namespace, schedule: str) -> tuple[dict[str, Any], Any]:
-    """The generator options and the ``PolicyOptions`` the flags give for ``schedule``.
+def async_options(args: argparse.Namespace, schedule: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The generator options and the keyword arguments of ``PolicyOptions`` the flags give for ``schedule``.
 
     Raises:
         UserError: a flag the schedule does not take, or an invalid value.
     """
-    from pipeweave.runtime.policy import PolicyOptions
-
     policy = _given(args, POLICY_FLAGS, schedule)
     if getattr(args, "no_correction", False):
         if schedule != "pipemare":
             raise UserError(f"--no-correction applies to pipemare, not {schedule}; drop it")
         policy["correction"] = False
-    return schedule_options(args, schedule), PolicyOptions(**policy)
+    return schedule_options(args, schedule), policy

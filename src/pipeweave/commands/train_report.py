@@ -14,16 +14,25 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dataclasses import asdict
+
+from rich.console import Console
+from rich.table import Table
+
+from pipeweave.commands.outputs import output_file, output_folder, picture_file
 from pipeweave.commands.units import format_bytes
+from pipeweave.runtime.report.stream_summary import stream_timeline, summarize_stream
+from pipeweave.runtime.report.trace import chrome_trace, rebased, step_timeline, summarize
+from pipeweave.runtime.run.plan import learning_rates, segments, stream_rates
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.stream import stream_updates
+from pipeweave.schedule import Schedule
+from pipeweave.sim.plot import plot_timeline
 
 
-def build_report(schedule: Any, record: Any) -> dict[str, Any]:
+def build_report(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     """The JSON record: configuration, losses and every measured and simulated figure."""
-    from dataclasses import asdict
-
-    from pipeweave.runtime.stream_summary import summarize_stream
-    from pipeweave.runtime.trace import summarize
-
     config = record.config
     return {
         "schedule": config.schedule, "stages": config.num_stages, "microbatches": config.num_microbatches,
@@ -34,26 +43,24 @@ def build_report(schedule: Any, record: Any) -> dict[str, Any]:
         "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
         "lr_schedule": config.lr_schedule, "lrs": _learning_rates(config, schedule, record),
         "wall_s": record.wall_s, "paused_s": record.paused_s,
-        **({"streams": len(config.segments())} if config.is_stream else {}),
+        **({"streams": len(segments(config))} if config.is_stream else {}),
         "transport": record.transport,
         **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
     }
 
 
-def _learning_rates(config: Any, schedule: Any, record: Any) -> list[float]:
+def _learning_rates(config: TrainConfig, schedule: Schedule, record: RunRecord) -> list[float]:
     """The learning rate of each step of the run; a stream's: of each stage's k-th update (before PipeMare's).
 
     What the resumed checkpoint had done comes from the record (read when the
     run started): a run that saved into the folder it resumed from rewrote it.
     """
     if config.is_stream:
-        from pipeweave.runtime.stream import stream_rates, stream_updates
-
         first = record.first_update
         rates = stream_rates(config, schedule, first)
         return [rates.at(first + k) for k in range(stream_updates(schedule))]
     first_step = record.first_step
-    rates = config.learning_rates(first_step)
+    rates = learning_rates(config, first_step)
     return [rates.at(first_step + k) for k in range(config.steps)]
 
 
@@ -63,8 +70,6 @@ def output_paths(args: argparse.Namespace) -> dict[str, Path]:
     Raises:
         UserError: a path that cannot be written (``commands.outputs``).
     """
-    from pipeweave.commands.outputs import output_file, output_folder, picture_file
-
     out = Path(args.out)
     if not (args.json and args.trace and args.plot):
         output_folder("--out", out)
@@ -77,18 +82,15 @@ def output_paths(args: argparse.Namespace) -> dict[str, Path]:
     }
 
 
-def write_outputs(schedule: Any, record: Any, report: dict[str, Any], args: argparse.Namespace) -> dict[str, str]:
+def write_outputs(schedule: Schedule, record: RunRecord, report: dict[str, Any],
+                  args: argparse.Namespace) -> dict[str, str]:
     """Write the JSON record, the Chrome trace and the timeline plot; return their paths."""
-    from pipeweave.runtime.trace import chrome_trace, rebased, step_timeline
-
     paths = output_paths(args)
     paths["json"].write_text(json.dumps(report, indent=2) + "\n")
     paths["trace"].write_text(json.dumps(chrome_trace(schedule, record)))
     if schedule.is_synchronous:
         last, what = rebased(step_timeline(schedule, record, record.config.steps - 1)), "last step"
     else:
-        from pipeweave.runtime.stream_summary import stream_timeline
-
         last, what = rebased(stream_timeline(schedule, record)), "stream"
     title = (f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  measured {what} (ms), "
              f"bubble {report['bubble_ratio']:.3f} (simulated {report['bubble_ratio_simulated']:.3f})")
@@ -102,16 +104,13 @@ def write_outputs(schedule: Any, record: Any, report: dict[str, Any], args: argp
 def _plot(timeline: Any, path: Path, title: str) -> bool:
     """Draw with ``pipeweave.sim.plot``; False when matplotlib cannot be imported."""
     try:
-        from pipeweave.sim.plot import plot_timeline
+        plot_timeline(timeline, path, title=title)
     except ImportError:
         return False
-    plot_timeline(timeline, path, title=title)
     return True
 
 
 def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
     losses = report["losses"]
     model = report["model"]["entry"] or report["model"]["kind"]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeweave.errors import UserError
-from pipeweave.models.custom import LayerModel, build_layer as build_custom_layer, entry_of, load_model
+from pipeweave.models.custom import LayerModel, entry_of, load_model
 
 KINDS = ("mlp", "gpt", "custom")
 
@@ -51,7 +51,7 @@ class ModelSpec:
     """custom only: ``FILE.py:NAME`` or ``module:NAME`` of a ``LayerModel`` or a function returning one."""
     tie_embeddings: bool = False
     """gpt only: the head's output weight starts equal to the token embedding and their gradients
-    are summed before every update (``pipeweave.runtime.tied``), so the two stay identical."""
+    are summed before every update (``pipeweave.runtime.stage.tied``), so the two stay identical."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -117,36 +117,6 @@ def layer_seed(spec: ModelSpec, index: int) -> int:
     """The seed of layer ``index``: a function of ``(spec.seed, index)`` alone."""
     # A large odd multiplier keeps (seed, index) pairs from colliding for any realistic sizes.
     return spec.seed * 1_000_003 + index
-
-
-def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Module]:
-    """Build only the layers with the given indices, each initialised from its own seed.
-
-    Args:
-        spec: the model.
-        layer_indices: indices in ``range(spec.num_layers)``.
-
-    Raises:
-        UserError: an index outside the model.
-
-    Example:
-        >>> spec = ModelSpec(kind="mlp", layers=3, hidden=8)
-        >>> a, b = build_layers(spec, [1]), build_layers(spec, range(3))
-        >>> bool(torch.equal(a[0].up.weight, b[1].up.weight))
-        True
-    """
-    from pipeweave.models import gpt, mlp  # the families import this module
-
-    build = mlp.build_layer if spec.kind == "mlp" else gpt.build_layer
-    layers = []
-    for index in layer_indices:
-        if not 0 <= index < spec.num_layers:
-            raise UserError(f"layer {index} is outside the model's {spec.num_layers} layers; give 0..{spec.num_layers - 1}")
-        if spec.kind == "custom":
-            layers.append(build_custom_layer(spec.custom, index, layer_seed(spec, index)))
-        else:
-            layers.append(build(spec, index, layer_generator(spec, index)))
-    return layers
 
 
 def uniform_parts(num_layers: int, num_parts: int) -> list[range]:

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
 
 from pipeweave.models.boundary import Boundary
-from pipeweave.runtime.comm import P2P, replica_peers
-from pipeweave.runtime.stage import StageWorker
-from pipeweave.runtime.tied import TiedGradients
+from pipeweave.runtime.transport.p2p import P2P, replica_peers
+from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.stage.policy import RankPolicy
+from pipeweave.runtime.stage.tied import TiedGradients
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.schedule.lower import LoweredSchedule
 
@@ -128,6 +129,10 @@ class Executor:
         device: where tensors live.
         evaluate: run a forward-only schedule (``schedule.evaluation``) for evaluation: F runs as
             ``StageWorker.evaluate`` and the workers' gradient exchanges are left to the training executor.
+        policy: an asynchronous schedule's weight policy (``stage.policy.RankPolicy``), called around
+            every compute action (the weights each reads); None for synchronous schedules.
+        combine_replicas: sum the gradients of a part's replicas before ``U``; False where replicas
+            train apart (AvgPipe's, averaged by its policy instead).
 
     Example:
         ex = Executor(lower(schedule), rank, workers, sizes, torch.device("cpu"))
@@ -143,6 +148,8 @@ class Executor:
         device: torch.device,
         *,
         evaluate: bool = False,
+        policy: RankPolicy | None = None,
+        combine_replicas: bool = True,
     ) -> None:
         self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
         self.placement = lowered.schedule.placement
@@ -151,10 +158,10 @@ class Executor:
         self.evaluating = evaluate
         """F runs as ``StageWorker.evaluate``; no gradient is prepared or exchanged."""
         exchanging = {} if evaluate else workers  # the training executor owns the workers' combine_grads
-        self.replicas = ReplicaGradients(lowered, rank, exchanging, self.p2p)
+        self.replicas = ReplicaGradients(lowered, rank, exchanging if combine_replicas else {}, self.p2p)
         self.tied = TiedGradients(self.placement, exchanging, rank, self.p2p.tag_limit)
         if not evaluate and any(getattr(w.spec, "tie_embeddings", False) for w in workers.values()):
-            # Every pipeline's first and last stage hold the two ends (runtime.tied), on any rank.
+            # Every pipeline's first and last stage hold the two ends (runtime.stage.tied), on any rank.
             for line in self.placement.pipelines:
                 if line[0] != line[-1]:
                     self.p2p.tied.update({line[0]: line[-1], line[-1]: line[0]})
@@ -181,9 +188,8 @@ class Executor:
         self._data: Sequence[Boundary] = ()
         self._targets: Sequence[Boundary] = ()
         self._losses: list[torch.Tensor] = []
-        # Asynchronous schedules: runtime.policy.RankPolicy, called around every compute action
-        # (the weights each reads), and every microbatch's loss, for per-mini-batch losses.
-        self.policy: Any = None
+        # Asynchronous schedules: the policy, and every microbatch's loss, for per-mini-batch losses.
+        self.policy = policy
         self.losses_by_microbatch: dict[int, torch.Tensor] = {}
         self._prepared = False  # gradients zero-filled in this step (``_before_waiting``)
 

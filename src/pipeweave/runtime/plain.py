@@ -14,9 +14,10 @@ from pipeweave.models.boundary import num_samples
 from pipeweave.models.precision import autocast
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
-from pipeweave.models.spec import ModelSpec, build_layers, loss_fn
-from pipeweave.runtime.lr_schedule import set_lr
-from pipeweave.runtime.stage import OptimizerFactory, sgd
+from pipeweave.models.build import build_layers
+from pipeweave.models.spec import ModelSpec, loss_fn
+from pipeweave.runtime.stage.lr_schedule import set_lr
+from pipeweave.runtime.stage.worker import OptimizerFactory, sgd
 
 
 @dataclass

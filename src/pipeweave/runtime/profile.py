@@ -11,7 +11,7 @@ layer's output, so what is measured is what a stage of the run does:
 - ``params``: parameter bytes.
 
 The last layer's forward includes the loss, as on the last stage. The host
-allocator is set as in every rank (``launch.keep_freed_host_memory``): a
+allocator is set as in every rank (``process.keep_freed_host_memory``): a
 large layer's tensors cost page faults without it, which the run does not
 pay. Results are
 cached as JSON under ``cache_dir`` (default ``$PIPEWEAVE_CACHE`` or
@@ -40,8 +40,8 @@ from pipeweave.models.custom import fingerprint
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.spec import ModelSpec
 from pipeweave.partition.problem import LayerCosts
-from pipeweave.runtime.launch import keep_freed_host_memory
-from pipeweave.runtime.stage import StageWorker
+from pipeweave.runtime.process import keep_freed_host_memory
+from pipeweave.runtime.stage.worker import StageWorker
 
 
 def default_cache_dir() -> Path:

@@ -1,170 +1,30 @@
-"""The reference executor: any schedule, every stage in one process, deterministically (streams: ``runtime.stream``).
+"""The reference executor: any schedule, every stage in one process, deterministically.
 
-It walks the ranks round-robin, each running its action list in order as far
-as the data dependencies of the IR allow (the same rules as
-``pipeweave.schedule.dataflow``), with one ``StageWorker`` per stage and the
-tensors passed between stages in memory. It is the oracle of the distributed
-executor's tests and a fast path for convergence studies.
+``run_reference`` trains a synchronous schedule step by step;
+``run_stream_reference`` runs an asynchronous stream (or the streams of a run
+that drains between them) once, its weight policy applied (``runtime.stream``).
+Both walk the schedule in this process (``runtime.walk``). It is the oracle of
+the distributed executor's tests and a fast path for convergence studies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
-
-import torch
+from dataclasses import dataclass, field
 
 from pipeweave.data import DataSource, data_source, split_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models.boundary import Boundary
-from pipeweave.models.spec import ModelSpec, uniform_parts
-from pipeweave.runtime.lr_schedule import set_lr
+from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.plain import TrainResult
-from pipeweave.runtime.stage import OptimizerFactory, StageWorker
-from pipeweave.runtime.tied import TiedGradients, tie_peer, tie_peer_parts
+from pipeweave.runtime.stage.lr_schedule import set_lr
+from pipeweave.runtime.stage.policy import PolicyOptions, RankPolicy, Read, ScheduleTables, StreamCarry
+from pipeweave.runtime.stage.tied import TiedGradients
+from pipeweave.runtime.stage.worker import OptimizerFactory, StageWorker
+from pipeweave.runtime.stream import (StreamData, StreamPosition, check_stream_model, microbatches_per_minibatch,
+                                      minibatch_losses)
+from pipeweave.runtime.walk import Walk, build_workers, run_step, trained_parameters
 from pipeweave.schedule.ir import Action, Op, Schedule
-
-
-def build_workers(
-    schedule: Schedule,
-    spec: ModelSpec,
-    *,
-    batch_size: int,
-    optimizer_factory: OptimizerFactory | None = None,
-    recompute: bool = False,
-    parts: list[range] | None = None,
-    precision: str = "fp32",
-) -> list[StageWorker]:
-    """One worker per stage of ``schedule``; part k gets ``parts[k]`` (default: uniform)."""
-    parts = parts if parts is not None else uniform_parts(spec.num_layers, schedule.num_parts)
-    if len(parts) != schedule.num_parts:
-        raise UserError(f"{len(parts)} layer ranges given for {schedule.num_parts} parts; give one per part")
-    return [
-        StageWorker(
-            spec, parts[part], batch_size=batch_size, optimizer_factory=optimizer_factory, recompute=recompute,
-            precision=precision,
-        )
-        for part in schedule.placement.stage_part
-    ]
-
-
-def sum_replica_gradients(replicas: list[StageWorker]) -> None:
-    """Set every replica's gradients to the sum over the replicas (what an all-reduce would give)."""
-    if len(replicas) < 2:
-        return
-    grads = [w.gradients() for w in replicas]
-    for tensors in zip(*grads):
-        total = torch.stack(tensors).sum(0)
-        for t in tensors:
-            t.copy_(total)
-
-
-class _Step:
-    """The state of one step's walk: tensors in flight between stages and what has run."""
-
-    def __init__(self, schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Boundary],
-                 targets: Sequence[Boundary]) -> None:
-        self.schedule, self.workers = schedule, workers
-        self.inputs, self.targets = inputs, targets
-        self.outputs: dict[tuple[int, int], Boundary] = {}  # (stage, mb) -> its output, until consumed
-        self.grads: dict[tuple[int, int], Boundary] = {}  # (stage, mb) -> its input gradient
-        self.forwarded: set[tuple[int, int]] = set()
-        self.input_done: set[tuple[int, int]] = set()
-        self.losses: dict[int, float] = {}
-        self.remaining = _weight_grad_counts(schedule)  # part -> B/W still to run
-        self.combined: set[int] = set()
-
-    def ready(self, a: Action) -> bool:
-        placement = self.schedule.placement
-        s, op, j = a
-        if op is Op.F:
-            prev = placement.prev_stage(s)
-            return prev is None or (prev, j) in self.outputs
-        if op is Op.B or op is Op.I:
-            nxt = placement.next_stage(s)
-            return (s, j) in self.forwarded and (nxt is None or (nxt, j) in self.grads)
-        if op is Op.W:
-            return (s, j) in self.input_done
-        if op is Op.U:  # its part's gradients, and those of a tied peer's part (runtime.tied)
-            parts = (placement.stage_part[s], *tie_peer_parts(placement, s, self.workers[s]))
-            return all(self.remaining.get(p, 0) == 0 for p in parts)
-        raise ValueError(f"unknown op in action {a}")
-
-    def run(self, a: Action) -> None:
-        placement = self.schedule.placement
-        s, op, j = a
-        worker = self.workers[s]
-        prev, nxt = placement.prev_stage(s), placement.next_stage(s)
-        if op is Op.F:
-            x = self.inputs[j] if prev is None else self.outputs.pop((prev, j))
-            out = worker.forward(j, x, self.targets[j] if nxt is None else None)
-            if nxt is None:
-                self.losses[j] = cast(torch.Tensor, out).item()
-            else:
-                self.outputs[(s, j)] = out
-            self.forwarded.add((s, j))
-        elif op is Op.B or op is Op.I:
-            grad_output = None if nxt is None else self.grads.pop((nxt, j))
-            backward = worker.backward if op is Op.B else worker.backward_input
-            grad_input = backward(j, grad_output)
-            if prev is not None:
-                assert grad_input is not None
-                self.grads[(s, j)] = grad_input
-            if op is Op.I:
-                self.input_done.add((s, j))
-        elif op is Op.W:
-            worker.backward_weight(j)
-        else:
-            self._update(s)
-        if op is Op.B or op is Op.W:
-            self.remaining[placement.stage_part[s]] -= 1
-
-    def _update(self, stage: int) -> None:
-        placement = self.schedule.placement
-        peer = tie_peer(placement, stage, self.workers[stage])
-        # Combine once per part, before its first U of the step. A tied U also reads its peer's
-        # gradients (runtime.tied): that part's replicas are combined first too, as every rank of
-        # the distributed executor does before its exchange; else a replicated tie sums partial ones.
-        for s in (stage,) if peer is None else (stage, peer):
-            if placement.stage_part[s] not in self.combined:
-                sum_replica_gradients([self.workers[r] for r in placement.replicas(s)])
-                self.combined.add(placement.stage_part[s])
-        self.workers[stage].update()
-
-
-def _weight_grad_counts(schedule: Schedule) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for row in schedule.actions:
-        for s, op, _ in row:
-            if op is Op.B or op is Op.W:
-                part = schedule.placement.stage_part[s]
-                counts[part] = counts.get(part, 0) + 1
-    return counts
-
-
-def run_step(schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Boundary],
-             targets: Sequence[Boundary], state: _Step | None = None) -> float:
-    """Run one step of a synchronous schedule; returns the mini-batch mean loss.
-
-    ``state`` replaces the walk's state (``runtime.stream`` walks an asynchronous stream with its own).
-
-    Raises:
-        RuntimeError: the schedule gets stuck (no rank can run its next action).
-    """
-    state = state if state is not None else _Step(schedule, workers, inputs, targets)
-    ptr = [0] * schedule.num_ranks
-    while any(ptr[r] < len(row) for r, row in enumerate(schedule.actions)):
-        progressed = False
-        for r, row in enumerate(schedule.actions):
-            while ptr[r] < len(row) and state.ready(row[ptr[r]]):
-                state.run(row[ptr[r]])
-                ptr[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: str(row[ptr[r]]) for r, row in enumerate(schedule.actions) if ptr[r] < len(row)}
-            raise RuntimeError(f"schedule {schedule.name} is stuck; next actions per rank: {stuck}")
-    # Summed in microbatch order, as plain training sums them.
-    return sum(state.losses[j] for j in sorted(state.losses))
 
 
 def run_reference(
@@ -209,8 +69,6 @@ def run_reference(
         (2, '0.down.bias')
     """
     if not schedule.is_synchronous:  # a stream: run once, its mini-batches are the steps (runtime.stream)
-        from pipeweave.runtime.stream import run_stream_reference
-
         minibatches = schedule.num_steps * len(schedule.placement.pipelines)
         if steps != minibatches:
             raise UserError(f"the asynchronous {schedule.name} stream covers {minibatches} mini-batches, not steps={steps}; "
@@ -237,13 +95,112 @@ def run_reference(
     return TrainResult(losses, parameters, stage_parameters, peaks)
 
 
-def trained_parameters(
-    workers: Sequence[StageWorker],
-) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """Copies of the workers' parameters: by name (a replicated part's first replica) and per stage."""
-    stage_parameters = [{k: p.detach().clone() for k, p in w.named_parameters().items()} for w in workers]
-    parameters: dict[str, torch.Tensor] = {}
-    for params in stage_parameters:
-        for k, p in params.items():
-            parameters.setdefault(k, p)
-    return parameters, stage_parameters
+
+
+@dataclass
+class StreamResult(TrainResult):
+    """A reference run of a stream: ``TrainResult`` plus what the policy recorded.
+
+    Attributes:
+        versions: per F/B/I/W, ``(version, target)`` as read (``sim.versions.read_versions``'s fields).
+        weight_bytes: per rank, the peak bytes of weights held (every version and extra buffer).
+    """
+
+    versions: dict[Action, Read] = field(default_factory=dict)
+    weight_bytes: list[int] = field(default_factory=list)
+
+
+class _StreamWalk(Walk):
+    """The reference walk of a stream: a rank's U follows its own backwards; the policy brackets each action."""
+
+    def __init__(self, schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Boundary],
+                 targets: Sequence[Boundary], policies: dict[int, RankPolicy]) -> None:
+        super().__init__(schedule, workers, inputs, targets)
+        self.policy_of = {s: policies[r] for r, policy in policies.items() for s in policy.states}
+
+    def ready(self, a: Action) -> bool:
+        # U(s, k) applies the gradients its rank ran since U(s, k-1) (dataflow.consumed_gradients).
+        return True if a.op is Op.U else super().ready(a)
+
+    def run(self, a: Action) -> None:
+        policy = self.policy_of[a.stage]
+        policy.enter(a)
+        if a.op is Op.U:
+            self.workers[a.stage].update()  # no replica sum: AvgPipe's replicas train apart
+        else:
+            super().run(a)
+        policy.exit(a)
+
+
+def run_stream_reference(
+    schedule: Schedule | Sequence[Schedule],
+    spec: ModelSpec,
+    *,
+    batch_size: int,
+    optimizer_factory: OptimizerFactory | None = None,
+    seed: int = 0,
+    recompute: bool = False,
+    data: DataSource | None = None,
+    parts: list[range] | None = None,
+    options: PolicyOptions | None = None,
+    precision: str = "fp32",
+    lr_at: Callable[[int], float] | None = None,
+) -> StreamResult:
+    """Run an asynchronous stream once, every stage in this process, its policy applied.
+
+    Args:
+        schedule: an asynchronous schedule (its ``num_steps`` mini-batches are the run), or the
+            streams of a run that drains between them (``runtime.run.plan.stream_schedules``), run one
+            after the other on the same workers, each policy taking the last one's ``StreamCarry``.
+        spec, batch_size, optimizer_factory, seed, recompute, data, parts, precision: as ``run_reference``.
+        lr_at: the learning rate of each stage's k-th update (``LrSchedule.at``); None keeps the optimizer's.
+        options: the policies' run-time hyperparameters.
+
+    Raises:
+        UserError: a synchronous schedule, tied embeddings, an optimizer prediction cannot follow.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> s = generate("pipedream", num_stages=2, num_microbatches=2, num_steps=3)
+        >>> r = run_stream_reference(s, ModelSpec(kind="mlp", layers=2, hidden=8), batch_size=4)
+        >>> len(r.losses), r.versions[Action(0, Op.B, 2)]
+        (3, (1, 1))
+    """
+    segments = [schedule] if isinstance(schedule, Schedule) else list(schedule)
+    first = segments[0]
+    if first.is_synchronous:
+        raise UserError(f"schedule {first.name} is synchronous; run it with run_reference")
+    check_stream_model(spec)
+    workers = build_workers(first, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
+                            recompute=recompute, parts=parts, precision=precision)
+    source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
+    t = microbatches_per_minibatch(first)
+    carry = StreamCarry()
+    losses: list[float] = []
+    versions: dict[Action, Read] = {}
+    weight_bytes = [0] * first.num_ranks
+    position = StreamPosition()
+    for seg in segments:
+        for w in workers:
+            w.steps_done = position.minibatches
+        tables = ScheduleTables(seg)
+        policies = {
+            r: RankPolicy(seg, {s: workers[s] for s in seg.placement.stages_on(r)}, options, tables, lr_at, carry)
+            for r in range(seg.num_ranks)
+        }
+        total = seg.num_microbatches
+        inputs = StreamData(source, num_microbatches=t, length=total, part=0, first=position.minibatches)
+        targets = StreamData(source, num_microbatches=t, length=total, part=1, first=position.minibatches)
+        state = _StreamWalk(seg, workers, inputs, targets, policies)
+        run_step(seg, workers, [], [], state=state)
+        losses += minibatch_losses(state.losses, t, total // t)
+        for policy in policies.values():
+            versions.update(position.versions(policy.versions))
+        weight_bytes = [max(b, policies[r].peak_weight_bytes) for r, b in enumerate(weight_bytes)]
+        carries = [policy.carry() for policy in policies.values()]
+        carry = StreamCarry(carries[0].updates, carries[0].annealed,
+                            {s: v for c in carries for s, v in c.velocity.items()})
+        position.advance(seg, t)
+    parameters, stage_parameters = trained_parameters(workers)
+    return StreamResult(losses, parameters, stage_parameters, [w.peak_activation_bytes() for w in workers],
+                        versions=versions, weight_bytes=weight_bytes)

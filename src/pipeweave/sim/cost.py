@@ -41,7 +41,7 @@ class CostModel:
     dispatch: float = 0.0
     """Host time a rank spends between two consecutive actions of its own (posting sends and
     receives, bookkeeping): idle in the bubble, as a runtime's is. 0 for the schedule alone;
-    ``pipeweave train`` profiles its own (``runtime.trace.dispatch_time``)."""
+    ``pipeweave train`` profiles its own (``runtime.report.trace.dispatch_time``)."""
     activation: Value = 1.0
     """Activation memory a microbatch holds from its F until its backward (M_a)."""
     mem_w: float = 0.5

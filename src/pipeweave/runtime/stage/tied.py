@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from pipeweave.runtime.stage import StageWorker
+from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Placement
 
 EMBEDDING, HEAD = "token", "out.weight"

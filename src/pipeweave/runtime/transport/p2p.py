@@ -5,7 +5,7 @@ carries an activation forward (``SEND_F`` -> ``RECV_F``), 1 an input gradient
 backward (``SEND_B`` -> ``RECV_B``), 2 a replicated part's whole weight
 gradient to the ranks of its other replicas (Chimera, GEMS, DualPipe; sent
 as soon as the replica's last B/W of the step is done, summed before ``U``),
-3 a tied embedding/head gradient (``runtime.tied``, exchanged at ``U``: that
+3 a tied embedding/head gradient (``runtime.stage.tied``, exchanged at ``U``: that
 module posts it; the transport only keeps its place in the order).
 
 NCCL ignores tags and matches the messages of a pair of ranks in posting
@@ -27,7 +27,7 @@ exactly that).
 
 A tuple of tensors (a custom model's layers may pass several,
 ``models.boundary``) travels as one message, packed into a byte buffer and
-described by its stream's metadata (``runtime.message``); the receiver
+described by its stream's metadata (``runtime.transport.message``); the receiver
 unpacks views of the buffer. An input gradient of a tuple is a tuple too.
 
 Every message is received into a buffer of its own, freed when its consumer
@@ -46,9 +46,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeweave.runtime import shm
-from pipeweave.runtime.launch import wait_timeout
-from pipeweave.runtime.message import META_LEN, Layout, read_meta, tensor_meta
+from pipeweave.runtime.transport import shm
+from pipeweave.runtime.process import wait_timeout
+from pipeweave.runtime.transport.message import META_LEN, Layout, read_meta, tensor_meta
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.schedule.lower import LoweredSchedule
 
@@ -325,7 +325,7 @@ class P2P:
     def before_update(self, stage: int) -> None:
         """At ``U`` of ``stage``: if it is tied across ranks, post every receive its peer sends before the tie.
 
-        ``runtime.tied`` then posts the tied exchange itself, in its place.
+        ``runtime.stage.tied`` then posts the tied exchange itself, in its place.
         """
         other = self.tied.get(stage)
         rank_of = self.lowered.schedule.placement.stage_rank
@@ -368,7 +368,7 @@ class P2P:
 
     def _take(self, key: Key, peer: int) -> _Posted:
         self._post_through(peer, key, block=True)
-        posted = self._posted.pop(key)  # a tied key never reaches here: runtime.tied waits on its own
+        posted = self._posted.pop(key)  # a tied key never reaches here: runtime.stage.tied waits on its own
         posted.work.wait(wait_timeout())
         return posted
 
@@ -379,7 +379,7 @@ class P2P:
         queue = self._queues.get(peer)
         while queue:
             nxt = queue[0]
-            if nxt[1] == _TIED:  # posted by runtime.tied at this rank's U, not here
+            if nxt[1] == _TIED:  # posted by runtime.stage.tied at this rank's U, not here
                 if nxt != key:
                     if block:  # pragma: no cover - a receive needed after the peer's U
                         raise RuntimeError(f"rank {self.rank}: message {key} is queued behind a tied exchange")

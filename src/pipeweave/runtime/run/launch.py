@@ -18,7 +18,6 @@ result. Two ways in:
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import pickle
@@ -35,22 +34,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipeweave.runtime.process import (device_for, die_with_parent, keep_freed_host_memory, set_progress_sink,
+                                       set_wait_timeout, under_torchrun)
+from pipeweave.runtime.transport import shm
+
 RankFn = Callable[[int, int, Any], Any]
 ProgressFn = Callable[[int, Any], None]
 
-# Where ``progress`` goes in this process: the launcher's queue in a spawned
-# rank, the caller's callback on rank 0 under torchrun, nowhere otherwise.
-_progress_sink: Callable[[Any], None] | None = None
-# The process-group timeout of this rank. Gloo applies it to collectives but
-# not to a bare ``Work.wait()`` of a send or receive, so p2p waits pass it.
-_timeout = datetime.timedelta(seconds=60)
-
-
-def wait_timeout() -> datetime.timedelta:
-    """How long a rank waits on a peer's message before failing (the launch's ``timeout_s``)."""
-    return _timeout
-
-_PR_SET_PDEATHSIG = 1
 _GRACE_S = 2.0  # how long terminated ranks get before SIGKILL
 _SETTLE_S = 0.3  # after a first failure, how long to wait for a likelier root cause
 
@@ -74,31 +64,12 @@ class LaunchOptions:
     quiet_errors: bool = False
     """Do not print the cause (the caller reports it)."""
     transport: str = "gloo"
-    """Point-to-point messages of spawned ranks: ``gloo``, ``shm`` (``runtime.shm``; collectives stay on gloo),
+    """Point-to-point messages of spawned ranks: ``gloo``, ``shm`` (``runtime.transport.shm``; collectives stay on gloo),
     or ``auto``: ``shm`` where ``shm.unavailable`` finds nothing against it, else gloo (NCCL on CUDA)."""
     shm_capacity: int | None = None
     """Bytes of each shared-memory ring (default ``shm.DEFAULT_CAPACITY``); see ``shm.capacity_for``."""
     keep_host_memory: bool = True
     """Keep freed host memory for reuse in each rank (``keep_freed_host_memory``)."""
-
-
-def under_torchrun() -> bool:
-    """True when this process was started by torchrun (or any env:// launcher)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
-def device_for(rank: int) -> torch.device:
-    """CPU for gloo; for NCCL the GPU of the local rank."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
-    return torch.device("cuda", local)
-
-
-def progress(value: Any) -> None:
-    """Called by a rank to report progress; reaches ``launch``'s ``on_progress(rank, value)``."""
-    if _progress_sink is not None:
-        _progress_sink(value)
 
 
 def launch(
@@ -130,15 +101,14 @@ def launch(
 def _join_torchrun(
     fn: RankFn, payload: Any, num_ranks: int, options: LaunchOptions, on_progress: ProgressFn | None
 ) -> Any:
-    global _progress_sink, _timeout
     # If torchrun's agent is killed it cannot stop its workers: die with it, so the
     # other nodes' ranks fail on their peer timeout instead of training on forever.
-    _die_with_parent()
-    _timeout = datetime.timedelta(seconds=options.timeout_s)
+    die_with_parent()
+    set_wait_timeout(options.timeout_s)
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     if rank == 0 and on_progress is not None:
-        _progress_sink = lambda value: on_progress(0, value)  # noqa: E731
+        set_progress_sink(lambda value: on_progress(0, value))
     if world != num_ranks:
         raise RankFailure(f"torchrun started {world} processes but the schedule needs {num_ranks} ranks; "
                           f"give --nnodes x --nproc-per-node = {num_ranks}", 2)
@@ -197,8 +167,6 @@ def _spawn(
     results: Any = ctx.SimpleQueue()
     channels = None
     if options.transport in ("shm", "auto"):  # allocated here, before spawning, and handed to every rank
-        from pipeweave.runtime import shm
-
         capacity = options.shm_capacity or shm.DEFAULT_CAPACITY
         if options.transport == "shm" or shm.unavailable(num_ranks, capacity) is None:
             channels = shm.make_channels(ctx, num_ranks, capacity)
@@ -236,7 +204,7 @@ def _context() -> Any:
     """
     ctx = mp.get_context("forkserver")
     # torch.optim imports torch._dynamo on first use: seconds per rank unless preloaded.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipeweave.runtime.job"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipeweave.runtime.run.job"])
     return ctx
 
 
@@ -304,11 +272,10 @@ def _child(
     channels: Any = None,
 ) -> None:
     # Ctrl-C reaches the whole foreground process group; only the launcher acts on it.
-    global _progress_sink, _timeout
-    _timeout = datetime.timedelta(seconds=options.timeout_s)
+    set_wait_timeout(options.timeout_s)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-    _progress_sink = lambda value: results.put(("progress", rank, value))  # noqa: E731
+    die_with_parent()
+    set_progress_sink(lambda value: results.put(("progress", rank, value)))
     try:
         device = _prepare_rank(rank, options)
         store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
@@ -318,8 +285,6 @@ def _child(
             timeout=datetime.timedelta(seconds=options.timeout_s),
         )
         if channels is not None:
-            from pipeweave.runtime import shm
-
             shm.install(rank, channels)
         value = fn(rank, world, payload)
         dist.barrier()  # nothing in flight when the group is destroyed (see _join_torchrun)
@@ -346,42 +311,3 @@ def _is_consequence(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or any(
         s in text for s in ("connection closed", "connection reset", "broken pipe", "timed out", "gloo")
     )
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-_KEEP_BYTES = 1 << 30
-
-
-def keep_freed_host_memory() -> bool:
-    """Make glibc's allocator keep freed memory of this process for reuse; True if it took effect.
-
-    PyTorch's CPU tensors come from ``malloc``. Under glibc's defaults a block
-    of 128 KiB or more (a microbatch's activations, a layer's gradient) is
-    mapped on allocation and unmapped on free, so every microbatch touches
-    fresh pages and pays a page fault per 4 KiB; freed heap memory above
-    128 KiB is returned to the system too. Raising both thresholds to 1 GiB
-    keeps that memory in the process for the next microbatch, as jemalloc or
-    tcmalloc (PyTorch's CPU performance guide recommends them) would. On
-    this repository's 2-core VM: the backward of 4 mlp blocks built from
-    standard ``nn`` modules went from 5.2 to 4.3 ms per microbatch; in
-    pipeweave's own stages (which accumulate into ``.grad`` in place) the
-    first backward of each step, which allocates the gradients, went from 8.6
-    to 5.4 ms on the last stage of a 2-rank 1F1B. The cost: a rank's resident
-    memory stays at its peak. No effect (False) where the C library is not glibc.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(
-            libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
-    except (OSError, AttributeError):  # pragma: no cover - musl or another C library
-        return False
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:  # pragma: no cover - no libc: the launcher still terminates children
-            pass

@@ -1,7 +1,7 @@
 """Optimizer post-validation in the distributed runtime (Qi et al., ICLR 2024, section 4).
 
 With ``TrainConfig.post_validation`` set, each stage's optimizer is replaced by
-a ``ValidatedOptimizer`` (``install_post_validation``, called by ``job.build_workers``).
+a ``ValidatedOptimizer`` (``install_post_validation``, called by ``run.workers.build_workers``).
 At its ``U`` a stage:
 
 1. receives the partial state (sum of squared gradient norms, non-finite
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.errors import UserError
-from pipeweave.runtime import launch as launch_module
-from pipeweave.runtime.stage import StageWorker
+from pipeweave.runtime.process import wait_timeout
+from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Schedule
 from pipeweave.weights.post_validation import SGD, AdamW, GradState, PostValidatedStep
 
@@ -116,7 +116,7 @@ class ValidatedOptimizer:
 
     def _wait_sends(self) -> None:
         for work in self._sends:
-            work.wait(launch_module.wait_timeout())
+            work.wait(wait_timeout())
         self._sends.clear()
 
 
@@ -155,7 +155,7 @@ def _isend(state: GradState, dst: int, tag: int) -> Any:
 
 def _recv(src: int, tag: int) -> GradState:
     buffer = torch.zeros(2, dtype=torch.float64)
-    dist.irecv(buffer, src, tag=tag).wait(launch_module.wait_timeout())
+    dist.irecv(buffer, src, tag=tag).wait(wait_timeout())
     return GradState(float(buffer[0]), bool(buffer[1] != 0))
 
 

@@ -86,7 +86,8 @@ from pipeweave.models.layers import Deferrable, WeightGrad, WeightGradStore
 from pipeweave.models.precision import autocast
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
-from pipeweave.models.spec import ModelSpec, build_layers, loss_fn
+from pipeweave.models.build import build_layers
+from pipeweave.models.spec import ModelSpec, loss_fn
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 

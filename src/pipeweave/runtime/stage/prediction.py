@@ -4,7 +4,7 @@ SpecTrain (Chen et al., arXiv 1809.02839) predicts w - s lr v with v momentum
 SGD's velocity; XPipe (Guan et al., arXiv 1911.04610) w - s lr m_hat /
 (sqrt(v_hat) + eps) with Adam's moments. ``update_direction`` gives lr v or
 lr m_hat / (sqrt(v_hat) + eps) by the optimizer's type, so both schedules run
-with either optimizer (``runtime.policy``).
+with either optimizer (``runtime.stage.policy``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ It is a function of the step alone, so a resumed run continues it exactly
 when given the same ``decay_steps``. Every stage sets it on its own optimizer
 before each step (``set_lr``): no message is needed. An asynchronous stream
 has no global step: a stage's k-th update takes the rate of step k
-(``runtime.policy.RankPolicy``).
+(``runtime.stage.policy.RankPolicy``).
 
 Example:
     >>> schedule = LrSchedule("cosine", lr=1.0, warmup=2, decay_steps=6)
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeweave.errors import UserError
-from pipeweave.runtime.validation_step import ValidatedOptimizer
+from pipeweave.runtime.stage.post_validation import ValidatedOptimizer
 
 KINDS = ("constant", "cosine", "linear")
 MIN_RATIO = 0.1
@@ -64,7 +64,7 @@ class LrSchedule:
 
 
 def set_lr(optimizer: Any, lr: float) -> None:
-    """Give ``optimizer`` (a torch optimizer, or the post-validated step of ``runtime.validation_step``) rate ``lr``."""
+    """Give ``optimizer`` (a torch optimizer, or the post-validated step of ``runtime.stage.post_validation``) rate ``lr``."""
     if isinstance(optimizer, ValidatedOptimizer):
         optimizer.step_state.optimizer.lr = lr
         return

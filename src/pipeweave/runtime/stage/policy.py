@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeweave.errors import UserError
-from pipeweave.runtime.lr_schedule import set_lr
-from pipeweave.runtime.prediction import check_predictable, predict_weights
-from pipeweave.runtime.stage import StageWorker
+from pipeweave.runtime.stage.lr_schedule import set_lr
+from pipeweave.runtime.stage.prediction import check_predictable, predict_weights
+from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Action, Op, Schedule, WeightPolicy
 from pipeweave.sim.versions import applied_to, current_versions, staleness
 from pipeweave.weights.avgpipe import default_alpha, elastic_average

@@ -32,7 +32,7 @@ saving and resuming for N - k give the same losses and parameters.
 An asynchronous run saves where its stream has drained (``runtime.stream``:
 ``--save-every K`` ends a stream every K steps, ``--save`` saves after the
 last), so no microbatch is in flight and no stash or prediction is held;
-what its policy carries to the next stream (``runtime.policy.StreamCarry``)
+what its policy carries to the next stream (``runtime.stage.policy.StreamCarry``)
 is saved too: the updates made (``updates`` in ``meta.json``; a synchronous
 run's equal its steps), PipeMare's annealing count and velocity (per part,
 by parameter name), and AvgPipe's replicas, which train apart (per part, the
@@ -48,36 +48,33 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pipeweave.errors import UserError
-from pipeweave.runtime.validation_step import ValidatedOptimizer
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.stage.policy import StreamCarry
+from pipeweave.runtime.stage.post_validation import ValidatedOptimizer
+from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.schedule.ir import Placement
 from pipeweave.weights.post_validation import SGD
 
-if TYPE_CHECKING:
-    from pipeweave.runtime.config import TrainConfig
-    from pipeweave.runtime.policy import StreamCarry
-    from pipeweave.runtime.stage import StageWorker
-    from pipeweave.schedule.ir import Schedule
 
 FORMAT = "pipeweave-checkpoint/1"
 META = "meta.json"
 _MODEL_FIELDS = ("kind", "entry", "layers", "hidden", "vocab", "heads", "seq_len", "tie_embeddings")  # not the seed
 
 
-def check(config: TrainConfig) -> None:
-    """Refuse, in one line and before anything is spawned, a ``save`` or ``resume`` that cannot work.
+def check(config: TrainConfig, meta: dict[str, Any]) -> None:
+    """Refuse, in one line and before anything is spawned, to resume ``config`` from the checkpoint of ``meta``.
 
     Raises:
-        UserError: a ``resume`` folder without a checkpoint, with missing part
-            files, or of another model or optimizer.
+        UserError: a checkpoint with missing part files, or of another model or optimizer.
     """
-    if config.resume is None:
-        return
-    meta = read_meta(config.resume)
+    assert config.resume is not None
     here = {k: getattr(config.model, k) for k in _MODEL_FIELDS}
     there = {k: meta["model"].get(k) for k in _MODEL_FIELDS}
     if here != there:
@@ -107,33 +104,22 @@ def read_meta(folder: str) -> dict[str, Any]:
     return meta
 
 
-def steps_done(config: TrainConfig) -> int:
-    """Steps trained before this run: the resumed checkpoint's, else 0."""
-    return 0 if config.resume is None else int(read_meta(config.resume)["steps"])
-
-
-def updates_done(config: TrainConfig) -> int:
-    """Updates every stage made before this run: the resumed checkpoint's, else 0."""
-    return 0 if config.resume is None else _updates(read_meta(config.resume))
-
-
-def _updates(meta: dict[str, Any]) -> int:
+def updates(meta: dict[str, Any]) -> int:
     """A checkpoint's updates per stage (``meta.json``; a synchronous run's are its steps)."""
     return int(meta.get("updates", meta["steps"]))
 
 
 # ---- save ------------------------------------------------------------------------
-def save(config: TrainConfig, schedule: Schedule, workers: dict[int, StageWorker], rank: int, steps: int, *,
-         carry: StreamCarry | None = None) -> None:
+def save(config: TrainConfig, parts: Sequence[range], placement: Placement, workers: dict[int, StageWorker],
+         rank: int, steps: int, *, carry: StreamCarry | None = None) -> None:
     """Write the checkpoint of ``steps`` trained steps to ``config.save``; every rank calls it (it synchronises).
 
-    ``carry``: an asynchronous run's policy state after its drained stream (this rank's stages).
+    ``parts``: the layers of each part; ``carry``: an asynchronous run's policy state after its drained
+    stream (this rank's stages).
     """
     assert config.save is not None
     folder = Path(config.save)
     folder.mkdir(parents=True, exist_ok=True)
-    placement = schedule.placement
-    parts = config.layer_ranges(schedule)
     files = [f"part-{p:03d}-step{steps}.pt" for p in range(len(parts))]
     for stage, worker in workers.items():
         replicas = placement.replicas(stage)
@@ -202,19 +188,16 @@ def optimizer_state(worker: StageWorker) -> dict[str, dict[str, Any]]:
 
 
 # ---- resume ----------------------------------------------------------------------
-def load(config: TrainConfig, workers: dict[int, StageWorker]) -> StreamCarry:
-    """Set every local worker's parameters and optimizer state from the checkpoint ``config.resume``.
+def load(resume: str, meta: dict[str, Any], workers: dict[int, StageWorker]) -> StreamCarry:
+    """Set every local worker's parameters and optimizer state from the checkpoint in ``resume`` (``meta``: its
+    ``meta.json``, read once before the run).
 
     Returns what an asynchronous run's next stream takes from it (``StreamCarry``; a synchronous run ignores it):
     the updates made, PipeMare's annealing count and, where saved, each local stage's velocity.
     """
-    from pipeweave.runtime.policy import StreamCarry
-
-    assert config.resume is not None
-    folder = Path(config.resume)
-    meta = read_meta(config.resume)
+    folder = Path(resume)
     files: dict[str, dict[str, Any]] = {}  # read once, whichever local stages need them
-    carry = StreamCarry(_updates(meta), int(meta.get("annealed", 0)))
+    carry = StreamCarry(updates(meta), int(meta.get("annealed", 0)))
     for stage, worker in workers.items():
         replica = worker_replica(worker, stage, workers)
         mine = worker.named_parameters()
@@ -238,7 +221,7 @@ def load(config: TrainConfig, workers: dict[int, StageWorker]) -> StreamCarry:
             states.update({k: v for k, v in saved["optimizer"].items() if k in mine})
         missing = sorted((set(mine) - set(params)) | (set(my_buffers) - set(buffers)))
         if missing:
-            raise UserError(f"--resume {config.resume} has no values for {', '.join(missing[:3])}"
+            raise UserError(f"--resume {resume} has no values for {', '.join(missing[:3])}"
                             f"{' ...' if len(missing) > 3 else ''}; save the checkpoint again")
         with torch.no_grad():
             for name, p in mine.items():

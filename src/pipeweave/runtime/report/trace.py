@@ -1,9 +1,7 @@
-"""Measured timelines: aligned clocks, per-step ``Timeline``s, the simulator's metrics on them.
+"""Measured timelines: per-step ``Timeline``s, the simulator's metrics on them, Chrome traces.
 
-Every rank records each action's start and end (``perf_counter_ns``). Clocks
-are aligned once at start with an NTP-style exchange with rank 0 (the round
-trip with the smallest delay among a few gives the offset to within half of
-it), so several nodes share rank 0's time base. The measured step becomes a
+Every rank records each action's start and end on rank 0's clock
+(``transport.clock.align_clocks``). The measured step becomes a
 ``pipeweave.sim.Timeline`` of the compute actions and goes through the same
 ``bubble_metrics`` as a simulation; per-part F/I/W times profiled from the same
 run feed ``pipeweave.sim.simulate`` for the predicted figures beside them.
@@ -12,60 +10,18 @@ run feed ``pipeweave.sim.simulate`` for the predicted figures beside them.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-import torch.distributed as dist
-
+from pipeweave.runtime.run.plan import segments
+from pipeweave.runtime.run.record import RunRecord
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.sim import CostModel, Event, Timeline, simulate
 from pipeweave.sim.metrics import bubble_metrics
 
-if TYPE_CHECKING:
-    from pipeweave.runtime.job import RunRecord
 
-_ROUNDS = 8
-_CLOCK_TAG = 1 << 30  # far above the executor's message tags
 _COMPUTE = {op.value for op in (Op.F, Op.B, Op.I, Op.W, Op.U)}
-
-
-def align_clocks(rank: int, world: int, rounds: int = _ROUNDS) -> int:
-    """This rank's ``perf_counter_ns`` minus rank 0's, in ns, by ping-pong with rank 0.
-
-    Every rank calls it; rank 0 returns 0. Rank 0 sends its time t1, the peer
-    answers with its arrival time t2, rank 0 notes the answer's arrival t4:
-    offset = t2 - (t1 + t4) / 2, from the round with the smallest t4 - t1.
-    Subtract the offset from local times to put them on rank 0's clock.
-    """
-    if world == 1:
-        return 0
-    buf = torch.zeros(1, dtype=torch.int64)
-    if rank == 0:
-        for peer in range(1, world):
-            best: tuple[int, int] | None = None  # (round trip, offset)
-            for _ in range(rounds):
-                t1 = time.perf_counter_ns()
-                buf[0] = t1
-                dist.send(buf, dst=peer, tag=_CLOCK_TAG)
-                dist.recv(buf, src=peer, tag=_CLOCK_TAG)
-                t4 = time.perf_counter_ns()
-                sample = (t4 - t1, int(buf[0]) - (t1 + t4) // 2)
-                best = sample if best is None or sample < best else best
-            assert best is not None
-            buf[0] = best[1]
-            dist.send(buf, dst=peer, tag=_CLOCK_TAG)
-        dist.barrier()
-        return 0
-    for _ in range(rounds):
-        dist.recv(buf, src=0, tag=_CLOCK_TAG)
-        buf[0] = time.perf_counter_ns()
-        dist.send(buf, dst=0, tag=_CLOCK_TAG)
-    dist.recv(buf, src=0, tag=_CLOCK_TAG)
-    dist.barrier()
-    return int(buf[0])
 
 
 def step_timeline(schedule: Schedule, record: RunRecord, step: int) -> Timeline:
@@ -146,7 +102,7 @@ def dispatch_time(record: RunRecord) -> float:
     # of a run a rank waits for the others to drain: not dispatch).
     if record.config.is_stream:
         stretches = [sorted((a for m in range(first, first + steps) for a in rank.records[m]), key=lambda a: a[3])
-                     for rank in record.ranks for first, steps in record.config.segments()]
+                     for rank in record.ranks for first, steps in segments(record.config)]
     else:
         stretches = [rank.records[k] for rank in record.ranks for k in measured_steps(record.config.steps)]
     gaps: list[float] = []

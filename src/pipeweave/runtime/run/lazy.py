@@ -16,8 +16,9 @@ from typing import Any
 import torch.distributed as dist
 
 from pipeweave.models import gpt, mlp
-from pipeweave.runtime.config import TrainConfig
-from pipeweave.runtime.job import RunRecord, run_rank
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.plan import RunPlan
+from pipeweave.runtime.run.record import RunRecord
 
 _FAMILIES = {"mlp": mlp, "gpt": gpt}
 
@@ -40,10 +41,10 @@ def recording_builds(kind: str) -> Iterator[list[int]]:
         family.build_layer = factory  # type: ignore[assignment]
 
 
-def run_rank_recording_builds(rank: int, world: int, config: TrainConfig) -> tuple[RunRecord, list[list[int]]] | None:
+def run_rank_recording_builds(rank: int, world: int, plan: RunPlan) -> tuple[RunRecord, list[list[int]]] | None:
     """``run_rank``, and on rank 0 also every rank's list of the layer indices it built."""
-    with recording_builds(config.model.kind) as built:
-        record = run_rank(rank, world, config)
+    with recording_builds(plan.config.model.kind) as built:
+        record = run_rank(rank, world, plan)
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(built, gathered, dst=0)
     if rank != 0:

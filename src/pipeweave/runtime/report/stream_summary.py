@@ -5,51 +5,29 @@ actions make one ``Timeline`` (``stream_timeline``), the time per mini-batch
 is the steady state's period (``minibatch_period``), and ``summarize_stream``
 sets the measured bubbles and weight bytes beside the simulator's for the
 run's schedule. Where the run drained its stream to evaluate or save, the
-pauses between streams are taken out of its times first (``close_pauses``).
+pauses between streams were taken out of its times by the run
+(``run.record.close_pauses``).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pipeweave.runtime.report.trace import measured_summary, profile_costs
+from pipeweave.runtime.run.plan import layer_ranges
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.sizes import part_weight_bytes
 from pipeweave.runtime.stream import microbatches_per_minibatch
 from pipeweave.schedule.ir import Action, Op, Schedule
-
-if TYPE_CHECKING:
-    from pipeweave.runtime.job import RunRecord
-
-
-def close_pauses(record: RunRecord) -> float:
-    """Take the pauses between a run's streams (evaluations, checkpoints) out of its measured times.
-
-    Between two streams every rank evaluates or saves, which is not the
-    schedule's time. Each pause -- from the last action of a stream on any
-    rank to the first action of the next on any rank, where positive -- is
-    subtracted from every later time on every rank alike, so the order of
-    all events is kept. Returns the seconds taken out.
-    """
-    removed = 0.0
-    segments = record.config.segments()
-    for (first, steps), (nxt, _) in zip(segments, segments[1:]):
-        end = max((a[4] for r in record.ranks for m in range(first, first + steps) for a in r.records[m]),
-                  default=0.0)
-        start = min((a[3] for r in record.ranks for m in range(nxt, record.config.steps) for a in r.records[m]),
-                    default=end)
-        pause = start - end
-        if pause <= 0:
-            continue
-        removed += pause
-        for r in record.ranks:
-            for m in range(nxt, record.config.steps):
-                r.records[m] = [(s, op, j, t0 - pause, t1 - pause) for s, op, j, t0, t1 in r.records[m]]
-    return removed
+from pipeweave.sim import CostModel, Event, Timeline, simulate
+from pipeweave.sim.metrics import bubble_metrics
+from pipeweave.sim.steady import steady_bubble_ratio
+from pipeweave.sim.versions import weight_copies
 
 
 def stream_timeline(schedule: Schedule, record: RunRecord) -> Any:
     """The whole measured stream as one ``Timeline`` of compute actions (seconds on rank 0's clock)."""
-    from pipeweave.sim import Event, Timeline
-
     rows = []
     for rank in record.ranks:
         events = [Event(Action(s, Op(op), j), t0, t1) for group in rank.records for s, op, j, t0, t1 in group
@@ -82,12 +60,6 @@ def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     ``weight_bytes`` the peak of every weight version and buffer per rank,
     beside ``weight_bytes_simulated`` = ``sim.versions.weight_copies`` x each part's bytes.
     """
-    from pipeweave.runtime.trace import measured_summary, profile_costs
-    from pipeweave.sim import CostModel, simulate
-    from pipeweave.sim.metrics import bubble_metrics
-    from pipeweave.sim.steady import steady_bubble_ratio
-    from pipeweave.sim.versions import weight_copies
-
     cost = profile_costs(schedule, record)
     out = measured_summary(schedule, record, cost)  # per-mini-batch times, throughput, profiled costs, memory
     t = microbatches_per_minibatch(schedule)
@@ -95,7 +67,7 @@ def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     predicted = simulate(schedule, cost, check=False)
     alone = simulate(schedule, replace(cost, dispatch=0.0), check=False)
     m, p = bubble_metrics(measured), bubble_metrics(predicted)
-    part_bytes = record.config.part_weight_bytes(schedule)
+    part_bytes = part_weight_bytes(record.config.model, layer_ranges(record.config, schedule))
     out.update({
         "bubble_ratio": steady_bubble_ratio(measured), "bubble_ratio_stream": m[3], "bubble_ratio_flush": m[4],
         "bubble_overhead": m[5], "makespan_s": m[0],

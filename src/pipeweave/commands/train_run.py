@@ -1,0 +1,258 @@
+"""``pipeweave train``, once parsed (``commands.train``): build the configuration, check it, launch, report.
+
+Imported only when ``pipeweave train`` runs, so that ``pipeweave --help`` and
+the other subcommands start without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from typing import Any
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pipeweave.commands.partition import memory_profile, model_spec, parse_counts, partition_context, partition_method
+from pipeweave.commands.profiled import profiled_costs
+from pipeweave.commands.stream_options import async_options
+from pipeweave.commands.train_report import build_report, output_paths, print_summary, write_outputs
+from pipeweave.errors import UserError
+from pipeweave.partition import LayerCosts, partition
+from pipeweave.runtime.process import under_torchrun
+from pipeweave.runtime.profile import profile_model
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, exit_torchrun_rank, launch
+from pipeweave.runtime.run.plan import RunPlan, build_schedule, layer_ranges, prepare
+from pipeweave.runtime.run.sizes import largest_message_bytes
+from pipeweave.runtime.stage.policy import PolicyOptions
+from pipeweave.runtime.stage.post_validation import PostValidation
+from pipeweave.runtime.transport import shm
+from pipeweave.schedule import SCHEDULES, Schedule
+
+
+# Preferred defaults, first one present in the registry wins (zero bubble is
+# registered by another part of the project; 1F1B always is).
+DEFAULT_SCHEDULES = ("zb-h1", "1f1b")
+# The default gpt: small enough to train 40 steps in a few seconds on 2 cores.
+DEFAULT_GPT = {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64}
+
+
+def build_config(args: argparse.Namespace) -> TrainConfig:
+    """The ``TrainConfig`` of the arguments."""
+    if args.model == "gpt":
+        for name, value in DEFAULT_GPT.items():
+            if getattr(args, name, None) is None:
+                setattr(args, name, value)
+    spec = model_spec(args)
+    optimizer = args.optimizer or ("sgd" if spec.kind == "mlp" else "adamw")
+    lr = args.lr if args.lr is not None else (3e-3 if optimizer == "adamw" else 0.1)
+    schedule = args.schedule or next(n for n in DEFAULT_SCHEDULES if n in SCHEDULES)
+    if args.threads < 1:
+        raise UserError(f"--threads {args.threads} is invalid; give at least 1")
+    options, policy_kwargs = async_options(args, schedule)
+    policy = PolicyOptions(**policy_kwargs)  # its values checked here
+    momentum = args.momentum if args.momentum is not None else (0.9 if schedule in ("spectrain", "xpipe") else 0.0)
+    config = TrainConfig(
+        schedule=schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks,
+        model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
+        recompute=args.recompute, precision=args.precision, seed=args.seed or 0, data=args.data,
+        data_parallel=args.data_parallel,
+        momentum=momentum, schedule_options=tuple(options.items()), policy=policy,
+        post_validation=_post_validation(args), save=args.save, save_every=args.save_every,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
+        lr_warmup=args.lr_warmup, lr_decay_steps=args.lr_decay_steps,
+        resume=args.resume,
+    )
+    return _with_searched_costs(_with_partition(config, args), args)
+
+
+def _check_transport(args: argparse.Namespace, schedule: Any, torchrun: bool, capacity: int | None = None) -> None:
+    """``--transport shm`` needs CPU ranks spawned here on x86-64 with room in /dev/shm (one line otherwise)."""
+    if args.transport != "shm":
+        return
+    if torchrun:
+        raise UserError("--transport shm needs ranks spawned by pipeweave on one host, not torchrun; "
+                        "use --transport gloo")
+    why = shm.unavailable(schedule.num_ranks, capacity or shm.DEFAULT_CAPACITY)
+    if why is not None:
+        raise UserError(f"--transport shm cannot run here: {why}; use --transport gloo")
+
+
+def _ring_capacity(args: argparse.Namespace, plan: RunPlan, torchrun: bool) -> int | None:
+    """Shared-memory rings sized for this run's largest message (``shm.capacity_for``), if rings may be used."""
+    if args.transport == "gloo" or torchrun:
+        return None
+    return shm.capacity_for(largest_message_bytes(plan.config, plan.schedule, plan.parts))
+
+
+def _post_validation(args: argparse.Namespace) -> Any:
+    if args.clip_grad_norm is None:
+        return None
+    return PostValidation(max_norm=args.clip_grad_norm)
+
+
+SEARCHED = ("zb-auto", "zb-v-auto")
+"""Schedules searched for the run's own costs (pipeweave.search)."""
+
+
+def _with_searched_costs(config: TrainConfig, args: argparse.Namespace) -> TrainConfig:
+    """zb-auto/zb-v-auto: plan with this model's per-part F, I, W times, profiled per layer (cached).
+
+    ``--memory-limit K`` is their activation limit (K x the 1F1B peak) unless it is
+    the memory partitioner's byte budget. The numbers travel in the config, so every
+    rank searches the same instance and builds the same schedule.
+    """
+    if config.schedule not in SEARCHED:
+        return config
+    options = dict(config.schedule_options)
+    if args.memory_limit is not None and args.partition != "memory":
+        options["memory_limit"] = args.memory_limit
+    parts = build_schedule(dataclasses.replace(config, data_parallel=1))
+    microbatch = max(1, config.batch_size // (config.num_microbatches * config.data_parallel))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    costs = profile_model(config.model, microbatch, device=device, precision=config.precision)
+    ranges = layer_ranges(config, parts)
+    for key, per_layer in (("time_f", costs.forward), ("time_b", costs.input_grad), ("time_w", costs.weight_grad)):
+        options[key] = tuple(sum(per_layer[i] for i in r) for r in ranges)
+    return dataclasses.replace(config, schedule_options=tuple(options.items()))
+
+
+def _with_partition(config: TrainConfig, args: argparse.Namespace) -> TrainConfig:
+    """``config`` with the layer counts of ``--partition`` (profiled on this machine's device, cached)."""
+    if args.memory_limit is not None and args.partition != "memory" and config.schedule not in SEARCHED:
+        # Otherwise --memory-limit would be ignored: say so instead.
+        raise UserError(f"--memory-limit {args.memory_limit:g} applies to --partition memory (bytes per rank) and to "
+                        f"zb-auto/zb-v-auto (K x the 1F1B peak); add one of them or drop it")
+    base = build_schedule(dataclasses.replace(config, data_parallel=1))  # one replica: the parts
+    microbatch = max(1, config.batch_size // (config.num_microbatches * config.data_parallel))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    counts = layers_per_part(args, config.model, base, microbatch, device)
+    return dataclasses.replace(config, layers_per_part=counts) if counts is not None else config
+
+
+def layers_per_part(
+    args: argparse.Namespace, spec: Any, schedule: Schedule, microbatch_size: int, device: str
+) -> tuple[int, ...] | None:
+    """For ``train``: the layer counts ``--partition`` gives for ``schedule`` (None: uniform).
+
+    Costs come from ``--costs`` or the profiler (cached) on ``device``.
+
+    Raises:
+        UserError: the method's errors, or a PipeDream plan that replicates parts.
+    """
+    method = partition_method(args)
+    if method == "uniform":
+        return None
+    counts = parse_counts(args.layers_per_stage)
+    if counts is not None and sum(counts) != spec.num_layers:  # the layers named: a gpt has more than --layers
+        raise UserError(f"--layers-per-stage {args.layers_per_stage} sums to {sum(counts)} layers but the model has "
+                        f"{spec.layers_described}; make the counts sum to {spec.num_layers}")
+    if method == "explicit" or args.costs:
+        costs = LayerCosts.load(args.costs) if args.costs else LayerCosts.uniform(spec.num_layers)
+    else:
+        costs = profiled_costs(args, spec, microbatch_size, device)
+    if costs.num_layers != spec.num_layers:
+        raise UserError(f"--costs has {costs.num_layers} layers for a model of {spec.num_layers}; profile this model")
+    profile = memory_profile(schedule, args)
+    plan = partition(method, costs, schedule.num_parts, partition_context(args, profile))
+    if plan.num_parts != schedule.num_parts:
+        raise UserError(
+            f"--partition {method} replicates parts {list(plan.replicas)}; train one replica per part "
+            "with --partition time, or replicate whole pipelines with --data-parallel"
+        )
+    return plan.counts
+
+
+def train(args: argparse.Namespace) -> int:
+    """``pipeweave train ARGS``: check, launch, report; the exit code."""
+    code = _train(args)
+    if under_torchrun():
+        exit_torchrun_rank(code)  # does not return
+    return code
+
+
+def _train(args: argparse.Namespace) -> int:
+    config = build_config(args)
+    plan = prepare(config)  # one line before anything is spawned
+    schedule = plan.schedule
+    output_paths(args)  # likewise: a run must not learn at its end that it cannot write its record
+    progress = _Progress(config, schedule.num_ranks, quiet=args.quiet or (under_torchrun() and _rank() != 0))
+    capacity = _ring_capacity(args, plan, under_torchrun())
+    _check_transport(args, schedule, under_torchrun(), capacity)
+    options = LaunchOptions(threads=args.threads, timeout_s=args.timeout, transport=args.transport,
+                            shm_capacity=capacity)
+    try:
+        with progress:
+            record = launch(run_rank, plan, schedule.num_ranks, options, on_progress=progress.update)
+    except RankFailure as failure:
+        return failure.exit_code
+    if record is None:  # a rank other than 0 under torchrun
+        return 0
+    report = build_report(schedule, record)
+    paths = write_outputs(schedule, record, report, args)
+    if not args.quiet:
+        print_summary(report, paths)
+    return 0
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+class _Progress:
+    """A rich progress bar fed by the ranks' per-step reports (loss shares summed over ranks)."""
+
+    def __init__(self, config: TrainConfig, world: int, quiet: bool) -> None:
+        self.config, self.quiet = config, quiet
+        self.world = world
+        self.shares: dict[int, dict[int, float]] = {}
+        self.eval_shares: dict[int, dict[int, float]] = {}
+        self.eval_text = self.loss_text = self.rate_text = ""
+        self.bar: Any = None
+        self.started = time.perf_counter()
+
+    def __enter__(self) -> _Progress:
+        if not self.quiet:
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[status]}"), TimeElapsedColumn(), transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task("train", total=self.config.steps, status="starting ranks...")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, rank: int, value: dict[str, Any]) -> None:
+        if "eval" in value:  # a held-out loss share: shown beside the training loss once every rank's is in
+            shares = self.eval_shares.setdefault(value["eval"], {})
+            shares[rank] = value["loss"]
+            if len(shares) == self._num_reporting() and self._sees_every_share:
+                self.eval_text = f"  held-out {sum(shares.values()):.4f}"
+                if self.bar is not None:
+                    self.bar.update(self.task, status=f"{self.loss_text}{self.eval_text}{self.rate_text}")
+            return
+        step = value["step"]
+        self.shares.setdefault(step, {})[rank] = value["loss"]
+        if self.bar is None or len(self.shares[step]) < self._num_reporting():
+            return
+        if step == 0 or self.config.is_stream:  # a stream reports its mini-batches at its end: no rate
+            self.started = time.perf_counter()
+            rate = ""
+        else:
+            rate = f"  {self.config.batch_size * step / (time.perf_counter() - self.started):.1f} samples/s"
+        loss = f"loss {sum(self.shares[step].values()):.4f}" if self._sees_every_share else ""
+        self.loss_text, self.rate_text = loss, rate
+        self.bar.update(self.task, completed=step + 1, status=f"{loss}{self.eval_text}{rate}")
+
+    @property
+    def _sees_every_share(self) -> bool:
+        """Whether the losses shown are whole: under torchrun rank 0 sees only its own share (the rate alone shows)."""
+        return not (self._num_reporting() == 1 and self.world > 1)
+
+    def _num_reporting(self) -> int:
+        return 1 if under_torchrun() else self.world

@@ -1,0 +1,21 @@
+"""The torch runtime: executes any schedule of ``pipeweave.schedule`` on torch.distributed, and in one process.
+
+The only package of pipeweave that imports ``torch.distributed``. It is built
+in layers, each importing only from layers below it (a test keeps it so):
+
+1. ``process`` -- what a process knows of itself as a rank: its device, its
+   wait timeout, where its progress reports go.
+2. ``transport/`` -- point-to-point messages between ranks and their order
+   (gloo, NCCL or shared-memory rings), their metadata, aligned clocks.
+3. ``stage/`` -- what one stage does with tensors: F, I, W, B and U of a
+   slice of layers, recomputation, tied weights, the weight policy of an
+   asynchronous schedule (pure tensor code in ``pipeweave.weights``),
+   post-validated optimizer steps, learning-rate schedules.
+4. executors -- ``executor`` (one rank interprets its lowered actions),
+   ``walk`` and ``reference`` (every stage in one process: the tests' oracle),
+   ``plain`` (single-process training, the exactness baseline), ``profile``
+   (per-layer costs), ``stream`` (what an asynchronous stream is at run time).
+5. ``run/`` -- a training run: its configuration, the plan resolved from it,
+   checkpoints, records, what each rank does, the launcher.
+6. ``report/`` -- summaries and traces of finished runs, measured beside simulated.
+"""

@@ -1,0 +1,10 @@
+"""A training run (layer 5 of ``pipeweave.runtime``): configured, planned, launched, recorded.
+
+``config.TrainConfig`` describes a run (values only); ``plan.prepare`` checks
+it and resolves what every rank needs into a ``RunPlan``; ``launch.launch``
+starts the ranks (spawned locally or under torchrun), each running
+``job.run_rank`` (synchronous schedules) or ``stream_job.run_stream_rank``
+(asynchronous streams), evaluating and saving at ``milestones``
+(``checkpoint``); ``record`` gathers what they measured. It imports the
+executors and the layers below them, never ``runtime.report``.
+"""

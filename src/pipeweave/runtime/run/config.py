@@ -1,0 +1,168 @@
+"""A training run's configuration: a plain, picklable description, its values checked.
+
+``TrainConfig`` is what ``pipeweave train`` builds from its options (or a user
+writes). It holds values only: ``check`` (run on construction) refuses a value
+that is invalid on its own -- a wrong type, a count below 1 -- in one line
+naming the option and the fix. What follows from the values together (the
+schedule, the parts, the streams, the checkpoint to resume) is resolved once
+per run by ``runtime.run.plan.prepare``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pipeweave.errors import UserError
+from pipeweave.models.precision import check as precision_check
+from pipeweave.models.spec import ModelSpec
+from pipeweave.runtime.stage.policy import PolicyOptions
+from pipeweave.runtime.stage.post_validation import PostValidation
+from pipeweave.schedule import SCHEDULES
+
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a rank needs to take part in a run (picklable)."""
+
+    schedule: str = "1f1b"
+    """Registry name of the schedule."""
+    num_stages: int = 2
+    """D: pipeline ranks."""
+    num_microbatches: int = 4
+    """T: microbatches per step."""
+    num_chunks: int | None = None
+    """v: chunks per rank, for schedules that take it."""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    """The model."""
+    batch_size: int = 8
+    """Samples per step (split into T microbatches, the last ones may be smaller)."""
+    steps: int = 10
+    """Optimizer steps."""
+    lr: float = 0.1
+    """Learning rate."""
+    optimizer: str = "sgd"
+    """``sgd`` or ``adamw``."""
+    recompute: bool = False
+    """Activation recomputation on every stage."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16``: every forward under bfloat16 autocast (``models.precision``)."""
+    seed: int = 0
+    """Data seed (the model's seed is ``model.seed``)."""
+    data: str | None = None
+    """gpt only: a text file instead of the built-in corpus."""
+    collect_parameters: bool = False
+    """Send every stage's final parameters to rank 0 (tests)."""
+    layers_per_part: tuple[int, ...] | None = None
+    """Layer count of each part (``pipeweave.partition``); None: uniform."""
+    data_parallel: int = 1
+    """P: pipeline replicas (``schedule.data_parallel``); the batch is the global batch, T per replica."""
+    memory_every_step: bool = False
+    """Count activation bytes (saved-tensor hooks) in every step, not only the first.
+
+    Every step holds the same tensors (same microbatch sizes, same schedule), so
+    the first step's peak is every step's; the hooks cost a few % of compute time.
+    """
+    momentum: float = 0.0
+    """SGD momentum (SpecTrain predicts along its velocity)."""
+    schedule_options: tuple[tuple[str, Any], ...] = ()
+    """Options of the schedule's generator, e.g. ``(("warmup_steps", 2),)`` (asynchronous schedules)."""
+    policy: PolicyOptions = field(default_factory=PolicyOptions)
+    """Run-time hyperparameters of the asynchronous weight policies (``runtime.stage.policy``)."""
+    post_validation: PostValidation | None = None
+    """Clip and skip without a barrier: optimistic step, exact rollback (``runtime.stage.post_validation``)."""
+    save: str | None = None
+    """Write a checkpoint to this folder after the last step (``runtime.run.checkpoint``)."""
+    save_every: int | None = None
+    """With ``save``: also every this many steps (each replaces the previous)."""
+    lr_schedule: str = "constant"
+    """``constant``, ``cosine`` or ``linear`` decay after ``lr_warmup`` warm-up steps (``runtime.stage.lr_schedule``)."""
+    lr_warmup: int = 0
+    """Steps of linear warm-up to ``lr``."""
+    lr_decay_steps: int | None = None
+    """The step where the decay ends; None: the last step of this run (give it when resuming)."""
+    eval_every: int | None = None
+    """Evaluate every this many steps and after the last: the mean loss of ``eval_batches`` held-out batches."""
+    eval_batches: int = 4
+    """Held-out batches per evaluation (``ByteCorpus.eval_batch``), the same ones every time."""
+    resume: str | None = None
+    """Start from the checkpoint in this folder: its parameters, optimizer state and step (``runtime.run.checkpoint``)."""
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Refuse a value that is invalid on its own, in one line naming the option and the fix.
+
+        Raises:
+            UserError: a value of the wrong type or out of range.
+
+        Example:
+            >>> TrainConfig(batch_size="16")
+            Traceback (most recent call last):
+            ...
+            pipeweave.errors.UserError: batch_size='16' is a str; give an integer >= 1
+        """
+        _check_types(self)
+        precision_check(self.precision)
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"--optimizer {self.optimizer!r} is unknown; choose one of: {', '.join(OPTIMIZERS)}")
+        for name in ("steps", "batch_size", "data_parallel", "eval_batches"):
+            value = getattr(self, name)
+            if value < 1:
+                raise UserError(f"--{_FLAGS.get(name, name)} {value} is invalid; give an integer >= 1")
+        if not self.lr > 0:
+            raise UserError(f"--lr {self.lr} is invalid; give a learning rate > 0")
+        if self.save_every is not None and (self.save_every < 1 or self.save is None):
+            raise UserError(f"--save-every {self.save_every} is invalid; give an integer >= 1 together with --save DIR")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise UserError(f"--eval-every {self.eval_every} is invalid; give an integer >= 1")
+        if not 0.0 <= self.momentum < 1.0:
+            raise UserError(f"--momentum {self.momentum} is invalid; give 0 <= momentum < 1")
+
+    @property
+    def is_stream(self) -> bool:
+        """An asynchronous schedule: one stream of ``steps`` mini-batches (``runtime.stream``)."""
+        info = SCHEDULES.get(self.schedule)
+        return info is not None and not info.synchronous
+
+    @property
+    def lr_scheduled(self) -> bool:
+        """Whether the learning rate moves (a warm-up or a decay): each update then sets its own."""
+        return self.lr_schedule != "constant" or self.lr_warmup > 0
+
+
+# The option of a field where its name differs (messages name what the user typed).
+_FLAGS = {"batch_size": "batch", "num_stages": "stages", "num_microbatches": "microbatches",
+          "num_chunks": "chunks", "data_parallel": "data-parallel", "eval_batches": "eval-batches"}
+_INTS = ("num_stages", "num_microbatches", "batch_size", "steps", "seed", "data_parallel", "lr_warmup",
+         "eval_batches")
+_OPTIONAL_INTS = ("num_chunks", "save_every", "lr_decay_steps", "eval_every")
+_FLOATS = ("lr", "momentum")
+_STRS = ("schedule", "optimizer", "precision", "lr_schedule")
+_OPTIONAL_STRS = ("data", "save", "resume")
+_BOOLS = ("recompute", "collect_parameters", "memory_every_step")
+
+
+def _check_types(config: TrainConfig) -> None:
+    """Each value of ``config`` has its field's type (a bool is not an integer here)."""
+    for name in (f.name for f in fields(config)):
+        value = getattr(config, name)
+        if name in _OPTIONAL_INTS + _OPTIONAL_STRS and value is None:
+            continue
+        if name in _INTS + _OPTIONAL_INTS:
+            ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer >= 1"
+        elif name in _FLOATS:
+            ok, want = isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"
+        elif name in _STRS + _OPTIONAL_STRS:
+            ok, want = isinstance(value, str), "a string"
+        elif name in _BOOLS:
+            ok, want = isinstance(value, bool), "True or False"
+        else:
+            continue
+        if not ok:
+            raise UserError(f"{name}={value!r} is a {type(value).__name__}; give {want}")

@@ -1,0 +1,74 @@
+"""A distributed training run: what every rank does in it.
+
+``run_rank(rank, world, plan)`` is the function each rank runs (``launch``
+starts it): build its stage workers, align clocks, train ``steps`` steps
+through the ``Executor`` -- evaluating and saving where due
+(``Milestones``) -- and gather everything measured to rank 0, which returns
+it as a ``RunRecord``. An asynchronous schedule runs as streams instead
+(``stream_job.run_stream_rank``). The ``RunPlan`` comes from
+``plan.prepare(config)``, run once before anything is spawned.
+
+Example::
+
+    plan = prepare(TrainConfig(schedule="zb-h1", num_stages=2, steps=30))
+    record = launch(run_rank, plan, plan.schedule.num_ranks)
+"""
+
+from __future__ import annotations
+
+import time
+
+from pipeweave.data import data_source
+from pipeweave.runtime.executor import Executor
+from pipeweave.runtime.process import device_for, progress
+from pipeweave.runtime.run import checkpoint
+from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
+from pipeweave.runtime.run.plan import RunPlan, learning_rates
+from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
+from pipeweave.runtime.run.stream_job import run_stream_rank
+from pipeweave.runtime.run.workers import build_workers
+from pipeweave.runtime.stage.lr_schedule import set_lr
+from pipeweave.runtime.transport.clock import align_clocks
+from pipeweave.schedule import lower
+
+
+def run_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
+    """Train on this rank; rank 0 returns the gathered ``RunRecord``, the others None."""
+    config = plan.config
+    if config.is_stream:
+        return run_stream_rank(rank, world, plan)
+    started = time.perf_counter()
+    device = device_for(rank)
+    workers = build_workers(plan, rank, device)
+    done = plan.steps_done  # the data goes on from the batch after the checkpoint's last
+    if config.resume is not None:
+        assert plan.resume_meta is not None
+        checkpoint.load(config.resume, plan.resume_meta, workers)
+    for w in workers.values():
+        w.steps_done = done
+    executor = Executor(lower(plan.schedule), rank, workers, plan.microbatch_sizes, device)
+    source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
+    offset = align_clocks(rank, world)
+    t = plan.schedule.num_microbatches
+    mine = RankRecord(rank, [], [], 0, 0, {})
+    milestones = Milestones(plan, plan.schedule, rank, workers, device, source)
+    rates = learning_rates(config, done) if config.lr_scheduled else None
+    for step in range(config.steps):
+        if rates is not None:
+            for w in workers.values():
+                set_lr(w.optimizer, rates.at(done + step))
+        loss, timings = executor.run_step(*rank_microbatches(source, done + step, t, device, workers))
+        mine.losses.append(loss)
+        mine.step_cpu_s.append(executor.step_cpu_ns * 1e-9)
+        mine.action_cpu_s.append([c * 1e-9 for c in executor.action_cpu_ns])
+        if step == 0 and not config.memory_every_step:
+            for w in workers.values():
+                w.track_memory = False
+        mine.records.append(seconds_since(timings, offset))
+        progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
+        milestones.reached(step + 1)
+    mine.peak_activation_bytes = executor.peak_activation_bytes
+    mine.weight_bytes = sum(w.weight_bytes() for w in workers.values())
+    mine.parameters = final_parameters(config, workers)
+    mine.eval_losses = milestones.eval_losses
+    return gather_run(config, mine, rank, world, started, done)

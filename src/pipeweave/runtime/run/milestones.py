@@ -1,0 +1,78 @@
+"""Where a step (or a drained stream) of a run ends: evaluate and save, when due; and the data a rank loads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipeweave.data import split_microbatches
+from pipeweave.models import boundary
+from pipeweave.runtime.executor import Executor
+from pipeweave.runtime.process import progress
+from pipeweave.runtime.run import checkpoint
+from pipeweave.runtime.run.plan import RunPlan
+from pipeweave.runtime.stage.policy import StreamCarry
+from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.schedule import Schedule, lower
+from pipeweave.schedule.evaluation import forward_only
+
+
+class Milestones:
+    """What a rank does where a step (or a drained stream) of the run ends: evaluate and save, when due.
+
+    ``--eval-every N`` evaluates after every N-th step of the run and after the
+    last, through the forward-only pipeline of ``schedule`` (built at the first
+    evaluation); ``--save``/``--save-every N`` write the checkpoint likewise.
+
+    Attributes:
+        eval_losses: per evaluation, ``(steps trained, this rank's share of the held-out loss)``.
+    """
+
+    def __init__(self, plan: RunPlan, schedule: Schedule, rank: int, workers: dict[int, StageWorker],
+                 device: torch.device, source: Any) -> None:
+        self.plan, self.schedule, self.rank, self.workers = plan, schedule, rank, workers
+        self.device, self.source = device, source
+        self.eval_losses: list[tuple[int, float]] = []
+        self._evaluator: Executor | None = None
+
+    def reached(self, end: int, carry: StreamCarry | None = None) -> None:
+        """``end`` steps of this run are done and nothing is in flight; ``carry``: a stream's policy state."""
+        config, done = self.plan.config, self.plan.steps_done
+        last = end == config.steps
+        if config.eval_every is not None and (last or end % config.eval_every == 0):
+            loss = self._evaluate()
+            self.eval_losses.append((done + end, loss))
+            progress({"eval": len(self.eval_losses) - 1, "loss": loss})
+        if config.save is not None and (last or end % (config.save_every or config.steps) == 0):
+            checkpoint.save(config, self.plan.parts, self.schedule.placement, self.workers, self.rank, done + end,
+                            carry=carry)
+
+    def _evaluate(self) -> float:
+        """This rank's share of the mean loss over the held-out batches, through the forward-only schedule."""
+        if self._evaluator is None:
+            evaluation = forward_only(self.schedule)
+            self._evaluator = Executor(lower(evaluation), self.rank, self.workers,
+                                       self.plan.microbatch_sizes[: evaluation.num_microbatches], self.device,
+                                       evaluate=True)
+        evaluator, batches = self._evaluator, self.plan.config.eval_batches
+        t = evaluator.lowered.schedule.num_microbatches
+        total = sum(evaluator.run_step(*rank_microbatches(self.source, k, t, self.device, self.workers,
+                                                          held_out=True))[0]
+                    for k in range(batches))
+        return total / batches
+
+
+def rank_microbatches(source: Any, k: int, t: int, device: torch.device, workers: dict[int, StageWorker], *,
+                      held_out: bool = False) -> tuple[list[boundary.Boundary], list[boundary.Boundary]]:
+    """Batch ``k``'s inputs and targets (held-out batch ``k``), each split into ``t`` microbatches on ``device``.
+
+    Only a rank with a first or a last stage draws the batch (the inputs go to
+    the first stage, the targets to the last, as DeepSpeed's pipeline engine
+    loads them); a rank with neither gets empty lists and loads nothing.
+    """
+    if not any(w.is_first or w.is_last for w in workers.values()):
+        return [], []
+    inputs, targets = source.eval_batch(k) if held_out else source.batch(k)
+    return ([boundary.to(m, device) for m in split_microbatches(inputs, t)],
+            [boundary.to(m, device) for m in split_microbatches(targets, t)])

@@ -1,0 +1,237 @@
+"""What a run is made of, resolved once from its configuration: schedule, streams, parts, rates, resume point.
+
+``prepare(config)`` checks everything that can be checked without spawning --
+the schedule builds and validates, the model has a layer for every part, the
+batch makes its microbatches, a custom model runs, the checkpoint to resume
+fits, the data and evaluation options hold -- so an invalid run is one line
+naming the value and the fix, not a failure on every rank. It returns a
+``RunPlan``: what every rank of the run needs, computed once (the resumed
+checkpoint's metadata is read here, once). Ranks receive the plan.
+
+An asynchronous run is a sequence of streams (``segments``): a stream has no
+step boundary to evaluate or save at, so the run drains it after every
+``eval_every``-th and ``save_every``-th step and starts the next
+(``runtime.stream``); the run's schedule is its streams concatenated
+(``schedule.stream.concatenate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeweave.data import data_source
+from pipeweave.errors import UserError
+from pipeweave.models.spec import uniform_parts
+from pipeweave.partition.methods import PartitionContext, explicit
+from pipeweave.partition.problem import LayerCosts, Partition
+from pipeweave.runtime.run import checkpoint
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.sizes import microbatch_sizes, probe_model
+from pipeweave.runtime.stage.lr_schedule import LrSchedule
+from pipeweave.runtime.stage.post_validation import check_post_validation
+from pipeweave.runtime.stage.worker import OptimizerFactory
+from pipeweave.runtime.stream import check_stream_model, pipelines_per_round, stream_steps, stream_updates
+from pipeweave.schedule import Schedule, generate, validate
+from pipeweave.schedule.data_parallel import data_parallel
+from pipeweave.schedule.stream import concatenate
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A checked run: its configuration and what follows from it, the same on every rank (picklable)."""
+
+    config: TrainConfig
+    schedule: Schedule
+    """The run's schedule: one step of a synchronous one, every stream of an asynchronous one concatenated."""
+    streams: tuple[Schedule, ...]
+    """An asynchronous run's streams, one per ``segments`` entry (empty for a synchronous run)."""
+    parts: tuple[range, ...]
+    """The layers of each part."""
+    steps_done: int = 0
+    """Steps (mini-batches) trained before this run: the resumed checkpoint's, else 0."""
+    updates_done: int = 0
+    """Updates each stage made before this run (a synchronous run's equal its steps)."""
+    resume_meta: dict[str, Any] | None = None
+    """The resumed checkpoint's ``meta.json`` (``runtime.run.checkpoint``), read once."""
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """``segments(config)``: the run's streams as ``(first step of this run, steps)``."""
+        return segments(self.config)
+
+    @property
+    def microbatch_sizes(self) -> list[int]:
+        return microbatch_sizes(self.config)
+
+
+def prepare(config: TrainConfig) -> RunPlan:
+    """Check the run ``config`` describes and resolve what its ranks need.
+
+    Raises:
+        UserError: one line naming the value and the fix.
+    """
+    meta = checkpoint.read_meta(config.resume) if config.resume is not None else None
+    steps_done = 0 if meta is None else int(meta["steps"])
+    updates_done = 0 if meta is None else checkpoint.updates(meta)
+    streams = stream_schedules(config, steps_done) if config.is_stream else []
+    schedule = concatenate(streams) if streams else build_schedule(config)
+    _check_schedule(config, schedule)
+    parts = layer_ranges(config, schedule)
+    if config.model.kind == "custom":
+        probe_model(config.model, config.seed)
+    if config.post_validation is not None:
+        check_post_validation(schedule)
+    if meta is not None:
+        checkpoint.check(config, meta)
+    source = None
+    if config.data is not None or (config.model.kind == "gpt" and config.model.vocab < 256):
+        # the file is read on the first and last ranks; a bad one is one line here, not a failing rank
+        source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
+    if config.is_stream:
+        stream_rates(config, schedule, updates_done)
+    else:
+        learning_rates(config, steps_done)
+    if config.eval_every is not None:
+        _check_evaluation(config, source)
+    return RunPlan(config, schedule, tuple(streams), tuple(parts), steps_done, updates_done, meta)
+
+
+def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
+    """The schedule is valid, and the model and the batch are large enough for it."""
+    if not schedule.is_synchronous and config.data_parallel != 1:
+        raise UserError(f"{config.schedule} is asynchronous; --data-parallel applies to synchronous schedules, "
+                        "drop it")
+    if not schedule.is_synchronous:
+        check_stream_model(config.model)
+    validate(schedule)
+    model = config.model
+    if model.num_layers < schedule.num_parts:
+        raise UserError(
+            f"{schedule.num_parts} parts ({config.schedule}, D={config.num_stages}) need at least "
+            f"{schedule.num_parts} layers, the model has {model.layers_described}; reduce --stages or "
+            + ("give the model more layers" if model.kind == "custom" else "increase --layers")
+        )
+    per_batch = config.num_microbatches * config.data_parallel if config.is_stream else schedule.num_microbatches
+    if config.batch_size < per_batch:
+        raise UserError(f"--batch {config.batch_size} cannot make {per_batch} microbatches; "
+                        "increase --batch or reduce --microbatches")
+
+
+def _check_evaluation(config: TrainConfig, source: Any) -> None:
+    """``--eval-every`` has held-out data to evaluate on (``source``: ``--data``'s corpus, if given)."""
+    if config.model.kind == "mlp":
+        raise UserError("--eval-every applies to --model gpt or a custom model (the mlp fits fixed random "
+                        "targets: there is nothing held out to generalise to); drop it or change --model")
+    if config.model.kind == "custom" and config.model.custom.eval_dataset is None:
+        raise UserError(f"--eval-every needs held-out data and {config.model.entry} has no eval_dataset; give "
+                        "LayerModel(eval_dataset=...) or drop --eval-every")
+    if config.data is not None and not source.held_out:
+        raise UserError(f"--data {config.data} is too short to hold out a window of seq_len+1="
+                        f"{config.model.seq_len + 1} bytes for evaluation; give a longer file or drop --eval-every")
+
+
+def build_schedule(config: TrainConfig, steps_done: int = 0) -> Schedule:
+    """The schedule of the run (raises ScheduleError, a UserError, if it cannot be built).
+
+    An asynchronous run: its streams (``stream_schedules``) as one schedule, ``steps_done`` mini-batches
+    trained before it (PipeMare's warm-up counts them).
+    """
+    if config.is_stream:
+        return concatenate(stream_schedules(config, steps_done))
+    base = generate(config.schedule, num_stages=config.num_stages, num_microbatches=config.num_microbatches,
+                    num_chunks=config.num_chunks, **dict(config.schedule_options))
+    return data_parallel(base, config.data_parallel) if config.data_parallel != 1 else base
+
+
+def segments(config: TrainConfig) -> list[tuple[int, int]]:
+    """An asynchronous run's streams, as ``(first step of this run, steps)``.
+
+    The run drains its stream after every ``eval_every``-th and
+    ``save_every``-th step (of this run, as synchronous runs count them);
+    without them the run is one stream. A drain is a flush: the segments'
+    staleness starts over (``runtime.stream``).
+
+    Example:
+        >>> segments(TrainConfig(schedule="pipedream", steps=7, eval_every=3))
+        [(0, 3), (3, 3), (6, 1)]
+    """
+    cuts = {config.steps}
+    for flag, every in (("--eval-every", config.eval_every), ("--save-every", config.save_every)):
+        if every is not None and every < config.steps:
+            check_segment_steps(config, flag, every)
+            cuts.update(range(every, config.steps, every))
+    bounds = [0, *sorted(cuts)]
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+def stream_schedules(config: TrainConfig, steps_done: int = 0) -> list[Schedule]:
+    """An asynchronous run's streams, one per ``segments`` entry, each generated for its steps."""
+    return [generate(config.schedule, num_stages=config.num_stages, num_microbatches=config.num_microbatches,
+                     num_chunks=config.num_chunks, **segment_options(config, steps_done + first, steps))
+            for first, steps in segments(config)]
+
+
+def check_segment_steps(config: TrainConfig, flag: str, every: int) -> None:
+    """Refuse a drain inside an AvgPipe round: every stream is whole rounds of P mini-batches."""
+    p = pipelines_per_round(config.schedule, dict(config.schedule_options))
+    if every % p:
+        raise UserError(f"{flag} {every} is not a multiple of avgpipe's P={p} pipelines (each stream between two "
+                        f"drains is whole rounds); give {flag} {every - every % p + p}")
+
+
+def segment_options(config: TrainConfig, first: int, steps: int) -> dict[str, Any]:
+    """The generator options of the stream of the training's mini-batches ``first`` to ``first + steps - 1``.
+
+    PipeMare's ``warmup_steps`` are the training's first mini-batches: a
+    stream gets those of them it holds, so a run shorter than the warm-up is
+    all warm-up and a later stream (after a drain, or resumed) gets what is left.
+
+    Example:
+        >>> c = TrainConfig(schedule="pipemare", schedule_options=(("warmup_steps", 3),))
+        >>> segment_options(c, 2, 4), segment_options(c, 0, 2)["warmup_steps"]
+        ({'warmup_steps': 1, 'num_steps': 4}, 2)
+    """
+    options = dict(config.schedule_options)
+    warmup = options.get("warmup_steps")
+    if isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= 0:
+        options["warmup_steps"] = min(max(0, warmup - first), steps)
+    options["num_steps"] = stream_steps(config.schedule, steps, options)
+    return options
+
+
+def layer_ranges(config: TrainConfig, schedule: Schedule) -> list[range]:
+    """The layers of each part of ``schedule``: ``config.layers_per_part``, checked, or uniform."""
+    if config.layers_per_part is None:
+        return uniform_parts(config.model.num_layers, schedule.num_parts)
+    counts = Partition(config.layers_per_part)
+    explicit(LayerCosts.uniform(config.model.num_layers), schedule.num_parts, PartitionContext(counts=counts.counts))
+    return [range(a, b) for a, b in counts.bounds]
+
+
+def learning_rates(config: TrainConfig, first_step: int = 0, updates: int | None = None) -> LrSchedule:
+    """The learning rate of every step of the training (``stage.lr_schedule``), ``first_step`` steps done.
+
+    An asynchronous stream counts its stages' ``updates`` (``stream_updates``) instead of steps:
+    each stage's k-th update takes the rate of step k.
+    """
+    end = updates if updates is not None else first_step + config.steps
+    decay = config.lr_decay_steps if config.lr_decay_steps is not None else end
+    return LrSchedule(config.lr_schedule, config.lr, config.lr_warmup, decay)
+
+
+def stream_rates(config: TrainConfig, schedule: Schedule, first_update: int = 0) -> LrSchedule:
+    """The learning rates of a stream's updates: a stage's k-th update of the training takes step k's,
+    the decay ending by default at this run's last update (``first_update`` made before this run)."""
+    return learning_rates(config, updates=first_update + stream_updates(schedule))
+
+
+def optimizer_factory(config: TrainConfig) -> OptimizerFactory:
+    """Builds each stage's optimizer: ``config.optimizer`` at ``config.lr`` (SGD with ``config.momentum``)."""
+    lr = config.lr
+    if config.optimizer == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=lr)
+    momentum = config.momentum
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)

@@ -1,0 +1,134 @@
+"""What a run measured: every rank's record, gathered on rank 0 as the run's.
+
+Each rank fills a ``RankRecord`` (its losses, the start and end of every
+action on rank 0's clock, its memory, its CPU time); ``gather_run`` collects
+them on rank 0 into the ``RunRecord`` that ``launch`` returns and that
+``runtime.report`` turns into summaries, traces and plots.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeweave.runtime.run import plan
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.transport import shm
+from pipeweave.schedule.ir import Action
+
+
+@dataclass
+class RankRecord:
+    """What one rank measured; rank 0 receives every rank's."""
+
+    rank: int
+    losses: list[float]
+    """Per step, this rank's share of the loss (sums of scaled microbatch losses)."""
+    records: list[list[tuple[int, str, int, float, float]]]
+    """Per step, ``(stage, op, microbatch, start s, end s)`` on rank 0's clock."""
+    peak_activation_bytes: int
+    weight_bytes: int
+    """Bytes of this rank's weights; streams: the peak of every version and extra buffer held."""
+    parameters: dict[int, dict[str, torch.Tensor]]
+    """Per stage on this rank, its final parameters (when collected)."""
+    step_cpu_s: list[float] = field(default_factory=list)
+    """Per step, CPU seconds of this rank's process (every thread, gloo's included)."""
+    action_cpu_s: list[list[float]] = field(default_factory=list)
+    """Per step, thread CPU seconds of each recorded action (parallel to ``records``)."""
+    versions: dict[Any, tuple[int, int]] = field(default_factory=dict)
+    """Streams: per F/B/I/W action, the ``(version, target)`` it read (``runtime.stage.policy``)."""
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    """Per evaluation, ``(steps trained, this rank's share of the held-out loss)`` (``TrainConfig.eval_every``)."""
+
+
+@dataclass
+class RunRecord:
+    """Everything a run measured, as gathered on rank 0."""
+
+    config: TrainConfig
+    ranks: list[RankRecord]
+    wall_s: float
+    transport: str = ""
+    """What carried the point-to-point messages: ``shm``, ``gloo`` or ``nccl`` (``used_transport``)."""
+    first_step: int = 0
+    """Steps trained before this run (``TrainConfig.resume``): ``losses[k]`` is step ``first_step + k``."""
+    first_update: int = 0
+    """Updates each stage made before this run (``RunPlan.updates_done``)."""
+    paused_s: float = 0.0
+    """Streams: seconds between them (evaluations, checkpoints) taken out of ``records`` (``close_pauses``)."""
+
+    @property
+    def losses(self) -> list[float]:
+        """Per step, the mini-batch mean loss (every rank's share summed)."""
+        return [sum(r.losses[k] for r in self.ranks) for k in range(self.config.steps)]
+
+    @property
+    def eval_losses(self) -> list[tuple[int, float]]:
+        """Per evaluation, ``(steps trained, mean held-out loss)`` (every rank's share summed)."""
+        evals = self.ranks[0].eval_losses
+        return [(at, sum(r.eval_losses[k][1] for r in self.ranks)) for k, (at, _) in enumerate(evals)]
+
+
+def used_transport() -> str:
+    """This rank's point-to-point transport: ``shm`` (``runtime.transport.shm``) or the process group's backend."""
+    return "shm" if shm.active() is not None else str(dist.get_backend())
+
+
+def seconds_since(timings: Sequence[tuple[Action, int, int]], offset: int) -> list[tuple[int, str, int, float, float]]:
+    """Executor timings (perf_counter ns) as ``RankRecord.records`` rows, seconds since ``offset`` (rank 0's clock)."""
+    return [(a.stage, a.op.value, a.microbatch, (t0 - offset) * 1e-9, (t1 - offset) * 1e-9) for a, t0, t1 in timings]
+
+
+def final_parameters(config: TrainConfig, workers: dict[int, StageWorker]) -> dict[int, dict[str, torch.Tensor]]:
+    """Per local stage, copies of its parameters when the config asks to collect them (else empty)."""
+    if not config.collect_parameters:
+        return {}
+    return {s: {k: p.detach().cpu().clone() for k, p in w.named_parameters().items()} for s, w in workers.items()}
+
+
+def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, started: float,
+               first_step: int = 0, first_update: int | None = None) -> RunRecord | None:
+    """Gather every rank's record on rank 0: the ``RunRecord`` there, None elsewhere.
+
+    ``first_step``/``first_update``: what the resumed checkpoint had done, read
+    when the run started (a run saving to the folder it resumed from rewrites it).
+    """
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if rank != 0:
+        return None
+    assert gathered is not None
+    return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started,
+                     used_transport(), first_step, first_step if first_update is None else first_update)
+
+
+def close_pauses(record: RunRecord) -> float:
+    """Take the pauses between a run's streams (evaluations, checkpoints) out of its measured times.
+
+    Between two streams every rank evaluates or saves, which is not the
+    schedule's time. Each pause -- from the last action of a stream on any
+    rank to the first action of the next on any rank, where positive -- is
+    subtracted from every later time on every rank alike, so the order of
+    all events is kept. Returns the seconds taken out.
+    """
+    removed = 0.0
+    segments = plan.segments(record.config)
+    for (first, steps), (nxt, _) in zip(segments, segments[1:]):
+        end = max((a[4] for r in record.ranks for m in range(first, first + steps) for a in r.records[m]),
+                  default=0.0)
+        start = min((a[3] for r in record.ranks for m in range(nxt, record.config.steps) for a in r.records[m]),
+                    default=end)
+        pause = start - end
+        if pause <= 0:
+            continue
+        removed += pause
+        for r in record.ranks:
+            for m in range(nxt, record.config.steps):
+                r.records[m] = [(s, op, j, t0 - pause, t1 - pause) for s, op, j, t0, t1 in r.records[m]]
+    return removed

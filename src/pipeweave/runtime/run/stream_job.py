@@ -1,0 +1,103 @@
+"""An asynchronous run on one rank: its streams through the ``Executor``, one after the other (``runtime.stream``).
+
+Between two streams (``plan.segments``) nothing is in flight: the run
+evaluates and saves there, and the next stream's policy takes the last one's
+``StreamCarry``. Records are numbered as the run's schedule (the streams
+concatenated) numbers its actions.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pipeweave.data import data_source
+from pipeweave.runtime.executor import Executor, Record
+from pipeweave.runtime.process import device_for, progress
+from pipeweave.runtime.run import checkpoint
+from pipeweave.runtime.run.milestones import Milestones
+from pipeweave.runtime.run.plan import RunPlan, stream_rates
+from pipeweave.runtime.run.record import (RankRecord, RunRecord, close_pauses, final_parameters, gather_run,
+                                          seconds_since)
+from pipeweave.runtime.run.workers import build_workers
+from pipeweave.runtime.stage.policy import RankPolicy, Read, StreamCarry
+from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.stream import (StreamData, StreamPosition, check_stream_model, minibatch_losses,
+                                      split_by_minibatch)
+from pipeweave.runtime.transport.clock import align_clocks
+from pipeweave.schedule import Schedule, lower
+from pipeweave.schedule.ir import Action
+
+
+@dataclass
+class _Streamed:
+    """What a rank's streams measured so far, numbered as the run's schedule."""
+
+    losses: list[float] = field(default_factory=list)
+    timings: list[Record] = field(default_factory=list)
+    versions: dict[Action, Read] = field(default_factory=dict)
+    peak_activations: int = 0
+    peak_weights: int = 0
+    position: StreamPosition = field(default_factory=StreamPosition)
+
+
+def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
+    """``job.run_rank`` for an asynchronous schedule: its streams through the ``Executor``, one after the other."""
+    started = time.perf_counter()
+    config = plan.config
+    check_stream_model(config.model)
+    device = device_for(rank)
+    workers = build_workers(plan, rank, device, plan.streams[0])
+    carry = StreamCarry()
+    if config.resume is not None:
+        assert plan.resume_meta is not None
+        carry = checkpoint.load(config.resume, plan.resume_meta, workers)
+    rates = stream_rates(config, plan.schedule, plan.updates_done).at if config.lr_scheduled else None
+    source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
+    offset = align_clocks(rank, world)
+    milestones = Milestones(plan, plan.streams[0], rank, workers, device, source)  # any stream: same placement
+    done = _Streamed()
+    for (first, steps), stream in zip(plan.segments, plan.streams):
+        policy = RankPolicy(stream, workers, config.policy, lr_at=rates, carry=carry)
+        _run_stream(plan, stream, (first, steps), rank, workers, device, source, policy, done)
+        carry = policy.carry()
+        end = first + steps
+        groups = split_by_minibatch(done.timings, config.num_microbatches, end)
+        for m in range(first, end):
+            times = seconds_since(groups[m], offset)
+            progress({"step": m, "loss": done.losses[m], "time": times[-1][4] if times else 0.0})
+        milestones.reached(end, carry)
+    records = [seconds_since(g, offset) for g in split_by_minibatch(done.timings, config.num_microbatches,
+                                                                    config.steps)]
+    mine = RankRecord(rank, done.losses, records, done.peak_activations, done.peak_weights,
+                      final_parameters(config, workers), eval_losses=milestones.eval_losses)
+    mine.versions = done.versions
+    run = gather_run(config, mine, rank, world, started, plan.steps_done, plan.updates_done)
+    if run is not None:
+        run.paused_s = close_pauses(run)
+    return run
+
+
+def _run_stream(plan: RunPlan, stream: Schedule, segment: tuple[int, int], rank: int,
+                workers: dict[int, StageWorker], device: torch.device, source: Any, policy: RankPolicy,
+                done: _Streamed) -> None:
+    """Run one stream of the run (``segment``: its first mini-batch of this run, and how many) into ``done``."""
+    (first, steps), t = segment, plan.config.num_microbatches
+    for w in workers.values():
+        w.steps_done = plan.steps_done + first  # dropout keys: (steps before the stream, microbatch in it)
+    # AvgPipe's replicas train apart (averaged by the policy): no gradient sums between them.
+    executor = Executor(lower(stream), rank, workers, plan.microbatch_sizes[: stream.num_microbatches], device,
+                        policy=policy, combine_replicas=False)
+    data, targets = (StreamData(source, num_microbatches=t, length=stream.num_microbatches, part=part,
+                                device=device, first=plan.steps_done + first) for part in (0, 1))
+    _, ran = executor.run_step(data, targets)
+    mine = {j: float(x) for j, x in executor.losses_by_microbatch.items()}
+    done.losses += minibatch_losses(mine, t, steps)
+    done.timings += [(done.position.shift(a), t0, t1) for a, t0, t1 in ran]
+    done.versions.update(done.position.versions(policy.versions))
+    done.peak_activations = max(done.peak_activations, executor.peak_activation_bytes)
+    done.peak_weights = max(done.peak_weights, policy.peak_weight_bytes)
+    done.position.advance(stream, t)

@@ -1,0 +1,11 @@
+"""What one stage does with tensors (layer 3 of ``pipeweave.runtime``).
+
+``worker.StageWorker`` runs F, B, I, W and U of a consecutive slice of layers
+(recomputation, activation accounting, deferred weight gradients);
+``tied`` sums the gradients of weights shared between stages; ``policy``
+binds an asynchronous schedule's weight policy (which version each action
+reads; the tensor code is ``pipeweave.weights``); ``post_validation``
+replaces the optimizer step by an optimistic one with exact rollback;
+``lr_schedule`` sets learning rates. It knows nothing of executors or runs and
+imports only ``runtime.process`` and ``runtime.transport`` of the runtime.
+"""

@@ -1,0 +1,8 @@
+"""Point-to-point messages between the ranks of a run, and their order (layer 2 of ``pipeweave.runtime``).
+
+``p2p.P2P`` posts each rank's sends and receives in one per-pair order derived
+from the lowered schedule (as NCCL needs), over gloo/NCCL or the shared-memory
+rings of ``shm``; ``message`` describes what a message holds (dtypes, shapes,
+packed tuples) in its one-time metadata; ``clock`` aligns the ranks' clocks on
+rank 0's. It imports only ``runtime.process`` of the runtime.
+"""
