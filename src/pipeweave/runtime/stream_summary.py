@@ -19,6 +19,8 @@ from pipeweave.schedule.ir import Action, Op, Schedule
 if TYPE_CHECKING:
     from pipeweave.runtime.job import RunRecord
 
+_COMPUTE = {op.value for op in Op if op.is_compute}  # records hold op strings
+
 
 def close_pauses(record: RunRecord) -> float:
     """Take the pauses between a run's streams (evaluations, checkpoints) out of its measured times.
@@ -53,7 +55,7 @@ def stream_timeline(schedule: Schedule, record: RunRecord) -> Any:
     rows = []
     for rank in record.ranks:
         events = [Event(Action(s, Op(op), j), t0, t1) for group in rank.records for s, op, j, t0, t1 in group
-                  if op in ("F", "B", "I", "W", "U")]
+                  if op in _COMPUTE]
         rows.append(tuple(sorted(events, key=lambda e: e.start)))
     return Timeline(schedule, tuple(rows))
 
