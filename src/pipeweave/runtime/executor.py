@@ -53,7 +53,7 @@ class ReplicaGradients:
         # Per local replicated stage, how many B/W of a step complete its gradient.
         self.grad_actions = {s: 0 for s in self.replicated}
         for a in lowered.schedule.actions[rank]:
-            if a.stage in self.replicated and a.op in (Op.B, Op.W):
+            if a.stage in self.replicated and a.op.computes_weight_grad:
                 self.grad_actions[a.stage] += 1
         self._left: dict[int, int] = {}
         self._combined: set[int] = set()  # parts combined this step
@@ -73,7 +73,7 @@ class ReplicaGradients:
 
     def after(self, a: Action) -> None:
         """Call after every compute action: sends a replica's gradient once it is complete."""
-        if a.stage in self._left and a.op in (Op.B, Op.W):
+        if a.stage in self._left and a.op.computes_weight_grad:
             self._left[a.stage] -= 1
             if self._left[a.stage] == 0:
                 self._send(a.stage)
@@ -229,7 +229,7 @@ class Executor:
         if handler is None:
             raise ValueError(f"Unknown op {a.op!r} in action {a} on rank {self.rank}")
         worker = self.workers.get(a.stage)
-        if worker is None or a.op in (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B):
+        if worker is None or a.op.is_comm:
             handler(a)
             return
         track = worker.track_memory  # off after the first step unless asked (StageWorker.track_memory)

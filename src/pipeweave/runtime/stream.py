@@ -158,7 +158,7 @@ def split_by_minibatch(records: list[tuple[Action, int, int]], t: int, num_minib
     backward = 0  # mini-batch of the rank's last backward
     for rec in records:
         a = rec[0]
-        if a.op in (Op.B, Op.W):
+        if a.op.computes_weight_grad:
             backward = a.microbatch // t
         groups[backward if a.op is Op.U else a.microbatch // t].append(rec)
     return groups

@@ -78,7 +78,7 @@ class Walk:
         if op is Op.F:
             prev = placement.prev_stage(s)
             return prev is None or (prev, j) in self.outputs
-        if op is Op.B or op is Op.I:
+        if op.computes_input_grad:
             nxt = placement.next_stage(s)
             return (s, j) in self.forwarded and (nxt is None or (nxt, j) in self.grads)
         if op is Op.W:
@@ -101,7 +101,7 @@ class Walk:
             else:
                 self.outputs[(s, j)] = out
             self.forwarded.add((s, j))
-        elif op is Op.B or op is Op.I:
+        elif op.computes_input_grad:
             grad_output = None if nxt is None else self.grads.pop((nxt, j))
             backward = worker.backward if op is Op.B else worker.backward_input
             grad_input = backward(j, grad_output)
@@ -114,7 +114,7 @@ class Walk:
             worker.backward_weight(j)
         else:
             self._update(s)
-        if op is Op.B or op is Op.W:
+        if op.computes_weight_grad:
             self.remaining[placement.stage_part[s]] -= 1
 
     def _update(self, stage: int) -> None:
@@ -134,7 +134,7 @@ def _weight_grad_counts(schedule: Schedule) -> dict[int, int]:
     counts: dict[int, int] = {}
     for row in schedule.actions:
         for s, op, _ in row:
-            if op is Op.B or op is Op.W:
+            if op.computes_weight_grad:
                 part = schedule.placement.stage_part[s]
                 counts[part] = counts.get(part, 0) + 1
     return counts

@@ -32,6 +32,8 @@ _FWD, _GRAD, _IGRAD, _PART = 0, 1, 2, 3  # activation, input grad, I done, part'
 
 Duration = Callable[[Action], float]
 Latency = Callable[[int, int], float]  # (from stage, to stage) -> time
+_INPUT_GRAD = frozenset(op for op in Op if op.computes_input_grad)  # sets, not a property per action
+_WEIGHT_GRAD = frozenset(op for op in Op if op.computes_weight_grad)
 
 
 @dataclass
@@ -63,7 +65,7 @@ def _expected_weight_grads(schedule: Schedule) -> dict[int, int]:
     part_of = schedule.placement.stage_part
     for row in schedule.actions:
         for s, op, _ in row:
-            if op is Op.B or op is Op.W:
+            if op in _WEIGHT_GRAD:
                 part = part_of[s]
                 count[part] = count.get(part, 0) + 1
     return count
@@ -148,7 +150,8 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
     part_ready: dict[int, float] = {}
     waiters: dict[int, list[int]] = {}
     queue = deque(range(n))
-    F, B, I, W, U = Op.F, Op.B, Op.I, Op.W, Op.U
+    F, I, W, U = Op.F, Op.I, Op.W, Op.U
+    input_grad, weight_grad = _INPUT_GRAD, _WEIGHT_GRAD
     while queue:
         r = queue.popleft()
         row, starts, ends = rows[r], starts_of[r], ends_of[r]
@@ -169,7 +172,7 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
                         if latency is not None and rank_of[p] != r:
                             t_dep += latency(p, s)
                         t0 = t_dep if t_dep > t0 else t0
-            elif op is B or op is I:
+            elif op in input_grad:
                 t_dep = fwd.get(base + s)
                 q = nxt[s]
                 if t_dep is None:
@@ -208,13 +211,13 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
             if op is F:
                 made = (base + s) * 4 + _FWD
                 fwd[base + s] = t
-            elif op is B or op is I:
+            elif op in input_grad:
                 made = (base + s) * 4 + _GRAD
                 grad[base + s] = t
                 if op is I:
                     igrad[base + s] = t
                     _wake(waiters, blocked, queue, (base + s) * 4 + _IGRAD)
-            if (op is B or op is W) and remaining:
+            if remaining and op in weight_grad:
                 part = part_of[s]
                 remaining[part] -= 1
                 if t > part_ready.get(part, 0.0):
@@ -259,7 +262,7 @@ def consumed_gradients(schedule: Schedule) -> dict[Action, tuple[Action, ...]]:
         part_of = schedule.placement.stage_part
         by_part: dict[int, list[Action]] = {}  # grouped first: one pass, not one per U
         for _, _, a in schedule.iter_actions():
-            if a.op is Op.B or a.op is Op.W:
+            if a.op in _WEIGHT_GRAD:
                 by_part.setdefault(part_of[a.stage], []).append(a)
         for _, _, a in schedule.iter_actions():
             if a.op is Op.U:
@@ -268,7 +271,7 @@ def consumed_gradients(schedule: Schedule) -> dict[Action, tuple[Action, ...]]:
     for row in schedule.actions:
         pending: dict[int, list[Action]] = {}
         for a in row:
-            if a.op in (Op.B, Op.W):
+            if a.op in _WEIGHT_GRAD:
                 pending.setdefault(a.stage, []).append(a)
             elif a.op is Op.U:
                 out[a] = tuple(pending.pop(a.stage, []))

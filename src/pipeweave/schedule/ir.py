@@ -26,7 +26,21 @@ class ScheduleError(UserError):
 
 
 class Op(str, enum.Enum):
-    """What an action does. Compute ops first, then the lowered communication."""
+    """What an action does. Compute ops first, then the lowered communication.
+
+    The predicates name the sets of ops the code tests:
+
+        >>> [op.value for op in Op if op.is_compute]
+        ['F', 'B', 'I', 'W', 'U']
+        >>> [op.value for op in Op if op.is_send], [op.value for op in Op if op.is_recv]
+        (['SEND_F', 'SEND_B'], ['RECV_F', 'RECV_B'])
+        >>> [op.value for op in Op if op.is_backward]
+        ['B', 'I', 'W']
+        >>> [op.value for op in Op if op.computes_input_grad]
+        ['B', 'I']
+        >>> [op.value for op in Op if op.computes_weight_grad]
+        ['B', 'W']
+    """
 
     F = "F"  # forward
     B = "B"  # full backward (input and weight gradients)
@@ -41,9 +55,40 @@ class Op(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def is_compute(self) -> bool:
+        """F, B, I, W or U: work on a stage's part, not communication."""
+        return not self.is_comm
 
-COMPUTE_OPS = (Op.F, Op.B, Op.I, Op.W, Op.U)
-COMM_OPS = (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
+    @property
+    def is_comm(self) -> bool:
+        """A send or a receive, inserted by lowering."""
+        return self.is_send or self.is_recv
+
+    @property
+    def is_send(self) -> bool:
+        """SEND_F or SEND_B."""
+        return self is Op.SEND_F or self is Op.SEND_B
+
+    @property
+    def is_recv(self) -> bool:
+        """RECV_F or RECV_B."""
+        return self is Op.RECV_F or self is Op.RECV_B
+
+    @property
+    def is_backward(self) -> bool:
+        """B, I or W: part of a microbatch's backward pass."""
+        return self is Op.B or self is Op.I or self is Op.W
+
+    @property
+    def computes_input_grad(self) -> bool:
+        """B or I: consumes the output gradient and produces the input gradient."""
+        return self is Op.B or self is Op.I
+
+    @property
+    def computes_weight_grad(self) -> bool:
+        """B or W: produces a weight gradient (what a U applies)."""
+        return self is Op.B or self is Op.W
 
 
 class Action(NamedTuple):

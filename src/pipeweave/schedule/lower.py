@@ -66,7 +66,7 @@ def lower(schedule: Schedule) -> LoweredSchedule:
                 out.append(a)
                 if crosses(s, placement.next_stage(s)):
                     out.append(Action(s, Op.SEND_F, j))
-            elif op is Op.B or op is Op.I:
+            elif op.computes_input_grad:
                 if crosses(s, placement.next_stage(s)):
                     out.append(Action(s, Op.RECV_B, j))
                 out.append(a)

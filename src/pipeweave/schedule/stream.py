@@ -144,7 +144,7 @@ def add_updates(rows: Sequence[Sequence[Action]], boundary: Boundary) -> list[li
         new: list[Action] = []
         for a in row:
             new.append(a)
-            if a.op in (Op.B, Op.W) and boundary(a.stage, a.microbatch):
+            if a.op.computes_weight_grad and boundary(a.stage, a.microbatch):
                 k = count.get(a.stage, 0)
                 new.append(Action(a.stage, Op.U, k))
                 count[a.stage] = k + 1

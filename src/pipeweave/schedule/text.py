@@ -172,11 +172,11 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
         raise ScheduleError(f"stages {missing} have no actions; number stages 0..S-1 without gaps")
     stages = tuple(range(num_stages))
     placement = Placement(tuple(stage_rank[s] for s in stages), stages, (stages,))
-    compute = [a for row in rows for a in row if a.op in (Op.F, Op.B, Op.I, Op.W)]
+    compute = [a for row in rows for a in row if a.op.is_compute and a.op is not Op.U]
     t = num_microbatches if num_microbatches is not None else 1 + max(a.microbatch for a in compute)
     if not any(a.op is Op.U for row in rows for a in row):
         append_updates(rows, placement)
-    rows = [[a for a in row if a.op not in (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)] for row in rows]
+    rows = [[a for a in row if not a.op.is_comm] for row in rows]
     return Schedule(name, placement, t, tuple(tuple(r) for r in rows), policy=WeightPolicy.SYNC)
 
 

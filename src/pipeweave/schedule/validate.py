@@ -103,7 +103,7 @@ def check_actions(schedule: Schedule) -> None:
         )
     seen: dict[Action, tuple[int, int]] = {}
     for rank, step, a in schedule.iter_actions():
-        if a.op not in (Op.F, Op.B, Op.I, Op.W, Op.U):
+        if not a.op.is_compute:
             raise InvalidSchedule(f"{a} is a communication action; give compute actions only", schedule, rank, step)
         if not 0 <= a.stage < placement.num_stages:
             raise InvalidSchedule(f"{a} names stage {a.stage}, but there are {placement.num_stages}", schedule, rank, step)
@@ -225,7 +225,7 @@ def check_stream_updates(schedule: Schedule) -> None:
         updates: dict[int, int] = {}
         pending: dict[int, int] = {}
         for step, a in enumerate(row):
-            if a.op in (Op.B, Op.W):
+            if a.op.computes_weight_grad:
                 pending[a.stage] = pending.get(a.stage, 0) + 1
             elif a.op is Op.U:
                 k = updates.get(a.stage, 0)
@@ -249,9 +249,9 @@ def check_lowering(schedule: Schedule) -> None:
     recvs: dict[tuple[int, int], list[Action]] = {}
     for rank, row in enumerate(lowered.actions):
         for a in row:
-            if a.op in (Op.SEND_F, Op.SEND_B):
+            if a.op.is_send:
                 sends.setdefault((rank, lowered.peer(a)), []).append(a)
-            elif a.op in (Op.RECV_F, Op.RECV_B):
+            elif a.op.is_recv:
                 recvs.setdefault((lowered.peer(a), rank), []).append(a)
     for pair in set(sends) | set(recvs):
         s_keys = [(a.op is Op.SEND_F, a.microbatch) for a in sends.get(pair, [])]

@@ -13,6 +13,7 @@ import math
 import highspy
 import numpy as np
 
+from pipeweave.schedule.ir import Op
 from pipeweave.search.exact_model import Model, Solved, order_from_starts
 
 
@@ -71,7 +72,7 @@ def solve_milp(model: Model, warm: list[int], time_limit: float, workers: int) -
         rows.add({k: 1.0, i: -1.0, col: -big}, model.duration[i] - big, math.inf)
         rows.add({i: 1.0, k: -1.0, col: big}, model.duration[k], math.inf)
     for i, a in enumerate(model.actions):
-        if a.op.value == "W" and a.microbatch == model.problem.num_microbatches - 1:
+        if a.op is Op.W and a.microbatch == model.problem.num_microbatches - 1:
             rows.add({span_col: 1.0, i: -1.0}, model.duration[i] - model.start[model.rank_of[i]], math.inf)
     for r, members in enumerate(model.rank_actions):
         _memory_rows(model, rows, r, members, anc, pair_col)

@@ -24,7 +24,7 @@ from pipeweave.sim.timeline import Timeline
 from pipeweave.sim.steady import steady_bubble_ratio
 from pipeweave.sim.versions import inconsistency, staleness, weight_copies
 
-_COMPUTE = (Op.F, Op.B, Op.I, Op.W, Op.U)
+_COMPUTE = frozenset(op for op in Op if op.is_compute)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pipeweave.schedule.ir import Op
 from pipeweave.sim.timeline import Timeline
 
-_COMPUTE = (Op.F, Op.B, Op.I, Op.W, Op.U)
+_COMPUTE = frozenset(op for op in Op if op.is_compute)
 
 
 def steady_windows(timeline: Timeline) -> list[tuple[float, float]]:

@@ -104,7 +104,7 @@ def format_timeline(timeline: Timeline, *, width: int = 100, max_ranks: int = 32
 
 def _legend(timeline: Timeline, scale: float, chunked: bool) -> str:
     ops = {e.action.op for row in timeline.events for e in row}
-    parts = [f"{op.value} {_NAMES[op]}" for op in (Op.F, Op.B, Op.I, Op.W) if op in ops]
+    parts = [f"{op.value} {_NAMES[op]}" for op in _NAMES if op in ops]
     if chunked:
         parts.append("lower case: a later chunk or direction")
     unit = 1 / scale

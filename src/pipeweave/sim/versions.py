@@ -27,7 +27,7 @@ from pipeweave.schedule.ir import Action, Op, Schedule, ScheduleError, WeightPol
 from pipeweave.sim.cost import PartCosts
 
 _STORED = (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER, WeightPolicy.VERTICAL_SYNC)
-_BACKWARD = (Op.B, Op.I, Op.W)
+_BACKWARD = tuple(op for op in Op if op.is_backward)  # B, I, W: the order _backward_of tries
 
 
 class VersionRead(NamedTuple):
@@ -160,7 +160,7 @@ def _read_versions(schedule: Schedule, bellwether: bool | None) -> dict[Action, 
 
 def _backward_of(schedule: Schedule, now: dict[Action, int], stage: int, j: int, op: Op) -> Action:
     """The bellwether's action of the same backward kind (B, or I/W as split)."""
-    for kind in (op, Op.B, Op.I, Op.W):
+    for kind in (op, *_BACKWARD):
         if Action(stage, kind, j) in now:
             return Action(stage, kind, j)
     raise ScheduleError(f"stage {stage} has no backward for microbatch {j}")  # pragma: no cover

@@ -25,13 +25,15 @@ from pipeweave.sim.metrics import bubble_metrics
 from pipeweave.sim.steady import steady_bubble_ratio
 from pipeweave.sim.versions import weight_copies
 
+_COMPUTE = {op.value for op in Op if op.is_compute}  # records hold op strings
+
 
 def stream_timeline(schedule: Schedule, record: RunRecord) -> Any:
     """The whole measured stream as one ``Timeline`` of compute actions (seconds on rank 0's clock)."""
     rows = []
     for rank in record.ranks:
         events = [Event(Action(s, Op(op), j), t0, t1) for group in rank.records for s, op, j, t0, t1 in group
-                  if op in ("F", "B", "I", "W", "U")]
+                  if op in _COMPUTE]
         rows.append(tuple(sorted(events, key=lambda e: e.start)))
     return Timeline(schedule, tuple(rows))
 

@@ -21,7 +21,8 @@ from pipeweave.sim import CostModel, Event, Timeline, simulate
 from pipeweave.sim.metrics import bubble_metrics
 
 
-_COMPUTE = {op.value for op in (Op.F, Op.B, Op.I, Op.W, Op.U)}
+_COMPUTE = {op.value for op in Op if op.is_compute}  # records hold op strings
+_RECV = {op.value for op in Op if op.is_recv}
 
 
 def step_timeline(schedule: Schedule, record: RunRecord, step: int) -> Timeline:
@@ -114,7 +115,7 @@ def dispatch_time(record: RunRecord) -> float:
                 if last_end is not None:
                     gaps.append(max(0.0, t0 - last_end - waited))
                 last_end, waited = t1, 0.0
-            elif op in ("RECV_F", "RECV_B"):
+            elif op in _RECV:
                 waited += t1 - t0
     return statistics.fmean(gaps) if gaps else 0.0
 

@@ -57,7 +57,6 @@ from pipeweave.weights.stash import WeightStash
 from pipeweave.weights.wpipe import weights_for_part
 
 Read = tuple[int, int]  # (stored version, version it stands for): sim.versions.VersionRead's fields
-_BACKWARD = (Op.B, Op.I, Op.W)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +115,7 @@ class ScheduleTables:
         self.last_of_pass: dict[tuple[int, bool, int], Action] = {}  # XPipe: (stage, is F, k) -> last action
         for row in schedule.actions:
             for a in row:
-                if a.op in _BACKWARD:
+                if a.op.is_backward:
                     self.last[(a.stage, a.microbatch)] = a
                 if a.op is not Op.U:
                     k = self.target.get((a.stage, a.microbatch), self.now[a])
@@ -242,7 +241,7 @@ class _Corrected(_Stage):
                 for p, v in zip(self.params, self.correction.velocity):
                     p.add_(v, alpha=self.applied)
             self.applied = 0
-        if a.op is Op.B or a.op is Op.W:  # the microbatch's last backward
+        if a.op.computes_weight_grad:  # the microbatch's last backward
             self.forward_version.pop(a.microbatch, None)
 
     def set_base_lr(self, lr: float) -> None:

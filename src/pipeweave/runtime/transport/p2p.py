@@ -99,7 +99,7 @@ def replica_points(lowered: LoweredSchedule, rank: int) -> dict[int, int]:
         if len(placement.replicas(s)) > 1 and s in updated:
             points[s] = -1
     for i, a in enumerate(lowered.actions[rank]):
-        if a.stage in points and a.op in (Op.B, Op.W):
+        if a.stage in points and a.op.computes_weight_grad:
             points[a.stage] = i
     return points
 
@@ -143,7 +143,7 @@ def rank_sends(
     for i, a in enumerate(lowered.actions[rank]):
         if a.op is Op.U and tied and a.stage in tied and rank_of[tied[a.stage]] != rank:
             out.append((rank_of[tied[a.stage]], (a.stage, _TIED, 0)))
-        if a.op in (Op.SEND_F, Op.SEND_B):
+        if a.op.is_send:
             key = message_key(lowered, a)
             peer = lowered.peer(a)
             if with_meta and key[:2] not in announced:
@@ -210,7 +210,7 @@ class P2P:
         self._next_compute = self._compute_positions()
         # Per position, (peer, key) of every receive up to the lookahead-th compute action after it.
         self._ahead = [
-            [(lowered.peer(a), message_key(lowered, a)) for a in self.row[i:stop] if a.op in (Op.RECV_F, Op.RECV_B)]
+            [(lowered.peer(a), message_key(lowered, a)) for a in self.row[i:stop] if a.op.is_recv]
             for i, stop in enumerate(self._next_compute)
         ]
         self._first_step = True
@@ -223,7 +223,7 @@ class P2P:
 
     def _compute_positions(self) -> list[int]:
         """For each position, the index of the lookahead-th compute action after it."""
-        compute = [i for i, a in enumerate(self.row) if a.op not in _COMM]
+        compute = [i for i, a in enumerate(self.row) if a.op.is_compute]
         out, k = [], 0
         for i in range(len(self.row)):
             while k < len(compute) and compute[k] <= i:
@@ -437,5 +437,4 @@ class P2P:
         self._posted[key] = _Posted(work, buffer, layout, self.sizes[key[2]] if layout is not None else 0)
 
 
-_COMM = (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
 _PRUNE_AT = 4  # unfinished sends held before looking for finished ones (a look costs a call per send)
