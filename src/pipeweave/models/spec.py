@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel, entry_of, load_model

@@ -39,7 +39,7 @@ from typing import Any, overload
 
 import torch
 
-from pipeweave.data import DataSource, data_source, split_microbatches
+from pipeweave.data import DataSource, split_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary
@@ -86,6 +86,7 @@ class StreamData(Sequence[Boundary]):
     """Microbatch j of the stream: slice j mod T of the data source's batch ``first`` + j // T, fetched when first asked.
 
     Example:
+        >>> from pipeweave.data import data_source
         >>> src = data_source(ModelSpec(kind="mlp", hidden=4), batch_size=4)
         >>> d = StreamData(src, num_microbatches=2, length=6, part=0)
         >>> torch.equal(d[3], src.batch(1)[0][2:4]), len(d)

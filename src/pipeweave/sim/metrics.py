@@ -19,12 +19,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeweave.schedule.ir import Op, Schedule
+from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import PartCosts
 from pipeweave.sim.timeline import Timeline
 from pipeweave.sim.steady import steady_bubble_ratio
 from pipeweave.sim.versions import inconsistency, staleness, weight_copies
-
-_COMPUTE = frozenset(op for op in Op if op.is_compute)
 
 
 @dataclass(frozen=True)
@@ -47,23 +46,6 @@ class Metrics:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-
-
-def bubble_metrics(timeline: Timeline) -> tuple[float, tuple[float, ...], tuple[float, ...], float, float, float]:
-    """``(makespan, span, busy, bubble_ratio, bubble_ratio_flush, bubble_overhead)``."""
-    rows = [row for row in timeline.events if row]
-    if not rows:
-        return 0.0, (), (), 0.0, 0.0, 0.0
-    first = min(row[0].start for row in rows)
-    last = max(max(e.end for e in row) for row in rows)
-    makespan = last - first
-    span = tuple((max(e.end for e in row) - row[0].start) if row else 0.0 for row in timeline.events)
-    busy = tuple(sum(e.end - e.start for e in row if e.action.op in _COMPUTE) for row in timeline.events)
-    n, total, widest = len(timeline.events), sum(busy), max(span)
-    ratio = 1.0 - total / (n * widest) if widest > 0 else 0.0
-    flush = 1.0 - total / (n * makespan) if makespan > 0 else 0.0
-    overhead = (n * widest - total) / total if total > 0 else 0.0
-    return makespan, span, busy, ratio, flush, overhead
 
 
 def peak_activations(timeline: Timeline, costs: PartCosts) -> tuple[float, ...]:

@@ -11,6 +11,7 @@ than 3 mini-batches there is no steady state and it is the whole timeline's.
 from __future__ import annotations
 
 from pipeweave.schedule.ir import Op
+from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.timeline import Timeline
 
 _COMPUTE = frozenset(op for op in Op if op.is_compute)
@@ -40,8 +41,6 @@ def steady_bubble_ratio(timeline: Timeline) -> float:
     """
     schedule = timeline.schedule
     if schedule.num_steps < 3:
-        from pipeweave.sim.metrics import bubble_metrics  # the whole timeline's, one definition
-
         return bubble_metrics(timeline)[3]
     busy = total = 0.0
     for row, (t0, t1) in zip(timeline.events, steady_windows(timeline)):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import queue
 import signal
 import sys
 import time

@@ -1,0 +1,31 @@
+"""The bubble of a timeline: makespan, spans, busy time and the three bubble figures of DESIGN.md.
+
+One definition for simulated and measured timelines (``sim.metrics`` and
+``sim.steady`` build on it): ``bubble_ratio`` = 1 - busy / (ranks x max span),
+``bubble_ratio_flush`` = 1 - busy / (ranks x makespan), ``bubble_overhead`` =
+idle / busy over the max span.
+"""
+
+from __future__ import annotations
+
+from pipeweave.schedule.ir import Op
+from pipeweave.sim.timeline import Timeline
+
+_COMPUTE = frozenset(op for op in Op if op.is_compute)
+
+
+def bubble_metrics(timeline: Timeline) -> tuple[float, tuple[float, ...], tuple[float, ...], float, float, float]:
+    """``(makespan, span, busy, bubble_ratio, bubble_ratio_flush, bubble_overhead)``."""
+    rows = [row for row in timeline.events if row]
+    if not rows:
+        return 0.0, (), (), 0.0, 0.0, 0.0
+    first = min(row[0].start for row in rows)
+    last = max(max(e.end for e in row) for row in rows)
+    makespan = last - first
+    span = tuple((max(e.end for e in row) - row[0].start) if row else 0.0 for row in timeline.events)
+    busy = tuple(sum(e.end - e.start for e in row if e.action.op in _COMPUTE) for row in timeline.events)
+    n, total, widest = len(timeline.events), sum(busy), max(span)
+    ratio = 1.0 - total / (n * widest) if widest > 0 else 0.0
+    flush = 1.0 - total / (n * makespan) if makespan > 0 else 0.0
+    overhead = (n * widest - total) / total if total > 0 else 0.0
+    return makespan, span, busy, ratio, flush, overhead
