@@ -1,5 +1,19 @@
-"""The one exception type the command line reports as a one-line user error."""
+"""pipeweave's exceptions: ``UserError``, the one the command line reports as a one-line user error, and
+``StuckError``, a schedule that stopped progressing, shown with its grid."""
 
 
 class UserError(ValueError):
     """Bad input from the user: the message names the value and the fix."""
+
+
+class StuckError(RuntimeError):
+    """A schedule stopped progressing (a deadlock, or a peer that never sent).
+
+    ``str()`` is the cause on its first line, then ``grid``: the schedule's
+    action lists with the stuck step of each rank in brackets
+    (``pipeweave.schedule.grid.format_rows``).
+    """
+
+    def __init__(self, cause: str, grid: str) -> None:
+        super().__init__(f"{cause}\n{grid}")
+        self.cause, self.grid = cause, grid

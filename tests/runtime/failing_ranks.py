@@ -4,7 +4,8 @@ MODE: ``raise`` (rank 1 raises), ``kill`` (rank 1 dies by SIGKILL), ``hang``
 (every rank blocks until interrupted), ``train-raise`` (a real training run
 whose rank 1 fails inside a backward), ``train-raise-auto`` and
 ``train-kill-auto`` (the same, or SIGKILL there, on train's default transport,
-shared memory where available). Rank 0 blocks in a receive the failed
+shared memory where available), ``train-stall`` (rank 1 stalls inside a
+backward; rank 0's wait for its gradient times out after 3 s). Rank 0 blocks in a receive the failed
 rank never answers, so only the launcher can end it. Prints ``PID <pid>`` per
 rank and for the fork server, and exits with the launcher's exit code.
 """
@@ -41,8 +42,8 @@ def blocking(rank: int, world: int, mode: str) -> None:
     time.sleep(600)
 
 
-def failing_training(rank: int, world: int, payload: tuple[TrainConfig, bool]) -> Any:
-    config, kill = payload
+def failing_training(rank: int, world: int, payload: tuple[TrainConfig, bool | str]) -> Any:
+    config, kill = payload  # kill: False (raise), True (SIGKILL) or "stall"
     progress(os.getpid())
     if rank == 1:
         from pipeweave.runtime.stage.worker import StageWorker
@@ -53,6 +54,8 @@ def failing_training(rank: int, world: int, payload: tuple[TrainConfig, bool]) -
         def backward(self: StageWorker, mb: int, grad_output: torch.Tensor | None = None) -> Any:
             calls[0] += 1
             if calls[0] == 6:  # inside the second step
+                if kill == "stall":
+                    time.sleep(600)
                 if kill:
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError("injected failure in a backward on rank 1")
@@ -75,8 +78,10 @@ def main(mode: str) -> int:
         if mode.startswith("train-"):
             config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=8, steps=50,
                                  model=ModelSpec(kind="mlp", layers=2, hidden=8))
-            options = LaunchOptions(transport="auto" if mode.endswith("-auto") else "gloo")
-            launch(failing_training, (config, "kill" in mode), 2, options, on_progress=report)
+            options = LaunchOptions(transport="auto" if mode.endswith("-auto") else "gloo",
+                                    timeout_s=3.0 if mode == "train-stall" else 60.0)
+            kill = "stall" if mode == "train-stall" else "kill" in mode
+            launch(failing_training, (config, kill), 2, options, on_progress=report)
         else:
             launch(blocking, mode, 2, on_progress=report)
     except RankFailure as failure:

@@ -90,6 +90,19 @@ def test_a_failing_rank_ends_every_rank(mode: str, cause: str) -> None:
     _assert_gone(pids)
 
 
+def test_a_rank_stuck_on_a_stalled_peer_shows_the_schedule_where_it_stopped() -> None:
+    proc = _start("train-stall")
+    pids = _wait_for_ranks(proc)
+    code, err, elapsed = _finish(proc, time.monotonic())
+    assert code == 1 and elapsed < LIMIT_S
+    assert err.count("rank 0 failed: StuckError: rank 0 stuck at its action") == 1, err
+    grid = [line for line in err.splitlines() if line.startswith("rank ") and " |" in line]
+    assert len(grid) == 2, err  # the lowered schedule's two rows
+    assert "[0RECV_B" in grid[0] and "[" not in grid[1], err  # rank 0 waits for rank 1's gradient
+    assert "Traceback" not in err
+    _assert_gone(pids)
+
+
 def test_ctrl_c_ends_every_rank() -> None:
     proc = _start("hang")
     pids = _wait_for_ranks(proc)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from pipeweave.data import data_source, split_microbatches
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.transport.p2p import message_key, rank_sends
+from pipeweave.runtime.transport.order import message_key, rank_sends
 from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.workers import build_workers

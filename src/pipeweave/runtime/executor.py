@@ -22,11 +22,14 @@ from typing import cast
 
 import torch
 
+from pipeweave.errors import StuckError
 from pipeweave.models.boundary import Boundary
-from pipeweave.runtime.transport.p2p import P2P, replica_peers
+from pipeweave.runtime.transport.order import replica_peers
+from pipeweave.runtime.transport.p2p import P2P
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stage.policy import RankPolicy
 from pipeweave.runtime.stage.tied import TiedGradients
+from pipeweave.schedule.grid import format_rows
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.schedule.lower import LoweredSchedule
 
@@ -213,7 +216,7 @@ class Executor:
         for i, a in enumerate(self.row):
             self.p2p.post_ahead(i)
             c0, t0 = cpu(), clock()
-            self._run(a)
+            self._run_or_explain(i, a)
             records.append((a, t0, clock()))
             cpu_ns.append(cpu() - c0)
         self.p2p.end_step()
@@ -223,6 +226,18 @@ class Executor:
             raise RuntimeError(f"rank {self.rank}: tensors left over at the end of a step")
         loss = float(torch.stack(self._losses).sum()) if self._losses else 0.0
         return loss, records
+
+    def _run_or_explain(self, i: int, a: Action) -> None:
+        """Run action ``i`` of the row; a receive that fails (its peer timed out or died) is this rank stuck there."""
+        if not a.op.is_recv:
+            self._run(a)
+            return
+        try:
+            self._run(a)
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise StuckError(f"rank {self.rank} stuck at its action {i} ({a}): {first}",
+                             format_rows(self.lowered.actions, [(self.rank, i)])) from exc
 
     def _run(self, a: Action) -> None:
         handler = self.dispatch.get(a.op)

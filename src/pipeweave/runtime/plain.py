@@ -10,7 +10,7 @@ from torch import nn
 
 from pipeweave.data import DataSource, data_source, split_microbatches
 from pipeweave.models import boundary
-from pipeweave.models.boundary import num_samples
+from pipeweave.models.boundary import Boundary, num_samples
 from pipeweave.models.precision import autocast
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
@@ -85,21 +85,27 @@ def run_plain(
     losses = []
     for step in range(steps):
         inputs, targets = source.batch(step)
-        step_losses = []
         pairs = zip(split_microbatches(inputs, num_microbatches), split_microbatches(targets, num_microbatches))
-        for j, (x, target) in enumerate(pairs):
-            with autocast(precision, torch.device("cpu")):
-                if is_keyed(spec):  # dropout masks keyed as the pipeline's (models.randomness)
-                    x = run_keyed(enumerate(model.values()), x, seed=spec.seed, step=step, microbatch=j)
-                else:
-                    for layer in model.values():
-                        x = boundary.call(layer, x)
-                mb_loss = loss(x, target) * (num_samples(target) / batch_size)
-            mb_loss.backward()
-            step_losses.append(mb_loss.item())
+        step_losses = [_microbatch_loss(model, spec, loss, x, target, batch_size, precision, step, j)
+                       for j, (x, target) in enumerate(pairs)]
         losses.append(sum(step_losses))
         if lr_at is not None:
             set_lr(optimizer, lr_at(step))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return TrainResult(losses, {k: p.detach().clone() for k, p in model.named_parameters()})
+
+
+def _microbatch_loss(model: nn.ModuleDict, spec: ModelSpec, loss: Callable[..., torch.Tensor], x: Boundary,
+                     target: Boundary, batch_size: int, precision: str, step: int, j: int) -> float:
+    """Forward and backward of microbatch ``j`` of ``step``, its loss scaled by its share of the mini-batch."""
+    with autocast(precision, torch.device("cpu")):
+        if is_keyed(spec):  # dropout masks keyed as the pipeline's (models.randomness)
+            x = run_keyed(enumerate(model.values()), x, seed=spec.seed, step=step, microbatch=j)
+        else:
+            for layer in model.values():
+                x = boundary.call(layer, x)
+        mb_loss = loss(x, target) * (num_samples(target) / batch_size)
+    mb_loss.backward()
+    return mb_loss.item()
+

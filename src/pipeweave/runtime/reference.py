@@ -69,32 +69,38 @@ def run_reference(
         (2, '0.down.bias')
     """
     if not schedule.is_synchronous:  # a stream: run once, its mini-batches are the steps (runtime.stream)
-        minibatches = schedule.num_steps * len(schedule.placement.pipelines)
-        if steps != minibatches:
-            raise UserError(f"the asynchronous {schedule.name} stream covers {minibatches} mini-batches, not steps={steps}; "
-                            f"generate it with num_steps for {steps} mini-batches")
+        _check_stream_steps(schedule, steps)
         return run_stream_reference(schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
                                     seed=seed, recompute=recompute, data=data, parts=parts, precision=precision,
                                     lr_at=lr_at)
-    workers = build_workers(
-        schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory, recompute=recompute, parts=parts,
-        precision=precision,
-    )
+    workers = build_workers(schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
+                            recompute=recompute, parts=parts, precision=precision)
     TiedGradients(schedule.placement, dict(enumerate(workers)))  # hooks the tied stages' updates
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
-    losses = []
-    for step in range(steps):
-        inputs, targets = source.batch(step)
-        t = schedule.num_microbatches
-        if lr_at is not None:
-            for worker in workers:
-                set_lr(worker.optimizer, lr_at(step))
-        losses.append(run_step(schedule, workers, split_microbatches(inputs, t), split_microbatches(targets, t)))
+    losses = [_step(schedule, workers, source.batch(step), None if lr_at is None else lr_at(step))
+              for step in range(steps)]
     parameters, stage_parameters = trained_parameters(workers)
     peaks = [w.peak_activation_bytes() for w in workers]
     return TrainResult(losses, parameters, stage_parameters, peaks)
 
 
+def _check_stream_steps(schedule: Schedule, steps: int) -> None:
+    """A stream's mini-batches are the run's steps: refuse another count."""
+    minibatches = schedule.num_steps * len(schedule.placement.pipelines)
+    if steps != minibatches:
+        raise UserError(f"the asynchronous {schedule.name} stream covers {minibatches} mini-batches, not "
+                        f"steps={steps}; generate it with num_steps for {steps} mini-batches")
+
+
+def _step(schedule: Schedule, workers: list[StageWorker], batch: tuple[Boundary, Boundary], lr: float | None
+          ) -> float:
+    """One synchronous step on ``batch`` (at learning rate ``lr``, if given); the mini-batch mean loss."""
+    if lr is not None:
+        for worker in workers:
+            set_lr(worker.optimizer, lr)
+    inputs, targets = batch
+    t = schedule.num_microbatches
+    return run_step(schedule, workers, split_microbatches(inputs, t), split_microbatches(targets, t))
 
 
 @dataclass
@@ -175,32 +181,35 @@ def run_stream_reference(
                             recompute=recompute, parts=parts, precision=precision)
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
     t = microbatches_per_minibatch(first)
-    carry = StreamCarry()
-    losses: list[float] = []
-    versions: dict[Action, Read] = {}
-    weight_bytes = [0] * first.num_ranks
-    position = StreamPosition()
+    result = StreamResult([], {}, [], [], weight_bytes=[0] * first.num_ranks)
+    carry, position = StreamCarry(), StreamPosition()
     for seg in segments:
-        for w in workers:
-            w.steps_done = position.minibatches
-        tables = ScheduleTables(seg)
-        policies = {
-            r: RankPolicy(seg, {s: workers[s] for s in seg.placement.stages_on(r)}, options, tables, lr_at, carry)
-            for r in range(seg.num_ranks)
-        }
-        total = seg.num_microbatches
-        inputs = StreamData(source, num_microbatches=t, length=total, part=0, first=position.minibatches)
-        targets = StreamData(source, num_microbatches=t, length=total, part=1, first=position.minibatches)
-        state = _StreamWalk(seg, workers, inputs, targets, policies)
-        run_step(seg, workers, [], [], state=state)
-        losses += minibatch_losses(state.losses, t, total // t)
-        for policy in policies.values():
-            versions.update(position.versions(policy.versions))
-        weight_bytes = [max(b, policies[r].peak_weight_bytes) for r, b in enumerate(weight_bytes)]
-        carries = [policy.carry() for policy in policies.values()]
-        carry = StreamCarry(carries[0].updates, carries[0].annealed,
-                            {s: v for c in carries for s, v in c.velocity.items()})
+        carry = _run_stream(seg, workers, source, t, options, lr_at, carry, position, result)
         position.advance(seg, t)
-    parameters, stage_parameters = trained_parameters(workers)
-    return StreamResult(losses, parameters, stage_parameters, [w.peak_activation_bytes() for w in workers],
-                        versions=versions, weight_bytes=weight_bytes)
+    result.parameters, result.stage_parameters = trained_parameters(workers)
+    result.peak_activation_bytes = [w.peak_activation_bytes() for w in workers]
+    return result
+
+
+def _run_stream(stream: Schedule, workers: list[StageWorker], source: DataSource, t: int,
+                options: PolicyOptions | None, lr_at: Callable[[int], float] | None, carry: StreamCarry,
+                position: StreamPosition, result: StreamResult) -> StreamCarry:
+    """Walk one stream of a run (``position``: where it starts) into ``result``; what its policies carry on."""
+    for w in workers:
+        w.steps_done = position.minibatches
+    tables = ScheduleTables(stream)
+    policies = {
+        r: RankPolicy(stream, {s: workers[s] for s in stream.placement.stages_on(r)}, options, tables, lr_at, carry)
+        for r in range(stream.num_ranks)
+    }
+    total = stream.num_microbatches
+    inputs, targets = (StreamData(source, num_microbatches=t, length=total, part=part, first=position.minibatches)
+                       for part in (0, 1))
+    state = _StreamWalk(stream, workers, inputs, targets, policies)
+    run_step(stream, workers, [], [], state=state)
+    result.losses += minibatch_losses(state.losses, t, total // t)
+    for policy in policies.values():
+        result.versions.update(position.versions(policy.versions))
+    result.weight_bytes = [max(b, policies[r].peak_weight_bytes) for r, b in enumerate(result.weight_bytes)]
+    carries = [policy.carry() for policy in policies.values()]
+    return StreamCarry(carries[0].updates, carries[0].annealed, {s: v for c in carries for s, v in c.velocity.items()})

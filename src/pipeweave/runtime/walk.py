@@ -15,11 +15,12 @@ from typing import cast
 
 import torch
 
-from pipeweave.errors import UserError
+from pipeweave.errors import StuckError, UserError
 from pipeweave.models.boundary import Boundary
 from pipeweave.models.spec import ModelSpec, uniform_parts
 from pipeweave.runtime.stage.tied import tie_peer, tie_peer_parts
 from pipeweave.runtime.stage.worker import OptimizerFactory, StageWorker
+from pipeweave.schedule.grid import format_rows
 from pipeweave.schedule.ir import Action, Op, Schedule
 
 
@@ -147,7 +148,8 @@ def run_step(schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Bo
     ``state`` replaces the walk's state (``runtime.stream`` walks an asynchronous stream with its own).
 
     Raises:
-        RuntimeError: the schedule gets stuck (no rank can run its next action).
+        StuckError: the schedule gets stuck (no rank can run its next action); its message ends with the
+            schedule's grid, every rank's next action in brackets.
     """
     state = state if state is not None else Walk(schedule, workers, inputs, targets)
     ptr = [0] * schedule.num_ranks
@@ -160,7 +162,9 @@ def run_step(schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Bo
                 progressed = True
         if not progressed:
             stuck = {r: str(row[ptr[r]]) for r, row in enumerate(schedule.actions) if ptr[r] < len(row)}
-            raise RuntimeError(f"schedule {schedule.name} is stuck; next actions per rank: {stuck}")
+            marks = [(r, ptr[r]) for r in stuck]
+            raise StuckError(f"schedule {schedule.name} is stuck; next actions per rank: {stuck}",
+                             format_rows(schedule.actions, marks))
     # Summed in microbatch order, as plain training sums them.
     return sum(state.losses[j] for j in sorted(state.losses))
 

@@ -8,7 +8,9 @@ Example (1F1B, 2 stages, 3 microbatches)::
 
 from __future__ import annotations
 
-from pipeweave.schedule.ir import Schedule
+from collections.abc import Collection, Sequence
+
+from pipeweave.schedule.ir import Action, Schedule
 
 
 def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, max_steps: int = 48) -> str:
@@ -19,7 +21,22 @@ def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, max_ste
         mark: a cell to highlight as ``[1B0]``, e.g. the step a validator rejects.
         max_steps: columns shown; around ``mark`` when it is given.
     """
-    cells = [[str(a) for a in row] for row in schedule.actions]
+    return format_rows(schedule.actions, () if mark is None else (mark,), max_steps)
+
+
+def format_rows(rows: Sequence[Sequence[Action]], marks: Collection[tuple[int, int]] = (),
+                max_steps: int = 48) -> str:
+    """``format_grid`` of any action lists (a lowered schedule's too), every ``(rank, step)`` of ``marks``
+    bracketed; the columns shown are around the earliest mark.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> print(format_rows(generate("1f1b", num_stages=2, num_microbatches=2).actions, [(0, 1), (1, 0)]))
+        rank 0 | 0F0 [0F1] 0B0  0B1  0U0
+        rank 1 |[1F0] 1B0  1F1  1B1  1U0
+    """
+    mark = min(marks, key=lambda m: m[1]) if marks else None
+    cells = [[str(a) for a in row] for row in rows]
     width = max((len(c) for row in cells for c in row), default=3) + 2
     longest = max((len(row) for row in cells), default=0)
     lo = 0
@@ -31,7 +48,7 @@ def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, max_ste
     for r, row in enumerate(cells):
         shown = []
         for k in range(lo, min(hi, len(row))):
-            text = f"[{row[k]}]" if mark == (r, k) else f" {row[k]} "
+            text = f"[{row[k]}]" if (r, k) in marks else f" {row[k]} "
             shown.append(text.ljust(width))
         tail = " ..." if len(row) > hi else ""
         head = "... " if lo > 0 else ""

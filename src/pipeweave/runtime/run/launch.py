@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipeweave.errors import StuckError
 from pipeweave.runtime.process import (device_for, die_with_parent, keep_freed_host_memory, set_progress_sink,
                                        set_wait_timeout, under_torchrun)
 from pipeweave.runtime.transport import shm
@@ -125,7 +126,7 @@ def _join_torchrun(
         return value
     except Exception as exc:  # one line per failing rank; torchrun's agent reports the exit
         cause = _describe(rank, exc)
-        _report(cause, options)
+        _report(cause, options, _detail(exc))
         raise RankFailure(cause, 1) from None
     finally:
         dist.destroy_process_group()
@@ -214,7 +215,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 def _watch(procs: list[Any], results: Any, options: LaunchOptions, on_progress: ProgressFn | None) -> Any:
     """Wait for every rank; on the first failure stop the rest and raise."""
     done: dict[int, Any] = {}
-    failures: list[tuple[int, str, bool]] = []  # (rank, cause, is a consequence of another failure)
+    failures: list[tuple[int, str, bool, str]] = []  # (rank, cause, a consequence of another failure?, detail)
     first_failure = 0.0
     while len(done) < len(procs):
         while not results.empty():
@@ -225,17 +226,17 @@ def _watch(procs: list[Any], results: Any, options: LaunchOptions, on_progress: 
                 if on_progress is not None and not failures:
                     on_progress(rank, value)
             else:
-                failures.append((rank, value[0], value[1]))
+                failures.append((rank, *value))
         for rank, p in enumerate(procs):
             if rank not in done and p.exitcode is not None and p.exitcode != 0 and \
                     not any(f[0] == rank for f in failures):
-                failures.append((rank, _exit_cause(rank, p.exitcode), False))
+                failures.append((rank, _exit_cause(rank, p.exitcode), False, ""))
         if failures:
             first_failure = first_failure or time.monotonic()
             if time.monotonic() - first_failure >= _SETTLE_S:
                 _terminate(procs)
                 root = next((f for f in failures if not f[2]), failures[0])
-                _report(root[1], options)
+                _report(root[1], options, root[3])
                 raise RankFailure(root[1], 1)
         time.sleep(0.02)
     for p in procs:
@@ -261,9 +262,15 @@ def _terminate(procs: list[Any]) -> None:
             p.join(timeout=5)
 
 
-def _report(cause: str, options: LaunchOptions) -> None:
+def _report(cause: str, options: LaunchOptions, detail: str = "") -> None:
+    """Print the cause of a failed run, once (and below it ``detail``: a stuck schedule's grid)."""
     if not options.quiet_errors:
-        print(f"pipeweave: {cause}", file=sys.stderr, flush=True)
+        print(f"pipeweave: {cause}" + (f"\n{detail}" if detail else ""), file=sys.stderr, flush=True)
+
+
+def _detail(exc: BaseException) -> str:
+    """What a failure shows beyond its one line: where a stuck schedule stopped (``StuckError.grid``)."""
+    return exc.grid if isinstance(exc, StuckError) else ""
 
 
 def _child(
@@ -292,7 +299,7 @@ def _child(
         results.put(("ok", rank, pickle.dumps(value if rank == 0 else None)))
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher
-        results.put(("error", rank, (_describe(rank, exc), _is_consequence(exc))))
+        results.put(("error", rank, (_describe(rank, exc), _is_consequence(exc), _detail(exc))))
         sys.stderr.flush()
         os._exit(1)
 
@@ -306,6 +313,8 @@ def _describe(rank: int, exc: BaseException) -> str:
 
 def _is_consequence(exc: BaseException) -> bool:
     """A communication error is usually the echo of another rank's failure."""
+    if isinstance(exc, StuckError) and exc.__cause__ is not None:  # stuck on a receive: what ended it
+        return _is_consequence(exc.__cause__)
     text = f"{type(exc).__name__} {exc}".lower()
     return isinstance(exc, dist.DistError) or any(
         s in text for s in ("connection closed", "connection reset", "broken pipe", "timed out", "gloo")

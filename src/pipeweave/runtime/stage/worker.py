@@ -71,7 +71,6 @@ parameters excluded.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +87,7 @@ from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
 from pipeweave.models.build import build_layers
 from pipeweave.models.spec import ModelSpec, loss_fn
+from pipeweave.runtime.stage.memory import ActivationMeter, own, unpack
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -95,69 +95,6 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 def sgd(lr: float = 0.1) -> OptimizerFactory:
     """The default optimizer factory: plain SGD with learning rate ``lr``."""
     return lambda params: torch.optim.SGD(params, lr=lr)
-
-
-class _Held:
-    """A saved tensor, counted by the meter until autograd frees it."""
-
-    __slots__ = ("tensor", "meter", "key")
-
-    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, key: int | None) -> None:
-        self.tensor, self.meter, self.key = tensor, meter, key
-
-    def __del__(self) -> None:
-        if self.key is not None:
-            self.meter.release(self.key)
-
-
-class ActivationMeter:
-    """Bytes of distinct tensor storages held for backward, reference-counted."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude  # storages of parameters: weight, not activation, memory
-        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
-        self.current = 0
-        self.peak = 0
-        # On CUDA, autograd may free saved tensors (and so call release) from its device thread.
-        self.lock = threading.Lock()
-
-    def hold(self, t: torch.Tensor) -> int | None:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key == 0 or key in self.exclude:
-            return None
-        with self.lock:
-            entry = self.live.get(key)
-            if entry is None:
-                self.live[key] = [storage.nbytes(), 1]
-                self.current += storage.nbytes()
-                self.peak = max(self.peak, self.current)
-            else:
-                entry[1] += 1
-        return key
-
-    def release(self, key: int) -> None:
-        with self.lock:
-            entry = self.live[key]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self.live[key]
-                self.current -= entry[0]
-
-    def pack(self, t: torch.Tensor) -> _Held:
-        return _Held(t, self, self.hold(t))
-
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """``t``, copied if it is a view into a larger storage (a microbatch of a batch).
-
-    The copy makes a microbatch keep only its own samples alive, and be counted as such.
-    """
-    return t.clone() if t.untyped_storage().nbytes() > t.nbytes else t
-
-
-def _unpack(held: _Held) -> torch.Tensor:
-    return held.tensor
 
 
 @dataclass
@@ -250,7 +187,7 @@ class StageWorker:
         if self.is_last and target is None:
             raise RuntimeError("the last stage needs the microbatch's target to compute the loss")
         x = boundary.apply(self._input, x)
-        target = None if target is None else boundary.apply(_own, target)
+        target = None if target is None else boundary.apply(own, target)
         if self.recompute:
             with torch.no_grad():
                 out = self._run(x, target, mb, self.steps_done)
@@ -264,7 +201,7 @@ class StageWorker:
         return boundary.apply(torch.Tensor.detach, out)
 
     def _input(self, t: torch.Tensor) -> torch.Tensor:
-        t = _own(t.detach())
+        t = own(t.detach())
         if not self.is_first and t.is_floating_point():
             t.requires_grad_(True)  # a leaf: its .grad is the input gradient to send back
         return t
@@ -421,7 +358,7 @@ class StageWorker:
     def _hooks(self) -> Any:
         if not self.track_memory:
             return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self.meter.pack, _unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self.meter.pack, unpack)
 
     def _hold(self, t: torch.Tensor) -> int | None:
         return self.meter.hold(t) if self.track_memory else None

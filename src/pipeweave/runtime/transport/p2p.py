@@ -8,13 +8,7 @@ as soon as the replica's last B/W of the step is done, summed before ``U``),
 3 a tied embedding/head gradient (``runtime.stage.tied``, exchanged at ``U``: that
 module posts it; the transport only keeps its place in the order).
 
-NCCL ignores tags and matches the messages of a pair of ranks in posting
-order, so correctness must not rest on tags. ``rank_sends`` derives from the
-lowered schedule alone the order in which a rank posts its sends, message kind
-by message kind as the executor runs them; a receiver posts its receives from
-a peer in exactly that peer's order (computed the same way on every rank),
-waiting on them in its own order. Tags are still unique per message, which
-gloo matches on, so both transports see the same pairing.
+The order of every message between two ranks is ``transport.order``'s.
 
 Shapes travel once: the first message of each ``(sender stage, kind)``
 activation stream is preceded by a small metadata tensor holding the dtype
@@ -49,120 +43,9 @@ import torch.distributed as dist
 from pipeweave.runtime.transport import shm
 from pipeweave.runtime.process import wait_timeout
 from pipeweave.runtime.transport.message import META_LEN, Layout, read_meta, tensor_meta
-from pipeweave.schedule.ir import Action, Op
+from pipeweave.runtime.transport.order import GRAD, KINDS, META, TIED, Key, message_key, send_order
+from pipeweave.schedule.ir import Action
 from pipeweave.schedule.lower import LoweredSchedule
-
-_META = -1  # microbatch field of a metadata message
-_FWD, _BWD, _GRAD, _TIED = 0, 1, 2, 3
-_KINDS = 4
-
-Key = tuple[int, int, int]  # (sender stage, kind, microbatch or _META; 0 for _GRAD)
-
-
-def message_key(lowered: LoweredSchedule, a: Action) -> Key:
-    """The key of the message a communication action sends or receives.
-
-    Example:
-        >>> from pipeweave.schedule import generate, lower
-        >>> low = lower(generate("1f1b", num_stages=2, num_microbatches=2))
-        >>> message_key(low, Action(1, Op.RECV_F, 1))
-        (0, 0, 1)
-    """
-    placement = lowered.schedule.placement
-    if a.op is Op.SEND_F:
-        return (a.stage, _FWD, a.microbatch)
-    if a.op is Op.SEND_B:
-        return (a.stage, _BWD, a.microbatch)
-    if a.op is Op.RECV_F:
-        sender = placement.prev_stage(a.stage)
-        direction = _FWD
-    elif a.op is Op.RECV_B:
-        sender = placement.next_stage(a.stage)
-        direction = _BWD
-    else:
-        raise ValueError(f"{a} is not a communication action")
-    if sender is None:
-        raise ValueError(f"{a} has no sender stage")
-    return (sender, direction, a.microbatch)
-
-
-def replica_points(lowered: LoweredSchedule, rank: int) -> dict[int, int]:
-    """Per replicated stage on ``rank``, the index in its lowered row of the B/W completing its gradient.
-
-    -1 for a replica that runs no B/W in the step (it sends its zeros at the start). Only stages the
-    row updates (``U``) combine gradients: a forward-only schedule (``schedule.evaluation``) sends none.
-    """
-    placement = lowered.schedule.placement
-    updated = {a.stage for a in lowered.actions[rank] if a.op is Op.U}
-    points: dict[int, int] = {}
-    for s in placement.stages_on(rank):
-        if len(placement.replicas(s)) > 1 and s in updated:
-            points[s] = -1
-    for i, a in enumerate(lowered.actions[rank]):
-        if a.stage in points and a.op.computes_weight_grad:
-            points[a.stage] = i
-    return points
-
-
-def replica_peers(lowered: LoweredSchedule, rank: int, stage: int) -> list[int]:
-    """The other ranks holding a replica of ``stage``'s part, ascending: where its gradient goes."""
-    placement = lowered.schedule.placement
-    return sorted({placement.stage_rank[o] for o in placement.replicas(stage)} - {rank})
-
-
-def rank_sends(
-    lowered: LoweredSchedule, rank: int, *, with_meta: bool, tied: dict[int, int] | None = None
-) -> list[tuple[int, Key]]:
-    """Every message ``rank`` sends in one step, as ``(destination rank, key)`` in posting order.
-
-    The executor's order: replica gradients of replicas without B/W first, then
-    along the row a SEND action's message (preceded in the first step by its
-    stream's metadata with ``with_meta``), right after the B/W completing a
-    replica's gradient, that gradient to each peer replica's rank, ascending,
-    and at the ``U`` of a stage tied to a stage on another rank (``tied``:
-    stage -> the stage holding the other end), its tied gradient.
-
-    Example:
-        >>> from pipeweave.schedule import generate, lower
-        >>> rank_sends(lower(generate("1f1b", num_stages=2, num_microbatches=2)), 1, with_meta=False)
-        [(0, (1, 1, 0)), (0, (1, 1, 1))]
-    """
-    points = replica_points(lowered, rank)
-    after: dict[int, list[int]] = {}
-    for s, i in sorted(points.items()):
-        after.setdefault(i, []).append(s)
-    out: list[tuple[int, Key]] = []
-
-    def replicas_done(i: int) -> None:
-        for s in after.get(i, ()):
-            out.extend((peer, (s, _GRAD, 0)) for peer in replica_peers(lowered, rank, s))
-
-    replicas_done(-1)
-    announced: set[tuple[int, int]] = set()
-    rank_of = lowered.schedule.placement.stage_rank
-    for i, a in enumerate(lowered.actions[rank]):
-        if a.op is Op.U and tied and a.stage in tied and rank_of[tied[a.stage]] != rank:
-            out.append((rank_of[tied[a.stage]], (a.stage, _TIED, 0)))
-        if a.op.is_send:
-            key = message_key(lowered, a)
-            peer = lowered.peer(a)
-            if with_meta and key[:2] not in announced:
-                announced.add(key[:2])
-                out.append((peer, (key[0], key[1], _META)))
-            out.append((peer, key))
-        replicas_done(i)
-    return out
-
-
-def send_order(
-    lowered: LoweredSchedule, rank: int, *, with_meta: bool, tied: dict[int, int] | None = None
-) -> dict[int, list[Key]]:
-    """Per destination rank, the keys ``rank`` sends in one step, in posting order (``rank_sends``)."""
-    order: dict[int, list[Key]] = {}
-    for peer, key in rank_sends(lowered, rank, with_meta=with_meta, tied=tied):
-        order.setdefault(peer, []).append(key)
-    return order
-
 
 @dataclass
 class _Posted:
@@ -235,12 +118,12 @@ class P2P:
     def tag(self, key: Key) -> int:
         """A unique non-negative tag per key within a step (gloo matches on it; NCCL ignores it)."""
         stage, kind, j = key
-        return (stage * _KINDS + kind) * self._span + j + 1
+        return (stage * KINDS + kind) * self._span + j + 1
 
     @property
     def tag_limit(self) -> int:
         """The first tag above every tag of this transport (free for other exchanges)."""
-        return self.lowered.schedule.placement.num_stages * _KINDS * self._span + 1
+        return self.lowered.schedule.placement.num_stages * KINDS * self._span + 1
 
     # ---- steps ----------------------------------------------------------
     def begin_step(self) -> None:
@@ -288,7 +171,7 @@ class P2P:
         sent = self._sent.get(stream)
         if sent is None:
             sent = self._sent[stream] = (tensor.dtype, tuple(shape[1:]), tensor.element_size() * math.prod(shape[1:]))
-            self._isend(tensor_meta(tensor).to(self.device), peer, (key[0], key[1], _META))
+            self._isend(tensor_meta(tensor).to(self.device), peer, (key[0], key[1], META))
         elif tuple(shape[1:]) != sent[1] or tensor.dtype != sent[0]:
             raise ValueError(f"{a}: a {tensor.dtype} tensor of per-sample shape {tuple(shape[1:])} in a stream "
                              f"announced as {sent[0]} {sent[1]}")
@@ -306,7 +189,7 @@ class P2P:
         sent = self._sent_layouts.get(stream)
         if sent is None:
             sent = self._sent_layouts[stream] = layout
-            self._isend(layout.encode().to(self.device), peer, (key[0], key[1], _META))
+            self._isend(layout.encode().to(self.device), peer, (key[0], key[1], META))
         elif layout != sent:
             raise ValueError(f"{a}: a tuple {layout.entries} in a stream announced as {sent.entries}")
         self._forget_finished_sends()
@@ -320,7 +203,7 @@ class P2P:
 
     def send_gradient(self, stage: int, peer: int, flat: torch.Tensor) -> None:
         """Post the send of replica ``stage``'s flattened gradient to ``peer`` (its place in ``rank_sends``)."""
-        self._isend(flat, peer, (stage, _GRAD, 0))
+        self._isend(flat, peer, (stage, GRAD, 0))
 
     def before_update(self, stage: int) -> None:
         """At ``U`` of ``stage``: if it is tied across ranks, post every receive its peer sends before the tie.
@@ -330,11 +213,11 @@ class P2P:
         other = self.tied.get(stage)
         rank_of = self.lowered.schedule.placement.stage_rank
         if other is not None and rank_of[other] != self.rank:
-            self._post_through(rank_of[other], (other, _TIED, 0), block=True)
+            self._post_through(rank_of[other], (other, TIED, 0), block=True)
 
     def recv_gradient(self, stage: int, peer: int) -> torch.Tensor:
         """Wait for remote replica ``stage``'s flattened gradient from ``peer`` and return it."""
-        return self._wait((stage, _GRAD, 0), peer)
+        return self._wait((stage, GRAD, 0), peer)
 
     def _isend(self, tensor: torch.Tensor, peer: int, key: Key, nbytes: int | None = None) -> None:
         """Post the send; ``nbytes``: the (contiguous) tensor's bytes, when known."""
@@ -379,14 +262,14 @@ class P2P:
         queue = self._queues.get(peer)
         while queue:
             nxt = queue[0]
-            if nxt[1] == _TIED:  # posted by runtime.stage.tied at this rank's U, not here
+            if nxt[1] == TIED:  # posted by runtime.stage.tied at this rank's U, not here
                 if nxt != key:
                     if block:  # pragma: no cover - a receive needed after the peer's U
                         raise RuntimeError(f"rank {self.rank}: message {key} is queued behind a tied exchange")
                     return
                 queue.popleft()
                 return
-            if nxt[2] != _META and nxt[1] != _GRAD and nxt[:2] not in self._shapes:
+            if nxt[2] != META and nxt[1] != GRAD and nxt[:2] not in self._shapes:
                 if not self._read_meta(nxt[:2], block):
                     return
             queue.popleft()
@@ -397,13 +280,13 @@ class P2P:
             raise RuntimeError(f"rank {self.rank}: message {key} is not expected from rank {peer}")
 
     def _read_meta(self, stream: tuple[int, int], block: bool) -> bool:
-        meta = self._posted.get((stream[0], stream[1], _META))
+        meta = self._posted.get((stream[0], stream[1], META))
         if meta is None:  # pragma: no cover - the meta is always queued first
             raise RuntimeError(f"rank {self.rank}: no shape handshake for stream {stream}")
         if not block and not meta.work.is_completed():
             return False
         meta.work.wait(wait_timeout())
-        del self._posted[(stream[0], stream[1], _META)]
+        del self._posted[(stream[0], stream[1], META)]
         described = read_meta(meta.buffer.cpu().tolist())
         if isinstance(described, Layout):
             self._shapes[stream] = described
@@ -414,10 +297,10 @@ class P2P:
 
     def _post(self, peer: int, key: Key) -> None:
         layout = None
-        if key[2] == _META:
+        if key[2] == META:
             buffer = torch.zeros(META_LEN, dtype=torch.int64, device=self.device)
             nbytes = 8 * META_LEN
-        elif key[1] == _GRAD:
+        elif key[1] == GRAD:
             buffer = torch.empty(self.grad_numel[key[0]], dtype=torch.float32, device=self.device)
             nbytes = 4 * self.grad_numel[key[0]]
         else:

@@ -1,0 +1,134 @@
+"""The order of a step's point-to-point messages, derived from the lowered schedule alone (no torch).
+
+Every message is named by a key ``(sender stage, kind, microbatch)``: kind 0
+carries an activation forward (``SEND_F`` -> ``RECV_F``), 1 an input gradient
+backward (``SEND_B`` -> ``RECV_B``), 2 a replicated part's whole weight
+gradient to the ranks of its other replicas (Chimera, GEMS, DualPipe; sent
+as soon as the replica's last B/W of the step is done, summed before ``U``),
+3 a tied embedding/head gradient (``runtime.stage.tied``, exchanged at ``U``: that
+module posts it; the transport only keeps its place in the order).
+
+NCCL ignores tags and matches the messages of a pair of ranks in posting
+order, so correctness must not rest on tags. ``rank_sends`` derives from the
+lowered schedule alone the order in which a rank posts its sends, message kind
+by message kind as the executor runs them; a receiver posts its receives from
+a peer in exactly that peer's order (computed the same way on every rank),
+waiting on them in its own order. Tags are still unique per message, which
+gloo matches on, so both transports see the same pairing.
+"""
+
+from __future__ import annotations
+
+from pipeweave.schedule.ir import Action, Op
+from pipeweave.schedule.lower import LoweredSchedule
+
+META = -1  # microbatch field of a metadata message
+FWD, BWD, GRAD, TIED = 0, 1, 2, 3
+KINDS = 4
+
+Key = tuple[int, int, int]  # (sender stage, kind, microbatch or META; 0 for GRAD)
+
+
+def message_key(lowered: LoweredSchedule, a: Action) -> Key:
+    """The key of the message a communication action sends or receives.
+
+    Example:
+        >>> from pipeweave.schedule import generate, lower
+        >>> low = lower(generate("1f1b", num_stages=2, num_microbatches=2))
+        >>> message_key(low, Action(1, Op.RECV_F, 1))
+        (0, 0, 1)
+    """
+    placement = lowered.schedule.placement
+    if a.op is Op.SEND_F:
+        return (a.stage, FWD, a.microbatch)
+    if a.op is Op.SEND_B:
+        return (a.stage, BWD, a.microbatch)
+    if a.op is Op.RECV_F:
+        sender = placement.prev_stage(a.stage)
+        direction = FWD
+    elif a.op is Op.RECV_B:
+        sender = placement.next_stage(a.stage)
+        direction = BWD
+    else:
+        raise ValueError(f"{a} is not a communication action")
+    if sender is None:
+        raise ValueError(f"{a} has no sender stage")
+    return (sender, direction, a.microbatch)
+
+
+def replica_points(lowered: LoweredSchedule, rank: int) -> dict[int, int]:
+    """Per replicated stage on ``rank``, the index in its lowered row of the B/W completing its gradient.
+
+    -1 for a replica that runs no B/W in the step (it sends its zeros at the start). Only stages the
+    row updates (``U``) combine gradients: a forward-only schedule (``schedule.evaluation``) sends none.
+    """
+    placement = lowered.schedule.placement
+    updated = {a.stage for a in lowered.actions[rank] if a.op is Op.U}
+    points: dict[int, int] = {}
+    for s in placement.stages_on(rank):
+        if len(placement.replicas(s)) > 1 and s in updated:
+            points[s] = -1
+    for i, a in enumerate(lowered.actions[rank]):
+        if a.stage in points and a.op.computes_weight_grad:
+            points[a.stage] = i
+    return points
+
+
+def replica_peers(lowered: LoweredSchedule, rank: int, stage: int) -> list[int]:
+    """The other ranks holding a replica of ``stage``'s part, ascending: where its gradient goes."""
+    placement = lowered.schedule.placement
+    return sorted({placement.stage_rank[o] for o in placement.replicas(stage)} - {rank})
+
+
+def rank_sends(
+    lowered: LoweredSchedule, rank: int, *, with_meta: bool, tied: dict[int, int] | None = None
+) -> list[tuple[int, Key]]:
+    """Every message ``rank`` sends in one step, as ``(destination rank, key)`` in posting order.
+
+    The executor's order: replica gradients of replicas without B/W first, then
+    along the row a SEND action's message (preceded in the first step by its
+    stream's metadata with ``with_meta``), right after the B/W completing a
+    replica's gradient, that gradient to each peer replica's rank, ascending,
+    and at the ``U`` of a stage tied to a stage on another rank (``tied``:
+    stage -> the stage holding the other end), its tied gradient.
+
+    Example:
+        >>> from pipeweave.schedule import generate, lower
+        >>> rank_sends(lower(generate("1f1b", num_stages=2, num_microbatches=2)), 1, with_meta=False)
+        [(0, (1, 1, 0)), (0, (1, 1, 1))]
+    """
+    points = replica_points(lowered, rank)
+    after: dict[int, list[int]] = {}
+    for s, i in sorted(points.items()):
+        after.setdefault(i, []).append(s)
+    out: list[tuple[int, Key]] = []
+
+    def replicas_done(i: int) -> None:
+        for s in after.get(i, ()):
+            out.extend((peer, (s, GRAD, 0)) for peer in replica_peers(lowered, rank, s))
+
+    replicas_done(-1)
+    announced: set[tuple[int, int]] = set()
+    rank_of = lowered.schedule.placement.stage_rank
+    for i, a in enumerate(lowered.actions[rank]):
+        if a.op is Op.U and tied and a.stage in tied and rank_of[tied[a.stage]] != rank:
+            out.append((rank_of[tied[a.stage]], (a.stage, TIED, 0)))
+        if a.op.is_send:
+            key = message_key(lowered, a)
+            peer = lowered.peer(a)
+            if with_meta and key[:2] not in announced:
+                announced.add(key[:2])
+                out.append((peer, (key[0], key[1], META)))
+            out.append((peer, key))
+        replicas_done(i)
+    return out
+
+
+def send_order(
+    lowered: LoweredSchedule, rank: int, *, with_meta: bool, tied: dict[int, int] | None = None
+) -> dict[int, list[Key]]:
+    """Per destination rank, the keys ``rank`` sends in one step, in posting order (``rank_sends``)."""
+    order: dict[int, list[Key]] = {}
+    for peer, key in rank_sends(lowered, rank, with_meta=with_meta, tied=tied):
+        order.setdefault(peer, []).append(key)
+    return order
