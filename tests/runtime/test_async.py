@@ -34,7 +34,6 @@ from pipeweave.runtime.job import RunRecord, run_rank
 from pipeweave.runtime.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.policy import PolicyOptions, RankPolicy
-from pipeweave.runtime.prediction import update_direction
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.stage import StageWorker
 from pipeweave.runtime.stream import run_stream_reference, stream_steps, stream_updates
@@ -42,6 +41,7 @@ from pipeweave.schedule import SCHEDULES, generate
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.versions import read_versions, weight_copies
+from pipeweave.weights.prediction import update_direction
 
 RANKS = (2, 3)
 STEPS = 4  # mini-batches: warm-up, two steady, drain
