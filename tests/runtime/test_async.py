@@ -35,7 +35,6 @@ from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.stage.policy import PolicyOptions, RankPolicy
-from pipeweave.runtime.stage.prediction import update_direction
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.reference import run_stream_reference
@@ -45,6 +44,7 @@ from pipeweave.schedule.ir import Action, Op
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.versions import read_versions, weight_copies
 from pipeweave.runtime.run.plan import build_schedule, learning_rates, optimizer_factory, prepare
+from pipeweave.weights.prediction import update_direction
 
 RANKS = (2, 3)
 STEPS = 4  # mini-batches: warm-up, two steady, drain

@@ -1,1 +1,8 @@
-"""Weight-version policies (stash, double buffer, discrepancy correction, prediction, averaging) for the executors."""
+"""Weight-version policies as pure tensor code, one implementation each.
+
+Stash and vertical sync (``stash``), double buffer (``double_buffer``,
+``wpipe``), PipeMare's rescheduling and discrepancy correction (``pipemare``),
+SpecTrain's and XPipe's prediction (``prediction``, ``spectrain``, ``xpipe``),
+AvgPipe's averaging (``avgpipe``); ``runtime.stage.policy`` binds them to the actions
+of a schedule. Nothing here imports the runtime.
+"""

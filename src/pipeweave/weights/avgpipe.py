@@ -5,7 +5,9 @@ a part are pulled toward their mean: x_i <- x_i + alpha (mean - x_i). This is
 elastic averaging (Zhang, Choromanska and LeCun, NeurIPS 2015, "EASGD") with
 the centre variable taken as the replicas' mean, so no extra copy is held
 (P M_theta per rank). alpha = 1 is plain model averaging, alpha = 0 none.
-Default alpha = 0.9 / P: EASGD's recommended beta = P alpha = 0.9.
+Default alpha = 0.9 / P: EASGD's recommended beta = P alpha = 0.9. When to
+average (once every replica has made a round's update, every ``period``-th
+round) is ``runtime.stage.policy``'s.
 """
 
 from __future__ import annotations
@@ -49,29 +51,3 @@ def elastic_average(replicas: Sequence[Sequence[torch.Tensor]], alpha: float) ->
             for t in tensors:
                 t.add_(mean - t, alpha=alpha)
 
-
-class ElasticAveraging:
-    """Averages a part's replicas after every ``period``-th round of their updates.
-
-    Example:
-        >>> a, b = [torch.tensor([0.0])], [torch.tensor([2.0])]
-        >>> avg = ElasticAveraging([a, b], alpha=1.0, period=2)
-        >>> avg.after_update(), avg.after_update(), a[0].item()
-        (False, True, 1.0)
-    """
-
-    def __init__(self, replicas: Sequence[Sequence[torch.Tensor]], alpha: float | None = None, period: int = 1) -> None:
-        if period < 1:
-            raise ValueError(f"period={period} is invalid; give >= 1")
-        self.replicas = [list(r) for r in replicas]
-        self.alpha = default_alpha(len(self.replicas)) if alpha is None else alpha
-        self.period = period
-        self.rounds = 0
-
-    def after_update(self) -> bool:
-        """Every replica has made one more update; average when the period is complete."""
-        self.rounds += 1
-        if self.rounds % self.period:
-            return False
-        elastic_average(self.replicas, self.alpha)
-        return True

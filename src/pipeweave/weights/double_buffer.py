@@ -32,4 +32,4 @@ class DoubleBuffer(WeightStash):
     """
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        super().__init__(params, retain=1, max_versions=2)
+        super().__init__(params, max_versions=2)

@@ -52,38 +52,49 @@ def rescheduled_lr(base_lr: float, delay: int, step: int, anneal_steps: int = DE
 
 
 class DiscrepancyCorrection:
-    """One stage's velocity estimate and the backward weights it extrapolates.
+    """One stage's velocity estimate, and its backward weights extrapolated back in place.
+
+    The backward's weights are the live ones moved back ``gap`` versions and
+    moved forward again afterwards (``extrapolate``, ``restore``): no third copy
+    of the weights, at the price of a round trip that rounds to within an ulp.
 
     Args:
         params: the stage's live parameters (updated in place by its optimizer).
         decay: gamma of the moving average.
+        velocity: a velocity to start from (a previous stream's), copied; zeros if None.
 
     Example:
         >>> p = [torch.tensor([1.0])]
         >>> dc = DiscrepancyCorrection(p, decay=0.5)
         >>> dc.before_update(); p[0] += 2.0; dc.after_update()   # delta = 0.5 * 0 + 0.5 * 2 = 1
-        >>> dc.weights_for_backward(gap=2)[0].item()              # 3 - 2 * 1
+        >>> dc.extrapolate(gap=2); p[0].item()                    # 3 - 2 * 1
         1.0
+        >>> dc.restore(gap=2); p[0].item()
+        3.0
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], decay: float = DEFAULT_DECAY) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], decay: float = DEFAULT_DECAY,
+                 velocity: Sequence[torch.Tensor] | None = None) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay={decay} is invalid; give 0 <= decay < 1")
         self.params = list(params)
         self.decay = decay
         self.velocity = [torch.zeros_like(p) for p in self.params]
+        for v, before in zip(self.velocity, velocity or ()):
+            v.copy_(before)
         self._before: list[torch.Tensor] | None = None
 
-    def weights_for_forward(self) -> list[torch.Tensor]:
-        """Forwards read the current weights."""
-        return self.params
-
-    def weights_for_backward(self, gap: int) -> list[torch.Tensor]:
-        """Current weights extrapolated back ``gap`` versions (the forward's version: tau_fwd - tau_bkwd)."""
-        if gap == 0:
-            return self.params
+    def extrapolate(self, gap: int) -> None:
+        """Move the live weights back ``gap`` versions (tau_fwd - tau_bkwd), in place: u = w - gap delta."""
         with torch.no_grad():
-            return [p - gap * v for p, v in zip(self.params, self.velocity)]
+            for p, v in zip(self.params, self.velocity):
+                p.sub_(v, alpha=gap)
+
+    def restore(self, gap: int) -> None:
+        """Undo ``extrapolate(gap)`` once the backward is done: w = u + gap delta."""
+        with torch.no_grad():
+            for p, v in zip(self.params, self.velocity):
+                p.add_(v, alpha=gap)
 
     def before_update(self) -> None:
         self._before = [p.detach().clone() for p in self.params]

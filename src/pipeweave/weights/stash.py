@@ -4,10 +4,10 @@ A backward must use the weights its forward used. The store keeps, for one
 stage, the live parameters (the current version, updated in place by the
 optimizer) and copies of older versions while some microbatch still needs
 them. Vertical sync reads, at every stage, the version stage 0 read for that
-microbatch: pass it to ``weights_for_forward`` and keep enough recent versions
-(``retain``, e.g. ``sim.versions.stage_weights(schedule)[s].versions``).
+microbatch: ``VerticalSyncStash`` holds those versions from the start, as it
+holds the version of an in-flight microbatch.
 
-Call order for one stage (the executor's)::
+Call order for one stage (``runtime.stage.policy``'s)::
 
     w = store.weights_for_forward(j)       # F(s, j): compute with w
     w = store.weights_for_backward(j)      # B(s, j) (or I and W)
@@ -27,8 +27,6 @@ class WeightStash:
 
     Args:
         params: the stage's live parameters (updated in place by its optimizer).
-        retain: most recent versions always kept, the current one included
-            (1 for PipeDream; D for vertical sync, whose forwards read old versions).
         max_versions: raise RuntimeError if more versions would be held (2BW: 2).
 
     Example:
@@ -40,11 +38,8 @@ class WeightStash:
         ([0.0, 0.0], 2)
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], retain: int = 1, max_versions: int | None = None) -> None:
-        if retain < 1:
-            raise ValueError(f"retain={retain} is invalid; keep at least the current version (1)")
+    def __init__(self, params: Sequence[torch.Tensor], max_versions: int | None = None) -> None:
         self.params = list(params)
-        self.retain = retain
         self.max_versions = max_versions
         self.version = 0
         self._old: dict[int, list[torch.Tensor]] = {}  # version -> copies (never the current)
@@ -78,9 +73,8 @@ class WeightStash:
         self._collect()
 
     def before_update(self) -> None:
-        """Copy the current version aside if a microbatch or the retain window still needs it."""
-        needed = self.version in self._reads.values() or self.retain > 1
-        if needed:
+        """Copy the current version aside if a microbatch still needs it."""
+        if self.version in self._reads.values():
             self._old[self.version] = [p.detach().clone() for p in self.params]
             self._check()
 
@@ -93,13 +87,8 @@ class WeightStash:
         """Versions in memory now, the current one included."""
         return 1 + len(self._old)
 
-    def held_bytes(self) -> int:
-        """Bytes of every held version."""
-        per = sum(p.numel() * p.element_size() for p in self.params)
-        return per * self.versions_held()
-
     def _collect(self) -> None:
-        keep = set(self._reads.values()) | set(range(self.version - self.retain + 1, self.version))
+        keep = set(self._reads.values())
         for v in [v for v in self._old if v not in keep]:
             del self._old[v]
 
@@ -109,3 +98,23 @@ class WeightStash:
                 f"{self.versions_held()} weight versions held, more than {self.max_versions}; "
                 "give more microbatches per mini-batch"
             )
+
+
+class VerticalSyncStash(WeightStash):
+    """A stash whose forwards read the version stage 0 read: pending forwards keep their version too.
+
+    Args:
+        params: the stage's live parameters.
+        forward_versions: microbatch -> the version its forward will read (the one stage 0 read).
+
+    Example:
+        >>> p = [torch.zeros(1)]
+        >>> s = VerticalSyncStash(p, {3: 0})       # microbatch 3's forward will read version 0
+        >>> s.before_update(); p[0] += 1; s.after_update()
+        >>> s.weights_for_forward(3, version=0)[0].item(), s.versions_held()
+        (0.0, 2)
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], forward_versions: dict[int, int]) -> None:
+        super().__init__(params)
+        self._reads.update(forward_versions)  # held like an in-flight microbatch's version

@@ -39,4 +39,4 @@ def weights_for_part(part: int, num_ranks: int, params: Sequence[torch.Tensor]) 
     """
     if group_of(part, num_ranks) == 0:
         return DoubleBuffer(params)
-    return WeightStash(params, retain=1, max_versions=1)
+    return WeightStash(params, max_versions=1)

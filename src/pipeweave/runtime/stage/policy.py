@@ -14,21 +14,23 @@ whatever the parameter holds when it runs. ``enter`` points ``p.data`` at the
 chosen tensors and ``exit`` points it back at the live ones, which the
 optimizer updates in place.
 
+The tensor code of each policy is in ``weights/`` (``stash``, ``double_buffer``,
+``wpipe``, ``pipemare``, ``prediction``, ``avgpipe``); this module binds it to
+a schedule's actions: which version each action reads, when a version is
+copied aside or freed, when a stage updates or averages.
+
 | policy | F | B / I / W | held per stage (M_theta) |
 |---|---|---|---|
-| stash, 2BW, WPipe (``weights.stash``) | live | the copy F read | live + copies still read |
+| stash, 2BW, WPipe | live | the copy F read | live + copies still read |
 | vertical sync | the version stage 0 read | same | as stash, pending forwards too |
 | none (AMPNet), averaging (AvgPipe) | live | live | 1 (AvgPipe: P replicas per rank) |
 | discrepancy correction (PipeMare) | live | live - gap x velocity, in place | 2 (velocity) |
 | prediction (SpecTrain) | live - s x direction | same | 2 (prediction buffer) |
 | prediction, bellwether (XPipe) | cached per mini-batch and pass | same | 1 + live caches |
 
-Prediction uses the optimizer's own next-step direction: lr v for momentum
-SGD (SpecTrain's formula), lr m_hat / (sqrt(v_hat) + eps) for Adam and AdamW
-(XPipe's); plain SGD has none and is refused. PipeMare's correction is applied
-in place and undone after the backward (no third copy; the undo rounds to
-within an ulp). Weight memory is measured after every action, before its
-releases: the peak over a rank of the sum of its stages' held bytes.
+Prediction needs an optimizer with a next-step direction (momentum SGD, Adam,
+AdamW); plain SGD is refused. Weight memory is measured after every action,
+before its releases: the peak over a rank of the sum of its stages' held bytes.
 
 A run that evaluates or saves drains its stream there and starts the next
 one (``runtime.stream``); what one stream's policy hands the next, or a
@@ -39,21 +41,21 @@ A stash, a double buffer or a prediction holds nothing once drained.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from pipeweave.errors import UserError
 from pipeweave.runtime.stage.lr_schedule import set_lr
-from pipeweave.runtime.stage.prediction import check_predictable, predict_weights
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Action, Op, Schedule, WeightPolicy
 from pipeweave.sim.versions import applied_to, current_versions, staleness
 from pipeweave.weights.avgpipe import default_alpha, elastic_average
 from pipeweave.weights.double_buffer import DoubleBuffer
 from pipeweave.weights.pipemare import DEFAULT_ANNEAL_STEPS, DEFAULT_DECAY, DiscrepancyCorrection, rescheduled_lr
-from pipeweave.weights.stash import WeightStash
+from pipeweave.weights.prediction import check_predictable, predict_weights
+from pipeweave.weights.stash import VerticalSyncStash, WeightStash
 from pipeweave.weights.wpipe import weights_for_part
 
 Read = tuple[int, int]  # (stored version, version it stands for): sim.versions.VersionRead's fields
@@ -189,31 +191,13 @@ class _Stored(_Stage):
         return self.store.versions_held()
 
 
-class VerticalSyncStash(WeightStash):
-    """A stash whose forwards read the version stage 0 read: pending forwards keep their version too.
-
-    Example:
-        >>> p = [torch.zeros(1)]
-        >>> s = VerticalSyncStash(p, {3: 0})       # microbatch 3's forward will read version 0
-        >>> s.before_update(); p[0] += 1; s.after_update()
-        >>> s.weights_for_forward(3, version=0)[0].item(), s.versions_held()
-        (0.0, 2)
-    """
-
-    def __init__(self, params: Sequence[torch.Tensor], forward_versions: dict[int, int]) -> None:
-        super().__init__(params)
-        self._reads.update(forward_versions)  # held like an in-flight microbatch's version
-
-
 class _Corrected(_Stage):
     """PipeMare: step size rescheduled by the stage's delay; backward weights extrapolated back."""
 
     def __init__(self, worker: StageWorker, tables: ScheduleTables, stage: int, options: PolicyOptions,
                  carry: StreamCarry) -> None:
         super().__init__(worker)
-        self.correction = DiscrepancyCorrection(self.params, decay=options.decay)
-        for v, before in zip(self.correction.velocity, carry.velocity.get(stage, ())):
-            v.copy_(before)
+        self.correction = DiscrepancyCorrection(self.params, decay=options.decay, velocity=carry.velocity.get(stage))
         self.annealed = carry.annealed
         self.delay = tables.delay[stage]
         self.options = options
@@ -228,18 +212,14 @@ class _Corrected(_Stage):
             return None, (self.version, self.version)
         f = self.forward_version[a.microbatch]
         gap = self.version - f
-        if gap and self.options.correction and a.op is not Op.W:  # W reads no weights  # w - gap x velocity, in place: no third copy
-            with torch.no_grad():
-                for p, v in zip(self.params, self.correction.velocity):
-                    p.sub_(v, alpha=gap)
+        if gap and self.options.correction and a.op is not Op.W:  # W reads no weights
+            self.correction.extrapolate(gap)  # in place: no third copy
             self.applied = gap
         return None, (self.version, f)
 
     def done(self, a: Action) -> None:
         if self.applied:
-            with torch.no_grad():
-                for p, v in zip(self.params, self.correction.velocity):
-                    p.add_(v, alpha=self.applied)
+            self.correction.restore(self.applied)
             self.applied = 0
         if a.op.computes_weight_grad:  # the microbatch's last backward
             self.forward_version.pop(a.microbatch, None)

@@ -1,10 +1,11 @@
-"""The optimizer's next step, read from its state: what SpecTrain's and XPipe's weight predictions follow.
+"""Weight prediction (SpecTrain, XPipe): the weights s updates ahead, along the optimizer's next step.
 
-SpecTrain (Chen et al., arXiv 1809.02839) predicts w - s lr v with v momentum
-SGD's velocity; XPipe (Guan et al., arXiv 1911.04610) w - s lr m_hat /
-(sqrt(v_hat) + eps) with Adam's moments. ``update_direction`` gives lr v or
-lr m_hat / (sqrt(v_hat) + eps) by the optimizer's type, so both schedules run
-with either optimizer (``runtime.stage.policy``).
+SpecTrain (``weights.spectrain``, Chen et al., arXiv 1809.02839) predicts
+w - s lr v with v momentum SGD's velocity; XPipe (``weights.xpipe``, Guan et
+al., arXiv 1911.04610) w - s lr m_hat / (sqrt(v_hat) + eps) with Adam's
+moments. ``update_direction`` gives lr v or lr m_hat / (sqrt(v_hat) + eps) by
+the optimizer's type, so both schedules run with either optimizer. Which action
+predicts, for which s, and how long a prediction is kept is ``runtime.stage.policy``'s.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from pipeweave.errors import UserError
+from pipeweave.weights.spectrain import predict
 from pipeweave.weights.xpipe import adam_direction
 
 
@@ -55,9 +57,7 @@ def predict_weights(
 ) -> list[torch.Tensor]:
     """The weights ``distance`` steps ahead, ``p - distance x update_direction``, into ``out`` if given.
 
-    With momentum SGD it is one fused pass per parameter, ``p + (-distance lr) v``, reading
-    p and v and writing the result (no temporary direction tensor): the prediction runs
-    inside every predicted F and B, where its memory traffic is the stage's overhead.
+    With momentum SGD it is SpecTrain's fused pass (``weights.spectrain.predict``).
 
     Example:
         >>> p = torch.nn.Parameter(torch.tensor([1.0]))
@@ -67,18 +67,12 @@ def predict_weights(
         0.2
     """
     targets = list(out) if out is not None else [torch.empty_like(p) for p in params]
+    if isinstance(optimizer, torch.optim.SGD):
+        velocity = [optimizer.state.get(p, {}).get("momentum_buffer") for p in params]
+        return predict(params, velocity, float(optimizer.param_groups[0]["lr"]), distance, out=targets)
     with torch.no_grad():
-        if isinstance(optimizer, torch.optim.SGD):
-            lr = float(optimizer.param_groups[0]["lr"])
-            for p, t in zip(params, targets):
-                buf = optimizer.state.get(p, {}).get("momentum_buffer")
-                if buf is None:
-                    t.copy_(p)
-                else:
-                    torch.add(p, buf, alpha=-distance * lr, out=t)
-        else:
-            for p, d, t in zip(params, update_direction(optimizer, params), targets):
-                torch.sub(p, d, alpha=distance, out=t)
+        for p, d, t in zip(params, update_direction(optimizer, params), targets):
+            torch.sub(p, d, alpha=distance, out=t)
     return targets
 
 
