@@ -100,7 +100,7 @@ def _check_counts(args: argparse.Namespace) -> None:
 
 
 BYTES_PER_ACTION = 300
-"""Memory the simulation of one action takes, measured: 1f1b D=512 T=2048 (2.1 M actions) peaks at 624 MB."""
+"""Memory the simulation of one action takes (the measurement: benchmarks/simulator/README.md)."""
 
 
 def _check_size(args: argparse.Namespace) -> None:

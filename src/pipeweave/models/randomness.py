@@ -15,7 +15,8 @@ saved before a keyed forward and restored after it, so anything else drawing
 from torch's generator (a dataset's augmentation) does not see the reseeding.
 
 The reference models (``mlp``, ``gpt``) draw no random numbers, so only
-custom models are keyed; the cost is about 2 us per layer call.
+custom models are keyed; the cost per layer call is small (measured in
+benchmarks/runtime/README.md).
 """
 
 from __future__ import annotations

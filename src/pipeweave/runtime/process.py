@@ -75,13 +75,10 @@ def keep_freed_host_memory() -> bool:
     fresh pages and pays a page fault per 4 KiB; freed heap memory above
     128 KiB is returned to the system too. Raising both thresholds to 1 GiB
     keeps that memory in the process for the next microbatch, as jemalloc or
-    tcmalloc (PyTorch's CPU performance guide recommends them) would. On
-    this repository's 2-core VM: the backward of 4 mlp blocks built from
-    standard ``nn`` modules went from 5.2 to 4.3 ms per microbatch; in
-    pipeweave's own stages (which accumulate into ``.grad`` in place) the
-    first backward of each step, which allocates the gradients, went from 8.6
-    to 5.4 ms on the last stage of a 2-rank 1F1B. The cost: a rank's resident
-    memory stays at its peak. No effect (False) where the C library is not glibc.
+    tcmalloc (PyTorch's CPU performance guide recommends them) would; see
+    benchmarks/runtime/README.md for the measured effect. The cost: a rank's
+    resident memory stays at its peak. No effect (False) where the C library
+    is not glibc.
     """
     if not sys.platform.startswith("linux"):
         return False

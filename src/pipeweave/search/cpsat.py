@@ -64,7 +64,7 @@ def solve_cpsat(model: Model, warm: list[int], time_limit: float, workers: int, 
     solver.parameters.random_seed = seed
     # The heuristic's schedule is feasible; without repair CP-SAT can miss it (seen on V shapes).
     # No repair_hint: in OR-Tools 9.15 it trips a "heuristics.fixed_search" check that aborts the process.
-    # Probing the reservoirs' expansion can eat the whole budget in presolve (seen: 8.4 s of 10).
+    # Probing the reservoirs' expansion can eat the whole budget in presolve (benchmarks/search/README.md).
     solver.parameters.cp_model_probing_level = 0
     code = solver.solve(cp, _Stream(start, on_solution) if on_solution is not None else None)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

@@ -321,8 +321,9 @@ def evaluate(problem: Problem, order: Order) -> Result:
     return Result(order, run.start, span, makespan)
 
 
-# Actions list-scheduled per call, over all policies tried: ~1 s of Python, and a
-# deterministic cut (a wall-clock one would change the result with the machine's load).
+# Actions list-scheduled per call, over all policies tried (about a second of Python:
+# benchmarks/search/README.md), and a deterministic cut (a wall-clock one would change the
+# result with the machine's load).
 WORK_BUDGET = 75_000
 
 

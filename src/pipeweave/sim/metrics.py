@@ -108,9 +108,9 @@ def version_metrics(schedule: Schedule, costs: PartCosts) -> tuple[tuple[float, 
     A synchronous schedule has them in closed form: every action reads version
     0 and ``U(s, 0)`` applies all of its part's gradients (the validator's
     update rule), so each stage holds one copy and both lags are 0. That is
-    what ``sim.versions`` derives too, through per-action maps that cost about
-    a microsecond and a hundred bytes per action, three times over: 12 s and
-    several GB at D=1024, T=4096. Asynchronous schedules go through it.
+    what ``sim.versions`` derives too, through per-action maps built three
+    times over, slow and large at big D and T (benchmarks/simulator/README.md).
+    Asynchronous schedules go through it.
 
     Example:
         >>> from pipeweave.schedule import generate

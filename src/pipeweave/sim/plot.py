@@ -33,7 +33,7 @@ COLOURS = {
 _NAMES = {Op.F: "F forward", Op.B: "B backward", Op.I: "I input grad", Op.W: "W weight grad", Op.U: "U update"}
 FORMATS = (".png", ".svg", ".pdf")
 """The picture formats ``plot_timeline`` writes, by file extension."""
-_MAX_LABELS = 4000  # text artists are slow (~0.2 ms each); past this many, boxes stay unlabelled
+_MAX_LABELS = 4000  # text artists are slow (benchmarks/simulator/README.md); past this many, boxes stay unlabelled
 
 
 def shade(colour: tuple[float, float, float], chunk: int, num_chunks: int) -> tuple[float, float, float]:

@@ -297,8 +297,8 @@ class StageWorker:
 
         For a rank waiting on a message (a bubble): the step's first backward
         then accumulates into memory just written, instead of allocating its
-        gradients cold (that first backward ran ~0.5 ms slower than the others
-        on the 4-block mlp stage of the runtime benchmark). Zero plus the first
+        gradients cold (which made that first backward slower than the others;
+        benchmarks/runtime/README.md has the figures). Zero plus the first
         microbatch's gradient is that gradient, so the numbers do not change.
         A no-op once a backward of the step has run.
         """

@@ -151,8 +151,9 @@ class P2P:
     def send(self, a: Action, tensor: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         """Post a non-blocking send of ``tensor`` (or a tuple of tensors) for the SEND action ``a``.
 
-        Few tensor calls on this path: right after a compute action each costs
-        ~10 us of cold caches, which a microbatch's message paid several times.
+        Few tensor calls on this path: right after a compute action each one is
+        slow (cold caches; benchmarks/runtime/README.md), and a microbatch's
+        message paid several.
         """
         key = message_key(self.lowered, a)
         peer = self.lowered.peer(a)

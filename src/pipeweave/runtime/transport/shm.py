@@ -1,8 +1,8 @@
 """Shared-memory point-to-point transport for CPU ranks spawned on one host (``--transport auto|shm``).
 
 ``pipeweave train`` takes it by default (``--transport auto``) where
-``unavailable`` finds nothing against it; on the repository's 2-core VM it
-took about 10 ms of CPU per rank and step off gloo's 1F1B (benchmarks/runtime).
+``unavailable`` finds nothing against it: a message costs less CPU through it
+than through gloo (measured in benchmarks/runtime/README.md).
 
 Per ordered rank pair, the launcher allocates before spawning a byte ring in
 shared memory (a torch uint8 tensor) and a semaphore. The sender copies each
@@ -64,8 +64,8 @@ class Channel:
 
     def _views(self) -> None:
         # Plain memoryviews of the shared bytes: right after a compute action has evicted the
-        # caches, a send's few control reads and writes cost ~12 us through them, ~30 us as numpy
-        # scalars and more as tensor ops (2-vCPU VM, after a 1024^2 matmul).
+        # caches, a send's few control reads and writes cost less through them than as numpy
+        # scalars or tensor ops (measured in benchmarks/runtime/README.md).
         self._array = self.buffer.numpy()
         whole = memoryview(self._array)
         self.ctrl = whole[:_CTRL].cast("q")
@@ -261,7 +261,7 @@ class ShmTransport:
                     return
                 start = (written + pad) % capacity
                 words[start // 8], words[start // 8 + 1] = tag, n
-                if n:  # a plain memmove: no tensor op (each costs ~10 us right after a compute action)
+                if n:  # a plain memmove: no tensor op (each is slow right after a compute action)
                     _memmove(channel.address + start + _HEADER, address + offset, n)
                 ctrl[0] = written + pad + length
                 channel.ready.release()
