@@ -145,7 +145,7 @@ def run_step(schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Bo
              targets: Sequence[Boundary], state: Walk | None = None) -> float:
     """Run one step of a synchronous schedule; returns the mini-batch mean loss.
 
-    ``state`` replaces the walk's state (``runtime.stream`` walks an asynchronous stream with its own).
+    ``state`` replaces the walk's state (``runtime.reference`` walks an asynchronous stream with its own).
 
     Raises:
         StuckError: the schedule gets stuck (no rank can run its next action); its message ends with the
