@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeweave.data import ByteCorpus, RandomRegression
-from pipeweave.errors import UserError
+from pipeweave.errors import StuckError, UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.runtime.reference import run_reference
@@ -124,8 +124,11 @@ def test_a_stuck_schedule_names_the_next_actions() -> None:
     schedule = generate("gpipe", num_stages=2, num_microbatches=2)
     rows = [list(r) for r in schedule.actions]
     rows[1].insert(0, rows[1].pop(2))  # 1B0 before 1F0: can never run
-    with pytest.raises(RuntimeError, match="1B0"):
+    with pytest.raises(StuckError, match="1B0") as stuck:
         _run(schedule.with_actions(rows), MLP, recompute=False)
+    cause, *grid = str(stuck.value).splitlines()
+    assert cause.startswith("schedule gpipe is stuck") and len(grid) == 2  # the grid, a row per rank
+    assert "[0B0]" in grid[0] and "[1B0]" in grid[1]  # each rank's next action, bracketed
 
 
 def test_asynchronous_schedule_is_rejected() -> None:
