@@ -128,12 +128,26 @@ class LayerCosts:
     def load(cls, path: str | Path) -> LayerCosts:
         """Read costs written by ``save`` (or by ``pipeweave partition --save-costs``)."""
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"cannot read costs from {str(path)!r} ({exc}); give a JSON file of layer costs") from exc
+            data = json.loads(Path(path).read_bytes().decode("utf-8-sig"))
+        except UnicodeDecodeError as exc:
+            raise UserError(f"cannot read costs from {str(path)!r}: byte {exc.start} is not UTF-8 text; give the "
+                            "JSON file of layer costs that --save-costs writes") from None
+        except OSError as exc:
+            raise UserError(f"cannot read costs from {str(path)!r} ({exc.strerror or exc}); give a JSON file of "
+                            "layer costs") from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            reason = exc if isinstance(exc, json.JSONDecodeError) else "nested too deep"
+            raise UserError(f"cannot read costs from {str(path)!r} ({reason}); give a JSON file of layer "
+                            "costs") from None
         if not isinstance(data, dict):
             raise UserError(f"costs file {str(path)!r} holds no JSON object; give one object of per-layer lists")
-        return cls.from_json(data)
+        try:
+            return cls.from_json(data)
+        except UserError as exc:
+            raise UserError(f"costs file {str(path)!r}: {exc}") from None
+        except (TypeError, ValueError) as exc:  # a field of the wrong JSON type
+            raise UserError(f"costs file {str(path)!r} has a field of the wrong type ({exc}); give lists of "
+                            "names and of numbers, one value per layer") from None
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
