@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
-from pipeweave.commands.units import format_bytes
+from pipeweave.commands.units import check_cost_flags, format_bytes
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
 from pipeweave.schedule import generate
@@ -89,6 +90,20 @@ def partition_method(args: argparse.Namespace) -> str:
     if args.partition not in ("uniform", "explicit"):
         raise UserError(f"--layers-per-stage applies to --partition explicit, not {args.partition}; drop one of them")
     return "explicit"
+
+
+def check_partition_arguments(args: argparse.Namespace) -> None:
+    """The values of ``add_partition_arguments``' flags, one line each.
+
+    Raises:
+        UserError: a nan, infinite or absurdly large number.
+    """
+    if args.memory_limit is not None and math.isnan(args.memory_limit):
+        raise UserError("--memory-limit nan is invalid; give bytes per rank (--partition memory) or K "
+                        "(zb-auto, zb-v-auto)")
+    check_cost_flags(args, (("--optimizer-state", "number of bytes per weight byte"),))
+    if not 0 < args.bandwidth < math.inf:
+        raise UserError(f"--bandwidth {args.bandwidth} is invalid; give finite bytes per second > 0, e.g. 1e10")
 
 
 def partition_context(args: argparse.Namespace, profile: MemoryProfile | None) -> PartitionContext:
@@ -267,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("stages", "microbatches", "batch_size", "threads", "repeats"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid; give an integer >= 1")
+    check_partition_arguments(args)
     if args.save_costs:
         from pipeweave.commands.outputs import output_file
 

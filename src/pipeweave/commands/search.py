@@ -39,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeweave.schedule.text import write_csv
     from pipeweave.search import exact, problem_from_times
 
-    if args.time_limit <= 0:
-        raise UserError(f"--time-limit {args.time_limit} is invalid; give seconds > 0")
+    _check_arguments(args)
     if args.csv:
         output_file("--csv", args.csv)
     if args.plot:
@@ -49,10 +48,6 @@ def run(args: argparse.Namespace) -> int:
         args.stages, args.microbatches, vshape=args.v_shape or args.chunks == 2, time_f=args.time_f,
         time_b=args.time_b, time_w=args.time_w, time_comm=args.time_comm, memory_limit=args.memory_limit,
         mem_w=args.mem_w)
-    if args.work_limit is not None and args.work_limit <= 0:
-        raise UserError(f"--work-limit {args.work_limit} is invalid; give deterministic seconds > 0")
-    if args.workers < 0:
-        raise UserError(f"--workers {args.workers} is invalid; give 0 (the solver's default) or more")
     result = exact(problem, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
                    work_limit=args.work_limit)
     if args.csv:
@@ -73,3 +68,26 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"  plot written to {args.plot}")
     return 0
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Every flag's value, in one line each before any work."""
+    from pipeweave.commands.units import check_cost_flags
+
+    for flag in ("--stages", "--microbatches"):
+        value = getattr(args, flag[2:])
+        if value < 1:
+            raise UserError(f"{flag} {value} is invalid; give {flag} >= 1")
+    check_cost_flags(args, (("--time-f", "time"), ("--time-b", "time"), ("--time-w", "time"),
+                            ("--time-comm", "latency")))
+    if not 0.0 <= args.mem_w <= 1.0:
+        raise UserError(f"--mem-w {args.mem_w} is invalid; give a fraction in [0, 1]")
+    if not args.memory_limit * args.stages >= 1.0 - 1e-9:  # nan too
+        raise UserError(f"--memory-limit {args.memory_limit:g} holds less than one microbatch per rank; give K >= "
+                        f"1/{args.stages}, e.g. 1 (ZB-1p) or 2 (ZB-2p), or inf for no limit")
+    if not args.time_limit > 0:
+        raise UserError(f"--time-limit {args.time_limit} is invalid; give seconds > 0")
+    if args.work_limit is not None and not args.work_limit > 0:
+        raise UserError(f"--work-limit {args.work_limit} is invalid; give deterministic seconds > 0")
+    if args.workers < 0:
+        raise UserError(f"--workers {args.workers} is invalid; give 0 (the solver's default) or more")

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from pipeweave.errors import UserError
+from pipeweave.sim.cost import MAX_COST
 
 _PER_LAYER = ("forward", "input_grad", "weight_grad", "activation", "params", "output")
 
@@ -25,8 +26,16 @@ def _floats(name: str, values: Sequence[float], num_layers: int) -> tuple[float,
         raise UserError(f"{name} has {len(values)} values for {num_layers} layers; give one per layer")
     out = tuple(float(v) for v in values)
     if any(not np.isfinite(v) or v < 0 for v in out):
-        raise UserError(f"{name}={list(values)!r} has a negative or non-finite cost; give costs >= 0")
+        raise UserError(f"{name}={_short(values)} has a negative or non-finite cost; give costs >= 0")
+    if sum(out) > MAX_COST:  # each is >= 0: no single one is larger either
+        raise UserError(f"{name} sums to {sum(out):g} over the layers, more than {MAX_COST:.0e}; give seconds and "
+                        "bytes (larger costs overflow the simulator's sums or drown the smaller ones)")
     return out
+
+
+def _short(values: Sequence[float], limit: int = 8) -> str:
+    shown = ", ".join(repr(v) for v in list(values)[:limit])
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
 @dataclass(frozen=True, kw_only=True)
