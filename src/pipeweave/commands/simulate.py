@@ -11,7 +11,6 @@ import ast
 import inspect
 import json
 import operator
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pipeweave.commands.units import available_memory as _available_memory
 from pipeweave.commands.units import check_cost_flags
 from pipeweave.errors import UserError
 from pipeweave.schedule import InvalidSchedule, Schedule, generate, read_csv, validate, write_csv
@@ -122,21 +122,6 @@ def _check_size(args: argparse.Namespace) -> None:
         raise UserError(f"--stages {args.stages} x --microbatches {args.microbatches} make up to {actions:.2g} actions, "
                         f"~{actions * BYTES_PER_ACTION / 2**30:.0f} GiB to simulate, more than the "
                         f"{free / 2**30:.1f} GiB free here; give fewer stages or microbatches")
-
-
-def _available_memory() -> int | None:
-    """Bytes of memory a new allocation can have: Linux's MemAvailable (free plus reclaimable cache), else free pages."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _check_lengths(times: dict[str, Times], num_parts: int) -> None:
