@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -105,11 +106,35 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+MAX_TIMEOUT_S = 7 * 86400.0
+"""The longest --timeout: a week. A rank blocked longer on a peer has lost it; far larger values overflow
+the process group's timeout (a timedelta, then milliseconds in C++)."""
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """The launcher's and the partitioner's flags, one line each before anything is built or spawned.
+
+    Raises:
+        UserError: e.g. ``--data-parallel 0 is invalid; give P >= 1 pipeline replicas``.
+    """
+    from pipeweave.commands.partition import check_partition_arguments
+
+    if args.data_parallel < 1:
+        raise UserError(f"--data-parallel {args.data_parallel} is invalid; give P >= 1 pipeline replicas (1: none)")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # nan too
+        raise UserError(f"--timeout {args.timeout:g} is invalid; give the seconds a rank may wait on a peer, "
+                        f"> 0 and at most {MAX_TIMEOUT_S:.0f} (a week); default 25")
+    if args.lr is not None and math.isinf(args.lr):
+        raise UserError(f"--lr {args.lr} is invalid; give a finite learning rate > 0")
+    check_partition_arguments(args)
+
+
 def build_config(args: argparse.Namespace) -> Any:
     """The ``TrainConfig`` of the arguments (torch is imported only here)."""
     from pipeweave.runtime.config import TrainConfig
     from pipeweave.schedule import SCHEDULES
 
+    check_arguments(args)
     if args.model == "gpt":
         for name, value in DEFAULT_GPT.items():
             if getattr(args, name, None) is None:
