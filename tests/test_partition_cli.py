@@ -129,11 +129,11 @@ def test_profiles_a_real_model_once(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def train_config(argv: list[str]):  # type: ignore[no-untyped-def]
-    from pipeweave.commands import train
+    from pipeweave.commands import train, train_run
 
     parser = argparse.ArgumentParser()
     train.add_parser(parser.add_subparsers()).set_defaults(run=train.run)
-    return train.build_config(parser.parse_args(["train", "--model", "mlp", "--layers", "8", *argv]))
+    return train_run.build_config(parser.parse_args(["train", "--model", "mlp", "--layers", "8", *argv]))
 
 
 def test_train_takes_the_partition_and_the_data_parallel_degree(head_heavy: Path) -> None:

@@ -30,9 +30,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _negative_value(word: str) -> bool:
+    """``-1,5``, ``-inf``, ``-1e5``: a negative number or a list starting with one, which argparse takes for an option."""
+    if not word.startswith("-") or word.startswith("--"):
+        return False
+    if "," in word:
+        return word[1:2].isdigit() or word[1:2] == "." or word[1:4].lower() in ("inf", "nan")
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _attach_negative_values(argv: Sequence[str]) -> list[str]:
+    """``["--layers-per-stage", "-1,5"]`` -> ``["--layers-per-stage=-1,5"]``, so the command can refuse the value.
+
+    argparse reads "-1" as a value but "-1,5", "-inf" or "-1e5" as an unknown option, and
+    answers "expected one argument"; no option's name is such a number, so the word is the
+    value of the long option before it.
+    """
+    out: list[str] = []
+    for word in argv:
+        if out and _negative_value(word) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
     if not hasattr(args, "run"):
         parser.print_help()
         return 2

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
-from pipeweave.commands.units import format_bytes
+from pipeweave.commands.units import check_cost_flags, format_bytes
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
 from pipeweave.schedule import generate
@@ -91,6 +92,23 @@ def partition_method(args: argparse.Namespace) -> str:
     return "explicit"
 
 
+def check_partition_arguments(args: argparse.Namespace) -> None:
+    """The values of ``add_partition_arguments``' flags, one line each (shared by ``partition`` and ``train``).
+
+    Raises:
+        UserError: a count list with a negative count, a nan or infinite number, or too few repeats.
+    """
+    parse_counts(args.layers_per_stage)
+    if args.memory_limit is not None and math.isnan(args.memory_limit):
+        raise UserError("--memory-limit nan is invalid; give bytes per rank (--partition memory) or K "
+                        "(zb-auto, zb-v-auto)")
+    check_cost_flags(args, (("--optimizer-state", "number of bytes per weight byte"),))
+    if not 0 < args.bandwidth < math.inf:
+        raise UserError(f"--bandwidth {args.bandwidth} is invalid; give finite bytes per second > 0, e.g. 1e10")
+    if args.repeats < 1:
+        raise UserError(f"--repeats {args.repeats} is invalid; give an integer >= 1")
+
+
 def partition_context(args: argparse.Namespace, profile: MemoryProfile | None) -> PartitionContext:
     return PartitionContext(
         counts=parse_counts(args.layers_per_stage), memory_limit=args.memory_limit, profile=profile,
@@ -103,9 +121,14 @@ def parse_counts(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
     try:
-        return tuple(int(x) for x in text.split(","))
+        counts = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise UserError(f"--layers-per-stage {text!r} is not a list of integers; write e.g. 3,2,2,1") from None
+    negative = [c for c in counts if c < 0]
+    if negative:
+        raise UserError(f"--layers-per-stage {text} has a negative layer count ({negative[0]}); give every part "
+                        "at least one layer, e.g. 3,2,2,1")
+    return counts
 
 
 def model_spec(args: argparse.Namespace) -> Any:
@@ -140,8 +163,34 @@ def layer_costs(args: argparse.Namespace) -> LayerCosts:
     # Imported here, when profiling: ``pipeweave partition --costs FILE`` and the other commands need no torch.
     from pipeweave.commands.profiled import profiled_costs
 
+    check_device(args.device)
     return profiled_costs(args, model_spec(args), args.batch_size // args.microbatches, args.device,
                           threads=args.threads)
+
+
+def check_device(device: str) -> None:
+    """Refuse, in one line, a ``--device`` torch does not know or this machine does not have.
+
+    Raises:
+        UserError: e.g. ``--device banana is not a device; give cpu, or cuda / cuda:N on a machine with a GPU``.
+    """
+    import torch
+
+    fix = "give cpu, or cuda / cuda:N on a machine with a GPU"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise UserError(f"--device {device} is not a device; {fix}") from None
+    if parsed.type == "cpu":
+        return
+    if parsed.type != "cuda":
+        raise UserError(f"--device {device}: pipeweave profiles on cpu or cuda, not {parsed.type}; {fix}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise UserError(f"--device {device}: this machine has no CUDA GPU torch can use; give --device cpu")
+    if parsed.index is not None and parsed.index >= count:
+        raise UserError(f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; "
+                        "give one of them")
 
 
 def part_costs(costs: LayerCosts, plan: Partition) -> dict[str, list[float]]:
@@ -227,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("stages", "microbatches", "batch_size", "threads", "repeats"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid; give an integer >= 1")
+    check_partition_arguments(args)
     if args.save_costs:
         from pipeweave.commands.outputs import output_file
 

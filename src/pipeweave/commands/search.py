@@ -39,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeweave.schedule.text import write_csv
     from pipeweave.search import exact, problem_from_times
 
-    if args.time_limit <= 0:
-        raise UserError(f"--time-limit {args.time_limit} is invalid; give seconds > 0")
+    _check_arguments(args)
     if args.csv:
         output_file("--csv", args.csv)
     if args.plot:
@@ -49,10 +48,6 @@ def run(args: argparse.Namespace) -> int:
         args.stages, args.microbatches, vshape=args.v_shape or args.chunks == 2, time_f=args.time_f,
         time_b=args.time_b, time_w=args.time_w, time_comm=args.time_comm, memory_limit=args.memory_limit,
         mem_w=args.mem_w)
-    if args.work_limit is not None and args.work_limit <= 0:
-        raise UserError(f"--work-limit {args.work_limit} is invalid; give deterministic seconds > 0")
-    if args.workers < 0:
-        raise UserError(f"--workers {args.workers} is invalid; give 0 (the solver's default) or more")
     result = exact(problem, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
                    work_limit=args.work_limit)
     if args.csv:
@@ -73,3 +68,78 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"  plot written to {args.plot}")
     return 0
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Every flag's value, then the problem's size, in one line each before any work."""
+    from pipeweave.commands.units import check_cost_flags
+
+    for flag in ("--stages", "--microbatches"):
+        value = getattr(args, flag[2:])
+        if value < 1:
+            raise UserError(f"{flag} {value} is invalid; give {flag} >= 1")
+    check_cost_flags(args, (("--time-f", "time"), ("--time-b", "time"), ("--time-w", "time"),
+                            ("--time-comm", "latency")))
+    if not 0.0 <= args.mem_w <= 1.0:
+        raise UserError(f"--mem-w {args.mem_w} is invalid; give a fraction in [0, 1]")
+    if not args.memory_limit * args.stages >= 1.0 - 1e-9:  # nan too
+        raise UserError(f"--memory-limit {args.memory_limit:g} holds less than one microbatch per rank; give K >= "
+                        f"1/{args.stages}, e.g. 1 (ZB-1p) or 2 (ZB-2p), or inf for no limit")
+    if not args.time_limit > 0:
+        raise UserError(f"--time-limit {args.time_limit} is invalid; give seconds > 0")
+    if args.work_limit is not None and not args.work_limit > 0:
+        raise UserError(f"--work-limit {args.work_limit} is invalid; give deterministic seconds > 0")
+    if args.workers < 0:
+        raise UserError(f"--workers {args.workers} is invalid; give 0 (the solver's default) or more")
+    _check_size(args)
+
+
+BYTES_PER_ACTION = 400
+"""Memory the search takes per action (F, I or W of one stage and microbatch), measured with the heuristic,
+which always runs: D=256 T=1024 (786 k actions) peaks at 296 MB."""
+SECONDS_PER_ACTION = 40e-6
+"""Time the parts of a search that --time-limit cannot stop take per action (the heuristic, then checking and
+simulating the result), measured on 2 cores: D=256 T=1024 takes 33 s."""
+MIN_UNSTOPPABLE_S = 60.0
+"""A search the time limit cannot stop is refused only when it would overrun 10 x --time-limit and this."""
+
+
+def _check_size(args: argparse.Namespace) -> None:
+    """Refuse, in one line, a search too large for this machine's free memory or far beyond its --time-limit.
+
+    The solver stops at --time-limit with its best so far, but the heuristic it starts from, and the
+    checks of the result, run to their end whatever the limit: their memory and time grow with the
+    actions, 3 x D x T x chunks.
+    """
+    from pipeweave.commands.units import available_memory
+
+    chunks = 2 if args.v_shape or args.chunks == 2 else 1
+    actions = 3 * args.stages * args.microbatches * chunks
+    size = f"--stages {args.stages} x --microbatches {args.microbatches}{' x 2 chunks' if chunks == 2 else ''}"
+    free = available_memory()
+    if free is not None and actions * BYTES_PER_ACTION > free:
+        raise UserError(f"{size} make {actions:.2g} actions, ~{_gib(actions * BYTES_PER_ACTION)} to search "
+                        f"({BYTES_PER_ACTION} B each), more than the {free / 2**30:.1f} GiB free here; give fewer "
+                        f"stages or microbatches (at most ~{free // BYTES_PER_ACTION:.2g} actions fit)")
+    seconds = actions * SECONDS_PER_ACTION
+    allowed = max(10 * args.time_limit, MIN_UNSTOPPABLE_S)
+    if seconds > allowed:
+        raise UserError(f"{size} make {actions:.2g} actions, ~{_duration(seconds)} of search that --time-limit "
+                        f"cannot stop (~{SECONDS_PER_ACTION * 1e6:.0f} us each), more than "
+                        f"{_duration(allowed)} (10 x --time-limit {args.time_limit:g}, at least "
+                        f"{MIN_UNSTOPPABLE_S:.0f} s); give fewer stages or microbatches "
+                        f"(at most ~{allowed / SECONDS_PER_ACTION:.2g} actions) or a larger --time-limit")
+
+
+def _gib(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30)):
+        if n >= size:
+            return f"{n / size:.0f} {unit}"
+    return f"{n / 2**20:.0f} MiB"
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"

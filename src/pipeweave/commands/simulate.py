@@ -11,7 +11,6 @@ import ast
 import inspect
 import json
 import operator
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,10 +19,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pipeweave.commands.units import available_memory as _available_memory
+from pipeweave.commands.units import check_cost_flags
 from pipeweave.errors import UserError
 from pipeweave.schedule import InvalidSchedule, Schedule, generate, read_csv, validate, write_csv
 from pipeweave.schedule.registry import SCHEDULES, ScheduleInfo
 from pipeweave.sim import CostModel, Metrics, compute_metrics, simulate
+from pipeweave.sim.cost import cost_problem
 from pipeweave.sim.textline import format_timeline
 
 Times = float | list[float]
@@ -82,7 +84,12 @@ def parse_times(flag: str, text: str) -> Times:
         raise UserError(f"{flag} {text!r} is not a number; give one time, or one per part as a comma list") from None
     if any(v < 0 for v in values):
         raise UserError(f"{flag} {text!r} has a negative time; give times >= 0")
-    return values[0] if len(values) == 1 and "," not in text else values
+    scalar = len(values) == 1 and "," not in text
+    for v in values:
+        problem = cost_problem(v)
+        if problem is not None:
+            raise UserError(f"{flag} {text.strip()} {problem}" if scalar else f"{flag} {text!r}: {v:g} {problem}")
+    return values[0] if scalar else values
 
 
 def _check_counts(args: argparse.Namespace) -> None:
@@ -90,12 +97,12 @@ def _check_counts(args: argparse.Namespace) -> None:
                         ("--chunks", args.chunks), ("--width", args.width)):
         if value is not None and value < 1:
             raise UserError(f"{flag} {value} is invalid; give {flag} >= 1")
-    if args.time_comm < 0:
-        raise UserError(f"--time-comm {args.time_comm} is invalid; give a latency >= 0")
-    if args.time_dispatch < 0:
-        raise UserError(f"--time-dispatch {args.time_dispatch} is invalid; give a time >= 0")
+    check_cost_flags(args, (("--time-comm", "latency"), ("--time-dispatch", "time")))
     if not 0.0 <= args.mem_w <= 1.0:
         raise UserError(f"--mem-w {args.mem_w} is invalid; give a fraction in [0, 1]")
+    if args.memory_limit is not None and not args.memory_limit * args.stages >= 1.0 - 1e-9:  # nan too
+        raise UserError(f"--memory-limit {args.memory_limit:g} holds less than one microbatch per rank; give K >= "
+                        f"1/{args.stages}, e.g. 1 (ZB-1p) or 2 (ZB-2p), or inf for no limit")
     _check_size(args)
 
 
@@ -115,21 +122,6 @@ def _check_size(args: argparse.Namespace) -> None:
         raise UserError(f"--stages {args.stages} x --microbatches {args.microbatches} make up to {actions:.2g} actions, "
                         f"~{actions * BYTES_PER_ACTION / 2**30:.0f} GiB to simulate, more than the "
                         f"{free / 2**30:.1f} GiB free here; give fewer stages or microbatches")
-
-
-def _available_memory() -> int | None:
-    """Bytes of memory a new allocation can have: Linux's MemAvailable (free plus reclaimable cache), else free pages."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _check_lengths(times: dict[str, Times], num_parts: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import time
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipeweave.commands.partition import memory_profile, model_spec, parse_counts, partition_context, partition_method
+from pipeweave.commands.partition import check_partition_arguments, memory_profile, model_spec, parse_counts, partition_context, partition_method
 from pipeweave.commands.profiled import profiled_costs
 from pipeweave.commands.stream_options import async_options
 from pipeweave.commands.train_report import build_report, output_paths, print_summary, write_outputs
@@ -41,8 +42,30 @@ DEFAULT_SCHEDULES = ("zb-h1", "1f1b")
 DEFAULT_GPT = {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64}
 
 
+MAX_TIMEOUT_S = 7 * 86400.0
+"""The longest --timeout: a week. A rank blocked longer on a peer has lost it; far larger values overflow
+the process group's timeout (a timedelta, then milliseconds in C++)."""
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """The launcher's and the partitioner's flags, one line each before anything is built or spawned.
+
+    Raises:
+        UserError: e.g. ``--data-parallel 0 is invalid; give P >= 1 pipeline replicas``.
+    """
+    if args.data_parallel < 1:
+        raise UserError(f"--data-parallel {args.data_parallel} is invalid; give P >= 1 pipeline replicas (1: none)")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # nan too
+        raise UserError(f"--timeout {args.timeout:g} is invalid; give the seconds a rank may wait on a peer, "
+                        f"> 0 and at most {MAX_TIMEOUT_S:.0f} (a week); default 25")
+    if args.lr is not None and math.isinf(args.lr):
+        raise UserError(f"--lr {args.lr} is invalid; give a finite learning rate > 0")
+    check_partition_arguments(args)
+
+
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """The ``TrainConfig`` of the arguments."""
+    check_arguments(args)
     if args.model == "gpt":
         for name, value in DEFAULT_GPT.items():
             if getattr(args, name, None) is None:

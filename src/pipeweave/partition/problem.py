@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from pipeweave.errors import UserError
+from pipeweave.sim.cost import MAX_COST
 
 _PER_LAYER = ("forward", "input_grad", "weight_grad", "activation", "params", "output")
 
@@ -25,8 +26,16 @@ def _floats(name: str, values: Sequence[float], num_layers: int) -> tuple[float,
         raise UserError(f"{name} has {len(values)} values for {num_layers} layers; give one per layer")
     out = tuple(float(v) for v in values)
     if any(not np.isfinite(v) or v < 0 for v in out):
-        raise UserError(f"{name}={list(values)!r} has a negative or non-finite cost; give costs >= 0")
+        raise UserError(f"{name}={_short(values)} has a negative or non-finite cost; give costs >= 0")
+    if sum(out) > MAX_COST:  # each is >= 0: no single one is larger either
+        raise UserError(f"{name} sums to {sum(out):g} over the layers, more than {MAX_COST:.0e}; give seconds and "
+                        "bytes (larger costs overflow the simulator's sums or drown the smaller ones)")
     return out
+
+
+def _short(values: Sequence[float], limit: int = 8) -> str:
+    shown = ", ".join(repr(v) for v in list(values)[:limit])
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,12 +137,26 @@ class LayerCosts:
     def load(cls, path: str | Path) -> LayerCosts:
         """Read costs written by ``save`` (or by ``pipeweave partition --save-costs``)."""
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"cannot read costs from {str(path)!r} ({exc}); give a JSON file of layer costs") from exc
+            data = json.loads(Path(path).read_bytes().decode("utf-8-sig"))
+        except UnicodeDecodeError as exc:
+            raise UserError(f"cannot read costs from {str(path)!r}: byte {exc.start} is not UTF-8 text; give the "
+                            "JSON file of layer costs that --save-costs writes") from None
+        except OSError as exc:
+            raise UserError(f"cannot read costs from {str(path)!r} ({exc.strerror or exc}); give a JSON file of "
+                            "layer costs") from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            reason = exc if isinstance(exc, json.JSONDecodeError) else "nested too deep"
+            raise UserError(f"cannot read costs from {str(path)!r} ({reason}); give a JSON file of layer "
+                            "costs") from None
         if not isinstance(data, dict):
             raise UserError(f"costs file {str(path)!r} holds no JSON object; give one object of per-layer lists")
-        return cls.from_json(data)
+        try:
+            return cls.from_json(data)
+        except UserError as exc:
+            raise UserError(f"costs file {str(path)!r}: {exc}") from None
+        except (TypeError, ValueError) as exc:  # a field of the wrong JSON type
+            raise UserError(f"costs file {str(path)!r} has a field of the wrong type ({exc}); give lists of "
+                            "names and of numbers, one value per layer") from None
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))

@@ -49,8 +49,9 @@ def parse_action(text: str) -> Action:
     """
     match = _ACTION.match(text)
     if match is None:
+        shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "..."
         raise ScheduleError(
-            f"cannot read action {text!r}; write <stage><op><microbatch> with op one of "
+            f"cannot read action {shown}; write <stage><op><microbatch> with op one of "
             "F B I W U SEND_F RECV_F SEND_B RECV_B, e.g. 2F0"
         )
     stage, op, microbatch = match.groups()
@@ -141,17 +142,25 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
         ScheduleError: a cell is not an action, or a stage appears on two ranks.
     """
     header = next((line for line in text.splitlines() if line.startswith(_HEADER)), None)
-    body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
     rows: list[list[Action]] = []
-    for line_no, cells in enumerate(csv.reader(io.StringIO(body)), start=1):
+    row_lines: list[int] = []  # each row's line in the text, counting comment lines
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if line.startswith("#"):
+            continue
+        cells = next(csv.reader([line]), [])
         try:
             rows.append([parse_action(c) for c in cells if c.strip() and c.strip() != "None"])
         except ScheduleError as exc:
             raise ScheduleError(f"line {line_no}: {exc}") from None
-    while rows and not rows[-1]:
+        row_lines.append(line_no)
+    while rows and not rows[-1]:  # blank lines at the end are not ranks
         rows.pop()
     if not rows:
         raise ScheduleError("the CSV holds no actions; give one row of actions per rank")
+    for rank, row in enumerate(rows):
+        if not row:  # torch would read it as a rank with nothing to do: a pipeline has none
+            raise ScheduleError(f"line {row_lines[rank]} holds no actions, so rank {rank} would have none; "
+                                "give every rank its row of actions and delete blank lines between rows")
     if header is not None:
         schedule = _parse_header(header, name, rows)
         if schedule.is_synchronous and not any(a.op is Op.U for row in rows for a in row):
@@ -185,5 +194,29 @@ def write_csv(schedule: Schedule, path: str | Path, *, updates: bool = True) -> 
 
 
 def read_csv(path: str | Path, *, name: str | None = None) -> Schedule:
-    """Read a CSV file (see ``from_csv``); the schedule is named after the file."""
-    return from_csv(Path(path).read_text(), name=name or Path(path).stem)
+    """Read a CSV file (see ``from_csv``); the schedule is named after the file.
+
+    Raises:
+        ScheduleError: the file cannot be read, is not UTF-8 text (a byte-order mark is
+            allowed), or holds a bad CSV (``from_csv``).
+    """
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ScheduleError(f"cannot read {str(path)!r} ({exc.strerror or exc}); give a CSV schedule file") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        utf16 = data[:2] in (b"\xff\xfe", b"\xfe\xff")
+        raise ScheduleError(
+            f"{str(path)!r} is not UTF-8 text ({'UTF-16' if utf16 else f'byte {exc.start} is not UTF-8'}); "
+            "give a CSV schedule saved as UTF-8"
+        ) from None
+    if "\x00" in text:
+        raise ScheduleError(f"{str(path)!r} holds NUL bytes, so it is no text file; give a CSV schedule saved as UTF-8")
+    try:
+        return from_csv(text, name=name or Path(path).stem)
+    except ScheduleError as exc:
+        if type(exc) is not ScheduleError:
+            raise
+        raise ScheduleError(f"{str(path)!r}: {exc}") from None

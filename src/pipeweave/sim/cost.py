@@ -10,12 +10,38 @@ gives each part its own value, as is, for load imbalance.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeweave.errors import UserError
 
 Value = float | Sequence[float]
+
+MAX_COST = 1e15
+"""The largest time, latency or memory a cost model takes. A simulated step sums up to
+billions of them: beyond 1e15 those sums overflow (1e308 is inf after one addition) or
+lose every smaller cost beside them (float64 holds 16 digits), so bubble and makespan
+come out nan or wrong. 1e15 is 31 years in microseconds or a petabyte in bytes."""
+
+
+def cost_problem(value: float, what: str = "time") -> str | None:
+    """Why ``value`` cannot be a cost, as the end of a one-line message naming the fix; None when it can.
+
+    Example:
+        >>> cost_problem(float("nan"))
+        'is invalid; give a finite time >= 0'
+        >>> cost_problem(2.5) is None
+        True
+    """
+    if math.isnan(value) or math.isinf(value):
+        return f"is invalid; give a finite {what} >= 0"
+    if value < 0:
+        return f"is invalid; give a {what} >= 0"
+    if value > MAX_COST:
+        return (f"is too large; give a {what} <= {MAX_COST:.0e} (larger ones overflow the simulator's sums "
+                "or drown the smaller costs)")
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,12 +79,18 @@ class CostModel:
         for name in ("f", "b", "w", "u", "activation", "weight"):
             value = getattr(self, name)
             values = [value] if isinstance(value, (int, float)) else list(value)
-            if not values or any(v < 0 for v in values):
+            if not values:
                 raise UserError(f"cost {name}={value!r} is invalid; give times and memory >= 0")
-        if self.comm < 0:
-            raise UserError(f"comm={self.comm!r} is invalid; give a latency >= 0")
-        if self.dispatch < 0:
-            raise UserError(f"dispatch={self.dispatch!r} is invalid; give a time >= 0")
+            what = "memory" if name in ("activation", "weight") else "time"
+            for v in values:
+                problem = cost_problem(v, what)
+                if problem is not None:
+                    shown = f"cost {name}={value!r}" if v is value else f"cost {name}={list(values)!r}: {v!r}"
+                    raise UserError(f"{shown} {problem}")
+        for name, what in (("comm", "latency"), ("dispatch", "time")):
+            problem = cost_problem(getattr(self, name), what)
+            if problem is not None:
+                raise UserError(f"{name}={getattr(self, name)!r} {problem}")
         if not 0.0 <= self.mem_w <= 1.0:
             raise UserError(f"mem_w={self.mem_w!r} is invalid; give a fraction in [0, 1]")
 

@@ -1,0 +1,88 @@
+"""``pipeweave train``'s and ``partition``'s flags: a bad value is one line (exit 2) before anything is spawned.
+
+Before, ``--data-parallel 0`` was a ZeroDivisionError, ``--timeout 0`` or ``-1`` ran into
+40 lines of c10d logs, ``--layers-per-stage -1,5`` was argparse's "expected one argument",
+and ``partition --device banana`` a RuntimeError from torch.
+"""
+
+from __future__ import annotations
+
+from unittest.mock import patch
+
+import pytest
+
+from pipeweave.cli import main
+
+TRAIN = ["train", "--model", "mlp", "--layers", "4", "--hidden", "8", "--steps", "1", "--quiet"]
+PARTITION = ["partition", "--model", "mlp", "--layers", "4", "--hidden", "8", "--stages", "2"]
+NOTHING_DONE = ("pipeweave.runtime.run.launch._spawn", "pipeweave.commands.profiled.profile_model")
+
+
+def _one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    with patch(NOTHING_DONE[0], side_effect=AssertionError("spawned ranks")), \
+            patch(NOTHING_DONE[1], side_effect=AssertionError("profiled the model")):
+        code = main(argv)
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert code == 2, captured
+    assert len(err.splitlines()) == 1 and "Traceback" not in captured.err, err
+    assert err.startswith(f"pipeweave {argv[0]}: error: "), err
+    return err
+
+
+TIMEOUT = "is invalid; give the seconds a rank may wait on a peer, > 0 and at most 604800 (a week); default 25"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--data-parallel", "0"], "--data-parallel 0 is invalid; give P >= 1 pipeline replicas (1: none)"),
+    (["--data-parallel", "-2"], "--data-parallel -2 is invalid; give P >= 1"),
+    (["--timeout", "0"], f"--timeout 0 {TIMEOUT}"),
+    (["--timeout", "-1"], f"--timeout -1 {TIMEOUT}"),
+    (["--timeout", "nan"], f"--timeout nan {TIMEOUT}"),
+    (["--timeout", "1e300"], f"--timeout 1e+300 {TIMEOUT}"),
+    (["--layers-per-stage", "-1,5"], "--layers-per-stage -1,5 has a negative layer count (-1); give every part at "
+                                     "least one layer, e.g. 3,2,2,1"),
+    (["--layers-per-stage=-1,5"], "--layers-per-stage -1,5 has a negative layer count (-1)"),
+    (["--layers-per-stage", "3,-2,3"], "--layers-per-stage 3,-2,3 has a negative layer count (-2)"),
+    (["--lr", "inf"], "--lr inf is invalid; give a finite learning rate > 0"),
+    (["--lr", "-inf"], "--lr -inf is invalid"),
+    (["--repeats", "0", "--partition", "time"], "--repeats 0 is invalid; give an integer >= 1"),
+    (["--optimizer-state", "nan"], "--optimizer-state nan is invalid"),
+])
+def test_train_refuses_a_bad_flag_before_spawning(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _one_line(capsys, [*TRAIN, *argv])
+    assert message in err, err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--device", "banana"], "--device banana is not a device; give cpu, or cuda / cuda:N on a machine with a GPU"),
+    (["--device", "meta"], "--device meta: pipeweave profiles on cpu or cuda, not meta"),
+    (["--layers-per-stage", "-1,5"], "--layers-per-stage -1,5 has a negative layer count (-1)"),
+    (["--partition", "explicit", "--layers-per-stage", "-3,7"], "--layers-per-stage -3,7 has a negative layer count"),
+])
+def test_partition_refuses_a_bad_flag_before_profiling(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _one_line(capsys, [*PARTITION, *argv])
+    assert message in err, err
+
+
+def test_partition_on_a_gpu_this_machine_lacks_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    err = _one_line(capsys, [*PARTITION, "--device", f"cuda:{count}"])
+    wanted = "this machine has no CUDA GPU torch can use" if count == 0 else f"this machine has {count} CUDA GPU(s)"
+    assert f"--device cuda:{count}: {wanted}" in err, err
+
+
+@pytest.mark.parametrize("words", [["--time-f", "-1,2"], ["--time-w", "-inf"], ["--time-b", "-1e3"]])
+def test_a_negative_value_reaches_the_command_not_argparse(
+    words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", *words]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"pipeweave simulate: error: {words[0]} ") and "negative time" in err, err
+    assert len(err.splitlines()) == 1
