@@ -1,14 +1,8 @@
 """Point-to-point transport of a lowered schedule: isend/irecv posted in one per-pair order.
 
-Every message is named by a key ``(sender stage, kind, microbatch)``: kind 0
-carries an activation forward (``SEND_F`` -> ``RECV_F``), 1 an input gradient
-backward (``SEND_B`` -> ``RECV_B``), 2 a replicated part's whole weight
-gradient to the ranks of its other replicas (Chimera, GEMS, DualPipe; sent
-as soon as the replica's last B/W of the step is done, summed before ``U``),
-3 a tied embedding/head gradient (``runtime.stage.tied``, exchanged at ``U``: that
-module posts it; the transport only keeps its place in the order).
-
-The order of every message between two ranks is ``transport.order``'s.
+Every message is named by a key ``(sender stage, kind, microbatch)`` and
+posted in the order ``transport.order`` derives from the lowered schedule,
+the same on both ends of a pair (as NCCL needs).
 
 Shapes travel once: the first message of each ``(sender stage, kind)``
 activation stream is preceded by a small metadata tensor holding the dtype
