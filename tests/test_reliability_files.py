@@ -7,27 +7,15 @@ schedule silently became a rank with no actions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import json
 import os
 from pathlib import Path
-from unittest.mock import patch
 
 import pytest
 
-from pipeweave.cli import main
 from pipeweave.partition import LayerCosts
 from pipeweave.schedule import ScheduleError, from_csv, read_csv
-
-
-def _one_line(capsys: pytest.CaptureFixture[str], argv: list[str], work: str) -> str:
-    with patch(work, side_effect=AssertionError("worked on a file it could not read")):
-        code = main(argv)
-    captured = capsys.readouterr()
-    err = captured.err.strip()
-    assert code == 2, captured
-    assert len(err.splitlines()) == 1 and "Traceback" not in captured.err, err
-    assert err.startswith(f"pipeweave {argv[0]}: error: "), err
-    return err
 
 
 BINARY = b"{" + bytes([0xBA, 0x00, 0xFF]) + os.urandom(4092)  # not UTF-8 from its second byte on
@@ -43,24 +31,24 @@ UTF16_CSV = "0F0,0B0\n1F0,1B0\n".encode("utf-16")  # with its byte-order mark, a
     (b"\x00\x01\x02 not json", "Expecting value: line 1 column 1"),
 ])
 def test_partition_costs_that_are_no_json_text_are_one_line(
-    content: bytes, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    content: bytes, message: str, tmp_path: Path, cli_error: Callable[..., str]
 ) -> None:
     path = tmp_path / "x.json"
     path.write_bytes(content)
-    err = _one_line(capsys, ["partition", "--stages", "2", "--costs", str(path)],
+    err = cli_error(["partition", "--stages", "2", "--costs", str(path)],
                     "pipeweave.commands.partition.plan_and_predict")
     assert f"cannot read costs from {str(path)!r}" in err and message in err, err
 
 
 @pytest.mark.parametrize(("field", "value"), [("forward", 5), ("forward", ["a", "b", "c", "d"]), ("names", 3)])
 def test_partition_costs_of_the_wrong_json_type_are_one_line(
-    field: str, value: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    field: str, value: object, tmp_path: Path, cli_error: Callable[..., str]
 ) -> None:
     data = LayerCosts.uniform(4).to_json()
     data[field] = value
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(data))
-    err = _one_line(capsys, ["partition", "--stages", "2", "--costs", str(path)],
+    err = cli_error(["partition", "--stages", "2", "--costs", str(path)],
                     "pipeweave.commands.partition.plan_and_predict")
     assert f"costs file {str(path)!r} has a field of the wrong type" in err, err
 
@@ -79,18 +67,18 @@ def test_a_costs_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
     ("0F0,0B0\n".encode("utf-16-le"), "holds NUL bytes, so it is no text file"),
 ])
 def test_simulate_from_csv_that_is_no_utf8_text_is_one_line(
-    content: bytes, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    content: bytes, message: str, tmp_path: Path, cli_error: Callable[..., str]
 ) -> None:
     path = tmp_path / "s.csv"
     path.write_bytes(content)
-    err = _one_line(capsys, ["simulate", "--from-csv", str(path)], "pipeweave.commands.simulate.simulate")
+    err = cli_error(["simulate", "--from-csv", str(path)], "pipeweave.commands.simulate.simulate")
     assert f"{str(path)!r} {message}" in err, err
 
 
-def test_a_blank_line_inside_a_csv_is_refused_with_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_blank_line_inside_a_csv_is_refused_with_its_line(tmp_path: Path, cli_error: Callable[..., str]) -> None:
     path = tmp_path / "s.csv"
     path.write_text("0F0,0B0\n\n1F0,1B0\n")
-    err = _one_line(capsys, ["simulate", "--from-csv", str(path)], "pipeweave.commands.simulate.simulate")
+    err = cli_error(["simulate", "--from-csv", str(path)], "pipeweave.commands.simulate.simulate")
     assert (f"{str(path)!r}: line 2 holds no actions, so rank 1 would have none; give every rank its row of "
             "actions and delete blank lines between rows") in err, err
 

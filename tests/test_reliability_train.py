@@ -7,7 +7,7 @@ and ``partition --device banana`` a RuntimeError from torch.
 
 from __future__ import annotations
 
-from unittest.mock import patch
+from collections.abc import Callable
 
 import pytest
 
@@ -16,18 +16,6 @@ from pipeweave.cli import main
 TRAIN = ["train", "--model", "mlp", "--layers", "4", "--hidden", "8", "--steps", "1", "--quiet"]
 PARTITION = ["partition", "--model", "mlp", "--layers", "4", "--hidden", "8", "--stages", "2"]
 NOTHING_DONE = ("pipeweave.runtime.run.launch._spawn", "pipeweave.commands.profiled.profile_model")
-
-
-def _one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    with patch(NOTHING_DONE[0], side_effect=AssertionError("spawned ranks")), \
-            patch(NOTHING_DONE[1], side_effect=AssertionError("profiled the model")):
-        code = main(argv)
-    captured = capsys.readouterr()
-    err = captured.err.strip()
-    assert code == 2, captured
-    assert len(err.splitlines()) == 1 and "Traceback" not in captured.err, err
-    assert err.startswith(f"pipeweave {argv[0]}: error: "), err
-    return err
 
 
 TIMEOUT = "is invalid; give the seconds a rank may wait on a peer, > 0 and at most 604800 (a week); default 25"
@@ -50,9 +38,9 @@ TIMEOUT = "is invalid; give the seconds a rank may wait on a peer, > 0 and at mo
     (["--optimizer-state", "nan"], "--optimizer-state nan is invalid"),
 ])
 def test_train_refuses_a_bad_flag_before_spawning(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    argv: list[str], message: str, cli_error: Callable[..., str]
 ) -> None:
-    err = _one_line(capsys, [*TRAIN, *argv])
+    err = cli_error([*TRAIN, *argv], *NOTHING_DONE)
     assert message in err, err
 
 
@@ -63,17 +51,17 @@ def test_train_refuses_a_bad_flag_before_spawning(
     (["--partition", "explicit", "--layers-per-stage", "-3,7"], "--layers-per-stage -3,7 has a negative layer count"),
 ])
 def test_partition_refuses_a_bad_flag_before_profiling(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    argv: list[str], message: str, cli_error: Callable[..., str]
 ) -> None:
-    err = _one_line(capsys, [*PARTITION, *argv])
+    err = cli_error([*PARTITION, *argv], *NOTHING_DONE)
     assert message in err, err
 
 
-def test_partition_on_a_gpu_this_machine_lacks_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_partition_on_a_gpu_this_machine_lacks_is_one_line(cli_error: Callable[..., str]) -> None:
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    err = _one_line(capsys, [*PARTITION, "--device", f"cuda:{count}"])
+    err = cli_error([*PARTITION, "--device", f"cuda:{count}"], *NOTHING_DONE)
     wanted = "this machine has no CUDA GPU torch can use" if count == 0 else f"this machine has {count} CUDA GPU(s)"
     assert f"--device cuda:{count}: {wanted}" in err, err
 
