@@ -9,8 +9,9 @@ result. Two ways in:
   rank and watches them. The first failure -- an exception, a process that
   dies, Ctrl-C or SIGTERM to the launcher -- terminates every other rank at
   once, prints the cause once and raises ``RankFailure`` (exit code non-zero).
-  Children ignore SIGINT (the launcher owns Ctrl-C) and die with their parent
-  (``PR_SET_PDEATHSIG``), so nothing is left behind.
+  Children ignore SIGINT (the launcher owns Ctrl-C) and die with the launcher
+  however it ends (SIGKILL, the OOM killer: ``process.die_with_process``); the
+  fork server they came from leaves with its last child, so nothing is left behind.
 - **torchrun** (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set): the process
   joins the existing group; torchrun's agents watch the processes and the
   process-group timeout ends ranks whose peer on another node vanished.
@@ -34,8 +35,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeweave.errors import StuckError
-from pipeweave.runtime.process import (device_for, die_with_parent, keep_freed_host_memory, set_progress_sink,
-                                       set_wait_timeout, under_torchrun)
+from pipeweave.runtime.process import (device_for, die_with_parent, die_with_process, keep_freed_host_memory,
+                                       set_progress_sink, set_wait_timeout, start_time, under_torchrun)
 from pipeweave.runtime.transport import shm
 
 RankFn = Callable[[int, int, Any], Any]
@@ -170,10 +171,11 @@ def _spawn(
         capacity = options.shm_capacity or shm.DEFAULT_CAPACITY
         if options.transport == "shm" or shm.unavailable(num_ranks, capacity) is None:
             channels = shm.make_channels(ctx, num_ranks, capacity)
+    launcher = (os.getpid(), start_time(os.getpid()))  # whom the ranks die with
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, payload, rank, num_ranks, store.port, options, results, channels),
+            args=(fn, payload, rank, num_ranks, store.port, options, results, channels, launcher),
             daemon=True,
             name=f"pipeweave-rank{rank}",
         )
@@ -275,8 +277,9 @@ def _detail(exc: BaseException) -> str:
 
 def _child(
     fn: RankFn, payload: Any, rank: int, world: int, port: int, options: LaunchOptions, results: Any,
-    channels: Any = None,
+    channels: Any, launcher: tuple[int, int | None],
 ) -> None:
+    die_with_process(*launcher)  # first: the launcher may be gone already
     # Ctrl-C reaches the whole foreground process group; only the launcher acts on it.
     set_wait_timeout(options.timeout_s)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
