@@ -1,4 +1,4 @@
-"""Failure behaviour: one failing rank, a killed rank or Ctrl-C ends every rank quickly and cleanly.
+"""Failure behaviour: a failing or killed rank, Ctrl-C or a signal to the launcher ends every rank quickly and cleanly.
 
 Each case runs ``failing_ranks.py`` as its own launcher process, as a user
 would run ``pipeweave train``: the launcher must exit non-zero within 30 s of
@@ -73,6 +73,21 @@ def _assert_gone(pids: set[int], within_s: float = 5.0) -> None:
     assert not left, "processes left behind"
 
 
+def _fork_server_of(launcher: int) -> int:
+    """The PID of ``launcher``'s fork server, as soon as it is started (it then imports torch for seconds)."""
+    deadline = time.monotonic() + LIMIT_S
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if parent == launcher and b"forkserver" in (entry / "cmdline").read_bytes():
+                    return int(entry.name)
+            except (ValueError, OSError):  # not a process, or gone
+                continue
+        time.sleep(0.01)
+    raise AssertionError("no fork server started")
+
+
 @pytest.mark.parametrize(
     ("mode", "cause"),
     [
@@ -117,6 +132,39 @@ def test_ctrl_c_ends_every_rank() -> None:
     assert elapsed < LIMIT_S
     assert err.count("interrupted") == 1, err
     assert "Traceback" not in err
+    _assert_gone(pids)
+
+
+def test_ctrl_c_while_the_fork_server_imports_torch_is_one_line() -> None:
+    proc = _start("hang")
+    server = _fork_server_of(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, err, elapsed = _finish(proc, time.monotonic())
+    assert code == 130 and elapsed < LIMIT_S
+    assert err == "pipeweave: interrupted (Ctrl-C); every rank was stopped\n", err  # no traceback of the server's
+    _assert_gone({server})
+
+
+@pytest.mark.parametrize(
+    ("sig", "group", "cause"),
+    [
+        (signal.SIGTERM, False, "terminated (SIGTERM)"),  # ``kill``, a scheduler
+        (signal.SIGHUP, False, "hung up (SIGHUP)"),  # the shell of a closed ssh session
+        (signal.SIGHUP, True, "hung up (SIGHUP)"),  # a closed terminal: its whole foreground process group
+    ],
+)
+def test_sigterm_and_sighup_to_the_launcher_stop_every_rank_and_are_named(
+    sig: signal.Signals, group: bool, cause: str
+) -> None:
+    proc = _start("hang")
+    pids = _wait_for_ranks(proc)
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        os.kill(proc.pid, sig)
+    code, err, elapsed = _finish(proc, time.monotonic())
+    assert code == 128 + sig and elapsed < LIMIT_S
+    assert err == f"pipeweave: {cause}; every rank was stopped\n", err
     _assert_gone(pids)
 
 
