@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 
@@ -164,3 +165,15 @@ def test_a_simulation_larger_than_free_memory_is_refused_in_one_line(capsys: pyt
         assert err.count("\n") == 0, err
         assert "make up to 6.3e+06 actions, ~2 GiB to simulate, more than the 1.0 GiB free here" in err, err
         assert main(["simulate", "-s", "zb-v", "--stages", "8", "--microbatches", "16", "--json"]) == 0
+
+
+def test_ctrl_c_while_the_subcommands_import_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # The first seconds of ``pipeweave train``: building the parser imports numpy, before any argument is read.
+    with patch("pipeweave.cli.importlib.import_module", side_effect=KeyboardInterrupt):
+        try:
+            code = main(["train"])
+        except KeyboardInterrupt:  # escaped: the user saw its traceback
+            code = None
+    assert code == 130
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", "pipeweave: interrupted\n")

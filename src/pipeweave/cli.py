@@ -1,7 +1,8 @@
 """``pipeweave``: the command line. Thin: each subcommand lives in ``pipeweave.commands``.
 
 A subcommand module defines ``add_parser(subparsers) -> argparse.ArgumentParser``
-and ``run(args) -> int``. User errors (``UserError``) print one line and exit 2.
+and ``run(args) -> int``. User errors (``UserError``) print one line and exit 2; Ctrl-C
+one line and exit 130.
 """
 
 from __future__ import annotations
@@ -60,18 +61,22 @@ def _attach_negative_values(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
-    if not hasattr(args, "run"):
-        parser.print_help()
-        return 2
+    """Run ``pipeweave ARGV``; the exit code. Ctrl-C is one line and exit code 130 wherever it lands,
+    in the subcommands' imports (numpy, torch: seconds) as in their work."""
+    name = "pipeweave"
     try:
+        parser = build_parser()
+        args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
+        if not hasattr(args, "run"):
+            parser.print_help()
+            return 2
+        name = f"pipeweave {args.command}"
         return int(args.run(args))
     except UserError as exc:
-        print(f"pipeweave {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{name}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"pipeweave {args.command}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -5,7 +5,9 @@ MODE: ``raise`` (rank 1 raises), ``kill`` (rank 1 dies by SIGKILL), ``hang``
 whose rank 1 fails inside a backward), ``train-raise-auto`` and
 ``train-kill-auto`` (the same, or SIGKILL there, on train's default transport,
 shared memory where available), ``train-stall`` (rank 1 stalls inside a
-backward; rank 0's wait for its gradient times out after 3 s). Rank 0 blocks in a receive the failed
+backward; rank 0's wait for its gradient times out after 3 s), ``flood`` (every
+rank reports progress without end and the launcher stops reading it after
+printing the PIDs: the ranks block writing into a full pipe). Rank 0 blocks in a receive the failed
 rank never answers, so only the launcher can end it. Prints ``PID <pid>`` per
 rank and for the fork server, and exits with the launcher's exit code.
 """
@@ -32,6 +34,10 @@ from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
 
 def blocking(rank: int, world: int, mode: str) -> None:
     progress(os.getpid())
+    if mode == "flood":
+        dist.barrier()  # every PID is in the queue before the first report the launcher will not read
+        while True:
+            progress("x" * 4000)
     time.sleep(0.5)
     if rank == 1 and mode == "raise":
         raise ValueError("injected failure on rank 1")
@@ -66,6 +72,8 @@ def failing_training(rank: int, world: int, payload: tuple[TrainConfig, bool | s
 
 
 def report(rank: int, value: Any) -> None:
+    if value == "x" * 4000:  # flood: stop reading the ranks' reports
+        time.sleep(600)
     if isinstance(value, int):
         print(f"PID {value}", flush=True)
         server = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]

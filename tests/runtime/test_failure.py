@@ -1,10 +1,11 @@
-"""Failure behaviour: one failing rank, a killed rank or Ctrl-C ends every rank quickly and cleanly.
+"""Failure behaviour: a failing or killed rank, Ctrl-C or a signal to the launcher ends every rank quickly and cleanly.
 
 Each case runs ``failing_ranks.py`` as its own launcher process, as a user
 would run ``pipeweave train``: the launcher must exit non-zero within 30 s of
 the failure, print the cause exactly once, and leave no process behind (the
-ranks and the fork server they came from). An invalid configuration is one
-line on stderr, exit code 2, before any rank is started.
+ranks and the fork server they came from) -- also when the launcher itself is
+killed and can stop nothing. An invalid configuration is one line on stderr,
+exit code 2, before any rank is started.
 """
 
 from __future__ import annotations
@@ -62,11 +63,29 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")  # a zombie has exited
 
 
-def _assert_gone(pids: set[int]) -> None:
-    deadline = time.monotonic() + 5  # the fork server notices its launcher's exit
+def _assert_gone(pids: set[int], within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s  # the fork server notices its launcher's exit
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], "processes left behind"
+    left = [p for p in pids if _alive(p)]
+    for p in left:  # not to leave them to the next test
+        os.kill(p, signal.SIGKILL)
+    assert not left, "processes left behind"
+
+
+def _fork_server_of(launcher: int) -> int:
+    """The PID of ``launcher``'s fork server, as soon as it is started (it then imports torch for seconds)."""
+    deadline = time.monotonic() + LIMIT_S
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if parent == launcher and b"forkserver" in (entry / "cmdline").read_bytes():
+                    return int(entry.name)
+            except (ValueError, OSError):  # not a process, or gone
+                continue
+        time.sleep(0.01)
+    raise AssertionError("no fork server started")
 
 
 @pytest.mark.parametrize(
@@ -114,6 +133,75 @@ def test_ctrl_c_ends_every_rank() -> None:
     assert err.count("interrupted") == 1, err
     assert "Traceback" not in err
     _assert_gone(pids)
+
+
+def test_ctrl_c_while_the_fork_server_imports_torch_is_one_line() -> None:
+    proc = _start("hang")
+    server = _fork_server_of(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, err, elapsed = _finish(proc, time.monotonic())
+    assert code == 130 and elapsed < LIMIT_S
+    assert err == "pipeweave: interrupted (Ctrl-C); every rank was stopped\n", err  # no traceback of the server's
+    _assert_gone({server})
+
+
+@pytest.mark.parametrize(
+    ("sig", "group", "cause"),
+    [
+        (signal.SIGTERM, False, "terminated (SIGTERM)"),  # ``kill``, a scheduler
+        (signal.SIGHUP, False, "hung up (SIGHUP)"),  # the shell of a closed ssh session
+        (signal.SIGHUP, True, "hung up (SIGHUP)"),  # a closed terminal: its whole foreground process group
+    ],
+)
+def test_sigterm_and_sighup_to_the_launcher_stop_every_rank_and_are_named(
+    sig: signal.Signals, group: bool, cause: str
+) -> None:
+    proc = _start("hang")
+    pids = _wait_for_ranks(proc)
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        os.kill(proc.pid, sig)
+    code, err, elapsed = _finish(proc, time.monotonic())
+    assert code == 128 + sig and elapsed < LIMIT_S
+    assert err == f"pipeweave: {cause}; every rank was stopped\n", err
+    _assert_gone(pids)
+
+
+@pytest.mark.parametrize("mode", ["hang", "flood"])
+def test_the_ranks_and_the_fork_server_die_with_a_killed_launcher(mode: str) -> None:
+    # SIGKILL, as the OOM killer or a job scheduler sends it: the launcher stops nothing, the ranks see it go.
+    # flood: they are blocked writing progress into a pipe the launcher no longer reads.
+    proc = _start(mode)
+    pids = _wait_for_ranks(proc)
+    time.sleep(1.0)  # flood: the pipe fills up
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    _assert_gone(pids, within_s=10.0)  # the ranks go at once; the fork server then exits its interpreter
+    proc.communicate(timeout=10)
+
+
+@pytest.mark.parametrize("case", ["polled", "reused-pid"])
+def test_a_process_dies_with_the_one_it_watches(case: str) -> None:
+    # The pidfd path is what a rank takes (above); here the polled one, on a zombie, and a PID taken by another.
+    target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = "start_time(pid)" if case == "polled" else "start_time(pid) + 1"
+    code = (f"import os, time\ndel os.pidfd_open\nfrom pipeweave.runtime.process import die_with_process, start_time\n"
+            f"print('watching', flush=True)\npid = {target.pid}\ndie_with_process(pid, {started}, poll_s=0.1)\n"
+            "time.sleep(60)\n")
+    watcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert watcher.stdout is not None
+        assert watcher.stdout.readline() == "watching\n"
+        if case == "polled":
+            time.sleep(0.5)
+            assert watcher.poll() is None  # the watched process is alive: so is the watcher
+            target.kill()  # not reaped: a zombie is gone too
+        assert watcher.wait(timeout=30) == 1
+    finally:
+        target.kill()
+        watcher.kill()
+        target.wait()
 
 
 @pytest.mark.parametrize(

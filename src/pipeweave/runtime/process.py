@@ -1,4 +1,4 @@
-"""What a process knows of itself as a rank: its device, its wait timeout, where its progress goes.
+"""What a process knows of itself as a rank: its device, its wait timeout, where its progress goes, whom it dies with.
 
 The bottom layer of ``pipeweave.runtime``: set once by the launcher
 (``runtime.run.launch``) when a process becomes a rank, read by every layer
@@ -11,8 +11,11 @@ from __future__ import annotations
 import ctypes
 import datetime
 import os
+import select
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -99,3 +102,66 @@ def die_with_parent() -> None:
             ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         except OSError:  # pragma: no cover - no libc: the launcher still terminates children
             pass
+
+
+def die_with_process(pid: int, started: int | None, poll_s: float = 0.5) -> None:
+    """Leave this process (``os._exit(1)``) as soon as process ``pid`` is gone, however it ended.
+
+    A spawned rank's parent is the fork server, not the launcher, so
+    ``die_with_parent`` cannot see a launcher killed by SIGKILL, the OOM killer
+    or a scheduler: the ranks would train on, or block forever writing
+    progress nobody reads. A daemon thread waits on a pidfd of ``pid``
+    (``os.pidfd_open``, Linux 5.3+; readable when the process exits) or, where
+    there is none, checks every ``poll_s`` that ``pid`` is alive. ``started``
+    (``start_time(pid)``, taken by ``pid`` itself) tells the process from a
+    later one given the same PID. The thread needs the GIL only to exit, and
+    a thread blocked in a write (``os.write`` releases the GIL) does not hold it.
+    """
+    threading.Thread(target=_exit_when_gone, args=(pid, started, poll_s), name="pipeweave-die-with",
+                     daemon=True).start()
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, ``/proc/PID/stat``); None: no such process, or no /proc."""
+    stat = _stat(pid)
+    return None if stat is None else stat[1]
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time) of process ``pid`` from ``/proc`` (fields 3 and 22 of proc(5)'s stat)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the name in parentheses may hold spaces
+    except OSError:
+        return None
+    return fields[0].decode(), int(fields[19])
+
+
+def _alive(pid: int, started: int | None) -> bool:
+    """Is ``pid`` the process that started at ``started``, and not yet exited (a zombie has)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: a reused PID, which the start time tells
+        pass
+    stat = _stat(pid)
+    if stat is None:  # no /proc here (os.kill said alive), or the process just went
+        return not os.path.isdir("/proc/self")
+    return stat[0] not in ("Z", "X") and started in (None, stat[1])
+
+
+def _exit_when_gone(pid: int, started: int | None, poll_s: float) -> None:
+    try:
+        fd: int | None = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux 5.3+ (polled below), or already gone (_alive says so)
+        fd = None
+    if fd is not None and _alive(pid, started):  # checked after opening: the pidfd names this very process
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while not poller.poll():
+            pass
+    else:
+        while _alive(pid, started):
+            time.sleep(poll_s)
+    os._exit(1)

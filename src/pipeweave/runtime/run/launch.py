@@ -7,10 +7,12 @@ result. Two ways in:
 - **spawned** (the default): the launcher hosts the rendezvous store on
   127.0.0.1 (a free port chosen by the OS, no race), starts one process per
   rank and watches them. The first failure -- an exception, a process that
-  dies, Ctrl-C or SIGTERM to the launcher -- terminates every other rank at
-  once, prints the cause once and raises ``RankFailure`` (exit code non-zero).
-  Children ignore SIGINT (the launcher owns Ctrl-C) and die with their parent
-  (``PR_SET_PDEATHSIG``), so nothing is left behind.
+  dies, Ctrl-C, SIGTERM or SIGHUP to the launcher -- terminates every other
+  rank at once, prints the cause once and raises ``RankFailure`` (exit code
+  1, or 128 + the signal's number). Children ignore SIGINT and SIGHUP (the
+  launcher owns them) and die with the launcher however it ends (SIGKILL, the
+  OOM killer: ``process.die_with_process``); the fork server they came from
+  leaves with its last child, so nothing is left behind.
 - **torchrun** (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set): the process
   joins the existing group; torchrun's agents watch the processes and the
   process-group timeout ends ranks whose peer on another node vanished.
@@ -19,6 +21,8 @@ result. Two ways in:
 from __future__ import annotations
 
 import datetime
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import pickle
 import signal
@@ -34,8 +38,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeweave.errors import StuckError
-from pipeweave.runtime.process import (device_for, die_with_parent, keep_freed_host_memory, set_progress_sink,
-                                       set_wait_timeout, under_torchrun)
+from pipeweave.runtime.process import (device_for, die_with_parent, die_with_process, keep_freed_host_memory,
+                                       set_progress_sink, set_wait_timeout, start_time, under_torchrun)
 from pipeweave.runtime.transport import shm
 
 RankFn = Callable[[int, int, Any], Any]
@@ -43,6 +47,20 @@ ProgressFn = Callable[[int, Any], None]
 
 _GRACE_S = 2.0  # how long terminated ranks get before SIGKILL
 _SETTLE_S = 0.3  # after a first failure, how long to wait for a likelier root cause
+# What the launcher says when a signal ends the run; SIGTERM and SIGHUP (an ssh
+# terminal closed) stop every rank as Ctrl-C does. Exit code: 128 + the number.
+_STOPS = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "terminated (SIGTERM)",
+          signal.SIGHUP: "hung up (SIGHUP)"}
+# What a terminal sends its whole foreground process group: the launcher acts on them, its helpers do not.
+_GROUP_SIGNALS = {signal.SIGINT, signal.SIGHUP}
+
+
+class _Stop(BaseException):
+    """SIGTERM or SIGHUP reached the launcher (raised in its main thread, as Ctrl-C raises KeyboardInterrupt)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 class RankFailure(RuntimeError):
@@ -164,35 +182,42 @@ def _spawn(
 ) -> Any:
     store = dist.TCPStore("127.0.0.1", 0, num_ranks + 1, is_master=True, wait_for_workers=False)
     ctx = _context()
+    _start_helpers()
     results: Any = ctx.SimpleQueue()
     channels = None
     if options.transport in ("shm", "auto"):  # allocated here, before spawning, and handed to every rank
         capacity = options.shm_capacity or shm.DEFAULT_CAPACITY
         if options.transport == "shm" or shm.unavailable(num_ranks, capacity) is None:
             channels = shm.make_channels(ctx, num_ranks, capacity)
+    launcher = (os.getpid(), start_time(os.getpid()))  # whom the ranks die with
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, payload, rank, num_ranks, store.port, options, results, channels),
+            args=(fn, payload, rank, num_ranks, store.port, options, results, channels, launcher),
             daemon=True,
             name=f"pipeweave-rank{rank}",
         )
         for rank in range(num_ranks)
     ]
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = {sig: signal.getsignal(sig) for sig in _STOPS}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if previous[sig] != signal.SIG_IGN:  # under nohup SIGHUP stays ignored
+            signal.signal(sig, _raise_stop)
     try:
         for p in procs:
             p.start()
         return _watch(procs, results, options, on_progress)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stop) as stop:
+        signum = stop.signum if isinstance(stop, _Stop) else signal.SIGINT
         _terminate(procs)
-        _report("interrupted (Ctrl-C); every rank was stopped", options)
-        raise RankFailure("interrupted", 130) from None
+        if any(p.pid is None for p in procs):  # stopped while starting them
+            _stop_fork_server()
+        _report(f"{_STOPS[signum]}; every rank was stopped", options)
+        raise RankFailure(_STOPS[signum], 128 + signum) from None
     finally:
-        _terminate(procs)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _terminate(procs)
         del store
 
 
@@ -208,8 +233,46 @@ def _context() -> Any:
     return ctx
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+def _start_helpers() -> None:
+    """Start the fork server and multiprocessing's resource tracker with SIGINT and SIGHUP blocked.
+
+    A terminal sends Ctrl-C and its hangup to the whole process group. The
+    fork server imports torch for seconds before it ignores SIGINT: a Ctrl-C
+    then printed its traceback beside the launcher's one line; a hangup killed
+    it and the tracker, which the launcher then missed at its exit (more
+    tracebacks). Blocked (the mask is inherited across their exec) the signals
+    wait in them, harmless (the ranks unblock them in ``_child``); in the
+    launcher they wait only until unblocked here, lost to neither.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_SIGNALS)
+    try:
+        multiprocessing.resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_SIGNALS)  # starting the tracker unblocked SIGINT
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _stop_fork_server() -> None:
+    """Kill the fork server, which would still fork a rank whose start was interrupted.
+
+    That rank would start after the launcher's exit, find its queue's lock
+    gone and print a traceback. The next ``launch`` starts a fresh server.
+    """
+    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            server._stop()  # closes its end, reaps it, forgets it
+        except OSError:  # pragma: no cover - gone already
+            pass
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # once: the ranks are being stopped
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Stop(signum)
 
 
 def _watch(procs: list[Any], results: Any, options: LaunchOptions, on_progress: ProgressFn | None) -> Any:
@@ -265,7 +328,10 @@ def _terminate(procs: list[Any]) -> None:
 def _report(cause: str, options: LaunchOptions, detail: str = "") -> None:
     """Print the cause of a failed run, once (and below it ``detail``: a stuck schedule's grid)."""
     if not options.quiet_errors:
-        print(f"pipeweave: {cause}" + (f"\n{detail}" if detail else ""), file=sys.stderr, flush=True)
+        try:
+            print(f"pipeweave: {cause}" + (f"\n{detail}" if detail else ""), file=sys.stderr, flush=True)
+        except OSError:  # the terminal is gone (SIGHUP): the exit code still tells
+            pass
 
 
 def _detail(exc: BaseException) -> str:
@@ -275,11 +341,14 @@ def _detail(exc: BaseException) -> str:
 
 def _child(
     fn: RankFn, payload: Any, rank: int, world: int, port: int, options: LaunchOptions, results: Any,
-    channels: Any = None,
+    channels: Any, launcher: tuple[int, int | None],
 ) -> None:
-    # Ctrl-C reaches the whole foreground process group; only the launcher acts on it.
+    die_with_process(*launcher)  # first: the launcher may be gone already
+    # Ctrl-C and a terminal's hangup reach the whole foreground process group; only the launcher acts on them.
     set_wait_timeout(options.timeout_s)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _GROUP_SIGNALS)  # blocked since the fork server's start
     die_with_parent()
     set_progress_sink(lambda value: results.put(("progress", rank, value)))
     try:
