@@ -9,6 +9,8 @@ result. Two ways in:
   rank and watches them. The first failure -- an exception, a process that
   dies, Ctrl-C or SIGTERM to the launcher -- terminates every other rank at
   once, prints the cause once and raises ``RankFailure`` (exit code non-zero).
+  A run that diverged (``errors.Diverged``, raised by every rank at the same
+  step) is reported by its message alone.
   Children ignore SIGINT (the launcher owns Ctrl-C) and die with their parent
   (``PR_SET_PDEATHSIG``), so nothing is left behind.
 - **torchrun** (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set): the process
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipeweave.errors import StuckError
+from pipeweave.errors import Diverged, StuckError
 from pipeweave.runtime.process import (device_for, die_with_parent, keep_freed_host_memory, set_progress_sink,
                                        set_wait_timeout, under_torchrun)
 from pipeweave.runtime.transport import shm
@@ -126,7 +128,8 @@ def _join_torchrun(
         return value
     except Exception as exc:  # one line per failing rank; torchrun's agent reports the exit
         cause = _describe(rank, exc)
-        _report(cause, options, _detail(exc))
+        if rank == 0 or not isinstance(exc, Diverged):  # every rank diverges alike: rank 0 says it
+            _report(cause, options, _detail(exc))
         raise RankFailure(cause, 1) from None
     finally:
         dist.destroy_process_group()
@@ -305,6 +308,8 @@ def _child(
 
 
 def _describe(rank: int, exc: BaseException) -> str:
+    if isinstance(exc, Diverged):  # the run's verdict, the same on every rank: its own line
+        return str(exc)
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
