@@ -104,11 +104,12 @@ class _Without:
         return self.source.batch(step if step < self.skipped else step + 1)
 
 
-def test_a_skipped_step_equals_training_without_its_batch(one_thread: None) -> None:
+@pytest.mark.parametrize("schedule", ["zb-h1", "chimera"])  # chimera: replicated parts, a loss on both ranks
+def test_a_skipped_step_equals_training_without_its_batch(one_thread: None, schedule: str) -> None:
     steps = 3
     [k] = poisoned_steps(BATCH, steps)
     assert 0 < k < steps - 1  # trained before and after it
-    config = _config(steps=steps)
+    config = _config(steps=steps, schedule=schedule)
     [record] = launch(_run_all, [config], 2, LaunchOptions(timeout_s=60))
     assert record is not None and record.skipped_steps == [k] and math.isinf(record.losses[k])
     plan = prepare(config)
