@@ -1,5 +1,6 @@
-"""pipeweave's exceptions: ``UserError``, the one the command line reports as a one-line user error, and
-``StuckError``, a schedule that stopped progressing, shown with its grid."""
+"""pipeweave's exceptions: ``UserError``, the one the command line reports as a one-line user error,
+``StuckError``, a schedule that stopped progressing, shown with its grid, and ``Diverged``, a run stopped
+because its loss, gradient norm or weights stopped being finite."""
 
 
 class UserError(ValueError):
@@ -17,3 +18,12 @@ class StuckError(RuntimeError):
     def __init__(self, cause: str, grid: str) -> None:
         super().__init__(f"{cause}\n{grid}")
         self.cause, self.grid = cause, grid
+
+
+class Diverged(RuntimeError):
+    """Training diverged: a non-finite loss, gradient norm or weights (``runtime.run.divergence``).
+
+    Every rank of the run raises it at the same step (the ranks agree on it),
+    and the launcher prints its message as is: one line naming the step and
+    the fix, no traceback, exit code 1.
+    """

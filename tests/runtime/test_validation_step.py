@@ -70,7 +70,7 @@ def _config(optimizer: str, options: PostValidation) -> TrainConfig:
     return TrainConfig(schedule="zb-auto", num_stages=RANKS, num_microbatches=T, model=SPEC, batch_size=2 * T,
                        steps=STEPS, lr=0.05, momentum=0.9 if optimizer == "sgd" else 0.0, optimizer=optimizer,
                        collect_parameters=True, schedule_options=(("memory_limit", 2.0), ("time_b", 2.0)),
-                       post_validation=options)
+                       post_validation=options, on_nonfinite="skip")  # the NaN step is skipped, not the run stopped
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:

@@ -62,7 +62,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "gradients and optimizer state float32); default fp32")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
                    help="clip the global gradient norm; steps are post-validated (optimistic step, exact "
-                        "rollback on NaN/inf or clipping), so no global barrier precedes the update")
+                        "rollback on NaN/inf or clipping), so no global barrier precedes the update; a NaN/inf "
+                        "norm stops the run, or skips the step with --on-nonfinite skip")
+    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                   help="a step whose loss (or, with --clip-grad-norm, gradient norm) is NaN or inf: stop the run "
+                        "there, exit code 1, the last checkpoint kept (default); or skip that step's update on every "
+                        "stage and go on (synchronous schedules)")
     p.add_argument("--eval-every", type=int, metavar="N",
                    help="every N steps and after the last, the mean loss of held-out batches through a "
                         "forward-only pipeline (gpt: one block in 20 of the corpus, never trained on; a custom "

@@ -39,7 +39,7 @@ def build_report(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
         "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.steps,
         "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
         "recompute": config.recompute, "precision": config.precision, "first_step": record.first_step,
-        "losses": record.losses,
+        "losses": record.losses, "skipped_steps": record.skipped_steps,
         "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
         "lr_schedule": config.lr_schedule, "lrs": _learning_rates(config, schedule, record),
         "wall_s": record.wall_s, "paused_s": record.paused_s,
@@ -145,6 +145,11 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
     if report.get("streams", 1) > 1:
         console.print(f"{report['streams']} streams, drained between them to evaluate or save: "
                       f"{report['paused_s']:.2f} s spent there, not in the times above")
+    skipped = report.get("skipped_steps")
+    if skipped:
+        steps = ", ".join(str(k + 1) for k in skipped)
+        console.print(f"skipped the update of {len(skipped)} of {report['steps']} steps (loss or gradient norm not "
+                      f"finite; --on-nonfinite skip): step {steps} of this run")
     if report.get("first_step"):
         console.print(f"resumed after step {report['first_step']}: steps {report['first_step'] + 1}-"
                       f"{report['first_step'] + report['steps']} of the training")

@@ -16,6 +16,7 @@ update (the validator's dataflow makes ``U`` wait for exactly these).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -24,6 +25,7 @@ import torch
 
 from pipeweave.errors import StuckError
 from pipeweave.models.boundary import Boundary
+from pipeweave.runtime.nonfinite import LossAgreement
 from pipeweave.runtime.transport.order import replica_peers
 from pipeweave.runtime.transport.p2p import P2P
 from pipeweave.runtime.stage.worker import StageWorker
@@ -136,6 +138,9 @@ class Executor:
             every compute action (the weights each reads); None for synchronous schedules.
         combine_replicas: sum the gradients of a part's replicas before ``U``; False where replicas
             train apart (AvgPipe's, averaged by its policy instead).
+        on_nonfinite: a synchronous run's ``TrainConfig.on_nonfinite``: every rank learns each step's
+            loss (``nonfinite.LossAgreement``, ``step_loss``); ``skip``: no stage updates on a non-finite
+            one. None: nothing agreed (evaluation, streams).
 
     Example:
         ex = Executor(lower(schedule), rank, workers, sizes, torch.device("cpu"))
@@ -153,6 +158,7 @@ class Executor:
         evaluate: bool = False,
         policy: RankPolicy | None = None,
         combine_replicas: bool = True,
+        on_nonfinite: str | None = None,
     ) -> None:
         self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
         self.placement = lowered.schedule.placement
@@ -195,6 +201,10 @@ class Executor:
         self.policy = policy
         self.losses_by_microbatch: dict[int, torch.Tensor] = {}
         self._prepared = False  # gradients zero-filled in this step (``_before_waiting``)
+        self.agreement = None if on_nonfinite is None else LossAgreement(self.row, self.placement, device)
+        self.skip_nonfinite = on_nonfinite == "skip"
+        self.step_loss: float | None = None
+        """Of the last step, with ``on_nonfinite``: its loss, every rank's share summed (the same on every rank)."""
 
     def run_step(self, data: Sequence[Boundary], targets: Sequence[Boundary]) -> tuple[float, list[Record]]:
         """Run the rank's actions once: returns this rank's share of the loss and the timings.
@@ -208,6 +218,8 @@ class Executor:
         self._prepared = False
         self.p2p.begin_step()
         self.replicas.begin_step()
+        if self.agreement is not None:
+            self.agreement.begin_step()
         records: list[Record] = []
         # CPU time beside wall time: robust to other processes sharing the cores.
         self.action_cpu_ns = cpu_ns = []
@@ -225,6 +237,7 @@ class Executor:
         if self._inputs or self._outputs or self._grads_in or self._grads_out:  # pragma: no cover
             raise RuntimeError(f"rank {self.rank}: tensors left over at the end of a step")
         loss = float(torch.stack(self._losses).sum()) if self._losses else 0.0
+        self.step_loss = None if self.agreement is None else self.agreement.total()
         return loss, records
 
     def _run_or_explain(self, i: int, a: Action) -> None:
@@ -272,6 +285,8 @@ class Executor:
         if nxt is None:
             loss = cast(torch.Tensor, out)  # the last stage returns its scaled loss
             self._losses.append(loss)  # summed at the end of the step: no sync per microbatch
+            if self.agreement is not None:
+                self.agreement.loss_added(self._losses)
             if self.policy is not None:
                 self.losses_by_microbatch[j] = loss
         elif self.placement.stage_rank[nxt] == self.rank:
@@ -304,7 +319,8 @@ class Executor:
 
     def update(self, a: Action) -> None:
         self.p2p.before_update(a.stage)  # a tied exchange takes its place in the per-pair order
-        self.workers[a.stage].update()
+        skip = self.skip_nonfinite and not math.isfinite(cast(LossAgreement, self.agreement).total())
+        self.workers[a.stage].update(skip=skip)
 
     # ---- communication -----------------------------------------------------
     def send_forward(self, a: Action) -> None:

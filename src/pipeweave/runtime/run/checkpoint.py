@@ -25,6 +25,11 @@ once every part is on disk (each file under a temporary name, then renamed),
 and only then removes the previous checkpoint's parts: a run that dies while
 saving leaves the previous checkpoint whole.
 
+A checkpoint never holds non-finite parameters: ``save`` checks them first,
+on every rank together, and refuses in one line naming the part
+(``errors.Diverged``; ``runtime.run.divergence`` stops a diverging run
+before it comes to that).
+
 Resuming continues the data with the batch after the last one trained
 (batches are indexed by step), so training N steps and training k steps,
 saving and resuming for N - k give the same losses and parameters.
@@ -54,7 +59,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeweave.errors import UserError
+from pipeweave.errors import Diverged, UserError
+from pipeweave.runtime.nonfinite import nonfinite_parts
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.stage.policy import StreamCarry
 from pipeweave.runtime.stage.post_validation import ValidatedOptimizer
@@ -118,6 +124,7 @@ def save(config: TrainConfig, parts: Sequence[range], placement: Placement, work
     stream (this rank's stages).
     """
     assert config.save is not None
+    check_finite(config.save, parts, placement, workers, f"step {steps} of the training")
     folder = Path(config.save)
     folder.mkdir(parents=True, exist_ok=True)
     files = [f"part-{p:03d}-step{steps}.pt" for p in range(len(parts))]
@@ -146,6 +153,31 @@ def save(config: TrainConfig, parts: Sequence[range], placement: Placement, work
             if stale.name not in files:
                 stale.unlink()
     dist.barrier()  # the folder is whole before any rank goes on (and may resume from it)
+
+
+def check_finite(folder: str | None, parts: Sequence[range], placement: Placement, workers: dict[int, StageWorker],
+                 after: str) -> None:
+    """Raise ``Diverged`` on every rank if a part's parameters are not finite (every rank calls it).
+
+    ``folder``: the run's checkpoint folder, if any (what it holds is said); ``after``: when, for the message.
+    """
+    bad = nonfinite_parts(workers, placement)
+    if bad:
+        named = ", ".join(f"part {p} (layers {parts[p].start}-{parts[p].stop - 1})" for p in bad[:3])
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise Diverged(f"the weights of {named}{more} are not finite after {after}; {refused(folder)}; "
+                       "lower --lr or use --clip-grad-norm")
+
+
+def refused(folder: str | None) -> str:
+    """What a run stopped by non-finite values says of its checkpoint folder (``--save``), e.g. which step it holds."""
+    said = "no checkpoint of non-finite weights was written"
+    if folder is None or not (Path(folder) / META).is_file():
+        return said
+    try:
+        return f"{said} ({folder} holds step {read_meta(folder)['steps']})"
+    except UserError:
+        return said
 
 
 def _stage_state(worker: StageWorker) -> dict[str, Any]:

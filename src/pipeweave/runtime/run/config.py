@@ -23,6 +23,7 @@ from pipeweave.schedule import SCHEDULES
 
 
 OPTIMIZERS = ("sgd", "adamw")
+ON_NONFINITE = ("stop", "skip")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +76,8 @@ class TrainConfig:
     """Run-time hyperparameters of the asynchronous weight policies (``runtime.stage.policy``)."""
     post_validation: PostValidation | None = None
     """Clip and skip without a barrier: optimistic step, exact rollback (``runtime.stage.post_validation``)."""
+    on_nonfinite: str = "stop"
+    """A step whose loss (or post-validated gradient norm) is not finite: ``stop`` the run, or ``skip`` its update."""
     save: str | None = None
     """Write a checkpoint to this folder after the last step (``runtime.run.checkpoint``)."""
     save_every: int | None = None
@@ -111,6 +114,9 @@ class TrainConfig:
         precision_check(self.precision)
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"--optimizer {self.optimizer!r} is unknown; choose one of: {', '.join(OPTIMIZERS)}")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise UserError(f"--on-nonfinite {self.on_nonfinite!r} is unknown; choose one of: "
+                            f"{', '.join(ON_NONFINITE)}")
         for name in ("steps", "batch_size", "data_parallel", "eval_batches"):
             value = getattr(self, name)
             if value < 1:
@@ -143,7 +149,7 @@ _INTS = ("num_stages", "num_microbatches", "batch_size", "steps", "seed", "data_
          "eval_batches")
 _OPTIONAL_INTS = ("num_chunks", "save_every", "lr_decay_steps", "eval_every")
 _FLOATS = ("lr", "momentum")
-_STRS = ("schedule", "optimizer", "precision", "lr_schedule")
+_STRS = ("schedule", "optimizer", "precision", "lr_schedule", "on_nonfinite")
 _OPTIONAL_STRS = ("data", "save", "resume")
 _BOOLS = ("recompute", "collect_parameters", "memory_every_step")
 

@@ -3,7 +3,8 @@
 ``run_rank(rank, world, plan)`` is the function each rank runs (``launch``
 starts it): build its stage workers, align clocks, train ``steps`` steps
 through the ``Executor`` -- evaluating and saving where due
-(``Milestones``) -- and gather everything measured to rank 0, which returns
+(``Milestones``), stopping where the loss is not finite (``Divergence``) --
+and gather everything measured to rank 0, which returns
 it as a ``RunRecord``. An asynchronous schedule runs as streams instead
 (``stream_job.run_stream_rank``). The ``RunPlan`` comes from
 ``plan.prepare(config)``, run once before anything is spawned.
@@ -22,6 +23,7 @@ from pipeweave.data import data_source
 from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.process import device_for, progress
 from pipeweave.runtime.run import checkpoint
+from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
 from pipeweave.runtime.run.plan import RunPlan, learning_rates
 from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
@@ -46,12 +48,14 @@ def run_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
         checkpoint.load(config.resume, plan.resume_meta, workers)
     for w in workers.values():
         w.steps_done = done
-    executor = Executor(lower(plan.schedule), rank, workers, plan.microbatch_sizes, device)
+    executor = Executor(lower(plan.schedule), rank, workers, plan.microbatch_sizes, device,
+                        on_nonfinite=config.on_nonfinite)
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
     offset = align_clocks(rank, world)
     t = plan.schedule.num_microbatches
     mine = RankRecord(rank, [], [], 0, 0, {})
     milestones = Milestones(plan, plan.schedule, rank, workers, device, source)
+    divergence = Divergence(plan, workers)
     rates = learning_rates(config, done) if config.lr_scheduled else None
     for step in range(config.steps):
         if rates is not None:
@@ -66,9 +70,12 @@ def run_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
                 w.track_memory = False
         mine.records.append(seconds_since(timings, offset))
         progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
+        divergence.after_step(step, executor.step_loss)  # stops every rank here, or counts a skipped update
         milestones.reached(step + 1)
+    divergence.at_end(plan.schedule.placement)
     mine.peak_activation_bytes = executor.peak_activation_bytes
     mine.weight_bytes = sum(w.weight_bytes() for w in workers.values())
     mine.parameters = final_parameters(config, workers)
     mine.eval_losses = milestones.eval_losses
+    mine.skipped_steps = divergence.skipped_steps
     return gather_run(config, mine, rank, world, started, done)

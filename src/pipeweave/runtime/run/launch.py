@@ -9,10 +9,12 @@ result. Two ways in:
   rank and watches them. The first failure -- an exception, a process that
   dies, Ctrl-C, SIGTERM or SIGHUP to the launcher -- terminates every other
   rank at once, prints the cause once and raises ``RankFailure`` (exit code
-  1, or 128 + the signal's number). Children ignore SIGINT and SIGHUP (the
-  launcher owns them) and die with the launcher however it ends (SIGKILL, the
-  OOM killer: ``process.die_with_process``); the fork server they came from
-  leaves with its last child, so nothing is left behind.
+  1, or 128 + the signal's number). A run that diverged (``errors.Diverged``,
+  raised by every rank at the same step) is reported by its message alone.
+  Children ignore SIGINT and SIGHUP (the launcher owns them) and die with the
+  launcher however it ends (SIGKILL, the OOM killer:
+  ``process.die_with_process``); the fork server they came from leaves with
+  its last child, so nothing is left behind.
 - **torchrun** (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set): the process
   joins the existing group; torchrun's agents watch the processes and the
   process-group timeout ends ranks whose peer on another node vanished.
@@ -37,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipeweave.errors import StuckError
+from pipeweave.errors import Diverged, StuckError
 from pipeweave.runtime.process import (device_for, die_with_parent, die_with_process, keep_freed_host_memory,
                                        set_progress_sink, set_wait_timeout, start_time, under_torchrun)
 from pipeweave.runtime.transport import shm
@@ -144,7 +146,8 @@ def _join_torchrun(
         return value
     except Exception as exc:  # one line per failing rank; torchrun's agent reports the exit
         cause = _describe(rank, exc)
-        _report(cause, options, _detail(exc))
+        if rank == 0 or not isinstance(exc, Diverged):  # every rank diverges alike: rank 0 says it
+            _report(cause, options, _detail(exc))
         raise RankFailure(cause, 1) from None
     finally:
         dist.destroy_process_group()
@@ -374,6 +377,8 @@ def _child(
 
 
 def _describe(rank: int, exc: BaseException) -> str:
+    if isinstance(exc, Diverged):  # the run's verdict, the same on every rank: its own line
+        return str(exc)
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

@@ -104,6 +104,9 @@ def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
     if not schedule.is_synchronous and config.data_parallel != 1:
         raise UserError(f"{config.schedule} is asynchronous; --data-parallel applies to synchronous schedules, "
                         "drop it")
+    if not schedule.is_synchronous and config.on_nonfinite == "skip":
+        raise UserError(f"--on-nonfinite skip applies to synchronous schedules; {config.schedule} is asynchronous "
+                        "(its stages update per microbatch: no step to skip); use --on-nonfinite stop")
     if not schedule.is_synchronous:
         check_stream_model(config.model)
     validate(schedule)

@@ -45,6 +45,8 @@ class RankRecord:
     """Streams: per F/B/I/W action, the ``(version, target)`` it read (``runtime.stage.policy``)."""
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     """Per evaluation, ``(steps trained, this rank's share of the held-out loss)`` (``TrainConfig.eval_every``)."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """The steps of this run (0-based) whose update was skipped (``TrainConfig.on_nonfinite``; alike on every rank)."""
 
 
 @dataclass
@@ -67,6 +69,12 @@ class RunRecord:
     def losses(self) -> list[float]:
         """Per step, the mini-batch mean loss (every rank's share summed)."""
         return [sum(r.losses[k] for r in self.ranks) for k in range(self.config.steps)]
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        """The steps of this run (indices of ``losses``) whose update every stage skipped: a non-finite loss
+        or gradient norm under ``--on-nonfinite skip`` (``runtime.run.divergence``)."""
+        return list(self.ranks[0].skipped_steps)
 
     @property
     def eval_losses(self) -> list[tuple[int, float]]:

@@ -1,8 +1,8 @@
 """An asynchronous run on one rank: its streams through the ``Executor``, one after the other (``runtime.stream``).
 
 Between two streams (``plan.segments``) nothing is in flight: the run
-evaluates and saves there, and the next stream's policy takes the last one's
-``StreamCarry``. Records are numbered as the run's schedule (the streams
+checks the stream's losses (``divergence``), evaluates and saves there, and
+the next stream's policy takes the last one's ``StreamCarry``. Records are numbered as the run's schedule (the streams
 concatenated) numbers its actions.
 """
 
@@ -18,6 +18,7 @@ from pipeweave.data import data_source
 from pipeweave.runtime.executor import Executor, Record
 from pipeweave.runtime.process import device_for, progress
 from pipeweave.runtime.run import checkpoint
+from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones
 from pipeweave.runtime.run.plan import RunPlan, stream_rates
 from pipeweave.runtime.run.record import (RankRecord, RunRecord, close_pauses, final_parameters, gather_run,
@@ -60,6 +61,7 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     offset = align_clocks(rank, world)
     milestones = Milestones(plan, plan.streams[0], rank, workers, device, source)  # any stream: same placement
     done = _Streamed()
+    divergence = Divergence(plan, workers)
     for (first, steps), stream in zip(plan.segments, plan.streams):
         policy = RankPolicy(stream, workers, config.policy, lr_at=rates, carry=carry)
         _run_stream(plan, stream, (first, steps), rank, workers, device, source, policy, done)
@@ -69,7 +71,9 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
         for m in range(first, end):
             times = seconds_since(groups[m], offset)
             progress({"step": m, "loss": done.losses[m], "time": times[-1][4] if times else 0.0})
+        divergence.after_stream(first, done.losses[first:end], device)  # stops every rank before saving here
         milestones.reached(end, carry)
+    divergence.at_end(plan.streams[0].placement)
     records = [seconds_since(g, offset) for g in split_by_minibatch(done.timings, config.num_microbatches,
                                                                     config.steps)]
     mine = RankRecord(rank, done.losses, records, done.peak_activations, done.peak_weights,

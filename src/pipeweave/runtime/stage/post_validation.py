@@ -90,14 +90,19 @@ class ValidatedOptimizer:
         self.other_ranks = [r for r in range(schedule.num_ranks) if r != self.last_rank]
         self.step_state = PostValidatedStep(self.params, inner, options.max_norm)
         self.outcomes: list[str] = []
+        self.norms: list[float] = []
+        """Per step, the global gradient norm (``nan`` or ``inf`` where a gradient was not finite)."""
         self._sends: list[Any] = []
 
-    def step(self) -> None:
+    def step(self, skip: bool = False) -> None:
+        """The post-validated step; ``skip``: the step is known to be skipped (a non-finite loss), nothing moves."""
         self._wait_sends()
         if self.options.fault == (len(self.outcomes), self.stage):
             grad = next(p.grad for p in self.params if p.grad is not None)
             grad.view(-1)[0] = float("nan")
         partial = GradState.of(self.params)
+        if skip:  # said before any stage steps optimistically: no rollback, the weights stay bitwise
+            partial = GradState(partial.sq_norm, True)
         if self.prev_rank is not None:
             partial = _recv(self.prev_rank, _TAG_PARTIAL).combine(partial)
         if self.next_rank is not None:
@@ -109,6 +114,11 @@ class ValidatedOptimizer:
         else:
             total = _recv(self.last_rank, _TAG_TOTAL)
         self.outcomes.append(self.step_state.validate(total))
+        self.norms.append(total.norm)
+
+    def skip_step(self) -> None:
+        """A skipped step (``StageWorker.update(skip=True)``): the state still goes down the pipeline."""
+        self.step(skip=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:

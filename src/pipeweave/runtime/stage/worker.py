@@ -40,7 +40,7 @@ Tensors in and out (microbatch ``mb`` is the IR's microbatch index):
   then ``x`` and the output are tuples, a ``grad_output`` or an input
   gradient is the tuple of the floating-point elements' gradients.
 - ``update()`` (U): calls ``combine_grads(worker)`` if set, then the optimizer
-  step, then zeroes the gradients.
+  step, then zeroes the gradients; ``update(skip=True)`` leaves out the step.
 - ``evaluate(x, target=None)``: F for evaluation (``schedule.evaluation``):
   the same output or scaled loss, computed without a graph, nothing kept.
 
@@ -309,13 +309,22 @@ class StageWorker:
                 p.grad = torch.zeros_like(p)
 
     # ---- U -----------------------------------------------------------------
-    def update(self) -> None:
-        """U: combine replicas' gradients (``combine_grads``), optimizer step, zero gradients."""
+    def update(self, skip: bool = False) -> None:
+        """U: combine replicas' gradients (``combine_grads``), optimizer step, zero gradients.
+
+        ``skip``: the step's update is skipped (a non-finite loss): the gradients are combined all the same
+        (the exchanges take place), then dropped; parameters and optimizer state stay exactly as they were.
+        An optimizer that takes part in every step (the post-validated one passes its state down the
+        pipeline) is told through its ``skip_step``.
+        """
         if self._weight_grads:
             raise RuntimeError(f"U on stage {self.layer_indices} with W pending for microbatches {list(self._weight_grads)}")
         if self.combine_grads is not None:
             self.combine_grads(self)
-        self.optimizer.step()
+        if not skip:
+            self.optimizer.step()
+        elif hasattr(self.optimizer, "skip_step"):
+            self.optimizer.skip_step()
         self.optimizer.zero_grad(set_to_none=True)
         self._backward_ran = False
         self.steps_done += 1
