@@ -30,7 +30,9 @@ Two stream builders:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 
 from pipeweave.schedule.ir import Action, Op, Placement, Schedule, ScheduleError, check_positive
 
@@ -180,73 +182,109 @@ def greedy_stream(
     Raises:
         ScheduleError: the bounds leave no rank able to progress.
     """
-    n = placement.num_ranks
-    rank_of = placement.stage_rank
-    pos = {s: i for route in routes for i, s in enumerate(route)}  # a stage belongs to one pipeline
-    # Per rank, actions whose input is scheduled, by the time it is done: (time, is forward, j, -pos, stage).
-    coming: list[list[tuple[int, bool, int, int, int]]] = [[] for _ in range(n)]
-    backward: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]  # ready backwards: (j, -pos, stage)
-    forward: dict[int, list[int]] = {}  # per stage, its ready forwards' microbatches
-    stages_of: list[list[int]] = [[] for _ in range(n)]
-    for s in sorted(pos):
-        stages_of[rank_of[s]].append(s)
-    for j, route in enumerate(routes):
-        heapq.heappush(coming[rank_of[route[0]]], (0, True, j, -pos[route[0]], route[0]))
-    open_: dict[int, int] = {}  # stage -> microbatches between F and B
-    backs: dict[int, int] = {}  # stage -> backwards done
-    rows: list[list[Action]] = [[] for _ in range(n)]
-    free, t, left = [0] * n, 0, 2 * sum(map(len, routes))
+    stream = _GreedyStream(placement, routes, in_flight, admit)
+    arrivals, starts = stream.arrivals(), stream.starts()
+    t, left = 0, 2 * sum(map(len, routes))
+    while left:  # each step advances one time unit, t
+        next(arrivals)
+        started = next(starts)
+        if not started and all(f <= t for f in stream.free):
+            raise ScheduleError("the in-flight bounds leave every rank idle; raise the bound")
+        left -= started
+        t += 1
+    return stream.rows
 
-    while left:
-        progressed = False
-        for r in range(n):
-            arriving = coming[r]
-            while arriving and arriving[0][0] <= t:
-                _, is_f, j, neg_pos, s = heapq.heappop(arriving)
+
+class _GreedyStream:
+    """``greedy_stream``'s state, and its two steps per time unit (``arrivals``, then ``starts``).
+
+    An action is *coming* once the action it waits for is scheduled (its end
+    is known then), and *ready* from that end on. The steps are generators,
+    advanced once per time unit by ``greedy_stream``: their locals outlive a
+    unit, so a unit costs no call set-up (the hot path of long streams).
+    """
+
+    __slots__ = ("routes", "in_flight", "admit", "rank_of", "pos", "stages_of", "coming", "backward", "forward",
+                 "open_", "backs", "rows", "free")
+
+    def __init__(self, placement: Placement, routes: Sequence[tuple[int, ...]], in_flight: Callable[[int], int],
+                 admit: Callable[[int, int, int], bool] | None) -> None:
+        n = placement.num_ranks
+        self.routes, self.in_flight, self.admit = routes, in_flight, admit
+        self.rank_of = rank_of = placement.stage_rank
+        self.pos = pos = {s: i for route in routes for i, s in enumerate(route)}  # a stage belongs to one pipeline
+        self.stages_of: list[list[int]] = [[] for _ in range(n)]
+        for s in sorted(pos):
+            self.stages_of[rank_of[s]].append(s)
+        # Per time, the actions coming then: (rank, is forward, j, -pos, stage); every first forward at 0.
+        self.coming: defaultdict[int, list[tuple[int, bool, int, int, int]]] = defaultdict(list)
+        self.coming[0] = [(rank_of[route[0]], True, j, -pos[route[0]], route[0]) for j, route in enumerate(routes)]
+        self.backward: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]  # per rank, ready: (j, -pos, stage)
+        self.forward: dict[int, list[int]] = {}  # per stage, its ready forwards' microbatches
+        self.open_: dict[int, int] = {}  # stage -> microbatches between F and B
+        self.backs: dict[int, int] = {}  # stage -> backwards done
+        self.rows: list[list[Action]] = [[] for _ in range(n)]
+        self.free = [0] * n  # per rank, when its running action ends
+
+    def arrivals(self) -> Iterator[None]:
+        """At t = 0, 1, ...: the actions coming at t are ready, a backward to its rank, a forward to its stage."""
+        coming, forward, backward = self.coming, self.forward, self.backward
+        for t in itertools.count():
+            for r, is_f, j, neg_pos, s in coming.pop(t, ()):
                 if is_f:
                     heapq.heappush(forward.setdefault(s, []), j)
                 else:
                     heapq.heappush(backward[r], (j, neg_pos, s))
-            if free[r] > t:
-                continue
-            if backward[r]:
-                j, _, s = heapq.heappop(backward[r])
-                op = Op.B
-            else:
-                best: tuple[int, int, int] | None = None
-                for s in stages_of[r]:
-                    waiting = forward.get(s)
-                    if not waiting or open_.get(s, 0) >= in_flight(s):
-                        continue
-                    j = waiting[0]
-                    if admit is not None and not admit(s, j, backs.get(s, 0)):
-                        continue
-                    if best is None or (j, -pos[s]) < best[:2]:
-                        best = (j, -pos[s], s)
-                if best is None:
+            yield
+
+    def starts(self) -> Iterator[int]:
+        """At t = 0, 1, ...: each free rank starts its oldest ready backward, else its oldest admissible
+        forward, and what that action unblocks is coming at its end: after a forward the next stage's
+        forward (at the last stage its own backward), after a backward the stage before's backward.
+        Yields how many started at t.
+        """
+        free, backward, forward, rows, coming = self.free, self.backward, self.forward, self.rows, self.coming
+        open_, backs, pos, rank_of, routes = self.open_, self.backs, self.pos, self.rank_of, self.routes
+        in_flight, admit, stages_of = self.in_flight, self.admit, self.stages_of
+        for t in itertools.count():
+            started = 0
+            for r in range(len(free)):
+                if free[r] > t:
                     continue
-                j, _, s = best
-                heapq.heappop(forward[s])
-                op = Op.F
-            rows[r].append(Action(s, op, j))
-            free[r] = done = t + (1 if op is Op.F else 2)
-            route, i = routes[j], pos[s]
-            if op is Op.F:
-                open_[s] = open_.get(s, 0) + 1
-                nxt = route[i + 1] if i + 1 < len(route) else None
-                if nxt is None:  # the last stage's backward waits for its own forward only
-                    heapq.heappush(coming[r], (done, False, j, -i, s))
+                if backward[r]:
+                    j, _, s = heapq.heappop(backward[r])
+                    op = Op.B
                 else:
-                    heapq.heappush(coming[rank_of[nxt]], (done, True, j, -(i + 1), nxt))
-            else:
-                open_[s] -= 1
-                backs[s] = backs.get(s, 0) + 1
-                if i > 0:
-                    prev = route[i - 1]
-                    heapq.heappush(coming[rank_of[prev]], (done, False, j, -(i - 1), prev))
-            left -= 1
-            progressed = True
-        if not progressed and all(f <= t for f in free):
-            raise ScheduleError("the in-flight bounds leave every rank idle; raise the bound")
-        t += 1
-    return rows
+                    best: tuple[int, int, int] | None = None
+                    for s in stages_of[r]:
+                        waiting = forward.get(s)
+                        if not waiting or open_.get(s, 0) >= in_flight(s):
+                            continue
+                        j = waiting[0]
+                        if admit is not None and not admit(s, j, backs.get(s, 0)):
+                            continue
+                        if best is None or (j, -pos[s]) < best[:2]:
+                            best = (j, -pos[s], s)
+                    if best is None:
+                        continue
+                    j, _, s = best
+                    heapq.heappop(forward[s])
+                    op = Op.F
+                rows[r].append(Action(s, op, j))
+                free[r] = done = t + (1 if op is Op.F else 2)
+                route, i = routes[j], pos[s]
+                if op is Op.F:
+                    open_[s] = open_.get(s, 0) + 1
+                    nxt = route[i + 1] if i + 1 < len(route) else None
+                    if nxt is None:  # the last stage's backward waits for its own forward only
+                        coming[done].append((r, False, j, -i, s))
+                    else:
+                        coming[done].append((rank_of[nxt], True, j, -(i + 1), nxt))
+                else:
+                    open_[s] -= 1
+                    backs[s] = backs.get(s, 0) + 1
+                    if i > 0:
+                        prev = route[i - 1]
+                        coming[done].append((rank_of[prev], False, j, -(i - 1), prev))
+                started += 1
+            yield started

@@ -85,8 +85,38 @@ class _Rank:
         self.idle = 0.0  # waiting since the rank's first action
         self.peers: list[_Rank] = []
         self.durations = {s: {op: problem.duration(s, op) for op in (Op.F, Op.I, Op.W)} for s in self.stages}
+        self.costs = problem.costs
         self.order: list[Action] = []
         self.starts: list[float] = []
+
+    def start(self, action: Action, now: float) -> float:
+        """Start ``action`` at ``now`` on this rank (its memory, counts, order, idle time); returns its end.
+
+        F holds the microbatch's activations; I frees all but the share W needs (``mem_w``) and leaves
+        a W pending; W frees that share.
+        """
+        s, op, _ = action
+        c = self.costs
+        a = c.activation[s]
+        if op is Op.F:
+            end = now + c.f[s]
+            self.held += a
+            self.in_flight += 1
+        elif op is Op.I:
+            end = now + c.b[s]
+            self.held -= a * (1.0 - c.mem_w)
+            self.in_flight -= 1
+            self.pending_w += 1
+        else:
+            end = now + c.w[s]
+            self.held -= a * c.mem_w
+            self.pending_w -= 1
+        if self.order:
+            self.idle += now - self.free_at
+        self.order.append(action)
+        self.starts.append(now)
+        self.free_at = end
+        return end
 
 
 def list_schedule(problem: Problem, policy: Policy) -> Result | None:
@@ -106,6 +136,7 @@ def list_schedule(problem: Problem, policy: Policy) -> Result | None:
     f_ready = [[math.inf] * t for _ in range(stages)]  # input of F(s, j) available
     i_ready = [[math.inf] * t for _ in range(stages)]  # gradient of I(s, j) available
     f_ready[0] = [0.0] * t
+    hop_next, hop_prev = _hops(problem)
     nf, ni, nw = [0] * stages, [0] * stages, [0] * stages  # next microbatch per op
     heap = [(0.0, r) for r in range(d)]
     done_count, total = 0, 3 * t * stages
@@ -124,39 +155,34 @@ def list_schedule(problem: Problem, policy: Policy) -> Result | None:
         if action is None:
             continue  # wait for an arrival
         s, op, j = action
-        end = now + problem.duration(s, op)
-        if rank.order:
-            rank.idle += now - rank.free_at
-        rank.order.append(action)
-        rank.starts.append(now)
-        rank.free_at = end
+        end = rank.start(action, now)
         done_count += 1
-        a = c.activation[s]
-        if op is Op.F:
+        if op is Op.F:  # what the action makes ready: the next F, or this stage's I after the last F
             nf[s] += 1
-            rank.held += a
-            rank.in_flight += 1
             nxt = place.next_stage(s)
             if nxt is None:
                 post(i_ready, s, j, end)
             else:
-                post(f_ready, nxt, j, end + problem.hop(s, nxt))
-        elif op is Op.I:
+                post(f_ready, nxt, j, end + hop_next[s])
+        elif op is Op.I:  # the I of the stage before
             ni[s] += 1
-            rank.held -= a * (1.0 - c.mem_w)
-            rank.in_flight -= 1
-            rank.pending_w += 1
             prev = place.prev_stage(s)
             if prev is not None:
-                post(i_ready, prev, j, end + problem.hop(s, prev))
+                post(i_ready, prev, j, end + hop_prev[s])
         else:
             nw[s] += 1
-            rank.held -= a * c.mem_w
-            rank.pending_w -= 1
         heapq.heappush(heap, (end, r))
     if done_count < total:
         return None
     return _result(problem, ranks)
+
+
+def _hops(problem: Problem) -> tuple[list[float], list[float]]:
+    """Per stage, the time an F's output takes to the next stage and an I's gradient to the stage before."""
+    place = problem.placement
+    stages = range(place.num_stages)
+    return ([problem.hop(s, place.next_stage(s)) for s in stages],
+            [problem.hop(s, place.prev_stage(s)) for s in stages])
 
 
 def _choose(
