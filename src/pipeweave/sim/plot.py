@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from pipeweave.errors import UserError
 from pipeweave.schedule.ir import Op
-from pipeweave.sim.metrics import bubble_metrics
+from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.textline import chunk_of_stages
 from pipeweave.sim.timeline import Timeline
 

@@ -21,7 +21,7 @@ from pipeweave.runtime.run.sizes import part_weight_bytes
 from pipeweave.runtime.stream import microbatches_per_minibatch
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.sim import CostModel, Event, Timeline, simulate
-from pipeweave.sim.metrics import bubble_metrics
+from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.steady import steady_bubble_ratio
 from pipeweave.sim.versions import weight_copies
 

@@ -18,7 +18,7 @@ from pipeweave.runtime.run.plan import segments
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.sim import CostModel, Event, Timeline, simulate
-from pipeweave.sim.metrics import bubble_metrics
+from pipeweave.sim.bubble import bubble_metrics
 
 
 _COMPUTE = {op.value for op in Op if op.is_compute}  # records hold op strings
