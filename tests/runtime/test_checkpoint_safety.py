@@ -186,3 +186,25 @@ def test_an_output_is_replaced_whole_or_not_at_all(tmp_path: Path) -> None:
         tmp.write_text("half")
         raise OSError(28, "No space left on device")
     assert record.read_text() == "old" and os.listdir(tmp_path) == ["train.json"]
+
+
+def test_a_checkpoint_of_the_first_format_is_resumed_and_kept(tmp_path: Path) -> None:
+    """`meta.json` beside `part-000-step2.pt` in DIR itself (pipeweave-checkpoint/1): resumed, never removed."""
+    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=ModelSpec(kind="mlp", layers=4,
+                         hidden=8), batch_size=8, steps=2, save=str(tmp_path / "new"))
+    launch(run_rank, prepare(config), 2, LaunchOptions(timeout_s=60))
+    old = tmp_path / "old"
+    old.mkdir()
+    saved = checkpoint_files.find(str(tmp_path / "new"))
+    names = [f"part-{p:03d}-step2.pt" for p in range(2)]
+    for entry, name in zip(saved.files, names):
+        (saved.folder / entry["name"]).rename(old / name)
+    meta = {k: v for k, v in saved.manifest.items() if k not in ("run", "serial", "saved")}
+    (old / "meta.json").write_text(json.dumps({**meta, "format": "pipeweave-checkpoint/1", "files": names}))
+    before = _files(old)
+    resumed = TrainConfig(**{**config.__dict__, "save": str(old), "resume": str(old), "save_every": 1})
+    record = launch(run_rank, prepare(resumed), 2, LaunchOptions(timeout_s=60))
+    plain = run_plain(ModelSpec(kind="mlp", layers=4, hidden=8), steps=4, batch_size=8, num_microbatches=2)
+    assert record.first_step == 2 and record.losses == pytest.approx(plain.losses[2:], rel=1e-5)
+    assert {k: v for k, v in _files(old).items() if "/" not in k and k != "latest"} == before
+    assert checkpoint_files.find(str(old)).folder == old / "step-000004"
