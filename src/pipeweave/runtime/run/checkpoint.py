@@ -126,7 +126,7 @@ def save(config: TrainConfig, parts: Sequence[range], placement: Placement, work
             failure = _attempt(lambda: checkpoint_files.commit(folder, manifest, config.keep_checkpoints,
                                                                config.overwrite))
         if failure is not None:
-            checkpoint_files.abandon(folder)
+            failure += checkpoint_files.abandon(folder)
     said: str | None = _from_rank0(failure)  # the checkpoint is current (or abandoned) before any rank goes on
     return said
 

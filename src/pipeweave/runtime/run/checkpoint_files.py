@@ -322,12 +322,21 @@ def commit(folder: Path, manifest: dict[str, Any], keep: int, overwrite: bool) -
     return done
 
 
-def abandon(folder: Path) -> None:
-    """Rank 0, after a failed save: remove its staging folder (only pipeweave's own files in it)."""
+def abandon(folder: Path) -> str:
+    """Rank 0, after a failed save: remove its staging folder (only pipeweave's own files in it); what is kept.
+
+    Returns:
+        What the user still has, to end the failure's line: "; the newest checkpoint kept is DIR/step-... (N
+        steps)", or "; no checkpoint is kept in DIR".
+    """
     try:
         _remove_own(folder)
     except OSError:  # never created, or unreadable: the next save clears it
         pass
+    kept = newest(folder.parent)
+    if kept is None:
+        return f"; no checkpoint is kept in {folder.parent}"
+    return f"; the newest checkpoint kept is {kept.folder} ({kept.steps} steps)"
 
 
 def prune(current: Checkpoint, keep: int, overwrite: bool) -> None:
