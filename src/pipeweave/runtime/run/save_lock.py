@@ -58,6 +58,7 @@ def owner_of(pid: int) -> dict[str, Any]:
 def _take(path: Path, mine: dict[str, Any]) -> None:
     for _ in range(5):
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             _create(path, mine)
             return
         except FileExistsError:
