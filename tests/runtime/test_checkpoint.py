@@ -10,6 +10,7 @@ line before anything is spawned.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run import checkpoint
+from pipeweave.runtime.run import checkpoint, checkpoint_files
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.record import RunRecord
@@ -104,11 +105,16 @@ def test_resuming_from_a_checkpoint_is_not_training_from_scratch(tmp_path: Path)
     _train(dataclasses.replace(config, steps=FIRST, save=str(tmp_path / "ckpt")))
     resumed = _train(dataclasses.replace(config, steps=STEPS - FIRST, resume=str(tmp_path / "ckpt")))
     assert resumed.losses[0] < fresh.losses[0]
-    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
+    saved = tmp_path / "ckpt" / "step-000002"
+    meta = json.loads((saved / "manifest.json").read_text())
     assert meta["steps"] == FIRST and meta["parts"] == [[0, 3], [3, 6]]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.json", "part-000-step2.pt",
-                                                                     "part-001-step2.pt"]
-    state = torch.load(tmp_path / "ckpt" / "part-001-step2.pt", weights_only=True)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-000002"]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step-000002\n"
+    assert sorted(p.name for p in saved.iterdir()) == ["manifest.json", "part-000.pt", "part-001.pt"]
+    assert [(f["name"], f["bytes"], f["sha256"]) for f in meta["files"]] == [
+        (p.name, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in (saved / "part-000.pt", saved / "part-001.pt")]
+    state = torch.load(saved / "part-001.pt", weights_only=True)
     assert set(state["optimizer"]["3.up.weight"]) == {"momentum_buffer"}
 
 
@@ -121,24 +127,34 @@ def test_a_bad_resume_is_one_line_before_spawning(tmp_path: Path) -> None:
         prepare(dataclasses.replace(base, model=ModelSpec(kind="mlp", layers=6, hidden=16), resume=str(tmp_path / "ckpt")))
     with pytest.raises(UserError, match="give --optimizer sgd"):
         prepare(dataclasses.replace(base, optimizer="adamw", resume=str(tmp_path / "ckpt")))
-    (tmp_path / "ckpt" / "part-001-step1.pt").unlink()
-    with pytest.raises(UserError, match="lacks part-001-step1.pt"):
+    (tmp_path / "ckpt" / "step-000001" / "part-001.pt").unlink()
+    with pytest.raises(UserError, match=r"step-000001/part-001.pt is missing \(its manifest names it\); no "
+                                        "earlier checkpoint is kept"):
         prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt")))
-    (tmp_path / "ckpt" / "meta.json").write_text("{}")
-    with pytest.raises(UserError, match="not a pipeweave-checkpoint/1 checkpoint"):
+    (tmp_path / "ckpt" / "step-000001" / "manifest.json").write_text("{}")
+    with pytest.raises(UserError, match="step-000001/manifest.json is missing or unreadable"):
         prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt")))
+    with pytest.raises(UserError, match="manifest.json is unreadable or not a pipeweave-checkpoint/2 manifest"):
+        prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt" / "step-000001")))
 
 
 def test_a_new_checkpoint_replaces_the_old_one_only_once_whole(tmp_path: Path) -> None:
+    """A save that died half-way (its staging folder) is no checkpoint: resuming passes it over, the next save
+    clears it; the newest --keep-checkpoints of the run are kept, the older ones go, the user's files stay."""
     config = TrainConfig(schedule="1f1b", num_stages=3, num_microbatches=3, model=MLP, batch_size=6, steps=1,
                          save=str(tmp_path / "ckpt"))
     _train(config)
-    (tmp_path / "ckpt" / "part-000-step7.pt").write_bytes(b"a save that died half-way")
-    prepare(dataclasses.replace(config, save=None, resume=str(tmp_path / "ckpt")))  # meta.json names step 1's parts
-    _train(dataclasses.replace(config, num_stages=2, steps=2))
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.json", "part-000-step2.pt",
-                                                                     "part-001-step2.pt"]
-    assert checkpoint.read_meta(str(tmp_path / "ckpt"))["parts"] == [[0, 3], [3, 6]]
+    died = tmp_path / "ckpt" / ".tmp-step-000007"
+    died.mkdir()
+    (died / "part-000.pt").write_bytes(b"a save that died half-way")
+    (tmp_path / "ckpt" / "notes.txt").write_text("mine")
+    resumed = dataclasses.replace(config, resume=str(tmp_path / "ckpt"), num_stages=2, steps=3, save_every=1)
+    assert prepare(resumed).steps_done == 1  # step 1's checkpoint, not the half-written one
+    _train(resumed)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "notes.txt", "step-000003",
+                                                                     "step-000004"]
+    assert checkpoint_files.find(str(tmp_path / "ckpt")).manifest["parts"] == [[0, 3], [3, 6]]
+    assert checkpoint_files.find(str(tmp_path / "ckpt")).steps == 4
 
 
 def _counting_saves(rank: int, world: int, config: TrainConfig) -> tuple[RunRecord | None, list[int]]:
@@ -159,7 +175,8 @@ def test_save_every_writes_the_checkpoint_during_the_run(tmp_path: Path) -> None
     prepare(config)
     _, saved = launch(_counting_saves, config, 2, LaunchOptions(timeout_s=60))
     assert saved == [2, 4, 5]
-    assert checkpoint.read_meta(str(tmp_path / "ckpt"))["steps"] == 5
+    assert checkpoint_files.find(str(tmp_path / "ckpt")).steps == 5
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-000004", "step-000005"]
     with pytest.raises(UserError, match="--save-every 2 is invalid; give an integer >= 1 together with --save DIR"):
         dataclasses.replace(config, save=None)
 
@@ -172,5 +189,5 @@ def test_resuming_into_the_checkpoint_folder_itself(tmp_path: Path) -> None:
     folder = str(tmp_path / "ckpt")
     _train(dataclasses.replace(config, steps=FIRST, save=folder, lr_decay_steps=STEPS))
     resumed = _train(dataclasses.replace(config, steps=STEPS - FIRST, resume=folder, save=folder))
-    assert resumed.first_step == FIRST and checkpoint.read_meta(folder)["steps"] == STEPS
+    assert resumed.first_step == FIRST and checkpoint_files.find(folder).steps == STEPS
     torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)

@@ -329,18 +329,18 @@ def test_only_ranks_with_a_first_or_last_stage_draw_batches() -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_a_checkpoint_keeps_the_buffers(tmp_path: Path) -> None:
-    from pipeweave.runtime.run import checkpoint
+    from pipeweave.runtime.run import checkpoint, checkpoint_files
 
     spec = ModelSpec(kind="custom", entry=f"{FILE}:with_buffer")
     first = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=spec, batch_size=8, steps=2,
                         save=str(tmp_path / "ckpt"))
     launch(run_rank, prepare(first), 2, LaunchOptions(timeout_s=60))
-    meta = checkpoint.read_meta(str(tmp_path / "ckpt"))
-    saved = torch.load(tmp_path / "ckpt" / meta["files"][0], weights_only=True)["buffers"]
+    found = checkpoint_files.find(str(tmp_path / "ckpt"))
+    saved = torch.load(found.folder / found.files[0]["name"], weights_only=True)["buffers"]
     assert set(saved) == {"1.peak"} and float(saved["1.peak"]) > 0  # trained, not the initial zero
     worker = StageWorker(spec, range(0, 3), batch_size=8)  # resumed on one stage holding every layer
     assert float(worker.module["1"].peak) == 0
-    checkpoint.load(str(tmp_path / "ckpt"), meta, {0: worker})
+    checkpoint.load(found.folder, found.manifest, {0: worker})
     assert torch.equal(worker.module["1"].peak, saved["1.peak"])
 
 

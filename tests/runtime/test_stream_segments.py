@@ -221,15 +221,15 @@ def test_checkpoint_of_a_stream_holds_its_policy_state(tmp_path: Path) -> None:
     import json
 
     assert config.save is not None
-    meta = json.loads((Path(config.save) / "meta.json").read_text())
+    meta = json.loads((Path(config.save) / "step-000003" / "manifest.json").read_text())
     assert meta["steps"] == 3 and meta["updates"] == 3 and meta["annealed"] == 0  # all three were warm-up
-    state = torch.load(Path(config.save) / "part-000-step3.pt", weights_only=True)
+    state = torch.load(Path(config.save) / "step-000003" / "part-000.pt", weights_only=True)
     assert set(state["velocity"]) == set(state["parameters"]) and state["replicas"] == []
     assert any(bool(v.abs().sum() > 0) for v in state["velocity"].values())
     avg = dataclasses.replace(_config("avgpipe", tmp_path, 4, 4), save_every=None)
     _launch([avg])
     assert avg.save is not None
-    state = torch.load(Path(avg.save) / "part-000-step4.pt", weights_only=True)
+    state = torch.load(Path(avg.save) / "step-000004" / "part-000.pt", weights_only=True)
     assert len(state["replicas"]) == 1 and "velocity" not in state
     other = state["replicas"][0]["parameters"]
     assert any(not torch.equal(other[n], v) for n, v in state["parameters"].items())  # the replicas differ

@@ -176,3 +176,37 @@ def test_two_torchrun_nodes_train_a_model_file_exactly(tmp_path: Path) -> None:
     report = json.loads(record.read_text())
     plain = run_plain(ModelSpec(kind="custom", entry=entry), steps=3, batch_size=7, num_microbatches=3)
     assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
+
+
+def test_a_killed_rank_restarted_by_torchrun_resumes_its_newest_checkpoint(tmp_path: Path) -> None:
+    """`torchrun --max-restarts 1 ... --save DIR --resume auto`: rank 1 is SIGKILLed once in step 5; torchrun
+    restarts both ranks, which resume the checkpoint of step 4 (the dead run's lock is stale) and end the
+    training as an uninterrupted run would: the same losses and final weights as plain training."""
+    import torch
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    assert torchrun is not None
+    entry = f"{Path(__file__).resolve().parent.parent / 'models' / 'dies_once.py'}:model"
+    record, ck, marker = tmp_path / "record.json", tmp_path / "ck", tmp_path / "killed"
+    train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--microbatches", "2", "--model", entry,
+             "--batch", "8", "--steps", "8", "--optimizer", "sgd", "--save", str(ck), "--save-every", "2",
+             "--resume", "auto", "--quiet", "--out", str(tmp_path), "--json", str(record)]
+    log = tmp_path / "torchrun.log"
+    # The rendezvous store shared with the ranks may hand a restarted gloo rank its dead peer's address
+    # (pytorch/pytorch#135712); a store of the ranks' own per attempt does not.
+    env = {**os.environ, "PIPEWEAVE_TEST_DIE_ONCE": str(marker), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    done = subprocess.run([torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
+                           "--monitor-interval", "0.5", *train], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                          cwd=tmp_path, env=env, timeout=150)
+    assert done.returncode == 0, log.read_text()[-3000:]
+    assert marker.exists()  # rank 1 did die once
+    report = json.loads(record.read_text())
+    plain = run_plain(ModelSpec(kind="custom", entry=entry), steps=8, batch_size=8, num_microbatches=2)
+    assert report["first_step"] == 4 and report["steps"] == 4  # the restart resumed step 4's checkpoint
+    assert report["losses"] == pytest.approx(plain.losses[4:], rel=1e-5)
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000006", "step-000008"]
+    saved = {name: value for part in sorted((ck / "step-000008").glob("part-*.pt"))
+             for name, value in torch.load(part, weights_only=True)["parameters"].items()}
+    assert set(saved) == set(plain.parameters)
+    for name, value in plain.parameters.items():
+        torch.testing.assert_close(saved[name], value, rtol=1e-5, atol=1e-6)

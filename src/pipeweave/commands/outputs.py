@@ -3,14 +3,19 @@
 A training run that learns only at its end that ``--json`` names a folder, or
 that ``--plot`` has a suffix matplotlib cannot draw, would lose what it
 measured; so every command checks its output paths first, creating their
-folders as it would have anyway.
+folders as it would have anyway. ``write_output`` and ``replaced_output``
+write a file whole or not at all (a temporary file renamed into place), and
+a failure is one line naming the path and the OS's reason.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from pipeweave.durable import reason, replacing, write_atomic
 from pipeweave.errors import UserError
 
 
@@ -74,3 +79,29 @@ def output_folder(flag: str, value: str | os.PathLike[str]) -> Path:
     if not os.access(path, os.W_OK):
         raise UserError(f"{flag} {value} cannot be written; give a writable path")
     return path
+
+
+def write_output(path: Path, data: str | bytes) -> None:
+    """Write an output file whole or not at all (``durable.write_atomic``).
+
+    Raises:
+        UserError: one line naming the path and the OS's reason (no space left, permission denied).
+    """
+    try:
+        write_atomic(path, data)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {reason(exc)}") from None
+
+
+@contextmanager
+def replaced_output(path: Path) -> Iterator[Path]:
+    """A temporary path for a writer that takes a path (a plot), moved onto ``path`` when whole, else removed.
+
+    Raises:
+        UserError: as ``write_output``.
+    """
+    try:
+        with replacing(path) as tmp:
+            yield tmp
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {reason(exc)}") from None

@@ -76,14 +76,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=4, metavar="K",
                    help="held-out batches per evaluation, the same every time (default 4)")
     p.add_argument("--save", metavar="DIR",
-                   help="after the last step, write a checkpoint here: every part's parameters and optimizer "
-                        "state (and an asynchronous policy's state)")
+                   help="after the last step, write a checkpoint into DIR: a folder DIR/step-NNNNNN of every "
+                        "part's parameters and optimizer state (and an asynchronous policy's state), made current "
+                        "atomically once whole; a DIR holding another run's checkpoint is refused")
     p.add_argument("--save-every", type=int, metavar="N",
-                   help="with --save: also write the checkpoint every N steps (each replaces the last); an "
-                        "asynchronous schedule drains its stream there")
-    p.add_argument("--resume", metavar="DIR",
-                   help="start from the checkpoint in DIR (written by --save) and train --steps more steps, the "
-                        "data going on from where it stopped; any schedule, D or partition of the same model")
+                   help="with --save: also write a checkpoint every N steps; an asynchronous schedule drains its "
+                        "stream there")
+    p.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+                   help="the newest checkpoints of this run kept in --save DIR (default 2)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="save into a DIR holding another run's checkpoints, removing them once this run's first "
+                        "checkpoint is whole")
+    p.add_argument("--resume", metavar="DIR|auto",
+                   help="start from the newest checkpoint in DIR (or from DIR/step-NNNNNN) and train --steps more "
+                        "steps, the data going on from where it stopped; any schedule, D or partition of the same "
+                        "model. auto: from the newest checkpoint in --save DIR if there is one, else from scratch, "
+                        "--steps counting the whole training (for torchrun --max-restarts)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
     # Under torchrun no launcher watches the other node: the process-group timeout
     # is what ends a rank whose remote peer died, so it stays under the 30 s promise.

@@ -19,10 +19,12 @@ from dataclasses import asdict
 from rich.console import Console
 from rich.table import Table
 
-from pipeweave.commands.outputs import output_file, output_folder, picture_file
+from pipeweave.commands.outputs import output_file, output_folder, picture_file, replaced_output, write_output
 from pipeweave.commands.units import format_bytes
+from pipeweave.errors import UserError
 from pipeweave.runtime.report.stream_summary import stream_timeline, summarize_stream
 from pipeweave.runtime.report.trace import chrome_trace, rebased, step_timeline, summarize
+from pipeweave.runtime.run.checkpoint_files import newest
 from pipeweave.runtime.run.plan import learning_rates, segments, stream_rates
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.config import TrainConfig
@@ -45,6 +47,7 @@ def build_report(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
         "wall_s": record.wall_s, "paused_s": record.paused_s,
         **({"streams": len(segments(config))} if config.is_stream else {}),
         "transport": record.transport,
+        **({"save_failures": record.save_failures} if record.save_failures else {}),
         **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
     }
 
@@ -84,27 +87,43 @@ def output_paths(args: argparse.Namespace) -> dict[str, Path]:
 
 def write_outputs(schedule: Schedule, record: RunRecord, report: dict[str, Any],
                   args: argparse.Namespace) -> dict[str, str]:
-    """Write the JSON record, the Chrome trace and the timeline plot; return their paths."""
+    """Write the JSON record, the Chrome trace and the timeline plot, each whole or not at all; return their paths.
+
+    Raises:
+        UserError: a file could not be written (its path and the OS's reason); the others are written.
+    """
     paths = output_paths(args)
-    paths["json"].write_text(json.dumps(report, indent=2) + "\n")
-    paths["trace"].write_text(json.dumps(chrome_trace(schedule, record)))
-    if schedule.is_synchronous:
-        last, what = rebased(step_timeline(schedule, record, record.config.steps - 1)), "last step"
-    else:
-        last, what = rebased(stream_timeline(schedule, record)), "stream"
-    title = (f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  measured {what} (ms), "
-             f"bubble {report['bubble_ratio']:.3f} (simulated {report['bubble_ratio_simulated']:.3f})")
-    if not _plot(last, paths["plot"], title):
-        del paths["plot"]
+    failed: list[UserError] = []
+    for key, write in (("json", lambda: write_output(paths["json"], json.dumps(report, indent=2) + "\n")),
+                       ("trace", lambda: write_output(paths["trace"], json.dumps(chrome_trace(schedule, record)))),
+                       ("plot", lambda: _plot(schedule, record, report, paths["plot"]))):
+        try:
+            written = write()
+        except UserError as exc:
+            failed.append(exc)
+            written = False
+        if written is False:
+            del paths[key]
+    if failed:
+        raise failed[0]
     if record.config.save is not None:
-        paths["checkpoint"] = Path(record.config.save)
+        saved = newest(Path(record.config.save))
+        if saved is not None:
+            paths["checkpoint"] = saved.folder
     return {k: str(v) for k, v in paths.items()}
 
 
-def _plot(timeline: Any, path: Path, title: str) -> bool:
-    """Draw with ``pipeweave.sim.plot``; False when matplotlib cannot be imported."""
+def _plot(schedule: Schedule, record: RunRecord, report: dict[str, Any], path: Path) -> bool:
+    """Draw the measured timeline with ``pipeweave.sim.plot``, whole or not at all; False without matplotlib."""
+    if schedule.is_synchronous:
+        timeline, what = rebased(step_timeline(schedule, record, record.config.steps - 1)), "last step"
+    else:
+        timeline, what = rebased(stream_timeline(schedule, record)), "stream"
+    title = (f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  measured {what} (ms), "
+             f"bubble {report['bubble_ratio']:.3f} (simulated {report['bubble_ratio_simulated']:.3f})")
     try:
-        plot_timeline(timeline, path, title=title)
+        with replaced_output(path) as tmp:
+            plot_timeline(timeline, tmp, title=title)
     except ImportError:
         return False
     return True

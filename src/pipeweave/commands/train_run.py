@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeweave.commands.partition import check_partition_arguments, memory_profile, model_spec, parse_counts, partition_context, partition_method
+from pipeweave.commands.outputs import output_folder
 from pipeweave.commands.profiled import profiled_costs
 from pipeweave.commands.stream_options import async_options
 from pipeweave.commands.train_report import build_report, output_paths, print_summary, write_outputs
@@ -27,7 +29,8 @@ from pipeweave.runtime.profile import profile_model
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, exit_torchrun_rank, launch
-from pipeweave.runtime.run.plan import RunPlan, build_schedule, layer_ranges, prepare
+from pipeweave.runtime.run.plan import AlreadyTrained, RunPlan, build_schedule, layer_ranges, prepare, resolve_auto
+from pipeweave.runtime.run.save_lock import save_lock
 from pipeweave.runtime.run.sizes import largest_message_bytes
 from pipeweave.runtime.stage.policy import PolicyOptions
 from pipeweave.runtime.stage.post_validation import PostValidation
@@ -89,7 +92,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         save_every=args.save_every,
         eval_every=args.eval_every, eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
         lr_warmup=args.lr_warmup, lr_decay_steps=args.lr_decay_steps,
-        resume=args.resume,
+        resume=args.resume, keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite,
     )
     return _with_searched_costs(_with_partition(config, args), args)
 
@@ -201,10 +204,23 @@ def train(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     config = build_config(args)
+    if config.save is not None:
+        output_folder("--save", config.save)  # where the lock goes: a file in the way is one line here
+    # One run at a time saves into a folder: locked before anything reads or writes it (rank 0 under torchrun).
+    with save_lock(config.save if _rank() == 0 else None):
+        try:
+            config = resolve_auto(config)
+        except AlreadyTrained as done:  # a restarted command whose training had finished: nothing to do
+            print(f"pipeweave train: {done}", file=sys.stderr)
+            return 0
+        return _launch(args, config)
+
+
+def _launch(args: argparse.Namespace, config: TrainConfig) -> int:
     plan = prepare(config)  # one line before anything is spawned
     schedule = plan.schedule
     output_paths(args)  # likewise: a run must not learn at its end that it cannot write its record
-    progress = _Progress(config, schedule.num_ranks, quiet=args.quiet or (under_torchrun() and _rank() != 0))
+    progress = _Progress(plan.config, schedule.num_ranks, quiet=args.quiet or (under_torchrun() and _rank() != 0))
     capacity = _ring_capacity(args, plan, under_torchrun())
     _check_transport(args, schedule, under_torchrun(), capacity)
     options = LaunchOptions(threads=args.threads, timeout_s=args.timeout, transport=args.transport,
@@ -217,9 +233,18 @@ def _train(args: argparse.Namespace) -> int:
     if record is None:  # a rank other than 0 under torchrun
         return 0
     report = build_report(schedule, record)
-    paths = write_outputs(schedule, record, report, args)
+    unsaved = record.final_save_failure  # why the last checkpoint is not there: said once the record is safe
+    try:
+        paths = write_outputs(schedule, record, report, args)
+    except BaseException:
+        if unsaved:
+            print(f"pipeweave train: error: {unsaved}", file=sys.stderr)
+        raise
     if not args.quiet:
         print_summary(report, paths)
+    if unsaved:
+        print(f"pipeweave train: error: {unsaved}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -252,6 +277,9 @@ class _Progress:
             self.bar.stop()
 
     def update(self, rank: int, value: dict[str, Any]) -> None:
+        if "checkpoint_failed" in value:  # shown now (above the bar); the run goes on, its record is kept
+            print(f"pipeweave train: warning: {value['checkpoint_failed']}", file=sys.stderr)
+            return
         if "eval" in value:  # a held-out loss share: shown beside the training loss once every rank's is in
             shares = self.eval_shares.setdefault(value["eval"], {})
             shares[rank] = value["loss"]

@@ -5,6 +5,8 @@ it and resolves what every rank needs into a ``RunPlan``; ``launch.launch``
 starts the ranks (spawned locally or under torchrun), each running
 ``job.run_rank`` (synchronous schedules) or ``stream_job.run_stream_rank``
 (asynchronous streams), evaluating and saving at ``milestones``
-(``checkpoint``); ``record`` gathers what they measured. It imports the
+(``checkpoint``: what a part holds; ``checkpoint_files``: the folders,
+manifests and atomic commits in ``--save DIR``; ``save_lock``: one run per
+folder); ``record`` gathers what they measured. It imports the
 executors and the layers below them, never ``runtime.report``.
 """

@@ -1,9 +1,17 @@
-"""Checkpoints of a synchronous run: save what was trained, resume exactly where it stopped.
+"""Checkpoints of a run: save what was trained, resume exactly where it stopped, never lose the last one.
 
-A checkpoint is a folder (``pipeweave train --save DIR``, resumed with ``--resume DIR``)::
+``pipeweave train --save DIR`` writes each checkpoint to a folder of its own
+in DIR, made current by an atomic rename once every rank has written its
+part; the newest K are kept (``--keep-checkpoints``, default 2). ``--resume
+DIR`` resumes the newest complete one (or ``DIR/step-000040``, that one);
+``--resume auto`` the newest in ``--save DIR`` if there is one
+(``runtime.run.checkpoint_files``: the folder, the manifest, what is
+atomic, what is removed)::
 
-    meta.json           what was trained: the model, the optimizer, the steps done, the parts and their files
-    part-000-step4.pt   one file per part (torch.save): its parameters, their optimizer state, its buffers
+    DIR/step-000060/manifest.json   what was trained: the model, the optimizer, the steps done, the run, the
+                                    parts and, per part file, its bytes and sha256 (checked before any rank starts)
+    DIR/step-000060/part-000.pt     one file per part (torch.save, loaded with weights_only=True): its
+                                    parameters, their optimizer state, its buffers
 
 Parameters and optimizer state are keyed by the parameter's global name
 (``"<layer index>.<name in layer>"``, as in plain training), so a checkpoint
@@ -18,12 +26,11 @@ statistics, say) are saved and restored by name beside its parameters.
 
 Each part is written by the rank of its first stage: the replicas of a part
 (Chimera, GEMS, DualPipe, data parallelism) are equal after every update
-(buffers a forward updates are the first replica's).
-Every rank must see the folder (one host, or a shared file system). Part
-files are named by the step they hold and rank 0 writes ``meta.json`` last,
-once every part is on disk (each file under a temporary name, then renamed),
-and only then removes the previous checkpoint's parts: a run that dies while
-saving leaves the previous checkpoint whole.
+(buffers a forward updates are the first replica's). Every rank must see
+DIR (one host, or a shared file system). ``save`` returns the one line
+saying why a checkpoint could not be written (a full disk, a permission:
+the path and the OS's reason) on every rank, the previous checkpoints
+kept, so that the run goes on and its record is still written.
 
 A checkpoint never holds non-finite parameters: ``save`` checks them first,
 on every rank together, and refuses in one line naming the part
@@ -38,7 +45,7 @@ An asynchronous run saves where its stream has drained (``runtime.stream``:
 ``--save-every K`` ends a stream every K steps, ``--save`` saves after the
 last), so no microbatch is in flight and no stash or prediction is held;
 what its policy carries to the next stream (``runtime.stage.policy.StreamCarry``)
-is saved too: the updates made (``updates`` in ``meta.json``; a synchronous
+is saved too: the updates made (``updates`` in the manifest; a synchronous
 run's equal its steps), PipeMare's annealing count and velocity (per part,
 by parameter name), and AvgPipe's replicas, which train apart (per part, the
 other replicas' parameters, buffers and optimizer state, in replica order).
@@ -49,18 +56,20 @@ from the first replica and starts its own policy state afresh.
 
 from __future__ import annotations
 
-import json
-import os
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipeweave.durable import reason
 from pipeweave.errors import Diverged, UserError
 from pipeweave.runtime.nonfinite import nonfinite_parts
+from pipeweave.runtime.run import checkpoint_files
+from pipeweave.runtime.run.checkpoint_files import SaveFailed
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.stage.policy import StreamCarry
 from pipeweave.runtime.stage.post_validation import ValidatedOptimizer
@@ -69,8 +78,6 @@ from pipeweave.schedule.ir import Placement
 from pipeweave.weights.post_validation import SGD
 
 
-FORMAT = "pipeweave-checkpoint/1"
-META = "meta.json"
 _MODEL_FIELDS = ("kind", "entry", "layers", "hidden", "vocab", "heads", "seq_len", "tie_embeddings")  # not the seed
 
 
@@ -78,7 +85,7 @@ def check(config: TrainConfig, meta: dict[str, Any]) -> None:
     """Refuse, in one line and before anything is spawned, to resume ``config`` from the checkpoint of ``meta``.
 
     Raises:
-        UserError: a checkpoint with missing part files, or of another model or optimizer.
+        UserError: a checkpoint of another model or optimizer.
     """
     assert config.resume is not None
     here = {k: getattr(config.model, k) for k in _MODEL_FIELDS}
@@ -90,44 +97,51 @@ def check(config: TrainConfig, meta: dict[str, Any]) -> None:
     if meta["optimizer"] != config.optimizer:
         raise UserError(f"--resume {config.resume} holds {meta['optimizer']} state and this run uses "
                         f"--optimizer {config.optimizer}; give --optimizer {meta['optimizer']}")
-    missing = [f for f in meta["files"] if not (Path(config.resume) / f).is_file()]
-    if missing:
-        raise UserError(f"--resume {config.resume} lacks {', '.join(missing)} named by its {META}; the checkpoint "
-                        "is incomplete: save it again")
-
-
-def read_meta(folder: str) -> dict[str, Any]:
-    """The ``meta.json`` of a checkpoint folder (raises UserError, one line, where there is none)."""
-    path = Path(folder) / META
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"--resume {folder}: no checkpoint there (no {META}); give a folder written by --save") from None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--resume {folder}: {META} is unreadable ({exc}); save the checkpoint again") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise UserError(f"--resume {folder}: {META} is not a {FORMAT} checkpoint; give a folder written by --save")
-    return meta
 
 
 def updates(meta: dict[str, Any]) -> int:
-    """A checkpoint's updates per stage (``meta.json``; a synchronous run's are its steps)."""
+    """A checkpoint's updates per stage (its manifest; a synchronous run's are its steps)."""
     return int(meta.get("updates", meta["steps"]))
 
 
 # ---- save ------------------------------------------------------------------------
 def save(config: TrainConfig, parts: Sequence[range], placement: Placement, workers: dict[int, StageWorker],
-         rank: int, steps: int, *, carry: StreamCarry | None = None) -> None:
+         rank: int, steps: int, *, carry: StreamCarry | None = None, run: str = "") -> str | None:
     """Write the checkpoint of ``steps`` trained steps to ``config.save``; every rank calls it (it synchronises).
 
     ``parts``: the layers of each part; ``carry``: an asynchronous run's policy state after its drained
-    stream (this rank's stages).
+    stream (this rank's stages); ``run``: the run's id (``RunPlan.run_id``).
+
+    Returns:
+        None, or (on every rank) the one line saying why no checkpoint was written -- the path and the OS's
+        reason; what this save wrote is removed and the previous checkpoints are kept.
     """
     assert config.save is not None
     check_finite(config.save, parts, placement, workers, f"step {steps} of the training")
-    folder = Path(config.save)
-    folder.mkdir(parents=True, exist_ok=True)
-    files = [f"part-{p:03d}-step{steps}.pt" for p in range(len(parts))]
+    root = Path(config.save)
+    folder = checkpoint_files.staging(root, steps)
+    failure = _from_rank0(_attempt(lambda: checkpoint_files.begin(root, steps)) if rank == 0 else None)
+    written, error = ({}, None) if failure else _write_parts(folder, parts, placement, workers, carry)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (written, error))  # every part is on disk, or some rank says why not
+    if rank == 0:
+        failure = failure or next((e for _, e in every if e), None)
+        if failure is None:
+            entries = {name: entry for w, _ in every for name, entry in w.items()}
+            manifest = _manifest(config, parts, steps, carry, run)
+            manifest["files"] = [entries[_part_file(p)] for p in range(len(parts))]
+            failure = _attempt(lambda: checkpoint_files.commit(folder, manifest, config.keep_checkpoints,
+                                                               config.overwrite))
+        if failure is not None:
+            failure += checkpoint_files.abandon(folder)
+    said: str | None = _from_rank0(failure)  # the checkpoint is current (or abandoned) before any rank goes on
+    return said
+
+
+def _write_parts(folder: Path, parts: Sequence[range], placement: Placement, workers: dict[int, StageWorker],
+                 carry: StreamCarry | None) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """Write this rank's parts into ``folder``: their manifest entries by file name, or why they could not be."""
+    written: dict[str, dict[str, Any]] = {}
     for stage, worker in workers.items():
         replicas = placement.replicas(stage)
         if replicas[0] != stage:
@@ -139,20 +153,42 @@ def save(config: TrainConfig, parts: Sequence[range], placement: Placement, work
             if stage in carry.velocity:
                 saved["velocity"] = {name: v.detach().cpu().clone() for name, v in
                                      zip(worker.named_parameters(), carry.velocity[stage])}
-        _write(folder / files[part], lambda tmp: torch.save(
-            {"layers": [parts[part].start, parts[part].stop], **saved}, tmp))
-    dist.barrier()
-    if rank == 0:
-        meta = {"format": FORMAT, "steps": steps, "model": asdict(config.model), "optimizer": config.optimizer,
-                "lr": config.lr, "momentum": config.momentum, "schedule": config.schedule,
-                "updates": steps if carry is None else carry.updates,
-                **({} if carry is None or not carry.velocity else {"annealed": carry.annealed}),
-                "parts": [[r.start, r.stop] for r in parts], "files": files}
-        _write(folder / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
-        for stale in folder.glob("part-*.pt"):  # the previous checkpoint's, now replaced
-            if stale.name not in files:
-                stale.unlink()
-    dist.barrier()  # the folder is whole before any rank goes on (and may resume from it)
+        state = {"layers": [parts[part].start, parts[part].stop], **saved}
+        try:
+            written[_part_file(part)] = checkpoint_files.write_part(folder / _part_file(part),
+                                                                    lambda f: torch.save(state, f))
+        except SaveFailed as exc:
+            return written, str(exc)
+    return written, None
+
+
+def _manifest(config: TrainConfig, parts: Sequence[range], steps: int, carry: StreamCarry | None,
+              run: str) -> dict[str, Any]:
+    return {"run": run, "steps": steps, "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
+            "momentum": config.momentum, "schedule": config.schedule,
+            "updates": steps if carry is None else carry.updates,
+            **({} if carry is None or not carry.velocity else {"annealed": carry.annealed}),
+            "parts": [[r.start, r.stop] for r in parts]}
+
+
+def _part_file(part: int) -> str:
+    return f"part-{part:03d}.pt"
+
+
+def _attempt(step: Callable[[], Any]) -> str | None:
+    """Run ``step`` of a save; None, or its ``SaveFailed`` line."""
+    try:
+        step()
+    except SaveFailed as exc:
+        return str(exc)
+    return None
+
+
+def _from_rank0(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def check_finite(folder: str | None, parts: Sequence[range], placement: Placement, workers: dict[int, StageWorker],
@@ -172,12 +208,8 @@ def check_finite(folder: str | None, parts: Sequence[range], placement: Placemen
 def refused(folder: str | None) -> str:
     """What a run stopped by non-finite values says of its checkpoint folder (``--save``), e.g. which step it holds."""
     said = "no checkpoint of non-finite weights was written"
-    if folder is None or not (Path(folder) / META).is_file():
-        return said
-    try:
-        return f"{said} ({folder} holds step {read_meta(folder)['steps']})"
-    except UserError:
-        return said
+    kept = None if folder is None else checkpoint_files.newest(Path(folder))
+    return said if kept is None else f"{said} ({folder} holds step {kept.steps})"
 
 
 def _stage_state(worker: StageWorker) -> dict[str, Any]:
@@ -186,12 +218,6 @@ def _stage_state(worker: StageWorker) -> dict[str, Any]:
     buffers = {name: b.detach().cpu().clone() for name, b in worker.module.state_dict().items()
                if name not in params}  # persistent buffers: batch norm's running statistics, ...
     return {"parameters": params, "buffers": buffers, "optimizer": optimizer_state(worker)}
-
-
-def _write(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def optimizer_state(worker: StageWorker) -> dict[str, dict[str, Any]]:
@@ -220,9 +246,9 @@ def optimizer_state(worker: StageWorker) -> dict[str, dict[str, Any]]:
 
 
 # ---- resume ----------------------------------------------------------------------
-def load(resume: str, meta: dict[str, Any], workers: dict[int, StageWorker]) -> StreamCarry:
-    """Set every local worker's parameters and optimizer state from the checkpoint in ``resume`` (``meta``: its
-    ``meta.json``, read once before the run).
+def load(resume: str | Path, meta: dict[str, Any], workers: dict[int, StageWorker]) -> StreamCarry:
+    """Set every local worker's parameters and optimizer state from the checkpoint folder ``resume`` (``meta``:
+    its manifest, read and its parts verified once before the run: ``checkpoint_files.find`` and ``verify``).
 
     Returns what an asynchronous run's next stream takes from it (``StreamCarry``; a synchronous run ignores it):
     the updates made, PipeMare's annealing count and, where saved, each local stage's velocity.
@@ -238,11 +264,12 @@ def load(resume: str, meta: dict[str, Any], workers: dict[int, StageWorker]) -> 
         buffers: dict[str, torch.Tensor] = {}
         states: dict[str, dict[str, Any]] = {}
         velocity: dict[str, torch.Tensor] = {}
-        for (start, stop), name in zip(meta["parts"], meta["files"]):
+        for (start, stop), entry in zip(meta["parts"], meta["files"]):
             if stop <= worker.layer_indices.start or start >= worker.layer_indices.stop:
                 continue
+            name = entry["name"]
             if name not in files:
-                files[name] = torch.load(folder / name, map_location="cpu", weights_only=True)
+                files[name] = _read_part(folder / name)
             saved = files[name]
             velocity.update({k: v for k, v in saved.get("velocity", {}).items() if k in mine})
             others = saved.get("replicas", [])
@@ -264,6 +291,18 @@ def load(resume: str, meta: dict[str, Any], workers: dict[int, StageWorker]) -> 
         if set(velocity) == set(mine):
             carry.velocity[stage] = [velocity[name].to(p.device) for name, p in mine.items()]
     return carry
+
+
+def _read_part(path: Path) -> dict[str, Any]:
+    """A part file's contents (tensors only: ``weights_only``); one line naming the file where it cannot be read."""
+    try:
+        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as exc:
+        raise UserError(f"cannot read the checkpoint part {path} ({reason(exc)}); resume another checkpoint") from None
+    except Exception as exc:  # noqa: BLE001 - truncated (EOFError), not a zip, or not tensors only
+        raise UserError(f"the checkpoint part {path} is damaged or not pipeweave's ({type(exc).__name__}); resume "
+                        "another checkpoint") from None
+    return state
 
 
 def worker_replica(worker: StageWorker, stage: int, workers: dict[int, StageWorker]) -> int:

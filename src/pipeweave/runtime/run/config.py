@@ -81,7 +81,11 @@ class TrainConfig:
     save: str | None = None
     """Write a checkpoint to this folder after the last step (``runtime.run.checkpoint``)."""
     save_every: int | None = None
-    """With ``save``: also every this many steps (each replaces the previous)."""
+    """With ``save``: also every this many steps (each a new checkpoint; ``keep_checkpoints`` are kept)."""
+    keep_checkpoints: int = 2
+    """The newest checkpoints of the run kept in ``save`` (older ones are removed once a newer one is whole)."""
+    overwrite: bool = False
+    """Save into a folder holding another run's checkpoints, removing them once this run's first one is whole."""
     lr_schedule: str = "constant"
     """``constant``, ``cosine`` or ``linear`` decay after ``lr_warmup`` warm-up steps (``runtime.stage.lr_schedule``)."""
     lr_warmup: int = 0
@@ -93,7 +97,9 @@ class TrainConfig:
     eval_batches: int = 4
     """Held-out batches per evaluation (``ByteCorpus.eval_batch``), the same ones every time."""
     resume: str | None = None
-    """Start from the checkpoint in this folder: its parameters, optimizer state and step (``runtime.run.checkpoint``)."""
+    """Start from the checkpoint in this folder (the newest complete one in it): its parameters, optimizer state
+    and step (``runtime.run.checkpoint``). ``"auto"``: from the newest in ``save`` if there is one, else afresh,
+    ``steps`` then counting the whole training (``plan.resolve_auto``)."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -125,6 +131,12 @@ class TrainConfig:
             raise UserError(f"--lr {self.lr} is invalid; give a learning rate > 0")
         if self.save_every is not None and (self.save_every < 1 or self.save is None):
             raise UserError(f"--save-every {self.save_every} is invalid; give an integer >= 1 together with --save DIR")
+        if self.keep_checkpoints < 1:
+            raise UserError(f"--keep-checkpoints {self.keep_checkpoints} is invalid; give an integer >= 1 (the "
+                            "newest checkpoints kept in --save)")
+        if self.resume == "auto" and self.save is None:
+            raise UserError("--resume auto resumes the newest checkpoint in --save DIR; give --save DIR too (or "
+                            "--resume DIR)")
         if self.eval_every is not None and self.eval_every < 1:
             raise UserError(f"--eval-every {self.eval_every} is invalid; give an integer >= 1")
         if not 0.0 <= self.momentum < 1.0:
@@ -146,12 +158,12 @@ class TrainConfig:
 _FLAGS = {"batch_size": "batch", "num_stages": "stages", "num_microbatches": "microbatches",
           "num_chunks": "chunks", "data_parallel": "data-parallel", "eval_batches": "eval-batches"}
 _INTS = ("num_stages", "num_microbatches", "batch_size", "steps", "seed", "data_parallel", "lr_warmup",
-         "eval_batches")
+         "eval_batches", "keep_checkpoints")
 _OPTIONAL_INTS = ("num_chunks", "save_every", "lr_decay_steps", "eval_every")
 _FLOATS = ("lr", "momentum")
 _STRS = ("schedule", "optimizer", "precision", "lr_schedule", "on_nonfinite")
 _OPTIONAL_STRS = ("data", "save", "resume")
-_BOOLS = ("recompute", "collect_parameters", "memory_every_step")
+_BOOLS = ("recompute", "collect_parameters", "memory_every_step", "overwrite")
 
 
 def _check_types(config: TrainConfig) -> None:

@@ -44,8 +44,8 @@ def run_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     workers = build_workers(plan, rank, device)
     done = plan.steps_done  # the data goes on from the batch after the checkpoint's last
     if config.resume is not None:
-        assert plan.resume_meta is not None
-        checkpoint.load(config.resume, plan.resume_meta, workers)
+        assert plan.resumed is not None
+        checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     for w in workers.values():
         w.steps_done = done
     executor = Executor(lower(plan.schedule), rank, workers, plan.microbatch_sizes, device,
@@ -78,4 +78,7 @@ def run_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     mine.parameters = final_parameters(config, workers)
     mine.eval_losses = milestones.eval_losses
     mine.skipped_steps = divergence.skipped_steps
-    return gather_run(config, mine, rank, world, started, done)
+    run = gather_run(config, mine, rank, world, started, done)
+    if run is not None:
+        run.save_failures, run.final_save_failure = milestones.save_failures, milestones.final_save_failure
+    return run

@@ -27,6 +27,9 @@ class Milestones:
 
     Attributes:
         eval_losses: per evaluation, ``(steps trained, this rank's share of the held-out loss)``.
+        save_failures: per checkpoint that could not be written, the one line saying why; the run goes on
+            (rank 0 reports one before the last step as ``{"checkpoint_failed": line}`` progress).
+        final_save_failure: why the checkpoint after the last step could not be written (None: it was).
     """
 
     def __init__(self, plan: RunPlan, schedule: Schedule, rank: int, workers: dict[int, StageWorker],
@@ -34,6 +37,8 @@ class Milestones:
         self.plan, self.schedule, self.rank, self.workers = plan, schedule, rank, workers
         self.device, self.source = device, source
         self.eval_losses: list[tuple[int, float]] = []
+        self.save_failures: list[str] = []
+        self.final_save_failure: str | None = None
         self._evaluator: Executor | None = None
 
     def reached(self, end: int, carry: StreamCarry | None = None) -> None:
@@ -45,8 +50,14 @@ class Milestones:
             self.eval_losses.append((done + end, loss))
             progress({"eval": len(self.eval_losses) - 1, "loss": loss})
         if config.save is not None and (last or end % (config.save_every or config.steps) == 0):
-            checkpoint.save(config, self.plan.parts, self.schedule.placement, self.workers, self.rank, done + end,
-                            carry=carry)
+            failure = checkpoint.save(config, self.plan.parts, self.schedule.placement, self.workers, self.rank,
+                                      done + end, carry=carry, run=self.plan.run_id)
+            if failure is not None:
+                self.save_failures.append(failure)
+                if last:
+                    self.final_save_failure = failure
+                elif self.rank == 0:
+                    progress({"checkpoint_failed": failure})
 
     def _evaluate(self) -> float:
         """This rank's share of the mean loss over the held-out batches, through the forward-only schedule."""

@@ -17,7 +17,9 @@ step boundary to evaluate or save at, so the run drains it after every
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +29,8 @@ from pipeweave.errors import UserError
 from pipeweave.models.spec import uniform_parts
 from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
-from pipeweave.runtime.run import checkpoint
+from pipeweave.runtime.run import checkpoint, checkpoint_files
+from pipeweave.runtime.run.checkpoint_files import Checkpoint
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.sizes import microbatch_sizes, probe_model
 from pipeweave.runtime.stage.lr_schedule import LrSchedule
@@ -54,8 +57,10 @@ class RunPlan:
     """Steps (mini-batches) trained before this run: the resumed checkpoint's, else 0."""
     updates_done: int = 0
     """Updates each stage made before this run (a synchronous run's equal its steps)."""
-    resume_meta: dict[str, Any] | None = None
-    """The resumed checkpoint's ``meta.json`` (``runtime.run.checkpoint``), read once."""
+    resumed: Checkpoint | None = None
+    """The checkpoint resumed: its folder and manifest (``runtime.run.checkpoint_files``), read and checked once."""
+    run_id: str = ""
+    """The run's id in its checkpoints' manifests: the resumed checkpoint's, else a new one."""
 
     @property
     def segments(self) -> list[tuple[int, int]]:
@@ -70,10 +75,15 @@ class RunPlan:
 def prepare(config: TrainConfig) -> RunPlan:
     """Check the run ``config`` describes and resolve what its ranks need.
 
+    ``--resume auto`` is resolved here (``resolve_auto``): the plan's config then names the checkpoint resumed
+    (or none) and the steps left. A resumed checkpoint's parts are checked against its manifest (sizes, sha256).
+
     Raises:
         UserError: one line naming the value and the fix.
     """
-    meta = checkpoint.read_meta(config.resume) if config.resume is not None else None
+    config = resolve_auto(config)
+    resumed = checkpoint_files.find(config.resume) if config.resume is not None else None
+    meta = None if resumed is None else resumed.manifest
     steps_done = 0 if meta is None else int(meta["steps"])
     updates_done = 0 if meta is None else checkpoint.updates(meta)
     streams = stream_schedules(config, steps_done) if config.is_stream else []
@@ -84,8 +94,7 @@ def prepare(config: TrainConfig) -> RunPlan:
         probe_model(config.model, config.seed)
     if config.post_validation is not None:
         check_post_validation(schedule)
-    if meta is not None:
-        checkpoint.check(config, meta)
+    run_id = _check_checkpoints(config, resumed)
     source = None
     if config.data is not None or (config.model.kind == "gpt" and config.model.vocab < 256):
         # the file is read on the first and last ranks; a bad one is one line here, not a failing rank
@@ -96,7 +105,43 @@ def prepare(config: TrainConfig) -> RunPlan:
         learning_rates(config, steps_done)
     if config.eval_every is not None:
         _check_evaluation(config, source)
-    return RunPlan(config, schedule, tuple(streams), tuple(parts), steps_done, updates_done, meta)
+    return RunPlan(config, schedule, tuple(streams), tuple(parts), steps_done, updates_done, resumed, run_id)
+
+
+class AlreadyTrained(UserError):
+    """``--resume auto`` found a checkpoint holding ``--steps`` steps already: nothing is left to train."""
+
+
+def resolve_auto(config: TrainConfig) -> TrainConfig:
+    """``--resume auto``: resume the newest complete checkpoint in ``--save`` for the steps left of ``--steps``
+    (which counts the whole training, so a restarted command ends where the first would have), or start afresh
+    where there is none. Other configurations are returned as they are.
+
+    Raises:
+        AlreadyTrained: the newest checkpoint holds ``--steps`` steps or more.
+    """
+    if config.resume != "auto":
+        return config
+    assert config.save is not None
+    found = checkpoint_files.newest(Path(config.save))
+    if found is None:
+        return dataclasses.replace(config, resume=None)
+    if found.steps >= config.steps:
+        raise AlreadyTrained(f"--resume auto: {found.folder} holds {found.steps} steps of --steps {config.steps}; "
+                             "nothing is left to train (give a larger --steps to train on)")
+    return dataclasses.replace(config, resume=str(found.folder), steps=config.steps - found.steps)
+
+
+def _check_checkpoints(config: TrainConfig, resumed: Checkpoint | None) -> str:
+    """The checkpoint resumed fits this run and is whole; ``--save`` holds no other run's. The run's id."""
+    if resumed is not None:
+        assert config.resume is not None
+        checkpoint.check(config, resumed.manifest)
+        checkpoint_files.verify(resumed, config.resume)
+    run_id = resumed.run if resumed is not None and resumed.run else checkpoint_files.new_run_id()
+    if config.save is not None:
+        checkpoint_files.check_save(config.save, run_id, resumed, config.overwrite)
+    return run_id
 
 
 def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:

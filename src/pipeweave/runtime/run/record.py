@@ -64,6 +64,10 @@ class RunRecord:
     """Updates each stage made before this run (``RunPlan.updates_done``)."""
     paused_s: float = 0.0
     """Streams: seconds between them (evaluations, checkpoints) taken out of ``records`` (``close_pauses``)."""
+    save_failures: list[str] = field(default_factory=list)
+    """Per checkpoint that could not be written, the one line saying why (``checkpoint.save``)."""
+    final_save_failure: str | None = None
+    """Why the checkpoint after the last step could not be written (None: it was, or none was asked for)."""
 
     @property
     def losses(self) -> list[float]:

@@ -54,8 +54,8 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     workers = build_workers(plan, rank, device, plan.streams[0])
     carry = StreamCarry()
     if config.resume is not None:
-        assert plan.resume_meta is not None
-        carry = checkpoint.load(config.resume, plan.resume_meta, workers)
+        assert plan.resumed is not None
+        carry = checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     rates = stream_rates(config, plan.schedule, plan.updates_done).at if config.lr_scheduled else None
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
     offset = align_clocks(rank, world)
@@ -82,6 +82,7 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     run = gather_run(config, mine, rank, world, started, plan.steps_done, plan.updates_done)
     if run is not None:
         run.paused_s = close_pauses(run)
+        run.save_failures, run.final_save_failure = milestones.save_failures, milestones.final_save_failure
     return run
 
 
