@@ -12,7 +12,6 @@ is refused, by every rank, naming the part.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pipeweave.models import ModelSpec
 from pipeweave.models.boundary import Boundary
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.run import checkpoint
+from pipeweave.runtime.run import checkpoint_files
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
@@ -55,7 +55,7 @@ def test_a_nan_loss_stops_the_run_with_one_line(tmp_path: Path) -> None:
     assert run.stderr.splitlines() == [
         "pipeweave: the loss is nan at step 3 (of this run; step 3 of the training); no checkpoint of non-finite "
         "weights was written; lower --lr or use --clip-grad-norm"]
-    assert not (tmp_path / "ck" / "meta.json").exists() and not (tmp_path / "out" / "train.json").exists()
+    assert checkpoint_files.checkpoints(tmp_path / "ck") == [] and not (tmp_path / "out" / "train.json").exists()
 
 
 def test_with_save_every_the_last_good_checkpoint_survives(tmp_path: Path) -> None:
@@ -65,12 +65,11 @@ def test_with_save_every_the_last_good_checkpoint_survives(tmp_path: Path) -> No
     # the loss of step 2 is finite (about 1e29); its update is not: the save after it is refused
     assert line.startswith("pipeweave: the weights of part 0 (layers 0-1)") and "after step 2 of the training" in line
     assert "(ck holds step 1)" in line
-    folder = tmp_path / "ck"
-    meta = json.loads((folder / "meta.json").read_text())
-    assert meta["steps"] == 1
-    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "part-000-step1.pt", "part-001-step1.pt"]
-    for name in meta["files"]:
-        state = torch.load(folder / name, weights_only=True)
+    kept = checkpoint_files.checkpoints(tmp_path / "ck")
+    assert [c.steps for c in kept] == [1]  # step 1's, and no other: step 2's was refused
+    assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".tmp-")]  # nothing half-written
+    for entry in kept[0].manifest["files"]:
+        state = torch.load(kept[0].folder / entry["name"], weights_only=True)
         assert state["parameters"] and all(torch.isfinite(p).all() for p in state["parameters"].values())
 
 
@@ -132,8 +131,8 @@ def test_a_skipped_update_leaves_weights_and_optimizer_state_bitwise(tmp_path: P
     records = launch(_run_all, [before, after], 2, LaunchOptions(timeout_s=60))
     assert records[1].skipped_steps == [k] and records[0].skipped_steps == []
     for part in range(2):
-        old = torch.load(tmp_path / "before" / f"part-{part:03d}-step{k}.pt", weights_only=True)
-        new = torch.load(tmp_path / "after" / f"part-{part:03d}-step{k + 1}.pt", weights_only=True)
+        old = torch.load(_newest(tmp_path / "before", k) / f"part-{part:03d}.pt", weights_only=True)
+        new = torch.load(_newest(tmp_path / "after", k + 1) / f"part-{part:03d}.pt", weights_only=True)
         for name, value in old["parameters"].items():
             assert torch.equal(new["parameters"][name], value), name
         assert old["optimizer"].keys() == new["optimizer"].keys() and old["optimizer"]
@@ -158,7 +157,7 @@ def test_an_asynchronous_run_stops_at_its_drain_and_cannot_skip(tmp_path: Path) 
                          hidden=32), batch_size=16, steps=4, lr=1e6, save=str(tmp_path / "ck"), save_every=2)
     with pytest.raises(RankFailure, match=r"^the loss is nan at step 1 \(of this run; step 1 of the training\)"):
         launch(run_rank, prepare(config), 2, LaunchOptions(timeout_s=60, quiet_errors=True))
-    assert not (tmp_path / "ck" / "meta.json").exists()
+    assert checkpoint_files.checkpoints(tmp_path / "ck") == []
     with pytest.raises(UserError, match="--on-nonfinite skip applies to synchronous schedules; pipedream is"):
         prepare(dataclasses.replace(config, on_nonfinite="skip"))
 
@@ -185,5 +184,12 @@ def test_a_checkpoint_of_nonfinite_weights_is_refused_on_every_rank(tmp_path: Pa
     said = launch(_save_twice, str(folder), 2, LaunchOptions(timeout_s=60))  # rank 0's part is finite: it refuses too
     assert said == (f"the weights of part 1 (layers 3-5) are not finite after step 2 of the training; no checkpoint "
                     f"of non-finite weights was written ({folder} holds step 1); lower --lr or use --clip-grad-norm")
-    assert json.loads((folder / "meta.json").read_text())["steps"] == 1
-    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "part-000-step1.pt", "part-001-step1.pt"]
+    assert [c.steps for c in checkpoint_files.checkpoints(folder)] == [1]  # step 1's, step 2's refused
+    assert not [p for p in folder.iterdir() if p.name.startswith(".tmp-")]  # nothing half-written
+
+
+def _newest(root: Path, steps: int) -> Path:
+    """The folder of the newest checkpoint in ``root``, checked to hold ``steps`` steps."""
+    newest = checkpoint_files.newest(root)
+    assert newest is not None and newest.steps == steps
+    return newest.folder
