@@ -11,6 +11,7 @@ user: "No space left on device", "Permission denied".
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,44 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
 def temporary(path: Path) -> Path:
     """The temporary name ``path`` is written under beside it: hidden, this process's, ``path``'s suffix kept."""
     return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+
+
+_TEMPORARY = re.compile(r"\.(?P<stem>.+)\.(?P<pid>\d+)\.tmp(?P<suffix>\.[^.]*)?")
+
+
+def remove_stale_temporaries(folder: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary files of ``temporary`` in ``folder`` whose writer is gone (a killed process's).
+
+    A file of a live process (another run writing there now) is left alone. Returns what was removed.
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> _ = (folder / ".latest.999999999.tmp").write_text("half")
+        >>> [p.name for p in remove_stale_temporaries(folder)]
+        ['.latest.999999999.tmp']
+    """
+    removed = []
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _TEMPORARY.fullmatch(entry.name)
+        if match and entry.is_file() and not _alive(int(match["pid"])):
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid < 2**22  # another user's live process; an absurd number is no process
+    return True
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from pipeweave.commands.outputs import output_file, output_folder, picture_file, replaced_output, write_output
 from pipeweave.commands.units import format_bytes
+from pipeweave.durable import remove_stale_temporaries
 from pipeweave.errors import UserError
 from pipeweave.runtime.report.stream_summary import stream_timeline, summarize_stream
 from pipeweave.runtime.report.trace import chrome_trace, rebased, step_timeline, summarize
@@ -78,11 +79,14 @@ def output_paths(args: argparse.Namespace) -> dict[str, Path]:
         output_folder("--out", out)
     if args.save is not None:
         output_folder("--save", args.save)  # written by every rank, at the end or every --save-every steps
-    return {
+    paths = {
         "json": output_file("--json", args.json) if args.json else output_file("--out", out / "train.json"),
         "trace": output_file("--trace", args.trace) if args.trace else output_file("--out", out / "trace.json"),
         "plot": picture_file("--plot", args.plot) if args.plot else output_file("--out", out / "timeline.png"),
     }
+    for folder in {path.parent for path in paths.values()}:
+        remove_stale_temporaries(folder)  # what a killed run was writing there
+    return paths
 
 
 def write_outputs(schedule: Schedule, record: RunRecord, report: dict[str, Any],

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from pipeweave.durable import fsync_dir, reason, write_atomic
+from pipeweave.durable import fsync_dir, reason, remove_stale_temporaries, write_atomic
 from pipeweave.errors import UserError
 
 FORMAT = "pipeweave-checkpoint/2"
@@ -236,6 +236,7 @@ def begin(root: Path, steps: int) -> Path:
     folder = staging(root, steps)
     try:
         root.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(root)  # e.g. a `latest` a killed save was replacing
         for old in root.glob(f"{STAGING}*"):
             if old.is_dir():
                 _remove_own(old)
