@@ -35,9 +35,11 @@ from pipeweave.schedule import SCHEDULES, Schedule
 from pipeweave.sim.timeline import BYTES_PER_ACTION
 
 PROCESS_BYTES = 32 << 20
-"""Memory a spawned rank process takes of its own before any tensor: measured 17-18 MiB private (smaps_rollup)
-per rank of a 2-rank mlp run, torch's pages shared with the fork server; doubled for the pages Python's
-reference counting copies later."""
+"""Memory a spawned rank process takes of its own before any tensor: measured 23-26 MiB private
+(``/proc/PID/smaps_rollup``) per rank of a 4-rank mlp run after 30 s, torch's pages shared with the fork server."""
+SPAWN_BYTES = 320 << 20
+"""Memory spawned ranks take once, whatever their number: the fork server, the resource tracker and the
+pages of torch they share (measured: the processes' PSS summed, 423 MB for 4 ranks, less their own)."""
 RANK_BYTES_PER_ACTION = 160
 """Memory each rank's copy of the schedule takes per action: measured 120-154 B unpickled (1f1b, zb-h1, pipedream)."""
 
@@ -67,10 +69,11 @@ def check_sizes(config: TrainConfig) -> None:
                         f"free here; give fewer stages or microbatches{' or steps' if config.is_stream else ''} "
                         f"(at most ~{free // BYTES_PER_ACTION:.2g} actions fit)")
     ranks = d * config.data_parallel
-    if not under_torchrun() and ranks * PROCESS_BYTES > free:
-        raise UserError(f"{_size(config, None)} start {ranks} rank processes here, ~{_gib(ranks * PROCESS_BYTES)} at "
-                        f"~{PROCESS_BYTES >> 20} MiB each before any tensor, more than the {free / 2**30:.1f} GiB "
-                        f"free; give fewer stages (at most ~{free // PROCESS_BYTES} ranks fit)")
+    if not under_torchrun() and SPAWN_BYTES + ranks * PROCESS_BYTES > free:
+        raise UserError(f"{_size(config, None)} start {ranks} rank processes here, "
+                        f"~{_gib(SPAWN_BYTES + ranks * PROCESS_BYTES)} at ~{PROCESS_BYTES >> 20} MiB each and "
+                        f"{SPAWN_BYTES >> 20} MiB once before any tensor, more than the {free / 2**30:.1f} GiB free; "
+                        f"give fewer stages (at most ~{max(0, free - SPAWN_BYTES) // PROCESS_BYTES} ranks fit)")
 
 
 def check_batch(config: TrainConfig, microbatches: int) -> None:
