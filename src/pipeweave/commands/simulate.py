@@ -27,6 +27,7 @@ from pipeweave.schedule.registry import SCHEDULES, ScheduleInfo
 from pipeweave.sim import CostModel, Metrics, compute_metrics, simulate
 from pipeweave.sim.cost import cost_problem
 from pipeweave.sim.textline import format_timeline
+from pipeweave.sim.timeline import BYTES_PER_ACTION
 
 Times = float | list[float]
 
@@ -104,10 +105,6 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise UserError(f"--memory-limit {args.memory_limit:g} holds less than one microbatch per rank; give K >= "
                         f"1/{args.stages}, e.g. 1 (ZB-1p) or 2 (ZB-2p), or inf for no limit")
     _check_size(args)
-
-
-BYTES_PER_ACTION = 300
-"""Memory the simulation of one action takes (the measurement: benchmarks/simulator/README.md)."""
 
 
 def _check_size(args: argparse.Namespace) -> None:

@@ -26,6 +26,7 @@ from pipeweave.errors import UserError
 from pipeweave.runtime.report.stream_summary import stream_timeline, summarize_stream
 from pipeweave.runtime.report.trace import chrome_trace, rebased, step_timeline, summarize
 from pipeweave.runtime.run.checkpoint_files import newest
+from pipeweave.runtime.run.memory import MemoryEstimate
 from pipeweave.runtime.run.plan import learning_rates, segments, stream_rates
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.config import TrainConfig
@@ -34,8 +35,9 @@ from pipeweave.schedule import Schedule
 from pipeweave.sim.plot import plot_timeline
 
 
-def build_report(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
-    """The JSON record: configuration, losses and every measured and simulated figure."""
+def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate | None = None) -> dict[str, Any]:
+    """The JSON record: configuration, losses and every measured and simulated figure, and the memory
+    estimated per rank before the run (``runtime.run.memory``) beside the peaks measured."""
     config = record.config
     return {
         "schedule": config.schedule, "stages": config.num_stages, "microbatches": config.num_microbatches,
@@ -50,6 +52,7 @@ def build_report(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
         "transport": record.transport,
         **({"save_failures": record.save_failures} if record.save_failures else {}),
         **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
+        **(memory.as_dict() if memory is not None else {}),
     }
 
 
@@ -160,9 +163,11 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
     table.add_row("dispatch per action", f"{report['profiled_costs_s']['dispatch'] * 1e6:.0f} us", "")
     table.add_row("bubble, schedule alone", "", f"{report['bubble_ratio_simulated_no_dispatch']:.3f}")
     simulated = report.get("weight_bytes_simulated")
+    estimated = report.get("memory_estimate", {}).get("activations")
     for r, (act, weight) in enumerate(zip(report["peak_activation_bytes"], report["weight_bytes"])):
-        table.add_row(f"rank {r} memory", f"act {_bytes(act)}  weights {_bytes(weight)}",
-                      f"weights {_bytes(simulated[r])}" if simulated else "")
+        predicted = ([f"act {_bytes(estimated[r])}"] if estimated else []) + (
+            [f"weights {_bytes(simulated[r])}"] if simulated else [])
+        table.add_row(f"rank {r} memory", f"act {_bytes(act)}  weights {_bytes(weight)}", "  ".join(predicted))
     console = Console()
     console.print(table)
     if report.get("streams", 1) > 1:

@@ -29,6 +29,7 @@ from pipeweave.runtime.profile import profile_model
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, exit_torchrun_rank, launch
+from pipeweave.runtime.run.memory import check_memory, estimate_memory
 from pipeweave.runtime.run.plan import AlreadyTrained, RunPlan, build_schedule, layer_ranges, prepare, resolve_auto
 from pipeweave.runtime.run.save_lock import save_lock
 from pipeweave.runtime.run.sizes import largest_message_bytes
@@ -114,6 +115,13 @@ def _ring_capacity(args: argparse.Namespace, plan: RunPlan, torchrun: bool) -> i
     if args.transport == "gloo" or torchrun:
         return None
     return shm.capacity_for(largest_message_bytes(plan.config, plan.schedule, plan.parts))
+
+
+def _uses_rings(args: argparse.Namespace, schedule: Schedule, capacity: int | None) -> bool:
+    """Whether the launcher allocates shared-memory rings for this run (``--transport shm``, or auto where they work)."""
+    if capacity is None:
+        return False
+    return args.transport == "shm" or shm.unavailable(schedule.num_ranks, capacity) is None
 
 
 def _post_validation(args: argparse.Namespace) -> Any:
@@ -223,6 +231,8 @@ def _launch(args: argparse.Namespace, config: TrainConfig) -> int:
     progress = _Progress(plan.config, schedule.num_ranks, quiet=args.quiet or (under_torchrun() and _rank() != 0))
     capacity = _ring_capacity(args, plan, under_torchrun())
     _check_transport(args, schedule, under_torchrun(), capacity)
+    memory = estimate_memory(plan, capacity if _uses_rings(args, schedule, capacity) else None)
+    check_memory(memory, config, on_cpu=not torch.cuda.is_available())  # one line before anything is spawned
     options = LaunchOptions(threads=args.threads, timeout_s=args.timeout, transport=args.transport,
                             shm_capacity=capacity)
     try:
@@ -232,7 +242,7 @@ def _launch(args: argparse.Namespace, config: TrainConfig) -> int:
         return failure.exit_code
     if record is None:  # a rank other than 0 under torchrun
         return 0
-    report = build_report(schedule, record)
+    report = build_report(schedule, record, memory)
     unsaved = record.final_save_failure  # why the last checkpoint is not there: said once the record is safe
     try:
         paths = write_outputs(schedule, record, report, args)

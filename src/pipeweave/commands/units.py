@@ -1,11 +1,11 @@
-"""Units of the commands: human-readable sizes, cost flags checked once, this machine's free memory."""
+"""Units of the commands: human-readable sizes, cost flags checked once, this machine's free memory (``pipeweave.host``)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 
 from pipeweave.errors import UserError
+from pipeweave.host import available_memory
 from pipeweave.sim.cost import cost_problem
 
 
@@ -34,16 +34,4 @@ def check_cost_flags(args: argparse.Namespace, flags: tuple[tuple[str, str], ...
             raise UserError(f"{flag} {value} {problem}")
 
 
-def available_memory() -> int | None:
-    """Bytes of memory a new allocation can have: Linux's MemAvailable (free plus reclaimable cache), else free pages."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+__all__ = ["available_memory", "check_cost_flags", "format_bytes"]

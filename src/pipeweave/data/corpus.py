@@ -7,7 +7,9 @@ the same bytes on every run (for one Python version).
 
 from __future__ import annotations
 
+import mmap
 import os
+import stat
 import sysconfig
 from pathlib import Path
 
@@ -49,16 +51,47 @@ def stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     return b"".join(chunks)
 
 
-def read_text_file(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of a text file given by the user.
+WHOLE_BYTES = 1 << 30
+"""A ``--data`` file up to this size (1 GiB) is read whole; a larger one is memory-mapped (``read_text_file``)."""
+
+Text = bytes | mmap.mmap
+"""A corpus: its bytes, or a private (copy-on-write, never written back) mapping of a large file."""
+
+
+def read_text_file(path: str | os.PathLike[str], whole_bytes: int | None = None) -> Text:
+    """The bytes of a text file given by the user: read whole up to ``whole_bytes``, memory-mapped beyond.
+
+    A mapped file's pages are the page cache's, read as windows are drawn
+    and reclaimable, so a file larger than memory trains without being
+    loaded (a private mapping: nothing is ever written back). Only a regular
+    file is accepted: a device or a pipe (``/dev/zero``, a FIFO) has no end
+    to read to, so it is refused instead of read until memory runs out.
 
     Raises:
-        UserError: the file cannot be read.
+        UserError: the file cannot be read, or is not a regular file.
     """
+    whole_bytes = WHOLE_BYTES if whole_bytes is None else whole_bytes
     try:
-        return Path(path).read_bytes()
+        mode = os.stat(path).st_mode  # before opening: opening a FIFO waits for a writer
+        if not stat.S_ISREG(mode):
+            raise UserError(f"--data {str(path)!r} is {_kind(mode)}, not a regular file; give a text file")
+        with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            if size <= whole_bytes:
+                return file.read()
+            return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
     except OSError as exc:
         raise UserError(f"cannot read --data {str(path)!r} ({exc.strerror}); give a readable text file") from exc
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, for messages."""
+    for test, name in ((stat.S_ISCHR, "a character device (read without end)"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO (read without end)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 HELD_OUT = 20
@@ -115,7 +148,7 @@ class ByteCorpus:
     from those alone (``split_blocks``).
 
     Args:
-        text: the corpus; None reads the standard library sources.
+        text: the corpus (a large file's mapping: ``read_text_file``); None reads the standard library sources.
         seq_len: tokens per sample.
         batch_size: samples per batch.
         seed: data seed.
@@ -130,7 +163,7 @@ class ByteCorpus:
         (True, torch.int64)
     """
 
-    def __init__(self, text: bytes | None = None, *, seq_len: int, batch_size: int, seed: int = 0) -> None:
+    def __init__(self, text: Text | None = None, *, seq_len: int, batch_size: int, seed: int = 0) -> None:
         text = stdlib_sources() if text is None else text
         if len(text) < seq_len + 1:
             raise UserError(
@@ -139,7 +172,8 @@ class ByteCorpus:
             )
         if batch_size < 1:
             raise UserError(f"batch_size={batch_size} is invalid; give batch_size >= 1")
-        self.tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        # A mapping is used in place (its pages shared with the page cache); bytes are copied to be writable.
+        self.tokens = torch.frombuffer(text if isinstance(text, mmap.mmap) else bytearray(text), dtype=torch.uint8)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self._window = torch.arange(seq_len + 1)
         self.train_segments, self.held_out = split_blocks(len(text), seq_len)

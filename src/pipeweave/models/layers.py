@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeweave.models.precision import autocast_device_type
+
 WeightGrad = Callable[[], None]
 """A deferred weight-gradient computation; it accumulates into ``param.grad``."""
 
@@ -94,7 +96,7 @@ def _linear_weight_grads(weight: torch.Tensor, bias: torch.Tensor | None, x: tor
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The dtype ``torch.autocast`` gives a linear layer on ``x``'s device now, or None outside autocast."""
-    kind = x.device.type
+    kind = autocast_device_type(x.device)
     if not torch.is_autocast_enabled(kind):
         return None
     dtype = torch.get_autocast_dtype(kind)
@@ -111,7 +113,7 @@ class _LinearFn(torch.autograd.Function):
         ctx.dtype = dtype = _autocast_dtype(x)
         if dtype is not None:  # as autocast runs nn.Linear: everything cast, the cast input kept
             x = x.to(dtype)
-            with torch.autocast(x.device.type, enabled=False):
+            with torch.autocast(autocast_device_type(x.device), enabled=False):
                 y = F.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
         else:
             y = F.linear(x, weight, bias)

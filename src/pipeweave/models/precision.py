@@ -50,4 +50,13 @@ def autocast(precision: str, device: torch.device) -> Any:
     """The context a forward runs in: ``torch.autocast`` to bfloat16 for ``bf16``, nothing for ``fp32``."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.autocast(autocast_device_type(device), dtype=torch.bfloat16)
+
+
+def autocast_device_type(device: torch.device) -> str:
+    """The autocast state ``device`` follows: its own, but the CPU's for ``meta`` tensors, which have none.
+
+    ``runtime.run.memory`` runs a stage on the meta device to count its activation bytes
+    without computing or allocating them; there a forward casts as on the CPU.
+    """
+    return "cpu" if device.type == "meta" else device.type

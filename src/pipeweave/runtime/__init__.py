@@ -16,7 +16,8 @@ in layers, each importing only from layers below it (a test keeps it so):
    ``plain`` (single-process training, the exactness baseline), ``profile``
    (per-layer costs), ``stream`` (what an asynchronous stream is at run time),
    ``nonfinite`` (what every rank agrees on: a step's loss, the weights' finiteness).
-5. ``run/`` -- a training run: its configuration, the plan resolved from it,
-   checkpoints, records, what each rank does, the launcher.
+5. ``run/`` -- a training run: its configuration, the plan resolved from it
+   (its sizes checked before the schedule is built), the memory it needs per
+   rank, checkpoints, records, what each rank does, the launcher.
 6. ``report/`` -- summaries and traces of finished runs, measured beside simulated.
 """

@@ -15,10 +15,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pipeweave.schedule.ir import Op, Schedule
+from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import PartCosts
 from pipeweave.sim.timeline import Timeline
@@ -50,22 +51,49 @@ class Metrics:
 
 def peak_activations(timeline: Timeline, costs: PartCosts) -> tuple[float, ...]:
     """Per rank, the peak activation memory under the cost model's M_a and M_W."""
-    part_of = timeline.schedule.placement.stage_part
+    held = costs.activation
+    stash = tuple(a * costs.mem_w for a in held)
+    rows = ((e.action for e in row) for row in timeline.events)
+    return held_peaks(rows, timeline.schedule.placement.stage_part, held, stash)
+
+
+def held_peaks(rows: Iterable[Iterable[Action]], part_of: Sequence[int], held: Sequence[float],
+               stash: Sequence[float], during_b: Sequence[float] | None = None,
+               during_i: Sequence[float] | None = None) -> tuple[float, ...]:
+    """Per rank, the peak memory held for backwards, walking each rank's actions in their order.
+
+    Per part: an ``F`` adds ``held`` (what a microbatch keeps from its F to its
+    backward); an ``I`` exchanges it for ``stash`` (what its ``W`` still needs),
+    which the ``W`` frees; a ``B`` frees ``held``. ``during_b`` and
+    ``during_i`` are what a ``B`` or an ``I`` of the part uses on top while it
+    runs (a recomputation's replayed forward; 0 by default). The order alone
+    decides, not the times: a rank runs its actions one after another, so
+    ``rows`` may be a schedule's own (``schedule.actions``) as well as a timeline's.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> s = generate("1f1b", num_stages=2, num_microbatches=4)
+        >>> held_peaks(s.actions, s.placement.stage_part, held=(2.0, 1.0), stash=(0.0, 0.0), during_b=(3.0, 0.0))
+        (7.0, 1.0)
+    """
+    zeros = [0.0] * len(held)
+    extra_b, extra_i = during_b or zeros, during_i or zeros
     peaks = []
-    for row in timeline.events:
-        held = peak = 0.0
-        for e in row:
-            s, op, _ = e.action
-            a = costs.activation[part_of[s]]
+    for row in rows:
+        now = peak = 0.0
+        for s, op, _ in row:
+            part = part_of[s]
             if op is Op.F:
-                held += a
-                peak = max(peak, held)
+                now += held[part]
             elif op is Op.B:
-                held -= a
+                peak = max(peak, now + extra_b[part])
+                now -= held[part]
             elif op is Op.I:
-                held -= a * (1.0 - costs.mem_w)
+                peak = max(peak, now + extra_i[part])
+                now += stash[part] - held[part]
             elif op is Op.W:
-                held -= a * costs.mem_w
+                now -= stash[part]
+            peak = max(peak, now)
         peaks.append(round(peak, 9))
     return tuple(peaks)
 

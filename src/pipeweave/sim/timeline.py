@@ -17,6 +17,11 @@ from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.schedule.validate import InvalidSchedule, check_actions, check_order
 from pipeweave.sim.cost import CostModel, PartCosts
 
+BYTES_PER_ACTION = 300
+"""Memory the simulation of one action takes: its action, event and metrics together (the measurement:
+benchmarks/simulator/README.md). ``pipeweave simulate`` and ``train`` refuse a schedule whose actions
+at this size would not fit in free memory."""
+
 
 class Event(NamedTuple):
     """One action of one rank, with its start and end time."""

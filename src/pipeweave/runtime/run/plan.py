@@ -1,7 +1,9 @@
 """What a run is made of, resolved once from its configuration: schedule, streams, parts, rates, resume point.
 
 ``prepare(config)`` checks everything that can be checked without spawning --
-the schedule builds and validates, the model has a layer for every part, the
+the sizes first, before the schedule is generated (``sizes.check_sizes``: the
+batch makes its microbatches, a layer per part, the schedule fits in
+memory), then the schedule builds and validates, the model has a layer for every part, the
 batch makes its microbatches, a custom model runs, the checkpoint to resume
 fits, the data and evaluation options hold -- so an invalid run is one line
 naming the value and the fix, not a failure on every rank. It returns a
@@ -32,7 +34,7 @@ from pipeweave.partition.problem import LayerCosts, Partition
 from pipeweave.runtime.run import checkpoint, checkpoint_files
 from pipeweave.runtime.run.checkpoint_files import Checkpoint
 from pipeweave.runtime.run.config import TrainConfig
-from pipeweave.runtime.run.sizes import microbatch_sizes, probe_model
+from pipeweave.runtime.run.sizes import check_batch, check_layers, check_sizes, microbatch_sizes, probe_model
 from pipeweave.runtime.stage.lr_schedule import LrSchedule
 from pipeweave.runtime.stage.post_validation import check_post_validation
 from pipeweave.runtime.stage.worker import OptimizerFactory
@@ -82,6 +84,7 @@ def prepare(config: TrainConfig) -> RunPlan:
         UserError: one line naming the value and the fix.
     """
     config = resolve_auto(config)
+    check_sizes(config)  # before anything large is built: the schedule is generated below
     resumed = checkpoint_files.find(config.resume) if config.resume is not None else None
     meta = None if resumed is None else resumed.manifest
     steps_done = 0 if meta is None else int(meta["steps"])
@@ -155,17 +158,9 @@ def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
     if not schedule.is_synchronous:
         check_stream_model(config.model)
     validate(schedule)
-    model = config.model
-    if model.num_layers < schedule.num_parts:
-        raise UserError(
-            f"{schedule.num_parts} parts ({config.schedule}, D={config.num_stages}) need at least "
-            f"{schedule.num_parts} layers, the model has {model.layers_described}; reduce --stages or "
-            + ("give the model more layers" if model.kind == "custom" else "increase --layers")
-        )
-    per_batch = config.num_microbatches * config.data_parallel if config.is_stream else schedule.num_microbatches
-    if config.batch_size < per_batch:
-        raise UserError(f"--batch {config.batch_size} cannot make {per_batch} microbatches; "
-                        "increase --batch or reduce --microbatches")
+    check_layers(config, schedule.num_parts)
+    check_batch(config, config.num_microbatches * config.data_parallel if config.is_stream
+                else schedule.num_microbatches)
 
 
 def _check_evaluation(config: TrainConfig, source: Any) -> None:
@@ -186,7 +181,11 @@ def build_schedule(config: TrainConfig, steps_done: int = 0) -> Schedule:
 
     An asynchronous run: its streams (``stream_schedules``) as one schedule, ``steps_done`` mini-batches
     trained before it (PipeMare's warm-up counts them).
+
+    Raises:
+        UserError: sizes that cannot work (``sizes.check_sizes``), checked before generating.
     """
+    check_sizes(config)
     if config.is_stream:
         return concatenate(stream_schedules(config, steps_done))
     base = generate(config.schedule, num_stages=config.num_stages, num_microbatches=config.num_microbatches,
@@ -216,7 +215,8 @@ def segments(config: TrainConfig) -> list[tuple[int, int]]:
 
 
 def stream_schedules(config: TrainConfig, steps_done: int = 0) -> list[Schedule]:
-    """An asynchronous run's streams, one per ``segments`` entry, each generated for its steps."""
+    """An asynchronous run's streams, one per ``segments`` entry, each generated for its steps (sizes checked first)."""
+    check_sizes(config)
     return [generate(config.schedule, num_stages=config.num_stages, num_microbatches=config.num_microbatches,
                      num_chunks=config.num_chunks, **segment_options(config, steps_done + first, steps))
             for first, steps in segments(config)]

@@ -1,4 +1,12 @@
-"""Sizes of a run's model, counted before it runs: bytes between layers, bytes of each part's weights.
+"""Sizes of a run, counted before it runs: its schedule's parts and actions, bytes between layers and of weights.
+
+``check_sizes(config)`` refuses, before the schedule is generated, a run
+whose sizes cannot work, cheapest check first: the batch must make its
+microbatches, the model needs a layer per part (D x the chunks per rank,
+known without generating the schedule), the schedule's actions must fit in
+free memory (``sim.timeline.BYTES_PER_ACTION`` each, an upper estimate of
+their count) and so must the rank processes. ``runtime.run.memory``
+estimates what the run then needs per rank.
 
 A custom model is measured by running two samples through its layers
 (``models.custom.probe``, once per model and seed in a process); the built-in
@@ -10,16 +18,133 @@ bytes beside ``part_weight_bytes`` x the simulated copies.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
 
+from pipeweave import host
 from pipeweave.data import data_source, split_microbatches
+from pipeweave.errors import UserError
 from pipeweave.models.custom import probe
 from pipeweave.models.build import build_layers
 from pipeweave.models.spec import ModelSpec, layer_seed
+from pipeweave.runtime.process import under_torchrun
 from pipeweave.runtime.run.config import TrainConfig
-from pipeweave.schedule import Schedule
+from pipeweave.schedule import SCHEDULES, Schedule
+from pipeweave.sim.timeline import BYTES_PER_ACTION
+
+PROCESS_BYTES = 32 << 20
+"""Memory a spawned rank process takes of its own before any tensor: measured 23-26 MiB private
+(``/proc/PID/smaps_rollup``) per rank of a 4-rank mlp run after 30 s, torch's pages shared with the fork server."""
+SPAWN_BYTES = 320 << 20
+"""Memory spawned ranks take once, whatever their number: the fork server, the resource tracker and the
+pages of torch they share (measured: the processes' PSS summed, 423 MB for 4 ranks, less their own)."""
+RANK_BYTES_PER_ACTION = 160
+"""Memory each rank's copy of the schedule takes per action: measured 120-154 B unpickled (1f1b, zb-h1, pipedream)."""
+
+
+def check_sizes(config: TrainConfig) -> None:
+    """Refuse, in one line and before the schedule is generated, a run whose sizes cannot work.
+
+    Raises:
+        UserError: the batch cannot make T x P microbatches, the model has fewer layers than the
+            schedule's parts, or the schedule or the rank processes would not fit in free memory.
+    """
+    t, d = config.num_microbatches, config.num_stages
+    if t < 1 or d < 1:
+        return  # the generator names the value
+    check_batch(config, t * config.data_parallel)
+    parts = part_count(config)
+    if parts is None:
+        return
+    check_layers(config, parts)
+    free = host.available_memory()
+    if free is None:
+        return
+    actions = action_estimate(config, parts)
+    if actions * BYTES_PER_ACTION > free:
+        raise UserError(f"{_size(config, parts)} make up to ~{actions:.2g} actions, ~{_gib(actions * BYTES_PER_ACTION)} "
+                        f"to build and simulate ({BYTES_PER_ACTION} B each), more than the {free / 2**30:.1f} GiB "
+                        f"free here; give fewer stages or microbatches{' or steps' if config.is_stream else ''} "
+                        f"(at most ~{free // BYTES_PER_ACTION:.2g} actions fit)")
+    ranks = d * config.data_parallel
+    if not under_torchrun() and SPAWN_BYTES + ranks * PROCESS_BYTES > free:
+        raise UserError(f"{_size(config, None)} start {ranks} rank processes here, "
+                        f"~{_gib(SPAWN_BYTES + ranks * PROCESS_BYTES)} at ~{PROCESS_BYTES >> 20} MiB each and "
+                        f"{SPAWN_BYTES >> 20} MiB once before any tensor, more than the {free / 2**30:.1f} GiB free; "
+                        f"give fewer stages (at most ~{max(0, free - SPAWN_BYTES) // PROCESS_BYTES} ranks fit)")
+
+
+def check_batch(config: TrainConfig, microbatches: int) -> None:
+    """The batch makes ``microbatches`` microbatches of at least one sample."""
+    if config.batch_size < microbatches:
+        raise UserError(f"--batch {config.batch_size} cannot make {microbatches} microbatches; "
+                        "increase --batch or reduce --microbatches")
+
+
+def check_layers(config: TrainConfig, parts: int) -> None:
+    """The model has a layer for each of the schedule's ``parts``."""
+    model = config.model
+    if model.num_layers < parts:
+        raise UserError(
+            f"{parts} parts ({config.schedule}, D={config.num_stages}) need at least {parts} layers, the model "
+            f"has {model.layers_described}; reduce --stages or "
+            + ("give the model more layers" if model.kind == "custom" else "increase --layers")
+        )
+
+
+def part_count(config: TrainConfig) -> int | None:
+    """The parts of the run's schedule, D x its chunks per rank, without generating it.
+
+    None where the generator decides: an unknown name, a ``--chunks`` it refuses.
+
+    Example:
+        >>> part_count(TrainConfig(schedule="zb-v", num_stages=4)), part_count(TrainConfig(schedule="interleaved-1f1b"))
+        (8, 4)
+    """
+    info = SCHEDULES.get(config.schedule)
+    if info is None or config.num_stages < 1:
+        return None
+    if config.num_chunks is not None and info.chunks is not None and config.num_chunks != info.chunks:
+        return None
+    default = inspect.signature(info.generator).parameters.get("num_chunks")
+    chunks = config.num_chunks or info.chunks or (default.default if default is not None else 1)
+    return config.num_stages * chunks if isinstance(chunks, int) and chunks >= 1 else None
+
+
+def action_estimate(config: TrainConfig, parts: int) -> int:
+    """At least the actions of the run's schedule: F, I and W (or B and U) per part and microbatch, a U per part.
+
+    Every replica's (``--data-parallel``); an asynchronous run's streams hold every mini-batch of it.
+
+    Example:
+        >>> action_estimate(TrainConfig(schedule="zb-h1", num_stages=4, num_microbatches=8), 4)  # ZB-H1 has 100
+        100
+    """
+    steps = config.steps if config.is_stream else 1
+    return (3 * config.num_microbatches + 1) * parts * config.data_parallel * steps
+
+
+def _size(config: TrainConfig, parts: int | None) -> str:
+    """What makes the run this large, as the user typed it."""
+    text = f"--stages {config.num_stages}"
+    if parts is not None:
+        text += f" x --microbatches {config.num_microbatches}"
+        if parts != config.num_stages:
+            text += f" x {parts // config.num_stages} chunks"
+        if config.is_stream:
+            text += f" x --steps {config.steps}"
+    if config.data_parallel != 1:
+        text += f" x --data-parallel {config.data_parallel}"
+    return text
+
+
+def _gib(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30)):
+        if n >= size:
+            return f"{n / size:.0f} {unit}"
+    return f"{n / 2**20:.0f} MiB"
 
 
 def microbatch_sizes(config: TrainConfig) -> list[int]:

@@ -1,0 +1,157 @@
+"""What a run needs in memory per rank, estimated before any rank is spawned, and the refusal of a run that would not fit.
+
+``estimate_memory(plan, ring_capacity)`` counts, per rank:
+
+- **activations**: the peak of what the rank's stages hold for their
+  backwards, walking its actions in order (``sim.metrics.held_peaks``: the
+  simulator's peak activations, with each part's own bytes for M_a and M_W),
+  from each part's bytes for one microbatch of the run's largest size as a
+  rank's meter counts them (``part_memory``: the part's ``StageWorker`` run on
+  a tiny sample, or on the meta device);
+- **weights and optimizer state**: every weight copy the schedule's policy
+  holds (``sim.metrics.version_metrics``: stashed versions, double buffers,
+  predictions), one gradient per stage, and the optimizer's state per stage
+  (SGD with momentum 1x, AdamW 2x the part's weights);
+- **message rings**: the shared-memory rings a rank receives on
+  (``transport.shm``: one per peer, ``capacity_for`` the largest message), where they are used;
+- **rank process**: a rank's own memory before any tensor and its copy of the
+  schedule (``sizes.PROCESS_BYTES``, ``sizes.RANK_BYTES_PER_ACTION``); spawned
+  ranks add, once, the fork server they start from (``sizes.SPAWN_BYTES``).
+
+Accuracy: the activation figure equals the ``peak_activation_bytes`` a run
+measures, on every rank of the runs checked (mlp and gpt, fp32 and bf16,
+recomputation, GPipe, 1F1B, ZB-H1, ZB-V, interleaved 1F1B, hybrid data
+parallelism, a PipeDream stream); the test (``tests/runtime/test_memory_estimate.py``)
+holds it within 1.1x. It is an upper bound where a backward's transient meets
+the rank's peak. What no meter counts -- messages in flight, the data batch,
+the allocator's slack -- is left out, as is a CUDA rank's context.
+
+``check_memory`` refuses a run whose ranks on this host -- every rank when
+spawned, a node's local ranks under torchrun -- need more than the host's free
+memory, in one line with the estimate. CUDA ranks keep activations and
+weights on their GPUs: there only the processes are checked against the
+host's memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from pipeweave import host
+from pipeweave.errors import UserError
+from pipeweave.runtime.process import under_torchrun
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.plan import RunPlan
+from pipeweave.runtime.run.part_memory import part_memory
+from pipeweave.runtime.run.sizes import PROCESS_BYTES, RANK_BYTES_PER_ACTION, SPAWN_BYTES
+from pipeweave.schedule.ir import Op
+from pipeweave.sim.cost import CostModel
+from pipeweave.sim.metrics import held_peaks, version_metrics
+
+OPTIMIZER_STATE = {"sgd": 0, "sgd+momentum": 1, "adamw": 2}
+"""Copies of a part's weights its optimizer keeps: SGD's momentum buffer, AdamW's two moments."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per rank, the bytes a run needs (``estimate_memory``)."""
+
+    activations: tuple[int, ...]
+    weights: tuple[int, ...]
+    """Weight copies, gradients and optimizer state."""
+    rings: tuple[int, ...]
+    processes: tuple[int, ...]
+
+    @property
+    def per_rank(self) -> tuple[int, ...]:
+        """Each rank's total."""
+        return tuple(sum(v) for v in zip(self.activations, self.weights, self.rings, self.processes))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON record's fields: ``memory_estimate_bytes`` per rank, and its parts."""
+        return {"memory_estimate_bytes": list(self.per_rank),
+                "memory_estimate": {"activations": list(self.activations), "weights_and_optimizer": list(self.weights),
+                                    "message_rings": list(self.rings), "rank_process": list(self.processes)}}
+
+
+def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEstimate:
+    """What each rank of ``plan`` needs; ``ring_capacity``: its shared-memory rings' (None: no rings)."""
+    config, schedule = plan.config, plan.schedule
+    ops = {a.op for row in schedule.actions for a in row}
+    # A full backward without recomputation frees as it goes (0 on top, measured): only the others are run here
+    backwards = tuple(op for op, run in (("B", Op.B in ops and config.recompute), ("I", Op.I in ops)) if run)
+    parts = part_memory(config, plan.parts, backwards)
+    part_of = schedule.placement.stage_part
+    activations = held_peaks(schedule.actions, part_of, [p.held for p in parts], [p.stash for p in parts],
+                             [p.during_b for p in parts], [p.during_i for p in parts])
+    costs = CostModel(weight=[float(p.weights) for p in parts]).for_parts(num_parts=schedule.num_parts,
+                                                                          num_ranks=schedule.num_ranks)
+    copies = version_metrics(schedule, costs)[0]
+    per_stage = 1 + optimizer_copies(config)  # a gradient, and the optimizer's state
+    weights = [c for c in copies]
+    for stage, rank in enumerate(schedule.placement.stage_rank):
+        weights[rank] += per_stage * parts[part_of[stage]].weights
+    ranks = schedule.num_ranks
+    rings = 0 if ring_capacity is None else (ranks - 1) * ring_capacity  # one ring from every peer
+    actions = sum(len(row) for row in schedule.actions)
+    process = PROCESS_BYTES + actions * RANK_BYTES_PER_ACTION
+    return MemoryEstimate(tuple(int(a) for a in activations), tuple(int(w) for w in weights), (rings,) * ranks,
+                          (process,) * ranks)
+
+
+def optimizer_copies(config: TrainConfig) -> int:
+    """Copies of a part's weights its optimizer keeps (``OPTIMIZER_STATE``)."""
+    if config.optimizer == "sgd":
+        return OPTIMIZER_STATE["sgd+momentum" if config.momentum else "sgd"]
+    return OPTIMIZER_STATE[config.optimizer]
+
+
+def ranks_here(num_ranks: int) -> range:
+    """The ranks of this run on this host: all when spawned; under torchrun, this node's (ranks are given per node)."""
+    if not under_torchrun():
+        return range(num_ranks)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", num_ranks))
+    first = int(os.environ["RANK"]) - int(os.environ.get("LOCAL_RANK", "0"))
+    return range(max(0, first), min(num_ranks, first + local))
+
+
+def check_memory(estimate: MemoryEstimate, config: TrainConfig, on_cpu: bool = True) -> None:
+    """Refuse, in one line with the estimate, a run whose ranks on this host need more than its free memory.
+
+    ``on_cpu``: the ranks' tensors live in the host's memory (CUDA ranks: only their processes do). Spawned
+    ranks add the fork server they start from (``sizes.SPAWN_BYTES``).
+
+    Raises:
+        UserError: e.g. ``this run needs ~31.2 GiB (activations 28.0, ...) and 22.6 GiB is free; ...``.
+    """
+    free = host.available_memory()
+    here = ranks_here(len(estimate.per_rank))
+    terms = {"activations": estimate.activations, "weights and optimizer state": estimate.weights,
+             "message rings": estimate.rings, "processes": estimate.processes}
+    if not on_cpu:
+        terms = {"processes": estimate.processes}
+    sums = {name: sum(values[r] for r in here) for name, values in terms.items()}
+    if not under_torchrun():
+        sums["processes"] += SPAWN_BYTES  # the fork server the ranks start from
+    need = sum(sums.values())
+    if free is None or need <= free:
+        return
+    unit, size = ("GiB", 2**30) if need >= 2**30 else ("MiB", 2**20)
+    parts = ", ".join(f"{name} {value / size:.1f}" for name, value in sums.items() if value)
+    where = f"{len(here)} ranks on this host" if under_torchrun() else f"{len(here)} ranks"
+    raise UserError(f"this run needs ~{need / size:.1f} {unit} ({where}: {parts}) and {free / size:.1f} {unit} "
+                    f"is free; {_hint(max(sums, key=lambda k: sums[k]), config)}")
+
+
+def _hint(largest: str, config: TrainConfig) -> str:
+    """The fix for the largest term."""
+    if largest == "activations":
+        return "reduce --batch" if config.recompute else "reduce --batch or add --recompute"
+    if largest == "weights and optimizer state":
+        return "give a smaller model (--layers, --hidden)" + (" or --optimizer sgd" if config.optimizer == "adamw"
+                                                                else "")
+    if largest == "message rings":
+        return "use --transport gloo"
+    return "give fewer stages or --data-parallel replicas"
