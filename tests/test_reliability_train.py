@@ -7,11 +7,15 @@ and ``partition --device banana`` a RuntimeError from torch.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from pipeweave.cli import main
+from pipeweave.runtime.run.save_lock import LOCK, owner_of
 
 TRAIN = ["train", "--model", "mlp", "--layers", "4", "--hidden", "8", "--steps", "1", "--quiet"]
 PARTITION = ["partition", "--model", "mlp", "--layers", "4", "--hidden", "8", "--stages", "2"]
@@ -74,3 +78,14 @@ def test_a_negative_value_reaches_the_command_not_argparse(
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"pipeweave simulate: error: {words[0]} ") and "negative time" in err, err
     assert len(err.splitlines()) == 1
+
+
+def test_two_runs_writing_one_out_folder_at_once_is_one_line(tmp_path: Path, cli_error: Callable[..., str]) -> None:
+    """Two runs with the same --out overwrote each other's record without a word."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK).write_text(json.dumps(owner_of(os.getpid())) + "\n")  # a live run writes there now
+    err = cli_error([*TRAIN, "--out", str(out)], *NOTHING_DONE)
+    assert f"--out {out} is in use by another run (pid {os.getpid()} on " in err
+    assert "give another --out folder" in err
+

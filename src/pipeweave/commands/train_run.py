@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -214,8 +215,11 @@ def _train(args: argparse.Namespace) -> int:
     config = build_config(args)
     if config.save is not None:
         output_folder("--save", config.save)  # where the lock goes: a file in the way is one line here
-    # One run at a time saves into a folder: locked before anything reads or writes it (rank 0 under torchrun).
-    with save_lock(config.save if _rank() == 0 else None):
+    # One run at a time writes into a folder: locked before anything reads or writes it (rank 0 under torchrun).
+    out = None if args.json and args.trace and args.plot else args.out  # where the default outputs go
+    same = out is not None and config.save is not None and Path(out).resolve() == Path(config.save).resolve()
+    with save_lock(config.save if _rank() == 0 else None), \
+            save_lock(out if _rank() == 0 and not same else None, flag="--out"):
         try:
             config = resolve_auto(config)
         except AlreadyTrained as done:  # a restarted command whose training had finished: nothing to do

@@ -1,4 +1,4 @@
-"""One run at a time saves into a folder: ``DIR/pipeweave.lock`` names the run that does.
+"""One run at a time writes into a folder (``--save``, ``--out``): ``DIR/pipeweave.lock`` names the run that does.
 
 ``save_lock(DIR)`` is taken by the launcher process (``pipeweave train``,
 rank 0's under torchrun) before any other work and released when it ends.
@@ -31,8 +31,9 @@ LOCK = "pipeweave.lock"
 
 
 @contextmanager
-def save_lock(folder: str | None) -> Iterator[None]:
-    """Hold ``folder``'s lock for the ``with`` block (nothing where ``folder`` is None).
+def save_lock(folder: str | None, flag: str = "--save") -> Iterator[None]:
+    """Hold ``folder``'s lock for the ``with`` block (nothing where ``folder`` is None); ``flag``: the option
+    that named the folder, for the messages.
 
     Raises:
         UserError: another live run holds it, or it cannot be created.
@@ -42,7 +43,7 @@ def save_lock(folder: str | None) -> Iterator[None]:
         return
     path = Path(folder) / LOCK
     mine = owner_of(os.getpid())
-    _take(path, mine)
+    _take(path, mine, flag)
     try:
         yield
     finally:
@@ -55,7 +56,7 @@ def owner_of(pid: int) -> dict[str, Any]:
     return {"pid": pid, "host": socket.gethostname(), "started": _start_time(pid)}
 
 
-def _take(path: Path, mine: dict[str, Any]) -> None:
+def _take(path: Path, mine: dict[str, Any], flag: str) -> None:
     for _ in range(5):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,14 +65,14 @@ def _take(path: Path, mine: dict[str, Any]) -> None:
         except FileExistsError:
             owner = _read(path)
             if owner is not None and _alive(owner):
-                raise UserError(f"--save {path.parent} is in use by another run (pid {owner.get('pid')} on "
-                                f"{owner.get('host')}); wait for it to end or give another --save folder (if "
+                raise UserError(f"{flag} {path.parent} is in use by another run (pid {owner.get('pid')} on "
+                                f"{owner.get('host')}); wait for it to end or give another {flag} folder (if "
                                 f"that run is gone, remove {path})") from None
             _take_over(path, owner)
         except OSError as exc:
-            raise UserError(f"--save {path.parent}: cannot create {path} ({reason(exc)}); give a writable "
+            raise UserError(f"{flag} {path.parent}: cannot create {path} ({reason(exc)}); give a writable "
                             "folder") from None
-    raise UserError(f"--save {path.parent}: other runs keep taking {path}; give another --save folder")
+    raise UserError(f"{flag} {path.parent}: other runs keep taking {path}; give another {flag} folder")
 
 
 def _create(path: Path, mine: dict[str, Any]) -> None:
