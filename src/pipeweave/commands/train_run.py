@@ -217,6 +217,8 @@ def _train(args: argparse.Namespace) -> int:
         output_folder("--save", config.save)  # where the lock goes: a file in the way is one line here
     # One run at a time writes into a folder: locked before anything reads or writes it (rank 0 under torchrun).
     out = None if args.json and args.trace and args.plot else args.out  # where the default outputs go
+    if out is not None:
+        output_folder("--out", Path(out))  # where its lock goes: a file in the way is one line here
     same = out is not None and config.save is not None and Path(out).resolve() == Path(config.save).resolve()
     with save_lock(config.save if _rank() == 0 else None), \
             save_lock(out if _rank() == 0 and not same else None, flag="--out"):
