@@ -156,7 +156,7 @@ def _measure(config: TrainConfig, parts: Sequence[range], size: int, device: str
             worker = StageWorker(config.model, part, batch_size=config.batch_size, recompute=config.recompute,
                                  device=device, precision=config.precision, optimizer_factory=_no_optimizer)
             if device == "meta":
-                worker.meter = _MetaMeter({p.untyped_storage()._cdata for p in worker.module.parameters()})
+                worker.meter = _MetaMeter({int(p.untyped_storage()._cdata) for p in worker.module.parameters()})
             out = worker.forward(0, x, target if worker.is_last else None)
             held, during, stash = worker.activation_bytes(), {"B": 0, "I": 0}, 0
             for k, op in enumerate(backwards):
@@ -203,19 +203,8 @@ def _gradient(out: Boundary) -> Boundary:
 class _MetaMeter(ActivationMeter):
     """``ActivationMeter`` for meta tensors, which have no data pointer: storages told apart by their identity."""
 
-    def hold(self, t: torch.Tensor) -> int | None:
-        storage = t.untyped_storage()
-        key: int = storage._cdata
-        if key in self.exclude:
-            return None
-        entry = self.live.get(key)
-        if entry is None:
-            self.live[key] = [storage.nbytes(), 1]
-            self.current += storage.nbytes()
-            self.peak = max(self.peak, self.current)
-        else:
-            entry[1] += 1
-        return key
+    def key_of(self, storage: torch.UntypedStorage) -> int:
+        return int(storage._cdata)
 
 
 class _AsOnCpu(TorchFunctionMode):

@@ -38,9 +38,13 @@ class ActivationMeter:
         # On CUDA, autograd may free saved tensors (and so call release) from its device thread.
         self.lock = threading.Lock()
 
+    def key_of(self, storage: torch.UntypedStorage) -> int:
+        """What tells storages apart: their address (0: none, not counted)."""
+        return storage.data_ptr()
+
     def hold(self, t: torch.Tensor) -> int | None:
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = self.key_of(storage)
         if key == 0 or key in self.exclude:
             return None
         with self.lock:
