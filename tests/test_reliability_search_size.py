@@ -14,7 +14,7 @@ from pipeweave.cli import main
 
 
 def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], free: int | None) -> str:
-    with patch("pipeweave.commands.units.available_memory", return_value=free), \
+    with patch("pipeweave.commands.search.available_memory", return_value=free), \
             patch("pipeweave.search.exact", side_effect=AssertionError("searched a problem too large")), \
             patch("pipeweave.search.problem_from_times", side_effect=AssertionError("built a problem too large")):
         code = main(["search", *argv])
@@ -44,7 +44,7 @@ def test_a_search_far_beyond_its_time_limit_is_one_line(capsys: pytest.CaptureFi
 
 
 def test_a_larger_time_limit_lets_it_run(capsys: pytest.CaptureFixture[str]) -> None:
-    with patch("pipeweave.commands.units.available_memory", return_value=2**40), \
+    with patch("pipeweave.commands.search.available_memory", return_value=2**40), \
             patch("pipeweave.search.exact", side_effect=RuntimeError("ran")):
         with pytest.raises(RuntimeError, match="ran"):
             main(["search", "--stages", "1000", "--microbatches", "2000", "--time-limit", "30"])

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from pipeweave.errors import UserError
+from pipeweave.host import available_memory
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -111,8 +112,6 @@ def _check_size(args: argparse.Namespace) -> None:
     checks of the result, run to their end whatever the limit: their memory and time grow with the
     actions, 3 x D x T x chunks.
     """
-    from pipeweave.commands.units import available_memory
-
     chunks = 2 if args.v_shape or args.chunks == 2 else 1
     actions = 3 * args.stages * args.microbatches * chunks
     size = f"--stages {args.stages} x --microbatches {args.microbatches}{' x 2 chunks' if chunks == 2 else ''}"

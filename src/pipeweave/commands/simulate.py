@@ -19,7 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipeweave.commands.units import available_memory as _available_memory
+from pipeweave.host import available_memory as _available_memory
 from pipeweave.commands.units import check_cost_flags
 from pipeweave.errors import UserError
 from pipeweave.schedule import InvalidSchedule, Schedule, generate, read_csv, validate, write_csv

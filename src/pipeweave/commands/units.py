@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from pipeweave.errors import UserError
-from pipeweave.host import available_memory
 from pipeweave.sim.cost import cost_problem
 
 
@@ -32,6 +31,3 @@ def check_cost_flags(args: argparse.Namespace, flags: tuple[tuple[str, str], ...
         problem = None if value is None else cost_problem(value, what)
         if problem is not None:
             raise UserError(f"{flag} {value} {problem}")
-
-
-__all__ = ["available_memory", "check_cost_flags", "format_bytes"]
