@@ -7,7 +7,9 @@ whose rank 1 fails inside a backward), ``train-raise-auto`` and
 shared memory where available), ``train-stall`` (rank 1 stalls inside a
 backward; rank 0's wait for its gradient times out after 3 s), ``flood`` (every
 rank reports progress without end and the launcher stops reading it after
-printing the PIDs: the ranks block writing into a full pipe). Rank 0 blocks in a receive the failed
+printing the PIDs: the ranks block writing into a full pipe), ``ctrl-c-at-start``
+(``hang``, with a Ctrl-C sent to the launcher while it starts the fork server,
+its group signals held back). Rank 0 blocks in a receive the failed
 rank never answers, so only the launcher can end it. Prints ``PID <pid>`` per
 rank and for the fork server, and exits with the launcher's exit code.
 """
@@ -91,6 +93,15 @@ def main(mode: str) -> int:
             kill = "stall" if mode == "train-stall" else "kill" in mode
             launch(failing_training, (config, kill), 2, options, on_progress=report)
         else:
+            if mode == "ctrl-c-at-start":
+                mode = "hang"
+                start_fork_server = forkserver.ensure_running
+
+                def interrupted_start() -> None:
+                    start_fork_server()
+                    os.kill(os.getpid(), signal.SIGINT)  # pending until the launcher restores its signal mask
+
+                forkserver.ensure_running = interrupted_start
             launch(blocking, mode, 2, on_progress=report)
     except RankFailure as failure:
         return failure.exit_code

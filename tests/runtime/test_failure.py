@@ -145,6 +145,14 @@ def test_ctrl_c_while_the_fork_server_imports_torch_is_one_line() -> None:
     _assert_gone({server})
 
 
+def test_ctrl_c_held_back_while_the_fork_server_starts_is_one_line() -> None:
+    # The race above, made certain: the Ctrl-C is pending as the launcher unblocks it (a traceback until fixed).
+    proc = _start("ctrl-c-at-start")
+    code, err, elapsed = _finish(proc, time.monotonic())
+    assert code == 130 and elapsed < LIMIT_S
+    assert err == "pipeweave: interrupted (Ctrl-C); every rank was stopped\n", err
+
+
 @pytest.mark.parametrize(
     ("sig", "group", "cause"),
     [

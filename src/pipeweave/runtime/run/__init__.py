@@ -2,8 +2,8 @@
 
 ``config.TrainConfig`` describes a run (values only); ``plan.prepare`` checks
 it and resolves what every rank needs into a ``RunPlan``; ``launch.launch``
-starts the ranks (spawned locally or under torchrun), each running
-``job.run_rank`` (synchronous schedules) or ``stream_job.run_stream_rank``
+starts the ranks (spawned locally from a ``forkserver``, or under torchrun),
+each running ``job.run_rank`` (synchronous schedules) or ``stream_job.run_stream_rank``
 (asynchronous streams), evaluating and saving at ``milestones``
 (``checkpoint``: what a part holds; ``checkpoint_files``: the folders,
 manifests and atomic commits in ``--save DIR``; ``save_lock``: one run per

@@ -23,8 +23,6 @@ result. Two ways in:
 from __future__ import annotations
 
 import datetime
-import multiprocessing.forkserver
-import multiprocessing.resource_tracker
 import os
 import pickle
 import signal
@@ -37,11 +35,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipeweave.errors import Diverged, StuckError
 from pipeweave.runtime.process import (device_for, die_with_parent, die_with_process, keep_freed_host_memory,
                                        set_progress_sink, set_wait_timeout, start_time, under_torchrun)
+from pipeweave.runtime.run import forkserver
 from pipeweave.runtime.transport import shm
 
 RankFn = Callable[[int, int, Any], Any]
@@ -53,8 +51,6 @@ _SETTLE_S = 0.3  # after a first failure, how long to wait for a likelier root c
 # terminal closed) stop every rank as Ctrl-C does. Exit code: 128 + the number.
 _STOPS = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "terminated (SIGTERM)",
           signal.SIGHUP: "hung up (SIGHUP)"}
-# What a terminal sends its whole foreground process group: the launcher acts on them, its helpers do not.
-_GROUP_SIGNALS = {signal.SIGINT, signal.SIGHUP}
 
 
 class _Stop(BaseException):
@@ -184,37 +180,25 @@ def _spawn(
     fn: RankFn, payload: Any, num_ranks: int, options: LaunchOptions, on_progress: ProgressFn | None
 ) -> Any:
     store = dist.TCPStore("127.0.0.1", 0, num_ranks + 1, is_master=True, wait_for_workers=False)
-    ctx = _context()
-    _start_helpers()
-    results: Any = ctx.SimpleQueue()
-    channels = None
-    if options.transport in ("shm", "auto"):  # allocated here, before spawning, and handed to every rank
-        capacity = options.shm_capacity or shm.DEFAULT_CAPACITY
-        if options.transport == "shm" or shm.unavailable(num_ranks, capacity) is None:
-            channels = shm.make_channels(ctx, num_ranks, capacity)
-    launcher = (os.getpid(), start_time(os.getpid()))  # whom the ranks die with
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(fn, payload, rank, num_ranks, store.port, options, results, channels, launcher),
-            daemon=True,
-            name=f"pipeweave-rank{rank}",
-        )
-        for rank in range(num_ranks)
-    ]
+    ctx = forkserver.context()
+    procs: list[Any] = []
     previous = {sig: signal.getsignal(sig) for sig in _STOPS}
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if previous[sig] != signal.SIG_IGN:  # under nohup SIGHUP stays ignored
             signal.signal(sig, _raise_stop)
-    try:
+    try:  # from the fork server's start on: a Ctrl-C held back while it starts arrives as it is unblocked
+        forkserver.start_helpers()
+        results: Any = ctx.SimpleQueue()
+        # The channels are kept here: a started Process drops its arguments before the rank has unpickled them.
+        procs, channels = _rank_processes(ctx, fn, payload, num_ranks, store.port, options, results)
         for p in procs:
             p.start()
         return _watch(procs, results, options, on_progress)
     except (KeyboardInterrupt, _Stop) as stop:
         signum = stop.signum if isinstance(stop, _Stop) else signal.SIGINT
         _terminate(procs)
-        if any(p.pid is None for p in procs):  # stopped while starting them
-            _stop_fork_server()
+        if len(procs) < num_ranks or any(p.pid is None for p in procs):  # stopped while starting them
+            forkserver.stop_fork_server()
         _report(f"{_STOPS[signum]}; every rank was stopped", options)
         raise RankFailure(_STOPS[signum], 128 + signum) from None
     finally:
@@ -224,52 +208,25 @@ def _spawn(
         del store
 
 
-def _context() -> Any:
-    """Fork ranks from a fresh server process that imported torch once (per launcher process).
-
-    Forking the launcher itself could inherit its OpenMP threads; spawning
-    re-imports torch in every rank (seconds each on a busy machine).
-    """
-    ctx = mp.get_context("forkserver")
-    # torch.optim imports torch._dynamo on first use: seconds per rank unless preloaded.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipeweave.runtime.run.job"])
-    return ctx
-
-
-def _start_helpers() -> None:
-    """Start the fork server and multiprocessing's resource tracker with SIGINT and SIGHUP blocked.
-
-    A terminal sends Ctrl-C and its hangup to the whole process group. The
-    fork server imports torch for seconds before it ignores SIGINT: a Ctrl-C
-    then printed its traceback beside the launcher's one line; a hangup killed
-    it and the tracker, which the launcher then missed at its exit (more
-    tracebacks). Blocked (the mask is inherited across their exec) the signals
-    wait in them, harmless (the ranks unblock them in ``_child``); in the
-    launcher they wait only until unblocked here, lost to neither.
-    """
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_SIGNALS)
-    try:
-        multiprocessing.resource_tracker.ensure_running()
-        signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_SIGNALS)  # starting the tracker unblocked SIGINT
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def _stop_fork_server() -> None:
-    """Kill the fork server, which would still fork a rank whose start was interrupted.
-
-    That rank would start after the launcher's exit, find its queue's lock
-    gone and print a traceback. The next ``launch`` starts a fresh server.
-    """
-    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is not None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            server._stop()  # closes its end, reaps it, forgets it
-        except OSError:  # pragma: no cover - gone already
-            pass
+def _rank_processes(
+    ctx: Any, fn: RankFn, payload: Any, num_ranks: int, port: int, options: LaunchOptions, results: Any
+) -> tuple[list[Any], Any]:
+    """One (unstarted) process per rank, and the shared-memory channels they will talk over, if any."""
+    channels = None
+    if options.transport in ("shm", "auto"):  # allocated here, before spawning, and handed to every rank
+        capacity = options.shm_capacity or shm.DEFAULT_CAPACITY
+        if options.transport == "shm" or shm.unavailable(num_ranks, capacity) is None:
+            channels = shm.make_channels(ctx, num_ranks, capacity)
+    launcher = (os.getpid(), start_time(os.getpid()))  # whom the ranks die with
+    return [
+        ctx.Process(
+            target=_child,
+            args=(fn, payload, rank, num_ranks, port, options, results, channels, launcher),
+            daemon=True,
+            name=f"pipeweave-rank{rank}",
+        )
+        for rank in range(num_ranks)
+    ], channels
 
 
 def _raise_stop(signum: int, frame: Any) -> None:
@@ -351,7 +308,7 @@ def _child(
     set_wait_timeout(options.timeout_s)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _GROUP_SIGNALS)  # blocked since the fork server's start
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, forkserver.GROUP_SIGNALS)  # blocked since the fork server's start
     die_with_parent()
     set_progress_sink(lambda value: results.put(("progress", rank, value)))
     try:
