@@ -16,17 +16,20 @@ from pipeweave.errors import UserError
 from pipeweave.models import gpt, mlp
 from pipeweave.models.custom import build_layer as build_custom_layer
 from pipeweave.models.spec import ModelSpec, layer_generator, layer_seed
+from pipeweave.models.tensor_parallel import TensorParallel, apply_plan
 
 
-def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Module]:
+def build_layers(spec: ModelSpec, layer_indices: Iterable[int], tp: TensorParallel | None = None) -> list[nn.Module]:
     """Build only the layers with the given indices, each initialised from its own seed.
 
     Args:
         spec: the model.
         layer_indices: indices in ``range(spec.num_layers)``.
+        tp: this rank's tensor-parallel group: each layer is built whole, then split
+            (``models.tensor_parallel``; a custom model's by its ``tp_plan``).
 
     Raises:
-        UserError: an index outside the model.
+        UserError: an index outside the model, or a TP plan naming a module the layer lacks.
 
     Example:
         >>> spec = ModelSpec(kind="mlp", layers=3, hidden=8)
@@ -40,7 +43,27 @@ def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Modul
         if not 0 <= index < spec.num_layers:
             raise UserError(f"layer {index} is outside the model's {spec.num_layers} layers; give 0..{spec.num_layers - 1}")
         if spec.kind == "custom":
-            layers.append(build_custom_layer(spec.custom, index, layer_seed(spec, index)))
+            layer = build_custom_layer(spec.custom, index, layer_seed(spec, index))
         else:
-            layers.append(build(spec, index, layer_generator(spec, index)))
+            layer = build(spec, index, layer_generator(spec, index))
+        layers.append(layer if tp is None or tp.size == 1 else _split(spec, index, layer, tp))
     return layers
+
+
+def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
+    """One line if the model cannot be split over ``size`` tensor-parallel ranks (before any rank starts)."""
+    if size == 1:
+        return
+    if spec.kind == "custom":
+        if spec.custom.tp_plan is None:
+            raise UserError(f"--tensor-parallel {size}: the model {spec.entry} has no tp_plan; give its LayerModel "
+                            "a tp_plan (per layer, {module name: 'colwise' or 'rowwise'}), or --tensor-parallel 1")
+        return
+    (mlp if spec.kind == "mlp" else gpt).check_tensor_parallel(spec, size)
+
+
+def _split(spec: ModelSpec, index: int, layer: nn.Module, tp: TensorParallel) -> nn.Module:
+    if spec.kind == "custom":
+        plan = spec.custom.tp_plan[index] if spec.custom.tp_plan is not None else None
+        return layer if plan is None else apply_plan(layer, plan, tp, f"tp_plan[{index}]")
+    return (mlp if spec.kind == "mlp" else gpt).parallelize(spec, layer, tp)

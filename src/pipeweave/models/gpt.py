@@ -14,6 +14,7 @@ from torch import nn
 
 from pipeweave.models.layers import Embedding, LayerNorm, Linear
 from pipeweave.models.spec import ModelSpec, layer_generator
+from pipeweave.models.tensor_parallel import TensorParallel, check_divisible, colwise, heads_colwise, rowwise
 
 
 class Attention(nn.Module):
@@ -26,12 +27,12 @@ class Attention(nn.Module):
         self.proj = Linear(hidden, hidden, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=-1)
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # under tensor parallelism, this rank's heads of each
         # (batch, seq, width) -> (batch, heads, seq, width / heads)
         q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Block(nn.Module):
@@ -73,3 +74,24 @@ def build_layer(spec: ModelSpec, index: int, generator: torch.Generator) -> nn.M
                 head.out.weight.copy_(Embedding.initial_token(spec.vocab, spec.hidden, layer_generator(spec, 0)))
         return head
     return Block(spec.hidden, spec.heads, generator=generator)
+
+
+def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
+    """One line if ``size`` ranks cannot split the gpt's heads, MLP or vocabulary evenly."""
+    check_divisible([("--heads", spec.heads), ("--hidden", spec.hidden)]
+                    + ([] if spec.tie_embeddings else [("the vocabulary", spec.vocab)]), size)
+
+
+def parallelize(spec: ModelSpec, layer: nn.Module, tp: TensorParallel) -> nn.Module:
+    """Megatron's split of a gpt layer over ``tp``: attention by heads, the MLP column then row, the head by vocabulary.
+
+    The embedding stays whole on every rank; so does a head tied to it (``tie_embeddings``).
+    """
+    if isinstance(layer, Block):
+        layer.attn.qkv = heads_colwise(layer.attn.qkv, tp, spec.heads)
+        layer.attn.proj = rowwise(layer.attn.proj, tp)
+        layer.attn.heads = spec.heads // tp.size
+        layer.up, layer.down = colwise(layer.up, tp), rowwise(layer.down, tp)
+    elif isinstance(layer, Head) and not spec.tie_embeddings:
+        layer.out = colwise(layer.out, tp, gather_output=True)
+    return layer

@@ -87,6 +87,7 @@ from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
 from pipeweave.models.build import build_layers
 from pipeweave.models.spec import ModelSpec, loss_fn
+from pipeweave.models.tensor_parallel import TensorParallel
 from pipeweave.runtime.stage.memory import ActivationMeter, own, unpack
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -122,6 +123,8 @@ class StageWorker:
         device: where the layers live; inputs must be given on it.
         track_memory: count activation bytes with saved-tensor hooks.
         precision: ``fp32``, or ``bf16`` (every forward under bfloat16 autocast; ``models.precision``).
+        tensor_parallel: this rank's tensor-parallel group: the layers are split over it
+            (``models.tensor_parallel``); every rank of the group runs the same actions on its shard.
 
     Raises:
         UserError: an empty or non-consecutive layer range, or batch_size < 1.
@@ -145,6 +148,7 @@ class StageWorker:
         device: torch.device | str = "cpu",
         track_memory: bool = True,
         precision: str = "fp32",
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         indices = list(layer_indices)
         if not indices or indices != list(range(indices[0], indices[0] + len(indices))):
@@ -157,7 +161,8 @@ class StageWorker:
         self.recompute = recompute
         self.is_first = indices[0] == 0
         self.is_last = indices[-1] == spec.num_layers - 1
-        layers = build_layers(spec, indices)
+        self.tensor_parallel = tensor_parallel
+        layers = build_layers(spec, indices, tensor_parallel)
         self.module = nn.ModuleDict({str(i): layer for i, layer in zip(indices, layers)}).to(device)
         self.store = WeightGradStore()
         for m in self.module.modules():
