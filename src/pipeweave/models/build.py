@@ -8,7 +8,7 @@ replica and in plain training.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from torch import nn
 
@@ -16,20 +16,17 @@ from pipeweave.errors import UserError
 from pipeweave.models import gpt, mlp
 from pipeweave.models.custom import build_layer as build_custom_layer
 from pipeweave.models.spec import ModelSpec, layer_generator, layer_seed
-from pipeweave.models.tensor_parallel import TensorParallel, apply_plan
 
 
-def build_layers(spec: ModelSpec, layer_indices: Iterable[int], tp: TensorParallel | None = None) -> list[nn.Module]:
+def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Module]:
     """Build only the layers with the given indices, each initialised from its own seed.
 
     Args:
         spec: the model.
         layer_indices: indices in ``range(spec.num_layers)``.
-        tp: this rank's tensor-parallel group: each layer is built whole, then split
-            (``models.tensor_parallel``; a custom model's by its ``tp_plan``).
 
     Raises:
-        UserError: an index outside the model, or a TP plan naming a module the layer lacks.
+        UserError: an index outside the model.
 
     Example:
         >>> spec = ModelSpec(kind="mlp", layers=3, hidden=8)
@@ -43,10 +40,9 @@ def build_layers(spec: ModelSpec, layer_indices: Iterable[int], tp: TensorParall
         if not 0 <= index < spec.num_layers:
             raise UserError(f"layer {index} is outside the model's {spec.num_layers} layers; give 0..{spec.num_layers - 1}")
         if spec.kind == "custom":
-            layer = build_custom_layer(spec.custom, index, layer_seed(spec, index))
+            layers.append(build_custom_layer(spec.custom, index, layer_seed(spec, index)))
         else:
-            layer = build(spec, index, layer_generator(spec, index))
-        layers.append(layer if tp is None or tp.size == 1 else _split(spec, index, layer, tp))
+            layers.append(build(spec, index, layer_generator(spec, index)))
     return layers
 
 
@@ -62,8 +58,10 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
     (mlp if spec.kind == "mlp" else gpt).check_tensor_parallel(spec, size)
 
 
-def _split(spec: ModelSpec, index: int, layer: nn.Module, tp: TensorParallel) -> nn.Module:
+def tensor_parallel_plan(spec: ModelSpec, index: int, layer: nn.Module) -> Mapping[str, str]:
+    """Layer ``index``'s tensor-parallel plan (``models.tensor_parallel``): the built-in model's, or the
+    custom model's ``tp_plan`` entry (empty: the layer stays whole)."""
     if spec.kind == "custom":
-        plan = spec.custom.tp_plan[index] if spec.custom.tp_plan is not None else None
-        return layer if plan is None else apply_plan(layer, plan, tp, f"tp_plan[{index}]")
-    return (mlp if spec.kind == "mlp" else gpt).parallelize(spec, layer, tp)
+        plans = spec.custom.tp_plan
+        return (plans[index] or {}) if plans is not None else {}
+    return (mlp if spec.kind == "mlp" else gpt).tensor_parallel_plan(spec, layer)

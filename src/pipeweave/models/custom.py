@@ -102,7 +102,7 @@ class LayerModel:
     """Held-out ``(input, target)`` pairs for ``--eval-every`` (optional)."""
     tp_plan: Sequence[Mapping[str, str] | None] | None = None
     """For ``--tensor-parallel N``: per layer, its linear layers to split by name and style, e.g.
-    ``{"attn.qkv": "colwise", "attn.proj": "rowwise"}`` (``models.tensor_parallel``; None: the layer is
+    ``{"attn.qkv": "colwise_qkv", "attn.proj": "rowwise"}`` (``models.tensor_parallel``; None: the layer is
     replicated whole). The layer's own code must then work on its rank's share of the features (a
     per-head computation reads its head count from the shard), as torchtitan's ``parallelize`` asks."""
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from pipeweave.models.layers import Embedding, LayerNorm, Linear
 from pipeweave.models.spec import ModelSpec, layer_generator
-from pipeweave.models.tensor_parallel import TensorParallel, check_divisible, colwise, heads_colwise, rowwise
+from pipeweave.models.tensor_parallel import check_divisible
 
 
 class Attention(nn.Module):
@@ -22,15 +22,15 @@ class Attention(nn.Module):
 
     def __init__(self, hidden: int, heads: int, *, generator: torch.Generator) -> None:
         super().__init__()
-        self.heads = heads
+        self.head_width = hidden // heads
         self.qkv = Linear(hidden, 3 * hidden, generator=generator)
         self.proj = Linear(hidden, hidden, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # under tensor parallelism, this rank's heads of each
-        # (batch, seq, width) -> (batch, heads, seq, width / heads)
-        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        # (batch, seq, heads x head width) -> (batch, heads, seq, head width): the heads held here
+        q, k, v = (t.view(batch, seq, -1, self.head_width).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -82,16 +82,11 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
                     + ([] if spec.tie_embeddings else [("the vocabulary", spec.vocab)]), size)
 
 
-def parallelize(spec: ModelSpec, layer: nn.Module, tp: TensorParallel) -> nn.Module:
-    """Megatron's split of a gpt layer over ``tp``: attention by heads, the MLP column then row, the head by vocabulary.
-
-    The embedding stays whole on every rank; so does a head tied to it (``tie_embeddings``).
-    """
+def tensor_parallel_plan(spec: ModelSpec, layer: nn.Module) -> dict[str, str]:
+    """Megatron's split of a gpt layer (``models.tensor_parallel``): attention by heads, the MLP column then
+    row, the head by vocabulary. The embedding stays whole on every rank; so does a head tied to it."""
     if isinstance(layer, Block):
-        layer.attn.qkv = heads_colwise(layer.attn.qkv, tp, spec.heads)
-        layer.attn.proj = rowwise(layer.attn.proj, tp)
-        layer.attn.heads = spec.heads // tp.size
-        layer.up, layer.down = colwise(layer.up, tp), rowwise(layer.down, tp)
-    elif isinstance(layer, Head) and not spec.tie_embeddings:
-        layer.out = colwise(layer.out, tp, gather_output=True)
-    return layer
+        return {"attn.qkv": "colwise_qkv", "attn.proj": "rowwise", "up": "colwise", "down": "rowwise"}
+    if isinstance(layer, Head) and not spec.tie_embeddings:
+        return {"out": "colwise_gather"}
+    return {}

@@ -8,7 +8,7 @@ from torch import nn
 
 from pipeweave.models.layers import LayerNorm, Linear
 from pipeweave.models.spec import ModelSpec
-from pipeweave.models.tensor_parallel import TensorParallel, check_divisible, colwise, rowwise
+from pipeweave.models.tensor_parallel import check_divisible
 
 
 class MLPBlock(nn.Module):
@@ -35,9 +35,7 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
     check_divisible([("4 x --hidden", 4 * spec.hidden)], size)
 
 
-def parallelize(spec: ModelSpec, layer: nn.Module, tp: TensorParallel) -> nn.Module:
+def tensor_parallel_plan(spec: ModelSpec, layer: nn.Module) -> dict[str, str]:
     """A block's up projection split column-wise, its down projection row-wise (Megatron's MLP)."""
-    del spec
-    assert isinstance(layer, MLPBlock)
-    layer.up, layer.down = colwise(layer.up, tp), rowwise(layer.down, tp)
-    return layer
+    del spec, layer
+    return {"up": "colwise", "down": "rowwise"}

@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.errors import UserError
-from pipeweave.models.build import build_layers, check_tensor_parallel
+from pipeweave.models.build import build_layers, check_tensor_parallel, tensor_parallel_plan
 from pipeweave.models.layers import Deferrable, WeightGradStore
 from pipeweave.models.spec import ModelSpec
-from pipeweave.models.tensor_parallel import TensorParallel, apply_plan
 from pipeweave.runtime.run.launch import launch
+from pipeweave.runtime.stage.tensor_parallel import TensorParallel, gather, split
 
 pytestmark = pytest.mark.distributed
 
@@ -51,20 +51,23 @@ def _compare(rank: int, world: int, payload: tuple[ModelSpec, int, bool]) -> lis
     spec, index, defer = payload
     tp = TensorParallel(dist.group.WORLD, rank, world)
     (full,) = build_layers(spec, [index])
-    (split,) = build_layers(spec, [index], tp)
+    (layer,) = build_layers(spec, [index])
+    cut = split(layer, tensor_parallel_plan(spec, index, layer), tp, f"layer {index}")
     x = _inputs(spec, index)
     y_full, gx_full = _run(full, x, defer=False)
-    y, gx = _run(split, x, defer)
+    y, gx = _run(cut, x, defer)
     problems = []
     if not torch.allclose(y, y_full, rtol=1e-5, atol=1e-6):
         problems.append("output")
     if gx is not None and not torch.allclose(gx, gx_full, rtol=1e-5, atol=1e-6):
         problems.append("input gradient")
     whole = dict(full.named_parameters())
-    shards = [n for n, p in split.named_parameters() if p.shape != whole[n].shape]
+    shards = [n for n, p in cut.named_parameters() if p.shape != whole[n].shape]
     if bool(shards) == (spec.kind == "gpt" and index == 0):  # all but the embedding are split
         problems.append(f"split parameters: {shards}")
-    for name, p in split.named_parameters():
+    for name, p in cut.named_parameters():
+        if not torch.equal(gather(p, tp), whole[name].detach()):  # the shards put back are the whole weight
+            problems.append(f"{name} gathered")
         expect = whole[name].grad
         if p.shape != expect.shape:  # a shard: find its rows or columns in the whole gradient
             expect = _shard_of(name, expect, p.shape, rank, world, spec)
@@ -103,8 +106,8 @@ def test_an_uneven_split_is_one_line(spec: ModelSpec, size: int, message: str) -
 
 def test_a_tp_plan_naming_a_missing_module_is_one_line() -> None:
     layer: Any = build_layers(MLP, [0])[0]
-    with pytest.raises(UserError, match=r"tp_plan\[0\]: the TP plan names 'mlp.up', which the layer does not have; "
-                                        r"give one of its linear layers \(up, down\)"):
-        apply_plan(layer, {"mlp.up": "colwise"}, TensorParallel(None, 0, 2), "tp_plan[0]")
+    with pytest.raises(UserError, match=r"tp_plan\[0\]: the TP plan names 'mlp.up', which is not a linear layer of "
+                                        r"it; give one of up, down"):
+        split(layer, {"mlp.up": "colwise"}, TensorParallel(None, 0, 2), "tp_plan[0]")
     with pytest.raises(UserError, match="style 'column' for 'up' is unknown"):
-        apply_plan(layer, {"up": "column"}, TensorParallel(None, 0, 2), "tp_plan[0]")
+        split(layer, {"up": "column"}, TensorParallel(None, 0, 2), "tp_plan[0]")
