@@ -1,0 +1,363 @@
+"""Tensor and data parallelism in the cost model: what a P x D x N layout adds to one pipeline's times and memory.
+
+The model follows what pipeweave's runtime does on a (dp, pp, tp) mesh
+(DESIGN.md, Scale); one pipeline is simulated, its P replicas being alike:
+
+- **compute**: a part's F, I and W on N tensor-parallel ranks take 1/N of
+  their time (the matrix multiplies split evenly; what does not split, norms
+  and element-wise work, is taken as negligible);
+- **TP collectives**: Megatron-LM's column- then row-parallel layers without
+  sequence parallelism all-reduce a block's activation (b x s x h elements)
+  twice in its forward and twice in its input-gradient backward (Shoeybi et
+  al. 2019, section 3); they block the computation, so they add to F and to I
+  (B = I + W); W has none;
+- **pipeline messages**: each of the N ranks of a stage sends its own full
+  copy of the activation to the same tp rank of the next stage, in parallel:
+  one message time on the link between them (``sim.network``);
+- **DP reduction**: a part's gradients (its parameter bytes / N) are reduced
+  over the dp group, all-reduce (ZeRO 0) or reduce-scatter (ZeRO 1, 3),
+  launched when the part's last weight gradient of the step ends; it runs
+  beside the rank's remaining backward work and the part's ``U`` waits for it
+  (``schedule.dataflow.execute``'s ``update_delay``), so only what sticks out
+  past the backward costs time;
+- **ZeRO** (Rajbhandari et al., SC20): stage 1 shards the optimizer state over
+  the P replicas and all-gathers the updated parameters after ``U``; stage 3
+  shards parameters and gradients too. The all-gather is added to ``U`` (for
+  stage 3 it stands for gathering the next step's parameters).
+
+Not modelled: link contention between these transfers, sequence parallelism,
+the activation memory's TP split (activations are as the cost model gives).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from pipeweave.errors import UserError
+from pipeweave.schedule.ir import Op, Schedule
+from pipeweave.sim.bubble import bubble_metrics
+from pipeweave.sim.cost import CostModel, PartCosts, Value, cost_problem
+from pipeweave.sim.network import (Link, Mesh, Network, all_gather_time, all_reduce_time, reduce_scatter_time,
+                                   slowest_link)
+from pipeweave.sim.timeline import Timeline, simulate, simulate_parts
+
+ZERO_STAGES = (0, 1, 3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How one pipeline of D ranks is multiplied: N tensor-parallel ranks per stage, P replicas, ZeRO, the network.
+
+    Example:
+        >>> from pipeweave.sim.network import Link, Network
+        >>> net = Network(intra_node=Link(bandwidth=1e9), inter_node=Link(bandwidth=1e8), gpus_per_node=4)
+        >>> Layout(tp=2, dp=2, network=net).mesh(num_ranks=2).world_size
+        8
+    """
+
+    tp: int = 1
+    """N, tensor-parallel ranks per stage (innermost: on one node where they fit)."""
+    dp: int = 1
+    """P, data-parallel replicas of the pipeline."""
+    zero: int = 0
+    """ZeRO stage: 0 replicates everything, 1 shards optimizer state, 3 parameters, gradients and state too."""
+    network: Network | None = None
+    """The cluster's links; None: communication takes no time (only compute shrinks by N)."""
+    bucket_bytes: float = 0.0
+    """Gradient bytes per DP collective (DDP's buckets); 0: one collective per part."""
+
+    def __post_init__(self) -> None:
+        for name, value in (("tp", self.tp), ("dp", self.dp)):
+            if value < 1:
+                raise UserError(f"layout {name}={value} is invalid; give an integer >= 1")
+        if self.zero not in ZERO_STAGES:
+            raise UserError(f"ZeRO stage {self.zero} is invalid; give one of 0, 1, 3")
+        problem = cost_problem(self.bucket_bytes, "number of bytes")
+        if problem is not None:
+            raise UserError(f"bucket_bytes={self.bucket_bytes!r} {problem}")
+
+    @property
+    def trivial(self) -> bool:
+        """One rank per stage, one replica, no network: today's pipeline-only model."""
+        return self.tp == 1 and self.dp == 1 and self.network is None
+
+    def mesh(self, *, num_ranks: int) -> Mesh:
+        """The P x D x N mesh of a pipeline of ``num_ranks`` (D) ranks."""
+        return Mesh(dp=self.dp, pp=num_ranks, tp=self.tp)
+
+    def tp_link(self, *, num_ranks: int) -> Link | None:
+        """The link of the tensor-parallel groups (inter-node when one of them spans two nodes)."""
+        return None if self.network is None else slowest_link(self.network, self.mesh(num_ranks=num_ranks).tp_groups())
+
+    def dp_link(self, *, num_ranks: int) -> Link | None:
+        """The link of the data-parallel groups."""
+        return None if self.network is None else slowest_link(self.network, self.mesh(num_ranks=num_ranks).dp_groups())
+
+    def hop_link(self, a: int, b: int, *, num_ranks: int) -> Link | None:
+        """The link of a message from pipeline rank ``a`` to ``b`` (inter-node when any (dp, tp) pair crosses)."""
+        if self.network is None:
+            return None
+        return slowest_link(self.network, self.mesh(num_ranks=num_ranks).hop_pairs(a, b))
+
+
+@dataclass(frozen=True)
+class PartBytes:
+    """``ModelBytes`` resolved to one value per part."""
+
+    message: tuple[float, ...]
+    tp_collectives: tuple[float, ...]
+    params: tuple[float, ...]
+    grads: float
+    optimizer: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelBytes:
+    """What the layout moves and stores. A scalar count or size of parameters is one D-th of the
+    model's, shared among the parts like ``CostModel``'s times; a sequence is one value per part.
+
+    Example:
+        >>> ModelBytes(message=8.0, tp_collectives=2, params=100.0).for_parts(num_parts=4, num_ranks=2).params
+        (50.0, 50.0, 50.0, 50.0)
+    """
+
+    message: Value = 0.0
+    """Bytes of the activation one microbatch passes between layers (b x s x h x bytes per element): what
+    a part sends to the next (and receives back as its gradient), and what each TP all-reduce sums."""
+    tp_collectives: Value = 0.0
+    """All-reduces in a part's forward, as many in its input-gradient backward (Megatron-LM: 2 per block)."""
+    params: Value = 0.0
+    """Parameter bytes, all N tensor-parallel shards together."""
+    grads: float = 1.0
+    """Gradient bytes per parameter byte."""
+    optimizer: float = 2.0
+    """Optimizer-state bytes per parameter byte (Adam's two moments in the parameters' precision: 2; SGD: 0)."""
+
+    def __post_init__(self) -> None:
+        for name in ("message", "tp_collectives", "params", "grads", "optimizer"):
+            value = getattr(self, name)
+            for v in [value] if isinstance(value, (int, float)) else list(value):
+                problem = cost_problem(v, "number")
+                if problem is not None:
+                    raise UserError(f"{name}={value!r} {problem}")
+
+    def for_parts(self, *, num_parts: int, num_ranks: int) -> PartBytes:
+        """One value per part (see the class docstring)."""
+        scale = num_ranks / num_parts if num_parts else 1.0
+
+        def resolve(name: str, share: float) -> tuple[float, ...]:
+            value = getattr(self, name)
+            if isinstance(value, (int, float)):
+                return (float(value) * share,) * num_parts
+            if len(value) != num_parts:
+                raise UserError(f"{name} has {len(value)} values for {num_parts} parts; give one per part or a scalar")
+            return tuple(float(v) for v in value)
+
+        return PartBytes(message=resolve("message", 1.0), tp_collectives=resolve("tp_collectives", scale),
+                         params=resolve("params", scale), grads=self.grads, optimizer=self.optimizer)
+
+
+def tp_collective_time(layout: Layout, nbytes: float, *, num_ranks: int) -> float:
+    """One TP all-reduce of ``nbytes`` (0 without a network or at N = 1)."""
+    link = layout.tp_link(num_ranks=num_ranks)
+    return 0.0 if link is None else all_reduce_time(nbytes, layout.tp, link)
+
+
+def reduction_time(layout: Layout, grad_bytes: float, *, num_ranks: int) -> float:
+    """The DP reduction of one part's gradients (``grad_bytes`` before the TP split), in DP buckets.
+
+    Example:
+        >>> from pipeweave.sim.network import Link, Network
+        >>> net = Network(intra_node=Link(bandwidth=1.0), inter_node=Link(bandwidth=1.0))
+        >>> reduction_time(Layout(dp=2, network=net), 8.0, num_ranks=1)  # all-reduce: 2 (2-1)/2 x 8 / 1
+        8.0
+    """
+    link = layout.dp_link(num_ranks=num_ranks)
+    if link is None or layout.dp == 1 or grad_bytes == 0:
+        return 0.0
+    shard = grad_bytes / layout.tp
+    collective = all_reduce_time if layout.zero == 0 else reduce_scatter_time
+    return sum(collective(size, layout.dp, link) for size in _buckets(shard, layout.bucket_bytes))
+
+
+def gather_time(layout: Layout, param_bytes: float, *, num_ranks: int) -> float:
+    """ZeRO's all-gather of one part's updated parameters after its ``U`` (0 at ZeRO 0)."""
+    link = layout.dp_link(num_ranks=num_ranks)
+    if link is None or layout.zero == 0 or layout.dp == 1:
+        return 0.0
+    return sum(all_gather_time(size, layout.dp, link) for size in _buckets(param_bytes / layout.tp, layout.bucket_bytes))
+
+
+def _buckets(nbytes: float, bucket: float) -> list[float]:
+    """``nbytes`` cut into buckets of ``bucket`` bytes, the last one what remains (one piece when bucket is 0)."""
+    if bucket <= 0 or nbytes <= bucket:
+        return [nbytes]
+    full = math.floor(nbytes / bucket)
+    rest = nbytes - full * bucket
+    return [bucket] * full + ([rest] if rest > 0 else [])
+
+
+def layout_costs(costs: PartCosts, layout: Layout, parts: PartBytes, *, num_ranks: int,
+                 split_compute: bool = True) -> PartCosts:
+    """Per-part costs on the layout: compute / N (unless ``split_compute`` is False, for times already
+    per TP rank), TP all-reduces added to F and I, ZeRO's all-gather added to U.
+
+    Example:
+        >>> from pipeweave.sim.cost import CostModel
+        >>> c = CostModel(f=4.0, b=4.0, w=2.0).for_parts(num_parts=2, num_ranks=2)
+        >>> layout_costs(c, Layout(tp=2), ModelBytes().for_parts(num_parts=2, num_ranks=2), num_ranks=2).f
+        (2.0, 2.0)
+    """
+    n = layout.tp if split_compute else 1
+    collective = [k * tp_collective_time(layout, m, num_ranks=num_ranks)
+                  for k, m in zip(parts.tp_collectives, parts.message)]
+    gather = [gather_time(layout, p, num_ranks=num_ranks) for p in parts.params]
+    return replace(
+        costs,
+        f=tuple(f / n + c for f, c in zip(costs.f, collective)),
+        b=tuple(b / n + c for b, c in zip(costs.b, collective)),
+        w=tuple(w / n for w in costs.w),
+        u=tuple(u + g for u, g in zip(costs.u, gather)),
+    )
+
+
+def layout_times(layout: Layout, *, f: float, b: float, w: float, comm: float, message: float,
+                 tp_collectives: float, num_ranks: int, split_compute: bool = True) -> tuple[float, float, float, float]:
+    """``(f, b, w, comm)`` of one D-th of the model on the layout, for a search that takes scalar times:
+    ``layout_costs``' rules, and ``comm`` plus the slowest hop between neighbouring pipeline ranks.
+
+    Example:
+        >>> layout_times(Layout(tp=2), f=2.0, b=2.0, w=1.0, comm=0.1, message=0.0, tp_collectives=2, num_ranks=4)
+        (1.0, 1.0, 0.5, 0.1)
+    """
+    n = layout.tp if split_compute else 1
+    collective = tp_collectives * tp_collective_time(layout, message, num_ranks=num_ranks)
+    links = [layout.hop_link(a, a + 1, num_ranks=num_ranks) for a in range(num_ranks - 1)]
+    hop = max((link.time(message) for link in links if link is not None), default=0.0)
+    return f / n + collective, b / n + collective, w / n, comm + hop
+
+
+def hop_function(schedule: Schedule, layout: Layout, parts: PartBytes, comm: float) -> Callable[[int, int], float]:
+    """``(from stage, to stage) -> time`` of a pipeline message: ``comm`` plus the link's time for the
+    activation at the boundary of the two stages' parts (the earlier part's output)."""
+    placement, num_ranks = schedule.placement, schedule.placement.ranks_per_pipeline
+    rank_of, part_of = placement.stage_rank, placement.stage_part
+    cache: dict[tuple[int, int], float] = {}
+
+    def hop(src: int, dst: int) -> float:
+        key = (src, dst)
+        time = cache.get(key)
+        if time is None:
+            link = layout.hop_link(rank_of[src] % num_ranks, rank_of[dst] % num_ranks, num_ranks=num_ranks)
+            nbytes = parts.message[min(part_of[src], part_of[dst])]
+            time = cache[key] = comm + (0.0 if link is None else link.time(nbytes))
+        return time
+
+    return hop
+
+
+def reduction_times(layout: Layout, parts: PartBytes, *, num_ranks: int) -> tuple[float, ...]:
+    """Per part, its DP reduction (``reduction_time`` of its gradient bytes)."""
+    return tuple(reduction_time(layout, p * parts.grads, num_ranks=num_ranks) for p in parts.params)
+
+
+def simulate_layout(schedule: Schedule, cost: CostModel | None, layout: Layout, model: ModelBytes | None = None, *,
+                    check: bool = True, split_compute: bool = True, reduce: bool = True) -> Timeline:
+    """Time one pipeline of ``schedule`` on the layout: ``simulate`` with TP and DP added.
+
+    Args:
+        schedule: a schedule of one pipeline (its D ranks); the layout's P replicas are alike.
+        cost: the cost model of the part's compute (times of the whole stage, one GPU); default uniform.
+        layout: TP, DP, ZeRO and the network. A trivial one gives ``simulate``'s timeline exactly.
+        model: the bytes moved and stored (default: none, so only latencies and compute / N count).
+        check: validate the schedule first.
+        split_compute: False when ``cost``'s times are already those of one TP rank.
+        reduce: False leaves the DP reductions out (to measure what they add).
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> s = generate("1f1b", num_stages=2, num_microbatches=2)
+        >>> simulate_layout(s, CostModel(f=2.0, b=2.0, w=2.0), Layout(tp=2)).events[0][0].end
+        1.0
+    """
+    cost = cost or CostModel()
+    if layout.trivial:
+        return simulate(schedule, cost, check=check)
+    num_ranks, num_parts = schedule.placement.ranks_per_pipeline, schedule.num_parts
+    parts = (model or ModelBytes()).for_parts(num_parts=num_parts, num_ranks=num_ranks)
+    costs = layout_costs(cost.for_parts(num_parts=num_parts, num_ranks=num_ranks), layout, parts,
+                         num_ranks=num_ranks, split_compute=split_compute)
+    delays = reduction_times(layout, parts, num_ranks=num_ranks) if reduce else None
+    hop = hop_function(schedule, layout, parts, costs.comm) if layout.network is not None or costs.comm else None
+    return simulate_parts(schedule, costs, check=check, hop=hop, update_delay=delays)
+
+
+def stage_sum(schedule: Schedule, per_part: Sequence[float]) -> tuple[float, ...]:
+    """Per rank, ``per_part`` summed over the stages it holds."""
+    sums = [0.0] * schedule.num_ranks
+    for stage, rank in enumerate(schedule.placement.stage_rank):
+        sums[rank] += per_part[schedule.placement.stage_part[stage]]
+    return tuple(sums)
+
+
+def tp_time_per_rank(schedule: Schedule, layout: Layout, parts: PartBytes) -> tuple[float, ...]:
+    """Per rank, the time its F, I and B spend in TP all-reduces over the whole schedule."""
+    num_ranks = schedule.placement.ranks_per_pipeline
+    one = [k * tp_collective_time(layout, m, num_ranks=num_ranks) for k, m in zip(parts.tp_collectives, parts.message)]
+    part_of = schedule.placement.stage_part
+    return tuple(sum(one[part_of[s]] for s, op, _ in row if op in (Op.F, Op.I, Op.B)) for row in schedule.actions)
+
+
+@dataclass(frozen=True)
+class Communication:
+    """The TP and DP communication of one step, for reports (seconds when the network's units are bytes/s)."""
+
+    tp_per_rank: tuple[float, ...]
+    """Per rank, time in TP all-reduces over the step (inside its F and I)."""
+    hop: float
+    """The slowest pipeline message (latency + bytes / bandwidth, ``comm`` included)."""
+    reduction: tuple[float, ...]
+    """Per part, its DP gradient reduction."""
+    gather: tuple[float, ...]
+    """Per part, ZeRO's parameter all-gather after ``U``."""
+    exposed: float
+    """What the DP reductions add to the step: its makespan minus the makespan with them free."""
+
+    def as_dict(self) -> dict[str, object]:
+        return {"tp_per_rank": list(self.tp_per_rank), "pipeline_hop": self.hop, "dp_reduction": list(self.reduction),
+                "zero_gather": list(self.gather), "dp_exposed": self.exposed}
+
+
+def communication(schedule: Schedule, cost: CostModel | None, layout: Layout, model: ModelBytes | None = None, *,
+                  makespan: float | None = None, split_compute: bool = True) -> Communication:
+    """The communication of ``schedule`` on the layout (``makespan``: the full simulation's, if known).
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> from pipeweave.sim.network import Link, Network
+        >>> net = Network(intra_node=Link(bandwidth=1.0), inter_node=Link(bandwidth=1.0))
+        >>> s = generate("1f1b", num_stages=2, num_microbatches=2)
+        >>> c = communication(s, None, Layout(dp=2, network=net), ModelBytes(params=2.0))
+        >>> c.reduction, c.exposed  # the last part's reduction ends the step: all of it sticks out
+        ((2.0, 2.0), 2.0)
+    """
+    num_ranks, num_parts = schedule.placement.ranks_per_pipeline, schedule.num_parts
+    parts = (model or ModelBytes()).for_parts(num_parts=num_parts, num_ranks=num_ranks)
+    comm = (cost or CostModel()).comm
+    hop = hop_function(schedule, layout, parts, comm)
+    pairs = {(a, b) for a in range(schedule.num_stages) for b in (schedule.placement.next_stage(a),) if b is not None}
+    if makespan is None:
+        makespan = bubble_metrics(simulate_layout(schedule, cost, layout, model, check=False,
+                                                  split_compute=split_compute))[0]
+    free = bubble_metrics(simulate_layout(schedule, cost, layout, model, check=False, split_compute=split_compute,
+                                          reduce=False))[0]
+    return Communication(
+        tp_per_rank=tp_time_per_rank(schedule, layout, parts),
+        hop=max((hop(a, b) for a, b in pairs if schedule.placement.stage_rank[a] != schedule.placement.stage_rank[b]),
+                default=0.0),
+        reduction=reduction_times(layout, parts, num_ranks=num_ranks),
+        gather=tuple(gather_time(layout, p, num_ranks=num_ranks) for p in parts.params),
+        exposed=max(0.0, makespan - free),
+    )
