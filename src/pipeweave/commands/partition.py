@@ -13,12 +13,16 @@ import json
 import math
 from typing import Any
 
+from pipeweave.commands.layout_options import (TP_COLLECTIVES, add_layout_arguments, layout_from_args, layout_report,
+                                              state_split)
 from pipeweave.commands.units import check_cost_flags, format_bytes
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
 from pipeweave.schedule import generate
 from pipeweave.schedule.ir import Schedule
-from pipeweave.sim import CostModel, compute_metrics, simulate
+from pipeweave.sim import CostModel, compute_metrics
+from pipeweave.sim.parallel import Layout, ModelBytes, simulate_layout
+from pipeweave.sim.shards import Shares
 
 MODEL_OPTIONS = ("layers", "hidden", "vocab", "heads", "seq_len", "seed")
 
@@ -57,6 +61,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="profile as the run computes: bf16, under bfloat16 autocast (default fp32)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads while profiling, as per rank (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_layout_arguments(p)
     return p
 
 
@@ -208,16 +213,20 @@ def part_costs(costs: LayerCosts, plan: Partition) -> dict[str, list[float]]:
 def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, Any]:
     """Partition ``costs`` for the schedule of ``args``; simulate the schedule with the parts' costs."""
     schedule = generate(args.schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks)
-    profile = memory_profile(schedule, args)
+    layout = layout_from_args(args, num_ranks=args.stages)
+    profile = memory_profile(schedule, args, layout)
     plan = partition(partition_method(args), costs, schedule.num_parts, partition_context(args, profile))
     if plan.num_parts != schedule.num_parts:  # PipeDream chose fewer, replicated stages
         schedule = generate(args.schedule, num_stages=plan.num_parts, num_microbatches=args.microbatches)
-        profile = memory_profile(schedule, args)
+        layout = layout_from_args(args, num_ranks=plan.num_parts)
+        profile = memory_profile(schedule, args, layout)
     per_part = part_costs(costs, plan)
     cost = CostModel(
         f=per_part["f"], b=per_part["b"], w=per_part["w"], activation=per_part["activation"], weight=per_part["weight"]
     )
-    metrics = compute_metrics(simulate(schedule, cost))
+    model = layer_bytes(costs, plan, args.optimizer_state)
+    metrics = compute_metrics(simulate_layout(schedule, cost, layout, model))
+    report = layout_report(schedule, cost, layout, model, metrics.makespan)
     parts: list[dict[str, Any]] = []
     for k, (start, stop) in enumerate(plan.bounds):
         memory = profile.memory_of(costs, k, start, stop) if profile else None
@@ -232,13 +241,34 @@ def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, A
         "max_memory": max((float(p["memory"]) for p in parts if p["memory"] is not None), default=None),
         "memory_limit": args.memory_limit, "bubble_ratio": metrics.bubble_ratio,
         "bubble_ratio_flush": metrics.bubble_ratio_flush, "makespan": metrics.makespan,
+        **({"layout": report[0], "layout_lines": report[1]} if report is not None else {}),
     }
 
 
-def memory_profile(schedule: Schedule, args: argparse.Namespace) -> MemoryProfile | None:
-    """The schedule's memory profile, or None where its weight policy has no model (memory is then not predicted)."""
+def layer_bytes(costs: LayerCosts, plan: Partition, optimizer_state: float) -> ModelBytes:
+    """Per part, the bytes the layout moves and stores, from the per-layer costs: the part's output as its
+    message, its parameters, and the TP all-reduces of its layers (``TP_COLLECTIVES``, by layer type)."""
+    grads, optimizer = state_split(optimizer_state)
+    return ModelBytes(
+        message=[costs.output[stop - 1] for _, stop in plan.bounds],
+        params=[costs.total("params", start, stop) for start, stop in plan.bounds],
+        tp_collectives=[float(sum(TP_COLLECTIVES.get(costs.types[i], 0) for i in range(start, stop)))
+                        for start, stop in plan.bounds],
+        grads=grads, optimizer=optimizer)
+
+
+def memory_profile(schedule: Schedule, args: argparse.Namespace, layout: Layout | None = None) -> MemoryProfile | None:
+    """The schedule's memory profile, or None where its weight policy has no model (memory is then not predicted).
+
+    Under a ``layout`` one GPU holds its TP (and ZeRO) share of the weights, gradients and optimizer state.
+    """
+    state, weight_share = args.optimizer_state, 1.0
+    if layout is not None and not layout.trivial:
+        share = Shares.of(layout)
+        grads, optimizer = state_split(args.optimizer_state)
+        state, weight_share = grads * share.grads + optimizer * share.optimizer, share.params
     try:
-        return MemoryProfile.of_schedule(schedule, state=args.optimizer_state)
+        return MemoryProfile.of_schedule(schedule, state=state, weight_share=weight_share)
     except UserError:
         if args.partition == "memory":
             raise
@@ -261,7 +291,7 @@ def render(result: dict[str, Any]) -> str:
         f"slowest part {_seconds(result['max_stage_time'])}/microbatch; predicted step {_seconds(result['makespan'])}, "
         f"bubble {result['bubble_ratio']:.1%}"
     )
-    return "\n".join(lines)
+    return "\n".join(lines + result.get("layout_lines", []))
 
 
 def _seconds(t: float) -> str:
@@ -277,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid; give an integer >= 1")
     check_partition_arguments(args)
+    layout_from_args(args, num_ranks=args.stages)  # its flags refused before the profiling
     if args.save_costs:
         from pipeweave.commands.outputs import output_file
 
@@ -285,5 +316,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save_costs:
         costs.save(args.save_costs)
     result = plan_and_predict(args, costs)
+    if args.json:
+        result.pop("layout_lines", None)
     print(json.dumps(result) if args.json else render(result))
     return 0
