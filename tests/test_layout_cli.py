@@ -86,6 +86,7 @@ def test_partition_predicts_memory_per_gpu_and_step(capsys: pytest.CaptureFixtur
                             "--optimizer-state", "3", *flags])
     assert [p["memory"] for p in out["parts"]] == [memory, memory]
     assert out["makespan"] == makespan
+    assert [p["time"] for p in out["parts"]] == [makespan / 3] * 2  # F + I + W of a part, on one GPU: (T+D-1) = 3 of them
     assert ("layout" in out) == bool(flags)
 
 

@@ -225,15 +225,17 @@ def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, A
         f=per_part["f"], b=per_part["b"], w=per_part["w"], activation=per_part["activation"], weight=per_part["weight"]
     )
     model = layer_bytes(costs, plan, args.optimizer_state)
-    metrics = compute_metrics(simulate_layout(schedule, cost, layout, model))
+    timeline = simulate_layout(schedule, cost, layout, model)
+    metrics = compute_metrics(timeline)
     report = layout_report(schedule, cost, layout, model, metrics.makespan)
+    on = timeline.costs  # per part on one GPU of the layout: compute / N plus TP all-reduces
+    assert on is not None
     parts: list[dict[str, Any]] = []
     for k, (start, stop) in enumerate(plan.bounds):
         memory = profile.memory_of(costs, k, start, stop) if profile else None
-        time = per_part["f"][k] + per_part["b"][k] + per_part["w"][k]
         parts.append({
             "layers": list(range(start, stop)), "names": list(costs.names[start:stop]), "replicas": plan.replicas[k],
-            "time": time, "f": per_part["f"][k], "b": per_part["b"][k], "w": per_part["w"][k], "memory": memory,
+            "time": on.f[k] + on.b[k] + on.w[k], "f": on.f[k], "b": on.b[k], "w": on.w[k], "memory": memory,
         })
     return {
         "schedule": schedule.name, "stages": args.stages, "microbatches": args.microbatches,
