@@ -31,6 +31,7 @@ the activation memory's TP split (activations are as the cost model gives).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -89,17 +90,26 @@ class Layout:
 
     def tp_link(self, *, num_ranks: int) -> Link | None:
         """The link of the tensor-parallel groups (inter-node when one of them spans two nodes)."""
-        return None if self.network is None else slowest_link(self.network, self.mesh(num_ranks=num_ranks).tp_groups())
+        return _group_links(self, num_ranks)[0]
 
     def dp_link(self, *, num_ranks: int) -> Link | None:
         """The link of the data-parallel groups."""
-        return None if self.network is None else slowest_link(self.network, self.mesh(num_ranks=num_ranks).dp_groups())
+        return _group_links(self, num_ranks)[1]
 
     def hop_link(self, a: int, b: int, *, num_ranks: int) -> Link | None:
         """The link of a message from pipeline rank ``a`` to ``b`` (inter-node when any (dp, tp) pair crosses)."""
         if self.network is None:
             return None
         return slowest_link(self.network, self.mesh(num_ranks=num_ranks).hop_pairs(a, b))
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_links(layout: Layout, num_ranks: int) -> tuple[Link | None, Link | None]:
+    """``(tp link, dp link)``, once per layout: every group of the mesh is looked at (thousands on a cluster)."""
+    if layout.network is None:
+        return None, None
+    mesh = layout.mesh(num_ranks=num_ranks)
+    return slowest_link(layout.network, mesh.tp_groups()), slowest_link(layout.network, mesh.dp_groups())
 
 
 @dataclass(frozen=True)
