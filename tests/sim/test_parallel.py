@@ -9,7 +9,7 @@ from pipeweave.schedule import SCHEDULES, Op, ScheduleError, generate
 from pipeweave.sim import CostModel, compute_metrics, simulate
 from pipeweave.sim.network import Link, Network, all_reduce_time
 from pipeweave.sim.parallel import (Layout, ModelBytes, communication, layout_costs, layout_times, reduction_time,
-                                    simulate_layout)
+                                    reduction_times, simulate_layout)
 from pipeweave.sim.shards import RankMemory, Shares, rank_memory
 
 UNIT = Network(intra_node=Link(bandwidth=1.0), inter_node=Link(bandwidth=1.0))  # 1 byte/s, no latency
@@ -112,6 +112,19 @@ def test_an_asynchronous_update_waits_for_its_own_gradients_reduction() -> None:
             elif e.action.op is Op.U and last_w is not None:
                 assert e.start >= last_w + 1.5, e
     assert compute_metrics(t).makespan > compute_metrics(simulate(s)).makespan
+
+
+def test_a_part_held_twice_in_a_pipeline_reduces_over_both_copies() -> None:
+    # Chimera, D=4: part 0 on pipeline ranks 0 and 3, part 1 on 1 and 2; 4 B of gradients per part
+    s = generate("chimera", num_stages=4, num_microbatches=4)
+    parts = ModelBytes(params=4.0).for_parts(num_parts=4, num_ranks=4)
+    assert reduction_times(s, Layout(network=UNIT), parts) == (4.0,) * 4  # all-reduce over 2: 2 (1)/2 x 4
+    assert reduction_times(s, Layout(dp=2, network=UNIT), parts) == (6.0,) * 4  # over 4: 2 (3)/4 x 4
+    two_per_node = Network(intra_node=FAST, inter_node=SLOW, gpus_per_node=2)
+    # pipeline ranks 0 and 3 are on nodes 0 and 1; 1 and 2 too
+    assert reduction_times(s, Layout(network=two_per_node), parts)[0] == all_reduce_time(4.0, 2, SLOW)
+    four_per_node = Network(intra_node=FAST, inter_node=SLOW, gpus_per_node=4)
+    assert reduction_times(s, Layout(network=four_per_node), parts)[0] == all_reduce_time(4.0, 2, FAST)
 
 
 def test_gradients_go_in_buckets_each_paying_its_latency() -> None:

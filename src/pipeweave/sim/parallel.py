@@ -19,7 +19,8 @@ The model follows what pipeweave's runtime does on a (dp, pp, tp) mesh
   launched when the part's last weight gradient of the step ends; it runs
   beside the rank's remaining backward work and the part's ``U`` waits for it
   (``schedule.dataflow.execute``'s ``update_delay``), so only what sticks out
-  past the backward costs time;
+  past the backward costs time. Where one pipeline holds a part twice
+  (Chimera, GEMS) both copies join the same collective, over 2P ranks;
 - **ZeRO** (Rajbhandari et al., SC20): stage 1 shards the optimizer state over
   the P replicas and all-gathers the updated parameters after ``U``; stage 3
   shards parameters and gradients too. The all-gather is added to ``U`` (for
@@ -175,8 +176,11 @@ def tp_collective_time(layout: Layout, nbytes: float, *, num_ranks: int) -> floa
     return 0.0 if link is None else all_reduce_time(nbytes, layout.tp, link)
 
 
-def reduction_time(layout: Layout, grad_bytes: float, *, num_ranks: int) -> float:
+def reduction_time(layout: Layout, grad_bytes: float, *, num_ranks: int, holders: tuple[int, ...] = ()) -> float:
     """The DP reduction of one part's gradients (``grad_bytes`` before the TP split), in DP buckets.
+
+    ``holders`` are the pipeline ranks holding the part when a pipeline has it more than once
+    (Chimera, GEMS): their gradients join the same collective, over P x len(holders) ranks.
 
     Example:
         >>> from pipeweave.sim.network import Link, Network
@@ -184,20 +188,29 @@ def reduction_time(layout: Layout, grad_bytes: float, *, num_ranks: int) -> floa
         >>> reduction_time(Layout(dp=2, network=net), 8.0, num_ranks=1)  # all-reduce: 2 (2-1)/2 x 8 / 1
         8.0
     """
-    link = layout.dp_link(num_ranks=num_ranks)
-    if link is None or layout.dp == 1 or grad_bytes == 0:
+    n, link = _reduction_group(layout, num_ranks, holders)
+    if link is None or n == 1 or grad_bytes == 0:
         return 0.0
-    shard = grad_bytes / layout.tp
     collective = all_reduce_time if layout.zero == 0 else reduce_scatter_time
-    return sum(collective(size, layout.dp, link) for size in _buckets(shard, layout.bucket_bytes))
+    return sum(collective(size, n, link) for size in _buckets(grad_bytes / layout.tp, layout.bucket_bytes))
 
 
-def gather_time(layout: Layout, param_bytes: float, *, num_ranks: int) -> float:
+def gather_time(layout: Layout, param_bytes: float, *, num_ranks: int, holders: tuple[int, ...] = ()) -> float:
     """ZeRO's all-gather of one part's updated parameters after its ``U`` (0 at ZeRO 0)."""
-    link = layout.dp_link(num_ranks=num_ranks)
-    if link is None or layout.zero == 0 or layout.dp == 1:
+    n, link = _reduction_group(layout, num_ranks, holders)
+    if link is None or layout.zero == 0 or n == 1:
         return 0.0
-    return sum(all_gather_time(size, layout.dp, link) for size in _buckets(param_bytes / layout.tp, layout.bucket_bytes))
+    return sum(all_gather_time(size, n, link) for size in _buckets(param_bytes / layout.tp, layout.bucket_bytes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _reduction_group(layout: Layout, num_ranks: int, holders: tuple[int, ...]) -> tuple[int, Link | None]:
+    """``(ranks, link)`` of the collective that combines a part's gradients held on pipeline ranks ``holders``."""
+    if len(holders) <= 1 or layout.network is None:
+        return layout.dp, layout.dp_link(num_ranks=num_ranks)
+    mesh = layout.mesh(num_ranks=num_ranks)
+    groups = [[mesh.rank(dp=d, pp=a, tp=t) for d in range(layout.dp) for a in holders] for t in range(layout.tp)]
+    return layout.dp * len(holders), slowest_link(layout.network, groups)
 
 
 def _buckets(nbytes: float, bucket: float) -> list[float]:
@@ -210,9 +223,10 @@ def _buckets(nbytes: float, bucket: float) -> list[float]:
 
 
 def layout_costs(costs: PartCosts, layout: Layout, parts: PartBytes, *, num_ranks: int,
-                 split_compute: bool = True) -> PartCosts:
+                 split_compute: bool = True, holders: Sequence[tuple[int, ...]] = ()) -> PartCosts:
     """Per-part costs on the layout: compute / N (unless ``split_compute`` is False, for times already
-    per TP rank), TP all-reduces added to F and I, ZeRO's all-gather added to U.
+    per TP rank), TP all-reduces added to F and I, ZeRO's all-gather added to U (over the part's
+    ``holders`` too, ``part_holders``, where a pipeline has a part more than once).
 
     Example:
         >>> from pipeweave.sim.cost import CostModel
@@ -223,7 +237,8 @@ def layout_costs(costs: PartCosts, layout: Layout, parts: PartBytes, *, num_rank
     n = layout.tp if split_compute else 1
     collective = [k * tp_collective_time(layout, m, num_ranks=num_ranks)
                   for k, m in zip(parts.tp_collectives, parts.message)]
-    gather = [gather_time(layout, p, num_ranks=num_ranks) for p in parts.params]
+    gather = [gather_time(layout, p, num_ranks=num_ranks, holders=h)
+              for p, h in zip(parts.params, holders or [()] * len(parts.params))]
     return replace(
         costs,
         f=tuple(f / n + c for f, c in zip(costs.f, collective)),
@@ -268,9 +283,20 @@ def hop_function(schedule: Schedule, layout: Layout, parts: PartBytes, comm: flo
     return hop
 
 
-def reduction_times(layout: Layout, parts: PartBytes, *, num_ranks: int) -> tuple[float, ...]:
-    """Per part, its DP reduction (``reduction_time`` of its gradient bytes)."""
-    return tuple(reduction_time(layout, p * parts.grads, num_ranks=num_ranks) for p in parts.params)
+def part_holders(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    """Per part, the pipeline ranks holding it (one, unless a pipeline replicates parts: Chimera, GEMS)."""
+    placement = schedule.placement
+    ranks: list[set[int]] = [set() for _ in range(schedule.num_parts)]
+    for stage, rank in enumerate(placement.stage_rank):
+        ranks[placement.stage_part[stage]].add(rank % placement.ranks_per_pipeline)
+    return tuple(tuple(sorted(r)) for r in ranks)
+
+
+def reduction_times(schedule: Schedule, layout: Layout, parts: PartBytes) -> tuple[float, ...]:
+    """Per part, its DP reduction (``reduction_time`` of its gradient bytes, over its holders too)."""
+    num_ranks = schedule.placement.ranks_per_pipeline
+    return tuple(reduction_time(layout, p * parts.grads, num_ranks=num_ranks, holders=h)
+                 for p, h in zip(parts.params, part_holders(schedule)))
 
 
 def simulate_layout(schedule: Schedule, cost: CostModel | None, layout: Layout, model: ModelBytes | None = None, *,
@@ -298,8 +324,8 @@ def simulate_layout(schedule: Schedule, cost: CostModel | None, layout: Layout, 
     num_ranks, num_parts = schedule.placement.ranks_per_pipeline, schedule.num_parts
     parts = (model or ModelBytes()).for_parts(num_parts=num_parts, num_ranks=num_ranks)
     costs = layout_costs(cost.for_parts(num_parts=num_parts, num_ranks=num_ranks), layout, parts,
-                         num_ranks=num_ranks, split_compute=split_compute)
-    delays = reduction_times(layout, parts, num_ranks=num_ranks) if reduce else None
+                         num_ranks=num_ranks, split_compute=split_compute, holders=part_holders(schedule))
+    delays = reduction_times(schedule, layout, parts) if reduce else None
     hop = hop_function(schedule, layout, parts, costs.comm) if layout.network is not None or costs.comm else None
     return simulate_parts(schedule, costs, check=check, hop=hop, update_delay=delays)
 
@@ -367,7 +393,8 @@ def communication(schedule: Schedule, cost: CostModel | None, layout: Layout, mo
         tp_per_rank=tp_time_per_rank(schedule, layout, parts),
         hop=max((hop(a, b) for a, b in pairs if schedule.placement.stage_rank[a] != schedule.placement.stage_rank[b]),
                 default=0.0),
-        reduction=reduction_times(layout, parts, num_ranks=num_ranks),
-        gather=tuple(gather_time(layout, p, num_ranks=num_ranks) for p in parts.params),
+        reduction=reduction_times(schedule, layout, parts),
+        gather=tuple(gather_time(layout, p, num_ranks=num_ranks, holders=h)
+                     for p, h in zip(parts.params, part_holders(schedule))),
         exposed=max(0.0, makespan - free),
     )
