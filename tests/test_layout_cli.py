@@ -126,3 +126,19 @@ def test_partition_refuses_bad_values_before_profiling(cli_error: CliError, argv
 def test_search_refuses_bad_values_in_one_line(cli_error: CliError, argv: list[str], needle: str) -> None:
     err = cli_error(["search", "--stages", "2", "--microbatches", "4", *argv], "pipeweave.search.exact")
     assert needle in err
+
+
+def test_partition_balances_the_layers_times_on_the_layout(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # An embedding of f = b = w = 4 s and four blocks of 1 s: alone, [embedding] | [4 blocks] (12 s each).
+    # At N=2 with each all-reduce of a block's 1e9 B output taking 1 s (8 Gb/s = 1e9 B/s, 2(2-1)/2 x 1e9),
+    # a block costs (1 + 1 + 1) / 2 + 4 all-reduces = 5.5 s and the embedding 6 s: [embedding, block] | [3 blocks]
+    # (11.5 | 16.5 s), where [embedding] | [4 blocks] would be 6 | 22 s.
+    path = tmp_path / "costs.json"
+    LayerCosts(names=["embedding"] + [f"blocks.{i}" for i in range(4)], types=["Embedding"] + ["Block"] * 4,
+               forward=[4.0] + [1.0] * 4, input_grad=[4.0] + [1.0] * 4, weight_grad=[4.0] + [1.0] * 4,
+               activation=[0.0] * 5, params=[1.0] * 5, output=[1e9] * 5).save(path)
+    argv = ["partition", "--costs", str(path), "--stages", "2", "--partition", "time"]
+    assert [len(p["layers"]) for p in out_json(capsys, argv)["parts"]] == [1, 4]
+    on_tp = out_json(capsys, [*argv, "--tensor-parallel", "2", "--intra-node-gbps", "8"])
+    assert [len(p["layers"]) for p in on_tp["parts"]] == [2, 3]
+    assert [p["time"] for p in on_tp["parts"]] == pytest.approx([6.0 + 5.5, 3 * 5.5])

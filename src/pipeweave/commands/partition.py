@@ -9,6 +9,7 @@ the bubble and step time the simulator predicts with those per-part costs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from typing import Any
@@ -21,7 +22,7 @@ from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionC
 from pipeweave.schedule import generate
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim import CostModel, compute_metrics
-from pipeweave.sim.parallel import Layout, ModelBytes, simulate_layout
+from pipeweave.sim.parallel import Layout, ModelBytes, simulate_layout, tp_collective_time
 from pipeweave.sim.shards import Shares
 
 MODEL_OPTIONS = ("layers", "hidden", "vocab", "heads", "seq_len", "seed")
@@ -215,7 +216,8 @@ def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, A
     schedule = generate(args.schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks)
     layout = layout_from_args(args, num_ranks=args.stages)
     profile = memory_profile(schedule, args, layout)
-    plan = partition(partition_method(args), costs, schedule.num_parts, partition_context(args, profile))
+    balanced = layout_layer_costs(costs, layout, num_ranks=args.stages)
+    plan = partition(partition_method(args), balanced, schedule.num_parts, partition_context(args, profile))
     if plan.num_parts != schedule.num_parts:  # PipeDream chose fewer, replicated stages
         schedule = generate(args.schedule, num_stages=plan.num_parts, num_microbatches=args.microbatches)
         layout = layout_from_args(args, num_ranks=plan.num_parts)
@@ -245,6 +247,20 @@ def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, A
         "bubble_ratio_flush": metrics.bubble_ratio_flush, "makespan": metrics.makespan,
         **({"layout": report[0], "layout_lines": report[1]} if report is not None else {}),
     }
+
+
+def layout_layer_costs(costs: LayerCosts, layout: Layout, *, num_ranks: int) -> LayerCosts:
+    """The layers' times on one GPU of the layout, which the partitioners balance: compute / N plus each
+    layer's TP all-reduces of its output (``TP_COLLECTIVES``) in its forward and its input gradient."""
+    if layout.trivial:
+        return costs
+    n = layout.tp
+    collectives = [TP_COLLECTIVES.get(kind, 0) * tp_collective_time(layout, out, num_ranks=num_ranks)
+                   for kind, out in zip(costs.types, costs.output)]
+    return dataclasses.replace(
+        costs, forward=tuple(f / n + c for f, c in zip(costs.forward, collectives)),
+        input_grad=tuple(b / n + c for b, c in zip(costs.input_grad, collectives)),
+        weight_grad=tuple(w / n for w in costs.weight_grad))
 
 
 def layer_bytes(costs: LayerCosts, plan: Partition, optimizer_state: float) -> ModelBytes:

@@ -162,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
     _check_outputs(args)
     times = {flag: parse_times(flag, getattr(args, flag[2:].replace("-", "_")))
              for flag in ("--time-f", "--time-b", "--time-w", "--time-u")}
-    layout_from_args(args, num_ranks=args.stages)  # its flags refused before the schedule is built
+    if not args.from_csv:  # the flags refused before the schedule is built (a CSV's D is known once read)
+        layout_from_args(args, num_ranks=args.stages)
     schedule, info = _build(args, times)
     _check_lengths(times, schedule.num_parts)
     layout = layout_from_args(args, num_ranks=schedule.placement.ranks_per_pipeline)
