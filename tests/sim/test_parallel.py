@@ -8,8 +8,9 @@ from pipeweave.errors import UserError
 from pipeweave.schedule import SCHEDULES, Op, ScheduleError, generate
 from pipeweave.sim import CostModel, compute_metrics, simulate
 from pipeweave.sim.network import Link, Network, all_reduce_time
-from pipeweave.sim.parallel import (Layout, ModelBytes, communication, layout_costs, layout_times, reduction_time,
-                                    reduction_times, simulate_layout)
+from pipeweave.sim.communication import communication
+from pipeweave.sim.parallel import (Layout, ModelBytes, layout_costs, layout_times, reduction_time, reduction_times,
+                                    simulate_layout)
 from pipeweave.sim.shards import RankMemory, Shares, rank_memory
 
 UNIT = Network(intra_node=Link(bandwidth=1.0), inter_node=Link(bandwidth=1.0))  # 1 byte/s, no latency

@@ -16,7 +16,8 @@ from pipeweave.errors import UserError
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.network import Link, Network
-from pipeweave.sim.parallel import ZERO_STAGES, Communication, Layout, ModelBytes, communication
+from pipeweave.sim.communication import Communication, communication
+from pipeweave.sim.parallel import ZERO_STAGES, Layout, ModelBytes
 from pipeweave.sim.shards import RankMemory, rank_memory
 
 GBPS = 1e9 / 8

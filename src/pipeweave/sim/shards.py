@@ -16,12 +16,13 @@ computed is transient and left to the caller's allowance.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.metrics import version_metrics
-from pipeweave.sim.parallel import Layout, ModelBytes, stage_sum
+from pipeweave.sim.parallel import Layout, ModelBytes
 
 
 @dataclass(frozen=True)
@@ -83,3 +84,11 @@ def rank_memory(schedule: Schedule, layout: Layout, model: ModelBytes) -> tuple[
     grads = stage_sum(schedule, [p * parts.grads * share.grads for p in parts.params])
     optimizer = stage_sum(schedule, [p * parts.optimizer * share.optimizer for p in parts.params])
     return tuple(RankMemory(p, g, o) for p, g, o in zip(params, grads, optimizer))
+
+
+def stage_sum(schedule: Schedule, per_part: Sequence[float]) -> tuple[float, ...]:
+    """Per rank, ``per_part`` summed over the stages it holds."""
+    sums = [0.0] * schedule.num_ranks
+    for stage, rank in enumerate(schedule.placement.stage_rank):
+        sums[rank] += per_part[schedule.placement.stage_part[stage]]
+    return tuple(sums)
