@@ -36,6 +36,8 @@ def test_simulate_counts_only_the_dp_reduction_sticking_out(capsys: pytest.Captu
                                                             makespan: float, exposed: float) -> None:
     out = out_json(capsys, ["simulate", *TINY_DP, "--param-bytes", f"0,{part1_bytes}"])
     assert out["makespan"] == pytest.approx(makespan)
+    assert out["layout"]["network"] == {"intra_node_bytes_per_s": 1e9, "inter_node_bytes_per_s": 1e9,
+                                        "latency_s": 0.0, "gpus_per_node": 8}
     comm = out["layout"]["communication"]
     assert comm["dp_reduction"] == pytest.approx([0.0, float(part1_bytes) / 1e9])
     assert comm["dp_exposed"] == pytest.approx(exposed)

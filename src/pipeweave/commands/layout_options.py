@@ -138,8 +138,12 @@ def _network(args: argparse.Namespace, world_size: int) -> Network | None:
 
 def layout_json(layout: Layout, comm: Communication | None, memory: tuple[RankMemory, ...] | None) -> dict[str, Any]:
     """The layout, its communication and the memory per rank, as the ``--json`` outputs carry them."""
+    net = layout.network
     out: dict[str, Any] = {"tensor_parallel": layout.tp, "data_parallel": layout.dp, "zero": layout.zero,
-                           "network": layout.network is not None}
+                           "network": None if net is None else {
+                               "intra_node_bytes_per_s": net.intra_node.bandwidth,
+                               "inter_node_bytes_per_s": net.inter_node.bandwidth,
+                               "latency_s": net.intra_node.latency, "gpus_per_node": net.gpus_per_node}}
     if comm is not None:
         out["communication"] = comm.as_dict()
     if memory is not None:
@@ -147,10 +151,9 @@ def layout_json(layout: Layout, comm: Communication | None, memory: tuple[RankMe
     return out
 
 
-def layout_lines(layout: Layout, comm: Communication | None, memory: tuple[RankMemory, ...] | None,
-                 seconds: bool = True) -> list[str]:
+def layout_lines(layout: Layout, comm: Communication | None, memory: tuple[RankMemory, ...] | None) -> list[str]:
     """The human-readable report of the layout: TP and DP communication, model-state memory per GPU."""
-    unit = _time if seconds else (lambda t: f"{t:g}")
+    unit = _time
     lines = [f"layout: TP={layout.tp} x DP={layout.dp}, ZeRO {layout.zero}"
              + ("" if layout.network else "; no network given (--intra-node-gbps ...): communication not timed")]
     if comm is not None and layout.network is not None:
