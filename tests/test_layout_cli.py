@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from pipeweave.cli import main
-from pipeweave.partition import LayerCosts
+from pipeweave.commands.partition import layer_bytes
+from pipeweave.partition import LayerCosts, Partition
 
 CliError = Callable[..., str]
 
@@ -144,3 +145,15 @@ def test_partition_balances_the_layers_times_on_the_layout(capsys: pytest.Captur
     on_tp = out_json(capsys, [*argv, "--tensor-parallel", "2", "--intra-node-gbps", "8"])
     assert [len(p["layers"]) for p in on_tp["parts"]] == [2, 3]
     assert [p["time"] for p in on_tp["parts"]] == pytest.approx([6.0 + 5.5, 3 * 5.5])
+
+
+def test_profiled_layers_give_their_tp_traffic_by_type() -> None:
+    costs = LayerCosts(names=["embedding", "blocks.0", "blocks.1", "head"], types=["Embedding", "Block", "Block", "Head"],
+                       forward=[1.0] * 4, input_grad=[1.0] * 4, weight_grad=[1.0] * 4, activation=[0.0] * 4,
+                       params=[100.0, 20.0, 20.0, 50.0], output=[10.0, 10.0, 10.0, 80.0])
+    parts = layer_bytes(costs, Partition((2, 2)), 3.0).for_parts(num_parts=2, num_ranks=2)
+    assert parts.message == (10.0, 80.0) and parts.tp_message == (10.0, 10.0)  # the blocks' activation
+    assert parts.tp_forward == (2.0, 2.0) and parts.tp_backward == (2.0, 3.0)  # the head: 1 backward
+    assert parts.tp_gather == (0.0, 80.0)  # the head's logits
+    assert parts.params == (120.0, 70.0) and parts.replicated == (100.0, 0.0)  # the embedding, whole
+    assert (parts.grads, parts.optimizer) == (1.0, 2.0)

@@ -9,9 +9,9 @@ from pipeweave.schedule import SCHEDULES, Op, ScheduleError, generate
 from pipeweave.sim import CostModel, compute_metrics, simulate
 from pipeweave.sim.network import Link, Network, all_reduce_time
 from pipeweave.sim.communication import communication
-from pipeweave.sim.parallel import (Layout, ModelBytes, layout_costs, layout_times, reduction_time, reduction_times,
-                                    simulate_layout)
+from pipeweave.sim.parallel import Layout, layout_costs, layout_times, reduction_time, reduction_times, simulate_layout
 from pipeweave.sim.shards import RankMemory, Shares, rank_memory
+from pipeweave.sim.traffic import ModelBytes
 
 UNIT = Network(intra_node=Link(bandwidth=1.0), inter_node=Link(bandwidth=1.0))  # 1 byte/s, no latency
 FAST, SLOW = Link(bandwidth=100.0, latency=0.5), Link(bandwidth=10.0, latency=2.0)
@@ -74,6 +74,7 @@ def test_a_tp_group_across_nodes_pays_the_inter_node_link() -> None:
 # Part 1's DP reduction (all-reduce over P=2 at 1 B/s: as many seconds as its gradient bytes) runs
 # from 7 while rank 0 still computes until 9: up to 2 s of it is hidden.
 ONE_F_ONE_B = generate("1f1b", num_stages=2, num_microbatches=2)
+ONE_STAGE = generate("1f1b", num_stages=1, num_microbatches=1)
 
 
 @pytest.mark.parametrize("part1_bytes,makespan", [(0.0, 9.0), (1.5, 9.0), (2.0, 9.0), (5.0, 12.0)])
@@ -133,7 +134,11 @@ def test_gradients_go_in_buckets_each_paying_its_latency() -> None:
     # P=2: one all-reduce of s bytes is 2 x 1 + s; 10 B in buckets of 4: 4, 4 and 2
     assert reduction_time(Layout(dp=2, network=net), 10.0, num_ranks=1) == 12.0
     assert reduction_time(Layout(dp=2, network=net, bucket_bytes=4.0), 10.0, num_ranks=1) == 6 + 6 + 4
-    assert reduction_time(Layout(dp=2, tp=2, network=net), 10.0, num_ranks=1) == 2 + 5  # each TP rank its half
+    # the bytes are one TP rank's: each of a part's N TP ranks reduces its own shard, side by side
+    two = ModelBytes(params=10.0, grads=1.0).for_parts(num_parts=1, num_ranks=1)
+    assert reduction_times(ONE_STAGE, Layout(dp=2, tp=2, network=net), two) == (2 + 5,)
+    replicated = ModelBytes(params=10.0, replicated=4.0, grads=1.0).for_parts(num_parts=1, num_ranks=1)
+    assert reduction_times(ONE_STAGE, Layout(dp=2, tp=2, network=net), replicated) == (2 + 3 + 4,)
 
 
 @pytest.mark.parametrize("zero,rank0", [
@@ -147,7 +152,25 @@ def test_model_state_per_rank_per_zero_stage(zero: int, rank0: RankMemory) -> No
     memory = rank_memory(ONE_F_ONE_B, layout, ModelBytes(params=(8.0, 4.0), grads=1.0, optimizer=2.0))
     assert memory[0] == rank0
     assert memory[1].total == rank0.total / 2  # part 1 has half the parameters
-    assert Shares.of(layout).params * 8.0 == rank0.params
+    assert Shares.of(layout).params * 8.0 / 2 == rank0.params
+
+
+def test_replicated_parameters_are_whole_on_every_tp_rank() -> None:
+    # part 0: 8 B, 4 of them an embedding every TP rank holds whole: 4 / 2 + 4 = 6 B per GPU
+    memory = rank_memory(ONE_F_ONE_B, Layout(tp=2), ModelBytes(params=(8.0, 4.0), replicated=(4.0, 0.0), grads=1.0,
+                                                               optimizer=2.0))
+    assert memory[0] == RankMemory(6.0, 6.0, 12.0) and memory[1] == RankMemory(2.0, 2.0, 4.0)
+    with pytest.raises(UserError, match="part 1 has 5 replicated parameter bytes of 4; give replicated <= params"):
+        rank_memory(ONE_F_ONE_B, Layout(tp=2), ModelBytes(params=(8.0, 4.0), replicated=(0.0, 5.0)))
+
+
+def test_a_vocabulary_head_gathers_its_logits_forward_and_all_reduces_its_input_gradient_backward() -> None:
+    # N=2 inside a node: all-gather of 40 B = 0.5 + 1/2 x 40/100 = 0.7; all-reduce of 10 B = 1.1
+    layout = Layout(tp=2, network=Network(intra_node=FAST, inter_node=SLOW, gpus_per_node=4))
+    head = ModelBytes(tp_message=10.0, tp_collectives=0, tp_backward=1, tp_gather=40.0)
+    costs = layout_costs(CostModel(f=0.0, b=0.0, w=0.0).for_parts(num_parts=1, num_ranks=1), layout,
+                         head.for_parts(num_parts=1, num_ranks=1), num_ranks=1)
+    assert costs.f == pytest.approx((0.7,)) and costs.b == pytest.approx((1.1,)) and costs.w == (0.0,)
 
 
 def test_weight_stashing_keeps_a_copy_per_version() -> None:

@@ -17,16 +17,21 @@ from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.network import Link, Network
 from pipeweave.sim.communication import Communication, communication
-from pipeweave.sim.parallel import ZERO_STAGES, Layout, ModelBytes
+from pipeweave.sim.parallel import ZERO_STAGES, Layout
 from pipeweave.sim.shards import RankMemory, rank_memory
+from pipeweave.sim.traffic import ModelBytes
 
 GBPS = 1e9 / 8
 """Bytes per second in one Gb/s."""
 
-TP_COLLECTIVES = {"Block": 2, "MLPBlock": 1}
-"""TP all-reduces in a layer's forward (as many in its backward), by layer type, as Megatron-LM splits them
-without sequence parallelism: the gpt's ``Block`` one after attention's row-parallel output projection and
-one after the MLP's; the mlp's ``MLPBlock`` (column- then row-parallel) one. Other layers are not split."""
+TP_SPLIT = {"Block": (2, 2, False), "MLPBlock": (1, 1, False), "Head": (0, 1, True)}
+"""Per layer type, how pipeweave's tensor-parallel layers split it (Megatron-LM without sequence parallelism):
+``(all-reduces in F, all-reduces in I, all-gathers its output in F)``. The gpt's ``Block`` all-reduces
+behind attention's and the MLP's row-parallel projections, and in front of their column-parallel inputs
+backward; the mlp's ``MLPBlock`` (column then row) once each way; the gpt's ``Head`` (column-parallel by
+vocabulary) gathers its logits and all-reduces its input gradient. Other layers are not split."""
+TP_REPLICATED = ("Embedding",)
+"""Layer types every TP rank holds whole (the gpt's token and position embeddings)."""
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser, *, data_parallel: bool = True) -> None:

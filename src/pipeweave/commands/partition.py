@@ -14,16 +14,17 @@ import json
 import math
 from typing import Any
 
-from pipeweave.commands.layout_options import (TP_COLLECTIVES, add_layout_arguments, layout_from_args, layout_report,
-                                              state_split)
+from pipeweave.commands.layout_options import (TP_REPLICATED, TP_SPLIT, add_layout_arguments, layout_from_args,
+                                              layout_report, state_split)
 from pipeweave.commands.units import check_cost_flags, format_bytes
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
 from pipeweave.schedule import generate
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim import CostModel, compute_metrics
-from pipeweave.sim.parallel import Layout, ModelBytes, simulate_layout, tp_collective_time
+from pipeweave.sim.parallel import Layout, simulate_layout, tp_backward_time, tp_forward_time
 from pipeweave.sim.shards import Shares
+from pipeweave.sim.traffic import ModelBytes
 
 MODEL_OPTIONS = ("layers", "hidden", "vocab", "heads", "seq_len", "seed")
 
@@ -251,28 +252,46 @@ def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, A
 
 def layout_layer_costs(costs: LayerCosts, layout: Layout, *, num_ranks: int) -> LayerCosts:
     """The layers' times on one GPU of the layout, which the partitioners balance: compute / N plus each
-    layer's TP all-reduces of its output (``TP_COLLECTIVES``) in its forward and its input gradient."""
+    layer's TP collectives (``TP_SPLIT``) in its forward and its input gradient."""
     if layout.trivial:
         return costs
-    n = layout.tp
-    collectives = [TP_COLLECTIVES.get(kind, 0) * tp_collective_time(layout, out, num_ranks=num_ranks)
-                   for kind, out in zip(costs.types, costs.output)]
+    n, layers = layout.tp, range(costs.num_layers)
+    traffic = layer_traffic(costs).for_parts(num_parts=costs.num_layers, num_ranks=costs.num_layers)
+    forward = [tp_forward_time(layout, traffic, i, num_ranks=num_ranks) for i in layers]
+    backward = [tp_backward_time(layout, traffic, i, num_ranks=num_ranks) for i in layers]
     return dataclasses.replace(
-        costs, forward=tuple(f / n + c for f, c in zip(costs.forward, collectives)),
-        input_grad=tuple(b / n + c for b, c in zip(costs.input_grad, collectives)),
+        costs, forward=tuple(f / n + c for f, c in zip(costs.forward, forward)),
+        input_grad=tuple(b / n + c for b, c in zip(costs.input_grad, backward)),
         weight_grad=tuple(w / n for w in costs.weight_grad))
 
 
-def layer_bytes(costs: LayerCosts, plan: Partition, optimizer_state: float) -> ModelBytes:
-    """Per part, the bytes the layout moves and stores, from the per-layer costs: the part's output as its
-    message, its parameters, and the TP all-reduces of its layers (``TP_COLLECTIVES``, by layer type)."""
+def layer_traffic(costs: LayerCosts, optimizer_state: float = 1.0) -> ModelBytes:
+    """Per layer, what it moves and stores under TP and DP: its output as its message, its TP collectives by
+    type (``TP_SPLIT``) on the model's hidden activation (the output of its split layers), its parameters
+    (whole on every TP rank for ``TP_REPLICATED`` types)."""
+    split = [TP_SPLIT.get(kind, (0, 0, False)) for kind in costs.types]
+    hidden = max((out for (forward, _, _), out in zip(split, costs.output) if forward), default=0.0)
     grads, optimizer = state_split(optimizer_state)
     return ModelBytes(
-        message=[costs.output[stop - 1] for _, stop in plan.bounds],
-        params=[costs.total("params", start, stop) for start, stop in plan.bounds],
-        tp_collectives=[float(sum(TP_COLLECTIVES.get(costs.types[i], 0) for i in range(start, stop)))
-                        for start, stop in plan.bounds],
+        message=costs.output, tp_message=hidden, tp_collectives=[float(s[0]) for s in split],
+        tp_backward=[float(s[1]) for s in split],
+        tp_gather=[out if s[2] else 0.0 for s, out in zip(split, costs.output)], params=costs.params,
+        replicated=[p if kind in TP_REPLICATED else 0.0 for kind, p in zip(costs.types, costs.params)],
         grads=grads, optimizer=optimizer)
+
+
+def layer_bytes(costs: LayerCosts, plan: Partition, optimizer_state: float) -> ModelBytes:
+    """Per part, ``layer_traffic`` summed over its layers; its message is its last layer's output."""
+    layers = layer_traffic(costs, optimizer_state)
+
+    def total(name: str) -> list[float]:
+        values = getattr(layers, name)
+        return [float(sum(values[start:stop])) for start, stop in plan.bounds]
+
+    return ModelBytes(
+        message=[costs.output[stop - 1] for _, stop in plan.bounds], tp_message=layers.tp_message,
+        tp_collectives=total("tp_collectives"), tp_backward=total("tp_backward"), tp_gather=total("tp_gather"),
+        params=total("params"), replicated=total("replicated"), grads=layers.grads, optimizer=layers.optimizer)
 
 
 def memory_profile(schedule: Schedule, args: argparse.Namespace, layout: Layout | None = None) -> MemoryProfile | None:
@@ -281,10 +300,11 @@ def memory_profile(schedule: Schedule, args: argparse.Namespace, layout: Layout 
     Under a ``layout`` one GPU holds its TP (and ZeRO) share of the weights, gradients and optimizer state.
     """
     state, weight_share = args.optimizer_state, 1.0
-    if layout is not None and not layout.trivial:
+    if layout is not None and not layout.trivial:  # every weight taken as TP-split: embeddings are not, a few %
         share = Shares.of(layout)
         grads, optimizer = state_split(args.optimizer_state)
-        state, weight_share = grads * share.grads + optimizer * share.optimizer, share.params
+        state = (grads * share.grads + optimizer * share.optimizer) / layout.tp
+        weight_share = share.params / layout.tp
     try:
         return MemoryProfile.of_schedule(schedule, state=state, weight_share=weight_share)
     except UserError:

@@ -12,7 +12,8 @@ from pipeweave.errors import UserError
 from pipeweave.host import available_memory
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import CostModel
-from pipeweave.sim.parallel import Layout, ModelBytes, layout_times, simulate_layout
+from pipeweave.sim.parallel import Layout, layout_times, simulate_layout
+from pipeweave.sim.traffic import ModelBytes
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -8,16 +8,20 @@ from dataclasses import dataclass
 from pipeweave.schedule.ir import Op, Schedule
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import CostModel
-from pipeweave.sim.parallel import (Layout, ModelBytes, PartBytes, gather_time, hop_function, part_holders,
-                                    reduction_times, simulate_layout, tp_collective_time)
+from pipeweave.sim.parallel import (Layout, gather_time, hop_function, part_holders, reduction_times, simulate_layout,
+                                    tp_backward_time, tp_forward_time)
+from pipeweave.sim.traffic import ModelBytes, PartBytes
 
 
 def tp_time_per_rank(schedule: Schedule, layout: Layout, parts: PartBytes) -> tuple[float, ...]:
     """Per rank, the time its F, I and B spend in TP all-reduces over the whole schedule."""
     num_ranks = schedule.placement.ranks_per_pipeline
-    one = [k * tp_collective_time(layout, m, num_ranks=num_ranks) for k, m in zip(parts.tp_collectives, parts.message)]
+    parts_ = range(len(parts.params))
+    forward = [tp_forward_time(layout, parts, k, num_ranks=num_ranks) for k in parts_]
+    backward = [tp_backward_time(layout, parts, k, num_ranks=num_ranks) for k in parts_]
     part_of = schedule.placement.stage_part
-    return tuple(sum(one[part_of[s]] for s, op, _ in row if op in (Op.F, Op.I, Op.B)) for row in schedule.actions)
+    return tuple(sum(forward[part_of[s]] if op is Op.F else backward[part_of[s]]
+                     for s, op, _ in row if op in (Op.F, Op.I, Op.B)) for row in schedule.actions)
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ def communication(schedule: Schedule, cost: CostModel | None, layout: Layout, mo
         hop=max((hop(a, b) for a, b in pairs if schedule.placement.stage_rank[a] != schedule.placement.stage_rank[b]),
                 default=0.0),
         reduction=reduction_times(schedule, layout, parts),
-        gather=tuple(gather_time(layout, p, num_ranks=num_ranks, holders=h)
-                     for p, h in zip(parts.params, part_holders(schedule))),
+        gather=tuple(gather_time(layout, parts.tp_rank_params(k, layout.tp), num_ranks=num_ranks, holders=h)
+                     for k, h in enumerate(part_holders(schedule))),
         exposed=max(0.0, makespan - free),
     )

@@ -39,10 +39,11 @@ from dataclasses import dataclass, replace
 
 from pipeweave.errors import UserError
 from pipeweave.schedule.ir import Schedule
-from pipeweave.sim.cost import CostModel, PartCosts, Value, cost_problem
+from pipeweave.sim.cost import CostModel, PartCosts, cost_problem
 from pipeweave.sim.network import (Link, Mesh, Network, all_gather_time, all_reduce_time, reduce_scatter_time,
                                    slowest_link)
 from pipeweave.sim.timeline import Timeline, simulate, simulate_parts
+from pipeweave.sim.traffic import ModelBytes, PartBytes
 
 ZERO_STAGES = (0, 1, 3)
 
@@ -112,71 +113,29 @@ def _group_links(layout: Layout, num_ranks: int) -> tuple[Link | None, Link | No
     return slowest_link(layout.network, mesh.tp_groups()), slowest_link(layout.network, mesh.dp_groups())
 
 
-@dataclass(frozen=True)
-class PartBytes:
-    """``ModelBytes`` resolved to one value per part."""
-
-    message: tuple[float, ...]
-    tp_collectives: tuple[float, ...]
-    params: tuple[float, ...]
-    grads: float
-    optimizer: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelBytes:
-    """What the layout moves and stores. A scalar count or size of parameters is one D-th of the
-    model's, shared among the parts like ``CostModel``'s times; a sequence is one value per part.
-
-    Example:
-        >>> ModelBytes(message=8.0, tp_collectives=2, params=100.0).for_parts(num_parts=4, num_ranks=2).params
-        (50.0, 50.0, 50.0, 50.0)
-    """
-
-    message: Value = 0.0
-    """Bytes of the activation one microbatch passes between layers (b x s x h x bytes per element): what
-    a part sends to the next (and receives back as its gradient), and what each TP all-reduce sums."""
-    tp_collectives: Value = 0.0
-    """All-reduces in a part's forward, as many in its input-gradient backward (Megatron-LM: 2 per block)."""
-    params: Value = 0.0
-    """Parameter bytes, all N tensor-parallel shards together."""
-    grads: float = 1.0
-    """Gradient bytes per parameter byte."""
-    optimizer: float = 2.0
-    """Optimizer-state bytes per parameter byte (Adam's two moments in the parameters' precision: 2; SGD: 0)."""
-
-    def __post_init__(self) -> None:
-        for name in ("message", "tp_collectives", "params", "grads", "optimizer"):
-            value = getattr(self, name)
-            for v in [value] if isinstance(value, (int, float)) else list(value):
-                problem = cost_problem(v, "number")
-                if problem is not None:
-                    raise UserError(f"{name}={value!r} {problem}")
-
-    def for_parts(self, *, num_parts: int, num_ranks: int) -> PartBytes:
-        """One value per part (see the class docstring)."""
-        scale = num_ranks / num_parts if num_parts else 1.0
-
-        def resolve(name: str, share: float) -> tuple[float, ...]:
-            value = getattr(self, name)
-            if isinstance(value, (int, float)):
-                return (float(value) * share,) * num_parts
-            if len(value) != num_parts:
-                raise UserError(f"{name} has {len(value)} values for {num_parts} parts; give one per part or a scalar")
-            return tuple(float(v) for v in value)
-
-        return PartBytes(message=resolve("message", 1.0), tp_collectives=resolve("tp_collectives", scale),
-                         params=resolve("params", scale), grads=self.grads, optimizer=self.optimizer)
-
-
 def tp_collective_time(layout: Layout, nbytes: float, *, num_ranks: int) -> float:
     """One TP all-reduce of ``nbytes`` (0 without a network or at N = 1)."""
     link = layout.tp_link(num_ranks=num_ranks)
     return 0.0 if link is None else all_reduce_time(nbytes, layout.tp, link)
 
 
+def tp_forward_time(layout: Layout, parts: PartBytes, part: int, *, num_ranks: int) -> float:
+    """The TP collectives of one F of ``part``: its all-reduces and its all-gather (0 without a network)."""
+    link = layout.tp_link(num_ranks=num_ranks)
+    if link is None:
+        return 0.0
+    gather = parts.tp_gather[part]
+    return (parts.tp_forward[part] * all_reduce_time(parts.tp_message[part], layout.tp, link)
+            + (all_gather_time(gather, layout.tp, link) if gather else 0.0))
+
+
+def tp_backward_time(layout: Layout, parts: PartBytes, part: int, *, num_ranks: int) -> float:
+    """The TP all-reduces of one I (or B) of ``part``."""
+    return parts.tp_backward[part] * tp_collective_time(layout, parts.tp_message[part], num_ranks=num_ranks)
+
+
 def reduction_time(layout: Layout, grad_bytes: float, *, num_ranks: int, holders: tuple[int, ...] = ()) -> float:
-    """The DP reduction of one part's gradients (``grad_bytes`` before the TP split), in DP buckets.
+    """The DP reduction of one part's gradients (``grad_bytes`` of one TP rank), in DP buckets.
 
     ``holders`` are the pipeline ranks holding the part when a pipeline has it more than once
     (Chimera, GEMS): their gradients join the same collective, over P x len(holders) ranks.
@@ -191,15 +150,15 @@ def reduction_time(layout: Layout, grad_bytes: float, *, num_ranks: int, holders
     if link is None or n == 1 or grad_bytes == 0:
         return 0.0
     collective = all_reduce_time if layout.zero == 0 else reduce_scatter_time
-    return sum(collective(size, n, link) for size in _buckets(grad_bytes / layout.tp, layout.bucket_bytes))
+    return sum(collective(size, n, link) for size in _buckets(grad_bytes, layout.bucket_bytes))
 
 
 def gather_time(layout: Layout, param_bytes: float, *, num_ranks: int, holders: tuple[int, ...] = ()) -> float:
-    """ZeRO's all-gather of one part's updated parameters after its ``U`` (0 at ZeRO 0)."""
+    """ZeRO's all-gather of one part's updated parameters (``param_bytes`` of one TP rank) after its ``U``."""
     n, link = _reduction_group(layout, num_ranks, holders)
     if link is None or layout.zero == 0 or n == 1:
         return 0.0
-    return sum(all_gather_time(size, n, link) for size in _buckets(param_bytes / layout.tp, layout.bucket_bytes))
+    return sum(all_gather_time(size, n, link) for size in _buckets(param_bytes, layout.bucket_bytes))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -234,14 +193,15 @@ def layout_costs(costs: PartCosts, layout: Layout, parts: PartBytes, *, num_rank
         (2.0, 2.0)
     """
     n = layout.tp if split_compute else 1
-    collective = [k * tp_collective_time(layout, m, num_ranks=num_ranks)
-                  for k, m in zip(parts.tp_collectives, parts.message)]
-    gather = [gather_time(layout, p, num_ranks=num_ranks, holders=h)
-              for p, h in zip(parts.params, holders or [()] * len(parts.params))]
+    k = range(len(costs.f))
+    forward = [tp_forward_time(layout, parts, part, num_ranks=num_ranks) for part in k]
+    backward = [tp_backward_time(layout, parts, part, num_ranks=num_ranks) for part in k]
+    gather = [gather_time(layout, parts.tp_rank_params(part, layout.tp), num_ranks=num_ranks, holders=h)
+              for part, h in zip(k, holders or [()] * len(k))]
     return replace(
         costs,
-        f=tuple(f / n + c for f, c in zip(costs.f, collective)),
-        b=tuple(b / n + c for b, c in zip(costs.b, collective)),
+        f=tuple(f / n + c for f, c in zip(costs.f, forward)),
+        b=tuple(b / n + c for b, c in zip(costs.b, backward)),
         w=tuple(w / n for w in costs.w),
         u=tuple(u + g for u, g in zip(costs.u, gather)),
     )
@@ -294,8 +254,8 @@ def part_holders(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
 def reduction_times(schedule: Schedule, layout: Layout, parts: PartBytes) -> tuple[float, ...]:
     """Per part, its DP reduction (``reduction_time`` of its gradient bytes, over its holders too)."""
     num_ranks = schedule.placement.ranks_per_pipeline
-    return tuple(reduction_time(layout, p * parts.grads, num_ranks=num_ranks, holders=h)
-                 for p, h in zip(parts.params, part_holders(schedule)))
+    return tuple(reduction_time(layout, parts.tp_rank_params(part, layout.tp) * parts.grads, num_ranks=num_ranks,
+                                holders=h) for part, h in enumerate(part_holders(schedule)))
 
 
 def simulate_layout(schedule: Schedule, cost: CostModel | None, layout: Layout, model: ModelBytes | None = None, *,

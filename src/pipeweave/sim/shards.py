@@ -1,14 +1,15 @@
 """Model-state memory per rank: parameters, gradients and optimizer state, sharded by TP and by ZeRO's stages.
 
-A stage's parameters are split over its N tensor-parallel ranks (every weight
-is taken as TP-sharded; Megatron-LM splits all but norms and biases). ZeRO
-(Rajbhandari et al., SC20) then shards over the P data-parallel replicas:
+One TP rank holds 1/N of a part's split parameters and all of its replicated
+ones (embeddings, norms: ``ModelBytes.replicated``), with their gradients and
+optimizer state. ZeRO (Rajbhandari et al., SC20) then shards that over the P
+data-parallel replicas:
 
 | ZeRO | parameters | gradients | optimizer state |
 |---|---|---|---|
-| 0 | 1/N | 1/N | 1/N |
-| 1 | 1/N | 1/N | 1/(N P) |
-| 3 | 1/(N P) | 1/(N P) | 1/(N P) |
+| 0 | 1 | 1 | 1 |
+| 1 | 1 | 1 | 1/P |
+| 3 | 1/P | 1/P | 1/P |
 
 Stage 3's parameters are counted at rest; the gathered copy of the part being
 computed is transient and left to the caller's allowance.
@@ -22,16 +23,17 @@ from dataclasses import dataclass
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.metrics import version_metrics
-from pipeweave.sim.parallel import Layout, ModelBytes
+from pipeweave.sim.parallel import Layout
+from pipeweave.sim.traffic import ModelBytes
 
 
 @dataclass(frozen=True)
 class Shares:
-    """The fraction of a part's parameter, gradient and optimizer-state bytes that one rank holds.
+    """The fraction of one TP rank's parameter, gradient and optimizer-state bytes that one GPU holds (ZeRO).
 
     Example:
         >>> Shares.of(Layout(tp=2, dp=4, zero=1))
-        Shares(params=0.5, grads=0.5, optimizer=0.125)
+        Shares(params=1.0, grads=1.0, optimizer=0.25)
     """
 
     params: float
@@ -40,12 +42,10 @@ class Shares:
 
     @classmethod
     def of(cls, layout: Layout) -> Shares:
-        tp, all_ = 1.0 / layout.tp, 1.0 / (layout.tp * layout.dp)
         if layout.zero == 0:
-            return cls(tp, tp, tp)
-        if layout.zero == 1:
-            return cls(tp, tp, all_)
-        return cls(all_, all_, all_)
+            return cls(1.0, 1.0, 1.0)
+        shard = 1.0 / layout.dp
+        return cls(1.0, 1.0, shard) if layout.zero == 1 else cls(shard, shard, shard)
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,11 @@ def rank_memory(schedule: Schedule, layout: Layout, model: ModelBytes) -> tuple[
     num_ranks, num_parts = schedule.placement.ranks_per_pipeline, schedule.num_parts
     parts = model.for_parts(num_parts=num_parts, num_ranks=num_ranks)
     share = Shares.of(layout)
-    held = tuple(p * share.params for p in parts.params)
-    costs = CostModel(weight=held).for_parts(num_parts=num_parts, num_ranks=num_ranks)
+    tp_rank = [parts.tp_rank_params(k, layout.tp) for k in range(num_parts)]
+    costs = CostModel(weight=[p * share.params for p in tp_rank]).for_parts(num_parts=num_parts, num_ranks=num_ranks)
     params = version_metrics(schedule, costs)[0]
-    grads = stage_sum(schedule, [p * parts.grads * share.grads for p in parts.params])
-    optimizer = stage_sum(schedule, [p * parts.optimizer * share.optimizer for p in parts.params])
+    grads = stage_sum(schedule, [p * parts.grads * share.grads for p in tp_rank])
+    optimizer = stage_sum(schedule, [p * parts.optimizer * share.optimizer for p in tp_rank])
     return tuple(RankMemory(p, g, o) for p, g, o in zip(params, grads, optimizer))
 
 
