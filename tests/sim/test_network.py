@@ -47,30 +47,30 @@ def test_ranks_are_tp_innermost_then_pp_then_dp() -> None:
 
 
 def test_a_tp_group_stays_inside_a_node_when_it_fits() -> None:
-    assert Layout(tp=4, network=network(4)).tp_link(num_ranks=2) is FAST
-    assert Layout(tp=4, network=network(8)).tp_link(num_ranks=3) is FAST
-    assert Layout(tp=4, network=network(2)).tp_link(num_ranks=1) is SLOW  # N > gpus per node
+    assert Layout(tp=4, network=network(4)).tp_link(num_ranks=2) == FAST
+    assert Layout(tp=4, network=network(8)).tp_link(num_ranks=3) == FAST
+    assert Layout(tp=4, network=network(2)).tp_link(num_ranks=1) == SLOW  # N > gpus per node
 
 
 def test_a_pipeline_hop_crosses_nodes_where_its_stage_ranks_do() -> None:
     # D=3, N=2 on nodes of 4: pipeline ranks 0, 1 share node 0; pipeline rank 2 is on node 1.
     layout = Layout(tp=2, network=network(4))
-    assert layout.hop_link(0, 1, num_ranks=3) is FAST
-    assert layout.hop_link(1, 2, num_ranks=3) is SLOW
-    assert layout.hop_link(2, 1, num_ranks=3) is SLOW
+    assert layout.hop_link(0, 1, num_ranks=3) == FAST
+    assert layout.hop_link(1, 2, num_ranks=3) == SLOW
+    assert layout.hop_link(2, 1, num_ranks=3) == SLOW
     # with a second replica (global ranks 6-11), its hop 0 -> 1 (ranks 6, 8) crosses from node 1 to node 2
-    assert Layout(tp=2, dp=2, network=network(4)).hop_link(0, 1, num_ranks=3) is SLOW
+    assert Layout(tp=2, dp=2, network=network(4)).hop_link(0, 1, num_ranks=3) == SLOW
 
 
 def test_a_dp_group_crosses_nodes_when_its_ranks_do() -> None:
-    assert Layout(dp=2, tp=2, network=network(8)).dp_link(num_ranks=2) is FAST  # 8 ranks, one node
-    assert Layout(dp=2, tp=2, network=network(4)).dp_link(num_ranks=2) is SLOW  # replica 1 on node 1
+    assert Layout(dp=2, tp=2, network=network(8)).dp_link(num_ranks=2) == FAST  # 8 ranks, one node
+    assert Layout(dp=2, tp=2, network=network(4)).dp_link(num_ranks=2) == SLOW  # replica 1 on node 1
 
 
 def test_the_slowest_group_sets_the_link() -> None:
     net = network(3)  # nodes of 3 and groups of 2: group (2, 3) spans two nodes
-    assert slowest_link(net, [(0, 1)]) is FAST
-    assert slowest_link(net, [(0, 1), (2, 3)]) is SLOW
+    assert slowest_link(net, [(0, 1)]) == FAST
+    assert slowest_link(net, [(0, 1), (2, 3)]) == SLOW
 
 
 @pytest.mark.parametrize("make,needle", [
