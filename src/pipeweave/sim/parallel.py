@@ -9,12 +9,13 @@ The model follows what pipeweave's runtime does on a (dp, pp, tp) mesh
 - **TP collectives**: Megatron-LM's column- then row-parallel layers without
   sequence parallelism all-reduce a block's activation (b x s x h elements)
   twice in its forward and twice in its input-gradient backward (Shoeybi et
-  al. 2019, section 3); they block the computation, so they add to F and to I
-  (B = I + W); W has none;
+  al. 2019, section 3; a vocabulary head: ``sim.traffic``); they block the
+  computation, so they add to F and to I (B = I + W); W has none;
 - **pipeline messages**: each of the N ranks of a stage sends its own full
   copy of the activation to the same tp rank of the next stage, in parallel:
   one message time on the link between them (``sim.network``);
-- **DP reduction**: a part's gradients (its parameter bytes / N) are reduced
+- **DP reduction**: a part's gradients (one TP rank's parameter bytes,
+  ``traffic.PartBytes.tp_rank_params``) are reduced
   over the dp group, all-reduce (ZeRO 0) or reduce-scatter (ZeRO 1, 3),
   launched when the part's last weight gradient of the step ends; it runs
   beside the rank's remaining backward work and the part's ``U`` waits for it
@@ -243,7 +244,13 @@ def hop_function(schedule: Schedule, layout: Layout, parts: PartBytes, comm: flo
 
 
 def part_holders(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
-    """Per part, the pipeline ranks holding it (one, unless a pipeline replicates parts: Chimera, GEMS)."""
+    """Per part, the pipeline ranks holding it (one, unless a pipeline replicates parts: Chimera, GEMS).
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> part_holders(generate("chimera", num_stages=4, num_microbatches=4))
+        ((0, 3), (1, 2), (1, 2), (0, 3))
+    """
     placement = schedule.placement
     ranks: list[set[int]] = [set() for _ in range(schedule.num_parts)]
     for stage, rank in enumerate(placement.stage_rank):
