@@ -42,6 +42,8 @@ def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate |
     return {
         "schedule": config.schedule, "stages": config.num_stages, "microbatches": config.num_microbatches,
         "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.steps,
+        "data_parallel": config.data_parallel, "tensor_parallel": config.tensor_parallel, "zero": config.zero,
+        "processes": schedule.num_ranks * config.tensor_parallel,
         "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
         "recompute": config.recompute, "precision": config.precision, "first_step": record.first_step,
         "losses": record.losses, "skipped_steps": record.skipped_steps,
@@ -140,7 +142,9 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
 
     losses = report["losses"]
     model = report["model"]["entry"] or report["model"]["kind"]
-    table = Table(title=f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  "
+    grid = "".join(f"  {k}={report[key]}" for k, key in (("P", "data_parallel"), ("N", "tensor_parallel"))
+                   if report.get(key, 1) > 1)
+    table = Table(title=f"{report['schedule']}  D={report['stages']}{grid}  T={report['microbatches']}  "
                         f"{model}  {report['steps']} steps  ({report['transport']}"
                         f"{', bf16 autocast' if report.get('precision') == 'bf16' else ''})", show_header=True)
     table.add_column("measure")
