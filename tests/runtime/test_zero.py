@@ -51,3 +51,38 @@ def test_zero1_keeps_a_slice_of_the_state_and_steps_as_the_whole_optimizer(bucke
     assert whole == 2 * 4 * numel  # exp_avg and exp_avg_sq of every element
     assert whole // 2 <= sharded <= whole // 2 + 2 * 4 * len(_buckets(_params(), bucket_bytes))  # half, padded
     assert diff == 0.0  # elementwise: the slice's update is bitwise the whole one's
+
+
+def _whole_state(rank: int, world: int, bucket_bytes: int) -> list[str]:
+    """Problems of ``whole_state``/``load_whole_state``: the gathered state is the unsharded optimizer's, and a
+    fresh ZeRO optimizer loading it steps on as the unsharded one does."""
+    factory = lambda ps: torch.optim.AdamW(ps, lr=0.1)  # noqa: E731
+    sharded, whole = _params(), _params()
+    spans = _buckets(sharded, bucket_bytes)
+    zero, plain = ZeroOptimizer(factory, sharded, spans, dist.group.WORLD), factory(whole)
+
+    def step(optimizer: ZeroOptimizer, seed: int) -> None:
+        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + i)) for i, p in enumerate(whole)]
+        for p, g in zip(whole, grads):
+            p.grad = g.clone()
+        plain.step()
+        optimizer.set_gradients([pad(torch.cat([grads[i].reshape(-1) for i in span]), world).chunk(world)[rank]
+                                 for span in spans])
+        optimizer.step()
+
+    step(zero, 0)
+    problems = []
+    for i, (p, state) in enumerate(zip(whole, zero.whole_state())):
+        for key, value in plain.state[p].items():
+            if not torch.equal(state[key], value):
+                problems.append(f"param {i} {key}")
+    fresh = ZeroOptimizer(factory, sharded, spans, dist.group.WORLD)
+    fresh.load_whole_state(zero.whole_state())
+    step(fresh, 100)
+    if any(not torch.equal(a, b) for a, b in zip(sharded, whole)):
+        problems.append("the resumed step differs")
+    return problems
+
+
+def test_zero1_state_gathers_whole_and_loads_back() -> None:
+    assert launch(_whole_state, 60, 2) == []

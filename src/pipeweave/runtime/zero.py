@@ -76,6 +76,46 @@ class ZeroOptimizer:
                 p.grad = None
         self.inner.zero_grad(set_to_none=set_to_none)
 
+    def whole_state(self) -> list[dict[str, torch.Tensor]]:
+        """Per parameter (in the order given), its optimizer state whole, as an unsharded optimizer keeps it.
+
+        Every replica's slices are all-gathered: a collective of the replica group (each replica calls it).
+        """
+        out: list[dict[str, torch.Tensor]] = []
+        for bucket, piece in zip(self.buckets, self.shards):
+            state = self.inner.state.get(piece, {})
+            gathered: dict[str, torch.Tensor] = {}
+            for key in sorted(state):  # the same keys on every replica: one optimizer, the same steps
+                value = state[key]
+                if value.dim() == 0:  # AdamW's step count: one number, the same everywhere
+                    gathered[key] = value.clone()
+                    continue
+                gathered[key] = torch.empty(value.numel() * self.size, dtype=value.dtype, device=value.device)
+                dist.all_gather_single(gathered[key], value.contiguous(), group=self.group)
+            offset = 0
+            for p in bucket:
+                out.append({k: v if v.dim() == 0 else v[offset : offset + p.numel()].view_as(p).clone()
+                            for k, v in gathered.items()})
+                offset += p.numel()
+        return out
+
+    def load_whole_state(self, states: Sequence[dict[str, torch.Tensor]]) -> None:
+        """Take this replica's slices of ``states`` (per parameter, whole, as ``whole_state`` gives them)."""
+        first = 0
+        for bucket, piece in zip(self.buckets, self.shards):
+            mine = states[first : first + len(bucket)]
+            first += len(bucket)
+            if not any(mine):
+                continue
+            state: dict[str, torch.Tensor] = {}
+            for key, value in mine[0].items():
+                if value.dim() == 0:
+                    state[key] = value.clone()
+                    continue
+                flat = pad(torch.cat([s[key].reshape(-1).to(piece.device) for s in mine]), self.size)
+                state[key] = flat.chunk(self.size)[self.rank].clone()
+            self.inner.state[piece] = state
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this replica keeps (its slices')."""
         return sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
