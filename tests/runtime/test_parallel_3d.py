@@ -12,6 +12,7 @@ world size runs every configuration, as ``test_distributed`` does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,9 @@ CASES_8 = {  # TP = DP = D = 2: 8 processes
 CASES_4 = {  # each pair of the dimensions at 2: 4 processes
     "tp-dp": _config("1f1b", GPT, tp=2, dp=2, stages=1),
     "tp-pp": _config("zb-h1", GPT, tp=2, dp=1, stages=2),
+    # Tied embedding and head (against the reference: plain training does not tie them): both whole on every
+    # process, their gradients summed with the peer of the same tp coordinate.
+    "tp-pp-tied": _config("1f1b", dataclasses.replace(GPT, tie_embeddings=True), tp=2, dp=1, stages=2),
     "dp-pp": _config("zb-h1", GPT, tp=1, dp=2, stages=2),
     "dp-pp-zero1-adamw": _config("1f1b", MLP, tp=1, dp=2, stages=2, zero=1, optimizer="adamw", lr=1e-2,
                                  bucket_mb=0.0005),  # buckets of ~500 B: several per part, padded slices
@@ -65,7 +69,7 @@ CASES_4 = {  # each pair of the dimensions at 2: 4 processes
     # Asynchronous: PipeDream's weight stashing on shards; its own reference, not plain training.
     "tp-pp-pipedream": _config("pipedream", GPT, tp=2, dp=1, stages=2, steps=4, batch_size=8),
 }
-ASYNCHRONOUS = ("tp-pp-pipedream",)
+AGAINST_REFERENCE = ("tp-pp-pipedream", "tp-pp-tied")
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
@@ -106,14 +110,14 @@ def _assert_equals_plain(config: TrainConfig, record: RunRecord) -> None:
     assert seen == set(plain.parameters)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES_4 if c not in ASYNCHRONOUS])
+@pytest.mark.parametrize("case", [c for c in CASES_4 if c not in AGAINST_REFERENCE])
 def test_two_of_the_three_dimensions_equal_plain_training(runs_4: dict[str, RunRecord], case: str) -> None:
     _assert_equals_plain(CASES_4[case], runs_4[case])
 
 
-@pytest.mark.parametrize("case", ASYNCHRONOUS)
-def test_an_asynchronous_schedule_with_tensor_parallelism_equals_its_reference(runs_4: dict[str, RunRecord],
-                                                                              case: str, equals_reference: Any) -> None:
+@pytest.mark.parametrize("case", AGAINST_REFERENCE)
+def test_pipedream_and_tied_weights_with_tensor_parallelism_equal_the_reference(runs_4: dict[str, RunRecord],
+                                                                               case: str, equals_reference: Any) -> None:
     equals_reference(CASES_4[case], runs_4[case])
 
 
