@@ -13,11 +13,11 @@ with the same ``tp`` coordinate (``process_of``).
 Groups: ``tp`` (the N ranks that split each layer), ``pipeline`` (the P x D
 processes of one ``tp`` coordinate, which sum the loss), and per replicated
 part the processes holding its replicas with this ``tp`` coordinate
-(``replica_group``: the ``dp`` dimension for plain data parallelism, other
-rank sets for Chimera, GEMS or DualPipe, whose replicas share a pipeline).
-Every process creates every group in one order, as ``torch.distributed``
-asks. Without tensor or data parallelism no group is created and the module
-stays inactive: process and stage rank coincide.
+(``Mesh.replica_groups``: the ``dp`` dimension's group for plain data
+parallelism, groups of their own for Chimera, GEMS or DualPipe, whose
+replicas share a pipeline). Every process creates every group in one order,
+as ``torch.distributed`` asks. Without tensor parallelism or replicas on
+several ranks no group is created: process and stage rank coincide.
 """
 
 from __future__ import annotations
