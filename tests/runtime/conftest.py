@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 
 @pytest.fixture(scope="module")
@@ -22,3 +24,16 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def checkpoint_tensors(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], dict[str, torch.Tensor]]:
+    """Reads every key of a checkpoint folder (``parameters/0.up.weight``, ...) with DCP's own converter, which
+    writes them into one torch.save file, loaded here with ``weights_only``."""
+
+    def read(folder: Path) -> dict[str, torch.Tensor]:
+        whole = tmp_path_factory.mktemp("whole") / "whole.pt"
+        dcp_to_torch_save(folder, whole)
+        return dict(torch.load(whole, weights_only=True))
+
+    return read

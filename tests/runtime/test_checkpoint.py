@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,8 @@ def test_resumed_training_equals_straight_training(tmp_path: Path, case: str) ->
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
 
 
-def test_resuming_from_a_checkpoint_is_not_training_from_scratch(tmp_path: Path) -> None:
+def test_resuming_from_a_checkpoint_is_not_training_from_scratch(
+        tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, torch.Tensor]]) -> None:
     """The check above could pass by chance only if resuming did nothing; it must not equal a fresh start."""
     config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.9)
     fresh = _train(dataclasses.replace(config, steps=STEPS - FIRST))
@@ -110,12 +112,12 @@ def test_resuming_from_a_checkpoint_is_not_training_from_scratch(tmp_path: Path)
     assert meta["steps"] == FIRST and meta["parts"] == [[0, 3], [3, 6]]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-000002"]
     assert (tmp_path / "ckpt" / "latest").read_text() == "step-000002\n"
-    assert sorted(p.name for p in saved.iterdir()) == ["manifest.json", "part-000.pt", "part-001.pt"]
+    files = [".metadata", "__0_0.distcp", "__1_0.distcp"]  # DCP's index, and one data file per rank
+    assert sorted(p.name for p in saved.iterdir()) == [*files, "manifest.json"]
     assert [(f["name"], f["bytes"], f["sha256"]) for f in meta["files"]] == [
-        (p.name, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
-        for p in (saved / "part-000.pt", saved / "part-001.pt")]
-    state = torch.load(saved / "part-001.pt", weights_only=True)
-    assert set(state["optimizer"]["3.up.weight"]) == {"momentum_buffer"}
+        (p.name, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()) for p in (saved / f for f in files)]
+    state = checkpoint_tensors(saved)
+    assert {k for k in state if k.startswith("optimizer/3.up.weight/")} == {"optimizer/3.up.weight/momentum_buffer"}
 
 
 def test_a_bad_resume_is_one_line_before_spawning(tmp_path: Path) -> None:
@@ -127,14 +129,14 @@ def test_a_bad_resume_is_one_line_before_spawning(tmp_path: Path) -> None:
         prepare(dataclasses.replace(base, model=ModelSpec(kind="mlp", layers=6, hidden=16), resume=str(tmp_path / "ckpt")))
     with pytest.raises(UserError, match="give --optimizer sgd"):
         prepare(dataclasses.replace(base, optimizer="adamw", resume=str(tmp_path / "ckpt")))
-    (tmp_path / "ckpt" / "step-000001" / "part-001.pt").unlink()
-    with pytest.raises(UserError, match=r"step-000001/part-001.pt is missing \(its manifest names it\); no "
+    (tmp_path / "ckpt" / "step-000001" / "__1_0.distcp").unlink()
+    with pytest.raises(UserError, match=r"step-000001/__1_0.distcp is missing \(its manifest names it\); no "
                                         "earlier checkpoint is kept"):
         prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt")))
     (tmp_path / "ckpt" / "step-000001" / "manifest.json").write_text("{}")
     with pytest.raises(UserError, match="step-000001/manifest.json is missing or unreadable"):
         prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt")))
-    with pytest.raises(UserError, match="manifest.json is unreadable or not a pipeweave-checkpoint/2 manifest"):
+    with pytest.raises(UserError, match=r"manifest.json is unreadable or not a pipeweave-checkpoint/3 \(or /2\) manifest"):
         prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt" / "step-000001")))
 
 
@@ -146,7 +148,8 @@ def test_a_new_checkpoint_replaces_the_old_one_only_once_whole(tmp_path: Path) -
     _train(config)
     died = tmp_path / "ckpt" / ".tmp-step-000007"
     died.mkdir()
-    (died / "part-000.pt").write_bytes(b"a save that died half-way")
+    (died / "__0_0.distcp").write_bytes(b"a save that died half-way")
+    (died / ".metadata.tmp").write_bytes(b"its index, never renamed")
     (tmp_path / "ckpt" / "notes.txt").write_text("mine")
     resumed = dataclasses.replace(config, resume=str(tmp_path / "ckpt"), num_stages=2, steps=3, save_every=1)
     assert prepare(resumed).steps_done == 1  # step 1's checkpoint, not the half-written one
