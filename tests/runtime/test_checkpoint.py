@@ -20,12 +20,13 @@ import torch
 
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run import checkpoint, checkpoint_files
+from pipeweave.runtime.run import checkpoint, checkpoint_files, checkpoint_state
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.stage.post_validation import PostValidation
+from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.run.plan import prepare
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -194,3 +195,43 @@ def test_resuming_into_the_checkpoint_folder_itself(tmp_path: Path) -> None:
     resumed = _train(dataclasses.replace(config, steps=STEPS - FIRST, resume=folder, save=folder))
     assert resumed.first_step == FIRST and checkpoint_files.find(folder).steps == STEPS
     torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)
+
+
+def test_a_data_parallel_checkpoint_resumes_on_other_grids_and_holds_one_copy(tmp_path: Path) -> None:
+    """Issue 18's DCP round trip, without tensor parallelism: saved at P=2, D=2 (4 ranks, 1f1b), resumed at
+    P=1, D=4 on zb-h1 and at P=1, D=2 on interleaved 1F1B; both go on as the uninterrupted run did. The
+    replicas saved the same keys on two ranks each: DCP wrote each once, so the P=2 checkpoint is the size of
+    the P=1 one (without the deduplication it would be twice that)."""
+    mlp = ModelSpec(kind="mlp", layers=8, hidden=32)
+    base = TrainConfig(schedule="1f1b", num_stages=2, data_parallel=2, num_microbatches=2, model=mlp, batch_size=8,
+                       optimizer="adamw", lr=1e-2, keep_checkpoints=3)
+    ck, again = tmp_path / "p2", tmp_path / "p1"
+    straight = _train(dataclasses.replace(base, steps=STEPS, save=str(ck), save_every=FIRST, collect_parameters=True))
+    others = [dataclasses.replace(base, schedule="zb-h1", num_stages=4, data_parallel=1, num_microbatches=4),
+              dataclasses.replace(base, schedule="interleaved-1f1b", num_chunks=2, data_parallel=1, num_microbatches=4,
+                                  save=str(again))]
+    for other in others:
+        resumed = _train(dataclasses.replace(other, steps=STEPS - FIRST, resume=str(ck / "step-000002"),
+                                             collect_parameters=True))
+        torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)
+        want, got = _parameters(straight), _parameters(resumed)
+        assert set(got) == set(want)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+    p2, p1 = ([p.stat().st_size for p in (folder / "step-000005").glob("*.distcp")] for folder in (ck, again))
+    assert len(p2) == 4 and len(p1) == 2  # every rank wrote a share
+    assert abs(sum(p2) - sum(p1)) < 0.02 * sum(p1), (p2, p1)
+
+
+def test_a_rank_asks_the_checkpoint_for_the_keys_of_its_own_layers_only() -> None:
+    whole = StageWorker(MLP, range(0, 6), batch_size=8)
+    saved = {key: (value.shape, value.dtype) for key, value in checkpoint_state.stage_state(whole).items()}
+    for name, p in whole.named_parameters().items():  # AdamW's state, as torch.optim names it
+        saved.update({f"optimizer/{name}/exp_avg": (p.shape, p.dtype), f"optimizer/{name}/step": (torch.Size([]),
+                      torch.float32)})
+    middle = {1: StageWorker(MLP, range(2, 4), batch_size=8)}
+    wanted = checkpoint_state.destinations(saved, middle)
+    assert {key.split("/")[1].split(".")[0] for key in wanted} == {"2", "3"}
+    assert {key for key in wanted if "3.up.weight" in key} == {
+        "parameters/3.up.weight", "optimizer/3.up.weight/exp_avg", "optimizer/3.up.weight/step"}
+    assert all(wanted[key].shape == saved[key][0] for key in wanted)
