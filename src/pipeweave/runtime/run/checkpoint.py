@@ -129,14 +129,14 @@ def save(config: TrainConfig, parts: Sequence[range], placement: Placement, work
     root = Path(config.save)
     folder = checkpoint_files.staging(root, steps)
     failure = _from_rank0(_attempt(lambda: checkpoint_files.begin(root, steps)) if rank == 0 else None)
-    mine = False
+    own = False  # whether this rank's own write is what failed (its line names the file and the OS's reason)
     if failure is None:  # DCP's save is collective: a rank that cannot write fails it on every rank
-        failure, mine = write(folder, checkpoint_state.rank_state(placement, workers, carry))
+        failure, own = write(folder, checkpoint_state.rank_state(placement, workers, carry))
     written, error = ([], failure) if failure else _describe(folder, rank)
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (written, error, mine or error is not None and not failure))
-    if rank == 0:  # every file is on disk and hashed, or some rank says why not (the rank that failed, first)
-        failure = next((e for _, e, own in sorted(every, key=lambda x: not x[2]) if e), None)
+    dist.all_gather_object(every, (written, error, own or (error is not None and failure is None)))
+    if rank == 0:  # every file is on disk and hashed, or some rank says why not (one whose own write failed first)
+        failure = next((e for _, e, _ in sorted(every, key=lambda said: not said[2]) if e), None)
         if failure is None:
             manifest = _manifest(config, parts, steps, carry, run)
             manifest["files"] = sorted((entry for w, _, _ in every for entry in w), key=lambda e: e["name"])
