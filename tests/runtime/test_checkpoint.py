@@ -235,3 +235,7 @@ def test_a_rank_asks_the_checkpoint_for_the_keys_of_its_own_layers_only() -> Non
     assert {key for key in wanted if "3.up.weight" in key} == {
         "parameters/3.up.weight", "optimizer/3.up.weight/exp_avg", "optimizer/3.up.weight/step"}
     assert all(wanted[key].shape == saved[key][0] for key in wanted)
+    saved["parameters/3.up.weight"] = (torch.Size([2, 2]), torch.float32)  # a model changed since it was saved
+    with pytest.raises(UserError, match=r"--resume ck holds parameters/3.up.weight of shape \[2, 2\] and this "
+                                        r"model's is \[\d+, 8\]; resume with the model it was saved with"):
+        checkpoint_state.destinations(saved, middle, "ck")

@@ -228,8 +228,10 @@ def _read(folder: Path, workers: dict[int, StageWorker]) -> dict[str, torch.Tens
     try:
         saved = {key: (m.size, m.properties.dtype) for key, m in reader.read_metadata().state_dict_metadata.items()
                  if isinstance(m, TensorStorageMetadata)}
-        values = checkpoint_state.destinations(saved, workers)
+        values = checkpoint_state.destinations(saved, workers, str(folder))
         dcp.load(values, storage_reader=reader, no_dist=not dist.is_initialized())  # one process: no group
+    except UserError:
+        raise
     except OSError as exc:
         raise UserError(f"cannot read the checkpoint {folder} ({reason(exc)}); resume another checkpoint") from None
     except (CheckpointException, Exception) as exc:  # noqa: BLE001 - damaged after its manifest was checked

@@ -84,9 +84,10 @@ def rank_state(placement: Placement, workers: dict[int, StageWorker], carry: Str
 def stage_state(worker: StageWorker, prefix: str = "", *, buffers: bool = True) -> dict[str, torch.Tensor]:
     """One stage's parameters, optimizer state and (``buffers``) persistent buffers under global keys.
 
-    Example:
-        >>> sorted(stage_state(worker))  # a stage holding layer 2 of the mlp, after an SGD step with momentum
-        ['optimizer/2.down.bias/momentum_buffer', ..., 'parameters/2.up.weight']
+    Example (a stage holding layer 2 of the mlp, before its first step: no optimizer state yet)::
+
+        worker = StageWorker(ModelSpec(kind="mlp", layers=4, hidden=8), range(2, 3), batch_size=8)
+        sorted(stage_state(worker))  # ['parameters/2.down.bias', 'parameters/2.down.weight', ...]
     """
     params = worker.named_parameters()
     state = {f"{prefix}{PARAMETERS}{name}": _saved(p) for name, p in params.items()}
@@ -120,15 +121,22 @@ def optimizer_state(worker: StageWorker) -> dict[str, dict[str, torch.Tensor]]:
 
 
 # ---- load ------------------------------------------------------------------------
-def destinations(saved: Mapping[str, tuple[torch.Size, torch.dtype]],
-                 workers: dict[int, StageWorker]) -> dict[str, torch.Tensor]:
+def destinations(saved: Mapping[str, tuple[torch.Size, torch.dtype]], workers: dict[int, StageWorker],
+                 resume: str = "") -> dict[str, torch.Tensor]:
     """What this rank reads of a checkpoint holding ``saved`` (key -> global size and dtype): a fresh tensor for
-    every key of its stages' layers, shaped as the stage's own (``_saved`` of it), to load into."""
+    every key of its stages' layers, shaped as the stage's own (``_saved`` of it), to load into.
+
+    Raises:
+        UserError: the checkpoint ``resume`` holds one of them in another shape (another model).
+    """
     wanted: dict[str, torch.Tensor] = {}
     for stage, worker in workers.items():
         prefix = _prefix(worker, stage, workers, saved)
         own = stage_state(worker, prefix)
         for key, template in own.items():
+            if key in saved and saved[key][0] != template.shape:
+                raise UserError(f"--resume {resume} holds {key} of shape {list(saved[key][0])} and this model's is "
+                                f"{list(template.shape)}; resume with the model it was saved with")
             if key in saved:
                 wanted.setdefault(key, torch.empty_like(template))
         like = {name: own[f"{prefix}{PARAMETERS}{name}"] for name in worker.named_parameters()}
