@@ -233,3 +233,18 @@ class SequenceFirst(nn.Module):
 def batch_second() -> LayerModel:
     return LayerModel(layers=[lambda: nn.Embedding(VOCAB, WIDTH), SequenceFirst, Head],
                       loss=nn.functional.cross_entropy, dataset=_pairs(8, 0))
+
+
+SPLIT_MLP = {"mlp.0": "colwise", "mlp.2": "rowwise"}  # the residual block's two linear layers, Megatron's MLP
+
+
+def tensor_parallel() -> LayerModel:
+    """``model``'s layers with a tensor-parallel plan for its residual blocks (the rest whole on every rank)."""
+    return LayerModel(layers=[lambda: nn.Embedding(VOCAB, WIDTH), Residual, Residual, Head],
+                      loss=nn.functional.cross_entropy, dataset=_pairs(96, 0),
+                      tp_plan=[None, SPLIT_MLP, SPLIT_MLP, None])
+
+
+def bad_tp_plan() -> LayerModel:
+    return LayerModel(layers=[lambda: nn.Embedding(VOCAB, WIDTH), Residual, Head], loss=nn.functional.cross_entropy,
+                      dataset=_pairs(96, 0), tp_plan=[None, {"mlp.5": "rowwise"}, None])

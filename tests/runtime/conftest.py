@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from pipeweave.runtime.reference import run_reference
+from pipeweave.runtime.run.plan import build_schedule, optimizer_factory
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +28,24 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def equals_reference() -> Callable[[Any, Any], None]:
+    """``equals_reference(config, record)``: a run's losses and every stage's final parameters are the
+    reference executor's on the same schedule (rtol 1e-5, atol 1e-6)."""
+
+    def check(config: Any, record: Any) -> None:
+        reference = run_reference(build_schedule(config), config.model, steps=config.steps,
+                                  batch_size=config.batch_size, optimizer_factory=optimizer_factory(config))
+        torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
+        for rank_record in record.ranks:
+            for stage, params in rank_record.parameters.items():
+                for name, value in params.items():
+                    torch.testing.assert_close(value, reference.stage_parameters[stage][name], rtol=1e-5,
+                                               atol=1e-6)
+
+    return check
 
 
 @pytest.fixture

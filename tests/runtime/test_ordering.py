@@ -8,7 +8,9 @@ thread of one process over an in-process transport that replaces
 ordered pair, first posted with first posted, tags ignored), refusing a pair
 whose sizes or dtypes differ and completing a send only when its receive is
 matched. For every synchronous schedule of the registry, on 2 and 3 ranks
-(replicated ones: Chimera, GEMS, DualPipe, with their gradient messages), and
+(replicated ones: Chimera, GEMS, DualPipe, whose gradients are all-reduced
+per part: the transport matches each group's collectives in call order, as
+NCCL and gloo do, and fails where the members' calls differ), and
 for a gpt with tied embeddings, the sequence of messages (named by their
 unique gloo tag) that each rank sends to each peer must equal the sequence
 the peer posts from it, and the losses must equal the reference executor's 1F1B.
@@ -38,6 +40,8 @@ from pipeweave.schedule import SCHEDULES, ScheduleError, generate, lower
 from pipeweave.schedule.ir import Op
 from pipeweave.runtime.run.plan import optimizer_factory, prepare
 from pipeweave.runtime.run.sizes import microbatch_sizes
+from pipeweave.runtime.transport import mesh
+from pipeweave.runtime.transport.mesh import Mesh, replica_rank_sets
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,6 +76,30 @@ class InOrderTransport:
         self.sent: dict[tuple[int, int], list[int]] = {}  # (src, dst) -> tags in posting order
         self.posted: dict[tuple[int, int], list[int]] = {}
         self.mismatches: list[str] = []
+        self.calls: dict[tuple[int, int], list[int]] = {}  # (part, rank) -> all-reduces called
+        self.collectives: dict[tuple[int, int], dict[int, tuple[torch.Tensor, _Work]]] = {}
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> _Work:
+        """Sum over the group's members (``group``: ``("part", part, ranks)``), matched per group in call order."""
+        _, part, ranks = group
+        work = _Work()
+        with self.lock:
+            calls = self.calls.setdefault((part, self.local.rank), [0])
+            key = (part, calls[0])
+            calls[0] += 1
+            arrived = self.collectives.setdefault(key, {})
+            arrived[self.local.rank] = (tensor, work)
+            if len(arrived) == len(ranks):
+                shapes = {tuple(t.shape) for t, _ in arrived.values()}
+                total = sum(arrived[r][0].clone() for r in sorted(arrived))
+                for t, w in arrived.values():
+                    if len(shapes) > 1:
+                        w.error = f"part {part}: all-reduce of shapes {sorted(shapes)}"
+                        self.mismatches.append(w.error)
+                    else:
+                        t.copy_(total)
+                    w.done.set()
+        return work
 
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> _Work:
         return self._post(self.local.rank, dst, tensor, tag, sending=True)
@@ -107,7 +135,17 @@ def _run_threads(config: TrainConfig, transport: InOrderTransport) -> list[float
     plan = prepare(config)
     schedule = plan.schedule
     lowered = lower(schedule)
-    device = torch.device("cpu")
+    # The run's mesh, its replica groups stand-ins the transport recognises (every thread reads the one mesh).
+    groups = {part: ("part", part, ranks) for part, ranks in replica_rank_sets(schedule.placement).items()}
+    mesh.install(Mesh(1, schedule.num_ranks, 1, 0, replica_groups=groups))
+    try:
+        return _run_rank_threads(config, plan, transport, lowered)
+    finally:
+        mesh.install(None)
+
+
+def _run_rank_threads(config: TrainConfig, plan: Any, transport: InOrderTransport, lowered: Any) -> list[float]:
+    schedule, device = plan.schedule, torch.device("cpu")
     losses = [[0.0] * schedule.num_ranks for _ in range(config.steps)]
     errors: list[str] = []
 
@@ -176,6 +214,7 @@ def test_posting_order_matches_per_pair_and_losses_equal_reference(case: str, mo
     transport = InOrderTransport()
     monkeypatch.setattr(dist, "isend", transport.isend)
     monkeypatch.setattr(dist, "irecv", transport.irecv)
+    monkeypatch.setattr(dist, "all_reduce", transport.all_reduce)
     losses = _run_threads(config, transport)
     assert not transport.mismatches, transport.mismatches
     assert transport.sent, "no message crossed ranks"
@@ -195,7 +234,6 @@ def test_rank_sends_are_what_the_receivers_consume(case: str) -> None:
     """Each rank's sends to a peer, as a multiset, are exactly what that peer's actions consume from it."""
     schedule = prepare(CASES[case]).schedule
     lowered = lower(schedule)
-    placement = schedule.placement
     for rank in range(schedule.num_ranks):
         sent: Counter[tuple[int, tuple[int, int, int]]] = Counter(rank_sends(lowered, rank, with_meta=False))
         consumed: Counter[tuple[int, tuple[int, int, int]]] = Counter()
@@ -203,8 +241,4 @@ def test_rank_sends_are_what_the_receivers_consume(case: str) -> None:
             for a in lowered.actions[peer]:
                 if a.op in (Op.RECV_F, Op.RECV_B) and lowered.peer(a) == rank:
                     consumed[(peer, message_key(lowered, a))] += 1
-            # The replicas on ``peer`` need every remote replica's gradient once per step.
-            needed = {other for s in placement.stages_on(peer) if len(placement.replicas(s)) > 1
-                      for other in placement.replicas(s) if placement.stage_rank[other] == rank != peer}
-            consumed.update((peer, (other, 2, 0)) for other in needed)
         assert sent == +consumed, case

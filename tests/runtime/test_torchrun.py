@@ -167,6 +167,21 @@ def test_data_parallel_pipelines_across_two_torchrun_nodes(tmp_path: Path) -> No
     assert len(report["weight_bytes"]) == 4
 
 
+def test_tensor_parallel_inside_each_of_two_torchrun_nodes(tmp_path: Path) -> None:
+    """TP = 2 inside each node (its 2 processes split every layer), the pipeline's 2 stages across the nodes."""
+    record = tmp_path / "record.json"
+    spec = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8)
+    train = ["-m", "pipeweave.cli", "train", "-s", "zb-h1", "--stages", "2", "--tensor-parallel", "2",
+             "--microbatches", "3", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "2",
+             "--seq-len", "8", "--batch", "6", "--steps", "3", "--optimizer", "sgd", "--lr", "0.1", "--quiet",
+             "--out", str(tmp_path), "--json", str(record)]
+    _two_nodes(tmp_path, train, nproc=2)
+    report = json.loads(record.read_text())
+    plain = run_plain(spec, steps=3, batch_size=6, num_microbatches=3)
+    assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
+    assert len(report["weight_bytes"]) == 2  # one record per stage rank
+
+
 def test_two_torchrun_nodes_train_a_model_file_exactly(tmp_path: Path) -> None:
     """Your own model under torchrun: each node loads the file itself (``models.custom``)."""
     entry = f"{Path(__file__).resolve().parent.parent / 'models' / 'tiny_custom.py'}:model"

@@ -9,16 +9,22 @@ the bubble and step time the simulator predicts with those per-part costs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from typing import Any
 
+from pipeweave.commands.layout_options import (TP_REPLICATED, TP_SPLIT, add_layout_arguments, layout_from_args,
+                                              layout_report, state_split)
 from pipeweave.commands.units import check_cost_flags, format_bytes
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
 from pipeweave.schedule import generate
 from pipeweave.schedule.ir import Schedule
-from pipeweave.sim import CostModel, compute_metrics, simulate
+from pipeweave.sim import CostModel, compute_metrics
+from pipeweave.sim.parallel import Layout, simulate_layout, tp_backward_time, tp_forward_time
+from pipeweave.sim.shards import Shares
+from pipeweave.sim.traffic import ModelBytes
 
 MODEL_OPTIONS = ("layers", "hidden", "vocab", "heads", "seq_len", "seed")
 
@@ -57,6 +63,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="profile as the run computes: bf16, under bfloat16 autocast (default fp32)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads while profiling, as per rank (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_layout_arguments(p)
     return p
 
 
@@ -208,23 +215,30 @@ def part_costs(costs: LayerCosts, plan: Partition) -> dict[str, list[float]]:
 def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, Any]:
     """Partition ``costs`` for the schedule of ``args``; simulate the schedule with the parts' costs."""
     schedule = generate(args.schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks)
-    profile = memory_profile(schedule, args)
-    plan = partition(partition_method(args), costs, schedule.num_parts, partition_context(args, profile))
+    layout = layout_from_args(args, num_ranks=args.stages)
+    profile = memory_profile(schedule, args, layout)
+    balanced = layout_layer_costs(costs, layout, num_ranks=args.stages)
+    plan = partition(partition_method(args), balanced, schedule.num_parts, partition_context(args, profile))
     if plan.num_parts != schedule.num_parts:  # PipeDream chose fewer, replicated stages
         schedule = generate(args.schedule, num_stages=plan.num_parts, num_microbatches=args.microbatches)
-        profile = memory_profile(schedule, args)
+        layout = layout_from_args(args, num_ranks=plan.num_parts)
+        profile = memory_profile(schedule, args, layout)
     per_part = part_costs(costs, plan)
     cost = CostModel(
         f=per_part["f"], b=per_part["b"], w=per_part["w"], activation=per_part["activation"], weight=per_part["weight"]
     )
-    metrics = compute_metrics(simulate(schedule, cost))
+    model = layer_bytes(costs, plan, args.optimizer_state)
+    timeline = simulate_layout(schedule, cost, layout, model)
+    metrics = compute_metrics(timeline)
+    report = layout_report(schedule, cost, layout, model, metrics.makespan)
+    on = timeline.costs  # per part on one GPU of the layout: compute / N plus TP all-reduces
+    assert on is not None
     parts: list[dict[str, Any]] = []
     for k, (start, stop) in enumerate(plan.bounds):
         memory = profile.memory_of(costs, k, start, stop) if profile else None
-        time = per_part["f"][k] + per_part["b"][k] + per_part["w"][k]
         parts.append({
             "layers": list(range(start, stop)), "names": list(costs.names[start:stop]), "replicas": plan.replicas[k],
-            "time": time, "f": per_part["f"][k], "b": per_part["b"][k], "w": per_part["w"][k], "memory": memory,
+            "time": on.f[k] + on.b[k] + on.w[k], "f": on.f[k], "b": on.b[k], "w": on.w[k], "memory": memory,
         })
     return {
         "schedule": schedule.name, "stages": args.stages, "microbatches": args.microbatches,
@@ -232,13 +246,67 @@ def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, A
         "max_memory": max((float(p["memory"]) for p in parts if p["memory"] is not None), default=None),
         "memory_limit": args.memory_limit, "bubble_ratio": metrics.bubble_ratio,
         "bubble_ratio_flush": metrics.bubble_ratio_flush, "makespan": metrics.makespan,
+        **({"layout": report[0], "layout_lines": report[1]} if report is not None else {}),
     }
 
 
-def memory_profile(schedule: Schedule, args: argparse.Namespace) -> MemoryProfile | None:
-    """The schedule's memory profile, or None where its weight policy has no model (memory is then not predicted)."""
+def layout_layer_costs(costs: LayerCosts, layout: Layout, *, num_ranks: int) -> LayerCosts:
+    """The layers' times on one GPU of the layout, which the partitioners balance: compute / N plus each
+    layer's TP collectives (``TP_SPLIT``) in its forward and its input gradient."""
+    if layout.trivial:
+        return costs
+    n, layers = layout.tp, range(costs.num_layers)
+    traffic = layer_traffic(costs).for_parts(num_parts=costs.num_layers, num_ranks=costs.num_layers)
+    forward = [tp_forward_time(layout, traffic, i, num_ranks=num_ranks) for i in layers]
+    backward = [tp_backward_time(layout, traffic, i, num_ranks=num_ranks) for i in layers]
+    return dataclasses.replace(
+        costs, forward=tuple(f / n + c for f, c in zip(costs.forward, forward)),
+        input_grad=tuple(b / n + c for b, c in zip(costs.input_grad, backward)),
+        weight_grad=tuple(w / n for w in costs.weight_grad))
+
+
+def layer_traffic(costs: LayerCosts, optimizer_state: float = 1.0) -> ModelBytes:
+    """Per layer, what it moves and stores under TP and DP: its output as its message, its TP collectives by
+    type (``TP_SPLIT``) on the model's hidden activation (the output of its split layers), its parameters
+    (whole on every TP rank for ``TP_REPLICATED`` types)."""
+    split = [TP_SPLIT.get(kind, (0, 0, False)) for kind in costs.types]
+    hidden = max((out for (forward, _, _), out in zip(split, costs.output) if forward), default=0.0)
+    grads, optimizer = state_split(optimizer_state)
+    return ModelBytes(
+        message=costs.output, tp_message=hidden, tp_collectives=[float(s[0]) for s in split],
+        tp_backward=[float(s[1]) for s in split],
+        tp_gather=[out if s[2] else 0.0 for s, out in zip(split, costs.output)], params=costs.params,
+        replicated=[p if kind in TP_REPLICATED else 0.0 for kind, p in zip(costs.types, costs.params)],
+        grads=grads, optimizer=optimizer)
+
+
+def layer_bytes(costs: LayerCosts, plan: Partition, optimizer_state: float) -> ModelBytes:
+    """Per part, ``layer_traffic`` summed over its layers; its message is its last layer's output."""
+    layers = layer_traffic(costs, optimizer_state)
+
+    def total(name: str) -> list[float]:
+        values = getattr(layers, name)
+        return [float(sum(values[start:stop])) for start, stop in plan.bounds]
+
+    return ModelBytes(
+        message=[costs.output[stop - 1] for _, stop in plan.bounds], tp_message=layers.tp_message,
+        tp_collectives=total("tp_collectives"), tp_backward=total("tp_backward"), tp_gather=total("tp_gather"),
+        params=total("params"), replicated=total("replicated"), grads=layers.grads, optimizer=layers.optimizer)
+
+
+def memory_profile(schedule: Schedule, args: argparse.Namespace, layout: Layout | None = None) -> MemoryProfile | None:
+    """The schedule's memory profile, or None where its weight policy has no model (memory is then not predicted).
+
+    Under a ``layout`` one GPU holds its TP (and ZeRO) share of the weights, gradients and optimizer state.
+    """
+    state, weight_share = args.optimizer_state, 1.0
+    if layout is not None and not layout.trivial:  # every weight taken as TP-split: embeddings are not, a few %
+        share = Shares.of(layout)
+        grads, optimizer = state_split(args.optimizer_state)
+        state = (grads * share.grads + optimizer * share.optimizer) / layout.tp
+        weight_share = share.params / layout.tp
     try:
-        return MemoryProfile.of_schedule(schedule, state=args.optimizer_state)
+        return MemoryProfile.of_schedule(schedule, state=state, weight_share=weight_share)
     except UserError:
         if args.partition == "memory":
             raise
@@ -261,7 +329,7 @@ def render(result: dict[str, Any]) -> str:
         f"slowest part {_seconds(result['max_stage_time'])}/microbatch; predicted step {_seconds(result['makespan'])}, "
         f"bubble {result['bubble_ratio']:.1%}"
     )
-    return "\n".join(lines)
+    return "\n".join(lines + result.get("layout_lines", []))
 
 
 def _seconds(t: float) -> str:
@@ -277,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid; give an integer >= 1")
     check_partition_arguments(args)
+    layout_from_args(args, num_ranks=args.stages)  # its flags refused before the profiling
     if args.save_costs:
         from pipeweave.commands.outputs import output_file
 
@@ -285,5 +354,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save_costs:
         costs.save(args.save_costs)
     result = plan_and_predict(args, costs)
+    if args.json:
+        result.pop("layout_lines", None)
     print(json.dumps(result) if args.json else render(result))
     return 0

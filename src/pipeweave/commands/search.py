@@ -6,8 +6,14 @@ import argparse
 import json
 from typing import Any
 
+from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, layout_from_args,
+                                              layout_report, model_bytes)
 from pipeweave.errors import UserError
 from pipeweave.host import available_memory
+from pipeweave.sim.bubble import bubble_metrics
+from pipeweave.sim.cost import CostModel
+from pipeweave.sim.parallel import Layout, layout_times, simulate_layout
+from pipeweave.sim.traffic import ModelBytes
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -32,6 +38,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="FILE", help="write the schedule as CSV")
     p.add_argument("--plot", metavar="FILE", help="write a timeline plot")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_layout_arguments(p)
+    add_byte_arguments(p)
     return p
 
 
@@ -40,15 +48,15 @@ def run(args: argparse.Namespace) -> int:
     from pipeweave.schedule.text import write_csv
     from pipeweave.search import exact, problem_from_times
 
-    _check_arguments(args)
+    layout, model = _check_arguments(args)
     if args.csv:
         output_file("--csv", args.csv)
     if args.plot:
         picture_file("--plot", args.plot)
+    f, b, w, comm = _times(args, layout, model)
     problem = problem_from_times(
-        args.stages, args.microbatches, vshape=args.v_shape or args.chunks == 2, time_f=args.time_f,
-        time_b=args.time_b, time_w=args.time_w, time_comm=args.time_comm, memory_limit=args.memory_limit,
-        mem_w=args.mem_w)
+        args.stages, args.microbatches, vshape=args.v_shape or args.chunks == 2, time_f=f,
+        time_b=b, time_w=w, time_comm=comm, memory_limit=args.memory_limit, mem_w=args.mem_w)
     result = exact(problem, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
                    work_limit=args.work_limit)
     if args.csv:
@@ -58,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
         from pipeweave.sim.plot import plot_timeline
 
         plot_timeline(simulate(result.schedule, problem.cost), args.plot)
+    report = _layout_report(args, result.schedule, layout, model)
     if args.json:
-        print(json.dumps(result.as_dict()))
+        print(json.dumps({**result.as_dict(), **({"layout": report[0]} if report else {})}))
         return 0
     print(f"{result.schedule.name}: D={args.stages} T={args.microbatches} K={args.memory_limit} "
           f"solver={result.solver} ({result.status}, {result.solver_time:.2f} s)")
@@ -68,10 +77,34 @@ def run(args: argparse.Namespace) -> int:
     print(f"  peak activations {list(result.metrics.peak_activations)} (limit {problem.limit[0]:g})")
     if args.plot:
         print(f"  plot written to {args.plot}")
+    for line in report[1] if report else ():
+        print(line)
     return 0
 
 
-def _check_arguments(args: argparse.Namespace) -> None:
+def _times(args: argparse.Namespace, layout: Layout, model: ModelBytes) -> tuple[float, float, float, float]:
+    """The searched times: the flags' on one GPU, with the layout's TP split, collectives and links."""
+    if layout.trivial:
+        return args.time_f, args.time_b, args.time_w, args.time_comm
+    assert isinstance(model.message, float) and isinstance(model.tp_collectives, float)  # _check_arguments
+    return layout_times(layout, f=args.time_f, b=args.time_b, w=args.time_w, comm=args.time_comm,
+                        message=model.message, tp_collectives=model.tp_collectives, num_ranks=args.stages)
+
+
+def _layout_report(args: argparse.Namespace, schedule: Any, layout: Layout,
+                   model: ModelBytes) -> tuple[dict[str, Any], list[str]] | None:
+    """The found schedule on the layout, its hops on their own links and the DP reductions added."""
+    if layout.trivial:
+        return None
+    cost = CostModel(f=args.time_f, b=args.time_b, w=args.time_w, comm=args.time_comm, mem_w=args.mem_w)
+    timeline = simulate_layout(schedule, cost, layout, model, check=False)
+    makespan = bubble_metrics(timeline)[0]
+    json_, lines = layout_report(schedule, cost, layout, model, makespan) or ({}, [])
+    json_["makespan"] = makespan
+    return json_, [f"  step on the layout {makespan:g} (DP reductions and each hop on its own link)", *lines]
+
+
+def _check_arguments(args: argparse.Namespace) -> tuple[Layout, ModelBytes]:
     """Every flag's value, then the problem's size, in one line each before any work."""
     from pipeweave.commands.units import check_cost_flags
 
@@ -93,6 +126,13 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if args.workers < 0:
         raise UserError(f"--workers {args.workers} is invalid; give 0 (the solver's default) or more")
     _check_size(args)
+    layout = layout_from_args(args, num_ranks=args.stages)
+    model = model_bytes(args, args.stages * (2 if args.v_shape or args.chunks == 2 else 1))
+    for flag, value, text in (("--message-bytes", model.message, args.message_bytes),
+                              ("--tp-collectives", model.tp_collectives, args.tp_collectives)):
+        if not isinstance(value, float):
+            raise UserError(f"{flag} {text} is a list; the search takes one value for every part: give a single number")
+    return layout, model
 
 
 BYTES_PER_ACTION = 400

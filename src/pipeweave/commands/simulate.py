@@ -20,12 +20,14 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeweave.host import available_memory as _available_memory
-from pipeweave.commands.units import check_cost_flags
+from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, layout_from_args,
+                                              layout_report, model_bytes)
+from pipeweave.commands.units import check_cost_flags, parse_values
 from pipeweave.errors import UserError
 from pipeweave.schedule import InvalidSchedule, Schedule, generate, read_csv, validate, write_csv
 from pipeweave.schedule.registry import SCHEDULES, ScheduleInfo
 from pipeweave.sim import CostModel, Metrics, compute_metrics, simulate
-from pipeweave.sim.cost import cost_problem
+from pipeweave.sim.parallel import simulate_layout
 from pipeweave.sim.textline import format_timeline
 from pipeweave.sim.timeline import BYTES_PER_ACTION
 
@@ -63,6 +65,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=100, help="columns of the text timeline (default 100)")
     from pipeweave.commands.stream_options import add_schedule_arguments
 
+    add_layout_arguments(p)
+    add_byte_arguments(p)
     g = p.add_argument_group("asynchronous schedules", "a stream of --steps mini-batches with no flush")
     g.add_argument("--steps", type=int, help="mini-batches in the stream (default 4; avgpipe: rounds of P)")
     add_schedule_arguments(g)
@@ -79,18 +83,7 @@ def parse_times(flag: str, text: str) -> Times:
         >>> parse_times("--time-f", "1,2")
         [1.0, 2.0]
     """
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise UserError(f"{flag} {text!r} is not a number; give one time, or one per part as a comma list") from None
-    if any(v < 0 for v in values):
-        raise UserError(f"{flag} {text!r} has a negative time; give times >= 0")
-    scalar = len(values) == 1 and "," not in text
-    for v in values:
-        problem = cost_problem(v)
-        if problem is not None:
-            raise UserError(f"{flag} {text.strip()} {problem}" if scalar else f"{flag} {text!r}: {v:g} {problem}")
-    return values[0] if scalar else values
+    return parse_values(flag, text)
 
 
 def _check_counts(args: argparse.Namespace) -> None:
@@ -169,21 +162,33 @@ def run(args: argparse.Namespace) -> int:
     _check_outputs(args)
     times = {flag: parse_times(flag, getattr(args, flag[2:].replace("-", "_")))
              for flag in ("--time-f", "--time-b", "--time-w", "--time-u")}
+    if not args.from_csv:  # the flags refused before the schedule is built (a CSV's D is known once read)
+        layout_from_args(args, num_ranks=args.stages)
     schedule, info = _build(args, times)
     _check_lengths(times, schedule.num_parts)
+    layout = layout_from_args(args, num_ranks=schedule.placement.ranks_per_pipeline)
+    model = model_bytes(args, schedule.num_parts)
     cost = CostModel(f=times["--time-f"], b=times["--time-b"], w=times["--time-w"], u=times["--time-u"],
                      comm=args.time_comm, dispatch=args.time_dispatch, mem_w=args.mem_w)
     try:
         validate(schedule)
     except InvalidSchedule as exc:
         return _report_invalid(args, schedule, exc)
-    timeline = simulate(schedule, cost, check=False)  # validated just above
+    # validated just above
+    timeline = (simulate(schedule, cost, check=False) if layout.trivial
+                else simulate_layout(schedule, cost, layout, model, check=False))
     metrics = compute_metrics(timeline)
+    report = layout_report(schedule, cost, layout, model, metrics.makespan)
     files = _write_files(args, schedule, timeline)
     if args.json:
-        print(json.dumps(_as_json(schedule, info, cost, metrics, files)))
+        out = _as_json(schedule, info, cost, metrics, files)
+        if report is not None:
+            out["layout"] = report[0]
+        print(json.dumps(out))
         return 0
     _print_report(schedule, info, cost, metrics, format_timeline(timeline, width=args.width), files)
+    for line in report[1] if report is not None else ():
+        print(line)
     return 0
 
 

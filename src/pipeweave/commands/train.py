@@ -43,6 +43,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_partition_arguments(p)
     p.add_argument("--data-parallel", type=int, default=1, metavar="P",
                    help="pipeline replicas, gradients all-reduced across them; ranks P x D (default 1)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="processes splitting every stage's layers (Megatron's tensor parallelism); "
+                        "processes P x D x N on one device mesh (default 1)")
+    p.add_argument("--zero", type=int, default=0, metavar="STAGE",
+                   help="ZeRO stage of data parallelism: 0, or 1 (optimizer state sharded over the P replicas) "
+                        "(default 0)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MIB",
+                   help="MiB of gradients per all-reduce across replicas (default 25)")
     p.add_argument("--batch", "--batch-size", dest="batch", type=int, default=16,
                    help="samples per step, split into T microbatches (default 16)")
     p.add_argument("--data", metavar="FILE", help="gpt: a text file to train on (default: the stdlib sources)")

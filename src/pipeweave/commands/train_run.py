@@ -60,6 +60,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     """
     if args.data_parallel < 1:
         raise UserError(f"--data-parallel {args.data_parallel} is invalid; give P >= 1 pipeline replicas (1: none)")
+    if args.tensor_parallel < 1:
+        raise UserError(f"--tensor-parallel {args.tensor_parallel} is invalid; give N >= 1 processes per stage "
+                        "(1: none)")
     if not 0 < args.timeout <= MAX_TIMEOUT_S:  # nan too
         raise UserError(f"--timeout {args.timeout:g} is invalid; give the seconds a rank may wait on a peer, "
                         f"> 0 and at most {MAX_TIMEOUT_S:.0f} (a week); default 25")
@@ -88,7 +91,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         schedule=schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks,
         model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
         recompute=args.recompute, precision=args.precision, seed=args.seed or 0, data=args.data,
-        data_parallel=args.data_parallel,
+        data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel, zero=args.zero,
+        bucket_mb=args.bucket_mb,
         momentum=momentum, schedule_options=tuple(options.items()), policy=policy,
         post_validation=_post_validation(args), on_nonfinite=args.on_nonfinite, save=args.save,
         save_every=args.save_every,
@@ -99,14 +103,14 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     return _with_searched_costs(_with_partition(config, args), args)
 
 
-def _check_transport(args: argparse.Namespace, schedule: Any, torchrun: bool, capacity: int | None = None) -> None:
+def _check_transport(args: argparse.Namespace, plan: RunPlan, torchrun: bool, capacity: int | None = None) -> None:
     """``--transport shm`` needs CPU ranks spawned here on x86-64 with room in /dev/shm (one line otherwise)."""
     if args.transport != "shm":
         return
     if torchrun:
         raise UserError("--transport shm needs ranks spawned by pipeweave on one host, not torchrun; "
                         "use --transport gloo")
-    why = shm.unavailable(schedule.num_ranks, capacity or shm.DEFAULT_CAPACITY)
+    why = shm.unavailable(plan.num_processes, capacity or shm.DEFAULT_CAPACITY)
     if why is not None:
         raise UserError(f"--transport shm cannot run here: {why}; use --transport gloo")
 
@@ -118,11 +122,22 @@ def _ring_capacity(args: argparse.Namespace, plan: RunPlan, torchrun: bool) -> i
     return shm.capacity_for(largest_message_bytes(plan.config, plan.schedule, plan.parts))
 
 
-def _uses_rings(args: argparse.Namespace, schedule: Schedule, capacity: int | None) -> bool:
+def _uses_rings(args: argparse.Namespace, plan: RunPlan, capacity: int | None) -> bool:
     """Whether the launcher allocates shared-memory rings for this run (``--transport shm``, or auto where they work)."""
     if capacity is None:
         return False
-    return args.transport == "shm" or shm.unavailable(schedule.num_ranks, capacity) is None
+    return args.transport == "shm" or shm.unavailable(plan.num_processes, capacity) is None
+
+
+def _check_world(plan: RunPlan) -> None:
+    """Under torchrun, the processes started are the run's P x D x N (one line before any group forms)."""
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if under_torchrun() and world != plan.num_processes:
+        c = plan.config
+        raise UserError(f"torchrun started {world} processes but --data-parallel {c.data_parallel} x "
+                        f"{plan.schedule.num_ranks // c.data_parallel} stage ranks x --tensor-parallel "
+                        f"{c.tensor_parallel} need {plan.num_processes}; give --nnodes x --nproc-per-node = "
+                        f"{plan.num_processes}")
 
 
 def _post_validation(args: argparse.Namespace) -> Any:
@@ -236,14 +251,15 @@ def _launch(args: argparse.Namespace, config: TrainConfig) -> int:
     output_paths(args)  # likewise: a run must not learn at its end that it cannot write its record
     progress = _Progress(plan.config, schedule.num_ranks, quiet=args.quiet or (under_torchrun() and _rank() != 0))
     capacity = _ring_capacity(args, plan, under_torchrun())
-    _check_transport(args, schedule, under_torchrun(), capacity)
-    memory = estimate_memory(plan, capacity if _uses_rings(args, schedule, capacity) else None)
+    _check_transport(args, plan, under_torchrun(), capacity)
+    _check_world(plan)
+    memory = estimate_memory(plan, capacity if _uses_rings(args, plan, capacity) else None)
     check_memory(memory, config, on_cpu=not torch.cuda.is_available())  # one line before anything is spawned
     options = LaunchOptions(threads=args.threads, timeout_s=args.timeout, transport=args.transport,
                             shm_capacity=capacity)
     try:
         with progress:
-            record = launch(run_rank, plan, schedule.num_ranks, options, on_progress=progress.update)
+            record = launch(run_rank, plan, plan.num_processes, options, on_progress=progress.update)
     except RankFailure as failure:
         return failure.exit_code
     if record is None:  # a rank other than 0 under torchrun

@@ -31,3 +31,27 @@ def check_cost_flags(args: argparse.Namespace, flags: tuple[tuple[str, str], ...
         problem = None if value is None else cost_problem(value, what)
         if problem is not None:
             raise UserError(f"{flag} {value} {problem}")
+
+
+def parse_values(flag: str, text: str, what: str = "time") -> float | list[float]:
+    """``"1.5"`` -> 1.5, ``"1,2,1"`` -> [1.0, 2.0, 1.0]: one value, or one per part; ``what`` names them in errors.
+
+    Raises:
+        UserError: a value that is not a number >= 0, or too large (``sim.cost.MAX_COST``).
+
+    Example:
+        >>> parse_values("--param-bytes", "4e6,2e6", "number of bytes")
+        [4000000.0, 2000000.0]
+    """
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag} {text!r} is not a number; give one {what}, or one per part as a comma list") from None
+    if any(v < 0 for v in values):
+        raise UserError(f"{flag} {text!r} has a negative {what}; give {what}s >= 0")
+    scalar = len(values) == 1 and "," not in text
+    for v in values:
+        problem = cost_problem(v, what)
+        if problem is not None:
+            raise UserError(f"{flag} {text.strip()} {problem}" if scalar else f"{flag} {text!r}: {v:g} {problem}")
+    return values[0] if scalar else values

@@ -8,7 +8,7 @@ replica and in plain training.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from torch import nn
 
@@ -44,3 +44,24 @@ def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Modul
         else:
             layers.append(build(spec, index, layer_generator(spec, index)))
     return layers
+
+
+def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
+    """One line if the model cannot be split over ``size`` tensor-parallel ranks (before any rank starts)."""
+    if size == 1:
+        return
+    if spec.kind == "custom":
+        if spec.custom.tp_plan is None:
+            raise UserError(f"--tensor-parallel {size}: the model {spec.entry} has no tp_plan; give its LayerModel "
+                            "a tp_plan (per layer, {module name: 'colwise' or 'rowwise'}), or --tensor-parallel 1")
+        return
+    (mlp if spec.kind == "mlp" else gpt).check_tensor_parallel(spec, size)
+
+
+def tensor_parallel_plan(spec: ModelSpec, index: int, layer: nn.Module) -> Mapping[str, str]:
+    """Layer ``index``'s tensor-parallel plan (``models.tensor_parallel``): the built-in model's, or the
+    custom model's ``tp_plan`` entry (empty: the layer stays whole)."""
+    if spec.kind == "custom":
+        plans = spec.custom.tp_plan
+        return (plans[index] or {}) if plans is not None else {}
+    return (mlp if spec.kind == "mlp" else gpt).tensor_parallel_plan(spec, layer)

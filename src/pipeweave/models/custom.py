@@ -62,7 +62,7 @@ import importlib
 import importlib.util
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +100,11 @@ class LayerModel:
     tuple of tensors (the first layer's arguments)."""
     eval_dataset: Any = None
     """Held-out ``(input, target)`` pairs for ``--eval-every`` (optional)."""
+    tp_plan: Sequence[Mapping[str, str] | None] | None = None
+    """For ``--tensor-parallel N``: per layer, its linear layers to split by name and style, e.g.
+    ``{"attn.qkv": "colwise_qkv", "attn.proj": "rowwise"}`` (``models.tensor_parallel``; None: the layer is
+    replicated whole). The layer's own code must then work on its rank's share of the features (a
+    per-head computation reads its head count from the shard), as torchtitan's ``parallelize`` asks."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, Sequence) or not self.layers:
@@ -110,6 +115,9 @@ class LayerModel:
                                 f"lambda: <the layer> so that only the rank that holds it builds it")
         if not callable(self.loss):
             raise UserError(f"LayerModel.loss is {type(self.loss).__name__}; give a function (output, target) -> loss")
+        if self.tp_plan is not None and (isinstance(self.tp_plan, Mapping) or len(self.tp_plan) != len(self.layers)):
+            raise UserError(f"LayerModel.tp_plan must be a list with one entry per layer ({len(self.layers)}): a "
+                            "dict {module name: 'colwise' or 'rowwise'} or None")
         for name in ("dataset", "eval_dataset"):
             data = getattr(self, name)
             if data is None and name == "eval_dataset":

@@ -14,6 +14,7 @@ from torch import nn
 
 from pipeweave.models.layers import Embedding, LayerNorm, Linear
 from pipeweave.models.spec import ModelSpec, layer_generator
+from pipeweave.models.tensor_parallel import check_divisible
 
 
 class Attention(nn.Module):
@@ -21,17 +22,17 @@ class Attention(nn.Module):
 
     def __init__(self, hidden: int, heads: int, *, generator: torch.Generator) -> None:
         super().__init__()
-        self.heads = heads
+        self.head_width = hidden // heads
         self.qkv = Linear(hidden, 3 * hidden, generator=generator)
         self.proj = Linear(hidden, hidden, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=-1)
-        # (batch, seq, width) -> (batch, heads, seq, width / heads)
-        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # under tensor parallelism, this rank's heads of each
+        # (batch, seq, heads x head width) -> (batch, heads, seq, head width): the heads held here
+        q, k, v = (t.view(batch, seq, -1, self.head_width).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Block(nn.Module):
@@ -73,3 +74,19 @@ def build_layer(spec: ModelSpec, index: int, generator: torch.Generator) -> nn.M
                 head.out.weight.copy_(Embedding.initial_token(spec.vocab, spec.hidden, layer_generator(spec, 0)))
         return head
     return Block(spec.hidden, spec.heads, generator=generator)
+
+
+def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
+    """One line if ``size`` ranks cannot split the gpt's heads, MLP or vocabulary evenly."""
+    check_divisible([("--heads", spec.heads), ("--hidden", spec.hidden)]
+                    + ([] if spec.tie_embeddings else [("the vocabulary", spec.vocab)]), size)
+
+
+def tensor_parallel_plan(spec: ModelSpec, layer: nn.Module) -> dict[str, str]:
+    """Megatron's split of a gpt layer (``models.tensor_parallel``): attention by heads, the MLP column then
+    row, the head by vocabulary. The embedding stays whole on every rank; so does a head tied to it."""
+    if isinstance(layer, Block):
+        return {"attn.qkv": "colwise_qkv", "attn.proj": "rowwise", "up": "colwise", "down": "rowwise"}
+    if isinstance(layer, Head) and not spec.tie_embeddings:
+        return {"out": "colwise_gather"}
+    return {}

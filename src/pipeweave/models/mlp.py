@@ -8,6 +8,7 @@ from torch import nn
 
 from pipeweave.models.layers import LayerNorm, Linear
 from pipeweave.models.spec import ModelSpec
+from pipeweave.models.tensor_parallel import check_divisible
 
 
 class MLPBlock(nn.Module):
@@ -27,3 +28,14 @@ def build_layer(spec: ModelSpec, index: int, generator: torch.Generator) -> nn.M
     """Layer ``index`` of the mlp: every layer is one block."""
     del index  # all blocks are alike; the generator makes them differ
     return MLPBlock(spec.hidden, generator=generator)
+
+
+def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
+    """One line if ``size`` ranks cannot split the blocks' 4h hidden layer evenly."""
+    check_divisible([("4 x --hidden", 4 * spec.hidden)], size)
+
+
+def tensor_parallel_plan(spec: ModelSpec, layer: nn.Module) -> dict[str, str]:
+    """A block's up projection split column-wise, its down projection row-wise (Megatron's MLP)."""
+    del spec, layer
+    return {"up": "colwise", "down": "rowwise"}

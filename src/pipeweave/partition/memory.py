@@ -42,6 +42,9 @@ class MemoryProfile:
     """Bytes of gradients and optimizer state per weight byte (SGD 1, momentum 2, Adam 3)."""
     ranks: tuple[int, ...] = ()
     """Rank of each part (empty: part k on rank k); a rank with several parts sums their memory."""
+    weight_share: float = 1.0
+    """The fraction of a weight copy one GPU holds: 1/N under N-way tensor parallelism, 1/(N P) under
+    ZeRO-3 (``sim.shards.Shares``); ``state`` is then the sharded gradient and optimizer bytes."""
 
     def __post_init__(self) -> None:
         if len(self.activations) != len(self.weights):
@@ -66,7 +69,7 @@ class MemoryProfile:
         return cls(activations=(1.0,) * num_parts, weights=(1.0,) * num_parts, state=state)
 
     @classmethod
-    def of_schedule(cls, schedule: Schedule, *, state: float = 1.0) -> MemoryProfile:
+    def of_schedule(cls, schedule: Schedule, *, state: float = 1.0, weight_share: float = 1.0) -> MemoryProfile:
         """The profile of ``schedule``, from one simulation with unit costs.
 
         The in-flight count of a part is its rank's peak with activation 1 on
@@ -95,7 +98,8 @@ class MemoryProfile:
                     "partition for a synchronous schedule"
                 ) from exc
         ranks = tuple(part_rank[p] for p in range(n))
-        return cls(activations=tuple(acts), weights=tuple(weights), state=state, ranks=ranks)
+        return cls(activations=tuple(acts), weights=tuple(weights), state=state, ranks=ranks,
+                   weight_share=weight_share)
 
     def part_memory(self, costs: LayerCosts, part: int, starts: np.ndarray, stop: int) -> np.ndarray:
         """Bytes part ``part`` needs when it is layers ``[start, stop)``, for every start."""
@@ -104,7 +108,7 @@ class MemoryProfile:
         # the part are counted as the next layer's input).
         kept = act[stop] - act[starts] + costs.output[stop - 1]
         result: np.ndarray = self.activations[part] * kept + (
-            self.weights[part] + self.state
+            self.weights[part] * self.weight_share + self.state
         ) * (par[stop] - par[starts])
         return result
 

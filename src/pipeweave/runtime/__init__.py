@@ -6,12 +6,15 @@ in layers, each importing only from layers below it (a test keeps it so):
 1. ``process`` -- what a process knows of itself as a rank: its device, its
    wait timeout, where its progress reports go.
 2. ``transport/`` -- point-to-point messages between ranks and their order
-   (gloo, NCCL or shared-memory rings), their metadata, aligned clocks.
+   (gloo, NCCL or shared-memory rings), their metadata, aligned clocks; the
+   run's device mesh (data x pipeline x tensor parallelism) and its groups.
 3. ``stage/`` -- what one stage does with tensors: F, I, W, B and U of a
-   slice of layers, recomputation, tied weights, the weight policy of an
-   asynchronous schedule (pure tensor code in ``pipeweave.weights``),
-   post-validated optimizer steps, learning-rate schedules.
+   slice of layers, recomputation, tied weights, tensor-parallel layers, the
+   weight policy of an asynchronous schedule (pure tensor code in
+   ``pipeweave.weights``), post-validated optimizer steps, learning-rate schedules.
 4. executors -- ``executor`` (one rank interprets its lowered actions),
+   ``replicas`` (a part's replicas' gradients summed by bucketed collectives),
+   ``zero`` (ZeRO-1: their optimizer state sharded),
    ``walk`` and ``reference`` (every stage in one process: the tests' oracle),
    ``plain`` (single-process training, the exactness baseline), ``profile``
    (per-layer costs), ``stream`` (what an asynchronous stream is at run time),

@@ -7,11 +7,10 @@ stages on the same rank are handed over in memory; between ranks they travel
 through ``P2P`` (``isend``/``irecv`` in one per-pair order, receives posted ahead). The first
 stage of a pipeline takes the microbatch's data, the last computes its loss.
 
-Replicated parts (Chimera, GEMS, DualPipe: ``Placement.replicas``): as soon as
-a replica's last weight gradient of the step is done, its flattened gradient
-is sent to the ranks of the other replicas (through ``P2P``, in its order); at ``U`` each replica sums every
-replica's gradient in stage order, so all replicas apply bitwise the same
-update (the validator's dataflow makes ``U`` wait for exactly these).
+Replicated parts (data parallelism; Chimera, GEMS, DualPipe: ``Placement.replicas``):
+as soon as a replica's last weight gradient of the step is done, its buckets
+are all-reduced over the part's replica group (``runtime.replicas``), and its
+``U`` waits for them, so all replicas apply bitwise the same update.
 """
 
 from __future__ import annotations
@@ -19,14 +18,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 
 from pipeweave.errors import StuckError
 from pipeweave.models.boundary import Boundary
 from pipeweave.runtime.nonfinite import LossAgreement
-from pipeweave.runtime.transport.order import replica_peers
+from pipeweave.runtime.replicas import DEFAULT_BUCKET_BYTES, ReplicaReduction
+from pipeweave.runtime.transport import mesh
+from pipeweave.runtime.transport.mesh import replica_rank_sets
 from pipeweave.runtime.transport.p2p import P2P
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stage.policy import RankPolicy
@@ -36,91 +37,6 @@ from pipeweave.schedule.ir import Action, Op
 from pipeweave.schedule.lower import LoweredSchedule
 
 Record = tuple[Action, int, int]  # action, start and end in perf_counter_ns
-
-
-class ReplicaGradients:
-    """Sums the gradients of a part's replicas across ranks before ``U``.
-
-    Messages go through the rank's ``P2P``, at the places ``comm.rank_sends``
-    gives them, so both ends post them in one order (as NCCL needs).
-
-    Args:
-        lowered: the lowered schedule.
-        rank: this rank.
-        workers: this rank's stage workers.
-        p2p: this rank's transport.
-    """
-
-    def __init__(self, lowered: LoweredSchedule, rank: int, workers: dict[int, StageWorker], p2p: P2P) -> None:
-        placement = lowered.schedule.placement
-        self.placement, self.rank, self.workers, self.p2p, self.lowered = placement, rank, workers, p2p, lowered
-        self.replicated = {s for s in workers if len(placement.replicas(s)) > 1}
-        # Per local replicated stage, how many B/W of a step complete its gradient.
-        self.grad_actions = {s: 0 for s in self.replicated}
-        for a in lowered.schedule.actions[rank]:
-            if a.stage in self.replicated and a.op.computes_weight_grad:
-                self.grad_actions[a.stage] += 1
-        self._left: dict[int, int] = {}
-        self._combined: set[int] = set()  # parts combined this step
-        for s in self.replicated:
-            workers[s].combine_grads = self._combine
-            numel = sum(p.numel() for p in workers[s].module.parameters())
-            for other in placement.replicas(s):
-                if other not in workers:  # a remote replica of the same part: same size
-                    p2p.grad_numel[other] = numel
-
-    def begin_step(self) -> None:
-        self._left = dict(self.grad_actions)
-        self._combined.clear()
-        for s in sorted(self._left):
-            if self._left[s] == 0:  # a replica that saw no microbatch still sends its zeros
-                self._send(s)
-
-    def after(self, a: Action) -> None:
-        """Call after every compute action: sends a replica's gradient once it is complete."""
-        if a.stage in self._left and a.op.computes_weight_grad:
-            self._left[a.stage] -= 1
-            if self._left[a.stage] == 0:
-                self._send(a.stage)
-
-    def end_step(self) -> None:
-        """Nothing left: the sends are waited with the transport's (``P2P.end_step``)."""
-
-    def _send(self, s: int) -> None:
-        flat = _flatten(self.workers[s].gradients())
-        for peer in replica_peers(self.lowered, self.rank, s):
-            self.p2p.send_gradient(s, peer, flat)
-
-    def _combine(self, worker: StageWorker) -> None:
-        stage = next(s for s, w in self.workers.items() if w is worker)
-        part = self.placement.stage_part[stage]
-        if part in self._combined:
-            return
-        self._combined.add(part)
-        replicas = self.placement.replicas(stage)
-        flats = []
-        for other in replicas:  # stage order on every rank: bitwise equal sums
-            if other in self.workers:
-                flats.append(_flatten(self.workers[other].gradients()))
-            else:
-                flats.append(self.p2p.recv_gradient(other, self.placement.stage_rank[other]))
-        total = flats[0].clone()
-        for flat in flats[1:]:
-            total += flat
-        for other in replicas:
-            if other in self.workers:
-                _unflatten(total, self.workers[other].gradients())
-
-
-def _flatten(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([g.reshape(-1).float() for g in grads])
-
-
-def _unflatten(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 class Executor:
@@ -136,8 +52,11 @@ class Executor:
             ``StageWorker.evaluate`` and the workers' gradient exchanges are left to the training executor.
         policy: an asynchronous schedule's weight policy (``stage.policy.RankPolicy``), called around
             every compute action (the weights each reads); None for synchronous schedules.
-        combine_replicas: sum the gradients of a part's replicas before ``U``; False where replicas
-            train apart (AvgPipe's, averaged by its policy instead).
+        combine_replicas: sum the gradients of a part's replicas before ``U`` (over the groups of the
+            run's ``transport.mesh``, which must be installed where replicas span ranks); False where
+            replicas train apart (AvgPipe's, averaged by its policy instead).
+        bucket_bytes: the size of the buckets of that sum (``runtime.replicas``).
+        zero: ZeRO-1 for data-parallel replicas (``runtime.zero``): optimizer state sharded over them.
         on_nonfinite: a synchronous run's ``TrainConfig.on_nonfinite``: every rank learns each step's
             loss (``nonfinite.LossAgreement``, ``step_loss``); ``skip``: no stage updates on a non-finite
             one. None: nothing agreed (evaluation, streams).
@@ -159,6 +78,8 @@ class Executor:
         policy: RankPolicy | None = None,
         combine_replicas: bool = True,
         on_nonfinite: str | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        zero: bool = False,
     ) -> None:
         self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
         self.placement = lowered.schedule.placement
@@ -167,7 +88,9 @@ class Executor:
         self.evaluating = evaluate
         """F runs as ``StageWorker.evaluate``; no gradient is prepared or exchanged."""
         exchanging = {} if evaluate else workers  # the training executor owns the workers' combine_grads
-        self.replicas = ReplicaGradients(lowered, rank, exchanging if combine_replicas else {}, self.p2p)
+        self.replicas = ReplicaReduction(self.placement, self.row, exchanging if combine_replicas else {},
+                                         _replica_groups(self.placement) if exchanging and combine_replicas else {},
+                                         bucket_bytes, zero)
         self.tied = TiedGradients(self.placement, exchanging, rank, self.p2p.tag_limit)
         if not evaluate and any(getattr(w.spec, "tie_embeddings", False) for w in workers.values()):
             # Every pipeline's first and last stage hold the two ends (runtime.stage.tied), on any rank.
@@ -175,15 +98,9 @@ class Executor:
                 if line[0] != line[-1]:
                     self.p2p.tied.update({line[0]: line[-1], line[-1]: line[0]})
         self.dispatch: dict[Op, Callable[[Action], None]] = {
-            Op.F: self.forward,
-            Op.B: self.backward,
-            Op.I: self.backward_input,
-            Op.W: self.backward_weight,
-            Op.U: self.update,
-            Op.SEND_F: self.send_forward,
-            Op.RECV_F: self.recv_forward,
-            Op.SEND_B: self.send_backward,
-            Op.RECV_B: self.recv_backward,
+            Op.F: self.forward, Op.B: self.backward, Op.I: self.backward_input, Op.W: self.backward_weight,
+            Op.U: self.update, Op.SEND_F: self.send_forward, Op.RECV_F: self.recv_forward,
+            Op.SEND_B: self.send_backward, Op.RECV_B: self.recv_backward,
         }
         self.peak_activation_bytes = 0
         # Of the last step: thread CPU ns per action (parallel to the records), process CPU ns of the step.
@@ -232,7 +149,6 @@ class Executor:
             records.append((a, t0, clock()))
             cpu_ns.append(cpu() - c0)
         self.p2p.end_step()
-        self.replicas.end_step()
         self.step_cpu_ns = time.process_time_ns() - step_cpu
         if self._inputs or self._outputs or self._grads_in or self._grads_out:  # pragma: no cover
             raise RuntimeError(f"rank {self.rank}: tensors left over at the end of a step")
@@ -347,3 +263,14 @@ class Executor:
             self._prepared = True
             for worker in self.workers.values():
                 worker.prepare_gradients()
+
+
+def _replica_groups(placement: Any) -> dict[int, Any]:
+    """The run's replica groups (``transport.mesh``), present wherever a part's replicas span ranks."""
+    if not replica_rank_sets(placement):
+        return {}
+    active = mesh.active()
+    if active is None:
+        raise RuntimeError("replicas on several ranks sum their gradients over the run's mesh: build and install "
+                           "it first (transport.mesh.build_mesh, mesh.install)")
+    return active.replica_groups

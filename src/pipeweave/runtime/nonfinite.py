@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.transport.mesh import pipeline_group
 from pipeweave.schedule.ir import Action, Op, Placement
 
 
@@ -79,13 +80,13 @@ class LossAgreement:
 
     def _post(self, share: torch.Tensor) -> None:
         self._share = share
-        self._work = dist.all_reduce(share, async_op=True)
+        self._work = dist.all_reduce(share, group=pipeline_group(), async_op=True)  # each stage rank once
 
 
 def summed_losses(shares: Sequence[float], device: torch.device) -> list[float]:
     """Every rank's per-mini-batch loss shares summed (one blocking all-reduce; every rank calls it)."""
     total = torch.tensor(list(shares), dtype=torch.float64, device=device)
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=pipeline_group())  # each stage rank once, not once per tensor-parallel rank
     return total.tolist()
 
 

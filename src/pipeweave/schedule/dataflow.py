@@ -78,6 +78,7 @@ def execute(
     *,
     op_times: Sequence[Mapping[Op, float]] | None = None,
     gap: float = 0.0,
+    update_delay: Sequence[float] | None = None,
 ) -> Execution:
     """Run every rank's list in order over the data dependencies.
 
@@ -90,6 +91,13 @@ def execute(
             ``duration`` (the simulator's path). Ignored when ``duration`` is given.
         gap: time between the end of an action and the earliest start of the
             next one on the same rank (a runtime's dispatch time).
+        update_delay: per part, the time its gradients take to be reduced
+            across data-parallel replicas before its ``U`` may start (default
+            none). The reduction starts when the part's last weight gradient
+            of the step ends, runs beside the rank's later actions, and waits
+            for the reductions the same rank started before it (one
+            communication stream per rank, as NCCL's collectives on one
+            process group run in order).
 
     Example:
         >>> from pipeweave.schedule import generate
@@ -98,7 +106,7 @@ def execute(
     """
     if op_times is None or duration is not None:
         op_times = [{op: 0.0 for op in Op}] * schedule.num_stages
-    start, end, done, blocked = _walk(schedule, duration, latency, op_times, gap)
+    start, end, done, blocked = _walk(schedule, duration, latency, op_times, gap, update_delay)
     waiting = {r: _describe(_decode(code, schedule.num_stages)) for r, code in blocked.items()}
     rows = schedule.actions
     for r in range(len(rows)):
@@ -120,6 +128,7 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
     latency: Latency | None,
     op_times: Sequence[Mapping[Op, float]],
     gap: float = 0.0,
+    update_delay: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]], list[int], dict[int, int]]:
     """The in-order walk: ``(start, end, done, blocked)``, ``blocked[rank]`` a waiter code.
 
@@ -148,6 +157,9 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
     sync = schedule.is_synchronous
     remaining = _expected_weight_grads(schedule) if sync else {}
     part_ready: dict[int, float] = {}
+    delay = update_delay if update_delay is not None and any(update_delay) else None
+    stream = [0.0] * n  # per rank, when its communication stream is free (update_delay's reductions)
+    last_w: dict[int, float] = {}  # asynchronous, per stage: the end of its latest weight gradient
     waiters: dict[int, list[int]] = {}
     queue = deque(range(n))
     F, I, W, U = Op.F, Op.I, Op.W, Op.U
@@ -199,6 +211,11 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
                     need = (base + part_of[s]) * 4 + _PART
                 else:
                     t0 = t_dep if t_dep > t0 else t0
+            elif op is U and delay is not None:  # asynchronous: its rank's gradients since the last U, reduced
+                t_dep = last_w.pop(s, None)
+                if t_dep is not None:
+                    t_dep = stream[r] = (t_dep if t_dep > stream[r] else stream[r]) + delay[part_of[s]]
+                    t0 = t_dep if t_dep > t0 else t0
             if need >= 0:
                 waiters.setdefault(need, []).append(r)
                 blocked[r] = need
@@ -223,8 +240,13 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
                 if t > part_ready.get(part, 0.0):
                     part_ready[part] = t
                 if remaining[part] == 0:  # U of update 0 may run: key 0 * S + part
-                    part_done[part] = part_ready.get(part, 0.0)
+                    ready = part_ready.get(part, 0.0)
+                    if delay is not None:
+                        ready = stream[r] = (ready if ready > stream[r] else stream[r]) + delay[part]
+                    part_done[part] = ready
                     _wake(waiters, blocked, queue, part * 4 + _PART)
+            elif delay is not None and op in weight_grad:
+                last_w[s] = t
             if made >= 0 and waiters:
                 woken = waiters.pop(made, None)  # _wake, inlined: this runs per action
                 if woken is not None:

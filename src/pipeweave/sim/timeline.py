@@ -7,7 +7,7 @@ inputs have arrived (plus one hop of ``comm`` when they come from another rank).
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -80,15 +80,33 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, check: bool =
     """
     cost = cost or CostModel()
     costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
+    comm = costs.comm
+    return simulate_parts(schedule, costs, check=check, hop=(lambda src, dst: comm) if comm else None)
+
+
+def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
+                   hop: Callable[[int, int], float] | None = None,
+                   update_delay: Sequence[float] | None = None) -> Timeline:
+    """Time every action of ``schedule`` under costs already resolved per part (``simulate``'s core).
+
+    Args:
+        schedule: any schedule of the IR.
+        costs: one value per part (``CostModel.for_parts``, or ``sim.parallel.layout_costs``).
+        check: validate the actions first.
+        hop: time of a message from one stage to another on a different rank (default: none).
+        update_delay: per part, the data-parallel reduction between its last weight gradient and its
+            ``U`` (``schedule.dataflow.execute``); default none.
+
+    Raises:
+        InvalidSchedule: the schedule breaks a rule or deadlocks.
+    """
     part_of = schedule.placement.stage_part
     if check:
         check_actions(schedule)
-    comm = costs.comm
     # A table per stage instead of a call per action: the walk's hot loop.
     op_times = [{op: action_time(costs, part, op) for op in Op} for part in part_of]
     with _gc_paused():
-        run = execute(schedule, latency=(lambda src, dst: comm) if comm else None, op_times=op_times,
-                      gap=costs.dispatch)
+        run = execute(schedule, latency=hop, op_times=op_times, gap=costs.dispatch, update_delay=update_delay)
         if not run.complete:
             check_order(schedule)  # raises with the explanation
             raise InvalidSchedule("the schedule cannot complete", schedule)  # pragma: no cover

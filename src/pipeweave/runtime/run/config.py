@@ -24,6 +24,8 @@ from pipeweave.schedule import SCHEDULES
 
 OPTIMIZERS = ("sgd", "adamw")
 ON_NONFINITE = ("stop", "skip")
+ZERO_STAGES = (0, 1)
+MAX_BUCKET_MB = 4096.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +64,14 @@ class TrainConfig:
     """Layer count of each part (``pipeweave.partition``); None: uniform."""
     data_parallel: int = 1
     """P: pipeline replicas (``schedule.data_parallel``); the batch is the global batch, T per replica."""
+    tensor_parallel: int = 1
+    """N: processes splitting every stage's layers (``models.tensor_parallel``); a run has P x D x N processes
+    on one device mesh (``runtime.transport.mesh``)."""
+    zero: int = 0
+    """ZeRO stage of data parallelism: 0 (every replica keeps its optimizer state) or 1 (optimizer state
+    sharded over the replicas, parameters gathered after each step; ``runtime.zero``)."""
+    bucket_mb: float = 25.0
+    """MiB of gradients per all-reduce of the replicas' gradients (``runtime.replicas``)."""
     memory_every_step: bool = False
     """Count activation bytes (saved-tensor hooks) in every step, not only the first.
 
@@ -123,7 +133,7 @@ class TrainConfig:
         if self.on_nonfinite not in ON_NONFINITE:
             raise UserError(f"--on-nonfinite {self.on_nonfinite!r} is unknown; choose one of: "
                             f"{', '.join(ON_NONFINITE)}")
-        for name in ("steps", "batch_size", "data_parallel", "eval_batches"):
+        for name in ("steps", "batch_size", "data_parallel", "tensor_parallel", "eval_batches"):
             value = getattr(self, name)
             if value < 1:
                 raise UserError(f"--{_FLAGS.get(name, name)} {value} is invalid; give an integer >= 1")
@@ -139,6 +149,10 @@ class TrainConfig:
                             "--resume DIR)")
         if self.eval_every is not None and self.eval_every < 1:
             raise UserError(f"--eval-every {self.eval_every} is invalid; give an integer >= 1")
+        if self.zero not in ZERO_STAGES:
+            raise UserError(f"--zero {self.zero} is invalid; choose one of: {', '.join(map(str, ZERO_STAGES))}")
+        if not 0 < self.bucket_mb <= MAX_BUCKET_MB:  # nan too
+            raise UserError(f"--bucket-mb {self.bucket_mb} is invalid; give MiB > 0 and at most {MAX_BUCKET_MB:g}")
         if not 0.0 <= self.momentum < 1.0:
             raise UserError(f"--momentum {self.momentum} is invalid; give 0 <= momentum < 1")
 
@@ -156,11 +170,12 @@ class TrainConfig:
 
 # The option of a field where its name differs (messages name what the user typed).
 _FLAGS = {"batch_size": "batch", "num_stages": "stages", "num_microbatches": "microbatches",
-          "num_chunks": "chunks", "data_parallel": "data-parallel", "eval_batches": "eval-batches"}
-_INTS = ("num_stages", "num_microbatches", "batch_size", "steps", "seed", "data_parallel", "lr_warmup",
-         "eval_batches", "keep_checkpoints")
+          "num_chunks": "chunks", "data_parallel": "data-parallel", "tensor_parallel": "tensor-parallel",
+          "eval_batches": "eval-batches"}
+_INTS = ("num_stages", "num_microbatches", "batch_size", "steps", "seed", "data_parallel", "tensor_parallel", "zero",
+         "lr_warmup", "eval_batches", "keep_checkpoints")
 _OPTIONAL_INTS = ("num_chunks", "save_every", "lr_decay_steps", "eval_every")
-_FLOATS = ("lr", "momentum")
+_FLOATS = ("lr", "momentum", "bucket_mb")
 _STRS = ("schedule", "optimizer", "precision", "lr_schedule", "on_nonfinite")
 _OPTIONAL_STRS = ("data", "save", "resume")
 _BOOLS = ("recompute", "collect_parameters", "memory_every_step", "overwrite")

@@ -21,26 +21,31 @@ import time
 
 from pipeweave.data import data_source
 from pipeweave.runtime.executor import Executor
-from pipeweave.runtime.process import device_for, progress
+from pipeweave.runtime.process import progress
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
 from pipeweave.runtime.run.plan import RunPlan, learning_rates
 from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
 from pipeweave.runtime.run.stream_job import run_stream_rank
-from pipeweave.runtime.run.workers import build_workers
+from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.stage.lr_schedule import set_lr
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import lower
 
 
-def run_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
-    """Train on this rank; rank 0 returns the gathered ``RunRecord``, the others None."""
+def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
+    """Train on this process; process 0 returns the gathered ``RunRecord``, the others None.
+
+    ``world`` is P x D x N processes; each plays stage rank ``process // N`` of the schedule
+    (``transport.mesh``), the N of a tensor-parallel group alike on their shards.
+    """
     config = plan.config
     if config.is_stream:
-        return run_stream_rank(rank, world, plan)
+        return run_stream_rank(process, world, plan)
     started = time.perf_counter()
-    device = device_for(rank)
+    joined, device = join_mesh(plan, process, world)
+    rank = joined.stage_rank
     workers = build_workers(plan, rank, device)
     done = plan.steps_done  # the data goes on from the batch after the checkpoint's last
     if config.resume is not None:
@@ -49,9 +54,10 @@ def run_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     for w in workers.values():
         w.steps_done = done
     executor = Executor(lower(plan.schedule), rank, workers, plan.microbatch_sizes, device,
-                        on_nonfinite=config.on_nonfinite)
+                        on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
+                        zero=config.zero == 1)
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
-    offset = align_clocks(rank, world)
+    offset = align_clocks(process, world)
     t = plan.schedule.num_microbatches
     mine = RankRecord(rank, [], [], 0, 0, {})
     milestones = Milestones(plan, plan.schedule, rank, workers, device, source)
@@ -69,7 +75,8 @@ def run_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
             for w in workers.values():
                 w.track_memory = False
         mine.records.append(seconds_since(timings, offset))
-        progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
+        if joined.tp_rank == 0:  # a tensor-parallel group's ranks run alike: one reports
+            progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
         divergence.after_step(step, executor.step_loss)  # stops every rank here, or counts a skipped update
         milestones.reached(step + 1)
     divergence.at_end(plan.schedule.placement)
@@ -78,7 +85,7 @@ def run_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     mine.parameters = final_parameters(config, workers)
     mine.eval_losses = milestones.eval_losses
     mine.skipped_steps = divergence.skipped_steps
-    run = gather_run(config, mine, rank, world, started, done)
+    run = gather_run(config, mine, process, world, started, done)
     if run is not None:
         run.save_failures, run.final_save_failure = milestones.save_failures, milestones.final_save_failure
     return run

@@ -11,7 +11,8 @@
 - **weights and optimizer state**: every weight copy the schedule's policy
   holds (``sim.metrics.version_metrics``: stashed versions, double buffers,
   predictions), one gradient per stage, and the optimizer's state per stage
-  (SGD with momentum 1x, AdamW 2x the part's weights);
+  (SGD with momentum 1x, AdamW 2x the part's weights; 1/P of it under
+  ``--zero 1``);
 - **message rings**: the shared-memory rings a rank receives on
   (``transport.shm``: one per peer, ``capacity_for`` the largest message), where they are used;
 - **rank process**: a rank's own memory before any tensor and its copy of the
@@ -25,6 +26,11 @@ parallelism, a PipeDream stream); the test (``tests/runtime/test_memory_estimate
 holds it within 1.1x. It is an upper bound where a backward's transient meets
 the rank's peak. What no meter counts -- messages in flight, the data batch,
 the allocator's slack -- is left out, as is a CUDA rank's context.
+
+Under tensor parallelism a rank is N processes, each holding its shards and
+its activations (measured as one process of the group holds them: the
+layers split, their collectives left out, ``models.tensor_parallel.MEASURING``);
+the figures are per process, and every process of a rank needs them.
 
 ``check_memory`` refuses a run whose ranks on this host -- every rank when
 spawned, a node's local ranks under torchrun -- need more than the host's free
@@ -63,6 +69,8 @@ class MemoryEstimate:
     """Weight copies, gradients and optimizer state."""
     rings: tuple[int, ...]
     processes: tuple[int, ...]
+    tensor_parallel: int = 1
+    """Processes per rank (N), each needing the rank's figures."""
 
     @property
     def per_rank(self) -> tuple[int, ...]:
@@ -89,16 +97,18 @@ def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEs
     costs = CostModel(weight=[float(p.weights) for p in parts]).for_parts(num_parts=schedule.num_parts,
                                                                           num_ranks=schedule.num_ranks)
     copies = version_metrics(schedule, costs)[0]
-    per_stage = 1 + optimizer_copies(config)  # a gradient, and the optimizer's state
+    # A gradient, and the optimizer's state (ZeRO-1: a 1/P slice of it, data-parallel replicas sharing it).
+    per_stage = 1 + optimizer_copies(config) / (config.data_parallel if config.zero else 1)
     weights = [c for c in copies]
     for stage, rank in enumerate(schedule.placement.stage_rank):
         weights[rank] += per_stage * parts[part_of[stage]].weights
     ranks = schedule.num_ranks
-    rings = 0 if ring_capacity is None else (ranks - 1) * ring_capacity  # one ring from every peer
+    processes = ranks * config.tensor_parallel
+    rings = 0 if ring_capacity is None else (processes - 1) * ring_capacity  # one ring from every peer
     actions = sum(len(row) for row in schedule.actions)
     process = PROCESS_BYTES + actions * RANK_BYTES_PER_ACTION
     return MemoryEstimate(tuple(int(a) for a in activations), tuple(int(w) for w in weights), (rings,) * ranks,
-                          (process,) * ranks)
+                          (process,) * ranks, config.tensor_parallel)
 
 
 def optimizer_copies(config: TrainConfig) -> int:
@@ -127,7 +137,8 @@ def check_memory(estimate: MemoryEstimate, config: TrainConfig, on_cpu: bool = T
         UserError: e.g. ``this run needs ~31.2 GiB (activations 28.0, ...) and 22.6 GiB is free; ...``.
     """
     free = host.available_memory()
-    here = ranks_here(len(estimate.per_rank))
+    n = estimate.tensor_parallel
+    here = [p // n for p in ranks_here(len(estimate.per_rank) * n)]  # this host's processes, by their rank
     terms = {"activations": estimate.activations, "weights and optimizer state": estimate.weights,
              "message rings": estimate.rings, "processes": estimate.processes}
     if not on_cpu:
@@ -140,7 +151,8 @@ def check_memory(estimate: MemoryEstimate, config: TrainConfig, on_cpu: bool = T
         return
     unit, size = ("GiB", 2**30) if need >= 2**30 else ("MiB", 2**20)
     parts = ", ".join(f"{name} {value / size:.1f}" for name, value in sums.items() if value)
-    where = f"{len(here)} ranks on this host" if under_torchrun() else f"{len(here)} ranks"
+    noun = "processes" if n > 1 else "ranks"
+    where = f"{len(here)} {noun} on this host" if under_torchrun() else f"{len(here)} {noun}"
     raise UserError(f"this run needs ~{need / size:.1f} {unit} ({where}: {parts}) and {free / size:.1f} {unit} "
                     f"is free; {_hint(max(sums, key=lambda k: sums[k]), config)}")
 

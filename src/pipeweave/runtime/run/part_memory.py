@@ -51,6 +51,7 @@ from pipeweave.runtime.profile import default_cache_dir
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.sizes import microbatch_sizes
 from pipeweave.runtime.stage.memory import ActivationMeter
+from pipeweave.runtime.stage.tensor_parallel import MEASURING, TensorParallel
 from pipeweave.runtime.stage.worker import StageWorker
 
 CPU_MEASURED_BYTES = 256 << 20
@@ -84,7 +85,8 @@ def part_memory(config: TrainConfig, parts: Sequence[range], backwards: tuple[st
     size = max(microbatch_sizes(config)[: config.num_microbatches * config.data_parallel])
     key = {"spec": asdict(config.model), "source": fingerprint(config.model.entry) if config.model.entry else None,
            "parts": [[p.start, p.stop] for p in parts], "size": size, "backwards": list(backwards),
-           "precision": config.precision, "recompute": config.recompute, "torch": torch.__version__}
+           "precision": config.precision, "recompute": config.recompute, "torch": torch.__version__,
+           "tensor_parallel": config.tensor_parallel}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir().parent / "memory"
     path = path / f"{digest}.json"
@@ -154,7 +156,8 @@ def _measure(config: TrainConfig, parts: Sequence[range], size: int, device: str
             _AsOnCpu() if device == "meta" else contextlib.nullcontext():
         for part in parts:
             worker = StageWorker(config.model, part, batch_size=config.batch_size, recompute=config.recompute,
-                                 device=device, precision=config.precision, optimizer_factory=_no_optimizer)
+                                 device=device, precision=config.precision, optimizer_factory=_no_optimizer,
+                                 tensor_parallel=_measuring(config))
             if device == "meta":
                 worker.meter = _MetaMeter({int(p.untyped_storage()._cdata) for p in worker.module.parameters()})
             out = worker.forward(0, x, target if worker.is_last else None)
@@ -172,6 +175,13 @@ def _measure(config: TrainConfig, parts: Sequence[range], size: int, device: str
             found.append(PartMemory(held, stash, during["B"], during["I"], worker.weight_bytes()))
             x = out
     return found
+
+
+def _measuring(config: TrainConfig) -> TensorParallel | None:
+    """One process of a tensor-parallel group, its collectives left out: what it holds (shards, its
+    activations), counted without its peers."""
+    n = config.tensor_parallel
+    return None if n == 1 else TensorParallel(MEASURING, 0, n)
 
 
 def _no_optimizer(params: Any) -> Any:

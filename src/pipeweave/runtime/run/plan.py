@@ -28,6 +28,7 @@ import torch
 
 from pipeweave.data import data_source
 from pipeweave.errors import UserError
+from pipeweave.models.build import check_tensor_parallel
 from pipeweave.models.spec import uniform_parts
 from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
@@ -37,6 +38,7 @@ from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.sizes import check_batch, check_layers, check_sizes, microbatch_sizes, probe_model
 from pipeweave.runtime.stage.lr_schedule import LrSchedule
 from pipeweave.runtime.stage.post_validation import check_post_validation
+from pipeweave.runtime.stage.tensor_parallel import check_plans
 from pipeweave.runtime.stage.worker import OptimizerFactory
 from pipeweave.runtime.stream import check_stream_model, pipelines_per_round, stream_steps, stream_updates
 from pipeweave.schedule import Schedule, generate, validate
@@ -72,6 +74,11 @@ class RunPlan:
     @property
     def microbatch_sizes(self) -> list[int]:
         return microbatch_sizes(self.config)
+
+    @property
+    def num_processes(self) -> int:
+        """P x D x N: the schedule's ranks (P replicas of D), each a tensor-parallel group of N processes."""
+        return self.schedule.num_ranks * self.config.tensor_parallel
 
 
 def prepare(config: TrainConfig) -> RunPlan:
@@ -158,9 +165,37 @@ def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
     if not schedule.is_synchronous:
         check_stream_model(config.model)
     validate(schedule)
+    _check_parallel(config, schedule)
     check_layers(config, schedule.num_parts)
     check_batch(config, config.num_microbatches * config.data_parallel if config.is_stream
                 else schedule.num_microbatches)
+
+
+def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
+    """Tensor parallelism splits this model evenly; it and ZeRO compose with the run's other options."""
+    if config.zero:
+        _check_zero(config, schedule)
+    n = config.tensor_parallel
+    if n == 1:
+        return
+    check_tensor_parallel(config.model, n)
+    check_plans(config.model)
+    if config.post_validation is not None:
+        raise UserError(f"--clip-grad-norm with --tensor-parallel {n} is not supported (a norm over shards); "
+                        "drop one of them")
+    if config.save is not None or config.resume is not None:
+        raise UserError(f"--save/--resume with --tensor-parallel {n} is not supported yet (a checkpoint of "
+                        "shards); train without them or with --tensor-parallel 1")
+
+
+def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
+    base = schedule.placement.num_stages // config.data_parallel  # the stages of one pipeline replica
+    if base != schedule.placement.num_parts:
+        raise UserError(f"--zero {config.zero} shards data-parallel replicas; {config.schedule} replicates parts "
+                        "inside its pipeline: use --zero 0 with it")
+    if config.post_validation is not None or config.save is not None or config.resume is not None:
+        raise UserError(f"--zero {config.zero} with --clip-grad-norm, --save or --resume is not supported yet "
+                        "(sharded optimizer state); use --zero 0 with them")
 
 
 def _check_evaluation(config: TrainConfig, source: Any) -> None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from pipeweave.runtime.run import plan
 from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.stage.tensor_parallel import gather
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.transport import shm
 from pipeweave.schedule.ir import Action
@@ -98,15 +99,24 @@ def seconds_since(timings: Sequence[tuple[Action, int, int]], offset: int) -> li
 
 
 def final_parameters(config: TrainConfig, workers: dict[int, StageWorker]) -> dict[int, dict[str, torch.Tensor]]:
-    """Per local stage, copies of its parameters when the config asks to collect them (else empty)."""
+    """Per local stage, copies of its parameters when the config asks to collect them (else empty).
+
+    Tensor-parallel shards are gathered whole (every process of the group calls this).
+    """
     if not config.collect_parameters:
         return {}
-    return {s: {k: p.detach().cpu().clone() for k, p in w.named_parameters().items()} for s, w in workers.items()}
+    return {s: {k: _whole(p, w).cpu().clone() for k, p in w.named_parameters().items()} for s, w in workers.items()}
+
+
+def _whole(param: torch.Tensor, worker: StageWorker) -> torch.Tensor:
+    return param.detach() if worker.tensor_parallel is None else gather(param, worker.tensor_parallel)
 
 
 def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, started: float,
                first_step: int = 0, first_update: int | None = None) -> RunRecord | None:
-    """Gather every rank's record on rank 0: the ``RunRecord`` there, None elsewhere.
+    """Gather every rank's record on rank 0 (``rank``: the process): the ``RunRecord`` there, None elsewhere.
+
+    Under tensor parallelism the record holds one process per stage rank, its ``tp`` coordinate 0's.
 
     ``first_step``/``first_update``: what the resumed checkpoint had done, read
     when the run started (a run saving to the folder it resumed from rewrites it).
@@ -116,6 +126,7 @@ def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, sta
     if rank != 0:
         return None
     assert gathered is not None
+    gathered = gathered[:: config.tensor_parallel]  # per stage rank its tp-0 process's (its group runs alike)
     return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started,
                      used_transport(), first_step, first_step if first_update is None else first_update)
 

@@ -68,7 +68,7 @@ def check_sizes(config: TrainConfig) -> None:
                         f"to build and simulate ({BYTES_PER_ACTION} B each), more than the {free / 2**30:.1f} GiB "
                         f"free here; give fewer stages or microbatches{' or steps' if config.is_stream else ''} "
                         f"(at most ~{free // BYTES_PER_ACTION:.2g} actions fit)")
-    ranks = d * config.data_parallel
+    ranks = d * config.data_parallel * config.tensor_parallel
     if not under_torchrun() and SPAWN_BYTES + ranks * PROCESS_BYTES > free:
         raise UserError(f"{_size(config, None)} start {ranks} rank processes here, "
                         f"~{_gib(SPAWN_BYTES + ranks * PROCESS_BYTES)} at ~{PROCESS_BYTES >> 20} MiB each and "

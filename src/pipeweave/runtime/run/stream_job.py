@@ -16,14 +16,14 @@ import torch
 
 from pipeweave.data import data_source
 from pipeweave.runtime.executor import Executor, Record
-from pipeweave.runtime.process import device_for, progress
+from pipeweave.runtime.process import progress
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones
 from pipeweave.runtime.run.plan import RunPlan, stream_rates
 from pipeweave.runtime.run.record import (RankRecord, RunRecord, close_pauses, final_parameters, gather_run,
                                           seconds_since)
-from pipeweave.runtime.run.workers import build_workers
+from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.stage.policy import RankPolicy, Read, StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stream import (StreamData, StreamPosition, check_stream_model, minibatch_losses,
@@ -50,7 +50,9 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     started = time.perf_counter()
     config = plan.config
     check_stream_model(config.model)
-    device = device_for(rank)
+    process = rank
+    joined, device = join_mesh(plan, process, world)
+    rank = joined.stage_rank
     workers = build_workers(plan, rank, device, plan.streams[0])
     carry = StreamCarry()
     if config.resume is not None:
@@ -58,7 +60,7 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
         carry = checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     rates = stream_rates(config, plan.schedule, plan.updates_done).at if config.lr_scheduled else None
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
-    offset = align_clocks(rank, world)
+    offset = align_clocks(process, world)
     milestones = Milestones(plan, plan.streams[0], rank, workers, device, source)  # any stream: same placement
     done = _Streamed()
     divergence = Divergence(plan, workers)
@@ -70,7 +72,8 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
         groups = split_by_minibatch(done.timings, config.num_microbatches, end)
         for m in range(first, end):
             times = seconds_since(groups[m], offset)
-            progress({"step": m, "loss": done.losses[m], "time": times[-1][4] if times else 0.0})
+            if joined.tp_rank == 0:  # a tensor-parallel group's ranks run alike: one reports
+                progress({"step": m, "loss": done.losses[m], "time": times[-1][4] if times else 0.0})
         divergence.after_stream(first, done.losses[first:end], device)  # stops every rank before saving here
         milestones.reached(end, carry)
     divergence.at_end(plan.streams[0].placement)
@@ -79,7 +82,7 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     mine = RankRecord(rank, done.losses, records, done.peak_activations, done.peak_weights,
                       final_parameters(config, workers), eval_losses=milestones.eval_losses)
     mine.versions = done.versions
-    run = gather_run(config, mine, rank, world, started, plan.steps_done, plan.updates_done)
+    run = gather_run(config, mine, process, world, started, plan.steps_done, plan.updates_done)
     if run is not None:
         run.paused_s = close_pauses(run)
         run.save_failures, run.final_save_failure = milestones.save_failures, milestones.final_save_failure

@@ -2,7 +2,9 @@
 
 ``worker.StageWorker`` runs F, B, I, W and U of a consecutive slice of layers
 (recomputation, activation accounting, deferred weight gradients);
-``tied`` sums the gradients of weights shared between stages; ``policy``
+``tied`` sums the gradients of weights shared between stages;
+``tensor_parallel`` splits a layer's linear layers over a ``tp`` group (Megatron's
+column/row-parallel layers, their collectives, the shards' splits); ``policy``
 binds an asynchronous schedule's weight policy (which version each action
 reads; the tensor code is ``pipeweave.weights``); ``post_validation``
 replaces the optimizer step by an optimistic one with exact rollback;

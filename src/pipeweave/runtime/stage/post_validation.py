@@ -33,6 +33,7 @@ import torch.distributed as dist
 from pipeweave.errors import UserError
 from pipeweave.runtime.process import wait_timeout
 from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.transport.mesh import process_of
 from pipeweave.schedule.ir import Schedule
 from pipeweave.weights.post_validation import SGD, AdamW, GradState, PostValidatedStep
 
@@ -160,12 +161,12 @@ def install_post_validation(options: PostValidation, schedule: Schedule, workers
 
 
 def _isend(state: GradState, dst: int, tag: int) -> Any:
-    return dist.isend(_pack(state), dst, tag=tag)
+    return dist.isend(_pack(state), process_of(dst), tag=tag)
 
 
 def _recv(src: int, tag: int) -> GradState:
     buffer = torch.zeros(2, dtype=torch.float64)
-    dist.irecv(buffer, src, tag=tag).wait(wait_timeout())
+    dist.irecv(buffer, process_of(src), tag=tag).wait(wait_timeout())
     return GradState(float(buffer[0]), bool(buffer[1] != 0))
 
 

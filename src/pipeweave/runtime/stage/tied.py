@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.transport.mesh import process_of
 from pipeweave.schedule.ir import Placement
 
 EMBEDDING, HEAD = "token", "out.weight"
@@ -111,7 +112,7 @@ class TiedGradients:
         grads = _grads(self.workers[stage])
         (end, grad), = grads.items()
         other = torch.empty_like(grad)
-        peer_rank = self.placement.stage_rank[peer]
+        peer_rank = process_of(self.placement.stage_rank[peer])  # with this process's tensor-parallel coordinate
         send = dist.isend(grad.contiguous(), dst=peer_rank, tag=self.tag_base + stage)
         recv = dist.irecv(other, src=peer_rank, tag=self.tag_base + peer)
         assert send is not None and recv is not None

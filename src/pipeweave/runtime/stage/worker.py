@@ -85,9 +85,10 @@ from pipeweave.models.layers import Deferrable, WeightGrad, WeightGradStore
 from pipeweave.models.precision import autocast
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
-from pipeweave.models.build import build_layers
+from pipeweave.models.build import build_layers, tensor_parallel_plan
 from pipeweave.models.spec import ModelSpec, loss_fn
 from pipeweave.runtime.stage.memory import ActivationMeter, own, unpack
+from pipeweave.runtime.stage.tensor_parallel import TensorParallel, split
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -122,6 +123,9 @@ class StageWorker:
         device: where the layers live; inputs must be given on it.
         track_memory: count activation bytes with saved-tensor hooks.
         precision: ``fp32``, or ``bf16`` (every forward under bfloat16 autocast; ``models.precision``).
+        tensor_parallel: this rank's tensor-parallel group: the layers are split over it
+            (``stage.tensor_parallel``, by the model's plan); every rank of the group runs the same
+            actions on its shard.
 
     Raises:
         UserError: an empty or non-consecutive layer range, or batch_size < 1.
@@ -145,6 +149,7 @@ class StageWorker:
         device: torch.device | str = "cpu",
         track_memory: bool = True,
         precision: str = "fp32",
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         indices = list(layer_indices)
         if not indices or indices != list(range(indices[0], indices[0] + len(indices))):
@@ -157,13 +162,19 @@ class StageWorker:
         self.recompute = recompute
         self.is_first = indices[0] == 0
         self.is_last = indices[-1] == spec.num_layers - 1
+        self.tensor_parallel = tensor_parallel
         layers = build_layers(spec, indices)
+        if tensor_parallel is not None and tensor_parallel.size > 1:  # built whole, then cut: plain training's weights
+            layers = [split(layer, tensor_parallel_plan(spec, i, layer), tensor_parallel, f"layer {i}")
+                      for i, layer in zip(indices, layers)]
         self.module = nn.ModuleDict({str(i): layer for i, layer in zip(indices, layers)}).to(device)
         self.store = WeightGradStore()
         for m in self.module.modules():
             if isinstance(m, Deferrable):
                 m.grad_store = self.store
-        self.optimizer = (optimizer_factory or sgd())(list(self.module.parameters()))
+        self.optimizer_factory = optimizer_factory or sgd()
+        """What built ``optimizer`` (ZeRO builds the same over its slices, ``runtime.zero``)."""
+        self.optimizer = self.optimizer_factory(list(self.module.parameters()))
         self.loss = loss_fn(spec)
         self.combine_grads: Callable[[StageWorker], None] | None = None
         self.meter = ActivationMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()})

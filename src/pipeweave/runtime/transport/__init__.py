@@ -4,5 +4,7 @@
 from the lowered schedule (as NCCL needs), over gloo/NCCL or the shared-memory
 rings of ``shm``; ``message`` describes what a message holds (dtypes, shapes,
 packed tuples) in its one-time metadata; ``clock`` aligns the ranks' clocks on
-rank 0's. It imports only ``runtime.process`` of the runtime.
+rank 0's; ``mesh`` is the run's device mesh (dp x pp x tp), its process groups,
+and which process a stage rank's messages go to. It imports only
+``runtime.process`` of the runtime.
 """

@@ -2,11 +2,10 @@
 
 Every message is named by a key ``(sender stage, kind, microbatch)``: kind 0
 carries an activation forward (``SEND_F`` -> ``RECV_F``), 1 an input gradient
-backward (``SEND_B`` -> ``RECV_B``), 2 a replicated part's whole weight
-gradient to the ranks of its other replicas (Chimera, GEMS, DualPipe; sent
-as soon as the replica's last B/W of the step is done, summed before ``U``),
-3 a tied embedding/head gradient (``runtime.stage.tied``, exchanged at ``U``: that
-module posts it; the transport only keeps its place in the order).
+backward (``SEND_B`` -> ``RECV_B``), 2 a tied embedding/head gradient
+(``runtime.stage.tied``, exchanged at ``U``: that module posts it; the
+transport only keeps its place in the order). Replicas' gradients are summed
+by collectives on groups of their own (``runtime.replicas``), not here.
 
 NCCL ignores tags and matches the messages of a pair of ranks in posting
 order, so correctness must not rest on tags. ``rank_sends`` derives from the
@@ -23,10 +22,10 @@ from pipeweave.schedule.ir import Action, Op
 from pipeweave.schedule.lower import LoweredSchedule
 
 META = -1  # microbatch field of a metadata message
-FWD, BWD, GRAD, TIED = 0, 1, 2, 3
-KINDS = 4
+FWD, BWD, TIED = 0, 1, 2
+KINDS = 3
 
-Key = tuple[int, int, int]  # (sender stage, kind, microbatch or META; 0 for GRAD)
+Key = tuple[int, int, int]  # (sender stage, kind, microbatch or META; 0 for TIED)
 
 
 def message_key(lowered: LoweredSchedule, a: Action) -> Key:
@@ -56,61 +55,25 @@ def message_key(lowered: LoweredSchedule, a: Action) -> Key:
     return (sender, direction, a.microbatch)
 
 
-def replica_points(lowered: LoweredSchedule, rank: int) -> dict[int, int]:
-    """Per replicated stage on ``rank``, the index in its lowered row of the B/W completing its gradient.
-
-    -1 for a replica that runs no B/W in the step (it sends its zeros at the start). Only stages the
-    row updates (``U``) combine gradients: a forward-only schedule (``schedule.evaluation``) sends none.
-    """
-    placement = lowered.schedule.placement
-    updated = {a.stage for a in lowered.actions[rank] if a.op is Op.U}
-    points: dict[int, int] = {}
-    for s in placement.stages_on(rank):
-        if len(placement.replicas(s)) > 1 and s in updated:
-            points[s] = -1
-    for i, a in enumerate(lowered.actions[rank]):
-        if a.stage in points and a.op.computes_weight_grad:
-            points[a.stage] = i
-    return points
-
-
-def replica_peers(lowered: LoweredSchedule, rank: int, stage: int) -> list[int]:
-    """The other ranks holding a replica of ``stage``'s part, ascending: where its gradient goes."""
-    placement = lowered.schedule.placement
-    return sorted({placement.stage_rank[o] for o in placement.replicas(stage)} - {rank})
-
-
 def rank_sends(
     lowered: LoweredSchedule, rank: int, *, with_meta: bool, tied: dict[int, int] | None = None
 ) -> list[tuple[int, Key]]:
     """Every message ``rank`` sends in one step, as ``(destination rank, key)`` in posting order.
 
-    The executor's order: replica gradients of replicas without B/W first, then
-    along the row a SEND action's message (preceded in the first step by its
-    stream's metadata with ``with_meta``), right after the B/W completing a
-    replica's gradient, that gradient to each peer replica's rank, ascending,
-    and at the ``U`` of a stage tied to a stage on another rank (``tied``:
-    stage -> the stage holding the other end), its tied gradient.
+    The executor's order: along the row a SEND action's message (preceded in
+    the first step by its stream's metadata with ``with_meta``), and at the
+    ``U`` of a stage tied to a stage on another rank (``tied``: stage -> the
+    stage holding the other end), its tied gradient.
 
     Example:
         >>> from pipeweave.schedule import generate, lower
         >>> rank_sends(lower(generate("1f1b", num_stages=2, num_microbatches=2)), 1, with_meta=False)
         [(0, (1, 1, 0)), (0, (1, 1, 1))]
     """
-    points = replica_points(lowered, rank)
-    after: dict[int, list[int]] = {}
-    for s, i in sorted(points.items()):
-        after.setdefault(i, []).append(s)
     out: list[tuple[int, Key]] = []
-
-    def replicas_done(i: int) -> None:
-        for s in after.get(i, ()):
-            out.extend((peer, (s, GRAD, 0)) for peer in replica_peers(lowered, rank, s))
-
-    replicas_done(-1)
     announced: set[tuple[int, int]] = set()
     rank_of = lowered.schedule.placement.stage_rank
-    for i, a in enumerate(lowered.actions[rank]):
+    for a in lowered.actions[rank]:
         if a.op is Op.U and tied and a.stage in tied and rank_of[tied[a.stage]] != rank:
             out.append((rank_of[tied[a.stage]], (a.stage, TIED, 0)))
         if a.op.is_send:
@@ -120,7 +83,6 @@ def rank_sends(
                 announced.add(key[:2])
                 out.append((peer, (key[0], key[1], META)))
             out.append((peer, key))
-        replicas_done(i)
     return out
 
 

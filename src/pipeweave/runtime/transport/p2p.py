@@ -8,8 +8,7 @@ Shapes travel once: the first message of each ``(sender stage, kind)``
 activation stream is preceded by a small metadata tensor holding the dtype
 and the per-sample shape (every dimension but the first). Dimension 0 is the
 microbatch, whose size every rank knows from the batch split, so a last
-microbatch smaller than the others needs no further message; a replica
-gradient's size is its part's parameter count, known to both replicas. Sends
+microbatch smaller than the others needs no further message. Sends
 are non-blocking and waited lazily (the validator's deadlock check assumes
 exactly that).
 
@@ -37,7 +36,8 @@ import torch.distributed as dist
 from pipeweave.runtime.transport import shm
 from pipeweave.runtime.process import wait_timeout
 from pipeweave.runtime.transport.message import META_LEN, Layout, read_meta, tensor_meta
-from pipeweave.runtime.transport.order import GRAD, KINDS, META, TIED, Key, message_key, send_order
+from pipeweave.runtime.transport.mesh import process_of
+from pipeweave.runtime.transport.order import KINDS, META, TIED, Key, message_key, send_order
 from pipeweave.schedule.ir import Action
 from pipeweave.schedule.lower import LoweredSchedule
 
@@ -54,7 +54,7 @@ class P2P:
 
     Args:
         lowered: the lowered schedule every rank runs.
-        rank: this rank in ``lowered`` (its rank in the process group).
+        rank: this rank in ``lowered`` (its stage rank: ``transport.mesh.process_of`` gives the process of each).
         microbatch_sizes: size of dimension 0 of every microbatch.
         device: where received tensors live (CPU for gloo, this rank's GPU for NCCL).
         lookahead: receives are posted ahead up to this many compute actions.
@@ -93,8 +93,6 @@ class P2P:
         self._first_step = True
         # Per peer, the keys it sends here, first step (with metadata) and later: computed once.
         self._orders: dict[bool, dict[int, list[Key]]] = {}
-        self.grad_numel: dict[int, int] = {}
-        """Per remote replica stage whose gradient this rank receives, its element count (float32)."""
         self.tied: dict[int, int] = {}
         """Every tied stage of the schedule -> the stage of its other end (set before the first step)."""
 
@@ -196,10 +194,6 @@ class P2P:
         if len(self._pending_sends) >= _PRUNE_AT:
             self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
 
-    def send_gradient(self, stage: int, peer: int, flat: torch.Tensor) -> None:
-        """Post the send of replica ``stage``'s flattened gradient to ``peer`` (its place in ``rank_sends``)."""
-        self._isend(flat, peer, (stage, GRAD, 0))
-
     def before_update(self, stage: int) -> None:
         """At ``U`` of ``stage``: if it is tied across ranks, post every receive its peer sends before the tie.
 
@@ -210,15 +204,12 @@ class P2P:
         if other is not None and rank_of[other] != self.rank:
             self._post_through(rank_of[other], (other, TIED, 0), block=True)
 
-    def recv_gradient(self, stage: int, peer: int) -> torch.Tensor:
-        """Wait for remote replica ``stage``'s flattened gradient from ``peer`` and return it."""
-        return self._wait((stage, GRAD, 0), peer)
-
     def _isend(self, tensor: torch.Tensor, peer: int, key: Key, nbytes: int | None = None) -> None:
         """Post the send; ``nbytes``: the (contiguous) tensor's bytes, when known."""
         ring = shm.active()  # --transport shm: the same messages, in the same order, through shared memory
-        work: Any = (ring.isend(tensor, peer, self.tag(key), nbytes) if ring
-                     else dist.isend(tensor, dst=peer, tag=self.tag(key)))
+        dst = process_of(peer)  # the peer stage rank's process with this tensor-parallel coordinate
+        work: Any = (ring.isend(tensor, dst, self.tag(key), nbytes) if ring
+                     else dist.isend(tensor, dst=dst, tag=self.tag(key)))
         assert work is not None
         if work is not shm.SENT:  # a record already in the ring needs no waiting (and no tensor)
             self._pending_sends.append((work, tensor))
@@ -241,9 +232,6 @@ class P2P:
         posted = self._take(message_key(self.lowered, a), self.lowered.peer(a))
         return posted.buffer if posted.layout is None else posted.layout.unpack(posted.buffer, posted.samples)
 
-    def _wait(self, key: Key, peer: int) -> torch.Tensor:
-        return self._take(key, peer).buffer
-
     def _take(self, key: Key, peer: int) -> _Posted:
         self._post_through(peer, key, block=True)
         posted = self._posted.pop(key)  # a tied key never reaches here: runtime.stage.tied waits on its own
@@ -264,7 +252,7 @@ class P2P:
                     return
                 queue.popleft()
                 return
-            if nxt[2] != META and nxt[1] != GRAD and nxt[:2] not in self._shapes:
+            if nxt[2] != META and nxt[:2] not in self._shapes:
                 if not self._read_meta(nxt[:2], block):
                     return
             queue.popleft()
@@ -295,9 +283,6 @@ class P2P:
         if key[2] == META:
             buffer = torch.zeros(META_LEN, dtype=torch.int64, device=self.device)
             nbytes = 8 * META_LEN
-        elif key[1] == GRAD:
-            buffer = torch.empty(self.grad_numel[key[0]], dtype=torch.float32, device=self.device)
-            nbytes = 4 * self.grad_numel[key[0]]
         else:
             shape = self._shapes[key[:2]]
             samples = self.sizes[key[2]]
@@ -309,8 +294,9 @@ class P2P:
                 buffer = torch.empty((samples, *sample), dtype=dtype, device=self.device)
                 nbytes = sample_bytes * samples
         ring = shm.active()
-        work: Any = (ring.irecv(buffer, peer, self.tag(key), nbytes) if ring
-                     else dist.irecv(buffer, src=peer, tag=self.tag(key)))
+        src = process_of(peer)
+        work: Any = (ring.irecv(buffer, src, self.tag(key), nbytes) if ring
+                     else dist.irecv(buffer, src=src, tag=self.tag(key)))
         assert work is not None
         self._posted[key] = _Posted(work, buffer, layout, self.sizes[key[2]] if layout is not None else 0)
 

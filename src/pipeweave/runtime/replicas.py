@@ -1,0 +1,155 @@
+"""The gradients of a part's replicas summed by collectives, in buckets, overlapped with the backward.
+
+A part held by several stages -- the P pipeline replicas of data
+parallelism, or the replicas Chimera, GEMS and DualPipe place inside one
+pipeline -- must apply one update: the sum of every replica's gradient (each
+microbatch's loss is already scaled by its share of the global batch). As
+DDP and Megatron-LM do, the part's gradients are flattened into buckets of
+about ``bucket_bytes`` and each bucket is all-reduced over the part's
+replica group (``transport.mesh.replica_group``) with ``async_op``, launched
+as soon as the last action of the step that adds to the part's gradients
+(its last ``W``, or ``B``) has run on this rank: the reduction then runs
+while the rank computes the rest of its backward, and the part's ``U`` waits
+for it. Replicas on this rank are summed first, in stage order.
+
+With ZeRO-1 (``zero=True``, ``runtime.zero``) each bucket is
+reduce-scattered instead, and the part's optimizer, sharded, steps the slice
+it receives and all-gathers the parameters.
+
+A group's members launch the same buckets in the same order (one launch per
+part and step, each part its own group), so the collectives match. The
+result of an all-reduce is the same on every member, so the replicas apply
+bitwise the same update and stay equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.zero import ZeroOptimizer, pad
+from pipeweave.schedule.ir import Action, Placement
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""Bytes of gradients per all-reduce (DDP's default ``bucket_cap_mb``)."""
+
+
+class ReplicaReduction:
+    """Sums the gradients of every replicated part on this rank before its ``U``.
+
+    Args:
+        placement: the schedule's placement.
+        row: this rank's actions of a step.
+        workers: this rank's stage workers (their ``combine_grads`` is set here).
+        groups: per replicated part spanning several ranks, the process group of its replicas.
+        bucket_bytes: the size of a bucket (the last one of a part may be smaller).
+        zero: ZeRO-1 for the parts whose replicas lie one per rank on several ranks: their workers'
+            optimizers are replaced by ``zero.ZeroOptimizer``s over the same buckets.
+    """
+
+    def __init__(self, placement: Placement, row: Sequence[Action], workers: dict[int, StageWorker],
+                 groups: dict[int, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES, zero: bool = False) -> None:
+        self.placement, self.workers, self.groups = placement, workers, groups
+        self.bucket_bytes = bucket_bytes
+        # Per replicated part on this rank: its local replica stages, ascending.
+        self.local: dict[int, list[int]] = {}
+        for s in sorted(workers):
+            if len(placement.replicas(s)) > 1:
+                self.local.setdefault(placement.stage_part[s], []).append(s)
+                workers[s].combine_grads = self._combine
+        # Per part, how many of the step's actions add to its gradients here.
+        self.grad_actions = {part: 0 for part in self.local}
+        for a in row:
+            part = placement.stage_part[a.stage]
+            if part in self.local and a.op.computes_weight_grad:
+                self.grad_actions[part] += 1
+        self.sharded = {part for part in self.local if zero and part in groups}
+        for part in self.sharded:
+            (stage,) = self.local[part]  # the plan refuses ZeRO where a rank holds two replicas of a part
+            worker = workers[stage]
+            params = list(worker.module.parameters())
+            worker.optimizer = ZeroOptimizer(worker.optimizer_factory, params,  # type: ignore[assignment]
+                                             _buckets(params, bucket_bytes), groups[part])
+        self._left: dict[int, int] = {}
+        self._pending: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # part -> (work, bucket) until combined
+        self.reduced_bytes = 0
+        """Bytes this rank put into all-reduces so far (the buckets' sizes)."""
+
+    def begin_step(self) -> None:
+        self._left = dict(self.grad_actions)
+        self._pending.clear()
+        for part in sorted(self._left):
+            if self._left[part] == 0:  # replicas that saw no microbatch contribute their zeros at once
+                self._launch(part)
+
+    def after(self, a: Action) -> None:
+        """Call after every compute action: launches a part's reduction once its gradients are complete here."""
+        part = self.placement.stage_part[a.stage]
+        if part in self._left and a.op.computes_weight_grad:
+            self._left[part] -= 1
+            if self._left[part] == 0:
+                self._launch(part)
+
+    def _launch(self, part: int) -> None:
+        grads = [w.gradients() for w in (self.workers[s] for s in self.local[part])]
+        buckets = []
+        for span in _buckets(grads[0], self.bucket_bytes):
+            flat = _flatten([grads[0][i] for i in span])
+            for other in grads[1:]:  # local replicas first, in stage order
+                flat += _flatten([other[i] for i in span])
+            group = self.groups.get(part)
+            self.reduced_bytes += 0 if group is None else flat.numel() * flat.element_size()
+            if part in self.sharded:  # ZeRO-1: this rank's slice of the sum only
+                flat = pad(flat, dist.get_world_size(group))
+                mine = flat.new_empty(flat.numel() // dist.get_world_size(group))
+                buckets.append((dist.reduce_scatter_single(mine, flat, group=group, async_op=True), mine))
+                continue
+            work = None if group is None else dist.all_reduce(flat, group=group, async_op=True)
+            buckets.append((work, flat))
+        self._pending[part] = buckets
+
+    def _combine(self, worker: StageWorker) -> None:
+        stage = next(s for s, w in self.workers.items() if w is worker)
+        part = self.placement.stage_part[stage]
+        buckets = self._pending.pop(part, None)
+        if buckets is None:  # combined already this step (another local replica's U)
+            return
+        if part in self.sharded:
+            for work, _ in buckets:
+                work.wait()
+            cast(ZeroOptimizer, worker.optimizer).set_gradients([mine for _, mine in buckets])
+            return
+        grads = [self.workers[s].gradients() for s in self.local[part]]
+        for span, (work, flat) in zip(_buckets(grads[0], self.bucket_bytes), buckets):
+            if work is not None:
+                work.wait()
+            for replica in grads:
+                _unflatten(flat, [replica[i] for i in span])
+
+
+def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int) -> list[range]:
+    """Consecutive runs of ``grads`` of about ``bucket_bytes`` each (a larger tensor is a bucket of its own)."""
+    spans, start, size = [], 0, 0
+    for i, g in enumerate(grads):
+        size += g.numel() * 4
+        if size >= bucket_bytes:
+            spans.append(range(start, i + 1))
+            start, size = i + 1, 0
+    if start < len(grads):
+        spans.append(range(start, len(grads)))
+    return spans
+
+
+def _flatten(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(-1).float() for g in grads])
+
+
+def _unflatten(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -1,0 +1,287 @@
+"""Tensor parallelism: a layer's linear submodules split over a ``tp`` process group, Megatron-LM's way.
+
+Shoeybi et al. (Megatron-LM, 2019) split a transformer's matmuls over N
+ranks so that a block costs two all-reduces in its forward and two in its
+backward: a **column-parallel** linear keeps a slice of the output features
+(rows of the weight) and needs its input whole; a **row-parallel** linear
+keeps a slice of the input features (columns of the weight), takes its input
+already split, and sums the partial outputs with an all-reduce. Attention
+splits by heads (each rank's rows of Q, K and V are whole heads), the MLP's
+up projection goes column-wise and its down projection row-wise, so the
+activation between the two of a pair never leaves its rank. A model names
+what to split in a plan (``models.tensor_parallel``); ``split`` applies it to
+a layer built whole.
+
+The two collectives are the paper's conjugate operators, written as autograd
+functions with explicit ``torch.distributed`` calls: ``f`` (identity forward,
+all-reduce of the input gradient backward, in front of a column-parallel
+layer) and ``g`` (all-reduce forward, identity backward, behind a
+row-parallel one). ``torch.distributed.tensor.parallel``'s
+``ColwiseParallel``/``RowwiseParallel`` run the same collectives through
+DTensor, but DTensor's linear computes its weight gradient inside the
+backward: zero-bubble schedules need it deferred to ``W``. Here the local
+matmuls are ``models.layers``'s deferrable ``Linear``, so ``I`` runs the
+collectives (they are on the input gradient's path) and ``W`` is local work
+on the shard, as the zero-bubble paper runs it inside Megatron's layers.
+
+Every rank builds the full layer from the layer's seed and keeps its slice,
+so the shards are exactly plain training's weights, cut; each shard carries
+its ``Split`` (``gather`` puts the whole back, ``shard`` cuts a whole one).
+Parameters outside the split layers (norms, embeddings, biases of
+row-parallel layers) are replicated: their inputs and gradients are the same
+on every rank of the group (what a ``g`` all-reduce gives every rank is
+bitwise one value), so their gradients agree without communication.
+
+Example (on each rank of a group of 2)::
+
+    tp = TensorParallel(group, rank=dist.get_rank(group), size=2)
+    (block,) = build_layers(spec, [1])
+    block = split(block, tensor_parallel_plan(spec, 1, block), tp, "layer 1")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeweave.errors import UserError
+from pipeweave.models.build import build_layers
+from pipeweave.models.layers import Deferrable, Linear, _accumulate, _deferring, _LinearFn
+from pipeweave.models.spec import ModelSpec
+from pipeweave.models.tensor_parallel import STYLES
+from pipeweave.runtime.transport.mesh import MEASURING, TensorParallel
+
+
+def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
+    t = t.contiguous()
+    if group is not MEASURING:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's ``f``: identity forward; the input gradient's partial sums all-reduced backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's ``g``: partial outputs all-reduced forward; the gradient passes through backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad, None
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    """Column shards concatenated along the last dimension forward; this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp, ctx.width = tp, x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(tp.size)]
+        if tp.group is not MEASURING:
+            dist.all_gather(parts, x.contiguous(), group=tp.group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        start = ctx.tp.rank * ctx.width
+        return grad[..., start : start + ctx.width].contiguous(), None
+
+
+class _AddBiasFn(torch.autograd.Function):
+    """``y + bias`` behind a row-parallel layer's reduction; the bias gradient deferred to ``W`` like a weight's."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, bias: torch.Tensor, store: Any) -> torch.Tensor:
+        ctx.bias, ctx.store = bias, store
+        return y + bias.to(y.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
+        bias = ctx.bias
+
+        def bias_grad() -> None:
+            _accumulate(bias, gy.reshape(-1, gy.shape[-1]).sum(0).to(bias.dtype))
+
+        if _deferring(ctx.store):
+            ctx.store.defer(bias_grad, (gy,))
+        else:
+            bias_grad()
+        return gy, None, None
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a parameter is cut over the group: along ``dim``, rank r holding the indices ``owned[r]`` of the whole.
+
+    Kept on the shard as ``param.tensor_parallel_split``: what gathers the whole parameter back (``gather``)
+    and cuts a whole one (a checkpoint's) into this rank's shard (``shard``).
+    """
+
+    dim: int
+    owned: tuple[torch.Tensor, ...]
+    """Per rank of the group, the indices along ``dim`` of the whole parameter it holds (int64)."""
+
+
+def _indices(length: int, size: int) -> tuple[torch.Tensor, ...]:
+    return torch.arange(length).chunk(size)
+
+
+def _shard(param: nn.Parameter | None, tp: TensorParallel, how: Split) -> nn.Parameter | None:
+    if param is None:
+        return None
+    dim = how.dim if param.dim() > 1 else 0  # a bias follows its weight's rows
+    piece = nn.Parameter(param.detach().index_select(dim, how.owned[tp.rank]).clone())
+    piece.tensor_parallel_split = Split(dim, how.owned)  # type: ignore[attr-defined]
+    return piece
+
+
+def split_of(param: torch.Tensor) -> Split | None:
+    """The ``Split`` of a tensor-parallel shard, None for a whole (replicated) parameter."""
+    return getattr(param, "tensor_parallel_split", None)
+
+
+def gather(param: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The whole parameter of ``param``'s shards (every rank of the group calls it); ``param`` itself if whole."""
+    split = split_of(param)
+    if split is None:
+        return param.detach()
+    shards = [torch.empty_like(param) for _ in range(tp.size)]
+    dist.all_gather(shards, param.detach().contiguous(), group=tp.group)
+    shape = list(param.shape)
+    shape[split.dim] = sum(len(i) for i in split.owned)
+    whole = param.new_empty(shape)
+    for owned, shard in zip(split.owned, shards):
+        whole.index_copy_(split.dim, owned.to(param.device), shard)
+    return whole
+
+
+def shard(whole: torch.Tensor, like: torch.Tensor, rank: int) -> torch.Tensor:
+    """This rank's shard of ``whole``, cut as the shard ``like`` is (``whole`` itself for a whole parameter)."""
+    split = split_of(like)
+    return whole if split is None else whole.index_select(split.dim, split.owned[rank].to(whole.device))
+
+
+class ColumnParallelLinear(Deferrable):
+    """A ``Linear`` keeping the output features ``rows[tp.rank]`` of the full layer; the input comes whole.
+
+    ``gather_output``: concatenate every rank's outputs (a vocabulary head before its loss);
+    otherwise the output stays split, for a row-parallel layer or a per-head computation next.
+    """
+
+    def __init__(self, full: Linear, tp: TensorParallel, rows: tuple[torch.Tensor, ...], *,
+                 gather_output: bool = False) -> None:
+        super().__init__()
+        self.tp, self.gather_output = tp, gather_output
+        split = Split(0, rows)
+        self.weight = _shard(full.weight, tp, split)
+        self.bias = _shard(full.bias, tp, split)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _CopyToTensorParallel.apply(x, self.tp.group)
+        y = _LinearFn.apply(x, self.weight, self.bias, self.grad_store)
+        return _GatherFromTensorParallel.apply(y, self.tp) if self.gather_output else y  # type: ignore[no-any-return]
+
+
+class RowParallelLinear(Deferrable):
+    """A ``Linear`` keeping the input features ``cols[tp.rank]`` of the full layer; partial outputs summed, then
+    the bias (whole on every rank)."""
+
+    def __init__(self, full: Linear, tp: TensorParallel, cols: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = _shard(full.weight, tp, Split(1, cols))
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _LinearFn.apply(x, self.weight, None, self.grad_store)
+        y = _ReduceFromTensorParallel.apply(y, self.tp.group)
+        return y if self.bias is None else _AddBiasFn.apply(y, self.bias, self.grad_store)  # type: ignore[no-any-return]
+
+
+def _colwise(full: Linear, tp: TensorParallel, *, gather_output: bool = False) -> ColumnParallelLinear:
+    return ColumnParallelLinear(full, tp, _indices(full.weight.shape[0], tp.size), gather_output=gather_output)
+
+
+def _colwise_qkv(full: Linear, tp: TensorParallel) -> ColumnParallelLinear:
+    """A fused QKV projection (rows: Q, K, V) split by heads: this rank's heads of each (the head count
+    divides by the group's size: ``models.tensor_parallel.check_divisible``)."""
+    width = full.weight.shape[0] // 3
+    per_rank = width // tp.size
+    rows = tuple(torch.cat([torch.arange(part * width + r * per_rank, part * width + (r + 1) * per_rank)
+                            for part in range(3)]) for r in range(tp.size))
+    return ColumnParallelLinear(full, tp, rows)
+
+
+_STYLE = {
+    "colwise": _colwise,
+    "colwise_qkv": _colwise_qkv,
+    "colwise_gather": lambda full, tp: _colwise(full, tp, gather_output=True),
+    "rowwise": lambda full, tp: RowParallelLinear(full, tp, _indices(full.weight.shape[1], tp.size)),
+}
+
+
+def split(layer: nn.Module, plan: Mapping[str, str], tp: TensorParallel, where: str) -> nn.Module:
+    """``layer`` with the linear submodules ``plan`` names (``{"attn.proj": "rowwise"}``) split over ``tp``.
+
+    Raises:
+        UserError: an unknown style, or a name that is not one of the layer's linear layers (``where`` says
+            which layer, in the message).
+    """
+    for name, style in plan.items():
+        module = check_entry(layer, name, style, where)
+        parallel = _STYLE[style](module, tp)
+        if name:
+            layer.set_submodule(name, parallel)
+        else:
+            layer = parallel
+    return layer
+
+
+def check_plans(spec: ModelSpec) -> None:
+    """Every entry of a custom model's ``tp_plan`` names one of its layer's linear layers and a known style.
+
+    Each planned layer is built on the meta device (no memory; on the CPU if it cannot be built there).
+    """
+    plans = spec.custom.tp_plan if spec.kind == "custom" else None
+    for index, plan in enumerate(plans or []):
+        if not plan:
+            continue
+        try:
+            with torch.device("meta"):
+                (layer,) = build_layers(spec, [index])
+        except UserError:
+            raise
+        except Exception:  # a layer built from data
+            (layer,) = build_layers(spec, [index])
+        for name, style in plan.items():
+            check_entry(layer, name, style, f"tp_plan[{index}]")
+
+
+def check_entry(layer: nn.Module, name: str, style: str, where: str) -> Linear:
+    """The linear submodule ``name`` of ``layer`` a plan may split with ``style`` (one line if it may not)."""
+    if style not in STYLES:
+        raise UserError(f"{where}: style {style!r} for {name!r} is unknown; choose one of: {', '.join(STYLES)}")
+    linears = [n for n, m in layer.named_modules() if isinstance(m, Linear)]
+    if name not in linears:
+        raise UserError(f"{where}: the TP plan names {name!r}, which is not a linear layer of it; give one of "
+                        f"{', '.join(linears) or 'none (it has no linear layer)'}")
+    return layer.get_submodule(name)  # type: ignore[return-value]

@@ -1,0 +1,153 @@
+"""The device mesh of a run: data x pipeline x tensor parallelism, and the process groups each needs.
+
+A run of P pipeline replicas of a D-rank schedule with N-way tensor
+parallelism has P x D x N processes on one ``torch.distributed.DeviceMesh``
+of shape ``(P, D, N)``, dimensions named ``dp``, ``pp``, ``tp``, in
+Megatron-LM's order: TP innermost (a TP group on consecutive ranks, one node),
+then the pipeline, then data parallelism, so process ``dp*D*N + pp*N + tp``.
+The lowered schedule (``schedule.data_parallel`` already lays the P replicas
+out as ``dp*D + pp``) is run by every TP rank alike: its **stage rank** is
+``process // N``, and its messages go to the process of the peer stage rank
+with the same ``tp`` coordinate (``process_of``).
+
+Groups: ``tp`` (the N ranks that split each layer), ``pipeline`` (the P x D
+processes of one ``tp`` coordinate, which sum the loss), and per replicated
+part the processes holding its replicas with this ``tp`` coordinate
+(``replica_group``: the ``dp`` dimension for plain data parallelism, other
+rank sets for Chimera, GEMS or DualPipe, whose replicas share a pipeline).
+Every process creates every group in one order, as ``torch.distributed``
+asks. Without tensor or data parallelism no group is created and the module
+stays inactive: process and stage rank coincide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from pipeweave.schedule.ir import Placement
+
+MEASURING = "measuring"
+"""A ``TensorParallel.group`` that communicates nothing: one process's shapes, without its peers, for
+counting the bytes a process holds before any process exists (``runtime.run.part_memory``). Never for training."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A process's place in its tensor-parallel group: the group, its rank in it, its size N."""
+
+    group: Any
+    """The ``torch.distributed`` process group of the N processes that split each layer (or ``MEASURING``)."""
+    rank: int
+    size: int
+
+
+@dataclass
+class Mesh:
+    """One process's coordinates in the run's mesh, and the groups it takes part in."""
+
+    data_parallel: int
+    stages: int
+    """D: stage ranks of one pipeline replica."""
+    tensor_parallel: int
+    process: int
+    """This process's rank in the default group."""
+    device_mesh: DeviceMesh | None = None
+    tp_group: Any = None
+    pipeline_group: Any = None
+    replica_groups: dict[int, Any] = field(default_factory=dict)
+    """Per replicated part whose replicas span several stage ranks: the group summing its gradients."""
+
+    @property
+    def stage_rank(self) -> int:
+        """This process's rank in the lowered schedule (``dp*D + pp``)."""
+        return self.process // self.tensor_parallel
+
+    @property
+    def tp_rank(self) -> int:
+        return self.process % self.tensor_parallel
+
+    def process_of(self, stage_rank: int) -> int:
+        """The process of ``stage_rank`` with this process's ``tp`` coordinate: where its messages go."""
+        return stage_rank * self.tensor_parallel + self.tp_rank
+
+    @property
+    def tensor_parallel_group(self) -> TensorParallel | None:
+        """What the stage workers split their layers over (None without tensor parallelism)."""
+        if self.tensor_parallel == 1:
+            return None
+        return TensorParallel(self.tp_group, self.tp_rank, self.tensor_parallel)
+
+
+def replica_rank_sets(placement: Placement) -> dict[int, tuple[int, ...]]:
+    """Per part whose replicas lie on more than one stage rank, those stage ranks, ascending."""
+    out: dict[int, tuple[int, ...]] = {}
+    for part in range(placement.num_parts):
+        stages = placement.replicas(placement.stage_part.index(part))
+        ranks = tuple(sorted({placement.stage_rank[s] for s in stages}))
+        if len(ranks) > 1:
+            out[part] = ranks
+    return out
+
+
+def build_mesh(process: int, world: int, placement: Placement, data_parallel: int, tensor_parallel: int,
+               device: torch.device) -> Mesh:
+    """This process's ``Mesh``, every group created (a collective call: every process of the run calls it)."""
+    ranks = world // tensor_parallel
+    mesh = Mesh(data_parallel, ranks // data_parallel, tensor_parallel, process)
+    if tensor_parallel == 1 and not replica_rank_sets(placement):
+        return mesh
+    mesh.device_mesh = init_device_mesh(device.type, (data_parallel, mesh.stages, tensor_parallel),
+                                        mesh_dim_names=("dp", "pp", "tp"))
+    mesh.tp_group = mesh.device_mesh.get_group("tp")
+    mesh.pipeline_group = _group_per_tp([list(range(ranks))], mesh)[0] if tensor_parallel > 1 else None
+    sets = replica_rank_sets(placement)
+    # Plain data parallelism: a part's replicas are a slice of the mesh's dp dimension, whose group exists.
+    along_dp = {part: r == tuple(range(r[0], ranks, mesh.stages)) and r[0] < mesh.stages for part, r in sets.items()}
+    others = [part for part in sets if not along_dp[part]]
+    created = dict(zip(others, _group_per_tp([list(sets[part]) for part in others], mesh)))
+    for part in sets:
+        mesh.replica_groups[part] = mesh.device_mesh.get_group("dp") if along_dp[part] else created[part]
+    return mesh
+
+
+def _group_per_tp(stage_rank_sets: list[list[int]], mesh: Mesh) -> list[Any]:
+    """For each set of stage ranks, the group of its processes with this ``tp`` coordinate.
+
+    Every process creates the groups of every ``tp`` coordinate, in one order; it keeps its own.
+    """
+    mine: list[Any] = []
+    for ranks in stage_rank_sets:
+        for t in range(mesh.tensor_parallel):
+            group = dist.new_group([r * mesh.tensor_parallel + t for r in ranks])
+            if t == mesh.tp_rank:
+                mine.append(group)
+    return mine
+
+
+_active: Mesh | None = None
+
+
+def install(mesh: Mesh | None) -> None:
+    """Make ``mesh`` this process's mesh (``process_of`` and the groups read it); None: none."""
+    global _active
+    _active = mesh
+
+
+def active() -> Mesh | None:
+    """This process's mesh, if its run has one (set by the run's rank function)."""
+    return _active
+
+
+def process_of(stage_rank: int) -> int:
+    """The process rank of ``stage_rank`` with this process's ``tp`` coordinate (itself without a mesh)."""
+    return stage_rank if _active is None else _active.process_of(stage_rank)
+
+
+def pipeline_group() -> Any:
+    """The group of this ``tp`` coordinate's processes (None: the default group, without tensor parallelism)."""
+    return None if _active is None else _active.pipeline_group

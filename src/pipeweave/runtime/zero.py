@@ -1,0 +1,88 @@
+"""ZeRO stage 1: the optimizer state of a data-parallel part sharded over its replicas.
+
+Rajbhandari et al. (ZeRO, SC 2020), stage 1: each of the P replicas of a part
+keeps the optimizer state (SGD's momentum, AdamW's two moments) of 1/P of the
+part's parameters only. The gradients are reduce-scattered instead of
+all-reduced (``runtime.replicas``: same buckets, same overlap with the
+backward), so each replica receives the summed gradient of its own slice;
+it steps its slice, and an all-gather puts the updated slices together into
+every replica's parameters. The parameters and the update are those of
+ZeRO-0 (an elementwise optimizer on a slice computes what it computes on the
+whole), the optimizer state per rank is 1/P of it, and the bytes moved are
+the same as an all-reduce's (a reduce-scatter and an all-gather).
+
+The slices follow the buckets: each bucket's parameters flattened, padded to
+a multiple of P, cut into P equal pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class ZeroOptimizer:
+    """Steps this replica's slice of a part's parameters; an all-gather completes every replica's.
+
+    Built by the part's own optimizer factory, over the slices; it replaces the part's optimizer:
+    ``worker.optimizer = ZeroOptimizer(worker.optimizer_factory, params, spans, group)``.
+
+    Args:
+        factory: builds the optimizer from parameters (``StageWorker.optimizer_factory``).
+        params: the part's parameters, in the order of the gradients ``runtime.replicas`` buckets.
+        spans: the buckets, as ranges of ``params``.
+        group: the part's replica group.
+    """
+
+    def __init__(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 params: Sequence[nn.Parameter], spans: Sequence[range], group: Any) -> None:
+        self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.buckets = [[params[i] for i in span] for span in spans]
+        self.shards = []
+        for bucket in self.buckets:
+            flat = pad(torch.cat([p.detach().reshape(-1).float() for p in bucket]), self.size)
+            self.shards.append(nn.Parameter(flat.chunk(self.size)[self.rank].clone()))
+        self.inner = factory(self.shards)
+        self.param_groups = self.inner.param_groups
+        self.defaults = self.inner.defaults
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    def set_gradients(self, shard_grads: Sequence[torch.Tensor]) -> None:
+        """This replica's slices of the summed gradient (what the reduce-scatter of each bucket gave it)."""
+        for shard, grad in zip(self.shards, shard_grads):
+            shard.grad = grad
+
+    def step(self) -> None:
+        self.inner.step()
+        for bucket, shard in zip(self.buckets, self.shards):
+            whole = torch.empty(shard.numel() * self.size, dtype=shard.dtype, device=shard.device)
+            dist.all_gather_single(whole, shard.detach(), group=self.group)
+            offset = 0
+            with torch.no_grad():
+                for p in bucket:
+                    p.copy_(whole[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for bucket in self.buckets:
+            for p in bucket:
+                p.grad = None
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this replica keeps (its slices')."""
+        return sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
+                   if isinstance(v, torch.Tensor))
+
+
+def pad(flat: torch.Tensor, size: int) -> torch.Tensor:
+    """``flat`` with zeros appended up to a multiple of ``size``."""
+    extra = -flat.numel() % size
+    return flat if extra == 0 else torch.cat([flat, flat.new_zeros(extra)])

@@ -1,0 +1,171 @@
+"""Exactness of pipeline x tensor x data parallelism on one device mesh (gloo, CPU).
+
+With TP = 2, DP = 2, D = 2 (8 processes) and with each pair of the three
+dimensions at 2 (4 processes), synchronous schedules -- 1F1B, ZB-H1 with its
+I/W split inside the tensor-parallel layers, interleaved 1F1B -- give the
+per-step losses and final parameters of plain single-process training with
+gradient accumulation. Tolerance: float32 reduction order, rtol 1e-5 and
+atol 1e-6 (a row-parallel layer sums its partial products in another order;
+the replicas' gradients are summed by an all-reduce). One process group per
+world size runs every configuration, as ``test_distributed`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipeweave.models import ModelSpec
+from pipeweave.runtime.plain import TrainResult, run_plain
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.run.plan import optimizer_factory, prepare
+from pipeweave.runtime.run.record import RunRecord
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+STEPS = 2
+GPT = ModelSpec(kind="gpt", layers=2, hidden=16, heads=4, seq_len=8)
+MLP = ModelSpec(kind="mlp", layers=4, hidden=8)
+CUSTOM = f"{Path(__file__).resolve().parent.parent / 'models' / 'tiny_custom.py'}"
+
+
+def _config(schedule: str, model: ModelSpec, *, tp: int, dp: int, stages: int, **extra: Any) -> TrainConfig:
+    fields: dict[str, Any] = dict(schedule=schedule, num_stages=stages, num_microbatches=4, model=model,
+                                  batch_size=2 * 4 * dp - 1, steps=STEPS, collect_parameters=True,
+                                  tensor_parallel=tp, data_parallel=dp)
+    fields.update(extra)
+    return TrainConfig(**fields)
+
+
+CASES_8 = {  # TP = DP = D = 2: 8 processes
+    "gpt-1f1b": _config("1f1b", GPT, tp=2, dp=2, stages=2),
+    "gpt-zb-h1": _config("zb-h1", GPT, tp=2, dp=2, stages=2),
+    "mlp-interleaved": _config("interleaved-1f1b", MLP, tp=2, dp=2, stages=2, num_chunks=2),
+    "gpt-zb-h1-recompute": _config("zb-h1", GPT, tp=2, dp=2, stages=2, recompute=True),
+    "gpt-1f1b-zero1": _config("1f1b", GPT, tp=2, dp=2, stages=2, zero=1, momentum=0.9),
+    "gpt-zb-h1-bf16": _config("zb-h1", GPT, tp=2, dp=2, stages=2, precision="bf16"),
+}
+CASES_4 = {  # each pair of the dimensions at 2: 4 processes
+    "tp-dp": _config("1f1b", GPT, tp=2, dp=2, stages=1),
+    "tp-pp": _config("zb-h1", GPT, tp=2, dp=1, stages=2),
+    "dp-pp": _config("zb-h1", GPT, tp=1, dp=2, stages=2),
+    "dp-pp-zero1-adamw": _config("1f1b", MLP, tp=1, dp=2, stages=2, zero=1, optimizer="adamw", lr=1e-2,
+                                 bucket_mb=0.0005),  # buckets of ~500 B: several per part, padded slices
+    # AdamW on the mlp: on the gpt it turns the key bias's zero gradient (softmax ignores a shift of every
+    # key alike) into full steps of float noise, whose sign the summation order decides.
+    "tp-pp-mlp-adamw": _config("1f1b", MLP, tp=2, dp=1, stages=2, optimizer="adamw", lr=1e-2),
+    "tp-pp-custom-plan": _config("zb-h1", ModelSpec(kind="custom", entry=f"{CUSTOM}:tensor_parallel"), tp=2, dp=1,
+                                 stages=2),
+    # Asynchronous: PipeDream's weight stashing on shards; its own reference, not plain training.
+    "tp-pp-pipedream": _config("pipedream", GPT, tp=2, dp=1, stages=2, steps=4, batch_size=8),
+}
+ASYNCHRONOUS = ("tp-pp-pipedream",)
+
+
+def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(rank, world, prepare(c)) for c in configs]
+
+
+@pytest.fixture(scope="module")
+def runs_4() -> dict[str, RunRecord]:
+    return dict(zip(CASES_4, launch(_run_all, list(CASES_4.values()), 4, LaunchOptions(timeout_s=120))))
+
+
+@pytest.fixture(scope="module")
+def runs_8() -> dict[str, RunRecord]:
+    return dict(zip(CASES_8, launch(_run_all, list(CASES_8.values()), 8, LaunchOptions(timeout_s=120))))
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(config: TrainConfig) -> TrainResult:
+    return run_plain(config.model, steps=STEPS, batch_size=config.batch_size,
+                     num_microbatches=config.num_microbatches * config.data_parallel,
+                     optimizer_factory=optimizer_factory(config), precision=config.precision)
+
+
+def _assert_equals_plain(config: TrainConfig, record: RunRecord) -> None:
+    plain = _plain(config)
+    # bf16: a row-parallel layer rounds each partial output to bfloat16 before the sum (as Megatron's do),
+    # where the whole layer rounds once: bfloat16's 8 bits, not float32's order of summation.
+    tolerance = dict(rtol=1e-2, atol=1e-3) if config.precision == "bf16" else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(record.losses, plain.losses, **tolerance)
+    if config.model.kind != "custom":  # (the custom model's batches differ more than 2 steps of training)
+        assert record.losses[-1] < record.losses[0]  # it trains
+    seen = set()
+    for rank_record in record.ranks:
+        for params in rank_record.parameters.values():
+            for name, value in params.items():  # gathered whole from the tensor-parallel shards
+                torch.testing.assert_close(value, plain.parameters[name], **tolerance, msg=name)
+                seen.add(name)
+    assert seen == set(plain.parameters)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES_4 if c not in ASYNCHRONOUS])
+def test_two_of_the_three_dimensions_equal_plain_training(runs_4: dict[str, RunRecord], case: str) -> None:
+    _assert_equals_plain(CASES_4[case], runs_4[case])
+
+
+@pytest.mark.parametrize("case", ASYNCHRONOUS)
+def test_an_asynchronous_schedule_with_tensor_parallelism_equals_its_reference(runs_4: dict[str, RunRecord],
+                                                                              case: str, equals_reference: Any) -> None:
+    equals_reference(CASES_4[case], runs_4[case])
+
+
+@pytest.mark.parametrize("case", list(CASES_8))
+def test_pipeline_tensor_and_data_parallel_together_equal_plain_training(runs_8: dict[str, RunRecord],
+                                                                          case: str) -> None:
+    _assert_equals_plain(CASES_8[case], runs_8[case])
+
+
+def test_the_record_holds_one_process_per_stage_rank_with_shards_weights(runs_8: dict[str, RunRecord]) -> None:
+    record = runs_8["gpt-1f1b"]
+    assert [r.rank for r in record.ranks] == [0, 1, 2, 3]  # P x D stage ranks; their TP groups ran alike
+    whole = _plain(CASES_8["gpt-1f1b"]).parameters
+    # Each process holds its shard of the split layers: less than the stage's whole weights.
+    for r in record.ranks:
+        stage_whole = sum(p.numel() * p.element_size() for ps in r.parameters.values() for p in ps.values())
+        assert r.weight_bytes < stage_whole
+    assert sum(p.numel() for p in whole.values()) > 0
+
+
+TINY = ["train", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "4", "--seq-len", "8", "--batch", "8",
+        "--steps", "1", "--quiet"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--tensor-parallel", "3"], "--heads 4 is not divisible by --tensor-parallel 3; give a tensor-parallel degree"),
+    (["--tensor-parallel", "0"], "--tensor-parallel 0 is invalid; give N >= 1"),
+    (["--zero", "3"], "--zero 3 is invalid; choose one of: 0, 1"),
+    (["--bucket-mb", "0"], "--bucket-mb 0.0 is invalid; give MiB > 0"),
+    (["-s", "chimera", "--data-parallel", "2", "--zero", "1"], "--zero 1 shards data-parallel replicas; chimera "
+                                                               "replicates parts inside its pipeline"),
+    (["--tensor-parallel", "2", "--save", "ck"], "--save/--resume with --tensor-parallel 2 is not supported yet"),
+    (["--tensor-parallel", "2", "--clip-grad-norm", "1"], "--clip-grad-norm with --tensor-parallel 2"),
+    (["--tensor-parallel", "2", "--model", f"{CUSTOM}:bad_tp_plan"], "tp_plan[1]: the TP plan names 'mlp.5', "
+                                                                     "which is not a linear layer of it; give one of "
+                                                                     "mlp.0, mlp.2"),
+    (["--tensor-parallel", "2", "--model", f"{CUSTOM}:model"], "has no tp_plan; give its LayerModel a tp_plan"),
+], ids=["heads", "zero-degree", "zero-3", "bucket", "zero-chimera", "tp-save", "tp-clip", "plan-name", "no-plan"])
+def test_bad_parallel_input_is_one_line_before_spawning(cli_error: Any, argv: list[str], message: str,
+                                                        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    base = ["train", "--batch", "8", "--steps", "1", "--quiet"] if "--model" in argv else TINY  # custom: its own sizes
+    err = cli_error([*base, *argv], "pipeweave.runtime.run.launch._spawn")
+    assert message in err, err
+
+
+def test_a_torchrun_world_other_than_p_x_d_x_n_is_one_line(cli_error: Any, tmp_path: Any,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    err = cli_error([*TINY, "--stages", "2", "--tensor-parallel", "2", "--data-parallel", "2"],
+                    "pipeweave.commands.train_run.launch")
+    assert ("torchrun started 4 processes but --data-parallel 2 x 2 stage ranks x --tensor-parallel 2 need 8; "
+            "give --nnodes x --nproc-per-node = 8") in err, err
