@@ -22,13 +22,15 @@ planned so far keeps it). Buffers come from the first replica only: a forward
 may update them, so replicas may differ.
 
 Tensor parallelism: ``_saved`` is the one place a stage's tensor becomes what
-is saved. A Linear weight sharded over the ``tp`` dimension of the DeviceMesh
-is to be returned there as ``DTensor.from_local(shard, tp_mesh, [Shard(dim)])``
-(column-parallel: its rows, dim 0; row-parallel: its columns, dim 1), and its
-optimizer state (same shape) the same way. DCP then writes every shard once
-under the global key, and a loading rank's destination is ``torch.empty_like``
-of its own DTensor (``destinations``), so DCP reshards to whatever tensor-parallel
-degree resumes; ``_local`` takes the rank's shard back out of it.
+is saved: ``stage_state`` and ``rank_state`` pass every parameter, optimizer
+state and velocity through it, and ``destinations`` makes the load targets
+from what it returns. A Linear weight sharded over the ``tp`` dimension of the
+DeviceMesh is to be returned there as ``DTensor.from_local(shard, tp_mesh,
+[Shard(dim)])`` (column-parallel: its rows, dim 0; row-parallel: its columns,
+dim 1), and its optimizer state (same shape) the same way. DCP then writes
+every shard once under the global key, and a loading rank's destination is
+``torch.empty_like`` of its own DTensor, so DCP reshards to whatever
+tensor-parallel degree resumes; ``_local`` takes the rank's shard back out.
 """
 
 from __future__ import annotations
@@ -48,16 +50,25 @@ from pipeweave.weights.post_validation import SGD
 PARAMETERS, OPTIMIZER, BUFFERS, VELOCITY, REPLICAS = "parameters/", "optimizer/", "buffers/", "velocity/", "replicas/"
 
 
-def _saved(tensor: torch.Tensor) -> torch.Tensor:
-    """A stage's parameter (or a tensor of its shape) as saved: the tensor-parallel hook (module docstring).
+def _saved(worker: StageWorker, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor-parallel hook (module docstring): ``tensor`` -- the worker's parameter ``name``, or a tensor
+    of that parameter's: its optimizer state, its velocity -- as it is saved.
 
-    Today every parameter is whole on its rank and is saved as it is.
+    Today every parameter is saved as the rank holds it (``--save`` with ``--tensor-parallel`` is refused by
+    ``plan``). To lift that: a shard carries its ``Split`` (``runtime.stage.tensor_parallel.split_of``), and a
+    tensor of its local shape becomes ``DTensor.from_local(tensor, tp_mesh, [Shard(split.dim)], shape=whole,
+    stride=...)`` with ``tp_mesh`` the ``tp`` dimension of the run's DeviceMesh (``transport.mesh.active()``):
+    column-parallel weights and their biases on dim 0, row-parallel weights on dim 1. The fused QKV weight
+    (each rank holds its heads' rows of Q, of K and of V) is first viewed as ``(3, width, in)`` and sharded on
+    dim 1. Replicated parameters (norms, a row-parallel bias) stay plain tensors: every rank of the group gives
+    the same key and DCP keeps one. A tensor of another shape (AdamW's 0-d ``step``) stays as it is.
     """
     return tensor.detach()
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
-    """What ``_saved`` made, loaded, back as this rank's tensor (a DTensor's ``to_local()``, once there are any)."""
+    """What ``_saved`` made, loaded, back as this rank's tensor (a DTensor's ``to_local()``, viewed back to the
+    shard's shape, once there are any)."""
     return value
 
 
@@ -76,7 +87,7 @@ def rank_state(placement: Placement, workers: dict[int, StageWorker], carry: Str
         prefix = f"{REPLICAS}{replica}/" if replica else ""
         state.update(stage_state(worker, prefix, buffers=bool(replica) or placement.replicas(stage)[0] == stage))
         if carry is not None and stage in carry.velocity:
-            state.update({f"{prefix}{VELOCITY}{name}": _saved(v)
+            state.update({f"{prefix}{VELOCITY}{name}": _saved(worker, name, v)
                           for name, v in zip(worker.named_parameters(), carry.velocity[stage])})
     return state
 
@@ -90,9 +101,9 @@ def stage_state(worker: StageWorker, prefix: str = "", *, buffers: bool = True) 
         sorted(stage_state(worker))  # ['parameters/2.down.bias', 'parameters/2.down.weight', ...]
     """
     params = worker.named_parameters()
-    state = {f"{prefix}{PARAMETERS}{name}": _saved(p) for name, p in params.items()}
+    state = {f"{prefix}{PARAMETERS}{name}": _saved(worker, name, p) for name, p in params.items()}
     for name, fields in optimizer_state(worker).items():
-        state.update({f"{prefix}{OPTIMIZER}{name}/{field}": _saved(v) for field, v in fields.items()})
+        state.update({f"{prefix}{OPTIMIZER}{name}/{field}": _saved(worker, name, v) for field, v in fields.items()})
     if buffers:  # persistent ones only: what state_dict() holds besides the parameters
         state.update({f"{prefix}{BUFFERS}{name}": b.detach() for name, b in worker.module.state_dict().items()
                       if name not in params})
