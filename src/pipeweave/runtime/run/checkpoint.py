@@ -26,6 +26,9 @@ same model: each rank asks DCP for the keys of its own layers, and DCP reads
 only those. The replicas of a part (data parallelism, Chimera, GEMS) give
 equal values under the same keys on several ranks; DCP's save planner writes
 each key once, so the files are the size of one copy whatever the replication.
+``--tensor-parallel`` and ``--zero`` refuse ``--save`` for now (``plan``);
+``checkpoint_state._saved`` says how their shards are to be saved as
+DTensors, which DCP reshards on load.
 
 Every rank must see DIR (one host, or a shared file system). ``save`` returns
 the one line saying why a checkpoint could not be written (a full disk, a

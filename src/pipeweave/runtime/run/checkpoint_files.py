@@ -1,6 +1,6 @@
 """The files of ``--save DIR``: a folder per checkpoint with its manifest, made current atomically, K kept.
 
-Layout (``runtime.run.checkpoint`` says what a part holds)::
+Layout (``runtime.run.checkpoint`` says what the files hold)::
 
     DIR/
       step-000060/          the newest complete checkpoint
@@ -17,12 +17,12 @@ A save (``begin``, ``describe``, ``commit``): rank 0 clears the folders
 earlier saves abandoned (``.tmp-step-*``, only pipeweave's own file names in
 them) and creates ``.tmp-step-NNNNNN``; every rank writes its share there
 with DCP, fsynced; the ranks hash the files between them (``describe``);
-once every file is hashed, rank 0 writes the manifest, fsyncs the folder and renames it to
-``step-NNNNNN`` (``step-NNNNNN-S`` where that name is taken): this rename
-is the moment the checkpoint exists, atomically. DIR is fsynced, ``latest``
-replaced atomically, and this run's checkpoints beyond the K newest (with
-``--overwrite``: every other run's) removed, each by the files its manifest
-lists (a folder holding anything else stays). The newest complete
+once every file is hashed, rank 0 writes the manifest, fsyncs the folder
+and renames it to ``step-NNNNNN`` (``step-NNNNNN-S`` where that name is
+taken): this rename is the moment the checkpoint exists, atomically. DIR is
+fsynced, ``latest`` replaced atomically, and this run's checkpoints beyond
+the K newest (with ``--overwrite``: every other run's) removed, each by the
+files its manifest lists (a folder holding anything else stays). The newest complete
 checkpoint is the one with the highest ``serial`` (saves count up in DIR);
 ``latest`` names it unless a save died between its two renames.
 
