@@ -165,12 +165,12 @@ def _save_twice(rank: int, world: int, folder: str) -> str:
     plan = prepare(TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=mlp, batch_size=4,
                                save=folder))
     workers, placement = build_workers(plan, rank, torch.device("cpu")), plan.schedule.placement
-    checkpoint.save(plan.config, plan.parts, placement, workers, rank, 1)
+    checkpoint.save(plan.config, plan.parts, placement, workers, 1)
     if rank == 1:
         with torch.no_grad():
             next(iter(workers[1].module.parameters())).view(-1)[0] = math.inf
     try:
-        checkpoint.save(plan.config, plan.parts, placement, workers, rank, 2)
+        checkpoint.save(plan.config, plan.parts, placement, workers, 2)
     except Diverged as exc:
         return str(exc)
     return "saved"

@@ -118,11 +118,13 @@ def updates(meta: dict[str, Any]) -> int:
 
 # ---- save ------------------------------------------------------------------------
 def save(config: TrainConfig, parts: Sequence[range], placement: Placement, workers: dict[int, StageWorker],
-         rank: int, steps: int, *, carry: StreamCarry | None = None, run: str = "") -> str | None:
-    """Write the checkpoint of ``steps`` trained steps to ``config.save``; every rank calls it (it synchronises).
+         steps: int, *, carry: StreamCarry | None = None, run: str = "") -> str | None:
+    """Write the checkpoint of ``steps`` trained steps to ``config.save``; every process calls it (it synchronises).
 
-    ``parts``: the layers of each part; ``carry``: an asynchronous run's policy state after its drained
-    stream (this rank's stages); ``run``: the run's id (``RunPlan.run_id``).
+    ``parts``: the layers of each part; ``workers``: this process's stages; ``carry``: an asynchronous run's
+    policy state after its drained stream (this process's stages); ``run``: the run's id (``RunPlan.run_id``).
+    Process 0 of the default group (not stage rank 0: the N processes of a tensor-parallel group share one)
+    creates the staging folder and commits it.
 
     Returns:
         None, or (on every rank) the one line saying why no checkpoint was written -- the path and the OS's
@@ -132,14 +134,15 @@ def save(config: TrainConfig, parts: Sequence[range], placement: Placement, work
     check_finite(config.save, parts, placement, workers, f"step {steps} of the training")
     root = Path(config.save)
     folder = checkpoint_files.staging(root, steps)
-    failure = _from_rank0(_attempt(lambda: checkpoint_files.begin(root, steps)) if rank == 0 else None)
+    process = dist.get_rank()
+    failure = _from_rank0(_attempt(lambda: checkpoint_files.begin(root, steps)) if process == 0 else None)
     own = False  # whether this rank's own write is what failed (its line names the file and the OS's reason)
     if failure is None:  # DCP's save is collective: a rank that cannot write fails it on every rank
         failure, own = write(folder, checkpoint_state.rank_state(placement, workers, carry))
-    written, error = ([], failure) if failure else _describe(folder, rank)
+    written, error = ([], failure) if failure else _describe(folder, process)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, (written, error, own or (error is not None and failure is None)))
-    if rank == 0:  # every file is on disk and hashed, or some rank says why not (one whose own write failed first)
+    if process == 0:  # every file is on disk and hashed, or some rank says why not (one whose own write failed first)
         failure = next((e for _, e, _ in sorted(every, key=lambda said: not said[2]) if e), None)
         if failure is None:
             manifest = _manifest(config, parts, steps, carry, run)
@@ -152,11 +155,11 @@ def save(config: TrainConfig, parts: Sequence[range], placement: Placement, work
     return said
 
 
-def _describe(folder: Path, rank: int) -> tuple[list[dict[str, Any]], str | None]:
-    """This rank's share of the manifest's file list: every ``world``-th file of ``folder``, hashed (or why not)."""
+def _describe(folder: Path, process: int) -> tuple[list[dict[str, Any]], str | None]:
+    """This process's share of the manifest's file list: every world-th file of ``folder``, hashed (or why not)."""
     names = sorted(p.name for p in folder.iterdir() if p.is_file())
     try:
-        return [checkpoint_files.describe(folder / name) for name in names[rank::dist.get_world_size()]], None
+        return [checkpoint_files.describe(folder / name) for name in names[process::dist.get_world_size()]], None
     except OSError as exc:
         return [], f"cannot read {exc.filename or folder}: {reason(exc)}"
 
