@@ -230,7 +230,12 @@ def load(resume: str | Path, meta: dict[str, Any], workers: dict[int, StageWorke
 
 
 def _read(folder: Path, workers: dict[int, StageWorker]) -> dict[str, torch.Tensor]:
-    """This rank's keys of the DCP checkpoint in ``folder``; one line naming the folder where it cannot be read."""
+    """This rank's keys of the DCP checkpoint in ``folder``; one line naming the folder where it cannot be read.
+
+    DCP's default load planner reads exactly the keys of the state dict it is given, however many more the
+    checkpoint holds (on gloo and NCCL alike), so no planner option is needed: ``destinations`` asks only for
+    keys the checkpoint's metadata lists (``allow_partial_load`` stays off, so a key DCP cannot find is an error).
+    """
     reader = FileSystemReader(folder)
     try:
         saved = {key: (m.size, m.properties.dtype) for key, m in reader.read_metadata().state_dict_metadata.items()
