@@ -233,7 +233,7 @@ def _read(folder: Path, workers: dict[int, StageWorker]) -> dict[str, torch.Tens
     """This rank's keys of the DCP checkpoint in ``folder``; one line naming the folder where it cannot be read.
 
     DCP's default load planner reads exactly the keys of the state dict it is given, however many more the
-    checkpoint holds (on gloo and NCCL alike), so no planner option is needed: ``destinations`` asks only for
+    checkpoint holds (the round-trip tests, on gloo), so no planner option is needed: ``destinations`` asks only for
     keys the checkpoint's metadata lists (``allow_partial_load`` stays off, so a key DCP cannot find is an error).
     """
     reader = FileSystemReader(folder)
