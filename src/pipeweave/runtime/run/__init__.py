@@ -7,9 +7,9 @@ each running ``job.run_rank`` (synchronous schedules) or ``stream_job.run_stream
 (asynchronous streams), evaluating and saving at ``milestones``
 (``checkpoint``: saving and resuming with torch.distributed.checkpoint;
 ``checkpoint_state``: a rank's stages as one state dict, keyed by global
-names; ``checkpoint_writer``: a failed write in one line;
-``checkpoint_parts``: the part files written before DCP;
-``checkpoint_files``: the folders, manifests and atomic commits in
-``--save DIR``; ``save_lock``: one run per folder); ``record`` gathers what they measured. It imports the
-executors and the layers below them, never ``runtime.report``.
+names; ``checkpoint_storage``: DCP's save and load; ``checkpoint_parts``:
+the part files written before DCP; ``checkpoint_files``: the folders,
+manifests and atomic commits in ``--save DIR``; ``save_lock``: one run per
+folder); ``record`` gathers what they measured. It imports the executors and
+the layers below them, never ``runtime.report``.
 """

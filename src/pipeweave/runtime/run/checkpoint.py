@@ -64,7 +64,6 @@ Checkpoints of the part-file formats written before (``part-NNN.pt``,
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -72,10 +71,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from pipeweave.durable import reason
 from pipeweave.errors import Diverged, UserError
@@ -83,7 +78,7 @@ from pipeweave.runtime.nonfinite import nonfinite_parts
 from pipeweave.runtime.run import checkpoint_files, checkpoint_state
 from pipeweave.runtime.run.checkpoint_files import SaveFailed
 from pipeweave.runtime.run.checkpoint_parts import read_parts
-from pipeweave.runtime.run.checkpoint_writer import write
+from pipeweave.runtime.run.checkpoint_storage import read, write
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.stage.policy import StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker
@@ -221,34 +216,9 @@ def load(resume: str | Path, meta: dict[str, Any], workers: dict[int, StageWorke
     """
     folder = Path(resume)
     if meta.get("format") == checkpoint_files.FORMAT:
-        values = _read(folder, workers)
+        values = read(folder, lambda saved: checkpoint_state.destinations(saved, workers, str(folder)))
     else:  # a checkpoint of part files, written before DCP
         values = read_parts(folder, meta, workers)
     carry = StreamCarry(updates(meta), int(meta.get("annealed", 0)))
     carry.velocity = checkpoint_state.apply(values, workers, int(meta["steps"]), str(resume))
     return carry
-
-
-def _read(folder: Path, workers: dict[int, StageWorker]) -> dict[str, torch.Tensor]:
-    """This rank's keys of the DCP checkpoint in ``folder``; one line naming the folder where it cannot be read.
-
-    DCP's default load planner reads exactly the keys of the state dict it is given, however many more the
-    checkpoint holds (the round-trip tests, on gloo), so no planner option is needed: ``destinations`` asks only for
-    keys the checkpoint's metadata lists (``allow_partial_load`` stays off, so a key DCP cannot find is an error).
-    """
-    reader = FileSystemReader(folder)
-    try:
-        saved = {key: (m.size, m.properties.dtype) for key, m in reader.read_metadata().state_dict_metadata.items()
-                 if isinstance(m, TensorStorageMetadata)}
-        values = checkpoint_state.destinations(saved, workers, str(folder))
-        with warnings.catch_warnings():  # one process (a tool, a test) has no group: DCP says so, loudly
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(values, storage_reader=reader, no_dist=not dist.is_initialized())
-    except UserError:
-        raise
-    except OSError as exc:
-        raise UserError(f"cannot read the checkpoint {folder} ({reason(exc)}); resume another checkpoint") from None
-    except (CheckpointException, Exception) as exc:  # noqa: BLE001 - damaged after its manifest was checked
-        raise UserError(f"the checkpoint {folder} is damaged or not pipeweave's ({type(exc).__name__}); resume "
-                        "another checkpoint") from None
-    return values
