@@ -232,7 +232,7 @@ def test_a_rank_asks_the_checkpoint_for_the_keys_of_its_own_layers_only() -> Non
         saved.update({f"optimizer/{name}/exp_avg": (p.shape, p.dtype), f"optimizer/{name}/step": (torch.Size([]),
                       torch.float32)})
     middle = {1: StageWorker(MLP, range(2, 4), batch_size=8)}
-    wanted = checkpoint_state.destinations(saved, middle)
+    wanted = checkpoint_state.destinations(saved, middle, "ck")
     assert {key.split("/")[1].split(".")[0] for key in wanted} == {"2", "3"}
     assert {key for key in wanted if "3.up.weight" in key} == {
         "parameters/3.up.weight", "optimizer/3.up.weight/exp_avg", "optimizer/3.up.weight/step"}

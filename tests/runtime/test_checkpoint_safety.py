@@ -73,9 +73,11 @@ def test_a_save_deletes_no_file_of_the_user(tmp_path: Path) -> None:
     folder.mkdir()
     (folder / "part-final-model.pt").write_text("x")
     (folder / "part-001-step9.pt").write_text("also mine")
+    (folder / "__0_0.distcp").write_text("named as DCP names its files")  # in DIR: pipeweave writes in step-*/
     assert main(_train(tmp_path, "--steps", "3", "--save", str(folder), "--save-every", "1")) == 0
     assert (folder / "part-final-model.pt").read_text() == "x"
     assert (folder / "part-001-step9.pt").read_text() == "also mine"
+    assert (folder / "__0_0.distcp").read_text() == "named as DCP names its files"
 
 
 def test_a_folder_a_live_run_saves_into_is_refused_a_dead_ones_lock_taken_over(

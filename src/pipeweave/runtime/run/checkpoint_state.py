@@ -133,7 +133,7 @@ def optimizer_state(worker: StageWorker) -> dict[str, dict[str, torch.Tensor]]:
 
 # ---- load ------------------------------------------------------------------------
 def destinations(saved: Mapping[str, tuple[torch.Size, torch.dtype]], workers: dict[int, StageWorker],
-                 resume: str = "") -> dict[str, torch.Tensor]:
+                 resume: str) -> dict[str, torch.Tensor]:
     """What this rank reads of a checkpoint holding ``saved`` (key -> global size and dtype): a fresh tensor for
     every key of its stages' layers, shaped as the stage's own (``_saved`` of it), to load into.
 
