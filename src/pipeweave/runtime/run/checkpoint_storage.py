@@ -1,8 +1,10 @@
 """Where checkpoints meet ``torch.distributed.checkpoint``: a rank's share written, its keys read, failures in a line.
 
 DCP is imported on first use, not with this module: importing it imports
-DTensor, 0.7 s on a 2-core machine, which every ``pipeweave train`` (its
-launcher and its fork server) paid before its first step, saving or not.
+DTensor, 0.7 s on a 2-core machine, which the launcher of every ``pipeweave
+train`` would pay for nothing. Spawned ranks find it imported already: their
+fork server preloads it once (``forkserver.context``), so that a test
+session's many runs do not import it in every rank.
 
 ``torch.distributed.checkpoint.save`` writes each tensor with ``torch.save``
 into the rank's file; when the disk fills, ``torch.save`` reports the failed
