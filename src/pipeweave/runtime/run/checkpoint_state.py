@@ -194,8 +194,9 @@ def apply(values: Mapping[str, torch.Tensor], workers: dict[int, StageWorker], s
                 b.copy_(values[f"{prefix}{BUFFERS}{name}"])
         states: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in values.items():
-            if key.startswith(f"{prefix}{OPTIMIZER}") and (name := _parameter_of(key, prefix)) in mine:
-                states.setdefault(name, {})[key.rpartition("/")[2]] = _local(value)
+            owner = _parameter_of(key, prefix) if key.startswith(f"{prefix}{OPTIMIZER}") else None
+            if owner is not None and owner in mine:
+                states.setdefault(owner, {})[key.rpartition("/")[2]] = _local(value)
         load_optimizer_state(worker, states, steps)
         velocity = [values.get(f"{prefix}{VELOCITY}{name}") for name in mine]
         if all(v is not None for v in velocity):

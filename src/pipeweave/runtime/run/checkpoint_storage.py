@@ -43,14 +43,15 @@ def write(folder: Path, state: dict[str, Any]) -> tuple[str | None, bool]:
     Raises:
         What a process raised that is no failed write (a bug): raised on every process.
     """
-    import torch.distributed.checkpoint as dcp  # on first use: see the module's docstring
-    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.api import CheckpointException  # on first use: see the module's docstring
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
 
-    writer = dcp.FileSystemWriter(folder)
+    writer = FileSystemWriter(folder)
     first: list[OSError] = []
     _watch(writer.fs, first)
     try:
-        dcp.save(state, storage_writer=writer)
+        save(state, storage_writer=writer)
     except CheckpointException as exc:  # raised on every process, holding every process's failure
         if first:
             return f"cannot write {first[0].filename}: {reason(first[0])}", True
@@ -75,18 +76,19 @@ def read(folder: Path, wanted: Callable[[Shapes], dict[str, torch.Tensor]]) -> d
     Raises:
         UserError: the folder cannot be read, or is damaged (one line naming it), or what ``wanted`` raised.
     """
-    import torch.distributed.checkpoint as dcp  # on first use: see the module's docstring
-    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.api import CheckpointException  # on first use: see the module's docstring
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
 
-    reader = dcp.FileSystemReader(folder)
+    reader = FileSystemReader(folder)
     try:
         saved = {key: (m.size, m.properties.dtype) for key, m in reader.read_metadata().state_dict_metadata.items()
                  if isinstance(m, TensorStorageMetadata)}
         values = wanted(saved)
         with warnings.catch_warnings():  # one process (a tool, a test) has no group: DCP says so, loudly
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(values, storage_reader=reader, no_dist=not dist.is_initialized())
+            load(values, storage_reader=reader, no_dist=not dist.is_initialized())
     except UserError:
         raise
     except OSError as exc:
