@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.run.plan import build_schedule, optimizer_factory
@@ -44,3 +47,18 @@ def equals_reference() -> Callable[[Any, Any], None]:
                                                atol=1e-6)
 
     return check
+
+
+@pytest.fixture
+def checkpoint_tensors(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], dict[str, torch.Tensor]]:
+    """Reads every key of a checkpoint folder (``parameters/0.up.weight``, ...) with DCP's own converter, which
+    writes them into one torch.save file, loaded here with ``weights_only``."""
+
+    def read(folder: Path) -> dict[str, torch.Tensor]:
+        whole = tmp_path_factory.mktemp("whole") / "whole.pt"
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp_to_torch_save(folder, whole)
+        return dict(torch.load(whole, weights_only=True))
+
+    return read

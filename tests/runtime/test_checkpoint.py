@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,13 @@ import torch
 
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run import checkpoint, checkpoint_files
+from pipeweave.runtime.run import checkpoint, checkpoint_files, checkpoint_state
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.stage.post_validation import PostValidation
+from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.run.plan import prepare
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -98,7 +100,8 @@ def test_resumed_training_equals_straight_training(tmp_path: Path, case: str) ->
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
 
 
-def test_resuming_from_a_checkpoint_is_not_training_from_scratch(tmp_path: Path) -> None:
+def test_resuming_from_a_checkpoint_is_not_training_from_scratch(
+        tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, torch.Tensor]]) -> None:
     """The check above could pass by chance only if resuming did nothing; it must not equal a fresh start."""
     config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.9)
     fresh = _train(dataclasses.replace(config, steps=STEPS - FIRST))
@@ -110,12 +113,12 @@ def test_resuming_from_a_checkpoint_is_not_training_from_scratch(tmp_path: Path)
     assert meta["steps"] == FIRST and meta["parts"] == [[0, 3], [3, 6]]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-000002"]
     assert (tmp_path / "ckpt" / "latest").read_text() == "step-000002\n"
-    assert sorted(p.name for p in saved.iterdir()) == ["manifest.json", "part-000.pt", "part-001.pt"]
+    files = [".metadata", "__0_0.distcp", "__1_0.distcp"]  # DCP's index, and one data file per rank
+    assert sorted(p.name for p in saved.iterdir()) == [*files, "manifest.json"]
     assert [(f["name"], f["bytes"], f["sha256"]) for f in meta["files"]] == [
-        (p.name, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
-        for p in (saved / "part-000.pt", saved / "part-001.pt")]
-    state = torch.load(saved / "part-001.pt", weights_only=True)
-    assert set(state["optimizer"]["3.up.weight"]) == {"momentum_buffer"}
+        (p.name, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()) for p in (saved / f for f in files)]
+    state = checkpoint_tensors(saved)
+    assert {k for k in state if k.startswith("optimizer/3.up.weight/")} == {"optimizer/3.up.weight/momentum_buffer"}
 
 
 def test_a_bad_resume_is_one_line_before_spawning(tmp_path: Path) -> None:
@@ -127,14 +130,14 @@ def test_a_bad_resume_is_one_line_before_spawning(tmp_path: Path) -> None:
         prepare(dataclasses.replace(base, model=ModelSpec(kind="mlp", layers=6, hidden=16), resume=str(tmp_path / "ckpt")))
     with pytest.raises(UserError, match="give --optimizer sgd"):
         prepare(dataclasses.replace(base, optimizer="adamw", resume=str(tmp_path / "ckpt")))
-    (tmp_path / "ckpt" / "step-000001" / "part-001.pt").unlink()
-    with pytest.raises(UserError, match=r"step-000001/part-001.pt is missing \(its manifest names it\); no "
+    (tmp_path / "ckpt" / "step-000001" / "__1_0.distcp").unlink()
+    with pytest.raises(UserError, match=r"step-000001/__1_0.distcp is missing \(its manifest names it\); no "
                                         "earlier checkpoint is kept"):
         prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt")))
     (tmp_path / "ckpt" / "step-000001" / "manifest.json").write_text("{}")
     with pytest.raises(UserError, match="step-000001/manifest.json is missing or unreadable"):
         prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt")))
-    with pytest.raises(UserError, match="manifest.json is unreadable or not a pipeweave-checkpoint/2 manifest"):
+    with pytest.raises(UserError, match=r"manifest.json is unreadable or not a pipeweave-checkpoint/3 \(or /2\) manifest"):
         prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt" / "step-000001")))
 
 
@@ -146,7 +149,8 @@ def test_a_new_checkpoint_replaces_the_old_one_only_once_whole(tmp_path: Path) -
     _train(config)
     died = tmp_path / "ckpt" / ".tmp-step-000007"
     died.mkdir()
-    (died / "part-000.pt").write_bytes(b"a save that died half-way")
+    (died / "__0_0.distcp").write_bytes(b"a save that died half-way")
+    (died / ".metadata.tmp").write_bytes(b"its index, never renamed")
     (tmp_path / "ckpt" / "notes.txt").write_text("mine")
     resumed = dataclasses.replace(config, resume=str(tmp_path / "ckpt"), num_stages=2, steps=3, save_every=1)
     assert prepare(resumed).steps_done == 1  # step 1's checkpoint, not the half-written one
@@ -191,3 +195,49 @@ def test_resuming_into_the_checkpoint_folder_itself(tmp_path: Path) -> None:
     resumed = _train(dataclasses.replace(config, steps=STEPS - FIRST, resume=folder, save=folder))
     assert resumed.first_step == FIRST and checkpoint_files.find(folder).steps == STEPS
     torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)
+
+
+def test_a_data_parallel_checkpoint_resumes_on_other_grids_and_holds_one_copy(tmp_path: Path) -> None:
+    """Issue 18's DCP round trip, without tensor parallelism: saved at P=2, D=2 (4 ranks, 1f1b), resumed at
+    P=1, D=4 on zb-h1, at P=1, D=2 on interleaved 1F1B and at P=2, D=2 on GPipe; each goes on as the
+    uninterrupted run did (rtol 1e-5, atol 1e-6: float32 sums in another order). The
+    replicas saved the same keys on two ranks each: DCP wrote each once, so the P=2 checkpoint is the size of
+    the P=1 one (without the deduplication it would be twice that)."""
+    mlp = ModelSpec(kind="mlp", layers=8, hidden=32)
+    base = TrainConfig(schedule="1f1b", num_stages=2, data_parallel=2, num_microbatches=2, model=mlp, batch_size=8,
+                       optimizer="adamw", lr=1e-2, keep_checkpoints=3)
+    ck, again = tmp_path / "p2", tmp_path / "p1"
+    straight = _train(dataclasses.replace(base, steps=STEPS, save=str(ck), save_every=FIRST, collect_parameters=True))
+    others = [dataclasses.replace(base, schedule="zb-h1", num_stages=4, data_parallel=1, num_microbatches=4),
+              dataclasses.replace(base, schedule="interleaved-1f1b", num_chunks=2, data_parallel=1, num_microbatches=4,
+                                  save=str(again)),
+              dataclasses.replace(base, schedule="gpipe")]  # into replicas again: each reads the same keys
+    for other in others:
+        resumed = _train(dataclasses.replace(other, steps=STEPS - FIRST, resume=str(ck / "step-000002"),
+                                             collect_parameters=True))
+        torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)
+        want, got = _parameters(straight), _parameters(resumed)
+        assert set(got) == set(want)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+    p2, p1 = ([p.stat().st_size for p in (folder / "step-000005").glob("*.distcp")] for folder in (ck, again))
+    assert len(p2) == 4 and len(p1) == 2  # every rank wrote a share
+    assert abs(sum(p2) - sum(p1)) < 0.02 * sum(p1), (p2, p1)
+
+
+def test_a_rank_asks_the_checkpoint_for_the_keys_of_its_own_layers_only() -> None:
+    whole = StageWorker(MLP, range(0, 6), batch_size=8)
+    saved = {key: (value.shape, value.dtype) for key, value in checkpoint_state.stage_state(whole).items()}
+    for name, p in whole.named_parameters().items():  # AdamW's state, as torch.optim names it
+        saved.update({f"optimizer/{name}/exp_avg": (p.shape, p.dtype), f"optimizer/{name}/step": (torch.Size([]),
+                      torch.float32)})
+    middle = {1: StageWorker(MLP, range(2, 4), batch_size=8)}
+    wanted = checkpoint_state.destinations(saved, middle, "ck")
+    assert {key.split("/")[1].split(".")[0] for key in wanted} == {"2", "3"}
+    assert {key for key in wanted if "3.up.weight" in key} == {
+        "parameters/3.up.weight", "optimizer/3.up.weight/exp_avg", "optimizer/3.up.weight/step"}
+    assert all(wanted[key].shape == saved[key][0] for key in wanted)
+    saved["parameters/3.up.weight"] = (torch.Size([2, 2]), torch.float32)  # a model changed since it was saved
+    with pytest.raises(UserError, match=r"--resume ck holds parameters/3.up.weight of shape \[2, 2\] and this "
+                                        r"model's is \[\d+, 8\]; resume with the model it was saved with"):
+        checkpoint_state.destinations(saved, middle, "ck")

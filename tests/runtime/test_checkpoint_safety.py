@@ -9,9 +9,12 @@ truncated part failed only after the ranks had started, without naming it.
 
 from __future__ import annotations
 
+import errno
+import dataclasses
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,17 +24,17 @@ from pathlib import Path
 from unittest.mock import patch
 
 import pytest
+from torch.distributed.checkpoint import FileSystemWriter
 
 from pipeweave.cli import main
 from pipeweave.durable import replacing
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.run import checkpoint_files
-from pipeweave.runtime.run.checkpoint_files import SaveFailed
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.plan import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.save_lock import LOCK, owner_of
 
@@ -70,9 +73,11 @@ def test_a_save_deletes_no_file_of_the_user(tmp_path: Path) -> None:
     folder.mkdir()
     (folder / "part-final-model.pt").write_text("x")
     (folder / "part-001-step9.pt").write_text("also mine")
+    (folder / "__0_0.distcp").write_text("named as DCP names its files")  # in DIR: pipeweave writes in step-*/
     assert main(_train(tmp_path, "--steps", "3", "--save", str(folder), "--save-every", "1")) == 0
     assert (folder / "part-final-model.pt").read_text() == "x"
     assert (folder / "part-001-step9.pt").read_text() == "also mine"
+    assert (folder / "__0_0.distcp").read_text() == "named as DCP names its files"
 
 
 def test_a_folder_a_live_run_saves_into_is_refused_a_dead_ones_lock_taken_over(
@@ -111,7 +116,7 @@ def test_a_full_disk_at_the_last_save_keeps_the_record_and_leaves_no_temporary_f
     lines = [line for line in done.stderr.splitlines() if "pipeweave" in line]
     assert done.returncode == 1, done.stderr
     assert len(lines) == 1 and lines[0].startswith("pipeweave train: error: cannot write "), done.stderr
-    assert f"{ck}/.tmp-step-000002/part-00" in lines[0], lines
+    assert f"{ck}/.tmp-step-000002" in lines[0], lines
     assert lines[0].endswith(f": File too large; no checkpoint is kept in {ck}"), lines
     assert "Traceback" not in done.stderr and "unexpected pos" not in done.stderr
     record = json.loads((out / "train.json").read_text())
@@ -127,7 +132,7 @@ def test_a_truncated_or_damaged_part_is_one_line_before_any_rank_starts(
     """`truncate -s 20000 part; --resume` failed on the ranks with EOFError, naming no file."""
     ck = tmp_path / "ck"
     assert main(_train(tmp_path, "--steps", "4", "--save", str(ck), "--save-every", "2")) == 0
-    part = sorted(ck.rglob("part-001*.pt"))[-1]  # the newest checkpoint's
+    part = sorted(ck.rglob("__1_0.distcp"))[-1]  # the newest checkpoint's data of rank 1
     whole = part.read_bytes()
     part.write_bytes(whole[:2000])
     err = cli_error(_train(tmp_path, "--steps", "2", "--resume", str(ck)), SPAWN)
@@ -158,15 +163,15 @@ def test_resume_auto_starts_afresh_then_resumes_the_newest_then_has_nothing_left
 
 
 def _failing_once(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
-    """Rank 1 cannot write its part of the checkpoint of step 1 (a full disk, freed before the next save)."""
-    real = checkpoint_files.write_part
+    """Rank 1 cannot write its share of the checkpoint of step 1 (a full disk, freed before the next save)."""
+    real = FileSystemWriter.write_data
 
-    def write_part(path: Path, save: object) -> object:
-        if rank == 1 and path.parent.name == ".tmp-step-000001":
-            raise SaveFailed(f"cannot write {path}: No space left on device")
-        return real(path, save)  # type: ignore[arg-type]
+    def write_data(self: FileSystemWriter, plan: object, planner: object) -> object:
+        if rank == 1 and Path(self.path).name == ".tmp-step-000001":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(self.path) / "__1_0.distcp"))
+        return real(self, plan, planner)  # type: ignore[arg-type]
 
-    checkpoint_files.write_part = write_part  # type: ignore[assignment]  # this rank's process only
+    FileSystemWriter.write_data = write_data  # type: ignore[method-assign]  # this rank's process only
     return run_rank(rank, world, prepare(config))
 
 
@@ -175,7 +180,7 @@ def test_a_save_one_rank_cannot_write_is_abandoned_by_all_and_the_run_goes_on(tm
                          hidden=8), batch_size=8, steps=3, save=str(tmp_path / "ck"), save_every=1)
     prepare(config)
     record = launch(_failing_once, config, 2, LaunchOptions(timeout_s=60))
-    assert record.save_failures == [f"cannot write {tmp_path}/ck/.tmp-step-000001/part-001.pt: No space left on "
+    assert record.save_failures == [f"cannot write {tmp_path}/ck/.tmp-step-000001/__1_0.distcp: No space left on "
                                     f"device; no checkpoint is kept in {tmp_path}/ck"]
     assert record.final_save_failure is None
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-000002", "step-000003"]
@@ -190,23 +195,44 @@ def test_an_output_is_replaced_whole_or_not_at_all(tmp_path: Path) -> None:
     assert record.read_text() == "old" and os.listdir(tmp_path) == ["train.json"]
 
 
+PART_FILES = Path(__file__).parent / "fixtures" / "checkpoint-v2"
+"""A checkpoint of the part-file format (pipeweave-checkpoint/2), written by pipeweave before DCP (commit 70cc231):
+the mlp below, trained 2 steps with SGD momentum 0.9 on 1f1b at D=2, one ``part-NNN.pt`` per part."""
+PART_FILES_RUN = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=ModelSpec(kind="mlp", layers=4,
+                             hidden=8), batch_size=8, steps=2, momentum=0.9)
+
+
+def test_a_checkpoint_of_part_files_resumes_on_another_partition_and_saves_with_dcp(tmp_path: Path) -> None:
+    """pipeweave-checkpoint/2 (``part-000.pt``, ``part-001.pt``) resumes on 3 stages; the next save is DCP's."""
+    ck = tmp_path / "ck"
+    shutil.copytree(PART_FILES, ck)
+    before = _files(ck)
+    resumed = dataclasses.replace(PART_FILES_RUN, num_stages=3, layers_per_part=(1, 1, 2), resume=str(ck),
+                                  save=str(ck))
+    record = launch(run_rank, prepare(resumed), 3, LaunchOptions(timeout_s=60))
+    plain = run_plain(PART_FILES_RUN.model, steps=4, batch_size=8, num_microbatches=2,
+                      optimizer_factory=optimizer_factory(PART_FILES_RUN))
+    assert record.first_step == 2 and record.losses == pytest.approx(plain.losses[2:], rel=1e-5)
+    assert {k: v for k, v in _files(ck).items() if k.startswith("step-000002/")} == before  # kept (K = 2)
+    assert sorted(p.name for p in (ck / "step-000004").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                       "__2_0.distcp", "manifest.json"]
+
+
 def test_a_checkpoint_of_the_first_format_is_resumed_and_kept(tmp_path: Path) -> None:
     """`meta.json` beside `part-000-step2.pt` in DIR itself (pipeweave-checkpoint/1): resumed, never removed."""
-    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=ModelSpec(kind="mlp", layers=4,
-                         hidden=8), batch_size=8, steps=2, save=str(tmp_path / "new"))
-    launch(run_rank, prepare(config), 2, LaunchOptions(timeout_s=60))
     old = tmp_path / "old"
     old.mkdir()
-    saved = checkpoint_files.find(str(tmp_path / "new"))
+    saved = checkpoint_files.find(str(PART_FILES))
     names = [f"part-{p:03d}-step2.pt" for p in range(2)]
     for entry, name in zip(saved.files, names):
-        (saved.folder / entry["name"]).rename(old / name)
+        shutil.copy(saved.folder / entry["name"], old / name)
     meta = {k: v for k, v in saved.manifest.items() if k not in ("run", "serial", "saved")}
     (old / "meta.json").write_text(json.dumps({**meta, "format": "pipeweave-checkpoint/1", "files": names}))
     before = _files(old)
-    resumed = TrainConfig(**{**config.__dict__, "save": str(old), "resume": str(old), "save_every": 1})
+    resumed = dataclasses.replace(PART_FILES_RUN, save=str(old), resume=str(old), save_every=1)
     record = launch(run_rank, prepare(resumed), 2, LaunchOptions(timeout_s=60))
-    plain = run_plain(ModelSpec(kind="mlp", layers=4, hidden=8), steps=4, batch_size=8, num_microbatches=2)
+    plain = run_plain(PART_FILES_RUN.model, steps=4, batch_size=8, num_microbatches=2,
+                      optimizer_factory=optimizer_factory(PART_FILES_RUN))
     assert record.first_step == 2 and record.losses == pytest.approx(plain.losses[2:], rel=1e-5)
     assert {k: v for k, v in _files(old).items() if "/" not in k and k != "latest"} == before
     assert checkpoint_files.find(str(old)).folder == old / "step-000004"

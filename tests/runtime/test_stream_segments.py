@@ -24,6 +24,7 @@ update per mini-batch is plain training with the same learning rates.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -215,7 +216,8 @@ def test_resumed_stream_equals_the_run_drained_at_the_checkpoint(
         torch.testing.assert_close(have[key], value, rtol=1e-5, atol=1e-6)
 
 
-def test_checkpoint_of_a_stream_holds_its_policy_state(tmp_path: Path) -> None:
+def test_checkpoint_of_a_stream_holds_its_policy_state(
+        tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, torch.Tensor]]) -> None:
     config = dataclasses.replace(_config("pipemare+warmup+cosine", tmp_path, 3, 3), save_every=None)
     _launch([config])
     import json
@@ -223,16 +225,21 @@ def test_checkpoint_of_a_stream_holds_its_policy_state(tmp_path: Path) -> None:
     assert config.save is not None
     meta = json.loads((Path(config.save) / "step-000003" / "manifest.json").read_text())
     assert meta["steps"] == 3 and meta["updates"] == 3 and meta["annealed"] == 0  # all three were warm-up
-    state = torch.load(Path(config.save) / "step-000003" / "part-000.pt", weights_only=True)
-    assert set(state["velocity"]) == set(state["parameters"]) and state["replicas"] == []
-    assert any(bool(v.abs().sum() > 0) for v in state["velocity"].values())
+    state = checkpoint_tensors(Path(config.save) / "step-000003")
+    velocity, parameters = _under(state, "velocity/"), _under(state, "parameters/")
+    assert set(velocity) == set(parameters) and not _under(state, "replicas/")
+    assert any(bool(v.abs().sum() > 0) for v in velocity.values())
     avg = dataclasses.replace(_config("avgpipe", tmp_path, 4, 4), save_every=None)
     _launch([avg])
     assert avg.save is not None
-    state = torch.load(Path(avg.save) / "step-000004" / "part-000.pt", weights_only=True)
-    assert len(state["replicas"]) == 1 and "velocity" not in state
-    other = state["replicas"][0]["parameters"]
-    assert any(not torch.equal(other[n], v) for n, v in state["parameters"].items())  # the replicas differ
+    state = checkpoint_tensors(Path(avg.save) / "step-000004")
+    parameters, other = _under(state, "parameters/"), _under(state, "replicas/1/parameters/")
+    assert set(other) == set(parameters) and not _under(state, "replicas/2/") and not _under(state, "velocity/")
+    assert any(not torch.equal(other[n], v) for n, v in parameters.items())  # the replicas differ
+
+
+def _under(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {key.removeprefix(prefix): value for key, value in state.items() if key.startswith(prefix)}
 
 
 # ---- evaluation ------------------------------------------------------------------------------

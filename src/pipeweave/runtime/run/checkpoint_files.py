@@ -1,35 +1,38 @@
 """The files of ``--save DIR``: a folder per checkpoint with its manifest, made current atomically, K kept.
 
-Layout (``runtime.run.checkpoint`` says what a part holds)::
+Layout (``runtime.run.checkpoint`` says what the files hold)::
 
     DIR/
       step-000060/          the newest complete checkpoint
-        manifest.json       what was trained, the run, and every part's name, bytes and sha256
-        part-000.pt         one file per part
-        part-001.pt
+        manifest.json       what was trained, the run, and every file's name, bytes and sha256
+        .metadata           torch.distributed.checkpoint's index of the keys
+        __0_0.distcp        its data, one file per rank that wrote any
+        __1_0.distcp
       step-000058/          the one before (--keep-checkpoints K, default 2)
       latest                "step-000060": the newest, for tools (written after each save)
       pipeweave.lock        the run saving here now (``runtime.run.save_lock``)
       .tmp-step-000062/     a save under way, or abandoned by a killed run
 
-A save (``begin``, ``write_part``, ``commit``): rank 0 clears the folders
+A save (``begin``, ``describe``, ``commit``): rank 0 clears the folders
 earlier saves abandoned (``.tmp-step-*``, only pipeweave's own file names in
-them) and creates ``.tmp-step-NNNNNN``; every rank writes its parts there,
-fsynced, their sha256 computed as they are written; once every rank has
-written, rank 0 writes the manifest, fsyncs the folder and renames it to
-``step-NNNNNN`` (``step-NNNNNN-S`` where that name is taken): this rename
-is the moment the checkpoint exists, atomically. DIR is fsynced, ``latest``
-replaced atomically, and this run's checkpoints beyond the K newest (with
-``--overwrite``: every other run's) removed, each by the files its manifest
-lists (a folder holding anything else stays). The newest complete
+them) and creates ``.tmp-step-NNNNNN``; every rank writes its share there
+with DCP, fsynced; the ranks hash the files between them (``describe``);
+once every file is hashed, rank 0 writes the manifest, fsyncs the folder
+and renames it to ``step-NNNNNN`` (``step-NNNNNN-S`` where that name is
+taken): this rename is the moment the checkpoint exists, atomically. DIR is
+fsynced, ``latest`` replaced atomically, and this run's checkpoints beyond
+the K newest (with ``--overwrite``: every other run's) removed, each by the
+files its manifest lists (a folder holding anything else stays). The newest complete
 checkpoint is the one with the highest ``serial`` (saves count up in DIR);
 ``latest`` names it unless a save died between its two renames.
 
 A run is identified by ``run`` in the manifest: set at its first save,
 carried on by every run resumed from it. ``--save DIR`` refuses a DIR whose
-newest checkpoint is another run's (``check_save``). A checkpoint of the
-first format (``meta.json`` beside ``part-NNN-stepS.pt`` in DIR itself) is
-resumed, never written or removed.
+newest checkpoint is another run's (``check_save``). Checkpoints of the
+part-file format (``pipeweave-checkpoint/2``: ``part-NNN.pt`` in
+``step-NNNNNN/``) are found, resumed and pruned like the current ones; one of
+the first format (``meta.json`` beside ``part-NNN-stepS.pt`` in DIR itself)
+is resumed, never written or removed.
 """
 
 from __future__ import annotations
@@ -39,22 +42,24 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from pipeweave.durable import fsync_dir, reason, remove_stale_temporaries, write_atomic
 from pipeweave.errors import UserError
 
-FORMAT = "pipeweave-checkpoint/2"
+FORMAT = "pipeweave-checkpoint/3"
+"""Written by DCP (``runtime.run.checkpoint``)."""
+PARTS = "pipeweave-checkpoint/2"
+"""One ``torch.save`` file per part (``runtime.run.checkpoint_parts``): read, no longer written."""
 LEGACY = "pipeweave-checkpoint/1"
 MANIFEST = "manifest.json"
 LEGACY_META = "meta.json"
 LATEST = "latest"
 STAGING = ".tmp-step-"
 _COMPLETE = re.compile(r"step-\d{6,}(-\d+)?")
-_OWN_FILE = re.compile(r"(part-\d{3,}\.pt|manifest\.json)")
+_OWN_FILE = re.compile(r"(manifest\.json|__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|part-\d{3,}\.pt)")
 
 
 class SaveFailed(Exception):
@@ -63,7 +68,7 @@ class SaveFailed(Exception):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A complete checkpoint: its folder and its manifest (``files``: name, bytes and sha256 of each part)."""
+    """A complete checkpoint: its folder and its manifest (``files``: name, bytes and sha256 of each file)."""
 
     folder: Path
     manifest: dict[str, Any]
@@ -123,7 +128,7 @@ def find(where: str) -> Checkpoint:
     if (folder / MANIFEST).is_file():
         manifest = _read_manifest(folder / MANIFEST)
         if manifest is None:
-            raise UserError(f"--resume {where}: its {MANIFEST} is unreadable or not a {FORMAT} manifest; "
+            raise UserError(f"--resume {where}: its {MANIFEST} is unreadable or not a {FORMAT} (or /2) manifest; "
                             f"{_instead(folder.parent, None)}")
         return Checkpoint(folder, manifest)
     found = newest(folder)
@@ -152,7 +157,7 @@ def _step_of(folder: Path) -> int:
 
 
 def verify(found: Checkpoint, where: str) -> None:
-    """Every part ``found``'s manifest lists is there, of its size and sha256 (one line naming the file if not)."""
+    """Every file ``found``'s manifest lists is there, of its size and sha256 (one line naming the file if not)."""
     for entry in found.files:
         path = found.folder / entry["name"]
         problem = _problem(path, entry)
@@ -177,7 +182,7 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") in (FORMAT, PARTS) else None
 
 
 def _legacy(root: Path) -> Checkpoint | None:
@@ -191,7 +196,7 @@ def _legacy(root: Path) -> Checkpoint | None:
 
 
 def _problem(path: Path, entry: dict[str, Any]) -> str | None:
-    """What is wrong with the part at ``path`` against its manifest ``entry`` (None: nothing)."""
+    """What is wrong with the file at ``path`` against its manifest ``entry`` (None: nothing)."""
     try:
         size = path.stat().st_size
         if "bytes" in entry and size != entry["bytes"]:
@@ -228,7 +233,7 @@ def staging(root: Path, steps: int) -> Path:
 
 
 def begin(root: Path, steps: int) -> Path:
-    """Rank 0, before any part: clear what abandoned saves left, create this save's staging folder.
+    """Rank 0, before any rank writes: clear what abandoned saves left, create this save's staging folder.
 
     Raises:
         SaveFailed: the folder cannot be created (its path and why).
@@ -246,56 +251,17 @@ def begin(root: Path, steps: int) -> Path:
     return folder
 
 
-def write_part(path: Path, save: Callable[[IO[bytes]], None]) -> dict[str, Any]:
-    """Write one part through ``save(file)`` (``torch.save``), fsynced; its manifest entry (name, bytes, sha256).
+def describe(path: Path) -> dict[str, Any]:
+    """A written file's manifest entry: its name, bytes and sha256 (read back once the save has written it).
 
     Raises:
-        SaveFailed: the path and the OS's reason (no space left, ...); the partial file is removed.
+        OSError: it cannot be read.
     """
-    try:
-        with path.open("wb") as f:
-            writer = _Hashing(f)
-            try:
-                save(writer)  # type: ignore[arg-type]
-            except Exception:
-                if writer.error is not None:  # torch reports a failed write as "unexpected pos": say why
-                    raise writer.error from None
-                raise
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as exc:
-        path.unlink(missing_ok=True)
-        raise SaveFailed(f"cannot write {path}: {reason(exc)}") from exc
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    return {"name": path.name, "bytes": writer.count, "sha256": writer.digest.hexdigest()}
-
-
-class _Hashing:
-    """A writable file that counts and hashes what passes through it, and keeps the first OSError."""
-
-    def __init__(self, file: IO[bytes]) -> None:
-        self.file, self.digest, self.count = file, hashlib.sha256(), 0
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        try:
-            written = self.file.write(data)
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-        view = memoryview(data)
-        self.digest.update(view)
-        self.count += view.nbytes
-        return written
-
-    def flush(self) -> None:
-        self.file.flush()
+    return {"name": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
 def commit(folder: Path, manifest: dict[str, Any], keep: int, overwrite: bool) -> Checkpoint:
-    """Rank 0, every part in the staging ``folder``: make it the newest checkpoint, keep the ``keep`` newest.
+    """Rank 0, every file in the staging ``folder``: make it the newest checkpoint, keep the ``keep`` newest.
 
     Raises:
         SaveFailed: the manifest or the rename failed (the previous checkpoints are untouched).

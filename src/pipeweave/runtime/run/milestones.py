@@ -50,7 +50,7 @@ class Milestones:
             self.eval_losses.append((done + end, loss))
             progress({"eval": len(self.eval_losses) - 1, "loss": loss})
         if config.save is not None and (last or end % (config.save_every or config.steps) == 0):
-            failure = checkpoint.save(config, self.plan.parts, self.schedule.placement, self.workers, self.rank,
+            failure = checkpoint.save(config, self.plan.parts, self.schedule.placement, self.workers,
                                       done + end, carry=carry, run=self.plan.run_id)
             if failure is not None:
                 self.save_failures.append(failure)
