@@ -149,13 +149,12 @@ TINY = ["train", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads",
     (["--bucket-mb", "0"], "--bucket-mb 0.0 is invalid; give MiB > 0"),
     (["-s", "chimera", "--data-parallel", "2", "--zero", "1"], "--zero 1 shards data-parallel replicas; chimera "
                                                                "replicates parts inside its pipeline"),
-    (["--tensor-parallel", "2", "--save", "ck"], "--save/--resume with --tensor-parallel 2 is not supported yet"),
     (["--tensor-parallel", "2", "--clip-grad-norm", "1"], "--clip-grad-norm with --tensor-parallel 2"),
     (["--tensor-parallel", "2", "--model", f"{CUSTOM}:bad_tp_plan"], "tp_plan[1]: the TP plan names 'mlp.5', "
                                                                      "which is not a linear layer of it; give one of "
                                                                      "mlp.0, mlp.2"),
     (["--tensor-parallel", "2", "--model", f"{CUSTOM}:model"], "has no tp_plan; give its LayerModel a tp_plan"),
-], ids=["heads", "zero-degree", "zero-3", "bucket", "zero-chimera", "tp-save", "tp-clip", "plan-name", "no-plan"])
+], ids=["heads", "zero-degree", "zero-3", "bucket", "zero-chimera", "tp-clip", "plan-name", "no-plan"])
 def test_bad_parallel_input_is_one_line_before_spawning(cli_error: Any, argv: list[str], message: str,
                                                         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

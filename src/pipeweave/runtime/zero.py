@@ -42,13 +42,20 @@ class ZeroOptimizer:
                  params: Sequence[nn.Parameter], spans: Sequence[range], group: Any) -> None:
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.buckets = [[params[i] for i in span] for span in spans]
-        self.shards = []
-        for bucket in self.buckets:
-            flat = pad(torch.cat([p.detach().reshape(-1).float() for p in bucket]), self.size)
-            self.shards.append(nn.Parameter(flat.chunk(self.size)[self.rank].clone()))
+        self.shards = [nn.Parameter(self._slice(bucket)) for bucket in self.buckets]
         self.inner = factory(self.shards)
         self.param_groups = self.inner.param_groups
         self.defaults = self.inner.defaults
+
+    def _slice(self, bucket: Sequence[nn.Parameter]) -> torch.Tensor:
+        flat = pad(torch.cat([p.detach().reshape(-1).float() for p in bucket]), self.size)
+        return flat.chunk(self.size)[self.rank].clone()
+
+    def refresh(self) -> None:
+        """Take this replica's slices from the parameters again (after something else set them: a checkpoint)."""
+        with torch.no_grad():
+            for bucket, piece in zip(self.buckets, self.shards):
+                piece.copy_(self._slice(bucket))
 
     @property
     def state(self) -> Any:

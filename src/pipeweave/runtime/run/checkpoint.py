@@ -16,19 +16,19 @@ the folder, the manifest, what is atomic, what is removed)::
     DIR/step-000060/__1_0.distcp
 
 Every rank contributes one flat state dict of its stages
-(``runtime.run.checkpoint_state``: the keys, and the one place where
-tensor-parallel shards will become DTensors): parameters, their optimizer
+(``runtime.run.checkpoint_state``: the keys, and the one place where a
+tensor-parallel shard becomes what is saved): parameters, their optimizer
 state under torch.optim's names, persistent buffers, and what an asynchronous
 run carries between streams. Keys are global parameter names
 (``"<layer index>.<name in layer>"``), so a checkpoint resumes on any
-synchronous schedule, stage count, partition or data-parallel degree of the
-same model: each rank asks DCP for the keys of its own layers, and DCP reads
+synchronous schedule, stage count, partition, data-parallel or
+tensor-parallel degree or ZeRO stage of the same model: each rank asks DCP
+for the keys of its own layers, and DCP reads
 only those. The replicas of a part (data parallelism, Chimera, GEMS) give
 equal values under the same keys on several ranks; DCP's save planner writes
 each key once, so the files are the size of one copy whatever the replication.
-``--tensor-parallel`` and ``--zero`` refuse ``--save`` for now (``plan``);
-``checkpoint_state._saved`` says how their shards are to be saved as
-DTensors, which DCP reshards on load.
+Tensor-parallel shards and ZeRO-1's optimizer slices are saved whole
+(``checkpoint_state``), each process loading its own shard of them.
 
 Every rank must see DIR (one host, or a shared file system). ``save`` returns
 the one line saying why a checkpoint could not be written (a full disk, a

@@ -24,13 +24,21 @@ may update them, so replicas may differ.
 Tensor parallelism: ``_saved`` is the one place a stage's tensor becomes what
 is saved: ``stage_state`` and ``rank_state`` pass every parameter, optimizer
 state and velocity through it, and ``destinations`` makes the load targets
-from what it returns. A Linear weight sharded over the ``tp`` dimension of the
-DeviceMesh is to be returned there as ``DTensor.from_local(shard, tp_mesh,
-[Shard(dim)])`` (column-parallel: its rows, dim 0; row-parallel: its columns,
-dim 1), and its optimizer state (same shape) the same way. DCP then writes
-every shard once under the global key, and a loading rank's destination is
-``torch.empty_like`` of its own DTensor, so DCP reshards to whatever
-tensor-parallel degree resumes; ``_local`` takes the rank's shard back out.
+from what it returns. A tensor-parallel shard is saved whole: the N processes
+of its group gather it (``stage.tensor_parallel.gather``) and give the same
+key with equal values, which DCP writes once, as it does a data-parallel
+replica's; a loading process reads the whole tensor and keeps its own shard
+(``_local``), so a checkpoint resumes at any tensor-parallel degree, 1
+included. (The cost: a process holds one whole tensor of its stage at a time
+while saving, and its stage's whole tensors while loading. DCP could instead
+write each shard once as ``DTensor.from_local(shard, tp_mesh, [Shard(dim)])``
+-- column-parallel rows on dim 0, row-parallel columns on dim 1, the fused
+QKV viewed as ``(3, width, in)`` on dim 1 -- and reshard on load.)
+
+ZeRO-1 (``runtime.zero``): the optimizer state of a part is sharded over its
+replicas; ``optimizer_state`` gathers it whole per parameter (every replica
+calls it, as every rank saves), so a checkpoint holds the same keys with or
+without ``--zero 1``, and either resumes the other.
 """
 
 from __future__ import annotations
@@ -43,7 +51,9 @@ import torch
 from pipeweave.errors import UserError
 from pipeweave.runtime.stage.policy import StreamCarry
 from pipeweave.runtime.stage.post_validation import ValidatedOptimizer
+from pipeweave.runtime.stage.tensor_parallel import gather, shard
 from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.zero import ZeroOptimizer
 from pipeweave.schedule.ir import Placement
 from pipeweave.weights.post_validation import SGD
 
@@ -52,24 +62,21 @@ PARAMETERS, OPTIMIZER, BUFFERS, VELOCITY, REPLICAS = "parameters/", "optimizer/"
 
 def _saved(worker: StageWorker, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """The tensor-parallel hook (module docstring): ``tensor`` -- the worker's parameter ``name``, or a tensor
-    of that parameter's: its optimizer state, its velocity -- as it is saved.
-
-    Today every parameter is saved as the rank holds it (``--save`` with ``--tensor-parallel`` is refused by
-    ``plan``). To lift that: a shard carries its ``Split`` (``runtime.stage.tensor_parallel.split_of``), and a
-    tensor of its local shape becomes ``DTensor.from_local(tensor, tp_mesh, [Shard(split.dim)], shape=whole,
-    stride=...)`` with ``tp_mesh`` the ``tp`` dimension of the run's DeviceMesh (``transport.mesh.active()``):
-    column-parallel weights and their biases on dim 0, row-parallel weights on dim 1. The fused QKV weight
-    (each rank holds its heads' rows of Q, of K and of V) is first viewed as ``(3, width, in)`` and sharded on
-    dim 1. Replicated parameters (norms, a row-parallel bias) stay plain tensors: every rank of the group gives
-    the same key and DCP keeps one. A tensor of another shape (AdamW's 0-d ``step``) stays as it is.
-    """
-    return tensor.detach()
+    of that parameter's: its optimizer state, its velocity -- as it is saved: whole (a shard is gathered from
+    its group, every process of which calls this); a whole one, or one of another shape (AdamW's 0-d
+    ``step``), as it is."""
+    tp = worker.tensor_parallel
+    if tp is None or tp.size == 1:
+        return tensor.detach()
+    return gather(tensor, tp, like=worker.named_parameters()[name])
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """What ``_saved`` made, loaded, back as this rank's tensor (a DTensor's ``to_local()``, viewed back to the
-    shard's shape, once there are any)."""
-    return value
+def _local(worker: StageWorker, name: str, value: torch.Tensor) -> torch.Tensor:
+    """What ``_saved`` made, loaded: this process's shard of it (``value`` itself without tensor parallelism)."""
+    tp = worker.tensor_parallel
+    if tp is None or tp.size == 1:
+        return value
+    return shard(value, worker.named_parameters()[name], tp.rank)
 
 
 # ---- save ------------------------------------------------------------------------
@@ -116,7 +123,10 @@ def optimizer_state(worker: StageWorker) -> dict[str, dict[str, torch.Tensor]]:
     names = {id(p): name for name, p in worker.named_parameters().items()}
     optimizer: Any = worker.optimizer
     out: dict[str, dict[str, Any]] = {}
-    if isinstance(optimizer, ValidatedOptimizer):
+    if isinstance(optimizer, ZeroOptimizer):  # its slices gathered whole: a collective of the replicas
+        params = list(worker.module.parameters())
+        out = {names[id(p)]: state for p, state in zip(params, optimizer.whole_state())}
+    elif isinstance(optimizer, ValidatedOptimizer):
         inner = optimizer.step_state.optimizer
         for i, p in enumerate(optimizer.params):
             if isinstance(inner, SGD):
@@ -189,18 +199,19 @@ def apply(values: Mapping[str, torch.Tensor], workers: dict[int, StageWorker], s
                             f"{' ...' if len(missing) > 3 else ''}; save the checkpoint again")
         with torch.no_grad():
             for name, p in mine.items():
-                p.copy_(_local(values[f"{prefix}{PARAMETERS}{name}"]))
+                p.copy_(_local(worker, name, values[f"{prefix}{PARAMETERS}{name}"]))
             for name, b in my_buffers.items():
                 b.copy_(values[f"{prefix}{BUFFERS}{name}"])
         states: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in values.items():
             owner = _parameter_of(key, prefix) if key.startswith(f"{prefix}{OPTIMIZER}") else None
             if owner is not None and owner in mine:
-                states.setdefault(owner, {})[key.rpartition("/")[2]] = _local(value)
+                states.setdefault(owner, {})[key.rpartition("/")[2]] = _local(worker, owner, value)
         load_optimizer_state(worker, states, steps)
         velocity = [values.get(f"{prefix}{VELOCITY}{name}") for name in mine]
         if all(v is not None for v in velocity):
-            velocities[stage] = [_local(v).to(p.device) for v, p in zip(velocity, mine.values()) if v is not None]
+            velocities[stage] = [_local(worker, n, v).to(p.device) for v, (n, p) in zip(velocity, mine.items())
+                                 if v is not None]
     return velocities
 
 
@@ -223,6 +234,11 @@ def load_optimizer_state(worker: StageWorker, states: dict[str, dict[str, torch.
     """Set the worker's optimizer state from ``states`` (per global parameter name, torch.optim's names)."""
     named = worker.named_parameters()
     optimizer: Any = worker.optimizer
+    if isinstance(optimizer, ZeroOptimizer):  # each replica keeps its slices
+        names = {id(p): name for name, p in named.items()}
+        optimizer.load_whole_state([states.get(names[id(p)], {}) for p in worker.module.parameters()])
+        optimizer.refresh()  # the parameters were just loaded: its slices of them too
+        return
     if isinstance(optimizer, ValidatedOptimizer):
         inner = optimizer.step_state.optimizer
         index = {id(p): i for i, p in enumerate(optimizer.params)}

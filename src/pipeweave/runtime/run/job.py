@@ -30,6 +30,7 @@ from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters
 from pipeweave.runtime.run.stream_job import run_stream_rank
 from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.stage.lr_schedule import set_lr
+from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import lower
 
@@ -48,14 +49,14 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     rank = joined.stage_rank
     workers = build_workers(plan, rank, device)
     done = plan.steps_done  # the data goes on from the batch after the checkpoint's last
-    if config.resume is not None:
+    executor = Executor(lower(plan.schedule), rank, workers, plan.microbatch_sizes, device,
+                        on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
+                        zero=config.zero == 1)
+    if config.resume is not None:  # after the executor: ZeRO-1 has sharded the optimizers it loads into
         assert plan.resumed is not None
         checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     for w in workers.values():
         w.steps_done = done
-    executor = Executor(lower(plan.schedule), rank, workers, plan.microbatch_sizes, device,
-                        on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
-                        zero=config.zero == 1)
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
     offset = align_clocks(process, world)
     t = plan.schedule.num_microbatches
@@ -75,7 +76,7 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
             for w in workers.values():
                 w.track_memory = False
         mine.records.append(seconds_since(timings, offset))
-        if joined.tp_rank == 0:  # a tensor-parallel group's ranks run alike: one reports
+        if mesh.reporting():  # a tensor-parallel group's processes run alike: one reports
             progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
         divergence.after_step(step, executor.step_loss)  # stops every rank here, or counts a skipped update
         milestones.reached(step + 1)

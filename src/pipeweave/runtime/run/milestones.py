@@ -14,6 +14,7 @@ from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.plan import RunPlan
 from pipeweave.runtime.stage.policy import StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.transport import mesh
 from pipeweave.schedule import Schedule, lower
 from pipeweave.schedule.evaluation import forward_only
 
@@ -48,7 +49,8 @@ class Milestones:
         if config.eval_every is not None and (last or end % config.eval_every == 0):
             loss = self._evaluate()
             self.eval_losses.append((done + end, loss))
-            progress({"eval": len(self.eval_losses) - 1, "loss": loss})
+            if mesh.reporting():
+                progress({"eval": len(self.eval_losses) - 1, "loss": loss})
         if config.save is not None and (last or end % (config.save_every or config.steps) == 0):
             failure = checkpoint.save(config, self.plan.parts, self.schedule.placement, self.workers,
                                       done + end, carry=carry, run=self.plan.run_id)
@@ -56,7 +58,7 @@ class Milestones:
                 self.save_failures.append(failure)
                 if last:
                     self.final_save_failure = failure
-                elif self.rank == 0:
+                elif self.rank == 0 and mesh.reporting():  # stage rank 0's first process: once
                     progress({"checkpoint_failed": failure})
 
     def _evaluate(self) -> float:

@@ -183,9 +183,6 @@ def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
     if config.post_validation is not None:
         raise UserError(f"--clip-grad-norm with --tensor-parallel {n} is not supported (a norm over shards); "
                         "drop one of them")
-    if config.save is not None or config.resume is not None:
-        raise UserError(f"--save/--resume with --tensor-parallel {n} is not supported yet (a checkpoint of "
-                        "shards); train without them or with --tensor-parallel 1")
 
 
 def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
@@ -193,9 +190,9 @@ def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
     if base != schedule.placement.num_parts:
         raise UserError(f"--zero {config.zero} shards data-parallel replicas; {config.schedule} replicates parts "
                         "inside its pipeline: use --zero 0 with it")
-    if config.post_validation is not None or config.save is not None or config.resume is not None:
-        raise UserError(f"--zero {config.zero} with --clip-grad-norm, --save or --resume is not supported yet "
-                        "(sharded optimizer state); use --zero 0 with them")
+    if config.post_validation is not None:
+        raise UserError(f"--zero {config.zero} with --clip-grad-norm is not supported (a norm over sharded "
+                        "state); use --zero 0 with it")
 
 
 def _check_evaluation(config: TrainConfig, source: Any) -> None:

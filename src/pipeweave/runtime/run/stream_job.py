@@ -28,6 +28,7 @@ from pipeweave.runtime.stage.policy import RankPolicy, Read, StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stream import (StreamData, StreamPosition, check_stream_model, minibatch_losses,
                                       split_by_minibatch)
+from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import Schedule, lower
 from pipeweave.schedule.ir import Action
@@ -72,7 +73,7 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
         groups = split_by_minibatch(done.timings, config.num_microbatches, end)
         for m in range(first, end):
             times = seconds_since(groups[m], offset)
-            if joined.tp_rank == 0:  # a tensor-parallel group's ranks run alike: one reports
+            if mesh.reporting():  # a tensor-parallel group's processes run alike: one reports
                 progress({"step": m, "loss": done.losses[m], "time": times[-1][4] if times else 0.0})
         divergence.after_stream(first, done.losses[first:end], device)  # stops every rank before saving here
         milestones.reached(end, carry)

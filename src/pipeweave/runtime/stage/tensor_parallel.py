@@ -159,10 +159,14 @@ def split_of(param: torch.Tensor) -> Split | None:
     return getattr(param, "tensor_parallel_split", None)
 
 
-def gather(param: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """The whole parameter of ``param``'s shards (every rank of the group calls it); ``param`` itself if whole."""
-    split = split_of(param)
-    if split is None:
+def gather(param: torch.Tensor, tp: TensorParallel, like: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole parameter of ``param``'s shards (every rank of the group calls it); ``param`` itself if whole.
+
+    ``like``: the shard ``param`` is cut as, where ``param`` is a tensor of that shard's shape but not the
+    shard itself (its optimizer state).
+    """
+    split = split_of(param if like is None else like)
+    if split is None or param.shape != (param if like is None else like).shape:
         return param.detach()
     shards = [torch.empty_like(param) for _ in range(tp.size)]
     dist.all_gather(shards, param.detach().contiguous(), group=tp.group)
@@ -175,9 +179,12 @@ def gather(param: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 
 
 def shard(whole: torch.Tensor, like: torch.Tensor, rank: int) -> torch.Tensor:
-    """This rank's shard of ``whole``, cut as the shard ``like`` is (``whole`` itself for a whole parameter)."""
+    """This rank's shard of ``whole``, cut as the shard ``like`` is (``whole`` itself for a whole parameter, or
+    where ``whole`` is not of the whole's shape: AdamW's 0-d step)."""
     split = split_of(like)
-    return whole if split is None else whole.index_select(split.dim, split.owned[rank].to(whole.device))
+    if split is None or whole.dim() != like.dim() or whole.shape[split.dim] != sum(len(i) for i in split.owned):
+        return whole
+    return whole.index_select(split.dim, split.owned[rank].to(whole.device))
 
 
 class ColumnParallelLinear(Deferrable):

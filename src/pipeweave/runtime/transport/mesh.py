@@ -148,6 +148,11 @@ def process_of(stage_rank: int) -> int:
     return stage_rank if _active is None else _active.process_of(stage_rank)
 
 
+def reporting() -> bool:
+    """Whether this process reports for its stage rank: its ``tp`` coordinate is 0 (the others run alike)."""
+    return _active is None or _active.tp_rank == 0
+
+
 def pipeline_group() -> Any:
     """The group of this ``tp`` coordinate's processes (None: the default group, without tensor parallelism)."""
     return None if _active is None else _active.pipeline_group
