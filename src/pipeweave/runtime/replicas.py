@@ -131,6 +131,15 @@ class ReplicaReduction:
                 _unflatten(flat, [replica[i] for i in span])
 
 
+def all_reduce_gradients(worker: StageWorker, group: Any) -> None:
+    """Sum ``worker``'s gradients over ``group`` in place (an asynchronous schedule's data-parallel replicas, at
+    each ``U``: blocking, not bucketed -- a replica's update waits for its peers' gradients of the same group)."""
+    grads = worker.gradients()
+    flat = _flatten(grads)
+    dist.all_reduce(flat, group=group)
+    _unflatten(flat, grads)
+
+
 def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int) -> list[range]:
     """Consecutive runs of ``grads`` of about ``bucket_bytes`` each (a larger tensor is a bucket of its own)."""
     spans, start, size = [], 0, 0

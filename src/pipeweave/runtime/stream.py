@@ -85,6 +85,9 @@ def microbatches_per_minibatch(schedule: Schedule) -> int:
 class StreamData(Sequence[Boundary]):
     """Microbatch j of the stream: slice j mod T of the data source's batch ``first`` + j // T, fetched when first asked.
 
+    ``piece=(p, P)``: data-parallel replica p of P takes the p-th of P pieces of every microbatch, so that the
+    P replicas together run each microbatch of the single pipeline (``runtime.run.stream_job``).
+
     Example:
         >>> from pipeweave.data import data_source
         >>> src = data_source(ModelSpec(kind="mlp", hidden=4), batch_size=4)
@@ -94,8 +97,9 @@ class StreamData(Sequence[Boundary]):
     """
 
     def __init__(self, source: DataSource, *, num_microbatches: int, length: int, part: int,
-                 device: torch.device | str = "cpu", first: int = 0) -> None:
+                 device: torch.device | str = "cpu", first: int = 0, piece: tuple[int, int] = (0, 1)) -> None:
         self.source, self.t, self.length, self.part, self.device = source, num_microbatches, length, part, device
+        self.piece = piece
         self.first = first  # the data source's batch of the stream's mini-batch 0
         self._cached: tuple[int, list[Boundary]] | None = None
 
@@ -112,7 +116,11 @@ class StreamData(Sequence[Boundary]):
         m = j // self.t
         if self._cached is None or self._cached[0] != m:  # the stream asks in about increasing order
             batch = self.source.batch(self.first + m)[self.part]
-            self._cached = (m, [boundary.to(x, self.device) for x in split_microbatches(batch, self.t)])
+            microbatches = split_microbatches(batch, self.t)
+            p, pieces = self.piece
+            if pieces > 1:
+                microbatches = [split_microbatches(x, pieces)[p] for x in microbatches]
+            self._cached = (m, [boundary.to(x, self.device) for x in microbatches])
         return self._cached[1][j % self.t]
 
 

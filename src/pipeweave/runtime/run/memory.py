@@ -70,7 +70,8 @@ class MemoryEstimate:
     rings: tuple[int, ...]
     processes: tuple[int, ...]
     tensor_parallel: int = 1
-    """Processes per rank (N), each needing the rank's figures."""
+    """Processes per rank (N; P x N for an asynchronous schedule's replicas around it), each needing the
+    rank's figures."""
 
     @property
     def per_rank(self) -> tuple[int, ...]:
@@ -103,12 +104,13 @@ def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEs
     for stage, rank in enumerate(schedule.placement.stage_rank):
         weights[rank] += per_stage * parts[part_of[stage]].weights
     ranks = schedule.num_ranks
-    processes = ranks * config.tensor_parallel
+    copies = config.tensor_parallel * (config.data_parallel if config.is_stream else 1)  # processes per rank
+    processes = ranks * copies
     rings = 0 if ring_capacity is None else (processes - 1) * ring_capacity  # one ring from every peer
     actions = sum(len(row) for row in schedule.actions)
     process = PROCESS_BYTES + actions * RANK_BYTES_PER_ACTION
     return MemoryEstimate(tuple(int(a) for a in activations), tuple(int(w) for w in weights), (rings,) * ranks,
-                          (process,) * ranks, config.tensor_parallel)
+                          (process,) * ranks, copies)
 
 
 def optimizer_copies(config: TrainConfig) -> int:

@@ -77,8 +77,10 @@ class RunPlan:
 
     @property
     def num_processes(self) -> int:
-        """P x D x N: the schedule's ranks (P replicas of D), each a tensor-parallel group of N processes."""
-        return self.schedule.num_ranks * self.config.tensor_parallel
+        """P x D x N: the schedule's ranks (P replicas of D; an asynchronous schedule's D, run by P replicas
+        outside it), each a tensor-parallel group of N processes."""
+        outside = self.config.data_parallel if self.config.is_stream else 1
+        return self.schedule.num_ranks * outside * self.config.tensor_parallel
 
 
 def prepare(config: TrainConfig) -> RunPlan:
@@ -157,8 +159,7 @@ def _check_checkpoints(config: TrainConfig, resumed: Checkpoint | None) -> str:
 def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
     """The schedule is valid, and the model and the batch are large enough for it."""
     if not schedule.is_synchronous and config.data_parallel != 1:
-        raise UserError(f"{config.schedule} is asynchronous; --data-parallel applies to synchronous schedules, "
-                        "drop it")
+        _check_stream_data_parallel(config)
     if not schedule.is_synchronous and config.on_nonfinite == "skip":
         raise UserError(f"--on-nonfinite skip applies to synchronous schedules; {config.schedule} is asynchronous "
                         "(its stages update per microbatch: no step to skip); use --on-nonfinite stop")
@@ -169,6 +170,20 @@ def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
     check_layers(config, schedule.num_parts)
     check_batch(config, config.num_microbatches * config.data_parallel if config.is_stream
                 else schedule.num_microbatches)
+
+
+ASYNC_DATA_PARALLEL = ("pipedream", "pipedream-2bw")
+"""Asynchronous schedules that take ``--data-parallel`` (PipeDream's hybrid: each update sums its replicas')."""
+
+
+def _check_stream_data_parallel(config: TrainConfig) -> None:
+    if config.schedule not in ASYNC_DATA_PARALLEL:
+        raise UserError(f"--data-parallel with the asynchronous {config.schedule} is not supported; use one of "
+                        f"{', '.join(ASYNC_DATA_PARALLEL)}, a synchronous schedule, or --data-parallel 1")
+    for flag, value in (("--eval-every", config.eval_every), ("--save", config.save), ("--resume", config.resume)):
+        if value is not None:
+            raise UserError(f"{flag} with --data-parallel {config.data_parallel} on {config.schedule} is not "
+                            f"supported yet; drop {flag} or --data-parallel")
 
 
 def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:

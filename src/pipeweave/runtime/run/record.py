@@ -127,8 +127,21 @@ def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, sta
         return None
     assert gathered is not None
     gathered = gathered[:: config.tensor_parallel]  # per stage rank its tp-0 process's (its group runs alike)
+    if config.is_stream and config.data_parallel > 1:  # replicas around the stream: their shares of the loss
+        gathered = _fold_replicas(gathered, config.data_parallel)
     return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started,
                      used_transport(), first_step, first_step if first_update is None else first_update)
+
+
+def _fold_replicas(records: list[Any], replicas: int) -> list[Any]:
+    """An asynchronous run's P replicas' records (in process order, the first replica's first): the first
+    replica's, each rank's loss shares summed over the replicas (each ran its piece of every microbatch)."""
+    ranks = len(records) // replicas
+    first = records[:ranks]
+    for other in records[ranks:]:
+        mine = first[other.rank]
+        mine.losses = [a + b for a, b in zip(mine.losses, other.losses)]
+    return first
 
 
 def close_pauses(record: RunRecord) -> float:

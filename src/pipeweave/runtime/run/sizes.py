@@ -154,6 +154,14 @@ def microbatch_sizes(config: TrainConfig) -> list[int]:
     return sizes * config.steps if config.is_stream else sizes
 
 
+def replica_microbatch_sizes(config: TrainConfig, replica: int) -> list[int]:
+    """An asynchronous run's microbatch sizes on data-parallel ``replica``: its piece of each microbatch
+    (``stream.StreamData``'s ``piece``), every mini-batch's."""
+    whole = [len(m) for m in split_microbatches(torch.empty(config.batch_size, 0), config.num_microbatches)]
+    p = config.data_parallel
+    return [len(split_microbatches(torch.empty(size, 0), p)[replica]) for size in whole] * config.steps
+
+
 def probe_model(spec: ModelSpec, seed: int) -> int:
     """A custom model, checked by running two samples through it: the largest bytes per sample between layers.
 

@@ -8,6 +8,7 @@ concatenated) numbers its actions.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from pipeweave.data import data_source
 from pipeweave.runtime.executor import Executor, Record
+from pipeweave.runtime.replicas import all_reduce_gradients
 from pipeweave.runtime.process import progress
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.divergence import Divergence
@@ -23,12 +25,14 @@ from pipeweave.runtime.run.milestones import Milestones
 from pipeweave.runtime.run.plan import RunPlan, stream_rates
 from pipeweave.runtime.run.record import (RankRecord, RunRecord, close_pauses, final_parameters, gather_run,
                                           seconds_since)
+from pipeweave.runtime.run.sizes import replica_microbatch_sizes
 from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.stage.policy import RankPolicy, Read, StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stream import (StreamData, StreamPosition, check_stream_model, minibatch_losses,
                                       split_by_minibatch)
 from pipeweave.runtime.transport import mesh
+from pipeweave.runtime.transport.mesh import Mesh
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import Schedule, lower
 from pipeweave.schedule.ir import Action
@@ -55,6 +59,9 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     joined, device = join_mesh(plan, process, world)
     rank = joined.stage_rank
     workers = build_workers(plan, rank, device, plan.streams[0])
+    if joined.outside:  # PipeDream's hybrid: every update sums the replicas' gradients of its group
+        for w in workers.values():
+            w.combine_grads = functools.partial(all_reduce_gradients, group=joined.dp_group)
     carry = StreamCarry()
     if config.resume is not None:
         assert plan.resumed is not None
@@ -67,7 +74,7 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     divergence = Divergence(plan, workers)
     for (first, steps), stream in zip(plan.segments, plan.streams):
         policy = RankPolicy(stream, workers, config.policy, lr_at=rates, carry=carry)
-        _run_stream(plan, stream, (first, steps), rank, workers, device, source, policy, done)
+        _run_stream(plan, stream, (first, steps), joined, workers, device, source, policy, done)
         carry = policy.carry()
         end = first + steps
         groups = split_by_minibatch(done.timings, config.num_microbatches, end)
@@ -90,18 +97,23 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     return run
 
 
-def _run_stream(plan: RunPlan, stream: Schedule, segment: tuple[int, int], rank: int,
+def _run_stream(plan: RunPlan, stream: Schedule, segment: tuple[int, int], joined: Mesh,
                 workers: dict[int, StageWorker], device: torch.device, source: Any, policy: RankPolicy,
                 done: _Streamed) -> None:
-    """Run one stream of the run (``segment``: its first mini-batch of this run, and how many) into ``done``."""
+    """Run one stream of the run (``segment``: its first mini-batch of this run, and how many) into ``done``.
+
+    Data-parallel replicas around the stream (``joined.outside``) each run their piece of every microbatch.
+    """
     (first, steps), t = segment, plan.config.num_microbatches
+    piece = (joined.dp_rank, joined.data_parallel) if joined.outside else (0, 1)
+    sizes = replica_microbatch_sizes(plan.config, piece[0]) if joined.outside else plan.microbatch_sizes
     for w in workers.values():
         w.steps_done = plan.steps_done + first  # dropout keys: (steps before the stream, microbatch in it)
     # AvgPipe's replicas train apart (averaged by the policy): no gradient sums between them.
-    executor = Executor(lower(stream), rank, workers, plan.microbatch_sizes[: stream.num_microbatches], device,
+    executor = Executor(lower(stream), joined.stage_rank, workers, sizes[: stream.num_microbatches], device,
                         policy=policy, combine_replicas=False)
     data, targets = (StreamData(source, num_microbatches=t, length=stream.num_microbatches, part=part,
-                                device=device, first=plan.steps_done + first) for part in (0, 1))
+                                device=device, first=plan.steps_done + first, piece=piece) for part in (0, 1))
     _, ran = executor.run_step(data, targets)
     mine = {j: float(x) for j, x in executor.losses_by_microbatch.items()}
     done.losses += minibatch_losses(mine, t, steps)

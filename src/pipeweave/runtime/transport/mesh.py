@@ -61,19 +61,30 @@ class Mesh:
     pipeline_group: Any = None
     replica_groups: dict[int, Any] = field(default_factory=dict)
     """Per replicated part whose replicas span several stage ranks: the group summing its gradients."""
+    outside: bool = False
+    """The schedule is one replica's (an asynchronous one's D ranks), the P replicas laid out around it; else
+    it holds them (``schedule.data_parallel``: ranks ``dp*D + pp``)."""
+    dp_group: Any = None
+    """The processes of this one's (pp, tp) coordinate across the replicas (with ``outside``)."""
 
     @property
     def stage_rank(self) -> int:
-        """This process's rank in the lowered schedule (``dp*D + pp``)."""
-        return self.process // self.tensor_parallel
+        """This process's rank in the lowered schedule (``dp*D + pp``; with ``outside``, ``pp``)."""
+        rank = self.process // self.tensor_parallel
+        return rank % self.stages if self.outside else rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.process // (self.stages * self.tensor_parallel)
 
     @property
     def tp_rank(self) -> int:
         return self.process % self.tensor_parallel
 
     def process_of(self, stage_rank: int) -> int:
-        """The process of ``stage_rank`` with this process's ``tp`` coordinate: where its messages go."""
-        return stage_rank * self.tensor_parallel + self.tp_rank
+        """The process of ``stage_rank`` with this process's ``tp`` (and, ``outside``, ``dp``) coordinate."""
+        first = self.dp_rank * self.stages if self.outside else 0
+        return (first + stage_rank) * self.tensor_parallel + self.tp_rank
 
     @property
     def tensor_parallel_group(self) -> TensorParallel | None:
@@ -98,12 +109,14 @@ def build_mesh(process: int, world: int, placement: Placement, data_parallel: in
                device: torch.device) -> Mesh:
     """This process's ``Mesh``, every group created (a collective call: every process of the run calls it)."""
     ranks = world // tensor_parallel
-    mesh = Mesh(data_parallel, ranks // data_parallel, tensor_parallel, process)
-    if tensor_parallel == 1 and not replica_rank_sets(placement):
+    outside = placement.num_ranks != ranks  # an asynchronous schedule's replicas, laid out around it
+    mesh = Mesh(data_parallel, ranks // data_parallel, tensor_parallel, process, outside=outside)
+    if tensor_parallel == 1 and not outside and not replica_rank_sets(placement):
         return mesh
     mesh.device_mesh = init_device_mesh(device.type, (data_parallel, mesh.stages, tensor_parallel),
                                         mesh_dim_names=("dp", "pp", "tp"))
     mesh.tp_group = mesh.device_mesh.get_group("tp")
+    mesh.dp_group = mesh.device_mesh.get_group("dp")
     mesh.pipeline_group = _group_per_tp([list(range(ranks))], mesh)[0] if tensor_parallel > 1 else None
     sets = replica_rank_sets(placement)
     # Plain data parallelism: a part's replicas are a slice of the mesh's dp dimension, whose group exists.
