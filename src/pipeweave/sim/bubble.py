@@ -9,13 +9,15 @@ idle / busy over the max span.
 from __future__ import annotations
 
 from pipeweave.schedule.ir import Op
-from pipeweave.sim.timeline import Timeline
+from pipeweave.sim.timeline import Times, Timeline
 
 _COMPUTE = frozenset(op for op in Op if op.is_compute)
 
 
 def bubble_metrics(timeline: Timeline) -> tuple[float, tuple[float, ...], tuple[float, ...], float, float, float]:
     """``(makespan, span, busy, bubble_ratio, bubble_ratio_flush, bubble_overhead)``."""
+    if timeline.times is not None:
+        return _from_times(timeline.times)
     rows = [row for row in timeline.events if row]
     if not rows:
         return 0.0, (), (), 0.0, 0.0, 0.0
@@ -25,6 +27,28 @@ def bubble_metrics(timeline: Timeline) -> tuple[float, tuple[float, ...], tuple[
     span = tuple((max(e.end for e in row) - row[0].start) if row else 0.0 for row in timeline.events)
     busy = tuple(sum(e.end - e.start for e in row if e.action.op in _COMPUTE) for row in timeline.events)
     n, total, widest = len(timeline.events), sum(busy), max(span)
+    ratio = 1.0 - total / (n * widest) if widest > 0 else 0.0
+    flush = 1.0 - total / (n * makespan) if makespan > 0 else 0.0
+    overhead = (n * widest - total) / total if total > 0 else 0.0
+    return makespan, span, busy, ratio, flush, overhead
+
+
+def _from_times(times: Times) -> tuple[float, tuple[float, ...], tuple[float, ...], float, float, float]:
+    """``bubble_metrics`` of the fast simulator's arrays, by the same float operations (its actions
+    are all compute: the simulator takes no communication ops)."""
+    bounds = times.offsets.tolist()
+    rows = [(a, b) for a, b in zip(bounds, bounds[1:])]
+    if all(a == b for a, b in rows):
+        return 0.0, (), (), 0.0, 0.0, 0.0
+    took = (times.end - times.start).tolist()
+    ends = [float(times.end[a:b].max()) if b > a else 0.0 for a, b in rows]
+    starts = times.start[[a for a, b in rows if b > a]].tolist()
+    first = min(starts)
+    last = max(e for e, (a, b) in zip(ends, rows) if b > a)
+    makespan = last - first
+    span = tuple((e - float(times.start[a])) if b > a else 0.0 for e, (a, b) in zip(ends, rows))
+    busy = tuple(sum(took[a:b]) for a, b in rows)  # Python's sum, as the reference's (its rounding too)
+    n, total, widest = len(rows), sum(busy), max(span)
     ratio = 1.0 - total / (n * widest) if widest > 0 else 0.0
     flush = 1.0 - total / (n * makespan) if makespan > 0 else 0.0
     overhead = (n * widest - total) / total if total > 0 else 0.0

@@ -1,0 +1,257 @@
+"""The timeline in rounds over numpy arrays: the fast twin of ``schedule.dataflow``'s in-order walk.
+
+Each round, every rank looks at its next action; if the action's input from
+another rank has been computed, the action runs: it starts at the later of its
+rank's previous end (plus the dispatch gap) and that input's end (plus the
+hop), and ends its duration later. One round is a dozen numpy calls over the
+ranks, whatever D is; the number of rounds is about the longest rank's length
+plus the pipeline's depth.
+
+The result is bit for bit the reference's (tests/sim/test_fast.py): every
+time is computed by the same float operations (one addition per edge, a
+maximum), only in another order, and floats' order of evaluation matters only
+within a sum, never across a maximum. A prefix-sum formulation would be faster
+but would round differently.
+
+Inputs produced on the same rank need no time (they ended before the rank's
+previous action did); they only need to come earlier in the row, which is
+checked up front. What the rounds do not cover, the caller leaves to the
+reference: schedules that fail ``check_actions``, a synchronous ``U`` before
+other work on its rank, an asynchronous schedule with data-parallel
+reductions (``update_delay``), and a reduction of a part held on two ranks
+(whose stream the reference takes from whichever rank it walked last).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pipeweave.schedule.ir import Schedule
+from pipeweave.sim.arrays import B, F, I, U, W, ScheduleArrays
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+Latency = Callable[[int, int], float]
+_CHECK_EVERY = 32  # rounds between checks for the end (or a deadlock: a round where no rank moved)
+MIN_PER_ROUND = 4.0
+"""Actions per round below which the rounds give way to the reference: a round costs about as
+much as the pure-Python walk spends on 4 actions (benchmarks/simulator/README.md). Schedules that
+keep few ranks busy at a time (naive, GEMS) have about one action per round."""
+_TRIAL_ROUNDS = 256  # rounds before that rate is judged
+
+
+def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray, *, latency: Latency | None,
+               gap: float, update_delay: Sequence[float] | None,
+               min_per_round: float = MIN_PER_ROUND) -> tuple[FloatArray, FloatArray] | None:
+    """Start and end of every action (in ``arrays``' order), or None where the reference must do it.
+
+    Args:
+        schedule: the schedule ``arrays`` encodes.
+        arrays: its ``sim.arrays.schedule_arrays``.
+        durations: per stage and op code, the op's time (shape ``(num_stages, 5)``).
+        latency, gap, update_delay: as ``schedule.dataflow.execute``'s.
+        min_per_round: give up (None) when, after 256 rounds, fewer actions than this ran per
+            round, on 16 ranks or more (the reference is faster there).
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> from pipeweave.sim.arrays import schedule_arrays
+        >>> s = generate("gpipe", num_stages=2, num_microbatches=2)
+        >>> start, end = fast_times(s, schedule_arrays(s), np.ones((2, 5)), latency=None, gap=0.0, update_delay=None)
+        >>> end[:5].tolist()
+        [1.0, 2.0, 5.0, 6.0, 7.0]
+    """
+    delay = update_delay if update_delay is not None and any(update_delay) else None
+    sync = schedule.is_synchronous
+    if not arrays.ok or (delay is not None and not sync):
+        return None
+    in_loop = arrays.op != U if sync else np.ones(arrays.size, dtype=bool)
+    if sync and not _updates_last(arrays, in_loop):
+        return None
+    loop = _Loop(schedule, arrays, in_loop, durations, latency, gap)
+    if not loop.ordered or not loop.run(min_per_round if schedule.num_ranks >= 16 else 0.0):
+        return None
+    start = np.empty(arrays.size)
+    end = np.empty(arrays.size)
+    start[in_loop], end[in_loop] = loop.times()
+    if sync and not _run_updates(schedule, arrays, durations, gap, delay, start, end):
+        return None
+    return start, end
+
+
+def _updates_last(arrays: ScheduleArrays, in_loop: NDArray[np.bool_]) -> bool:
+    """Every rank's ``U`` come after all its other actions (the registry's synchronous schedules do)."""
+    counts = np.bincount(arrays.rank[in_loop], minlength=len(arrays.offsets) - 1)
+    position = np.arange(arrays.size) - arrays.offsets[arrays.rank]
+    return bool((in_loop == (position < counts[arrays.rank])).all())
+
+
+class _Loop:
+    """The rounds' arrays: the ranks' rows one after another, each between two sentinel slots.
+
+    Slot ``k + 2 r + 1`` holds loop action k (of rank r); the slot before a row
+    ends at ``-gap`` (so that its first action starts at 0 with the gap added),
+    the slot after it waits on ``never`` (never computed: the rank stops there).
+    ``none`` ends at -inf: the input of an action that needs none from another rank.
+    """
+
+    def __init__(self, schedule: Schedule, arrays: ScheduleArrays, in_loop: NDArray[np.bool_],
+                 durations: FloatArray, latency: Latency | None, gap: float) -> None:
+        rank, stage = arrays.rank[in_loop], arrays.stage[in_loop]
+        op, mb = arrays.op[in_loop], arrays.microbatch[in_loop]
+        num_ranks, n = schedule.num_ranks, len(rank)
+        self.gap, self.rank = gap, rank
+        self.slot = np.arange(n) + 2 * rank + 1
+        counts = np.bincount(rank, minlength=num_ranks)
+        offsets = np.concatenate(([0], np.cumsum(counts)))[:-1] + 2 * np.arange(num_ranks)
+        size = n + 2 * num_ranks
+        self.none, self.never = size, size + 1
+        self.trail = offsets + counts + 1
+        self.ptr = offsets + 1
+        self.base = np.full(size + 3, np.inf)  # base[k + 1] is slot k's end; base[0] stands before slot 0
+        self.end = self.base[1:]
+        self.end[offsets] = -gap if gap else 0.0
+        self.end[self.none] = -np.inf
+        self.duration = np.zeros(size + 2)
+        self.duration[self.slot] = durations[stage, op]
+        self.dep = np.full(size + 2, self.none, dtype=np.int64)
+        self.dep[self.trail] = self.never
+        self.latency = np.zeros(size + 2) if latency is not None else None
+        self.ordered = self._inputs(schedule, stage, op, mb, latency)
+
+    def _inputs(self, schedule: Schedule, stage: IntArray, op: NDArray[np.int8], mb: IntArray,
+                latency: Latency | None) -> bool:
+        """Fill ``dep`` (and ``latency``) with each action's input from another rank; False when an
+        input from its own rank comes later in the row (the reference then explains the deadlock)."""
+        placement, t = schedule.placement, schedule.num_microbatches
+        num_stages = placement.num_stages
+        stage_rank = np.asarray(placement.stage_rank, dtype=np.int64)
+        prev = np.asarray([-1 if (p := placement.prev_stage(s)) is None else p for s in range(num_stages)])
+        nxt = np.asarray([-1 if (q := placement.next_stage(s)) is None else q for s in range(num_stages)])
+        # Where each datum is made: table[kind * S * T + stage * T + mb], kinds F, input gradient, I.
+        n_keys = num_stages * t
+        is_f, is_i = op == F, op == I
+        is_g = is_i | (op == B)
+        kind = np.where(is_f, 0, n_keys)  # of the input from the neighbour stage: F's, or B/I's
+        key = stage * t + mb
+        table = np.full(3 * n_keys, self.never, dtype=np.int64)
+        for offset, mask in ((0, is_f), (n_keys, is_g), (2 * n_keys, is_i)):
+            table[key[mask] + offset] = self.slot[mask]
+        own = np.where(is_g, key, np.where(op == W, key + 2 * n_keys, -1))  # F before B/I, I before W
+        has_own = own >= 0
+        ordered = bool((table[own[has_own]] < self.slot[has_own]).all())
+        neighbour = np.where(is_f, prev[stage], np.where(is_g, nxt[stage], -1))
+        has = neighbour >= 0
+        src, dst, slots = neighbour[has], stage[has], self.slot[has]
+        producer = table[kind[has] + src * t + mb[has]]
+        cross = stage_rank[src] != stage_rank[dst]
+        ordered &= bool((producer[~cross] < slots[~cross]).all())
+        self.dep[slots[cross]] = producer[cross]
+        if self.latency is not None and latency is not None:
+            self.latency[slots[cross]] = _hops(latency, src[cross], dst[cross])
+        return ordered
+
+    def run(self, min_per_round: float) -> bool:  # one flat loop, for speed
+        """The rounds; False on a deadlock (a round in which no rank moved) or too few actions per round."""
+        end, dep, duration, latency = self.end, self.dep, self.duration, self.latency
+        before, gap, ptr, trail, inf = self.base, self.gap, self.ptr, self.trail, np.inf
+        moved, rounds, first = -1, 0, int(ptr.sum())
+        while True:
+            for _ in range(_CHECK_EVERY):
+                t0 = end.take(dep.take(ptr))
+                if latency is not None:
+                    t0 += latency.take(ptr)
+                ready = before.take(ptr)  # the end of the rank's previous action
+                if gap:
+                    ready += gap
+                np.maximum(t0, ready, out=t0)
+                t0 += duration.take(ptr)
+                end.put(ptr, t0)
+                ptr += t0 < inf
+            if (ptr == trail).all():
+                return True
+            total = int(ptr.sum())
+            if total == moved:
+                return False
+            moved, rounds = total, rounds + _CHECK_EVERY
+            if rounds == _TRIAL_ROUNDS and total - first < min_per_round * rounds:
+                return False
+
+    def times(self) -> tuple[FloatArray, FloatArray]:
+        """Start and end of the loop's actions, in order: each start is recomputed from the ends,
+        by the rounds' own operations (the loop keeps only the ends)."""
+        slot = self.slot
+        start = self.end[self.dep[slot]]
+        if self.latency is not None:
+            start += self.latency[slot]
+        ready = self.base[slot]
+        if self.gap:
+            ready += self.gap
+        np.maximum(start, ready, out=start)
+        return start, self.end[slot]
+
+
+def _hops(latency: Latency, src: IntArray, dst: IntArray) -> list[float]:
+    """``latency(src, dst)`` per pair, called once per distinct pair."""
+    pairs = list(zip(src.tolist(), dst.tolist()))
+    known = {pair: latency(*pair) for pair in set(pairs)}
+    return [known[pair] for pair in pairs]
+
+
+def _run_updates(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray, gap: float,
+                 delay: Sequence[float] | None, start: FloatArray, end: FloatArray) -> bool:
+    """Time the synchronous ``U`` at the rows' ends, as the reference does (False: leave it to it).
+
+    ``U`` of a part waits for every weight gradient of the part; with
+    ``delay``, for the part's reduction too, which starts when its last weight
+    gradient ends, on the rank's communication stream after the reductions the
+    rank launched before it.
+    """
+    part_of = np.asarray(schedule.placement.stage_part, dtype=np.int64)
+    grads = (arrays.op == B) | (arrays.op == W)
+    parts = part_of[arrays.stage[grads]]
+    num_parts = schedule.num_parts
+    ready = np.zeros(num_parts)
+    np.maximum.at(ready, parts, end[grads])
+    done = ready.tolist()
+    if delay is not None and not _reduce(arrays, grads, parts, num_parts, delay, done):
+        return False
+    have = np.bincount(parts, minlength=num_parts) > 0
+    updates = np.flatnonzero(arrays.op == U)
+    stages = arrays.stage[updates].tolist()
+    if stages and not have[part_of[stages]].all():
+        return False  # a part without weight gradients: the reference's U waits forever
+    offsets, ranks = arrays.offsets.tolist(), arrays.rank[updates].tolist()
+    for index, s, r in zip(updates.tolist(), stages, ranks):
+        i = index - offsets[r]
+        t = float(end[index - 1]) if i else 0.0
+        t0 = t + gap if gap and i else t
+        t_dep = done[int(part_of[s])]
+        t0 = t_dep if t_dep > t0 else t0
+        start[index] = t0
+        end[index] = t0 + float(durations[s, U])
+    return True
+
+
+def _reduce(arrays: ScheduleArrays, grads: NDArray[np.bool_], parts: IntArray, num_parts: int,
+            delay: Sequence[float], done: list[float]) -> bool:
+    """Add each part's reduction to ``done`` (False when a part's gradients are on two ranks)."""
+    ranks = arrays.rank[grads]
+    holder = np.full(num_parts, -1, dtype=np.int64)
+    holder[parts] = ranks
+    if (holder[parts] != ranks).any():
+        return False
+    last = np.full(num_parts, -1, dtype=np.int64)
+    np.maximum.at(last, parts, np.flatnonzero(grads))  # the part's last weight gradient, in row order
+    stream: dict[int, float] = {}
+    for part in sorted(range(num_parts), key=lambda p: int(last[p])):
+        if last[part] < 0:
+            continue
+        r = int(holder[part])
+        free = stream.get(r, 0.0)
+        ready = done[part]
+        done[part] = stream[r] = (ready if ready > free else free) + delay[part]
+    return True
