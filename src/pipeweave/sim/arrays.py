@@ -117,7 +117,8 @@ def well_formed(schedule: Schedule, a: ScheduleArrays) -> bool:
     if (np.asarray(placement.stage_rank, dtype=np.int64)[stage] != a.rank).any():
         return False
     update = a.op == U
-    if not _unique(np.stack([stage[update], a.microbatch[update]], axis=1)):
+    counted = a.microbatch[update]
+    if counted.size and (counted.min() < 0 or not _unique(stage[update] * (int(counted.max()) + 1) + counted)):
         return False
     work = ~update
     s, j, op = stage[work], a.microbatch[work], a.op[work]
@@ -125,16 +126,20 @@ def well_formed(schedule: Schedule, a: ScheduleArrays) -> bool:
         return False
     stage_pipe = np.asarray([placement.pipeline_of(k) for k in range(num_stages)], dtype=np.int64)
     mb_pipe = np.asarray(schedule.microbatch_pipeline or (0,) * t, dtype=np.int64)
-    if (mb_pipe[j] != stage_pipe[s]).any():
+    if len(placement.pipelines) > 1 and (mb_pipe[j] != stage_pipe[s]).any():
         return False
-    counts = [np.bincount((s * t + j)[op == code], minlength=num_stages * t) for code in (F, B, I, W)]
-    routed = (stage_pipe[:, None] == mb_pipe[None, :]).ravel()
-    cf, cb, ci, cw = counts
-    whole = (cb == 1) & (ci == 0) & (cw == 0)
-    split = (cb == 0) & (ci == 1) & (cw == 1)
-    return bool(((cf == 1) & (whole | split))[routed].all())
+    # Per (stage, microbatch), how many of each of F, B, I, W (codes 0-3): one count of all four.
+    counts = np.bincount((s * t + j) * 4 + op, minlength=num_stages * t * 4).reshape(-1, 4)
+    if counts.max(initial=0) > 1:
+        return False  # an action twice
+    pattern = counts @ np.array([1, 2, 4, 8])  # which of the four each (stage, microbatch) has, as bits
+    whole, split = 1 + 2, 1 + 4 + 8  # F + B, or F + I + W
+    fine = (pattern == whole) | (pattern == split)
+    if len(placement.pipelines) > 1:
+        return bool(fine[(stage_pipe[:, None] == mb_pipe[None, :]).ravel()].all())
+    return bool(fine.all())
 
 
 def _unique(keys: IntArray) -> bool:
-    """No row of ``keys`` twice."""
-    return len(keys) == len(np.unique(keys, axis=0))
+    """No key twice."""
+    return keys.size == np.unique(keys).size

@@ -131,27 +131,30 @@ class _Loop:
         stage_rank = np.asarray(placement.stage_rank, dtype=np.int64)
         prev = np.asarray([-1 if (p := placement.prev_stage(s)) is None else p for s in range(num_stages)])
         nxt = np.asarray([-1 if (q := placement.next_stage(s)) is None else q for s in range(num_stages)])
-        # Where each datum is made: table[kind * S * T + stage * T + mb], kinds F, input gradient, I.
-        n_keys = num_stages * t
-        is_f, is_i = op == F, op == I
-        is_g = is_i | (op == B)
-        kind = np.where(is_f, 0, n_keys)  # of the input from the neighbour stage: F's, or B/I's
         key = stage * t + mb
-        table = np.full(3 * n_keys, self.never, dtype=np.int64)
-        for offset, mask in ((0, is_f), (n_keys, is_g), (2 * n_keys, is_i)):
-            table[key[mask] + offset] = self.slot[mask]
-        own = np.where(is_g, key, np.where(op == W, key + 2 * n_keys, -1))  # F before B/I, I before W
-        has_own = own >= 0
-        ordered = bool((table[own[has_own]] < self.slot[has_own]).all())
-        neighbour = np.where(is_f, prev[stage], np.where(is_g, nxt[stage], -1))
-        has = neighbour >= 0
-        src, dst, slots = neighbour[has], stage[has], self.slot[has]
-        producer = table[kind[has] + src * t + mb[has]]
-        cross = stage_rank[src] != stage_rank[dst]
-        ordered &= bool((producer[~cross] < slots[~cross]).all())
-        self.dep[slots[cross]] = producer[cross]
-        if self.latency is not None and latency is not None:
-            self.latency[slots[cross]] = _hops(latency, src[cross], dst[cross])
+        groups = {code: np.flatnonzero(op == code) for code in (F, B, I, W)}
+        made_f = np.full(num_stages * t, self.never, dtype=np.int64)  # slot of F(s, j) at s * T + j
+        made_f[key[groups[F]]] = self.slot[groups[F]]
+        made_g = np.full(num_stages * t, self.never, dtype=np.int64)  # slot of B(s, j) or I(s, j)
+        made_g[key[groups[B]]] = self.slot[groups[B]]
+        made_g[key[groups[I]]] = self.slot[groups[I]]
+        made_i = np.full(num_stages * t, self.never, dtype=np.int64)  # slot of I(s, j)
+        made_i[key[groups[I]]] = self.slot[groups[I]]
+        g = np.concatenate((groups[B], groups[I])) if groups[B].size else groups[I]
+        # An own-rank input must come earlier in the row: F before its B/I, I before its W.
+        ordered = bool((made_f[key[g]] < self.slot[g]).all() and (made_i[key[groups[W]]] < self.slot[groups[W]]).all())
+        for idx, made, neighbour in ((groups[F], made_f, prev), (g, made_g, nxt)):
+            dst = stage[idx]
+            src = neighbour[dst]
+            has = src >= 0
+            idx, src, dst = idx[has], src[has], dst[has]
+            producer = made[src * t + mb[idx]]
+            slots = self.slot[idx]
+            cross = stage_rank[src] != stage_rank[dst]
+            ordered &= bool((producer[~cross] < slots[~cross]).all())
+            self.dep[slots[cross]] = producer[cross]
+            if self.latency is not None and latency is not None:
+                self.latency[slots[cross]] = _hops(latency, src[cross], dst[cross])
         return ordered
 
     def run(self, min_per_round: float) -> bool:  # one flat loop, for speed
