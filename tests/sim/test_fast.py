@@ -10,6 +10,7 @@ of every action and the same metrics.
 from __future__ import annotations
 
 import functools
+import math
 import random
 from collections.abc import Callable
 
@@ -66,12 +67,12 @@ def same(fast: object, reference: object) -> None:
 
 
 def rounds_ran(schedule: Schedule, costs: object, delay: list[float] | None = None) -> bool:
-    """The rounds themselves (not the reference walk the fast path may fall back to) timed it."""
+    """The fast engine (its rounds, and its walk where they are too slow), not the reference, timed it."""
     table = np.array([[action_time(costs, p, op) for op in (Op.F, Op.B, Op.I, Op.W, Op.U)]  # type: ignore[arg-type]
                       for p in schedule.placement.stage_part])
     comm = costs.comm  # type: ignore[attr-defined]
     found = fast_times(schedule, schedule_arrays(schedule), table, latency=(lambda a, b: comm) if comm else None,
-                       gap=costs.dispatch, update_delay=delay, min_per_round=0.0)  # type: ignore[attr-defined]
+                       gap=costs.dispatch, update_delay=delay)  # type: ignore[attr-defined]
     return found is not None
 
 
@@ -109,12 +110,24 @@ def test_a_layout_with_tp_and_dp_is_the_reference_bit_for_bit(name: str, monkeyp
     same(fast, simulate_layout(schedule, cost, layout, model))
 
 
-def test_low_parallelism_gives_way_to_the_reference_walk_with_the_same_result() -> None:
-    schedule = generate("naive", num_stages=16, num_microbatches=32)
+@pytest.mark.parametrize("schedule", schedules(), ids=lambda s: f"{s.name}-D{s.num_ranks}-T{s.num_microbatches}")
+def test_the_walk_after_the_rounds_is_the_reference_bit_for_bit(schedule: Schedule) -> None:
+    costs = costs_for(schedule, 2).for_parts(num_parts=schedule.num_parts, num_ranks=schedule.num_ranks)
+    table = np.array([[action_time(costs, p, op) for op in (Op.F, Op.B, Op.I, Op.W, Op.U)]
+                      for p in schedule.placement.stage_part])
+    found = fast_times(schedule, schedule_arrays(schedule), table, latency=lambda a, b: 0.05 * a + 0.1,
+                       gap=costs.dispatch, update_delay=None, min_per_round=math.inf)  # walk after 32 rounds
+    assert found is not None
+    reference = simulate_parts(schedule, costs, hop=lambda a, b: 0.05 * a + 0.1, fast=False)
+    assert found[0].tolist() == [e.start for row in reference.events for e in row]
+    assert found[1].tolist() == [e.end for row in reference.events for e in row]
+
+
+def test_low_parallelism_walks_after_the_rounds_with_the_same_result() -> None:
+    schedule = generate("naive", num_stages=16, num_microbatches=32)  # one action per round: walked
     cost = costs_for(schedule, 1)
     costs = cost.for_parts(num_parts=16, num_ranks=16)
-    table = np.array([[action_time(costs, p, op) for op in (Op.F, Op.B, Op.I, Op.W, Op.U)] for p in range(16)])
-    assert fast_times(schedule, schedule_arrays(schedule), table, latency=None, gap=0.0, update_delay=None) is None
+    assert rounds_ran(schedule, costs)
     same(simulate(schedule, cost), simulate(schedule, cost, fast=False))
 
 

@@ -24,6 +24,8 @@ reductions (``update_delay``), and a reduction of a part held on two ranks
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -37,9 +39,9 @@ IntArray = NDArray[np.int64]
 Latency = Callable[[int, int], float]
 _CHECK_EVERY = 32  # rounds between checks for the end (or a deadlock: a round where no rank moved)
 MIN_PER_ROUND = 4.0
-"""Actions per round below which the rounds give way to the reference: a round costs about as
-much as the pure-Python walk spends on 4 actions (benchmarks/simulator/README.md). Schedules that
-keep few ranks busy at a time (naive, GEMS) have about one action per round."""
+"""Actions per round below which the rounds give way to ``_Loop.walk``: a round of numpy calls costs
+about what that Python walk spends on a few actions. Schedules that keep few ranks busy at a time
+(naive, GEMS) have about one action per round."""
 _TRIAL_ROUNDS = 256  # rounds before that rate is judged
 
 
@@ -53,8 +55,8 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
         arrays: its ``sim.arrays.schedule_arrays``.
         durations: per stage and op code, the op's time (shape ``(num_stages, 5)``).
         latency, gap, update_delay: as ``schedule.dataflow.execute``'s.
-        min_per_round: give up (None) when, after 256 rounds, fewer actions than this ran per
-            round, on 16 ranks or more (the reference is faster there).
+        min_per_round: when, after 256 rounds, fewer actions than this ran per round, go on one
+            action at a time in Python (``_Loop.walk``); inf: after the first 32 rounds.
 
     Example:
         >>> from pipeweave.schedule import generate
@@ -72,7 +74,7 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
     if sync and not _updates_last(arrays, in_loop):
         return None
     loop = _Loop(schedule, arrays, in_loop, durations, latency, gap)
-    if not loop.ordered or not loop.run(min_per_round if schedule.num_ranks >= 16 else 0.0):
+    if not loop.ordered or not loop.run(min_per_round):
         return None
     start = np.empty(arrays.size)
     end = np.empty(arrays.size)
@@ -158,7 +160,8 @@ class _Loop:
         return ordered
 
     def run(self, min_per_round: float) -> bool:  # one flat loop, for speed
-        """The rounds; False on a deadlock (a round in which no rank moved) or too few actions per round."""
+        """The rounds; False on a deadlock (a round in which no rank moved). With too few actions per
+        round, ``walk`` goes on from where the rounds are."""
         end, dep, duration, latency = self.end, self.dep, self.duration, self.latency
         before, gap, ptr, trail, inf = self.base, self.gap, self.ptr, self.trail, np.inf
         moved, rounds, first = -1, 0, int(ptr.sum())
@@ -180,8 +183,43 @@ class _Loop:
             if total == moved:
                 return False
             moved, rounds = total, rounds + _CHECK_EVERY
-            if rounds == _TRIAL_ROUNDS and total - first < min_per_round * rounds:
-                return False
+            judged = rounds == _TRIAL_ROUNDS or min_per_round == math.inf  # inf: walk at once (tests)
+            if judged and total - first < min_per_round * rounds:
+                return self.walk()
+
+    def walk(self) -> bool:  # one flat loop, for speed
+        """The rest of the schedule one action at a time in Python, over the same arrays and by the
+        same operations as the rounds: for schedules that keep about one rank busy at a time, whose
+        timeline is a chain no round can shorten. A rank runs until its next input is missing and
+        parks on the slot that will make it; False on a deadlock."""
+        end, dep, duration = self.end.tolist(), self.dep.tolist(), self.duration.tolist()
+        latency = self.latency.tolist() if self.latency is not None else None
+        gap, inf, ptr, trail = self.gap, math.inf, self.ptr.tolist(), self.trail.tolist()
+        parked: dict[int, list[int]] = {}
+        queue = deque(r for r in range(len(ptr)) if ptr[r] < trail[r])
+        while queue:
+            r = queue.popleft()
+            k, stop = ptr[r], trail[r]
+            before = end[k - 1]
+            while k < stop:
+                t0 = end[dep[k]]
+                if t0 == inf:
+                    parked.setdefault(dep[k], []).append(r)
+                    break
+                if latency is not None:
+                    t0 += latency[k]
+                ready = before + gap if gap else before
+                if ready > t0:
+                    t0 = ready
+                before = end[k] = t0 + duration[k]
+                woken = parked.pop(k, None)
+                if woken is not None:
+                    queue.extend(woken)
+                k += 1
+            ptr[r] = k
+        self.end[:] = end
+        self.ptr[:] = ptr
+        return ptr == trail
 
     def times(self) -> tuple[FloatArray, FloatArray]:
         """Start and end of the loop's actions, in order: each start is recomputed from the ends,
