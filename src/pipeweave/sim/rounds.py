@@ -220,7 +220,7 @@ class _Loop:
             ptr[r] = k
         self.end[:] = end
         self.ptr[:] = ptr
-        return ptr == trail
+        return bool(ptr == trail)
 
     def times(self) -> tuple[FloatArray, FloatArray]:
         """Start and end of the loop's actions, in order: each start is recomputed from the ends,
