@@ -9,8 +9,10 @@ of every action and the same metrics.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
+import pickle
 import random
 from collections.abc import Callable
 
@@ -161,3 +163,11 @@ def test_the_arrays_are_kept_per_schedule() -> None:
     schedule = generate("zb-h1", num_stages=3, num_microbatches=3)
     assert schedule_arrays(schedule) is schedule_arrays(schedule)
     assert schedule_arrays(schedule).op.tolist() == encode(schedule).op.tolist()
+
+
+def test_a_fast_timeline_pickles_and_copies_with_its_times() -> None:
+    timeline = simulate(generate("1f1b", num_stages=3, num_microbatches=4), CostModel(comm=0.25))
+    for twin in (pickle.loads(pickle.dumps(timeline)), copy.deepcopy(timeline)):
+        assert twin.times is not None and twin == timeline
+    with pytest.raises(AttributeError):
+        timeline.costs = None  # type: ignore[misc]

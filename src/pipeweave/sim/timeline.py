@@ -107,6 +107,16 @@ class Timeline:
     def __repr__(self) -> str:
         return f"Timeline(schedule={self.schedule.name!r}, ranks={self.schedule.num_ranks}, costs={self.costs!r})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle and copy through the constructor (``__setattr__`` refuses the default way)."""
+        return _timeline, (self.schedule, self._events, self.costs, self.times)
+
+
+def _timeline(schedule: Schedule, events: tuple[tuple[Event, ...], ...] | None, costs: PartCosts | None,
+              times: Times | None) -> Timeline:
+    """``Timeline``'s constructor with its keyword, for ``Timeline.__reduce__``."""
+    return Timeline(schedule, events, costs, times=times)
+
 
 def action_time(costs: PartCosts, part: int, op: Op) -> float:
     """Duration of ``op`` on ``part`` (B = I + W; communication takes 0, its latency is the hop's)."""
