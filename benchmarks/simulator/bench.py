@@ -31,6 +31,15 @@ from typing import Any
 from pipeweave.schedule import SCHEDULES, ScheduleError, generate
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim import compute_metrics, simulate
+from pipeweave.sim.network import Link, Network
+from pipeweave.sim.parallel import Layout, simulate_layout
+from pipeweave.sim.traffic import ModelBytes
+
+# --layout: TP 2, DP 4, ZeRO 1 on nodes of 8 (NVLink-like inside, a slower link across), with issue 18's
+# data-parallel reductions; sizes in the cost model's units, chosen so that every term shows.
+LAYOUT = Layout(tp=2, dp=4, zero=1, network=Network(intra_node=Link(bandwidth=3e3, latency=0.013),
+                                                    inter_node=Link(bandwidth=7e2, latency=0.11), gpus_per_node=8))
+MODEL = ModelBytes(message=1e3, tp_collectives=2, params=5e4)
 
 
 def _cpu(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -45,7 +54,14 @@ def _make(name: str, d: int, t: int) -> Schedule:
     return generate(name, num_stages=d, num_microbatches=t)
 
 
-def compare(name: str, d: int, t: int, rounds: int) -> dict[str, Any]:
+def _run(schedule: Schedule, *, fast: bool, layout: bool) -> Any:
+    """Simulate and compute the metrics, on one GPU per stage or on ``LAYOUT``."""
+    if layout:
+        return compute_metrics(simulate_layout(schedule, None, LAYOUT, MODEL, fast=fast))
+    return compute_metrics(simulate(schedule, fast=fast))
+
+
+def compare(name: str, d: int, t: int, rounds: int, layout: bool = False) -> dict[str, Any]:
     """Per round the reference's, the fast engine's cold and warm CPU seconds (``error`` when rejected)."""
     try:
         schedule, t_gen = _cpu(lambda: _make(name, d, t))
@@ -53,12 +69,12 @@ def compare(name: str, d: int, t: int, rounds: int) -> dict[str, Any]:
         return {"name": name, "error": str(exc)}
     old, cold, warm, same = [], [], [], True
     for _ in range(rounds):
-        reference, seconds = _cpu(lambda: compute_metrics(simulate(schedule, fast=False)))
+        reference, seconds = _cpu(lambda: _run(schedule, fast=False, layout=layout))
         old.append(seconds)
         fresh = _make(name, d, t)  # the fast engine keeps a schedule's arrays: give it one it has not seen
-        fast, seconds = _cpu(lambda: compute_metrics(simulate(fresh)))
+        fast, seconds = _cpu(lambda s=fresh: _run(s, fast=True, layout=layout))  # type: ignore[misc]
         cold.append(seconds)
-        again, seconds = _cpu(lambda: compute_metrics(simulate(fresh)))
+        again, seconds = _cpu(lambda s=fresh: _run(s, fast=True, layout=layout))  # type: ignore[misc]
         warm.append(seconds)
         same &= reference == fast == again
         del fresh
@@ -91,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big-rounds", type=int, default=3, help="rounds for 1f1b at D=1024, T=4096")
     p.add_argument("--no-big", action="store_true", help="skip 1f1b at D=1024, T=4096")
     p.add_argument("--big-only", action="store_true", help="only 1f1b at D=1024, T=4096")
+    p.add_argument("--layout", action="store_true", help="through simulate_layout on TP 2 x DP 4 (LAYOUT)")
     args = p.parse_args(argv)
     names = args.names or list(SCHEDULES)
     print(f"# python {platform.python_version()} on {platform.machine()}, {time.strftime('%Y-%m-%d %H:%M %Z')}")
@@ -103,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_big:
         sizes.append(("1f1b", 1024, 4096, args.big_rounds))
     for name, d, t, rounds in sizes:
-        r = compare(name, d, t, rounds)
+        r = compare(name, d, t, rounds, args.layout)
         results.append(r)
         print(row(r, d, t), flush=True)
     print()

@@ -15,11 +15,13 @@ but would round differently.
 
 Inputs produced on the same rank need no time (they ended before the rank's
 previous action did); they only need to come earlier in the row, which is
-checked up front. What the rounds do not cover, the caller leaves to the
-reference: schedules that fail ``check_actions``, a synchronous ``U`` before
-other work on its rank, an asynchronous schedule with data-parallel
-reductions (``update_delay``), and a reduction of a part held on two ranks
-(whose stream the reference takes from whichever rank it walked last).
+checked up front. A data-parallel reduction (``update_delay``) of a part held
+on two ranks runs, in the reference, on the stream of whichever rank it walked
+last to the part's last weight gradient; for those, ``_Loop.walk`` times the
+schedule in the reference's own order instead of the rounds. What neither
+covers, the caller leaves to the reference: schedules that fail
+``check_actions``, a synchronous ``U`` before other work on its rank, and an
+asynchronous schedule with data-parallel reductions.
 """
 
 from __future__ import annotations
@@ -75,14 +77,30 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
     if sync and not _updates_last(arrays, in_loop):
         return None
     loop = _Loop(schedule, arrays, in_loop, durations, latency, gap)
-    if not loop.ordered or not loop.run(min_per_round):
+    # A part held on two ranks reduces on the stream of the rank the reference walks last to it:
+    # only a walk in the reference's own order (``_Loop.walk`` from the start) knows which.
+    order: list[int] | None = [] if delay is not None and _replicated(schedule) else None
+    if not loop.ordered or not (loop.walk(order) if order is not None else loop.run(min_per_round)):
         return None
     start = np.empty(arrays.size)
     end = np.empty(arrays.size)
     start[in_loop], end[in_loop] = loop.times()
-    if sync and not _run_updates(schedule, arrays, durations, gap, delay, start, end):
+    walked = None
+    if order is not None:  # per action, when the walk timed it
+        seen = np.full(len(loop.end), -1, dtype=np.int64)
+        seen[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
+        walked = np.full(arrays.size, -1, dtype=np.int64)
+        walked[in_loop] = seen[loop.slot]
+    if sync and not _run_updates(schedule, arrays, durations, gap, delay, start, end, walked):
         return None
     return start, end
+
+
+def _replicated(schedule: Schedule) -> bool:
+    """Some part has stages on two ranks (Chimera, GEMS, DualPipe)."""
+    placement = schedule.placement
+    ranks: dict[int, int] = {}
+    return any(ranks.setdefault(part, rank) != rank for part, rank in zip(placement.stage_part, placement.stage_rank))
 
 
 def _updates_last(arrays: ScheduleArrays, in_loop: NDArray[np.bool_]) -> bool:
@@ -157,7 +175,7 @@ class _Loop:
             ordered &= bool((producer[~cross] < slots[~cross]).all())
             self.dep[slots[cross]] = producer[cross]
             if self.latency is not None and latency is not None:
-                self.latency[slots[cross]] = _hops(latency, src[cross], dst[cross])
+                self.latency[slots[cross]] = _hops(latency, neighbour, stage_rank)[dst[cross]]
         return ordered
 
     def run(self, min_per_round: float) -> bool:  # one flat loop, for speed
@@ -188,11 +206,13 @@ class _Loop:
             if judged and total - first < min_per_round * rounds:
                 return self.walk()
 
-    def walk(self) -> bool:  # one flat loop, for speed
+    def walk(self, order: list[int] | None = None) -> bool:  # one flat loop, for speed
         """The rest of the schedule one action at a time in Python, over the same arrays and by the
         same operations as the rounds: for schedules that keep about one rank busy at a time, whose
         timeline is a chain no round can shorten. A rank runs until its next input is missing and
-        parks on the slot that will make it; False on a deadlock."""
+        parks on the slot that will make it; False on a deadlock. Started before any round, it takes
+        the ranks in the reference walk's order (``schedule.dataflow``'s queue), which ``order``
+        then receives, one slot per action timed."""
         end, dep, duration = self.end.tolist(), self.dep.tolist(), self.duration.tolist()
         latency = self.latency.tolist() if self.latency is not None else None
         gap, inf, ptr, trail = self.gap, math.inf, self.ptr.tolist(), self.trail.tolist()
@@ -213,6 +233,8 @@ class _Loop:
                 if ready > t0:
                     t0 = ready
                 before = end[k] = t0 + duration[k]
+                if order is not None:
+                    order.append(k)
                 woken = parked.pop(k, None)
                 if woken is not None:
                     queue.extend(woken)
@@ -236,21 +258,26 @@ class _Loop:
         return start, self.end[slot]
 
 
-def _hops(latency: Latency, src: IntArray, dst: IntArray) -> list[float]:
-    """``latency(src, dst)`` per pair, called once per distinct pair."""
-    pairs = list(zip(src.tolist(), dst.tolist()))
-    known = {pair: latency(*pair) for pair in set(pairs)}
-    return [known[pair] for pair in pairs]
+def _hops(latency: Latency, neighbour: NDArray[np.int64], stage_rank: IntArray) -> FloatArray:
+    """Per stage, ``latency`` of the message from its ``neighbour`` stage (0 where there is none or it
+    is on the same rank): one call per stage, as a stage has one neighbour each way."""
+    out = np.zeros(len(neighbour))
+    for dst, src in enumerate(neighbour.tolist()):
+        if src >= 0 and stage_rank[src] != stage_rank[dst]:
+            out[dst] = latency(src, dst)
+    return out
 
 
 def _run_updates(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray, gap: float,
-                 delay: Sequence[float] | None, start: FloatArray, end: FloatArray) -> bool:
+                 delay: Sequence[float] | None, start: FloatArray, end: FloatArray,
+                 walked: IntArray | None = None) -> bool:
     """Time the synchronous ``U`` at the rows' ends, as the reference does (False: leave it to it).
 
     ``U`` of a part waits for every weight gradient of the part; with
     ``delay``, for the part's reduction too, which starts when its last weight
     gradient ends, on the rank's communication stream after the reductions the
-    rank launched before it.
+    rank launched before it. ``walked`` (per action, its place in the reference's walk) says which
+    rank that is for a part held on two ranks.
     """
     part_of = np.asarray(schedule.placement.stage_part, dtype=np.int64)
     grads = (arrays.op == B) | (arrays.op == W)
@@ -259,7 +286,7 @@ def _run_updates(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArr
     ready = np.zeros(num_parts)
     np.maximum.at(ready, parts, end[grads])
     done = ready.tolist()
-    if delay is not None and not _reduce(arrays, grads, parts, num_parts, delay, done):
+    if delay is not None and not _reduce(arrays, grads, parts, num_parts, delay, done, walked):
         return False
     have = np.bincount(parts, minlength=num_parts) > 0
     updates = np.flatnonzero(arrays.op == U)
@@ -279,20 +306,28 @@ def _run_updates(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArr
 
 
 def _reduce(arrays: ScheduleArrays, grads: NDArray[np.bool_], parts: IntArray, num_parts: int,
-            delay: Sequence[float], done: list[float]) -> bool:
-    """Add each part's reduction to ``done`` (False when a part's gradients are on two ranks)."""
-    ranks = arrays.rank[grads]
-    holder = np.full(num_parts, -1, dtype=np.int64)
-    holder[parts] = ranks
-    if (holder[parts] != ranks).any():
-        return False
-    last = np.full(num_parts, -1, dtype=np.int64)
-    np.maximum.at(last, parts, np.flatnonzero(grads))  # the part's last weight gradient, in row order
+            delay: Sequence[float], done: list[float], walked: IntArray | None) -> bool:
+    """Add each part's reduction to ``done``: launched by the weight gradient that completes the part
+    (the last one walked, ``walked``; else the last in row order, which must then be on one rank),
+    on its rank's stream, after the reductions that rank launched earlier in its row."""
+    flat = np.flatnonzero(grads)
+    if walked is None:
+        ranks = arrays.rank[grads]
+        holder = np.full(num_parts, -1, dtype=np.int64)
+        holder[parts] = ranks
+        if (holder[parts] != ranks).any():
+            return False
+        key = flat
+    else:
+        key = walked[grads]
+    completing = np.full(num_parts, -1, dtype=np.int64)
+    by_key = np.argsort(key, kind="stable")
+    completing[parts[by_key]] = flat[by_key]  # the largest key of each part is written last
     stream: dict[int, float] = {}
-    for part in sorted(range(num_parts), key=lambda p: int(last[p])):
-        if last[part] < 0:
+    for part in sorted(range(num_parts), key=lambda p: int(completing[p])):  # row order on each rank
+        if completing[part] < 0:
             continue
-        r = int(holder[part])
+        r = int(arrays.rank[completing[part]])
         free = stream.get(r, 0.0)
         ready = done[part]
         done[part] = stream[r] = (ready if ready > free else free) + delay[part]
