@@ -217,15 +217,19 @@ class _Loop:
         latency = self.latency.tolist() if self.latency is not None else None
         gap, inf, ptr, trail = self.gap, math.inf, self.ptr.tolist(), self.trail.tolist()
         parked: dict[int, list[int]] = {}
+        waited = [False] * len(end)  # a list lookup per action instead of a dict's
+        record = order.append if order is not None else None
         queue = deque(r for r in range(len(ptr)) if ptr[r] < trail[r])
         while queue:
             r = queue.popleft()
             k, stop = ptr[r], trail[r]
             before = end[k - 1]
             while k < stop:
-                t0 = end[dep[k]]
+                source = dep[k]
+                t0 = end[source]
                 if t0 == inf:
-                    parked.setdefault(dep[k], []).append(r)
+                    parked.setdefault(source, []).append(r)
+                    waited[source] = True
                     break
                 if latency is not None:
                     t0 += latency[k]
@@ -233,11 +237,10 @@ class _Loop:
                 if ready > t0:
                     t0 = ready
                 before = end[k] = t0 + duration[k]
-                if order is not None:
-                    order.append(k)
-                woken = parked.pop(k, None)
-                if woken is not None:
-                    queue.extend(woken)
+                if record is not None:
+                    record(k)
+                if waited[k]:
+                    queue.extend(parked.pop(k))
                 k += 1
             ptr[r] = k
         self.end[:] = end
