@@ -141,5 +141,6 @@ def well_formed(schedule: Schedule, a: ScheduleArrays) -> bool:
 
 
 def _unique(keys: IntArray) -> bool:
-    """No key twice."""
-    return keys.size == np.unique(keys).size
+    """No key twice (sorted, not ``np.unique``, whose first call imports ``numpy.ma``: 40 ms)."""
+    ordered = np.sort(keys)
+    return bool((ordered[1:] != ordered[:-1]).all())
