@@ -166,3 +166,15 @@ def test_a_fast_timeline_pickles_and_copies_with_its_times() -> None:
         assert twin.times is not None and twin == timeline
     with pytest.raises(AttributeError):
         timeline.costs = None  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["chimera", "gems", "dualpipe", "dualpipe-v"])
+def test_long_reductions_of_parts_on_two_ranks_queue_as_in_the_reference(name: str) -> None:
+    # Reductions longer than a microbatch's work keep each rank's stream busy, so which rank
+    # launches a part's reduction (the one the reference walks last to it) shows in the times.
+    schedule = generate(name, num_stages=4, num_microbatches=8)
+    costs = costs_for(schedule, 1).for_parts(num_parts=schedule.num_parts, num_ranks=4)
+    delay = [5.0 + 3.1 * part for part in range(schedule.num_parts)]
+    fast = simulate_parts(schedule, costs, update_delay=delay)
+    same(fast, simulate_parts(schedule, costs, update_delay=delay, fast=False))
+    assert rounds_ran(schedule, costs, delay)
