@@ -124,7 +124,7 @@ class _Loop:
         rank, stage = arrays.rank[in_loop], arrays.stage[in_loop]
         op, mb = arrays.op[in_loop], arrays.microbatch[in_loop]
         num_ranks, n = schedule.num_ranks, len(rank)
-        self.gap, self.rank = gap, rank
+        self.gap = gap
         self.slot = np.arange(n) + 2 * rank + 1
         counts = np.bincount(rank, minlength=num_ranks)
         offsets = np.concatenate(([0], np.cumsum(counts)))[:-1] + 2 * np.arange(num_ranks)
