@@ -214,7 +214,8 @@ def timed_depths(problem: Problem, *, overshoot: bool) -> list[int]:
         arrives = back + problem.hop(s + 1, s)
         clock, n = f_end[s], 1
         while n < t and (n + 1) * c.activation[s] <= problem.limit[s] + MEMORY_EPS:
-            if clock >= arrives if overshoot else clock + c.f[s] > arrives + 1e-12:
+            late = clock >= arrives if overshoot else clock + c.f[s] > arrives + 1e-12
+            if late:  # the next F would start (overshoot: end) after the gradient arrives
                 break
             clock, n = clock + c.f[s], n + 1
         depths[s] = n
