@@ -215,7 +215,7 @@ def timed_depths(problem: Problem, *, overshoot: bool) -> list[int]:
         clock, n = f_end[s], 1
         while n < t and (n + 1) * c.activation[s] <= problem.limit[s] + MEMORY_EPS:
             late = clock >= arrives if overshoot else clock + c.f[s] > arrives + 1e-12
-            if late:  # the next F would start (overshoot: end) after the gradient arrives
+            if late:  # the next F would end (overshoot: start) after the gradient arrives
                 break
             clock, n = clock + c.f[s], n + 1
         depths[s] = n
