@@ -1,6 +1,6 @@
 """Zero-bubble search benchmark: REFERENCE.md's 1.5B rows, D=32 T=256, small instances proven, CP-SAT vs HiGHS.
 
-Run: python benchmarks/search/bench.py [--section rows|big|small|compare|all] [--time-limit S]
+Run: python benchmarks/search/bench.py [--section rows|big|small|compare|warmup|all] [--time-limit S]
          [--work-limit W] [--workers N]
 
 With one worker and a work limit (CP-SAT's deterministic time) that binds
@@ -97,14 +97,37 @@ def compare(args: argparse.Namespace) -> None:
               f"{' | '.join(cells)} |", flush=True)
 
 
+LARGE = (10.4, 10.4, 7.7, 0.4)  # f, b, w, comm: like the zero-bubble paper's largest models (ms)
+
+
+def warmup(args: argparse.Namespace) -> None:
+    """The heuristic without and with the paper's timed warm-ups, on straight pipelines up to D = 32."""
+    print("| profile | D | T | K | bound | before | after | before s | after s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    cases = [("1.5B", 8, m, (f, b, w, c)) for m, f, b, w, c, *_ in ROWS]
+    cases += [("large", d, t, LARGE) for d in (8, 16, 24, 32) for t in (2 * d, 3 * d, 4 * d)]
+    cases += [("f=b=w=1 c=0.1", d, 3 * d, (1.0, 1.0, 1.0, 0.1)) for d in (16, 32)]
+    for name, d, t, (f, b, w, c) in cases:
+        for k in (1, 2):
+            p = problem_from_times(d, t, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=k)
+            cells = []
+            for timed in (False, True):
+                t0 = time.process_time()
+                span = heuristic(p, timed=timed).span
+                cells.append((1 - p.work(0) / span, time.process_time() - t0))
+            (old, old_s), (new, new_s) = cells
+            print(f"| {name} | {d} | {t} | {k} | {1 - p.work(0) / lower_bound(p):.4f} | {old:.4f} | **{new:.4f}** | "
+                  f"{old_s:.2f} | {new_s:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--section", choices=("rows", "big", "small", "compare", "all"), default="all")
+    parser.add_argument("--section", choices=("rows", "big", "small", "compare", "warmup", "all"), default="all")
     parser.add_argument("--time-limit", type=float, default=20.0)
     parser.add_argument("--work-limit", type=float, default=None, help="CP-SAT deterministic time")
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
-    for name, run in (("rows", rows), ("big", big), ("small", small), ("compare", compare)):
+    for name, run in (("rows", rows), ("big", big), ("small", small), ("compare", compare), ("warmup", warmup)):
         if args.section in (name, "all"):
             print(f"\n## {name}\n", flush=True)
             run(args)

@@ -1,13 +1,20 @@
-"""Time generate + validate + simulate (+ metrics) for every registry schedule.
+"""Time the simulator and its metrics, the pure-Python reference beside the fast engine, in one run.
 
 Usage (from the repository root):
-    python benchmarks/simulator/bench.py                      # D=64, T=512 for all, then D=1024, T=4096 1f1b
+    python benchmarks/simulator/bench.py                      # D=64, T=512 for every schedule, then D=1024, T=4096 1f1b
     python benchmarks/simulator/bench.py --names 1f1b zb-v    # a subset
     python benchmarks/simulator/bench.py --no-big             # skip D=1024, T=4096
 
-Prints a markdown table (seconds per phase, best of --repeat runs for the
-D=64 rows) and the process's peak memory. Not a test: timings depend on the
-machine and its load; see README.md for recorded results.
+For each schedule, ``--rounds`` rounds; each round times, one after the other
+on the same machine state, the reference (``simulate(s, fast=False)`` and
+``compute_metrics``) and the fast engine on a schedule it has not seen
+(``simulate(s)`` and ``compute_metrics``, cold: the schedule's arrays are made
+and checked inside) and then again on the same schedule (warm: what a search
+pays to re-simulate one schedule under other costs). Both validate the actions
+(``check=True``, the default). Generating the schedule is timed once, apart.
+Prints every round and the medians as a markdown table, and checks that both
+engines give the same metrics. Not a test: timings depend on the machine and
+its load; see README.md for recorded results.
 """
 
 from __future__ import annotations
@@ -15,50 +22,80 @@ from __future__ import annotations
 import argparse
 import gc
 import platform
-import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from pipeweave.schedule import SCHEDULES, ScheduleError, generate, validate
+from pipeweave.schedule import SCHEDULES, ScheduleError, generate
+from pipeweave.schedule.ir import Schedule
 from pipeweave.sim import compute_metrics, simulate
+from pipeweave.sim.network import Link, Network
+from pipeweave.sim.parallel import Layout, simulate_layout
+from pipeweave.sim.traffic import ModelBytes
+
+# --layout: TP 2, DP 4, ZeRO 1 on nodes of 8 (NVLink-like inside, a slower link across), with issue 18's
+# data-parallel reductions; sizes in the cost model's units, chosen so that every term shows.
+LAYOUT = Layout(tp=2, dp=4, zero=1, network=Network(intra_node=Link(bandwidth=3e3, latency=0.013),
+                                                    inter_node=Link(bandwidth=7e2, latency=0.11), gpus_per_node=8))
+MODEL = ModelBytes(message=1e3, tp_collectives=2, params=5e4)
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+def _cpu(fn: Callable[[], Any]) -> tuple[Any, float]:
     """``(result, CPU seconds)``: CPU time, because the 2-core machine is shared and wall time swings with load."""
+    gc.collect()
     t0 = time.process_time()
     out = fn()
     return out, time.process_time() - t0
 
 
-def measure(name: str, d: int, t: int) -> dict[str, Any]:
-    """Seconds of each phase for one schedule and size (``error`` when the family rejects it)."""
-    gc.collect()
-    wall = time.perf_counter()
+def _make(name: str, d: int, t: int) -> Schedule:
+    return generate(name, num_stages=d, num_microbatches=t)
+
+
+def _run(schedule: Schedule, *, fast: bool, layout: bool) -> Any:
+    """Simulate and compute the metrics, on one GPU per stage or on ``LAYOUT``."""
+    if layout:
+        return compute_metrics(simulate_layout(schedule, None, LAYOUT, MODEL, fast=fast))
+    return compute_metrics(simulate(schedule, fast=fast))
+
+
+def compare(name: str, d: int, t: int, rounds: int, layout: bool = False) -> dict[str, Any]:
+    """Per round the reference's, the fast engine's cold and warm CPU seconds (``error`` when rejected)."""
     try:
-        schedule, t_gen = _timed(lambda: generate(name, num_stages=d, num_microbatches=t))
+        schedule, t_gen = _cpu(lambda: _make(name, d, t))
     except ScheduleError as exc:
         return {"name": name, "error": str(exc)}
-    _, t_val = _timed(lambda: validate(schedule))
-    timeline, t_sim = _timed(lambda: simulate(schedule, check=False))  # validated just above
-    metrics, t_met = _timed(lambda: compute_metrics(timeline))
+    old, cold, warm, same = [], [], [], True
+    for _ in range(rounds):
+        reference, seconds = _cpu(lambda: _run(schedule, fast=False, layout=layout))
+        old.append(seconds)
+        fresh = _make(name, d, t)  # the fast engine keeps a schedule's arrays: give it one it has not seen
+        fast, seconds = _cpu(lambda s=fresh: _run(s, fast=True, layout=layout))  # type: ignore[misc]
+        cold.append(seconds)
+        again, seconds = _cpu(lambda s=fresh: _run(s, fast=True, layout=layout))  # type: ignore[misc]
+        warm.append(seconds)
+        same &= reference == fast == again
+        del fresh
     actions = sum(len(row) for row in schedule.actions)
-    return {"name": name, "actions": actions, "generate": t_gen, "validate": t_val, "simulate": t_sim,
-            "metrics": t_met, "total": t_gen + t_val + t_sim + t_met, "wall": time.perf_counter() - wall,
-            "bubble_ratio": metrics.bubble_ratio}
-
-
-def best_of(name: str, d: int, t: int, repeat: int) -> dict[str, Any]:
-    runs = [measure(name, d, t) for _ in range(repeat)]
-    return min(runs, key=lambda r: r.get("total", 0.0))
+    return {"name": name, "actions": actions, "generate": t_gen, "old": old, "cold": cold, "warm": warm,
+            "same": same, "bubble_ratio": reference.bubble_ratio}
 
 
 def row(r: dict[str, Any], d: int, t: int) -> str:
     if "error" in r:
-        return f"| {r['name']} | {d} | {t} | rejected: {r['error']} | | | | | | | |"
-    return (f"| {r['name']} | {d} | {t} | {r['actions']} | {r['generate']:.3f} | {r['validate']:.3f} | "
-            f"{r['simulate']:.3f} | {r['metrics']:.3f} | **{r['total']:.3f}** | {r['wall']:.3f} | {r['bubble_ratio']:.4f} |")
+        return f"| {r['name']} | {d} | {t} | rejected: {r['error']} | | | | | | |"
+    old, cold, warm = (statistics.median(r[k]) for k in ("old", "cold", "warm"))
+    return (f"| {r['name']} | {d} | {t} | {r['actions']} | {r['generate']:.3f} | {old:.3f} | **{cold:.3f}** | "
+            f"{warm:.3f} | {old / cold:.0f}x | {'yes' if r['same'] else 'NO'} | {r['bubble_ratio']:.4f} |")
+
+
+def rounds_line(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return ""
+    show = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    return f"{r['name']}: reference {show(r['old'])} | fast cold {show(r['cold'])} | fast warm {show(r['warm'])}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,22 +103,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--names", nargs="*", default=None, help="registry names (default: all)")
     p.add_argument("--stages", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=512)
-    p.add_argument("--repeat", type=int, default=3, help="best of this many runs per schedule")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of reference-then-fast per schedule")
+    p.add_argument("--big-rounds", type=int, default=3, help="rounds for 1f1b at D=1024, T=4096")
     p.add_argument("--no-big", action="store_true", help="skip 1f1b at D=1024, T=4096")
     p.add_argument("--big-only", action="store_true", help="only 1f1b at D=1024, T=4096")
+    p.add_argument("--layout", action="store_true", help="through simulate_layout on TP 2 x DP 4 (LAYOUT)")
     args = p.parse_args(argv)
     names = args.names or list(SCHEDULES)
-    print(f"# python {platform.python_version()} on {platform.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
-    print("CPU seconds per phase (wall seconds of the whole, on a shared machine, last)")
-    print("| schedule | D | T | actions | generate | validate | simulate | metrics | total CPU | wall | bubble |")
+    print(f"# python {platform.python_version()} on {platform.machine()}, {time.strftime('%Y-%m-%d %H:%M %Z')}")
+    print("CPU seconds of simulate + compute_metrics, medians of the rounds (every round below the table)")
+    print("| schedule | D | T | actions | generate | reference | fast (cold) | fast (warm) | speed-up | same metrics "
+          "| bubble |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name in [] if args.big_only else names:
-        print(row(best_of(name, args.stages, args.microbatches, args.repeat), args.stages, args.microbatches),
-              flush=True)
+    results = []
+    sizes = [] if args.big_only else [(n, args.stages, args.microbatches, args.rounds) for n in names]
     if not args.no_big:
-        print(row(measure("1f1b", 1024, 4096), 1024, 4096), flush=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    print(f"\npeak resident memory: {peak:.0f} MiB")
+        sizes.append(("1f1b", 1024, 4096, args.big_rounds))
+    for name, d, t, rounds in sizes:
+        r = compare(name, d, t, rounds, args.layout)
+        results.append(r)
+        print(row(r, d, t), flush=True)
+    print()
+    for r in results:
+        print(rounds_line(r))
     return 0
 
 

@@ -10,7 +10,7 @@ from pipeweave.schedule import generate, validate
 from pipeweave.search import exact, heuristic, lower_bound, problem_from_times
 from pipeweave.search.build import finish
 from pipeweave.search.exact import build_model, incumbent_starts
-from pipeweave.search.heuristic import one_at_a_time
+from pipeweave.search.heuristic import one_at_a_time, timed_depths
 from pipeweave.search.isolate import Budget, solve_isolated
 from pipeweave.search.problem import Problem
 from pipeweave.sim.cost import CostModel
@@ -109,7 +109,7 @@ def test_exact_is_never_worse_than_the_heuristic_nor_below_the_bound() -> None:
 def test_heuristic_reaches_the_papers_1p5b_rows(row: tuple, k: int) -> None:  # type: ignore[type-arg]
     m, f, b, w, c, *published = row
     problem = problem_from_times(8, m, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=k)
-    result = heuristic(problem, work_budget=1)  # its first policy alone: the paper's rules
+    result = heuristic(problem, work_budget=1, timed=False)  # its first policy alone: the paper's rules
     checked = finish(problem, result.order, lower_bound=lower_bound(problem), solver="heuristic",
                      solver_time=0.0, status="heuristic")  # validates and checks the memory limit
     peaks = peak_activations(simulate(checked.schedule, problem.cost), problem.costs)
@@ -139,3 +139,15 @@ def test_heuristic_handles_32_by_256_in_about_a_second() -> None:
     elapsed = time.perf_counter() - start
     assert result.span >= lower_bound(problem)
     assert elapsed < 2.0  # under 1 s on an idle core; headroom for a shared CI machine
+
+
+def test_timed_warm_up_reaches_the_bound_at_d32_where_the_depth_formulas_do_not() -> None:
+    # ZB-2p at D = 32, T = 96 with times like the zero-bubble paper's largest models (f ~ b ~ 10.4,
+    # w ~ 7.7, comm ~ 0.4): with a hop back per rank, the paper's timed warm-up is deeper than any
+    # integer slope of ZB-H2's 2D - 2r - 1 (benchmarks/search/README.md).
+    problem = problem_from_times(32, 96, time_f=10.4, time_b=10.4, time_w=7.7, time_comm=0.4, memory_limit=2)
+    bound = lower_bound(problem)
+    assert heuristic(problem).span == pytest.approx(bound, rel=1e-9)
+    assert heuristic(problem, timed=False).span > bound * (1 + 1e-3)
+    depths = timed_depths(problem, overshoot=False)
+    assert depths[0] == 64 and all(a > b for a, b in zip(depths, depths[1:]))  # 2 D M_a on rank 0

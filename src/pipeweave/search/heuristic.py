@@ -8,6 +8,14 @@ fill what would be bubbles), else it waits. ``Policy`` holds the choices the
 paper leaves open — warm-up depth per rank, how far W may lag, which chunk
 goes first in a V — and ``heuristic`` tries a small grid of them, keeping the
 schedule of least max span.
+
+The warm-up depth is either a formula of the rank (1F1B's D - r, ZB-H2's
+2D - 2r - 1, ...) or, as the paper computes it (section 3.1, "as many F as
+the memory allows before the first B"), timed: per rank, how many F end
+before the first gradient arrives from the rank after it, under the instance's
+own costs and hops (``timed_depths``). With communication the timed depth
+grows faster than any integer slope of the formula (each hop back adds its
+time), which at D = 32 is what separates the two (benchmarks/search/README.md).
 """
 
 from __future__ import annotations
@@ -46,6 +54,10 @@ class Policy:
         balance: when the lookahead would leave a gap shorter than a W, run
             the W anyway if waiting would make this rank's idle time so far
             the largest of all ranks (the paper's rule for short gaps).
+        timed: 0: the depth formula above; 1: ``timed_depths`` without an F that
+            would still run when the first gradient arrives (a small bubble
+            before the first I); 2: with one (no bubble, a later I); ``extra``
+            adds to it. Straight placements only.
     """
 
     extra: int = 0
@@ -56,6 +68,7 @@ class Policy:
     f_first: bool = False
     look_f: bool = False
     balance: bool = False
+    timed: int = 0
 
 
 @dataclass
@@ -71,11 +84,12 @@ class Result:
 class _Rank:
     """Mutable state of one rank during the list schedule."""
 
-    def __init__(self, problem: Problem, rank: int, policy: Policy) -> None:
+    def __init__(self, problem: Problem, rank: int, policy: Policy, timed: int | None = None) -> None:
         d, t = problem.num_stages, problem.num_microbatches
         self.stages = sorted(problem.stages_on(rank), reverse=policy.deep_first)
         chunks = len(self.stages)
-        depth = d - rank + policy.extra + round(policy.slope * (d - 1 - rank))
+        depth = d - rank + round(policy.slope * (d - 1 - rank)) if timed is None else timed
+        depth += policy.extra
         self.cap = max(chunks, min(t * chunks, depth * chunks))
         self.limit = problem.limit[rank] + MEMORY_EPS
         self.held = 0.0
@@ -130,7 +144,8 @@ def list_schedule(problem: Problem, policy: Policy) -> Result | None:
     d, t = problem.num_stages, problem.num_microbatches
     c, place = problem.costs, problem.placement
     stages = place.num_stages
-    ranks = [_Rank(problem, r, policy) for r in range(d)]
+    timed = timed_depths(problem, overshoot=policy.timed == 2) if policy.timed and not problem.vshape else None
+    ranks = [_Rank(problem, r, policy, None if timed is None else timed[r]) for r in range(d)]
     for rank in ranks:
         rank.peers = ranks
     f_ready = [[math.inf] * t for _ in range(stages)]  # input of F(s, j) available
@@ -175,6 +190,39 @@ def list_schedule(problem: Problem, policy: Policy) -> Result | None:
     if done_count < total:
         return None
     return _result(problem, ranks)
+
+
+def timed_depths(problem: Problem, *, overshoot: bool) -> list[int]:
+    """Per rank of a straight pipeline, the microbatches it warms up with: its F of microbatch 0,
+    then F's back to back while they end before microbatch 0's gradient arrives from the next
+    rank (``overshoot``: while they start before it) and the memory limit allows; fewer on each
+    later rank than on the one before (the paper's warm-up, section 3.1).
+
+    Example:
+        >>> from pipeweave.search.problem import problem_from_times
+        >>> timed_depths(problem_from_times(4, 16, memory_limit=2), overshoot=False)
+        [7, 5, 3, 1]
+    """
+    d, t, c = problem.num_stages, problem.num_microbatches, problem.costs
+    f_end, at = [], 0.0
+    for s in range(d):  # F of microbatch 0, down the pipeline
+        at += (problem.hop(s - 1, s) if s else 0.0) + c.f[s]
+        f_end.append(at)
+    depths = [1] * d
+    back = f_end[-1] + c.b[d - 1]  # end of the last rank's first I
+    for s in range(d - 2, -1, -1):
+        arrives = back + problem.hop(s + 1, s)
+        clock, n = f_end[s], 1
+        while n < t and (n + 1) * c.activation[s] <= problem.limit[s] + MEMORY_EPS:
+            late = clock >= arrives if overshoot else clock + c.f[s] > arrives + 1e-12
+            if late:  # the next F would end (overshoot: start) after the gradient arrives
+                break
+            clock, n = clock + c.f[s], n + 1
+        depths[s] = n
+        back = max(clock, arrives) + c.b[s]
+    for s in range(1, d):
+        depths[s] = max(1, min(depths[s], depths[s - 1] - 1))
+    return depths
 
 
 def _hops(problem: Problem) -> tuple[list[float], list[float]]:
@@ -319,6 +367,16 @@ def policies(problem: Problem) -> Iterator[Policy]:
             yield p
 
 
+def timed_policies(problem: Problem) -> list[Policy]:
+    """The paper's own warm-ups (``timed_depths``), with and without its rules for W, tried by
+    ``heuristic`` beyond its work budget: at D = 32 they are the best (benchmarks/search/README.md)."""
+    if problem.vshape:
+        return []
+    rules = Policy(lookahead=True, f_first=True, look_f=True, balance=True)
+    return [Policy(timed=k, lookahead=r.lookahead, f_first=r.f_first, look_f=r.look_f, balance=r.balance)
+            for k in (1, 2) for r in (rules, Policy())]
+
+
 def one_at_a_time(problem: Problem) -> Result:
     """The fallback that always fits: one microbatch in the pipeline at a time."""
     place, t = problem.placement, problem.num_microbatches
@@ -353,7 +411,8 @@ def evaluate(problem: Problem, order: Order) -> Result:
 WORK_BUDGET = 75_000
 
 
-def heuristic(problem: Problem, *, budget_s: float | None = None, work_budget: int = WORK_BUDGET) -> Result:
+def heuristic(problem: Problem, *, budget_s: float | None = None, work_budget: int = WORK_BUDGET,
+              timed: bool = True) -> Result:
     """The best list schedule over the first policies of ``policies(problem)``.
 
     Args:
@@ -362,6 +421,8 @@ def heuristic(problem: Problem, *, budget_s: float | None = None, work_budget: i
             default, keeps the result independent of the machine's load.
         work_budget: policies are tried while (policies x actions) stays within it,
             and no longer once one meets the lower bound.
+        timed: then also the paper's timed warm-ups (``timed_policies``), whatever the budget;
+            False leaves them out (to measure what they add).
 
     Example:
         >>> from pipeweave.search.problem import problem_from_times
@@ -374,7 +435,8 @@ def heuristic(problem: Problem, *, budget_s: float | None = None, work_budget: i
     bound = lower_bound(problem)
     best: Result | None = None
     count = max(1, work_budget // (3 * problem.num_microbatches * problem.num_parts))
-    for policy in itertools.islice(policies(problem), count):
+    extra = timed_policies(problem) if timed else []
+    for policy in itertools.chain(itertools.islice(policies(problem), count), extra):
         result = list_schedule(problem, policy)
         if result is not None and (best is None or result.span < best.span - 1e-12):
             best = result

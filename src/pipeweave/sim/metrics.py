@@ -19,7 +19,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
 from pipeweave.schedule.ir import Action, Op, Schedule
+from pipeweave.sim.arrays import schedule_arrays
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import PartCosts
 from pipeweave.sim.timeline import Timeline
@@ -53,6 +56,8 @@ def peak_activations(timeline: Timeline, costs: PartCosts) -> tuple[float, ...]:
     """Per rank, the peak activation memory under the cost model's M_a and M_W."""
     held = costs.activation
     stash = tuple(a * costs.mem_w for a in held)
+    if timeline.times is not None:  # simulated: its rows are the schedule's
+        return _array_peaks(timeline.schedule, held, stash)
     rows = ((e.action for e in row) for row in timeline.events)
     return held_peaks(rows, timeline.schedule.placement.stage_part, held, stash)
 
@@ -96,6 +101,21 @@ def held_peaks(rows: Iterable[Iterable[Action]], part_of: Sequence[int], held: S
             peak = max(peak, now)
         peaks.append(round(peak, 9))
     return tuple(peaks)
+
+
+def _array_peaks(schedule: Schedule, held: Sequence[float], stash: Sequence[float]) -> tuple[float, ...]:
+    """``held_peaks`` of a schedule's own rows over its arrays: per rank, the running sum of what
+    each action adds (F: held, B: -held, I: stash - held, W: -stash, U: 0), summed in order as
+    the reference does (``np.add.accumulate`` adds left to right), and its peak."""
+    arrays = schedule_arrays(schedule)
+    if not arrays.ok:
+        return held_peaks(schedule.actions, schedule.placement.stage_part, held, stash)
+    part_of = schedule.placement.stage_part
+    table = np.array([[held[p], -held[p], stash[p] - held[p], -stash[p], 0.0] for p in part_of]).reshape(-1, 5)
+    added = table[arrays.stage, arrays.op]
+    bounds = arrays.offsets.tolist()
+    return tuple(round(max(0.0, float(np.add.accumulate(added[a:b]).max())) if b > a else 0.0, 9)
+                 for a, b in zip(bounds, bounds[1:]))
 
 
 def compute_metrics(timeline: Timeline, costs: PartCosts | None = None) -> Metrics:

@@ -266,7 +266,7 @@ def reduction_times(schedule: Schedule, layout: Layout, parts: PartBytes) -> tup
 
 
 def simulate_layout(schedule: Schedule, cost: CostModel | None, layout: Layout, model: ModelBytes | None = None, *,
-                    check: bool = True, split_compute: bool = True, reduce: bool = True) -> Timeline:
+                    check: bool = True, split_compute: bool = True, reduce: bool = True, fast: bool = True) -> Timeline:
     """Time one pipeline of ``schedule`` on the layout: ``simulate`` with TP and DP added.
 
     Args:
@@ -277,6 +277,7 @@ def simulate_layout(schedule: Schedule, cost: CostModel | None, layout: Layout, 
         check: validate the schedule first.
         split_compute: False when ``cost``'s times are already those of one TP rank.
         reduce: False leaves the DP reductions out (to measure what they add).
+        fast: the numpy engine (``sim.rounds``); False forces the pure-Python reference (same times).
 
     Example:
         >>> from pipeweave.schedule import generate
@@ -286,11 +287,11 @@ def simulate_layout(schedule: Schedule, cost: CostModel | None, layout: Layout, 
     """
     cost = cost or CostModel()
     if layout.trivial:
-        return simulate(schedule, cost, check=check)
+        return simulate(schedule, cost, check=check, fast=fast)
     num_ranks, num_parts = schedule.placement.ranks_per_pipeline, schedule.num_parts
     parts = (model or ModelBytes()).for_parts(num_parts=num_parts, num_ranks=num_ranks)
     costs = layout_costs(cost.for_parts(num_parts=num_parts, num_ranks=num_ranks), layout, parts,
                          num_ranks=num_ranks, split_compute=split_compute, holders=part_holders(schedule))
     delays = reduction_times(schedule, layout, parts) if reduce else None
     hop = hop_function(schedule, layout, parts, costs.comm) if layout.network is not None or costs.comm else None
-    return simulate_parts(schedule, costs, check=check, hop=hop, update_delay=delays)
+    return simulate_parts(schedule, costs, check=check, hop=hop, update_delay=delays, fast=fast)

@@ -2,20 +2,29 @@
 
 Each rank runs its list in order; an action starts once its rank is free and its
 inputs have arrived (plus one hop of ``comm`` when they come from another rank).
+Two engines give the same times bit for bit: ``sim.rounds`` over numpy arrays
+(the default) and the reference, ``schedule.dataflow``'s in-order walk in pure
+Python (``fast=False``, and wherever the fast one does not apply).
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
 
 from pipeweave.schedule.dataflow import execute
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.schedule.validate import InvalidSchedule, check_actions, check_order
+from pipeweave.sim.arrays import schedule_arrays
 from pipeweave.sim.cost import CostModel, PartCosts
+from pipeweave.sim.rounds import fast_times
 
 BYTES_PER_ACTION = 300
 """Memory the simulation of one action takes: its action, event and metrics together (the measurement:
@@ -32,18 +41,81 @@ class Event(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Times:
+    """The fast simulator's output: start and end of every action, ranks one after another.
+
+    Attributes:
+        start, end: per action, in the order of ``sim.arrays.ScheduleArrays``.
+        offsets: ``offsets[r]`` is the index of rank r's first action.
+    """
+
+    start: NDArray[np.float64]
+    end: NDArray[np.float64]
+    offsets: NDArray[np.int64]
+
+    def rows(self) -> list[tuple[list[float], list[float]]]:
+        """Per rank, its starts and ends as Python floats."""
+        bounds = self.offsets.tolist()
+        return [(self.start[a:b].tolist(), self.end[a:b].tolist()) for a, b in zip(bounds, bounds[1:])]
+
+
 class Timeline:
-    """Per rank, the events in execution order (simulated or measured).
+    """Per rank, the events in execution order (simulated or measured); immutable.
 
     Attributes:
         schedule: what ran.
-        events: per rank, its events in order.
+        events: per rank, its events in order (made on first use when the fast
+            simulator gave only ``times``).
         costs: the resolved cost model, when simulated (None for measured runs).
+        times: the fast simulator's arrays (None otherwise); the metrics read them directly.
     """
 
+    __slots__ = ("schedule", "costs", "times", "_events")
     schedule: Schedule
-    events: tuple[tuple[Event, ...], ...]
-    costs: PartCosts | None = None
+    costs: PartCosts | None
+    times: Times | None
+    _events: tuple[tuple[Event, ...], ...] | None
+
+    def __init__(self, schedule: Schedule, events: tuple[tuple[Event, ...], ...] | None = None,
+                 costs: PartCosts | None = None, *, times: Times | None = None) -> None:
+        if events is None and times is None:
+            raise ValueError("a Timeline needs its events or its times")
+        for name, value in (("schedule", schedule), ("costs", costs), ("times", times), ("_events", events)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def events(self) -> tuple[tuple[Event, ...], ...]:
+        if self._events is None:
+            assert self.times is not None
+            rows = zip(self.schedule.actions, self.times.rows())
+            object.__setattr__(self, "_events", tuple(
+                tuple(map(Event, row, starts, ends)) for row, (starts, ends) in rows))
+        assert self._events is not None
+        return self._events
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Timeline is immutable; cannot set {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Timeline):
+            return NotImplemented
+        return (self.schedule, self.events, self.costs) == (other.schedule, other.events, other.costs)
+
+    def __hash__(self) -> int:
+        return hash((self.schedule, self.events, self.costs))
+
+    def __repr__(self) -> str:
+        return f"Timeline(schedule={self.schedule.name!r}, ranks={self.schedule.num_ranks}, costs={self.costs!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle and copy through the constructor (``__setattr__`` refuses the default way)."""
+        return _timeline, (self.schedule, self._events, self.costs, self.times)
+
+
+def _timeline(schedule: Schedule, events: tuple[tuple[Event, ...], ...] | None, costs: PartCosts | None,
+              times: Times | None) -> Timeline:
+    """``Timeline``'s constructor with its keyword, for ``Timeline.__reduce__``."""
+    return Timeline(schedule, events, costs, times=times)
 
 
 def action_time(costs: PartCosts, part: int, op: Op) -> float:
@@ -61,13 +133,14 @@ def action_time(costs: PartCosts, part: int, op: Op) -> float:
     return 0.0
 
 
-def simulate(schedule: Schedule, cost: CostModel | None = None, *, check: bool = True) -> Timeline:
+def simulate(schedule: Schedule, cost: CostModel | None = None, *, check: bool = True, fast: bool = True) -> Timeline:
     """Time every action of ``schedule`` under ``cost``.
 
     Args:
         schedule: any schedule of the IR.
         cost: the cost model (default: f = b = w = 1, no communication).
         check: validate the actions first (skip only for schedules known good).
+        fast: the numpy engine (``sim.rounds``); False forces the pure-Python reference.
 
     Raises:
         InvalidSchedule: the schedule breaks a rule or deadlocks.
@@ -81,12 +154,12 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, check: bool =
     cost = cost or CostModel()
     costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
     comm = costs.comm
-    return simulate_parts(schedule, costs, check=check, hop=(lambda src, dst: comm) if comm else None)
+    return simulate_parts(schedule, costs, check=check, hop=(lambda src, dst: comm) if comm else None, fast=fast)
 
 
 def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
                    hop: Callable[[int, int], float] | None = None,
-                   update_delay: Sequence[float] | None = None) -> Timeline:
+                   update_delay: Sequence[float] | None = None, fast: bool = True) -> Timeline:
     """Time every action of ``schedule`` under costs already resolved per part (``simulate``'s core).
 
     Args:
@@ -96,20 +169,32 @@ def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
         hop: time of a message from one stage to another on a different rank (default: none).
         update_delay: per part, the data-parallel reduction between its last weight gradient and its
             ``U`` (``schedule.dataflow.execute``); default none.
+        fast: the numpy engine (``sim.rounds``, same times bit for bit); False forces the reference.
 
     Raises:
         InvalidSchedule: the schedule breaks a rule or deadlocks.
     """
     part_of = schedule.placement.stage_part
-    if check:
-        check_actions(schedule)
     # A table per stage instead of a call per action: the walk's hot loop.
     op_times = [{op: action_time(costs, part, op) for op in Op} for part in part_of]
+    arrays = schedule_arrays(schedule) if fast else None
+    if arrays is not None and arrays.ok:
+        table = np.array([[times[op] for op in (Op.F, Op.B, Op.I, Op.W, Op.U)] for times in op_times]
+                         ).reshape(len(part_of), 5)
+        found = fast_times(schedule, arrays, table, latency=hop, gap=costs.dispatch, update_delay=update_delay)
+        if found is not None:
+            return Timeline(schedule, costs=costs, times=Times(found[0], found[1], arrays.offsets))
+    if check:
+        check_actions(schedule)
     with _gc_paused():
         run = execute(schedule, latency=hop, op_times=op_times, gap=costs.dispatch, update_delay=update_delay)
         if not run.complete:
             check_order(schedule)  # raises with the explanation
             raise InvalidSchedule("the schedule cannot complete", schedule)  # pragma: no cover
+        if arrays is not None and arrays.ok:  # the fast metrics read arrays
+            start = np.fromiter(itertools.chain.from_iterable(run.start), dtype=np.float64, count=arrays.size)
+            end = np.fromiter(itertools.chain.from_iterable(run.end), dtype=np.float64, count=arrays.size)
+            return Timeline(schedule, costs=costs, times=Times(start, end, arrays.offsets))
         events = tuple(
             tuple(map(Event, row, starts, ends)) for row, starts, ends in zip(schedule.actions, run.start, run.end)
         )

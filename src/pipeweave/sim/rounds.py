@@ -1,0 +1,337 @@
+"""The timeline in rounds over numpy arrays: the fast twin of ``schedule.dataflow``'s in-order walk.
+
+Each round, every rank looks at its next action; if the action's input from
+another rank has been computed, the action runs: it starts at the later of its
+rank's previous end (plus the dispatch gap) and that input's end (plus the
+hop), and ends its duration later. One round is a dozen numpy calls over the
+ranks, whatever D is; the number of rounds is about the longest rank's length
+plus the pipeline's depth.
+
+The result is bit for bit the reference's (tests/sim/test_fast.py): every
+time is computed by the same float operations (one addition per edge, a
+maximum), only in another order, and floats' order of evaluation matters only
+within a sum, never across a maximum. A prefix-sum formulation would be faster
+but would round differently.
+
+Inputs produced on the same rank need no time (they ended before the rank's
+previous action did); they only need to come earlier in the row, which is
+checked up front. A data-parallel reduction (``update_delay``) of a part held
+on two ranks runs, in the reference, on the stream of whichever rank it walked
+last to the part's last weight gradient; for those, ``_Loop.walk`` times the
+schedule in the reference's own order instead of the rounds. What neither
+covers, the caller leaves to the reference: schedules that fail
+``check_actions``, a synchronous ``U`` before other work on its rank, and an
+asynchronous schedule with data-parallel reductions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from pipeweave.schedule.ir import Schedule
+from pipeweave.sim.arrays import B, F, I, U, W, ScheduleArrays
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+Latency = Callable[[int, int], float]
+_CHECK_EVERY = 32  # rounds between checks for the end (or a deadlock: a round where no rank moved)
+MIN_PER_ROUND = 12.0
+"""Actions per round below which the rounds give way to ``_Loop.walk``: a round of numpy calls costs
+about what that Python walk spends on 10-14 actions (5.7 microseconds against 0.4-0.6 per action,
+benchmarks/simulator/README.md). Schedules that keep few ranks busy at a time (naive, GEMS) have
+about one action per round."""
+_TRIAL_ROUNDS = 256  # rounds before that rate is judged
+
+
+def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray, *, latency: Latency | None,
+               gap: float, update_delay: Sequence[float] | None,
+               min_per_round: float = MIN_PER_ROUND) -> tuple[FloatArray, FloatArray] | None:
+    """Start and end of every action (in ``arrays``' order), or None where the reference must do it.
+
+    Args:
+        schedule: the schedule ``arrays`` encodes.
+        arrays: its ``sim.arrays.schedule_arrays``.
+        durations: per stage and op code, the op's time (shape ``(num_stages, 5)``).
+        latency, gap, update_delay: as ``schedule.dataflow.execute``'s.
+        min_per_round: when, after 256 rounds, fewer actions than this ran per round, go on one
+            action at a time in Python (``_Loop.walk``); inf: after the first 32 rounds.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> from pipeweave.sim.arrays import schedule_arrays
+        >>> s = generate("gpipe", num_stages=2, num_microbatches=2)
+        >>> start, end = fast_times(s, schedule_arrays(s), np.ones((2, 5)), latency=None, gap=0.0, update_delay=None)
+        >>> end[:5].tolist()
+        [1.0, 2.0, 5.0, 6.0, 7.0]
+    """
+    delay = update_delay if update_delay is not None and any(update_delay) else None
+    sync = schedule.is_synchronous
+    if not arrays.ok or (delay is not None and not sync):
+        return None
+    in_loop = arrays.op != U if sync else np.ones(arrays.size, dtype=bool)
+    if sync and not _updates_last(arrays, in_loop):
+        return None
+    loop = _Loop(schedule, arrays, in_loop, durations, latency, gap)
+    # A part held on two ranks reduces on the stream of the rank the reference walks last to it:
+    # only a walk in the reference's own order (``_Loop.walk`` from the start) knows which.
+    order: list[int] | None = [] if delay is not None and _replicated(schedule) else None
+    if not loop.ordered or not (loop.walk(order) if order is not None else loop.run(min_per_round)):
+        return None
+    start = np.empty(arrays.size)
+    end = np.empty(arrays.size)
+    start[in_loop], end[in_loop] = loop.times()
+    walked = None
+    if order is not None:  # per action, when the walk timed it
+        seen = np.full(len(loop.end), -1, dtype=np.int64)
+        seen[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
+        walked = np.full(arrays.size, -1, dtype=np.int64)
+        walked[in_loop] = seen[loop.slot]
+    if sync and not _run_updates(schedule, arrays, durations, gap, delay, start, end, walked):
+        return None
+    return start, end
+
+
+def _replicated(schedule: Schedule) -> bool:
+    """Some part has stages on two ranks (Chimera, GEMS, DualPipe)."""
+    placement = schedule.placement
+    ranks: dict[int, int] = {}
+    return any(ranks.setdefault(part, rank) != rank for part, rank in zip(placement.stage_part, placement.stage_rank))
+
+
+def _updates_last(arrays: ScheduleArrays, in_loop: NDArray[np.bool_]) -> bool:
+    """Every rank's ``U`` come after all its other actions (the registry's synchronous schedules do)."""
+    counts = np.bincount(arrays.rank[in_loop], minlength=len(arrays.offsets) - 1)
+    position = np.arange(arrays.size) - arrays.offsets[arrays.rank]
+    return bool((in_loop == (position < counts[arrays.rank])).all())
+
+
+class _Loop:
+    """The rounds' arrays: the ranks' rows one after another, each between two sentinel slots.
+
+    Slot ``k + 2 r + 1`` holds loop action k (of rank r); the slot before a row
+    ends at ``-gap`` (so that its first action starts at 0 with the gap added),
+    the slot after it waits on ``never`` (never computed: the rank stops there).
+    ``none`` ends at -inf: the input of an action that needs none from another rank.
+    """
+
+    def __init__(self, schedule: Schedule, arrays: ScheduleArrays, in_loop: NDArray[np.bool_],
+                 durations: FloatArray, latency: Latency | None, gap: float) -> None:
+        rank, stage = arrays.rank[in_loop], arrays.stage[in_loop]
+        op, mb = arrays.op[in_loop], arrays.microbatch[in_loop]
+        num_ranks, n = schedule.num_ranks, len(rank)
+        self.gap = gap
+        self.slot = np.arange(n) + 2 * rank + 1
+        counts = np.bincount(rank, minlength=num_ranks)
+        offsets = np.concatenate(([0], np.cumsum(counts)))[:-1] + 2 * np.arange(num_ranks)
+        size = n + 2 * num_ranks
+        self.none, self.never = size, size + 1
+        self.trail = offsets + counts + 1
+        self.ptr = offsets + 1
+        self.base = np.full(size + 3, np.inf)  # base[k + 1] is slot k's end; base[0] stands before slot 0
+        self.end = self.base[1:]
+        self.end[offsets] = -gap if gap else 0.0
+        self.end[self.none] = -np.inf
+        self.duration = np.zeros(size + 2)
+        self.duration[self.slot] = durations[stage, op]
+        self.dep = np.full(size + 2, self.none, dtype=np.int64)
+        self.dep[self.trail] = self.never
+        self.latency = np.zeros(size + 2) if latency is not None else None
+        self.ordered = self._inputs(schedule, stage, op, mb, latency)
+
+    def _inputs(self, schedule: Schedule, stage: IntArray, op: NDArray[np.int8], mb: IntArray,
+                latency: Latency | None) -> bool:
+        """Fill ``dep`` (and ``latency``) with each action's input from another rank; False when an
+        input from its own rank comes later in the row (the reference then explains the deadlock)."""
+        placement, t = schedule.placement, schedule.num_microbatches
+        num_stages = placement.num_stages
+        stage_rank = np.asarray(placement.stage_rank, dtype=np.int64)
+        prev = np.asarray([-1 if (p := placement.prev_stage(s)) is None else p for s in range(num_stages)])
+        nxt = np.asarray([-1 if (q := placement.next_stage(s)) is None else q for s in range(num_stages)])
+        key = stage * t + mb
+        groups = {code: np.flatnonzero(op == code) for code in (F, B, I, W)}
+        made_f = np.full(num_stages * t, self.never, dtype=np.int64)  # slot of F(s, j) at s * T + j
+        made_f[key[groups[F]]] = self.slot[groups[F]]
+        made_g = np.full(num_stages * t, self.never, dtype=np.int64)  # slot of B(s, j) or I(s, j)
+        made_g[key[groups[B]]] = self.slot[groups[B]]
+        made_g[key[groups[I]]] = self.slot[groups[I]]
+        made_i = np.full(num_stages * t, self.never, dtype=np.int64)  # slot of I(s, j)
+        made_i[key[groups[I]]] = self.slot[groups[I]]
+        g = np.concatenate((groups[B], groups[I])) if groups[B].size else groups[I]
+        # An own-rank input must come earlier in the row: F before its B/I, I before its W.
+        ordered = bool((made_f[key[g]] < self.slot[g]).all() and (made_i[key[groups[W]]] < self.slot[groups[W]]).all())
+        for idx, made, neighbour in ((groups[F], made_f, prev), (g, made_g, nxt)):
+            dst = stage[idx]
+            src = neighbour[dst]
+            has = src >= 0
+            idx, src, dst = idx[has], src[has], dst[has]
+            producer = made[src * t + mb[idx]]
+            slots = self.slot[idx]
+            cross = stage_rank[src] != stage_rank[dst]
+            ordered &= bool((producer[~cross] < slots[~cross]).all())
+            self.dep[slots[cross]] = producer[cross]
+            if self.latency is not None and latency is not None:
+                self.latency[slots[cross]] = _hops(latency, neighbour, stage_rank)[dst[cross]]
+        return ordered
+
+    def run(self, min_per_round: float) -> bool:  # one flat loop, for speed
+        """The rounds; False on a deadlock (a round in which no rank moved). With too few actions per
+        round, ``walk`` goes on from where the rounds are."""
+        end, dep, duration, latency = self.end, self.dep, self.duration, self.latency
+        before, gap, ptr, trail, inf = self.base, self.gap, self.ptr, self.trail, np.inf
+        moved, rounds, first = -1, 0, int(ptr.sum())
+        while True:
+            for _ in range(_CHECK_EVERY):
+                t0 = end.take(dep.take(ptr))
+                if latency is not None:
+                    t0 += latency.take(ptr)
+                ready = before.take(ptr)  # the end of the rank's previous action
+                if gap:
+                    ready += gap
+                np.maximum(t0, ready, out=t0)
+                t0 += duration.take(ptr)
+                end.put(ptr, t0)
+                ptr += t0 < inf
+            if (ptr == trail).all():
+                return True
+            total = int(ptr.sum())
+            if total == moved:
+                return False
+            moved, rounds = total, rounds + _CHECK_EVERY
+            judged = rounds == _TRIAL_ROUNDS or min_per_round == math.inf  # inf: walk at once (tests)
+            if judged and total - first < min_per_round * rounds:
+                return self.walk()
+
+    def walk(self, order: list[int] | None = None) -> bool:  # one flat loop, for speed
+        """The rest of the schedule one action at a time in Python, over the same arrays and by the
+        same operations as the rounds: for schedules that keep about one rank busy at a time, whose
+        timeline is a chain no round can shorten. A rank runs until its next input is missing and
+        parks on the slot that will make it; False on a deadlock. Started before any round, it takes
+        the ranks in the reference walk's order (``schedule.dataflow``'s queue), which ``order``
+        then receives, one slot per action timed."""
+        end, dep, duration = self.end.tolist(), self.dep.tolist(), self.duration.tolist()
+        latency = self.latency.tolist() if self.latency is not None else None
+        gap, inf, ptr, trail = self.gap, math.inf, self.ptr.tolist(), self.trail.tolist()
+        parked: dict[int, list[int]] = {}
+        waited = [False] * len(end)  # a list lookup per action instead of a dict's
+        record = order.append if order is not None else None
+        queue = deque(r for r in range(len(ptr)) if ptr[r] < trail[r])
+        while queue:
+            r = queue.popleft()
+            k, stop = ptr[r], trail[r]
+            before = end[k - 1]
+            while k < stop:
+                source = dep[k]
+                t0 = end[source]
+                if t0 == inf:
+                    parked.setdefault(source, []).append(r)
+                    waited[source] = True
+                    break
+                if latency is not None:
+                    t0 += latency[k]
+                ready = before + gap if gap else before
+                if ready > t0:
+                    t0 = ready
+                before = end[k] = t0 + duration[k]
+                if record is not None:
+                    record(k)
+                if waited[k]:
+                    queue.extend(parked.pop(k))
+                k += 1
+            ptr[r] = k
+        self.end[:] = end
+        self.ptr[:] = ptr
+        return bool(ptr == trail)
+
+    def times(self) -> tuple[FloatArray, FloatArray]:
+        """Start and end of the loop's actions, in order: each start is recomputed from the ends,
+        by the rounds' own operations (the loop keeps only the ends)."""
+        slot = self.slot
+        start = self.end[self.dep[slot]]
+        if self.latency is not None:
+            start += self.latency[slot]
+        ready = self.base[slot]
+        if self.gap:
+            ready += self.gap
+        np.maximum(start, ready, out=start)
+        return start, self.end[slot]
+
+
+def _hops(latency: Latency, neighbour: NDArray[np.int64], stage_rank: IntArray) -> FloatArray:
+    """Per stage, ``latency`` of the message from its ``neighbour`` stage (0 where there is none or it
+    is on the same rank): one call per stage, as a stage has one neighbour each way."""
+    out = np.zeros(len(neighbour))
+    for dst, src in enumerate(neighbour.tolist()):
+        if src >= 0 and stage_rank[src] != stage_rank[dst]:
+            out[dst] = latency(src, dst)
+    return out
+
+
+def _run_updates(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray, gap: float,
+                 delay: Sequence[float] | None, start: FloatArray, end: FloatArray,
+                 walked: IntArray | None = None) -> bool:
+    """Time the synchronous ``U`` at the rows' ends, as the reference does (False: leave it to it).
+
+    ``U`` of a part waits for every weight gradient of the part; with
+    ``delay``, for the part's reduction too, which starts when its last weight
+    gradient ends, on the rank's communication stream after the reductions the
+    rank launched before it. ``walked`` (per action, its place in the reference's walk) says which
+    rank that is for a part held on two ranks.
+    """
+    part_of = np.asarray(schedule.placement.stage_part, dtype=np.int64)
+    grads = (arrays.op == B) | (arrays.op == W)
+    parts = part_of[arrays.stage[grads]]
+    num_parts = schedule.num_parts
+    ready = np.zeros(num_parts)
+    np.maximum.at(ready, parts, end[grads])
+    done = ready.tolist()
+    if delay is not None and not _reduce(arrays, grads, parts, num_parts, delay, done, walked):
+        return False
+    have = np.bincount(parts, minlength=num_parts) > 0
+    updates = np.flatnonzero(arrays.op == U)
+    stages = arrays.stage[updates].tolist()
+    if stages and not have[part_of[stages]].all():
+        return False  # a part without weight gradients: the reference's U waits forever
+    offsets, ranks = arrays.offsets.tolist(), arrays.rank[updates].tolist()
+    for index, s, r in zip(updates.tolist(), stages, ranks):
+        i = index - offsets[r]
+        t = float(end[index - 1]) if i else 0.0
+        t0 = t + gap if gap and i else t
+        t_dep = done[int(part_of[s])]
+        t0 = t_dep if t_dep > t0 else t0
+        start[index] = t0
+        end[index] = t0 + float(durations[s, U])
+    return True
+
+
+def _reduce(arrays: ScheduleArrays, grads: NDArray[np.bool_], parts: IntArray, num_parts: int,
+            delay: Sequence[float], done: list[float], walked: IntArray | None) -> bool:
+    """Add each part's reduction to ``done``: launched by the weight gradient that completes the part
+    (the last one walked, ``walked``; else the last in row order, which must then be on one rank),
+    on its rank's stream, after the reductions that rank launched earlier in its row."""
+    flat = np.flatnonzero(grads)
+    if walked is None:
+        ranks = arrays.rank[grads]
+        holder = np.full(num_parts, -1, dtype=np.int64)
+        holder[parts] = ranks
+        if (holder[parts] != ranks).any():
+            return False
+        key = flat
+    else:
+        key = walked[grads]
+    completing = np.full(num_parts, -1, dtype=np.int64)
+    by_key = np.argsort(key, kind="stable")
+    completing[parts[by_key]] = flat[by_key]  # the largest key of each part is written last
+    stream: dict[int, float] = {}
+    for part in sorted(range(num_parts), key=lambda p: int(completing[p])):  # row order on each rank
+        if completing[part] < 0:
+            continue
+        r = int(arrays.rank[completing[part]])
+        free = stream.get(r, 0.0)
+        ready = done[part]
+        done[part] = stream[r] = (ready if ready > free else free) + delay[part]
+    return True
