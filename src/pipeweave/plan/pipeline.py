@@ -1,0 +1,138 @@
+"""The pipeline side of a prediction, cached by shape: schedules, activation peaks, simulated timelines.
+
+Thousands of configurations share a few hundred schedule shapes (schedule, D,
+T, v): the actions, and so the activation peak in bytes per sample of a
+microbatch (``plan.memory``), depend on the shape alone, and configurations that
+differ only in ZeRO stage share the very same timeline. What is kept of a
+timeline is a ``Summary`` (a few numbers per part), not its events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipeweave.plan.config import Config
+from pipeweave.plan.memory import PARAM_BYTES, activation_peaks, block_activation_bytes, part_parameters
+from pipeweave.plan.transformer import Transformer
+from pipeweave.schedule import generate
+from pipeweave.schedule.ir import Op, Schedule, ScheduleError
+from pipeweave.sim.bubble import bubble_metrics
+from pipeweave.sim.cost import CostModel
+from pipeweave.sim.parallel import part_holders
+from pipeweave.sim.timeline import Timeline, simulate
+
+if TYPE_CHECKING:
+    from pipeweave.plan.evaluate import Evaluator
+
+AUTO = ("zb-auto", "zb-v-auto")
+"""Searched schedules: planned for the configuration's own times, under the memory limit that fits."""
+Times = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], float]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What the planner keeps of a simulated timeline."""
+
+    makespan: float
+    bubble_ratio: float
+    busy: float
+    """The busiest rank's compute time."""
+    num_parts: int
+    last_grad_end: tuple[float, ...]
+    """Per part, the end of its last weight gradient (W or B)."""
+    last_backward_start: tuple[float, ...]
+    """Per part, the start of its last backward (I or B)."""
+    update_order: tuple[tuple[int, ...], ...]
+    """Per rank, the parts of its ``U`` actions in order."""
+    holders: tuple[tuple[int, ...], ...]
+    """Per part, the pipeline ranks holding it (``sim.parallel.part_holders``)."""
+
+
+def summarise(timeline: Timeline) -> Summary:
+    """The ``Summary`` of a simulated timeline."""
+    schedule = timeline.schedule
+    part_of, parts = schedule.placement.stage_part, schedule.num_parts
+    grad_end, bwd_start = [0.0] * parts, [0.0] * parts
+    order: list[tuple[int, ...]] = []
+    for row in timeline.events:
+        updates = []
+        for (stage, op, _), start, end in row:
+            part = part_of[stage]
+            if op is Op.W or op is Op.B:
+                grad_end[part] = max(grad_end[part], end)
+            if op is Op.I or op is Op.B:
+                bwd_start[part] = max(bwd_start[part], start)
+            elif op is Op.U:
+                updates.append(part)
+        order.append(tuple(updates))
+    makespan, _, busy, ratio, _, _ = bubble_metrics(timeline)
+    return Summary(makespan, ratio, max(busy), parts, tuple(grad_end), tuple(bwd_start), tuple(order),
+                   part_holders(schedule))
+
+
+@dataclass
+class Pipeline:
+    """The caches (module docstring)."""
+
+    schedules: dict[tuple[object, ...], Schedule | None] = field(default_factory=dict)
+    summaries: dict[tuple[object, ...], Summary] = field(default_factory=dict)
+    peak_cache: dict[tuple[object, ...], tuple[float, ...]] = field(default_factory=dict)
+    simulations: int = 0
+    """Timelines simulated (cache misses)."""
+
+    def schedule(self, config: Config, evaluator: Evaluator) -> Schedule | None:
+        """The configuration's schedule, None where its family refuses the shape."""
+        key: tuple[object, ...] = config.shape
+        options: dict[str, object] = {}
+        if config.schedule in AUTO:
+            options = auto_options(config, evaluator)
+            key = key + tuple(sorted(options.items()))
+        if key not in self.schedules:
+            chunks = config.chunks if config.schedule == "interleaved-1f1b" else None
+            try:
+                self.schedules[key] = generate(config.schedule, num_stages=config.pp,
+                                               num_microbatches=config.microbatches, num_chunks=chunks, **options)
+            except ScheduleError:
+                self.schedules[key] = None
+        return self.schedules[key]
+
+    def summary(self, config: Config, schedule: Schedule, times: Times) -> Summary:
+        """The simulated timeline's summary, once per (schedule, times)."""
+        key = (id(schedule),) + times
+        found = self.summaries.get(key)
+        if found is None:
+            f, i, w, hop = times
+            self.simulations += 1
+            timeline = simulate(schedule, CostModel(f=f, b=i, w=w, comm=hop), check=False)
+            found = self.summaries[key] = summarise(timeline)
+        return found
+
+    def peaks(self, config: Config, schedule: Schedule, model: Transformer) -> tuple[float, ...]:
+        """Per rank, activation bytes per sample of a microbatch (``plan.memory.activation_peaks``)."""
+        key = (id(schedule), config.tp, config.recompute)
+        if key not in self.peak_cache:
+            self.peak_cache[key] = activation_peaks(schedule, model, config.tp, config.recompute)
+        return self.peak_cache[key]
+
+    @staticmethod
+    def tp_rank_param_bytes(config: Config, model: Transformer, num_parts: int) -> Sequence[float]:
+        """Per part, the BF16 parameter (and gradient) bytes one TP rank holds."""
+        return [p * PARAM_BYTES / config.tp for p in part_parameters(model, num_parts)]
+
+
+def auto_options(config: Config, evaluator: Evaluator) -> dict[str, object]:
+    """zb-auto's options: scalar times (the parts' mean), M_W / M_a, and the memory limit K (1 to 2, by
+    halves) that the GPU's memory leaves room for beside the model state."""
+    parts = config.pp * config.chunks
+    f, i, w, hop = evaluator.times(config, parts)
+    model, gpu = evaluator.cluster.model, evaluator.cluster.gpu
+    held, stash, _ = block_activation_bytes(model, tp=config.tp, recompute=config.recompute)
+    per_rank = model.layers / config.pp * held * config.microbatch_size  # M_a of one D-th
+    state = max(part_parameters(model, parts)) * config.chunks * 16 / config.tp
+    room = gpu.memory_bytes - state - 3 * 2**30
+    limit = max(1.0, min(2.0, int(2 * room / (config.pp * per_rank)) / 2)) if per_rank else 2.0
+    mean = [round(sum(x) / parts, 9) for x in (f, i, w)]
+    return {"time_f": mean[0], "time_b": mean[1], "time_w": mean[2], "time_comm": round(hop, 9),
+            "memory_limit": limit, "mem_w": round(min(1.0, stash / held), 6)}
