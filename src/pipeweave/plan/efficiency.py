@@ -60,9 +60,12 @@ A100_CALIBRATED = Efficiency(eta_max=0.62, n_half=50.0)
 tests/plan/test_published.py fits it again and checks it matches."""
 
 
+ETA_GRID = tuple(round(0.30 + 0.01 * k, 2) for k in range(71))
+N_HALF_GRID = tuple(10.0 * k for k in range(61))
+
+
 def calibrate(predict: Callable[[Efficiency], Iterable[tuple[float, float]]], *,
-              eta_grid: Iterable[float] = tuple(0.30 + 0.01 * k for k in range(71)),
-              n_half_grid: Iterable[float] = tuple(10.0 * k for k in range(61))) -> Efficiency:
+              eta_grid: Iterable[float] = ETA_GRID, n_half_grid: Iterable[float] = N_HALF_GRID) -> Efficiency:
     """The grid point that minimises the mean squared relative error of ``predict``'s (predicted, published) pairs.
 
     Args:

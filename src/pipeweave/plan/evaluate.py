@@ -9,7 +9,9 @@ part's last weight gradient ends (``overlap=False``; Megatron-LM's "local" DDP)
 or, with DDP's bucketed overlap, when the part's last backward starts, its
 buckets going out as the backward produces them; reductions on one rank run one
 after another; each ``U`` waits for its part's reduction and adds ZeRO's
-all-gather. The step ends at the last ``U`` (steps end in a barrier: the
+all-gather. ZeRO 3 also gathers a part's parameters before each of its F and I
+(FSDP, resharding after each use); prefetched, the gather hides behind the
+action's compute and only what exceeds it counts. The step ends at the last ``U`` (steps end in a barrier: the
 gradient norm's all-reduce).
 
 Throughput: TFLOP/s per GPU as Megatron-LM counts it (the FLOPs executed,
@@ -78,15 +80,25 @@ class Evaluator:
         """``(f, i, w, hop)`` of the configuration's parts."""
         f, i, w = part_times(self.cluster, num_parts=num_parts, tp=config.tp,
                              microbatch_size=config.microbatch_size, recompute=config.recompute)
+        if config.zero == 3:  # FSDP gathers a part's parameters before each F and each I, prefetched
+            layout = self.layout(config)
+            params = self.pipeline.tp_rank_param_bytes(config, self.cluster.model, num_parts)
+            gather = [gather_time(layout, p, num_ranks=config.pp) for p in params]
+            f, i = tuple(map(max, f, gather)), tuple(map(max, i, gather))
         inter = config.tp * config.pp > self.cluster.gpu.gpus_per_node
         return f, i, w, hop_time(self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, inter_node=inter)
 
+    @staticmethod
+    def num_parts(config: Config) -> int:
+        """Parts of the configuration's schedule: D x v (chunks of a looped or V placement), D otherwise."""
+        return config.pp * config.chunks
+
     def evaluate(self, config: Config) -> Result | None:
         """The prediction, or None when the schedule family cannot serve this (D, T, v)."""
-        schedule = self.pipeline.schedule(config, self)
+        f, i, w, hop = times = self.times(config, self.num_parts(config))
+        schedule = self.pipeline.schedule(config, self.cluster, times)
         if schedule is None:
             return None
-        f, i, w, hop = self.times(config, schedule.num_parts)
         summary = self.pipeline.summary(config, schedule, (f, i, w, hop))
         layout = self.layout(config)
         tail = self.dp_tail(config, layout, summary)

@@ -85,7 +85,7 @@ GPUS: dict[str, GPU] = {
 
 
 def custom_gpu(*, peak_tflops: float, memory_gib: float, intra_node_gbps: float, inter_node_gbps: float,
-               gpus_per_node: int) -> GPU:
+               gpus_per_node: int, memory_tbps: float | None = None) -> GPU:
     """A GPU from ``--gpu custom``'s flags: TFLOP/s, GiB and Gb/s (as network cards are sold).
 
     Example:
@@ -98,9 +98,11 @@ def custom_gpu(*, peak_tflops: float, memory_gib: float, intra_node_gbps: float,
         if value is None or not 0 < value < math.inf:
             raise UserError(f"--gpu custom needs {flag} > 0 (got {value}); give e.g. --peak-tflops 312 "
                             "--memory-gib 80 --intra-node-gbps 2400 --inter-node-gbps 200")
+    if memory_tbps is not None and not 0 < memory_tbps < math.inf:
+        raise UserError(f"--memory-tbps {memory_tbps} is invalid; give the HBM bandwidth in TB/s > 0, e.g. 2.039")
     return GPU(name="custom", peak_flops=peak_tflops * 1e12, memory_bytes=memory_gib * GIB,
                intra_node=intra_node_gbps * 1e9 / 8, inter_node=inter_node_gbps * 1e9 / 8,
-               gpus_per_node=gpus_per_node)
+               gpus_per_node=gpus_per_node, memory_bandwidth=(memory_tbps or 2.039) * 1e12)
 
 
 def gpu_named(name: str) -> GPU:

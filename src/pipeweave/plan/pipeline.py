@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from pipeweave.plan.config import Config
+from pipeweave.plan.costs import Cluster
 from pipeweave.plan.memory import PARAM_BYTES, activation_peaks, block_activation_bytes, part_parameters
 from pipeweave.plan.transformer import Transformer
 from pipeweave.schedule import generate
@@ -22,9 +21,6 @@ from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.parallel import part_holders
 from pipeweave.sim.timeline import Timeline, simulate
-
-if TYPE_CHECKING:
-    from pipeweave.plan.evaluate import Evaluator
 
 AUTO = ("zb-auto", "zb-v-auto")
 """Searched schedules: planned for the configuration's own times, under the memory limit that fits."""
@@ -79,16 +75,26 @@ class Pipeline:
     schedules: dict[tuple[object, ...], Schedule | None] = field(default_factory=dict)
     summaries: dict[tuple[object, ...], Summary] = field(default_factory=dict)
     peak_cache: dict[tuple[object, ...], tuple[float, ...]] = field(default_factory=dict)
+    references: dict[tuple[object, ...], tuple[Times, float]] = field(default_factory=dict)
+    """Per shape, the times of one simulation and its makespan (``scaled_bound``)."""
     simulations: int = 0
     """Timelines simulated (cache misses)."""
 
-    def schedule(self, config: Config, evaluator: Evaluator) -> Schedule | None:
+    @staticmethod
+    def schedule_key(config: Config, cluster: Cluster, times: Times) -> tuple[tuple[object, ...], dict[str, object]]:
+        """The cache key of the configuration's schedule (its parts' ``times``), and the generator's options."""
+        if config.schedule not in AUTO:
+            return config.shape, {}
+        options = auto_options(config, cluster, times)
+        return config.shape + tuple(sorted(options.items())), options
+
+    def has_schedule(self, config: Config, cluster: Cluster, times: Times) -> bool:
+        """Whether the configuration's schedule is built already (a zb-auto search done)."""
+        return self.schedule_key(config, cluster, times)[0] in self.schedules
+
+    def schedule(self, config: Config, cluster: Cluster, times: Times) -> Schedule | None:
         """The configuration's schedule, None where its family refuses the shape."""
-        key: tuple[object, ...] = config.shape
-        options: dict[str, object] = {}
-        if config.schedule in AUTO:
-            options = auto_options(config, evaluator)
-            key = key + tuple(sorted(options.items()))
+        key, options = self.schedule_key(config, cluster, times)
         if key not in self.schedules:
             chunks = config.chunks if config.schedule == "interleaved-1f1b" else None
             try:
@@ -107,7 +113,24 @@ class Pipeline:
             self.simulations += 1
             timeline = simulate(schedule, CostModel(f=f, b=i, w=w, comm=hop), check=False)
             found = self.summaries[key] = summarise(timeline)
+            if config.schedule not in AUTO:
+                self.references.setdefault(config.shape, (times, found.makespan))
         return found
+
+    def scaled_bound(self, config: Config, times: Times) -> float:
+        """A bound on the makespan of ``config``'s shape under ``times`` from a simulation of the same shape
+        under other times (0 if none yet): a timeline's makespan is a max-plus expression of the action
+        times, so it never decreases when they grow and it scales with them; times at least ``alpha`` times
+        the reference's give a makespan at least ``alpha`` times its."""
+        found = self.references.get(config.shape)
+        if found is None:
+            return 0.0
+        (f0, i0, w0, hop0), makespan = found
+        f, i, w, hop = times
+        alpha = min(min(a / b for a, b in zip(x, x0) if b > 0) for x, x0 in ((f, f0), (i, i0), (w, w0)))
+        if hop0 > 0:
+            alpha = min(alpha, hop / hop0)
+        return alpha * makespan
 
     def peaks(self, config: Config, schedule: Schedule, model: Transformer) -> tuple[float, ...]:
         """Per rank, activation bytes per sample of a microbatch (``plan.memory.activation_peaks``)."""
@@ -122,17 +145,18 @@ class Pipeline:
         return [p * PARAM_BYTES / config.tp for p in part_parameters(model, num_parts)]
 
 
-def auto_options(config: Config, evaluator: Evaluator) -> dict[str, object]:
-    """zb-auto's options: scalar times (the parts' mean), M_W / M_a, and the memory limit K (1 to 2, by
-    halves) that the GPU's memory leaves room for beside the model state."""
+def auto_options(config: Config, cluster: Cluster, times: Times) -> dict[str, object]:
+    """zb-auto's options: the parts' mean times in units of F, to one decimal (so that configurations of
+    like proportions share one search; the simulation then takes their exact times), M_W / M_a, and the
+    memory limit K (1 to 2, by halves) that the GPU's memory leaves room for beside the model state."""
     parts = config.pp * config.chunks
-    f, i, w, hop = evaluator.times(config, parts)
-    model, gpu = evaluator.cluster.model, evaluator.cluster.gpu
+    f, i, w, hop = times
+    model, gpu = cluster.model, cluster.gpu
     held, stash, _ = block_activation_bytes(model, tp=config.tp, recompute=config.recompute)
     per_rank = model.layers / config.pp * held * config.microbatch_size  # M_a of one D-th
     state = max(part_parameters(model, parts)) * config.chunks * 16 / config.tp
     room = gpu.memory_bytes - state - 3 * 2**30
     limit = max(1.0, min(2.0, int(2 * room / (config.pp * per_rank)) / 2)) if per_rank else 2.0
-    mean = [round(sum(x) / parts, 9) for x in (f, i, w)]
-    return {"time_f": mean[0], "time_b": mean[1], "time_w": mean[2], "time_comm": round(hop, 9),
-            "memory_limit": limit, "mem_w": round(min(1.0, stash / held), 6)}
+    unit = sum(f) / parts
+    return {"time_f": 1.0, "time_b": round(sum(i) / parts / unit, 1), "time_w": round(sum(w) / parts / unit, 1),
+            "time_comm": round(hop / unit, 1), "memory_limit": limit, "mem_w": round(min(1.0, stash / held), 1)}

@@ -1,0 +1,64 @@
+"""Lower bounds on a configuration's step time and memory, without its schedule: what lets the search
+skip most of the space and still return the exact best configurations.
+
+- **Time**: a rank must do all its own work, and cannot start before the first
+  microbatch has crossed the parts before its first one (their F and one hop
+  each); with two pipelines in opposite directions (Chimera, DualPipe, GEMS)
+  both ends start at once, so only the work counts. The simulated step is
+  never shorter: it adds the waits of the schedule, the DP reduction's tail.
+- **Memory**: the model state of an average rank (the fullest holds at least
+  as much), one microbatch's activations of one part, and the allowance.
+"""
+
+from __future__ import annotations
+
+from pipeweave.plan.config import Config
+from pipeweave.plan.evaluate import Evaluator
+from pipeweave.plan.memory import ALLOWANCE_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES, block_activation_bytes
+from pipeweave.plan.space import BIDIRECTIONAL, VSHAPE
+
+
+def rank_of_part(schedule: str, part: int, num_ranks: int) -> int:
+    """The pipeline rank holding ``part`` (looped and straight: k mod D; V: down then back up).
+
+    Example:
+        >>> [rank_of_part("zb-v", k, 2) for k in range(4)]
+        [0, 1, 1, 0]
+    """
+    if schedule in VSHAPE and part >= num_ranks:
+        return 2 * num_ranks - 1 - part
+    return part % num_ranks
+
+
+def time_bound(config: Config, evaluator: Evaluator) -> float:
+    """Seconds no simulation of ``config`` can beat (module docstring)."""
+    d = config.pp
+    if config.schedule in BIDIRECTIONAL:
+        f, i, w, _ = evaluator.times(config, d)
+        cost = [a + b + c for a, b, c in zip(f, i, w)]
+        return max(config.microbatches / 2 * (cost[r] + cost[d - 1 - r]) for r in range(d))
+    parts = d * config.chunks
+    f, i, w, hop = evaluator.times(config, parts)
+    busy, start = [0.0] * d, [-1.0] * d
+    reach = 0.0  # when microbatch 0 can reach part k
+    for k in range(parts):
+        r = rank_of_part(config.schedule, k, d)
+        busy[r] += config.microbatches * (f[k] + i[k] + w[k])
+        if start[r] < 0:
+            start[r] = reach
+        reach += f[k] + hop
+    return max(s + b for s, b in zip(start, busy))
+
+
+def memory_bound(config: Config, evaluator: Evaluator) -> float:
+    """Bytes the fullest GPU of ``config`` holds at least (module docstring)."""
+    model = evaluator.cluster.model
+    copies = 2 if config.schedule in BIDIRECTIONAL else 1
+    per_gpu = model.parameters * copies / (config.tp * config.pp)
+    shard = 1.0 / config.dp
+    state = per_gpu * (PARAM_BYTES * (shard if config.zero == 3 else 1.0)
+                       + GRAD_BYTES * (shard if config.zero == 3 else 1.0)
+                       + OPTIMIZER_BYTES * (shard if config.zero >= 1 else 1.0))
+    held = block_activation_bytes(model, tp=config.tp, recompute=config.recompute)[0]
+    part_layers = model.layers // (config.pp * config.chunks)
+    return state + held * part_layers * config.microbatch_size + ALLOWANCE_BYTES
