@@ -96,3 +96,34 @@ def test_zero_3_gathers_before_each_f_and_i() -> None:
     f1, i1, w1, _ = ev.times(base, 1)
     f3, i3, w3, _ = ev.times(Config(**{**base.as_dict(), "zero": 3}), 1)  # type: ignore[arg-type]
     assert f3[0] > f1[0] and i3[0] > i1[0] and w3 == w1  # 3.3 GB gathered at 25 GB/s outlasts the compute
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zb-h1", 1),
+                                              ("zb-h2", 1), ("zb-v", 2), ("chimera", 1), ("dualpipe-v", 2)])
+def test_time_bound_is_below_the_simulated_step_and_exact_for_1f1b(schedule: str, chunks: int) -> None:
+    from pipeweave.plan.bound import time_bound
+
+    cluster = Cluster(model=MODELS["gpt-39b"], gpu=GPUS["a100-80gb"], efficiency=IDEAL)
+    ev = Evaluator(cluster=cluster, batch=64)
+    config = Config(tp=8, pp=4, dp=2, chunks=chunks, microbatch_size=2, microbatches=16, schedule=schedule,
+                    recompute="selective", zero=1)
+    result = ev.evaluate(config, time_unfit=True)
+    assert result is not None
+    bound = time_bound(config, ev)
+    assert bound <= result.step_time - result.dp_exposed + 1e-9
+    if schedule in ("1f1b", "gpipe"):
+        assert bound == pytest.approx(result.step_time - result.dp_exposed, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", None), ("gpipe", None), ("interleaved-1f1b", 3),
+                                              ("zb-h2", None), ("zb-v", None), ("chimera", None), ("dualpipe", None),
+                                              ("dualpipe-v", None), ("gems", None)])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_profile_walk_finds_held_peaks_own_peaks(schedule: str, chunks: int | None, recompute: str) -> None:
+    from pipeweave.plan.activations import activation_profile, peaks
+    from pipeweave.plan.memory import activation_peaks, part_activation_bytes
+
+    model = MODELS["gpt-39b"]
+    s = generate(schedule, num_stages=4, num_microbatches=8, num_chunks=chunks)
+    sizes = part_activation_bytes(model, s.num_parts, 8, recompute)
+    assert peaks(activation_profile(s), **sizes) == pytest.approx(activation_peaks(s, model, 8, recompute))

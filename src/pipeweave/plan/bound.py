@@ -4,8 +4,14 @@ skip most of the space and still return the exact best configurations.
 - **Time**: a rank must do all its own work, and cannot start before the first
   microbatch has crossed the parts before its first one (their F and one hop
   each); with two pipelines in opposite directions (Chimera, DualPipe, GEMS)
-  both ends start at once, so only the work counts. The simulated step is
-  never shorter: it adds the waits of the schedule, the DP reduction's tail.
+  both ends start at once, so only the work counts. And the last part's last
+  backward comes after all of its T forwards and backwards, which start once
+  the first microbatch reached it; that backward's gradient must then cross
+  every earlier part's backward back to the first (a whole B each where the
+  schedule does not split it into I and W, an I and the first part's last W
+  where it does): for GPipe and 1F1B this is their makespan, (T + D - 1)(f + b).
+  The simulated step is never shorter: it adds the waits of the schedule, the
+  DP reduction's tail.
 - **Memory**: the model state of an average rank (the fullest holds at least
   as much), one microbatch's activations of one part, and the allowance.
 """
@@ -16,6 +22,9 @@ from pipeweave.plan.config import Config
 from pipeweave.plan.evaluate import Evaluator
 from pipeweave.plan.memory import ALLOWANCE_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES, block_activation_bytes
 from pipeweave.plan.space import BIDIRECTIONAL, VSHAPE
+
+UNSPLIT = ("naive", "gpipe", "1f1b", "interleaved-1f1b")
+"""Schedules whose backward is one B (I and W together); the others split some or all into I and W."""
 
 
 def rank_of_part(schedule: str, part: int, num_ranks: int) -> int:
@@ -47,7 +56,13 @@ def time_bound(config: Config, evaluator: Evaluator) -> float:
         if start[r] < 0:
             start[r] = reach
         reach += f[k] + hop
-    return max(s + b for s, b in zip(start, busy))
+    last = parts - 1
+    ranks = [rank_of_part(config.schedule, k, d) for k in range(parts)]
+    reach_last = sum(f[k] + (hop if ranks[k] != ranks[k + 1] else 0.0) for k in range(last))
+    whole = config.schedule in UNSPLIT
+    back = sum(i[k] + (w[k] if whole else 0.0) + (hop if ranks[k] != ranks[k + 1] else 0.0) for k in range(last))
+    drain = reach_last + config.microbatches * (f[last] + i[last] + (w[last] if whole else 0.0)) + back
+    return max(max(s + b for s, b in zip(start, busy)), drain + (0.0 if whole else w[0]))
 
 
 def memory_bound(config: Config, evaluator: Evaluator) -> float:

@@ -22,13 +22,14 @@ definition, Chowdhery et al. 2022, appendix B) against the GPU's peak.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pipeweave.plan.config import Config
 from pipeweave.plan.costs import Cluster, block_times, hop_time, part_times
 from pipeweave.plan.flops import step_flops
 from pipeweave.plan.memory import GPUMemory, gpu_memory
-from pipeweave.plan.pipeline import Pipeline, Summary
+from pipeweave.plan.pipeline import Pipeline, Summary, Times
 from pipeweave.sim.parallel import Layout, gather_time, reduction_time
 
 
@@ -52,11 +53,13 @@ class Result:
     """Seconds the DP reduction and ZeRO's all-gather add past the pipeline's end."""
 
     def as_dict(self) -> dict[str, object]:
+        """The configuration and its figures; those of a configuration not simulated (it does not fit) null."""
         out = self.config.as_dict()
-        out.update(step_time_s=self.step_time, tflops_per_gpu=self.tflops_per_gpu, mfu=self.mfu,
-                   bubble_ratio=self.bubble_ratio, memory_gib=round(self.memory.total / 2**30, 3),
-                   fits=self.fits, memory=self.memory.as_dict(), compute_s=self.compute, tp_comm_s=self.tp_comm,
-                   dp_exposed_s=self.dp_exposed)
+        timed = {"step_time_s": self.step_time, "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
+                 "bubble_ratio": self.bubble_ratio, "compute_s": self.compute, "tp_comm_s": self.tp_comm,
+                 "dp_exposed_s": self.dp_exposed}
+        out.update({k: v if math.isfinite(self.step_time) else None for k, v in timed.items()})
+        out.update(memory_gib=round(self.memory.total / 2**30, 3), fits=self.fits, memory=self.memory.as_dict())
         return out
 
 
@@ -71,13 +74,21 @@ class Evaluator:
     """DDP's overlap of the reduction with the last backward (False: after it)."""
     pipeline: Pipeline = field(default_factory=Pipeline)
     """Schedules, memory peaks and timeline summaries, cached by shape."""
+    known_times: dict[tuple[object, ...], Times] = field(default_factory=dict, repr=False)
+    """``times``' answers (the search asks for each configuration's several times)."""
 
     def layout(self, config: Config) -> Layout:
         return Layout(tp=config.tp, dp=config.dp, zero=config.zero, network=self.cluster.gpu.network())
 
-    def times(self, config: Config, num_parts: int) -> tuple[tuple[float, ...], tuple[float, ...],
-                                                             tuple[float, ...], float]:
+    def times(self, config: Config, num_parts: int) -> Times:
         """``(f, i, w, hop)`` of the configuration's parts."""
+        key = (config.tp, config.pp, config.dp, num_parts, config.microbatch_size, config.recompute, config.zero == 3)
+        found = self.known_times.get(key)
+        if found is None:
+            found = self.known_times[key] = self._times(config, num_parts)
+        return found
+
+    def _times(self, config: Config, num_parts: int) -> Times:
         f, i, w = part_times(self.cluster, num_parts=num_parts, tp=config.tp,
                              microbatch_size=config.microbatch_size, recompute=config.recompute)
         if config.zero == 3:  # FSDP gathers a part's parameters before each F and each I, prefetched
@@ -93,27 +104,31 @@ class Evaluator:
         """Parts of the configuration's schedule: D x v (chunks of a looped or V placement), D otherwise."""
         return config.pp * config.chunks
 
-    def evaluate(self, config: Config) -> Result | None:
-        """The prediction, or None when the schedule family cannot serve this (D, T, v)."""
-        f, i, w, hop = times = self.times(config, self.num_parts(config))
+    def evaluate(self, config: Config, *, time_unfit: bool = False) -> Result | None:
+        """The prediction, or None when the schedule family cannot serve this (D, T, v). The memory comes
+        first: a configuration that does not fit is not simulated (its times are inf and 0) unless
+        ``time_unfit``."""
+        times = self.times(config, self.num_parts(config))
         schedule = self.pipeline.schedule(config, self.cluster, times)
         if schedule is None:
             return None
-        summary = self.pipeline.summary(config, schedule, (f, i, w, hop))
         layout = self.layout(config)
-        tail = self.dp_tail(config, layout, summary)
-        step = max(summary.makespan, tail)
         peaks = self.pipeline.peaks(config, schedule, self.cluster.model)
         memory = gpu_memory(schedule, self.cluster.model, layout, microbatch_size=config.microbatch_size,
                             recompute=config.recompute, peaks=peaks)
+        fits = memory.total <= self.cluster.gpu.memory_bytes
+        if not fits and not time_unfit:
+            return Result(config=config, step_time=math.inf, tflops_per_gpu=0.0, mfu=0.0, bubble_ratio=math.nan,
+                          memory=memory, fits=False, compute=math.nan, tp_comm=math.nan, dp_exposed=math.nan)
+        summary = self.pipeline.summary(config, schedule, times)
+        step = max(summary.makespan, self.dp_tail(config, layout, summary))
         gpus, peak = config.gpus, self.cluster.gpu.peak_flops
         tp = self.tp_comm(config)
         model = self.cluster.model
         return Result(config=config, step_time=step,
                       tflops_per_gpu=step_flops(model, self.batch, recompute=config.recompute) / step / gpus / 1e12,
                       mfu=step_flops(model, self.batch, recompute="none") / step / gpus / peak,
-                      bubble_ratio=summary.bubble_ratio, memory=memory,
-                      fits=memory.total <= self.cluster.gpu.memory_bytes, compute=summary.busy - tp,
+                      bubble_ratio=summary.bubble_ratio, memory=memory, fits=fits, compute=summary.busy - tp,
                       tp_comm=tp, dp_exposed=step - summary.makespan)
 
     def tp_comm(self, config: Config) -> float:

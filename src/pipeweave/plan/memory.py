@@ -83,15 +83,33 @@ def block_activation_bytes(model: Transformer, *, tp: int, recompute: str) -> tu
     return 2.0 * sbh, stash, full
 
 
-def activation_peaks(schedule: Schedule, model: Transformer, tp: int, recompute: str) -> tuple[float, ...]:
-    """Per rank, the peak activation bytes of ``schedule`` for microbatches of one sample (scale by b)."""
-    parts = schedule.num_parts
-    per = model.layers // parts
-    held, stash, during = (per * x for x in block_activation_bytes(model, tp=tp, recompute=recompute))
+def part_activation_bytes(model: Transformer, num_parts: int, tp: int, recompute: str) -> dict[str, float]:
+    """A part's activation bytes for a microbatch of one sample, as ``plan.activations.peaks`` takes them: held
+    and stashed by an ordinary part and by the last (the head's FP32 logits too), and one replayed block."""
+    per = model.layers // num_parts
+    held, stash, during = block_activation_bytes(model, tp=tp, recompute=recompute)
     logits = 4.0 * model.seq_len * model.vocab / tp
-    held_k = [held] * (parts - 1) + [held + logits]
-    stash_k = [stash] * (parts - 1) + [stash + logits]
-    extra = [during / per] * parts  # one block replayed at a time
+    return {"held": per * held, "stash": per * stash, "held_last": per * held + logits,
+            "stash_last": per * stash + logits, "during": during}
+
+
+def activation_peaks(schedule: Schedule, model: Transformer, tp: int, recompute: str) -> tuple[float, ...]:
+    """Per rank, the peak activation bytes of ``schedule`` for microbatches of one sample (scale by b), walked by
+    the simulator's ``held_peaks`` (``plan.activations`` finds the same for many sizes at once).
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> from pipeweave.plan.activations import activation_profile, peaks
+        >>> m, s = Transformer(layers=8, hidden=256, heads=4, seq_len=64), generate("zb-h1", num_stages=4,
+        ...                                                                          num_microbatches=8)
+        >>> activation_peaks(s, m, 2, "full") == peaks(activation_profile(s), **part_activation_bytes(m, 4, 2, "full"))
+        True
+    """
+    sizes = part_activation_bytes(model, schedule.num_parts, tp, recompute)
+    parts = schedule.num_parts
+    held_k = [sizes["held"]] * (parts - 1) + [sizes["held_last"]]
+    stash_k = [sizes["stash"]] * (parts - 1) + [sizes["stash_last"]]
+    extra = [sizes["during"]] * parts  # one block replayed at a time
     return held_peaks(schedule.actions, schedule.placement.stage_part, held_k, stash_k, extra, extra)
 
 

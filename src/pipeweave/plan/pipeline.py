@@ -13,11 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pipeweave.plan.config import Config
 from pipeweave.plan.costs import Cluster
-from pipeweave.plan.memory import PARAM_BYTES, activation_peaks, block_activation_bytes, part_parameters
+from pipeweave.plan.critical import Path, critical_path
+from pipeweave.plan.activations import Profile, activation_profile, peaks
+from pipeweave.plan.memory import PARAM_BYTES, block_activation_bytes, part_activation_bytes, part_parameters
 from pipeweave.plan.transformer import Transformer
 from pipeweave.schedule import generate
 from pipeweave.schedule.ir import Op, Schedule, ScheduleError
-from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.parallel import part_holders
 from pipeweave.sim.timeline import Timeline, simulate
@@ -46,26 +47,47 @@ class Summary:
     """Per part, the pipeline ranks holding it (``sim.parallel.part_holders``)."""
 
 
-def summarise(timeline: Timeline) -> Summary:
-    """The ``Summary`` of a simulated timeline."""
+def summarise(timeline: Timeline, costs: Times) -> Summary:
+    """The ``Summary`` of a simulated timeline under ``costs``' per-part times. Only each row's tail is read
+    (its last weight gradients and backwards, its updates); busy time follows from the microbatch counts."""
     schedule = timeline.schedule
     part_of, parts = schedule.placement.stage_part, schedule.num_parts
+    f, i, w, _ = costs
     grad_end, bwd_start = [0.0] * parts, [0.0] * parts
     order: list[tuple[int, ...]] = []
-    for row in timeline.events:
-        updates = []
-        for (stage, op, _), start, end in row:
+    busy = [0.0] * schedule.num_ranks
+    for stage, rank in enumerate(schedule.placement.stage_rank):
+        k = part_of[stage]
+        busy[rank] += len(schedule.microbatches_of(stage)) * (f[k] + i[k] + w[k])
+    for row, rank_stages in zip(timeline.events, _stages_by_rank(schedule)):
+        updates, need_grad, need_bwd = [], set(rank_stages), set(rank_stages)
+        for (stage, op, _), start, end in reversed(row):
             part = part_of[stage]
-            if op is Op.W or op is Op.B:
-                grad_end[part] = max(grad_end[part], end)
-            if op is Op.I or op is Op.B:
-                bwd_start[part] = max(bwd_start[part], start)
-            elif op is Op.U:
+            if op is Op.U:
                 updates.append(part)
-        order.append(tuple(updates))
-    makespan, _, busy, ratio, _, _ = bubble_metrics(timeline)
+                continue
+            if stage in need_grad and (op is Op.W or op is Op.B):
+                grad_end[part] = max(grad_end[part], end)
+                need_grad.discard(stage)
+            if stage in need_bwd and (op is Op.I or op is Op.B):
+                bwd_start[part] = max(bwd_start[part], start)
+                need_bwd.discard(stage)
+            if not need_grad and not need_bwd:
+                break
+        order.append(tuple(reversed(updates)))
+    rows = [row for row in timeline.events if row]
+    spans = [row[-1].end - row[0].start for row in rows]
+    makespan = max(row[-1].end for row in rows) - min(row[0].start for row in rows)
+    ratio = 1.0 - sum(busy) / (len(timeline.events) * max(spans)) if max(spans) > 0 else 0.0
     return Summary(makespan, ratio, max(busy), parts, tuple(grad_end), tuple(bwd_start), tuple(order),
                    part_holders(schedule))
+
+
+def _stages_by_rank(schedule: Schedule) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in range(schedule.num_ranks)]
+    for stage, rank in enumerate(schedule.placement.stage_rank):
+        out[rank].append(stage)
+    return out
 
 
 @dataclass
@@ -74,9 +96,10 @@ class Pipeline:
 
     schedules: dict[tuple[object, ...], Schedule | None] = field(default_factory=dict)
     summaries: dict[tuple[object, ...], Summary] = field(default_factory=dict)
-    peak_cache: dict[tuple[object, ...], tuple[float, ...]] = field(default_factory=dict)
-    references: dict[tuple[object, ...], tuple[Times, float]] = field(default_factory=dict)
-    """Per shape, the times of one simulation and its makespan (``scaled_bound``)."""
+    profiles: dict[int, Profile] = field(default_factory=dict)
+    """Per schedule (by id: the schedules are kept), its activation profile."""
+    references: dict[tuple[object, ...], Path] = field(default_factory=dict)
+    """Per shape, the critical path of its first simulation (``path_bound``)."""
     simulations: int = 0
     """Timelines simulated (cache misses)."""
 
@@ -112,32 +135,25 @@ class Pipeline:
             f, i, w, hop = times
             self.simulations += 1
             timeline = simulate(schedule, CostModel(f=f, b=i, w=w, comm=hop), check=False)
-            found = self.summaries[key] = summarise(timeline)
-            if config.schedule not in AUTO:
-                self.references.setdefault(config.shape, (times, found.makespan))
+            found = self.summaries[key] = summarise(timeline, times)
+            if config.schedule not in AUTO and config.shape not in self.references:
+                self.references[config.shape] = critical_path(timeline)
         return found
 
-    def scaled_bound(self, config: Config, times: Times) -> float:
-        """A bound on the makespan of ``config``'s shape under ``times`` from a simulation of the same shape
-        under other times (0 if none yet): a timeline's makespan is a max-plus expression of the action
-        times, so it never decreases when they grow and it scales with them; times at least ``alpha`` times
-        the reference's give a makespan at least ``alpha`` times its."""
-        found = self.references.get(config.shape)
-        if found is None:
-            return 0.0
-        (f0, i0, w0, hop0), makespan = found
-        f, i, w, hop = times
-        alpha = min(min(a / b for a, b in zip(x, x0) if b > 0) for x, x0 in ((f, f0), (i, i0), (w, w0)))
-        if hop0 > 0:
-            alpha = min(alpha, hop / hop0)
-        return alpha * makespan
+    def path_bound(self, config: Config, times: Times) -> float:
+        """A bound on the makespan of ``config``'s shape under ``times``: the critical path of a simulation of
+        the same shape under other times (``plan.critical``), 0 if there is none yet."""
+        path = self.references.get(config.shape)
+        return 0.0 if path is None else path.length(*times)
 
     def peaks(self, config: Config, schedule: Schedule, model: Transformer) -> tuple[float, ...]:
-        """Per rank, activation bytes per sample of a microbatch (``plan.memory.activation_peaks``)."""
-        key = (id(schedule), config.tp, config.recompute)
-        if key not in self.peak_cache:
-            self.peak_cache[key] = activation_peaks(schedule, model, config.tp, config.recompute)
-        return self.peak_cache[key]
+        """Per rank, activation bytes per sample of a microbatch (``plan.memory.activation_peaks``), from the
+        schedule's profile walked once (``plan.activations``)."""
+        key = id(schedule)
+        if key not in self.profiles:
+            self.profiles[key] = activation_profile(schedule)
+        sizes = part_activation_bytes(model, schedule.num_parts, config.tp, config.recompute)
+        return peaks(self.profiles[key], **sizes)
 
     @staticmethod
     def tp_rank_param_bytes(config: Config, model: Transformer, num_parts: int) -> Sequence[float]:

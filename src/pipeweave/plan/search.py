@@ -6,12 +6,13 @@ simulated (``plan.evaluate``), until the next bound is no better than the
 ``top``-th best step found among those that fit: none of the remaining ones
 can enter the top, since a simulation is never below its bound. Before a
 configuration is simulated, a simulation of its shape under other times may
-raise its bound (``Pipeline.scaled_bound``); it then waits its turn again. The answer is
+raise its bound (its critical path: ``plan.critical``); it then waits its turn again. The answer is
 the one an exhaustive search would give for those ``top``.
 """
 
 from __future__ import annotations
 
+import gc
 import heapq
 import time
 from collections.abc import Callable, Iterable
@@ -31,7 +32,8 @@ class Plan:
     """What the search found and how much of the space it looked at."""
 
     results: list[Result]
-    """Every simulated configuration, those that fit first, each group by step time."""
+    """Every configuration looked at, those that fit first by step time, then those that do not (by memory;
+    simulated only with ``exhaustive``)."""
     candidates: int
     """Configurations in the space."""
     too_big: int
@@ -53,12 +55,25 @@ class Plan:
 
 
 def search(space: Iterable[Config], evaluator: Evaluator, *, top: int = 10, exhaustive: bool = False,
-           auto_searches: int = 16, progress: Progress | None = None) -> Plan:
+           auto_searches: int = 8, tolerance: float = 0.0, progress: Progress | None = None) -> Plan:
     """The best ``top`` configurations of ``space`` (module docstring); ``exhaustive`` simulates every one that
     may fit (for ``--plot`` over the whole space); at most ``auto_searches`` zb-auto searches (about a second
-    each, more at large D), the most promising first: the others are skipped, and counted."""
+    each, more at large D), the most promising first: the others are skipped, and counted. With a
+    ``tolerance`` t, a configuration is skipped once its bound is within t of the ``top``-th best: one
+    skipped could beat that one by less than t x its step (0: the exact top)."""
     started = time.perf_counter()
-    configs = list(space)
+    collecting = gc.isenabled()
+    gc.disable()  # millions of short-lived event tuples, no cycles: the collector would only walk them
+    try:
+        return _search(list(space), evaluator, top, exhaustive, auto_searches, tolerance, progress, started)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _search(configs: list[Config], evaluator: Evaluator, top: int, exhaustive: bool, auto_searches: int,
+            tolerance: float, progress: Progress | None, started: float) -> Plan:
+    """``search``'s loop (with the collector paused)."""
     limit = evaluator.cluster.gpu.memory_bytes
     bounds = [memory_bound(c, evaluator) for c in configs]
     fitting = [c for c, m in zip(configs, bounds) if m <= limit]
@@ -70,7 +85,7 @@ def search(space: Iterable[Config], evaluator: Evaluator, *, top: int = 10, exha
     refused = bounded = skipped = 0
     while queue:
         bound, k, rescaled = heapq.heappop(queue)
-        if not exhaustive and len(best) >= top and bound >= -best[0]:
+        if not exhaustive and len(best) >= top and bound * (1 + tolerance) >= -best[0]:
             bounded = len(queue) + 1
             break
         config = fitting[k]
@@ -81,11 +96,11 @@ def search(space: Iterable[Config], evaluator: Evaluator, *, top: int = 10, exha
                 continue
             auto_searches -= 1
         if not rescaled:  # a simulation of the same shape may tighten the bound: look again in its new place
-            scaled = evaluator.pipeline.scaled_bound(config, times)
+            scaled = evaluator.pipeline.path_bound(config, times)
             if scaled > bound:
                 heapq.heappush(queue, (scaled, k, True))
                 continue
-        result = evaluator.evaluate(fitting[k])
+        result = evaluator.evaluate(fitting[k], time_unfit=exhaustive)
         done += 1
         if progress is not None and (done % 16 == 0 or done == len(configs)):
             progress(done, len(configs))
@@ -99,7 +114,7 @@ def search(space: Iterable[Config], evaluator: Evaluator, *, top: int = 10, exha
                 heapq.heappop(best)
     if progress is not None:
         progress(len(configs), len(configs))
-    results.sort(key=lambda r: (not r.fits, r.step_time))
+    results.sort(key=lambda r: (not r.fits, r.step_time if r.fits else r.memory.total))
     least = min(((r.memory.total, r.config.label) for r in results), default=None)
     if least is None:
         least = min(((m, c.label) for m, c in zip(bounds, configs)), default=(0.0, ""))
