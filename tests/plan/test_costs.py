@@ -127,3 +127,14 @@ def test_the_profile_walk_finds_held_peaks_own_peaks(schedule: str, chunks: int 
     s = generate(schedule, num_stages=4, num_microbatches=8, num_chunks=chunks)
     sizes = part_activation_bytes(model, s.num_parts, 8, recompute)
     assert peaks(activation_profile(s), **sizes) == pytest.approx(activation_peaks(s, model, 8, recompute))
+
+
+def test_the_naive_bound_is_its_makespan() -> None:
+    from pipeweave.plan.bound import time_bound
+
+    ev = Evaluator(cluster=Cluster(model=MODELS["gpt-39b"], gpu=GPUS["a100-80gb"], efficiency=IDEAL), batch=64)
+    config = Config(tp=8, pp=4, dp=2, chunks=1, microbatch_size=2, microbatches=16, schedule="naive",
+                    recompute="full", zero=0)
+    result = ev.evaluate(config, time_unfit=True)
+    assert result is not None and time_bound(config, ev) <= result.step_time - result.dp_exposed + 1e-9
+    assert time_bound(config, ev) == pytest.approx(result.step_time - result.dp_exposed, rel=0.01)  # hops aside

@@ -77,10 +77,16 @@ def write_plot(plan: Plan, path: Path) -> None:
                label="configurations that fit")
     ax.plot([r.memory.total / GIB for r in front], [r.step_time for r in front], "o-", c="tab:red",
             label="Pareto front")
-    for r in front[:8]:
-        ax.annotate(f"{_split(r)} {_schedule(r)}", (r.memory.total / GIB, r.step_time), fontsize=7)
+    shown = -1.0
+    for r in front:  # label the front's points a few GiB apart, so that labels do not overlap
+        if r.memory.total / GIB - shown >= 4:
+            ax.annotate(f"{_split(r)} {_schedule(r)} b={r.config.microbatch_size}",
+                        (r.memory.total / GIB, r.step_time), fontsize=7, rotation=20)
+            shown = r.memory.total / GIB
+    ax.set_yscale("log")
     ax.set_xlabel("memory per GPU (GiB)")
-    ax.set_ylabel("predicted step time (s)")
+    ax.set_ylabel("predicted step time (s, log scale)")
+    ax.set_title(f"{len(fits)} simulated configurations that fit (TP x PP x DP)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)

@@ -10,6 +10,7 @@ skip most of the space and still return the exact best configurations.
   every earlier part's backward back to the first (a whole B each where the
   schedule does not split it into I and W, an I and the first part's last W
   where it does): for GPipe and 1F1B this is their makespan, (T + D - 1)(f + b).
+  The naive schedule runs one microbatch at a time: T (f + b) over all parts.
   The simulated step is never shorter: it adds the waits of the schedule, the
   DP reduction's tail.
 - **Memory**: the model state of an average rank (the fullest holds at least
@@ -48,6 +49,8 @@ def time_bound(config: Config, evaluator: Evaluator) -> float:
         return max(config.microbatches / 2 * (cost[r] + cost[d - 1 - r]) for r in range(d))
     parts = d * config.chunks
     f, i, w, hop = evaluator.times(config, parts)
+    if config.schedule == "naive":  # one microbatch at a time, through every part and back
+        return config.microbatches * sum(map(sum, (f, i, w)))
     busy, start = [0.0] * d, [-1.0] * d
     reach = 0.0  # when microbatch 0 can reach part k
     for k in range(parts):
