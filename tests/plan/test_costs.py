@@ -138,3 +138,15 @@ def test_the_naive_bound_is_its_makespan() -> None:
     result = ev.evaluate(config, time_unfit=True)
     assert result is not None and time_bound(config, ev) <= result.step_time - result.dp_exposed + 1e-9
     assert time_bound(config, ev) == pytest.approx(result.step_time - result.dp_exposed, rel=0.01)  # hops aside
+
+
+def test_presets_order_by_their_datasheets() -> None:
+    row = Config(tp=8, pp=2, dp=32, chunks=1, microbatch_size=4, microbatches=12, schedule="1f1b",
+                 recompute="full", zero=0)
+    steps = {}
+    for name in ("a100-80gb", "h100-sxm", "h200"):
+        cluster = Cluster(model=MODELS["gpt-39b"], gpu=GPUS[name], efficiency=IDEAL)
+        result = Evaluator(cluster=cluster, batch=1536).evaluate(row)
+        assert result is not None and result.fits
+        steps[name] = result.step_time
+    assert steps["h200"] < steps["h100-sxm"] < steps["a100-80gb"]  # same compute, H200's faster HBM

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     space = list(configurations(cluster.model, args.gpus, args.global_batch, cluster.gpu.gpus_per_node, fixed))
     evaluator = Evaluator(cluster=cluster, batch=args.global_batch, overlap=not args.no_dp_overlap)
     check_plan(space, cluster, args.gpus, args.global_batch, fixed)
-    with _bar(quiet=args.json) as progress:
+    with _Bar(quiet=args.json) as progress:
         plan = search(space, evaluator, top=args.top, exhaustive=args.all, progress=progress)
     check_plan(space, cluster, args.gpus, args.global_batch, fixed, plan)
     if plot is not None:
@@ -146,7 +146,7 @@ def _fixed(args: argparse.Namespace) -> Any:
                  zero=args.zero)
 
 
-class _bar:
+class _Bar:
     """A rich progress bar on stderr (only on a terminal, and never with ``--json``)."""
 
     def __init__(self, *, quiet: bool) -> None:

@@ -46,7 +46,9 @@ def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: 
     print(f"searched {plan.candidates} configurations in {plan.seconds:.1f} s: {plan.too_big} cannot fit "
           f"(memory bound), {plan.bounded} cannot enter the top {top} (time bound), {plan.refused} shapes the "
           f"schedule refuses, {len(plan.results)} simulated ({plan.simulations} timelines), "
-          f"{len(plan.results) - len(plan.best)} of them over {gpu.memory_bytes / GIB:.1f} GiB")
+          f"{len(plan.results) - len(plan.best)} of them over {gpu.memory_bytes / GIB:.1f} GiB"
+          + (f"; {plan.auto_skipped} zb-auto configurations not searched (8 searches at most)"
+             if plan.auto_skipped else ""))
 
 
 def plan_json(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: int) -> dict[str, Any]:
@@ -59,7 +61,7 @@ def plan_json(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: in
             "gpus": args.gpus, "global_batch": args.global_batch,
             "search": {"candidates": plan.candidates, "too_big": plan.too_big, "bounded": plan.bounded,
                        "refused": plan.refused, "simulations": plan.simulations, "seconds": plan.seconds,
-                       "top": top},
+                       "auto_skipped": plan.auto_skipped, "top": top},
             "configurations": [r.as_dict() for r in plan.results]}
 
 
