@@ -64,7 +64,7 @@ def _too_big(cluster: Cluster, gpus: int, plan: Plan) -> str:
     """Nothing fits: the least memory any configuration needs, and how many GPUs would give room."""
     memory = cluster.gpu.memory_bytes
     need, label = plan.least_memory
-    factor = max(2, math.ceil(need / memory))
+    factor = max(2, math.ceil(need / (0.8 * memory)))  # a fifth of the memory left for what does not shrink
     heads = cluster.model.heads
     tp_note = ""
     if max(tensor_parallel_sizes(cluster.model, cluster.gpu.gpus_per_node, Fixed())) < cluster.gpu.gpus_per_node:
