@@ -63,7 +63,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
     p.add_argument("--top", type=int, default=10, help="configurations to show (default 10)")
     p.add_argument("--all", action="store_true", help="simulate every configuration that may fit (for --plot)")
     p.add_argument("--json", action="store_true", help="print one JSON object, best configuration first")
-    p.add_argument("--plot", metavar="FILE", help="draw step time against memory per GPU (.png, .svg, .pdf)")
+    p.add_argument("--plot", metavar="FILE", help="draw step time against memory per GPU of the configurations simulated, the Pareto front "
+                   "marked (.png, .svg, .pdf; with --all: of the whole space)")
     p.add_argument("--explain", action="store_true", help="say why the best configuration wins")
     return p
 
