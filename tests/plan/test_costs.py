@@ -150,3 +150,22 @@ def test_presets_order_by_their_datasheets() -> None:
         assert result is not None and result.fits
         steps[name] = result.step_time
     assert steps["h200"] < steps["h100-sxm"] < steps["a100-80gb"]  # same compute, H200's faster HBM
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", None), ("interleaved-1f1b", 2), ("zb-h2", None),
+                                              ("zb-v", None), ("chimera", None), ("dualpipe-v", None)])
+def test_the_critical_path_is_the_makespan_and_a_bound_under_other_times(schedule: str, chunks: int | None) -> None:
+    from pipeweave.plan.critical import critical_path
+    from pipeweave.sim.cost import CostModel
+    from pipeweave.sim.timeline import simulate
+
+    s = generate(schedule, num_stages=4, num_microbatches=8, num_chunks=chunks)
+    n = s.num_parts
+    f, i, w = [1.0] * (n - 1) + [1.4], [1.1] * (n - 1) + [1.5], [0.7] * (n - 1) + [0.9]
+    timeline = simulate(s, CostModel(f=f, b=i, w=w, comm=0.05))
+    path = critical_path(timeline)
+    makespan = max(row[-1].end for row in timeline.events)
+    assert path.length(tuple(f), tuple(i), tuple(w), 0.05) == pytest.approx(makespan)
+    other = ([2.0] * n, [1.0] * n, [1.5] * n)
+    again = simulate(s, CostModel(f=other[0], b=other[1], w=other[2], comm=0.2))
+    assert path.length(*map(tuple, other), 0.2) <= max(row[-1].end for row in again.events) + 1e-9
