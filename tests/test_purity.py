@@ -1,4 +1,4 @@
-"""``schedule/``, ``sim/`` and ``search/`` import no torch (DESIGN.md: only the runtime does)."""
+"""``schedule/``, ``sim/``, ``search/`` and ``plan/`` import no torch (DESIGN.md: only the runtime does)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 import pipeweave
 
-PURE = ("schedule", "sim", "search")
+PURE = ("schedule", "sim", "search", "plan")
 ROOT = Path(pipeweave.__file__).parent
 
 # Imports the named modules (or every module of the pure packages) and prints

@@ -1,0 +1,176 @@
+"""``pipeweave plan``: the data/tensor/pipeline split, schedule, microbatch size, recomputation and ZeRO stage
+for a GPT on a cluster, predicted by the simulator (``pipeweave.plan``).
+
+    pipeweave plan --model gpt-1t --gpus 3072 --gpu a100-80gb --global-batch 3072
+
+prints the best configurations as a table; ``--json`` prints them as one JSON
+object, ``--plot FILE`` draws step time against memory, ``--explain`` says why
+the winner wins. Any dimension can be fixed (``--tensor-parallel``,
+``--stages``, ``--data-parallel``, ``--chunks``, ``--microbatch-size``, ``-s``,
+``--recompute``, ``--zero``) to evaluate a given configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pipeweave.errors import UserError
+
+
+CUSTOM_FLAGS = (("--peak-tflops", "peak dense BF16 TFLOP/s"), ("--memory-gib", "memory per GPU, GiB"),
+                ("--memory-tbps", "HBM TB/s (default 2.039, an A100's)"),
+                ("--intra-node-gbps", "NVLink Gb/s per GPU and direction"),
+                ("--inter-node-gbps", "InfiniBand Gb/s per GPU and direction"))
+"""The figures of ``--gpu custom``."""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declaration: one list of options
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "plan", help="choose TP x PP x DP, schedule, microbatch, recomputation and ZeRO for a cluster",
+        description="Enumerate the parallel configurations of a GPT on N GPUs, prune what cannot fit or cannot "
+        "win, simulate the rest, and print the best with their predicted step time, TFLOP/s, MFU, bubble and "
+        "memory per GPU.")
+    p.add_argument("--model", default="gpt", help="a preset (gpt-1.7b ... gpt-1t, gpt3-175b) or gpt with "
+                   "--layers --hidden --heads (default gpt)")
+    for flag, help_ in (("--layers", "l, transformer blocks"), ("--hidden", "h, hidden size"),
+                        ("--heads", "a, attention heads"), ("--seq-len", "s, tokens per sample (default 2048)"),
+                        ("--vocab", "V, vocabulary (default 51200)")):
+        p.add_argument(flag, type=int, help=help_)
+    p.add_argument("--gpus", type=int, required=True, help="N, GPUs in the cluster")
+    p.add_argument("--global-batch", type=int, required=True, metavar="B", help="B, samples per step")
+    g = p.add_argument_group("hardware", "a preset, or custom with the five figures")
+    g.add_argument("--gpu", default="a100-80gb", help="a100-80gb (default), h100-sxm, h200 or custom")
+    for flag, help_ in CUSTOM_FLAGS:
+        g.add_argument(flag, type=float, help=f"custom: {help_}")
+    g.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
+    f = p.add_argument_group("fixed dimensions", "each one searched unless given")
+    f.add_argument("--tensor-parallel", type=int, metavar="N", help="N, tensor-parallel ranks")
+    f.add_argument("--stages", "-D", type=int, metavar="D", help="D, pipeline ranks")
+    f.add_argument("--data-parallel", type=int, metavar="P", help="P, data-parallel replicas")
+    f.add_argument("--chunks", "-v", type=int, metavar="V", help="v, chunks per rank")
+    f.add_argument("--microbatch-size", type=int, metavar="b", help="b, samples per microbatch")
+    f.add_argument("-s", "--schedule", help="a synchronous registry schedule (pipeweave schedules)")
+    f.add_argument("--recompute", help="none, selective (attention) or full")
+    f.add_argument("--zero", type=int, help="ZeRO stage 0, 1 or 3")
+    o = p.add_argument_group("model of the run")
+    o.add_argument("--no-scatter-gather", action="store_true",
+                   help="pipeline messages sent whole by every TP rank (pipeweave's runtime), not split as Megatron")
+    o.add_argument("--no-dp-overlap", action="store_true",
+                   help="DP all-reduce after the backward (Megatron's local DDP), not overlapped with it")
+    p.add_argument("--top", type=int, default=10, help="configurations to show (default 10)")
+    p.add_argument("--all", action="store_true", help="simulate every configuration that may fit (for --plot)")
+    p.add_argument("--json", action="store_true", help="print one JSON object, best configuration first")
+    p.add_argument("--plot", metavar="FILE", help="draw step time against memory per GPU of the configurations simulated, the Pareto front "
+                   "marked (.png, .svg, .pdf; with --all: of the whole space)")
+    p.add_argument("--explain", action="store_true", help="say why the best configuration wins")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeweave.commands.outputs import picture_file
+    from pipeweave.commands.plan_report import explain_lines, plan_json, print_table, write_plot
+    from pipeweave.plan.diagnose import check_plan
+    from pipeweave.plan.evaluate import Evaluator
+    from pipeweave.plan.search import search
+    from pipeweave.plan.space import configurations
+
+    if args.top < 1:
+        raise UserError(f"--top {args.top} is invalid; give an integer >= 1")
+    plot = picture_file("--plot", args.plot) if args.plot else None
+    cluster, fixed = _cluster(args), _fixed(args)
+    for flag, value in (("--gpus", args.gpus), ("--global-batch", args.global_batch)):
+        if value < 1:
+            raise UserError(f"{flag} {value} is invalid; give an integer >= 1")
+    space = list(configurations(cluster.model, args.gpus, args.global_batch, cluster.gpu.gpus_per_node, fixed))
+    evaluator = Evaluator(cluster=cluster, batch=args.global_batch, overlap=not args.no_dp_overlap)
+    check_plan(space, cluster, args.gpus, args.global_batch, fixed)
+    with _Bar(quiet=args.json) as progress:
+        plan = search(space, evaluator, top=args.top, exhaustive=args.all, progress=progress)
+    check_plan(space, cluster, args.gpus, args.global_batch, fixed, plan)
+    if plot is not None:
+        write_plot(plan, plot)
+    if args.json:
+        print(json.dumps(plan_json(plan, cluster, args, top=args.top)))
+        return 0
+    print_table(plan, cluster, args, top=args.top)
+    if args.explain:
+        for line in explain_lines(plan):
+            print(line)
+    if plot is not None:
+        print(f"plot: {plot}")
+    return 0
+
+
+def _cluster(args: argparse.Namespace) -> Any:
+    from pipeweave.plan.costs import Cluster
+    from pipeweave.plan.efficiency import A100_CALIBRATED
+    from pipeweave.plan.hardware import custom_gpu, gpu_named
+    from pipeweave.plan.transformer import Transformer, model_named
+
+    if args.gpu == "custom":
+        gpu = custom_gpu(peak_tflops=args.peak_tflops, memory_gib=args.memory_gib,
+                         intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
+                         gpus_per_node=args.gpus_per_node or 8, memory_tbps=args.memory_tbps)
+    else:
+        given = [f for f in ("peak_tflops", "memory_gib", "memory_tbps", "intra_node_gbps", "inter_node_gbps")
+                 if getattr(args, f) is not None]
+        if given:
+            raise UserError(f"--{given[0].replace('_', '-')} describes a custom GPU; give --gpu custom, or drop it "
+                            f"to use the {args.gpu} preset")
+        gpu = gpu_named(args.gpu)
+        if args.gpus_per_node is not None:
+            from dataclasses import replace
+            gpu = replace(gpu, gpus_per_node=args.gpus_per_node)
+    shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq_len", "vocab")}
+    if args.model == "gpt":
+        missing = [f"--{k}" for k in ("layers", "hidden", "heads") if shape[k] is None]
+        if missing:
+            raise UserError(f"--model gpt needs {' '.join(missing)}; give them, or a preset such as --model gpt-1t")
+        model = Transformer(**{k: v for k, v in shape.items() if v is not None})
+    else:
+        model = model_named(args.model)
+        overrides = [f"--{k.replace('_', '-')}" for k, v in shape.items() if v is not None]
+        if overrides:
+            raise UserError(f"{overrides[0]} changes the preset {args.model}; use --model gpt with --layers "
+                            "--hidden --heads for another shape")
+    return Cluster(model=model, gpu=gpu, efficiency=A100_CALIBRATED, scatter_gather=not args.no_scatter_gather)
+
+
+def _fixed(args: argparse.Namespace) -> Any:
+    from pipeweave.plan.space import Fixed
+
+    return Fixed(tp=args.tensor_parallel, pp=args.stages, dp=args.data_parallel, chunks=args.chunks,
+                 microbatch_size=args.microbatch_size, schedule=args.schedule, recompute=args.recompute,
+                 zero=args.zero)
+
+
+class _Bar:
+    """A rich progress bar on stderr (only on a terminal, and never with ``--json``)."""
+
+    def __init__(self, *, quiet: bool) -> None:
+        self.quiet, self.bar, self.task = quiet, None, None
+
+    def __enter__(self) -> Any:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True)
+        if self.quiet or not console.is_terminal:
+            return None
+        self.bar = Progress(TextColumn("[bold]plan"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=console, transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task("plan", total=None)
+        return self.update
+
+    def update(self, done: int, total: int) -> None:
+        assert self.bar is not None
+        self.bar.update(self.task, completed=done, total=total)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        sys.stderr.flush()

@@ -1,0 +1,108 @@
+"""What ``pipeweave plan`` prints: the table of the best configurations, their JSON, the plot, the explanation."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pipeweave.plan.costs import Cluster
+from pipeweave.plan.evaluate import Result
+from pipeweave.plan.explain import explain
+from pipeweave.plan.memory import GIB
+from pipeweave.plan.search import Plan
+
+
+def _split(r: Result) -> str:
+    return f"{r.config.tp}x{r.config.pp}x{r.config.dp}"
+
+
+def _schedule(r: Result) -> str:
+    c = r.config
+    return f"{c.schedule} v={c.chunks}" if c.schedule == "interleaved-1f1b" else c.schedule
+
+
+def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: int) -> None:
+    """The best ``top`` configurations that fit, then one line on how the search went."""
+    gpu, model = cluster.gpu, cluster.model
+    title = (f"{model.name} ({model.parameters / 1e9:.1f}B) on {args.gpus} x {gpu.name}, global batch "
+             f"{args.global_batch}")
+    table = Table(title=title)
+    for name in ("#", "TPxPPxDP", "schedule", "b", "T", "recompute", "ZeRO", "step s", "TFLOP/s/GPU", "MFU",
+                 "bubble", "memory GiB (state+act+allow)", "headroom GiB"):
+        table.add_column(name, justify="left" if name in ("schedule", "recompute") else "right")
+    for k, r in enumerate(plan.best[:top], 1):
+        m = r.memory
+        state = (m.params + m.grads + m.optimizer) / GIB
+        table.add_row(str(k), _split(r), _schedule(r), str(r.config.microbatch_size), str(r.config.microbatches),
+                      r.config.recompute, str(r.config.zero), f"{r.step_time:.3f}", f"{r.tflops_per_gpu:.1f}",
+                      f"{r.mfu:.3f}", f"{r.bubble_ratio:.3f}",
+                      f"{m.total / GIB:.1f} ({state:.1f}+{m.activations / GIB:.1f}+{m.allowance / GIB:.1f})",
+                      f"{(gpu.memory_bytes - m.total) / GIB:.1f}")
+    Console(width=200).print(table)
+    print(f"searched {plan.candidates} configurations in {plan.seconds:.1f} s: {plan.too_big} cannot fit "
+          f"(memory bound), {plan.bounded} cannot enter the top {top} (time bound), {plan.refused} shapes the "
+          f"schedule refuses, {len(plan.results)} simulated ({plan.simulations} timelines), "
+          f"{len(plan.results) - len(plan.best)} of them over {gpu.memory_bytes / GIB:.1f} GiB"
+          + (f"; {plan.auto_skipped} zb-auto configurations not searched (8 searches at most)"
+             if plan.auto_skipped else ""))
+
+
+def plan_json(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: int) -> dict[str, Any]:
+    """One object: the model, the GPU, how the search went, and every simulated configuration, best first."""
+    gpu, model = cluster.gpu, cluster.model
+    return {"model": {"name": model.name, "layers": model.layers, "hidden": model.hidden, "heads": model.heads,
+                      "seq_len": model.seq_len, "vocab": model.vocab, "parameters": model.parameters},
+            "gpu": {"name": gpu.name, "peak_tflops": gpu.peak_flops / 1e12, "memory_gib": gpu.memory_bytes / GIB,
+                    "gpus_per_node": gpu.gpus_per_node},
+            "gpus": args.gpus, "global_batch": args.global_batch,
+            "search": {"candidates": plan.candidates, "too_big": plan.too_big, "bounded": plan.bounded,
+                       "refused": plan.refused, "simulations": plan.simulations, "seconds": plan.seconds,
+                       "auto_skipped": plan.auto_skipped, "top": top},
+            "configurations": [r.as_dict() for r in plan.results]}
+
+
+def write_plot(plan: Plan, path: Path) -> None:
+    """Step time against memory per GPU for every simulated configuration that fits, the Pareto front marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fits = plan.best
+    front = pareto_front(fits)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.scatter([r.memory.total / GIB for r in fits], [r.step_time for r in fits], s=10, c="tab:blue", alpha=0.5,
+               label="configurations that fit")
+    ax.plot([r.memory.total / GIB for r in front], [r.step_time for r in front], "o-", c="tab:red",
+            label="Pareto front")
+    shown = -1.0
+    for r in front:  # label the front's points a few GiB apart, so that labels do not overlap
+        if r.memory.total / GIB - shown >= 4:
+            ax.annotate(f"{_split(r)} {_schedule(r)} b={r.config.microbatch_size}",
+                        (r.memory.total / GIB, r.step_time), fontsize=7, rotation=20)
+            shown = r.memory.total / GIB
+    ax.set_yscale("log")
+    ax.set_xlabel("memory per GPU (GiB)")
+    ax.set_ylabel("predicted step time (s, log scale)")
+    ax.set_title(f"{len(fits)} simulated configurations that fit (TP x PP x DP)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def pareto_front(results: list[Result]) -> list[Result]:
+    """The configurations no other beats in both step time and memory, by memory."""
+    front: list[Result] = []
+    for r in sorted(results, key=lambda r: (r.memory.total, r.step_time)):
+        if not front or r.step_time < front[-1].step_time:
+            front.append(r)
+    return front
+
+
+def explain_lines(plan: Plan) -> list[str]:
+    return explain(plan.best)

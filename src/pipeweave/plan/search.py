@@ -1,0 +1,122 @@
+"""Branch and bound over the planner's space: the best configurations, exactly, after simulating few.
+
+Configurations whose memory bound (``plan.bound``) exceeds the GPU cannot fit
+and are dropped. The rest are taken in the order of their time bound and
+simulated (``plan.evaluate``), until the next bound is no better than the
+``top``-th best step found among those that fit: none of the remaining ones
+can enter the top, since a simulation is never below its bound. Before a
+configuration is simulated, a simulation of its shape under other times may
+raise its bound (its critical path: ``plan.critical``); it then waits its turn again. The answer is
+the one an exhaustive search would give for those ``top``.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from pipeweave.plan.bound import memory_bound, time_bound
+from pipeweave.plan.config import Config
+from pipeweave.plan.evaluate import Evaluator, Result
+from pipeweave.plan.pipeline import AUTO
+
+Progress = Callable[[int, int], None]
+"""``progress(done, total)``: configurations settled so far (simulated or pruned), of all."""
+
+
+@dataclass
+class Plan:
+    """What the search found and how much of the space it looked at."""
+
+    results: list[Result]
+    """Every configuration looked at, those that fit first by step time, then those that do not (by memory;
+    simulated only with ``exhaustive``)."""
+    candidates: int
+    """Configurations in the space."""
+    too_big: int
+    """Dropped by the memory bound."""
+    bounded: int
+    """Skipped: their time bound could not beat the ``top``-th best."""
+    refused: int
+    """Shapes the schedule family cannot serve (e.g. interleaving with T not a multiple of D)."""
+    simulations: int
+    seconds: float
+    least_memory: tuple[float, str] = (0.0, "")
+    """The least memory a configuration needs (simulated, or its bound when none was) and its label."""
+    auto_skipped: int = 0
+    """zb-auto configurations left out once the searches allowed were spent."""
+
+    @property
+    def best(self) -> list[Result]:
+        return [r for r in self.results if r.fits]
+
+
+def search(space: Iterable[Config], evaluator: Evaluator, *, top: int = 10, exhaustive: bool = False,
+           auto_searches: int = 8, tolerance: float = 0.0, progress: Progress | None = None) -> Plan:
+    """The best ``top`` configurations of ``space`` (module docstring); ``exhaustive`` simulates every one that
+    may fit (for ``--plot`` over the whole space); at most ``auto_searches`` zb-auto searches (about a second
+    each, more at large D), the most promising first: the others are skipped, and counted. With a
+    ``tolerance`` t, a configuration is skipped once its bound is within t of the ``top``-th best: one
+    skipped could beat that one by less than t x its step (0: the exact top)."""
+    started = time.perf_counter()
+    collecting = gc.isenabled()
+    gc.disable()  # millions of short-lived event tuples, no cycles: the collector would only walk them
+    try:
+        return _search(list(space), evaluator, top, exhaustive, auto_searches, tolerance, progress, started)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _search(configs: list[Config], evaluator: Evaluator, top: int, exhaustive: bool, auto_searches: int,
+            tolerance: float, progress: Progress | None, started: float) -> Plan:
+    """``search``'s loop (with the collector paused)."""
+    limit = evaluator.cluster.gpu.memory_bytes
+    bounds = [memory_bound(c, evaluator) for c in configs]
+    fitting = [c for c, m in zip(configs, bounds) if m <= limit]
+    queue = [(time_bound(c, evaluator), k, False) for k, c in enumerate(fitting)]
+    heapq.heapify(queue)
+    done = len(configs) - len(fitting)
+    best: list[float] = []  # a max-heap (negated) of the top step times that fit
+    results: list[Result] = []
+    refused = bounded = skipped = 0
+    while queue:
+        bound, k, rescaled = heapq.heappop(queue)
+        if not exhaustive and len(best) >= top and bound * (1 + tolerance) >= -best[0]:
+            bounded = len(queue) + 1
+            break
+        config = fitting[k]
+        times = evaluator.times(config, evaluator.num_parts(config))
+        if config.schedule in AUTO and not evaluator.pipeline.has_schedule(config, evaluator.cluster, times):
+            if auto_searches <= 0:
+                skipped += 1
+                continue
+            auto_searches -= 1
+        if not rescaled:  # a simulation of the same shape may tighten the bound: look again in its new place
+            scaled = evaluator.pipeline.path_bound(config, times)
+            if scaled > bound:
+                heapq.heappush(queue, (scaled, k, True))
+                continue
+        result = evaluator.evaluate(fitting[k], time_unfit=exhaustive)
+        done += 1
+        if progress is not None and (done % 16 == 0 or done == len(configs)):
+            progress(done, len(configs))
+        if result is None:
+            refused += 1
+            continue
+        results.append(result)
+        if result.fits:
+            heapq.heappush(best, -result.step_time)
+            if len(best) > top:
+                heapq.heappop(best)
+    if progress is not None:
+        progress(len(configs), len(configs))
+    results.sort(key=lambda r: (not r.fits, r.step_time if r.fits else r.memory.total))
+    least = min(((r.memory.total, r.config.label) for r in results), default=None)
+    if least is None:
+        least = min(((m, c.label) for m, c in zip(bounds, configs)), default=(0.0, ""))
+    return Plan(results, len(configs), len(configs) - len(fitting), bounded, refused,
+                evaluator.pipeline.simulations, time.perf_counter() - started, least, skipped)

@@ -1,0 +1,90 @@
+"""``pipeweave plan``: the table, --json's fields best first, fixed dimensions, --plot, --explain, and bad input
+as one line saying what would make it fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from collections.abc import Callable
+
+from pipeweave.cli import main
+
+CliError = Callable[..., str]
+
+SMALL = ["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512"]
+FIELDS = {"tp", "pp", "dp", "chunks", "microbatch_size", "microbatches", "schedule", "recompute", "zero",
+          "step_time_s", "tflops_per_gpu", "mfu", "bubble_ratio", "memory_gib", "fits"}
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
+    assert main(["plan", *argv, "--json"]) == 0
+    out: dict[str, object] = json.loads(capsys.readouterr().out)
+    return out
+
+
+def test_json_has_the_fields_best_first(capsys: pytest.CaptureFixture[str]) -> None:
+    out = plan_json(capsys, *SMALL)
+    configs = out["configurations"]
+    assert isinstance(configs, list) and len(configs) >= 10
+    assert FIELDS <= set(configs[0])
+    fitting = [c for c in configs if c["fits"]]
+    assert configs[: len(fitting)] == fitting
+    assert [c["step_time_s"] for c in fitting] == sorted(c["step_time_s"] for c in fitting)
+    assert all(c["tp"] * c["pp"] * c["dp"] == 32 for c in configs)
+    assert all(c["microbatches"] * c["microbatch_size"] * c["dp"] == 512 for c in configs)
+
+
+def test_the_search_returns_the_exhaustive_top(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "gpt", "--layers", "8", "--hidden", "1024", "--heads", "16", "--seq-len", "1024", "--gpus",
+            "16", "--global-batch", "64", "--top", "5"]
+    pruned = plan_json(capsys, *argv)["configurations"]
+    every = plan_json(capsys, *argv, "--all")["configurations"]
+    assert isinstance(pruned, list) and isinstance(every, list) and len(every) > len(pruned)
+    assert [c["step_time_s"] for c in pruned[:5]] == [c["step_time_s"] for c in every[:5]]
+
+
+def test_fixed_dimensions_evaluate_one_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+    out = plan_json(capsys, "--model", "gpt-39b", "--gpus", "512", "--global-batch", "1536", "--tensor-parallel",
+                    "8", "--stages", "2", "--microbatch-size", "4", "-s", "1f1b", "--recompute", "full", "--zero",
+                    "0", "--no-dp-overlap")
+    configs = out["configurations"]
+    assert isinstance(configs, list) and len(configs) == 1
+    c = configs[0]
+    assert (c["dp"], c["microbatches"], c["fits"]) == (32, 12, True)
+    assert c["tflops_per_gpu"] == pytest.approx(138, rel=0.15)  # Megatron-LM's Table 1
+
+
+def test_table_explain_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    picture = tmp_path / "plan.png"
+    assert main(["plan", *SMALL, "--explain", "--plot", str(picture), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "TFLOP/s/GPU" in out and "#2 TP" in out and "mostly" in out and picture.stat().st_size > 1000
+
+
+def test_custom_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    out = plan_json(capsys, *SMALL, "--gpu", "custom", "--peak-tflops", "624", "--memory-gib", "80",
+                    "--intra-node-gbps", "2400", "--inter-node-gbps", "200")
+    slow = plan_json(capsys, *SMALL)
+    assert out["configurations"][0]["step_time_s"] < slow["configurations"][0]["step_time_s"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "gpt", "--layers", "24", "--hidden", "2304", "--heads", "24", "--gpus", "7",
+      "--global-batch", "512"], ["7 GPUs split into no TP x PP x DP", "give --gpus 6 or 8"]),
+    (["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "--tensor-parallel", "5"],
+     ["does not divide the 24 heads", "give one of [1, 2, 4, 8]"]),
+    (["--model", "gpt-1t", "--gpus", "8", "--global-batch", "64"],
+     ["fits on no split of 8 GPUs", "give about", "--gpus"]),
+    (["--model", "gpt", "--layers", "64", "--hidden", "16380", "--heads", "7", "--gpus", "8", "--global-batch", "8",
+      "--vocab", "1024"], ["7 heads allow TP up to 1 only"]),
+    (["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "-s", "pipedream"], ["not a synchronous"]),
+    (["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "--peak-tflops", "100"], ["--gpu custom"]),
+    (["--model", "llama", "--gpus", "32", "--global-batch", "512"], ["unknown --model"]),
+    (["--model", "gpt", "--gpus", "32", "--global-batch", "512"], ["--model gpt needs --layers --hidden --heads"]),
+])
+def test_bad_input_is_one_line_saying_what_would_fit(cli_error: CliError, argv: list[str], words: list[str]) -> None:
+    err = cli_error(["plan", *argv])
+    assert all(w in err for w in words), err

@@ -1,0 +1,44 @@
+"""Megatron-LM's Table 1: the GEMM efficiency fitted on the four rows without a pipeline only, then the six
+rows with one predicted within 15 %, their published configuration fitting in 80 GB
+(benchmarks/plan/README.md holds the table)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from pipeweave.plan.costs import Cluster
+from pipeweave.plan.efficiency import A100_CALIBRATED, Efficiency, calibrate
+from pipeweave.plan.evaluate import Evaluator, Result
+from pipeweave.plan.hardware import GPUS
+from pipeweave.plan.published import CALIBRATION, PREDICTION, Row
+
+
+def predict(row: Row, efficiency: Efficiency) -> Result:
+    cluster = Cluster(model=row.transformer, gpu=GPUS["a100-80gb"], efficiency=efficiency)
+    result = Evaluator(cluster=cluster, batch=row.batch, overlap=row.overlap_dp).evaluate(row.config())
+    assert result is not None
+    return result
+
+
+def pairs(rows: Sequence[Row], efficiency: Efficiency) -> Iterator[tuple[float, float]]:
+    for row in rows:
+        yield predict(row, efficiency).tflops_per_gpu, row.tflops_per_gpu
+
+
+def test_the_calibration_uses_only_the_rows_without_a_pipeline() -> None:
+    assert [r.pp for r in CALIBRATION] == [1, 1, 1, 1] and all(r.pp > 1 for r in PREDICTION)
+    assert calibrate(lambda e: pairs(CALIBRATION, e)) == A100_CALIBRATED
+
+
+@pytest.mark.parametrize("row", PREDICTION, ids=lambda r: r.model)
+def test_rows_with_a_pipeline_are_predicted_within_15_percent(row: Row) -> None:
+    result = predict(row, A100_CALIBRATED)
+    assert result.tflops_per_gpu == pytest.approx(row.tflops_per_gpu, rel=0.15)
+    assert result.fits and result.memory.total <= 80e9
+
+
+@pytest.mark.parametrize("row", CALIBRATION, ids=lambda r: r.model)
+def test_calibration_rows_are_reproduced(row: Row) -> None:
+    assert predict(row, A100_CALIBRATED).tflops_per_gpu == pytest.approx(row.tflops_per_gpu, rel=0.02)
