@@ -274,3 +274,14 @@ def test_a_checkpoint_resumes_across_tensor_parallel_degrees_and_zero(tmp_path: 
     # The N=2 run's own checkpoint (one step later) back at N=1 with ZeRO-1 on two replicas.
     again = _run(dataclasses.replace(base, steps=STEPS - FIRST - 1, resume=str(tp / f"step-{FIRST + 1:06d}")))
     torch.testing.assert_close(again.losses, straight.losses[FIRST + 1:], rtol=1e-5, atol=1e-6)
+
+
+def test_pipedream_with_data_parallel_replicas_saves_and_resumes(tmp_path: Path) -> None:
+    """PipeDream's hybrid (P = 2 replicas around the stream): a run drained and saved after step 2 and one
+    resumed from that checkpoint give the uninterrupted (drained) run's losses; the replicas' equal keys once."""
+    base = TrainConfig(schedule="pipedream", num_stages=2, data_parallel=2, num_microbatches=4, model=MLP,
+                       batch_size=16, optimizer="sgd", momentum=0.9)
+    straight = _run(dataclasses.replace(base, steps=4, save=str(tmp_path / "a"), save_every=2))
+    _run(dataclasses.replace(base, steps=2, save=str(tmp_path / "b")))
+    resumed = _run(dataclasses.replace(base, steps=2, resume=str(tmp_path / "b")))
+    torch.testing.assert_close(resumed.losses, straight.losses[2:], rtol=1e-5, atol=1e-6)
