@@ -169,17 +169,22 @@ def to_markdown(rows: list[dict[str, Any]], setting: dict[str, Any],
     winners = {key: best(rows, key) for _, _, key, _ in columns}
     lines = ["# pipeweave compare", "", f"{_provenance()}", "",
              f"Setting: `{json.dumps(setting)}`", "",
-             "| approach | kind | " + " | ".join(c[0] for c in columns) + " |",
+             "| approach | kind | " + " | ".join(_escaped(c[0]) for c in columns) + " |",
              "|---|---|" + "---|" * len(columns)]
     for row in sorted(rows, key=lambda r: not r["synchronous"]):
         cells = []
         for _, lit, key, kind in columns:
-            ours = cell(row, key, kind)
+            ours = _escaped(cell(row, key, kind))
             ours = f"**{ours}**" if ours and row["name"] in winners[key] else ours
-            cells.append(f"{_literature(row, lit)} \\| {ours}" if lit else ours)
+            cells.append(f"{_escaped(_literature(row, lit))} \\| {ours}" if lit else ours)
         lines.append(f"| {row['name']} | {'sync' if row['synchronous'] else 'async'} | " + " | ".join(cells) + " |")
     lines += ["", *_advice_lines(advice)]
     return "\n".join(lines) + "\n"
+
+
+def _escaped(text: str) -> str:
+    """``text`` inside a Markdown table cell: its bars escaped."""
+    return text.replace("|", "\\|")
 
 
 def _advice_lines(advice: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None) -> list[str]:

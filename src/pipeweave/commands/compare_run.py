@@ -14,8 +14,8 @@ import os
 from typing import Any
 
 from pipeweave.commands.compare_output import emit
-from pipeweave.commands.compare_table import LITERATURE, choose, parse_memory_limit
-from pipeweave.commands.partition import check_partition_arguments, model_spec, part_costs
+from pipeweave.commands.compare_table import LITERATURE, choose, parse_memory_limit, recommend
+from pipeweave.commands.partition import model_spec, part_costs
 from pipeweave.commands.simulate import add_parser as add_simulate_parser
 from pipeweave.commands.simulate import evaluate, simulated
 from pipeweave.errors import UserError
@@ -39,6 +39,8 @@ def compare(args: argparse.Namespace) -> int:
     limit = parse_memory_limit(args.memory_limit) if args.memory_limit is not None else None
     costs = layer_costs(args, spec)
     rows = [simulated_row(name, args, costs) for name in names]
+    if limit is not None and limit[1] == "M_a":
+        recommend(rows, limit)  # a limit nothing fits: one line before anything runs (M_a do not depend on a run)
     if args.measure is not None:
         from pipeweave.commands.compare_measure import measure
 
@@ -57,7 +59,7 @@ def _check(args: argparse.Namespace) -> None:
                                ("--chunks", args.chunks, 1), ("--batch", args.batch, 1),
                                ("--stream-steps", args.stream_steps, 3), ("--measure", args.measure, 1),
                                ("--rounds", args.rounds, 1), ("--convergence", args.convergence, 1),
-                               ("--seeds", args.seeds, 1)):
+                               ("--seeds", args.seeds, 1), ("--repeats", args.repeats, 1)):
         if value is not None and value < least:
             raise UserError(f"{flag} {value} is invalid; give {flag} >= {least}")
     if args.batch % args.microbatches:
@@ -68,16 +70,7 @@ def _check(args: argparse.Namespace) -> None:
         if args.stages > cores:
             raise UserError(f"--measure runs {args.stages} ranks but this machine has {cores} cores; give "
                             f"--stages {cores} or fewer, or drop --measure")
-    check_partition_arguments(_partition_defaults(args))
-
-
-def _partition_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with the partition flags compare does not take, so that their checks and the profiler apply."""
-    for key, value in (("layers_per_stage", None), ("optimizer_state", 1.0), ("bandwidth", 1e10),
-                       ("partition", "uniform"), ("precision", "fp32")):
-        if not hasattr(args, key):
-            setattr(args, key, value)
-    return args
+    args.precision = "fp32"  # the profiler's, as train's default
 
 
 def layer_costs(args: argparse.Namespace, spec: Any) -> LayerCosts:
