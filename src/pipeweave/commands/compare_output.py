@@ -197,6 +197,17 @@ def _advice_lines(advice: tuple[list[dict[str, Any]], list[dict[str, Any]]] | No
     return lines
 
 
+def _cpu_name() -> str:
+    """The processor's model name (Linux: /proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def _provenance() -> str:
     """Hardware, date and commit of this report."""
     try:
@@ -210,6 +221,6 @@ def _provenance() -> str:
         torch = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch = "absent"
-    return (f"{now}, commit {commit}; {platform.machine()} {platform.processor() or ''} with {cores} cores, "
+    return (f"{now}, commit {commit}; {_cpu_name()} ({platform.machine()}, {cores} cores), "
             f"Python {platform.python_version()} on {platform.system()}, torch {torch}")
 
