@@ -57,10 +57,10 @@ def _panel(ax: Any, rows: list[dict[str, Any]], x_key: str, y_key: str) -> None:
         xs = [x for r, x, _ in points if r["synchronous"] is group]
         ys = [y for r, _, y in points if r["synchronous"] is group]
         ax.scatter(xs, ys, marker=marker, label="synchronous" if group else "asynchronous")
-    labels: dict[tuple[float, float], list[str]] = {}  # approaches at the same point share one label
-    for r, x, y in points:
-        labels.setdefault((round(x, 9), round(y, 12)), []).append(r["name"])
-    for (x, y), names in labels.items():
+    labels: dict[tuple[float, float], tuple[float, float, list[str]]] = {}  # approaches at one point share a label
+    for r, x, y in points:  # x: M_a or a relative loss (4 decimals); y: 4 significant digits
+        labels.setdefault((round(x, 4) + 0.0, float(f"{y:.4g}")), (x, y, []))[2].append(r["name"])
+    for x, y, names in labels.values():
         ax.annotate(", ".join(names), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     front = sorted((points[i][1], points[i][2]) for i in pareto([(x, y) for _, x, y in points]))
     if front:  # the front as a staircase through its points, each ringed
