@@ -166,3 +166,12 @@ def test_bad_input_is_one_line(cli_error: Any, costs: str, monkeypatch: pytest.M
     err = cli_error(["compare", "-D", "4", *MODEL, "--costs", costs, "--measure", "2"],
                     "pipeweave.commands.compare_measure.train_record")
     assert "--measure runs 4 ranks but this machine has 2 cores; give --stages 2 or fewer" in err
+
+
+def test_default_set_skips_what_cannot_serve_the_setting(capsys: pytest.CaptureFixture[str], costs: str,
+                                                         cli_error: Any) -> None:
+    out = run_json(capsys, ["compare", "-D", "3", "-T", "4", *MODEL, "--costs", costs, "--json"])
+    skipped = {e["name"]: e["reason"] for e in out["skipped"]}
+    assert "even number of stages" in skipped["chimera"] and "1f1b" in [r["name"] for r in out["approaches"]]
+    assert "even number of stages" in cli_error(["compare", "-D", "3", "-T", "4", *MODEL, "--costs", costs,
+                                                 "-s", "1f1b,chimera"])

@@ -42,8 +42,10 @@ COLUMNS: tuple[tuple[str, str | None, str, str], ...] = (
 )
 
 
-def emit(rows: list[dict[str, Any]], args: argparse.Namespace, limit: tuple[float, str] | None) -> None:
-    """Print the table (or the JSON object) and write the asked files; paths are checked before writing."""
+def emit(rows: list[dict[str, Any]], args: argparse.Namespace, limit: tuple[float, str] | None,
+         skipped: list[dict[str, str]] | None = None) -> None:
+    """Print the table (or the JSON object) and write the asked files; paths are checked before writing.
+    ``skipped``: the approaches that cannot serve the setting, with their reasons."""
     paths = {flag: output_file(f"--{flag}", value) for flag, value in (("csv", args.csv), ("markdown", args.markdown))
              if value}
     if args.plot:
@@ -59,14 +61,14 @@ def emit(rows: list[dict[str, Any]], args: argparse.Namespace, limit: tuple[floa
 
         plot(rows, paths["plot"], convergence=args.convergence is not None)
     if args.json:
-        out: dict[str, Any] = {"setting": setting, "approaches": rows}
+        out: dict[str, Any] = {"setting": setting, "approaches": rows, "skipped": skipped or []}
         if advice is not None:
             out["recommend"], out["excluded"] = advice
         print(json.dumps(out))
         return
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     console.print(rich_table(rows, setting))
-    for line in _advice_lines(advice):
+    for line in _advice_lines(advice) + [f"skipped {e['name']}: {e['reason']}" for e in skipped or []]:
         console.print(line)
     for kind, path in paths.items():
         console.print(f"wrote {kind} to {path}")

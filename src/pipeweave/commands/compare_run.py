@@ -38,7 +38,7 @@ def compare(args: argparse.Namespace) -> int:
     spec = model_spec(args, DEFAULT_GPT)
     limit = parse_memory_limit(args.memory_limit) if args.memory_limit is not None else None
     costs = layer_costs(args, spec)
-    rows = [simulated_row(name, args, costs) for name in names]
+    rows, skipped = simulated_rows(names, args, costs)
     if limit is not None and limit[1] == "M_a":
         recommend(rows, limit)  # a limit nothing fits: one line before anything runs (M_a do not depend on a run)
     if args.measure is not None:
@@ -49,8 +49,31 @@ def compare(args: argparse.Namespace) -> int:
         from pipeweave.commands.convergence import convergence_rows
 
         convergence_rows(rows, args, spec)
-    emit(rows, args, limit)
+    emit(rows, args, limit, skipped)
     return 0
+
+
+def simulated_rows(names: list[str], args: argparse.Namespace, costs: LayerCosts
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """The rows of the approaches that can serve D, T and the model, and each other one with its reason.
+
+    An approach named with ``-s`` that cannot is an error; of the default set (or ``--all``) it is skipped.
+
+    Raises:
+        UserError: a named approach's reason, or none of the default set can serve the setting.
+    """
+    rows, skipped = [], []
+    for name in names:
+        try:
+            rows.append(simulated_row(name, args, costs))
+        except UserError as exc:
+            if args.schedules is not None:
+                raise
+            skipped.append({"name": name, "reason": str(exc)})
+    if not rows:
+        raise UserError(f"no approach can run D = {args.stages}, T = {args.microbatches} on this model "
+                        f"({skipped[0]['name']}: {skipped[0]['reason']})")
+    return rows, skipped
 
 
 def _check(args: argparse.Namespace) -> None:
