@@ -175,3 +175,14 @@ def test_default_set_skips_what_cannot_serve_the_setting(capsys: pytest.CaptureF
     assert "even number of stages" in skipped["chimera"] and "1f1b" in [r["name"] for r in out["approaches"]]
     assert "even number of stages" in cli_error(["compare", "-D", "3", "-T", "4", *MODEL, "--costs", costs,
                                                  "-s", "1f1b,chimera"])
+
+
+@pytest.mark.slow
+def test_convergence_reproduces_the_study(capsys: pytest.CaptureFixture[str]) -> None:
+    """The convergence study's gpt setting gives its recorded results to the last bit (benchmarks/convergence)."""
+    study = json.loads((Path(__file__).parents[1] / "benchmarks/convergence/results_gpt.json").read_text())
+    recorded = {r["schedule"]: r["eval_loss"] for r in study["runs"]}
+    out = run_json(capsys, ["compare", "-s", "1f1b,pipedream", "--model", "gpt", "--layers", "6", "--hidden", "32",
+                            "--heads", "2", "--seq-len", "32", "--convergence", "100", "--json"])
+    assert {r["name"]: r["convergence_eval_loss"][0] for r in out["approaches"]} == {
+        "1f1b": recorded["1f1b"], "pipedream": recorded["pipedream"]}
