@@ -15,7 +15,9 @@ steady-state period (``runtime.report.stream_summary.minibatch_period`` on an 8-
     python benchmarks/convergence/study.py --task gpt --fast --seed 1   # another init and data order
     python benchmarks/convergence/study.py --task gpt --seeds 0 1 2     # vs sync per seed, from the results
 
-Writes ``results_<task>.json``, ``loss_vs_samples_<task>.png``,
+Each run is ``pipeweave compare --convergence``'s (``pipeweave.commands.convergence.train_once``), so the
+command and this study cannot drift apart: ``pipeweave compare --convergence 100 --model gpt --layers 6
+--hidden 32 --heads 2 --seq-len 32`` gives the gpt rows of the README's table. Writes ``results_<task>.json``, ``loss_vs_samples_<task>.png``,
 ``loss_vs_time_<task>.png`` next to this file and prints the README's table.
 """
 
@@ -23,20 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pipeweave.data import data_source
+from pipeweave.commands.compare_table import classify
+from pipeweave.commands.convergence import Setting, final, schedule_for as approach_schedule, train_once
 from pipeweave.models import ModelSpec
-from pipeweave.models.build import build_layers
-from pipeweave.models.spec import loss_fn
-from pipeweave.runtime.reference import run_reference
-from pipeweave.runtime.stream import stream_steps
 from pipeweave.runtime.report.stream_summary import minibatch_period
 from pipeweave.schedule import SCHEDULES, generate
 from pipeweave.sim import simulate
@@ -44,29 +42,25 @@ from pipeweave.sim import simulate
 HERE = Path(__file__).parent
 D, T = 4, 8  # T = 8 lets every synchronous schedule run at D = 4 (ZB-H2/ZB-V: T >= 2D-1; DualPipe: T >= 2D)
 SKIP = ("zb-auto", "zb-v-auto")  # searched: same step as zb-h1/zb-v here, and their search costs minutes
-# The convergence column from the measured numbers: r = final model loss / synchronous final model loss - 1
-# (``evaluate``: the trained weights after the stream drained, on the same evaluation batches for all):
-# excellent r <= 1 %, good 1 % < r <= 5 %, poor r > 5 % or diverged.
-EXCELLENT, GOOD = 0.01, 0.05
-EVAL_SEED = 12345  # the held-out batches' seed, the same for every run and seed of the study
+# The training, the held-out evaluation and the convergence class are ``pipeweave compare --convergence``'s
+# (``commands.convergence``, ``commands.compare_table.classify``): this script adds the control, the per-seed
+# result files and the loss curves.
 
 
-@dataclass(frozen=True)
-class Task:
-    spec: ModelSpec
-    batch_size: int
-    steps: int
-    lr: float
-    momentum: float = 0.9
+def task(spec: ModelSpec, batch_size: int, steps: int, lr: float) -> Setting:
+    """A study task: ``pipeweave compare --convergence``'s setting at D = 4, T = 8, momentum 0.9."""
+    return Setting(spec=spec, batch_size=batch_size, steps=steps, lr=lr, momentum=0.9, num_stages=D,
+                   num_microbatches=T, num_chunks=2)
 
 
 TASKS = {
     # The gpt (6 blocks: 8 layers, so the 2-chunk schedules have a layer per part) on the stdlib corpus.
-    "gpt": Task(ModelSpec(kind="gpt", layers=6, hidden=32, heads=2, seq_len=32), batch_size=16, steps=100, lr=0.3),
+    "gpt": task(ModelSpec(kind="gpt", layers=6, hidden=32, heads=2, seq_len=32), batch_size=16, steps=100, lr=0.3),
     # Fast tasks (--fast: 1f1b stands for the synchronous schedules, whose losses are all equal):
     # the residual mlp regressing fixed random targets (MSE), and a smaller gpt on fewer samples.
-    "mlp": Task(ModelSpec(kind="mlp", layers=8, hidden=16), batch_size=16, steps=40, lr=0.05),
-    "gpt-small": Task(ModelSpec(kind="gpt", layers=6, hidden=16, heads=2, seq_len=16), batch_size=16, steps=40, lr=0.3),
+    "mlp": task(ModelSpec(kind="mlp", layers=8, hidden=16), batch_size=16, steps=40, lr=0.05),
+    "gpt-small": task(ModelSpec(kind="gpt", layers=6, hidden=16, heads=2, seq_len=16), batch_size=16, steps=40,
+                      lr=0.3),
 }
 # A control for the update count: PipeDream, SpecTrain and AMPNet update after every microbatch (T updates
 # per mini-batch, each on 1/T of its gradient); the same stream on ONE stage has no delay at all, so it
@@ -77,10 +71,7 @@ CONTROL = "control: 1 stage, update per microbatch"
 def schedule_for(name: str, steps: int) -> Any:
     if name == CONTROL:
         return generate("pipedream", num_stages=1, num_microbatches=T, num_steps=steps)
-    info = SCHEDULES[name]
-    if info.synchronous:
-        return generate(name, num_stages=D, num_microbatches=T, num_chunks=2 if info.chunks is None else None)
-    return generate(name, num_stages=D, num_microbatches=T, num_steps=stream_steps(name, steps, {}))
+    return approach_schedule(name, replace(TASKS["gpt"], steps=steps))
 
 
 def time_per_minibatch(name: str) -> float:
@@ -92,61 +83,15 @@ def time_per_minibatch(name: str) -> float:
     return minibatch_period(timeline, T)
 
 
-def run(task: Task, name: str, seed: int = 0) -> dict[str, Any]:
-    """One schedule's run; ``seed`` sets both the model's initialisation and the data order (0: the study's)."""
+def run(task: Setting, name: str, seed: int = 0) -> dict[str, Any]:
+    """One schedule's run (``commands.convergence.train_once``); ``seed`` sets the initialisation and data order."""
     started = time.perf_counter()
     schedule = schedule_for(name, task.steps)
     generated = time.perf_counter() - started
-    momentum = task.momentum
-    task = replace(task, spec=replace(task.spec, seed=seed))
-    result = run_reference(
-        schedule, task.spec, steps=task.steps, batch_size=task.batch_size, seed=seed,
-        optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=task.lr, momentum=momentum),
-    )
-    return {"schedule": name, "synchronous": schedule.is_synchronous and name != CONTROL, "losses": result.losses,
-            "eval_loss": evaluate(task, final_parameters(result.stage_parameters)),
-            "t_bar": time_per_minibatch(name), "generate_s": generated,
+    result = train_once(schedule, task, seed)
+    return {"schedule": name, "synchronous": schedule.is_synchronous and name != CONTROL, "losses": result["losses"],
+            "eval_loss": result["eval_loss"], "t_bar": time_per_minibatch(name), "generate_s": generated,
             "wall_s": time.perf_counter() - started}
-
-
-def final_parameters(stage_parameters: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The trained model: each parameter, averaged over the stages holding it (AvgPipe's replicas' mean)."""
-    values: dict[str, list[torch.Tensor]] = {}
-    for params in stage_parameters:
-        for k, v in params.items():
-            values.setdefault(k, []).append(v)
-    return {k: torch.stack(v).mean(0) for k, v in values.items()}
-
-
-@torch.no_grad()
-def evaluate(task: Task, parameters: dict[str, torch.Tensor], batches: int = 4) -> float:
-    """Mean loss of the final model: gpt on the corpus's held-out windows (``ByteCorpus.eval_batch``, never
-    trained on), mlp on its one fixed batch (it memorises)."""
-    model = torch.nn.ModuleDict({str(i): layer for i, layer in enumerate(build_layers(task.spec, range(task.spec.num_layers)))})
-    for k, p in model.named_parameters():
-        p.copy_(parameters[k])
-    memorise = task.spec.kind == "mlp"
-    source = data_source(task.spec, batch_size=task.batch_size, seed=task.spec.seed if memorise else EVAL_SEED)
-    batches = 1 if memorise else batches
-    total = 0.0
-    for m in range(batches):
-        x, y = source.batch(m) if memorise else source.eval_batch(m)
-        for layer in model.values():
-            x = layer(x)
-        total += float(loss_fn(task.spec)(x, y))
-    return total / batches
-
-
-def final(losses: list[float]) -> float:
-    tail = max(5, len(losses) // 10)
-    values = losses[-tail:]
-    return sum(values) / len(values) if all(math.isfinite(v) for v in values) else math.inf
-
-
-def classify(r: float) -> str:
-    if not math.isfinite(r) or r > GOOD:
-        return "poor"
-    return "excellent" if r <= EXCELLENT else "good"
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -166,7 +111,7 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict[str, Any]], task: str, task_spec: Task) -> None:
+def plot(results: list[dict[str, Any]], task: str, task_spec: Setting) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

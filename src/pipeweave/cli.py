@@ -16,7 +16,7 @@ from pipeweave import __version__
 from pipeweave.errors import UserError
 
 # Subcommands in the order ``pipeweave --help`` lists them.
-COMMANDS = ("schedules", "simulate", "partition", "train", "search", "plan")
+COMMANDS = ("schedules", "simulate", "partition", "train", "search", "plan", "compare")
 
 
 def build_parser() -> argparse.ArgumentParser:

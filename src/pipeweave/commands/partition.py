@@ -138,8 +138,13 @@ def parse_counts(text: str | None) -> tuple[int, ...] | None:
     return counts
 
 
-def model_spec(args: argparse.Namespace) -> Any:
-    """The ``ModelSpec`` the model options describe (torch is imported only here)."""
+def model_spec(args: argparse.Namespace, gpt_defaults: dict[str, int] | None = None) -> Any:
+    """The ``ModelSpec`` the model options describe (torch is imported only here); for ``--model gpt``,
+    ``gpt_defaults`` fill the sizes left unset (and are set on ``args``, so that the record shows them)."""
+    if args.model == "gpt":
+        for name, value in (gpt_defaults or {}).items():
+            if getattr(args, name, None) is None:
+                setattr(args, name, value)
     from pipeweave.models import ModelSpec
     from pipeweave.models.custom import is_entry
 

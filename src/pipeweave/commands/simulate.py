@@ -157,7 +157,8 @@ def _build(args: argparse.Namespace, times: dict[str, Times]) -> tuple[Schedule,
     return schedule, info
 
 
-def run(args: argparse.Namespace) -> int:
+def _prepared(args: argparse.Namespace) -> tuple[Schedule, ScheduleInfo | None, CostModel, Any, Any]:
+    """The arguments checked: ``(schedule, info, cost, layout, model bytes)``, the schedule not yet validated."""
     _check_counts(args)
     _check_outputs(args)
     times = {flag: parse_times(flag, getattr(args, flag[2:].replace("-", "_")))
@@ -170,13 +171,37 @@ def run(args: argparse.Namespace) -> int:
     model = model_bytes(args, schedule.num_parts)
     cost = CostModel(f=times["--time-f"], b=times["--time-b"], w=times["--time-w"], u=times["--time-u"],
                      comm=args.time_comm, dispatch=args.time_dispatch, mem_w=args.mem_w)
+    return schedule, info, cost, layout, model
+
+
+def _timeline(schedule: Schedule, cost: CostModel, layout: Any, model: Any) -> Any:
+    """The simulated timeline of a validated schedule (on the layout's grid where it is not trivial)."""
+    return (simulate(schedule, cost, check=False) if layout.trivial
+            else simulate_layout(schedule, cost, layout, model, check=False))
+
+
+def simulated(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    """What ``pipeweave simulate ARGS --json`` prints, and the timeline it comes from (``pipeweave compare``).
+
+    Raises:
+        UserError: invalid arguments, or a schedule the validator refuses (its reason).
+    """
+    schedule, info, cost, layout, model = _prepared(args)
+    try:
+        validate(schedule)
+    except InvalidSchedule as exc:
+        raise UserError(f"{schedule.name} is invalid: {exc}") from None
+    timeline = _timeline(schedule, cost, layout, model)
+    return _as_json(schedule, info, cost, compute_metrics(timeline), {}), timeline
+
+
+def run(args: argparse.Namespace) -> int:
+    schedule, info, cost, layout, model = _prepared(args)
     try:
         validate(schedule)
     except InvalidSchedule as exc:
         return _report_invalid(args, schedule, exc)
-    # validated just above
-    timeline = (simulate(schedule, cost, check=False) if layout.trivial
-                else simulate_layout(schedule, cost, layout, model, check=False))
+    timeline = _timeline(schedule, cost, layout, model)  # validated just above
     metrics = compute_metrics(timeline)
     report = layout_report(schedule, cost, layout, model, metrics.makespan)
     files = _write_files(args, schedule, timeline)

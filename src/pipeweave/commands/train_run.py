@@ -74,11 +74,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """The ``TrainConfig`` of the arguments."""
     check_arguments(args)
-    if args.model == "gpt":
-        for name, value in DEFAULT_GPT.items():
-            if getattr(args, name, None) is None:
-                setattr(args, name, value)
-    spec = model_spec(args)
+    spec = model_spec(args, DEFAULT_GPT)
     optimizer = args.optimizer or ("sgd" if spec.kind == "mlp" else "adamw")
     lr = args.lr if args.lr is not None else (3e-3 if optimizer == "adamw" else 0.1)
     schedule = args.schedule or next(n for n in DEFAULT_SCHEDULES if n in SCHEDULES)
