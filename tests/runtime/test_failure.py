@@ -26,11 +26,17 @@ LIMIT_S = 30.0
 
 
 def _start(mode: str) -> subprocess.Popen[str]:
-    # A new session: Ctrl-C can then be sent to the whole group, as a terminal does.
+    # A new session: Ctrl-C can then be sent to the whole group, as a terminal does. SIGINT as a terminal's
+    # foreground job has it: a suite started in the background (``pytest &`` in a script) ignores SIGINT, which
+    # the launcher would inherit and keep (Python leaves an ignored SIGINT ignored).
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for_ranks(proc: subprocess.Popen[str], count: int = 2) -> set[int]:
