@@ -37,8 +37,8 @@ STEPS, FIRST = 5, 2
 
 
 def _train(config: TrainConfig) -> RunRecord:
-    schedule = prepare(config).schedule
-    record = launch(run_rank, prepare(config), schedule.num_ranks, LaunchOptions(timeout_s=60))
+    plan = prepare(config)
+    record = launch(run_rank, plan, plan.num_processes, LaunchOptions(timeout_s=120))
     assert record is not None
     return record
 
@@ -243,12 +243,6 @@ def test_a_rank_asks_the_checkpoint_for_the_keys_of_its_own_layers_only() -> Non
         checkpoint_state.destinations(saved, middle, "ck")
 
 
-def _run(config: TrainConfig) -> RunRecord:
-    record = launch(run_rank, prepare(config), prepare(config).num_processes, LaunchOptions(timeout_s=120))
-    assert record is not None
-    return record
-
-
 def test_a_checkpoint_resumes_across_tensor_parallel_degrees_and_zero(tmp_path: Path) -> None:
     """Issue 18's DCP round trip: saved at P=2, D=2, N=1 (1f1b, ZeRO-1: the optimizer state sharded over the
     replicas), resumed at P=1, D=2, N=2 (zb-h1: the layers split over two processes) and at P=1, D=4, N=1
@@ -258,21 +252,21 @@ def test_a_checkpoint_resumes_across_tensor_parallel_degrees_and_zero(tmp_path: 
     base = TrainConfig(schedule="1f1b", num_stages=2, data_parallel=2, num_microbatches=2, model=gpt, batch_size=8,
                        optimizer="sgd", momentum=0.9, lr=0.05, zero=1, keep_checkpoints=3)
     ck, tp = tmp_path / "p2-zero1", tmp_path / "n2"
-    straight = _run(dataclasses.replace(base, steps=STEPS, save=str(ck), save_every=FIRST, collect_parameters=True))
+    straight = _train(dataclasses.replace(base, steps=STEPS, save=str(ck), save_every=FIRST, collect_parameters=True))
     first = str(ck / f"step-{FIRST:06d}")
     others = [dataclasses.replace(base, schedule="zb-h1", data_parallel=1, zero=0, tensor_parallel=2,
                                   num_microbatches=4, save=str(tp), save_every=1),
               dataclasses.replace(base, schedule="interleaved-1f1b", num_stages=2, num_chunks=2, data_parallel=1,
                                   zero=0, num_microbatches=4)]
     for other in others:
-        resumed = _run(dataclasses.replace(other, steps=STEPS - FIRST, resume=first, collect_parameters=True))
+        resumed = _train(dataclasses.replace(other, steps=STEPS - FIRST, resume=first, collect_parameters=True))
         torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)
         want, got = _parameters(straight), _parameters(resumed)  # gathered whole from the shards
         assert set(got) == set(want)
         for name, value in want.items():
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
     # The N=2 run's own checkpoint (one step later) back at N=1 with ZeRO-1 on two replicas.
-    again = _run(dataclasses.replace(base, steps=STEPS - FIRST - 1, resume=str(tp / f"step-{FIRST + 1:06d}")))
+    again = _train(dataclasses.replace(base, steps=STEPS - FIRST - 1, resume=str(tp / f"step-{FIRST + 1:06d}")))
     torch.testing.assert_close(again.losses, straight.losses[FIRST + 1:], rtol=1e-5, atol=1e-6)
 
 
@@ -281,7 +275,7 @@ def test_pipedream_with_data_parallel_replicas_saves_and_resumes(tmp_path: Path)
     resumed from that checkpoint give the uninterrupted (drained) run's losses; the replicas' equal keys once."""
     base = TrainConfig(schedule="pipedream", num_stages=2, data_parallel=2, num_microbatches=4, model=MLP,
                        batch_size=16, optimizer="sgd", momentum=0.9)
-    straight = _run(dataclasses.replace(base, steps=4, save=str(tmp_path / "a"), save_every=2))
-    _run(dataclasses.replace(base, steps=2, save=str(tmp_path / "b")))
-    resumed = _run(dataclasses.replace(base, steps=2, resume=str(tmp_path / "b")))
+    straight = _train(dataclasses.replace(base, steps=4, save=str(tmp_path / "a"), save_every=2))
+    _train(dataclasses.replace(base, steps=2, save=str(tmp_path / "b")))
+    resumed = _train(dataclasses.replace(base, steps=2, resume=str(tmp_path / "b")))
     torch.testing.assert_close(resumed.losses, straight.losses[2:], rtol=1e-5, atol=1e-6)

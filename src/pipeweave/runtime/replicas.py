@@ -76,8 +76,6 @@ class ReplicaReduction:
                                              _buckets(params, bucket_bytes), groups[part])
         self._left: dict[int, int] = {}
         self._pending: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # part -> (work, bucket) until combined
-        self.reduced_bytes = 0
-        """Bytes this rank put into all-reduces so far (the buckets' sizes)."""
 
     def begin_step(self) -> None:
         self._left = dict(self.grad_actions)
@@ -102,7 +100,6 @@ class ReplicaReduction:
             for other in grads[1:]:  # local replicas first, in stage order
                 flat += _flatten([other[i] for i in span])
             group = self.groups.get(part)
-            self.reduced_bytes += 0 if group is None else flat.numel() * flat.element_size()
             if part in self.sharded:  # ZeRO-1: this rank's slice of the sum only
                 flat = pad(flat, dist.get_world_size(group))
                 mine = flat.new_empty(flat.numel() // dist.get_world_size(group))
