@@ -1,0 +1,77 @@
+"""The memory levers' flags, one spelling on every command: ``--offload``, ``--balance-activations``,
+``--compress-activations`` and the host link's ``--host-bandwidth`` (``schedule.stash``, ``sim.stash``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from typing import Any
+
+from pipeweave.errors import UserError
+from pipeweave.schedule.ir import Schedule
+from pipeweave.schedule.stash import COMPRESSIONS, StashPlan, parse_offload
+from pipeweave.sim.cost import PartCosts
+from pipeweave.sim.metrics import Metrics, compute_metrics
+from pipeweave.sim.stash import DEFAULT_BANDWIDTH, simulate_stash, stash_events, stash_peaks
+from pipeweave.sim.timeline import Timeline
+
+
+def add_stash_arguments(p: argparse.ArgumentParser, *, bandwidth_help: str | None = None) -> None:
+    """The memory levers' group of options."""
+    g = p.add_argument_group("memory levers", "saved activations moved away between F and the backward")
+    g.add_argument("--offload", metavar="PARTS", default=None,
+                   help="offload the saved activations of these parts to host memory after F and reload them "
+                   "before the backward: all, or part numbers comma-separated (default none)")
+    g.add_argument("--balance-activations", action="store_true",
+                   help="BPipe: a rank above its pair's mean peak sends a share of its activations to rank D-1-r "
+                   "after F and takes it back before the backward")
+    g.add_argument("--compress-activations", choices=sorted(COMPRESSIONS), default=None,
+                   help="stash saved activations in this format between F and the backward (lossy; default off)")
+    g.add_argument("--host-bandwidth", type=float, default=None, metavar="R", help=bandwidth_help or (
+        f"memory actions' link: units of M_a moved per time unit (default {DEFAULT_BANDWIDTH:g}: a GPT layer "
+        "on a 25 GB/s host link, sim/stash.py)"))
+
+
+def stash_plan(args: argparse.Namespace, num_parts: int) -> StashPlan:
+    """The levers the flags ask for (``StashPlan()`` when none).
+
+    Raises:
+        UserError: a bad ``--offload`` part or ``--host-bandwidth``.
+    """
+    bandwidth = getattr(args, "host_bandwidth", None)
+    if bandwidth is not None and not (bandwidth > 0 and math.isfinite(bandwidth)):
+        raise UserError(f"--host-bandwidth {bandwidth:g} is invalid; give a finite bandwidth > 0, e.g. 0.25")
+    return StashPlan(offload=parse_offload(getattr(args, "offload", None) or "none", num_parts),
+                     balance=bool(getattr(args, "balance_activations", False)),
+                     compress=getattr(args, "compress_activations", None))
+
+
+def plan_dict(plan: StashPlan, shares: tuple[float, ...], bandwidth: float) -> dict[str, Any]:
+    """The levers as ``--json`` reports them."""
+    return {"offload": sorted(plan.offload), "balance_activations": plan.balance,
+            "compress_activations": plan.compress, "host_bandwidth": bandwidth, "moved_share": list(shares)}
+
+
+def simulate_levers(schedule: Schedule, costs: PartCosts, plan: StashPlan, bandwidth: float | None = None,
+                    ) -> tuple[Metrics, Timeline, dict[str, Any]]:
+    """Metrics with ``plan`` applied (``peak_activations`` per rank with the memory actions), the timeline
+    to show (memory actions as their own events) and the levers' JSON.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> from pipeweave.sim.cost import CostModel
+        >>> s = generate("1f1b", num_stages=4, num_microbatches=8)
+        >>> m, _, _ = simulate_levers(s, CostModel().for_parts(num_parts=4, num_ranks=4), StashPlan(balance=True))
+        >>> m.peak_activations
+        (2.5, 2.5, 2.75, 3.0)
+    """
+    bandwidth = bandwidth or DEFAULT_BANDWIDTH
+    comm = costs.comm
+    timeline, stash, extra = simulate_stash(schedule, costs, plan, bandwidth=bandwidth,
+                                            hop=(lambda src, dst: comm) if comm else None)
+    shown = Timeline(schedule, stash_events(stash, timeline, extra), timeline.costs)
+    assert timeline.costs is not None
+    metrics = compute_metrics(timeline)
+    metrics = dataclasses.replace(metrics, peak_activations=stash_peaks(stash, shown.events, timeline.costs))
+    return metrics, shown, plan_dict(plan, stash.share, bandwidth)
