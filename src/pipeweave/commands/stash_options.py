@@ -8,17 +8,20 @@ import dataclasses
 import math
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from pipeweave.errors import UserError
 from pipeweave.schedule.ir import Schedule
-from pipeweave.schedule.stash import COMPRESSIONS, StashPlan, parse_offload
-from pipeweave.sim.cost import PartCosts
-from pipeweave.sim.metrics import Metrics, compute_metrics
-from pipeweave.sim.stash import DEFAULT_BANDWIDTH, simulate_stash, stash_events, stash_peaks
-from pipeweave.sim.timeline import Timeline
+from pipeweave.schedule.stash import COMPRESSIONS, DEFAULT_BANDWIDTH, StashPlan, parse_offload
+
+if TYPE_CHECKING:
+    from pipeweave.sim.cost import PartCosts
+    from pipeweave.sim.metrics import Metrics
+    from pipeweave.sim.timeline import Timeline
 
 
-def add_stash_arguments(p: argparse.ArgumentParser, *, bandwidth_help: str | None = None) -> None:
-    """The memory levers' group of options."""
+def add_stash_arguments(p: argparse.ArgumentParser, *, bandwidth: bool = True) -> None:
+    """The memory levers' group of options (``bandwidth``: with ``--host-bandwidth``, for the simulator)."""
     g = p.add_argument_group("memory levers", "saved activations moved away between F and the backward")
     g.add_argument("--offload", metavar="PARTS", default=None,
                    help="offload the saved activations of these parts to host memory after F and reload them "
@@ -28,9 +31,10 @@ def add_stash_arguments(p: argparse.ArgumentParser, *, bandwidth_help: str | Non
                    "after F and takes it back before the backward")
     g.add_argument("--compress-activations", choices=sorted(COMPRESSIONS), default=None,
                    help="stash saved activations in this format between F and the backward (lossy; default off)")
-    g.add_argument("--host-bandwidth", type=float, default=None, metavar="R", help=bandwidth_help or (
-        f"memory actions' link: units of M_a moved per time unit (default {DEFAULT_BANDWIDTH:g}: a GPT layer "
-        "on a 25 GB/s host link, sim/stash.py)"))
+    if bandwidth:
+        g.add_argument("--host-bandwidth", type=float, default=None, metavar="R", help=(
+            f"memory actions' link: units of M_a moved per time unit (default {DEFAULT_BANDWIDTH:g}: a GPT layer "
+            "on a 25 GB/s host link, sim/stash.py)"))
 
 
 def stash_plan(args: argparse.Namespace, num_parts: int) -> StashPlan:
@@ -45,6 +49,21 @@ def stash_plan(args: argparse.Namespace, num_parts: int) -> StashPlan:
     return StashPlan(offload=parse_offload(getattr(args, "offload", None) or "none", num_parts),
                      balance=bool(getattr(args, "balance_activations", False)),
                      compress=getattr(args, "compress_activations", None))
+
+
+def train_levers(args: argparse.Namespace) -> dict[str, Any]:
+    """``TrainConfig``'s fields of the levers (parts checked against the schedule by the run's plan).
+
+    Raises:
+        UserError: ``--balance-activations``, which the runtime does not run yet.
+    """
+    if getattr(args, "balance_activations", False):
+        raise UserError("--balance-activations is simulated (pipeweave simulate, search) but not yet run by train; "
+                        "use --offload PARTS to relieve the first ranks")
+    if args.offload not in (None, "all", "none"):
+        parse_offload(args.offload, 1 << 30)  # numbers; the run's plan checks them against the schedule's parts
+    return {"offload": None if args.offload in (None, "none") else args.offload,
+            "compress_activations": args.compress_activations}
 
 
 def plan_dict(plan: StashPlan, shares: tuple[float, ...], bandwidth: float) -> dict[str, Any]:
@@ -66,6 +85,10 @@ def simulate_levers(schedule: Schedule, costs: PartCosts, plan: StashPlan, bandw
         >>> m.peak_activations
         (2.5, 2.5, 2.75, 3.0)
     """
+    from pipeweave.sim.metrics import compute_metrics
+    from pipeweave.sim.stash import simulate_stash, stash_events, stash_peaks
+    from pipeweave.sim.timeline import Timeline
+
     bandwidth = bandwidth or DEFAULT_BANDWIDTH
     comm = costs.comm
     timeline, stash, extra = simulate_stash(schedule, costs, plan, bandwidth=bandwidth,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -31,6 +32,7 @@ from pipeweave.runtime.transport.mesh import replica_rank_sets
 from pipeweave.runtime.transport.p2p import P2P
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stage.policy import RankPolicy
+from pipeweave.runtime.stage.stash import Packed, host_store, stash_away, stash_back
 from pipeweave.runtime.stage.tied import TiedGradients
 from pipeweave.schedule.grid import format_rows
 from pipeweave.schedule.ir import Action, Op
@@ -101,7 +103,10 @@ class Executor:
             Op.F: self.forward, Op.B: self.backward, Op.I: self.backward_input, Op.W: self.backward_weight,
             Op.U: self.update, Op.SEND_F: self.send_forward, Op.RECV_F: self.recv_forward,
             Op.SEND_B: self.send_backward, Op.RECV_B: self.recv_backward,
+            Op.OFFLOAD: self.offload, Op.RELOAD: self.reload,
         }
+        self.store = self._offload_store()
+        self._away: dict[tuple[int, int], Packed] = {}
         self.peak_activation_bytes = 0
         # Of the last step: thread CPU ns per action (parallel to the records), process CPU ns of the step.
         self.action_cpu_ns: list[int] = []
@@ -144,6 +149,8 @@ class Executor:
         step_cpu = time.process_time_ns()
         for i, a in enumerate(self.row):
             self.p2p.post_ahead(i)
+            if self.store is not None and i + 1 < len(self.row) and self.row[i + 1].op is Op.RELOAD:
+                self.store.prefetch(self.row[i + 1][::2])  # CUDA: its copy runs beside action i
             c0, t0 = cpu(), clock()
             self._run_or_explain(i, a)
             records.append((a, t0, clock()))
@@ -237,6 +244,30 @@ class Executor:
         self.p2p.before_update(a.stage)  # a tied exchange takes its place in the per-pair order
         skip = self.skip_nonfinite and not math.isfinite(cast(LossAgreement, self.agreement).total())
         self.workers[a.stage].update(skip=skip)
+
+    # ---- memory (schedule.stash) ---------------------------------------------
+    def _offload_store(self) -> Any:
+        """Where this rank offloads (``stage.stash.host_store``), None without OFFLOAD; the stages that move
+        activations keep what autograd saves."""
+        for a in self.row:
+            if a.op.is_memory:
+                self.workers[a.stage].stashing = True
+        if not any(a.op is Op.OFFLOAD for a in self.row):
+            return None
+        store = host_store(self.device)
+        weakref.finalize(self, store.close)  # its files go with the executor
+        return store
+
+    def offload(self, a: Action) -> None:
+        assert self.store is not None
+        packed = stash_away(self.workers[a.stage], a.microbatch)
+        self.store.put(a[::2], packed.buffer)
+        packed.buffer = None
+        self._away[a[::2]] = packed
+
+    def reload(self, a: Action) -> None:
+        assert self.store is not None
+        stash_back(self.workers[a.stage], a.microbatch, self._away.pop(a[::2]), self.store.take(a[::2]))
 
     # ---- communication -----------------------------------------------------
     def send_forward(self, a: Action) -> None:

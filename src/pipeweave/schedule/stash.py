@@ -29,7 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeweave.schedule.ir import Action, Op, Schedule, ScheduleError
+from pipeweave.schedule.lower import LoweredSchedule
 from pipeweave.schedule.validate import InvalidSchedule
+
+DEFAULT_BANDWIDTH = 0.25
+"""Units of M_a a memory action moves per unit of time by default (``sim.stash`` says where it comes from)."""
 
 COMPRESSIONS = {"bf16": 0.5}
 """Compressed activation formats and the fraction of float32's bytes they keep."""
@@ -237,3 +241,34 @@ def check_stash(stash: Stash) -> None:
                 for away, back in ((Op.OFFLOAD, Op.RELOAD), (Op.EVICT, Op.LOAD)):
                     if Action(s, away, j) in seen and Action(s, back, j) not in seen:
                         fail(f"{s}{back.value}{j} must come before it: its activations are away")
+
+
+def lower_stash(lowered: LoweredSchedule, stash: Stash) -> LoweredSchedule:
+    """``lowered``'s rows with ``stash``'s memory actions: a move away after its F and the F's send (the
+    next stage's input leaves first), a move back after the backward's receive, right before it.
+
+    Example:
+        >>> from pipeweave.schedule import generate, lower
+        >>> s = generate("1f1b", num_stages=2, num_microbatches=1)
+        >>> [str(a) for a in lower_stash(lower(s), plan_stash(s, StashPlan(offload=frozenset({0})))).actions[0]]
+        ['0F0', '0SEND_F0', '0OFFLOAD0', '0RECV_B0', '0RELOAD0', '0B0', '0U0']
+    """
+    rows = []
+    for row, memory in zip(lowered.actions, stash.actions):
+        after: dict[Action, Action] = {}
+        before: dict[Action, Action] = {}
+        for k, a in enumerate(memory):
+            if a.op in (Op.OFFLOAD, Op.EVICT):
+                after[memory[k - 1]] = a
+            elif a.op in (Op.RELOAD, Op.LOAD):
+                before[memory[k + 1]] = a
+        out: list[Action] = []
+        for k, a in enumerate(row):
+            if a in before:
+                out.append(before[a])
+            out.append(a)
+            f = row[k - 1] if a.op is Op.SEND_F else a
+            if f in after and not (a.op is Op.F and k + 1 < len(row) and row[k + 1].op is Op.SEND_F):
+                out.append(after[f])
+        rows.append(tuple(out))
+    return LoweredSchedule(lowered.schedule, tuple(rows))

@@ -26,12 +26,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from pipeweave.schedule.ir import Action, Op, Schedule
-from pipeweave.schedule.stash import Stash, StashPlan, check_stash, plan_stash
+from pipeweave.schedule.stash import DEFAULT_BANDWIDTH, Stash, StashPlan, check_stash, plan_stash
 from pipeweave.sim.cost import PartCosts
 from pipeweave.sim.timeline import Event, Timeline, simulate_parts
 
-DEFAULT_BANDWIDTH = 0.25
-"""Units of M_a moved per unit of time (the module docstring says where it comes from)."""
 
 
 def stash_costs(costs: PartCosts, plan: StashPlan) -> PartCosts:

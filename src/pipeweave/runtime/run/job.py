@@ -25,7 +25,7 @@ from pipeweave.runtime.process import progress
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
-from pipeweave.runtime.run.plan import RunPlan, learning_rates
+from pipeweave.runtime.run.plan import RunPlan, learning_rates, offloaded
 from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
 from pipeweave.runtime.run.stream_job import run_stream_rank
 from pipeweave.runtime.run.workers import build_workers, join_mesh
@@ -33,6 +33,15 @@ from pipeweave.runtime.stage.lr_schedule import set_lr
 from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import lower
+from pipeweave.schedule.lower import LoweredSchedule
+from pipeweave.schedule.stash import StashPlan, lower_stash, plan_stash
+
+
+def lowered(plan: RunPlan) -> LoweredSchedule:
+    """The plan's schedule lowered, with its offload actions (``schedule.stash``) where asked."""
+    low = lower(plan.schedule)
+    parts = offloaded(plan.config, plan.schedule)
+    return lower_stash(low, plan_stash(plan.schedule, StashPlan(offload=parts))) if parts else low
 
 
 def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
@@ -49,7 +58,7 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     rank = joined.stage_rank
     workers = build_workers(plan, rank, device)
     done = plan.steps_done  # the data goes on from the batch after the checkpoint's last
-    executor = Executor(lower(plan.schedule), rank, workers, plan.microbatch_sizes, device,
+    executor = Executor(lowered(plan), rank, workers, plan.microbatch_sizes, device,
                         on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
                         zero=config.zero == 1)
     if config.resume is not None:  # after the executor: ZeRO-1 has sharded the optimizers it loads into
