@@ -55,15 +55,12 @@ def train_levers(args: argparse.Namespace) -> dict[str, Any]:
     """``TrainConfig``'s fields of the levers (parts checked against the schedule by the run's plan).
 
     Raises:
-        UserError: ``--balance-activations``, which the runtime does not run yet.
+        UserError: an ``--offload`` part that is no number.
     """
-    if getattr(args, "balance_activations", False):
-        raise UserError("--balance-activations is simulated (pipeweave simulate, search) but not yet run by train; "
-                        "use --offload PARTS to relieve the first ranks")
     if args.offload not in (None, "all", "none"):
         parse_offload(args.offload, 1 << 30)  # numbers; the run's plan checks them against the schedule's parts
     return {"offload": None if args.offload in (None, "none") else args.offload,
-            "compress_activations": args.compress_activations}
+            "compress_activations": args.compress_activations, "balance_activations": args.balance_activations}
 
 
 def plan_dict(plan: StashPlan, shares: tuple[float, ...], bandwidth: float) -> dict[str, Any]:

@@ -181,9 +181,12 @@ def offloaded(config: TrainConfig, schedule: Schedule) -> frozenset[int]:
 
 def _check_levers(config: TrainConfig, schedule: Schedule) -> None:
     """``--offload`` and ``--compress-activations``: parts that exist, a synchronous schedule, no recomputation."""
-    if not config.offload and config.compress_activations is None:
+    if not config.offload and config.compress_activations is None and not config.balance_activations:
         return
-    flag = "--offload" if config.offload else "--compress-activations"
+    flag = "--offload" if config.offload else "--balance-activations" if config.balance_activations \
+        else "--compress-activations"
+    if config.balance_activations and (config.data_parallel > 1 or config.tensor_parallel > 1):
+        raise UserError("--balance-activations pairs the ranks of one pipeline; drop --data-parallel/--tensor-parallel")
     if config.offload:
         parse_offload(config.offload, schedule.num_parts)  # one line naming a part that is not one
     if not schedule.is_synchronous:
