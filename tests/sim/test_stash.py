@@ -56,7 +56,7 @@ def test_bpipe_brings_every_ranks_peak_within_15_percent_of_the_mean(d, t):
     timeline, stash, extra = simulate_stash(s, costs, StashPlan(balance=True), bandwidth=8.0)
     peaks = stash_peaks(stash, stash_events(stash, timeline, extra), costs)
     mean = sum(peaks) / d
-    assert max(peaks) <= 1.15 * mean and peaks[0] <= 1.01 * (d + 1) / 2
+    assert max(peaks) <= 1.15 * mean and min(peaks) >= 0.85 * mean
     assert compute_metrics(simulate(s)).peak_activations[0] == d
 
 
@@ -75,6 +75,8 @@ def test_simulate_json_gives_peak_activations_with_the_levers_and_the_trace_show
     out = subprocess.run([sys.executable, "-m", "pipeweave.cli", "simulate", "--balance-activations", "--offload", "3",
                           "--json", "--trace", str(trace)], capture_output=True, text=True, check=True).stdout
     data = json.loads(out)
-    assert data["peak_activations"][0] == 2.5 and data["memory_levers"]["moved_share"][:2] == [0.5, 0.25]
+    # The pairs' peaks meet (sim.stash.balanced_shares): rank 0 lends 3/7 of each microbatch, rank 1 1/5.
+    assert data["memory_levers"]["moved_share"][:2] == [0.428571, 0.2]
+    assert max(data["peak_activations"]) < 2.75
     names = {e["cat"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
     assert {Op.EVICT.value, Op.LOAD.value, Op.OFFLOAD.value, Op.RELOAD.value} <= names

@@ -125,7 +125,7 @@ class Stash:
 
 
 def plan_stash(schedule: Schedule, plan: StashPlan, held: Sequence[float] | None = None,
-               mem_w: float = 0.5) -> Stash:
+               mem_w: float = 0.5, shares: Sequence[float] | None = None) -> Stash:
     """The memory actions of ``plan`` on ``schedule``, lowered into its rows.
 
     Args:
@@ -134,9 +134,11 @@ def plan_stash(schedule: Schedule, plan: StashPlan, held: Sequence[float] | None
         held: per part, the activation memory a microbatch holds from F to its backward (default 1),
             for BPipe's shares.
         mem_w: the fraction of it still held between I and W.
+        shares: BPipe's share per rank, instead of ``evicted_shares`` (``sim.stash.balanced_shares``).
     """
     held = held if held is not None else (1.0,) * schedule.num_parts
-    share = evicted_shares(schedule, plan, held, mem_w) if plan.balance else (0.0,) * schedule.num_ranks
+    share = (tuple(shares) if shares is not None else evicted_shares(schedule, plan, held, mem_w)) if plan.balance \
+        else (0.0,) * schedule.num_ranks
     part_of = schedule.placement.stage_part
     rows = []
     for rank, row in enumerate(schedule.actions):

@@ -76,10 +76,39 @@ def simulate_stash(schedule: Schedule, costs: PartCosts, plan: StashPlan, *, ban
         [('0F0', 1.5), ('0F1', 3.0)]
     """
     costs = stash_costs(costs, plan)
-    stash = plan_stash(schedule, plan, costs.activation, costs.mem_w)
+    shares = balanced_shares(schedule, costs, plan) if plan.balance else None
+    stash = plan_stash(schedule, plan, costs.activation, costs.mem_w, shares)
     check_stash(stash)
     extra = stash_extra(stash, costs, bandwidth)
     return simulate_parts(schedule, costs, extra=extra, **options), stash, extra  # type: ignore[arg-type]
+
+
+def balanced_shares(schedule: Schedule, costs: PartCosts, plan: StashPlan, rounds: int = 30) -> tuple[float, ...]:
+    """BPipe's share per rank that evens each pair's peaks by the clock: ``evicted_shares`` keeps the owner
+    at the pair's mean along its own row, but its partner holds what it was lent while its own peak
+    comes, so the pair's larger peak is lowest where the two meet; bisected on ``stash_peaks`` (copies
+    taking no time: the shares decide memory, not time).
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> from pipeweave.sim.cost import CostModel
+        >>> s = generate("1f1b", num_stages=4, num_microbatches=8)
+        >>> balanced_shares(s, CostModel().for_parts(num_parts=4, num_ranks=4), StashPlan(balance=True))
+        (0.428571, 0.2, 0.0, 0.0)
+    """
+    shares = list(plan_stash(schedule, plan, costs.activation, costs.mem_w).share)
+    for rank, share in enumerate(shares):
+        if share <= 0:
+            continue
+        other = schedule.num_ranks - 1 - rank
+        lo, hi = 0.0, 1.0
+        for _ in range(rounds):
+            shares[rank] = (lo + hi) / 2
+            stash = plan_stash(schedule, plan, costs.activation, costs.mem_w, shares)
+            peaks = stash_peaks(stash, stash_events(stash, simulate_parts(schedule, costs), {}), costs)
+            lo, hi = (shares[rank], hi) if peaks[rank] > peaks[other] else (lo, shares[rank])
+        shares[rank] = round(hi, 6)
+    return tuple(shares)
 
 
 def stash_events(stash: Stash, timeline: Timeline, extra: dict[Action, float]) -> tuple[tuple[Event, ...], ...]:

@@ -35,6 +35,8 @@ from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import lower
 from pipeweave.schedule.ir import Op
+from pipeweave.sim.cost import CostModel
+from pipeweave.sim.stash import balanced_shares
 from pipeweave.schedule.lower import LoweredSchedule
 from pipeweave.schedule.stash import Stash, StashPlan, lower_stash, partner, plan_stash
 from pipeweave.runtime.run.part_memory import part_memory
@@ -48,12 +50,15 @@ def lowered(plan: RunPlan) -> tuple[LoweredSchedule, Stash | None]:
     levers = StashPlan(offload=offloaded(config, plan.schedule), balance=config.balance_activations)
     if not levers.offload and not levers.balance:
         return low, None
-    held, mem_w = None, 0.5
+    held, mem_w, shares = None, 0.5, None
     if levers.balance:  # BPipe's shares from each part's bytes per microbatch (measured before spawning, cached)
         parts = part_memory(config, plan.parts, ("I",) if any(a.op is Op.I for a in plan.schedule.actions[0]) else ())
         held = [float(p.held) for p in parts]
         mem_w = min(1.0, max(p.stash / p.held if p.held else 0.0 for p in parts))
-    stash = plan_stash(plan.schedule, levers, held, mem_w)
+        costs = CostModel(activation=held, mem_w=mem_w).for_parts(num_parts=plan.schedule.num_parts,
+                                                                  num_ranks=plan.schedule.num_ranks)
+        shares = balanced_shares(plan.schedule, costs, levers)
+    stash = plan_stash(plan.schedule, levers, held, mem_w, shares)
     return lower_stash(low, stash), stash
 
 
