@@ -80,3 +80,15 @@ def test_simulate_json_gives_peak_activations_with_the_levers_and_the_trace_show
     assert max(data["peak_activations"]) < 2.75
     names = {e["cat"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
     assert {Op.EVICT.value, Op.LOAD.value, Op.OFFLOAD.value, Op.RELOAD.value} <= names
+
+
+def test_the_memory_partitioner_sees_what_the_levers_leave_each_rank():
+    from pipeweave.commands.stash_options import levered_activations
+
+    s = generate("1f1b", num_stages=4, num_microbatches=8)
+    plain = (4.0, 3.0, 2.0, 1.0)
+    assert levered_activations(s, plain, StashPlan()) == plain
+    assert levered_activations(s, plain, StashPlan(compress="bf16")) == (2.0, 1.5, 1.0, 0.5)
+    assert levered_activations(s, plain, StashPlan(offload=frozenset({0, 1}))) == (1.0, 1.0, 2.0, 1.0)
+    balanced = levered_activations(s, plain, StashPlan(balance=True))
+    assert max(balanced) < 2.75 and min(balanced) > 2.55

@@ -95,3 +95,29 @@ def simulate_levers(schedule: Schedule, costs: PartCosts, plan: StashPlan, bandw
     metrics = compute_metrics(timeline)
     metrics = dataclasses.replace(metrics, peak_activations=stash_peaks(stash, shown.events, timeline.costs))
     return metrics, shown, plan_dict(plan, stash.share, bandwidth)
+
+
+def levered_activations(schedule: Schedule, activations: tuple[float, ...], plan: StashPlan) -> tuple[float, ...]:
+    """Per part, the peak microbatches its rank holds (``partition.memory.MemoryProfile.activations``) with
+    ``plan`` applied: each part scaled by its rank's simulated peak with the levers over the peak without
+    (uniform M_a), so that the ``memory`` partitioner splits for the memory the levers leave.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> levered_activations(generate("1f1b", num_stages=4, num_microbatches=8), (4.0, 3.0, 2.0, 1.0),
+        ...                     StashPlan(offload=frozenset({0})))
+        (1.0, 3.0, 2.0, 1.0)
+    """
+    from pipeweave.sim.cost import CostModel
+    from pipeweave.sim.metrics import compute_metrics
+    from pipeweave.sim.timeline import simulate
+
+    if not plan.active:
+        return activations
+    costs = CostModel().for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
+    before = compute_metrics(simulate(schedule, CostModel(), check=False)).peak_activations
+    after = simulate_levers(schedule, costs, plan)[0].peak_activations
+    rank_of = schedule.placement.stage_rank
+    stage_of = {part: stage for stage, part in enumerate(schedule.placement.stage_part)}
+    return tuple(round(a * after[rank_of[stage_of[k]]] / before[rank_of[stage_of[k]]], 9) if before[
+        rank_of[stage_of[k]]] else a for k, a in enumerate(activations))
