@@ -76,6 +76,16 @@ def partner_link(stash: Stash | None, rank: int, workers: dict[int, Any]) -> Par
     return link
 
 
+def _end_levers(link: PartnerLink | None, executor: Executor) -> int:
+    """Close BPipe's link and the offload store (a rank ends without running finalizers); the rank's peak
+    activation bytes, what it held for its BPipe owner included."""
+    if link is not None:
+        link.close()
+    if executor.store is not None:
+        executor.store.close()
+    return max(executor.peak_activation_bytes, link.peak if link is not None else 0)
+
+
 def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     """Train on this process; process 0 returns the gathered ``RunRecord``, the others None.
 
@@ -124,9 +134,7 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
         divergence.after_step(step, executor.step_loss)  # stops every rank here, or counts a skipped update
         milestones.reached(step + 1)
     divergence.at_end(plan.schedule.placement)
-    if link is not None:
-        link.close()
-    mine.peak_activation_bytes = max(executor.peak_activation_bytes, link.peak if link is not None else 0)
+    mine.peak_activation_bytes = _end_levers(link, executor)
     mine.weight_bytes = sum(w.weight_bytes() for w in workers.values())
     mine.parameters = final_parameters(config, workers)
     mine.eval_losses = milestones.eval_losses
