@@ -8,6 +8,7 @@ from typing import Any
 
 from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, layout_from_args,
                                               layout_report, model_bytes)
+from pipeweave.commands.stash_options import add_stash_arguments, simulate_levers, stash_plan
 from pipeweave.errors import UserError
 from pipeweave.host import available_memory
 from pipeweave.sim.bubble import bubble_metrics
@@ -40,6 +41,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_layout_arguments(p)
     add_byte_arguments(p)
+    add_stash_arguments(p)
     return p
 
 
@@ -54,9 +56,14 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         picture_file("--plot", args.plot)
     f, b, w, comm = _times(args, layout, model)
+    levers = stash_plan(args, args.stages * (2 if args.v_shape or args.chunks == 2 else 1))
+    if levers.active and not layout.trivial:
+        raise UserError("--offload, --balance-activations and --compress-activations are searched on one pipeline; "
+                        "drop --tensor-parallel/--data-parallel or the memory levers")
+    # Compressed activations take kept x M_a: the same limit holds 1/kept as many.
     problem = problem_from_times(
         args.stages, args.microbatches, vshape=args.v_shape or args.chunks == 2, time_f=f,
-        time_b=b, time_w=w, time_comm=comm, memory_limit=args.memory_limit, mem_w=args.mem_w)
+        time_b=b, time_w=w, time_comm=comm, memory_limit=args.memory_limit / levers.kept, mem_w=args.mem_w)
     result = exact(problem, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
                    work_limit=args.work_limit)
     if args.csv:
@@ -67,19 +74,32 @@ def run(args: argparse.Namespace) -> int:
 
         plot_timeline(simulate(result.schedule, problem.cost), args.plot)
     report = _layout_report(args, result.schedule, layout, model)
+    levered = _levered(args, result.schedule, problem.cost, levers)
     if args.json:
-        print(json.dumps({**result.as_dict(), **({"layout": report[0]} if report else {})}))
+        print(json.dumps({**result.as_dict(), **({"layout": report[0]} if report else {}), **levered}))
         return 0
     print(f"{result.schedule.name}: D={args.stages} T={args.microbatches} K={args.memory_limit} "
           f"solver={result.solver} ({result.status}, {result.solver_time:.2f} s)")
     print(f"  bubble ratio {result.bubble_ratio:.4f}  (bound {result.bubble_bound:.4f})")
     print(f"  max span {result.span:.4f}  lower bound {result.lower_bound:.4f}  gap {100 * result.gap:.2f} %")
     print(f"  peak activations {list(result.metrics.peak_activations)} (limit {problem.limit[0]:g})")
+    if levered:
+        print(f"  with the memory levers: makespan {levered['makespan']:g}, peak activations "
+              f"{levered['peak_activations']} (M_a of uncompressed activations)")
     if args.plot:
         print(f"  plot written to {args.plot}")
     for line in report[1] if report else ():
         print(line)
     return 0
+
+
+def _levered(args: argparse.Namespace, schedule: Any, cost: CostModel, levers: Any) -> dict[str, Any]:
+    """The found schedule with the memory levers applied (``sim.stash``): its makespan, peaks and levers."""
+    if not levers.active:
+        return {}
+    costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
+    metrics, _, json_ = simulate_levers(schedule, costs, levers, args.host_bandwidth)
+    return {"makespan": metrics.makespan, "peak_activations": list(metrics.peak_activations), "memory_levers": json_}
 
 
 def _times(args: argparse.Namespace, layout: Layout, model: ModelBytes) -> tuple[float, float, float, float]:

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pipeweave.commands.partition import check_partition_arguments, memory_profile, model_spec, parse_counts, partition_context, partition_method
 from pipeweave.commands.outputs import output_folder
 from pipeweave.commands.profiled import profiled_costs
+from pipeweave.commands.stash_options import train_levers
 from pipeweave.commands.stream_options import async_options
 from pipeweave.commands.train_report import build_report, output_paths, print_summary, write_outputs
 from pipeweave.errors import UserError
@@ -95,6 +96,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
         lr_warmup=args.lr_warmup, lr_decay_steps=args.lr_decay_steps,
         resume=args.resume, keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite,
+        **train_levers(args),
     )
     return _with_searched_costs(_with_partition(config, args), args)
 

@@ -34,7 +34,7 @@ from pipeweave.schedule.ir import (
     append_updates,
 )
 
-_ACTION = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|U)(\d+)\s*$")
+_ACTION = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|OFFLOAD|RELOAD|EVICT|LOAD|F|B|I|W|U)(\d+)\s*$")
 
 
 def parse_action(text: str) -> Action:
@@ -52,7 +52,7 @@ def parse_action(text: str) -> Action:
         shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "..."
         raise ScheduleError(
             f"cannot read action {shown}; write <stage><op><microbatch> with op one of "
-            "F B I W U SEND_F RECV_F SEND_B RECV_B, e.g. 2F0"
+            "F B I W U SEND_F RECV_F SEND_B RECV_B OFFLOAD RELOAD EVICT LOAD, e.g. 2F0"
         )
     stage, op, microbatch = match.groups()
     return Action(int(stage), Op(op), int(microbatch))
@@ -185,7 +185,7 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
     t = num_microbatches if num_microbatches is not None else 1 + max(a.microbatch for a in compute)
     if not any(a.op is Op.U for row in rows for a in row):
         append_updates(rows, placement)
-    rows = [[a for a in row if not a.op.is_comm] for row in rows]
+    rows = [[a for a in row if a.op.is_compute] for row in rows]
     return Schedule(name, placement, t, tuple(tuple(r) for r in rows), policy=WeightPolicy.SYNC)
 
 

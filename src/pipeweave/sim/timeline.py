@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -159,7 +159,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, check: bool =
 
 def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
                    hop: Callable[[int, int], float] | None = None,
-                   update_delay: Sequence[float] | None = None, fast: bool = True) -> Timeline:
+                   update_delay: Sequence[float] | None = None, fast: bool = True,
+                   extra: Mapping[Action, float] | None = None) -> Timeline:
     """Time every action of ``schedule`` under costs already resolved per part (``simulate``'s core).
 
     Args:
@@ -170,6 +171,8 @@ def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
         update_delay: per part, the data-parallel reduction between its last weight gradient and its
             ``U`` (``schedule.dataflow.execute``); default none.
         fast: the numpy engine (``sim.rounds``, same times bit for bit); False forces the reference.
+        extra: time added to these actions (the memory actions folded into their F and backward,
+            ``sim.stash``); default none.
 
     Raises:
         InvalidSchedule: the schedule breaks a rule or deadlocks.
@@ -181,13 +184,18 @@ def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
     if arrays is not None and arrays.ok:
         table = np.array([[times[op] for op in (Op.F, Op.B, Op.I, Op.W, Op.U)] for times in op_times]
                          ).reshape(len(part_of), 5)
-        found = fast_times(schedule, arrays, table, latency=hop, gap=costs.dispatch, update_delay=update_delay)
+        added = None if not extra else np.fromiter(
+            (extra.get(a, 0.0) for row in schedule.actions for a in row), dtype=np.float64, count=arrays.size)
+        found = fast_times(schedule, arrays, table, latency=hop, gap=costs.dispatch, update_delay=update_delay,
+                           extra=added)
         if found is not None:
             return Timeline(schedule, costs=costs, times=Times(found[0], found[1], arrays.offsets))
     if check:
         check_actions(schedule)
     with _gc_paused():
-        run = execute(schedule, latency=hop, op_times=op_times, gap=costs.dispatch, update_delay=update_delay)
+        duration = None if not extra else (lambda a: op_times[a.stage][a.op] + extra.get(a, 0.0))
+        run = execute(schedule, duration, latency=hop, op_times=op_times, gap=costs.dispatch,
+                      update_delay=update_delay)
         if not run.complete:
             check_order(schedule)  # raises with the explanation
             raise InvalidSchedule("the schedule cannot complete", schedule)  # pragma: no cover

@@ -110,6 +110,14 @@ class TrainConfig:
     """Start from the checkpoint in this folder (the newest complete one in it): its parameters, optimizer state
     and step (``runtime.run.checkpoint``). ``"auto"``: from the newest in ``save`` if there is one, else afresh,
     ``steps`` then counting the whole training (``plan.resolve_auto``)."""
+    offload: str | None = None
+    """``all`` or part numbers, comma-separated: parts whose saved activations go to host memory after F and come back before the backward
+    (``schedule.stash``; on CPU a memory-mapped file on local disk, on CUDA pinned memory)."""
+    balance_activations: bool = False
+    """BPipe (``schedule.stash``): a rank above its pair's mean sends a share of every microbatch's saved
+    activations to rank D-1-r after F and takes it back before the backward (``transport.partner``)."""
+    compress_activations: str | None = None
+    """``bf16``: saved activations stashed in bfloat16 from F to the backward (lossy; ``runtime.stage.stash``)."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -177,8 +185,8 @@ _INTS = ("num_stages", "num_microbatches", "batch_size", "steps", "seed", "data_
 _OPTIONAL_INTS = ("num_chunks", "save_every", "lr_decay_steps", "eval_every")
 _FLOATS = ("lr", "momentum", "bucket_mb")
 _STRS = ("schedule", "optimizer", "precision", "lr_schedule", "on_nonfinite")
-_OPTIONAL_STRS = ("data", "save", "resume")
-_BOOLS = ("recompute", "collect_parameters", "memory_every_step", "overwrite")
+_OPTIONAL_STRS = ("data", "save", "resume", "offload", "compress_activations")
+_BOOLS = ("recompute", "collect_parameters", "memory_every_step", "overwrite", "balance_activations")
 
 
 def _check_types(config: TrainConfig) -> None:

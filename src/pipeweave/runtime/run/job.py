@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from pipeweave.data import data_source
 from pipeweave.runtime.executor import Executor
@@ -25,7 +26,7 @@ from pipeweave.runtime.process import progress
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
-from pipeweave.runtime.run.plan import RunPlan, learning_rates
+from pipeweave.runtime.run.plan import RunPlan, learning_rates, offloaded
 from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
 from pipeweave.runtime.run.stream_job import run_stream_rank
 from pipeweave.runtime.run.workers import build_workers, join_mesh
@@ -33,6 +34,56 @@ from pipeweave.runtime.stage.lr_schedule import set_lr
 from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import lower
+from pipeweave.schedule.ir import Op
+from pipeweave.sim.cost import CostModel
+from pipeweave.sim.stash import balanced_shares
+from pipeweave.schedule.lower import LoweredSchedule
+from pipeweave.schedule.stash import Stash, StashPlan, lower_stash, partner, plan_stash
+from pipeweave.runtime.run.part_memory import part_memory
+from pipeweave.runtime.transport.partner import PartnerLink, pair_groups
+
+
+def lowered(plan: RunPlan) -> tuple[LoweredSchedule, Stash | None]:
+    """The plan's schedule lowered, with its memory actions (``schedule.stash``) where asked."""
+    low = lower(plan.schedule)
+    config = plan.config
+    levers = StashPlan(offload=offloaded(config, plan.schedule), balance=config.balance_activations)
+    if not levers.offload and not levers.balance:
+        return low, None
+    held, mem_w, shares = None, 0.5, None
+    if levers.balance:  # BPipe's shares from each part's bytes per microbatch (measured before spawning, cached)
+        parts = part_memory(config, plan.parts, ("I",) if any(a.op is Op.I for a in plan.schedule.actions[0]) else ())
+        held = [float(p.held) for p in parts]
+        mem_w = min(1.0, max(p.stash / p.held if p.held else 0.0 for p in parts))
+        costs = CostModel(activation=held, mem_w=mem_w).for_parts(num_parts=plan.schedule.num_parts,
+                                                                  num_ranks=plan.schedule.num_ranks)
+        shares = balanced_shares(plan.schedule, costs, levers)
+    stash = plan_stash(plan.schedule, levers, held, mem_w, shares)
+    return lower_stash(low, stash), stash
+
+
+def partner_link(stash: Stash | None, rank: int, workers: dict[int, Any]) -> PartnerLink | None:
+    """This rank's side of BPipe's pair (``transport.partner``); every rank creates every pair's group."""
+    assert stash is not None
+    num_ranks = stash.schedule.num_ranks
+    groups = pair_groups(num_ranks)
+    other = partner(rank, num_ranks)
+    if other is None or not (stash.share[rank] > 0 or stash.share[other] > 0):
+        return None  # alone, or a pair already balanced: nothing to lend
+    link = PartnerLink(other, groups[rank], owner=stash.share[rank] > 0,
+                       held_now=lambda: sum(w.activation_bytes() for w in workers.values()))
+    link.share = stash.share[rank]
+    return link
+
+
+def _end_levers(link: PartnerLink | None, executor: Executor) -> int:
+    """Close BPipe's link and the offload store (a rank ends without running finalizers); the rank's peak
+    activation bytes, what it held for its BPipe owner included."""
+    if link is not None:
+        link.close()
+    if executor.store is not None:
+        executor.store.close()
+    return max(executor.peak_activation_bytes, link.peak if link is not None else 0)
 
 
 def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
@@ -49,9 +100,11 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     rank = joined.stage_rank
     workers = build_workers(plan, rank, device)
     done = plan.steps_done  # the data goes on from the batch after the checkpoint's last
-    executor = Executor(lower(plan.schedule), rank, workers, plan.microbatch_sizes, device,
+    low, stash = lowered(plan)
+    link = partner_link(stash, rank, workers) if config.balance_activations else None
+    executor = Executor(low, rank, workers, plan.microbatch_sizes, device,
                         on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
-                        zero=config.zero == 1)
+                        zero=config.zero == 1, partner=link)
     if config.resume is not None:  # after the executor: ZeRO-1 has sharded the optimizers it loads into
         assert plan.resumed is not None
         checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
@@ -81,7 +134,7 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
         divergence.after_step(step, executor.step_loss)  # stops every rank here, or counts a skipped update
         milestones.reached(step + 1)
     divergence.at_end(plan.schedule.placement)
-    mine.peak_activation_bytes = executor.peak_activation_bytes
+    mine.peak_activation_bytes = _end_levers(link, executor)
     mine.weight_bytes = sum(w.weight_bytes() for w in workers.values())
     mine.parameters = final_parameters(config, workers)
     mine.eval_losses = milestones.eval_losses

@@ -43,6 +43,7 @@ from pipeweave.runtime.stage.worker import OptimizerFactory
 from pipeweave.runtime.stream import check_stream_model, pipelines_per_round, stream_steps, stream_updates
 from pipeweave.schedule import Schedule, generate, validate
 from pipeweave.schedule.data_parallel import data_parallel
+from pipeweave.schedule.stash import parse_offload
 from pipeweave.schedule.stream import concatenate
 
 
@@ -166,10 +167,32 @@ def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
     if not schedule.is_synchronous:
         check_stream_model(config.model)
     validate(schedule)
+    _check_levers(config, schedule)
     _check_parallel(config, schedule)
     check_layers(config, schedule.num_parts)
     check_batch(config, config.num_microbatches * config.data_parallel if config.is_stream
                 else schedule.num_microbatches)
+
+
+def offloaded(config: TrainConfig, schedule: Schedule) -> frozenset[int]:
+    """The parts ``--offload`` names."""
+    return parse_offload(config.offload or "none", schedule.num_parts)
+
+
+def _check_levers(config: TrainConfig, schedule: Schedule) -> None:
+    """``--offload`` and ``--compress-activations``: parts that exist, a synchronous schedule, no recomputation."""
+    if not config.offload and config.compress_activations is None and not config.balance_activations:
+        return
+    flag = "--offload" if config.offload else "--balance-activations" if config.balance_activations \
+        else "--compress-activations"
+    if config.balance_activations and (config.data_parallel > 1 or config.tensor_parallel > 1):
+        raise UserError("--balance-activations pairs the ranks of one pipeline; drop --data-parallel/--tensor-parallel")
+    if config.offload:
+        parse_offload(config.offload, schedule.num_parts)  # one line naming a part that is not one
+    if not schedule.is_synchronous:
+        raise UserError(f"{flag} applies to synchronous schedules; {config.schedule} is asynchronous")
+    if config.recompute:
+        raise UserError(f"{flag} with --recompute: a recomputed stage keeps only its input; drop one of them")
 
 
 ASYNC_DATA_PARALLEL = ("pipedream", "pipedream-2bw")

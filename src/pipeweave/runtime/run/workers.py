@@ -39,7 +39,8 @@ def build_workers(plan: RunPlan, rank: int, device: torch.device,
     workers = {
         s: StageWorker(config.model, plan.parts[schedule.placement.stage_part[s]], batch_size=config.batch_size,
                        optimizer_factory=optimizer_factory(config), recompute=config.recompute, device=device,
-                       precision=config.precision, tensor_parallel=tp)
+                       precision=config.precision, tensor_parallel=tp,
+                       compress=config.compress_activations is not None)
         for s in schedule.placement.stages_on(rank)
     }
     if config.post_validation is not None:

@@ -88,6 +88,7 @@ from pipeweave.models.randomness import is_keyed, run_keyed
 from pipeweave.models.build import build_layers, tensor_parallel_plan
 from pipeweave.models.spec import ModelSpec, loss_fn
 from pipeweave.runtime.stage.memory import ActivationMeter, own, unpack
+from pipeweave.runtime.stage.stash import stash_hooks
 from pipeweave.runtime.stage.tensor_parallel import TensorParallel, split
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -107,6 +108,7 @@ class _Microbatch:
     target: Boundary | None
     keys: list[int | None]
     step: int  # steps done at F: a replay draws F's random numbers
+    held: list[Any] | None = None  # what autograd saved (stage.memory._Held), when the stage stashes (stage.stash)
 
 
 class StageWorker:
@@ -150,6 +152,7 @@ class StageWorker:
         track_memory: bool = True,
         precision: str = "fp32",
         tensor_parallel: TensorParallel | None = None,
+        compress: bool = False,
     ) -> None:
         indices = list(layer_indices)
         if not indices or indices != list(range(indices[0], indices[0] + len(indices))):
@@ -189,6 +192,8 @@ class StageWorker:
         self.device = torch.device(device)
         self.precision = precision_check(precision)
         self._buffers = list(self.module.buffers())  # running statistics, left as F left them by a replay
+        self.compress = compress  # saved tensors in bfloat16 from F to the backward (stage.stash.stash_hooks)
+        self.stashing = False  # keep what autograd saves per microbatch: set where memory actions run (stage.stash)
 
     # ---- F ----------------------------------------------------------------
     def forward(self, mb: int, x: Boundary, target: Boundary | None = None) -> Boundary:
@@ -204,10 +209,11 @@ class StageWorker:
                 out = self._run(x, target, mb, self.steps_done)
             record = _Microbatch(x, None, target, [self._hold(t) for t in tensors(x)], self.steps_done)
         else:
-            with self._hooks():
+            saved: list[Any] | None = [] if self.stashing else None
+            with self._hooks(saved, x):
                 out = self._run(x, target, mb, self.steps_done)
             held = [self._hold(t) for t in tensors(x)] + [self._hold(t) for t in tensors(out)]
-            record = _Microbatch(x, out, target, held, self.steps_done)
+            record = _Microbatch(x, out, target, held, self.steps_done, saved)
         self._saved[mb] = record
         return boundary.apply(torch.Tensor.detach, out)
 
@@ -375,7 +381,10 @@ class StageWorker:
         return sorted(set(self._saved) | set(self._weight_grads))
 
     # ---- helpers -------------------------------------------------------------
-    def _hooks(self) -> Any:
+    def _hooks(self, saved: list[Any] | None = None, x: Boundary | None = None) -> Any:
+        if saved is not None or (self.compress and x is not None):  # F, moving or compressing (stage.stash)
+            return stash_hooks(self.meter, saved, counted=self.track_memory,
+                               compress_except=None if not self.compress or x is None else tensors(x))
         if not self.track_memory:
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self.meter.pack, unpack)
