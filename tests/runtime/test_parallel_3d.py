@@ -54,6 +54,8 @@ CASES_8 = {  # TP = DP = D = 2: 8 processes
     # PipeDream's hybrid: P replicas around the stream, each its piece of every microbatch, every update the sum
     # of the replicas' gradients; against its reference executor (one pipeline, whole microbatches).
     "gpt-pipedream": _config("pipedream", GPT, tp=2, dp=2, stages=2, steps=4, batch_size=16),
+    # ZeRO-3: each process keeps half of its tensor-parallel shards, gathered around F, B and I.
+    "gpt-zb-h1-zero3": _config("zb-h1", GPT, tp=2, dp=2, stages=2, zero=3, momentum=0.9),
 }
 CASES_4 = {  # each pair of the dimensions at 2: 4 processes
     "tp-dp": _config("1f1b", GPT, tp=2, dp=2, stages=1),
@@ -67,6 +69,12 @@ CASES_4 = {  # each pair of the dimensions at 2: 4 processes
     # AdamW on the mlp: on the gpt it turns the key bias's zero gradient (softmax ignores a shift of every
     # key alike) into full steps of float noise, whose sign the summation order decides.
     "tp-pp-mlp-adamw": _config("1f1b", MLP, tp=2, dp=1, stages=2, optimizer="adamw", lr=1e-2),
+    # ZeRO-3: parameters sharded over the replicas, gathered before F, B and I, freed after; W on freed ones.
+    "dp-pp-zero3-1f1b": _config("1f1b", GPT, tp=1, dp=2, stages=2, zero=3, momentum=0.9),
+    "dp-pp-zero3-zb-h1": _config("zb-h1", GPT, tp=1, dp=2, stages=2, zero=3),
+    "dp-pp-zero3-zb-h1-recompute": _config("zb-h1", GPT, tp=1, dp=2, stages=2, zero=3, recompute=True),
+    "dp-pp-zero3-interleaved-adamw": _config("interleaved-1f1b", MLP, tp=1, dp=2, stages=2, num_chunks=2, zero=3,
+                                             optimizer="adamw", lr=1e-2, bucket_mb=0.0005),
     "tp-pp-custom-plan": _config("zb-h1", ModelSpec(kind="custom", entry=f"{CUSTOM}:tensor_parallel"), tp=2, dp=1,
                                  stages=2),
     # Asynchronous: PipeDream's weight stashing on shards; its own reference, not plain training.
@@ -91,8 +99,14 @@ def runs_8() -> dict[str, RunRecord]:
     return dict(zip(CASES_8, launch(_run_all, list(CASES_8.values()), 8, LaunchOptions(timeout_s=120))))
 
 
-@functools.lru_cache(maxsize=None)
 def _plain(config: TrainConfig) -> TrainResult:
+    """Plain training of ``config``'s model, batch and optimizer (one run for configs differing only in how the
+    parallel run shards or recomputes)."""
+    return _plain_run(dataclasses.replace(config, zero=0, recompute=False, bucket_mb=25.0))
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_run(config: TrainConfig) -> TrainResult:
     return run_plain(config.model, steps=STEPS, batch_size=config.batch_size,
                      num_microbatches=config.num_microbatches * config.data_parallel,
                      optimizer_factory=optimizer_factory(config), precision=config.precision)
@@ -148,6 +162,12 @@ def test_the_record_holds_one_process_per_stage_rank_with_shards_weights(runs_8:
     assert sum(p.numel() for p in whole.values()) > 0
 
 
+def test_zero3_keeps_half_of_each_part_between_actions(runs_4: dict[str, RunRecord]) -> None:
+    for r, whole in zip(runs_4["dp-pp-zero3-zb-h1"].ranks, runs_4["dp-pp"].ranks):
+        assert whole.weight_bytes == sum(p.numel() * 4 for ps in whole.parameters.values() for p in ps.values())
+        assert whole.weight_bytes / 2 <= r.weight_bytes <= whole.weight_bytes / 2 + 4  # padded to 2 slices
+
+
 TINY = ["train", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "4", "--seq-len", "8", "--batch", "8",
         "--steps", "1", "--quiet"]
 
@@ -155,7 +175,10 @@ TINY = ["train", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads",
 @pytest.mark.parametrize(("argv", "message"), [
     (["--tensor-parallel", "3"], "--heads 4 is not divisible by --tensor-parallel 3; give a tensor-parallel degree"),
     (["--tensor-parallel", "0"], "--tensor-parallel 0 is invalid; give N >= 1"),
-    (["--zero", "3"], "--zero 3 is invalid; choose one of: 0, 1"),
+    (["--zero", "2"], "--zero 2 is invalid; choose one of: 0, 1, 3"),
+    (["-s", "pipedream", "--data-parallel", "2", "--zero", "3"], "--zero 3 with the asynchronous pipedream is not "
+                                                                 "supported"),
+    (["--data-parallel", "2", "--zero", "3", "--tie-embeddings"], "--zero 3 with --tie-embeddings is not supported"),
     (["--bucket-mb", "0"], "--bucket-mb 0.0 is invalid; give MiB > 0"),
     (["-s", "chimera", "--data-parallel", "2", "--zero", "1"], "--zero 1 shards data-parallel replicas; chimera "
                                                                "replicates parts inside its pipeline"),
@@ -168,7 +191,7 @@ TINY = ["train", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads",
                                                                      "which is not a linear layer of it; give one of "
                                                                      "mlp.0, mlp.2"),
     (["--tensor-parallel", "2", "--model", f"{CUSTOM}:model"], "has no tp_plan; give its LayerModel a tp_plan"),
-], ids=["heads", "zero-degree", "zero-3", "bucket", "zero-chimera", "tp-clip", "async-dp", "async-dp-eval",
+], ids=["heads", "zero-degree", "zero-2", "zero3-async", "zero3-tied", "bucket", "zero-chimera", "tp-clip", "async-dp", "async-dp-eval",
         "plan-name", "no-plan"])
 def test_bad_parallel_input_is_one_line_before_spawning(cli_error: Any, argv: list[str], message: str,
                                                         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

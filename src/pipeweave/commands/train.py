@@ -47,8 +47,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="processes splitting every stage's layers (Megatron's tensor parallelism); "
                         "processes P x D x N on one device mesh (default 1)")
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",
-                   help="ZeRO stage of data parallelism: 0, or 1 (optimizer state sharded over the P replicas) "
-                        "(default 0)")
+                   help="ZeRO stage of data parallelism: 0 (none), 1 (optimizer state sharded over the P "
+                        "replicas) or 3 (parameters too: gathered before each F, B, I and freed after) (default 0)")
     p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MIB",
                    help="MiB of gradients per all-reduce across replicas (default 25)")
     p.add_argument("--batch", "--batch-size", dest="batch", type=int, default=16,

@@ -56,7 +56,8 @@ class Executor:
             run's ``transport.mesh``, which must be installed where replicas span ranks); False where
             replicas train apart (AvgPipe's, averaged by its policy instead).
         bucket_bytes: the size of the buckets of that sum (``runtime.replicas``).
-        zero: ZeRO-1 for data-parallel replicas (``runtime.zero``): optimizer state sharded over them.
+        zero: the ZeRO stage of data-parallel replicas (``runtime.zero``): 1 optimizer state sharded over
+            them, 3 parameters too.
         on_nonfinite: a synchronous run's ``TrainConfig.on_nonfinite``: every rank learns each step's
             loss (``nonfinite.LossAgreement``, ``step_loss``); ``skip``: no stage updates on a non-finite
             one. None: nothing agreed (evaluation, streams).
@@ -79,7 +80,7 @@ class Executor:
         combine_replicas: bool = True,
         on_nonfinite: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        zero: bool = False,
+        zero: int = 0,
     ) -> None:
         self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
         self.placement = lowered.schedule.placement

@@ -51,8 +51,8 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     done = plan.steps_done  # the data goes on from the batch after the checkpoint's last
     executor = Executor(lower(plan.schedule), rank, workers, plan.microbatch_sizes, device,
                         on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
-                        zero=config.zero == 1)
-    if config.resume is not None:  # after the executor: ZeRO-1 has sharded the optimizers it loads into
+                        zero=config.zero)
+    if config.resume is not None:  # after the executor: ZeRO has sharded the optimizers it loads into
         assert plan.resumed is not None
         checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     for w in workers.values():

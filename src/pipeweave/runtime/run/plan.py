@@ -200,6 +200,10 @@ def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
 
 
 def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
+    """ZeRO shards one replica of a part per data-parallel rank, stepped as a synchronous step's ``U``."""
+    if config.is_stream:  # its replicas update at every U from a blocking all-reduce; its policies keep versions
+        raise UserError(f"--zero {config.zero} with the asynchronous {config.schedule} is not supported (its "
+                        "weight versions are whole copies); use --zero 0 or a synchronous schedule")
     base = schedule.placement.num_stages // config.data_parallel  # the stages of one pipeline replica
     if base != schedule.placement.num_parts:
         raise UserError(f"--zero {config.zero} shards data-parallel replicas; {config.schedule} replicates parts "
@@ -207,6 +211,11 @@ def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
     if config.post_validation is not None:
         raise UserError(f"--zero {config.zero} with --clip-grad-norm is not supported (a norm over sharded "
                         "state); use --zero 0 with it")
+    if config.model.tie_embeddings and config.data_parallel > 1:
+        # The tied gradients are summed at U (runtime.stage.tied), after the reduce-scatter gave each replica
+        # its slice of the untied ones.
+        raise UserError(f"--zero {config.zero} with --tie-embeddings is not supported (the tie is summed after "
+                        "the gradients are sharded); use --zero 0 with it")
 
 
 def _check_evaluation(config: TrainConfig, source: Any) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from pipeweave.runtime.run import plan
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.stage.tensor_parallel import gather
+from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.transport import shm
 from pipeweave.schedule.ir import Action
@@ -105,7 +106,9 @@ def final_parameters(config: TrainConfig, workers: dict[int, StageWorker]) -> di
     """
     if not config.collect_parameters:
         return {}
-    return {s: {k: _whole(p, w).cpu().clone() for k, p in w.named_parameters().items()} for s, w in workers.items()}
+    with gathered(workers):  # ZeRO-3's slices too
+        return {s: {k: _whole(p, w).cpu().clone() for k, p in w.named_parameters().items()}
+                for s, w in workers.items()}
 
 
 def _whole(param: torch.Tensor, worker: StageWorker) -> torch.Tensor:
