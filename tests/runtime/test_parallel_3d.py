@@ -27,6 +27,7 @@ from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.plan import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.stage.post_validation import PostValidation
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -73,6 +74,11 @@ CASES_4 = {  # each pair of the dimensions at 2: 4 processes
     "dp-pp-zero3-1f1b": _config("1f1b", GPT, tp=1, dp=2, stages=2, zero=3, momentum=0.9),
     "dp-pp-zero3-zb-h1": _config("zb-h1", GPT, tp=1, dp=2, stages=2, zero=3),
     "dp-pp-zero3-zb-h1-recompute": _config("zb-h1", GPT, tp=1, dp=2, stages=2, zero=3, recompute=True),
+    # --clip-grad-norm by one all-reduce at U (norm ~9, clipped to 0.5): shards over tp counted each, whole
+    # parameters once per tp group, ZeRO slices over dp each; without ZeRO the reduced gradient once.
+    "tp-dp-zero3-clip": _config("1f1b", GPT, tp=2, dp=2, stages=1, zero=3, momentum=0.9,
+                                post_validation=PostValidation(max_norm=0.5)),
+    "dp-pp-clip": _config("zb-h1", GPT, tp=1, dp=2, stages=2, post_validation=PostValidation(max_norm=0.5)),
     "dp-pp-zero3-interleaved-adamw": _config("interleaved-1f1b", MLP, tp=1, dp=2, stages=2, num_chunks=2, zero=3,
                                              optimizer="adamw", lr=1e-2, bucket_mb=0.0005),
     "tp-pp-custom-plan": _config("zb-h1", ModelSpec(kind="custom", entry=f"{CUSTOM}:tensor_parallel"), tp=2, dp=1,
@@ -107,9 +113,28 @@ def _plain(config: TrainConfig) -> TrainResult:
 
 @functools.lru_cache(maxsize=None)
 def _plain_run(config: TrainConfig) -> TrainResult:
+    factory = optimizer_factory(config)
+    if config.post_validation is not None:
+        factory = functools.partial(_Clipped, factory, config.post_validation.max_norm)
     return run_plain(config.model, steps=STEPS, batch_size=config.batch_size,
                      num_microbatches=config.num_microbatches * config.data_parallel,
-                     optimizer_factory=optimizer_factory(config), precision=config.precision)
+                     optimizer_factory=factory, precision=config.precision)
+
+
+class _Clipped:
+    """Plain training's clipping: ``torch.nn.utils.clip_grad_norm_`` over the whole model, then the step."""
+
+    def __init__(self, factory: Any, max_norm: float, params: Any) -> None:
+        self.params, self.max_norm = list(params), max_norm
+        self.inner = factory(self.params)
+        self.param_groups = self.inner.param_groups
+
+    def step(self) -> None:
+        assert float(torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)) > self.max_norm  # it clips
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
 
 
 def _assert_equals_plain(config: TrainConfig, record: RunRecord) -> None:
@@ -182,7 +207,8 @@ TINY = ["train", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads",
     (["--bucket-mb", "0"], "--bucket-mb 0.0 is invalid; give MiB > 0"),
     (["-s", "chimera", "--data-parallel", "2", "--zero", "1"], "--zero 1 shards data-parallel replicas; chimera "
                                                                "replicates parts inside its pipeline"),
-    (["--tensor-parallel", "2", "--clip-grad-norm", "1"], "--clip-grad-norm with --tensor-parallel 2"),
+    (["--tensor-parallel", "2", "--clip-grad-norm", "1", "-s", "interleaved-1f1b", "--layers", "4"],
+     "--clip-grad-norm with --tensor-parallel/--data-parallel needs one stage per rank; interleaved-1f1b"),
     (["-s", "pipemare", "--data-parallel", "2"], "--data-parallel with the asynchronous pipemare is not supported; "
                                                  "use one of pipedream, pipedream-2bw"),
     (["-s", "pipedream", "--data-parallel", "2", "--eval-every", "1"], "--eval-every with --data-parallel 2 on "

@@ -72,7 +72,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
                    help="clip the global gradient norm; steps are post-validated (optimistic step, exact "
                         "rollback on NaN/inf or clipping), so no global barrier precedes the update; a NaN/inf "
-                        "norm stops the run, or skips the step with --on-nonfinite skip")
+                        "norm stops the run, or skips the step with --on-nonfinite skip; with "
+                        "--tensor-parallel/--data-parallel: one all-reduce of the norm at each update instead")
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
                    help="a step whose loss (or, with --clip-grad-norm, gradient norm) is NaN or inf: stop the run "
                         "there, exit code 1, the last checkpoint kept (default); or skip that step's update on every "

@@ -148,6 +148,19 @@ class ZeroOptimizer:
             return sum(s.numel() * s.element_size() for s in self.shards)
         return sum(p.numel() * p.element_size() for bucket in self.buckets for p in bucket)
 
+    def owned_gradients(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """Per parameter, the piece of this replica's gradient slices that is that parameter's (after
+        ``set_gradients``; parameters outside this replica's slices are left out)."""
+        for bucket, shard in zip(self.buckets, self.shards):
+            assert shard.grad is not None
+            n = shard.numel()
+            low, offset = self.rank * n, 0
+            for p in bucket:
+                start, stop = max(offset, low), min(offset + p.numel(), low + n)
+                if start < stop:
+                    yield p, shard.grad[start - low : stop - low]
+                offset += p.numel()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for bucket in self.buckets:
             for p in bucket:

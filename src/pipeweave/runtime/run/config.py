@@ -164,6 +164,12 @@ class TrainConfig:
         return info is not None and not info.synchronous
 
     @property
+    def clips_by_collective(self) -> bool:
+        """``--clip-grad-norm`` with tensor or data parallelism: one all-reduce of the norm at ``U``
+        (``runtime.clip``) instead of post-validation, which passes whole stages' norms down one pipeline."""
+        return self.post_validation is not None and (self.tensor_parallel > 1 or self.data_parallel > 1)
+
+    @property
     def lr_scheduled(self) -> bool:
         """Whether the learning rate moves (a warm-up or a decay): each update then sets its own."""
         return self.lr_schedule != "constant" or self.lr_warmup > 0

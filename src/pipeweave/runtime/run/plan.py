@@ -104,7 +104,9 @@ def prepare(config: TrainConfig) -> RunPlan:
     parts = layer_ranges(config, schedule)
     if config.model.kind == "custom":
         probe_model(config.model, config.seed)
-    if config.post_validation is not None:
+    if config.clips_by_collective:
+        _check_clip(config, schedule)
+    elif config.post_validation is not None:
         check_post_validation(schedule)
     run_id = _check_checkpoints(config, resumed)
     source = None
@@ -194,9 +196,17 @@ def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
         return
     check_tensor_parallel(config.model, n)
     check_plans(config.model)
-    if config.post_validation is not None:
-        raise UserError(f"--clip-grad-norm with --tensor-parallel {n} is not supported (a norm over shards); "
-                        "drop one of them")
+
+
+def _check_clip(config: TrainConfig, schedule: Schedule) -> None:
+    """Clipping by a collective (``runtime.clip``): one ``U`` per rank and step, every rank's at the step's end."""
+    if config.is_stream:
+        raise UserError(f"--clip-grad-norm with --tensor-parallel/--data-parallel applies to synchronous "
+                        f"schedules; {config.schedule} is asynchronous: drop --clip-grad-norm")
+    placement = schedule.placement
+    if any(len(placement.stages_on(r)) != 1 for r in range(schedule.num_ranks)):
+        raise UserError(f"--clip-grad-norm with --tensor-parallel/--data-parallel needs one stage per rank; "
+                        f"{config.schedule} places several on a rank: use 1f1b, zb-h1, zb-h2 or gpipe")
 
 
 def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
@@ -208,9 +218,6 @@ def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
     if base != schedule.placement.num_parts:
         raise UserError(f"--zero {config.zero} shards data-parallel replicas; {config.schedule} replicates parts "
                         "inside its pipeline: use --zero 0 with it")
-    if config.post_validation is not None:
-        raise UserError(f"--zero {config.zero} with --clip-grad-norm is not supported (a norm over sharded "
-                        "state); use --zero 0 with it")
     if config.model.tie_embeddings and config.data_parallel > 1:
         # The tied gradients are summed at U (runtime.stage.tied), after the reduce-scatter gave each replica
         # its slice of the untied ones.
