@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from pipeweave.data import data_source
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.runtime.run.config import TrainConfig
@@ -87,8 +88,11 @@ CASES_4 = {  # each pair of the dimensions at 2: 4 processes
     "tp-pp-pipedream": _config("pipedream", GPT, tp=2, dp=1, stages=2, steps=4, batch_size=8),
     "dp-pp-pipedream-2bw": _config("pipedream-2bw", MLP, tp=1, dp=2, stages=2, steps=4, batch_size=16,
                                    momentum=0.9),
+    # Evaluated between streams: each replica its piece of every held-out microbatch.
+    "dp-pp-pipedream-eval": _config("pipedream", GPT, tp=1, dp=2, stages=2, steps=4, batch_size=16, eval_every=2,
+                                    eval_batches=2),
 }
-AGAINST_REFERENCE = ("tp-pp-pipedream", "tp-pp-tied", "dp-pp-pipedream-2bw", "gpt-pipedream")
+AGAINST_REFERENCE = ("tp-pp-pipedream", "tp-pp-tied", "dp-pp-pipedream-2bw", "gpt-pipedream", "dp-pp-pipedream-eval")
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
@@ -187,6 +191,19 @@ def test_the_record_holds_one_process_per_stage_rank_with_shards_weights(runs_8:
     assert sum(p.numel() for p in whole.values()) > 0
 
 
+def test_pipedream_replicas_evaluate_the_held_out_loss_of_the_trained_weights(runs_4: dict[str, RunRecord],
+                                                                              held_out_loss: Any) -> None:
+    """The replicas' shares of the evaluation sum to the held-out loss of the final weights (the reference
+    executor's, checked above), computed whole in one process."""
+    config, record = CASES_4["dp-pp-pipedream-eval"], runs_4["dp-pp-pipedream-eval"]
+    assert [at for at, _ in record.eval_losses] == [2, 4]
+    final = {n: v for r in record.ranks for params in r.parameters.values() for n, v in params.items()}
+    source = data_source(GPT, batch_size=config.batch_size, seed=config.seed)
+    assert record.eval_losses[-1][1] == pytest.approx(held_out_loss(GPT, final, source, config.eval_batches),
+                                                      rel=1e-5)
+    assert record.eval_losses[0][1] != record.eval_losses[1][1]
+
+
 def test_zero3_keeps_half_of_each_part_between_actions(runs_4: dict[str, RunRecord]) -> None:
     for r, whole in zip(runs_4["dp-pp-zero3-zb-h1"].ranks, runs_4["dp-pp"].ranks):
         assert whole.weight_bytes == sum(p.numel() * 4 for ps in whole.parameters.values() for p in ps.values())
@@ -211,13 +228,11 @@ TINY = ["train", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads",
      "--clip-grad-norm with --tensor-parallel/--data-parallel needs one stage per rank; interleaved-1f1b"),
     (["-s", "pipemare", "--data-parallel", "2"], "--data-parallel with the asynchronous pipemare is not supported; "
                                                  "use one of pipedream, pipedream-2bw"),
-    (["-s", "pipedream", "--data-parallel", "2", "--eval-every", "1"], "--eval-every with --data-parallel 2 on "
-                                                                        "pipedream is not supported yet"),
     (["--tensor-parallel", "2", "--model", f"{CUSTOM}:bad_tp_plan"], "tp_plan[1]: the TP plan names 'mlp.5', "
                                                                      "which is not a linear layer of it; give one of "
                                                                      "mlp.0, mlp.2"),
     (["--tensor-parallel", "2", "--model", f"{CUSTOM}:model"], "has no tp_plan; give its LayerModel a tp_plan"),
-], ids=["heads", "zero-degree", "zero-2", "zero3-async", "zero3-tied", "bucket", "zero-chimera", "tp-clip", "async-dp", "async-dp-eval",
+], ids=["heads", "zero-degree", "zero-2", "zero3-async", "zero3-tied", "bucket", "zero-chimera", "tp-clip", "async-dp",
         "plan-name", "no-plan"])
 def test_bad_parallel_input_is_one_line_before_spawning(cli_error: Any, argv: list[str], message: str,
                                                         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

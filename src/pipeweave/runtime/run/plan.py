@@ -182,9 +182,6 @@ def _check_stream_data_parallel(config: TrainConfig) -> None:
     if config.schedule not in ASYNC_DATA_PARALLEL:
         raise UserError(f"--data-parallel with the asynchronous {config.schedule} is not supported; use one of "
                         f"{', '.join(ASYNC_DATA_PARALLEL)}, a synchronous schedule, or --data-parallel 1")
-    if config.eval_every is not None:  # each replica would evaluate every held-out batch: P times the loss
-        raise UserError(f"--eval-every with --data-parallel {config.data_parallel} on {config.schedule} is not "
-                        "supported yet; drop --eval-every or --data-parallel")
 
 
 def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:

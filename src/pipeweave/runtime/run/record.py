@@ -138,12 +138,14 @@ def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, sta
 
 def _fold_replicas(records: list[Any], replicas: int) -> list[Any]:
     """An asynchronous run's P replicas' records (in process order, the first replica's first): the first
-    replica's, each rank's loss shares summed over the replicas (each ran its piece of every microbatch)."""
+    replica's, each rank's loss shares (training and held-out) summed over the replicas (each ran its piece of
+    every microbatch)."""
     ranks = len(records) // replicas
     first = records[:ranks]
     for other in records[ranks:]:
         mine = first[other.rank]
         mine.losses = [a + b for a, b in zip(mine.losses, other.losses)]
+        mine.eval_losses = [(at, a + b) for (at, a), (_, b) in zip(mine.eval_losses, other.eval_losses)]
     return first
 
 
