@@ -56,8 +56,6 @@ CASES_8 = {  # TP = DP = D = 2: 8 processes
     # PipeDream's hybrid: P replicas around the stream, each its piece of every microbatch, every update the sum
     # of the replicas' gradients; against its reference executor (one pipeline, whole microbatches).
     "gpt-pipedream": _config("pipedream", GPT, tp=2, dp=2, stages=2, steps=4, batch_size=16),
-    # ZeRO-3: each process keeps half of its tensor-parallel shards, gathered around F, B and I.
-    "gpt-zb-h1-zero3": _config("zb-h1", GPT, tp=2, dp=2, stages=2, zero=3, momentum=0.9),
 }
 CASES_4 = {  # each pair of the dimensions at 2: 4 processes
     "tp-dp": _config("1f1b", GPT, tp=2, dp=2, stages=1),
@@ -79,9 +77,7 @@ CASES_4 = {  # each pair of the dimensions at 2: 4 processes
     # parameters once per tp group, ZeRO slices over dp each; without ZeRO the reduced gradient once.
     "tp-dp-zero3-clip": _config("1f1b", GPT, tp=2, dp=2, stages=1, zero=3, momentum=0.9,
                                 post_validation=PostValidation(max_norm=0.5)),
-    "dp-pp-clip": _config("zb-h1", GPT, tp=1, dp=2, stages=2, post_validation=PostValidation(max_norm=0.5)),
-    "dp-pp-zero3-interleaved-adamw": _config("interleaved-1f1b", MLP, tp=1, dp=2, stages=2, num_chunks=2, zero=3,
-                                             optimizer="adamw", lr=1e-2, bucket_mb=0.0005),
+
     "tp-pp-custom-plan": _config("zb-h1", ModelSpec(kind="custom", entry=f"{CUSTOM}:tensor_parallel"), tp=2, dp=1,
                                  stages=2),
     # Asynchronous: PipeDream's weight stashing on shards; its own reference, not plain training.
@@ -91,6 +87,13 @@ CASES_4 = {  # each pair of the dimensions at 2: 4 processes
     # Evaluated between streams: each replica its piece of every held-out microbatch.
     "dp-pp-pipedream-eval": _config("pipedream", GPT, tp=1, dp=2, stages=2, steps=4, batch_size=16, eval_every=2,
                                     eval_batches=2),
+}
+SLOW = {  # (processes, config): further ZeRO-3 and clipping cases, in the slow run
+    # ZeRO-3 on all three dimensions: each process keeps half of its tensor-parallel shards.
+    "gpt-zb-h1-zero3": (8, _config("zb-h1", GPT, tp=2, dp=2, stages=2, zero=3, momentum=0.9)),
+    "dp-pp-zero3-interleaved-adamw": (4, _config("interleaved-1f1b", MLP, tp=1, dp=2, stages=2, num_chunks=2, zero=3,
+                                                 optimizer="adamw", lr=1e-2, bucket_mb=0.0005)),
+    "dp-pp-clip": (4, _config("zb-h1", GPT, tp=1, dp=2, stages=2, post_validation=PostValidation(max_norm=0.5))),
 }
 AGAINST_REFERENCE = ("tp-pp-pipedream", "tp-pp-tied", "dp-pp-pipedream-2bw", "gpt-pipedream", "dp-pp-pipedream-eval")
 
@@ -156,6 +159,14 @@ def _assert_equals_plain(config: TrainConfig, record: RunRecord) -> None:
                 torch.testing.assert_close(value, plain.parameters[name], **tolerance, msg=name)
                 seen.add(name)
     assert seen == set(plain.parameters)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW))
+def test_further_zero3_and_clipping_cases_equal_plain_training(case: str) -> None:
+    processes, config = SLOW[case]
+    (record,) = launch(_run_all, [config], processes, LaunchOptions(timeout_s=120))
+    _assert_equals_plain(config, record)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES_4 if c not in AGAINST_REFERENCE])
