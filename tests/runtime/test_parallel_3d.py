@@ -70,7 +70,8 @@ CASES_4 = {  # each pair of the dimensions at 2: 4 processes
     # key alike) into full steps of float noise, whose sign the summation order decides.
     "tp-pp-mlp-adamw": _config("1f1b", MLP, tp=2, dp=1, stages=2, optimizer="adamw", lr=1e-2),
     # ZeRO-3: parameters sharded over the replicas, gathered before F, B and I, freed after; W on freed ones.
-    "dp-pp-zero3-1f1b": _config("1f1b", GPT, tp=1, dp=2, stages=2, zero=3, momentum=0.9),
+    "dp-pp-zero3-1f1b": _config("1f1b", GPT, tp=1, dp=2, stages=2, zero=3, momentum=0.9, eval_every=STEPS,
+                                eval_batches=1),  # its evaluation gathers the parameters too
     "dp-pp-zero3-zb-h1": _config("zb-h1", GPT, tp=1, dp=2, stages=2, zero=3),
     "dp-pp-zero3-zb-h1-recompute": _config("zb-h1", GPT, tp=1, dp=2, stages=2, zero=3, recompute=True),
     # --clip-grad-norm by one all-reduce at U (norm ~9, clipped to 0.5): shards over tp counted each, whole
@@ -213,6 +214,14 @@ def test_pipedream_replicas_evaluate_the_held_out_loss_of_the_trained_weights(ru
     assert record.eval_losses[-1][1] == pytest.approx(held_out_loss(GPT, final, source, config.eval_batches),
                                                       rel=1e-5)
     assert record.eval_losses[0][1] != record.eval_losses[1][1]
+
+
+def test_zero3_evaluates_the_held_out_loss_of_the_trained_weights(runs_4: dict[str, RunRecord],
+                                                                   held_out_loss: Any) -> None:
+    config, record = CASES_4["dp-pp-zero3-1f1b"], runs_4["dp-pp-zero3-1f1b"]
+    final = {n: v for r in record.ranks for params in r.parameters.values() for n, v in params.items()}
+    source = data_source(GPT, batch_size=config.batch_size, seed=config.seed)
+    assert record.eval_losses == [(STEPS, pytest.approx(held_out_loss(GPT, final, source, 1), rel=1e-5))]
 
 
 def test_zero3_keeps_half_of_each_part_between_actions(runs_4: dict[str, RunRecord]) -> None:
