@@ -22,7 +22,10 @@ before F, B or I (and a forward for evaluation) and frees that storage after
 only the input and output gradient its I kept -- so it runs on freed
 parameters. The gradients accumulate whole through the step and are
 reduce-scattered after the part's last W or B, as at stage 1, and the step
-updates the slices only: no all-gather after it.
+updates the slices only: no all-gather after it. The unit gathered is the
+part (FSDP wraps each block): a rank's peak still holds one part whole and
+the step's whole gradients; what stage 3 saves is what a rank keeps between
+actions (``runtime.run.memory`` counts both).
 
 Why not FSDP2 (``torch.distributed.fsdp.fully_shard``), as torchtitan
 composes it with pipelining: FSDP2 reduces a module's gradients from its
