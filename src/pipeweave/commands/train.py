@@ -48,8 +48,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="processes splitting every stage's layers (Megatron's tensor parallelism); "
                         "processes P x D x N on one device mesh (default 1)")
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",
-                   help="ZeRO stage of data parallelism: 0, or 1 (optimizer state sharded over the P replicas) "
-                        "(default 0)")
+                   help="ZeRO stage of data parallelism: 0 (none), 1 (optimizer state sharded over the P "
+                        "replicas) or 3 (parameters too: gathered before each F, B, I and freed after) (default 0)")
     p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MIB",
                    help="MiB of gradients per all-reduce across replicas (default 25)")
     p.add_argument("--batch", "--batch-size", dest="batch", type=int, default=16,
@@ -74,7 +74,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
                    help="clip the global gradient norm; steps are post-validated (optimistic step, exact "
                         "rollback on NaN/inf or clipping), so no global barrier precedes the update; a NaN/inf "
-                        "norm stops the run, or skips the step with --on-nonfinite skip")
+                        "norm stops the run, or skips the step with --on-nonfinite skip; with "
+                        "--tensor-parallel/--data-parallel: one all-reduce of the norm at each update instead")
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
                    help="a step whose loss (or, with --clip-grad-norm, gradient norm) is NaN or inf: stop the run "
                         "there, exit code 1, the last checkpoint kept (default); or skip that step's update on every "

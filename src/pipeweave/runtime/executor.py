@@ -25,6 +25,7 @@ import torch
 
 from pipeweave.errors import StuckError
 from pipeweave.models.boundary import Boundary
+from pipeweave.runtime.clip import GlobalNormClip
 from pipeweave.runtime.nonfinite import LossAgreement
 from pipeweave.runtime.replicas import DEFAULT_BUCKET_BYTES, ReplicaReduction
 from pipeweave.runtime.transport import mesh
@@ -59,7 +60,9 @@ class Executor:
             run's ``transport.mesh``, which must be installed where replicas span ranks); False where
             replicas train apart (AvgPipe's, averaged by its policy instead).
         bucket_bytes: the size of the buckets of that sum (``runtime.replicas``).
-        zero: ZeRO-1 for data-parallel replicas (``runtime.zero``): optimizer state sharded over them.
+        zero: the ZeRO stage of data-parallel replicas (``runtime.zero``): 1 optimizer state sharded over
+            them, 3 parameters too.
+        clip_norm: clip the global gradient norm to this at every ``U`` (``runtime.clip``; None: no clipping).
         partner: this rank's side of BPipe's pair (``transport.partner``), for EVICT and LOAD.
         on_nonfinite: a synchronous run's ``TrainConfig.on_nonfinite``: every rank learns each step's
             loss (``nonfinite.LossAgreement``, ``step_loss``); ``skip``: no stage updates on a non-finite
@@ -83,7 +86,8 @@ class Executor:
         combine_replicas: bool = True,
         on_nonfinite: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        zero: bool = False,
+        zero: int = 0,
+        clip_norm: float | None = None,
         partner: PartnerLink | None = None,
     ) -> None:
         self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
@@ -102,6 +106,7 @@ class Executor:
             for line in self.placement.pipelines:
                 if line[0] != line[-1]:
                     self.p2p.tied.update({line[0]: line[-1], line[-1]: line[0]})
+        self.clip = None if clip_norm is None or evaluate else GlobalNormClip(clip_norm, workers)  # after both
         self.dispatch: dict[Op, Callable[[Action], None]] = {
             Op.F: self.forward, Op.B: self.backward, Op.I: self.backward_input, Op.W: self.backward_weight,
             Op.U: self.update, Op.SEND_F: self.send_forward, Op.RECV_F: self.recv_forward,

@@ -20,11 +20,11 @@ from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.stage.policy import PolicyOptions
 from pipeweave.runtime.stage.post_validation import PostValidation
 from pipeweave.schedule import SCHEDULES
+from pipeweave.sim.parallel import ZERO_STAGES
 
 
 OPTIMIZERS = ("sgd", "adamw")
 ON_NONFINITE = ("stop", "skip")
-ZERO_STAGES = (0, 1)
 MAX_BUCKET_MB = 4096.0
 
 
@@ -68,8 +68,9 @@ class TrainConfig:
     """N: processes splitting every stage's layers (``models.tensor_parallel``); a run has P x D x N processes
     on one device mesh (``runtime.transport.mesh``)."""
     zero: int = 0
-    """ZeRO stage of data parallelism: 0 (every replica keeps its optimizer state) or 1 (optimizer state
-    sharded over the replicas, parameters gathered after each step; ``runtime.zero``)."""
+    """ZeRO stage of data parallelism (``runtime.zero``): 0 (every replica keeps everything), 1 (optimizer state
+    sharded over the replicas, parameters all-gathered after each step) or 3 (parameters and optimizer state
+    sharded; a part's parameters gathered before each F, B and I and freed after)."""
     bucket_mb: float = 25.0
     """MiB of gradients per all-reduce of the replicas' gradients (``runtime.replicas``)."""
     memory_every_step: bool = False
@@ -169,6 +170,12 @@ class TrainConfig:
         """An asynchronous schedule: one stream of ``steps`` mini-batches (``runtime.stream``)."""
         info = SCHEDULES.get(self.schedule)
         return info is not None and not info.synchronous
+
+    @property
+    def clips_by_collective(self) -> bool:
+        """``--clip-grad-norm`` with tensor or data parallelism: one all-reduce of the norm at ``U``
+        (``runtime.clip``) instead of post-validation, which passes whole stages' norms down one pipeline."""
+        return self.post_validation is not None and (self.tensor_parallel > 1 or self.data_parallel > 1)
 
     @property
     def lr_scheduled(self) -> bool:

@@ -26,6 +26,7 @@ from pipeweave.runtime.process import progress
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
+from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.plan import RunPlan, learning_rates, offloaded
 from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
 from pipeweave.runtime.run.stream_job import run_stream_rank
@@ -104,8 +105,8 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     link = partner_link(stash, rank, workers) if config.balance_activations else None
     executor = Executor(low, rank, workers, plan.microbatch_sizes, device,
                         on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
-                        zero=config.zero == 1, partner=link)
-    if config.resume is not None:  # after the executor: ZeRO-1 has sharded the optimizers it loads into
+                        zero=config.zero, clip_norm=_clip_norm(config), partner=link)
+    if config.resume is not None:  # after the executor: ZeRO has sharded the optimizers it loads into
         assert plan.resumed is not None
         checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     for w in workers.values():
@@ -143,3 +144,8 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     if run is not None:
         run.save_failures, run.final_save_failure = milestones.save_failures, milestones.final_save_failure
     return run
+
+
+def _clip_norm(config: TrainConfig) -> float | None:
+    """The norm ``runtime.clip`` clips to (None where post-validation clips, or nothing does)."""
+    return config.post_validation.max_norm if config.clips_by_collective and config.post_validation else None

@@ -105,7 +105,9 @@ def prepare(config: TrainConfig) -> RunPlan:
     parts = layer_ranges(config, schedule)
     if config.model.kind == "custom":
         probe_model(config.model, config.seed)
-    if config.post_validation is not None:
+    if config.clips_by_collective:
+        _check_clip(config, schedule)
+    elif config.post_validation is not None:
         check_post_validation(schedule)
     run_id = _check_checkpoints(config, resumed)
     source = None
@@ -203,9 +205,6 @@ def _check_stream_data_parallel(config: TrainConfig) -> None:
     if config.schedule not in ASYNC_DATA_PARALLEL:
         raise UserError(f"--data-parallel with the asynchronous {config.schedule} is not supported; use one of "
                         f"{', '.join(ASYNC_DATA_PARALLEL)}, a synchronous schedule, or --data-parallel 1")
-    if config.eval_every is not None:  # each replica would evaluate every held-out batch: P times the loss
-        raise UserError(f"--eval-every with --data-parallel {config.data_parallel} on {config.schedule} is not "
-                        "supported yet; drop --eval-every or --data-parallel")
 
 
 def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
@@ -217,19 +216,33 @@ def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
         return
     check_tensor_parallel(config.model, n)
     check_plans(config.model)
-    if config.post_validation is not None:
-        raise UserError(f"--clip-grad-norm with --tensor-parallel {n} is not supported (a norm over shards); "
-                        "drop one of them")
+
+
+def _check_clip(config: TrainConfig, schedule: Schedule) -> None:
+    """Clipping by a collective (``runtime.clip``): one ``U`` per rank and step, every rank's at the step's end."""
+    if config.is_stream:
+        raise UserError(f"--clip-grad-norm with --tensor-parallel/--data-parallel applies to synchronous "
+                        f"schedules; {config.schedule} is asynchronous: drop --clip-grad-norm")
+    placement = schedule.placement
+    if any(len(placement.stages_on(r)) != 1 for r in range(schedule.num_ranks)):
+        raise UserError(f"--clip-grad-norm with --tensor-parallel/--data-parallel needs one stage per rank; "
+                        f"{config.schedule} places several on a rank: use 1f1b, zb-h1, zb-h2 or gpipe")
 
 
 def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
+    """ZeRO shards one replica of a part per data-parallel rank, stepped as a synchronous step's ``U``."""
+    if config.is_stream:  # its replicas update at every U from a blocking all-reduce; its policies keep versions
+        raise UserError(f"--zero {config.zero} with the asynchronous {config.schedule} is not supported (its "
+                        "weight versions are whole copies); use --zero 0 or a synchronous schedule")
     base = schedule.placement.num_stages // config.data_parallel  # the stages of one pipeline replica
     if base != schedule.placement.num_parts:
         raise UserError(f"--zero {config.zero} shards data-parallel replicas; {config.schedule} replicates parts "
                         "inside its pipeline: use --zero 0 with it")
-    if config.post_validation is not None:
-        raise UserError(f"--zero {config.zero} with --clip-grad-norm is not supported (a norm over sharded "
-                        "state); use --zero 0 with it")
+    if config.model.tie_embeddings and config.data_parallel > 1:
+        # The tied gradients are summed at U (runtime.stage.tied), after the reduce-scatter gave each replica
+        # its slice of the untied ones.
+        raise UserError(f"--zero {config.zero} with --tie-embeddings is not supported (the tie is summed after "
+                        "the gradients are sharded); use --zero 0 with it")
 
 
 def _check_evaluation(config: TrainConfig, source: Any) -> None:

@@ -30,7 +30,7 @@ def build_workers(plan: RunPlan, rank: int, device: torch.device,
 
     Under tensor parallelism (the installed ``transport.mesh``) each splits its layers over the process's
     ``tp`` group. With ``--clip-grad-norm`` each stage's optimizer is the post-validated one
-    (``stage.post_validation``).
+    (``stage.post_validation``), unless the run clips by a collective (``TrainConfig.clips_by_collective``).
     """
     config = plan.config
     schedule = schedule if schedule is not None else plan.schedule
@@ -43,7 +43,7 @@ def build_workers(plan: RunPlan, rank: int, device: torch.device,
                        compress=config.compress_activations is not None)
         for s in schedule.placement.stages_on(rank)
     }
-    if config.post_validation is not None:
+    if config.post_validation is not None and not config.clips_by_collective:  # (else runtime.clip, at U)
         install_post_validation(config.post_validation, schedule, workers, config.optimizer, config.lr,
                                 config.momentum)
     return workers
