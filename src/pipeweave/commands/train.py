@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeweave.commands.partition import add_model_arguments, add_partition_arguments
+from pipeweave.commands.schedule_file import add_schedule_file_argument
 from pipeweave.commands.stream_options import add_async_arguments
 
 DEFAULT_OUT = Path("pipeweave-out")
@@ -36,8 +37,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--save-every stop it.",
     )
     p.add_argument("-s", "--schedule", help="schedule name (default: zb-h1 if registered, else 1f1b)")
-    p.add_argument("--stages", type=int, default=2, help="D, pipeline ranks (default 2)")
-    p.add_argument("--microbatches", type=int, default=4, help="T, microbatches per step (default 4)")
+    add_schedule_file_argument(p)
+    p.add_argument("--stages", type=int, help="D, pipeline ranks (default 2)")
+    p.add_argument("--microbatches", type=int, help="T, microbatches per step (default 4)")
     p.add_argument("--chunks", type=int, help="v, chunks per rank, for schedules that take it")
     add_model_arguments(p)
     add_partition_arguments(p)

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pipeweave.commands.partition import check_partition_arguments, memory_profile, model_spec, parse_counts, partition_context, partition_method
 from pipeweave.commands.outputs import output_folder
 from pipeweave.commands.profiled import profiled_costs
+from pipeweave.commands.schedule_file import schedule_from_file
 from pipeweave.commands.stream_options import async_options
 from pipeweave.commands.train_report import build_report, output_paths, print_summary, write_outputs
 from pipeweave.errors import UserError
@@ -77,14 +78,19 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     spec = model_spec(args, DEFAULT_GPT)
     optimizer = args.optimizer or ("sgd" if spec.kind == "mlp" else "adamw")
     lr = args.lr if args.lr is not None else (3e-3 if optimizer == "adamw" else 0.1)
-    schedule = args.schedule or next(n for n in DEFAULT_SCHEDULES if n in SCHEDULES)
+    written = schedule_from_file(args)
+    schedule = args.schedule_file if written is not None else \
+        args.schedule or next(n for n in DEFAULT_SCHEDULES if n in SCHEDULES)
     if args.threads < 1:
         raise UserError(f"--threads {args.threads} is invalid; give at least 1")
     options, policy_kwargs = async_options(args, schedule)
     policy = PolicyOptions(**policy_kwargs)  # its values checked here
     momentum = args.momentum if args.momentum is not None else (0.9 if schedule in ("spectrain", "xpipe") else 0.0)
     config = TrainConfig(
-        schedule=schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks,
+        schedule=schedule, schedule_file=written, num_chunks=args.chunks,
+        num_stages=_size(args.stages, DEFAULT_STAGES, None if written is None else written.num_ranks),
+        num_microbatches=_size(args.microbatches, DEFAULT_MICROBATCHES,
+                               None if written is None else written.num_microbatches),
         model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
         recompute=args.recompute, precision=args.precision, seed=args.seed or 0, data=args.data,
         data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel, zero=args.zero,
@@ -97,6 +103,15 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         resume=args.resume, keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite,
     )
     return _with_searched_costs(_with_partition(config, args), args)
+
+
+DEFAULT_STAGES, DEFAULT_MICROBATCHES = 2, 4
+
+
+def _size(given: int | None, default: int, written: int | None) -> int:
+    """``--stages`` or ``--microbatches``: as given (a conflict with the file is ``TrainConfig``'s one line),
+    else the schedule file's, else the default."""
+    return given if given is not None else written if written is not None else default
 
 
 def _check_transport(args: argparse.Namespace, plan: RunPlan, torchrun: bool, capacity: int | None = None) -> None:

@@ -19,7 +19,7 @@ from pipeweave.models.precision import check as precision_check
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.stage.policy import PolicyOptions
 from pipeweave.runtime.stage.post_validation import PostValidation
-from pipeweave.schedule import SCHEDULES
+from pipeweave.schedule import SCHEDULES, Schedule
 
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -33,7 +33,10 @@ class TrainConfig:
     """Everything a rank needs to take part in a run (picklable)."""
 
     schedule: str = "1f1b"
-    """Registry name of the schedule."""
+    """Registry name of the schedule (with ``schedule_file``: the file it came from)."""
+    schedule_file: Schedule | None = None
+    """A synchronous schedule of one pipeline written by hand (``pipeweave train --schedule-file``), used
+    instead of generating ``schedule``; ``num_stages`` and ``num_microbatches`` are its own."""
     num_stages: int = 2
     """D: pipeline ranks."""
     num_microbatches: int = 4
@@ -155,10 +158,14 @@ class TrainConfig:
             raise UserError(f"--bucket-mb {self.bucket_mb} is invalid; give MiB > 0 and at most {MAX_BUCKET_MB:g}")
         if not 0.0 <= self.momentum < 1.0:
             raise UserError(f"--momentum {self.momentum} is invalid; give 0 <= momentum < 1")
+        if self.schedule_file is not None:
+            _check_schedule_file(self, self.schedule_file)
 
     @property
     def is_stream(self) -> bool:
         """An asynchronous schedule: one stream of ``steps`` mini-batches (``runtime.stream``)."""
+        if self.schedule_file is not None:
+            return False
         info = SCHEDULES.get(self.schedule)
         return info is not None and not info.synchronous
 
@@ -179,6 +186,21 @@ _FLOATS = ("lr", "momentum", "bucket_mb")
 _STRS = ("schedule", "optimizer", "precision", "lr_schedule", "on_nonfinite")
 _OPTIONAL_STRS = ("data", "save", "resume")
 _BOOLS = ("recompute", "collect_parameters", "memory_every_step", "overwrite")
+
+
+def _check_schedule_file(config: TrainConfig, schedule: Schedule) -> None:
+    """A schedule from a file is synchronous, and the run's sizes are its own (one line otherwise)."""
+    if not schedule.is_synchronous:
+        raise UserError(f"--schedule-file {config.schedule}: train takes synchronous schedules from a file, this one "
+                        f"has policy {schedule.policy.value}; use -s NAME for an asynchronous schedule")
+    for flag, given, own in (("--stages", config.num_stages, schedule.num_ranks),
+                             ("--microbatches", config.num_microbatches, schedule.num_microbatches)):
+        if given != own:
+            raise UserError(f"{flag} {given} conflicts with --schedule-file {config.schedule}, which has {own}; "
+                            f"drop {flag} (the file sets it)")
+    if config.num_chunks is not None and config.num_chunks != schedule.num_chunks:
+        raise UserError(f"--chunks {config.num_chunks} conflicts with --schedule-file {config.schedule}, which has "
+                        f"{schedule.num_chunks} per rank; drop --chunks (the file sets it)")
 
 
 def _check_types(config: TrainConfig) -> None:

@@ -103,6 +103,8 @@ def part_count(config: TrainConfig) -> int | None:
         >>> part_count(TrainConfig(schedule="zb-v", num_stages=4)), part_count(TrainConfig(schedule="interleaved-1f1b"))
         (8, 4)
     """
+    if config.schedule_file is not None:
+        return config.schedule_file.num_parts
     info = SCHEDULES.get(config.schedule)
     if info is None or config.num_stages < 1:
         return None
