@@ -116,6 +116,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE", help="write the measured timeline plot here (default OUT/timeline.png)")
     p.add_argument("--trace", metavar="FILE", help="write the Chrome trace here (default OUT/trace.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="write every step's loss, learning rate, throughput, bubble and memory as TensorBoard event "
+                        "files into DIR (tensorboard --logdir DIR); needs pip install 'pipeweave[tensorboard]'")
     add_async_arguments(p)
     return p
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
@@ -101,11 +102,23 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
         lr_warmup=args.lr_warmup, lr_decay_steps=args.lr_decay_steps,
         resume=args.resume, keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite,
+        log_dir=_log_dir(args.log_dir),
     )
     return _with_searched_costs(_with_partition(config, args), args)
 
 
 DEFAULT_STAGES, DEFAULT_MICROBATCHES = 2, 4
+
+
+def _log_dir(value: str | None) -> str | None:
+    """``--log-dir DIR``: a folder this command can write, and the package that writes it (one line otherwise)."""
+    if value is None:
+        return None
+    if importlib.util.find_spec("tensorboard") is None:
+        raise UserError(f"--log-dir {value} writes TensorBoard event files and needs the tensorboard package; "
+                        "pip install 'pipeweave[tensorboard]', or drop --log-dir")
+    output_folder("--log-dir", value)
+    return value
 
 
 def _size(given: int | None, default: int, written: int | None) -> int:

@@ -109,6 +109,9 @@ class TrainConfig:
     """Evaluate every this many steps and after the last: the mean loss of ``eval_batches`` held-out batches."""
     eval_batches: int = 4
     """Held-out batches per evaluation (``ByteCorpus.eval_batch``), the same ones every time."""
+    log_dir: str | None = None
+    """Write every step's loss, learning rate, throughput, bubble and memory here as TensorBoard event files
+    (``runtime.run.step_log``), from the process with the loss."""
     resume: str | None = None
     """Start from the checkpoint in this folder (the newest complete one in it): its parameters, optimizer state
     and step (``runtime.run.checkpoint``). ``"auto"``: from the newest in ``save`` if there is one, else afresh,
@@ -160,6 +163,9 @@ class TrainConfig:
             raise UserError(f"--momentum {self.momentum} is invalid; give 0 <= momentum < 1")
         if self.schedule_file is not None:
             _check_schedule_file(self, self.schedule_file)
+        if self.log_dir is not None and self.is_stream:
+            raise UserError(f"--log-dir applies to synchronous schedules; {self.schedule} is asynchronous (its "
+                            "losses are known per stream); drop --log-dir or use a synchronous schedule")
 
     @property
     def is_stream(self) -> bool:
@@ -184,7 +190,7 @@ _INTS = ("num_stages", "num_microbatches", "batch_size", "steps", "seed", "data_
 _OPTIONAL_INTS = ("num_chunks", "save_every", "lr_decay_steps", "eval_every")
 _FLOATS = ("lr", "momentum", "bucket_mb")
 _STRS = ("schedule", "optimizer", "precision", "lr_schedule", "on_nonfinite")
-_OPTIONAL_STRS = ("data", "save", "resume")
+_OPTIONAL_STRS = ("data", "save", "resume", "log_dir")
 _BOOLS = ("recompute", "collect_parameters", "memory_every_step", "overwrite")
 
 

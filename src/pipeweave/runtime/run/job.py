@@ -27,6 +27,7 @@ from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
 from pipeweave.runtime.run.plan import RunPlan, learning_rates
 from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
+from pipeweave.runtime.run.step_log import StepLog
 from pipeweave.runtime.run.stream_job import run_stream_rank
 from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.stage.lr_schedule import set_lr
@@ -64,6 +65,7 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     milestones = Milestones(plan, plan.schedule, rank, workers, device, source)
     divergence = Divergence(plan, workers)
     rates = learning_rates(config, done) if config.lr_scheduled else None
+    log = StepLog(plan, process, world, rank, device, rates)
     for step in range(config.steps):
         if rates is not None:
             for w in workers.values():
@@ -76,10 +78,12 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
             for w in workers.values():
                 w.track_memory = False
         mine.records.append(seconds_since(timings, offset))
+        log.after_step(step, loss, mine.records[-1])
         if mesh.reporting():  # a tensor-parallel group's processes run alike: one reports
             progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
         divergence.after_step(step, executor.step_loss)  # stops every rank here, or counts a skipped update
         milestones.reached(step + 1)
+    log.close()
     divergence.at_end(plan.schedule.placement)
     mine.peak_activation_bytes = executor.peak_activation_bytes
     mine.weight_bytes = sum(w.weight_bytes() for w in workers.values())
