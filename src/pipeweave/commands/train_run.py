@@ -102,7 +102,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
         lr_warmup=args.lr_warmup, lr_decay_steps=args.lr_decay_steps,
         resume=args.resume, keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite,
-        log_dir=_log_dir(args.log_dir),
+        log_dir=_log_dir(args.log_dir), min_seq_len=args.min_seq_len,
     )
     return _with_searched_costs(_with_partition(config, args), args)
 

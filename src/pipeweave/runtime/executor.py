@@ -60,6 +60,8 @@ class Executor:
         on_nonfinite: a synchronous run's ``TrainConfig.on_nonfinite``: every rank learns each step's
             loss (``nonfinite.LossAgreement``, ``step_loss``); ``skip``: no stage updates on a non-finite
             one. None: nothing agreed (evaluation, streams).
+        variable_shapes: messages whose per-sample shape changes (sequences of variable length): each
+            carries its own metadata (``transport.p2p``).
 
     Example:
         ex = Executor(lower(schedule), rank, workers, sizes, torch.device("cpu"))
@@ -80,11 +82,12 @@ class Executor:
         on_nonfinite: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         zero: bool = False,
+        variable_shapes: bool = False,
     ) -> None:
         self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
         self.placement = lowered.schedule.placement
         self.row = lowered.actions[rank]
-        self.p2p = P2P(lowered, rank, microbatch_sizes, device)
+        self.p2p = P2P(lowered, rank, microbatch_sizes, device, variable_shapes=variable_shapes)
         self.evaluating = evaluate
         """F runs as ``StageWorker.evaluate``; no gradient is prepared or exchanged."""
         exchanging = {} if evaluate else workers  # the training executor owns the workers' combine_grads

@@ -61,6 +61,10 @@ class TrainConfig:
     """Data seed (the model's seed is ``model.seed``)."""
     data: str | None = None
     """gpt only: a text file instead of the built-in corpus."""
+    min_seq_len: int | None = None
+    """gpt only: sequences of variable length, each microbatch of each step cut to its own length drawn from
+    ``[min_seq_len, model.seq_len]`` (``data.ByteCorpus``); their shapes travel with every message
+    (``transport.p2p``). None: every sequence ``seq_len`` long."""
     collect_parameters: bool = False
     """Send every stage's final parameters to rank 0 (tests)."""
     layers_per_part: tuple[int, ...] | None = None
@@ -163,6 +167,8 @@ class TrainConfig:
             raise UserError(f"--momentum {self.momentum} is invalid; give 0 <= momentum < 1")
         if self.schedule_file is not None:
             _check_schedule_file(self, self.schedule_file)
+        if self.min_seq_len is not None:
+            _check_min_seq_len(self, self.min_seq_len)
         if self.log_dir is not None and self.is_stream:
             raise UserError(f"--log-dir applies to synchronous schedules; {self.schedule} is asynchronous (its "
                             "losses are known per stream); drop --log-dir or use a synchronous schedule")
@@ -176,6 +182,11 @@ class TrainConfig:
         return info is not None and not info.synchronous
 
     @property
+    def variable_shapes(self) -> bool:
+        """Whether the per-sample shapes of the messages change from microbatch to microbatch."""
+        return self.min_seq_len is not None
+
+    @property
     def lr_scheduled(self) -> bool:
         """Whether the learning rate moves (a warm-up or a decay): each update then sets its own."""
         return self.lr_schedule != "constant" or self.lr_warmup > 0
@@ -187,11 +198,23 @@ _FLAGS = {"batch_size": "batch", "num_stages": "stages", "num_microbatches": "mi
           "eval_batches": "eval-batches"}
 _INTS = ("num_stages", "num_microbatches", "batch_size", "steps", "seed", "data_parallel", "tensor_parallel", "zero",
          "lr_warmup", "eval_batches", "keep_checkpoints")
-_OPTIONAL_INTS = ("num_chunks", "save_every", "lr_decay_steps", "eval_every")
+_OPTIONAL_INTS = ("num_chunks", "save_every", "lr_decay_steps", "eval_every", "min_seq_len")
 _FLOATS = ("lr", "momentum", "bucket_mb")
 _STRS = ("schedule", "optimizer", "precision", "lr_schedule", "on_nonfinite")
 _OPTIONAL_STRS = ("data", "save", "resume", "log_dir")
 _BOOLS = ("recompute", "collect_parameters", "memory_every_step", "overwrite")
+
+
+def _check_min_seq_len(config: TrainConfig, length: int) -> None:
+    """Variable lengths: the gpt's corpus, cut no longer than ``seq_len``, on a synchronous schedule."""
+    if config.model.kind != "gpt":
+        raise UserError(f"--min-seq-len applies to --model gpt (its corpus is cut to variable lengths), not "
+                        f"{config.model.kind}; drop --min-seq-len")
+    if not 1 <= length <= config.model.seq_len:
+        raise UserError(f"--min-seq-len {length} is invalid; give a length in [1, --seq-len {config.model.seq_len}]")
+    if config.is_stream:
+        raise UserError(f"--min-seq-len applies to synchronous schedules; {config.schedule} is asynchronous; drop "
+                        "--min-seq-len or use a synchronous schedule")
 
 
 def _check_schedule_file(config: TrainConfig, schedule: Schedule) -> None:

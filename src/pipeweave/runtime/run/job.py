@@ -52,13 +52,14 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     done = plan.steps_done  # the data goes on from the batch after the checkpoint's last
     executor = Executor(lower(plan.schedule), rank, workers, plan.microbatch_sizes, device,
                         on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
-                        zero=config.zero == 1)
+                        zero=config.zero == 1, variable_shapes=config.variable_shapes)
     if config.resume is not None:  # after the executor: ZeRO-1 has sharded the optimizers it loads into
         assert plan.resumed is not None
         checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     for w in workers.values():
         w.steps_done = done
-    source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
+    source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data,
+                         min_seq_len=config.min_seq_len)
     offset = align_clocks(process, world)
     t = plan.schedule.num_microbatches
     mine = RankRecord(rank, [], [], 0, 0, {})

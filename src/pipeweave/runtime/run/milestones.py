@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from pipeweave.data import split_microbatches
+from pipeweave.data import split_microbatches, step_microbatches
 from pipeweave.models import boundary
 from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.process import progress
@@ -86,6 +86,9 @@ def rank_microbatches(source: Any, k: int, t: int, device: torch.device, workers
     """
     if not any(w.is_first or w.is_last for w in workers.values()):
         return [], []
-    inputs, targets = source.eval_batch(k) if held_out else source.batch(k)
-    return ([boundary.to(m, device) for m in split_microbatches(inputs, t)],
-            [boundary.to(m, device) for m in split_microbatches(targets, t)])
+    if held_out:
+        inputs, targets = source.eval_batch(k)
+        xs, ys = split_microbatches(inputs, t), split_microbatches(targets, t)
+    else:
+        xs, ys = step_microbatches(source, k, t)
+    return [boundary.to(m, device) for m in xs], [boundary.to(m, device) for m in ys]

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.runtime.run.plan import RunPlan
+from pipeweave.runtime.run.sizes import step_tokens
 from pipeweave.runtime.stage.lr_schedule import LrSchedule
 from pipeweave.runtime.transport import mesh
 from pipeweave.schedule.ir import Op
@@ -134,8 +135,9 @@ class StepLog:
         }
         if took > 0:
             scalars["train/samples_per_s"] = config.batch_size / took
-            if config.model.kind == "gpt":
-                scalars["train/tokens_per_s"] = config.batch_size * config.model.seq_len / took
+            tokens = step_tokens(config, self.plan.schedule.num_microbatches, at)
+            if tokens is not None:
+                scalars["train/tokens_per_s"] = tokens / took
         for r, row in enumerate(mine):
             scalars[f"memory/rank{r}_bytes"] = row[_MEMORY]
         for tag, value in scalars.items():
