@@ -84,6 +84,7 @@ class TrainConfig:
 
     Every step holds the same tensors (same microbatch sizes, same schedule), so
     the first step's peak is every step's; the hooks cost a few % of compute time.
+    Sequences of variable length (``min_seq_len``) are counted in every step regardless.
     """
     momentum: float = 0.0
     """SGD momentum (SpecTrain predicts along its velocity)."""

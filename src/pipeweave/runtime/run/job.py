@@ -75,7 +75,7 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
         mine.losses.append(loss)
         mine.step_cpu_s.append(executor.step_cpu_ns * 1e-9)
         mine.action_cpu_s.append([c * 1e-9 for c in executor.action_cpu_ns])
-        if step == 0 and not config.memory_every_step:
+        if step == 0 and not (config.memory_every_step or config.variable_shapes):  # varying shapes: every step
             for w in workers.values():
                 w.track_memory = False
         mine.records.append(seconds_since(timings, offset))

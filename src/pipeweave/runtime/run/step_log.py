@@ -8,7 +8,9 @@ step, its memory -- travels in one small asynchronous all-reduce per step
 (a row per process, each filling its own), posted when the process ends the
 step and read one step later, when it has long arrived: no process waits for
 another to log, and the overlap of a step's tail with the next step's warm-up
-is kept. The last step's row is read when the run ends (``close``).
+is kept. The last step's row is read when the run ends (``close``). The
+scalars are written by a thread of the writing process, so its step pays for
+the row and the all-reduce only.
 
 The figures are those of the run's record: the loss is every rank's share
 summed in rank order, as ``RunRecord.losses`` (``train --json``'s ``losses``);
@@ -27,6 +29,8 @@ Scalars, at the step of the training (0-based, the resumed steps counted):
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,6 +75,9 @@ class StepLog:
             from torch.utils.tensorboard import SummaryWriter  # tensorboard only when asked, on this process
 
             self.writer = SummaryWriter(log_dir=config.log_dir, flush_secs=10)
+            self._queue: queue.SimpleQueue[tuple[int, list[list[float]]] | None] = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._write_all, name="pipeweave-log-dir", daemon=True)
+            self._thread.start()
         self._pending: tuple[int, Any, torch.Tensor, Any] | None = None
         self._last_end: float | None = None
 
@@ -78,15 +85,13 @@ class StepLog:
         """Step ``step`` of this run is done here: post its row, write the previous step's figures."""
         if not self.on:
             return
-        rows = torch.zeros(self.world, 6, dtype=torch.float64)
         compute = [r for r in records if r[1] in _COMPUTE]
+        mine = [0.0, 0.0, 0.0, self._memory(), share, 1.0 if mesh.reporting() else 0.0]
         if compute:
-            rows[self.process, _BUSY] = sum(t1 - t0 for _, _, _, t0, t1 in compute)
-            rows[self.process, _START] = compute[0][3]
-            rows[self.process, _END] = max(t1 for *_, t1 in compute)
-        rows[self.process, _MEMORY] = self._memory()
-        rows[self.process, _LOSS] = share
-        rows[self.process, _REPORTS] = 1.0 if mesh.reporting() else 0.0
+            mine[_BUSY] = sum(t1 - t0 for _, _, _, t0, t1 in compute)
+            mine[_START], mine[_END] = compute[0][3], max(t1 for *_, t1 in compute)
+        rows = torch.zeros(self.world, 6, dtype=torch.float64)
+        rows[self.process] = torch.tensor(mine, dtype=torch.float64)
         rows = rows.to(self.device)
         work = dist.all_reduce(rows, async_op=True)
         done = None
@@ -103,6 +108,8 @@ class StepLog:
             return
         self._finish()
         if self.writer is not None:
+            self._queue.put(None)
+            self._thread.join()
             self.writer.close()
 
     def _finish(self) -> None:
@@ -115,7 +122,12 @@ class StepLog:
         else:
             work.wait()
         if self.writer is not None:
-            self._write(step, rows.tolist())
+            self._queue.put((step, rows.tolist()))
+
+    def _write_all(self) -> None:
+        """The writer's thread: the protobufs and files of the scalars, off the training thread."""
+        while (item := self._queue.get()) is not None:
+            self._write(*item)
 
     def _write(self, step: int, rows: list[list[float]]) -> None:
         config = self.plan.config
