@@ -98,3 +98,15 @@ def test_the_text_form_and_a_missing_action(tmp_path: Path) -> None:
     text.write_text("rank 0 | 0F0 0F1 0B0 0B1\nrank 1 | 1F0 1B0 1F1\n")
     with pytest.raises(UserError, match=r"is invalid: 1B1 \(or 1I1 \+ 1W1\) is missing; fix the file\nrank 0"):
         _config(text)
+
+
+def test_simulate_takes_the_same_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from pipeweave.cli import main
+
+    path = tmp_path / "moved.csv"
+    path.write_text(HAND_WRITTEN)
+    assert main(["simulate", "--schedule-file", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["stages"], out["microbatches"], out["valid"]) == (2, 4, True)
