@@ -86,8 +86,8 @@ def test_a_deadlocking_csv_is_one_line_and_the_grid_with_the_stuck_step_marked(t
         _config(path)
     first, *grid = str(caught.value).splitlines()
     assert first.startswith(f"--schedule-file {path} is invalid: deadlock: rank 0 step 1 (0B0) waits for 1B0")
-    assert first.endswith("; fix the file")
-    assert grid == ["rank 0 | 0F0 [0B0] 0F1  0B1  0U0", "rank 1 | 1F1  1B1  1F0  1B0  1U0"]
+    assert first.endswith("(each rank's stuck step in brackets below); fix the file")
+    assert grid == ["rank 0 | 0F0 [0B0] 0F1  0B1  0U0", "rank 1 |[1F1] 1B1  1F0  1B0  1U0"]
 
 
 def test_the_text_form_and_a_missing_action(tmp_path: Path) -> None:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from pipeweave.errors import UserError
 from pipeweave.schedule import InvalidSchedule, Schedule, read_csv, validate
+from pipeweave.schedule.dataflow import execute
+from pipeweave.schedule.grid import format_rows
 
 
 def add_schedule_file_argument(parser: argparse.ArgumentParser) -> None:
@@ -49,14 +51,19 @@ def schedule_from_file(args: argparse.Namespace) -> Schedule | None:
         validate(schedule)
     except InvalidSchedule as exc:
         raise UserError(f"--schedule-file {args.schedule_file} is invalid: {exc.reason}"
-                        f"{_where(exc)}; fix the file\n{_grid(exc)}") from None
+                        f"{_where(exc)}; fix the file\n{_grid(schedule, exc)}") from None
     return schedule
 
 
 def _where(exc: InvalidSchedule) -> str:
+    if exc.reason.startswith("deadlock"):
+        return " (each rank's stuck step in brackets below)"
     return f" (rank {exc.rank} step {exc.step}, in brackets below)" if exc.rank >= 0 and exc.step >= 0 else ""
 
 
-def _grid(exc: InvalidSchedule) -> str:
-    """The grid ``InvalidSchedule`` carries after its first line."""
+def _grid(schedule: Schedule, exc: InvalidSchedule) -> str:
+    """The schedule's grid: a deadlock's every stuck step bracketed, else the step ``InvalidSchedule`` names."""
+    if exc.reason.startswith("deadlock"):
+        run = execute(schedule)
+        return format_rows(schedule.actions, [(rank, run.done[rank]) for rank in run.waiting_for])
     return str(exc).split("\n", 1)[1]
