@@ -61,11 +61,20 @@ def test_logged_scalars_are_the_json_records(tmp_path: Path) -> None:
     assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1  # one process writes
 
 
-def test_log_dir_is_refused_for_a_stream_and_in_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_log_dir_is_refused_in_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "file").write_text("")
-    for argv, said in ((["-s", "pipedream", "--log-dir", str(tmp_path / "tb")],
-                        "--log-dir applies to synchronous schedules; pipedream is asynchronous"),
-                       (["--log-dir", str(tmp_path / "file" / "tb")], "file is a file, not a folder")):
-        assert main(["train", "--model", "mlp", *argv]) == 2
-        err = capsys.readouterr().err
-        assert said in err and len(err.splitlines()) == 1, err
+    assert main(["train", "--model", "mlp", "--log-dir", str(tmp_path / "file" / "tb")]) == 2
+    err = capsys.readouterr().err
+    assert "file is a file, not a folder" in err and len(err.splitlines()) == 1, err
+
+
+def test_an_asynchronous_stream_logs_its_mini_batches_losses(tmp_path: Path) -> None:
+    code = main(["train", "-s", "pipedream", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "2",
+                 "--seq-len", "8", "--batch", "6", "--microbatches", "3", "--steps", "6", "--eval-every", "3",
+                 "--log-dir", str(tmp_path / "tb"), "--json", str(tmp_path / "train.json"), "--out",
+                 str(tmp_path / "out"), "--quiet"])
+    assert code == 0
+    record = json.loads((tmp_path / "train.json").read_text())
+    logged = _scalars(tmp_path / "tb")
+    assert logged["train/loss"] == [(k, float(np.float32(v))) for k, v in enumerate(record["losses"])]
+    assert "train/lr" not in logged and len(logged["train/step_time_s"]) == 6

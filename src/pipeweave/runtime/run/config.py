@@ -170,9 +170,6 @@ class TrainConfig:
             _check_schedule_file(self, self.schedule_file)
         if self.min_seq_len is not None:
             _check_min_seq_len(self, self.min_seq_len)
-        if self.log_dir is not None and self.is_stream:
-            raise UserError(f"--log-dir applies to synchronous schedules; {self.schedule} is asynchronous (its "
-                            "losses are known per stream); drop --log-dir or use a synchronous schedule")
 
     @property
     def is_stream(self) -> bool:

@@ -20,6 +20,11 @@ first step: its first start) to its last end, as ``report.trace.step_times``.
 Memory is per process: the CUDA allocator's peak in the step, or on the CPU
 the process's resident set.
 
+An asynchronous schedule logs each mini-batch of a stream when the stream
+has drained (its losses are known then), its figures over that mini-batch's
+own actions, which overlap their neighbours'; no learning rate (each stage
+counts its own updates: ``train --json``'s ``lrs``).
+
 Scalars, at the step of the training (0-based, the resumed steps counted):
 ``train/loss``, ``train/lr``, ``train/step_time_s``, ``train/samples_per_s``
 (and ``train/tokens_per_s`` for a sequence model), ``train/bubble_ratio``,
@@ -62,7 +67,8 @@ class StepLog:
         process: this process; ``world``: the run's processes.
         stage_rank: this process's stage rank.
         device: where the all-reduced rows live (the GPU under NCCL).
-        rates: the run's learning rates (None: a constant ``config.lr``).
+        rates: the run's learning rates (None: a constant ``config.lr``; a stream logs none, its stages
+            updating on their own counts).
     """
 
     def __init__(self, plan: RunPlan, process: int, world: int, stage_rank: int, device: torch.device,
@@ -71,7 +77,7 @@ class StepLog:
         self.on = config.log_dir is not None
         self.plan, self.process, self.world, self.device, self.rates = plan, process, world, device, rates
         self.writer: Any = None
-        if self.on and stage_rank == writer_stage_rank(plan) and mesh.reporting():
+        if self.on and process == writer_stage_rank(plan) * config.tensor_parallel:  # dp and tp coordinates 0
             from torch.utils.tensorboard import SummaryWriter  # tensorboard only when asked, on this process
 
             self.writer = SummaryWriter(log_dir=config.log_dir, flush_secs=10)
@@ -140,11 +146,12 @@ class StepLog:
         busy = sum(row[_BUSY] for row in mine)
         scalars = {
             "train/loss": sum(row[_LOSS] for row in mine),
-            "train/lr": self.rates.at(at) if self.rates is not None else config.lr,
             "train/step_time_s": took,
             "train/bubble_ratio": 1.0 - busy / (len(mine) * widest) if widest > 0 else 0.0,
             "memory/max_bytes": max(row[_MEMORY] for row in rows),
         }
+        if not config.is_stream:
+            scalars["train/lr"] = self.rates.at(at) if self.rates is not None else config.lr
         if took > 0:
             scalars["train/samples_per_s"] = config.batch_size / took
             tokens = step_tokens(config, self.plan.schedule.num_microbatches, at)
