@@ -62,7 +62,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE", help="write a timeline picture (.png, .svg or .pdf)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in ui.perfetto.dev)")
     p.add_argument("--csv", metavar="FILE", help="export the schedule as CSV (torch.distributed.pipelining's form)")
-    p.add_argument("--from-csv", metavar="FILE", help="simulate a hand-written CSV schedule instead of -s")
+    p.add_argument("--from-csv", "--schedule-file", dest="from_csv", metavar="FILE",
+                   help="simulate a hand-written schedule instead of -s: torch's CSV or pipeweave's text form "
+                        "(as train --schedule-file)")
     p.add_argument("--width", type=int, default=100, help="columns of the text timeline (default 100)")
     from pipeweave.commands.stream_options import add_schedule_arguments
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from pipeweave.commands.stash_options import add_stash_arguments
 from pipeweave.commands.partition import add_model_arguments, add_partition_arguments
+from pipeweave.commands.schedule_file import add_schedule_file_argument
 from pipeweave.commands.stream_options import add_async_arguments
 
 DEFAULT_OUT = Path("pipeweave-out")
@@ -37,8 +38,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--save-every stop it.",
     )
     p.add_argument("-s", "--schedule", help="schedule name (default: zb-h1 if registered, else 1f1b)")
-    p.add_argument("--stages", type=int, default=2, help="D, pipeline ranks (default 2)")
-    p.add_argument("--microbatches", type=int, default=4, help="T, microbatches per step (default 4)")
+    add_schedule_file_argument(p)
+    p.add_argument("--stages", type=int, help="D, pipeline ranks (default 2)")
+    p.add_argument("--microbatches", type=int, help="T, microbatches per step (default 4)")
     p.add_argument("--chunks", type=int, help="v, chunks per rank, for schedules that take it")
     add_model_arguments(p)
     add_partition_arguments(p)
@@ -55,6 +57,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--batch", "--batch-size", dest="batch", type=int, default=16,
                    help="samples per step, split into T microbatches (default 16)")
     p.add_argument("--data", metavar="FILE", help="gpt: a text file to train on (default: the stdlib sources)")
+    p.add_argument("--min-seq-len", type=int, metavar="N",
+                   help="gpt: sequences of variable length, as a dataset without packing gives them: each microbatch "
+                        "cut to its own length drawn from [N, --seq-len], sent between ranks as it is, not padded")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--lr", type=float, help="learning rate (default 3e-3 for adamw, 0.1 for sgd)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), help="default sgd for the mlp, adamw otherwise")
@@ -117,6 +122,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE", help="write the measured timeline plot here (default OUT/timeline.png)")
     p.add_argument("--trace", metavar="FILE", help="write the Chrome trace here (default OUT/trace.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="write every step's loss, learning rate, throughput, bubble and memory as TensorBoard event "
+                        "files into DIR (tensorboard --logdir DIR); needs pip install 'pipeweave[tensorboard]'")
     add_async_arguments(p)
     return p
 

@@ -67,6 +67,8 @@ class Executor:
         on_nonfinite: a synchronous run's ``TrainConfig.on_nonfinite``: every rank learns each step's
             loss (``nonfinite.LossAgreement``, ``step_loss``); ``skip``: no stage updates on a non-finite
             one. None: nothing agreed (evaluation, streams).
+        variable_shapes: messages whose per-sample shape changes (sequences of variable length): each
+            carries its own metadata (``transport.p2p``).
 
     Example:
         ex = Executor(lower(schedule), rank, workers, sizes, torch.device("cpu"))
@@ -89,11 +91,12 @@ class Executor:
         zero: int = 0,
         clip_norm: float | None = None,
         partner: PartnerLink | None = None,
+        variable_shapes: bool = False,
     ) -> None:
         self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
         self.placement = lowered.schedule.placement
         self.row = lowered.actions[rank]
-        self.p2p = P2P(lowered, rank, microbatch_sizes, device)
+        self.p2p = P2P(lowered, rank, microbatch_sizes, device, variable_shapes=variable_shapes)
         self.evaluating = evaluate
         """F runs as ``StageWorker.evaluate``; no gradient is prepared or exchanged."""
         exchanging = {} if evaluate else workers  # the training executor owns the workers' combine_grads

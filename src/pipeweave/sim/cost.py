@@ -74,6 +74,9 @@ class CostModel:
     """Fraction of M_a still held between I and W (M_W / M_a); 0.5 as in the zero-bubble paper."""
     weight: Value = 1.0
     """Weight memory (M_theta)."""
+    microbatch: Sequence[float] | None = None
+    """Per microbatch of the step, a factor on the times of its F, B, I and W (sequences of variable length:
+    its tokens over the mean's); None: every microbatch costs alike."""
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "u", "activation", "weight"):
@@ -93,6 +96,10 @@ class CostModel:
                 raise UserError(f"{name}={getattr(self, name)!r} {problem}")
         if not 0.0 <= self.mem_w <= 1.0:
             raise UserError(f"mem_w={self.mem_w!r} is invalid; give a fraction in [0, 1]")
+        for v in self.microbatch or ():
+            problem = cost_problem(v, "factor")
+            if problem is not None:
+                raise UserError(f"cost microbatch={list(self.microbatch or ())!r}: {v!r} {problem}")
 
     def for_parts(self, *, num_parts: int, num_ranks: int) -> PartCosts:
         """Resolve every value to one number per part.
@@ -115,6 +122,7 @@ class CostModel:
         return PartCosts(
             f=resolve("f"), b=resolve("b"), w=resolve("w"), u=resolve("u"), comm=self.comm, dispatch=self.dispatch,
             activation=resolve("activation"), mem_w=self.mem_w, weight=resolve("weight"),
+            microbatch=None if self.microbatch is None else tuple(float(v) for v in self.microbatch),
         )
 
 
@@ -131,3 +139,5 @@ class PartCosts:
     activation: tuple[float, ...]
     mem_w: float
     weight: tuple[float, ...]
+    microbatch: tuple[float, ...] | None = None
+    """Per microbatch, a factor on its F, B, I and W times (``CostModel.microbatch``)."""

@@ -29,6 +29,7 @@ from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.plan import RunPlan, learning_rates, offloaded
 from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
+from pipeweave.runtime.run.step_log import StepLog
 from pipeweave.runtime.run.stream_job import run_stream_rank
 from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.stage.lr_schedule import set_lr
@@ -105,19 +106,22 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     link = partner_link(stash, rank, workers) if config.balance_activations else None
     executor = Executor(low, rank, workers, plan.microbatch_sizes, device,
                         on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
-                        zero=config.zero, clip_norm=_clip_norm(config), partner=link)
+                        zero=config.zero, clip_norm=_clip_norm(config), partner=link,
+                        variable_shapes=config.variable_shapes)
     if config.resume is not None:  # after the executor: ZeRO has sharded the optimizers it loads into
         assert plan.resumed is not None
         checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     for w in workers.values():
         w.steps_done = done
-    source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
+    source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data,
+                         min_seq_len=config.min_seq_len)
     offset = align_clocks(process, world)
     t = plan.schedule.num_microbatches
     mine = RankRecord(rank, [], [], 0, 0, {})
     milestones = Milestones(plan, plan.schedule, rank, workers, device, source)
     divergence = Divergence(plan, workers)
     rates = learning_rates(config, done) if config.lr_scheduled else None
+    log = StepLog(plan, process, world, rank, device, rates)
     for step in range(config.steps):
         if rates is not None:
             for w in workers.values():
@@ -126,14 +130,16 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
         mine.losses.append(loss)
         mine.step_cpu_s.append(executor.step_cpu_ns * 1e-9)
         mine.action_cpu_s.append([c * 1e-9 for c in executor.action_cpu_ns])
-        if step == 0 and not config.memory_every_step:
+        if step == 0 and not (config.memory_every_step or config.variable_shapes):  # varying shapes: every step
             for w in workers.values():
                 w.track_memory = False
         mine.records.append(seconds_since(timings, offset))
+        log.after_step(step, loss, mine.records[-1])
         if mesh.reporting():  # a tensor-parallel group's processes run alike: one reports
             progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
         divergence.after_step(step, executor.step_loss)  # stops every rank here, or counts a skipped update
         milestones.reached(step + 1)
+    log.close()
     divergence.at_end(plan.schedule.placement)
     mine.peak_activation_bytes = _end_levers(link, executor)
     mine.weight_bytes = sum(w.weight_bytes() for w in workers.values())

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from pipeweave.data import step_microbatches
 from pipeweave.models import boundary
 from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.process import progress
@@ -93,6 +94,9 @@ def rank_microbatches(source: Any, k: int, t: int, device: torch.device, workers
     """
     if not any(w.is_first or w.is_last for w in workers.values()):
         return [], []
-    inputs, targets = source.eval_batch(k) if held_out else source.batch(k)
-    return ([boundary.to(m, device) for m in replica_pieces(inputs, t, piece)],
-            [boundary.to(m, device) for m in replica_pieces(targets, t, piece)])
+    if held_out or piece[1] > 1:  # variable lengths (step_microbatches) are a single pipeline's training
+        inputs, targets = source.eval_batch(k) if held_out else source.batch(k)
+        xs, ys = replica_pieces(inputs, t, piece), replica_pieces(targets, t, piece)
+    else:
+        xs, ys = step_microbatches(source, k, t)
+    return [boundary.to(m, device) for m in xs], [boundary.to(m, device) for m in ys]

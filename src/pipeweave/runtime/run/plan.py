@@ -270,8 +270,11 @@ def build_schedule(config: TrainConfig, steps_done: int = 0) -> Schedule:
     check_sizes(config)
     if config.is_stream:
         return concatenate(stream_schedules(config, steps_done))
-    base = generate(config.schedule, num_stages=config.num_stages, num_microbatches=config.num_microbatches,
-                    num_chunks=config.num_chunks, **dict(config.schedule_options))
+    if config.schedule_file is not None:
+        base = config.schedule_file
+    else:
+        base = generate(config.schedule, num_stages=config.num_stages, num_microbatches=config.num_microbatches,
+                        num_chunks=config.num_chunks, **dict(config.schedule_options))
     return data_parallel(base, config.data_parallel) if config.data_parallel != 1 else base
 
 
