@@ -206,14 +206,54 @@ class Linear(Deferrable):
     @classmethod
     def wrapping(cls, linear: nn.Linear) -> Linear:
         """A ``Linear`` on the very parameters of ``linear`` (same objects, same values)."""
+        return cls.on(cast(nn.Parameter, linear.weight), cast(nn.Parameter | None, linear.bias))
+
+    @classmethod
+    def on(cls, weight: nn.Parameter, bias: nn.Parameter | None) -> Linear:
+        """A ``Linear`` on these very parameters (``weight`` of shape (out, in))."""
         layer = cls.__new__(cls)
         Deferrable.__init__(layer)
-        layer.weight = cast(nn.Parameter, linear.weight)
-        layer.bias = cast(nn.Parameter | None, linear.bias)
+        layer.weight, layer.bias = weight, bias
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _LinearFn.apply(x, self.weight, self.bias, self.grad_store)  # type: ignore[no-untyped-call,no-any-return]
+
+
+class TransposedLinear(Linear):
+    """``y = b + x W`` with ``W`` of shape (in, out): transformers' ``Conv1D`` (GPT-2), as ``aten.addmm``
+    computes it, on the same parameters; its weight gradient ``x^T gy`` is deferred as ``Linear``'s is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _TransposedFn.apply(x, self.weight, self.bias, self.grad_store)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def _transposed_weight_grads(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, gy: torch.Tensor) -> None:
+    """Accumulate ``x^T gy`` into ``weight.grad`` and ``sum(gy)`` into ``bias.grad`` (no temporary, as above)."""
+    if weight.grad is None:
+        weight.grad = x.t().mm(gy)
+    else:
+        weight.grad.addmm_(x.t(), gy)
+    _accumulate(bias, gy.sum(0))
+
+
+class _TransposedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, store: Any) -> torch.Tensor:
+        ctx.weight, ctx.bias, ctx.store = weight, bias, store
+        ctx.save_for_backward(x)
+        return torch.addmm(bias, x, weight)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
+        gx = gy.mm(weight.t()) if ctx.needs_input_grad[0] else None
+        if _deferring(ctx.store):
+            ctx.store.defer(lambda: _transposed_weight_grads(weight, bias, x, gy), (x, gy))
+        else:
+            _transposed_weight_grads(weight, bias, x, gy)
+        return gx, None, None, None
 
 
 class LayerNorm(nn.Module):
