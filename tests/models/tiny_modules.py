@@ -68,7 +68,7 @@ def looped_at_points() -> pipeweave.models.LayerModel:
 
 
 def sequential() -> pipeweave.models.LayerModel:
-    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    net = sequential_module()
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g))
     return pipeweave.pipeline(net, loss=nn.functional.mse_loss, dataset=data)
@@ -101,3 +101,7 @@ def plain_factory() -> nn.Module:
 loss = token_loss
 dataset = _tokens(64, 0)
 split_points = ["blocks.1"]
+
+
+def sequential_module() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))

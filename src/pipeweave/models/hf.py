@@ -113,9 +113,10 @@ def save_pretrained(entry: str, config_text: str | None, parameters: dict[str, t
     """
     module = build_module(entry, config_text, 0)
     state = {name.partition(".")[2]: value for name, value in parameters.items() if ".pipeweave_linear_" not in name}
-    missing, _ = module.load_state_dict(state, strict=False)
-    names = {n for n, _ in module.named_parameters()}
-    lacking = [n for n in missing if n in names]
+    every = dict(module.named_parameters(remove_duplicate=False))
+    module.load_state_dict(state, strict=False)
+    loaded = {id(every[n]) for n in state if n in every}  # a tied Parameter is loaded by any of its names
+    lacking = [n for n, p in every.items() if id(p) not in loaded]
     if lacking:
         raise UserError(f"the run's parameters lack {lacking[0]} of {entry}; save from a run of the same model")
     module.save_pretrained(folder)

@@ -25,6 +25,7 @@ embeddings) found and kept as one group (``models.tied``)::
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -115,7 +116,8 @@ def _sequential_parts(module: nn.Sequential, points: list[str]) -> list[nn.Modul
                         f"{[p for p in points if p not in names][0]!r} is not one")
     bounds = [0, *starts, len(names)]
     children = list(module.children())
-    parts = [children[a] if b - a == 1 else nn.Sequential(*children[a:b]) for a, b in zip(bounds, bounds[1:])]
+    # Children keep their names: a layer's "<k>.<child>.<name>" is the module's "<child>.<name>" behind "<k>."
+    parts = [nn.Sequential(OrderedDict(zip(names[a:b], children[a:b]))) for a, b in zip(bounds, bounds[1:])]
     if any(b <= a for a, b in zip(bounds, bounds[1:])):
         raise UserError(f"split point {names[0]!r} leaves an empty first layer; drop it")
     return parts
