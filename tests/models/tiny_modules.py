@@ -105,3 +105,10 @@ split_points = ["blocks.1"]
 
 def sequential_module() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def declared() -> pipeweave.models.LayerModel:
+    """Two layers declared tied (DeepSpeed's TiedLayerSpec's way): their weights are one parameter."""
+    return pipeweave.models.LayerModel(layers=[lambda: nn.Linear(4, 4), lambda: nn.Linear(4, 4)],
+                                       loss=nn.functional.mse_loss, tied=[["0.weight", "1.weight"]],
+                                       dataset=torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 4)))

@@ -13,18 +13,13 @@ pipeweave's layers; an asynchronous stream (pipedream) equals its reference.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
-from pipeweave.data import data_source, split_microbatches
 from pipeweave.models import ModelSpec
-from pipeweave.models.boundary import num_samples
-from pipeweave.models.hf import build_module
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
@@ -32,6 +27,8 @@ from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.plan import prepare
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
+sys.path.insert(0, str(MODELS))
+from unsplit import train_unsplit  # noqa: E402
 FILE = MODELS / "tiny_modules.py"
 LOOPED = ModelSpec(kind="custom", entry=f"{FILE}:looped")
 SEQUENTIAL = ModelSpec(kind="custom", entry=f"{FILE}:sequential")
@@ -83,44 +80,6 @@ def fast_runs() -> dict[str, tuple[TrainConfig, RunRecord]]:
 @pytest.fixture(scope="module")
 def slow_runs() -> dict[str, tuple[TrainConfig, RunRecord]]:
     return _launch(SLOW)
-
-
-def unsplit_module(spec: ModelSpec) -> nn.Module:
-    """The module as the model's file (or transformers) builds it, before any split."""
-    if spec.entry is not None and spec.entry.startswith("hf:"):
-        return build_module(spec.entry, spec.hf_config, spec.seed)
-    import importlib.util
-
-    loaded = importlib.util.spec_from_file_location("tiny_modules_unsplit", FILE)
-    assert loaded is not None and loaded.loader is not None
-    module = importlib.util.module_from_spec(loaded)
-    loaded.loader.exec_module(module)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        built = {"looped": module.Looped, "sequential": lambda: module.sequential_module()}[spec.entry.rsplit(":")[1]]()
-    return built  # type: ignore[no-any-return]
-
-
-def train_unsplit(config: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain training of the unsplit module: torch's SGD, gradients accumulated over the microbatches."""
-    spec = config.model
-    net = unsplit_module(spec)
-    loss_fn: Callable[..., torch.Tensor] = spec.custom.loss
-    optimizer = torch.optim.SGD(net.parameters(), lr=config.lr)
-    source = data_source(spec, batch_size=config.batch_size)
-    losses = []
-    for step in range(config.steps):
-        inputs, targets = source.batch(step)
-        total = 0.0
-        for x, y in zip(split_microbatches(inputs, config.num_microbatches),
-                        split_microbatches(targets, config.num_microbatches)):
-            loss = loss_fn(net(x), y) * (num_samples(y) / config.batch_size)
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return losses, dict(net.named_parameters(remove_duplicate=False))
 
 
 def equals_unsplit(config: TrainConfig, record: RunRecord) -> None:

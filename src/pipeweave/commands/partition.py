@@ -154,14 +154,14 @@ def model_spec(args: argparse.Namespace, gpt_defaults: dict[str, int] | None = N
     given = {name: getattr(args, name) for name in MODEL_OPTIONS if getattr(args, name, None) is not None}
     if getattr(args, "tie_embeddings", False):
         given["tie_embeddings"] = True
+    if getattr(args, "hf_config", None) is not None and not args.model.startswith("hf:"):
+        raise UserError("--hf-config applies to --model hf:TYPE only; drop it or name a Hugging Face model")
     if args.model in ("mlp", "gpt"):
         return ModelSpec(kind=args.model, **given)
     if not is_entry(args.model):
         raise UserError(f"--model {args.model!r} is unknown; choose gpt, mlp, FILE.py:NAME (your own model) or "
                         "hf:TYPE (a Hugging Face model)")
     hf = args.model.startswith("hf:")
-    if getattr(args, "hf_config", None) is not None and not hf:
-        raise UserError("--hf-config applies to --model hf:TYPE only; drop it or name a Hugging Face model")
     sizes = [name for name in given if name not in (("seed", "seq_len") if hf else ("seed",))]
     if sizes:
         flag = "--" + sizes[0].replace("_", "-")

@@ -58,7 +58,8 @@ def check_split_points(module: nn.Module, split_points: Sequence[str]) -> None:
     names = [n for n, _ in module.named_modules() if n]
     for point in split_points:
         if point not in names:
-            near = [n for n in names if n.rsplit(".", 1)[0] == point.rsplit(".", 1)[0]][:6] or names[:6]
+            parent = point.rsplit(".", 1)[0]
+            near = [n for n in names if n.rsplit(".", 1)[0] == parent and n != parent][:6] or names[:6]
             raise UserError(f"split point {point!r} names no submodule of {type(module).__name__}; name one of its "
                             f"modules, e.g. {', '.join(near)}")
     if len(set(split_points)) != len(split_points):
