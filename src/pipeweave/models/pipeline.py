@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,8 +72,15 @@ def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequen
     else:
         inputs = example_inputs if example_inputs is not None else _example(dataset)
         parts = split_graph(export(module, inputs if isinstance(inputs, tuple) else (inputs,)), points)
-    return LayerModel(layers=[functools.partial(copy.deepcopy, part) for part in parts], loss=loss,
+    return LayerModel(layers=[functools.partial(_copy, part) for part in parts], loss=loss,
                       dataset=dataset, eval_dataset=eval_dataset, tied=shared_parameters(parts))
+
+
+def _copy(part: nn.Module) -> nn.Module:
+    """A part's own copy (its Parameters new objects, shared among themselves as in the part)."""
+    with warnings.catch_warnings():  # torch's GraphModule copy warns of its own deprecated pytree spec
+        warnings.filterwarnings("ignore", "`isinstance\\(treespec, LeafSpec\\)`", FutureWarning)
+        return copy.deepcopy(part)
 
 
 @functools.lru_cache(maxsize=None)
