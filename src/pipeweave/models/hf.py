@@ -61,11 +61,20 @@ def build_module(entry: str, config_text: str | None, seed: int) -> nn.Module:
         raise UserError(f"--model {entry} needs transformers; pip install -c constraints.txt -e '.[hf]'") from None
     name = entry[len(PREFIX):]
     fields = {"use_cache": False, **config_fields(config_text)}
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # token ids of the full vocabulary are cleared below, not warned of
     try:
         config = transformers.AutoConfig.for_model(name, **fields)
     except ValueError as e:
-        raise UserError(f"--model {entry}: {' '.join(str(e).split())[:200]}; name a transformers model type "
+        raise UserError(f"--model {entry}: {str(e).split('.')[0]}; name a transformers model type "
                         "such as gpt2 or llama") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults of the full vocabulary: none here
+        value = getattr(config, key, None)
+        if key not in fields and isinstance(value, int) and value >= config.vocab_size:
+            setattr(config, key, None)
+    config.loss_type = getattr(config, "loss_type", None) or "ForCausalLM"  # the loss it would pick, said once
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return transformers.AutoModelForCausalLM.from_config(config)
