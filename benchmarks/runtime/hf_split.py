@@ -8,7 +8,7 @@ in T = 4 microbatches; SGD; 2 ranks on one thread each. Both split it
 before ``transformer.h.2`` (torch: ``pipeline(..., split_spec={...:
 SplitPoint.BEGINNING})`` then ``Schedule1F1B``; pipeweave:
 ``pipeweave.pipeline(..., ["m.transformer.h.2"])`` then its 1f1b through
-``run_rank``, the code ``pipeweave train`` runs, on its default transport).
+``run_rank``, the code ``pipeweave train`` runs, on ``--transport``, default train's).
 Rounds alternate the two in one process group, so both meet the same load.
 Step times: median of ``--steps`` steps after ``--warmup``, optimizer step
 included. Usage: ``python benchmarks/runtime/hf_split.py [--steps 10] [--rounds 5] [--json FILE]``.
@@ -127,13 +127,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--transport", choices=("auto", "gloo", "shm"), default="auto",
+                        help="pipeweave's point-to-point transport, as `pipeweave train --transport` (default auto, "
+                             "train's default: shared memory here); torch's schedule always uses gloo")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     payload = {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds}
-    results = launch(bench, payload, 2, LaunchOptions(timeout_s=600))
+    results = launch(bench, payload, 2, LaunchOptions(timeout_s=600, transport=args.transport))
     ratios = [o["step_time_s"] / t["step_time_s"] for o, t in zip(results["ours"], results["theirs"])]
     results["ratio_rounds"], results["ratio_median"] = ratios, statistics.median(ratios)
     results["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    results["transport"] = args.transport
     for k, (o, t, r) in enumerate(zip(results["ours"], results["theirs"], ratios)):
         print(f"round {k}: pipeweave 1f1b {1e3 * o['step_time_s']:.1f} ms, torch Schedule1F1B "
               f"{1e3 * t['step_time_s']:.1f} ms, ratio {r:.3f}")

@@ -74,10 +74,12 @@ def build_module(entry: str, config_text: str | None, seed: int) -> nn.Module:
         value = getattr(config, key, None)
         if key not in fields and isinstance(value, int) and value >= config.vocab_size:
             setattr(config, key, None)
-    config.loss_type = getattr(config, "loss_type", None) or "ForCausalLM"  # the loss it would pick, said once
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return transformers.AutoModelForCausalLM.from_config(config)
+        module = transformers.AutoModelForCausalLM.from_config(config)
+    if getattr(module, "loss_type", None) is None:  # the loss transformers falls back to, chosen without its warning
+        module.loss_type = "ForCausalLM"
+    return module  # type: ignore[no-any-return]
 
 
 @functools.lru_cache(maxsize=None)
