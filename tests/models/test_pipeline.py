@@ -6,7 +6,6 @@ The distributed runs are in ``tests/runtime/test_split_module.py``.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -145,19 +144,19 @@ def test_an_untraceable_module_is_one_line_with_the_reason_and_the_workaround() 
 
 
 def test_an_asynchronous_schedule_refuses_tied_parameters_in_one_line() -> None:
-    spec = ModelSpec(kind="custom", entry=f"{MODELS / 'tiny_modules.py'}:looped")
+    spec = ModelSpec(kind="custom", entry=f"{MODELS / 'tiny_modules.py'}:declared")
     with pytest.raises(UserError, match="tied parameters .* need synchronous updates"):
         run_reference(generate("pipedream", num_stages=2, num_microbatches=2, num_steps=2), spec, steps=2,
                       batch_size=4)
 
 
-def _cli(folder: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeweave.cli", *argv], capture_output=True, text=True,
-                          timeout=120, cwd=folder)
+def test_hf_config_and_model_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeweave.cli import main
 
-
-def test_hf_config_and_model_errors_are_one_line(tmp_path: Path) -> None:
-    bad = _cli(tmp_path, "train", "--model", "hf:gpt2", "--hf-config", "{n_layer: 2}")
-    assert bad.returncode != 0 and "is not a JSON object" in bad.stderr and "Traceback" not in bad.stderr
-    stray = _cli(tmp_path, "train", "--model", "gpt", "--hf-config", "{}")
-    assert stray.returncode != 0 and "--hf-config applies to --model hf:TYPE only" in stray.stderr
+    assert main(["train", "--model", "hf:gpt2", "--hf-config", "{n_layer: 2}"]) == 2
+    assert "is not a JSON object" in capsys.readouterr().err
+    assert main(["train", "--model", "gpt", "--hf-config", "{}"]) == 2
+    assert "--hf-config applies to --model hf:TYPE only" in capsys.readouterr().err
+    assert main(["train", "--model", "hf:nonesuch"]) == 2
+    err = capsys.readouterr().err
+    assert "Unrecognized model identifier: nonesuch; name a transformers model type" in err and err.count("\n") == 1
