@@ -103,8 +103,8 @@ def _replicable(graph: fx.Graph, parameters: set[str]) -> set[fx.Node]:
 class _PartBuilder:
     """Copies one part's nodes into a graph of its own, recomputing replicable values it uses."""
 
-    def __init__(self, root: fx.GraphModule, live_in: list[fx.Node], replicable: set[fx.Node]) -> None:
-        self.root, self.replicable = root, replicable
+    def __init__(self, live_in: list[fx.Node], replicable: set[fx.Node]) -> None:
+        self.replicable = replicable
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
         self.live_in = live_in
@@ -158,7 +158,7 @@ def split_graph(root: fx.GraphModule, split_points: Sequence[str]) -> list[fx.Gr
     live[0] = placeholders
     modules = []
     for k in range(num_parts):
-        builder = _PartBuilder(root, live[k], replicable)
+        builder = _PartBuilder(live[k], replicable)
         for node in graph.nodes:
             if part.get(node) == k and node.op == "call_function" and node not in builder.env:
                 builder.copy(node)
@@ -220,9 +220,8 @@ def _deferrable(module: fx.GraphModule) -> fx.GraphModule:
 def _layer_for(module: fx.GraphModule, node: fx.Node) -> nn.Module | None:
     """A deferrable layer computing ``node`` from its parameters, or None if it is not such a product."""
     def parameter(arg: Any) -> nn.Parameter | None:
-        if isinstance(arg, fx.Node) and arg.op == "get_attr":
-            value = module.get_parameter(str(arg.target)) if _is_parameter(module, str(arg.target)) else None
-            return value
+        if isinstance(arg, fx.Node) and arg.op == "get_attr" and _is_parameter(module, str(arg.target)):
+            return module.get_parameter(str(arg.target))
         return None
 
     if node.op != "call_function":

@@ -229,7 +229,12 @@ class TransposedLinear(Linear):
 
 
 def _transposed_weight_grads(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, gy: torch.Tensor) -> None:
-    """Accumulate ``x^T gy`` into ``weight.grad`` and ``sum(gy)`` into ``bias.grad`` (no temporary, as above)."""
+    """Accumulate ``x^T gy`` into ``weight.grad`` and ``sum(gy)`` into ``bias.grad`` (no temporary, as above;
+    under autocast the product in its dtype, accumulated in the parameter's)."""
+    if x.dtype != weight.dtype:
+        _accumulate(weight, x.t().mm(gy).to(weight.dtype))
+        _accumulate(bias, gy.sum(0).to(bias.dtype))
+        return
     if weight.grad is None:
         weight.grad = x.t().mm(gy)
     else:
@@ -241,14 +246,23 @@ class _TransposedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, store: Any) -> torch.Tensor:
         ctx.weight, ctx.bias, ctx.store = weight, bias, store
+        ctx.dtype = dtype = _autocast_dtype(x)
+        if dtype is not None:  # as autocast runs addmm: everything cast, the cast input kept
+            x = x.to(dtype)
+            with torch.autocast(autocast_device_type(x.device), enabled=False):
+                y = torch.addmm(bias.to(dtype), x, weight.to(dtype))
+        else:
+            y = torch.addmm(bias, x, weight)
         ctx.save_for_backward(x)
-        return torch.addmm(bias, x, weight)
+        return y
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
         (x,) = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
-        gx = gy.mm(weight.t()) if ctx.needs_input_grad[0] else None
+        if ctx.dtype is not None:
+            gy = gy.to(ctx.dtype)
+        gx = gy.mm((weight if ctx.dtype is None else weight.to(ctx.dtype)).t()) if ctx.needs_input_grad[0] else None
         if _deferring(ctx.store):
             ctx.store.defer(lambda: _transposed_weight_grads(weight, bias, x, gy), (x, gy))
         else:
