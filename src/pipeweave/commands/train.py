@@ -91,6 +91,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "model: its eval_dataset); an asynchronous schedule drains its stream there")
     p.add_argument("--eval-batches", type=int, default=4, metavar="K",
                    help="held-out batches per evaluation, the same every time (default 4)")
+    p.add_argument("--save-pretrained", metavar="DIR",
+                   help="hf:TYPE: after training, write the model with transformers' save_pretrained into DIR "
+                        "(from_pretrained loads it)")
     p.add_argument("--save", metavar="DIR",
                    help="after the last step, write a checkpoint into DIR: a folder DIR/step-NNNNNN of every "
                         "part's parameters and optimizer state (and an asynchronous policy's state), made current "

@@ -27,6 +27,7 @@ from pipeweave.commands.schedule_file import schedule_from_file
 from pipeweave.commands.stream_options import async_options
 from pipeweave.commands.train_report import build_report, output_paths, print_summary, write_outputs
 from pipeweave.errors import UserError
+from pipeweave.models.hf import is_hf, save_pretrained
 from pipeweave.partition import LayerCosts, partition
 from pipeweave.runtime.process import under_torchrun
 from pipeweave.runtime.profile import profile_model
@@ -105,6 +106,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         resume=args.resume, keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite,
         **train_levers(args),
         log_dir=_log_dir(args.log_dir), min_seq_len=args.min_seq_len,
+        collect_parameters=_save_pretrained(args, spec) is not None,
     )
     return _with_searched_costs(_with_partition(config, args), args)
 
@@ -300,10 +302,33 @@ def _launch(args: argparse.Namespace, config: TrainConfig) -> int:
         raise
     if not args.quiet:
         print_summary(report, paths)
+    folder = _save_pretrained(args, config.model)
+    if folder is not None:
+        save_pretrained(config.model.entry, config.model.hf_config, _final_parameters(record), folder)
+        if not args.quiet:
+            print(f"saved (transformers): {folder}")
     if unsaved:
         print(f"pipeweave train: error: {unsaved}", file=sys.stderr)
         return 1
     return 0
+
+
+def _save_pretrained(args: argparse.Namespace, spec: Any) -> str | None:
+    """``--save-pretrained DIR`` (one line if the model is not a Hugging Face one)."""
+    folder = getattr(args, "save_pretrained", None)
+    if folder is not None and not is_hf(spec.entry):
+        raise UserError(f"--save-pretrained {folder} applies to --model hf:TYPE; use --save for a checkpoint")
+    return folder  # type: ignore[no-any-return]
+
+
+def _final_parameters(record: Any) -> dict[str, torch.Tensor]:
+    """Every stage's final parameters by global name (the first replica's where parts are replicated)."""
+    out: dict[str, torch.Tensor] = {}
+    for rank in record.ranks:
+        for params in rank.parameters.values():
+            for name, value in params.items():
+                out.setdefault(name, value)
+    return out
 
 
 def _rank() -> int:

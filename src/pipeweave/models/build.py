@@ -16,6 +16,7 @@ from pipeweave.errors import UserError
 from pipeweave.models import gpt, mlp
 from pipeweave.models.custom import build_layer as build_custom_layer
 from pipeweave.models.spec import ModelSpec, layer_generator, layer_seed
+from pipeweave.models.tied import tie
 
 
 def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Module]:
@@ -35,6 +36,7 @@ def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Modul
         True
     """
     build = mlp.build_layer if spec.kind == "mlp" else gpt.build_layer
+    layer_indices = list(layer_indices)
     layers = []
     for index in layer_indices:
         if not 0 <= index < spec.num_layers:
@@ -43,6 +45,10 @@ def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Modul
             layers.append(build_custom_layer(spec.custom, index, layer_seed(spec, index)))
         else:
             layers.append(build(spec, index, layer_generator(spec, index)))
+    if spec.kind == "custom" and spec.custom.tied:  # one Parameter per tied group among these layers
+        model = spec.custom
+        tie(model.tied, dict(zip(layer_indices, layers)),
+            lambda k: build_custom_layer(model, k, layer_seed(spec, k)))
     return layers
 
 

@@ -74,6 +74,7 @@ from pipeweave.errors import UserError
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary, num_samples, tensors
 from pipeweave.models.layers import Linear
+from pipeweave.models.tied import check_groups
 
 LayerBuilder = Callable[[], nn.Module]
 _FILE_MODULE = "pipeweave_user_"  # prefix of the module names of model files loaded by path
@@ -105,6 +106,12 @@ class LayerModel:
     ``{"attn.qkv": "colwise_qkv", "attn.proj": "rowwise"}`` (``models.tensor_parallel``; None: the layer is
     replicated whole). The layer's own code must then work on its rank's share of the features (a
     per-head computation reads its head count from the shard), as torchtitan's ``parallelize`` asks."""
+    tied: Sequence[Sequence[str]] = ()
+    """Groups of parameters that are one parameter, each by global name ``"<layer>.<name in layer>"``, as
+    DeepSpeed's ``TiedLayerSpec`` declares them (``pipeweave.pipeline`` finds them by itself): every member
+    starts as the group's first one, and their gradients are summed before each update
+    (``models.tied``, ``runtime.stage.tied``). Members must lie in one stage, or in a pipeline's first
+    and last stages (an embedding and the head)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, Sequence) or not self.layers:
@@ -118,6 +125,7 @@ class LayerModel:
         if self.tp_plan is not None and (isinstance(self.tp_plan, Mapping) or len(self.tp_plan) != len(self.layers)):
             raise UserError(f"LayerModel.tp_plan must be a list with one entry per layer ({len(self.layers)}): a "
                             "dict {module name: 'colwise' or 'rowwise'} or None")
+        check_groups(self.tied, len(self.layers))
         for name in ("dataset", "eval_dataset"):
             data = getattr(self, name)
             if data is None and name == "eval_dataset":
@@ -135,8 +143,8 @@ def is_entry(text: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def load_model(entry: str) -> LayerModel:
-    """The ``LayerModel`` that ``entry`` names, loaded once per process.
+def load_model(entry: str) -> LayerModel | nn.Module:
+    """The ``LayerModel`` (or plain ``nn.Module``) that ``entry`` names, loaded once per process.
 
     Raises:
         UserError: a malformed entry, a missing file or module, a missing name, or not a LayerModel.
@@ -148,17 +156,26 @@ def load_model(entry: str) -> LayerModel:
     if not hasattr(module, name):
         raise UserError(f"--model {entry}: {where} has no {name!r}; name a LayerModel or a function returning one")
     value = getattr(module, name)
-    if callable(value) and not isinstance(value, LayerModel):
+    if callable(value) and not isinstance(value, (LayerModel, nn.Module)):
         try:
-            value = value()
+            with torch.random.fork_rng(devices=[]):  # a module built inside is the same on every rank
+                torch.manual_seed(0)
+                value = value()
         except UserError:
             raise
         except Exception as e:
             raise UserError(f"--model {entry}: {name}() raised {_where(e)}; fix the model's code") from None
+    if isinstance(value, nn.Module):  # split by pipeweave.pipeline (models.pipeline.from_module)
+        return value
     if not isinstance(value, LayerModel):
         raise UserError(f"--model {entry} gives {type(value).__name__}, not a pipeweave.models.LayerModel; "
-                        "return LayerModel(layers=..., loss=..., dataset=...)")
+                        "return LayerModel(layers=..., loss=..., dataset=...) or an nn.Module")
     return value
+
+
+def entry_module(entry: str) -> Any:
+    """The Python module that defines ``entry``'s name (loaded once, as ``load_model`` loads it)."""
+    return _module(entry.rpartition(":")[0], entry)
 
 
 def _module(where: str, entry: str) -> Any:

@@ -72,8 +72,10 @@ def _deferring(store: WeightGradStore | None) -> bool:
     return store is not None and store.deferring
 
 
-def _linear_weight_grads(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, gy: torch.Tensor) -> None:
-    """Accumulate ``gy^T x`` into ``weight.grad`` (and ``sum(gy)`` into ``bias.grad``).
+def _linear_weight_grads(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, gy: torch.Tensor,
+                         transposed: bool = False) -> None:
+    """Accumulate ``gy^T x`` into ``weight.grad`` (``x^T gy`` for a transposed weight, (in, out)), and
+    ``sum(gy)`` into ``bias.grad``.
 
     Straight into ``.grad`` with ``addmm_`` (beta = 1): no temporary weight-sized
     gradient, no separate pass to add it, where autograd's own path pays both.
@@ -81,15 +83,16 @@ def _linear_weight_grads(weight: torch.Tensor, bias: torch.Tensor | None, x: tor
     """
     gy2 = gy.reshape(-1, gy.shape[-1])
     x2 = x.reshape(-1, x.shape[-1])
+    left, right = (x2.t(), gy2) if transposed else (gy2.t(), x2)
     if x2.dtype != weight.dtype:  # autocast: the product in its dtype, accumulated in the parameter's
-        _accumulate(weight, gy2.t().mm(x2).to(weight.dtype))
+        _accumulate(weight, left.mm(right).to(weight.dtype))
         if bias is not None:
             _accumulate(bias, gy2.sum(0).to(bias.dtype))
         return
     if weight.grad is None:
-        weight.grad = gy2.t().mm(x2)
+        weight.grad = left.mm(right)
     else:
-        weight.grad.addmm_(gy2.t(), x2)
+        weight.grad.addmm_(left, right)
     if bias is not None:
         _accumulate(bias, gy2.sum(0))
 
@@ -105,18 +108,19 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any,
+                transposed: bool = False) -> torch.Tensor:
         # Parameters travel as attributes: a saved tensor unpacks to a different
         # Python object, and .grad must land on the Parameter itself.
         ctx.weight, ctx.bias = weight, bias
-        ctx.store = store
+        ctx.store, ctx.transposed = store, transposed  # transposed: y = b + x W, W (in, out) (Conv1D's addmm)
         ctx.dtype = dtype = _autocast_dtype(x)
         if dtype is not None:  # as autocast runs nn.Linear: everything cast, the cast input kept
             x = x.to(dtype)
             with torch.autocast(autocast_device_type(x.device), enabled=False):
-                y = F.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
+                y = _product(x, weight.to(dtype), None if bias is None else bias.to(dtype), transposed)
         else:
-            y = F.linear(x, weight, bias)
+            y = _product(x, weight, bias, transposed)
         ctx.save_for_backward(x)
         return y
 
@@ -126,12 +130,21 @@ class _LinearFn(torch.autograd.Function):
         weight, bias = ctx.weight, ctx.bias
         if ctx.dtype is not None:
             gy = gy.to(ctx.dtype)
-        gx = gy.matmul(weight if ctx.dtype is None else weight.to(ctx.dtype)) if ctx.needs_input_grad[0] else None
+        w = weight if ctx.dtype is None else weight.to(ctx.dtype)
+        gx = (gy.mm(w.t()) if ctx.transposed else gy.matmul(w)) if ctx.needs_input_grad[0] else None
+        transposed = ctx.transposed
         if _deferring(ctx.store):
-            ctx.store.defer(lambda: _linear_weight_grads(weight, bias, x, gy), (x, gy))
+            ctx.store.defer(lambda: _linear_weight_grads(weight, bias, x, gy, transposed), (x, gy))
         else:  # B: at once, by the same code as W
-            _linear_weight_grads(weight, bias, x, gy)
-        return gx, None, None, None
+            _linear_weight_grads(weight, bias, x, gy, transposed)
+        return gx, None, None, None, None
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    if transposed:
+        assert bias is not None
+        return torch.addmm(bias, x, weight)
+    return F.linear(x, weight, bias)
 
 
 class _LayerNormFn(torch.autograd.Function):
@@ -206,14 +219,26 @@ class Linear(Deferrable):
     @classmethod
     def wrapping(cls, linear: nn.Linear) -> Linear:
         """A ``Linear`` on the very parameters of ``linear`` (same objects, same values)."""
+        return cls.on(cast(nn.Parameter, linear.weight), cast(nn.Parameter | None, linear.bias))
+
+    @classmethod
+    def on(cls, weight: nn.Parameter, bias: nn.Parameter | None) -> Linear:
+        """A ``Linear`` on these very parameters (``weight`` of shape (out, in))."""
         layer = cls.__new__(cls)
         Deferrable.__init__(layer)
-        layer.weight = cast(nn.Parameter, linear.weight)
-        layer.bias = cast(nn.Parameter | None, linear.bias)
+        layer.weight, layer.bias = weight, bias
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _LinearFn.apply(x, self.weight, self.bias, self.grad_store)  # type: ignore[no-untyped-call,no-any-return]
+
+
+class TransposedLinear(Linear):
+    """``y = b + x W`` with ``W`` of shape (in, out): transformers' ``Conv1D`` (GPT-2), as ``aten.addmm``
+    computes it, on the same parameters; its weight gradient ``x^T gy`` is deferred as ``Linear``'s is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LinearFn.apply(x, self.weight, self.bias, self.grad_store, True)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class LayerNorm(nn.Module):

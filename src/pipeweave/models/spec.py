@@ -52,6 +52,9 @@ class ModelSpec:
     """gpt only: the head's output weight starts equal to the token embedding and their gradients
     are summed before every update (``pipeweave.runtime.stage.tied``), so the two stay identical."""
 
+    hf_config: str | None = None
+    """``hf:NAME`` only: the model's config fields, a JSON object or a file holding one (``models.hf``)."""
+
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise UserError(f"model kind {self.kind!r} is unknown; choose one of: {', '.join(KINDS)}")
@@ -62,6 +65,8 @@ class ModelSpec:
         if (self.kind == "custom") != (self.entry is not None):
             raise UserError("a custom model needs its entry, and only a custom model takes one; "
                             "give ModelSpec(kind='custom', entry='my_model.py:model')")
+        if self.hf_config is not None and not (self.entry or "").startswith("hf:"):
+            raise UserError("--hf-config applies to --model hf:NAME only; drop it or name a Hugging Face model")
         if self.tie_embeddings and self.kind != "gpt":
             raise UserError("tie_embeddings applies to the gpt only; drop it or use --model gpt")
         if self.kind == "gpt" and self.hidden % self.heads:
@@ -95,7 +100,16 @@ class ModelSpec:
         """
         if self.entry is None:
             raise UserError(f"the {self.kind} model is built in; only --model FILE.py:NAME has a LayerModel")
-        return load_model(self.entry)
+        if self.entry.startswith("hf:"):
+            from pipeweave.models.hf import hf_model
+
+            return hf_model(self.entry, self.hf_config, self.seq_len, self.seed)
+        model = load_model(self.entry)
+        if isinstance(model, LayerModel):
+            return model
+        from pipeweave.models.pipeline import from_module
+
+        return from_module(self.entry)
 
     @classmethod
     def of(cls, factory: Callable[[], LayerModel], *, seed: int = 0) -> ModelSpec:

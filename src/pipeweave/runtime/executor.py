@@ -35,7 +35,7 @@ from pipeweave.runtime.transport.partner import PartnerLink
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stage.policy import RankPolicy
 from pipeweave.runtime.stage.stash import Packed, host_store, stash_away, stash_back
-from pipeweave.runtime.stage.tied import TiedGradients
+from pipeweave.runtime.stage.tied import TiedGradients, tied_groups
 from pipeweave.schedule.grid import format_rows
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.schedule.lower import LoweredSchedule
@@ -104,8 +104,8 @@ class Executor:
                                          _replica_groups(self.placement) if exchanging and combine_replicas else {},
                                          bucket_bytes, zero)
         self.tied = TiedGradients(self.placement, exchanging, rank, self.p2p.tag_limit)
-        if not evaluate and any(getattr(w.spec, "tie_embeddings", False) for w in workers.values()):
-            # Every pipeline's first and last stage hold the two ends (runtime.stage.tied), on any rank.
+        if not evaluate and any(tied_groups(w.spec) for w in workers.values()):
+            # Every pipeline's first and last stage exchange their ties (runtime.stage.tied), on any rank.
             for line in self.placement.pipelines:
                 if line[0] != line[-1]:
                     self.p2p.tied.update({line[0]: line[-1], line[-1]: line[0]})

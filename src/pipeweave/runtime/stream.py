@@ -45,6 +45,7 @@ from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.stage.policy import Read
+from pipeweave.runtime.stage.tied import tied_groups
 from pipeweave.schedule.avgpipe import DEFAULT_PIPELINES
 from pipeweave.schedule.ir import Action, Op, Schedule
 
@@ -138,8 +139,9 @@ def minibatch_losses(losses: dict[int, float], num_microbatches: int, num_miniba
 
 def check_stream_model(spec: ModelSpec) -> None:
     """Tied embeddings sum gradients across stages at every update, which a stream does not synchronise."""
-    if spec.tie_embeddings:
-        raise UserError("tied embeddings need synchronous updates; drop --tie-embeddings for asynchronous schedules")
+    if tied_groups(spec):
+        raise UserError("tied parameters (tied embeddings) need synchronous updates; untie them (drop "
+                        "--tie-embeddings, tie_word_embeddings=false) or choose a synchronous schedule")
 
 
 class StreamPosition:

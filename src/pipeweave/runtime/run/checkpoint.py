@@ -86,7 +86,8 @@ from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Placement
 
 
-_MODEL_FIELDS = ("kind", "entry", "layers", "hidden", "vocab", "heads", "seq_len", "tie_embeddings")  # not the seed
+_MODEL_FIELDS = ("kind", "entry", "layers", "hidden", "vocab", "heads", "seq_len", "tie_embeddings",
+                 "hf_config")  # not the seed
 
 
 def check(config: TrainConfig, meta: dict[str, Any]) -> None:

@@ -1,15 +1,20 @@
-"""Tied weights across stages: the gpt's token embedding and output head, kept identical by summing their gradients.
+"""Tied weights across stages: parameters that are one (an embedding and the head), kept identical by summing
+their gradients.
 
-With ``ModelSpec(tie_embeddings=True)`` the first layer's ``token`` table and
-the last layer's ``out.weight`` start equal (``models.gpt``). They live on the
-first and the last stage of a pipeline, usually on different ranks. Before
-either stage's update (``StageWorker.combine_grads``, after the replicas of a
-part are combined) the two stages exchange these gradients and both set theirs
-to ``embedding's + head's``, summed in that order on both sides, so the two
-copies take bitwise the same step: the gradient a single shared parameter
-would get. Between ranks the exchange is a tagged ``isend``/``irecv`` pair at
-``U``; in one process (the reference executor, or both ends on one rank) the
-first of the two updates sums for both.
+A model's tied groups (``models.tied``: the gpt's token table and head with
+``tie_embeddings``; a ``LayerModel``'s declared ``tied``; those
+``pipeweave.pipeline`` finds) start equal. A group whose members all sit in
+one stage needs nothing at run time beyond a sum of its distinct copies. A
+group split between a pipeline's first and last stage (usually on different
+ranks) is exchanged before either stage's update (``StageWorker.combine_grads``,
+after the replicas of a part are combined): both stages set their members'
+gradients to ``first stage's + last stage's``, summed in that order on both
+sides, so the copies take bitwise the same step: the gradient a single shared
+parameter would get. Between ranks the exchange is one tagged
+``isend``/``irecv`` pair at ``U`` carrying every split group's partial sum (one
+number when no group is split, so both ranks' message orders stay fixed); in
+one process (the reference executor, or both ends on one rank) the first of
+the two updates sums for both.
 
 Every rank's ``U`` ends its step in synchronous schedules, so the exchange
 waits only on gradients that are complete: it cannot deadlock. In one process
@@ -24,30 +29,58 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from torch import nn
+
+from pipeweave.errors import UserError
+from pipeweave.models.spec import ModelSpec
+from pipeweave.models.tied import layer_of
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.transport.mesh import process_of
 from pipeweave.schedule.ir import Placement
 
-EMBEDDING, HEAD = "token", "out.weight"
+def tied_groups(spec: ModelSpec) -> list[list[str]]:
+    """The model's tied groups by global name (``models.tied``)."""
+    if spec.kind == "gpt":
+        return [["0.token", f"{spec.num_layers - 1}.out.weight"]] if spec.tie_embeddings else []
+    return [list(g) for g in spec.custom.tied] if spec.kind == "custom" else []
 
 
-def tied_names(worker: StageWorker) -> dict[str, str]:
-    """The tied parameters this worker holds: global name -> ``"embedding"`` or ``"head"``."""
-    spec = worker.spec
-    if not getattr(spec, "tie_embeddings", False):
-        return {}
-    ends = {f"0.{EMBEDDING}": "embedding", f"{spec.num_layers - 1}.{HEAD}": "head"}
-    return {name: end for name, end in ends.items() if name in worker.named_parameters()}
+def tied_names(worker: StageWorker) -> list[list[str]]:
+    """Per tied group, the members this worker holds (empty lists for the others)."""
+    held = worker.layer_indices
+    return [[n for n in group if layer_of(n) in held] for group in tied_groups(worker.spec)]
+
+
+def _split_groups(worker: StageWorker) -> list[int]:
+    """The groups of which this worker holds some members but not all: those it must exchange."""
+    return [g for g, (mine, group) in enumerate(zip(tied_names(worker), tied_groups(worker.spec)))
+            if mine and len(mine) < len(group)]
 
 
 def tie_peer(placement: Placement, stage: int, worker: StageWorker) -> int | None:
-    """The stage holding the other end of ``stage``'s tie (itself if it holds both), or None if untied.
+    """The stage ``stage`` sums its ties with: the other end of its pipeline for the first and the last
+    stage, itself for a stage holding whole groups, None for none.
 
-    The embedding is on the first stage of a pipeline and the head on its last.
+    Raises:
+        UserError: a stage neither first nor last in its pipeline holding part of a group.
     """
-    if not tied_names(worker):
+    if not tied_groups(worker.spec):
         return None
     line = placement.pipelines[placement.pipeline_of(stage)]
+    holds = any(tied_names(worker))
+    if line[0] == line[-1]:
+        return stage if holds else None
+    if stage in (line[0], line[-1]):
+        return _other_end(line, stage)
+    split = _split_groups(worker)
+    if split:
+        group = tied_groups(worker.spec)[split[0]]
+        raise UserError(f"tied parameters {', '.join(group)} lie in stage {stage}, inside the pipeline; tied groups "
+                        "must lie in one stage or in the first and last (re-partition, e.g. --partition uniform)")
+    return stage if holds else None
+
+
+def _other_end(line: tuple[int, ...] | list[int], stage: int) -> int:
     return line[-1] if stage == line[0] else line[0]
 
 
@@ -88,9 +121,8 @@ class TiedGradients:
 
     def _combine(self, stage: int) -> None:
         peer = self.peer[stage]
-        if peer == stage:  # one stage holds both ends
-            grads = _grads(self.workers[stage])
-            _write(grads, grads["embedding"] + grads["head"])
+        if peer == stage:  # every group it holds is whole here
+            _write(self.workers[stage], _partial(self.workers[stage], whole=True))
         elif peer in self.workers:
             self._combine_local(stage, peer)
         else:
@@ -101,39 +133,65 @@ class TiedGradients:
         if pair in self._pending:  # the peer's update already summed for both
             self._pending.remove(pair)
             return
-        mine, theirs = _grads(self.workers[stage]), _grads(self.workers[peer])
-        both = {**mine, **theirs}
-        total = both["embedding"] + both["head"]
-        _write(mine, total)
-        _write(theirs, total)
+        first, last = self.workers[pair[0]], self.workers[pair[1]]
+        if first.layer_indices.start > last.layer_indices.start:
+            first, last = last, first
+        totals = _sum(_partial(first), _partial(last))
+        _write(first, totals)
+        _write(last, totals)
         self._pending.add(pair)
 
     def _combine_remote(self, stage: int, peer: int) -> None:
-        grads = _grads(self.workers[stage])
-        (end, grad), = grads.items()
-        other = torch.empty_like(grad)
+        worker = self.workers[stage]
+        mine = _partial(worker)
+        flat = torch.cat([t.reshape(-1) for t in mine.values()]) if mine else torch.zeros(1)
+        other = torch.empty_like(flat)
         peer_rank = process_of(self.placement.stage_rank[peer])  # with this process's tensor-parallel coordinate
-        send = dist.isend(grad.contiguous(), dst=peer_rank, tag=self.tag_base + stage)
+        send = dist.isend(flat.contiguous(), dst=peer_rank, tag=self.tag_base + stage)
         recv = dist.irecv(other, src=peer_rank, tag=self.tag_base + peer)
         assert send is not None and recv is not None
         recv.wait()
         send.wait()
-        total = grad + other if end == "embedding" else other + grad  # the same order on both ranks
-        _write(grads, total)
+        theirs, offset = {}, 0
+        for g, t in mine.items():
+            theirs[g] = other[offset: offset + t.numel()].view_as(t)
+            offset += t.numel()
+        line = self.placement.pipelines[self.placement.pipeline_of(stage)]
+        _write(worker, _sum(mine, theirs) if stage == line[0] else _sum(theirs, mine))  # one order on both ranks
 
 
-def _grads(worker: StageWorker) -> dict[str, torch.Tensor]:
-    """The gradients of the worker's tied parameters by end, zeros where none was computed."""
-    params = worker.named_parameters()
-    out = {}
-    for name, end in tied_names(worker).items():
-        p = params[name]
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        out[end] = p.grad
+def _partial(worker: StageWorker, whole: bool = False) -> dict[int, torch.Tensor]:
+    """Per tied group this worker holds (split ones only, unless ``whole``), the sum of the gradients of its
+    distinct copies here, in member order; zeros where none was computed."""
+    split = set(range(len(tied_groups(worker.spec)))) if whole else set(_split_groups(worker))
+    params = dict(worker.module.named_parameters(remove_duplicate=False))
+    out: dict[int, torch.Tensor] = {}
+    for g, names in enumerate(tied_names(worker)):
+        if g not in split or not names:
+            continue
+        seen: dict[int, nn.Parameter] = {}
+        for name in names:
+            seen.setdefault(id(params[name]), params[name])
+        grads = []
+        for p in seen.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        total = grads[0]
+        for grad in grads[1:]:
+            total = total + grad
+        out[g] = total
     return out
 
 
-def _write(grads: dict[str, torch.Tensor], total: torch.Tensor) -> None:
-    for grad in grads.values():
-        grad.copy_(total)
+def _sum(first: dict[int, torch.Tensor], last: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    return {g: first[g] + last[g] for g in first}
+
+
+def _write(worker: StageWorker, totals: dict[int, torch.Tensor]) -> None:
+    params = dict(worker.module.named_parameters(remove_duplicate=False))
+    for g, names in enumerate(tied_names(worker)):
+        if g in totals:
+            total = totals[g].clone()  # a copy: the sum may be one of the gradients it overwrites
+            for name in names:
+                params[name].grad.copy_(total)

@@ -1,0 +1,133 @@
+"""Hugging Face causal language models (``--model hf:gpt2 --hf-config '{...}'``), built offline from a config.
+
+``hf:NAME`` names a ``transformers`` model type (``gpt2``, ``llama``, any
+causal LM ``AutoModelForCausalLM`` knows); ``--hf-config`` is a JSON object,
+on the command line or in a file, of its config's fields. The model is built
+by ``from_config`` (nothing downloaded), split by ``pipeweave.pipeline``
+before each decoder block, and trained on the built-in byte corpus
+(``--seq-len`` tokens a sample, bytes as token ids, so ``vocab_size`` must be
+at least 256) with the model's own loss (``model.loss_function``: labels are
+the inputs, shifted inside). ``save_pretrained`` turns a run's parameters back
+into a folder ``from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeweave.errors import UserError
+from pipeweave.models.custom import LayerModel
+from pipeweave.models.pipeline import pipeline
+
+PREFIX = "hf:"
+_CORPUS_BYTES = 1 << 20  # 1 MiB of the standard library's sources: enough windows for a demo run
+
+
+def is_hf(entry: str | None) -> bool:
+    """Whether ``entry`` names a Hugging Face model (``hf:NAME``)."""
+    return entry is not None and entry.startswith(PREFIX)
+
+
+def config_fields(text: str | None) -> dict[str, Any]:
+    """The JSON object ``--hf-config`` gives, inline or in a file.
+
+    Raises:
+        UserError: neither a JSON object nor a file holding one.
+    """
+    if text is None:
+        return {}
+    source = Path(text).read_text() if not text.lstrip().startswith("{") and Path(text).is_file() else text
+    try:
+        fields = json.loads(source)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--hf-config {text[:60]!r} is not a JSON object ({e.msg}) nor a file holding one; give "
+                        "e.g. '{\"n_layer\": 2, \"n_embd\": 64}'") from None
+    if not isinstance(fields, dict):
+        raise UserError(f"--hf-config gives {type(fields).__name__}; give a JSON object of config fields")
+    return fields
+
+
+def build_module(entry: str, config_text: str | None, seed: int) -> nn.Module:
+    """The ``transformers`` model from its config, initialised from ``seed`` (the same on every rank)."""
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(f"--model {entry} needs transformers; pip install -c constraints.txt -e '.[hf]'") from None
+    name = entry[len(PREFIX):]
+    fields = {"use_cache": False, **config_fields(config_text)}
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # token ids of the full vocabulary are cleared below, not warned of
+    try:
+        config = transformers.AutoConfig.for_model(name, **fields)
+    except ValueError as e:
+        raise UserError(f"--model {entry}: {str(e).split('.')[0]}; name a transformers model type "
+                        "such as gpt2 or llama") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults of the full vocabulary: none here
+        value = getattr(config, key, None)
+        if key not in fields and isinstance(value, int) and value >= config.vocab_size:
+            setattr(config, key, None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = transformers.AutoModelForCausalLM.from_config(config)
+    if getattr(module, "loss_type", None) is None:  # the loss transformers falls back to, chosen without its warning
+        module.loss_type = "ForCausalLM"
+    return module  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=None)
+def hf_model(entry: str, config_text: str | None, seq_len: int, seed: int) -> LayerModel:
+    """The ``LayerModel`` of ``hf:NAME`` with ``--hf-config``, on the byte corpus (loaded once per process)."""
+    module = build_module(entry, config_text, seed)
+    vocab = module.config.vocab_size
+    if vocab < 256:
+        raise UserError(f"--hf-config vocab_size={vocab} cannot hold bytes; give a vocab_size >= 256")
+    data = ByteWindows(seq_len)
+    loss = functools.partial(_causal_lm_loss, module.loss_function, vocab)
+    return pipeline(module, (data.tokens[:2],), split_points=None, loss=loss, dataset=data)
+
+
+def _causal_lm_loss(loss_function: Any, vocab: int, logits: Any, labels: torch.Tensor) -> torch.Tensor:
+    logits = logits.logits if hasattr(logits, "logits") else logits
+    return loss_function(logits, labels, vocab)  # type: ignore[no-any-return]
+
+
+class ByteWindows(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Consecutive windows of ``seq_len`` bytes of the standard library's sources: (tokens, the same tokens)
+    -- a causal LM's labels are its inputs, shifted by its own loss."""
+
+    def __init__(self, seq_len: int) -> None:
+        from pipeweave.data.corpus import stdlib_sources
+
+        raw = torch.frombuffer(bytearray(stdlib_sources(_CORPUS_BYTES)), dtype=torch.uint8).long()
+        self.tokens = raw[: len(raw) // seq_len * seq_len].view(-1, seq_len)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tokens[i], self.tokens[i]
+
+
+def save_pretrained(entry: str, config_text: str | None, parameters: dict[str, torch.Tensor], folder: str) -> None:
+    """Write a run's parameters (global names ``"<layer>.<name in the module>"``) as a ``transformers`` folder.
+
+    Raises:
+        UserError: parameters that do not cover the model.
+    """
+    module = build_module(entry, config_text, 0)
+    state = {name.partition(".")[2]: value for name, value in parameters.items() if ".pipeweave_linear_" not in name}
+    every = dict(module.named_parameters(remove_duplicate=False))
+    module.load_state_dict(state, strict=False)
+    loaded = {id(every[n]) for n in state if n in every}  # a tied Parameter is loaded by any of its names
+    lacking = [n for n, p in every.items() if id(p) not in loaded]
+    if lacking:
+        raise UserError(f"the run's parameters lack {lacking[0]} of {entry}; save from a run of the same model")
+    module.save_pretrained(folder)

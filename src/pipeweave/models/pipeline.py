@@ -1,0 +1,149 @@
+"""``pipeweave.pipeline``: your module as written, split into pipeweave's layers (a ``LayerModel``).
+
+Three ways in, the cheapest that serves the module:
+
+- an ``nn.Sequential`` needs no tracing: its children are the layers (split
+  points, if given, group them: ``"4"`` starts a layer at child 4);
+- any other module is traced once by ``torch.export`` (non-strict: its Python
+  runs as written, loops over blocks and Hugging Face models included) and
+  cut at ``split_points``, module names as torch.distributed.pipelining's
+  ``SplitPoint.BEGINNING`` takes them (``models.graph_split``);
+- without split points, the cut falls before every block of the module's
+  ``nn.ModuleList`` s: many small layers that pipeweave's partitioner groups
+  into D balanced parts (``--partition time`` by the profiler, or ``uniform``).
+
+What a layer list needs besides the layers -- a loss and a dataset -- is
+asked for as ``LayerModel`` asks for it. The layers hold the module's own
+Parameter objects; each rank (and each in-process stage) builds its layers
+as a copy of its parts, the parameters a part shares with another (tied
+embeddings) found and kept as one group (``models.tied``)::
+
+    net = MyTransformer()
+    model = pipeweave.pipeline(net, (tokens[:2],), ["blocks.2"], loss=my_loss, dataset=data)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeweave.errors import UserError
+from pipeweave.models.custom import LayerModel, entry_module, load_model
+from pipeweave.models.graph_split import check_split_points, export, split_graph
+
+
+def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequence[str] | None = None, *,
+             loss: Callable[[Any, Any], torch.Tensor], dataset: Any, eval_dataset: Any = None) -> LayerModel:
+    """``module`` as a ``LayerModel``: cut at ``split_points`` (module names), its parameters shared.
+
+    Args:
+        module: the model as written; its forward takes the dataset's inputs (one tensor, or a tuple as
+            several arguments) and returns what ``loss`` takes with the targets.
+        example_inputs: a microbatch of inputs (a tensor or a tuple) to trace with; default: two samples
+            of ``dataset``. The batch dimension is traced as dynamic.
+        split_points: module names, each starting a new layer; None: before every block of the module's
+            ``nn.ModuleList`` s (an ``nn.Sequential``: every child).
+        loss, dataset, eval_dataset: as ``LayerModel``'s.
+
+    Raises:
+        UserError: a split point naming no module, a module ``torch.export`` cannot trace.
+
+    Example:
+        >>> data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+        >>> m = pipeline(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)), split_points=["2"],
+        ...              loss=nn.functional.mse_loss, dataset=data)
+        >>> len(m.layers)
+        2
+    """
+    if not isinstance(module, nn.Module):
+        raise UserError(f"pipeweave.pipeline takes an nn.Module, not {type(module).__name__}")
+    points = list(split_points) if split_points is not None else _block_starts(module)
+    check_split_points(module, points)
+    module.train()
+    if isinstance(module, nn.Sequential):
+        parts = _sequential_parts(module, points)
+    else:
+        inputs = example_inputs if example_inputs is not None else _example(dataset)
+        parts = split_graph(export(module, inputs if isinstance(inputs, tuple) else (inputs,)), points)
+    return LayerModel(layers=[functools.partial(_copy, part) for part in parts], loss=loss,
+                      dataset=dataset, eval_dataset=eval_dataset, tied=shared_parameters(parts))
+
+
+def _copy(part: nn.Module) -> nn.Module:
+    """A part's own copy (its Parameters new objects, shared among themselves as in the part)."""
+    with warnings.catch_warnings():  # torch's GraphModule copy warns of its own deprecated pytree spec
+        warnings.filterwarnings("ignore", "`isinstance\\(treespec, LeafSpec\\)`", FutureWarning)
+        return copy.deepcopy(part)
+
+
+@functools.lru_cache(maxsize=None)
+def from_module(entry: str) -> LayerModel:
+    """The plain module ``--model FILE.py:NAME`` names, split by ``pipeline`` with the ``loss`` and ``dataset``
+    (optional: ``eval_dataset``, ``split_points``) its file defines beside it, as a LayerModel has them.
+
+    Raises:
+        UserError: the file lacks the loss or the dataset.
+    """
+    net, where = load_model(entry), entry_module(entry)
+    assert isinstance(net, nn.Module)
+    lacking = [name for name in ("loss", "dataset") if not hasattr(where, name)]
+    if lacking:
+        raise UserError(f"--model {entry} is an nn.Module; define {' and '.join(lacking)} beside it in its file "
+                        "(loss(output, target) -> the mean loss; a dataset of (input, target) pairs), as a "
+                        "LayerModel has them")
+    return pipeline(net, None, getattr(where, "split_points", None), loss=where.loss, dataset=where.dataset,
+                    eval_dataset=getattr(where, "eval_dataset", None))
+
+
+def _block_starts(module: nn.Module) -> list[str]:
+    """Every child of the module's outermost ``nn.ModuleList`` s (what runs before the first is a layer of its
+    own: the embedding), or every child of a Sequential but the first."""
+    if isinstance(module, nn.Sequential):
+        return [name for name, _ in module.named_children()][1:]
+    lists = [name for name, m in module.named_modules() if isinstance(m, nn.ModuleList)]
+    outer = [n for n in lists if not any(n.startswith(o + ".") for o in lists if o != n)]
+    blocks = [f"{name}.{child}" for name in outer for child, _ in module.get_submodule(name).named_children()]
+    if not blocks:
+        raise UserError(f"{type(module).__name__} has no nn.ModuleList of blocks to split before; give split_points "
+                        "(module names)")
+    return blocks
+
+
+def _sequential_parts(module: nn.Sequential, points: list[str]) -> list[nn.Module]:
+    names = [name for name, _ in module.named_children()]
+    starts = sorted(names.index(p) for p in points if p in names)
+    if len(starts) != len(points):
+        raise UserError(f"split points of an nn.Sequential name its children ({', '.join(names[:6])}, ...); "
+                        f"{[p for p in points if p not in names][0]!r} is not one")
+    bounds = [0, *starts, len(names)]
+    children = list(module.children())
+    # Children keep their names: a layer's "<k>.<child>.<name>" is the module's "<child>.<name>" behind "<k>."
+    parts = [nn.Sequential(OrderedDict(zip(names[a:b], children[a:b]))) for a, b in zip(bounds, bounds[1:])]
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise UserError(f"split point {names[0]!r} leaves an empty first layer; drop it")
+    return parts
+
+
+def _example(dataset: Any) -> tuple[Any, ...]:
+    """Two samples' inputs of ``dataset``, collated (two: a batch of one would be traced as a constant)."""
+    inputs = torch.utils.data.default_collate([dataset[k][0] for k in range(min(2, len(dataset)))])
+    return tuple(inputs) if isinstance(inputs, list) else (inputs,)
+
+
+def shared_parameters(parts: Sequence[nn.Module]) -> list[list[str]]:
+    """Groups of global names ``"<part>.<name>"`` of each Parameter object that several parts hold."""
+    holders: dict[int, list[str]] = {}
+    for index, part in enumerate(parts):
+        seen: set[int] = set()
+        for name, p in part.named_parameters(remove_duplicate=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                holders.setdefault(id(p), []).append(f"{index}.{name}")
+    return [names for names in holders.values() if len(names) > 1]

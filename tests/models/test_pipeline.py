@@ -1,0 +1,162 @@
+"""``pipeweave.pipeline`` in one process: the split, the shared and tied parameters, Hugging Face models, bad input.
+
+The distributed runs are in ``tests/runtime/test_split_module.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pipeweave
+from pipeweave.errors import UserError
+from pipeweave.models import LayerModel, ModelSpec, build_layers
+from pipeweave.models.boundary import call
+from pipeweave.models.hf import save_pretrained
+from pipeweave.models.layers import Linear, TransposedLinear
+from pipeweave.runtime.reference import run_reference
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.schedule import generate
+
+MODELS = Path(__file__).resolve().parent
+sys.path.insert(0, str(MODELS))
+import tiny_modules  # noqa: E402
+
+DATA = torch.utils.data.TensorDataset(torch.zeros(4, 4), torch.zeros(4, 4))
+GPT2 = json.dumps({"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 32,
+                   "resid_pdrop": 0, "embd_pdrop": 0, "attn_pdrop": 0})
+
+
+@pytest.mark.slow
+def test_the_parts_compute_the_module_and_hold_its_parameters() -> None:
+    torch.manual_seed(0)
+    net = tiny_modules.Looped()
+    tokens = torch.randint(0, tiny_modules.VOCAB, (3, tiny_modules.SEQ))
+    model = pipeweave.pipeline(net, (tokens[:2],), ["blocks.1", "blocks.2"], loss=tiny_modules.token_loss,
+                               dataset=DATA)
+    builders = list(model.layers)
+    assert len(builders) == 3
+    parts = [b.args[0] for b in builders]  # the parts themselves (each build copies one)
+    x = tokens  # three samples: the batch dimension is traced as dynamic
+    for part in parts:
+        x = call(part, x)
+    torch.testing.assert_close(x, net(tokens), rtol=0, atol=0)
+    ids = {id(p) for p in net.parameters()}
+    assert all(id(p) in ids for part in parts for p in part.parameters())  # shared, not copied
+    assert model.tied == [["0.head.weight", "2.head.weight"]]  # the tied head, found
+    linears = [m for part in parts for m in part.modules() if isinstance(m, Linear)]
+    assert len(linears) >= 3 * 2 + 1  # the blocks' MLPs and the head: deferrable
+
+
+@pytest.mark.slow
+def test_only_the_hidden_states_cross_a_split_of_a_transformers_gpt2() -> None:
+    spec = ModelSpec(kind="custom", entry="hf:gpt2", hf_config=GPT2, seq_len=16)
+    layers = build_layers(spec, range(spec.num_layers))
+    x = spec.custom.dataset[0][0].unsqueeze(0).repeat(3, 1)
+    for layer in layers[:-1]:
+        x = call(layer, x)
+        assert isinstance(x, torch.Tensor) and x.shape == (3, 16, 32)  # masks and positions recomputed per part
+    assert any(isinstance(m, TransposedLinear) for m in layers[1].modules())  # Conv1D, deferrable
+    assert layers[0].get_parameter("lm_head.weight") is layers[-1].get_parameter("lm_head.weight")  # one build
+
+
+def test_zb_h1_on_a_transformers_gpt2_equals_its_unsplit_training_and_saves_for_from_pretrained(
+        tmp_path: Path) -> None:
+    from unsplit import train_unsplit
+
+    spec = ModelSpec(kind="custom", entry="hf:gpt2", hf_config=GPT2, seq_len=16)
+    config = TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4, model=spec, batch_size=8, steps=2)
+    run = run_reference(generate("zb-h1", num_stages=2, num_microbatches=4), spec, steps=2, batch_size=8)
+    losses, params = train_unsplit(config)
+    torch.testing.assert_close(run.losses, losses, rtol=1e-5, atol=1e-6)
+    save_pretrained(spec.entry or "", spec.hf_config, run.parameters, str(tmp_path / "gpt2"))
+    import transformers
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2")
+    for name, value in loaded.named_parameters():
+        torch.testing.assert_close(value, params[name].detach(), rtol=1e-5, atol=1e-6)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # still tied
+
+
+def test_a_tied_group_spread_inside_a_pipeline_is_one_line() -> None:
+    spec = ModelSpec(kind="custom", entry=f"{MODELS / 'tiny_modules.py'}:shared_in_the_middle")
+    with pytest.raises(UserError, match="inside the pipeline"):
+        run_reference(generate("1f1b", num_stages=3, num_microbatches=3), spec, steps=1, batch_size=6)
+
+
+def test_tied_members_of_two_shapes_are_one_line() -> None:
+    model = LayerModel(layers=[lambda: nn.Linear(4, 4), lambda: nn.Linear(4, 3)], loss=nn.functional.mse_loss,
+                       dataset=DATA, tied=[["0.weight", "1.weight"]])
+    with pytest.raises(UserError, match=r"tied parameters 0.weight \(4, 4\) and 1.weight \(3, 4\) differ in shape"):
+        from pipeweave.models.tied import tie
+
+        tie(model.tied, {0: model.layers[0](), 1: model.layers[1]()}, lambda k: model.layers[k]())
+
+
+def test_a_declared_tie_starts_as_its_first_member_and_is_one_parameter_in_one_build() -> None:
+    spec = ModelSpec(kind="custom", entry=f"{MODELS / 'tiny_modules.py'}:declared")
+    first, second = build_layers(spec, [0, 1])
+    assert first.weight is second.weight
+    (alone,) = build_layers(spec, [1])
+    assert torch.equal(alone.weight, first.weight) and alone.weight is not first.weight
+    worker = StageWorker(spec, range(2), batch_size=4)
+    assert len(list(worker.module.parameters())) == 3  # one weight, two biases
+
+
+@pytest.mark.parametrize("points, message", [
+    (["blocks.7"], "split point 'blocks.7' names no submodule of Looped; name one of its modules, e.g. blocks.0"),
+    (["blocks.1", "blocks.1"], "name a module twice"),
+    (["blocks"], None),
+])
+def test_bad_split_points_are_one_line(points: list[str], message: str | None) -> None:
+    tokens = torch.zeros(2, tiny_modules.SEQ, dtype=torch.long)
+    if message is None:  # a container is a module too: the cut falls before its first block
+        assert len(pipeweave.pipeline(tiny_modules.Looped(), (tokens,), points, loss=tiny_modules.token_loss,
+                                      dataset=DATA).layers) == 2
+        return
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        pipeweave.pipeline(tiny_modules.Looped(), (tokens,), points, loss=tiny_modules.token_loss, dataset=DATA)
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # a Python branch on a tensor's value: export cannot trace it
+            return self.blocks[1](self.blocks[0](x))
+        return x
+
+
+def test_an_untraceable_module_is_one_line_with_the_reason_and_the_workaround() -> None:
+    with pytest.raises(UserError) as caught:
+        pipeweave.pipeline(_Branchy(), (torch.ones(2, 4),), ["blocks.1"], loss=nn.functional.mse_loss, dataset=DATA)
+    text = str(caught.value)
+    assert "\n" not in text and text.startswith("torch.export cannot trace _Branchy: ")
+    assert "torch.cond" in text and "nn.Sequential" in text
+
+
+def test_an_asynchronous_schedule_refuses_tied_parameters_in_one_line() -> None:
+    spec = ModelSpec(kind="custom", entry=f"{MODELS / 'tiny_modules.py'}:declared")
+    with pytest.raises(UserError, match="tied parameters .* need synchronous updates"):
+        run_reference(generate("pipedream", num_stages=2, num_microbatches=2, num_steps=2), spec, steps=2,
+                      batch_size=4)
+
+
+def test_hf_config_and_model_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeweave.cli import main
+
+    assert main(["train", "--model", "hf:gpt2", "--hf-config", "{n_layer: 2}"]) == 2
+    assert "is not a JSON object" in capsys.readouterr().err
+    assert main(["train", "--model", "gpt", "--hf-config", "{}"]) == 2
+    assert "--hf-config applies to --model hf:TYPE only" in capsys.readouterr().err
+    assert main(["train", "--model", "hf:nonesuch"]) == 2
+    err = capsys.readouterr().err
+    assert "Unrecognized model identifier: nonesuch; name a transformers model type" in err and err.count("\n") == 1
