@@ -15,15 +15,16 @@ from pipeweave.sim.arrays import encode
 from pipeweave.sim.validation import check, updates_ok
 
 
+def _generated(name: str, d: int, t: int) -> Schedule | None:
+    try:
+        return generate(name, num_stages=d, num_microbatches=t)
+    except ScheduleError:
+        return None  # a size the family rejects
+
+
 def _registered() -> list[Schedule]:
-    out = []
-    for name in SCHEDULES:
-        for d, t in ((2, 4), (3, 5), (4, 8)):
-            try:
-                out.append(generate(name, num_stages=d, num_microbatches=t))
-            except ScheduleError:
-                pass
-    return out
+    made = (_generated(name, d, t) for name in SCHEDULES for d, t in ((2, 4), (3, 5), (4, 8)))
+    return [s for s in made if s is not None]
 
 
 @pytest.mark.parametrize("schedule", _registered(), ids=lambda s: f"{s.name}-D{s.num_ranks}")
