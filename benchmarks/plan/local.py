@@ -9,8 +9,9 @@ against ``pipeweave train`` measuring the configurations it can run here, side b
    latency of a pipeline message (read as the link's bandwidth for the gpt's activation).
 2. ``pipeweave plan --costs PROFILE --gpu custom`` (no peak: the profiling machine itself) for 2 GPUs and
    train's global batch 16, ZeRO 0, ``--all --json``: every configuration predicted.
-3. ``pipeweave train --json`` measures a grid of what train runs here at 2 ranks (DP 2, or a 2-stage
-   pipeline under six schedules; T 2, 4, 8; with and without recomputation for a few) and the plan's pick,
+3. ``pipeweave train --json`` measures a grid of what train runs here at 2 ranks (DP 2 at T 1, 2, 4; a
+   2-stage pipeline: 1f1b at T 2, 4, 8 and with recomputation at 4, gpipe, zb-h1, zb-h2, zb-v and
+   interleaved-1f1b v=2 at T 4) and the plan's pick,
    ``--rounds`` rounds, the order reversed every other round. The median step of each is compared with its
    prediction; the plan's pick with the best measured.
 
@@ -90,14 +91,15 @@ def planned(profile: Path, dispatch: float, gbps: float) -> list[dict[str, Any]]
 def grid(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What is measured: the plan's pick and a grid of what train runs here (module docstring)."""
     def wanted(c: dict[str, Any]) -> bool:
-        t, rc = c["microbatches"], c["recompute"] == "full"
+        t, rc, name = c["microbatches"], c["recompute"] == "full", c["schedule"]
         if c["dp"] == 2:
-            return t in (1, 2, 4) and (not rc or t == 2)
-        if c["schedule"] == "interleaved-1f1b" and c["chunks"] != 2:
-            return False
-        return c["schedule"] in PIPELINE and t in (2, 4, 8) and (not rc or (c["schedule"] == "1f1b" and t == 4))
-    chosen = [configs[0]] + [c for c in configs[1:] if wanted(c)]
-    return chosen
+            return t in (1, 2, 4) and not rc
+        if rc:
+            return name == "1f1b" and t == 4
+        if name == "1f1b":
+            return t in (2, 4, 8)
+        return name in PIPELINE and t == 4 and (name != "interleaved-1f1b" or c["chunks"] == 2)
+    return [configs[0]] + [c for c in configs[1:] if wanted(c)]
 
 
 def main() -> None:
@@ -122,6 +124,7 @@ def main() -> None:
         order = measured if r % 2 == 0 else measured[::-1]
         for c in order:
             steps[label(c)].append(train(c, args.steps, folder)["step_time_s"])
+            print(f"  {label(c)}: {steps[label(c)][-1] * 1e3:.1f} ms (load {load()})", flush=True)
         print(f"round {r + 1} done, load {load()}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f}" for k, v in steps.items()),
               flush=True)
     report(measured, steps, pick, started, args)
