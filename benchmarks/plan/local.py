@@ -3,8 +3,8 @@ against ``pipeweave train`` measuring the configurations it can run here, side b
 
     PYTHONPATH=src python benchmarks/plan/local.py [--rounds 2] [--steps 10] [--out FOLDER]
 
-1. The machine is described, not fitted: the gpt's per-layer profile (``pipeweave partition --save-costs``,
-   microbatch 4, ``--repeats 20``), and one calibration run (``train -s 1f1b --stages 2 --microbatches 4``)
+1. The machine is described, not fitted: the gpt's per-layer profiles (``pipeweave partition --save-costs``,
+   at microbatch sizes 4, 2 and 8, ``--repeats 20``), and one calibration run (``train -s 1f1b --stages 2 --microbatches 4``)
    for what the profile does not hold: the runtime's time between actions ("dispatch per action") and the
    latency of a pipeline message (read as the link's bandwidth for the gpt's activation).
 2. ``pipeweave plan --costs PROFILE --gpu custom`` (no peak: the profiling machine itself) for 2 GPUs and
@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 BATCH = 16
+SIZES = (4, 2, 8)
+"""Microbatch sizes profiled (the first is the plan's reference profile)."""
 PIPELINE = ("1f1b", "gpipe", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b")
 
 
@@ -67,21 +69,22 @@ def label(c: dict[str, Any]) -> str:
     return f"PP{c['pp']} DP{c['dp']} {c['schedule']}{v} T={c['microbatches']}{rc}"
 
 
-def describe(folder: Path, repeats: int) -> tuple[Path, float, float]:
-    """The profile, and (dispatch seconds, link Gb/s) from one calibration run."""
-    profile = folder / "gpt_costs.json"
-    cli("partition", "--stages", "2", "--microbatches", "4", "--batch-size", str(BATCH), "--save-costs",
-        str(profile), "--repeats", str(repeats), "--refresh")
+def describe(folder: Path, repeats: int) -> tuple[list[Path], float, float]:
+    """The profiles (microbatch sizes 2, 4, 8), and (dispatch seconds, link Gb/s) from one calibration run."""
+    profiles = [folder / f"gpt_costs_b{b}.json" for b in SIZES]
+    for b, path in zip(SIZES, profiles):
+        cli("partition", "--stages", "2", "--microbatches", str(BATCH // b), "--batch-size", str(BATCH),
+            "--save-costs", str(path), "--repeats", str(repeats), "--refresh")
     calib = train({"schedule": "1f1b", "pp": 2, "dp": 1, "microbatches": 4, "chunks": 1, "recompute": "none",
                    "zero": 0}, 10, folder)
     costs = calib["profiled_costs_s"]
-    message = json.loads(profile.read_text())["output"][0]  # an activation between layers, bytes
+    message = json.loads(profiles[1].read_text())["output"][0]  # an activation between layers at b = 4, bytes
     gbps = message * 8 / max(costs["comm"] - 5e-6, 1e-6) / 1e9
-    return profile, costs["dispatch"], gbps
+    return profiles, costs["dispatch"], gbps
 
 
-def planned(profile: Path, dispatch: float, gbps: float) -> list[dict[str, Any]]:
-    out = cli("plan", "--costs", str(profile), "--gpu", "custom", "--memory-gib", "16", "--intra-node-gbps",
+def planned(profiles: list[Path], dispatch: float, gbps: float) -> list[dict[str, Any]]:
+    out = cli("plan", "--costs", *map(str, profiles), "--gpu", "custom", "--memory-gib", "16", "--intra-node-gbps",
               f"{gbps:.3f}", "--inter-node-gbps", f"{gbps:.3f}", "--gpus-per-node", "2", "--gpus", "2",
               "--global-batch", str(BATCH), "--dispatch", f"{dispatch:.6g}", "--zero", "0", "--all", "--json")
     configs: list[dict[str, Any]] = json.loads(out)["configurations"]
@@ -113,9 +116,9 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     started = time.time()
     print(f"load at start: {load()}", flush=True)
-    profile, dispatch, gbps = describe(folder, args.repeats)
+    profiles, dispatch, gbps = describe(folder, args.repeats)
     print(f"machine: dispatch {dispatch * 1e3:.3f} ms per action, link {gbps:.2f} Gb/s", flush=True)
-    configs = planned(profile, dispatch, gbps)
+    configs = planned(profiles, dispatch, gbps)
     pick = configs[0]
     print(f"plan's pick: {label(pick)}, predicted {pick['step_time_s'] * 1e3:.1f} ms", flush=True)
     measured = grid(configs)

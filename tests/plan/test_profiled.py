@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeweave.cli import main
+from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts
 from pipeweave.plan.config import Config
 from pipeweave.plan.costs import Cluster, activation_bytes, block_times, head_times
@@ -135,3 +136,23 @@ def test_a_profile_without_flops_needs_the_rate(cli_error: CliError, capsys: pyt
     capsys.readouterr()
     err = cli_error(["plan", "--dispatch", "1e-3", "--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512"])
     assert "apply to a profiled model" in err
+
+
+def test_times_interpolate_between_profiles_at_other_microbatch_sizes(cli_error: CliError, tmp_path: Path) -> None:
+    small = LayerCosts(**{**LayerCosts.uniform(2, f=1.0, b=1.0, w=1.0).to_json(), "meta": {"microbatch_size": 2}})
+    large = LayerCosts(**{**LayerCosts.uniform(2, f=3.0, b=3.0, w=3.0).to_json(), "meta": {"microbatch_size": 8}})
+    model = profiled_model(small, target_flops=None, eta_max=0.5, others=(large,))
+    f = [model.part_times(1, microbatch_size=b, recompute="none")[0][0] for b in (1, 2, 5, 8, 16)]
+    # 2 layers: 2 s at b = 2 (so 1 s at b = 1), 6 s at 8 (12 s at 16), halfway between at 5.
+    assert f == pytest.approx([1.0, 2.0, 4.0, 6.0, 12.0])
+    with pytest.raises(UserError, match="two profiles at microbatch size"):
+        profiled_model(small, target_flops=None, eta_max=0.5, others=(small,))
+    other = LayerCosts(**{**LayerCosts.uniform(3).to_json(), "meta": {"microbatch_size": 8}})
+    with pytest.raises(UserError, match="different models"):
+        profiled_model(small, target_flops=None, eta_max=0.5, others=(other,))
+    paths = []
+    for k, costs in enumerate((small, other)):
+        paths.append(str(tmp_path / f"{k}.json"))
+        costs.save(paths[-1])
+    err = cli_error(["plan", "--costs", *paths, "--gpus", "2", "--global-batch", "8", "--profile-tflops", "1"])
+    assert "different models" in err

@@ -39,8 +39,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
                         ("--heads", "a, attention heads"), ("--seq-len", "s, tokens per sample (default 2048)"),
                         ("--vocab", "V, vocabulary (default 51200)")):
         p.add_argument(flag, type=int, help=help_)
-    p.add_argument("--costs", metavar="FILE", help="plan a model from its profile (pipeweave partition --save-costs "
-                   "FILE): its measured times scaled to the GPU by the ratio of FLOP rates (TP 1)")
+    p.add_argument("--costs", metavar="FILE", nargs="+", help="plan a model from its profile (pipeweave partition "
+                   "--save-costs FILE): its measured times scaled to the GPU by the ratio of FLOP rates (TP 1); "
+                   "several profiles at other microbatch sizes: times interpolated between them")
     p.add_argument("--profile-tflops", type=float, metavar="R", help="--costs: the profiling machine's effective "
                    "TFLOP/s on these layers (default: the profile's counted FLOPs over its measured times)")
     p.add_argument("--dispatch", type=float, default=0.0, metavar="SECONDS", help="--costs: the runtime's time "
@@ -172,8 +173,9 @@ def _profiled(args: argparse.Namespace, gpu: Any) -> Any:
     if not 0 <= args.dispatch < math.inf:
         raise UserError(f"--dispatch {args.dispatch} is invalid; give finite seconds >= 0, e.g. 0.001")
     target = None if gpu.name == "custom" and args.peak_tflops is None else gpu.peak_flops
-    return profiled_model(LayerCosts.load(args.costs), target_flops=target, eta_max=A100_CALIBRATED.eta_max,
-                          rate=_profile_rate(args), name=f"profile {args.costs}")
+    first, *others = (LayerCosts.load(path) for path in args.costs)
+    return profiled_model(first, target_flops=target, eta_max=A100_CALIBRATED.eta_max, rate=_profile_rate(args),
+                          name=f"profile {args.costs[0]}", others=tuple(others))
 
 
 def _profile_rate(args: argparse.Namespace) -> float:
@@ -184,7 +186,7 @@ def _profile_rate(args: argparse.Namespace) -> float:
     from pipeweave.plan.profiled import profile_rate
 
     if args.profile_tflops is None:
-        return profile_rate(LayerCosts.load(args.costs))
+        return profile_rate(*(LayerCosts.load(path) for path in args.costs))
     if not 0 < args.profile_tflops < math.inf:
         raise UserError(f"--profile-tflops {args.profile_tflops} is invalid; give the profiling machine's finite "
                         "TFLOP/s > 0, e.g. 0.003")

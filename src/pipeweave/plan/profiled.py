@@ -7,6 +7,12 @@ output and parameter bytes, and the FLOPs ``torch.utils.flop_counter`` counted
 
     time = measured time x (b / m0) x R_profile / R_target
 
+or, given profiles at several microbatch sizes (``--costs A B ...``), each
+layer's measured time interpolated linearly in ``b`` between the two nearest
+(scaled by ``b / m`` beyond the smallest or the largest size), since a small
+microbatch runs less efficiently than a large one (on a CPU a block of 2
+samples takes about half the time of one of 8, not a quarter):
+
 - ``R_profile``, the profiling machine's effective rate on these layers: the
   counted FLOPs over the measured F + I + W seconds (or ``--profile-tflops``);
 - ``R_target``, the target's: its peak x ``eta_max`` (the fraction of peak a
@@ -60,6 +66,8 @@ class ProfiledModel:
     costs: LayerCosts
     profile_microbatch: int
     """m0, the samples of the microbatch the profile measured."""
+    others: tuple[tuple[int, LayerCosts], ...] = ()
+    """Profiles of the same model at other microbatch sizes, ``(m, costs)``, for the times alone."""
     scale: float = 1.0
     """R_profile / R_target: target seconds per measured second."""
     name: str = "profiled"
@@ -99,12 +107,24 @@ class ProfiledModel:
     def part_times(self, num_parts: int, *, microbatch_size: int,
                    recompute: str) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
         """Per part, target seconds of F, I (the replayed F in it with recomputation) and W."""
-        factor = self.scale * microbatch_size / self.profile_microbatch
-        f = self._per_part("forward", num_parts, factor)
-        i = self._per_part("input_grad", num_parts, factor)
+        f = self._times("forward", num_parts, microbatch_size)
+        i = self._times("input_grad", num_parts, microbatch_size)
         if recompute == "full":
             i = tuple(a + b for a, b in zip(i, f))
-        return f, i, self._per_part("weight_grad", num_parts, factor)
+        return f, i, self._times("weight_grad", num_parts, microbatch_size)
+
+    def _times(self, name: str, num_parts: int, b: int) -> tuple[float, ...]:
+        """Per part, target seconds of one op at microbatch ``b``, interpolated between profiles (module
+        docstring)."""
+        sizes = sorted(((self.profile_microbatch, self.costs), *self.others), key=lambda x: x[0])
+        below, above = [x for x in sizes if x[0] <= b], [x for x in sizes if x[0] >= b]
+        if not below or not above or below[-1][0] == above[0][0]:
+            m, costs = below[-1] if below else above[0]
+            return tuple(self.scale * b / m * costs.total(name, a, z) for a, z in self.bounds(num_parts))
+        (m0, c0), (m1, c1) = below[-1], above[0]
+        w = (b - m0) / (m1 - m0)
+        return tuple(self.scale * ((1 - w) * c0.total(name, a, z) + w * c1.total(name, a, z))
+                     for a, z in self.bounds(num_parts))
 
     def part_parameters(self, num_parts: int) -> tuple[float, ...]:
         return self._per_part("params", num_parts, 1.0 / PROFILE_PARAM_BYTES)
@@ -136,36 +156,51 @@ Model = Transformer | ProfiledModel
 """What the planner plans: a GPT by its shape, or a profiled model."""
 
 
-def profile_rate(costs: LayerCosts) -> float:
-    """R_profile: counted FLOPs over the measured F + I + W seconds of every layer.
+def profile_rate(*profiles: LayerCosts) -> float:
+    """R_profile: counted FLOPs over the measured F + I + W seconds of every layer (of every profile).
 
     Raises:
         UserError: a profile without counted FLOPs (written before the profiler counted them) or times.
     """
-    seconds = costs.time_of(0, costs.num_layers)
-    if sum(costs.flops) <= 0 or seconds <= 0:
+    seconds = sum(c.time_of(0, c.num_layers) for c in profiles)
+    flops = sum(sum(c.flops) for c in profiles)
+    if any(sum(c.flops) <= 0 for c in profiles) or seconds <= 0:
         raise UserError("the profile holds no counted FLOPs (written before pipeweave counted them) or no times; "
                         "profile again (pipeweave partition --refresh --save-costs FILE) or give --profile-tflops")
-    return sum(costs.flops) / seconds
+    return flops / seconds
 
 
 def profiled_model(costs: LayerCosts, *, target_flops: float | None, eta_max: float,
-                   rate: float | None = None, name: str = "profiled") -> ProfiledModel:
+                   rate: float | None = None, name: str = "profiled",
+                   others: tuple[LayerCosts, ...] = ()) -> ProfiledModel:
     """The profile scaled to a target of peak ``target_flops`` (None: the profiling machine itself).
 
     Args:
         costs: the profile; its ``meta["microbatch_size"]`` is m0 (1 if absent).
         target_flops: the target's peak FLOP/s, or None.
         eta_max: the fraction of peak the target's wide GEMMs reach.
-        rate: R_profile in FLOP/s (None: measured from the profile, ``profile_rate``).
+        rate: R_profile in FLOP/s (None: measured from the profiles, ``profile_rate``).
+        others: profiles of the same model at other microbatch sizes (module docstring).
+
+    Raises:
+        UserError: ``others`` of another model (other layers) or of a microbatch size given twice.
 
     Example:
         >>> costs = LayerCosts(**{**LayerCosts.uniform(2).to_json(), "flops": [3e9, 3e9]})
         >>> profiled_model(costs, target_flops=1e12, eta_max=0.5).scale  # 1 GFLOP/s profiled, 500 on the target
         0.002
     """
-    m0 = int(costs.meta.get("microbatch_size", 1)) if isinstance(costs.meta, dict) else 1
-    if target_flops is None:
-        return ProfiledModel(costs=costs, profile_microbatch=m0, scale=1.0, name=name)
-    measured = profile_rate(costs) if rate is None else rate
-    return ProfiledModel(costs=costs, profile_microbatch=m0, scale=measured / (target_flops * eta_max), name=name)
+    sized = tuple((_microbatch_of(c), c) for c in (costs, *others))
+    if len({m for m, _ in sized}) < len(sized):
+        raise UserError(f"--costs: two profiles at microbatch size {sorted(m for m, _ in sized)}; give one per size")
+    if any(c.names != costs.names for c in others):
+        raise UserError("--costs: the profiles are of different models (other layers); give profiles of one model")
+    scale = 1.0
+    if target_flops is not None:
+        scale = (profile_rate(costs, *others) if rate is None else rate) / (target_flops * eta_max)
+    return ProfiledModel(costs=costs, profile_microbatch=sized[0][0], scale=scale, name=name, others=sized[1:])
+
+
+def _microbatch_of(costs: LayerCosts) -> int:
+    """The microbatch size a profile measured (``meta``; 1 if it does not say)."""
+    return int(costs.meta.get("microbatch_size", 1)) if isinstance(costs.meta, dict) else 1
