@@ -1,6 +1,6 @@
 """Zero-bubble search benchmark: REFERENCE.md's 1.5B rows, D=32 T=256, small instances proven, CP-SAT vs HiGHS.
 
-Run: python benchmarks/search/bench.py [--section rows|big|small|compare|warmup|all] [--time-limit S]
+Run: python benchmarks/search/bench.py [--section rows|big|small|compare|warmup|seeds|all] [--time-limit S]
          [--work-limit W] [--workers N]
 
 With one worker and a work limit (CP-SAT's deterministic time) that binds
@@ -120,14 +120,37 @@ def warmup(args: argparse.Namespace) -> None:
                   f"{old_s:.2f} | {new_s:.2f} |", flush=True)
 
 
+def seeds(args: argparse.Namespace) -> None:
+    """The heuristic without and with the registry's hand-built orders as candidates (search/seeds.py)."""
+    print("| schedule | D | T | K | bound | before | after | before s | after s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for vshape in (False, True):
+        f, b, w, c = LARGE if not vshape else (LARGE[0] / 2, LARGE[1] / 2, LARGE[2] / 2, LARGE[3])
+        for d, t in ((8, 24), (16, 48), (16, 64), (32, 96)):
+            for k in (1, 2):
+                p = problem_from_times(d, t, vshape=vshape, time_f=f, time_b=b, time_w=w, time_comm=c,
+                                       memory_limit=k)
+                cells = []
+                for seeded in (False, True):
+                    t0 = time.process_time()
+                    span = heuristic(p, seeds=seeded).span
+                    cells.append((1 - p.work(0) / span, time.process_time() - t0))
+                (old, old_s), (new, new_s) = cells
+                print(f"| {'zb-v-auto' if vshape else 'zb-auto'} | {d} | {t} | {k} | "
+                      f"{1 - p.work(0) / lower_bound(p):.4f} | {old:.4f} | **{new:.4f}** | {old_s:.2f} | "
+                      f"{new_s:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--section", choices=("rows", "big", "small", "compare", "warmup", "all"), default="all")
+    parser.add_argument("--section", choices=("rows", "big", "small", "compare", "warmup", "seeds", "all"),
+                        default="all")
     parser.add_argument("--time-limit", type=float, default=20.0)
     parser.add_argument("--work-limit", type=float, default=None, help="CP-SAT deterministic time")
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
-    for name, run in (("rows", rows), ("big", big), ("small", small), ("compare", compare), ("warmup", warmup)):
+    for name, run in (("rows", rows), ("big", big), ("small", small), ("compare", compare), ("warmup", warmup),
+                      ("seeds", seeds)):
         if args.section in (name, "all"):
             print(f"\n## {name}\n", flush=True)
             run(args)
