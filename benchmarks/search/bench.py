@@ -14,6 +14,7 @@ import argparse
 import itertools
 import math
 import time
+from typing import Any
 
 from pipeweave.search import exact, heuristic, lower_bound, problem_from_times
 from pipeweave.search.exact import _checked, build_model, incumbent_starts
@@ -100,6 +101,18 @@ def compare(args: argparse.Namespace) -> None:
 LARGE = (10.4, 10.4, 7.7, 0.4)  # f, b, w, comm: like the zero-bubble paper's largest models (ms)
 
 
+def before_after(name: str, p: Any, option: str) -> str:
+    """One table row: the heuristic's bubble and CPU seconds with ``option`` False, then True (the default)."""
+    cells = []
+    for on in (False, True):
+        t0 = time.process_time()
+        span = heuristic(p, **{option: on}).span
+        cells.append((1 - p.work(0) / span, time.process_time() - t0))
+    (old, old_s), (new, new_s) = cells
+    return (f"| {name} | {p.num_stages} | {p.num_microbatches} | {p.memory_limit:g} | "
+            f"{1 - p.work(0) / lower_bound(p):.4f} | {old:.4f} | **{new:.4f}** | {old_s:.2f} | {new_s:.2f} |")
+
+
 def warmup(args: argparse.Namespace) -> None:
     """The heuristic without and with the paper's timed warm-ups, on straight pipelines up to D = 32."""
     print("| profile | D | T | K | bound | before | after | before s | after s |")
@@ -110,14 +123,7 @@ def warmup(args: argparse.Namespace) -> None:
     for name, d, t, (f, b, w, c) in cases:
         for k in (1, 2):
             p = problem_from_times(d, t, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=k)
-            cells = []
-            for timed in (False, True):
-                t0 = time.process_time()
-                span = heuristic(p, timed=timed).span
-                cells.append((1 - p.work(0) / span, time.process_time() - t0))
-            (old, old_s), (new, new_s) = cells
-            print(f"| {name} | {d} | {t} | {k} | {1 - p.work(0) / lower_bound(p):.4f} | {old:.4f} | **{new:.4f}** | "
-                  f"{old_s:.2f} | {new_s:.2f} |", flush=True)
+            print(before_after(name, p, "timed"), flush=True)
 
 
 def seeds(args: argparse.Namespace) -> None:
@@ -130,15 +136,7 @@ def seeds(args: argparse.Namespace) -> None:
             for k in (1, 2):
                 p = problem_from_times(d, t, vshape=vshape, time_f=f, time_b=b, time_w=w, time_comm=c,
                                        memory_limit=k)
-                cells = []
-                for seeded in (False, True):
-                    t0 = time.process_time()
-                    span = heuristic(p, seeds=seeded).span
-                    cells.append((1 - p.work(0) / span, time.process_time() - t0))
-                (old, old_s), (new, new_s) = cells
-                print(f"| {'zb-v-auto' if vshape else 'zb-auto'} | {d} | {t} | {k} | "
-                      f"{1 - p.work(0) / lower_bound(p):.4f} | {old:.4f} | **{new:.4f}** | {old_s:.2f} | "
-                      f"{new_s:.2f} |", flush=True)
+                print(before_after("zb-v-auto" if vshape else "zb-auto", p, "seeds"), flush=True)
 
 
 def main() -> None:
