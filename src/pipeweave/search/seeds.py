@@ -13,15 +13,17 @@ keeps M_W of it, W frees that), and kept where it is strictly better.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from pipeweave.schedule import generate
-from pipeweave.schedule.ir import Action, Op, ScheduleError
+from pipeweave.schedule.ir import Action, Op, Schedule, ScheduleError
+from pipeweave.schedule.zb_v import zb_v
+from pipeweave.schedule.zero_bubble import zb_h1, zb_h2
 from pipeweave.search.problem import MEMORY_EPS, Problem
 from pipeweave.sim.metrics import held_peaks
 
-SEEDS = {False: ("zb-h1", "zb-h2"), True: ("zb-v",)}
-"""Per placement (a V or not), the registry's schedules offered."""
+SEEDS: dict[bool, tuple[Callable[[int, int], Schedule], ...]] = {False: (zb_h1, zb_h2), True: (zb_v,)}
+"""Per placement (a V or not), the generators offered (the registry's, imported from their families: the
+registry itself imports the search)."""
 
 
 def seed_orders(problem: Problem) -> Iterator[list[list[Action]]]:
@@ -32,9 +34,9 @@ def seed_orders(problem: Problem) -> Iterator[list[list[Action]]]:
         >>> [len(o[0]) for o in seed_orders(problem_from_times(4, 8, memory_limit=2))]
         [24, 24]
     """
-    for name in SEEDS[problem.vshape]:
+    for make in SEEDS[problem.vshape]:
         try:
-            schedule = generate(name, num_stages=problem.num_stages, num_microbatches=problem.num_microbatches)
+            schedule = make(problem.num_stages, problem.num_microbatches)
         except ScheduleError:
             continue  # a size the family refuses
         if schedule.placement.stage_rank != problem.placement.stage_rank:
