@@ -1,6 +1,6 @@
 """Zero-bubble search benchmark: REFERENCE.md's 1.5B rows, D=32 T=256, small instances proven, CP-SAT vs HiGHS.
 
-Run: python benchmarks/search/bench.py [--section rows|big|small|compare|warmup|all] [--time-limit S]
+Run: python benchmarks/search/bench.py [--section rows|big|small|compare|warmup|seeds|all] [--time-limit S]
          [--work-limit W] [--workers N]
 
 With one worker and a work limit (CP-SAT's deterministic time) that binds
@@ -14,6 +14,7 @@ import argparse
 import itertools
 import math
 import time
+from typing import Any
 
 from pipeweave.search import exact, heuristic, lower_bound, problem_from_times
 from pipeweave.search.exact import _checked, build_model, incumbent_starts
@@ -100,6 +101,18 @@ def compare(args: argparse.Namespace) -> None:
 LARGE = (10.4, 10.4, 7.7, 0.4)  # f, b, w, comm: like the zero-bubble paper's largest models (ms)
 
 
+def before_after(name: str, p: Any, option: str) -> str:
+    """One table row: the heuristic's bubble and CPU seconds with ``option`` False, then True (the default)."""
+    cells = []
+    for on in (False, True):
+        t0 = time.process_time()
+        span = heuristic(p, **{option: on}).span
+        cells.append((1 - p.work(0) / span, time.process_time() - t0))
+    (old, old_s), (new, new_s) = cells
+    return (f"| {name} | {p.num_stages} | {p.num_microbatches} | {p.memory_limit:g} | "
+            f"{1 - p.work(0) / lower_bound(p):.4f} | {old:.4f} | **{new:.4f}** | {old_s:.2f} | {new_s:.2f} |")
+
+
 def warmup(args: argparse.Namespace) -> None:
     """The heuristic without and with the paper's timed warm-ups, on straight pipelines up to D = 32."""
     print("| profile | D | T | K | bound | before | after | before s | after s |")
@@ -110,24 +123,32 @@ def warmup(args: argparse.Namespace) -> None:
     for name, d, t, (f, b, w, c) in cases:
         for k in (1, 2):
             p = problem_from_times(d, t, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=k)
-            cells = []
-            for timed in (False, True):
-                t0 = time.process_time()
-                span = heuristic(p, timed=timed).span
-                cells.append((1 - p.work(0) / span, time.process_time() - t0))
-            (old, old_s), (new, new_s) = cells
-            print(f"| {name} | {d} | {t} | {k} | {1 - p.work(0) / lower_bound(p):.4f} | {old:.4f} | **{new:.4f}** | "
-                  f"{old_s:.2f} | {new_s:.2f} |", flush=True)
+            print(before_after(name, p, "timed"), flush=True)
+
+
+def seeds(args: argparse.Namespace) -> None:
+    """The heuristic without and with the registry's hand-built orders as candidates (search/seeds.py)."""
+    print("| schedule | D | T | K | bound | before | after | before s | after s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for vshape in (False, True):
+        f, b, w, c = LARGE if not vshape else (LARGE[0] / 2, LARGE[1] / 2, LARGE[2] / 2, LARGE[3])
+        for d, t in ((8, 24), (16, 48), (16, 64), (32, 96)):
+            for k in (1, 2):
+                p = problem_from_times(d, t, vshape=vshape, time_f=f, time_b=b, time_w=w, time_comm=c,
+                                       memory_limit=k)
+                print(before_after("zb-v-auto" if vshape else "zb-auto", p, "seeds"), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--section", choices=("rows", "big", "small", "compare", "warmup", "all"), default="all")
+    parser.add_argument("--section", choices=("rows", "big", "small", "compare", "warmup", "seeds", "all"),
+                        default="all")
     parser.add_argument("--time-limit", type=float, default=20.0)
     parser.add_argument("--work-limit", type=float, default=None, help="CP-SAT deterministic time")
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
-    for name, run in (("rows", rows), ("big", big), ("small", small), ("compare", compare), ("warmup", warmup)):
+    for name, run in (("rows", rows), ("big", big), ("small", small), ("compare", compare), ("warmup", warmup),
+                      ("seeds", seeds)):
         if args.section in (name, "all"):
             print(f"\n## {name}\n", flush=True)
             run(args)

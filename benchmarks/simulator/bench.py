@@ -28,12 +28,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipeweave.schedule import SCHEDULES, ScheduleError, generate
+from pipeweave.schedule import SCHEDULES, ScheduleError, generate, validate
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim import compute_metrics, simulate
 from pipeweave.sim.network import Link, Network
 from pipeweave.sim.parallel import Layout, simulate_layout
 from pipeweave.sim.traffic import ModelBytes
+from pipeweave.sim.validation import check
 
 # --layout: TP 2, DP 4, ZeRO 1 on nodes of 8 (NVLink-like inside, a slower link across), with issue 18's
 # data-parallel reductions; sizes in the cost model's units, chosen so that every term shows.
@@ -83,6 +84,39 @@ def compare(name: str, d: int, t: int, rounds: int, layout: bool = False) -> dic
             "same": same, "bubble_ratio": reference.bubble_ratio}
 
 
+def _command(schedule: Schedule, *, arrays: bool) -> Any:
+    """What ``pipeweave simulate`` pays after generating: validation, simulation (fast engine), metrics; the
+    validation by the pure-Python ``validate`` (before: ``arrays=False``) or over arrays (``sim.validation``)."""
+    if arrays:
+        check(schedule)
+        return compute_metrics(simulate(schedule, check=True))
+    validate(schedule)
+    return compute_metrics(simulate(schedule, check=False))
+
+
+def compare_command(name: str, d: int, t: int, rounds: int) -> dict[str, Any]:
+    """Per round, the command's CPU seconds validating with ``validate`` and over arrays, each on a schedule
+    generated afresh (cold), the two in turn first."""
+    old: list[float] = []
+    new: list[float] = []
+    metrics = []
+    for k in range(rounds):
+        for arrays in ((False, True) if k % 2 == 0 else (True, False)):
+            fresh = _make(name, d, t)
+            found, seconds = _cpu(lambda s=fresh, a=arrays: _command(s, arrays=a))  # type: ignore[misc]
+            (new if arrays else old).append(seconds)
+            metrics.append(found)
+            del fresh
+    return {"name": name, "old": old, "new": new, "same": all(m == metrics[0] for m in metrics)}
+
+
+def command_row(r: dict[str, Any], d: int, t: int) -> str:
+    old, new = statistics.median(r["old"]), statistics.median(r["new"])
+    show = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    return (f"| {r['name']} | {d} | {t} | {old:.3f} | **{new:.3f}** | {old / new:.1f}x | "
+            f"{'yes' if r['same'] else 'NO'} | {show(r['old'])} | {show(r['new'])} |")
+
+
 def row(r: dict[str, Any], d: int, t: int) -> str:
     if "error" in r:
         return f"| {r['name']} | {d} | {t} | rejected: {r['error']} | | | | | | |"
@@ -108,9 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-big", action="store_true", help="skip 1f1b at D=1024, T=4096")
     p.add_argument("--big-only", action="store_true", help="only 1f1b at D=1024, T=4096")
     p.add_argument("--layout", action="store_true", help="through simulate_layout on TP 2 x DP 4 (LAYOUT)")
+    p.add_argument("--command", action="store_true",
+                   help="what pipeweave simulate pays: validate() then simulate, against sim.validation.check")
     args = p.parse_args(argv)
     names = args.names or list(SCHEDULES)
     print(f"# python {platform.python_version()} on {platform.machine()}, {time.strftime('%Y-%m-%d %H:%M %Z')}")
+    if args.command:
+        print("CPU seconds of validation + simulate + compute_metrics (cold), medians and every round")
+        print("| schedule | D | T | validate() | over arrays | speed-up | same metrics | rounds, validate() | "
+              "rounds, over arrays |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name in names:
+            print(command_row(compare_command(name, args.stages, args.microbatches, args.rounds), args.stages,
+                              args.microbatches), flush=True)
+        return 0
     print("CPU seconds of simulate + compute_metrics, medians of the rounds (every round below the table)")
     print("| schedule | D | T | actions | generate | reference | fast (cold) | fast (warm) | speed-up | same metrics "
           "| bubble |")

@@ -49,3 +49,11 @@ def test_dispatch_separates_consecutive_actions_of_a_rank_and_counts_as_bubble()
     assert m.makespan == 8.0 and m.bubble_ratio == pytest.approx(1 - 6.0 / 8.0)
     with pytest.raises(Exception, match="dispatch=-1"):
         CostModel(dispatch=-1)
+
+
+def test_the_profiler_counts_each_layers_flops(tmp_path: object) -> None:
+    from pipeweave.runtime.profile import profile_model
+
+    # An mlp block is Linear(h, 4h) and Linear(4h, h): 16 b h^2 FLOPs forward, as many for I and for W.
+    costs = profile_model(ModelSpec(kind="mlp", layers=2, hidden=8), 4, repeats=1, cache_dir=str(tmp_path))
+    assert costs.flops == (48 * 4 * 8**2,) * 2

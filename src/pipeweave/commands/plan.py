@@ -20,7 +20,7 @@ from typing import Any
 from pipeweave.errors import UserError
 
 
-CUSTOM_FLAGS = (("--peak-tflops", "peak dense BF16 TFLOP/s"), ("--memory-gib", "memory per GPU, GiB"),
+CUSTOM_FLAGS = (("--peak-tflops", "peak dense BF16 TFLOP/s (with --costs, none: the profiling machine)"), ("--memory-gib", "memory per GPU, GiB"),
                 ("--memory-tbps", "HBM TB/s (default 2.039, an A100's)"),
                 ("--intra-node-gbps", "NVLink Gb/s per GPU and direction"),
                 ("--inter-node-gbps", "InfiniBand Gb/s per GPU and direction"))
@@ -33,12 +33,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
         description="Enumerate the parallel configurations of a GPT on N GPUs, prune what cannot fit or cannot "
         "win, simulate the rest, and print the best with their predicted step time, TFLOP/s, MFU, bubble and "
         "memory per GPU.")
-    p.add_argument("--model", default="gpt", help="a preset (gpt-1.7b ... gpt-1t, gpt3-175b) or gpt with "
+    p.add_argument("--model", help="a preset (gpt-1.7b ... gpt-1t, gpt3-175b) or gpt with "
                    "--layers --hidden --heads (default gpt)")
     for flag, help_ in (("--layers", "l, transformer blocks"), ("--hidden", "h, hidden size"),
                         ("--heads", "a, attention heads"), ("--seq-len", "s, tokens per sample (default 2048)"),
                         ("--vocab", "V, vocabulary (default 51200)")):
         p.add_argument(flag, type=int, help=help_)
+    p.add_argument("--costs", metavar="FILE", nargs="+", help="plan a model from its profile (pipeweave partition "
+                   "--save-costs FILE): its measured times scaled to the GPU by the ratio of FLOP rates (TP 1); "
+                   "several profiles at other microbatch sizes: times interpolated between them")
+    p.add_argument("--profile-tflops", type=float, metavar="R", help="--costs: the profiling machine's effective "
+                   "TFLOP/s on these layers (default: the profile's counted FLOPs over its measured times)")
+    p.add_argument("--dispatch", type=float, default=0.0, metavar="SECONDS", help="--costs: the runtime's time "
+                   "between two actions of a rank (train's 'dispatch per action'; default 0)")
     p.add_argument("--gpus", type=int, required=True, help="N, GPUs in the cluster")
     p.add_argument("--global-batch", type=int, required=True, metavar="B", help="B, samples per step")
     g = p.add_argument_group("hardware", "a preset, or custom with the five figures")
@@ -73,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
     from pipeweave.commands.outputs import picture_file
     from pipeweave.commands.plan_report import explain_lines, plan_json, print_table, write_plot
     from pipeweave.plan.diagnose import check_plan
-    from pipeweave.plan.evaluate import Evaluator
     from pipeweave.plan.search import search
     from pipeweave.plan.space import configurations
 
@@ -85,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             raise UserError(f"{flag} {value} is invalid; give an integer >= 1")
     space = list(configurations(cluster.model, args.gpus, args.global_batch, cluster.gpu.gpus_per_node, fixed))
-    evaluator = Evaluator(cluster=cluster, batch=args.global_batch, overlap=not args.no_dp_overlap)
+    evaluator = _evaluator(args, cluster)
     check_plan(space, cluster, args.gpus, args.global_batch, fixed)
     with _Bar(quiet=args.json) as progress:
         plan = search(space, evaluator, top=args.top, exhaustive=args.all, progress=progress)
@@ -108,10 +114,12 @@ def _cluster(args: argparse.Namespace) -> Any:
     from pipeweave.plan.costs import Cluster
     from pipeweave.plan.efficiency import A100_CALIBRATED
     from pipeweave.plan.hardware import custom_gpu, gpu_named
-    from pipeweave.plan.transformer import Transformer, model_named
 
     if args.gpu == "custom":
-        gpu = custom_gpu(peak_tflops=args.peak_tflops, memory_gib=args.memory_gib,
+        peak = args.peak_tflops
+        if peak is None and args.costs is not None:  # the profiling machine itself, at its measured rate
+            peak = _profile_rate(args) / 1e12
+        gpu = custom_gpu(peak_tflops=peak, memory_gib=args.memory_gib,
                          intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                          gpus_per_node=args.gpus_per_node or 8, memory_tbps=args.memory_tbps)
     else:
@@ -124,19 +132,76 @@ def _cluster(args: argparse.Namespace) -> Any:
         if args.gpus_per_node is not None:
             from dataclasses import replace
             gpu = replace(gpu, gpus_per_node=args.gpus_per_node)
+    return Cluster(model=_model(args, gpu), gpu=gpu, efficiency=A100_CALIBRATED,
+                   scatter_gather=not args.no_scatter_gather)
+
+
+def _model(args: argparse.Namespace, gpu: Any) -> Any:
+    """The model: from ``--costs`` scaled to ``gpu``, a preset, or ``--model gpt`` with its shape."""
+    from pipeweave.plan.transformer import Transformer, model_named
+
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq_len", "vocab")}
-    if args.model == "gpt":
+    given = [f"--{k.replace('_', '-')}" for k, v in shape.items() if v is not None]
+    if args.costs is not None:
+        if args.model is not None or given:
+            raise UserError(f"{'--model' if args.model is not None else given[0]} describes a GPT; --costs "
+                            "plans the profiled model: give one of them")
+        return _profiled(args, gpu)
+    if args.profile_tflops is not None or args.dispatch:
+        raise UserError("--profile-tflops and --dispatch apply to a profiled model; give --costs FILE or drop them")
+    if args.model in (None, "gpt"):
         missing = [f"--{k}" for k in ("layers", "hidden", "heads") if shape[k] is None]
         if missing:
-            raise UserError(f"--model gpt needs {' '.join(missing)}; give them, or a preset such as --model gpt-1t")
-        model = Transformer(**{k: v for k, v in shape.items() if v is not None})
-    else:
-        model = model_named(args.model)
-        overrides = [f"--{k.replace('_', '-')}" for k, v in shape.items() if v is not None]
-        if overrides:
-            raise UserError(f"{overrides[0]} changes the preset {args.model}; use --model gpt with --layers "
-                            "--hidden --heads for another shape")
-    return Cluster(model=model, gpu=gpu, efficiency=A100_CALIBRATED, scatter_gather=not args.no_scatter_gather)
+            raise UserError(f"--model gpt needs {' '.join(missing)}; give them, or a preset such as --model gpt-1t, "
+                            "or --costs FILE")
+        return Transformer(**{k: v for k, v in shape.items() if v is not None})
+    if given:
+        raise UserError(f"{given[0]} changes the preset {args.model}; use --model gpt with --layers "
+                        "--hidden --heads for another shape")
+    return model_named(args.model)
+
+
+def _profiled(args: argparse.Namespace, gpu: Any) -> Any:
+    """``--costs FILE`` scaled to ``gpu`` (``plan.profiled``); a custom GPU without a peak is the profiling
+    machine, at the profile's measured rate."""
+    import math
+
+    from pipeweave.partition import LayerCosts
+    from pipeweave.plan.efficiency import A100_CALIBRATED
+    from pipeweave.plan.profiled import profiled_model
+
+    if not 0 <= args.dispatch < math.inf:
+        raise UserError(f"--dispatch {args.dispatch} is invalid; give finite seconds >= 0, e.g. 0.001")
+    target = None if gpu.name == "custom" and args.peak_tflops is None else gpu.peak_flops
+    first, *others = (LayerCosts.load(path) for path in args.costs)
+    return profiled_model(first, target_flops=target, eta_max=A100_CALIBRATED.eta_max, rate=_profile_rate(args),
+                          name=f"profile {args.costs[0]}", others=tuple(others))
+
+
+def _profile_rate(args: argparse.Namespace) -> float:
+    """R_profile in FLOP/s: ``--profile-tflops``, or the profile's counted FLOPs over its measured times."""
+    import math
+
+    from pipeweave.partition import LayerCosts
+    from pipeweave.plan.profiled import profile_rate
+
+    if args.profile_tflops is None:
+        return profile_rate(*(LayerCosts.load(path) for path in args.costs))
+    if not 0 < args.profile_tflops < math.inf:
+        raise UserError(f"--profile-tflops {args.profile_tflops} is invalid; give the profiling machine's finite "
+                        "TFLOP/s > 0, e.g. 0.003")
+    return float(args.profile_tflops * 1e12)
+
+
+def _evaluator(args: argparse.Namespace, cluster: Any) -> Any:
+    from pipeweave.plan.evaluate import Evaluator
+    from pipeweave.plan.evaluate_profiled import ProfiledEvaluator
+    from pipeweave.plan.pipeline import Pipeline
+
+    if args.costs is None:
+        return Evaluator(cluster=cluster, batch=args.global_batch, overlap=not args.no_dp_overlap)
+    return ProfiledEvaluator(cluster=cluster, batch=args.global_batch, overlap=not args.no_dp_overlap,
+                             pipeline=Pipeline(dispatch=args.dispatch))
 
 
 def _fixed(args: argparse.Namespace) -> Any:

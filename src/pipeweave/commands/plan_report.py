@@ -13,6 +13,7 @@ from pipeweave.plan.costs import Cluster
 from pipeweave.plan.evaluate import Result
 from pipeweave.plan.explain import explain
 from pipeweave.plan.memory import GIB
+from pipeweave.plan.profiled import ProfiledModel
 from pipeweave.plan.search import Plan
 
 
@@ -28,7 +29,8 @@ def _schedule(r: Result) -> str:
 def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: int) -> None:
     """The best ``top`` configurations that fit, then one line on how the search went."""
     gpu, model = cluster.gpu, cluster.model
-    title = (f"{model.name} ({model.parameters / 1e9:.1f}B) on {args.gpus} x {gpu.name}, global batch "
+    size = f"{model.parameters / 1e9:.1f}B" if model.parameters >= 1e8 else f"{model.parameters / 1e6:.2f}M"
+    title = (f"{model.name} ({size}) on {args.gpus} x {gpu.name}, global batch "
              f"{args.global_batch}")
     table = Table(title=title)
     for name in ("#", "TPxPPxDP", "schedule", "b", "T", "recompute", "ZeRO", "step s", "TFLOP/s/GPU", "MFU",
@@ -38,7 +40,7 @@ def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: 
         m = r.memory
         state = (m.params + m.grads + m.optimizer) / GIB
         table.add_row(str(k), _split(r), _schedule(r), str(r.config.microbatch_size), str(r.config.microbatches),
-                      r.config.recompute, str(r.config.zero), f"{r.step_time:.3f}", f"{r.tflops_per_gpu:.1f}",
+                      r.config.recompute, str(r.config.zero), f"{r.step_time:.4g}", f"{r.tflops_per_gpu:.3g}",
                       f"{r.mfu:.3f}", f"{r.bubble_ratio:.3f}",
                       f"{m.total / GIB:.1f} ({state:.1f}+{m.activations / GIB:.1f}+{m.allowance / GIB:.1f})",
                       f"{(gpu.memory_bytes - m.total) / GIB:.1f}")
@@ -54,8 +56,7 @@ def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: 
 def plan_json(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: int) -> dict[str, Any]:
     """One object: the model, the GPU, how the search went, and every simulated configuration, best first."""
     gpu, model = cluster.gpu, cluster.model
-    return {"model": {"name": model.name, "layers": model.layers, "hidden": model.hidden, "heads": model.heads,
-                      "seq_len": model.seq_len, "vocab": model.vocab, "parameters": model.parameters},
+    return {"model": _model_json(model),
             "gpu": {"name": gpu.name, "peak_tflops": gpu.peak_flops / 1e12, "memory_gib": gpu.memory_bytes / GIB,
                     "gpus_per_node": gpu.gpus_per_node},
             "gpus": args.gpus, "global_batch": args.global_batch,
@@ -63,6 +64,15 @@ def plan_json(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: in
                        "refused": plan.refused, "simulations": plan.simulations, "seconds": plan.seconds,
                        "auto_skipped": plan.auto_skipped, "top": top},
             "configurations": [r.as_dict() for r in plan.results]}
+
+
+def _model_json(model: Any) -> dict[str, Any]:
+    """A GPT's shape, or a profiled model's layers and its scaling to the GPU (``plan.profiled``)."""
+    if isinstance(model, ProfiledModel):
+        return {"name": model.name, "layers": model.layers, "parameters": model.parameters,
+                "profile_microbatch_size": model.profile_microbatch, "time_scale": model.scale}
+    return {"name": model.name, "layers": model.layers, "hidden": model.hidden, "heads": model.heads,
+            "seq_len": model.seq_len, "vocab": model.vocab, "parameters": model.parameters}
 
 
 def write_plot(plan: Plan, path: Path) -> None:

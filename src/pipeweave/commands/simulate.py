@@ -25,10 +25,11 @@ from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_ar
 from pipeweave.commands.stash_options import add_stash_arguments, simulate_levers, stash_plan
 from pipeweave.commands.units import check_cost_flags, parse_values
 from pipeweave.errors import UserError
-from pipeweave.schedule import InvalidSchedule, Schedule, generate, read_csv, validate, write_csv
+from pipeweave.schedule import InvalidSchedule, Schedule, generate, read_csv, write_csv
 from pipeweave.schedule.registry import SCHEDULES, ScheduleInfo
 from pipeweave.sim import CostModel, Metrics, compute_metrics, simulate
 from pipeweave.sim.parallel import simulate_layout
+from pipeweave.sim.validation import check
 from pipeweave.sim.textline import format_timeline
 from pipeweave.sim.timeline import BYTES_PER_ACTION
 
@@ -179,9 +180,16 @@ def _prepared(args: argparse.Namespace) -> tuple[Schedule, ScheduleInfo | None, 
 
 
 def _timeline(schedule: Schedule, cost: CostModel, layout: Any, model: Any) -> Any:
-    """The simulated timeline of a validated schedule (on the layout's grid where it is not trivial)."""
-    return (simulate(schedule, cost, check=False) if layout.trivial
-            else simulate_layout(schedule, cost, layout, model, check=False))
+    """The simulated timeline (on the layout's grid where it is not trivial), the schedule validated on the way:
+    ``sim.validation.check`` (``validate``'s rules over arrays), then the simulation, which raises
+    ``validate``'s error where the order gets stuck.
+
+    Raises:
+        InvalidSchedule: ``validate``'s error, word for word.
+    """
+    check(schedule)
+    return (simulate(schedule, cost, check=True) if layout.trivial
+            else simulate_layout(schedule, cost, layout, model, check=True))
 
 
 def _levered(args: argparse.Namespace, schedule: Schedule, cost: CostModel, layout: Any,
@@ -194,6 +202,7 @@ def _levered(args: argparse.Namespace, schedule: Schedule, cost: CostModel, layo
     if not layout.trivial:
         raise UserError("--offload, --balance-activations and --compress-activations are simulated on one "
                         "pipeline; drop --tensor-parallel/--data-parallel or the memory levers")
+    check(schedule)
     costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
     metrics, timeline, levers = simulate_levers(schedule, costs, plan, args.host_bandwidth)
     return timeline, metrics, levers
@@ -207,20 +216,18 @@ def simulated(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     """
     schedule, info, cost, layout, model = _prepared(args)
     try:
-        validate(schedule)
+        timeline = _timeline(schedule, cost, layout, model)
     except InvalidSchedule as exc:
         raise UserError(f"{schedule.name} is invalid: {exc}") from None
-    timeline = _timeline(schedule, cost, layout, model)
     return _as_json(schedule, info, cost, compute_metrics(timeline), {}), timeline
 
 
 def run(args: argparse.Namespace) -> int:
     schedule, info, cost, layout, model = _prepared(args)
     try:
-        validate(schedule)
+        timeline, metrics, levers = _levered(args, schedule, cost, layout, model)
     except InvalidSchedule as exc:
         return _report_invalid(args, schedule, exc)
-    timeline, metrics, levers = _levered(args, schedule, cost, layout, model)
     report = layout_report(schedule, cost, layout, model, metrics.makespan)
     files = _write_files(args, schedule, timeline)
     if args.json:

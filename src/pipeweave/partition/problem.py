@@ -18,7 +18,8 @@ import numpy as np
 from pipeweave.errors import UserError
 from pipeweave.sim.cost import MAX_COST
 
-_PER_LAYER = ("forward", "input_grad", "weight_grad", "activation", "params", "output")
+_PER_LAYER = ("forward", "input_grad", "weight_grad", "activation", "params", "output", "flops")
+_OPTIONAL = ("output", "flops")
 
 
 def _floats(name: str, values: Sequence[float], num_layers: int) -> tuple[float, ...]:
@@ -27,7 +28,7 @@ def _floats(name: str, values: Sequence[float], num_layers: int) -> tuple[float,
     out = tuple(float(v) for v in values)
     if any(not np.isfinite(v) or v < 0 for v in out):
         raise UserError(f"{name}={_short(values)} has a negative or non-finite cost; give costs >= 0")
-    if sum(out) > MAX_COST:  # each is >= 0: no single one is larger either
+    if name != "flops" and sum(out) > MAX_COST:  # each is >= 0: no single one is larger either
         raise UserError(f"{name} sums to {sum(out):g} over the layers, more than {MAX_COST:.0e}; give seconds and "
                         "bytes (larger costs overflow the simulator's sums or drown the smaller ones)")
     return out
@@ -69,6 +70,9 @@ class LayerCosts:
     output: tuple[float, ...] = ()
     """Bytes of the layer's output: sent to the next stage, and kept until the backward, when a
     part ends here (default: 0)."""
+    flops: tuple[float, ...] = ()
+    """Floating-point operations of the layer's F, I and W together for one microbatch, as the profiler
+    counts them (``torch.utils.flop_counter``); default 0, not counted (profiles written before it was)."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     """Where the costs come from (model spec, device, shapes); informative only."""
     _prefix: dict[str, np.ndarray] = field(init=False, repr=False, compare=False)
@@ -81,8 +85,9 @@ class LayerCosts:
             raise UserError("the model has no layers; give at least one layer")
         if len(self.types) != n:
             raise UserError(f"types has {len(self.types)} values for {n} layers; give one per layer")
-        if not self.output:
-            object.__setattr__(self, "output", (0.0,) * n)
+        for name in _OPTIONAL:
+            if not getattr(self, name):
+                object.__setattr__(self, name, (0.0,) * n)
         for name in _PER_LAYER:
             object.__setattr__(self, name, _floats(name, getattr(self, name), n))
         totals = {name: np.concatenate(([0.0], np.cumsum(getattr(self, name)))) for name in _PER_LAYER}
@@ -127,7 +132,7 @@ class LayerCosts:
         unknown = sorted(set(data) - known)
         if unknown:
             raise UserError(f"unknown cost field {unknown[0]!r}; the fields are {sorted(known)}")
-        missing = sorted({"names", "types", *_PER_LAYER[:-1]} - set(data))
+        missing = sorted({"names", "types", *_PER_LAYER} - set(_OPTIONAL) - set(data))
         if missing:
             raise UserError(f"the costs lack field {missing[0]!r}; give one value per layer")
         fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pipeweave.plan.config import Config
 from pipeweave.plan.evaluate import Evaluator
-from pipeweave.plan.memory import ALLOWANCE_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES, block_activation_bytes
+from pipeweave.plan.memory import ALLOWANCE_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
 from pipeweave.plan.space import BIDIRECTIONAL, VSHAPE
 
 UNSPLIT = ("naive", "gpipe", "1f1b", "interleaved-1f1b")
@@ -77,6 +77,4 @@ def memory_bound(config: Config, evaluator: Evaluator) -> float:
     state = per_gpu * (PARAM_BYTES * (shard if config.zero == 3 else 1.0)
                        + GRAD_BYTES * (shard if config.zero == 3 else 1.0)
                        + OPTIMIZER_BYTES * (shard if config.zero >= 1 else 1.0))
-    held = block_activation_bytes(model, tp=config.tp, recompute=config.recompute)[0]
-    part_layers = model.layers // (config.pp * config.chunks)
-    return state + held * part_layers * config.microbatch_size + ALLOWANCE_BYTES
+    return state + evaluator.least_activation(config) + ALLOWANCE_BYTES

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pipeweave.plan.efficiency import Efficiency
 from pipeweave.plan.flops import block_gemms, head_gemm
 from pipeweave.plan.hardware import GPU
+from pipeweave.plan.profiled import Model
 from pipeweave.plan.transformer import Transformer
 from pipeweave.sim.network import all_gather_time, all_reduce_time
 
@@ -61,11 +62,19 @@ class BlockTimes:
 class Cluster:
     """What the costs depend on besides the configuration: the model, the GPU and the GEMM efficiency."""
 
-    model: Transformer
+    model: Model
+    """A GPT (``plan.transformer``) or a profiled model (``plan.profiled``, whose costs do not come from here)."""
     gpu: GPU
     efficiency: Efficiency
     scatter_gather: bool = True
     """Megatron-LM's scatter/gather of pipeline messages over the TP ranks (module docstring)."""
+
+
+def transformer(cluster: Cluster) -> Transformer:
+    """The cluster's GPT: the costs of this module are a GPT's (a profiled model's are ``plan.profiled``'s)."""
+    if not isinstance(cluster.model, Transformer):
+        raise TypeError(f"{cluster.model.name} is not a GPT shape; its costs come from plan.profiled")
+    return cluster.model
 
 
 def activation_bytes(model: Transformer, microbatch_size: int) -> float:
@@ -105,13 +114,13 @@ def block_times(cluster: Cluster, *, tp: int, microbatch_size: int, recompute: s
         2.0
     """
     peak, eff = cluster.gpu.peak_flops, cluster.efficiency
-    gemms = block_gemms(cluster.model, microbatch_size=microbatch_size, tp=tp)
+    gemms = block_gemms(transformer(cluster), microbatch_size=microbatch_size, tp=tp)
     forward = sum(eff.seconds(g, peak) for g in gemms)
     weighted = sum(eff.seconds(g, peak) for g in gemms if g.weight)
     attention = forward - weighted
     bandwidth = cluster.gpu.memory_bandwidth
-    elementwise, softmax = (x * microbatch_size / bandwidth for x in elementwise_bytes(cluster.model, tp))
-    collective = 2 * tp_all_reduce(cluster, activation_bytes(cluster.model, microbatch_size), tp)
+    elementwise, softmax = (x * microbatch_size / bandwidth for x in elementwise_bytes(transformer(cluster), tp))
+    collective = 2 * tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size), tp)
     replay = {"none": 0.0, "selective": attention + softmax, "full": forward + elementwise + collective}[recompute]
     tp_i = collective * (2 if recompute == "full" else 1)
     # I: each weighted GEMM's input gradient (its own size) and attention's two backward products each.
@@ -122,9 +131,9 @@ def block_times(cluster: Cluster, *, tp: int, microbatch_size: int, recompute: s
 @functools.lru_cache(maxsize=4096)
 def head_times(cluster: Cluster, *, tp: int, microbatch_size: int) -> tuple[float, float, float]:
     """``(f, i, w)`` of the vocabulary head: one GEMM each, I's input gradient all-reduced over TP."""
-    gemm = head_gemm(cluster.model, microbatch_size=microbatch_size, tp=tp)
+    gemm = head_gemm(transformer(cluster), microbatch_size=microbatch_size, tp=tp)
     t = cluster.efficiency.seconds(gemm, cluster.gpu.peak_flops)
-    return t, t + tp_all_reduce(cluster, activation_bytes(cluster.model, microbatch_size), tp), t
+    return t, t + tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size), tp), t
 
 
 def part_times(cluster: Cluster, *, num_parts: int, tp: int, microbatch_size: int,
@@ -142,9 +151,9 @@ def part_times(cluster: Cluster, *, num_parts: int, tp: int, microbatch_size: in
     """
     block = block_times(cluster, tp=tp, microbatch_size=microbatch_size, recompute=recompute)
     head = head_times(cluster, tp=tp, microbatch_size=microbatch_size)
-    per = cluster.model.layers // num_parts
+    per = transformer(cluster).layers // num_parts
     f, i, w = [per * block.f] * num_parts, [per * block.i] * num_parts, [per * block.w] * num_parts
-    f[0] += tp_all_reduce(cluster, activation_bytes(cluster.model, microbatch_size), tp)
+    f[0] += tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size), tp)
     f[-1], i[-1], w[-1] = f[-1] + head[0], i[-1] + head[1], w[-1] + head[2]
     return tuple(f), tuple(i), tuple(w)
 
@@ -152,7 +161,7 @@ def part_times(cluster: Cluster, *, num_parts: int, tp: int, microbatch_size: in
 def hop_time(cluster: Cluster, *, tp: int, microbatch_size: int, inter_node: bool) -> float:
     """A pipeline message between neighbouring stages (module docstring)."""
     net = cluster.gpu.network()
-    nbytes = activation_bytes(cluster.model, microbatch_size)
+    nbytes = activation_bytes(transformer(cluster), microbatch_size)
     if not inter_node:
         return net.intra_node.time(nbytes)
     if cluster.scatter_gather and tp > 1:

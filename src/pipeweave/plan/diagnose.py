@@ -10,6 +10,7 @@ from pipeweave.errors import UserError
 from pipeweave.plan.config import Config
 from pipeweave.plan.costs import Cluster
 from pipeweave.plan.memory import GIB
+from pipeweave.plan.profiled import ProfiledModel
 from pipeweave.plan.search import Plan
 from pipeweave.plan.space import Fixed, divisors, splits, tensor_parallel_sizes
 
@@ -22,7 +23,9 @@ def check_plan(space: Sequence[Config], cluster: Cluster, gpus: int, batch: int,
         UserError: as above.
     """
     model, per_node = cluster.model, cluster.gpu.gpus_per_node
-    if not tensor_parallel_sizes(model, per_node, fixed):
+    if isinstance(model, ProfiledModel):
+        _check_profiled(model, fixed)
+    elif not tensor_parallel_sizes(model, per_node, fixed):
         good = [t for t in divisors(per_node) if model.heads % t == 0 and model.hidden % t == 0]
         raise UserError(f"--tensor-parallel {fixed.tp} does not divide the {model.heads} heads (and hidden "
                         f"{model.hidden}) or the {per_node} GPUs of a node; give one of {good}")
@@ -33,6 +36,16 @@ def check_plan(space: Sequence[Config], cluster: Cluster, gpus: int, batch: int,
                         f"({_fixed_text(fixed)}); fix fewer of them")
     if plan is not None and not plan.best:
         raise UserError(_too_big(cluster, gpus, plan))
+
+
+def _check_profiled(model: ProfiledModel, fixed: Fixed) -> None:
+    """What a profiled model cannot do: split a layer over TP ranks, recompute attention alone."""
+    if fixed.tp not in (None, 1):
+        raise UserError(f"--tensor-parallel {fixed.tp}: a model planned from --costs runs with TP 1 (its profile "
+                        "does not say how to split a layer); drop --tensor-parallel or give 1")
+    if fixed.recompute not in (None, *model.recomputations):
+        raise UserError(f"--recompute {fixed.recompute}: a model planned from --costs recomputes none or full "
+                        "(its profile does not isolate attention); give one of those")
 
 
 def _fixed_text(fixed: Fixed) -> str:
@@ -46,8 +59,12 @@ def _no_split(cluster: Cluster, gpus: int, batch: int, fixed: Fixed) -> str:
     """No TP x PP x DP makes ``gpus``: name the nearest GPU counts that split."""
     model, per_node = cluster.model, cluster.gpu.gpus_per_node
     nearest = [n for n in _nearby(gpus) if splits(model, n, batch, per_node, Fixed(tp=fixed.tp))][:3]
-    tp = f"TP {fixed.tp}" if fixed.tp else f"TP dividing the {model.heads} heads and the {per_node} GPUs of a node"
-    return (f"{gpus} GPUs split into no TP x PP x DP with {tp}, PP dividing the {model.layers} layers and DP "
+    if isinstance(model, ProfiledModel):
+        tp, pp = "TP 1", f"PP at most the {model.layers} layers"
+    else:
+        tp = f"TP {fixed.tp}" if fixed.tp else f"TP dividing the {model.heads} heads and the {per_node} GPUs of a node"
+        pp = f"PP dividing the {model.layers} layers"
+    return (f"{gpus} GPUs split into no TP x PP x DP with {tp}, {pp} and DP "
             f"dividing the global batch {batch}; give --gpus {' or '.join(map(str, nearest))}, or a --global-batch "
             f"with more divisors")
 
@@ -65,12 +82,13 @@ def _too_big(cluster: Cluster, gpus: int, plan: Plan) -> str:
     memory = cluster.gpu.memory_bytes
     need, label = plan.least_memory
     factor = max(2, math.ceil(need / (0.8 * memory)))  # a fifth of the memory left for what does not shrink
-    heads = cluster.model.heads
     tp_note = ""
-    if max(tensor_parallel_sizes(cluster.model, cluster.gpu.gpus_per_node, Fixed())) < cluster.gpu.gpus_per_node:
-        tp_note = (f"; its {heads} heads allow TP up to "
+    if isinstance(cluster.model, ProfiledModel):
+        tp_note = "; a profiled model runs at TP 1"
+    elif max(tensor_parallel_sizes(cluster.model, cluster.gpu.gpus_per_node, Fixed())) < cluster.gpu.gpus_per_node:
+        tp_note = (f"; its {cluster.model.heads} heads allow TP up to "
                    f"{max(tensor_parallel_sizes(cluster.model, cluster.gpu.gpus_per_node, Fixed()))} only, heads a "
                    f"multiple of {cluster.gpu.gpus_per_node} would allow TP {cluster.gpu.gpus_per_node}")
-    return (f"{cluster.model.name} ({cluster.model.parameters / 1e9:.1f}B parameters) fits on no split of {gpus} "
+    return (f"{cluster.model.name} ({cluster.model.parameters / 1e9:.3g}B parameters) fits on no split of {gpus} "
             f"GPUs of {memory / GIB:.1f} GiB: the smallest needs {need / GIB:.1f} GiB per GPU ({label}){tp_note}; "
             f"give about {factor}x the GPUs (--gpus {factor * gpus}) or a GPU with more memory")

@@ -23,13 +23,15 @@ definition, Chowdhery et al. 2022, appendix B) against the GPU's peak.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeweave.plan.config import Config
-from pipeweave.plan.costs import Cluster, block_times, hop_time, part_times
+from pipeweave.plan.costs import Cluster, block_times, hop_time, part_times, transformer
 from pipeweave.plan.flops import step_flops
-from pipeweave.plan.memory import GPUMemory, gpu_memory
-from pipeweave.plan.pipeline import Pipeline, Summary, Times
+from pipeweave.plan.memory import GPUMemory, block_activation_bytes, gpu_memory
+from pipeweave.plan.pipeline import AUTO, Pipeline, Summary, Times, auto_options
+from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.parallel import Layout, gather_time, reduction_time
 
 
@@ -89,15 +91,47 @@ class Evaluator:
         return found
 
     def _times(self, config: Config, num_parts: int) -> Times:
-        f, i, w = part_times(self.cluster, num_parts=num_parts, tp=config.tp,
-                             microbatch_size=config.microbatch_size, recompute=config.recompute)
+        f, i, w = self.part_times(config, num_parts)
         if config.zero == 3:  # FSDP gathers a part's parameters before each F and each I, prefetched
             layout = self.layout(config)
-            params = self.pipeline.tp_rank_param_bytes(config, self.cluster.model, num_parts)
+            params = self.param_bytes(config, num_parts)
             gather = [gather_time(layout, p, num_ranks=config.pp) for p in params]
             f, i = tuple(map(max, f, gather)), tuple(map(max, i, gather))
+        return f, i, w, self.hop(config, num_parts)
+
+    def part_times(self, config: Config, num_parts: int) -> tuple[tuple[float, ...], ...]:
+        """Per part, seconds of F, I and W on one TP rank (``plan.costs``)."""
+        return part_times(self.cluster, num_parts=num_parts, tp=config.tp, microbatch_size=config.microbatch_size,
+                          recompute=config.recompute)
+
+    def hop(self, config: Config, num_parts: int) -> float:
+        """Seconds of a pipeline message (inter-node as soon as a pipeline spans two nodes)."""
+        del num_parts  # every GPT part sends one activation
         inter = config.tp * config.pp > self.cluster.gpu.gpus_per_node
-        return f, i, w, hop_time(self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, inter_node=inter)
+        return hop_time(self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, inter_node=inter)
+
+    def param_bytes(self, config: Config, num_parts: int) -> Sequence[float]:
+        """Per part, the BF16 parameter (and gradient) bytes one TP rank holds."""
+        return self.pipeline.tp_rank_param_bytes(config, transformer(self.cluster), num_parts)
+
+    def auto_options(self, config: Config, times: Times) -> dict[str, object]:
+        """The options of a searched schedule (zb-auto), none for the others."""
+        return auto_options(config, self.cluster, times) if config.schedule in AUTO else {}
+
+    def memory(self, config: Config, schedule: Schedule, layout: Layout) -> GPUMemory:
+        """The fullest GPU's bytes (``plan.memory``)."""
+        peaks = self.pipeline.peaks(config, schedule, transformer(self.cluster))
+        return gpu_memory(schedule, transformer(self.cluster), layout, microbatch_size=config.microbatch_size,
+                          recompute=config.recompute, peaks=peaks)
+
+    def least_activation(self, config: Config) -> float:
+        """Bytes of one microbatch's activations on one part: what any rank holds at least."""
+        held = block_activation_bytes(transformer(self.cluster), tp=config.tp, recompute=config.recompute)[0]
+        return held * (transformer(self.cluster).layers // self.num_parts(config)) * config.microbatch_size
+
+    def step_flops(self, recompute: str) -> float:
+        """FLOPs of a step as Megatron-LM counts them (``plan.flops``)."""
+        return step_flops(transformer(self.cluster), self.batch, recompute=recompute)
 
     @staticmethod
     def num_parts(config: Config) -> int:
@@ -109,13 +143,11 @@ class Evaluator:
         first: a configuration that does not fit is not simulated (its times are inf and 0) unless
         ``time_unfit``."""
         times = self.times(config, self.num_parts(config))
-        schedule = self.pipeline.schedule(config, self.cluster, times)
+        schedule = self.pipeline.schedule(config, self.auto_options(config, times))
         if schedule is None:
             return None
         layout = self.layout(config)
-        peaks = self.pipeline.peaks(config, schedule, self.cluster.model)
-        memory = gpu_memory(schedule, self.cluster.model, layout, microbatch_size=config.microbatch_size,
-                            recompute=config.recompute, peaks=peaks)
+        memory = self.memory(config, schedule, layout)
         fits = memory.total <= self.cluster.gpu.memory_bytes
         if not fits and not time_unfit:
             return Result(config=config, step_time=math.inf, tflops_per_gpu=0.0, mfu=0.0, bubble_ratio=math.nan,
@@ -124,10 +156,9 @@ class Evaluator:
         step = max(summary.makespan, self.dp_tail(config, layout, summary))
         gpus, peak = config.gpus, self.cluster.gpu.peak_flops
         tp = self.tp_comm(config)
-        model = self.cluster.model
         return Result(config=config, step_time=step,
-                      tflops_per_gpu=step_flops(model, self.batch, recompute=config.recompute) / step / gpus / 1e12,
-                      mfu=step_flops(model, self.batch, recompute="none") / step / gpus / peak,
+                      tflops_per_gpu=self.step_flops(config.recompute) / step / gpus / 1e12,
+                      mfu=self.step_flops("none") / step / gpus / peak,
                       bubble_ratio=summary.bubble_ratio, memory=memory, fits=fits, compute=summary.busy - tp,
                       tp_comm=tp, dp_exposed=step - summary.makespan)
 
@@ -135,11 +166,11 @@ class Evaluator:
         """Seconds one rank spends in TP all-reduces per step: T microbatches of its L / D blocks."""
         block = block_times(self.cluster, tp=config.tp, microbatch_size=config.microbatch_size,
                             recompute=config.recompute)
-        return config.microbatches * self.cluster.model.layers / config.pp * (block.tp_f + block.tp_i)
+        return config.microbatches * transformer(self.cluster).layers / config.pp * (block.tp_f + block.tp_i)
 
     def dp_tail(self, config: Config, layout: Layout, summary: Summary) -> float:
         """When the last ``U`` ends, its part's DP reduction and ZeRO all-gather done (module docstring)."""
-        params = self.pipeline.tp_rank_param_bytes(config, self.cluster.model, summary.num_parts)
+        params = self.param_bytes(config, summary.num_parts)
         end = 0.0
         for rank_parts in summary.update_order:
             stream = free = 0.0

@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeweave.plan.transformer import Transformer
@@ -136,10 +137,16 @@ def gpu_memory(schedule: Schedule, model: Transformer, layout: Layout, *, microb
         6
     """
     params = part_parameters(model, schedule.num_parts)
+    acts = [p * microbatch_size for p in peaks or activation_peaks(schedule, model, layout.tp, recompute)]
+    return fullest_gpu(schedule, params, layout, acts)
+
+
+def fullest_gpu(schedule: Schedule, params: Sequence[float], layout: Layout, acts: Sequence[float]) -> GPUMemory:
+    """The GPU whose model state (``params`` per part, 16 bytes each) and activations (``acts`` bytes per rank)
+    are the most, with the allowance (module docstring)."""
     state = ModelBytes(params=tuple(p * PARAM_BYTES for p in params), grads=GRAD_BYTES / PARAM_BYTES,
                        optimizer=OPTIMIZER_BYTES / PARAM_BYTES)
     ranks = rank_memory(schedule, layout, state)
-    acts = [p * microbatch_size for p in peaks or activation_peaks(schedule, model, layout.tp, recompute)]
     worst = max(range(len(ranks)), key=lambda r: ranks[r].total + acts[r])
     gathered = max(params) * PARAM_BYTES / layout.tp if layout.zero == 3 else 0.0
     state_r = ranks[worst]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pipeweave.plan.config import Config
-from pipeweave.plan.costs import Cluster
+from pipeweave.plan.costs import Cluster, transformer
 from pipeweave.plan.critical import Path, critical_path
 from pipeweave.plan.activations import Profile, activation_profile, peaks
 from pipeweave.plan.memory import PARAM_BYTES, block_activation_bytes, part_activation_bytes, part_parameters
@@ -102,22 +102,23 @@ class Pipeline:
     """Per shape, the critical path of its first simulation (``path_bound``)."""
     simulations: int = 0
     """Timelines simulated (cache misses)."""
+    dispatch: float = 0.0
+    """Seconds a rank spends between two of its actions (``sim.cost.CostModel.dispatch``): 0 for a GPU
+    cluster, the runtime's measured overhead for a profiled model on the machine that profiled it."""
 
     @staticmethod
-    def schedule_key(config: Config, cluster: Cluster, times: Times) -> tuple[tuple[object, ...], dict[str, object]]:
-        """The cache key of the configuration's schedule (its parts' ``times``), and the generator's options."""
-        if config.schedule not in AUTO:
-            return config.shape, {}
-        options = auto_options(config, cluster, times)
-        return config.shape + tuple(sorted(options.items())), options
+    def schedule_key(config: Config, options: dict[str, object]) -> tuple[object, ...]:
+        """The cache key of the configuration's schedule, built with the generator's ``options``
+        (``auto_options`` for a searched schedule, none for the others)."""
+        return config.shape + tuple(sorted(options.items()))
 
-    def has_schedule(self, config: Config, cluster: Cluster, times: Times) -> bool:
+    def has_schedule(self, config: Config, options: dict[str, object]) -> bool:
         """Whether the configuration's schedule is built already (a zb-auto search done)."""
-        return self.schedule_key(config, cluster, times)[0] in self.schedules
+        return self.schedule_key(config, options) in self.schedules
 
-    def schedule(self, config: Config, cluster: Cluster, times: Times) -> Schedule | None:
+    def schedule(self, config: Config, options: dict[str, object]) -> Schedule | None:
         """The configuration's schedule, None where its family refuses the shape."""
-        key, options = self.schedule_key(config, cluster, times)
+        key = self.schedule_key(config, options)
         if key not in self.schedules:
             chunks = config.chunks if config.schedule == "interleaved-1f1b" else None
             try:
@@ -134,7 +135,8 @@ class Pipeline:
         if found is None:
             f, i, w, hop = times
             self.simulations += 1
-            timeline = simulate(schedule, CostModel(f=f, b=i, w=w, comm=hop), check=False)
+            timeline = simulate(schedule, CostModel(f=f, b=i, w=w, comm=hop, dispatch=self.dispatch),
+                                check=False)
             found = self.summaries[key] = summarise(timeline, times)
             if config.schedule not in AUTO and config.shape not in self.references:
                 self.references[config.shape] = critical_path(timeline)
@@ -167,7 +169,7 @@ def auto_options(config: Config, cluster: Cluster, times: Times) -> dict[str, ob
     memory limit K (1 to 2, by halves) that the GPU's memory leaves room for beside the model state."""
     parts = config.pp * config.chunks
     f, i, w, hop = times
-    model, gpu = cluster.model, cluster.gpu
+    model, gpu = transformer(cluster), cluster.gpu
     held, stash, _ = block_activation_bytes(model, tp=config.tp, recompute=config.recompute)
     per_rank = model.layers / config.pp * held * config.microbatch_size  # M_a of one D-th
     state = max(part_parameters(model, parts)) * config.chunks * 16 / config.tp

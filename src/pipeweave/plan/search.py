@@ -90,7 +90,8 @@ def _search(configs: list[Config], evaluator: Evaluator, top: int, exhaustive: b
             break
         config = fitting[k]
         times = evaluator.times(config, evaluator.num_parts(config))
-        if config.schedule in AUTO and not evaluator.pipeline.has_schedule(config, evaluator.cluster, times):
+        if config.schedule in AUTO and not evaluator.pipeline.has_schedule(config,
+                                                                           evaluator.auto_options(config, times)):
             if auto_searches <= 0:
                 skipped += 1
                 continue

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pipeweave.errors import UserError
 from pipeweave.plan.config import Config
 from pipeweave.plan.costs import RECOMPUTE
-from pipeweave.plan.transformer import Transformer
+from pipeweave.plan.profiled import Model
 from pipeweave.schedule.registry import SCHEDULES
 from pipeweave.sim.parallel import ZERO_STAGES
 
@@ -73,50 +73,49 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tensor_parallel_sizes(model: Transformer, gpus_per_node: int, fixed: Fixed) -> list[int]:
+def tensor_parallel_sizes(model: Model, gpus_per_node: int, fixed: Fixed) -> list[int]:
     """TP sizes inside a node that split the heads (and the hidden size) evenly."""
-    return [t for t in divisors(gpus_per_node)
-            if model.heads % t == 0 and model.hidden % t == 0 and fixed.allows("tp", t)]
+    return [t for t in divisors(gpus_per_node) if model.splits_tensors(t) and fixed.allows("tp", t)]
 
 
-def splits(model: Transformer, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> list[tuple[int, int, int]]:
+def splits(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> list[tuple[int, int, int]]:
     """Every ``(tp, pp, dp)`` with tp x pp x dp = gpus, pp dividing the layers, dp the batch.
 
     Example:
+        >>> from pipeweave.plan.transformer import Transformer
         >>> m = Transformer(layers=4, hidden=64, heads=4)
         >>> splits(m, 4, 8, 2, Fixed())
         [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1)]
     """
     out = []
     for tp in tensor_parallel_sizes(model, gpus_per_node, fixed):
-        for pp in divisors(model.layers):
-            if gpus % (tp * pp) == 0 and fixed.allows("pp", pp):
+        for pp in divisors(gpus // tp) if gpus % tp == 0 else ():
+            if model.splits_into(pp) and fixed.allows("pp", pp):
                 dp = gpus // (tp * pp)
                 if batch % dp == 0 and fixed.allows("dp", dp):
                     out.append((tp, pp, dp))
     return out
 
 
-def chunk_counts(model: Transformer, schedule: str, pp: int) -> list[int]:
+def chunk_counts(model: Model, schedule: str, pp: int) -> list[int]:
     """The chunks v a schedule may run with at D = ``pp`` (its layers split evenly into D x v parts)."""
-    per_rank = model.layers // pp
     if schedule == "interleaved-1f1b":
-        return [v for v in divisors(per_rank) if v > 1]
+        return [v for v in range(2, model.layers // pp + 1) if model.splits_into(pp * v)]
     if schedule in VSHAPE:
-        return [2] if per_rank % 2 == 0 else []
+        return [2] if model.splits_into(2 * pp) else []
     if schedule in BIDIRECTIONAL:
         return [1] if pp % 2 == 0 else []
     return [1]
 
 
-def configurations(model: Transformer, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> Iterator[Config]:
+def configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> Iterator[Config]:
     """The space (module docstring), in a fixed order."""
     for tp, pp, dp in splits(model, gpus, batch, gpus_per_node, fixed):
         names = ("1f1b",) if pp == 1 else SYNCHRONOUS
         for schedule in (n for n in names if fixed.allows("schedule", n)):
             for chunks in (v for v in chunk_counts(model, schedule, pp) if fixed.allows("chunks", v)):
                 for b in (b for b in divisors(batch // dp) if fixed.allows("microbatch_size", b)):
-                    for recompute in (r for r in RECOMPUTE if fixed.allows("recompute", r)):
+                    for recompute in (r for r in model.recomputations if fixed.allows("recompute", r)):
                         for zero in (z for z in (ZERO_STAGES if dp > 1 else (0,)) if fixed.allows("zero", z)):
                             yield Config(tp=tp, pp=pp, dp=dp, chunks=chunks, microbatch_size=b,
                                          microbatches=batch // (dp * b), schedule=schedule, recompute=recompute,

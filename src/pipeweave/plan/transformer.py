@@ -47,6 +47,17 @@ class Transformer:
         """d = h / a."""
         return self.hidden // self.heads
 
+    recomputations = ("none", "selective", "full")
+    """What a GPT can recompute (``plan.costs``)."""
+
+    def splits_into(self, parts: int) -> bool:
+        """Whether the blocks split into ``parts`` equal parts (Megatron-LM's rule)."""
+        return parts >= 1 and self.layers % parts == 0
+
+    def splits_tensors(self, tp: int) -> bool:
+        """Whether ``tp`` ranks split the heads (and the hidden size) evenly."""
+        return self.heads % tp == 0 and self.hidden % tp == 0
+
     @property
     def layer_parameters(self) -> int:
         """Parameters of one block: 12 h^2 + 13 h (QKV, projection, MLP, their biases, two layer norms)."""

@@ -8,7 +8,10 @@ layer's output, so what is measured is what a stage of the run does:
   (W): the median of ``repeats`` timed runs after ``warmup`` untimed ones;
 - ``activation``: bytes the layer keeps for its backward (saved-tensor hooks),
   its output excluded; ``output``: bytes of that output;
-- ``params``: parameter bytes.
+- ``params``: parameter bytes;
+- ``flops``: the floating-point operations of F, I and W together
+  (``torch.utils.flop_counter``: matrix products and convolutions, the
+  element-wise kernels not counted), from one more, untimed, microbatch.
 
 The last layer's forward includes the loss, as on the last stage. The host
 allocator is set as in every rank (``process.keep_freed_host_memory``): a
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from pipeweave.errors import UserError
 from pipeweave.models import boundary
@@ -69,7 +73,7 @@ def cache_key(spec: ModelSpec, microbatch_size: int, device: torch.device, preci
         "spec": asdict(spec), "source": fingerprint(spec.entry) if spec.entry else None,  # a custom model's code
         "microbatch_size": microbatch_size, "device": str(device.type), "device_name": name,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "host_memory": "kept",
-        "precision": precision,
+        "precision": precision, "counted": "flops",
     }
 
 
@@ -95,16 +99,14 @@ def _profile_layer(
     layer = worker.module[str(index)]
     timed = _timer(device)
     times: dict[str, list[float]] = {"forward": [], "input_grad": [], "weight_grad": []}
+    with FlopCounterMode(display=False) as counter:  # one untimed microbatch, its operations counted
+        _microbatch(worker, warmup + repeats, x, target, timed)
     out = x
     for mb in range(warmup + repeats):
         worker.reset_peak()
         held_before = worker.activation_bytes()
-        f, out = timed(lambda: worker.forward(mb, x, target if worker.is_last else None))
+        f, i, w, out = _microbatch(worker, mb, x, target, timed)
         kept = worker.peak_activation_bytes() - held_before
-        grad = None if worker.is_last else _gradient_like(out)
-        i, _ = timed(lambda: worker.backward_input(mb, grad))
-        w, _ = timed(lambda: worker.backward_weight(mb))
-        worker.optimizer.zero_grad(set_to_none=True)
         if mb >= warmup:
             for key, value in zip(times, (f, i, w)):
                 times[key].append(value)
@@ -112,9 +114,20 @@ def _profile_layer(
     costs = {key: statistics.median(values) for key, values in times.items()}
     costs.update(
         name=f"layers.{index}", type=type(layer).__name__, params=worker.weight_bytes(),
-        activation=max(0, kept - output_bytes), output=output_bytes,
+        activation=max(0, kept - output_bytes), output=output_bytes, flops=float(counter.get_total_flops()),
     )
     return costs, boundary.apply(torch.Tensor.detach, out)
+
+
+def _microbatch(worker: StageWorker, mb: int, x: Boundary, target: Boundary,
+                timed: Callable[[Callable[[], Any]], tuple[float, Any]]) -> tuple[float, float, float, Boundary]:
+    """One microbatch's F, I and W through ``worker``, each timed: ``(f, i, w, output)``."""
+    f, out = timed(lambda: worker.forward(mb, x, target if worker.is_last else None))
+    grad = None if worker.is_last else _gradient_like(out)
+    i, _ = timed(lambda: worker.backward_input(mb, grad))
+    w, _ = timed(lambda: worker.backward_weight(mb))
+    worker.optimizer.zero_grad(set_to_none=True)
+    return f, i, w, out
 
 
 def _gradient_like(out: Boundary) -> Boundary:
@@ -173,7 +186,8 @@ def profile_model(
                                 precision=precision)
         rows.append(row)
     costs = LayerCosts(
-        **{field: [row[field] for row in rows] for field in ("forward", "input_grad", "weight_grad", "activation", "params", "output")},
+        **{field: [row[field] for row in rows] for field in ("forward", "input_grad", "weight_grad", "activation", "params", "output",
+                                                               "flops")},
         names=[row["name"] for row in rows], types=[row["type"] for row in rows], meta=key,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
