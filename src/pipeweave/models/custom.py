@@ -105,6 +105,10 @@ class LayerModel:
     ``{"attn.qkv": "colwise_qkv", "attn.proj": "rowwise"}`` (``models.tensor_parallel``; None: the layer is
     replicated whole). The layer's own code must then work on its rank's share of the features (a
     per-head computation reads its head count from the shard), as torchtitan's ``parallelize`` asks."""
+    selective: Sequence[Sequence[str] | None] | None = None
+    """For ``--recompute selective``: per layer, the names of its submodules to replay before the backward
+    instead of keeping their activations (``torch.utils.checkpoint``), e.g. ``["attn.core"]`` for an
+    attention core; None: nothing in that layer. A model without it refuses ``--recompute selective``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, Sequence) or not self.layers:
@@ -118,6 +122,10 @@ class LayerModel:
         if self.tp_plan is not None and (isinstance(self.tp_plan, Mapping) or len(self.tp_plan) != len(self.layers)):
             raise UserError(f"LayerModel.tp_plan must be a list with one entry per layer ({len(self.layers)}): a "
                             "dict {module name: 'colwise' or 'rowwise'} or None")
+        if self.selective is not None and (isinstance(self.selective, (str, Mapping))
+                                           or len(self.selective) != len(self.layers)):
+            raise UserError(f"LayerModel.selective must be a list with one entry per layer ({len(self.layers)}): a "
+                            "list of submodule names to replay under --recompute selective, or None")
         for name in ("dataset", "eval_dataset"):
             data = getattr(self, name)
             if data is None and name == "eval_dataset":

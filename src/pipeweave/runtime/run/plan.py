@@ -28,7 +28,7 @@ import torch
 
 from pipeweave.data import data_source
 from pipeweave.errors import UserError
-from pipeweave.models.build import check_tensor_parallel
+from pipeweave.models.build import check_selective, check_tensor_parallel
 from pipeweave.models.spec import uniform_parts
 from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
@@ -168,6 +168,8 @@ def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
     validate(schedule)
     _check_parallel(config, schedule)
     check_layers(config, schedule.num_parts)
+    if "selective" in config.recompute_of(schedule.num_parts):
+        check_selective(config.model)
     check_batch(config, config.num_microbatches * config.data_parallel if config.is_stream
                 else schedule.num_microbatches)
 
