@@ -18,7 +18,10 @@ import numpy as np
 from pipeweave.errors import UserError
 from pipeweave.sim.cost import MAX_COST
 
-_PER_LAYER = ("forward", "input_grad", "weight_grad", "activation", "params", "output")
+_PER_LAYER = ("forward", "input_grad", "weight_grad", "activation", "params", "output", "selective_forward",
+              "selective_activation")
+_OPTIONAL = ("output", "selective_forward", "selective_activation")
+"""Fields a costs file may leave out (older files): 0, 0 and ``activation``."""
 
 
 def _floats(name: str, values: Sequence[float], num_layers: int) -> tuple[float, ...]:
@@ -69,6 +72,11 @@ class LayerCosts:
     output: tuple[float, ...] = ()
     """Bytes of the layer's output: sent to the next stage, and kept until the backward, when a
     part ends here (default: 0)."""
+    selective_forward: tuple[float, ...] = ()
+    """Forward time of the layer's selective region (``--recompute selective`` replays it before the
+    backward: the gpt's attention core; default: 0, no region)."""
+    selective_activation: tuple[float, ...] = ()
+    """``activation`` under selective recomputation (default: ``activation``, nothing saved)."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     """Where the costs come from (model spec, device, shapes); informative only."""
     _prefix: dict[str, np.ndarray] = field(init=False, repr=False, compare=False)
@@ -81,8 +89,9 @@ class LayerCosts:
             raise UserError("the model has no layers; give at least one layer")
         if len(self.types) != n:
             raise UserError(f"types has {len(self.types)} values for {n} layers; give one per layer")
-        if not self.output:
-            object.__setattr__(self, "output", (0.0,) * n)
+        for name in _OPTIONAL:
+            if not getattr(self, name):
+                object.__setattr__(self, name, self.activation if name == "selective_activation" else (0.0,) * n)
         for name in _PER_LAYER:
             object.__setattr__(self, name, _floats(name, getattr(self, name), n))
         totals = {name: np.concatenate(([0.0], np.cumsum(getattr(self, name)))) for name in _PER_LAYER}
@@ -127,7 +136,7 @@ class LayerCosts:
         unknown = sorted(set(data) - known)
         if unknown:
             raise UserError(f"unknown cost field {unknown[0]!r}; the fields are {sorted(known)}")
-        missing = sorted({"names", "types", *_PER_LAYER[:-1]} - set(data))
+        missing = sorted({"names", "types", *_PER_LAYER} - set(_OPTIONAL) - set(data))
         if missing:
             raise UserError(f"the costs lack field {missing[0]!r}; give one value per layer")
         fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
@@ -175,10 +184,14 @@ class Partition:
     """Layers in each part."""
     replicas: tuple[int, ...] = ()
     """Data-parallel replicas of each part (PipeDream); empty means one each."""
+    recompute: tuple[str, ...] = ()
+    """Recomputation of each part (``sim.recompute``; ``--partition memory`` may choose it); empty means none."""
 
     def __post_init__(self) -> None:
         if not self.replicas:
             object.__setattr__(self, "replicas", (1,) * len(self.counts))
+        if not self.recompute:
+            object.__setattr__(self, "recompute", ("none",) * len(self.counts))
 
     @property
     def num_parts(self) -> int:

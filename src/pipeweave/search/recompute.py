@@ -33,8 +33,9 @@ def candidates(problem: Problem) -> list[tuple[str, ...]]:
 
     Example:
         >>> from pipeweave.search.problem import problem_from_times
-        >>> candidates(problem_from_times(2, 4))
-        [('none', 'none'), ('full', 'none'), ('selective', 'none'), ('full', 'selective'), ('selective', 'selective'), ('full', 'full')]
+        >>> candidates(problem_from_times(2, 4))  # doctest: +NORMALIZE_WHITESPACE
+        [('none', 'none'), ('full', 'none'), ('selective', 'none'), ('full', 'full'), ('selective', 'selective'),
+         ('full', 'selective')]
     """
     rank_of = problem.placement.stage_rank
     found: list[tuple[str, ...]] = []
