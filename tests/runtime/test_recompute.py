@@ -142,6 +142,8 @@ def _check_distributed(ranks: int, names: tuple[str, ...]) -> None:
                     assert torch.equal(value, theirs.parameters[stage][key]), (name, mode, key)
         plain = _plain(GPT, 2 * ranks, own_text=False)
         torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
+        # Memory measured like time: the process's tensors at peak hold at least its saved activations.
+        assert all(r.peak_tensor_bytes >= r.peak_activation_bytes > 0 for r in record.ranks), (name, mode)
 
 
 @pytest.mark.distributed
@@ -156,3 +158,15 @@ def test_distributed_recomputation_per_part_is_bitwise_the_stored_run() -> None:
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_distributed_recomputation_grid(ranks: int) -> None:
     _check_distributed(ranks, SCHEDULES)
+
+
+def test_tracked_tensor_bytes_count_each_storage_while_it_lives() -> None:
+    from pipeweave.runtime.stage.tensor_bytes import peak_tensor_bytes
+
+    found: list[int] = []
+    with peak_tensor_bytes(torch.device("cpu"), found):
+        x = torch.ones(256)
+        for _ in range(10):  # each round: the last round's x, ones, and the new x alive at once
+            x = torch.ones(256) * x
+        view = x[:128]  # a view allocates nothing
+    assert found == [3 * 1024] and view.untyped_storage().nbytes() == 1024
