@@ -66,3 +66,22 @@ def test_a_limit_below_every_choice_names_the_least_that_fits() -> None:
         partition("time", COSTS, 3, PartitionContext(recompute="auto"))
     assert partition("time", COSTS, 3, PartitionContext(recompute="none,full,none")).recompute == ("none", "full",
                                                                                                     "none")
+
+
+def test_train_takes_the_recomputation_partition_memory_chose(tmp_path: object) -> None:
+    """``train --partition memory --recompute auto``: the run's parts and modes are the partitioner's."""
+    import json
+    from pathlib import Path
+
+    from pipeweave.cli import build_parser
+    from pipeweave.commands.train_run import build_config
+
+    costs = Path(str(tmp_path)) / "costs.json"
+    costs.write_text(json.dumps(COSTS.to_json()))
+    flags = ["train", "-s", "1f1b", "--stages", "3", "--microbatches", "6", "--model", "gpt", "--layers", "4",
+             "--partition", "memory", "--costs", str(costs), "--optimizer-state", "1", "--memory-limit"]
+    chosen = partition("memory", COSTS, 3, PartitionContext(memory_limit=30.0, profile=PROFILE, recompute="auto"))
+    config = build_config(build_parser().parse_args([*flags, "30", "--recompute", "auto"]))
+    assert config.layers_per_part == chosen.counts and config.recompute == ",".join(chosen.recompute)
+    with pytest.raises(UserError, match="--recompute auto is chosen by --partition memory"):
+        build_config(build_parser().parse_args(["train", "--recompute", "auto"]))

@@ -66,7 +66,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--lr-decay-steps", type=int, metavar="N",
                    help="the step where the decay ends (default: the last step, or a stream's last update, of "
                         "this run; give the same one when resuming)")
-    add_recompute_argument(p)
+    add_recompute_argument(p, auto=True)
     p.add_argument("--precision", default="fp32", metavar="fp32|bf16",
                    help="bf16: mixed precision, every forward under torch.autocast to bfloat16 (parameters, "
                         "gradients and optimizer state float32); default fp32")
