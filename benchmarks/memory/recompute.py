@@ -11,9 +11,9 @@ reports:
 
 - rank 0's peak activation bytes (its stage's meter: what it holds for its
   backwards, as ``pipeweave train`` reports per rank);
-- the time of a step: every stage's work one after another on one thread,
-  so a recomputation's replays add to it exactly as to the ranks' busy time
-  (this 2-core machine cannot time 4 ranks side by side).
+- the CPU time of a step: every stage's work one after another on one
+  thread, so a recomputation's replays add to it exactly as to the ranks'
+  busy time (this 2-core machine cannot time 4 ranks side by side).
 
 Modes alternate within each round; every round's times are kept, the median
 reported. ``--train`` also runs ``pipeweave train`` on 4 gloo ranks (flash only: the
@@ -51,25 +51,28 @@ MODES = ("none", "selective", "full")
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 
 
-def _step(kernel: str, mode: str, steps: int) -> tuple[int, float]:
-    """Rank 0's peak activation bytes and the seconds per step of ``steps`` steps (after one untimed)."""
+def _step(spec: ModelSpec, kernel: str, mode: str, steps: int) -> tuple[int, float]:
+    """Rank 0's peak activation bytes and the CPU seconds per step of ``steps`` steps (after one untimed).
+
+    CPU time of this process (one intra-op thread), not wall time: the machine is shared, and a
+    process waiting for a core would count that wait in wall time."""
     schedule = generate("1f1b", num_stages=STAGES, num_microbatches=MICROBATCHES)
     with sdpa_kernel(KERNELS[kernel]):
-        run_reference(schedule, SPEC, steps=1, batch_size=BATCH, recompute=mode)  # warm-up: allocator, imports
-        start = time.perf_counter()
-        result = run_reference(schedule, SPEC, steps=steps, batch_size=BATCH, recompute=mode)
-        seconds = (time.perf_counter() - start) / steps
+        run_reference(schedule, spec, steps=1, batch_size=BATCH, recompute=mode)  # warm-up: allocator, imports
+        start = time.process_time()
+        result = run_reference(schedule, spec, steps=steps, batch_size=BATCH, recompute=mode)
+        seconds = (time.process_time() - start) / steps
     return result.peak_activation_bytes[0], seconds
 
 
-def _train(mode: str) -> dict[str, Any]:
+def _train(spec: ModelSpec, mode: str) -> dict[str, Any]:
     """``pipeweave train`` on 4 ranks: per rank, peak saved activations and tensors, and the estimate."""
     with tempfile.TemporaryDirectory() as folder:
         record = Path(folder) / "train.json"
         command = [sys.executable, "-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", str(STAGES),
                    "--microbatches", str(MICROBATCHES), "--batch", str(BATCH), "--model", "gpt", "--layers",
-                   str(SPEC.layers), "--hidden", str(SPEC.hidden), "--heads", str(SPEC.heads), "--seq-len",
-                   str(SPEC.seq_len), "--steps", "2", "--recompute", mode, "--quiet", "--out", folder,
+                   str(spec.layers), "--hidden", str(spec.hidden), "--heads", str(spec.heads), "--seq-len",
+                   str(spec.seq_len), "--steps", "2", "--recompute", mode, "--quiet", "--out", folder,
                    "--json", str(record)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
@@ -97,21 +100,20 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=SPEC.heads, help="attention heads (scores grow with them)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    global SPEC
-    SPEC = dataclasses.replace(SPEC, heads=args.heads)
+    spec = dataclasses.replace(SPEC, heads=args.heads)
     torch.set_num_threads(1)  # as one rank runs
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}", "torch": torch.__version__,
-        "model": vars(SPEC) | {"stages": STAGES, "microbatches": MICROBATCHES, "batch": BATCH}, "kernels": {}}
+        "model": vars(spec) | {"stages": STAGES, "microbatches": MICROBATCHES, "batch": BATCH}, "kernels": {}}
     for kernel in KERNELS:
         peaks: dict[str, int] = {}
         times: dict[str, list[float]] = {m: [] for m in MODES}
         for k in range(args.rounds):
             order = MODES if k % 2 == 0 else MODES[::-1]  # alternate, so drifting load hits every mode alike
             for mode in order:
-                peaks[mode], seconds = _step(kernel, mode, args.steps)
+                peaks[mode], seconds = _step(spec, kernel, mode, args.steps)
                 times[mode].append(seconds)
             print(f"{kernel} round {k}: " + ", ".join(f"{m} {times[m][-1]:.3f} s" for m in MODES), flush=True)
         rows = {m: {"rank0_peak_bytes": peaks[m], "step_s": statistics.median(times[m]), "rounds_s": times[m]}
@@ -120,7 +122,7 @@ def main() -> None:
         print(json.dumps(results["kernels"][kernel] | {"modes": {m: {k: v for k, v in r.items() if k != "rounds_s"}
                                                                     for m, r in rows.items()}}), flush=True)
     if args.train:
-        results["train"] = {mode: _train(mode) for mode in MODES}
+        results["train"] = {mode: _train(spec, mode) for mode in MODES}
         print(json.dumps(results["train"]), flush=True)
     results["load"] = os.getloadavg()
     if args.out:
