@@ -39,3 +39,9 @@ def test_bad_recomputation_costs_are_one_line() -> None:
         CostModel(kept_full=1.5)
     with pytest.raises(UserError, match="gives 2 modes for 3 parts"):
         CostModel(recompute="full,none").for_parts(num_parts=3, num_ranks=3)
+
+
+def test_simulate_refuses_auto_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--recompute", "auto"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "--recompute auto is chosen under a memory limit by search and partition" in err and "\n" not in err

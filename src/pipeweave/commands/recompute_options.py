@@ -38,13 +38,16 @@ def add_recompute_cost_arguments(parser: argparse.ArgumentParser, *, auto: bool 
                    help="M_a kept under full recomputation (the part's input), as a fraction of M_a (default 0)")
 
 
-def recompute_costs(args: argparse.Namespace) -> dict[str, Any]:
+def recompute_costs(args: argparse.Namespace, *, auto: bool = False) -> dict[str, Any]:
     """The ``CostModel`` fields of ``add_recompute_cost_arguments``' flags, checked (one line each); ``auto``
     gives every part ``full`` (the least memory, where ``search.recompute`` starts).
 
     Raises:
         UserError: an unknown mode, a time that is not >= 0, a fraction outside [0, 1].
     """
+    if args.recompute == AUTO and not auto:
+        raise UserError("--recompute auto is chosen under a memory limit by search and partition --partition memory; "
+                        "give the modes here (none, selective, full or one per part)")
     if args.recompute != AUTO:
         parse_recompute(args.recompute)
     fields: dict[str, Any] = {"recompute": "full" if args.recompute == AUTO else args.recompute,

@@ -93,7 +93,7 @@ def _problem(args: argparse.Namespace, f: float, b: float, w: float, comm: float
     from pipeweave.search import Problem
     from pipeweave.search.recompute import choose_recompute, recompute_problem, with_recompute
 
-    cost = CostModel(f=f, b=b, w=w, comm=comm, mem_w=args.mem_w, **recompute_costs(args))
+    cost = CostModel(f=f, b=b, w=w, comm=comm, mem_w=args.mem_w, **recompute_costs(args, auto=True))
     vshape = args.v_shape or args.chunks == 2
     if args.recompute != AUTO:
         return Problem(num_stages=args.stages, num_microbatches=args.microbatches, vshape=vshape, cost=cost,
@@ -118,7 +118,7 @@ def _layout_report(args: argparse.Namespace, schedule: Any, layout: Layout,
     if layout.trivial:
         return None
     cost = CostModel(f=args.time_f, b=args.time_b, w=args.time_w, comm=args.time_comm, mem_w=args.mem_w,
-                     **{**recompute_costs(args), "recompute": modes})
+                     **{**recompute_costs(args, auto=True), "recompute": modes})
     timeline = simulate_layout(schedule, cost, layout, model, check=False)
     makespan = bubble_metrics(timeline)[0]
     json_, lines = layout_report(schedule, cost, layout, model, makespan) or ({}, [])
