@@ -9,8 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from pipeweave.models.build import build_layers
+from pipeweave.models.spec import loss_fn
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.run.plan import build_schedule, optimizer_factory
 
@@ -62,3 +65,24 @@ def checkpoint_tensors(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Pa
         return dict(torch.load(whole, weights_only=True))
 
     return read
+
+
+@pytest.fixture
+def held_out_loss() -> Callable[[Any, dict[str, torch.Tensor], Any, int], float]:
+    """``held_out_loss(spec, parameters, source, batches)``: the mean loss of the model with ``parameters`` (by
+    global name), whole in one process in eval mode, over ``source``'s first ``batches`` held-out batches."""
+
+    def loss(spec: Any, parameters: dict[str, torch.Tensor], source: Any, batches: int) -> float:
+        model = nn.ModuleDict({str(i): layer for i, layer in enumerate(build_layers(spec, range(spec.num_layers)))})
+        model.load_state_dict(parameters)
+        model.eval()
+        losses = []
+        with torch.no_grad():
+            for k in range(batches):
+                x, y = source.eval_batch(k)
+                for layer in model.values():
+                    x = layer(x)
+                losses.append(float(loss_fn(spec)(x, y)))
+        return sum(losses) / len(losses)
+
+    return loss

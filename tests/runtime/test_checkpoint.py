@@ -265,9 +265,36 @@ def test_a_checkpoint_resumes_across_tensor_parallel_degrees_and_zero(tmp_path: 
         assert set(got) == set(want)
         for name, value in want.items():
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
-    # The N=2 run's own checkpoint (one step later) back at N=1 with ZeRO-1 on two replicas.
-    again = _train(dataclasses.replace(base, steps=STEPS - FIRST - 1, resume=str(tp / f"step-{FIRST + 1:06d}")))
+    # The N=2 run's own checkpoint (one step later) back at N=1 with ZeRO-3 on two replicas: each takes its
+    # slices of the parameters and of the optimizer state.
+    again = _train(dataclasses.replace(base, steps=STEPS - FIRST - 1, resume=str(tp / f"step-{FIRST + 1:06d}"),
+                                       zero=3, collect_parameters=True))
     torch.testing.assert_close(again.losses, straight.losses[FIRST + 1:], rtol=1e-5, atol=1e-6)
+    for name, value in _parameters(straight).items():
+        torch.testing.assert_close(_parameters(again)[name], value, rtol=1e-5, atol=1e-6)
+
+
+ZERO3 = TrainConfig(schedule="zb-h1", num_stages=2, data_parallel=2, num_microbatches=2, model=MLP, batch_size=8,
+                    optimizer="adamw", lr=1e-2, zero=3, bucket_mb=0.0005, keep_checkpoints=3)
+"""Parameters and AdamW's moments in slices of several buckets per part."""
+
+
+@pytest.mark.parametrize("resume_as", [
+    dict(schedule="1f1b", zero=1),
+    pytest.param(dict(data_parallel=1, zero=0, num_microbatches=4), marks=pytest.mark.slow),
+], ids=["zero1", "zero0-one-replica"])
+def test_a_zero3_checkpoint_resumes_at_another_zero_stage(tmp_path: Path, resume_as: dict[str, object]) -> None:
+    """Saved at ZeRO-3 (every replica's slices gathered whole, written once), resumed with ZeRO-1 on two
+    replicas or without ZeRO on one: the uninterrupted run's losses and parameters (rtol 1e-5, atol 1e-6)."""
+    straight = _train(dataclasses.replace(ZERO3, steps=STEPS, save=str(tmp_path), save_every=FIRST,
+                                          collect_parameters=True))
+    resumed = _train(dataclasses.replace(ZERO3, steps=STEPS - FIRST, resume=str(tmp_path / f"step-{FIRST:06d}"),
+                                         collect_parameters=True, **resume_as))  # type: ignore[arg-type]
+    torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)
+    want, got = _parameters(straight), _parameters(resumed)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
 
 
 def test_pipedream_with_data_parallel_replicas_saves_and_resumes(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ the case measured). The test allows 1.1x above the measurement, and nothing belo
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 from unittest.mock import patch
@@ -95,3 +96,18 @@ def test_under_torchrun_only_this_nodes_ranks_count(monkeypatch: pytest.MonkeyPa
                         "LOCAL_WORLD_SIZE": "4"}.items():
         monkeypatch.setenv(name, value)
     assert ranks_here(8) == range(4, 8)
+
+
+def test_zero_stages_shrink_the_weights_and_optimizer_state_per_rank() -> None:
+    """P = 4 replicas, AdamW, two equal parts per rank (interleaved): per rank, in parts' weights w, ZeRO-0 holds
+    8w (per part: parameters, gradient, two moments); ZeRO-1 6w (the moments, a parameter slice and a reduced
+    gradient slice at 1/4); ZeRO-3 5w (per part the whole gradient and four slices at 1/4, and one part gathered)."""
+    from pipeweave.models import ModelSpec
+    from pipeweave.runtime.run.memory import estimate_memory
+    from pipeweave.runtime.run.plan import prepare
+
+    config = TrainConfig(schedule="interleaved-1f1b", num_stages=2, num_chunks=2, num_microbatches=4, batch_size=32,
+                         model=ModelSpec(kind="mlp", layers=4, hidden=8), optimizer="adamw", data_parallel=4)
+    figures = {z: estimate_memory(prepare(replace(config, zero=z))).weights for z in (0, 1, 3)}
+    for z0, z1, z3 in zip(*figures.values()):
+        assert (z1 / z0, z3 / z0) == pytest.approx((6 / 8, 5 / 8))

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from pipeweave.data import data_source
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.runtime.run.config import TrainConfig
@@ -27,6 +28,7 @@ from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.plan import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.stage.post_validation import PostValidation
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -67,14 +69,34 @@ CASES_4 = {  # each pair of the dimensions at 2: 4 processes
     # AdamW on the mlp: on the gpt it turns the key bias's zero gradient (softmax ignores a shift of every
     # key alike) into full steps of float noise, whose sign the summation order decides.
     "tp-pp-mlp-adamw": _config("1f1b", MLP, tp=2, dp=1, stages=2, optimizer="adamw", lr=1e-2),
+    # ZeRO-3: parameters sharded over the replicas, gathered before F, B and I, freed after; W on freed ones.
+    "dp-pp-zero3-1f1b": _config("1f1b", GPT, tp=1, dp=2, stages=2, zero=3, momentum=0.9, eval_every=STEPS,
+                                eval_batches=1),  # its evaluation gathers the parameters too
+    "dp-pp-zero3-zb-h1": _config("zb-h1", GPT, tp=1, dp=2, stages=2, zero=3),
+    "dp-pp-zero3-zb-h1-recompute": _config("zb-h1", GPT, tp=1, dp=2, stages=2, zero=3, recompute=True),
+    # --clip-grad-norm by one all-reduce at U (norm ~9, clipped to 0.5): shards over tp counted each, whole
+    # parameters once per tp group, ZeRO slices over dp each; without ZeRO the reduced gradient once.
+    "tp-dp-zero3-clip": _config("1f1b", GPT, tp=2, dp=2, stages=1, zero=3, momentum=0.9,
+                                post_validation=PostValidation(max_norm=0.5)),
+
     "tp-pp-custom-plan": _config("zb-h1", ModelSpec(kind="custom", entry=f"{CUSTOM}:tensor_parallel"), tp=2, dp=1,
                                  stages=2),
     # Asynchronous: PipeDream's weight stashing on shards; its own reference, not plain training.
     "tp-pp-pipedream": _config("pipedream", GPT, tp=2, dp=1, stages=2, steps=4, batch_size=8),
     "dp-pp-pipedream-2bw": _config("pipedream-2bw", MLP, tp=1, dp=2, stages=2, steps=4, batch_size=16,
                                    momentum=0.9),
+    # Evaluated between streams: each replica its piece of every held-out microbatch.
+    "dp-pp-pipedream-eval": _config("pipedream", GPT, tp=1, dp=2, stages=2, steps=4, batch_size=16, eval_every=2,
+                                    eval_batches=2),
 }
-AGAINST_REFERENCE = ("tp-pp-pipedream", "tp-pp-tied", "dp-pp-pipedream-2bw", "gpt-pipedream")
+SLOW = {  # (processes, config): further ZeRO-3 and clipping cases, in the slow run
+    # ZeRO-3 on all three dimensions: each process keeps half of its tensor-parallel shards.
+    "gpt-zb-h1-zero3": (8, _config("zb-h1", GPT, tp=2, dp=2, stages=2, zero=3, momentum=0.9)),
+    "dp-pp-zero3-interleaved-adamw": (4, _config("interleaved-1f1b", MLP, tp=1, dp=2, stages=2, num_chunks=2, zero=3,
+                                                 optimizer="adamw", lr=1e-2, bucket_mb=0.0005)),
+    "dp-pp-clip": (4, _config("zb-h1", GPT, tp=1, dp=2, stages=2, post_validation=PostValidation(max_norm=0.5))),
+}
+AGAINST_REFERENCE = ("tp-pp-pipedream", "tp-pp-tied", "dp-pp-pipedream-2bw", "gpt-pipedream", "dp-pp-pipedream-eval")
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
@@ -91,11 +113,36 @@ def runs_8() -> dict[str, RunRecord]:
     return dict(zip(CASES_8, launch(_run_all, list(CASES_8.values()), 8, LaunchOptions(timeout_s=120))))
 
 
-@functools.lru_cache(maxsize=None)
 def _plain(config: TrainConfig) -> TrainResult:
+    """Plain training of ``config``'s model, batch and optimizer (one run for configs differing only in how the
+    parallel run shards or recomputes)."""
+    return _plain_run(dataclasses.replace(config, zero=0, recompute=False, bucket_mb=25.0))
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_run(config: TrainConfig) -> TrainResult:
+    factory = optimizer_factory(config)
+    if config.post_validation is not None:
+        factory = functools.partial(_Clipped, factory, config.post_validation.max_norm)
     return run_plain(config.model, steps=STEPS, batch_size=config.batch_size,
                      num_microbatches=config.num_microbatches * config.data_parallel,
-                     optimizer_factory=optimizer_factory(config), precision=config.precision)
+                     optimizer_factory=factory, precision=config.precision)
+
+
+class _Clipped:
+    """Plain training's clipping: ``torch.nn.utils.clip_grad_norm_`` over the whole model, then the step."""
+
+    def __init__(self, factory: Any, max_norm: float, params: Any) -> None:
+        self.params, self.max_norm = list(params), max_norm
+        self.inner = factory(self.params)
+        self.param_groups = self.inner.param_groups
+
+    def step(self) -> None:
+        assert float(torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)) > self.max_norm  # it clips
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
 
 
 def _assert_equals_plain(config: TrainConfig, record: RunRecord) -> None:
@@ -113,6 +160,14 @@ def _assert_equals_plain(config: TrainConfig, record: RunRecord) -> None:
                 torch.testing.assert_close(value, plain.parameters[name], **tolerance, msg=name)
                 seen.add(name)
     assert seen == set(plain.parameters)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW))
+def test_further_zero3_and_clipping_cases_equal_plain_training(case: str) -> None:
+    processes, config = SLOW[case]
+    (record,) = launch(_run_all, [config], processes, LaunchOptions(timeout_s=120))
+    _assert_equals_plain(config, record)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES_4 if c not in AGAINST_REFERENCE])
@@ -148,6 +203,33 @@ def test_the_record_holds_one_process_per_stage_rank_with_shards_weights(runs_8:
     assert sum(p.numel() for p in whole.values()) > 0
 
 
+def test_pipedream_replicas_evaluate_the_held_out_loss_of_the_trained_weights(runs_4: dict[str, RunRecord],
+                                                                              held_out_loss: Any) -> None:
+    """The replicas' shares of the evaluation sum to the held-out loss of the final weights (the reference
+    executor's, checked above), computed whole in one process."""
+    config, record = CASES_4["dp-pp-pipedream-eval"], runs_4["dp-pp-pipedream-eval"]
+    assert [at for at, _ in record.eval_losses] == [2, 4]
+    final = {n: v for r in record.ranks for params in r.parameters.values() for n, v in params.items()}
+    source = data_source(GPT, batch_size=config.batch_size, seed=config.seed)
+    assert record.eval_losses[-1][1] == pytest.approx(held_out_loss(GPT, final, source, config.eval_batches),
+                                                      rel=1e-5)
+    assert record.eval_losses[0][1] != record.eval_losses[1][1]
+
+
+def test_zero3_evaluates_the_held_out_loss_of_the_trained_weights(runs_4: dict[str, RunRecord],
+                                                                   held_out_loss: Any) -> None:
+    config, record = CASES_4["dp-pp-zero3-1f1b"], runs_4["dp-pp-zero3-1f1b"]
+    final = {n: v for r in record.ranks for params in r.parameters.values() for n, v in params.items()}
+    source = data_source(GPT, batch_size=config.batch_size, seed=config.seed)
+    assert record.eval_losses == [(STEPS, pytest.approx(held_out_loss(GPT, final, source, 1), rel=1e-5))]
+
+
+def test_zero3_keeps_half_of_each_part_between_actions(runs_4: dict[str, RunRecord]) -> None:
+    for r, whole in zip(runs_4["dp-pp-zero3-zb-h1"].ranks, runs_4["dp-pp"].ranks):
+        assert whole.weight_bytes == sum(p.numel() * 4 for ps in whole.parameters.values() for p in ps.values())
+        assert whole.weight_bytes / 2 <= r.weight_bytes <= whole.weight_bytes / 2 + 4  # padded to 2 slices
+
+
 TINY = ["train", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "4", "--seq-len", "8", "--batch", "8",
         "--steps", "1", "--quiet"]
 
@@ -155,20 +237,22 @@ TINY = ["train", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads",
 @pytest.mark.parametrize(("argv", "message"), [
     (["--tensor-parallel", "3"], "--heads 4 is not divisible by --tensor-parallel 3; give a tensor-parallel degree"),
     (["--tensor-parallel", "0"], "--tensor-parallel 0 is invalid; give N >= 1"),
-    (["--zero", "3"], "--zero 3 is invalid; choose one of: 0, 1"),
+    (["--zero", "2"], "--zero 2 is invalid; choose one of: 0, 1, 3"),
+    (["-s", "pipedream", "--data-parallel", "2", "--zero", "3"], "--zero 3 with the asynchronous pipedream is not "
+                                                                 "supported"),
+    (["--data-parallel", "2", "--zero", "3", "--tie-embeddings"], "--zero 3 with --tie-embeddings is not supported"),
     (["--bucket-mb", "0"], "--bucket-mb 0.0 is invalid; give MiB > 0"),
     (["-s", "chimera", "--data-parallel", "2", "--zero", "1"], "--zero 1 shards data-parallel replicas; chimera "
                                                                "replicates parts inside its pipeline"),
-    (["--tensor-parallel", "2", "--clip-grad-norm", "1"], "--clip-grad-norm with --tensor-parallel 2"),
+    (["--tensor-parallel", "2", "--clip-grad-norm", "1", "-s", "interleaved-1f1b", "--layers", "4"],
+     "--clip-grad-norm with --tensor-parallel/--data-parallel needs one stage per rank; interleaved-1f1b"),
     (["-s", "pipemare", "--data-parallel", "2"], "--data-parallel with the asynchronous pipemare is not supported; "
                                                  "use one of pipedream, pipedream-2bw"),
-    (["-s", "pipedream", "--data-parallel", "2", "--eval-every", "1"], "--eval-every with --data-parallel 2 on "
-                                                                        "pipedream is not supported yet"),
     (["--tensor-parallel", "2", "--model", f"{CUSTOM}:bad_tp_plan"], "tp_plan[1]: the TP plan names 'mlp.5', "
                                                                      "which is not a linear layer of it; give one of "
                                                                      "mlp.0, mlp.2"),
     (["--tensor-parallel", "2", "--model", f"{CUSTOM}:model"], "has no tp_plan; give its LayerModel a tp_plan"),
-], ids=["heads", "zero-degree", "zero-3", "bucket", "zero-chimera", "tp-clip", "async-dp", "async-dp-eval",
+], ids=["heads", "zero-degree", "zero-2", "zero3-async", "zero3-tied", "bucket", "zero-chimera", "tp-clip", "async-dp",
         "plan-name", "no-plan"])
 def test_bad_parallel_input_is_one_line_before_spawning(cli_error: Any, argv: list[str], message: str,
                                                         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

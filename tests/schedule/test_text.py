@@ -131,3 +131,19 @@ def test_parse_action_rejects_garbage() -> None:
         with pytest.raises(ScheduleError, match="<stage><op><microbatch>"):
             parse_action(bad)
     assert parse_action(" 3W12 ") == Action(3, Op.W, 12)
+
+
+@pytest.mark.parametrize("schedule", [s for s in ALL if torch_compatible(s)], ids=_id)
+def test_text_form_reads_back_as_the_csv(schedule: Schedule) -> None:
+    from pipeweave.schedule.grid import format_grid
+
+    longest = max(len(row) for row in schedule.actions)
+    text = format_grid(schedule, mark=(0, 0), max_steps=longest)  # a marked cell too, as the validator prints it
+    assert from_csv(text, name=schedule.name, num_microbatches=schedule.num_microbatches) == schedule
+
+
+def test_text_form_without_labels_and_a_bad_token_names_its_line() -> None:
+    one_f_one_b = generate("1f1b", num_stages=2, num_microbatches=2)
+    assert from_csv("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n", name="1f1b") == one_f_one_b
+    with pytest.raises(ScheduleError, match=r"^line 2: cannot read action '\.\.\.'"):
+        from_csv("0F0 0F1 0B0 0B1\n1F0 1B0 ...\n")

@@ -19,6 +19,7 @@ import numpy as np
 from pipeweave.commands.layout_options import (TP_REPLICATED, TP_SPLIT, add_layout_arguments, layout_from_args,
                                               layout_report, state_split)
 from pipeweave.commands.recompute_options import add_recompute_argument
+from pipeweave.commands.stash_options import add_stash_arguments, levered_activations, stash_plan
 from pipeweave.commands.units import check_cost_flags, format_bytes
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
@@ -63,6 +64,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, help="v, chunks per rank, for interleaved schedules")
     p.add_argument("--batch-size", type=int, default=32, help="samples per step, split into T microbatches (default 32)")
     add_partition_arguments(p)
+    add_stash_arguments(p, bandwidth=False)
     p.add_argument("--device", default="cpu", help="where to profile: the device the run uses (default cpu)")
     p.add_argument("--precision", default="fp32", metavar="fp32|bf16",
                    help="profile as the run computes: bf16, under bfloat16 autocast (default fp32)")
@@ -322,12 +324,14 @@ def memory_profile(schedule: Schedule, args: argparse.Namespace, layout: Layout 
         grads, optimizer = state_split(args.optimizer_state)
         state = (grads * share.grads + optimizer * share.optimizer) / layout.tp
         weight_share = share.params / layout.tp
+    levers = stash_plan(args, schedule.num_parts)  # --offload, BPipe, compression: what the ranks then hold
     try:
-        return MemoryProfile.of_schedule(schedule, state=state, weight_share=weight_share)
+        profile = MemoryProfile.of_schedule(schedule, state=state, weight_share=weight_share)
     except UserError:
         if args.partition == "memory":
             raise
         return None
+    return dataclasses.replace(profile, activations=levered_activations(schedule, profile.activations, levers))
 
 
 def render(result: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 from pipeweave.commands.recompute_options import AUTO, add_recompute_cost_arguments, recompute_costs
 from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, layout_from_args,
                                               layout_report, model_bytes)
+from pipeweave.commands.stash_options import add_stash_arguments, simulate_levers, stash_plan
 from pipeweave.errors import UserError
 from pipeweave.host import available_memory
 from pipeweave.sim.bubble import bubble_metrics
@@ -44,6 +45,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_recompute_cost_arguments(p, auto=True)
     add_layout_arguments(p)
     add_byte_arguments(p)
+    add_stash_arguments(p)
     return p
 
 
@@ -57,7 +59,13 @@ def run(args: argparse.Namespace) -> int:
         output_file("--csv", args.csv)
     if args.plot:
         picture_file("--plot", args.plot)
-    problem, chosen = _problem(args, *_times(args, layout, model))
+    f, b, w, comm = _times(args, layout, model)
+    levers = stash_plan(args, args.stages * (2 if args.v_shape or args.chunks == 2 else 1))
+    if levers.active and not layout.trivial:
+        raise UserError("--offload, --balance-activations and --compress-activations are searched on one pipeline; "
+                        "drop --tensor-parallel/--data-parallel or the memory levers")
+    # Compressed activations take kept x M_a: the same limit holds 1/kept as many.
+    problem, chosen = _problem(args, f, b, w, comm, args.memory_limit / levers.kept)
     result = exact(problem, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
                    work_limit=args.work_limit)
     if args.csv:
@@ -69,9 +77,10 @@ def run(args: argparse.Namespace) -> int:
         plot_timeline(simulate(result.schedule, problem.cost), args.plot)
     modes = problem.costs.recompute or ("none",) * problem.num_parts
     report = _layout_report(args, result.schedule, layout, model, modes)
+    levered = _levered(args, result.schedule, problem.cost, levers)
     if args.json:
         print(json.dumps({**result.as_dict(), "recompute": spelled(modes), "recompute_chosen": chosen,
-                          **({"layout": report[0]} if report else {})}))
+                          **({"layout": report[0]} if report else {}), **levered}))
         return 0
     print(f"{result.schedule.name}: D={args.stages} T={args.microbatches} K={args.memory_limit} "
           f"solver={result.solver} ({result.status}, {result.solver_time:.2f} s)")
@@ -80,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  bubble ratio {result.bubble_ratio:.4f}  (bound {result.bubble_bound:.4f})")
     print(f"  max span {result.span:.4f}  lower bound {result.lower_bound:.4f}  gap {100 * result.gap:.2f} %")
     print(f"  peak activations {list(result.metrics.peak_activations)} (limit {problem.limit[0]:g})")
+    if levered:
+        print(f"  with the memory levers: makespan {levered['makespan']:g}, peak activations "
+              f"{levered['peak_activations']} (M_a of uncompressed activations)")
     if args.plot:
         print(f"  plot written to {args.plot}")
     for line in report[1] if report else ():
@@ -87,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _problem(args: argparse.Namespace, f: float, b: float, w: float, comm: float) -> tuple[Any, bool]:
+def _problem(args: argparse.Namespace, f: float, b: float, w: float, comm: float,
+             memory_limit: float) -> tuple[Any, bool]:
     """The instance of the flags, and whether its recomputation per part was chosen (``--recompute auto``,
     ``search.recompute``: with the heuristic's schedules; the exact search then refines the chosen one)."""
     from pipeweave.search import Problem
@@ -97,10 +110,19 @@ def _problem(args: argparse.Namespace, f: float, b: float, w: float, comm: float
     vshape = args.v_shape or args.chunks == 2
     if args.recompute != AUTO:
         return Problem(num_stages=args.stages, num_microbatches=args.microbatches, vshape=vshape, cost=cost,
-                       memory_limit=args.memory_limit), False
+                       memory_limit=memory_limit), False
     problem = recompute_problem(args.stages, args.microbatches, vshape=vshape, cost=cost,
-                                memory_limit=args.memory_limit)
+                                memory_limit=memory_limit)
     return with_recompute(problem, choose_recompute(problem)[0]), True
+
+
+def _levered(args: argparse.Namespace, schedule: Any, cost: CostModel, levers: Any) -> dict[str, Any]:
+    """The found schedule with the memory levers applied (``sim.stash``): its makespan, peaks and levers."""
+    if not levers.active:
+        return {}
+    costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
+    metrics, _, json_ = simulate_levers(schedule, costs, levers, args.host_bandwidth)
+    return {"makespan": metrics.makespan, "peak_activations": list(metrics.peak_activations), "memory_levers": json_}
 
 
 def _times(args: argparse.Namespace, layout: Layout, model: ModelBytes) -> tuple[float, float, float, float]:

@@ -23,6 +23,7 @@ from pipeweave.host import available_memory as _available_memory
 from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, layout_from_args,
                                               layout_report, model_bytes)
 from pipeweave.commands.recompute_options import add_recompute_cost_arguments, recompute_costs
+from pipeweave.commands.stash_options import add_stash_arguments, simulate_levers, stash_plan
 from pipeweave.commands.units import check_cost_flags, parse_values
 from pipeweave.errors import UserError
 from pipeweave.schedule import InvalidSchedule, Schedule, generate, read_csv, validate, write_csv
@@ -62,13 +63,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE", help="write a timeline picture (.png, .svg or .pdf)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in ui.perfetto.dev)")
     p.add_argument("--csv", metavar="FILE", help="export the schedule as CSV (torch.distributed.pipelining's form)")
-    p.add_argument("--from-csv", metavar="FILE", help="simulate a hand-written CSV schedule instead of -s")
+    p.add_argument("--from-csv", "--schedule-file", dest="from_csv", metavar="FILE",
+                   help="simulate a hand-written schedule instead of -s: torch's CSV or pipeweave's text form "
+                        "(as train --schedule-file)")
     p.add_argument("--width", type=int, default=100, help="columns of the text timeline (default 100)")
     from pipeweave.commands.stream_options import add_schedule_arguments
 
     add_recompute_cost_arguments(p)
     add_layout_arguments(p)
     add_byte_arguments(p)
+    add_stash_arguments(p)
     g = p.add_argument_group("asynchronous schedules", "a stream of --steps mini-batches with no flush")
     g.add_argument("--steps", type=int, help="mini-batches in the stream (default 4; avgpipe: rounds of P)")
     add_schedule_arguments(g)
@@ -183,6 +187,21 @@ def _timeline(schedule: Schedule, cost: CostModel, layout: Any, model: Any) -> A
             else simulate_layout(schedule, cost, layout, model, check=False))
 
 
+def _levered(args: argparse.Namespace, schedule: Schedule, cost: CostModel, layout: Any,
+             model: Any) -> tuple[Any, Metrics, dict[str, Any]]:
+    """The timeline to show, its metrics and the memory levers' JSON (empty without levers)."""
+    plan = stash_plan(args, schedule.num_parts)
+    if not plan.active:
+        timeline = _timeline(schedule, cost, layout, model)
+        return timeline, compute_metrics(timeline), {}
+    if not layout.trivial:
+        raise UserError("--offload, --balance-activations and --compress-activations are simulated on one "
+                        "pipeline; drop --tensor-parallel/--data-parallel or the memory levers")
+    costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
+    metrics, timeline, levers = simulate_levers(schedule, costs, plan, args.host_bandwidth)
+    return timeline, metrics, levers
+
+
 def simulated(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     """What ``pipeweave simulate ARGS --json`` prints, and the timeline it comes from (``pipeweave compare``).
 
@@ -204,12 +223,13 @@ def run(args: argparse.Namespace) -> int:
         validate(schedule)
     except InvalidSchedule as exc:
         return _report_invalid(args, schedule, exc)
-    timeline = _timeline(schedule, cost, layout, model)  # validated just above
-    metrics = compute_metrics(timeline)
+    timeline, metrics, levers = _levered(args, schedule, cost, layout, model)
     report = layout_report(schedule, cost, layout, model, metrics.makespan)
     files = _write_files(args, schedule, timeline)
     if args.json:
         out = _as_json(schedule, info, cost, metrics, files)
+        if levers:
+            out["memory_levers"] = levers
         if report is not None:
             out["layout"] = report[0]
         print(json.dumps(out))

@@ -21,8 +21,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from pipeweave.commands.stash_options import add_stash_arguments
 from pipeweave.commands.partition import add_model_arguments, add_partition_arguments
 from pipeweave.commands.recompute_options import add_recompute_argument
+from pipeweave.commands.schedule_file import add_schedule_file_argument
 from pipeweave.commands.stream_options import add_async_arguments
 
 DEFAULT_OUT = Path("pipeweave-out")
@@ -37,8 +39,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--save-every stop it.",
     )
     p.add_argument("-s", "--schedule", help="schedule name (default: zb-h1 if registered, else 1f1b)")
-    p.add_argument("--stages", type=int, default=2, help="D, pipeline ranks (default 2)")
-    p.add_argument("--microbatches", type=int, default=4, help="T, microbatches per step (default 4)")
+    add_schedule_file_argument(p)
+    p.add_argument("--stages", type=int, help="D, pipeline ranks (default 2)")
+    p.add_argument("--microbatches", type=int, help="T, microbatches per step (default 4)")
     p.add_argument("--chunks", type=int, help="v, chunks per rank, for schedules that take it")
     add_model_arguments(p)
     add_partition_arguments(p)
@@ -48,13 +51,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="processes splitting every stage's layers (Megatron's tensor parallelism); "
                         "processes P x D x N on one device mesh (default 1)")
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",
-                   help="ZeRO stage of data parallelism: 0, or 1 (optimizer state sharded over the P replicas) "
-                        "(default 0)")
+                   help="ZeRO stage of data parallelism: 0 (none), 1 (optimizer state sharded over the P "
+                        "replicas) or 3 (parameters too: gathered before each F, B, I and freed after) (default 0)")
     p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MIB",
                    help="MiB of gradients per all-reduce across replicas (default 25)")
     p.add_argument("--batch", "--batch-size", dest="batch", type=int, default=16,
                    help="samples per step, split into T microbatches (default 16)")
     p.add_argument("--data", metavar="FILE", help="gpt: a text file to train on (default: the stdlib sources)")
+    p.add_argument("--min-seq-len", type=int, metavar="N",
+                   help="gpt: sequences of variable length, as a dataset without packing gives them: each microbatch "
+                        "cut to its own length drawn from [N, --seq-len], sent between ranks as it is, not padded")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--lr", type=float, help="learning rate (default 3e-3 for adamw, 0.1 for sgd)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), help="default sgd for the mlp, adamw otherwise")
@@ -67,13 +73,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the step where the decay ends (default: the last step, or a stream's last update, of "
                         "this run; give the same one when resuming)")
     add_recompute_argument(p, auto=True)
+    add_stash_arguments(p, bandwidth=False)
     p.add_argument("--precision", default="fp32", metavar="fp32|bf16",
                    help="bf16: mixed precision, every forward under torch.autocast to bfloat16 (parameters, "
                         "gradients and optimizer state float32); default fp32")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
                    help="clip the global gradient norm; steps are post-validated (optimistic step, exact "
                         "rollback on NaN/inf or clipping), so no global barrier precedes the update; a NaN/inf "
-                        "norm stops the run, or skips the step with --on-nonfinite skip")
+                        "norm stops the run, or skips the step with --on-nonfinite skip; with "
+                        "--tensor-parallel/--data-parallel: one all-reduce of the norm at each update instead")
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
                    help="a step whose loss (or, with --clip-grad-norm, gradient norm) is NaN or inf: stop the run "
                         "there, exit code 1, the last checkpoint kept (default); or skip that step's update on every "
@@ -115,6 +123,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE", help="write the measured timeline plot here (default OUT/timeline.png)")
     p.add_argument("--trace", metavar="FILE", help="write the Chrome trace here (default OUT/trace.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="write every step's loss, learning rate, throughput, bubble and memory as TensorBoard event "
+                        "files into DIR (tensorboard --logdir DIR); needs pip install 'pipeweave[tensorboard]'")
     add_async_arguments(p)
     return p
 

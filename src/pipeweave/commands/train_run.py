@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
@@ -22,6 +23,8 @@ from pipeweave.commands.partition import check_partition_arguments, memory_profi
 from pipeweave.commands.outputs import output_folder
 from pipeweave.commands.recompute_options import AUTO
 from pipeweave.commands.profiled import profiled_costs
+from pipeweave.commands.stash_options import train_levers
+from pipeweave.commands.schedule_file import schedule_from_file
 from pipeweave.commands.stream_options import async_options
 from pipeweave.commands.train_report import build_report, output_paths, print_summary, write_outputs
 from pipeweave.errors import UserError
@@ -79,14 +82,19 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     spec = model_spec(args, DEFAULT_GPT)
     optimizer = args.optimizer or ("sgd" if spec.kind == "mlp" else "adamw")
     lr = args.lr if args.lr is not None else (3e-3 if optimizer == "adamw" else 0.1)
-    schedule = args.schedule or next(n for n in DEFAULT_SCHEDULES if n in SCHEDULES)
+    written = schedule_from_file(args)
+    schedule = args.schedule_file if written is not None else \
+        args.schedule or next(n for n in DEFAULT_SCHEDULES if n in SCHEDULES)
     if args.threads < 1:
         raise UserError(f"--threads {args.threads} is invalid; give at least 1")
     options, policy_kwargs = async_options(args, schedule)
     policy = PolicyOptions(**policy_kwargs)  # its values checked here
     momentum = args.momentum if args.momentum is not None else (0.9 if schedule in ("spectrain", "xpipe") else 0.0)
     config = TrainConfig(
-        schedule=schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks,
+        schedule=schedule, schedule_file=written, num_chunks=args.chunks,
+        num_stages=_size(args.stages, DEFAULT_STAGES, None if written is None else written.num_ranks),
+        num_microbatches=_size(args.microbatches, DEFAULT_MICROBATCHES,
+                               None if written is None else written.num_microbatches),
         model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
         recompute="none" if args.recompute == AUTO else args.recompute, precision=args.precision, seed=args.seed or 0, data=args.data,
         data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel, zero=args.zero,
@@ -97,8 +105,30 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
         lr_warmup=args.lr_warmup, lr_decay_steps=args.lr_decay_steps,
         resume=args.resume, keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite,
+        **train_levers(args),
+        log_dir=_log_dir(args.log_dir), min_seq_len=args.min_seq_len,
     )
     return _with_searched_costs(_with_partition(config, args), args)
+
+
+DEFAULT_STAGES, DEFAULT_MICROBATCHES = 2, 4
+
+
+def _log_dir(value: str | None) -> str | None:
+    """``--log-dir DIR``: a folder this command can write, and the package that writes it (one line otherwise)."""
+    if value is None:
+        return None
+    if importlib.util.find_spec("tensorboard") is None:
+        raise UserError(f"--log-dir {value} writes TensorBoard event files and needs the tensorboard package; "
+                        "pip install 'pipeweave[tensorboard]', or drop --log-dir")
+    output_folder("--log-dir", value)
+    return value
+
+
+def _size(given: int | None, default: int, written: int | None) -> int:
+    """``--stages`` or ``--microbatches``: as given (a conflict with the file is ``TrainConfig``'s one line),
+    else the schedule file's, else the default."""
+    return given if given is not None else written if written is not None else default
 
 
 def _check_transport(args: argparse.Namespace, plan: RunPlan, torchrun: bool, capacity: int | None = None) -> None:

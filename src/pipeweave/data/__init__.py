@@ -26,7 +26,8 @@ class DataSource(Protocol):
 
 
 def data_source(
-    spec: ModelSpec, *, batch_size: int, seed: int = 0, path: str | os.PathLike[str] | None = None
+    spec: ModelSpec, *, batch_size: int, seed: int = 0, path: str | os.PathLike[str] | None = None,
+    min_seq_len: int | None = None,
 ) -> DataSource:
     """The model's data: fixed random regression for the mlp, byte windows of a corpus for the gpt,
     a custom model's own dataset (``DatasetSource``).
@@ -36,15 +37,19 @@ def data_source(
         batch_size: samples per mini-batch.
         seed: data seed.
         path: gpt only: a text file to train on instead of the standard library sources.
+        min_seq_len: gpt only: sequences of variable length (``ByteCorpus``), each microbatch its own.
 
     Raises:
-        UserError: a path given for the mlp, a gpt vocabulary too small for bytes, an unreadable file.
+        UserError: a path or min_seq_len given for the mlp, a gpt vocabulary too small for bytes, an unreadable file.
 
     Example:
         >>> x, y = data_source(ModelSpec(kind="mlp", hidden=8), batch_size=4).batch(0)
         >>> tuple(y.shape)
         (4, 8)
     """
+    if min_seq_len is not None and spec.kind != "gpt":
+        raise UserError(f"--min-seq-len applies to --model gpt (its corpus is cut to variable lengths); a "
+                        f"{spec.kind} model brings fixed shapes: drop --min-seq-len")
     if spec.kind == "custom":
         if path is not None:
             raise UserError("--data applies to --model gpt only; a custom model brings its own dataset: drop --data")
@@ -57,7 +62,25 @@ def data_source(
     if spec.vocab < 256:
         raise UserError(f"vocab={spec.vocab} cannot hold bytes; give vocab >= 256 for the byte-level corpus")
     text = None if path is None else read_text_file(path)
-    return ByteCorpus(text, seq_len=spec.seq_len, batch_size=batch_size, seed=seed)
+    return ByteCorpus(text, seq_len=spec.seq_len, batch_size=batch_size, seed=seed, min_seq_len=min_seq_len)
+
+
+def step_microbatches(source: DataSource, step: int, num_microbatches: int) -> tuple[list[Boundary], list[Boundary]]:
+    """Batch ``step``'s inputs and targets, each split into ``num_microbatches`` (``split_microbatches``), each
+    microbatch cut to its own sequence length where the source varies them (``ByteCorpus.microbatch_lengths``).
+
+    Example:
+        >>> source = ByteCorpus(b"abcdefgh" * 8, seq_len=8, batch_size=4, min_seq_len=2)
+        >>> inputs, targets = step_microbatches(source, 0, 2)
+        >>> [tuple(x.shape) for x in inputs] == [tuple(y.shape) for y in targets], len(inputs)
+        (True, 2)
+    """
+    inputs, targets = source.batch(step)
+    xs, ys = split_microbatches(inputs, num_microbatches), split_microbatches(targets, num_microbatches)
+    lengths = getattr(source, "microbatch_lengths", lambda *_: None)(step, num_microbatches)
+    if lengths is None:
+        return xs, ys
+    return ([x[:, :n] for x, n in zip(xs, lengths)], [y[:, :n] for y, n in zip(ys, lengths)])
 
 
 def split_microbatches(batch: Boundary, num_microbatches: int) -> list[Boundary]:
@@ -84,5 +107,5 @@ def split_microbatches(batch: Boundary, num_microbatches: int) -> list[Boundary]
 
 __all__ = [
     "ByteCorpus", "DataSource", "DatasetSource", "RandomRegression", "data_source", "read_text_file",
-    "split_microbatches", "stdlib_sources",
+    "split_microbatches", "stdlib_sources", "step_microbatches",
 ]

@@ -138,6 +138,13 @@ def _draw(segments: Segments, seq_len: int, count: int, generator: torch.Generat
     return first[i] + u - (ends[i] - fits[i])
 
 
+def microbatch_lengths(seed: int, step: int, num_microbatches: int, min_seq_len: int, seq_len: int) -> list[int]:
+    """The sequence length of each microbatch of step ``step``: uniform in ``[min_seq_len, seq_len]``, from a
+    generator seeded by ``(seed, step)`` apart from the windows' (``ByteCorpus.microbatch_lengths``)."""
+    generator = torch.Generator().manual_seed((1 << 40) + seed * 1_000_003 + step)
+    return torch.randint(min_seq_len, seq_len + 1, (num_microbatches,), generator=generator).tolist()
+
+
 class ByteCorpus:
     """Random windows of a byte string: inputs ``text[o:o+seq_len]``, targets shifted by one byte.
 
@@ -149,9 +156,12 @@ class ByteCorpus:
 
     Args:
         text: the corpus (a large file's mapping: ``read_text_file``); None reads the standard library sources.
-        seq_len: tokens per sample.
+        seq_len: tokens per sample (the longest, with ``min_seq_len``).
         batch_size: samples per batch.
         seed: data seed.
+        min_seq_len: sequences of variable length, as a dataset without packing gives them: each
+            microbatch of each step is cut to its own length, drawn uniformly from
+            ``[min_seq_len, seq_len]`` (``microbatch_lengths``); None: every sequence ``seq_len`` long.
 
     Raises:
         UserError: the corpus is shorter than one window.
@@ -163,7 +173,8 @@ class ByteCorpus:
         (True, torch.int64)
     """
 
-    def __init__(self, text: Text | None = None, *, seq_len: int, batch_size: int, seed: int = 0) -> None:
+    def __init__(self, text: Text | None = None, *, seq_len: int, batch_size: int, seed: int = 0,
+                 min_seq_len: int | None = None) -> None:
         text = stdlib_sources() if text is None else text
         if len(text) < seq_len + 1:
             raise UserError(
@@ -174,7 +185,9 @@ class ByteCorpus:
             raise UserError(f"batch_size={batch_size} is invalid; give batch_size >= 1")
         # A mapping is used in place (its pages shared with the page cache); bytes are copied to be writable.
         self.tokens = torch.frombuffer(text if isinstance(text, mmap.mmap) else bytearray(text), dtype=torch.uint8)
-        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        if min_seq_len is not None and not 1 <= min_seq_len <= seq_len:
+            raise UserError(f"--min-seq-len {min_seq_len} is invalid; give a length in [1, --seq-len {seq_len}]")
+        self.seq_len, self.batch_size, self.seed, self.min_seq_len = seq_len, batch_size, seed, min_seq_len
         self._window = torch.arange(seq_len + 1)
         self.train_segments, self.held_out = split_blocks(len(text), seq_len)
         """Byte ranges the training and the held-out windows are drawn from (``split_blocks``)."""
@@ -182,6 +195,20 @@ class ByteCorpus:
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)`` of step ``step``: int64 tensors of shape (batch_size, seq_len)."""
         return self._windows(self.seed * 1_000_003 + step, self.train_segments)
+
+    def microbatch_lengths(self, step: int, num_microbatches: int) -> list[int] | None:
+        """The sequence length of each microbatch of step ``step`` (None: all ``seq_len``), the same on every
+        rank: drawn from a generator seeded by ``(seed, step)``, apart from the windows' own.
+
+        Example:
+            >>> corpus = ByteCorpus(b"abcdefgh" * 4, seq_len=8, batch_size=4, min_seq_len=2)
+            >>> lengths = corpus.microbatch_lengths(0, 3)
+            >>> len(lengths), all(2 <= n <= 8 for n in lengths), lengths == corpus.microbatch_lengths(0, 3)
+            (3, True, True)
+        """
+        if self.min_seq_len is None:
+            return None
+        return microbatch_lengths(self.seed, step, num_microbatches, self.min_seq_len, self.seq_len)
 
     def eval_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Held-out batch ``k``: windows of the held-out blocks, never trained on.

@@ -14,7 +14,8 @@ in layers, each importing only from layers below it (a test keeps it so):
    ``pipeweave.weights``), post-validated optimizer steps, learning-rate schedules.
 4. executors -- ``executor`` (one rank interprets its lowered actions),
    ``replicas`` (a part's replicas' gradients summed by bucketed collectives),
-   ``zero`` (ZeRO-1: their optimizer state sharded),
+   ``zero`` (ZeRO-1 and 3: their optimizer state, and parameters, sharded),
+   ``clip`` (the global gradient norm over shards and replicas, clipped at U),
    ``walk`` and ``reference`` (every stage in one process: the tests' oracle),
    ``plain`` (single-process training, the exactness baseline), ``profile``
    (per-layer costs), ``stream`` (what an asynchronous stream is at run time),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -24,13 +25,16 @@ import torch
 
 from pipeweave.errors import StuckError
 from pipeweave.models.boundary import Boundary
+from pipeweave.runtime.clip import GlobalNormClip
 from pipeweave.runtime.nonfinite import LossAgreement
 from pipeweave.runtime.replicas import DEFAULT_BUCKET_BYTES, ReplicaReduction
 from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.transport.mesh import replica_rank_sets
 from pipeweave.runtime.transport.p2p import P2P
+from pipeweave.runtime.transport.partner import PartnerLink
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stage.policy import RankPolicy
+from pipeweave.runtime.stage.stash import Packed, host_store, stash_away, stash_back
 from pipeweave.runtime.stage.tied import TiedGradients
 from pipeweave.schedule.grid import format_rows
 from pipeweave.schedule.ir import Action, Op
@@ -56,10 +60,15 @@ class Executor:
             run's ``transport.mesh``, which must be installed where replicas span ranks); False where
             replicas train apart (AvgPipe's, averaged by its policy instead).
         bucket_bytes: the size of the buckets of that sum (``runtime.replicas``).
-        zero: ZeRO-1 for data-parallel replicas (``runtime.zero``): optimizer state sharded over them.
+        zero: the ZeRO stage of data-parallel replicas (``runtime.zero``): 1 optimizer state sharded over
+            them, 3 parameters too.
+        clip_norm: clip the global gradient norm to this at every ``U`` (``runtime.clip``; None: no clipping).
+        partner: this rank's side of BPipe's pair (``transport.partner``), for EVICT and LOAD.
         on_nonfinite: a synchronous run's ``TrainConfig.on_nonfinite``: every rank learns each step's
             loss (``nonfinite.LossAgreement``, ``step_loss``); ``skip``: no stage updates on a non-finite
             one. None: nothing agreed (evaluation, streams).
+        variable_shapes: messages whose per-sample shape changes (sequences of variable length): each
+            carries its own metadata (``transport.p2p``).
 
     Example:
         ex = Executor(lower(schedule), rank, workers, sizes, torch.device("cpu"))
@@ -79,12 +88,15 @@ class Executor:
         combine_replicas: bool = True,
         on_nonfinite: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        zero: bool = False,
+        zero: int = 0,
+        clip_norm: float | None = None,
+        partner: PartnerLink | None = None,
+        variable_shapes: bool = False,
     ) -> None:
         self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
         self.placement = lowered.schedule.placement
         self.row = lowered.actions[rank]
-        self.p2p = P2P(lowered, rank, microbatch_sizes, device)
+        self.p2p = P2P(lowered, rank, microbatch_sizes, device, variable_shapes=variable_shapes)
         self.evaluating = evaluate
         """F runs as ``StageWorker.evaluate``; no gradient is prepared or exchanged."""
         exchanging = {} if evaluate else workers  # the training executor owns the workers' combine_grads
@@ -97,11 +109,14 @@ class Executor:
             for line in self.placement.pipelines:
                 if line[0] != line[-1]:
                     self.p2p.tied.update({line[0]: line[-1], line[-1]: line[0]})
+        self.clip = None if clip_norm is None or evaluate else GlobalNormClip(clip_norm, workers)  # after both
         self.dispatch: dict[Op, Callable[[Action], None]] = {
             Op.F: self.forward, Op.B: self.backward, Op.I: self.backward_input, Op.W: self.backward_weight,
             Op.U: self.update, Op.SEND_F: self.send_forward, Op.RECV_F: self.recv_forward,
             Op.SEND_B: self.send_backward, Op.RECV_B: self.recv_backward,
+            Op.OFFLOAD: self.offload, Op.RELOAD: self.reload, Op.EVICT: self.evict, Op.LOAD: self.load,
         }
+        self.partner, self.store = partner, self._offload_store()
         self.peak_activation_bytes = 0
         # Of the last step: thread CPU ns per action (parallel to the records), process CPU ns of the step.
         self.action_cpu_ns: list[int] = []
@@ -144,6 +159,8 @@ class Executor:
         step_cpu = time.process_time_ns()
         for i, a in enumerate(self.row):
             self.p2p.post_ahead(i)
+            if self.store is not None and i + 1 < len(self.row) and self.row[i + 1].op is Op.RELOAD:
+                self.store.prefetch(self.row[i + 1][::2])  # CUDA: its copy runs beside action i
             c0, t0 = cpu(), clock()
             self._run_or_explain(i, a)
             records.append((a, t0, clock()))
@@ -179,6 +196,7 @@ class Executor:
         track = worker.track_memory  # off after the first step unless asked (StageWorker.track_memory)
         if track:  # per-rank peak: the other stages' held bytes are constant during this action
             others = sum(w.activation_bytes() for s, w in self.workers.items() if s != a.stage)
+            others += self.partner.lent if self.partner is not None else 0  # held for BPipe's owner
             worker.reset_peak()
         if self.policy is not None:
             self.policy.enter(a)
@@ -237,6 +255,49 @@ class Executor:
         self.p2p.before_update(a.stage)  # a tied exchange takes its place in the per-pair order
         skip = self.skip_nonfinite and not math.isfinite(cast(LossAgreement, self.agreement).total())
         self.workers[a.stage].update(skip=skip)
+
+    # ---- memory (schedule.stash) ---------------------------------------------
+    def _offload_store(self) -> Any:
+        """Where this rank offloads (``stage.stash.host_store``), None without OFFLOAD; the stages that move
+        activations keep what autograd saves."""
+        self._away: dict[tuple[int, int], Packed] = {}  # moved away: how to rebuild it
+        self._kept: dict[tuple[int, int], int | None] = {}  # BPipe: the meter key of what an EVICT kept here
+        for a in self.row:
+            if a.op.is_memory:
+                self.workers[a.stage].stashing = True
+        if not any(a.op is Op.OFFLOAD for a in self.row):
+            return None
+        store = host_store(self.device)
+        weakref.finalize(self, store.close)  # its files go with the executor
+        return store
+
+    def offload(self, a: Action) -> None:
+        assert self.store is not None
+        packed = stash_away(self.workers[a.stage], a.microbatch)
+        self.store.put(a[::2], packed.buffer)
+        packed.buffer = None
+        self._away[a[::2]] = packed
+
+    def reload(self, a: Action) -> None:
+        assert self.store is not None
+        stash_back(self.workers[a.stage], a.microbatch, self._away.pop(a[::2]), self.store.take(a[::2]))
+
+    def evict(self, a: Action) -> None:
+        """BPipe: the partner keeps the first ``share`` of the microbatch's packed bytes, this rank the rest."""
+        assert self.partner is not None
+        worker = self.workers[a.stage]
+        packed = stash_away(worker, a.microbatch)
+        cut = int(round(self.partner.share * packed.buffer.numel()))
+        self.partner.lend(a[::2], packed.buffer[:cut])
+        packed.buffer = packed.buffer[cut:].clone()
+        self._kept[a[::2]] = worker._hold(packed.buffer)
+        self._away[a[::2]] = packed
+
+    def load(self, a: Action) -> None:
+        assert self.partner is not None
+        worker, packed = self.workers[a.stage], self._away.pop(a[::2])
+        worker._release([self._kept.pop(a[::2])])
+        stash_back(worker, a.microbatch, packed, torch.cat([self.partner.take_back(a[::2]), packed.buffer]))
 
     # ---- communication -----------------------------------------------------
     def send_forward(self, a: Action) -> None:

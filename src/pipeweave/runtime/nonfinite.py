@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.transport.mesh import pipeline_group
 from pipeweave.schedule.ir import Action, Op, Placement
@@ -94,9 +95,10 @@ def nonfinite_parts(workers: Mapping[int, StageWorker], placement: Placement) ->
     """The parts, on any rank, holding a non-finite parameter (one blocking all-reduce; every rank calls it)."""
     device = next(iter(workers.values())).device if workers else torch.device("cpu")
     flags = torch.zeros(placement.num_parts, dtype=torch.float64, device=device)
-    for stage, worker in workers.items():
-        params = list(worker.module.parameters())
-        if params and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
-            flags[placement.stage_part[stage]] = 1.0
+    with gathered(workers):  # ZeRO-3's parameters whole
+        for stage, worker in workers.items():
+            params = list(worker.module.parameters())
+            if params and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+                flags[placement.stage_part[stage]] = 1.0
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [part for part, flag in enumerate(flags.tolist()) if flag]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pipeweave.data import DataSource, data_source, split_microbatches
+from pipeweave.data import DataSource, data_source, step_microbatches
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary, num_samples
 from pipeweave.models.precision import autocast
@@ -84,8 +84,7 @@ def run_plain(
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
     losses = []
     for step in range(steps):
-        inputs, targets = source.batch(step)
-        pairs = zip(split_microbatches(inputs, num_microbatches), split_microbatches(targets, num_microbatches))
+        pairs = zip(*step_microbatches(source, step, num_microbatches))
         step_losses = [_microbatch_loss(model, spec, loss, x, target, batch_size, precision, step, j)
                        for j, (x, target) in enumerate(pairs)]
         losses.append(sum(step_losses))

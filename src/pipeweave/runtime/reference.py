@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pipeweave.data import DataSource, data_source, split_microbatches
+from pipeweave.data import DataSource, data_source, step_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models.boundary import Boundary
 from pipeweave.models.spec import ModelSpec
@@ -78,7 +78,8 @@ def run_reference(
                             recompute=recompute, parts=parts, precision=precision)
     TiedGradients(schedule.placement, dict(enumerate(workers)))  # hooks the tied stages' updates
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
-    losses = [_step(schedule, workers, source.batch(step), None if lr_at is None else lr_at(step))
+    t = schedule.num_microbatches
+    losses = [_step(schedule, workers, step_microbatches(source, step, t), None if lr_at is None else lr_at(step))
               for step in range(steps)]
     parameters, stage_parameters = trained_parameters(workers)
     peaks = [w.peak_activation_bytes() for w in workers]
@@ -93,15 +94,14 @@ def _check_stream_steps(schedule: Schedule, steps: int) -> None:
                         f"steps={steps}; generate it with num_steps for {steps} mini-batches")
 
 
-def _step(schedule: Schedule, workers: list[StageWorker], batch: tuple[Boundary, Boundary], lr: float | None
-          ) -> float:
-    """One synchronous step on ``batch`` (at learning rate ``lr``, if given); the mini-batch mean loss."""
+def _step(schedule: Schedule, workers: list[StageWorker], microbatches: tuple[list[Boundary], list[Boundary]],
+          lr: float | None) -> float:
+    """One synchronous step on ``microbatches`` (inputs, targets; at learning rate ``lr``, if given); the
+    mini-batch mean loss."""
     if lr is not None:
         for worker in workers:
             set_lr(worker.optimizer, lr)
-    inputs, targets = batch
-    t = schedule.num_microbatches
-    return run_step(schedule, workers, split_microbatches(inputs, t), split_microbatches(targets, t))
+    return run_step(schedule, workers, *microbatches)
 
 
 @dataclass

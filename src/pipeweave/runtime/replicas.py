@@ -12,9 +12,10 @@ as soon as the last action of the step that adds to the part's gradients
 while the rank computes the rest of its backward, and the part's ``U`` waits
 for it. Replicas on this rank are summed first, in stage order.
 
-With ZeRO-1 (``zero=True``, ``runtime.zero``) each bucket is
+With ZeRO (``zero=1`` or ``3``, ``runtime.zero``) each bucket is
 reduce-scattered instead, and the part's optimizer, sharded, steps the slice
-it receives and all-gathers the parameters.
+it receives; at stage 1 it all-gathers the parameters after, at stage 3 the
+slices are the parameters, gathered around the actions that read them.
 
 A group's members launch the same buckets in the same order (one launch per
 part and step, each part its own group), so the collectives match. The
@@ -47,12 +48,13 @@ class ReplicaReduction:
         workers: this rank's stage workers (their ``combine_grads`` is set here).
         groups: per replicated part spanning several ranks, the process group of its replicas.
         bucket_bytes: the size of a bucket (the last one of a part may be smaller).
-        zero: ZeRO-1 for the parts whose replicas lie one per rank on several ranks: their workers'
-            optimizers are replaced by ``zero.ZeroOptimizer``s over the same buckets.
+        zero: the ZeRO stage (0, 1 or 3) of the parts whose replicas lie one per rank on several ranks: their
+            workers' optimizers are replaced by ``zero.ZeroOptimizer``s over the same buckets (at stage 3 they
+            hold the parameters too: ``worker.shards``).
     """
 
     def __init__(self, placement: Placement, row: Sequence[Action], workers: dict[int, StageWorker],
-                 groups: dict[int, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES, zero: bool = False) -> None:
+                 groups: dict[int, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES, zero: int = 0) -> None:
         self.placement, self.workers, self.groups = placement, workers, groups
         self.bucket_bytes = bucket_bytes
         # Per replicated part on this rank: its local replica stages, ascending.
@@ -72,8 +74,11 @@ class ReplicaReduction:
             (stage,) = self.local[part]  # the plan refuses ZeRO where a rank holds two replicas of a part
             worker = workers[stage]
             params = list(worker.module.parameters())
-            worker.optimizer = ZeroOptimizer(worker.optimizer_factory, params,  # type: ignore[assignment]
-                                             _buckets(params, bucket_bytes), groups[part])
+            sharded = ZeroOptimizer(worker.optimizer_factory, params, _buckets(params, bucket_bytes), groups[part],
+                                    stage=zero)
+            worker.optimizer = sharded  # type: ignore[assignment]
+            if zero == 3:
+                worker.shards = sharded
         self._left: dict[int, int] = {}
         self._pending: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # part -> (work, bucket) until combined
 
@@ -100,7 +105,7 @@ class ReplicaReduction:
             for other in grads[1:]:  # local replicas first, in stage order
                 flat += _flatten([other[i] for i in span])
             group = self.groups.get(part)
-            if part in self.sharded:  # ZeRO-1: this rank's slice of the sum only
+            if part in self.sharded:  # ZeRO: this rank's slice of the sum only
                 flat = pad(flat, dist.get_world_size(group))
                 mine = flat.new_empty(flat.numel() // dist.get_world_size(group))
                 buckets.append((dist.reduce_scatter_single(mine, flat, group=group, async_op=True), mine))

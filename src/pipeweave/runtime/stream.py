@@ -115,13 +115,17 @@ class StreamData(Sequence[Boundary]):
             return [self[i] for i in range(*j.indices(self.length))]
         m = j // self.t
         if self._cached is None or self._cached[0] != m:  # the stream asks in about increasing order
-            batch = self.source.batch(self.first + m)[self.part]
-            microbatches = split_microbatches(batch, self.t)
-            p, pieces = self.piece
-            if pieces > 1:
-                microbatches = [split_microbatches(x, pieces)[p] for x in microbatches]
+            microbatches = replica_pieces(self.source.batch(self.first + m)[self.part], self.t, self.piece)
             self._cached = (m, [boundary.to(x, self.device) for x in microbatches])
         return self._cached[1][j % self.t]
+
+
+def replica_pieces(batch: Boundary, num_microbatches: int, piece: tuple[int, int]) -> list[Boundary]:
+    """``batch`` split into ``num_microbatches``, each cut to data-parallel replica p's piece of P
+    (``piece=(p, P)``; the whole microbatches for (0, 1))."""
+    microbatches = split_microbatches(batch, num_microbatches)
+    p, pieces = piece
+    return microbatches if pieces == 1 else [split_microbatches(x, pieces)[p] for x in microbatches]
 
 
 def minibatch_losses(losses: dict[int, float], num_microbatches: int, num_minibatches: int) -> list[float]:

@@ -32,6 +32,8 @@ class Op(str, enum.Enum):
 
         >>> [op.value for op in Op if op.is_compute]
         ['F', 'B', 'I', 'W', 'U']
+        >>> [op.value for op in Op if op.is_memory]
+        ['OFFLOAD', 'RELOAD', 'EVICT', 'LOAD']
         >>> [op.value for op in Op if op.is_send], [op.value for op in Op if op.is_recv]
         (['SEND_F', 'SEND_B'], ['RECV_F', 'RECV_B'])
         >>> [op.value for op in Op if op.is_backward]
@@ -51,14 +53,24 @@ class Op(str, enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"  # input gradient to the previous stage
     RECV_B = "RECV_B"
+    # Memory actions, lowered by ``schedule.stash`` (like sends, never in a compute schedule):
+    OFFLOAD = "OFFLOAD"  # a microbatch's saved activations to host memory (after its F)
+    RELOAD = "RELOAD"  # ... and back (before its backward)
+    EVICT = "EVICT"  # BPipe: a share of them to the partner rank
+    LOAD = "LOAD"  # BPipe: that share taken back (before the backward)
 
     def __str__(self) -> str:
         return self.value
 
     @property
     def is_compute(self) -> bool:
-        """F, B, I, W or U: work on a stage's part, not communication."""
-        return not self.is_comm
+        """F, B, I, W or U: work on a stage's part, not communication nor memory."""
+        return not self.is_comm and not self.is_memory
+
+    @property
+    def is_memory(self) -> bool:
+        """OFFLOAD, RELOAD, EVICT or LOAD: saved activations moved away and back (``schedule.stash``)."""
+        return self in _MEMORY
 
     @property
     def is_comm(self) -> bool:
@@ -89,6 +101,9 @@ class Op(str, enum.Enum):
     def computes_weight_grad(self) -> bool:
         """B or W: produces a weight gradient (what a U applies)."""
         return self is Op.B or self is Op.W
+
+
+_MEMORY = frozenset((Op.OFFLOAD, Op.RELOAD, Op.EVICT, Op.LOAD))
 
 
 class Action(NamedTuple):

@@ -14,6 +14,14 @@ asynchronous weight policy) get one header line before the rows::
     # pipeweave: policy=sync; num_microbatches=4; num_steps=1; stage_rank=0 1 1 0; stage_part=0 1 0 1; pipelines=0 1|2 3; microbatch_pipeline=0 0 1 1
 
 so that they read back identical; torch's own reader cannot take those files.
+
+pipeweave's text form, the grid that ``format_grid`` draws and the validator
+prints, reads back too: one rank per line, actions separated by spaces (or
+commas), an optional ``rank R |`` label first, a marked cell's brackets
+ignored::
+
+    rank 0 | 0F0 0F1 0B0 0B1 0U0
+    rank 1 | 1F0 1B0 1F1 1B1 1U0
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from pipeweave.schedule.ir import (
     append_updates,
 )
 
-_ACTION = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|U)(\d+)\s*$")
+_ACTION = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|OFFLOAD|RELOAD|EVICT|LOAD|F|B|I|W|U)(\d+)\s*$")
 
 
 def parse_action(text: str) -> Action:
@@ -52,7 +60,7 @@ def parse_action(text: str) -> Action:
         shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "..."
         raise ScheduleError(
             f"cannot read action {shown}; write <stage><op><microbatch> with op one of "
-            "F B I W U SEND_F RECV_F SEND_B RECV_B, e.g. 2F0"
+            "F B I W U SEND_F RECV_F SEND_B RECV_B OFFLOAD RELOAD EVICT LOAD, e.g. 2F0"
         )
     stage, op, microbatch = match.groups()
     return Action(int(stage), Op(op), int(microbatch))
@@ -68,6 +76,15 @@ def format_actions(actions: Iterable[Action]) -> str:
 
 
 _HEADER = "# pipeweave:"
+_RANK_LABEL = re.compile(r"^\s*rank\s+\d+\s*\|")
+
+
+def _cells(line: str) -> list[str]:
+    """The actions of one row: CSV cells, each split at spaces (the text form), ``rank R |`` and marks dropped."""
+    line = _RANK_LABEL.sub("", line, count=1)
+    cells = next(csv.reader([line]), [])
+    tokens = (t.strip("[]") for c in cells for t in c.split())
+    return [t for t in tokens if t and t != "None"]
 
 
 def torch_compatible(schedule: Schedule) -> bool:
@@ -131,7 +148,7 @@ def to_csv(schedule: Schedule, *, updates: bool = True) -> str:
 
 
 def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = None) -> Schedule:
-    """Read a compute-only CSV (ours or torch's) into a schedule.
+    """Read a compute-only CSV (ours or torch's), or the text form, into a schedule.
 
     With our header line, placement, policy and microbatch routes come from it.
     Without, the placement is inferred: one pipeline through stages 0..S-1 in
@@ -147,9 +164,8 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
     for line_no, line in enumerate(text.splitlines(), start=1):
         if line.startswith("#"):
             continue
-        cells = next(csv.reader([line]), [])
         try:
-            rows.append([parse_action(c) for c in cells if c.strip() and c.strip() != "None"])
+            rows.append([parse_action(c) for c in _cells(line)])
         except ScheduleError as exc:
             raise ScheduleError(f"line {line_no}: {exc}") from None
         row_lines.append(line_no)
@@ -185,7 +201,7 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
     t = num_microbatches if num_microbatches is not None else 1 + max(a.microbatch for a in compute)
     if not any(a.op is Op.U for row in rows for a in row):
         append_updates(rows, placement)
-    rows = [[a for a in row if not a.op.is_comm] for row in rows]
+    rows = [[a for a in row if a.op.is_compute] for row in rows]
     return Schedule(name, placement, t, tuple(tuple(r) for r in rows), policy=WeightPolicy.SYNC)
 
 

@@ -88,6 +88,9 @@ class CostModel:
     """Fraction of M_a a part keeps under selective recomputation (1: nothing saved, no profile known)."""
     kept_full: Value = 0.0
     """Fraction of M_a a part keeps under full recomputation: its input (0: negligible, no profile known)."""
+    microbatch: Sequence[float] | None = None
+    """Per microbatch of the step, a factor on the times of its F, B, I and W (sequences of variable length:
+    its tokens over the mean's); None: every microbatch costs alike."""
 
     def __post_init__(self) -> None:
         for name in ("kept_selective", "kept_full"):
@@ -111,6 +114,10 @@ class CostModel:
                 raise UserError(f"{name}={getattr(self, name)!r} {problem}")
         if not 0.0 <= self.mem_w <= 1.0:
             raise UserError(f"mem_w={self.mem_w!r} is invalid; give a fraction in [0, 1]")
+        for v in self.microbatch or ():
+            problem = cost_problem(v, "factor")
+            if problem is not None:
+                raise UserError(f"cost microbatch={list(self.microbatch or ())!r}: {v!r} {problem}")
 
     def for_parts(self, *, num_parts: int, num_ranks: int) -> PartCosts:
         """Resolve every value to one number per part.
@@ -131,10 +138,11 @@ class CostModel:
             return tuple(float(v) for v in value)
 
         f, b, activation = resolve("f"), resolve("b"), resolve("activation")
+        micro = None if self.microbatch is None else tuple(float(v) for v in self.microbatch)
         modes = per_part(self.recompute, num_parts)
         if set(modes) == {"none"}:
             return PartCosts(f=f, b=b, w=resolve("w"), u=resolve("u"), comm=self.comm, dispatch=self.dispatch,
-                             activation=activation, mem_w=self.mem_w, weight=resolve("weight"))
+                             activation=activation, mem_w=self.mem_w, weight=resolve("weight"), microbatch=micro)
         replay = {"none": (0.0,) * num_parts, "selective": resolve("replay_selective"), "full": f}
         kept = {"none": (1.0,) * num_parts, "selective": self._fractions("kept_selective", num_parts),
                 "full": self._fractions("kept_full", num_parts)}
@@ -142,7 +150,7 @@ class CostModel:
         return PartCosts(
             f=f, b=tuple(x + replay[m][k] for k, (x, m) in enumerate(zip(b, modes))), w=resolve("w"), u=resolve("u"),
             comm=self.comm, dispatch=self.dispatch, activation=stored, mem_w=self.mem_w, weight=resolve("weight"),
-            recompute=modes)
+            microbatch=micro, recompute=modes)
 
     def _fractions(self, name: str, num_parts: int) -> tuple[float, ...]:
         """A fraction per part: a scalar for every part (not scaled like times), or the per-part list."""
@@ -169,3 +177,5 @@ class PartCosts:
     weight: tuple[float, ...]
     recompute: tuple[str, ...] = ()
     """Per part, its recomputation mode (empty: none anywhere)."""
+    microbatch: tuple[float, ...] | None = None
+    """Per microbatch, a factor on its F, B, I and W times (``CostModel.microbatch``)."""

@@ -29,8 +29,14 @@ COLOURS = {
     Op.I: (0.35, 0.70, 0.70),
     Op.W: (0.55, 0.40, 0.75),
     Op.U: (0.80, 0.20, 0.20),
+    # Memory actions (schedule.stash): warm greys-browns, apart from the compute colours.
+    Op.OFFLOAD: (0.85, 0.60, 0.25),
+    Op.RELOAD: (0.95, 0.80, 0.45),
+    Op.EVICT: (0.60, 0.45, 0.35),
+    Op.LOAD: (0.80, 0.68, 0.58),
 }
-_NAMES = {Op.F: "F forward", Op.B: "B backward", Op.I: "I input grad", Op.W: "W weight grad", Op.U: "U update"}
+_NAMES = {Op.F: "F forward", Op.B: "B backward", Op.I: "I input grad", Op.W: "W weight grad", Op.U: "U update",
+          Op.OFFLOAD: "offload", Op.RELOAD: "reload", Op.EVICT: "evict (BPipe)", Op.LOAD: "load (BPipe)"}
 FORMATS = (".png", ".svg", ".pdf")
 """The picture formats ``plot_timeline`` writes, by file extension."""
 _MAX_LABELS = 4000  # text artists are slow (benchmarks/simulator/README.md); past this many, boxes stay unlabelled

@@ -50,7 +50,7 @@ _TRIAL_ROUNDS = 256  # rounds before that rate is judged
 
 def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray, *, latency: Latency | None,
                gap: float, update_delay: Sequence[float] | None,
-               min_per_round: float = MIN_PER_ROUND) -> tuple[FloatArray, FloatArray] | None:
+               min_per_round: float = MIN_PER_ROUND, extra: FloatArray | None = None) -> tuple[FloatArray, FloatArray] | None:
     """Start and end of every action (in ``arrays``' order), or None where the reference must do it.
 
     Args:
@@ -60,6 +60,8 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
         latency, gap, update_delay: as ``schedule.dataflow.execute``'s.
         min_per_round: when, after 256 rounds, fewer actions than this ran per round, go on one
             action at a time in Python (``_Loop.walk``); inf: after the first 32 rounds.
+        extra: per action (in ``arrays``' order), time added to its duration (memory actions folded
+            into their neighbours, ``sim.stash``); U takes none.
 
     Example:
         >>> from pipeweave.schedule import generate
@@ -76,7 +78,7 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
     in_loop = arrays.op != U if sync else np.ones(arrays.size, dtype=bool)
     if sync and not _updates_last(arrays, in_loop):
         return None
-    loop = _Loop(schedule, arrays, in_loop, durations, latency, gap)
+    loop = _Loop(schedule, arrays, in_loop, durations, latency, gap, None if extra is None else extra[in_loop])
     # A part held on two ranks reduces on the stream of the rank the reference walks last to it:
     # only a walk in the reference's own order (``_Loop.walk`` from the start) knows which.
     order: list[int] | None = [] if delay is not None and _replicated(schedule) else None
@@ -120,7 +122,7 @@ class _Loop:
     """
 
     def __init__(self, schedule: Schedule, arrays: ScheduleArrays, in_loop: NDArray[np.bool_],
-                 durations: FloatArray, latency: Latency | None, gap: float) -> None:
+                 durations: FloatArray, latency: Latency | None, gap: float, extra: FloatArray | None = None) -> None:
         rank, stage = arrays.rank[in_loop], arrays.stage[in_loop]
         op, mb = arrays.op[in_loop], arrays.microbatch[in_loop]
         num_ranks, n = schedule.num_ranks, len(rank)
@@ -137,7 +139,7 @@ class _Loop:
         self.end[offsets] = -gap if gap else 0.0
         self.end[self.none] = -np.inf
         self.duration = np.zeros(size + 2)
-        self.duration[self.slot] = durations[stage, op]
+        self.duration[self.slot] = durations[stage, op] if extra is None else durations[stage, op] + extra
         self.dep = np.full(size + 2, self.none, dtype=np.int64)
         self.dep[self.trail] = self.never
         self.latency = np.zeros(size + 2) if latency is not None else None

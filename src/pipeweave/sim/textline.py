@@ -18,7 +18,9 @@ from __future__ import annotations
 from pipeweave.schedule.ir import Op, Schedule
 from pipeweave.sim.timeline import Timeline
 
-_NAMES = {Op.F: "forward", Op.B: "backward", Op.I: "input grad", Op.W: "weight grad"}
+_NAMES = {Op.F: "forward", Op.B: "backward", Op.I: "input grad", Op.W: "weight grad", Op.OFFLOAD: "offload",
+          Op.RELOAD: "reload", Op.EVICT: "evict", Op.LOAD: "load"}
+_LETTERS = {Op.OFFLOAD: "O", Op.RELOAD: "R", Op.EVICT: "E", Op.LOAD: "L"}  # memory actions (schedule.stash)
 
 
 def chunk_of_stages(schedule: Schedule) -> list[int]:
@@ -95,7 +97,8 @@ def format_timeline(timeline: Timeline, *, width: int = 100, max_ranks: int = 32
         boxes = []
         for e in rows[r]:
             s, op, j = e.action
-            letter = op.value if chunk[s] == 0 else op.value.lower()
+            letter = _LETTERS.get(op, op.value)
+            letter = letter if chunk[s] == 0 else letter.lower()
             boxes.append((e.start, e.end, letter, f"{letter}{j}"))
         lines.append(f"{f'rank {r}'.ljust(label_width - 2)} |{_render_row(boxes, origin, scale, columns)}")
     lines.append(_legend(timeline, scale, any(c > 0 for c in chunk)))
@@ -104,7 +107,7 @@ def format_timeline(timeline: Timeline, *, width: int = 100, max_ranks: int = 32
 
 def _legend(timeline: Timeline, scale: float, chunked: bool) -> str:
     ops = {e.action.op for row in timeline.events for e in row}
-    parts = [f"{op.value} {_NAMES[op]}" for op in _NAMES if op in ops]
+    parts = [f"{_LETTERS.get(op, op.value)} {_NAMES[op]}" for op in _NAMES if op in ops]
     if chunked:
         parts.append("lower case: a later chunk or direction")
     unit = 1 / scale

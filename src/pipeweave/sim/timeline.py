@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -23,6 +23,7 @@ from pipeweave.schedule.dataflow import execute
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.schedule.validate import InvalidSchedule, check_actions, check_order
 from pipeweave.sim.arrays import schedule_arrays
+from pipeweave.errors import UserError
 from pipeweave.sim.cost import CostModel, PartCosts
 from pipeweave.sim.rounds import fast_times
 
@@ -159,7 +160,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, check: bool =
 
 def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
                    hop: Callable[[int, int], float] | None = None,
-                   update_delay: Sequence[float] | None = None, fast: bool = True) -> Timeline:
+                   update_delay: Sequence[float] | None = None, fast: bool = True,
+                   extra: Mapping[Action, float] | None = None) -> Timeline:
     """Time every action of ``schedule`` under costs already resolved per part (``simulate``'s core).
 
     Args:
@@ -170,6 +172,8 @@ def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
         update_delay: per part, the data-parallel reduction between its last weight gradient and its
             ``U`` (``schedule.dataflow.execute``); default none.
         fast: the numpy engine (``sim.rounds``, same times bit for bit); False forces the reference.
+        extra: time added to these actions (the memory actions folded into their F and backward,
+            ``sim.stash``); default none.
 
     Raises:
         InvalidSchedule: the schedule breaks a rule or deadlocks.
@@ -177,17 +181,24 @@ def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
     part_of = schedule.placement.stage_part
     # A table per stage instead of a call per action: the walk's hot loop.
     op_times = [{op: action_time(costs, part, op) for op in Op} for part in part_of]
+    if costs.microbatch is not None:  # per-microbatch times: the reference walk, an action at a time
+        return _per_microbatch(schedule, costs, op_times, check, hop, update_delay)
     arrays = schedule_arrays(schedule) if fast else None
     if arrays is not None and arrays.ok:
         table = np.array([[times[op] for op in (Op.F, Op.B, Op.I, Op.W, Op.U)] for times in op_times]
                          ).reshape(len(part_of), 5)
-        found = fast_times(schedule, arrays, table, latency=hop, gap=costs.dispatch, update_delay=update_delay)
+        added = None if not extra else np.fromiter(
+            (extra.get(a, 0.0) for row in schedule.actions for a in row), dtype=np.float64, count=arrays.size)
+        found = fast_times(schedule, arrays, table, latency=hop, gap=costs.dispatch, update_delay=update_delay,
+                           extra=added)
         if found is not None:
             return Timeline(schedule, costs=costs, times=Times(found[0], found[1], arrays.offsets))
     if check:
         check_actions(schedule)
     with _gc_paused():
-        run = execute(schedule, latency=hop, op_times=op_times, gap=costs.dispatch, update_delay=update_delay)
+        duration = None if not extra else (lambda a: op_times[a.stage][a.op] + extra.get(a, 0.0))
+        run = execute(schedule, duration, latency=hop, op_times=op_times, gap=costs.dispatch,
+                      update_delay=update_delay)
         if not run.complete:
             check_order(schedule)  # raises with the explanation
             raise InvalidSchedule("the schedule cannot complete", schedule)  # pragma: no cover
@@ -199,6 +210,35 @@ def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
             tuple(map(Event, row, starts, ends)) for row, starts, ends in zip(schedule.actions, run.start, run.end)
         )
     return Timeline(schedule, events, costs)
+
+
+def _per_microbatch(schedule: Schedule, costs: PartCosts, op_times: Sequence[dict[Op, float]], check: bool,
+                    hop: Callable[[int, int], float] | None, update_delay: Sequence[float] | None) -> Timeline:
+    """``simulate_parts`` where each microbatch's F, B, I and W take their part's time x its factor.
+
+    Raises:
+        UserError: not one factor per microbatch of the step.
+    """
+    factors = costs.microbatch or ()
+    if len(factors) != schedule.num_microbatches:
+        raise UserError(f"cost microbatch has {len(factors)} factors for {schedule.num_microbatches} microbatches; "
+                        "give one per microbatch")
+    if check:
+        check_actions(schedule)
+
+    def duration(a: Action) -> float:
+        base = op_times[a.stage][a.op]
+        return base * factors[a.microbatch] if a.op in _PER_MICROBATCH else base
+
+    run = execute(schedule, duration, hop, gap=costs.dispatch, update_delay=update_delay)
+    if not run.complete:
+        check_order(schedule)  # raises with the explanation
+        raise InvalidSchedule("the schedule cannot complete", schedule)  # pragma: no cover
+    events = tuple(tuple(map(Event, row, starts, ends)) for row, starts, ends in zip(schedule.actions, run.start, run.end))
+    return Timeline(schedule, events, costs)
+
+
+_PER_MICROBATCH = frozenset((Op.F, Op.B, Op.I, Op.W))
 
 
 @contextmanager

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from pipeweave.data.corpus import microbatch_lengths
 from pipeweave.runtime.run.plan import segments
+from pipeweave.runtime.run.sizes import microbatch_sizes, step_tokens
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.sim import CostModel, Event, Timeline, simulate
@@ -23,6 +25,7 @@ from pipeweave.sim.bubble import bubble_metrics
 
 _COMPUTE = {op.value for op in Op if op.is_compute}  # records hold op strings
 _RECV = {op.value for op in Op if op.is_recv}
+_PER_MICROBATCH = {op.value for op in (Op.F, Op.B, Op.I, Op.W)}  # what a microbatch's length scales
 
 
 def step_timeline(schedule: Schedule, record: RunRecord, step: int) -> Timeline:
@@ -54,6 +57,22 @@ def step_times(record: RunRecord) -> list[float]:
     return [ends[0] - first] + [b - a for a, b in zip(ends, ends[1:])]
 
 
+def microbatch_factors(schedule: Schedule, record: RunRecord) -> list[list[float]] | None:
+    """Per step, per microbatch, its tokens over the step's mean (sequences of variable length,
+    ``TrainConfig.min_seq_len``); None where every microbatch of a step has one shape but for its samples."""
+    config = record.config
+    if config.min_seq_len is None or config.is_stream:
+        return None
+    t, sizes = schedule.num_microbatches, microbatch_sizes(config)
+    out = []
+    for k in range(config.steps):
+        lengths = microbatch_lengths(config.seed, record.first_step + k, t, config.min_seq_len, config.model.seq_len)
+        tokens = [n * length for n, length in zip(sizes, lengths)]
+        mean = statistics.fmean(tokens)
+        out.append([x / mean for x in tokens])
+    return out
+
+
 def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = None) -> CostModel:
     """Per-part mean F, I (or B), W and U durations of the measured steps, as a CostModel.
 
@@ -62,16 +81,20 @@ def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = No
     actions that are slower by design (XPipe's bellwether predicts for its
     mini-batch) or by circumstance (the first actions after a long wait). A part run
     with a full backward gets ``b`` = its B time and ``w`` = 0, so a simulated
-    B (= b + w) takes what it measured. ``comm`` is the hop
+    B (= b + w) takes what it measured. Where microbatches vary in length
+    (``microbatch_factors``) each F, B, I and W counts its time over its
+    microbatch's factor: the times of a microbatch of the mean's tokens. ``comm`` is the hop
     latency (default ``hop_latency``), ``dispatch`` the runtime's own time
     between actions (``dispatch_time``).
     """
     durations: dict[tuple[int, str], list[float]] = {}
     part_of = schedule.placement.stage_part
+    factors = microbatch_factors(schedule, record)
     for rank in record.ranks:
         for k in measured_steps(record.config.steps):
-            for s, op, _, t0, t1 in rank.records[k]:
-                durations.setdefault((part_of[s], op), []).append(t1 - t0)
+            for s, op, j, t0, t1 in rank.records[k]:
+                scale = factors[k][j] if factors is not None and op in _PER_MICROBATCH else 1.0
+                durations.setdefault((part_of[s], op), []).append((t1 - t0) / scale)
 
     def mean(part: int, op: str) -> float | None:
         values = durations.get((part, op))
@@ -141,16 +164,24 @@ def hop_latency(schedule: Schedule, record: RunRecord) -> float:
 
 
 def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
-    """Measured and simulated figures of a run (the JSON record's numbers)."""
+    """Measured and simulated figures of a run (the JSON record's numbers).
+
+    Microbatches of variable length: every measured step is simulated with its own microbatches' factors
+    (``microbatch_factors``), and each simulated figure is the median over those steps, as the measured one.
+    """
     cost = profile_costs(schedule, record)
-    sim = bubble_metrics(simulate(schedule, cost, check=False))
-    alone = bubble_metrics(simulate(schedule, replace(cost, dispatch=0.0), check=False))
+    factors = microbatch_factors(schedule, record)
+    costs = [cost] if factors is None else [replace(cost, microbatch=factors[k])
+                                            for k in measured_steps(record.config.steps)]
+    sims = [bubble_metrics(simulate(schedule, c, check=False)) for c in costs]
+    alones = [bubble_metrics(simulate(schedule, replace(c, dispatch=0.0), check=False)) for c in costs]
+    sim = [statistics.median(m[i] for m in sims) for i in (0, 3, 4)]
     return {
         **measured_summary(schedule, record, cost),
         "makespan_simulated_s": sim[0],
-        "bubble_ratio_simulated": sim[3],
-        "bubble_ratio_flush_simulated": sim[4],
-        "bubble_ratio_simulated_no_dispatch": alone[3],
+        "bubble_ratio_simulated": sim[1],
+        "bubble_ratio_flush_simulated": sim[2],
+        "bubble_ratio_simulated_no_dispatch": statistics.median(m[3] for m in alones),
     }
 
 
@@ -162,7 +193,7 @@ def measured_summary(schedule: Schedule, record: RunRecord, cost: CostModel) -> 
     times = step_times(record)
     step_time = statistics.median(times[k] for k in steps)
     samples = config.batch_size / step_time
-    tokens = samples * config.model.seq_len if config.model.kind == "gpt" else None
+    tokens = samples * _mean_length(schedule, record) if config.model.kind == "gpt" else None
     return {
         "step_time_s": step_time,
         "step_times_s": times,
@@ -179,6 +210,13 @@ def measured_summary(schedule: Schedule, record: RunRecord, cost: CostModel) -> 
         "peak_tensor_bytes_source": "cuda max_memory_allocated" if record.transport == "nccl" else "cpu tracked tensors",
         "weight_bytes": [r.weight_bytes for r in record.ranks],
     }
+
+
+def _mean_length(schedule: Schedule, record: RunRecord) -> float:
+    """The gpt's tokens per sample over the run: ``seq_len``, or the mean of variable lengths (per sample)."""
+    config = record.config
+    tokens = [step_tokens(config, schedule.num_microbatches, record.first_step + k) or 0 for k in range(config.steps)]
+    return sum(tokens) / (config.batch_size * config.steps)
 
 
 def _values(value: float | Sequence[float]) -> Sequence[float]:

@@ -78,6 +78,7 @@ from pipeweave.runtime.nonfinite import nonfinite_parts
 from pipeweave.runtime.run import checkpoint_files, checkpoint_state
 from pipeweave.runtime.run.checkpoint_files import SaveFailed
 from pipeweave.runtime.run.checkpoint_parts import read_parts
+from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.run.checkpoint_storage import read, write
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.stage.policy import StreamCarry
@@ -125,6 +126,13 @@ def save(config: TrainConfig, parts: Sequence[range], placement: Placement, work
         None, or (on every rank) the one line saying why no checkpoint was written -- the path and the OS's
         reason; what this save wrote is removed and the previous checkpoints are kept.
     """
+    assert config.save is not None
+    with gathered(workers):  # ZeRO-3's parameters whole while they are checked and written
+        return _save(config, parts, placement, workers, steps, carry, run)
+
+
+def _save(config: TrainConfig, parts: Sequence[range], placement: Placement, workers: dict[int, StageWorker],
+          steps: int, carry: StreamCarry | None, run: str) -> str | None:
     assert config.save is not None
     check_finite(config.save, parts, placement, workers, f"step {steps} of the training")
     root = Path(config.save)
@@ -214,11 +222,15 @@ def load(resume: str | Path, meta: dict[str, Any], workers: dict[int, StageWorke
     Returns what an asynchronous run's next stream takes from it (``StreamCarry``; a synchronous run ignores it):
     the updates made, PipeMare's annealing count and, where saved, each local stage's velocity.
     """
-    folder = Path(resume)
+    with gathered(workers):  # ZeRO-3: whole parameters to load into; their slices taken again before freed
+        return _load(Path(resume), meta, workers)
+
+
+def _load(folder: Path, meta: dict[str, Any], workers: dict[int, StageWorker]) -> StreamCarry:
     if meta.get("format") == checkpoint_files.FORMAT:
         values = read(folder, lambda saved: checkpoint_state.destinations(saved, workers, str(folder)))
     else:  # a checkpoint of part files, written before DCP
         values = read_parts(folder, meta, workers)
     carry = StreamCarry(updates(meta), int(meta.get("annealed", 0)))
-    carry.velocity = checkpoint_state.apply(values, workers, int(meta["steps"]), str(resume))
+    carry.velocity = checkpoint_state.apply(values, workers, int(meta["steps"]), str(folder))
     return carry

@@ -19,13 +19,13 @@ from pipeweave.models.precision import check as precision_check
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.stage.policy import PolicyOptions
 from pipeweave.runtime.stage.post_validation import PostValidation
-from pipeweave.schedule import SCHEDULES
+from pipeweave.schedule import SCHEDULES, Schedule
+from pipeweave.sim.parallel import ZERO_STAGES
 from pipeweave.sim.recompute import parse_recompute, per_part, spelled
 
 
 OPTIMIZERS = ("sgd", "adamw")
 ON_NONFINITE = ("stop", "skip")
-ZERO_STAGES = (0, 1)
 MAX_BUCKET_MB = 4096.0
 
 
@@ -34,7 +34,10 @@ class TrainConfig:
     """Everything a rank needs to take part in a run (picklable)."""
 
     schedule: str = "1f1b"
-    """Registry name of the schedule."""
+    """Registry name of the schedule (with ``schedule_file``: the file it came from)."""
+    schedule_file: Schedule | None = None
+    """A synchronous schedule of one pipeline written by hand (``pipeweave train --schedule-file``), used
+    instead of generating ``schedule``; ``num_stages`` and ``num_microbatches`` are its own."""
     num_stages: int = 2
     """D: pipeline ranks."""
     num_microbatches: int = 4
@@ -60,6 +63,10 @@ class TrainConfig:
     """Data seed (the model's seed is ``model.seed``)."""
     data: str | None = None
     """gpt only: a text file instead of the built-in corpus."""
+    min_seq_len: int | None = None
+    """gpt only: sequences of variable length, each microbatch of each step cut to its own length drawn from
+    ``[min_seq_len, model.seq_len]`` (``data.ByteCorpus``); their shapes travel with every message
+    (``transport.p2p``). None: every sequence ``seq_len`` long."""
     collect_parameters: bool = False
     """Send every stage's final parameters to rank 0 (tests)."""
     layers_per_part: tuple[int, ...] | None = None
@@ -70,8 +77,9 @@ class TrainConfig:
     """N: processes splitting every stage's layers (``models.tensor_parallel``); a run has P x D x N processes
     on one device mesh (``runtime.transport.mesh``)."""
     zero: int = 0
-    """ZeRO stage of data parallelism: 0 (every replica keeps its optimizer state) or 1 (optimizer state
-    sharded over the replicas, parameters gathered after each step; ``runtime.zero``)."""
+    """ZeRO stage of data parallelism (``runtime.zero``): 0 (every replica keeps everything), 1 (optimizer state
+    sharded over the replicas, parameters all-gathered after each step) or 3 (parameters and optimizer state
+    sharded; a part's parameters gathered before each F, B and I and freed after)."""
     bucket_mb: float = 25.0
     """MiB of gradients per all-reduce of the replicas' gradients (``runtime.replicas``)."""
     memory_every_step: bool = False
@@ -79,6 +87,7 @@ class TrainConfig:
 
     Every step holds the same tensors (same microbatch sizes, same schedule), so
     the first step's peak is every step's; the hooks cost a few % of compute time.
+    Sequences of variable length (``min_seq_len``) are counted in every step regardless.
     """
     momentum: float = 0.0
     """SGD momentum (SpecTrain predicts along its velocity)."""
@@ -108,10 +117,21 @@ class TrainConfig:
     """Evaluate every this many steps and after the last: the mean loss of ``eval_batches`` held-out batches."""
     eval_batches: int = 4
     """Held-out batches per evaluation (``ByteCorpus.eval_batch``), the same ones every time."""
+    log_dir: str | None = None
+    """Write every step's loss, learning rate, throughput, bubble and memory here as TensorBoard event files
+    (``runtime.run.step_log``), from the process with the loss."""
     resume: str | None = None
     """Start from the checkpoint in this folder (the newest complete one in it): its parameters, optimizer state
     and step (``runtime.run.checkpoint``). ``"auto"``: from the newest in ``save`` if there is one, else afresh,
     ``steps`` then counting the whole training (``plan.resolve_auto``)."""
+    offload: str | None = None
+    """``all`` or part numbers, comma-separated: parts whose saved activations go to host memory after F and come back before the backward
+    (``schedule.stash``; on CPU a memory-mapped file on local disk, on CUDA pinned memory)."""
+    balance_activations: bool = False
+    """BPipe (``schedule.stash``): a rank above its pair's mean sends a share of every microbatch's saved
+    activations to rank D-1-r after F and takes it back before the backward (``transport.partner``)."""
+    compress_activations: str | None = None
+    """``bf16``: saved activations stashed in bfloat16 from F to the backward (lossy; ``runtime.stage.stash``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, (bool, str)):  # any other type: check() names it
@@ -172,12 +192,29 @@ class TrainConfig:
             raise UserError(f"--bucket-mb {self.bucket_mb} is invalid; give MiB > 0 and at most {MAX_BUCKET_MB:g}")
         if not 0.0 <= self.momentum < 1.0:
             raise UserError(f"--momentum {self.momentum} is invalid; give 0 <= momentum < 1")
+        if self.schedule_file is not None:
+            _check_schedule_file(self, self.schedule_file)
+        if self.min_seq_len is not None:
+            _check_min_seq_len(self, self.min_seq_len)
 
     @property
     def is_stream(self) -> bool:
         """An asynchronous schedule: one stream of ``steps`` mini-batches (``runtime.stream``)."""
+        if self.schedule_file is not None:
+            return False
         info = SCHEDULES.get(self.schedule)
         return info is not None and not info.synchronous
+
+    @property
+    def clips_by_collective(self) -> bool:
+        """``--clip-grad-norm`` with tensor or data parallelism: one all-reduce of the norm at ``U``
+        (``runtime.clip``) instead of post-validation, which passes whole stages' norms down one pipeline."""
+        return self.post_validation is not None and (self.tensor_parallel > 1 or self.data_parallel > 1)
+
+    @property
+    def variable_shapes(self) -> bool:
+        """Whether the per-sample shapes of the messages change from microbatch to microbatch."""
+        return self.min_seq_len is not None
 
     @property
     def lr_scheduled(self) -> bool:
@@ -191,11 +228,38 @@ _FLAGS = {"batch_size": "batch", "num_stages": "stages", "num_microbatches": "mi
           "eval_batches": "eval-batches"}
 _INTS = ("num_stages", "num_microbatches", "batch_size", "steps", "seed", "data_parallel", "tensor_parallel", "zero",
          "lr_warmup", "eval_batches", "keep_checkpoints")
-_OPTIONAL_INTS = ("num_chunks", "save_every", "lr_decay_steps", "eval_every")
+_OPTIONAL_INTS = ("num_chunks", "save_every", "lr_decay_steps", "eval_every", "min_seq_len")
 _FLOATS = ("lr", "momentum", "bucket_mb")
 _STRS = ("schedule", "optimizer", "precision", "lr_schedule", "on_nonfinite", "recompute")
-_OPTIONAL_STRS = ("data", "save", "resume")
-_BOOLS = ("collect_parameters", "memory_every_step", "overwrite")
+_OPTIONAL_STRS = ("data", "save", "resume", "offload", "compress_activations", "log_dir")
+_BOOLS = ("collect_parameters", "memory_every_step", "overwrite", "balance_activations")
+
+
+def _check_min_seq_len(config: TrainConfig, length: int) -> None:
+    """Variable lengths: the gpt's corpus, cut no longer than ``seq_len``, on a synchronous schedule."""
+    if config.model.kind != "gpt":
+        raise UserError(f"--min-seq-len applies to --model gpt (its corpus is cut to variable lengths), not "
+                        f"{config.model.kind}; drop --min-seq-len")
+    if not 1 <= length <= config.model.seq_len:
+        raise UserError(f"--min-seq-len {length} is invalid; give a length in [1, --seq-len {config.model.seq_len}]")
+    if config.is_stream:
+        raise UserError(f"--min-seq-len applies to synchronous schedules; {config.schedule} is asynchronous; drop "
+                        "--min-seq-len or use a synchronous schedule")
+
+
+def _check_schedule_file(config: TrainConfig, schedule: Schedule) -> None:
+    """A schedule from a file is synchronous, and the run's sizes are its own (one line otherwise)."""
+    if not schedule.is_synchronous:
+        raise UserError(f"--schedule-file {config.schedule}: train takes synchronous schedules from a file, this one "
+                        f"has policy {schedule.policy.value}; use -s NAME for an asynchronous schedule")
+    for flag, given, own in (("--stages", config.num_stages, schedule.num_ranks),
+                             ("--microbatches", config.num_microbatches, schedule.num_microbatches)):
+        if given != own:
+            raise UserError(f"{flag} {given} conflicts with --schedule-file {config.schedule}, which has {own}; "
+                            f"drop {flag} (the file sets it)")
+    if config.num_chunks is not None and config.num_chunks != schedule.num_chunks:
+        raise UserError(f"--chunks {config.num_chunks} conflicts with --schedule-file {config.schedule}, which has "
+                        f"{schedule.num_chunks} per rank; drop --chunks (the file sets it)")
 
 
 def _check_types(config: TrainConfig) -> None:

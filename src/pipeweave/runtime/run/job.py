@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any
 
 from pipeweave.data import data_source
 from pipeweave.runtime.executor import Executor
@@ -26,8 +27,10 @@ from pipeweave.runtime.process import progress
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
-from pipeweave.runtime.run.plan import RunPlan, learning_rates
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.plan import RunPlan, learning_rates, offloaded
 from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
+from pipeweave.runtime.run.step_log import StepLog
 from pipeweave.runtime.run.stream_job import run_stream_rank
 from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.stage.lr_schedule import set_lr
@@ -35,6 +38,56 @@ from pipeweave.runtime.stage.tensor_bytes import peak_tensor_bytes
 from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import lower
+from pipeweave.schedule.ir import Op
+from pipeweave.sim.cost import CostModel
+from pipeweave.sim.stash import balanced_shares
+from pipeweave.schedule.lower import LoweredSchedule
+from pipeweave.schedule.stash import Stash, StashPlan, lower_stash, partner, plan_stash
+from pipeweave.runtime.run.part_memory import part_memory
+from pipeweave.runtime.transport.partner import PartnerLink, pair_groups
+
+
+def lowered(plan: RunPlan) -> tuple[LoweredSchedule, Stash | None]:
+    """The plan's schedule lowered, with its memory actions (``schedule.stash``) where asked."""
+    low = lower(plan.schedule)
+    config = plan.config
+    levers = StashPlan(offload=offloaded(config, plan.schedule), balance=config.balance_activations)
+    if not levers.offload and not levers.balance:
+        return low, None
+    held, mem_w, shares = None, 0.5, None
+    if levers.balance:  # BPipe's shares from each part's bytes per microbatch (measured before spawning, cached)
+        parts = part_memory(config, plan.parts, ("I",) if any(a.op is Op.I for a in plan.schedule.actions[0]) else ())
+        held = [float(p.held) for p in parts]
+        mem_w = min(1.0, max(p.stash / p.held if p.held else 0.0 for p in parts))
+        costs = CostModel(activation=held, mem_w=mem_w).for_parts(num_parts=plan.schedule.num_parts,
+                                                                  num_ranks=plan.schedule.num_ranks)
+        shares = balanced_shares(plan.schedule, costs, levers)
+    stash = plan_stash(plan.schedule, levers, held, mem_w, shares)
+    return lower_stash(low, stash), stash
+
+
+def partner_link(stash: Stash | None, rank: int, workers: dict[int, Any]) -> PartnerLink | None:
+    """This rank's side of BPipe's pair (``transport.partner``); every rank creates every pair's group."""
+    assert stash is not None
+    num_ranks = stash.schedule.num_ranks
+    groups = pair_groups(num_ranks)
+    other = partner(rank, num_ranks)
+    if other is None or not (stash.share[rank] > 0 or stash.share[other] > 0):
+        return None  # alone, or a pair already balanced: nothing to lend
+    link = PartnerLink(other, groups[rank], owner=stash.share[rank] > 0,
+                       held_now=lambda: sum(w.activation_bytes() for w in workers.values()))
+    link.share = stash.share[rank]
+    return link
+
+
+def _end_levers(link: PartnerLink | None, executor: Executor) -> int:
+    """Close BPipe's link and the offload store (a rank ends without running finalizers); the rank's peak
+    activation bytes, what it held for its BPipe owner included."""
+    if link is not None:
+        link.close()
+    if executor.store is not None:
+        executor.store.close()
+    return max(executor.peak_activation_bytes, link.peak if link is not None else 0)
 
 
 def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
@@ -51,15 +104,19 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     rank = joined.stage_rank
     workers = build_workers(plan, rank, device)
     done = plan.steps_done  # the data goes on from the batch after the checkpoint's last
-    executor = Executor(lower(plan.schedule), rank, workers, plan.microbatch_sizes, device,
+    low, stash = lowered(plan)
+    link = partner_link(stash, rank, workers) if config.balance_activations else None
+    executor = Executor(low, rank, workers, plan.microbatch_sizes, device,
                         on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
-                        zero=config.zero == 1)
-    if config.resume is not None:  # after the executor: ZeRO-1 has sharded the optimizers it loads into
+                        zero=config.zero, clip_norm=_clip_norm(config), partner=link,
+                        variable_shapes=config.variable_shapes)
+    if config.resume is not None:  # after the executor: ZeRO has sharded the optimizers it loads into
         assert plan.resumed is not None
         checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     for w in workers.values():
         w.steps_done = done
-    source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
+    source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data,
+                         min_seq_len=config.min_seq_len)
     offset = align_clocks(process, world)
     t = plan.schedule.num_microbatches
     mine = RankRecord(rank, [], [], 0, 0, {})
@@ -67,6 +124,7 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     milestones = Milestones(plan, plan.schedule, rank, workers, device, source)
     divergence = Divergence(plan, workers)
     rates = learning_rates(config, done) if config.lr_scheduled else None
+    log = StepLog(plan, process, world, rank, device, rates)
     for step in range(config.steps):
         if rates is not None:
             for w in workers.values():
@@ -77,16 +135,18 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
         mine.losses.append(loss)
         mine.step_cpu_s.append(executor.step_cpu_ns * 1e-9)
         mine.action_cpu_s.append([c * 1e-9 for c in executor.action_cpu_ns])
-        if step == 0 and not config.memory_every_step:
+        if step == 0 and not (config.memory_every_step or config.variable_shapes):  # varying shapes: every step
             for w in workers.values():
                 w.track_memory = False
         mine.records.append(seconds_since(timings, offset))
+        log.after_step(step, loss, mine.records[-1])
         if mesh.reporting():  # a tensor-parallel group's processes run alike: one reports
             progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
         divergence.after_step(step, executor.step_loss)  # stops every rank here, or counts a skipped update
         milestones.reached(step + 1)
+    log.close()
     divergence.at_end(plan.schedule.placement)
-    mine.peak_activation_bytes = executor.peak_activation_bytes
+    mine.peak_activation_bytes = _end_levers(link, executor)
     mine.peak_tensor_bytes = max(peaks, default=0)
     mine.weight_bytes = sum(w.weight_bytes() for w in workers.values())
     mine.parameters = final_parameters(config, workers)
@@ -96,3 +156,8 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     if run is not None:
         run.save_failures, run.final_save_failure = milestones.save_failures, milestones.final_save_failure
     return run
+
+
+def _clip_norm(config: TrainConfig) -> float | None:
+    """The norm ``runtime.clip`` clips to (None where post-validation clips, or nothing does)."""
+    return config.post_validation.max_norm if config.clips_by_collective and config.post_validation else None

@@ -12,7 +12,12 @@
   holds (``sim.metrics.version_metrics``: stashed versions, double buffers,
   predictions), one gradient per stage, and the optimizer's state per stage
   (SGD with momentum 1x, AdamW 2x the part's weights; 1/P of it under
-  ``--zero 1``);
+  ``--zero 1``, with the slices of the parameters and of the reduced gradient
+  it steps, 1/P each). ``--zero 3`` keeps 1/P of the parameters, of the
+  reduced gradient and of the optimizer state per stage, plus the working
+  set: the gradients, accumulated whole through the step until their
+  reduce-scatter, and the largest of the rank's parts, whole while one of its
+  actions runs (``runtime.zero`` gathers a part at a time);
 - **message rings**: the shared-memory rings a rank receives on
   (``transport.shm``: one per peer, ``capacity_for`` the largest message), where they are used;
 - **rank process**: a rank's own memory before any tensor and its copy of the
@@ -97,12 +102,7 @@ def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEs
                              [p.during_b for p in parts], [p.during_i for p in parts])
     costs = CostModel(weight=[float(p.weights) for p in parts]).for_parts(num_parts=schedule.num_parts,
                                                                           num_ranks=schedule.num_ranks)
-    copies = version_metrics(schedule, costs)[0]
-    # A gradient, and the optimizer's state (ZeRO-1: a 1/P slice of it, data-parallel replicas sharing it).
-    per_stage = 1 + optimizer_copies(config) / (config.data_parallel if config.zero else 1)
-    weights = [c for c in copies]
-    for stage, rank in enumerate(schedule.placement.stage_rank):
-        weights[rank] += per_stage * parts[part_of[stage]].weights
+    weights = _weights(config, schedule, [p.weights for p in parts], version_metrics(schedule, costs)[0])
     ranks = schedule.num_ranks
     copies = config.tensor_parallel * (config.data_parallel if config.is_stream else 1)  # processes per rank
     processes = ranks * copies
@@ -111,6 +111,23 @@ def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEs
     process = PROCESS_BYTES + actions * RANK_BYTES_PER_ACTION
     return MemoryEstimate(tuple(int(a) for a in activations), tuple(int(w) for w in weights), (rings,) * ranks,
                           (process,) * ranks, copies)
+
+
+def _weights(config: TrainConfig, schedule: Any, part_weights: list[int], copies: list[float]) -> list[float]:
+    """Per rank: weight copies (``copies``, whole), gradients and optimizer state, by ZeRO stage (module docstring)."""
+    zero = config.zero if config.data_parallel > 1 else 0  # nothing to shard without replicas
+    p = config.data_parallel if zero else 1
+    # Per stage, in part weights: the gradient, and the optimizer state (ZeRO: the slices of it, of the parameters
+    # and of the reduced gradient, the replicas sharing the rest).
+    per_stage = 1 + (optimizer_copies(config) + (2 if zero else 0)) / p
+    weights = [0.0] * len(copies) if zero == 3 else list(copies)  # ZeRO-3: the slices are the parameters
+    part_of = schedule.placement.stage_part
+    for stage, rank in enumerate(schedule.placement.stage_rank):
+        weights[rank] += per_stage * part_weights[part_of[stage]]
+    if zero == 3:  # the working set: one part whole at a time
+        for rank, row in enumerate(schedule.actions):
+            weights[rank] += max((part_weights[part_of[a.stage]] for a in row), default=0)
+    return weights
 
 
 def optimizer_copies(config: TrainConfig) -> int:

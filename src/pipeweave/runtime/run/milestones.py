@@ -6,14 +6,16 @@ from typing import Any
 
 import torch
 
-from pipeweave.data import split_microbatches
+from pipeweave.data import step_microbatches
 from pipeweave.models import boundary
 from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.process import progress
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.plan import RunPlan
+from pipeweave.runtime.run.sizes import replica_microbatch_sizes
 from pipeweave.runtime.stage.policy import StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.stream import replica_pieces
 from pipeweave.runtime.transport import mesh
 from pipeweave.schedule import Schedule, lower
 from pipeweave.schedule.evaluation import forward_only
@@ -41,6 +43,9 @@ class Milestones:
         self.save_failures: list[str] = []
         self.final_save_failure: str | None = None
         self._evaluator: Executor | None = None
+        joined = mesh.active()
+        # PipeDream's hybrid: this replica's piece of every held-out microbatch (as of every training one)
+        self.piece = (joined.dp_rank, joined.data_parallel) if joined is not None and joined.outside else (0, 1)
 
     def reached(self, end: int, carry: StreamCarry | None = None) -> None:
         """``end`` steps of this run are done and nothing is in flight; ``carry``: a stream's policy state."""
@@ -65,20 +70,23 @@ class Milestones:
         """This rank's share of the mean loss over the held-out batches, through the forward-only schedule."""
         if self._evaluator is None:
             evaluation = forward_only(self.schedule)
+            sizes = (self.plan.microbatch_sizes if self.piece[1] == 1 else
+                     replica_microbatch_sizes(self.plan.config, self.piece[0]))
             self._evaluator = Executor(lower(evaluation), self.rank, self.workers,
-                                       self.plan.microbatch_sizes[: evaluation.num_microbatches], self.device,
-                                       evaluate=True)
+                                       sizes[: evaluation.num_microbatches], self.device, evaluate=True)
         evaluator, batches = self._evaluator, self.plan.config.eval_batches
         t = evaluator.lowered.schedule.num_microbatches
         total = sum(evaluator.run_step(*rank_microbatches(self.source, k, t, self.device, self.workers,
-                                                          held_out=True))[0]
+                                                          held_out=True, piece=self.piece))[0]
                     for k in range(batches))
         return total / batches
 
 
 def rank_microbatches(source: Any, k: int, t: int, device: torch.device, workers: dict[int, StageWorker], *,
-                      held_out: bool = False) -> tuple[list[boundary.Boundary], list[boundary.Boundary]]:
-    """Batch ``k``'s inputs and targets (held-out batch ``k``), each split into ``t`` microbatches on ``device``.
+                      held_out: bool = False, piece: tuple[int, int] = (0, 1)
+                      ) -> tuple[list[boundary.Boundary], list[boundary.Boundary]]:
+    """Batch ``k``'s inputs and targets (held-out batch ``k``), each split into ``t`` microbatches on ``device``
+    (``piece=(p, P)``: data-parallel replica p's piece of each, ``stream.replica_pieces``).
 
     Only a rank with a first or a last stage draws the batch (the inputs go to
     the first stage, the targets to the last, as DeepSpeed's pipeline engine
@@ -86,6 +94,9 @@ def rank_microbatches(source: Any, k: int, t: int, device: torch.device, workers
     """
     if not any(w.is_first or w.is_last for w in workers.values()):
         return [], []
-    inputs, targets = source.eval_batch(k) if held_out else source.batch(k)
-    return ([boundary.to(m, device) for m in split_microbatches(inputs, t)],
-            [boundary.to(m, device) for m in split_microbatches(targets, t)])
+    if held_out or piece[1] > 1:  # variable lengths (step_microbatches) are a single pipeline's training
+        inputs, targets = source.eval_batch(k) if held_out else source.batch(k)
+        xs, ys = replica_pieces(inputs, t, piece), replica_pieces(targets, t, piece)
+    else:
+        xs, ys = step_microbatches(source, k, t)
+    return [boundary.to(m, device) for m in xs], [boundary.to(m, device) for m in ys]

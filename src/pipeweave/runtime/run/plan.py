@@ -43,6 +43,7 @@ from pipeweave.runtime.stage.worker import OptimizerFactory
 from pipeweave.runtime.stream import check_stream_model, pipelines_per_round, stream_steps, stream_updates
 from pipeweave.schedule import Schedule, generate, validate
 from pipeweave.schedule.data_parallel import data_parallel
+from pipeweave.schedule.stash import parse_offload
 from pipeweave.schedule.stream import concatenate
 
 
@@ -104,7 +105,9 @@ def prepare(config: TrainConfig) -> RunPlan:
     parts = layer_ranges(config, schedule)
     if config.model.kind == "custom":
         probe_model(config.model, config.seed)
-    if config.post_validation is not None:
+    if config.clips_by_collective:
+        _check_clip(config, schedule)
+    elif config.post_validation is not None:
         check_post_validation(schedule)
     run_id = _check_checkpoints(config, resumed)
     source = None
@@ -166,12 +169,34 @@ def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
     if not schedule.is_synchronous:
         check_stream_model(config.model)
     validate(schedule)
+    _check_levers(config, schedule)
     _check_parallel(config, schedule)
     check_layers(config, schedule.num_parts)
     if "selective" in config.recompute_of(schedule.num_parts):
         check_selective(config.model)
     check_batch(config, config.num_microbatches * config.data_parallel if config.is_stream
                 else schedule.num_microbatches)
+
+
+def offloaded(config: TrainConfig, schedule: Schedule) -> frozenset[int]:
+    """The parts ``--offload`` names."""
+    return parse_offload(config.offload or "none", schedule.num_parts)
+
+
+def _check_levers(config: TrainConfig, schedule: Schedule) -> None:
+    """``--offload`` and ``--compress-activations``: parts that exist, a synchronous schedule, no recomputation."""
+    if not config.offload and config.compress_activations is None and not config.balance_activations:
+        return
+    flag = "--offload" if config.offload else "--balance-activations" if config.balance_activations \
+        else "--compress-activations"
+    if config.balance_activations and (config.data_parallel > 1 or config.tensor_parallel > 1):
+        raise UserError("--balance-activations pairs the ranks of one pipeline; drop --data-parallel/--tensor-parallel")
+    if config.offload:
+        parse_offload(config.offload, schedule.num_parts)  # one line naming a part that is not one
+    if not schedule.is_synchronous:
+        raise UserError(f"{flag} applies to synchronous schedules; {config.schedule} is asynchronous")
+    if config.recomputes:
+        raise UserError(f"{flag} with --recompute: a recomputed stage keeps only its input; drop one of them")
 
 
 ASYNC_DATA_PARALLEL = ("pipedream", "pipedream-2bw")
@@ -182,9 +207,6 @@ def _check_stream_data_parallel(config: TrainConfig) -> None:
     if config.schedule not in ASYNC_DATA_PARALLEL:
         raise UserError(f"--data-parallel with the asynchronous {config.schedule} is not supported; use one of "
                         f"{', '.join(ASYNC_DATA_PARALLEL)}, a synchronous schedule, or --data-parallel 1")
-    if config.eval_every is not None:  # each replica would evaluate every held-out batch: P times the loss
-        raise UserError(f"--eval-every with --data-parallel {config.data_parallel} on {config.schedule} is not "
-                        "supported yet; drop --eval-every or --data-parallel")
 
 
 def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
@@ -196,19 +218,33 @@ def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
         return
     check_tensor_parallel(config.model, n)
     check_plans(config.model)
-    if config.post_validation is not None:
-        raise UserError(f"--clip-grad-norm with --tensor-parallel {n} is not supported (a norm over shards); "
-                        "drop one of them")
+
+
+def _check_clip(config: TrainConfig, schedule: Schedule) -> None:
+    """Clipping by a collective (``runtime.clip``): one ``U`` per rank and step, every rank's at the step's end."""
+    if config.is_stream:
+        raise UserError(f"--clip-grad-norm with --tensor-parallel/--data-parallel applies to synchronous "
+                        f"schedules; {config.schedule} is asynchronous: drop --clip-grad-norm")
+    placement = schedule.placement
+    if any(len(placement.stages_on(r)) != 1 for r in range(schedule.num_ranks)):
+        raise UserError(f"--clip-grad-norm with --tensor-parallel/--data-parallel needs one stage per rank; "
+                        f"{config.schedule} places several on a rank: use 1f1b, zb-h1, zb-h2 or gpipe")
 
 
 def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
+    """ZeRO shards one replica of a part per data-parallel rank, stepped as a synchronous step's ``U``."""
+    if config.is_stream:  # its replicas update at every U from a blocking all-reduce; its policies keep versions
+        raise UserError(f"--zero {config.zero} with the asynchronous {config.schedule} is not supported (its "
+                        "weight versions are whole copies); use --zero 0 or a synchronous schedule")
     base = schedule.placement.num_stages // config.data_parallel  # the stages of one pipeline replica
     if base != schedule.placement.num_parts:
         raise UserError(f"--zero {config.zero} shards data-parallel replicas; {config.schedule} replicates parts "
                         "inside its pipeline: use --zero 0 with it")
-    if config.post_validation is not None:
-        raise UserError(f"--zero {config.zero} with --clip-grad-norm is not supported (a norm over sharded "
-                        "state); use --zero 0 with it")
+    if config.model.tie_embeddings and config.data_parallel > 1:
+        # The tied gradients are summed at U (runtime.stage.tied), after the reduce-scatter gave each replica
+        # its slice of the untied ones.
+        raise UserError(f"--zero {config.zero} with --tie-embeddings is not supported (the tie is summed after "
+                        "the gradients are sharded); use --zero 0 with it")
 
 
 def _check_evaluation(config: TrainConfig, source: Any) -> None:
@@ -236,8 +272,11 @@ def build_schedule(config: TrainConfig, steps_done: int = 0) -> Schedule:
     check_sizes(config)
     if config.is_stream:
         return concatenate(stream_schedules(config, steps_done))
-    base = generate(config.schedule, num_stages=config.num_stages, num_microbatches=config.num_microbatches,
-                    num_chunks=config.num_chunks, **dict(config.schedule_options))
+    if config.schedule_file is not None:
+        base = config.schedule_file
+    else:
+        base = generate(config.schedule, num_stages=config.num_stages, num_microbatches=config.num_microbatches,
+                        num_chunks=config.num_chunks, **dict(config.schedule_options))
     return data_parallel(base, config.data_parallel) if config.data_parallel != 1 else base
 
 

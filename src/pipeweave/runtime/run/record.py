@@ -19,6 +19,7 @@ import torch.distributed as dist
 from pipeweave.runtime.run import plan
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.stage.tensor_parallel import gather
+from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.transport import shm
 from pipeweave.schedule.ir import Action
@@ -108,7 +109,9 @@ def final_parameters(config: TrainConfig, workers: dict[int, StageWorker]) -> di
     """
     if not config.collect_parameters:
         return {}
-    return {s: {k: _whole(p, w).cpu().clone() for k, p in w.named_parameters().items()} for s, w in workers.items()}
+    with gathered(workers):  # ZeRO-3's slices too
+        return {s: {k: _whole(p, w).cpu().clone() for k, p in w.named_parameters().items()}
+                for s, w in workers.items()}
 
 
 def _whole(param: torch.Tensor, worker: StageWorker) -> torch.Tensor:
@@ -138,12 +141,14 @@ def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, sta
 
 def _fold_replicas(records: list[Any], replicas: int) -> list[Any]:
     """An asynchronous run's P replicas' records (in process order, the first replica's first): the first
-    replica's, each rank's loss shares summed over the replicas (each ran its piece of every microbatch)."""
+    replica's, each rank's loss shares (training and held-out) summed over the replicas (each ran its piece of
+    every microbatch)."""
     ranks = len(records) // replicas
     first = records[:ranks]
     for other in records[ranks:]:
         mine = first[other.rank]
         mine.losses = [a + b for a, b in zip(mine.losses, other.losses)]
+        mine.eval_losses = [(at, a + b) for (at, a), (_, b) in zip(mine.eval_losses, other.eval_losses)]
     return first
 
 

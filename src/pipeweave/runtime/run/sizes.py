@@ -25,6 +25,7 @@ import torch
 
 from pipeweave import host
 from pipeweave.data import data_source, split_microbatches
+from pipeweave.data.corpus import microbatch_lengths
 from pipeweave.errors import UserError
 from pipeweave.models.custom import probe
 from pipeweave.models.build import build_layers
@@ -103,6 +104,8 @@ def part_count(config: TrainConfig) -> int | None:
         >>> part_count(TrainConfig(schedule="zb-v", num_stages=4)), part_count(TrainConfig(schedule="interleaved-1f1b"))
         (8, 4)
     """
+    if config.schedule_file is not None:
+        return config.schedule_file.num_parts
     info = SCHEDULES.get(config.schedule)
     if info is None or config.num_stages < 1:
         return None
@@ -152,6 +155,18 @@ def microbatch_sizes(config: TrainConfig) -> list[int]:
     t = config.num_microbatches * config.data_parallel  # every replica's microbatches
     sizes = [len(m) for m in split_microbatches(torch.empty(config.batch_size, 0), t)]
     return sizes * config.steps if config.is_stream else sizes
+
+
+def step_tokens(config: TrainConfig, num_microbatches: int, step: int) -> int | None:
+    """The gpt's tokens in step ``step`` of the training (``num_microbatches``: the schedule's, every
+    replica's): batch x ``seq_len``, or, with ``min_seq_len``, each microbatch's samples x its own length;
+    None for other models."""
+    if config.model.kind != "gpt":
+        return None
+    if config.min_seq_len is None:
+        return config.batch_size * config.model.seq_len
+    lengths = microbatch_lengths(config.seed, step, num_microbatches, config.min_seq_len, config.model.seq_len)
+    return sum(n * length for n, length in zip(microbatch_sizes(config), lengths))
 
 
 def replica_microbatch_sizes(config: TrainConfig, replica: int) -> list[int]:

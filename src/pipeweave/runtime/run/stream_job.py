@@ -27,6 +27,7 @@ from pipeweave.runtime.run.record import (RankRecord, RunRecord, close_pauses, f
                                           seconds_since)
 from pipeweave.runtime.run.sizes import replica_microbatch_sizes
 from pipeweave.runtime.run.workers import build_workers, join_mesh
+from pipeweave.runtime.run.step_log import StepLog
 from pipeweave.runtime.stage.policy import RankPolicy, Read, StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stream import (StreamData, StreamPosition, check_stream_model, minibatch_losses,
@@ -72,6 +73,7 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     milestones = Milestones(plan, plan.streams[0], rank, workers, device, source)  # any stream: same placement
     done = _Streamed()
     divergence = Divergence(plan, workers)
+    log = StepLog(plan, process, world, rank, device, None)
     for (first, steps), stream in zip(plan.segments, plan.streams):
         policy = RankPolicy(stream, workers, config.policy, lr_at=rates, carry=carry)
         _run_stream(plan, stream, (first, steps), joined, workers, device, source, policy, done)
@@ -82,8 +84,10 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
             times = seconds_since(groups[m], offset)
             if mesh.reporting():  # a tensor-parallel group's processes run alike: one reports
                 progress({"step": m, "loss": done.losses[m], "time": times[-1][4] if times else 0.0})
+            log.after_step(m, done.losses[m], times)
         divergence.after_stream(first, done.losses[first:end], device)  # stops every rank before saving here
         milestones.reached(end, carry)
+    log.close()
     divergence.at_end(plan.streams[0].placement)
     records = [seconds_since(g, offset) for g in split_by_minibatch(done.timings, config.num_microbatches,
                                                                     config.steps)]

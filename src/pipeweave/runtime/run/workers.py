@@ -30,7 +30,7 @@ def build_workers(plan: RunPlan, rank: int, device: torch.device,
 
     Under tensor parallelism (the installed ``transport.mesh``) each splits its layers over the process's
     ``tp`` group. With ``--clip-grad-norm`` each stage's optimizer is the post-validated one
-    (``stage.post_validation``).
+    (``stage.post_validation``), unless the run clips by a collective (``TrainConfig.clips_by_collective``).
     """
     config = plan.config
     schedule = schedule if schedule is not None else plan.schedule
@@ -40,11 +40,11 @@ def build_workers(plan: RunPlan, rank: int, device: torch.device,
     workers = {
         s: StageWorker(config.model, plan.parts[schedule.placement.stage_part[s]], batch_size=config.batch_size,
                        optimizer_factory=optimizer_factory(config), recompute=modes[schedule.placement.stage_part[s]],
-                       device=device,
-                       precision=config.precision, tensor_parallel=tp)
+                       device=device, precision=config.precision, tensor_parallel=tp,
+                       compress=config.compress_activations is not None)
         for s in schedule.placement.stages_on(rank)
     }
-    if config.post_validation is not None:
+    if config.post_validation is not None and not config.clips_by_collective:  # (else runtime.clip, at U)
         install_post_validation(config.post_validation, schedule, workers, config.optimizer, config.lr,
                                 config.momentum)
     return workers

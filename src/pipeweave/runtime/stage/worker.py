@@ -61,6 +61,9 @@ by (model seed, ``steps_done``, microbatch, layer) before each layer call
 (``models.randomness``), so their dropout masks are plain training's, on any
 rank and in a replay; set ``steps_done`` when resuming.
 
+ZeRO-3 (``stage.shards``): where ``worker.shards`` is set, the parameters
+are whole only inside ``whole_weights()``, which F, B, I and ``evaluate`` open.
+
 Accounting: ``weight_bytes()``; ``activation_bytes()`` and
 ``peak_activation_bytes()`` count, through saved-tensor hooks, the distinct
 storages currently held for a backward (graph tensors, kept stage inputs and
@@ -72,6 +75,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,8 +91,10 @@ from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
 from pipeweave.models.build import build_layers, tensor_parallel_plan
 from pipeweave.models.spec import ModelSpec, loss_fn
-from pipeweave.runtime.stage.memory import ActivationMeter, own, unpack
+from pipeweave.runtime.stage.memory import ActivationMeter, Metered, own, unpack
 from pipeweave.runtime.stage.selective import checkpoint_submodules
+from pipeweave.runtime.stage.stash import stash_hooks
+from pipeweave.runtime.stage.shards import Shards
 from pipeweave.runtime.stage.tensor_parallel import TensorParallel, split
 from pipeweave.sim.recompute import parse_recompute
 
@@ -109,9 +115,10 @@ class _Microbatch:
     target: Boundary | None
     keys: list[int | None]
     step: int  # steps done at F: a replay draws F's random numbers
+    held: list[Any] | None = None  # what autograd saved (stage.memory._Held), when the stage stashes (stage.stash)
 
 
-class StageWorker:
+class StageWorker(Metered):
     """Runs the actions of one stage; see the module docstring for the contract.
 
     Args:
@@ -153,6 +160,7 @@ class StageWorker:
         track_memory: bool = True,
         precision: str = "fp32",
         tensor_parallel: TensorParallel | None = None,
+        compress: bool = False,
     ) -> None:
         indices = list(layer_indices)
         if not indices or indices != list(range(indices[0], indices[0] + len(indices))):
@@ -185,6 +193,7 @@ class StageWorker:
         self.optimizer = self.optimizer_factory(list(self.module.parameters()))
         self.loss = loss_fn(spec)
         self.combine_grads: Callable[[StageWorker], None] | None = None
+        self.shards: Shards | None = None  # ZeRO-3 (runtime.zero): whole only inside whole_weights()
         self.meter = ActivationMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()})
         self.track_memory = track_memory
         self._saved: dict[int, _Microbatch] = {}
@@ -197,6 +206,8 @@ class StageWorker:
         self.device = torch.device(device)
         self.precision = precision_check(precision)
         self._buffers = list(self.module.buffers())  # running statistics, left as F left them by a replay
+        self.compress = compress  # saved tensors in bfloat16 from F to the backward (stage.stash.stash_hooks)
+        self.stashing = False  # keep what autograd saves per microbatch: set where memory actions run (stage.stash)
 
     # ---- F ----------------------------------------------------------------
     def forward(self, mb: int, x: Boundary, target: Boundary | None = None) -> Boundary:
@@ -208,14 +219,15 @@ class StageWorker:
         x = boundary.apply(self._input, x)
         target = None if target is None else boundary.apply(own, target)
         if self.recompute == "full":
-            with torch.no_grad():
+            with torch.no_grad(), self.whole_weights():
                 out = self._run(x, target, mb, self.steps_done)
             record = _Microbatch(x, None, target, [self._hold(t) for t in tensors(x)], self.steps_done)
         else:
-            with self._hooks():
+            saved: list[Any] | None = [] if self.stashing else None
+            with self._hooks(saved, x), self.whole_weights():
                 out = self._run(x, target, mb, self.steps_done)
             held = [self._hold(t) for t in tensors(x)] + [self._hold(t) for t in tensors(out)]
-            record = _Microbatch(x, out, target, held, self.steps_done)
+            record = _Microbatch(x, out, target, held, self.steps_done, saved)
         self._saved[mb] = record
         return boundary.apply(torch.Tensor.detach, out)
 
@@ -231,7 +243,7 @@ class StageWorker:
             raise RuntimeError("the last stage needs the microbatch's target to compute the loss")
         self.module.eval()  # dropout off, batch norm on its running statistics (custom models)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.whole_weights():
                 return self._run(x, target, None, self.steps_done)
         finally:
             self.module.train()
@@ -256,11 +268,13 @@ class StageWorker:
     # ---- B, I, W -----------------------------------------------------------
     def backward(self, mb: int, grad_output: Boundary | None = None) -> Boundary | None:
         """B: input and weight gradients of microbatch ``mb``; returns the input gradient (None on the first stage)."""
-        return self._backward(mb, grad_output, defer=False)
+        with self.whole_weights():  # the input gradient (and a replay) reads the weights; W does not
+            return self._backward(mb, grad_output, defer=False)
 
     def backward_input(self, mb: int, grad_output: Boundary | None = None) -> Boundary | None:
         """I: the input gradient only; the weight gradients wait for ``backward_weight(mb)``."""
-        return self._backward(mb, grad_output, defer=True)
+        with self.whole_weights():
+            return self._backward(mb, grad_output, defer=True)
 
     def backward_weight(self, mb: int) -> None:
         """W: accumulate the weight gradients that ``backward_input(mb)`` deferred."""
@@ -314,12 +328,9 @@ class StageWorker:
     def prepare_gradients(self) -> None:
         """Give every parameter without a gradient a zero one now, before the step's first backward.
 
-        For a rank waiting on a message (a bubble): the step's first backward
-        then accumulates into memory just written, instead of allocating its
-        gradients cold (which made that first backward slower than the others;
-        benchmarks/runtime/README.md has the figures). Zero plus the first
-        microbatch's gradient is that gradient, so the numbers do not change.
-        A no-op once a backward of the step has run.
+        For a rank waiting on a message (a bubble): the first backward then accumulates into memory just
+        written instead of allocating its gradients cold (slower: benchmarks/runtime/README.md). Zero plus
+        the first gradient is that gradient. A no-op once a backward of the step has run.
         """
         if self._backward_ran:
             return
@@ -363,19 +374,14 @@ class StageWorker:
 
     # ---- accounting ----------------------------------------------------------
     def weight_bytes(self) -> int:
-        """Bytes of this stage's parameters."""
+        """Bytes of this stage's parameters (of their slices kept between actions, where sharded)."""
+        if self.shards is not None:
+            return self.shards.weight_bytes()
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
 
-    def activation_bytes(self) -> int:
-        """Bytes of distinct storages held now for backward (0 when no microbatch is in flight)."""
-        return self.meter.current
-
-    def peak_activation_bytes(self) -> int:
-        """Highest ``activation_bytes()`` since construction or ``reset_peak()``."""
-        return self.meter.peak
-
-    def reset_peak(self) -> None:
-        self.meter.peak = self.meter.current
+    def whole_weights(self) -> AbstractContextManager[None]:
+        """The parameters whole inside: gathered and freed after where sharded (``shards``), else as they are."""
+        return contextlib.nullcontext() if self.shards is None else self.shards.gathered()
 
     @property
     def in_flight(self) -> list[int]:
@@ -383,15 +389,10 @@ class StageWorker:
         return sorted(set(self._saved) | set(self._weight_grads))
 
     # ---- helpers -------------------------------------------------------------
-    def _hooks(self) -> Any:
+    def _hooks(self, saved: list[Any] | None = None, x: Boundary | None = None) -> Any:
+        if saved is not None or (self.compress and x is not None):  # F, moving or compressing (stage.stash)
+            return stash_hooks(self.meter, saved, counted=self.track_memory,
+                               compress_except=None if not self.compress or x is None else tensors(x))
         if not self.track_memory:
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self.meter.pack, unpack)
-
-    def _hold(self, t: torch.Tensor) -> int | None:
-        return self.meter.hold(t) if self.track_memory else None
-
-    def _release(self, keys: list[int | None]) -> None:
-        for key in keys:
-            if key is not None:
-                self.meter.release(key)

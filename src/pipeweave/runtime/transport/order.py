@@ -56,12 +56,14 @@ def message_key(lowered: LoweredSchedule, a: Action) -> Key:
 
 
 def rank_sends(
-    lowered: LoweredSchedule, rank: int, *, with_meta: bool, tied: dict[int, int] | None = None
+    lowered: LoweredSchedule, rank: int, *, with_meta: bool, tied: dict[int, int] | None = None,
+    meta_every_message: bool = False,
 ) -> list[tuple[int, Key]]:
     """Every message ``rank`` sends in one step, as ``(destination rank, key)`` in posting order.
 
     The executor's order: along the row a SEND action's message (preceded in
-    the first step by its stream's metadata with ``with_meta``), and at the
+    the first step by its stream's metadata with ``with_meta``; every message
+    by its own with ``meta_every_message``, where shapes vary), and at the
     ``U`` of a stage tied to a stage on another rank (``tied``: stage -> the
     stage holding the other end), its tied gradient.
 
@@ -79,7 +81,7 @@ def rank_sends(
         if a.op.is_send:
             key = message_key(lowered, a)
             peer = lowered.peer(a)
-            if with_meta and key[:2] not in announced:
+            if meta_every_message or (with_meta and key[:2] not in announced):
                 announced.add(key[:2])
                 out.append((peer, (key[0], key[1], META)))
             out.append((peer, key))
@@ -87,10 +89,11 @@ def rank_sends(
 
 
 def send_order(
-    lowered: LoweredSchedule, rank: int, *, with_meta: bool, tied: dict[int, int] | None = None
+    lowered: LoweredSchedule, rank: int, *, with_meta: bool, tied: dict[int, int] | None = None,
+    meta_every_message: bool = False,
 ) -> dict[int, list[Key]]:
     """Per destination rank, the keys ``rank`` sends in one step, in posting order (``rank_sends``)."""
     order: dict[int, list[Key]] = {}
-    for peer, key in rank_sends(lowered, rank, with_meta=with_meta, tied=tied):
+    for peer, key in rank_sends(lowered, rank, with_meta=with_meta, tied=tied, meta_every_message=meta_every_message):
         order.setdefault(peer, []).append(key)
     return order

@@ -8,7 +8,11 @@ Shapes travel once: the first message of each ``(sender stage, kind)``
 activation stream is preceded by a small metadata tensor holding the dtype
 and the per-sample shape (every dimension but the first). Dimension 0 is the
 microbatch, whose size every rank knows from the batch split, so a last
-microbatch smaller than the others needs no further message. Sends
+microbatch smaller than the others needs no further message. Where the
+per-sample shape changes from microbatch to microbatch (sequences of
+variable length, ``variable_shapes``), every message is preceded by its own
+metadata instead -- one more small message each, paid only by such runs; a
+run of fixed shapes keeps the handshake of its first step alone. Sends
 are non-blocking and waited lazily (the validator's deadlock check assumes
 exactly that).
 
@@ -58,6 +62,7 @@ class P2P:
         microbatch_sizes: size of dimension 0 of every microbatch.
         device: where received tensors live (CPU for gloo, this rank's GPU for NCCL).
         lookahead: receives are posted ahead up to this many compute actions.
+        variable_shapes: every message carries its own metadata (per-sample shapes that change).
 
     Example (per step, in the executor):
         p2p.begin_step(); p2p.post_ahead(i); x = p2p.recv(a); p2p.send(a, y); p2p.end_step()
@@ -70,8 +75,10 @@ class P2P:
         microbatch_sizes: Sequence[int],
         device: torch.device,
         lookahead: int = 2,
+        variable_shapes: bool = False,
     ) -> None:
         self.lowered, self.rank, self.device = lowered, rank, device
+        self.variable_shapes = variable_shapes
         self.sizes = list(microbatch_sizes)
         self.lookahead = lookahead
         self.row = lowered.actions[rank]
@@ -125,8 +132,8 @@ class P2P:
             orders = self._orders[self._first_step] = {
                 peer: keys
                 for peer in range(len(self.lowered.actions)) if peer != self.rank
-                for keys in [send_order(self.lowered, peer, with_meta=self._first_step, tied=self.tied).get(
-                    self.rank, [])] if keys
+                for keys in [send_order(self.lowered, peer, with_meta=self._first_step, tied=self.tied,
+                                        meta_every_message=self.variable_shapes).get(self.rank, [])] if keys
             }
         self._queues = {peer: deque(keys) for peer, keys in orders.items()}
         self._first_step = False
@@ -162,7 +169,7 @@ class P2P:
             tensor = tensor.contiguous()
         stream = key[:2]
         sent = self._sent.get(stream)
-        if sent is None:
+        if sent is None or self.variable_shapes:
             sent = self._sent[stream] = (tensor.dtype, tuple(shape[1:]), tensor.element_size() * math.prod(shape[1:]))
             self._isend(tensor_meta(tensor).to(self.device), peer, (key[0], key[1], META))
         elif tuple(shape[1:]) != sent[1] or tensor.dtype != sent[0]:
@@ -180,7 +187,7 @@ class P2P:
         layout = Layout.of(tensors)
         stream = key[:2]
         sent = self._sent_layouts.get(stream)
-        if sent is None:
+        if sent is None or self.variable_shapes:
             sent = self._sent_layouts[stream] = layout
             self._isend(layout.encode().to(self.device), peer, (key[0], key[1], META))
         elif layout != sent:
@@ -257,6 +264,8 @@ class P2P:
                     return
             queue.popleft()
             self._post(peer, nxt)
+            if self.variable_shapes and nxt[2] != META:  # the stream's next message brings its own shape
+                del self._shapes[nxt[:2]]
             if nxt == key:
                 return
         if block:  # pragma: no cover - lowering bug

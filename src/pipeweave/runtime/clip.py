@@ -1,0 +1,98 @@
+"""Global gradient-norm clipping over tensor-parallel shards and data-parallel replicas, as one model's would be.
+
+``--clip-grad-norm`` with tensor or data parallelism (``TrainConfig.clips_by_collective``): at each stage's
+``U``, after its replicas' gradients are combined (``runtime.replicas``), every process adds the squares of
+the gradients it holds that no other process counts, one all-reduce (float64, over every process) sums them,
+and every stage scales its gradients by ``torch.nn.utils.clip_grad_norm_``'s factor,
+``min(1, max_norm / (norm + 1e-6))``. What each process counts, so that every element of the model counts
+once (Megatron-LM's ``clip_grad_norm_fp32`` does the same):
+
+- a tensor-parallel shard on every process of its group (the shards are distinct); a parameter every
+  process of the group holds whole (norms, the embedding) on its ``tp`` rank 0 only;
+- under ZeRO (``runtime.zero``) each replica's slices of the reduced gradient (distinct by construction);
+  without ZeRO the reduced gradient, equal on every replica, on ``dp`` rank 0 only;
+- of tied embedding and head (``runtime.stage.tied``), which hold one shared gradient, the embedding's.
+
+The norm needs every stage's gradients, so each ``U`` waits for the whole pipeline's backward (the barrier
+Megatron-LM pays too; post-validation, ``runtime.stage.post_validation``, avoids it where it applies: one
+pipeline of whole layers). One ``U`` per process per step (one stage per rank), so every process calls the
+all-reduce once per step, in the same place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from pipeweave.runtime.stage.tensor_parallel import split_of
+from pipeweave.runtime.stage.tied import tied_names
+from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.transport import mesh
+from pipeweave.runtime.zero import ZeroOptimizer
+
+
+class GlobalNormClip:
+    """Clips the gradients of this process's stages at their ``U`` to a global norm (module docstring).
+
+    Chained after the worker's ``combine_grads`` (install it after ``ReplicaReduction`` and ``TiedGradients``).
+
+    Args:
+        max_norm: the largest global gradient norm.
+        workers: this process's stage workers (one per process: the plan checks it).
+
+    Attributes:
+        norms: per ``U`` of this process, the global gradient norm before clipping.
+    """
+
+    def __init__(self, max_norm: float, workers: dict[int, StageWorker]) -> None:
+        self.max_norm = max_norm
+        joined = mesh.active()
+        self.tp_rank, self.dp_rank = (0, 0) if joined is None else (joined.tp_rank, joined.dp_rank)
+        self.norms: list[float] = []
+        for worker in workers.values():
+            worker.combine_grads = self._chain(worker.combine_grads)
+
+    def _chain(self, before: Callable[[StageWorker], None] | None) -> Callable[[StageWorker], None]:
+        def combine(worker: StageWorker) -> None:
+            if before is not None:
+                before(worker)  # the gradients the optimizer applies: replicas summed (or sliced), ties summed
+            self._clip(worker)
+
+        return combine
+
+    def _clip(self, worker: StageWorker) -> None:
+        squares = torch.zeros(1, dtype=torch.float64, device=worker.device)
+        for grad in _distinct(worker, self.tp_rank, self.dp_rank):
+            squares += grad.double().pow(2).sum()
+        dist.all_reduce(squares)
+        norm = math.sqrt(float(squares))
+        self.norms.append(norm)
+        # torch.nn.utils.clip_grad_norm_'s factor, in float32 as it computes it
+        factor = torch.clamp(self.max_norm / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0)
+        for grad in _applied(worker):
+            grad.mul_(factor.to(grad.device))
+
+
+def _applied(worker: StageWorker) -> list[torch.Tensor]:
+    """The gradients the worker's optimizer steps on: ZeRO's slices, or the parameters' own."""
+    optimizer = worker.optimizer
+    if isinstance(optimizer, ZeroOptimizer):
+        return [shard.grad for shard in optimizer.shards if shard.grad is not None]
+    return worker.gradients()
+
+
+def _distinct(worker: StageWorker, tp_rank: int, dp_rank: int) -> Iterator[torch.Tensor]:
+    """The gradients (or pieces) this process counts in the global norm, no element counted twice anywhere."""
+    tied = {id(worker.named_parameters()[name]) for name, end in tied_names(worker).items() if end == "head"}
+    optimizer = worker.optimizer
+
+    def counted(param: torch.Tensor) -> bool:
+        return id(param) not in tied and (split_of(param) is not None or tp_rank == 0)
+
+    if isinstance(optimizer, ZeroOptimizer):
+        yield from (piece for param, piece in optimizer.owned_gradients() if counted(param))
+    elif dp_rank == 0:
+        yield from (p.grad for p in worker.module.parameters() if p.grad is not None and counted(p))

@@ -1,0 +1,163 @@
+"""The memory actions (``schedule.stash``) in the simulator: their time over a link, and the peaks they leave.
+
+Timing. A memory action moves ``share x M_a`` (its part's activation memory,
+compressed if asked) over a link of ``bandwidth`` units of M_a per unit of time.
+It runs on its rank's own stream, as the CPU runtime does (a copy to a
+memory-mapped file, a send to the partner): an ``OFFLOAD``/``EVICT`` lengthens
+the F before it, a ``RELOAD``/``LOAD`` the backward after it, so both engines
+time them without knowing them (``simulate_parts``' ``extra``). ``stash_events``
+splits them out again for plots, traces and the memory walk.
+
+Memory. A rank's own actions change its memory in the order of its row, as in
+``sim.metrics.held_peaks`` (F adds M_a, a move away subtracts its share, a move
+back adds it, B frees it ...); a BPipe partner holds what it received from the end
+of the ``EVICT`` to the end of the ``LOAD``, by the timeline's clock.
+
+Default bandwidth (``DEFAULT_BANDWIDTH``): a GPT layer (hidden h) keeps about
+34 h bytes per token for its backward (Korthikanti et al. 2022, without
+recomputation) and computes 24 h^2 flops per token forward; at h = 4096 on
+300 Tflop/s and a 25 GB/s host link (PCIe 4.0 x16) moving its activations takes
+about four forwards: 0.25 M_a per unit of f.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from pipeweave.schedule.ir import Action, Op, Schedule
+from pipeweave.schedule.stash import DEFAULT_BANDWIDTH, Stash, StashPlan, check_stash, plan_stash
+from pipeweave.sim.cost import PartCosts
+from pipeweave.sim.timeline import Event, Timeline, simulate_parts
+
+
+
+def stash_costs(costs: PartCosts, plan: StashPlan) -> PartCosts:
+    """``costs`` with the activation memory a stage keeps under ``plan``'s compression."""
+    if plan.kept == 1.0:
+        return costs
+    return dataclasses.replace(costs, activation=tuple(a * plan.kept for a in costs.activation))
+
+
+def stash_extra(stash: Stash, costs: PartCosts, bandwidth: float) -> dict[Action, float]:
+    """Per compute action, the time of the memory actions folded into it (see the module docstring)."""
+    part_of = stash.schedule.placement.stage_part
+    extra: dict[Action, float] = {}
+    for row in stash.actions:
+        waiting: dict[tuple[int, int], float] = {}  # a move back, folded into the backward after it
+        for a in row:
+            s, op, j = a
+            if op.is_memory:
+                time = stash.moved(a) * costs.activation[part_of[s]] / bandwidth
+                if op in (Op.OFFLOAD, Op.EVICT):
+                    extra[Action(s, Op.F, j)] = time
+                else:
+                    waiting[(s, j)] = time
+            elif op.computes_input_grad and (s, j) in waiting:
+                extra[a] = waiting.pop((s, j))
+    return extra
+
+
+def simulate_stash(schedule: Schedule, costs: PartCosts, plan: StashPlan, *, bandwidth: float = DEFAULT_BANDWIDTH,
+                   **options: object) -> tuple[Timeline, Stash, dict[Action, float]]:
+    """Simulate ``schedule`` with ``plan``'s memory actions: the timeline (memory actions folded in),
+    the lowered stash and the folded times. ``options`` go to ``simulate_parts``.
+
+    Raises:
+        InvalidSchedule: the schedule or its memory actions break a rule.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> from pipeweave.sim.cost import CostModel
+        >>> s = generate("1f1b", num_stages=2, num_microbatches=2)
+        >>> t, _, _ = simulate_stash(s, CostModel().for_parts(num_parts=2, num_ranks=2),
+        ...                          StashPlan(offload=frozenset({0})), bandwidth=2.0)
+        >>> [(str(e.action), e.end) for e in t.events[0]][:2]
+        [('0F0', 1.5), ('0F1', 3.0)]
+    """
+    costs = stash_costs(costs, plan)
+    shares = balanced_shares(schedule, costs, plan) if plan.balance else None
+    stash = plan_stash(schedule, plan, costs.activation, costs.mem_w, shares)
+    check_stash(stash)
+    extra = stash_extra(stash, costs, bandwidth)
+    return simulate_parts(schedule, costs, extra=extra, **options), stash, extra  # type: ignore[arg-type]
+
+
+def balanced_shares(schedule: Schedule, costs: PartCosts, plan: StashPlan, rounds: int = 30) -> tuple[float, ...]:
+    """BPipe's share per rank that evens each pair's peaks by the clock: ``evicted_shares`` keeps the owner
+    at the pair's mean along its own row, but its partner holds what it was lent while its own peak
+    comes, so the pair's larger peak is lowest where the two meet; bisected on ``stash_peaks`` (copies
+    taking no time: the shares decide memory, not time).
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> from pipeweave.sim.cost import CostModel
+        >>> s = generate("1f1b", num_stages=4, num_microbatches=8)
+        >>> balanced_shares(s, CostModel().for_parts(num_parts=4, num_ranks=4), StashPlan(balance=True))
+        (0.428571, 0.2, 0.0, 0.0)
+    """
+    shares = list(plan_stash(schedule, plan, costs.activation, costs.mem_w).share)
+    for rank, share in enumerate(shares):
+        if share <= 0:
+            continue
+        other = schedule.num_ranks - 1 - rank
+        lo, hi = 0.0, 1.0
+        for _ in range(rounds):
+            shares[rank] = (lo + hi) / 2
+            stash = plan_stash(schedule, plan, costs.activation, costs.mem_w, shares)
+            peaks = stash_peaks(stash, stash_events(stash, simulate_parts(schedule, costs), {}), costs)
+            lo, hi = (shares[rank], hi) if peaks[rank] > peaks[other] else (lo, shares[rank])
+        shares[rank] = round(hi, 6)
+    return tuple(shares)
+
+
+def stash_events(stash: Stash, timeline: Timeline, extra: dict[Action, float]) -> tuple[tuple[Event, ...], ...]:
+    """Per rank, its events with the memory actions split out of the F and backwards they were folded into."""
+    rows = []
+    for events, lowered in zip(timeline.events, stash.actions):
+        timed = {e.action: e for e in events}
+        out: list[Event] = []
+        for a in lowered:
+            s, op, j = a
+            if op in (Op.OFFLOAD, Op.EVICT):
+                f = timed[Action(s, Op.F, j)]
+                out.append(Event(a, f.end - extra.get(f.action, 0.0), f.end))
+            elif op in (Op.RELOAD, Op.LOAD):
+                back = timed.get(Action(s, Op.B, j)) or timed[Action(s, Op.I, j)]
+                out.append(Event(a, back.start, back.start + extra.get(back.action, 0.0)))
+            else:
+                e = timed[a]
+                cut = extra.get(a, 0.0)
+                out.append(Event(a, e.start, e.end - cut) if op is Op.F else Event(a, e.start + cut, e.end)
+                           if op.computes_input_grad else e)
+        rows.append(tuple(out))
+    return tuple(rows)
+
+
+def stash_peaks(stash: Stash, events: Sequence[Sequence[Event]], costs: PartCosts) -> tuple[float, ...]:
+    """Per rank, its peak activation memory with the memory actions (``stash_events``' events, in units of
+    ``costs.activation``, already compressed: ``stash_costs``)."""
+    placement = stash.schedule.placement
+    num_ranks = stash.schedule.num_ranks
+    changes: list[list[tuple[float, int, int, float]]] = [[] for _ in range(num_ranks)]
+    for rank, row in enumerate(events):
+        for k, (a, start, end) in enumerate(row):
+            s, op, _ = a
+            held = costs.activation[placement.stage_part[s]]
+            moved = stash.moved(a) * held if op.is_memory else 0.0
+            own = {Op.F: (start, held), Op.B: (end, -held), Op.I: (end, held * (costs.mem_w - 1)),
+                   Op.W: (end, -held * costs.mem_w), Op.OFFLOAD: (end, -moved), Op.EVICT: (end, -moved),
+                   Op.RELOAD: (start, moved), Op.LOAD: (start, moved)}.get(op)
+            if own is not None:
+                changes[rank].append((own[0], 1, k, own[1]))
+            if op in (Op.EVICT, Op.LOAD):  # the partner holds it from the send's start to the return's end
+                other = num_ranks - 1 - rank
+                changes[other].append((start, 0, k, moved) if op is Op.EVICT else (end, 2, k, -moved))
+    peaks = []
+    for rank_changes in changes:
+        now = peak = 0.0
+        for _, _, _, delta in sorted(rank_changes):
+            now += delta
+            peak = max(peak, now)
+        peaks.append(round(peak, 9))
+    return tuple(peaks)
