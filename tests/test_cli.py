@@ -72,7 +72,8 @@ def test_simulate_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["bubble_ratio"] == pytest.approx(3 / 15)
     assert data["makespan"] == 3 * 15
     assert data["peak_activations"] == [12.0] * 4
-    assert data["cost"] == {"f": 1.0, "b": 1.0, "w": 1.0, "u": 0.0, "comm": 0.0, "dispatch": 0.0, "mem_w": 0.5}
+    assert data["cost"] == {"f": 1.0, "b": 1.0, "w": 1.0, "u": 0.0, "comm": 0.0, "dispatch": 0.0, "mem_w": 0.5,
+                            "recompute": "none"}
 
 
 def test_simulate_uneven_times_and_comm(capsys: pytest.CaptureFixture[str]) -> None:

@@ -248,3 +248,13 @@ def tensor_parallel() -> LayerModel:
 def bad_tp_plan() -> LayerModel:
     return LayerModel(layers=[lambda: nn.Embedding(VOCAB, WIDTH), Residual, Head], loss=nn.functional.cross_entropy,
                       dataset=_pairs(96, 0), tp_plan=[None, {"mlp.5": "rowwise"}, None])
+
+
+def noisy_selective() -> LayerModel:
+    """``noisy`` naming its blocks' MLPs (dropout inside) for ``--recompute selective``."""
+    return LayerModel(
+        layers=[lambda: nn.Embedding(VOCAB, WIDTH), Noisy, Residual, Noisy, Head],
+        loss=nn.functional.cross_entropy,
+        dataset=_pairs(96, 0),
+        selective=[None, ["mlp"], ["mlp"], ["mlp"], None],
+    )

@@ -67,7 +67,7 @@ def _estimate(activations: int = 0, weights: int = 0, rings: int = 0, processes:
 
 
 @pytest.mark.parametrize(("estimate", "config", "fix"), [
-    (_estimate(activations=3 << 30), TrainConfig(), "reduce --batch or add --recompute"),
+    (_estimate(activations=3 << 30), TrainConfig(), "reduce --batch or add --recompute (selective or full)"),
     (_estimate(activations=3 << 30), TrainConfig(recompute=True), "reduce --batch"),
     (_estimate(weights=3 << 30), TrainConfig(optimizer="adamw"), "give a smaller model (--layers, --hidden) or "
                                                                   "--optimizer sgd"),

@@ -14,16 +14,21 @@ import json
 import math
 from typing import Any
 
+import numpy as np
+
 from pipeweave.commands.layout_options import (TP_REPLICATED, TP_SPLIT, add_layout_arguments, layout_from_args,
                                               layout_report, state_split)
+from pipeweave.commands.recompute_options import add_recompute_argument
 from pipeweave.commands.stash_options import add_stash_arguments, levered_activations, stash_plan
 from pipeweave.commands.units import check_cost_flags, format_bytes
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
+from pipeweave.partition.recompute import kept_bytes, replay_time
 from pipeweave.schedule import generate
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim import CostModel, compute_metrics
 from pipeweave.sim.parallel import Layout, simulate_layout, tp_backward_time, tp_forward_time
+from pipeweave.sim.recompute import RECOMPUTE, spelled
 from pipeweave.sim.shards import Shares
 from pipeweave.sim.traffic import ModelBytes
 
@@ -68,6 +73,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="profile as the run computes: bf16, under bfloat16 autocast (default fp32)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads while profiling, as per rank (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_recompute_argument(p, auto=True)
     add_layout_arguments(p)
     return p
 
@@ -124,7 +130,7 @@ def check_partition_arguments(args: argparse.Namespace) -> None:
 def partition_context(args: argparse.Namespace, profile: MemoryProfile | None) -> PartitionContext:
     return PartitionContext(
         counts=parse_counts(args.layers_per_stage), memory_limit=args.memory_limit, profile=profile,
-        bandwidth=args.bandwidth,
+        bandwidth=args.bandwidth, recompute=getattr(args, "recompute", "none"),
     )
 
 
@@ -218,14 +224,21 @@ def check_device(device: str) -> None:
 
 
 def part_costs(costs: LayerCosts, plan: Partition) -> dict[str, list[float]]:
-    """Per part: F, I and W time (over replicas: PipeDream's round robin), activation and weight bytes."""
-    out: dict[str, list[float]] = {"f": [], "b": [], "w": [], "activation": [], "weight": []}
+    """Per part: F, I and W time (over replicas: PipeDream's round robin), activation and weight bytes, and
+    what recomputation replays (``replay_selective``) and keeps (``kept_selective``, ``kept_full``: fractions
+    of the activation bytes; ``partition.recompute``)."""
+    names = ("f", "b", "w", "activation", "weight", "replay_selective", "kept_selective", "kept_full")
+    out: dict[str, list[float]] = {name: [] for name in names}
     for (start, stop), replicas in zip(plan.bounds, plan.replicas):
         out["f"].append(costs.total("forward", start, stop) / replicas)
         out["b"].append(costs.total("input_grad", start, stop) / replicas)
         out["w"].append(costs.total("weight_grad", start, stop) / replicas)
-        out["activation"].append(costs.total("activation", start, stop) + costs.output[stop - 1])
+        kept = {m: float(kept_bytes(costs, np.array([start]), stop, m)[0]) for m in RECOMPUTE}
+        out["activation"].append(kept["none"])
         out["weight"].append(costs.total("params", start, stop))
+        out["replay_selective"].append(float(replay_time(costs, np.array([start]), stop, "selective")[0]) / replicas)
+        for m in ("selective", "full"):
+            out[f"kept_{m}"].append(min(1.0, kept[m] / kept["none"]) if kept["none"] > 0 else 1.0)
     return out
 
 
@@ -240,10 +253,7 @@ def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, A
         schedule = generate(args.schedule, num_stages=plan.num_parts, num_microbatches=args.microbatches)
         layout = layout_from_args(args, num_ranks=plan.num_parts)
         profile = memory_profile(schedule, args, layout)
-    per_part = part_costs(costs, plan)
-    cost = CostModel(
-        f=per_part["f"], b=per_part["b"], w=per_part["w"], activation=per_part["activation"], weight=per_part["weight"]
-    )
+    cost = CostModel(recompute=plan.recompute, **part_costs(costs, plan))
     model = layer_bytes(costs, plan, args.optimizer_state)
     timeline = simulate_layout(schedule, cost, layout, model)
     metrics = compute_metrics(timeline)
@@ -252,14 +262,16 @@ def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, A
     assert on is not None
     parts: list[dict[str, Any]] = []
     for k, (start, stop) in enumerate(plan.bounds):
-        memory = profile.memory_of(costs, k, start, stop) if profile else None
+        memory = profile.memory_of(costs, k, start, stop, plan.recompute[k]) if profile else None
         parts.append({
             "layers": list(range(start, stop)), "names": list(costs.names[start:stop]), "replicas": plan.replicas[k],
             "time": on.f[k] + on.b[k] + on.w[k], "f": on.f[k], "b": on.b[k], "w": on.w[k], "memory": memory,
+            "recompute": plan.recompute[k],
         })
     return {
         "schedule": schedule.name, "stages": args.stages, "microbatches": args.microbatches,
-        "partition": partition_method(args), "parts": parts, "max_stage_time": max(float(p["time"]) for p in parts),
+        "partition": partition_method(args), "recompute": spelled(plan.recompute),
+        "recompute_chosen": args.recompute == "auto", "parts": parts, "max_stage_time": max(float(p["time"]) for p in parts),
         "max_memory": max((float(p["memory"]) for p in parts if p["memory"] is not None), default=None),
         "memory_limit": args.memory_limit, "bubble_ratio": metrics.bubble_ratio,
         "bubble_ratio_flush": metrics.bubble_ratio_flush, "makespan": metrics.makespan,
@@ -337,17 +349,20 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         f"{result['schedule']}, {result['stages']} stages, {result['microbatches']} microbatches, "
         f"partition {result['partition']}",
-        f"{'part':>4}  {'layers':<14} {'replicas':>8}  {'time/mb':>10}  {'memory':>12}",
+        f"{'part':>4}  {'layers':<14} {'replicas':>8}  {'time/mb':>10}  {'memory':>12}  recompute",
     ]
     for k, part in enumerate(result["parts"]):
         layers = part["layers"]
         span = f"{layers[0]}-{layers[-1]} ({len(layers)})" if len(layers) > 1 else f"{layers[0]} (1)"
         memory = "-" if part["memory"] is None else _bytes(part["memory"])
-        lines.append(f"{k:>4}  {span:<14} {part['replicas']:>8}  {_seconds(part['time']):>10}  {memory:>12}")
+        lines.append(f"{k:>4}  {span:<14} {part['replicas']:>8}  {_seconds(part['time']):>10}  {memory:>12}  "
+                     f"{part['recompute']}")
     lines.append(
         f"slowest part {_seconds(result['max_stage_time'])}/microbatch; predicted step {_seconds(result['makespan'])}, "
         f"bubble {result['bubble_ratio']:.1%}"
     )
+    if result["recompute_chosen"]:
+        lines.append(f"recompute chosen per part with the split: {result['recompute']}")
     return "\n".join(lines + result.get("layout_lines", []))
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
+from pipeweave.commands.recompute_options import AUTO, add_recompute_cost_arguments, recompute_costs
 from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, layout_from_args,
                                               layout_report, model_bytes)
 from pipeweave.commands.stash_options import add_stash_arguments, simulate_levers, stash_plan
@@ -14,6 +16,7 @@ from pipeweave.host import available_memory
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.parallel import Layout, layout_times, simulate_layout
+from pipeweave.sim.recompute import spelled
 from pipeweave.sim.traffic import ModelBytes
 
 
@@ -39,6 +42,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="FILE", help="write the schedule as CSV")
     p.add_argument("--plot", metavar="FILE", help="write a timeline plot")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_recompute_cost_arguments(p, auto=True)
     add_layout_arguments(p)
     add_byte_arguments(p)
     add_stash_arguments(p)
@@ -48,7 +52,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from pipeweave.commands.outputs import output_file, picture_file
     from pipeweave.schedule.text import write_csv
-    from pipeweave.search import exact, problem_from_times
+    from pipeweave.search import exact
 
     layout, model = _check_arguments(args)
     if args.csv:
@@ -61,9 +65,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--offload, --balance-activations and --compress-activations are searched on one pipeline; "
                         "drop --tensor-parallel/--data-parallel or the memory levers")
     # Compressed activations take kept x M_a: the same limit holds 1/kept as many.
-    problem = problem_from_times(
-        args.stages, args.microbatches, vshape=args.v_shape or args.chunks == 2, time_f=f,
-        time_b=b, time_w=w, time_comm=comm, memory_limit=args.memory_limit / levers.kept, mem_w=args.mem_w)
+    problem, chosen = _problem(args, f, b, w, comm, args.memory_limit / levers.kept)
     result = exact(problem, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
                    work_limit=args.work_limit)
     if args.csv:
@@ -73,13 +75,17 @@ def run(args: argparse.Namespace) -> int:
         from pipeweave.sim.plot import plot_timeline
 
         plot_timeline(simulate(result.schedule, problem.cost), args.plot)
-    report = _layout_report(args, result.schedule, layout, model)
+    modes = problem.costs.recompute or ("none",) * problem.num_parts
+    report = _layout_report(args, result.schedule, layout, model, modes)
     levered = _levered(args, result.schedule, problem.cost, levers)
     if args.json:
-        print(json.dumps({**result.as_dict(), **({"layout": report[0]} if report else {}), **levered}))
+        print(json.dumps({**result.as_dict(), "recompute": spelled(modes), "recompute_chosen": chosen,
+                          **({"layout": report[0]} if report else {}), **levered}))
         return 0
     print(f"{result.schedule.name}: D={args.stages} T={args.microbatches} K={args.memory_limit} "
           f"solver={result.solver} ({result.status}, {result.solver_time:.2f} s)")
+    if set(modes) != {"none"} or chosen:
+        print(f"  recompute {spelled(modes)}" + (" (chosen per part with the schedule)" if chosen else ""))
     print(f"  bubble ratio {result.bubble_ratio:.4f}  (bound {result.bubble_bound:.4f})")
     print(f"  max span {result.span:.4f}  lower bound {result.lower_bound:.4f}  gap {100 * result.gap:.2f} %")
     print(f"  peak activations {list(result.metrics.peak_activations)} (limit {problem.limit[0]:g})")
@@ -91,6 +97,23 @@ def run(args: argparse.Namespace) -> int:
     for line in report[1] if report else ():
         print(line)
     return 0
+
+
+def _problem(args: argparse.Namespace, f: float, b: float, w: float, comm: float,
+             memory_limit: float) -> tuple[Any, bool]:
+    """The instance of the flags, and whether its recomputation per part was chosen (``--recompute auto``,
+    ``search.recompute``: with the heuristic's schedules; the exact search then refines the chosen one)."""
+    from pipeweave.search import Problem
+    from pipeweave.search.recompute import choose_recompute, recompute_problem, with_recompute
+
+    cost = CostModel(f=f, b=b, w=w, comm=comm, mem_w=args.mem_w, **recompute_costs(args, auto=True))
+    vshape = args.v_shape or args.chunks == 2
+    if args.recompute != AUTO:
+        return Problem(num_stages=args.stages, num_microbatches=args.microbatches, vshape=vshape, cost=cost,
+                       memory_limit=memory_limit), False
+    problem = recompute_problem(args.stages, args.microbatches, vshape=vshape, cost=cost,
+                                memory_limit=memory_limit)
+    return with_recompute(problem, choose_recompute(problem)[0]), True
 
 
 def _levered(args: argparse.Namespace, schedule: Any, cost: CostModel, levers: Any) -> dict[str, Any]:
@@ -112,11 +135,12 @@ def _times(args: argparse.Namespace, layout: Layout, model: ModelBytes) -> tuple
 
 
 def _layout_report(args: argparse.Namespace, schedule: Any, layout: Layout,
-                   model: ModelBytes) -> tuple[dict[str, Any], list[str]] | None:
+                   model: ModelBytes, modes: tuple[str, ...]) -> tuple[dict[str, Any], list[str]] | None:
     """The found schedule on the layout, its hops on their own links and the DP reductions added."""
     if layout.trivial:
         return None
-    cost = CostModel(f=args.time_f, b=args.time_b, w=args.time_w, comm=args.time_comm, mem_w=args.mem_w)
+    cost = CostModel(f=args.time_f, b=args.time_b, w=args.time_w, comm=args.time_comm, mem_w=args.mem_w,
+                     **{**recompute_costs(args, auto=True), "recompute": modes})
     timeline = simulate_layout(schedule, cost, layout, model, check=False)
     makespan = bubble_metrics(timeline)[0]
     json_, lines = layout_report(schedule, cost, layout, model, makespan) or ({}, [])
@@ -136,7 +160,7 @@ def _check_arguments(args: argparse.Namespace) -> tuple[Layout, ModelBytes]:
                             ("--time-comm", "latency")))
     if not 0.0 <= args.mem_w <= 1.0:
         raise UserError(f"--mem-w {args.mem_w} is invalid; give a fraction in [0, 1]")
-    if not args.memory_limit * args.stages >= 1.0 - 1e-9:  # nan too
+    if math.isnan(args.memory_limit) or (args.memory_limit * args.stages < 1.0 - 1e-9 and args.recompute == "none"):
         raise UserError(f"--memory-limit {args.memory_limit:g} holds less than one microbatch per rank; give K >= "
                         f"1/{args.stages}, e.g. 1 (ZB-1p) or 2 (ZB-2p), or inf for no limit")
     if not args.time_limit > 0:

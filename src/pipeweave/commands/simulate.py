@@ -22,6 +22,7 @@ from rich.table import Table
 from pipeweave.host import available_memory as _available_memory
 from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, layout_from_args,
                                               layout_report, model_bytes)
+from pipeweave.commands.recompute_options import add_recompute_cost_arguments, recompute_costs
 from pipeweave.commands.stash_options import add_stash_arguments, simulate_levers, stash_plan
 from pipeweave.commands.units import check_cost_flags, parse_values
 from pipeweave.errors import UserError
@@ -69,6 +70,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=100, help="columns of the text timeline (default 100)")
     from pipeweave.commands.stream_options import add_schedule_arguments
 
+    add_recompute_cost_arguments(p)
     add_layout_arguments(p)
     add_byte_arguments(p)
     add_stash_arguments(p)
@@ -175,7 +177,8 @@ def _prepared(args: argparse.Namespace) -> tuple[Schedule, ScheduleInfo | None, 
     layout = layout_from_args(args, num_ranks=schedule.placement.ranks_per_pipeline)
     model = model_bytes(args, schedule.num_parts)
     cost = CostModel(f=times["--time-f"], b=times["--time-b"], w=times["--time-w"], u=times["--time-u"],
-                     comm=args.time_comm, dispatch=args.time_dispatch, mem_w=args.mem_w)
+                     comm=args.time_comm, dispatch=args.time_dispatch, mem_w=args.mem_w, **recompute_costs(args))
+    cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)  # lengths checked
     return schedule, info, cost, layout, model
 
 
@@ -285,7 +288,7 @@ def _cost_dict(cost: CostModel) -> dict[str, Any]:
         return v if isinstance(v, (int, float)) else list(v)
 
     return {"f": plain(cost.f), "b": plain(cost.b), "w": plain(cost.w), "u": plain(cost.u), "comm": cost.comm,
-            "dispatch": cost.dispatch, "mem_w": cost.mem_w}
+            "dispatch": cost.dispatch, "mem_w": cost.mem_w, "recompute": cost.recompute}
 
 
 def _as_json(schedule: Schedule, info: ScheduleInfo | None, cost: CostModel, metrics: Metrics,

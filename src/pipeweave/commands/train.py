@@ -23,6 +23,7 @@ from typing import Any
 
 from pipeweave.commands.stash_options import add_stash_arguments
 from pipeweave.commands.partition import add_model_arguments, add_partition_arguments
+from pipeweave.commands.recompute_options import add_recompute_argument
 from pipeweave.commands.schedule_file import add_schedule_file_argument
 from pipeweave.commands.stream_options import add_async_arguments
 
@@ -71,7 +72,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--lr-decay-steps", type=int, metavar="N",
                    help="the step where the decay ends (default: the last step, or a stream's last update, of "
                         "this run; give the same one when resuming)")
-    p.add_argument("--recompute", action="store_true", help="activation recomputation on every stage")
+    add_recompute_argument(p, auto=True)
     add_stash_arguments(p, bandwidth=False)
     p.add_argument("--precision", default="fp32", metavar="fp32|bf16",
                    help="bf16: mixed precision, every forward under torch.autocast to bfloat16 (parameters, "

@@ -168,10 +168,12 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
     table.add_row("bubble, schedule alone", "", f"{report['bubble_ratio_simulated_no_dispatch']:.3f}")
     simulated = report.get("weight_bytes_simulated")
     estimated = report.get("memory_estimate", {}).get("activations")
+    tensors = report.get("peak_tensor_bytes") or [0] * len(report["weight_bytes"])
     for r, (act, weight) in enumerate(zip(report["peak_activation_bytes"], report["weight_bytes"])):
         predicted = ([f"act {_bytes(estimated[r])}"] if estimated else []) + (
             [f"weights {_bytes(simulated[r])}"] if simulated else [])
-        table.add_row(f"rank {r} memory", f"act {_bytes(act)}  weights {_bytes(weight)}", "  ".join(predicted))
+        peak = f"  peak {_bytes(tensors[r])}" if tensors[r] else ""  # the process's tensors (stage.tensor_bytes)
+        table.add_row(f"rank {r} memory", f"act {_bytes(act)}  weights {_bytes(weight)}{peak}", "  ".join(predicted))
     console = Console()
     console.print(table)
     if report.get("streams", 1) > 1:

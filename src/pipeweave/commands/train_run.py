@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeweave.commands.partition import check_partition_arguments, memory_profile, model_spec, parse_counts, partition_context, partition_method
 from pipeweave.commands.outputs import output_folder
+from pipeweave.commands.recompute_options import AUTO
 from pipeweave.commands.profiled import profiled_costs
 from pipeweave.commands.stash_options import train_levers
 from pipeweave.commands.schedule_file import schedule_from_file
@@ -28,7 +29,7 @@ from pipeweave.commands.stream_options import async_options
 from pipeweave.commands.train_report import build_report, output_paths, print_summary, write_outputs
 from pipeweave.errors import UserError
 from pipeweave.models.hf import is_hf, save_pretrained
-from pipeweave.partition import LayerCosts, partition
+from pipeweave.partition import LayerCosts, Partition, partition
 from pipeweave.runtime.process import under_torchrun
 from pipeweave.runtime.profile import profile_model
 from pipeweave.runtime.run.config import TrainConfig
@@ -42,6 +43,7 @@ from pipeweave.runtime.stage.policy import PolicyOptions
 from pipeweave.runtime.stage.post_validation import PostValidation
 from pipeweave.runtime.transport import shm
 from pipeweave.schedule import SCHEDULES, Schedule
+from pipeweave.sim.recompute import spelled
 
 
 # Preferred defaults, first one present in the registry wins (zero bubble is
@@ -95,7 +97,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         num_microbatches=_size(args.microbatches, DEFAULT_MICROBATCHES,
                                None if written is None else written.num_microbatches),
         model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
-        recompute=args.recompute, precision=args.precision, seed=args.seed or 0, data=args.data,
+        recompute="none" if args.recompute == AUTO else args.recompute, precision=args.precision, seed=args.seed or 0, data=args.data,
         data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel, zero=args.zero,
         bucket_mb=args.bucket_mb,
         momentum=momentum, schedule_options=tuple(options.items()), policy=policy,
@@ -209,14 +211,21 @@ def _with_partition(config: TrainConfig, args: argparse.Namespace) -> TrainConfi
     base = build_schedule(dataclasses.replace(config, data_parallel=1))  # one replica: the parts
     microbatch = max(1, config.batch_size // (config.num_microbatches * config.data_parallel))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    counts = layers_per_part(args, config.model, base, microbatch, device)
-    return dataclasses.replace(config, layers_per_part=counts) if counts is not None else config
+    if args.recompute == AUTO and partition_method(args) != "memory":
+        raise UserError("--recompute auto is chosen by --partition memory under --memory-limit; add them, or give "
+                        "the modes (none, selective, full or one per part)")
+    plan = layers_per_part(args, config.model, base, microbatch, device)
+    if plan is None:
+        return config
+    chosen = {"recompute": spelled(plan.recompute)} if args.recompute == AUTO else {}
+    return dataclasses.replace(config, layers_per_part=plan.counts, **chosen)
 
 
 def layers_per_part(
     args: argparse.Namespace, spec: Any, schedule: Schedule, microbatch_size: int, device: str
-) -> tuple[int, ...] | None:
-    """For ``train``: the layer counts ``--partition`` gives for ``schedule`` (None: uniform).
+) -> Partition | None:
+    """For ``train``: the partition ``--partition`` gives for ``schedule`` (None: uniform), with its recomputation
+    per part (``--recompute auto``: chosen by ``--partition memory``).
 
     Costs come from ``--costs`` or the profiler (cached) on ``device``.
 
@@ -243,7 +252,7 @@ def layers_per_part(
             f"--partition {method} replicates parts {list(plan.replicas)}; train one replica per part "
             "with --partition time, or replicate whole pipelines with --data-parallel"
         )
-    return plan.counts
+    return plan
 
 
 def train(args: argparse.Namespace) -> int:

@@ -71,3 +71,26 @@ def tensor_parallel_plan(spec: ModelSpec, index: int, layer: nn.Module) -> Mappi
         plans = spec.custom.tp_plan
         return (plans[index] or {}) if plans is not None else {}
     return (mlp if spec.kind == "mlp" else gpt).tensor_parallel_plan(spec, layer)
+
+
+def selective_plan(spec: ModelSpec, index: int, layer: nn.Module) -> tuple[str, ...]:
+    """The submodules of layer ``index`` that ``--recompute selective`` replays (``sim.recompute``): the gpt's
+    attention core, a custom model's ``LayerModel.selective`` entry.
+
+    Raises:
+        UserError: a model that names no selective region (the mlp, a custom model without ``selective``).
+    """
+    check_selective(spec)
+    if spec.kind == "gpt":
+        return gpt.selective_plan(layer)
+    return tuple(spec.custom.selective[index] or ())
+
+
+def check_selective(spec: ModelSpec) -> None:
+    """One line if the model names no selective region (``selective_plan``), before any rank starts."""
+    if spec.kind == "mlp":
+        raise UserError(f"--recompute selective: {mlp.SELECTIVE_NONE}")
+    if spec.kind == "custom" and spec.custom.selective is None:
+        raise UserError(f"--recompute selective: the model {spec.entry} names no selective region; give its "
+                        "LayerModel a selective list (per layer, the submodules to replay, e.g. ['attn.core']), "
+                        "or --recompute full or none")

@@ -112,6 +112,10 @@ class LayerModel:
     starts as the group's first one, and their gradients are summed before each update
     (``models.tied``, ``runtime.stage.tied``). Members must lie in one stage, or in a pipeline's first
     and last stages (an embedding and the head)."""
+    selective: Sequence[Sequence[str] | None] | None = None
+    """For ``--recompute selective``: per layer, the names of its submodules to replay before the backward
+    instead of keeping their activations (``torch.utils.checkpoint``), e.g. ``["attn.core"]`` for an
+    attention core; None: nothing in that layer. A model without it refuses ``--recompute selective``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, Sequence) or not self.layers:
@@ -126,6 +130,10 @@ class LayerModel:
             raise UserError(f"LayerModel.tp_plan must be a list with one entry per layer ({len(self.layers)}): a "
                             "dict {module name: 'colwise' or 'rowwise'} or None")
         check_groups(self.tied, len(self.layers))
+        if self.selective is not None and (isinstance(self.selective, (str, Mapping))
+                                           or len(self.selective) != len(self.layers)):
+            raise UserError(f"LayerModel.selective must be a list with one entry per layer ({len(self.layers)}): a "
+                            "list of submodule names to replay under --recompute selective, or None")
         for name in ("dataset", "eval_dataset"):
             data = getattr(self, name)
             if data is None and name == "eval_dataset":

@@ -17,6 +17,13 @@ from pipeweave.models.spec import ModelSpec, layer_generator
 from pipeweave.models.tensor_parallel import check_divisible
 
 
+class AttentionCore(nn.Module):
+    """softmax(QK^T / sqrt(d)) V, causal: the part selective recomputation replays (Korthikanti et al.)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     """Multi-head causal self-attention."""
 
@@ -24,6 +31,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_width = hidden // heads
         self.qkv = Linear(hidden, 3 * hidden, generator=generator)
+        self.core = AttentionCore()  # no parameters: the state dict is unchanged
         self.proj = Linear(hidden, hidden, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -31,7 +39,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # under tensor parallelism, this rank's heads of each
         # (batch, seq, heads x head width) -> (batch, heads, seq, head width): the heads held here
         q, k, v = (t.view(batch, seq, -1, self.head_width).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -74,6 +82,12 @@ def build_layer(spec: ModelSpec, index: int, generator: torch.Generator) -> nn.M
                 head.out.weight.copy_(Embedding.initial_token(spec.vocab, spec.hidden, layer_generator(spec, 0)))
         return head
     return Block(spec.hidden, spec.heads, generator=generator)
+
+
+def selective_plan(layer: nn.Module) -> tuple[str, ...]:
+    """The submodules selective recomputation replays: a block's attention core; nothing in the embedding
+    and the head."""
+    return ("attn.core",) if isinstance(layer, Block) else ()
 
 
 def check_tensor_parallel(spec: ModelSpec, size: int) -> None:

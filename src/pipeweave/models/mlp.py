@@ -30,6 +30,11 @@ def build_layer(spec: ModelSpec, index: int, generator: torch.Generator) -> nn.M
     return MLPBlock(spec.hidden, generator=generator)
 
 
+SELECTIVE_NONE = ("the mlp has no selective region: its blocks are two GEMMs around a GELU, nothing both cheap to "
+                  "replay and large to keep; give --recompute full or none")
+"""Why ``--recompute selective`` is refused on the mlp (``models.build.selective_plan``)."""
+
+
 def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
     """One line if ``size`` ranks cannot split the blocks' 4h hidden layer evenly."""
     check_divisible([("4 x --hidden", 4 * spec.hidden)], size)

@@ -18,6 +18,7 @@ import numpy as np
 
 from pipeweave.errors import UserError
 from pipeweave.partition.problem import LayerCosts
+from pipeweave.partition.recompute import kept_bytes, replayed_bytes
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.metrics import peak_activations
 from pipeweave.sim.timeline import simulate
@@ -101,17 +102,22 @@ class MemoryProfile:
         return cls(activations=tuple(acts), weights=tuple(weights), state=state, ranks=ranks,
                    weight_share=weight_share)
 
-    def part_memory(self, costs: LayerCosts, part: int, starts: np.ndarray, stop: int) -> np.ndarray:
-        """Bytes part ``part`` needs when it is layers ``[start, stop)``, for every start."""
-        act, par = costs.prefix("activation"), costs.prefix("params")
-        # a part keeps its layers' activations and its own output (the layers' outputs inside
-        # the part are counted as the next layer's input).
-        kept = act[stop] - act[starts] + costs.output[stop - 1]
-        result: np.ndarray = self.activations[part] * kept + (
+    def part_memory(self, costs: LayerCosts, part: int, starts: np.ndarray, stop: int,
+                    recompute: str = "none") -> np.ndarray:
+        """Bytes part ``part`` needs when it is layers ``[start, stop)``, for every start.
+
+        A part keeps its layers' activations and its own output (the layers' outputs inside the part
+        are counted as the next layer's input), or what ``recompute`` keeps of them
+        (``partition.recompute``), plus, recomputing, one microbatch's replayed activations while a
+        backward runs.
+        """
+        par = costs.prefix("params")
+        kept = kept_bytes(costs, starts, stop, recompute)
+        result: np.ndarray = self.activations[part] * kept + replayed_bytes(costs, starts, stop, recompute) + (
             self.weights[part] * self.weight_share + self.state
         ) * (par[stop] - par[starts])
         return result
 
-    def memory_of(self, costs: LayerCosts, part: int, start: int, stop: int) -> float:
+    def memory_of(self, costs: LayerCosts, part: int, start: int, stop: int, recompute: str = "none") -> float:
         """Bytes part ``part`` needs when it is layers ``[start, stop)``."""
-        return float(self.part_memory(costs, part, np.array([start]), stop)[0])
+        return float(self.part_memory(costs, part, np.array([start]), stop, recompute)[0])

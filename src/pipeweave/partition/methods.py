@@ -8,6 +8,7 @@ dynamic programs (``balance.py``); ``pipedream`` is PipeDream's planner
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from pipeweave.partition.balance import PartCost, balanced, span_cost
 from pipeweave.partition.memory import MemoryProfile
 from pipeweave.partition.pipedream import pipedream_plan
 from pipeweave.partition.problem import LayerCosts, Partition
+from pipeweave.partition.recompute import replay_time
+from pipeweave.sim.recompute import RECOMPUTE, per_part
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +38,9 @@ class PartitionContext:
     """``memory``: the schedule's activation and weight profile (default: flat)."""
     bandwidth: float = 1e10
     """``pipedream``: bytes per second between ranks (10 GB/s by default, a PCIe-class link)."""
+    recompute: str = "none"
+    """Recomputation per part (``sim.recompute``: one mode, or one per part), or ``auto``: ``memory`` chooses
+    each part's with the split (the fastest that fits the limit)."""
 
 
 Partitioner = Callable[[LayerCosts, int, PartitionContext], Partition]
@@ -161,7 +167,11 @@ def memory(costs: LayerCosts, num_parts: int, context: PartitionContext) -> Part
     """Least slowest-part time with every part within ``memory_limit`` (ties: least memory), exactly.
 
     Under 1F1B part k holds D - k microbatches, so when the limit binds the
-    early parts get fewer layers.
+    early parts get fewer layers. With ``context.recompute`` ``auto`` each part
+    also takes the fastest recomputation that fits (``partition.recompute``:
+    a replayed forward before each backward, fewer bytes kept), chosen with
+    the split: a part's time and memory depend only on its own layers and
+    mode, so the dynamic program stays exact for this bottleneck.
 
     Raises:
         UserError: no limit, a profile of another part count, several parts on
@@ -185,23 +195,59 @@ def memory(costs: LayerCosts, num_parts: int, context: PartitionContext) -> Part
             "--partition memory needs one part per rank; use a schedule with one chunk per rank "
             "or --partition time"
         )
-    limit = context.memory_limit
-
-    def part_memory(k: int, starts: np.ndarray, stop: int) -> np.ndarray:
-        return profile.part_memory(costs, k, starts, stop)
-
-    result = balanced(
-        costs.num_layers, num_parts, span_cost(costs.prefix("time")), part_memory,
-        allowed=lambda k, starts, stop: part_memory(k, starts, stop) <= limit,
-    )
+    modes = [RECOMPUTE] * num_parts if context.recompute == "auto" else [
+        (m,) for m in per_part(context.recompute, num_parts)]
+    choice = _Choice(costs, profile, modes, context.memory_limit)
+    result = balanced(costs.num_layers, num_parts, choice.time, choice.memory, allowed=choice.fits)
     if result is None:
-        least = balanced(costs.num_layers, num_parts, part_memory)
+        least = balanced(costs.num_layers, num_parts, choice.least_memory)
         assert least is not None
+        how = "any split and recomputation needs" if context.recompute == "auto" else "any split needs"
         raise UserError(
-            f"--memory-limit {limit:.4g} bytes is below the least any split needs ({least[0]:.4g} bytes); "
-            "raise the limit, add stages or recompute activations"
+            f"--memory-limit {context.memory_limit:.4g} bytes is below the least {how} ({least[0]:.4g} bytes); "
+            + ("raise the limit or add stages" if context.recompute == "auto"
+               else "raise the limit, add stages or recompute activations (--recompute auto)")
         )
-    return Partition(tuple(result[1]))
+    plan = Partition(tuple(result[1]))
+    return Partition(plan.counts, recompute=tuple(choice.mode(k, start, stop) for k, (start, stop)
+                                                  in enumerate(plan.bounds)))
+
+
+class _Choice:
+    """Per part and possible layers, the fastest recomputation mode that fits the limit, its time and memory."""
+
+    def __init__(self, costs: LayerCosts, profile: MemoryProfile, modes: list[tuple[str, ...]], limit: float) -> None:
+        self.costs, self.profile, self.modes, self.limit = costs, profile, modes, limit
+
+    def _table(self, k: int, starts: np.ndarray, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(time, memory) per mode of part k (rows) for every start (columns); infeasible times are inf."""
+        base = self.costs.prefix("time")[stop] - self.costs.prefix("time")[starts]
+        times = np.array([base + replay_time(self.costs, starts, stop, m) for m in self.modes[k]])
+        memory = np.array([self.profile.part_memory(self.costs, k, starts, stop, m) for m in self.modes[k]])
+        return np.where(memory <= self.limit, times, np.inf), memory
+
+    def _best(self, k: int, starts: np.ndarray, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        times, memory = self._table(k, starts, stop)
+        at = np.argmin(times, axis=0)  # the first of equal times: the mode that replays least
+        columns = np.arange(len(starts))
+        return times[at, columns], memory[at, columns], at
+
+    def time(self, k: int, starts: np.ndarray, stop: int) -> np.ndarray:
+        return self._best(k, starts, stop)[0]
+
+    def memory(self, k: int, starts: np.ndarray, stop: int) -> np.ndarray:
+        return self._best(k, starts, stop)[1]
+
+    def fits(self, k: int, starts: np.ndarray, stop: int) -> np.ndarray:
+        ok: np.ndarray = np.isfinite(self.time(k, starts, stop))
+        return ok
+
+    def least_memory(self, k: int, starts: np.ndarray, stop: int) -> np.ndarray:
+        least: np.ndarray = self._table(k, starts, stop)[1].min(axis=0)
+        return least
+
+    def mode(self, k: int, start: int, stop: int) -> str:
+        return self.modes[k][int(self._best(k, np.array([start]), stop)[2][0])]
 
 
 def pipedream(costs: LayerCosts, num_parts: int, context: PartitionContext) -> Partition:
@@ -241,4 +287,10 @@ def partition(method: str, costs: LayerCosts, num_parts: int, context: Partition
         raise UserError(f"unknown partition method {method!r}; choose one of: {', '.join(PARTITIONERS)} (type:REGEX)")
     if name == "type":
         context = PartitionContext(**{**context.__dict__, "regex": arg})
-    return PARTITIONERS[name](costs, num_parts, context)
+    if context.recompute == "auto" and name != "memory":
+        raise UserError(f"--recompute auto is chosen by --partition memory under --memory-limit, not by {method}; "
+                        "give --partition memory or the modes (none, selective, full or one per part)")
+    plan = PARTITIONERS[name](costs, num_parts, context)
+    if name == "memory":
+        return plan
+    return dataclasses.replace(plan, recompute=per_part(context.recompute, plan.num_parts))

@@ -18,8 +18,10 @@ import numpy as np
 from pipeweave.errors import UserError
 from pipeweave.sim.cost import MAX_COST
 
-_PER_LAYER = ("forward", "input_grad", "weight_grad", "activation", "params", "output", "flops")
-_OPTIONAL = ("output", "flops")
+_PER_LAYER = ("forward", "input_grad", "weight_grad", "activation", "params", "output", "flops",
+              "selective_forward", "selective_activation")
+_OPTIONAL = ("output", "flops", "selective_forward", "selective_activation")
+"""Fields a costs file may leave out (older files): 0, 0, 0 and ``activation``."""
 
 
 def _floats(name: str, values: Sequence[float], num_layers: int) -> tuple[float, ...]:
@@ -73,6 +75,11 @@ class LayerCosts:
     flops: tuple[float, ...] = ()
     """Floating-point operations of the layer's F, I and W together for one microbatch, as the profiler
     counts them (``torch.utils.flop_counter``); default 0, not counted (profiles written before it was)."""
+    selective_forward: tuple[float, ...] = ()
+    """Forward time of the layer's selective region (``--recompute selective`` replays it before the
+    backward: the gpt's attention core; default: 0, no region)."""
+    selective_activation: tuple[float, ...] = ()
+    """``activation`` under selective recomputation (default: ``activation``, nothing saved)."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     """Where the costs come from (model spec, device, shapes); informative only."""
     _prefix: dict[str, np.ndarray] = field(init=False, repr=False, compare=False)
@@ -87,7 +94,7 @@ class LayerCosts:
             raise UserError(f"types has {len(self.types)} values for {n} layers; give one per layer")
         for name in _OPTIONAL:
             if not getattr(self, name):
-                object.__setattr__(self, name, (0.0,) * n)
+                object.__setattr__(self, name, self.activation if name == "selective_activation" else (0.0,) * n)
         for name in _PER_LAYER:
             object.__setattr__(self, name, _floats(name, getattr(self, name), n))
         totals = {name: np.concatenate(([0.0], np.cumsum(getattr(self, name)))) for name in _PER_LAYER}
@@ -180,10 +187,14 @@ class Partition:
     """Layers in each part."""
     replicas: tuple[int, ...] = ()
     """Data-parallel replicas of each part (PipeDream); empty means one each."""
+    recompute: tuple[str, ...] = ()
+    """Recomputation of each part (``sim.recompute``; ``--partition memory`` may choose it); empty means none."""
 
     def __post_init__(self) -> None:
         if not self.replicas:
             object.__setattr__(self, "replicas", (1,) * len(self.counts))
+        if not self.recompute:
+            object.__setattr__(self, "recompute", ("none",) * len(self.counts))
 
     @property
     def num_parts(self) -> int:

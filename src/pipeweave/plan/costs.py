@@ -42,7 +42,6 @@ from pipeweave.sim.network import all_gather_time, all_reduce_time
 
 BYTES_PER_ELEMENT = 2
 """Activations and their gradients in BF16."""
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pipeweave.errors import UserError
 from pipeweave.plan.config import Config
-from pipeweave.plan.costs import RECOMPUTE
+from pipeweave.sim.recompute import RECOMPUTE
 from pipeweave.plan.profiled import Model
 from pipeweave.schedule.registry import SCHEDULES
 from pipeweave.sim.parallel import ZERO_STAGES

@@ -12,6 +12,10 @@ layer's output, so what is measured is what a stage of the run does:
 - ``flops``: the floating-point operations of F, I and W together
   (``torch.utils.flop_counter``: matrix products and convolutions, the
   element-wise kernels not counted), from one more, untimed, microbatch.
+- ``selective_forward``: time of the layer's selective region within F (forward hooks on the
+  submodules ``models.build.selective_plan`` names: the gpt's attention core), what
+  ``--recompute selective`` replays; ``selective_activation``: ``activation`` of the layer
+  run under selective recomputation (0 and ``activation`` for a model that names no region).
 
 The last layer's forward includes the loss, as on the last stage. The host
 allocator is set as in every rank (``process.keep_freed_host_memory``): a
@@ -41,6 +45,7 @@ from pipeweave.errors import UserError
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary, num_samples, tensors
 from pipeweave.models.custom import fingerprint
+from pipeweave.models.build import selective_plan
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.spec import ModelSpec
 from pipeweave.partition.problem import LayerCosts
@@ -73,7 +78,7 @@ def cache_key(spec: ModelSpec, microbatch_size: int, device: torch.device, preci
         "spec": asdict(spec), "source": fingerprint(spec.entry) if spec.entry else None,  # a custom model's code
         "microbatch_size": microbatch_size, "device": str(device.type), "device_name": name,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "host_memory": "kept",
-        "precision": precision, "counted": "flops",
+        "precision": precision, "counted": "flops", "selective": 1,  # profiles before these fields are measured again
     }
 
 
@@ -98,23 +103,30 @@ def _profile_layer(
     worker = StageWorker(spec, [index], batch_size=num_samples(x), device=device, precision=precision)
     layer = worker.module[str(index)]
     timed = _timer(device)
-    times: dict[str, list[float]] = {"forward": [], "input_grad": [], "weight_grad": []}
+    times: dict[str, list[float]] = {"forward": [], "input_grad": [], "weight_grad": [], "selective_forward": []}
     with FlopCounterMode(display=False) as counter:  # one untimed microbatch, its operations counted
         _microbatch(worker, warmup + repeats, x, target, timed)
+    region = _RegionClock(_selective_modules(spec, index, layer), device)
     out = x
     for mb in range(warmup + repeats):
         worker.reset_peak()
         held_before = worker.activation_bytes()
+        region.total = 0.0
         f, i, w, out = _microbatch(worker, mb, x, target, timed)
+        s = region.total
         kept = worker.peak_activation_bytes() - held_before
         if mb >= warmup:
-            for key, value in zip(times, (f, i, w)):
+            for key, value in zip(times, (f, i, w, s)):
                 times[key].append(value)
+    region.remove()
     output_bytes = sum(t.untyped_storage().nbytes() for t in tensors(out))
     costs = {key: statistics.median(values) for key, values in times.items()}
+    activation = max(0, kept - output_bytes)
     costs.update(
         name=f"layers.{index}", type=type(layer).__name__, params=worker.weight_bytes(),
-        activation=max(0, kept - output_bytes), output=output_bytes, flops=float(counter.get_total_flops()),
+        activation=activation, output=output_bytes, flops=float(counter.get_total_flops()),
+        selective_activation=_selective_kept(spec, index, x, target, device, precision) - output_bytes
+        if region.modules else activation,
     )
     return costs, boundary.apply(torch.Tensor.detach, out)
 
@@ -128,6 +140,47 @@ def _microbatch(worker: StageWorker, mb: int, x: Boundary, target: Boundary,
     w, _ = timed(lambda: worker.backward_weight(mb))
     worker.optimizer.zero_grad(set_to_none=True)
     return f, i, w, out
+
+
+def _selective_modules(spec: ModelSpec, index: int, layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The submodules of the layer that selective recomputation replays (none if the model names no region)."""
+    try:
+        return [layer.get_submodule(name) for name in selective_plan(spec, index, layer)]
+    except (UserError, AttributeError):
+        return []
+
+
+class _RegionClock:
+    """Seconds spent in some submodules' forwards (hooks before and after each), summed in ``total``."""
+
+    def __init__(self, modules: list[torch.nn.Module], device: torch.device) -> None:
+        self.modules, self.device, self.total, self._start = modules, device, 0.0, 0.0
+        self.handles = [h for m in modules for h in (m.register_forward_pre_hook(self._enter),
+                                                     m.register_forward_hook(self._exit))]
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _enter(self, *_: Any) -> None:
+        self._start = self._now()
+
+    def _exit(self, *_: Any) -> None:
+        self.total += self._now() - self._start
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _selective_kept(spec: ModelSpec, index: int, x: Boundary, target: Boundary, device: torch.device,
+                    precision: str) -> int:
+    """Bytes one microbatch keeps in the layer under selective recomputation, its output included."""
+    worker = StageWorker(spec, [index], batch_size=num_samples(x), device=device, precision=precision,
+                         recompute="selective")
+    worker.forward(0, x, target if worker.is_last else None)
+    return worker.activation_bytes()
 
 
 def _gradient_like(out: Boundary) -> Boundary:
@@ -186,8 +239,9 @@ def profile_model(
                                 precision=precision)
         rows.append(row)
     costs = LayerCosts(
-        **{field: [row[field] for row in rows] for field in ("forward", "input_grad", "weight_grad", "activation", "params", "output",
-                                                               "flops")},
+        **{field: [row[field] for row in rows] for field in ("forward", "input_grad", "weight_grad", "activation", "params",
+                                                             "output", "flops", "selective_forward",
+                                                             "selective_activation")},
         names=[row["name"] for row in rows], types=[row["type"] for row in rows], meta=key,
     )
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from pipeweave.runtime.stream import (StreamData, StreamPosition, check_stream_m
                                       minibatch_losses)
 from pipeweave.runtime.walk import Walk, build_workers, run_step, trained_parameters
 from pipeweave.schedule.ir import Action, Op, Schedule
+from pipeweave.sim.recompute import Recompute
 
 
 def run_reference(
@@ -35,7 +36,7 @@ def run_reference(
     batch_size: int,
     optimizer_factory: OptimizerFactory | None = None,
     seed: int = 0,
-    recompute: bool = False,
+    recompute: Recompute = False,
     data: DataSource | None = None,
     parts: list[range] | None = None,
     precision: str = "fp32",
@@ -51,7 +52,7 @@ def run_reference(
         batch_size: samples per mini-batch, split into ``schedule.num_microbatches``.
         optimizer_factory: builds each stage's optimizer (default SGD, lr 0.1).
         seed: data seed.
-        recompute: activation recomputation on every stage.
+        recompute: activation recomputation: one mode for every part or one per part (``sim.recompute``).
         data: a data source (default ``data_source(spec, ...)``).
         parts: layer range per part (default ``uniform_parts``).
         precision: ``fp32`` or ``bf16`` (``models.precision``).
@@ -145,7 +146,7 @@ def run_stream_reference(
     batch_size: int,
     optimizer_factory: OptimizerFactory | None = None,
     seed: int = 0,
-    recompute: bool = False,
+    recompute: Recompute = False,
     data: DataSource | None = None,
     parts: list[range] | None = None,
     options: PolicyOptions | None = None,

@@ -22,6 +22,7 @@ from pipeweave.runtime.stage.tied import tie_peer, tie_peer_parts
 from pipeweave.runtime.stage.worker import OptimizerFactory, StageWorker
 from pipeweave.schedule.grid import format_rows
 from pipeweave.schedule.ir import Action, Op, Schedule
+from pipeweave.sim.recompute import Recompute, per_part
 
 
 def build_workers(
@@ -30,17 +31,19 @@ def build_workers(
     *,
     batch_size: int,
     optimizer_factory: OptimizerFactory | None = None,
-    recompute: bool = False,
+    recompute: Recompute = False,
     parts: list[range] | None = None,
     precision: str = "fp32",
 ) -> list[StageWorker]:
-    """One worker per stage of ``schedule``; part k gets ``parts[k]`` (default: uniform)."""
+    """One worker per stage of ``schedule``; part k gets ``parts[k]`` (default: uniform) and its own
+    recomputation (``recompute``: one mode for every part or one per part, ``sim.recompute``)."""
     parts = parts if parts is not None else uniform_parts(spec.num_layers, schedule.num_parts)
     if len(parts) != schedule.num_parts:
         raise UserError(f"{len(parts)} layer ranges given for {schedule.num_parts} parts; give one per part")
+    modes = per_part(recompute, schedule.num_parts)
     return [
         StageWorker(
-            spec, parts[part], batch_size=batch_size, optimizer_factory=optimizer_factory, recompute=recompute,
+            spec, parts[part], batch_size=batch_size, optimizer_factory=optimizer_factory, recompute=modes[part],
             precision=precision,
         )
         for part in schedule.placement.stage_part

@@ -12,7 +12,7 @@ the searches reason about.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipeweave.schedule.ir import Action, Op, Placement, ScheduleError
 from pipeweave.sim.cost import CostModel, PartCosts
@@ -58,13 +58,18 @@ class Problem:
         costs = self.cost.for_parts(num_parts=placement.num_parts, num_ranks=d)
         object.__setattr__(self, "placement", placement)
         object.__setattr__(self, "costs", costs)
-        per_mb = [sum(costs.activation[s] for s in placement.stages_on(r)) for r in range(d)]
-        if not self.memory_limit * d >= 1.0 - MEMORY_EPS:  # also rejects NaN
+        # K counts in microbatches kept without recomputation: the same bytes whatever the parts recompute.
+        plain = replace(self.cost, recompute="none").for_parts(num_parts=placement.num_parts, num_ranks=d)
+        per_mb = [sum(plain.activation[s] for s in placement.stages_on(r)) for r in range(d)]
+        stored = [sum(costs.activation[s] for s in placement.stages_on(r)) for r in range(d)]
+        limit = tuple(self.memory_limit * d * m for m in per_mb)
+        if not all(x >= m * (1.0 - MEMORY_EPS) for x, m in zip(limit, stored)) or math.isnan(self.memory_limit):
+            least = max((m / (d * p) for m, p in zip(stored, per_mb) if p > 0), default=1.0 / d)
             raise ScheduleError(
                 f"memory_limit={self.memory_limit!r} holds less than one microbatch per rank; "
-                f"give memory_limit >= 1/{d}"
+                f"give memory_limit >= {least:.4g}" + (f" (1/{d})" if least == 1.0 / d else "")
             )
-        object.__setattr__(self, "limit", tuple(self.memory_limit * d * m for m in per_mb))
+        object.__setattr__(self, "limit", limit)
         object.__setattr__(self, "start_offset", tuple(self._first_start(r) for r in range(d)))
 
     @property

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeweave.errors import UserError
+from pipeweave.sim.recompute import per_part
 
 Value = float | Sequence[float]
 
@@ -74,12 +75,29 @@ class CostModel:
     """Fraction of M_a still held between I and W (M_W / M_a); 0.5 as in the zero-bubble paper."""
     weight: Value = 1.0
     """Weight memory (M_theta)."""
+    recompute: str | Sequence[str] = "none"
+    """Activation recomputation (``sim.recompute``), one mode for every part or one per part. A part that
+    recomputes replays before each backward (B or I): ``full`` its forward f, ``selective``
+    ``replay_selective``; its M_a becomes what it keeps from F to the backward, ``kept_full`` or
+    ``kept_selective`` of it (M_W a share of that, as without recomputation). The replayed activations a
+    backward holds while it runs are not counted here (the runtime's estimate, ``runtime.run.memory``,
+    measures them)."""
+    replay_selective: Value = 0.0
+    """Time of replaying a part's selective region (the attention core), resolved like f."""
+    kept_selective: Value = 1.0
+    """Fraction of M_a a part keeps under selective recomputation (1: nothing saved, no profile known)."""
+    kept_full: Value = 0.0
+    """Fraction of M_a a part keeps under full recomputation: its input (0: negligible, no profile known)."""
     microbatch: Sequence[float] | None = None
     """Per microbatch of the step, a factor on the times of its F, B, I and W (sequences of variable length:
     its tokens over the mean's); None: every microbatch costs alike."""
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "u", "activation", "weight"):
+        for name in ("kept_selective", "kept_full"):
+            value = getattr(self, name)
+            if any(not 0.0 <= v <= 1.0 for v in ([value] if isinstance(value, (int, float)) else value)):
+                raise UserError(f"cost {name}={value!r} is invalid; give fractions of M_a in [0, 1]")
+        for name in ("f", "b", "w", "u", "activation", "weight", "replay_selective"):
             value = getattr(self, name)
             values = [value] if isinstance(value, (int, float)) else list(value)
             if not values:
@@ -119,11 +137,29 @@ class CostModel:
                 )
             return tuple(float(v) for v in value)
 
+        f, b, activation = resolve("f"), resolve("b"), resolve("activation")
+        micro = None if self.microbatch is None else tuple(float(v) for v in self.microbatch)
+        modes = per_part(self.recompute, num_parts)
+        if set(modes) == {"none"}:
+            return PartCosts(f=f, b=b, w=resolve("w"), u=resolve("u"), comm=self.comm, dispatch=self.dispatch,
+                             activation=activation, mem_w=self.mem_w, weight=resolve("weight"), microbatch=micro)
+        replay = {"none": (0.0,) * num_parts, "selective": resolve("replay_selective"), "full": f}
+        kept = {"none": (1.0,) * num_parts, "selective": self._fractions("kept_selective", num_parts),
+                "full": self._fractions("kept_full", num_parts)}
+        stored = tuple(a * kept[m][k] for k, (a, m) in enumerate(zip(activation, modes)))
         return PartCosts(
-            f=resolve("f"), b=resolve("b"), w=resolve("w"), u=resolve("u"), comm=self.comm, dispatch=self.dispatch,
-            activation=resolve("activation"), mem_w=self.mem_w, weight=resolve("weight"),
-            microbatch=None if self.microbatch is None else tuple(float(v) for v in self.microbatch),
-        )
+            f=f, b=tuple(x + replay[m][k] for k, (x, m) in enumerate(zip(b, modes))), w=resolve("w"), u=resolve("u"),
+            comm=self.comm, dispatch=self.dispatch, activation=stored, mem_w=self.mem_w, weight=resolve("weight"),
+            microbatch=micro, recompute=modes)
+
+    def _fractions(self, name: str, num_parts: int) -> tuple[float, ...]:
+        """A fraction per part: a scalar for every part (not scaled like times), or the per-part list."""
+        value = getattr(self, name)
+        if isinstance(value, (int, float)):
+            return (float(value),) * num_parts
+        if len(value) != num_parts:
+            raise UserError(f"cost {name} has {len(value)} values for {num_parts} parts; give one per part or a scalar")
+        return tuple(float(v) for v in value)
 
 
 @dataclass(frozen=True)
@@ -139,5 +175,7 @@ class PartCosts:
     activation: tuple[float, ...]
     mem_w: float
     weight: tuple[float, ...]
+    recompute: tuple[str, ...] = ()
+    """Per part, its recomputation mode (empty: none anywhere)."""
     microbatch: tuple[float, ...] | None = None
     """Per microbatch, a factor on its F, B, I and W times (``CostModel.microbatch``)."""

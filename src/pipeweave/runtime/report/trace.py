@@ -206,6 +206,8 @@ def measured_summary(schedule: Schedule, record: RunRecord, cost: CostModel) -> 
         "profiled_costs_s": {"f": list(_values(cost.f)), "b": list(_values(cost.b)), "w": list(_values(cost.w)),
                              "u": list(_values(cost.u)), "comm": cost.comm, "dispatch": cost.dispatch},
         "peak_activation_bytes": [r.peak_activation_bytes for r in record.ranks],
+        "peak_tensor_bytes": [r.peak_tensor_bytes for r in record.ranks],
+        "peak_tensor_bytes_source": "cuda max_memory_allocated" if record.transport == "nccl" else "cpu tracked tensors",
         "weight_bytes": [r.weight_bytes for r in record.ranks],
     }
 

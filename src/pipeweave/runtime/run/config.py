@@ -21,6 +21,7 @@ from pipeweave.runtime.stage.policy import PolicyOptions
 from pipeweave.runtime.stage.post_validation import PostValidation
 from pipeweave.schedule import SCHEDULES, Schedule
 from pipeweave.sim.parallel import ZERO_STAGES
+from pipeweave.sim.recompute import parse_recompute, per_part, spelled
 
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -53,8 +54,9 @@ class TrainConfig:
     """Learning rate."""
     optimizer: str = "sgd"
     """``sgd`` or ``adamw``."""
-    recompute: bool = False
-    """Activation recomputation on every stage."""
+    recompute: bool | str = "none"
+    """Activation recomputation (``sim.recompute``): ``none``, ``selective`` or ``full`` for every part, or one
+    mode per part comma-separated; True means ``full``, False ``none``. Kept in its one spelling (``spelled``)."""
     precision: str = "fp32"
     """``fp32``, or ``bf16``: every forward under bfloat16 autocast (``models.precision``)."""
     seed: int = 0
@@ -132,7 +134,22 @@ class TrainConfig:
     """``bf16``: saved activations stashed in bfloat16 from F to the backward (lossy; ``runtime.stage.stash``)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.recompute, (bool, str)):  # any other type: check() names it
+            object.__setattr__(self, "recompute", spelled(parse_recompute(self.recompute)))
         self.check()
+
+    def recompute_of(self, num_parts: int) -> tuple[str, ...]:
+        """The recomputation mode of each of ``num_parts`` parts.
+
+        Raises:
+            UserError: a per-part list of another length.
+        """
+        return per_part(self.recompute, num_parts)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether any part recomputes."""
+        return any(m != "none" for m in parse_recompute(self.recompute))
 
     def check(self) -> None:
         """Refuse a value that is invalid on its own, in one line naming the option and the fix.
@@ -213,9 +230,9 @@ _INTS = ("num_stages", "num_microbatches", "batch_size", "steps", "seed", "data_
          "lr_warmup", "eval_batches", "keep_checkpoints")
 _OPTIONAL_INTS = ("num_chunks", "save_every", "lr_decay_steps", "eval_every", "min_seq_len")
 _FLOATS = ("lr", "momentum", "bucket_mb")
-_STRS = ("schedule", "optimizer", "precision", "lr_schedule", "on_nonfinite")
+_STRS = ("schedule", "optimizer", "precision", "lr_schedule", "on_nonfinite", "recompute")
 _OPTIONAL_STRS = ("data", "save", "resume", "offload", "compress_activations", "log_dir")
-_BOOLS = ("recompute", "collect_parameters", "memory_every_step", "overwrite", "balance_activations")
+_BOOLS = ("collect_parameters", "memory_every_step", "overwrite", "balance_activations")
 
 
 def _check_min_seq_len(config: TrainConfig, length: int) -> None:

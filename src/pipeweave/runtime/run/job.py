@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -33,6 +34,7 @@ from pipeweave.runtime.run.step_log import StepLog
 from pipeweave.runtime.run.stream_job import run_stream_rank
 from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.stage.lr_schedule import set_lr
+from pipeweave.runtime.stage.tensor_bytes import peak_tensor_bytes
 from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import lower
@@ -118,6 +120,7 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     offset = align_clocks(process, world)
     t = plan.schedule.num_microbatches
     mine = RankRecord(rank, [], [], 0, 0, {})
+    peaks: list[int] = []  # per measured step, the process's peak tensor bytes (stage.tensor_bytes)
     milestones = Milestones(plan, plan.schedule, rank, workers, device, source)
     divergence = Divergence(plan, workers)
     rates = learning_rates(config, done) if config.lr_scheduled else None
@@ -126,7 +129,9 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
         if rates is not None:
             for w in workers.values():
                 set_lr(w.optimizer, rates.at(done + step))
-        loss, timings = executor.run_step(*rank_microbatches(source, done + step, t, device, workers))
+        measured = step == 0 or config.memory_every_step
+        with peak_tensor_bytes(device, peaks) if measured else contextlib.nullcontext():
+            loss, timings = executor.run_step(*rank_microbatches(source, done + step, t, device, workers))
         mine.losses.append(loss)
         mine.step_cpu_s.append(executor.step_cpu_ns * 1e-9)
         mine.action_cpu_s.append([c * 1e-9 for c in executor.action_cpu_ns])
@@ -142,6 +147,7 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     log.close()
     divergence.at_end(plan.schedule.placement)
     mine.peak_activation_bytes = _end_levers(link, executor)
+    mine.peak_tensor_bytes = max(peaks, default=0)
     mine.weight_bytes = sum(w.weight_bytes() for w in workers.values())
     mine.parameters = final_parameters(config, workers)
     mine.eval_losses = milestones.eval_losses

@@ -95,7 +95,7 @@ def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEs
     config, schedule = plan.config, plan.schedule
     ops = {a.op for row in schedule.actions for a in row}
     # A full backward without recomputation frees as it goes (0 on top, measured): only the others are run here
-    backwards = tuple(op for op, run in (("B", Op.B in ops and config.recompute), ("I", Op.I in ops)) if run)
+    backwards = tuple(op for op, run in (("B", Op.B in ops and config.recomputes), ("I", Op.I in ops)) if run)
     parts = part_memory(config, plan.parts, backwards)
     part_of = schedule.placement.stage_part
     activations = held_peaks(schedule.actions, part_of, [p.held for p in parts], [p.stash for p in parts],
@@ -179,7 +179,7 @@ def check_memory(estimate: MemoryEstimate, config: TrainConfig, on_cpu: bool = T
 def _hint(largest: str, config: TrainConfig) -> str:
     """The fix for the largest term."""
     if largest == "activations":
-        return "reduce --batch" if config.recompute else "reduce --batch or add --recompute"
+        return "reduce --batch" if config.recompute == "full" else "reduce --batch or add --recompute (selective or full)"
     if largest == "weights and optimizer state":
         return "give a smaller model (--layers, --hidden)" + (" or --optimizer sgd" if config.optimizer == "adamw"
                                                                 else "")

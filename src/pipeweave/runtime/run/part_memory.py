@@ -154,8 +154,8 @@ def _measure(config: TrainConfig, parts: Sequence[range], size: int, device: str
     # On the meta device, layers are built there (any modes active slow autograd on the CPU: none there)
     with torch.device(device) if device == "meta" else contextlib.nullcontext(), \
             _AsOnCpu() if device == "meta" else contextlib.nullcontext():
-        for part in parts:
-            worker = StageWorker(config.model, part, batch_size=config.batch_size, recompute=config.recompute,
+        for part, mode in zip(parts, config.recompute_of(len(parts))):
+            worker = StageWorker(config.model, part, batch_size=config.batch_size, recompute=mode,
                                  device=device, precision=config.precision, optimizer_factory=_no_optimizer,
                                  tensor_parallel=_measuring(config))
             if device == "meta":

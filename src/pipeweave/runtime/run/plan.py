@@ -28,7 +28,7 @@ import torch
 
 from pipeweave.data import data_source
 from pipeweave.errors import UserError
-from pipeweave.models.build import check_tensor_parallel
+from pipeweave.models.build import check_selective, check_tensor_parallel
 from pipeweave.models.spec import uniform_parts
 from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
@@ -172,6 +172,8 @@ def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
     _check_levers(config, schedule)
     _check_parallel(config, schedule)
     check_layers(config, schedule.num_parts)
+    if "selective" in config.recompute_of(schedule.num_parts):
+        check_selective(config.model)
     check_batch(config, config.num_microbatches * config.data_parallel if config.is_stream
                 else schedule.num_microbatches)
 
@@ -193,7 +195,7 @@ def _check_levers(config: TrainConfig, schedule: Schedule) -> None:
         parse_offload(config.offload, schedule.num_parts)  # one line naming a part that is not one
     if not schedule.is_synchronous:
         raise UserError(f"{flag} applies to synchronous schedules; {config.schedule} is asynchronous")
-    if config.recompute:
+    if config.recomputes:
         raise UserError(f"{flag} with --recompute: a recomputed stage keeps only its input; drop one of them")
 
 

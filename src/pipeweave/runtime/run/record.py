@@ -49,6 +49,9 @@ class RankRecord:
     """Per evaluation, ``(steps trained, this rank's share of the held-out loss)`` (``TrainConfig.eval_every``)."""
     skipped_steps: list[int] = field(default_factory=list)
     """The steps of this run (0-based) whose update was skipped (``TrainConfig.on_nonfinite``; alike on every rank)."""
+    peak_tensor_bytes: int = 0
+    """The process's peak tensor bytes in the measured step (``stage.tensor_bytes``: CUDA's max_memory_allocated,
+    or on the CPU the tensors created in it and alive at once; 0 where not measured: streams)."""
 
 
 @dataclass

@@ -36,10 +36,11 @@ def build_workers(plan: RunPlan, rank: int, device: torch.device,
     schedule = schedule if schedule is not None else plan.schedule
     joined = mesh.active()
     tp = None if joined is None else joined.tensor_parallel_group
+    modes = config.recompute_of(schedule.num_parts)
     workers = {
         s: StageWorker(config.model, plan.parts[schedule.placement.stage_part[s]], batch_size=config.batch_size,
-                       optimizer_factory=optimizer_factory(config), recompute=config.recompute, device=device,
-                       precision=config.precision, tensor_parallel=tp,
+                       optimizer_factory=optimizer_factory(config), recompute=modes[schedule.placement.stage_part[s]],
+                       device=device, precision=config.precision, tensor_parallel=tp,
                        compress=config.compress_activations is not None)
         for s in schedule.placement.stages_on(rank)
     }

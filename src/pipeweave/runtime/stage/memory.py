@@ -79,3 +79,29 @@ def own(t: torch.Tensor) -> torch.Tensor:
 
 def unpack(held: _Held) -> torch.Tensor:
     return held.tensor
+
+
+class Metered:
+    """A stage's activation accounting through its ``meter`` (``StageWorker`` is one)."""
+
+    meter: ActivationMeter
+    track_memory: bool
+
+    def activation_bytes(self) -> int:
+        """Bytes of distinct storages held now for backward (0 when no microbatch is in flight)."""
+        return self.meter.current
+
+    def peak_activation_bytes(self) -> int:
+        """Highest ``activation_bytes()`` since construction or ``reset_peak()``."""
+        return self.meter.peak
+
+    def reset_peak(self) -> None:
+        self.meter.peak = self.meter.current
+
+    def _hold(self, t: torch.Tensor) -> int | None:
+        return self.meter.hold(t) if self.track_memory else None
+
+    def _release(self, keys: list[int | None]) -> None:
+        for key in keys:
+            if key is not None:
+                self.meter.release(key)

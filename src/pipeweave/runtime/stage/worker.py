@@ -91,10 +91,12 @@ from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
 from pipeweave.models.build import build_layers, tensor_parallel_plan
 from pipeweave.models.spec import ModelSpec, loss_fn
-from pipeweave.runtime.stage.memory import ActivationMeter, own, unpack
+from pipeweave.runtime.stage.memory import ActivationMeter, Metered, own, unpack
+from pipeweave.runtime.stage.selective import checkpoint_submodules
 from pipeweave.runtime.stage.stash import stash_hooks
 from pipeweave.runtime.stage.shards import Shards
 from pipeweave.runtime.stage.tensor_parallel import TensorParallel, split
+from pipeweave.sim.recompute import parse_recompute
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -116,7 +118,7 @@ class _Microbatch:
     held: list[Any] | None = None  # what autograd saved (stage.memory._Held), when the stage stashes (stage.stash)
 
 
-class StageWorker:
+class StageWorker(Metered):
     """Runs the actions of one stage; see the module docstring for the contract.
 
     Args:
@@ -124,9 +126,10 @@ class StageWorker:
         layer_indices: the consecutive layers of this stage's part.
         optimizer_factory: builds the optimizer from the parameters (default SGD lr 0.1).
         batch_size: mini-batch size, to scale each microbatch's loss by its share.
-        recompute: keep only the stage input at F and replay the forward before the backward
-            (exact: a custom model's layers redraw F's random numbers, and running statistics
-            are left as F left them).
+        recompute: ``none``; ``full`` (or True): keep only the stage input at F and replay the forward
+            before the backward (exact: a custom model's layers redraw F's random numbers, and running
+            statistics are left as F left them); ``selective``: replay only the submodules the model
+            names (``stage.selective``: the gpt's attention core).
         device: where the layers live; inputs must be given on it.
         track_memory: count activation bytes with saved-tensor hooks.
         precision: ``fp32``, or ``bf16`` (every forward under bfloat16 autocast; ``models.precision``).
@@ -152,7 +155,7 @@ class StageWorker:
         *,
         batch_size: int,
         optimizer_factory: OptimizerFactory | None = None,
-        recompute: bool = False,
+        recompute: bool | str = False,
         device: torch.device | str = "cpu",
         track_memory: bool = True,
         precision: str = "fp32",
@@ -167,7 +170,10 @@ class StageWorker:
         self.spec = spec
         self.layer_indices = range(indices[0], indices[-1] + 1)
         self.batch_size = batch_size
-        self.recompute = recompute
+        modes = parse_recompute(recompute)
+        if len(modes) != 1:
+            raise UserError(f"recompute={recompute!r} gives several modes; a stage takes its own part's one")
+        self.recompute = modes[0]
         self.is_first = indices[0] == 0
         self.is_last = indices[-1] == spec.num_layers - 1
         self.tensor_parallel = tensor_parallel
@@ -175,6 +181,8 @@ class StageWorker:
         if tensor_parallel is not None and tensor_parallel.size > 1:  # built whole, then cut: plain training's weights
             layers = [split(layer, tensor_parallel_plan(spec, i, layer), tensor_parallel, f"layer {i}")
                       for i, layer in zip(indices, layers)]
+        if self.recompute == "selective":
+            checkpoint_submodules(spec, zip(indices, layers))
         self.module = nn.ModuleDict({str(i): layer for i, layer in zip(indices, layers)}).to(device)
         self.store = WeightGradStore()
         for m in self.module.modules():
@@ -210,7 +218,7 @@ class StageWorker:
             raise RuntimeError("the last stage needs the microbatch's target to compute the loss")
         x = boundary.apply(self._input, x)
         target = None if target is None else boundary.apply(own, target)
-        if self.recompute:
+        if self.recompute == "full":
             with torch.no_grad(), self.whole_weights():
                 out = self._run(x, target, mb, self.steps_done)
             record = _Microbatch(x, None, target, [self._hold(t) for t in tensors(x)], self.steps_done)
@@ -375,17 +383,6 @@ class StageWorker:
         """The parameters whole inside: gathered and freed after where sharded (``shards``), else as they are."""
         return contextlib.nullcontext() if self.shards is None else self.shards.gathered()
 
-    def activation_bytes(self) -> int:
-        """Bytes of distinct storages held now for backward (0 when no microbatch is in flight)."""
-        return self.meter.current
-
-    def peak_activation_bytes(self) -> int:
-        """Highest ``activation_bytes()`` since construction or ``reset_peak()``."""
-        return self.meter.peak
-
-    def reset_peak(self) -> None:
-        self.meter.peak = self.meter.current
-
     @property
     def in_flight(self) -> list[int]:
         """Microbatches with a forward and no finished backward (I done, W pending counts)."""
@@ -399,11 +396,3 @@ class StageWorker:
         if not self.track_memory:
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self.meter.pack, unpack)
-
-    def _hold(self, t: torch.Tensor) -> int | None:
-        return self.meter.hold(t) if self.track_memory else None
-
-    def _release(self, keys: list[int | None]) -> None:
-        for key in keys:
-            if key is not None:
-                self.meter.release(key)

@@ -1,0 +1,81 @@
+"""A process's peak tensor memory over a stretch of work: the allocator's on CUDA, tracked tensors on the CPU.
+
+On CUDA, ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
+The CPU allocator keeps no statistics, so on the CPU ``TensorBytes`` (a
+``TorchDispatchMode``) sees every operator's outputs on this thread, counts
+each new storage's bytes once and uncounts them when the storage dies (a
+weak reference to it): the peak of the bytes of every tensor created in the
+stretch and alive at once -- activations, gradients, messages, temporaries,
+the optimizer's work -- not counting those alive before it (the weights).
+Autograd runs a CPU backward on the thread that calls it, so backwards count
+too. It costs a Python call per operator: ``pipeweave train`` measures the
+first step only, as it counts saved activations (``TrainConfig.memory_every_step``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class TensorBytes(TorchDispatchMode):
+    """Bytes of the distinct storages operators create while active: ``current`` and ``peak``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._live: set[int] = set()
+        self._lock = threading.Lock()  # a storage may die on another thread (a message's)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self._count(t.untyped_storage())
+        return out
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key, size = storage.data_ptr(), storage.nbytes()
+        if key == 0 or key in self._live:
+            return
+        with self._lock:
+            self._live.add(key)
+            self.current += size
+            self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        with self._lock:
+            if key in self._live:
+                self._live.discard(key)
+                self.current -= size
+
+
+@contextlib.contextmanager
+def peak_tensor_bytes(device: torch.device, found: list[int]) -> Iterator[None]:
+    """Append to ``found`` the peak tensor bytes of the block: the allocator's on CUDA, ``TensorBytes`` on CPU.
+
+    Example:
+        >>> found: list[int] = []
+        >>> with peak_tensor_bytes(torch.device("cpu"), found):
+        ...     x = torch.ones(256) * 2   # two 1 KiB tensors alive at once
+        >>> found
+        [2048]
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        yield
+        found.append(int(torch.cuda.max_memory_allocated(device)))
+        return
+    mode = TensorBytes()
+    with mode:
+        yield
+    found.append(mode.peak)
