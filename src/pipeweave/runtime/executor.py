@@ -103,12 +103,7 @@ class Executor:
         self.replicas = ReplicaReduction(self.placement, self.row, exchanging if combine_replicas else {},
                                          _replica_groups(self.placement) if exchanging and combine_replicas else {},
                                          bucket_bytes, zero)
-        self.tied = TiedGradients(self.placement, exchanging, rank, self.p2p.tag_limit)
-        if not evaluate and any(tied_groups(w.spec) for w in workers.values()):
-            # Every pipeline's first and last stage exchange their ties (runtime.stage.tied), on any rank.
-            for line in self.placement.pipelines:
-                if line[0] != line[-1]:
-                    self.p2p.tied.update({line[0]: line[-1], line[-1]: line[0]})
+        self.tied = self._ties(exchanging, evaluate)
         self.clip = None if clip_norm is None or evaluate else GlobalNormClip(clip_norm, workers)  # after both
         self.dispatch: dict[Op, Callable[[Action], None]] = {
             Op.F: self.forward, Op.B: self.backward, Op.I: self.backward_input, Op.W: self.backward_weight,
@@ -137,6 +132,16 @@ class Executor:
         self.skip_nonfinite = on_nonfinite == "skip"
         self.step_loss: float | None = None
         """Of the last step, with ``on_nonfinite``: its loss, every rank's share summed (the same on every rank)."""
+
+    def _ties(self, exchanging: dict[int, StageWorker], evaluate: bool) -> TiedGradients:
+        """The tied gradients' sum: every pipeline's first and last stage exchange their ties
+        (``runtime.stage.tied``), on any rank."""
+        tied = TiedGradients(self.placement, exchanging, self.rank, self.p2p.tag_limit)
+        if not evaluate and any(tied_groups(w.spec) for w in self.workers.values()):
+            for line in self.placement.pipelines:
+                if line[0] != line[-1]:
+                    self.p2p.tied.update({line[0]: line[-1], line[-1]: line[0]})
+        return tied
 
     def run_step(self, data: Sequence[Boundary], targets: Sequence[Boundary]) -> tuple[float, list[Record]]:
         """Run the rank's actions once: returns this rank's share of the loss and the timings.

@@ -90,6 +90,23 @@ def _end_levers(link: PartnerLink | None, executor: Executor) -> int:
     return max(executor.peak_activation_bytes, link.peak if link is not None else 0)
 
 
+def _executor(plan: RunPlan, rank: int, workers: dict[int, Any],
+              device: Any) -> tuple[Executor, PartnerLink | None]:
+    """The rank's executor with the run's options, the checkpoint resumed into its workers, and its
+    side of BPipe's pair (None without ``--balance-activations``)."""
+    config = plan.config
+    low, stash = lowered(plan)
+    link = partner_link(stash, rank, workers) if config.balance_activations else None
+    executor = Executor(low, rank, workers, plan.microbatch_sizes, device,
+                        on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
+                        zero=config.zero, clip_norm=_clip_norm(config), partner=link,
+                        variable_shapes=config.variable_shapes)
+    if config.resume is not None:  # after the executor: ZeRO has sharded the optimizers it loads into
+        assert plan.resumed is not None
+        checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
+    return executor, link
+
+
 def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     """Train on this process; process 0 returns the gathered ``RunRecord``, the others None.
 
@@ -104,15 +121,7 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     rank = joined.stage_rank
     workers = build_workers(plan, rank, device)
     done = plan.steps_done  # the data goes on from the batch after the checkpoint's last
-    low, stash = lowered(plan)
-    link = partner_link(stash, rank, workers) if config.balance_activations else None
-    executor = Executor(low, rank, workers, plan.microbatch_sizes, device,
-                        on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
-                        zero=config.zero, clip_norm=_clip_norm(config), partner=link,
-                        variable_shapes=config.variable_shapes)
-    if config.resume is not None:  # after the executor: ZeRO has sharded the optimizers it loads into
-        assert plan.resumed is not None
-        checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
+    executor, link = _executor(plan, rank, workers, device)
     for w in workers.values():
         w.steps_done = done
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data,
