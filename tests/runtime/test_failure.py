@@ -31,12 +31,14 @@ def _start(mode: str) -> subprocess.Popen[str]:
     # the launcher would inherit and keep (Python leaves an ignored SIGINT ignored).
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=_default_sigint,
+        start_new_session=True, preexec_fn=_signals_at_default,
     )
 
 
-def _default_sigint() -> None:
+def _signals_at_default() -> None:
+    # SIGHUP too: under ``nohup`` the suite ignores it, and the launcher would keep it ignored (as it should there).
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def _wait_for_ranks(proc: subprocess.Popen[str], count: int = 2) -> set[int]:

@@ -69,11 +69,16 @@ def _newest_steps(save: Path) -> int:
     return 0 if newest is None else newest.steps
 
 
+def _as_a_terminal_starts_it() -> None:
+    """SIGHUP at its default, as a terminal's job has it (a suite under ``nohup`` ignores it; so would the run)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _kill_once(save: Path, out: Path, rng: random.Random, how: str) -> None:
     """Start the run, let it make at least one more checkpoint, kill it at a random moment, check nothing is left."""
     before = _newest_steps(save)
     proc = subprocess.Popen(_command(save, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_as_a_terminal_starts_it)
     target, deadline = before + rng.randint(1, 3), time.monotonic() + 90
     while _newest_steps(save) < target and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)

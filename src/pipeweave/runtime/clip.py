@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.runtime.stage.tensor_parallel import split_of
-from pipeweave.runtime.stage.tied import tied_names
+from pipeweave.runtime.stage.tied import tied_groups
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.zero import ZeroOptimizer
@@ -86,7 +86,10 @@ def _applied(worker: StageWorker) -> list[torch.Tensor]:
 
 def _distinct(worker: StageWorker, tp_rank: int, dp_rank: int) -> Iterator[torch.Tensor]:
     """The gradients (or pieces) this process counts in the global norm, no element counted twice anywhere."""
-    tied = {id(worker.named_parameters()[name]) for name, end in tied_names(worker).items() if end == "head"}
+    # Of a tied group, the first member counts for all (their gradients are summed into one before U).
+    params, groups = worker.named_parameters(), tied_groups(worker.spec)
+    tied = ({id(params[name]) for group in groups for name in group[1:] if name in params}
+            - {id(params[group[0]]) for group in groups if group[0] in params})
     optimizer = worker.optimizer
 
     def counted(param: torch.Tensor) -> bool:
