@@ -271,3 +271,21 @@ def test_a_torchrun_world_other_than_p_x_d_x_n_is_one_line(cli_error: Any, tmp_p
                     "pipeweave.commands.train_run.launch")
     assert ("torchrun started 4 processes but --data-parallel 2 x 2 stage ranks x --tensor-parallel 2 need 8; "
             "give --nnodes x --nproc-per-node = 8") in err, err
+
+
+def test_clipping_with_tensor_parallelism_counts_a_tied_pair_once() -> None:
+    # Oracle: the same tied gpt on one process per stage, clipped by post-validation (which passes whole
+    # stages' norms down the pipeline); with TP the norm is one all-reduce (runtime.clip). Both must count
+    # the tied embedding and head once, as clip_grad_norm_ counts a shared parameter (both counted them
+    # twice or crashed before this test: the norm here is ~9, clipped to 0.5, so a double count shows).
+    tied = dataclasses.replace(GPT, tie_embeddings=True)
+    clip = PostValidation(max_norm=0.5)
+    with_tp = _config("1f1b", tied, tp=2, dp=1, stages=2, momentum=0.9, post_validation=clip)
+    without = dataclasses.replace(with_tp, tensor_parallel=1)
+    (sharded,) = launch(_run_all, [with_tp], 4, LaunchOptions(timeout_s=120))
+    (whole,) = launch(_run_all, [without], 2, LaunchOptions(timeout_s=120))
+    torch.testing.assert_close(sharded.losses, whole.losses, rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(sharded.ranks, whole.ranks):
+        for stage, params in mine.parameters.items():
+            for name, value in params.items():
+                torch.testing.assert_close(value, theirs.parameters[stage][name], rtol=1e-5, atol=1e-6, msg=name)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.runtime.stage.tensor_parallel import split_of
-from pipeweave.runtime.stage.tied import tied_groups
+from pipeweave.runtime.stage.tied import repeated_members
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.zero import ZeroOptimizer
@@ -86,10 +86,7 @@ def _applied(worker: StageWorker) -> list[torch.Tensor]:
 
 def _distinct(worker: StageWorker, tp_rank: int, dp_rank: int) -> Iterator[torch.Tensor]:
     """The gradients (or pieces) this process counts in the global norm, no element counted twice anywhere."""
-    # Of a tied group, the first member counts for all (their gradients are summed into one before U).
-    params, groups = worker.named_parameters(), tied_groups(worker.spec)
-    tied = ({id(params[name]) for group in groups for name in group[1:] if name in params}
-            - {id(params[group[0]]) for group in groups if group[0] in params})
+    tied = repeated_members(worker)  # of a tied group, the first member counts for all
     optimizer = worker.optimizer
 
     def counted(param: torch.Tensor) -> bool:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from pipeweave.errors import UserError
 from pipeweave.runtime.process import wait_timeout
 from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.stage.tied import repeated_members
 from pipeweave.runtime.transport.mesh import process_of
 from pipeweave.schedule.ir import Schedule
 from pipeweave.weights.post_validation import SGD, AdamW, GradState, PostValidatedStep
@@ -83,6 +84,8 @@ class ValidatedOptimizer:
                  inner: SGD | AdamW) -> None:
         placement = schedule.placement
         self.params = list(worker.module.parameters())
+        repeated = repeated_members(worker)  # a tied group counts once in the norm, as in plain training
+        self.counted = [p for p in self.params if id(p) not in repeated]
         self.stage, self.options = stage, options
         prev, nxt = placement.prev_stage(stage), placement.next_stage(stage)
         self.prev_rank = None if prev is None else placement.stage_rank[prev]
@@ -101,7 +104,7 @@ class ValidatedOptimizer:
         if self.options.fault == (len(self.outcomes), self.stage):
             grad = next(p.grad for p in self.params if p.grad is not None)
             grad.view(-1)[0] = float("nan")
-        partial = GradState.of(self.params)
+        partial = GradState.of(self.counted)
         if skip:  # said before any stage steps optimistically: no rollback, the weights stay bitwise
             partial = GradState(partial.sq_norm, True)
         if self.prev_rank is not None:

@@ -57,6 +57,15 @@ def _split_groups(worker: StageWorker) -> list[int]:
             if mine and len(mine) < len(group)]
 
 
+def repeated_members(worker: StageWorker) -> set[int]:
+    """Ids of the worker's tied parameters that a gradient norm must not count: every group member but its
+    first (their gradients are one, summed before the update), as torch's ``clip_grad_norm_`` counts a shared
+    parameter once. A member that is the first one's very object is counted (once) with it."""
+    params, groups = worker.named_parameters(), tied_groups(worker.spec)
+    later = {id(params[name]) for group in groups for name in group[1:] if name in params}
+    return later - {id(params[group[0]]) for group in groups if group[0] in params}
+
+
 def tie_peer(placement: Placement, stage: int, worker: StageWorker) -> int | None:
     """The stage ``stage`` sums its ties with: the other end of its pipeline for the first and the last
     stage, itself for a stage holding whole groups, None for none.
