@@ -83,7 +83,7 @@ def test_simulate_json_gives_peak_activations_with_the_levers_and_the_trace_show
 
 
 def test_the_memory_partitioner_sees_what_the_levers_leave_each_rank():
-    from pipeweave.commands.stash_options import levered_activations
+    from pipeweave.sim.stash import levered_activations
 
     s = generate("1f1b", num_stages=4, num_microbatches=8)
     plain = (4.0, 3.0, 2.0, 1.0)

@@ -19,7 +19,7 @@ import numpy as np
 from pipeweave.commands.layout_options import (TP_REPLICATED, TP_SPLIT, add_layout_arguments, layout_from_args,
                                               layout_report, state_split)
 from pipeweave.commands.recompute_options import add_recompute_argument
-from pipeweave.commands.stash_options import add_stash_arguments, levered_activations, stash_plan
+from pipeweave.commands.stash_options import add_stash_arguments, stash_plan
 from pipeweave.commands.units import check_cost_flags, format_bytes
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
@@ -29,6 +29,7 @@ from pipeweave.schedule.ir import Schedule
 from pipeweave.sim import CostModel, compute_metrics
 from pipeweave.sim.parallel import Layout, simulate_layout, tp_backward_time, tp_forward_time
 from pipeweave.sim.recompute import RECOMPUTE, spelled
+from pipeweave.sim.stash import levered_activations
 from pipeweave.sim.shards import Shares
 from pipeweave.sim.traffic import ModelBytes
 

@@ -10,12 +10,13 @@ from typing import Any
 from pipeweave.commands.recompute_options import AUTO, add_recompute_cost_arguments, recompute_costs
 from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, layout_from_args,
                                               layout_report, model_bytes)
-from pipeweave.commands.stash_options import add_stash_arguments, simulate_levers, stash_plan
+from pipeweave.commands.stash_options import add_stash_arguments, stash_plan
 from pipeweave.errors import UserError
 from pipeweave.host import available_memory
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.parallel import Layout, layout_times, simulate_layout
+from pipeweave.sim.stash import simulate_levers
 from pipeweave.sim.recompute import spelled
 from pipeweave.sim.traffic import ModelBytes
 

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.schedule.stash import DEFAULT_BANDWIDTH, Stash, StashPlan, check_stash, plan_stash
-from pipeweave.sim.cost import PartCosts
-from pipeweave.sim.timeline import Event, Timeline, simulate_parts
+from pipeweave.sim.cost import CostModel, PartCosts
+from pipeweave.sim.metrics import Metrics, compute_metrics
+from pipeweave.sim.timeline import Event, Timeline, simulate, simulate_parts
 
 
 
@@ -161,3 +163,55 @@ def stash_peaks(stash: Stash, events: Sequence[Sequence[Event]], costs: PartCost
             peak = max(peak, now)
         peaks.append(round(peak, 9))
     return tuple(peaks)
+
+
+def plan_dict(plan: StashPlan, shares: tuple[float, ...], bandwidth: float) -> dict[str, Any]:
+    """The levers as ``--json`` reports them."""
+    return {"offload": sorted(plan.offload), "balance_activations": plan.balance,
+            "compress_activations": plan.compress, "host_bandwidth": bandwidth, "moved_share": list(shares)}
+
+
+def simulate_levers(schedule: Schedule, costs: PartCosts, plan: StashPlan, bandwidth: float | None = None,
+                    ) -> tuple[Metrics, Timeline, dict[str, Any]]:
+    """Metrics with ``plan`` applied (``peak_activations`` per rank with the memory actions), the timeline
+    to show (memory actions as their own events) and the levers' JSON.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> from pipeweave.sim.cost import CostModel
+        >>> s = generate("1f1b", num_stages=4, num_microbatches=8)
+        >>> m, _, _ = simulate_levers(s, CostModel().for_parts(num_parts=4, num_ranks=4), StashPlan(balance=True))
+        >>> m.peak_activations
+        (2.714287, 2.6, 2.6, 2.714284)
+    """
+    bandwidth = bandwidth or DEFAULT_BANDWIDTH
+    comm = costs.comm
+    timeline, stash, extra = simulate_stash(schedule, costs, plan, bandwidth=bandwidth,
+                                            hop=(lambda src, dst: comm) if comm else None)
+    shown = Timeline(schedule, stash_events(stash, timeline, extra), timeline.costs)
+    assert timeline.costs is not None
+    metrics = compute_metrics(timeline)
+    metrics = dataclasses.replace(metrics, peak_activations=stash_peaks(stash, shown.events, timeline.costs))
+    return metrics, shown, plan_dict(plan, stash.share, bandwidth)
+
+
+def levered_activations(schedule: Schedule, activations: tuple[float, ...], plan: StashPlan) -> tuple[float, ...]:
+    """Per part, the peak microbatches its rank holds (``partition.memory.MemoryProfile.activations``) with
+    ``plan`` applied: each part scaled by its rank's simulated peak with the levers over the peak without
+    (uniform M_a), so that the ``memory`` partitioner splits for the memory the levers leave.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> levered_activations(generate("1f1b", num_stages=4, num_microbatches=8), (4.0, 3.0, 2.0, 1.0),
+        ...                     StashPlan(offload=frozenset({0})))
+        (1.0, 3.0, 2.0, 1.0)
+    """
+    if not plan.active:
+        return activations
+    costs = CostModel().for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
+    before = compute_metrics(simulate(schedule, CostModel(), check=False)).peak_activations
+    after = simulate_levers(schedule, costs, plan)[0].peak_activations
+    rank_of = schedule.placement.stage_rank
+    stage_of = {part: stage for stage, part in enumerate(schedule.placement.stage_part)}
+    return tuple(round(a * after[rank_of[stage_of[k]]] / before[rank_of[stage_of[k]]], 9) if before[
+        rank_of[stage_of[k]]] else a for k, a in enumerate(activations))
