@@ -112,3 +112,12 @@ def declared() -> pipeweave.models.LayerModel:
     return pipeweave.models.LayerModel(layers=[lambda: nn.Linear(4, 4), lambda: nn.Linear(4, 4)],
                                        loss=nn.functional.mse_loss, tied=[["0.weight", "1.weight"]],
                                        dataset=torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 4)))
+
+
+def tied_sequential() -> pipeweave.models.LayerModel:
+    """An ``nn.Sequential`` whose last layer reuses its first one's weight (one Parameter, found by the split)."""
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    net[4].weight = net[0].weight
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g))
+    return pipeweave.pipeline(net, loss=nn.functional.mse_loss, dataset=data)

@@ -16,6 +16,13 @@ version each action reads (DESIGN.md's table), as a ``VersionRead``:
 
 (k: the version the microbatch's gradient is applied to.) Staleness, F/B
 inconsistency and the weight copies a stage holds follow from the order alone.
+
+A tie between a pipeline's first and last stage on a stream
+(``runtime.stage.tied_stream``: the last stage applies each summed tied
+update at its next ``U``) leaves the versions above as they are -- they
+count a stage's updates -- but the last stage's tied members lag its other
+weights by one update (``tied_lag``), and the tied members' staleness is the
+worse end's (``staleness(..., tied=True)``).
 """
 
 from __future__ import annotations
@@ -166,18 +173,51 @@ def _backward_of(schedule: Schedule, now: dict[Action, int], stage: int, j: int,
     raise ScheduleError(f"stage {stage} has no backward for microbatch {j}")  # pragma: no cover
 
 
-def staleness(schedule: Schedule) -> tuple[int, ...]:
+def staleness(schedule: Schedule, *, tied: bool = False) -> tuple[int, ...]:
     """Per stage, the most updates between a gradient's weights and the version it is applied to.
 
     A gradient of microbatch j is computed on the oldest stored version its
     F and backward read (before any prediction or correction): staleness is
     k - that, for the ``U(s, k)`` that applies it. 0 for every synchronous schedule.
+    ``tied``: the model ties its first and last stage; on a stream the tied
+    members' k-th update sums both ends' halves of mini-batch k, the last
+    stage's computed with its tied members ``tied_lag`` behind: their staleness,
+    counted in their own updates, is max(first's, last's + lag), and each end's
+    staleness takes it in.
 
     Example:
         >>> from pipeweave.schedule import generate
         >>> staleness(generate("pipedream", num_stages=4, num_microbatches=4))
         (3, 2, 1, 0)
+        >>> staleness(generate("pipedream-2bw", num_stages=2, num_microbatches=2), tied=True)
+        (1, 1)
     """
+    worst = _staleness(schedule)
+    lag = tied_lag(schedule) if tied else (0,) * schedule.num_stages
+    for line in schedule.placement.pipelines if any(lag) else ():
+        both = max(worst[line[0]], worst[line[-1]] + lag[line[-1]])
+        worst[line[0]], worst[line[-1]] = max(worst[line[0]], both), max(worst[line[-1]], both)
+    return tuple(worst)
+
+
+def tied_lag(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage, the updates by which its tied members (a tie between its pipeline's first and last stage)
+    lag its other weights: 1 on the last stage of a stream (``runtime.stage.tied_stream``), else 0.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> tied_lag(generate("pipedream-2bw", num_stages=3, num_microbatches=3))
+        (0, 0, 1)
+    """
+    lag = [0] * schedule.num_stages
+    if not schedule.is_synchronous:
+        for line in schedule.placement.pipelines:
+            if line[0] != line[-1]:
+                lag[line[-1]] = 1
+    return tuple(lag)
+
+
+def _staleness(schedule: Schedule) -> list[int]:
     reads = read_versions(schedule)
     worst = [0] * schedule.num_stages
     for u, grads in consumed_gradients(schedule).items():
@@ -187,7 +227,7 @@ def staleness(schedule: Schedule) -> tuple[int, ...]:
             if inp is not None:
                 used = min(used, inp.version)
             worst[u.stage] = max(worst[u.stage], u.microbatch - used)
-    return tuple(worst)
+    return worst
 
 
 def inconsistency(schedule: Schedule) -> tuple[int, ...]:

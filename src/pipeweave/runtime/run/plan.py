@@ -167,7 +167,7 @@ def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
         raise UserError(f"--on-nonfinite skip applies to synchronous schedules; {config.schedule} is asynchronous "
                         "(its stages update per microbatch: no step to skip); use --on-nonfinite stop")
     if not schedule.is_synchronous:
-        check_stream_model(config.model)
+        check_stream_model(config.model, config.schedule, config.lr_scheduled)
     validate(schedule)
     _check_levers(config, schedule)
     _check_parallel(config, schedule)

@@ -1,0 +1,177 @@
+"""Tied weights in an asynchronous stream (PipeDream-2BW): each end applies the summed update once it has both halves.
+
+The literature has no rule for a tie in a pipeline without flushes; this is
+pipeweave's. The two ends of a tie split between a pipeline's first and last
+stage (the token embedding and the head: ``runtime.stage.tied``) finish a
+mini-batch's backward at different times: the last stage's half of
+mini-batch k's tied gradient is complete first (the first stage's backward
+of a microbatch follows it), so the sum of both halves of the same
+mini-batch exists at the first stage first.
+
+- Both copies receive exactly the same sequence of updates: the k-th is
+  ``first_k + last_k``, the two ends' halves of mini-batch k, summed in that
+  order on both ends, at the same learning rate; so the copies never diverge
+  as values, only in when they take a step.
+- Each end applies an update at its first ``U`` that has both halves. The
+  first stage at its ``U_k``: the last stage sent ``last_k`` at its own
+  ``U_k``. The last stage at its ``U_(k+1)``: the first stage sent
+  ``first_k`` at its ``U_k``. Its ``U_0`` leaves the tied members alone
+  (no gradient: the optimizer skips them), and at the stream's end (its
+  drain) it applies the last sum in a step of the tied members alone.
+- Staleness: on the first stage the tied members' gradients lag as 2BW's
+  (1 update); on the last stage one update more (2): its copy is one update
+  behind the first stage's from the first stage's ``U_k`` to its own
+  ``U_(k+1)`` (``sim.versions.tied_lag``). At every drain (evaluation,
+  checkpoint, the run's end) the copies are equal, so a checkpoint holds one
+  value and a resumed run starts a new stream with nothing owed.
+
+Messages: at each of its ``U`` an end sends its half, one flat tensor keyed
+``(stage, TIED, k)``, point to point on the run's transport in the per-pair
+order (``transport.order``); in one process it waits in a mailbox. It cannot
+deadlock under 2BW with T >= D: the first stage's ``U_k`` waits on the last
+stage's ``U_k``, which follows the last stage's backwards of mini-batch k,
+which its own wait on; the last stage's ``U_(k+1)`` waits on the first
+stage's ``U_k``, which comes before the first stage's forward of
+mini-batch k+1's last microbatch, hence before the last stage's backward of it.
+
+Admitted: ``pipedream-2bw`` (the asynchronous schedule people use; one update
+per mini-batch makes the lag one update), at a constant learning rate (the
+last stage applies sum k at its own update k + 1: a scheduled rate would
+differ between the copies). The other asynchronous schedules refuse a tie.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pipeweave.errors import UserError
+from pipeweave.models.spec import ModelSpec
+from pipeweave.runtime.stage.tied import (chained, flatten, partial_sums, split_groups, summed, tie_peer, tied_groups,
+                                         tied_names, unflatten, write_sums)
+from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.schedule.ir import Placement
+
+TIED_STREAMS = ("pipedream-2bw",)
+"""The asynchronous schedules that train tied parameters (the rule above)."""
+
+
+def check_stream_ties(spec: ModelSpec, schedule: str, lr_scheduled: bool) -> None:
+    """One line for a tie on a stream the rule does not cover: another schedule, a scheduled learning rate."""
+    if not tied_groups(spec):
+        return
+    if schedule not in TIED_STREAMS:
+        raise UserError(f"tied parameters (tied embeddings) train on the asynchronous {', '.join(TIED_STREAMS)} "
+                        f"only, not {schedule}; choose -s {TIED_STREAMS[0]} or a synchronous schedule, or untie them "
+                        "(drop --tie-embeddings, tie_word_embeddings=false)")
+    if lr_scheduled:
+        raise UserError(f"tied parameters on {schedule} take a constant learning rate (the last stage applies each "
+                        "tied update one update later); drop --lr-schedule and --lr-warmup, or untie them")
+
+
+class StreamTies:
+    """The rule above for one process's stage workers, through ``p2p`` to stages on other ranks.
+
+    Args:
+        placement: the stream's placement.
+        workers: the stage workers of this process, by stage.
+        p2p: this rank's ``transport.p2p.P2P`` (None: every stage is in this process).
+
+    Example:
+        ties = StreamTies(placement, workers, p2p)   # hooks the tied stages' updates
+        ...run the stream...; ties.drain()
+    """
+
+    def __init__(self, placement: Placement, workers: dict[int, StageWorker], p2p: Any = None) -> None:
+        self.placement, self.workers, self.p2p = placement, workers, p2p
+        self.peer: dict[int, int] = {}
+        self.updates: dict[int, int] = {}  # tied stage -> its U done in this stream
+        self.kept: dict[int, torch.Tensor] = {}  # last end -> its half of its previous update
+        self.mailbox: dict[tuple[int, int], torch.Tensor] = {}  # (sender stage, k) -> its half, in this process
+        self.before: dict[int, Callable[[StageWorker], None] | None] = {}  # the hooks drain puts back
+        for stage, worker in workers.items():
+            peer = tie_peer(placement, stage, worker)
+            if peer is not None:
+                self.peer[stage], self.updates[stage] = peer, 0
+                self.before[stage] = worker.combine_grads
+                worker.combine_grads = chained(worker.combine_grads, self._combine, stage)
+
+    def message(self) -> tuple[torch.dtype, int] | None:
+        """Dtype and length of the halves sent to another rank (for ``P2P.tied_message``); None: none is."""
+        for stage, peer in self.peer.items():
+            if peer not in self.workers:
+                worker = self.workers[stage]
+                params = dict(worker.module.named_parameters(remove_duplicate=False))
+                names = tied_names(worker)
+                first = [params[names[g][0]] for g in split_groups(worker)]
+                return first[0].dtype, sum(p.numel() for p in first)
+        return None
+
+    def ready(self, stage: int) -> bool:
+        """Whether ``stage``'s next ``U`` has its partner's half (in-process walks wait on it)."""
+        peer = self.peer.get(stage)
+        if peer is None or peer == stage:
+            return True
+        need = self.updates[stage] - (0 if self._is_first(stage) else 1)
+        return need < 0 or (peer, need) in self.mailbox
+
+    def drain(self) -> None:
+        """At the stream's end: every last end applies the last sum, a step of its tied members alone; the
+        workers' ``combine_grads`` are put back (the next stream hooks them anew)."""
+        for stage, hook in self.before.items():
+            self.workers[stage].combine_grads = hook
+        for stage, peer in self.peer.items():
+            if peer == stage or self._is_first(stage) or self.updates[stage] == 0:
+                continue
+            worker = self.workers[stage]
+            mine = partial_sums(worker)  # zeros of the members' shapes: no backward since the last U
+            theirs = unflatten(self._receive(peer, self.updates[stage] - 1), mine)
+            write_sums(worker, summed(theirs, unflatten(self.kept.pop(stage), mine)))
+            worker.optimizer.step()  # every other parameter has no gradient: the optimizer skips it
+            worker.optimizer.zero_grad(set_to_none=True)
+
+    def _is_first(self, stage: int) -> bool:
+        return stage == self.placement.pipelines[self.placement.pipeline_of(stage)][0]
+
+    def _combine(self, stage: int) -> None:
+        """At ``U_k`` of a tied stage: send its half, then set its members' gradients by the rule."""
+        worker, peer = self.workers[stage], self.peer[stage]
+        if peer == stage:  # every group it holds is whole here
+            write_sums(worker, partial_sums(worker, whole=True))
+            return
+        k = self.updates[stage]
+        self.updates[stage] = k + 1
+        mine = partial_sums(worker)
+        flat = flatten(mine)
+        self._send(stage, k, flat)
+        if self._is_first(stage):
+            write_sums(worker, summed(mine, unflatten(self._receive(peer, k), mine)))
+            return
+        if k == 0:
+            _drop(worker)
+        else:
+            write_sums(worker, summed(unflatten(self._receive(peer, k - 1), mine), unflatten(self.kept[stage], mine)))
+        self.kept[stage] = flat
+
+    def _send(self, stage: int, k: int, flat: torch.Tensor) -> None:
+        peer = self.peer[stage]
+        if peer in self.workers:
+            self.mailbox[(stage, k)] = flat
+        else:
+            self.p2p.send_tied(stage, k, self.placement.stage_rank[peer], flat)
+
+    def _receive(self, sender: int, k: int) -> torch.Tensor:
+        if sender in self.workers:
+            return self.mailbox.pop((sender, k))
+        return self.p2p.recv_tied(sender, k, self.placement.stage_rank[sender])  # type: ignore[no-any-return]
+
+
+def _drop(worker: StageWorker) -> None:
+    """No gradient on the worker's split tied members: this update leaves them as they are."""
+    params = dict(worker.module.named_parameters(remove_duplicate=False))
+    names = tied_names(worker)
+    for g in split_groups(worker):
+        for name in names[g]:
+            params[name].grad = None

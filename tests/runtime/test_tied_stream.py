@@ -1,0 +1,165 @@
+"""Tied parameters on an asynchronous stream (PipeDream-2BW, ``runtime.stage.tied_stream``): 2 gloo ranks equal the
+reference executor, and both copies of a tie end equal.
+
+The rule (each end applies ``first_k + last_k`` at its first update that has
+both halves; the last stage one update late, and once more at the drain) is
+implemented once and driven by both executors, so distributed = reference
+alone would not catch a wrong rule: every case also checks that the tie's
+copies on the first and the last stage end bitwise equal, which fails if
+either end drops or misplaces its partner's half. Default run: a declared
+tie (two linear layers, DeepSpeed's ``TiedLayerSpec`` way). Slow: a
+transformer split by ``pipeweave.pipeline`` with its head tied to its
+embedding, an ``nn.Sequential`` whose last layer reuses its first one's
+weight, tiny Hugging Face GPT-2 and Llama with tied embeddings, the built-in
+gpt with ``--tie-embeddings`` through the command line, and a run drained
+and saved halfway then resumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipeweave.models import ModelSpec
+from pipeweave.runtime.reference import run_stream_reference
+from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.plan import optimizer_factory, prepare, stream_schedules
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.stage.tied import tied_groups
+from pipeweave.schedule import generate
+from pipeweave.errors import UserError
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+FILE = MODELS / "tiny_modules.py"
+sys.path.insert(0, str(MODELS))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_split_module import HF, LOOPED, _launch  # noqa: E402
+
+pytestmark = [pytest.mark.usefixtures("one_thread")]
+
+
+def _config(spec: ModelSpec, **overrides: Any) -> TrainConfig:
+    fields: dict[str, Any] = dict(schedule="pipedream-2bw", num_stages=2, num_microbatches=2, model=spec,
+                                  batch_size=4, steps=4, lr=0.05, momentum=0.9, collect_parameters=True)
+    fields.update(overrides)
+    return TrainConfig(**fields)
+
+
+def _stage_parameters(record: RunRecord) -> dict[int, dict[str, torch.Tensor]]:
+    return {stage: params for rank in record.ranks for stage, params in rank.parameters.items()}
+
+
+def equals_reference_and_ties_agree(config: TrainConfig, record: RunRecord) -> None:
+    """Losses and every stage's weights are the reference's (rtol 1e-5); each tie's copies end bitwise equal."""
+    reference = run_stream_reference(stream_schedules(config), config.model, batch_size=config.batch_size,
+                                     optimizer_factory=optimizer_factory(config))
+    torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
+    got = _stage_parameters(record)
+    for stage, params in got.items():
+        for name, value in params.items():
+            torch.testing.assert_close(value, reference.stage_parameters[stage][name], rtol=1e-5, atol=1e-6)
+    groups = tied_groups(config.model)
+    assert groups
+    for group in groups:
+        copies = [params[name] for params in got.values() for name in group if name in params]
+        assert len(copies) >= 2
+        for copy in copies[1:]:
+            assert torch.equal(copy, copies[0]), f"tied {group} differ: {(copy - copies[0]).abs().max()}"
+
+
+DECLARED = ModelSpec(kind="custom", entry=f"{FILE}:declared")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_declared_tie_on_pipedream_2bw_equals_its_reference() -> None:
+    runs = _launch({"declared": _config(DECLARED)})
+    equals_reference_and_ties_agree(*runs["declared"])
+
+
+def test_the_last_stage_applies_each_tied_sum_one_update_late_and_at_the_drain() -> None:
+    """In one process: after a stream of N mini-batches both copies made N tied updates, the last stage's
+    last one at the drain; so a 1-mini-batch stream moves the last stage's copy only at the drain."""
+    spec = DECLARED
+    one = run_stream_reference(generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=1), spec,
+                               batch_size=4)
+    first, last = one.stage_parameters[0]["0.weight"], one.stage_parameters[1]["1.weight"]
+    assert torch.equal(first, last)
+    untrained = run_stream_reference(generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=1),
+                                     spec, batch_size=4, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.0))
+    assert not torch.equal(first, untrained.stage_parameters[0]["0.weight"])
+
+
+def test_a_tie_on_another_stream_or_a_scheduled_rate_is_one_line() -> None:
+    with pytest.raises(UserError, match=r"^tied parameters .* pipedream-2bw only, not pipemare; choose"):
+        run_stream_reference(generate("pipemare", num_stages=2, num_microbatches=2, num_steps=2), DECLARED,
+                             batch_size=4)
+    with pytest.raises(UserError, match="take a constant learning rate"):
+        prepare(_config(DECLARED, lr_schedule="cosine"))
+
+
+GPT = ModelSpec(kind="gpt", layers=4, hidden=16, heads=2, seq_len=8, tie_embeddings=True)
+SLOW = {"looped": _config(LOOPED), "tied sequential": _config(ModelSpec(kind="custom", entry=f"{FILE}:tied_sequential")),
+        "gpt2": _config(HF["gpt2"]), "llama": _config(HF["llama"]), "gpt": _config(GPT)}
+
+
+@pytest.fixture(scope="module")
+def slow_runs() -> dict[str, tuple[TrainConfig, RunRecord]]:
+    return _launch(SLOW)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(SLOW))
+def test_split_and_hugging_face_ties_on_pipedream_2bw_equal_the_reference(slow_runs: dict[str, Any],
+                                                                          case: str) -> None:
+    equals_reference_and_ties_agree(*slow_runs[case])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_tied_stream_saved_halfway_and_resumed_equals_the_run_drained_there(tmp_path: Path) -> None:
+    """Drains at every save leave the copies equal: training 2 mini-batches, saving and resuming for 2 equals
+    training 4 with a drain after 2 (which itself equals its reference)."""
+    straight = _config(GPT, save=str(tmp_path / "straight"), save_every=2)
+    first = _config(GPT, steps=2, save=str(tmp_path / "first"))
+    runs = _launch({"straight": straight, "first": first})
+    assert len(stream_schedules(straight)) == 2
+    equals_reference_and_ties_agree(*runs["straight"])
+    second = dataclasses.replace(first, steps=2, resume=first.save, save=str(tmp_path / "second"))
+    got = _launch({"second": second})["second"][1]
+    torch.testing.assert_close(got.losses, runs["straight"][1].losses[2:], rtol=1e-5, atol=1e-6)
+    want = _stage_parameters(runs["straight"][1])
+    for stage, params in _stage_parameters(got).items():
+        for name, value in params.items():
+            torch.testing.assert_close(value, want[stage][name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_train_cli_trains_the_tied_gpt_on_pipedream_2bw(tmp_path: Path) -> None:
+    """``pipeweave train -s pipedream-2bw --tie-embeddings``: the losses are the reference's; pipedream refuses."""
+    argv = ["--stages", "2", "--microbatches", "2", "--model", "gpt", "--tie-embeddings", "--layers", "4",
+            "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch", "4", "--steps", "4", "--lr", "0.05",
+            "--quiet"]
+    record = tmp_path / "record.json"
+    run = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipedream-2bw", *argv,
+                          "--out", str(tmp_path), "--json", str(record)], capture_output=True, text=True,
+                         timeout=240, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    reference = run_stream_reference(generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=4), GPT,
+                                     batch_size=4, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.05))
+    assert json.loads(record.read_text())["losses"] == pytest.approx(reference.losses, rel=1e-5)
+    bad = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipedream", *argv],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("pipeweave train: error: tied parameters (tied embeddings) "
+                                                                 "train on the asynchronous pipedream-2bw only")
