@@ -30,6 +30,7 @@ import torch
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.reference import run_stream_reference
 from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.plan import optimizer_factory, prepare, stream_schedules
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stage.tied import tied_groups
@@ -40,7 +41,7 @@ MODELS = Path(__file__).resolve().parent.parent / "models"
 FILE = MODELS / "tiny_modules.py"
 sys.path.insert(0, str(MODELS))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_split_module import HF, LOOPED, _launch  # noqa: E402
+from test_split_module import HF, LOOPED, _launch, _run_all  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread")]
 
@@ -165,3 +166,15 @@ def test_train_cli_trains_the_tied_gpt_on_pipedream_2bw(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("pipeweave train: error: tied parameters (tied embeddings) "
                                                                  "train on the asynchronous pipedream-2bw only")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_tied_stream_with_data_parallel_replicas_equals_the_reference() -> None:
+    """PipeDream's hybrid, DP = D = 2: each update sums the replicas' gradients, then the tie's halves."""
+    config = _config(GPT, data_parallel=2, batch_size=8)
+    prepare(config)
+    record = launch(_run_all, [config], 4, LaunchOptions(timeout_s=180))[0]
+    assert record is not None
+    equals_reference_and_ties_agree(config, record)
