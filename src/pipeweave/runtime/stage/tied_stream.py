@@ -18,10 +18,14 @@ mini-batch exists at the first stage first.
   ``first_k`` at its ``U_k``. Its ``U_0`` leaves the tied members alone
   (no gradient: the optimizer skips them), and at the stream's end (its
   drain) it applies the last sum in a step of the tied members alone.
-- Staleness: on the first stage the tied members' gradients lag as 2BW's
-  (1 update); on the last stage one update more (2): its copy is one update
-  behind the first stage's from the first stage's ``U_k`` to its own
-  ``U_(k+1)`` (``sim.versions.tied_lag``). At every drain (evaluation,
+- Staleness: the last stage's tied members lag its other weights by one
+  update (its copy is one update behind the first stage's from the first
+  stage's ``U_k`` to its own ``U_(k+1)``; ``sim.versions.tied_lag``), so at
+  the last stage, counted in its own updates, the tied gradient it applies
+  is one update staler than its other weights' (2BW on 2 stages: 1, not 0).
+  Counted in the tied members' own updates the k-th sum was computed on
+  their version k - 1 or later at both ends: staleness 1, as 2BW's
+  (``sim.versions.staleness(..., tied=True)``). At every drain (evaluation,
   checkpoint, the run's end) the copies are equal, so a checkpoint holds one
   value and a resumed run starts a new stream with nothing owed.
 
