@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.reference import run_stream_reference
+from pipeweave.runtime.reference import run_reference, run_stream_reference
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.plan import optimizer_factory, prepare, stream_schedules
@@ -85,17 +85,22 @@ def test_a_declared_tie_on_pipedream_2bw_equals_its_reference() -> None:
     equals_reference_and_ties_agree(*runs["declared"])
 
 
-def test_the_last_stage_applies_each_tied_sum_one_update_late_and_at_the_drain() -> None:
-    """In one process: after a stream of N mini-batches both copies made N tied updates, the last stage's
-    last one at the drain; so a 1-mini-batch stream moves the last stage's copy only at the drain."""
-    spec = DECLARED
-    one = run_stream_reference(generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=1), spec,
-                               batch_size=4)
-    first, last = one.stage_parameters[0]["0.weight"], one.stage_parameters[1]["1.weight"]
-    assert torch.equal(first, last)
-    untrained = run_stream_reference(generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=1),
-                                     spec, batch_size=4, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.0))
-    assert not torch.equal(first, untrained.stage_parameters[0]["0.weight"])
+def test_a_one_minibatch_tied_stream_is_one_synchronous_step() -> None:
+    """An independent oracle, in one process: a stream of one mini-batch has no staleness, so the rule (the
+    first stage sums at its U, the last stage skips its tied members there and sums at the drain) must give
+    one synchronous 1F1B step with the tie summed, bitwise; fails if either end's sum or the drain is dropped."""
+    stream = run_stream_reference(generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=1), DECLARED,
+                                  batch_size=4)
+    step = run_reference(generate("1f1b", num_stages=2, num_microbatches=2), DECLARED, steps=1, batch_size=4)
+    assert stream.losses == step.losses
+    for got, want in zip(stream.stage_parameters, step.stage_parameters):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not torch.equal(step.stage_parameters[1]["1.weight"], _untrained(DECLARED)["0.weight"])  # one Parameter, one name
+
+
+def _untrained(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    return run_reference(generate("1f1b", num_stages=1, num_microbatches=1), spec, steps=1, batch_size=4,
+                         optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.0)).parameters
 
 
 def test_a_tie_on_another_stream_or_a_scheduled_rate_is_one_line() -> None:
