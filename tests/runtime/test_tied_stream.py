@@ -176,9 +176,13 @@ def test_train_cli_trains_the_tied_gpt_on_pipedream_2bw(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_a_tied_stream_with_data_parallel_replicas_equals_the_reference() -> None:
-    """PipeDream's hybrid, DP = D = 2: each update sums the replicas' gradients, then the tie's halves."""
-    config = _config(GPT, data_parallel=2, batch_size=8)
+@pytest.mark.parametrize("grid", [{"data_parallel": 2, "batch_size": 8}, {"tensor_parallel": 2}],
+                         ids=["dp2", "tp2"])
+def test_a_tied_stream_with_replicas_or_shards_equals_the_reference(grid: dict[str, int]) -> None:
+    """D = 2 on 4 processes. PipeDream's hybrid (DP = 2): each update sums the replicas' gradients, then the
+    tie's halves. Tensor parallelism (TP = 2): the tied embedding and head are whole on every process, each
+    exchanging with the other end's process of its own tp coordinate."""
+    config = _config(GPT, **grid)
     prepare(config)
     record = launch(_run_all, [config], 4, LaunchOptions(timeout_s=180))[0]
     assert record is not None
