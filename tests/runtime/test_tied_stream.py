@@ -35,6 +35,7 @@ from pipeweave.runtime.run.plan import optimizer_factory, prepare, stream_schedu
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stage.tied import tied_groups
 from pipeweave.schedule import generate
+from pipeweave.sim.versions import tied_lag
 from pipeweave.errors import UserError
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -96,6 +97,38 @@ def test_a_one_minibatch_tied_stream_is_one_synchronous_step() -> None:
     for got, want in zip(stream.stage_parameters, step.stage_parameters):
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert not torch.equal(step.stage_parameters[1]["1.weight"], _untrained(DECLARED)["0.weight"])  # one Parameter, one name
+
+
+class _Recording(torch.optim.SGD):
+    """SGD that keeps a copy of its first parameter after every step (``steps``: one list per optimizer)."""
+
+    steps: list[list[torch.Tensor]] = []
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.1, momentum=0.9)
+        self.mine: list[torch.Tensor] = []
+        _Recording.steps.append(self.mine)
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        out = super().step(closure)
+        self.mine.append(self.param_groups[0]["params"][0].detach().clone())
+        return out
+
+
+def test_the_last_stages_tied_copy_lags_one_update_as_the_simulator_says() -> None:
+    """After its U_(k+1) the last stage's copy is the first stage's after U_k (``sim.versions.tied_lag``), after
+    U_0 still the initial value, and after the drain's step the first stage's last: in stage updates, a lag
+    of exactly ``tied_lag``."""
+    schedule = generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=4)
+    _Recording.steps = []
+    run_stream_reference(schedule, DECLARED, batch_size=4, optimizer_factory=_Recording)
+    first, last = _Recording.steps  # the tied weight is each stage's first parameter
+    lag = tied_lag(schedule)
+    assert lag == (0, 1) and len(first) == 4 and len(last) == 4 + lag[1]  # the drain's step
+    assert torch.equal(last[0], _untrained(DECLARED)["0.weight"])
+    for k in range(4):
+        assert torch.equal(last[k + lag[1]], first[k])
+        assert k == 0 or not torch.equal(first[k], first[k - 1])
 
 
 def _untrained(spec: ModelSpec) -> dict[str, torch.Tensor]:
