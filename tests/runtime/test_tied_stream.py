@@ -96,7 +96,8 @@ def test_a_one_minibatch_tied_stream_is_one_synchronous_step() -> None:
     assert stream.losses == step.losses
     for got, want in zip(stream.stage_parameters, step.stage_parameters):
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    assert not torch.equal(step.stage_parameters[1]["1.weight"], _untrained(DECLARED)["0.weight"])  # one Parameter, one name
+    untrained = _untrained(DECLARED)["0.weight"]  # in one stage the tie is one Parameter, one name
+    assert not torch.equal(step.stage_parameters[1]["1.weight"], untrained)
 
 
 class _Recording(torch.optim.SGD):
@@ -145,7 +146,8 @@ def test_a_tie_on_another_stream_or_a_scheduled_rate_is_one_line() -> None:
 
 
 GPT = ModelSpec(kind="gpt", layers=4, hidden=16, heads=2, seq_len=8, tie_embeddings=True)
-SLOW = {"looped": _config(LOOPED), "tied sequential": _config(ModelSpec(kind="custom", entry=f"{FILE}:tied_sequential")),
+TIED_SEQUENTIAL = ModelSpec(kind="custom", entry=f"{FILE}:tied_sequential")
+SLOW = {"looped": _config(LOOPED), "tied sequential": _config(TIED_SEQUENTIAL),
         "gpt2": _config(HF["gpt2"]), "llama": _config(HF["llama"]), "gpt": _config(GPT)}
 
 
@@ -202,8 +204,9 @@ def test_train_cli_trains_the_tied_gpt_on_pipedream_2bw(tmp_path: Path) -> None:
     assert json.loads(record.read_text())["losses"] == pytest.approx(reference.losses, rel=1e-5)
     bad = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipedream", *argv],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert bad.returncode == 2 and bad.stderr.strip().startswith("pipeweave train: error: tied parameters (tied embeddings) "
-                                                                 "train on the asynchronous pipedream-2bw only")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("pipeweave train: error: tied parameters (tied embeddings) train on the "
+                                         "asynchronous pipedream-2bw only")
 
 
 @pytest.mark.slow

@@ -155,7 +155,8 @@ class TiedGradients:
         send.wait()
         theirs = unflatten(other, mine)
         line = self.placement.pipelines[self.placement.pipeline_of(stage)]
-        write_sums(worker, summed(mine, theirs) if stage == line[0] else summed(theirs, mine))  # one order on both ranks
+        # one order on both ranks: the first stage's sum plus the last stage's
+        write_sums(worker, summed(mine, theirs) if stage == line[0] else summed(theirs, mine))
 
 
 def chained(before: Callable[[StageWorker], None] | None, combine: Callable[[int], None],

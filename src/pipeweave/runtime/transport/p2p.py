@@ -265,7 +265,7 @@ class P2P:
         queue = self._queues.get(peer)
         while queue:
             nxt = queue[0]
-            if nxt[1] == TIED and self.tied_message is None:  # posted by runtime.stage.tied at this rank's U, not here
+            if nxt[1] == TIED and self.tied_message is None:  # a step's, posted by runtime.stage.tied at this U
                 if nxt != key:
                     if block:  # pragma: no cover - a receive needed after the peer's U
                         raise RuntimeError(f"rank {self.rank}: message {key} is queued behind a tied exchange")
@@ -277,7 +277,7 @@ class P2P:
                     return
             queue.popleft()
             self._post(peer, nxt)
-            if self.variable_shapes and nxt[2] != META and nxt[1] != TIED:  # the stream's next message brings its own shape
+            if self.variable_shapes and nxt[2] != META and nxt[1] != TIED:  # the next message brings its own shape
                 del self._shapes[nxt[:2]]
             if nxt == key:
                 return
