@@ -82,8 +82,10 @@ DECLARED = ModelSpec(kind="custom", entry=f"{FILE}:declared")
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_a_declared_tie_on_pipedream_2bw_equals_its_reference() -> None:
-    runs = _launch({"declared": _config(DECLARED)})
-    equals_reference_and_ties_agree(*runs["declared"])
+    """T = D = 2, and T = 1 < D, where the last stage's U_(k+1) waits for the first stage's U_k (no cycle)."""
+    runs = _launch({"T=2": _config(DECLARED), "T=1": _config(DECLARED, num_microbatches=1, batch_size=2)})
+    for config, record in runs.values():
+        equals_reference_and_ties_agree(config, record)
 
 
 def test_a_one_minibatch_tied_stream_is_one_synchronous_step() -> None:

@@ -31,12 +31,15 @@ mini-batch exists at the first stage first.
 
 Messages: at each of its ``U`` an end sends its half, one flat tensor keyed
 ``(stage, TIED, k)``, point to point on the run's transport in the per-pair
-order (``transport.order``); in one process it waits in a mailbox. It cannot
-deadlock under 2BW with T >= D: the first stage's ``U_k`` waits on the last
-stage's ``U_k``, which follows the last stage's backwards of mini-batch k,
-which its own wait on; the last stage's ``U_(k+1)`` waits on the first
-stage's ``U_k``, which comes before the first stage's forward of
-mini-batch k+1's last microbatch, hence before the last stage's backward of it.
+order (``transport.order``); in one process it waits in a mailbox. No wait
+closes a cycle: the first stage's ``U_k`` waits on the last stage's ``U_k``,
+which needs only the forwards and backwards of mini-batch k (all before the
+first stage's ``U_k`` on its row) and the first stage's ``U_(k-1)``; the last
+stage's ``U_(k+1)`` waits on the first stage's ``U_k``, which needs only
+the last stage's work before its ``U_k``. With T >= D neither waits longer
+than a message takes: the first stage's ``U_k`` comes before its forward of
+mini-batch k+1's last microbatch, hence before the last stage's backward of
+it; with T < D (2BW admits T = D - 1) the last stage may wait there.
 
 Admitted: ``pipedream-2bw`` (the asynchronous schedule people use; one update
 per mini-batch makes the lag one update), at a constant learning rate (the
