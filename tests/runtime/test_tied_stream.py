@@ -214,14 +214,13 @@ def test_train_cli_trains_the_tied_gpt_on_pipedream_2bw(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("grid", [{"data_parallel": 2, "batch_size": 8}, {"tensor_parallel": 2}],
-                         ids=["dp2", "tp2"])
-def test_a_tied_stream_with_replicas_or_shards_equals_the_reference(grid: dict[str, int]) -> None:
-    """D = 2 on 4 processes. PipeDream's hybrid (DP = 2): each update sums the replicas' gradients, then the
-    tie's halves. Tensor parallelism (TP = 2): the tied embedding and head are whole on every process, each
-    exchanging with the other end's process of its own tp coordinate."""
+@pytest.mark.parametrize("grid", [{"data_parallel": 2, "batch_size": 8}, {"tensor_parallel": 2},
+                                  {"num_stages": 3, "num_microbatches": 3, "batch_size": 6}], ids=["dp2", "tp2", "d3"])
+def test_a_tied_stream_with_replicas_shards_or_a_middle_stage_equals_the_reference(grid: dict[str, int]) -> None:
+    """PipeDream's hybrid (DP = 2, D = 2): each update sums the replicas' gradients, then the tie's halves.
+    Tensor parallelism (TP = 2, D = 2): the tied embedding and head are whole on every process, each exchanging
+    with the other end's process of its own tp coordinate. D = 3: the middle stage holds no part of the tie."""
     config = _config(GPT, **grid)
-    prepare(config)
-    record = launch(_run_all, [config], 4, LaunchOptions(timeout_s=180))[0]
+    record = launch(_run_all, [config], prepare(config).num_processes, LaunchOptions(timeout_s=180))[0]
     assert record is not None
     equals_reference_and_ties_agree(config, record)
