@@ -33,6 +33,10 @@ from pipeweave.schedule.dataflow import consumed_gradients
 from pipeweave.schedule.ir import Action, Op, Schedule, ScheduleError, WeightPolicy
 from pipeweave.sim.cost import PartCosts
 
+TIED_STREAMS = ("pipedream-2bw",)
+"""The asynchronous schedules that train a tie between a pipeline's first and last stage
+(``runtime.stage.tied_stream``'s rule; the others refuse one)."""
+
 _STORED = (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER, WeightPolicy.VERTICAL_SYNC)
 _BACKWARD = tuple(op for op in Op if op.is_backward)  # B, I, W: the order _backward_of tries
 
@@ -202,7 +206,8 @@ def staleness(schedule: Schedule, *, tied: bool = False) -> tuple[int, ...]:
 
 def tied_lag(schedule: Schedule) -> tuple[int, ...]:
     """Per stage, the updates by which its tied members (a tie between its pipeline's first and last stage)
-    lag its other weights: 1 on the last stage of a stream (``runtime.stage.tied_stream``), else 0.
+    lag its other weights: 1 on the last stage of a stream (``runtime.stage.tied_stream``, which admits the
+    streams of ``TIED_STREAMS``), else 0.
 
     Example:
         >>> from pipeweave.schedule import generate

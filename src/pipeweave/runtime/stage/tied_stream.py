@@ -60,9 +60,7 @@ from pipeweave.runtime.stage.tied import (chained, flatten, partial_sums, split_
                                          tied_names, unflatten, write_sums)
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Placement
-
-TIED_STREAMS = ("pipedream-2bw",)
-"""The asynchronous schedules that train tied parameters (the rule above)."""
+from pipeweave.sim.versions import TIED_STREAMS
 
 
 def check_stream_ties(spec: ModelSpec, schedule: str, lr_scheduled: bool) -> None:
