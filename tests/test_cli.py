@@ -187,5 +187,6 @@ def test_simulate_tied_counts_the_tied_members_staleness_and_lag(capsys: pytest.
     untied, tied = _json(capsys, argv), _json(capsys, [*argv, "--tied"])
     assert untied["staleness"] == [1, 1, 0] and "tied_lag" not in untied
     assert tied["staleness"] == [1, 1, 1] and tied["tied_lag"] == [0, 0, 1]
-    assert main(["simulate", "-s", "pipedream", "--tied"]) == 2
-    assert capsys.readouterr().err.strip().endswith("train them on pipedream-2bw only; choose it or drop --tied")
+    assert main(["simulate", "-s", "pipemare", "--tied"]) == 2
+    assert capsys.readouterr().err.strip().endswith("train them on pipedream-2bw, pipedream, ampnet only; choose one "
+                                                    "or drop --tied")

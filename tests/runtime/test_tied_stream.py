@@ -82,8 +82,10 @@ DECLARED = ModelSpec(kind="custom", entry=f"{FILE}:declared")
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_a_declared_tie_on_pipedream_2bw_equals_its_reference() -> None:
-    """T = D = 2, and T = 1 < D, where the last stage's U_(k+1) waits for the first stage's U_k (no cycle)."""
-    runs = _launch({"T=2": _config(DECLARED), "T=1": _config(DECLARED, num_microbatches=1, batch_size=2)})
+    """2BW at T = D = 2 (lag 1) and T = 1 < D (lag 2); pipedream and ampnet, an update per microbatch (lag 2)."""
+    runs = _launch({"T=2": _config(DECLARED), "T=1": _config(DECLARED, num_microbatches=1, batch_size=2),
+                    "pipedream": _config(DECLARED, schedule="pipedream"),
+                    "ampnet": _config(DECLARED, schedule="ampnet")})
     for config, record in runs.values():
         equals_reference_and_ties_agree(config, record)
 
@@ -118,19 +120,20 @@ class _Recording(torch.optim.SGD):
         return out
 
 
-def test_the_last_stages_tied_copy_lags_one_update_as_the_simulator_says() -> None:
-    """After its U_(k+1) the last stage's copy is the first stage's after U_k (``sim.versions.tied_lag``), after
-    U_0 still the initial value, and after the drain's step the first stage's last: in stage updates, a lag
-    of exactly ``tied_lag``."""
-    schedule = generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=4)
+@pytest.mark.parametrize(("name", "t", "lag"), [("pipedream-2bw", 2, 1), ("pipedream-2bw", 1, 2),
+                                               ("pipedream", 2, 2), ("ampnet", 2, 2)])
+def test_the_last_stages_tied_copy_lags_as_the_simulator_says(name: str, t: int, lag: int) -> None:
+    """After its U_(k+d) the last stage's copy is the first stage's after U_k, d = ``sim.versions.tied_lag``;
+    after its first d updates still the initial value, and the drain's d steps bring it level."""
+    schedule = generate(name, num_stages=2, num_microbatches=t, num_steps=4)
     _Recording.steps = []
-    run_stream_reference(schedule, DECLARED, batch_size=4, optimizer_factory=_Recording)
+    run_stream_reference(schedule, DECLARED, batch_size=2 * t, optimizer_factory=_Recording)
     first, last = _Recording.steps  # the tied weight is each stage's first parameter
-    lag = tied_lag(schedule)
-    assert lag == (0, 1) and len(first) == 4 and len(last) == 4 + lag[1]  # the drain's step
-    assert torch.equal(last[0], _untrained(DECLARED)["0.weight"])
-    for k in range(4):
-        assert torch.equal(last[k + lag[1]], first[k])
+    assert tied_lag(schedule) == (0, lag) and len(last) == len(first) + lag  # the drain's steps
+    for k in range(lag):
+        assert torch.equal(last[k], _untrained(DECLARED)["0.weight"])
+    for k in range(len(first)):
+        assert torch.equal(last[k + lag], first[k])
         assert k == 0 or not torch.equal(first[k], first[k - 1])
 
 
@@ -140,7 +143,7 @@ def _untrained(spec: ModelSpec) -> dict[str, torch.Tensor]:
 
 
 def test_a_tie_on_another_stream_or_a_scheduled_rate_is_one_line() -> None:
-    with pytest.raises(UserError, match=r"^tied parameters .* pipedream-2bw only, not pipemare; choose"):
+    with pytest.raises(UserError, match=r"^tied parameters .* pipedream-2bw, pipedream, ampnet only, not pipemare; "):
         run_stream_reference(generate("pipemare", num_stages=2, num_microbatches=2, num_steps=2), DECLARED,
                              batch_size=4)
     with pytest.raises(UserError, match="take a constant learning rate"):
@@ -150,7 +153,8 @@ def test_a_tie_on_another_stream_or_a_scheduled_rate_is_one_line() -> None:
 GPT = ModelSpec(kind="gpt", layers=4, hidden=16, heads=2, seq_len=8, tie_embeddings=True)
 TIED_SEQUENTIAL = ModelSpec(kind="custom", entry=f"{FILE}:tied_sequential")
 SLOW = {"looped": _config(LOOPED), "tied sequential": _config(TIED_SEQUENTIAL),
-        "gpt2": _config(HF["gpt2"]), "llama": _config(HF["llama"]), "gpt": _config(GPT)}
+        "gpt2": _config(HF["gpt2"]), "llama": _config(HF["llama"]), "gpt": _config(GPT),
+        "gpt pipedream": _config(GPT, schedule="pipedream"), "llama ampnet": _config(HF["llama"], schedule="ampnet")}
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +195,7 @@ def test_a_tied_stream_saved_halfway_and_resumed_equals_the_run_drained_there(tm
 @pytest.mark.timeout(300)
 def test_train_cli_trains_the_tied_gpt_on_pipedream_2bw(tmp_path: Path) -> None:
     """``pipeweave train -s pipedream-2bw --tie-embeddings`` (AdamW, the shared-memory transport): the losses are
-    the reference's; pipedream refuses in one line."""
+    the reference's; pipemare refuses in one line."""
     argv = ["--stages", "2", "--microbatches", "2", "--model", "gpt", "--tie-embeddings", "--layers", "4",
             "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch", "4", "--steps", "4", "--lr", "0.05",
             "--quiet"]
@@ -204,11 +208,11 @@ def test_train_cli_trains_the_tied_gpt_on_pipedream_2bw(tmp_path: Path) -> None:
     reference = run_stream_reference(generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=4), GPT,
                                      batch_size=4, optimizer_factory=adamw)
     assert json.loads(record.read_text())["losses"] == pytest.approx(reference.losses, rel=1e-5)
-    bad = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipedream", *argv],
+    bad = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipemare", *argv],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert bad.returncode == 2
     assert bad.stderr.strip().startswith("pipeweave train: error: tied parameters (tied embeddings) train on the "
-                                         "asynchronous pipedream-2bw only")
+                                         "asynchronous pipedream-2bw, pipedream, ampnet only, not pipemare")
 
 
 @pytest.mark.slow

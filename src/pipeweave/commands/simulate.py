@@ -81,7 +81,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, help="mini-batches in the stream (default 4; avgpipe: rounds of P)")
     g.add_argument("--tied", action="store_true",
                    help="the model ties its first and last stage (--tie-embeddings): staleness counts the tied "
-                        "members, and the JSON gives tied_lag (pipedream-2bw's rule; README, Tied parameters)")
+                        "members, and the JSON gives tied_lag (the asynchronous rule: README, Tied parameters)")
     add_schedule_arguments(g)
     return p
 
@@ -243,7 +243,7 @@ def _tied(args: argparse.Namespace, schedule: Schedule, metrics: Metrics) -> Met
         return metrics
     if not schedule.is_synchronous and schedule.name not in TIED_STREAMS:
         raise UserError(f"--tied: {schedule.name} does not train tied parameters; asynchronous schedules train "
-                        f"them on {', '.join(TIED_STREAMS)} only; choose it or drop --tied")
+                        f"them on {', '.join(TIED_STREAMS)} only; choose one or drop --tied")
     return dataclasses.replace(metrics, staleness=staleness(schedule, tied=True))
 
 

@@ -139,7 +139,7 @@ class Executor:
         (``runtime.stage.tied``; a stream's by its own rule, ``runtime.stage.tied_stream``)."""
         tied: TiedGradients | StreamTies
         if stream:
-            tied = StreamTies(self.placement, exchanging, self.p2p)
+            tied = StreamTies(self.lowered.schedule, exchanging, self.p2p)
             self.p2p.tied_message = tied.message()
         else:
             tied = TiedGradients(self.placement, exchanging, self.rank, self.p2p.tag_limit)

@@ -125,7 +125,7 @@ class _StreamWalk(Walk):
                  targets: Sequence[Boundary], policies: dict[int, RankPolicy]) -> None:
         super().__init__(schedule, workers, inputs, targets)
         self.policy_of = {s: policies[r] for r, policy in policies.items() for s in policy.states}
-        self.ties = StreamTies(schedule.placement, dict(enumerate(workers)))  # hooks the tied stages' updates
+        self.ties = StreamTies(schedule, dict(enumerate(workers)))  # hooks the tied stages' updates
 
     def ready(self, a: Action) -> bool:
         # U(s, k) applies the gradients its rank ran since U(s, k-1) (dataflow.consumed_gradients); a tied
