@@ -1,18 +1,22 @@
-"""Tied parameters on an asynchronous stream (PipeDream-2BW, ``runtime.stage.tied_stream``): 2 gloo ranks equal the
-reference executor, and both copies of a tie end equal.
+"""Tied parameters on asynchronous streams (``runtime.stage.tied_stream``): 2 gloo ranks equal the reference
+executor, and both copies of a tie end equal.
 
-The rule (each end applies ``first_k + last_k`` at its first update that has
-both halves; the last stage one update late, and once more at the drain) is
-implemented once and driven by both executors, so distributed = reference
-alone would not catch a wrong rule: every case also checks that the tie's
-copies on the first and the last stage end bitwise equal, which fails if
-either end drops or misplaces its partner's half. Default run: a declared
-tie (two linear layers, DeepSpeed's ``TiedLayerSpec`` way). Slow: a
-transformer split by ``pipeweave.pipeline`` with its head tied to its
-embedding, an ``nn.Sequential`` whose last layer reuses its first one's
-weight, tiny Hugging Face GPT-2 and Llama with tied embeddings, the built-in
-gpt with ``--tie-embeddings`` through the command line, and a run drained
-and saved halfway then resumed.
+The rule (each end applies ``first_k + last_k`` at its first update whose
+partner's half has been sent; the last stage d = ``tied_lag`` updates late,
+and d more steps at the drain) is implemented once and driven by both
+executors, so distributed = reference alone would not catch a wrong rule:
+every case also checks that the tie's copies on the first and the last stage
+end bitwise equal, which fails if either end drops or misplaces its
+partner's half; in one process the lag is measured against ``tied_lag``, and
+a one-mini-batch 2BW stream against one synchronous step. Default run: a
+declared tie (two linear layers, DeepSpeed's ``TiedLayerSpec`` way) on
+pipedream-2bw, pipedream and ampnet. Slow, on pipedream-2bw: a transformer
+split by ``pipeweave.pipeline`` with its head tied to its embedding, an
+``nn.Sequential`` whose last layer reuses its first one's weight, tiny
+Hugging Face GPT-2 and Llama with tied embeddings, the built-in gpt (also
+through the command line, with data-parallel replicas, tensor-parallel
+shards, on 3 stages), a run drained and saved halfway then resumed; the gpt
+on pipedream and Llama on ampnet.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ DECLARED = ModelSpec(kind="custom", entry=f"{FILE}:declared")
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_a_declared_tie_on_pipedream_2bw_equals_its_reference() -> None:
+def test_a_declared_tie_on_each_tied_stream_equals_its_reference() -> None:
     """2BW at T = D = 2 (lag 1) and T = 1 < D (lag 2); pipedream and ampnet, an update per microbatch (lag 2)."""
     runs = _launch({"T=2": _config(DECLARED), "T=1": _config(DECLARED, num_microbatches=1, batch_size=2),
                     "pipedream": _config(DECLARED, schedule="pipedream"),
