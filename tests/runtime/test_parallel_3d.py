@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 STEPS = 2
 GPT = ModelSpec(kind="gpt", layers=2, hidden=16, heads=4, seq_len=8)
 MLP = ModelSpec(kind="mlp", layers=4, hidden=8)
+WIDE = ModelSpec(kind="gpt", layers=4, hidden=32, heads=4, seq_len=32)
 CUSTOM = f"{Path(__file__).resolve().parent.parent / 'models' / 'tiny_custom.py'}"
 
 
@@ -88,6 +89,11 @@ CASES_4 = {  # each pair of the dimensions at 2: 4 processes
     # Evaluated between streams: each replica its piece of every held-out microbatch.
     "dp-pp-pipedream-eval": _config("pipedream", GPT, tp=1, dp=2, stages=2, steps=4, batch_size=16, eval_every=2,
                                     eval_batches=2),
+    # Sequence parallelism: layer norms and residual adds on half the sequence, their gradients summed over tp.
+    "tp-pp-sequence-parallel": _config("zb-h1", GPT, tp=2, dp=1, stages=2, sequence_parallel=True),
+    # Its memory against TP alone, on a gpt whose blocks (not the vocabulary head) hold most activations.
+    "tp-pp-wide": _config("1f1b", WIDE, tp=2, dp=1, stages=2, steps=1),
+    "tp-pp-wide-sequence-parallel": _config("1f1b", WIDE, tp=2, dp=1, stages=2, steps=1, sequence_parallel=True),
 }
 SLOW = {  # (processes, config): further ZeRO-3 and clipping cases, in the slow run
     # ZeRO-3 on all three dimensions: each process keeps half of its tensor-parallel shards.
@@ -95,7 +101,16 @@ SLOW = {  # (processes, config): further ZeRO-3 and clipping cases, in the slow 
     "dp-pp-zero3-interleaved-adamw": (4, _config("interleaved-1f1b", MLP, tp=1, dp=2, stages=2, num_chunks=2, zero=3,
                                                  optimizer="adamw", lr=1e-2, bucket_mb=0.0005)),
     "dp-pp-clip": (4, _config("zb-h1", GPT, tp=1, dp=2, stages=2, post_validation=PostValidation(max_norm=0.5))),
+    # Sequence parallelism on 1F1B, on all three dimensions, with recomputation, and clipped (the layer norms'
+    # summed gradients counted once per tp group).
+    "tp-pp-sequence-parallel-1f1b": (4, _config("1f1b", GPT, tp=2, dp=1, stages=2, sequence_parallel=True)),
+    "gpt-zb-h1-sequence-parallel": (8, _config("zb-h1", GPT, tp=2, dp=2, stages=2, sequence_parallel=True)),
+    "tp-pp-sequence-parallel-recompute": (4, _config("zb-h1", GPT, tp=2, dp=1, stages=2, sequence_parallel=True,
+                                                     recompute=True)),
+    "tp-dp-sequence-parallel-clip": (4, _config("1f1b", GPT, tp=2, dp=2, stages=1, sequence_parallel=True,
+                                                momentum=0.9, post_validation=PostValidation(max_norm=0.5))),
 }
+MEMORY = ("tp-pp-wide", "tp-pp-wide-sequence-parallel")  # compared with each other
 AGAINST_REFERENCE = ("tp-pp-pipedream", "tp-pp-tied", "dp-pp-pipedream-2bw", "gpt-pipedream", "dp-pp-pipedream-eval")
 
 
@@ -170,7 +185,7 @@ def test_further_zero3_and_clipping_cases_equal_plain_training(case: str) -> Non
     _assert_equals_plain(config, record)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES_4 if c not in AGAINST_REFERENCE])
+@pytest.mark.parametrize("case", [c for c in CASES_4 if c not in AGAINST_REFERENCE + MEMORY])
 def test_two_of_the_three_dimensions_equal_plain_training(runs_4: dict[str, RunRecord], case: str) -> None:
     _assert_equals_plain(CASES_4[case], runs_4[case])
 
@@ -201,6 +216,15 @@ def test_the_record_holds_one_process_per_stage_rank_with_shards_weights(runs_8:
         stage_whole = sum(p.numel() * p.element_size() for ps in r.parameters.values() for p in ps.values())
         assert r.weight_bytes < stage_whole
     assert sum(p.numel() for p in whole.values()) > 0
+
+
+def test_sequence_parallelism_holds_fewer_activation_bytes(runs_4: dict[str, RunRecord]) -> None:
+    """The layer norms' inputs held from F to B are half the sequence; so is the message between the stages."""
+    whole, sharded = runs_4["tp-pp-wide"], runs_4["tp-pp-wide-sequence-parallel"]
+    torch.testing.assert_close(sharded.losses, whole.losses, rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(sharded.ranks, whole.ranks):
+        assert mine.peak_activation_bytes < theirs.peak_activation_bytes
+        assert mine.peak_tensor_bytes < theirs.peak_tensor_bytes
 
 
 def test_pipedream_replicas_evaluate_the_held_out_loss_of_the_trained_weights(runs_4: dict[str, RunRecord],
@@ -252,8 +276,16 @@ TINY = ["train", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads",
                                                                      "which is not a linear layer of it; give one of "
                                                                      "mlp.0, mlp.2"),
     (["--tensor-parallel", "2", "--model", f"{CUSTOM}:model"], "has no tp_plan; give its LayerModel a tp_plan"),
+    (["--sequence-parallel"], "--sequence-parallel shards activations over the tensor-parallel group; give "
+                              "--tensor-parallel N > 1"),
+    (["--sequence-parallel", "--tensor-parallel", "2", "--seq-len", "7"], "--seq-len 7 is not divisible by "
+                                                                          "--tensor-parallel 2"),
+    (["--sequence-parallel", "--tensor-parallel", "2", "--model", "mlp", "--hidden", "8"],
+     "--sequence-parallel applies to the gpt (a sequence to shard); --model mlp has none"),
+    (["--sequence-parallel", "--tensor-parallel", "2", "--data-parallel", "2", "--zero", "1"],
+     "--sequence-parallel with --zero 1 is not supported; drop one of them"),
 ], ids=["heads", "zero-degree", "zero-2", "zero3-async", "zero3-tied", "bucket", "zero-chimera", "tp-clip", "async-dp",
-        "plan-name", "no-plan"])
+        "plan-name", "no-plan", "sp-no-tp", "sp-seq-len", "sp-mlp", "sp-zero"])
 def test_bad_parallel_input_is_one_line_before_spawning(cli_error: Any, argv: list[str], message: str,
                                                         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

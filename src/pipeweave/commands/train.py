@@ -50,6 +50,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="processes splitting every stage's layers (Megatron's tensor parallelism); "
                         "processes P x D x N on one device mesh (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor-parallel N > 1 (gpt): layer norms and residual adds on 1/N of the sequence, "
+                        "all-gather/reduce-scatter instead of all-reduce (Korthikanti et al. 2022)")
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",
                    help="ZeRO stage of data parallelism: 0 (none), 1 (optimizer state sharded over the P "
                         "replicas) or 3 (parameters too: gathered before each F, B, I and freed after) (default 0)")

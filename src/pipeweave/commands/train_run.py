@@ -99,6 +99,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         model=spec, batch_size=args.batch, steps=args.steps, lr=lr, optimizer=optimizer,
         recompute="none" if args.recompute == AUTO else args.recompute, precision=args.precision, seed=args.seed or 0, data=args.data,
         data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel, zero=args.zero,
+        sequence_parallel=args.sequence_parallel,
         bucket_mb=args.bucket_mb,
         momentum=momentum, schedule_options=tuple(options.items()), policy=policy,
         post_validation=_post_validation(args), on_nonfinite=args.on_nonfinite, save=args.save,

@@ -35,8 +35,9 @@ class Attention(nn.Module):
         self.proj = Linear(hidden, hidden, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # under tensor parallelism, this rank's heads of each
+        qkv = self.qkv(x)  # under sequence parallelism, of the whole sequence gathered from x's shards
+        batch, seq, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=-1)  # under tensor parallelism, this rank's heads of each
         # (batch, seq, heads x head width) -> (batch, heads, seq, head width): the heads held here
         q, k, v = (t.view(batch, seq, -1, self.head_width).transpose(1, 2) for t in (q, k, v))
         y = self.core(q, k, v)

@@ -26,6 +26,7 @@ import torch
 from pipeweave.errors import StuckError
 from pipeweave.models.boundary import Boundary
 from pipeweave.runtime.clip import GlobalNormClip
+from pipeweave.runtime.stage.sequence_parallel import PartialGradients
 from pipeweave.runtime.nonfinite import LossAgreement
 from pipeweave.runtime.replicas import DEFAULT_BUCKET_BYTES, ReplicaReduction
 from pipeweave.runtime.transport import mesh
@@ -104,6 +105,7 @@ class Executor:
         self.replicas = ReplicaReduction(self.placement, self.row, exchanging if combine_replicas else {},
                                          _replica_groups(self.placement) if exchanging and combine_replicas else {},
                                          bucket_bytes, zero)
+        PartialGradients(exchanging)  # sequence parallelism's partial gradients summed over tp, after the replicas
         self.tied = self._ties(exchanging, evaluate, policy is not None)
         self.clip = None if clip_norm is None or evaluate else GlobalNormClip(clip_norm, workers)  # after both
         self.dispatch: dict[Op, Callable[[Action], None]] = {

@@ -76,6 +76,9 @@ class TrainConfig:
     tensor_parallel: int = 1
     """N: processes splitting every stage's layers (``models.tensor_parallel``); a run has P x D x N processes
     on one device mesh (``runtime.transport.mesh``)."""
+    sequence_parallel: bool = False
+    """With ``tensor_parallel`` > 1 (gpt only): the activations between the tensor-parallel regions sharded along
+    the sequence over ``tp`` (``runtime.stage.sequence_parallel``; Korthikanti et al. 2022)."""
     zero: int = 0
     """ZeRO stage of data parallelism (``runtime.zero``): 0 (every replica keeps everything), 1 (optimizer state
     sharded over the replicas, parameters all-gathered after each step) or 3 (parameters and optimizer state
@@ -232,7 +235,7 @@ _OPTIONAL_INTS = ("num_chunks", "save_every", "lr_decay_steps", "eval_every", "m
 _FLOATS = ("lr", "momentum", "bucket_mb")
 _STRS = ("schedule", "optimizer", "precision", "lr_schedule", "on_nonfinite", "recompute")
 _OPTIONAL_STRS = ("data", "save", "resume", "offload", "compress_activations", "log_dir")
-_BOOLS = ("collect_parameters", "memory_every_step", "overwrite", "balance_activations")
+_BOOLS = ("collect_parameters", "memory_every_step", "overwrite", "balance_activations", "sequence_parallel")
 
 
 def _check_min_seq_len(config: TrainConfig, length: int) -> None:

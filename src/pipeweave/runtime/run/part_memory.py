@@ -181,7 +181,7 @@ def _measuring(config: TrainConfig) -> TensorParallel | None:
     """One process of a tensor-parallel group, its collectives left out: what it holds (shards, its
     activations), counted without its peers."""
     n = config.tensor_parallel
-    return None if n == 1 else TensorParallel(MEASURING, 0, n)
+    return None if n == 1 else TensorParallel(MEASURING, 0, n, sequence_parallel=config.sequence_parallel)
 
 
 def _no_optimizer(params: Any) -> Any:

@@ -214,10 +214,30 @@ def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
     if config.zero:
         _check_zero(config, schedule)
     n = config.tensor_parallel
+    if config.sequence_parallel:
+        _check_sequence_parallel(config)
     if n == 1:
         return
     check_tensor_parallel(config.model, n)
     check_plans(config.model)
+
+
+def _check_sequence_parallel(config: TrainConfig) -> None:
+    """Sequence parallelism shards the gpt's sequence evenly over the tensor-parallel group, ZeRO and ties aside."""
+    n, spec = config.tensor_parallel, config.model
+    if n == 1:
+        raise UserError("--sequence-parallel shards activations over the tensor-parallel group; give "
+                        "--tensor-parallel N > 1")
+    if spec.kind != "gpt":
+        raise UserError(f"--sequence-parallel applies to the gpt (a sequence to shard); --model {spec.kind} has "
+                        "none: drop --sequence-parallel")
+    if spec.seq_len % n:
+        raise UserError(f"--seq-len {spec.seq_len} is not divisible by --tensor-parallel {n}; give a sequence "
+                        "length that divides evenly for --sequence-parallel")
+    for on, flag in ((config.zero, f"--zero {config.zero}"), (spec.tie_embeddings, "--tie-embeddings"),
+                     (config.min_seq_len is not None, "--min-seq-len")):
+        if on:
+            raise UserError(f"--sequence-parallel with {flag} is not supported; drop one of them")
 
 
 def _check_clip(config: TrainConfig, schedule: Schedule) -> None:

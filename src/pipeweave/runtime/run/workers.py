@@ -3,6 +3,8 @@ training builds its layers (split over its tensor-parallel group, if any)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pipeweave.runtime.process import device_for
@@ -36,6 +38,8 @@ def build_workers(plan: RunPlan, rank: int, device: torch.device,
     schedule = schedule if schedule is not None else plan.schedule
     joined = mesh.active()
     tp = None if joined is None else joined.tensor_parallel_group
+    if tp is not None:
+        tp = dataclasses.replace(tp, sequence_parallel=config.sequence_parallel)
     modes = config.recompute_of(schedule.num_parts)
     workers = {
         s: StageWorker(config.model, plan.parts[schedule.placement.stage_part[s]], batch_size=config.batch_size,

@@ -41,7 +41,7 @@ Example (on each rank of a group of 2)::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,10 +50,11 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeweave.errors import UserError
-from pipeweave.models.build import build_layers
+from pipeweave.models.build import build_layers, tensor_parallel_plan
 from pipeweave.models.layers import Deferrable, Linear, _accumulate, _deferring, _LinearFn
 from pipeweave.models.spec import ModelSpec
 from pipeweave.models.tensor_parallel import STYLES
+from pipeweave.runtime.stage.sequence_parallel import gather_from_sequence, reduce_scatter_to_sequence, shard_sequence
 from pipeweave.runtime.transport.mesh import MEASURING, TensorParallel
 
 
@@ -203,7 +204,10 @@ class ColumnParallelLinear(Deferrable):
         self.bias = _shard(full.bias, tp, split)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _CopyToTensorParallel.apply(x, self.tp.group)
+        if self.tp.sequence_parallel:  # x: this rank's sequence shard (``stage.sequence_parallel``)
+            x = gather_from_sequence(x, self.tp)
+        else:
+            x = _CopyToTensorParallel.apply(x, self.tp.group)
         y = _LinearFn.apply(x, self.weight, self.bias, self.grad_store)
         return _GatherFromTensorParallel.apply(y, self.tp) if self.gather_output else y  # type: ignore[no-any-return]
 
@@ -220,7 +224,10 @@ class RowParallelLinear(Deferrable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _LinearFn.apply(x, self.weight, None, self.grad_store)
-        y = _ReduceFromTensorParallel.apply(y, self.tp.group)
+        if self.tp.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.tp)
+        else:
+            y = _ReduceFromTensorParallel.apply(y, self.tp.group)
         return y if self.bias is None else _AddBiasFn.apply(y, self.bias, self.grad_store)  # type: ignore[no-any-return]
 
 
@@ -261,6 +268,16 @@ def split(layer: nn.Module, plan: Mapping[str, str], tp: TensorParallel, where: 
         else:
             layer = parallel
     return layer
+
+
+def split_layers(spec: ModelSpec, indices: Sequence[int], layers: Sequence[nn.Module],
+                 tp: TensorParallel) -> list[nn.Module]:
+    """A stage's layers (``indices`` of ``spec``) split over ``tp`` by the model's plan; sequence-parallel too
+    where ``tp`` says so (``stage.sequence_parallel``)."""
+    cut = [split(layer, tensor_parallel_plan(spec, i, layer), tp, f"layer {i}") for i, layer in zip(indices, layers)]
+    if tp.sequence_parallel:
+        shard_sequence(indices, cut, tp)
+    return cut
 
 
 def check_plans(spec: ModelSpec) -> None:

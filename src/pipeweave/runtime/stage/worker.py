@@ -89,13 +89,13 @@ from pipeweave.models.layers import Deferrable, WeightGrad, WeightGradStore
 from pipeweave.models.precision import autocast
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
-from pipeweave.models.build import build_layers, tensor_parallel_plan
+from pipeweave.models.build import build_layers
 from pipeweave.models.spec import ModelSpec, loss_fn
 from pipeweave.runtime.stage.memory import ActivationMeter, Metered, own, unpack
 from pipeweave.runtime.stage.selective import checkpoint_submodules
 from pipeweave.runtime.stage.stash import stash_hooks
 from pipeweave.runtime.stage.shards import Shards
-from pipeweave.runtime.stage.tensor_parallel import TensorParallel, split
+from pipeweave.runtime.stage.tensor_parallel import TensorParallel, split_layers
 from pipeweave.sim.recompute import parse_recompute
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -179,8 +179,7 @@ class StageWorker(Metered):
         self.tensor_parallel = tensor_parallel
         layers = build_layers(spec, indices)
         if tensor_parallel is not None and tensor_parallel.size > 1:  # built whole, then cut: plain training's weights
-            layers = [split(layer, tensor_parallel_plan(spec, i, layer), tensor_parallel, f"layer {i}")
-                      for i, layer in zip(indices, layers)]
+            layers = split_layers(spec, indices, layers, tensor_parallel)
         if self.recompute == "selective":
             checkpoint_submodules(spec, zip(indices, layers))
         self.module = nn.ModuleDict({str(i): layer for i, layer in zip(indices, layers)}).to(device)

@@ -44,6 +44,8 @@ class TensorParallel:
     """The ``torch.distributed`` process group of the N processes that split each layer (or ``MEASURING``)."""
     rank: int
     size: int
+    sequence_parallel: bool = False
+    """Activations between the tensor-parallel regions sharded along the sequence (``stage.sequence_parallel``)."""
 
 
 @dataclass
