@@ -75,6 +75,21 @@ def test_activations_are_korthikantis() -> None:
     assert block_activation_bytes(m, tp=t, recompute="full")[:2] == (2 * s * h, stash)
 
 
+def test_sequence_parallel_activations_are_korthikantis_table_2() -> None:
+    m = MODELS["gpt-145b"]
+    s, h, a, t = m.seq_len, m.hidden, m.heads, 8
+    held, stash, _ = block_activation_bytes(m, tp=t, recompute="none", sequence_parallel=True)
+    assert held == pytest.approx(s * h * (34 / t + 5 * a * s / (h * t)))
+    assert block_activation_bytes(m, tp=t, recompute="selective", sequence_parallel=True)[0] == \
+        pytest.approx(s * h * 34 / t)
+    assert block_activation_bytes(m, tp=t, recompute="full", sequence_parallel=True)[:2] == \
+        pytest.approx((2 * s * h / t, 14 * s * h / t))  # the block's input, and M_W, on 1/t of the sequence
+    schedule = generate("1f1b", num_stages=2, num_microbatches=4)
+    base, split = (gpu_memory(schedule, m, Layout(tp=t, sequence_parallel=sp), microbatch_size=1,
+                              recompute="selective") for sp in (False, True))
+    assert split.activations < base.activations and split.params == base.params
+
+
 def test_memory_uses_the_simulated_peak_and_zero_shares() -> None:
     m = MODELS["gpt-39b"]
     schedule = generate("1f1b", num_stages=2, num_microbatches=12)

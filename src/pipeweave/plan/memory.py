@@ -14,7 +14,12 @@
   replayed); ``2 s b h`` with full recomputation (the block's input only). The
   head keeps its FP32 logits, ``4 b s V / N``. Between I and W a block still
   holds the inputs of its four weight GEMMs, ``s b h (4 + 10/N)`` (the
-  zero-bubble paper's M_W). A backward with recomputation holds one replayed
+  zero-bubble paper's M_W). With sequence parallelism (``Layout.sequence_parallel``,
+  the paper's section 4.2.2 and Table 2) the ``10 s b h`` every tensor-parallel
+  rank held whole (layer norms, dropout masks, the GEMMs' gathered inputs,
+  which Megatron-LM stores sharded and all-gathers again in the backward) are
+  split too: ``34 s b h / N`` (``+ 5 a s^2 b / N``); the block's input
+  ``2 s b h / N``; M_W ``14 s b h / N``. A backward with recomputation holds one replayed
   block (or its attention scores) on top while it runs. The peak per rank is
   walked over the schedule's own order (``sim.metrics.held_peaks``), so every
   schedule's activation memory comes from the simulator, not a closed form.
@@ -63,7 +68,8 @@ class GPUMemory:
         return {n: round(getattr(self, n) / GIB, 3) for n in names}
 
 
-def block_activation_bytes(model: Transformer, *, tp: int, recompute: str) -> tuple[float, float, float]:
+def block_activation_bytes(model: Transformer, *, tp: int, recompute: str,
+                           sequence_parallel: bool = False) -> tuple[float, float, float]:
     """``(held, stash, during)`` of one block for a microbatch of 1: held from F to the backward, still held
     between I and W, and used on top while a backward replays the forward.
 
@@ -71,30 +77,37 @@ def block_activation_bytes(model: Transformer, *, tp: int, recompute: str) -> tu
         >>> m = Transformer(layers=1, hidden=1024, heads=16, seq_len=1024)
         >>> [round(x / (1024 * 1024)) for x in block_activation_bytes(m, tp=1, recompute="none")]
         [114, 14, 0]
+        >>> [round(x / (1024 * 1024)) for x in block_activation_bytes(m, tp=2, recompute="selective",
+        ...                                                           sequence_parallel=True)]
+        [17, 7, 40]
     """
     s, h, a = model.seq_len, model.hidden, model.heads
     sbh = s * h
     scores = 5.0 * a * s * s / tp
-    full = sbh * (10 + 24 / tp) + scores
-    stash = sbh * (4 + 10 / tp)
+    whole = 1.0 / tp if sequence_parallel else 1.0  # what every tensor-parallel rank held whole, split
+    full = sbh * (10 * whole + 24 / tp) + scores
+    stash = sbh * (4 * whole + 10 / tp)
     if recompute == "none":
         return full, stash, 0.0
     if recompute == "selective":
         return full - scores, stash, scores
-    return 2.0 * sbh, stash, full
+    return 2.0 * sbh * whole, stash, full
 
 
-def part_activation_bytes(model: Transformer, num_parts: int, tp: int, recompute: str) -> dict[str, float]:
+def part_activation_bytes(model: Transformer, num_parts: int, tp: int, recompute: str,
+                          sequence_parallel: bool = False) -> dict[str, float]:
     """A part's activation bytes for a microbatch of one sample, as ``plan.activations.peaks`` takes them: held
     and stashed by an ordinary part and by the last (the head's FP32 logits too), and one replayed block."""
     per = model.layers // num_parts
-    held, stash, during = block_activation_bytes(model, tp=tp, recompute=recompute)
+    held, stash, during = block_activation_bytes(model, tp=tp, recompute=recompute,
+                                                 sequence_parallel=sequence_parallel)
     logits = 4.0 * model.seq_len * model.vocab / tp
     return {"held": per * held, "stash": per * stash, "held_last": per * held + logits,
             "stash_last": per * stash + logits, "during": during}
 
 
-def activation_peaks(schedule: Schedule, model: Transformer, tp: int, recompute: str) -> tuple[float, ...]:
+def activation_peaks(schedule: Schedule, model: Transformer, tp: int, recompute: str,
+                     sequence_parallel: bool = False) -> tuple[float, ...]:
     """Per rank, the peak activation bytes of ``schedule`` for microbatches of one sample (scale by b), walked by
     the simulator's ``held_peaks`` (``plan.activations`` finds the same for many sizes at once).
 
@@ -106,7 +119,7 @@ def activation_peaks(schedule: Schedule, model: Transformer, tp: int, recompute:
         >>> activation_peaks(s, m, 2, "full") == peaks(activation_profile(s), **part_activation_bytes(m, 4, 2, "full"))
         True
     """
-    sizes = part_activation_bytes(model, schedule.num_parts, tp, recompute)
+    sizes = part_activation_bytes(model, schedule.num_parts, tp, recompute, sequence_parallel)
     parts = schedule.num_parts
     held_k = [sizes["held"]] * (parts - 1) + [sizes["held_last"]]
     stash_k = [sizes["stash"]] * (parts - 1) + [sizes["stash_last"]]
@@ -137,7 +150,8 @@ def gpu_memory(schedule: Schedule, model: Transformer, layout: Layout, *, microb
         6
     """
     params = part_parameters(model, schedule.num_parts)
-    acts = [p * microbatch_size for p in peaks or activation_peaks(schedule, model, layout.tp, recompute)]
+    acts = [p * microbatch_size for p in peaks or activation_peaks(schedule, model, layout.tp, recompute,
+                                                                   layout.sequence_parallel)]
     return fullest_gpu(schedule, params, layout, acts)
 
 

@@ -70,6 +70,10 @@ class Layout:
     """The cluster's links; None: communication takes no time (only compute shrinks by N)."""
     bucket_bytes: float = 0.0
     """Gradient bytes per DP collective (DDP's buckets); 0: one collective per part."""
+    sequence_parallel: bool = False
+    """Activations outside the tensor-parallel regions split along the sequence (Korthikanti et al. 2022): the
+    same bytes per collective (an all-gather and a reduce-scatter for each all-reduce), fewer activations held
+    (``plan.memory``)."""
 
     def __post_init__(self) -> None:
         for name, value in (("tp", self.tp), ("dp", self.dp)):
