@@ -274,6 +274,22 @@ def test_a_checkpoint_resumes_across_tensor_parallel_degrees_and_zero(tmp_path: 
         torch.testing.assert_close(_parameters(again)[name], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_a_sequence_parallel_checkpoint_resumes_without_it(tmp_path: Path) -> None:
+    """Saved with --sequence-parallel at N=2 (the layer norms' momenta from their gradients summed over tp, the
+    same on both processes, written once), resumed at N=1 on 1f1b: the straight run's losses and parameters."""
+    gpt = dataclasses.replace(GPT, tie_embeddings=False)
+    first = TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=2, model=gpt, batch_size=4, momentum=0.9,
+                        tensor_parallel=2, sequence_parallel=True)
+    straight, resumed = _straight_and_resumed(tmp_path, first, dataclasses.replace(
+        first, schedule="1f1b", tensor_parallel=1, sequence_parallel=False))
+    torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)
+    want, got = _parameters(straight), _parameters(resumed)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 ZERO3 = TrainConfig(schedule="zb-h1", num_stages=2, data_parallel=2, num_microbatches=2, model=MLP, batch_size=8,
                     optimizer="adamw", lr=1e-2, zero=3, bucket_mb=0.0005, keep_checkpoints=3)
 """Parameters and AdamW's moments in slices of several buckets per part."""

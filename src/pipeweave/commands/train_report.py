@@ -43,6 +43,7 @@ def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate |
         "schedule": config.schedule, "stages": config.num_stages, "microbatches": config.num_microbatches,
         "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.steps,
         "data_parallel": config.data_parallel, "tensor_parallel": config.tensor_parallel, "zero": config.zero,
+        "sequence_parallel": config.sequence_parallel,
         "processes": schedule.num_ranks * config.tensor_parallel,
         "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
         "recompute": config.recompute, "precision": config.precision, "first_step": record.first_step,
@@ -144,6 +145,7 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
     model = report["model"]["entry"] or report["model"]["kind"]
     grid = "".join(f"  {k}={report[key]}" for k, key in (("P", "data_parallel"), ("N", "tensor_parallel"))
                    if report.get(key, 1) > 1)
+    grid += " SP" if report.get("sequence_parallel") else ""
     table = Table(title=f"{report['schedule']}  D={report['stages']}{grid}  T={report['microbatches']}  "
                         f"{model}  {report['steps']} steps  ({report['transport']}"
                         f"{', bf16 autocast' if report.get('precision') == 'bf16' else ''})", show_header=True)
