@@ -34,7 +34,8 @@ GPT = ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "2", "--s
     [*MLP, "-s", "zb-h1"],  # the split backward: what W still needs after I
     [*GPT, "-s", "1f1b", "--stages", "3", "--microbatches", "4", "--recompute", "--precision", "bf16"],
     [*GPT, "-s", "zb-h1", "--tensor-parallel", "2"],  # a process's shards and activations
-], ids=["mlp-zb-h1", "gpt-1f1b-recompute-bf16", "gpt-zb-h1-tp2"])
+    [*GPT, "-s", "zb-h1", "--tensor-parallel", "2", "--sequence-parallel"],  # its layer norms' on half the sequence
+], ids=["mlp-zb-h1", "gpt-1f1b-recompute-bf16", "gpt-zb-h1-tp2", "gpt-zb-h1-tp2-sp"])
 def test_the_estimate_is_within_its_factor_of_the_measured_peak(
     argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

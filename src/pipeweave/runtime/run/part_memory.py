@@ -86,7 +86,7 @@ def part_memory(config: TrainConfig, parts: Sequence[range], backwards: tuple[st
     key = {"spec": asdict(config.model), "source": fingerprint(config.model.entry) if config.model.entry else None,
            "parts": [[p.start, p.stop] for p in parts], "size": size, "backwards": list(backwards),
            "precision": config.precision, "recompute": config.recompute, "torch": torch.__version__,
-           "tensor_parallel": config.tensor_parallel}
+           "tensor_parallel": config.tensor_parallel, **({"sequence_parallel": True} if config.sequence_parallel else {})}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir().parent / "memory"
     path = path / f"{digest}.json"
