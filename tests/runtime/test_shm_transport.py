@@ -7,6 +7,7 @@ silently fell back to gloo fails the test.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -205,6 +206,8 @@ def test_rings_are_sized_for_the_largest_message() -> None:
     gpt = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=64,
                       model=ModelSpec(kind="gpt", layers=2, hidden=512, heads=8, seq_len=256))
     assert largest_message_bytes(gpt, prepare(gpt).schedule, layer_ranges(gpt, prepare(gpt).schedule)) == 32 * 256 * 512 * 4  # 16 MiB
+    sp = replace(gpt, tensor_parallel=2, sequence_parallel=True)  # each process sends its half of the sequence
+    assert largest_message_bytes(sp, prepare(sp).schedule, layer_ranges(sp, prepare(sp).schedule)) == 32 * 128 * 512 * 4
     assert shm.capacity_for(16 << 20) == 49 << 20 and shm.capacity_for(100) == shm.DEFAULT_CAPACITY
     chimera = TrainConfig(schedule="chimera", num_stages=2, num_microbatches=2, batch_size=4,
                           model=ModelSpec(kind="mlp", layers=4, hidden=64))

@@ -202,15 +202,16 @@ def largest_message_bytes(config: TrainConfig, schedule: Schedule, parts: Sequen
     """Bytes of the largest point-to-point message a run sends (what a shared-memory ring must hold).
 
     A microbatch's activation or input gradient (float32, (b, h) for the
-    mlp, (b, seq, h) for the gpt, a custom model's largest as ``probe_model``
-    finds it) and, where parts are replicated (Chimera, GEMS, DualPipe), a
+    mlp, (b, seq, h) for the gpt -- (b, seq / N, h) with sequence parallelism --
+    a custom model's largest as ``probe_model`` finds it) and, where parts are replicated (Chimera, GEMS, DualPipe), a
     part's whole gradient, counted from its layers.
     """
     model = config.model
     if model.kind == "custom":
         per_sample = probe_model(model, config.seed)
     else:
-        per_sample = model.hidden * (model.seq_len if model.kind == "gpt" else 1) * 4
+        shards = config.tensor_parallel if config.sequence_parallel else 1
+        per_sample = model.hidden * (model.seq_len // shards if model.kind == "gpt" else 1) * 4
     largest = max(microbatch_sizes(config)) * per_sample
     placement = schedule.placement
     if any(len(placement.replicas(s)) > 1 for s in range(placement.num_stages)):
