@@ -110,34 +110,46 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any,
                 transposed: bool = False) -> torch.Tensor:
-        # Parameters travel as attributes: a saved tensor unpacks to a different
-        # Python object, and .grad must land on the Parameter itself.
-        ctx.weight, ctx.bias = weight, bias
-        ctx.store, ctx.transposed = store, transposed  # transposed: y = b + x W, W (in, out) (Conv1D's addmm)
-        ctx.dtype = dtype = _autocast_dtype(x)
-        if dtype is not None:  # as autocast runs nn.Linear: everything cast, the cast input kept
-            x = x.to(dtype)
-            with torch.autocast(autocast_device_type(x.device), enabled=False):
-                y = _product(x, weight.to(dtype), None if bias is None else bias.to(dtype), transposed)
-        else:
-            y = _product(x, weight, bias, transposed)
+        x, y = linear_forward(ctx, x, weight, bias, store, transposed)
         ctx.save_for_backward(x)
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
         (x,) = ctx.saved_tensors
-        weight, bias = ctx.weight, ctx.bias
-        if ctx.dtype is not None:
-            gy = gy.to(ctx.dtype)
-        w = weight if ctx.dtype is None else weight.to(ctx.dtype)
-        gx = (gy.mm(w.t()) if ctx.transposed else gy.matmul(w)) if ctx.needs_input_grad[0] else None
-        transposed = ctx.transposed
-        if _deferring(ctx.store):
-            ctx.store.defer(lambda: _linear_weight_grads(weight, bias, x, gy, transposed), (x, gy))
-        else:  # B: at once, by the same code as W
-            _linear_weight_grads(weight, bias, x, gy, transposed)
-        return gx, None, None, None, None
+        return linear_backward(ctx, x, gy), None, None, None, None
+
+
+def linear_forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any,
+                   transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deferrable linear's forward inside an autograd function's ``forward``: ``(x as the product read it, y)``;
+    what its backward (``linear_backward``) needs besides ``x`` kept on ``ctx``."""
+    # Parameters travel as attributes: a saved tensor unpacks to a different
+    # Python object, and .grad must land on the Parameter itself.
+    ctx.weight, ctx.bias = weight, bias
+    ctx.store, ctx.transposed = store, transposed  # transposed: y = b + x W, W (in, out) (Conv1D's addmm)
+    ctx.dtype = dtype = _autocast_dtype(x)
+    if dtype is not None:  # as autocast runs nn.Linear: everything cast, the cast input kept
+        x = x.to(dtype)
+        with torch.autocast(autocast_device_type(x.device), enabled=False):
+            return x, _product(x, weight.to(dtype), None if bias is None else bias.to(dtype), transposed)
+    return x, _product(x, weight, bias, transposed)
+
+
+def linear_backward(ctx: Any, x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor | None:
+    """The input gradient of ``linear_forward``'s product; its weight gradient deferred to ``W`` (or, in ``B``,
+    accumulated at once)."""
+    weight, bias = ctx.weight, ctx.bias
+    if ctx.dtype is not None:
+        gy = gy.to(ctx.dtype)
+    w = weight if ctx.dtype is None else weight.to(ctx.dtype)
+    gx = (gy.mm(w.t()) if ctx.transposed else gy.matmul(w)) if ctx.needs_input_grad[0] else None
+    transposed = ctx.transposed
+    if _deferring(ctx.store):
+        ctx.store.defer(lambda: _linear_weight_grads(weight, bias, x, gy, transposed), (x, gy))
+    else:  # B: at once, by the same code as W
+        _linear_weight_grads(weight, bias, x, gy, transposed)
+    return gx
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:

@@ -19,17 +19,18 @@ held whole by every rank that sees only its shard of the sequence -- the
 layer norms, a row-parallel layer's bias -- gets a partial gradient: they are
 marked (``mark_partial``) and summed over ``tp`` at ``U`` (``PartialGradients``),
 after the replicas' reduction and before clipping, as Megatron-LM all-reduces
-its layer norms' gradients. The collectives are on the input gradient's path
-(``I``); a ``W`` stays local work on the shard. The gpt has no dropout, so no
-random mask needs splitting; a model with dropout would draw each shard's
-part of one mask (``models.randomness`` keys masks by layer, step and
-microbatch, not by rank).
+its layer norms' gradients. A column-parallel layer keeps only its input's
+shard from F to its backward and all-gathers it again there, as Megatron-LM
+does (``gathered_linear``). Every collective is on the input gradient's path
+(``I``, or ``B``): ``W`` takes the input gathered in ``I`` and stays local
+work on the shard. The gpt has no dropout, so no random mask is split (other
+models are refused: ``runtime.run.plan``).
 
 Example (on each rank of a group of 2, ``x`` of shape ``(batch, seq, hidden)``)::
 
     tp = TensorParallel(group, rank, 2, sequence_parallel=True)
-    shard = scatter_to_sequence(x, tp)          # (batch, seq / 2, hidden)
-    whole = gather_from_sequence(shard, tp)     # (batch, seq, hidden)
+    shard = scatter_to_sequence(x, tp)                        # (batch, seq / 2, hidden)
+    y = gathered_linear(shard, weight, None, store, tp)       # (batch, seq, out): g, then the product
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeweave.models.layers import linear_backward, linear_forward
 from pipeweave.runtime.transport.mesh import MEASURING, TensorParallel
 
 SEQUENCE = 1
@@ -72,7 +74,8 @@ def _own(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 
 
 class _SequenceCollective(torch.autograd.Function):
-    """``forward(x)`` forward, ``backward(grad)`` backward: one of the conjugate pairs below."""
+    """``forward(x)`` forward, ``backward(grad)`` backward: one of the conjugate pairs below (the paper's ``g``,
+    all-gather forward and reduce-scatter backward, is inside ``gathered_linear``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel, forward: Any, backward: Any) -> torch.Tensor:
@@ -82,12 +85,6 @@ class _SequenceCollective(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         return ctx.backward_fn(grad, ctx.tp), None, None, None
-
-
-def gather_from_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """The paper's ``g`` in front of a column-parallel layer: all-gather along the sequence forward; the partial
-    input gradients reduce-scattered backward."""
-    return _SequenceCollective.apply(x, tp, _gather, _reduce_scatter)  # type: ignore[no-any-return]
 
 
 def reduce_scatter_to_sequence(y: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -100,6 +97,33 @@ def scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """A whole activation (the same on every rank) cut to this rank's sequence shard; backward, the shards'
     gradients all-gathered (whole on every rank again)."""
     return _SequenceCollective.apply(x, tp, _own, _gather)  # type: ignore[no-any-return]
+
+
+class _GatheredLinearFn(torch.autograd.Function):
+    """A column-parallel linear on a sequence shard: the shard all-gathered, the product on the whole sequence,
+    only the shard kept. Its backward (``I``, or ``B``) all-gathers the shard again for the weight gradient
+    (deferred to ``W`` with the gathered input: ``W`` stays local) and reduce-scatters the input gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any,
+                tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        whole, y = linear_forward(ctx, _gather(x, tp), weight, bias, store)
+        ctx.save_for_backward(_own(whole, tp))  # (as the product read it: cast under autocast)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
+        (shard,) = ctx.saved_tensors
+        gx = linear_backward(ctx, _gather(shard, ctx.tp), gy)
+        return None if gx is None else _reduce_scatter(gx, ctx.tp), None, None, None, None
+
+
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any,
+                    tp: TensorParallel) -> torch.Tensor:
+    """``linear(gather_from_sequence(x))`` holding ``x``'s shard, not the gathered whole, from F to the backward
+    (as Megatron-LM's sequence-parallel linear does): the paper's ``34 s b h / N`` per block."""
+    return _GatheredLinearFn.apply(x, weight, bias, store, tp)  # type: ignore[no-any-return]
 
 
 def scatter_output(layer: nn.Module, tp: TensorParallel) -> None:

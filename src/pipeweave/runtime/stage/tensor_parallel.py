@@ -54,7 +54,7 @@ from pipeweave.models.build import build_layers, tensor_parallel_plan
 from pipeweave.models.layers import Deferrable, Linear, _accumulate, _deferring, _LinearFn
 from pipeweave.models.spec import ModelSpec
 from pipeweave.models.tensor_parallel import STYLES
-from pipeweave.runtime.stage.sequence_parallel import gather_from_sequence, reduce_scatter_to_sequence, shard_sequence
+from pipeweave.runtime.stage.sequence_parallel import gathered_linear, reduce_scatter_to_sequence, shard_sequence
 from pipeweave.runtime.transport.mesh import MEASURING, TensorParallel
 
 
@@ -205,10 +205,9 @@ class ColumnParallelLinear(Deferrable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.sequence_parallel:  # x: this rank's sequence shard (``stage.sequence_parallel``)
-            x = gather_from_sequence(x, self.tp)
+            y = gathered_linear(x, self.weight, self.bias, self.grad_store, self.tp)
         else:
-            x = _CopyToTensorParallel.apply(x, self.tp.group)
-        y = _LinearFn.apply(x, self.weight, self.bias, self.grad_store)
+            y = _LinearFn.apply(_CopyToTensorParallel.apply(x, self.tp.group), self.weight, self.bias, self.grad_store)
         return _GatherFromTensorParallel.apply(y, self.tp) if self.gather_output else y  # type: ignore[no-any-return]
 
 
