@@ -227,7 +227,10 @@ class RowParallelLinear(Deferrable):
             y = reduce_scatter_to_sequence(y, self.tp)
         else:
             y = _ReduceFromTensorParallel.apply(y, self.tp.group)
-        return y if self.bias is None else _AddBiasFn.apply(y, self.bias, self.grad_store)  # type: ignore[no-any-return]
+        # Under sequence parallelism the bias gradient is the sum of the gradient's shard, which W would hold
+        # beside the gathered whole the weight needs: summed at once instead (b s h / N additions).
+        store = None if self.tp.sequence_parallel else self.grad_store
+        return y if self.bias is None else _AddBiasFn.apply(y, self.bias, store)  # type: ignore[no-any-return]
 
 
 def _colwise(full: Linear, tp: TensorParallel, *, gather_output: bool = False) -> ColumnParallelLinear:
