@@ -13,7 +13,8 @@ from pipeweave.models.build import build_layers, check_tensor_parallel, tensor_p
 from pipeweave.models.layers import Deferrable, WeightGradStore
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.run.launch import launch
-from pipeweave.runtime.stage.tensor_parallel import TensorParallel, gather, split
+from pipeweave.runtime.stage.sequence_parallel import sum_partial
+from pipeweave.runtime.stage.tensor_parallel import TensorParallel, gather, split, split_layers
 
 pytestmark = pytest.mark.distributed
 
@@ -91,6 +92,54 @@ def _shard_of(name: str, whole: torch.Tensor, shape: torch.Size, rank: int, worl
 def test_a_split_layer_computes_what_the_whole_layer_does(spec: ModelSpec, index: int, defer: bool) -> None:
     # float32: the row-parallel sums partial products in another order; 1e-5 relative holds that.
     assert launch(_compare, (spec, index, defer), 2) == []
+
+
+def _local_only(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("a collective in W")
+
+
+def _compare_sequence_parallel(rank: int, world: int, _: Any) -> list[str]:
+    """A gpt block on this rank's half of the sequence: I then W (W with every collective refused), the
+    partial gradients summed over the group; against the whole block's on the whole sequence."""
+    tp = TensorParallel(dist.group.WORLD, rank, world, sequence_parallel=True)
+    (full,) = build_layers(GPT, [1])
+    (cut,) = split_layers(GPT, [1], build_layers(GPT, [1]), tp)
+    x = _inputs(GPT, 1)
+    y_full, gx_full = _run(full, x, defer=False)
+    store = WeightGradStore()
+    for m in cut.modules():
+        if isinstance(m, Deferrable):
+            m.grad_store = store
+    mine = x.chunk(world, dim=1)[rank].clone().requires_grad_(True)
+    y = cut(mine)
+    store.deferring = True
+    y.backward(torch.randn(y_full.shape, generator=torch.Generator().manual_seed(3)).chunk(world, dim=1)[rank])
+    store.deferring = False
+    problems = [n for n, p in cut.named_parameters() if p.grad is not None and n.endswith("weight")
+                and "norm" not in n]  # the weights' gradients wait for W
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("all_gather", "reduce_scatter", "all_reduce"):
+            patch.setattr(dist, name, _local_only)
+        for fn, _held in store.pending:
+            fn()
+    sum_partial(list(cut.parameters()), tp)
+    if not torch.allclose(y, y_full.chunk(world, dim=1)[rank], rtol=1e-5, atol=1e-6):
+        problems.append("output")
+    if not torch.allclose(mine.grad, gx_full.chunk(world, dim=1)[rank], rtol=1e-5, atol=1e-6):
+        problems.append("input gradient")
+    whole = dict(full.named_parameters())
+    for name, p in cut.named_parameters():
+        expect = whole[name].grad
+        if p.shape != expect.shape:
+            expect = _shard_of(name, expect, p.shape, rank, world, GPT)
+        if not torch.allclose(p.grad, expect, rtol=1e-5, atol=1e-6):
+            problems.append(name)
+    return problems
+
+
+def test_a_sequence_parallel_block_computes_the_whole_blocks_shard_with_w_local() -> None:
+    # The g / g-bar collectives run in I; W is refused every collective and still gives the gradients.
+    assert launch(_compare_sequence_parallel, None, 2) == []
 
 
 @pytest.mark.parametrize(("spec", "size", "message"), [
