@@ -91,6 +91,9 @@ CASES_4 = {  # each pair of the dimensions at 2: 4 processes
                                     eval_batches=2),
     # Sequence parallelism: layer norms and residual adds on half the sequence, their gradients summed over tp.
     "tp-pp-sequence-parallel": _config("zb-h1", GPT, tp=2, dp=1, stages=2, sequence_parallel=True),
+    # ... and on a stream cut in two by an evaluation (each piece a new executor: the norms summed once).
+    "tp-pp-pipedream-sequence-parallel": _config("pipedream", GPT, tp=2, dp=1, stages=2, steps=4, batch_size=8,
+                                                 sequence_parallel=True, eval_every=2, eval_batches=1),
     # Its memory against TP alone, on a gpt whose blocks (not the vocabulary head) hold most activations.
     "tp-pp-wide": _config("1f1b", WIDE, tp=2, dp=1, stages=2, steps=1),
     "tp-pp-wide-sequence-parallel": _config("1f1b", WIDE, tp=2, dp=1, stages=2, steps=1, sequence_parallel=True),
@@ -111,7 +114,7 @@ SLOW = {  # (processes, config): further ZeRO-3 and clipping cases, in the slow 
                                                 momentum=0.9, post_validation=PostValidation(max_norm=0.5))),
 }
 MEMORY = ("tp-pp-wide", "tp-pp-wide-sequence-parallel")  # compared with each other
-AGAINST_REFERENCE = ("tp-pp-pipedream", "tp-pp-tied", "dp-pp-pipedream-2bw", "gpt-pipedream", "dp-pp-pipedream-eval")
+AGAINST_REFERENCE = ("tp-pp-pipedream", "tp-pp-pipedream-sequence-parallel", "tp-pp-tied", "dp-pp-pipedream-2bw", "gpt-pipedream", "dp-pp-pipedream-eval")
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:

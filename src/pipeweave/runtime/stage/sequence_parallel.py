@@ -172,13 +172,14 @@ class PartialGradients:
     """Sums the partial gradients of sequence-parallel stages over ``tp`` at their ``U``.
 
     Chained after the worker's ``combine_grads`` (the replicas' reduction: sums over ``dp`` and ``tp`` commute),
-    before the ties' and the clipping's (install it before ``TiedGradients`` and ``GlobalNormClip``).
+    before the ties' and the clipping's (install it before ``TiedGradients`` and ``GlobalNormClip``). Once: a
+    stream's next segment builds a new executor over the same workers, whose ``combine_grads`` already sums.
     """
 
     def __init__(self, workers: dict[int, Any]) -> None:
         for worker in workers.values():
             tp = worker.tensor_parallel
-            if tp is not None and tp.sequence_parallel:
+            if tp is not None and tp.sequence_parallel and not getattr(worker.combine_grads, "sums_partial", False):
                 worker.combine_grads = self._chain(worker.combine_grads, tp)
 
     @staticmethod
@@ -188,4 +189,5 @@ class PartialGradients:
                 before(worker)
             sum_partial(list(worker.module.parameters()), tp)
 
+        combine.sums_partial = True  # type: ignore[attr-defined]
         return combine
