@@ -4,7 +4,9 @@
 (recomputation, activation accounting, deferred weight gradients);
 ``tied`` sums the gradients of weights shared between stages;
 ``tensor_parallel`` splits a layer's linear layers over a ``tp`` group (Megatron's
-column/row-parallel layers, their collectives, the shards' splits); ``policy``
+column/row-parallel layers, their collectives, the shards' splits);
+``sequence_parallel`` shards the activations between them along the sequence
+(Korthikanti et al.'s all-gather/reduce-scatter pairs); ``policy``
 binds an asynchronous schedule's weight policy (which version each action
 reads; the tensor code is ``pipeweave.weights``); ``post_validation``
 replaces the optimizer step by an optimistic one with exact rollback;

@@ -30,7 +30,9 @@ its ``Split`` (``gather`` puts the whole back, ``shard`` cuts a whole one).
 Parameters outside the split layers (norms, embeddings, biases of
 row-parallel layers) are replicated: their inputs and gradients are the same
 on every rank of the group (what a ``g`` all-reduce gives every rank is
-bitwise one value), so their gradients agree without communication.
+bitwise one value), so their gradients agree without communication -- except
+under sequence parallelism, where each rank sees its shard of the sequence
+and their gradients are summed over the group (``stage.sequence_parallel``).
 
 Example (on each rank of a group of 2)::
 
