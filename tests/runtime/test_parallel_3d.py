@@ -134,7 +134,7 @@ def runs_8() -> dict[str, RunRecord]:
 def _plain(config: TrainConfig) -> TrainResult:
     """Plain training of ``config``'s model, batch and optimizer (one run for configs differing only in how the
     parallel run shards or recomputes)."""
-    return _plain_run(dataclasses.replace(config, zero=0, recompute=False, bucket_mb=25.0))
+    return _plain_run(dataclasses.replace(config, zero=0, recompute=False, bucket_mb=25.0, sequence_parallel=False))
 
 
 @functools.lru_cache(maxsize=None)
