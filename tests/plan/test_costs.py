@@ -144,6 +144,21 @@ def test_the_profile_walk_finds_held_peaks_own_peaks(schedule: str, chunks: int 
     assert peaks(activation_profile(s), **sizes) == pytest.approx(activation_peaks(s, model, 8, recompute))
 
 
+def test_the_planner_with_sequence_parallelism_holds_fewer_activations_and_sends_smaller_messages() -> None:
+    config = Config(tp=8, pp=4, dp=2, chunks=1, microbatch_size=2, microbatches=16, schedule="1f1b",
+                    recompute="selective", zero=1)
+    results = []
+    for sp in (False, True):
+        cluster = Cluster(model=MODELS["gpt-39b"], gpu=GPUS["a100-80gb"], efficiency=IDEAL, sequence_parallel=sp)
+        ev = Evaluator(cluster=cluster, batch=64)
+        results.append((ev.evaluate(config, time_unfit=True), ev.hop(config, 4)))
+    (whole, hop_whole), (split, hop_split) = results
+    assert whole is not None and split is not None
+    # Table 2 with selective recomputation: 34/t against 10 + 24/t, the whole rank's activations (blocks only)
+    assert split.memory.activations == pytest.approx(whole.memory.activations * (34 / 8) / (10 + 24 / 8), rel=0.05)
+    assert split.memory.params == whole.memory.params and hop_split < hop_whole
+
+
 def test_the_naive_bound_is_its_makespan() -> None:
     from pipeweave.plan.bound import time_bound
 

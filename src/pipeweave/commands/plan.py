@@ -65,6 +65,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
     o = p.add_argument_group("model of the run")
     o.add_argument("--no-scatter-gather", action="store_true",
                    help="pipeline messages sent whole by every TP rank (pipeweave's runtime), not split as Megatron")
+    o.add_argument("--sequence-parallel", action="store_true",
+                   help="with TP, norms and messages on 1/N of the sequence (Korthikanti et al.): fewer activation "
+                        "bytes, the same collectives")
     o.add_argument("--no-dp-overlap", action="store_true",
                    help="DP all-reduce after the backward (Megatron's local DDP), not overlapped with it")
     p.add_argument("--top", type=int, default=10, help="configurations to show (default 10)")
@@ -133,7 +136,7 @@ def _cluster(args: argparse.Namespace) -> Any:
             from dataclasses import replace
             gpu = replace(gpu, gpus_per_node=args.gpus_per_node)
     return Cluster(model=_model(args, gpu), gpu=gpu, efficiency=A100_CALIBRATED,
-                   scatter_gather=not args.no_scatter_gather)
+                   scatter_gather=not args.no_scatter_gather, sequence_parallel=args.sequence_parallel)
 
 
 def _model(args: argparse.Namespace, gpu: Any) -> Any:

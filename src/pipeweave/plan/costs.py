@@ -25,7 +25,12 @@ output in F. Pipeline messages carry the activation; with Megatron-LM's
 scatter/gather optimisation (Narayanan et al., SC21, section 4.1) each of the N
 ranks sends 1/N of it over the inter-node link and the receiving node
 all-gathers it over NVLink, without it each sends the whole activation (what
-pipeweave's runtime does).
+pipeweave's runtime does without sequence parallelism). With sequence
+parallelism (``Cluster.sequence_parallel``, Korthikanti et al. section 4.2.2)
+the activation between blocks is already split along the sequence: each rank
+sends its 1/N and nothing is gathered; the TP collectives move the same bytes
+(an all-gather and a reduce-scatter for each all-reduce), and the activations
+held shrink (``plan.memory``).
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ class Cluster:
     efficiency: Efficiency
     scatter_gather: bool = True
     """Megatron-LM's scatter/gather of pipeline messages over the TP ranks (module docstring)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism with TP (module docstring): smaller messages and activations, the same collectives."""
 
 
 def transformer(cluster: Cluster) -> Transformer:
@@ -161,6 +168,8 @@ def hop_time(cluster: Cluster, *, tp: int, microbatch_size: int, inter_node: boo
     """A pipeline message between neighbouring stages (module docstring)."""
     net = cluster.gpu.network()
     nbytes = activation_bytes(transformer(cluster), microbatch_size)
+    if cluster.sequence_parallel and tp > 1:  # each rank's shard of the sequence, to its peer
+        return (net.inter_node if inter_node else net.intra_node).time(nbytes / tp)
     if not inter_node:
         return net.intra_node.time(nbytes)
     if cluster.scatter_gather and tp > 1:

@@ -80,7 +80,8 @@ class Evaluator:
     """``times``' answers (the search asks for each configuration's several times)."""
 
     def layout(self, config: Config) -> Layout:
-        return Layout(tp=config.tp, dp=config.dp, zero=config.zero, network=self.cluster.gpu.network())
+        return Layout(tp=config.tp, dp=config.dp, zero=config.zero, network=self.cluster.gpu.network(),
+                      sequence_parallel=self.cluster.sequence_parallel)
 
     def times(self, config: Config, num_parts: int) -> Times:
         """``(f, i, w, hop)`` of the configuration's parts."""
@@ -120,13 +121,14 @@ class Evaluator:
 
     def memory(self, config: Config, schedule: Schedule, layout: Layout) -> GPUMemory:
         """The fullest GPU's bytes (``plan.memory``)."""
-        peaks = self.pipeline.peaks(config, schedule, transformer(self.cluster))
+        peaks = self.pipeline.peaks(config, schedule, transformer(self.cluster), self.cluster.sequence_parallel)
         return gpu_memory(schedule, transformer(self.cluster), layout, microbatch_size=config.microbatch_size,
                           recompute=config.recompute, peaks=peaks)
 
     def least_activation(self, config: Config) -> float:
         """Bytes of one microbatch's activations on one part: what any rank holds at least."""
-        held = block_activation_bytes(transformer(self.cluster), tp=config.tp, recompute=config.recompute)[0]
+        held = block_activation_bytes(transformer(self.cluster), tp=config.tp, recompute=config.recompute,
+                                      sequence_parallel=self.cluster.sequence_parallel)[0]
         return held * (transformer(self.cluster).layers // self.num_parts(config)) * config.microbatch_size
 
     def step_flops(self, recompute: str) -> float:

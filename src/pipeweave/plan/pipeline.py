@@ -148,13 +148,14 @@ class Pipeline:
         path = self.references.get(config.shape)
         return 0.0 if path is None else path.length(*times)
 
-    def peaks(self, config: Config, schedule: Schedule, model: Transformer) -> tuple[float, ...]:
+    def peaks(self, config: Config, schedule: Schedule, model: Transformer,
+              sequence_parallel: bool = False) -> tuple[float, ...]:
         """Per rank, activation bytes per sample of a microbatch (``plan.memory.activation_peaks``), from the
         schedule's profile walked once (``plan.activations``)."""
         key = id(schedule)
         if key not in self.profiles:
             self.profiles[key] = activation_profile(schedule)
-        sizes = part_activation_bytes(model, schedule.num_parts, config.tp, config.recompute)
+        sizes = part_activation_bytes(model, schedule.num_parts, config.tp, config.recompute, sequence_parallel)
         return peaks(self.profiles[key], **sizes)
 
     @staticmethod
@@ -170,7 +171,8 @@ def auto_options(config: Config, cluster: Cluster, times: Times) -> dict[str, ob
     parts = config.pp * config.chunks
     f, i, w, hop = times
     model, gpu = transformer(cluster), cluster.gpu
-    held, stash, _ = block_activation_bytes(model, tp=config.tp, recompute=config.recompute)
+    held, stash, _ = block_activation_bytes(model, tp=config.tp, recompute=config.recompute,
+                                            sequence_parallel=cluster.sequence_parallel)
     per_rank = model.layers / config.pp * held * config.microbatch_size  # M_a of one D-th
     state = max(part_parameters(model, parts)) * config.chunks * 16 / config.tp
     room = gpu.memory_bytes - state - 3 * 2**30
