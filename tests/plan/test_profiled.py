@@ -116,6 +116,7 @@ def test_plan_costs_on_a_gpu_and_on_the_profiling_machine(capsys: pytest.Capture
 @pytest.mark.parametrize("extra, words", [
     (["--model", "gpt-1.7b"], ["--model describes a GPT", "give one of them"]),
     (["--tensor-parallel", "2"], ["runs with TP 1"]),
+    (["--sequence-parallel"], ["--sequence-parallel applies to a GPT shape", "drop --sequence-parallel"]),
     (["--recompute", "selective"], ["recomputes none or full"]),
     (["--dispatch", "-1"], ["--dispatch -1.0 is invalid"]),
     (["--profile-tflops", "0"], ["--profile-tflops 0.0 is invalid"]),

@@ -149,6 +149,9 @@ def _model(args: argparse.Namespace, gpu: Any) -> Any:
         if args.model is not None or given:
             raise UserError(f"{'--model' if args.model is not None else given[0]} describes a GPT; --costs "
                             "plans the profiled model: give one of them")
+        if args.sequence_parallel:
+            raise UserError("--sequence-parallel applies to a GPT shape; --costs plans the profiled model as it "
+                            "was measured: drop --sequence-parallel")
         return _profiled(args, gpu)
     if args.profile_tflops is not None or args.dispatch:
         raise UserError("--profile-tflops and --dispatch apply to a profiled model; give --costs FILE or drop them")
