@@ -160,3 +160,45 @@ def test_hf_config_and_model_errors_are_one_line(capsys: pytest.CaptureFixture[s
     assert main(["train", "--model", "hf:nonesuch"]) == 2
     err = capsys.readouterr().err
     assert "Unrecognized model identifier: nonesuch; name a transformers model type" in err and err.count("\n") == 1
+
+
+def test_split_points_d_cuts_where_the_time_partitioner_splits_the_profiled_pieces(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipeweave.pipelining as pipelining
+    from pipeweave.partition import partition
+
+    monkeypatch.setenv("PIPEWEAVE_CACHE", str(tmp_path))
+    profiled = []
+
+    def spy(spec: ModelSpec, microbatch_size: int, **options: object) -> object:
+        profiled.append((spec.custom, microbatch_size, real(spec, microbatch_size, **options)))
+        return profiled[-1][2]
+
+    real = pipelining.profile_model
+    monkeypatch.setattr(pipelining, "profile_model", spy)
+    model = tiny_modules.uneven()
+    (pieces, samples, costs), = profiled
+    assert samples == 8 and pieces.split_points == ("blocks.1", "blocks.2", "blocks.3")  # a piece per block
+    counts = partition("time", costs, 2).counts
+    assert model.split_points == (pieces.split_points[counts[0] - 1],) and len(model.layers) == 2
+    assert model.split_points == ("blocks.1",)  # the wide block alone outweighs the three narrow ones
+
+
+def test_split_points_d_maps_the_partition_back_to_module_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipeweave.pipelining as pipelining
+    from pipeweave.partition import LayerCosts
+
+    def made_up(spec: ModelSpec, microbatch_size: int, **options: object) -> LayerCosts:
+        return LayerCosts(**{**LayerCosts.uniform(4).to_json(), "forward": [4, 1, 1, 5]})  # F+I+W 6, 3, 3, 7
+
+    monkeypatch.setattr(pipelining, "profile_model", made_up)
+    data = tiny_modules.uneven_data()
+    model = pipeweave.pipeline(tiny_modules.Uneven(), (data.tensors[0][:2],), 2, loss=nn.functional.mse_loss,
+                               dataset=data)
+    assert model.split_points == ("blocks.2",)  # (2, 2): 9 and 10
+    three = pipeweave.pipeline(tiny_modules.Uneven(), (data.tensors[0][:2],), 3, loss=nn.functional.mse_loss,
+                               dataset=data)
+    assert three.split_points == ("blocks.1", "blocks.3")  # (1, 2, 1): 6, 6 and 7
+    with pytest.raises(UserError, match=r"^split_points=5 parts, but the module has 4 pieces to group"):
+        pipeweave.pipeline(tiny_modules.Uneven(), (data.tensors[0][:2],), 5, loss=nn.functional.mse_loss,
+                           dataset=data)

@@ -4,6 +4,8 @@
 output head tied to its token embedding (one Parameter). ``sequential``: an
 ``nn.Sequential``, with no split points. ``plain_factory``: a module factory
 with ``loss`` and ``dataset`` beside it, as ``--model FILE.py:NAME`` takes one.
+``uneven``: one wide block before three narrow ones, split into 2 parts
+balanced by the profiler (``split_points=2``).
 """
 
 from __future__ import annotations
@@ -112,3 +114,28 @@ def declared() -> pipeweave.models.LayerModel:
     return pipeweave.models.LayerModel(layers=[lambda: nn.Linear(4, 4), lambda: nn.Linear(4, 4)],
                                        loss=nn.functional.mse_loss, tied=[["0.weight", "1.weight"]],
                                        dataset=torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 4)))
+
+
+class Uneven(nn.Module):
+    """Block 0 is wide (a hidden layer of 16384), blocks 1-3 are narrow: a balanced split cuts after block 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        wide = nn.Sequential(nn.Linear(4 * WIDTH, 16384), nn.GELU(), nn.Linear(16384, 4 * WIDTH))
+        self.blocks = nn.ModuleList([wide, *(nn.Linear(4 * WIDTH, 4 * WIDTH) for _ in range(3))])
+        self.head = nn.Linear(4 * WIDTH, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(x)
+
+
+def uneven_data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(64, 4 * WIDTH, generator=g), torch.randn(64, 4, generator=g))
+
+
+def uneven() -> pipeweave.models.LayerModel:
+    data = uneven_data()
+    return pipeweave.pipeline(Uneven(), (data.tensors[0][:8],), 2, loss=nn.functional.mse_loss, dataset=data)

@@ -66,8 +66,8 @@ def check_split_points(module: nn.Module, split_points: Sequence[str]) -> None:
         raise UserError(f"split points {list(split_points)} name a module twice; give each once")
 
 
-def part_of_nodes(graph: fx.Graph, split_points: Sequence[str]) -> dict[fx.Node, int]:
-    """Each compute node's part: how many split points have started at or before it, in execution order.
+def _first_calls(graph: fx.Graph, split_points: Sequence[str]) -> dict[str, int]:
+    """Per split point, the position among the compute nodes of the first one issued inside its module.
 
     Raises:
         UserError: a split point whose module the forward never calls.
@@ -82,7 +82,28 @@ def part_of_nodes(graph: fx.Graph, split_points: Sequence[str]) -> dict[fx.Node,
     missing = [p for p in split_points if p not in first]
     if missing:
         raise UserError(f"split point {missing[0]!r} is a module the forward never calls; split at a module it runs")
-    starts = sorted(v for v in first.values() if v > 0)  # a split before everything cuts nothing
+    return first
+
+
+def cuts(graph: fx.Graph, split_points: Sequence[str]) -> list[str]:
+    """The split points that start a part, in execution order: one per place (a split before everything cuts
+    nothing; of two starting at one node, the first named)."""
+    starts: dict[int, str] = {}
+    for point, index in sorted(_first_calls(graph, split_points).items(), key=lambda item: item[1]):
+        if index > 0:
+            starts.setdefault(index, point)
+    return list(starts.values())
+
+
+def part_of_nodes(graph: fx.Graph, split_points: Sequence[str]) -> dict[fx.Node, int]:
+    """Each compute node's part: how many cuts (``cuts``) have started at or before it, in execution order.
+
+    Raises:
+        UserError: a split point whose module the forward never calls.
+    """
+    first = _first_calls(graph, split_points)
+    starts = sorted({index for index in first.values() if index > 0})
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
     return {node: sum(1 for s in starts if s <= index) for index, node in enumerate(nodes)}
 
 

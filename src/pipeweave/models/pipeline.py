@@ -36,7 +36,7 @@ from torch import nn
 
 from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel, entry_module, load_model
-from pipeweave.models.graph_split import check_split_points, export, split_graph
+from pipeweave.models.graph_split import check_split_points, cuts, export, split_graph
 
 
 def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequence[str] | None = None, *,
@@ -64,16 +64,22 @@ def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequen
     """
     if not isinstance(module, nn.Module):
         raise UserError(f"pipeweave.pipeline takes an nn.Module, not {type(module).__name__}")
-    points = list(split_points) if split_points is not None else _block_starts(module)
+    if isinstance(split_points, (int, str)):
+        raise UserError(f"split_points={split_points!r} is not a list of module names; give e.g. ['blocks.2'], or "
+                        "an int D through pipeweave.pipeline (D parts balanced by the profiler)")
+    points = list(split_points) if split_points is not None else block_starts(module)
     check_split_points(module, points)
     module.train()
     if isinstance(module, nn.Sequential):
         parts = _sequential_parts(module, points)
+        names = [name for name, _ in module.named_children()]
+        starts = sorted(points, key=names.index)
     else:
         inputs = example_inputs if example_inputs is not None else _example(dataset)
-        parts = split_graph(export(module, inputs if isinstance(inputs, tuple) else (inputs,)), points)
-    return LayerModel(layers=[functools.partial(_copy, part) for part in parts], loss=loss,
-                      dataset=dataset, eval_dataset=eval_dataset, tied=shared_parameters(parts))
+        root = export(module, inputs if isinstance(inputs, tuple) else (inputs,))
+        parts, starts = split_graph(root, points), cuts(root.graph, points)
+    return LayerModel(layers=[functools.partial(_copy, part) for part in parts], loss=loss, dataset=dataset,
+                      eval_dataset=eval_dataset, tied=shared_parameters(parts), split_points=tuple(starts))
 
 
 def _copy(part: nn.Module) -> nn.Module:
@@ -98,11 +104,15 @@ def from_module(entry: str) -> LayerModel:
         raise UserError(f"--model {entry} is an nn.Module; define {' and '.join(lacking)} beside it in its file "
                         "(loss(output, target) -> the mean loss; a dataset of (input, target) pairs), as a "
                         "LayerModel has them")
-    return pipeline(net, None, getattr(where, "split_points", None), loss=where.loss, dataset=where.dataset,
+    points = getattr(where, "split_points", None)
+    if isinstance(points, int):
+        raise UserError(f"--model {entry}: split_points = {points} asks for a split balanced by the profiler, which "
+                        "the command line does by itself: drop split_points and give --partition time")
+    return pipeline(net, None, points, loss=where.loss, dataset=where.dataset,
                     eval_dataset=getattr(where, "eval_dataset", None))
 
 
-def _block_starts(module: nn.Module) -> list[str]:
+def block_starts(module: nn.Module) -> list[str]:
     """Every child of the module's outermost ``nn.ModuleList`` s (what runs before the first is a layer of its
     own: the embedding), or every child of a Sequential but the first."""
     if isinstance(module, nn.Sequential):
