@@ -124,7 +124,7 @@ def test_bad_split_points_are_one_line(points: list[str], message: str | None) -
         pipeweave.pipeline(tiny_modules.Looped(), (tokens,), points, loss=tiny_modules.token_loss, dataset=DATA)
 
 
-class _Branchy(nn.Module):
+class _Branchy(nn.Module):  # the branch is in the forward itself, outside the blocks: fx cannot keep it whole
     def __init__(self) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
@@ -139,7 +139,8 @@ def test_an_untraceable_module_is_one_line_with_the_reason_and_the_workaround() 
     with pytest.raises(UserError) as caught:
         pipeweave.pipeline(_Branchy(), (torch.ones(2, 4),), ["blocks.1"], loss=nn.functional.mse_loss, dataset=DATA)
     text = str(caught.value)
-    assert "\n" not in text and text.startswith("torch.export cannot trace _Branchy: ")
+    assert "\n" not in text and text.startswith("torch.export cannot trace _Branchy: GuardOnDataDependentSymNode: ")
+    assert "(nor torch.fx: TraceError: symbolically traced variables cannot be used as inputs to control flow)" in text
     assert "torch.cond" in text and "nn.Sequential" in text
 
 
@@ -202,3 +203,21 @@ def test_split_points_d_maps_the_partition_back_to_module_names(monkeypatch: pyt
     with pytest.raises(UserError, match=r"^split_points=5 parts, but the module has 4 pieces to group"):
         pipeweave.pipeline(tiny_modules.Uneven(), (data.tensors[0][:2],), 5, loss=nn.functional.mse_loss,
                            dataset=data)
+
+
+def test_a_module_export_refuses_is_traced_by_fx_with_its_blocks_kept_whole() -> None:
+    from pipeweave.models.tracing import export
+
+    torch.manual_seed(0)
+    net = tiny_modules.Routed()
+    tokens = torch.randint(0, tiny_modules.VOCAB, (3, tiny_modules.SEQ))
+    with pytest.raises(Exception, match="data-dependent"):  # if routed.any(): a branch on tensor values
+        export(net, (tokens[:2],))
+    model = pipeweave.pipeline(net, (tokens[:2],), ["blocks.1"], loss=tiny_modules.token_loss, dataset=DATA)
+    assert model.split_points == ("blocks.1",) and len(model.layers) == 2
+    parts = [b.args[0] for b in model.layers]
+    assert [type(m).__name__ for _, m in parts[1].named_children()] == ["Module", "Linear"]  # blocks.1-2, head
+    x = tokens  # three samples: the batch is dynamic
+    for part in parts:
+        x = call(part, x)
+    torch.testing.assert_close(x, net(tokens), rtol=0, atol=0)

@@ -28,7 +28,8 @@ def unsplit_module(spec: ModelSpec) -> nn.Module:
     loaded.loader.exec_module(module)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        built = {"looped": module.Looped, "sequential": module.sequential_module, "uneven": module.Uneven}[(spec.entry or "").rsplit(":")[1]]()
+        built = {"looped": module.Looped, "sequential": module.sequential_module, "uneven": module.Uneven,
+                 "routed": module.Routed}[(spec.entry or "").rsplit(":")[1]]()
     return built  # type: ignore[no-any-return]
 
 

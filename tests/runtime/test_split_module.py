@@ -4,7 +4,8 @@ On 2 gloo ranks: a transformer whose forward loops over its blocks, with its
 head tied to its embedding (one Parameter in the module, copies on the first
 and last stage whose gradients are summed), cut automatically before every
 block; an ``nn.Sequential`` without split points; a module cut into 2 parts
-balanced by the profiler (``split_points=2``); and (slow) tiny Hugging
+balanced by the profiler (``split_points=2``); a mixture of experts that
+``torch.export`` refuses, traced by ``torch.fx`` with its blocks whole; and (slow) tiny Hugging
 Face GPT-2 and Llama models with tied embeddings. 1f1b, zb-h1 and
 interleaved-1f1b give the losses and final weights of plain training of the
 unsplit module -- the module itself, trained by a loop of torch code here, not
@@ -34,6 +35,7 @@ FILE = MODELS / "tiny_modules.py"
 LOOPED = ModelSpec(kind="custom", entry=f"{FILE}:looped")
 SEQUENTIAL = ModelSpec(kind="custom", entry=f"{FILE}:sequential")
 UNEVEN = ModelSpec(kind="custom", entry=f"{FILE}:uneven")  # split_points=2: cut where the profiler balances
+ROUTED = ModelSpec(kind="custom", entry=f"{FILE}:routed")  # traced by torch.fx, its blocks kept whole
 GPT2 = json.dumps({"n_layer": 3, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 32,
                    "resid_pdrop": 0, "embd_pdrop": 0, "attn_pdrop": 0})
 LLAMA = json.dumps({"num_hidden_layers": 3, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
@@ -59,6 +61,8 @@ FAST.update({
                                        batch_size=8, steps=STEPS, collect_parameters=True),
         "uneven 1f1b": TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=UNEVEN, batch_size=8,
                                    steps=STEPS, collect_parameters=True),
+        "routed zb-h1": TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4, model=ROUTED, batch_size=8,
+                                    steps=STEPS, collect_parameters=True),
         "sequential pipedream": TrainConfig(schedule="pipedream", num_stages=2, num_microbatches=4, model=SEQUENTIAL,
                                             batch_size=8, steps=6, collect_parameters=True)})
 SLOW = {"looped interleaved-1f1b": LOOPED_CASES["looped interleaved-1f1b"], **_cases("gpt2", HF["gpt2"]),
