@@ -10,7 +10,8 @@ s) kept whole as leaves: their forwards then run as written in each part,
 and only the glue between them (an embedding, the loop, the head) must be
 traceable. The values of that graph (``node.meta["val"]``, which the cut
 needs: what crosses between parts must be a tensor) are recorded by running
-it once on the example inputs, kept as shapes only (meta tensors).
+it once on the example inputs, kept as shapes only (meta tensors); the
+module's buffers and torch's random state are restored after.
 A module neither can trace is one line: export's first error line and the way around.
 """
 
@@ -74,7 +75,12 @@ class _BlockTracer(fx.Tracer):
 def fx_trace(module: nn.Module, example_inputs: tuple[Any, ...], leaves: Collection[str]) -> fx.GraphModule:
     """fx's graph of the module with ``leaves`` kept whole, each node's value recorded as a meta tensor."""
     root = fx.GraphModule(module, _BlockTracer(leaves).trace(module))
-    _Recorder(root).run(*example_inputs)
+    buffers = {name: b.clone() for name, b in module.named_buffers()}
+    with torch.random.fork_rng(devices=[]):  # the run leaves no trace: random state, running statistics
+        _Recorder(root).run(*example_inputs)
+    with torch.no_grad():
+        for name, b in module.named_buffers():
+            b.copy_(buffers[name])
     return root
 
 
