@@ -221,3 +221,17 @@ def test_a_module_export_refuses_is_traced_by_fx_with_its_blocks_kept_whole() ->
     for part in parts:
         x = call(part, x)
     torch.testing.assert_close(x, net(tokens), rtol=0, atol=0)
+
+
+def test_a_split_module_s_dataset_is_cut_to_lengths_of_its_own_and_bad_lengths_are_one_line() -> None:
+    from pipeweave.data import data_source, step_microbatches
+
+    looped = ModelSpec(kind="custom", entry=f"{MODELS / 'tiny_modules.py'}:looped")
+    source = data_source(looped, batch_size=8, min_seq_len=3)
+    lengths = [x.shape[1] for step in range(3) for x in step_microbatches(source, step, 4)[0]]
+    assert len(set(lengths)) > 2 and all(3 <= n <= tiny_modules.SEQ for n in lengths)
+    with pytest.raises(UserError, match=r"^--min-seq-len 9 is invalid; give a length in \[1, 8\] \(the dataset's"):
+        TrainConfig(model=looped, min_seq_len=9)
+    sequential = ModelSpec(kind="custom", entry=f"{MODELS / 'tiny_modules.py'}:sequential")
+    with pytest.raises(UserError, match=r"the model's samples are \[\(8,\), \(4,\)\]: give inputs and targets that"):
+        TrainConfig(model=sequential, min_seq_len=2)

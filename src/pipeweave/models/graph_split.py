@@ -13,8 +13,9 @@ pipeweave's layers do (``models.boundary``).
 
 Values computed from no input and no parameter (a causal mask, rotary
 tables, position indices: functions of shapes and buffers) are recomputed
-in every part that uses them rather than sent; the batch size, dynamic in
-the trace, is read back from a tensor that does cross. Linear products on a
+in every part that uses them rather than sent; the batch size and the
+sequence length, dynamic in the trace, are read back from a tensor that
+does cross, so masks and positions follow each microbatch's length. Linear products on a
 parameter (``aten.linear``; ``aten.addmm`` as transformers' ``Conv1D``
 issues it) become pipeweave's deferrable layers (``models.layers``), so
 zero-bubble schedules defer their weight gradients to W (``nn.Linear`` s

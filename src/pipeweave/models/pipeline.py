@@ -49,7 +49,8 @@ def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequen
         module: the model as written; its forward takes the dataset's inputs (one tensor, or a tuple as
             several arguments) and returns what ``loss`` takes with the targets.
         example_inputs: a microbatch of inputs (a tensor or a tuple) to trace with; default: two samples
-            of ``dataset``. The batch dimension is traced as dynamic.
+            of ``dataset``. The batch dimension, and the next (a sequence's length), are traced as dynamic
+            where the module allows.
         split_points: module names, each starting a new layer; None: before every block of the module's
             ``nn.ModuleList`` s (an ``nn.Sequential``: every child).
         loss, dataset, eval_dataset: as ``LayerModel``'s.

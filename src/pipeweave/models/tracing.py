@@ -55,8 +55,9 @@ def trace(module: nn.Module, example_inputs: tuple[Any, ...], leaves: Collection
 
 
 def export(module: nn.Module, example_inputs: tuple[Any, ...]) -> fx.GraphModule:
-    """``torch.export``'s graph of the module (non-strict), the batch dimension of every input dynamic."""
-    dims = tuple({0: torch.export.Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() else None
+    """``torch.export``'s graph of the module (non-strict), dimensions 0 and 1 of every input dynamic where the
+    module lets them be (``Dim.AUTO``): the batch, and a sequence's length (``--min-seq-len``)."""
+    dims = tuple({d: torch.export.Dim.AUTO for d in range(min(x.dim(), 2))} if isinstance(x, torch.Tensor) else None
                  for x in example_inputs)
     return torch.export.export(module, example_inputs, dynamic_shapes=dims, strict=False).module()
 

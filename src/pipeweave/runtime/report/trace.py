@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from pipeweave.data import longest_sequence
 from pipeweave.data.corpus import microbatch_lengths
 from pipeweave.runtime.run.plan import segments
 from pipeweave.runtime.run.sizes import microbatch_sizes, step_tokens
@@ -63,10 +64,10 @@ def microbatch_factors(schedule: Schedule, record: RunRecord) -> list[list[float
     config = record.config
     if config.min_seq_len is None or config.is_stream:
         return None
-    t, sizes = schedule.num_microbatches, microbatch_sizes(config)
+    t, sizes, longest = schedule.num_microbatches, microbatch_sizes(config), longest_sequence(config.model)
     out = []
     for k in range(config.steps):
-        lengths = microbatch_lengths(config.seed, record.first_step + k, t, config.min_seq_len, config.model.seq_len)
+        lengths = microbatch_lengths(config.seed, record.first_step + k, t, config.min_seq_len, longest)
         tokens = [n * length for n, length in zip(sizes, lengths)]
         mean = statistics.fmean(tokens)
         out.append([x / mean for x in tokens])
