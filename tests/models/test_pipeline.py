@@ -235,3 +235,12 @@ def test_a_split_module_s_dataset_is_cut_to_lengths_of_its_own_and_bad_lengths_a
     sequential = ModelSpec(kind="custom", entry=f"{MODELS / 'tiny_modules.py'}:sequential")
     with pytest.raises(UserError, match=r"the model's samples are \[\(8,\), \(4,\)\]: give inputs and targets that"):
         TrainConfig(model=sequential, min_seq_len=2)
+
+
+def test_split_points_d_in_a_module_file_is_one_line_naming_partition_time(tmp_path: Path) -> None:
+    path = tmp_path / "net.py"
+    path.write_text(f"import sys\nsys.path.insert(0, {str(MODELS)!r})\n"
+                    "from tiny_modules import plain_factory, loss, dataset\nsplit_points = 2\n")
+    with pytest.raises(UserError, match=r"split_points = 2 asks for a split balanced by the profiler, which the "
+                                        r"command line does by itself: drop split_points and give --partition time$"):
+        ModelSpec(kind="custom", entry=f"{path}:plain_factory").custom
