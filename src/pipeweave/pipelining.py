@@ -10,11 +10,12 @@ partitioner chooses the D-way split of least slowest part
 chosen names are the LayerModel's ``split_points``, as
 torch.distributed.pipelining's ``split_policy`` leaves its choice in the graph.
 
-Costs are cached (``runtime.profile``) under a digest of the pieces' graphs,
-parameter shapes and data shapes, so each rank that builds the model after
-the first (spawned ranks after the launcher's ``prepare``) reads the same
-costs and cuts at the same names. Ranks that start together (torchrun) may
-measure apart: give them the names once chosen.
+Costs are measured on one thread and cached (``runtime.profile``) under a
+digest of the pieces' graphs, parameter shapes and data shapes, so each
+rank that builds the model after the first (spawned ranks after the
+launcher's ``prepare``, whatever their thread count) reads the same costs
+and cuts at the same names. Ranks that start together with no profile
+cached (torchrun) may measure apart: give them the names once chosen.
 """
 
 from __future__ import annotations
@@ -78,7 +79,13 @@ def balanced_points(pieces: LayerModel, num_parts: int, microbatch_size: int, di
                         f"{len(pieces.layers)} parts or name the split points")
     spec = ModelSpec(kind="custom", entry=hold(pieces, digest))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    counts = partition("time", profile_model(spec, microbatch_size, device=device), num_parts).counts
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as ranks run by default; the cache key holds it: one key in every process
+    try:
+        costs = profile_model(spec, microbatch_size, device=device)
+    finally:
+        torch.set_num_threads(threads)
+    counts = partition("time", costs, num_parts).counts
     return [pieces.split_points[start - 1] for start in itertools.accumulate(counts[:-1])]
 
 

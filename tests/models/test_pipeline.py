@@ -182,7 +182,8 @@ def test_split_points_d_cuts_where_the_time_partitioner_splits_the_profiled_piec
     assert samples == 8 and pieces.split_points == ("blocks.1", "blocks.2", "blocks.3")  # a piece per block
     counts = partition("time", costs, 2).counts
     assert model.split_points == (pieces.split_points[counts[0] - 1],) and len(model.layers) == 2
-    assert model.split_points == ("blocks.1",)  # the wide block alone outweighs the three narrow ones
+    # which cut that is depends on the measured times (on a quiet machine: blocks.1, the wide block alone); the
+    # names for given costs are checked in the next test
 
 
 def test_split_points_d_maps_the_partition_back_to_module_names(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -244,3 +245,22 @@ def test_split_points_d_in_a_module_file_is_one_line_naming_partition_time(tmp_p
     with pytest.raises(UserError, match=r"split_points = 2 asks for a split balanced by the profiler, which the "
                                         r"command line does by itself: drop split_points and give --partition time$"):
         ModelSpec(kind="custom", entry=f"{path}:plain_factory").custom
+
+
+def test_split_points_d_is_profiled_once_for_every_process_whatever_its_threads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipeweave.runtime.profile as profile
+
+    monkeypatch.setenv("PIPEWEAVE_CACHE", str(tmp_path))
+    measured: list[int] = []
+    real = profile._profile_layer
+    monkeypatch.setattr(profile, "_profile_layer", lambda *a, **k: measured.append(1) or real(*a, **k))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the launcher
+        first = tiny_modules.uneven()
+        assert len(measured) == 4
+        torch.set_num_threads(1)  # a rank: reads the launcher's costs, so cuts where it cut
+        assert tiny_modules.uneven().split_points == first.split_points and len(measured) == 4
+    finally:
+        torch.set_num_threads(threads)

@@ -119,7 +119,8 @@ def declared() -> pipeweave.models.LayerModel:
 
 
 class Uneven(nn.Module):
-    """Block 0 is wide (a hidden layer of 16384), blocks 1-3 are narrow: a balanced split cuts after block 0."""
+    """Block 0 is wide (a hidden layer of 16384), blocks 1-3 narrow: on a quiet machine a balanced split cuts after
+    block 0 (under load the measured times may say otherwise)."""
 
     def __init__(self) -> None:
         super().__init__()
