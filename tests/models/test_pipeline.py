@@ -264,3 +264,25 @@ def test_split_points_d_is_profiled_once_for_every_process_whatever_its_threads(
         assert tiny_modules.uneven().split_points == first.split_points and len(measured) == 4
     finally:
         torch.set_num_threads(threads)
+
+
+LLAMA = json.dumps({"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+                    "num_key_value_heads": 1, "vocab_size": 256, "max_position_embeddings": 32,
+                    "tie_word_embeddings": True})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry, config", [("hf:gpt2", GPT2), ("hf:llama", LLAMA)])
+def test_masks_positions_and_rotary_tables_recomputed_per_part_follow_the_sequence_length(entry: str,
+                                                                                         config: str) -> None:
+    from unsplit import unsplit_module
+
+    spec = ModelSpec(kind="custom", entry=entry, hf_config=config, seq_len=16)
+    layers, net = build_layers(spec, range(spec.num_layers)), unsplit_module(spec)
+    tokens = spec.custom.dataset.tokens[:3]
+    for length in (16, 9, 4):  # traced at 16: shorter sequences through the same parts
+        x = tokens[:, :length]
+        for layer in layers:
+            x = call(layer, x)
+        logits = x.logits if hasattr(x, "logits") else x
+        torch.testing.assert_close(logits, net(tokens[:, :length]).logits, rtol=0, atol=0)
