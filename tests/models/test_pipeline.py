@@ -163,22 +163,31 @@ def test_hf_config_and_model_errors_are_one_line(capsys: pytest.CaptureFixture[s
     assert "Unrecognized model identifier: nonesuch; name a transformers model type" in err and err.count("\n") == 1
 
 
-def test_split_points_d_cuts_where_the_time_partitioner_splits_the_profiled_pieces(
+def test_split_points_d_cuts_where_the_time_partitioner_splits_the_profiled_pieces_once_for_every_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import pipeweave.pipelining as pipelining
+    import pipeweave.runtime.profile as profile
     from pipeweave.partition import partition
 
     monkeypatch.setenv("PIPEWEAVE_CACHE", str(tmp_path))
-    profiled = []
+    profiled, measured = [], []
 
     def spy(spec: ModelSpec, microbatch_size: int, **options: object) -> object:
         profiled.append((spec.custom, microbatch_size, real(spec, microbatch_size, **options)))
         return profiled[-1][2]
 
-    real = pipelining.profile_model
+    real, layer = pipelining.profile_model, profile._profile_layer
     monkeypatch.setattr(pipelining, "profile_model", spy)
-    model = tiny_modules.uneven()
-    (pieces, samples, costs), = profiled
+    monkeypatch.setattr(profile, "_profile_layer", lambda *a, **k: measured.append(1) or layer(*a, **k))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the launcher
+        model = tiny_modules.uneven()
+        torch.set_num_threads(1)  # a rank: reads the launcher's costs (measures nothing), so cuts where it cut
+        assert tiny_modules.uneven().split_points == model.split_points and len(measured) == 4
+    finally:
+        torch.set_num_threads(threads)
+    (pieces, samples, costs), _ = profiled
     assert samples == 8 and pieces.split_points == ("blocks.1", "blocks.2", "blocks.3")  # a piece per block
     counts = partition("time", costs, 2).counts
     assert model.split_points == (pieces.split_points[counts[0] - 1],) and len(model.layers) == 2
@@ -195,9 +204,6 @@ def test_split_points_d_maps_the_partition_back_to_module_names(monkeypatch: pyt
 
     monkeypatch.setattr(pipelining, "profile_model", made_up)
     data = tiny_modules.uneven_data()
-    model = pipeweave.pipeline(tiny_modules.Uneven(), (data.tensors[0][:2],), 2, loss=nn.functional.mse_loss,
-                               dataset=data)
-    assert model.split_points == ("blocks.2",)  # (2, 2): 9 and 10
     three = pipeweave.pipeline(tiny_modules.Uneven(), (data.tensors[0][:2],), 3, loss=nn.functional.mse_loss,
                                dataset=data)
     assert three.split_points == ("blocks.1", "blocks.3")  # (1, 2, 1): 6, 6 and 7
@@ -245,25 +251,6 @@ def test_split_points_d_in_a_module_file_is_one_line_naming_partition_time(tmp_p
     with pytest.raises(UserError, match=r"split_points = 2 asks for a split balanced by the profiler, which the "
                                         r"command line does by itself: drop split_points and give --partition time$"):
         ModelSpec(kind="custom", entry=f"{path}:plain_factory").custom
-
-
-def test_split_points_d_is_profiled_once_for_every_process_whatever_its_threads(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipeweave.runtime.profile as profile
-
-    monkeypatch.setenv("PIPEWEAVE_CACHE", str(tmp_path))
-    measured: list[int] = []
-    real = profile._profile_layer
-    monkeypatch.setattr(profile, "_profile_layer", lambda *a, **k: measured.append(1) or real(*a, **k))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)  # the launcher
-        first = tiny_modules.uneven()
-        assert len(measured) == 4
-        torch.set_num_threads(1)  # a rank: reads the launcher's costs, so cuts where it cut
-        assert tiny_modules.uneven().split_points == first.split_points and len(measured) == 4
-    finally:
-        torch.set_num_threads(threads)
 
 
 LLAMA = json.dumps({"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,

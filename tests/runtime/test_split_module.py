@@ -4,8 +4,8 @@ On 2 gloo ranks: a transformer whose forward loops over its blocks, with its
 head tied to its embedding (one Parameter in the module, copies on the first
 and last stage whose gradients are summed), cut automatically before every
 block; an ``nn.Sequential`` without split points; a module cut into 2 parts
-balanced by the profiler (``split_points=2``); a mixture of experts that
-``torch.export`` refuses, traced by ``torch.fx`` with its blocks whole;
+balanced by the profiler (``split_points=2``); (slow) a mixture of experts
+that ``torch.export`` refuses, traced by ``torch.fx`` with its blocks whole;
 the looped transformer, and (slow) GPT-2, on batches whose microbatches have
 sequence lengths of their own (``min_seq_len``: the sequence dimension is
 traced as dynamic, masks and positions recomputed per part follow it); and (slow) tiny Hugging
@@ -64,8 +64,6 @@ FAST.update({
                                        batch_size=8, steps=STEPS, collect_parameters=True),
         "uneven 1f1b": TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=UNEVEN, batch_size=8,
                                    steps=STEPS, collect_parameters=True),
-        "routed zb-h1": TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4, model=ROUTED, batch_size=8,
-                                    steps=STEPS, collect_parameters=True),
         "looped 1f1b variable lengths": TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=LOOPED,
                                                     batch_size=8, steps=STEPS, collect_parameters=True,
                                                     min_seq_len=3),
@@ -73,6 +71,8 @@ FAST.update({
                                             batch_size=8, steps=6, collect_parameters=True)})
 SLOW = {"looped interleaved-1f1b": LOOPED_CASES["looped interleaved-1f1b"], **_cases("gpt2", HF["gpt2"]),
         **_cases("llama", HF["llama"]),
+        "routed zb-h1": TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4, model=ROUTED, batch_size=8,
+                                    steps=STEPS, collect_parameters=True),
         "gpt2 1f1b variable lengths": TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=HF["gpt2"],
                                                   batch_size=8, steps=STEPS, collect_parameters=True, min_seq_len=5)}
 
