@@ -12,9 +12,10 @@ from pipeweave.errors import UserError
 from pipeweave.schedule.stash import COMPRESSIONS, DEFAULT_BANDWIDTH, StashPlan, parse_offload
 
 
-def add_stash_arguments(p: argparse.ArgumentParser, *, bandwidth: bool = True, auto: bool = False) -> None:
+def add_stash_arguments(p: argparse.ArgumentParser, *, bandwidth: bool = True, auto: bool = False,
+                        stream: bool = False) -> None:
     """The memory levers' group of options (``bandwidth``: with ``--host-bandwidth``, for the simulator;
-    ``auto``: ``--offload auto``, chosen per part by the command)."""
+    ``auto``: ``--offload auto``, chosen per part by the command; ``stream``: ``--copy-stream``)."""
     g = p.add_argument_group("memory levers", "saved activations moved away between F and the backward")
     g.add_argument("--offload", metavar="PARTS", default=None,
                    help="offload the saved activations of these parts to host memory after F and reload them "
@@ -29,6 +30,10 @@ def add_stash_arguments(p: argparse.ArgumentParser, *, bandwidth: bool = True, a
         g.add_argument("--host-bandwidth", type=float, default=None, metavar="R", help=(
             f"memory actions' link: units of M_a moved per time unit (default {DEFAULT_BANDWIDTH:g}: a GPT layer "
             "on a 25 GB/s host link, sim/stash.py)"))
+    if stream:
+        g.add_argument("--copy-stream", action="store_true",
+                       help="offload's copies on a side stream beside the compute, as on CUDA (pinned memory); "
+                       "default: on the rank's compute path, as the CPU runtime's file copies")
 
 
 def stash_plan(args: argparse.Namespace, num_parts: int, *, auto: bool = False) -> StashPlan:
