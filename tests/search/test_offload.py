@@ -75,6 +75,10 @@ def test_search_says_what_it_offloaded(capsys: pytest.CaptureFixture[str]) -> No
     out = json.loads(capsys.readouterr().out)
     assert out["offload_chosen"] and out["offload"] and out["memory_levers"]["offload"] == out["offload"]
     assert max(out["peak_activations"]) <= 0.5 * 3
+    # The same parts given by hand are searched with their memory and copies too: the same schedule.
+    assert main([*flags[:-1], ",".join(map(str, out["offload"])), "--json"]) == 0
+    fixed = json.loads(capsys.readouterr().out)
+    assert fixed["span"] == out["span"] and not fixed["offload_chosen"] and fixed["offload"] == out["offload"]
     assert main(flags) == 0
     assert f"offload {','.join(map(str, out['offload']))} (chosen per part with the schedule" in \
         capsys.readouterr().out

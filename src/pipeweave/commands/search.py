@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--offload, --balance-activations and --compress-activations are searched on one pipeline; "
                         "drop --tensor-parallel/--data-parallel or the memory levers")
     # Compressed activations take kept x M_a: the same limit holds 1/kept as many.
-    problem, chosen = _problem(args, f, b, w, comm, args.memory_limit / levers.kept)
+    problem, chosen = _problem(args, f, b, w, comm, args.memory_limit / levers.kept, levers.offload)
     levers = dataclasses.replace(levers, offload=levers.offload | problem.offload)
     result = exact(problem, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
                    work_limit=args.work_limit)
@@ -110,26 +110,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _problem(args: argparse.Namespace, f: float, b: float, w: float, comm: float,
-             memory_limit: float) -> tuple[Any, bool]:
+             memory_limit: float, offload: frozenset[int]) -> tuple[Any, bool]:
     """The instance of the flags, and whether its recomputation or offload per part was chosen (``--recompute
     auto``, ``search.recompute``; ``--offload auto``, ``search.offload``: with the heuristic's schedules; the
-    exact search then refines the chosen one)."""
+    exact search then refines the chosen one). ``offload``: the parts ``--offload`` names, searched with
+    their memory and copies (``Problem.offload``)."""
     from pipeweave.search import Problem
     from pipeweave.search.offload import choose_offload, offload_problem
     from pipeweave.search.recompute import choose_recompute, recompute_problem, with_recompute
 
     cost = CostModel(f=f, b=b, w=w, comm=comm, mem_w=args.mem_w, **recompute_costs(args, auto=True))
     vshape = args.v_shape or args.chunks == 2
+    bandwidth = args.host_bandwidth or DEFAULT_BANDWIDTH
     if args.offload == AUTO:
         if args.recompute == AUTO:
             raise UserError("--recompute auto and --offload auto are chosen one at a time; give one of them a "
                             "value (e.g. --recompute none)")
         problem = offload_problem(args.stages, args.microbatches, vshape=vshape, cost=cost,
-                                  memory_limit=memory_limit, host_bandwidth=args.host_bandwidth or DEFAULT_BANDWIDTH)
+                                  memory_limit=memory_limit, host_bandwidth=bandwidth)
         return dataclasses.replace(problem, offload=choose_offload(problem)[0]), True
     if args.recompute != AUTO:
         return Problem(num_stages=args.stages, num_microbatches=args.microbatches, vshape=vshape, cost=cost,
-                       memory_limit=memory_limit), False
+                       memory_limit=memory_limit, offload=offload, host_bandwidth=bandwidth), False
     problem = recompute_problem(args.stages, args.microbatches, vshape=vshape, cost=cost,
                                 memory_limit=memory_limit)
     return with_recompute(problem, choose_recompute(problem)[0]), True
