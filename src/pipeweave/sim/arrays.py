@@ -23,16 +23,15 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from pipeweave.schedule.ir import Schedule
+from pipeweave.schedule.ir import Action, Schedule
 
 F, B, I, W, U, OTHER = range(6)
 """Op codes of the arrays (``OTHER``: a communication op, which the simulator never sees)."""
 
-_LETTER = np.full(128, OTHER, dtype=np.int8)
-for _code, _letter in enumerate("FBIWU"):
-    _LETTER[ord(_letter)] = _code
+_CODES = bytes.maketrans(b"FBIWU", bytes(range(5)))  # an op's letter to its code, for ``bytes.translate``
 
-IntArray = NDArray[np.int64]
+IntArray = NDArray[np.integer]
+"""Indices: int32 where they fit (``encode``), int64 otherwise."""
 
 
 @dataclass(frozen=True)
@@ -85,16 +84,24 @@ def encode(schedule: Schedule) -> ScheduleArrays:
     np.cumsum(lengths, out=offsets[1:])
     n = int(offsets[-1])
     flat = list(itertools.chain.from_iterable(rows))
-    stage = np.fromiter(map(operator.itemgetter(0), flat), dtype=np.int64, count=n)
-    microbatch = np.fromiter(map(operator.itemgetter(2), flat), dtype=np.int64, count=n)
+    stage, microbatch = _column(flat, 0, n), _column(flat, 2, n)
     letters = "".join(map(operator.itemgetter(1), flat))  # Op is a str enum: F, B, I, W, U are one letter
-    if len(letters) == n:
-        op = _LETTER[np.frombuffer(letters.encode("ascii"), dtype=np.uint8) & 127]
+    if len(letters) == n:  # read-only codes straight from the bytes: no index array in between
+        op = np.frombuffer(letters.encode("ascii").translate(_CODES), dtype=np.int8)
     else:  # a communication op ("SEND_F", ...) among them
         op = np.full(n, OTHER, dtype=np.int8)
-    rank = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
+    rank = np.repeat(np.arange(len(rows), dtype=np.int32), lengths)
     arrays = ScheduleArrays(offsets, rank, stage, op, microbatch, ok=False)
     return ScheduleArrays(offsets, rank, stage, op, microbatch, ok=well_formed(schedule, arrays))
+
+
+def _column(flat: list[Action], field: int, n: int) -> IntArray:
+    """One integer field of every action, as int32 (half the memory of int64: on this VM fresh pages cost more
+    than the copying, benchmarks/simulator/README.md), int64 where a value does not fit."""
+    try:
+        return np.fromiter(map(operator.itemgetter(field), flat), dtype=np.int32, count=n)
+    except OverflowError:
+        return np.fromiter(map(operator.itemgetter(field), flat), dtype=np.int64, count=n)
 
 
 def well_formed(schedule: Schedule, a: ScheduleArrays) -> bool:
@@ -117,19 +124,25 @@ def well_formed(schedule: Schedule, a: ScheduleArrays) -> bool:
     if (np.asarray(placement.stage_rank, dtype=np.int64)[stage] != a.rank).any():
         return False
     update = a.op == U
-    counted = a.microbatch[update]
+    counted = a.microbatch[update].astype(np.int64)  # a key per U below: wider than int32
     if counted.size and (counted.min() < 0 or not _unique(stage[update] * (int(counted.max()) + 1) + counted)):
         return False
     work = ~update
     s, j, op = stage[work], a.microbatch[work], a.op[work]
     if j.size and (j.min() < 0 or j.max() >= t):
         return False
+    if num_stages * t * 4 >= 2**31:  # the keys below would not fit in int32
+        s = s.astype(np.int64)
     stage_pipe = np.asarray([placement.pipeline_of(k) for k in range(num_stages)], dtype=np.int64)
     mb_pipe = np.asarray(schedule.microbatch_pipeline or (0,) * t, dtype=np.int64)
     if len(placement.pipelines) > 1 and (mb_pipe[j] != stage_pipe[s]).any():
         return False
     # Per (stage, microbatch), how many of each of F, B, I, W (codes 0-3): one count of all four.
-    counts = np.bincount((s * t + j) * 4 + op, minlength=num_stages * t * 4).reshape(-1, 4)
+    key = s * t  # (s * T + j) * 4 + op, in place: fewer fresh arrays
+    key += j
+    key *= 4
+    key += op
+    counts = np.bincount(key, minlength=num_stages * t * 4).reshape(-1, 4)
     if counts.max(initial=0) > 1:
         return False  # an action twice
     pattern = counts @ np.array([1, 2, 4, 8])  # which of the four each (stage, microbatch) has, as bits

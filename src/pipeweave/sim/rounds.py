@@ -75,24 +75,21 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
     sync = schedule.is_synchronous
     if not arrays.ok or (delay is not None and not sync):
         return None
-    in_loop = arrays.op != U if sync else np.ones(arrays.size, dtype=bool)
-    if sync and not _updates_last(arrays, in_loop):
+    stops = _loop_ends(arrays, sync)
+    if stops is None:
         return None
-    loop = _Loop(schedule, arrays, in_loop, durations, latency, gap, None if extra is None else extra[in_loop])
+    loop = _Loop(schedule, arrays, stops, durations, latency, gap, extra)
     # A part held on two ranks reduces on the stream of the rank the reference walks last to it:
     # only a walk in the reference's own order (``_Loop.walk`` from the start) knows which.
     order: list[int] | None = [] if delay is not None and _replicated(schedule) else None
     if not loop.ordered or not (loop.walk(order) if order is not None else loop.run(min_per_round)):
         return None
-    start = np.empty(arrays.size)
-    end = np.empty(arrays.size)
-    start[in_loop], end[in_loop] = loop.times()
+    start, end = loop.times()  # a synchronous schedule's U are timed next
     walked = None
-    if order is not None:  # per action, when the walk timed it
+    if order is not None:  # per action, when the walk timed it (-1: a U, never walked)
         seen = np.full(len(loop.end), -1, dtype=np.int64)
         seen[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
-        walked = np.full(arrays.size, -1, dtype=np.int64)
-        walked[in_loop] = seen[loop.slot]
+        walked = seen[loop.slot]
     if sync and not _run_updates(schedule, arrays, durations, gap, delay, start, end, walked):
         return None
     return start, end
@@ -105,48 +102,61 @@ def _replicated(schedule: Schedule) -> bool:
     return any(ranks.setdefault(part, rank) != rank for part, rank in zip(placement.stage_part, placement.stage_rank))
 
 
-def _updates_last(arrays: ScheduleArrays, in_loop: NDArray[np.bool_]) -> bool:
-    """Every rank's ``U`` come after all its other actions (the registry's synchronous schedules do)."""
-    counts = np.bincount(arrays.rank[in_loop], minlength=len(arrays.offsets) - 1)
-    position = np.arange(arrays.size) - arrays.offsets[arrays.rank]
-    return bool((in_loop == (position < counts[arrays.rank])).all())
+def _loop_ends(arrays: ScheduleArrays, sync: bool) -> IntArray | None:
+    """Per rank, where (an index into ``arrays``) the actions the rounds time end: its row's end, or for a
+    synchronous schedule its first ``U``, after which all its actions must be ``U`` (the registry's
+    synchronous schedules are so; None where not)."""
+    ends = arrays.offsets[1:]
+    if not sync:
+        return ends
+    updates = np.flatnonzero(arrays.op == U)
+    ranks = arrays.rank[updates]
+    stops = ends - np.bincount(ranks, minlength=len(ends))
+    return stops if bool((updates >= stops[ranks]).all()) else None  # distinct, so they fill each row's tail
 
 
 class _Loop:
     """The rounds' arrays: the ranks' rows one after another, each between two sentinel slots.
 
-    Slot ``k + 2 r + 1`` holds loop action k (of rank r); the slot before a row
-    ends at ``-gap`` (so that its first action starts at 0 with the gap added),
-    the slot after it waits on ``never`` (never computed: the rank stops there).
-    ``none`` ends at -inf: the input of an action that needs none from another rank.
+    Slot ``k + 2 r + 1`` holds action k (of rank r); the slot before a row ends
+    at ``-gap`` (so that its first action starts at 0 with the gap added); the
+    row's first slot not timed here (its first ``U``, for a synchronous
+    schedule, else the slot after the row) waits on ``never`` (never computed:
+    the rank stops there). ``none`` ends at -inf: the input of an action that
+    needs none from another rank. Indices are int32 where they fit: on the
+    machine of benchmarks/simulator/README.md fresh memory costs more than the
+    work done in it.
     """
 
-    def __init__(self, schedule: Schedule, arrays: ScheduleArrays, in_loop: NDArray[np.bool_],
-                 durations: FloatArray, latency: Latency | None, gap: float, extra: FloatArray | None = None) -> None:
-        rank, stage = arrays.rank[in_loop], arrays.stage[in_loop]
-        op, mb = arrays.op[in_loop], arrays.microbatch[in_loop]
-        num_ranks, n = schedule.num_ranks, len(rank)
-        self.gap = gap
-        self.slot = np.arange(n) + 2 * rank + 1
-        counts = np.bincount(rank, minlength=num_ranks)
-        offsets = np.concatenate(([0], np.cumsum(counts)))[:-1] + 2 * np.arange(num_ranks)
+    def __init__(self, schedule: Schedule, arrays: ScheduleArrays, stops: IntArray, durations: FloatArray,
+                 latency: Latency | None, gap: float, extra: FloatArray | None = None) -> None:
+        n, num_ranks = arrays.size, schedule.num_ranks
         size = n + 2 * num_ranks
+        self.index = np.int32 if size + 2 < 2**31 else np.int64
+        self.gap = gap
+        self.slot = arrays.rank.astype(self.index)
+        self.slot *= 2
+        self.slot += np.arange(1, n + 1, dtype=self.index)
+        skip = 2 * np.arange(num_ranks)
+        first = arrays.offsets[:-1] + skip  # the sentinel before each row
         self.none, self.never = size, size + 1
-        self.trail = offsets + counts + 1
-        self.ptr = offsets + 1
+        self.ptr = first + 1
+        self.trail = stops + skip + 1
         self.base = np.full(size + 3, np.inf)  # base[k + 1] is slot k's end; base[0] stands before slot 0
         self.end = self.base[1:]
-        self.end[offsets] = -gap if gap else 0.0
+        self.end[first] = -gap if gap else 0.0
         self.end[self.none] = -np.inf
         self.duration = np.zeros(size + 2)
-        self.duration[self.slot] = durations[stage, op] if extra is None else durations[stage, op] + extra
-        self.dep = np.full(size + 2, self.none, dtype=np.int64)
+        took = durations[arrays.stage, arrays.op]
+        if extra is not None:
+            took += extra
+        self.duration[self.slot] = took
+        self.dep = np.full(size + 2, self.none, dtype=self.index)
         self.dep[self.trail] = self.never
         self.latency = np.zeros(size + 2) if latency is not None else None
-        self.ordered = self._inputs(schedule, stage, op, mb, latency)
+        self.ordered = self._inputs(schedule, arrays, latency)
 
-    def _inputs(self, schedule: Schedule, stage: IntArray, op: NDArray[np.int8], mb: IntArray,
-                latency: Latency | None) -> bool:
+    def _inputs(self, schedule: Schedule, arrays: ScheduleArrays, latency: Latency | None) -> bool:
         """Fill ``dep`` (and ``latency``) with each action's input from another rank; False when an
         input from its own rank comes later in the row (the reference then explains the deadlock)."""
         placement, t = schedule.placement, schedule.num_microbatches
@@ -154,25 +164,27 @@ class _Loop:
         stage_rank = np.asarray(placement.stage_rank, dtype=np.int64)
         prev = np.asarray([-1 if (p := placement.prev_stage(s)) is None else p for s in range(num_stages)])
         nxt = np.asarray([-1 if (q := placement.next_stage(s)) is None else q for s in range(num_stages)])
-        key = stage * t + mb
+        stage, op, mb, slot = arrays.stage, arrays.op, arrays.microbatch, self.slot
+        key = stage.astype(np.int64) if num_stages * t >= 2**31 else stage * 1  # s * T + j (U's: unused)
+        key *= t
+        key += mb
         groups = {code: np.flatnonzero(op == code) for code in (F, B, I, W)}
-        made_f = np.full(num_stages * t, self.never, dtype=np.int64)  # slot of F(s, j) at s * T + j
-        made_f[key[groups[F]]] = self.slot[groups[F]]
-        made_g = np.full(num_stages * t, self.never, dtype=np.int64)  # slot of B(s, j) or I(s, j)
-        made_g[key[groups[B]]] = self.slot[groups[B]]
-        made_g[key[groups[I]]] = self.slot[groups[I]]
-        made_i = np.full(num_stages * t, self.never, dtype=np.int64)  # slot of I(s, j)
-        made_i[key[groups[I]]] = self.slot[groups[I]]
+        made_f = np.full(num_stages * t, self.never, dtype=self.index)  # slot of F(s, j) at s * T + j
+        made_f[key[groups[F]]] = slot[groups[F]]
+        made_g = np.full(num_stages * t, self.never, dtype=self.index)  # slot of B(s, j) or I(s, j)
+        made_g[key[groups[B]]] = slot[groups[B]]
+        made_g[key[groups[I]]] = slot[groups[I]]
         g = np.concatenate((groups[B], groups[I])) if groups[B].size else groups[I]
-        # An own-rank input must come earlier in the row: F before its B/I, I before its W.
-        ordered = bool((made_f[key[g]] < self.slot[g]).all() and (made_i[key[groups[W]]] < self.slot[groups[W]]).all())
+        # An own-rank input must come earlier in the row: F before its B/I, I before its W (a W's
+        # (stage, microbatch) has an I, never a B: ``well_formed``).
+        ordered = bool((made_f[key[g]] < slot[g]).all() and (made_g[key[groups[W]]] < slot[groups[W]]).all())
         for idx, made, neighbour in ((groups[F], made_f, prev), (g, made_g, nxt)):
             dst = stage[idx]
             src = neighbour[dst]
             has = src >= 0
             idx, src, dst = idx[has], src[has], dst[has]
             producer = made[src * t + mb[idx]]
-            slots = self.slot[idx]
+            slots = slot[idx]
             cross = stage_rank[src] != stage_rank[dst]
             ordered &= bool((producer[~cross] < slots[~cross]).all())
             self.dep[slots[cross]] = producer[cross]
