@@ -229,37 +229,30 @@ class _Loop:
         then receives, one slot per action timed."""
         end, dep, duration = self.end.tolist(), self.dep.tolist(), self.duration.tolist()
         latency = self.latency.tolist() if self.latency is not None else None
-        gap, inf, ptr, trail = self.gap, math.inf, self.ptr.tolist(), self.trail.tolist()
-        parked: dict[int, list[int]] = {}
-        waited = [False] * len(end)  # a list lookup per action instead of a dict's
+        gap, inf = self.gap, math.inf
+        waiter = [0] * len(end)  # per slot, the slot parked on it (0: none; slot 0 is a sentinel, never parked)
         record = order.append if order is not None else None
-        queue = deque(r for r in range(len(ptr)) if ptr[r] < trail[r])
-        while queue:
-            r = queue.popleft()
-            k, stop = ptr[r], trail[r]
-            before = end[k - 1]
-            while k < stop:
-                source = dep[k]
-                t0 = end[source]
-                if t0 == inf:
-                    parked.setdefault(source, []).append(r)
-                    waited[source] = True
-                    break
-                if latency is not None:
-                    t0 += latency[k]
-                ready = before + gap if gap else before
-                if ready > t0:
-                    t0 = ready
-                before = end[k] = t0 + duration[k]
-                if record is not None:
-                    record(k)
-                if waited[k]:
-                    queue.extend(parked.pop(k))
-                k += 1
-            ptr[r] = k
+        # A rank is the slot it is at: it stops at its trail, whose input (``never``) is never made.
+        queue = deque(self.ptr[self.ptr < self.trail].tolist())
+        k = queue.popleft() if queue else self.never
+        while k != self.never:
+            source = dep[k]
+            t0 = end[source]
+            if t0 == inf:  # park on the input's slot (one slot waits on another at most: ``_inputs``)
+                waiter[source] = k
+                k = queue.popleft() if queue else self.never
+                continue
+            if latency is not None:
+                t0 += latency[k]
+            ready = end[k - 1] + gap if gap else end[k - 1]
+            end[k] = (ready if ready > t0 else t0) + duration[k]
+            if record is not None:
+                record(k)
+            if waiter[k]:
+                queue.append(waiter[k])
+            k += 1
         self.end[:] = end
-        self.ptr[:] = ptr
-        return bool(ptr == trail)
+        return bool((self.end[self.trail - 1] < inf).all())  # each row's last timed slot (an empty one's sentinel)
 
     def times(self) -> tuple[FloatArray, FloatArray]:
         """Start and end of the loop's actions, in order: each start is recomputed from the ends,
