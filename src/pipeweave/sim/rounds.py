@@ -123,22 +123,22 @@ class _Loop:
     row's first slot not timed here (its first ``U``, for a synchronous
     schedule, else the slot after the row) waits on ``never`` (never computed:
     the rank stops there). ``none`` ends at -inf: the input of an action that
-    needs none from another rank. Indices are int32 where they fit: on the
-    machine of benchmarks/simulator/README.md fresh memory costs more than the
-    work done in it.
+    needs none from another rank. It is built with few and small temporaries:
+    on the machine of benchmarks/simulator/README.md fresh memory costs more
+    than the work done in it.
     """
 
     def __init__(self, schedule: Schedule, arrays: ScheduleArrays, stops: IntArray, durations: FloatArray,
                  latency: Latency | None, gap: float, extra: FloatArray | None = None) -> None:
         n, num_ranks = arrays.size, schedule.num_ranks
         size = n + 2 * num_ranks
-        self.index = np.int32 if size + 2 < 2**31 else np.int64
         self.gap = gap
-        self.slot = arrays.rank.astype(self.index)
+        self.slot = arrays.rank.astype(np.intp)
         self.slot *= 2
-        self.slot += np.arange(1, n + 1, dtype=self.index)
+        self.slot += np.arange(1, n + 1)
         skip = 2 * np.arange(num_ranks)
         first = arrays.offsets[:-1] + skip  # the sentinel before each row
+        self.rows = list(zip((first + 1).tolist(), (arrays.offsets[1:] + skip + 1).tolist()))  # its slots
         self.none, self.never = size, size + 1
         self.ptr = first + 1
         self.trail = stops + skip + 1
@@ -146,12 +146,13 @@ class _Loop:
         self.end = self.base[1:]
         self.end[first] = -gap if gap else 0.0
         self.end[self.none] = -np.inf
+        cell = arrays.stage.astype(np.intp)  # (stage, op) in ``durations`` flattened
+        cell *= durations.shape[1]
+        cell += arrays.op
         self.duration = np.zeros(size + 2)
-        took = durations[arrays.stage, arrays.op]
-        if extra is not None:
-            took += extra
-        self.duration[self.slot] = took
-        self.dep = np.full(size + 2, self.none, dtype=self.index)
+        self.duration[self.slot] = durations.ravel().take(cell) if extra is None else durations.ravel().take(cell) + extra
+        del cell
+        self.dep = np.full(size + 2, self.none, dtype=np.intp)
         self.dep[self.trail] = self.never
         self.latency = np.zeros(size + 2) if latency is not None else None
         self.ordered = self._inputs(schedule, arrays, latency)
@@ -165,31 +166,29 @@ class _Loop:
         prev = np.asarray([-1 if (p := placement.prev_stage(s)) is None else p for s in range(num_stages)])
         nxt = np.asarray([-1 if (q := placement.next_stage(s)) is None else q for s in range(num_stages)])
         stage, op, mb, slot = arrays.stage, arrays.op, arrays.microbatch, self.slot
-        key = stage.astype(np.int64) if num_stages * t >= 2**31 else stage * 1  # s * T + j (U's: unused)
-        key *= t
-        key += mb
-        groups = {code: np.flatnonzero(op == code) for code in (F, B, I, W)}
-        made_f = np.full(num_stages * t, self.never, dtype=self.index)  # slot of F(s, j) at s * T + j
-        made_f[key[groups[F]]] = slot[groups[F]]
-        made_g = np.full(num_stages * t, self.never, dtype=self.index)  # slot of B(s, j) or I(s, j)
-        made_g[key[groups[B]]] = slot[groups[B]]
-        made_g[key[groups[I]]] = slot[groups[I]]
-        g = np.concatenate((groups[B], groups[I])) if groups[B].size else groups[I]
+        f, b, i, w = (np.flatnonzero(op == code) for code in (F, B, I, W))
+        g = np.concatenate((b, i)) if b.size and i.size else (b if b.size else i)  # B or I: the backward's input
+        made_f = np.full(num_stages * t, self.never, dtype=np.intp)  # slot of F(s, j) at s * T + j
+        made_f[_keys(stage[f], mb[f], t)] = slot[f]
+        made_g = np.full(num_stages * t, self.never, dtype=np.intp)  # slot of B(s, j) or I(s, j)
+        made_g[_keys(stage[g], mb[g], t)] = slot[g]
         # An own-rank input must come earlier in the row: F before its B/I, I before its W (a W's
         # (stage, microbatch) has an I, never a B: ``well_formed``).
-        ordered = bool((made_f[key[g]] < slot[g]).all() and (made_g[key[groups[W]]] < slot[groups[W]]).all())
-        for idx, made, neighbour in ((groups[F], made_f, prev), (g, made_g, nxt)):
-            dst = stage[idx]
-            src = neighbour[dst]
-            has = src >= 0
-            idx, src, dst = idx[has], src[has], dst[has]
-            producer = made[src * t + mb[idx]]
+        ordered = bool((made_f[_keys(stage[g], mb[g], t)] < slot[g]).all()
+                       and (made_g[_keys(stage[w], mb[w], t)] < slot[w]).all())
+        for idx, made, neighbour in ((f, made_f, prev), (g, made_g, nxt)):
+            has = neighbour >= 0
+            across = has & (stage_rank[neighbour] != stage_rank)  # per stage: its input comes from another rank
+            s = stage[idx]
+            if (has & ~across).any():  # inputs from the same rank (a V's turn): made earlier in the row
+                near = idx[(has & ~across)[s]]
+                ordered &= bool((made[_keys(neighbour[stage[near]], mb[near], t)] < slot[near]).all())
+            cross = across[s]
+            idx, s = idx[cross], s[cross]
             slots = slot[idx]
-            cross = stage_rank[src] != stage_rank[dst]
-            ordered &= bool((producer[~cross] < slots[~cross]).all())
-            self.dep[slots[cross]] = producer[cross]
+            self.dep[slots] = made[_keys(neighbour[s], mb[idx], t)]
             if self.latency is not None and latency is not None:
-                self.latency[slots[cross]] = _hops(latency, neighbour, stage_rank)[dst[cross]]
+                self.latency[slots] = _hops(latency, neighbour, stage_rank)[s]
         return ordered
 
     def run(self, min_per_round: float) -> bool:  # one flat loop, for speed
@@ -255,17 +254,29 @@ class _Loop:
         return bool((self.end[self.trail - 1] < inf).all())  # each row's last timed slot (an empty one's sentinel)
 
     def times(self) -> tuple[FloatArray, FloatArray]:
-        """Start and end of the loop's actions, in order: each start is recomputed from the ends,
-        by the rounds' own operations (the loop keeps only the ends)."""
-        slot = self.slot
-        start = self.end[self.dep[slot]]
+        """Start and end of every action, in order: each start is recomputed from the ends, by the
+        rounds' own operations (the loop keeps only the ends); a synchronous schedule's U are not
+        timed here (``_run_updates``)."""
+        start = self.end.take(self._rows(self.dep))
         if self.latency is not None:
-            start += self.latency[slot]
-        ready = self.base[slot]
+            start += self._rows(self.latency)
+        ready = self._rows(self.base)  # base[k] is slot k - 1's end
         if self.gap:
             ready += self.gap
         np.maximum(start, ready, out=start)
-        return start, self.end[slot]
+        return start, self._rows(self.end)
+
+    def _rows(self, values: np.ndarray) -> np.ndarray:
+        """``values[self.slot]`` by one slice per rank: no index array to read."""
+        return np.concatenate([values[a:b] for a, b in self.rows]) if self.rows else values[:0].copy()
+
+
+def _keys(stage: IntArray, microbatch: IntArray, t: int) -> IntArray:
+    """``stage * t + microbatch`` as indices (intp: no int32 product to overflow, no copy when indexing)."""
+    key = stage.astype(np.intp)
+    key *= t
+    key += microbatch
+    return key
 
 
 def _hops(latency: Latency, neighbour: NDArray[np.int64], stage_rank: IntArray) -> FloatArray:
