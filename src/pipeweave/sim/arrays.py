@@ -118,39 +118,51 @@ def well_formed(schedule: Schedule, a: ScheduleArrays) -> bool:
     num_stages, t = placement.num_stages, schedule.num_microbatches
     if schedule.num_ranks != placement.num_ranks or (a.op == OTHER).any():
         return False
-    stage = a.stage
+    stage, j = a.stage, a.microbatch
     if a.size and (stage.min() < 0 or stage.max() >= num_stages):
         return False
-    if (np.asarray(placement.stage_rank, dtype=np.int64)[stage] != a.rank).any():
+    if (np.asarray(placement.stage_rank, dtype=a.rank.dtype)[stage] != a.rank).any():
         return False
-    update = a.op == U
-    counted = a.microbatch[update].astype(np.int64)  # a key per U below: wider than int32
-    if counted.size and (counted.min() < 0 or not _unique(stage[update] * (int(counted.max()) + 1) + counted)):
+    updates = np.flatnonzero(a.op == U)
+    counted = j[updates].astype(np.int64)  # a key per U below: wider than int32
+    if counted.size and (counted.min() < 0 or not _unique(stage[updates] * (int(counted.max()) + 1) + counted)):
         return False
-    work = ~update
-    s, j, op = stage[work], a.microbatch[work], a.op[work]
-    if j.size and (j.min() < 0 or j.max() >= t):
+    # F, B, I and W's microbatches in range (a U's field counts its updates: any count >= 0 is fine)
+    if j.size and (j.min() < 0 or (j.max() >= t and np.delete(j, updates).max(initial=-1) >= t)):
         return False
-    if num_stages * t * 4 >= 2**31:  # the keys below would not fit in int32
-        s = s.astype(np.int64)
-    stage_pipe = np.asarray([placement.pipeline_of(k) for k in range(num_stages)], dtype=np.int64)
-    mb_pipe = np.asarray(schedule.microbatch_pipeline or (0,) * t, dtype=np.int64)
-    if len(placement.pipelines) > 1 and (mb_pipe[j] != stage_pipe[s]).any():
+    if len(placement.pipelines) > 1 and not _routed(schedule, np.delete(stage, updates), np.delete(j, updates)):
         return False
-    # Per (stage, microbatch), how many of each of F, B, I, W (codes 0-3): one count of all four.
-    key = s * t  # (s * T + j) * 4 + op, in place: fewer fresh arrays
+    # One byte per (stage, microbatch) and op F, B, I, W (U's all to a last, spare byte): an op twice
+    # leaves fewer bytes set than actions; read as little-endian int32, a pair's four bytes say which it has.
+    key = stage.astype(np.intp)
+    key *= t
     key += j
     key *= 4
-    key += op
-    counts = np.bincount(key, minlength=num_stages * t * 4).reshape(-1, 4)
-    if counts.max(initial=0) > 1:
+    key += a.op
+    key[updates] = num_stages * t * 4
+    mark = np.zeros(num_stages * t * 4 + 1, dtype=np.int8)
+    mark[key] = 1
+    if np.count_nonzero(mark[:-1]) != a.size - updates.size:
         return False  # an action twice
-    pattern = counts @ np.array([1, 2, 4, 8])  # which of the four each (stage, microbatch) has, as bits
-    whole, split = 1 + 2, 1 + 4 + 8  # F + B, or F + I + W
-    fine = (pattern == whole) | (pattern == split)
-    if len(placement.pipelines) > 1:
+    has = mark[:-1].view("<i4")
+    fine = (has == 0x0101) | (has == 0x01010001)  # F + B, or F + I + W
+    if len(placement.pipelines) > 1:  # only the pairs routed through the stage
+        stage_pipe, mb_pipe = _pipeline_of(schedule)
         return bool(fine[(stage_pipe[:, None] == mb_pipe[None, :]).ravel()].all())
     return bool(fine.all())
+
+
+def _pipeline_of(schedule: Schedule) -> tuple[IntArray, IntArray]:
+    """Per stage and per microbatch, its pipeline."""
+    placement = schedule.placement
+    stage_pipe = np.asarray([placement.pipeline_of(k) for k in range(placement.num_stages)], dtype=np.int64)
+    return stage_pipe, np.asarray(schedule.microbatch_pipeline or (0,) * schedule.num_microbatches, dtype=np.int64)
+
+
+def _routed(schedule: Schedule, stage: IntArray, microbatch: IntArray) -> bool:
+    """Each of these (stage, microbatch) pairs is on the microbatch's pipeline."""
+    stage_pipe, mb_pipe = _pipeline_of(schedule)
+    return not (mb_pipe[microbatch] != stage_pipe[stage]).any()
 
 
 def _unique(keys: IntArray) -> bool:
