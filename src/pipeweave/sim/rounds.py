@@ -196,19 +196,21 @@ class _Loop:
         round, ``walk`` goes on from where the rounds are."""
         end, dep, duration, latency = self.end, self.dep, self.duration, self.latency
         before, gap, ptr, trail, inf = self.base, self.gap, self.ptr, self.trail, np.inf
+        # Bound methods and plain ufunc calls (no ``out=``): about 6 % of zb-v's rounds at D = 64.
+        take_end, take_dep, take_before, take_duration, put = end.take, dep.take, before.take, duration.take, end.put
+        maximum, add, less = np.maximum, np.add, np.less
         moved, rounds, first = -1, 0, int(ptr.sum())
         while True:
             for _ in range(_CHECK_EVERY):
-                t0 = end.take(dep.take(ptr))
+                t0 = take_end(take_dep(ptr))
                 if latency is not None:
-                    t0 += latency.take(ptr)
-                ready = before.take(ptr)  # the end of the rank's previous action
+                    t0 = add(t0, latency.take(ptr))
+                ready = take_before(ptr)  # the end of the rank's previous action
                 if gap:
-                    ready += gap
-                np.maximum(t0, ready, out=t0)
-                t0 += duration.take(ptr)
-                end.put(ptr, t0)
-                ptr += t0 < inf
+                    ready = add(ready, gap)
+                t0 = add(maximum(t0, ready), take_duration(ptr))
+                put(ptr, t0)
+                ptr += less(t0, inf)
             if (ptr == trail).all():
                 return True
             total = int(ptr.sum())
