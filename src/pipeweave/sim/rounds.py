@@ -89,7 +89,7 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
     if order is not None:  # per action, when the walk timed it (-1: a U, never walked)
         seen = np.full(len(loop.end), -1, dtype=np.int64)
         seen[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
-        walked = seen[loop.slot]
+        walked = seen[loop.slots(np.arange(arrays.size))]
     if sync and not _run_updates(schedule, arrays, durations, gap, delay, start, end, walked):
         return None
     return start, end
@@ -133,12 +133,11 @@ class _Loop:
         n, num_ranks = arrays.size, schedule.num_ranks
         size = n + 2 * num_ranks
         self.gap = gap
-        self.slot = arrays.rank.astype(np.intp)
-        self.slot *= 2
-        self.slot += np.arange(1, n + 1)
+        self.rank = arrays.rank
         skip = 2 * np.arange(num_ranks)
         first = arrays.offsets[:-1] + skip  # the sentinel before each row
         self.rows = list(zip((first + 1).tolist(), (arrays.offsets[1:] + skip + 1).tolist()))  # its slots
+        self.spans = list(zip(arrays.offsets[:-1].tolist(), arrays.offsets[1:].tolist()))  # its actions
         self.none, self.never = size, size + 1
         self.ptr = first + 1
         self.trail = stops + skip + 1
@@ -150,8 +149,9 @@ class _Loop:
         cell *= durations.shape[1]
         cell += arrays.op
         self.duration = np.zeros(size + 2)
-        self.duration[self.slot] = durations.ravel().take(cell) if extra is None else durations.ravel().take(cell) + extra
+        took = durations.ravel().take(cell) if extra is None else durations.ravel().take(cell) + extra
         del cell
+        self._spread(took, self.duration)
         self.dep = np.full(size + 2, self.none, dtype=np.intp)
         self.dep[self.trail] = self.never
         self.latency = np.zeros(size + 2) if latency is not None else None
@@ -165,27 +165,27 @@ class _Loop:
         stage_rank = np.asarray(placement.stage_rank, dtype=np.int64)
         prev = np.asarray([-1 if (p := placement.prev_stage(s)) is None else p for s in range(num_stages)])
         nxt = np.asarray([-1 if (q := placement.next_stage(s)) is None else q for s in range(num_stages)])
-        stage, op, mb, slot = arrays.stage, arrays.op, arrays.microbatch, self.slot
+        stage, op, mb, slot = arrays.stage, arrays.op, arrays.microbatch, self.slots
         f, b, i, w = (np.flatnonzero(op == code) for code in (F, B, I, W))
         g = np.concatenate((b, i)) if b.size and i.size else (b if b.size else i)  # B or I: the backward's input
         made_f = np.full(num_stages * t, self.never, dtype=np.intp)  # slot of F(s, j) at s * T + j
-        made_f[_keys(stage[f], mb[f], t)] = slot[f]
+        made_f[_keys(stage[f], mb[f], t)] = slot(f)
         made_g = np.full(num_stages * t, self.never, dtype=np.intp)  # slot of B(s, j) or I(s, j)
-        made_g[_keys(stage[g], mb[g], t)] = slot[g]
+        made_g[_keys(stage[g], mb[g], t)] = slot(g)
         # An own-rank input must come earlier in the row: F before its B/I, I before its W (a W's
         # (stage, microbatch) has an I, never a B: ``well_formed``).
-        ordered = bool((made_f[_keys(stage[g], mb[g], t)] < slot[g]).all()
-                       and (made_g[_keys(stage[w], mb[w], t)] < slot[w]).all())
+        ordered = bool((made_f[_keys(stage[g], mb[g], t)] < slot(g)).all()
+                       and (made_g[_keys(stage[w], mb[w], t)] < slot(w)).all())
         for idx, made, neighbour in ((f, made_f, prev), (g, made_g, nxt)):
             has = neighbour >= 0
             across = has & (stage_rank[neighbour] != stage_rank)  # per stage: its input comes from another rank
             s = stage[idx]
             if (has & ~across).any():  # inputs from the same rank (a V's turn): made earlier in the row
                 near = idx[(has & ~across)[s]]
-                ordered &= bool((made[_keys(neighbour[stage[near]], mb[near], t)] < slot[near]).all())
+                ordered &= bool((made[_keys(neighbour[stage[near]], mb[near], t)] < slot(near)).all())
             cross = across[s]
             idx, s = idx[cross], s[cross]
-            slots = slot[idx]
+            slots = slot(idx)
             self.dep[slots] = made[_keys(neighbour[s], mb[idx], t)]
             if self.latency is not None and latency is not None:
                 self.latency[slots] = _hops(latency, neighbour, stage_rank)[s]
@@ -268,8 +268,22 @@ class _Loop:
         np.maximum(start, ready, out=start)
         return start, self._rows(self.end)
 
+    def slots(self, actions: IntArray) -> IntArray:
+        """The slots of these actions (indices into the schedule's arrays): ``k + 2 r + 1``, computed
+        where needed rather than kept for every action (fresh memory is dear, the class docstring)."""
+        slot = self.rank[actions].astype(np.intp)
+        slot *= 2
+        slot += actions
+        slot += 1
+        return slot
+
+    def _spread(self, values: np.ndarray, out: np.ndarray) -> None:
+        """``out[slot] = values`` for every action, by one slice per rank."""
+        for (a, b), (c, d) in zip(self.rows, self.spans):
+            out[a:b] = values[c:d]
+
     def _rows(self, values: np.ndarray) -> np.ndarray:
-        """``values[self.slot]`` by one slice per rank: no index array to read."""
+        """``values`` at every action's slot, by one slice per rank: no index array to read."""
         return np.concatenate([values[a:b] for a, b in self.rows]) if self.rows else values[:0].copy()
 
 
