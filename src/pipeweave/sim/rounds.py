@@ -249,9 +249,14 @@ class _Loop:
             end[k] = (ready if ready > t0 else t0) + duration[k]
             if record is not None:
                 record(k)
-            if waiter[k]:
-                queue.append(waiter[k])
+            w = waiter[k]
             k += 1
+            if w:  # a rank waited on this action
+                if record is None and end[dep[k]] == inf:  # and this rank cannot go on: switch at once
+                    waiter[dep[k]] = k  # (a walk recording the reference's order keeps its queue's order)
+                    k = w
+                else:
+                    queue.append(w)
         self.end[:] = end
         return bool((self.end[self.trail - 1] < inf).all())  # each row's last timed slot (an empty one's sentinel)
 
