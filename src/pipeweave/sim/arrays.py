@@ -130,8 +130,6 @@ def well_formed(schedule: Schedule, a: ScheduleArrays) -> bool:
     # F, B, I and W's microbatches in range (a U's field counts its updates: any count >= 0 is fine)
     if j.size and (j.min() < 0 or (j.max() >= t and np.delete(j, updates).max(initial=-1) >= t)):
         return False
-    if len(placement.pipelines) > 1 and not _routed(schedule, np.delete(stage, updates), np.delete(j, updates)):
-        return False
     # One byte per (stage, microbatch) and op F, B, I, W (U's all to a last, spare byte): an op twice
     # leaves fewer bytes set than actions; read as little-endian int32, a pair's four bytes say which it has.
     key = stage.astype(np.intp)
@@ -146,9 +144,10 @@ def well_formed(schedule: Schedule, a: ScheduleArrays) -> bool:
         return False  # an action twice
     has = mark[:-1].view("<i4")
     fine = (has == 0x0101) | (has == 0x01010001)  # F + B, or F + I + W
-    if len(placement.pipelines) > 1:  # only the pairs routed through the stage
+    if len(placement.pipelines) > 1:  # the pairs routed through the stage, and nothing on the others
         stage_pipe, mb_pipe = _pipeline_of(schedule)
-        return bool(fine[(stage_pipe[:, None] == mb_pipe[None, :]).ravel()].all())
+        routed = (stage_pipe[:, None] == mb_pipe[None, :]).ravel()
+        return bool(fine[routed].all() and not has[~routed].any())
     return bool(fine.all())
 
 
@@ -157,12 +156,6 @@ def _pipeline_of(schedule: Schedule) -> tuple[IntArray, IntArray]:
     placement = schedule.placement
     stage_pipe = np.asarray([placement.pipeline_of(k) for k in range(placement.num_stages)], dtype=np.int64)
     return stage_pipe, np.asarray(schedule.microbatch_pipeline or (0,) * schedule.num_microbatches, dtype=np.int64)
-
-
-def _routed(schedule: Schedule, stage: IntArray, microbatch: IntArray) -> bool:
-    """Each of these (stage, microbatch) pairs is on the microbatch's pipeline."""
-    stage_pipe, mb_pipe = _pipeline_of(schedule)
-    return not (mb_pipe[microbatch] != stage_pipe[stage]).any()
 
 
 def _unique(keys: IntArray) -> bool:

@@ -42,7 +42,7 @@ Latency = Callable[[int, int], float]
 _CHECK_EVERY = 32  # rounds between checks for the end (or a deadlock: a round where no rank moved)
 MIN_PER_ROUND = 12.0
 """Actions per round below which the rounds give way to ``_Loop.walk``: a round of numpy calls costs
-about what that Python walk spends on 10-14 actions (5.7 microseconds against 0.4-0.6 per action,
+about what that Python walk spends on 11-15 actions (5.3 microseconds against 0.35-0.5 per action,
 benchmarks/simulator/README.md). Schedules that keep few ranks busy at a time (naive, GEMS) have
 about one action per round."""
 _TRIAL_ROUNDS = 256  # rounds before that rate is judged
