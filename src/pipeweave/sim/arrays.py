@@ -44,7 +44,7 @@ class ScheduleArrays:
         ok: the actions pass ``check_actions``' rules (``well_formed``).
     """
 
-    offsets: IntArray
+    offsets: NDArray[np.int64]
     rank: IntArray
     stage: IntArray
     op: NDArray[np.int8]

@@ -37,7 +37,7 @@ from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.arrays import B, F, I, U, W, ScheduleArrays
 
 FloatArray = NDArray[np.float64]
-IntArray = NDArray[np.int64]
+IntArray = NDArray[np.integer]  # int32 or int64 (sim.arrays)
 Latency = Callable[[int, int], float]
 _CHECK_EVERY = 32  # rounds between checks for the end (or a deadlock: a round where no rank moved)
 MIN_PER_ROUND = 12.0
@@ -359,7 +359,7 @@ def _reduce(arrays: ScheduleArrays, grads: NDArray[np.bool_], parts: IntArray, n
         holder[parts] = ranks
         if (holder[parts] != ranks).any():
             return False
-        key = flat
+        key: IntArray = flat
     else:
         key = walked[grads]
     completing = np.full(num_parts, -1, dtype=np.int64)
