@@ -64,6 +64,9 @@ CASES_4 = {  # each pair of the dimensions at 2: 4 processes
     # process, their gradients summed with the peer of the same tp coordinate.
     "tp-pp-tied": _config("1f1b", dataclasses.replace(GPT, tie_embeddings=True), tp=2, dp=1, stages=2),
     "dp-pp": _config("zb-h1", GPT, tp=1, dp=2, stages=2),
+    # ZeRO-1 with the embedding and head tied across the pipeline: the tie summed whole, then reduce-scattered.
+    "dp-pp-tied-zero1": _config("zb-h1", dataclasses.replace(GPT, tie_embeddings=True), tp=1, dp=2, stages=2,
+                                zero=1, momentum=0.9),
     "dp-pp-zero1-adamw": _config("1f1b", MLP, tp=1, dp=2, stages=2, zero=1, optimizer="adamw", lr=1e-2,
                                  bucket_mb=0.0005),  # buckets of ~500 B: several per part, padded slices
     # AdamW on the mlp: on the gpt it turns the key bias's zero gradient (softmax ignores a shift of every
@@ -96,7 +99,8 @@ SLOW = {  # (processes, config): further ZeRO-3 and clipping cases, in the slow 
                                                  optimizer="adamw", lr=1e-2, bucket_mb=0.0005)),
     "dp-pp-clip": (4, _config("zb-h1", GPT, tp=1, dp=2, stages=2, post_validation=PostValidation(max_norm=0.5))),
 }
-AGAINST_REFERENCE = ("tp-pp-pipedream", "tp-pp-tied", "dp-pp-pipedream-2bw", "gpt-pipedream", "dp-pp-pipedream-eval")
+AGAINST_REFERENCE = ("tp-pp-pipedream", "tp-pp-tied", "dp-pp-tied-zero1", "dp-pp-pipedream-2bw", "gpt-pipedream",
+                     "dp-pp-pipedream-eval")
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
@@ -243,7 +247,8 @@ TINY = ["train", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads",
     (["--zero", "2"], "--zero 2 is invalid; choose one of: 0, 1, 3"),
     (["-s", "pipedream", "--data-parallel", "2", "--zero", "3"], "--zero 3 with the asynchronous pipedream is not "
                                                                  "supported"),
-    (["--data-parallel", "2", "--zero", "3", "--tie-embeddings"], "--zero 3 with --tie-embeddings is not supported"),
+    (["--data-parallel", "2", "--zero", "3", "--tie-embeddings"], "--zero 3 with tied parameters (0.token, "
+                                                                         "3.out.weight) is not supported"),
     (["--bucket-mb", "0"], "--bucket-mb 0.0 is invalid; give MiB > 0"),
     (["-s", "chimera", "--data-parallel", "2", "--zero", "1"], "--zero 1 shards data-parallel replicas; chimera "
                                                                "replicates parts inside its pipeline"),

@@ -136,7 +136,8 @@ class Executor:
     def _ties(self, exchanging: dict[int, StageWorker], evaluate: bool) -> TiedGradients:
         """The tied gradients' sum: every pipeline's first and last stage exchange their ties
         (``runtime.stage.tied``), on any rank."""
-        tied = TiedGradients(self.placement, exchanging, self.rank, self.p2p.tag_limit)
+        tied = TiedGradients(self.placement, exchanging, self.rank, self.p2p.tag_limit,
+                             first=bool(self.replicas.at_update))  # ZeRO-1: whole ties, then the slices
         if not evaluate and any(tied_groups(w.spec) for w in self.workers.values()):
             for line in self.placement.pipelines:
                 if line[0] != line[-1]:

@@ -14,7 +14,9 @@ for it. Replicas on this rank are summed first, in stage order.
 
 With ZeRO-1 (``zero=1``, ``runtime.zero``) each bucket is reduce-scattered
 instead, and the part's optimizer, sharded, steps the slice it receives and
-all-gathers the parameters after. With ZeRO-3 (``zero=3``) the part is
+all-gathers the parameters after; a part holding tied parameters
+(``stage.tied``) is reduced at its ``U`` instead, after the tie's sum, which
+must see whole gradients, not slices. With ZeRO-3 (``zero=3``) the part is
 FSDP2's (``runtime.fsdp``): launching its reduction is FSDP's reduce-scatter,
 driven at the same point.
 
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.runtime.fsdp import FullyShardedPart
+from pipeweave.runtime.stage.tied import tied_names
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.zero import ZeroOptimizer, pad
@@ -73,6 +76,8 @@ class ReplicaReduction:
             if part in self.local and a.op.computes_weight_grad:
                 self.grad_actions[part] += 1
         self.sharded = {part for part in self.local if zero and part in groups}
+        # ZeRO-1 parts holding tied parameters: reduced at U, after the tie's sum (``TiedGradients(first=True)``).
+        self.at_update = {part for part in self.sharded if zero == 1 and any(tied_names(workers[self.local[part][0]]))}
         self.fully_sharded: dict[int, FullyShardedPart] = {}
         for part in self.sharded:
             (stage,) = self.local[part]  # the plan refuses ZeRO where a rank holds two replicas of a part
@@ -92,7 +97,7 @@ class ReplicaReduction:
         self._left = dict(self.grad_actions)
         self._pending.clear()
         for part in sorted(self._left):
-            if self._left[part] == 0:  # replicas that saw no microbatch contribute their zeros at once
+            if self._left[part] == 0 and part not in self.at_update:  # replicas that saw no microbatch contribute their zeros at once
                 self._launch(part)
 
     def after(self, a: Action) -> None:
@@ -100,7 +105,7 @@ class ReplicaReduction:
         part = self.placement.stage_part[a.stage]
         if part in self._left and a.op.computes_weight_grad:
             self._left[part] -= 1
-            if self._left[part] == 0:
+            if self._left[part] == 0 and part not in self.at_update:
                 self._launch(part)
 
     def _launch(self, part: int) -> None:
@@ -129,6 +134,8 @@ class ReplicaReduction:
         if part in self.fully_sharded:
             self.fully_sharded[part].finish()
             return
+        if part in self.at_update:
+            self._launch(part)
         buckets = self._pending.pop(part, None)
         if buckets is None:  # combined already this step (another local replica's U)
             return

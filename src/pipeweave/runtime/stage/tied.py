@@ -107,10 +107,13 @@ class TiedGradients:
         workers: the stage workers of this process, by stage.
         rank: this rank, or None when every stage is in this process.
         tag_base: first message tag free for this exchange (distributed only).
+        first: sum the ties before the ``combine_grads`` already installed, not after: under ZeRO-1 that
+            combine reduce-scatters the replicas' gradients, and a tie must be summed whole, before the
+            slicing (``runtime.replicas`` then launches the tied parts' reduction at ``U``).
     """
 
     def __init__(self, placement: Placement, workers: dict[int, StageWorker], rank: int | None = None,
-                 tag_base: int = 0) -> None:
+                 tag_base: int = 0, *, first: bool = False) -> None:
         self.placement, self.workers, self.rank, self.tag_base = placement, workers, rank, tag_base
         self._pending: set[tuple[int, int]] = set()  # local pairs summed once, awaiting the second U
         self.peer: dict[int, int] = {}
@@ -118,13 +121,17 @@ class TiedGradients:
             peer = tie_peer(placement, stage, worker)
             if peer is not None:
                 self.peer[stage] = peer
-                worker.combine_grads = self._chain(stage, worker.combine_grads)
+                worker.combine_grads = self._chain(stage, worker.combine_grads, first)
 
-    def _chain(self, stage: int, before: Callable[[StageWorker], None] | None) -> Callable[[StageWorker], None]:
+    def _chain(self, stage: int, before: Callable[[StageWorker], None] | None,
+               first: bool) -> Callable[[StageWorker], None]:
         def combine(worker: StageWorker) -> None:
+            if first:
+                self._combine(stage)
             if before is not None:
                 before(worker)  # replicas of the part first: every replica then holds the same sum
-            self._combine(stage)
+            if not first:
+                self._combine(stage)
 
         return combine
 
