@@ -98,6 +98,10 @@ SLOW = {  # (processes, config): further ZeRO-3 and clipping cases, in the slow 
     "dp-pp-zero3-interleaved-adamw": (4, _config("interleaved-1f1b", MLP, tp=1, dp=2, stages=2, num_chunks=2, zero=3,
                                                  optimizer="adamw", lr=1e-2, bucket_mb=0.0005)),
     "dp-pp-clip": (4, _config("zb-h1", GPT, tp=1, dp=2, stages=2, post_validation=PostValidation(max_norm=0.5))),
+    # FSDP2 under bfloat16 autocast (bf16 tolerance), and on a custom model's own tensor-parallel plan.
+    "dp-pp-zero3-bf16": (4, _config("zb-h1", GPT, tp=1, dp=2, stages=2, zero=3, precision="bf16")),
+    "tp-dp-zero3-custom-plan": (4, _config("zb-h1", ModelSpec(kind="custom", entry=f"{CUSTOM}:tensor_parallel"),
+                                           tp=2, dp=2, stages=1, zero=3)),
 }
 AGAINST_REFERENCE = ("tp-pp-pipedream", "tp-pp-tied", "dp-pp-tied-zero1", "dp-pp-pipedream-2bw", "gpt-pipedream",
                      "dp-pp-pipedream-eval")
@@ -229,8 +233,10 @@ def test_zero3_evaluates_the_held_out_loss_of_the_trained_weights(runs_4: dict[s
 
 
 def test_zero3_keeps_half_of_each_part_between_actions(runs_4: dict[str, RunRecord]) -> None:
-    """FSDP2's shards: each replica the rows ``ceil(rows / 2)`` of every parameter (padded as FSDP pads)."""
+    """FSDP2's shards: each replica the rows ``ceil(rows / 2)`` of every parameter (padded as FSDP pads); the
+    activations held are those of the unsharded run (no freed parameter's address mistaken for a weight)."""
     for r, whole in zip(runs_4["dp-pp-zero3-zb-h1"].ranks, runs_4["dp-pp"].ranks):
+        assert r.peak_activation_bytes == whole.peak_activation_bytes
         params = [p for ps in whole.parameters.values() for p in ps.values()]
         assert whole.weight_bytes == sum(p.numel() * 4 for p in params)
         assert r.weight_bytes == sum(-(-p.shape[0] // 2) * p[0].numel() * 4 for p in params)

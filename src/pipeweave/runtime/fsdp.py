@@ -77,6 +77,9 @@ class FullyShardedPart:
         for name, p in self.sharded.items():
             _mark(p, whole[name])
         worker.optimizer = worker.optimizer_factory(list(self.sharded.values()))
+        # The activation meter leaves parameters out by storage address: the part's own storages are freed now
+        # (activations may take their addresses), and a gathered layer's are allocated at each all-gather.
+        worker.meter.exclude = _Gathered(self.units)  # type: ignore[assignment]
 
     def reduce(self) -> None:
         """Reduce-scatter the part's gradients, summed over the replicas, into the sharded parameters' ``.grad``
@@ -140,6 +143,20 @@ class FullyShardedPart:
         for name, state in states.items():
             p = self.sharded[name]
             optimizer.state[p] = {k: v.clone() if v.dim() == 0 else _distribute(v, p) for k, v in state.items()}
+
+
+class _Gathered:
+    """The addresses of the units' gathered parameters now (one storage per unit: FSDP's all-gather output)."""
+
+    def __init__(self, units: dict[str, FSDPModule]) -> None:
+        self.units = list(units.values())
+
+    def __contains__(self, key: object) -> bool:
+        for unit in self.units:
+            first = next(unit.parameters(), None)  # type: ignore[attr-defined]
+            if first is not None and not isinstance(first, DTensor) and first.untyped_storage().data_ptr() == key:
+                return True
+        return False
 
 
 def padded_shard_bytes(shape: torch.Size, element_bytes: int, replicas: int) -> int:
