@@ -112,7 +112,7 @@ def _zero3(rank: int, world: int, _: None) -> list[str]:
     """Problems of ZeRO-3 by FSDP2 (``runtime.fsdp``) on an mlp part of 3 layers with deferred W: between actions
     each replica keeps its padded rows of every parameter; a step (F, I, W, reduce-scatter of the summed
     gradients, SGD with momentum) gives the parameters and the state of plain training on every replica's
-    microbatches; a checkpoint's state read inside ``gathered()`` is whole, and values written there are kept;
+    microbatches; a checkpoint's state read inside ``gathered()`` (even after a nested one) is whole, and values written there are kept;
     the optimizer state gathers whole and loads back."""
     spec, factory = ModelSpec(kind="mlp", layers=3, hidden=8), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
     worker = StageWorker(spec, range(3), batch_size=6 * world, optimizer_factory=factory)
@@ -126,6 +126,8 @@ def _zero3(rank: int, world: int, _: None) -> list[str]:
     if worker.weight_bytes() != sum(-(-p.shape[0] // world) * p[0].numel() * 4 for p in plain.module.parameters()):
         problems.append(f"weight_bytes {worker.weight_bytes()}: not the padded rows")
     with worker.whole_weights():
+        with worker.whole_weights():  # nested (a checkpoint's save checks finiteness inside its own)
+            pass
         if any(not torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(worker.module.parameters(),
                                                                               plain.module.parameters())):
             problems.append("not plain training's parameters inside gathered()")

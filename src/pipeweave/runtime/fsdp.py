@@ -69,6 +69,7 @@ class FullyShardedPart:
             unit.set_reduce_scatter_unused_params(True)
             self.units[index] = unit
         self.replicas = dp_mesh.size()
+        self._depth = 0  # gathered() contexts open
         self.sharded: dict[str, nn.Parameter] = dict(worker.module.named_parameters())
         """Per global name, the sharded parameter (a ``DTensor``): what the optimizer steps."""
         with self._whole():  # FSDP makes the whole parameters at their first all-gather; they keep a split's mark
@@ -99,9 +100,21 @@ class FullyShardedPart:
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """The part's parameters whole inside (a collective of the replicas); written ones kept after."""
+        """The part's parameters whole inside (a collective of the replicas); written ones kept after. Nested
+        uses gather once (a checkpoint's save checks the weights' finiteness inside its own)."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
         with self._whole():
-            yield
+            self._depth = 1
+            try:
+                yield
+            finally:
+                self._depth = 0
             with torch.no_grad():
                 for index, unit in self.units.items():
                     for name, p in unit.named_parameters():
