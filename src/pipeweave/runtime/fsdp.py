@@ -47,9 +47,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from pipeweave.runtime.stage.tensor_parallel import split_of
 from pipeweave.runtime.stage.worker import StageWorker
 
-_SPLIT = "tensor_parallel_split"  # what ``stage.tensor_parallel.split_of`` reads on a parameter
-
-
 class FullyShardedPart:
     """A stage's part under ``fully_shard``, one FSDP unit per layer; the worker's ``shards``.
 
@@ -188,7 +185,7 @@ def _mark(param: torch.Tensor, original: torch.Tensor) -> None:
     """Carry a tensor-parallel shard's mark (``stage.tensor_parallel.split_of``) over to FSDP's parameter."""
     split = split_of(original)
     if split is not None:
-        setattr(param, _SPLIT, split)
+        param.tensor_parallel_split = split  # type: ignore[attr-defined]  # as stage.tensor_parallel marks it
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
