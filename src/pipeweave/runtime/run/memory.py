@@ -20,7 +20,7 @@
   reduced gradient and of the optimizer state per stage, plus the working
   set: the gradients, accumulated whole through the step until their
   reduce-scatter, and the largest of the rank's parts, whole while one of its
-  actions runs (``runtime.zero`` gathers a part at a time);
+  actions runs (an upper bound: ``runtime.fsdp`` gathers a layer at a time);
 - **message rings**: the shared-memory rings a rank receives on
   (``transport.shm``: one per peer, ``capacity_for`` the largest message), where they are used;
 - **rank process**: a rank's own memory before any tensor and its copy of the
