@@ -178,3 +178,15 @@ def test_ctrl_c_while_the_subcommands_import_is_one_line(capsys: pytest.CaptureF
     assert code == 130
     captured = capsys.readouterr()
     assert (captured.out, captured.err) == ("", "pipeweave: interrupted\n")
+
+
+def test_simulate_tied_counts_the_tied_members_staleness_and_lag(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tied``: 2BW's last stage takes the tied members' staleness (1, not 0) and lags them one update
+    (runtime.stage.tied_stream); a stream that refuses a tie is one line."""
+    argv = ["simulate", "-s", "pipedream-2bw", "--stages", "3", "--microbatches", "3", "--json"]
+    untied, tied = _json(capsys, argv), _json(capsys, [*argv, "--tied"])
+    assert untied["staleness"] == [1, 1, 0] and "tied_lag" not in untied
+    assert tied["staleness"] == [1, 1, 1] and tied["tied_lag"] == [0, 0, 1]
+    assert main(["simulate", "-s", "pipemare", "--tied"]) == 2
+    assert capsys.readouterr().err.strip().endswith("train them on pipedream-2bw, pipedream, ampnet only; choose one "
+                                                    "or drop --tied")

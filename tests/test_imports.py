@@ -24,7 +24,7 @@ RUNTIME_LAYERS: dict[str, int] = {
     "transport": 1,
     "stage": 2,
     "executor": 3, "walk": 3, "reference": 3, "plain": 3, "profile": 3, "stream": 3, "nonfinite": 3,
-    "replicas": 3, "zero": 3, "clip": 3,
+    "replicas": 3, "zero": 3, "fsdp": 3, "clip": 3,
     "run": 4,
     "report": 5,
 }

@@ -146,8 +146,8 @@ def test_an_untraceable_module_is_one_line_with_the_reason_and_the_workaround() 
 
 def test_an_asynchronous_schedule_refuses_tied_parameters_in_one_line() -> None:
     spec = ModelSpec(kind="custom", entry=f"{MODELS / 'tiny_modules.py'}:declared")
-    with pytest.raises(UserError, match="tied parameters .* need synchronous updates"):
-        run_reference(generate("pipedream", num_stages=2, num_microbatches=2, num_steps=2), spec, steps=2,
+    with pytest.raises(UserError, match="tied parameters .* asynchronous pipedream-2bw, .* only, not pipemare; "):
+        run_reference(generate("pipemare", num_stages=2, num_microbatches=2, num_steps=2), spec, steps=2,
                       batch_size=4)
 
 

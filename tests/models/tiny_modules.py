@@ -5,7 +5,7 @@ output head tied to its token embedding (one Parameter). ``sequential``: an
 ``nn.Sequential``, with no split points. ``plain_factory``: a module factory
 with ``loss`` and ``dataset`` beside it, as ``--model FILE.py:NAME`` takes one.
 ``uneven``: one wide block before three narrow ones, split into 2 parts
-balanced by the profiler (``split_points=2``). ``experts``: blocks that run
+balanced by the profiler (``split_points=2``). ``routed``: blocks that run
 an expert only where tokens were routed to it (a branch on tensor values,
 which ``torch.export`` refuses and ``torch.fx`` keeps whole).
 """
@@ -116,6 +116,15 @@ def declared() -> pipeweave.models.LayerModel:
     return pipeweave.models.LayerModel(layers=[lambda: nn.Linear(4, 4), lambda: nn.Linear(4, 4)],
                                        loss=nn.functional.mse_loss, tied=[["0.weight", "1.weight"]],
                                        dataset=torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 4)))
+
+
+def tied_sequential() -> pipeweave.models.LayerModel:
+    """An ``nn.Sequential`` whose last layer reuses its first one's weight (one Parameter, found by the split)."""
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    net[4].weight = net[0].weight
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g))
+    return pipeweave.pipeline(net, loss=nn.functional.mse_loss, dataset=data)
 
 
 class Uneven(nn.Module):

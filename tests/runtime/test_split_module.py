@@ -12,7 +12,8 @@ traced as dynamic, masks and positions recomputed per part follow it); and (slow
 Face GPT-2 and Llama models with tied embeddings. 1f1b, zb-h1 and
 interleaved-1f1b give the losses and final weights of plain training of the
 unsplit module -- the module itself, trained by a loop of torch code here, not
-pipeweave's layers; an asynchronous stream (pipedream) equals its reference.
+pipeweave's layers; an asynchronous stream (pipedream) equals its reference (tied models on
+pipedream-2bw: test_tied_stream.py).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import inspect
 import json
 import operator
@@ -34,6 +35,7 @@ from pipeweave.sim.stash import simulate_levers
 from pipeweave.sim.validation import check
 from pipeweave.sim.textline import format_timeline
 from pipeweave.sim.timeline import BYTES_PER_ACTION
+from pipeweave.sim.versions import TIED_STREAMS, staleness, tied_lag
 
 Times = float | list[float]
 
@@ -74,9 +76,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_recompute_cost_arguments(p)
     add_layout_arguments(p)
     add_byte_arguments(p)
-    add_stash_arguments(p)
+    add_stash_arguments(p, stream=True)
     g = p.add_argument_group("asynchronous schedules", "a stream of --steps mini-batches with no flush")
     g.add_argument("--steps", type=int, help="mini-batches in the stream (default 4; avgpipe: rounds of P)")
+    g.add_argument("--tied", action="store_true",
+                   help="the model ties its first and last stage (--tie-embeddings): staleness counts the tied "
+                        "members, and the JSON gives tied_lag (the asynchronous rule: README, Tied parameters)")
     add_schedule_arguments(g)
     return p
 
@@ -208,7 +213,7 @@ def _levered(args: argparse.Namespace, schedule: Schedule, cost: CostModel, layo
                         "pipeline; drop --tensor-parallel/--data-parallel or the memory levers")
     check(schedule)
     costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
-    metrics, timeline, levers = simulate_levers(schedule, costs, plan, args.host_bandwidth)
+    metrics, timeline, levers = simulate_levers(schedule, costs, plan, args.host_bandwidth, args.copy_stream)
     return timeline, metrics, levers
 
 
@@ -223,7 +228,30 @@ def simulated(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
         timeline = _timeline(schedule, cost, layout, model)
     except InvalidSchedule as exc:
         raise UserError(f"{schedule.name} is invalid: {exc}") from None
-    return _as_json(schedule, info, cost, compute_metrics(timeline), {}), timeline
+    metrics = _tied(args, schedule, compute_metrics(timeline))
+    return _tied_json(args, schedule, _as_json(schedule, info, cost, metrics, {})), timeline
+
+
+def _tied(args: argparse.Namespace, schedule: Schedule, metrics: Metrics) -> Metrics:
+    """With ``--tied``: the staleness of a model tying its first and last stage
+    (``sim.versions.staleness(..., tied=True)``).
+
+    Raises:
+        UserError: an asynchronous schedule that does not train a tie.
+    """
+    if not getattr(args, "tied", False):
+        return metrics
+    if not schedule.is_synchronous and schedule.name not in TIED_STREAMS:
+        raise UserError(f"--tied: {schedule.name} does not train tied parameters; asynchronous schedules train "
+                        f"them on {', '.join(TIED_STREAMS)} only; choose one or drop --tied")
+    return dataclasses.replace(metrics, staleness=staleness(schedule, tied=True))
+
+
+def _tied_json(args: argparse.Namespace, schedule: Schedule, out: dict[str, Any]) -> dict[str, Any]:
+    """With ``--tied``: ``tied_lag``, per stage the updates its tied members lag its other weights."""
+    if getattr(args, "tied", False):
+        out["tied_lag"] = list(tied_lag(schedule))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -234,8 +262,9 @@ def run(args: argparse.Namespace) -> int:
         return _report_invalid(args, schedule, exc)
     report = layout_report(schedule, cost, layout, model, metrics.makespan)
     files = _write_files(args, schedule, timeline)
+    metrics = _tied(args, schedule, metrics)
     if args.json:
-        out = _as_json(schedule, info, cost, metrics, files)
+        out = _tied_json(args, schedule, _as_json(schedule, info, cost, metrics, files))
         if levers:
             out["memory_levers"] = levers
         if report is not None:

@@ -36,6 +36,7 @@ from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stage.policy import RankPolicy
 from pipeweave.runtime.stage.stash import Packed, host_store, stash_away, stash_back
 from pipeweave.runtime.stage.tied import TiedGradients, tied_groups
+from pipeweave.runtime.stage.tied_stream import StreamTies
 from pipeweave.schedule.grid import format_rows
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.schedule.lower import LoweredSchedule
@@ -103,7 +104,7 @@ class Executor:
         self.replicas = ReplicaReduction(self.placement, self.row, exchanging if combine_replicas else {},
                                          _replica_groups(self.placement) if exchanging and combine_replicas else {},
                                          bucket_bytes, zero)
-        self.tied = self._ties(exchanging, evaluate)
+        self.tied = self._ties(exchanging, evaluate, policy is not None)
         self.clip = None if clip_norm is None or evaluate else GlobalNormClip(clip_norm, workers)  # after both
         self.dispatch: dict[Op, Callable[[Action], None]] = {
             Op.F: self.forward, Op.B: self.backward, Op.I: self.backward_input, Op.W: self.backward_weight,
@@ -133,10 +134,16 @@ class Executor:
         self.step_loss: float | None = None
         """Of the last step, with ``on_nonfinite``: its loss, every rank's share summed (the same on every rank)."""
 
-    def _ties(self, exchanging: dict[int, StageWorker], evaluate: bool) -> TiedGradients:
-        """The tied gradients' sum: every pipeline's first and last stage exchange their ties
-        (``runtime.stage.tied``), on any rank."""
-        tied = TiedGradients(self.placement, exchanging, self.rank, self.p2p.tag_limit)
+    def _ties(self, exchanging: dict[int, StageWorker], evaluate: bool, stream: bool) -> TiedGradients | StreamTies:
+        """The tied gradients' sum: every pipeline's first and last stage exchange their ties, on any rank
+        (``runtime.stage.tied``; a stream's by its own rule, ``runtime.stage.tied_stream``)."""
+        tied: TiedGradients | StreamTies
+        if stream:
+            tied = StreamTies(self.lowered.schedule, exchanging, self.p2p)
+            self.p2p.tied_message = tied.message()
+        else:
+            tied = TiedGradients(self.placement, exchanging, self.rank, self.p2p.tag_limit,
+                                 first=bool(self.replicas.at_update))  # ZeRO-1: whole ties, then the slices
         if not evaluate and any(tied_groups(w.spec) for w in self.workers.values()):
             for line in self.placement.pipelines:
                 if line[0] != line[-1]:
@@ -170,6 +177,8 @@ class Executor:
             self._run_or_explain(i, a)
             records.append((a, t0, clock()))
             cpu_ns.append(cpu() - c0)
+        if isinstance(self.tied, StreamTies):
+            self.tied.drain()  # the last ends' owed tied update, before the stream's last messages are waited
         self.p2p.end_step()
         self.step_cpu_ns = time.process_time_ns() - step_cpu
         if self._inputs or self._outputs or self._grads_in or self._grads_out:  # pragma: no cover

@@ -20,6 +20,7 @@ from pipeweave.runtime.plain import TrainResult
 from pipeweave.runtime.stage.lr_schedule import set_lr
 from pipeweave.runtime.stage.policy import PolicyOptions, RankPolicy, Read, ScheduleTables, StreamCarry
 from pipeweave.runtime.stage.tied import TiedGradients
+from pipeweave.runtime.stage.tied_stream import StreamTies
 from pipeweave.runtime.stage.worker import OptimizerFactory, StageWorker
 from pipeweave.runtime.stream import (StreamData, StreamPosition, check_stream_model, microbatches_per_minibatch,
                                       minibatch_losses)
@@ -124,10 +125,12 @@ class _StreamWalk(Walk):
                  targets: Sequence[Boundary], policies: dict[int, RankPolicy]) -> None:
         super().__init__(schedule, workers, inputs, targets)
         self.policy_of = {s: policies[r] for r, policy in policies.items() for s in policy.states}
+        self.ties = StreamTies(schedule, dict(enumerate(workers)))  # hooks the tied stages' updates
 
     def ready(self, a: Action) -> bool:
-        # U(s, k) applies the gradients its rank ran since U(s, k-1) (dataflow.consumed_gradients).
-        return True if a.op is Op.U else super().ready(a)
+        # U(s, k) applies the gradients its rank ran since U(s, k-1) (dataflow.consumed_gradients); a tied
+        # stage's also its partner's half (runtime.stage.tied_stream), as the distributed U waits for it.
+        return self.ties.ready(a.stage) if a.op is Op.U else super().ready(a)
 
     def run(self, a: Action) -> None:
         policy = self.policy_of[a.stage]
@@ -164,7 +167,8 @@ def run_stream_reference(
         options: the policies' run-time hyperparameters.
 
     Raises:
-        UserError: a synchronous schedule, tied embeddings, an optimizer prediction cannot follow.
+        UserError: a synchronous schedule, tied parameters on a stream other than pipedream-2bw or with
+            ``lr_at`` (``runtime.stage.tied_stream``), an optimizer prediction cannot follow.
 
     Example:
         >>> from pipeweave.schedule import generate
@@ -177,7 +181,7 @@ def run_stream_reference(
     first = segments[0]
     if first.is_synchronous:
         raise UserError(f"schedule {first.name} is synchronous; run it with run_reference")
-    check_stream_model(spec)
+    check_stream_model(spec, first.name, lr_at is not None)
     workers = build_workers(first, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
                             recompute=recompute, parts=parts, precision=precision)
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
@@ -208,6 +212,7 @@ def _run_stream(stream: Schedule, workers: list[StageWorker], source: DataSource
                        for part in (0, 1))
     state = _StreamWalk(stream, workers, inputs, targets, policies)
     run_step(stream, workers, [], [], state=state)
+    state.ties.drain()
     result.losses += minibatch_losses(state.losses, t, total // t)
     for policy in policies.values():
         result.versions.update(position.versions(policy.versions))

@@ -45,7 +45,7 @@ from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.stage.policy import Read
-from pipeweave.runtime.stage.tied import tied_groups
+from pipeweave.runtime.stage.tied_stream import check_stream_ties
 from pipeweave.schedule.avgpipe import DEFAULT_PIPELINES
 from pipeweave.schedule.ir import Action, Op, Schedule
 
@@ -137,11 +137,10 @@ def minibatch_losses(losses: dict[int, float], num_microbatches: int, num_miniba
     return out
 
 
-def check_stream_model(spec: ModelSpec) -> None:
-    """Tied embeddings sum gradients across stages at every update, which a stream does not synchronise."""
-    if tied_groups(spec):
-        raise UserError("tied parameters (tied embeddings) need synchronous updates; untie them (drop "
-                        "--tie-embeddings, tie_word_embeddings=false) or choose a synchronous schedule")
+def check_stream_model(spec: ModelSpec, schedule: str, lr_scheduled: bool) -> None:
+    """A tie trains on the streams whose rule ``runtime.stage.tied_stream`` defines (2BW, a constant rate): one
+    line for the others."""
+    check_stream_ties(spec, schedule, lr_scheduled)
 
 
 class StreamPosition:

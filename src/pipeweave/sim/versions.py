@@ -16,6 +16,13 @@ version each action reads (DESIGN.md's table), as a ``VersionRead``:
 
 (k: the version the microbatch's gradient is applied to.) Staleness, F/B
 inconsistency and the weight copies a stage holds follow from the order alone.
+
+A tie between a pipeline's first and last stage on a stream
+(``runtime.stage.tied_stream``: the last stage applies each summed tied
+update d of its updates later) leaves the versions above as they are -- they
+count a stage's updates -- but the last stage's tied members lag its other
+weights by d updates (``tied_lag``), and the tied members' staleness is the
+worse end's (``staleness(..., tied=True)``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ from typing import NamedTuple, cast
 from pipeweave.schedule.dataflow import consumed_gradients
 from pipeweave.schedule.ir import Action, Op, Schedule, ScheduleError, WeightPolicy
 from pipeweave.sim.cost import PartCosts
+
+TIED_STREAMS = ("pipedream-2bw", "pipedream", "ampnet")
+"""The asynchronous schedules that train a tie between a pipeline's first and last stage
+(``runtime.stage.tied_stream``'s rule; the others refuse one)."""
 
 _STORED = (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER, WeightPolicy.VERTICAL_SYNC)
 _BACKWARD = tuple(op for op in Op if op.is_backward)  # B, I, W: the order _backward_of tries
@@ -166,18 +177,97 @@ def _backward_of(schedule: Schedule, now: dict[Action, int], stage: int, j: int,
     raise ScheduleError(f"stage {stage} has no backward for microbatch {j}")  # pragma: no cover
 
 
-def staleness(schedule: Schedule) -> tuple[int, ...]:
+def staleness(schedule: Schedule, *, tied: bool = False) -> tuple[int, ...]:
     """Per stage, the most updates between a gradient's weights and the version it is applied to.
 
     A gradient of microbatch j is computed on the oldest stored version its
     F and backward read (before any prediction or correction): staleness is
     k - that, for the ``U(s, k)`` that applies it. 0 for every synchronous schedule.
+    ``tied``: the model ties its first and last stage; on a stream the tied
+    members' k-th update sums both ends' halves of mini-batch k, the last
+    stage's computed with its tied members ``tied_lag`` behind: their staleness,
+    counted in their own updates, is max(first's, last's + lag), and each end's
+    staleness takes it in.
 
     Example:
         >>> from pipeweave.schedule import generate
         >>> staleness(generate("pipedream", num_stages=4, num_microbatches=4))
         (3, 2, 1, 0)
+        >>> staleness(generate("pipedream-2bw", num_stages=2, num_microbatches=2), tied=True)
+        (1, 1)
     """
+    worst = _staleness(schedule)
+    lag = tied_lag(schedule) if tied else (0,) * schedule.num_stages
+    for line in schedule.placement.pipelines if any(lag) else ():
+        both = max(worst[line[0]], worst[line[-1]] + lag[line[-1]])
+        worst[line[0]], worst[line[-1]] = max(worst[line[0]], both), max(worst[line[-1]], both)
+    return tuple(worst)
+
+
+def tied_lag(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage, the updates by which its tied members (a tie between its pipeline's first and last stage)
+    lag its other weights under ``runtime.stage.tied_stream``'s rule; 0 but on the last stage of a stream.
+
+    There it is the fewest d such that the first stage's ``U_(k-d)`` comes before the last stage's ``U_k`` in
+    the order the schedule's dependencies impose, for every k: the first stage's half of update k - d is
+    then sent before the last stage needs it. At least 1: the first stage's ``U_k`` waits for the last
+    stage's half of k.
+
+    Raises:
+        ScheduleError: a first stage's ``U_k`` that must come before the last stage's (the wait would close
+            a cycle).
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> tied_lag(generate("pipedream-2bw", num_stages=3, num_microbatches=3))
+        (0, 0, 1)
+        >>> tied_lag(generate("pipedream", num_stages=3, num_microbatches=3))
+        (0, 0, 3)
+    """
+    lag = [0] * schedule.num_stages
+    if schedule.is_synchronous:
+        return tuple(lag)
+    for line in schedule.placement.pipelines:
+        if line[0] == line[-1]:
+            continue
+        seen = _updates_before(schedule, line[0])
+        for a, n in seen.items():
+            if a.op is Op.U and a.stage == line[-1]:
+                if n > a.microbatch:
+                    raise ScheduleError(f"{schedule.name}: {Action(line[0], Op.U, a.microbatch)} comes before {a}; "
+                                        "a tie between them would wait in a cycle")
+                lag[line[-1]] = max(lag[line[-1]], a.microbatch + 1 - n, 1)
+    return tuple(lag)
+
+
+def _updates_before(schedule: Schedule, stage: int) -> dict[Action, int]:
+    """Per action, how many updates of ``stage`` come before it (a ``U`` of ``stage`` counting itself) in the
+    order the dependencies impose: each rank's row, F after the previous stage's F, a backward after its F
+    and the next stage's input gradient, W after I."""
+    placement, done = schedule.placement, {}
+    out: dict[Action, int] = {}
+    ptr, clock = [0] * schedule.num_ranks, [0] * schedule.num_ranks
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, row in enumerate(schedule.actions):
+            while ptr[r] < len(row):
+                s, op, j = a = row[ptr[r]]
+                prev, nxt = placement.prev_stage(s), placement.next_stage(s)
+                needs = ([(prev, "F", j)] if op is Op.F and prev is not None else
+                         [(s, "F", j)] + ([(nxt, "G", j)] if nxt is not None else []) if op.computes_input_grad else
+                         [(s, "G", j)] if op is Op.W else [])
+                if any(n not in done for n in needs):
+                    break
+                clock[r] = max([clock[r]] + [done[n] for n in needs] + [j + 1 if op is Op.U and s == stage else 0])
+                out[a] = clock[r]
+                done[(s, "F" if op is Op.F else "G" if op.computes_input_grad else op.name, j)] = clock[r]
+                ptr[r] += 1
+                progressed = True
+    return out
+
+
+def _staleness(schedule: Schedule) -> list[int]:
     reads = read_versions(schedule)
     worst = [0] * schedule.num_stages
     for u, grads in consumed_gradients(schedule).items():
@@ -187,7 +277,7 @@ def staleness(schedule: Schedule) -> tuple[int, ...]:
             if inp is not None:
                 used = min(used, inp.version)
             worst[u.stage] = max(worst[u.stage], u.microbatch - used)
-    return tuple(worst)
+    return worst
 
 
 def inconsistency(schedule: Schedule) -> tuple[int, ...]:

@@ -55,7 +55,7 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     """``job.run_rank`` for an asynchronous schedule: its streams through the ``Executor``, one after the other."""
     started = time.perf_counter()
     config = plan.config
-    check_stream_model(config.model)
+    check_stream_model(config.model, config.schedule, config.lr_scheduled)
     process = rank
     joined, device = join_mesh(plan, process, world)
     rank = joined.stage_rank

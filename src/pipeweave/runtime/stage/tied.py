@@ -51,7 +51,7 @@ def tied_names(worker: StageWorker) -> list[list[str]]:
     return [[n for n in group if layer_of(n) in held] for group in tied_groups(worker.spec)]
 
 
-def _split_groups(worker: StageWorker) -> list[int]:
+def split_groups(worker: StageWorker) -> list[int]:
     """The groups of which this worker holds some members but not all: those it must exchange."""
     return [g for g, (mine, group) in enumerate(zip(tied_names(worker), tied_groups(worker.spec)))
             if mine and len(mine) < len(group)]
@@ -81,7 +81,7 @@ def tie_peer(placement: Placement, stage: int, worker: StageWorker) -> int | Non
         return stage if holds else None
     if stage in (line[0], line[-1]):
         return _other_end(line, stage)
-    split = _split_groups(worker)
+    split = split_groups(worker)
     if split:
         group = tied_groups(worker.spec)[split[0]]
         raise UserError(f"tied parameters {', '.join(group)} lie in stage {stage}, inside the pipeline; tied groups "
@@ -107,10 +107,13 @@ class TiedGradients:
         workers: the stage workers of this process, by stage.
         rank: this rank, or None when every stage is in this process.
         tag_base: first message tag free for this exchange (distributed only).
+        first: sum the ties before the ``combine_grads`` already installed, not after: under ZeRO-1 that
+            combine reduce-scatters the replicas' gradients, and a tie must be summed whole, before the
+            slicing (``runtime.replicas`` then launches the tied parts' reduction at ``U``).
     """
 
     def __init__(self, placement: Placement, workers: dict[int, StageWorker], rank: int | None = None,
-                 tag_base: int = 0) -> None:
+                 tag_base: int = 0, *, first: bool = False) -> None:
         self.placement, self.workers, self.rank, self.tag_base = placement, workers, rank, tag_base
         self._pending: set[tuple[int, int]] = set()  # local pairs summed once, awaiting the second U
         self.peer: dict[int, int] = {}
@@ -118,20 +121,12 @@ class TiedGradients:
             peer = tie_peer(placement, stage, worker)
             if peer is not None:
                 self.peer[stage] = peer
-                worker.combine_grads = self._chain(stage, worker.combine_grads)
-
-    def _chain(self, stage: int, before: Callable[[StageWorker], None] | None) -> Callable[[StageWorker], None]:
-        def combine(worker: StageWorker) -> None:
-            if before is not None:
-                before(worker)  # replicas of the part first: every replica then holds the same sum
-            self._combine(stage)
-
-        return combine
+                worker.combine_grads = chained(worker.combine_grads, self._combine, stage, first=first)
 
     def _combine(self, stage: int) -> None:
         peer = self.peer[stage]
         if peer == stage:  # every group it holds is whole here
-            _write(self.workers[stage], _partial(self.workers[stage], whole=True))
+            write_sums(self.workers[stage], partial_sums(self.workers[stage], whole=True))
         elif peer in self.workers:
             self._combine_local(stage, peer)
         else:
@@ -145,15 +140,15 @@ class TiedGradients:
         first, last = self.workers[pair[0]], self.workers[pair[1]]
         if first.layer_indices.start > last.layer_indices.start:
             first, last = last, first
-        totals = _sum(_partial(first), _partial(last))
-        _write(first, totals)
-        _write(last, totals)
+        totals = summed(partial_sums(first), partial_sums(last))
+        write_sums(first, totals)
+        write_sums(last, totals)
         self._pending.add(pair)
 
     def _combine_remote(self, stage: int, peer: int) -> None:
         worker = self.workers[stage]
-        mine = _partial(worker)
-        flat = torch.cat([t.reshape(-1) for t in mine.values()]) if mine else torch.zeros(1)
+        mine = partial_sums(worker)
+        flat = flatten(mine)
         other = torch.empty_like(flat)
         peer_rank = process_of(self.placement.stage_rank[peer])  # with this process's tensor-parallel coordinate
         send = dist.isend(flat.contiguous(), dst=peer_rank, tag=self.tag_base + stage)
@@ -161,18 +156,32 @@ class TiedGradients:
         assert send is not None and recv is not None
         recv.wait()
         send.wait()
-        theirs, offset = {}, 0
-        for g, t in mine.items():
-            theirs[g] = other[offset: offset + t.numel()].view_as(t)
-            offset += t.numel()
+        theirs = unflatten(other, mine)
         line = self.placement.pipelines[self.placement.pipeline_of(stage)]
-        _write(worker, _sum(mine, theirs) if stage == line[0] else _sum(theirs, mine))  # one order on both ranks
+        # one order on both ranks: the first stage's sum plus the last stage's
+        write_sums(worker, summed(mine, theirs) if stage == line[0] else summed(theirs, mine))
 
 
-def _partial(worker: StageWorker, whole: bool = False) -> dict[int, torch.Tensor]:
+def chained(before: Callable[[StageWorker], None] | None, combine: Callable[[int], None],
+            stage: int, *, first: bool = False) -> Callable[[StageWorker], None]:
+    """A worker's ``combine_grads``: ``before`` (the replicas of the part first: every replica then holds the
+    same sum), then ``combine(stage)``; with ``first``, ``combine(stage)`` before ``before`` (ZeRO-1: the tie
+    summed whole, then the replicas' reduction slices it)."""
+    def run(worker: StageWorker) -> None:
+        if first:
+            combine(stage)
+        if before is not None:
+            before(worker)
+        if not first:
+            combine(stage)
+
+    return run
+
+
+def partial_sums(worker: StageWorker, whole: bool = False) -> dict[int, torch.Tensor]:
     """Per tied group this worker holds (split ones only, unless ``whole``), the sum of the gradients of its
     distinct copies here, in member order; zeros where none was computed."""
-    split = set(range(len(tied_groups(worker.spec)))) if whole else set(_split_groups(worker))
+    split = set(range(len(tied_groups(worker.spec)))) if whole else set(split_groups(worker))
     params = dict(worker.module.named_parameters(remove_duplicate=False))
     out: dict[int, torch.Tensor] = {}
     for g, names in enumerate(tied_names(worker)):
@@ -193,11 +202,26 @@ def _partial(worker: StageWorker, whole: bool = False) -> dict[int, torch.Tensor
     return out
 
 
-def _sum(first: dict[int, torch.Tensor], last: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+def summed(first: dict[int, torch.Tensor], last: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Per group, the first stage's sum plus the last stage's: one order on both ends."""
     return {g: first[g] + last[g] for g in first}
 
 
-def _write(worker: StageWorker, totals: dict[int, torch.Tensor]) -> None:
+def flatten(sums: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The groups' sums as one new flat tensor, in group order (one number when there are none)."""
+    return torch.cat([t.reshape(-1) for t in sums.values()]) if sums else torch.zeros(1)
+
+
+def unflatten(flat: torch.Tensor, like: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """``flatten``'s inverse: views of ``flat`` shaped as the groups of ``like``."""
+    out, offset = {}, 0
+    for g, t in like.items():
+        out[g] = flat[offset: offset + t.numel()].view_as(t)
+        offset += t.numel()
+    return out
+
+
+def write_sums(worker: StageWorker, totals: dict[int, torch.Tensor]) -> None:
     params = dict(worker.module.named_parameters(remove_duplicate=False))
     for g, names in enumerate(tied_names(worker)):
         if g in totals:

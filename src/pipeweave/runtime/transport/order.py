@@ -3,8 +3,11 @@
 Every message is named by a key ``(sender stage, kind, microbatch)``: kind 0
 carries an activation forward (``SEND_F`` -> ``RECV_F``), 1 an input gradient
 backward (``SEND_B`` -> ``RECV_B``), 2 a tied embedding/head gradient
-(``runtime.stage.tied``, exchanged at ``U``: that module posts it; the
-transport only keeps its place in the order). Replicas' gradients are summed
+sent at a tied stage's ``U`` (its microbatch field counts the stage's ``U``:
+0 in a synchronous step, k at the k-th update of a stream). A synchronous
+step's is posted by ``runtime.stage.tied`` (the transport only keeps its
+place in the order); a stream's travels through the transport like the
+others (``runtime.stage.tied_stream``). Replicas' gradients are summed
 by collectives on groups of their own (``runtime.replicas``), not here.
 
 NCCL ignores tags and matches the messages of a pair of ranks in posting
@@ -25,7 +28,7 @@ META = -1  # microbatch field of a metadata message
 FWD, BWD, TIED = 0, 1, 2
 KINDS = 3
 
-Key = tuple[int, int, int]  # (sender stage, kind, microbatch or META; 0 for TIED)
+Key = tuple[int, int, int]  # (sender stage, kind, microbatch or META; the update's count for TIED)
 
 
 def message_key(lowered: LoweredSchedule, a: Action) -> Key:
@@ -65,7 +68,7 @@ def rank_sends(
     the first step by its stream's metadata with ``with_meta``; every message
     by its own with ``meta_every_message``, where shapes vary), and at the
     ``U`` of a stage tied to a stage on another rank (``tied``: stage -> the
-    stage holding the other end), its tied gradient.
+    stage holding the other end), its tied gradient, numbered by the stage's updates so far.
 
     Example:
         >>> from pipeweave.schedule import generate, lower
@@ -75,9 +78,11 @@ def rank_sends(
     out: list[tuple[int, Key]] = []
     announced: set[tuple[int, int]] = set()
     rank_of = lowered.schedule.placement.stage_rank
+    updates: dict[int, int] = {}
     for a in lowered.actions[rank]:
         if a.op is Op.U and tied and a.stage in tied and rank_of[tied[a.stage]] != rank:
-            out.append((rank_of[tied[a.stage]], (a.stage, TIED, 0)))
+            k = updates[a.stage] = updates.get(a.stage, -1) + 1
+            out.append((rank_of[tied[a.stage]], (a.stage, TIED, k)))
         if a.op.is_send:
             key = message_key(lowered, a)
             peer = lowered.peer(a)

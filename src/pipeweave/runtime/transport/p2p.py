@@ -102,6 +102,9 @@ class P2P:
         self._orders: dict[bool, dict[int, list[Key]]] = {}
         self.tied: dict[int, int] = {}
         """Every tied stage of the schedule -> the stage of its other end (set before the first step)."""
+        self.tied_message: tuple[torch.dtype, int] | None = None
+        """A stream's tied messages (``runtime.stage.tied_stream``): dtype and length, posted in order like the
+        others; None: a synchronous step's, posted by ``runtime.stage.tied`` itself."""
 
     def _compute_positions(self) -> list[int]:
         """For each position, the index of the lookahead-th compute action after it."""
@@ -207,9 +210,19 @@ class P2P:
         ``runtime.stage.tied`` then posts the tied exchange itself, in its place.
         """
         other = self.tied.get(stage)
+        if self.tied_message is not None:  # a stream's: received in order (recv_tied)
+            return
         rank_of = self.lowered.schedule.placement.stage_rank
         if other is not None and rank_of[other] != self.rank:
             self._post_through(rank_of[other], (other, TIED, 0), block=True)
+
+    def send_tied(self, stage: int, k: int, peer: int, flat: torch.Tensor) -> None:
+        """Post a stream's tied message: ``stage``'s half of its k-th update, to rank ``peer`` (non-blocking)."""
+        self._isend(flat, peer, (stage, TIED, k), flat.numel() * flat.element_size())
+
+    def recv_tied(self, stage: int, k: int, peer: int) -> torch.Tensor:
+        """Wait for the tied message of ``stage``'s k-th update from rank ``peer`` (a stream's)."""
+        return self._take((stage, TIED, k), peer).buffer
 
     def _isend(self, tensor: torch.Tensor, peer: int, key: Key, nbytes: int | None = None) -> None:
         """Post the send; ``nbytes``: the (contiguous) tensor's bytes, when known."""
@@ -241,7 +254,7 @@ class P2P:
 
     def _take(self, key: Key, peer: int) -> _Posted:
         self._post_through(peer, key, block=True)
-        posted = self._posted.pop(key)  # a tied key never reaches here: runtime.stage.tied waits on its own
+        posted = self._posted.pop(key)  # a synchronous tie waits on its own (stage.tied)
         posted.work.wait(wait_timeout())
         return posted
 
@@ -252,19 +265,19 @@ class P2P:
         queue = self._queues.get(peer)
         while queue:
             nxt = queue[0]
-            if nxt[1] == TIED:  # posted by runtime.stage.tied at this rank's U, not here
+            if nxt[1] == TIED and self.tied_message is None:  # a step's, posted by runtime.stage.tied at this U
                 if nxt != key:
                     if block:  # pragma: no cover - a receive needed after the peer's U
                         raise RuntimeError(f"rank {self.rank}: message {key} is queued behind a tied exchange")
                     return
                 queue.popleft()
                 return
-            if nxt[2] != META and nxt[:2] not in self._shapes:
+            if nxt[2] != META and nxt[1] != TIED and nxt[:2] not in self._shapes:
                 if not self._read_meta(nxt[:2], block):
                     return
             queue.popleft()
             self._post(peer, nxt)
-            if self.variable_shapes and nxt[2] != META:  # the stream's next message brings its own shape
+            if self.variable_shapes and nxt[2] != META and nxt[1] != TIED:  # the next message brings its own shape
                 del self._shapes[nxt[:2]]
             if nxt == key:
                 return
@@ -289,7 +302,12 @@ class P2P:
 
     def _post(self, peer: int, key: Key) -> None:
         layout = None
-        if key[2] == META:
+        if key[1] == TIED:
+            assert self.tied_message is not None
+            dtype, length = self.tied_message
+            buffer = torch.empty(length, dtype=dtype, device=self.device)
+            nbytes = length * dtype.itemsize
+        elif key[2] == META:
             buffer = torch.zeros(META_LEN, dtype=torch.int64, device=self.device)
             nbytes = 8 * META_LEN
         else:
