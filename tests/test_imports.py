@@ -24,12 +24,13 @@ RUNTIME_LAYERS: dict[str, int] = {
     "transport": 1,
     "stage": 2,
     "executor": 3, "walk": 3, "reference": 3, "plain": 3, "profile": 3, "stream": 3, "nonfinite": 3,
-    "replicas": 3, "zero": 3, "clip": 3,
+    "replicas": 3, "zero": 3, "fsdp": 3, "clip": 3,
     "run": 4,
     "report": 5,
 }
-# Who may import the runtime at all: the runtime itself and the command line.
-MAY_IMPORT_RUNTIME = ("pipeweave.runtime", "pipeweave.commands", "pipeweave.cli")
+# Who may import the runtime at all: the runtime itself, the command line, and ``pipeweave.pipeline``'s
+# module (a split balanced by the profiler).
+MAY_IMPORT_RUNTIME = ("pipeweave.runtime", "pipeweave.commands", "pipeweave.cli", "pipeweave.pipelining")
 
 
 def module_name(path: Path) -> str:

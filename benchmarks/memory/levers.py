@@ -44,8 +44,9 @@ def _train(extra: list[str], folder: Path, stages: int = 4, steps: int = 6) -> d
     return json.loads(record.read_text())
 
 
-def _copy_rate(repeats: int = 15) -> dict[str, float]:
-    """Part 0's microbatch moved to a file and back, the runtime's own path: bytes and seconds each way."""
+def _copy_rate(repeats: int = 15, stages: int = 4, clock: Any = time.perf_counter) -> dict[str, float]:
+    """Part 0's microbatch (of ``stages`` parts) moved to a file and back, the runtime's own path: bytes and
+    seconds each way (``clock``: wall by default; ``time.thread_time`` for the CPU the copies take)."""
     import torch
 
     from pipeweave.models.spec import ModelSpec, uniform_parts
@@ -54,19 +55,19 @@ def _copy_rate(repeats: int = 15) -> dict[str, float]:
 
     torch.set_num_threads(1)
     spec = ModelSpec(kind="gpt", layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq_len=SEQ)
-    worker = StageWorker(spec, uniform_parts(spec.num_layers, 4)[0], batch_size=BATCH)
+    worker = StageWorker(spec, uniform_parts(spec.num_layers, stages)[0], batch_size=BATCH)
     worker.stashing = True
     store, away, back, size = FileStore(), [], [], 0
     tokens = torch.randint(0, spec.vocab, (BATCH // T, SEQ))
     for j in range(repeats):
         worker.forward(j, tokens)
-        t0 = time.perf_counter()
+        t0 = clock()
         packed = stash_away(worker, j)
         store.put((0, j), packed.buffer)
         size, packed.buffer = packed.nbytes, None
-        t1 = time.perf_counter()
+        t1 = clock()
         stash_back(worker, j, packed, store.take((0, j)))
-        t2 = time.perf_counter()
+        t2 = clock()
         worker.backward(j, torch.zeros(BATCH // T, SEQ, HIDDEN))
         away.append(t1 - t0)
         back.append(t2 - t1)
@@ -75,7 +76,7 @@ def _copy_rate(repeats: int = 15) -> dict[str, float]:
     return {"bytes": size, "offload_s": out, "reload_s": ret, "bytes_per_s": 2 * size / (out + ret)}
 
 
-def _predicted_cost(exact: dict[str, Any], rate: dict[str, float]) -> float:
+def _predicted_cost(exact: dict[str, Any], rate: dict[str, float], stages: int = 4) -> float:
     """Simulated step with part 0 offloaded minus without, from the exact run's own profile."""
     from pipeweave.schedule import generate
     from pipeweave.schedule.stash import StashPlan
@@ -83,10 +84,10 @@ def _predicted_cost(exact: dict[str, Any], rate: dict[str, float]) -> float:
     from pipeweave.sim.stash import simulate_stash
 
     c = exact["profiled_costs_s"]
-    activation = [float(rate["bytes"])] + [1.0] * 3  # only part 0 moves
+    activation = [float(rate["bytes"])] + [1.0] * (stages - 1)  # only part 0 moves
     cost = CostModel(f=c["f"], b=c["b"], w=c["w"], u=c["u"], dispatch=c["dispatch"], activation=activation)
-    schedule = generate("1f1b", num_stages=4, num_microbatches=T)
-    costs = cost.for_parts(num_parts=4, num_ranks=4)
+    schedule = generate("1f1b", num_stages=stages, num_microbatches=T)
+    costs = cost.for_parts(num_parts=stages, num_ranks=stages)
     plain = simulate(schedule, cost)
     moved, _, _ = simulate_stash(schedule, costs, StashPlan(offload=frozenset({0})), bandwidth=rate["bytes_per_s"])
     return max(e.end for row in moved.events for e in row) - max(e.end for row in plain.events for e in row)

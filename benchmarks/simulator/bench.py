@@ -1,6 +1,7 @@
 """Time the simulator and its metrics, the pure-Python reference beside the fast engine, in one run.
 
 Usage (from the repository root):
+    python benchmarks/simulator/bench.py --parts --no-big     # where the fast engine's cold time goes
     python benchmarks/simulator/bench.py                      # D=64, T=512 for every schedule, then D=1024, T=4096 1f1b
     python benchmarks/simulator/bench.py --names 1f1b zb-v    # a subset
     python benchmarks/simulator/bench.py --no-big             # skip D=1024, T=4096
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import platform
 import statistics
 import sys
@@ -132,6 +134,47 @@ def rounds_line(r: dict[str, Any]) -> str:
     return f"{r['name']}: reference {show(r['old'])} | fast cold {show(r['cold'])} | fast warm {show(r['warm'])}"
 
 
+# --parts: where the fast engine's cold time goes; (module, owner, function): each timed where it is called.
+PARTS = (("pipeweave.sim.arrays", None, "encode"), ("pipeweave.sim.arrays", None, "well_formed"),
+         ("pipeweave.sim.rounds", "_Loop", "__init__"), ("pipeweave.sim.rounds", "_Loop", "run"),
+         ("pipeweave.sim.rounds", "_Loop", "times"), ("pipeweave.sim.rounds", None, "_run_updates"),
+         ("pipeweave.sim.metrics", None, "bubble_metrics"), ("pipeweave.sim.metrics", None, "peak_activations"))
+
+
+def parts(name: str, d: int, t: int, rounds: int) -> dict[str, list[float]]:
+    """Per part of ``PARTS`` (and ``total``), its CPU seconds in each cold round (a schedule generated afresh);
+    ``encode`` includes ``well_formed``, ``run`` the walk."""
+    spent: dict[str, list[float]] = {}
+    now: dict[str, float] = {}
+    undo = []
+    for module_name, owner_name, function in PARTS:
+        owner = importlib.import_module(module_name)
+        owner = getattr(owner, owner_name) if owner_name else owner
+        original = getattr(owner, function)
+
+        def timed(*args: Any, _f: Any = original, _key: str = function, **kwargs: Any) -> Any:
+            t0 = time.process_time()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                now[_key] = now.get(_key, 0.0) + time.process_time() - t0
+
+        setattr(owner, function, timed)
+        undo.append((owner, function, original))
+    try:
+        for _ in range(rounds):
+            fresh = _make(name, d, t)
+            now.clear()
+            _, now["total"] = _cpu(lambda s=fresh: _run(s, fast=True, layout=False))  # type: ignore[misc]
+            for key, seconds in now.items():
+                spent.setdefault(key, []).append(seconds)
+            del fresh
+    finally:
+        for owner, function, original in undo:
+            setattr(owner, function, original)
+    return spent
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--names", nargs="*", default=None, help="registry names (default: all)")
@@ -142,11 +185,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-big", action="store_true", help="skip 1f1b at D=1024, T=4096")
     p.add_argument("--big-only", action="store_true", help="only 1f1b at D=1024, T=4096")
     p.add_argument("--layout", action="store_true", help="through simulate_layout on TP 2 x DP 4 (LAYOUT)")
+    p.add_argument("--parts", action="store_true", help="the fast engine's cold CPU time by part, medians in ms")
     p.add_argument("--command", action="store_true",
                    help="what pipeweave simulate pays: validate() then simulate, against sim.validation.check")
     args = p.parse_args(argv)
     names = args.names or list(SCHEDULES)
     print(f"# python {platform.python_version()} on {platform.machine()}, {time.strftime('%Y-%m-%d %H:%M %Z')}")
+    if args.parts:
+        print("CPU milliseconds of the fast engine, cold, by part (medians of the rounds)")
+        keys = [function for _, _, function in PARTS] + ["total"]
+        print("| schedule | " + " | ".join(keys) + " |")
+        print("|---" * (len(keys) + 1) + "|")
+        for name in names:
+            spent = parts(name, args.stages, args.microbatches, args.rounds)
+            print(f"| {name} | " + " | ".join(f"{statistics.median(spent.get(k, [0.0])) * 1e3:.1f}" for k in keys)
+                  + " |", flush=True)
+        return 0
     if args.command:
         print("CPU seconds of validation + simulate + compute_metrics (cold), medians and every round")
         print("| schedule | D | T | validate() | over arrays | speed-up | same metrics | rounds, validate() | "

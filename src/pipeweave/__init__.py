@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     """``pipeweave.pipeline`` and ``pipeweave.models``, imported on first use (the pure packages stay torch-free)."""
     if name == "pipeline":
-        from pipeweave.models.pipeline import pipeline
+        from pipeweave.pipelining import pipeline
 
         return pipeline
     if name == "models":

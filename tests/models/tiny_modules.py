@@ -4,6 +4,10 @@
 output head tied to its token embedding (one Parameter). ``sequential``: an
 ``nn.Sequential``, with no split points. ``plain_factory``: a module factory
 with ``loss`` and ``dataset`` beside it, as ``--model FILE.py:NAME`` takes one.
+``uneven``: one wide block before three narrow ones, split into 2 parts
+balanced by the profiler (``split_points=2``). ``routed``: blocks that run
+an expert only where tokens were routed to it (a branch on tensor values,
+which ``torch.export`` refuses and ``torch.fx`` keeps whole).
 """
 
 from __future__ import annotations
@@ -121,3 +125,69 @@ def tied_sequential() -> pipeweave.models.LayerModel:
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g))
     return pipeweave.pipeline(net, loss=nn.functional.mse_loss, dataset=data)
+
+
+class Uneven(nn.Module):
+    """Block 0 is wide (a hidden layer of 16384), blocks 1-3 narrow: on a quiet machine a balanced split cuts after
+    block 0 (under load the measured times may say otherwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        wide = nn.Sequential(nn.Linear(4 * WIDTH, 16384), nn.GELU(), nn.Linear(16384, 4 * WIDTH))
+        self.blocks = nn.ModuleList([wide, *(nn.Linear(4 * WIDTH, 4 * WIDTH) for _ in range(3))])
+        self.head = nn.Linear(4 * WIDTH, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(x)
+
+
+def uneven_data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(64, 4 * WIDTH, generator=g), torch.randn(64, 4, generator=g))
+
+
+def uneven() -> pipeweave.models.LayerModel:
+    data = uneven_data()
+    return pipeweave.pipeline(Uneven(), (data.tensors[0][:8],), 2, loss=nn.functional.mse_loss, dataset=data)
+
+
+class Experts(nn.Module):
+    """A mixture of two experts: each token goes to its gate's choice, and an expert no token chose is skipped
+    (``if routed.any()``, a branch on tensor values: ``torch.export`` cannot trace it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(WIDTH, 2)
+        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.gate(x).softmax(-1)
+        choice = weights.argmax(-1)
+        out = torch.zeros_like(x)
+        for k, expert in enumerate(self.experts):
+            routed = choice == k
+            if routed.any():
+                out[routed] = expert(x[routed]) * weights[..., k][routed].unsqueeze(-1)
+        return x + out
+
+
+class Routed(nn.Module):
+    """Tokens through three mixture-of-experts blocks: traced by torch.fx, the blocks kept whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Experts() for _ in range(3))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(torch.tanh(x))
+
+
+def routed() -> pipeweave.models.LayerModel:
+    return pipeweave.pipeline(Routed(), split_points=["blocks.1"], loss=token_loss, dataset=_tokens(64, 0))

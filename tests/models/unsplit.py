@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeweave.data import data_source, split_microbatches
+from pipeweave.data import data_source, step_microbatches
 from pipeweave.models import ModelSpec
 from pipeweave.models.boundary import num_samples
 from pipeweave.models.hf import build_module
@@ -28,7 +28,8 @@ def unsplit_module(spec: ModelSpec) -> nn.Module:
     loaded.loader.exec_module(module)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        built = {"looped": module.Looped, "sequential": module.sequential_module}[(spec.entry or "").rsplit(":")[1]]()
+        built = {"looped": module.Looped, "sequential": module.sequential_module, "uneven": module.Uneven,
+                 "routed": module.Routed}[(spec.entry or "").rsplit(":")[1]]()
     return built  # type: ignore[no-any-return]
 
 
@@ -38,13 +39,11 @@ def train_unsplit(config: TrainConfig) -> tuple[list[float], dict[str, torch.Ten
     net = unsplit_module(spec)
     loss_fn: Callable[..., torch.Tensor] = spec.custom.loss
     optimizer = torch.optim.SGD(net.parameters(), lr=config.lr)
-    source = data_source(spec, batch_size=config.batch_size)
+    source = data_source(spec, batch_size=config.batch_size, min_seq_len=config.min_seq_len)
     losses = []
     for step in range(config.steps):
-        inputs, targets = source.batch(step)
         total = 0.0
-        for x, y in zip(split_microbatches(inputs, config.num_microbatches),
-                        split_microbatches(targets, config.num_microbatches)):
+        for x, y in zip(*step_microbatches(source, step, config.num_microbatches)):  # cut to their lengths
             loss = loss_fn(net(x), y) * (num_samples(y) / config.batch_size)
             loss.backward()
             total += loss.item()

@@ -35,7 +35,10 @@ GPT = ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "2", "--s
     [*GPT, "-s", "1f1b", "--stages", "3", "--microbatches", "4", "--recompute", "--precision", "bf16"],
     [*GPT, "-s", "zb-h1", "--tensor-parallel", "2"],  # a process's shards and activations
     [*GPT, "-s", "zb-h1", "--tensor-parallel", "2", "--sequence-parallel"],  # its layer norms' on half the sequence
-], ids=["mlp-zb-h1", "gpt-1f1b-recompute-bf16", "gpt-zb-h1-tp2", "gpt-zb-h1-tp2-sp"])
+    # the memory levers: part 0 offloaded, everything stashed in bf16; BPipe's pairs
+    [*GPT, "-s", "1f1b", "--stages", "2", "--microbatches", "4", "--offload", "0", "--compress-activations", "bf16"],
+    [*GPT, "-s", "1f1b", "--stages", "4", "--microbatches", "8", "--balance-activations"],
+], ids=["mlp-zb-h1", "gpt-1f1b-recompute-bf16", "gpt-zb-h1-tp2", "gpt-zb-h1-tp2-sp", "gpt-offload-bf16", "gpt-bpipe"])
 def test_the_estimate_is_within_its_factor_of_the_measured_peak(
     argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -68,8 +71,10 @@ def _estimate(activations: int = 0, weights: int = 0, rings: int = 0, processes:
 
 
 @pytest.mark.parametrize(("estimate", "config", "fix"), [
-    (_estimate(activations=3 << 30), TrainConfig(), "reduce --batch or add --recompute (selective or full)"),
-    (_estimate(activations=3 << 30), TrainConfig(recompute=True), "reduce --batch"),
+    (_estimate(activations=3 << 30), TrainConfig(), "reduce --batch or add --recompute (selective or full) or "
+                                                    "--offload (the first parts)"),
+    (_estimate(activations=3 << 30), TrainConfig(recompute=True), "reduce --batch or --offload (the first parts)"),
+    (_estimate(activations=3 << 30), TrainConfig(recompute=True, offload="0"), "reduce --batch"),
     (_estimate(weights=3 << 30), TrainConfig(optimizer="adamw"), "give a smaller model (--layers, --hidden) or "
                                                                   "--optimizer sgd"),
     (_estimate(rings=3 << 30), TrainConfig(), "use --transport gloo"),

@@ -57,3 +57,35 @@ def test_the_profiler_counts_each_layers_flops(tmp_path: object) -> None:
     # An mlp block is Linear(h, 4h) and Linear(4h, h): 16 b h^2 FLOPs forward, as many for I and for W.
     costs = profile_model(ModelSpec(kind="mlp", layers=2, hidden=8), 4, repeats=1, cache_dir=str(tmp_path))
     assert costs.flops == (48 * 4 * 8**2,) * 2
+
+
+def test_the_copies_are_profiled_on_their_own_and_charged_where_the_runtime_runs_them() -> None:
+    """The hand trace above with part 0 offloaded: the copy out after F (1.0), back before B (0.5), on rank 0's
+    own time: not dispatch, and the simulated step charges them to its F and its B (makespan +1.5)."""
+    from pipeweave.runtime.report.trace import copy_extra, copy_times, summarize
+
+    rank0: Row = [(0, "F", 0, 0.0, 2.0), (0, "SEND_F", 0, 2.1, 2.2), (0, "OFFLOAD", 0, 2.2, 3.2),
+                  (0, "RECV_B", 0, 3.4, 8.0), (0, "RELOAD", 0, 8.0, 8.5), (0, "B", 0, 8.7, 12.7),
+                  (0, "U", 0, 13.0, 13.5)]
+    rank1: Row = [(1, "RECV_F", 0, 0.0, 2.5), (1, "F", 0, 2.6, 4.6), (1, "B", 0, 4.7, 7.7),
+                  (1, "SEND_B", 0, 7.8, 7.9), (1, "U", 0, 8.0, 8.5)]
+    schedule, record = generate("1f1b", num_stages=2, num_microbatches=1), _record([rank0, rank1])
+    assert copy_times(schedule, record) == {"0": {"OFFLOAD": pytest.approx(1.0), "RELOAD": pytest.approx(0.5)}}
+    assert {str(a): t for a, t in copy_extra(schedule, copy_times(schedule, record)).items()} == {
+        "0F0": pytest.approx(1.0), "0B0": pytest.approx(0.5)}
+    # Rank 0's gaps: 8.7 - 2.0 - (1.0 + 4.6 + 0.5) = 0.6 and 0.3; rank 1's 0.1 and 0.3: as without the copies.
+    assert dispatch_time(record) == pytest.approx((0.6 + 0.3 + 0.1 + 0.3) / 4)
+    # Both copies on the one chain of this step: the simulated step is 1.5 longer than without them, the same
+    # profiled costs otherwise (dispatch included).
+    moved = summarize(schedule, _twice([rank0, rank1]))
+    cost = profile_costs(schedule, _twice([rank0, rank1]))
+    assert moved["makespan_simulated_s"] == pytest.approx(compute_metrics(simulate(schedule, cost)).makespan + 1.5)
+    assert moved["profiled_copies_s"] == {"0": {"OFFLOAD": pytest.approx(1.0), "RELOAD": pytest.approx(0.5)}}
+
+
+def _twice(rows: list[Row]) -> RunRecord:
+    """``_record`` with its step 0 the same step 20 earlier (``summarize`` measures from step 0's start)."""
+    run = _record(rows)
+    for rank, row in zip(run.ranks, rows):
+        rank.records[0] = [(s, op, j, t0 - 20.0, t1 - 20.0) for s, op, j, t0, t1 in row]
+    return run

@@ -3,7 +3,12 @@
 On 2 gloo ranks: a transformer whose forward loops over its blocks, with its
 head tied to its embedding (one Parameter in the module, copies on the first
 and last stage whose gradients are summed), cut automatically before every
-block; an ``nn.Sequential`` without split points; and (slow) tiny Hugging
+block; an ``nn.Sequential`` without split points; a module cut into 2 parts
+balanced by the profiler (``split_points=2``); (slow) a mixture of experts
+that ``torch.export`` refuses, traced by ``torch.fx`` with its blocks whole;
+the looped transformer, and (slow) GPT-2, on batches whose microbatches have
+sequence lengths of their own (``min_seq_len``: the sequence dimension is
+traced as dynamic, masks and positions recomputed per part follow it); and (slow) tiny Hugging
 Face GPT-2 and Llama models with tied embeddings. 1f1b, zb-h1 and
 interleaved-1f1b give the losses and final weights of plain training of the
 unsplit module -- the module itself, trained by a loop of torch code here, not
@@ -33,6 +38,8 @@ from unsplit import train_unsplit  # noqa: E402
 FILE = MODELS / "tiny_modules.py"
 LOOPED = ModelSpec(kind="custom", entry=f"{FILE}:looped")
 SEQUENTIAL = ModelSpec(kind="custom", entry=f"{FILE}:sequential")
+UNEVEN = ModelSpec(kind="custom", entry=f"{FILE}:uneven")  # split_points=2: cut where the profiler balances
+ROUTED = ModelSpec(kind="custom", entry=f"{FILE}:routed")  # traced by torch.fx, its blocks kept whole
 GPT2 = json.dumps({"n_layer": 3, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 32,
                    "resid_pdrop": 0, "embd_pdrop": 0, "attn_pdrop": 0})
 LLAMA = json.dumps({"num_hidden_layers": 3, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
@@ -56,10 +63,19 @@ FAST = {name: LOOPED_CASES[name] for name in ("looped 1f1b", "looped zb-h1")}
 FAST.update({
         "sequential 1f1b": TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=SEQUENTIAL,
                                        batch_size=8, steps=STEPS, collect_parameters=True),
+        "uneven 1f1b": TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=UNEVEN, batch_size=8,
+                                   steps=STEPS, collect_parameters=True),
+        "looped 1f1b variable lengths": TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=LOOPED,
+                                                    batch_size=8, steps=STEPS, collect_parameters=True,
+                                                    min_seq_len=3),
         "sequential pipedream": TrainConfig(schedule="pipedream", num_stages=2, num_microbatches=4, model=SEQUENTIAL,
                                             batch_size=8, steps=6, collect_parameters=True)})
 SLOW = {"looped interleaved-1f1b": LOOPED_CASES["looped interleaved-1f1b"], **_cases("gpt2", HF["gpt2"]),
-        **_cases("llama", HF["llama"])}
+        **_cases("llama", HF["llama"]),
+        "routed zb-h1": TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4, model=ROUTED, batch_size=8,
+                                    steps=STEPS, collect_parameters=True),
+        "gpt2 1f1b variable lengths": TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=HF["gpt2"],
+                                                  batch_size=8, steps=STEPS, collect_parameters=True, min_seq_len=5)}
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:

@@ -194,3 +194,18 @@ def test_larger_schedules_past_the_rounds_trial_are_the_reference_bit_for_bit(na
         delay = [0.3 + 0.77 * part for part in range(schedule.num_parts)]
         same(simulate_parts(schedule, costs, update_delay=delay),
              simulate_parts(schedule, costs, update_delay=delay, fast=False))
+
+
+def test_a_deadlock_in_the_walk_leaves_the_schedule_to_the_reference() -> None:
+    # Each rank's own order is fine, but rank 0's first backward waits on rank 1's, which comes after
+    # rank 1's second forward, which waits on rank 0's, which comes after that backward: a cycle.
+    # With min_per_round = inf the walk takes over from the first rounds, which cannot move either.
+    good = generate("1f1b", num_stages=2, num_microbatches=2)
+    f, b = (lambda s, j: Action(s, Op.F, j)), (lambda s, j: Action(s, Op.B, j))
+    bad = good.with_actions([[f(0, 0), b(0, 0), f(0, 1), b(0, 1), Action(0, Op.U, 0)],
+                             [f(1, 0), f(1, 1), b(1, 0), b(1, 1), Action(1, Op.U, 0)]])
+    found = fast_times(bad, schedule_arrays(bad), np.ones((bad.num_stages, 5)), latency=None, gap=0.0,
+                       update_delay=None, min_per_round=math.inf)
+    assert found is None
+    with pytest.raises(InvalidSchedule):
+        simulate(bad)

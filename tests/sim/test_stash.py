@@ -92,3 +92,26 @@ def test_the_memory_partitioner_sees_what_the_levers_leave_each_rank():
     assert levered_activations(s, plain, StashPlan(offload=frozenset({0, 1}))) == (1.0, 1.0, 2.0, 1.0)
     balanced = levered_activations(s, plain, StashPlan(balance=True))
     assert max(balanced) < 2.75 and min(balanced) > 2.55
+
+
+def test_offload_on_a_copy_stream_hides_what_the_wait_for_the_gradient_covers():
+    """CUDA's side stream: an OFFLOAD takes nothing from the compute, a RELOAD only what exceeds the rank's
+    wait for the gradient (1F1B, part 2 twice as slow as the others: rank 1 waits 2 before each steady backward)."""
+    s = generate("1f1b", num_stages=4, num_microbatches=8)
+    cost = CostModel(f=[1.0, 1.0, 2.0, 1.0], b=[1.0, 1.0, 2.0, 1.0], w=0.0)
+    costs = cost.for_parts(num_parts=4, num_ranks=4)
+    plain = compute_metrics(simulate(s, cost))
+    plan = StashPlan(offload=frozenset({1}))
+    for bandwidth, hidden in ((1.0, True), (0.25, False)):  # copies of 1 (within the wait of 2) or 4 (beyond it)
+        synchronous, _, _ = simulate_stash(s, costs, plan, bandwidth=bandwidth)
+        stream, stash, extra = simulate_stash(s, costs, plan, bandwidth=bandwidth, copy_stream=True)
+        assert not any(a.op is Op.F for a in extra)  # no OFFLOAD on the compute stream
+        assert compute_metrics(stream).makespan < compute_metrics(synchronous).makespan
+        assert (compute_metrics(stream).makespan == plain.makespan) is hidden
+        events = stash_events(stash, stream, extra, bandwidth)
+        copies = [e for e in events[1] if e.action.op.is_memory]
+        assert all(e.end - e.start == pytest.approx(1 / bandwidth) for e in copies)  # each copy whole
+        timed = {e.action: e for e in events[1]}
+        for e in copies:
+            twin = e.action._replace(op=Op.F if e.action.op is Op.OFFLOAD else Op.B)
+            assert (e.start == timed[twin].end) if e.action.op is Op.OFFLOAD else (e.end == timed[twin].start)

@@ -60,6 +60,19 @@ def _forward_twice(rows: list[list[Action]]) -> None:
     rows[1].append(Action(1, Op.F, 0))
 
 
+def _backward_missing(rows: list[list[Action]]) -> None:
+    rows[1].remove(next(a for a in rows[1] if a.op is Op.B))
+
+
+def _weight_gradient_missing(rows: list[list[Action]]) -> None:
+    rows[0].remove(next(a for a in rows[0] if a.op is Op.W))
+
+
+def _off_route(rows: list[list[Action]]) -> None:
+    # GEMS at D = 3: microbatch 0 goes down stages 0-2; stage 3 (rank 2) is the other pipeline's
+    rows[2].insert(0, Action(3, Op.F, 0))
+
+
 def _stream_first_u_renumbered(rows: list[list[Action]]) -> None:
     k = next(k for k, a in enumerate(rows[0]) if a.op is Op.U)
     rows[0][k] = Action(rows[0][k].stage, Op.U, 5)
@@ -79,7 +92,9 @@ def _stream_gradient_left(rows: list[list[Action]]) -> None:
 
 
 BROKEN = [("1f1b", _move_u_first, {}), ("zb-h1", _u_twice, {}), ("gpipe", _no_u, {}),
-          ("1f1b", _swap_first_two, {}), ("zb-v", _forward_twice, {}),
+          ("1f1b", _swap_first_two, {}), ("zb-v", _forward_twice, {}), ("1f1b", _backward_missing, {}),
+          ("zb-h1", _weight_gradient_missing, {}), ("gems", _backward_missing, {}),
+          ("gems", _off_route, {}),
           ("pipedream", _stream_first_u_renumbered, {}), ("pipedream", _stream_empty_u, {}),
           ("pipedream", _stream_gradient_left, {})]
 

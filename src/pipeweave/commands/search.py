@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from typing import Any
@@ -12,6 +13,7 @@ from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_ar
                                               layout_report, model_bytes)
 from pipeweave.commands.stash_options import add_stash_arguments, stash_plan
 from pipeweave.errors import UserError
+from pipeweave.schedule.stash import DEFAULT_BANDWIDTH
 from pipeweave.host import available_memory
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import CostModel
@@ -46,7 +48,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_recompute_cost_arguments(p, auto=True)
     add_layout_arguments(p)
     add_byte_arguments(p)
-    add_stash_arguments(p)
+    add_stash_arguments(p, auto=True)
     return p
 
 
@@ -61,12 +63,13 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         picture_file("--plot", args.plot)
     f, b, w, comm = _times(args, layout, model)
-    levers = stash_plan(args, args.stages * (2 if args.v_shape or args.chunks == 2 else 1))
-    if levers.active and not layout.trivial:
+    levers = stash_plan(args, args.stages * (2 if args.v_shape or args.chunks == 2 else 1), auto=True)
+    if (levers.active or args.offload == AUTO) and not layout.trivial:
         raise UserError("--offload, --balance-activations and --compress-activations are searched on one pipeline; "
                         "drop --tensor-parallel/--data-parallel or the memory levers")
     # Compressed activations take kept x M_a: the same limit holds 1/kept as many.
-    problem, chosen = _problem(args, f, b, w, comm, args.memory_limit / levers.kept)
+    problem, chosen = _problem(args, f, b, w, comm, args.memory_limit / levers.kept, levers.offload)
+    levers = dataclasses.replace(levers, offload=levers.offload | problem.offload)
     result = exact(problem, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
                    work_limit=args.work_limit)
     if args.csv:
@@ -80,13 +83,19 @@ def run(args: argparse.Namespace) -> int:
     report = _layout_report(args, result.schedule, layout, model, modes)
     levered = _levered(args, result.schedule, problem.cost, levers)
     if args.json:
-        print(json.dumps({**result.as_dict(), "recompute": spelled(modes), "recompute_chosen": chosen,
+        print(json.dumps({**result.as_dict(), "recompute": spelled(modes), "recompute_chosen": chosen and
+                          args.recompute == AUTO, "offload": sorted(problem.offload),
+                          "offload_chosen": args.offload == AUTO,
                           **({"layout": report[0]} if report else {}), **levered}))
         return 0
     print(f"{result.schedule.name}: D={args.stages} T={args.microbatches} K={args.memory_limit} "
           f"solver={result.solver} ({result.status}, {result.solver_time:.2f} s)")
-    if set(modes) != {"none"} or chosen:
+    if set(modes) != {"none"} or args.recompute == AUTO:
         print(f"  recompute {spelled(modes)}" + (" (chosen per part with the schedule)" if chosen else ""))
+    if args.offload == AUTO:
+        shown = ",".join(map(str, sorted(problem.offload))) or "none"
+        print(f"  offload {shown} (chosen per part with the schedule, copies at {problem.host_bandwidth:g} M_a "
+              "per time unit)")
     print(f"  bubble ratio {result.bubble_ratio:.4f}  (bound {result.bubble_bound:.4f})")
     print(f"  max span {result.span:.4f}  lower bound {result.lower_bound:.4f}  gap {100 * result.gap:.2f} %")
     print(f"  peak activations {list(result.metrics.peak_activations)} (limit {problem.limit[0]:g})")
@@ -101,17 +110,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _problem(args: argparse.Namespace, f: float, b: float, w: float, comm: float,
-             memory_limit: float) -> tuple[Any, bool]:
-    """The instance of the flags, and whether its recomputation per part was chosen (``--recompute auto``,
-    ``search.recompute``: with the heuristic's schedules; the exact search then refines the chosen one)."""
+             memory_limit: float, offload: frozenset[int]) -> tuple[Any, bool]:
+    """The instance of the flags, and whether its recomputation or offload per part was chosen (``--recompute
+    auto``, ``search.recompute``; ``--offload auto``, ``search.offload``: with the heuristic's schedules; the
+    exact search then refines the chosen one). ``offload``: the parts ``--offload`` names, searched with
+    their memory and copies (``Problem.offload``)."""
     from pipeweave.search import Problem
+    from pipeweave.search.offload import choose_offload, offload_problem
     from pipeweave.search.recompute import choose_recompute, recompute_problem, with_recompute
 
     cost = CostModel(f=f, b=b, w=w, comm=comm, mem_w=args.mem_w, **recompute_costs(args, auto=True))
     vshape = args.v_shape or args.chunks == 2
+    bandwidth = args.host_bandwidth or DEFAULT_BANDWIDTH
+    if args.offload == AUTO:
+        if args.recompute == AUTO:
+            raise UserError("--recompute auto and --offload auto are chosen one at a time; give one of them a "
+                            "value (e.g. --recompute none)")
+        problem = offload_problem(args.stages, args.microbatches, vshape=vshape, cost=cost,
+                                  memory_limit=memory_limit, host_bandwidth=bandwidth)
+        return dataclasses.replace(problem, offload=choose_offload(problem)[0]), True
     if args.recompute != AUTO:
         return Problem(num_stages=args.stages, num_microbatches=args.microbatches, vshape=vshape, cost=cost,
-                       memory_limit=memory_limit), False
+                       memory_limit=memory_limit, offload=offload, host_bandwidth=bandwidth), False
     problem = recompute_problem(args.stages, args.microbatches, vshape=vshape, cost=cost,
                                 memory_limit=memory_limit)
     return with_recompute(problem, choose_recompute(problem)[0]), True
@@ -161,7 +181,8 @@ def _check_arguments(args: argparse.Namespace) -> tuple[Layout, ModelBytes]:
                             ("--time-comm", "latency")))
     if not 0.0 <= args.mem_w <= 1.0:
         raise UserError(f"--mem-w {args.mem_w} is invalid; give a fraction in [0, 1]")
-    if math.isnan(args.memory_limit) or (args.memory_limit * args.stages < 1.0 - 1e-9 and args.recompute == "none"):
+    low = args.memory_limit * args.stages < 1.0 - 1e-9 and args.recompute == "none" and args.offload != AUTO
+    if math.isnan(args.memory_limit) or low:
         raise UserError(f"--memory-limit {args.memory_limit:g} holds less than one microbatch per rank; give K >= "
                         f"1/{args.stages}, e.g. 1 (ZB-1p) or 2 (ZB-2p), or inf for no limit")
     if not args.time_limit > 0:

@@ -76,7 +76,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_recompute_cost_arguments(p)
     add_layout_arguments(p)
     add_byte_arguments(p)
-    add_stash_arguments(p)
+    add_stash_arguments(p, stream=True)
     g = p.add_argument_group("asynchronous schedules", "a stream of --steps mini-batches with no flush")
     g.add_argument("--steps", type=int, help="mini-batches in the stream (default 4; avgpipe: rounds of P)")
     g.add_argument("--tied", action="store_true",
@@ -213,7 +213,7 @@ def _levered(args: argparse.Namespace, schedule: Schedule, cost: CostModel, layo
                         "pipeline; drop --tensor-parallel/--data-parallel or the memory levers")
     check(schedule)
     costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
-    metrics, timeline, levers = simulate_levers(schedule, costs, plan, args.host_bandwidth)
+    metrics, timeline, levers = simulate_levers(schedule, costs, plan, args.host_bandwidth, args.copy_stream)
     return timeline, metrics, levers
 
 

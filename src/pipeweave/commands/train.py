@@ -62,8 +62,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="samples per step, split into T microbatches (default 16)")
     p.add_argument("--data", metavar="FILE", help="gpt: a text file to train on (default: the stdlib sources)")
     p.add_argument("--min-seq-len", type=int, metavar="N",
-                   help="gpt: sequences of variable length, as a dataset without packing gives them: each microbatch "
-                        "cut to its own length drawn from [N, --seq-len], sent between ranks as it is, not padded")
+                   help="sequences of variable length (gpt, hf:TYPE, your own model of sequences), as a dataset "
+                        "without packing gives them: each microbatch cut to its own length drawn from [N, --seq-len "
+                        "or the dataset's length], sent between ranks as it is, not padded")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--lr", type=float, help="learning rate (default 3e-3 for adamw, 0.1 for sgd)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), help="default sgd for the mlp, adamw otherwise")

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from pipeweave.data.corpus import ByteCorpus, read_text_file, stdlib_sources
-from pipeweave.data.dataset import DatasetSource
+from pipeweave.data.dataset import DatasetSource, sequence_length
 from pipeweave.data.synthetic import RandomRegression
 from pipeweave.errors import UserError
 from pipeweave.models import boundary
@@ -37,24 +37,25 @@ def data_source(
         batch_size: samples per mini-batch.
         seed: data seed.
         path: gpt only: a text file to train on instead of the standard library sources.
-        min_seq_len: gpt only: sequences of variable length (``ByteCorpus``), each microbatch its own.
+        min_seq_len: sequences of variable length (``ByteCorpus``, ``DatasetSource``), each microbatch its own.
 
     Raises:
-        UserError: a path or min_seq_len given for the mlp, a gpt vocabulary too small for bytes, an unreadable file.
+        UserError: a path or min_seq_len given for the mlp, min_seq_len for a dataset of no sequences, a gpt vocabulary too small for bytes, an unreadable file.
 
     Example:
         >>> x, y = data_source(ModelSpec(kind="mlp", hidden=8), batch_size=4).batch(0)
         >>> tuple(y.shape)
         (4, 8)
     """
-    if min_seq_len is not None and spec.kind != "gpt":
-        raise UserError(f"--min-seq-len applies to --model gpt (its corpus is cut to variable lengths); a "
+    if min_seq_len is not None and spec.kind == "mlp":
+        raise UserError(f"--min-seq-len applies to models of sequences (gpt, hf:TYPE, your own); a "
                         f"{spec.kind} model brings fixed shapes: drop --min-seq-len")
     if spec.kind == "custom":
         if path is not None:
             raise UserError("--data applies to --model gpt only; a custom model brings its own dataset: drop --data")
         model = spec.custom
-        return DatasetSource(model.dataset, batch_size=batch_size, seed=seed, eval_dataset=model.eval_dataset)
+        return DatasetSource(model.dataset, batch_size=batch_size, seed=seed, eval_dataset=model.eval_dataset,
+                             min_seq_len=min_seq_len)
     if spec.kind == "mlp":
         if path is not None:
             raise UserError("--data applies to --model gpt only; drop --data or use --model gpt")
@@ -63,6 +64,18 @@ def data_source(
         raise UserError(f"vocab={spec.vocab} cannot hold bytes; give vocab >= 256 for the byte-level corpus")
     text = None if path is None else read_text_file(path)
     return ByteCorpus(text, seq_len=spec.seq_len, batch_size=batch_size, seed=seed, min_seq_len=min_seq_len)
+
+
+def longest_sequence(spec: ModelSpec) -> int:
+    """The length ``--min-seq-len`` cuts sequences from: the gpt's ``seq_len``, a custom model's samples' length.
+
+    Raises:
+        UserError: the mlp, or a custom dataset of no sequences (``dataset.sequence_length``).
+    """
+    if spec.kind == "mlp":
+        raise UserError("--min-seq-len applies to models of sequences (gpt, hf:TYPE, your own), not mlp; drop "
+                        "--min-seq-len")
+    return spec.seq_len if spec.kind == "gpt" else sequence_length(spec.custom.dataset)
 
 
 def step_microbatches(source: DataSource, step: int, num_microbatches: int) -> tuple[list[Boundary], list[Boundary]]:

@@ -8,7 +8,9 @@ another, mini-batch ``k`` the samples at positions ``k B .. (k+1) B - 1`` of
 that sequence (a batch may straddle two epochs; a dataset smaller than a batch
 is fine). So a resumed run goes on with the next batch of the same sequence.
 Samples are collated with torch's ``default_collate``; an input (or target)
-that is a tuple of tensors stays one (``models.boundary``).
+that is a tuple of tensors stays one (``models.boundary``). With
+``min_seq_len`` each microbatch of a step is cut to its own length, as the
+gpt's corpus cuts it (``corpus.microbatch_lengths``), for datasets of sequences.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from pipeweave.data.corpus import microbatch_lengths
 from pipeweave.errors import UserError
 from pipeweave.models.boundary import Boundary, normalize, tensors
 
@@ -32,12 +35,24 @@ class DatasetSource:
         (True, 4)
     """
 
-    def __init__(self, dataset: Any, *, batch_size: int, seed: int = 0, eval_dataset: Any = None) -> None:
+    def __init__(self, dataset: Any, *, batch_size: int, seed: int = 0, eval_dataset: Any = None,
+                 min_seq_len: int | None = None) -> None:
         if batch_size < 1:
             raise UserError(f"batch_size={batch_size} is invalid; give batch_size >= 1")
         self.dataset, self.eval_dataset = dataset, eval_dataset
         self.batch_size, self.seed = batch_size, seed
         self._orders: dict[int, torch.Tensor] = {}
+        self.min_seq_len, self.seq_len = min_seq_len, sequence_length(dataset) if min_seq_len is not None else None
+        if min_seq_len is not None and not 1 <= min_seq_len <= (self.seq_len or 0):
+            raise UserError(f"--min-seq-len {min_seq_len} is invalid; give a length in [1, {self.seq_len}] (the "
+                            "dataset's sequences)")
+
+    def microbatch_lengths(self, step: int, num_microbatches: int) -> list[int] | None:
+        """The sequence length of each microbatch of step ``step`` (None: the samples' own), as the gpt's
+        corpus draws them (``corpus.microbatch_lengths``): the same on every rank."""
+        if self.min_seq_len is None or self.seq_len is None:
+            return None
+        return microbatch_lengths(self.seed, step, num_microbatches, self.min_seq_len, self.seq_len)
 
     def _order(self, epoch: int) -> torch.Tensor:
         order = self._orders.get(epoch)
@@ -76,3 +91,21 @@ def _collate(dataset: Any, indices: list[int], name: str) -> tuple[Boundary, Bou
         raise UserError(f"the model's {name} must give (input, target) pairs, each a tensor or a tuple of "
                         f"tensors; sample {indices[0]} collates to {type(batch).__name__}")
     return pair[0], pair[1]
+
+
+def sequence_length(dataset: Any) -> int:
+    """The length of a dataset's sequences: dimension 0 of a sample's input and target (dimension 1 of a batch,
+    which ``--min-seq-len`` cuts).
+
+    Raises:
+        UserError: a sample whose input or target is not one tensor with that dimension, or whose lengths differ.
+    """
+    sample = dataset[0]
+    pair = list(sample) if isinstance(sample, (tuple, list)) else []
+    if len(pair) != 2 or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in pair) \
+            or pair[0].shape[0] != pair[1].shape[0]:
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pair]
+        raise UserError(f"--min-seq-len cuts sequences (dimension 0 of a sample's input and target); the model's "
+                        f"samples are {shapes}: give inputs and targets that are sequences of one length, or drop "
+                        "--min-seq-len")
+    return int(pair[0].shape[0])

@@ -78,6 +78,9 @@ from pipeweave.models.tied import check_groups
 
 LayerBuilder = Callable[[], nn.Module]
 _FILE_MODULE = "pipeweave_user_"  # prefix of the module names of model files loaded by path
+HELD = "held:"
+"""Prefix of the entries of models held in this process only (``hold``), e.g. to profile them."""
+_HELD: dict[str, LayerModel] = {}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +115,9 @@ class LayerModel:
     starts as the group's first one, and their gradients are summed before each update
     (``models.tied``, ``runtime.stage.tied``). Members must lie in one stage, or in a pipeline's first
     and last stages (an embedding and the head)."""
+    split_points: Sequence[str] = ()
+    """The module names where layers 1, 2, ... start, when ``pipeweave.pipeline`` cut a module (for the
+    record: with ``split_points=D`` it chose them by the profiler)."""
     selective: Sequence[Sequence[str] | None] | None = None
     """For ``--recompute selective``: per layer, the names of its submodules to replay before the backward
     instead of keeping their activations (``torch.utils.checkpoint``), e.g. ``["attn.core"]`` for an
@@ -157,6 +163,10 @@ def load_model(entry: str) -> LayerModel | nn.Module:
     Raises:
         UserError: a malformed entry, a missing file or module, a missing name, or not a LayerModel.
     """
+    if entry.startswith(HELD):
+        if entry not in _HELD:
+            raise UserError(f"--model {entry} names a model held by another process; give FILE.py:NAME")
+        return _HELD[entry]
     where, sep, name = entry.rpartition(":")
     if not sep or not where or not name.isidentifier():
         raise UserError(f"--model {entry!r} is not FILE.py:NAME or module:NAME; write e.g. my_model.py:model")
@@ -244,8 +254,18 @@ def entry_of(factory: Callable[[], LayerModel]) -> str:
     return f"{factory.__module__}:{name}"
 
 
+def hold(model: LayerModel, digest: str) -> str:
+    """An entry ``held:DIGEST`` naming ``model`` in this process only (``ModelSpec(kind="custom", entry=...)``
+    then profiles it as any custom model); ``digest`` says what the model is, for the profile cache."""
+    entry = f"{HELD}{digest}"
+    _HELD[entry] = model
+    return entry
+
+
 def fingerprint(entry: str) -> str:
     """A digest of the source that defines ``entry`` (profile caches must not outlive an edit of it)."""
+    if entry.startswith(HELD):
+        return entry[len(HELD):]
     where = entry.rpartition(":")[0]
     if where.endswith(".py"):
         path: str | None = str(Path(where).resolve())

@@ -1,7 +1,8 @@
-"""Cut a module's ``torch.export`` graph at module boundaries into consecutive parts (``pipeweave.pipeline``).
+"""Cut a module's traced graph at module boundaries into consecutive parts (``pipeweave.pipeline``).
 
 ``torch.export`` (non-strict: the module's Python runs as written, loops
-over blocks included) records the module's forward as one aten graph whose
+over blocks included; or ``torch.fx`` with the blocks kept whole where
+export cannot: ``models.tracing``) records the module's forward as one graph whose
 nodes remember the submodule that issued them (``nn_module_stack``). A
 split point ``"blocks.2"`` starts a new part at the first node issued inside
 ``blocks.2``, as torch.distributed.pipelining's ``SplitPoint.BEGINNING``
@@ -12,11 +13,13 @@ pipeweave's layers do (``models.boundary``).
 
 Values computed from no input and no parameter (a causal mask, rotary
 tables, position indices: functions of shapes and buffers) are recomputed
-in every part that uses them rather than sent; the batch size, dynamic in
-the trace, is read back from a tensor that does cross. Linear products on a
+in every part that uses them rather than sent; the batch size and the
+sequence length, dynamic in the trace, are read back from a tensor that
+does cross, so masks and positions follow each microbatch's length. Linear products on a
 parameter (``aten.linear``; ``aten.addmm`` as transformers' ``Conv1D``
 issues it) become pipeweave's deferrable layers (``models.layers``), so
-zero-bubble schedules defer their weight gradients to W.
+zero-bubble schedules defer their weight gradients to W (``nn.Linear`` s
+that fx keeps whole are swapped when a layer is built: ``models.custom``).
 """
 
 from __future__ import annotations
@@ -32,25 +35,13 @@ from pipeweave.models.layers import Linear, TransposedLinear
 
 _ATEN = torch.ops.aten
 _RANDOM = {_ATEN.dropout.default, _ATEN.native_dropout.default, _ATEN.bernoulli.default, _ATEN.rand.default,
-           _ATEN.randn.default, _ATEN.randint.default, _ATEN.rand_like.default, _ATEN.randn_like.default}
-
-
-def export(module: nn.Module, example_inputs: tuple[Any, ...]) -> fx.GraphModule:
-    """The module's forward as one graph with its parameters as attributes (the same objects).
-
-    Raises:
-        UserError: ``torch.export`` cannot trace the module (the reason, and the way around).
-    """
-    dims = tuple({0: torch.export.Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() else None
-                 for x in example_inputs)
-    try:
-        program = torch.export.export(module, example_inputs, dynamic_shapes=dims, strict=False)
-    except Exception as e:
-        reason = " ".join(str(e).split())[:300]
-        raise UserError(f"torch.export cannot trace {type(module).__name__}: {type(e).__name__}: {reason}; make its "
-                        "forward traceable (no Python branches on tensor values: torch.cond), or give an "
-                        "nn.Sequential or a pipeweave LayerModel, which need no tracing") from None
-    return program.module()
+           _ATEN.randn.default, _ATEN.randint.default, _ATEN.rand_like.default, _ATEN.randn_like.default,
+           # the same as torch.fx records them (models.tracing's fallback)
+           torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
+           torch.randperm, torch.bernoulli, torch.normal, torch.multinomial, torch.dropout,
+           torch.nn.functional.dropout, "bernoulli_", "uniform_", "normal_", "random_", "exponential_"}
+_CALLS = ("call_function", "call_method", "call_module")
+"""Nodes that compute (export's graphs have only ``call_function``; fx's have methods and leaf modules)."""
 
 
 def check_split_points(module: nn.Module, split_points: Sequence[str]) -> None:
@@ -66,14 +57,14 @@ def check_split_points(module: nn.Module, split_points: Sequence[str]) -> None:
         raise UserError(f"split points {list(split_points)} name a module twice; give each once")
 
 
-def part_of_nodes(graph: fx.Graph, split_points: Sequence[str]) -> dict[fx.Node, int]:
-    """Each compute node's part: how many split points have started at or before it, in execution order.
+def _first_calls(graph: fx.Graph, split_points: Sequence[str]) -> dict[str, int]:
+    """Per split point, the position among the compute nodes of the first one issued inside its module.
 
     Raises:
         UserError: a split point whose module the forward never calls.
     """
     first: dict[str, int] = {}
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    nodes = [n for n in graph.nodes if n.op in _CALLS]
     for index, node in enumerate(nodes):
         for path, _ in node.meta.get("nn_module_stack", {}).values():
             for point in split_points:
@@ -82,7 +73,28 @@ def part_of_nodes(graph: fx.Graph, split_points: Sequence[str]) -> dict[fx.Node,
     missing = [p for p in split_points if p not in first]
     if missing:
         raise UserError(f"split point {missing[0]!r} is a module the forward never calls; split at a module it runs")
-    starts = sorted(v for v in first.values() if v > 0)  # a split before everything cuts nothing
+    return first
+
+
+def cuts(graph: fx.Graph, split_points: Sequence[str]) -> list[str]:
+    """The split points that start a part, in execution order: one per place (a split before everything cuts
+    nothing; of two starting at one node, the first named)."""
+    starts: dict[int, str] = {}
+    for point, index in sorted(_first_calls(graph, split_points).items(), key=lambda item: item[1]):
+        if index > 0:
+            starts.setdefault(index, point)
+    return list(starts.values())
+
+
+def part_of_nodes(graph: fx.Graph, split_points: Sequence[str]) -> dict[fx.Node, int]:
+    """Each compute node's part: how many cuts (``cuts``) have started at or before it, in execution order.
+
+    Raises:
+        UserError: a split point whose module the forward never calls.
+    """
+    first = _first_calls(graph, split_points)
+    starts = sorted({index for index in first.values() if index > 0})
+    nodes = [n for n in graph.nodes if n.op in _CALLS]
     return {node: sum(1 for s in starts if s <= index) for index, node in enumerate(nodes)}
 
 
@@ -94,8 +106,7 @@ def _replicable(graph: fx.Graph, parameters: set[str]) -> set[fx.Node]:
             out.add(node)
         elif isinstance(node.meta.get("val"), torch.SymInt):  # a size: read back from a crossing tensor
             out.add(node)
-        elif node.op == "call_function" and node.target not in _RANDOM and all(
-                a in out for a in node.all_input_nodes):
+        elif node.op in _CALLS[:2] and node.target not in _RANDOM and all(a in out for a in node.all_input_nodes):
             out.add(node)
     return out
 
@@ -160,7 +171,7 @@ def split_graph(root: fx.GraphModule, split_points: Sequence[str]) -> list[fx.Gr
     for k in range(num_parts):
         builder = _PartBuilder(live[k], replicable)
         for node in graph.nodes:
-            if part.get(node) == k and node.op == "call_function" and node not in builder.env:
+            if part.get(node) == k and node.op in _CALLS and node not in builder.env:
                 builder.copy(node)
         if k + 1 < num_parts:
             outs = [builder.value(n) for n in live[k + 1]]

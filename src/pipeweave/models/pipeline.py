@@ -5,8 +5,9 @@ Three ways in, the cheapest that serves the module:
 - an ``nn.Sequential`` needs no tracing: its children are the layers (split
   points, if given, group them: ``"4"`` starts a layer at child 4);
 - any other module is traced once by ``torch.export`` (non-strict: its Python
-  runs as written, loops over blocks and Hugging Face models included) and
-  cut at ``split_points``, module names as torch.distributed.pipelining's
+  runs as written, loops over blocks and Hugging Face models included; where
+  export cannot, by ``torch.fx`` with the blocks kept whole: ``models.tracing``)
+  and cut at ``split_points``, module names as torch.distributed.pipelining's
   ``SplitPoint.BEGINNING`` takes them (``models.graph_split``);
 - without split points, the cut falls before every block of the module's
   ``nn.ModuleList`` s: many small layers that pipeweave's partitioner groups
@@ -36,7 +37,8 @@ from torch import nn
 
 from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel, entry_module, load_model
-from pipeweave.models.graph_split import check_split_points, export, split_graph
+from pipeweave.models.graph_split import check_split_points, cuts, split_graph
+from pipeweave.models.tracing import trace
 
 
 def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequence[str] | None = None, *,
@@ -47,13 +49,14 @@ def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequen
         module: the model as written; its forward takes the dataset's inputs (one tensor, or a tuple as
             several arguments) and returns what ``loss`` takes with the targets.
         example_inputs: a microbatch of inputs (a tensor or a tuple) to trace with; default: two samples
-            of ``dataset``. The batch dimension is traced as dynamic.
+            of ``dataset``. The batch dimension, and the next (a sequence's length), are traced as dynamic
+            where the module allows.
         split_points: module names, each starting a new layer; None: before every block of the module's
             ``nn.ModuleList`` s (an ``nn.Sequential``: every child).
         loss, dataset, eval_dataset: as ``LayerModel``'s.
 
     Raises:
-        UserError: a split point naming no module, a module ``torch.export`` cannot trace.
+        UserError: a split point naming no module, a module neither ``torch.export`` nor ``torch.fx`` can trace.
 
     Example:
         >>> data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
@@ -64,16 +67,23 @@ def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequen
     """
     if not isinstance(module, nn.Module):
         raise UserError(f"pipeweave.pipeline takes an nn.Module, not {type(module).__name__}")
-    points = list(split_points) if split_points is not None else _block_starts(module)
+    if isinstance(split_points, (int, str)):
+        raise UserError(f"split_points={split_points!r} is not a list of module names; give e.g. ['blocks.2'], or "
+                        "an int D through pipeweave.pipeline (D parts balanced by the profiler)")
+    points = list(split_points) if split_points is not None else block_starts(module)
     check_split_points(module, points)
     module.train()
     if isinstance(module, nn.Sequential):
         parts = _sequential_parts(module, points)
+        names = [name for name, _ in module.named_children()]
+        starts = sorted(points, key=names.index)
     else:
         inputs = example_inputs if example_inputs is not None else _example(dataset)
-        parts = split_graph(export(module, inputs if isinstance(inputs, tuple) else (inputs,)), points)
-    return LayerModel(layers=[functools.partial(_copy, part) for part in parts], loss=loss,
-                      dataset=dataset, eval_dataset=eval_dataset, tied=shared_parameters(parts))
+        leaves = {n for n in {*points, *_blocks(module)} if not any(p.startswith(n + ".") for p in points)}
+        root = trace(module, inputs if isinstance(inputs, tuple) else (inputs,), leaves)
+        parts, starts = split_graph(root, points), cuts(root.graph, points)
+    return LayerModel(layers=[functools.partial(_copy, part) for part in parts], loss=loss, dataset=dataset,
+                      eval_dataset=eval_dataset, tied=shared_parameters(parts), split_points=tuple(starts))
 
 
 def _copy(part: nn.Module) -> nn.Module:
@@ -98,22 +108,30 @@ def from_module(entry: str) -> LayerModel:
         raise UserError(f"--model {entry} is an nn.Module; define {' and '.join(lacking)} beside it in its file "
                         "(loss(output, target) -> the mean loss; a dataset of (input, target) pairs), as a "
                         "LayerModel has them")
-    return pipeline(net, None, getattr(where, "split_points", None), loss=where.loss, dataset=where.dataset,
+    points = getattr(where, "split_points", None)
+    if isinstance(points, int):
+        raise UserError(f"--model {entry}: split_points = {points} asks for a split balanced by the profiler, which "
+                        "the command line does by itself: drop split_points and give --partition time")
+    return pipeline(net, None, points, loss=where.loss, dataset=where.dataset,
                     eval_dataset=getattr(where, "eval_dataset", None))
 
 
-def _block_starts(module: nn.Module) -> list[str]:
+def block_starts(module: nn.Module) -> list[str]:
     """Every child of the module's outermost ``nn.ModuleList`` s (what runs before the first is a layer of its
     own: the embedding), or every child of a Sequential but the first."""
     if isinstance(module, nn.Sequential):
         return [name for name, _ in module.named_children()][1:]
-    lists = [name for name, m in module.named_modules() if isinstance(m, nn.ModuleList)]
-    outer = [n for n in lists if not any(n.startswith(o + ".") for o in lists if o != n)]
-    blocks = [f"{name}.{child}" for name in outer for child, _ in module.get_submodule(name).named_children()]
+    blocks = _blocks(module)
     if not blocks:
         raise UserError(f"{type(module).__name__} has no nn.ModuleList of blocks to split before; give split_points "
                         "(module names)")
     return blocks
+
+
+def _blocks(module: nn.Module) -> list[str]:
+    lists = [name for name, m in module.named_modules() if isinstance(m, nn.ModuleList)]
+    outer = [n for n in lists if not any(n.startswith(o + ".") for o in lists if o != n)]
+    return [f"{name}.{child}" for name in outer for child, _ in module.get_submodule(name).named_children()]
 
 
 def _sequential_parts(module: nn.Sequential, points: list[str]) -> list[nn.Module]:

@@ -14,7 +14,8 @@ in layers, each importing only from layers below it (a test keeps it so):
    ``pipeweave.weights``), post-validated optimizer steps, learning-rate schedules.
 4. executors -- ``executor`` (one rank interprets its lowered actions),
    ``replicas`` (a part's replicas' gradients summed by bucketed collectives),
-   ``zero`` (ZeRO-1 and 3: their optimizer state, and parameters, sharded),
+   ``zero`` (ZeRO-1: the optimizer state sharded), ``fsdp`` (ZeRO-3 by FSDP2's
+   ``fully_shard``: the parameters too),
    ``clip`` (the global gradient norm over shards and replicas, clipped at U),
    ``walk`` and ``reference`` (every stage in one process: the tests' oracle),
    ``plain`` (single-process training, the exactness baseline), ``profile``

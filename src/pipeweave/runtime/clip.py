@@ -9,7 +9,8 @@ once (Megatron-LM's ``clip_grad_norm_fp32`` does the same):
 
 - a tensor-parallel shard on every process of its group (the shards are distinct); a parameter every
   process of the group holds whole (norms, the embedding) on its ``tp`` rank 0 only;
-- under ZeRO (``runtime.zero``) each replica's slices of the reduced gradient (distinct by construction);
+- under ZeRO each replica's slices of the reduced gradient (distinct by construction: ``runtime.zero``'s
+  slices at stage 1, FSDP2's rows at stage 3, ``runtime.fsdp``);
   without ZeRO the reduced gradient, equal on every replica, on ``dp`` rank 0 only;
 - of tied embedding and head (``runtime.stage.tied``), which hold one shared gradient, the embedding's.
 
@@ -27,6 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from pipeweave.runtime.fsdp import FullyShardedPart
 from pipeweave.runtime.stage.tensor_parallel import split_of
 from pipeweave.runtime.stage.tied import repeated_members
 from pipeweave.runtime.stage.worker import StageWorker
@@ -79,6 +81,8 @@ class GlobalNormClip:
 def _applied(worker: StageWorker) -> list[torch.Tensor]:
     """The gradients the worker's optimizer steps on: ZeRO's slices, or the parameters' own."""
     optimizer = worker.optimizer
+    if isinstance(worker.shards, FullyShardedPart):
+        return worker.shards.local_gradients()
     if isinstance(optimizer, ZeroOptimizer):
         return [shard.grad for shard in optimizer.shards if shard.grad is not None]
     return worker.gradients()
@@ -92,7 +96,8 @@ def _distinct(worker: StageWorker, tp_rank: int, dp_rank: int) -> Iterator[torch
     def counted(param: torch.Tensor) -> bool:
         return id(param) not in tied and (split_of(param) is not None or tp_rank == 0)
 
-    if isinstance(optimizer, ZeroOptimizer):
-        yield from (piece for param, piece in optimizer.owned_gradients() if counted(param))
+    if isinstance(optimizer, ZeroOptimizer) or isinstance(worker.shards, FullyShardedPart):
+        owner = worker.shards if isinstance(worker.shards, FullyShardedPart) else optimizer
+        yield from (piece for param, piece in owner.owned_gradients() if counted(param))
     elif dp_rank == 0:
         yield from (p.grad for p in worker.module.parameters() if p.grad is not None and counted(p))

@@ -144,7 +144,8 @@ class Executor:
             tied = StreamTies(self.lowered.schedule, exchanging, self.p2p)
             self.p2p.tied_message = tied.message()
         else:
-            tied = TiedGradients(self.placement, exchanging, self.rank, self.p2p.tag_limit)
+            tied = TiedGradients(self.placement, exchanging, self.rank, self.p2p.tag_limit,
+                                 first=bool(self.replicas.at_update))  # ZeRO-1: whole ties, then the slices
         if not evaluate and any(tied_groups(w.spec) for w in self.workers.values()):
             for line in self.placement.pipelines:
                 if line[0] != line[-1]:

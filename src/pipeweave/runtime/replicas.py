@@ -12,10 +12,13 @@ as soon as the last action of the step that adds to the part's gradients
 while the rank computes the rest of its backward, and the part's ``U`` waits
 for it. Replicas on this rank are summed first, in stage order.
 
-With ZeRO (``zero=1`` or ``3``, ``runtime.zero``) each bucket is
-reduce-scattered instead, and the part's optimizer, sharded, steps the slice
-it receives; at stage 1 it all-gathers the parameters after, at stage 3 the
-slices are the parameters, gathered around the actions that read them.
+With ZeRO-1 (``zero=1``, ``runtime.zero``) each bucket is reduce-scattered
+instead, and the part's optimizer, sharded, steps the slice it receives and
+all-gathers the parameters after; a part holding tied parameters
+(``stage.tied``) is reduced at its ``U`` instead, after the tie's sum, which
+must see whole gradients, not slices. With ZeRO-3 (``zero=3``) the part is
+FSDP2's (``runtime.fsdp``): launching its reduction is FSDP's reduce-scatter,
+driven at the same point.
 
 A group's members launch the same buckets in the same order (one launch per
 part and step, each part its own group), so the collectives match. The
@@ -31,7 +34,10 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from pipeweave.runtime.fsdp import FullyShardedPart
+from pipeweave.runtime.stage.tied import tied_names
 from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.zero import ZeroOptimizer, pad
 from pipeweave.schedule.ir import Action, Placement
 
@@ -49,8 +55,8 @@ class ReplicaReduction:
         groups: per replicated part spanning several ranks, the process group of its replicas.
         bucket_bytes: the size of a bucket (the last one of a part may be smaller).
         zero: the ZeRO stage (0, 1 or 3) of the parts whose replicas lie one per rank on several ranks: their
-            workers' optimizers are replaced by ``zero.ZeroOptimizer``s over the same buckets (at stage 3 they
-            hold the parameters too: ``worker.shards``).
+            workers' optimizers are replaced by ``zero.ZeroOptimizer``s over the same buckets (1), or their
+            layers fully sharded over the run's ``dp`` mesh (3: ``fsdp.FullyShardedPart``, ``worker.shards``).
     """
 
     def __init__(self, placement: Placement, row: Sequence[Action], workers: dict[int, StageWorker],
@@ -70,15 +76,20 @@ class ReplicaReduction:
             if part in self.local and a.op.computes_weight_grad:
                 self.grad_actions[part] += 1
         self.sharded = {part for part in self.local if zero and part in groups}
+        # ZeRO-1 parts holding tied parameters: reduced at U, after the tie's sum (``TiedGradients(first=True)``).
+        self.at_update = {part for part in self.sharded if zero == 1 and any(tied_names(workers[self.local[part][0]]))}
+        self.fully_sharded: dict[int, FullyShardedPart] = {}
         for part in self.sharded:
             (stage,) = self.local[part]  # the plan refuses ZeRO where a rank holds two replicas of a part
             worker = workers[stage]
+            if zero == 3:  # the replicas are the mesh's dp dimension: the plan refuses ZeRO with other replicas
+                joined = mesh.active()
+                assert joined is not None and joined.device_mesh is not None
+                worker.shards = self.fully_sharded[part] = FullyShardedPart(worker, joined.device_mesh["dp"])
+                continue
             params = list(worker.module.parameters())
-            sharded = ZeroOptimizer(worker.optimizer_factory, params, _buckets(params, bucket_bytes), groups[part],
-                                    stage=zero)
-            worker.optimizer = sharded  # type: ignore[assignment]
-            if zero == 3:
-                worker.shards = sharded
+            worker.optimizer = ZeroOptimizer(  # type: ignore[assignment]
+                worker.optimizer_factory, params, _buckets(params, bucket_bytes), groups[part])
         self._left: dict[int, int] = {}
         self._pending: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # part -> (work, bucket) until combined
 
@@ -86,7 +97,7 @@ class ReplicaReduction:
         self._left = dict(self.grad_actions)
         self._pending.clear()
         for part in sorted(self._left):
-            if self._left[part] == 0:  # replicas that saw no microbatch contribute their zeros at once
+            if self._left[part] == 0 and part not in self.at_update:  # replicas that saw no microbatch contribute their zeros at once
                 self._launch(part)
 
     def after(self, a: Action) -> None:
@@ -94,10 +105,13 @@ class ReplicaReduction:
         part = self.placement.stage_part[a.stage]
         if part in self._left and a.op.computes_weight_grad:
             self._left[part] -= 1
-            if self._left[part] == 0:
+            if self._left[part] == 0 and part not in self.at_update:
                 self._launch(part)
 
     def _launch(self, part: int) -> None:
+        if part in self.fully_sharded:
+            self.fully_sharded[part].reduce()
+            return
         grads = [w.gradients() for w in (self.workers[s] for s in self.local[part])]
         buckets = []
         for span in _buckets(grads[0], self.bucket_bytes):
@@ -117,6 +131,11 @@ class ReplicaReduction:
     def _combine(self, worker: StageWorker) -> None:
         stage = next(s for s, w in self.workers.items() if w is worker)
         part = self.placement.stage_part[stage]
+        if part in self.fully_sharded:
+            self.fully_sharded[part].finish()
+            return
+        if part in self.at_update:
+            self._launch(part)
         buckets = self._pending.pop(part, None)
         if buckets is None:  # combined already this step (another local replica's U)
             return

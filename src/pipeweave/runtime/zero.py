@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 3: the optimizer state (1) and the parameters (3) of a data-parallel part sharded over its replicas.
+"""ZeRO stage 1: the optimizer state of a data-parallel part sharded over its replicas.
 
 Rajbhandari et al. (ZeRO, SC 2020), stage 1: each of the P replicas of a part
 keeps the optimizer state (SGD's momentum, AdamW's two moments) of 1/P of the
@@ -14,41 +14,12 @@ the same as an all-reduce's (a reduce-scatter and an all-gather).
 The slices follow the buckets: each bucket's parameters flattened, padded to
 a multiple of P, cut into P equal pieces.
 
-Stage 3 (``stage=3``) keeps the slices as the only lasting copy of the
-parameters: the part's whole parameters exist only while an action that reads
-them runs. ``gathered()`` all-gathers them into the parameters' own storage
-before F, B or I (and a forward for evaluation) and frees that storage after
-(``StageWorker.shards`` calls it around those actions); W reads no weight --
-only the input and output gradient its I kept -- so it runs on freed
-parameters. The gradients accumulate whole through the step and are
-reduce-scattered after the part's last W or B, as at stage 1, and the step
-updates the slices only: no all-gather after it. The unit gathered is the
-part (FSDP wraps each block): a rank's peak still holds one part whole and
-the step's whole gradients; what stage 3 saves is what a rank keeps between
-actions (``runtime.run.memory`` counts both).
-
-Why not FSDP2 (``torch.distributed.fsdp.fully_shard``), as torchtitan
-composes it with pipelining: FSDP2 reduces a module's gradients from its
-autograd post-backward hooks, reading the unsharded parameters' ``.grad``
-when the backward that produced them ends. pipeweave's deferrable layers
-(``models.layers``) write weight gradients into ``.grad`` themselves, at W,
-after that backward is over, so FSDP2 would reduce gradients not yet
-computed; driving it by hand means its private per-group ``post_backward``
-(torch.distributed.pipelining's own stage does exactly that), and its
-DTensor parameters would change what the optimizers, the tensor-parallel
-layers and the checkpoints see. A stage of our own on the ZeRO-1 slices
-keeps one bucket layout, one reduction path (``runtime.replicas``) and one
-checkpoint form for stages 1 and 3.
-
-Freeing resizes the parameter's storage to 0 bytes and gathering resizes it
-back, through ``.data`` so that autograd's version counters do not move: an
-autograd graph that refers to a parameter (F's, kept for the backward) sees
-the gathered values again when its backward runs.
+Stage 3 is FSDP2's (``runtime.fsdp``): the parameters sharded too, by
+``torch.distributed.fsdp.fully_shard``, per layer.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -58,7 +29,7 @@ from torch import nn
 
 
 class ZeroOptimizer:
-    """Steps this replica's slice of a part's parameters; stage 1 all-gathers every replica's after the step.
+    """Steps this replica's slice of a part's parameters, then all-gathers every replica's into the parameters.
 
     Built by the part's own optimizer factory, over the slices; it replaces the part's optimizer:
     ``worker.optimizer = ZeroOptimizer(worker.optimizer_factory, params, spans, group)``.
@@ -68,24 +39,16 @@ class ZeroOptimizer:
         params: the part's parameters, in the order of the gradients ``runtime.replicas`` buckets.
         spans: the buckets, as ranges of ``params``.
         group: the part's replica group.
-        stage: 1, or 3: the parameters are freed now and whole only inside ``gathered()``.
     """
 
     def __init__(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 params: Sequence[nn.Parameter], spans: Sequence[range], group: Any, *, stage: int = 1) -> None:
+                 params: Sequence[nn.Parameter], spans: Sequence[range], group: Any) -> None:
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-        self.stage = stage
         self.buckets = [[params[i] for i in span] for span in spans]
         self.shards = [nn.Parameter(self._slice(bucket)) for bucket in self.buckets]
         self.inner = factory(self.shards)
         self.param_groups = self.inner.param_groups
         self.defaults = self.inner.defaults
-        self._depth = 0  # nested gathered() contexts open
-        if stage == 3:
-            for p in params:
-                if p.untyped_storage().nbytes() != p.numel() * p.element_size():  # a view: a storage of its own
-                    p.data = p.data.clone()
-            self._release()
 
     def _slice(self, bucket: Sequence[nn.Parameter]) -> torch.Tensor:
         flat = pad(torch.cat([p.detach().reshape(-1).float() for p in bucket]), self.size)
@@ -108,48 +71,17 @@ class ZeroOptimizer:
 
     def step(self) -> None:
         self.inner.step()
-        if self.stage == 1:
-            self._gather()
-
-    @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Stage 3: the part's parameters whole inside, freed after (nested uses gather once); a collective of
-        the replica group (every replica opens it at the same point). Stage 1: they are always whole."""
-        if self.stage == 1:
-            yield
-            return
-        if self._depth == 0:
-            self._gather()
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self._release()
+        self._gather()
 
     def _gather(self) -> None:
-        """Every replica's slices all-gathered into the parameters (into their storage, regrown if freed)."""
+        """Every replica's slices all-gathered into the parameters."""
         for bucket, shard in zip(self.buckets, self.shards):
             whole = torch.empty(shard.numel() * self.size, dtype=shard.dtype, device=shard.device)
             dist.all_gather_single(whole, shard.detach(), group=self.group)
             offset = 0
             for p in bucket:
-                data = p.data  # not p itself: autograd's version counter of p stays as F saw it
-                data.untyped_storage().resize_(p.numel() * p.element_size())
-                data.copy_(whole[offset : offset + p.numel()].view_as(p))
+                p.data.copy_(whole[offset : offset + p.numel()].view_as(p))  # .data: autograd's versions stay
                 offset += p.numel()
-
-    def _release(self) -> None:
-        for bucket in self.buckets:
-            for p in bucket:
-                p.data.untyped_storage().resize_(0)
-
-    def weight_bytes(self) -> int:
-        """Bytes of parameters this replica keeps between actions: its slices (stage 3), else the whole part."""
-        if self.stage == 3:
-            return sum(s.numel() * s.element_size() for s in self.shards)
-        return sum(p.numel() * p.element_size() for bucket in self.buckets for p in bucket)
 
     def owned_gradients(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """Per parameter, the piece of this replica's gradient slices that is that parameter's (after

@@ -18,6 +18,7 @@ once (some I must then precede the last F); otherwise the larger one counts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from pipeweave.search.problem import MEMORY_EPS, Problem
@@ -31,6 +32,8 @@ def lower_bound(problem: Problem) -> float:
         >>> lower_bound(problem_from_times(4, 8, memory_limit=2))  # ZB-H2 reaches it
         24.0
     """
+    if problem.offload:  # offloaded stages hold memory only while they run: bounded by time alone (weaker, valid)
+        problem = dataclasses.replace(problem, memory_limit=math.inf)
     return max(rank_bounds(problem))
 
 

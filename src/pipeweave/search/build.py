@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeweave.schedule.ir import Action, Schedule, WeightPolicy, append_updates
+from pipeweave.schedule.stash import StashPlan
 from pipeweave.schedule.validate import InvalidSchedule, validate
 from pipeweave.search.problem import MEMORY_EPS, Problem
 from pipeweave.sim.metrics import Metrics, compute_metrics
+from pipeweave.sim.stash import simulate_levers
 from pipeweave.sim.timeline import simulate
 
 
@@ -68,6 +70,16 @@ class SearchResult:
         }
 
 
+def simulated_metrics(problem: Problem, schedule: Schedule) -> Metrics:
+    """``schedule``'s simulated metrics under ``problem``'s costs, its offloaded parts' copies and peaks
+    included (``sim.stash``)."""
+    if not problem.offload:
+        return compute_metrics(simulate(schedule, problem.cost, check=False))
+    costs = problem.cost.for_parts(num_parts=problem.num_parts, num_ranks=problem.num_ranks)
+    plan = StashPlan(offload=problem.offload)
+    return simulate_levers(schedule, costs, plan, problem.host_bandwidth)[0]
+
+
 def finish(problem: Problem, order: list[list[Action]], *, lower_bound: float, solver: str,
            solver_time: float, status: str, name: str = "") -> SearchResult:
     """Validate and simulate an order, check its memory, and attach bound and gap.
@@ -77,7 +89,7 @@ def finish(problem: Problem, order: list[list[Action]], *, lower_bound: float, s
     """
     schedule = to_schedule(problem, order, name=name)
     validate(schedule)
-    metrics = compute_metrics(simulate(schedule, problem.cost, check=False))
+    metrics = simulated_metrics(problem, schedule)
     over = [r for r, peak in enumerate(metrics.peak_activations) if peak > problem.limit[r] + 1e-6]
     if over:
         r = over[0]

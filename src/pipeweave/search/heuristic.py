@@ -101,6 +101,7 @@ class _Rank:
         self.peers: list[_Rank] = []
         self.durations = {s: {op: problem.duration(s, op) for op in (Op.F, Op.I, Op.W)} for s in self.stages}
         self.costs = problem.costs
+        self.offload = problem.offload
         self.order: list[Action] = []
         self.starts: list[float] = []
 
@@ -108,18 +109,20 @@ class _Rank:
         """Start ``action`` at ``now`` on this rank (its memory, counts, order, idle time); returns its end.
 
         F holds the microbatch's activations; I frees all but the share W needs (``mem_w``) and leaves
-        a W pending; W frees that share.
+        a W pending; W frees that share. An offloaded stage (``Problem.offload``) holds nothing from F to I
+        (its F's own M_a is checked by ``_forward``), and its I brings back the share W needs.
         """
         s, op, _ = action
         c = self.costs
         a = c.activation[s]
+        away = s in self.offload
         if op is Op.F:
             end = now + c.f[s]
-            self.held += a
+            self.held += 0.0 if away else a
             self.in_flight += 1
         elif op is Op.I:
             end = now + c.b[s]
-            self.held -= a * (1.0 - c.mem_w)
+            self.held += a * c.mem_w if away else -a * (1.0 - c.mem_w)
             self.in_flight -= 1
             self.pending_w += 1
         else:
@@ -214,7 +217,8 @@ def timed_depths(problem: Problem, *, overshoot: bool) -> list[int]:
     for s in range(d - 2, -1, -1):
         arrives = back + problem.hop(s + 1, s)
         clock, n = f_end[s], 1
-        while n < t and (n + 1) * c.activation[s] <= problem.limit[s] + MEMORY_EPS:
+        away = s in problem.offload  # an offloaded stage holds only the F running
+        while n < t and (1 if away else n + 1) * c.activation[s] <= problem.limit[s] + MEMORY_EPS:
             late = clock >= arrives if overshoot else clock + c.f[s] > arrives + 1e-12
             if late:  # the next F would end (overshoot: start) after the gradient arrives
                 break
@@ -243,11 +247,13 @@ def _choose(
         forward = _forward(rank, now, nf, f_ready, activation, t)
         if forward is not None:
             return forward
-    # I first: it passes the gradient upstream and frees memory.
+    # I first: it passes the gradient upstream and frees memory (an offloaded stage's I first brings its
+    # microbatch back: it waits for room, which a pending W makes).
     best_i: Action | None = None
     for s in rank.stages:
         j = ni[s]
-        if j < nf[s] and i_ready[s][j] <= now and (best_i is None or j < best_i.microbatch):
+        room = s not in rank.offload or rank.held + activation[s] <= rank.limit
+        if j < nf[s] and i_ready[s][j] <= now and room and (best_i is None or j < best_i.microbatch):
             best_i = Action(s, Op.I, j)
     if best_i is not None:
         return best_i

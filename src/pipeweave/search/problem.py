@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from pipeweave.schedule.ir import Action, Op, Placement, ScheduleError
+from pipeweave.schedule.stash import DEFAULT_BANDWIDTH
 from pipeweave.sim.cost import CostModel, PartCosts
 
 # Tolerance of memory comparisons: limits are sums of floats such as 0.5 x 8.
@@ -41,6 +42,12 @@ class Problem:
     """Times and memory; a scalar is the cost of one D-th of the model."""
     memory_limit: float = 1.0
     """K: per-rank activation limit as a multiple of the 1F1B peak D x M_a (``math.inf``: none)."""
+    offload: frozenset[int] = frozenset()
+    """Parts whose saved activations go to host memory after F and come back before I (``schedule.stash``):
+    such a part holds M_a only while its F or I runs, and M_W from I to W; its F and I each take the copy
+    of its M_a at ``host_bandwidth`` on top, as the simulator charges them (``sim.stash``)."""
+    host_bandwidth: float = DEFAULT_BANDWIDTH
+    """Units of M_a the offload copies move per unit of time."""
     placement: Placement = field(init=False, repr=False, compare=False)
     costs: PartCosts = field(init=False, repr=False, compare=False)
     limit: tuple[float, ...] = field(init=False, repr=False, compare=False)
@@ -55,13 +62,14 @@ class Problem:
                 raise ScheduleError(f"{name}={value!r} is invalid; give an integer >= 1")
         d = self.num_stages
         placement = Placement.vshape(d) if self.vshape else Placement.straight(d)
-        costs = self.cost.for_parts(num_parts=placement.num_parts, num_ranks=d)
+        costs = _with_copies(self.cost.for_parts(num_parts=placement.num_parts, num_ranks=d), self.offload,
+                             self.host_bandwidth)
         object.__setattr__(self, "placement", placement)
         object.__setattr__(self, "costs", costs)
         # K counts in microbatches kept without recomputation: the same bytes whatever the parts recompute.
         plain = replace(self.cost, recompute="none").for_parts(num_parts=placement.num_parts, num_ranks=d)
         per_mb = [sum(plain.activation[s] for s in placement.stages_on(r)) for r in range(d)]
-        stored = [sum(costs.activation[s] for s in placement.stages_on(r)) for r in range(d)]
+        stored = [self._least_held(costs, r) for r in range(d)]
         limit = tuple(self.memory_limit * d * m for m in per_mb)
         if not all(x >= m * (1.0 - MEMORY_EPS) for x, m in zip(limit, stored)) or math.isnan(self.memory_limit):
             least = max((m / (d * p) for m, p in zip(stored, per_mb) if p > 0), default=1.0 / d)
@@ -111,6 +119,14 @@ class Problem:
         return [Action(s, op, j) for s in self.stages_on(rank) for op in (Op.F, Op.I, Op.W)
                 for j in range(self.num_microbatches)]
 
+    def _least_held(self, costs: PartCosts, rank: int) -> float:
+        """What ``rank`` holds with one microbatch in flight: every stage's M_a, but an offloaded stage's
+        only while it runs (the largest of them)."""
+        stages = self.placement.stages_on(rank)
+        kept = sum(costs.activation[s] for s in stages if s not in self.offload)
+        moved = [costs.activation[s] for s in stages if s in self.offload]
+        return kept + max(moved, default=0.0)
+
     def _first_start(self, rank: int) -> float:
         # F of microbatch 0 on the rank's first stage, after the forward chain before it.
         first = min(self.stages_on(rank))
@@ -121,6 +137,14 @@ class Problem:
             t += self.costs.f[s] + self.hop(s, nxt)
             s = nxt
         return t
+
+
+def _with_copies(costs: PartCosts, offload: frozenset[int], bandwidth: float) -> PartCosts:
+    """``costs`` with each offloaded part's F and I lengthened by the copy of its M_a (``sim.stash.stash_extra``)."""
+    if not offload:
+        return costs
+    copy = [costs.activation[s] / bandwidth if s in offload else 0.0 for s in range(len(costs.f))]
+    return replace(costs, f=tuple(x + c for x, c in zip(costs.f, copy)), b=tuple(x + c for x, c in zip(costs.b, copy)))
 
 
 def problem_from_times(

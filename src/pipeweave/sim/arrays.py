@@ -23,16 +23,15 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from pipeweave.schedule.ir import Schedule
+from pipeweave.schedule.ir import Action, Schedule
 
 F, B, I, W, U, OTHER = range(6)
 """Op codes of the arrays (``OTHER``: a communication op, which the simulator never sees)."""
 
-_LETTER = np.full(128, OTHER, dtype=np.int8)
-for _code, _letter in enumerate("FBIWU"):
-    _LETTER[ord(_letter)] = _code
+_CODES = bytes.maketrans(b"FBIWU", bytes(range(5)))  # an op's letter to its code, for ``bytes.translate``
 
-IntArray = NDArray[np.int64]
+IntArray = NDArray[np.integer]
+"""Indices: int32 where they fit (``encode``), int64 otherwise."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class ScheduleArrays:
         ok: the actions pass ``check_actions``' rules (``well_formed``).
     """
 
-    offsets: IntArray
+    offsets: NDArray[np.int64]
     rank: IntArray
     stage: IntArray
     op: NDArray[np.int8]
@@ -85,16 +84,24 @@ def encode(schedule: Schedule) -> ScheduleArrays:
     np.cumsum(lengths, out=offsets[1:])
     n = int(offsets[-1])
     flat = list(itertools.chain.from_iterable(rows))
-    stage = np.fromiter(map(operator.itemgetter(0), flat), dtype=np.int64, count=n)
-    microbatch = np.fromiter(map(operator.itemgetter(2), flat), dtype=np.int64, count=n)
+    stage, microbatch = _column(flat, 0, n), _column(flat, 2, n)
     letters = "".join(map(operator.itemgetter(1), flat))  # Op is a str enum: F, B, I, W, U are one letter
-    if len(letters) == n:
-        op = _LETTER[np.frombuffer(letters.encode("ascii"), dtype=np.uint8) & 127]
+    if len(letters) == n:  # read-only codes straight from the bytes: no index array in between
+        op = np.frombuffer(letters.encode("ascii").translate(_CODES), dtype=np.int8)
     else:  # a communication op ("SEND_F", ...) among them
         op = np.full(n, OTHER, dtype=np.int8)
-    rank = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
+    rank = np.repeat(np.arange(len(rows), dtype=np.int32), lengths)
     arrays = ScheduleArrays(offsets, rank, stage, op, microbatch, ok=False)
     return ScheduleArrays(offsets, rank, stage, op, microbatch, ok=well_formed(schedule, arrays))
+
+
+def _column(flat: list[Action], field: int, n: int) -> IntArray:
+    """One integer field of every action, as int32 (half the memory of int64: on this VM fresh pages cost more
+    than the copying, benchmarks/simulator/README.md), int64 where a value does not fit."""
+    try:
+        return np.fromiter(map(operator.itemgetter(field), flat), dtype=np.int32, count=n)
+    except OverflowError:
+        return np.fromiter(map(operator.itemgetter(field), flat), dtype=np.int64, count=n)
 
 
 def well_formed(schedule: Schedule, a: ScheduleArrays) -> bool:
@@ -111,33 +118,44 @@ def well_formed(schedule: Schedule, a: ScheduleArrays) -> bool:
     num_stages, t = placement.num_stages, schedule.num_microbatches
     if schedule.num_ranks != placement.num_ranks or (a.op == OTHER).any():
         return False
-    stage = a.stage
+    stage, j = a.stage, a.microbatch
     if a.size and (stage.min() < 0 or stage.max() >= num_stages):
         return False
-    if (np.asarray(placement.stage_rank, dtype=np.int64)[stage] != a.rank).any():
+    if (np.asarray(placement.stage_rank, dtype=a.rank.dtype)[stage] != a.rank).any():
         return False
-    update = a.op == U
-    counted = a.microbatch[update]
-    if counted.size and (counted.min() < 0 or not _unique(stage[update] * (int(counted.max()) + 1) + counted)):
+    updates = np.flatnonzero(a.op == U)
+    counted = j[updates].astype(np.int64)  # a key per U below: wider than int32
+    if counted.size and (counted.min() < 0 or not _unique(stage[updates] * (int(counted.max()) + 1) + counted)):
         return False
-    work = ~update
-    s, j, op = stage[work], a.microbatch[work], a.op[work]
-    if j.size and (j.min() < 0 or j.max() >= t):
+    # F, B, I and W's microbatches in range (a U's field counts its updates: any count >= 0 is fine)
+    if j.size and (j.min() < 0 or (j.max() >= t and np.delete(j, updates).max(initial=-1) >= t)):
         return False
-    stage_pipe = np.asarray([placement.pipeline_of(k) for k in range(num_stages)], dtype=np.int64)
-    mb_pipe = np.asarray(schedule.microbatch_pipeline or (0,) * t, dtype=np.int64)
-    if len(placement.pipelines) > 1 and (mb_pipe[j] != stage_pipe[s]).any():
-        return False
-    # Per (stage, microbatch), how many of each of F, B, I, W (codes 0-3): one count of all four.
-    counts = np.bincount((s * t + j) * 4 + op, minlength=num_stages * t * 4).reshape(-1, 4)
-    if counts.max(initial=0) > 1:
+    # One byte per (stage, microbatch) and op F, B, I, W (U's all to a last, spare byte): an op twice
+    # leaves fewer bytes set than actions; read as little-endian int32, a pair's four bytes say which it has.
+    key = stage.astype(np.intp)
+    key *= t
+    key += j
+    key *= 4
+    key += a.op
+    key[updates] = num_stages * t * 4
+    mark = np.zeros(num_stages * t * 4 + 1, dtype=np.int8)
+    mark[key] = 1
+    if np.count_nonzero(mark[:-1]) != a.size - updates.size:
         return False  # an action twice
-    pattern = counts @ np.array([1, 2, 4, 8])  # which of the four each (stage, microbatch) has, as bits
-    whole, split = 1 + 2, 1 + 4 + 8  # F + B, or F + I + W
-    fine = (pattern == whole) | (pattern == split)
-    if len(placement.pipelines) > 1:
-        return bool(fine[(stage_pipe[:, None] == mb_pipe[None, :]).ravel()].all())
+    has = mark[:-1].view("<i4")
+    fine = (has == 0x0101) | (has == 0x01010001)  # F + B, or F + I + W
+    if len(placement.pipelines) > 1:  # the pairs routed through the stage, and nothing on the others
+        stage_pipe, mb_pipe = _pipeline_of(schedule)
+        routed = (stage_pipe[:, None] == mb_pipe[None, :]).ravel()
+        return bool(fine[routed].all() and not has[~routed].any())
     return bool(fine.all())
+
+
+def _pipeline_of(schedule: Schedule) -> tuple[IntArray, IntArray]:
+    """Per stage and per microbatch, its pipeline."""
+    placement = schedule.placement
+    stage_pipe = np.asarray([placement.pipeline_of(k) for k in range(placement.num_stages)], dtype=np.int64)
+    return stage_pipe, np.asarray(schedule.microbatch_pipeline or (0,) * schedule.num_microbatches, dtype=np.int64)
 
 
 def _unique(keys: IntArray) -> bool:

@@ -37,12 +37,12 @@ from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.arrays import B, F, I, U, W, ScheduleArrays
 
 FloatArray = NDArray[np.float64]
-IntArray = NDArray[np.int64]
+IntArray = NDArray[np.integer]  # int32 or int64 (sim.arrays)
 Latency = Callable[[int, int], float]
 _CHECK_EVERY = 32  # rounds between checks for the end (or a deadlock: a round where no rank moved)
 MIN_PER_ROUND = 12.0
 """Actions per round below which the rounds give way to ``_Loop.walk``: a round of numpy calls costs
-about what that Python walk spends on 10-14 actions (5.7 microseconds against 0.4-0.6 per action,
+about what that Python walk spends on 11-15 actions (5.3 microseconds against 0.35-0.5 per action,
 benchmarks/simulator/README.md). Schedules that keep few ranks busy at a time (naive, GEMS) have
 about one action per round."""
 _TRIAL_ROUNDS = 256  # rounds before that rate is judged
@@ -75,24 +75,21 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
     sync = schedule.is_synchronous
     if not arrays.ok or (delay is not None and not sync):
         return None
-    in_loop = arrays.op != U if sync else np.ones(arrays.size, dtype=bool)
-    if sync and not _updates_last(arrays, in_loop):
+    stops = _loop_ends(arrays, sync)
+    if stops is None:
         return None
-    loop = _Loop(schedule, arrays, in_loop, durations, latency, gap, None if extra is None else extra[in_loop])
+    loop = _Loop(schedule, arrays, stops, durations, latency, gap, extra)
     # A part held on two ranks reduces on the stream of the rank the reference walks last to it:
     # only a walk in the reference's own order (``_Loop.walk`` from the start) knows which.
     order: list[int] | None = [] if delay is not None and _replicated(schedule) else None
     if not loop.ordered or not (loop.walk(order) if order is not None else loop.run(min_per_round)):
         return None
-    start = np.empty(arrays.size)
-    end = np.empty(arrays.size)
-    start[in_loop], end[in_loop] = loop.times()
+    start, end = loop.times()  # a synchronous schedule's U are timed next
     walked = None
-    if order is not None:  # per action, when the walk timed it
+    if order is not None:  # per action, when the walk timed it (-1: a U, never walked)
         seen = np.full(len(loop.end), -1, dtype=np.int64)
         seen[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
-        walked = np.full(arrays.size, -1, dtype=np.int64)
-        walked[in_loop] = seen[loop.slot]
+        walked = seen[loop.slots(np.arange(arrays.size))]
     if sync and not _run_updates(schedule, arrays, durations, gap, delay, start, end, walked):
         return None
     return start, end
@@ -105,48 +102,62 @@ def _replicated(schedule: Schedule) -> bool:
     return any(ranks.setdefault(part, rank) != rank for part, rank in zip(placement.stage_part, placement.stage_rank))
 
 
-def _updates_last(arrays: ScheduleArrays, in_loop: NDArray[np.bool_]) -> bool:
-    """Every rank's ``U`` come after all its other actions (the registry's synchronous schedules do)."""
-    counts = np.bincount(arrays.rank[in_loop], minlength=len(arrays.offsets) - 1)
-    position = np.arange(arrays.size) - arrays.offsets[arrays.rank]
-    return bool((in_loop == (position < counts[arrays.rank])).all())
+def _loop_ends(arrays: ScheduleArrays, sync: bool) -> IntArray | None:
+    """Per rank, where (an index into ``arrays``) the actions the rounds time end: its row's end, or for a
+    synchronous schedule its first ``U``, after which all its actions must be ``U`` (the registry's
+    synchronous schedules are so; None where not)."""
+    ends = arrays.offsets[1:]
+    if not sync:
+        return ends
+    updates = np.flatnonzero(arrays.op == U)
+    ranks = arrays.rank[updates]
+    stops = ends - np.bincount(ranks, minlength=len(ends))
+    return stops if bool((updates >= stops[ranks]).all()) else None  # distinct, so they fill each row's tail
 
 
 class _Loop:
     """The rounds' arrays: the ranks' rows one after another, each between two sentinel slots.
 
-    Slot ``k + 2 r + 1`` holds loop action k (of rank r); the slot before a row
-    ends at ``-gap`` (so that its first action starts at 0 with the gap added),
-    the slot after it waits on ``never`` (never computed: the rank stops there).
-    ``none`` ends at -inf: the input of an action that needs none from another rank.
+    Slot ``k + 2 r + 1`` holds action k (of rank r); the slot before a row ends
+    at ``-gap`` (so that its first action starts at 0 with the gap added); the
+    row's first slot not timed here (its first ``U``, for a synchronous
+    schedule, else the slot after the row) waits on ``never`` (never computed:
+    the rank stops there). ``none`` ends at -inf: the input of an action that
+    needs none from another rank. It is built with few and small temporaries:
+    on the machine of benchmarks/simulator/README.md fresh memory costs more
+    than the work done in it.
     """
 
-    def __init__(self, schedule: Schedule, arrays: ScheduleArrays, in_loop: NDArray[np.bool_],
-                 durations: FloatArray, latency: Latency | None, gap: float, extra: FloatArray | None = None) -> None:
-        rank, stage = arrays.rank[in_loop], arrays.stage[in_loop]
-        op, mb = arrays.op[in_loop], arrays.microbatch[in_loop]
-        num_ranks, n = schedule.num_ranks, len(rank)
-        self.gap = gap
-        self.slot = np.arange(n) + 2 * rank + 1
-        counts = np.bincount(rank, minlength=num_ranks)
-        offsets = np.concatenate(([0], np.cumsum(counts)))[:-1] + 2 * np.arange(num_ranks)
+    def __init__(self, schedule: Schedule, arrays: ScheduleArrays, stops: IntArray, durations: FloatArray,
+                 latency: Latency | None, gap: float, extra: FloatArray | None = None) -> None:
+        n, num_ranks = arrays.size, schedule.num_ranks
         size = n + 2 * num_ranks
+        self.gap = gap
+        self.rank = arrays.rank
+        skip = 2 * np.arange(num_ranks)
+        first = arrays.offsets[:-1] + skip  # the sentinel before each row
+        self.rows = list(zip((first + 1).tolist(), (arrays.offsets[1:] + skip + 1).tolist()))  # its slots
+        self.spans = list(zip(arrays.offsets[:-1].tolist(), arrays.offsets[1:].tolist()))  # its actions
         self.none, self.never = size, size + 1
-        self.trail = offsets + counts + 1
-        self.ptr = offsets + 1
+        self.ptr = first + 1
+        self.trail = stops + skip + 1
         self.base = np.full(size + 3, np.inf)  # base[k + 1] is slot k's end; base[0] stands before slot 0
         self.end = self.base[1:]
-        self.end[offsets] = -gap if gap else 0.0
+        self.end[first] = -gap if gap else 0.0
         self.end[self.none] = -np.inf
+        cell = arrays.stage.astype(np.intp)  # (stage, op) in ``durations`` flattened
+        cell *= durations.shape[1]
+        cell += arrays.op
         self.duration = np.zeros(size + 2)
-        self.duration[self.slot] = durations[stage, op] if extra is None else durations[stage, op] + extra
-        self.dep = np.full(size + 2, self.none, dtype=np.int64)
+        took = durations.ravel().take(cell) if extra is None else durations.ravel().take(cell) + extra
+        del cell
+        self._spread(took, self.duration)
+        self.dep = np.full(size + 2, self.none, dtype=np.intp)
         self.dep[self.trail] = self.never
         self.latency = np.zeros(size + 2) if latency is not None else None
-        self.ordered = self._inputs(schedule, stage, op, mb, latency)
+        self.ordered = self._inputs(schedule, arrays, latency)
 
-    def _inputs(self, schedule: Schedule, stage: IntArray, op: NDArray[np.int8], mb: IntArray,
-                latency: Latency | None) -> bool:
+    def _inputs(self, schedule: Schedule, arrays: ScheduleArrays, latency: Latency | None) -> bool:
         """Fill ``dep`` (and ``latency``) with each action's input from another rank; False when an
         input from its own rank comes later in the row (the reference then explains the deadlock)."""
         placement, t = schedule.placement, schedule.num_microbatches
@@ -154,30 +165,30 @@ class _Loop:
         stage_rank = np.asarray(placement.stage_rank, dtype=np.int64)
         prev = np.asarray([-1 if (p := placement.prev_stage(s)) is None else p for s in range(num_stages)])
         nxt = np.asarray([-1 if (q := placement.next_stage(s)) is None else q for s in range(num_stages)])
-        key = stage * t + mb
-        groups = {code: np.flatnonzero(op == code) for code in (F, B, I, W)}
-        made_f = np.full(num_stages * t, self.never, dtype=np.int64)  # slot of F(s, j) at s * T + j
-        made_f[key[groups[F]]] = self.slot[groups[F]]
-        made_g = np.full(num_stages * t, self.never, dtype=np.int64)  # slot of B(s, j) or I(s, j)
-        made_g[key[groups[B]]] = self.slot[groups[B]]
-        made_g[key[groups[I]]] = self.slot[groups[I]]
-        made_i = np.full(num_stages * t, self.never, dtype=np.int64)  # slot of I(s, j)
-        made_i[key[groups[I]]] = self.slot[groups[I]]
-        g = np.concatenate((groups[B], groups[I])) if groups[B].size else groups[I]
-        # An own-rank input must come earlier in the row: F before its B/I, I before its W.
-        ordered = bool((made_f[key[g]] < self.slot[g]).all() and (made_i[key[groups[W]]] < self.slot[groups[W]]).all())
-        for idx, made, neighbour in ((groups[F], made_f, prev), (g, made_g, nxt)):
-            dst = stage[idx]
-            src = neighbour[dst]
-            has = src >= 0
-            idx, src, dst = idx[has], src[has], dst[has]
-            producer = made[src * t + mb[idx]]
-            slots = self.slot[idx]
-            cross = stage_rank[src] != stage_rank[dst]
-            ordered &= bool((producer[~cross] < slots[~cross]).all())
-            self.dep[slots[cross]] = producer[cross]
+        stage, op, mb, slot = arrays.stage, arrays.op, arrays.microbatch, self.slots
+        f, b, i, w = (np.flatnonzero(op == code) for code in (F, B, I, W))
+        g = np.concatenate((b, i)) if b.size and i.size else (b if b.size else i)  # B or I: the backward's input
+        made_f = np.full(num_stages * t, self.never, dtype=np.intp)  # slot of F(s, j) at s * T + j
+        made_f[_keys(stage[f], mb[f], t)] = slot(f)
+        made_g = np.full(num_stages * t, self.never, dtype=np.intp)  # slot of B(s, j) or I(s, j)
+        made_g[_keys(stage[g], mb[g], t)] = slot(g)
+        # An own-rank input must come earlier in the row: F before its B/I, I before its W (a W's
+        # (stage, microbatch) has an I, never a B: ``well_formed``).
+        ordered = bool((made_f[_keys(stage[g], mb[g], t)] < slot(g)).all()
+                       and (made_g[_keys(stage[w], mb[w], t)] < slot(w)).all())
+        for idx, made, neighbour in ((f, made_f, prev), (g, made_g, nxt)):
+            has = neighbour >= 0
+            across = has & (stage_rank[neighbour] != stage_rank)  # per stage: its input comes from another rank
+            s = stage[idx]
+            if (has & ~across).any():  # inputs from the same rank (a V's turn): made earlier in the row
+                near = idx[(has & ~across)[s]]
+                ordered &= bool((made[_keys(neighbour[stage[near]], mb[near], t)] < slot(near)).all())
+            cross = across[s]
+            idx, s = idx[cross], s[cross]
+            slots = slot(idx)
+            self.dep[slots] = made[_keys(neighbour[s], mb[idx], t)]
             if self.latency is not None and latency is not None:
-                self.latency[slots[cross]] = _hops(latency, neighbour, stage_rank)[dst[cross]]
+                self.latency[slots] = _hops(latency, neighbour, stage_rank)[s]
         return ordered
 
     def run(self, min_per_round: float) -> bool:  # one flat loop, for speed
@@ -185,19 +196,21 @@ class _Loop:
         round, ``walk`` goes on from where the rounds are."""
         end, dep, duration, latency = self.end, self.dep, self.duration, self.latency
         before, gap, ptr, trail, inf = self.base, self.gap, self.ptr, self.trail, np.inf
+        # Bound methods and plain ufunc calls (no ``out=``): about 6 % of zb-v's rounds at D = 64.
+        take_end, take_dep, take_before, take_duration, put = end.take, dep.take, before.take, duration.take, end.put
+        maximum, add, less = np.maximum, np.add, np.less
         moved, rounds, first = -1, 0, int(ptr.sum())
         while True:
             for _ in range(_CHECK_EVERY):
-                t0 = end.take(dep.take(ptr))
+                t0 = take_end(take_dep(ptr))
                 if latency is not None:
-                    t0 += latency.take(ptr)
-                ready = before.take(ptr)  # the end of the rank's previous action
+                    t0 = add(t0, latency.take(ptr))
+                ready = take_before(ptr)  # the end of the rank's previous action
                 if gap:
-                    ready += gap
-                np.maximum(t0, ready, out=t0)
-                t0 += duration.take(ptr)
-                end.put(ptr, t0)
-                ptr += t0 < inf
+                    ready = add(ready, gap)
+                t0 = add(maximum(t0, ready), take_duration(ptr))
+                put(ptr, t0)
+                ptr += less(t0, inf)
             if (ptr == trail).all():
                 return True
             total = int(ptr.sum())
@@ -217,50 +230,74 @@ class _Loop:
         then receives, one slot per action timed."""
         end, dep, duration = self.end.tolist(), self.dep.tolist(), self.duration.tolist()
         latency = self.latency.tolist() if self.latency is not None else None
-        gap, inf, ptr, trail = self.gap, math.inf, self.ptr.tolist(), self.trail.tolist()
-        parked: dict[int, list[int]] = {}
-        waited = [False] * len(end)  # a list lookup per action instead of a dict's
+        gap, inf = self.gap, math.inf
+        waiter = [0] * len(end)  # per slot, the slot parked on it (0: none; slot 0 is a sentinel, never parked)
         record = order.append if order is not None else None
-        queue = deque(r for r in range(len(ptr)) if ptr[r] < trail[r])
-        while queue:
-            r = queue.popleft()
-            k, stop = ptr[r], trail[r]
-            before = end[k - 1]
-            while k < stop:
-                source = dep[k]
-                t0 = end[source]
-                if t0 == inf:
-                    parked.setdefault(source, []).append(r)
-                    waited[source] = True
-                    break
-                if latency is not None:
-                    t0 += latency[k]
-                ready = before + gap if gap else before
-                if ready > t0:
-                    t0 = ready
-                before = end[k] = t0 + duration[k]
-                if record is not None:
-                    record(k)
-                if waited[k]:
-                    queue.extend(parked.pop(k))
-                k += 1
-            ptr[r] = k
+        # A rank is the slot it is at: it stops at its trail, whose input (``never``) is never made.
+        queue = deque(self.ptr[self.ptr < self.trail].tolist())
+        k = queue.popleft() if queue else self.never
+        while k != self.never:
+            source = dep[k]
+            t0 = end[source]
+            if t0 == inf:  # park on the input's slot (one slot waits on another at most: ``_inputs``)
+                waiter[source] = k
+                k = queue.popleft() if queue else self.never
+                continue
+            if latency is not None:
+                t0 += latency[k]
+            ready = end[k - 1] + gap if gap else end[k - 1]
+            end[k] = (ready if ready > t0 else t0) + duration[k]
+            if record is not None:
+                record(k)
+            w = waiter[k]
+            k += 1
+            if w:  # a rank waited on this action
+                if record is None and end[dep[k]] == inf:  # and this rank cannot go on: switch at once
+                    waiter[dep[k]] = k  # (a walk recording the reference's order keeps its queue's order)
+                    k = w
+                else:
+                    queue.append(w)
         self.end[:] = end
-        self.ptr[:] = ptr
-        return bool(ptr == trail)
+        return bool((self.end[self.trail - 1] < inf).all())  # each row's last timed slot (an empty one's sentinel)
 
     def times(self) -> tuple[FloatArray, FloatArray]:
-        """Start and end of the loop's actions, in order: each start is recomputed from the ends,
-        by the rounds' own operations (the loop keeps only the ends)."""
-        slot = self.slot
-        start = self.end[self.dep[slot]]
+        """Start and end of every action, in order: each start is recomputed from the ends, by the
+        rounds' own operations (the loop keeps only the ends); a synchronous schedule's U are not
+        timed here (``_run_updates``)."""
+        start = self.end.take(self._rows(self.dep))
         if self.latency is not None:
-            start += self.latency[slot]
-        ready = self.base[slot]
+            start += self._rows(self.latency)
+        ready = self._rows(self.base)  # base[k] is slot k - 1's end
         if self.gap:
             ready += self.gap
         np.maximum(start, ready, out=start)
-        return start, self.end[slot]
+        return start, self._rows(self.end)
+
+    def slots(self, actions: IntArray) -> IntArray:
+        """The slots of these actions (indices into the schedule's arrays): ``k + 2 r + 1``, computed
+        where needed rather than kept for every action (fresh memory is dear, the class docstring)."""
+        slot = self.rank[actions].astype(np.intp)
+        slot *= 2
+        slot += actions
+        slot += 1
+        return slot
+
+    def _spread(self, values: np.ndarray, out: np.ndarray) -> None:
+        """``out[slot] = values`` for every action, by one slice per rank."""
+        for (a, b), (c, d) in zip(self.rows, self.spans):
+            out[a:b] = values[c:d]
+
+    def _rows(self, values: np.ndarray) -> np.ndarray:
+        """``values`` at every action's slot, by one slice per rank: no index array to read."""
+        return np.concatenate([values[a:b] for a, b in self.rows]) if self.rows else values[:0].copy()
+
+
+def _keys(stage: IntArray, microbatch: IntArray, t: int) -> IntArray:
+    """``stage * t + microbatch`` as indices (intp: no int32 product to overflow, no copy when indexing)."""
+    key = stage.astype(np.intp)
+    key *= t
+    key += microbatch
+    return key
 
 
 def _hops(latency: Latency, neighbour: NDArray[np.int64], stage_rank: IntArray) -> FloatArray:
@@ -322,7 +359,7 @@ def _reduce(arrays: ScheduleArrays, grads: NDArray[np.bool_], parts: IntArray, n
         holder[parts] = ranks
         if (holder[parts] != ranks).any():
             return False
-        key = flat
+        key: IntArray = flat
     else:
         key = walked[grads]
     completing = np.full(num_parts, -1, dtype=np.int64)

@@ -2,11 +2,17 @@
 
 Timing. A memory action moves ``share x M_a`` (its part's activation memory,
 compressed if asked) over a link of ``bandwidth`` units of M_a per unit of time.
-It runs on its rank's own stream, as the CPU runtime does (a copy to a
-memory-mapped file, a send to the partner): an ``OFFLOAD``/``EVICT`` lengthens
-the F before it, a ``RELOAD``/``LOAD`` the backward after it, so both engines
-time them without knowing them (``simulate_parts``' ``extra``). ``stash_events``
-splits them out again for plots, traces and the memory walk.
+By default it runs on its rank's own stream, as the CPU runtime does (a copy to a
+memory-mapped file on the compute thread, a send to the partner): an
+``OFFLOAD``/``EVICT`` lengthens the F before it, a ``RELOAD``/``LOAD`` the
+backward after it, so both engines time them without knowing them
+(``simulate_parts``' ``extra``). With ``copy_stream`` offload's copies run beside
+the compute, as the CUDA runtime's do (``runtime.stage.stash.PinnedStore``: a
+side stream): an ``OFFLOAD`` takes nothing from the compute stream, and a
+``RELOAD``, started as the rank finishes the action before the backward (it is
+prefetched while the rank waits for the gradient), delays the backward only by
+what exceeds that wait in the timeline without copies (``stream_extra``).
+``stash_events`` splits them out again for plots, traces and the memory walk.
 
 Memory. A rank's own actions change its memory in the order of its row, as in
 ``sim.metrics.held_peaks`` (F adds M_a, a move away subtracts its share, a move
@@ -61,9 +67,10 @@ def stash_extra(stash: Stash, costs: PartCosts, bandwidth: float) -> dict[Action
 
 
 def simulate_stash(schedule: Schedule, costs: PartCosts, plan: StashPlan, *, bandwidth: float = DEFAULT_BANDWIDTH,
-                   **options: object) -> tuple[Timeline, Stash, dict[Action, float]]:
+                   copy_stream: bool = False, **options: object) -> tuple[Timeline, Stash, dict[Action, float]]:
     """Simulate ``schedule`` with ``plan``'s memory actions: the timeline (memory actions folded in),
-    the lowered stash and the folded times. ``options`` go to ``simulate_parts``.
+    the lowered stash and the folded times. ``copy_stream``: offload's copies beside the compute (the
+    module docstring). ``options`` go to ``simulate_parts``.
 
     Raises:
         InvalidSchedule: the schedule or its memory actions break a rule.
@@ -82,7 +89,27 @@ def simulate_stash(schedule: Schedule, costs: PartCosts, plan: StashPlan, *, ban
     stash = plan_stash(schedule, plan, costs.activation, costs.mem_w, shares)
     check_stash(stash)
     extra = stash_extra(stash, costs, bandwidth)
+    if copy_stream and plan.offload:
+        extra = stream_extra(stash, costs, bandwidth, extra, simulate_parts(schedule, costs, **options))  # type: ignore[arg-type]
     return simulate_parts(schedule, costs, extra=extra, **options), stash, extra  # type: ignore[arg-type]
+
+
+def stream_extra(stash: Stash, costs: PartCosts, bandwidth: float, extra: dict[Action, float],
+                 plain: Timeline) -> dict[Action, float]:
+    """``extra`` with offload's copies on a side stream (module docstring): none for an ``OFFLOAD``, and for
+    a ``RELOAD`` what its copy exceeds the rank's wait before the backward in ``plain`` (no copies)."""
+    part_of = stash.schedule.placement.stage_part
+    out = dict(extra)
+    for row, events in zip(stash.actions, plain.events):
+        wait = {e.action: e.start - (before.end if before else e.start) for before, e in zip((None, *events), events)}
+        for k, a in enumerate(row):
+            if a.op is Op.OFFLOAD:
+                out.pop(Action(a.stage, Op.F, a.microbatch), None)
+            elif a.op is Op.RELOAD:
+                back = row[k + 1]
+                copy = costs.activation[part_of[a.stage]] / bandwidth
+                out[back] = max(0.0, copy - wait[back])
+    return out
 
 
 def balanced_shares(schedule: Schedule, costs: PartCosts, plan: StashPlan, rounds: int = 30) -> tuple[float, ...]:
@@ -113,15 +140,27 @@ def balanced_shares(schedule: Schedule, costs: PartCosts, plan: StashPlan, round
     return tuple(shares)
 
 
-def stash_events(stash: Stash, timeline: Timeline, extra: dict[Action, float]) -> tuple[tuple[Event, ...], ...]:
-    """Per rank, its events with the memory actions split out of the F and backwards they were folded into."""
+def stash_events(stash: Stash, timeline: Timeline, extra: dict[Action, float],
+                 stream: float | None = None) -> tuple[tuple[Event, ...], ...]:
+    """Per rank, its events with the memory actions split out of the F and backwards they were folded into;
+    ``stream``: the bandwidth of offload's copies on a side stream (``stream_extra``), each then timed whole
+    beside the compute: an ``OFFLOAD`` from its F's end, a ``RELOAD`` up to its backward's compute."""
     rows = []
     for events, lowered in zip(timeline.events, stash.actions):
         timed = {e.action: e for e in events}
         out: list[Event] = []
         for a in lowered:
             s, op, j = a
-            if op in (Op.OFFLOAD, Op.EVICT):
+            copy = None if stream is None or op not in (Op.OFFLOAD, Op.RELOAD) or timeline.costs is None else \
+                timeline.costs.activation[stash.schedule.placement.stage_part[s]] / stream
+            if copy is not None and op is Op.OFFLOAD:
+                end = timed[Action(s, Op.F, j)].end
+                out.append(Event(a, end, end + copy))
+            elif copy is not None:
+                back = timed.get(Action(s, Op.B, j)) or timed[Action(s, Op.I, j)]
+                ready = back.start + extra.get(back.action, 0.0)
+                out.append(Event(a, ready - copy, ready))
+            elif op in (Op.OFFLOAD, Op.EVICT):
                 f = timed[Action(s, Op.F, j)]
                 out.append(Event(a, f.end - extra.get(f.action, 0.0), f.end))
             elif op in (Op.RELOAD, Op.LOAD):
@@ -172,9 +211,10 @@ def plan_dict(plan: StashPlan, shares: tuple[float, ...], bandwidth: float) -> d
 
 
 def simulate_levers(schedule: Schedule, costs: PartCosts, plan: StashPlan, bandwidth: float | None = None,
-                    ) -> tuple[Metrics, Timeline, dict[str, Any]]:
+                    copy_stream: bool = False) -> tuple[Metrics, Timeline, dict[str, Any]]:
     """Metrics with ``plan`` applied (``peak_activations`` per rank with the memory actions), the timeline
-    to show (memory actions as their own events) and the levers' JSON.
+    to show (memory actions as their own events) and the levers' JSON; ``copy_stream``: offload's copies
+    beside the compute (CUDA's side stream; the module docstring).
 
     Example:
         >>> from pipeweave.schedule import generate
@@ -186,13 +226,14 @@ def simulate_levers(schedule: Schedule, costs: PartCosts, plan: StashPlan, bandw
     """
     bandwidth = bandwidth or DEFAULT_BANDWIDTH
     comm = costs.comm
-    timeline, stash, extra = simulate_stash(schedule, costs, plan, bandwidth=bandwidth,
+    timeline, stash, extra = simulate_stash(schedule, costs, plan, bandwidth=bandwidth, copy_stream=copy_stream,
                                             hop=(lambda src, dst: comm) if comm else None)
-    shown = Timeline(schedule, stash_events(stash, timeline, extra), timeline.costs)
+    shown = Timeline(schedule, stash_events(stash, timeline, extra, bandwidth if copy_stream else None),
+                     timeline.costs)
     assert timeline.costs is not None
     metrics = compute_metrics(timeline)
     metrics = dataclasses.replace(metrics, peak_activations=stash_peaks(stash, shown.events, timeline.costs))
-    return metrics, shown, plan_dict(plan, stash.share, bandwidth)
+    return metrics, shown, {**plan_dict(plan, stash.share, bandwidth), "copy_stream": copy_stream}
 
 
 def levered_activations(schedule: Schedule, activations: tuple[float, ...], plan: StashPlan) -> tuple[float, ...]:

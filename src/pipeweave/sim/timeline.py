@@ -134,6 +134,21 @@ def action_time(costs: PartCosts, part: int, op: Op) -> float:
     return 0.0
 
 
+def duration_table(costs: PartCosts, part_of: Sequence[int]) -> NDArray[np.float64]:
+    """Per stage, the times of F, B, I, W and U (``sim.arrays``' op codes), as ``action_time`` gives them
+    (B = I + W: the same float addition), built over numpy for the fast engine.
+
+    Example:
+        >>> from pipeweave.sim.cost import CostModel
+        >>> duration_table(CostModel(w=0.5).for_parts(num_parts=2, num_ranks=2), (0, 1))[0].tolist()
+        [1.0, 1.5, 1.0, 0.5, 0.0]
+    """
+    b, w = np.asarray(costs.b, dtype=np.float64), np.asarray(costs.w, dtype=np.float64)
+    per_part = np.stack((np.asarray(costs.f, dtype=np.float64), b + w, b, w, np.asarray(costs.u, dtype=np.float64)),
+                        axis=1)
+    return per_part[np.asarray(part_of, dtype=np.intp)].reshape(len(part_of), 5)
+
+
 def simulate(schedule: Schedule, cost: CostModel | None = None, *, check: bool = True, fast: bool = True) -> Timeline:
     """Time every action of ``schedule`` under ``cost``.
 
@@ -179,14 +194,11 @@ def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
         InvalidSchedule: the schedule breaks a rule or deadlocks.
     """
     part_of = schedule.placement.stage_part
-    # A table per stage instead of a call per action: the walk's hot loop.
-    op_times = [{op: action_time(costs, part, op) for op in Op} for part in part_of]
     if costs.microbatch is not None:  # per-microbatch times: the reference walk, an action at a time
-        return _per_microbatch(schedule, costs, op_times, check, hop, update_delay)
+        return _per_microbatch(schedule, costs, _op_times(costs, part_of), check, hop, update_delay)
     arrays = schedule_arrays(schedule) if fast else None
     if arrays is not None and arrays.ok:
-        table = np.array([[times[op] for op in (Op.F, Op.B, Op.I, Op.W, Op.U)] for times in op_times]
-                         ).reshape(len(part_of), 5)
+        table = duration_table(costs, part_of)
         added = None if not extra else np.fromiter(
             (extra.get(a, 0.0) for row in schedule.actions for a in row), dtype=np.float64, count=arrays.size)
         found = fast_times(schedule, arrays, table, latency=hop, gap=costs.dispatch, update_delay=update_delay,
@@ -196,8 +208,9 @@ def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
     if check:
         check_actions(schedule)
     with _gc_paused():
-        duration = None if not extra else (lambda a: op_times[a.stage][a.op] + extra.get(a, 0.0))
-        run = execute(schedule, duration, latency=hop, op_times=op_times, gap=costs.dispatch,
+        per_stage = _op_times(costs, part_of)
+        duration = None if not extra else (lambda a: per_stage[a.stage][a.op] + extra.get(a, 0.0))
+        run = execute(schedule, duration, latency=hop, op_times=per_stage, gap=costs.dispatch,
                       update_delay=update_delay)
         if not run.complete:
             check_order(schedule)  # raises with the explanation
@@ -210,6 +223,11 @@ def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
             tuple(map(Event, row, starts, ends)) for row, starts, ends in zip(schedule.actions, run.start, run.end)
         )
     return Timeline(schedule, events, costs)
+
+
+def _op_times(costs: PartCosts, part_of: Sequence[int]) -> list[dict[Op, float]]:
+    """Per stage, each op's time: a table instead of a call per action, for the reference walk's hot loop."""
+    return [{op: action_time(costs, part, op) for op in Op} for part in part_of]
 
 
 def _per_microbatch(schedule: Schedule, costs: PartCosts, op_times: Sequence[dict[Op, float]], check: bool,

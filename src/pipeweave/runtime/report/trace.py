@@ -14,17 +14,20 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from pipeweave.data import longest_sequence
 from pipeweave.data.corpus import microbatch_lengths
 from pipeweave.runtime.run.plan import segments
 from pipeweave.runtime.run.sizes import microbatch_sizes, step_tokens
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.sim import CostModel, Event, Timeline, simulate
+from pipeweave.sim.timeline import simulate_parts
 from pipeweave.sim.bubble import bubble_metrics
 
 
 _COMPUTE = {op.value for op in Op if op.is_compute}  # records hold op strings
 _RECV = {op.value for op in Op if op.is_recv}
+_MEMORY = {op.value for op in Op if op.is_memory}  # OFFLOAD, RELOAD, EVICT, LOAD (schedule.stash)
 _PER_MICROBATCH = {op.value for op in (Op.F, Op.B, Op.I, Op.W)}  # what a microbatch's length scales
 
 
@@ -63,10 +66,10 @@ def microbatch_factors(schedule: Schedule, record: RunRecord) -> list[list[float
     config = record.config
     if config.min_seq_len is None or config.is_stream:
         return None
-    t, sizes = schedule.num_microbatches, microbatch_sizes(config)
+    t, sizes, longest = schedule.num_microbatches, microbatch_sizes(config), longest_sequence(config.model)
     out = []
     for k in range(config.steps):
-        lengths = microbatch_lengths(config.seed, record.first_step + k, t, config.min_seq_len, config.model.seq_len)
+        lengths = microbatch_lengths(config.seed, record.first_step + k, t, config.min_seq_len, longest)
         tokens = [n * length for n, length in zip(sizes, lengths)]
         mean = statistics.fmean(tokens)
         out.append([x / mean for x in tokens])
@@ -138,9 +141,46 @@ def dispatch_time(record: RunRecord) -> float:
                 if last_end is not None:
                     gaps.append(max(0.0, t0 - last_end - waited))
                 last_end, waited = t1, 0.0
-            elif op in _RECV:
+            elif op in _RECV or op in _MEMORY:  # the copies are timed on their own (``copy_times``)
                 waited += t1 - t0
     return statistics.fmean(gaps) if gaps else 0.0
+
+
+def copy_times(schedule: Schedule, record: RunRecord) -> dict[str, dict[str, float]]:
+    """Per stage, the mean seconds of each memory action the run measured (its copies' write and read, on the
+    rank's own time: ``runtime.stage.stash``); empty without memory actions."""
+    durations: dict[tuple[int, str], list[float]] = {}
+    for rank in record.ranks:
+        for k in measured_steps(record.config.steps):
+            for s, op, _, t0, t1 in rank.records[k]:
+                if op in _MEMORY:
+                    durations.setdefault((s, op), []).append(t1 - t0)
+    out: dict[str, dict[str, float]] = {}
+    for (s, op), values in sorted(durations.items()):
+        out.setdefault(str(s), {})[op] = statistics.fmean(values)
+    return out
+
+
+def copy_extra(schedule: Schedule, copies: dict[str, dict[str, float]]) -> dict[Action, float]:
+    """``copies`` folded into the compute actions as the simulator times them (``sim.stash``): a stage's move
+    away into its F, its move back into its backward (B or I)."""
+    extra: dict[Action, float] = {}
+    for row in schedule.actions:
+        for a in row:
+            ops = ("OFFLOAD", "EVICT") if a.op is Op.F else ("RELOAD", "LOAD") if a.op.computes_input_grad else ()
+            time = sum(copies.get(str(a.stage), {}).get(op, 0.0) for op in ops)
+            if time:
+                extra[a] = time
+    return extra
+
+
+def _simulated(schedule: Schedule, cost: CostModel, extra: dict[Action, float]) -> Timeline:
+    """``simulate`` with the measured copies folded in (``copy_extra``)."""
+    if not extra:
+        return simulate(schedule, cost, check=False)
+    costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
+    comm = costs.comm
+    return simulate_parts(schedule, costs, check=False, hop=(lambda src, dst: comm) if comm else None, extra=extra)
 
 
 def hop_latency(schedule: Schedule, record: RunRecord) -> float:
@@ -166,6 +206,9 @@ def hop_latency(schedule: Schedule, record: RunRecord) -> float:
 def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     """Measured and simulated figures of a run (the JSON record's numbers).
 
+    Memory actions (offload, BPipe) are timed on their own (``copy_times``, ``profiled_copies_s``: the
+    copies' write and read as measured) and charged where the runtime runs them, on the rank's own time
+    beside its F and backward (``copy_extra``), not spread over every action as dispatch.
     Microbatches of variable length: every measured step is simulated with its own microbatches' factors
     (``microbatch_factors``), and each simulated figure is the median over those steps, as the measured one.
     """
@@ -173,8 +216,10 @@ def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     factors = microbatch_factors(schedule, record)
     costs = [cost] if factors is None else [replace(cost, microbatch=factors[k])
                                             for k in measured_steps(record.config.steps)]
-    sims = [bubble_metrics(simulate(schedule, c, check=False)) for c in costs]
-    alones = [bubble_metrics(simulate(schedule, replace(c, dispatch=0.0), check=False)) for c in costs]
+    copies = copy_times(schedule, record)
+    extra = copy_extra(schedule, copies)
+    sims = [bubble_metrics(_simulated(schedule, c, extra)) for c in costs]
+    alones = [bubble_metrics(_simulated(schedule, replace(c, dispatch=0.0), extra)) for c in costs]
     sim = [statistics.median(m[i] for m in sims) for i in (0, 3, 4)]
     return {
         **measured_summary(schedule, record, cost),
@@ -182,6 +227,7 @@ def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
         "bubble_ratio_simulated": sim[1],
         "bubble_ratio_flush_simulated": sim[2],
         "bubble_ratio_simulated_no_dispatch": statistics.median(m[3] for m in alones),
+        **({"profiled_copies_s": copies} if copies else {}),
     }
 
 

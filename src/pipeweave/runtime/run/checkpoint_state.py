@@ -35,10 +35,14 @@ write each shard once as ``DTensor.from_local(shard, tp_mesh, [Shard(dim)])``
 -- column-parallel rows on dim 0, row-parallel columns on dim 1, the fused
 QKV viewed as ``(3, width, in)`` on dim 1 -- and reshard on load.)
 
-ZeRO-1 (``runtime.zero``): the optimizer state of a part is sharded over its
-replicas; ``optimizer_state`` gathers it whole per parameter (every replica
-calls it, as every rank saves), so a checkpoint holds the same keys with or
-without ``--zero 1``, and either resumes the other.
+ZeRO-1 (``runtime.zero``) and ZeRO-3 (``runtime.fsdp``): the optimizer state
+of a part (at 3 its parameters too) is sharded over its replicas;
+``optimizer_state`` gathers it whole per parameter (every replica calls it,
+as every rank saves; the parameters are whole inside the checkpoint's
+``gathered``), so a checkpoint holds the same keys at every ZeRO stage, and
+each resumes the others. Buffers are read as ``named_buffers`` (the
+persistent ones), never through ``state_dict()``, whose FSDP hook would free
+the gathered parameters.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from typing import Any
 import torch
 
 from pipeweave.errors import UserError
+from pipeweave.runtime.fsdp import FullyShardedPart
 from pipeweave.runtime.stage.policy import StreamCarry
 from pipeweave.runtime.stage.post_validation import ValidatedOptimizer
 from pipeweave.runtime.stage.tensor_parallel import gather, shard
@@ -111,9 +116,8 @@ def stage_state(worker: StageWorker, prefix: str = "", *, buffers: bool = True) 
     state = {f"{prefix}{PARAMETERS}{name}": _saved(worker, name, p) for name, p in params.items()}
     for name, fields in optimizer_state(worker).items():
         state.update({f"{prefix}{OPTIMIZER}{name}/{field}": _saved(worker, name, v) for field, v in fields.items()})
-    if buffers:  # persistent ones only: what state_dict() holds besides the parameters
-        state.update({f"{prefix}{BUFFERS}{name}": b.detach() for name, b in worker.module.state_dict().items()
-                      if name not in params})
+    if buffers:
+        state.update({f"{prefix}{BUFFERS}{name}": b.detach() for name, b in persistent_buffers(worker).items()})
     return state
 
 
@@ -123,7 +127,9 @@ def optimizer_state(worker: StageWorker) -> dict[str, dict[str, torch.Tensor]]:
     names = {id(p): name for name, p in worker.named_parameters().items()}
     optimizer: Any = worker.optimizer
     out: dict[str, dict[str, Any]] = {}
-    if isinstance(optimizer, ZeroOptimizer):  # its slices gathered whole: a collective of the replicas
+    if isinstance(worker.shards, FullyShardedPart):  # its rows gathered whole: a collective of the replicas
+        out = worker.shards.whole_state(optimizer)
+    elif isinstance(optimizer, ZeroOptimizer):  # its slices gathered whole: a collective of the replicas
         params = list(worker.module.parameters())
         out = {names[id(p)]: state for p, state in zip(params, optimizer.whole_state())}
     elif isinstance(optimizer, ValidatedOptimizer):
@@ -139,6 +145,14 @@ def optimizer_state(worker: StageWorker) -> dict[str, dict[str, torch.Tensor]]:
     tensors = {name: {k: v.detach() if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in state.items()
                       if v is not None} for name, state in out.items()}
     return {name: state for name, state in tensors.items() if state}
+
+
+def persistent_buffers(worker: StageWorker) -> dict[str, torch.Tensor]:
+    """The worker's persistent buffers by global name: what ``state_dict()`` holds besides the parameters."""
+    return {f"{prefix}{'.' if prefix else ''}{name}": b
+            for prefix, module in worker.module.named_modules()
+            for name, b in module.named_buffers(recurse=False)
+            if name not in module._non_persistent_buffers_set}
 
 
 # ---- load ------------------------------------------------------------------------
@@ -191,7 +205,7 @@ def apply(values: Mapping[str, torch.Tensor], workers: dict[int, StageWorker], s
     for stage, worker in workers.items():
         prefix = _prefix(worker, stage, workers, values)
         mine = worker.named_parameters()
-        my_buffers = {k: v for k, v in worker.module.state_dict(keep_vars=True).items() if k not in mine}
+        my_buffers = persistent_buffers(worker)
         wanted = [f"{prefix}{PARAMETERS}{n}" for n in mine] + [f"{prefix}{BUFFERS}{n}" for n in my_buffers]
         missing = [key.removeprefix(prefix).partition("/")[2] for key in wanted if key not in values]
         if missing:
@@ -234,6 +248,9 @@ def load_optimizer_state(worker: StageWorker, states: dict[str, dict[str, torch.
     """Set the worker's optimizer state from ``states`` (per global parameter name, torch.optim's names)."""
     named = worker.named_parameters()
     optimizer: Any = worker.optimizer
+    if isinstance(worker.shards, FullyShardedPart):  # each replica keeps its rows
+        worker.shards.load_whole_state(optimizer, states)
+        return
     if isinstance(optimizer, ZeroOptimizer):  # each replica keeps its slices
         names = {id(p): name for name, p in named.items()}
         optimizer.load_whole_state([states.get(names[id(p)], {}) for p in worker.module.parameters()])

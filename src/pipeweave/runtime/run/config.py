@@ -14,7 +14,9 @@ import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pipeweave.data import longest_sequence
 from pipeweave.errors import UserError
+from pipeweave.models.hf import is_hf
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.stage.policy import PolicyOptions
@@ -239,12 +241,13 @@ _BOOLS = ("collect_parameters", "memory_every_step", "overwrite", "balance_activ
 
 
 def _check_min_seq_len(config: TrainConfig, length: int) -> None:
-    """Variable lengths: the gpt's corpus, cut no longer than ``seq_len``, on a synchronous schedule."""
-    if config.model.kind != "gpt":
-        raise UserError(f"--min-seq-len applies to --model gpt (its corpus is cut to variable lengths), not "
-                        f"{config.model.kind}; drop --min-seq-len")
-    if not 1 <= length <= config.model.seq_len:
-        raise UserError(f"--min-seq-len {length} is invalid; give a length in [1, --seq-len {config.model.seq_len}]")
+    """Variable lengths: a model of sequences (the gpt's corpus, a custom model's dataset), cut no longer than
+    its sequences, on a synchronous schedule."""
+    longest = longest_sequence(config.model)
+    if not 1 <= length <= longest:
+        where = "" if config.model.kind == "gpt" or is_hf(config.model.entry) else " (the dataset's sequences)"
+        flag = "--seq-len " if not where else ""
+        raise UserError(f"--min-seq-len {length} is invalid; give a length in [1, {flag}{longest}]{where}")
     if config.is_stream:
         raise UserError(f"--min-seq-len applies to synchronous schedules; {config.schedule} is asynchronous; drop "
                         "--min-seq-len or use a synchronous schedule")

@@ -7,7 +7,10 @@
   simulator's peak activations, with each part's own bytes for M_a and M_W),
   from each part's bytes for one microbatch of the run's largest size as a
   rank's meter counts them (``part_memory``: the part's ``StageWorker`` run on
-  a tiny sample, or on the meta device);
+  a tiny sample, or on the meta device), with the memory levers
+  (``levered_activations``: an offloaded part holds a microbatch only while its F
+  or backward runs, compressed activations are measured compressed, BPipe's
+  balancing scales each rank as the simulator does);
 - **weights and optimizer state**: every weight copy the schedule's policy
   holds (``sim.metrics.version_metrics``: stashed versions, double buffers,
   predictions), one gradient per stage, and the optimizer's state per stage
@@ -17,7 +20,7 @@
   reduced gradient and of the optimizer state per stage, plus the working
   set: the gradients, accumulated whole through the step until their
   reduce-scatter, and the largest of the rank's parts, whole while one of its
-  actions runs (``runtime.zero`` gathers a part at a time);
+  actions runs (an upper bound: ``runtime.fsdp`` gathers a layer at a time);
 - **message rings**: the shared-memory rings a rank receives on
   (``transport.shm``: one per peer, ``capacity_for`` the largest message), where they are used;
 - **rank process**: a rank's own memory before any tensor and its copy of the
@@ -54,12 +57,14 @@ from pipeweave import host
 from pipeweave.errors import UserError
 from pipeweave.runtime.process import under_torchrun
 from pipeweave.runtime.run.config import TrainConfig
-from pipeweave.runtime.run.plan import RunPlan
+from pipeweave.runtime.run.plan import RunPlan, offloaded
 from pipeweave.runtime.run.part_memory import part_memory
 from pipeweave.runtime.run.sizes import PROCESS_BYTES, RANK_BYTES_PER_ACTION, SPAWN_BYTES
 from pipeweave.schedule.ir import Op
 from pipeweave.sim.cost import CostModel
+from pipeweave.schedule.stash import StashPlan
 from pipeweave.sim.metrics import held_peaks, version_metrics
+from pipeweave.sim.stash import simulate_levers
 
 OPTIMIZER_STATE = {"sgd": 0, "sgd+momentum": 1, "adamw": 2}
 """Copies of a part's weights its optimizer keeps: SGD's momentum buffer, AdamW's two moments."""
@@ -97,9 +102,7 @@ def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEs
     # A full backward without recomputation frees as it goes (0 on top, measured): only the others are run here
     backwards = tuple(op for op, run in (("B", Op.B in ops and config.recomputes), ("I", Op.I in ops)) if run)
     parts = part_memory(config, plan.parts, backwards)
-    part_of = schedule.placement.stage_part
-    activations = held_peaks(schedule.actions, part_of, [p.held for p in parts], [p.stash for p in parts],
-                             [p.during_b for p in parts], [p.during_i for p in parts])
+    activations = levered_activations(config, schedule, parts)
     costs = CostModel(weight=[float(p.weights) for p in parts]).for_parts(num_parts=schedule.num_parts,
                                                                           num_ranks=schedule.num_ranks)
     weights = _weights(config, schedule, [p.weights for p in parts], version_metrics(schedule, costs)[0])
@@ -111,6 +114,26 @@ def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEs
     process = PROCESS_BYTES + actions * RANK_BYTES_PER_ACTION
     return MemoryEstimate(tuple(int(a) for a in activations), tuple(int(w) for w in weights), (rings,) * ranks,
                           (process,) * ranks, copies)
+
+
+def levered_activations(config: TrainConfig, schedule: Any, parts: list[Any]) -> tuple[float, ...]:
+    """Per rank, the peak activation bytes (``held_peaks`` over ``part_memory``'s bytes, compressed ones measured
+    so) with the memory levers: an offloaded part (``--offload``) holds a microbatch only while its F or its
+    backward runs (on top of the rest, as the backward's own use); BPipe (``--balance-activations``) scales each
+    rank's peak as the simulator's does (``sim.stash``, each part's bytes for M_a, uniform times)."""
+    away = offloaded(config, schedule)
+    part_of = schedule.placement.stage_part
+    held = [0 if k in away else p.held for k, p in enumerate(parts)]
+    during_b = [p.during_b + (p.held if k in away else 0) for k, p in enumerate(parts)]
+    during_i = [p.during_i + (p.held if k in away else 0) for k, p in enumerate(parts)]
+    peaks = held_peaks(schedule.actions, part_of, held, [p.stash for p in parts], during_b, during_i)
+    if not config.balance_activations:
+        return peaks
+    costs = CostModel(activation=[float(p.held) for p in parts], mem_w=0.0).for_parts(
+        num_parts=schedule.num_parts, num_ranks=schedule.num_ranks)
+    before = simulate_levers(schedule, costs, StashPlan(offload=away))[0].peak_activations
+    after = simulate_levers(schedule, costs, StashPlan(offload=away, balance=True))[0].peak_activations
+    return tuple(p * a / b if b else p for p, a, b in zip(peaks, after, before))
 
 
 def _weights(config: TrainConfig, schedule: Any, part_weights: list[int], copies: list[float]) -> list[float]:
@@ -179,7 +202,9 @@ def check_memory(estimate: MemoryEstimate, config: TrainConfig, on_cpu: bool = T
 def _hint(largest: str, config: TrainConfig) -> str:
     """The fix for the largest term."""
     if largest == "activations":
-        return "reduce --batch" if config.recompute == "full" else "reduce --batch or add --recompute (selective or full)"
+        levers = "" if config.offload else " or --offload (the first parts)"
+        return ("reduce --batch" + levers if config.recompute == "full"
+                else f"reduce --batch or add --recompute (selective or full){levers}")
     if largest == "weights and optimizer state":
         return "give a smaller model (--layers, --hidden)" + (" or --optimizer sgd" if config.optimizer == "adamw"
                                                                 else "")

@@ -86,6 +86,7 @@ def part_memory(config: TrainConfig, parts: Sequence[range], backwards: tuple[st
     key = {"spec": asdict(config.model), "source": fingerprint(config.model.entry) if config.model.entry else None,
            "parts": [[p.start, p.stop] for p in parts], "size": size, "backwards": list(backwards),
            "precision": config.precision, "recompute": config.recompute, "torch": torch.__version__,
+           "compress": config.compress_activations,
            "tensor_parallel": config.tensor_parallel, **({"sequence_parallel": True} if config.sequence_parallel else {})}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir().parent / "memory"
@@ -157,6 +158,7 @@ def _measure(config: TrainConfig, parts: Sequence[range], size: int, device: str
         for part, mode in zip(parts, config.recompute_of(len(parts))):
             worker = StageWorker(config.model, part, batch_size=config.batch_size, recompute=mode,
                                  device=device, precision=config.precision, optimizer_factory=_no_optimizer,
+                                 compress=config.compress_activations is not None,
                                  tensor_parallel=_measuring(config))
             if device == "meta":
                 worker.meter = _MetaMeter({int(p.untyped_storage()._cdata) for p in worker.module.parameters()})

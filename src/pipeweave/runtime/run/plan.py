@@ -39,6 +39,7 @@ from pipeweave.runtime.run.sizes import check_batch, check_layers, check_sizes, 
 from pipeweave.runtime.stage.lr_schedule import LrSchedule
 from pipeweave.runtime.stage.post_validation import check_post_validation
 from pipeweave.runtime.stage.tensor_parallel import check_plans
+from pipeweave.runtime.stage.tied import tied_groups
 from pipeweave.runtime.stage.worker import OptimizerFactory
 from pipeweave.runtime.stream import check_stream_model, pipelines_per_round, stream_steps, stream_updates
 from pipeweave.schedule import Schedule, generate, validate
@@ -260,11 +261,11 @@ def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
     if base != schedule.placement.num_parts:
         raise UserError(f"--zero {config.zero} shards data-parallel replicas; {config.schedule} replicates parts "
                         "inside its pipeline: use --zero 0 with it")
-    if config.model.tie_embeddings and config.data_parallel > 1:
-        # The tied gradients are summed at U (runtime.stage.tied), after the reduce-scatter gave each replica
-        # its slice of the untied ones.
-        raise UserError(f"--zero {config.zero} with --tie-embeddings is not supported (the tie is summed after "
-                        "the gradients are sharded); use --zero 0 with it")
+    if config.zero == 3 and config.data_parallel > 1 and tied_groups(config.model):
+        # FSDP2 shards each layer's parameters apart, and reduces them in its own hooks: a tie's two copies are
+        # summed on whole gradients (runtime.stage.tied), which FSDP keeps only inside its backward.
+        raise UserError(f"--zero 3 with tied parameters ({', '.join(tied_groups(config.model)[0])}) is not "
+                        "supported; use --zero 1 (or 0) with them")
 
 
 def _check_evaluation(config: TrainConfig, source: Any) -> None:

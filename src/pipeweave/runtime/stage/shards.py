@@ -1,10 +1,10 @@
 """Parameters kept sharded between a stage's actions, and whole while code reads them (ZeRO-3).
 
 A stage whose part is sharded over its data-parallel replicas
-(``runtime.zero.ZeroOptimizer`` at stage 3) holds only its slice of the
-parameters between actions; ``StageWorker.whole_weights()`` makes them whole
-for the actions that read them (F, B, I, evaluation), and ``gathered``
-does so for every stage of a rank around code that reads parameters outside
+(``runtime.fsdp.FullyShardedPart``: FSDP2, which gathers a layer around its
+own forward and backward) holds only its shards of the parameters between
+actions; ``StageWorker.whole_weights()`` makes them whole, and ``gathered``
+does so for every stage of a rank, around code that reads parameters outside
 an action (a checkpoint, the run's final parameters, the finiteness check).
 """
 
@@ -17,10 +17,11 @@ from typing import Any, Protocol
 
 
 class Shards(Protocol):
-    """A stage's parameters kept sharded between actions (``runtime.zero.ZeroOptimizer`` at stage 3)."""
+    """A stage's parameters kept sharded between actions (``runtime.fsdp.FullyShardedPart``)."""
 
     def gathered(self) -> AbstractContextManager[None]:
-        """The parameters whole inside (a collective of the part's replicas), freed after."""
+        """The parameters whole inside (a collective of the part's replicas), freed after; values written
+        into them inside are kept."""
         ...
 
     def weight_bytes(self) -> int:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
@@ -39,7 +39,8 @@ class TensorBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                self._count(t.untyped_storage())
+                for inner in _plain(t):
+                    self._count(inner.untyped_storage())
         return out
 
     def _count(self, storage: torch.UntypedStorage) -> None:
@@ -57,6 +58,18 @@ class TensorBytes(TorchDispatchMode):
             if key in self._live:
                 self._live.discard(key)
                 self.current -= size
+
+
+def _plain(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors holding ``t``'s storage: itself, or a wrapper's (a ``DTensor``'s local shard: ZeRO-3's)."""
+    if not is_traceable_wrapper_subclass(t):
+        yield t
+        return
+    names, _ = t.__tensor_flatten__()
+    for name in names:
+        inner = getattr(t, name)
+        if isinstance(inner, torch.Tensor):
+            yield from _plain(inner)
 
 
 @contextlib.contextmanager

@@ -107,10 +107,13 @@ class TiedGradients:
         workers: the stage workers of this process, by stage.
         rank: this rank, or None when every stage is in this process.
         tag_base: first message tag free for this exchange (distributed only).
+        first: sum the ties before the ``combine_grads`` already installed, not after: under ZeRO-1 that
+            combine reduce-scatters the replicas' gradients, and a tie must be summed whole, before the
+            slicing (``runtime.replicas`` then launches the tied parts' reduction at ``U``).
     """
 
     def __init__(self, placement: Placement, workers: dict[int, StageWorker], rank: int | None = None,
-                 tag_base: int = 0) -> None:
+                 tag_base: int = 0, *, first: bool = False) -> None:
         self.placement, self.workers, self.rank, self.tag_base = placement, workers, rank, tag_base
         self._pending: set[tuple[int, int]] = set()  # local pairs summed once, awaiting the second U
         self.peer: dict[int, int] = {}
@@ -118,7 +121,7 @@ class TiedGradients:
             peer = tie_peer(placement, stage, worker)
             if peer is not None:
                 self.peer[stage] = peer
-                worker.combine_grads = chained(worker.combine_grads, self._combine, stage)
+                worker.combine_grads = chained(worker.combine_grads, self._combine, stage, first=first)
 
     def _combine(self, stage: int) -> None:
         peer = self.peer[stage]
@@ -160,13 +163,17 @@ class TiedGradients:
 
 
 def chained(before: Callable[[StageWorker], None] | None, combine: Callable[[int], None],
-            stage: int) -> Callable[[StageWorker], None]:
+            stage: int, *, first: bool = False) -> Callable[[StageWorker], None]:
     """A worker's ``combine_grads``: ``before`` (the replicas of the part first: every replica then holds the
-    same sum), then ``combine(stage)``."""
+    same sum), then ``combine(stage)``; with ``first``, ``combine(stage)`` before ``before`` (ZeRO-1: the tie
+    summed whole, then the replicas' reduction slices it)."""
     def run(worker: StageWorker) -> None:
+        if first:
+            combine(stage)
         if before is not None:
             before(worker)
-        combine(stage)
+        if not first:
+            combine(stage)
 
     return run
 

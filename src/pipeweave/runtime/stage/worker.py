@@ -61,8 +61,10 @@ by (model seed, ``steps_done``, microbatch, layer) before each layer call
 (``models.randomness``), so their dropout masks are plain training's, on any
 rank and in a replay; set ``steps_done`` when resuming.
 
-ZeRO-3 (``stage.shards``): where ``worker.shards`` is set, the parameters
-are whole only inside ``whole_weights()``, which F, B, I and ``evaluate`` open.
+ZeRO-3 (``stage.shards``): where ``worker.shards`` is set, the layers are
+FSDP2 units (``runtime.fsdp``): each gathers its parameters itself around
+its forward and backward; code outside an action reads them whole inside
+``whole_weights()``.
 
 Accounting: ``weight_bytes()``; ``activation_bytes()`` and
 ``peak_activation_bytes()`` count, through saved-tensor hooks, the distinct
@@ -192,7 +194,7 @@ class StageWorker(Metered):
         self.optimizer = self.optimizer_factory(list(self.module.parameters()))
         self.loss = loss_fn(spec)
         self.combine_grads: Callable[[StageWorker], None] | None = None
-        self.shards: Shards | None = None  # ZeRO-3 (runtime.zero): whole only inside whole_weights()
+        self.shards: Shards | None = None  # ZeRO-3 (runtime.fsdp): FSDP2's shards between actions
         self.meter = ActivationMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()})
         self.track_memory = track_memory
         self._saved: dict[int, _Microbatch] = {}
@@ -218,12 +220,12 @@ class StageWorker(Metered):
         x = boundary.apply(self._input, x)
         target = None if target is None else boundary.apply(own, target)
         if self.recompute == "full":
-            with torch.no_grad(), self.whole_weights():
+            with torch.no_grad():
                 out = self._run(x, target, mb, self.steps_done)
             record = _Microbatch(x, None, target, [self._hold(t) for t in tensors(x)], self.steps_done)
         else:
             saved: list[Any] | None = [] if self.stashing else None
-            with self._hooks(saved, x), self.whole_weights():
+            with self._hooks(saved, x):
                 out = self._run(x, target, mb, self.steps_done)
             held = [self._hold(t) for t in tensors(x)] + [self._hold(t) for t in tensors(out)]
             record = _Microbatch(x, out, target, held, self.steps_done, saved)
@@ -242,7 +244,7 @@ class StageWorker(Metered):
             raise RuntimeError("the last stage needs the microbatch's target to compute the loss")
         self.module.eval()  # dropout off, batch norm on its running statistics (custom models)
         try:
-            with torch.no_grad(), self.whole_weights():
+            with torch.no_grad():
                 return self._run(x, target, None, self.steps_done)
         finally:
             self.module.train()
@@ -267,13 +269,11 @@ class StageWorker(Metered):
     # ---- B, I, W -----------------------------------------------------------
     def backward(self, mb: int, grad_output: Boundary | None = None) -> Boundary | None:
         """B: input and weight gradients of microbatch ``mb``; returns the input gradient (None on the first stage)."""
-        with self.whole_weights():  # the input gradient (and a replay) reads the weights; W does not
-            return self._backward(mb, grad_output, defer=False)
+        return self._backward(mb, grad_output, defer=False)
 
     def backward_input(self, mb: int, grad_output: Boundary | None = None) -> Boundary | None:
         """I: the input gradient only; the weight gradients wait for ``backward_weight(mb)``."""
-        with self.whole_weights():
-            return self._backward(mb, grad_output, defer=True)
+        return self._backward(mb, grad_output, defer=True)
 
     def backward_weight(self, mb: int) -> None:
         """W: accumulate the weight gradients that ``backward_input(mb)`` deferred."""
@@ -329,9 +329,10 @@ class StageWorker(Metered):
 
         For a rank waiting on a message (a bubble): the first backward then accumulates into memory just
         written instead of allocating its gradients cold (slower: benchmarks/runtime/README.md). Zero plus
-        the first gradient is that gradient. A no-op once a backward of the step has run.
+        the first gradient is that gradient. A no-op once a backward of the step has run, and under ZeRO-3
+        (the parameters between actions are FSDP's shards, whose gradients FSDP's reduction writes).
         """
-        if self._backward_ran:
+        if self._backward_ran or self.shards is not None:
             return
         for p in self.module.parameters():
             if p.grad is None:
@@ -379,7 +380,8 @@ class StageWorker(Metered):
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
 
     def whole_weights(self) -> AbstractContextManager[None]:
-        """The parameters whole inside: gathered and freed after where sharded (``shards``), else as they are."""
+        """The parameters whole inside, for code outside an action: gathered and freed after where sharded
+        (``shards``; written values kept), else as they are."""
         return contextlib.nullcontext() if self.shards is None else self.shards.gathered()
 
     @property
