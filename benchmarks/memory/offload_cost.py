@@ -82,7 +82,7 @@ def main() -> None:
             print(name, r, f"step {row['makespan_s']:.4f} s (min {row['step_min_s']:.4f}), rank CPU",
                   [round(c, 4) for c in row["rank_cpu_s"]], "load", row["load"], flush=True)
     # The copies' CPU time: what they take from a rank that has its core to itself (wall time on this shared
-    # machine counts the other sessions' processes too).
+    # machine counts other processes on the machine too).
     results["copy_wall"] = _copy_rate(stages=STAGES)
     results["copy"] = rate = _copy_rate(stages=STAGES, clock=time.thread_time)
     exact, moved = results["runs"]["exact"], results["runs"]["offload part 0"]
