@@ -36,16 +36,22 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipeweave.runtime.stage.tensor_parallel import split_of
 from pipeweave.runtime.stage.worker import StageWorker
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
+# torch.distributed.fsdp and torch.distributed.tensor are imported where a part is sharded, not here: they
+# cost every rank process about 0.8 s of start-up, and only ``--zero 3`` needs them (a DTensor exists only
+# once they are imported, so the checks below import nothing new).
 
 class FullyShardedPart:
     """A stage's part under ``fully_shard``, one FSDP unit per layer; the worker's ``shards``.
@@ -56,6 +62,8 @@ class FullyShardedPart:
     """
 
     def __init__(self, worker: StageWorker, dp_mesh: Any) -> None:
+        from torch.distributed.fsdp import fully_shard
+
         whole = dict(worker.module.named_parameters())
         self.units: dict[str, FSDPModule] = {}  # by layer index, as ``StageWorker.module`` names them
         for index, layer in worker.module.items():
@@ -85,13 +93,13 @@ class FullyShardedPart:
         for unit in reversed(self.units.values()):  # the backward's order
             unit.set_requires_gradient_sync(True)
             unit.set_is_last_backward(True)
-            for group in fully_shard.state(unit)._fsdp_param_groups:
+            for group in _state(unit)._fsdp_param_groups:
                 group.post_backward()
 
     def finish(self) -> None:
         """Wait for ``reduce`` (the part's ``U``) and leave the units ready for the next step's backward."""
         for unit in self.units.values():
-            fully_shard.state(unit)._root_post_backward_final_callback()
+            _state(unit)._root_post_backward_final_callback()
             unit.set_requires_gradient_sync(False)
             unit.set_is_last_backward(False)
 
@@ -144,7 +152,7 @@ class FullyShardedPart:
 
     def whole_state(self, optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
         """The optimizer's state per global parameter name, whole (a collective of the replicas)."""
-        return {name: {k: v.full_tensor() if isinstance(v, DTensor) else v
+        return {name: {k: v.full_tensor() if _is_dtensor(v) else v
                        for k, v in optimizer.state[p].items()}
                 for name, p in self.sharded.items() if p in optimizer.state}
 
@@ -164,7 +172,7 @@ class _Gathered:
     def __contains__(self, key: object) -> bool:
         for unit in self.units:
             first = next(unit.parameters(), None)  # type: ignore[attr-defined]
-            if first is not None and not isinstance(first, DTensor) and first.untyped_storage().data_ptr() == key:
+            if first is not None and not _is_dtensor(first) and first.untyped_storage().data_ptr() == key:
                 return True
         return False
 
@@ -188,12 +196,26 @@ def _mark(param: torch.Tensor, original: torch.Tensor) -> None:
         param.tensor_parallel_split = split  # type: ignore[attr-defined]  # as stage.tensor_parallel marks it
 
 
+def _state(unit: Any) -> Any:
+    """FSDP's state of ``unit`` (its parameter groups: what torch.distributed.pipelining drives too)."""
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard.state(unit)
+
+
+def _is_dtensor(t: object) -> bool:
+    tensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
+    return tensor is not None and isinstance(t, tensor.DTensor)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _distribute(whole: torch.Tensor, like: Any) -> torch.Tensor:
     """This replica's rows of ``whole``, as a ``DTensor`` sharded as ``like`` (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
     return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
 
