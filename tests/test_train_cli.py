@@ -66,6 +66,7 @@ def test_default_model_is_the_gpt_with_a_summary(tmp_path: Path) -> None:
         assert needle in run.stdout, needle
 
 
+@pytest.mark.slow  # 23 s; resuming on another schedule is in the default run in-process (runtime/test_checkpoint.py)
 def test_save_then_resume_on_another_schedule_continues_the_gpt_run(tmp_path: Path) -> None:
     gpt = ["--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch", "4"]
     straight, _ = _train(tmp_path / "straight", *gpt, "--steps", "5", "--quiet")
@@ -90,6 +91,7 @@ def test_held_out_loss_in_the_record_the_summary_and_the_progress_bar(tmp_path: 
     assert plain["eval_losses"] == [] and plain["losses"] == report["losses"]  # evaluating trains nothing
 
 
+@pytest.mark.slow  # 24 s; a stream cut by evaluations and resumed is in the default run (runtime/test_stream_segments.py)
 def test_an_asynchronous_run_evaluates_saves_and_resumes_between_its_streams(tmp_path: Path) -> None:
     gpt = ["-s", "pipemare", "--warmup-steps", "1", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads",
            "2", "--seq-len", "8", "--batch", "4", "--lr-schedule", "cosine", "--lr-decay-steps", "6"]

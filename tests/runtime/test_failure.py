@@ -100,9 +100,11 @@ def _fork_server_of(launcher: int) -> int:
     ("mode", "cause"),
     [
         ("raise", "rank 1 failed: ValueError: injected failure on rank 1"),
-        ("kill", "rank 1 was killed by SIGKILL"),
+        # slow: a kill and the shared-memory transport are in the default run by "train-kill-auto"
+        pytest.param("kill", "rank 1 was killed by SIGKILL", marks=pytest.mark.slow),
         ("train-raise", "rank 1 failed: RuntimeError: injected failure in a backward on rank 1"),
-        ("train-raise-auto", "rank 1 failed: RuntimeError: injected failure in a backward on rank 1"),
+        pytest.param("train-raise-auto", "rank 1 failed: RuntimeError: injected failure in a backward on rank 1",
+                     marks=pytest.mark.slow),
         ("train-kill-auto", "rank 1 was killed by SIGKILL"),
     ],
 )
@@ -165,7 +167,8 @@ def test_ctrl_c_held_back_while_the_fork_server_starts_is_one_line() -> None:
     ("sig", "group", "cause"),
     [
         (signal.SIGTERM, False, "terminated (SIGTERM)"),  # ``kill``, a scheduler
-        (signal.SIGHUP, False, "hung up (SIGHUP)"),  # the shell of a closed ssh session
+        # slow: SIGHUP's name is in the default run by the process-group case below
+        pytest.param(signal.SIGHUP, False, "hung up (SIGHUP)", marks=pytest.mark.slow),  # a closed ssh session
         (signal.SIGHUP, True, "hung up (SIGHUP)"),  # a closed terminal: its whole foreground process group
     ],
 )
