@@ -1,4 +1,4 @@
-"""Time the simulator and its metrics, the pure-Python reference beside the fast engine, in one run.
+"""Time the simulator and its metrics, the pure-Python reference beside the two fast engines, in one run.
 
 Usage (from the repository root):
     python benchmarks/simulator/bench.py --parts --no-big     # where the fast engine's cold time goes
@@ -8,14 +8,17 @@ Usage (from the repository root):
 
 For each schedule, ``--rounds`` rounds; each round times, one after the other
 on the same machine state, the reference (``simulate(s, fast=False)`` and
-``compute_metrics``) and the fast engine on a schedule it has not seen
-(``simulate(s)`` and ``compute_metrics``, cold: the schedule's arrays are made
-and checked inside) and then again on the same schedule (warm: what a search
-pays to re-simulate one schedule under other costs). Both validate the actions
-(``check=True``, the default). Generating the schedule is timed once, apart.
-Prints every round and the medians as a markdown table, and checks that both
-engines give the same metrics. Not a test: timings depend on the machine and
-its load; see README.md for recorded results.
+``compute_metrics``), then each fast engine -- the numpy rounds
+(``sim.rounds``) and the compiled walk (``sim.compiled``), in turn first -- on
+a schedule it has not seen (``simulate(s)`` and ``compute_metrics``, cold: the
+schedule's arrays are made and checked inside) and then again on the same
+schedule (warm: what a search pays to re-simulate one schedule under other
+costs). All validate the actions (``check=True``, the default). Generating the
+schedule is timed once, apart; so is loading the compiled walk (numba's import
+and its cache, in a fresh process), which a process pays once. Prints every
+round and the medians as a markdown table, and checks that every engine gives
+the same metrics. Not a test: timings depend on the machine and its load; see
+README.md for recorded results.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import gc
 import importlib
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -32,7 +36,7 @@ from typing import Any
 
 from pipeweave.schedule import SCHEDULES, ScheduleError, generate, validate
 from pipeweave.schedule.ir import Schedule
-from pipeweave.sim import compute_metrics, simulate
+from pipeweave.sim import compute_metrics, rounds as engines, simulate
 from pipeweave.sim.network import Link, Network
 from pipeweave.sim.parallel import Layout, simulate_layout
 from pipeweave.sim.traffic import ModelBytes
@@ -64,26 +68,51 @@ def _run(schedule: Schedule, *, fast: bool, layout: bool) -> Any:
     return compute_metrics(simulate(schedule, fast=fast))
 
 
+ENGINES = {"rounds": float("inf"), "compiled": 0}  # ``sim.rounds.COMPILED_FROM`` that makes "auto" take each
+
+
+def _engine(name: str, fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``_cpu(fn)`` with the fast engine ``name``."""
+    saved = engines.COMPILED_FROM
+    engines.COMPILED_FROM = ENGINES[name]  # type: ignore[assignment]
+    try:
+        return _cpu(fn)
+    finally:
+        engines.COMPILED_FROM = saved
+
+
+def load_seconds() -> tuple[float, float]:
+    """Wall and CPU seconds a fresh process spends loading the compiled walk: numba's import, and the first
+    call on a small schedule (the kernel from numba's cache on disk, compiled when the cache is empty)."""
+    code = ("import time; from pipeweave.schedule import generate; from pipeweave.sim import rounds, simulate; "
+            "s = generate('1f1b', num_stages=2, num_microbatches=2); rounds.COMPILED_FROM = 0; "
+            "w, c = time.perf_counter(), time.process_time(); simulate(s); "
+            "print(time.perf_counter() - w, time.process_time() - c)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    return float(out[0]), float(out[1])
+
+
 def compare(name: str, d: int, t: int, rounds: int, layout: bool = False) -> dict[str, Any]:
-    """Per round the reference's, the fast engine's cold and warm CPU seconds (``error`` when rejected)."""
+    """Per round the reference's, and each fast engine's cold and warm, CPU seconds (``error`` when rejected)."""
     try:
         schedule, t_gen = _cpu(lambda: _make(name, d, t))
     except ScheduleError as exc:
         return {"name": name, "error": str(exc)}
-    old, cold, warm, same = [], [], [], True
-    for _ in range(rounds):
+    out: dict[str, Any] = {"name": name, "generate": t_gen, "old": []}
+    same = True
+    for k in range(rounds):
         reference, seconds = _cpu(lambda: _run(schedule, fast=False, layout=layout))
-        old.append(seconds)
-        fresh = _make(name, d, t)  # the fast engine keeps a schedule's arrays: give it one it has not seen
-        fast, seconds = _cpu(lambda s=fresh: _run(s, fast=True, layout=layout))  # type: ignore[misc]
-        cold.append(seconds)
-        again, seconds = _cpu(lambda s=fresh: _run(s, fast=True, layout=layout))  # type: ignore[misc]
-        warm.append(seconds)
-        same &= reference == fast == again
-        del fresh
-    actions = sum(len(row) for row in schedule.actions)
-    return {"name": name, "actions": actions, "generate": t_gen, "old": old, "cold": cold, "warm": warm,
-            "same": same, "bubble_ratio": reference.bubble_ratio}
+        out["old"].append(seconds)
+        for engine in (("rounds", "compiled") if k % 2 == 0 else ("compiled", "rounds")):
+            fresh = _make(name, d, t)  # the fast engines keep a schedule's arrays: give each one it has not seen
+            fast, cold = _engine(engine, lambda s=fresh: _run(s, fast=True, layout=layout))  # type: ignore[misc]
+            again, warm = _engine(engine, lambda s=fresh: _run(s, fast=True, layout=layout))  # type: ignore[misc]
+            out.setdefault(f"{engine} cold", []).append(cold)
+            out.setdefault(f"{engine} warm", []).append(warm)
+            same &= reference == fast == again
+            del fresh
+    out.update(actions=sum(len(row) for row in schedule.actions), same=same, bubble_ratio=reference.bubble_ratio)
+    return out
 
 
 def _command(schedule: Schedule, *, arrays: bool) -> Any:
@@ -119,31 +148,37 @@ def command_row(r: dict[str, Any], d: int, t: int) -> str:
             f"{'yes' if r['same'] else 'NO'} | {show(r['old'])} | {show(r['new'])} |")
 
 
+COLUMNS = ("rounds cold", "rounds warm", "compiled cold", "compiled warm")
+
+
 def row(r: dict[str, Any], d: int, t: int) -> str:
     if "error" in r:
-        return f"| {r['name']} | {d} | {t} | rejected: {r['error']} | | | | | | |"
-    old, cold, warm = (statistics.median(r[k]) for k in ("old", "cold", "warm"))
-    return (f"| {r['name']} | {d} | {t} | {r['actions']} | {r['generate']:.3f} | {old:.3f} | **{cold:.3f}** | "
-            f"{warm:.3f} | {old / cold:.0f}x | {'yes' if r['same'] else 'NO'} | {r['bubble_ratio']:.4f} |")
+        return f"| {r['name']} | {d} | {t} | rejected: {r['error']} | | | | | | | | |"
+    old = statistics.median(r["old"])
+    rounds_cold, rounds_warm, cold, warm = (statistics.median(r[k]) for k in COLUMNS)
+    return (f"| {r['name']} | {d} | {t} | {r['actions']} | {r['generate']:.3f} | {old:.3f} | {rounds_cold:.3f} | "
+            f"{rounds_warm:.3f} | **{cold:.3f}** | {warm:.3f} | {old / cold:.0f}x | {'yes' if r['same'] else 'NO'} | "
+            f"{r['bubble_ratio']:.4f} |")
 
 
 def rounds_line(r: dict[str, Any]) -> str:
     if "error" in r:
         return ""
     show = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
-    return f"{r['name']}: reference {show(r['old'])} | fast cold {show(r['cold'])} | fast warm {show(r['warm'])}"
+    return f"{r['name']}: reference {show(r['old'])} | " + " | ".join(f"{k} {show(r[k])}" for k in COLUMNS)
 
 
 # --parts: where the fast engine's cold time goes; (module, owner, function): each timed where it is called.
 PARTS = (("pipeweave.sim.arrays", None, "encode"), ("pipeweave.sim.arrays", None, "well_formed"),
          ("pipeweave.sim.rounds", "_Loop", "__init__"), ("pipeweave.sim.rounds", "_Loop", "run"),
-         ("pipeweave.sim.rounds", "_Loop", "times"), ("pipeweave.sim.rounds", None, "_run_updates"),
+         ("pipeweave.sim.rounds", "_Loop", "times"), ("pipeweave.sim.compiled", None, "walk_times"),
+         ("pipeweave.sim.rounds", None, "_run_updates"),
          ("pipeweave.sim.metrics", None, "bubble_metrics"), ("pipeweave.sim.metrics", None, "peak_activations"))
 
 
-def parts(name: str, d: int, t: int, rounds: int) -> dict[str, list[float]]:
-    """Per part of ``PARTS`` (and ``total``), its CPU seconds in each cold round (a schedule generated afresh);
-    ``encode`` includes ``well_formed``, ``run`` the walk."""
+def parts(name: str, d: int, t: int, rounds: int, engine: str) -> dict[str, list[float]]:
+    """Per part of ``PARTS`` (and ``total``), its CPU seconds in each cold round (a schedule generated afresh)
+    on the fast ``engine``; ``encode`` includes ``well_formed``, ``run`` the rounds' walk."""
     spent: dict[str, list[float]] = {}
     now: dict[str, float] = {}
     undo = []
@@ -165,7 +200,7 @@ def parts(name: str, d: int, t: int, rounds: int) -> dict[str, list[float]]:
         for _ in range(rounds):
             fresh = _make(name, d, t)
             now.clear()
-            _, now["total"] = _cpu(lambda s=fresh: _run(s, fast=True, layout=False))  # type: ignore[misc]
+            _, now["total"] = _engine(engine, lambda s=fresh: _run(s, fast=True, layout=False))  # type: ignore[misc]
             for key, seconds in now.items():
                 spent.setdefault(key, []).append(seconds)
             del fresh
@@ -186,18 +221,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big-only", action="store_true", help="only 1f1b at D=1024, T=4096")
     p.add_argument("--layout", action="store_true", help="through simulate_layout on TP 2 x DP 4 (LAYOUT)")
     p.add_argument("--parts", action="store_true", help="the fast engine's cold CPU time by part, medians in ms")
+    p.add_argument("--engine", choices=list(ENGINES), default="compiled", help="the fast engine of --parts")
     p.add_argument("--command", action="store_true",
                    help="what pipeweave simulate pays: validate() then simulate, against sim.validation.check")
     args = p.parse_args(argv)
     names = args.names or list(SCHEDULES)
     print(f"# python {platform.python_version()} on {platform.machine()}, {time.strftime('%Y-%m-%d %H:%M %Z')}")
     if args.parts:
-        print("CPU milliseconds of the fast engine, cold, by part (medians of the rounds)")
+        print(f"CPU milliseconds of the fast engine ({args.engine}), cold, by part (medians of the rounds)")
+        _engine(args.engine, lambda: _run(_make("1f1b", 2, 2), fast=True, layout=False))  # loaded before timing
         keys = [function for _, _, function in PARTS] + ["total"]
         print("| schedule | " + " | ".join(keys) + " |")
         print("|---" * (len(keys) + 1) + "|")
         for name in names:
-            spent = parts(name, args.stages, args.microbatches, args.rounds)
+            spent = parts(name, args.stages, args.microbatches, args.rounds, args.engine)
             print(f"| {name} | " + " | ".join(f"{statistics.median(spent.get(k, [0.0])) * 1e3:.1f}" for k in keys)
                   + " |", flush=True)
         return 0
@@ -210,10 +247,14 @@ def main(argv: list[str] | None = None) -> int:
             print(command_row(compare_command(name, args.stages, args.microbatches, args.rounds), args.stages,
                               args.microbatches), flush=True)
         return 0
+    wall, cpu = load_seconds()
+    print(f"Loading the compiled walk in a fresh process (numba's import, the kernel from its cache): {wall:.3f} s "
+          f"wall, {cpu:.3f} s CPU")
+    _engine("compiled", lambda: _run(_make("1f1b", 2, 2), fast=True, layout=False))  # this process: loaded before
     print("CPU seconds of simulate + compute_metrics, medians of the rounds (every round below the table)")
-    print("| schedule | D | T | actions | generate | reference | fast (cold) | fast (warm) | speed-up | same metrics "
-          "| bubble |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| schedule | D | T | actions | generate | reference | rounds (cold) | rounds (warm) | compiled (cold) "
+          "| compiled (warm) | speed-up (cold) | same metrics | bubble |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     results = []
     sizes = [] if args.big_only else [(n, args.stages, args.microbatches, args.rounds) for n in names]
     if not args.no_big:

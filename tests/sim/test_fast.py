@@ -1,4 +1,5 @@
-"""The fast simulator (``sim.rounds`` over ``sim.arrays``) against the pure-Python reference, bit for bit.
+"""The fast simulators (``sim.rounds`` and ``sim.compiled`` over ``sim.arrays``) against the pure-Python
+reference, bit for bit.
 
 Every registered schedule, at several sizes, under uniform costs and under
 per-part costs that are not binary fractions (so that a different order of
@@ -25,6 +26,9 @@ from pipeweave.sim import CostModel, compute_metrics, simulate
 from pipeweave.sim.arrays import encode, schedule_arrays
 from pipeweave.sim.network import Link, Network
 from pipeweave.sim.parallel import Layout, simulate_layout
+from pipeweave.schedule.dataflow import execute
+from pipeweave.sim import rounds
+from pipeweave.sim.compiled import walk_times
 from pipeweave.sim.rounds import fast_times
 from pipeweave.sim.timeline import action_time, simulate_parts
 from pipeweave.sim.traffic import ModelBytes
@@ -59,28 +63,38 @@ def costs_for(schedule: Schedule, seed: int) -> CostModel:
                      activation=values(), mem_w=0.3, weight=values())
 
 
-def same(fast: object, reference: object) -> None:
-    """Same actions, starts and ends (floats compared exactly), same metrics."""
-    assert fast.times is not None  # type: ignore[attr-defined]
-    assert fast.events == reference.events  # type: ignore[attr-defined]
-    assert compute_metrics(fast) == compute_metrics(reference)  # type: ignore[arg-type]
+ENGINES = {"rounds": math.inf, "compiled": 0}  # ``sim.rounds.COMPILED_FROM`` that makes "auto" take each
+
+
+def same(fast: Callable[[], object], reference: object) -> None:
+    """Under either fast engine (the rounds, the compiled walk): the same actions, starts and ends (floats
+    compared exactly) and the same metrics as the reference."""
+    expected = compute_metrics(reference)  # type: ignore[arg-type]
+    for threshold in ENGINES.values():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(rounds, "COMPILED_FROM", threshold)
+            timeline = fast()
+        assert timeline.times is not None  # type: ignore[attr-defined]
+        assert timeline.events == reference.events  # type: ignore[attr-defined]
+        assert compute_metrics(timeline) == expected  # type: ignore[arg-type]
 
 
 def rounds_ran(schedule: Schedule, costs: object, delay: list[float] | None = None) -> bool:
-    """The fast engine (its rounds, and its walk where they are too slow), not the reference, timed it."""
+    """Both fast engines (the rounds, and their walk where they are too slow; the compiled walk), not the
+    reference, timed it."""
     table = np.array([[action_time(costs, p, op) for op in (Op.F, Op.B, Op.I, Op.W, Op.U)]  # type: ignore[arg-type]
                       for p in schedule.placement.stage_part])
     comm = costs.comm  # type: ignore[attr-defined]
-    found = fast_times(schedule, schedule_arrays(schedule), table, latency=(lambda a, b: comm) if comm else None,
-                       gap=costs.dispatch, update_delay=delay)  # type: ignore[attr-defined]
-    return found is not None
+    return all(fast_times(schedule, schedule_arrays(schedule), table, latency=(lambda a, b: comm) if comm else None,
+                          gap=costs.dispatch, update_delay=delay, engine=engine) is not None  # type: ignore[attr-defined]
+               for engine in ENGINES)
 
 
 @pytest.mark.parametrize("schedule", schedules(), ids=lambda s: f"{s.name}-D{s.num_ranks}-T{s.num_microbatches}")
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fast_simulation_is_the_reference_bit_for_bit(schedule: Schedule, seed: int) -> None:
     cost = costs_for(schedule, seed)
-    same(simulate(schedule, cost), simulate(schedule, cost, fast=False))
+    same(lambda: simulate(schedule, cost), simulate(schedule, cost, fast=False))
     costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
     assert rounds_ran(schedule, costs)
 
@@ -90,8 +104,8 @@ def test_update_delay_is_the_reference_bit_for_bit(schedule: Schedule) -> None:
     costs = costs_for(schedule, 3).for_parts(num_parts=schedule.num_parts, num_ranks=schedule.num_ranks)
     delay = [round(0.7 + 0.913 * part, 3) for part in range(schedule.num_parts)]
     hop = lambda a, b: 0.05 * (a + 1) + 0.01 * b  # noqa: E731 - a latency per pair of stages
-    fast = simulate_parts(schedule, costs, hop=hop, update_delay=delay)
-    same(fast, simulate_parts(schedule, costs, hop=hop, update_delay=delay, fast=False))
+    same(lambda: simulate_parts(schedule, costs, hop=hop, update_delay=delay),
+         simulate_parts(schedule, costs, hop=hop, update_delay=delay, fast=False))
     if schedule.is_synchronous:  # a part on two ranks: the fast engine walks in the reference's order
         assert rounds_ran(schedule, costs, delay)
 
@@ -104,7 +118,7 @@ def test_a_layout_with_tp_and_dp_is_the_reference_bit_for_bit(name: str) -> None
     layout = Layout(tp=2, dp=3, zero=1, network=net)
     model = ModelBytes(message=1e3, tp_collectives=2, params=5e4)
     cost = costs_for(schedule, 1)
-    same(simulate_layout(schedule, cost, layout, model), simulate_layout(schedule, cost, layout, model, fast=False))
+    same(lambda: simulate_layout(schedule, cost, layout, model), simulate_layout(schedule, cost, layout, model, fast=False))
 
 
 @pytest.mark.parametrize("schedule", schedules(), ids=lambda s: f"{s.name}-D{s.num_ranks}-T{s.num_microbatches}")
@@ -125,7 +139,7 @@ def test_low_parallelism_walks_after_the_rounds_with_the_same_result() -> None:
     cost = costs_for(schedule, 1)
     costs = cost.for_parts(num_parts=16, num_ranks=16)
     assert rounds_ran(schedule, costs)
-    same(simulate(schedule, cost), simulate(schedule, cost, fast=False))
+    same(lambda: simulate(schedule, cost), simulate(schedule, cost, fast=False))
 
 
 def _deadlocked() -> Schedule:
@@ -147,11 +161,13 @@ def _malformed() -> Schedule:
 @pytest.mark.parametrize("make", [_deadlocked, _malformed])
 def test_a_bad_schedule_is_explained_as_by_the_reference(make: Callable[[], Schedule]) -> None:
     bad = make()
-    with pytest.raises(InvalidSchedule) as fast:
-        simulate(bad)
     with pytest.raises(InvalidSchedule) as reference:
         simulate(bad, fast=False)
-    assert str(fast.value) == str(reference.value)
+    for threshold in ENGINES.values():
+        with pytest.MonkeyPatch.context() as patch, pytest.raises(InvalidSchedule) as fast:
+            patch.setattr(rounds, "COMPILED_FROM", threshold)
+            simulate(bad)
+        assert str(fast.value) == str(reference.value)
 
 
 def test_the_arrays_are_kept_per_schedule() -> None:
@@ -175,8 +191,8 @@ def test_long_reductions_of_parts_on_two_ranks_queue_as_in_the_reference(name: s
     schedule = generate(name, num_stages=4, num_microbatches=8)
     costs = costs_for(schedule, 1).for_parts(num_parts=schedule.num_parts, num_ranks=4)
     delay = [5.0 + 3.1 * part for part in range(schedule.num_parts)]
-    fast = simulate_parts(schedule, costs, update_delay=delay)
-    same(fast, simulate_parts(schedule, costs, update_delay=delay, fast=False))
+    same(lambda: simulate_parts(schedule, costs, update_delay=delay),
+         simulate_parts(schedule, costs, update_delay=delay, fast=False))
     assert rounds_ran(schedule, costs, delay)
 
 
@@ -189,10 +205,10 @@ def test_larger_schedules_past_the_rounds_trial_are_the_reference_bit_for_bit(na
         except ScheduleError:
             continue
         cost = costs_for(schedule, d)
-        same(simulate(schedule, cost), simulate(schedule, cost, fast=False))
+        same(lambda: simulate(schedule, cost), simulate(schedule, cost, fast=False))
         costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
         delay = [0.3 + 0.77 * part for part in range(schedule.num_parts)]
-        same(simulate_parts(schedule, costs, update_delay=delay),
+        same(lambda: simulate_parts(schedule, costs, update_delay=delay),
              simulate_parts(schedule, costs, update_delay=delay, fast=False))
 
 
@@ -204,8 +220,35 @@ def test_a_deadlock_in_the_walk_leaves_the_schedule_to_the_reference() -> None:
     f, b = (lambda s, j: Action(s, Op.F, j)), (lambda s, j: Action(s, Op.B, j))
     bad = good.with_actions([[f(0, 0), b(0, 0), f(0, 1), b(0, 1), Action(0, Op.U, 0)],
                              [f(1, 0), f(1, 1), b(1, 0), b(1, 1), Action(1, Op.U, 0)]])
-    found = fast_times(bad, schedule_arrays(bad), np.ones((bad.num_stages, 5)), latency=None, gap=0.0,
-                       update_delay=None, min_per_round=math.inf)
-    assert found is None
+    for engine in ENGINES:
+        assert fast_times(bad, schedule_arrays(bad), np.ones((bad.num_stages, 5)), latency=None, gap=0.0,
+                          update_delay=None, min_per_round=math.inf, engine=engine) is None
     with pytest.raises(InvalidSchedule):
         simulate(bad)
+
+
+@pytest.mark.parametrize("name", ["chimera", "gems", "dualpipe", "dualpipe-v", "zb-v", "interleaved-1f1b"])
+def test_the_walks_take_the_actions_in_the_reference_order(name: str) -> None:
+    # Which rank reduces a part held on two ranks depends on the order the reference walks the actions;
+    # both fast walks record it. The reference's duration callback sees each action when it times it.
+    schedule = generate(name, num_stages=4, num_microbatches=8)
+    seen: list[Action] = []
+    execute(schedule, lambda a: seen.append(a) or 1.0 + 0.1 * a.stage)
+    expected = [a for a in seen if a.op is not Op.U]
+    actions = [a for row in schedule.actions for a in row]
+    arrays = schedule_arrays(schedule)
+    durations = np.array([[1.0 + 0.1 * s] * 5 for s in range(schedule.num_stages)])
+    stops = rounds._loop_ends(arrays, schedule.is_synchronous)
+    loop = rounds._Loop(schedule, arrays, stops, durations, None, 0.0)
+    order: list[int] = []
+    assert loop.ordered and loop.walk(order)
+    slot_to_action = {int(slot): k for k, slot in enumerate(loop.slots(np.arange(arrays.size)))}
+    assert [actions[slot_to_action[k]] for k in order] == expected
+    prev, nxt = rounds._neighbours(schedule.placement)
+    found = walk_times(arrays, stops, durations, neighbours=(prev, nxt),
+                       stage_rank=np.asarray(schedule.placement.stage_rank), hops=None, gap=0.0, extra=None,
+                       num_microbatches=schedule.num_microbatches)
+    assert found is not None
+    walked = found[2]
+    assert [actions[k] for k in np.argsort(np.where(walked < 0, len(walked), walked), kind="stable")
+            if walked[k] >= 0] == expected

@@ -22,6 +22,10 @@ schedule in the reference's own order instead of the rounds. What neither
 covers, the caller leaves to the reference: schedules that fail
 ``check_actions``, a synchronous ``U`` before other work on its rank, and an
 asynchronous schedule with data-parallel reductions.
+
+Schedules of ``COMPILED_FROM`` actions or more go to ``sim.compiled``'s walk
+instead, the same walk compiled; the checks, the updates and the reductions
+around it are this module's.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 from numpy.typing import NDArray
 
-from pipeweave.schedule.ir import Schedule
+from pipeweave.schedule.ir import Placement, Schedule
 from pipeweave.sim.arrays import B, F, I, U, W, ScheduleArrays
 
 FloatArray = NDArray[np.float64]
@@ -46,11 +51,19 @@ about what that Python walk spends on 11-15 actions (5.3 microseconds against 0.
 benchmarks/simulator/README.md). Schedules that keep few ranks busy at a time (naive, GEMS) have
 about one action per round."""
 _TRIAL_ROUNDS = 256  # rounds before that rate is judged
+COMPILED_FROM = 50_000
+"""Actions from which ``fast_times`` takes the compiled walk (``sim.compiled``) rather than the rounds. Loading
+it costs about 0.5 s once per process (numba's import and cache); from here on the rounds cost 15-60 ms a
+schedule against the walk's 10-35 ms (benchmarks/simulator/README.md), and the processes that simulate such
+schedules (``plan``, ``search``, ``compare``, a simulation of D = 64) simulate many of them or large ones.
+Below it, a run's own schedules (``train``'s estimates in every rank) never load numba."""
+Engine = Literal["auto", "rounds", "compiled"]
 
 
 def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray, *, latency: Latency | None,
                gap: float, update_delay: Sequence[float] | None,
-               min_per_round: float = MIN_PER_ROUND, extra: FloatArray | None = None) -> tuple[FloatArray, FloatArray] | None:
+               min_per_round: float = MIN_PER_ROUND, extra: FloatArray | None = None,
+               engine: Engine = "auto") -> tuple[FloatArray, FloatArray] | None:
     """Start and end of every action (in ``arrays``' order), or None where the reference must do it.
 
     Args:
@@ -62,6 +75,8 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
             action at a time in Python (``_Loop.walk``); inf: after the first 32 rounds.
         extra: per action (in ``arrays``' order), time added to its duration (memory actions folded
             into their neighbours, ``sim.stash``); U takes none.
+        engine: "rounds" (this module), "compiled" (``sim.compiled``'s walk), or "auto": compiled from
+            ``COMPILED_FROM`` actions on. All give the same times.
 
     Example:
         >>> from pipeweave.schedule import generate
@@ -78,18 +93,33 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
     stops = _loop_ends(arrays, sync)
     if stops is None:
         return None
-    loop = _Loop(schedule, arrays, stops, durations, latency, gap, extra)
     # A part held on two ranks reduces on the stream of the rank the reference walks last to it:
-    # only a walk in the reference's own order (``_Loop.walk`` from the start) knows which.
-    order: list[int] | None = [] if delay is not None and _replicated(schedule) else None
-    if not loop.ordered or not (loop.walk(order) if order is not None else loop.run(min_per_round)):
-        return None
-    start, end = loop.times()  # a synchronous schedule's U are timed next
-    walked = None
-    if order is not None:  # per action, when the walk timed it (-1: a U, never walked)
-        seen = np.full(len(loop.end), -1, dtype=np.int64)
-        seen[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
-        walked = seen[loop.slots(np.arange(arrays.size))]
+    # only a walk in the reference's own order (``_Loop.walk`` from the start, or the compiled walk) knows which.
+    ordered_walk = delay is not None and _replicated(schedule)
+    walked: IntArray | None = None
+    if engine == "compiled" or (engine == "auto" and arrays.size >= COMPILED_FROM):
+        from pipeweave.sim.compiled import walk_times  # numba: loaded by the first large schedule
+
+        placement = schedule.placement
+        prev, nxt = _neighbours(placement)
+        stage_rank = np.asarray(placement.stage_rank, dtype=np.int64)
+        hops = None if latency is None else (_hops(latency, prev, stage_rank), _hops(latency, nxt, stage_rank))
+        found = walk_times(arrays, stops, durations, neighbours=(prev, nxt), stage_rank=stage_rank, hops=hops,
+                           gap=gap, extra=extra, num_microbatches=schedule.num_microbatches)
+        if found is None:
+            return None
+        start, end, order_of = found
+        walked = order_of if ordered_walk else None
+    else:
+        loop = _Loop(schedule, arrays, stops, durations, latency, gap, extra)
+        order: list[int] | None = [] if ordered_walk else None
+        if not loop.ordered or not (loop.walk(order) if order is not None else loop.run(min_per_round)):
+            return None
+        start, end = loop.times()  # a synchronous schedule's U are timed next
+        if order is not None:  # per action, when the walk timed it (-1: a U, never walked)
+            seen = np.full(len(loop.end), -1, dtype=np.int64)
+            seen[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
+            walked = seen[loop.slots(np.arange(arrays.size))]
     if sync and not _run_updates(schedule, arrays, durations, gap, delay, start, end, walked):
         return None
     return start, end
@@ -163,8 +193,7 @@ class _Loop:
         placement, t = schedule.placement, schedule.num_microbatches
         num_stages = placement.num_stages
         stage_rank = np.asarray(placement.stage_rank, dtype=np.int64)
-        prev = np.asarray([-1 if (p := placement.prev_stage(s)) is None else p for s in range(num_stages)])
-        nxt = np.asarray([-1 if (q := placement.next_stage(s)) is None else q for s in range(num_stages)])
+        prev, nxt = _neighbours(placement)
         stage, op, mb, slot = arrays.stage, arrays.op, arrays.microbatch, self.slots
         f, b, i, w = (np.flatnonzero(op == code) for code in (F, B, I, W))
         g = np.concatenate((b, i)) if b.size and i.size else (b if b.size else i)  # B or I: the backward's input
@@ -298,6 +327,14 @@ def _keys(stage: IntArray, microbatch: IntArray, t: int) -> IntArray:
     key *= t
     key += microbatch
     return key
+
+
+def _neighbours(placement: Placement) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """Per stage, its previous and its next stage in its pipeline (-1: none)."""
+    stages = range(placement.num_stages)
+    prev = [-1 if (p := placement.prev_stage(s)) is None else p for s in stages]
+    nxt = [-1 if (q := placement.next_stage(s)) is None else q for s in stages]
+    return np.asarray(prev, dtype=np.int64), np.asarray(nxt, dtype=np.int64)
 
 
 def _hops(latency: Latency, neighbour: NDArray[np.int64], stage_rank: IntArray) -> FloatArray:

@@ -244,7 +244,8 @@ def _updates_before(schedule: Schedule, stage: int) -> dict[Action, int]:
     """Per action, how many updates of ``stage`` come before it (a ``U`` of ``stage`` counting itself) in the
     order the dependencies impose: each rank's row, F after the previous stage's F, a backward after its F
     and the next stage's input gradient, W after I."""
-    placement, done = schedule.placement, {}
+    placement = schedule.placement
+    done: dict[tuple[int, str, int], int] = {}  # per (stage, F | G | W, microbatch), its place in the order
     out: dict[Action, int] = {}
     ptr, clock = [0] * schedule.num_ranks, [0] * schedule.num_ranks
     progressed = True
