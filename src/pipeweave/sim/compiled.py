@@ -30,6 +30,19 @@ DONE, UNORDERED, DEADLOCK = 0, 1, 2
 some rank cannot go on (both left to the reference, which explains them)."""
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _input(made, neighbour, s, j, k, t, stage_rank):  # type: ignore[no-untyped-def]  # noqa: ANN001
+    """The action on another rank that action k (of stage s, microbatch j) waits for: ``made``'s entry of the
+    ``neighbour`` stage; -1 where there is none (no neighbour, or one on the same rank, made earlier in the
+    row: a V's turn), -2 where it is never made, -3 where the same rank makes it later (``UNORDERED``)."""
+    if neighbour < 0:
+        return -1
+    src = made[neighbour * t + j]
+    if stage_rank[neighbour] == stage_rank[s]:
+        return -1 if 0 <= src < k else -3
+    return src if src >= 0 else -2
+
+
 @numba.njit(cache=True, nogil=True)
 def _walk(offsets, stops, stage, op, microbatch, cell, width, extra, prev, nxt, stage_rank,  # type: ignore[no-untyped-def]
           hop_prev, hop_next, has_latency, t, gap, start, end, walked):  # noqa: ANN001
@@ -37,8 +50,8 @@ def _walk(offsets, stops, stage, op, microbatch, cell, width, extra, prev, nxt, 
     rank's stop; return ``DONE``, ``UNORDERED`` or ``DEADLOCK``."""
     n = stage.shape[0]
     num_ranks = offsets.shape[0] - 1
-    made_f = np.full(prev.shape[0] * t, -1, np.int64)  # per (stage, microbatch): its F
-    made_g = np.full(prev.shape[0] * t, -1, np.int64)  # ... and its B or I
+    made_f = np.full(prev.shape[0] * t, -1, np.int32)  # per (stage, microbatch): its F (int32: fewer fresh pages)
+    made_g = np.full(prev.shape[0] * t, -1, np.int32)  # ... and its B or I
     for k in range(n):
         if op[k] == F:
             made_f[stage[k] * t + microbatch[k]] = k
@@ -47,8 +60,8 @@ def _walk(offsets, stops, stage, op, microbatch, cell, width, extra, prev, nxt, 
     # The walk: ranks taken up in the reference's order (a queue), each run until an input from another
     # rank is missing; it parks on the action that makes it. An input from its own rank must come earlier.
     ptr = offsets[:-1].copy()
-    waiter = np.full(n, -1, np.int64)  # per action, the rank parked on it
-    queue = np.empty(n + num_ranks, np.int64)  # a rank is queued once at the start, then once per wake-up
+    waiter = np.full(n, -1, np.int32)  # per action, the rank parked on it
+    queue = np.empty(n + num_ranks, np.int32)  # a rank is queued once at the start, then once per wake-up
     head = tail = 0
     for r in range(num_ranks):
         if ptr[r] < stops[r]:
@@ -61,27 +74,24 @@ def _walk(offsets, stops, stage, op, microbatch, cell, width, extra, prev, nxt, 
         k = ptr[r]
         while k < stops[r]:
             s, j, o = stage[k], microbatch[k], op[k]
-            src = -1  # the action on another rank whose end this one waits for
+            src = -1  # the action on another rank whose end this one waits for (-2: one never made)
             hop = 0.0
-            neighbour = -1  # the stage whose action is this one's input: F's previous, B's or I's next
             if o == F:
-                neighbour, made, hops = prev[s], made_f, hop_prev
+                src = _input(made_f, prev[s], s, j, k, t, stage_rank)
+                if src >= 0 and has_latency:
+                    hop = hop_prev[s]
             elif o == B or o == I:
                 if not 0 <= made_f[s * t + j] < k:  # its own F
                     return UNORDERED
-                neighbour, made, hops = nxt[s], made_g, hop_next
+                src = _input(made_g, nxt[s], s, j, k, t, stage_rank)
+                if src >= 0 and has_latency:
+                    hop = hop_next[s]
             elif o == W and not 0 <= made_g[s * t + j] < k:  # its own I
                 return UNORDERED
-            if neighbour >= 0:
-                src = made[neighbour * t + j]
-                if stage_rank[neighbour] == stage_rank[s]:  # a V's turn: made earlier in the row
-                    if not 0 <= src < k:
-                        return UNORDERED
-                    src = -1
-                elif src < 0:
-                    break  # never made: a deadlock, found below
-                elif has_latency:
-                    hop = hops[s]
+            if src == -3:
+                return UNORDERED
+            if src == -2:
+                break  # never made: a deadlock, found below
             t0 = -np.inf
             if src >= 0:
                 t0 = end[src]
