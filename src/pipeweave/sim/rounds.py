@@ -53,10 +53,10 @@ about one action per round."""
 _TRIAL_ROUNDS = 256  # rounds before that rate is judged
 COMPILED_FROM = 50_000
 """Actions from which ``fast_times`` takes the compiled walk (``sim.compiled``) rather than the rounds. Loading
-it costs about 0.5 s once per process (numba's import and cache); from here on the rounds cost 15-60 ms a
-schedule against the walk's 10-35 ms (benchmarks/simulator/README.md), and the processes that simulate such
-schedules (``plan``, ``search``, ``compare``, a simulation of D = 64) simulate many of them or large ones.
-Below it, a run's own schedules (``train``'s estimates in every rank) never load numba."""
+it costs about 0.4 s once per process (numba's import and cache); at D = 64, T = 512 (65,600-196,736 actions)
+the rounds cost 23-60 ms a schedule cold against the walk's 13-38 ms (benchmarks/simulator/README.md): one
+such simulation loses, a plan, a search or a compare that simulates tens of them gains. Below it, a run's
+own schedules (``train``'s estimates in every rank) never load numba."""
 Engine = Literal["auto", "rounds", "compiled"]
 
 
@@ -98,14 +98,7 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
     ordered_walk = delay is not None and _replicated(schedule)
     walked: IntArray | None = None
     if engine == "compiled" or (engine == "auto" and arrays.size >= COMPILED_FROM):
-        from pipeweave.sim.compiled import walk_times  # numba: loaded by the first large schedule
-
-        placement = schedule.placement
-        prev, nxt = _neighbours(placement)
-        stage_rank = np.asarray(placement.stage_rank, dtype=np.int64)
-        hops = None if latency is None else (_hops(latency, prev, stage_rank), _hops(latency, nxt, stage_rank))
-        found = walk_times(arrays, stops, durations, neighbours=(prev, nxt), stage_rank=stage_rank, hops=hops,
-                           gap=gap, extra=extra, num_microbatches=schedule.num_microbatches)
+        found = _compiled(schedule, arrays, stops, durations, latency, gap, extra)
         if found is None:
             return None
         start, end, order_of = found
@@ -123,6 +116,20 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
     if sync and not _run_updates(schedule, arrays, durations, gap, delay, start, end, walked):
         return None
     return start, end
+
+
+def _compiled(schedule: Schedule, arrays: ScheduleArrays, stops: IntArray, durations: FloatArray,
+              latency: Latency | None, gap: float, extra: FloatArray | None
+              ) -> tuple[FloatArray, FloatArray, IntArray] | None:
+    """``sim.compiled.walk_times`` on the schedule's neighbours and hops (numba: loaded by the first call)."""
+    from pipeweave.sim.compiled import walk_times
+
+    placement = schedule.placement
+    prev, nxt = _neighbours(placement)
+    stage_rank = np.asarray(placement.stage_rank, dtype=np.int64)
+    hops = None if latency is None else (_hops(latency, prev, stage_rank), _hops(latency, nxt, stage_rank))
+    return walk_times(arrays, stops, durations, neighbours=(prev, nxt), stage_rank=stage_rank, hops=hops, gap=gap,
+                      extra=extra, num_microbatches=schedule.num_microbatches)
 
 
 def _replicated(schedule: Schedule) -> bool:
