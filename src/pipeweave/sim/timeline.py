@@ -156,7 +156,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, check: bool =
         schedule: any schedule of the IR.
         cost: the cost model (default: f = b = w = 1, no communication).
         check: validate the actions first (skip only for schedules known good).
-        fast: the numpy engine (``sim.rounds``); False forces the pure-Python reference.
+        fast: the fast engines (``sim.rounds``: numpy rounds, or from 50,000 actions the walk compiled by
+            ``sim.compiled``; same times bit for bit); False forces the pure-Python reference.
 
     Raises:
         InvalidSchedule: the schedule breaks a rule or deadlocks.
@@ -186,7 +187,8 @@ def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
         hop: time of a message from one stage to another on a different rank (default: none).
         update_delay: per part, the data-parallel reduction between its last weight gradient and its
             ``U`` (``schedule.dataflow.execute``); default none.
-        fast: the numpy engine (``sim.rounds``, same times bit for bit); False forces the reference.
+        fast: the fast engines (``sim.rounds``, ``sim.compiled``; same times bit for bit); False forces the
+            reference.
         extra: time added to these actions (the memory actions folded into their F and backward,
             ``sim.stash``); default none.
 
