@@ -281,7 +281,8 @@ def simulate_layout(schedule: Schedule, cost: CostModel | None, layout: Layout, 
         check: validate the schedule first.
         split_compute: False when ``cost``'s times are already those of one TP rank.
         reduce: False leaves the DP reductions out (to measure what they add).
-        fast: the numpy engine (``sim.rounds``); False forces the pure-Python reference (same times).
+        fast: the fast engines (``sim.rounds``, ``sim.compiled``); False forces the pure-Python reference (same
+            times).
 
     Example:
         >>> from pipeweave.schedule import generate
