@@ -66,6 +66,38 @@ def test_search_searches_the_layouts_times(capsys: pytest.CaptureFixture[str]) -
     two = out_json(capsys, [*base, "--tensor-parallel", "2"])
     assert "layout" not in one and two["span"] == one["span"] / 2
     assert two["layout"]["makespan"] == pytest.approx(two["makespan"])
+    # with sequence parallelism a hop of 2e9 B at 8 Gb/s (1e9 B/s) takes 1 s instead of 2: the searched step shrinks
+    sent = [*base, "--tensor-parallel", "2", "--intra-node-gbps", "8", "--message-bytes", "2e9", "--tp-collectives", "0"]
+    plain, sp = out_json(capsys, sent), out_json(capsys, [*sent, "--sequence-parallel", "--activation-bytes", "8"])
+    assert sp["layout"]["communication"]["pipeline_hop"] == 1.0 and plain["layout"]["communication"]["pipeline_hop"] == 2.0
+    assert sp["makespan"] < plain["makespan"]
+    # 8 B of activations per microbatch split over N = 2: 4 B per M_a of the found schedule's peaks
+    assert sp["layout"]["activations_per_rank"] == [4.0 * m for m in sp["peak_activations"]]
+
+
+# 1F1B, D = 2, T = 4, N = 2: rank 0 holds 2 microbatches at its peak, rank 1 one. Per microbatch and GPU,
+# 8e9 B of activations of which 4e9 B are whole on each TP rank: 4e9 / 2 + 4e9 = 6e9 B, with SP 8e9 / 2 = 4e9 B.
+# A pipeline message of 1e9 B at 8 Gb/s (1e9 B/s): 1 s, with SP each rank's half, 0.5 s.
+SP_RUN = ["simulate", "--stages", "2", "--microbatches", "4", "--tensor-parallel", "2", "--intra-node-gbps", "8",
+          "--message-bytes", "1e9", "--tp-collectives", "0", "--activation-bytes", "8e9",
+          "--replicated-activation-bytes", "4e9"]
+
+
+def test_simulate_shows_what_sequence_parallelism_does_to_memory_and_step(capsys: pytest.CaptureFixture[str]) -> None:
+    plain, sp = out_json(capsys, SP_RUN), out_json(capsys, [*SP_RUN, "--sequence-parallel"])
+    assert set(plain) <= set(sp) and set(plain["layout"]) <= set(sp["layout"])  # keys added, none renamed
+    assert (plain["layout"]["sequence_parallel"], sp["layout"]["sequence_parallel"]) == (False, True)
+    assert plain["layout"]["activations_per_rank"] == [12e9, 6e9]
+    assert sp["layout"]["activations_per_rank"] == [8e9, 4e9]
+    assert sp["layout"]["activations_per_rank_without_sequence_parallel"] == [12e9, 6e9]
+    assert sp["layout"]["communication"]["pipeline_hop"] == plain["layout"]["communication"]["pipeline_hop"] / 2 == 0.5
+    assert sp["peak_activations"] == plain["peak_activations"]  # the timeline's M_a units are the cost model's
+    # 1F1B's 2 (D - 1) hops on the critical path, and the 4 x 2 sends in between hidden behind compute or not
+    assert sp["makespan"] < plain["makespan"]
+    assert main([*SP_RUN, "--sequence-parallel"]) == 0
+    text = capsys.readouterr().out
+    assert "layout: TP=2 x DP=1, ZeRO 0, sequence parallel" in text
+    assert "activations per GPU (peak, largest rank): 7.45 GiB; without sequence parallelism 11.18 GiB (x0.667)" in text
 
 
 @pytest.fixture
@@ -107,6 +139,14 @@ def test_partition_predicts_memory_per_gpu_and_step(capsys: pytest.CaptureFixtur
     (["--message-bytes", "big"], "--message-bytes 'big' is not a number; give one number of bytes"),
     (["--tp-collectives", "-1"], "--tp-collectives '-1' has a negative count"),
     (["--optimizer-state", "inf"], "--optimizer-state inf is invalid"),
+    (["--sequence-parallel"], "--sequence-parallel shards activations over the tensor-parallel group; give "
+                              "--tensor-parallel N > 1"),
+    (["--sequence-parallel", "--tensor-parallel", "2", "--data-parallel", "2", "--zero", "1"],
+     "--sequence-parallel with --zero 1 is not supported (pipeweave train refuses it); drop one of them"),
+    (["--sequence-parallel", "--tensor-parallel", "2", "--tied"], "--sequence-parallel with --tied is not supported"),
+    (["--activation-bytes", "4", "--replicated-activation-bytes", "5"],
+     "--replicated-activation-bytes 5 is more than --activation-bytes 4; give at most the activation bytes"),
+    (["--activation-bytes", "nan"], "--activation-bytes nan is invalid; give a finite number of bytes >= 0"),
 ])
 def test_simulate_refuses_bad_values_in_one_line(cli_error: CliError, argv: list[str], needle: str) -> None:
     work = ("pipeweave.commands.simulate.simulate", "pipeweave.commands.simulate.simulate_layout")
@@ -125,6 +165,8 @@ def test_partition_refuses_bad_values_before_profiling(cli_error: CliError, argv
 @pytest.mark.parametrize("argv,needle", [
     (["--tensor-parallel", "0"], "--tensor-parallel 0 is invalid"),
     (["--message-bytes", "1,2"], "--message-bytes 1,2 is a list; the search takes one value"),
+    (["--sequence-parallel", "--tensor-parallel", "1"], "--sequence-parallel shards activations over the "
+                                                        "tensor-parallel group; give --tensor-parallel N > 1"),
 ])
 def test_search_refuses_bad_values_in_one_line(cli_error: CliError, argv: list[str], needle: str) -> None:
     err = cli_error(["search", "--stages", "2", "--microbatches", "4", *argv], "pipeweave.search.exact")

@@ -14,6 +14,7 @@ from typing import Any
 from pipeweave.commands.units import check_cost_flags, format_bytes, parse_values
 from pipeweave.errors import UserError
 from pipeweave.schedule.ir import Schedule
+from pipeweave.sim.activations import rank_activations
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.network import Link, Network
 from pipeweave.sim.communication import Communication, communication
@@ -34,12 +35,19 @@ TP_REPLICATED = ("Embedding",)
 """Layer types every TP rank holds whole (the gpt's token and position embeddings)."""
 
 
-def add_layout_arguments(parser: argparse.ArgumentParser, *, data_parallel: bool = True) -> None:
-    """The layout's flags (``data_parallel=False`` where the command declares ``--data-parallel`` itself)."""
+def add_layout_arguments(parser: argparse.ArgumentParser, *, data_parallel: bool = True,
+                         sequence_parallel: bool = False) -> None:
+    """The layout's flags (``data_parallel=False`` where the command declares ``--data-parallel`` itself;
+    ``sequence_parallel=True`` where the command models it: ``simulate``, ``search``)."""
     g = parser.add_argument_group("tensor and data parallelism",
                                   "N x P copies of each stage; with a network, times are seconds")
     g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="N, tensor-parallel ranks per stage (default 1)")
+    if sequence_parallel:
+        g.add_argument("--sequence-parallel", action="store_true",
+                       help="with --tensor-parallel N > 1, as train's: pipeline messages of 1/N of the sequence, "
+                            "an all-gather and a reduce-scatter for each TP all-reduce (same time), the "
+                            "--replicated-activation-bytes split over N too (Korthikanti et al. 2022)")
     if data_parallel:
         g.add_argument("--data-parallel", type=int, default=1, metavar="P",
                        help="P, data-parallel replicas of the pipeline (default 1)")
@@ -67,6 +75,12 @@ def add_byte_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 2: one transformer block, Megatron-LM without sequence parallelism)")
     g.add_argument("--optimizer-state", type=float, default=1.0, metavar="X",
                    help="bytes of gradient and optimizer state per weight byte (SGD 1, Adam 3; default 1)")
+    g.add_argument("--activation-bytes", default="0", metavar="BYTES",
+                   help="activations one microbatch holds from F to its backward in one D-th of the model, all TP "
+                        "shards together (a GPT block: s b h (34 + 5 a s / h)); shows them per GPU (default 0)")
+    g.add_argument("--replicated-activation-bytes", default="0", metavar="BYTES",
+                   help="of --activation-bytes, what every TP rank holds whole without --sequence-parallel "
+                        "(a GPT block: 10 s b h, its layer norms', dropout masks' and first GEMMs' inputs; default 0)")
 
 
 def model_bytes(args: argparse.Namespace, num_parts: int) -> ModelBytes:
@@ -78,27 +92,65 @@ def model_bytes(args: argparse.Namespace, num_parts: int) -> ModelBytes:
     check_cost_flags(args, (("--optimizer-state", "number of bytes per weight byte"),))
     values = {flag: parse_values(flag, getattr(args, flag[2:].replace("-", "_")), what)
               for flag, what in (("--message-bytes", "number of bytes"), ("--param-bytes", "number of bytes"),
-                                 ("--tp-collectives", "count"))}
+                                 ("--tp-collectives", "count"), ("--activation-bytes", "number of bytes"),
+                                 ("--replicated-activation-bytes", "number of bytes"))}
     for flag, value in values.items():
         if isinstance(value, list) and len(value) != num_parts:
             raise UserError(f"{flag} has {len(value)} values but the schedule has {num_parts} parts; "
                             "give one value per part or a single number")
+    activation, replicated = values["--activation-bytes"], values["--replicated-activation-bytes"]
+    if isinstance(activation, float) and isinstance(replicated, float) and replicated > activation:
+        raise UserError(f"--replicated-activation-bytes {args.replicated_activation_bytes} is more than "
+                        f"--activation-bytes {args.activation_bytes}; give at most the activation bytes (a part of them)")
     grads, optimizer = state_split(args.optimizer_state)
     return ModelBytes(message=values["--message-bytes"], params=values["--param-bytes"],
-                      tp_collectives=values["--tp-collectives"], grads=grads, optimizer=optimizer)
+                      tp_collectives=values["--tp-collectives"], grads=grads, optimizer=optimizer,
+                      activation=activation, replicated_activation=replicated)
 
 
 def layout_report(schedule: Schedule, cost: CostModel, layout: Layout, model: ModelBytes, makespan: float,
                   *, split_compute: bool = True) -> tuple[dict[str, Any], list[str]] | None:
-    """``(json, lines)`` of the layout's communication and memory per GPU; None for a trivial layout."""
-    if layout.trivial:
+    """``(json, lines)`` of the layout's communication and memory per GPU; None for a trivial layout without
+    activation bytes (``has_report``)."""
+    if not has_report(layout, model):
         return None
-    comm = communication(schedule, cost, layout, model, makespan=makespan, split_compute=split_compute)
+    comm = None if layout.trivial else communication(schedule, cost, layout, model, makespan=makespan,
+                                                     split_compute=split_compute)
     try:
         memory: tuple[RankMemory, ...] | None = rank_memory(schedule, layout, model)
     except NotImplementedError:  # a weight policy whose copies are not modelled
         memory = None
-    return layout_json(layout, comm, memory), layout_lines(layout, comm, memory)
+    acts = activation_json(schedule, cost, layout, model)
+    return {**layout_json(layout, comm, memory), **acts}, [*layout_lines(layout, comm, memory), *activation_lines(acts)]
+
+
+def has_report(layout: Layout, model: ModelBytes) -> bool:
+    """Whether there is a layout to report: more than one GPU per stage, a network, or activation bytes."""
+    value = model.activation
+    return not layout.trivial or any(v > 0 for v in ([value] if isinstance(value, (int, float)) else value))
+
+
+def activation_json(schedule: Schedule, cost: CostModel, layout: Layout, model: ModelBytes) -> dict[str, list[float]]:
+    """Per pipeline rank, the peak activation bytes of one GPU (``sim.activations.rank_activations``), and with
+    sequence parallelism the same without it, to compare; empty without activation bytes."""
+    parts = model.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
+    if not any(parts.activation):
+        return {}
+    out = {"activations_per_rank": list(rank_activations(schedule, cost, layout, model))}
+    if layout.sequence_parallel:
+        without = rank_activations(schedule, cost, layout, model, sequence_parallel=False)
+        out["activations_per_rank_without_sequence_parallel"] = list(without)
+    return out
+
+
+def activation_lines(acts: dict[str, list[float]]) -> list[str]:
+    """``activation_json``'s largest rank, in words."""
+    if not acts:
+        return []
+    peak = max(acts["activations_per_rank"])
+    without = max(acts.get("activations_per_rank_without_sequence_parallel", [0.0]))
+    compared = f"; without sequence parallelism {format_bytes(without, 2)} (x{peak / without:.3f})" if without else ""
+    return [f"  activations per GPU (peak, largest rank): {format_bytes(peak, 2)}{compared}"]
 
 
 def layout_from_args(args: argparse.Namespace, *, num_ranks: int) -> Layout:
@@ -119,8 +171,24 @@ def layout_from_args(args: argparse.Namespace, *, num_ranks: int) -> Layout:
             raise UserError(f"{flag} {value:g} is invalid; give a finite bandwidth > 0 in Gb/s, e.g. 200")
     if not 0 <= args.link_latency_us < math.inf:
         raise UserError(f"--link-latency-us {args.link_latency_us:g} is invalid; give finite microseconds >= 0")
-    return Layout(tp=args.tensor_parallel, dp=args.data_parallel, zero=args.zero,
+    sequence_parallel = getattr(args, "sequence_parallel", False)
+    if sequence_parallel:
+        _check_sequence_parallel(args)
+    return Layout(tp=args.tensor_parallel, dp=args.data_parallel, zero=args.zero, sequence_parallel=sequence_parallel,
                   network=_network(args, args.data_parallel * num_ranks * args.tensor_parallel))
+
+
+def _check_sequence_parallel(args: argparse.Namespace) -> None:
+    """What ``pipeweave train`` refuses with ``--sequence-parallel`` (``runtime.run.plan``), where it applies to
+    a simulated model: no tensor parallelism, ZeRO, tied embeddings (the sequence length and the model kind are
+    not known here)."""
+    if args.tensor_parallel == 1:
+        raise UserError("--sequence-parallel shards activations over the tensor-parallel group; give "
+                        "--tensor-parallel N > 1")
+    for on, flag in ((args.zero, f"--zero {args.zero}"), (getattr(args, "tied", False), "--tied")):
+        if on:
+            raise UserError(f"--sequence-parallel with {flag} is not supported (pipeweave train refuses it); "
+                            "drop one of them")
 
 
 def _network(args: argparse.Namespace, world_size: int) -> Network | None:
@@ -145,6 +213,7 @@ def layout_json(layout: Layout, comm: Communication | None, memory: tuple[RankMe
     """The layout, its communication and the memory per rank, as the ``--json`` outputs carry them."""
     net = layout.network
     out: dict[str, Any] = {"tensor_parallel": layout.tp, "data_parallel": layout.dp, "zero": layout.zero,
+                           "sequence_parallel": layout.sequence_parallel,
                            "network": None if net is None else {
                                "intra_node_bytes_per_s": net.intra_node.bandwidth,
                                "inter_node_bytes_per_s": net.inter_node.bandwidth,
@@ -160,6 +229,7 @@ def layout_lines(layout: Layout, comm: Communication | None, memory: tuple[RankM
     """The human-readable report of the layout: TP and DP communication, model-state memory per GPU."""
     unit = _time
     lines = [f"layout: TP={layout.tp} x DP={layout.dp}, ZeRO {layout.zero}"
+             + (", sequence parallel" if layout.sequence_parallel else "")
              + ("" if layout.network else "; no network given (--intra-node-gbps ...): communication not timed")]
     if comm is not None and layout.network is not None:
         lines.append(f"  TP all-reduces per step, busiest rank {unit(max(comm.tp_per_rank, default=0.0))}; "

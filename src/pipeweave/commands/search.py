@@ -9,8 +9,8 @@ import math
 from typing import Any
 
 from pipeweave.commands.recompute_options import AUTO, add_recompute_cost_arguments, recompute_costs
-from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, layout_from_args,
-                                              layout_report, model_bytes)
+from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, has_report,
+                                              layout_from_args, layout_report, model_bytes)
 from pipeweave.commands.stash_options import add_stash_arguments, stash_plan
 from pipeweave.errors import UserError
 from pipeweave.schedule.stash import DEFAULT_BANDWIDTH
@@ -46,7 +46,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE", help="write a timeline plot")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_recompute_cost_arguments(p, auto=True)
-    add_layout_arguments(p)
+    add_layout_arguments(p, sequence_parallel=True)
     add_byte_arguments(p)
     add_stash_arguments(p, auto=True)
     return p
@@ -158,7 +158,7 @@ def _times(args: argparse.Namespace, layout: Layout, model: ModelBytes) -> tuple
 def _layout_report(args: argparse.Namespace, schedule: Any, layout: Layout,
                    model: ModelBytes, modes: tuple[str, ...]) -> tuple[dict[str, Any], list[str]] | None:
     """The found schedule on the layout, its hops on their own links and the DP reductions added."""
-    if layout.trivial:
+    if not has_report(layout, model):
         return None
     cost = CostModel(f=args.time_f, b=args.time_b, w=args.time_w, comm=args.time_comm, mem_w=args.mem_w,
                      **{**recompute_costs(args, auto=True), "recompute": modes})

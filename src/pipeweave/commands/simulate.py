@@ -74,7 +74,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from pipeweave.commands.stream_options import add_schedule_arguments
 
     add_recompute_cost_arguments(p)
-    add_layout_arguments(p)
+    add_layout_arguments(p, sequence_parallel=True)
     add_byte_arguments(p)
     add_stash_arguments(p, stream=True)
     g = p.add_argument_group("asynchronous schedules", "a stream of --steps mini-batches with no flush")

@@ -8,7 +8,8 @@
   replicas by the ZeRO stage. The first part holds the embeddings, the last a
   copy of the tied head (Megatron-LM keeps both when they sit on two stages).
 - **Activations** of one block for one microbatch, in bytes (Korthikanti et al.
-  2022, Table 2, tensor parallel without sequence parallelism):
+  2022, Table 2, tensor parallel without sequence parallelism; the terms are
+  ``sim.activations``', shared with ``pipeweave simulate``):
   ``s b h (10 + 24/N + 5 a s / (h N))`` with no recomputation;
   ``s b h (10 + 24/N)`` with selective recomputation (attention's scores are
   replayed); ``2 s b h`` with full recomputation (the block's input only). The
@@ -35,10 +36,11 @@ from dataclasses import dataclass
 
 from pipeweave.plan.transformer import Transformer
 from pipeweave.schedule.ir import Schedule
+from pipeweave.sim.activations import gpt_block_activations
 from pipeweave.sim.metrics import held_peaks
 from pipeweave.sim.parallel import Layout
 from pipeweave.sim.shards import rank_memory
-from pipeweave.sim.traffic import ModelBytes
+from pipeweave.sim.traffic import ModelBytes, tp_rank_share
 
 GIB = 2.0**30
 ALLOWANCE_BYTES = 3 * GIB
@@ -81,17 +83,18 @@ def block_activation_bytes(model: Transformer, *, tp: int, recompute: str,
         ...                                                           sequence_parallel=True)]
         [17, 7, 40]
     """
-    s, h, a = model.seq_len, model.hidden, model.heads
-    sbh = s * h
-    scores = 5.0 * a * s * s / tp
-    whole = 1.0 / tp if sequence_parallel else 1.0  # what every tensor-parallel rank held whole, split
-    full = sbh * (10 * whole + 24 / tp) + scores
-    stash = sbh * (4 * whole + 10 / tp)
+    terms = gpt_block_activations(seq_len=model.seq_len, hidden=model.hidden, heads=model.heads)
+
+    def share(total: float, replicated: float) -> float:
+        return tp_rank_share(total, replicated, tp, split_replicated=sequence_parallel)
+
+    full, stash = share(terms.held, terms.held_replicated), share(terms.stash, terms.stash_replicated)
+    scores = terms.scores / tp
     if recompute == "none":
         return full, stash, 0.0
     if recompute == "selective":
         return full - scores, stash, scores
-    return 2.0 * sbh * whole, stash, full
+    return share(terms.input, terms.input), stash, full
 
 
 def part_activation_bytes(model: Transformer, num_parts: int, tp: int, recompute: str,

@@ -25,10 +25,21 @@ The model follows what pipeweave's runtime does on a (dp, pp, tp) mesh
 - **ZeRO** (Rajbhandari et al., SC20): stage 1 shards the optimizer state over
   the P replicas and all-gathers the updated parameters after ``U``; stage 3
   shards parameters and gradients too. The all-gather is added to ``U`` (for
-  stage 3 it stands for gathering the next step's parameters).
+  stage 3 it stands for gathering the next step's parameters);
+- **sequence parallelism** (``Layout.sequence_parallel``, Korthikanti et al.
+  2022, section 4.2.2, as ``runtime.stage.sequence_parallel`` runs it): each
+  TP all-reduce becomes an all-gather entering the column-parallel layer and
+  a reduce-scatter leaving the row-parallel one, the same bytes and ring
+  steps, so the same time (a head's all-gather of its input in F and
+  reduce-scatter in I are counted as its all-reduce in I, and the embedding's
+  backward all-gather is left out); a pipeline message is each rank's 1/N of
+  the sequence, N of them in parallel. Compute is unchanged: the layer norms
+  and residual adds it splits are taken as negligible, as above. What it
+  does to activation memory: ``sim.activations``.
 
-Not modelled: link contention between these transfers, sequence parallelism,
-the activation memory's TP split (activations are as the cost model gives).
+Not modelled: link contention between these transfers. Activation memory in
+the timeline stays in the cost model's M_a (``sim.activations`` gives bytes
+per GPU).
 """
 
 from __future__ import annotations
@@ -72,8 +83,8 @@ class Layout:
     """Gradient bytes per DP collective (DDP's buckets); 0: one collective per part."""
     sequence_parallel: bool = False
     """Activations outside the tensor-parallel regions split along the sequence (Korthikanti et al. 2022): the
-    same bytes per collective (an all-gather and a reduce-scatter for each all-reduce), fewer activations held
-    (``plan.memory``)."""
+    same bytes per collective (an all-gather and a reduce-scatter for each all-reduce), pipeline messages of 1/N
+    of the sequence, fewer activations held (``sim.activations``). No effect at N = 1."""
 
     def __post_init__(self) -> None:
         for name, value in (("tp", self.tp), ("dp", self.dp)):
@@ -121,7 +132,25 @@ def _group_links(layout: Layout, num_ranks: int) -> tuple[Link | None, Link | No
 def tp_collective_time(layout: Layout, nbytes: float, *, num_ranks: int) -> float:
     """One TP all-reduce of ``nbytes`` (0 without a network or at N = 1)."""
     link = layout.tp_link(num_ranks=num_ranks)
-    return 0.0 if link is None else all_reduce_time(nbytes, layout.tp, link)
+    return 0.0 if link is None else _all_reduce(layout, nbytes, link)
+
+
+def _all_reduce(layout: Layout, nbytes: float, link: Link) -> float:
+    """A TP all-reduce of ``nbytes``, or with sequence parallelism the all-gather and reduce-scatter replacing it."""
+    if layout.sequence_parallel:
+        return all_gather_time(nbytes, layout.tp, link) + reduce_scatter_time(nbytes, layout.tp, link)
+    return all_reduce_time(nbytes, layout.tp, link)
+
+
+def message_bytes(layout: Layout, nbytes: float) -> float:
+    """What one rank of a stage sends the same TP rank of the next for an activation of ``nbytes``: all of it,
+    or with sequence parallelism its 1/N of the sequence.
+
+    Example:
+        >>> message_bytes(Layout(tp=4), 8.0), message_bytes(Layout(tp=4, sequence_parallel=True), 8.0)
+        (8.0, 2.0)
+    """
+    return nbytes / layout.tp if layout.sequence_parallel else nbytes
 
 
 def tp_forward_time(layout: Layout, parts: PartBytes, part: int, *, num_ranks: int) -> float:
@@ -130,7 +159,7 @@ def tp_forward_time(layout: Layout, parts: PartBytes, part: int, *, num_ranks: i
     if link is None:
         return 0.0
     gather = parts.tp_gather[part]
-    return (parts.tp_forward[part] * all_reduce_time(parts.tp_message[part], layout.tp, link)
+    return (parts.tp_forward[part] * _all_reduce(layout, parts.tp_message[part], link)
             + (all_gather_time(gather, layout.tp, link) if gather else 0.0))
 
 
@@ -224,7 +253,7 @@ def layout_times(layout: Layout, *, f: float, b: float, w: float, comm: float, m
     n = layout.tp if split_compute else 1
     collective = tp_collectives * tp_collective_time(layout, message, num_ranks=num_ranks)
     links = [layout.hop_link(a, a + 1, num_ranks=num_ranks) for a in range(num_ranks - 1)]
-    hop = max((link.time(message) for link in links if link is not None), default=0.0)
+    hop = max((link.time(message_bytes(layout, message)) for link in links if link is not None), default=0.0)
     return f / n + collective, b / n + collective, w / n, comm + hop
 
 
@@ -240,7 +269,7 @@ def hop_function(schedule: Schedule, layout: Layout, parts: PartBytes, comm: flo
         time = cache.get(key)
         if time is None:
             link = layout.hop_link(rank_of[src] % num_ranks, rank_of[dst] % num_ranks, num_ranks=num_ranks)
-            nbytes = parts.message[min(part_of[src], part_of[dst])]
+            nbytes = message_bytes(layout, parts.message[min(part_of[src], part_of[dst])])
             time = cache[key] = comm + (0.0 if link is None else link.time(nbytes))
         return time
 

@@ -7,6 +7,9 @@ activation twice in F (behind attention's and the MLP's row-parallel
 projections) and twice in I (in front of their column-parallel inputs); a
 vocabulary head split by columns all-gathers its logits in F and all-reduces
 its input gradient in I; an embedding is replicated, whole on every TP rank.
+Activations held for the backward split the same way: the TP layers' own
+ones 1/N, the rest (layer norms, dropout masks, the GEMMs' inputs) whole on
+every rank, unless sequence parallelism splits those too (``tp_rank_share``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,18 @@ from dataclasses import dataclass
 
 from pipeweave.errors import UserError
 from pipeweave.sim.cost import Value, cost_problem
+
+
+def tp_rank_share(total: float, replicated: float, tp: int, *, split_replicated: bool = False) -> float:
+    """Bytes one of ``tp`` ranks holds of ``total``, of which ``replicated`` the TP layers leave whole on every rank
+    (``split_replicated``: sequence parallelism splits those too, Korthikanti et al. 2022, section 4.2.2).
+
+    Example:
+        >>> tp_rank_share(10.0, 4.0, 2), tp_rank_share(10.0, 4.0, 2, split_replicated=True)
+        (7.0, 5.0)
+    """
+    whole = replicated / tp if split_replicated else replicated
+    return (total - replicated) / tp + whole
 
 
 @dataclass(frozen=True)
@@ -30,6 +45,8 @@ class PartBytes:
     replicated: tuple[float, ...]
     grads: float
     optimizer: float
+    activation: tuple[float, ...] = ()
+    replicated_activation: tuple[float, ...] = ()
 
     def tp_rank_params(self, part: int, tp: int) -> float:
         """Parameter bytes of ``part`` one of its ``tp`` ranks holds: the split ones / N, the replicated whole.
@@ -38,11 +55,24 @@ class PartBytes:
             >>> ModelBytes(params=(10.0,), replicated=(4.0,)).for_parts(num_parts=1, num_ranks=1).tp_rank_params(0, 2)
             7.0
         """
-        return (self.params[part] - self.replicated[part]) / tp + self.replicated[part]
+        return tp_rank_share(self.params[part], self.replicated[part], tp)
+
+    def tp_rank_activation(self, part: int, tp: int, *, sequence_parallel: bool = False) -> float:
+        """Activation bytes of one microbatch in ``part`` that one of its ``tp`` ranks holds for the backward.
+
+        Example:
+            >>> p = ModelBytes(activation=10.0, replicated_activation=4.0).for_parts(num_parts=1, num_ranks=1)
+            >>> p.tp_rank_activation(0, 2), p.tp_rank_activation(0, 2, sequence_parallel=True)
+            (7.0, 5.0)
+        """
+        if not self.activation:
+            return 0.0
+        return tp_rank_share(self.activation[part], self.replicated_activation[part], tp,
+                             split_replicated=sequence_parallel)
 
 
 _FIELDS = ("message", "tp_collectives", "tp_backward", "tp_message", "tp_gather", "params", "replicated", "grads",
-           "optimizer")
+           "optimizer", "activation", "replicated_activation")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +104,12 @@ class ModelBytes:
     """Gradient bytes per parameter byte."""
     optimizer: float = 2.0
     """Optimizer-state bytes per parameter byte (Adam's two moments in the parameters' precision: 2; SGD: 0)."""
+    activation: Value = 0.0
+    """Bytes of activations one microbatch holds in a part from its F to its backward, all N tensor-parallel
+    shards together (the cost model's M_a in bytes; a GPT block's: ``sim.activations``)."""
+    replicated_activation: Value = 0.0
+    """The part of ``activation`` every TP rank holds whole without sequence parallelism (a GPT block's layer
+    norms, dropout masks and the GEMMs' inputs): not divided by N, unless the layout is sequence-parallel."""
 
     def __post_init__(self) -> None:
         for name in _FIELDS:
@@ -105,8 +141,12 @@ class ModelBytes:
             message=resolve("message", 1.0), tp_message=resolve("tp_message", 1.0, "message"),
             tp_forward=resolve("tp_collectives", scale), tp_backward=resolve("tp_backward", scale, "tp_collectives"),
             tp_gather=resolve("tp_gather", scale), params=resolve("params", scale),
-            replicated=resolve("replicated", scale), grads=self.grads, optimizer=self.optimizer)
-        for k, (p, r) in enumerate(zip(parts.params, parts.replicated)):
-            if r > p:
-                raise UserError(f"part {k} has {r:g} replicated parameter bytes of {p:g}; give replicated <= params")
+            replicated=resolve("replicated", scale), grads=self.grads, optimizer=self.optimizer,
+            activation=resolve("activation", scale), replicated_activation=resolve("replicated_activation", scale))
+        for what, whole, kept, fix in (("parameter", parts.params, parts.replicated, "replicated <= params"),
+                                       ("activation", parts.activation, parts.replicated_activation,
+                                        "replicated_activation <= activation")):
+            for k, (p, r) in enumerate(zip(whole, kept)):
+                if r > p:
+                    raise UserError(f"part {k} has {r:g} replicated {what} bytes of {p:g}; give {fix}")
         return parts
