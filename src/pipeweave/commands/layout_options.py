@@ -72,7 +72,8 @@ def add_byte_arguments(parser: argparse.ArgumentParser) -> None:
                    help="parameter bytes of one D-th of the model, all TP shards together (default 0)")
     g.add_argument("--tp-collectives", default="2", metavar="K",
                    help="TP all-reduces in the forward of one D-th of the model, as many in its backward "
-                        "(default 2: one transformer block, Megatron-LM without sequence parallelism)")
+                        "(default 2: one transformer block, Megatron-LM's; with --sequence-parallel each is an "
+                        "all-gather and a reduce-scatter)")
     g.add_argument("--optimizer-state", type=float, default=1.0, metavar="X",
                    help="bytes of gradient and optimizer state per weight byte (SGD 1, Adam 3; default 1)")
     g.add_argument("--activation-bytes", default="0", metavar="BYTES",
