@@ -102,7 +102,7 @@ def model_bytes(args: argparse.Namespace, num_parts: int) -> ModelBytes:
     activation, replicated = values["--activation-bytes"], values["--replicated-activation-bytes"]
     if isinstance(activation, float) and isinstance(replicated, float) and replicated > activation:
         raise UserError(f"--replicated-activation-bytes {args.replicated_activation_bytes} is more than "
-                        f"--activation-bytes {args.activation_bytes}; give at most the activation bytes (a part of them)")
+                        f"--activation-bytes {args.activation_bytes}; give at most the activation bytes")
     grads, optimizer = state_split(args.optimizer_state)
     return ModelBytes(message=values["--message-bytes"], params=values["--param-bytes"],
                       tp_collectives=values["--tp-collectives"], grads=grads, optimizer=optimizer,

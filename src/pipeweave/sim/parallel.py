@@ -244,7 +244,8 @@ def layout_costs(costs: PartCosts, layout: Layout, parts: PartBytes, *, num_rank
 def layout_times(layout: Layout, *, f: float, b: float, w: float, comm: float, message: float,
                  tp_collectives: float, num_ranks: int, split_compute: bool = True) -> tuple[float, float, float, float]:
     """``(f, b, w, comm)`` of one D-th of the model on the layout, for a search that takes scalar times:
-    ``layout_costs``' rules, and ``comm`` plus the slowest hop between neighbouring pipeline ranks.
+    ``layout_costs``' rules, and ``comm`` plus the slowest hop between neighbouring pipeline ranks
+    (``message_bytes`` of ``message``).
 
     Example:
         >>> layout_times(Layout(tp=2), f=2.0, b=2.0, w=1.0, comm=0.1, message=0.0, tp_collectives=2, num_ranks=4)
@@ -259,7 +260,7 @@ def layout_times(layout: Layout, *, f: float, b: float, w: float, comm: float, m
 
 def hop_function(schedule: Schedule, layout: Layout, parts: PartBytes, comm: float) -> Callable[[int, int], float]:
     """``(from stage, to stage) -> time`` of a pipeline message: ``comm`` plus the link's time for the
-    activation at the boundary of the two stages' parts (the earlier part's output)."""
+    activation at the boundary of the two stages' parts (the earlier part's output; ``message_bytes`` of it)."""
     placement, num_ranks = schedule.placement, schedule.placement.ranks_per_pipeline
     rank_of, part_of = placement.stage_rank, placement.stage_part
     cache: dict[tuple[int, int], float] = {}
