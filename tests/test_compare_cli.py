@@ -68,12 +68,43 @@ def test_simulated_columns_equal_simulate_alone(capsys: pytest.CaptureFixture[st
         assert row["bubble_ratio"] == bubble, name
         for key in ("bubble_ratio_flush", "peak_activations", "weight_versions", "staleness", "inconsistency"):
             assert row[key] == alone[key], (name, key)
+        assert "tied_lag" not in row  # an untied model
         if info.synchronous:
             assert row["step_time_s"] == alone["makespan"] and row["samples_per_s"] == 16 / alone["makespan"]
         assert (row["closed_bubble"], row["closed_activations"], row["closed_weights"]) == (
             listed[name]["bubble"], listed[name]["activations"], listed[name]["weights"])
     assert rows["gpipe"]["lit_bubble_value"] == pytest.approx(1 / 5)  # (D-1)/(T+D-1) at D = 2, T = 4
     assert rows["pipedream"]["lit_convergence"] == "good"
+
+
+def test_a_tied_model_shows_the_tied_lag_beside_the_staleness_of_the_streams_that_train_it(
+        capsys: pytest.CaptureFixture[str], costs: str, cli_error: Any) -> None:
+    """The gpt with --tie-embeddings (8 layers, as the costs): each tied stream's staleness and tied lag are
+    ``simulate --tied``'s, a synchronous row has no lag, a stream that cannot train the tie is skipped."""
+    tied = ["--model", "gpt", "--layers", "6", "--hidden", "8", "--heads", "2", "--tie-embeddings", "--costs", costs]
+    argv = ["compare", "-D", "2", "-T", "4", *tied]
+    out = run_json(capsys, [*argv, "-s", "1f1b,pipedream,pipedream-2bw,ampnet", "--json"])
+    rows = {r["name"]: r for r in out["approaches"]}
+    assert "tied_lag" not in rows["1f1b"] and rows["1f1b"]["staleness"] == [0, 0]
+    times = part_times(2)
+    for name in ("pipedream", "pipedream-2bw", "ampnet"):
+        alone = run_json(capsys, ["simulate", "-s", name, "-D", "2", "-T", "4", "--steps", "8", "--tied", "--json",
+                                  *(f"--time-{k}={v}" for k, v in times.items())])
+        assert rows[name]["tied_lag"] == alone["tied_lag"] == [0, 2 if name != "pipedream-2bw" else 1], name
+        assert rows[name]["staleness"] == alone["staleness"], name
+    table = main_text(capsys, [*argv, "-s", "1f1b,pipedream"])
+    assert "tied lag" in table and "tied lag" not in main_text(capsys, [*argv[:5], *MODEL, "--costs", costs])
+    assert {e["name"] for e in run_json(capsys, [*argv, "--json"])["skipped"]} >= {"pipemare", "avgpipe"}
+    assert "train on the asynchronous pipedream-2bw, pipedream, ampnet only, not pipemare" in cli_error(
+        [*argv, "-s", "pipemare"])
+    from pipeweave.cli import build_parser
+
+    assert "--tie-embeddings" in compare_measure.train_argv("pipedream", build_parser().parse_args(argv), Path("x"))
+
+
+def main_text(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 0
+    return capsys.readouterr().out
 
 
 def test_convergence_columns_equal_the_reference_executor(capsys: pytest.CaptureFixture[str], costs: str) -> None:

@@ -18,6 +18,7 @@ from pipeweave.runtime.run.plan import prepare
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
 HIDDEN = 16
+MODELS = Path(__file__).resolve().parent / "models"
 
 
 def _train(tmp_path: Path, *argv: str) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
@@ -64,6 +65,36 @@ def test_default_model_is_the_gpt_with_a_summary(tmp_path: Path) -> None:
     assert len(report["losses"]) == 2
     for needle in ("loss first -> last", "bubble ratio", "rank 1 memory", "json:", "trace:"):
         assert needle in run.stdout, needle
+    # a synchronous run of an untied model cut by pipeweave's own layers: no staleness, no tie, no split names
+    assert not {"staleness", "tied_lag", "split_points"} & report.keys()
+    assert "staleness" not in run.stdout and "split:" not in run.stdout
+
+
+def test_a_tied_module_split_on_pipedream_2bw_says_where_it_was_cut_and_its_tied_lag(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A split ``nn.Sequential`` whose last layer reuses its first one's weight, on 2BW, in-process: the line
+    naming the cuts uses the model's split points at the parts' starts, and the record and the summary show the
+    stream's staleness and tied lag as the simulator gives them (``runtime.stage.tied_stream``)."""
+    from pipeweave.cli import main
+    from pipeweave.models.spec import uniform_parts
+    from pipeweave.schedule import generate
+    from pipeweave.sim.versions import staleness, tied_lag
+
+    entry = f"{MODELS / 'tiny_modules.py'}:tied_sequential"
+    assert main(["train", "-s", "pipedream-2bw", "--model", entry, "--stages", "2", "--microbatches", "2",
+                 "--batch", "4", "--steps", "2", "--out", str(tmp_path), "--json", str(tmp_path / "t.json")]) == 0
+    out = capsys.readouterr().out
+    names = ModelSpec(kind="custom", entry=entry).custom.split_points  # a layer per child: 1, 2, 3, 4 start one
+    cuts = [names[part.start - 1] for part in uniform_parts(len(names) + 1, 2)[1:]]
+    assert cuts == ["3"] and out.count("split: ") == 1
+    assert "split: layers 0-2 | 3-4, cut before 3\n" in out
+    report = json.loads((tmp_path / "t.json").read_text())
+    stream = generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=2)
+    assert report["split_points"] == cuts
+    assert report["tied_lag"] == list(tied_lag(stream)) == [0, 1]
+    assert report["staleness"] == list(staleness(stream, tied=True))
+    rows = {line.split("│")[1].strip(): line.split("│")[3].strip() for line in out.splitlines() if line.count("│") == 4}
+    assert rows["staleness / stage"] == "1 1" and rows["tied lag / stage"] == "0 1"
 
 
 @pytest.mark.slow  # 23 s; resuming on another schedule is in the default run in-process (runtime/test_checkpoint.py)

@@ -39,7 +39,7 @@ from pipeweave.runtime.run.plan import optimizer_factory, prepare, stream_schedu
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stage.tied import tied_groups
 from pipeweave.schedule import generate
-from pipeweave.sim.versions import tied_lag
+from pipeweave.sim.versions import staleness, tied_lag
 from pipeweave.errors import UserError
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -139,6 +139,20 @@ def test_the_last_stages_tied_copy_lags_as_the_simulator_says(name: str, t: int,
     for k in range(len(first)):
         assert torch.equal(last[k + lag], first[k])
         assert k == 0 or not torch.equal(first[k], first[k - 1])
+
+
+def test_the_report_shows_a_tied_lag_only_for_a_tie_between_parts_of_a_stream() -> None:
+    """``staleness_figures`` (train's record): a stream's staleness, the tie's lag where a tie spans parts, nothing
+    for a synchronous schedule; the same in ``pipeweave compare`` (test_compare_cli) and the CLI (test_train_cli)."""
+    from pipeweave.runtime.report.stream_summary import staleness_figures
+
+    stream = generate("pipedream", num_stages=2, num_microbatches=2, num_steps=4)
+    halves = [range(0, 1), range(1, 2)]
+    assert staleness_figures(stream, DECLARED, halves) == {"staleness": [2, 2], "tied_lag": [0, 2]}
+    untied = ModelSpec(kind="mlp", layers=2, hidden=4)
+    assert staleness_figures(stream, untied, halves) == {"staleness": list(staleness(stream))} == {"staleness": [1, 0]}
+    assert staleness_figures(stream, DECLARED, [range(0, 2), range(2, 2)]) == {"staleness": [1, 0]}  # one part
+    assert staleness_figures(generate("1f1b", num_stages=2, num_microbatches=2), DECLARED, halves) == {}
 
 
 def _untrained(spec: ModelSpec) -> dict[str, torch.Tensor]:

@@ -40,6 +40,8 @@ def train_argv(name: str, args: argparse.Namespace, folder: Path) -> list[str]:
     for key in MODEL_FLAGS:
         if getattr(args, key, None) is not None:
             argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    if getattr(args, "tie_embeddings", False):
+        argv += ["--tie-embeddings"]
     if SCHEDULES[name].chunks is None:
         argv += ["--chunks", str(args.chunks)]
     return argv

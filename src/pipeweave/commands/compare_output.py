@@ -32,6 +32,7 @@ COLUMNS: tuple[tuple[str, str | None, str, str], ...] = (
     ("activations / rank (M_a): survey | ours", "lit_activations", "peak_activations", "ranks"),
     ("weights / rank (M_theta): survey | ours", "lit_weights", "weight_versions", "ranks"),
     ("staleness | inconsistency", None, "staleness", "lag"),
+    ("tied lag", None, "tied_lag", "most"),
     ("step sim (ms)", None, "step_time_s", "ms"),
     ("samples/s sim", None, "samples_per_s", "rate"),
     ("step measured (ms)", None, "measured_step_time_s", "ms"),
@@ -93,6 +94,8 @@ def cell(row: dict[str, Any], key: str, kind: str) -> str:
         return _ranks(value)
     if kind == "lag":
         return f"{max(row['staleness'], default=0)} | {max(row['inconsistency'], default=0)}"
+    if kind == "most":
+        return f"{max(value)}"
     if kind == "ms":
         return f"{value * 1e3:.2f}"
     if kind == "rate":

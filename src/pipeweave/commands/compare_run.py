@@ -22,6 +22,8 @@ from pipeweave.errors import UserError
 from pipeweave.models.spec import uniform_parts
 from pipeweave.partition import LayerCosts, Partition
 from pipeweave.runtime.report.stream_summary import minibatch_period
+from pipeweave.runtime.stage.tied import spans_parts
+from pipeweave.runtime.stage.tied_stream import check_stream_ties
 from pipeweave.schedule.registry import SCHEDULES
 from pipeweave.sim import CostModel
 from pipeweave.sim.metrics import peak_activations
@@ -38,7 +40,7 @@ def compare(args: argparse.Namespace) -> int:
     spec = model_spec(args, DEFAULT_GPT)
     limit = parse_memory_limit(args.memory_limit) if args.memory_limit is not None else None
     costs = layer_costs(args, spec)
-    rows, skipped = simulated_rows(names, args, costs)
+    rows, skipped = simulated_rows(names, args, costs, spec)
     if limit is not None and limit[1] == "M_a":
         recommend(rows, limit)  # a limit nothing fits: one line before anything runs (M_a do not depend on a run)
     if args.measure is not None:
@@ -53,9 +55,10 @@ def compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def simulated_rows(names: list[str], args: argparse.Namespace, costs: LayerCosts
+def simulated_rows(names: list[str], args: argparse.Namespace, costs: LayerCosts, spec: Any = None
                    ) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """The rows of the approaches that can serve D, T and the model, and each other one with its reason.
+    """The rows of the approaches that can serve D, T and the model (``spec``: its ties; None: untied), and each
+    other one with its reason.
 
     An approach named with ``-s`` that cannot is an error; of the default set (or ``--all``) it is skipped.
 
@@ -65,7 +68,7 @@ def simulated_rows(names: list[str], args: argparse.Namespace, costs: LayerCosts
     rows, skipped = [], []
     for name in names:
         try:
-            rows.append(simulated_row(name, args, costs))
+            rows.append(simulated_row(name, args, costs, spec))
         except UserError as exc:
             if args.schedules is not None:
                 raise
@@ -115,9 +118,10 @@ def num_parts(name: str, args: argparse.Namespace) -> int:
 
 
 def simulate_argv(name: str, args: argparse.Namespace, times: dict[str, list[float]],
-                  comm: float = 0.0, dispatch: float = 0.0) -> list[str]:
-    """The ``pipeweave simulate`` command line of one approach under per-part times."""
+                  comm: float = 0.0, dispatch: float = 0.0, tied: bool = False) -> list[str]:
+    """The ``pipeweave simulate`` command line of one approach under per-part times (``tied``: ``--tied``)."""
     argv = ["-s", name, "--stages", str(args.stages), "--microbatches", str(args.microbatches), "--json"]
+    argv += ["--tied"] if tied else []
     argv += [f"--time-{k}={','.join(repr(t) for t in times[k])}" for k in ("f", "b", "w")]
     argv += [f"--time-comm={comm!r}", f"--time-dispatch={dispatch!r}"]
     if SCHEDULES[name].chunks is None:
@@ -134,12 +138,21 @@ def run_simulate(argv: list[str]) -> tuple[dict[str, Any], Any]:
     return simulated(parser.parse_args(["simulate", *argv]))
 
 
-def simulated_row(name: str, args: argparse.Namespace, costs: LayerCosts) -> dict[str, Any]:
-    """One approach at the simulated depth: literature, closed forms and simulate's values."""
+def simulated_row(name: str, args: argparse.Namespace, costs: LayerCosts, spec: Any = None) -> dict[str, Any]:
+    """One approach at the simulated depth: literature, closed forms and simulate's values; on a stream, a tie
+    of ``spec`` between parts counted as ``simulate --tied`` counts it (its staleness, ``tied_lag``).
+
+    Raises:
+        UserError: a tied model on a stream that does not train ties (``runtime.stage.tied_stream``).
+    """
     info = SCHEDULES[name]
     parts = uniform_parts(costs.num_layers, num_parts(name, args))
     times = part_costs(costs, Partition(tuple(len(r) for r in parts)))
-    out, timeline = run_simulate(simulate_argv(name, args, times))
+    stream = spec is not None and not info.synchronous
+    if stream:
+        check_stream_ties(spec, name, lr_scheduled=False)  # as train refuses it
+    tied = stream and spans_parts(spec, parts)
+    out, timeline = run_simulate(simulate_argv(name, args, times, tied=tied))
     step = out["makespan"] if info.synchronous else minibatch_period(timeline, args.microbatches)
     part_bytes = CostModel(activation=times["activation"]).for_parts(num_parts=len(parts), num_ranks=args.stages)
     row = {"name": name, "family": info.family, "synchronous": info.synchronous,
@@ -150,9 +163,10 @@ def simulated_row(name: str, args: argparse.Namespace, costs: LayerCosts) -> dic
            "bubble_ratio_flush": out["bubble_ratio_flush"],
            **{k: out[k] for k in ("peak_activations", "weight_versions", "staleness", "inconsistency")},
            "peak_activation_bytes": list(peak_activations(timeline, part_bytes)),
-           "step_time_s": step, "samples_per_s": args.batch / step}
+           "step_time_s": step, "samples_per_s": args.batch / step, **({"tied_lag": out["tied_lag"]} if tied else {})}
     if args.time_comm is not None or args.time_dispatch is not None:
-        comm, _ = run_simulate(simulate_argv(name, args, times, args.time_comm or 0.0, args.time_dispatch or 0.0))
+        comm, _ = run_simulate(simulate_argv(name, args, times, args.time_comm or 0.0, args.time_dispatch or 0.0,
+                                             tied))
         row["bubble_ratio_comm"] = comm["steady_bubble_ratio"] if not info.synchronous else comm["bubble_ratio"]
     return row
 

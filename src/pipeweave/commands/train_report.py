@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,12 @@ from pipeweave.commands.outputs import output_file, output_folder, picture_file,
 from pipeweave.commands.units import format_bytes
 from pipeweave.durable import remove_stale_temporaries
 from pipeweave.errors import UserError
+from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.report.stream_summary import stream_timeline, summarize_stream
 from pipeweave.runtime.report.trace import chrome_trace, rebased, step_timeline, summarize
 from pipeweave.runtime.run.checkpoint_files import newest
 from pipeweave.runtime.run.memory import MemoryEstimate
-from pipeweave.runtime.run.plan import learning_rates, segments, stream_rates
+from pipeweave.runtime.run.plan import layer_ranges, learning_rates, segments, stream_rates
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.stream import stream_updates
@@ -56,7 +58,32 @@ def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate |
         **({"save_failures": record.save_failures} if record.save_failures else {}),
         **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
         **(memory.as_dict() if memory is not None else {}),
+        **split_fields(config.model, layer_ranges(config, schedule)),
     }
+
+
+def split_fields(spec: ModelSpec, parts: Sequence[range]) -> dict[str, Any]:
+    """``split_points``: the module names where parts 1, 2, ... start, for a model cut at module names
+    (``pipeweave.pipeline``, a Hugging Face model: ``LayerModel.split_points``, layer k + 1 starting at the
+    k-th); nothing for a model without them. Given to ``pipeweave.pipeline`` they cut the module there again.
+
+    Example:
+        >>> split_fields(ModelSpec(kind="gpt", layers=2, hidden=8, heads=2), [range(0, 2), range(2, 4)])
+        {}
+    """
+    names = spec.custom.split_points if spec.kind == "custom" else ()
+    return {"split_points": [names[part.start - 1] for part in parts[1:]]} if names else {}
+
+
+def split_line(spec: ModelSpec, parts: Sequence[range]) -> str | None:
+    """The one line saying where a model cut at module names is split, e.g.
+    ``split: layers 0-2 | 3-4 | 5-6, cut before h.2, h.4``; None for a model without names."""
+    fields = split_fields(spec, parts)
+    if not fields:
+        return None
+    layers = " | ".join(f"{p.start}-{p.stop - 1}" if len(p) > 1 else f"{p.start}" for p in parts)
+    cuts = ", ".join(fields["split_points"]) or "nothing (one part)"
+    return f"split: layers {layers}, cut before {cuts}"
 
 
 def _learning_rates(config: TrainConfig, schedule: Schedule, record: RunRecord) -> list[float]:
@@ -140,7 +167,7 @@ def _plot(schedule: Schedule, record: RunRecord, report: dict[str, Any], path: P
 
 
 def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
-
+    """The run's summary table (measured beside simulated), then what else the user should know, and the files."""
     losses = report["losses"]
     model = report["model"]["entry"] or report["model"]["kind"]
     grid = "".join(f"  {k}={report[key]}" for k, key in (("P", "data_parallel"), ("N", "tensor_parallel"))
@@ -168,14 +195,10 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
                   f"{report['bubble_ratio_flush_simulated']:.3f}")
     table.add_row("dispatch per action", f"{report['profiled_costs_s']['dispatch'] * 1e6:.0f} us", "")
     table.add_row("bubble, schedule alone", "", f"{report['bubble_ratio_simulated_no_dispatch']:.3f}")
-    simulated = report.get("weight_bytes_simulated")
-    estimated = report.get("memory_estimate", {}).get("activations")
-    tensors = report.get("peak_tensor_bytes") or [0] * len(report["weight_bytes"])
-    for r, (act, weight) in enumerate(zip(report["peak_activation_bytes"], report["weight_bytes"])):
-        predicted = ([f"act {_bytes(estimated[r])}"] if estimated else []) + (
-            [f"weights {_bytes(simulated[r])}"] if simulated else [])
-        peak = f"  peak {_bytes(tensors[r])}" if tensors[r] else ""  # the process's tensors (stage.tensor_bytes)
-        table.add_row(f"rank {r} memory", f"act {_bytes(act)}  weights {_bytes(weight)}{peak}", "  ".join(predicted))
+    for key, what in (("staleness", "staleness / stage"), ("tied_lag", "tied lag / stage")):
+        if key in report:  # streams (runtime.report.stream_summary.staleness_figures), in updates
+            table.add_row(what, "", " ".join(str(n) for n in report[key]))
+    _memory_rows(table, report)
     console = Console()
     console.print(table)
     if report.get("streams", 1) > 1:
@@ -191,6 +214,18 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
                       f"{report['first_step'] + report['steps']} of the training")
     for kind, path in paths.items():
         console.print(f"{kind}: {path}")
+
+
+def _memory_rows(table: Table, report: dict[str, Any]) -> None:
+    """Per rank, the activation and weight bytes measured beside those estimated before the run and simulated."""
+    simulated = report.get("weight_bytes_simulated")
+    estimated = report.get("memory_estimate", {}).get("activations")
+    tensors = report.get("peak_tensor_bytes") or [0] * len(report["weight_bytes"])
+    for r, (act, weight) in enumerate(zip(report["peak_activation_bytes"], report["weight_bytes"])):
+        predicted = ([f"act {_bytes(estimated[r])}"] if estimated else []) + (
+            [f"weights {_bytes(simulated[r])}"] if simulated else [])
+        peak = f"  peak {_bytes(tensors[r])}" if tensors[r] else ""  # the process's tensors (stage.tensor_bytes)
+        table.add_row(f"rank {r} memory", f"act {_bytes(act)}  weights {_bytes(weight)}{peak}", "  ".join(predicted))
 
 
 def _ms(seconds: float) -> str:

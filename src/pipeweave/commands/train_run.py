@@ -26,7 +26,7 @@ from pipeweave.commands.profiled import profiled_costs
 from pipeweave.commands.stash_options import train_levers
 from pipeweave.commands.schedule_file import schedule_from_file
 from pipeweave.commands.stream_options import async_options
-from pipeweave.commands.train_report import build_report, output_paths, print_summary, write_outputs
+from pipeweave.commands.train_report import build_report, output_paths, print_summary, split_line, write_outputs
 from pipeweave.errors import UserError
 from pipeweave.models.hf import is_hf, save_pretrained
 from pipeweave.partition import LayerCosts, Partition, partition
@@ -286,6 +286,9 @@ def _train(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace, config: TrainConfig) -> int:
     plan = prepare(config)  # one line before anything is spawned
     schedule = plan.schedule
+    split = split_line(config.model, plan.parts)  # where a module cut at names is split: said once, by rank 0
+    if split is not None and not args.quiet and _rank() == 0:
+        print(split)
     output_paths(args)  # likewise: a run must not learn at its end that it cannot write its record
     progress = _Progress(plan.config, schedule.num_ranks, quiet=args.quiet or (under_torchrun() and _rank() != 0))
     capacity = _ring_capacity(args, plan, under_torchrun())

@@ -4,26 +4,29 @@ A stream has no steps to time one by one (``runtime.stream``): its measured
 actions make one ``Timeline`` (``stream_timeline``), the time per mini-batch
 is the steady state's period (``minibatch_period``), and ``summarize_stream``
 sets the measured bubbles and weight bytes beside the simulator's for the
-run's schedule. Where the run drained its stream to evaluate or save, the
-pauses between streams were taken out of its times by the run
-(``run.record.close_pauses``).
+run's schedule, with its staleness (and a tie's lag: ``staleness_figures``).
+Where the run drained its stream to evaluate or save, the pauses between
+streams were taken out of its times by the run (``run.record.close_pauses``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.report.trace import measured_summary, profile_costs
 from pipeweave.runtime.run.plan import layer_ranges
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.sizes import part_weight_bytes
+from pipeweave.runtime.stage.tied import spans_parts
 from pipeweave.runtime.stream import microbatches_per_minibatch
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.sim import CostModel, Event, Timeline, simulate
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.steady import steady_bubble_ratio
-from pipeweave.sim.versions import weight_copies
+from pipeweave.sim.versions import staleness, tied_lag, weight_copies
 
 _COMPUTE = {op.value for op in Op if op.is_compute}  # records hold op strings
 
@@ -60,7 +63,8 @@ def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     simulated with the run's profiled costs; ``bubble_ratio_stream`` includes
     the fill and drain. ``step_time_s`` is the time per mini-batch,
     ``weight_bytes`` the peak of every weight version and buffer per rank,
-    beside ``weight_bytes_simulated`` = ``sim.versions.weight_copies`` x each part's bytes.
+    beside ``weight_bytes_simulated`` = ``sim.versions.weight_copies`` x each part's bytes; ``staleness``
+    (and ``tied_lag``) as ``staleness_figures``.
     """
     cost = profile_costs(schedule, record)
     out = measured_summary(schedule, record, cost)  # per-mini-batch times, throughput, profiled costs, memory
@@ -81,8 +85,23 @@ def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
         "weight_bytes_simulated": list(weight_copies(schedule, CostModel(weight=part_bytes).for_parts(
             num_parts=schedule.num_parts, num_ranks=schedule.num_ranks))),
     })
+    out.update(staleness_figures(schedule, record.config.model, layer_ranges(record.config, schedule)))
     out["samples_per_s"] = record.config.batch_size / out["step_time_s"]
     if out.get("tokens_per_s"):
         out["tokens_per_s"] = out["samples_per_s"] * record.config.model.seq_len
     return out
 
+
+
+def staleness_figures(schedule: Schedule, spec: ModelSpec, parts: Sequence[range]) -> dict[str, list[int]]:
+    """A stream's ``staleness`` per stage (``sim.versions.staleness``; a function of the order the run kept),
+    and where the model has a tie between parts, ``tied_lag``: per stage, the updates by which its tied
+    members lag its other weights (``runtime.stage.tied_stream``), the staleness then counting them.
+    Nothing for a synchronous schedule (no staleness)."""
+    if schedule.is_synchronous:
+        return {}
+    tied = spans_parts(spec, parts)
+    out = {"staleness": list(staleness(schedule, tied=tied))}
+    if tied:
+        out["tied_lag"] = list(tied_lag(schedule))
+    return out

@@ -24,7 +24,7 @@ the walk must not run a tied stage's ``U`` before its peer's part is done:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,19 @@ def tied_groups(spec: ModelSpec) -> list[list[str]]:
     if spec.kind == "gpt":
         return [["0.token", f"{spec.num_layers - 1}.out.weight"]] if spec.tie_embeddings else []
     return [list(g) for g in spec.custom.tied] if spec.kind == "custom" else []
+
+
+def spans_parts(spec: ModelSpec, parts: Sequence[range]) -> bool:
+    """Whether some tied group of the model has members in two of ``parts`` (the layers of each part): a tie
+    the stages exchange, which a stream applies late at its last stage (``runtime.stage.tied_stream``).
+
+    Example:
+        >>> gpt = ModelSpec(kind="gpt", layers=2, hidden=8, heads=2, tie_embeddings=True)
+        >>> spans_parts(gpt, [range(0, 2), range(2, 4)]), spans_parts(gpt, [range(0, 4)])
+        (True, False)
+    """
+    part = {layer: k for k, layers in enumerate(parts) for layer in layers}
+    return any(len({part.get(layer_of(name)) for name in group}) > 1 for group in tied_groups(spec))
 
 
 def tied_names(worker: StageWorker) -> list[list[str]]:
