@@ -59,6 +59,18 @@ def test_the_profiler_counts_each_layers_flops(tmp_path: object) -> None:
     assert costs.flops == (48 * 4 * 8**2,) * 2
 
 
+def test_a_layer_without_parameters_is_profiled(tmp_path: object) -> None:
+    """An ``nn.Sequential`` split by ``pipeweave.pipeline`` has its activations as layers of their own (no
+    parameters; torch's optimizers refuse an empty list): profiled as the others, no weight bytes."""
+    from pathlib import Path
+
+    from pipeweave.runtime.profile import profile_model
+
+    entry = f"{Path(__file__).resolve().parent.parent / 'models' / 'tiny_modules.py'}:tied_sequential"
+    costs = profile_model(ModelSpec(kind="custom", entry=entry), 4, repeats=1, cache_dir=str(tmp_path))
+    assert costs.num_layers == 5 and costs.params[0] > 0 and costs.params[1] == 0 and costs.forward[1] > 0
+
+
 def test_the_copies_are_profiled_on_their_own_and_charged_where_the_runtime_runs_them() -> None:
     """The hand trace above with part 0 offloaded: the copy out after F (1.0), back before B (0.5), on rank 0's
     own time: not dispatch, and the simulated step charges them to its F and its B (makespan +1.5)."""

@@ -95,12 +95,19 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], tuple[float, A
     return timed
 
 
+def _never_steps(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The profiled worker's optimizer, which only clears gradients: a layer without parameters (an activation,
+    a child of an ``nn.Sequential``) gets one placeholder, as torch's optimizers refuse an empty list."""
+    return torch.optim.SGD(params or [torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+
+
 def _profile_layer(
     spec: ModelSpec, index: int, x: Boundary, target: Boundary, *, warmup: int, repeats: int,
     device: torch.device, precision: str,
 ) -> tuple[dict[str, Any], Boundary]:
     """Costs of layer ``index`` on input ``x``; returns them and the layer's output."""
-    worker = StageWorker(spec, [index], batch_size=num_samples(x), device=device, precision=precision)
+    worker = StageWorker(spec, [index], batch_size=num_samples(x), device=device, precision=precision,
+                         optimizer_factory=_never_steps)
     layer = worker.module[str(index)]
     timed = _timer(device)
     times: dict[str, list[float]] = {"forward": [], "input_grad": [], "weight_grad": [], "selective_forward": []}
