@@ -126,6 +126,23 @@ def test_profiles_a_real_model_once(tmp_path: Path, capsys: pytest.CaptureFixtur
     # the output of a block is the microbatch (4, 16) float32; the next run reads the cache
     assert costs.output[:3] == (4 * 16 * 4.0,) * 3
     assert run_json(capsys, argv)["parts"] == first["parts"]
+    assert "split_points" not in first  # the mlp's layers are pipeweave's own: no module names
+
+
+def test_a_module_cut_at_names_says_where_the_partition_splits_it(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``nn.Sequential`` cut before each child (``pipeweave.pipeline``): the names at the parts' starts, from
+    the model's ``split_points`` (layer k + 1 starts at the k-th), in the JSON and in one line of the table."""
+    monkeypatch.setenv("PIPEWEAVE_CACHE", str(tmp_path))
+    entry = f"{Path(__file__).parent / 'models' / 'tiny_modules.py'}:tied_sequential"
+    argv = ["--model", entry, "--stages", "2", "--batch-size", "8", "--microbatches", "2", "--repeats", "1",
+            "--layers-per-stage", "1,4"]
+    from pipeweave.models import ModelSpec
+
+    assert ModelSpec(kind="custom", entry=entry).custom.split_points == ("1", "2", "3", "4")
+    assert run_json(capsys, argv)["split_points"] == ["1"]
+    assert main([*argv[:-1], "2,3"]) == 0
+    assert capsys.readouterr().out.endswith("\nsplit: layers 0-1 | 2-4, cut before 2\n")
 
 
 def train_config(argv: list[str]):  # type: ignore[no-untyped-def]

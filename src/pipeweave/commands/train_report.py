@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,10 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeweave.commands.outputs import output_file, output_folder, picture_file, replaced_output, write_output
+from pipeweave.commands.split_names import split_fields
 from pipeweave.commands.units import format_bytes
 from pipeweave.durable import remove_stale_temporaries
 from pipeweave.errors import UserError
-from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.report.stream_summary import stream_timeline, summarize_stream
 from pipeweave.runtime.report.trace import chrome_trace, rebased, step_timeline, summarize
 from pipeweave.runtime.run.checkpoint_files import newest
@@ -58,32 +57,8 @@ def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate |
         **({"save_failures": record.save_failures} if record.save_failures else {}),
         **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
         **(memory.as_dict() if memory is not None else {}),
-        **split_fields(config.model, layer_ranges(config, schedule)),
+        **split_fields(config.model, layer_ranges(config, schedule)),  # a model cut at module names
     }
-
-
-def split_fields(spec: ModelSpec, parts: Sequence[range]) -> dict[str, Any]:
-    """``split_points``: the module names where parts 1, 2, ... start, for a model cut at module names
-    (``pipeweave.pipeline``, a Hugging Face model: ``LayerModel.split_points``, layer k + 1 starting at the
-    k-th); nothing for a model without them. Given to ``pipeweave.pipeline`` they cut the module there again.
-
-    Example:
-        >>> split_fields(ModelSpec(kind="gpt", layers=2, hidden=8, heads=2), [range(0, 2), range(2, 4)])
-        {}
-    """
-    names = spec.custom.split_points if spec.kind == "custom" else ()
-    return {"split_points": [names[part.start - 1] for part in parts[1:]]} if names else {}
-
-
-def split_line(spec: ModelSpec, parts: Sequence[range]) -> str | None:
-    """The one line saying where a model cut at module names is split, e.g.
-    ``split: layers 0-2 | 3-4 | 5-6, cut before h.2, h.4``; None for a model without names."""
-    fields = split_fields(spec, parts)
-    if not fields:
-        return None
-    layers = " | ".join(f"{p.start}-{p.stop - 1}" if len(p) > 1 else f"{p.start}" for p in parts)
-    cuts = ", ".join(fields["split_points"]) or "nothing (one part)"
-    return f"split: layers {layers}, cut before {cuts}"
 
 
 def _learning_rates(config: TrainConfig, schedule: Schedule, record: RunRecord) -> list[float]:

@@ -26,7 +26,8 @@ from pipeweave.commands.profiled import profiled_costs
 from pipeweave.commands.stash_options import train_levers
 from pipeweave.commands.schedule_file import schedule_from_file
 from pipeweave.commands.stream_options import async_options
-from pipeweave.commands.train_report import build_report, output_paths, print_summary, split_line, write_outputs
+from pipeweave.commands.split_names import split_line
+from pipeweave.commands.train_report import build_report, output_paths, print_summary, write_outputs
 from pipeweave.errors import UserError
 from pipeweave.models.hf import is_hf, save_pretrained
 from pipeweave.partition import LayerCosts, Partition, partition
