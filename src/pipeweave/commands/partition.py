@@ -393,9 +393,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.costs:  # the model profiled: where a model cut at module names is split (commands.split_names)
         from pipeweave.commands.split_names import split_fields, split_line
 
-        parts = [range(p["layers"][0], p["layers"][-1] + 1) for p in result["parts"]]
-        result.update(split_fields(model_spec(args), parts))
-        split = split_line(model_spec(args), parts)
+        spec, parts = model_spec(args), [range(p["layers"][0], p["layers"][-1] + 1) for p in result["parts"]]
+        result.update(split_fields(spec, parts))
+        split = split_line(spec, parts)
     if args.json:
         result.pop("layout_lines", None)
     print(json.dumps(result) if args.json else render(result) + (f"\n{split}" if split else ""))
