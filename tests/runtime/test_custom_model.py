@@ -435,3 +435,18 @@ def test_a_tuple_message_packs_mixed_dtypes_each_aligned() -> None:
     for sent, received in zip(parts, back):
         assert received.dtype == sent.dtype and torch.equal(received, sent)
     assert read_meta(layout.encode().tolist()) == layout
+
+
+def test_a_stage_of_activations_only_runs_its_actions_and_updates_nothing() -> None:
+    # A split nn.Sequential has its activations as layers of their own: a stage may hold only those
+    # (5 stages over tied_sequential's 5 children), and torch's optimizers refuse an empty parameter list.
+    spec = ModelSpec(kind="custom", entry=f"{FILE.parent / 'tiny_modules.py'}:tied_sequential")
+    worker = StageWorker(spec, range(1, 2), batch_size=4, optimizer_factory=optimizer_factory(
+        TrainConfig(schedule="1f1b", num_stages=5, num_microbatches=1, model=spec, batch_size=4, optimizer="adamw")))
+    assert not list(worker.module.parameters())
+    x = torch.randn(4, 8, requires_grad=True)
+    out = worker.forward(0, x)
+    assert torch.equal(out, torch.tanh(x))
+    assert torch.allclose(worker.backward(0, torch.ones_like(out)), 1 - torch.tanh(x) ** 2)
+    worker.update()
+    assert worker.optimizer.state_dict()["state"] == {}

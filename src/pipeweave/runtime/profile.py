@@ -96,9 +96,9 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], tuple[float, A
 
 
 def _never_steps(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The profiled worker's optimizer, which only clears gradients: a layer without parameters (an activation,
-    a child of an ``nn.Sequential``) gets one placeholder, as torch's optimizers refuse an empty list."""
-    return torch.optim.SGD(params or [torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    """The profiled worker's optimizer, which only clears gradients (a layer without parameters gets the
+    worker's placeholder)."""
+    return torch.optim.SGD(params, lr=0.0)
 
 
 def _profile_layer(
