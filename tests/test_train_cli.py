@@ -45,8 +45,10 @@ def test_json_record_of_an_mlp_run(tmp_path: Path) -> None:
     assert report["samples_per_s"] == pytest.approx(8 / report["step_time_s"])
     for key in ("bubble_ratio", "bubble_ratio_flush", "bubble_ratio_simulated"):
         assert 0.0 <= report[key] < 1.0, key
-    # 1F1B's flush bubble equals its bubble (same makespan), measured and simulated alike
-    assert report["bubble_ratio_flush"] == pytest.approx(report["bubble_ratio"], abs=0.05)
+    # The flush bubble counts the whole makespan, the bubble each rank's own span: never less, per step and so in
+    # the median. (How much more depends on when the last rank starts: under load, up to 0.07 was measured.)
+    assert report["bubble_ratio_flush"] >= report["bubble_ratio"]
+    assert report["bubble_ratio_flush_simulated"] == pytest.approx(report["bubble_ratio_simulated"], abs=1e-9)
     # two blocks per rank: LayerNorm (2h) + Linear(h, 4h) + Linear(4h, h), float32
     block = 4 * (2 * HIDDEN + (HIDDEN * 4 * HIDDEN + 4 * HIDDEN) + (4 * HIDDEN * HIDDEN + HIDDEN))
     assert report["weight_bytes"] == [2 * block, 2 * block]
