@@ -17,6 +17,7 @@ is the same function on every rank.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -89,3 +90,18 @@ def profiled() -> pipeweave.models.LayerModel:
 def named() -> pipeweave.models.LayerModel:
     rank = dist.get_rank() if dist.is_initialized() else 0
     return pipeweave.pipeline(Net(), None, [str(2 + min(rank, 1))], loss=loss, dataset=dataset)
+
+
+if __name__ == "__main__":  # a user's torchrun script: the group first, so rank 0 alone profiles; then the run
+    from pipeweave.models import ModelSpec
+    from pipeweave.runtime.run.config import TrainConfig
+    from pipeweave.runtime.run.job import run_rank
+    from pipeweave.runtime.run.launch import launch
+    from pipeweave.runtime.run.plan import prepare
+
+    dist.init_process_group("gloo")
+    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4, steps=2, optimizer="sgd",
+                         model=ModelSpec.of(profiled))
+    record = launch(run_rank, prepare(config), 2)
+    print(json.dumps({"cut at": list(config.model.custom.split_points), "losses": record and record.losses}))
+    dist.destroy_process_group()

@@ -263,3 +263,16 @@ def test_torchrun_ranks_whose_model_cut_itself_apart_stop_in_one_line(tmp_path: 
     line = "pipeweave: ranks chose different splits of the model (rank 1: cut at ['4'], layers 0-0 | 1-1, "
     assert line in outputs[0] and "rank 0: cut at ['2'], layers 0-0 | 1-1" in outputs[0], outputs
     assert "pipeweave:" not in outputs[1], outputs  # one line, from rank 0
+
+
+@pytest.mark.slow
+def test_a_torchrun_script_that_forms_the_group_first_profiles_on_rank_0_alone(tmp_path: Path) -> None:
+    """``split_by_rank.py`` run as a script: ``pipeline(net, split_points=2)`` after ``init_process_group``
+    takes rank 0's cuts on both ranks (rank 1 measured nothing), and ``launch`` joins that group."""
+    outputs = _two_nodes(tmp_path, [str(SPLIT_BY_RANK)], env={"PIPEWEAVE_CACHE": str(tmp_path / "cache")})
+    said = [json.loads(next(line for line in out.splitlines() if line.startswith('{"cut at"'))) for out in outputs]
+    assert [s["cut at"] for s in said] == [["2"], ["2"]]  # rank 1 alone cuts before child 4
+    plain = run_plain(ModelSpec(kind="custom", entry=f"{SPLIT_BY_RANK}:net"), steps=2, batch_size=4,
+                      num_microbatches=2)
+    assert said[0]["losses"] == pytest.approx(plain.losses, rel=1e-5)
+    assert (tmp_path / "cache" / "rank0").exists() and not (tmp_path / "cache" / "rank1").exists()
