@@ -5,8 +5,10 @@ searched costs, ``pipeweave.pipeline(..., split_points=D)``) come from costs
 measured on the machine (``runtime.profile``). Spawned ranks read what the
 launcher measured, but ranks started apart -- torchrun, each node with its own
 cache, or ranks started together before anything was cached -- measure apart,
-and may choose different splits; ranks holding different stages then wait on
-messages that never come, or fail far from the cause. So:
+and may choose different splits. Ranks holding different parts then train,
+with no error, a model missing the layers between their parts (two torchrun
+nodes under ``--partition time``: ``tests/runtime/test_torchrun.py``), or
+wait on messages that never come. So:
 
 - ``rank0_decides(compute)``: where the default process group exists, rank 0
   alone computes (profiles once) and every rank takes its value
@@ -46,20 +48,25 @@ def rank0_decides(compute: Callable[[], T]) -> T:
     several processes exists. Every rank of the group must call it at the same point.
 
     Raises:
-        UserError: rank 0's, on every rank.
+        UserError: rank 0's, on every rank; RuntimeError: on the others, where rank 0 raised another error
+            (they stop at once instead of waiting out the group's timeout).
     """
     if not _grouped():
         return compute()
     box: list[Any] = [None]
+    failure: Exception | None = None
     if dist.get_rank() == 0:
         try:
             box[0] = (True, compute())
-        except UserError as error:
-            box[0] = (False, str(error))
+        except Exception as error:  # noqa: BLE001 - said to every rank, raised again here
+            failure, box[0] = error, (False, (isinstance(error, UserError), f"{type(error).__name__}: {error}"))
     dist.broadcast_object_list(box, src=0)
     ok, value = box[0]
+    if failure is not None:
+        raise failure
     if not ok:
-        raise UserError(value)
+        user, said = value
+        raise UserError(said.partition(": ")[2]) if user else RuntimeError(f"rank 0 failed: {said}")
     return value  # type: ignore[no-any-return]
 
 
