@@ -1,6 +1,7 @@
 """pipeweave's exceptions: ``UserError``, the one the command line reports as a one-line user error,
 ``StuckError``, a schedule that stopped progressing, shown with its grid, and ``Diverged``, a run stopped
-because its loss, gradient norm or weights stopped being finite."""
+because its loss, gradient norm or weights stopped being finite, and ``RanksDisagree``, ranks that chose
+different splits of the model."""
 
 
 class UserError(ValueError):
@@ -26,4 +27,13 @@ class Diverged(RuntimeError):
     Every rank of the run raises it at the same step (the ranks agree on it),
     and the launcher prints its message as is: one line naming the step and
     the fix, no traceback, exit code 1.
+    """
+
+
+class RanksDisagree(UserError):
+    """The ranks of a run chose different splits of the model (``runtime.run.agreement``).
+
+    Every rank raises it at the same point, before any stage is built, and
+    the launcher prints its message as is, as for ``Diverged``: one line
+    naming both splits and the fix.
     """

@@ -14,8 +14,12 @@ Costs are measured on one thread and cached (``runtime.profile``) under a
 digest of the pieces' graphs, parameter shapes and data shapes, so each
 rank that builds the model after the first (spawned ranks after the
 launcher's ``prepare``, whatever their thread count) reads the same costs
-and cuts at the same names. Ranks that start together with no profile
-cached (torchrun) may measure apart: give them the names once chosen.
+and cuts at the same names. Where the default process group exists when
+the split is chosen (a torchrun script that initialised it first), rank 0
+alone profiles and every rank takes its names. Ranks that choose apart
+(torchrun with nothing cached and no group yet) are stopped in one line
+when their run starts (``runtime.run.agreement.check_split``): give them
+the names once chosen.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pipeweave.models.pipeline import pipeline as split_at
 from pipeweave.models.spec import ModelSpec
 from pipeweave.partition.methods import partition
 from pipeweave.runtime.profile import profile_model
+from pipeweave.runtime.run.agreement import rank0_decides
 
 
 def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequence[str] | int | None = None, *,
@@ -68,7 +73,8 @@ def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequen
 
 
 def balanced_points(pieces: LayerModel, num_parts: int, microbatch_size: int, digest: str) -> list[str]:
-    """The module names where the ``time`` partitioner's D-way split of ``pieces`` (profiled) starts its parts.
+    """The module names where the ``time`` partitioner's D-way split of ``pieces`` (profiled) starts its parts:
+    rank 0's, where a process group exists (``runtime.run.agreement.rank0_decides``: it alone profiles).
 
     Raises:
         UserError: more parts than pieces.
@@ -77,6 +83,10 @@ def balanced_points(pieces: LayerModel, num_parts: int, microbatch_size: int, di
         raise UserError(f"split_points={num_parts} parts, but the module has {len(pieces.layers)} pieces to group "
                         f"(cut before {', '.join(pieces.split_points[:4])}, ...); give at most "
                         f"{len(pieces.layers)} parts or name the split points")
+    return rank0_decides(lambda: _profiled_points(pieces, num_parts, microbatch_size, digest))
+
+
+def _profiled_points(pieces: LayerModel, num_parts: int, microbatch_size: int, digest: str) -> list[str]:
     spec = ModelSpec(kind="custom", entry=hold(pieces, digest))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     threads = torch.get_num_threads()

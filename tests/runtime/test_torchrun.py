@@ -30,8 +30,9 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
-def _two_nodes(tmp_path: Path, train: list[str], nproc: int = 1) -> list[str]:
-    """Run ``train`` under two torchrun "nodes" on loopback; return their logs' tails, assert both exit 0.
+def _two_nodes(tmp_path: Path, train: list[str], nproc: int = 1, codes: tuple[int, int] = (0, 0),
+               env: dict[str, str] | None = None) -> list[str]:
+    """Run ``train`` under two torchrun "nodes" on loopback; return their logs' tails, assert their exit codes.
 
     Logs go to files, not pipes: a pipe nobody drains while we wait on the other
     node fills up and blocks that node, which the waited-on node then waits for.
@@ -44,7 +45,7 @@ def _two_nodes(tmp_path: Path, train: list[str], nproc: int = 1) -> list[str]:
         subprocess.Popen(
             [torchrun, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", str(nproc),
              "--master-addr", "127.0.0.1", "--master-port", str(port), *train],
-            stdout=logs[n].open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+            stdout=logs[n].open("w"), stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, **(env or {})},
         )
         for n in (0, 1)
     ]
@@ -56,7 +57,7 @@ def _two_nodes(tmp_path: Path, train: list[str], nproc: int = 1) -> list[str]:
             if node.poll() is None:
                 node.kill()
     outputs = [log.read_text(errors="replace")[-3000:] for log in logs]
-    assert [n.returncode for n in nodes] == [0, 0], outputs
+    assert tuple(n.returncode for n in nodes) == codes, outputs
     return outputs
 
 
@@ -228,3 +229,50 @@ def test_a_killed_rank_restarted_by_torchrun_resumes_its_newest_checkpoint(
     assert set(saved) == set(plain.parameters)
     for name, value in plain.parameters.items():
         torch.testing.assert_close(saved[name], value, rtol=1e-5, atol=1e-6)
+
+
+SPLIT_BY_RANK = Path(__file__).resolve().with_name("split_by_rank.py")
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_that_profile_apart_train_rank_0s_partition(tmp_path: Path) -> None:
+    """``--partition time`` where each rank measures its own costs (a cache of its own, another block costly:
+    alone, rank 0 would cut 2 + 4 layers, rank 1 4 + 2): every rank takes rank 0's layer counts
+    (``agreement.agreed_plan``), and the run equals plain training."""
+    record = tmp_path / "record.json"
+    train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--microbatches", "2", "--model",
+             f"{SPLIT_BY_RANK}:net", "--partition", "time", "--batch", "4", "--steps", "2", "--optimizer", "sgd",
+             "--timeout", "60", "--quiet", "--out", str(tmp_path), "--json", str(record)]
+    _two_nodes(tmp_path, train, env={"PIPEWEAVE_CACHE": str(tmp_path / "cache")})
+    report = json.loads(record.read_text())
+    embed, block, head = (32 * 16) * 4, (16 * 16 + 16) * 4, (16 * 32 + 32) * 4  # parameter bytes
+    assert report["weight_bytes"] == [embed + block, 3 * block + head]  # rank 0's 2 + 4 layers
+    plain = run_plain(ModelSpec(kind="custom", entry=f"{SPLIT_BY_RANK}:net"), steps=2, batch_size=4,
+                      num_microbatches=2)
+    assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_whose_model_cut_itself_apart_stop_in_one_line(tmp_path: Path) -> None:
+    """A model file cut by ``pipeweave.pipeline(net, split_points=2)`` in each rank, each measuring apart: every
+    rank stops before building a stage, with one line naming both splits (``agreement.check_split``)."""
+    train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--microbatches", "2", "--model",
+             f"{SPLIT_BY_RANK}:profiled", "--batch", "4", "--steps", "2", "--optimizer", "sgd", "--timeout", "60",
+             "--quiet", "--out", str(tmp_path)]
+    outputs = _two_nodes(tmp_path, train, codes=(1, 1), env={"PIPEWEAVE_CACHE": str(tmp_path / "cache")})
+    line = "pipeweave: ranks chose different splits of the model (rank 1: cut at ['4'], layers 0-0 | 1-1, "
+    assert line in outputs[0] and "rank 0: cut at ['2'], layers 0-0 | 1-1" in outputs[0], outputs
+    assert "pipeweave:" not in outputs[1], outputs  # one line, from rank 0
+
+
+@pytest.mark.slow
+def test_a_torchrun_script_that_forms_the_group_first_profiles_on_rank_0_alone(tmp_path: Path) -> None:
+    """``split_by_rank.py`` run as a script: ``pipeline(net, split_points=2)`` after ``init_process_group``
+    takes rank 0's cuts on both ranks (rank 1 measured nothing), and ``launch`` joins that group."""
+    outputs = _two_nodes(tmp_path, [str(SPLIT_BY_RANK)], env={"PIPEWEAVE_CACHE": str(tmp_path / "cache")})
+    said = [json.loads(next(line for line in out.splitlines() if line.startswith('{"cut at"'))) for out in outputs]
+    assert [s["cut at"] for s in said] == [["2"], ["2"]]  # rank 1 alone cuts before child 4
+    plain = run_plain(ModelSpec(kind="custom", entry=f"{SPLIT_BY_RANK}:net"), steps=2, batch_size=4,
+                      num_microbatches=2)
+    assert said[0]["losses"] == pytest.approx(plain.losses, rel=1e-5)
+    assert (tmp_path / "cache" / "rank0").exists() and not (tmp_path / "cache" / "rank1").exists()

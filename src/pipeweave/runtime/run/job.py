@@ -25,6 +25,7 @@ from pipeweave.data import data_source
 from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.process import progress
 from pipeweave.runtime.run import checkpoint
+from pipeweave.runtime.run.agreement import agreed_plan
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
 from pipeweave.runtime.run.config import TrainConfig
@@ -111,8 +112,9 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     """Train on this process; process 0 returns the gathered ``RunRecord``, the others None.
 
     ``world`` is P x D x N processes; each plays stage rank ``process // N`` of the schedule
-    (``transport.mesh``), the N of a tensor-parallel group alike on their shards.
+    (``transport.mesh``), the N of a tensor-parallel group alike on their shards, on rank 0's split.
     """
+    plan = agreed_plan(plan)  # every rank builds rank 0's split, or every rank stops here in one line
     config = plan.config
     if config.is_stream:
         return run_stream_rank(process, world, plan)

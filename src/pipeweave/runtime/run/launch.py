@@ -10,7 +10,8 @@ result. Two ways in:
   dies, Ctrl-C, SIGTERM or SIGHUP to the launcher -- terminates every other
   rank at once, prints the cause once and raises ``RankFailure`` (exit code
   1, or 128 + the signal's number). A run that diverged (``errors.Diverged``,
-  raised by every rank at the same step) is reported by its message alone.
+  raised by every rank at the same step), or whose ranks chose different
+  splits (``errors.RanksDisagree``), is reported by its message alone.
   Children ignore SIGINT and SIGHUP (the launcher owns them) and die with the
   launcher however it ends (SIGKILL, the OOM killer:
   ``process.die_with_process``); the fork server they came from leaves with
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeweave.errors import Diverged, StuckError
+from pipeweave.errors import Diverged, RanksDisagree, StuckError
 from pipeweave.runtime.process import (device_for, die_with_parent, die_with_process, keep_freed_host_memory,
                                        set_progress_sink, set_wait_timeout, start_time, under_torchrun)
 from pipeweave.runtime.run import forkserver
@@ -45,6 +46,7 @@ from pipeweave.runtime.transport import shm
 RankFn = Callable[[int, int, Any], Any]
 ProgressFn = Callable[[int, Any], None]
 
+_VERDICTS = (Diverged, RanksDisagree)  # raised by every rank alike: rank 0's message is the cause, as is
 _GRACE_S = 2.0  # how long terminated ranks get before SIGKILL
 _SETTLE_S = 0.3  # after a first failure, how long to wait for a likelier root cause
 # What the launcher says when a signal ends the run; SIGTERM and SIGHUP (an ssh
@@ -129,10 +131,12 @@ def _join_torchrun(
         raise RankFailure(f"torchrun started {world} processes but the schedule needs {num_ranks} ranks; "
                           f"give --nnodes x --nproc-per-node = {num_ranks}", 2)
     device = _prepare_rank(rank, options)
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        timeout=datetime.timedelta(seconds=options.timeout_s),
-    )
+    ours = not dist.is_initialized()  # a script may have formed it first (pipelining: rank 0 chose the split)
+    if ours:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=options.timeout_s),
+        )
     try:
         value = fn(rank, world, payload)
         # Every rank's last messages (the gather to rank 0) must have left before the
@@ -142,11 +146,12 @@ def _join_torchrun(
         return value
     except Exception as exc:  # one line per failing rank; torchrun's agent reports the exit
         cause = _describe(rank, exc)
-        if rank == 0 or not isinstance(exc, Diverged):  # every rank diverges alike: rank 0 says it
+        if rank == 0 or not isinstance(exc, _VERDICTS):  # every rank raises it alike: rank 0 says it
             _report(cause, options, _detail(exc))
         raise RankFailure(cause, 1) from None
     finally:
-        dist.destroy_process_group()
+        if ours:
+            dist.destroy_process_group()
 
 
 def _prepare_rank(rank: int, options: LaunchOptions) -> torch.device:
@@ -334,7 +339,7 @@ def _child(
 
 
 def _describe(rank: int, exc: BaseException) -> str:
-    if isinstance(exc, Diverged):  # the run's verdict, the same on every rank: its own line
+    if isinstance(exc, _VERDICTS):  # the run's verdict, the same on every rank: its own line
         return str(exc)
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
