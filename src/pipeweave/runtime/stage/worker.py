@@ -191,10 +191,8 @@ class StageWorker(Metered):
                 m.grad_store = self.store
         self.optimizer_factory = optimizer_factory or sgd()
         """What built ``optimizer`` (ZeRO builds the same over its slices, ``runtime.zero``)."""
-        # A part of activations only (a child of an ``nn.Sequential``) updates nothing; torch's optimizers refuse
-        # an empty list, so it gets a placeholder that never has a gradient.
-        self.optimizer = self.optimizer_factory(list(self.module.parameters())
-                                                or [nn.Parameter(torch.zeros(1, device=device))])
+        # torch's optimizers refuse an empty list: a part of activations only gets a placeholder, never given a grad
+        self.optimizer = self.optimizer_factory(list(self.module.parameters()) or [nn.Parameter(torch.zeros(1, device=device))])
         self.loss = loss_fn(spec)
         self.combine_grads: Callable[[StageWorker], None] | None = None
         self.shards: Shards | None = None  # ZeRO-3 (runtime.fsdp): FSDP2's shards between actions
