@@ -21,13 +21,17 @@ import pytest
 
 from pipeweave.cli import main
 from pipeweave.errors import UserError
-from pipeweave.runtime.run.memory import MemoryEstimate, check_memory, ranks_here
+from pipeweave.models import ModelSpec
+from pipeweave.runtime.run.memory import MemoryEstimate, check_memory, estimate_memory, ranks_here
 from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.runtime.run.plan import prepare
 
 FACTOR = 1.1
 """How far above the measured activation peak the estimate may be (measured: 1.0, exact)."""
 MLP = ["--model", "mlp", "--layers", "4", "--hidden", "32", "--batch", "16"]
 GPT = ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch", "8"]
+INTERLEAVED = TrainConfig(schedule="interleaved-1f1b", num_stages=2, num_chunks=2, num_microbatches=4, batch_size=32,
+                          model=ModelSpec(kind="mlp", layers=4, hidden=8), optimizer="adamw", data_parallel=4)
 
 
 @pytest.mark.parametrize("argv", [
@@ -105,15 +109,39 @@ def test_under_torchrun_only_this_nodes_ranks_count(monkeypatch: pytest.MonkeyPa
 
 
 def test_zero_stages_shrink_the_weights_and_optimizer_state_per_rank() -> None:
-    """P = 4 replicas, AdamW, two equal parts per rank (interleaved): per rank, in parts' weights w, ZeRO-0 holds
-    8w (per part: parameters, gradient, two moments); ZeRO-1 6w (the moments, a parameter slice and a reduced
-    gradient slice at 1/4); ZeRO-3 5w (per part the whole gradient and four slices at 1/4, and one part gathered)."""
-    from pipeweave.models import ModelSpec
-    from pipeweave.runtime.run.memory import estimate_memory
-    from pipeweave.runtime.run.plan import prepare
-
-    config = TrainConfig(schedule="interleaved-1f1b", num_stages=2, num_chunks=2, num_microbatches=4, batch_size=32,
-                         model=ModelSpec(kind="mlp", layers=4, hidden=8), optimizer="adamw", data_parallel=4)
-    figures = {z: estimate_memory(prepare(replace(config, zero=z))).weights for z in (0, 1, 3)}
+    """P = 4 replicas, AdamW, two equal one-layer parts per rank (interleaved): per rank, in parts' weights w, ZeRO-0
+    holds 8w (per part: parameters, gradient, two moments); ZeRO-1 6w (the moments, a parameter slice and a reduced
+    gradient slice at 1/4); ZeRO-3 5.5w (per part the whole gradient and three shards at 1/4, and one layer -- here
+    a part -- gathered twice: the all-gather's output beside the parameters)."""
+    figures = {z: estimate_memory(prepare(replace(INTERLEAVED, zero=z))).weights for z in (0, 1, 3)}
     for z0, z1, z3 in zip(*figures.values()):
-        assert (z1 / z0, z3 / z0) == pytest.approx((6 / 8, 5 / 8))
+        assert (z1 / z0, z3 / z0) == pytest.approx((6 / 8, 5.5 / 8))
+
+
+def test_zero3_counts_shards_padded_as_fsdp_pads_them() -> None:
+    """P = 3 replicas of mlp blocks of h = 8 (a layer norm's 8 + 8, up 32 x 8 + 32, down 8 x 32 + 8 parameters):
+    FSDP pads every dim 0 to a multiple of 3, so a replica keeps 3 + 3 + 11 x 8 + 11 + 3 x 32 + 3 = 204 floats
+    (816 bytes, not 2272 / 3) and gathers 3 x 816. Per rank: two stages of 6 shards each (parameters, two
+    moments, the whole gradient as 3 shards) and the gathered layer twice."""
+    shard = (3 + 3 + 11 * 8 + 11 + 3 * 32 + 3) * 4
+    weights = estimate_memory(prepare(replace(INTERLEAVED, data_parallel=3, zero=3))).weights
+    assert len(weights) == 6 and set(weights) == {2 * 6 * shard + 2 * 3 * shard}  # 2 ranks x 3 replicas
+
+
+@pytest.mark.slow  # 8 s; test_zero3_counts_shards_padded_as_fsdp_pads_them checks the arithmetic
+def test_the_zero3_estimate_is_within_its_factor_of_the_measured_peak(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FSDP2 at P = 2: the estimate's activations and weights against the shards kept and the step's tensor peak
+    (SGD: no optimizer state, which the first step, the one measured, would create only at its end)."""
+    monkeypatch.setenv("PIPEWEAVE_CACHE", str(tmp_path / "cache"))
+    record = tmp_path / "train.json"
+    argv = ["--model", "gpt", "--layers", "2", "--hidden", "64", "--heads", "2", "--seq-len", "16", "--batch", "8",
+            "-s", "1f1b", "--stages", "1", "--microbatches", "2", "--data-parallel", "2", "--zero", "3",
+            "--optimizer", "sgd"]
+    assert main(["train", *argv, "--steps", "1", "--quiet", "--out", str(tmp_path), "--json", str(record)]) == 0
+    report = json.loads(record.read_text())
+    measured = [w + t for w, t in zip(report["weight_bytes"], report["peak_tensor_bytes"])]
+    estimate = report["memory_estimate"]
+    for rank, (m, a, w) in enumerate(zip(measured, estimate["activations"], estimate["weights_and_optimizer"])):
+        assert m <= a + w <= FACTOR * m, (rank, measured, estimate)

@@ -170,3 +170,18 @@ def test_tracked_tensor_bytes_count_each_storage_while_it_lives() -> None:
             x = torch.ones(256) * x
         view = x[:128]  # a view allocates nothing
     assert found == [3 * 1024] and view.untyped_storage().nbytes() == 1024
+
+
+def test_tracked_tensor_bytes_uncount_a_storage_resized_to_zero() -> None:
+    """FSDP2 frees a gathered layer so (its storage object lives on); each gather is counted once, then freed."""
+    from pipeweave.runtime.stage.tensor_bytes import TensorBytes
+
+    meter = TensorBytes()
+    resize = torch.UntypedStorage.resize_
+    with meter:
+        layer = torch.ones(256)
+        for _ in range(5):  # gather, use, free: one layer alive at a time
+            layer.untyped_storage().resize_(1024)
+            layer.copy_(torch.ones(256))  # counted again at its new address
+            layer.untyped_storage().resize_(0)
+    assert (meter.peak, meter.current) == (2 * 1024, 0) and torch.UntypedStorage.resize_ is resize

@@ -16,11 +16,19 @@
   predictions), one gradient per stage, and the optimizer's state per stage
   (SGD with momentum 1x, AdamW 2x the part's weights; 1/P of it under
   ``--zero 1``, with the slices of the parameters and of the reduced gradient
-  it steps, 1/P each). ``--zero 3`` keeps 1/P of the parameters, of the
-  reduced gradient and of the optimizer state per stage, plus the working
-  set: the gradients, accumulated whole through the step until their
-  reduce-scatter, and the largest of the rank's parts, whole while one of its
-  actions runs (an upper bound: ``runtime.fsdp`` gathers a layer at a time);
+  it steps, 1/P each). ``--zero 3`` (FSDP2, ``runtime.fsdp``) keeps per
+  stage the shards of the parameters and of the optimizer state, each
+  parameter's dim 0 padded to a multiple of P as FSDP pads it
+  (``part_memory.sharded_layers``), and the part's gradients, which the
+  deferred reduction accumulates whole (padded) through the step; per rank
+  on top, the largest layer twice: FSDP gathers one layer at a time (each
+  layer is its own root, so no other layer is prefetched: torch 2.13's
+  ``_backward_prefetch`` looks only in the unit's own forward order, and
+  nothing is set to prefetch in forward), and in a forward it keeps the
+  all-gather's flat output beside the layer's parameters until the
+  layer's forward ends (``wait_for_unshard``); at the reduction, a layer's
+  gradient is copied into the reduce-scatter's input beside the reduced
+  shards (one layer plus the gradient shards, counted where larger);
 - **message rings**: the shared-memory rings a rank receives on
   (``transport.shm``: one per peer, ``capacity_for`` the largest message), where they are used;
 - **rank process**: a rank's own memory before any tensor and its copy of the
@@ -51,6 +59,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from pipeweave import host
@@ -58,7 +67,7 @@ from pipeweave.errors import UserError
 from pipeweave.runtime.process import under_torchrun
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.plan import RunPlan, offloaded
-from pipeweave.runtime.run.part_memory import part_memory
+from pipeweave.runtime.run.part_memory import part_memory, sharded_layers
 from pipeweave.runtime.run.sizes import PROCESS_BYTES, RANK_BYTES_PER_ACTION, SPAWN_BYTES
 from pipeweave.schedule.ir import Op
 from pipeweave.sim.cost import CostModel
@@ -106,6 +115,9 @@ def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEs
     costs = CostModel(weight=[float(p.weights) for p in parts]).for_parts(num_parts=schedule.num_parts,
                                                                           num_ranks=schedule.num_ranks)
     weights = _weights(config, schedule, [p.weights for p in parts], version_metrics(schedule, costs)[0])
+    if config.zero == 3 and config.data_parallel > 1:
+        weights = fully_sharded(config, schedule, [p.weights for p in parts],
+                                sharded_layers(config, plan.parts, config.data_parallel), activations)
     ranks = schedule.num_ranks
     copies = config.tensor_parallel * (config.data_parallel if config.is_stream else 1)  # processes per rank
     processes = ranks * copies
@@ -147,9 +159,34 @@ def _weights(config: TrainConfig, schedule: Any, part_weights: list[int], copies
     part_of = schedule.placement.stage_part
     for stage, rank in enumerate(schedule.placement.stage_rank):
         weights[rank] += per_stage * part_weights[part_of[stage]]
-    if zero == 3:  # the working set: one part whole at a time
+    if zero == 3:  # no layer sizes (``fully_sharded``): one part whole at a time, an upper bound
         for rank, row in enumerate(schedule.actions):
             weights[rank] += max((part_weights[part_of[a.stage]] for a in row), default=0)
+    return weights
+
+
+def fully_sharded(config: TrainConfig, schedule: Any, part_weights: list[int],
+                  layers: list[list[tuple[int, int]]] | None, activations: Sequence[float]) -> list[float]:
+    """Per rank under ``--zero 3`` (module docstring): per stage its parameter and optimizer-state shards and its
+    whole gradients, and the largest gathered layer twice -- or, at the reduction, where no activation is held,
+    one layer beside the gradient shards, where that exceeds the rank's ``activations`` and two layers.
+    ``layers``: per part, per layer, ``(shard, whole)`` bytes of whole layers, scaled to the part's own (a
+    tensor-parallel process's share); None: the bound of ``_weights``."""
+    if layers is None or any(sum(w for _, w in part) == 0 for part in layers):
+        return _weights(config, schedule, part_weights, [0.0] * schedule.num_ranks)
+    p = config.data_parallel
+    share = [own / sum(w for _, w in part) for own, part in zip(part_weights, layers)]
+    shard = [s * sum(x for x, _ in part) for s, part in zip(share, layers)]
+    gathered = [s * p * max(x for x, _ in part) for s, part in zip(share, layers)]  # the all-gather's padded output
+    part_of = schedule.placement.stage_part
+    weights, shards = [0.0] * schedule.num_ranks, [0.0] * schedule.num_ranks
+    for stage, rank in enumerate(schedule.placement.stage_rank):
+        k = part_of[stage]
+        weights[rank] += (1 + optimizer_copies(config)) * shard[k] + p * shard[k]  # shards; whole gradients
+        shards[rank] += shard[k]
+    for rank, row in enumerate(schedule.actions):
+        largest = max((gathered[part_of[a.stage]] for a in row), default=0.0)
+        weights[rank] += max(2 * largest, largest + shards[rank] - activations[rank])
     return weights
 
 

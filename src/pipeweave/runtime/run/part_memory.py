@@ -47,6 +47,7 @@ from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary
 from pipeweave.models.build import build_layers
 from pipeweave.models.custom import fingerprint
+from pipeweave.runtime.fsdp import padded_shard_bytes
 from pipeweave.runtime.profile import default_cache_dir
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.sizes import microbatch_sizes
@@ -141,6 +142,28 @@ def _part_weight_bytes(config: TrainConfig, parts: Sequence[range]) -> list[int]
         raise
     except Exception:  # a custom layer built from data: measured on the CPU, which its probe already ran
         return [0 for _ in parts]
+
+
+def sharded_layers(config: TrainConfig, parts: Sequence[range], replicas: int) -> list[list[tuple[int, int]]] | None:
+    """Per part, per layer, ``(shard, whole)``: the bytes one of ``replicas`` keeps of the layer's parameters under
+    FSDP2 (each parameter's dim 0 padded to a multiple of ``replicas``: ``fsdp.padded_shard_bytes``) and the
+    layer's own bytes, of whole layers built on the meta device (nothing allocated); None where a custom layer
+    cannot be built there.
+
+    Example:
+        >>> from pipeweave.models import ModelSpec
+        >>> sharded_layers(TrainConfig(model=ModelSpec(kind="mlp", layers=2, hidden=3)), [range(0, 1)], 2)
+        [[(216, 372)]]
+    """
+    try:
+        with torch.device("meta"), _AsOnCpu():
+            return [[(sum(padded_shard_bytes(p.shape, p.element_size(), replicas) for p in layer.parameters()),
+                      sum(p.numel() * p.element_size() for p in layer.parameters()))
+                     for layer in build_layers(config.model, list(part))] for part in parts]
+    except UserError:
+        raise
+    except Exception:  # a custom layer built from data
+        return None
 
 
 def _measure(config: TrainConfig, parts: Sequence[range], size: int, device: str,

@@ -8,7 +8,11 @@ weak reference to it): the peak of the bytes of every tensor created in the
 stretch and alive at once -- activations, gradients, messages, temporaries,
 the optimizer's work -- not counting those alive before it (the weights).
 Autograd runs a CPU backward on the thread that calls it, so backwards count
-too. It costs a Python call per operator: ``pipeweave train`` measures the
+too. FSDP2 (``--zero 3``) frees a gathered layer by resizing its storage to
+zero, the storage object living on, and gathers into it again by resizing
+it up: while active, ``UntypedStorage.resize_`` of a counted storage
+uncounts its old memory and counts its new (else every gather would be
+counted again and never uncounted). It costs a Python call per operator: ``pipeweave train`` measures the
 first step only, as it counts saved activations (``TrainConfig.memory_every_step``).
 """
 
@@ -32,8 +36,28 @@ class TensorBytes(TorchDispatchMode):
         super().__init__()
         self.current = 0
         self.peak = 0
-        self._live: set[int] = set()
+        self._live: dict[int, weakref.finalize] = {}  # by address, what uncounts the storage when it dies
         self._lock = threading.Lock()  # a storage may die on another thread (a message's)
+        self._resize: Any = None  # ``UntypedStorage.resize_`` while active
+
+    def __enter__(self) -> TensorBytes:
+        self._resize = resize = torch.UntypedStorage.resize_
+        meter = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            key = storage.data_ptr()
+            out = resize(storage, size)
+            if key in meter._live:  # its old memory is gone: uncounted now (the finalizer spent, so that a later
+                meter._live[key]()  # owner of the address stays counted), and counted again at its new size
+                meter._count(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -48,15 +72,14 @@ class TensorBytes(TorchDispatchMode):
         if key == 0 or key in self._live:
             return
         with self._lock:
-            self._live.add(key)
+            self._live[key] = weakref.finalize(storage, self._free, key, size)
             self.current += size
             self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, key, size)
 
     def _free(self, key: int, size: int) -> None:
         with self._lock:
             if key in self._live:
-                self._live.discard(key)
+                del self._live[key]
                 self.current -= size
 
 
