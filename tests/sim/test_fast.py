@@ -14,6 +14,7 @@ import copy
 import math
 import pickle
 import random
+from dataclasses import replace
 from collections.abc import Callable
 
 import numpy as np
@@ -29,6 +30,7 @@ from pipeweave.sim.parallel import Layout, simulate_layout
 from pipeweave.schedule.dataflow import execute
 from pipeweave.sim import rounds
 from pipeweave.sim.compiled import walk_times
+from pipeweave.sim.recompute import RECOMPUTE
 from pipeweave.sim.rounds import fast_times
 from pipeweave.sim.timeline import action_time, simulate_parts
 from pipeweave.sim.traffic import ModelBytes
@@ -50,7 +52,8 @@ def schedules() -> list[Schedule]:
 
 
 def costs_for(schedule: Schedule, seed: int) -> CostModel:
-    """Uniform costs (seed 0) or per-part ones with three decimals, comm, dispatch and U."""
+    """Uniform costs (seed 0) or per-part ones with three decimals, comm, dispatch and U; seed 2 recomputes
+    some parts (a backward's replay on top of the peak)."""
     if seed == 0:
         return CostModel()
     rng = random.Random(seed)
@@ -59,8 +62,12 @@ def costs_for(schedule: Schedule, seed: int) -> CostModel:
     def values() -> list[float]:
         return [round(rng.uniform(0.3, 3.0), 3) for _ in range(n)]
 
-    return CostModel(f=values(), b=values(), w=values(), u=values(), comm=0.137 * seed, dispatch=0.011 * seed,
+    cost = CostModel(f=values(), b=values(), w=values(), u=values(), comm=0.137 * seed, dispatch=0.011 * seed,
                      activation=values(), mem_w=0.3, weight=values())
+    if seed != 2:
+        return cost
+    return replace(cost, recompute=[rng.choice(RECOMPUTE) for _ in range(n)], replay_selective=values(),
+                   kept_selective=0.45, kept_full=0.1)
 
 
 ENGINES = {"rounds": math.inf, "compiled": 0}  # ``sim.rounds.COMPILED_FROM`` that makes "auto" take each

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
               "per time unit)")
     print(f"  bubble ratio {result.bubble_ratio:.4f}  (bound {result.bubble_bound:.4f})")
     print(f"  max span {result.span:.4f}  lower bound {result.lower_bound:.4f}  gap {100 * result.gap:.2f} %")
-    print(f"  peak activations {list(result.metrics.peak_activations)} (limit {problem.limit[0]:g})")
+    print(f"  peak activations {list(result.metrics.peak_activations)} (limit {problem.peak_limit[0]:g})")
     if levered:
         print(f"  with the memory levers: makespan {levered['makespan']:g}, peak activations "
               f"{levered['peak_activations']} (M_a of uncompressed activations)")

@@ -90,11 +90,11 @@ def finish(problem: Problem, order: list[list[Action]], *, lower_bound: float, s
     schedule = to_schedule(problem, order, name=name)
     validate(schedule)
     metrics = simulated_metrics(problem, schedule)
-    over = [r for r, peak in enumerate(metrics.peak_activations) if peak > problem.limit[r] + 1e-6]
+    over = [r for r, peak in enumerate(metrics.peak_activations) if peak > problem.peak_limit[r] + 1e-6]
     if over:
         r = over[0]
         raise InvalidSchedule(
-            f"rank {r} holds {metrics.peak_activations[r]} of activations over its limit {problem.limit[r]}",
+            f"rank {r} holds {metrics.peak_activations[r]} of activations over its limit {problem.peak_limit[r]}",
             schedule, r)
     span = max(metrics.span)
     bound = min(lower_bound, span)  # guards float noise; a real violation is caught by tests

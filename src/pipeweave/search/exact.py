@@ -111,7 +111,7 @@ def _checked(problem: Problem, order: list[list[Action]]) -> Result | None:
         return None
     timeline = simulate(schedule, problem.cost, check=False)
     peaks = peak_activations(timeline, problem.costs)
-    if any(p > lim + 1e-6 for p, lim in zip(peaks, problem.limit)):
+    if any(p > lim + 1e-6 for p, lim in zip(peaks, problem.peak_limit)):
         return None
     return evaluate(problem, order)
 

@@ -54,7 +54,7 @@ def offloaded_step(problem: Problem, parts: frozenset[int], **budget: Any) -> tu
 
 def _checked(instance: Problem, result: Result) -> tuple[float, Result] | None:
     metrics = simulated_metrics(instance, to_schedule(instance, result.order, updates=False))
-    if any(p > lim + MEMORY_EPS for p, lim in zip(metrics.peak_activations, instance.limit)):
+    if any(p > lim + MEMORY_EPS for p, lim in zip(metrics.peak_activations, instance.peak_limit)):
         return None
     return max(metrics.span), result
 

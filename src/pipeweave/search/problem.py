@@ -50,8 +50,12 @@ class Problem:
     """Units of M_a the offload copies move per unit of time."""
     placement: Placement = field(init=False, repr=False, compare=False)
     costs: PartCosts = field(init=False, repr=False, compare=False)
+    peak_limit: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    """Per rank, the activation limit in the cost model's units: what the simulated peak may reach."""
     limit: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    """Per rank, the activation limit in the cost model's units."""
+    """Per rank, what the activations held for backwards may reach: ``peak_limit`` less the largest replay
+    of the rank's parts (``PartCosts.replayed``), which a recomputing backward holds on top while it runs;
+    ``peak_limit`` itself where nothing is replayed. The search's own accounting checks this one."""
     start_offset: tuple[float, ...] = field(init=False, repr=False, compare=False)
     """Per rank, the earliest start of its first action (F of microbatch 0)."""
 
@@ -69,7 +73,9 @@ class Problem:
         # K counts in microbatches kept without recomputation: the same bytes whatever the parts recompute.
         plain = replace(self.cost, recompute="none").for_parts(num_parts=placement.num_parts, num_ranks=d)
         per_mb = [sum(plain.activation[s] for s in placement.stages_on(r)) for r in range(d)]
-        stored = [self._least_held(costs, r) for r in range(d)]
+        replay = [max((costs.replayed[s] for s in placement.stages_on(r)), default=0.0) if costs.replayed else 0.0
+                  for r in range(d)]
+        stored = [self._least_held(costs, r) + x for r, x in enumerate(replay)]
         limit = tuple(self.memory_limit * d * m for m in per_mb)
         if not all(x >= m * (1.0 - MEMORY_EPS) for x, m in zip(limit, stored)) or math.isnan(self.memory_limit):
             least = max((m / (d * p) for m, p in zip(stored, per_mb) if p > 0), default=1.0 / d)
@@ -77,7 +83,8 @@ class Problem:
                 f"memory_limit={self.memory_limit!r} holds less than one microbatch per rank; "
                 f"give memory_limit >= {least:.4g}" + (f" (1/{d})" if least == 1.0 / d else "")
             )
-        object.__setattr__(self, "limit", limit)
+        object.__setattr__(self, "peak_limit", limit)
+        object.__setattr__(self, "limit", tuple(x - y for x, y in zip(limit, replay)))
         object.__setattr__(self, "start_offset", tuple(self._first_start(r) for r in range(d)))
 
     @property

@@ -4,10 +4,13 @@ Recomputing a part keeps fewer bytes per microbatch in flight (more fit under
 the limit, so fewer bubbles) at the price of a replayed forward before each of
 its backwards (``sim.cost.CostModel.recompute``). Under the schedules the
 search builds, the ranks early in the pipeline hold the most microbatches, so
-the candidates are: one mode for every part, and every split of the ranks into
-a first group recomputing more and the rest less (``full`` then ``none``,
-``selective`` then ``none``, ``full`` then ``selective``) -- 3 (D + 1) - 3 orders
-of D instead of the 3^(parts) assignments. The heuristic
+the candidates are the assignments that recompute no less on a rank than on
+any later one: every split of the ranks into three groups, in order, doing
+``full``, ``selective`` and ``none`` (any group may be empty) -- (D + 1)(D + 2) / 2
+of them instead of the 3^(parts) assignments. (Two groups were enough while
+the simulator left the replay out of the peak; with a full replay held during
+its backward, ``full, full, selective, none`` is the best at D = 4 in the
+test's case.) The heuristic
 (``search.heuristic``) schedules each; the shortest step wins, the fewer
 recomputing parts on a tie. tests/search/test_recompute.py compares it with
 every assignment on small cases.
@@ -24,9 +27,6 @@ from pipeweave.search.heuristic import Result, heuristic
 from pipeweave.search.problem import Problem
 from pipeweave.sim.cost import CostModel
 
-ORDERS = (("full", "none"), ("selective", "none"), ("full", "selective"))
-"""(first ranks, the others): the candidates' modes."""
-
 
 def candidates(problem: Problem) -> list[tuple[str, ...]]:
     """The assignments tried: per part, by its rank's position (see the module docstring), none first.
@@ -34,14 +34,15 @@ def candidates(problem: Problem) -> list[tuple[str, ...]]:
     Example:
         >>> from pipeweave.search.problem import problem_from_times
         >>> candidates(problem_from_times(2, 4))  # doctest: +NORMALIZE_WHITESPACE
-        [('none', 'none'), ('full', 'none'), ('selective', 'none'), ('full', 'full'), ('selective', 'selective'),
-         ('full', 'selective')]
+        [('none', 'none'), ('selective', 'none'), ('full', 'none'), ('selective', 'selective'), ('full', 'selective'),
+         ('full', 'full')]
     """
-    rank_of = problem.placement.stage_rank
+    rank_of, d = problem.placement.stage_rank, problem.num_ranks
     found: list[tuple[str, ...]] = []
-    for first, rest in ORDERS:
-        for k in range(problem.num_ranks + 1):
-            modes = tuple(first if rank_of[part] < k else rest for part in range(problem.num_parts))
+    for full in range(d + 1):  # ranks below ``full`` recompute in full, below ``recomputing`` selective
+        for recomputing in range(full, d + 1):
+            modes = tuple("full" if rank_of[part] < full else "selective" if rank_of[part] < recomputing else "none"
+                          for part in range(problem.num_parts))
             if modes not in found:
                 found.append(modes)
     return sorted(found, key=lambda m: sum(x != "none" for x in m))
@@ -91,7 +92,9 @@ def recompute_problem(num_stages: int, num_microbatches: int, *, vshape: bool, c
                         memory_limit=math.inf)
         plain = dataclasses.replace(cost, recompute="none").for_parts(num_parts=loose.num_parts,
                                                                        num_ranks=num_stages)
-        held = [(sum(loose.costs.activation[s] for s in loose.stages_on(r)),
+        replayed = loose.costs.replayed  # one backward's replay on top (``Problem.limit``)
+        held = [(sum(loose.costs.activation[s] for s in loose.stages_on(r))
+                 + max(replayed[s] for s in loose.stages_on(r)),
                  sum(plain.activation[s] for s in loose.stages_on(r))) for r in range(num_stages)]
         least = max((m / (num_stages * p) for m, p in held if p > 0), default=0.0)
         raise ScheduleError(f"--memory-limit {memory_limit:g} is below what any recomputation reaches; the "

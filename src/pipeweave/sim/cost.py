@@ -79,9 +79,11 @@ class CostModel:
     """Activation recomputation (``sim.recompute``), one mode for every part or one per part. A part that
     recomputes replays before each backward (B or I): ``full`` its forward f, ``selective``
     ``replay_selective``; its M_a becomes what it keeps from F to the backward, ``kept_full`` or
-    ``kept_selective`` of it (M_W a share of that, as without recomputation). The replayed activations a
-    backward holds while it runs are not counted here (the runtime's estimate, ``runtime.run.memory``,
-    measures them)."""
+    ``kept_selective`` of it (M_W a share of that, as without recomputation). Under ``full`` its backward
+    replays the whole part first and holds the replayed rest while it runs (``PartCosts.replayed``: the
+    microbatch's whole M_a for that B or I); ``selective`` replays each layer's region inside the backward,
+    once the layers after it have freed theirs, which adds nothing to the peak measured
+    (benchmarks/memory/README.md, "Replayed activations")."""
     replay_selective: Value = 0.0
     """Time of replaying a part's selective region (the attention core), resolved like f."""
     kept_selective: Value = 1.0
@@ -150,7 +152,8 @@ class CostModel:
         return PartCosts(
             f=f, b=tuple(x + replay[m][k] for k, (x, m) in enumerate(zip(b, modes))), w=resolve("w"), u=resolve("u"),
             comm=self.comm, dispatch=self.dispatch, activation=stored, mem_w=self.mem_w, weight=resolve("weight"),
-            microbatch=micro, recompute=modes)
+            microbatch=micro, recompute=modes,
+            replayed=tuple(a - s if m == "full" else 0.0 for a, s, m in zip(activation, stored, modes)))
 
     def _fractions(self, name: str, num_parts: int) -> tuple[float, ...]:
         """A fraction per part: a scalar for every part (not scaled like times), or the per-part list."""
@@ -179,3 +182,7 @@ class PartCosts:
     """Per part, its recomputation mode (empty: none anywhere)."""
     microbatch: tuple[float, ...] | None = None
     """Per microbatch, a factor on its F, B, I and W times (``CostModel.microbatch``)."""
+    replayed: tuple[float, ...] = ()
+    """Per part, the activation memory its recomputation replays and holds on top of ``activation`` while one
+    backward (B or I) runs: under ``full``, M_a less what the part keeps; 0 otherwise (``CostModel.recompute``;
+    empty: no part recomputes)."""

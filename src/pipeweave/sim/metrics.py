@@ -7,7 +7,8 @@
 - ``bubble_overhead`` = idle / busy over the max span (Megatron-LM's (D-1)/(vT));
 - ``peak_activations[r]``: peak activation memory of rank r, in the cost model's
   units of M_a (allocated when F starts, released when B ends, or (1 - mem_w)
-  of it when I ends and the rest when W ends);
+  of it when I ends and the rest when W ends; a part recomputing in full
+  holds its replayed activations on top while its backward runs);
 - ``weight_versions[r]``: peak weight copies held by rank r, in M_theta;
 - ``staleness[s]``: per stage, the largest number of updates between the
   version a gradient was computed on and the version it is applied to.
@@ -54,12 +55,12 @@ class Metrics:
 
 def peak_activations(timeline: Timeline, costs: PartCosts) -> tuple[float, ...]:
     """Per rank, the peak activation memory under the cost model's M_a and M_W."""
-    held = costs.activation
+    held, replayed = costs.activation, costs.replayed or None
     stash = tuple(a * costs.mem_w for a in held)
     if timeline.times is not None:  # simulated: its rows are the schedule's
-        return _array_peaks(timeline.schedule, held, stash)
+        return _array_peaks(timeline.schedule, held, stash, replayed)
     rows = ((e.action for e in row) for row in timeline.events)
-    return held_peaks(rows, timeline.schedule.placement.stage_part, held, stash)
+    return held_peaks(rows, timeline.schedule.placement.stage_part, held, stash, replayed, replayed)
 
 
 def held_peaks(rows: Iterable[Iterable[Action]], part_of: Sequence[int], held: Sequence[float],
@@ -103,19 +104,36 @@ def held_peaks(rows: Iterable[Iterable[Action]], part_of: Sequence[int], held: S
     return tuple(peaks)
 
 
-def _array_peaks(schedule: Schedule, held: Sequence[float], stash: Sequence[float]) -> tuple[float, ...]:
+def _array_peaks(schedule: Schedule, held: Sequence[float], stash: Sequence[float],
+                 replayed: Sequence[float] | None = None) -> tuple[float, ...]:
     """``held_peaks`` of a schedule's own rows over its arrays: per rank, the running sum of what
     each action adds (F: held, B: -held, I: stash - held, W: -stash, U: 0), summed in order as
-    the reference does (``np.add.accumulate`` adds left to right), and its peak."""
+    the reference does (``np.add.accumulate`` adds left to right), and its peak; with ``replayed``,
+    also the sum before each B or I plus what it replays (``during_b``/``during_i`` of ``held_peaks``)."""
     arrays = schedule_arrays(schedule)
-    if not arrays.ok:
-        return held_peaks(schedule.actions, schedule.placement.stage_part, held, stash)
     part_of = schedule.placement.stage_part
+    if not arrays.ok:
+        return held_peaks(schedule.actions, part_of, held, stash, replayed, replayed)
     table = np.array([[held[p], -held[p], stash[p] - held[p], -stash[p], 0.0] for p in part_of]).reshape(-1, 5)
     added = table[arrays.stage, arrays.op]
+    on_top = None
+    if replayed is not None and any(replayed):
+        on_top = np.array([[0.0, replayed[p], replayed[p], 0.0, 0.0] for p in part_of]).reshape(-1, 5)
+        on_top = on_top[arrays.stage, arrays.op]
     bounds = arrays.offsets.tolist()
-    return tuple(round(max(0.0, float(np.add.accumulate(added[a:b]).max())) if b > a else 0.0, 9)
-                 for a, b in zip(bounds, bounds[1:]))
+    return tuple(_row_peak(added[a:b], None if on_top is None else on_top[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+
+def _row_peak(added: np.ndarray, on_top: np.ndarray | None) -> float:
+    """One rank's peak: of the running sum of ``added``, and of each sum before an action plus ``on_top``."""
+    if not len(added):
+        return 0.0
+    running = np.add.accumulate(added)
+    peak = float(running.max())
+    if on_top is not None:
+        before = np.concatenate(([0.0], running[:-1]))
+        peak = max(peak, float((before + on_top).max()))
+    return round(max(0.0, peak), 9)
 
 
 def compute_metrics(timeline: Timeline, costs: PartCosts | None = None) -> Metrics:

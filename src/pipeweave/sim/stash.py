@@ -177,10 +177,11 @@ def stash_events(stash: Stash, timeline: Timeline, extra: dict[Action, float],
 
 def stash_peaks(stash: Stash, events: Sequence[Sequence[Event]], costs: PartCosts) -> tuple[float, ...]:
     """Per rank, its peak activation memory with the memory actions (``stash_events``' events, in units of
-    ``costs.activation``, already compressed: ``stash_costs``)."""
+    ``costs.activation``, already compressed: ``stash_costs``), a recomputing backward's replay on top while
+    it runs (``costs.replayed``)."""
     placement = stash.schedule.placement
     num_ranks = stash.schedule.num_ranks
-    changes: list[list[tuple[float, int, int, float]]] = [[] for _ in range(num_ranks)]
+    changes: list[list[tuple[float, int, float, float]]] = [[] for _ in range(num_ranks)]
     for rank, row in enumerate(events):
         for k, (a, start, end) in enumerate(row):
             s, op, _ = a
@@ -191,6 +192,9 @@ def stash_peaks(stash: Stash, events: Sequence[Sequence[Event]], costs: PartCost
                    Op.RELOAD: (start, moved), Op.LOAD: (start, moved)}.get(op)
             if own is not None:
                 changes[rank].append((own[0], 1, k, own[1]))
+            replayed = costs.replayed[placement.stage_part[s]] if costs.replayed and op in (Op.B, Op.I) else 0.0
+            if replayed:  # held while the backward runs (its start before its own end at equal times)
+                changes[rank] += [(start, 1, k - 0.5, replayed), (end, 1, k, -replayed)]
             if op in (Op.EVICT, Op.LOAD):  # the partner holds it from the send's start to the return's end
                 other = num_ranks - 1 - rank
                 changes[other].append((start, 0, k, moved) if op is Op.EVICT else (end, 2, k, -moved))
