@@ -40,7 +40,13 @@ measures, on every rank of the runs checked (mlp and gpt, fp32 and bf16,
 recomputation, GPipe, 1F1B, ZB-H1, ZB-V, interleaved 1F1B, hybrid data
 parallelism, a PipeDream stream); the test (``tests/runtime/test_memory_estimate.py``)
 holds it within 1.1x. It is an upper bound where a backward's transient meets
-the rank's peak. What no meter counts -- messages in flight, the data batch,
+the rank's peak. Under ``--zero 3`` the activations and weights together
+were checked against the shards kept plus the step's tensor peak
+(``peak_tensor_bytes``): 1.02x on a gpt at P = 2 (the test) and 1.06-1.10x
+at P = D = 2 under zb-h1 with SGD momentum (its shards count; the first
+step, the one measured, creates them only at its end), but 0.99x at P =
+D = 2 without momentum: the messages a meter of every tensor counts are
+left out here. What no meter counts -- messages in flight, the data batch,
 the allocator's slack -- is left out, as is a CUDA rank's context.
 
 Under tensor parallelism a rank is N processes, each holding its shards and
