@@ -12,7 +12,9 @@ too. FSDP2 (``--zero 3``) frees a gathered layer by resizing its storage to
 zero, the storage object living on, and gathers into it again by resizing
 it up: while active, ``UntypedStorage.resize_`` of a counted storage
 uncounts its old memory and counts its new (else every gather would be
-counted again and never uncounted). It costs a Python call per operator: ``pipeweave train`` measures the
+counted again and never uncounted). That patch is the process's: one meter
+at a time (``pipeweave train`` measures one step of one rank per process).
+It costs a Python call per operator: ``pipeweave train`` measures the
 first step only, as it counts saved activations (``TrainConfig.memory_every_step``).
 """
 
@@ -36,7 +38,7 @@ class TensorBytes(TorchDispatchMode):
         super().__init__()
         self.current = 0
         self.peak = 0
-        self._live: dict[int, weakref.finalize] = {}  # by address, what uncounts the storage when it dies
+        self._live: dict[int, Any] = {}  # by address, what uncounts the storage when it dies
         self._lock = threading.Lock()  # a storage may die on another thread (a message's)
         self._resize: Any = None  # ``UntypedStorage.resize_`` while active
 
@@ -52,12 +54,12 @@ class TensorBytes(TorchDispatchMode):
                 meter._count(storage)
             return out
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
-        return super().__enter__()  # type: ignore[no-any-return]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+        return super().__enter__()  # type: ignore[no-any-return, no-untyped-call]
 
     def __exit__(self, *exc: Any) -> None:
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
-        super().__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
