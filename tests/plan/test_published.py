@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from pipeweave.plan.costs import Cluster
-from pipeweave.plan.efficiency import A100_CALIBRATED, Efficiency, calibrate
+from pipeweave.plan.efficiency import A100_CALIBRATED, ETA_GRID, N_HALF_GRID, Efficiency, calibrate
 from pipeweave.plan.evaluate import Evaluator, Result
 from pipeweave.plan.hardware import GPUS
 from pipeweave.plan.published import CALIBRATION, PREDICTION, Row
@@ -28,7 +28,17 @@ def pairs(rows: Sequence[Row], efficiency: Efficiency) -> Iterator[tuple[float, 
 
 
 def test_the_calibration_uses_only_the_rows_without_a_pipeline() -> None:
+    # The constant is the best point of the grid around it (3 steps each way) for the rows without a pipeline;
+    # that it is the best of the whole grid is the slow test below (19 s).
     assert [r.pp for r in CALIBRATION] == [1, 1, 1, 1] and all(r.pp > 1 for r in PREDICTION)
+    near_eta = [e for e in ETA_GRID if abs(e - A100_CALIBRATED.eta_max) < 0.035]
+    near_n_half = [n for n in N_HALF_GRID if abs(n - A100_CALIBRATED.n_half) < 35.0]
+    assert len(near_eta) == len(near_n_half) == 7
+    assert calibrate(lambda e: pairs(CALIBRATION, e), eta_grid=near_eta, n_half_grid=near_n_half) == A100_CALIBRATED
+
+
+@pytest.mark.slow  # 19 s: the 71 x 61 grid, 4 rows each
+def test_the_calibration_is_the_best_of_the_whole_grid() -> None:
     assert calibrate(lambda e: pairs(CALIBRATION, e)) == A100_CALIBRATED
 
 
