@@ -223,16 +223,17 @@ def test_a_process_dies_with_the_one_it_watches(case: str) -> None:
         target.wait()
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--model", "mlp", "--layers", "3", "--stages", "4"], "need at least 4 layers, the model has 3"),
-        (["--microbatches", "0"], "num_microbatches=0 is invalid"),
-        (["-s", "chimera", "--stages", "3", "--model", "mlp", "--layers", "8"], "chimera needs an even number of stages"),
-        (["-s", "1f1b", "--chunks", "3", "--model", "mlp"], "1f1b uses 1 chunk(s) per rank"),
-    ],
-)
-def test_invalid_configuration_is_one_line_before_spawning(argv: list[str], message: str) -> None:
+INVALID = [
+    (["--model", "mlp", "--layers", "3", "--stages", "4"], "need at least 4 layers, the model has 3"),
+    (["--microbatches", "0"], "num_microbatches=0 is invalid"),
+    (["-s", "chimera", "--stages", "3", "--model", "mlp", "--layers", "8"], "chimera needs an even number of stages"),
+    (["-s", "1f1b", "--chunks", "3", "--model", "mlp"], "1f1b uses 1 chunk(s) per rank"),
+]
+
+
+def test_invalid_configuration_is_one_line_before_spawning() -> None:
+    # The command as a user runs it: one line on stderr, exit code 2, nothing spawned (the others in-process below).
+    argv, message = INVALID[0]
     started = time.monotonic()
     run = subprocess.run(
         [sys.executable, "-m", "pipeweave.cli", "train", *argv], capture_output=True, text=True, timeout=60,
@@ -241,3 +242,14 @@ def test_invalid_configuration_is_one_line_before_spawning(argv: list[str], mess
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], run.stderr
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize(("argv", "message"), INVALID[1:])
+def test_each_invalid_configuration_is_one_line(argv: list[str], message: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeweave.cli import main
+
+    assert main(["train", *argv]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1 and message in lines[0], captured.err
