@@ -54,7 +54,7 @@ _TRIAL_ROUNDS = 256  # rounds before that rate is judged
 COMPILED_FROM = 50_000
 """Actions from which ``fast_times`` takes the compiled walk (``sim.compiled``) rather than the rounds. Loading
 it costs about 0.4 s once per process (numba's import and cache); at D = 64, T = 512 (65,600-196,736 actions)
-the rounds cost 23-60 ms a schedule cold against the walk's 13-38 ms (benchmarks/simulator/README.md): one
+the rounds cost 23-61 ms a schedule cold against the walk's 14-39 ms (benchmarks/simulator/README.md): one
 such simulation loses, a plan, a search or a compare that simulates tens of them gains. Below it, a run's
 own schedules (``train``'s estimates in every rank) never load numba."""
 Engine = Literal["auto", "rounds", "compiled"]
