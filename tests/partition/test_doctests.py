@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["problem", "balance", "memory", "methods", "pipedream"]
+MODULES = ["problem", "balance", "memory", "methods", "pipedream", "recompute"]
 
 
 @pytest.mark.parametrize("name", MODULES)

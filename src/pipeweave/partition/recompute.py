@@ -6,8 +6,12 @@ Per part ``[start, stop)`` and mode:
   ``activation`` and its output; ``selective`` their ``selective_activation``
   and its output; ``full`` only its input (the previous layer's output; the
   first part's data input is left out, a few bytes per sample);
-- **replayed** bytes a backward holds on top while it runs: what ``none``
-  keeps less what the mode keeps (the replayed forward's activations);
+- **replayed** bytes a backward holds on top while it runs: under ``full``,
+  what ``none`` keeps less what ``full`` keeps (the replayed forward's
+  activations); under ``selective`` none, as measured (each block's attention
+  core is replayed inside its backward, after the blocks above freed theirs:
+  benchmarks/memory/README.md, "Replayed activations in the simulated peak"),
+  as ``sim`` counts it;
 - **replay** time before each backward: ``selective`` its layers'
   ``selective_forward``, ``full`` their ``forward``.
 
@@ -39,7 +43,16 @@ def kept_bytes(costs: LayerCosts, starts: np.ndarray, stop: int, mode: str) -> n
 
 
 def replayed_bytes(costs: LayerCosts, starts: np.ndarray, stop: int, mode: str) -> np.ndarray:
-    """Bytes a backward of the part holds on top while it replays (0 without recomputation)."""
+    """Bytes a backward of the part holds on top while it replays: ``full``'s replayed forward (0 otherwise).
+
+    Example:
+        >>> c = LayerCosts(**{**LayerCosts.uniform(3).to_json(), "output": [5.0, 5.0, 5.0],
+        ...                   "selective_activation": [0.5, 0.5, 0.5]})  # selective keeps half of each layer's
+        >>> [replayed_bytes(c, np.array([0, 1]), 3, mode).tolist() for mode in ("full", "selective", "none")]
+        [[8.0, 2.0], [0.0, 0.0], [0.0, 0.0]]
+    """
+    if mode != "full":
+        return np.zeros(len(starts))
     result: np.ndarray = kept_bytes(costs, starts, stop, "none") - kept_bytes(costs, starts, stop, mode)
     return np.maximum(result, 0.0)
 
