@@ -141,8 +141,7 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
     """
     placement = schedule.placement
     S = placement.num_stages
-    prev = [-1 if (p := placement.prev_stage(s)) is None else p for s in range(S)]
-    nxt = [-1 if (q := placement.next_stage(s)) is None else q for s in range(S)]
+    prev, nxt = placement.neighbours()
     rank_of, part_of = placement.stage_rank, placement.stage_part
     rows, n = schedule.actions, schedule.num_ranks
     starts_of: list[list[float]] = [[] for _ in range(n)]

@@ -208,6 +208,17 @@ class Placement:
         p, i = self._position[stage]
         return self.pipelines[p][i - 1] if i > 0 else None
 
+    def neighbours(self) -> tuple[list[int], list[int]]:
+        """Per stage, the stage before it and the stage after it in its pipeline (-1: none), as lists for hot loops.
+
+        Example:
+            >>> Placement.straight(3).neighbours()
+            ([-1, 0, 1], [1, 2, -1])
+        """
+        stages = range(self.num_stages)
+        return ([-1 if (p := self.prev_stage(s)) is None else p for s in stages],
+                [-1 if (q := self.next_stage(s)) is None else q for s in stages])
+
     def pipeline_of(self, stage: int) -> int:
         return self._position[stage][0]
 

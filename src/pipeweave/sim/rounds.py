@@ -337,10 +337,8 @@ def _keys(stage: IntArray, microbatch: IntArray, t: int) -> IntArray:
 
 
 def _neighbours(placement: Placement) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-    """Per stage, its previous and its next stage in its pipeline (-1: none)."""
-    stages = range(placement.num_stages)
-    prev = [-1 if (p := placement.prev_stage(s)) is None else p for s in stages]
-    nxt = [-1 if (q := placement.next_stage(s)) is None else q for s in stages]
+    """Per stage, its previous and its next stage in its pipeline (-1: none), as arrays."""
+    prev, nxt = placement.neighbours()
     return np.asarray(prev, dtype=np.int64), np.asarray(nxt, dtype=np.int64)
 
 

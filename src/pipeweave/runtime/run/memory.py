@@ -118,12 +118,14 @@ def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEs
     backwards = tuple(op for op, run in (("B", Op.B in ops and config.recomputes), ("I", Op.I in ops)) if run)
     parts = part_memory(config, plan.parts, backwards)
     activations = levered_activations(config, schedule, parts)
-    costs = CostModel(weight=[float(p.weights) for p in parts]).for_parts(num_parts=schedule.num_parts,
-                                                                          num_ranks=schedule.num_ranks)
-    weights = _weights(config, schedule, [p.weights for p in parts], version_metrics(schedule, costs)[0])
+    part_weights = [p.weights for p in parts]
     if config.zero == 3 and config.data_parallel > 1:
-        weights = fully_sharded(config, schedule, [p.weights for p in parts],
-                                sharded_layers(config, plan.parts, config.data_parallel), activations)
+        weights = fully_sharded(config, schedule, part_weights, sharded_layers(config, plan.parts, config.data_parallel),
+                                activations)
+    else:
+        costs = CostModel(weight=[float(w) for w in part_weights]).for_parts(num_parts=schedule.num_parts,
+                                                                             num_ranks=schedule.num_ranks)
+        weights = _weights(config, schedule, part_weights, version_metrics(schedule, costs)[0])
     ranks = schedule.num_ranks
     copies = config.tensor_parallel * (config.data_parallel if config.is_stream else 1)  # processes per rank
     processes = ranks * copies
