@@ -22,6 +22,7 @@ from rich.table import Table
 from pipeweave.commands.outputs import output_file, output_folder, picture_file, replaced_output, write_output
 from pipeweave.commands.split_names import split_fields
 from pipeweave.commands.units import format_bytes
+from pipeweave.config.toml import dumps as dump_toml
 from pipeweave.durable import remove_stale_temporaries
 from pipeweave.errors import UserError
 from pipeweave.runtime.report.stream_summary import stream_timeline, summarize_stream
@@ -30,7 +31,7 @@ from pipeweave.runtime.run.checkpoint_files import newest
 from pipeweave.runtime.run.memory import MemoryEstimate
 from pipeweave.runtime.run.plan import layer_ranges, learning_rates, segments, stream_rates
 from pipeweave.runtime.run.record import RunRecord
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.stream import stream_updates
 from pipeweave.schedule import Schedule
 from pipeweave.sim.plot import plot_timeline
@@ -41,16 +42,16 @@ def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate |
     estimated per rank before the run (``runtime.run.memory``) beside the peaks measured."""
     config = record.config
     return {
-        "schedule": config.schedule, "stages": config.num_stages, "microbatches": config.num_microbatches,
-        "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.steps,
-        "data_parallel": config.data_parallel, "tensor_parallel": config.tensor_parallel, "zero": config.zero,
-        "sequence_parallel": config.sequence_parallel,
-        "processes": schedule.num_ranks * config.tensor_parallel,
-        "batch": config.batch_size, "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
-        "recompute": config.recompute, "precision": config.precision, "first_step": record.first_step,
+        "schedule": config.schedule.name, "stages": config.schedule.num_stages, "microbatches": config.schedule.num_microbatches,
+        "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.training.steps,
+        "data_parallel": config.parallel.data_parallel, "tensor_parallel": config.parallel.tensor_parallel, "zero": config.parallel.zero,
+        "sequence_parallel": config.parallel.sequence_parallel,
+        "processes": schedule.num_ranks * config.parallel.tensor_parallel,
+        "batch": config.data.batch_size, "model": asdict(config.model), "optimizer": config.training.optimizer, "lr": config.training.lr,
+        "recompute": config.memory.recompute, "precision": config.training.precision, "first_step": record.first_step,
         "losses": record.losses, "skipped_steps": record.skipped_steps,
         "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
-        "lr_schedule": config.lr_schedule, "lrs": _learning_rates(config, schedule, record),
+        "lr_schedule": config.training.lr_schedule, "lrs": _learning_rates(config, schedule, record),
         "wall_s": record.wall_s, "paused_s": record.paused_s,
         **({"streams": len(segments(config))} if config.is_stream else {}),
         "transport": record.transport,
@@ -73,20 +74,21 @@ def _learning_rates(config: TrainConfig, schedule: Schedule, record: RunRecord) 
         return [rates.at(first + k) for k in range(stream_updates(schedule))]
     first_step = record.first_step
     rates = learning_rates(config, first_step)
-    return [rates.at(first_step + k) for k in range(config.steps)]
+    return [rates.at(first_step + k) for k in range(config.training.steps)]
 
 
-def output_paths(args: argparse.Namespace) -> dict[str, Path]:
+def output_paths(config: TrainConfig) -> dict[str, Path]:
     """Where the JSON record, the Chrome trace and the timeline plot go: checked writable, folders created.
 
     Raises:
         UserError: a path that cannot be written (``commands.outputs``).
     """
+    args, save = config.logging, config.checkpoint.save
     out = Path(args.out)
     if not (args.json and args.trace and args.plot):
         output_folder("--out", out)
-    if args.save is not None:
-        output_folder("--save", args.save)  # written by every rank, at the end or every --save-every steps
+    if save is not None:
+        output_folder("--save", save)  # written by every rank, at the end or every --save-every steps
     paths = {
         "json": output_file("--json", args.json) if args.json else output_file("--out", out / "train.json"),
         "trace": output_file("--trace", args.trace) if args.trace else output_file("--out", out / "trace.json"),
@@ -98,13 +100,13 @@ def output_paths(args: argparse.Namespace) -> dict[str, Path]:
 
 
 def write_outputs(schedule: Schedule, record: RunRecord, report: dict[str, Any],
-                  args: argparse.Namespace) -> dict[str, str]:
+                  config: TrainConfig) -> dict[str, str]:
     """Write the JSON record, the Chrome trace and the timeline plot, each whole or not at all; return their paths.
 
     Raises:
         UserError: a file could not be written (its path and the OS's reason); the others are written.
     """
-    paths = output_paths(args)
+    paths = output_paths(config)
     failed: list[UserError] = []
     for key, write in (("json", lambda: write_output(paths["json"], json.dumps(report, indent=2) + "\n")),
                        ("trace", lambda: write_output(paths["trace"], json.dumps(chrome_trace(schedule, record)))),
@@ -118,17 +120,30 @@ def write_outputs(schedule: Schedule, record: RunRecord, report: dict[str, Any],
             del paths[key]
     if failed:
         raise failed[0]
-    if record.config.save is not None:
-        saved = newest(Path(record.config.save))
+    if record.config.checkpoint.save is not None:
+        saved = newest(Path(record.config.checkpoint.save))
         if saved is not None:
             paths["checkpoint"] = saved.folder
     return {k: str(v) for k, v in paths.items()}
 
 
+def write_config(config: TrainConfig, paths: dict[str, str]) -> str | None:
+    """Write the run's configuration as TOML beside its JSON record (``config.toml``: ``--config`` reruns it).
+
+    Returns:
+        its path, or None where the record was not written.
+    """
+    if "json" not in paths:
+        return None
+    path = Path(paths["json"]).with_name("config.toml")
+    write_output(path, dump_toml(config))
+    return str(path)
+
+
 def _plot(schedule: Schedule, record: RunRecord, report: dict[str, Any], path: Path) -> bool:
     """Draw the measured timeline with ``pipeweave.sim.plot``, whole or not at all; False without matplotlib."""
     if schedule.is_synchronous:
-        timeline, what = rebased(step_timeline(schedule, record, record.config.steps - 1)), "last step"
+        timeline, what = rebased(step_timeline(schedule, record, record.config.training.steps - 1)), "last step"
     else:
         timeline, what = rebased(stream_timeline(schedule, record)), "stream"
     title = (f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  measured {what} (ms), "

@@ -25,11 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from pipeweave.config.policy import DEFAULT_ANNEAL_STEPS, DEFAULT_DECAY  # PipeMare's K and gamma
 
-DEFAULT_ANNEAL_STEPS = 1000
-"""K: optimizer steps over which the rescheduled step size returns to alpha."""
-DEFAULT_DECAY = 0.9
-"""gamma: weight of the old velocity in the moving average of updates."""
 
 
 def rescheduled_lr(base_lr: float, delay: int, step: int, anneal_steps: int = DEFAULT_ANNEAL_STEPS) -> float:

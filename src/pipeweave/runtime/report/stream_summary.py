@@ -86,7 +86,7 @@ def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
             num_parts=schedule.num_parts, num_ranks=schedule.num_ranks))),
     })
     out.update(staleness_figures(schedule, record.config.model, layer_ranges(record.config, schedule)))
-    out["samples_per_s"] = record.config.batch_size / out["step_time_s"]
+    out["samples_per_s"] = record.config.data.batch_size / out["step_time_s"]
     if out.get("tokens_per_s"):
         out["tokens_per_s"] = out["samples_per_s"] * record.config.model.seq_len
     return out

@@ -55,7 +55,7 @@ def measured_steps(config_steps: int) -> range:
 
 def step_times(record: RunRecord) -> list[float]:
     """Per step, seconds from the previous step's last end (first step: its first start) to its last end."""
-    ends = [max(r.records[k][-1][4] for r in record.ranks) for k in range(record.config.steps)]
+    ends = [max(r.records[k][-1][4] for r in record.ranks) for k in range(record.config.training.steps)]
     first = min(r.records[0][0][3] for r in record.ranks)
     return [ends[0] - first] + [b - a for a, b in zip(ends, ends[1:])]
 
@@ -64,12 +64,12 @@ def microbatch_factors(schedule: Schedule, record: RunRecord) -> list[list[float
     """Per step, per microbatch, its tokens over the step's mean (sequences of variable length,
     ``TrainConfig.min_seq_len``); None where every microbatch of a step has one shape but for its samples."""
     config = record.config
-    if config.min_seq_len is None or config.is_stream:
+    if config.data.min_seq_len is None or config.is_stream:
         return None
     t, sizes, longest = schedule.num_microbatches, microbatch_sizes(config), longest_sequence(config.model)
     out = []
-    for k in range(config.steps):
-        lengths = microbatch_lengths(config.seed, record.first_step + k, t, config.min_seq_len, longest)
+    for k in range(config.training.steps):
+        lengths = microbatch_lengths(config.data.data_seed, record.first_step + k, t, config.data.min_seq_len, longest)
         tokens = [n * length for n, length in zip(sizes, lengths)]
         mean = statistics.fmean(tokens)
         out.append([x / mean for x in tokens])
@@ -94,7 +94,7 @@ def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = No
     part_of = schedule.placement.stage_part
     factors = microbatch_factors(schedule, record)
     for rank in record.ranks:
-        for k in measured_steps(record.config.steps):
+        for k in measured_steps(record.config.training.steps):
             for s, op, j, t0, t1 in rank.records[k]:
                 scale = factors[k][j] if factors is not None and op in _PER_MICROBATCH else 1.0
                 durations.setdefault((part_of[s], op), []).append((t1 - t0) / scale)
@@ -131,7 +131,7 @@ def dispatch_time(record: RunRecord) -> float:
         stretches = [sorted((a for m in range(first, first + steps) for a in rank.records[m]), key=lambda a: a[3])
                      for rank in record.ranks for first, steps in segments(record.config)]
     else:
-        stretches = [rank.records[k] for rank in record.ranks for k in measured_steps(record.config.steps)]
+        stretches = [rank.records[k] for rank in record.ranks for k in measured_steps(record.config.training.steps)]
     gaps: list[float] = []
     for stretch in stretches:
         last_end: float | None = None
@@ -151,7 +151,7 @@ def copy_times(schedule: Schedule, record: RunRecord) -> dict[str, dict[str, flo
     rank's own time: ``runtime.stage.stash``); empty without memory actions."""
     durations: dict[tuple[int, str], list[float]] = {}
     for rank in record.ranks:
-        for k in measured_steps(record.config.steps):
+        for k in measured_steps(record.config.training.steps):
             for s, op, _, t0, t1 in rank.records[k]:
                 if op in _MEMORY:
                     durations.setdefault((s, op), []).append(t1 - t0)
@@ -189,7 +189,7 @@ def hop_latency(schedule: Schedule, record: RunRecord) -> float:
     recvs: dict[tuple[int, str, int], float] = {}
     placement = schedule.placement
     for rank in record.ranks:
-        for k in measured_steps(record.config.steps):
+        for k in measured_steps(record.config.training.steps):
             for s, op, j, t0, t1 in rank.records[k]:
                 if op == "SEND_F":
                     sends[(k, f"F{s}", j)] = t0
@@ -215,7 +215,7 @@ def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     cost = profile_costs(schedule, record)
     factors = microbatch_factors(schedule, record)
     costs = [cost] if factors is None else [replace(cost, microbatch=factors[k])
-                                            for k in measured_steps(record.config.steps)]
+                                            for k in measured_steps(record.config.training.steps)]
     copies = copy_times(schedule, record)
     extra = copy_extra(schedule, copies)
     sims = [bubble_metrics(_simulated(schedule, c, extra)) for c in costs]
@@ -234,11 +234,11 @@ def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
 def measured_summary(schedule: Schedule, record: RunRecord, cost: CostModel) -> dict[str, Any]:
     """The measured figures of a run, per step, beside the costs profiled from it (``cost``)."""
     config = record.config
-    steps = measured_steps(config.steps)
+    steps = measured_steps(config.training.steps)
     per_step = [bubble_metrics(step_timeline(schedule, record, k)) for k in steps]
     times = step_times(record)
     step_time = statistics.median(times[k] for k in steps)
-    samples = config.batch_size / step_time
+    samples = config.data.batch_size / step_time
     tokens = samples * _mean_length(schedule, record) if config.model.kind == "gpt" else None
     return {
         "step_time_s": step_time,
@@ -261,8 +261,8 @@ def measured_summary(schedule: Schedule, record: RunRecord, cost: CostModel) -> 
 def _mean_length(schedule: Schedule, record: RunRecord) -> float:
     """The gpt's tokens per sample over the run: ``seq_len``, or the mean of variable lengths (per sample)."""
     config = record.config
-    tokens = [step_tokens(config, schedule.num_microbatches, record.first_step + k) or 0 for k in range(config.steps)]
-    return sum(tokens) / (config.batch_size * config.steps)
+    tokens = [step_tokens(config, schedule.num_microbatches, record.first_step + k) or 0 for k in range(config.training.steps)]
+    return sum(tokens) / (config.data.batch_size * config.training.steps)
 
 
 def _values(value: float | Sequence[float]) -> Sequence[float]:

@@ -34,7 +34,7 @@ from pipeweave.runtime.run.plan import RunPlan, prepare
 
 T = TypeVar("T")
 
-PROFILED = ("layers_per_part", "recompute", "schedule_options")
+PROFILED = ("layers_per_part", "recompute", "options")
 """The ``TrainConfig`` fields the command line fills from profiled costs: layer counts (``--partition``),
 recomputation per part (``--recompute auto``), zb-auto's per-part times."""
 
@@ -80,9 +80,9 @@ def agreed_plan(plan: RunPlan) -> RunPlan:
     """
     if not _grouped():
         return plan
-    mine = {name: getattr(plan.config, name) for name in PROFILED}
+    mine = {name: plan.config.get(name) for name in PROFILED}
     theirs = rank0_decides(lambda: mine)
-    agreed = plan if theirs == mine else prepare(dataclasses.replace(plan.config, **theirs))
+    agreed = plan if theirs == mine else prepare(plan.config.replace(**theirs))
     check_split(agreed)
     return agreed
 

@@ -80,7 +80,7 @@ from pipeweave.runtime.run.checkpoint_files import SaveFailed
 from pipeweave.runtime.run.checkpoint_parts import read_parts
 from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.run.checkpoint_storage import read, write
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.stage.policy import StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Placement
@@ -96,16 +96,16 @@ def check(config: TrainConfig, meta: dict[str, Any]) -> None:
     Raises:
         UserError: a checkpoint of another model or optimizer.
     """
-    assert config.resume is not None
+    assert config.checkpoint.resume is not None
     here = {k: getattr(config.model, k) for k in _MODEL_FIELDS}
     there = {k: meta["model"].get(k) for k in _MODEL_FIELDS}
     if here != there:
         differ = ", ".join(f"{k}={there[k]!r} (this run {here[k]!r})" for k in _MODEL_FIELDS if here[k] != there[k])
-        raise UserError(f"--resume {config.resume} holds another model: {differ}; give the model options it was "
+        raise UserError(f"--resume {config.checkpoint.resume} holds another model: {differ}; give the model options it was "
                         "saved with")
-    if meta["optimizer"] != config.optimizer:
-        raise UserError(f"--resume {config.resume} holds {meta['optimizer']} state and this run uses "
-                        f"--optimizer {config.optimizer}; give --optimizer {meta['optimizer']}")
+    if meta["optimizer"] != config.training.optimizer:
+        raise UserError(f"--resume {config.checkpoint.resume} holds {meta['optimizer']} state and this run uses "
+                        f"--optimizer {config.training.optimizer}; give --optimizer {meta['optimizer']}")
 
 
 def updates(meta: dict[str, Any]) -> int:
@@ -116,7 +116,7 @@ def updates(meta: dict[str, Any]) -> int:
 # ---- save ------------------------------------------------------------------------
 def save(config: TrainConfig, parts: Sequence[range], placement: Placement, workers: dict[int, StageWorker],
          steps: int, *, carry: StreamCarry | None = None, run: str = "") -> str | None:
-    """Write the checkpoint of ``steps`` trained steps to ``config.save``; every process calls it (it synchronises).
+    """Write the checkpoint of ``steps`` trained steps to ``config.checkpoint.save``; every process calls it (it synchronises).
 
     ``parts``: the layers of each part; ``workers``: this process's stages; ``carry``: an asynchronous run's
     policy state after its drained stream (this process's stages); ``run``: the run's id (``RunPlan.run_id``).
@@ -127,16 +127,16 @@ def save(config: TrainConfig, parts: Sequence[range], placement: Placement, work
         None, or (on every rank) the one line saying why no checkpoint was written -- the path and the OS's
         reason; what this save wrote is removed and the previous checkpoints are kept.
     """
-    assert config.save is not None
+    assert config.checkpoint.save is not None
     with gathered(workers):  # ZeRO-3's parameters whole while they are checked and written
         return _save(config, parts, placement, workers, steps, carry, run)
 
 
 def _save(config: TrainConfig, parts: Sequence[range], placement: Placement, workers: dict[int, StageWorker],
           steps: int, carry: StreamCarry | None, run: str) -> str | None:
-    assert config.save is not None
-    check_finite(config.save, parts, placement, workers, f"step {steps} of the training")
-    root = Path(config.save)
+    assert config.checkpoint.save is not None
+    check_finite(config.checkpoint.save, parts, placement, workers, f"step {steps} of the training")
+    root = Path(config.checkpoint.save)
     folder = checkpoint_files.staging(root, steps)
     process = dist.get_rank()
     failure = _from_rank0(_attempt(lambda: checkpoint_files.begin(root, steps)) if process == 0 else None)
@@ -151,8 +151,8 @@ def _save(config: TrainConfig, parts: Sequence[range], placement: Placement, wor
         if failure is None:
             manifest = _manifest(config, parts, steps, carry, run)
             manifest["files"] = sorted((entry for w, _, _ in every for entry in w), key=lambda e: e["name"])
-            failure = _attempt(lambda: checkpoint_files.commit(folder, manifest, config.keep_checkpoints,
-                                                               config.overwrite))
+            failure = _attempt(lambda: checkpoint_files.commit(folder, manifest, config.checkpoint.keep_checkpoints,
+                                                               config.checkpoint.overwrite))
         if failure is not None:
             failure += checkpoint_files.abandon(folder)
     said: str | None = _from_rank0(failure)  # the checkpoint is current (or abandoned) before any rank goes on
@@ -171,8 +171,8 @@ def _describe(folder: Path, process: int) -> tuple[list[dict[str, Any]], str | N
 def _manifest(config: TrainConfig, parts: Sequence[range], steps: int, carry: StreamCarry | None,
               run: str) -> dict[str, Any]:
     return {"run": run, "steps": steps, "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": asdict(config.model), "optimizer": config.optimizer, "lr": config.lr,
-            "momentum": config.momentum, "schedule": config.schedule, "data_parallel": config.data_parallel,
+            "model": asdict(config.model), "optimizer": config.training.optimizer, "lr": config.training.lr,
+            "momentum": config.training.momentum, "schedule": config.schedule.name, "data_parallel": config.parallel.data_parallel,
             "updates": steps if carry is None else carry.updates,
             **({} if carry is None or not carry.velocity else {"annealed": carry.annealed}),
             "parts": [[r.start, r.stop] for r in parts], "writer": f"torch.distributed.checkpoint {torch.__version__}"}

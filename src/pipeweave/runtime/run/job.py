@@ -28,7 +28,7 @@ from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.agreement import agreed_plan
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.plan import RunPlan, learning_rates, offloaded
 from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
 from pipeweave.runtime.run.step_log import StepLog
@@ -52,7 +52,7 @@ def lowered(plan: RunPlan) -> tuple[LoweredSchedule, Stash | None]:
     """The plan's schedule lowered, with its memory actions (``schedule.stash``) where asked."""
     low = lower(plan.schedule)
     config = plan.config
-    levers = StashPlan(offload=offloaded(config, plan.schedule), balance=config.balance_activations)
+    levers = StashPlan(offload=offloaded(config, plan.schedule), balance=config.memory.balance_activations)
     if not levers.offload and not levers.balance:
         return low, None
     held, mem_w, shares = None, 0.5, None
@@ -97,12 +97,12 @@ def _executor(plan: RunPlan, rank: int, workers: dict[int, Any],
     side of BPipe's pair (None without ``--balance-activations``)."""
     config = plan.config
     low, stash = lowered(plan)
-    link = partner_link(stash, rank, workers) if config.balance_activations else None
+    link = partner_link(stash, rank, workers) if config.memory.balance_activations else None
     executor = Executor(low, rank, workers, plan.microbatch_sizes, device,
-                        on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
-                        zero=config.zero, clip_norm=_clip_norm(config), partner=link,
+                        on_nonfinite=config.training.on_nonfinite, bucket_bytes=int(config.parallel.bucket_mb * 2**20),
+                        zero=config.parallel.zero, clip_norm=_clip_norm(config), partner=link,
                         variable_shapes=config.variable_shapes)
-    if config.resume is not None:  # after the executor: ZeRO has sharded the optimizers it loads into
+    if config.checkpoint.resume is not None:  # after the executor: ZeRO has sharded the optimizers it loads into
         assert plan.resumed is not None
         checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     return executor, link
@@ -126,27 +126,27 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     executor, link = _executor(plan, rank, workers, device)
     for w in workers.values():
         w.steps_done = done
-    source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data,
-                         min_seq_len=config.min_seq_len)
+    source = data_source(config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path,
+                         min_seq_len=config.data.min_seq_len)
     offset = align_clocks(process, world)
     t = plan.schedule.num_microbatches
     mine = RankRecord(rank, [], [], 0, 0, {})
     peaks: list[int] = []  # per measured step, the process's peak tensor bytes (stage.tensor_bytes)
     milestones = Milestones(plan, plan.schedule, rank, workers, device, source)
     divergence = Divergence(plan, workers)
-    rates = learning_rates(config, done) if config.lr_scheduled else None
+    rates = learning_rates(config, done) if config.training.lr_scheduled else None
     log = StepLog(plan, process, world, rank, device, rates)
-    for step in range(config.steps):
+    for step in range(config.training.steps):
         if rates is not None:
             for w in workers.values():
                 set_lr(w.optimizer, rates.at(done + step))
-        measured = step == 0 or config.memory_every_step
+        measured = step == 0 or config.memory.memory_every_step
         with peak_tensor_bytes(device, peaks) if measured else contextlib.nullcontext():
             loss, timings = executor.run_step(*rank_microbatches(source, done + step, t, device, workers))
         mine.losses.append(loss)
         mine.step_cpu_s.append(executor.step_cpu_ns * 1e-9)
         mine.action_cpu_s.append([c * 1e-9 for c in executor.action_cpu_ns])
-        if step == 0 and not (config.memory_every_step or config.variable_shapes):  # varying shapes: every step
+        if step == 0 and not (config.memory.memory_every_step or config.variable_shapes):  # varying shapes: every step
             for w in workers.values():
                 w.track_memory = False
         mine.records.append(seconds_since(timings, offset))
@@ -171,4 +171,4 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
 
 def _clip_norm(config: TrainConfig) -> float | None:
     """The norm ``runtime.clip`` clips to (None where post-validation clips, or nothing does)."""
-    return config.post_validation.max_norm if config.clips_by_collective and config.post_validation else None
+    return config.training.post_validation.max_norm if config.clips_by_collective and config.training.post_validation else None

@@ -71,7 +71,7 @@ from typing import Any
 from pipeweave import host
 from pipeweave.errors import UserError
 from pipeweave.runtime.process import under_torchrun
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.plan import RunPlan, offloaded
 from pipeweave.runtime.run.part_memory import part_memory, sharded_layers
 from pipeweave.runtime.run.sizes import PROCESS_BYTES, RANK_BYTES_PER_ACTION, SPAWN_BYTES
@@ -115,19 +115,19 @@ def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEs
     config, schedule = plan.config, plan.schedule
     ops = {a.op for row in schedule.actions for a in row}
     # A full backward without recomputation frees as it goes (0 on top, measured): only the others are run here
-    backwards = tuple(op for op, run in (("B", Op.B in ops and config.recomputes), ("I", Op.I in ops)) if run)
+    backwards = tuple(op for op, run in (("B", Op.B in ops and config.memory.recomputes), ("I", Op.I in ops)) if run)
     parts = part_memory(config, plan.parts, backwards)
     activations = levered_activations(config, schedule, parts)
     part_weights = [p.weights for p in parts]
-    if config.zero == 3 and config.data_parallel > 1:
-        weights = fully_sharded(config, schedule, part_weights, sharded_layers(config, plan.parts, config.data_parallel),
+    if config.parallel.zero == 3 and config.parallel.data_parallel > 1:
+        weights = fully_sharded(config, schedule, part_weights, sharded_layers(config, plan.parts, config.parallel.data_parallel),
                                 activations)
     else:
         costs = CostModel(weight=[float(w) for w in part_weights]).for_parts(num_parts=schedule.num_parts,
                                                                              num_ranks=schedule.num_ranks)
         weights = _weights(config, schedule, part_weights, version_metrics(schedule, costs)[0])
     ranks = schedule.num_ranks
-    copies = config.tensor_parallel * (config.data_parallel if config.is_stream else 1)  # processes per rank
+    copies = config.parallel.tensor_parallel * (config.parallel.data_parallel if config.is_stream else 1)  # processes per rank
     processes = ranks * copies
     rings = 0 if ring_capacity is None else (processes - 1) * ring_capacity  # one ring from every peer
     actions = sum(len(row) for row in schedule.actions)
@@ -147,7 +147,7 @@ def levered_activations(config: TrainConfig, schedule: Any, parts: list[Any]) ->
     during_b = [p.during_b + (p.held if k in away else 0) for k, p in enumerate(parts)]
     during_i = [p.during_i + (p.held if k in away else 0) for k, p in enumerate(parts)]
     peaks = held_peaks(schedule.actions, part_of, held, [p.stash for p in parts], during_b, during_i)
-    if not config.balance_activations:
+    if not config.memory.balance_activations:
         return peaks
     costs = CostModel(activation=[float(p.held) for p in parts], mem_w=0.0).for_parts(
         num_parts=schedule.num_parts, num_ranks=schedule.num_ranks)
@@ -158,8 +158,8 @@ def levered_activations(config: TrainConfig, schedule: Any, parts: list[Any]) ->
 
 def _weights(config: TrainConfig, schedule: Any, part_weights: list[int], copies: list[float]) -> list[float]:
     """Per rank: weight copies (``copies``, whole), gradients and optimizer state, by ZeRO stage (module docstring)."""
-    zero = config.zero if config.data_parallel > 1 else 0  # nothing to shard without replicas
-    p = config.data_parallel if zero else 1
+    zero = config.parallel.zero if config.parallel.data_parallel > 1 else 0  # nothing to shard without replicas
+    p = config.parallel.data_parallel if zero else 1
     # Per stage, in part weights: the gradient, and the optimizer state (ZeRO: the slices of it, of the parameters
     # and of the reduced gradient, the replicas sharing the rest).
     per_stage = 1 + (optimizer_copies(config) + (2 if zero else 0)) / p
@@ -182,7 +182,7 @@ def fully_sharded(config: TrainConfig, schedule: Any, part_weights: list[int],
     tensor-parallel process's share); None: the bound of ``_weights``."""
     if layers is None or any(sum(w for _, w in part) == 0 for part in layers):
         return _weights(config, schedule, part_weights, [0.0] * schedule.num_ranks)
-    p = config.data_parallel
+    p = config.parallel.data_parallel
     share = [own / sum(w for _, w in part) for own, part in zip(part_weights, layers)]
     shard = [s * sum(x for x, _ in part) for s, part in zip(share, layers)]
     gathered = [s * p * max(x for x, _ in part) for s, part in zip(share, layers)]  # the all-gather's padded output
@@ -200,9 +200,9 @@ def fully_sharded(config: TrainConfig, schedule: Any, part_weights: list[int],
 
 def optimizer_copies(config: TrainConfig) -> int:
     """Copies of a part's weights its optimizer keeps (``OPTIMIZER_STATE``)."""
-    if config.optimizer == "sgd":
-        return OPTIMIZER_STATE["sgd+momentum" if config.momentum else "sgd"]
-    return OPTIMIZER_STATE[config.optimizer]
+    if config.training.optimizer == "sgd":
+        return OPTIMIZER_STATE["sgd+momentum" if config.training.momentum else "sgd"]
+    return OPTIMIZER_STATE[config.training.optimizer]
 
 
 def ranks_here(num_ranks: int) -> range:
@@ -247,11 +247,11 @@ def check_memory(estimate: MemoryEstimate, config: TrainConfig, on_cpu: bool = T
 def _hint(largest: str, config: TrainConfig) -> str:
     """The fix for the largest term."""
     if largest == "activations":
-        levers = "" if config.offload else " or --offload (the first parts)"
-        return ("reduce --batch" + levers if config.recompute == "full"
+        levers = "" if config.memory.offload else " or --offload (the first parts)"
+        return ("reduce --batch" + levers if config.memory.recompute == "full"
                 else f"reduce --batch or add --recompute (selective or full){levers}")
     if largest == "weights and optimizer state":
-        return "give a smaller model (--layers, --hidden)" + (" or --optimizer sgd" if config.optimizer == "adamw"
+        return "give a smaller model (--layers, --hidden)" + (" or --optimizer sgd" if config.training.optimizer == "adamw"
                                                                 else "")
     if largest == "message rings":
         return "use --transport gloo"

@@ -50,13 +50,13 @@ class Milestones:
     def reached(self, end: int, carry: StreamCarry | None = None) -> None:
         """``end`` steps of this run are done and nothing is in flight; ``carry``: a stream's policy state."""
         config, done = self.plan.config, self.plan.steps_done
-        last = end == config.steps
-        if config.eval_every is not None and (last or end % config.eval_every == 0):
+        last = end == config.training.steps
+        if config.data.eval_every is not None and (last or end % config.data.eval_every == 0):
             loss = self._evaluate()
             self.eval_losses.append((done + end, loss))
             if mesh.reporting():
                 progress({"eval": len(self.eval_losses) - 1, "loss": loss})
-        if config.save is not None and (last or end % (config.save_every or config.steps) == 0):
+        if config.checkpoint.save is not None and (last or end % (config.checkpoint.save_every or config.training.steps) == 0):
             failure = checkpoint.save(config, self.plan.parts, self.schedule.placement, self.workers,
                                       done + end, carry=carry, run=self.plan.run_id)
             if failure is not None:
@@ -74,7 +74,7 @@ class Milestones:
                      replica_microbatch_sizes(self.plan.config, self.piece[0]))
             self._evaluator = Executor(lower(evaluation), self.rank, self.workers,
                                        sizes[: evaluation.num_microbatches], self.device, evaluate=True)
-        evaluator, batches = self._evaluator, self.plan.config.eval_batches
+        evaluator, batches = self._evaluator, self.plan.config.data.eval_batches
         t = evaluator.lowered.schedule.num_microbatches
         total = sum(evaluator.run_step(*rank_microbatches(self.source, k, t, self.device, self.workers,
                                                           held_out=True, piece=self.piece))[0]

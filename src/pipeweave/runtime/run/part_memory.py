@@ -49,7 +49,7 @@ from pipeweave.models.build import build_layers
 from pipeweave.models.custom import fingerprint
 from pipeweave.runtime.fsdp import padded_shard_bytes
 from pipeweave.runtime.profile import default_cache_dir
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.sizes import microbatch_sizes
 from pipeweave.runtime.stage.memory import ActivationMeter
 from pipeweave.runtime.stage.tensor_parallel import MEASURING, TensorParallel
@@ -83,12 +83,12 @@ def part_memory(config: TrainConfig, parts: Sequence[range], backwards: tuple[st
     ``during_b``, ``during_i`` and ``stash`` are 0 for those left out. ``cache_dir``: where
     measurements are kept (None: ``memory/`` beside the profiler's cache).
     """
-    size = max(microbatch_sizes(config)[: config.num_microbatches * config.data_parallel])
+    size = max(microbatch_sizes(config)[: config.schedule.num_microbatches * config.parallel.data_parallel])
     key = {"spec": asdict(config.model), "source": fingerprint(config.model.entry) if config.model.entry else None,
            "parts": [[p.start, p.stop] for p in parts], "size": size, "backwards": list(backwards),
-           "precision": config.precision, "recompute": config.recompute, "torch": torch.__version__,
-           "compress": config.compress_activations,
-           "tensor_parallel": config.tensor_parallel, **({"sequence_parallel": True} if config.sequence_parallel else {})}
+           "precision": config.training.precision, "recompute": config.memory.recompute, "torch": torch.__version__,
+           "compress": config.memory.compress_activations,
+           "tensor_parallel": config.parallel.tensor_parallel, **({"sequence_parallel": True} if config.parallel.sequence_parallel else {})}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir().parent / "memory"
     path = path / f"{digest}.json"
@@ -178,10 +178,10 @@ def _measure(config: TrainConfig, parts: Sequence[range], size: int, device: str
     # On the meta device, layers are built there (any modes active slow autograd on the CPU: none there)
     with torch.device(device) if device == "meta" else contextlib.nullcontext(), \
             _AsOnCpu() if device == "meta" else contextlib.nullcontext():
-        for part, mode in zip(parts, config.recompute_of(len(parts))):
-            worker = StageWorker(config.model, part, batch_size=config.batch_size, recompute=mode,
-                                 device=device, precision=config.precision, optimizer_factory=_no_optimizer,
-                                 compress=config.compress_activations is not None,
+        for part, mode in zip(parts, config.memory.recompute_of(len(parts))):
+            worker = StageWorker(config.model, part, batch_size=config.data.batch_size, recompute=mode,
+                                 device=device, precision=config.training.precision, optimizer_factory=_no_optimizer,
+                                 compress=config.memory.compress_activations is not None,
                                  tensor_parallel=_measuring(config))
             if device == "meta":
                 worker.meter = _MetaMeter({int(p.untyped_storage()._cdata) for p in worker.module.parameters()})
@@ -205,8 +205,8 @@ def _measure(config: TrainConfig, parts: Sequence[range], size: int, device: str
 def _measuring(config: TrainConfig) -> TensorParallel | None:
     """One process of a tensor-parallel group, its collectives left out: what it holds (shards, its
     activations), counted without its peers."""
-    n = config.tensor_parallel
-    return None if n == 1 else TensorParallel(MEASURING, 0, n, sequence_parallel=config.sequence_parallel)
+    n = config.parallel.tensor_parallel
+    return None if n == 1 else TensorParallel(MEASURING, 0, n, sequence_parallel=config.parallel.sequence_parallel)
 
 
 def _no_optimizer(params: Any) -> Any:
@@ -220,7 +220,7 @@ def _sample(config: TrainConfig, size: int, device: str) -> tuple[Boundary, Boun
     if spec.kind != "custom":
         shape, dtype = ((size, spec.hidden), torch.float32) if spec.kind == "mlp" else ((size, spec.seq_len), torch.long)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-    inputs, targets = data_source(spec, batch_size=min(size, 2), seed=config.seed).batch(0)
+    inputs, targets = data_source(spec, batch_size=min(size, 2), seed=config.data.data_seed).batch(0)
 
     def shaped(t: torch.Tensor) -> torch.Tensor:
         return torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=device) if device == "meta" else t

@@ -34,7 +34,7 @@ from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
 from pipeweave.runtime.run import checkpoint, checkpoint_files
 from pipeweave.runtime.run.checkpoint_files import Checkpoint
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.sizes import check_batch, check_layers, check_sizes, microbatch_sizes, probe_model
 from pipeweave.runtime.stage.lr_schedule import LrSchedule
 from pipeweave.runtime.stage.post_validation import check_post_validation
@@ -81,8 +81,8 @@ class RunPlan:
     def num_processes(self) -> int:
         """P x D x N: the schedule's ranks (P replicas of D; an asynchronous schedule's D, run by P replicas
         outside it), each a tensor-parallel group of N processes."""
-        outside = self.config.data_parallel if self.config.is_stream else 1
-        return self.schedule.num_ranks * outside * self.config.tensor_parallel
+        outside = self.config.parallel.data_parallel if self.config.is_stream else 1
+        return self.schedule.num_ranks * outside * self.config.parallel.tensor_parallel
 
 
 def prepare(config: TrainConfig) -> RunPlan:
@@ -96,7 +96,7 @@ def prepare(config: TrainConfig) -> RunPlan:
     """
     config = resolve_auto(config)
     check_sizes(config)  # before anything large is built: the schedule is generated below
-    resumed = checkpoint_files.find(config.resume) if config.resume is not None else None
+    resumed = checkpoint_files.find(config.checkpoint.resume) if config.checkpoint.resume is not None else None
     meta = None if resumed is None else resumed.manifest
     steps_done = 0 if meta is None else int(meta["steps"])
     updates_done = 0 if meta is None else checkpoint.updates(meta)
@@ -105,21 +105,21 @@ def prepare(config: TrainConfig) -> RunPlan:
     _check_schedule(config, schedule)
     parts = layer_ranges(config, schedule)
     if config.model.kind == "custom":
-        probe_model(config.model, config.seed)
+        probe_model(config.model, config.data.data_seed)
     if config.clips_by_collective:
         _check_clip(config, schedule)
-    elif config.post_validation is not None:
+    elif config.training.post_validation is not None:
         check_post_validation(schedule)
     run_id = _check_checkpoints(config, resumed)
     source = None
-    if config.data is not None or (config.model.kind == "gpt" and config.model.vocab < 256):
+    if config.data.path is not None or (config.model.kind == "gpt" and config.model.vocab < 256):
         # the file is read on the first and last ranks; a bad one is one line here, not a failing rank
-        source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
+        source = data_source(config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path)
     if config.is_stream:
         stream_rates(config, schedule, updates_done)
     else:
         learning_rates(config, steps_done)
-    if config.eval_every is not None:
+    if config.data.eval_every is not None:
         _check_evaluation(config, source)
     return RunPlan(config, schedule, tuple(streams), tuple(parts), steps_done, updates_done, resumed, run_id)
 
@@ -136,67 +136,67 @@ def resolve_auto(config: TrainConfig) -> TrainConfig:
     Raises:
         AlreadyTrained: the newest checkpoint holds ``--steps`` steps or more.
     """
-    if config.resume != "auto":
+    if config.checkpoint.resume != "auto":
         return config
-    assert config.save is not None
-    found = checkpoint_files.newest(Path(config.save))
+    assert config.checkpoint.save is not None
+    found = checkpoint_files.newest(Path(config.checkpoint.save))
     if found is None:
-        return dataclasses.replace(config, resume=None)
-    if found.steps >= config.steps:
-        raise AlreadyTrained(f"--resume auto: {found.folder} holds {found.steps} steps of --steps {config.steps}; "
+        return config.replace(resume=None)
+    if found.steps >= config.training.steps:
+        raise AlreadyTrained(f"--resume auto: {found.folder} holds {found.steps} steps of --steps {config.training.steps}; "
                              "nothing is left to train (give a larger --steps to train on)")
-    return dataclasses.replace(config, resume=str(found.folder), steps=config.steps - found.steps)
+    return config.replace(resume=str(found.folder), steps=config.training.steps - found.steps)
 
 
 def _check_checkpoints(config: TrainConfig, resumed: Checkpoint | None) -> str:
     """The checkpoint resumed fits this run and is whole; ``--save`` holds no other run's. The run's id."""
     if resumed is not None:
-        assert config.resume is not None
+        assert config.checkpoint.resume is not None
         checkpoint.check(config, resumed.manifest)
-        checkpoint_files.verify(resumed, config.resume)
+        checkpoint_files.verify(resumed, config.checkpoint.resume)
     run_id = resumed.run if resumed is not None and resumed.run else checkpoint_files.new_run_id()
-    if config.save is not None:
-        checkpoint_files.check_save(config.save, run_id, resumed, config.overwrite)
+    if config.checkpoint.save is not None:
+        checkpoint_files.check_save(config.checkpoint.save, run_id, resumed, config.checkpoint.overwrite)
     return run_id
 
 
 def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
     """The schedule is valid, and the model and the batch are large enough for it."""
-    if not schedule.is_synchronous and config.data_parallel != 1:
+    if not schedule.is_synchronous and config.parallel.data_parallel != 1:
         _check_stream_data_parallel(config)
-    if not schedule.is_synchronous and config.on_nonfinite == "skip":
-        raise UserError(f"--on-nonfinite skip applies to synchronous schedules; {config.schedule} is asynchronous "
+    if not schedule.is_synchronous and config.training.on_nonfinite == "skip":
+        raise UserError(f"--on-nonfinite skip applies to synchronous schedules; {config.schedule.name} is asynchronous "
                         "(its stages update per microbatch: no step to skip); use --on-nonfinite stop")
     if not schedule.is_synchronous:
-        check_stream_model(config.model, config.schedule, config.lr_scheduled)
+        check_stream_model(config.model, config.schedule.name, config.training.lr_scheduled)
     validate(schedule)
     _check_levers(config, schedule)
     _check_parallel(config, schedule)
     check_layers(config, schedule.num_parts)
-    if "selective" in config.recompute_of(schedule.num_parts):
+    if "selective" in config.memory.recompute_of(schedule.num_parts):
         check_selective(config.model)
-    check_batch(config, config.num_microbatches * config.data_parallel if config.is_stream
+    check_batch(config, config.schedule.num_microbatches * config.parallel.data_parallel if config.is_stream
                 else schedule.num_microbatches)
 
 
 def offloaded(config: TrainConfig, schedule: Schedule) -> frozenset[int]:
     """The parts ``--offload`` names."""
-    return parse_offload(config.offload or "none", schedule.num_parts)
+    return parse_offload(config.memory.offload or "none", schedule.num_parts)
 
 
 def _check_levers(config: TrainConfig, schedule: Schedule) -> None:
     """``--offload`` and ``--compress-activations``: parts that exist, a synchronous schedule, no recomputation."""
-    if not config.offload and config.compress_activations is None and not config.balance_activations:
+    if not config.memory.offload and config.memory.compress_activations is None and not config.memory.balance_activations:
         return
-    flag = "--offload" if config.offload else "--balance-activations" if config.balance_activations \
+    flag = "--offload" if config.memory.offload else "--balance-activations" if config.memory.balance_activations \
         else "--compress-activations"
-    if config.balance_activations and (config.data_parallel > 1 or config.tensor_parallel > 1):
+    if config.memory.balance_activations and (config.parallel.data_parallel > 1 or config.parallel.tensor_parallel > 1):
         raise UserError("--balance-activations pairs the ranks of one pipeline; drop --data-parallel/--tensor-parallel")
-    if config.offload:
-        parse_offload(config.offload, schedule.num_parts)  # one line naming a part that is not one
+    if config.memory.offload:
+        parse_offload(config.memory.offload, schedule.num_parts)  # one line naming a part that is not one
     if not schedule.is_synchronous:
-        raise UserError(f"{flag} applies to synchronous schedules; {config.schedule} is asynchronous")
-    if config.recomputes:
+        raise UserError(f"{flag} applies to synchronous schedules; {config.schedule.name} is asynchronous")
+    if config.memory.recomputes:
         raise UserError(f"{flag} with --recompute: a recomputed stage keeps only its input; drop one of them")
 
 
@@ -205,17 +205,17 @@ ASYNC_DATA_PARALLEL = ("pipedream", "pipedream-2bw")
 
 
 def _check_stream_data_parallel(config: TrainConfig) -> None:
-    if config.schedule not in ASYNC_DATA_PARALLEL:
-        raise UserError(f"--data-parallel with the asynchronous {config.schedule} is not supported; use one of "
+    if config.schedule.name not in ASYNC_DATA_PARALLEL:
+        raise UserError(f"--data-parallel with the asynchronous {config.schedule.name} is not supported; use one of "
                         f"{', '.join(ASYNC_DATA_PARALLEL)}, a synchronous schedule, or --data-parallel 1")
 
 
 def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
     """Tensor parallelism splits this model evenly; it and ZeRO compose with the run's other options."""
-    if config.zero:
+    if config.parallel.zero:
         _check_zero(config, schedule)
-    n = config.tensor_parallel
-    if config.sequence_parallel:
+    n = config.parallel.tensor_parallel
+    if config.parallel.sequence_parallel:
         _check_sequence_parallel(config)
     if n == 1:
         return
@@ -225,7 +225,7 @@ def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
 
 def _check_sequence_parallel(config: TrainConfig) -> None:
     """Sequence parallelism shards the gpt's sequence evenly over the tensor-parallel group, ZeRO and ties aside."""
-    n, spec = config.tensor_parallel, config.model
+    n, spec = config.parallel.tensor_parallel, config.model
     if n == 1:
         raise UserError("--sequence-parallel shards activations over the tensor-parallel group; give "
                         "--tensor-parallel N > 1")
@@ -235,8 +235,8 @@ def _check_sequence_parallel(config: TrainConfig) -> None:
     if spec.seq_len % n:
         raise UserError(f"--seq-len {spec.seq_len} is not divisible by --tensor-parallel {n}; give a sequence "
                         "length that divides evenly for --sequence-parallel")
-    for on, flag in ((config.zero, f"--zero {config.zero}"), (spec.tie_embeddings, "--tie-embeddings"),
-                     (config.min_seq_len is not None, "--min-seq-len")):
+    for on, flag in ((config.parallel.zero, f"--zero {config.parallel.zero}"), (spec.tie_embeddings, "--tie-embeddings"),
+                     (config.data.min_seq_len is not None, "--min-seq-len")):
         if on:
             raise UserError(f"--sequence-parallel with {flag} is not supported; drop one of them")
 
@@ -245,23 +245,23 @@ def _check_clip(config: TrainConfig, schedule: Schedule) -> None:
     """Clipping by a collective (``runtime.clip``): one ``U`` per rank and step, every rank's at the step's end."""
     if config.is_stream:
         raise UserError(f"--clip-grad-norm with --tensor-parallel/--data-parallel applies to synchronous "
-                        f"schedules; {config.schedule} is asynchronous: drop --clip-grad-norm")
+                        f"schedules; {config.schedule.name} is asynchronous: drop --clip-grad-norm")
     placement = schedule.placement
     if any(len(placement.stages_on(r)) != 1 for r in range(schedule.num_ranks)):
         raise UserError(f"--clip-grad-norm with --tensor-parallel/--data-parallel needs one stage per rank; "
-                        f"{config.schedule} places several on a rank: use 1f1b, zb-h1, zb-h2 or gpipe")
+                        f"{config.schedule.name} places several on a rank: use 1f1b, zb-h1, zb-h2 or gpipe")
 
 
 def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
     """ZeRO shards one replica of a part per data-parallel rank, stepped as a synchronous step's ``U``."""
     if config.is_stream:  # its replicas update at every U from a blocking all-reduce; its policies keep versions
-        raise UserError(f"--zero {config.zero} with the asynchronous {config.schedule} is not supported (its "
+        raise UserError(f"--zero {config.parallel.zero} with the asynchronous {config.schedule.name} is not supported (its "
                         "weight versions are whole copies); use --zero 0 or a synchronous schedule")
-    base = schedule.placement.num_stages // config.data_parallel  # the stages of one pipeline replica
+    base = schedule.placement.num_stages // config.parallel.data_parallel  # the stages of one pipeline replica
     if base != schedule.placement.num_parts:
-        raise UserError(f"--zero {config.zero} shards data-parallel replicas; {config.schedule} replicates parts "
+        raise UserError(f"--zero {config.parallel.zero} shards data-parallel replicas; {config.schedule.name} replicates parts "
                         "inside its pipeline: use --zero 0 with it")
-    if config.zero == 3 and config.data_parallel > 1 and tied_groups(config.model):
+    if config.parallel.zero == 3 and config.parallel.data_parallel > 1 and tied_groups(config.model):
         # FSDP2 shards each layer's parameters apart, and reduces them in its own hooks: a tie's two copies are
         # summed on whole gradients (runtime.stage.tied), which FSDP keeps only inside its backward.
         raise UserError(f"--zero 3 with tied parameters ({', '.join(tied_groups(config.model)[0])}) is not "
@@ -276,8 +276,8 @@ def _check_evaluation(config: TrainConfig, source: Any) -> None:
     if config.model.kind == "custom" and config.model.custom.eval_dataset is None:
         raise UserError(f"--eval-every needs held-out data and {config.model.entry} has no eval_dataset; give "
                         "LayerModel(eval_dataset=...) or drop --eval-every")
-    if config.data is not None and not source.held_out:
-        raise UserError(f"--data {config.data} is too short to hold out a window of seq_len+1="
+    if config.data.path is not None and not source.held_out:
+        raise UserError(f"--data {config.data.path} is too short to hold out a window of seq_len+1="
                         f"{config.model.seq_len + 1} bytes for evaluation; give a longer file or drop --eval-every")
 
 
@@ -293,12 +293,12 @@ def build_schedule(config: TrainConfig, steps_done: int = 0) -> Schedule:
     check_sizes(config)
     if config.is_stream:
         return concatenate(stream_schedules(config, steps_done))
-    if config.schedule_file is not None:
-        base = config.schedule_file
+    if config.schedule.written is not None:
+        base = config.schedule.written
     else:
-        base = generate(config.schedule, num_stages=config.num_stages, num_microbatches=config.num_microbatches,
-                        num_chunks=config.num_chunks, **dict(config.schedule_options))
-    return data_parallel(base, config.data_parallel) if config.data_parallel != 1 else base
+        base = generate(config.schedule.name, num_stages=config.schedule.num_stages, num_microbatches=config.schedule.num_microbatches,
+                        num_chunks=config.schedule.num_chunks, **dict(config.schedule.options))
+    return data_parallel(base, config.parallel.data_parallel) if config.parallel.data_parallel != 1 else base
 
 
 def segments(config: TrainConfig) -> list[tuple[int, int]]:
@@ -313,11 +313,11 @@ def segments(config: TrainConfig) -> list[tuple[int, int]]:
         >>> segments(TrainConfig(schedule="pipedream", steps=7, eval_every=3))
         [(0, 3), (3, 3), (6, 1)]
     """
-    cuts = {config.steps}
-    for flag, every in (("--eval-every", config.eval_every), ("--save-every", config.save_every)):
-        if every is not None and every < config.steps:
+    cuts = {config.training.steps}
+    for flag, every in (("--eval-every", config.data.eval_every), ("--save-every", config.checkpoint.save_every)):
+        if every is not None and every < config.training.steps:
             check_segment_steps(config, flag, every)
-            cuts.update(range(every, config.steps, every))
+            cuts.update(range(every, config.training.steps, every))
     bounds = [0, *sorted(cuts)]
     return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
 
@@ -325,14 +325,14 @@ def segments(config: TrainConfig) -> list[tuple[int, int]]:
 def stream_schedules(config: TrainConfig, steps_done: int = 0) -> list[Schedule]:
     """An asynchronous run's streams, one per ``segments`` entry, each generated for its steps (sizes checked first)."""
     check_sizes(config)
-    return [generate(config.schedule, num_stages=config.num_stages, num_microbatches=config.num_microbatches,
-                     num_chunks=config.num_chunks, **segment_options(config, steps_done + first, steps))
+    return [generate(config.schedule.name, num_stages=config.schedule.num_stages, num_microbatches=config.schedule.num_microbatches,
+                     num_chunks=config.schedule.num_chunks, **segment_options(config, steps_done + first, steps))
             for first, steps in segments(config)]
 
 
 def check_segment_steps(config: TrainConfig, flag: str, every: int) -> None:
     """Refuse a drain inside an AvgPipe round: every stream is whole rounds of P mini-batches."""
-    p = pipelines_per_round(config.schedule, dict(config.schedule_options))
+    p = pipelines_per_round(config.schedule.name, dict(config.schedule.options))
     if every % p:
         raise UserError(f"{flag} {every} is not a multiple of avgpipe's P={p} pipelines (each stream between two "
                         f"drains is whole rounds); give {flag} {every - every % p + p}")
@@ -350,19 +350,19 @@ def segment_options(config: TrainConfig, first: int, steps: int) -> dict[str, An
         >>> segment_options(c, 2, 4), segment_options(c, 0, 2)["warmup_steps"]
         ({'warmup_steps': 1, 'num_steps': 4}, 2)
     """
-    options = dict(config.schedule_options)
+    options = dict(config.schedule.options)
     warmup = options.get("warmup_steps")
     if isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= 0:
         options["warmup_steps"] = min(max(0, warmup - first), steps)
-    options["num_steps"] = stream_steps(config.schedule, steps, options)
+    options["num_steps"] = stream_steps(config.schedule.name, steps, options)
     return options
 
 
 def layer_ranges(config: TrainConfig, schedule: Schedule) -> list[range]:
-    """The layers of each part of ``schedule``: ``config.layers_per_part``, checked, or uniform."""
-    if config.layers_per_part is None:
+    """The layers of each part of ``schedule``: ``config.partition.layers_per_part``, checked, or uniform."""
+    if config.partition.layers_per_part is None:
         return uniform_parts(config.model.num_layers, schedule.num_parts)
-    counts = Partition(config.layers_per_part)
+    counts = Partition(config.partition.layers_per_part)
     explicit(LayerCosts.uniform(config.model.num_layers), schedule.num_parts, PartitionContext(counts=counts.counts))
     return [range(a, b) for a, b in counts.bounds]
 
@@ -373,9 +373,9 @@ def learning_rates(config: TrainConfig, first_step: int = 0, updates: int | None
     An asynchronous stream counts its stages' ``updates`` (``stream_updates``) instead of steps:
     each stage's k-th update takes the rate of step k.
     """
-    end = updates if updates is not None else first_step + config.steps
-    decay = config.lr_decay_steps if config.lr_decay_steps is not None else end
-    return LrSchedule(config.lr_schedule, config.lr, config.lr_warmup, decay)
+    end = updates if updates is not None else first_step + config.training.steps
+    decay = config.training.lr_decay_steps if config.training.lr_decay_steps is not None else end
+    return LrSchedule(config.training.lr_schedule, config.training.lr, config.training.lr_warmup, decay)
 
 
 def stream_rates(config: TrainConfig, schedule: Schedule, first_update: int = 0) -> LrSchedule:
@@ -385,9 +385,9 @@ def stream_rates(config: TrainConfig, schedule: Schedule, first_update: int = 0)
 
 
 def optimizer_factory(config: TrainConfig) -> OptimizerFactory:
-    """Builds each stage's optimizer: ``config.optimizer`` at ``config.lr`` (SGD with ``config.momentum``)."""
-    lr = config.lr
-    if config.optimizer == "adamw":
+    """Builds each stage's optimizer: ``config.training.optimizer`` at ``config.training.lr`` (SGD with ``config.training.momentum``)."""
+    lr = config.training.lr
+    if config.training.optimizer == "adamw":
         return lambda params: torch.optim.AdamW(params, lr=lr)
-    momentum = config.momentum
+    momentum = config.training.momentum
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.runtime.run import plan
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.stage.tensor_parallel import gather
 from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.stage.worker import StageWorker
@@ -77,7 +77,7 @@ class RunRecord:
     @property
     def losses(self) -> list[float]:
         """Per step, the mini-batch mean loss (every rank's share summed)."""
-        return [sum(r.losses[k] for r in self.ranks) for k in range(self.config.steps)]
+        return [sum(r.losses[k] for r in self.ranks) for k in range(self.config.training.steps)]
 
     @property
     def skipped_steps(self) -> list[int]:
@@ -107,7 +107,7 @@ def final_parameters(config: TrainConfig, workers: dict[int, StageWorker]) -> di
 
     Tensor-parallel shards are gathered whole (every process of the group calls this).
     """
-    if not config.collect_parameters:
+    if not config.checkpoint.collect_parameters:
         return {}
     with gathered(workers):  # ZeRO-3's slices too
         return {s: {k: _whole(p, w).cpu().clone() for k, p in w.named_parameters().items()}
@@ -132,9 +132,9 @@ def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, sta
     if rank != 0:
         return None
     assert gathered is not None
-    gathered = gathered[:: config.tensor_parallel]  # per stage rank its tp-0 process's (its group runs alike)
-    if config.is_stream and config.data_parallel > 1:  # replicas around the stream: their shares of the loss
-        gathered = _fold_replicas(gathered, config.data_parallel)
+    gathered = gathered[:: config.parallel.tensor_parallel]  # per stage rank its tp-0 process's (its group runs alike)
+    if config.is_stream and config.parallel.data_parallel > 1:  # replicas around the stream: their shares of the loss
+        gathered = _fold_replicas(gathered, config.parallel.data_parallel)
     return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started,
                      used_transport(), first_step, first_step if first_update is None else first_update)
 
@@ -166,13 +166,13 @@ def close_pauses(record: RunRecord) -> float:
     for (first, steps), (nxt, _) in zip(segments, segments[1:]):
         end = max((a[4] for r in record.ranks for m in range(first, first + steps) for a in r.records[m]),
                   default=0.0)
-        start = min((a[3] for r in record.ranks for m in range(nxt, record.config.steps) for a in r.records[m]),
+        start = min((a[3] for r in record.ranks for m in range(nxt, record.config.training.steps) for a in r.records[m]),
                     default=end)
         pause = start - end
         if pause <= 0:
             continue
         removed += pause
         for r in record.ranks:
-            for m in range(nxt, record.config.steps):
+            for m in range(nxt, record.config.training.steps):
                 r.records[m] = [(s, op, j, t0 - pause, t1 - pause) for s, op, j, t0, t1 in r.records[m]]
     return removed

@@ -31,7 +31,7 @@ from pipeweave.models.custom import probe
 from pipeweave.models.build import build_layers
 from pipeweave.models.spec import ModelSpec, layer_seed
 from pipeweave.runtime.process import under_torchrun
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.schedule import SCHEDULES, Schedule
 from pipeweave.sim.timeline import BYTES_PER_ACTION
 
@@ -52,10 +52,10 @@ def check_sizes(config: TrainConfig) -> None:
         UserError: the batch cannot make T x P microbatches, the model has fewer layers than the
             schedule's parts, or the schedule or the rank processes would not fit in free memory.
     """
-    t, d = config.num_microbatches, config.num_stages
+    t, d = config.schedule.num_microbatches, config.schedule.num_stages
     if t < 1 or d < 1:
         return  # the generator names the value
-    check_batch(config, t * config.data_parallel)
+    check_batch(config, t * config.parallel.data_parallel)
     parts = part_count(config)
     if parts is None:
         return
@@ -69,7 +69,7 @@ def check_sizes(config: TrainConfig) -> None:
                         f"to build and simulate ({BYTES_PER_ACTION} B each), more than the {free / 2**30:.1f} GiB "
                         f"free here; give fewer stages or microbatches{' or steps' if config.is_stream else ''} "
                         f"(at most ~{free // BYTES_PER_ACTION:.2g} actions fit)")
-    ranks = d * config.data_parallel * config.tensor_parallel
+    ranks = d * config.parallel.data_parallel * config.parallel.tensor_parallel
     if not under_torchrun() and SPAWN_BYTES + ranks * PROCESS_BYTES > free:
         raise UserError(f"{_size(config, None)} start {ranks} rank processes here, "
                         f"~{_gib(SPAWN_BYTES + ranks * PROCESS_BYTES)} at ~{PROCESS_BYTES >> 20} MiB each and "
@@ -79,8 +79,8 @@ def check_sizes(config: TrainConfig) -> None:
 
 def check_batch(config: TrainConfig, microbatches: int) -> None:
     """The batch makes ``microbatches`` microbatches of at least one sample."""
-    if config.batch_size < microbatches:
-        raise UserError(f"--batch {config.batch_size} cannot make {microbatches} microbatches; "
+    if config.data.batch_size < microbatches:
+        raise UserError(f"--batch {config.data.batch_size} cannot make {microbatches} microbatches; "
                         "increase --batch or reduce --microbatches")
 
 
@@ -89,7 +89,7 @@ def check_layers(config: TrainConfig, parts: int) -> None:
     model = config.model
     if model.num_layers < parts:
         raise UserError(
-            f"{parts} parts ({config.schedule}, D={config.num_stages}) need at least {parts} layers, the model "
+            f"{parts} parts ({config.schedule.name}, D={config.schedule.num_stages}) need at least {parts} layers, the model "
             f"has {model.layers_described}; reduce --stages or "
             + ("give the model more layers" if model.kind == "custom" else "increase --layers")
         )
@@ -104,16 +104,16 @@ def part_count(config: TrainConfig) -> int | None:
         >>> part_count(TrainConfig(schedule="zb-v", num_stages=4)), part_count(TrainConfig(schedule="interleaved-1f1b"))
         (8, 4)
     """
-    if config.schedule_file is not None:
-        return config.schedule_file.num_parts
-    info = SCHEDULES.get(config.schedule)
-    if info is None or config.num_stages < 1:
+    if config.schedule.written is not None:
+        return config.schedule.written.num_parts
+    info = SCHEDULES.get(config.schedule.name)
+    if info is None or config.schedule.num_stages < 1:
         return None
-    if config.num_chunks is not None and info.chunks is not None and config.num_chunks != info.chunks:
+    if config.schedule.num_chunks is not None and info.chunks is not None and config.schedule.num_chunks != info.chunks:
         return None
     default = inspect.signature(info.generator).parameters.get("num_chunks")
-    chunks = config.num_chunks or info.chunks or (default.default if default is not None else 1)
-    return config.num_stages * chunks if isinstance(chunks, int) and chunks >= 1 else None
+    chunks = config.schedule.num_chunks or info.chunks or (default.default if default is not None else 1)
+    return config.schedule.num_stages * chunks if isinstance(chunks, int) and chunks >= 1 else None
 
 
 def action_estimate(config: TrainConfig, parts: int) -> int:
@@ -125,21 +125,21 @@ def action_estimate(config: TrainConfig, parts: int) -> int:
         >>> action_estimate(TrainConfig(schedule="zb-h1", num_stages=4, num_microbatches=8), 4)  # ZB-H1 has 100
         100
     """
-    steps = config.steps if config.is_stream else 1
-    return (3 * config.num_microbatches + 1) * parts * config.data_parallel * steps
+    steps = config.training.steps if config.is_stream else 1
+    return (3 * config.schedule.num_microbatches + 1) * parts * config.parallel.data_parallel * steps
 
 
 def _size(config: TrainConfig, parts: int | None) -> str:
     """What makes the run this large, as the user typed it."""
-    text = f"--stages {config.num_stages}"
+    text = f"--stages {config.schedule.num_stages}"
     if parts is not None:
-        text += f" x --microbatches {config.num_microbatches}"
-        if parts != config.num_stages:
-            text += f" x {parts // config.num_stages} chunks"
+        text += f" x --microbatches {config.schedule.num_microbatches}"
+        if parts != config.schedule.num_stages:
+            text += f" x {parts // config.schedule.num_stages} chunks"
         if config.is_stream:
-            text += f" x --steps {config.steps}"
-    if config.data_parallel != 1:
-        text += f" x --data-parallel {config.data_parallel}"
+            text += f" x --steps {config.training.steps}"
+    if config.parallel.data_parallel != 1:
+        text += f" x --data-parallel {config.parallel.data_parallel}"
     return text
 
 
@@ -152,9 +152,9 @@ def _gib(n: float) -> str:
 
 def microbatch_sizes(config: TrainConfig) -> list[int]:
     """Dimension 0 of every microbatch of a step (a stream: of every mini-batch), every replica's."""
-    t = config.num_microbatches * config.data_parallel  # every replica's microbatches
-    sizes = [len(m) for m in split_microbatches(torch.empty(config.batch_size, 0), t)]
-    return sizes * config.steps if config.is_stream else sizes
+    t = config.schedule.num_microbatches * config.parallel.data_parallel  # every replica's microbatches
+    sizes = [len(m) for m in split_microbatches(torch.empty(config.data.batch_size, 0), t)]
+    return sizes * config.training.steps if config.is_stream else sizes
 
 
 def step_tokens(config: TrainConfig, num_microbatches: int, step: int) -> int | None:
@@ -163,18 +163,18 @@ def step_tokens(config: TrainConfig, num_microbatches: int, step: int) -> int | 
     None for other models."""
     if config.model.kind != "gpt":
         return None
-    if config.min_seq_len is None:
-        return config.batch_size * config.model.seq_len
-    lengths = microbatch_lengths(config.seed, step, num_microbatches, config.min_seq_len, config.model.seq_len)
+    if config.data.min_seq_len is None:
+        return config.data.batch_size * config.model.seq_len
+    lengths = microbatch_lengths(config.data.data_seed, step, num_microbatches, config.data.min_seq_len, config.model.seq_len)
     return sum(n * length for n, length in zip(microbatch_sizes(config), lengths))
 
 
 def replica_microbatch_sizes(config: TrainConfig, replica: int) -> list[int]:
     """An asynchronous run's microbatch sizes on data-parallel ``replica``: its piece of each microbatch
     (``stream.StreamData``'s ``piece``), every mini-batch's."""
-    whole = [len(m) for m in split_microbatches(torch.empty(config.batch_size, 0), config.num_microbatches)]
-    p = config.data_parallel
-    return [len(split_microbatches(torch.empty(size, 0), p)[replica]) for size in whole] * config.steps
+    whole = [len(m) for m in split_microbatches(torch.empty(config.data.batch_size, 0), config.schedule.num_microbatches)]
+    p = config.parallel.data_parallel
+    return [len(split_microbatches(torch.empty(size, 0), p)[replica]) for size in whole] * config.training.steps
 
 
 def probe_model(spec: ModelSpec, seed: int) -> int:
@@ -208,9 +208,9 @@ def largest_message_bytes(config: TrainConfig, schedule: Schedule, parts: Sequen
     """
     model = config.model
     if model.kind == "custom":
-        per_sample = probe_model(model, config.seed)
+        per_sample = probe_model(model, config.data.data_seed)
     else:
-        shards = config.tensor_parallel if config.sequence_parallel else 1
+        shards = config.parallel.tensor_parallel if config.parallel.sequence_parallel else 1
         per_sample = model.hidden * (model.seq_len // shards if model.kind == "gpt" else 1) * 4
     largest = max(microbatch_sizes(config)) * per_sample
     placement = schedule.placement

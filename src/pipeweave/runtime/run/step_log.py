@@ -67,20 +67,20 @@ class StepLog:
         process: this process; ``world``: the run's processes.
         stage_rank: this process's stage rank.
         device: where the all-reduced rows live (the GPU under NCCL).
-        rates: the run's learning rates (None: a constant ``config.lr``; a stream logs none, its stages
+        rates: the run's learning rates (None: a constant ``config.training.lr``; a stream logs none, its stages
             updating on their own counts).
     """
 
     def __init__(self, plan: RunPlan, process: int, world: int, stage_rank: int, device: torch.device,
                  rates: LrSchedule | None) -> None:
         config = plan.config
-        self.on = config.log_dir is not None
+        self.on = config.logging.log_dir is not None
         self.plan, self.process, self.world, self.device, self.rates = plan, process, world, device, rates
         self.writer: Any = None
-        if self.on and process == writer_stage_rank(plan) * config.tensor_parallel:  # dp and tp coordinates 0
+        if self.on and process == writer_stage_rank(plan) * config.parallel.tensor_parallel:  # dp and tp coordinates 0
             from torch.utils.tensorboard import SummaryWriter  # tensorboard only when asked, on this process
 
-            self.writer = SummaryWriter(log_dir=config.log_dir, flush_secs=10)
+            self.writer = SummaryWriter(log_dir=config.logging.log_dir, flush_secs=10)
             self._queue: queue.SimpleQueue[tuple[int, list[list[float]]] | None] = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._write_all, name="pipeweave-log-dir", daemon=True)
             self._thread.start()
@@ -151,9 +151,9 @@ class StepLog:
             "memory/max_bytes": max(row[_MEMORY] for row in rows),
         }
         if not config.is_stream:
-            scalars["train/lr"] = self.rates.at(at) if self.rates is not None else config.lr
+            scalars["train/lr"] = self.rates.at(at) if self.rates is not None else config.training.lr
         if took > 0:
-            scalars["train/samples_per_s"] = config.batch_size / took
+            scalars["train/samples_per_s"] = config.data.batch_size / took
             tokens = step_tokens(config, self.plan.schedule.num_microbatches, at)
             if tokens is not None:
                 scalars["train/tokens_per_s"] = tokens / took

@@ -55,7 +55,7 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     """``job.run_rank`` for an asynchronous schedule: its streams through the ``Executor``, one after the other."""
     started = time.perf_counter()
     config = plan.config
-    check_stream_model(config.model, config.schedule, config.lr_scheduled)
+    check_stream_model(config.model, config.schedule.name, config.training.lr_scheduled)
     process = rank
     joined, device = join_mesh(plan, process, world)
     rank = joined.stage_rank
@@ -64,11 +64,11 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
         for w in workers.values():
             w.combine_grads = functools.partial(all_reduce_gradients, group=joined.dp_group)
     carry = StreamCarry()
-    if config.resume is not None:
+    if config.checkpoint.resume is not None:
         assert plan.resumed is not None
         carry = checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
-    rates = stream_rates(config, plan.schedule, plan.updates_done).at if config.lr_scheduled else None
-    source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data)
+    rates = stream_rates(config, plan.schedule, plan.updates_done).at if config.training.lr_scheduled else None
+    source = data_source(config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path)
     offset = align_clocks(process, world)
     milestones = Milestones(plan, plan.streams[0], rank, workers, device, source)  # any stream: same placement
     done = _Streamed()
@@ -79,7 +79,7 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
         _run_stream(plan, stream, (first, steps), joined, workers, device, source, policy, done)
         carry = policy.carry()
         end = first + steps
-        groups = split_by_minibatch(done.timings, config.num_microbatches, end)
+        groups = split_by_minibatch(done.timings, config.schedule.num_microbatches, end)
         for m in range(first, end):
             times = seconds_since(groups[m], offset)
             if mesh.reporting():  # a tensor-parallel group's processes run alike: one reports
@@ -89,8 +89,8 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
         milestones.reached(end, carry)
     log.close()
     divergence.at_end(plan.streams[0].placement)
-    records = [seconds_since(g, offset) for g in split_by_minibatch(done.timings, config.num_microbatches,
-                                                                    config.steps)]
+    records = [seconds_since(g, offset) for g in split_by_minibatch(done.timings, config.schedule.num_microbatches,
+                                                                    config.training.steps)]
     mine = RankRecord(rank, done.losses, records, done.peak_activations, done.peak_weights,
                       final_parameters(config, workers), eval_losses=milestones.eval_losses)
     mine.versions = done.versions
@@ -108,7 +108,7 @@ def _run_stream(plan: RunPlan, stream: Schedule, segment: tuple[int, int], joine
 
     Data-parallel replicas around the stream (``joined.outside``) each run their piece of every microbatch.
     """
-    (first, steps), t = segment, plan.config.num_microbatches
+    (first, steps), t = segment, plan.config.schedule.num_microbatches
     piece = (joined.dp_rank, joined.data_parallel) if joined.outside else (0, 1)
     sizes = replica_microbatch_sizes(plan.config, piece[0]) if joined.outside else plan.microbatch_sizes
     for w in workers.values():

@@ -20,8 +20,8 @@ def join_mesh(plan: RunPlan, process: int, world: int) -> tuple[Mesh, torch.devi
     """Process ``process`` of ``world``: its mesh (every group created and installed: every process calls this
     at its start) and its device."""
     device = device_for(process)
-    joined = build_mesh(process, world, plan.schedule.placement, plan.config.data_parallel,
-                        plan.config.tensor_parallel, device)
+    joined = build_mesh(process, world, plan.schedule.placement, plan.config.parallel.data_parallel,
+                        plan.config.parallel.tensor_parallel, device)
     mesh.install(joined)
     return joined, device
 
@@ -39,16 +39,16 @@ def build_workers(plan: RunPlan, rank: int, device: torch.device,
     joined = mesh.active()
     tp = None if joined is None else joined.tensor_parallel_group
     if tp is not None:
-        tp = dataclasses.replace(tp, sequence_parallel=config.sequence_parallel)
-    modes = config.recompute_of(schedule.num_parts)
+        tp = dataclasses.replace(tp, sequence_parallel=config.parallel.sequence_parallel)
+    modes = config.memory.recompute_of(schedule.num_parts)
     workers = {
-        s: StageWorker(config.model, plan.parts[schedule.placement.stage_part[s]], batch_size=config.batch_size,
+        s: StageWorker(config.model, plan.parts[schedule.placement.stage_part[s]], batch_size=config.data.batch_size,
                        optimizer_factory=optimizer_factory(config), recompute=modes[schedule.placement.stage_part[s]],
-                       device=device, precision=config.precision, tensor_parallel=tp,
-                       compress=config.compress_activations is not None)
+                       device=device, precision=config.training.precision, tensor_parallel=tp,
+                       compress=config.memory.compress_activations is not None)
         for s in schedule.placement.stages_on(rank)
     }
-    if config.post_validation is not None and not config.clips_by_collective:  # (else runtime.clip, at U)
-        install_post_validation(config.post_validation, schedule, workers, config.optimizer, config.lr,
-                                config.momentum)
+    if config.training.post_validation is not None and not config.clips_by_collective:  # (else runtime.clip, at U)
+        install_post_validation(config.training.post_validation, schedule, workers, config.training.optimizer, config.training.lr,
+                                config.training.momentum)
     return workers

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeweave.config.policy import PostValidation  # noqa: F401  (re-exported: made from --clip-grad-norm)
 from pipeweave.errors import UserError
 from pipeweave.runtime.process import wait_timeout
 from pipeweave.runtime.stage.worker import StageWorker
@@ -41,24 +42,6 @@ from pipeweave.weights.post_validation import SGD, AdamW, GradState, PostValidat
 # Far above the transport's tags ((stage x kinds + kind) x span + microbatch + 1).
 _TAG_PARTIAL = 1 << 28
 _TAG_TOTAL = _TAG_PARTIAL + 1
-
-
-@dataclass(frozen=True)
-class PostValidation:
-    """The run's post-validation options.
-
-    Attributes:
-        max_norm: clip the global gradient norm to this (None: no clipping).
-        fault: ``(step, stage)``: that stage's gradient is set to NaN at that
-            step, before anything is measured (tests of the skip path).
-    """
-
-    max_norm: float | None = None
-    fault: tuple[int, int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_norm is not None and not self.max_norm > 0:
-            raise UserError(f"--clip-grad-norm {self.max_norm} is invalid; give a norm > 0")
 
 
 def check_post_validation(schedule: Schedule) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeweave.config.policy import PolicyOptions  # noqa: F401  (re-exported: a section of the configuration)
 from pipeweave.errors import UserError
 from pipeweave.runtime.stage.lr_schedule import set_lr
 from pipeweave.runtime.stage.worker import StageWorker
@@ -27,32 +28,6 @@ from pipeweave.weights.stash import VerticalSyncStash, WeightStash
 from pipeweave.weights.wpipe import weights_for_part
 
 Read = tuple[int, int]  # (stored version, version it stands for): sim.versions.VersionRead's fields
-
-
-@dataclass(frozen=True, kw_only=True)
-class PolicyOptions:
-    """Run-time hyperparameters of the asynchronous policies (the schedules carry the rest)."""
-
-    anneal_steps: int = DEFAULT_ANNEAL_STEPS
-    """PipeMare K: updates over which the rescheduled step size returns to lr (0: no rescheduling)."""
-    decay: float = DEFAULT_DECAY
-    """PipeMare gamma: weight of the old velocity in the moving average of updates."""
-    correction: bool = True
-    """PipeMare: discrepancy correction of the backward weights."""
-    averaging_rate: float | None = None
-    """AvgPipe alpha: pull toward the replicas' mean (None: 0.9 / P, EASGD's beta = 0.9)."""
-    averaging_period: int = 1
-    """AvgPipe: rounds of updates between two averagings."""
-
-    def __post_init__(self) -> None:
-        if self.anneal_steps < 0:
-            raise UserError(f"--anneal-steps {self.anneal_steps} is invalid; give K >= 0 (0: no rescheduling)")
-        if not 0.0 <= self.decay < 1.0:
-            raise UserError(f"--decay {self.decay} is invalid; give 0 <= gamma < 1")
-        if self.averaging_rate is not None and not 0.0 <= self.averaging_rate <= 1.0:
-            raise UserError(f"--averaging-rate {self.averaging_rate} is invalid; give 0 <= alpha <= 1")
-        if self.averaging_period < 1:
-            raise UserError(f"--averaging-period {self.averaging_period} is invalid; give an integer >= 1")
 
 
 @dataclass

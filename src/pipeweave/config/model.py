@@ -1,0 +1,169 @@
+"""The model section of the configuration: ``ModelSpec``, as ``--model ... --layers --hidden`` describe it.
+
+Torch-free, so that the command line is built without importing torch; the
+layers it describes are built by ``pipeweave.models``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pipeweave.config.schema import check_section, option
+from pipeweave.errors import UserError
+
+KINDS = ("mlp", "gpt", "custom")
+BUILT_IN = ("mlp", "gpt")
+"""The reference models ``--model`` names; any other word is an entry (``FILE.py:NAME``, ``hf:TYPE``)."""
+SIZES = ("layers", "hidden", "vocab", "heads", "seq_len")
+"""The built-in models' size fields (an entry's layers are its own)."""
+
+
+def model_word(word: str) -> dict[str, Any]:
+    """``--model WORD`` -> the section's ``kind`` and ``entry``.
+
+    Raises:
+        UserError: a word that is neither a built-in model nor an entry.
+
+    Example:
+        >>> model_word("hf:gpt2")
+        {'kind': 'custom', 'entry': 'hf:gpt2'}
+    """
+    if word in BUILT_IN:
+        return {"kind": word, "entry": None}
+    if word == "custom":  # a file's own spelling: kind and entry given apart
+        return {}
+    if ":" not in word:
+        raise UserError(f"--model {word!r} is unknown; choose gpt, mlp, FILE.py:NAME (your own model) or "
+                        "hf:TYPE (a Hugging Face model)")
+    return {"kind": "custom", "entry": word}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A model, as the command line's ``--model ... --layers --hidden`` describe it.
+
+    A built-in reference model (the mlp, the gpt), or your own (``kind="custom"``,
+    ``entry``; see ``models.custom``), for which the size fields do not apply.
+
+    Example:
+        >>> ModelSpec(kind="mlp", layers=4, hidden=32).num_layers
+        4
+        >>> ModelSpec(kind="gpt", layers=2, hidden=32, heads=2).num_layers
+        4
+    """
+
+    kind: str = option("gpt", flags=("--model",), metavar="gpt|mlp|FILE.py:NAME|hf:TYPE", spread=model_word)
+    """``"mlp"`` (residual MLP blocks, MSE), ``"gpt"`` (byte-level transformer, cross-entropy) or
+    ``"custom"`` (your own ``LayerModel``, named by ``entry``; ``models.custom``)."""
+    layers: int = option(4)
+    """Residual blocks: MLP blocks, or transformer blocks (the gpt adds an embedding and a head layer)."""
+    hidden: int = option(128)
+    """Width h of the residual stream."""
+    vocab: int = option(256)
+    """gpt only: vocabulary size; 256 means bytes."""
+    heads: int = option(4)
+    """gpt only: attention heads; must divide ``hidden``."""
+    seq_len: int = option(128)
+    """gpt only: tokens per sample (context length)."""
+    seed: int = option(0)
+    """Initialisation seed; layer k is seeded by (seed, k), so any rank builds it identically."""
+    entry: str | None = option(None, via="--model")
+    """custom only: ``FILE.py:NAME`` or ``module:NAME`` of a ``LayerModel`` or a function returning one."""
+    tie_embeddings: bool = option(False)
+    """gpt only: the head's output weight starts equal to the token embedding and their gradients
+    are summed before every update (``pipeweave.runtime.stage.tied``), so the two stay identical."""
+
+    hf_config: str | None = option(None, metavar="JSON|FILE")
+    """``hf:NAME`` only: the model's config fields, a JSON object or a file holding one (``models.hf``)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise UserError(f"model kind {self.kind!r} is unknown; choose one of: {', '.join(KINDS)}")
+        for name in ("layers", "hidden", "vocab", "heads", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"{name}={value!r} is invalid; give an integer >= 1")
+        if (self.kind == "custom") != (self.entry is not None):
+            raise UserError("a custom model needs its entry, and only a custom model takes one; "
+                            "give ModelSpec(kind='custom', entry='my_model.py:model')")
+        if self.hf_config is not None and not (self.entry or "").startswith("hf:"):
+            raise UserError("--hf-config applies to --model hf:NAME only; drop it or name a Hugging Face model")
+        if self.tie_embeddings and self.kind != "gpt":
+            raise UserError("tie_embeddings applies to the gpt only; drop it or use --model gpt")
+        if self.kind == "gpt" and self.hidden % self.heads:
+            raise UserError(f"hidden={self.hidden} is not divisible by heads={self.heads}; choose heads dividing hidden")
+        check_section(self)
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the lazy layer list: the unit that parts are cut from."""
+        if self.kind == "custom":
+            return len(self.custom.layers)
+        return self.layers + 2 if self.kind == "gpt" else self.layers
+
+    @property
+    def layers_described(self) -> str:
+        """``num_layers`` in words, for messages: the gpt's are its blocks, its embedding and its head.
+
+        Example:
+            >>> ModelSpec(kind="gpt", layers=4, hidden=32, heads=2).layers_described
+            '6 (the embedding, 4 blocks, the head)'
+        """
+        if self.kind == "gpt":
+            return f"{self.num_layers} (the embedding, {self.layers} block{'s' * (self.layers != 1)}, the head)"
+        return str(self.num_layers)
+
+    @property
+    def custom(self) -> Any:
+        """The ``LayerModel`` of a custom model (loaded once per process).
+
+        Raises:
+            UserError: not a custom model, or its entry cannot be loaded.
+        """
+        if self.entry is None:
+            raise UserError(f"the {self.kind} model is built in; only --model FILE.py:NAME has a LayerModel")
+        from pipeweave.models.custom import LayerModel, load_model
+
+        if self.entry.startswith("hf:"):
+            from pipeweave.models.hf import hf_model
+
+            return hf_model(self.entry, self.hf_config, self.seq_len, self.seed)
+        model = load_model(self.entry)
+        if isinstance(model, LayerModel):
+            return model
+        from pipeweave.models.pipeline import from_module
+
+        return from_module(self.entry)
+
+    @classmethod
+    def of(cls, factory: Callable[[], Any], *, seed: int = 0) -> ModelSpec:
+        """The spec of a custom model returned by ``factory``, a module-level function (``models.custom``).
+
+        In a script, ``ModelSpec.of(model)`` names ``model`` by the script's
+        path, so ranks spawned from it load the same function.
+        """
+        from pipeweave.models.custom import entry_of
+
+        return cls(kind="custom", entry=entry_of(factory), seed=seed)
+
+
+def check_given(given: dict[str, Any]) -> None:
+    """The fields a command line or file gives together: sizes belong to the built-in models only.
+
+    Raises:
+        UserError: e.g. ``--layers`` beside ``--model hf:gpt2``.
+    """
+    entry = given.get("entry")
+    if entry is None:
+        if given.get("hf_config") is not None:
+            raise UserError("--hf-config applies to --model hf:TYPE only; drop it or name a Hugging Face model")
+        return
+    hf = entry.startswith("hf:")
+    if given.get("hf_config") is not None and not hf:
+        raise UserError("--hf-config applies to --model hf:TYPE only; drop it or name a Hugging Face model")
+    sizes = [name for name in SIZES + ("tie_embeddings",) if name in given and not (hf and name == "seq_len")]
+    if sizes:
+        flag = "--" + sizes[0].replace("_", "-")
+        raise UserError(f"{flag} applies to the built-in models; {entry}'s layers are its LayerModel's: drop {flag}")

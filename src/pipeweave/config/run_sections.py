@@ -1,0 +1,176 @@
+"""The sections of a training run's configuration that say how it runs: optimizer, checkpoints, outputs, launch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeweave.config.policy import PostValidation
+from pipeweave.config.schema import at_least, check_section, option
+from pipeweave.errors import UserError
+
+PRECISIONS = ("fp32", "bf16")
+MAX_TIMEOUT_S = 7 * 86400.0
+"""The longest --timeout: a week. A rank blocked longer on a peer has lost it; far larger values overflow
+the process group's timeout (a timedelta, then milliseconds in C++)."""
+
+
+def check_precision(precision: str, flag: str = "--precision") -> None:
+    """One line unless ``precision`` is one of ``PRECISIONS``.
+
+    Raises:
+        UserError: e.g. fp16, which needs loss scaling.
+    """
+    if precision == "fp16":
+        raise UserError("--precision fp16 needs loss scaling, which pipeweave does not do; "
+                        "give bf16 (float32's range) or fp32")
+    if precision not in PRECISIONS:
+        raise UserError(f"--precision {precision!r} is unknown; give one of: {', '.join(PRECISIONS)}")
+
+
+def _lr(value: float, flag: str) -> None:
+    if math.isinf(value):
+        raise UserError(f"--lr {value} is invalid; give a finite learning rate > 0")
+    if not value > 0:
+        raise UserError(f"--lr {value} is invalid; give a learning rate > 0")
+
+
+def _momentum(value: float, flag: str) -> None:
+    if not 0.0 <= value < 1.0:
+        raise UserError(f"--momentum {value} is invalid; give 0 <= momentum < 1")
+
+
+def _norm(value: float, flag: str) -> None:
+    if not value > 0:
+        raise UserError(f"--clip-grad-norm {value} is invalid; give a norm > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """How long and with what optimizer the model trains, at what precision, and what a bad step does."""
+
+    steps: int = option(30, check=at_least(1))
+    """Optimizer steps (an asynchronous schedule: mini-batches of its stream)."""
+    optimizer: Literal["sgd", "adamw"] | None = option(None)
+    """The optimizer (default sgd for the mlp, adamw otherwise)."""
+    lr: float | None = option(None, check=_lr)
+    """Learning rate (default 3e-3 for adamw, 0.1 for sgd)."""
+    momentum: float | None = option(None, check=_momentum)
+    """SGD momentum (default: the schedule's, 0.9 for spectrain/xpipe which predict along it; 0 otherwise)."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = option("constant")
+    """After --lr-warmup, keep --lr or decay it to a tenth by --lr-decay-steps; an asynchronous schedule counts
+    each stage's updates as steps."""
+    lr_warmup: int = option(0, metavar="N", check=at_least(0, "give an integer >= 0"))
+    """Steps of linear warm-up to --lr."""
+    lr_decay_steps: int | None = option(None, metavar="N")
+    """The step where the decay ends (default: the last step, or a stream's last update, of this run; give the
+    same one when resuming)."""
+    precision: str = option("fp32", metavar="fp32|bf16", check=check_precision)
+    """bf16: mixed precision, every forward under torch.autocast to bfloat16 (parameters, gradients and
+    optimizer state float32)."""
+    clip_grad_norm: float | None = option(None, metavar="NORM", check=_norm)
+    """Clip the global gradient norm; steps are post-validated (optimistic step, exact rollback on NaN/inf or
+    clipping), so no global barrier precedes the update; a NaN/inf norm stops the run, or skips the step with
+    --on-nonfinite skip; with --tensor-parallel/--data-parallel: one all-reduce of the norm at each update
+    instead."""
+    on_nonfinite: Literal["stop", "skip"] = option("stop")
+    """A step whose loss (or, with --clip-grad-norm, gradient norm) is NaN or inf: stop the run there, exit code
+    1, the last checkpoint kept; or skip that step's update on every stage and go on (synchronous schedules)."""
+    post_validation: PostValidation | None = option(None, internal=True)
+    """Clip and skip without a barrier (``runtime.stage.post_validation``): made from ``clip_grad_norm``."""
+
+    def __post_init__(self) -> None:
+        if self.post_validation is None and isinstance(self.clip_grad_norm, (int, float)) \
+                and not isinstance(self.clip_grad_norm, bool):
+            object.__setattr__(self, "post_validation", PostValidation(max_norm=self.clip_grad_norm))
+        check_section(self)
+
+    @property
+    def lr_scheduled(self) -> bool:
+        """Whether the learning rate moves (a warm-up or a decay): each update then sets its own."""
+        return self.lr_schedule != "constant" or self.lr_warmup > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """What the run saves, and where it starts from."""
+
+    save: str | None = option(None, metavar="DIR")
+    """After the last step, write a checkpoint into DIR: a folder DIR/step-NNNNNN of every part's parameters and
+    optimizer state (and an asynchronous policy's state), made current atomically once whole; a DIR holding
+    another run's checkpoint is refused."""
+    save_every: int | None = option(None, metavar="N")
+    """With --save: also write a checkpoint every N steps; an asynchronous schedule drains its stream there."""
+    keep_checkpoints: int = option(2, metavar="K", check=at_least(
+        1, "give an integer >= 1 (the newest checkpoints kept in --save)"))
+    """The newest checkpoints of this run kept in --save DIR."""
+    overwrite: bool = option(False)
+    """Save into a DIR holding another run's checkpoints, removing them once this run's first checkpoint is
+    whole."""
+    resume: str | None = option(None, metavar="DIR|auto")
+    """Start from the newest checkpoint in DIR (or from DIR/step-NNNNNN) and train --steps more steps, the data
+    going on from where it stopped; any schedule, D or partition of the same model. auto: from the newest
+    checkpoint in --save DIR if there is one, else from scratch, --steps counting the whole training (for
+    torchrun --max-restarts)."""
+    save_pretrained: str | None = option(None, metavar="DIR")
+    """hf:TYPE: after training, write the model with transformers' save_pretrained into DIR (from_pretrained
+    loads it)."""
+    collect_parameters: bool = option(False, internal=True)
+    """Send every stage's final parameters to rank 0 (``save_pretrained``, tests)."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
+        if self.save_every is not None and (self.save_every < 1 or self.save is None):
+            raise UserError(f"--save-every {self.save_every} is invalid; give an integer >= 1 together with --save DIR")
+        if self.resume == "auto" and self.save is None:
+            raise UserError("--resume auto resumes the newest checkpoint in --save DIR; give --save DIR too (or "
+                            "--resume DIR)")
+        if self.save_pretrained is not None and not self.collect_parameters:
+            object.__setattr__(self, "collect_parameters", True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """What the run shows and writes: the progress bar and summary, its record, trace, plot, TensorBoard."""
+
+    out: str = option("pipeweave-out", metavar="DIR")
+    """Folder of the default outputs."""
+    json: str | None = option(None, metavar="FILE")
+    """Write the JSON record here (default OUT/train.json)."""
+    plot: str | None = option(None, metavar="FILE")
+    """Write the measured timeline plot here (default OUT/timeline.png)."""
+    trace: str | None = option(None, metavar="FILE")
+    """Write the Chrome trace here (default OUT/trace.json)."""
+    quiet: bool = option(False)
+    """No progress bar and no summary."""
+    log_dir: str | None = option(None, metavar="DIR")
+    """Write every step's loss, learning rate, throughput, bubble and memory as TensorBoard event files into DIR
+    (tensorboard --logdir DIR); needs pip install 'pipeweave[tensorboard]'."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+
+def _timeout(value: float, flag: str) -> None:
+    if not 0 < value <= MAX_TIMEOUT_S:  # nan too
+        raise UserError(f"--timeout {value:g} is invalid; give the seconds a rank may wait on a peer, "
+                        f"> 0 and at most {MAX_TIMEOUT_S:.0f} (a week); default 25")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """How the ranks are started and talk: threads, the wait for a peer, the point-to-point transport."""
+
+    threads: int = option(1, check=at_least(1, "give at least 1"))
+    """Intra-op threads per rank."""
+    timeout: float = option(25.0, check=_timeout)
+    """Seconds a rank may wait on a peer before failing (under torchrun no launcher watches the other node: this
+    timeout is what ends a rank whose remote peer died)."""
+    transport: Literal["auto", "gloo", "shm"] = option("auto")
+    """Point-to-point messages of spawned CPU ranks: shm, shared-memory rings between the ranks on this host
+    (collectives stay on gloo), or gloo; auto: shm on x86-64 with room in /dev/shm, gloo otherwise and under
+    torchrun, NCCL on CUDA."""
+
+    def __post_init__(self) -> None:
+        check_section(self)

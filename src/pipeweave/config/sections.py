@@ -1,0 +1,248 @@
+"""The sections of a training run's configuration that say what runs: schedule, data, parallelism, memory, split.
+
+Each field is one option: its type, its default (``pipeweave train``'s),
+its docstring (the ``--help`` text and the API reference) and its own check
+(``config.schema``). What follows from several fields together is resolved
+in one place, ``TrainConfig.__post_init__`` (cheap defaults) and
+``runtime.run.resolve`` (what needs the model: the split, searched costs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pipeweave.config.schema import at_least, check_section, option
+from pipeweave.errors import UserError
+from pipeweave.schedule.ir import Schedule
+from pipeweave.sim.cost import cost_problem
+from pipeweave.sim.recompute import parse_recompute, per_part, spelled
+
+MAX_BUCKET_MB = 4096.0
+AUTO = "auto"
+"""``--recompute auto``: chosen per part by ``--partition memory`` under ``--memory-limit``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """Which schedule runs, on how many ranks and microbatches (``pipeweave schedules`` lists them)."""
+
+    name: str | None = option(None, flags=("-s", "--schedule"))
+    """Schedule name (default: zb-h1 if registered, else 1f1b); with ``--schedule-file``, the file's path."""
+    file: str | None = option(None, flags=("--schedule-file",), metavar="FILE")
+    """Train a schedule written by hand: torch.distributed.pipelining's CSV (one row of actions such as 0F1 per
+    rank) or pipeweave's text form; validated first; --stages and --microbatches come from it."""
+    num_stages: int | None = option(None, flags=("--stages",), check=at_least(1))
+    """D, pipeline ranks (default 2, or the schedule file's)."""
+    num_microbatches: int | None = option(None, flags=("--microbatches",), check=at_least(1))
+    """T, microbatches per step (default 4, or the schedule file's)."""
+    num_chunks: int | None = option(None, flags=("--chunks",), check=at_least(1))
+    """v, chunks per rank, for schedules that take it."""
+    warmup_steps: int | None = option(None)
+    """pipemare: leading mini-batches run synchronously (default 0)."""
+    vertical_sync: bool | None = option(None)
+    """pipedream: every stage reads the version stage 0 read."""
+    update_every: int | None = option(None)
+    """pipedream, spectrain: microbatches per update (default 1)."""
+    min_update_frequency: int | None = option(None)
+    """ampnet: local gradients per update (default 1)."""
+    max_active_keys: int | None = option(None)
+    """ampnet: microbatches in flight (default D)."""
+    pipelines: int | None = option(None, metavar="P")
+    """avgpipe: replicated pipelines (default 2)."""
+    written: Schedule | None = option(None, internal=True)
+    """The schedule read from ``file`` and validated (``runtime.run.resolve``)."""
+    options: tuple[tuple[str, Any], ...] = option((), internal=True)
+    """Options of the schedule's generator: the generator fields above that are set, and what the run adds (a
+    searched schedule's memory limit and per-part costs), e.g. ``(("warmup_steps", 2),)``."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+
+GENERATOR_OPTIONS = {"warmup_steps": "warmup_steps", "vertical_sync": "vertical_sync", "update_every": "update_every",
+                     "min_update_frequency": "min_update_frequency", "max_active_keys": "max_active_keys",
+                     "pipelines": "num_pipelines"}
+"""``ScheduleConfig`` field -> the generator's keyword it sets."""
+
+
+def _text_file(value: str, flag: str) -> None:
+    if not value:
+        raise UserError(f"{flag} '' is invalid; give a text file")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """What the model trains on, in what batches, and what it is evaluated on."""
+
+    batch_size: int = option(16, flags=("--batch", "--batch-size"), check=at_least(1))
+    """Samples per step, split into T microbatches (the last ones may be smaller)."""
+    path: str | None = option(None, flags=("--data",), metavar="FILE", check=_text_file)
+    """gpt: a text file to train on (default: the Python standard library's sources)."""
+    data_seed: int | None = option(None)
+    """Seed of the data order (default: the model's --seed)."""
+    min_seq_len: int | None = option(None, metavar="N")
+    """Sequences of variable length (gpt, hf:TYPE, your own model of sequences), as a dataset without packing
+    gives them: each microbatch cut to its own length drawn from [N, --seq-len or the dataset's length], sent
+    between ranks as it is, not padded."""
+    eval_every: int | None = option(None, metavar="N", check=at_least(1))
+    """Every N steps and after the last, the mean loss of held-out batches through a forward-only pipeline (gpt:
+    one block in 20 of the corpus, never trained on; a custom model: its eval_dataset); an asynchronous schedule
+    drains its stream there."""
+    eval_batches: int = option(4, metavar="K", check=at_least(1))
+    """Held-out batches per evaluation, the same every time."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+
+def _bucket(value: float, flag: str) -> None:
+    if not 0 < value <= MAX_BUCKET_MB:  # nan too
+        raise UserError(f"{flag} {value} is invalid; give MiB > 0 and at most {MAX_BUCKET_MB:g}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the pipeline composes with tensor and data parallelism on one device mesh (P x D x N processes)."""
+
+    data_parallel: int = option(1, metavar="P", check=at_least(1, "give P >= 1 pipeline replicas (1: none)"))
+    """Pipeline replicas, gradients all-reduced across them; ranks P x D."""
+    tensor_parallel: int = option(1, metavar="N", check=at_least(1, "give N >= 1 processes per stage (1: none)"))
+    """Processes splitting every stage's layers (Megatron's tensor parallelism); processes P x D x N on one
+    device mesh."""
+    sequence_parallel: bool = option(False)
+    """With --tensor-parallel N > 1 (gpt): layer norms and residual adds on 1/N of the sequence,
+    all-gather/reduce-scatter instead of all-reduce (Korthikanti et al. 2022)."""
+    zero: Literal[0, 1, 3] = option(0, metavar="STAGE")
+    """ZeRO stage of data parallelism: 0 (none), 1 (optimizer state sharded over the P replicas) or 3 (parameters
+    too: gathered before each F, B, I and freed after)."""
+    bucket_mb: float = option(25.0, metavar="MIB", check=_bucket)
+    """MiB of gradients per all-reduce across replicas."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+
+def _recompute(value: str | bool, flag: str) -> None:
+    if value != AUTO:
+        parse_recompute(value)
+
+
+def _offload(value: str, flag: str) -> None:
+    from pipeweave.schedule.stash import parse_offload
+
+    if value not in ("all", "none", AUTO):
+        parse_offload(value, 1 << 30)  # numbers; the run's plan checks them against the schedule's parts
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """The memory levers: recomputation, offload, BPipe's balancing, compression of saved activations."""
+
+    recompute: str | bool = option("none", const="full", metavar="none|selective|full|auto", check=_recompute)
+    """Activation recomputation: none, selective (the attention core, Korthikanti et al.) or full, for every part
+    or one per part comma-separated, e.g. full,selective,none,none (bare: full); auto: chosen per part by
+    --partition memory under --memory-limit. True means full, False none."""
+    offload: str | None = option(None, metavar="PARTS", check=_offload)
+    """Offload the saved activations of these parts to host memory after F and reload them before the backward:
+    all, or part numbers comma-separated (on CPU a memory-mapped file on local disk, on CUDA pinned memory)."""
+    balance_activations: bool = option(False)
+    """BPipe: a rank above its pair's mean peak sends a share of its activations to rank D-1-r after F and takes
+    it back before the backward."""
+    compress_activations: Literal["bf16"] | None = option(None)
+    """Stash saved activations in this format between F and the backward (lossy; default off)."""
+    memory_every_step: bool = option(False)
+    """Count activation bytes (saved-tensor hooks) in every step, not only the first.
+
+    Every step holds the same tensors (same microbatch sizes, same schedule), so the first step's peak is every
+    step's; the hooks cost a few % of compute time. Sequences of variable length are counted in every step
+    regardless."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recompute, (bool, str)) and self.recompute != AUTO:  # any other type: named below
+            object.__setattr__(self, "recompute", spelled(parse_recompute(self.recompute)))
+        if self.offload == "none":
+            object.__setattr__(self, "offload", None)
+        check_section(self)
+
+    def recompute_of(self, num_parts: int) -> tuple[str, ...]:
+        """The recomputation mode of each of ``num_parts`` parts.
+
+        Raises:
+            UserError: a per-part list of another length.
+        """
+        return per_part(self.recompute, num_parts)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether any part recomputes."""
+        return self.recompute != AUTO and any(m != "none" for m in parse_recompute(self.recompute))
+
+
+def parse_counts(text: str) -> tuple[int, ...]:
+    """``"3,2,2,1"`` -> ``(3, 2, 2, 1)``.
+
+    Raises:
+        UserError: not a list of integers, or a negative count.
+
+    Example:
+        >>> parse_counts("3,2,2,1")
+        (3, 2, 2, 1)
+    """
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"--layers-per-stage {text!r} is not a list of integers; write e.g. 3,2,2,1") from None
+    negative = [c for c in counts if c < 0]
+    if negative:
+        raise UserError(f"--layers-per-stage {text} has a negative layer count ({negative[0]}); give every part "
+                        "at least one layer, e.g. 3,2,2,1")
+    return counts
+
+
+def _finite_cost(what: str) -> Any:
+    def check(value: float, flag: str) -> None:
+        problem = cost_problem(value, what)
+        if problem is not None:
+            raise UserError(f"{flag} {value} {problem}")
+
+    return check
+
+
+def _not_nan(value: float, flag: str) -> None:
+    if math.isnan(value):
+        raise UserError(f"{flag} nan is invalid; give bytes per rank (--partition memory) or K (zb-auto, zb-v-auto)")
+
+
+def _bandwidth(value: float, flag: str) -> None:
+    if not 0 < value < math.inf:
+        raise UserError(f"{flag} {value} is invalid; give finite bytes per second > 0, e.g. 1e10")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionConfig:
+    """How the model's layers are split over the stages (``pipeweave.partition``)."""
+
+    method: str = option("uniform", flags=("--partition",), metavar="METHOD")
+    """uniform, parameters, type:REGEX, time, pipedream, memory or explicit."""
+    memory_limit: float | None = option(None, metavar="BYTES", check=_not_nan)
+    """memory: bytes one rank may hold; zb-auto, zb-v-auto: K, their activation limit as K x the 1F1B peak."""
+    layers_per_stage: tuple[int, ...] | None = option(None, metavar="N,N,...", parse=parse_counts)
+    """explicit: layer count of each part, e.g. 3,2,2,1 (the gpt's layers are its embedding, its --layers blocks
+    and its head)."""
+    optimizer_state: float = option(1.0, metavar="X", check=_finite_cost("number of bytes per weight byte"))
+    """Bytes of gradient and optimizer state per weight byte (SGD 1, Adam 3)."""
+    bandwidth: float = option(1e10, check=_bandwidth)
+    """pipedream: bytes/s between ranks."""
+    costs: str | None = option(None, metavar="FILE")
+    """Per-layer costs (JSON) instead of profiling the model."""
+    repeats: int = option(5, check=at_least(1))
+    """Timed runs per layer when profiling."""
+    refresh: bool = option(False)
+    """Profile again even if a cached profile exists."""
+    layers_per_part: tuple[int, ...] | None = option(None, internal=True)
+    """Layer count of each part as the method chose it (``runtime.run.resolve``); None: uniform."""
+
+    def __post_init__(self) -> None:
+        check_section(self)

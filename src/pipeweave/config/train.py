@@ -1,0 +1,243 @@
+"""``TrainConfig``: a training run's whole configuration, one section per concern, declared once.
+
+``pipeweave train``'s options are generated from these fields (``config.cli``),
+files hold the same fields as TOML (``config.toml``), and
+``pipeweave.train(config)`` takes it. Each section checks its own fields; what
+follows from several together (defaults that depend on the model or the
+schedule, options that apply to some schedules only) is resolved here, in
+``TrainConfig.__post_init__``. What needs the model itself (the split a
+partitioner chooses, a searched schedule's costs, a schedule file) is resolved
+once per run by ``runtime.run.resolve``.
+
+Example:
+    >>> config = TrainConfig.of(num_stages=4, tensor_parallel=2, steps=5)
+    >>> config.schedule.num_stages, config.parallel.tensor_parallel, config.training.optimizer
+    (4, 2, 'adamw')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeweave.config.model import ModelSpec
+from pipeweave.config.policy import PolicyOptions
+from pipeweave.config.run_sections import CheckpointConfig, LaunchConfig, LoggingConfig, TrainingConfig
+from pipeweave.config.schema import check_section, flag_of, hints, sections
+from pipeweave.config.sections import (GENERATOR_OPTIONS, DataConfig, MemoryConfig, ParallelConfig, PartitionConfig,
+                                       ScheduleConfig)
+from pipeweave.errors import UserError
+from pipeweave.schedule.registry import SCHEDULES
+
+DEFAULT_SCHEDULES = ("zb-h1", "1f1b")  # noqa: schedule-names  (preferences, first registered wins)
+DEFAULT_STAGES, DEFAULT_MICROBATCHES = 2, 4
+POLICY_TAKERS = {"anneal_steps": "pipemare", "decay": "pipemare", "correction": "pipemare",
+                 "averaging_rate": "avgpipe", "averaging_period": "avgpipe"}
+"""``PolicyOptions`` field -> the schedule whose policy reads it."""
+
+
+def default_model() -> ModelSpec:
+    """``pipeweave train``'s model: a gpt small enough to train 30 steps in a few seconds on 2 cores."""
+    return ModelSpec(kind="gpt", layers=4, hidden=128, heads=4, seq_len=64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a rank needs to take part in a run (picklable); its defaults are ``pipeweave train``'s."""
+
+    model: ModelSpec = field(default_factory=default_model)
+    """The model: built in (gpt, mlp), your own (``FILE.py:NAME``) or a Hugging Face one (``hf:TYPE``)."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Which schedule runs, on how many ranks and microbatches."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """What the model trains on, in what batches."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor and data parallelism beside the pipeline."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """The memory levers."""
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    """How the layers are split over the stages."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Steps, optimizer, precision, clipping."""
+    policy: PolicyOptions = field(default_factory=PolicyOptions)
+    """The asynchronous schedules' weight-policy hyperparameters."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints saved and resumed."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """What the run shows and writes."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """How the ranks start and talk."""
+
+    def __post_init__(self) -> None:
+        for name, cls in sections(type(self)):
+            if not isinstance(getattr(self, name), cls):
+                raise UserError(f"{name}={getattr(self, name)!r} is a {type(getattr(self, name)).__name__}; give a "
+                                f"{cls.__name__}")
+        _resolve_schedule(self)
+        _resolve_training(self)
+        if self.data.data_seed is None:
+            _set(self, "data", data_seed=self.model.seed)
+        _check_applies(self)
+
+    def check(self) -> None:
+        """Check every section's fields again (a config is checked on construction; this is for one changed by force).
+
+        Raises:
+            UserError: a value of the wrong type or out of range.
+        """
+        for name, _ in sections(type(self)):
+            check_section(getattr(self, name))
+
+    @classmethod
+    def of(cls, **flat: Any) -> TrainConfig:
+        """A configuration from flat keywords, each a field's name (unique over the sections) or a whole section.
+
+        Raises:
+            UserError: a keyword that is no field.
+
+        Example:
+            >>> TrainConfig.of(schedule="1f1b", num_stages=4).schedule.num_stages
+            4
+        """
+        whole = {key: value for key, value in flat.items() if key in hints(cls) and key not in field_owners(cls)
+                 and not (key == "schedule" and isinstance(value, str))}
+        rest = {key: value for key, value in flat.items() if key not in whole}
+        return cls(**whole).replace(**rest) if rest else cls(**whole)
+
+    def get(self, name: str) -> Any:
+        """The value of a section's field by its name alone: ``config.get("tensor_parallel")``."""
+        return getattr(getattr(self, field_owners(type(self))[name]), name)
+
+    def replace(self, **flat: Any) -> TrainConfig:
+        """A copy with fields changed, named as in ``of`` (a field's name or a whole section).
+
+        Example:
+            >>> TrainConfig.of(steps=5).replace(steps=7, data_parallel=2).training.steps
+            7
+        """
+        by_section: dict[str, dict[str, Any]] = {}
+        whole: dict[str, Any] = {}
+        owner = field_owners(type(self))
+        for key, value in flat.items():
+            if key in owner:
+                by_section.setdefault(owner[key], {})[key] = value
+            elif key == "schedule" and isinstance(value, str):
+                by_section.setdefault("schedule", {})["name"] = value
+            elif key in hints(type(self)):
+                whole[key] = value
+            else:
+                raise UserError(f"{key!r} is no field of TrainConfig; see pipeweave train --help")
+        built = {name: dataclasses.replace(whole.get(name, getattr(self, name)), **values)
+                 for name, values in by_section.items()}
+        return dataclasses.replace(self, **{**whole, **built})
+
+    @property
+    def is_stream(self) -> bool:
+        """An asynchronous schedule: one stream of ``steps`` mini-batches (``runtime.stream``)."""
+        if self.schedule.written is not None:
+            return False
+        info = SCHEDULES.get(self.schedule.name or "")
+        return info is not None and not info.synchronous
+
+    @property
+    def clips_by_collective(self) -> bool:
+        """``--clip-grad-norm`` with tensor or data parallelism: one all-reduce of the norm at ``U``
+        (``runtime.clip``) instead of post-validation, which passes whole stages' norms down one pipeline."""
+        return self.training.post_validation is not None and (
+            self.parallel.tensor_parallel > 1 or self.parallel.data_parallel > 1)
+
+    @property
+    def variable_shapes(self) -> bool:
+        """Whether the per-sample shapes of the messages change from microbatch to microbatch."""
+        return self.data.min_seq_len is not None
+
+
+def field_owners(cls: type = TrainConfig) -> dict[str, str]:
+    """Each section field's name -> its section's name (names are unique over the sections)."""
+    owner: dict[str, str] = {}
+    for name, section in sections(cls):
+        for f in dataclasses.fields(section):
+            owner[f.name] = name
+    return owner
+
+
+def _default(cls: type, name: str) -> Any:
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory()  # type: ignore[misc]
+
+
+def _set(config: TrainConfig, section: str, **values: Any) -> None:
+    """Fill resolved values into a section of a config under construction."""
+    object.__setattr__(config, section, dataclasses.replace(getattr(config, section), **values))
+
+
+def _resolve_schedule(config: TrainConfig) -> None:
+    """The schedule's name, sizes and generator options, from the fields given and the schedule file."""
+    s = config.schedule
+    if s.file is not None and s.name is not None and s.name != s.file:
+        raise UserError(f"-s {s.name} and --schedule-file {s.file} both name the schedule; give one of them")
+    name = s.file if s.file is not None else s.name or next(n for n in DEFAULT_SCHEDULES if n in SCHEDULES)
+    written = s.written
+    stages = s.num_stages if s.num_stages is not None else written.num_ranks if written else DEFAULT_STAGES
+    micro = s.num_microbatches if s.num_microbatches is not None else \
+        written.num_microbatches if written else DEFAULT_MICROBATCHES
+    options = dict(s.options)
+    for key, keyword in GENERATOR_OPTIONS.items():
+        value = getattr(s, key)
+        if value is not None:
+            options[keyword] = value
+    _set(config, "schedule", name=name, num_stages=stages, num_microbatches=micro, options=tuple(options.items()))
+    if written is not None:
+        _check_schedule_file(config, written)
+
+
+def _resolve_training(config: TrainConfig) -> None:
+    """The optimizer, learning rate and momentum left to their defaults, which depend on the model and schedule."""
+    t = config.training
+    optimizer = t.optimizer or ("sgd" if config.model.kind == "mlp" else "adamw")
+    lr = t.lr if t.lr is not None else (3e-3 if optimizer == "adamw" else 0.1)
+    info = SCHEDULES.get(config.schedule.name or "")
+    momentum = t.momentum if t.momentum is not None else _default_momentum(info)
+    _set(config, "training", optimizer=optimizer, lr=lr, momentum=momentum)
+
+
+def _default_momentum(info: Any) -> float:
+    """The schedule's own momentum default (weight prediction predicts along the velocity), else 0."""
+    defaults = dict(getattr(info, "defaults", ()) or ())
+    return float(defaults.get("momentum", 0.0))
+
+
+def _check_applies(config: TrainConfig) -> None:
+    """Generator and policy options given to a schedule that does not take them: one line each."""
+    name = config.schedule.name
+    info = SCHEDULES.get(name or "")
+    if info is None:
+        return
+    for key, keyword in GENERATOR_OPTIONS.items():
+        if getattr(config.schedule, key) is not None and keyword not in inspect.signature(info.generator).parameters:
+            takers = [n for n, i in SCHEDULES.items() if keyword in inspect.signature(i.generator).parameters]
+            flag = flag_of(next(f for f in dataclasses.fields(ScheduleConfig) if f.name == key))
+            raise UserError(f"{flag} applies to {', '.join(takers)}, not {name}; drop it")
+    default = PolicyOptions()
+    for f in dataclasses.fields(PolicyOptions):
+        taker = POLICY_TAKERS[f.name]
+        if getattr(config.policy, f.name) != getattr(default, f.name) and name != taker:
+            raise UserError(f"{flag_of(f)} applies to {taker}, not {name}; drop it")
+
+
+def _check_schedule_file(config: TrainConfig, schedule: Any) -> None:
+    """A schedule from a file is synchronous, and the run's sizes are its own (one line otherwise)."""
+    s = config.schedule
+    if not schedule.is_synchronous:
+        raise UserError(f"--schedule-file {s.name}: train takes synchronous schedules from a file, this one "
+                        f"has policy {schedule.policy.value}; use -s NAME for an asynchronous schedule")
+    for flag, given, own in (("--stages", s.num_stages, schedule.num_ranks),
+                             ("--microbatches", s.num_microbatches, schedule.num_microbatches)):
+        if given != own:
+            raise UserError(f"{flag} {given} conflicts with --schedule-file {s.name}, which has {own}; "
+                            f"drop {flag} (the file sets it)")
+    if s.num_chunks is not None and s.num_chunks != schedule.num_chunks:
+        raise UserError(f"--chunks {s.num_chunks} conflicts with --schedule-file {s.name}, which has "
+                        f"{schedule.num_chunks} per rank; drop --chunks (the file sets it)")
