@@ -14,9 +14,10 @@ from unittest.mock import patch
 import pytest
 
 from pipeweave.models.spec import ModelSpec
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.sizes import action_estimate, part_count
 from pipeweave.schedule import SCHEDULES, generate
+from config_defaults import train_config
 
 T = ["train", "--model", "mlp", "--layers", "4", "--hidden", "32", "--batch", "16", "--steps", "1", "--quiet"]
 NOTHING_BUILT = ("pipeweave.runtime.run.plan.generate", "pipeweave.runtime.run.launch._spawn",
@@ -76,7 +77,7 @@ def test_parts_and_actions_are_known_before_generating(name: str) -> None:
     chunk_choices = [None] if info.chunks is not None else [None, 3]
     for d, t in ((2, 4), (4, 8), (4, 12)):
         for v in chunk_choices:
-            config = TrainConfig(schedule=name, num_stages=d, num_microbatches=t, num_chunks=v, steps=4,
+            config = train_config(schedule=name, num_stages=d, num_microbatches=t, num_chunks=v, steps=4,
                                  batch_size=64, model=ModelSpec(kind="mlp", layers=64))
             options = {"num_steps": 4} if not info.synchronous else {}
             if name == "avgpipe":

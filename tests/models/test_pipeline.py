@@ -20,9 +20,10 @@ from pipeweave.models.boundary import call
 from pipeweave.models.hf import save_pretrained
 from pipeweave.models.layers import Linear, TransposedLinear
 from pipeweave.runtime.reference import run_reference
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule import generate
+from config_defaults import train_config
 
 MODELS = Path(__file__).resolve().parent
 sys.path.insert(0, str(MODELS))
@@ -71,7 +72,7 @@ def test_zb_h1_on_a_transformers_gpt2_equals_its_unsplit_training_and_saves_for_
     from unsplit import train_unsplit
 
     spec = ModelSpec(kind="custom", entry="hf:gpt2", hf_config=GPT2, seq_len=16)
-    config = TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4, model=spec, batch_size=8, steps=2)
+    config = train_config(schedule="zb-h1", num_stages=2, num_microbatches=4, model=spec, batch_size=8, steps=2)
     run = run_reference(generate("zb-h1", num_stages=2, num_microbatches=4), spec, steps=2, batch_size=8)
     losses, params = train_unsplit(config)
     torch.testing.assert_close(run.losses, losses, rtol=1e-5, atol=1e-6)
@@ -238,10 +239,10 @@ def test_a_split_module_s_dataset_is_cut_to_lengths_of_its_own_and_bad_lengths_a
     lengths = [x.shape[1] for step in range(3) for x in step_microbatches(source, step, 4)[0]]
     assert len(set(lengths)) > 2 and all(3 <= n <= tiny_modules.SEQ for n in lengths)
     with pytest.raises(UserError, match=r"^--min-seq-len 9 is invalid; give a length in \[1, 8\] \(the dataset's"):
-        TrainConfig(model=looped, min_seq_len=9)
+        train_config(model=looped, min_seq_len=9)
     sequential = ModelSpec(kind="custom", entry=f"{MODELS / 'tiny_modules.py'}:sequential")
     with pytest.raises(UserError, match=r"the model's samples are \[\(8,\), \(4,\)\]: give inputs and targets that"):
-        TrainConfig(model=sequential, min_seq_len=2)
+        train_config(model=sequential, min_seq_len=2)
 
 
 def test_split_points_d_in_a_module_file_is_one_line_naming_partition_time(tmp_path: Path) -> None:

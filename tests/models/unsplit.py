@@ -13,7 +13,7 @@ from pipeweave.data import data_source, step_microbatches
 from pipeweave.models import ModelSpec
 from pipeweave.models.boundary import num_samples
 from pipeweave.models.hf import build_module
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 
 FILE = Path(__file__).resolve().parent / "tiny_modules.py"
 

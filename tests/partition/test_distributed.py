@@ -6,18 +6,19 @@ import pytest
 import torch
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.lazy import run_rank_recording_builds
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.run.plan import prepare
+from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
 
 def test_dp_x_pp_with_a_partition_equals_plain_training_and_builds_only_own_layers() -> None:
     spec = ModelSpec(kind="mlp", layers=5, hidden=16)
-    config = TrainConfig(
+    config = train_config(
         schedule="1f1b", num_stages=2, num_microbatches=2, model=spec, batch_size=9, steps=3,
         layers_per_part=(3, 2), data_parallel=2, collect_parameters=True,
     )

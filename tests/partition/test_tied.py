@@ -9,7 +9,7 @@ from torch import nn
 from pipeweave.data import ByteCorpus, split_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec, build_layers, loss_fn
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.reference import run_reference
@@ -17,6 +17,7 @@ from pipeweave.runtime.walk import build_workers, run_step
 from pipeweave.runtime.stage.tied import TiedGradients
 from pipeweave.schedule import SCHEDULES, generate
 from pipeweave.runtime.run.plan import prepare
+from config_defaults import train_config
 
 TEXT = b"a tied embedding and head share one matrix; " * 30
 SPEC = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8, tie_embeddings=True)
@@ -91,7 +92,7 @@ def test_reference_run_equals_one_shared_parameter_and_stays_bit_identical(name:
 def test_distributed_tied_weights_stay_bit_identical(tmp_path) -> None:  # type: ignore[no-untyped-def]
     data = tmp_path / "text.txt"
     data.write_bytes(TEXT)
-    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=3, model=SPEC, batch_size=6, steps=3,
+    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=3, model=SPEC, batch_size=6, steps=3,
                          lr=0.1, data=str(data), collect_parameters=True, layers_per_part=(1, 3))
     record = launch(run_rank, prepare(config), 2, LaunchOptions(timeout_s=60))
     rank0, rank1 = (r.parameters for r in record.ranks)

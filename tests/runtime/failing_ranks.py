@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.plan import prepare
 from pipeweave.runtime.process import progress

@@ -94,7 +94,7 @@ def named() -> pipeweave.models.LayerModel:
 
 if __name__ == "__main__":  # a user's torchrun script: the group first, so rank 0 alone profiles; then the run
     from pipeweave.models import ModelSpec
-    from pipeweave.runtime.run.config import TrainConfig
+    from pipeweave.config import TrainConfig
     from pipeweave.runtime.run.job import run_rank
     from pipeweave.runtime.run.launch import launch
     from pipeweave.runtime.run.plan import prepare

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.launch import LaunchOptions, launch
@@ -45,6 +45,7 @@ from pipeweave.sim.cost import CostModel
 from pipeweave.sim.versions import read_versions, weight_copies
 from pipeweave.runtime.run.plan import build_schedule, learning_rates, optimizer_factory, prepare
 from pipeweave.weights.prediction import update_direction
+from config_defaults import train_config
 
 RANKS = (2, 3)
 STEPS = 4  # mini-batches: warm-up, two steady, drain
@@ -70,10 +71,10 @@ def _config(case: str, ranks: int) -> TrainConfig:
     fields: dict[str, object] = dict(
         schedule=name, num_stages=ranks, num_microbatches=T, model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8),
         batch_size=2 * T - 1, steps=STEPS, lr=0.05, momentum=0.9, collect_parameters=True,
-        schedule_options=tuple(options.items()),
+        options=tuple(options.items()),
     )
     fields.update(overrides)
-    return TrainConfig(**fields)  # type: ignore[arg-type]
+    return train_config(**fields)  # type: ignore[arg-type]
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:

@@ -21,13 +21,14 @@ import torch
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.run import checkpoint, checkpoint_files, checkpoint_state
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.stage.post_validation import PostValidation
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.run.plan import prepare
+from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -58,32 +59,32 @@ def _straight_and_resumed(tmp_path: Path, first: TrainConfig, second: TrainConfi
 CASES = {
     # (first run, second run): the second changes schedule, stage count or partition
     "sgd-momentum cosine 1f1b D=2 -> zb-h1 D=3": (
-        TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=7, momentum=0.9,
+        train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=7, momentum=0.9,
                     lr_schedule="cosine", lr_warmup=1, lr_decay_steps=STEPS),
-        TrainConfig(schedule="zb-h1", num_stages=3, num_microbatches=4, model=MLP, batch_size=7, momentum=0.9,
+        train_config(schedule="zb-h1", num_stages=3, num_microbatches=4, model=MLP, batch_size=7, momentum=0.9,
                     lr_schedule="cosine", lr_warmup=1, lr_decay_steps=STEPS),
     ),
     "adamw interleaved -> 1f1b uneven parts": (
-        TrainConfig(schedule="interleaved-1f1b", num_stages=2, num_chunks=2, num_microbatches=4, model=MLP,
+        train_config(schedule="interleaved-1f1b", num_stages=2, num_chunks=2, num_microbatches=4, model=MLP,
                     batch_size=8, optimizer="adamw", lr=1e-2),
-        TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, optimizer="adamw",
+        train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, optimizer="adamw",
                     lr=1e-2, layers_per_part=(2, 4)),
     ),
     "replicated chimera -> gpipe": (
-        TrainConfig(schedule="chimera", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.5),
-        TrainConfig(schedule="gpipe", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.5),
+        train_config(schedule="chimera", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.5),
+        train_config(schedule="gpipe", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.5),
     ),
     # the gpt's batches change with the step (the mlp's do not): the data must go on where it stopped
     "gpt tied 1f1b -> gpipe": (
-        TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=GPT, batch_size=4, optimizer="adamw",
+        train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=GPT, batch_size=4, optimizer="adamw",
                     lr=1e-2),
-        TrainConfig(schedule="gpipe", num_stages=2, num_microbatches=2, model=GPT, batch_size=4, optimizer="adamw",
+        train_config(schedule="gpipe", num_stages=2, num_microbatches=2, model=GPT, batch_size=4, optimizer="adamw",
                     lr=1e-2),
     ),
     "post-validated adamw -> torch adamw": (
-        TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, optimizer="adamw",
+        train_config(schedule="zb-h1", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, optimizer="adamw",
                     lr=1e-2, post_validation=PostValidation(max_norm=1e9)),
-        TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, optimizer="adamw",
+        train_config(schedule="zb-h1", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, optimizer="adamw",
                     lr=1e-2),
     ),
 }
@@ -103,7 +104,7 @@ def test_resumed_training_equals_straight_training(tmp_path: Path, case: str) ->
 def test_resuming_from_a_checkpoint_is_not_training_from_scratch(
         tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, torch.Tensor]]) -> None:
     """The check above could pass by chance only if resuming did nothing; it must not equal a fresh start."""
-    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.9)
+    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.9)
     fresh = _train(dataclasses.replace(config, steps=STEPS - FIRST))
     _train(dataclasses.replace(config, steps=FIRST, save=str(tmp_path / "ckpt")))
     resumed = _train(dataclasses.replace(config, steps=STEPS - FIRST, resume=str(tmp_path / "ckpt")))
@@ -122,7 +123,7 @@ def test_resuming_from_a_checkpoint_is_not_training_from_scratch(
 
 
 def test_a_bad_resume_is_one_line_before_spawning(tmp_path: Path) -> None:
-    base = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=MLP, batch_size=4, steps=1)
+    base = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=MLP, batch_size=4, steps=1)
     with pytest.raises(UserError, match="no checkpoint there"):
         prepare(dataclasses.replace(base, resume=str(tmp_path / "nothing")))
     _train(dataclasses.replace(base, save=str(tmp_path / "ckpt")))
@@ -144,7 +145,7 @@ def test_a_bad_resume_is_one_line_before_spawning(tmp_path: Path) -> None:
 def test_a_new_checkpoint_replaces_the_old_one_only_once_whole(tmp_path: Path) -> None:
     """A save that died half-way (its staging folder) is no checkpoint: resuming passes it over, the next save
     clears it; the newest --keep-checkpoints of the run are kept, the older ones go, the user's files stay."""
-    config = TrainConfig(schedule="1f1b", num_stages=3, num_microbatches=3, model=MLP, batch_size=6, steps=1,
+    config = train_config(schedule="1f1b", num_stages=3, num_microbatches=3, model=MLP, batch_size=6, steps=1,
                          save=str(tmp_path / "ckpt"))
     _train(config)
     died = tmp_path / "ckpt" / ".tmp-step-000007"
@@ -174,7 +175,7 @@ def _counting_saves(rank: int, world: int, config: TrainConfig) -> tuple[RunReco
 
 
 def test_save_every_writes_the_checkpoint_during_the_run(tmp_path: Path) -> None:
-    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=MLP, batch_size=4, steps=5,
+    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=MLP, batch_size=4, steps=5,
                          save=str(tmp_path / "ckpt"), save_every=2)
     prepare(config)
     _, saved = launch(_counting_saves, config, 2, LaunchOptions(timeout_s=60))
@@ -187,7 +188,7 @@ def test_save_every_writes_the_checkpoint_during_the_run(tmp_path: Path) -> None
 
 def test_resuming_into_the_checkpoint_folder_itself(tmp_path: Path) -> None:
     """The run reads the checkpoint it resumes before it writes over it: its first step stays the checkpoint's."""
-    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.9,
+    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.9,
                          lr_schedule="cosine", lr_warmup=1)
     straight = _train(dataclasses.replace(config, steps=STEPS))
     folder = str(tmp_path / "ckpt")
@@ -204,14 +205,14 @@ def test_a_data_parallel_checkpoint_resumes_on_other_grids_and_holds_one_copy(tm
     replicas saved the same keys on two ranks each: DCP wrote each once, so the P=2 checkpoint is the size of
     the P=1 one (without the deduplication it would be twice that)."""
     mlp = ModelSpec(kind="mlp", layers=8, hidden=32)
-    base = TrainConfig(schedule="1f1b", num_stages=2, data_parallel=2, num_microbatches=2, model=mlp, batch_size=8,
+    base = train_config(schedule="1f1b", num_stages=2, data_parallel=2, num_microbatches=2, model=mlp, batch_size=8,
                        optimizer="adamw", lr=1e-2, keep_checkpoints=3)
     ck, again = tmp_path / "p2", tmp_path / "p1"
     straight = _train(dataclasses.replace(base, steps=STEPS, save=str(ck), save_every=FIRST, collect_parameters=True))
-    others = [dataclasses.replace(base, schedule="zb-h1", num_stages=4, data_parallel=1, num_microbatches=4),
-              dataclasses.replace(base, schedule="interleaved-1f1b", num_chunks=2, data_parallel=1, num_microbatches=4,
+    others = [base.replace(schedule="zb-h1", num_stages=4, data_parallel=1, num_microbatches=4),
+              base.replace(schedule="interleaved-1f1b", num_chunks=2, data_parallel=1, num_microbatches=4,
                                   save=str(again)),
-              dataclasses.replace(base, schedule="gpipe")]  # into replicas again: each reads the same keys
+              base.replace(schedule="gpipe")]  # into replicas again: each reads the same keys
     for other in others:
         resumed = _train(dataclasses.replace(other, steps=STEPS - FIRST, resume=str(ck / "step-000002"),
                                              collect_parameters=True))
@@ -249,14 +250,14 @@ def test_a_checkpoint_resumes_across_tensor_parallel_degrees_and_zero(tmp_path: 
     (interleaved); a checkpoint saved with N=2 resumes at N=1 too. Each goes on as the uninterrupted run did
     (rtol 1e-5, atol 1e-6). Shards are saved whole (gathered from their group, written once)."""
     gpt = ModelSpec(kind="gpt", layers=2, hidden=16, heads=4, seq_len=8)
-    base = TrainConfig(schedule="1f1b", num_stages=2, data_parallel=2, num_microbatches=2, model=gpt, batch_size=8,
+    base = train_config(schedule="1f1b", num_stages=2, data_parallel=2, num_microbatches=2, model=gpt, batch_size=8,
                        optimizer="sgd", momentum=0.9, lr=0.05, zero=1, keep_checkpoints=3)
     ck, tp = tmp_path / "p2-zero1", tmp_path / "n2"
     straight = _train(dataclasses.replace(base, steps=STEPS, save=str(ck), save_every=FIRST, collect_parameters=True))
     first = str(ck / f"step-{FIRST:06d}")
-    others = [dataclasses.replace(base, schedule="zb-h1", data_parallel=1, zero=0, tensor_parallel=2,
+    others = [base.replace(schedule="zb-h1", data_parallel=1, zero=0, tensor_parallel=2,
                                   num_microbatches=4, save=str(tp), save_every=1),
-              dataclasses.replace(base, schedule="interleaved-1f1b", num_stages=2, num_chunks=2, data_parallel=1,
+              base.replace(schedule="interleaved-1f1b", num_stages=2, num_chunks=2, data_parallel=1,
                                   zero=0, num_microbatches=4)]
     for other in others:
         resumed = _train(dataclasses.replace(other, steps=STEPS - FIRST, resume=first, collect_parameters=True))
@@ -279,7 +280,7 @@ def test_a_sequence_parallel_checkpoint_resumes_without_it(tmp_path: Path) -> No
     """Saved with --sequence-parallel at N=2 (the layer norms' momenta from their gradients summed over tp, the
     same on both processes, written once), resumed at N=1 on 1f1b: the straight run's losses and parameters."""
     gpt = dataclasses.replace(GPT, tie_embeddings=False)
-    first = TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=2, model=gpt, batch_size=4, momentum=0.9,
+    first = train_config(schedule="zb-h1", num_stages=2, num_microbatches=2, model=gpt, batch_size=4, momentum=0.9,
                         tensor_parallel=2, sequence_parallel=True)
     straight, resumed = _straight_and_resumed(tmp_path, first, dataclasses.replace(
         first, schedule="1f1b", tensor_parallel=1, sequence_parallel=False))
@@ -290,7 +291,7 @@ def test_a_sequence_parallel_checkpoint_resumes_without_it(tmp_path: Path) -> No
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-ZERO3 = TrainConfig(schedule="zb-h1", num_stages=2, data_parallel=2, num_microbatches=2, model=MLP, batch_size=8,
+ZERO3 = train_config(schedule="zb-h1", num_stages=2, data_parallel=2, num_microbatches=2, model=MLP, batch_size=8,
                     optimizer="adamw", lr=1e-2, zero=3, bucket_mb=0.0005, keep_checkpoints=3)
 """Parameters and AdamW's moments in slices of several buckets per part."""
 
@@ -316,7 +317,7 @@ def test_a_zero3_checkpoint_resumes_at_another_zero_stage(tmp_path: Path, resume
 def test_pipedream_with_data_parallel_replicas_saves_and_resumes(tmp_path: Path) -> None:
     """PipeDream's hybrid (P = 2 replicas around the stream): a run drained and saved after step 2 and one
     resumed from that checkpoint give the uninterrupted (drained) run's losses; the replicas' equal keys once."""
-    base = TrainConfig(schedule="pipedream", num_stages=2, data_parallel=2, num_microbatches=4, model=MLP,
+    base = train_config(schedule="pipedream", num_stages=2, data_parallel=2, num_microbatches=4, model=MLP,
                        batch_size=16, optimizer="sgd", momentum=0.9)
     straight = _train(dataclasses.replace(base, steps=4, save=str(tmp_path / "a"), save_every=2))
     _train(dataclasses.replace(base, steps=2, save=str(tmp_path / "b")))

@@ -31,12 +31,13 @@ from pipeweave.durable import replacing
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.run import checkpoint_files
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.plan import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.save_lock import LOCK, owner_of
+from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -176,7 +177,7 @@ def _failing_once(rank: int, world: int, config: TrainConfig) -> RunRecord | Non
 
 
 def test_a_save_one_rank_cannot_write_is_abandoned_by_all_and_the_run_goes_on(tmp_path: Path) -> None:
-    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=ModelSpec(kind="mlp", layers=4,
+    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=ModelSpec(kind="mlp", layers=4,
                          hidden=8), batch_size=8, steps=3, save=str(tmp_path / "ck"), save_every=1)
     prepare(config)
     record = launch(_failing_once, config, 2, LaunchOptions(timeout_s=60))
@@ -198,7 +199,7 @@ def test_an_output_is_replaced_whole_or_not_at_all(tmp_path: Path) -> None:
 PART_FILES = Path(__file__).parent / "fixtures" / "checkpoint-v2"
 """A checkpoint of the part-file format (pipeweave-checkpoint/2), written by pipeweave before DCP (commit 70cc231):
 the mlp below, trained 2 steps with SGD momentum 0.9 on 1f1b at D=2, one ``part-NNN.pt`` per part."""
-PART_FILES_RUN = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=ModelSpec(kind="mlp", layers=4,
+PART_FILES_RUN = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=ModelSpec(kind="mlp", layers=4,
                              hidden=8), batch_size=8, steps=2, momentum=0.9)
 
 

@@ -32,7 +32,7 @@ from pipeweave.errors import UserError
 from pipeweave.models import LayerModel, ModelSpec, build_layers
 from pipeweave.models.custom import deferrable, entry_of, load_model
 from pipeweave.models.layers import Linear
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.launch import LaunchOptions, launch
@@ -40,6 +40,7 @@ from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.run.plan import optimizer_factory, prepare
+from config_defaults import train_config
 
 FILE = Path(__file__).resolve().parent.parent / "models" / "tiny_custom.py"
 SPEC = ModelSpec(kind="custom", entry=f"{FILE}:model")
@@ -47,28 +48,28 @@ STEPS = 3
 BASE = dict(num_stages=2, num_microbatches=4, model=SPEC, batch_size=14, steps=STEPS, collect_parameters=True)
 
 CASES = {
-    "1f1b": TrainConfig(schedule="1f1b", **BASE),  # type: ignore[arg-type]
-    "zb-h1": TrainConfig(schedule="zb-h1", **BASE),  # type: ignore[arg-type]
-    "zb-h1+recompute": TrainConfig(schedule="zb-h1", recompute=True, **BASE),  # type: ignore[arg-type]
-    "interleaved-1f1b": TrainConfig(schedule="interleaved-1f1b", num_chunks=2, **BASE),  # type: ignore[arg-type]
-    "zb-v": TrainConfig(schedule="zb-v", **{**BASE, "num_microbatches": 4}),  # type: ignore[arg-type]
-    "chimera": TrainConfig(schedule="chimera", **BASE),  # type: ignore[arg-type]
-    "1f1b adamw eval": TrainConfig(schedule="1f1b", optimizer="adamw", lr=1e-2, eval_every=2, eval_batches=2,
+    "1f1b": train_config(schedule="1f1b", **BASE),  # type: ignore[arg-type]
+    "zb-h1": train_config(schedule="zb-h1", **BASE),  # type: ignore[arg-type]
+    "zb-h1+recompute": train_config(schedule="zb-h1", recompute=True, **BASE),  # type: ignore[arg-type]
+    "interleaved-1f1b": train_config(schedule="interleaved-1f1b", num_chunks=2, **BASE),  # type: ignore[arg-type]
+    "zb-v": train_config(schedule="zb-v", **{**BASE, "num_microbatches": 4}),  # type: ignore[arg-type]
+    "chimera": train_config(schedule="chimera", **BASE),  # type: ignore[arg-type]
+    "1f1b adamw eval": train_config(schedule="1f1b", optimizer="adamw", lr=1e-2, eval_every=2, eval_batches=2,
                                    **BASE),  # type: ignore[arg-type]
-    "pipedream": TrainConfig(schedule="pipedream", **{**BASE, "steps": 6}),  # type: ignore[arg-type]
+    "pipedream": train_config(schedule="pipedream", **{**BASE, "steps": 6}),  # type: ignore[arg-type]
 }
 
 
 def _variants(label: str, base: dict[str, Any], *, stream: bool = False) -> dict[str, TrainConfig]:
     """Split backward with recomputation, chunks and replicated parts (and a stream) on another model."""
     cases = {
-        f"{label} 1f1b": TrainConfig(schedule="1f1b", **base),
-        f"{label} zb-h1+recompute": TrainConfig(schedule="zb-h1", recompute=True, **base),
-        f"{label} interleaved-1f1b": TrainConfig(schedule="interleaved-1f1b", num_chunks=2, **base),
-        f"{label} chimera": TrainConfig(schedule="chimera", **base),
+        f"{label} 1f1b": train_config(schedule="1f1b", **base),
+        f"{label} zb-h1+recompute": train_config(schedule="zb-h1", recompute=True, **base),
+        f"{label} interleaved-1f1b": train_config(schedule="interleaved-1f1b", num_chunks=2, **base),
+        f"{label} chimera": train_config(schedule="chimera", **base),
     }
     if stream:
-        cases[f"{label} pipedream"] = TrainConfig(schedule="pipedream", **{**base, "steps": 6})
+        cases[f"{label} pipedream"] = train_config(schedule="pipedream", **{**base, "steps": 6})
     return cases
 
 
@@ -144,10 +145,10 @@ def test_held_out_loss_is_the_final_weights_loss_in_eval_mode(runs: dict[str, tu
 @pytest.mark.timeout(240)
 def test_a_checkpoint_resumes_on_another_schedule(tmp_path: Path) -> None:
     # The model with dropout: the resumed run draws the masks of steps 2.. (the key counts steps).
-    first = TrainConfig(schedule="1f1b", **{**NOISY_BASE, "steps": 2, "collect_parameters": False},  # type: ignore[arg-type]
+    first = train_config(schedule="1f1b", **{**NOISY_BASE, "steps": 2, "collect_parameters": False},  # type: ignore[arg-type]
                         optimizer="adamw", lr=1e-2, save=str(tmp_path / "ckpt"))
     launch(run_rank, prepare(first), 2, LaunchOptions(timeout_s=60))
-    second = TrainConfig(schedule="zb-h1", **{**NOISY_BASE, "steps": 3}, optimizer="adamw",  # type: ignore[arg-type]
+    second = train_config(schedule="zb-h1", **{**NOISY_BASE, "steps": 3}, optimizer="adamw",  # type: ignore[arg-type]
                          lr=1e-2, resume=str(tmp_path / "ckpt"))
     prepare(second)
     resumed = launch(run_rank, prepare(second), 2, LaunchOptions(timeout_s=60))
@@ -268,7 +269,7 @@ def test_size_options_and_bad_contracts_are_refused() -> None:
         LayerModel(layers=[lambda: nn.Linear(2, 2)], loss=nn.functional.mse_loss, dataset=iter([]))
     with pytest.raises(UserError, match="needs its entry"):
         ModelSpec(kind="custom")
-    mlp_eval = TrainConfig(model=ModelSpec(kind="mlp", layers=2, hidden=4), eval_every=1)
+    mlp_eval = train_config(model=ModelSpec(kind="mlp", layers=2, hidden=4), eval_every=1)
     with pytest.raises(UserError, match="--eval-every applies to --model gpt or a custom model"):
         prepare(mlp_eval)
 
@@ -288,7 +289,7 @@ def test_train_cli_trains_a_model_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["pipeweave.models.custom", "pipeweave.models.randomness", "pipeweave.data.dataset",
                                   "pipeweave.runtime.transport.message", "pipeweave.models.precision",
-                                  "pipeweave.runtime.stream", "pipeweave.runtime.run.config",
+                                  "pipeweave.runtime.stream", "pipeweave.config.train",
                                   "pipeweave.runtime.run.plan"])
 def test_examples(name: str) -> None:
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
@@ -319,7 +320,7 @@ def test_a_checkpoint_keeps_the_buffers(tmp_path: Path, checkpoint_tensors: Call
     from pipeweave.runtime.run import checkpoint, checkpoint_files
 
     spec = ModelSpec(kind="custom", entry=f"{FILE}:with_buffer")
-    first = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=spec, batch_size=8, steps=2,
+    first = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=spec, batch_size=8, steps=2,
                         save=str(tmp_path / "ckpt"))
     launch(run_rank, prepare(first), 2, LaunchOptions(timeout_s=60))
     found = checkpoint_files.find(str(tmp_path / "ckpt"))
@@ -393,7 +394,7 @@ def test_data_parallel_replicas_draw_the_masks_of_plain_training() -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_tuples_cross_three_ranks_over_shared_memory() -> None:
-    config = TrainConfig(schedule="zb-h1", **{**TUPLES_BASE, "num_stages": 3, "num_microbatches": 5})  # type: ignore[arg-type]
+    config = train_config(schedule="zb-h1", **{**TUPLES_BASE, "num_stages": 3, "num_microbatches": 5})  # type: ignore[arg-type]
     prepare(config)
     record = launch(run_rank, prepare(config), 3, LaunchOptions(transport="shm", timeout_s=60))
     assert record.transport == "shm"
@@ -442,7 +443,7 @@ def test_a_stage_of_activations_only_runs_its_actions_and_updates_nothing() -> N
     # (5 stages over tied_sequential's 5 children), and torch's optimizers refuse an empty parameter list.
     spec = ModelSpec(kind="custom", entry=f"{FILE.parent / 'tiny_modules.py'}:tied_sequential")
     worker = StageWorker(spec, range(1, 2), batch_size=4, optimizer_factory=optimizer_factory(
-        TrainConfig(schedule="1f1b", num_stages=5, num_microbatches=1, model=spec, batch_size=4, optimizer="adamw")))
+        train_config(schedule="1f1b", num_stages=5, num_microbatches=1, model=spec, batch_size=4, optimizer="adamw")))
     assert not list(worker.module.parameters())
     x = torch.randn(4, 8, requires_grad=True)
     out = worker.forward(0, x)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.launch import LaunchOptions, launch
@@ -27,6 +27,7 @@ from pipeweave.runtime.reference import run_reference
 from pipeweave.schedule import SCHEDULES, ScheduleError
 from pipeweave.runtime.run.plan import build_schedule, optimizer_factory, prepare
 from pipeweave.runtime.run.sizes import microbatch_sizes
+from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -48,7 +49,7 @@ def _config(name: str, ranks: int, recompute: bool, **overrides: object) -> Trai
             num_chunks=2 if info.chunks is None else None,
         )
         fields.update(overrides)
-        config = TrainConfig(**fields)  # type: ignore[arg-type]
+        config = train_config(**fields)  # type: ignore[arg-type]
         try:
             schedule = prepare(config).schedule
         except ScheduleError:
@@ -69,14 +70,14 @@ def _cases(ranks: int) -> dict[str, TrainConfig]:
                 cases[f"{name}{'+recompute' if recompute else ''}"] = config
     if ranks == 2:  # a transformer (3-d activations, int64 tokens in), and AdamW, once each
         gpt = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8)
-        cases["gpt-1f1b"] = TrainConfig(
+        cases["gpt-1f1b"] = train_config(
             schedule="1f1b", num_stages=2, num_microbatches=3, model=gpt, batch_size=5, steps=STEPS,
             collect_parameters=True,
         )
         adamw = _config("1f1b", ranks, False, optimizer="adamw", lr=1e-2)
         assert adamw is not None
         cases["1f1b-adamw"] = adamw
-        cases["gpt-zb-h1-bf16"] = TrainConfig(
+        cases["gpt-zb-h1-bf16"] = train_config(
             schedule="zb-h1", num_stages=2, num_microbatches=3, model=gpt, batch_size=5, steps=STEPS,
             collect_parameters=True, precision="bf16", optimizer="adamw", lr=1e-2,
         )
@@ -106,7 +107,7 @@ def runs(request: pytest.FixtureRequest) -> tuple[int, dict[str, tuple[TrainConf
 def _plain(model: ModelSpec, batch_size: int, num_microbatches: int, optimizer: str, lr: float,
            precision: str = "fp32") -> TrainResult:
     """Plain training, shared by the schedules that run the same model and batch."""
-    config = TrainConfig(optimizer=optimizer, lr=lr)
+    config = train_config(optimizer=optimizer, lr=lr)
     return run_plain(model, steps=STEPS, batch_size=batch_size, num_microbatches=num_microbatches,
                      optimizer_factory=optimizer_factory(config), precision=precision)
 

@@ -29,13 +29,14 @@ from pipeweave.models.boundary import Boundary
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run import checkpoint_files
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
 from pipeweave.runtime.run.plan import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.workers import build_workers
 from pipeweave.runtime.stage.post_validation import PostValidation
+from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -81,7 +82,7 @@ def poisoned_steps(batch_size: int, steps: int) -> list[int]:
 
 
 def _config(**changes: Any) -> TrainConfig:
-    base = TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4, model=POISONED, batch_size=BATCH,
+    base = train_config(schedule="zb-h1", num_stages=2, num_microbatches=4, model=POISONED, batch_size=BATCH,
                        optimizer="adamw", lr=1e-2, collect_parameters=True, on_nonfinite="skip")
     return dataclasses.replace(base, **changes)
 
@@ -140,7 +141,7 @@ def test_a_skipped_update_leaves_weights_and_optimizer_state_bitwise(
 
 def test_a_nonfinite_gradient_norm_stops_a_post_validated_run() -> None:
     mlp = ModelSpec(kind="mlp", layers=4, hidden=8)
-    config = TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4, model=mlp, batch_size=8, steps=3,
+    config = train_config(schedule="zb-h1", num_stages=2, num_microbatches=4, model=mlp, batch_size=8, steps=3,
                          post_validation=PostValidation(max_norm=1.0, fault=(1, 1)))  # a NaN gradient at step 2
     with pytest.raises(RankFailure) as failure:
         launch(run_rank, prepare(config), 2, LaunchOptions(timeout_s=60, quiet_errors=True))
@@ -150,7 +151,7 @@ def test_a_nonfinite_gradient_norm_stops_a_post_validated_run() -> None:
 
 
 def test_an_asynchronous_run_stops_at_its_drain_and_cannot_skip(tmp_path: Path) -> None:
-    config = TrainConfig(schedule="pipedream", num_stages=2, num_microbatches=4, model=ModelSpec(kind="mlp", layers=4,
+    config = train_config(schedule="pipedream", num_stages=2, num_microbatches=4, model=ModelSpec(kind="mlp", layers=4,
                          hidden=32), batch_size=16, steps=4, lr=1e6, save=str(tmp_path / "ck"), save_every=2)
     with pytest.raises(RankFailure, match=r"^the loss is nan at step 1 \(of this run; step 1 of the training\)"):
         launch(run_rank, prepare(config), 2, LaunchOptions(timeout_s=60, quiet_errors=True))
@@ -162,7 +163,7 @@ def test_an_asynchronous_run_stops_at_its_drain_and_cannot_skip(tmp_path: Path) 
 def _save_twice(rank: int, world: int, folder: str) -> str:
     """Save a checkpoint, make one parameter of rank 1's part infinite, save again: what the second save says."""
     mlp = ModelSpec(kind="mlp", layers=6, hidden=8)
-    plan = prepare(TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=mlp, batch_size=4,
+    plan = prepare(train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=mlp, batch_size=4,
                                save=folder))
     workers, placement = build_workers(plan, rank, torch.device("cpu")), plan.schedule.placement
     checkpoint.save(plan.config, plan.parts, placement, workers, 1)

@@ -19,13 +19,14 @@ from pipeweave.data import ByteCorpus, stdlib_sources
 from pipeweave.models import ModelSpec
 from pipeweave.models.build import build_layers
 from pipeweave.models.spec import loss_fn
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.schedule import SCHEDULES, ScheduleError
 from pipeweave.runtime.run.plan import prepare
+from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -43,7 +44,7 @@ def _cases(text: Path) -> dict[str, TrainConfig]:
         if not info.synchronous:
             continue
         for t in (4, 6, 8):
-            config = TrainConfig(schedule=name, num_stages=2, num_microbatches=t, model=GPT, batch_size=2 * t - 1,
+            config = train_config(schedule=name, num_stages=2, num_microbatches=t, model=GPT, batch_size=2 * t - 1,
                                  steps=STEPS, data=str(text), eval_every=1, eval_batches=EVAL_BATCHES,
                                  num_chunks=2 if info.chunks is None else None)
             try:
@@ -73,7 +74,7 @@ def test_held_out_loss_is_the_final_weights_loss_and_training_is_unchanged(
         pytest.skip(f"{name} does not run on 2 ranks with this model")
     config, record = runs[name]
     assert config.data is not None
-    corpus = ByteCorpus(Path(config.data).read_bytes(), seq_len=GPT.seq_len, batch_size=config.batch_size)
+    corpus = ByteCorpus(Path(config.data.path).read_bytes(), seq_len=GPT.seq_len, batch_size=config.batch_size)
     plain = run_plain(GPT, steps=STEPS, batch_size=config.batch_size, num_microbatches=config.num_microbatches,
                       data=corpus)
     torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
@@ -95,12 +96,12 @@ def test_evaluation_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
     from pipeweave.errors import UserError
 
     with pytest.raises(UserError, match="--eval-every 3 is not a multiple of avgpipe's P=2 pipelines"):
-        prepare(TrainConfig(schedule="avgpipe", model=GPT, eval_every=3, steps=8))
+        prepare(train_config(schedule="avgpipe", model=GPT, eval_every=3, steps=8))
     with pytest.raises(UserError, match="--eval-every applies to --model gpt"):
-        prepare(TrainConfig(model=ModelSpec(kind="mlp"), eval_every=2))
+        prepare(train_config(model=ModelSpec(kind="mlp"), eval_every=2))
     short = tmp_path / "short.txt"
     short.write_bytes(b"x" * 15)
     with pytest.raises(UserError, match="too short to hold out a window of seq_len\\+1=9 bytes"):
-        prepare(TrainConfig(model=GPT, data=str(short), eval_every=2, batch_size=4))
+        prepare(train_config(model=GPT, data=str(short), eval_every=2, batch_size=4))
     with pytest.raises(UserError, match="--eval-batches 0 is invalid"):
-        TrainConfig(model=GPT, eval_every=2, eval_batches=0)
+        train_config(model=GPT, eval_every=2, eval_batches=0)

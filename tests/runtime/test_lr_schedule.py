@@ -9,13 +9,14 @@ import torch
 
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.stage.lr_schedule import MIN_RATIO, LrSchedule
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.stage.post_validation import PostValidation
 from pipeweave.runtime.run.plan import learning_rates, optimizer_factory, prepare
+from config_defaults import train_config
 
 
 def test_warmup_then_decay_to_a_tenth() -> None:
@@ -51,8 +52,8 @@ def test_distributed_runs_with_a_schedule_equal_plain_training_with_it() -> None
     common = dict(num_stages=2, num_microbatches=4, model=mlp, batch_size=8, steps=6, collect_parameters=True,
                   lr_warmup=2)
     configs = [
-        TrainConfig(schedule="1f1b", lr_schedule="cosine", momentum=0.9, **common),  # type: ignore[arg-type]
-        TrainConfig(schedule="zb-h1", lr_schedule="linear", optimizer="adamw", lr=1e-2,  # type: ignore[arg-type]
+        train_config(schedule="1f1b", lr_schedule="cosine", momentum=0.9, **common),  # type: ignore[arg-type]
+        train_config(schedule="zb-h1", lr_schedule="linear", optimizer="adamw", lr=1e-2,  # type: ignore[arg-type]
                     post_validation=PostValidation(max_norm=1e9), **common),
     ]
     for c in configs:

@@ -23,14 +23,15 @@ from pipeweave.cli import main
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.run.memory import MemoryEstimate, check_memory, estimate_memory, ranks_here
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.plan import prepare
+from config_defaults import train_config
 
 FACTOR = 1.1
 """How far above the measured activation peak the estimate may be (measured: 1.0, exact)."""
 MLP = ["--model", "mlp", "--layers", "4", "--hidden", "32", "--batch", "16"]
 GPT = ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch", "8"]
-INTERLEAVED = TrainConfig(schedule="interleaved-1f1b", num_stages=2, num_chunks=2, num_microbatches=4, batch_size=32,
+INTERLEAVED = train_config(schedule="interleaved-1f1b", num_stages=2, num_chunks=2, num_microbatches=4, batch_size=32,
                           model=ModelSpec(kind="mlp", layers=4, hidden=8), optimizer="adamw", data_parallel=4)
 
 
@@ -75,13 +76,13 @@ def _estimate(activations: int = 0, weights: int = 0, rings: int = 0, processes:
 
 
 @pytest.mark.parametrize(("estimate", "config", "fix"), [
-    (_estimate(activations=3 << 30), TrainConfig(), "reduce --batch or add --recompute (selective or full) or "
+    (_estimate(activations=3 << 30), train_config(), "reduce --batch or add --recompute (selective or full) or "
                                                     "--offload (the first parts)"),
-    (_estimate(activations=3 << 30), TrainConfig(recompute=True), "reduce --batch or --offload (the first parts)"),
-    (_estimate(activations=3 << 30), TrainConfig(recompute=True, offload="0"), "reduce --batch"),
-    (_estimate(weights=3 << 30), TrainConfig(optimizer="adamw"), "give a smaller model (--layers, --hidden) or "
+    (_estimate(activations=3 << 30), train_config(recompute=True), "reduce --batch or --offload (the first parts)"),
+    (_estimate(activations=3 << 30), train_config(recompute=True, offload="0"), "reduce --batch"),
+    (_estimate(weights=3 << 30), train_config(optimizer="adamw"), "give a smaller model (--layers, --hidden) or "
                                                                   "--optimizer sgd"),
-    (_estimate(rings=3 << 30), TrainConfig(), "use --transport gloo"),
+    (_estimate(rings=3 << 30), train_config(), "use --transport gloo"),
 ])
 def test_the_refusal_names_the_estimate_and_the_fix_for_its_largest_part(
     estimate: MemoryEstimate, config: TrainConfig, fix: str
@@ -95,10 +96,10 @@ def test_the_refusal_names_the_estimate_and_the_fix_for_its_largest_part(
 
 def test_what_fits_passes_and_cuda_ranks_count_only_their_processes() -> None:
     with patch("pipeweave.host.available_memory", return_value=4 << 30):
-        check_memory(_estimate(activations=1 << 30, processes=1 << 20), TrainConfig())
-        check_memory(_estimate(activations=3 << 30, processes=1 << 20), TrainConfig(), on_cpu=False)
+        check_memory(_estimate(activations=1 << 30, processes=1 << 20), train_config())
+        check_memory(_estimate(activations=3 << 30, processes=1 << 20), train_config(), on_cpu=False)
     with patch("pipeweave.host.available_memory", return_value=None):  # no probe: nothing refused
-        check_memory(_estimate(activations=3 << 40), TrainConfig())
+        check_memory(_estimate(activations=3 << 40), train_config())
 
 
 def test_under_torchrun_only_this_nodes_ranks_count(monkeypatch: pytest.MonkeyPatch) -> None:

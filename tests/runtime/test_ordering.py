@@ -33,7 +33,7 @@ from pipeweave.data import data_source, split_microbatches
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.transport.order import message_key, rank_sends
 from pipeweave.runtime.executor import Executor
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.workers import build_workers
 from pipeweave.runtime.reference import run_reference
 from pipeweave.schedule import SCHEDULES, ScheduleError, generate, lower
@@ -42,6 +42,7 @@ from pipeweave.runtime.run.plan import optimizer_factory, prepare
 from pipeweave.runtime.run.sizes import microbatch_sizes
 from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.transport.mesh import Mesh, replica_rank_sets
+from config_defaults import train_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -175,7 +176,7 @@ def _run_rank_threads(config: TrainConfig, plan: Any, transport: InOrderTranspor
 def _config(name: str, ranks: int, model: ModelSpec | None = None) -> TrainConfig | None:
     info = SCHEDULES[name]
     for t in (4, 6, 8):
-        config = TrainConfig(
+        config = train_config(
             schedule=name, num_stages=ranks, num_microbatches=t, batch_size=2 * t - 1, steps=STEPS,
             model=model or ModelSpec(kind="mlp", layers=4 * ranks, hidden=8),
             num_chunks=2 if info.chunks is None else None,

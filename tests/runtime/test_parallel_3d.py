@@ -23,12 +23,13 @@ import torch
 from pipeweave.data import data_source
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import TrainResult, run_plain
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.plan import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stage.post_validation import PostValidation
+from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -44,7 +45,7 @@ def _config(schedule: str, model: ModelSpec, *, tp: int, dp: int, stages: int, *
                                   batch_size=2 * 4 * dp - 1, steps=STEPS, collect_parameters=True,
                                   tensor_parallel=tp, data_parallel=dp)
     fields.update(extra)
-    return TrainConfig(**fields)
+    return train_config(**fields)
 
 
 CASES_8 = {  # TP = DP = D = 2: 8 processes

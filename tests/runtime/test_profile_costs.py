@@ -5,18 +5,19 @@ from __future__ import annotations
 import pytest
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.record import RankRecord, RunRecord
 from pipeweave.runtime.report.trace import dispatch_time, hop_latency, profile_costs
 from pipeweave.schedule import generate
 from pipeweave.sim import CostModel, compute_metrics, simulate
+from config_defaults import train_config
 
 Row = list[tuple[int, str, int, float, float]]
 
 
 def _record(rows: list[Row]) -> RunRecord:
     """A two-step run whose second (measured) step is ``rows``; the first is ignored."""
-    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=1, batch_size=1, steps=2,
+    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=1, batch_size=1, steps=2,
                          model=ModelSpec(kind="mlp", layers=2, hidden=4))
     ranks = [RankRecord(r, [0.0, 0.0], [[], row], 0, 0, {}) for r, row in enumerate(rows)]
     return RunRecord(config, ranks, 0.0, "shm")

@@ -20,13 +20,14 @@ from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.runtime.reference import run_reference
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.plan import prepare
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule import generate
+from config_defaults import train_config
 
 GPT = ModelSpec(kind="gpt", layers=4, hidden=8, heads=2, seq_len=8)  # 6 layers: D x v up to 3 x 2
 FILE = Path(__file__).resolve().parents[1] / "models" / "tiny_custom.py"
@@ -102,15 +103,15 @@ def test_selective_keeps_all_but_the_attention_cores_own_tensors() -> None:
 
 def test_a_model_without_a_selective_region_says_so() -> None:
     with pytest.raises(UserError, match="the mlp has no selective region"):
-        prepare(TrainConfig(model=ModelSpec(kind="mlp", layers=4, hidden=8), recompute="selective"))
+        prepare(train_config(model=ModelSpec(kind="mlp", layers=4, hidden=8), recompute="selective"))
     plain = ModelSpec(kind="custom", entry=f"{FILE}:noisy")
     with pytest.raises(UserError, match="names no selective region; give its LayerModel a selective list"):
-        prepare(TrainConfig(model=plain, recompute="none,selective"))
+        prepare(train_config(model=plain, recompute="none,selective"))
     with pytest.raises(UserError, match="gives 3 modes for 2 parts"):
-        prepare(TrainConfig(model=GPT, recompute="full,none,none"))
+        prepare(train_config(model=GPT, recompute="full,none,none"))
     with pytest.raises(UserError, match="--recompute 'sometimes' is invalid"):
-        TrainConfig(recompute="sometimes")
-    assert TrainConfig(recompute=True).recompute == "full" and TrainConfig(recompute="none,none").recompute == "none"
+        train_config(recompute="sometimes")
+    assert train_config(recompute=True).recompute == "full" and train_config(recompute="none,none").recompute == "none"
 
 
 def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
@@ -123,7 +124,7 @@ def _configs(ranks: int, names: tuple[str, ...]) -> dict[tuple[str, str], TrainC
         chunks = 2 if name == "interleaved-1f1b" else None
         parts = ranks * (chunks or 1)
         for mode in ["none", *_modes(parts)]:
-            cases[name, mode] = TrainConfig(schedule=name, num_stages=ranks, num_microbatches=2 * ranks,
+            cases[name, mode] = train_config(schedule=name, num_stages=ranks, num_microbatches=2 * ranks,
                                             num_chunks=chunks, model=GPT, batch_size=4 * ranks + 1, steps=STEPS,
                                             recompute=mode, collect_parameters=True)
     return cases

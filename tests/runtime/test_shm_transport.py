@@ -15,13 +15,14 @@ import torch
 
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.transport import shm
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.schedule import ScheduleError
 from pipeweave.runtime.run.plan import build_schedule, layer_ranges, optimizer_factory, prepare
 from pipeweave.runtime.run.sizes import largest_message_bytes
+from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -31,7 +32,7 @@ SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "chimera")
 
 def _config(name: str, ranks: int) -> TrainConfig | None:
     for t in (4, 6, 8):
-        config = TrainConfig(
+        config = train_config(
             schedule=name, num_stages=ranks, num_microbatches=t, batch_size=2 * t - 1, steps=STEPS,
             model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8), collect_parameters=True,
         )
@@ -45,7 +46,7 @@ def _config(name: str, ranks: int) -> TrainConfig | None:
 
 def _tied_gpt() -> TrainConfig:
     gpt = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8, tie_embeddings=True)
-    return TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=3, model=gpt, batch_size=5,
+    return train_config(schedule="1f1b", num_stages=2, num_microbatches=3, model=gpt, batch_size=5,
                        steps=STEPS, collect_parameters=True)
 
 
@@ -120,7 +121,7 @@ def _hang(rank: int, world: int, config: TrainConfig) -> Any:
     (_hang, 3.0, "rank 0 failed: StuckError: rank 0 stuck at its action 8 (0RECV_B1): rank 0: no shm message for 3 s"),
 ])
 def test_a_failure_ends_every_rank_quickly(fn: Any, timeout_s: float, cause: str) -> None:
-    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=8, steps=50,
+    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=8, steps=50,
                          model=ModelSpec(kind="mlp", layers=2, hidden=8))
     start = time.monotonic()
     with pytest.raises(RankFailure) as failure:
@@ -172,7 +173,7 @@ def test_shm_carries_asynchronous_streams_exactly() -> None:
     """A stream is one long step for the transport: the rings carry it, equal to the reference executor."""
     from pipeweave.runtime.reference import run_reference
 
-    configs = [TrainConfig(schedule=name, num_stages=2, num_microbatches=4, batch_size=7, steps=4, lr=0.05,
+    configs = [train_config(schedule=name, num_stages=2, num_microbatches=4, batch_size=7, steps=4, lr=0.05,
                            momentum=0.9, model=ModelSpec(kind="mlp", layers=4, hidden=8), collect_parameters=True)
                for name in ASYNC]
     records, written = launch(_run_all, configs, 2, LaunchOptions(transport="shm"))
@@ -190,7 +191,7 @@ def test_shm_carries_asynchronous_streams_exactly() -> None:
 
 
 def test_auto_takes_shm_here_and_gloo_when_asked() -> None:
-    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4, steps=1,
+    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4, steps=1,
                          model=ModelSpec(kind="mlp", layers=2, hidden=8))
     auto = launch(run_rank, prepare(config), 2, LaunchOptions(transport="auto"))
     gloo = launch(run_rank, prepare(config), 2, LaunchOptions(transport="gloo"))
@@ -200,16 +201,16 @@ def test_auto_takes_shm_here_and_gloo_when_asked() -> None:
 
 
 def test_rings_are_sized_for_the_largest_message() -> None:
-    mlp = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=30,
+    mlp = train_config(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=30,
                       model=ModelSpec(kind="mlp", layers=4, hidden=64))
     assert largest_message_bytes(mlp, prepare(mlp).schedule, layer_ranges(mlp, prepare(mlp).schedule)) == 8 * 64 * 4  # microbatches of 8, 8, 7, 7 samples
-    gpt = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=64,
+    gpt = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=64,
                       model=ModelSpec(kind="gpt", layers=2, hidden=512, heads=8, seq_len=256))
     assert largest_message_bytes(gpt, prepare(gpt).schedule, layer_ranges(gpt, prepare(gpt).schedule)) == 32 * 256 * 512 * 4  # 16 MiB
     sp = replace(gpt, tensor_parallel=2, sequence_parallel=True)  # each process sends its half of the sequence
     assert largest_message_bytes(sp, prepare(sp).schedule, layer_ranges(sp, prepare(sp).schedule)) == 32 * 128 * 512 * 4
     assert shm.capacity_for(16 << 20) == 49 << 20 and shm.capacity_for(100) == shm.DEFAULT_CAPACITY
-    chimera = TrainConfig(schedule="chimera", num_stages=2, num_microbatches=2, batch_size=4,
+    chimera = train_config(schedule="chimera", num_stages=2, num_microbatches=2, batch_size=4,
                           model=ModelSpec(kind="mlp", layers=4, hidden=64))
     block = 2 * 64 + 2 * 64 * 256 + 256 + 64  # LayerNorm, Linear(h, 4h), Linear(4h, h)
     assert largest_message_bytes(chimera, prepare(chimera).schedule, layer_ranges(chimera, prepare(chimera).schedule)) == 2 * block * 4  # a part's gradient: 2 blocks
@@ -221,7 +222,7 @@ def test_shm_is_refused_in_one_line_where_it_cannot_run() -> None:
     from pipeweave.commands.train_run import _check_transport
     from pipeweave.errors import UserError
 
-    schedule = prepare(TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4,
+    schedule = prepare(train_config(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4,
                            model=ModelSpec(kind="mlp", layers=2, hidden=8))).schedule
     with pytest.raises(UserError, match="^--transport shm needs ranks spawned by pipeweave on one host, "
                                         "not torchrun; use --transport gloo$"):

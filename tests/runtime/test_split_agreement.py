@@ -25,10 +25,11 @@ from pipeweave.errors import RanksDisagree, UserError
 from pipeweave.models import ModelSpec
 from pipeweave.models.custom import load_model
 from pipeweave.runtime.run.agreement import rank0_decides
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
 from pipeweave.runtime.run.plan import prepare
+from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -64,9 +65,9 @@ def _raise(error: Exception) -> None:
     raise error
 
 
-COUNTED = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, model=ModelSpec(kind="mlp", layers=4,
+COUNTED = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=ModelSpec(kind="mlp", layers=4,
                       hidden=8), batch_size=4, steps=1, collect_parameters=True)
-NAMED = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4, steps=1,
+NAMED = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4, steps=1,
                     model=ModelSpec(kind="custom", entry=f"{FILE}:named"), optimizer="sgd")
 STOP = ("ranks chose different splits of the model (rank 1: cut at ['3'], layers 0-0 | 1-1, schedule {0}; "
         "rank 0: cut at ['2'], layers 0-0 | 1-1, schedule {0}): they measured its costs apart (torchrun, "

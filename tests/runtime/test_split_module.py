@@ -26,11 +26,12 @@ from typing import Any
 import pytest
 import torch
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.plan import prepare
+from config_defaults import train_config
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 sys.path.insert(0, str(MODELS))
@@ -53,28 +54,28 @@ STEPS = 3
 def _cases(label: str, spec: ModelSpec) -> dict[str, TrainConfig]:
     base: dict[str, Any] = dict(num_stages=2, num_microbatches=4, model=spec, batch_size=8, steps=STEPS,
                                 collect_parameters=True)
-    return {f"{label} 1f1b": TrainConfig(schedule="1f1b", **base),
-            f"{label} zb-h1": TrainConfig(schedule="zb-h1", **base),
-            f"{label} interleaved-1f1b": TrainConfig(schedule="interleaved-1f1b", num_chunks=2, **base)}
+    return {f"{label} 1f1b": train_config(schedule="1f1b", **base),
+            f"{label} zb-h1": train_config(schedule="zb-h1", **base),
+            f"{label} interleaved-1f1b": train_config(schedule="interleaved-1f1b", num_chunks=2, **base)}
 
 
 LOOPED_CASES = _cases("looped", LOOPED)
 FAST = {name: LOOPED_CASES[name] for name in ("looped 1f1b", "looped zb-h1")}
 FAST.update({
-        "sequential 1f1b": TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=SEQUENTIAL,
+        "sequential 1f1b": train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=SEQUENTIAL,
                                        batch_size=8, steps=STEPS, collect_parameters=True),
-        "uneven 1f1b": TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=UNEVEN, batch_size=8,
+        "uneven 1f1b": train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=UNEVEN, batch_size=8,
                                    steps=STEPS, collect_parameters=True),
-        "looped 1f1b variable lengths": TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=LOOPED,
+        "looped 1f1b variable lengths": train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=LOOPED,
                                                     batch_size=8, steps=STEPS, collect_parameters=True,
                                                     min_seq_len=3),
-        "sequential pipedream": TrainConfig(schedule="pipedream", num_stages=2, num_microbatches=4, model=SEQUENTIAL,
+        "sequential pipedream": train_config(schedule="pipedream", num_stages=2, num_microbatches=4, model=SEQUENTIAL,
                                             batch_size=8, steps=6, collect_parameters=True)})
 SLOW = {"looped interleaved-1f1b": LOOPED_CASES["looped interleaved-1f1b"], **_cases("gpt2", HF["gpt2"]),
         **_cases("llama", HF["llama"]),
-        "routed zb-h1": TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4, model=ROUTED, batch_size=8,
+        "routed zb-h1": train_config(schedule="zb-h1", num_stages=2, num_microbatches=4, model=ROUTED, batch_size=8,
                                     steps=STEPS, collect_parameters=True),
-        "gpt2 1f1b variable lengths": TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, model=HF["gpt2"],
+        "gpt2 1f1b variable lengths": train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=HF["gpt2"],
                                                   batch_size=8, steps=STEPS, collect_parameters=True, min_seq_len=5)}
 
 

@@ -10,12 +10,13 @@ import torch
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import run_plain
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import lowered, run_rank
 from pipeweave.schedule.ir import Op
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.plan import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
+from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -38,11 +39,11 @@ def _cases(ranks: int, names: tuple[str, ...], levers: tuple[str, ...]) -> dict[
         base = dict(schedule=name, num_stages=ranks, num_microbatches=t, num_chunks=chunks, steps=STEPS,
                     model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8), batch_size=2 * t - 1,
                     collect_parameters=True)
-        cases[name] = TrainConfig(**base)  # type: ignore[arg-type]
+        cases[name] = train_config(**base)  # type: ignore[arg-type]
         if "offload" in levers:
-            cases[f"{name}+offload"] = TrainConfig(**base, offload="all")  # type: ignore[arg-type]
+            cases[f"{name}+offload"] = train_config(**base, offload="all")  # type: ignore[arg-type]
         if "bpipe" in levers:
-            cases[f"{name}+bpipe"] = TrainConfig(**base, balance_activations=True)  # type: ignore[arg-type]
+            cases[f"{name}+bpipe"] = train_config(**base, balance_activations=True)  # type: ignore[arg-type]
     return cases
 
 
@@ -56,8 +57,8 @@ def _check_levers(ranks: int, names: tuple[str, ...], levers: tuple[str, ...] = 
     if gpt:  # the gpt: int64 tokens in, 3-d activations, and compressed activations
         gpt = dict(schedule="zb-h1", num_stages=2, num_microbatches=3, model=GPT, batch_size=5, steps=3,
                    collect_parameters=True)
-        cases.update({"gpt": TrainConfig(**gpt), "gpt+offload": TrainConfig(**gpt, offload="0"),  # type: ignore[arg-type]
-                      "gpt+bf16": TrainConfig(**gpt, compress_activations="bf16")})  # type: ignore[arg-type]
+        cases.update({"gpt": train_config(**gpt), "gpt+offload": train_config(**gpt, offload="0"),  # type: ignore[arg-type]
+                      "gpt+bf16": train_config(**gpt, compress_activations="bf16")})  # type: ignore[arg-type]
     records = dict(zip(cases, launch(_run_all, list(cases.values()), ranks, LaunchOptions(timeout_s=60))))
     for name, lever in [(n, lever) for n in cases if "+" not in n for lever in ("offload", "bpipe")]:
         exact, moved = records[name], records.get(f"{name}+{lever}")
@@ -105,8 +106,8 @@ def test_offload_and_bpipe_are_bitwise_the_run_without_them_at_3_ranks() -> None
 
 def test_levers_the_runtime_cannot_run_are_one_line_before_anything_spawns() -> None:
     with pytest.raises(UserError, match="--offload 5: '5' is not a part; give all, none or part numbers 0..1"):
-        prepare(TrainConfig(offload="5"))
+        prepare(train_config(offload="5"))
     with pytest.raises(UserError, match="--offload with --recompute"):
-        prepare(TrainConfig(offload="all", recompute=True))
+        prepare(train_config(offload="all", recompute=True))
     with pytest.raises(UserError, match="asynchronous"):
-        prepare(TrainConfig(schedule="pipedream", compress_activations="bf16"))
+        prepare(train_config(schedule="pipedream", compress_activations="bf16"))

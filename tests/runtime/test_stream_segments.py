@@ -35,7 +35,7 @@ from pipeweave.data import ByteCorpus, stdlib_sources
 from pipeweave.models import ModelSpec
 from pipeweave.models.build import build_layers
 from pipeweave.models.spec import loss_fn
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.launch import LaunchOptions, launch
@@ -48,6 +48,7 @@ from pipeweave.schedule.ir import Op
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.versions import read_versions, staleness, weight_copies
 from pipeweave.runtime.run.plan import build_schedule, optimizer_factory, prepare, stream_schedules
+from config_defaults import train_config
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -80,11 +81,11 @@ def _config(case: str, folder: Path, steps: int, every: int) -> TrainConfig:
     fields: dict[str, object] = dict(
         schedule=name, num_stages=2, num_microbatches=T, model=MODEL, data=_text(folder), batch_size=2 * T + 1,
         steps=steps, lr=0.05,
-        momentum=0.5, collect_parameters=True, schedule_options=tuple(options.items()),
+        momentum=0.5, collect_parameters=True, options=tuple(options.items()),
         save=str(folder / case.replace("+", "-")), save_every=every,
     )
     fields.update(overrides)
-    return TrainConfig(**fields)  # type: ignore[arg-type]
+    return train_config(**fields)  # type: ignore[arg-type]
 
 
 def _steps(case: str) -> tuple[int, int]:
@@ -113,7 +114,7 @@ def segmented(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Train
 
 def _corpus(config: TrainConfig) -> ByteCorpus:
     assert config.data is not None
-    return ByteCorpus(Path(config.data).read_bytes(), seq_len=config.model.seq_len, batch_size=config.batch_size)
+    return ByteCorpus(Path(config.data.path).read_bytes(), seq_len=config.model.seq_len, batch_size=config.batch_size)
 
 
 def _stage_parameters(record: RunRecord) -> dict[tuple[int, str], torch.Tensor]:
@@ -167,9 +168,9 @@ def test_one_stage_segmented_stream_is_plain_training_with_its_rates(name: str) 
     go on where the last one stopped, and each update take its step's rate."""
     spec = ModelSpec(kind="gpt", layers=2, hidden=8, heads=2, seq_len=8)
     options = (("num_pipelines", 1),) if name in AVG else ()
-    config = TrainConfig(schedule=name, num_stages=1, num_microbatches=3, model=spec, batch_size=7, steps=5,
+    config = train_config(schedule=name, num_stages=1, num_microbatches=3, model=spec, batch_size=7, steps=5,
                          lr=0.05, momentum=0.9, lr_schedule="cosine", lr_warmup=1, save="unused", save_every=2,
-                         schedule_options=options)
+                         options=options)
     rates = stream_rates(config, build_schedule(config))
     got = run_stream_reference(stream_schedules(config), spec, batch_size=7,
                                optimizer_factory=optimizer_factory(config), lr_at=rates.at)
@@ -250,7 +251,7 @@ GPT = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8)
 def test_evaluation_between_streams_is_the_weights_held_out_loss(tmp_path: Path, name: str) -> None:
     text = tmp_path / "text.txt"
     text.write_bytes(stdlib_sources(max_bytes=100_000))
-    config = TrainConfig(schedule=name, num_stages=2, num_microbatches=2, model=GPT, batch_size=4, steps=4,
+    config = train_config(schedule=name, num_stages=2, num_microbatches=2, model=GPT, batch_size=4, steps=4,
                          data=str(text), eval_every=2, eval_batches=2, collect_parameters=True, lr=0.05)
     (record,) = _launch([config])
     assert [at for at, _ in record.eval_losses] == [2, 4]
@@ -282,8 +283,8 @@ def test_pipemare_warmup_annealing_and_velocity_cross_drains_and_checkpoints(tmp
     the drains); resuming after 3 and after 6 must go on annealing from the checkpoint's count with its velocity;
     a run resumed after 2 keeps the one warm-up mini-batch left.
     """
-    base = TrainConfig(schedule="pipemare", num_stages=3, num_microbatches=1, model=MODEL, data=_text(tmp_path),
-                       batch_size=3, lr=0.05, momentum=0.9, schedule_options=(("warmup_steps", 3),),
+    base = train_config(schedule="pipemare", num_stages=3, num_microbatches=1, model=MODEL, data=_text(tmp_path),
+                       batch_size=3, lr=0.05, momentum=0.9, options=(("warmup_steps", 3),),
                        policy=PolicyOptions(anneal_steps=4), collect_parameters=True)
     straight = dataclasses.replace(base, steps=9, save=str(tmp_path / "straight"), save_every=3)
     firsts = [dataclasses.replace(base, steps=k, save=str(tmp_path / f"after{k}")) for k in (2, 3, 6)]

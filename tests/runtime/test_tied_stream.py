@@ -33,7 +33,7 @@ import torch
 
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.reference import run_reference, run_stream_reference
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.plan import optimizer_factory, prepare, stream_schedules
 from pipeweave.runtime.run.record import RunRecord
@@ -41,6 +41,7 @@ from pipeweave.runtime.stage.tied import tied_groups
 from pipeweave.schedule import generate
 from pipeweave.sim.versions import staleness, tied_lag
 from pipeweave.errors import UserError
+from config_defaults import train_config
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 FILE = MODELS / "tiny_modules.py"
@@ -55,7 +56,7 @@ def _config(spec: ModelSpec, **overrides: Any) -> TrainConfig:
     fields: dict[str, Any] = dict(schedule="pipedream-2bw", num_stages=2, num_microbatches=2, model=spec,
                                   batch_size=4, steps=4, lr=0.05, momentum=0.9, collect_parameters=True)
     fields.update(overrides)
-    return TrainConfig(**fields)
+    return train_config(**fields)
 
 
 def _stage_parameters(record: RunRecord) -> dict[int, dict[str, torch.Tensor]]:

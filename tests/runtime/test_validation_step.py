@@ -17,13 +17,14 @@ import torch
 
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.stage.post_validation import PostValidation
 from pipeweave.runtime.run.plan import optimizer_factory, prepare
+from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -54,7 +55,7 @@ class _Synchronous:
 
 def _plain(optimizer: str, max_norm: float | None, fault_step: int | None,
            norms: list[float] | None = None) -> dict[str, torch.Tensor]:
-    torch_factory = TrainConfig(optimizer=optimizer, lr=0.05, momentum=0.9 if optimizer == "sgd" else 0.0)
+    torch_factory = train_config(optimizer=optimizer, lr=0.05, momentum=0.9 if optimizer == "sgd" else 0.0)
 
     def factory(params: Iterable[torch.nn.Parameter]) -> _Synchronous:
         params = list(params)
@@ -67,9 +68,9 @@ def _plain(optimizer: str, max_norm: float | None, fault_step: int | None,
 
 
 def _config(optimizer: str, options: PostValidation) -> TrainConfig:
-    return TrainConfig(schedule="zb-auto", num_stages=RANKS, num_microbatches=T, model=SPEC, batch_size=2 * T,
+    return train_config(schedule="zb-auto", num_stages=RANKS, num_microbatches=T, model=SPEC, batch_size=2 * T,
                        steps=STEPS, lr=0.05, momentum=0.9 if optimizer == "sgd" else 0.0, optimizer=optimizer,
-                       collect_parameters=True, schedule_options=(("memory_limit", 2.0), ("time_b", 2.0)),
+                       collect_parameters=True, options=(("memory_limit", 2.0), ("time_b", 2.0)),
                        post_validation=options, on_nonfinite="skip")  # the NaN step is skipped, not the run stopped
 
 
@@ -113,7 +114,7 @@ def test_distributed_post_validation_equals_synchronous_clip_and_skip(
 
 
 def test_post_validation_refuses_a_v_schedule() -> None:
-    config = TrainConfig(schedule="zb-v-auto", num_stages=2, num_microbatches=4, model=SPEC, batch_size=8,
+    config = train_config(schedule="zb-v-auto", num_stages=2, num_microbatches=4, model=SPEC, batch_size=8,
                          post_validation=PostValidation(max_norm=1.0))
     with pytest.raises(UserError, match="one stage per rank"):
         prepare(config)

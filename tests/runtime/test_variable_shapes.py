@@ -19,19 +19,20 @@ from pipeweave.data import data_source, step_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import TrainResult, run_plain
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.plan import optimizer_factory, prepare
 from pipeweave.runtime.report.trace import microbatch_factors
 from pipeweave.runtime.run.record import RunRecord
+from config_defaults import train_config
 
 GPT = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=12)
 STEPS, MIN_SEQ_LEN = 3, 3
 
 
 def _config(schedule: str) -> TrainConfig:
-    return TrainConfig(schedule=schedule, num_stages=2, num_microbatches=3, model=GPT, batch_size=5, steps=STEPS,
+    return train_config(schedule=schedule, num_stages=2, num_microbatches=3, model=GPT, batch_size=5, steps=STEPS,
                        min_seq_len=MIN_SEQ_LEN, collect_parameters=True)
 
 
@@ -84,8 +85,8 @@ def test_variable_lengths_on_2_ranks_equal_plain_training(transport: str) -> Non
 
 def test_min_seq_len_is_refused_in_one_line_where_it_cannot_apply() -> None:
     with pytest.raises(UserError, match=r"^--min-seq-len 13 is invalid; give a length in \[1, --seq-len 12\]$"):
-        TrainConfig(model=GPT, min_seq_len=13)
+        train_config(model=GPT, min_seq_len=13)
     with pytest.raises(UserError, match=r"^--min-seq-len applies to models of sequences .*, not mlp; drop "):
-        TrainConfig(model=ModelSpec(kind="mlp"), min_seq_len=2)
+        train_config(model=ModelSpec(kind="mlp"), min_seq_len=2)
     with pytest.raises(UserError, match=r"^--min-seq-len applies to synchronous schedules; pipedream is"):
-        TrainConfig(schedule="pipedream", model=GPT, min_seq_len=2)
+        train_config(schedule="pipedream", model=GPT, min_seq_len=2)

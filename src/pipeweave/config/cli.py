@@ -54,7 +54,7 @@ def argument(section: type, f: Field[Any]) -> tuple[tuple[str, ...], dict[str, A
     kwargs: dict[str, Any] = {"help": text + ("" if default in (None, False, ()) else f" (default {default})")}
     choices = choices_of(base)
     if opt.parse is not None:
-        kwargs["type"] = opt.parse
+        pass  # parsed in ``build``, so that its one line is the run's (argparse would swallow it)
     elif choices is not None:
         kwargs["type"], kwargs["choices"] = type(choices[0]), choices
     elif base in (int, float):
@@ -96,6 +96,8 @@ def spread(section: type, fields: dict[str, Any]) -> None:
     """Expand the fields whose value sets several of the section's fields (``kind="hf:gpt2"``)."""
     for f in dataclasses.fields(section):
         opt = option_of(f)
+        if opt.parse is not None and isinstance(fields.get(f.name), str):
+            fields[f.name] = opt.parse(fields[f.name])
         if opt.spread is not None and isinstance(fields.get(f.name), str):
             fields.update(opt.spread(fields[f.name]))
 

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ from pipeweave.schedule.registry import SCHEDULES
 
 DEFAULT_SCHEDULES = ("zb-h1", "1f1b")  # noqa: schedule-names  (preferences, first registered wins)
 DEFAULT_STAGES, DEFAULT_MICROBATCHES = 2, 4
+PRIMARY = {"schedule": "name", "data": "path"}
+"""Sections that a plain string names: ``schedule="1f1b"``, ``data="corpus.txt"``."""
 POLICY_TAKERS = {"anneal_steps": "pipemare", "decay": "pipemare", "correction": "pipemare",
                  "averaging_rate": "avgpipe", "averaging_period": "avgpipe"}
 """``PolicyOptions`` field -> the schedule whose policy reads it."""
@@ -43,9 +46,15 @@ def default_model() -> ModelSpec:
     return ModelSpec(kind="gpt", layers=4, hidden=128, heads=4, seq_len=64)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, init=False)
 class TrainConfig:
-    """Everything a rank needs to take part in a run (picklable); its defaults are ``pipeweave train``'s."""
+    """Everything a rank needs to take part in a run (picklable); its defaults are ``pipeweave train``'s.
+
+    Give whole sections (``parallel=ParallelConfig(tensor_parallel=2)``) or any section's fields by name
+    (``tensor_parallel=2``: names are unique over the sections); a field given by name overrides its section.
+    ``schedule="1f1b"`` names the schedule and ``data="FILE"`` the text file. ``dataclasses.replace`` takes
+    the same names.
+    """
 
     model: ModelSpec = field(default_factory=default_model)
     """The model: built in (gpt, mlp), your own (``FILE.py:NAME``) or a Hugging Face one (``hf:TYPE``)."""
@@ -70,6 +79,25 @@ class TrainConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """How the ranks start and talk."""
 
+    def __init__(self, **given: Any) -> None:
+        owner = field_owners(type(self))
+        by_section: dict[str, dict[str, Any]] = {}
+        for key, value in given.items():
+            if key in PRIMARY and isinstance(value, str):
+                key = PRIMARY[key]
+            if key in owner:
+                by_section.setdefault(owner[key], {})[key] = value
+            elif key not in hints(type(self)):
+                raise UserError(f"{key!r} is no field of TrainConfig; see pipeweave train --help")
+        for f in dataclasses.fields(self):
+            value = given.get(f.name)
+            if value is None or (f.name in PRIMARY and isinstance(value, str)):
+                value = f.default_factory()  # type: ignore[misc]
+            if f.name in by_section and dataclasses.is_dataclass(value):
+                value = dataclasses.replace(value, **by_section[f.name])
+            object.__setattr__(self, f.name, value)
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         for name, cls in sections(type(self)):
             if not isinstance(getattr(self, name), cls):
@@ -80,6 +108,8 @@ class TrainConfig:
         if self.data.data_seed is None:
             _set(self, "data", data_seed=self.model.seed)
         _check_applies(self)
+        if self.data.min_seq_len is not None:
+            _check_min_seq_len(self, self.data.min_seq_len)
 
     def check(self) -> None:
         """Check every section's fields again (a config is checked on construction; this is for one changed by force).
@@ -92,46 +122,35 @@ class TrainConfig:
 
     @classmethod
     def of(cls, **flat: Any) -> TrainConfig:
-        """A configuration from flat keywords, each a field's name (unique over the sections) or a whole section.
-
-        Raises:
-            UserError: a keyword that is no field.
+        """``TrainConfig(**flat)``: a configuration from sections or fields by name.
 
         Example:
             >>> TrainConfig.of(schedule="1f1b", num_stages=4).schedule.num_stages
             4
         """
-        whole = {key: value for key, value in flat.items() if key in hints(cls) and key not in field_owners(cls)
-                 and not (key == "schedule" and isinstance(value, str))}
-        rest = {key: value for key, value in flat.items() if key not in whole}
-        return cls(**whole).replace(**rest) if rest else cls(**whole)
+        return cls(**flat)
 
     def get(self, name: str) -> Any:
         """The value of a section's field by its name alone: ``config.get("tensor_parallel")``."""
         return getattr(getattr(self, field_owners(type(self))[name]), name)
 
+    def __getattr__(self, name: str) -> Any:
+        """A section's field read by its name alone (``config.tensor_parallel``), or a section's property
+        (``config.recomputes``); the library itself reads through the sections."""
+        owner = field_owners(type(self)).get(name) or _PROPERTIES.get(name)
+        if owner is None or name.startswith("__"):
+            raise AttributeError(f"'TrainConfig' object has no attribute {name!r}")
+        return getattr(object.__getattribute__(self, owner), name)
+
     def replace(self, **flat: Any) -> TrainConfig:
-        """A copy with fields changed, named as in ``of`` (a field's name or a whole section).
+        """A copy with fields changed, by name or whole sections (``dataclasses.replace`` does the same).
 
         Example:
-            >>> TrainConfig.of(steps=5).replace(steps=7, data_parallel=2).training.steps
+            >>> TrainConfig(steps=5).replace(steps=7, data_parallel=2).training.steps
             7
         """
-        by_section: dict[str, dict[str, Any]] = {}
-        whole: dict[str, Any] = {}
-        owner = field_owners(type(self))
-        for key, value in flat.items():
-            if key in owner:
-                by_section.setdefault(owner[key], {})[key] = value
-            elif key == "schedule" and isinstance(value, str):
-                by_section.setdefault("schedule", {})["name"] = value
-            elif key in hints(type(self)):
-                whole[key] = value
-            else:
-                raise UserError(f"{key!r} is no field of TrainConfig; see pipeweave train --help")
-        built = {name: dataclasses.replace(whole.get(name, getattr(self, name)), **values)
-                 for name, values in by_section.items()}
-        return dataclasses.replace(self, **{**whole, **built})
+        return dataclasses.replace(self, **{PRIMARY.get(k, k) if isinstance(v, str) else k: v
+                                            for k, v in flat.items()})
 
     @property
     def is_stream(self) -> bool:
@@ -154,18 +173,20 @@ class TrainConfig:
         return self.data.min_seq_len is not None
 
 
+_PROPERTIES = {"recompute_of": "memory", "recomputes": "memory", "lr_scheduled": "training"}
+"""Section methods and properties ``TrainConfig.__getattr__`` reads by name."""
+
+
+@functools.cache
 def field_owners(cls: type = TrainConfig) -> dict[str, str]:
     """Each section field's name -> its section's name (names are unique over the sections)."""
     owner: dict[str, str] = {}
     for name, section in sections(cls):
         for f in dataclasses.fields(section):
+            if f.name in owner:
+                raise TypeError(f"{f.name} is a field of both [{owner[f.name]}] and [{name}]; rename one")
             owner[f.name] = name
     return owner
-
-
-def _default(cls: type, name: str) -> Any:
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return f.default_factory()  # type: ignore[misc]
 
 
 def _set(config: TrainConfig, section: str, **values: Any) -> None:
@@ -241,3 +262,19 @@ def _check_schedule_file(config: TrainConfig, schedule: Any) -> None:
     if s.num_chunks is not None and s.num_chunks != schedule.num_chunks:
         raise UserError(f"--chunks {s.num_chunks} conflicts with --schedule-file {s.name}, which has "
                         f"{schedule.num_chunks} per rank; drop --chunks (the file sets it)")
+
+
+def _check_min_seq_len(config: TrainConfig, length: int) -> None:
+    """Variable lengths: a model of sequences (the gpt's corpus, a custom model's dataset), cut no longer than
+    its sequences, on a synchronous schedule."""
+    from pipeweave.data import longest_sequence
+    from pipeweave.models.hf import is_hf
+
+    longest = longest_sequence(config.model)
+    if not 1 <= length <= longest:
+        where = "" if config.model.kind == "gpt" or is_hf(config.model.entry) else " (the dataset's sequences)"
+        flag = "--seq-len " if not where else ""
+        raise UserError(f"--min-seq-len {length} is invalid; give a length in [1, {flag}{longest}]{where}")
+    if config.is_stream:
+        raise UserError(f"--min-seq-len applies to synchronous schedules; {config.schedule.name} is asynchronous; "
+                        "drop --min-seq-len or use a synchronous schedule")
