@@ -44,12 +44,12 @@ from pipeweave.runtime.stage.policy import PolicyOptions
 from pipeweave.runtime.stage.post_validation import PostValidation
 from pipeweave.runtime.transport import shm
 from pipeweave.schedule import SCHEDULES, Schedule
+from pipeweave.schedule.registry import schedule_defaults
 from pipeweave.sim.recompute import spelled
 
 
-# Preferred defaults, first one present in the registry wins (zero bubble is
-# registered by another part of the project; 1F1B always is).
-DEFAULT_SCHEDULES = ("zb-h1", "1f1b")
+DEFAULT_SCHEDULE = "zb-h1"
+"""The schedule of a run without ``-s``."""
 # The default gpt: small enough to train 40 steps in a few seconds on 2 cores.
 DEFAULT_GPT = {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64}
 
@@ -86,12 +86,12 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     lr = args.lr if args.lr is not None else (3e-3 if optimizer == "adamw" else 0.1)
     written = schedule_from_file(args)
     schedule = args.schedule_file if written is not None else \
-        args.schedule or next(n for n in DEFAULT_SCHEDULES if n in SCHEDULES)
+        args.schedule or DEFAULT_SCHEDULE
     if args.threads < 1:
         raise UserError(f"--threads {args.threads} is invalid; give at least 1")
     options, policy_kwargs = async_options(args, schedule)
     policy = PolicyOptions(**policy_kwargs)  # its values checked here
-    momentum = args.momentum if args.momentum is not None else (0.9 if schedule in ("spectrain", "xpipe") else 0.0)
+    momentum = args.momentum if args.momentum is not None else schedule_defaults(schedule).momentum
     config = TrainConfig(
         schedule=schedule, schedule_file=written, num_chunks=args.chunks,
         num_stages=_size(args.stages, DEFAULT_STAGES, None if written is None else written.num_ranks),
@@ -178,8 +178,10 @@ def _post_validation(args: argparse.Namespace) -> Any:
     return PostValidation(max_norm=args.clip_grad_norm)
 
 
-SEARCHED = ("zb-auto", "zb-v-auto")
-"""Schedules searched for the run's own costs (pipeweave.search)."""
+def _searched(config: TrainConfig) -> bool:
+    """The run's schedule is searched for the run's own costs (``ScheduleInfo.searched``: zb-auto, zb-v-auto)."""
+    info = SCHEDULES.get(config.schedule)
+    return info is not None and info.searched
 
 
 def _with_searched_costs(config: TrainConfig, args: argparse.Namespace) -> TrainConfig:
@@ -189,7 +191,7 @@ def _with_searched_costs(config: TrainConfig, args: argparse.Namespace) -> Train
     the memory partitioner's byte budget. The numbers travel in the config, so every
     rank searches the same instance and builds the same schedule.
     """
-    if config.schedule not in SEARCHED:
+    if not _searched(config):
         return config
     options = dict(config.schedule_options)
     if args.memory_limit is not None and args.partition != "memory":
@@ -206,7 +208,7 @@ def _with_searched_costs(config: TrainConfig, args: argparse.Namespace) -> Train
 
 def _with_partition(config: TrainConfig, args: argparse.Namespace) -> TrainConfig:
     """``config`` with the layer counts of ``--partition`` (profiled on this machine's device, cached)."""
-    if args.memory_limit is not None and args.partition != "memory" and config.schedule not in SEARCHED:
+    if args.memory_limit is not None and args.partition != "memory" and not _searched(config):
         # Otherwise --memory-limit would be ignored: say so instead.
         raise UserError(f"--memory-limit {args.memory_limit:g} applies to --partition memory (bytes per rank) and to "
                         f"zb-auto/zb-v-auto (K x the 1F1B peak); add one of them or drop it")

@@ -19,13 +19,10 @@ from pipeweave.errors import UserError
 from pipeweave.plan.config import Config
 from pipeweave.sim.recompute import RECOMPUTE
 from pipeweave.plan.profiled import Model
-from pipeweave.schedule.registry import SCHEDULES
+from pipeweave.schedule.registry import SCHEDULES, PlacementKind
 from pipeweave.sim.parallel import ZERO_STAGES
 
 SYNCHRONOUS = tuple(name for name, info in SCHEDULES.items() if info.synchronous)
-BIDIRECTIONAL = ("chimera", "dualpipe", "gems")
-"""Two pipelines in opposite directions, each rank holding two parts (2 M_theta)."""
-VSHAPE = ("zb-v", "zb-v-auto", "dualpipe-v")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,11 +96,12 @@ def splits(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed
 
 def chunk_counts(model: Model, schedule: str, pp: int) -> list[int]:
     """The chunks v a schedule may run with at D = ``pp`` (its layers split evenly into D x v parts)."""
-    if schedule == "interleaved-1f1b":
+    placement = SCHEDULES[schedule].placement
+    if SCHEDULES[schedule].chunks is None:  # --chunks v: looped, D x v parts
         return [v for v in range(2, model.layers // pp + 1) if model.splits_into(pp * v)]
-    if schedule in VSHAPE:
+    if placement is PlacementKind.V_SHAPE:
         return [2] if model.splits_into(2 * pp) else []
-    if schedule in BIDIRECTIONAL:
+    if placement is PlacementKind.BIDIRECTIONAL:
         return [1] if pp % 2 == 0 else []
     return [1]
 
