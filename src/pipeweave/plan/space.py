@@ -96,14 +96,12 @@ def splits(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed
 
 def chunk_counts(model: Model, schedule: str, pp: int) -> list[int]:
     """The chunks v a schedule may run with at D = ``pp`` (its layers split evenly into D x v parts)."""
-    placement = SCHEDULES[schedule].placement
-    if SCHEDULES[schedule].chunks is None:  # --chunks v: looped, D x v parts
+    info = SCHEDULES[schedule]
+    if info.chunks is None:  # --chunks v: looped, D x v parts
         return [v for v in range(2, model.layers // pp + 1) if model.splits_into(pp * v)]
-    if placement is PlacementKind.V_SHAPE:
-        return [2] if model.splits_into(2 * pp) else []
-    if placement is PlacementKind.BIDIRECTIONAL:
+    if info.placement is PlacementKind.BIDIRECTIONAL:  # one part per rank and direction, D even
         return [1] if pp % 2 == 0 else []
-    return [1]
+    return [info.chunks] if model.splits_into(pp * info.chunks) else []
 
 
 def configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> Iterator[Config]:
