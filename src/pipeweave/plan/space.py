@@ -22,7 +22,10 @@ from pipeweave.plan.profiled import Model
 from pipeweave.schedule.registry import SCHEDULES, PlacementKind
 from pipeweave.sim.parallel import ZERO_STAGES
 
-SYNCHRONOUS = tuple(name for name, info in SCHEDULES.items() if info.synchronous)
+
+def synchronous() -> list[str]:
+    """The registry's synchronous schedules, in its order, read when called (an entry added later counts)."""
+    return [name for name, info in SCHEDULES.items() if info.synchronous]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,9 +42,9 @@ class Fixed:
     zero: int | None = None
 
     def __post_init__(self) -> None:
-        if self.schedule is not None and self.schedule not in SYNCHRONOUS:
+        if self.schedule is not None and self.schedule not in synchronous():
             raise UserError(f"-s {self.schedule!r} is not a synchronous schedule the planner can size; choose one "
-                            f"of: {', '.join(SYNCHRONOUS)}")
+                            f"of: {', '.join(synchronous())}")
         if self.recompute is not None and self.recompute not in RECOMPUTE:
             raise UserError(f"--recompute {self.recompute!r} is invalid; choose one of: {', '.join(RECOMPUTE)}")
         if self.zero is not None and self.zero not in ZERO_STAGES:
@@ -107,7 +110,7 @@ def chunk_counts(model: Model, schedule: str, pp: int) -> list[int]:
 def configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> Iterator[Config]:
     """The space (module docstring), in a fixed order."""
     for tp, pp, dp in splits(model, gpus, batch, gpus_per_node, fixed):
-        names = ("1f1b",) if pp == 1 else SYNCHRONOUS
+        names = ["1f1b"] if pp == 1 else synchronous()
         for schedule in (n for n in names if fixed.allows("schedule", n)):
             for chunks in (v for v in chunk_counts(model, schedule, pp) if fixed.allows("chunks", v)):
                 for b in (b for b in divisors(batch // dp) if fixed.allows("microbatch_size", b)):
