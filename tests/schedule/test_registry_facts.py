@@ -133,11 +133,11 @@ def test_ties_follow_the_rule(name: str) -> None:
 def test_default_momentum_for_predicting_policies(name: str) -> None:
     """SpecTrain and XPipe predict weights along the momentum: theirs defaults to 0.9, every other's to 0."""
     predicts = _built(name)[0].policy in (WeightPolicy.PREDICTION, WeightPolicy.BELLWETHER_PREDICTION)
-    assert schedule_defaults(name).momentum == (0.9 if predicts else 0.0)
+    assert schedule_defaults(name).get("momentum", 0.0) == (0.9 if predicts else 0.0)
 
 
 def test_defaults_of_an_unregistered_schedule_are_the_usual_ones() -> None:
-    assert schedule_defaults("my-schedule.csv").momentum == 0.0
+    assert schedule_defaults("my-schedule.csv") == {}
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from typing import Any
@@ -43,7 +42,7 @@ def rows() -> list[dict[str, Any]]:
             "data_parallel": info.data_parallel.value,
             "ties": info.ties,
             "zero": info.zero,
-            "defaults": dataclasses.asdict(info.defaults),
+            "defaults": dict(info.defaults),
         }
         for name, info in SCHEDULES.items()
     ]

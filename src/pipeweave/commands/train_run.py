@@ -91,7 +91,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         raise UserError(f"--threads {args.threads} is invalid; give at least 1")
     options, policy_kwargs = async_options(args, schedule)
     policy = PolicyOptions(**policy_kwargs)  # its values checked here
-    momentum = args.momentum if args.momentum is not None else schedule_defaults(schedule).momentum
+    momentum = args.momentum if args.momentum is not None else schedule_defaults(schedule).get("momentum", 0.0)
     config = TrainConfig(
         schedule=schedule, schedule_file=written, num_chunks=args.chunks,
         num_stages=_size(args.stages, DEFAULT_STAGES, None if written is None else written.num_ranks),

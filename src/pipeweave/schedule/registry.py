@@ -60,16 +60,7 @@ class DataParallel(str, enum.Enum):
     """P copies of the stream, one per data-parallel rank; each ``U`` sums its replicas' gradients first
     (PipeDream's hybrid, ``runtime.run.plan``)."""
     NONE = "none"
-    """``--data-parallel`` is refused (asynchronous schedules whose policy keeps no such rule)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Defaults:
-    """Defaults of run options (``pipeweave train``'s flags) that depend on the schedule."""
-
-    momentum: float = 0.0
-    """SGD momentum when ``--momentum`` is not given: 0.9 for SpecTrain and XPipe, which predict the
-    weights along it."""
+    """``--data-parallel`` is refused (the other streams: only PipeDream's policies are run with replicas)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,8 +96,9 @@ class ScheduleInfo:
     searched: bool = False
     """True when built by ``pipeweave.search`` for the run's own costs: its generator takes ``time_f``,
     ``time_b``, ``time_w`` and ``memory_limit``, which ``train`` and the planner fill in."""
-    defaults: Defaults = Defaults()
-    """Its defaults of run options where they differ from the usual ones (``Defaults``)."""
+    defaults: tuple[tuple[str, float], ...] = ()
+    """``(option, value)`` pairs: its defaults of run options where they differ from the usual ones, e.g.
+    ``(("momentum", 0.9),)`` for SpecTrain and XPipe, which predict the weights along the momentum."""
 
     @property
     def zero(self) -> bool:
@@ -240,13 +232,13 @@ SCHEDULES: dict[str, ScheduleInfo] = {
         bubble="~0 (steady state)", activations="D-r M_a on rank r",
         weights="M_theta + prediction M_theta", chunks=1,
         placement=PlacementKind.STRAIGHT, splits_backward=False,
-        data_parallel=DataParallel.NONE, ties=False, defaults=Defaults(momentum=0.9),
+        data_parallel=DataParallel.NONE, ties=False, defaults=(("momentum", 0.9),),
     ),
     "xpipe": ScheduleInfo(
         name="xpipe", generator=xpipe, family="XPipe", synchronous=False, bubble="~0 (steady state)",
         activations="D-r M_a on rank r", weights="M_theta + cached predictions (<= 2 M_theta)", chunks=1,
         placement=PlacementKind.STRAIGHT, splits_backward=False,
-        data_parallel=DataParallel.NONE, ties=False, defaults=Defaults(momentum=0.9),
+        data_parallel=DataParallel.NONE, ties=False, defaults=(("momentum", 0.9),),
     ),
     "ampnet": ScheduleInfo(
         name="ampnet", generator=ampnet, family="AMPNet", synchronous=False,
@@ -282,16 +274,16 @@ SCHEDULES: dict[str, ScheduleInfo] = {
 }
 
 
-def schedule_defaults(name: str) -> Defaults:
-    """The run-option defaults of schedule ``name``; the usual ones for a name the registry does not hold
-    (a schedule read from a file).
+def schedule_defaults(name: str) -> dict[str, float]:
+    """The run options whose default schedule ``name`` sets (``ScheduleInfo.defaults``); none for a name the
+    registry does not hold (a schedule read from a file).
 
     Example:
-        >>> schedule_defaults("spectrain").momentum, schedule_defaults("1f1b").momentum
-        (0.9, 0.0)
+        >>> schedule_defaults("spectrain"), schedule_defaults("1f1b")
+        ({'momentum': 0.9}, {})
     """
     info = SCHEDULES.get(name)
-    return Defaults() if info is None else info.defaults
+    return {} if info is None else dict(info.defaults)
 
 
 def generate(
