@@ -46,6 +46,16 @@ def test_schedules_lists_every_registry_entry(capsys: pytest.CaptureFixture[str]
     assert {"family", "synchronous", "bubble", "activations", "weights"} <= set(rows[0])
 
 
+def test_schedules_json_says_what_each_supports(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = {r["name"]: r for r in _json(capsys, ["schedules", "--json"])["schedules"]}
+    assert (rows["zb-v"]["placement"], rows["zb-v"]["splits_backward"], rows["zb-v"]["searched"]) == \
+        ("v-shape", True, False)
+    assert (rows["chimera"]["placement"], rows["chimera"]["zero"]) == ("bidirectional", False)
+    assert (rows["pipedream"]["data_parallel"], rows["pipemare"]["data_parallel"]) == ("asynchronous", "none")
+    assert rows["zb-auto"]["searched"] and rows["ampnet"]["ties"] and not rows["xpipe"]["ties"]
+    assert rows["spectrain"]["defaults"] == {"momentum": 0.9} and rows["1f1b"]["defaults"] == {}
+
+
 def test_schedules_sees_entries_added_at_run_time(capsys: pytest.CaptureFixture[str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     info = SCHEDULES["gpipe"]

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeweave.errors import UserError
+from pipeweave.schedule.registry import SCHEDULES
 
 # name -> (bubble, convergence, weights, activations, extra mem / comp / comm), as the papers state them.
 LITERATURE: dict[str, tuple[str, str, str, str, str]] = {
@@ -36,8 +37,6 @@ LITERATURE: dict[str, tuple[str, str, str, str, str]] = {
     "avgpipe": ("~0", "good", "P M_theta", "[1, D T] P M_a", "yes / - / yes"),
     "wpipe": ("~0", "good", "2 M_theta", "T M_a", "yes / - / -"),
 }
-SEARCHED = ("zb-auto", "zb-v-auto")
-"""Left out unless named or ``--all``: searched versions of zb-h1/zb-v (the same step here), slower to build."""
 
 # The convergence class (benchmarks/convergence/README.md, set before its runs): r = final held-out loss /
 # synchronous final held-out loss - 1; excellent r <= 1 %, good 1 % < r <= 5 %, poor r > 5 % or diverged.
@@ -48,7 +47,8 @@ HIGHER_IS_BETTER = ("samples_per_s", "measured_samples_per_s")
 
 
 def choose(names: str | None, every: bool, registry: Sequence[str]) -> list[str]:
-    """The approaches of ``-s a,b`` (in registry order), every one with ``--all``, or all but the searched ones.
+    """The approaches of ``-s a,b`` (in registry order), every one with ``--all``, or all but the searched ones
+    (``ScheduleInfo.searched``: zb-auto, zb-v-auto, slower to build and the same step as zb-h1, zb-v here).
 
     Raises:
         UserError: a name the registry does not know.
@@ -58,7 +58,7 @@ def choose(names: str | None, every: bool, registry: Sequence[str]) -> list[str]
         ['gpipe', '1f1b']
     """
     if names is None:
-        return [n for n in registry if every or n not in SEARCHED]
+        return [n for n in registry if every or not SCHEDULES[n].searched]
     given = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in given if n not in registry]
     if unknown or not given:

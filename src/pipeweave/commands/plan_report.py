@@ -23,7 +23,7 @@ def _split(r: Result) -> str:
 
 def _schedule(r: Result) -> str:
     c = r.config
-    return f"{c.schedule} v={c.chunks}" if c.schedule == "interleaved-1f1b" else c.schedule
+    return f"{c.schedule} v={c.chunks}" if c.takes_chunks else c.schedule
 
 
 def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: int) -> None:

@@ -35,7 +35,7 @@ from pipeweave.sim.stash import simulate_levers
 from pipeweave.sim.validation import check
 from pipeweave.sim.textline import format_timeline
 from pipeweave.sim.timeline import BYTES_PER_ACTION
-from pipeweave.sim.versions import TIED_STREAMS, staleness, tied_lag
+from pipeweave.sim.versions import staleness, tied_lag, tied_streams
 
 Times = float | list[float]
 
@@ -241,9 +241,9 @@ def _tied(args: argparse.Namespace, schedule: Schedule, metrics: Metrics) -> Met
     """
     if not getattr(args, "tied", False):
         return metrics
-    if not schedule.is_synchronous and schedule.name not in TIED_STREAMS:
+    if not schedule.is_synchronous and schedule.name not in tied_streams():
         raise UserError(f"--tied: {schedule.name} does not train tied parameters; asynchronous schedules train "
-                        f"them on {', '.join(TIED_STREAMS)} only; choose one or drop --tied")
+                        f"them on {', '.join(tied_streams())} only; choose one or drop --tied")
     return dataclasses.replace(metrics, staleness=staleness(schedule, tied=True))
 
 

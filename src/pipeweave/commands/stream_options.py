@@ -10,18 +10,20 @@ schedule that does not take it is one error line.
 from __future__ import annotations
 
 import argparse
+import inspect
 from typing import Any
 
 from pipeweave.errors import UserError
+from pipeweave.schedule.registry import SCHEDULES
 
-# flag -> (generator option, the schedules that take it)
+# flag -> generator option (the schedules whose generator takes that option take the flag)
 SCHEDULE_FLAGS = {
-    "warmup_steps": ("warmup_steps", "pipemare"),
-    "vertical_sync": ("vertical_sync", "pipedream"),
-    "update_every": ("update_every", "pipedream, spectrain"),
-    "min_update_frequency": ("min_update_frequency", "ampnet"),
-    "max_active_keys": ("max_active_keys", "ampnet"),
-    "pipelines": ("num_pipelines", "avgpipe"),
+    "warmup_steps": "warmup_steps",
+    "vertical_sync": "vertical_sync",
+    "update_every": "update_every",
+    "min_update_frequency": "min_update_frequency",
+    "max_active_keys": "max_active_keys",
+    "pipelines": "num_pipelines",
 }
 # flag -> (PolicyOptions field, the schedule that takes it)
 POLICY_FLAGS = {
@@ -83,7 +85,10 @@ def schedule_options(args: argparse.Namespace, schedule: str) -> dict[str, Any]:
         >>> schedule_options(argparse.Namespace(warmup_steps=2), "pipemare")
         {'warmup_steps': 2}
     """
-    return _given(args, SCHEDULE_FLAGS, schedule)
+    flags = {flag: (option, ", ".join(n for n, info in SCHEDULES.items()
+                                      if option in inspect.signature(info.generator).parameters))
+             for flag, option in SCHEDULE_FLAGS.items()}
+    return _given(args, flags, schedule)
 
 
 def async_options(args: argparse.Namespace, schedule: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -30,9 +30,10 @@ from pipeweave.config.schema import check_section, flag_of, hints, sections
 from pipeweave.config.sections import (GENERATOR_OPTIONS, DataConfig, MemoryConfig, ParallelConfig, PartitionConfig,
                                        ScheduleConfig)
 from pipeweave.errors import UserError
-from pipeweave.schedule.registry import SCHEDULES
+from pipeweave.schedule.registry import SCHEDULES, schedule_defaults
 
-DEFAULT_SCHEDULES = ("zb-h1", "1f1b")  # noqa: schedule-names  (preferences, first registered wins)
+DEFAULT_SCHEDULE = "zb-h1"
+"""The schedule of a run without ``-s``."""
 DEFAULT_STAGES, DEFAULT_MICROBATCHES = 2, 4
 PRIMARY = {"schedule": "name", "data": "path"}
 """Sections that a plain string names: ``schedule="1f1b"``, ``data="corpus.txt"``."""
@@ -199,7 +200,7 @@ def _resolve_schedule(config: TrainConfig) -> None:
     s = config.schedule
     if s.file is not None and s.name is not None and s.name != s.file:
         raise UserError(f"-s {s.name} and --schedule-file {s.file} both name the schedule; give one of them")
-    name = s.file if s.file is not None else s.name or next(n for n in DEFAULT_SCHEDULES if n in SCHEDULES)
+    name = s.file if s.file is not None else s.name or DEFAULT_SCHEDULE
     written = s.written
     stages = s.num_stages if s.num_stages is not None else written.num_ranks if written else DEFAULT_STAGES
     micro = s.num_microbatches if s.num_microbatches is not None else \
@@ -219,15 +220,9 @@ def _resolve_training(config: TrainConfig) -> None:
     t = config.training
     optimizer = t.optimizer or ("sgd" if config.model.kind == "mlp" else "adamw")
     lr = t.lr if t.lr is not None else (3e-3 if optimizer == "adamw" else 0.1)
-    info = SCHEDULES.get(config.schedule.name or "")
-    momentum = t.momentum if t.momentum is not None else _default_momentum(info)
+    momentum = t.momentum if t.momentum is not None else \
+        float(schedule_defaults(config.schedule.name or "").get("momentum", 0.0))
     _set(config, "training", optimizer=optimizer, lr=lr, momentum=momentum)
-
-
-def _default_momentum(info: Any) -> float:
-    """The schedule's own momentum default (weight prediction predicts along the velocity), else 0."""
-    defaults = dict(getattr(info, "defaults", ()) or ())
-    return float(defaults.get("momentum", 0.0))
 
 
 def _check_applies(config: TrainConfig) -> None:

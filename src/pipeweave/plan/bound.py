@@ -22,10 +22,7 @@ from __future__ import annotations
 from pipeweave.plan.config import Config
 from pipeweave.plan.evaluate import Evaluator
 from pipeweave.plan.memory import ALLOWANCE_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
-from pipeweave.plan.space import BIDIRECTIONAL, VSHAPE
-
-UNSPLIT = ("naive", "gpipe", "1f1b", "interleaved-1f1b")
-"""Schedules whose backward is one B (I and W together); the others split some or all into I and W."""
+from pipeweave.schedule.registry import SCHEDULES, PlacementKind
 
 
 def rank_of_part(schedule: str, part: int, num_ranks: int) -> int:
@@ -35,7 +32,7 @@ def rank_of_part(schedule: str, part: int, num_ranks: int) -> int:
         >>> [rank_of_part("zb-v", k, 2) for k in range(4)]
         [0, 1, 1, 0]
     """
-    if schedule in VSHAPE and part >= num_ranks:
+    if SCHEDULES[schedule].placement is PlacementKind.V_SHAPE and part >= num_ranks:
         return 2 * num_ranks - 1 - part
     return part % num_ranks
 
@@ -43,7 +40,7 @@ def rank_of_part(schedule: str, part: int, num_ranks: int) -> int:
 def time_bound(config: Config, evaluator: Evaluator) -> float:
     """Seconds no simulation of ``config`` can beat (module docstring)."""
     d = config.pp
-    if config.schedule in BIDIRECTIONAL:
+    if SCHEDULES[config.schedule].placement is PlacementKind.BIDIRECTIONAL:
         f, i, w, _ = evaluator.times(config, d)
         cost = [a + b + c for a, b, c in zip(f, i, w)]
         return max(config.microbatches / 2 * (cost[r] + cost[d - 1 - r]) for r in range(d))
@@ -62,7 +59,7 @@ def time_bound(config: Config, evaluator: Evaluator) -> float:
     last = parts - 1
     ranks = [rank_of_part(config.schedule, k, d) for k in range(parts)]
     reach_last = sum(f[k] + (hop if ranks[k] != ranks[k + 1] else 0.0) for k in range(last))
-    whole = config.schedule in UNSPLIT
+    whole = not SCHEDULES[config.schedule].splits_backward  # every backward one B: I and W together
     back = sum(i[k] + (w[k] if whole else 0.0) + (hop if ranks[k] != ranks[k + 1] else 0.0) for k in range(last))
     drain = reach_last + config.microbatches * (f[last] + i[last] + (w[last] if whole else 0.0)) + back
     return max(max(s + b for s, b in zip(start, busy)), drain + (0.0 if whole else w[0]))
@@ -71,7 +68,7 @@ def time_bound(config: Config, evaluator: Evaluator) -> float:
 def memory_bound(config: Config, evaluator: Evaluator) -> float:
     """Bytes the fullest GPU of ``config`` holds at least (module docstring)."""
     model = evaluator.cluster.model
-    copies = 2 if config.schedule in BIDIRECTIONAL else 1
+    copies = 2 if SCHEDULES[config.schedule].placement is PlacementKind.BIDIRECTIONAL else 1
     per_gpu = model.parameters * copies / (config.tp * config.pp)
     shard = 1.0 / config.dp
     state = per_gpu * (PARAM_BYTES * (shard if config.zero == 3 else 1.0)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from pipeweave.schedule.registry import SCHEDULES
+
 
 @dataclass(frozen=True, kw_only=True, order=True)
 class Config:
@@ -36,6 +38,16 @@ class Config:
     """ZeRO stage: 0, 1 or 3."""
 
     @property
+    def searched(self) -> bool:
+        """Its schedule is searched for the configuration's own times (``ScheduleInfo.searched``: zb-auto)."""
+        return SCHEDULES[self.schedule].searched
+
+    @property
+    def takes_chunks(self) -> bool:
+        """Its schedule takes ``--chunks v`` (``ScheduleInfo.chunks`` None: interleaved 1F1B)."""
+        return SCHEDULES[self.schedule].chunks is None
+
+    @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
 
@@ -46,7 +58,7 @@ class Config:
 
     @property
     def label(self) -> str:
-        v = f" v={self.chunks}" if self.schedule == "interleaved-1f1b" else ""
+        v = f" v={self.chunks}" if self.takes_chunks else ""
         return (f"TP{self.tp} PP{self.pp} DP{self.dp} {self.schedule}{v} b={self.microbatch_size} "
                 f"T={self.microbatches} rc={self.recompute} Z{self.zero}")
 

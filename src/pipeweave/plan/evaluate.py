@@ -30,7 +30,7 @@ from pipeweave.plan.config import Config
 from pipeweave.plan.costs import Cluster, block_times, hop_time, part_times, transformer
 from pipeweave.plan.flops import step_flops
 from pipeweave.plan.memory import GPUMemory, block_activation_bytes, gpu_memory
-from pipeweave.plan.pipeline import AUTO, Pipeline, Summary, Times, auto_options
+from pipeweave.plan.pipeline import Pipeline, Summary, Times, auto_options
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.parallel import Layout, gather_time, reduction_time
 
@@ -117,7 +117,7 @@ class Evaluator:
 
     def auto_options(self, config: Config, times: Times) -> dict[str, object]:
         """The options of a searched schedule (zb-auto), none for the others."""
-        return auto_options(config, self.cluster, times) if config.schedule in AUTO else {}
+        return auto_options(config, self.cluster, times) if config.searched else {}
 
     def memory(self, config: Config, schedule: Schedule, layout: Layout) -> GPUMemory:
         """The fullest GPU's bytes (``plan.memory``)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pipeweave.plan.config import Config
 from pipeweave.plan.evaluate import Evaluator
 from pipeweave.plan.memory import PARAM_BYTES, GPUMemory, fullest_gpu
-from pipeweave.plan.pipeline import AUTO, Times
+from pipeweave.plan.pipeline import Times
 from pipeweave.plan.profiled import ProfiledModel
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.metrics import held_peaks
@@ -50,7 +50,7 @@ class ProfiledEvaluator(Evaluator):
 
     def auto_options(self, config: Config, times: Times) -> dict[str, object]:
         """zb-auto's options: the parts' mean times in units of F, and the memory limit 2 (ZB-2p's)."""
-        if config.schedule not in AUTO:
+        if not config.searched:
             return {}
         parts = self.num_parts(config)
         f, i, w, hop = times

@@ -23,8 +23,6 @@ from pipeweave.sim.cost import CostModel
 from pipeweave.sim.parallel import part_holders
 from pipeweave.sim.timeline import Timeline, simulate
 
-AUTO = ("zb-auto", "zb-v-auto")
-"""Searched schedules: planned for the configuration's own times, under the memory limit that fits."""
 Times = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], float]
 
 
@@ -120,7 +118,7 @@ class Pipeline:
         """The configuration's schedule, None where its family refuses the shape."""
         key = self.schedule_key(config, options)
         if key not in self.schedules:
-            chunks = config.chunks if config.schedule == "interleaved-1f1b" else None
+            chunks = config.chunks if config.takes_chunks else None
             try:
                 self.schedules[key] = generate(config.schedule, num_stages=config.pp,
                                                num_microbatches=config.microbatches, num_chunks=chunks, **options)
@@ -138,7 +136,7 @@ class Pipeline:
             timeline = simulate(schedule, CostModel(f=f, b=i, w=w, comm=hop, dispatch=self.dispatch),
                                 check=False)
             found = self.summaries[key] = summarise(timeline, times)
-            if config.schedule not in AUTO and config.shape not in self.references:
+            if not config.searched and config.shape not in self.references:
                 self.references[config.shape] = critical_path(timeline)
         return found
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pipeweave.plan.bound import memory_bound, time_bound
 from pipeweave.plan.config import Config
 from pipeweave.plan.evaluate import Evaluator, Result
-from pipeweave.plan.pipeline import AUTO
 
 Progress = Callable[[int, int], None]
 """``progress(done, total)``: configurations settled so far (simulated or pruned), of all."""
@@ -90,8 +89,7 @@ def _search(configs: list[Config], evaluator: Evaluator, top: int, exhaustive: b
             break
         config = fitting[k]
         times = evaluator.times(config, evaluator.num_parts(config))
-        if config.schedule in AUTO and not evaluator.pipeline.has_schedule(config,
-                                                                           evaluator.auto_options(config, times)):
+        if config.searched and not evaluator.pipeline.has_schedule(config, evaluator.auto_options(config, times)):
             if auto_searches <= 0:
                 skipped += 1
                 continue

@@ -19,13 +19,13 @@ from pipeweave.errors import UserError
 from pipeweave.plan.config import Config
 from pipeweave.sim.recompute import RECOMPUTE
 from pipeweave.plan.profiled import Model
-from pipeweave.schedule.registry import SCHEDULES
+from pipeweave.schedule.registry import SCHEDULES, PlacementKind
 from pipeweave.sim.parallel import ZERO_STAGES
 
-SYNCHRONOUS = tuple(name for name, info in SCHEDULES.items() if info.synchronous)
-BIDIRECTIONAL = ("chimera", "dualpipe", "gems")
-"""Two pipelines in opposite directions, each rank holding two parts (2 M_theta)."""
-VSHAPE = ("zb-v", "zb-v-auto", "dualpipe-v")
+
+def synchronous() -> list[str]:
+    """The registry's synchronous schedules, in its order, read when called (an entry added later counts)."""
+    return [name for name, info in SCHEDULES.items() if info.synchronous]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,9 +42,9 @@ class Fixed:
     zero: int | None = None
 
     def __post_init__(self) -> None:
-        if self.schedule is not None and self.schedule not in SYNCHRONOUS:
+        if self.schedule is not None and self.schedule not in synchronous():
             raise UserError(f"-s {self.schedule!r} is not a synchronous schedule the planner can size; choose one "
-                            f"of: {', '.join(SYNCHRONOUS)}")
+                            f"of: {', '.join(synchronous())}")
         if self.recompute is not None and self.recompute not in RECOMPUTE:
             raise UserError(f"--recompute {self.recompute!r} is invalid; choose one of: {', '.join(RECOMPUTE)}")
         if self.zero is not None and self.zero not in ZERO_STAGES:
@@ -99,19 +99,18 @@ def splits(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed
 
 def chunk_counts(model: Model, schedule: str, pp: int) -> list[int]:
     """The chunks v a schedule may run with at D = ``pp`` (its layers split evenly into D x v parts)."""
-    if schedule == "interleaved-1f1b":
+    info = SCHEDULES[schedule]
+    if info.chunks is None:  # --chunks v: looped, D x v parts
         return [v for v in range(2, model.layers // pp + 1) if model.splits_into(pp * v)]
-    if schedule in VSHAPE:
-        return [2] if model.splits_into(2 * pp) else []
-    if schedule in BIDIRECTIONAL:
+    if info.placement is PlacementKind.BIDIRECTIONAL:  # one part per rank and direction, D even
         return [1] if pp % 2 == 0 else []
-    return [1]
+    return [info.chunks] if model.splits_into(pp * info.chunks) else []
 
 
 def configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> Iterator[Config]:
     """The space (module docstring), in a fixed order."""
     for tp, pp, dp in splits(model, gpus, batch, gpus_per_node, fixed):
-        names = ("1f1b",) if pp == 1 else SYNCHRONOUS
+        names = ["1f1b"] if pp == 1 else synchronous()
         for schedule in (n for n in names if fixed.allows("schedule", n)):
             for chunks in (v for v in chunk_counts(model, schedule, pp) if fixed.allows("chunks", v)):
                 for b in (b for b in divisors(batch // dp) if fixed.allows("microbatch_size", b)):

@@ -11,12 +11,13 @@ from pipeweave.schedule.ir import (
     WeightPolicy,
 )
 from pipeweave.schedule.lower import LoweredSchedule, lower
-from pipeweave.schedule.registry import SCHEDULES, ScheduleInfo, generate
+from pipeweave.schedule.registry import SCHEDULES, DataParallel, PlacementKind, ScheduleInfo, generate
 from pipeweave.schedule.text import from_csv, parse_action, parse_actions, read_csv, to_csv, write_csv
 from pipeweave.schedule.validate import InvalidSchedule, is_valid, validate
 
 __all__ = [
-    "Action", "Execution", "InvalidSchedule", "LoweredSchedule", "Op", "Placement", "SCHEDULES",
+    "Action", "DataParallel", "Execution", "InvalidSchedule", "LoweredSchedule", "Op", "Placement",
+    "PlacementKind", "SCHEDULES",
     "Schedule", "ScheduleError", "ScheduleInfo", "WeightPolicy", "execute", "format_grid",
     "from_csv", "generate", "is_valid", "lower", "parse_action", "parse_actions", "read_csv",
     "to_csv", "validate", "write_csv",

@@ -1,11 +1,16 @@
 """The registry of schedule names: a plain dict from name to ``ScheduleInfo``.
 
 The names are the CLI's ``-s`` values. Each entry carries the closed forms of
-its paper (as text, for ``pipeweave schedules``) and the conditions they need.
+its paper (as text, for ``pipeweave schedules``) and the conditions they need,
+and what the schedule supports: its placement, whether it splits B into I and
+W, whether it is searched, how it takes data parallelism, ties, and its default
+options. Every other module reads these facts here, by name; none keeps its own
+list of names (``tests/schedule/test_registry_facts.py`` keeps it so).
 """
 
 from __future__ import annotations
 
+import enum
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +34,35 @@ from pipeweave.schedule.zb_v import zb_v
 from pipeweave.schedule.zero_bubble import zb_h1, zb_h2
 
 
+class PlacementKind(str, enum.Enum):
+    """Where a schedule puts its stages (``schedule.ir.Placement``), D ranks."""
+
+    STRAIGHT = "straight"
+    """Part k on rank k: one stage per rank, one pipeline (GPipe, 1F1B, ZB-H1/H2, the PipeDream family)."""
+    LOOPED = "looped"
+    """Part k on rank k mod D, D x v parts (Megatron-LM interleaved, WPipe's two groups)."""
+    V_SHAPE = "v-shape"
+    """Parts 0..D-1 down the ranks and D..2D-1 back up, 2 parts per rank (ZB-V, DualPipeV)."""
+    BIDIRECTIONAL = "bidirectional"
+    """Two pipelines in opposite directions, each rank holding two replicas' parts (Chimera, GEMS, DualPipe):
+    a part's two replicas are combined inside the pipeline, at 2 M_theta per rank."""
+    REPLICATED = "replicated"
+    """P straight pipelines over the same D ranks, each a replica of every part (AvgPipe)."""
+
+
+class DataParallel(str, enum.Enum):
+    """How a schedule takes ``--data-parallel P`` (P pipeline replicas)."""
+
+    SYNCHRONOUS = "synchronous"
+    """P replicas of the step side by side in one schedule (``schedule.data_parallel``); a part's replicas'
+    gradients are summed before its ``U`` (an all-reduce over ``dp``). Every synchronous schedule."""
+    ASYNCHRONOUS = "asynchronous"
+    """P copies of the stream, one per data-parallel rank; each ``U`` sums its replicas' gradients first
+    (PipeDream's hybrid, ``runtime.run.plan``)."""
+    NONE = "none"
+    """``--data-parallel`` is refused (the other streams: only PipeDream's policies are run with replicas)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ScheduleInfo:
     """What the registry knows of one schedule family."""
@@ -47,8 +81,29 @@ class ScheduleInfo:
     """Peak activation memory, in M_a."""
     weights: str
     """Weight memory per rank, in M_theta."""
+    placement: PlacementKind
+    """Where its stages live; the planner's bounds and chunk counts read it."""
+    splits_backward: bool
+    """True when some backward is split into I (input gradient) and W (weight gradient) actions."""
+    data_parallel: DataParallel
+    """How it takes ``--data-parallel``."""
+    ties: bool
+    """True when it trains tied parameters (a part's weight shared with another, e.g. tied embeddings):
+    synchronous schedules sum the copies' gradients before ``U``; of the streams, those whose last stage may
+    apply each tied update some updates later (``runtime.stage.tied_stream``)."""
     chunks: int | None = None
     """Fixed chunks per rank (2 for V shapes), or None when ``--chunks`` applies (default 1)."""
+    searched: bool = False
+    """True when built by ``pipeweave.search`` for the run's own costs: its generator takes ``time_f``,
+    ``time_b``, ``time_w`` and ``memory_limit``, which ``train`` and the planner fill in."""
+    defaults: tuple[tuple[str, float], ...] = ()
+    """``(option, value)`` pairs: its defaults of run options where they differ from the usual ones, e.g.
+    ``(("momentum", 0.9),)`` for SpecTrain and XPipe, which predict the weights along the momentum."""
+
+    @property
+    def zero(self) -> bool:
+        """True when it takes ``--zero 1/3``: synchronous, one replica of each part per pipeline."""
+        return self.synchronous and self.placement is not PlacementKind.BIDIRECTIONAL
 
 
 Times = float | Sequence[float]  # a scalar per D-th of the model, or one value per part
@@ -78,56 +133,78 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     "naive": ScheduleInfo(
         name="naive", generator=naive, family="naive model parallelism", synchronous=True,
         bubble="(D-1)/D", activations="M_a", weights="M_theta", chunks=1,
+        placement=PlacementKind.STRAIGHT, splits_backward=False,
+        data_parallel=DataParallel.SYNCHRONOUS, ties=True,
     ),
     "gpipe": ScheduleInfo(
         name="gpipe", generator=gpipe, family="GPipe", synchronous=True,
         bubble="(D-1)/(T+D-1)", activations="T M_a", weights="M_theta", chunks=1,
+        placement=PlacementKind.STRAIGHT, splits_backward=False,
+        data_parallel=DataParallel.SYNCHRONOUS, ties=True,
     ),
     "1f1b": ScheduleInfo(
         name="1f1b", generator=one_f_one_b, family="DAPPLE / PipeDream-Flush", synchronous=True,
         bubble="(D-1)/(T+D-1)", activations="min(D-r, T) M_a on rank r", weights="M_theta", chunks=1,
+        placement=PlacementKind.STRAIGHT, splits_backward=False,
+        data_parallel=DataParallel.SYNCHRONOUS, ties=True,
     ),
     "interleaved-1f1b": ScheduleInfo(
         name="interleaved-1f1b", generator=interleaved_1f1b, family="Megatron-LM interleaved 1F1B",
         synchronous=True, bubble="overhead (D-1)/(vT) (T multiple of D when v > 1; any f, b, w)",
         activations="min(2(D-r-1)+(v-1)D+1, vT)/v M_a on rank r; D+(D-1)/v on rank 0 (T >= 2D)",
         weights="M_theta", chunks=None,
+        placement=PlacementKind.LOOPED, splits_backward=False,
+        data_parallel=DataParallel.SYNCHRONOUS, ties=True,
     ),
     "zb-h1": ScheduleInfo(
         name="zb-h1", generator=zb_h1, family="zero bubble ZB-H1", synchronous=True,
         bubble="time (D-1)(f+b-w) (T >= D, w <= f)",
         activations="(D-r) M_a + r M_W on rank r; D M_a on rank 0 (T >= D)", weights="M_theta", chunks=1,
+        placement=PlacementKind.STRAIGHT, splits_backward=True,
+        data_parallel=DataParallel.SYNCHRONOUS, ties=True,
     ),
     "zb-h2": ScheduleInfo(
         name="zb-h2", generator=zb_h2, family="zero bubble ZB-H2", synchronous=True,
         bubble="time max(0, (D-1)(f+b-2w)) (T >= 2D-1, w <= f); 0 at f = b = w",
         activations="(2D-2r-1) M_a + 2r M_W on rank r; (2D-1) M_a on rank 0 (T >= 2D-1)",
         weights="M_theta", chunks=1,
+        placement=PlacementKind.STRAIGHT, splits_backward=True,
+        data_parallel=DataParallel.SYNCHRONOUS, ties=True,
     ),
     "zb-v": ScheduleInfo(
         name="zb-v", generator=zb_v, family="zero bubble ZB-V", synchronous=True,
         bubble="0 at f = b = w (T >= 2D-1)", activations="D M_a on every rank (T >= 2D-1)",
         weights="M_theta", chunks=2,
+        placement=PlacementKind.V_SHAPE, splits_backward=True,
+        data_parallel=DataParallel.SYNCHRONOUS, ties=True,
     ),
     "chimera": ScheduleInfo(
         name="chimera", generator=chimera, family="Chimera (bidirectional)", synchronous=True,
         bubble="(D-2)/(2T+D-2) at f = b+w, overlapped units (D even, T multiple of D)",
         activations="(D/2+1) M_a to D M_a (T = D); D M_a (T >= 2D)", weights="2 M_theta", chunks=1,
+        placement=PlacementKind.BIDIRECTIONAL, splits_backward=False,
+        data_parallel=DataParallel.SYNCHRONOUS, ties=True,
     ),
     "gems": ScheduleInfo(
         name="gems", generator=gems, family="GEMS (mirrored replicas)", synchronous=True,
         bubble="~(D-1)/(D+1/2) at b+w = 2f (per pair; exact step form in gems.py)",
         activations="M_a", weights="2 M_theta", chunks=1,
+        placement=PlacementKind.BIDIRECTIONAL, splits_backward=False,
+        data_parallel=DataParallel.SYNCHRONOUS, ties=True,
     ),
     "dualpipe": ScheduleInfo(
         name="dualpipe", generator=dualpipe, family="DualPipe (DeepSeek-V3)", synchronous=True,
         bubble="(PP/2-1)(F&B+B-3W); no overlap, f=b=w: (D-2)/(6T+D-2) (D even, T even >= 2D)",
         activations="D+1 M_a", weights="2 M_theta", chunks=1,
+        placement=PlacementKind.BIDIRECTIONAL, splits_backward=True,
+        data_parallel=DataParallel.SYNCHRONOUS, ties=True,
     ),
     "dualpipe-v": ScheduleInfo(
         name="dualpipe-v", generator=dualpipe_v, family="DualPipeV (DeepSeek, cut-in-half V)",
         synchronous=True, bubble="no overlap, f=b=w: (D-1)/(6T+D-1) (T >= 2D)",
         activations="D+1/2 M_a", weights="M_theta", chunks=2,
+        placement=PlacementKind.V_SHAPE, splits_backward=True,
+        data_parallel=DataParallel.SYNCHRONOUS, ties=True,
     ),
     # Asynchronous streams (no flush): options num_steps (mini-batches, default 4) and
     # each family's hyperparameters; "~0" is the steady-state bubble at f = b = w.
@@ -135,49 +212,78 @@ SCHEDULES: dict[str, ScheduleInfo] = {
         name="pipedream", generator=pipedream, family="PipeDream (weight stashing; vertical_sync)",
         synchronous=False, bubble="~0 (steady state)", activations="D-r M_a on rank r",
         weights="D-r M_theta on rank r (stash); D M_theta with vertical sync", chunks=1,
+        placement=PlacementKind.STRAIGHT, splits_backward=False,
+        data_parallel=DataParallel.ASYNCHRONOUS, ties=True,
     ),
     "pipedream-2bw": ScheduleInfo(
         name="pipedream-2bw", generator=pipedream_2bw, family="PipeDream-2BW", synchronous=False,
         bubble="~0 (steady state)", activations="D-r M_a on rank r", weights="2 M_theta (T >= D)", chunks=1,
+        placement=PlacementKind.STRAIGHT, splits_backward=False,
+        data_parallel=DataParallel.ASYNCHRONOUS, ties=True,
     ),
     "pipemare": ScheduleInfo(
         name="pipemare", generator=pipemare, family="PipeMare", synchronous=False,
         bubble="~0 (steady state; warmup_steps are flushed)", activations="D-r M_a on rank r",
         weights="M_theta + velocity M_theta", chunks=1,
+        placement=PlacementKind.STRAIGHT, splits_backward=False, data_parallel=DataParallel.NONE, ties=False,
     ),
     "spectrain": ScheduleInfo(
         name="spectrain", generator=spectrain, family="SpecTrain", synchronous=False,
         bubble="~0 (steady state)", activations="D-r M_a on rank r",
         weights="M_theta + prediction M_theta", chunks=1,
+        placement=PlacementKind.STRAIGHT, splits_backward=False,
+        data_parallel=DataParallel.NONE, ties=False, defaults=(("momentum", 0.9),),
     ),
     "xpipe": ScheduleInfo(
         name="xpipe", generator=xpipe, family="XPipe", synchronous=False, bubble="~0 (steady state)",
         activations="D-r M_a on rank r", weights="M_theta + cached predictions (<= 2 M_theta)", chunks=1,
+        placement=PlacementKind.STRAIGHT, splits_backward=False,
+        data_parallel=DataParallel.NONE, ties=False, defaults=(("momentum", 0.9),),
     ),
     "ampnet": ScheduleInfo(
         name="ampnet", generator=ampnet, family="AMPNet", synchronous=False,
         bubble="~0 (steady state, max_active_keys >= D)", activations="D-r M_a on rank r",
         weights="M_theta", chunks=1,
+        placement=PlacementKind.STRAIGHT, splits_backward=False, data_parallel=DataParallel.NONE, ties=True,
     ),
     "wpipe": ScheduleInfo(
         name="wpipe", generator=wpipe, family="WPipe (double-grouped weight updates)", synchronous=False,
         bubble="~0 (steady state)", activations="see simulate", weights="<= 2 M_theta", chunks=2,
+        placement=PlacementKind.LOOPED, splits_backward=False, data_parallel=DataParallel.NONE, ties=False,
     ),
     "avgpipe": ScheduleInfo(
         name="avgpipe", generator=avgpipe, family="AvgPipe (elastic averaging)", synchronous=False,
         bubble="~0 (steady state)", activations="[1, D] P M_a", weights="P M_theta", chunks=1,
+        placement=PlacementKind.REPLICATED, splits_backward=False,
+        data_parallel=DataParallel.NONE, ties=False,
     ),
     "zb-auto": ScheduleInfo(
         name="zb-auto", generator=_zb_auto, family="zero bubble, automatic (ZB-1p/ZB-2p)", synchronous=True,
         bubble="searched; ZB-H1's (D-1)(f+b-w) or less at memory_limit=1", activations="<= K D M_a",
         weights="M_theta", chunks=1,
+        placement=PlacementKind.STRAIGHT, splits_backward=True,
+        data_parallel=DataParallel.SYNCHRONOUS, ties=True, searched=True,
     ),
     "zb-v-auto": ScheduleInfo(
         name="zb-v-auto", generator=_zb_v_auto, family="zero bubble, automatic, V placement", synchronous=True,
         bubble="searched; 0 at f = b = w, no comm, memory_limit=1", activations="<= K D M_a",
         weights="M_theta", chunks=2,
+        placement=PlacementKind.V_SHAPE, splits_backward=True,
+        data_parallel=DataParallel.SYNCHRONOUS, ties=True, searched=True,
     ),
 }
+
+
+def schedule_defaults(name: str) -> dict[str, float]:
+    """The run options whose default schedule ``name`` sets (``ScheduleInfo.defaults``); none for a name the
+    registry does not hold (a schedule read from a file).
+
+    Example:
+        >>> schedule_defaults("spectrain"), schedule_defaults("1f1b")
+        ({'momentum': 0.9}, {})
+    """
+    info = SCHEDULES.get(name)
+    return {} if info is None else dict(info.defaults)
 
 
 def generate(

@@ -42,7 +42,7 @@ from pipeweave.runtime.stage.tensor_parallel import check_plans
 from pipeweave.runtime.stage.tied import tied_groups
 from pipeweave.runtime.stage.worker import OptimizerFactory
 from pipeweave.runtime.stream import check_stream_model, pipelines_per_round, stream_steps, stream_updates
-from pipeweave.schedule import Schedule, generate, validate
+from pipeweave.schedule import SCHEDULES, DataParallel, Schedule, generate, validate
 from pipeweave.schedule.data_parallel import data_parallel
 from pipeweave.schedule.stash import parse_offload
 from pipeweave.schedule.stream import concatenate
@@ -200,14 +200,12 @@ def _check_levers(config: TrainConfig, schedule: Schedule) -> None:
         raise UserError(f"{flag} with --recompute: a recomputed stage keeps only its input; drop one of them")
 
 
-ASYNC_DATA_PARALLEL = ("pipedream", "pipedream-2bw")
-"""Asynchronous schedules that take ``--data-parallel`` (PipeDream's hybrid: each update sums its replicas')."""
-
-
 def _check_stream_data_parallel(config: TrainConfig) -> None:
-    if config.schedule.name not in ASYNC_DATA_PARALLEL:
+    """A stream takes ``--data-parallel`` where its entry says so (``DataParallel.ASYNCHRONOUS``: PipeDream's)."""
+    if SCHEDULES[config.schedule.name].data_parallel is not DataParallel.ASYNCHRONOUS:
+        takers = [n for n, info in SCHEDULES.items() if info.data_parallel is DataParallel.ASYNCHRONOUS]
         raise UserError(f"--data-parallel with the asynchronous {config.schedule.name} is not supported; use one of "
-                        f"{', '.join(ASYNC_DATA_PARALLEL)}, a synchronous schedule, or --data-parallel 1")
+                        f"{', '.join(takers)}, a synchronous schedule, or --data-parallel 1")
 
 
 def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:

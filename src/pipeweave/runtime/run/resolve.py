@@ -84,7 +84,7 @@ def _with_searched_costs(config: TrainConfig) -> TrainConfig:
     rank searches the same instance and builds the same schedule.
     """
     info = SCHEDULES.get(config.schedule.name or "")
-    if info is None or not getattr(info, "searched", False):
+    if info is None or not info.searched:
         return config
     options = dict(config.schedule.options)
     if config.partition.memory_limit is not None and config.partition.method != "memory":
@@ -101,7 +101,7 @@ def _with_partition(config: TrainConfig) -> TrainConfig:
     """``config`` with the layer counts of ``--partition`` (profiled on this machine's device, cached)."""
     args = partition_arguments(config)
     info = SCHEDULES.get(config.schedule.name or "")
-    searched = info is not None and getattr(info, "searched", False)
+    searched = info is not None and info.searched
     if args.memory_limit is not None and args.partition != "memory" and not searched:
         # Otherwise --memory-limit would be ignored: say so instead.
         raise UserError(f"--memory-limit {args.memory_limit:g} applies to --partition memory (bytes per rank) and to "

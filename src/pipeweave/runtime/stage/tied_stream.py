@@ -40,7 +40,7 @@ refuses an order in which that would close a cycle. The last stage's
 ``U_(k+d)`` needs a message sent before it could be reached: it waits no
 longer than a message takes.
 
-Admitted (``sim.versions.TIED_STREAMS``): ``pipedream-2bw`` (the
+Admitted (``ScheduleInfo.ties``, listed by ``sim.versions.tied_streams``): ``pipedream-2bw`` (the
 asynchronous schedule people use), ``pipedream`` (with or without vertical
 sync) and ``ampnet``, at a constant learning rate (the last stage applies
 sum k at its own update k + d: a scheduled rate would differ between the
@@ -62,15 +62,15 @@ from pipeweave.runtime.stage.tied import (chained, flatten, partial_sums, split_
                                          tied_names, unflatten, write_sums)
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Schedule
-from pipeweave.sim.versions import TIED_STREAMS, tied_lag
+from pipeweave.sim.versions import tied_lag, tied_streams
 
 
 def check_stream_ties(spec: ModelSpec, schedule: str, lr_scheduled: bool) -> None:
     """One line for a tie on a stream the rule does not cover: another schedule, a scheduled learning rate."""
     if not tied_groups(spec):
         return
-    if schedule not in TIED_STREAMS:
-        raise UserError(f"tied parameters (tied embeddings) train on the asynchronous {', '.join(TIED_STREAMS)} "
+    if schedule not in tied_streams():
+        raise UserError(f"tied parameters (tied embeddings) train on the asynchronous {', '.join(tied_streams())} "
                         f"only, not {schedule}; choose one of them or a synchronous schedule, or untie them "
                         "(drop --tie-embeddings, tie_word_embeddings=false)")
     if lr_scheduled:
