@@ -139,6 +139,8 @@ class TrainConfig:
         """A section's field read by its name alone (``config.tensor_parallel``), or a section's property
         (``config.recomputes``); the library itself reads through the sections."""
         owner = field_owners(type(self)).get(name) or _PROPERTIES.get(name)
+        if name in _FORMER:
+            owner, name = _FORMER[name]
         if owner is None or name.startswith("__"):
             raise AttributeError(f"'TrainConfig' object has no attribute {name!r}")
         return getattr(object.__getattribute__(self, owner), name)
@@ -176,6 +178,8 @@ class TrainConfig:
 
 _PROPERTIES = {"recompute_of": "memory", "recomputes": "memory", "lr_scheduled": "training"}
 """Section methods and properties ``TrainConfig.__getattr__`` reads by name."""
+_FORMER = {"schedule_options": ("schedule", "options"), "schedule_file": ("schedule", "written")}
+"""Names the flat configuration had for internal fields, read as before."""
 
 
 @functools.cache
