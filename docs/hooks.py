@@ -1,0 +1,1 @@
+"""MkDocs hooks: the benchmarks' READMEs (outside docs/) become pages of the site."""
