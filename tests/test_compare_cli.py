@@ -167,7 +167,7 @@ def test_measured_bytes_equal_a_train_run(capsys: pytest.CaptureFixture[str], co
 def test_class_rule_on_fixed_numbers() -> None:
     assert [classify(r) for r in (-0.1311, 0.0, 0.01, 0.0107, 0.05, 0.0501, math.inf, math.nan)] == [
         "excellent", "excellent", "excellent", "good", "good", "poor", "poor", "poor"]
-    # the README's seeds of pipedream-2bw and avgpipe (benchmarks/convergence)
+    # the seeds of pipedream-2bw and avgpipe in benchmarks/convergence/README.md
     twobw = seed_summary([-0.0268, 0.0880, -0.0235])
     assert twobw["classes"] == ["excellent", "poor", "excellent"] and twobw["class"] == "good (unstable)"
     assert seed_summary([0.0577, 0.0524, 0.0272])["class"] == "good (unstable)"

@@ -1,4 +1,4 @@
-"""The README's Python examples run as written (each block a script of its own, in a fresh folder)."""
+"""The Python examples of the README and the user guide run as written (each block a script, in a fresh folder)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+ROOT = Path(__file__).resolve().parents[1]
+# The README is a front page; its longer Python examples live in the user guide's pages.
+PAGES = [ROOT / "README.md", ROOT / "docs" / "guide" / "python.md", ROOT / "docs" / "guide" / "your-model.md"]
+BLOCKS = [block for page in PAGES for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)]
 
 
 def test_the_readme_has_python_examples() -> None:

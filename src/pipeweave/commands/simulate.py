@@ -81,7 +81,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, help="mini-batches in the stream (default 4; avgpipe: rounds of P)")
     g.add_argument("--tied", action="store_true",
                    help="the model ties its first and last stage (--tie-embeddings): staleness counts the tied "
-                        "members, and the JSON gives tied_lag (the asynchronous rule: README, Tied parameters)")
+                        "members, and the JSON gives tied_lag (the asynchronous rule: docs/guide/your-model.md, "
+                        "Tied parameters)")
     add_schedule_arguments(g)
     return p
 
