@@ -96,6 +96,13 @@ class ModelSpec:
             raise UserError(f"hidden={self.hidden} is not divisible by heads={self.heads}; choose heads dividing hidden")
         check_section(self)
 
+    def unused_fields(self) -> set[str]:
+        """Fields that do not apply to this model (an entry's sizes are its own): left out of its TOML."""
+        if self.entry is None:
+            return set()
+        hf = self.entry.startswith("hf:")
+        return {name for name in SIZES + ("tie_embeddings",) if not (hf and name == "seq_len")}
+
     @property
     def num_layers(self) -> int:
         """Layers of the lazy layer list: the unit that parts are cut from."""

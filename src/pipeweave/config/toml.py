@@ -106,9 +106,10 @@ def dumps(config: Any) -> str:
     for name, _ in sections(type(config)):
         section = getattr(config, name)
         lines.append(f"[{name}]")
+        unused = section.unused_fields() if hasattr(section, "unused_fields") else set()
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
-            if option_of(f).internal or value is None:
+            if option_of(f).internal or value is None or f.name in unused:
                 continue
             lines.append(f"{f.name} = {_value(value)}")
         lines.append("")
