@@ -162,14 +162,15 @@ def plan_cluster(model: Any, gpus: int, global_batch: int, *, gpu: Any = "a100-8
         model: a preset name (``"gpt-1.7b"`` ... ``"gpt-1t"``, ``"gpt3-175b"``) or a ``plan.transformer.Transformer``.
         gpus, global_batch: N GPUs, B samples per step.
         gpu: a preset name (``"a100-80gb"``, ``"h100-sxm"``, ``"h200"``) or a ``plan.hardware.GPU``.
-        top: configurations to keep; ``exhaustive``: simulate every one that may fit.
+        top: how many of the best are exact (``best[:top]``: no configuration left out beats them);
+            ``exhaustive``: simulate every one that may fit.
         sequence_parallel, scatter_gather, dp_overlap: the model of the run (``plan --sequence-parallel``,
             ``--no-scatter-gather``, ``--no-dp-overlap``).
         fixed: dimensions to hold: ``tensor_parallel``, ``stages``, ``data_parallel``, ``chunks``,
             ``microbatch_size``, ``schedule``, ``recompute``, ``zero``.
 
     Returns:
-        A ``plan.search.Plan``: ``best`` lists the configurations that fit, fastest first (each a
+        A ``plan.search.Plan``: ``best`` lists the simulated configurations that fit, fastest first (each a
         ``plan.evaluate.Result``: ``config``, ``step_time``, ``mfu``, ``memory``, ``bubble``, ...).
 
     Raises:
