@@ -11,7 +11,6 @@ is imported, so the functions carry longer names: ``search_schedule``,
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,36 +86,17 @@ def simulate(schedule: str | Schedule = "1f1b", num_stages: int = 4, num_microba
 
     cost = cost if cost is not None else CostModel()
     if isinstance(schedule, str):
+        info = SCHEDULES.get(schedule)
+        if info is None:
+            raise UserError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         if steps is not None:
             options["num_steps"] = steps
-        options = {**generator_options(schedule, cost), **options}
+        options = {**cost.generator_options(info.generator), **options}
         schedule = generate(schedule, num_stages=num_stages, num_microbatches=num_microbatches,
                             num_chunks=num_chunks, **options)
     check(schedule)
     timeline = timed(schedule, cost, check=True)
     return Simulation(schedule, timeline, compute_metrics(timeline))
-
-
-def generator_options(name: str, cost: CostModel) -> dict[str, Any]:
-    """The cost model's scalars that the generator of ``name`` takes as options (a searched schedule is searched
-    under them): ``time_f``, ``time_b``, ``time_w`` (scalar times only), ``time_comm``, ``mem_w``.
-
-    Raises:
-        UserError: an unknown name.
-
-    Example:
-        >>> generator_options("zb-auto", CostModel(f=2.0))
-        {'time_f': 2.0, 'time_b': 1.0, 'time_w': 1.0, 'time_comm': 0.0, 'mem_w': 0.5}
-        >>> generator_options("1f1b", CostModel())
-        {}
-    """
-    info = SCHEDULES.get(name)
-    if info is None:
-        raise UserError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
-    params = inspect.signature(info.generator).parameters
-    values = {"time_f": cost.f, "time_b": cost.b, "time_w": cost.w, "time_comm": cost.comm, "mem_w": cost.mem_w}
-    return {key: float(value) for key, value in values.items()
-            if key in params and isinstance(value, (int, float))}
 
 
 def search_schedule(num_stages: int, num_microbatches: int, *, memory_limit: float = 1.0,

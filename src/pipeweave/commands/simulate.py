@@ -21,7 +21,6 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeweave.host import available_memory as _available_memory
-from pipeweave.api import generator_options
 from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, layout_from_args,
                                               layout_report, model_bytes)
 from pipeweave.commands.recompute_options import add_recompute_cost_arguments, recompute_costs
@@ -149,7 +148,7 @@ def _build(args: argparse.Namespace, times: dict[str, Times]) -> tuple[Schedule,
     # Searched schedules take the cost model as options: hand them the scalar times.
     cost = CostModel(f=times["--time-f"], b=times["--time-b"], w=times["--time-w"], comm=args.time_comm,
                      mem_w=args.mem_w)
-    options: dict[str, object] = generator_options(args.schedule, cost)
+    options: dict[str, object] = dict(cost.generator_options(info.generator))
     params = inspect.signature(info.generator).parameters
     if args.memory_limit is not None:
         if "memory_limit" not in params:
