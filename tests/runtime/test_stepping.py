@@ -79,3 +79,24 @@ def test_step_equals_train(runs: dict[str, tuple[object, list[tuple[bool, list[f
 def test_needs_a_process_group() -> None:
     with pytest.raises(UserError, match="init_process_group"):
         Pipeline(TrainConfig())
+
+
+@pytest.fixture
+def alone(tmp_path: object) -> object:
+    """A process group of this one process (gloo), destroyed after the test."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"schedule": "pipedream"}, "pipedream is asynchronous: .* pipeweave.train"),
+    ({"save": "checkpoints"}, "--save is an option of a whole run"),
+    ({"eval_every": 2}, "--eval-every is an option of a whole run"),
+    ({}, "the process group has 1 processes but the run needs 2"),
+])
+def test_refusals_are_one_line(alone: object, overrides: dict[str, object], message: str) -> None:
+    config = TrainConfig(num_stages=2, model=ModelSpec(kind="mlp", layers=4, hidden=8), **overrides)  # type: ignore[arg-type]
+    with pytest.raises(UserError, match=message) as caught:
+        Pipeline(config)
+    assert "\n" not in str(caught.value)
