@@ -1,8 +1,10 @@
 """The public functions behind ``pipeweave.simulate``, ``search_schedule``, ``plan_cluster`` and ``compare``.
 
 Each takes plain values (registry names, sizes, a ``CostModel``) and returns
-the library's own result objects; the commands of the same names are thin
-layers over them. ``pipeweave.search`` and ``pipeweave.plan`` name the
+the library's own result objects. ``pipeweave plan`` and ``pipeweave compare``
+run the same code (``best_configurations``, ``commands.compare_run.simulated_comparison``);
+``simulate`` and ``search_schedule`` give the numbers of ``pipeweave simulate``
+and ``pipeweave search`` (``tests/test_api.py``). ``pipeweave.search`` and ``pipeweave.plan`` name the
 subpackages that do the work (the zero-bubble search, the planner), which
 the import system binds onto ``pipeweave`` whenever one of their modules
 is imported, so the functions carry longer names: ``search_schedule``,
