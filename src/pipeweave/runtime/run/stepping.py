@@ -62,6 +62,8 @@ class Pipeline:
                             f"(schedule ranks x tensor parallel); start {plan.num_processes} processes")
         self.config, self.schedule = config, plan.schedule
         mesh, self.device = join_mesh(plan, dist.get_rank(), world)
+        if self.device.type == "cuda":  # NCCL's messages and collectives go from the current device
+            torch.cuda.set_device(self.device)
         self.rank = mesh.stage_rank
         """This process's rank in the schedule."""
         self._group = mesh.pipeline_group
@@ -115,8 +117,9 @@ class Pipeline:
     def _summed(self, share: float) -> float:
         """The loss where several ranks hold last stages (replicas of the last part): every pipeline rank's
         share, summed in rank order as ``RunRecord.losses`` sums them."""
-        shares = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size(self._group))]
-        dist.all_gather(shares, torch.tensor([share], dtype=torch.float64), group=self._group)
+        mine = torch.tensor([share], dtype=torch.float64, device=self.device)  # NCCL: on the GPU
+        shares = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather(shares, mine, group=self._group)
         return sum(float(s) for s in shares)
 
 
