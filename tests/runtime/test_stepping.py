@@ -4,9 +4,11 @@ Two gloo ranks build a ``Pipeline`` per config and drive ``step()`` with
 exactly the batches ``pipeweave train`` takes (``data_source(...).batch(k)``);
 the losses the last stage's ranks return must be the record's of the train
 path (``launch(run_rank, prepare(config))``), to the bit: the same executor
-runs the same actions on the same data. A gpt (I/W split), an mlp, and
-Chimera, whose last part has a replica on each rank (the loss shares summed
-across ranks), with a learning-rate schedule.
+runs the same actions on the same data. A gpt (I/W split), an mlp with
+AdamW, Chimera with a learning-rate schedule and plain data parallelism
+(both: the last part has a replica on each rank, their loss shares summed
+across ranks), and a gpt split by tensor parallelism (each process of the
+group returns the loss).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ CONFIGS = {
     "mlp-chimera-warmup": TrainConfig(schedule="chimera", num_stages=2, num_microbatches=4, steps=STEPS,
                                       batch_size=8, model=ModelSpec(kind="mlp", layers=4, hidden=8),
                                       lr_warmup=2, lr_schedule="cosine"),
+    "gpt-tp2": TrainConfig(schedule="1f1b", num_stages=1, tensor_parallel=2, num_microbatches=2, steps=STEPS,
+                           batch_size=4, model=ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8)),
+    "mlp-dp2": TrainConfig(schedule="1f1b", num_stages=1, data_parallel=2, num_microbatches=4, steps=STEPS,
+                           batch_size=8, model=ModelSpec(kind="mlp", layers=2, hidden=8)),
 }
 
 
