@@ -1,16 +1,64 @@
-"""pipeweave: pipeline-model-parallel schedules, simulated, searched and trained on PyTorch."""
+"""pipeweave: pipeline-model-parallel schedules, simulated, searched and trained on PyTorch.
+
+The public names are ``pipeweave.__all__``; each is imported on first use, so
+``import pipeweave`` itself imports neither torch nor numpy. The schedule
+registry, by name:
+
+    >>> import pipeweave
+    >>> pipeweave.SCHEDULES["1f1b"].family
+    'DAPPLE / PipeDream-Flush'
+    >>> isinstance(pipeweave.SCHEDULES["zb-h1"], pipeweave.ScheduleInfo)
+    True
+    >>> pipeweave.SCHEDULES["gpipe"].generator(num_stages=2, num_microbatches=4).num_ranks
+    2
+
+A run's configuration (``pipeweave train``'s options as fields):
+
+    >>> pipeweave.TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4).num_stages
+    2
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
+_PUBLIC: dict[str, tuple[str, str]] = {
+    "pipeline": ("pipeweave.pipelining", "pipeline"),
+    "Pipeline": ("pipeweave.runtime.run.stepping", "Pipeline"),
+    "TrainConfig": ("pipeweave.runtime.run.config", "TrainConfig"),
+    "simulate": ("pipeweave.api", "simulate"),
+    "Simulation": ("pipeweave.api", "Simulation"),
+    "search_schedule": ("pipeweave.api", "search_schedule"),
+    "plan_cluster": ("pipeweave.api", "plan_cluster"),
+    "compare": ("pipeweave.api", "compare"),
+    "Comparison": ("pipeweave.api", "Comparison"),
+    "SCHEDULES": ("pipeweave.schedule.registry", "SCHEDULES"),
+    "ScheduleInfo": ("pipeweave.schedule.registry", "ScheduleInfo"),
+    "Schedule": ("pipeweave.schedule.ir", "Schedule"),
+    "CostModel": ("pipeweave.sim.cost", "CostModel"),
+}
+"""Public name -> (module, attribute), imported on first use (the pure packages stay torch-free)."""
+
+__all__ = sorted(_PUBLIC)
+
+_SUBPACKAGES = ("models",)
+"""Reached as attributes too (``pipeweave.models.ModelSpec``), imported on first use."""
+
 
 def __getattr__(name: str) -> object:
-    """``pipeweave.pipeline`` and ``pipeweave.models``, imported on first use (the pure packages stay torch-free)."""
-    if name == "pipeline":
-        from pipeweave.pipelining import pipeline
+    """A public name (``_PUBLIC``) or a subpackage, imported on first use and kept."""
+    if name in _PUBLIC:
+        module, attribute = _PUBLIC[name]
+        value = getattr(importlib.import_module(module), attribute)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"pipeweave.{name}")
+    else:
+        raise AttributeError(f"module 'pipeweave' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-        return pipeline
-    if name == "models":
-        import importlib
 
-        return importlib.import_module("pipeweave.models")
-    raise AttributeError(f"module 'pipeweave' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC, *_SUBPACKAGES})

@@ -35,12 +35,8 @@ DEFAULT_GPT = {"layers": 6, "hidden": 128, "heads": 4, "seq_len": 64}
 
 def compare(args: argparse.Namespace) -> int:
     """``pipeweave compare ARGS``: the rows at the asked depth, then the outputs; the exit code."""
-    names = choose(args.schedules, args.all, list(SCHEDULES))
-    _check(args)
-    spec = model_spec(args, DEFAULT_GPT)
     limit = parse_memory_limit(args.memory_limit) if args.memory_limit is not None else None
-    costs = layer_costs(args, spec)
-    rows, skipped = simulated_rows(names, args, costs, spec)
+    rows, skipped, spec = simulated_comparison(args)
     if limit is not None and limit[1] == "M_a":
         recommend(rows, limit)  # a limit nothing fits: one line before anything runs (M_a do not depend on a run)
     if args.measure is not None:
@@ -53,6 +49,20 @@ def compare(args: argparse.Namespace) -> int:
         convergence_rows(rows, args, spec)
     emit(rows, args, limit, skipped)
     return 0
+
+
+def simulated_comparison(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, str]], Any]:
+    """The simulated depth of ``pipeweave compare ARGS`` (``pipeweave.compare``): the chosen approaches' rows
+    under the model's per-layer costs (profiled, or ``--costs``), the approaches skipped with their reasons,
+    and the model's ``ModelSpec``.
+
+    Raises:
+        UserError: a count or name that is invalid, or a setting no approach can serve.
+    """
+    names = choose(args.schedules, args.all, list(SCHEDULES))
+    _check(args)
+    spec = model_spec(args, DEFAULT_GPT)
+    return (*simulated_rows(names, args, layer_costs(args, spec), spec), spec)
 
 
 def simulated_rows(names: list[str], args: argparse.Namespace, costs: LayerCosts, spec: Any = None

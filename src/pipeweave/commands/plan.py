@@ -80,11 +80,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeweave.api import best_configurations
     from pipeweave.commands.outputs import picture_file
     from pipeweave.commands.plan_report import explain_lines, plan_json, print_table, write_plot
-    from pipeweave.plan.diagnose import check_plan
-    from pipeweave.plan.search import search
-    from pipeweave.plan.space import configurations
 
     if args.top < 1:
         raise UserError(f"--top {args.top} is invalid; give an integer >= 1")
@@ -93,12 +91,10 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--gpus", args.gpus), ("--global-batch", args.global_batch)):
         if value < 1:
             raise UserError(f"{flag} {value} is invalid; give an integer >= 1")
-    space = list(configurations(cluster.model, args.gpus, args.global_batch, cluster.gpu.gpus_per_node, fixed))
     evaluator = _evaluator(args, cluster)
-    check_plan(space, cluster, args.gpus, args.global_batch, fixed)
     with _Bar(quiet=args.json) as progress:
-        plan = search(space, evaluator, top=args.top, exhaustive=args.all, progress=progress)
-    check_plan(space, cluster, args.gpus, args.global_batch, fixed, plan)
+        plan = best_configurations(cluster, evaluator, args.gpus, args.global_batch, fixed, top=args.top,
+                                   exhaustive=args.all, progress=progress)
     if plot is not None:
         write_plot(plan, plot)
     if args.json:

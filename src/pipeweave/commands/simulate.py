@@ -146,16 +146,11 @@ def _build(args: argparse.Namespace, times: dict[str, Times]) -> tuple[Schedule,
     info = SCHEDULES.get(args.schedule)
     if info is None:
         raise UserError(f"unknown schedule {args.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
-    options: dict[str, object] = {}
     # Searched schedules take the cost model as options: hand them the scalar times.
+    cost = CostModel(f=times["--time-f"], b=times["--time-b"], w=times["--time-w"], comm=args.time_comm,
+                     mem_w=args.mem_w)
+    options: dict[str, object] = dict(cost.generator_options(info.generator))
     params = inspect.signature(info.generator).parameters
-    for flag, key in (("--time-f", "time_f"), ("--time-b", "time_b"), ("--time-w", "time_w")):
-        if key in params and isinstance(times[flag], float):
-            options[key] = times[flag]
-    if "time_comm" in params:
-        options["time_comm"] = args.time_comm
-    if "mem_w" in params:
-        options["mem_w"] = args.mem_w
     if args.memory_limit is not None:
         if "memory_limit" not in params:
             raise UserError(f"--memory-limit applies to zb-auto and zb-v-auto, not {args.schedule}; drop it")

@@ -65,7 +65,13 @@ class DataParallel(str, enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleInfo:
-    """What the registry knows of one schedule family."""
+    """What the registry knows of one schedule family.
+
+    Example:
+        >>> info = SCHEDULES["zb-h1"]
+        >>> info.family, info.synchronous, info.chunks
+        ('zero bubble ZB-H1', True, 1)
+    """
 
     name: str
     """Registry key, e.g. ``"1f1b"``."""

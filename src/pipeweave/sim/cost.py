@@ -10,8 +10,9 @@ gives each part its own value, as is, for load imbalance.
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeweave.errors import UserError
@@ -120,6 +121,21 @@ class CostModel:
             problem = cost_problem(v, "factor")
             if problem is not None:
                 raise UserError(f"cost microbatch={list(self.microbatch or ())!r}: {v!r} {problem}")
+
+    def generator_options(self, generator: Callable[..., object]) -> dict[str, float]:
+        """The scalars of this model that ``generator`` (a registry entry's) takes as options -- ``time_f``,
+        ``time_b``, ``time_w`` (scalar times only), ``time_comm``, ``mem_w`` --: a searched schedule (zb-auto)
+        is searched under them.
+
+        Example:
+            >>> def zb_auto(num_stages, num_microbatches, *, time_f=1.0, time_comm=0.0): ...
+            >>> CostModel(f=2.0, b=[1.0, 2.0]).generator_options(zb_auto)
+            {'time_f': 2.0, 'time_comm': 0.0}
+        """
+        params = inspect.signature(generator).parameters
+        values = {"time_f": self.f, "time_b": self.b, "time_w": self.w, "time_comm": self.comm, "mem_w": self.mem_w}
+        return {key: float(value) for key, value in values.items()
+                if key in params and isinstance(value, (int, float))}
 
     def for_parts(self, *, num_parts: int, num_ranks: int) -> PartCosts:
         """Resolve every value to one number per part.
