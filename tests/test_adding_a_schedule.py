@@ -13,7 +13,7 @@ from pipeweave.models import ModelSpec
 from pipeweave.plan.space import Fixed, configurations
 from pipeweave.plan.transformer import Transformer
 from pipeweave.runtime.reference import run_reference
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.plan import prepare
 from pipeweave.schedule import (SCHEDULES, Action, DataParallel, Op, Placement, PlacementKind, Schedule,
                                 ScheduleInfo, format_grid, generate, validate)

@@ -14,8 +14,11 @@ registry, by name:
 
 A run's configuration (``pipeweave train``'s options as fields):
 
-    >>> pipeweave.TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4).num_stages
-    2
+    >>> config = pipeweave.TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4)
+    >>> config.schedule.num_stages, config.parallel.tensor_parallel
+    (2, 1)
+
+and ``pipeweave.train(config)`` trains it (``pipeweave.training``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,20 @@ __version__ = "0.1.0"
 _PUBLIC: dict[str, tuple[str, str]] = {
     "pipeline": ("pipeweave.pipelining", "pipeline"),
     "Pipeline": ("pipeweave.runtime.run.stepping", "Pipeline"),
-    "TrainConfig": ("pipeweave.runtime.run.config", "TrainConfig"),
+    "train": ("pipeweave.training", "train"),
+    "TrainingFailed": ("pipeweave.training", "TrainingFailed"),
+    "TrainConfig": ("pipeweave.config", "TrainConfig"),
+    "ModelSpec": ("pipeweave.config", "ModelSpec"),
+    "ScheduleConfig": ("pipeweave.config", "ScheduleConfig"),
+    "DataConfig": ("pipeweave.config", "DataConfig"),
+    "ParallelConfig": ("pipeweave.config", "ParallelConfig"),
+    "MemoryConfig": ("pipeweave.config", "MemoryConfig"),
+    "PartitionConfig": ("pipeweave.config", "PartitionConfig"),
+    "TrainingConfig": ("pipeweave.config", "TrainingConfig"),
+    "PolicyOptions": ("pipeweave.config", "PolicyOptions"),
+    "CheckpointConfig": ("pipeweave.config", "CheckpointConfig"),
+    "LoggingConfig": ("pipeweave.config", "LoggingConfig"),
+    "LaunchConfig": ("pipeweave.config", "LaunchConfig"),
     "simulate": ("pipeweave.api", "simulate"),
     "Simulation": ("pipeweave.api", "Simulation"),
     "search_schedule": ("pipeweave.api", "search_schedule"),

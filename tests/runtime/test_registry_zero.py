@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeweave.errors import UserError
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.plan import _check_zero
 from pipeweave.schedule import SCHEDULES, generate
 from pipeweave.schedule.data_parallel import data_parallel

@@ -21,7 +21,7 @@ from pipeweave import Pipeline
 from pipeweave.data import data_source
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.plan import prepare

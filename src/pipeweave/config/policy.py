@@ -30,7 +30,12 @@ def _rate(value: float, flag: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyOptions:
-    """Run-time hyperparameters of the asynchronous policies (the schedules carry the rest)."""
+    """Run-time hyperparameters of the asynchronous policies (the schedules carry the rest).
+
+    Example:
+    >>> PolicyOptions(anneal_steps=100).decay
+    0.9
+    """
 
     anneal_steps: int = option(DEFAULT_ANNEAL_STEPS, metavar="K",
                                check=at_least(0, "give K >= 0 (0: no rescheduling)"))

@@ -48,7 +48,12 @@ def _norm(value: float, flag: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
-    """How long and with what optimizer the model trains, at what precision, and what a bad step does."""
+    """How long and with what optimizer the model trains, at what precision, and what a bad step does.
+
+    Example:
+    >>> TrainingConfig(optimizer="adamw", lr=3e-4, clip_grad_norm=1.0).post_validation.max_norm
+    1.0
+    """
 
     steps: int = option(30, check=at_least(1))
     """Optimizer steps (an asynchronous schedule: mini-batches of its stream)."""
@@ -94,7 +99,12 @@ class TrainingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """What the run saves, and where it starts from."""
+    """What the run saves, and where it starts from.
+
+    Example:
+    >>> CheckpointConfig(save="ckpt", save_every=100).keep_checkpoints
+    2
+    """
 
     save: str | None = option(None, metavar="DIR")
     """After the last step, write a checkpoint into DIR: a folder DIR/step-NNNNNN of every part's parameters and
@@ -132,7 +142,12 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
-    """What the run shows and writes: the progress bar and summary, its record, trace, plot, TensorBoard."""
+    """What the run shows and writes: the progress bar and summary, its record, trace, plot, TensorBoard.
+
+    Example:
+    >>> LoggingConfig(quiet=True).out
+    'pipeweave-out'
+    """
 
     out: str = option("pipeweave-out", metavar="DIR")
     """Folder of the default outputs."""
@@ -160,7 +175,12 @@ def _timeout(value: float, flag: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
-    """How the ranks are started and talk: threads, the wait for a peer, the point-to-point transport."""
+    """How the ranks are started and talk: threads, the wait for a peer, the point-to-point transport.
+
+    Example:
+    >>> LaunchConfig(threads=2, transport="gloo").timeout
+    25.0
+    """
 
     threads: int = option(1, check=at_least(1, "give at least 1"))
     """Intra-op threads per rank."""

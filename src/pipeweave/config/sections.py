@@ -26,7 +26,12 @@ AUTO = "auto"
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
-    """Which schedule runs, on how many ranks and microbatches (``pipeweave schedules`` lists them)."""
+    """Which schedule runs, on how many ranks and microbatches (``pipeweave schedules`` lists them).
+
+    Example:
+    >>> ScheduleConfig(name="interleaved-1f1b", num_stages=4, num_chunks=2).num_chunks
+    2
+    """
 
     name: str | None = option(None, flags=("-s", "--schedule"))
     """Schedule name (default: zb-h1 if registered, else 1f1b); with ``--schedule-file``, the file's path."""
@@ -74,7 +79,12 @@ def _text_file(value: str, flag: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """What the model trains on, in what batches, and what it is evaluated on."""
+    """What the model trains on, in what batches, and what it is evaluated on.
+
+    Example:
+    >>> DataConfig(batch_size=32).eval_batches
+    4
+    """
 
     batch_size: int = option(16, flags=("--batch", "--batch-size"), check=at_least(1))
     """Samples per step, split into T microbatches (the last ones may be smaller)."""
@@ -104,7 +114,12 @@ def _bucket(value: float, flag: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """How the pipeline composes with tensor and data parallelism on one device mesh (P x D x N processes)."""
+    """How the pipeline composes with tensor and data parallelism on one device mesh (P x D x N processes).
+
+    Example:
+    >>> ParallelConfig(data_parallel=2, tensor_parallel=2, zero=1).zero
+    1
+    """
 
     data_parallel: int = option(1, metavar="P", check=at_least(1, "give P >= 1 pipeline replicas (1: none)"))
     """Pipeline replicas, gradients all-reduced across them; ranks P x D."""
@@ -138,7 +153,12 @@ def _offload(value: str, flag: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryConfig:
-    """The memory levers: recomputation, offload, BPipe's balancing, compression of saved activations."""
+    """The memory levers: recomputation, offload, BPipe's balancing, compression of saved activations.
+
+    Example:
+    >>> MemoryConfig(recompute="full,none").recompute_of(2)
+    ('full', 'none')
+    """
 
     recompute: str | bool = option("none", const="full", metavar="none|selective|full|auto", check=_recompute)
     """Activation recomputation: none, selective (the attention core, Korthikanti et al.) or full, for every part
@@ -222,7 +242,12 @@ def _bandwidth(value: float, flag: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class PartitionConfig:
-    """How the model's layers are split over the stages (``pipeweave.partition``)."""
+    """How the model's layers are split over the stages (``pipeweave.partition``).
+
+    Example:
+    >>> PartitionConfig(method="explicit", layers_per_stage=(3, 3)).layers_per_stage
+    (3, 3)
+    """
 
     method: str = option("uniform", flags=("--partition",), metavar="METHOD")
     """uniform, parameters, type:REGEX, time, pipedream, memory or explicit."""

@@ -22,7 +22,7 @@ from pipeweave.data import split_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models import boundary
 from pipeweave.runtime.run.agreement import agreed_plan
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.job import _executor
 from pipeweave.runtime.run.plan import learning_rates, prepare
