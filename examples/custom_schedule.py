@@ -31,12 +31,7 @@ if __name__ == "__main__":
     onef1b = pipeweave.simulate("1f1b", 2, 4, cost=pipeweave.CostModel(f=1.0, b=1.0, w=1.0))
     print(f"bubble: by hand {sim.metrics.bubble_ratio:.3f}, 1f1b {onef1b.metrics.bubble_ratio:.3f}")
 
-    from pipeweave.runtime.run.job import run_rank  # until pipeweave.train(config): the same run
-    from pipeweave.runtime.run.launch import launch
-    from pipeweave.runtime.run.plan import prepare
-
-    config = pipeweave.TrainConfig(schedule=str(path), schedule_file=schedule, num_stages=schedule.num_ranks,
-                                   num_microbatches=schedule.num_microbatches, batch_size=8, steps=4,
+    config = pipeweave.TrainConfig(schedule_path=str(path), batch_size=8, steps=4,
                                    model=pipeweave.models.ModelSpec(kind="mlp", layers=4, hidden=16))
-    record = launch(run_rank, prepare(config), config.num_stages)
+    record = pipeweave.train(config, quiet=True, out=tempfile.mkdtemp())
     print(f"trained {path.name}: loss {record.losses[0]:.4f} -> {record.losses[-1]:.4f}")

@@ -11,19 +11,17 @@ byte corpus. The same run from the command line:
 
 import json
 
+import tempfile
+
 import pipeweave
 
 STEPS = 4
 GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64, "vocab_size": 256}
 
 if __name__ == "__main__":
-    from pipeweave.runtime.run.job import run_rank  # until pipeweave.train(config): the same run
-    from pipeweave.runtime.run.launch import launch
-    from pipeweave.runtime.run.plan import prepare
-
     spec = pipeweave.models.ModelSpec(kind="custom", entry="hf:gpt2", hf_config=json.dumps(GPT2), seq_len=32)
     config = pipeweave.TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=8, steps=STEPS,
                                    optimizer="adamw", lr=3e-3, model=spec)
     print("layers:", spec.num_layers, "split before:", ", ".join(spec.custom.split_points))
-    record = launch(run_rank, prepare(config), config.num_stages)
+    record = pipeweave.train(config, quiet=True, out=tempfile.mkdtemp())
     print(f"hf:gpt2 loss {record.losses[0]:.3f} -> {record.losses[-1]:.3f} after {STEPS} steps")

@@ -11,6 +11,8 @@ The same run from the command line: ``pipeweave train --model examples/own_modul
 import torch
 from torch import nn
 
+import tempfile
+
 import pipeweave
 
 STEPS = 12
@@ -47,12 +49,8 @@ def model():
 
 
 if __name__ == "__main__":
-    from pipeweave.runtime.run.job import run_rank  # until pipeweave.train(config): the same run
-    from pipeweave.runtime.run.launch import launch
-    from pipeweave.runtime.run.plan import prepare
-
     config = pipeweave.TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=4, batch_size=16, steps=STEPS,
                                    optimizer="adamw", lr=1e-2, model=pipeweave.models.ModelSpec.of(model))
     print("split before:", ", ".join(model().split_points))
-    record = launch(run_rank, prepare(config), config.num_stages)
+    record = pipeweave.train(config, quiet=True, out=tempfile.mkdtemp())
     print(f"loss {record.losses[0]:.3f} -> {record.losses[-1]:.3f} after {STEPS} steps")

@@ -9,6 +9,7 @@ its 2 ranks itself. torchrun's world must be the run's: here 2 stages x 1.
 """
 
 import os
+import tempfile
 
 import pipeweave
 
@@ -19,12 +20,8 @@ config = pipeweave.TrainConfig(schedule="interleaved-1f1b", num_stages=2, num_ch
                                model=pipeweave.models.ModelSpec(kind="gpt", layers=4, hidden=32, heads=2, seq_len=16))
 
 if __name__ == "__main__":
-    from pipeweave.runtime.run.job import run_rank  # until pipeweave.train(config): the same run
-    from pipeweave.runtime.run.launch import launch
-    from pipeweave.runtime.run.plan import prepare
-
-    record = launch(run_rank, prepare(config), config.num_stages)  # under torchrun: joins its group
+    record = pipeweave.train(config, quiet=True, out=tempfile.mkdtemp())  # under torchrun: joins its group
     if record is not None:  # rank 0 holds the gathered record
         where = "under torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "spawned"
-        print(f"{config.schedule} on {len(record.ranks)} ranks ({where}): "
+        print(f"{config.schedule.name} on {len(record.ranks)} ranks ({where}): "
               f"loss {record.losses[0]:.3f} -> {record.losses[-1]:.3f} after {STEPS} steps")

@@ -35,7 +35,7 @@ class ScheduleConfig:
 
     name: str | None = option(None, flags=("-s", "--schedule"))
     """Schedule name (default: zb-h1 if registered, else 1f1b); with ``--schedule-file``, the file's path."""
-    file: str | None = option(None, flags=("--schedule-file",), metavar="FILE")
+    schedule_path: str | None = option(None, flags=("--schedule-file",), metavar="FILE")
     """Train a schedule written by hand: torch.distributed.pipelining's CSV (one row of actions such as 0F1 per
     rank) or pipeweave's text form; validated first; --stages and --microbatches come from it."""
     num_stages: int | None = option(None, flags=("--stages",), check=at_least(1))
@@ -57,7 +57,7 @@ class ScheduleConfig:
     pipelines: int | None = option(None, metavar="P")
     """avgpipe: replicated pipelines (default 2)."""
     written: Schedule | None = option(None, internal=True)
-    """The schedule read from ``file`` and validated (``runtime.run.resolve``)."""
+    """The schedule read from ``schedule_path`` and validated (``runtime.run.resolve``)."""
     options: tuple[tuple[str, Any], ...] = option((), internal=True)
     """Options of the schedule's generator: the generator fields above that are set, and what the run adds (a
     searched schedule's memory limit and per-part costs), e.g. ``(("warmup_steps", 2),)``."""

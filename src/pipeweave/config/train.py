@@ -202,12 +202,14 @@ def _set(config: TrainConfig, section: str, **values: Any) -> None:
 def _resolve_schedule(config: TrainConfig) -> None:
     """The schedule's name, sizes and generator options, from the fields given and the schedule file."""
     s = config.schedule
-    if s.file is not None and s.name is not None and s.name != s.file:
-        raise UserError(f"-s {s.name} and --schedule-file {s.file} both name the schedule; give one of them")
-    name = s.file if s.file is not None else s.name or DEFAULT_SCHEDULE
+    if s.schedule_path is not None and s.name is not None and s.name != s.schedule_path:
+        raise UserError(f"-s {s.name} and --schedule-file {s.schedule_path} both name the schedule; give one of them")
+    name = s.schedule_path if s.schedule_path is not None else s.name or DEFAULT_SCHEDULE
     written = s.written
-    stages = s.num_stages if s.num_stages is not None else written.num_ranks if written else DEFAULT_STAGES
-    micro = s.num_microbatches if s.num_microbatches is not None else \
+    unread = s.schedule_path is not None and written is None  # sized by the file once it is read (resolve)
+    stages = s.num_stages if s.num_stages is not None or unread else \
+        written.num_ranks if written else DEFAULT_STAGES
+    micro = s.num_microbatches if s.num_microbatches is not None or unread else \
         written.num_microbatches if written else DEFAULT_MICROBATCHES
     options = dict(s.options)
     for key, keyword in GENERATOR_OPTIONS.items():

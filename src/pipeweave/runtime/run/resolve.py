@@ -36,7 +36,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
     Raises:
         UserError: an unreadable schedule file, a partitioner's error, an output that cannot be written.
     """
-    written = schedule_from_file(argparse.Namespace(schedule_file=config.schedule.file, schedule=None))
+    written = schedule_from_file(argparse.Namespace(schedule_file=config.schedule.schedule_path, schedule=None))
     if written is not None:
         config = config.replace(written=written)
     _check_outputs(config)
