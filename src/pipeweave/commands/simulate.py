@@ -28,14 +28,14 @@ from pipeweave.commands.stash_options import add_stash_arguments, stash_plan
 from pipeweave.commands.units import check_cost_flags, parse_values
 from pipeweave.errors import UserError
 from pipeweave.schedule import InvalidSchedule, Schedule, generate, read_csv, write_csv
-from pipeweave.schedule.registry import SCHEDULES, ScheduleInfo
+from pipeweave.schedule.registry import SCHEDULES, ScheduleInfo, tied_streams
 from pipeweave.sim import CostModel, Metrics, compute_metrics, simulate
 from pipeweave.sim.parallel import simulate_layout
 from pipeweave.sim.stash import simulate_levers
 from pipeweave.sim.validation import check
 from pipeweave.sim.textline import format_timeline
 from pipeweave.sim.timeline import BYTES_PER_ACTION
-from pipeweave.sim.versions import staleness, tied_lag, tied_streams
+from pipeweave.sim.versions import staleness, tied_lag
 
 Times = float | list[float]
 

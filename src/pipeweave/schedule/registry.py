@@ -292,6 +292,18 @@ def schedule_defaults(name: str) -> dict[str, float]:
     return {} if info is None else dict(info.defaults)
 
 
+def tied_streams() -> list[str]:
+    """The asynchronous schedules that train a tie between a pipeline's first and last stage
+    (``ScheduleInfo.ties``; ``runtime.stage.tied_stream``'s rule), in reverse name order: pipedream-2bw,
+    the asynchronous schedule people use, first.
+
+    Example:
+        >>> tied_streams()
+        ['pipedream-2bw', 'pipedream', 'ampnet']
+    """
+    return sorted((n for n, info in SCHEDULES.items() if info.ties and not info.synchronous), reverse=True)
+
+
 def generate(
     name: str,
     *,

@@ -31,21 +31,7 @@ from typing import NamedTuple, cast
 
 from pipeweave.schedule.dataflow import consumed_gradients
 from pipeweave.schedule.ir import Action, Op, Schedule, ScheduleError, WeightPolicy
-from pipeweave.schedule.registry import SCHEDULES
 from pipeweave.sim.cost import PartCosts
-
-
-def tied_streams() -> list[str]:
-    """The asynchronous schedules that train a tie between a pipeline's first and last stage
-    (``ScheduleInfo.ties``: ``runtime.stage.tied_stream``'s rule; the others refuse one), in reverse name
-    order: pipedream-2bw, the asynchronous schedule people use, first.
-
-    Example:
-        >>> tied_streams()
-        ['pipedream-2bw', 'pipedream', 'ampnet']
-    """
-    return sorted((n for n, info in SCHEDULES.items() if info.ties and not info.synchronous), reverse=True)
-
 
 _STORED = (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER, WeightPolicy.VERTICAL_SYNC)
 _BACKWARD = tuple(op for op in Op if op.is_backward)  # B, I, W: the order _backward_of tries

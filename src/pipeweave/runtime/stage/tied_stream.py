@@ -40,7 +40,7 @@ refuses an order in which that would close a cycle. The last stage's
 ``U_(k+d)`` needs a message sent before it could be reached: it waits no
 longer than a message takes.
 
-Admitted (``ScheduleInfo.ties``, listed by ``sim.versions.tied_streams``): ``pipedream-2bw`` (the
+Admitted (``ScheduleInfo.ties``, listed by ``schedule.registry.tied_streams``): ``pipedream-2bw`` (the
 asynchronous schedule people use), ``pipedream`` (with or without vertical
 sync) and ``ampnet``, at a constant learning rate (the last stage applies
 sum k at its own update k + d: a scheduled rate would differ between the
@@ -62,7 +62,8 @@ from pipeweave.runtime.stage.tied import (chained, flatten, partial_sums, split_
                                          tied_names, unflatten, write_sums)
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Schedule
-from pipeweave.sim.versions import tied_lag, tied_streams
+from pipeweave.schedule.registry import tied_streams
+from pipeweave.sim.versions import tied_lag
 
 
 def check_stream_ties(spec: ModelSpec, schedule: str, lr_scheduled: bool) -> None:
