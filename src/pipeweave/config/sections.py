@@ -34,7 +34,7 @@ class ScheduleConfig:
     """
 
     name: str | None = option(None, flags=("-s", "--schedule"))
-    """Schedule name (default: zb-h1 if registered, else 1f1b); with ``--schedule-file``, the file's path."""
+    """Schedule name (``pipeweave schedules`` lists them; default zb-h1); with ``--schedule-file``, the file's path."""
     schedule_path: str | None = option(None, flags=("--schedule-file",), metavar="FILE")
     """Train a schedule written by hand: torch.distributed.pipelining's CSV (one row of actions such as 0F1 per
     rank) or pipeweave's text form; validated first; --stages and --microbatches come from it."""
