@@ -98,6 +98,8 @@ class ModelSpec:
 
     def unused_fields(self) -> set[str]:
         """Fields that do not apply to this model (an entry's sizes are its own): left out of its TOML."""
+        if self.kind == "mlp":
+            return {"vocab", "heads", "seq_len", "tie_embeddings", "hf_config"}
         if self.entry is None:
             return set()
         hf = self.entry.startswith("hf:")

@@ -278,6 +278,8 @@ SCHEDULES: dict[str, ScheduleInfo] = {
         data_parallel=DataParallel.SYNCHRONOUS, ties=True, searched=True,
     ),
 }
+"""Every schedule pipeweave knows, by the name ``-s`` takes: its generator, its paper's closed forms and what it
+supports (``ScheduleInfo``). ``pipeweave schedules`` prints it."""
 
 
 def schedule_defaults(name: str) -> dict[str, float]:
