@@ -29,8 +29,9 @@ RUNTIME_LAYERS: dict[str, int] = {
     "report": 5,
 }
 # Who may import the runtime at all: the runtime itself, the command line, and ``pipeweave.pipeline``'s
-# module (a split balanced by the profiler).
-MAY_IMPORT_RUNTIME = ("pipeweave.runtime", "pipeweave.commands", "pipeweave.cli", "pipeweave.pipelining")
+# module (a split balanced by the profiler), and ``pipeweave.train``'s (``pipeweave.training``).
+MAY_IMPORT_RUNTIME = ("pipeweave.runtime", "pipeweave.commands", "pipeweave.cli", "pipeweave.pipelining",
+                      "pipeweave.training")
 
 
 def module_name(path: Path) -> str:

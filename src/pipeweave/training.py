@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeweave.commands.train_run import run_config
 from pipeweave.config import TrainConfig
+from pipeweave.runtime.process import under_torchrun
+from pipeweave.runtime.run.resolve import resolve
 
 
 class TrainingFailed(RuntimeError):
@@ -28,7 +31,7 @@ class TrainingFailed(RuntimeError):
 
 def train(config: TrainConfig | None = None, **fields: Any) -> Any:
     """Train ``config`` as ``pipeweave train`` does: spawn its local ranks (or join torchrun's), show progress
-    and a summary unless ``quiet``, write its record, trace, plot and ``config.toml`` into its ``out`` folder.
+    and a summary unless ``quiet``, write its record (holding its configuration), trace and plot into its ``out`` folder.
 
     Args:
         config: the run (default: ``pipeweave train``'s default run).
@@ -48,10 +51,6 @@ def train(config: TrainConfig | None = None, **fields: Any) -> Any:
         ...
         pipeweave.errors.UserError: --steps 0 is invalid; give an integer >= 1
     """
-    from pipeweave.commands.train_run import run_config
-    from pipeweave.runtime.process import under_torchrun
-    from pipeweave.runtime.run.resolve import resolve
-
     config = config if config is not None else TrainConfig()
     if fields:
         config = config.replace(**fields)

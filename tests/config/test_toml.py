@@ -82,7 +82,7 @@ def test_every_run_leaves_the_file_that_reruns_it(tmp_path: Path) -> None:
     assert main(argv) == 0
     first = json.loads((out / "train.json").read_text())["losses"]
     again = tmp_path / "again"
-    assert main(["train", "--config", str(out / "config.toml"), "--out", str(again)]) == 0
+    assert main(["train", "--config", str(out / "train.json"), "--out", str(again)]) == 0
     assert json.loads((again / "train.json").read_text())["losses"] == first
 
 

@@ -40,7 +40,7 @@ def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: 
         m = r.memory
         state = (m.params + m.grads + m.optimizer) / GIB
         table.add_row(str(k), _split(r), _schedule(r), str(r.config.microbatch_size), str(r.config.microbatches),
-                      r.config.memory.recompute, str(r.config.parallel.zero), f"{r.step_time:.4g}", f"{r.tflops_per_gpu:.3g}",
+                      r.config.recompute, str(r.config.zero), f"{r.step_time:.4g}", f"{r.tflops_per_gpu:.3g}",
                       f"{r.mfu:.3f}", f"{r.bubble_ratio:.3f}",
                       f"{m.total / GIB:.1f} ({state:.1f}+{m.activations / GIB:.1f}+{m.allowance / GIB:.1f})",
                       f"{(gpu.memory_bytes - m.total) / GIB:.1f}")

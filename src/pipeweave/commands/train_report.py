@@ -50,6 +50,7 @@ def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate |
         "batch": config.data.batch_size, "model": asdict(config.model), "optimizer": config.training.optimizer, "lr": config.training.lr,
         "recompute": config.memory.recompute, "precision": config.training.precision, "first_step": record.first_step,
         "losses": record.losses, "skipped_steps": record.skipped_steps,
+        "config": dump_toml(config),  # the run's TOML: pipeweave train --config train.json reruns it
         "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
         "lr_schedule": config.training.lr_schedule, "lrs": _learning_rates(config, schedule, record),
         "wall_s": record.wall_s, "paused_s": record.paused_s,
@@ -125,19 +126,6 @@ def write_outputs(schedule: Schedule, record: RunRecord, report: dict[str, Any],
         if saved is not None:
             paths["checkpoint"] = saved.folder
     return {k: str(v) for k, v in paths.items()}
-
-
-def write_config(config: TrainConfig, paths: dict[str, str]) -> str | None:
-    """Write the run's configuration as TOML beside its JSON record (``config.toml``: ``--config`` reruns it).
-
-    Returns:
-        its path, or None where the record was not written.
-    """
-    if "json" not in paths:
-        return None
-    path = Path(paths["json"]).with_name("config.toml")
-    write_output(path, dump_toml(config))
-    return str(path)
 
 
 def _plot(schedule: Schedule, record: RunRecord, report: dict[str, Any], path: Path) -> bool:

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeweave.commands.outputs import output_folder
 from pipeweave.commands.split_names import split_line
-from pipeweave.commands.train_report import build_report, output_paths, print_summary, write_config, write_outputs
+from pipeweave.commands.train_report import build_report, output_paths, print_summary, write_outputs
 from pipeweave.config import TrainConfig
 from pipeweave.config.cli import from_arguments
 from pipeweave.config.toml import dumps as dump_toml
@@ -43,9 +43,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     return resolve(from_arguments(args, TrainConfig, base))
 
 
-def _check_transport(config: TrainConfig, plan: RunPlan, torchrun: bool, capacity: int | None = None) -> None:
+def _check_transport(launch_: Any, plan: RunPlan, torchrun: bool, capacity: int | None = None) -> None:
     """``--transport shm`` needs CPU ranks spawned here on x86-64 with room in /dev/shm (one line otherwise)."""
-    if config.launch.transport != "shm":
+    if launch_.transport != "shm":
         return
     if torchrun:
         raise UserError("--transport shm needs ranks spawned by pipeweave on one host, not torchrun; "
@@ -124,7 +124,7 @@ def _launch(config: TrainConfig, on_record: Any = None) -> int:
     output_paths(config)  # likewise: a run must not learn at its end that it cannot write its record
     progress = _Progress(plan.config, schedule.num_ranks, quiet=quiet or (under_torchrun() and _rank() != 0))
     capacity = _ring_capacity(config, plan, under_torchrun())
-    _check_transport(config, plan, under_torchrun(), capacity)
+    _check_transport(config.launch, plan, under_torchrun(), capacity)
     _check_world(plan)
     memory = estimate_memory(plan, capacity if _uses_rings(config, plan, capacity) else None)
     check_memory(memory, config, on_cpu=not torch.cuda.is_available())  # one line before anything is spawned
@@ -144,7 +144,6 @@ def _launch(config: TrainConfig, on_record: Any = None) -> int:
     unsaved = record.final_save_failure  # why the last checkpoint is not there: said once the record is safe
     try:
         paths = write_outputs(schedule, record, report, config)
-        write_config(config, paths)
     except BaseException:
         if unsaved:
             print(f"pipeweave train: error: {unsaved}", file=sys.stderr)

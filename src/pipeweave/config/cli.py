@@ -55,8 +55,10 @@ def argument(section: type, f: Field[Any]) -> tuple[tuple[str, ...], dict[str, A
     choices = choices_of(base)
     if opt.parse is not None:
         pass  # parsed in ``build``, so that its one line is the run's (argparse would swallow it)
-    elif choices is not None:
-        kwargs["type"], kwargs["choices"] = type(choices[0]), choices
+    elif choices is not None and isinstance(choices[0], str):
+        kwargs["type"], kwargs["choices"] = str, choices
+    elif choices is not None:  # numbers: the field's check says what is valid, in one line
+        kwargs["type"], kwargs["metavar"] = type(choices[0]), "{" + ",".join(map(str, choices)) + "}"
     elif base in (int, float):
         kwargs["type"] = base
     if opt.const is not None:

@@ -38,11 +38,11 @@ class ScheduleConfig:
     schedule_path: str | None = option(None, flags=("--schedule-file",), metavar="FILE")
     """Train a schedule written by hand: torch.distributed.pipelining's CSV (one row of actions such as 0F1 per
     rank) or pipeweave's text form; validated first; --stages and --microbatches come from it."""
-    num_stages: int | None = option(None, flags=("--stages",), check=at_least(1))
+    num_stages: int | None = option(None, flags=("--stages",))
     """D, pipeline ranks (default 2, or the schedule file's)."""
-    num_microbatches: int | None = option(None, flags=("--microbatches",), check=at_least(1))
+    num_microbatches: int | None = option(None, flags=("--microbatches",))
     """T, microbatches per step (default 4, or the schedule file's)."""
-    num_chunks: int | None = option(None, flags=("--chunks",), check=at_least(1))
+    num_chunks: int | None = option(None, flags=("--chunks",))
     """v, chunks per rank, for schedules that take it."""
     warmup_steps: int | None = option(None)
     """pipemare: leading mini-batches run synchronously (default 0)."""

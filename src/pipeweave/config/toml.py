@@ -1,8 +1,8 @@
 """A configuration as a TOML file: sections are the configuration's sections, keys their fields.
 
 ``pipeweave train --config run.toml`` reads one (command-line options override
-it); ``--print-config`` writes the resolved configuration back (every run also
-leaves one in its output folder), so a file reproduces the run it came from.
+it); ``--print-config`` writes the resolved configuration back, and every run's
+JSON record holds it (``--config pipeweave-out/train.json`` reruns the run).
 A key or value that is unknown or of the wrong type is one line naming the key,
 the file and line, and the closest valid key.
 
@@ -44,6 +44,12 @@ def load(path: str | Path, cls: type) -> dict[str, dict[str, Any]]:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"--config {path}: cannot read it ({exc.__class__.__name__}); give a TOML file") from None
+    if path.suffix == ".json":  # a run's JSON record holds its configuration as TOML
+        try:
+            text = json.loads(text)["config"]
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"--config {path}: a JSON file here is a run's record (train.json) holding its "
+                            "configuration; this one holds none; give a TOML file") from None
     return parse(text, cls, str(path))
 
 

@@ -86,6 +86,7 @@ class TrainConfig:
         for key, value in given.items():
             if key in PRIMARY and isinstance(value, str):
                 key = PRIMARY[key]
+            key = _FORMER[key][1] if key in _FORMER else key
             if key in owner:
                 by_section.setdefault(owner[key], {})[key] = value
             elif key not in hints(type(self)):

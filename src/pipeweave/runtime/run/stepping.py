@@ -70,7 +70,7 @@ class Pipeline:
         self._workers = build_workers(plan, self.rank, self.device)
         self._executor, _ = _executor(plan, self.rank, self._workers, self.device)
         self._divergence = Divergence(plan, self._workers)
-        self._rates = learning_rates(config) if config.lr_scheduled else None
+        self._rates = learning_rates(config) if config.training.lr_scheduled else None
         self.steps_done = 0
         """Steps trained so far."""
         placement = plan.schedule.placement
@@ -133,7 +133,7 @@ def _check(config: TrainConfig) -> None:
         raise UserError("Pipeline needs a process group on every rank: run under torchrun, or call "
                         "torch.distributed.init_process_group first (pipeweave.train starts its own ranks)")
     if config.is_stream:
-        raise UserError(f"{config.schedule} is asynchronous: its stream spans steps and cannot stop after each; "
+        raise UserError(f"{config.schedule.name} is asynchronous: its stream spans steps and cannot stop after each; "
                         "train it with pipeweave.train, or choose a synchronous schedule")
     for field, flag in _RUN_ONLY:
         if getattr(config, field) is not None:
