@@ -24,7 +24,6 @@ from dataclasses import MISSING, Field
 from typing import Any
 
 from pipeweave.config.schema import choices_of, field_docs, flag_of, help_of, hints, option_of, sections, unoptional
-from pipeweave.errors import UserError
 
 SEP = "."
 """Between section and field in the namespace's names: ``parallel.tensor_parallel``."""
@@ -85,7 +84,7 @@ def build(cls: type, values: dict[str, dict[str, Any]]) -> Any:
     for name, section in sections(cls):
         fields = dict(values.get(name, {}))
         spread(section, fields)
-        check_given = getattr(__import__(section.__module__, fromlist=["check_given"]), "check_given", None)
+        check_given = getattr(section, "check_given", None)  # what a section refuses to be given together
         if check_given is not None:
             check_given(fields)
         if fields:
@@ -138,6 +137,3 @@ def flag_names(cls: type) -> dict[str, str]:
     return {flag_of(f): f"{name}{SEP}{f.name}" for name, section in sections(cls) for f in dataclasses.fields(section)
             if not option_of(f).internal and option_of(f).via is None}
 
-
-def refuse_unknown(key: str) -> None:
-    raise UserError(key)

@@ -96,6 +96,11 @@ class ModelSpec:
             raise UserError(f"hidden={self.hidden} is not divisible by heads={self.heads}; choose heads dividing hidden")
         check_section(self)
 
+    @staticmethod
+    def check_given(given: dict[str, Any]) -> None:
+        """Refuse fields a command line or file gives together that do not go together (``check_given``)."""
+        check_given(given)
+
     def unused_fields(self) -> set[str]:
         """Fields that do not apply to this model (an entry's sizes are its own): left out of its TOML."""
         if self.kind == "mlp":

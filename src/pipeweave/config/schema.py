@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import operator
 import textwrap
 import types
 import typing
@@ -110,7 +111,7 @@ def unoptional(hint: Any) -> tuple[Any, bool]:
     if typing.get_origin(hint) in (Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(args) < len(typing.get_args(hint)):
-            return (args[0] if len(args) == 1 else Union[tuple(args)]), True
+            return functools.reduce(operator.or_, args), True
     return hint, False
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -126,7 +127,7 @@ def _value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
-        return repr(value) if value == value and abs(value) != float("inf") else json.dumps(str(value))
+        return repr(value) if math.isfinite(value) else json.dumps(str(value))
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(_value(v) for v in value) + "]"
     return json.dumps(str(value))
