@@ -32,7 +32,7 @@ from pipeweave.runtime.fsdp import FullyShardedPart
 from pipeweave.runtime.stage.tensor_parallel import split_of
 from pipeweave.runtime.stage.tied import repeated_members
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.transport import mesh
+from pipeweave.runtime.transport.mesh import Mesh
 from pipeweave.runtime.zero import ZeroOptimizer
 
 
@@ -44,14 +44,14 @@ class GlobalNormClip:
     Args:
         max_norm: the largest global gradient norm.
         workers: this process's stage workers (one per process: the plan checks it).
+        joined: this process's mesh (``RankContext.mesh``; None: no tensor or data parallelism).
 
     Attributes:
         norms: per ``U`` of this process, the global gradient norm before clipping.
     """
 
-    def __init__(self, max_norm: float, workers: dict[int, StageWorker]) -> None:
+    def __init__(self, max_norm: float, workers: dict[int, StageWorker], joined: Mesh | None = None) -> None:
         self.max_norm = max_norm
-        joined = mesh.active()
         self.tp_rank, self.dp_rank = (0, 0) if joined is None else (joined.tp_rank, joined.dp_rank)
         self.norms: list[float] = []
         for worker in workers.values():

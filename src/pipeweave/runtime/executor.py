@@ -29,7 +29,7 @@ from pipeweave.runtime.clip import GlobalNormClip
 from pipeweave.runtime.stage.sequence_parallel import PartialGradients
 from pipeweave.runtime.nonfinite import LossAgreement
 from pipeweave.runtime.replicas import DEFAULT_BUCKET_BYTES, ReplicaReduction
-from pipeweave.runtime.transport import mesh
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.transport.mesh import replica_rank_sets
 from pipeweave.runtime.transport.p2p import P2P
 from pipeweave.runtime.transport.partner import PartnerLink
@@ -59,7 +59,7 @@ class Executor:
         policy: an asynchronous schedule's weight policy (``stage.policy.RankPolicy``), called around
             every compute action (the weights each reads); None for synchronous schedules.
         combine_replicas: sum the gradients of a part's replicas before ``U`` (over the groups of the
-            run's ``transport.mesh``, which must be installed where replicas span ranks); False where
+            run's mesh, ``context.mesh``, which must be there where replicas span ranks); False where
             replicas train apart (AvgPipe's, averaged by its policy instead).
         bucket_bytes: the size of the buckets of that sum (``runtime.replicas``).
         zero: the ZeRO stage of data-parallel replicas (``runtime.zero``): 1 optimizer state sharded over
@@ -71,6 +71,7 @@ class Executor:
             one. None: nothing agreed (evaluation, streams).
         variable_shapes: messages whose per-sample shape changes (sequences of variable length): each
             carries its own metadata (``transport.p2p``).
+        context: this rank's run context (``runtime.context``): its mesh and groups, its transport, its waits.
 
     Example:
         ex = Executor(lower(schedule), rank, workers, sizes, torch.device("cpu"))
@@ -94,20 +95,22 @@ class Executor:
         clip_norm: float | None = None,
         partner: PartnerLink | None = None,
         variable_shapes: bool = False,
+        context: RankContext | None = None,
     ) -> None:
         self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
+        self.context = context = context if context is not None else RankContext()
         self.placement = lowered.schedule.placement
         self.row = lowered.actions[rank]
-        self.p2p = P2P(lowered, rank, microbatch_sizes, device, variable_shapes=variable_shapes)
+        self.p2p = P2P(lowered, rank, microbatch_sizes, device, variable_shapes=variable_shapes, context=context)
         self.evaluating = evaluate
         """F runs as ``StageWorker.evaluate``; no gradient is prepared or exchanged."""
         exchanging = {} if evaluate else workers  # the training executor owns the workers' combine_grads
         self.replicas = ReplicaReduction(self.placement, self.row, exchanging if combine_replicas else {},
-                                         _replica_groups(self.placement) if exchanging and combine_replicas else {},
-                                         bucket_bytes, zero)
+                                         _replica_groups(self.placement, context) if exchanging and combine_replicas
+                                         else {}, bucket_bytes, zero, context.mesh)
         PartialGradients(exchanging)  # sequence parallelism's partial gradients summed over tp, after the replicas
         self.tied = self._ties(exchanging, evaluate, policy is not None)
-        self.clip = None if clip_norm is None or evaluate else GlobalNormClip(clip_norm, workers)  # after both
+        self.clip = None if clip_norm is None or evaluate else GlobalNormClip(clip_norm, workers, context.mesh)  # after both
         self.dispatch: dict[Op, Callable[[Action], None]] = {
             Op.F: self.forward, Op.B: self.backward, Op.I: self.backward_input, Op.W: self.backward_weight,
             Op.U: self.update, Op.SEND_F: self.send_forward, Op.RECV_F: self.recv_forward,
@@ -131,7 +134,7 @@ class Executor:
         self.policy = policy
         self.losses_by_microbatch: dict[int, torch.Tensor] = {}
         self._prepared = False  # gradients zero-filled in this step (``_before_waiting``)
-        self.agreement = None if on_nonfinite is None else LossAgreement(self.row, self.placement, device)
+        self.agreement = on_nonfinite and LossAgreement(self.row, self.placement, device, context.pipeline_group)
         self.skip_nonfinite = on_nonfinite == "skip"
         self.step_loss: float | None = None
         """Of the last step, with ``on_nonfinite``: its loss, every rank's share summed (the same on every rank)."""
@@ -145,7 +148,7 @@ class Executor:
             self.p2p.tied_message = tied.message()
         else:
             tied = TiedGradients(self.placement, exchanging, self.rank, self.p2p.tag_limit,
-                                 first=bool(self.replicas.at_update))  # ZeRO-1: whole ties, then the slices
+                                 first=bool(self.replicas.at_update), context=self.context)  # ZeRO-1: whole ties, then the slices
         if not evaluate and any(tied_groups(w.spec) for w in self.workers.values()):
             for line in self.placement.pipelines:
                 if line[0] != line[-1]:
@@ -342,12 +345,11 @@ class Executor:
                 worker.prepare_gradients()
 
 
-def _replica_groups(placement: Any) -> dict[int, Any]:
-    """The run's replica groups (``transport.mesh``), present wherever a part's replicas span ranks."""
+def _replica_groups(placement: Any, context: RankContext) -> dict[int, Any]:
+    """The run's replica groups (``context.mesh``), present wherever a part's replicas span ranks."""
     if not replica_rank_sets(placement):
         return {}
-    active = mesh.active()
-    if active is None:
-        raise RuntimeError("replicas on several ranks sum their gradients over the run's mesh: build and install "
-                           "it first (transport.mesh.build_mesh, mesh.install)")
-    return active.replica_groups
+    if context.mesh is None:
+        raise RuntimeError("replicas on several ranks sum their gradients over the run's mesh: build it first "
+                           "and give it in the executor's context (transport.mesh.build_mesh, RankContext.with_mesh)")
+    return context.mesh.replica_groups

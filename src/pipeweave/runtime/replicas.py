@@ -37,7 +37,7 @@ import torch.distributed as dist
 from pipeweave.runtime.fsdp import FullyShardedPart
 from pipeweave.runtime.stage.tied import tied_names
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.transport import mesh
+from pipeweave.runtime.transport.mesh import Mesh
 from pipeweave.runtime.zero import ZeroOptimizer, pad
 from pipeweave.schedule.ir import Action, Placement
 
@@ -57,10 +57,12 @@ class ReplicaReduction:
         zero: the ZeRO stage (0, 1 or 3) of the parts whose replicas lie one per rank on several ranks: their
             workers' optimizers are replaced by ``zero.ZeroOptimizer``s over the same buckets (1), or their
             layers fully sharded over the run's ``dp`` mesh (3: ``fsdp.FullyShardedPart``, ``worker.shards``).
+        joined: this process's mesh (``RankContext.mesh``), whose ``dp`` dimension ZeRO-3 shards over.
     """
 
     def __init__(self, placement: Placement, row: Sequence[Action], workers: dict[int, StageWorker],
-                 groups: dict[int, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES, zero: int = 0) -> None:
+                 groups: dict[int, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES, zero: int = 0,
+                 joined: Mesh | None = None) -> None:
         self.placement, self.workers, self.groups = placement, workers, groups
         self.bucket_bytes = bucket_bytes
         # Per replicated part on this rank: its local replica stages, ascending.
@@ -83,7 +85,6 @@ class ReplicaReduction:
             (stage,) = self.local[part]  # the plan refuses ZeRO where a rank holds two replicas of a part
             worker = workers[stage]
             if zero == 3:  # the replicas are the mesh's dp dimension: the plan refuses ZeRO with other replicas
-                joined = mesh.active()
                 assert joined is not None and joined.device_mesh is not None
                 worker.shards = self.fully_sharded[part] = FullyShardedPart(worker, joined.device_mesh["dp"])
                 continue

@@ -7,36 +7,32 @@ import dataclasses
 
 import torch
 
-from pipeweave.runtime.process import device_for
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.run.plan import RunPlan, optimizer_factory
 from pipeweave.runtime.stage.post_validation import install_post_validation
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.transport import mesh
-from pipeweave.runtime.transport.mesh import Mesh, build_mesh
+from pipeweave.runtime.transport.mesh import build_mesh
 from pipeweave.schedule import Schedule
 
 
-def join_mesh(plan: RunPlan, process: int, world: int) -> tuple[Mesh, torch.device]:
-    """Process ``process`` of ``world``: its mesh (every group created and installed: every process calls this
-    at its start) and its device."""
-    device = device_for(process)
-    joined = build_mesh(process, world, plan.schedule.placement, plan.config.data_parallel,
-                        plan.config.tensor_parallel, device)
-    mesh.install(joined)
-    return joined, device
+def join_mesh(plan: RunPlan, context: RankContext) -> RankContext:
+    """``context`` in the run's mesh, every group created (every process calls this at its start)."""
+    return context.with_mesh(build_mesh(context.process, context.world, plan.schedule.placement,
+                                        plan.config.data_parallel, plan.config.tensor_parallel, context.device))
 
 
 def build_workers(plan: RunPlan, rank: int, device: torch.device,
-                  schedule: Schedule | None = None) -> dict[int, StageWorker]:
+                  schedule: Schedule | None = None, context: RankContext | None = None) -> dict[int, StageWorker]:
     """A ``StageWorker`` per stage of ``schedule`` (default: the plan's) placed on stage rank ``rank``.
 
-    Under tensor parallelism (the installed ``transport.mesh``) each splits its layers over the process's
+    Under tensor parallelism (``context.mesh``) each splits its layers over the process's
     ``tp`` group. With ``--clip-grad-norm`` each stage's optimizer is the post-validated one
     (``stage.post_validation``), unless the run clips by a collective (``TrainConfig.clips_by_collective``).
     """
     config = plan.config
     schedule = schedule if schedule is not None else plan.schedule
-    joined = mesh.active()
+    context = context if context is not None else RankContext()
+    joined = context.mesh
     tp = None if joined is None else joined.tensor_parallel_group
     if tp is not None:
         tp = dataclasses.replace(tp, sequence_parallel=config.sequence_parallel)
@@ -50,5 +46,5 @@ def build_workers(plan: RunPlan, rank: int, device: torch.device,
     }
     if config.post_validation is not None and not config.clips_by_collective:  # (else runtime.clip, at U)
         install_post_validation(config.post_validation, schedule, workers, config.optimizer, config.lr,
-                                config.momentum)
+                                config.momentum, context)
     return workers

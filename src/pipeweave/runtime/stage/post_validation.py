@@ -31,10 +31,9 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.errors import UserError
-from pipeweave.runtime.process import wait_timeout
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stage.tied import repeated_members
-from pipeweave.runtime.transport.mesh import process_of
 from pipeweave.schedule.ir import Schedule
 from pipeweave.weights.post_validation import SGD, AdamW, GradState, PostValidatedStep
 
@@ -81,7 +80,8 @@ class ValidatedOptimizer:
     """
 
     def __init__(self, worker: StageWorker, stage: int, schedule: Schedule, options: PostValidation,
-                 inner: SGD | AdamW) -> None:
+                 inner: SGD | AdamW, context: RankContext | None = None) -> None:
+        self.context = context if context is not None else RankContext()
         placement = schedule.placement
         self.params = list(worker.module.parameters())
         repeated = repeated_members(worker)  # a tied group counts once in the norm, as in plain training
@@ -108,15 +108,15 @@ class ValidatedOptimizer:
         if skip:  # said before any stage steps optimistically: no rollback, the weights stay bitwise
             partial = GradState(partial.sq_norm, True)
         if self.prev_rank is not None:
-            partial = _recv(self.prev_rank, _TAG_PARTIAL).combine(partial)
+            partial = _recv(self.context, self.prev_rank, _TAG_PARTIAL).combine(partial)
         if self.next_rank is not None:
-            self._sends.append(_isend(partial, self.next_rank, _TAG_PARTIAL))
+            self._sends.append(_isend(self.context, partial, self.next_rank, _TAG_PARTIAL))
         self.step_state.step_optimistic(partial)
         if self.next_rank is None:  # the last stage knows the total: every other rank needs it
             total = partial
-            self._sends += [_isend(total, r, _TAG_TOTAL) for r in self.other_ranks]
+            self._sends += [_isend(self.context, total, r, _TAG_TOTAL) for r in self.other_ranks]
         else:
-            total = _recv(self.last_rank, _TAG_TOTAL)
+            total = _recv(self.context, self.last_rank, _TAG_TOTAL)
         self.outcomes.append(self.step_state.validate(total))
         self.norms.append(total.norm)
 
@@ -130,12 +130,12 @@ class ValidatedOptimizer:
 
     def _wait_sends(self) -> None:
         for work in self._sends:
-            work.wait(wait_timeout())
+            work.wait(self.context.timeout)
         self._sends.clear()
 
 
 def install_post_validation(options: PostValidation, schedule: Schedule, workers: dict[int, StageWorker], optimizer: str,
-            lr: float, momentum: float = 0.0) -> dict[int, ValidatedOptimizer]:
+            lr: float, momentum: float = 0.0, context: RankContext | None = None) -> dict[int, ValidatedOptimizer]:
     """Replace each local stage's optimizer by its post-validated equivalent.
 
     Args:
@@ -144,6 +144,7 @@ def install_post_validation(options: PostValidation, schedule: Schedule, workers
         workers: this rank's stage workers.
         optimizer: "sgd" (torch.optim.SGD with ``momentum``) or "adamw" (torch.optim.AdamW's defaults).
         lr: learning rate.
+        context: this rank's run context (the process of each stage rank, the wait timeout).
 
     Raises:
         UserError: a schedule it does not apply to, or an unknown optimizer.
@@ -158,18 +159,18 @@ def install_post_validation(options: PostValidation, schedule: Schedule, workers
             inner = AdamW(lr=lr)
         else:
             raise UserError(f"--optimizer {optimizer!r} has no post-validated step; use sgd or adamw")
-        installed[stage] = ValidatedOptimizer(worker, stage, schedule, options, inner)
+        installed[stage] = ValidatedOptimizer(worker, stage, schedule, options, inner, context)
         worker.optimizer = installed[stage]  # type: ignore[assignment]
     return installed
 
 
-def _isend(state: GradState, dst: int, tag: int) -> Any:
-    return dist.isend(_pack(state), process_of(dst), tag=tag)
+def _isend(context: RankContext, state: GradState, dst: int, tag: int) -> Any:
+    return dist.isend(_pack(state), context.process_of(dst), tag=tag)
 
 
-def _recv(src: int, tag: int) -> GradState:
+def _recv(context: RankContext, src: int, tag: int) -> GradState:
     buffer = torch.zeros(2, dtype=torch.float64)
-    dist.irecv(buffer, process_of(src), tag=tag).wait(wait_timeout())
+    dist.irecv(buffer, context.process_of(src), tag=tag).wait(context.timeout)
     return GradState(float(buffer[0]), bool(buffer[1] != 0))
 
 

@@ -35,7 +35,7 @@ from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec
 from pipeweave.models.tied import layer_of
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.transport.mesh import process_of
+from pipeweave.runtime.context import RankContext
 from pipeweave.schedule.ir import Placement
 
 def tied_groups(spec: ModelSpec) -> list[list[str]]:
@@ -120,14 +120,16 @@ class TiedGradients:
         workers: the stage workers of this process, by stage.
         rank: this rank, or None when every stage is in this process.
         tag_base: first message tag free for this exchange (distributed only).
+        context: this rank's run context (the process of each stage rank; None: every stage in this process).
         first: sum the ties before the ``combine_grads`` already installed, not after: under ZeRO-1 that
             combine reduce-scatters the replicas' gradients, and a tie must be summed whole, before the
             slicing (``runtime.replicas`` then launches the tied parts' reduction at ``U``).
     """
 
     def __init__(self, placement: Placement, workers: dict[int, StageWorker], rank: int | None = None,
-                 tag_base: int = 0, *, first: bool = False) -> None:
+                 tag_base: int = 0, *, first: bool = False, context: RankContext | None = None) -> None:
         self.placement, self.workers, self.rank, self.tag_base = placement, workers, rank, tag_base
+        self.context = context if context is not None else RankContext()
         self._pending: set[tuple[int, int]] = set()  # local pairs summed once, awaiting the second U
         self.peer: dict[int, int] = {}
         for stage, worker in workers.items():
@@ -163,7 +165,7 @@ class TiedGradients:
         mine = partial_sums(worker)
         flat = flatten(mine)
         other = torch.empty_like(flat)
-        peer_rank = process_of(self.placement.stage_rank[peer])  # with this process's tensor-parallel coordinate
+        peer_rank = self.context.process_of(self.placement.stage_rank[peer])  # with this process's tensor-parallel coordinate
         send = dist.isend(flat.contiguous(), dst=peer_rank, tag=self.tag_base + stage)
         recv = dist.irecv(other, src=peer_rank, tag=self.tag_base + peer)
         assert send is not None and recv is not None
