@@ -93,7 +93,7 @@ def _rank(context: RankContext, args: dict[str, Any]) -> dict[str, Any] | None:
             if path == "collective":
                 reduction.begin_step()
                 reduction.after(row[0])
-                worker.combine_grads(worker)  # type: ignore[misc]
+                reduction.hooks[rank](worker)
             else:
                 _p2p(torch.cat([p.grad.reshape(-1) for p in worker.module.parameters()]), rank, world)
             elapsed = time.perf_counter() - start

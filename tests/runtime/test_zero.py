@@ -10,7 +10,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.fsdp import FullyShardedPart
+from pipeweave.runtime.fsdp import FullyShardedPart, shard_stage
+from pipeweave.runtime.stage.build import build_stage, stage_options
 from pipeweave.runtime.replicas import _buckets
 from pipeweave.runtime.run.checkpoint_state import stage_state
 from pipeweave.runtime.run.launch import launch
@@ -117,10 +118,10 @@ def _zero3(context: RankContext, _: None) -> list[str]:
     the optimizer state gathers whole and loads back."""
     rank, world = context.process, context.world
     spec, factory = ModelSpec(kind="mlp", layers=3, hidden=8), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
-    worker = StageWorker(spec, range(3), batch_size=6 * world, optimizer_factory=factory)
+    stage = build_stage(stage_options(spec, range(3), batch_size=6 * world, optimizer_factory=factory))
+    part = shard_stage(stage, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    worker = StageWorker.from_stage(stage)
     plain = StageWorker(spec, range(3), batch_size=6 * world, optimizer_factory=factory)
-    part = FullyShardedPart(worker, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
-    worker.shards = part
     problems = []
     for step in range(2):
         _train(worker, [10 * step + 2 * rank, 10 * step + 2 * rank + 1], part)

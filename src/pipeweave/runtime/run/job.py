@@ -90,17 +90,17 @@ def _end_levers(link: PartnerLink | None, executor: Executor) -> int:
     return max(executor.peak_activation_bytes, link.peak if link is not None else 0)
 
 
-def _executor(plan: RunPlan, context: RankContext, workers: dict[int, Any]) -> tuple[Executor, PartnerLink | None]:
-    """The rank's executor with the run's options, the checkpoint resumed into its workers, and its
+def _executor(plan: RunPlan, context: RankContext, workers: dict[int, Any], low: LoweredSchedule,
+              stash: Stash | None) -> tuple[Executor, PartnerLink | None]:
+    """The rank's executor of ``low`` with the run's options, the checkpoint resumed into its workers, and its
     side of BPipe's pair (None without ``--balance-activations``)."""
     config, rank = plan.config, context.stage_rank
-    low, stash = lowered(plan)
     link = partner_link(stash, rank, workers) if config.balance_activations else None
     executor = Executor(low, rank, workers, plan.microbatch_sizes, context.device, context=context,
                         on_nonfinite=config.on_nonfinite, bucket_bytes=int(config.bucket_mb * 2**20),
                         zero=config.zero, clip_norm=_clip_norm(config), partner=link,
                         variable_shapes=config.variable_shapes)
-    if config.resume is not None:  # after the executor: ZeRO has sharded the optimizers it loads into
+    if config.resume is not None:  # the workers were built sharded (ZeRO): the optimizers it loads into
         assert plan.resumed is not None
         checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     return executor, link
@@ -119,11 +119,10 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     started = time.perf_counter()
     context = join_mesh(plan, context)
     process, world, rank, device = context.process, context.world, context.stage_rank, context.device
-    workers = build_workers(plan, rank, device, context=context)
-    done = plan.steps_done  # the data goes on from the batch after the checkpoint's last
-    executor, link = _executor(plan, context, workers)
-    for w in workers.values():
-        w.steps_done = done
+    low, stash = lowered(plan)
+    workers = build_workers(plan, rank, device, context=context, row=low.actions[rank])
+    done = plan.steps_done  # the data goes on from the batch after the checkpoint's last (the workers' steps_done)
+    executor, link = _executor(plan, context, workers, low, stash)
     source = data_source(config.model, batch_size=config.batch_size, seed=config.seed, path=config.data,
                          min_seq_len=config.min_seq_len)
     offset = align_clocks(process, world)
@@ -146,7 +145,7 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         mine.action_cpu_s.append([c * 1e-9 for c in executor.action_cpu_ns])
         if step == 0 and not (config.memory_every_step or config.variable_shapes):  # varying shapes: every step
             for w in workers.values():
-                w.track_memory = False
+                w.track_memory_from_now(False)
         mine.records.append(seconds_since(timings, offset))
         log.after_step(step, loss, mine.records[-1])
         if context.reporting:  # a tensor-parallel group's processes run alike: one reports

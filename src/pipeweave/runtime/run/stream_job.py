@@ -8,7 +8,6 @@ concatenated) numbers its actions.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +15,6 @@ from typing import Any
 from pipeweave.data import data_source
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.executor import Executor, Record
-from pipeweave.runtime.replicas import all_reduce_gradients
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones
@@ -56,9 +54,6 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     joined, rank, device = context.mesh, context.stage_rank, context.device
     assert joined is not None
     workers = build_workers(plan, rank, device, plan.streams[0], context)
-    if joined.outside:  # PipeDream's hybrid: every update sums the replicas' gradients of its group
-        for w in workers.values():
-            w.combine_grads = functools.partial(all_reduce_gradients, group=joined.dp_group)
     carry = StreamCarry()
     if config.resume is not None:
         assert plan.resumed is not None
@@ -109,10 +104,12 @@ def _run_stream(plan: RunPlan, stream: Schedule, segment: tuple[int, int], conte
     piece = (joined.dp_rank, joined.data_parallel) if joined.outside else (0, 1)
     sizes = replica_microbatch_sizes(plan.config, piece[0]) if joined.outside else plan.microbatch_sizes
     for w in workers.values():
-        w.steps_done = plan.steps_done + first  # dropout keys: (steps before the stream, microbatch in it)
-    # AvgPipe's replicas train apart (averaged by the policy): no gradient sums between them.
+        w.start_at(plan.steps_done + first)  # dropout keys: (steps before the stream, microbatch in it)
+    # AvgPipe's replicas train apart (averaged by the policy): no gradient sums between them. PipeDream's
+    # hybrid: every update sums the gradients of the replicas laid out around the stream.
     executor = Executor(lower(stream), joined.stage_rank, workers, sizes[: stream.num_microbatches], device,
-                        policy=policy, combine_replicas=False, context=context)
+                        policy=policy, combine_replicas=False, context=context,
+                        sum_over=joined.dp_group if joined.outside else None)
     data, targets = (StreamData(source, num_microbatches=t, length=stream.num_microbatches, part=part,
                                 device=device, first=plan.steps_done + first, piece=piece) for part in (0, 1))
     _, ran = executor.run_step(data, targets)

@@ -1,7 +1,7 @@
 """Optimizer post-validation in the distributed runtime (Qi et al., ICLR 2024, section 4).
 
 With ``TrainConfig.post_validation`` set, each stage's optimizer is replaced by
-a ``ValidatedOptimizer`` (``install_post_validation``, called by ``run.workers.build_workers``).
+a ``ValidatedOptimizer`` (``validated_optimizer``, a build step of ``run.workers``).
 At its ``U`` a stage:
 
 1. receives the partial state (sum of squared gradient norms, non-finite
@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from pipeweave.errors import UserError
 from pipeweave.runtime.context import RankContext
+from pipeweave.runtime.stage.build import Stage
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stage.tied import repeated_members
 from pipeweave.schedule.ir import Schedule
@@ -72,14 +73,14 @@ def check_post_validation(schedule: Schedule) -> None:
 class ValidatedOptimizer:
     """Stands in for one stage's torch optimizer: ``step`` is the post-validated step.
 
-    Built by ``install_post_validation``; ``outcomes`` lists each step's
+    Built by ``validated_optimizer``; ``outcomes`` lists each step's
     ("kept", "clipped" or "skipped"). Example, on every rank of a run::
 
         config = TrainConfig(schedule="zb-auto", num_stages=4, post_validation=PostValidation(max_norm=1.0))
         launch(run_rank, config, 4)
     """
 
-    def __init__(self, worker: StageWorker, stage: int, schedule: Schedule, options: PostValidation,
+    def __init__(self, worker: StageWorker | Stage, stage: int, schedule: Schedule, options: PostValidation,
                  inner: SGD | AdamW, context: RankContext | None = None) -> None:
         self.context = context if context is not None else RankContext()
         placement = schedule.placement
@@ -134,14 +135,14 @@ class ValidatedOptimizer:
         self._sends.clear()
 
 
-def install_post_validation(options: PostValidation, schedule: Schedule, workers: dict[int, StageWorker], optimizer: str,
-            lr: float, momentum: float = 0.0, context: RankContext | None = None) -> dict[int, ValidatedOptimizer]:
-    """Replace each local stage's optimizer by its post-validated equivalent.
+def validated_optimizer(options: PostValidation, schedule: Schedule, index: int, stage: Stage, optimizer: str,
+                        lr: float, momentum: float = 0.0, context: RankContext | None = None) -> ValidatedOptimizer:
+    """Stage ``index``'s post-validated optimizer, in place of its torch one (a build step of the stage).
 
     Args:
         options: clipping and test faults.
-        schedule: the run's schedule (checked by ``check``).
-        workers: this rank's stage workers.
+        schedule: the run's schedule (checked by ``check_post_validation``).
+        index, stage: the stage's number in ``schedule``, and the stage under construction.
         optimizer: "sgd" (torch.optim.SGD with ``momentum``) or "adamw" (torch.optim.AdamW's defaults).
         lr: learning rate.
         context: this rank's run context (the process of each stage rank, the wait timeout).
@@ -150,18 +151,14 @@ def install_post_validation(options: PostValidation, schedule: Schedule, workers
         UserError: a schedule it does not apply to, or an unknown optimizer.
     """
     check_post_validation(schedule)
-    installed = {}
-    for stage, worker in workers.items():
-        inner: SGD | AdamW
-        if optimizer == "sgd":
-            inner = SGD(lr=lr, momentum=momentum)
-        elif optimizer == "adamw":
-            inner = AdamW(lr=lr)
-        else:
-            raise UserError(f"--optimizer {optimizer!r} has no post-validated step; use sgd or adamw")
-        installed[stage] = ValidatedOptimizer(worker, stage, schedule, options, inner, context)
-        worker.optimizer = installed[stage]  # type: ignore[assignment]
-    return installed
+    inner: SGD | AdamW
+    if optimizer == "sgd":
+        inner = SGD(lr=lr, momentum=momentum)
+    elif optimizer == "adamw":
+        inner = AdamW(lr=lr)
+    else:
+        raise UserError(f"--optimizer {optimizer!r} has no post-validated step; use sgd or adamw")
+    return ValidatedOptimizer(stage, index, schedule, options, inner, context)
 
 
 def _isend(context: RankContext, state: GradState, dst: int, tag: int) -> Any:
