@@ -73,7 +73,8 @@ class StepLog:
     def __init__(self, plan: RunPlan, context: RankContext, rates: LrSchedule | None) -> None:
         config, process = plan.config, context.process
         self.on = config.log_dir is not None
-        self.plan, self.process, self.world, self.device, self.rates = plan, process, context.world, context.device, rates
+        self.plan, self.process, self.world, self.rates = plan, process, context.world, rates
+        self.device = context.device
         self.reporting = context.reporting
         self.writer: Any = None
         if self.on and process == writer_stage_rank(plan) * config.tensor_parallel:  # dp and tp coordinates 0

@@ -76,7 +76,8 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
             if context.reporting:  # a tensor-parallel group's processes run alike: one reports
                 context.progress({"step": m, "loss": done.losses[m], "time": times[-1][4] if times else 0.0})
             log.after_step(m, done.losses[m], times)
-        divergence.after_stream(first, done.losses[first:end], device, context.pipeline_group)  # stops every rank before saving here
+        # Stops every rank before saving here.
+        divergence.after_stream(first, done.losses[first:end], device, context.pipeline_group)
         milestones.reached(end, carry)
     log.close()
     divergence.at_end(plan.streams[0].placement)

@@ -170,7 +170,8 @@ class TiedGradients:
         mine = partial_sums(worker)
         flat = flatten(mine)
         other = torch.empty_like(flat)
-        peer_rank = self.context.process_of(self.placement.stage_rank[peer])  # with this process's tensor-parallel coordinate
+        # The peer stage rank's process with this process's tensor-parallel coordinate.
+        peer_rank = self.context.process_of(self.placement.stage_rank[peer])
         send = dist.isend(flat.contiguous(), dst=peer_rank, tag=self.tag_base + stage)
         recv = dist.irecv(other, src=peer_rank, tag=self.tag_base + peer)
         assert send is not None and recv is not None
