@@ -9,6 +9,8 @@ An AST scan of every module under ``src/pipeweave/runtime``. The rule:
    ``list``, ``dict``, ``set``, ``bytearray``, ``deque``, ``defaultdict``, ``OrderedDict``, ``Counter`` --
    is a constant table: nothing in the module stores into it (``NAME[k] = ...``, ``del NAME[k]``,
    ``NAME.attr = ...``, ``NAME += ...``) or calls a mutating method on it (``append``, ``update``, ...).
+4. A class body binds no mutable value (it would be shared by every instance, every rank of the process);
+   a dataclass field's ``field(default_factory=...)`` makes one per instance.
 
 What stays allowed, being immutable or pure: constants, type aliases, tuples and frozensets, frozen
 dataclass instances, loggers, functions and classes, and ``functools.cache``-style memoisation of a pure
@@ -92,6 +94,9 @@ def violations(source: str, where: str) -> list[str]:
                 bound.setdefault(name, node.lineno)
                 if _is_mutable(getattr(node, "value", None)):
                     mutable.add(name)
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        found += [f"{where}:{n.lineno}: {cls.name}.{', '.join(ast.unparse(t) for t in _targets(n))} shared by its "
+                  "instances" for n in cls.body if _is_mutable(getattr(n, "value", None))]
     for node in ast.walk(tree):
         for target in [*_targets(node), *(node.targets if isinstance(node, ast.Delete) else [])]:
             if isinstance(target, (ast.Subscript, ast.Attribute)) and _root(target) in mutable:
@@ -119,6 +124,7 @@ def test_no_module_level_mutable_state_in_the_runtime() -> None:
     "_counts = dict()\ndef f(k):\n    _counts[k] += 1\n",
     "_state = {'a': []}\ndef f():\n    _state['a'].append(1)\n",
     "n = 0\nn += 1\n",
+    "class Registry:\n    seen = []\n",
 ])
 def test_the_scan_finds_state(source: str) -> None:
     assert violations(source, "m.py")
@@ -130,6 +136,7 @@ def test_the_scan_finds_state(source: str) -> None:
     "import logging\nlog = logging.getLogger(__name__)\n",
     "def f():\n    seen = []\n    seen.append(1)\n    return seen\n",
     "try:\n    import fast\nexcept ImportError:\n    fast = None\n",
+    "@dataclass\nclass Record:\n    losses: list[float] = field(default_factory=list)\n",
 ])
 def test_the_scan_allows_constants(source: str) -> None:
     assert violations(source, "m.py") == []
