@@ -21,7 +21,7 @@ PACKAGE = "pipeweave"
 # A module may import runtime modules of its own layer or lower ones, never higher.
 RUNTIME_LAYERS: dict[str, int] = {
     "process": 0,
-    "transport": 1,
+    "transport": 1, "context": 1,
     "stage": 2,
     "executor": 3, "walk": 3, "reference": 3, "plain": 3, "profile": 3, "stream": 3, "nonfinite": 3,
     "replicas": 3, "zero": 3, "fsdp": 3, "clip": 3,

@@ -55,8 +55,7 @@ def _copy_rate(repeats: int = 15, stages: int = 4, clock: Any = time.perf_counte
 
     torch.set_num_threads(1)
     spec = ModelSpec(kind="gpt", layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq_len=SEQ)
-    worker = StageWorker(spec, uniform_parts(spec.num_layers, stages)[0], batch_size=BATCH)
-    worker.stashing = True
+    worker = StageWorker(spec, uniform_parts(spec.num_layers, stages)[0], batch_size=BATCH, stashing=True)
     store, away, back, size = FileStore(), [], [], 0
     tokens = torch.randint(0, spec.vocab, (BATCH // T, SEQ))
     for j in range(repeats):

@@ -37,11 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.replicas import ReplicaReduction, _buckets
 from pipeweave.runtime.run.launch import launch
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.transport.mesh import build_mesh
 from pipeweave.schedule import generate
 from pipeweave.schedule.data_parallel import data_parallel
@@ -73,13 +73,14 @@ def _p2p(flat: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return total
 
 
-def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any] | None:
+def _rank(context: RankContext, args: dict[str, Any]) -> dict[str, Any] | None:
+    rank, world = context.process, context.world
     schedule = data_parallel(generate("1f1b", num_stages=1, num_microbatches=1), world)
-    mesh.install(build_mesh(rank, world, schedule.placement, world, 1, torch.device("cpu")))
+    joined = build_mesh(rank, world, schedule.placement, world, 1, torch.device("cpu"))
     worker = StageWorker(SPEC, LAYERS, batch_size=8)
     workers = {rank: worker}
     row = [Action(rank, Op.B, rank)]
-    reduction = ReplicaReduction(schedule.placement, row, workers, mesh.active().replica_groups,
+    reduction = ReplicaReduction(schedule.placement, row, workers, joined.replica_groups,
                                  int(args["bucket_mb"] * 2**20))
     numel = sum(p.numel() for p in worker.module.parameters())
     times: dict[str, list[float]] = {"collective": [], "p2p": []}
@@ -92,7 +93,7 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any] | None:
             if path == "collective":
                 reduction.begin_step()
                 reduction.after(row[0])
-                worker.combine_grads(worker)  # type: ignore[misc]
+                reduction.hooks[rank](worker)
             else:
                 _p2p(torch.cat([p.grad.reshape(-1) for p in worker.module.parameters()]), rank, world)
             elapsed = time.perf_counter() - start

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
@@ -81,11 +82,12 @@ def single_rank_time(steps: int, warmup: int, repeats: int = 3) -> tuple[float, 
     return statistics.median(wall), statistics.median(cpu)
 
 
-def ours(rank: int, world: int, name: str, chunks: int | None, steps: int, warmup: int) -> dict[str, Any] | None:
+def ours(context: RankContext, name: str, chunks: int | None, steps: int, warmup: int) -> dict[str, Any] | None:
+    world = context.world
     config = TrainConfig(schedule=name, num_stages=world, num_microbatches=T, num_chunks=chunks,
                          model=ModelSpec(kind="mlp", layers=LAYERS, hidden=HIDDEN), batch_size=BATCH,
                          steps=steps + warmup, lr=0.01)
-    record = run_rank(rank, world, prepare(config))
+    record = run_rank(context, prepare(config))
     if record is None:
         return None
     schedule = build_schedule(config)
@@ -104,8 +106,9 @@ def ours(rank: int, world: int, name: str, chunks: int | None, steps: int, warmu
             "losses": [record.losses[0], record.losses[-1]], "transport": record.transport}
 
 
-def theirs(rank: int, world: int, name: str, steps: int, warmup: int) -> dict[str, Any]:
+def theirs(context: RankContext, name: str, steps: int, warmup: int) -> dict[str, Any]:
     """Median wall and per-rank CPU step time of a torch.distributed.pipelining schedule (optimizer step included)."""
+    rank, world = context.process, context.world
     from torch.distributed import pipelining
 
     interleaved = "Interleaved" in name
@@ -143,7 +146,8 @@ def theirs(rank: int, world: int, name: str, steps: int, warmup: int) -> dict[st
             "cpu_s_per_rank": per_rank}
 
 
-def bench(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any] | None:
+def bench(context: RankContext, options: dict[str, Any]) -> dict[str, Any] | None:
+    rank, world = context.process, context.world
     steps, warmup = options["steps"], options["warmup"]
     results: dict[str, Any] = {"ours": {}, "theirs": {}}
     dist.barrier()
@@ -166,10 +170,10 @@ def bench(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any] | No
         results["contended_single_rank_s_rounds"].append(statistics.median(walls))
         for name, chunks in OURS:
             if name in options["only"]:
-                results["ours"].setdefault(name, []).append(ours(rank, world, name, chunks, steps, warmup))
+                results["ours"].setdefault(name, []).append(ours(context, name, chunks, steps, warmup))
         for name in THEIRS:
             if name in options["only"]:
-                results["theirs"].setdefault(name, []).append(theirs(rank, world, name, steps, warmup))
+                results["theirs"].setdefault(name, []).append(theirs(context, name, steps, warmup))
     results["load_average"]["end"] = os.getloadavg()
     return results if rank == 0 else None
 

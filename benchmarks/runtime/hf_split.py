@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipeweave
+from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
 from pipeweave.models.hf import ByteWindows
 from pipeweave.runtime.report.trace import summarize
@@ -79,18 +80,20 @@ def model() -> Any:
     return pipeweave.pipeline(Logits(), (data.windows[:BATCH // T, :-1],), [SPLIT], loss=loss_fn, dataset=data)
 
 
-def ours(rank: int, world: int, steps: int, warmup: int) -> dict[str, Any] | None:
+def ours(context: RankContext, steps: int, warmup: int) -> dict[str, Any] | None:
+    world = context.world
     config = TrainConfig(schedule="1f1b", num_stages=world, num_microbatches=T, batch_size=BATCH,
                          model=ModelSpec(kind="custom", entry=f"{os.path.abspath(__file__)}:model"),
                          steps=steps + warmup, lr=LR)
-    record = run_rank(rank, world, prepare(config))
+    record = run_rank(context, prepare(config))
     if record is None:
         return None
     times = summarize(build_schedule(config), record)["step_times_s"][warmup:]
     return {"step_time_s": statistics.median(times), "step_times_s": times, "transport": record.transport}
 
 
-def theirs(rank: int, world: int, steps: int, warmup: int) -> dict[str, Any] | None:
+def theirs(context: RankContext, steps: int, warmup: int) -> dict[str, Any] | None:
+    rank = context.process
     from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 
     data = NextByte()
@@ -113,11 +116,12 @@ def theirs(rank: int, world: int, steps: int, warmup: int) -> dict[str, Any] | N
     return {"step_time_s": statistics.median(times[warmup:]), "step_times_s": times[warmup:]} if rank == 0 else None
 
 
-def bench(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any] | None:
+def bench(context: RankContext, options: dict[str, Any]) -> dict[str, Any] | None:
+    rank = context.process
     results: dict[str, Any] = {"ours": [], "theirs": [], "load_average": {"start": os.getloadavg()}}
     for _ in range(options["rounds"]):  # alternating: both meet the same load
-        results["ours"].append(ours(rank, world, options["steps"], options["warmup"]))
-        results["theirs"].append(theirs(rank, world, options["steps"], options["warmup"]))
+        results["ours"].append(ours(context, options["steps"], options["warmup"]))
+        results["theirs"].append(theirs(context, options["steps"], options["warmup"]))
     results["load_average"]["end"] = os.getloadavg()
     return results if rank == 0 else None
 

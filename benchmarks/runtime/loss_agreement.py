@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.data import data_source
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.executor import Executor
@@ -72,7 +73,8 @@ def _round_trip(repeats: int) -> list[float]:
     return times
 
 
-def bench(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any] | None:
+def bench(context: RankContext, payload: dict[str, Any]) -> dict[str, Any] | None:
+    rank, world = context.process, context.world
     spec, batch, t = MODELS[payload["model"]]
     config = TrainConfig(schedule=payload["schedule"], num_stages=world, num_microbatches=t, model=spec,
                          batch_size=batch, lr=1e-3)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
 from pipeweave.models.spec import uniform_parts
 from pipeweave.runtime.run.launch import LaunchOptions, launch
@@ -67,7 +68,8 @@ def _run(worker: StageWorker, ops: list[tuple[str, int]], steps: int, last: bool
     return {op: statistics.median(v) for op, v in times.items()}
 
 
-def measure(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any] | None:
+def measure(context: RankContext, options: dict[str, Any]) -> dict[str, Any] | None:
+    rank, world = context.process, context.world
     spec = ModelSpec(kind="mlp", layers=LAYERS, hidden=HIDDEN)
     parts = uniform_parts(LAYERS, world)
     row = generate("1f1b", num_stages=world, num_microbatches=T).actions[rank]

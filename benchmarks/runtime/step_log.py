@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.plan import prepare
@@ -40,7 +41,7 @@ def main() -> None:
                                    model=ModelSpec(kind="mlp", layers=2, hidden=8), log_dir=folder))
         actions = [("F", j) for j in range(4)] + [("B", j) for j in range(4)] + [("U", 0)]
         records = [(0, op, j, 1e-3 * i, 1e-3 * i + 8e-4) for i, (op, j) in enumerate(actions)]
-        log = StepLog(plan, 0, 1, 0, torch.device("cpu"), None)
+        log = StepLog(plan, RankContext(), None)
         took = []
         for step in range(args.calls):
             start = time.perf_counter()

@@ -57,7 +57,7 @@ def test_tied_copies_start_equal_and_only_for_the_gpt() -> None:
 def test_gradients_are_the_untied_sum() -> None:
     schedule = generate("1f1b", num_stages=2, num_microbatches=2)
     workers = build_workers(schedule, SPEC, batch_size=6)
-    TiedGradients(schedule.placement, dict(enumerate(workers)))
+    ties = TiedGradients(schedule.placement, dict(enumerate(workers)))
     seen: dict[str, torch.Tensor] = {}
     for stage, name in [(0, "0.token"), (1, HEAD)]:
         param = workers[stage].named_parameters()[name]
@@ -65,7 +65,7 @@ def test_gradients_are_the_untied_sum() -> None:
         workers[stage].optimizer.step = lambda step=step, param=param, name=name: (  # type: ignore[method-assign]
             seen.setdefault(name, param.grad.clone()), step())[1]
     inputs, targets = ByteCorpus(TEXT, seq_len=8, batch_size=6).batch(0)
-    run_step(schedule, workers, split_microbatches(inputs, 2), split_microbatches(targets, 2))
+    run_step(schedule, workers, split_microbatches(inputs, 2), split_microbatches(targets, 2), combine=ties.hooks)
     # untied gradients of the same batch, from one whole untied model
     untied = build_layers(SPEC, range(SPEC.num_layers))
     x = inputs

@@ -26,20 +26,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.plan import prepare
-from pipeweave.runtime.process import progress
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
 
 
-def blocking(rank: int, world: int, mode: str) -> None:
-    progress(os.getpid())
+def blocking(context: RankContext, mode: str) -> None:
+    rank = context.process
+    context.progress(os.getpid())
     if mode == "flood":
         dist.barrier()  # every PID is in the queue before the first report the launcher will not read
         while True:
-            progress("x" * 4000)
+            context.progress("x" * 4000)
     time.sleep(0.5)
     if rank == 1 and mode == "raise":
         raise ValueError("injected failure on rank 1")
@@ -50,9 +51,10 @@ def blocking(rank: int, world: int, mode: str) -> None:
     time.sleep(600)
 
 
-def failing_training(rank: int, world: int, payload: tuple[TrainConfig, bool | str]) -> Any:
+def failing_training(context: RankContext, payload: tuple[TrainConfig, bool | str]) -> Any:
+    rank = context.process
     config, kill = payload  # kill: False (raise), True (SIGKILL) or "stall"
-    progress(os.getpid())
+    context.progress(os.getpid())
     if rank == 1:
         from pipeweave.runtime.stage.worker import StageWorker
 
@@ -70,7 +72,7 @@ def failing_training(rank: int, world: int, payload: tuple[TrainConfig, bool | s
             return original(self, mb, grad_output)
 
         StageWorker.backward = backward  # type: ignore[method-assign]
-    return run_rank(rank, world, prepare(config))
+    return run_rank(context, prepare(config))
 
 
 def report(rank: int, value: Any) -> None:

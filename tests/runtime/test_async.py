@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
@@ -77,8 +78,8 @@ def _config(case: str, ranks: int) -> TrainConfig:
     return train_config(**fields)  # type: ignore[arg-type]
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
 @pytest.fixture(scope="module", params=RANKS, ids=lambda r: f"{r}ranks")

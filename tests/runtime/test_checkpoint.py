@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.run import checkpoint, checkpoint_files, checkpoint_state
@@ -162,7 +163,7 @@ def test_a_new_checkpoint_replaces_the_old_one_only_once_whole(tmp_path: Path) -
     assert checkpoint_files.find(str(tmp_path / "ckpt")).steps == 4
 
 
-def _counting_saves(rank: int, world: int, config: TrainConfig) -> tuple[RunRecord | None, list[int]]:
+def _counting_saves(context: RankContext, config: TrainConfig) -> tuple[RunRecord | None, list[int]]:
     saved: list[int] = []
     real = checkpoint.save
 
@@ -171,7 +172,7 @@ def _counting_saves(rank: int, world: int, config: TrainConfig) -> tuple[RunReco
         real(*args, **kwargs)  # type: ignore[arg-type]
 
     checkpoint.save = save  # type: ignore[assignment]  # this rank's process only
-    return run_rank(rank, world, prepare(config)), saved
+    return run_rank(context, prepare(config)), saved
 
 
 def test_save_every_writes_the_checkpoint_during_the_run(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from unittest.mock import patch
 import pytest
 from torch.distributed.checkpoint import FileSystemWriter
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.cli import main
 from pipeweave.durable import replacing
 from pipeweave.models import ModelSpec
@@ -163,8 +164,9 @@ def test_resume_auto_starts_afresh_then_resumes_the_newest_then_has_nothing_left
     assert "holds 5 steps of --steps 5; nothing is left to train" in capsys.readouterr().err
 
 
-def _failing_once(rank: int, world: int, config: TrainConfig) -> RunRecord | None:
+def _failing_once(context: RankContext, config: TrainConfig) -> RunRecord | None:
     """Rank 1 cannot write its share of the checkpoint of step 1 (a full disk, freed before the next save)."""
+    rank = context.process
     real = FileSystemWriter.write_data
 
     def write_data(self: FileSystemWriter, plan: object, planner: object) -> object:
@@ -173,7 +175,7 @@ def _failing_once(rank: int, world: int, config: TrainConfig) -> RunRecord | Non
         return real(self, plan, planner)  # type: ignore[arg-type]
 
     FileSystemWriter.write_data = write_data  # type: ignore[method-assign]  # this rank's process only
-    return run_rank(rank, world, prepare(config))
+    return run_rank(context, prepare(config))
 
 
 def test_a_save_one_rank_cannot_write_is_abandoned_by_all_and_the_run_goes_on(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.data import DatasetSource, data_source
 from pipeweave.errors import UserError
 from pipeweave.models import LayerModel, ModelSpec, build_layers
@@ -84,8 +85,8 @@ CASES.update(_variants("tuples", TUPLES_BASE, stream=True))
 STREAMS = ("pipedream", "tuples pipedream")
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
 @pytest.fixture(scope="module")

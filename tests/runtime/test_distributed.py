@@ -17,6 +17,7 @@ import functools
 import pytest
 import torch
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
@@ -35,8 +36,8 @@ RANKS = (2, 3)
 STEPS = 2
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
 def _config(name: str, ranks: int, recompute: bool, **overrides: object) -> TrainConfig | None:

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.data import DataSource, data_source
 from pipeweave.errors import Diverged, UserError
 from pipeweave.models import ModelSpec
@@ -87,8 +88,8 @@ def _config(**changes: Any) -> TrainConfig:
     return dataclasses.replace(base, **changes)
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
 def _parameters(record: RunRecord) -> dict[str, torch.Tensor]:
@@ -160,8 +161,9 @@ def test_an_asynchronous_run_stops_at_its_drain_and_cannot_skip(tmp_path: Path) 
         prepare(dataclasses.replace(config, on_nonfinite="skip"))
 
 
-def _save_twice(rank: int, world: int, folder: str) -> str:
+def _save_twice(context: RankContext, folder: str) -> str:
     """Save a checkpoint, make one parameter of rank 1's part infinite, save again: what the second save says."""
+    rank = context.process
     mlp = ModelSpec(kind="mlp", layers=6, hidden=8)
     plan = prepare(train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=mlp, batch_size=4,
                                save=folder))

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.data import ByteCorpus, stdlib_sources
 from pipeweave.models import ModelSpec
 from pipeweave.models.build import build_layers
@@ -34,8 +35,8 @@ GPT = ModelSpec(kind="gpt", layers=4, hidden=16, heads=2, seq_len=8)
 STEPS, EVAL_BATCHES = 2, 2
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
 def _cases(text: Path) -> dict[str, TrainConfig]:

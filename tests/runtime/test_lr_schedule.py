@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.config import TrainConfig
@@ -41,8 +42,8 @@ def test_bad_schedules_are_one_line(kwargs: dict[str, object], message: str) -> 
         LrSchedule(lr=1.0, **kwargs)  # type: ignore[arg-type]
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[object]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[object]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
 @pytest.mark.distributed

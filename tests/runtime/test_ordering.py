@@ -40,7 +40,7 @@ from pipeweave.schedule import SCHEDULES, ScheduleError, generate, lower
 from pipeweave.schedule.ir import Op
 from pipeweave.runtime.run.plan import optimizer_factory, prepare
 from pipeweave.runtime.run.sizes import microbatch_sizes
-from pipeweave.runtime.transport import mesh
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.transport.mesh import Mesh, replica_rank_sets
 from config_defaults import train_config
 
@@ -138,14 +138,12 @@ def _run_threads(config: TrainConfig, transport: InOrderTransport) -> list[float
     lowered = lower(schedule)
     # The run's mesh, its replica groups stand-ins the transport recognises (every thread reads the one mesh).
     groups = {part: ("part", part, ranks) for part, ranks in replica_rank_sets(schedule.placement).items()}
-    mesh.install(Mesh(1, schedule.num_ranks, 1, 0, replica_groups=groups))
-    try:
-        return _run_rank_threads(config, plan, transport, lowered)
-    finally:
-        mesh.install(None)
+    joined = Mesh(1, schedule.num_ranks, 1, 0, replica_groups=groups)
+    return _run_rank_threads(config, plan, transport, lowered, joined)
 
 
-def _run_rank_threads(config: TrainConfig, plan: Any, transport: InOrderTransport, lowered: Any) -> list[float]:
+def _run_rank_threads(config: TrainConfig, plan: Any, transport: InOrderTransport, lowered: Any,
+                      joined: Mesh) -> list[float]:
     schedule, device = plan.schedule, torch.device("cpu")
     losses = [[0.0] * schedule.num_ranks for _ in range(config.steps)]
     errors: list[str] = []
@@ -153,8 +151,9 @@ def _run_rank_threads(config: TrainConfig, plan: Any, transport: InOrderTranspor
     def rank_main(rank: int) -> None:
         transport.local.rank = rank
         try:
-            workers = build_workers(plan, rank, device)
-            executor = Executor(lowered, rank, workers, microbatch_sizes(config), device)
+            context = RankContext(process=rank, world=schedule.num_ranks, mesh=joined)
+            workers = build_workers(plan, rank, device, context=context)
+            executor = Executor(lowered, rank, workers, microbatch_sizes(config), device, context=context)
             source = data_source(config.model, batch_size=config.batch_size, seed=config.seed)
             for step in range(config.steps):
                 inputs, targets = source.batch(step)

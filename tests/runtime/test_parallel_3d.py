@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.data import data_source
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import TrainResult, run_plain
@@ -126,8 +127,8 @@ AGAINST_REFERENCE = ("tp-pp-pipedream", "tp-pp-pipedream-sequence-parallel", "tp
                      "dp-pp-pipedream-2bw", "gpt-pipedream", "dp-pp-pipedream-eval")
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
 @pytest.fixture(scope="module")

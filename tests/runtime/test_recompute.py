@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.data import ByteCorpus
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
@@ -114,8 +115,8 @@ def test_a_model_without_a_selective_region_says_so() -> None:
     assert train_config(recompute=True).recompute == "full" and train_config(recompute="none,none").recompute == "none"
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
 def _configs(ranks: int, names: tuple[str, ...]) -> dict[tuple[str, str], TrainConfig]:

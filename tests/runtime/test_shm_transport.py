@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.transport import shm
 from pipeweave.config import TrainConfig
@@ -50,9 +51,10 @@ def _tied_gpt() -> TrainConfig:
                        steps=STEPS, collect_parameters=True)
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> tuple[list[Any], list[int]]:
-    records = [run_rank(rank, world, prepare(c)) for c in configs]
-    ring = shm.active()
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> tuple[list[Any], list[int]]:
+    world = context.world
+    records = [run_rank(context, prepare(c)) for c in configs]
+    ring = context.transport
     written = [] if ring is None else [int(c.ctrl[0]) for _, c in sorted(ring.outgoing.items())]
     written_all = [torch.zeros(world - 1, dtype=torch.int64) for _ in range(world)]
     torch.distributed.all_gather(written_all, torch.tensor(written or [0] * (world - 1)))
@@ -90,7 +92,8 @@ def test_shm_runs_equal_plain_training(ranks: int) -> None:
                     assert torch.equal(ours.parameters[stage][pname], value), pname
 
 
-def _fail_in_backward(rank: int, world: int, config: TrainConfig, hang: bool) -> Any:
+def _fail_in_backward(context: RankContext, config: TrainConfig, hang: bool) -> Any:
+    rank = context.process
     if rank == 1:
         from pipeweave.runtime.stage.worker import StageWorker
 
@@ -105,15 +108,15 @@ def _fail_in_backward(rank: int, world: int, config: TrainConfig, hang: bool) ->
             return original(self, mb, grad_output)
 
         StageWorker.backward = backward  # type: ignore[method-assign]
-    return run_rank(rank, world, prepare(config))
+    return run_rank(context, prepare(config))
 
 
-def _raise_in_backward(rank: int, world: int, config: TrainConfig) -> Any:
-    return _fail_in_backward(rank, world, config, hang=False)
+def _raise_in_backward(context: RankContext, config: TrainConfig) -> Any:
+    return _fail_in_backward(context, config, hang=False)
 
 
-def _hang(rank: int, world: int, config: TrainConfig) -> Any:
-    return _fail_in_backward(rank, world, config, hang=True)
+def _hang(context: RankContext, config: TrainConfig) -> Any:
+    return _fail_in_backward(context, config, hang=True)
 
 
 @pytest.mark.parametrize("fn, timeout_s, cause", [
@@ -265,21 +268,20 @@ def test_a_stream_refuses_a_tensor_unlike_the_one_it_announced() -> None:
     from pipeweave.schedule import generate, lower
     from pipeweave.schedule.ir import Action, Op
 
-    shm.install(0, shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1 << 16))
-    try:
-        p2p = P2P(lower(generate("1f1b", num_stages=2, num_microbatches=3)), 0, [2, 2, 1], torch.device("cpu"))
-        p2p.begin_step()
-        p2p.send(Action(0, Op.SEND_F, 0), torch.ones(2, 4))
-        with pytest.raises(ValueError, match="per-sample shape"):
-            p2p.send(Action(0, Op.SEND_F, 1), torch.ones(2, 5))
-        with pytest.raises(ValueError, match="announced as torch.float32"):
-            p2p.send(Action(0, Op.SEND_F, 1), torch.ones(2, 4, dtype=torch.float64))
-        with pytest.raises(ValueError, match="does not have the microbatch"):
-            p2p.send(Action(0, Op.SEND_F, 2), torch.ones(2, 4))
-        p2p.send(Action(0, Op.SEND_F, 1), torch.ones(4, 2).t())  # strided: sent as a contiguous copy
-        p2p.send(Action(0, Op.SEND_F, 2), torch.ones(1, 4))  # the smaller last microbatch
-    finally:
-        shm.install(0, None)
+    context = RankContext(transport=shm.connect(0, shm.make_channels(multiprocessing.get_context("spawn"), 2,
+                                                                     capacity=1 << 16)))
+    p2p = P2P(lower(generate("1f1b", num_stages=2, num_microbatches=3)), 0, [2, 2, 1], torch.device("cpu"),
+              context=context)
+    p2p.begin_step()
+    p2p.send(Action(0, Op.SEND_F, 0), torch.ones(2, 4))
+    with pytest.raises(ValueError, match="per-sample shape"):
+        p2p.send(Action(0, Op.SEND_F, 1), torch.ones(2, 5))
+    with pytest.raises(ValueError, match="announced as torch.float32"):
+        p2p.send(Action(0, Op.SEND_F, 1), torch.ones(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="does not have the microbatch"):
+        p2p.send(Action(0, Op.SEND_F, 2), torch.ones(2, 4))
+    p2p.send(Action(0, Op.SEND_F, 1), torch.ones(4, 2).t())  # strided: sent as a contiguous copy
+    p2p.send(Action(0, Op.SEND_F, 2), torch.ones(1, 4))  # the smaller last microbatch
 
 
 def test_a_received_message_is_not_kept_by_the_transport() -> None:
@@ -295,20 +297,18 @@ def test_a_received_message_is_not_kept_by_the_transport() -> None:
 
     channels = shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1 << 16)
     sender = shm.ShmTransport(0, channels)
-    shm.install(1, channels)
-    try:
-        p2p = P2P(lower(generate("1f1b", num_stages=2, num_microbatches=2)), 1, [3, 3], torch.device("cpu"))
-        p2p.begin_step()
-        sender.isend(tensor_meta(torch.ones(3, 4)), 1, tag=p2p.tag((0, 0, -1)))
-        for j in range(2):
-            sender.isend(torch.full((3, 4), float(j)), 1, tag=p2p.tag((0, 0, j)))
-        alive = []
-        for j in range(2):
-            x = p2p.recv(Action(1, Op.RECV_F, j))
-            assert torch.equal(x, torch.full((3, 4), float(j)))
-            alive.append(weakref.ref(x))
-            del x
-        gc.collect()
-        assert all(ref() is None for ref in alive)
-    finally:
-        shm.install(1, None)
+    context = RankContext(transport=shm.connect(1, channels))
+    p2p = P2P(lower(generate("1f1b", num_stages=2, num_microbatches=2)), 1, [3, 3], torch.device("cpu"),
+              context=context)
+    p2p.begin_step()
+    sender.isend(tensor_meta(torch.ones(3, 4)), 1, tag=p2p.tag((0, 0, -1)))
+    for j in range(2):
+        sender.isend(torch.full((3, 4), float(j)), 1, tag=p2p.tag((0, 0, j)))
+    alive = []
+    for j in range(2):
+        x = p2p.recv(Action(1, Op.RECV_F, j))
+        assert torch.equal(x, torch.full((3, 4), float(j)))
+        alive.append(weakref.ref(x))
+        del x
+    gc.collect()
+    assert all(ref() is None for ref in alive)

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.errors import RanksDisagree, UserError
 from pipeweave.models import ModelSpec
 from pipeweave.models.custom import load_model
@@ -36,18 +37,19 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 FILE = Path(__file__).resolve().with_name("split_by_rank.py")
 
 
-def _cases(rank: int, world: int, cache: str) -> tuple[list[Any], Any, str, list[str]]:
+def _cases(context: RankContext, cache: str) -> tuple[list[Any], Any, str, list[str]]:
     """On each rank: the cuts ``pipeline(..., split_points=2)`` chose (rank 1 measuring its own costs), the run
     of a plan whose layer counts differ on rank 1, what stopped the run of a model cut apart, and what rank 1
     raised where rank 0 failed to decide (every rank's)."""
+    rank, world = context.process, context.world
     os.environ.update(RANK=str(rank), PIPEWEAVE_CACHE=cache)  # split_by_rank: this rank measures its own costs
     cuts: list[Any] = [None] * world
     dist.all_gather_object(cuts, load_model(f"{FILE}:profiled").split_points)
     counts = (1, 3) if rank == 0 else (3, 1)  # what each measured alone
-    record = run_rank(rank, world, prepare(dataclasses.replace(COUNTED, layers_per_part=counts)))
+    record = run_rank(context, prepare(dataclasses.replace(COUNTED, layers_per_part=counts)))
     stop = ""
     try:
-        run_rank(rank, world, prepare(NAMED))
+        run_rank(context, prepare(NAMED))
     except RanksDisagree as error:
         stop = str(error)
     failures = []

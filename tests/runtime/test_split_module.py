@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
@@ -79,8 +80,8 @@ SLOW = {"looped interleaved-1f1b": LOOPED_CASES["looped interleaved-1f1b"], **_c
                                                   batch_size=8, steps=STEPS, collect_parameters=True, min_seq_len=5)}
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
 def _launch(cases: dict[str, TrainConfig]) -> dict[str, tuple[TrainConfig, RunRecord]]:

@@ -155,8 +155,7 @@ def test_update_is_an_sgd_step_after_combining() -> None:
         for g in worker.gradients():
             g.mul_(2)
 
-    w.combine_grads = double
-    w.update()
+    w.update(combine=double)
     assert calls == [w]
     for k, p in w.named_parameters().items():
         torch.testing.assert_close(p.detach(), before[k] - 0.5 * 2 * grads[k], rtol=1e-6, atol=1e-7)

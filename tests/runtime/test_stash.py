@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import run_plain
@@ -27,8 +28,8 @@ COMPRESSION_BOUND = 2e-3
 to 4e-4 over its steps: bf16 keeps 8 bits of mantissa, so each stashed value is off by up to 2^-9)."""
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
 def _cases(ranks: int, names: tuple[str, ...], levers: tuple[str, ...]) -> dict[str, TrainConfig]:

@@ -31,6 +31,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.data import ByteCorpus, stdlib_sources
 from pipeweave.models import ModelSpec
 from pipeweave.models.build import build_layers
@@ -93,8 +94,8 @@ def _steps(case: str) -> tuple[int, int]:
     return (10, 4) if CASES[case][0] in AVG else (6, 2)
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
 def _launch(configs: list[TrainConfig]) -> list[RunRecord]:

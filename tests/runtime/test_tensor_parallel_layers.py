@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.errors import UserError
 from pipeweave.models.build import build_layers, check_tensor_parallel, tensor_parallel_plan
 from pipeweave.models.layers import Deferrable, WeightGradStore
@@ -48,7 +49,8 @@ def _run(layer: torch.nn.Module, x: torch.Tensor, defer: bool) -> tuple[torch.Te
     return y.detach(), x.grad if x.is_floating_point() else None
 
 
-def _compare(rank: int, world: int, payload: tuple[ModelSpec, int, bool]) -> list[str]:
+def _compare(context: RankContext, payload: tuple[ModelSpec, int, bool]) -> list[str]:
+    rank, world = context.process, context.world
     spec, index, defer = payload
     tp = TensorParallel(dist.group.WORLD, rank, world)
     (full,) = build_layers(spec, [index])
@@ -98,9 +100,10 @@ def _local_only(*args: Any, **kwargs: Any) -> None:
     raise AssertionError("a collective in W")
 
 
-def _compare_sequence_parallel(rank: int, world: int, _: Any) -> list[str]:
+def _compare_sequence_parallel(context: RankContext, _: Any) -> list[str]:
     """A gpt block on this rank's half of the sequence: I then W (W with every collective refused), the
     partial gradients summed over the group; against the whole block's on the whole sequence."""
+    rank, world = context.process, context.world
     tp = TensorParallel(dist.group.WORLD, rank, world, sequence_parallel=True)
     (full,) = build_layers(GPT, [1])
     (cut,) = split_layers(GPT, [1], build_layers(GPT, [1]), tp)

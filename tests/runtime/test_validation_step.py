@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import pytest
 import torch
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.config import TrainConfig
@@ -74,8 +75,8 @@ def _config(optimizer: str, options: PostValidation) -> TrainConfig:
                        post_validation=options, on_nonfinite="skip")  # the NaN step is skipped, not the run stopped
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
 @pytest.fixture(scope="module")

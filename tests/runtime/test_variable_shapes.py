@@ -15,6 +15,7 @@ import functools
 import pytest
 import torch
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.data import data_source, step_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
@@ -36,8 +37,8 @@ def _config(schedule: str) -> TrainConfig:
                        min_seq_len=MIN_SEQ_LEN, collect_parameters=True)
 
 
-def _run_all(rank: int, world: int, configs: list[TrainConfig]) -> list[RunRecord | None]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,8 +8,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.fsdp import FullyShardedPart
+from pipeweave.runtime.fsdp import FullyShardedPart, shard_stage
+from pipeweave.runtime.stage.build import build_stage, stage_options
 from pipeweave.runtime.replicas import _buckets
 from pipeweave.runtime.run.checkpoint_state import stage_state
 from pipeweave.runtime.run.launch import launch
@@ -38,7 +40,7 @@ def _step_both(zero: ZeroOptimizer, plain: torch.optim.Optimizer, whole: list[nn
     zero.step()
 
 
-def _step(rank: int, world: int, bucket_bytes: int) -> tuple[int, int, float]:
+def _step(context: RankContext, bucket_bytes: int) -> tuple[int, int, float]:
     """(sharded state bytes, whole state bytes, largest parameter difference) after two AdamW steps."""
     factory = lambda ps: torch.optim.AdamW(ps, lr=0.1)  # noqa: E731
     sharded, whole = _params(), _params()
@@ -62,7 +64,7 @@ def test_zero1_keeps_a_slice_of_the_state_and_steps_as_the_whole_optimizer(bucke
     assert diff == 0.0  # elementwise: the slice's update is bitwise the whole one's
 
 
-def _whole_state(rank: int, world: int, bucket_bytes: int) -> list[str]:
+def _whole_state(context: RankContext, bucket_bytes: int) -> list[str]:
     """Problems of ``whole_state``/``load_whole_state``: the gathered state is the unsharded optimizer's, and a
     fresh ZeRO optimizer loading it steps on as the unsharded one does."""
     factory = lambda ps: torch.optim.AdamW(ps, lr=0.1)  # noqa: E731
@@ -108,17 +110,18 @@ def _train(worker: StageWorker, microbatches: list[int], part: FullyShardedPart 
     worker.update()
 
 
-def _zero3(rank: int, world: int, _: None) -> list[str]:
+def _zero3(context: RankContext, _: None) -> list[str]:
     """Problems of ZeRO-3 by FSDP2 (``runtime.fsdp``) on an mlp part of 3 layers with deferred W: between actions
     each replica keeps its padded rows of every parameter; a step (F, I, W, reduce-scatter of the summed
     gradients, SGD with momentum) gives the parameters and the state of plain training on every replica's
     microbatches; a checkpoint's state read inside ``gathered()`` (even after a nested one) is whole, and values written there are kept;
     the optimizer state gathers whole and loads back."""
+    rank, world = context.process, context.world
     spec, factory = ModelSpec(kind="mlp", layers=3, hidden=8), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
-    worker = StageWorker(spec, range(3), batch_size=6 * world, optimizer_factory=factory)
+    stage = build_stage(stage_options(spec, range(3), batch_size=6 * world, optimizer_factory=factory))
+    part = shard_stage(stage, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    worker = StageWorker.from_stage(stage)
     plain = StageWorker(spec, range(3), batch_size=6 * world, optimizer_factory=factory)
-    part = FullyShardedPart(worker, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
-    worker.shards = part
     problems = []
     for step in range(2):
         _train(worker, [10 * step + 2 * rank, 10 * step + 2 * rank + 1], part)

@@ -3,11 +3,14 @@
 The only package of pipeweave that imports ``torch.distributed``. It is built
 in layers, each importing only from layers below it (a test keeps it so):
 
-1. ``process`` -- what a process knows of itself as a rank: its device, its
-   wait timeout, where its progress reports go.
+1. ``process`` -- what a process is as a rank: its device, how it was
+   started, whom it dies with (no state).
 2. ``transport/`` -- point-to-point messages between ranks and their order
    (gloo, NCCL or shared-memory rings), their metadata, aligned clocks; the
-   run's device mesh (data x pipeline x tensor parallelism) and its groups.
+   run's device mesh (data x pipeline x tensor parallelism) and its groups;
+   ``context`` -- one rank's ``RankContext`` (its mesh, transport, progress
+   sink and wait timeout), built by the run and passed to what needs it: no
+   module of the runtime holds run state.
 3. ``stage/`` -- what one stage does with tensors: F, I, W, B and U of a
    slice of layers, recomputation, tied weights, tensor-parallel layers, the
    weight policy of an asynchronous schedule (pure tensor code in

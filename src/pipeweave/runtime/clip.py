@@ -32,38 +32,31 @@ from pipeweave.runtime.fsdp import FullyShardedPart
 from pipeweave.runtime.stage.tensor_parallel import split_of
 from pipeweave.runtime.stage.tied import repeated_members
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.transport import mesh
+from pipeweave.runtime.transport.mesh import Mesh
 from pipeweave.runtime.zero import ZeroOptimizer
 
 
 class GlobalNormClip:
     """Clips the gradients of this process's stages at their ``U`` to a global norm (module docstring).
 
-    Chained after the worker's ``combine_grads`` (install it after ``ReplicaReduction`` and ``TiedGradients``).
+    The executor runs ``hooks`` last at each ``U``, after the replicas' and the ties' sums.
 
     Args:
         max_norm: the largest global gradient norm.
         workers: this process's stage workers (one per process: the plan checks it).
+        joined: this process's mesh (``RankContext.mesh``; None: no tensor or data parallelism).
 
     Attributes:
         norms: per ``U`` of this process, the global gradient norm before clipping.
+        hooks: per stage, what its ``U`` runs (``StageWorker.update(combine=...)``).
     """
 
-    def __init__(self, max_norm: float, workers: dict[int, StageWorker]) -> None:
+    def __init__(self, max_norm: float, workers: dict[int, StageWorker], joined: Mesh | None = None) -> None:
         self.max_norm = max_norm
-        joined = mesh.active()
         self.tp_rank, self.dp_rank = (0, 0) if joined is None else (joined.tp_rank, joined.dp_rank)
         self.norms: list[float] = []
-        for worker in workers.values():
-            worker.combine_grads = self._chain(worker.combine_grads)
-
-    def _chain(self, before: Callable[[StageWorker], None] | None) -> Callable[[StageWorker], None]:
-        def combine(worker: StageWorker) -> None:
-            if before is not None:
-                before(worker)  # the gradients the optimizer applies: replicas summed (or sliced), ties summed
-            self._clip(worker)
-
-        return combine
+        # The gradients the optimizer applies are clipped: replicas summed (or sliced), ties summed first.
+        self.hooks: dict[int, Callable[[StageWorker], None]] = {stage: self._clip for stage in workers}
 
     def _clip(self, worker: StageWorker) -> None:
         squares = torch.zeros(1, dtype=torch.float64, device=worker.device)

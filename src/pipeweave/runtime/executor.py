@@ -15,6 +15,7 @@ are all-reduced over the part's replica group (``runtime.replicas``), and its
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import weakref
@@ -28,12 +29,12 @@ from pipeweave.models.boundary import Boundary
 from pipeweave.runtime.clip import GlobalNormClip
 from pipeweave.runtime.stage.sequence_parallel import PartialGradients
 from pipeweave.runtime.nonfinite import LossAgreement
-from pipeweave.runtime.replicas import DEFAULT_BUCKET_BYTES, ReplicaReduction
-from pipeweave.runtime.transport import mesh
+from pipeweave.runtime.replicas import DEFAULT_BUCKET_BYTES, ReplicaReduction, all_reduce_gradients
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.transport.mesh import replica_rank_sets
 from pipeweave.runtime.transport.p2p import P2P
 from pipeweave.runtime.transport.partner import PartnerLink
-from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.stage.worker import Combine, StageWorker
 from pipeweave.runtime.stage.policy import RankPolicy
 from pipeweave.runtime.stage.stash import Packed, host_store, stash_away, stash_back
 from pipeweave.runtime.stage.tied import TiedGradients, tied_groups
@@ -59,8 +60,10 @@ class Executor:
         policy: an asynchronous schedule's weight policy (``stage.policy.RankPolicy``), called around
             every compute action (the weights each reads); None for synchronous schedules.
         combine_replicas: sum the gradients of a part's replicas before ``U`` (over the groups of the
-            run's ``transport.mesh``, which must be installed where replicas span ranks); False where
+            run's mesh, ``context.mesh``, which must be there where replicas span ranks); False where
             replicas train apart (AvgPipe's, averaged by its policy instead).
+        sum_over: a group whose processes sum each stage's gradients at every ``U`` before anything else
+            (an asynchronous run's data-parallel replicas laid out around the stream: PipeDream's hybrid).
         bucket_bytes: the size of the buckets of that sum (``runtime.replicas``).
         zero: the ZeRO stage of data-parallel replicas (``runtime.zero``): 1 optimizer state sharded over
             them, 3 parameters too.
@@ -71,6 +74,7 @@ class Executor:
             one. None: nothing agreed (evaluation, streams).
         variable_shapes: messages whose per-sample shape changes (sequences of variable length): each
             carries its own metadata (``transport.p2p``).
+        context: this rank's run context (``runtime.context``): its mesh and groups, its transport, its waits.
 
     Example:
         ex = Executor(lower(schedule), rank, workers, sizes, torch.device("cpu"))
@@ -94,20 +98,18 @@ class Executor:
         clip_norm: float | None = None,
         partner: PartnerLink | None = None,
         variable_shapes: bool = False,
+        context: RankContext | None = None,
+        sum_over: Any = None,
     ) -> None:
         self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
+        self.context = context = context if context is not None else RankContext()
         self.placement = lowered.schedule.placement
         self.row = lowered.actions[rank]
-        self.p2p = P2P(lowered, rank, microbatch_sizes, device, variable_shapes=variable_shapes)
+        self.p2p = P2P(lowered, rank, microbatch_sizes, device, variable_shapes=variable_shapes, context=context)
         self.evaluating = evaluate
         """F runs as ``StageWorker.evaluate``; no gradient is prepared or exchanged."""
-        exchanging = {} if evaluate else workers  # the training executor owns the workers' combine_grads
-        self.replicas = ReplicaReduction(self.placement, self.row, exchanging if combine_replicas else {},
-                                         _replica_groups(self.placement) if exchanging and combine_replicas else {},
-                                         bucket_bytes, zero)
-        PartialGradients(exchanging)  # sequence parallelism's partial gradients summed over tp, after the replicas
-        self.tied = self._ties(exchanging, evaluate, policy is not None)
-        self.clip = None if clip_norm is None or evaluate else GlobalNormClip(clip_norm, workers)  # after both
+        self._exchanges({} if evaluate else workers, policy is not None, combine_replicas, bucket_bytes, zero,
+                        clip_norm, sum_over)
         self.dispatch: dict[Op, Callable[[Action], None]] = {
             Op.F: self.forward, Op.B: self.backward, Op.I: self.backward_input, Op.W: self.backward_weight,
             Op.U: self.update, Op.SEND_F: self.send_forward, Op.RECV_F: self.recv_forward,
@@ -131,10 +133,41 @@ class Executor:
         self.policy = policy
         self.losses_by_microbatch: dict[int, torch.Tensor] = {}
         self._prepared = False  # gradients zero-filled in this step (``_before_waiting``)
-        self.agreement = None if on_nonfinite is None else LossAgreement(self.row, self.placement, device)
+        group = context.pipeline_group
+        self.agreement = None if on_nonfinite is None else LossAgreement(self.row, self.placement, device, group)
         self.skip_nonfinite = on_nonfinite == "skip"
         self.step_loss: float | None = None
         """Of the last step, with ``on_nonfinite``: its loss, every rank's share summed (the same on every rank)."""
+
+    def _exchanges(self, exchanging: dict[int, StageWorker], stream: bool, combine_replicas: bool,
+                   bucket_bytes: int, zero: int, clip_norm: float | None, sum_over: Any) -> None:
+        """The gradient exchanges of ``exchanging`` (the training executor's workers; none when evaluating):
+        the replicas' sums, the ties', the clipping, and ``combine``, what each ``U`` runs of them."""
+        self.replicas = ReplicaReduction(self.placement, self.row, exchanging if combine_replicas else {},
+                                         _replica_groups(self.placement, self.context) if exchanging and
+                                         combine_replicas else {}, bucket_bytes, zero)
+        self.tied = self._ties(exchanging, self.evaluating, stream)
+        unclipped = clip_norm is None or self.evaluating
+        self.clip = None if unclipped else GlobalNormClip(clip_norm, self.workers, self.context.mesh)
+        self.combine = self._combines(exchanging, sum_over)
+        """Per stage, what its ``U`` runs before the optimizer step (``StageWorker.update(combine=...)``)."""
+
+    def _combines(self, exchanging: dict[int, StageWorker], sum_over: Any) -> dict[int, Combine]:
+        """Each stage's gradient exchanges, in order: a stream's replicas around it (``sum_over``), the replicas'
+        sum, sequence parallelism's partial sums over ``tp`` (sums over dp and tp commute), the ties' (before all
+        of them under ZeRO-1: a tie is summed whole, then sliced), the global norm's clipping (of what the
+        optimizer applies)."""
+        partial = PartialGradients(exchanging).hooks
+        ties = self.tied.hooks
+        first = isinstance(self.tied, TiedGradients) and self.tied.first
+        clip = self.clip.hooks if self.clip is not None else {}
+        around = None if sum_over is None else functools.partial(all_reduce_gradients, group=sum_over)
+        combine = {}
+        for s in exchanging:
+            steps = [ties.get(s) if first else None, around, self.replicas.hooks.get(s), partial.get(s),
+                     None if first else ties.get(s), clip.get(s)]
+            combine[s] = chain([step for step in steps if step is not None])
+        return combine
 
     def _ties(self, exchanging: dict[int, StageWorker], evaluate: bool, stream: bool) -> TiedGradients | StreamTies:
         """The tied gradients' sum: every pipeline's first and last stage exchange their ties, on any rank
@@ -145,7 +178,7 @@ class Executor:
             self.p2p.tied_message = tied.message()
         else:
             tied = TiedGradients(self.placement, exchanging, self.rank, self.p2p.tag_limit,
-                                 first=bool(self.replicas.at_update))  # ZeRO-1: whole ties, then the slices
+                                 first=bool(self.replicas.at_update), context=self.context)  # ZeRO-1: whole first
         if not evaluate and any(tied_groups(w.spec) for w in self.workers.values()):
             for line in self.placement.pipelines:
                 if line[0] != line[-1]:
@@ -270,7 +303,7 @@ class Executor:
     def update(self, a: Action) -> None:
         self.p2p.before_update(a.stage)  # a tied exchange takes its place in the per-pair order
         skip = self.skip_nonfinite and not math.isfinite(cast(LossAgreement, self.agreement).total())
-        self.workers[a.stage].update(skip=skip)
+        self.workers[a.stage].update(skip=skip, combine=self.combine.get(a.stage))
 
     # ---- memory (schedule.stash) ---------------------------------------------
     def _offload_store(self) -> Any:
@@ -279,8 +312,9 @@ class Executor:
         self._away: dict[tuple[int, int], Packed] = {}  # moved away: how to rebuild it
         self._kept: dict[tuple[int, int], int | None] = {}  # BPipe: the meter key of what an EVICT kept here
         for a in self.row:
-            if a.op.is_memory:
-                self.workers[a.stage].stashing = True
+            if a.op.is_memory and not self.workers[a.stage].stashing:
+                raise RuntimeError(f"rank {self.rank}: stage {a.stage} moves activations ({a}) but was not built "
+                                   "stashing them: build it with stashing=True (runtime.run.workers)")
         if not any(a.op is Op.OFFLOAD for a in self.row):
             return None
         store = host_store(self.device)
@@ -342,12 +376,23 @@ class Executor:
                 worker.prepare_gradients()
 
 
-def _replica_groups(placement: Any) -> dict[int, Any]:
-    """The run's replica groups (``transport.mesh``), present wherever a part's replicas span ranks."""
+def chain(steps: Sequence[Combine]) -> Combine | None:
+    """One ``combine`` running ``steps`` in order (None: no step)."""
+    if len(steps) <= 1:
+        return steps[0] if steps else None
+
+    def combine(worker: StageWorker) -> None:
+        for step in steps:
+            step(worker)
+
+    return combine
+
+
+def _replica_groups(placement: Any, context: RankContext) -> dict[int, Any]:
+    """The run's replica groups (``context.mesh``), present wherever a part's replicas span ranks."""
     if not replica_rank_sets(placement):
         return {}
-    active = mesh.active()
-    if active is None:
-        raise RuntimeError("replicas on several ranks sum their gradients over the run's mesh: build and install "
-                           "it first (transport.mesh.build_mesh, mesh.install)")
-    return active.replica_groups
+    if context.mesh is None:
+        raise RuntimeError("replicas on several ranks sum their gradients over the run's mesh: build it first "
+                           "and give it in the executor's context (transport.mesh.build_mesh, RankContext.with_mesh)")
+    return context.mesh.replica_groups

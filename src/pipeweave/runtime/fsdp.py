@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from pipeweave.runtime.stage.tensor_parallel import split_of
-from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.stage.build import Stage
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -54,19 +54,19 @@ if TYPE_CHECKING:
 # once they are imported, so the checks below import nothing new).
 
 class FullyShardedPart:
-    """A stage's part under ``fully_shard``, one FSDP unit per layer; the worker's ``shards``.
+    """A stage's part under ``fully_shard``, one FSDP unit per layer; the worker's ``shards`` (``shard_stage``).
 
     Args:
-        worker: the stage; its layers are sharded in place and its optimizer rebuilt over the shards.
+        stage: the stage under construction (``stage.build``); its layers are sharded in place.
         dp_mesh: the one-dimensional mesh of the part's replicas (the run's ``DeviceMesh["dp"]``).
     """
 
-    def __init__(self, worker: StageWorker, dp_mesh: Any) -> None:
+    def __init__(self, stage: Stage, dp_mesh: Any) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        whole = dict(worker.module.named_parameters())
+        whole = dict(stage.module.named_parameters())
         self.units: dict[str, FSDPModule] = {}  # by layer index, as ``StageWorker.module`` names them
-        for index, layer in worker.module.items():
+        for index, layer in stage.module.items():
             unit = fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True)
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no average, nor a pre-multiplied sum
             unit.set_gradient_divide_factor(1.0)  # the sum of the replicas' gradients (module docstring)
@@ -75,17 +75,16 @@ class FullyShardedPart:
             self.units[index] = unit
         self.replicas = dp_mesh.size()
         self._depth = 0  # gathered() contexts open
-        self.sharded: dict[str, nn.Parameter] = dict(worker.module.named_parameters())
+        self.sharded: dict[str, nn.Parameter] = dict(stage.module.named_parameters())
         """Per global name, the sharded parameter (a ``DTensor``): what the optimizer steps."""
         with self._whole():  # FSDP makes the whole parameters at their first all-gather; they keep a split's mark
-            for name, p in worker.module.named_parameters():
+            for name, p in stage.module.named_parameters():
                 _mark(p, whole[name])
         for name, p in self.sharded.items():
             _mark(p, whole[name])
-        worker.optimizer = worker.optimizer_factory(list(self.sharded.values()))
         # The activation meter leaves parameters out by storage address: the part's own storages are freed now
         # (activations may take their addresses), and a gathered layer's are allocated at each all-gather.
-        worker.meter.exclude = _Gathered(self.units)  # type: ignore[assignment]
+        stage.meter.exclude = _Gathered(self.units)  # type: ignore[assignment]
 
     def reduce(self) -> None:
         """Reduce-scatter the part's gradients, summed over the replicas, into the sharded parameters' ``.grad``
@@ -222,3 +221,12 @@ def _distribute(whole: torch.Tensor, like: Any) -> torch.Tensor:
 def _take_shard(sharded: Any, whole: torch.Tensor) -> None:
     """Copy this replica's rows of ``whole`` into the sharded parameter's own storage."""
     _local(sharded).copy_(_local(_distribute(whole.detach(), sharded)))
+
+
+def shard_stage(stage: Stage, dp_mesh: Any) -> FullyShardedPart:
+    """ZeRO-3, a build step of a stage (``runtime.run.workers``): its layers fully sharded over ``dp_mesh``,
+    its optimizer rebuilt over the shards."""
+    part = FullyShardedPart(stage, dp_mesh)
+    stage.shards = part
+    stage.optimizer = stage.optimizer_factory(list(part.sharded.values()))
+    return part

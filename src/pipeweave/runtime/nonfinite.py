@@ -39,7 +39,6 @@ import torch.distributed as dist
 
 from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.transport.mesh import pipeline_group
 from pipeweave.schedule.ir import Action, Op, Placement
 
 
@@ -50,9 +49,13 @@ class LossAgreement:
         row: this rank's lowered actions of one step.
         placement: the schedule's placement (which stages are last).
         device: where the all-reduced number lives (CUDA under NCCL, the CPU under gloo).
+        group: the processes of this ``tp`` coordinate (``RankContext.pipeline_group``; None: the default group):
+            each stage rank's share counted once, not once per tensor-parallel process.
     """
 
-    def __init__(self, row: Sequence[Action], placement: Placement, device: torch.device) -> None:
+    def __init__(self, row: Sequence[Action], placement: Placement, device: torch.device,
+                 group: Any = None) -> None:
+        self.group = group
         self.expected = sum(1 for a in row if a.op is Op.F and placement.next_stage(a.stage) is None)
         """Losses this rank computes per step (its last stages' forwards)."""
         self.device = device
@@ -81,13 +84,13 @@ class LossAgreement:
 
     def _post(self, share: torch.Tensor) -> None:
         self._share = share
-        self._work = dist.all_reduce(share, group=pipeline_group(), async_op=True)  # each stage rank once
+        self._work = dist.all_reduce(share, group=self.group, async_op=True)  # each stage rank once
 
 
-def summed_losses(shares: Sequence[float], device: torch.device) -> list[float]:
+def summed_losses(shares: Sequence[float], device: torch.device, group: Any = None) -> list[float]:
     """Every rank's per-mini-batch loss shares summed (one blocking all-reduce; every rank calls it)."""
     total = torch.tensor(list(shares), dtype=torch.float64, device=device)
-    dist.all_reduce(total, group=pipeline_group())  # each stage rank once, not once per tensor-parallel rank
+    dist.all_reduce(total, group=group)  # each stage rank once, not once per tensor-parallel rank
     return total.tolist()
 
 

@@ -1,49 +1,22 @@
-"""What a process knows of itself as a rank: its device, its wait timeout, where its progress goes, whom it dies with.
+"""What a process is as a rank: its device, how it was started, its host allocator, whom it dies with.
 
-The bottom layer of ``pipeweave.runtime``: set once by the launcher
-(``runtime.run.launch``) when a process becomes a rank, read by every layer
-above it (a transport waits ``wait_timeout()`` for a peer, a job reports
-``progress``). It imports nothing of ``pipeweave``.
+The bottom layer of ``pipeweave.runtime``: used by the launcher
+(``runtime.run.launch``) when a process becomes a rank. It holds no state:
+what a rank knows of its run (wait timeout, progress sink, mesh, transport)
+is its ``runtime.context.RankContext``. It imports nothing of ``pipeweave``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import datetime
 import os
 import select
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
-
-# Where ``progress`` goes in this process: the launcher's queue in a spawned
-# rank, the caller's callback on rank 0 under torchrun, nowhere otherwise.
-_progress_sink: Callable[[Any], None] | None = None
-# The process-group timeout of this rank. Gloo applies it to collectives but
-# not to a bare ``Work.wait()`` of a send or receive, so p2p waits pass it.
-_timeout = datetime.timedelta(seconds=60)
-
-
-def wait_timeout() -> datetime.timedelta:
-    """How long a rank waits on a peer's message before failing (the launch's ``timeout_s``)."""
-    return _timeout
-
-
-def set_wait_timeout(seconds: float) -> None:
-    """This rank's wait on a peer, in seconds (the launch's ``timeout_s``)."""
-    global _timeout
-    _timeout = datetime.timedelta(seconds=seconds)
-
-
-def set_progress_sink(sink: Callable[[Any], None] | None) -> None:
-    """Where ``progress`` reports of this process go (None: nowhere)."""
-    global _progress_sink
-    _progress_sink = sink
 
 
 def under_torchrun() -> bool:
@@ -57,12 +30,6 @@ def device_for(rank: int) -> torch.device:
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
     return torch.device("cuda", local)
-
-
-def progress(value: Any) -> None:
-    """Called by a rank to report progress; reaches ``launch``'s ``on_progress(rank, value)``."""
-    if _progress_sink is not None:
-        _progress_sink(value)
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)

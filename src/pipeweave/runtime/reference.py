@@ -77,11 +77,11 @@ def run_reference(
                                     lr_at=lr_at)
     workers = build_workers(schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
                             recompute=recompute, parts=parts, precision=precision)
-    TiedGradients(schedule.placement, dict(enumerate(workers)))  # hooks the tied stages' updates
+    ties = TiedGradients(schedule.placement, dict(enumerate(workers)))  # ties.hooks: the tied stages' U run them
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
     t = schedule.num_microbatches
-    losses = [_step(schedule, workers, step_microbatches(source, step, t), None if lr_at is None else lr_at(step))
-              for step in range(steps)]
+    losses = [_step(schedule, workers, step_microbatches(source, step, t), None if lr_at is None else lr_at(step),
+                    ties) for step in range(steps)]
     parameters, stage_parameters = trained_parameters(workers)
     peaks = [w.peak_activation_bytes() for w in workers]
     return TrainResult(losses, parameters, stage_parameters, peaks)
@@ -96,13 +96,13 @@ def _check_stream_steps(schedule: Schedule, steps: int) -> None:
 
 
 def _step(schedule: Schedule, workers: list[StageWorker], microbatches: tuple[list[Boundary], list[Boundary]],
-          lr: float | None) -> float:
+          lr: float | None, ties: TiedGradients) -> float:
     """One synchronous step on ``microbatches`` (inputs, targets; at learning rate ``lr``, if given); the
     mini-batch mean loss."""
     if lr is not None:
         for worker in workers:
             set_lr(worker.optimizer, lr)
-    return run_step(schedule, workers, *microbatches)
+    return run_step(schedule, workers, *microbatches, combine=ties.hooks)
 
 
 @dataclass
@@ -125,7 +125,7 @@ class _StreamWalk(Walk):
                  targets: Sequence[Boundary], policies: dict[int, RankPolicy]) -> None:
         super().__init__(schedule, workers, inputs, targets)
         self.policy_of = {s: policies[r] for r, policy in policies.items() for s in policy.states}
-        self.ties = StreamTies(schedule, dict(enumerate(workers)))  # hooks the tied stages' updates
+        self.ties = StreamTies(schedule, dict(enumerate(workers)))  # its hooks: what the tied stages' U run
 
     def ready(self, a: Action) -> bool:
         # U(s, k) applies the gradients its rank ran since U(s, k-1) (dataflow.consumed_gradients); a tied
@@ -136,7 +136,8 @@ class _StreamWalk(Walk):
         policy = self.policy_of[a.stage]
         policy.enter(a)
         if a.op is Op.U:
-            self.workers[a.stage].update()  # no replica sum: AvgPipe's replicas train apart
+            # No replica sum: AvgPipe's replicas train apart. A tied stage's U sums its ties (tied_stream).
+            self.workers[a.stage].update(combine=self.ties.hooks.get(a.stage))
         else:
             super().run(a)
         policy.exit(a)
@@ -201,7 +202,7 @@ def _run_stream(stream: Schedule, workers: list[StageWorker], source: DataSource
                 position: StreamPosition, result: StreamResult) -> StreamCarry:
     """Walk one stream of a run (``position``: where it starts) into ``result``; what its policies carry on."""
     for w in workers:
-        w.steps_done = position.minibatches
+        w.start_at(position.minibatches)
     tables = ScheduleTables(stream)
     policies = {
         r: RankPolicy(stream, {s: workers[s] for s in stream.placement.stages_on(r)}, options, tables, lr_at, carry)

@@ -34,10 +34,10 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from pipeweave.runtime.fsdp import FullyShardedPart
+from pipeweave.runtime.fsdp import FullyShardedPart, shard_stage
+from pipeweave.runtime.stage.build import Stage
 from pipeweave.runtime.stage.tied import tied_names
-from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.transport import mesh
+from pipeweave.runtime.stage.worker import Combine, StageWorker
 from pipeweave.runtime.zero import ZeroOptimizer, pad
 from pipeweave.schedule.ir import Action, Placement
 
@@ -51,12 +51,13 @@ class ReplicaReduction:
     Args:
         placement: the schedule's placement.
         row: this rank's actions of a step.
-        workers: this rank's stage workers (their ``combine_grads`` is set here).
+        workers: this rank's stage workers; ``hooks`` holds what each replica's ``U`` runs first.
         groups: per replicated part spanning several ranks, the process group of its replicas.
         bucket_bytes: the size of a bucket (the last one of a part may be smaller).
         zero: the ZeRO stage (0, 1 or 3) of the parts whose replicas lie one per rank on several ranks: their
-            workers' optimizers are replaced by ``zero.ZeroOptimizer``s over the same buckets (1), or their
-            layers fully sharded over the run's ``dp`` mesh (3: ``fsdp.FullyShardedPart``, ``worker.shards``).
+            workers were built with ``zero.ZeroOptimizer``s over the same buckets (1), or their layers fully
+            sharded over the run's ``dp`` mesh (3: ``fsdp.FullyShardedPart``, ``worker.shards``), by the
+            run's build step ``shard_replica`` (``runtime.run.workers``).
     """
 
     def __init__(self, placement: Placement, row: Sequence[Action], workers: dict[int, StageWorker],
@@ -65,10 +66,12 @@ class ReplicaReduction:
         self.bucket_bytes = bucket_bytes
         # Per replicated part on this rank: its local replica stages, ascending.
         self.local: dict[int, list[int]] = {}
+        self.hooks: dict[int, Combine] = {}
+        """Per replicated stage of this rank, what its ``U`` runs first: the part's replicas' sum."""
         for s in sorted(workers):
             if len(placement.replicas(s)) > 1:
                 self.local.setdefault(placement.stage_part[s], []).append(s)
-                workers[s].combine_grads = self._combine
+                self.hooks[s] = self._combine
         # Per part, how many of the step's actions add to its gradients here.
         self.grad_actions = {part: 0 for part in self.local}
         for a in row:
@@ -82,14 +85,11 @@ class ReplicaReduction:
         for part in self.sharded:
             (stage,) = self.local[part]  # the plan refuses ZeRO where a rank holds two replicas of a part
             worker = workers[stage]
-            if zero == 3:  # the replicas are the mesh's dp dimension: the plan refuses ZeRO with other replicas
-                joined = mesh.active()
-                assert joined is not None and joined.device_mesh is not None
-                worker.shards = self.fully_sharded[part] = FullyShardedPart(worker, joined.device_mesh["dp"])
-                continue
-            params = list(worker.module.parameters())
-            worker.optimizer = ZeroOptimizer(  # type: ignore[assignment]
-                worker.optimizer_factory, params, _buckets(params, bucket_bytes), groups[part])
+            if zero == 3:
+                assert isinstance(worker.shards, FullyShardedPart), "build the stage sharded (shard_replica)"
+                self.fully_sharded[part] = worker.shards
+            else:
+                assert isinstance(worker.optimizer, ZeroOptimizer), "build the stage sharded (shard_replica)"
         self._left: dict[int, int] = {}
         self._pending: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # part -> (work, bucket) until combined
 
@@ -150,6 +150,17 @@ class ReplicaReduction:
                 work.wait()
             for replica in grads:
                 _unflatten(flat, [replica[i] for i in span])
+
+
+def shard_replica(stage: Stage, zero: int, group: Any, dp_mesh: Any, bucket_bytes: int) -> None:
+    """A build step of a data-parallel replica's stage: ZeRO-1, its optimizer state sharded over the replicas'
+    ``group`` (``zero.ZeroOptimizer`` over the buckets ``ReplicaReduction`` reduce-scatters), or ZeRO-3, its
+    layers fully sharded over ``dp_mesh`` (``fsdp.shard_stage``)."""
+    if zero == 3:
+        shard_stage(stage, dp_mesh)
+        return
+    params = list(stage.module.parameters())
+    stage.optimizer = ZeroOptimizer(stage.optimizer_factory, params, _buckets(params, bucket_bytes), group)
 
 
 def all_reduce_gradients(worker: StageWorker, group: Any) -> None:

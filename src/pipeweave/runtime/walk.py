@@ -10,7 +10,7 @@ that prints the schedule's grid with each rank's next action marked.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import cast
 
 import torch
@@ -19,7 +19,7 @@ from pipeweave.errors import StuckError, UserError
 from pipeweave.models.boundary import Boundary
 from pipeweave.models.spec import ModelSpec, uniform_parts
 from pipeweave.runtime.stage.tied import tie_peer, tie_peer_parts
-from pipeweave.runtime.stage.worker import OptimizerFactory, StageWorker
+from pipeweave.runtime.stage.worker import Combine, OptimizerFactory, StageWorker
 from pipeweave.schedule.grid import format_rows
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.sim.recompute import Recompute, per_part
@@ -65,8 +65,9 @@ class Walk:
     """The state of one step's walk: tensors in flight between stages and what has run."""
 
     def __init__(self, schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Boundary],
-                 targets: Sequence[Boundary]) -> None:
+                 targets: Sequence[Boundary], combine: Mapping[int, Combine] | None = None) -> None:
         self.schedule, self.workers = schedule, workers
+        self.combine = combine or {}  # per stage, what its U runs after the replicas' sum (the ties')
         self.inputs, self.targets = inputs, targets
         self.outputs: dict[tuple[int, int], Boundary] = {}  # (stage, mb) -> its output, until consumed
         self.grads: dict[tuple[int, int], Boundary] = {}  # (stage, mb) -> its input gradient
@@ -131,7 +132,7 @@ class Walk:
             if placement.stage_part[s] not in self.combined:
                 sum_replica_gradients([self.workers[r] for r in placement.replicas(s)])
                 self.combined.add(placement.stage_part[s])
-        self.workers[stage].update()
+        self.workers[stage].update(combine=self.combine.get(stage))
 
 
 def _weight_grad_counts(schedule: Schedule) -> dict[int, int]:
@@ -145,16 +146,18 @@ def _weight_grad_counts(schedule: Schedule) -> dict[int, int]:
 
 
 def run_step(schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Boundary],
-             targets: Sequence[Boundary], state: Walk | None = None) -> float:
+             targets: Sequence[Boundary], state: Walk | None = None,
+             combine: Mapping[int, Combine] | None = None) -> float:
     """Run one step of a synchronous schedule; returns the mini-batch mean loss.
 
-    ``state`` replaces the walk's state (``runtime.reference`` walks an asynchronous stream with its own).
+    ``state`` replaces the walk's state (``runtime.reference`` walks an asynchronous stream with its own);
+    ``combine``: per stage, what its ``U`` runs after the replicas' sum (``TiedGradients.hooks``).
 
     Raises:
         StuckError: the schedule gets stuck (no rank can run its next action); its message ends with the
             schedule's grid, every rank's next action in brackets.
     """
-    state = state if state is not None else Walk(schedule, workers, inputs, targets)
+    state = state if state is not None else Walk(schedule, workers, inputs, targets, combine)
     ptr = [0] * schedule.num_ranks
     while any(ptr[r] < len(row) for r, row in enumerate(schedule.actions)):
         progressed = False

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -64,9 +65,10 @@ class Divergence:
             return
         self._stop(what, step)
 
-    def after_stream(self, first: int, shares: Sequence[float], device: torch.device) -> None:
-        """A stream of mini-batches ``first``.. of this run drained; ``shares``: this rank's share of their losses."""
-        for k, loss in enumerate(summed_losses(shares, device)):
+    def after_stream(self, first: int, shares: Sequence[float], device: torch.device, group: Any = None) -> None:
+        """A stream of mini-batches ``first``.. of this run drained; ``shares``: this rank's share of their losses
+        (summed over ``group``: ``RankContext.pipeline_group``)."""
+        for k, loss in enumerate(summed_losses(shares, device, group)):
             if not math.isfinite(loss):
                 self._stop(f"the loss is {loss}", first + k)
 

@@ -1,6 +1,6 @@
 """A distributed training run: what every rank does in it.
 
-``run_rank(rank, world, plan)`` is the function each rank runs (``launch``
+``run_rank(context, plan)`` is the function each rank runs (``launch``
 starts it): build its stage workers, align clocks, train ``steps`` steps
 through the ``Executor`` -- evaluating and saving where due
 (``Milestones``), stopping where the loss is not finite (``Divergence``) --
@@ -23,7 +23,7 @@ from typing import Any
 
 from pipeweave.data import data_source
 from pipeweave.runtime.executor import Executor
-from pipeweave.runtime.process import progress
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.agreement import agreed_plan
 from pipeweave.runtime.run.divergence import Divergence
@@ -36,7 +36,6 @@ from pipeweave.runtime.run.stream_job import run_stream_rank
 from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.stage.lr_schedule import set_lr
 from pipeweave.runtime.stage.tensor_bytes import peak_tensor_bytes
-from pipeweave.runtime.transport import mesh
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import lower
 from pipeweave.schedule.ir import Op
@@ -91,51 +90,49 @@ def _end_levers(link: PartnerLink | None, executor: Executor) -> int:
     return max(executor.peak_activation_bytes, link.peak if link is not None else 0)
 
 
-def _executor(plan: RunPlan, rank: int, workers: dict[int, Any],
-              device: Any) -> tuple[Executor, PartnerLink | None]:
-    """The rank's executor with the run's options, the checkpoint resumed into its workers, and its
+def _executor(plan: RunPlan, context: RankContext, workers: dict[int, Any], low: LoweredSchedule,
+              stash: Stash | None) -> tuple[Executor, PartnerLink | None]:
+    """The rank's executor of ``low`` with the run's options, the checkpoint resumed into its workers, and its
     side of BPipe's pair (None without ``--balance-activations``)."""
-    config = plan.config
-    low, stash = lowered(plan)
+    config, rank = plan.config, context.stage_rank
     link = partner_link(stash, rank, workers) if config.memory.balance_activations else None
-    executor = Executor(low, rank, workers, plan.microbatch_sizes, device,
+    executor = Executor(low, rank, workers, plan.microbatch_sizes, context.device, context=context,
                         on_nonfinite=config.training.on_nonfinite, bucket_bytes=int(config.parallel.bucket_mb * 2**20),
                         zero=config.parallel.zero, clip_norm=_clip_norm(config), partner=link,
                         variable_shapes=config.variable_shapes)
-    if config.checkpoint.resume is not None:  # after the executor: ZeRO has sharded the optimizers it loads into
+    if config.checkpoint.resume is not None:  # the workers were built sharded (ZeRO): the optimizers it loads into
         assert plan.resumed is not None
         checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     return executor, link
 
 
-def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
+def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     """Train on this process; process 0 returns the gathered ``RunRecord``, the others None.
 
-    ``world`` is P x D x N processes; each plays stage rank ``process // N`` of the schedule
+    ``context.world`` is P x D x N processes; each plays stage rank ``process // N`` of the schedule
     (``transport.mesh``), the N of a tensor-parallel group alike on their shards, on rank 0's split.
     """
     plan = agreed_plan(plan)  # every rank builds rank 0's split, or every rank stops here in one line
     config = plan.config
     if config.is_stream:
-        return run_stream_rank(process, world, plan)
+        return run_stream_rank(context, plan)
     started = time.perf_counter()
-    joined, device = join_mesh(plan, process, world)
-    rank = joined.stage_rank
-    workers = build_workers(plan, rank, device)
-    done = plan.steps_done  # the data goes on from the batch after the checkpoint's last
-    executor, link = _executor(plan, rank, workers, device)
-    for w in workers.values():
-        w.steps_done = done
+    context = join_mesh(plan, context)
+    process, world, rank, device = context.process, context.world, context.stage_rank, context.device
+    low, stash = lowered(plan)
+    workers = build_workers(plan, rank, device, context=context, row=low.actions[rank])
+    done = plan.steps_done  # the data goes on from the batch after the checkpoint's last (the workers' steps_done)
+    executor, link = _executor(plan, context, workers, low, stash)
     source = data_source(config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path,
                          min_seq_len=config.data.min_seq_len)
     offset = align_clocks(process, world)
     t = plan.schedule.num_microbatches
     mine = RankRecord(rank, [], [], 0, 0, {})
     peaks: list[int] = []  # per measured step, the process's peak tensor bytes (stage.tensor_bytes)
-    milestones = Milestones(plan, plan.schedule, rank, workers, device, source)
+    milestones = Milestones(plan, plan.schedule, context, workers, source)
     divergence = Divergence(plan, workers)
     rates = learning_rates(config, done) if config.training.lr_scheduled else None
-    log = StepLog(plan, process, world, rank, device, rates)
+    log = StepLog(plan, context, rates)
     for step in range(config.training.steps):
         if rates is not None:
             for w in workers.values():
@@ -148,11 +145,11 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
         mine.action_cpu_s.append([c * 1e-9 for c in executor.action_cpu_ns])
         if step == 0 and not (config.memory.memory_every_step or config.variable_shapes):  # varying shapes: every step
             for w in workers.values():
-                w.track_memory = False
+                w.track_memory_from_now(False)
         mine.records.append(seconds_since(timings, offset))
         log.after_step(step, loss, mine.records[-1])
-        if mesh.reporting():  # a tensor-parallel group's processes run alike: one reports
-            progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
+        if context.reporting:  # a tensor-parallel group's processes run alike: one reports
+            context.progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
         divergence.after_step(step, executor.step_loss)  # stops every rank here, or counts a skipped update
         milestones.reached(step + 1)
     log.close()
@@ -163,7 +160,7 @@ def run_rank(process: int, world: int, plan: RunPlan) -> RunRecord | None:
     mine.parameters = final_parameters(config, workers)
     mine.eval_losses = milestones.eval_losses
     mine.skipped_steps = divergence.skipped_steps
-    run = gather_run(config, mine, process, world, started, done)
+    run = gather_run(config, mine, context, started, done)
     if run is not None:
         run.save_failures, run.final_save_failure = milestones.save_failures, milestones.final_save_failure
     return run

@@ -1,8 +1,10 @@
 """Start the ranks of a run: spawn local processes, or join a ``torchrun`` group.
 
-``launch(fn, payload, num_ranks)`` runs ``fn(rank, world_size, payload)`` on
-every rank of a gloo (CPU) or NCCL (CUDA) process group and returns rank 0's
-result. Two ways in:
+``launch(fn, payload, num_ranks)`` runs ``fn(context, payload)`` on every rank
+of a gloo (CPU) or NCCL (CUDA) process group and returns rank 0's result;
+``context`` is the rank's ``runtime.context.RankContext`` (its process and the
+run's size, its device, wait timeout, progress sink and transport), built here
+and passed down. Two ways in:
 
 - **spawned** (the default): the launcher hosts the rendezvous store on
   127.0.0.1 (a free port chosen by the OS, no race), starts one process per
@@ -38,12 +40,13 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.errors import Diverged, RanksDisagree, StuckError
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.process import (device_for, die_with_parent, die_with_process, keep_freed_host_memory,
-                                       set_progress_sink, set_wait_timeout, start_time, under_torchrun)
+                                       start_time, under_torchrun)
 from pipeweave.runtime.run import forkserver
 from pipeweave.runtime.transport import shm
 
-RankFn = Callable[[int, int, Any], Any]
+RankFn = Callable[[RankContext, Any], Any]
 ProgressFn = Callable[[int, Any], None]
 
 _VERDICTS = (Diverged, RanksDisagree)  # raised by every rank alike: rank 0's message is the cause, as is
@@ -97,7 +100,7 @@ def launch(
     options: LaunchOptions | None = None,
     on_progress: ProgressFn | None = None,
 ) -> Any:
-    """Run ``fn(rank, world_size, payload)`` on ``num_ranks`` ranks; return rank 0's result.
+    """Run ``fn(context, payload)`` on ``num_ranks`` ranks; return rank 0's result.
 
     Under torchrun every process returns its own result (None on ranks > 0 by
     convention of ``fn``), and only rank 0's own progress reaches ``on_progress``.
@@ -106,7 +109,7 @@ def launch(
         RankFailure: a rank raised, died or the run was interrupted.
 
     Example:
-        >>> launch(lambda r, w, p: r, None, 1)  # doctest: +SKIP
+        >>> launch(lambda context, p: context.process, None, 1)  # doctest: +SKIP
         0
     """
     options = options or LaunchOptions()
@@ -122,11 +125,9 @@ def _join_torchrun(
     # If torchrun's agent is killed it cannot stop its workers: die with it, so the
     # other nodes' ranks fail on their peer timeout instead of training on forever.
     die_with_parent()
-    set_wait_timeout(options.timeout_s)
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
-    if rank == 0 and on_progress is not None:
-        set_progress_sink(lambda value: on_progress(0, value))
+    sink = (lambda value: on_progress(0, value)) if rank == 0 and on_progress is not None else None
     if world != num_ranks:
         raise RankFailure(f"torchrun started {world} processes but the schedule needs {num_ranks} ranks; "
                           f"give --nnodes x --nproc-per-node = {num_ranks}", 2)
@@ -138,7 +139,8 @@ def _join_torchrun(
             timeout=datetime.timedelta(seconds=options.timeout_s),
         )
     try:
-        value = fn(rank, world, payload)
+        value = fn(RankContext(process=rank, world=world, device=device,
+                               timeout=datetime.timedelta(seconds=options.timeout_s), sink=sink), payload)
         # Every rank's last messages (the gather to rank 0) must have left before the
         # group goes: tearing gloo down under an in-flight op aborts the process
         # ("terminate called without an active exception"), seen under CPU contention.
@@ -310,12 +312,10 @@ def _child(
 ) -> None:
     die_with_process(*launcher)  # first: the launcher may be gone already
     # Ctrl-C and a terminal's hangup reach the whole foreground process group; only the launcher acts on them.
-    set_wait_timeout(options.timeout_s)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, forkserver.GROUP_SIGNALS)  # blocked since the fork server's start
     die_with_parent()
-    set_progress_sink(lambda value: results.put(("progress", rank, value)))
     try:
         device = _prepare_rank(rank, options)
         store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
@@ -324,9 +324,11 @@ def _child(
             "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=options.timeout_s),
         )
-        if channels is not None:
-            shm.install(rank, channels)
-        value = fn(rank, world, payload)
+        context = RankContext(process=rank, world=world, device=device,
+                              timeout=datetime.timedelta(seconds=options.timeout_s),
+                              sink=lambda value: results.put(("progress", rank, value)),
+                              transport=shm.connect(rank, channels) if channels is not None else None)
+        value = fn(context, payload)
         dist.barrier()  # nothing in flight when the group is destroyed (see _join_torchrun)
         # Plain pickle bytes: torch's queue pickler would share tensors through
         # file descriptors that vanish with this process.

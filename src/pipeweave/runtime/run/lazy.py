@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pipeweave.models import gpt, mlp
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.plan import RunPlan
 from pipeweave.runtime.run.record import RunRecord
@@ -41,13 +42,13 @@ def recording_builds(kind: str) -> Iterator[list[int]]:
         family.build_layer = factory  # type: ignore[assignment]
 
 
-def run_rank_recording_builds(rank: int, world: int, plan: RunPlan) -> tuple[RunRecord, list[list[int]]] | None:
+def run_rank_recording_builds(context: RankContext, plan: RunPlan) -> tuple[RunRecord, list[list[int]]] | None:
     """``run_rank``, and on rank 0 also every rank's list of the layer indices it built."""
     with recording_builds(plan.config.model.kind) as built:
-        record = run_rank(rank, world, plan)
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
+        record = run_rank(context, plan)
+    gathered: list[Any] | None = [None] * context.world if context.process == 0 else None
     dist.gather_object(built, gathered, dst=0)
-    if rank != 0:
+    if context.process != 0:
         return None
     assert record is not None and gathered is not None
     return record, gathered

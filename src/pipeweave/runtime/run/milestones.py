@@ -8,15 +8,14 @@ import torch
 
 from pipeweave.data import step_microbatches
 from pipeweave.models import boundary
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.executor import Executor
-from pipeweave.runtime.process import progress
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.plan import RunPlan
 from pipeweave.runtime.run.sizes import replica_microbatch_sizes
 from pipeweave.runtime.stage.policy import StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stream import replica_pieces
-from pipeweave.runtime.transport import mesh
 from pipeweave.schedule import Schedule, lower
 from pipeweave.schedule.evaluation import forward_only
 
@@ -35,15 +34,15 @@ class Milestones:
         final_save_failure: why the checkpoint after the last step could not be written (None: it was).
     """
 
-    def __init__(self, plan: RunPlan, schedule: Schedule, rank: int, workers: dict[int, StageWorker],
-                 device: torch.device, source: Any) -> None:
-        self.plan, self.schedule, self.rank, self.workers = plan, schedule, rank, workers
-        self.device, self.source = device, source
+    def __init__(self, plan: RunPlan, schedule: Schedule, context: RankContext, workers: dict[int, StageWorker],
+                 source: Any) -> None:
+        self.plan, self.schedule, self.rank, self.workers = plan, schedule, context.stage_rank, workers
+        self.context, self.device, self.source = context, context.device, source
         self.eval_losses: list[tuple[int, float]] = []
         self.save_failures: list[str] = []
         self.final_save_failure: str | None = None
         self._evaluator: Executor | None = None
-        joined = mesh.active()
+        joined = context.mesh
         # PipeDream's hybrid: this replica's piece of every held-out microbatch (as of every training one)
         self.piece = (joined.dp_rank, joined.data_parallel) if joined is not None and joined.outside else (0, 1)
 
@@ -54,8 +53,8 @@ class Milestones:
         if config.data.eval_every is not None and (last or end % config.data.eval_every == 0):
             loss = self._evaluate()
             self.eval_losses.append((done + end, loss))
-            if mesh.reporting():
-                progress({"eval": len(self.eval_losses) - 1, "loss": loss})
+            if self.context.reporting:
+                self.context.progress({"eval": len(self.eval_losses) - 1, "loss": loss})
         if config.checkpoint.save is not None and (last or end % (config.checkpoint.save_every or config.training.steps) == 0):
             failure = checkpoint.save(config, self.plan.parts, self.schedule.placement, self.workers,
                                       done + end, carry=carry, run=self.plan.run_id)
@@ -63,8 +62,8 @@ class Milestones:
                 self.save_failures.append(failure)
                 if last:
                     self.final_save_failure = failure
-                elif self.rank == 0 and mesh.reporting():  # stage rank 0's first process: once
-                    progress({"checkpoint_failed": failure})
+                elif self.rank == 0 and self.context.reporting:  # stage rank 0's first process: once
+                    self.context.progress({"checkpoint_failed": failure})
 
     def _evaluate(self) -> float:
         """This rank's share of the mean loss over the held-out batches, through the forward-only schedule."""
@@ -73,7 +72,8 @@ class Milestones:
             sizes = (self.plan.microbatch_sizes if self.piece[1] == 1 else
                      replica_microbatch_sizes(self.plan.config, self.piece[0]))
             self._evaluator = Executor(lower(evaluation), self.rank, self.workers,
-                                       sizes[: evaluation.num_microbatches], self.device, evaluate=True)
+                                       sizes[: evaluation.num_microbatches], self.device, evaluate=True,
+                                       context=self.context)
         evaluator, batches = self._evaluator, self.plan.config.data.eval_batches
         t = evaluator.lowered.schedule.num_microbatches
         total = sum(evaluator.run_step(*rank_microbatches(self.source, k, t, self.device, self.workers,

@@ -51,6 +51,7 @@ from pipeweave.runtime.fsdp import padded_shard_bytes
 from pipeweave.runtime.profile import default_cache_dir
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.sizes import microbatch_sizes
+from pipeweave.runtime.stage.build import STEPS, Stage, StageOptions, build_stage, stage_options
 from pipeweave.runtime.stage.memory import ActivationMeter
 from pipeweave.runtime.stage.tensor_parallel import MEASURING, TensorParallel
 from pipeweave.runtime.stage.worker import StageWorker
@@ -179,12 +180,11 @@ def _measure(config: TrainConfig, parts: Sequence[range], size: int, device: str
     with torch.device(device) if device == "meta" else contextlib.nullcontext(), \
             _AsOnCpu() if device == "meta" else contextlib.nullcontext():
         for part, mode in zip(parts, config.memory.recompute_of(len(parts))):
-            worker = StageWorker(config.model, part, batch_size=config.data.batch_size, recompute=mode,
-                                 device=device, precision=config.training.precision, optimizer_factory=_no_optimizer,
-                                 compress=config.memory.compress_activations is not None,
-                                 tensor_parallel=_measuring(config))
-            if device == "meta":
-                worker.meter = _MetaMeter({int(p.untyped_storage()._cdata) for p in worker.module.parameters()})
+            options = stage_options(config.model, part, batch_size=config.data.batch_size, recompute=mode,
+                                    device=device, precision=config.training.precision, optimizer_factory=_no_optimizer,
+                                    compress=config.memory.compress_activations is not None,
+                                    tensor_parallel=_measuring(config))
+            worker = StageWorker.from_stage(build_stage(options, (*STEPS, _meta_meter) if device == "meta" else STEPS))
             out = worker.forward(0, x, target if worker.is_last else None)
             held, during, stash = worker.activation_bytes(), {"B": 0, "I": 0}, 0
             for k, op in enumerate(backwards):
@@ -233,6 +233,11 @@ def _gradient(out: Boundary) -> Boundary:
     if isinstance(out, torch.Tensor):
         return torch.ones_like(out)
     return tuple(torch.ones_like(t) for t in boundary.differentiable(out))
+
+
+def _meta_meter(stage: Stage, options: StageOptions) -> None:
+    """A build step on the meta device: the activation meter tells storages apart by identity."""
+    stage.meter = _MetaMeter({int(p.untyped_storage()._cdata) for p in stage.module.parameters()})
 
 
 class _MetaMeter(ActivationMeter):

@@ -21,7 +21,7 @@ from pipeweave.config import TrainConfig
 from pipeweave.runtime.stage.tensor_parallel import gather
 from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.transport import shm
+from pipeweave.runtime.context import RankContext
 from pipeweave.schedule.ir import Action
 
 
@@ -92,9 +92,9 @@ class RunRecord:
         return [(at, sum(r.eval_losses[k][1] for r in self.ranks)) for k, (at, _) in enumerate(evals)]
 
 
-def used_transport() -> str:
+def used_transport(context: RankContext) -> str:
     """This rank's point-to-point transport: ``shm`` (``runtime.transport.shm``) or the process group's backend."""
-    return "shm" if shm.active() is not None else str(dist.get_backend())
+    return "shm" if context.transport is not None else str(dist.get_backend())
 
 
 def seconds_since(timings: Sequence[tuple[Action, int, int]], offset: int) -> list[tuple[int, str, int, float, float]]:
@@ -118,16 +118,17 @@ def _whole(param: torch.Tensor, worker: StageWorker) -> torch.Tensor:
     return param.detach() if worker.tensor_parallel is None else gather(param, worker.tensor_parallel)
 
 
-def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, started: float,
+def gather_run(config: TrainConfig, mine: RankRecord, context: RankContext, started: float,
                first_step: int = 0, first_update: int | None = None) -> RunRecord | None:
-    """Gather every rank's record on rank 0 (``rank``: the process): the ``RunRecord`` there, None elsewhere.
+    """Gather every rank's record on process 0: the ``RunRecord`` there, None elsewhere.
 
     Under tensor parallelism the record holds one process per stage rank, its ``tp`` coordinate 0's.
 
     ``first_step``/``first_update``: what the resumed checkpoint had done, read
     when the run started (a run saving to the folder it resumed from rewrites it).
     """
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    rank = context.process
+    gathered: list[Any] | None = [None] * context.world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
         return None
@@ -136,7 +137,7 @@ def gather_run(config: TrainConfig, mine: RankRecord, rank: int, world: int, sta
     if config.is_stream and config.parallel.data_parallel > 1:  # replicas around the stream: their shares of the loss
         gathered = _fold_replicas(gathered, config.parallel.data_parallel)
     return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started,
-                     used_transport(), first_step, first_step if first_update is None else first_update)
+                     used_transport(context), first_step, first_step if first_update is None else first_update)
 
 
 def _fold_replicas(records: list[Any], replicas: int) -> list[Any]:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from pipeweave.runtime.run.plan import RunPlan
 from pipeweave.runtime.run.sizes import step_tokens
 from pipeweave.runtime.stage.lr_schedule import LrSchedule
-from pipeweave.runtime.transport import mesh
+from pipeweave.runtime.context import RankContext
 from pipeweave.schedule.ir import Op
 
 _COMPUTE = frozenset(op.value for op in Op if op.is_compute)  # records hold op strings
@@ -64,18 +64,18 @@ class StepLog:
 
     Args:
         plan: the run.
-        process: this process; ``world``: the run's processes.
-        stage_rank: this process's stage rank.
-        device: where the all-reduced rows live (the GPU under NCCL).
+        context: this process's run context: its process, the run's processes, its device (where the
+            all-reduced rows live: the GPU under NCCL), whether it reports for its stage rank.
         rates: the run's learning rates (None: a constant ``config.training.lr``; a stream logs none, its stages
             updating on their own counts).
     """
 
-    def __init__(self, plan: RunPlan, process: int, world: int, stage_rank: int, device: torch.device,
-                 rates: LrSchedule | None) -> None:
-        config = plan.config
+    def __init__(self, plan: RunPlan, context: RankContext, rates: LrSchedule | None) -> None:
+        config, process = plan.config, context.process
         self.on = config.logging.log_dir is not None
-        self.plan, self.process, self.world, self.device, self.rates = plan, process, world, device, rates
+        self.plan, self.process, self.world, self.rates = plan, process, context.world, rates
+        self.device = context.device
+        self.reporting = context.reporting
         self.writer: Any = None
         if self.on and process == writer_stage_rank(plan) * config.parallel.tensor_parallel:  # dp and tp coordinates 0
             from torch.utils.tensorboard import SummaryWriter  # tensorboard only when asked, on this process
@@ -92,7 +92,7 @@ class StepLog:
         if not self.on:
             return
         compute = [r for r in records if r[1] in _COMPUTE]
-        mine = [0.0, 0.0, 0.0, self._memory(), share, 1.0 if mesh.reporting() else 0.0]
+        mine = [0.0, 0.0, 0.0, self._memory(), share, 1.0 if self.reporting else 0.0]
         if compute:
             mine[_BUSY] = sum(t1 - t0 for _, _, _, t0, t1 in compute)
             mine[_START], mine[_END] = compute[0][3], max(t1 for *_, t1 in compute)

@@ -8,17 +8,13 @@ concatenated) numbers its actions.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from pipeweave.data import data_source
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.executor import Executor, Record
-from pipeweave.runtime.replicas import all_reduce_gradients
-from pipeweave.runtime.process import progress
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones
@@ -32,8 +28,6 @@ from pipeweave.runtime.stage.policy import RankPolicy, Read, StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stream import (StreamData, StreamPosition, check_stream_model, minibatch_losses,
                                       split_by_minibatch)
-from pipeweave.runtime.transport import mesh
-from pipeweave.runtime.transport.mesh import Mesh
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import Schedule, lower
 from pipeweave.schedule.ir import Action
@@ -51,41 +45,39 @@ class _Streamed:
     position: StreamPosition = field(default_factory=StreamPosition)
 
 
-def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
+def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     """``job.run_rank`` for an asynchronous schedule: its streams through the ``Executor``, one after the other."""
     started = time.perf_counter()
     config = plan.config
     check_stream_model(config.model, config.schedule.name, config.training.lr_scheduled)
-    process = rank
-    joined, device = join_mesh(plan, process, world)
-    rank = joined.stage_rank
-    workers = build_workers(plan, rank, device, plan.streams[0])
-    if joined.outside:  # PipeDream's hybrid: every update sums the replicas' gradients of its group
-        for w in workers.values():
-            w.combine_grads = functools.partial(all_reduce_gradients, group=joined.dp_group)
+    context = join_mesh(plan, context)
+    joined, rank, device = context.mesh, context.stage_rank, context.device
+    assert joined is not None
+    workers = build_workers(plan, rank, device, plan.streams[0], context)
     carry = StreamCarry()
     if config.checkpoint.resume is not None:
         assert plan.resumed is not None
         carry = checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     rates = stream_rates(config, plan.schedule, plan.updates_done).at if config.training.lr_scheduled else None
     source = data_source(config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path)
-    offset = align_clocks(process, world)
-    milestones = Milestones(plan, plan.streams[0], rank, workers, device, source)  # any stream: same placement
+    offset = align_clocks(context.process, context.world)
+    milestones = Milestones(plan, plan.streams[0], context, workers, source)  # any stream: same placement
     done = _Streamed()
     divergence = Divergence(plan, workers)
-    log = StepLog(plan, process, world, rank, device, None)
+    log = StepLog(plan, context, None)
     for (first, steps), stream in zip(plan.segments, plan.streams):
         policy = RankPolicy(stream, workers, config.policy, lr_at=rates, carry=carry)
-        _run_stream(plan, stream, (first, steps), joined, workers, device, source, policy, done)
+        _run_stream(plan, stream, (first, steps), context, workers, source, policy, done)
         carry = policy.carry()
         end = first + steps
         groups = split_by_minibatch(done.timings, config.schedule.num_microbatches, end)
         for m in range(first, end):
             times = seconds_since(groups[m], offset)
-            if mesh.reporting():  # a tensor-parallel group's processes run alike: one reports
-                progress({"step": m, "loss": done.losses[m], "time": times[-1][4] if times else 0.0})
+            if context.reporting:  # a tensor-parallel group's processes run alike: one reports
+                context.progress({"step": m, "loss": done.losses[m], "time": times[-1][4] if times else 0.0})
             log.after_step(m, done.losses[m], times)
-        divergence.after_stream(first, done.losses[first:end], device)  # stops every rank before saving here
+        # Stops every rank before saving here.
+        divergence.after_stream(first, done.losses[first:end], device, context.pipeline_group)
         milestones.reached(end, carry)
     log.close()
     divergence.at_end(plan.streams[0].placement)
@@ -94,28 +86,31 @@ def run_stream_rank(rank: int, world: int, plan: RunPlan) -> RunRecord | None:
     mine = RankRecord(rank, done.losses, records, done.peak_activations, done.peak_weights,
                       final_parameters(config, workers), eval_losses=milestones.eval_losses)
     mine.versions = done.versions
-    run = gather_run(config, mine, process, world, started, plan.steps_done, plan.updates_done)
+    run = gather_run(config, mine, context, started, plan.steps_done, plan.updates_done)
     if run is not None:
         run.paused_s = close_pauses(run)
         run.save_failures, run.final_save_failure = milestones.save_failures, milestones.final_save_failure
     return run
 
 
-def _run_stream(plan: RunPlan, stream: Schedule, segment: tuple[int, int], joined: Mesh,
-                workers: dict[int, StageWorker], device: torch.device, source: Any, policy: RankPolicy,
-                done: _Streamed) -> None:
+def _run_stream(plan: RunPlan, stream: Schedule, segment: tuple[int, int], context: RankContext,
+                workers: dict[int, StageWorker], source: Any, policy: RankPolicy, done: _Streamed) -> None:
     """Run one stream of the run (``segment``: its first mini-batch of this run, and how many) into ``done``.
 
     Data-parallel replicas around the stream (``joined.outside``) each run their piece of every microbatch.
     """
     (first, steps), t = segment, plan.config.schedule.num_microbatches
+    joined, device = context.mesh, context.device
+    assert joined is not None
     piece = (joined.dp_rank, joined.data_parallel) if joined.outside else (0, 1)
     sizes = replica_microbatch_sizes(plan.config, piece[0]) if joined.outside else plan.microbatch_sizes
     for w in workers.values():
-        w.steps_done = plan.steps_done + first  # dropout keys: (steps before the stream, microbatch in it)
-    # AvgPipe's replicas train apart (averaged by the policy): no gradient sums between them.
+        w.start_at(plan.steps_done + first)  # dropout keys: (steps before the stream, microbatch in it)
+    # AvgPipe's replicas train apart (averaged by the policy): no gradient sums between them. PipeDream's
+    # hybrid: every update sums the gradients of the replicas laid out around the stream.
     executor = Executor(lower(stream), joined.stage_rank, workers, sizes[: stream.num_microbatches], device,
-                        policy=policy, combine_replicas=False)
+                        policy=policy, combine_replicas=False, context=context,
+                        sum_over=joined.dp_group if joined.outside else None)
     data, targets = (StreamData(source, num_microbatches=t, length=stream.num_microbatches, part=part,
                                 device=device, first=plan.steps_done + first, piece=piece) for part in (0, 1))
     _, ran = executor.run_step(data, targets)

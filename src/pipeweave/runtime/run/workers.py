@@ -1,54 +1,120 @@
-"""One process of a run: its place in the mesh, and its stage workers, built from the model's seed as plain
-training builds its layers (split over its tensor-parallel group, if any)."""
+"""One process of a run: its place in the mesh, and its stage workers, each built by ordered steps.
+
+A stage of a run is built as torchtitan's ``parallelize_*`` makes a model
+parallel: step by step, each a function of the stage under construction and
+the run, nothing patched afterwards. In order (``stage.build.STEPS``, then ``RUN_STEPS``)::
+
+    stage.build.split_layers           the part's layers, from the model's seed: plain training's
+    stage.build.apply_tensor_parallel  cut over the process's tp group (--tensor-parallel, --sequence-parallel)
+    stage.build.apply_recompute        selective recomputation (--recompute)
+    stage.build.place                  on the device, the W store wired in, the activation meter
+    stage.build.apply_memory_levers    compressed saved tensors (--compress-activations); kept per microbatch
+                                       where the lowered schedule moves them (--offload, --balance-activations)
+    stage.build.apply_optimizer        the optimizer (--optimizer, --lr, --momentum)
+    apply_sharding                     ZeRO-1 or ZeRO-3 over the part's data-parallel replicas (--zero)
+    apply_weight_policy                the post-validated step (--clip-grad-norm on a straight schedule)
+
+The stage's own options (``_options``) come from the run's configuration; the
+first six steps take them, the run's two take the ``RankBuild``. The result
+is sealed (``StageWorker.from_stage``). What a rank does with its stages'
+gradients at each ``U`` (replicas' sums, ties, clipping) is its executor's.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from pipeweave.runtime.process import device_for
+from pipeweave.runtime.context import RankContext
+from pipeweave.runtime.replicas import shard_replica
 from pipeweave.runtime.run.plan import RunPlan, optimizer_factory
-from pipeweave.runtime.stage.post_validation import install_post_validation
+from pipeweave.runtime.stage import build
+from pipeweave.runtime.stage.build import Stage, StageOptions
+from pipeweave.runtime.stage.post_validation import validated_optimizer
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.transport import mesh
-from pipeweave.runtime.transport.mesh import Mesh, build_mesh
+from pipeweave.runtime.transport.mesh import build_mesh
 from pipeweave.schedule import Schedule
+from pipeweave.schedule.ir import Action
 
 
-def join_mesh(plan: RunPlan, process: int, world: int) -> tuple[Mesh, torch.device]:
-    """Process ``process`` of ``world``: its mesh (every group created and installed: every process calls this
-    at its start) and its device."""
-    device = device_for(process)
-    joined = build_mesh(process, world, plan.schedule.placement, plan.config.parallel.data_parallel,
-                        plan.config.parallel.tensor_parallel, device)
-    mesh.install(joined)
-    return joined, device
+def join_mesh(plan: RunPlan, context: RankContext) -> RankContext:
+    """``context`` in the run's mesh, every group created (every process calls this at its start)."""
+    return context.with_mesh(build_mesh(context.process, context.world, plan.schedule.placement,
+                                        plan.config.parallel.data_parallel, plan.config.parallel.tensor_parallel, context.device))
 
 
-def build_workers(plan: RunPlan, rank: int, device: torch.device,
-                  schedule: Schedule | None = None) -> dict[int, StageWorker]:
-    """A ``StageWorker`` per stage of ``schedule`` (default: the plan's) placed on stage rank ``rank``.
+@dataclass(frozen=True)
+class RankBuild:
+    """What the run's steps of a stage read: the run, the schedule, the stage's number, the rank's context."""
 
-    Under tensor parallelism (the installed ``transport.mesh``) each splits its layers over the process's
-    ``tp`` group. With ``--clip-grad-norm`` each stage's optimizer is the post-validated one
-    (``stage.post_validation``), unless the run clips by a collective (``TrainConfig.clips_by_collective``).
+    plan: RunPlan
+    schedule: Schedule
+    index: int
+    context: RankContext
+
+
+def apply_sharding(stage: Stage, run: RankBuild) -> None:
+    """ZeRO over the part's replicas on other ranks (``replicas.shard_replica``): the optimizer state (1) or the
+    layers too (3, FSDP2). Where a part's replicas are not on several ranks, nothing."""
+    config, mesh = run.plan.config, run.context.mesh
+    part = run.schedule.placement.stage_part[run.index]
+    if not config.parallel.zero or mesh is None or part not in mesh.replica_groups:
+        return
+    dp_mesh = mesh.device_mesh["dp"] if config.parallel.zero == 3 and mesh.device_mesh is not None else None
+    shard_replica(stage, config.parallel.zero, mesh.replica_groups[part], dp_mesh, int(config.parallel.bucket_mb * 2**20))
+
+
+def apply_weight_policy(stage: Stage, run: RankBuild) -> None:
+    """With ``--clip-grad-norm``, the post-validated step (``stage.post_validation``), unless the run clips by a
+    collective at ``U`` (``TrainConfig.clips_by_collective``: ``runtime.clip``, the executor's)."""
+    config = run.plan.config
+    if config.training.post_validation is not None and not config.clips_by_collective:
+        stage.optimizer = validated_optimizer(config.training.post_validation, run.schedule, run.index, stage,
+                                              config.training.optimizer, config.training.lr, config.training.momentum, run.context)
+
+
+RunStep = Callable[[Stage, RankBuild], None]
+RUN_STEPS: tuple[RunStep, ...] = (apply_sharding, apply_weight_policy)
+"""The run's steps of a stage, in order, after the stage's own (``stage.build.STEPS``; module docstring)."""
+
+
+def build_workers(plan: RunPlan, rank: int, device: torch.device, schedule: Schedule | None = None,
+                  context: RankContext | None = None, row: Sequence[Action] = ()) -> dict[int, StageWorker]:
+    """A ``StageWorker`` per stage of ``schedule`` (default: the plan's) placed on stage rank ``rank``, built by
+    the stage's steps then the run's (module docstring).
+
+    ``context``: the rank's (its mesh: the tp group the layers are split over, the replicas' groups ZeRO
+    shards over); ``row``: the rank's lowered actions, whose memory actions say which stages keep what
+    autograd saves per microbatch.
     """
-    config = plan.config
     schedule = schedule if schedule is not None else plan.schedule
-    joined = mesh.active()
-    tp = None if joined is None else joined.tensor_parallel_group
+    context = context if context is not None else RankContext()
+    workers = {}
+    for s in schedule.placement.stages_on(rank):
+        stage = Stage(_options(plan, schedule, s, device, context, row))
+        run = RankBuild(plan, schedule, s, context)
+        for step in build.STEPS:
+            step(stage, stage.options)
+        for run_step in RUN_STEPS:
+            run_step(stage, run)
+        workers[s] = StageWorker.from_stage(stage)
+    return workers
+
+
+def _options(plan: RunPlan, schedule: Schedule, s: int, device: torch.device, context: RankContext,
+             row: Sequence[Action]) -> StageOptions:
+    """Stage ``s``'s own options, from the run's configuration."""
+    config, part = plan.config, schedule.placement.stage_part[s]
+    tp = None if context.mesh is None else context.mesh.tensor_parallel_group
     if tp is not None:
         tp = dataclasses.replace(tp, sequence_parallel=config.parallel.sequence_parallel)
-    modes = config.memory.recompute_of(schedule.num_parts)
-    workers = {
-        s: StageWorker(config.model, plan.parts[schedule.placement.stage_part[s]], batch_size=config.data.batch_size,
-                       optimizer_factory=optimizer_factory(config), recompute=modes[schedule.placement.stage_part[s]],
-                       device=device, precision=config.training.precision, tensor_parallel=tp,
-                       compress=config.memory.compress_activations is not None)
-        for s in schedule.placement.stages_on(rank)
-    }
-    if config.training.post_validation is not None and not config.clips_by_collective:  # (else runtime.clip, at U)
-        install_post_validation(config.training.post_validation, schedule, workers, config.training.optimizer, config.training.lr,
-                                config.training.momentum)
-    return workers
+    return build.stage_options(config.model, plan.parts[part], batch_size=config.data.batch_size,
+                               optimizer_factory=optimizer_factory(config),
+                               recompute=config.memory.recompute_of(schedule.num_parts)[part], device=device,
+                               precision=config.training.precision, tensor_parallel=tp,
+                               compress=config.memory.compress_activations is not None,
+                               stashing=any(a.op.is_memory and a.stage == s for a in row),
+                               steps_done=plan.steps_done)

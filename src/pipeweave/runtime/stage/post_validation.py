@@ -1,7 +1,7 @@
 """Optimizer post-validation in the distributed runtime (Qi et al., ICLR 2024, section 4).
 
 With ``TrainConfig.post_validation`` set, each stage's optimizer is replaced by
-a ``ValidatedOptimizer`` (``install_post_validation``, called by ``run.workers.build_workers``).
+a ``ValidatedOptimizer`` (``validated_optimizer``, a build step of ``run.workers``).
 At its ``U`` a stage:
 
 1. receives the partial state (sum of squared gradient norms, non-finite
@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from pipeweave.config.policy import PostValidation  # noqa: F401  (re-exported: made from --clip-grad-norm)
 from pipeweave.errors import UserError
-from pipeweave.runtime.process import wait_timeout
+from pipeweave.runtime.context import RankContext
+from pipeweave.runtime.stage.build import Stage
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stage.tied import repeated_members
-from pipeweave.runtime.transport.mesh import process_of
 from pipeweave.schedule.ir import Schedule
 from pipeweave.weights.post_validation import SGD, AdamW, GradState, PostValidatedStep
 
@@ -56,15 +56,16 @@ def check_post_validation(schedule: Schedule) -> None:
 class ValidatedOptimizer:
     """Stands in for one stage's torch optimizer: ``step`` is the post-validated step.
 
-    Built by ``install_post_validation``; ``outcomes`` lists each step's
+    Built by ``validated_optimizer``; ``outcomes`` lists each step's
     ("kept", "clipped" or "skipped"). Example, on every rank of a run::
 
         config = TrainConfig(schedule="zb-auto", num_stages=4, post_validation=PostValidation(max_norm=1.0))
         launch(run_rank, config, 4)
     """
 
-    def __init__(self, worker: StageWorker, stage: int, schedule: Schedule, options: PostValidation,
-                 inner: SGD | AdamW) -> None:
+    def __init__(self, worker: StageWorker | Stage, stage: int, schedule: Schedule, options: PostValidation,
+                 inner: SGD | AdamW, context: RankContext | None = None) -> None:
+        self.context = context if context is not None else RankContext()
         placement = schedule.placement
         self.params = list(worker.module.parameters())
         repeated = repeated_members(worker)  # a tied group counts once in the norm, as in plain training
@@ -91,15 +92,15 @@ class ValidatedOptimizer:
         if skip:  # said before any stage steps optimistically: no rollback, the weights stay bitwise
             partial = GradState(partial.sq_norm, True)
         if self.prev_rank is not None:
-            partial = _recv(self.prev_rank, _TAG_PARTIAL).combine(partial)
+            partial = _recv(self.context, self.prev_rank, _TAG_PARTIAL).combine(partial)
         if self.next_rank is not None:
-            self._sends.append(_isend(partial, self.next_rank, _TAG_PARTIAL))
+            self._sends.append(_isend(self.context, partial, self.next_rank, _TAG_PARTIAL))
         self.step_state.step_optimistic(partial)
         if self.next_rank is None:  # the last stage knows the total: every other rank needs it
             total = partial
-            self._sends += [_isend(total, r, _TAG_TOTAL) for r in self.other_ranks]
+            self._sends += [_isend(self.context, total, r, _TAG_TOTAL) for r in self.other_ranks]
         else:
-            total = _recv(self.last_rank, _TAG_TOTAL)
+            total = _recv(self.context, self.last_rank, _TAG_TOTAL)
         self.outcomes.append(self.step_state.validate(total))
         self.norms.append(total.norm)
 
@@ -113,46 +114,43 @@ class ValidatedOptimizer:
 
     def _wait_sends(self) -> None:
         for work in self._sends:
-            work.wait(wait_timeout())
+            work.wait(self.context.timeout)
         self._sends.clear()
 
 
-def install_post_validation(options: PostValidation, schedule: Schedule, workers: dict[int, StageWorker], optimizer: str,
-            lr: float, momentum: float = 0.0) -> dict[int, ValidatedOptimizer]:
-    """Replace each local stage's optimizer by its post-validated equivalent.
+def validated_optimizer(options: PostValidation, schedule: Schedule, index: int, stage: Stage, optimizer: str,
+                        lr: float, momentum: float = 0.0, context: RankContext | None = None) -> ValidatedOptimizer:
+    """Stage ``index``'s post-validated optimizer, in place of its torch one (a build step of the stage).
 
     Args:
         options: clipping and test faults.
-        schedule: the run's schedule (checked by ``check``).
-        workers: this rank's stage workers.
+        schedule: the run's schedule (checked by ``check_post_validation``).
+        index, stage: the stage's number in ``schedule``, and the stage under construction.
         optimizer: "sgd" (torch.optim.SGD with ``momentum``) or "adamw" (torch.optim.AdamW's defaults).
         lr: learning rate.
+        context: this rank's run context (the process of each stage rank, the wait timeout).
 
     Raises:
         UserError: a schedule it does not apply to, or an unknown optimizer.
     """
     check_post_validation(schedule)
-    installed = {}
-    for stage, worker in workers.items():
-        inner: SGD | AdamW
-        if optimizer == "sgd":
-            inner = SGD(lr=lr, momentum=momentum)
-        elif optimizer == "adamw":
-            inner = AdamW(lr=lr)
-        else:
-            raise UserError(f"--optimizer {optimizer!r} has no post-validated step; use sgd or adamw")
-        installed[stage] = ValidatedOptimizer(worker, stage, schedule, options, inner)
-        worker.optimizer = installed[stage]  # type: ignore[assignment]
-    return installed
+    inner: SGD | AdamW
+    if optimizer == "sgd":
+        inner = SGD(lr=lr, momentum=momentum)
+    elif optimizer == "adamw":
+        inner = AdamW(lr=lr)
+    else:
+        raise UserError(f"--optimizer {optimizer!r} has no post-validated step; use sgd or adamw")
+    return ValidatedOptimizer(stage, index, schedule, options, inner, context)
 
 
-def _isend(state: GradState, dst: int, tag: int) -> Any:
-    return dist.isend(_pack(state), process_of(dst), tag=tag)
+def _isend(context: RankContext, state: GradState, dst: int, tag: int) -> Any:
+    return dist.isend(_pack(state), context.process_of(dst), tag=tag)
 
 
-def _recv(src: int, tag: int) -> GradState:
+def _recv(context: RankContext, src: int, tag: int) -> GradState:
     buffer = torch.zeros(2, dtype=torch.float64)
-    dist.irecv(buffer, process_of(src), tag=tag).wait(wait_timeout())
+    dist.irecv(buffer, context.process_of(src), tag=tag).wait(context.timeout)
     return GradState(float(buffer[0]), bool(buffer[1] != 0))
 
 

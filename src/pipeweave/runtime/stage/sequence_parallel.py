@@ -171,23 +171,23 @@ def sum_partial(params: list[nn.Parameter], tp: TensorParallel) -> None:
 class PartialGradients:
     """Sums the partial gradients of sequence-parallel stages over ``tp`` at their ``U``.
 
-    Chained after the worker's ``combine_grads`` (the replicas' reduction: sums over ``dp`` and ``tp`` commute),
-    before the ties' and the clipping's (install it before ``TiedGradients`` and ``GlobalNormClip``). Once: a
-    stream's next segment builds a new executor over the same workers, whose ``combine_grads`` already sums.
+    The executor runs ``hooks`` after the replicas' reduction (sums over ``dp`` and ``tp`` commute), before
+    the ties' and the clipping's.
+
+    Attributes:
+        hooks: per sequence-parallel stage, what its ``U`` runs (``StageWorker.update(combine=...)``).
     """
 
     def __init__(self, workers: dict[int, Any]) -> None:
-        for worker in workers.values():
+        self.hooks: dict[int, Callable[[Any], None]] = {}
+        for stage, worker in workers.items():
             tp = worker.tensor_parallel
-            if tp is not None and tp.sequence_parallel and not getattr(worker.combine_grads, "sums_partial", False):
-                worker.combine_grads = self._chain(worker.combine_grads, tp)
+            if tp is not None and tp.sequence_parallel:
+                self.hooks[stage] = self._sum(tp)
 
     @staticmethod
-    def _chain(before: Callable[[Any], None] | None, tp: TensorParallel) -> Callable[[Any], None]:
+    def _sum(tp: TensorParallel) -> Callable[[Any], None]:
         def combine(worker: Any) -> None:
-            if before is not None:
-                before(worker)
             sum_partial(list(worker.module.parameters()), tp)
 
-        combine.sums_partial = True  # type: ignore[attr-defined]
         return combine

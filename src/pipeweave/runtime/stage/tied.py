@@ -6,7 +6,7 @@ A model's tied groups (``models.tied``: the gpt's token table and head with
 ``pipeweave.pipeline`` finds) start equal. A group whose members all sit in
 one stage needs nothing at run time beyond a sum of its distinct copies. A
 group split between a pipeline's first and last stage (usually on different
-ranks) is exchanged before either stage's update (``StageWorker.combine_grads``,
+ranks) is exchanged before either stage's update (``TiedGradients.hooks``,
 after the replicas of a part are combined): both stages set their members'
 gradients to ``first stage's + last stage's``, summed in that order on both
 sides, so the copies take bitwise the same step: the gradient a single shared
@@ -35,7 +35,7 @@ from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec
 from pipeweave.models.tied import layer_of
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.transport.mesh import process_of
+from pipeweave.runtime.context import RankContext
 from pipeweave.schedule.ir import Placement
 
 def tied_groups(spec: ModelSpec) -> list[list[str]]:
@@ -120,21 +120,28 @@ class TiedGradients:
         workers: the stage workers of this process, by stage.
         rank: this rank, or None when every stage is in this process.
         tag_base: first message tag free for this exchange (distributed only).
-        first: sum the ties before the ``combine_grads`` already installed, not after: under ZeRO-1 that
-            combine reduce-scatters the replicas' gradients, and a tie must be summed whole, before the
+        context: this rank's run context (the process of each stage rank; None: every stage in this process).
+        first: sum the ties before the replicas' sum, not after (the executor orders ``hooks`` by it): under
+            ZeRO-1 that sum reduce-scatters the replicas' gradients, and a tie must be summed whole, before the
             slicing (``runtime.replicas`` then launches the tied parts' reduction at ``U``).
+
+    Attributes:
+        hooks: per tied stage of this process, what its ``U`` runs (``StageWorker.update(combine=...)``).
     """
 
     def __init__(self, placement: Placement, workers: dict[int, StageWorker], rank: int | None = None,
-                 tag_base: int = 0, *, first: bool = False) -> None:
+                 tag_base: int = 0, *, first: bool = False, context: RankContext | None = None) -> None:
         self.placement, self.workers, self.rank, self.tag_base = placement, workers, rank, tag_base
+        self.context = context if context is not None else RankContext()
         self._pending: set[tuple[int, int]] = set()  # local pairs summed once, awaiting the second U
+        self.first = first
         self.peer: dict[int, int] = {}
+        self.hooks: dict[int, Callable[[StageWorker], None]] = {}
         for stage, worker in workers.items():
             peer = tie_peer(placement, stage, worker)
             if peer is not None:
                 self.peer[stage] = peer
-                worker.combine_grads = chained(worker.combine_grads, self._combine, stage, first=first)
+                self.hooks[stage] = hook(self._combine, stage)
 
     def _combine(self, stage: int) -> None:
         peer = self.peer[stage]
@@ -163,7 +170,8 @@ class TiedGradients:
         mine = partial_sums(worker)
         flat = flatten(mine)
         other = torch.empty_like(flat)
-        peer_rank = process_of(self.placement.stage_rank[peer])  # with this process's tensor-parallel coordinate
+        # The peer stage rank's process with this process's tensor-parallel coordinate.
+        peer_rank = self.context.process_of(self.placement.stage_rank[peer])
         send = dist.isend(flat.contiguous(), dst=peer_rank, tag=self.tag_base + stage)
         recv = dist.irecv(other, src=peer_rank, tag=self.tag_base + peer)
         assert send is not None and recv is not None
@@ -175,18 +183,10 @@ class TiedGradients:
         write_sums(worker, summed(mine, theirs) if stage == line[0] else summed(theirs, mine))
 
 
-def chained(before: Callable[[StageWorker], None] | None, combine: Callable[[int], None],
-            stage: int, *, first: bool = False) -> Callable[[StageWorker], None]:
-    """A worker's ``combine_grads``: ``before`` (the replicas of the part first: every replica then holds the
-    same sum), then ``combine(stage)``; with ``first``, ``combine(stage)`` before ``before`` (ZeRO-1: the tie
-    summed whole, then the replicas' reduction slices it)."""
+def hook(combine: Callable[[int], None], stage: int) -> Callable[[StageWorker], None]:
+    """What ``stage``'s ``U`` runs: ``combine(stage)``."""
     def run(worker: StageWorker) -> None:
-        if first:
-            combine(stage)
-        if before is not None:
-            before(worker)
-        if not first:
-            combine(stage)
+        combine(stage)
 
     return run
 

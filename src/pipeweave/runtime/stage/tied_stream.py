@@ -58,7 +58,7 @@ import torch
 
 from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec
-from pipeweave.runtime.stage.tied import (chained, flatten, partial_sums, split_groups, summed, tie_peer, tied_groups,
+from pipeweave.runtime.stage.tied import (flatten, hook, partial_sums, split_groups, summed, tie_peer, tied_groups,
                                          tied_names, unflatten, write_sums)
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Schedule
@@ -91,7 +91,7 @@ class StreamTies:
         ScheduleError: a stream whose order would make the tie wait in a cycle (``sim.versions.tied_lag``).
 
     Example:
-        ties = StreamTies(schedule, workers, p2p)   # hooks the tied stages' updates
+        ties = StreamTies(schedule, workers, p2p)   # ties.hooks: what the tied stages' U run
         ...run the stream...; ties.drain()
     """
 
@@ -102,13 +102,13 @@ class StreamTies:
         self.updates: dict[int, int] = {}  # tied stage -> its U done in this stream
         self.kept: dict[int, deque[torch.Tensor]] = {}  # last end -> its halves not yet summed, oldest first
         self.mailbox: dict[tuple[int, int], torch.Tensor] = {}  # (sender stage, k) -> its half, in this process
-        self.before: dict[int, Callable[[StageWorker], None] | None] = {}  # the hooks drain puts back
+        self.hooks: dict[int, Callable[[StageWorker], None]] = {}
+        """Per tied stage of this process, what its ``U`` runs (``StageWorker.update(combine=...)``)."""
         for stage, worker in workers.items():
             peer = tie_peer(self.placement, stage, worker)
             if peer is not None:
                 self.peer[stage], self.updates[stage] = peer, 0
-                self.before[stage] = worker.combine_grads
-                worker.combine_grads = chained(worker.combine_grads, self._combine, stage)
+                self.hooks[stage] = hook(self._combine, stage)
 
     def message(self) -> tuple[torch.dtype, int] | None:
         """Dtype and length of the halves sent to another rank (for ``P2P.tied_message``); None: none is."""
@@ -131,9 +131,7 @@ class StreamTies:
 
     def drain(self) -> None:
         """At the stream's end: every last end applies the sums it still owes, in order, each a step of its tied
-        members alone; the workers' ``combine_grads`` are put back (the next stream hooks them anew)."""
-        for stage, hook in self.before.items():
-            self.workers[stage].combine_grads = hook
+        members alone."""
         for stage, kept in self.kept.items():
             worker, owed = self.workers[stage], self.updates[stage] - len(kept)
             while kept:

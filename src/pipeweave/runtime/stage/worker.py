@@ -5,15 +5,10 @@ the torch.distributed executor one rank per process). It knows nothing of
 schedules, ranks or communication: an executor calls one method per action and
 moves the tensors between stages.
 
-Constructing a worker for stage ``s`` of a schedule::
-
-    parts = uniform_parts(spec.num_layers, schedule.num_parts)   # or any partition
-    worker = StageWorker(
-        spec, parts[schedule.placement.stage_part[s]],
-        optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1),
-        batch_size=batch_size,      # the mini-batch size, for the loss scale
-        recompute=False, device="cpu",
-    )
+``StageWorker(spec, layers, batch_size=...)`` builds a stage by the ordered
+steps of ``stage.build``; a run builds its stages by those and its own
+(``runtime.run.workers``) and takes the result (``from_stage``). A built worker
+is sealed: its public attributes cannot be set from outside.
 
 The layers are initialised from ``(spec.seed, layer index)`` only, so every
 replica of a part, on any rank, starts equal to the same layers of plain
@@ -39,15 +34,15 @@ Tensors in and out (microbatch ``mb`` is the IR's microbatch index):
 - A custom model's layers may pass tuples of tensors (``models.boundary``):
   then ``x`` and the output are tuples, a ``grad_output`` or an input
   gradient is the tuple of the floating-point elements' gradients.
-- ``update()`` (U): calls ``combine_grads(worker)`` if set, then the optimizer
-  step, then zeroes the gradients; ``update(skip=True)`` leaves out the step.
+- ``update(combine=None)`` (U): calls ``combine(worker)`` if given, then the
+  optimizer step, then zeroes the gradients; ``update(skip=True)`` leaves out the step.
 - ``evaluate(x, target=None)``: F for evaluation (``schedule.evaluation``):
   the same output or scaled loss, computed without a graph, nothing kept.
 
 Replicated parts (Chimera, GEMS, DualPipe: several stages hold one part): each
 replica's gradients cover only its own microbatches, each already scaled by
 its share of the whole mini-batch, so the part's gradient is the SUM over
-replicas. Set ``worker.combine_grads`` to a function that all-reduces (sum)
+replicas. Pass ``update`` a ``combine`` that all-reduces (sum)
 ``worker.gradients()`` in place across the replicas (it returns the gradient
 tensors in a fixed order, zero-filled if a replica had no microbatch); the
 reference executor sums them in-process.
@@ -59,9 +54,9 @@ them in place or reuse their buffers for later microbatches.
 Random numbers: a custom model's layers draw from torch's generator reseeded
 by (model seed, ``steps_done``, microbatch, layer) before each layer call
 (``models.randomness``), so their dropout masks are plain training's, on any
-rank and in a replay; set ``steps_done`` when resuming.
+rank and in a replay; give ``steps_done`` when resuming.
 
-ZeRO-3 (``stage.shards``): where ``worker.shards`` is set, the layers are
+ZeRO-3 (``stage.shards``): where the build sharded the stage (``worker.shards``), the layers are
 FSDP2 units (``runtime.fsdp``): each gathers its parameters itself around
 its forward and backward; code outside an action reads them whole inside
 ``whole_weights()``.
@@ -82,30 +77,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from pipeweave.errors import UserError
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary, num_samples, tensors
-from pipeweave.models.layers import Deferrable, WeightGrad, WeightGradStore
+from pipeweave.models.layers import WeightGrad
 from pipeweave.models.precision import autocast
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
-from pipeweave.models.build import build_layers
 from pipeweave.models.spec import ModelSpec, loss_fn
-from pipeweave.runtime.stage.memory import ActivationMeter, Metered, own, unpack
-from pipeweave.runtime.stage.selective import checkpoint_submodules
+from pipeweave.runtime.stage.build import OptimizerFactory, Sealed, Stage, build_stage, sgd, stage_options
+from pipeweave.runtime.stage.memory import Metered, own, unpack
 from pipeweave.runtime.stage.stash import stash_hooks
-from pipeweave.runtime.stage.shards import Shards
-from pipeweave.runtime.stage.tensor_parallel import TensorParallel, split_layers
-from pipeweave.sim.recompute import parse_recompute
+from pipeweave.runtime.stage.tensor_parallel import TensorParallel
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+__all__ = ["Combine", "OptimizerFactory", "StageWorker", "sgd"]
 
-
-def sgd(lr: float = 0.1) -> OptimizerFactory:
-    """The default optimizer factory: plain SGD with learning rate ``lr``."""
-    return lambda params: torch.optim.SGD(params, lr=lr)
+Combine = Callable[["StageWorker"], None]
+"""What a ``U`` runs before the optimizer step: the rank's gradient exchanges of that stage (``update``)."""
 
 
 @dataclass
@@ -120,7 +108,7 @@ class _Microbatch:
     held: list[Any] | None = None  # what autograd saved (stage.memory._Held), when the stage stashes (stage.stash)
 
 
-class StageWorker(Metered):
+class StageWorker(Sealed, Metered):
     """Runs the actions of one stage; see the module docstring for the contract.
 
     Args:
@@ -138,6 +126,8 @@ class StageWorker(Metered):
         tensor_parallel: this rank's tensor-parallel group: the layers are split over it
             (``stage.tensor_parallel``, by the model's plan); every rank of the group runs the same
             actions on its shard.
+        compress: saved tensors kept in bfloat16 from F to the backward; ``stashing``: kept per microbatch
+            (memory actions move them: ``stage.stash``); ``steps_done``: updates done before (a resumed run).
 
     Raises:
         UserError: an empty or non-consecutive layer range, or batch_size < 1.
@@ -163,53 +153,62 @@ class StageWorker(Metered):
         precision: str = "fp32",
         tensor_parallel: TensorParallel | None = None,
         compress: bool = False,
+        stashing: bool = False,
+        steps_done: int = 0,
     ) -> None:
-        indices = list(layer_indices)
-        if not indices or indices != list(range(indices[0], indices[0] + len(indices))):
-            raise UserError(f"layer indices {indices} are not a non-empty consecutive range; give range(start, stop)")
-        if batch_size < 1:
-            raise UserError(f"batch_size={batch_size} is invalid; give batch_size >= 1")
-        self.spec = spec
-        self.layer_indices = range(indices[0], indices[-1] + 1)
-        self.batch_size = batch_size
-        modes = parse_recompute(recompute)
-        if len(modes) != 1:
-            raise UserError(f"recompute={recompute!r} gives several modes; a stage takes its own part's one")
-        self.recompute = modes[0]
-        self.is_first = indices[0] == 0
-        self.is_last = indices[-1] == spec.num_layers - 1
-        self.tensor_parallel = tensor_parallel
-        layers = build_layers(spec, indices)
-        if tensor_parallel is not None and tensor_parallel.size > 1:  # built whole, then cut: plain training's weights
-            layers = split_layers(spec, indices, layers, tensor_parallel)
-        if self.recompute == "selective":
-            checkpoint_submodules(spec, zip(indices, layers))
-        self.module = nn.ModuleDict({str(i): layer for i, layer in zip(indices, layers)}).to(device)
-        self.store = WeightGradStore()
-        for m in self.module.modules():
-            if isinstance(m, Deferrable):
-                m.grad_store = self.store
-        self.optimizer_factory = optimizer_factory or sgd()
+        options = stage_options(spec, layer_indices, batch_size=batch_size, optimizer_factory=optimizer_factory,
+                                recompute=recompute, device=device, track_memory=track_memory, precision=precision,
+                                tensor_parallel=tensor_parallel, compress=compress, stashing=stashing,
+                                steps_done=steps_done)
+        self._adopt(build_stage(options))
+
+    @classmethod
+    def from_stage(cls, stage: Stage) -> StageWorker:
+        """The worker of a stage a run built by its own steps (``runtime.run.workers``), sealed."""
+        worker = cls.__new__(cls)
+        worker._adopt(stage)
+        return worker
+
+    def _adopt(self, stage: Stage) -> None:
+        """Take what the build steps made (``stage.build``); then seal: no public attribute changes after."""
+        options, indices = stage.options, stage.options.layer_indices
+        self.spec, self.layer_indices, self.batch_size = options.spec, indices, options.batch_size
+        self.recompute, self.tensor_parallel = options.recompute, options.tensor_parallel
+        self.is_first, self.is_last = indices.start == 0, indices.stop == options.spec.num_layers
+        self.module, self.store, self.shards, self.meter = stage.module, stage.store, stage.shards, stage.meter
+        self.optimizer_factory = options.optimizer_factory
         """What built ``optimizer`` (ZeRO builds the same over its slices, ``runtime.zero``)."""
-        # torch's optimizers refuse an empty list: a part of activations only gets a placeholder, never given a grad
-        self.optimizer = self.optimizer_factory(list(self.module.parameters()) or [nn.Parameter(torch.zeros(1, device=device))])
-        self.loss = loss_fn(spec)
-        self.combine_grads: Callable[[StageWorker], None] | None = None
-        self.shards: Shards | None = None  # ZeRO-3 (runtime.fsdp): FSDP2's shards between actions
-        self.meter = ActivationMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()})
-        self.track_memory = track_memory
+        self.optimizer = stage.optimizer
+        self.loss = loss_fn(options.spec)
+        self._track_memory, self._steps_done = options.track_memory, options.steps_done
         self._saved: dict[int, _Microbatch] = {}
         self._weight_grads: dict[int, list[tuple[WeightGrad, tuple[torch.Tensor, ...]]]] = {}
         self._stash_keys: dict[int, list[int | None]] = {}
         self._backward_ran = False  # in this step (since the last U)
-        # Updates done (set on resume): with microbatch and layer, the key of a custom layer's random numbers.
-        self.steps_done = 0
-        self.keyed = is_keyed(spec)
-        self.device = torch.device(device)
-        self.precision = precision_check(precision)
+        self.keyed, self.device = is_keyed(options.spec), options.device
+        self.precision = precision_check(options.precision)
         self._buffers = list(self.module.buffers())  # running statistics, left as F left them by a replay
-        self.compress = compress  # saved tensors in bfloat16 from F to the backward (stage.stash.stash_hooks)
-        self.stashing = False  # keep what autograd saves per microbatch: set where memory actions run (stage.stash)
+        # Saved tensors in bfloat16 from F to the backward; what autograd saves kept per microbatch (stage.stash).
+        self.compress, self.stashing = stage.compress, stage.stashing
+        self._sealed = True
+
+    @property
+    def steps_done(self) -> int:
+        """Updates done (a resumed run's included): a key of a custom layer's random numbers."""
+        return self._steps_done
+
+    def start_at(self, steps_done: int) -> None:
+        """Go on from ``steps_done`` updates (a stream of a run starting after the mini-batches before it)."""
+        self._steps_done = steps_done
+
+    @property
+    def track_memory(self) -> bool:
+        """Whether saved-tensor hooks count the activation bytes (``track_memory_from_now`` turns it off)."""
+        return self._track_memory
+
+    def track_memory_from_now(self, on: bool) -> None:
+        """Count activation bytes from now on (True) or stop counting (a run measures its first step only)."""
+        self._track_memory = on
 
     # ---- F ----------------------------------------------------------------
     def forward(self, mb: int, x: Boundary, target: Boundary | None = None) -> Boundary:
@@ -340,8 +339,8 @@ class StageWorker(Metered):
                 p.grad = torch.zeros_like(p)
 
     # ---- U -----------------------------------------------------------------
-    def update(self, skip: bool = False) -> None:
-        """U: combine replicas' gradients (``combine_grads``), optimizer step, zero gradients.
+    def update(self, skip: bool = False, combine: Combine | None = None) -> None:
+        """U: combine the gradients (``combine``: the replicas' sum, the ties', clipping), optimizer step, zero them.
 
         ``skip``: the step's update is skipped (a non-finite loss): the gradients are combined all the same
         (the exchanges take place), then dropped; parameters and optimizer state stay exactly as they were.
@@ -350,15 +349,15 @@ class StageWorker(Metered):
         """
         if self._weight_grads:
             raise RuntimeError(f"U on stage {self.layer_indices} with W pending for microbatches {list(self._weight_grads)}")
-        if self.combine_grads is not None:
-            self.combine_grads(self)
+        if combine is not None:
+            combine(self)
         if not skip:
             self.optimizer.step()
         elif hasattr(self.optimizer, "skip_step"):
             self.optimizer.skip_step()
         self.optimizer.zero_grad(set_to_none=True)
         self._backward_ran = False
-        self.steps_done += 1
+        self._steps_done += 1
 
     def gradients(self) -> list[torch.Tensor]:
         """The parameters' gradient tensors in parameter order, created as zeros where missing (for all-reduce)."""

@@ -142,32 +142,3 @@ def _group_per_tp(stage_rank_sets: list[list[int]], mesh: Mesh) -> list[Any]:
             if t == mesh.tp_rank:
                 mine.append(group)
     return mine
-
-
-_active: Mesh | None = None
-
-
-def install(mesh: Mesh | None) -> None:
-    """Make ``mesh`` this process's mesh (``process_of`` and the groups read it); None: none."""
-    global _active
-    _active = mesh
-
-
-def active() -> Mesh | None:
-    """This process's mesh, if its run has one (set by the run's rank function)."""
-    return _active
-
-
-def process_of(stage_rank: int) -> int:
-    """The process rank of ``stage_rank`` with this process's ``tp`` coordinate (itself without a mesh)."""
-    return stage_rank if _active is None else _active.process_of(stage_rank)
-
-
-def reporting() -> bool:
-    """Whether this process reports for its stage rank: its ``tp`` coordinate is 0 (the others run alike)."""
-    return _active is None or _active.tp_rank == 0
-
-
-def pipeline_group() -> Any:
-    """The group of this ``tp`` coordinate's processes (None: the default group, without tensor parallelism)."""
-    return None if _active is None else _active.pipeline_group

@@ -37,10 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.transport import shm
-from pipeweave.runtime.process import wait_timeout
 from pipeweave.runtime.transport.message import META_LEN, Layout, read_meta, tensor_meta
-from pipeweave.runtime.transport.mesh import process_of
 from pipeweave.runtime.transport.order import KINDS, META, TIED, Key, message_key, send_order
 from pipeweave.schedule.ir import Action
 from pipeweave.schedule.lower import LoweredSchedule
@@ -58,11 +57,13 @@ class P2P:
 
     Args:
         lowered: the lowered schedule every rank runs.
-        rank: this rank in ``lowered`` (its stage rank: ``transport.mesh.process_of`` gives the process of each).
+        rank: this rank in ``lowered`` (its stage rank: ``context.process_of`` gives the process of each).
         microbatch_sizes: size of dimension 0 of every microbatch.
         device: where received tensors live (CPU for gloo, this rank's GPU for NCCL).
         lookahead: receives are posted ahead up to this many compute actions.
         variable_shapes: every message carries its own metadata (per-sample shapes that change).
+        context: the rank's run context: the processes of the stage ranks (its mesh), the shared-memory
+            transport if any, how long a wait may take.
 
     Example (per step, in the executor):
         p2p.begin_step(); p2p.post_ahead(i); x = p2p.recv(a); p2p.send(a, y); p2p.end_step()
@@ -76,8 +77,10 @@ class P2P:
         device: torch.device,
         lookahead: int = 2,
         variable_shapes: bool = False,
+        context: RankContext | None = None,
     ) -> None:
         self.lowered, self.rank, self.device = lowered, rank, device
+        self.context = context if context is not None else RankContext()
         self.variable_shapes = variable_shapes
         self.sizes = list(microbatch_sizes)
         self.lookahead = lookahead
@@ -144,7 +147,7 @@ class P2P:
     def end_step(self) -> None:
         """Wait for every send of the step (lazily, only now)."""
         for work, _ in self._pending_sends:
-            work.wait(wait_timeout())
+            work.wait(self.context.timeout)
         self._pending_sends.clear()
         if self._posted or any(self._queues.values()):  # pragma: no cover - lowering bug
             raise RuntimeError(f"rank {self.rank}: unreceived messages at the end of a step")
@@ -226,8 +229,8 @@ class P2P:
 
     def _isend(self, tensor: torch.Tensor, peer: int, key: Key, nbytes: int | None = None) -> None:
         """Post the send; ``nbytes``: the (contiguous) tensor's bytes, when known."""
-        ring = shm.active()  # --transport shm: the same messages, in the same order, through shared memory
-        dst = process_of(peer)  # the peer stage rank's process with this tensor-parallel coordinate
+        ring = self.context.transport  # --transport shm: the same messages, in the same order, through shared memory
+        dst = self.context.process_of(peer)  # the peer stage rank's process with this tensor-parallel coordinate
         work: Any = (ring.isend(tensor, dst, self.tag(key), nbytes) if ring
                      else dist.isend(tensor, dst=dst, tag=self.tag(key)))
         assert work is not None
@@ -255,7 +258,7 @@ class P2P:
     def _take(self, key: Key, peer: int) -> _Posted:
         self._post_through(peer, key, block=True)
         posted = self._posted.pop(key)  # a synchronous tie waits on its own (stage.tied)
-        posted.work.wait(wait_timeout())
+        posted.work.wait(self.context.timeout)
         return posted
 
     def _post_through(self, peer: int, key: Key, *, block: bool) -> None:
@@ -290,7 +293,7 @@ class P2P:
             raise RuntimeError(f"rank {self.rank}: no shape handshake for stream {stream}")
         if not block and not meta.work.is_completed():
             return False
-        meta.work.wait(wait_timeout())
+        meta.work.wait(self.context.timeout)
         del self._posted[(stream[0], stream[1], META)]
         described = read_meta(meta.buffer.cpu().tolist())
         if isinstance(described, Layout):
@@ -320,8 +323,8 @@ class P2P:
                 dtype, sample, sample_bytes = shape
                 buffer = torch.empty((samples, *sample), dtype=dtype, device=self.device)
                 nbytes = sample_bytes * samples
-        ring = shm.active()
-        src = process_of(peer)
+        ring = self.context.transport
+        src = self.context.process_of(peer)
         work: Any = (ring.irecv(buffer, src, self.tag(key), nbytes) if ring
                      else dist.irecv(buffer, src=src, tag=self.tag(key)))
         assert work is not None

@@ -338,18 +338,10 @@ class ShmTransport:
                 self._tokens[peer] += 1
 
 
-_transport: ShmTransport | None = None
-
-
-def install(rank: int, channels: dict[tuple[int, int], Channel] | None) -> None:
-    """Make this process's ``P2P`` use shared memory (a spawned rank, before its work starts)."""
-    global _transport
-    _transport = ShmTransport(rank, channels) if channels is not None else None
-    if _transport is not None:
-        for channel in (*_transport.outgoing.values(), *_transport.incoming.values()):
-            channel.map_pages()
-
-
-def active() -> ShmTransport | None:
-    """This rank's shared-memory transport, or None (gloo or NCCL through ``torch.distributed``)."""
-    return _transport
+def connect(rank: int, channels: dict[tuple[int, int], Channel]) -> ShmTransport:
+    """This rank's shared-memory transport over ``channels`` (a spawned rank, before its work starts), every
+    ring's pages mapped; it goes in the rank's ``RankContext.transport``, which ``P2P`` sends through."""
+    transport = ShmTransport(rank, channels)
+    for channel in (*transport.outgoing.values(), *transport.incoming.values()):
+        channel.map_pages()
+    return transport
