@@ -25,6 +25,7 @@ from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.context import RankContext
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -44,18 +45,18 @@ CONFIGS = {
 }
 
 
-def _trained(rank: int, world: int, configs: list[TrainConfig]) -> list[object]:
-    return [run_rank(rank, world, prepare(c)) for c in configs]
+def _trained(context: RankContext, configs: list[TrainConfig]) -> list[object]:
+    return [run_rank(context, prepare(c)) for c in configs]
 
 
-def _stepped(rank: int, world: int, configs: list[TrainConfig]) -> list[list[tuple[bool, list[float | None]]]]:
+def _stepped(context: RankContext, configs: list[TrainConfig]) -> list[list[tuple[bool, list[float | None]]]]:
     """Per config, every rank's ``(has_loss, what step returned)``, gathered to every rank."""
     out = []
     for config in configs:
         pipe = Pipeline(config)
         source = data_source(config.model, batch_size=config.batch_size, seed=config.seed)
         losses = [pipe.step(source.batch(k)) for k in range(config.steps)]
-        gathered: list[object] = [None] * world
+        gathered: list[object] = [None] * context.world
         dist.all_gather_object(gathered, (pipe.has_loss, losses))
         out.append(gathered)
     return out

@@ -90,7 +90,7 @@ def _end_levers(link: PartnerLink | None, executor: Executor) -> int:
     return max(executor.peak_activation_bytes, link.peak if link is not None else 0)
 
 
-def _executor(plan: RunPlan, context: RankContext, workers: dict[int, Any], low: LoweredSchedule,
+def executor_of(plan: RunPlan, context: RankContext, workers: dict[int, Any], low: LoweredSchedule,
               stash: Stash | None) -> tuple[Executor, PartnerLink | None]:
     """The rank's executor of ``low`` with the run's options, the checkpoint resumed into its workers, and its
     side of BPipe's pair (None without ``--balance-activations``)."""
@@ -122,7 +122,7 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     low, stash = lowered(plan)
     workers = build_workers(plan, rank, device, context=context, row=low.actions[rank])
     done = plan.steps_done  # the data goes on from the batch after the checkpoint's last (the workers' steps_done)
-    executor, link = _executor(plan, context, workers, low, stash)
+    executor, link = executor_of(plan, context, workers, low, stash)
     source = data_source(config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path,
                          min_seq_len=config.data.min_seq_len)
     offset = align_clocks(process, world)

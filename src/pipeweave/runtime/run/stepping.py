@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -24,7 +26,9 @@ from pipeweave.models import boundary
 from pipeweave.runtime.run.agreement import agreed_plan
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.divergence import Divergence
-from pipeweave.runtime.run.job import _executor
+from pipeweave.runtime.context import RankContext
+from pipeweave.runtime.process import device_for
+from pipeweave.runtime.run.job import executor_of, lowered
 from pipeweave.runtime.run.plan import learning_rates, prepare
 from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.stage.lr_schedule import set_lr
@@ -61,14 +65,18 @@ class Pipeline:
             raise UserError(f"the process group has {world} processes but the run needs {plan.num_processes} "
                             f"(schedule ranks x tensor parallel); start {plan.num_processes} processes")
         self.config, self.schedule = config, plan.schedule
-        mesh, self.device = join_mesh(plan, dist.get_rank(), world)
+        process = dist.get_rank()
+        context = join_mesh(plan, RankContext(process=process, world=world, device=device_for(process),
+                                              timeout=datetime.timedelta(seconds=config.launch.timeout)))
+        self.device = context.device
         if self.device.type == "cuda":  # NCCL's messages and collectives go from the current device
             torch.cuda.set_device(self.device)
-        self.rank = mesh.stage_rank
+        self.rank = context.stage_rank
         """This process's rank in the schedule."""
-        self._group = mesh.pipeline_group
-        self._workers = build_workers(plan, self.rank, self.device)
-        self._executor, _ = _executor(plan, self.rank, self._workers, self.device)
+        self._group = context.pipeline_group
+        low, stash = lowered(plan)
+        self._workers = build_workers(plan, self.rank, self.device, context=context, row=low.actions[self.rank])
+        self._executor, _ = executor_of(plan, context, self._workers, low, stash)
         self._divergence = Divergence(plan, self._workers)
         self._rates = learning_rates(config) if config.training.lr_scheduled else None
         self.steps_done = 0
