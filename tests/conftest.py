@@ -1,9 +1,12 @@
-"""Fixtures shared by the command-line tests."""
+"""Fixtures shared by the tests: the command-line error of a run, the ruff of this environment."""
 
 from __future__ import annotations
 
 import contextlib
+import shutil
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from unittest.mock import patch
 
 import pytest
@@ -31,3 +34,13 @@ def cli_error(capsys: pytest.CaptureFixture[str]) -> CliError:
         return err
 
     return run
+
+
+@pytest.fixture(scope="session")
+def ruff() -> str:
+    """The path of this environment's ruff (installed by the ``test`` extra, pinned in constraints.txt)."""
+    beside = Path(sys.executable).with_name("ruff")
+    found = str(beside) if beside.exists() else shutil.which("ruff")
+    if found is None:
+        pytest.fail("ruff is not installed: pip install -c constraints.txt -e '.[test]'")
+    return found

@@ -198,7 +198,7 @@ def test_gradients_prepared_in_a_wait_change_no_number(kind: str) -> None:
         kind="gpt", layers=2, hidden=16, heads=2, seq_len=6, vocab=32)
     workers = [StageWorker(spec, range(spec.num_layers), batch_size=4, track_memory=False) for _ in range(2)]
     generator = torch.Generator().manual_seed(0)
-    for step in range(3):
+    for _step in range(3):
         if kind == "mlp":
             x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)
         else:

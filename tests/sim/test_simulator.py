@@ -125,7 +125,6 @@ def _reference(schedule: Schedule, cost: CostModel) -> list[list[tuple[float, fl
     costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
     p = schedule.placement
     where = {a: (r, k) for r, k, a in schedule.iter_actions()}
-    end: dict[Action, float] = {}
     grads: dict[int, list[Action]] = {}
     for _, _, a in schedule.iter_actions():
         if a.op in (Op.B, Op.W):

@@ -17,7 +17,8 @@ from pipeweave.commands.compare_output import emit
 from pipeweave.commands.compare_table import LITERATURE, choose, parse_memory_limit, recommend
 from pipeweave.commands.partition import model_spec, part_costs
 from pipeweave.commands.simulate import add_parser as add_simulate_parser
-from pipeweave.commands.simulate import evaluate, simulated
+from pipeweave.commands.simulate import simulated
+from pipeweave.commands.simulate_report import evaluate
 from pipeweave.errors import UserError
 from pipeweave.models.spec import uniform_parts
 from pipeweave.partition import LayerCosts, Partition

@@ -54,7 +54,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from pipeweave.commands.outputs import output_file, picture_file
-    from pipeweave.schedule.text import write_csv
     from pipeweave.search import exact
 
     layout, model = _check_arguments(args)
@@ -72,13 +71,7 @@ def run(args: argparse.Namespace) -> int:
     levers = dataclasses.replace(levers, offload=levers.offload | problem.offload)
     result = exact(problem, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
                    work_limit=args.work_limit)
-    if args.csv:
-        write_csv(result.schedule, args.csv)
-    if args.plot:
-        from pipeweave.sim import simulate
-        from pipeweave.sim.plot import plot_timeline
-
-        plot_timeline(simulate(result.schedule, problem.cost), args.plot)
+    _write_files(args, result.schedule, problem.cost)
     modes = problem.costs.recompute or ("none",) * problem.num_parts
     report = _layout_report(args, result.schedule, layout, model, modes)
     levered = _levered(args, result.schedule, problem.cost, levers)
@@ -88,6 +81,28 @@ def run(args: argparse.Namespace) -> int:
                           "offload_chosen": args.offload == AUTO,
                           **({"layout": report[0]} if report else {}), **levered}))
         return 0
+    _print_found(args, result, problem, modes, chosen, levered)
+    for line in report[1] if report else ():
+        print(line)
+    return 0
+
+
+def _write_files(args: argparse.Namespace, schedule: Any, cost: CostModel) -> None:
+    """``--csv`` and ``--plot``: the found schedule, and its simulated timeline."""
+    from pipeweave.schedule.text import write_csv
+
+    if args.csv:
+        write_csv(schedule, args.csv)
+    if args.plot:
+        from pipeweave.sim import simulate
+        from pipeweave.sim.plot import plot_timeline
+
+        plot_timeline(simulate(schedule, cost), args.plot)
+
+
+def _print_found(args: argparse.Namespace, result: Any, problem: Any, modes: tuple[str, ...], chosen: bool,
+                 levered: dict[str, Any]) -> None:
+    """The found schedule in a few lines: its solver, the levers chosen, bubble, span and peaks."""
     print(f"{result.schedule.name}: D={args.stages} T={args.microbatches} K={args.memory_limit} "
           f"solver={result.solver} ({result.status}, {result.solver_time:.2f} s)")
     if set(modes) != {"none"} or args.recompute == AUTO:
@@ -104,9 +119,6 @@ def run(args: argparse.Namespace) -> int:
               f"{levered['peak_activations']} (M_a of uncompressed activations)")
     if args.plot:
         print(f"  plot written to {args.plot}")
-    for line in report[1] if report else ():
-        print(line)
-    return 0
 
 
 def _problem(args: argparse.Namespace, f: float, b: float, w: float, comm: float,

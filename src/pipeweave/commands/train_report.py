@@ -146,6 +146,15 @@ def _plot(schedule: Schedule, record: RunRecord, report: dict[str, Any], path: P
 
 def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
     """The run's summary table (measured beside simulated), then what else the user should know, and the files."""
+    console = Console()
+    console.print(_summary_table(report))
+    _print_notes(console, report)
+    for kind, path in paths.items():
+        console.print(f"{kind}: {path}")
+
+
+def _summary_table(report: dict[str, Any]) -> Table:
+    """The measures of the run beside the simulator's, one row each, and the memory of every rank."""
     losses = report["losses"]
     model = report["model"]["entry"] or report["model"]["kind"]
     grid = "".join(f"  {k}={report[key]}" for k, key in (("P", "data_parallel"), ("N", "tensor_parallel"))
@@ -177,8 +186,11 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
         if key in report:  # streams (runtime.report.stream_summary.staleness_figures), in updates
             table.add_row(what, "", " ".join(str(n) for n in report[key]))
     _memory_rows(table, report)
-    console = Console()
-    console.print(table)
+    return table
+
+
+def _print_notes(console: Console, report: dict[str, Any]) -> None:
+    """What else the user should know: time spent between streams, skipped updates, where a resumed run began."""
     if report.get("streams", 1) > 1:
         console.print(f"{report['streams']} streams, drained between them to evaluate or save: "
                       f"{report['paused_s']:.2f} s spent there, not in the times above")
@@ -190,8 +202,6 @@ def print_summary(report: dict[str, Any], paths: dict[str, str]) -> None:
     if report.get("first_step"):
         console.print(f"resumed after step {report['first_step']}: steps {report['first_step'] + 1}-"
                       f"{report['first_step'] + report['steps']} of the training")
-    for kind, path in paths.items():
-        console.print(f"{kind}: {path}")
 
 
 def _memory_rows(table: Table, report: dict[str, Any]) -> None:

@@ -14,11 +14,11 @@ lets a custom model pass more.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 
-Boundary = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+Boundary = torch.Tensor | tuple[torch.Tensor, ...]
 MAX_TENSORS = 8
 """The most tensors a tuple may hold (its layout travels in a fixed-size metadata message)."""
 

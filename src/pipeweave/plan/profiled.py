@@ -96,7 +96,7 @@ class ProfiledModel:
         """TP 1 only (module docstring)."""
         return tp == 1
 
-    @functools.lru_cache(maxsize=256)
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - a profile lives as long as the search that asks
     def bounds(self, num_parts: int) -> tuple[tuple[int, int], ...]:
         """``(start, stop)`` layers of each part, as ``train --partition uniform`` cuts them."""
         return uniform(self.costs, num_parts, PartitionContext()).bounds

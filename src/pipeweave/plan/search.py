@@ -73,11 +73,7 @@ def search(space: Iterable[Config], evaluator: Evaluator, *, top: int = 10, exha
 def _search(configs: list[Config], evaluator: Evaluator, top: int, exhaustive: bool, auto_searches: int,
             tolerance: float, progress: Progress | None, started: float) -> Plan:
     """``search``'s loop (with the collector paused)."""
-    limit = evaluator.cluster.gpu.memory_bytes
-    bounds = [memory_bound(c, evaluator) for c in configs]
-    fitting = [c for c, m in zip(configs, bounds) if m <= limit]
-    queue = [(time_bound(c, evaluator), k, False) for k, c in enumerate(fitting)]
-    heapq.heapify(queue)
+    bounds, fitting, queue = _candidates(configs, evaluator)
     done = len(configs) - len(fitting)
     best: list[float] = []  # a max-heap (negated) of the top step times that fit
     results: list[Result] = []
@@ -108,14 +104,36 @@ def _search(configs: list[Config], evaluator: Evaluator, top: int, exhaustive: b
             continue
         results.append(result)
         if result.fits:
-            heapq.heappush(best, -result.step_time)
-            if len(best) > top:
-                heapq.heappop(best)
+            _keep_best(best, result.step_time, top)
     if progress is not None:
         progress(len(configs), len(configs))
     results.sort(key=lambda r: (not r.fits, r.step_time if r.fits else r.memory.total))
+    least = _least_memory(results, configs, bounds)
+    return Plan(results, len(configs), len(configs) - len(fitting), bounded, refused,
+                evaluator.pipeline.simulations, time.perf_counter() - started, least, skipped)
+
+
+def _candidates(configs: list[Config], evaluator: Evaluator) -> tuple[list[float], list[Config], list[tuple[float, int, bool]]]:
+    """Each configuration's memory bound, those whose bound fits the GPU, and a heap of the latter by time bound:
+    ``(time bound, index in the fitting ones, rescaled)``."""
+    limit = evaluator.cluster.gpu.memory_bytes
+    bounds = [memory_bound(c, evaluator) for c in configs]
+    fitting = [c for c, m in zip(configs, bounds) if m <= limit]
+    queue = [(time_bound(c, evaluator), k, False) for k, c in enumerate(fitting)]
+    heapq.heapify(queue)
+    return bounds, fitting, queue
+
+
+def _keep_best(best: list[float], step_time: float, top: int) -> None:
+    """Add ``step_time`` to ``best``, a max-heap (negated) of the ``top`` least step times."""
+    heapq.heappush(best, -step_time)
+    if len(best) > top:
+        heapq.heappop(best)
+
+
+def _least_memory(results: list[Result], configs: list[Config], bounds: list[float]) -> tuple[float, str]:
+    """The least memory a result needs, with its label; without results, the least bound of a configuration."""
     least = min(((r.memory.total, r.config.label) for r in results), default=None)
     if least is None:
         least = min(((m, c.label) for m, c in zip(bounds, configs)), default=(0.0, ""))
-    return Plan(results, len(configs), len(configs) - len(fitting), bounded, refused,
-                evaluator.pipeline.simulations, time.perf_counter() - started, least, skipped)
+    return least

@@ -44,8 +44,10 @@ def _input(made, neighbour, s, j, k, t, stage_rank):  # type: ignore[no-untyped-
 
 
 @numba.njit(cache=True, nogil=True)
-def _walk(offsets, stops, stage, op, microbatch, cell, width, extra, prev, nxt, stage_rank,  # type: ignore[no-untyped-def]  # one flat loop, for speed
-          hop_prev, hop_next, has_latency, t, gap, start, end, walked):  # noqa: ANN001
+def _walk(  # type: ignore[no-untyped-def]  # one flat loop, for speed
+    offsets, stops, stage, op, microbatch, cell, width, extra, prev, nxt, stage_rank,
+    hop_prev, hop_next, has_latency, t, gap, start, end, walked,
+):  # noqa: ANN001
     """Fill ``start`` and ``end`` (and ``walked``: per action, its place in the walk) of the actions before each
     rank's stop; return ``DONE``, ``UNORDERED`` or ``DEADLOCK``."""
     n = stage.shape[0]

@@ -275,9 +275,8 @@ class P2P:
                     return
                 queue.popleft()
                 return
-            if nxt[2] != META and nxt[1] != TIED and nxt[:2] not in self._shapes:
-                if not self._read_meta(nxt[:2], block):
-                    return
+            if nxt[2] != META and nxt[1] != TIED and nxt[:2] not in self._shapes and not self._read_meta(nxt[:2], block):
+                return
             queue.popleft()
             self._post(peer, nxt)
             if self.variable_shapes and nxt[2] != META and nxt[1] != TIED:  # the next message brings its own shape

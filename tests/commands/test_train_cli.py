@@ -18,7 +18,7 @@ from pipeweave.runtime.run.plan import prepare
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
 HIDDEN = 16
-MODELS = Path(__file__).resolve().parent / "models"
+MODELS = Path(__file__).resolve().parents[1] / "models"
 
 
 def _train(tmp_path: Path, *argv: str) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:

@@ -211,7 +211,7 @@ def test_default_set_skips_what_cannot_serve_the_setting(capsys: pytest.CaptureF
 @pytest.mark.slow
 def test_convergence_reproduces_the_study(capsys: pytest.CaptureFixture[str]) -> None:
     """The convergence study's gpt setting gives its recorded results to the last bit (benchmarks/convergence)."""
-    study = json.loads((Path(__file__).parents[1] / "benchmarks/convergence/results_gpt.json").read_text())
+    study = json.loads((Path(__file__).parents[2] / "benchmarks/convergence/results_gpt.json").read_text())
     recorded = {r["schedule"]: r["eval_loss"] for r in study["runs"]}
     out = run_json(capsys, ["compare", "-s", "1f1b,pipedream", "--model", "gpt", "--layers", "6", "--hidden", "32",
                             "--heads", "2", "--seq-len", "32", "--convergence", "100", "--json"])

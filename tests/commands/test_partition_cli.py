@@ -134,7 +134,7 @@ def test_a_module_cut_at_names_says_where_the_partition_splits_it(tmp_path: Path
     """An ``nn.Sequential`` cut before each child (``pipeweave.pipeline``): the names at the parts' starts, from
     the model's ``split_points`` (layer k + 1 starts at the k-th), in the JSON and in one line of the table."""
     monkeypatch.setenv("PIPEWEAVE_CACHE", str(tmp_path))
-    entry = f"{Path(__file__).parent / 'models' / 'tiny_modules.py'}:tied_sequential"
+    entry = f"{Path(__file__).parents[1] / 'models' / 'tiny_modules.py'}:tied_sequential"
     argv = ["--model", entry, "--stages", "2", "--batch-size", "8", "--microbatches", "2", "--repeats", "1",
             "--layers-per-stage", "1,4"]
     from pipeweave.models import ModelSpec
