@@ -14,7 +14,7 @@ from pipeweave.plan.space import Fixed, configurations
 from pipeweave.plan.transformer import Transformer
 from pipeweave.runtime.reference import run_reference
 from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 from pipeweave.schedule import (SCHEDULES, Action, DataParallel, Op, Placement, PlacementKind, Schedule,
                                 ScheduleInfo, format_grid, generate, validate)
 

@@ -24,7 +24,7 @@ from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.report.stream_summary import summarize_stream
 from pipeweave.schedule import SCHEDULES
-from pipeweave.runtime.run.plan import build_schedule, prepare
+from pipeweave.runtime.run.prepare import build_schedule, prepare
 
 HERE = Path(__file__).parent
 

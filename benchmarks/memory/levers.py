@@ -6,7 +6,7 @@ Runs ``pipeweave train`` (its own launcher, default transport) once per configur
 configurations alternating within each round, and reads each run's JSON record: ``peak_activation_bytes``
 (the ranks' saved-tensor meters, first step), ``makespan_s`` (the median step). The prediction: the exact
 run's schedule simulated with the per-part times it profiled from itself (``profiled_costs_s``), with and
-without ``OFFLOAD``/``RELOAD`` of part 0 (``sim.stash``), the copies timed at the bandwidth of the whole
+without ``OFFLOAD``/``RELOAD`` of part 0 (``sim.levers``), the copies timed at the bandwidth of the whole
 path (pack, file write; file read, rebuild) measured here on part 0's own microbatch. With ``--curve N``
 it also trains the gpt N steps exact and with ``--compress-activations bf16`` (2 stages) for the loss
 curves. Run from the repository root::
@@ -50,7 +50,7 @@ def _copy_rate(repeats: int = 15, stages: int = 4, clock: Any = time.perf_counte
     import torch
 
     from pipeweave.models.spec import ModelSpec, uniform_parts
-    from pipeweave.runtime.stage.stash import FileStore, stash_away, stash_back
+    from pipeweave.runtime.stage.levers import FileStore, stash_away, stash_back
     from pipeweave.runtime.stage.worker import StageWorker
 
     torch.set_num_threads(1)
@@ -78,9 +78,9 @@ def _copy_rate(repeats: int = 15, stages: int = 4, clock: Any = time.perf_counte
 def _predicted_cost(exact: dict[str, Any], rate: dict[str, float], stages: int = 4) -> float:
     """Simulated step with part 0 offloaded minus without, from the exact run's own profile."""
     from pipeweave.schedule import generate
-    from pipeweave.schedule.stash import StashPlan
+    from pipeweave.schedule.levers import StashPlan
     from pipeweave.sim import CostModel, simulate
-    from pipeweave.sim.stash import simulate_stash
+    from pipeweave.sim.levers import simulate_stash
 
     c = exact["profiled_costs_s"]
     activation = [float(rate["bytes"])] + [1.0] * (stages - 1)  # only part 0 moves

@@ -4,7 +4,7 @@ The gpt of ``levers.py`` under 1F1B on 2 gloo ranks (this machine has 2 cores, s
 another's bubble), exact and with ``--offload 0``, the two alternating within each round. Per round: each
 run's median step (``makespan_s``), their difference (the measured cost), and the prediction: the exact
 run's schedule simulated with the per-part times it profiled from itself, with and without part 0's
-``OFFLOAD``/``RELOAD``, the copies on the rank's own time (``sim.stash``: the CPU runtime copies to the
+``OFFLOAD``/``RELOAD``, the copies on the rank's own time (``sim.levers``: the CPU runtime copies to the
 file and back on its compute thread) at the rate of the runtime's copy path measured here on part 0's
 microbatch (``levers._copy_rate``). Run from the repository root::
 
@@ -36,7 +36,7 @@ def _run(offload: str | None, steps: int) -> dict[str, Any]:
     from pipeweave.runtime.run.config import TrainConfig
     from pipeweave.runtime.run.job import run_rank
     from pipeweave.runtime.run.launch import LaunchOptions, launch
-    from pipeweave.runtime.run.plan import prepare
+    from pipeweave.runtime.run.prepare import prepare
 
     spec = ModelSpec(kind="gpt", layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq_len=SEQ)
     plan = prepare(TrainConfig(schedule="1f1b", num_stages=STAGES, num_microbatches=T, model=spec, batch_size=BATCH,

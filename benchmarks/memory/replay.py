@@ -37,7 +37,7 @@ from pipeweave.models import ModelSpec
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.part_memory import part_memory
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 from pipeweave.schedule import generate
 from pipeweave.sim import CostModel
 from pipeweave.sim.metrics import peak_activations

@@ -25,7 +25,7 @@ from pipeweave.runtime.profile import profile_model
 from pipeweave.runtime.report.trace import summarize
 from pipeweave.schedule import generate
 from pipeweave.sim import CostModel, compute_metrics, simulate
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 
 
 def predicted(costs: LayerCosts, counts: tuple[int, ...], schedule_name: str, stages: int, microbatches: int) -> float:

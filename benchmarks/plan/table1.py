@@ -12,7 +12,7 @@ import argparse
 import time
 from collections.abc import Iterable
 
-from pipeweave.plan.config import Config
+from pipeweave.plan.candidate import Config
 from pipeweave.plan.costs import Cluster
 from pipeweave.plan.efficiency import A100_CALIBRATED, calibrate
 from pipeweave.plan.evaluate import Evaluator, Result

@@ -39,7 +39,7 @@ from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.report.trace import summarize
-from pipeweave.runtime.run.plan import build_schedule, prepare
+from pipeweave.runtime.run.prepare import build_schedule, prepare
 
 HIDDEN, LAYERS, BATCH, T = 256, 8, 256, 8
 OURS = (("1f1b", None), ("zb-h1", None), ("gpipe", None), ("zb-h2", None), ("interleaved-1f1b", 2), ("zb-v", None))

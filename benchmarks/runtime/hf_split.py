@@ -35,7 +35,7 @@ from pipeweave.runtime.report.trace import summarize
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.plan import build_schedule, prepare
+from pipeweave.runtime.run.prepare import build_schedule, prepare
 
 CONFIG = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 256, "n_positions": 64, "resid_pdrop": 0.0,
           "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False, "tie_word_embeddings": False}

@@ -41,7 +41,7 @@ from pipeweave.runtime.nonfinite import LossAgreement
 from pipeweave.runtime.process import device_for
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.milestones import rank_microbatches
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 from pipeweave.runtime.run.workers import build_workers
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.schedule import lower

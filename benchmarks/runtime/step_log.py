@@ -24,7 +24,7 @@ import torch.distributed as dist
 from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.run.config import TrainConfig
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 from pipeweave.runtime.run.step_log import StepLog
 
 

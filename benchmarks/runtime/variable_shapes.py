@@ -30,7 +30,7 @@ from pipeweave.runtime.report.trace import measured_steps, step_times
 from pipeweave.runtime.run.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 
 GPT = ModelSpec(kind="gpt", layers=4, hidden=128, heads=4, seq_len=64)
 LENGTHS = {"fixed": None, "meta": GPT.seq_len, "varying": GPT.seq_len // 4}

@@ -11,7 +11,7 @@ import pytest
 from pipeweave.commands import partition as command
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts
-from pipeweave.runtime.run.plan import layer_ranges, prepare
+from pipeweave.runtime.run.prepare import layer_ranges, prepare
 
 
 def main(argv: list[str]) -> int:

@@ -13,7 +13,7 @@ import pytest
 
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import run_plain
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 

@@ -10,7 +10,7 @@ from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.lazy import run_rank_recording_builds
 from pipeweave.runtime.plain import run_plain
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]

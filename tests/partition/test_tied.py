@@ -16,7 +16,7 @@ from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.walk import build_workers, run_step
 from pipeweave.runtime.stage.tied import TiedGradients
 from pipeweave.schedule import SCHEDULES, generate
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 from config_defaults import train_config
 
 TEXT = b"a tied embedding and head share one matrix; " * 30

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeweave.plan.config import Config
+from pipeweave.plan.candidate import Config
 from pipeweave.plan.costs import Cluster, block_times, hop_time, part_times
 from pipeweave.plan.efficiency import Efficiency
 from pipeweave.plan.evaluate import Evaluator

@@ -12,7 +12,7 @@ import pytest
 from pipeweave.cli import main
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts
-from pipeweave.plan.config import Config
+from pipeweave.plan.candidate import Config
 from pipeweave.plan.costs import Cluster, activation_bytes, block_times, head_times
 from pipeweave.plan.efficiency import A100_CALIBRATED
 from pipeweave.plan.evaluate import Evaluator

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from pipeweave.models.build import build_layers
 from pipeweave.models.spec import loss_fn
 from pipeweave.runtime.reference import run_reference
-from pipeweave.runtime.run.plan import build_schedule, optimizer_factory
+from pipeweave.runtime.run.prepare import build_schedule, optimizer_factory
 
 
 @pytest.fixture(scope="module")

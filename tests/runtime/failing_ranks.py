@@ -30,7 +30,7 @@ from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
 
 

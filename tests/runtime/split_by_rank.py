@@ -97,7 +97,7 @@ if __name__ == "__main__":  # a user's torchrun script: the group first, so rank
     from pipeweave.config import TrainConfig
     from pipeweave.runtime.run.job import run_rank
     from pipeweave.runtime.run.launch import launch
-    from pipeweave.runtime.run.plan import prepare
+    from pipeweave.runtime.run.prepare import prepare
 
     dist.init_process_group("gloo")
     config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4, steps=2, optimizer="sgd",

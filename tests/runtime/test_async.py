@@ -44,7 +44,7 @@ from pipeweave.schedule import SCHEDULES, generate
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.versions import read_versions, weight_copies
-from pipeweave.runtime.run.plan import build_schedule, learning_rates, optimizer_factory, prepare
+from pipeweave.runtime.run.prepare import build_schedule, learning_rates, optimizer_factory, prepare
 from pipeweave.weights.prediction import update_direction
 from config_defaults import train_config
 

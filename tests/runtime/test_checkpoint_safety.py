@@ -35,7 +35,7 @@ from pipeweave.runtime.run import checkpoint_files
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.plan import optimizer_factory, prepare
+from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.save_lock import LOCK, owner_of
 from config_defaults import train_config

@@ -40,7 +40,7 @@ from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.run.plan import optimizer_factory, prepare
+from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from config_defaults import train_config
 
 FILE = Path(__file__).resolve().parent.parent / "models" / "tiny_custom.py"
@@ -291,7 +291,7 @@ def test_train_cli_trains_a_model_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ["pipeweave.models.custom", "pipeweave.models.randomness", "pipeweave.data.dataset",
                                   "pipeweave.runtime.transport.message", "pipeweave.models.precision",
                                   "pipeweave.runtime.stream", "pipeweave.config.train",
-                                  "pipeweave.runtime.run.plan"])
+                                  "pipeweave.runtime.run.prepare"])
 def test_examples(name: str) -> None:
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

@@ -26,7 +26,7 @@ from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.runtime.reference import run_reference
 from pipeweave.schedule import SCHEDULES, ScheduleError
-from pipeweave.runtime.run.plan import build_schedule, optimizer_factory, prepare
+from pipeweave.runtime.run.prepare import build_schedule, optimizer_factory, prepare
 from pipeweave.runtime.run.sizes import microbatch_sizes
 from config_defaults import train_config
 

@@ -26,7 +26,7 @@ from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.schedule import SCHEDULES, ScheduleError
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]

@@ -16,7 +16,7 @@ from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.stage.lr_schedule import MIN_RATIO, LrSchedule
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.stage.post_validation import PostValidation
-from pipeweave.runtime.run.plan import learning_rates, optimizer_factory, prepare
+from pipeweave.runtime.run.prepare import learning_rates, optimizer_factory, prepare
 from config_defaults import train_config
 
 

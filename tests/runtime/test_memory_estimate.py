@@ -24,7 +24,7 @@ from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.run.memory import MemoryEstimate, check_memory, estimate_memory, ranks_here
 from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 from config_defaults import train_config
 
 FACTOR = 1.1

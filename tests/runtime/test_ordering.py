@@ -38,7 +38,7 @@ from pipeweave.runtime.run.workers import build_workers
 from pipeweave.runtime.reference import run_reference
 from pipeweave.schedule import SCHEDULES, ScheduleError, generate, lower
 from pipeweave.schedule.ir import Op
-from pipeweave.runtime.run.plan import optimizer_factory, prepare
+from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.runtime.run.sizes import microbatch_sizes
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.transport.mesh import Mesh, replica_rank_sets

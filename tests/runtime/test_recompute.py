@@ -24,7 +24,7 @@ from pipeweave.runtime.reference import run_reference
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule import generate

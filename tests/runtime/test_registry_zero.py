@@ -1,4 +1,4 @@
-"""``ScheduleInfo.zero`` says what the run's ZeRO check (``runtime.run.plan``) accepts, for every schedule."""
+"""``ScheduleInfo.zero`` says what the run's ZeRO check (``runtime.run.prepare``) accepts, for every schedule."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from pipeweave.errors import UserError
 from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.plan import _check_zero
+from pipeweave.runtime.run.prepare import _check_zero
 from pipeweave.schedule import SCHEDULES, generate
 from pipeweave.schedule.data_parallel import data_parallel
 

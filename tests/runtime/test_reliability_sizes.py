@@ -20,7 +20,7 @@ from pipeweave.schedule import SCHEDULES, generate
 from config_defaults import train_config
 
 T = ["train", "--model", "mlp", "--layers", "4", "--hidden", "32", "--batch", "16", "--steps", "1", "--quiet"]
-NOTHING_BUILT = ("pipeweave.runtime.run.plan.generate", "pipeweave.runtime.run.launch._spawn",
+NOTHING_BUILT = ("pipeweave.runtime.run.prepare.generate", "pipeweave.runtime.run.launch._spawn",
                  "pipeweave.commands.profiled.profile_model")
 
 

@@ -24,7 +24,7 @@ from pipeweave.errors import UserError
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.job import run_rank
-from pipeweave.runtime.run.plan import optimizer_factory, prepare
+from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.schedule import Action, Op
 
 HAND_WRITTEN = ("0F0,0F1,0F2,0B0,0F3,0B1,0B2,0B3\n"

@@ -21,7 +21,7 @@ from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.schedule import ScheduleError
-from pipeweave.runtime.run.plan import build_schedule, layer_ranges, optimizer_factory, prepare
+from pipeweave.runtime.run.prepare import build_schedule, layer_ranges, optimizer_factory, prepare
 from pipeweave.runtime.run.sizes import largest_message_bytes
 from config_defaults import train_config
 

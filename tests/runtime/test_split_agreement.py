@@ -29,7 +29,7 @@ from pipeweave.runtime.run.agreement import rank0_decides
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]

@@ -31,7 +31,7 @@ from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.record import RunRecord
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 from config_defaults import train_config
 
 MODELS = Path(__file__).resolve().parent.parent / "models"

@@ -1,4 +1,4 @@
-"""Memory levers in training (schedule.stash, runtime.stage.stash): offload to a memory-mapped file on CPU
+"""Memory levers in training (schedule.levers, runtime.stage.levers): offload to a memory-mapped file on CPU
 leaves losses and final parameters bitwise those of the same run without it (and plain training's within the
 float32 tolerance of tests/runtime/test_distributed.py); bf16-compressed activations stay within a stated bound."""
 
@@ -15,7 +15,7 @@ from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import lowered, run_rank
 from pipeweave.schedule.ir import Op
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.plan import optimizer_factory, prepare
+from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
 from config_defaults import train_config
 

@@ -24,7 +24,7 @@ from pipeweave.models import ModelSpec
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.plan import prepare
+from pipeweave.runtime.run.prepare import prepare
 from pipeweave.runtime.context import RankContext
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]

@@ -43,12 +43,12 @@ from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.stage.policy import PolicyOptions
 from pipeweave.runtime.reference import run_stream_reference
-from pipeweave.runtime.run.plan import stream_rates
+from pipeweave.runtime.run.prepare import stream_rates
 from pipeweave.schedule import SCHEDULES, Schedule
 from pipeweave.schedule.ir import Op
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.versions import read_versions, staleness, weight_copies
-from pipeweave.runtime.run.plan import build_schedule, optimizer_factory, prepare, stream_schedules
+from pipeweave.runtime.run.prepare import build_schedule, optimizer_factory, prepare, stream_schedules
 from config_defaults import train_config
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.distributed, pytest.mark.timeout(240)]

@@ -35,7 +35,7 @@ from pipeweave.models import ModelSpec
 from pipeweave.runtime.reference import run_reference, run_stream_reference
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.plan import optimizer_factory, prepare, stream_schedules
+from pipeweave.runtime.run.prepare import optimizer_factory, prepare, stream_schedules
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stage.tied import tied_groups
 from pipeweave.schedule import generate

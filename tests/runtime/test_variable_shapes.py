@@ -23,7 +23,7 @@ from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.plan import optimizer_factory, prepare
+from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.runtime.report.trace import microbatch_factors
 from pipeweave.runtime.run.record import RunRecord
 from config_defaults import train_config

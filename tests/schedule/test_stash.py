@@ -1,4 +1,4 @@
-"""Memory actions (schedule.stash): lowering, BPipe's shares, the validator."""
+"""Memory actions (schedule.levers): lowering, BPipe's shares, the validator."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from pipeweave.schedule import generate
 from pipeweave.schedule.ir import Action, Op
-from pipeweave.schedule.stash import (Stash, StashPlan, check_stash, evicted_shares, parse_offload, partner,
+from pipeweave.schedule.levers import (Stash, StashPlan, check_stash, evicted_shares, parse_offload, partner,
                                       plan_stash)
 from pipeweave.schedule.validate import InvalidSchedule
 from pipeweave.errors import UserError

@@ -54,8 +54,8 @@ def test_simulate_refuses_auto_in_one_line(capsys: pytest.CaptureFixture[str]) -
 def test_the_replay_is_counted_with_the_memory_levers_too() -> None:
     """``simulate_levers`` times the peaks by its own events: with no lever it finds the plain simulator's peaks,
     and a backward's replay is on top there too (1F1B, D = 2, full recomputation keeping 0.1 of M_a)."""
-    from pipeweave.schedule.stash import StashPlan
-    from pipeweave.sim.stash import simulate_levers
+    from pipeweave.schedule.levers import StashPlan
+    from pipeweave.sim.levers import simulate_levers
 
     schedule = generate("1f1b", num_stages=2, num_microbatches=4)
     cost = CostModel(recompute="full", kept_full=0.1)

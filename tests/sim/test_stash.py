@@ -1,4 +1,4 @@
-"""Memory actions in the simulator (sim.stash): both engines equal, peaks, the copy times."""
+"""Memory actions in the simulator (sim.levers): both engines equal, peaks, the copy times."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 from pipeweave.schedule import generate
 from pipeweave.schedule.ir import Op
-from pipeweave.schedule.stash import StashPlan
+from pipeweave.schedule.levers import StashPlan
 from pipeweave.sim import CostModel, compute_metrics, simulate
-from pipeweave.sim.stash import simulate_stash, stash_costs, stash_events, stash_peaks
+from pipeweave.sim.levers import simulate_stash, stash_costs, stash_events, stash_peaks
 
 PLANS = (StashPlan(offload=frozenset({0, 1})), StashPlan(balance=True), StashPlan(offload=frozenset({1}), balance=True),
          StashPlan(compress="bf16"))
@@ -75,7 +75,7 @@ def test_simulate_json_gives_peak_activations_with_the_levers_and_the_trace_show
     out = subprocess.run([sys.executable, "-m", "pipeweave.cli", "simulate", "--balance-activations", "--offload", "3",
                           "--json", "--trace", str(trace)], capture_output=True, text=True, check=True).stdout
     data = json.loads(out)
-    # The pairs' peaks meet (sim.stash.balanced_shares): rank 0 lends 3/7 of each microbatch, rank 1 1/5.
+    # The pairs' peaks meet (sim.levers.balanced_shares): rank 0 lends 3/7 of each microbatch, rank 1 1/5.
     assert data["memory_levers"]["moved_share"][:2] == [0.428571, 0.2]
     assert max(data["peak_activations"]) < 2.75
     names = {e["cat"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
@@ -83,7 +83,7 @@ def test_simulate_json_gives_peak_activations_with_the_levers_and_the_trace_show
 
 
 def test_the_memory_partitioner_sees_what_the_levers_leave_each_rank():
-    from pipeweave.sim.stash import levered_activations
+    from pipeweave.sim.levers import levered_activations
 
     s = generate("1f1b", num_stages=4, num_microbatches=8)
     plain = (4.0, 3.0, 2.0, 1.0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pipeweave.commands.partition import add_model_arguments
+from pipeweave.commands.model_options import add_model_arguments
 
 
 # An argparse declaration, kept as one list of options (exempt from the 60-line rule for functions).

@@ -15,7 +15,8 @@ from typing import Any
 
 from pipeweave.commands.compare_output import emit
 from pipeweave.commands.compare_table import LITERATURE, choose, parse_memory_limit, recommend
-from pipeweave.commands.partition import model_spec, part_costs
+from pipeweave.commands.model_options import model_spec
+from pipeweave.commands.partition import part_costs
 from pipeweave.commands.simulate import add_parser as add_simulate_parser
 from pipeweave.commands.simulate import simulated
 from pipeweave.commands.simulate_report import evaluate

@@ -180,7 +180,7 @@ def layout_from_args(args: argparse.Namespace, *, num_ranks: int) -> Layout:
 
 
 def _check_sequence_parallel(args: argparse.Namespace) -> None:
-    """What ``pipeweave train`` refuses with ``--sequence-parallel`` (``runtime.run.plan``), where it applies to
+    """What ``pipeweave train`` refuses with ``--sequence-parallel`` (``runtime.run.prepare``), where it applies to
     a simulated model: no tensor parallelism, ZeRO, tied embeddings (the sequence length and the model kind are
     not known here)."""
     if args.tensor_parallel == 1:

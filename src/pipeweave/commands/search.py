@@ -11,14 +11,14 @@ from typing import Any
 from pipeweave.commands.recompute_options import AUTO, add_recompute_cost_arguments, recompute_costs
 from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, has_report,
                                               layout_from_args, layout_report, model_bytes)
-from pipeweave.commands.stash_options import add_stash_arguments, stash_plan
+from pipeweave.commands.lever_options import add_stash_arguments, stash_plan
 from pipeweave.errors import UserError
-from pipeweave.schedule.stash import DEFAULT_BANDWIDTH
+from pipeweave.schedule.levers import DEFAULT_BANDWIDTH
 from pipeweave.host import available_memory
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.parallel import Layout, layout_times, simulate_layout
-from pipeweave.sim.stash import simulate_levers
+from pipeweave.sim.levers import simulate_levers
 from pipeweave.sim.recompute import spelled
 from pipeweave.sim.traffic import ModelBytes
 
@@ -150,7 +150,7 @@ def _problem(args: argparse.Namespace, f: float, b: float, w: float, comm: float
 
 
 def _levered(args: argparse.Namespace, schedule: Any, cost: CostModel, levers: Any) -> dict[str, Any]:
-    """The found schedule with the memory levers applied (``sim.stash``): its makespan, peaks and levers."""
+    """The found schedule with the memory levers applied (``sim.levers``): its makespan, peaks and levers."""
     if not levers.active:
         return {}
     costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)

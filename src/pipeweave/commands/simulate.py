@@ -19,14 +19,14 @@ from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_ar
                                               layout_report, model_bytes)
 from pipeweave.commands.simulate_report import as_json, print_report
 from pipeweave.commands.recompute_options import add_recompute_cost_arguments, recompute_costs
-from pipeweave.commands.stash_options import add_stash_arguments, stash_plan
+from pipeweave.commands.lever_options import add_stash_arguments, stash_plan
 from pipeweave.commands.units import check_cost_flags, parse_values
 from pipeweave.errors import UserError
 from pipeweave.schedule import InvalidSchedule, Schedule, generate, read_csv, write_csv
 from pipeweave.schedule.registry import SCHEDULES, ScheduleInfo, tied_streams
 from pipeweave.sim import CostModel, Metrics, compute_metrics, simulate
 from pipeweave.sim.parallel import simulate_layout
-from pipeweave.sim.stash import simulate_levers
+from pipeweave.sim.levers import simulate_levers
 from pipeweave.sim.validation import check
 from pipeweave.sim.textline import format_timeline
 from pipeweave.sim.timeline import BYTES_PER_ACTION

@@ -29,7 +29,7 @@ from pipeweave.runtime.process import under_torchrun
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, exit_torchrun_rank, launch
 from pipeweave.runtime.run.memory import check_memory, estimate_memory
-from pipeweave.runtime.run.plan import AlreadyTrained, RunPlan, prepare, resolve_auto
+from pipeweave.runtime.run.prepare import AlreadyTrained, RunPlan, prepare, resolve_auto
 from pipeweave.runtime.run.resolve import resolve
 from pipeweave.runtime.run.save_lock import save_lock
 from pipeweave.runtime.run.sizes import largest_message_bytes

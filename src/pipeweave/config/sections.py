@@ -145,7 +145,7 @@ def _recompute(value: str | bool, flag: str) -> None:
 
 
 def _offload(value: str, flag: str) -> None:
-    from pipeweave.schedule.stash import parse_offload
+    from pipeweave.schedule.levers import parse_offload
 
     if value not in ("all", "none", AUTO):
         parse_offload(value, 1 << 30)  # numbers; the run's plan checks them against the schedule's parts

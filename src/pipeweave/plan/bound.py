@@ -19,7 +19,7 @@ skip most of the space and still return the exact best configurations.
 
 from __future__ import annotations
 
-from pipeweave.plan.config import Config
+from pipeweave.plan.candidate import Config
 from pipeweave.plan.evaluate import Evaluator
 from pipeweave.plan.memory import ALLOWANCE_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
 from pipeweave.schedule.registry import SCHEDULES, PlacementKind

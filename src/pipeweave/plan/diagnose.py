@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 
 from pipeweave.errors import UserError
-from pipeweave.plan.config import Config
+from pipeweave.plan.candidate import Config
 from pipeweave.plan.costs import Cluster
 from pipeweave.plan.memory import GIB
 from pipeweave.plan.profiled import ProfiledModel

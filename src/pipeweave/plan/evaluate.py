@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipeweave.plan.config import Config
+from pipeweave.plan.candidate import Config
 from pipeweave.plan.costs import Cluster, block_times, hop_time, part_times, transformer
 from pipeweave.plan.flops import step_flops
 from pipeweave.plan.memory import GPUMemory, block_activation_bytes, gpu_memory

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeweave.plan.config import Config
+from pipeweave.plan.candidate import Config
 from pipeweave.plan.evaluate import Evaluator
 from pipeweave.plan.memory import PARAM_BYTES, GPUMemory, fullest_gpu
 from pipeweave.plan.pipeline import Times

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pipeweave.plan.config import Config
+from pipeweave.plan.candidate import Config
 from pipeweave.plan.costs import Cluster, transformer
 from pipeweave.plan.critical import Path, critical_path
 from pipeweave.plan.activations import Profile, activation_profile, peaks

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pipeweave.plan.bound import memory_bound, time_bound
-from pipeweave.plan.config import Config
+from pipeweave.plan.candidate import Config
 from pipeweave.plan.evaluate import Evaluator, Result
 
 Progress = Callable[[int, int], None]

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pipeweave.errors import UserError
-from pipeweave.plan.config import Config
+from pipeweave.plan.candidate import Config
 from pipeweave.sim.recompute import RECOMPUTE
 from pipeweave.plan.profiled import Model
 from pipeweave.schedule.registry import SCHEDULES, PlacementKind

@@ -36,7 +36,7 @@ from pipeweave.runtime.transport.p2p import P2P
 from pipeweave.runtime.transport.partner import PartnerLink
 from pipeweave.runtime.stage.worker import Combine, StageWorker
 from pipeweave.runtime.stage.policy import RankPolicy
-from pipeweave.runtime.stage.stash import Packed, host_store, stash_away, stash_back
+from pipeweave.runtime.stage.levers import Packed, host_store, stash_away, stash_back
 from pipeweave.runtime.stage.tied import TiedGradients, tied_groups
 from pipeweave.runtime.stage.tied_stream import StreamTies
 from pipeweave.schedule.grid import format_rows
@@ -305,9 +305,9 @@ class Executor:
         skip = self.skip_nonfinite and not math.isfinite(cast(LossAgreement, self.agreement).total())
         self.workers[a.stage].update(skip=skip, combine=self.combine.get(a.stage))
 
-    # ---- memory (schedule.stash) ---------------------------------------------
+    # ---- memory (schedule.levers) ---------------------------------------------
     def _offload_store(self) -> Any:
-        """Where this rank offloads (``stage.stash.host_store``), None without OFFLOAD; the stages that move
+        """Where this rank offloads (``stage.levers.host_store``), None without OFFLOAD; the stages that move
         activations keep what autograd saves."""
         self._away: dict[tuple[int, int], Packed] = {}  # moved away: how to rebuild it
         self._kept: dict[tuple[int, int], int | None] = {}  # BPipe: the meter key of what an EVICT kept here

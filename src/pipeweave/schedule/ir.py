@@ -53,7 +53,7 @@ class Op(str, enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"  # input gradient to the previous stage
     RECV_B = "RECV_B"
-    # Memory actions, lowered by ``schedule.stash`` (like sends, never in a compute schedule):
+    # Memory actions, lowered by ``schedule.levers`` (like sends, never in a compute schedule):
     OFFLOAD = "OFFLOAD"  # a microbatch's saved activations to host memory (after its F)
     RELOAD = "RELOAD"  # ... and back (before its backward)
     EVICT = "EVICT"  # BPipe: a share of them to the partner rank
@@ -69,7 +69,7 @@ class Op(str, enum.Enum):
 
     @property
     def is_memory(self) -> bool:
-        """OFFLOAD, RELOAD, EVICT or LOAD: saved activations moved away and back (``schedule.stash``)."""
+        """OFFLOAD, RELOAD, EVICT or LOAD: saved activations moved away and back (``schedule.levers``)."""
         return self in _MEMORY
 
     @property

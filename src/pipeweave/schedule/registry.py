@@ -58,7 +58,7 @@ class DataParallel(str, enum.Enum):
     gradients are summed before its ``U`` (an all-reduce over ``dp``). Every synchronous schedule."""
     ASYNCHRONOUS = "asynchronous"
     """P copies of the stream, one per data-parallel rank; each ``U`` sums its replicas' gradients first
-    (PipeDream's hybrid, ``runtime.run.plan``)."""
+    (PipeDream's hybrid, ``runtime.run.prepare``)."""
     NONE = "none"
     """``--data-parallel`` is refused (the other streams: only PipeDream's policies are run with replicas)."""
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeweave.schedule.ir import Action, Schedule, WeightPolicy, append_updates
-from pipeweave.schedule.stash import StashPlan
+from pipeweave.schedule.levers import StashPlan
 from pipeweave.schedule.validate import InvalidSchedule, validate
 from pipeweave.search.problem import MEMORY_EPS, Problem
 from pipeweave.sim.metrics import Metrics, compute_metrics
-from pipeweave.sim.stash import simulate_levers
+from pipeweave.sim.levers import simulate_levers
 from pipeweave.sim.timeline import simulate
 
 
@@ -72,7 +72,7 @@ class SearchResult:
 
 def simulated_metrics(problem: Problem, schedule: Schedule) -> Metrics:
     """``schedule``'s simulated metrics under ``problem``'s costs, its offloaded parts' copies and peaks
-    included (``sim.stash``)."""
+    included (``sim.levers``)."""
     if not problem.offload:
         return compute_metrics(simulate(schedule, problem.cost, check=False))
     costs = problem.cost.for_parts(num_parts=problem.num_parts, num_ranks=problem.num_ranks)

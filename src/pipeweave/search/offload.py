@@ -1,6 +1,6 @@
 """Activation offload per part chosen jointly with the zero-bubble schedule under a memory limit.
 
-Offloading a part (``schedule.stash``: its saved activations to host memory
+Offloading a part (``schedule.levers``: its saved activations to host memory
 after F, back before I) frees the memory of its microbatches in flight, so its
 rank may warm up deeper (fewer bubbles), at the price of a copy of its M_a at
 the host bandwidth added to its F and its I (``Problem.offload``). Under the
@@ -10,7 +10,7 @@ the first k ranks) and, in a V, of parts (its first k chunks); the best of them 
 at a time while that shortens the step (in a V the best sets are less regular):
 a few D heuristic runs instead of the 2^(parts) sets. The heuristic
 (``search.heuristic``) schedules each set; the schedule is then simulated with
-its memory actions (``sim.stash.simulate_levers``), and the shortest step whose
+its memory actions (``sim.levers.simulate_levers``), and the shortest step whose
 simulated peaks stay within the limit wins, the fewer offloaded parts on a tie. tests/search/test_offload.py compares it with every set on small cases.
 """
 

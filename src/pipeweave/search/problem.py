@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from pipeweave.schedule.ir import Action, Op, Placement, ScheduleError
-from pipeweave.schedule.stash import DEFAULT_BANDWIDTH
+from pipeweave.schedule.levers import DEFAULT_BANDWIDTH
 from pipeweave.sim.cost import CostModel, PartCosts
 
 # Tolerance of memory comparisons: limits are sums of floats such as 0.5 x 8.
@@ -43,9 +43,9 @@ class Problem:
     memory_limit: float = 1.0
     """K: per-rank activation limit as a multiple of the 1F1B peak D x M_a (``math.inf``: none)."""
     offload: frozenset[int] = frozenset()
-    """Parts whose saved activations go to host memory after F and come back before I (``schedule.stash``):
+    """Parts whose saved activations go to host memory after F and come back before I (``schedule.levers``):
     such a part holds M_a only while its F or I runs, and M_W from I to W; its F and I each take the copy
-    of its M_a at ``host_bandwidth`` on top, as the simulator charges them (``sim.stash``)."""
+    of its M_a at ``host_bandwidth`` on top, as the simulator charges them (``sim.levers``)."""
     host_bandwidth: float = DEFAULT_BANDWIDTH
     """Units of M_a the offload copies move per unit of time."""
     placement: Placement = field(init=False, repr=False, compare=False)
@@ -147,7 +147,7 @@ class Problem:
 
 
 def _with_copies(costs: PartCosts, offload: frozenset[int], bandwidth: float) -> PartCosts:
-    """``costs`` with each offloaded part's F and I lengthened by the copy of its M_a (``sim.stash.stash_extra``)."""
+    """``costs`` with each offloaded part's F and I lengthened by the copy of its M_a (``sim.levers.stash_extra``)."""
     if not offload:
         return costs
     copy = [costs.activation[s] / bandwidth if s in offload else 0.0 for s in range(len(costs.f))]

@@ -29,7 +29,7 @@ COLOURS = {
     Op.I: (0.35, 0.70, 0.70),
     Op.W: (0.55, 0.40, 0.75),
     Op.U: (0.80, 0.20, 0.20),
-    # Memory actions (schedule.stash): warm greys-browns, apart from the compute colours.
+    # Memory actions (schedule.levers): warm greys-browns, apart from the compute colours.
     Op.OFFLOAD: (0.85, 0.60, 0.25),
     Op.RELOAD: (0.95, 0.80, 0.45),
     Op.EVICT: (0.60, 0.45, 0.35),

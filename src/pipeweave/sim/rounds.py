@@ -74,7 +74,7 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
         min_per_round: when, after 256 rounds, fewer actions than this ran per round, go on one
             action at a time in Python (``_Loop.walk``); inf: after the first 32 rounds.
         extra: per action (in ``arrays``' order), time added to its duration (memory actions folded
-            into their neighbours, ``sim.stash``); U takes none.
+            into their neighbours, ``sim.levers``); U takes none.
         engine: "rounds" (this module), "compiled" (``sim.compiled``'s walk), or "auto": compiled from
             ``COMPILED_FROM`` actions on. All give the same times.
 

@@ -20,7 +20,7 @@ from pipeweave.sim.timeline import Timeline
 
 _NAMES = {Op.F: "forward", Op.B: "backward", Op.I: "input grad", Op.W: "weight grad", Op.OFFLOAD: "offload",
           Op.RELOAD: "reload", Op.EVICT: "evict", Op.LOAD: "load"}
-_LETTERS = {Op.OFFLOAD: "O", Op.RELOAD: "R", Op.EVICT: "E", Op.LOAD: "L"}  # memory actions (schedule.stash)
+_LETTERS = {Op.OFFLOAD: "O", Op.RELOAD: "R", Op.EVICT: "E", Op.LOAD: "L"}  # memory actions (schedule.levers)
 
 
 def chunk_of_stages(schedule: Schedule) -> list[int]:

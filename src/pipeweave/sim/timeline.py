@@ -190,7 +190,7 @@ def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
         fast: the fast engines (``sim.rounds``, ``sim.compiled``; same times bit for bit); False forces the
             reference.
         extra: time added to these actions (the memory actions folded into their F and backward,
-            ``sim.stash``); default none.
+            ``sim.levers``); default none.
 
     Raises:
         InvalidSchedule: the schedule breaks a rule or deadlocks.

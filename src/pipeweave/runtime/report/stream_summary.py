@@ -17,7 +17,7 @@ from typing import Any
 
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.report.trace import measured_summary, profile_costs
-from pipeweave.runtime.run.plan import layer_ranges
+from pipeweave.runtime.run.prepare import layer_ranges
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.sizes import part_weight_bytes
 from pipeweave.runtime.stage.tied import spans_parts

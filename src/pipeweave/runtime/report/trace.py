@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeweave.data import longest_sequence
 from pipeweave.data.corpus import microbatch_lengths
-from pipeweave.runtime.run.plan import segments
+from pipeweave.runtime.run.prepare import segments
 from pipeweave.runtime.run.sizes import microbatch_sizes, step_tokens
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.schedule.ir import Action, Op, Schedule
@@ -27,7 +27,7 @@ from pipeweave.sim.bubble import bubble_metrics
 
 _COMPUTE = {op.value for op in Op if op.is_compute}  # records hold op strings
 _RECV = {op.value for op in Op if op.is_recv}
-_MEMORY = {op.value for op in Op if op.is_memory}  # OFFLOAD, RELOAD, EVICT, LOAD (schedule.stash)
+_MEMORY = {op.value for op in Op if op.is_memory}  # OFFLOAD, RELOAD, EVICT, LOAD (schedule.levers)
 _PER_MICROBATCH = {op.value for op in (Op.F, Op.B, Op.I, Op.W)}  # what a microbatch's length scales
 
 
@@ -148,7 +148,7 @@ def dispatch_time(record: RunRecord) -> float:
 
 def copy_times(schedule: Schedule, record: RunRecord) -> dict[str, dict[str, float]]:
     """Per stage, the mean seconds of each memory action the run measured (its copies' write and read, on the
-    rank's own time: ``runtime.stage.stash``); empty without memory actions."""
+    rank's own time: ``runtime.stage.levers``); empty without memory actions."""
     durations: dict[tuple[int, str], list[float]] = {}
     for rank in record.ranks:
         for k in measured_steps(record.config.training.steps):
@@ -162,7 +162,7 @@ def copy_times(schedule: Schedule, record: RunRecord) -> dict[str, dict[str, flo
 
 
 def copy_extra(schedule: Schedule, copies: dict[str, dict[str, float]]) -> dict[Action, float]:
-    """``copies`` folded into the compute actions as the simulator times them (``sim.stash``): a stage's move
+    """``copies`` folded into the compute actions as the simulator times them (``sim.levers``): a stage's move
     away into its F, its move back into its backward (B or I)."""
     extra: dict[Action, float] = {}
     for row in schedule.actions:

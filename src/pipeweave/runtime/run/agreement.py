@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from pipeweave.errors import RanksDisagree, UserError
-from pipeweave.runtime.run.plan import RunPlan, prepare
+from pipeweave.runtime.run.prepare import RunPlan, prepare
 
 T = TypeVar("T")
 

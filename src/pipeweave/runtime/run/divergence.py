@@ -38,7 +38,7 @@ import torch
 from pipeweave.errors import Diverged
 from pipeweave.runtime.nonfinite import summed_losses
 from pipeweave.runtime.run import checkpoint
-from pipeweave.runtime.run.plan import RunPlan
+from pipeweave.runtime.run.prepare import RunPlan
 from pipeweave.runtime.stage.post_validation import ValidatedOptimizer
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Placement

@@ -29,7 +29,7 @@ from pipeweave.runtime.run.agreement import agreed_plan
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
 from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.plan import RunPlan, learning_rates, offloaded
+from pipeweave.runtime.run.prepare import RunPlan, learning_rates, offloaded
 from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
 from pipeweave.runtime.run.step_log import StepLog
 from pipeweave.runtime.run.stream_job import run_stream_rank
@@ -40,15 +40,15 @@ from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import lower
 from pipeweave.schedule.ir import Op
 from pipeweave.sim.cost import CostModel
-from pipeweave.sim.stash import balanced_shares
+from pipeweave.sim.levers import balanced_shares
 from pipeweave.schedule.lower import LoweredSchedule
-from pipeweave.schedule.stash import Stash, StashPlan, lower_stash, partner, plan_stash
+from pipeweave.schedule.levers import Stash, StashPlan, lower_stash, partner, plan_stash
 from pipeweave.runtime.run.part_memory import part_memory
 from pipeweave.runtime.transport.partner import PartnerLink, pair_groups
 
 
 def lowered(plan: RunPlan) -> tuple[LoweredSchedule, Stash | None]:
-    """The plan's schedule lowered, with its memory actions (``schedule.stash``) where asked."""
+    """The plan's schedule lowered, with its memory actions (``schedule.levers``) where asked."""
     low = lower(plan.schedule)
     config = plan.config
     levers = StashPlan(offload=offloaded(config, plan.schedule), balance=config.memory.balance_activations)

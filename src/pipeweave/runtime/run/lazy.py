@@ -18,7 +18,7 @@ import torch.distributed as dist
 from pipeweave.models import gpt, mlp
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.run.job import run_rank
-from pipeweave.runtime.run.plan import RunPlan
+from pipeweave.runtime.run.prepare import RunPlan
 from pipeweave.runtime.run.record import RunRecord
 
 _FAMILIES = {"mlp": mlp, "gpt": gpt}

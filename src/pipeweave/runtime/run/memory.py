@@ -72,14 +72,14 @@ from pipeweave import host
 from pipeweave.errors import UserError
 from pipeweave.runtime.process import under_torchrun
 from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.plan import RunPlan, offloaded
+from pipeweave.runtime.run.prepare import RunPlan, offloaded
 from pipeweave.runtime.run.part_memory import part_memory, sharded_layers
 from pipeweave.runtime.run.sizes import PROCESS_BYTES, RANK_BYTES_PER_ACTION, SPAWN_BYTES
 from pipeweave.schedule.ir import Op
 from pipeweave.sim.cost import CostModel
-from pipeweave.schedule.stash import StashPlan
+from pipeweave.schedule.levers import StashPlan
 from pipeweave.sim.metrics import held_peaks, version_metrics
-from pipeweave.sim.stash import simulate_levers
+from pipeweave.sim.levers import simulate_levers
 
 OPTIMIZER_STATE = {"sgd": 0, "sgd+momentum": 1, "adamw": 2}
 """Copies of a part's weights its optimizer keeps: SGD's momentum buffer, AdamW's two moments."""
@@ -140,7 +140,7 @@ def levered_activations(config: TrainConfig, schedule: Any, parts: list[Any]) ->
     """Per rank, the peak activation bytes (``held_peaks`` over ``part_memory``'s bytes, compressed ones measured
     so) with the memory levers: an offloaded part (``--offload``) holds a microbatch only while its F or its
     backward runs (on top of the rest, as the backward's own use); BPipe (``--balance-activations``) scales each
-    rank's peak as the simulator's does (``sim.stash``, each part's bytes for M_a, uniform times)."""
+    rank's peak as the simulator's does (``sim.levers``, each part's bytes for M_a, uniform times)."""
     away = offloaded(config, schedule)
     part_of = schedule.placement.stage_part
     held = [0 if k in away else p.held for k, p in enumerate(parts)]

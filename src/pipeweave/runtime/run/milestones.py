@@ -11,7 +11,7 @@ from pipeweave.models import boundary
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.run import checkpoint
-from pipeweave.runtime.run.plan import RunPlan
+from pipeweave.runtime.run.prepare import RunPlan
 from pipeweave.runtime.run.sizes import replica_microbatch_sizes
 from pipeweave.runtime.stage.policy import StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeweave.runtime.run import plan
+from pipeweave.runtime.run import prepare
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.stage.tensor_parallel import gather
 from pipeweave.runtime.stage.shards import gathered
@@ -163,7 +163,7 @@ def close_pauses(record: RunRecord) -> float:
     all events is kept. Returns the seconds taken out.
     """
     removed = 0.0
-    segments = plan.segments(record.config)
+    segments = prepare.segments(record.config)
     for (first, steps), (nxt, _) in zip(segments, segments[1:]):
         end = max((a[4] for r in record.ranks for m in range(first, first + steps) for a in r.records[m]),
                   default=0.0)

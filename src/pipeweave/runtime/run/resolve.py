@@ -24,7 +24,7 @@ from pipeweave.errors import UserError
 from pipeweave.models.hf import is_hf
 from pipeweave.partition import LayerCosts, Partition, partition
 from pipeweave.runtime.profile import profile_model
-from pipeweave.runtime.run.plan import build_schedule, layer_ranges
+from pipeweave.runtime.run.prepare import build_schedule, layer_ranges
 from pipeweave.schedule import SCHEDULES, Schedule
 from pipeweave.sim.recompute import spelled
 

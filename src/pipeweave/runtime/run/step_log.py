@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeweave.runtime.run.plan import RunPlan
+from pipeweave.runtime.run.prepare import RunPlan
 from pipeweave.runtime.run.sizes import step_tokens
 from pipeweave.runtime.stage.lr_schedule import LrSchedule
 from pipeweave.runtime.context import RankContext

@@ -29,7 +29,7 @@ from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.process import device_for
 from pipeweave.runtime.run.job import executor_of, lowered
-from pipeweave.runtime.run.plan import learning_rates, prepare
+from pipeweave.runtime.run.prepare import learning_rates, prepare
 from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.stage.lr_schedule import set_lr
 

@@ -18,7 +18,7 @@ from pipeweave.runtime.executor import Executor, Record
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones
-from pipeweave.runtime.run.plan import RunPlan, stream_rates
+from pipeweave.runtime.run.prepare import RunPlan, stream_rates
 from pipeweave.runtime.run.record import (RankRecord, RunRecord, close_pauses, final_parameters, gather_run,
                                           seconds_since)
 from pipeweave.runtime.run.sizes import replica_microbatch_sizes

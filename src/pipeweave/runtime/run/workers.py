@@ -30,7 +30,7 @@ import torch
 
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.replicas import shard_replica
-from pipeweave.runtime.run.plan import RunPlan, optimizer_factory
+from pipeweave.runtime.run.prepare import RunPlan, optimizer_factory
 from pipeweave.runtime.stage import build
 from pipeweave.runtime.stage.build import Stage, StageOptions
 from pipeweave.runtime.stage.post_validation import validated_optimizer

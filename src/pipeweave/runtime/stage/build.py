@@ -177,7 +177,7 @@ def place(stage: Stage, options: StageOptions) -> None:
 
 def apply_memory_levers(stage: Stage, options: StageOptions) -> None:
     """Saved tensors compressed from F to the backward, and/or kept per microbatch where memory actions move
-    them (OFFLOAD, BPipe's EVICT: ``stage.stash``)."""
+    them (OFFLOAD, BPipe's EVICT: ``stage.levers``)."""
     stage.compress, stage.stashing = options.compress, options.stashing
 
 

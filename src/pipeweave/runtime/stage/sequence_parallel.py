@@ -24,7 +24,7 @@ shard from F to its backward and all-gathers it again there, as Megatron-LM
 does (``gathered_linear``). Every collective is on the input gradient's path
 (``I``, or ``B``): ``W`` takes the input gathered in ``I`` and stays local
 work on the shard. The gpt has no dropout, so no random mask is split (other
-models are refused: ``runtime.run.plan``).
+models are refused: ``runtime.run.prepare``).
 
 Example (on each rank of a group of 2, ``x`` of shape ``(batch, seq, hidden)``)::
 

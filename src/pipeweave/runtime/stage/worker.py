@@ -87,7 +87,7 @@ from pipeweave.models.randomness import is_keyed, run_keyed
 from pipeweave.models.spec import ModelSpec, loss_fn
 from pipeweave.runtime.stage.build import OptimizerFactory, Sealed, Stage, build_stage, sgd, stage_options
 from pipeweave.runtime.stage.memory import Metered, own, unpack
-from pipeweave.runtime.stage.stash import stash_hooks
+from pipeweave.runtime.stage.levers import stash_hooks
 from pipeweave.runtime.stage.tensor_parallel import TensorParallel
 
 __all__ = ["Combine", "OptimizerFactory", "StageWorker", "sgd"]
@@ -105,7 +105,7 @@ class _Microbatch:
     target: Boundary | None
     keys: list[int | None]
     step: int  # steps done at F: a replay draws F's random numbers
-    held: list[Any] | None = None  # what autograd saved (stage.memory._Held), when the stage stashes (stage.stash)
+    held: list[Any] | None = None  # what autograd saved (stage.memory._Held), when the stage stashes (stage.levers)
 
 
 class StageWorker(Sealed, Metered):
@@ -127,7 +127,7 @@ class StageWorker(Sealed, Metered):
             (``stage.tensor_parallel``, by the model's plan); every rank of the group runs the same
             actions on its shard.
         compress: saved tensors kept in bfloat16 from F to the backward; ``stashing``: kept per microbatch
-            (memory actions move them: ``stage.stash``); ``steps_done``: updates done before (a resumed run).
+            (memory actions move them: ``stage.levers``); ``steps_done``: updates done before (a resumed run).
 
     Raises:
         UserError: an empty or non-consecutive layer range, or batch_size < 1.
@@ -188,7 +188,7 @@ class StageWorker(Sealed, Metered):
         self.keyed, self.device = is_keyed(options.spec), options.device
         self.precision = precision_check(options.precision)
         self._buffers = list(self.module.buffers())  # running statistics, left as F left them by a replay
-        # Saved tensors in bfloat16 from F to the backward; what autograd saves kept per microbatch (stage.stash).
+        # Saved tensors in bfloat16 from F to the backward; what autograd saves kept per microbatch (stage.levers).
         self.compress, self.stashing = stage.compress, stage.stashing
         self._sealed = True
 
@@ -391,7 +391,7 @@ class StageWorker(Sealed, Metered):
 
     # ---- helpers -------------------------------------------------------------
     def _hooks(self, saved: list[Any] | None = None, x: Boundary | None = None) -> Any:
-        if saved is not None or (self.compress and x is not None):  # F, moving or compressing (stage.stash)
+        if saved is not None or (self.compress and x is not None):  # F, moving or compressing (stage.levers)
             return stash_hooks(self.meter, saved, counted=self.track_memory,
                                compress_except=None if not self.compress or x is None else tensors(x))
         if not self.track_memory:

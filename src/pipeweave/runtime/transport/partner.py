@@ -1,4 +1,4 @@
-"""BPipe's exchange between a rank and its partner D-1-r (``schedule.stash``): bytes lent and taken back.
+"""BPipe's exchange between a rank and its partner D-1-r (``schedule.levers``): bytes lent and taken back.
 
 Kim et al. 2023, "BPipe: Memory-Balanced Pipeline Parallelism for Training Large Language Models".
 
@@ -47,7 +47,7 @@ class PartnerLink:
         self.partner, self.group, self.owner = partner, group, owner
         self.held_now = held_now
         self.share = 0.0
-        """Owning: the share of each microbatch's packed bytes lent (``schedule.stash.evicted_shares``)."""
+        """Owning: the share of each microbatch's packed bytes lent (``schedule.levers.evicted_shares``)."""
         self.lent = 0
         """Serving: bytes held for the owner now."""
         self.peak = 0

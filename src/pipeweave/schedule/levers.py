@@ -33,7 +33,7 @@ from pipeweave.schedule.lower import LoweredSchedule
 from pipeweave.schedule.validate import InvalidSchedule
 
 DEFAULT_BANDWIDTH = 0.25
-"""Units of M_a a memory action moves per unit of time by default (``sim.stash`` says where it comes from)."""
+"""Units of M_a a memory action moves per unit of time by default (``sim.levers`` says where it comes from)."""
 
 COMPRESSIONS = {"bf16": 0.5}
 """Compressed activation formats and the fraction of float32's bytes they keep."""
@@ -134,7 +134,7 @@ def plan_stash(schedule: Schedule, plan: StashPlan, held: Sequence[float] | None
         held: per part, the activation memory a microbatch holds from F to its backward (default 1),
             for BPipe's shares.
         mem_w: the fraction of it still held between I and W.
-        shares: BPipe's share per rank, instead of ``evicted_shares`` (``sim.stash.balanced_shares``).
+        shares: BPipe's share per rank, instead of ``evicted_shares`` (``sim.levers.balanced_shares``).
     """
     held = held if held is not None else (1.0,) * schedule.num_parts
     share = (tuple(shares) if shares is not None else evicted_shares(schedule, plan, held, mem_w)) if plan.balance \

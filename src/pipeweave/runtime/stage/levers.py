@@ -1,4 +1,4 @@
-"""A microbatch's saved activations packed into one flat buffer, moved away and rebuilt (``schedule.stash``).
+"""A microbatch's saved activations packed into one flat buffer, moved away and rebuilt (``schedule.levers``).
 
 After F, everything a stage keeps of a microbatch for its backward -- the
 tensors autograd saved (caught by ``saved_tensors_hooks``, ``stage.memory``)

@@ -1,5 +1,5 @@
 """The memory levers' flags, one spelling on every command: ``--offload``, ``--balance-activations``,
-``--compress-activations`` and the host link's ``--host-bandwidth`` (``schedule.stash``, ``sim.stash``)."""
+``--compress-activations`` and the host link's ``--host-bandwidth`` (``schedule.levers``, ``sim.levers``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from pipeweave.commands.recompute_options import AUTO
 from pipeweave.errors import UserError
-from pipeweave.schedule.stash import COMPRESSIONS, DEFAULT_BANDWIDTH, StashPlan, parse_offload
+from pipeweave.schedule.levers import COMPRESSIONS, DEFAULT_BANDWIDTH, StashPlan, parse_offload
 
 
 def add_stash_arguments(p: argparse.ArgumentParser, *, bandwidth: bool = True, auto: bool = False,
@@ -29,7 +29,7 @@ def add_stash_arguments(p: argparse.ArgumentParser, *, bandwidth: bool = True, a
     if bandwidth:
         g.add_argument("--host-bandwidth", type=float, default=None, metavar="R", help=(
             f"memory actions' link: units of M_a moved per time unit (default {DEFAULT_BANDWIDTH:g}: a GPT layer "
-            "on a 25 GB/s host link, sim/stash.py)"))
+            "on a 25 GB/s host link, sim/levers.py)"))
     if stream:
         g.add_argument("--copy-stream", action="store_true",
                        help="offload's copies on a side stream beside the compute, as on CUDA (pinned memory); "

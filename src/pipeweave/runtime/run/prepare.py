@@ -44,7 +44,7 @@ from pipeweave.runtime.stage.worker import OptimizerFactory
 from pipeweave.runtime.stream import check_stream_model, pipelines_per_round, stream_steps, stream_updates
 from pipeweave.schedule import SCHEDULES, DataParallel, Schedule, generate, validate
 from pipeweave.schedule.data_parallel import data_parallel
-from pipeweave.schedule.stash import parse_offload
+from pipeweave.schedule.levers import parse_offload
 from pipeweave.schedule.stream import concatenate
 
 

@@ -1,4 +1,4 @@
-"""The memory actions (``schedule.stash``) in the simulator: their time over a link, and the peaks they leave.
+"""The memory actions (``schedule.levers``) in the simulator: their time over a link, and the peaks they leave.
 
 Timing. A memory action moves ``share x M_a`` (its part's activation memory,
 compressed if asked) over a link of ``bandwidth`` units of M_a per unit of time.
@@ -7,7 +7,7 @@ memory-mapped file on the compute thread, a send to the partner): an
 ``OFFLOAD``/``EVICT`` lengthens the F before it, a ``RELOAD``/``LOAD`` the
 backward after it, so both engines time them without knowing them
 (``simulate_parts``' ``extra``). With ``copy_stream`` offload's copies run beside
-the compute, as the CUDA runtime's do (``runtime.stage.stash.PinnedStore``: a
+the compute, as the CUDA runtime's do (``runtime.stage.levers.PinnedStore``: a
 side stream): an ``OFFLOAD`` takes nothing from the compute stream, and a
 ``RELOAD``, started as the rank finishes the action before the backward (it is
 prefetched while the rank waits for the gradient), delays the backward only by
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeweave.schedule.ir import Action, Op, Schedule
-from pipeweave.schedule.stash import DEFAULT_BANDWIDTH, Stash, StashPlan, check_stash, plan_stash
+from pipeweave.schedule.levers import DEFAULT_BANDWIDTH, Stash, StashPlan, check_stash, plan_stash
 from pipeweave.sim.cost import CostModel, PartCosts
 from pipeweave.sim.metrics import Metrics, compute_metrics
 from pipeweave.sim.timeline import Event, Timeline, simulate, simulate_parts
