@@ -10,8 +10,15 @@ from typing import Any
 
 from pipeweave.config import ModelSpec, TrainConfig
 
-LIBRARY = {"schedule": "1f1b", "model": ModelSpec(), "batch_size": 8, "steps": 10, "optimizer": "sgd", "lr": 0.1,
-           "momentum": 0.0}
+LIBRARY = {
+    "schedule": "1f1b",
+    "model": ModelSpec(),
+    "batch_size": 8,
+    "steps": 10,
+    "optimizer": "sgd",
+    "lr": 0.1,
+    "momentum": 0.0,
+}
 
 
 def train_config(**flat: Any) -> TrainConfig:

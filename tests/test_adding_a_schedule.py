@@ -9,14 +9,25 @@ import pytest
 import torch
 
 from pipeweave.cli import main
+from pipeweave.config import TrainConfig
 from pipeweave.models import ModelSpec
 from pipeweave.plan.space import Fixed, configurations
 from pipeweave.plan.transformer import Transformer
 from pipeweave.runtime.reference import run_reference
-from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.prepare import prepare
-from pipeweave.schedule import (SCHEDULES, Action, DataParallel, Op, Placement, PlacementKind, Schedule,
-                                ScheduleInfo, format_grid, generate, validate)
+from pipeweave.schedule import (
+    SCHEDULES,
+    Action,
+    DataParallel,
+    Op,
+    Placement,
+    PlacementKind,
+    Schedule,
+    ScheduleInfo,
+    format_grid,
+    generate,
+    validate,
+)
 
 
 def fifo_gpipe(num_stages: int, num_microbatches: int) -> Schedule:
@@ -24,16 +35,28 @@ def fifo_gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 
     Legend: ``sFj`` forward of microbatch j on stage s, ``sBj`` its backward, ``sU0`` the update.
     """
-    rows = [[Action(s, Op.F, j) for j in range(num_microbatches)]
-            + [Action(s, Op.B, j) for j in range(num_microbatches)] + [Action(s, Op.U, 0)]
-            for s in range(num_stages)]
+    rows = [
+        [Action(s, Op.F, j) for j in range(num_microbatches)]
+        + [Action(s, Op.B, j) for j in range(num_microbatches)]
+        + [Action(s, Op.U, 0)]
+        for s in range(num_stages)
+    ]
     return Schedule("fifo-gpipe", Placement.straight(num_stages), num_microbatches, tuple(map(tuple, rows)))
 
 
 ENTRY = ScheduleInfo(
-    name="fifo-gpipe", generator=fifo_gpipe, family="GPipe, backwards first in first out", synchronous=True,
-    bubble="(D-1)/(T+D-1)", activations="T M_a", weights="M_theta", chunks=1,
-    placement=PlacementKind.STRAIGHT, splits_backward=False, data_parallel=DataParallel.SYNCHRONOUS, ties=True,
+    name="fifo-gpipe",
+    generator=fifo_gpipe,
+    family="GPipe, backwards first in first out",
+    synchronous=True,
+    bubble="(D-1)/(T+D-1)",
+    activations="T M_a",
+    weights="M_theta",
+    chunks=1,
+    placement=PlacementKind.STRAIGHT,
+    splits_backward=False,
+    data_parallel=DataParallel.SYNCHRONOUS,
+    ties=True,
 )
 
 GOLDEN_D2_T3 = """\
@@ -75,8 +98,16 @@ def test_the_planner_sizes_it() -> None:
 
 def test_the_runtime_trains_it_as_gpipe() -> None:
     """Backwards in another order sum the same gradients: the losses are GPipe's."""
-    plan = prepare(TrainConfig(schedule="fifo-gpipe", num_stages=2, num_microbatches=4, steps=2,
-                               model=ModelSpec(kind="mlp", layers=4, hidden=8), batch_size=8))
+    plan = prepare(
+        TrainConfig(
+            schedule="fifo-gpipe",
+            num_stages=2,
+            num_microbatches=4,
+            steps=2,
+            model=ModelSpec(kind="mlp", layers=4, hidden=8),
+            batch_size=8,
+        )
+    )
     spec = plan.config.model
     ours = run_reference(plan.schedule, spec, steps=2, batch_size=8)
     gpipe = run_reference(generate("gpipe", num_stages=2, num_microbatches=4), spec, steps=2, batch_size=8)

@@ -16,14 +16,25 @@ from pipeweave.errors import UserError
 
 
 def test_import_lists_the_public_names_and_imports_no_torch() -> None:
-    code = ("import sys, pipeweave; print(pipeweave.__all__); "
-            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    code = (
+        "import sys, pipeweave; print(pipeweave.__all__); "
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     names, heavy = out.splitlines()
     assert names == str(pipeweave.__all__)
     assert heavy == "[]"
-    for name in ("pipeline", "Pipeline", "simulate", "search_schedule", "plan_cluster", "compare", "SCHEDULES",
-                 "ScheduleInfo", "Schedule"):
+    for name in (
+        "pipeline",
+        "Pipeline",
+        "simulate",
+        "search_schedule",
+        "plan_cluster",
+        "compare",
+        "SCHEDULES",
+        "ScheduleInfo",
+        "Schedule",
+    ):
         assert name in pipeweave.__all__
 
 
@@ -32,8 +43,10 @@ def test_every_public_name_resolves_with_a_documented_example(name: str) -> None
     value = getattr(pipeweave, name)
     assert name in dir(pipeweave)
     own = inspect.getdoc(value) if inspect.isclass(value) or inspect.isroutine(value) else None
-    in_package = any(line.lstrip().startswith(">>>") and f"pipeweave.{name}" in line
-                     for line in (pipeweave.__doc__ or "").splitlines())
+    in_package = any(
+        line.lstrip().startswith(">>>") and f"pipeweave.{name}" in line
+        for line in (pipeweave.__doc__ or "").splitlines()
+    )
     # data (the registry) has its example in the package's docstring (run by the doctests too)
     assert (own is not None and ">>>" in own) or in_package, f"pipeweave.{name} has no documented example"
 
@@ -61,15 +74,33 @@ def _printed(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, o
 def test_simulate_is_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     cost = pipeweave.CostModel(f=1.0, b=2.0, w=1.0, comm=0.5)
     sim = pipeweave.simulate("interleaved-1f1b", 2, 4, num_chunks=2, cost=cost)
-    out = _printed(capsys, ["simulate", "-s", "interleaved-1f1b", "-D", "2", "-T", "4", "-v", "2", "--time-b", "2",
-                            "--time-comm", "0.5", "--json"])
+    out = _printed(
+        capsys,
+        [
+            "simulate",
+            "-s",
+            "interleaved-1f1b",
+            "-D",
+            "2",
+            "-T",
+            "4",
+            "-v",
+            "2",
+            "--time-b",
+            "2",
+            "--time-comm",
+            "0.5",
+            "--json",
+        ],
+    )
     assert {k: out[k] for k in sim.metrics.as_dict()} == sim.metrics.as_dict()
 
 
 def test_simulate_searches_under_the_cost(capsys: pytest.CaptureFixture[str]) -> None:
     sim = pipeweave.simulate("zb-auto", 3, 6, cost=pipeweave.CostModel(f=2.0), memory_limit=2.0)
-    out = _printed(capsys, ["simulate", "-s", "zb-auto", "-D", "3", "-T", "6", "--time-f", "2",
-                            "--memory-limit", "2", "--json"])
+    out = _printed(
+        capsys, ["simulate", "-s", "zb-auto", "-D", "3", "-T", "6", "--time-f", "2", "--memory-limit", "2", "--json"]
+    )
     assert out["bubble_ratio"] == sim.metrics.bubble_ratio
     assert out["peak_activations"] == list(sim.metrics.peak_activations)
 
@@ -87,19 +118,23 @@ def test_search_is_the_command(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_is_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     plan = pipeweave.plan_cluster("gpt-1.7b", 16, 32, top=3)
-    out = _printed(capsys, ["plan", "--model", "gpt-1.7b", "--gpus", "16", "--global-batch", "32", "--top", "3",
-                            "--json"])
+    out = _printed(
+        capsys, ["plan", "--model", "gpt-1.7b", "--gpus", "16", "--global-batch", "32", "--top", "3", "--json"]
+    )
     configurations = out["configurations"]
     assert isinstance(configurations, list)
     assert [c["step_time_s"] for c in configurations[:3]] == [r.step_time for r in plan.best[:3]]
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: pipeweave.simulate("nope"), "unknown schedule 'nope'"),
-    (lambda: pipeweave.plan_cluster("gpt-1.7b", 8, 16, pipeline=2), "unknown dimension 'pipeline'"),
-    (lambda: pipeweave.compare(["1f1b"], depth=3), "unknown model option 'depth'"),
-    (lambda: pipeweave.compare(["nope"], model="mlp", layers=4, hidden=8), "nope"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: pipeweave.simulate("nope"), "unknown schedule 'nope'"),
+        (lambda: pipeweave.plan_cluster("gpt-1.7b", 8, 16, pipeline=2), "unknown dimension 'pipeline'"),
+        (lambda: pipeweave.compare(["1f1b"], depth=3), "unknown model option 'depth'"),
+        (lambda: pipeweave.compare(["nope"], model="mlp", layers=4, hidden=8), "nope"),
+    ],
+)
 def test_bad_input_is_one_user_error(call: object, message: str) -> None:
     with pytest.raises(UserError, match=message) as caught:
         call()  # type: ignore[operator]

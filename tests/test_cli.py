@@ -11,8 +11,21 @@ import pytest
 from pipeweave.cli import COMMANDS, main
 from pipeweave.schedule import SCHEDULES
 
-REQUIRED = ("schedule", "stages", "microbatches", "chunks", "makespan", "bubble_ratio", "bubble_ratio_flush",
-            "bubble_overhead", "peak_activations", "weight_versions", "staleness", "valid", "cost")
+REQUIRED = (
+    "schedule",
+    "stages",
+    "microbatches",
+    "chunks",
+    "makespan",
+    "bubble_ratio",
+    "bubble_ratio_flush",
+    "bubble_overhead",
+    "peak_activations",
+    "weight_versions",
+    "staleness",
+    "valid",
+    "cost",
+)
 
 
 def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, object]:
@@ -48,16 +61,20 @@ def test_schedules_lists_every_registry_entry(capsys: pytest.CaptureFixture[str]
 
 def test_schedules_json_says_what_each_supports(capsys: pytest.CaptureFixture[str]) -> None:
     rows = {r["name"]: r for r in _json(capsys, ["schedules", "--json"])["schedules"]}
-    assert (rows["zb-v"]["placement"], rows["zb-v"]["splits_backward"], rows["zb-v"]["searched"]) == \
-        ("v-shape", True, False)
+    assert (rows["zb-v"]["placement"], rows["zb-v"]["splits_backward"], rows["zb-v"]["searched"]) == (
+        "v-shape",
+        True,
+        False,
+    )
     assert (rows["chimera"]["placement"], rows["chimera"]["zero"]) == ("bidirectional", False)
     assert (rows["pipedream"]["data_parallel"], rows["pipemare"]["data_parallel"]) == ("asynchronous", "none")
     assert rows["zb-auto"]["searched"] and rows["ampnet"]["ties"] and not rows["xpipe"]["ties"]
     assert rows["spectrain"]["defaults"] == {"momentum": 0.9} and rows["1f1b"]["defaults"] == {}
 
 
-def test_schedules_sees_entries_added_at_run_time(capsys: pytest.CaptureFixture[str],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_schedules_sees_entries_added_at_run_time(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     info = SCHEDULES["gpipe"]
     monkeypatch.setitem(SCHEDULES, "my-test-schedule", info)
     assert main(["schedules"]) == 0
@@ -82,13 +99,38 @@ def test_simulate_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["bubble_ratio"] == pytest.approx(3 / 15)
     assert data["makespan"] == 3 * 15
     assert data["peak_activations"] == [12.0] * 4
-    assert data["cost"] == {"f": 1.0, "b": 1.0, "w": 1.0, "u": 0.0, "comm": 0.0, "dispatch": 0.0, "mem_w": 0.5,
-                            "recompute": "none"}
+    assert data["cost"] == {
+        "f": 1.0,
+        "b": 1.0,
+        "w": 1.0,
+        "u": 0.0,
+        "comm": 0.0,
+        "dispatch": 0.0,
+        "mem_w": 0.5,
+        "recompute": "none",
+    }
 
 
 def test_simulate_uneven_times_and_comm(capsys: pytest.CaptureFixture[str]) -> None:
-    data = _json(capsys, ["simulate", "-s", "gpipe", "--stages", "3", "--microbatches", "2", "--time-f", "1,2,1",
-                          "--time-b", "1,1,2", "--time-w", "0,1,0", "--json"])
+    data = _json(
+        capsys,
+        [
+            "simulate",
+            "-s",
+            "gpipe",
+            "--stages",
+            "3",
+            "--microbatches",
+            "2",
+            "--time-f",
+            "1,2,1",
+            "--time-b",
+            "1,1,2",
+            "--time-w",
+            "0,1,0",
+            "--json",
+        ],
+    )
     assert data["makespan"] == 13  # the hand timeline of tests/sim/test_simulator.py
     assert data["cost"]["f"] == [1.0, 2.0, 1.0]  # type: ignore[index]
     data = _json(capsys, ["simulate", "-s", "gpipe", "-D", "3", "-T", "2", "--time-comm", "0.5", "--json"])
@@ -103,8 +145,9 @@ def test_simulate_chunks(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_simulate_writes_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     plot, trace, table = tmp_path / "t.svg", tmp_path / "t.json", tmp_path / "s.csv"
-    data = _json(capsys, ["simulate", "-s", "zb-h1", "--plot", str(plot), "--trace", str(trace),
-                          "--csv", str(table), "--json"])
+    data = _json(
+        capsys, ["simulate", "-s", "zb-h1", "--plot", str(plot), "--trace", str(trace), "--csv", str(table), "--json"]
+    )
     assert plot.stat().st_size > 1000 and json.loads(trace.read_text())["traceEvents"]
     assert table.read_text().splitlines()[0].startswith("0F0,")
     assert data["files"] == {"csv": str(table), "plot": str(plot), "trace": str(trace)}
@@ -129,22 +172,26 @@ def test_simulate_invalid_csv(capsys: pytest.CaptureFixture[str], tmp_path: Path
     assert "rank 0 step 0: 0B0 needs 0F0" in err and "[0B0]" in err  # the marked grid
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["-s", "nope"], "unknown schedule 'nope'; choose one of: naive"),
-    (["--stages", "0"], "--stages 0 is invalid; give --stages >= 1"),
-    (["--microbatches", "-2"], "--microbatches -2 is invalid"),
-    (["-s", "chimera", "--stages", "3"], "chimera"),
-    (["--time-f", "1,2"], "--time-f has 2 values but the schedule has 4 parts"),
-    (["--time-b", "fast"], "--time-b 'fast' is not a number"),
-    (["--time-w", "-1"], "--time-w '-1' has a negative time"),
-    (["--time-comm", "-1"], "--time-comm -1.0 is invalid"),
-    (["--mem-w", "2"], "--mem-w 2.0 is invalid"),
-    (["--plot", "x.gif"], "end the file name in .png, .svg or .pdf"),
-    (["--from-csv", "/nonexistent/x.csv"], "is not a file"),
-    (["-s", "gpipe", "--chunks", "3"], "drop --chunks"),
-])
-def test_simulate_user_errors_are_one_line_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str],
-                                                  needle: str) -> None:
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["-s", "nope"], "unknown schedule 'nope'; choose one of: naive"),
+        (["--stages", "0"], "--stages 0 is invalid; give --stages >= 1"),
+        (["--microbatches", "-2"], "--microbatches -2 is invalid"),
+        (["-s", "chimera", "--stages", "3"], "chimera"),
+        (["--time-f", "1,2"], "--time-f has 2 values but the schedule has 4 parts"),
+        (["--time-b", "fast"], "--time-b 'fast' is not a number"),
+        (["--time-w", "-1"], "--time-w '-1' has a negative time"),
+        (["--time-comm", "-1"], "--time-comm -1.0 is invalid"),
+        (["--mem-w", "2"], "--mem-w 2.0 is invalid"),
+        (["--plot", "x.gif"], "end the file name in .png, .svg or .pdf"),
+        (["--from-csv", "/nonexistent/x.csv"], "is not a file"),
+        (["-s", "gpipe", "--chunks", "3"], "drop --chunks"),
+    ],
+)
+def test_simulate_user_errors_are_one_line_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
     err = _error(capsys, ["simulate", *argv])
     assert err.count("\n") == 0, err
     assert err.startswith("pipeweave simulate: error: ") and needle in err, err
@@ -160,8 +207,23 @@ def test_bad_csv_text_is_a_user_error(capsys: pytest.CaptureFixture[str], tmp_pa
 def test_simulate_zb_auto_takes_its_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
     peaks = {}
     for k in (1, 2):
-        assert main(["simulate", "-s", "zb-auto", "--stages", "4", "--microbatches", "8", "--memory-limit", str(k),
-                     "--json"]) == 0
+        assert (
+            main(
+                [
+                    "simulate",
+                    "-s",
+                    "zb-auto",
+                    "--stages",
+                    "4",
+                    "--microbatches",
+                    "8",
+                    "--memory-limit",
+                    str(k),
+                    "--json",
+                ]
+            )
+            == 0
+        )
         peaks[k] = max(json.loads(capsys.readouterr().out)["peak_activations"])
     assert peaks[1] <= 4 < peaks[2] <= 8  # K x D x M_a, and K = 2 is used
     assert main(["simulate", "-s", "1f1b", "--memory-limit", "2"]) == 2
@@ -198,5 +260,8 @@ def test_simulate_tied_counts_the_tied_members_staleness_and_lag(capsys: pytest.
     assert untied["staleness"] == [1, 1, 0] and "tied_lag" not in untied
     assert tied["staleness"] == [1, 1, 1] and tied["tied_lag"] == [0, 0, 1]
     assert main(["simulate", "-s", "pipemare", "--tied"]) == 2
-    assert capsys.readouterr().err.strip().endswith("train them on pipedream-2bw, pipedream, ampnet only; choose one "
-                                                    "or drop --tied")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("train them on pipedream-2bw, pipedream, ampnet only; choose one or drop --tied")
+    )

@@ -34,8 +34,17 @@ def _make_figures():  # docs/make_figures.py is a script, not a module of the pa
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-               "--site-dir", str(site)]
+    command = [
+        sys.executable,
+        "-m",
+        "mkdocs",
+        "build",
+        "--strict",
+        "--config-file",
+        str(ROOT / "mkdocs.yml"),
+        "--site-dir",
+        str(site),
+    ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=ROOT, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     api = (site / "api" / "index.html").read_text()
@@ -57,10 +66,17 @@ def test_readme_is_a_front_page() -> None:
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 250
     ci = (ROOT / ".ci" / "run").read_text()
-    test_command = ("python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt -e '.[test]'"
-                    " && python -m pytest")
+    test_command = (
+        "python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt -e '.[test]'"
+        " && python -m pytest"
+    )
     assert test_command in ci and test_command in readme
     assert "pip install -c constraints.txt -e . && pipeweave train\n" in readme
-    for link in ("docs/guide/train.md", "docs/guide/your-model.md", "docs/guide/compare.md", "docs/guide/plan.md",
-                 "docs/guide/torchrun.md"):
+    for link in (
+        "docs/guide/train.md",
+        "docs/guide/your-model.md",
+        "docs/guide/compare.md",
+        "docs/guide/plan.md",
+        "docs/guide/torchrun.md",
+    ):
         assert f"]({link})" in readme and (ROOT / link).is_file()

@@ -32,8 +32,9 @@ COMMANDS = {
 def _run(name: str) -> str:
     """The example's standard output; it must exit 0."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*COMMANDS[name], str(EXAMPLES / name)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=360)
+    done = subprocess.run(
+        [*COMMANDS[name], str(EXAMPLES / name)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=360
+    )
     assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
     return done.stdout
 

@@ -21,17 +21,32 @@ PACKAGE = "pipeweave"
 # A module may import runtime modules of its own layer or lower ones, never higher.
 RUNTIME_LAYERS: dict[str, int] = {
     "process": 0,
-    "transport": 1, "context": 1,
+    "transport": 1,
+    "context": 1,
     "stage": 2,
-    "executor": 3, "walk": 3, "reference": 3, "plain": 3, "profile": 3, "stream": 3, "nonfinite": 3,
-    "replicas": 3, "zero": 3, "fsdp": 3, "clip": 3,
+    "executor": 3,
+    "walk": 3,
+    "reference": 3,
+    "plain": 3,
+    "profile": 3,
+    "stream": 3,
+    "nonfinite": 3,
+    "replicas": 3,
+    "zero": 3,
+    "fsdp": 3,
+    "clip": 3,
     "run": 4,
     "report": 5,
 }
 # Who may import the runtime at all: the runtime itself, the command line, and ``pipeweave.pipeline``'s
 # module (a split balanced by the profiler), and ``pipeweave.train``'s (``pipeweave.training``).
-MAY_IMPORT_RUNTIME = ("pipeweave.runtime", "pipeweave.commands", "pipeweave.cli", "pipeweave.pipelining",
-                      "pipeweave.training")
+MAY_IMPORT_RUNTIME = (
+    "pipeweave.runtime",
+    "pipeweave.commands",
+    "pipeweave.cli",
+    "pipeweave.pipelining",
+    "pipeweave.training",
+)
 
 
 def module_name(path: Path) -> str:
@@ -156,8 +171,12 @@ def test_no_import_circles() -> None:
 
 def test_no_function_level_import_of_the_runtime() -> None:
     _, details = import_graph()
-    hidden = [f"{m}:{imp.line} imports {t}" for m, found in details.items() for t, imp in found
-              if imp.in_function and t.startswith(f"{PACKAGE}.runtime")]
+    hidden = [
+        f"{m}:{imp.line} imports {t}"
+        for m, found in details.items()
+        for t, imp in found
+        if imp.in_function and t.startswith(f"{PACKAGE}.runtime")
+    ]
     assert hidden == [], "import the runtime at module level, where the structure shows"
 
 
@@ -188,15 +207,19 @@ def _graph_of(root: Path, files: dict[str, str]) -> dict[str, set[str]]:
         path = root / PACKAGE / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    names = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in sorted((root / PACKAGE).rglob("*.py"))}
+    names = {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in sorted((root / PACKAGE).rglob("*.py"))
+    }
     return {name: {i.target for i in imports_of(name, path, set(names))} - {name} for name, path in names.items()}
 
 
 @pytest.mark.parametrize("deferred", ["", "def f():\n    ", "if TYPE_CHECKING:\n    "])
 def test_a_circle_is_found_however_it_is_hidden(tmp_path: Path, deferred: str) -> None:
-    graph = _graph_of(tmp_path, {"__init__.py": "", "a.py": "from pipeweave.b import x\n",
-                                 "b.py": f"{deferred}from pipeweave import a\n"})
+    graph = _graph_of(
+        tmp_path,
+        {"__init__.py": "", "a.py": "from pipeweave.b import x\n", "b.py": f"{deferred}from pipeweave import a\n"},
+    )
     assert circles(graph) == [["pipeweave.a", "pipeweave.b"]]
 
 

@@ -39,8 +39,9 @@ print(json.dumps({{"torch": "torch" in sys.modules, "failed": failed, "count": l
 
 def _probe(names: list[str]) -> dict[str, object]:
     pure = [p for p in PURE if (ROOT / p).is_dir()]
-    result = subprocess.run([sys.executable, "-c", _PROBE.format(names=names, pure=pure)], capture_output=True,
-                            text=True, timeout=180)
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(names=names, pure=pure)], capture_output=True, text=True, timeout=180
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     data: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
     return data

@@ -11,8 +11,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # The README is a front page; its longer Python examples live in the user guide's pages.
-PAGES = [ROOT / "README.md", ROOT / "docs" / "guide" / "python.md", ROOT / "docs" / "guide" / "your-model.md",
-         ROOT / "docs" / "guide" / "train.md"]
+PAGES = [
+    ROOT / "README.md",
+    ROOT / "docs" / "guide" / "python.md",
+    ROOT / "docs" / "guide" / "your-model.md",
+    ROOT / "docs" / "guide" / "train.md",
+]
 BLOCKS = [block for page in PAGES for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)]
 
 

@@ -66,12 +66,17 @@ def code_lines(text: str) -> set[int]:
 
 def _functions(text: str) -> list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, int]]:
     """Each function of ``text`` with the line it starts on (its first decorator's, if any)."""
-    return [(node, min([d.lineno for d in node.decorator_list] + [node.lineno]))
-            for node in ast.walk(ast.parse(text)) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [
+        (node, min([d.lineno for d in node.decorator_list] + [node.lineno]))
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
 
 
 def test_no_module_over_400_lines(ruff: str) -> None:
-    long = {name: n for name, text in _formatted_sources(ruff).items() if (n := len(code_lines(text))) > MAX_MODULE_LINES}
+    long = {
+        name: n for name, text in _formatted_sources(ruff).items() if (n := len(code_lines(text))) > MAX_MODULE_LINES
+    }
     assert long == {}, "split these modules by idea (lines of code, as the module docstring counts them)"
 
 
@@ -81,7 +86,7 @@ def test_no_function_over_60_lines_without_its_reason(ruff: str) -> None:
         lines, held = text.splitlines(), code_lines(text)
         for node, start in _functions(text):
             size = len([n for n in held if start <= n <= (node.end_lineno or node.lineno)])
-            said = " ".join(lines[max(0, start - 2): node.body[0].lineno - 1])  # the line above, the signature
+            said = " ".join(lines[max(0, start - 2) : node.body[0].lineno - 1])  # the line above, the signature
             if size > MAX_FUNCTION_LINES and not any(excuse in said for excuse in EXCUSES):
                 long.append(f"{name}:{node.lineno} {node.name} ({size} lines)")
     assert long == [], "split these functions (or say on the def line why one may stay long)"

@@ -30,8 +30,15 @@ def test_the_whole_default_run_from_python_equals_the_command(tmp_path: Path) ->
 
 
 def test_fields_given_by_name_change_the_run(tmp_path: Path) -> None:
-    record = pipeweave.train(model=pipeweave.ModelSpec(kind="mlp", layers=2, hidden=8), schedule="gpipe", steps=2,
-                             batch_size=4, quiet=True, out=str(tmp_path), transport="gloo")
+    record = pipeweave.train(
+        model=pipeweave.ModelSpec(kind="mlp", layers=2, hidden=8),
+        schedule="gpipe",
+        steps=2,
+        batch_size=4,
+        quiet=True,
+        out=str(tmp_path),
+        transport="gloo",
+    )
     assert len(record.losses) == 2 and record.config.schedule.name == "gpipe"
 
 

@@ -58,9 +58,16 @@ class Simulation:
         return str(plot_timeline(self.timeline, path))
 
 
-def simulate(schedule: str | Schedule = "1f1b", num_stages: int = 4, num_microbatches: int = 8, *,
-             num_chunks: int | None = None, cost: CostModel | None = None, steps: int | None = None,
-             **options: Any) -> Simulation:
+def simulate(
+    schedule: str | Schedule = "1f1b",
+    num_stages: int = 4,
+    num_microbatches: int = 8,
+    *,
+    num_chunks: int | None = None,
+    cost: CostModel | None = None,
+    steps: int | None = None,
+    **options: Any,
+) -> Simulation:
     """Simulate a schedule, named in the registry or given, under ``cost`` (``pipeweave simulate``).
 
     Args:
@@ -94,16 +101,26 @@ def simulate(schedule: str | Schedule = "1f1b", num_stages: int = 4, num_microba
         if steps is not None:
             options["num_steps"] = steps
         options = {**cost.generator_options(info.generator), **options}
-        schedule = generate(schedule, num_stages=num_stages, num_microbatches=num_microbatches,
-                            num_chunks=num_chunks, **options)
+        schedule = generate(
+            schedule, num_stages=num_stages, num_microbatches=num_microbatches, num_chunks=num_chunks, **options
+        )
     check(schedule)
     timeline = timed(schedule, cost, check=True)
     return Simulation(schedule, timeline, compute_metrics(timeline))
 
 
-def search_schedule(num_stages: int, num_microbatches: int, *, memory_limit: float = 1.0,
-                    cost: CostModel | None = None, v_shape: bool = False, solver: str = "cpsat",
-                    time_limit: float = 10.0, workers: int = 0, work_limit: float | None = None) -> Any:
+def search_schedule(
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    memory_limit: float = 1.0,
+    cost: CostModel | None = None,
+    v_shape: bool = False,
+    solver: str = "cpsat",
+    time_limit: float = 10.0,
+    workers: int = 0,
+    work_limit: float | None = None,
+) -> Any:
     """The best zero-bubble schedule found under a memory limit, with its proven bound (``pipeweave search``).
 
     Args:
@@ -124,19 +141,42 @@ def search_schedule(num_stages: int, num_microbatches: int, *, memory_limit: flo
     """
     from pipeweave.search import Problem, exact
 
-    problem = Problem(num_stages=num_stages, num_microbatches=num_microbatches, vshape=v_shape,
-                      cost=cost if cost is not None else CostModel(), memory_limit=memory_limit)
+    problem = Problem(
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        vshape=v_shape,
+        cost=cost if cost is not None else CostModel(),
+        memory_limit=memory_limit,
+    )
     return exact(problem, solver=solver, time_limit=time_limit, workers=workers, work_limit=work_limit)
 
 
-_FIXED = {"tensor_parallel": "tp", "stages": "pp", "data_parallel": "dp", "chunks": "chunks",
-          "microbatch_size": "microbatch_size", "schedule": "schedule", "recompute": "recompute", "zero": "zero"}
+_FIXED = {
+    "tensor_parallel": "tp",
+    "stages": "pp",
+    "data_parallel": "dp",
+    "chunks": "chunks",
+    "microbatch_size": "microbatch_size",
+    "schedule": "schedule",
+    "recompute": "recompute",
+    "zero": "zero",
+}
 """``plan_cluster``'s keyword -> ``plan.space.Fixed``'s field."""
 
 
-def plan_cluster(model: Any, gpus: int, global_batch: int, *, gpu: Any = "a100-80gb", top: int = 10,
-                 exhaustive: bool = False, sequence_parallel: bool = False, scatter_gather: bool = True,
-                 dp_overlap: bool = True, **fixed: Any) -> Any:
+def plan_cluster(
+    model: Any,
+    gpus: int,
+    global_batch: int,
+    *,
+    gpu: Any = "a100-80gb",
+    top: int = 10,
+    exhaustive: bool = False,
+    sequence_parallel: bool = False,
+    scatter_gather: bool = True,
+    dp_overlap: bool = True,
+    **fixed: Any,
+) -> Any:
     """The planner's best parallel configurations of a GPT on a cluster, predicted by the simulator
     (``pipeweave plan``).
 
@@ -174,16 +214,29 @@ def plan_cluster(model: Any, gpus: int, global_batch: int, *, gpu: Any = "a100-8
     unknown = sorted(set(fixed) - set(_FIXED))
     if unknown:
         raise UserError(f"plan_cluster(): unknown dimension {unknown[0]!r}; give one of {', '.join(_FIXED)}")
-    cluster = Cluster(model=model_named(model) if isinstance(model, str) else model,
-                      gpu=gpu_named(gpu) if isinstance(gpu, str) else gpu, efficiency=A100_CALIBRATED,
-                      scatter_gather=scatter_gather, sequence_parallel=sequence_parallel)
+    cluster = Cluster(
+        model=model_named(model) if isinstance(model, str) else model,
+        gpu=gpu_named(gpu) if isinstance(gpu, str) else gpu,
+        efficiency=A100_CALIBRATED,
+        scatter_gather=scatter_gather,
+        sequence_parallel=sequence_parallel,
+    )
     evaluator = Evaluator(cluster=cluster, batch=global_batch, overlap=dp_overlap)
     held = Fixed(**{_FIXED[k]: v for k, v in fixed.items()})
     return best_configurations(cluster, evaluator, gpus, global_batch, held, top=top, exhaustive=exhaustive)
 
 
-def best_configurations(cluster: Any, evaluator: Any, gpus: int, global_batch: int, fixed: Any, *, top: int,
-                        exhaustive: bool = False, progress: Callable[[int, int], None] | None = None) -> Any:
+def best_configurations(
+    cluster: Any,
+    evaluator: Any,
+    gpus: int,
+    global_batch: int,
+    fixed: Any,
+    *,
+    top: int,
+    exhaustive: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> Any:
     """The planner's search over the configurations of ``cluster`` on ``gpus`` (``plan.search.search``), each
     count checked first and the answer checked after (``plan.diagnose.check_plan``: why nothing fits).
 
@@ -227,9 +280,17 @@ class Comparison:
         return [row["name"] for row in self.rows]
 
 
-def compare(schedules: Sequence[str] | None = None, num_stages: int = 4, num_microbatches: int = 8, *,
-            num_chunks: int = 2, batch: int = 16, model: str = "gpt", costs: str | None = None,
-            **model_options: Any) -> Comparison:
+def compare(
+    schedules: Sequence[str] | None = None,
+    num_stages: int = 4,
+    num_microbatches: int = 8,
+    *,
+    num_chunks: int = 2,
+    batch: int = 16,
+    model: str = "gpt",
+    costs: str | None = None,
+    **model_options: Any,
+) -> Comparison:
     """Every approach (or ``schedules``) on one model, D and T, simulated under the model's profiled per-part
     costs beside the literature's claims (``pipeweave compare``, its simulated depth).
 
@@ -265,9 +326,16 @@ def compare(schedules: Sequence[str] | None = None, num_stages: int = 4, num_mic
     unknown = sorted(set(model_options) - known)
     if unknown:
         raise UserError(f"compare(): unknown model option {unknown[0]!r}; give one of {', '.join(sorted(known))}")
-    given = {"schedules": None if schedules is None else ",".join(schedules), "stages": num_stages,
-             "microbatches": num_microbatches, "chunks": num_chunks, "batch": batch, "model": model,
-             "costs": costs, **model_options}
+    given = {
+        "schedules": None if schedules is None else ",".join(schedules),
+        "stages": num_stages,
+        "microbatches": num_microbatches,
+        "chunks": num_chunks,
+        "batch": batch,
+        "model": model,
+        "costs": costs,
+        **model_options,
+    }
     vars(args).update(given)
     rows, skipped, _ = simulated_comparison(args)
     return Comparison(rows=rows, skipped=skipped)

@@ -42,8 +42,15 @@ from pipeweave.runtime.profile import profile_model
 from pipeweave.runtime.run.agreement import rank0_decides
 
 
-def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequence[str] | int | None = None, *,
-             loss: Callable[[Any, Any], torch.Tensor], dataset: Any, eval_dataset: Any = None) -> LayerModel:
+def pipeline(
+    module: nn.Module,
+    example_inputs: Any = None,
+    split_points: Sequence[str] | int | None = None,
+    *,
+    loss: Callable[[Any, Any], torch.Tensor],
+    dataset: Any,
+    eval_dataset: Any = None,
+) -> LayerModel:
     """``module`` as a ``LayerModel``, cut at ``split_points``: module names, or D parts balanced by time.
 
     Args:
@@ -80,9 +87,11 @@ def balanced_points(pieces: LayerModel, num_parts: int, microbatch_size: int, di
         UserError: more parts than pieces.
     """
     if num_parts > len(pieces.layers):
-        raise UserError(f"split_points={num_parts} parts, but the module has {len(pieces.layers)} pieces to group "
-                        f"(cut before {', '.join(pieces.split_points[:4])}, ...); give at most "
-                        f"{len(pieces.layers)} parts or name the split points")
+        raise UserError(
+            f"split_points={num_parts} parts, but the module has {len(pieces.layers)} pieces to group "
+            f"(cut before {', '.join(pieces.split_points[:4])}, ...); give at most "
+            f"{len(pieces.layers)} parts or name the split points"
+        )
     return rank0_decides(lambda: _profiled_points(pieces, num_parts, microbatch_size, digest))
 
 

@@ -38,11 +38,19 @@ CASES = [
 
 @pytest.mark.parametrize(("command", "flag", "value", "message"), CASES)
 def test_an_unwritable_output_is_one_line_before_any_work(
-    command: list[str], flag: str, value: str, message: str, places: dict[str, str],
+    command: list[str],
+    flag: str,
+    value: str,
+    message: str,
+    places: dict[str, str],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    work = {"simulate": "pipeweave.commands.simulate.simulate", "search": "pipeweave.search.exact",
-            "partition": "pipeweave.commands.partition.layer_costs", "train": "pipeweave.runtime.run.launch._spawn"}
+    work = {
+        "simulate": "pipeweave.commands.simulate.simulate",
+        "search": "pipeweave.search.exact",
+        "partition": "pipeweave.commands.partition.layer_costs",
+        "train": "pipeweave.runtime.run.launch._spawn",
+    }
     with patch(work[command[0]], side_effect=AssertionError("worked before checking its outputs")):
         code = main([*command, flag, value.format(**places)])
     err = capsys.readouterr().err.strip()
@@ -52,6 +60,10 @@ def test_an_unwritable_output_is_one_line_before_any_work(
 
 def test_missing_folders_of_outputs_are_made(places: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     new = Path(places["new"])
-    assert main([*SIMULATE, "--plot", str(new / "t.png"), "--trace", str(new / "t.json"), "--csv",
-                 str(new / "s" / "t.csv")]) == 0
+    assert (
+        main(
+            [*SIMULATE, "--plot", str(new / "t.png"), "--trace", str(new / "t.json"), "--csv", str(new / "s" / "t.csv")]
+        )
+        == 0
+    )
     assert (new / "t.png").stat().st_size > 0 and (new / "t.json").is_file() and (new / "s" / "t.csv").is_file()

@@ -17,7 +17,8 @@ from pipeweave.runtime.run.prepare import layer_ranges, prepare
 def main(argv: list[str]) -> int:
     """``pipeweave partition ARGV`` through the real CLI entry point when every subcommand exists."""
     try:
-        from pipeweave.cli import main as cli_main, build_parser
+        from pipeweave.cli import build_parser
+        from pipeweave.cli import main as cli_main
 
         build_parser()
     except ModuleNotFoundError:  # another subcommand not landed yet: drive ours the same way
@@ -36,9 +37,13 @@ def main(argv: list[str]) -> int:
 def head_heavy(tmp_path: Path) -> Path:
     """Eight layers of F+I+W 3 ms and a head of 15 ms; activations 1 KiB, weights 1 KiB per layer."""
     costs = LayerCosts(
-        names=[f"layers.{i}" for i in range(8)], types=["Embedding"] + ["Block"] * 6 + ["Head"],
-        forward=[1e-3] * 7 + [5e-3], input_grad=[1e-3] * 7 + [6e-3], weight_grad=[1e-3] * 7 + [4e-3],
-        activation=[1024.0] * 8, params=[1024.0] * 8,
+        names=[f"layers.{i}" for i in range(8)],
+        types=["Embedding"] + ["Block"] * 6 + ["Head"],
+        forward=[1e-3] * 7 + [5e-3],
+        input_grad=[1e-3] * 7 + [6e-3],
+        weight_grad=[1e-3] * 7 + [4e-3],
+        activation=[1024.0] * 8,
+        params=[1024.0] * 8,
     )
     path = tmp_path / "costs.json"
     costs.save(path)
@@ -85,7 +90,9 @@ def test_explicit_and_table(head_heavy: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_pipedream_replicates_on_fast_links(head_heavy: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    result = run_json(capsys, ["--costs", str(head_heavy), "--stages", "4", "--partition", "pipedream", "--bandwidth", "1e12"])
+    result = run_json(
+        capsys, ["--costs", str(head_heavy), "--stages", "4", "--partition", "pipedream", "--bandwidth", "1e12"]
+    )
     assert sum(p["replicas"] for p in result["parts"]) == 4
     assert sum(len(p["layers"]) for p in result["parts"]) == 8
 
@@ -111,10 +118,30 @@ def test_errors_are_one_line(
     assert fragment in err and len(err.splitlines()) == 1
 
 
-def test_profiles_a_real_model_once(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_profiles_a_real_model_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PIPEWEAVE_CACHE", str(tmp_path))
-    argv = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--stages", "2", "--batch-size", "8",
-            "--microbatches", "2", "--repeats", "1", "--partition", "time", "--save-costs", str(tmp_path / "c.json")]
+    argv = [
+        "--model",
+        "mlp",
+        "--layers",
+        "4",
+        "--hidden",
+        "16",
+        "--stages",
+        "2",
+        "--batch-size",
+        "8",
+        "--microbatches",
+        "2",
+        "--repeats",
+        "1",
+        "--partition",
+        "time",
+        "--save-costs",
+        str(tmp_path / "c.json"),
+    ]
     first = run_json(capsys, argv)
     cached = list((tmp_path / "profiles").glob("*.json"))
     assert len(cached) == 1
@@ -129,14 +156,27 @@ def test_profiles_a_real_model_once(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "split_points" not in first  # the mlp's layers are pipeweave's own: no module names
 
 
-def test_a_module_cut_at_names_says_where_the_partition_splits_it(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_module_cut_at_names_says_where_the_partition_splits_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An ``nn.Sequential`` cut before each child (``pipeweave.pipeline``): the names at the parts' starts, from
     the model's ``split_points`` (layer k + 1 starts at the k-th), in the JSON and in one line of the table."""
     monkeypatch.setenv("PIPEWEAVE_CACHE", str(tmp_path))
     entry = f"{Path(__file__).parents[1] / 'models' / 'tiny_modules.py'}:tied_sequential"
-    argv = ["--model", entry, "--stages", "2", "--batch-size", "8", "--microbatches", "2", "--repeats", "1",
-            "--layers-per-stage", "1,4"]
+    argv = [
+        "--model",
+        entry,
+        "--stages",
+        "2",
+        "--batch-size",
+        "8",
+        "--microbatches",
+        "2",
+        "--repeats",
+        "1",
+        "--layers-per-stage",
+        "1,4",
+    ]
     from pipeweave.models import ModelSpec
 
     assert ModelSpec(kind="custom", entry=entry).custom.split_points == ("1", "2", "3", "4")

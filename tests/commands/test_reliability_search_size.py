@@ -14,9 +14,11 @@ from pipeweave.cli import main
 
 
 def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], free: int | None) -> str:
-    with patch("pipeweave.commands.search.available_memory", return_value=free), \
-            patch("pipeweave.search.exact", side_effect=AssertionError("searched a problem too large")), \
-            patch("pipeweave.search.problem_from_times", side_effect=AssertionError("built a problem too large")):
+    with (
+        patch("pipeweave.commands.search.available_memory", return_value=free),
+        patch("pipeweave.search.exact", side_effect=AssertionError("searched a problem too large")),
+        patch("pipeweave.search.problem_from_times", side_effect=AssertionError("built a problem too large")),
+    ):
         code = main(["search", *argv])
     captured = capsys.readouterr()
     err = captured.err.strip()
@@ -27,8 +29,10 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], free: int | No
 
 def test_a_search_larger_than_free_memory_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     err = _refused(capsys, ["--stages", "100000", "--microbatches", "100000"], free=16 * 2**30)
-    assert ("--stages 100000 x --microbatches 100000 make 3e+10 actions, ~11 TiB to search (400 B each), more than "
-            "the 16.0 GiB free here; give fewer stages or microbatches (at most ~4.3e+07 actions fit)") in err, err
+    assert (
+        "--stages 100000 x --microbatches 100000 make 3e+10 actions, ~11 TiB to search (400 B each), more than "
+        "the 16.0 GiB free here; give fewer stages or microbatches (at most ~4.3e+07 actions fit)"
+    ) in err, err
 
 
 def test_the_v_shape_counts_its_two_chunks(capsys: pytest.CaptureFixture[str]) -> None:
@@ -38,16 +42,20 @@ def test_the_v_shape_counts_its_two_chunks(capsys: pytest.CaptureFixture[str]) -
 
 def test_a_search_far_beyond_its_time_limit_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     err = _refused(capsys, ["--stages", "1000", "--microbatches", "2000"], free=2**40)
-    assert ("--stages 1000 x --microbatches 2000 make 6e+06 actions, ~4 min of search that --time-limit cannot stop "
-            "(~40 us each), more than 2 min (10 x --time-limit 10, at least 60 s); give fewer stages or microbatches "
-            "(at most ~2.5e+06 actions) or a larger --time-limit") in err, err
+    assert (
+        "--stages 1000 x --microbatches 2000 make 6e+06 actions, ~4 min of search that --time-limit cannot stop "
+        "(~40 us each), more than 2 min (10 x --time-limit 10, at least 60 s); give fewer stages or microbatches "
+        "(at most ~2.5e+06 actions) or a larger --time-limit"
+    ) in err, err
 
 
 def test_a_larger_time_limit_lets_it_run(capsys: pytest.CaptureFixture[str]) -> None:
-    with patch("pipeweave.commands.search.available_memory", return_value=2**40), \
-            patch("pipeweave.search.exact", side_effect=RuntimeError("ran")):
-        with pytest.raises(RuntimeError, match="ran"):
-            main(["search", "--stages", "1000", "--microbatches", "2000", "--time-limit", "30"])
+    with (
+        patch("pipeweave.commands.search.available_memory", return_value=2**40),
+        patch("pipeweave.search.exact", side_effect=RuntimeError("ran")),
+        pytest.raises(RuntimeError, match="ran"),
+    ):
+        main(["search", "--stages", "1000", "--microbatches", "2000", "--time-limit", "30"])
 
 
 def test_the_command_line_itself_answers_at_once(capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,35 +25,44 @@ NOTHING_DONE = ("pipeweave.runtime.run.launch._spawn", "pipeweave.commands.profi
 TIMEOUT = "is invalid; give the seconds a rank may wait on a peer, > 0 and at most 604800 (a week); default 25"
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--data-parallel", "0"], "--data-parallel 0 is invalid; give P >= 1 pipeline replicas (1: none)"),
-    (["--data-parallel", "-2"], "--data-parallel -2 is invalid; give P >= 1"),
-    (["--timeout", "0"], f"--timeout 0 {TIMEOUT}"),
-    (["--timeout", "-1"], f"--timeout -1 {TIMEOUT}"),
-    (["--timeout", "nan"], f"--timeout nan {TIMEOUT}"),
-    (["--timeout", "1e300"], f"--timeout 1e+300 {TIMEOUT}"),
-    (["--layers-per-stage", "-1,5"], "--layers-per-stage -1,5 has a negative layer count (-1); give every part at "
-                                     "least one layer, e.g. 3,2,2,1"),
-    (["--layers-per-stage=-1,5"], "--layers-per-stage -1,5 has a negative layer count (-1)"),
-    (["--layers-per-stage", "3,-2,3"], "--layers-per-stage 3,-2,3 has a negative layer count (-2)"),
-    (["--lr", "inf"], "--lr inf is invalid; give a finite learning rate > 0"),
-    (["--lr", "-inf"], "--lr -inf is invalid"),
-    (["--repeats", "0", "--partition", "time"], "--repeats 0 is invalid; give an integer >= 1"),
-    (["--optimizer-state", "nan"], "--optimizer-state nan is invalid"),
-])
-def test_train_refuses_a_bad_flag_before_spawning(
-    argv: list[str], message: str, cli_error: Callable[..., str]
-) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--data-parallel", "0"], "--data-parallel 0 is invalid; give P >= 1 pipeline replicas (1: none)"),
+        (["--data-parallel", "-2"], "--data-parallel -2 is invalid; give P >= 1"),
+        (["--timeout", "0"], f"--timeout 0 {TIMEOUT}"),
+        (["--timeout", "-1"], f"--timeout -1 {TIMEOUT}"),
+        (["--timeout", "nan"], f"--timeout nan {TIMEOUT}"),
+        (["--timeout", "1e300"], f"--timeout 1e+300 {TIMEOUT}"),
+        (
+            ["--layers-per-stage", "-1,5"],
+            "--layers-per-stage -1,5 has a negative layer count (-1); give every part at least one layer, e.g. 3,2,2,1",
+        ),
+        (["--layers-per-stage=-1,5"], "--layers-per-stage -1,5 has a negative layer count (-1)"),
+        (["--layers-per-stage", "3,-2,3"], "--layers-per-stage 3,-2,3 has a negative layer count (-2)"),
+        (["--lr", "inf"], "--lr inf is invalid; give a finite learning rate > 0"),
+        (["--lr", "-inf"], "--lr -inf is invalid"),
+        (["--repeats", "0", "--partition", "time"], "--repeats 0 is invalid; give an integer >= 1"),
+        (["--optimizer-state", "nan"], "--optimizer-state nan is invalid"),
+    ],
+)
+def test_train_refuses_a_bad_flag_before_spawning(argv: list[str], message: str, cli_error: Callable[..., str]) -> None:
     err = cli_error([*TRAIN, *argv], *NOTHING_DONE)
     assert message in err, err
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--device", "banana"], "--device banana is not a device; give cpu, or cuda / cuda:N on a machine with a GPU"),
-    (["--device", "meta"], "--device meta: pipeweave profiles on cpu or cuda, not meta"),
-    (["--layers-per-stage", "-1,5"], "--layers-per-stage -1,5 has a negative layer count (-1)"),
-    (["--partition", "explicit", "--layers-per-stage", "-3,7"], "--layers-per-stage -3,7 has a negative layer count"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--device", "banana"], "--device banana is not a device; give cpu, or cuda / cuda:N on a machine with a GPU"),
+        (["--device", "meta"], "--device meta: pipeweave profiles on cpu or cuda, not meta"),
+        (["--layers-per-stage", "-1,5"], "--layers-per-stage -1,5 has a negative layer count (-1)"),
+        (
+            ["--partition", "explicit", "--layers-per-stage", "-3,7"],
+            "--layers-per-stage -3,7 has a negative layer count",
+        ),
+    ],
+)
 def test_partition_refuses_a_bad_flag_before_profiling(
     argv: list[str], message: str, cli_error: Callable[..., str]
 ) -> None:
@@ -88,4 +97,3 @@ def test_two_runs_writing_one_out_folder_at_once_is_one_line(tmp_path: Path, cli
     err = cli_error([*TRAIN, "--out", str(out)], *NOTHING_DONE)
     assert f"--out {out} is in use by another run (pid {os.getpid()} on " in err
     assert "give another --out folder" in err
-

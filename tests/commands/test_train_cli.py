@@ -26,7 +26,10 @@ def _train(tmp_path: Path, *argv: str) -> tuple[dict[str, Any], subprocess.Compl
     record = tmp_path / "record.json"
     run = subprocess.run(
         [sys.executable, "-m", "pipeweave.cli", "train", *argv, "--out", str(tmp_path / "out"), "--json", str(record)],
-        capture_output=True, text=True, timeout=150, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr
     return json.loads(record.read_text()), run
@@ -34,8 +37,24 @@ def _train(tmp_path: Path, *argv: str) -> tuple[dict[str, Any], subprocess.Compl
 
 def test_json_record_of_an_mlp_run(tmp_path: Path) -> None:
     report, run = _train(
-        tmp_path, "-s", "1f1b", "--stages", "2", "--microbatches", "4", "--model", "mlp", "--layers", "4",
-        "--hidden", str(HIDDEN), "--batch", "8", "--steps", "4", "--quiet",
+        tmp_path,
+        "-s",
+        "1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "4",
+        "--model",
+        "mlp",
+        "--layers",
+        "4",
+        "--hidden",
+        str(HIDDEN),
+        "--batch",
+        "8",
+        "--steps",
+        "4",
+        "--quiet",
     )
     assert run.stdout == ""  # --quiet
     assert (report["schedule"], report["stages"], report["microbatches"], report["steps"]) == ("1f1b", 2, 4, 4)
@@ -73,7 +92,8 @@ def test_default_model_is_the_gpt_with_a_summary(tmp_path: Path) -> None:
 
 
 def test_a_tied_module_split_on_pipedream_2bw_says_where_it_was_cut_and_its_tied_lag(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A split ``nn.Sequential`` whose last layer reuses its first one's weight, on 2BW, in-process: the line
     naming the cuts uses the model's split points at the parts' starts, and the record and the summary show the
     stream's staleness and tied lag as the simulator gives them (``runtime.stage.tied_stream``)."""
@@ -83,8 +103,30 @@ def test_a_tied_module_split_on_pipedream_2bw_says_where_it_was_cut_and_its_tied
     from pipeweave.sim.versions import staleness, tied_lag
 
     entry = f"{MODELS / 'tiny_modules.py'}:tied_sequential"
-    assert main(["train", "-s", "pipedream-2bw", "--model", entry, "--stages", "2", "--microbatches", "2",
-                 "--batch", "4", "--steps", "2", "--out", str(tmp_path), "--json", str(tmp_path / "t.json")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "-s",
+                "pipedream-2bw",
+                "--model",
+                entry,
+                "--stages",
+                "2",
+                "--microbatches",
+                "2",
+                "--batch",
+                "4",
+                "--steps",
+                "2",
+                "--out",
+                str(tmp_path),
+                "--json",
+                str(tmp_path / "t.json"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     names = ModelSpec(kind="custom", entry=entry).custom.split_points  # a layer per child: 1, 2, 3, 4 start one
     cuts = [names[part.start - 1] for part in uniform_parts(len(names) + 1, 2)[1:]]
@@ -125,20 +167,51 @@ def test_held_out_loss_in_the_record_the_summary_and_the_progress_bar(tmp_path: 
 
 @pytest.mark.slow  # 24 s; a stream cut by evaluations and resumed is in the default run (runtime/test_stream_segments.py)
 def test_an_asynchronous_run_evaluates_saves_and_resumes_between_its_streams(tmp_path: Path) -> None:
-    gpt = ["-s", "pipemare", "--warmup-steps", "1", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads",
-           "2", "--seq-len", "8", "--batch", "4", "--lr-schedule", "cosine", "--lr-decay-steps", "6"]
+    gpt = [
+        "-s",
+        "pipemare",
+        "--warmup-steps",
+        "1",
+        "--model",
+        "gpt",
+        "--layers",
+        "2",
+        "--hidden",
+        "16",
+        "--heads",
+        "2",
+        "--seq-len",
+        "8",
+        "--batch",
+        "4",
+        "--lr-schedule",
+        "cosine",
+        "--lr-decay-steps",
+        "6",
+    ]
     ckpt = str(tmp_path / "ckpt")
-    straight, run = _train(tmp_path / "straight", *gpt, "--steps", "6", "--eval-every", "2", "--save", ckpt,
-                           "--save-every", "4")
+    straight, run = _train(
+        tmp_path / "straight", *gpt, "--steps", "6", "--eval-every", "2", "--save", ckpt, "--save-every", "4"
+    )
     assert straight["streams"] == 3 and straight["paused_s"] > 0  # drained after steps 2 and 4
     assert [e["step"] for e in straight["eval_losses"]] == [2, 4, 6]
     assert "3 streams, drained between them to evaluate or save" in run.stdout
     assert len(straight["lrs"]) == 6  # pipemare: one update per mini-batch, each its step's rate
-    first, _ = _train(tmp_path / "first", *gpt, "--steps", "4", "--eval-every", "2", "--save", str(tmp_path / "c4"),
-                      "--quiet")
+    first, _ = _train(
+        tmp_path / "first", *gpt, "--steps", "4", "--eval-every", "2", "--save", str(tmp_path / "c4"), "--quiet"
+    )
     # resumed and saved into the same folder: the record still counts from what the folder held at the start
-    second, run = _train(tmp_path / "second", *gpt, "--steps", "2", "--resume", str(tmp_path / "c4"), "--save",
-                         str(tmp_path / "c4"), "--quiet")
+    second, run = _train(
+        tmp_path / "second",
+        *gpt,
+        "--steps",
+        "2",
+        "--resume",
+        str(tmp_path / "c4"),
+        "--save",
+        str(tmp_path / "c4"),
+        "--quiet",
+    )
     assert second["first_step"] == 4 and second["streams"] == 1
     assert first["losses"] + second["losses"] == pytest.approx(straight["losses"], rel=1e-5)
     assert first["lrs"] + second["lrs"] == pytest.approx(straight["lrs"])
@@ -152,18 +225,26 @@ def test_an_asynchronous_run_evaluates_saves_and_resumes_between_its_streams(tmp
         (["-s", "1f1b", "--memory-limit", "2"], "--memory-limit 2 applies to --partition memory"),
         (["--resume", "no-such-folder"], "--resume no-such-folder: no checkpoint there"),
         (["--eval-every", "2"], "--eval-every applies to --model gpt"),
-        (["-s", "avgpipe", "--steps", "8", "--save", "ckpt", "--save-every", "3"],
-         "--save-every 3 is not a multiple of avgpipe's P=2 pipelines (each stream between two drains is whole "
-         "rounds); give --save-every 4"),
+        (
+            ["-s", "avgpipe", "--steps", "8", "--save", "ckpt", "--save-every", "3"],
+            "--save-every 3 is not a multiple of avgpipe's P=2 pipelines (each stream between two drains is whole "
+            "rounds); give --save-every 4",
+        ),
         (["--precision", "fp16"], "--precision fp16 needs loss scaling, which pipeweave does not do; give bf16"),
         (["--precision", "bfloat16"], "--precision 'bfloat16' is unknown; give one of: fp32, bf16"),
-        (["--layers-per-stage", "1,2"], "--layers-per-stage 1,2 sums to 3 layers but the model has 4; make the counts "
-                                        "sum to 4"),
-        (["--model", "gpt", "--heads", "2", "--layers-per-stage", "2,2"],
-         "--layers-per-stage 2,2 sums to 4 layers but the model has 6 (the embedding, 4 blocks, the head); make the "
-         "counts sum to 6"),
-        (["--model", "gpt", "--heads", "2", "--layers", "1", "--stages", "4"],
-         "4 parts (zb-h1, D=4) need at least 4 layers, the model has 3 (the embedding, 1 block, the head)"),
+        (
+            ["--layers-per-stage", "1,2"],
+            "--layers-per-stage 1,2 sums to 3 layers but the model has 4; make the counts sum to 4",
+        ),
+        (
+            ["--model", "gpt", "--heads", "2", "--layers-per-stage", "2,2"],
+            "--layers-per-stage 2,2 sums to 4 layers but the model has 6 (the embedding, 4 blocks, the head); make the "
+            "counts sum to 6",
+        ),
+        (
+            ["--model", "gpt", "--heads", "2", "--layers", "1", "--stages", "4"],
+            "4 parts (zb-h1, D=4) need at least 4 layers, the model has 3 (the embedding, 1 block, the head)",
+        ),
     ],
 )
 def test_misplaced_options_are_one_line_before_spawning(
@@ -193,8 +274,23 @@ def test_a_bad_data_file_is_one_line_before_spawning(
     if text is not None:
         path.write_text(text)
     with patch("pipeweave.runtime.run.launch._spawn", side_effect=AssertionError("spawned")):
-        code = main(["train", "--model", model, "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8",
-                     "--data", str(path)])
+        code = main(
+            [
+                "train",
+                "--model",
+                model,
+                "--layers",
+                "2",
+                "--hidden",
+                "16",
+                "--heads",
+                "2",
+                "--seq-len",
+                "8",
+                "--data",
+                str(path),
+            ]
+        )
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
 
@@ -204,8 +300,25 @@ def test_zb_auto_is_searched_for_the_profiled_costs_and_its_memory_limit(tmp_pat
     from pipeweave.commands.train_run import build_config
     from pipeweave.sim import CostModel, compute_metrics, simulate
 
-    args = build_parser().parse_args(["train", "-s", "zb-auto", "--stages", "2", "--microbatches", "4",
-                                      "--model", "mlp", "--layers", "4", "--hidden", "16", "--memory-limit", "2"])
+    args = build_parser().parse_args(
+        [
+            "train",
+            "-s",
+            "zb-auto",
+            "--stages",
+            "2",
+            "--microbatches",
+            "4",
+            "--model",
+            "mlp",
+            "--layers",
+            "4",
+            "--hidden",
+            "16",
+            "--memory-limit",
+            "2",
+        ]
+    )
     config = build_config(args)
     options = dict(config.schedule_options)
     assert options["memory_limit"] == 2

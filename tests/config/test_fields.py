@@ -22,8 +22,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _public_fields() -> list[tuple[str, type, dataclasses.Field]]:  # type: ignore[type-arg]
-    return [(name, section, f) for name, section in sections(TrainConfig) for f in dataclasses.fields(section)
-            if not option_of(f).internal]
+    return [
+        (name, section, f)
+        for name, section in sections(TrainConfig)
+        for f in dataclasses.fields(section)
+        if not option_of(f).internal
+    ]
 
 
 def test_the_parser_built_from_the_dataclasses_has_a_flag_type_and_help_for_every_field() -> None:
@@ -56,6 +60,7 @@ class Extra:
     warp_factor: int = 1
     """How fast."""
 
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     extra: Extra = dataclasses.field(default_factory=Extra)
@@ -83,14 +88,17 @@ def test_flags_and_defaults_are_pipeweave_trains() -> None:
     assert config.training.post_validation is not None and config.training.post_validation.max_norm == 1.0
 
 
-@pytest.mark.parametrize(("given", "message"), [
-    ({"zero": 2}, "--zero 2 is invalid; choose one of: 0, 1, 3"),
-    ({"optimizer": "lamb"}, "--optimizer 'lamb' is unknown; choose one of: sgd, adamw"),
-    ({"tensor_parallel": "2"}, "tensor_parallel='2' is a str; give an integer >= 1"),
-    ({"warp": 1}, "'warp' is no field of TrainConfig"),
-    ({"decay": 0.5}, "--decay applies to pipemare, not zb-h1; drop it"),
-    ({"warmup_steps": 2}, "--warmup-steps applies to pipemare, not zb-h1; drop it"),
-])
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"zero": 2}, "--zero 2 is invalid; choose one of: 0, 1, 3"),
+        ({"optimizer": "lamb"}, "--optimizer 'lamb' is unknown; choose one of: sgd, adamw"),
+        ({"tensor_parallel": "2"}, "tensor_parallel='2' is a str; give an integer >= 1"),
+        ({"warp": 1}, "'warp' is no field of TrainConfig"),
+        ({"decay": 0.5}, "--decay applies to pipemare, not zb-h1; drop it"),
+        ({"warmup_steps": 2}, "--warmup-steps applies to pipemare, not zb-h1; drop it"),
+    ],
+)
 def test_a_bad_value_is_one_line_naming_the_option(given: dict[str, object], message: str) -> None:
     with pytest.raises(UserError) as info:
         TrainConfig(**given)

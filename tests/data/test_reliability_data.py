@@ -13,8 +13,22 @@ from pathlib import Path
 
 from pipeweave.data.corpus import ByteCorpus, read_text_file
 
-GPT = ["train", "--model", "gpt", "--layers", "1", "--hidden", "16", "--heads", "2", "--seq-len", "8",
-       "--steps", "1", "--quiet"]
+GPT = [
+    "train",
+    "--model",
+    "gpt",
+    "--layers",
+    "1",
+    "--hidden",
+    "16",
+    "--heads",
+    "2",
+    "--seq-len",
+    "8",
+    "--steps",
+    "1",
+    "--quiet",
+]
 NOTHING_SPAWNED = ("pipeweave.runtime.run.launch._spawn",)
 
 
@@ -27,8 +41,9 @@ def _refused(cli_error: Callable[..., str], argv: list[str]) -> str:
 
 def test_data_that_is_not_a_regular_file_is_one_line(cli_error: Callable[..., str], tmp_path: Path) -> None:
     err = _refused(cli_error, [*GPT, "--data", "/dev/zero"])
-    assert ("--data '/dev/zero' is a character device (read without end), not a regular file; give a text file"
-            in err), err
+    assert "--data '/dev/zero' is a character device (read without end), not a regular file; give a text file" in err, (
+        err
+    )
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)  # opening it would wait for a writer
     err = _refused(cli_error, [*GPT, "--data", str(fifo)])

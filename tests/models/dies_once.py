@@ -41,6 +41,13 @@ class DiesOnce(nn.Module):
 def model() -> LayerModel:
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 2, generator=g))
-    return LayerModel(layers=[lambda: nn.Linear(4, WIDTH), lambda: nn.Sequential(nn.Tanh(), nn.Linear(WIDTH, WIDTH)),
-                              DiesOnce, lambda: nn.Linear(WIDTH, 2)],
-                      loss=nn.functional.mse_loss, dataset=data)
+    return LayerModel(
+        layers=[
+            lambda: nn.Linear(4, WIDTH),
+            lambda: nn.Sequential(nn.Tanh(), nn.Linear(WIDTH, WIDTH)),
+            DiesOnce,
+            lambda: nn.Linear(WIDTH, 2),
+        ],
+        loss=nn.functional.mse_loss,
+        dataset=data,
+    )

@@ -24,9 +24,12 @@ def _pairs() -> torch.utils.data.TensorDataset:
 
 def model() -> LayerModel:
     return LayerModel(
-        layers=[lambda: nn.Linear(WIDTH, 16), lambda: nn.Sequential(nn.Tanh(), nn.Linear(16, 16)),
-                lambda: nn.Sequential(nn.Tanh(), nn.Linear(16, 16)),
-                lambda: nn.Sequential(nn.Tanh(), nn.Linear(16, 2))],
+        layers=[
+            lambda: nn.Linear(WIDTH, 16),
+            lambda: nn.Sequential(nn.Tanh(), nn.Linear(16, 16)),
+            lambda: nn.Sequential(nn.Tanh(), nn.Linear(16, 16)),
+            lambda: nn.Sequential(nn.Tanh(), nn.Linear(16, 2)),
+        ],
         loss=nn.functional.mse_loss,
         dataset=_pairs(),
     )

@@ -180,6 +180,9 @@ def test_linear_under_autocast_is_torch_autocast_linear_bitwise(defer: bool) -> 
         fn()
     assert lin.weight.grad is not None and lin.bias.grad is not None
     assert lin.weight.grad.dtype == torch.float32 and xg.grad is not None and xg.grad.dtype == torch.float32
-    for ours, theirs in ((lin.weight.grad, torch_lin.weight.grad), (lin.bias.grad, torch_lin.bias.grad),
-                         (xg.grad, xr.grad)):
+    for ours, theirs in (
+        (lin.weight.grad, torch_lin.weight.grad),
+        (lin.bias.grad, torch_lin.bias.grad),
+        (xg.grad, xr.grad),
+    ):
         assert torch.equal(ours, theirs)

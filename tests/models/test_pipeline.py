@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from config_defaults import train_config
 from torch import nn
 
 import pipeweave
@@ -20,18 +21,26 @@ from pipeweave.models.boundary import call
 from pipeweave.models.hf import save_pretrained
 from pipeweave.models.layers import Linear, TransposedLinear
 from pipeweave.runtime.reference import run_reference
-from pipeweave.config import TrainConfig
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule import generate
-from config_defaults import train_config
 
 MODELS = Path(__file__).resolve().parent
 sys.path.insert(0, str(MODELS))
 import tiny_modules  # noqa: E402
 
 DATA = torch.utils.data.TensorDataset(torch.zeros(4, 4), torch.zeros(4, 4))
-GPT2 = json.dumps({"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 32,
-                   "resid_pdrop": 0, "embd_pdrop": 0, "attn_pdrop": 0})
+GPT2 = json.dumps(
+    {
+        "n_layer": 2,
+        "n_embd": 32,
+        "n_head": 2,
+        "vocab_size": 256,
+        "n_positions": 32,
+        "resid_pdrop": 0,
+        "embd_pdrop": 0,
+        "attn_pdrop": 0,
+    }
+)
 
 
 @pytest.mark.slow
@@ -39,8 +48,7 @@ def test_the_parts_compute_the_module_and_hold_its_parameters() -> None:
     torch.manual_seed(0)
     net = tiny_modules.Looped()
     tokens = torch.randint(0, tiny_modules.VOCAB, (3, tiny_modules.SEQ))
-    model = pipeweave.pipeline(net, (tokens[:2],), ["blocks.1", "blocks.2"], loss=tiny_modules.token_loss,
-                               dataset=DATA)
+    model = pipeweave.pipeline(net, (tokens[:2],), ["blocks.1", "blocks.2"], loss=tiny_modules.token_loss, dataset=DATA)
     builders = list(model.layers)
     assert len(builders) == 3
     parts = [b.args[0] for b in builders]  # the parts themselves (each build copies one)
@@ -67,8 +75,7 @@ def test_only_the_hidden_states_cross_a_split_of_a_transformers_gpt2() -> None:
     assert layers[0].get_parameter("lm_head.weight") is layers[-1].get_parameter("lm_head.weight")  # one build
 
 
-def test_zb_h1_on_a_transformers_gpt2_equals_its_unsplit_training_and_saves_for_from_pretrained(
-        tmp_path: Path) -> None:
+def test_zb_h1_on_a_transformers_gpt2_equals_its_unsplit_training_and_saves_for_from_pretrained(tmp_path: Path) -> None:
     from unsplit import train_unsplit
 
     spec = ModelSpec(kind="custom", entry="hf:gpt2", hf_config=GPT2, seq_len=16)
@@ -92,8 +99,12 @@ def test_a_tied_group_spread_inside_a_pipeline_is_one_line() -> None:
 
 
 def test_tied_members_of_two_shapes_are_one_line() -> None:
-    model = LayerModel(layers=[lambda: nn.Linear(4, 4), lambda: nn.Linear(4, 3)], loss=nn.functional.mse_loss,
-                       dataset=DATA, tied=[["0.weight", "1.weight"]])
+    model = LayerModel(
+        layers=[lambda: nn.Linear(4, 4), lambda: nn.Linear(4, 3)],
+        loss=nn.functional.mse_loss,
+        dataset=DATA,
+        tied=[["0.weight", "1.weight"]],
+    )
     with pytest.raises(UserError, match=r"tied parameters 0.weight \(4, 4\) and 1.weight \(3, 4\) differ in shape"):
         from pipeweave.models.tied import tie
 
@@ -110,16 +121,25 @@ def test_a_declared_tie_starts_as_its_first_member_and_is_one_parameter_in_one_b
     assert len(list(worker.module.parameters())) == 3  # one weight, two biases
 
 
-@pytest.mark.parametrize("points, message", [
-    (["blocks.7"], "split point 'blocks.7' names no submodule of Looped; name one of its modules, e.g. blocks.0"),
-    (["blocks.1", "blocks.1"], "name a module twice"),
-    (["blocks"], None),
-])
+@pytest.mark.parametrize(
+    "points, message",
+    [
+        (["blocks.7"], "split point 'blocks.7' names no submodule of Looped; name one of its modules, e.g. blocks.0"),
+        (["blocks.1", "blocks.1"], "name a module twice"),
+        (["blocks"], None),
+    ],
+)
 def test_bad_split_points_are_one_line(points: list[str], message: str | None) -> None:
     tokens = torch.zeros(2, tiny_modules.SEQ, dtype=torch.long)
     if message is None:  # a container is a module too: the cut falls before its first block
-        assert len(pipeweave.pipeline(tiny_modules.Looped(), (tokens,), points, loss=tiny_modules.token_loss,
-                                      dataset=DATA).layers) == 2
+        assert (
+            len(
+                pipeweave.pipeline(
+                    tiny_modules.Looped(), (tokens,), points, loss=tiny_modules.token_loss, dataset=DATA
+                ).layers
+            )
+            == 2
+        )
         return
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         pipeweave.pipeline(tiny_modules.Looped(), (tokens,), points, loss=tiny_modules.token_loss, dataset=DATA)
@@ -148,8 +168,7 @@ def test_an_untraceable_module_is_one_line_with_the_reason_and_the_workaround() 
 def test_an_asynchronous_schedule_refuses_tied_parameters_in_one_line() -> None:
     spec = ModelSpec(kind="custom", entry=f"{MODELS / 'tiny_modules.py'}:declared")
     with pytest.raises(UserError, match="tied parameters .* asynchronous pipedream-2bw, .* only, not pipemare; "):
-        run_reference(generate("pipemare", num_stages=2, num_microbatches=2, num_steps=2), spec, steps=2,
-                      batch_size=4)
+        run_reference(generate("pipemare", num_stages=2, num_microbatches=2, num_steps=2), spec, steps=2, batch_size=4)
 
 
 def test_hf_config_and_model_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -165,7 +184,8 @@ def test_hf_config_and_model_errors_are_one_line(capsys: pytest.CaptureFixture[s
 
 
 def test_split_points_d_cuts_where_the_time_partitioner_splits_the_profiled_pieces_once_for_every_process(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import pipeweave.pipelining as pipelining
     import pipeweave.runtime.profile as profile
     from pipeweave.partition import partition
@@ -205,12 +225,12 @@ def test_split_points_d_maps_the_partition_back_to_module_names(monkeypatch: pyt
 
     monkeypatch.setattr(pipelining, "profile_model", made_up)
     data = tiny_modules.uneven_data()
-    three = pipeweave.pipeline(tiny_modules.Uneven(), (data.tensors[0][:2],), 3, loss=nn.functional.mse_loss,
-                               dataset=data)
+    three = pipeweave.pipeline(
+        tiny_modules.Uneven(), (data.tensors[0][:2],), 3, loss=nn.functional.mse_loss, dataset=data
+    )
     assert three.split_points == ("blocks.1", "blocks.3")  # (1, 2, 1): 6, 6 and 7
     with pytest.raises(UserError, match=r"^split_points=5 parts, but the module has 4 pieces to group"):
-        pipeweave.pipeline(tiny_modules.Uneven(), (data.tensors[0][:2],), 5, loss=nn.functional.mse_loss,
-                           dataset=data)
+        pipeweave.pipeline(tiny_modules.Uneven(), (data.tensors[0][:2],), 5, loss=nn.functional.mse_loss, dataset=data)
 
 
 def test_a_module_export_refuses_is_traced_by_fx_with_its_blocks_kept_whole() -> None:
@@ -247,22 +267,37 @@ def test_a_split_module_s_dataset_is_cut_to_lengths_of_its_own_and_bad_lengths_a
 
 def test_split_points_d_in_a_module_file_is_one_line_naming_partition_time(tmp_path: Path) -> None:
     path = tmp_path / "net.py"
-    path.write_text(f"import sys\nsys.path.insert(0, {str(MODELS)!r})\n"
-                    "from tiny_modules import plain_factory, loss, dataset\nsplit_points = 2\n")
-    with pytest.raises(UserError, match=r"split_points = 2 asks for a split balanced by the profiler, which the "
-                                        r"command line does by itself: drop split_points and give --partition time$"):
+    path.write_text(
+        f"import sys\nsys.path.insert(0, {str(MODELS)!r})\n"
+        "from tiny_modules import plain_factory, loss, dataset\nsplit_points = 2\n"
+    )
+    with pytest.raises(
+        UserError,
+        match=r"split_points = 2 asks for a split balanced by the profiler, which the "
+        r"command line does by itself: drop split_points and give --partition time$",
+    ):
         ModelSpec(kind="custom", entry=f"{path}:plain_factory").custom  # noqa: B018 - reading it raises
 
 
-LLAMA = json.dumps({"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
-                    "num_key_value_heads": 1, "vocab_size": 256, "max_position_embeddings": 32,
-                    "tie_word_embeddings": True})
+LLAMA = json.dumps(
+    {
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 256,
+        "max_position_embeddings": 32,
+        "tie_word_embeddings": True,
+    }
+)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("entry, config", [("hf:gpt2", GPT2), ("hf:llama", LLAMA)])
-def test_masks_positions_and_rotary_tables_recomputed_per_part_follow_the_sequence_length(entry: str,
-                                                                                         config: str) -> None:
+def test_masks_positions_and_rotary_tables_recomputed_per_part_follow_the_sequence_length(
+    entry: str, config: str
+) -> None:
     from unsplit import unsplit_module
 
     spec = ModelSpec(kind="custom", entry=entry, hf_config=config, seq_len=16)

@@ -146,18 +146,28 @@ def noisy() -> LayerModel:
 
 
 def tuples() -> LayerModel:
-    return LayerModel(layers=[Embed, Masked, Fork, Join, Masked, Pool], loss=nn.functional.cross_entropy,
-                      dataset=_WithLengths(96, 0), eval_dataset=_WithLengths(32, 1))
+    return LayerModel(
+        layers=[Embed, Masked, Fork, Join, Masked, Pool],
+        loss=nn.functional.cross_entropy,
+        dataset=_WithLengths(96, 0),
+        eval_dataset=_WithLengths(32, 1),
+    )
 
 
 def returns_list() -> LayerModel:
-    return LayerModel(layers=[lambda: _AsList(), lambda: nn.Linear(4, 2)], loss=nn.functional.mse_loss,
-                      dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 2)))
+    return LayerModel(
+        layers=[lambda: _AsList(), lambda: nn.Linear(4, 2)],
+        loss=nn.functional.mse_loss,
+        dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 2)),
+    )
 
 
 def wide_tuple() -> LayerModel:
-    return LayerModel(layers=[lambda: _Copies(9), lambda: _First()], loss=nn.functional.mse_loss,
-                      dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 4)))
+    return LayerModel(
+        layers=[lambda: _Copies(9), lambda: _First()],
+        loss=nn.functional.mse_loss,
+        dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 4)),
+    )
 
 
 class _Copies(nn.Module):
@@ -180,16 +190,22 @@ class _AsList(nn.Module):
 
 
 def shallow() -> LayerModel:
-    return LayerModel(layers=[lambda: nn.Embedding(VOCAB, WIDTH), Residual, Head], loss=nn.functional.cross_entropy,
-                      dataset=_pairs(96, 0))
+    return LayerModel(
+        layers=[lambda: nn.Embedding(VOCAB, WIDTH), Residual, Head],
+        loss=nn.functional.cross_entropy,
+        dataset=_pairs(96, 0),
+    )
 
 
 not_a_model = 3
 
 
 def returns_tuple() -> LayerModel:
-    return LayerModel(layers=[lambda: nn.LSTM(4, 4), lambda: nn.Linear(4, 4)], loss=nn.functional.mse_loss,
-                      dataset=torch.utils.data.TensorDataset(torch.randn(4, 2, 4), torch.randn(4, 2, 4)))
+    return LayerModel(
+        layers=[lambda: nn.LSTM(4, 4), lambda: nn.Linear(4, 4)],
+        loss=nn.functional.mse_loss,
+        dataset=torch.utils.data.TensorDataset(torch.randn(4, 2, 4), torch.randn(4, 2, 4)),
+    )
 
 
 def raises() -> LayerModel:
@@ -197,13 +213,19 @@ def raises() -> LayerModel:
 
 
 def wrong_width() -> LayerModel:
-    return LayerModel(layers=[lambda: nn.Linear(4, 8), lambda: nn.Linear(5, 2)], loss=nn.functional.mse_loss,
-                      dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 2)))
+    return LayerModel(
+        layers=[lambda: nn.Linear(4, 8), lambda: nn.Linear(5, 2)],
+        loss=nn.functional.mse_loss,
+        dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 2)),
+    )
 
 
 def wrong_targets() -> LayerModel:
-    return LayerModel(layers=[lambda: nn.Linear(4, 8), lambda: nn.Linear(8, 2)], loss=nn.functional.mse_loss,
-                      dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 3)))
+    return LayerModel(
+        layers=[lambda: nn.Linear(4, 8), lambda: nn.Linear(8, 2)],
+        loss=nn.functional.mse_loss,
+        dataset=torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 3)),
+    )
 
 
 class Peak(nn.Module):
@@ -221,8 +243,9 @@ class Peak(nn.Module):
 
 
 def with_buffer() -> LayerModel:
-    return LayerModel(layers=[lambda: nn.Embedding(VOCAB, WIDTH), Peak, Head], loss=nn.functional.cross_entropy,
-                      dataset=_pairs(96, 0))
+    return LayerModel(
+        layers=[lambda: nn.Embedding(VOCAB, WIDTH), Peak, Head], loss=nn.functional.cross_entropy, dataset=_pairs(96, 0)
+    )
 
 
 class SequenceFirst(nn.Module):
@@ -231,8 +254,11 @@ class SequenceFirst(nn.Module):
 
 
 def batch_second() -> LayerModel:
-    return LayerModel(layers=[lambda: nn.Embedding(VOCAB, WIDTH), SequenceFirst, Head],
-                      loss=nn.functional.cross_entropy, dataset=_pairs(8, 0))
+    return LayerModel(
+        layers=[lambda: nn.Embedding(VOCAB, WIDTH), SequenceFirst, Head],
+        loss=nn.functional.cross_entropy,
+        dataset=_pairs(8, 0),
+    )
 
 
 SPLIT_MLP = {"mlp.0": "colwise", "mlp.2": "rowwise"}  # the residual block's two linear layers, Megatron's MLP
@@ -240,14 +266,21 @@ SPLIT_MLP = {"mlp.0": "colwise", "mlp.2": "rowwise"}  # the residual block's two
 
 def tensor_parallel() -> LayerModel:
     """``model``'s layers with a tensor-parallel plan for its residual blocks (the rest whole on every rank)."""
-    return LayerModel(layers=[lambda: nn.Embedding(VOCAB, WIDTH), Residual, Residual, Head],
-                      loss=nn.functional.cross_entropy, dataset=_pairs(96, 0),
-                      tp_plan=[None, SPLIT_MLP, SPLIT_MLP, None])
+    return LayerModel(
+        layers=[lambda: nn.Embedding(VOCAB, WIDTH), Residual, Residual, Head],
+        loss=nn.functional.cross_entropy,
+        dataset=_pairs(96, 0),
+        tp_plan=[None, SPLIT_MLP, SPLIT_MLP, None],
+    )
 
 
 def bad_tp_plan() -> LayerModel:
-    return LayerModel(layers=[lambda: nn.Embedding(VOCAB, WIDTH), Residual, Head], loss=nn.functional.cross_entropy,
-                      dataset=_pairs(96, 0), tp_plan=[None, {"mlp.5": "rowwise"}, None])
+    return LayerModel(
+        layers=[lambda: nn.Embedding(VOCAB, WIDTH), Residual, Head],
+        loss=nn.functional.cross_entropy,
+        dataset=_pairs(96, 0),
+        tp_plan=[None, {"mlp.5": "rowwise"}, None],
+    )
 
 
 def noisy_selective() -> LayerModel:

@@ -67,8 +67,9 @@ def looped() -> pipeweave.models.LayerModel:
 
 
 def looped_at_points() -> pipeweave.models.LayerModel:
-    return pipeweave.pipeline(Looped(), (torch.zeros(2, SEQ, dtype=torch.long),), ["blocks.1"], loss=token_loss,
-                              dataset=_tokens(64, 0))
+    return pipeweave.pipeline(
+        Looped(), (torch.zeros(2, SEQ, dtype=torch.long),), ["blocks.1"], loss=token_loss, dataset=_tokens(64, 0)
+    )
 
 
 def sequential() -> pipeweave.models.LayerModel:
@@ -113,9 +114,12 @@ def sequential_module() -> nn.Sequential:
 
 def declared() -> pipeweave.models.LayerModel:
     """Two layers declared tied (DeepSpeed's TiedLayerSpec's way): their weights are one parameter."""
-    return pipeweave.models.LayerModel(layers=[lambda: nn.Linear(4, 4), lambda: nn.Linear(4, 4)],
-                                       loss=nn.functional.mse_loss, tied=[["0.weight", "1.weight"]],
-                                       dataset=torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 4)))
+    return pipeweave.models.LayerModel(
+        layers=[lambda: nn.Linear(4, 4), lambda: nn.Linear(4, 4)],
+        loss=nn.functional.mse_loss,
+        tied=[["0.weight", "1.weight"]],
+        dataset=torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 4)),
+    )
 
 
 def tied_sequential() -> pipeweave.models.LayerModel:

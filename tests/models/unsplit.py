@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeweave.config import TrainConfig
 from pipeweave.data import data_source, step_microbatches
 from pipeweave.models import ModelSpec
 from pipeweave.models.boundary import num_samples
 from pipeweave.models.hf import build_module
-from pipeweave.config import TrainConfig
 
 FILE = Path(__file__).resolve().parent / "tiny_modules.py"
 
@@ -28,8 +28,12 @@ def unsplit_module(spec: ModelSpec) -> nn.Module:
     loaded.loader.exec_module(module)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        built = {"looped": module.Looped, "sequential": module.sequential_module, "uneven": module.Uneven,
-                 "routed": module.Routed}[(spec.entry or "").rsplit(":")[1]]()
+        built = {
+            "looped": module.Looped,
+            "sequential": module.sequential_module,
+            "uneven": module.Uneven,
+            "routed": module.Routed,
+        }[(spec.entry or "").rsplit(":")[1]]()
     return built  # type: ignore[no-any-return]
 
 

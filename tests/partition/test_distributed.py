@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from config_defaults import train_config
 
 from pipeweave.models import ModelSpec
-from pipeweave.config import TrainConfig
+from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.lazy import run_rank_recording_builds
-from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.run.prepare import prepare
-from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -19,8 +18,15 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 def test_dp_x_pp_with_a_partition_equals_plain_training_and_builds_only_own_layers() -> None:
     spec = ModelSpec(kind="mlp", layers=5, hidden=16)
     config = train_config(
-        schedule="1f1b", num_stages=2, num_microbatches=2, model=spec, batch_size=9, steps=3,
-        layers_per_part=(3, 2), data_parallel=2, collect_parameters=True,
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=2,
+        model=spec,
+        batch_size=9,
+        steps=3,
+        layers_per_part=(3, 2),
+        data_parallel=2,
+        collect_parameters=True,
     )
     schedule = prepare(config).schedule
     assert schedule.num_ranks == 4

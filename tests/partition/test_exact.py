@@ -24,9 +24,14 @@ def random_costs(rng: np.random.Generator, n: int) -> LayerCosts:
     """Random integer costs, so that ties are exact and common."""
     draw = lambda high: rng.integers(0, high, n).tolist()  # noqa: E731
     return LayerCosts(
-        names=[f"layers.{i}" for i in range(n)], types=["Block"] * n,
-        forward=[1 + x for x in draw(5)], input_grad=draw(6), weight_grad=draw(4),
-        activation=[1 + x for x in draw(8)], params=draw(9), output=draw(5),
+        names=[f"layers.{i}" for i in range(n)],
+        types=["Block"] * n,
+        forward=[1 + x for x in draw(5)],
+        input_grad=draw(6),
+        weight_grad=draw(4),
+        activation=[1 + x for x in draw(8)],
+        params=draw(9),
+        output=draw(5),
     )
 
 

@@ -80,7 +80,12 @@ def test_explicit() -> None:
 
 @pytest.mark.parametrize(
     ("counts", "fragment"),
-    [((3, 2, 2), "gives 3 parts for 4"), ((3, 2, 2, 2), "sums to 9 layers"), ((4, 0, 2, 2), "empty part"), (None, "needs")],
+    [
+        ((3, 2, 2), "gives 3 parts for 4"),
+        ((3, 2, 2, 2), "sums to 9 layers"),
+        ((4, 0, 2, 2), "empty part"),
+        (None, "needs"),
+    ],
 )
 def test_explicit_errors(counts: tuple[int, ...] | None, fragment: str) -> None:
     with pytest.raises(UserError, match=fragment) as info:

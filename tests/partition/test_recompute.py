@@ -16,11 +16,16 @@ from pipeweave.sim import CostModel, compute_metrics, simulate
 # Six layers shaped like a small gpt's: an embedding, four blocks (selective replays a tenth of their
 # forward and keeps 60 % of their activations), a head with large logits.
 COSTS = LayerCosts(
-    names=tuple(f"layers.{i}" for i in range(6)), types=("Embedding",) + ("Block",) * 4 + ("Head",),
-    forward=(0.2, 1.0, 1.1, 0.9, 1.0, 0.8), input_grad=(0.1, 1.0, 1.0, 1.0, 1.0, 0.8),
-    weight_grad=(0.2, 1.0, 1.0, 1.0, 1.0, 0.8), activation=(1.0, 10.0, 10.0, 10.0, 10.0, 6.0),
-    selective_activation=(1.0, 6.0, 6.0, 6.0, 6.0, 6.0), selective_forward=(0.0, 0.1, 0.1, 0.1, 0.1, 0.0),
-    params=(1.0, 0.5, 0.5, 0.5, 0.5, 1.0), output=(1.0,) * 5 + (0.0,),
+    names=tuple(f"layers.{i}" for i in range(6)),
+    types=("Embedding",) + ("Block",) * 4 + ("Head",),
+    forward=(0.2, 1.0, 1.1, 0.9, 1.0, 0.8),
+    input_grad=(0.1, 1.0, 1.0, 1.0, 1.0, 0.8),
+    weight_grad=(0.2, 1.0, 1.0, 1.0, 1.0, 0.8),
+    activation=(1.0, 10.0, 10.0, 10.0, 10.0, 6.0),
+    selective_activation=(1.0, 6.0, 6.0, 6.0, 6.0, 6.0),
+    selective_forward=(0.0, 0.1, 0.1, 0.1, 0.1, 0.0),
+    params=(1.0, 0.5, 0.5, 0.5, 0.5, 1.0),
+    output=(1.0,) * 5 + (0.0,),
 )
 SCHEDULE = generate("1f1b", num_stages=3, num_microbatches=6)
 PROFILE = MemoryProfile.of_schedule(SCHEDULE, state=1.0)
@@ -59,13 +64,19 @@ def test_memory_partition_chooses_split_and_recomputation_within_5_percent_of_al
 
 
 def test_a_limit_below_every_choice_names_the_least_that_fits() -> None:
-    with pytest.raises(UserError, match=r"^--memory-limit 10 bytes is below the least any split and "
-                                        r"recomputation needs \(\d+(\.\d+)? bytes\); raise the limit or add stages$"):
+    with pytest.raises(
+        UserError,
+        match=r"^--memory-limit 10 bytes is below the least any split and "
+        r"recomputation needs \(\d+(\.\d+)? bytes\); raise the limit or add stages$",
+    ):
         partition("memory", COSTS, 3, PartitionContext(memory_limit=10.0, profile=PROFILE, recompute="auto"))
     with pytest.raises(UserError, match="--recompute auto is chosen by --partition memory"):
         partition("time", COSTS, 3, PartitionContext(recompute="auto"))
-    assert partition("time", COSTS, 3, PartitionContext(recompute="none,full,none")).recompute == ("none", "full",
-                                                                                                    "none")
+    assert partition("time", COSTS, 3, PartitionContext(recompute="none,full,none")).recompute == (
+        "none",
+        "full",
+        "none",
+    )
 
 
 def test_train_takes_the_recomputation_partition_memory_chose(tmp_path: object) -> None:
@@ -78,8 +89,26 @@ def test_train_takes_the_recomputation_partition_memory_chose(tmp_path: object) 
 
     costs = Path(str(tmp_path)) / "costs.json"
     costs.write_text(json.dumps(COSTS.to_json()))
-    flags = ["train", "-s", "1f1b", "--stages", "3", "--microbatches", "6", "--model", "gpt", "--layers", "4",
-             "--partition", "memory", "--costs", str(costs), "--optimizer-state", "1", "--memory-limit"]
+    flags = [
+        "train",
+        "-s",
+        "1f1b",
+        "--stages",
+        "3",
+        "--microbatches",
+        "6",
+        "--model",
+        "gpt",
+        "--layers",
+        "4",
+        "--partition",
+        "memory",
+        "--costs",
+        str(costs),
+        "--optimizer-state",
+        "1",
+        "--memory-limit",
+    ]
     chosen = partition("memory", COSTS, 3, PartitionContext(memory_limit=30.0, profile=PROFILE, recompute="auto"))
     config = build_config(build_parser().parse_args([*flags, "30", "--recompute", "auto"]))
     assert config.layers_per_part == chosen.counts and config.recompute == ",".join(chosen.recompute)

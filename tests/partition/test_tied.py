@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from config_defaults import train_config
 from torch import nn
 
 from pipeweave.data import ByteCorpus, split_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec, build_layers, loss_fn
-from pipeweave.config import TrainConfig
+from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.reference import run_reference
-from pipeweave.runtime.walk import build_workers, run_step
-from pipeweave.runtime.stage.tied import TiedGradients
-from pipeweave.schedule import SCHEDULES, generate
 from pipeweave.runtime.run.prepare import prepare
-from config_defaults import train_config
+from pipeweave.runtime.stage.tied import TiedGradients
+from pipeweave.runtime.walk import build_workers, run_step
+from pipeweave.schedule import SCHEDULES, generate
 
 TEXT = b"a tied embedding and head share one matrix; " * 30
 SPEC = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8, tie_embeddings=True)
@@ -63,7 +62,9 @@ def test_gradients_are_the_untied_sum() -> None:
         param = workers[stage].named_parameters()[name]
         step = workers[stage].optimizer.step
         workers[stage].optimizer.step = lambda step=step, param=param, name=name: (  # type: ignore[method-assign]
-            seen.setdefault(name, param.grad.clone()), step())[1]
+            seen.setdefault(name, param.grad.clone()),
+            step(),
+        )[1]
     inputs, targets = ByteCorpus(TEXT, seq_len=8, batch_size=6).batch(0)
     run_step(schedule, workers, split_microbatches(inputs, 2), split_microbatches(targets, 2), combine=ties.hooks)
     # untied gradients of the same batch, from one whole untied model
@@ -92,8 +93,18 @@ def test_reference_run_equals_one_shared_parameter_and_stays_bit_identical(name:
 def test_distributed_tied_weights_stay_bit_identical(tmp_path) -> None:  # type: ignore[no-untyped-def]
     data = tmp_path / "text.txt"
     data.write_bytes(TEXT)
-    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=3, model=SPEC, batch_size=6, steps=3,
-                         lr=0.1, data=str(data), collect_parameters=True, layers_per_part=(1, 3))
+    config = train_config(
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=3,
+        model=SPEC,
+        batch_size=6,
+        steps=3,
+        lr=0.1,
+        data=str(data),
+        collect_parameters=True,
+        layers_per_part=(1, 3),
+    )
     record = launch(run_rank, prepare(config), 2, LaunchOptions(timeout_s=60))
     rank0, rank1 = (r.parameters for r in record.ranks)
     assert torch.equal(rank0[0]["0.token"], rank1[1][HEAD])

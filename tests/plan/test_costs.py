@@ -22,8 +22,18 @@ IDEAL = Efficiency(eta_max=1.0, n_half=0.0)
 
 @pytest.mark.parametrize("row", TABLE_1, ids=lambda r: r.model)
 def test_parameters_are_table_1s(row: object) -> None:
-    published = {"gpt-1.7b": 1.7, "gpt-3.6b": 3.6, "gpt-7.5b": 7.5, "gpt-18b": 18.4, "gpt-39b": 39.1,
-                 "gpt-76b": 76.1, "gpt-145b": 145.6, "gpt-310b": 310.1, "gpt-530b": 529.6, "gpt-1t": 1008.0}
+    published = {
+        "gpt-1.7b": 1.7,
+        "gpt-3.6b": 3.6,
+        "gpt-7.5b": 7.5,
+        "gpt-18b": 18.4,
+        "gpt-39b": 39.1,
+        "gpt-76b": 76.1,
+        "gpt-145b": 145.6,
+        "gpt-310b": 310.1,
+        "gpt-530b": 529.6,
+        "gpt-1t": 1008.0,
+    }
     model = row.transformer  # type: ignore[attr-defined]
     assert round(model.parameters / 1e9, 1) == pytest.approx(published[model.name], abs=0.051)
 
@@ -36,8 +46,13 @@ def test_gemm_flops_sum_to_equation_3(tp: int) -> None:
     # one forward of l blocks and the head, x 3 (forward, backward) + one more forward of the blocks
     assert 3 * (m.layers * block + head) + m.layers * block == pytest.approx(step_flops(m, b))
     assert step_flops(m, b) == pytest.approx(
-        96 * b * m.seq_len * m.layers * m.hidden**2
-        * (1 + m.seq_len / (6 * m.hidden) + m.vocab / (16 * m.layers * m.hidden)))
+        96
+        * b
+        * m.seq_len
+        * m.layers
+        * m.hidden**2
+        * (1 + m.seq_len / (6 * m.hidden) + m.vocab / (16 * m.layers * m.hidden))
+    )
 
 
 def test_recompute_adds_the_replayed_forward_to_i_only() -> None:
@@ -62,8 +77,10 @@ def test_scatter_gather_shortens_an_inter_node_message() -> None:
     whole = Cluster(model=model, gpu=gpu, efficiency=IDEAL, scatter_gather=False)
     nbytes = 2048 * 25600 * 2
     assert hop_time(whole, tp=8, microbatch_size=1, inter_node=True) == pytest.approx(5e-6 + nbytes / 25e9)
-    assert hop_time(split, tp=8, microbatch_size=1, inter_node=True) < hop_time(whole, tp=8, microbatch_size=1,
-                                                                                  inter_node=True) / 4
+    assert (
+        hop_time(split, tp=8, microbatch_size=1, inter_node=True)
+        < hop_time(whole, tp=8, microbatch_size=1, inter_node=True) / 4
+    )
 
 
 def test_activations_are_korthikantis() -> None:
@@ -80,13 +97,17 @@ def test_sequence_parallel_activations_are_korthikantis_table_2() -> None:
     s, h, a, t = m.seq_len, m.hidden, m.heads, 8
     held, stash, _ = block_activation_bytes(m, tp=t, recompute="none", sequence_parallel=True)
     assert held == pytest.approx(s * h * (34 / t + 5 * a * s / (h * t)))
-    assert block_activation_bytes(m, tp=t, recompute="selective", sequence_parallel=True)[0] == \
-        pytest.approx(s * h * 34 / t)
-    assert block_activation_bytes(m, tp=t, recompute="full", sequence_parallel=True)[:2] == \
-        pytest.approx((2 * s * h / t, 14 * s * h / t))  # the block's input, and M_W, on 1/t of the sequence
+    assert block_activation_bytes(m, tp=t, recompute="selective", sequence_parallel=True)[0] == pytest.approx(
+        s * h * 34 / t
+    )
+    assert block_activation_bytes(m, tp=t, recompute="full", sequence_parallel=True)[:2] == pytest.approx(
+        (2 * s * h / t, 14 * s * h / t)
+    )  # the block's input, and M_W, on 1/t of the sequence
     schedule = generate("1f1b", num_stages=2, num_microbatches=4)
-    base, split = (gpu_memory(schedule, m, Layout(tp=t, sequence_parallel=sp), microbatch_size=1,
-                              recompute="selective") for sp in (False, True))
+    base, split = (
+        gpu_memory(schedule, m, Layout(tp=t, sequence_parallel=sp), microbatch_size=1, recompute="selective")
+        for sp in (False, True)
+    )
     assert split.activations < base.activations and split.params == base.params
 
 
@@ -106,22 +127,43 @@ def test_memory_uses_the_simulated_peak_and_zero_shares() -> None:
 def test_zero_3_gathers_before_each_f_and_i() -> None:
     cluster = Cluster(model=MODELS["gpt-1.7b"], gpu=GPUS["a100-80gb"], efficiency=IDEAL)
     ev = Evaluator(cluster=cluster, batch=512)
-    base = Config(tp=1, pp=1, dp=32, chunks=1, microbatch_size=1, microbatches=16, schedule="1f1b",
-                  recompute="none", zero=1)
+    base = Config(
+        tp=1, pp=1, dp=32, chunks=1, microbatch_size=1, microbatches=16, schedule="1f1b", recompute="none", zero=1
+    )
     f1, i1, w1, _ = ev.times(base, 1)
     f3, i3, w3, _ = ev.times(Config(**{**base.as_dict(), "zero": 3}), 1)  # type: ignore[arg-type]
     assert f3[0] > f1[0] and i3[0] > i1[0] and w3 == w1  # 3.3 GB gathered at 25 GB/s outlasts the compute
 
 
-@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zb-h1", 1),
-                                              ("zb-h2", 1), ("zb-v", 2), ("chimera", 1), ("dualpipe-v", 2)])
+@pytest.mark.parametrize(
+    "schedule, chunks",
+    [
+        ("1f1b", 1),
+        ("gpipe", 1),
+        ("interleaved-1f1b", 2),
+        ("zb-h1", 1),
+        ("zb-h2", 1),
+        ("zb-v", 2),
+        ("chimera", 1),
+        ("dualpipe-v", 2),
+    ],
+)
 def test_time_bound_is_below_the_simulated_step_and_exact_for_1f1b(schedule: str, chunks: int) -> None:
     from pipeweave.plan.bound import time_bound
 
     cluster = Cluster(model=MODELS["gpt-39b"], gpu=GPUS["a100-80gb"], efficiency=IDEAL)
     ev = Evaluator(cluster=cluster, batch=64)
-    config = Config(tp=8, pp=4, dp=2, chunks=chunks, microbatch_size=2, microbatches=16, schedule=schedule,
-                    recompute="selective", zero=1)
+    config = Config(
+        tp=8,
+        pp=4,
+        dp=2,
+        chunks=chunks,
+        microbatch_size=2,
+        microbatches=16,
+        schedule=schedule,
+        recompute="selective",
+        zero=1,
+    )
     result = ev.evaluate(config, time_unfit=True)
     assert result is not None
     bound = time_bound(config, ev)
@@ -130,9 +172,20 @@ def test_time_bound_is_below_the_simulated_step_and_exact_for_1f1b(schedule: str
         assert bound == pytest.approx(result.step_time - result.dp_exposed, rel=1e-9)
 
 
-@pytest.mark.parametrize("schedule, chunks", [("1f1b", None), ("gpipe", None), ("interleaved-1f1b", 3),
-                                              ("zb-h2", None), ("zb-v", None), ("chimera", None), ("dualpipe", None),
-                                              ("dualpipe-v", None), ("gems", None)])
+@pytest.mark.parametrize(
+    "schedule, chunks",
+    [
+        ("1f1b", None),
+        ("gpipe", None),
+        ("interleaved-1f1b", 3),
+        ("zb-h2", None),
+        ("zb-v", None),
+        ("chimera", None),
+        ("dualpipe", None),
+        ("dualpipe-v", None),
+        ("gems", None),
+    ],
+)
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_the_profile_walk_finds_held_peaks_own_peaks(schedule: str, chunks: int | None, recompute: str) -> None:
     from pipeweave.plan.activations import activation_profile, peaks
@@ -145,8 +198,9 @@ def test_the_profile_walk_finds_held_peaks_own_peaks(schedule: str, chunks: int 
 
 
 def test_the_planner_with_sequence_parallelism_holds_fewer_activations_and_sends_smaller_messages() -> None:
-    config = Config(tp=8, pp=4, dp=2, chunks=1, microbatch_size=2, microbatches=16, schedule="1f1b",
-                    recompute="selective", zero=1)
+    config = Config(
+        tp=8, pp=4, dp=2, chunks=1, microbatch_size=2, microbatches=16, schedule="1f1b", recompute="selective", zero=1
+    )
     results = []
     for sp in (False, True):
         cluster = Cluster(model=MODELS["gpt-39b"], gpu=GPUS["a100-80gb"], efficiency=IDEAL, sequence_parallel=sp)
@@ -163,16 +217,18 @@ def test_the_naive_bound_is_its_makespan() -> None:
     from pipeweave.plan.bound import time_bound
 
     ev = Evaluator(cluster=Cluster(model=MODELS["gpt-39b"], gpu=GPUS["a100-80gb"], efficiency=IDEAL), batch=64)
-    config = Config(tp=8, pp=4, dp=2, chunks=1, microbatch_size=2, microbatches=16, schedule="naive",
-                    recompute="full", zero=0)
+    config = Config(
+        tp=8, pp=4, dp=2, chunks=1, microbatch_size=2, microbatches=16, schedule="naive", recompute="full", zero=0
+    )
     result = ev.evaluate(config, time_unfit=True)
     assert result is not None and time_bound(config, ev) <= result.step_time - result.dp_exposed + 1e-9
     assert time_bound(config, ev) == pytest.approx(result.step_time - result.dp_exposed, rel=0.01)  # hops aside
 
 
 def test_presets_order_by_their_datasheets() -> None:
-    row = Config(tp=8, pp=2, dp=32, chunks=1, microbatch_size=4, microbatches=12, schedule="1f1b",
-                 recompute="full", zero=0)
+    row = Config(
+        tp=8, pp=2, dp=32, chunks=1, microbatch_size=4, microbatches=12, schedule="1f1b", recompute="full", zero=0
+    )
     steps = {}
     for name in ("a100-80gb", "h100-sxm", "h200"):
         cluster = Cluster(model=MODELS["gpt-39b"], gpu=GPUS[name], efficiency=IDEAL)
@@ -182,8 +238,10 @@ def test_presets_order_by_their_datasheets() -> None:
     assert steps["h200"] < steps["h100-sxm"] < steps["a100-80gb"]  # same compute, H200's faster HBM
 
 
-@pytest.mark.parametrize("schedule, chunks", [("1f1b", None), ("interleaved-1f1b", 2), ("zb-h2", None),
-                                              ("zb-v", None), ("chimera", None), ("dualpipe-v", None)])
+@pytest.mark.parametrize(
+    "schedule, chunks",
+    [("1f1b", None), ("interleaved-1f1b", 2), ("zb-h2", None), ("zb-v", None), ("chimera", None), ("dualpipe-v", None)],
+)
 def test_the_critical_path_is_the_makespan_and_a_bound_under_other_times(schedule: str, chunks: int | None) -> None:
     from pipeweave.plan.critical import critical_path
     from pipeweave.sim.cost import CostModel

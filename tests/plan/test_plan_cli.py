@@ -4,19 +4,33 @@ as one line saying what would make it fit."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from collections.abc import Callable
 
 from pipeweave.cli import main
 
 CliError = Callable[..., str]
 
 SMALL = ["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512"]
-FIELDS = {"tp", "pp", "dp", "chunks", "microbatch_size", "microbatches", "schedule", "recompute", "zero",
-          "step_time_s", "tflops_per_gpu", "mfu", "bubble_ratio", "memory_gib", "fits"}
+FIELDS = {
+    "tp",
+    "pp",
+    "dp",
+    "chunks",
+    "microbatch_size",
+    "microbatches",
+    "schedule",
+    "recompute",
+    "zero",
+    "step_time_s",
+    "tflops_per_gpu",
+    "mfu",
+    "bubble_ratio",
+    "memory_gib",
+    "fits",
+}
 
 
 def plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
@@ -29,7 +43,7 @@ def test_json_has_the_fields_best_first(capsys: pytest.CaptureFixture[str]) -> N
     out = plan_json(capsys, *SMALL)
     configs = out["configurations"]
     assert isinstance(configs, list) and len(configs) >= 10
-    assert FIELDS <= set(configs[0])
+    assert set(configs[0]) >= FIELDS
     fitting = [c for c in configs if c["fits"]]
     assert configs[: len(fitting)] == fitting
     assert [c["step_time_s"] for c in fitting] == sorted(c["step_time_s"] for c in fitting)
@@ -38,8 +52,24 @@ def test_json_has_the_fields_best_first(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_the_search_returns_the_exhaustive_top(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--model", "gpt", "--layers", "8", "--hidden", "1024", "--heads", "16", "--seq-len", "1024", "--gpus",
-            "16", "--global-batch", "64", "--top", "5"]
+    argv = [
+        "--model",
+        "gpt",
+        "--layers",
+        "8",
+        "--hidden",
+        "1024",
+        "--heads",
+        "16",
+        "--seq-len",
+        "1024",
+        "--gpus",
+        "16",
+        "--global-batch",
+        "64",
+        "--top",
+        "5",
+    ]
     pruned = plan_json(capsys, *argv)["configurations"]
     every = plan_json(capsys, *argv, "--all")["configurations"]
     assert isinstance(pruned, list) and isinstance(every, list) and len(every) > len(pruned)
@@ -47,9 +77,28 @@ def test_the_search_returns_the_exhaustive_top(capsys: pytest.CaptureFixture[str
 
 
 def test_fixed_dimensions_evaluate_one_configuration(capsys: pytest.CaptureFixture[str]) -> None:
-    out = plan_json(capsys, "--model", "gpt-39b", "--gpus", "512", "--global-batch", "1536", "--tensor-parallel",
-                    "8", "--stages", "2", "--microbatch-size", "4", "-s", "1f1b", "--recompute", "full", "--zero",
-                    "0", "--no-dp-overlap")
+    out = plan_json(
+        capsys,
+        "--model",
+        "gpt-39b",
+        "--gpus",
+        "512",
+        "--global-batch",
+        "1536",
+        "--tensor-parallel",
+        "8",
+        "--stages",
+        "2",
+        "--microbatch-size",
+        "4",
+        "-s",
+        "1f1b",
+        "--recompute",
+        "full",
+        "--zero",
+        "0",
+        "--no-dp-overlap",
+    )
     configs = out["configurations"]
     assert isinstance(configs, list) and len(configs) == 1
     c = configs[0]
@@ -65,26 +114,77 @@ def test_table_explain_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Pa
 
 
 def test_custom_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    out = plan_json(capsys, *SMALL, "--gpu", "custom", "--peak-tflops", "624", "--memory-gib", "80",
-                    "--intra-node-gbps", "2400", "--inter-node-gbps", "200")
+    out = plan_json(
+        capsys,
+        *SMALL,
+        "--gpu",
+        "custom",
+        "--peak-tflops",
+        "624",
+        "--memory-gib",
+        "80",
+        "--intra-node-gbps",
+        "2400",
+        "--inter-node-gbps",
+        "200",
+    )
     slow = plan_json(capsys, *SMALL)
     assert out["configurations"][0]["step_time_s"] < slow["configurations"][0]["step_time_s"]  # type: ignore[index]
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--model", "gpt", "--layers", "24", "--hidden", "2304", "--heads", "24", "--gpus", "7",
-      "--global-batch", "512"], ["7 GPUs split into no TP x PP x DP", "give --gpus 6 or 8"]),
-    (["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "--tensor-parallel", "5"],
-     ["does not divide the 24 heads", "give one of [1, 2, 4, 8]"]),
-    (["--model", "gpt-1t", "--gpus", "8", "--global-batch", "64"],
-     ["fits on no split of 8 GPUs", "give about", "--gpus"]),
-    (["--model", "gpt", "--layers", "64", "--hidden", "16380", "--heads", "7", "--gpus", "8", "--global-batch", "8",
-      "--vocab", "1024"], ["7 heads allow TP up to 1 only"]),
-    (["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "-s", "pipedream"], ["not a synchronous"]),
-    (["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "--peak-tflops", "100"], ["--gpu custom"]),
-    (["--model", "llama", "--gpus", "32", "--global-batch", "512"], ["unknown --model"]),
-    (["--model", "gpt", "--gpus", "32", "--global-batch", "512"], ["--model gpt needs --layers --hidden --heads"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (
+            [
+                "--model",
+                "gpt",
+                "--layers",
+                "24",
+                "--hidden",
+                "2304",
+                "--heads",
+                "24",
+                "--gpus",
+                "7",
+                "--global-batch",
+                "512",
+            ],
+            ["7 GPUs split into no TP x PP x DP", "give --gpus 6 or 8"],
+        ),
+        (
+            ["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "--tensor-parallel", "5"],
+            ["does not divide the 24 heads", "give one of [1, 2, 4, 8]"],
+        ),
+        (
+            ["--model", "gpt-1t", "--gpus", "8", "--global-batch", "64"],
+            ["fits on no split of 8 GPUs", "give about", "--gpus"],
+        ),
+        (
+            [
+                "--model",
+                "gpt",
+                "--layers",
+                "64",
+                "--hidden",
+                "16380",
+                "--heads",
+                "7",
+                "--gpus",
+                "8",
+                "--global-batch",
+                "8",
+                "--vocab",
+                "1024",
+            ],
+            ["7 heads allow TP up to 1 only"],
+        ),
+        (["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "-s", "pipedream"], ["not a synchronous"]),
+        (["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "--peak-tflops", "100"], ["--gpu custom"]),
+        (["--model", "llama", "--gpus", "32", "--global-batch", "512"], ["unknown --model"]),
+        (["--model", "gpt", "--gpus", "32", "--global-batch", "512"], ["--model gpt needs --layers --hidden --heads"]),
+    ],
+)
 def test_bad_input_is_one_line_saying_what_would_fit(cli_error: CliError, argv: list[str], words: list[str]) -> None:
     err = cli_error(["plan", *argv])
     assert all(w in err for w in words), err

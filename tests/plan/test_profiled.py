@@ -24,8 +24,7 @@ from pipeweave.plan.transformer import Transformer
 
 CliError = Callable[..., str]
 GPT = Transformer(layers=8, hidden=1024, heads=16, seq_len=1024, vocab=4096)
-GPU_ = GPU(name="custom", peak_flops=100e12, memory_bytes=80 * 2**30, intra_node=1e9, inter_node=1e8,
-           gpus_per_node=2)
+GPU_ = GPU(name="custom", peak_flops=100e12, memory_bytes=80 * 2**30, intra_node=1e9, inter_node=1e8, gpus_per_node=2)
 
 
 def _gpt_as_profile(model: Transformer, cluster: Cluster, num_parts: int) -> LayerCosts:
@@ -45,23 +44,34 @@ def _gpt_as_profile(model: Transformer, cluster: Cluster, num_parts: int) -> Lay
     output = activation_bytes(model, 1)
     for k in range(n // num_parts - 1, n, n // num_parts):
         activation[k] -= output
-    return LayerCosts(names=[f"layers.{k}" for k in range(n)], types=["Block"] * n, forward=f, input_grad=i,
-                      weight_grad=w, activation=activation, params=params, output=[output] * n,
-                      meta={"microbatch_size": 1})
+    return LayerCosts(
+        names=[f"layers.{k}" for k in range(n)],
+        types=["Block"] * n,
+        forward=f,
+        input_grad=i,
+        weight_grad=w,
+        activation=activation,
+        params=params,
+        output=[output] * n,
+        meta={"microbatch_size": 1},
+    )
 
 
-@pytest.mark.parametrize("schedule, pp, chunks", [("1f1b", 4, 1), ("gpipe", 2, 1), ("interleaved-1f1b", 2, 2),
-                                                  ("zb-h1", 4, 1)])
+@pytest.mark.parametrize(
+    "schedule, pp, chunks", [("1f1b", 4, 1), ("gpipe", 2, 1), ("interleaved-1f1b", 2, 2), ("zb-h1", 4, 1)]
+)
 def test_the_gpts_own_costs_as_a_profile_give_the_gpts_prediction(schedule: str, pp: int, chunks: int) -> None:
     cluster = Cluster(model=GPT, gpu=GPU_, efficiency=A100_CALIBRATED)
     profile = _gpt_as_profile(GPT, cluster, pp * chunks)
     model = ProfiledModel(costs=profile, profile_microbatch=1)
     assert model.part_parameters(pp * chunks) == part_parameters(GPT, pp * chunks)
-    config = Config(tp=1, pp=pp, dp=2, chunks=chunks, microbatch_size=2, microbatches=8, schedule=schedule,
-                    recompute="none", zero=1)
+    config = Config(
+        tp=1, pp=pp, dp=2, chunks=chunks, microbatch_size=2, microbatches=8, schedule=schedule, recompute="none", zero=1
+    )
     gpt = Evaluator(cluster=cluster, batch=32).evaluate(config)
-    ours = ProfiledEvaluator(cluster=Cluster(model=model, gpu=GPU_, efficiency=A100_CALIBRATED),
-                             batch=32).evaluate(config)
+    ours = ProfiledEvaluator(cluster=Cluster(model=model, gpu=GPU_, efficiency=A100_CALIBRATED), batch=32).evaluate(
+        config
+    )
     assert gpt is not None and ours is not None
     assert ours.step_time == pytest.approx(gpt.step_time, rel=1e-12)
     assert ours.bubble_ratio == pytest.approx(gpt.bubble_ratio, rel=1e-9)
@@ -72,8 +82,9 @@ def test_the_gpts_own_costs_as_a_profile_give_the_gpts_prediction(schedule: str,
 
 
 def test_times_scale_by_the_ratio_of_flop_rates_and_the_microbatch() -> None:
-    costs = LayerCosts(**{**LayerCosts.uniform(4, f=1.0, b=2.0, w=1.0).to_json(), "flops": [2.0] * 4,
-                          "meta": {"microbatch_size": 2}})
+    costs = LayerCosts(
+        **{**LayerCosts.uniform(4, f=1.0, b=2.0, w=1.0).to_json(), "flops": [2.0] * 4, "meta": {"microbatch_size": 2}}
+    )
     # Profiled: 8 FLOPs in 16 s, 0.5 FLOP/s; the target: 10 FLOP/s x eta_max 0.5 = 5 FLOP/s, ten times faster.
     model = profiled_model(costs, target_flops=10.0, eta_max=0.5)
     assert model.scale == pytest.approx(0.1) and model.profile_microbatch == 2
@@ -89,15 +100,19 @@ def test_times_scale_by_the_ratio_of_flop_rates_and_the_microbatch() -> None:
 
 
 def _profile_file(tmp_path: Path, flops: bool = True) -> str:
-    costs = LayerCosts(**{**LayerCosts.uniform(6, f=1e-3, b=1e-3, w=1e-3).to_json(),
-                          "flops": [3e9 if flops else 0.0] * 6, "meta": {"microbatch_size": 4}})
+    costs = LayerCosts(
+        **{
+            **LayerCosts.uniform(6, f=1e-3, b=1e-3, w=1e-3).to_json(),
+            "flops": [3e9 if flops else 0.0] * 6,
+            "meta": {"microbatch_size": 4},
+        }
+    )
     path = tmp_path / "costs.json"
     costs.save(path)
     return str(path)
 
 
-def test_plan_costs_on_a_gpu_and_on_the_profiling_machine(capsys: pytest.CaptureFixture[str],
-                                                           tmp_path: Path) -> None:
+def test_plan_costs_on_a_gpu_and_on_the_profiling_machine(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = _profile_file(tmp_path)
     argv = ["plan", "--costs", path, "--gpus", "4", "--global-batch", "32", "--json"]
     assert main([*argv, "--gpu", "a100-80gb"]) == 0
@@ -105,35 +120,57 @@ def test_plan_costs_on_a_gpu_and_on_the_profiling_machine(capsys: pytest.Capture
     rate = 6 * 3e9 / (6 * 3e-3)  # 1 TFLOP/s measured
     assert a100["model"]["time_scale"] == pytest.approx(rate / (312e12 * A100_CALIBRATED.eta_max))
     assert all(c["tp"] == 1 and c["recompute"] in ("none", "full") for c in a100["configurations"])
-    assert main([*argv, "--gpu", "custom", "--memory-gib", "16", "--intra-node-gbps", "100",
-                 "--inter-node-gbps", "10", "--dispatch", "1e-4"]) == 0
+    assert (
+        main(
+            [
+                *argv,
+                "--gpu",
+                "custom",
+                "--memory-gib",
+                "16",
+                "--intra-node-gbps",
+                "100",
+                "--inter-node-gbps",
+                "10",
+                "--dispatch",
+                "1e-4",
+            ]
+        )
+        == 0
+    )
     here = json.loads(capsys.readouterr().out)
     assert here["model"]["time_scale"] == 1.0 and here["gpu"]["peak_tflops"] == pytest.approx(1.0)
     best = here["configurations"][0]
     assert best["step_time_s"] > a100["configurations"][0]["step_time_s"] * 100
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["--model", "gpt-1.7b"], ["--model describes a GPT", "give one of them"]),
-    (["--tensor-parallel", "2"], ["runs with TP 1"]),
-    (["--sequence-parallel"], ["--sequence-parallel applies to a GPT shape", "drop --sequence-parallel"]),
-    (["--recompute", "selective"], ["recomputes none or full"]),
-    (["--dispatch", "-1"], ["--dispatch -1.0 is invalid"]),
-    (["--profile-tflops", "0"], ["--profile-tflops 0.0 is invalid"]),
-])
-def test_bad_profiled_input_is_one_line(cli_error: CliError, tmp_path: Path, extra: list[str],
-                                        words: list[str]) -> None:
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--model", "gpt-1.7b"], ["--model describes a GPT", "give one of them"]),
+        (["--tensor-parallel", "2"], ["runs with TP 1"]),
+        (["--sequence-parallel"], ["--sequence-parallel applies to a GPT shape", "drop --sequence-parallel"]),
+        (["--recompute", "selective"], ["recomputes none or full"]),
+        (["--dispatch", "-1"], ["--dispatch -1.0 is invalid"]),
+        (["--profile-tflops", "0"], ["--profile-tflops 0.0 is invalid"]),
+    ],
+)
+def test_bad_profiled_input_is_one_line(
+    cli_error: CliError, tmp_path: Path, extra: list[str], words: list[str]
+) -> None:
     err = cli_error(["plan", "--costs", _profile_file(tmp_path), "--gpus", "4", "--global-batch", "32", *extra])
     assert all(w in err for w in words), err
 
 
-def test_a_profile_without_flops_needs_the_rate(cli_error: CliError, capsys: pytest.CaptureFixture[str],
-                                                tmp_path: Path) -> None:
+def test_a_profile_without_flops_needs_the_rate(
+    cli_error: CliError, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     path = _profile_file(tmp_path, flops=False)
     err = cli_error(["plan", "--costs", path, "--gpus", "4", "--global-batch", "32"])
     assert "no counted FLOPs" in err and "--profile-tflops" in err
-    assert main(["plan", "--costs", path, "--gpus", "4", "--global-batch", "32", "--profile-tflops", "1",
-                 "--json"]) == 0
+    assert (
+        main(["plan", "--costs", path, "--gpus", "4", "--global-batch", "32", "--profile-tflops", "1", "--json"]) == 0
+    )
     capsys.readouterr()
     err = cli_error(["plan", "--dispatch", "1e-3", "--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512"])
     assert "apply to a profiled model" in err

@@ -40,14 +40,18 @@ def equals_reference() -> Callable[[Any, Any], None]:
     reference executor's on the same schedule (rtol 1e-5, atol 1e-6)."""
 
     def check(config: Any, record: Any) -> None:
-        reference = run_reference(build_schedule(config), config.model, steps=config.steps,
-                                  batch_size=config.batch_size, optimizer_factory=optimizer_factory(config))
+        reference = run_reference(
+            build_schedule(config),
+            config.model,
+            steps=config.steps,
+            batch_size=config.batch_size,
+            optimizer_factory=optimizer_factory(config),
+        )
         torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
         for rank_record in record.ranks:
             for stage, params in rank_record.parameters.items():
                 for name, value in params.items():
-                    torch.testing.assert_close(value, reference.stage_parameters[stage][name], rtol=1e-5,
-                                               atol=1e-6)
+                    torch.testing.assert_close(value, reference.stage_parameters[stage][name], rtol=1e-5, atol=1e-6)
 
     return check
 

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeweave.runtime.context import RankContext
-from pipeweave.models import ModelSpec
 from pipeweave.config import TrainConfig
+from pipeweave.models import ModelSpec
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.run.job import run_rank
-from pipeweave.runtime.run.prepare import prepare
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
+from pipeweave.runtime.run.prepare import prepare
 
 
 def blocking(context: RankContext, mode: str) -> None:
@@ -88,10 +88,17 @@ def report(rank: int, value: Any) -> None:
 def main(mode: str) -> int:
     try:
         if mode.startswith("train-"):
-            config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=8, steps=50,
-                                 model=ModelSpec(kind="mlp", layers=2, hidden=8))
-            options = LaunchOptions(transport="auto" if mode.endswith("-auto") else "gloo",
-                                    timeout_s=3.0 if mode == "train-stall" else 60.0)
+            config = TrainConfig(
+                schedule="1f1b",
+                num_stages=2,
+                num_microbatches=4,
+                batch_size=8,
+                steps=50,
+                model=ModelSpec(kind="mlp", layers=2, hidden=8),
+            )
+            options = LaunchOptions(
+                transport="auto" if mode.endswith("-auto") else "gloo", timeout_s=3.0 if mode == "train-stall" else 60.0
+            )
             kill = "stall" if mode == "train-stall" else "kill" in mode
             launch(failing_training, (config, kill), 2, options, on_progress=report)
         else:

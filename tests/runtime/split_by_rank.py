@@ -93,15 +93,22 @@ def named() -> pipeweave.models.LayerModel:
 
 
 if __name__ == "__main__":  # a user's torchrun script: the group first, so rank 0 alone profiles; then the run
-    from pipeweave.models import ModelSpec
     from pipeweave.config import TrainConfig
+    from pipeweave.models import ModelSpec
     from pipeweave.runtime.run.job import run_rank
     from pipeweave.runtime.run.launch import launch
     from pipeweave.runtime.run.prepare import prepare
 
     dist.init_process_group("gloo")
-    config = TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4, steps=2, optimizer="sgd",
-                         model=ModelSpec.of(profiled))
+    config = TrainConfig(
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=2,
+        batch_size=4,
+        steps=2,
+        optimizer="sgd",
+        model=ModelSpec.of(profiled),
+    )
     record = launch(run_rank, prepare(config), 2)
     print(json.dumps({"cut at": list(config.model.custom.split_points), "losses": record and record.losses}))
     dist.destroy_process_group()

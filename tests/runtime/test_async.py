@@ -27,26 +27,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from config_defaults import train_config
 
-from pipeweave.runtime.context import RankContext
-from pipeweave.models import ModelSpec
 from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.job import run_rank
-from pipeweave.runtime.run.record import RunRecord
-from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.models import ModelSpec
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.plain import run_plain
+from pipeweave.runtime.reference import run_reference, run_stream_reference
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.run.prepare import build_schedule, learning_rates, optimizer_factory, prepare
+from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stage.policy import PolicyOptions, RankPolicy
-from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.reference import run_stream_reference
 from pipeweave.runtime.stream import stream_steps, stream_updates
 from pipeweave.schedule import SCHEDULES, generate
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.versions import read_versions, weight_copies
-from pipeweave.runtime.run.prepare import build_schedule, learning_rates, optimizer_factory, prepare
 from pipeweave.weights.prediction import update_direction
-from config_defaults import train_config
 
 RANKS = (2, 3)
 STEPS = 4  # mini-batches: warm-up, two steady, drain
@@ -70,8 +69,15 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.distributed, py
 def _config(case: str, ranks: int) -> TrainConfig:
     name, options, overrides = VARIANTS[case]
     fields: dict[str, object] = dict(
-        schedule=name, num_stages=ranks, num_microbatches=T, model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8),
-        batch_size=2 * T - 1, steps=STEPS, lr=0.05, momentum=0.9, collect_parameters=True,
+        schedule=name,
+        num_stages=ranks,
+        num_microbatches=T,
+        model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8),
+        batch_size=2 * T - 1,
+        steps=STEPS,
+        lr=0.05,
+        momentum=0.9,
+        collect_parameters=True,
         options=tuple(options.items()),
     )
     fields.update(overrides)
@@ -91,7 +97,9 @@ def runs(request: pytest.FixtureRequest) -> dict[str, tuple[TrainConfig, RunReco
     return {case: (configs[case], record) for case, record in zip(configs, records)}
 
 
-def _part_bytes(config: TrainConfig, stage_parameters: list[dict[str, torch.Tensor]], part_of: tuple[int, ...]) -> list[float]:
+def _part_bytes(
+    config: TrainConfig, stage_parameters: list[dict[str, torch.Tensor]], part_of: tuple[int, ...]
+) -> list[float]:
     out = [0.0] * (max(part_of) + 1)
     for s, params in enumerate(stage_parameters):
         out[part_of[s]] = float(sum(p.numel() * p.element_size() for p in params.values()))
@@ -107,8 +115,15 @@ def test_stream_distributed_equals_reference_versions_and_weight_bytes(
     rates = None
     if config.lr_scheduled:
         rates = learning_rates(config, updates=stream_updates(schedule) if config.is_stream else None).at
-    reference = run_reference(schedule, config.model, steps=config.steps, batch_size=config.batch_size,
-                              optimizer_factory=optimizer_factory(config), precision=config.precision, lr_at=rates)
+    reference = run_reference(
+        schedule,
+        config.model,
+        steps=config.steps,
+        batch_size=config.batch_size,
+        optimizer_factory=optimizer_factory(config),
+        precision=config.precision,
+        lr_at=rates,
+    )
     assert len(record.losses) == config.steps
     torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
     for rank_record in record.ranks:
@@ -174,8 +189,12 @@ def test_one_stage_stream_follows_the_lr_schedule_of_plain_training(name: str) -
 
 def test_spectrain_swaps_in_w_minus_s_lr_v_and_restores_the_live_weights() -> None:
     schedule = generate("spectrain", num_stages=2, num_microbatches=2, num_steps=2)
-    worker = StageWorker(ModelSpec(kind="mlp", layers=2, hidden=4), range(1), batch_size=2,
-                         optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9))
+    worker = StageWorker(
+        ModelSpec(kind="mlp", layers=2, hidden=4),
+        range(1),
+        batch_size=2,
+        optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9),
+    )
     p = next(worker.module.parameters())
     p.grad = torch.ones_like(p)
     worker.optimizer.step()  # momentum buffer = 1, w -= 0.5
@@ -200,23 +219,61 @@ def test_update_direction_of_adam_is_lr_m_hat_over_sqrt_v_hat() -> None:
 def test_train_cli_runs_a_stream_with_its_options(tmp_path: Path) -> None:
     """``pipeweave train -s pipemare --warmup-steps 1``: N mini-batch losses = the reference's, weights = simulated."""
     record = tmp_path / "record.json"
-    argv = ["-s", "pipemare", "--stages", "2", "--microbatches", "4", "--model", "mlp", "--layers", "4",
-            "--hidden", "8", "--batch", "8", "--steps", "4", "--warmup-steps", "1", "--anneal-steps", "2",
-            "--lr", "0.05", "--quiet"]
-    run = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", *argv, "--out", str(tmp_path),
-                          "--json", str(record)], capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    argv = [
+        "-s",
+        "pipemare",
+        "--stages",
+        "2",
+        "--microbatches",
+        "4",
+        "--model",
+        "mlp",
+        "--layers",
+        "4",
+        "--hidden",
+        "8",
+        "--batch",
+        "8",
+        "--steps",
+        "4",
+        "--warmup-steps",
+        "1",
+        "--anneal-steps",
+        "2",
+        "--lr",
+        "0.05",
+        "--quiet",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeweave.cli", "train", *argv, "--out", str(tmp_path), "--json", str(record)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     report = json.loads(record.read_text())
     schedule = generate("pipemare", num_stages=2, num_microbatches=4, num_steps=4, warmup_steps=1)
-    reference = run_stream_reference(schedule, ModelSpec(kind="mlp", layers=4, hidden=8), batch_size=8,
-                                     optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.05),
-                                     options=PolicyOptions(anneal_steps=2))
+    reference = run_stream_reference(
+        schedule,
+        ModelSpec(kind="mlp", layers=4, hidden=8),
+        batch_size=8,
+        optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.05),
+        options=PolicyOptions(anneal_steps=2),
+    )
     assert report["losses"] == pytest.approx(reference.losses, rel=1e-5)
     assert report["weight_bytes"] == report["weight_bytes_simulated"] == reference.weight_bytes
     assert 0.0 <= report["bubble_ratio"] < 1.0 and report["bubble_ratio_stream"] >= 0.0
-    bad = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipedream", "--warmup-steps", "1"],
-                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert bad.returncode == 2 and bad.stderr.strip().endswith("--warmup-steps applies to pipemare, not pipedream; drop it")
+    bad = subprocess.run(
+        [sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipedream", "--warmup-steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().endswith(
+        "--warmup-steps applies to pipemare, not pipedream; drop it"
+    )
 
 
 def test_pipemare_steps_with_the_rescheduled_lr_after_its_warmup() -> None:
@@ -236,10 +293,15 @@ def test_pipemare_steps_with_the_rescheduled_lr_after_its_warmup() -> None:
         opt.step = logged  # type: ignore[method-assign]
         return opt
 
-    run_stream_reference(schedule, ModelSpec(kind="mlp", layers=3, hidden=4), batch_size=2,
-                         optimizer_factory=factory, options=PolicyOptions(anneal_steps=2))
+    run_stream_reference(
+        schedule,
+        ModelSpec(kind="mlp", layers=3, hidden=4),
+        batch_size=2,
+        optimizer_factory=factory,
+        options=PolicyOptions(anneal_steps=2),
+    )
     # Update 0 is the synchronous warm-up (lr); then k = 0, 1, 2, 3: 0.1/2, 0.1/sqrt(2), 0.1, 0.1.
-    assert seen[0] == pytest.approx([0.1, 0.05, 0.1 / 2 ** 0.5, 0.1, 0.1])
+    assert seen[0] == pytest.approx([0.1, 0.05, 0.1 / 2**0.5, 0.1, 0.1])
     assert seen[1] == pytest.approx([0.1] * 5) and seen[2] == pytest.approx([0.1] * 5)  # tau <= 1: alpha
 
 
@@ -247,6 +309,8 @@ def test_pipemare_steps_with_the_rescheduled_lr_after_its_warmup() -> None:
 def test_every_stage_of_a_stream_makes_stream_updates_updates(name: str) -> None:
     """What a stream's learning-rate schedule counts: stage 0's updates stand for every stage's."""
     schedule = generate(name, num_stages=3, num_microbatches=T, num_steps=stream_steps(name, 6, {}))
-    counts = [sum(1 for row in schedule.actions for a in row if a.op is Op.U and a.stage == s)
-              for s in range(schedule.placement.num_stages)]
+    counts = [
+        sum(1 for row in schedule.actions for a in row if a.op is Op.U and a.stage == s)
+        for s in range(schedule.placement.num_stages)
+    ]
     assert counts == [stream_updates(schedule)] * len(counts) and counts[0] > 0

@@ -17,19 +17,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from config_defaults import train_config
 
-from pipeweave.runtime.context import RankContext
+from pipeweave.config import TrainConfig
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.run import checkpoint, checkpoint_files, checkpoint_state
-from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
-from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.run.prepare import prepare
+from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stage.post_validation import PostValidation
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.run.prepare import prepare
-from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -52,24 +52,59 @@ def _parameters(record: RunRecord) -> dict[str, torch.Tensor]:
 def _straight_and_resumed(tmp_path: Path, first: TrainConfig, second: TrainConfig) -> tuple[RunRecord, RunRecord]:
     straight = _train(dataclasses.replace(first, steps=STEPS, collect_parameters=True))
     _train(dataclasses.replace(first, steps=FIRST, save=str(tmp_path / "ckpt")))
-    resumed = _train(dataclasses.replace(second, steps=STEPS - FIRST, resume=str(tmp_path / "ckpt"),
-                                         collect_parameters=True))
+    resumed = _train(
+        dataclasses.replace(second, steps=STEPS - FIRST, resume=str(tmp_path / "ckpt"), collect_parameters=True)
+    )
     return straight, resumed
 
 
 CASES = {
     # (first run, second run): the second changes schedule, stage count or partition
     "sgd-momentum cosine 1f1b D=2 -> zb-h1 D=3": (
-        train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=7, momentum=0.9,
-                    lr_schedule="cosine", lr_warmup=1, lr_decay_steps=STEPS),
-        train_config(schedule="zb-h1", num_stages=3, num_microbatches=4, model=MLP, batch_size=7, momentum=0.9,
-                    lr_schedule="cosine", lr_warmup=1, lr_decay_steps=STEPS),
+        train_config(
+            schedule="1f1b",
+            num_stages=2,
+            num_microbatches=4,
+            model=MLP,
+            batch_size=7,
+            momentum=0.9,
+            lr_schedule="cosine",
+            lr_warmup=1,
+            lr_decay_steps=STEPS,
+        ),
+        train_config(
+            schedule="zb-h1",
+            num_stages=3,
+            num_microbatches=4,
+            model=MLP,
+            batch_size=7,
+            momentum=0.9,
+            lr_schedule="cosine",
+            lr_warmup=1,
+            lr_decay_steps=STEPS,
+        ),
     ),
     "adamw interleaved -> 1f1b uneven parts": (
-        train_config(schedule="interleaved-1f1b", num_stages=2, num_chunks=2, num_microbatches=4, model=MLP,
-                    batch_size=8, optimizer="adamw", lr=1e-2),
-        train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, optimizer="adamw",
-                    lr=1e-2, layers_per_part=(2, 4)),
+        train_config(
+            schedule="interleaved-1f1b",
+            num_stages=2,
+            num_chunks=2,
+            num_microbatches=4,
+            model=MLP,
+            batch_size=8,
+            optimizer="adamw",
+            lr=1e-2,
+        ),
+        train_config(
+            schedule="1f1b",
+            num_stages=2,
+            num_microbatches=4,
+            model=MLP,
+            batch_size=8,
+            optimizer="adamw",
+            lr=1e-2,
+            layers_per_part=(2, 4),
+        ),
     ),
     "replicated chimera -> gpipe": (
         train_config(schedule="chimera", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.5),
@@ -77,16 +112,27 @@ CASES = {
     ),
     # the gpt's batches change with the step (the mlp's do not): the data must go on where it stopped
     "gpt tied 1f1b -> gpipe": (
-        train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=GPT, batch_size=4, optimizer="adamw",
-                    lr=1e-2),
-        train_config(schedule="gpipe", num_stages=2, num_microbatches=2, model=GPT, batch_size=4, optimizer="adamw",
-                    lr=1e-2),
+        train_config(
+            schedule="1f1b", num_stages=2, num_microbatches=2, model=GPT, batch_size=4, optimizer="adamw", lr=1e-2
+        ),
+        train_config(
+            schedule="gpipe", num_stages=2, num_microbatches=2, model=GPT, batch_size=4, optimizer="adamw", lr=1e-2
+        ),
     ),
     "post-validated adamw -> torch adamw": (
-        train_config(schedule="zb-h1", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, optimizer="adamw",
-                    lr=1e-2, post_validation=PostValidation(max_norm=1e9)),
-        train_config(schedule="zb-h1", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, optimizer="adamw",
-                    lr=1e-2),
+        train_config(
+            schedule="zb-h1",
+            num_stages=2,
+            num_microbatches=4,
+            model=MLP,
+            batch_size=8,
+            optimizer="adamw",
+            lr=1e-2,
+            post_validation=PostValidation(max_norm=1e9),
+        ),
+        train_config(
+            schedule="zb-h1", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, optimizer="adamw", lr=1e-2
+        ),
     ),
 }
 
@@ -103,7 +149,8 @@ def test_resumed_training_equals_straight_training(tmp_path: Path, case: str) ->
 
 
 def test_resuming_from_a_checkpoint_is_not_training_from_scratch(
-        tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, torch.Tensor]]) -> None:
+    tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, torch.Tensor]]
+) -> None:
     """The check above could pass by chance only if resuming did nothing; it must not equal a fresh start."""
     config = train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.9)
     fresh = _train(dataclasses.replace(config, steps=STEPS - FIRST))
@@ -118,7 +165,8 @@ def test_resuming_from_a_checkpoint_is_not_training_from_scratch(
     files = [".metadata", "__0_0.distcp", "__1_0.distcp"]  # DCP's index, and one data file per rank
     assert sorted(p.name for p in saved.iterdir()) == [*files, "manifest.json"]
     assert [(f["name"], f["bytes"], f["sha256"]) for f in meta["files"]] == [
-        (p.name, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()) for p in (saved / f for f in files)]
+        (p.name, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()) for p in (saved / f for f in files)
+    ]
     state = checkpoint_tensors(saved)
     assert {k for k in state if k.startswith("optimizer/3.up.weight/")} == {"optimizer/3.up.weight/momentum_buffer"}
 
@@ -129,25 +177,33 @@ def test_a_bad_resume_is_one_line_before_spawning(tmp_path: Path) -> None:
         prepare(dataclasses.replace(base, resume=str(tmp_path / "nothing")))
     _train(dataclasses.replace(base, save=str(tmp_path / "ckpt")))
     with pytest.raises(UserError, match=r"another model: hidden=8 \(this run 16\)"):
-        prepare(dataclasses.replace(base, model=ModelSpec(kind="mlp", layers=6, hidden=16), resume=str(tmp_path / "ckpt")))
+        prepare(
+            dataclasses.replace(base, model=ModelSpec(kind="mlp", layers=6, hidden=16), resume=str(tmp_path / "ckpt"))
+        )
     with pytest.raises(UserError, match="give --optimizer sgd"):
         prepare(dataclasses.replace(base, optimizer="adamw", resume=str(tmp_path / "ckpt")))
     (tmp_path / "ckpt" / "step-000001" / "__1_0.distcp").unlink()
-    with pytest.raises(UserError, match=r"step-000001/__1_0.distcp is missing \(its manifest names it\); no "
-                                        "earlier checkpoint is kept"):
+    with pytest.raises(
+        UserError,
+        match=r"step-000001/__1_0.distcp is missing \(its manifest names it\); no "
+        "earlier checkpoint is kept",
+    ):
         prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt")))
     (tmp_path / "ckpt" / "step-000001" / "manifest.json").write_text("{}")
     with pytest.raises(UserError, match="step-000001/manifest.json is missing or unreadable"):
         prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt")))
-    with pytest.raises(UserError, match=r"manifest.json is unreadable or not a pipeweave-checkpoint/3 \(or /2\) manifest"):
+    with pytest.raises(
+        UserError, match=r"manifest.json is unreadable or not a pipeweave-checkpoint/3 \(or /2\) manifest"
+    ):
         prepare(dataclasses.replace(base, resume=str(tmp_path / "ckpt" / "step-000001")))
 
 
 def test_a_new_checkpoint_replaces_the_old_one_only_once_whole(tmp_path: Path) -> None:
     """A save that died half-way (its staging folder) is no checkpoint: resuming passes it over, the next save
     clears it; the newest --keep-checkpoints of the run are kept, the older ones go, the user's files stay."""
-    config = train_config(schedule="1f1b", num_stages=3, num_microbatches=3, model=MLP, batch_size=6, steps=1,
-                         save=str(tmp_path / "ckpt"))
+    config = train_config(
+        schedule="1f1b", num_stages=3, num_microbatches=3, model=MLP, batch_size=6, steps=1, save=str(tmp_path / "ckpt")
+    )
     _train(config)
     died = tmp_path / "ckpt" / ".tmp-step-000007"
     died.mkdir()
@@ -157,8 +213,12 @@ def test_a_new_checkpoint_replaces_the_old_one_only_once_whole(tmp_path: Path) -
     resumed = dataclasses.replace(config, resume=str(tmp_path / "ckpt"), num_stages=2, steps=3, save_every=1)
     assert prepare(resumed).steps_done == 1  # step 1's checkpoint, not the half-written one
     _train(resumed)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "notes.txt", "step-000003",
-                                                                     "step-000004"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "latest",
+        "notes.txt",
+        "step-000003",
+        "step-000004",
+    ]
     assert checkpoint_files.find(str(tmp_path / "ckpt")).manifest["parts"] == [[0, 3], [3, 6]]
     assert checkpoint_files.find(str(tmp_path / "ckpt")).steps == 4
 
@@ -176,8 +236,16 @@ def _counting_saves(context: RankContext, config: TrainConfig) -> tuple[RunRecor
 
 
 def test_save_every_writes_the_checkpoint_during_the_run(tmp_path: Path) -> None:
-    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=MLP, batch_size=4, steps=5,
-                         save=str(tmp_path / "ckpt"), save_every=2)
+    config = train_config(
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=2,
+        model=MLP,
+        batch_size=4,
+        steps=5,
+        save=str(tmp_path / "ckpt"),
+        save_every=2,
+    )
     prepare(config)
     _, saved = launch(_counting_saves, config, 2, LaunchOptions(timeout_s=60))
     assert saved == [2, 4, 5]
@@ -189,8 +257,16 @@ def test_save_every_writes_the_checkpoint_during_the_run(tmp_path: Path) -> None
 
 def test_resuming_into_the_checkpoint_folder_itself(tmp_path: Path) -> None:
     """The run reads the checkpoint it resumes before it writes over it: its first step stays the checkpoint's."""
-    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=MLP, batch_size=8, momentum=0.9,
-                         lr_schedule="cosine", lr_warmup=1)
+    config = train_config(
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=4,
+        model=MLP,
+        batch_size=8,
+        momentum=0.9,
+        lr_schedule="cosine",
+        lr_warmup=1,
+    )
     straight = _train(dataclasses.replace(config, steps=STEPS))
     folder = str(tmp_path / "ckpt")
     _train(dataclasses.replace(config, steps=FIRST, save=folder, lr_decay_steps=STEPS))
@@ -206,17 +282,28 @@ def test_a_data_parallel_checkpoint_resumes_on_other_grids_and_holds_one_copy(tm
     replicas saved the same keys on two ranks each: DCP wrote each once, so the P=2 checkpoint is the size of
     the P=1 one (without the deduplication it would be twice that)."""
     mlp = ModelSpec(kind="mlp", layers=8, hidden=32)
-    base = train_config(schedule="1f1b", num_stages=2, data_parallel=2, num_microbatches=2, model=mlp, batch_size=8,
-                       optimizer="adamw", lr=1e-2, keep_checkpoints=3)
+    base = train_config(
+        schedule="1f1b",
+        num_stages=2,
+        data_parallel=2,
+        num_microbatches=2,
+        model=mlp,
+        batch_size=8,
+        optimizer="adamw",
+        lr=1e-2,
+        keep_checkpoints=3,
+    )
     ck, again = tmp_path / "p2", tmp_path / "p1"
     straight = _train(dataclasses.replace(base, steps=STEPS, save=str(ck), save_every=FIRST, collect_parameters=True))
-    others = [base.replace(schedule="zb-h1", num_stages=4, data_parallel=1, num_microbatches=4),
-              base.replace(schedule="interleaved-1f1b", num_chunks=2, data_parallel=1, num_microbatches=4,
-                                  save=str(again)),
-              base.replace(schedule="gpipe")]  # into replicas again: each reads the same keys
+    others = [
+        base.replace(schedule="zb-h1", num_stages=4, data_parallel=1, num_microbatches=4),
+        base.replace(schedule="interleaved-1f1b", num_chunks=2, data_parallel=1, num_microbatches=4, save=str(again)),
+        base.replace(schedule="gpipe"),
+    ]  # into replicas again: each reads the same keys
     for other in others:
-        resumed = _train(dataclasses.replace(other, steps=STEPS - FIRST, resume=str(ck / "step-000002"),
-                                             collect_parameters=True))
+        resumed = _train(
+            dataclasses.replace(other, steps=STEPS - FIRST, resume=str(ck / "step-000002"), collect_parameters=True)
+        )
         torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)
         want, got = _parameters(straight), _parameters(resumed)
         assert set(got) == set(want)
@@ -231,17 +318,24 @@ def test_a_rank_asks_the_checkpoint_for_the_keys_of_its_own_layers_only() -> Non
     whole = StageWorker(MLP, range(0, 6), batch_size=8)
     saved = {key: (value.shape, value.dtype) for key, value in checkpoint_state.stage_state(whole).items()}
     for name, p in whole.named_parameters().items():  # AdamW's state, as torch.optim names it
-        saved.update({f"optimizer/{name}/exp_avg": (p.shape, p.dtype), f"optimizer/{name}/step": (torch.Size([]),
-                      torch.float32)})
+        saved.update(
+            {f"optimizer/{name}/exp_avg": (p.shape, p.dtype), f"optimizer/{name}/step": (torch.Size([]), torch.float32)}
+        )
     middle = {1: StageWorker(MLP, range(2, 4), batch_size=8)}
     wanted = checkpoint_state.destinations(saved, middle, "ck")
     assert {key.split("/")[1].split(".")[0] for key in wanted} == {"2", "3"}
     assert {key for key in wanted if "3.up.weight" in key} == {
-        "parameters/3.up.weight", "optimizer/3.up.weight/exp_avg", "optimizer/3.up.weight/step"}
+        "parameters/3.up.weight",
+        "optimizer/3.up.weight/exp_avg",
+        "optimizer/3.up.weight/step",
+    }
     assert all(wanted[key].shape == saved[key][0] for key in wanted)
     saved["parameters/3.up.weight"] = (torch.Size([2, 2]), torch.float32)  # a model changed since it was saved
-    with pytest.raises(UserError, match=r"--resume ck holds parameters/3.up.weight of shape \[2, 2\] and this "
-                                        r"model's is \[\d+, 8\]; resume with the model it was saved with"):
+    with pytest.raises(
+        UserError,
+        match=r"--resume ck holds parameters/3.up.weight of shape \[2, 2\] and this "
+        r"model's is \[\d+, 8\]; resume with the model it was saved with",
+    ):
         checkpoint_state.destinations(saved, middle, "ck")
 
 
@@ -251,15 +345,30 @@ def test_a_checkpoint_resumes_across_tensor_parallel_degrees_and_zero(tmp_path: 
     (interleaved); a checkpoint saved with N=2 resumes at N=1 too. Each goes on as the uninterrupted run did
     (rtol 1e-5, atol 1e-6). Shards are saved whole (gathered from their group, written once)."""
     gpt = ModelSpec(kind="gpt", layers=2, hidden=16, heads=4, seq_len=8)
-    base = train_config(schedule="1f1b", num_stages=2, data_parallel=2, num_microbatches=2, model=gpt, batch_size=8,
-                       optimizer="sgd", momentum=0.9, lr=0.05, zero=1, keep_checkpoints=3)
+    base = train_config(
+        schedule="1f1b",
+        num_stages=2,
+        data_parallel=2,
+        num_microbatches=2,
+        model=gpt,
+        batch_size=8,
+        optimizer="sgd",
+        momentum=0.9,
+        lr=0.05,
+        zero=1,
+        keep_checkpoints=3,
+    )
     ck, tp = tmp_path / "p2-zero1", tmp_path / "n2"
     straight = _train(dataclasses.replace(base, steps=STEPS, save=str(ck), save_every=FIRST, collect_parameters=True))
     first = str(ck / f"step-{FIRST:06d}")
-    others = [base.replace(schedule="zb-h1", data_parallel=1, zero=0, tensor_parallel=2,
-                                  num_microbatches=4, save=str(tp), save_every=1),
-              base.replace(schedule="interleaved-1f1b", num_stages=2, num_chunks=2, data_parallel=1,
-                                  zero=0, num_microbatches=4)]
+    others = [
+        base.replace(
+            schedule="zb-h1", data_parallel=1, zero=0, tensor_parallel=2, num_microbatches=4, save=str(tp), save_every=1
+        ),
+        base.replace(
+            schedule="interleaved-1f1b", num_stages=2, num_chunks=2, data_parallel=1, zero=0, num_microbatches=4
+        ),
+    ]
     for other in others:
         resumed = _train(dataclasses.replace(other, steps=STEPS - FIRST, resume=first, collect_parameters=True))
         torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)
@@ -269,9 +378,12 @@ def test_a_checkpoint_resumes_across_tensor_parallel_degrees_and_zero(tmp_path: 
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
     # The N=2 run's own checkpoint (one step later) back at N=1 with ZeRO-3 on two replicas: each takes its
     # slices of the parameters and of the optimizer state.
-    again = _train(dataclasses.replace(base, steps=STEPS - FIRST - 1, resume=str(tp / f"step-{FIRST + 1:06d}"),
-                                       zero=3, collect_parameters=True))
-    torch.testing.assert_close(again.losses, straight.losses[FIRST + 1:], rtol=1e-5, atol=1e-6)
+    again = _train(
+        dataclasses.replace(
+            base, steps=STEPS - FIRST - 1, resume=str(tp / f"step-{FIRST + 1:06d}"), zero=3, collect_parameters=True
+        )
+    )
+    torch.testing.assert_close(again.losses, straight.losses[FIRST + 1 :], rtol=1e-5, atol=1e-6)
     for name, value in _parameters(straight).items():
         torch.testing.assert_close(_parameters(again)[name], value, rtol=1e-5, atol=1e-6)
 
@@ -281,10 +393,19 @@ def test_a_sequence_parallel_checkpoint_resumes_without_it(tmp_path: Path) -> No
     """Saved with --sequence-parallel at N=2 (the layer norms' momenta from their gradients summed over tp, the
     same on both processes, written once), resumed at N=1 on 1f1b: the straight run's losses and parameters."""
     gpt = dataclasses.replace(GPT, tie_embeddings=False)
-    first = train_config(schedule="zb-h1", num_stages=2, num_microbatches=2, model=gpt, batch_size=4, momentum=0.9,
-                        tensor_parallel=2, sequence_parallel=True)
-    straight, resumed = _straight_and_resumed(tmp_path, first, dataclasses.replace(
-        first, schedule="1f1b", tensor_parallel=1, sequence_parallel=False))
+    first = train_config(
+        schedule="zb-h1",
+        num_stages=2,
+        num_microbatches=2,
+        model=gpt,
+        batch_size=4,
+        momentum=0.9,
+        tensor_parallel=2,
+        sequence_parallel=True,
+    )
+    straight, resumed = _straight_and_resumed(
+        tmp_path, first, dataclasses.replace(first, schedule="1f1b", tensor_parallel=1, sequence_parallel=False)
+    )
     torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)
     want, got = _parameters(straight), _parameters(resumed)
     assert set(got) == set(want)
@@ -292,22 +413,41 @@ def test_a_sequence_parallel_checkpoint_resumes_without_it(tmp_path: Path) -> No
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-ZERO3 = train_config(schedule="zb-h1", num_stages=2, data_parallel=2, num_microbatches=2, model=MLP, batch_size=8,
-                    optimizer="adamw", lr=1e-2, zero=3, bucket_mb=0.0005, keep_checkpoints=3)
+ZERO3 = train_config(
+    schedule="zb-h1",
+    num_stages=2,
+    data_parallel=2,
+    num_microbatches=2,
+    model=MLP,
+    batch_size=8,
+    optimizer="adamw",
+    lr=1e-2,
+    zero=3,
+    bucket_mb=0.0005,
+    keep_checkpoints=3,
+)
 """Parameters and AdamW's moments in slices of several buckets per part."""
 
 
-@pytest.mark.parametrize("resume_as", [
-    dict(schedule="1f1b", zero=1),
-    pytest.param(dict(data_parallel=1, zero=0, num_microbatches=4), marks=pytest.mark.slow),
-], ids=["zero1", "zero0-one-replica"])
+@pytest.mark.parametrize(
+    "resume_as",
+    [
+        dict(schedule="1f1b", zero=1),
+        pytest.param(dict(data_parallel=1, zero=0, num_microbatches=4), marks=pytest.mark.slow),
+    ],
+    ids=["zero1", "zero0-one-replica"],
+)
 def test_a_zero3_checkpoint_resumes_at_another_zero_stage(tmp_path: Path, resume_as: dict[str, object]) -> None:
     """Saved at ZeRO-3 (every replica's slices gathered whole, written once), resumed with ZeRO-1 on two
     replicas or without ZeRO on one: the uninterrupted run's losses and parameters (rtol 1e-5, atol 1e-6)."""
-    straight = _train(dataclasses.replace(ZERO3, steps=STEPS, save=str(tmp_path), save_every=FIRST,
-                                          collect_parameters=True))
-    resumed = _train(dataclasses.replace(ZERO3, steps=STEPS - FIRST, resume=str(tmp_path / f"step-{FIRST:06d}"),
-                                         collect_parameters=True, **resume_as))  # type: ignore[arg-type]
+    straight = _train(
+        dataclasses.replace(ZERO3, steps=STEPS, save=str(tmp_path), save_every=FIRST, collect_parameters=True)
+    )
+    resumed = _train(
+        dataclasses.replace(
+            ZERO3, steps=STEPS - FIRST, resume=str(tmp_path / f"step-{FIRST:06d}"), collect_parameters=True, **resume_as
+        )
+    )  # type: ignore[arg-type]
     torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)
     want, got = _parameters(straight), _parameters(resumed)
     assert set(got) == set(want)
@@ -318,8 +458,16 @@ def test_a_zero3_checkpoint_resumes_at_another_zero_stage(tmp_path: Path, resume
 def test_pipedream_with_data_parallel_replicas_saves_and_resumes(tmp_path: Path) -> None:
     """PipeDream's hybrid (P = 2 replicas around the stream): a run drained and saved after step 2 and one
     resumed from that checkpoint give the uninterrupted (drained) run's losses; the replicas' equal keys once."""
-    base = train_config(schedule="pipedream", num_stages=2, data_parallel=2, num_microbatches=4, model=MLP,
-                       batch_size=16, optimizer="sgd", momentum=0.9)
+    base = train_config(
+        schedule="pipedream",
+        num_stages=2,
+        data_parallel=2,
+        num_microbatches=4,
+        model=MLP,
+        batch_size=16,
+        optimizer="sgd",
+        momentum=0.9,
+    )
     straight = _train(dataclasses.replace(base, steps=4, save=str(tmp_path / "a"), save_every=2))
     _train(dataclasses.replace(base, steps=2, save=str(tmp_path / "b")))
     resumed = _train(dataclasses.replace(base, steps=2, resume=str(tmp_path / "b")))

@@ -9,8 +9,8 @@ truncated part failed only after the ranks had started, without naming it.
 
 from __future__ import annotations
 
-import errno
 import dataclasses
+import errno
 import json
 import os
 import resource
@@ -24,21 +24,21 @@ from pathlib import Path
 from unittest.mock import patch
 
 import pytest
+from config_defaults import train_config
 from torch.distributed.checkpoint import FileSystemWriter
 
-from pipeweave.runtime.context import RankContext
 from pipeweave.cli import main
+from pipeweave.config import TrainConfig
 from pipeweave.durable import replacing
 from pipeweave.models import ModelSpec
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.run import checkpoint_files
-from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.save_lock import LOCK, owner_of
-from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -54,15 +54,18 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_a_second_run_saving_into_a_folder_with_a_checkpoint_is_refused(tmp_path: Path, cli_error: Callable[..., str],
-                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_second_run_saving_into_a_folder_with_a_checkpoint_is_refused(
+    tmp_path: Path, cli_error: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
     """`--steps 60 --save ck; --steps 2 --save ck` left a 2-step checkpoint: the 60-step one was gone."""
     ck = tmp_path / "ck"
     assert main(_train(tmp_path, "--steps", "4", "--save", str(ck))) == 0
     before = _files(ck)
     err = cli_error(_train(tmp_path, "--steps", "2", "--save", str(ck)), SPAWN)
-    assert f"--save {ck} holds a checkpoint of another run (step-000004, 4 steps); resume it with --resume {ck}, " \
-           "or pass --overwrite to replace it" in err
+    assert (
+        f"--save {ck} holds a checkpoint of another run (step-000004, 4 steps); resume it with --resume {ck}, "
+        "or pass --overwrite to replace it" in err
+    )
     assert _files(ck) == before and checkpoint_files.find(str(ck)).steps == 4
     assert main(_train(tmp_path, "--steps", "2", "--save", str(ck), "--overwrite")) == 0
     capsys.readouterr()
@@ -83,7 +86,8 @@ def test_a_save_deletes_no_file_of_the_user(tmp_path: Path) -> None:
 
 
 def test_a_folder_a_live_run_saves_into_is_refused_a_dead_ones_lock_taken_over(
-        tmp_path: Path, cli_error: Callable[..., str]) -> None:
+    tmp_path: Path, cli_error: Callable[..., str]
+) -> None:
     """Two runs saving into one folder deleted each other's parts: the second now stops at the lock."""
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -110,11 +114,34 @@ def _limit_file_size() -> None:
 def test_a_full_disk_at_the_last_save_keeps_the_record_and_leaves_no_temporary_file(tmp_path: Path) -> None:
     """The last save failed with `unexpected pos`, and the run's JSON record, trace and plot were lost."""
     out, ck = tmp_path / "out", tmp_path / "ck"
-    argv = [sys.executable, "-m", "pipeweave.cli", "train", "--model", "mlp", "--layers", "4", "--hidden", "64",
-            "--batch", "8", "--microbatches", "2", "-s", "1f1b", "--steps", "2", "--quiet", "--out", str(out),
-            "--save", str(ck), "--transport", "gloo"]  # each part ~260 kB: over the limit; the record, trace and plot under it
-    done = subprocess.run(argv, preexec_fn=_limit_file_size, capture_output=True, text=True, timeout=150,
-                          cwd=tmp_path)
+    argv = [
+        sys.executable,
+        "-m",
+        "pipeweave.cli",
+        "train",
+        "--model",
+        "mlp",
+        "--layers",
+        "4",
+        "--hidden",
+        "64",
+        "--batch",
+        "8",
+        "--microbatches",
+        "2",
+        "-s",
+        "1f1b",
+        "--steps",
+        "2",
+        "--quiet",
+        "--out",
+        str(out),
+        "--save",
+        str(ck),
+        "--transport",
+        "gloo",
+    ]  # each part ~260 kB: over the limit; the record, trace and plot under it
+    done = subprocess.run(argv, preexec_fn=_limit_file_size, capture_output=True, text=True, timeout=150, cwd=tmp_path)
     lines = [line for line in done.stderr.splitlines() if "pipeweave" in line]
     assert done.returncode == 1, done.stderr
     assert len(lines) == 1 and lines[0].startswith("pipeweave train: error: cannot write "), done.stderr
@@ -122,15 +149,15 @@ def test_a_full_disk_at_the_last_save_keeps_the_record_and_leaves_no_temporary_f
     assert lines[0].endswith(f": File too large; no checkpoint is kept in {ck}"), lines
     assert "Traceback" not in done.stderr and "unexpected pos" not in done.stderr
     record = json.loads((out / "train.json").read_text())
-    assert len(record["losses"]) == 2 and record["save_failures"] == [lines[0].removeprefix("pipeweave train: "
-                                                                                             "error: ")]
+    assert len(record["losses"]) == 2 and record["save_failures"] == [lines[0].removeprefix("pipeweave train: error: ")]
     assert (out / "trace.json").stat().st_size > 0 and (out / "timeline.png").stat().st_size > 0
     assert sorted(p.name for p in out.iterdir()) == ["timeline.png", "trace.json", "train.json"]
     assert list(ck.iterdir()) == []  # no half-written part, no staging folder, no lock
 
 
 def test_a_truncated_or_damaged_part_is_one_line_before_any_rank_starts(
-        tmp_path: Path, cli_error: Callable[..., str]) -> None:
+    tmp_path: Path, cli_error: Callable[..., str]
+) -> None:
     """`truncate -s 20000 part; --resume` failed on the ranks with EOFError, naming no file."""
     ck = tmp_path / "ck"
     assert main(_train(tmp_path, "--steps", "4", "--save", str(ck), "--save-every", "2")) == 0
@@ -138,8 +165,10 @@ def test_a_truncated_or_damaged_part_is_one_line_before_any_rank_starts(
     whole = part.read_bytes()
     part.write_bytes(whole[:2000])
     err = cli_error(_train(tmp_path, "--steps", "2", "--resume", str(ck)), SPAWN)
-    assert f"--resume {ck}: {part} is 2000 bytes, its manifest says {len(whole)} (truncated or overwritten); " \
-           f"resume the previous checkpoint with --resume {ck / 'step-000002'}" in err
+    assert (
+        f"--resume {ck}: {part} is 2000 bytes, its manifest says {len(whole)} (truncated or overwritten); "
+        f"resume the previous checkpoint with --resume {ck / 'step-000002'}" in err
+    )
     part.write_bytes(whole[:1000] + bytes(b ^ 0xFF for b in whole[1000:1100]) + whole[1100:])
     err = cli_error(_train(tmp_path, "--steps", "2", "--resume", str(ck)), SPAWN)
     assert f"{part} does not match the sha256 of its manifest (damaged)" in err and "weights_only" not in err
@@ -148,7 +177,8 @@ def test_a_truncated_or_damaged_part_is_one_line_before_any_rank_starts(
 
 
 def test_resume_auto_starts_afresh_then_resumes_the_newest_then_has_nothing_left(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`--resume auto` with `--steps` counting the whole training: a restarted command ends where one run would."""
     ck, records = tmp_path / "ck", [tmp_path / "first.json", tmp_path / "second.json"]
     auto = ["--save", str(ck), "--resume", "auto", "--save-every", "1"]
@@ -179,12 +209,22 @@ def _failing_once(context: RankContext, config: TrainConfig) -> RunRecord | None
 
 
 def test_a_save_one_rank_cannot_write_is_abandoned_by_all_and_the_run_goes_on(tmp_path: Path) -> None:
-    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=ModelSpec(kind="mlp", layers=4,
-                         hidden=8), batch_size=8, steps=3, save=str(tmp_path / "ck"), save_every=1)
+    config = train_config(
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=2,
+        model=ModelSpec(kind="mlp", layers=4, hidden=8),
+        batch_size=8,
+        steps=3,
+        save=str(tmp_path / "ck"),
+        save_every=1,
+    )
     prepare(config)
     record = launch(_failing_once, config, 2, LaunchOptions(timeout_s=60))
-    assert record.save_failures == [f"cannot write {tmp_path}/ck/.tmp-step-000001/__1_0.distcp: No space left on "
-                                    f"device; no checkpoint is kept in {tmp_path}/ck"]
+    assert record.save_failures == [
+        f"cannot write {tmp_path}/ck/.tmp-step-000001/__1_0.distcp: No space left on "
+        f"device; no checkpoint is kept in {tmp_path}/ck"
+    ]
     assert record.final_save_failure is None
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-000002", "step-000003"]
 
@@ -201,8 +241,15 @@ def test_an_output_is_replaced_whole_or_not_at_all(tmp_path: Path) -> None:
 PART_FILES = Path(__file__).parent / "fixtures" / "checkpoint-v2"
 """A checkpoint of the part-file format (pipeweave-checkpoint/2), written by pipeweave before DCP (commit 70cc231):
 the mlp below, trained 2 steps with SGD momentum 0.9 on 1f1b at D=2, one ``part-NNN.pt`` per part."""
-PART_FILES_RUN = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=ModelSpec(kind="mlp", layers=4,
-                             hidden=8), batch_size=8, steps=2, momentum=0.9)
+PART_FILES_RUN = train_config(
+    schedule="1f1b",
+    num_stages=2,
+    num_microbatches=2,
+    model=ModelSpec(kind="mlp", layers=4, hidden=8),
+    batch_size=8,
+    steps=2,
+    momentum=0.9,
+)
 
 
 def test_a_checkpoint_of_part_files_resumes_on_another_partition_and_saves_with_dcp(tmp_path: Path) -> None:
@@ -210,15 +257,24 @@ def test_a_checkpoint_of_part_files_resumes_on_another_partition_and_saves_with_
     ck = tmp_path / "ck"
     shutil.copytree(PART_FILES, ck)
     before = _files(ck)
-    resumed = dataclasses.replace(PART_FILES_RUN, num_stages=3, layers_per_part=(1, 1, 2), resume=str(ck),
-                                  save=str(ck))
+    resumed = dataclasses.replace(PART_FILES_RUN, num_stages=3, layers_per_part=(1, 1, 2), resume=str(ck), save=str(ck))
     record = launch(run_rank, prepare(resumed), 3, LaunchOptions(timeout_s=60))
-    plain = run_plain(PART_FILES_RUN.model, steps=4, batch_size=8, num_microbatches=2,
-                      optimizer_factory=optimizer_factory(PART_FILES_RUN))
+    plain = run_plain(
+        PART_FILES_RUN.model,
+        steps=4,
+        batch_size=8,
+        num_microbatches=2,
+        optimizer_factory=optimizer_factory(PART_FILES_RUN),
+    )
     assert record.first_step == 2 and record.losses == pytest.approx(plain.losses[2:], rel=1e-5)
     assert {k: v for k, v in _files(ck).items() if k.startswith("step-000002/")} == before  # kept (K = 2)
-    assert sorted(p.name for p in (ck / "step-000004").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                                       "__2_0.distcp", "manifest.json"]
+    assert sorted(p.name for p in (ck / "step-000004").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "__2_0.distcp",
+        "manifest.json",
+    ]
 
 
 def test_a_checkpoint_of_the_first_format_is_resumed_and_kept(tmp_path: Path) -> None:
@@ -234,8 +290,13 @@ def test_a_checkpoint_of_the_first_format_is_resumed_and_kept(tmp_path: Path) ->
     before = _files(old)
     resumed = dataclasses.replace(PART_FILES_RUN, save=str(old), resume=str(old), save_every=1)
     record = launch(run_rank, prepare(resumed), 2, LaunchOptions(timeout_s=60))
-    plain = run_plain(PART_FILES_RUN.model, steps=4, batch_size=8, num_microbatches=2,
-                      optimizer_factory=optimizer_factory(PART_FILES_RUN))
+    plain = run_plain(
+        PART_FILES_RUN.model,
+        steps=4,
+        batch_size=8,
+        num_microbatches=2,
+        optimizer_factory=optimizer_factory(PART_FILES_RUN),
+    )
     assert record.first_step == 2 and record.losses == pytest.approx(plain.losses[2:], rel=1e-5)
     assert {k: v for k, v in _files(old).items() if "/" not in k and k != "latest"} == before
     assert checkpoint_files.find(str(old)).folder == old / "step-000004"

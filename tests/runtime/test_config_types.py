@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import pytest
-
-from pipeweave.errors import UserError
-from pipeweave.config import TrainConfig
 from config_defaults import train_config
 
+from pipeweave.errors import UserError
 
-@pytest.mark.parametrize(("field", "value"), [("batch_size", "16"), ("steps", "10"), ("lr", "0.1"),
-                                              ("recompute", 1), ("steps", True), ("save_every", 2.5)])
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("batch_size", "16"), ("steps", "10"), ("lr", "0.1"), ("recompute", 1), ("steps", True), ("save_every", 2.5)],
+)
 def test_a_field_of_the_wrong_type_is_a_user_error(field: str, value: object) -> None:
     with pytest.raises(UserError) as info:
         train_config(**{field: value})  # type: ignore[arg-type]  # check() runs on construction

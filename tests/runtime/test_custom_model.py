@@ -25,23 +25,23 @@ from typing import Any
 
 import pytest
 import torch
+from config_defaults import train_config
 from torch import nn
 
-from pipeweave.runtime.context import RankContext
+from pipeweave.config import TrainConfig
 from pipeweave.data import DatasetSource, data_source
 from pipeweave.errors import UserError
 from pipeweave.models import LayerModel, ModelSpec, build_layers
 from pipeweave.models.custom import deferrable, entry_of, load_model
 from pipeweave.models.layers import Linear
-from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.job import run_rank
-from pipeweave.runtime.run.record import RunRecord
-from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.reference import run_reference
-from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import optimizer_factory, prepare
-from config_defaults import train_config
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.stage.worker import StageWorker
 
 FILE = Path(__file__).resolve().parent.parent / "models" / "tiny_custom.py"
 SPEC = ModelSpec(kind="custom", entry=f"{FILE}:model")
@@ -55,8 +55,7 @@ CASES = {
     "interleaved-1f1b": train_config(schedule="interleaved-1f1b", num_chunks=2, **BASE),  # type: ignore[arg-type]
     "zb-v": train_config(schedule="zb-v", **{**BASE, "num_microbatches": 4}),  # type: ignore[arg-type]
     "chimera": train_config(schedule="chimera", **BASE),  # type: ignore[arg-type]
-    "1f1b adamw eval": train_config(schedule="1f1b", optimizer="adamw", lr=1e-2, eval_every=2, eval_batches=2,
-                                   **BASE),  # type: ignore[arg-type]
+    "1f1b adamw eval": train_config(schedule="1f1b", optimizer="adamw", lr=1e-2, eval_every=2, eval_batches=2, **BASE),  # type: ignore[arg-type]
     "pipedream": train_config(schedule="pipedream", **{**BASE, "steps": 6}),  # type: ignore[arg-type]
 }
 
@@ -98,8 +97,13 @@ def runs() -> dict[str, tuple[TrainConfig, RunRecord]]:
 
 
 def _plain(config: TrainConfig):  # type: ignore[no-untyped-def]
-    return run_plain(config.model, steps=config.steps, batch_size=config.batch_size,
-                     num_microbatches=config.num_microbatches, optimizer_factory=optimizer_factory(config))
+    return run_plain(
+        config.model,
+        steps=config.steps,
+        batch_size=config.batch_size,
+        num_microbatches=config.num_microbatches,
+        optimizer_factory=optimizer_factory(config),
+    )
 
 
 def _parameters(record: RunRecord) -> dict[str, torch.Tensor]:
@@ -126,31 +130,44 @@ def test_synchronous_schedules_equal_plain_training(runs: dict[str, tuple[TrainC
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", STREAMS)
-def test_a_stream_equals_its_reference(runs: dict[str, tuple[TrainConfig, RunRecord]], case: str,
-                                       equals_reference: Any) -> None:
+def test_a_stream_equals_its_reference(
+    runs: dict[str, tuple[TrainConfig, RunRecord]], case: str, equals_reference: Any
+) -> None:
     equals_reference(*runs[case])
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_held_out_loss_is_the_final_weights_loss_in_eval_mode(runs: dict[str, tuple[TrainConfig, RunRecord]],
-                                                               held_out_loss: Any) -> None:
+def test_held_out_loss_is_the_final_weights_loss_in_eval_mode(
+    runs: dict[str, tuple[TrainConfig, RunRecord]], held_out_loss: Any
+) -> None:
     config, record = runs["1f1b adamw eval"]
     source = data_source(SPEC, batch_size=config.batch_size)
     assert [at for at, _ in record.eval_losses] == [2, 3]
     assert record.eval_losses[-1][1] == pytest.approx(
-        held_out_loss(SPEC, _parameters(record), source, config.eval_batches), rel=1e-5)
+        held_out_loss(SPEC, _parameters(record), source, config.eval_batches), rel=1e-5
+    )
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_a_checkpoint_resumes_on_another_schedule(tmp_path: Path) -> None:
     # The model with dropout: the resumed run draws the masks of steps 2.. (the key counts steps).
-    first = train_config(schedule="1f1b", **{**NOISY_BASE, "steps": 2, "collect_parameters": False},  # type: ignore[arg-type]
-                        optimizer="adamw", lr=1e-2, save=str(tmp_path / "ckpt"))
+    first = train_config(
+        schedule="1f1b",
+        **{**NOISY_BASE, "steps": 2, "collect_parameters": False},  # type: ignore[arg-type]
+        optimizer="adamw",
+        lr=1e-2,
+        save=str(tmp_path / "ckpt"),
+    )
     launch(run_rank, prepare(first), 2, LaunchOptions(timeout_s=60))
-    second = train_config(schedule="zb-h1", **{**NOISY_BASE, "steps": 3}, optimizer="adamw",  # type: ignore[arg-type]
-                         lr=1e-2, resume=str(tmp_path / "ckpt"))
+    second = train_config(
+        schedule="zb-h1",
+        **{**NOISY_BASE, "steps": 3},
+        optimizer="adamw",  # type: ignore[arg-type]
+        lr=1e-2,
+        resume=str(tmp_path / "ckpt"),
+    )
     prepare(second)
     resumed = launch(run_rank, prepare(second), 2, LaunchOptions(timeout_s=60))
     plain = _plain(dataclasses.replace(second, steps=5))
@@ -231,28 +248,33 @@ def test_model_spec_of_a_module_level_function() -> None:
         entry_of(lambda: module)
 
 
-@pytest.mark.parametrize("entry, message", [
-    ("no_colon", "unknown"),
-    ("missing_file.py:model", "no file missing_file.py"),
-    ("no_such_module_xyz:model", "cannot import no_such_module_xyz"),
-    ("{FILE}:absent", "has no 'absent'"),
-    ("{FILE}:not_a_model", "gives int, not a pipeweave.models.LayerModel"),
-    ("{FILE}:returns_tuple", "layer 0 of the model returns tuple; each layer must return a tensor or a tuple of "
-                             "tensors"),  # LSTM: (output, (h, c))
-    ("{FILE}:returns_list", "layer 0 of the model returns list; each layer must return a tensor or a tuple"),
-    ("{FILE}:wide_tuple", "layer 0 of the model returns a tuple of 9 tensors; a stage boundary carries at most 8"),
-    ("{FILE}:raises", r"raises\(\) raised RuntimeError: no data here \(.*tiny_custom.py:\d+\)"),
-    ("{FILE}:wrong_width", "layer 1 of the model fails on the output of layer 0: RuntimeError"),
-    ("{FILE}:wrong_targets", "the model's loss fails on the last layer's output and the targets"),
-    ("{FILE}:batch_second", r"layer 1 of the model returns shape \(8, 2, 24\) for 2 samples; keep the samples"),
-    ("{SYNTAX}:model", r"loading .*broken.py raised SyntaxError: .* \(.*broken.py:2\)"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("no_colon", "unknown"),
+        ("missing_file.py:model", "no file missing_file.py"),
+        ("no_such_module_xyz:model", "cannot import no_such_module_xyz"),
+        ("{FILE}:absent", "has no 'absent'"),
+        ("{FILE}:not_a_model", "gives int, not a pipeweave.models.LayerModel"),
+        (
+            "{FILE}:returns_tuple",
+            "layer 0 of the model returns tuple; each layer must return a tensor or a tuple of tensors",
+        ),  # LSTM: (output, (h, c))
+        ("{FILE}:returns_list", "layer 0 of the model returns list; each layer must return a tensor or a tuple"),
+        ("{FILE}:wide_tuple", "layer 0 of the model returns a tuple of 9 tensors; a stage boundary carries at most 8"),
+        ("{FILE}:raises", r"raises\(\) raised RuntimeError: no data here \(.*tiny_custom.py:\d+\)"),
+        ("{FILE}:wrong_width", "layer 1 of the model fails on the output of layer 0: RuntimeError"),
+        ("{FILE}:wrong_targets", "the model's loss fails on the last layer's output and the targets"),
+        ("{FILE}:batch_second", r"layer 1 of the model returns shape \(8, 2, 24\) for 2 samples; keep the samples"),
+        ("{SYNTAX}:model", r"loading .*broken.py raised SyntaxError: .* \(.*broken.py:2\)"),
+    ],
+)
 @pytest.mark.filterwarnings("ignore:Using a target size")  # mse_loss's own warning before it fails
 def test_bad_entries_are_one_line_before_anything_is_spawned(tmp_path: Path, entry: str, message: str) -> None:
     (tmp_path / "broken.py").write_text("def model():\n    return (\n")
     entry = entry.replace("{FILE}", str(FILE)).replace("{SYNTAX}", str(tmp_path / "broken.py"))
-    from pipeweave.commands.train_run import build_config
     from pipeweave.cli import build_parser
+    from pipeweave.commands.train_run import build_config
 
     with pytest.raises(UserError, match=message):
         prepare(build_config(build_parser().parse_args(["train", "--model", entry])))
@@ -278,9 +300,30 @@ def test_size_options_and_bad_contracts_are_refused() -> None:
 def test_train_cli_trains_a_model_file(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeweave.cli", "train", "--model", f"{FILE}:model", "-s", "zb-h1", "--batch", "8",
-         "--microbatches", "4", "--steps", "3", "--quiet", "--json", str(out), "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "pipeweave.cli",
+            "train",
+            "--model",
+            f"{FILE}:model",
+            "-s",
+            "zb-h1",
+            "--batch",
+            "8",
+            "--microbatches",
+            "4",
+            "--steps",
+            "3",
+            "--quiet",
+            "--json",
+            str(out),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr
     record = json.loads(out.read_text())
@@ -288,10 +331,19 @@ def test_train_cli_trains_a_model_file(tmp_path: Path) -> None:
     assert record["optimizer"] == "adamw"
 
 
-@pytest.mark.parametrize("name", ["pipeweave.models.custom", "pipeweave.models.randomness", "pipeweave.data.dataset",
-                                  "pipeweave.runtime.transport.message", "pipeweave.models.precision",
-                                  "pipeweave.runtime.stream", "pipeweave.config.train",
-                                  "pipeweave.runtime.run.prepare"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "pipeweave.models.custom",
+        "pipeweave.models.randomness",
+        "pipeweave.data.dataset",
+        "pipeweave.runtime.transport.message",
+        "pipeweave.models.precision",
+        "pipeweave.runtime.stream",
+        "pipeweave.config.train",
+        "pipeweave.runtime.run.prepare",
+    ],
+)
 def test_examples(name: str) -> None:
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
@@ -317,16 +369,28 @@ def test_only_ranks_with_a_first_or_last_stage_draw_batches() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_a_checkpoint_keeps_the_buffers(tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, torch.Tensor]]) -> None:
+def test_a_checkpoint_keeps_the_buffers(
+    tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, torch.Tensor]]
+) -> None:
     from pipeweave.runtime.run import checkpoint, checkpoint_files
 
     spec = ModelSpec(kind="custom", entry=f"{FILE}:with_buffer")
-    first = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=spec, batch_size=8, steps=2,
-                        save=str(tmp_path / "ckpt"))
+    first = train_config(
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=2,
+        model=spec,
+        batch_size=8,
+        steps=2,
+        save=str(tmp_path / "ckpt"),
+    )
     launch(run_rank, prepare(first), 2, LaunchOptions(timeout_s=60))
     found = checkpoint_files.find(str(tmp_path / "ckpt"))
-    saved = {key.removeprefix("buffers/"): v for key, v in checkpoint_tensors(found.folder).items()
-             if key.startswith("buffers/")}
+    saved = {
+        key.removeprefix("buffers/"): v
+        for key, v in checkpoint_tensors(found.folder).items()
+        if key.startswith("buffers/")
+    }
     assert set(saved) == {"1.peak"} and float(saved["1.peak"]) > 0  # trained, not the initial zero
     worker = StageWorker(spec, range(0, 3), batch_size=8)  # resumed on one stage holding every layer
     assert float(worker.module["1"].peak) == 0
@@ -443,8 +507,14 @@ def test_a_stage_of_activations_only_runs_its_actions_and_updates_nothing() -> N
     # A split nn.Sequential has its activations as layers of their own: a stage may hold only those
     # (5 stages over tied_sequential's 5 children), and torch's optimizers refuse an empty parameter list.
     spec = ModelSpec(kind="custom", entry=f"{FILE.parent / 'tiny_modules.py'}:tied_sequential")
-    worker = StageWorker(spec, range(1, 2), batch_size=4, optimizer_factory=optimizer_factory(
-        train_config(schedule="1f1b", num_stages=5, num_microbatches=1, model=spec, batch_size=4, optimizer="adamw")))
+    worker = StageWorker(
+        spec,
+        range(1, 2),
+        batch_size=4,
+        optimizer_factory=optimizer_factory(
+            train_config(schedule="1f1b", num_stages=5, num_microbatches=1, model=spec, batch_size=4, optimizer="adamw")
+        ),
+    )
     assert not list(worker.module.parameters())
     x = torch.randn(4, 8, requires_grad=True)
     out = worker.forward(0, x)

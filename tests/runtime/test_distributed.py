@@ -16,19 +16,19 @@ import functools
 
 import pytest
 import torch
+from config_defaults import train_config
 
-from pipeweave.runtime.context import RankContext
-from pipeweave.models import ModelSpec
 from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.job import run_rank
-from pipeweave.runtime.run.record import RunRecord
-from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.models import ModelSpec
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.runtime.reference import run_reference
-from pipeweave.schedule import SCHEDULES, ScheduleError
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import build_schedule, optimizer_factory, prepare
+from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.sizes import microbatch_sizes
-from config_defaults import train_config
+from pipeweave.schedule import SCHEDULES, ScheduleError
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -45,8 +45,14 @@ def _config(name: str, ranks: int, recompute: bool, **overrides: object) -> Trai
     info = SCHEDULES[name]
     for t in (4, 6, 8):
         fields: dict[str, object] = dict(
-            schedule=name, num_stages=ranks, num_microbatches=t, model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8),
-            batch_size=2 * t - 1, steps=STEPS, recompute=recompute, collect_parameters=True,
+            schedule=name,
+            num_stages=ranks,
+            num_microbatches=t,
+            model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8),
+            batch_size=2 * t - 1,
+            steps=STEPS,
+            recompute=recompute,
+            collect_parameters=True,
             num_chunks=2 if info.chunks is None else None,
         )
         fields.update(overrides)
@@ -72,15 +78,28 @@ def _cases(ranks: int) -> dict[str, TrainConfig]:
     if ranks == 2:  # a transformer (3-d activations, int64 tokens in), and AdamW, once each
         gpt = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8)
         cases["gpt-1f1b"] = train_config(
-            schedule="1f1b", num_stages=2, num_microbatches=3, model=gpt, batch_size=5, steps=STEPS,
+            schedule="1f1b",
+            num_stages=2,
+            num_microbatches=3,
+            model=gpt,
+            batch_size=5,
+            steps=STEPS,
             collect_parameters=True,
         )
         adamw = _config("1f1b", ranks, False, optimizer="adamw", lr=1e-2)
         assert adamw is not None
         cases["1f1b-adamw"] = adamw
         cases["gpt-zb-h1-bf16"] = train_config(
-            schedule="zb-h1", num_stages=2, num_microbatches=3, model=gpt, batch_size=5, steps=STEPS,
-            collect_parameters=True, precision="bf16", optimizer="adamw", lr=1e-2,
+            schedule="zb-h1",
+            num_stages=2,
+            num_microbatches=3,
+            model=gpt,
+            batch_size=5,
+            steps=STEPS,
+            collect_parameters=True,
+            precision="bf16",
+            optimizer="adamw",
+            lr=1e-2,
         )
     for name, recompute in BF16:  # mixed precision: the same autocast as plain training's
         bf16 = _config(name, ranks, recompute, precision="bf16")
@@ -104,19 +123,30 @@ def runs(request: pytest.FixtureRequest) -> tuple[int, dict[str, tuple[TrainConf
     return request.param, dict(zip(cases, zip(cases.values(), records)))
 
 
-@functools.lru_cache(maxsize=None)
-def _plain(model: ModelSpec, batch_size: int, num_microbatches: int, optimizer: str, lr: float,
-           precision: str = "fp32") -> TrainResult:
+@functools.cache
+def _plain(
+    model: ModelSpec, batch_size: int, num_microbatches: int, optimizer: str, lr: float, precision: str = "fp32"
+) -> TrainResult:
     """Plain training, shared by the schedules that run the same model and batch."""
     config = train_config(optimizer=optimizer, lr=lr)
-    return run_plain(model, steps=STEPS, batch_size=batch_size, num_microbatches=num_microbatches,
-                     optimizer_factory=optimizer_factory(config), precision=precision)
+    return run_plain(
+        model,
+        steps=STEPS,
+        batch_size=batch_size,
+        num_microbatches=num_microbatches,
+        optimizer_factory=optimizer_factory(config),
+        precision=precision,
+    )
 
 
 def _names() -> list[str]:
     names = [n for n, info in SCHEDULES.items() if info.synchronous]
-    return ([f"{n}{suffix}" for n in names for suffix in ("", "+recompute")] + ["gpt-1f1b", "1f1b-adamw"]
-            + [_bf16_case(n, r) for n, r in BF16] + ["gpt-zb-h1-bf16"])
+    return (
+        [f"{n}{suffix}" for n in names for suffix in ("", "+recompute")]
+        + ["gpt-1f1b", "1f1b-adamw"]
+        + [_bf16_case(n, r) for n, r in BF16]
+        + ["gpt-zb-h1-bf16"]
+    )
 
 
 @pytest.mark.parametrize("case", _names())
@@ -129,10 +159,18 @@ def test_distributed_run_equals_plain_training_and_reference(
     config, record = results[case]
     schedule = build_schedule(config)
     optimizer = optimizer_factory(config)
-    plain = _plain(config.model, config.batch_size, config.num_microbatches, config.optimizer, config.lr,
-                   config.precision)
-    reference = run_reference(schedule, config.model, steps=STEPS, batch_size=config.batch_size,
-                              optimizer_factory=optimizer, recompute=config.recompute, precision=config.precision)
+    plain = _plain(
+        config.model, config.batch_size, config.num_microbatches, config.optimizer, config.lr, config.precision
+    )
+    reference = run_reference(
+        schedule,
+        config.model,
+        steps=STEPS,
+        batch_size=config.batch_size,
+        optimizer_factory=optimizer,
+        recompute=config.recompute,
+        precision=config.precision,
+    )
     torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
     assert record.losses[-1] < record.losses[0]  # it trains
@@ -175,11 +213,15 @@ def test_microbatches_are_uneven_and_measurements_are_sane(
     assert sizes[-1] < sizes[0] and sum(sizes) == config.batch_size
     report = summarize(build_schedule(config), record)
     assert 0.0 <= report["bubble_ratio"] < 1.0 and 0.0 <= report["bubble_ratio_simulated"] < 1.0
-    assert report["step_time_s"] > 0 and report["samples_per_s"] == pytest.approx(config.batch_size / report["step_time_s"])
+    assert report["step_time_s"] > 0 and report["samples_per_s"] == pytest.approx(
+        config.batch_size / report["step_time_s"]
+    )
     # 1F1B: rank r keeps min(D - r, T) microbatches in flight, so rank 0 holds the most.
     peaks = report["peak_activation_bytes"]
     assert all(p > 0 for p in peaks) and peaks[0] > peaks[-1]
-    held = [sum(p.numel() * p.element_size() for ps in r.parameters.values() for p in ps.values()) for r in record.ranks]
+    held = [
+        sum(p.numel() * p.element_size() for ps in r.parameters.values() for p in ps.values()) for r in record.ranks
+    ]
     assert report["weight_bytes"] == held
     # Recomputation keeps only stage inputs: less activation memory on every rank.
     recomputed = summarize(build_schedule(config), results["1f1b+recompute"][1])["peak_activation_bytes"]

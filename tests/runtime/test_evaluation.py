@@ -13,21 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from config_defaults import train_config
 from torch import nn
 
-from pipeweave.runtime.context import RankContext
+from pipeweave.config import TrainConfig
 from pipeweave.data import ByteCorpus, stdlib_sources
 from pipeweave.models import ModelSpec
 from pipeweave.models.build import build_layers
 from pipeweave.models.spec import loss_fn
-from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.job import run_rank
-from pipeweave.runtime.run.record import RunRecord
-from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.plain import run_plain
-from pipeweave.schedule import SCHEDULES, ScheduleError
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import prepare
-from config_defaults import train_config
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.schedule import SCHEDULES, ScheduleError
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -45,9 +45,18 @@ def _cases(text: Path) -> dict[str, TrainConfig]:
         if not info.synchronous:
             continue
         for t in (4, 6, 8):
-            config = train_config(schedule=name, num_stages=2, num_microbatches=t, model=GPT, batch_size=2 * t - 1,
-                                 steps=STEPS, data=str(text), eval_every=1, eval_batches=EVAL_BATCHES,
-                                 num_chunks=2 if info.chunks is None else None)
+            config = train_config(
+                schedule=name,
+                num_stages=2,
+                num_microbatches=t,
+                model=GPT,
+                batch_size=2 * t - 1,
+                steps=STEPS,
+                data=str(text),
+                eval_every=1,
+                eval_batches=EVAL_BATCHES,
+                num_chunks=2 if info.chunks is None else None,
+            )
             try:
                 schedule = prepare(config).schedule
             except ScheduleError:
@@ -76,8 +85,9 @@ def test_held_out_loss_is_the_final_weights_loss_and_training_is_unchanged(
     config, record = runs[name]
     assert config.data is not None
     corpus = ByteCorpus(Path(config.data.path).read_bytes(), seq_len=GPT.seq_len, batch_size=config.batch_size)
-    plain = run_plain(GPT, steps=STEPS, batch_size=config.batch_size, num_microbatches=config.num_microbatches,
-                      data=corpus)
+    plain = run_plain(
+        GPT, steps=STEPS, batch_size=config.batch_size, num_microbatches=config.num_microbatches, data=corpus
+    )
     torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
     model = nn.ModuleDict({str(i): layer for i, layer in enumerate(build_layers(GPT, range(GPT.num_layers)))})
     model.load_state_dict(plain.parameters)

@@ -30,8 +30,12 @@ def _start(mode: str) -> subprocess.Popen[str]:
     # foreground job has it: a suite started in the background (``pytest &`` in a script) ignores SIGINT, which
     # the launcher would inherit and keep (Python leaves an ignored SIGINT ignored).
     return subprocess.Popen(
-        [sys.executable, str(SCRIPT), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=_signals_at_default,
+        [sys.executable, str(SCRIPT), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_signals_at_default,
     )
 
 
@@ -103,8 +107,11 @@ def _fork_server_of(launcher: int) -> int:
         # slow: a kill and the shared-memory transport are in the default run by "train-kill-auto"
         pytest.param("kill", "rank 1 was killed by SIGKILL", marks=pytest.mark.slow),
         ("train-raise", "rank 1 failed: RuntimeError: injected failure in a backward on rank 1"),
-        pytest.param("train-raise-auto", "rank 1 failed: RuntimeError: injected failure in a backward on rank 1",
-                     marks=pytest.mark.slow),
+        pytest.param(
+            "train-raise-auto",
+            "rank 1 failed: RuntimeError: injected failure in a backward on rank 1",
+            marks=pytest.mark.slow,
+        ),
         ("train-kill-auto", "rank 1 was killed by SIGKILL"),
     ],
 )
@@ -205,9 +212,11 @@ def test_a_process_dies_with_the_one_it_watches(case: str) -> None:
     # The pidfd path is what a rank takes (above); here the polled one, on a zombie, and a PID taken by another.
     target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     started = "start_time(pid)" if case == "polled" else "start_time(pid) + 1"
-    code = (f"import os, time\ndel os.pidfd_open\nfrom pipeweave.runtime.process import die_with_process, start_time\n"
-            f"print('watching', flush=True)\npid = {target.pid}\ndie_with_process(pid, {started}, poll_s=0.1)\n"
-            "time.sleep(60)\n")
+    code = (
+        f"import os, time\ndel os.pidfd_open\nfrom pipeweave.runtime.process import die_with_process, start_time\n"
+        f"print('watching', flush=True)\npid = {target.pid}\ndie_with_process(pid, {started}, poll_s=0.1)\n"
+        "time.sleep(60)\n"
+    )
     watcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert watcher.stdout is not None
@@ -236,7 +245,10 @@ def test_invalid_configuration_is_one_line_before_spawning() -> None:
     argv, message = INVALID[0]
     started = time.monotonic()
     run = subprocess.run(
-        [sys.executable, "-m", "pipeweave.cli", "train", *argv], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "pipeweave.cli", "train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
@@ -245,8 +257,9 @@ def test_invalid_configuration_is_one_line_before_spawning() -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), INVALID[1:])
-def test_each_invalid_configuration_is_one_line(argv: list[str], message: str,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_each_invalid_configuration_is_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     from pipeweave.cli import main
 
     assert main(["train", *argv]) == 2

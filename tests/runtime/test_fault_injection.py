@@ -34,9 +34,37 @@ KILLS = 10
 
 
 def _command(save: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "pipeweave.cli", "train", "--model", "mlp", "--layers", "4", "--hidden", "32",
-            "--batch", "16", "--microbatches", "4", "-s", "1f1b", "--steps", str(STEPS), "--save", str(save),
-            "--save-every", "1", "--resume", "auto", "--quiet", "--out", str(out), "--timeout", "10"]
+    return [
+        sys.executable,
+        "-m",
+        "pipeweave.cli",
+        "train",
+        "--model",
+        "mlp",
+        "--layers",
+        "4",
+        "--hidden",
+        "32",
+        "--batch",
+        "16",
+        "--microbatches",
+        "4",
+        "-s",
+        "1f1b",
+        "--steps",
+        str(STEPS),
+        "--save",
+        str(save),
+        "--save-every",
+        "1",
+        "--resume",
+        "auto",
+        "--quiet",
+        "--out",
+        str(out),
+        "--timeout",
+        "10",
+    ]
 
 
 def _descendants(pid: int) -> dict[int, int]:
@@ -77,8 +105,14 @@ def _as_a_terminal_starts_it() -> None:
 def _kill_once(save: Path, out: Path, rng: random.Random, how: str) -> None:
     """Start the run, let it make at least one more checkpoint, kill it at a random moment, check nothing is left."""
     before = _newest_steps(save)
-    proc = subprocess.Popen(_command(save, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=_as_a_terminal_starts_it)
+    proc = subprocess.Popen(
+        _command(save, out),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_as_a_terminal_starts_it,
+    )
     target, deadline = before + rng.randint(1, 3), time.monotonic() + 90
     while _newest_steps(save) < target and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -117,11 +151,13 @@ KINDS = ("launcher", "rank", "hup")
 
 
 def test_a_run_killed_ten_times_resumes_to_the_uninterrupted_result(
-        tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, torch.Tensor]]) -> None:
+    tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, torch.Tensor]]
+) -> None:
     kinds = KINDS
     shm_before = set(os.listdir("/dev/shm"))
-    straight = subprocess.run(_command(tmp_path / "straight", tmp_path / "straight-out"), capture_output=True,
-                              text=True, timeout=300)
+    straight = subprocess.run(
+        _command(tmp_path / "straight", tmp_path / "straight-out"), capture_output=True, text=True, timeout=300
+    )
     assert straight.returncode == 0, straight.stderr
     expected = json.loads((tmp_path / "straight-out" / "train.json").read_text())["losses"]
     rng = random.Random(f"fault injection {kinds}")

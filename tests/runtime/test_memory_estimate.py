@@ -12,38 +12,62 @@ the case measured). The test allows 1.1x above the measurement, and nothing belo
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from unittest.mock import patch
 
 import pytest
+from config_defaults import train_config
 
 from pipeweave.cli import main
+from pipeweave.config import TrainConfig
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.run.memory import MemoryEstimate, check_memory, estimate_memory, ranks_here
-from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.prepare import prepare
-from config_defaults import train_config
 
 FACTOR = 1.1
 """How far above the measured activation peak the estimate may be (measured: 1.0, exact)."""
 MLP = ["--model", "mlp", "--layers", "4", "--hidden", "32", "--batch", "16"]
 GPT = ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch", "8"]
-INTERLEAVED = train_config(schedule="interleaved-1f1b", num_stages=2, num_chunks=2, num_microbatches=4, batch_size=32,
-                          model=ModelSpec(kind="mlp", layers=4, hidden=8), optimizer="adamw", data_parallel=4)
+INTERLEAVED = train_config(
+    schedule="interleaved-1f1b",
+    num_stages=2,
+    num_chunks=2,
+    num_microbatches=4,
+    batch_size=32,
+    model=ModelSpec(kind="mlp", layers=4, hidden=8),
+    optimizer="adamw",
+    data_parallel=4,
+)
 
 
-@pytest.mark.parametrize("argv", [
-    [*MLP, "-s", "zb-h1"],  # the split backward: what W still needs after I
-    [*GPT, "-s", "1f1b", "--stages", "3", "--microbatches", "4", "--recompute", "--precision", "bf16"],
-    [*GPT, "-s", "zb-h1", "--tensor-parallel", "2"],  # a process's shards and activations
-    [*GPT, "-s", "zb-h1", "--tensor-parallel", "2", "--sequence-parallel"],  # its layer norms' on half the sequence
-    # the memory levers: part 0 offloaded, everything stashed in bf16; BPipe's pairs
-    [*GPT, "-s", "1f1b", "--stages", "2", "--microbatches", "4", "--offload", "0", "--compress-activations", "bf16"],
-    [*GPT, "-s", "1f1b", "--stages", "4", "--microbatches", "8", "--balance-activations"],
-], ids=["mlp-zb-h1", "gpt-1f1b-recompute-bf16", "gpt-zb-h1-tp2", "gpt-zb-h1-tp2-sp", "gpt-offload-bf16", "gpt-bpipe"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*MLP, "-s", "zb-h1"],  # the split backward: what W still needs after I
+        [*GPT, "-s", "1f1b", "--stages", "3", "--microbatches", "4", "--recompute", "--precision", "bf16"],
+        [*GPT, "-s", "zb-h1", "--tensor-parallel", "2"],  # a process's shards and activations
+        [*GPT, "-s", "zb-h1", "--tensor-parallel", "2", "--sequence-parallel"],  # its layer norms' on half the sequence
+        # the memory levers: part 0 offloaded, everything stashed in bf16; BPipe's pairs
+        [
+            *GPT,
+            "-s",
+            "1f1b",
+            "--stages",
+            "2",
+            "--microbatches",
+            "4",
+            "--offload",
+            "0",
+            "--compress-activations",
+            "bf16",
+        ],
+        [*GPT, "-s", "1f1b", "--stages", "4", "--microbatches", "8", "--balance-activations"],
+    ],
+    ids=["mlp-zb-h1", "gpt-1f1b-recompute-bf16", "gpt-zb-h1-tp2", "gpt-zb-h1-tp2-sp", "gpt-offload-bf16", "gpt-bpipe"],
+)
 def test_the_estimate_is_within_its_factor_of_the_measured_peak(
     argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -63,8 +87,24 @@ def test_a_run_larger_than_free_memory_is_one_line_before_spawning(
     cli_error: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PIPEWEAVE_CACHE", str(tmp_path / "cache"))
-    big = ["train", "--model", "mlp", "--layers", "4", "--hidden", "512", "--batch", "32768", "--microbatches", "4",
-           "--steps", "1", "--quiet", "--out", str(tmp_path)]
+    big = [
+        "train",
+        "--model",
+        "mlp",
+        "--layers",
+        "4",
+        "--hidden",
+        "512",
+        "--batch",
+        "32768",
+        "--microbatches",
+        "4",
+        "--steps",
+        "1",
+        "--quiet",
+        "--out",
+        str(tmp_path),
+    ]
     with patch("pipeweave.host.available_memory", return_value=512 << 20):  # the processes fit, the activations not
         err = cli_error(big, "pipeweave.runtime.run.launch._spawn")
     assert err.startswith("pipeweave train: error: this run needs ~"), err
@@ -75,22 +115,32 @@ def _estimate(activations: int = 0, weights: int = 0, rings: int = 0, processes:
     return MemoryEstimate((activations,) * 2, (weights,) * 2, (rings,) * 2, (processes,) * 2)
 
 
-@pytest.mark.parametrize(("estimate", "config", "fix"), [
-    (_estimate(activations=3 << 30), train_config(), "reduce --batch or add --recompute (selective or full) or "
-                                                    "--offload (the first parts)"),
-    (_estimate(activations=3 << 30), train_config(recompute=True), "reduce --batch or --offload (the first parts)"),
-    (_estimate(activations=3 << 30), train_config(recompute=True, offload="0"), "reduce --batch"),
-    (_estimate(weights=3 << 30), train_config(optimizer="adamw"), "give a smaller model (--layers, --hidden) or "
-                                                                  "--optimizer sgd"),
-    (_estimate(rings=3 << 30), train_config(), "use --transport gloo"),
-])
+@pytest.mark.parametrize(
+    ("estimate", "config", "fix"),
+    [
+        (
+            _estimate(activations=3 << 30),
+            train_config(),
+            "reduce --batch or add --recompute (selective or full) or --offload (the first parts)",
+        ),
+        (_estimate(activations=3 << 30), train_config(recompute=True), "reduce --batch or --offload (the first parts)"),
+        (_estimate(activations=3 << 30), train_config(recompute=True, offload="0"), "reduce --batch"),
+        (
+            _estimate(weights=3 << 30),
+            train_config(optimizer="adamw"),
+            "give a smaller model (--layers, --hidden) or --optimizer sgd",
+        ),
+        (_estimate(rings=3 << 30), train_config(), "use --transport gloo"),
+    ],
+)
 def test_the_refusal_names_the_estimate_and_the_fix_for_its_largest_part(
     estimate: MemoryEstimate, config: TrainConfig, fix: str
 ) -> None:
     with patch("pipeweave.host.available_memory", return_value=4 << 30), pytest.raises(UserError) as refused:
         check_memory(estimate, config)
     assert str(refused.value).startswith("this run needs ~6.3 GiB (2 ranks: ") and "and 4.0 GiB is free" in str(
-        refused.value), refused.value
+        refused.value
+    ), refused.value
     assert str(refused.value).endswith(fix), refused.value
 
 
@@ -103,8 +153,13 @@ def test_what_fits_passes_and_cuda_ranks_count_only_their_processes() -> None:
 
 
 def test_under_torchrun_only_this_nodes_ranks_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in {"RANK": "5", "WORLD_SIZE": "8", "MASTER_ADDR": "x", "LOCAL_RANK": "1",
-                        "LOCAL_WORLD_SIZE": "4"}.items():
+    for name, value in {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "MASTER_ADDR": "x",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+    }.items():
         monkeypatch.setenv(name, value)
     assert ranks_here(8) == range(4, 8)
 
@@ -137,9 +192,32 @@ def test_the_zero3_estimate_is_within_its_factor_of_the_measured_peak(
     (SGD: no optimizer state, which the first step, the one measured, would create only at its end)."""
     monkeypatch.setenv("PIPEWEAVE_CACHE", str(tmp_path / "cache"))
     record = tmp_path / "train.json"
-    argv = ["--model", "gpt", "--layers", "2", "--hidden", "64", "--heads", "2", "--seq-len", "16", "--batch", "8",
-            "-s", "1f1b", "--stages", "1", "--microbatches", "2", "--data-parallel", "2", "--zero", "3",
-            "--optimizer", "sgd"]
+    argv = [
+        "--model",
+        "gpt",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "2",
+        "--seq-len",
+        "16",
+        "--batch",
+        "8",
+        "-s",
+        "1f1b",
+        "--stages",
+        "1",
+        "--microbatches",
+        "2",
+        "--data-parallel",
+        "2",
+        "--zero",
+        "3",
+        "--optimizer",
+        "sgd",
+    ]
     assert main(["train", *argv, "--steps", "1", "--quiet", "--out", str(tmp_path), "--json", str(record)]) == 0
     report = json.loads(record.read_text())
     measured = [w + t for w, t in zip(report["weight_bytes"], report["peak_tensor_bytes"])]

@@ -27,8 +27,25 @@ import pytest
 
 RUNTIME = Path(__file__).resolve().parents[2] / "src" / "pipeweave" / "runtime"
 MUTABLE_CALLS = {"list", "dict", "set", "bytearray", "deque", "defaultdict", "OrderedDict", "Counter"}
-MUTATING_METHODS = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault",
-                    "add", "discard", "appendleft", "extendleft", "__setitem__", "__delitem__", "sort", "reverse"}
+MUTATING_METHODS = {
+    "append",
+    "extend",
+    "insert",
+    "remove",
+    "pop",
+    "popitem",
+    "clear",
+    "update",
+    "setdefault",
+    "add",
+    "discard",
+    "appendleft",
+    "extendleft",
+    "__setitem__",
+    "__delitem__",
+    "sort",
+    "reverse",
+}
 
 
 def _is_mutable(value: ast.expr | None) -> bool:
@@ -95,48 +112,65 @@ def violations(source: str, where: str) -> list[str]:
                 if _is_mutable(getattr(node, "value", None)):
                     mutable.add(name)
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-        found += [f"{where}:{n.lineno}: {cls.name}.{', '.join(ast.unparse(t) for t in _targets(n))} shared by its "
-                  "instances" for n in cls.body if _is_mutable(getattr(n, "value", None))]
+        found += [
+            f"{where}:{n.lineno}: {cls.name}.{', '.join(ast.unparse(t) for t in _targets(n))} shared by its instances"
+            for n in cls.body
+            if _is_mutable(getattr(n, "value", None))
+        ]
     for node in ast.walk(tree):
         for target in [*_targets(node), *(node.targets if isinstance(node, ast.Delete) else [])]:
             if isinstance(target, (ast.Subscript, ast.Attribute)) and _root(target) in mutable:
                 found.append(f"{where}:{node.lineno}: module-level {_root(target)} mutated")
             if isinstance(node, ast.AugAssign) and _root(target) in mutable:
                 found.append(f"{where}:{node.lineno}: module-level {_root(target)} mutated")
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                node.func.attr in MUTATING_METHODS and _root(node.func.value) in mutable:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in MUTATING_METHODS
+            and _root(node.func.value) in mutable
+        ):
             found.append(f"{where}:{node.lineno}: module-level {_root(node.func.value)}.{node.func.attr}(...)")
     return found
 
 
 def test_no_module_level_mutable_state_in_the_runtime() -> None:
-    found = [v for path in sorted(RUNTIME.rglob("*.py"))
-             for v in violations(path.read_text(), str(path.relative_to(RUNTIME.parents[1])))]
-    assert found == [], "pass run state in the RankContext (runtime/context.py), not through modules:\n" + \
-        "\n".join(found)
+    found = [
+        v
+        for path in sorted(RUNTIME.rglob("*.py"))
+        for v in violations(path.read_text(), str(path.relative_to(RUNTIME.parents[1])))
+    ]
+    assert found == [], "pass run state in the RankContext (runtime/context.py), not through modules:\n" + "\n".join(
+        found
+    )
 
 
-@pytest.mark.parametrize("source", [
-    "_active = None\ndef install(m):\n    global _active\n    _active = m\n",
-    "_x = 1\n_x = 2\n",
-    "_seen = []\ndef f(v):\n    _seen.append(v)\n",
-    "_by_name = {}\ndef f(k, v):\n    _by_name[k] = v\n",
-    "_counts = dict()\ndef f(k):\n    _counts[k] += 1\n",
-    "_state = {'a': []}\ndef f():\n    _state['a'].append(1)\n",
-    "n = 0\nn += 1\n",
-    "class Registry:\n    seen = []\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "_active = None\ndef install(m):\n    global _active\n    _active = m\n",
+        "_x = 1\n_x = 2\n",
+        "_seen = []\ndef f(v):\n    _seen.append(v)\n",
+        "_by_name = {}\ndef f(k, v):\n    _by_name[k] = v\n",
+        "_counts = dict()\ndef f(k):\n    _counts[k] += 1\n",
+        "_state = {'a': []}\ndef f():\n    _state['a'].append(1)\n",
+        "n = 0\nn += 1\n",
+        "class Registry:\n    seen = []\n",
+    ],
+)
 def test_the_scan_finds_state(source: str) -> None:
     assert violations(source, "m.py")
 
 
-@pytest.mark.parametrize("source", [
-    "LIMIT = 3\nNAMES = ('a', 'b')\nTABLE = {'a': 1}\ndef f(k):\n    return TABLE[k]\n",
-    "import functools\n@functools.cache\ndef f(n):\n    return n * 2\n",
-    "import logging\nlog = logging.getLogger(__name__)\n",
-    "def f():\n    seen = []\n    seen.append(1)\n    return seen\n",
-    "try:\n    import fast\nexcept ImportError:\n    fast = None\n",
-    "@dataclass\nclass Record:\n    losses: list[float] = field(default_factory=list)\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "LIMIT = 3\nNAMES = ('a', 'b')\nTABLE = {'a': 1}\ndef f(k):\n    return TABLE[k]\n",
+        "import functools\n@functools.cache\ndef f(n):\n    return n * 2\n",
+        "import logging\nlog = logging.getLogger(__name__)\n",
+        "def f():\n    seen = []\n    seen.append(1)\n    return seen\n",
+        "try:\n    import fast\nexcept ImportError:\n    fast = None\n",
+        "@dataclass\nclass Record:\n    losses: list[float] = field(default_factory=list)\n",
+    ],
+)
 def test_the_scan_allows_constants(source: str) -> None:
     assert violations(source, "m.py") == []

@@ -28,21 +28,21 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from config_defaults import train_config
 
+from pipeweave.config import TrainConfig
 from pipeweave.data import data_source, split_microbatches
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.transport.order import message_key, rank_sends
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.executor import Executor
-from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.workers import build_workers
 from pipeweave.runtime.reference import run_reference
-from pipeweave.schedule import SCHEDULES, ScheduleError, generate, lower
-from pipeweave.schedule.ir import Op
 from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.runtime.run.sizes import microbatch_sizes
-from pipeweave.runtime.context import RankContext
+from pipeweave.runtime.run.workers import build_workers
 from pipeweave.runtime.transport.mesh import Mesh, replica_rank_sets
-from config_defaults import train_config
+from pipeweave.runtime.transport.order import message_key, rank_sends
+from pipeweave.schedule import SCHEDULES, ScheduleError, generate, lower
+from pipeweave.schedule.ir import Op
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,7 +121,9 @@ class InOrderTransport:
             other, other_work = waiting.popleft()
             send, recv = (tensor, other) if sending else (other, tensor)
             if send.dtype != recv.dtype or send.shape != recv.shape:
-                error = f"rank {src} -> {dst}: sent {send.dtype}{tuple(send.shape)} into {recv.dtype}{tuple(recv.shape)}"
+                error = (
+                    f"rank {src} -> {dst}: sent {send.dtype}{tuple(send.shape)} into {recv.dtype}{tuple(recv.shape)}"
+                )
                 self.mismatches.append(error)
                 work.error = other_work.error = error
             else:
@@ -142,8 +144,9 @@ def _run_threads(config: TrainConfig, transport: InOrderTransport) -> list[float
     return _run_rank_threads(config, plan, transport, lowered, joined)
 
 
-def _run_rank_threads(config: TrainConfig, plan: Any, transport: InOrderTransport, lowered: Any,
-                      joined: Mesh) -> list[float]:
+def _run_rank_threads(
+    config: TrainConfig, plan: Any, transport: InOrderTransport, lowered: Any, joined: Mesh
+) -> list[float]:
     schedule, device = plan.schedule, torch.device("cpu")
     losses = [[0.0] * schedule.num_ranks for _ in range(config.steps)]
     errors: list[str] = []
@@ -176,7 +179,11 @@ def _config(name: str, ranks: int, model: ModelSpec | None = None) -> TrainConfi
     info = SCHEDULES[name]
     for t in (4, 6, 8):
         config = train_config(
-            schedule=name, num_stages=ranks, num_microbatches=t, batch_size=2 * t - 1, steps=STEPS,
+            schedule=name,
+            num_stages=ranks,
+            num_microbatches=t,
+            batch_size=2 * t - 1,
+            steps=STEPS,
             model=model or ModelSpec(kind="mlp", layers=4 * ranks, hidden=8),
             num_chunks=2 if info.chunks is None else None,
         )
@@ -224,8 +231,14 @@ def test_posting_order_matches_per_pair_and_losses_equal_reference(case: str, mo
     # The reference executor running 1F1B: every synchronous schedule is the same computation.
     # (Not the same schedule: the reference's own chimera with tied embeddings drifts from its 1F1B.)
     one_f_one_b = generate("1f1b", num_stages=config.num_stages, num_microbatches=config.num_microbatches)
-    reference = run_reference(one_f_one_b, config.model, steps=config.steps, batch_size=config.batch_size,
-                              optimizer_factory=optimizer_factory(config), seed=config.seed)
+    reference = run_reference(
+        one_f_one_b,
+        config.model,
+        steps=config.steps,
+        batch_size=config.batch_size,
+        optimizer_factory=optimizer_factory(config),
+        seed=config.seed,
+    )
     torch.testing.assert_close(losses, reference.losses, rtol=1e-5, atol=1e-6)
 
 

@@ -14,21 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from config_defaults import train_config
 
-from pipeweave.runtime.context import RankContext
+from pipeweave.config import TrainConfig
 from pipeweave.data import ByteCorpus
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.runtime.reference import run_reference
-from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import prepare
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule import generate
-from config_defaults import train_config
 
 GPT = ModelSpec(kind="gpt", layers=4, hidden=8, heads=2, seq_len=8)  # 6 layers: D x v up to 3 x 2
 FILE = Path(__file__).resolve().parents[1] / "models" / "tiny_custom.py"
@@ -44,12 +44,17 @@ def _data(batch: int) -> ByteCorpus:
     return ByteCorpus(TEXT, seq_len=GPT.seq_len, batch_size=batch, seed=3)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plain(spec: ModelSpec, num_microbatches: int, own_text: bool = True) -> TrainResult:
     """Plain training; ``own_text``: on ``TEXT`` (the in-process runs), else on the model's own data (a run's)."""
     batch = 2 * num_microbatches + 1  # does not divide: the last microbatch is smaller
-    return run_plain(spec, steps=STEPS, batch_size=batch, num_microbatches=num_microbatches,
-                     data=_data(batch) if spec.kind == "gpt" and own_text else None)
+    return run_plain(
+        spec,
+        steps=STEPS,
+        batch_size=batch,
+        num_microbatches=num_microbatches,
+        data=_data(batch) if spec.kind == "gpt" and own_text else None,
+    )
 
 
 def _assert_bitwise(got: TrainResult, want: TrainResult) -> None:
@@ -69,8 +74,12 @@ def _modes(num_parts: int) -> list[str]:
 @pytest.mark.parametrize("num_stages", [2, 3])
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_recomputation_per_part_equals_plain_training_bitwise(name: str, num_stages: int) -> None:
-    schedule = generate(name, num_stages=num_stages, num_microbatches=2 * num_stages,
-                        num_chunks=2 if name == "interleaved-1f1b" else None)
+    schedule = generate(
+        name,
+        num_stages=num_stages,
+        num_microbatches=2 * num_stages,
+        num_chunks=2 if name == "interleaved-1f1b" else None,
+    )
     batch = 2 * schedule.num_microbatches + 1
     for mode in _modes(schedule.num_parts):
         result = run_reference(schedule, GPT, steps=STEPS, batch_size=batch, recompute=mode, data=_data(batch))
@@ -125,9 +134,17 @@ def _configs(ranks: int, names: tuple[str, ...]) -> dict[tuple[str, str], TrainC
         chunks = 2 if name == "interleaved-1f1b" else None
         parts = ranks * (chunks or 1)
         for mode in ["none", *_modes(parts)]:
-            cases[name, mode] = train_config(schedule=name, num_stages=ranks, num_microbatches=2 * ranks,
-                                            num_chunks=chunks, model=GPT, batch_size=4 * ranks + 1, steps=STEPS,
-                                            recompute=mode, collect_parameters=True)
+            cases[name, mode] = train_config(
+                schedule=name,
+                num_stages=ranks,
+                num_microbatches=2 * ranks,
+                num_chunks=chunks,
+                model=GPT,
+                batch_size=4 * ranks + 1,
+                steps=STEPS,
+                recompute=mode,
+                collect_parameters=True,
+            )
     return cases
 
 

@@ -17,8 +17,8 @@ from pipeweave.errors import StuckError, UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.runtime.reference import run_reference
-from pipeweave.runtime.walk import build_workers
 from pipeweave.runtime.stage.worker import OptimizerFactory
+from pipeweave.runtime.walk import build_workers
 from pipeweave.schedule import SCHEDULES, Action, Op, Schedule, ScheduleError, WeightPolicy, generate
 
 MLP = ModelSpec(kind="mlp", layers=6, hidden=8)  # 6 layers: room for D x v = 3 x 2 parts
@@ -52,11 +52,17 @@ def _data(spec: ModelSpec, batch_size: int) -> RandomRegression | ByteCorpus:
     return ByteCorpus(TEXT, seq_len=spec.seq_len, batch_size=batch_size, seed=3)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plain(spec: ModelSpec, num_microbatches: int, adam: bool = False) -> TrainResult:
     batch = 2 * num_microbatches + 1  # does not divide: the last microbatches are one sample smaller
-    return run_plain(spec, steps=STEPS, batch_size=batch, num_microbatches=num_microbatches,
-                     optimizer_factory=_adam if adam else None, data=_data(spec, batch))
+    return run_plain(
+        spec,
+        steps=STEPS,
+        batch_size=batch,
+        num_microbatches=num_microbatches,
+        optimizer_factory=_adam if adam else None,
+        data=_data(spec, batch),
+    )
 
 
 def _adam(params: object) -> torch.optim.Optimizer:
@@ -77,10 +83,19 @@ def _assert_replicas_agree(result: TrainResult) -> None:
             torch.testing.assert_close(value, result.parameters[key], rtol=1e-6, atol=1e-7, msg=key)
 
 
-def _run(schedule: Schedule, spec: ModelSpec, *, recompute: bool, optimizer: OptimizerFactory | None = None) -> TrainResult:
+def _run(
+    schedule: Schedule, spec: ModelSpec, *, recompute: bool, optimizer: OptimizerFactory | None = None
+) -> TrainResult:
     batch = 2 * schedule.num_microbatches + 1
-    return run_reference(schedule, spec, steps=STEPS, batch_size=batch, recompute=recompute,
-                         optimizer_factory=optimizer, data=_data(spec, batch))
+    return run_reference(
+        schedule,
+        spec,
+        steps=STEPS,
+        batch_size=batch,
+        recompute=recompute,
+        optimizer_factory=optimizer,
+        data=_data(spec, batch),
+    )
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
@@ -174,5 +189,7 @@ def test_peak_activations_follow_the_schedule() -> None:
     one = [first.activation_bytes(), last.activation_bytes()]  # M_a of each stage, measured alone
     expected = {"naive": [1, 1], "1f1b": [2, 1], "gpipe": [t, t]}
     for name, counts in expected.items():
-        result = run_reference(generate(name, num_stages=2, num_microbatches=t), spec, steps=1, batch_size=batch, data=data)
+        result = run_reference(
+            generate(name, num_stages=2, num_microbatches=t), spec, steps=1, batch_size=batch, data=data
+        )
         assert result.peak_activation_bytes == [c * m for c, m in zip(counts, one)], name

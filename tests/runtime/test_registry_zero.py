@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeweave.errors import UserError
 from pipeweave.config import TrainConfig
+from pipeweave.errors import UserError
 from pipeweave.runtime.run.prepare import _check_zero
 from pipeweave.schedule import SCHEDULES, generate
 from pipeweave.schedule.data_parallel import data_parallel

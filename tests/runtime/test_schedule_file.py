@@ -22,18 +22,33 @@ import torch
 from pipeweave.cli import build_parser
 from pipeweave.errors import UserError
 from pipeweave.runtime.plain import run_plain
-from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.schedule import Action, Op
 
-HAND_WRITTEN = ("0F0,0F1,0F2,0B0,0F3,0B1,0B2,0B3\n"
-                "1F0,1I0,1F1,1I1,1W0,1F2,1I2,1W1,1F3,1I3,1W2,1W3\n")
+HAND_WRITTEN = "0F0,0F1,0F2,0B0,0F3,0B1,0B2,0B3\n1F0,1I0,1F1,1I1,1W0,1F2,1I2,1W1,1F3,1I3,1W2,1W3\n"
 
 
 def _args(path: Path, *extra: str) -> argparse.Namespace:
-    return build_parser().parse_args(["train", "--schedule-file", str(path), "--model", "mlp", "--layers", "4",
-                                      "--hidden", "8", "--batch", "7", "--steps", "2", *extra])
+    return build_parser().parse_args(
+        [
+            "train",
+            "--schedule-file",
+            str(path),
+            "--model",
+            "mlp",
+            "--layers",
+            "4",
+            "--hidden",
+            "8",
+            "--batch",
+            "7",
+            "--steps",
+            "2",
+            *extra,
+        ]
+    )
 
 
 def _config(path: Path, *extra: str):  # type: ignore[no-untyped-def]
@@ -53,8 +68,13 @@ def test_a_hand_written_csv_schedule_trains_as_plain_training(tmp_path: Path) ->
     assert plan.schedule.actions[0][2:4] == (Action(0, Op.F, 2), Action(0, Op.B, 0))  # as written, run as written
     assert plan.schedule.actions[1][-1] == Action(1, Op.U, 0)
     record = launch(run_rank, plan, plan.num_processes, LaunchOptions(timeout_s=60))
-    plain = run_plain(config.model, steps=config.steps, batch_size=config.batch_size,
-                      num_microbatches=config.num_microbatches, optimizer_factory=optimizer_factory(config))
+    plain = run_plain(
+        config.model,
+        steps=config.steps,
+        batch_size=config.batch_size,
+        num_microbatches=config.num_microbatches,
+        optimizer_factory=optimizer_factory(config),
+    )
     torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
     seen = set()
     for rank_record in record.ranks:
@@ -70,8 +90,11 @@ def test_sizes_come_from_the_file_and_a_conflict_is_one_line(tmp_path: Path) -> 
     path.write_text(HAND_WRITTEN)
     assert _config(path, "--stages", "2", "--microbatches", "4").num_microbatches == 4  # agreeing is fine
     for flag, value, own in (("--stages", "3", 2), ("--microbatches", "8", 4)):
-        with pytest.raises(UserError, match=rf"^{flag} {value} conflicts with --schedule-file .*moved.csv, which has "
-                                            rf"{own}; drop {flag} \(the file sets it\)$"):
+        with pytest.raises(
+            UserError,
+            match=rf"^{flag} {value} conflicts with --schedule-file .*moved.csv, which has "
+            rf"{own}; drop {flag} \(the file sets it\)$",
+        ):
             _config(path, flag, value)
     with pytest.raises(UserError, match=r"^-s 1f1b and --schedule-file .* both name the schedule; give one"):
         _config(path, "-s", "1f1b")
@@ -93,8 +116,9 @@ def test_a_deadlocking_csv_is_one_line_and_the_grid_with_the_stuck_step_marked(t
 def test_the_text_form_and_a_missing_action(tmp_path: Path) -> None:
     text = tmp_path / "grid.txt"  # the grid simulate and the validator print
     text.write_text("rank 0 | 0F0 0F1 0B0 0B1\nrank 1 | 1F0 1B0 1F1 1B1\n")
-    assert _config(text).schedule_file.actions[1][:4] == tuple(Action(1, op, j) for op, j in
-                                                                ((Op.F, 0), (Op.B, 0), (Op.F, 1), (Op.B, 1)))
+    assert _config(text).schedule_file.actions[1][:4] == tuple(
+        Action(1, op, j) for op, j in ((Op.F, 0), (Op.B, 0), (Op.F, 1), (Op.B, 1))
+    )
     text.write_text("rank 0 | 0F0 0F1 0B0 0B1\nrank 1 | 1F0 1B0 1F1\n")
     with pytest.raises(UserError, match=r"is invalid: 1B1 \(or 1I1 \+ 1W1\) is missing; fix the file\nrank 0"):
         _config(text)

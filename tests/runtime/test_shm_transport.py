@@ -12,18 +12,18 @@ from typing import Any
 
 import pytest
 import torch
+from config_defaults import train_config
 
-from pipeweave.runtime.context import RankContext
-from pipeweave.models import ModelSpec
-from pipeweave.runtime.transport import shm
 from pipeweave.config import TrainConfig
+from pipeweave.models import ModelSpec
+from pipeweave.runtime.context import RankContext
+from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
-from pipeweave.runtime.plain import run_plain
-from pipeweave.schedule import ScheduleError
 from pipeweave.runtime.run.prepare import build_schedule, layer_ranges, optimizer_factory, prepare
 from pipeweave.runtime.run.sizes import largest_message_bytes
-from config_defaults import train_config
+from pipeweave.runtime.transport import shm
+from pipeweave.schedule import ScheduleError
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -34,8 +34,13 @@ SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "chimera")
 def _config(name: str, ranks: int) -> TrainConfig | None:
     for t in (4, 6, 8):
         config = train_config(
-            schedule=name, num_stages=ranks, num_microbatches=t, batch_size=2 * t - 1, steps=STEPS,
-            model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8), collect_parameters=True,
+            schedule=name,
+            num_stages=ranks,
+            num_microbatches=t,
+            batch_size=2 * t - 1,
+            steps=STEPS,
+            model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8),
+            collect_parameters=True,
         )
         try:
             if prepare(config).schedule.num_ranks == ranks:
@@ -47,8 +52,9 @@ def _config(name: str, ranks: int) -> TrainConfig | None:
 
 def _tied_gpt() -> TrainConfig:
     gpt = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8, tie_embeddings=True)
-    return train_config(schedule="1f1b", num_stages=2, num_microbatches=3, model=gpt, batch_size=5,
-                       steps=STEPS, collect_parameters=True)
+    return train_config(
+        schedule="1f1b", num_stages=2, num_microbatches=3, model=gpt, batch_size=5, steps=STEPS, collect_parameters=True
+    )
 
 
 def _run_all(context: RankContext, configs: list[TrainConfig]) -> tuple[list[Any], list[int]]:
@@ -72,8 +78,13 @@ def test_shm_runs_equal_plain_training(ranks: int) -> None:
     for (name, config), record in zip(configs.items(), records):
         if name == "gpt-tied":
             continue
-        plain = run_plain(config.model, steps=STEPS, batch_size=config.batch_size,
-                          num_microbatches=config.num_microbatches, optimizer_factory=optimizer_factory(config))
+        plain = run_plain(
+            config.model,
+            steps=STEPS,
+            batch_size=config.batch_size,
+            num_microbatches=config.num_microbatches,
+            optimizer_factory=optimizer_factory(config),
+        )
         torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6, msg=name)
         seen = set()
         for rank_record in record.ranks:
@@ -119,13 +130,26 @@ def _hang(context: RankContext, config: TrainConfig) -> Any:
     return _fail_in_backward(context, config, hang=True)
 
 
-@pytest.mark.parametrize("fn, timeout_s, cause", [
-    (_raise_in_backward, 60.0, "rank 1 failed: RuntimeError: injected failure on rank 1"),
-    (_hang, 3.0, "rank 0 failed: StuckError: rank 0 stuck at its action 8 (0RECV_B1): rank 0: no shm message for 3 s"),
-])
+@pytest.mark.parametrize(
+    "fn, timeout_s, cause",
+    [
+        (_raise_in_backward, 60.0, "rank 1 failed: RuntimeError: injected failure on rank 1"),
+        (
+            _hang,
+            3.0,
+            "rank 0 failed: StuckError: rank 0 stuck at its action 8 (0RECV_B1): rank 0: no shm message for 3 s",
+        ),
+    ],
+)
 def test_a_failure_ends_every_rank_quickly(fn: Any, timeout_s: float, cause: str) -> None:
-    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=8, steps=50,
-                         model=ModelSpec(kind="mlp", layers=2, hidden=8))
+    config = train_config(
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=4,
+        batch_size=8,
+        steps=50,
+        model=ModelSpec(kind="mlp", layers=2, hidden=8),
+    )
     start = time.monotonic()
     with pytest.raises(RankFailure) as failure:
         launch(fn, config, 2, LaunchOptions(transport="shm", timeout_s=timeout_s, quiet_errors=True))
@@ -176,26 +200,49 @@ def test_shm_carries_asynchronous_streams_exactly() -> None:
     """A stream is one long step for the transport: the rings carry it, equal to the reference executor."""
     from pipeweave.runtime.reference import run_reference
 
-    configs = [train_config(schedule=name, num_stages=2, num_microbatches=4, batch_size=7, steps=4, lr=0.05,
-                           momentum=0.9, model=ModelSpec(kind="mlp", layers=4, hidden=8), collect_parameters=True)
-               for name in ASYNC]
+    configs = [
+        train_config(
+            schedule=name,
+            num_stages=2,
+            num_microbatches=4,
+            batch_size=7,
+            steps=4,
+            lr=0.05,
+            momentum=0.9,
+            model=ModelSpec(kind="mlp", layers=4, hidden=8),
+            collect_parameters=True,
+        )
+        for name in ASYNC
+    ]
     records, written = launch(_run_all, configs, 2, LaunchOptions(transport="shm"))
     assert all(w > 0 for w in written), written
     for config, record in zip(configs, records, strict=True):
         assert record.transport == "shm"
-        reference = run_reference(build_schedule(config), config.model, steps=config.steps,
-                                  batch_size=config.batch_size, optimizer_factory=optimizer_factory(config))
+        reference = run_reference(
+            build_schedule(config),
+            config.model,
+            steps=config.steps,
+            batch_size=config.batch_size,
+            optimizer_factory=optimizer_factory(config),
+        )
         torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6, msg=config.schedule)
         for rank_record in record.ranks:
             for stage, params in rank_record.parameters.items():
                 for pname, value in params.items():
-                    torch.testing.assert_close(value, reference.stage_parameters[stage][pname], rtol=1e-5,
-                                               atol=1e-6, msg=config.schedule)
+                    torch.testing.assert_close(
+                        value, reference.stage_parameters[stage][pname], rtol=1e-5, atol=1e-6, msg=config.schedule
+                    )
 
 
 def test_auto_takes_shm_here_and_gloo_when_asked() -> None:
-    config = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4, steps=1,
-                         model=ModelSpec(kind="mlp", layers=2, hidden=8))
+    config = train_config(
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=2,
+        batch_size=4,
+        steps=1,
+        model=ModelSpec(kind="mlp", layers=2, hidden=8),
+    )
     auto = launch(run_rank, prepare(config), 2, LaunchOptions(transport="auto"))
     gloo = launch(run_rank, prepare(config), 2, LaunchOptions(transport="gloo"))
     assert auto.transport == ("shm" if shm.unavailable(2) is None else "gloo")
@@ -204,19 +251,42 @@ def test_auto_takes_shm_here_and_gloo_when_asked() -> None:
 
 
 def test_rings_are_sized_for_the_largest_message() -> None:
-    mlp = train_config(schedule="1f1b", num_stages=2, num_microbatches=4, batch_size=30,
-                      model=ModelSpec(kind="mlp", layers=4, hidden=64))
-    assert largest_message_bytes(mlp, prepare(mlp).schedule, layer_ranges(mlp, prepare(mlp).schedule)) == 8 * 64 * 4  # microbatches of 8, 8, 7, 7 samples
-    gpt = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=64,
-                      model=ModelSpec(kind="gpt", layers=2, hidden=512, heads=8, seq_len=256))
-    assert largest_message_bytes(gpt, prepare(gpt).schedule, layer_ranges(gpt, prepare(gpt).schedule)) == 32 * 256 * 512 * 4  # 16 MiB
+    mlp = train_config(
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=4,
+        batch_size=30,
+        model=ModelSpec(kind="mlp", layers=4, hidden=64),
+    )
+    assert (
+        largest_message_bytes(mlp, prepare(mlp).schedule, layer_ranges(mlp, prepare(mlp).schedule)) == 8 * 64 * 4
+    )  # microbatches of 8, 8, 7, 7 samples
+    gpt = train_config(
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=2,
+        batch_size=64,
+        model=ModelSpec(kind="gpt", layers=2, hidden=512, heads=8, seq_len=256),
+    )
+    assert (
+        largest_message_bytes(gpt, prepare(gpt).schedule, layer_ranges(gpt, prepare(gpt).schedule))
+        == 32 * 256 * 512 * 4
+    )  # 16 MiB
     sp = replace(gpt, tensor_parallel=2, sequence_parallel=True)  # each process sends its half of the sequence
     assert largest_message_bytes(sp, prepare(sp).schedule, layer_ranges(sp, prepare(sp).schedule)) == 32 * 128 * 512 * 4
     assert shm.capacity_for(16 << 20) == 49 << 20 and shm.capacity_for(100) == shm.DEFAULT_CAPACITY
-    chimera = train_config(schedule="chimera", num_stages=2, num_microbatches=2, batch_size=4,
-                          model=ModelSpec(kind="mlp", layers=4, hidden=64))
+    chimera = train_config(
+        schedule="chimera",
+        num_stages=2,
+        num_microbatches=2,
+        batch_size=4,
+        model=ModelSpec(kind="mlp", layers=4, hidden=64),
+    )
     block = 2 * 64 + 2 * 64 * 256 + 256 + 64  # LayerNorm, Linear(h, 4h), Linear(4h, h)
-    assert largest_message_bytes(chimera, prepare(chimera).schedule, layer_ranges(chimera, prepare(chimera).schedule)) == 2 * block * 4  # a part's gradient: 2 blocks
+    assert (
+        largest_message_bytes(chimera, prepare(chimera).schedule, layer_ranges(chimera, prepare(chimera).schedule))
+        == 2 * block * 4
+    )  # a part's gradient: 2 blocks
 
 
 def test_shm_is_refused_in_one_line_where_it_cannot_run() -> None:
@@ -225,10 +295,19 @@ def test_shm_is_refused_in_one_line_where_it_cannot_run() -> None:
     from pipeweave.commands.train_run import _check_transport
     from pipeweave.errors import UserError
 
-    schedule = prepare(train_config(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4,
-                           model=ModelSpec(kind="mlp", layers=2, hidden=8))).schedule
-    with pytest.raises(UserError, match="^--transport shm needs ranks spawned by pipeweave on one host, "
-                                        "not torchrun; use --transport gloo$"):
+    schedule = prepare(
+        train_config(
+            schedule="1f1b",
+            num_stages=2,
+            num_microbatches=2,
+            batch_size=4,
+            model=ModelSpec(kind="mlp", layers=2, hidden=8),
+        )
+    ).schedule
+    with pytest.raises(
+        UserError,
+        match="^--transport shm needs ranks spawned by pipeweave on one host, not torchrun; use --transport gloo$",
+    ):
         _check_transport(argparse.Namespace(transport="shm"), schedule, torchrun=True)
     _check_transport(argparse.Namespace(transport="auto"), schedule, torchrun=True)  # auto: gloo, no error
     assert shm.unavailable(2, capacity=1 << 60) is not None  # no /dev/shm holds that
@@ -268,10 +347,12 @@ def test_a_stream_refuses_a_tensor_unlike_the_one_it_announced() -> None:
     from pipeweave.schedule import generate, lower
     from pipeweave.schedule.ir import Action, Op
 
-    context = RankContext(transport=shm.connect(0, shm.make_channels(multiprocessing.get_context("spawn"), 2,
-                                                                     capacity=1 << 16)))
-    p2p = P2P(lower(generate("1f1b", num_stages=2, num_microbatches=3)), 0, [2, 2, 1], torch.device("cpu"),
-              context=context)
+    context = RankContext(
+        transport=shm.connect(0, shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1 << 16))
+    )
+    p2p = P2P(
+        lower(generate("1f1b", num_stages=2, num_microbatches=3)), 0, [2, 2, 1], torch.device("cpu"), context=context
+    )
     p2p.begin_step()
     p2p.send(Action(0, Op.SEND_F, 0), torch.ones(2, 4))
     with pytest.raises(ValueError, match="per-sample shape"):
@@ -290,16 +371,17 @@ def test_a_received_message_is_not_kept_by_the_transport() -> None:
     import multiprocessing
     import weakref
 
-    from pipeweave.runtime.transport.p2p import P2P
     from pipeweave.runtime.transport.message import tensor_meta
+    from pipeweave.runtime.transport.p2p import P2P
     from pipeweave.schedule import generate, lower
     from pipeweave.schedule.ir import Action, Op
 
     channels = shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1 << 16)
     sender = shm.ShmTransport(0, channels)
     context = RankContext(transport=shm.connect(1, channels))
-    p2p = P2P(lower(generate("1f1b", num_stages=2, num_microbatches=2)), 1, [3, 3], torch.device("cpu"),
-              context=context)
+    p2p = P2P(
+        lower(generate("1f1b", num_stages=2, num_microbatches=2)), 1, [3, 3], torch.device("cpu"), context=context
+    )
     p2p.begin_step()
     sender.isend(tensor_meta(torch.ones(3, 4)), 1, tag=p2p.tag((0, 0, -1)))
     for j in range(2):

@@ -20,17 +20,16 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from config_defaults import train_config
 
-from pipeweave.runtime.context import RankContext
 from pipeweave.errors import RanksDisagree, UserError
 from pipeweave.models import ModelSpec
 from pipeweave.models.custom import load_model
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.run.agreement import rank0_decides
-from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
 from pipeweave.runtime.run.prepare import prepare
-from config_defaults import train_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -67,14 +66,30 @@ def _raise(error: Exception) -> None:
     raise error
 
 
-COUNTED = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, model=ModelSpec(kind="mlp", layers=4,
-                      hidden=8), batch_size=4, steps=1, collect_parameters=True)
-NAMED = train_config(schedule="1f1b", num_stages=2, num_microbatches=2, batch_size=4, steps=1,
-                    model=ModelSpec(kind="custom", entry=f"{FILE}:named"), optimizer="sgd")
-STOP = ("ranks chose different splits of the model (rank 1: cut at ['3'], layers 0-0 | 1-1, schedule {0}; "
-        "rank 0: cut at ['2'], layers 0-0 | 1-1, schedule {0}): they measured its costs apart (torchrun, "
-        "nothing cached); give every rank rank 0's cuts by name (split_points=[module names]) or layer counts "
-        "(--layers-per-stage)")
+COUNTED = train_config(
+    schedule="1f1b",
+    num_stages=2,
+    num_microbatches=2,
+    model=ModelSpec(kind="mlp", layers=4, hidden=8),
+    batch_size=4,
+    steps=1,
+    collect_parameters=True,
+)
+NAMED = train_config(
+    schedule="1f1b",
+    num_stages=2,
+    num_microbatches=2,
+    batch_size=4,
+    steps=1,
+    model=ModelSpec(kind="custom", entry=f"{FILE}:named"),
+    optimizer="sgd",
+)
+STOP = (
+    "ranks chose different splits of the model (rank 1: cut at ['3'], layers 0-0 | 1-1, schedule {0}; "
+    "rank 0: cut at ['2'], layers 0-0 | 1-1, schedule {0}): they measured its costs apart (torchrun, "
+    "nothing cached); give every rank rank 0's cuts by name (split_points=[module names]) or layer counts "
+    "(--layers-per-stage)"
+)
 
 
 def test_ranks_take_rank_0s_split_or_stop_in_one_line(tmp_path: Path) -> None:
@@ -84,8 +99,10 @@ def test_ranks_take_rank_0s_split_or_stop_in_one_line(tmp_path: Path) -> None:
     layers = [sorted({name.split(".")[0] for name in r.parameters[r.rank]}) for r in record.ranks]
     assert layers == [["0"], ["1", "2", "3"]]  # rank 0's 1 + 3
     assert stop == STOP.format(stop.split("schedule ")[1][:8])
-    assert failures == [["UserError: give D >= 1", "KeyError: 'blocks'"],  # rank 0's own, then what rank 1 hears
-                        ["UserError: give D >= 1", "RuntimeError: rank 0 failed: KeyError: 'blocks'"]]
+    assert failures == [
+        ["UserError: give D >= 1", "KeyError: 'blocks'"],  # rank 0's own, then what rank 1 hears
+        ["UserError: give D >= 1", "RuntimeError: rank 0 failed: KeyError: 'blocks'"],
+    ]
 
 
 @pytest.mark.slow

@@ -25,59 +25,134 @@ from typing import Any
 
 import pytest
 import torch
-from pipeweave.runtime.context import RankContext
-from pipeweave.models import ModelSpec
+from config_defaults import train_config
+
 from pipeweave.config import TrainConfig
+from pipeweave.models import ModelSpec
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.prepare import prepare
-from config_defaults import train_config
+from pipeweave.runtime.run.record import RunRecord
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 sys.path.insert(0, str(MODELS))
 from unsplit import train_unsplit  # noqa: E402
+
 FILE = MODELS / "tiny_modules.py"
 LOOPED = ModelSpec(kind="custom", entry=f"{FILE}:looped")
 SEQUENTIAL = ModelSpec(kind="custom", entry=f"{FILE}:sequential")
 UNEVEN = ModelSpec(kind="custom", entry=f"{FILE}:uneven")  # split_points=2: cut where the profiler balances
 ROUTED = ModelSpec(kind="custom", entry=f"{FILE}:routed")  # traced by torch.fx, its blocks kept whole
-GPT2 = json.dumps({"n_layer": 3, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 32,
-                   "resid_pdrop": 0, "embd_pdrop": 0, "attn_pdrop": 0})
-LLAMA = json.dumps({"num_hidden_layers": 3, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
-                    "num_key_value_heads": 1, "vocab_size": 256, "max_position_embeddings": 32,
-                    "tie_word_embeddings": True})
-HF = {"gpt2": ModelSpec(kind="custom", entry="hf:gpt2", hf_config=GPT2, seq_len=16),
-      "llama": ModelSpec(kind="custom", entry="hf:llama", hf_config=LLAMA, seq_len=16)}
+GPT2 = json.dumps(
+    {
+        "n_layer": 3,
+        "n_embd": 32,
+        "n_head": 2,
+        "vocab_size": 256,
+        "n_positions": 32,
+        "resid_pdrop": 0,
+        "embd_pdrop": 0,
+        "attn_pdrop": 0,
+    }
+)
+LLAMA = json.dumps(
+    {
+        "num_hidden_layers": 3,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 256,
+        "max_position_embeddings": 32,
+        "tie_word_embeddings": True,
+    }
+)
+HF = {
+    "gpt2": ModelSpec(kind="custom", entry="hf:gpt2", hf_config=GPT2, seq_len=16),
+    "llama": ModelSpec(kind="custom", entry="hf:llama", hf_config=LLAMA, seq_len=16),
+}
 STEPS = 3
 
 
 def _cases(label: str, spec: ModelSpec) -> dict[str, TrainConfig]:
-    base: dict[str, Any] = dict(num_stages=2, num_microbatches=4, model=spec, batch_size=8, steps=STEPS,
-                                collect_parameters=True)
-    return {f"{label} 1f1b": train_config(schedule="1f1b", **base),
-            f"{label} zb-h1": train_config(schedule="zb-h1", **base),
-            f"{label} interleaved-1f1b": train_config(schedule="interleaved-1f1b", num_chunks=2, **base)}
+    base: dict[str, Any] = dict(
+        num_stages=2, num_microbatches=4, model=spec, batch_size=8, steps=STEPS, collect_parameters=True
+    )
+    return {
+        f"{label} 1f1b": train_config(schedule="1f1b", **base),
+        f"{label} zb-h1": train_config(schedule="zb-h1", **base),
+        f"{label} interleaved-1f1b": train_config(schedule="interleaved-1f1b", num_chunks=2, **base),
+    }
 
 
 LOOPED_CASES = _cases("looped", LOOPED)
 FAST = {name: LOOPED_CASES[name] for name in ("looped 1f1b", "looped zb-h1")}
-FAST.update({
-        "sequential 1f1b": train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=SEQUENTIAL,
-                                       batch_size=8, steps=STEPS, collect_parameters=True),
-        "uneven 1f1b": train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=UNEVEN, batch_size=8,
-                                   steps=STEPS, collect_parameters=True),
-        "looped 1f1b variable lengths": train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=LOOPED,
-                                                    batch_size=8, steps=STEPS, collect_parameters=True,
-                                                    min_seq_len=3),
-        "sequential pipedream": train_config(schedule="pipedream", num_stages=2, num_microbatches=4, model=SEQUENTIAL,
-                                            batch_size=8, steps=6, collect_parameters=True)})
-SLOW = {"looped interleaved-1f1b": LOOPED_CASES["looped interleaved-1f1b"], **_cases("gpt2", HF["gpt2"]),
-        **_cases("llama", HF["llama"]),
-        "routed zb-h1": train_config(schedule="zb-h1", num_stages=2, num_microbatches=4, model=ROUTED, batch_size=8,
-                                    steps=STEPS, collect_parameters=True),
-        "gpt2 1f1b variable lengths": train_config(schedule="1f1b", num_stages=2, num_microbatches=4, model=HF["gpt2"],
-                                                  batch_size=8, steps=STEPS, collect_parameters=True, min_seq_len=5)}
+FAST.update(
+    {
+        "sequential 1f1b": train_config(
+            schedule="1f1b",
+            num_stages=2,
+            num_microbatches=4,
+            model=SEQUENTIAL,
+            batch_size=8,
+            steps=STEPS,
+            collect_parameters=True,
+        ),
+        "uneven 1f1b": train_config(
+            schedule="1f1b",
+            num_stages=2,
+            num_microbatches=4,
+            model=UNEVEN,
+            batch_size=8,
+            steps=STEPS,
+            collect_parameters=True,
+        ),
+        "looped 1f1b variable lengths": train_config(
+            schedule="1f1b",
+            num_stages=2,
+            num_microbatches=4,
+            model=LOOPED,
+            batch_size=8,
+            steps=STEPS,
+            collect_parameters=True,
+            min_seq_len=3,
+        ),
+        "sequential pipedream": train_config(
+            schedule="pipedream",
+            num_stages=2,
+            num_microbatches=4,
+            model=SEQUENTIAL,
+            batch_size=8,
+            steps=6,
+            collect_parameters=True,
+        ),
+    }
+)
+SLOW = {
+    "looped interleaved-1f1b": LOOPED_CASES["looped interleaved-1f1b"],
+    **_cases("gpt2", HF["gpt2"]),
+    **_cases("llama", HF["llama"]),
+    "routed zb-h1": train_config(
+        schedule="zb-h1",
+        num_stages=2,
+        num_microbatches=4,
+        model=ROUTED,
+        batch_size=8,
+        steps=STEPS,
+        collect_parameters=True,
+    ),
+    "gpt2 1f1b variable lengths": train_config(
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=4,
+        model=HF["gpt2"],
+        batch_size=8,
+        steps=STEPS,
+        collect_parameters=True,
+        min_seq_len=5,
+    ),
+}
 
 
 def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
@@ -124,8 +199,7 @@ def test_a_split_module_trains_as_the_unsplit_module(fast_runs: dict[str, Any], 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_a_split_sequential_on_a_stream_equals_its_reference(fast_runs: dict[str, Any],
-                                                             equals_reference: Any) -> None:
+def test_a_split_sequential_on_a_stream_equals_its_reference(fast_runs: dict[str, Any], equals_reference: Any) -> None:
     equals_reference(*fast_runs["sequential pipedream"])
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -194,8 +193,11 @@ def test_weight_bytes_counts_parameters() -> None:
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
 def test_gradients_prepared_in_a_wait_change_no_number(kind: str) -> None:
     """``prepare_gradients`` (zeros before the step's first backward) gives the same updates, step after step."""
-    spec = ModelSpec(kind="mlp", layers=2, hidden=8) if kind == "mlp" else ModelSpec(
-        kind="gpt", layers=2, hidden=16, heads=2, seq_len=6, vocab=32)
+    spec = (
+        ModelSpec(kind="mlp", layers=2, hidden=8)
+        if kind == "mlp"
+        else ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=6, vocab=32)
+    )
     workers = [StageWorker(spec, range(spec.num_layers), batch_size=4, track_memory=False) for _ in range(2)]
     generator = torch.Generator().manual_seed(0)
     for _step in range(3):
@@ -207,7 +209,7 @@ def test_gradients_prepared_in_a_wait_change_no_number(kind: str) -> None:
         assert all(p.grad is not None and not p.grad.any() for p in workers[1].module.parameters())
         for w in workers:
             for j in range(2):
-                w.forward(j, x[2 * j:2 * j + 2], target=y[2 * j:2 * j + 2])
+                w.forward(j, x[2 * j : 2 * j + 2], target=y[2 * j : 2 * j + 2])
             w.backward(0)
         before = [p.grad.clone() for p in workers[1].module.parameters()]
         workers[1].prepare_gradients()  # after a backward of the step: leaves the gradients alone

@@ -30,10 +30,18 @@ def public_attributes() -> set[str]:
     """The names a ``StageWorker`` holds: what its methods set on ``self`` and its properties, public ones."""
     tree = ast.parse(WORKER.read_text())
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StageWorker"]
-    names = {t.attr for n in ast.walk(cls) for t in _targets(n)
-             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
-    names |= {n.name for n in cls.body if isinstance(n, ast.FunctionDef)
-              and any(isinstance(d, ast.Name) and d.id == "property" for d in n.decorator_list)}
+    names = {
+        t.attr
+        for n in ast.walk(cls)
+        for t in _targets(n)
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+    names |= {
+        n.name
+        for n in cls.body
+        if isinstance(n, ast.FunctionDef)
+        and any(isinstance(d, ast.Name) and d.id == "property" for d in n.decorator_list)
+    }
     names |= {"combine_grads"}  # what the worker's U ran before it was given ``combine``: no one may set it back
     return {n for n in names if not n.startswith("_")}
 
@@ -52,7 +60,8 @@ def _is_worker(node: ast.expr) -> bool:
     if isinstance(node, ast.Subscript):
         held = node.value
         return (isinstance(held, ast.Name) and held.id == "workers") or (
-            isinstance(held, ast.Attribute) and held.attr == "workers")
+            isinstance(held, ast.Attribute) and held.attr == "workers"
+        )
     return False
 
 
@@ -63,8 +72,13 @@ def worker_assignments(source: str, where: str, names: set[str]) -> list[str]:
         for t in _targets(node):
             if isinstance(t, ast.Attribute) and t.attr in names and _is_worker(t.value):
                 found.append(f"{where}:{node.lineno}: {ast.unparse(t)} = ...")
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and \
-                node.args and _is_worker(node.args[0]):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and node.args
+            and _is_worker(node.args[0])
+        ):
             found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
     return found
 
@@ -72,31 +86,42 @@ def worker_assignments(source: str, where: str, names: set[str]) -> list[str]:
 def test_nothing_assigns_to_a_built_worker() -> None:
     names = public_attributes()
     assert {"optimizer", "shards", "stashing", "meter", "track_memory", "steps_done"} <= names
-    found = [hit for path in sorted(SRC.rglob("*.py")) if path != WORKER
-             for hit in worker_assignments(path.read_text(), str(path.relative_to(SRC)), names)]
-    assert found == [], "give these to the stage's build (runtime.stage.build, runtime.run.workers):\n" + \
-        "\n".join(found)
+    found = [
+        hit
+        for path in sorted(SRC.rglob("*.py"))
+        if path != WORKER
+        for hit in worker_assignments(path.read_text(), str(path.relative_to(SRC)), names)
+    ]
+    assert found == [], "give these to the stage's build (runtime.stage.build, runtime.run.workers):\n" + "\n".join(
+        found
+    )
 
 
-@pytest.mark.parametrize("source", [
-    "worker.optimizer = ZeroOptimizer(...)",
-    "workers[s].combine_grads = self._combine",
-    "self.workers[a.stage].stashing = True",
-    "for w in workers.values():\n    w.steps_done = done",
-    "w.track_memory = False",
-    "stage_worker.shards = part",
-    "setattr(worker, 'meter', meter)",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "worker.optimizer = ZeroOptimizer(...)",
+        "workers[s].combine_grads = self._combine",
+        "self.workers[a.stage].stashing = True",
+        "for w in workers.values():\n    w.steps_done = done",
+        "w.track_memory = False",
+        "stage_worker.shards = part",
+        "setattr(worker, 'meter', meter)",
+    ],
+)
 def test_the_scan_finds_patches(source: str) -> None:
     assert worker_assignments(source, "m.py", public_attributes())
 
 
-@pytest.mark.parametrize("source", [
-    "self.optimizer = optimizer",
-    "stage.optimizer = factory(params)",  # a stage under construction (stage.build.Stage)
-    "workers[s].optimizer.step = step",  # the optimizer's attribute, not the worker's
-    "args.precision = 'fp32'",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "self.optimizer = optimizer",
+        "stage.optimizer = factory(params)",  # a stage under construction (stage.build.Stage)
+        "workers[s].optimizer.step = step",  # the optimizer's attribute, not the worker's
+        "args.precision = 'fp32'",
+    ],
+)
 def test_the_scan_leaves_construction_alone(source: str) -> None:
     assert worker_assignments(source, "m.py", public_attributes()) == []
 
@@ -117,8 +142,14 @@ def test_a_stage_is_built_by_its_steps_in_order() -> None:
     seen: list[str] = []
     steps = [lambda stage, o, step=step: (seen.append(step.__name__), step(stage, o)) for step in STEPS]
     stage = build_stage(options, steps)
-    assert seen == ["split_layers", "apply_tensor_parallel", "apply_recompute", "place", "apply_memory_levers",
-                    "apply_optimizer"]
+    assert seen == [
+        "split_layers",
+        "apply_tensor_parallel",
+        "apply_recompute",
+        "place",
+        "apply_memory_levers",
+        "apply_optimizer",
+    ]
     assert isinstance(stage, Stage) and stage.compress and list(stage.module) == ["1"]
     worker = StageWorker.from_stage(stage)
     built = StageWorker(spec, range(1, 2), batch_size=2, recompute="selective", compress=True)

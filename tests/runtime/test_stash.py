@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from config_defaults import train_config
 
-from pipeweave.runtime.context import RankContext
+from pipeweave.config import TrainConfig
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.plain import run_plain
-from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import lowered, run_rank
-from pipeweave.schedule.ir import Op
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
-from config_defaults import train_config
+from pipeweave.schedule.ir import Op
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -37,9 +37,16 @@ def _cases(ranks: int, names: tuple[str, ...], levers: tuple[str, ...]) -> dict[
     for name in names:
         chunks = 2 if name == "interleaved-1f1b" else None
         t = 2 * ranks if chunks else 4
-        base = dict(schedule=name, num_stages=ranks, num_microbatches=t, num_chunks=chunks, steps=STEPS,
-                    model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8), batch_size=2 * t - 1,
-                    collect_parameters=True)
+        base = dict(
+            schedule=name,
+            num_stages=ranks,
+            num_microbatches=t,
+            num_chunks=chunks,
+            steps=STEPS,
+            model=ModelSpec(kind="mlp", layers=4 * ranks, hidden=8),
+            batch_size=2 * t - 1,
+            collect_parameters=True,
+        )
         cases[name] = train_config(**base)  # type: ignore[arg-type]
         if "offload" in levers:
             cases[f"{name}+offload"] = train_config(**base, offload="all")  # type: ignore[arg-type]
@@ -52,14 +59,27 @@ def _parameters(record: RunRecord) -> dict[str, torch.Tensor]:
     return {name: value for r in record.ranks for params in r.parameters.values() for name, value in params.items()}
 
 
-def _check_levers(ranks: int, names: tuple[str, ...], levers: tuple[str, ...] = ("offload", "bpipe"),
-                  gpt: bool = False) -> None:
+def _check_levers(
+    ranks: int, names: tuple[str, ...], levers: tuple[str, ...] = ("offload", "bpipe"), gpt: bool = False
+) -> None:
     cases = _cases(ranks, names, levers)
     if gpt:  # the gpt: int64 tokens in, 3-d activations, and compressed activations
-        gpt = dict(schedule="zb-h1", num_stages=2, num_microbatches=3, model=GPT, batch_size=5, steps=3,
-                   collect_parameters=True)
-        cases.update({"gpt": train_config(**gpt), "gpt+offload": train_config(**gpt, offload="0"),  # type: ignore[arg-type]
-                      "gpt+bf16": train_config(**gpt, compress_activations="bf16")})  # type: ignore[arg-type]
+        gpt = dict(
+            schedule="zb-h1",
+            num_stages=2,
+            num_microbatches=3,
+            model=GPT,
+            batch_size=5,
+            steps=3,
+            collect_parameters=True,
+        )
+        cases.update(
+            {
+                "gpt": train_config(**gpt),
+                "gpt+offload": train_config(**gpt, offload="0"),  # type: ignore[arg-type]
+                "gpt+bf16": train_config(**gpt, compress_activations="bf16"),
+            }
+        )  # type: ignore[arg-type]
     records = dict(zip(cases, launch(_run_all, list(cases.values()), ranks, LaunchOptions(timeout_s=60))))
     for name, lever in [(n, lever) for n in cases if "+" not in n for lever in ("offload", "bpipe")]:
         exact, moved = records[name], records.get(f"{name}+{lever}")
@@ -70,8 +90,13 @@ def _check_levers(ranks: int, names: tuple[str, ...], levers: tuple[str, ...] = 
         for key, value in _parameters(exact).items():
             assert torch.equal(_parameters(moved)[key], value), (name, lever, key)
         config = cases[name]
-        plain = run_plain(config.model, steps=config.steps, batch_size=config.batch_size,
-                          num_microbatches=config.num_microbatches, optimizer_factory=optimizer_factory(config))
+        plain = run_plain(
+            config.model,
+            steps=config.steps,
+            batch_size=config.batch_size,
+            num_microbatches=config.num_microbatches,
+            optimizer_factory=optimizer_factory(config),
+        )
         torch.testing.assert_close(moved.losses, plain.losses, rtol=1e-5, atol=1e-6)
         # Offload: rank 0 holds one microbatch at a time. BPipe: the last rank holds what rank 0 lends it (rank
         # 0's own peak falls on the gpt, benchmarks/memory; on this mlp its W's leftovers are as large as F's).

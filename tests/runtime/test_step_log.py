@@ -38,10 +38,39 @@ def _trace_bubbles(path: Path, steps: int) -> list[float]:
 def test_logged_scalars_are_the_json_records(tmp_path: Path) -> None:
     steps = 4
     code = main(
-        ["train", "-s", "zb-h1", "--model", "gpt", "--layers", "2",
-         "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch", "6", "--microbatches", "3", "--steps",
-         str(steps), "--lr-schedule", "cosine", "--lr-warmup", "1", "--log-dir", str(tmp_path / "tb"),
-         "--json", str(tmp_path / "train.json"), "--out", str(tmp_path / "out"), "--quiet"])
+        [
+            "train",
+            "-s",
+            "zb-h1",
+            "--model",
+            "gpt",
+            "--layers",
+            "2",
+            "--hidden",
+            "16",
+            "--heads",
+            "2",
+            "--seq-len",
+            "8",
+            "--batch",
+            "6",
+            "--microbatches",
+            "3",
+            "--steps",
+            str(steps),
+            "--lr-schedule",
+            "cosine",
+            "--lr-warmup",
+            "1",
+            "--log-dir",
+            str(tmp_path / "tb"),
+            "--json",
+            str(tmp_path / "train.json"),
+            "--out",
+            str(tmp_path / "out"),
+            "--quiet",
+        ]
+    )
     assert code == 0
     record = json.loads((tmp_path / "train.json").read_text())
     logged = _scalars(tmp_path / "tb")
@@ -69,10 +98,38 @@ def test_log_dir_is_refused_in_a_file(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_an_asynchronous_stream_logs_its_mini_batches_losses(tmp_path: Path) -> None:
-    code = main(["train", "-s", "pipedream", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "2",
-                 "--seq-len", "8", "--batch", "6", "--microbatches", "3", "--steps", "6", "--eval-every", "3",
-                 "--log-dir", str(tmp_path / "tb"), "--json", str(tmp_path / "train.json"), "--out",
-                 str(tmp_path / "out"), "--quiet"])
+    code = main(
+        [
+            "train",
+            "-s",
+            "pipedream",
+            "--model",
+            "gpt",
+            "--layers",
+            "2",
+            "--hidden",
+            "16",
+            "--heads",
+            "2",
+            "--seq-len",
+            "8",
+            "--batch",
+            "6",
+            "--microbatches",
+            "3",
+            "--steps",
+            "6",
+            "--eval-every",
+            "3",
+            "--log-dir",
+            str(tmp_path / "tb"),
+            "--json",
+            str(tmp_path / "train.json"),
+            "--out",
+            str(tmp_path / "out"),
+            "--quiet",
+        ]
+    )
     assert code == 0
     record = json.loads((tmp_path / "train.json").read_text())
     logged = _scalars(tmp_path / "tb")

@@ -18,30 +18,65 @@ import torch
 import torch.distributed as dist
 
 from pipeweave import Pipeline
+from pipeweave.config import TrainConfig
 from pipeweave.data import data_source
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.config import TrainConfig
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import prepare
-from pipeweave.runtime.context import RankContext
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 STEPS = 3
 CONFIGS = {
-    "gpt-zb-h1": TrainConfig(schedule="zb-h1", num_stages=2, num_microbatches=3, steps=STEPS, batch_size=6,
-                             model=ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8)),
-    "mlp-1f1b-adamw": TrainConfig(schedule="1f1b", num_stages=2, num_microbatches=4, steps=STEPS, batch_size=7,
-                                  model=ModelSpec(kind="mlp", layers=4, hidden=8), optimizer="adamw", lr=1e-2),
-    "mlp-chimera-warmup": TrainConfig(schedule="chimera", num_stages=2, num_microbatches=4, steps=STEPS,
-                                      batch_size=8, model=ModelSpec(kind="mlp", layers=4, hidden=8),
-                                      lr_warmup=2, lr_schedule="cosine"),
-    "gpt-tp2": TrainConfig(schedule="1f1b", num_stages=1, tensor_parallel=2, num_microbatches=2, steps=STEPS,
-                           batch_size=4, model=ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8)),
-    "mlp-dp2": TrainConfig(schedule="1f1b", num_stages=1, data_parallel=2, num_microbatches=4, steps=STEPS,
-                           batch_size=8, model=ModelSpec(kind="mlp", layers=2, hidden=8)),
+    "gpt-zb-h1": TrainConfig(
+        schedule="zb-h1",
+        num_stages=2,
+        num_microbatches=3,
+        steps=STEPS,
+        batch_size=6,
+        model=ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8),
+    ),
+    "mlp-1f1b-adamw": TrainConfig(
+        schedule="1f1b",
+        num_stages=2,
+        num_microbatches=4,
+        steps=STEPS,
+        batch_size=7,
+        model=ModelSpec(kind="mlp", layers=4, hidden=8),
+        optimizer="adamw",
+        lr=1e-2,
+    ),
+    "mlp-chimera-warmup": TrainConfig(
+        schedule="chimera",
+        num_stages=2,
+        num_microbatches=4,
+        steps=STEPS,
+        batch_size=8,
+        model=ModelSpec(kind="mlp", layers=4, hidden=8),
+        lr_warmup=2,
+        lr_schedule="cosine",
+    ),
+    "gpt-tp2": TrainConfig(
+        schedule="1f1b",
+        num_stages=1,
+        tensor_parallel=2,
+        num_microbatches=2,
+        steps=STEPS,
+        batch_size=4,
+        model=ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8),
+    ),
+    "mlp-dp2": TrainConfig(
+        schedule="1f1b",
+        num_stages=1,
+        data_parallel=2,
+        num_microbatches=4,
+        steps=STEPS,
+        batch_size=8,
+        model=ModelSpec(kind="mlp", layers=2, hidden=8),
+    ),
 }
 
 
@@ -71,8 +106,7 @@ def runs() -> dict[str, tuple[object, list[tuple[bool, list[float | None]]]]]:
 
 
 @pytest.mark.parametrize("case", list(CONFIGS))
-def test_step_equals_train(runs: dict[str, tuple[object, list[tuple[bool, list[float | None]]]]],
-                           case: str) -> None:
+def test_step_equals_train(runs: dict[str, tuple[object, list[tuple[bool, list[float | None]]]]], case: str) -> None:
     record, ranks = runs[case]
     with_loss = [losses for has_loss, losses in ranks if has_loss]
     assert with_loss, "no rank holds the last stage"
@@ -96,12 +130,15 @@ def alone(tmp_path: object) -> object:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"schedule": "pipedream"}, "pipedream is asynchronous: .* pipeweave.train"),
-    ({"save": "checkpoints"}, "--save is an option of a whole run"),
-    ({"eval_every": 2}, "--eval-every is an option of a whole run"),
-    ({}, "the process group has 1 processes but the run needs 2"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"schedule": "pipedream"}, "pipedream is asynchronous: .* pipeweave.train"),
+        ({"save": "checkpoints"}, "--save is an option of a whole run"),
+        ({"eval_every": 2}, "--eval-every is an option of a whole run"),
+        ({}, "the process group has 1 processes but the run needs 2"),
+    ],
+)
 def test_refusals_are_one_line(alone: object, overrides: dict[str, object], message: str) -> None:
     config = TrainConfig(num_stages=2, model=ModelSpec(kind="mlp", layers=4, hidden=8), **overrides)  # type: ignore[arg-type]
     with pytest.raises(UserError, match=message) as caught:

@@ -29,27 +29,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from config_defaults import train_config
 from torch import nn
 
-from pipeweave.runtime.context import RankContext
+from pipeweave.config import TrainConfig
 from pipeweave.data import ByteCorpus, stdlib_sources
 from pipeweave.models import ModelSpec
 from pipeweave.models.build import build_layers
 from pipeweave.models.spec import loss_fn
-from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.job import run_rank
-from pipeweave.runtime.run.record import RunRecord
-from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.plain import run_plain
-from pipeweave.runtime.stage.policy import PolicyOptions
 from pipeweave.runtime.reference import run_stream_reference
-from pipeweave.runtime.run.prepare import stream_rates
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.run.prepare import build_schedule, optimizer_factory, prepare, stream_rates, stream_schedules
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.stage.policy import PolicyOptions
 from pipeweave.schedule import SCHEDULES, Schedule
 from pipeweave.schedule.ir import Op
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.versions import read_versions, staleness, weight_copies
-from pipeweave.runtime.run.prepare import build_schedule, optimizer_factory, prepare, stream_schedules
-from config_defaults import train_config
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -61,9 +60,11 @@ AVG = {"avgpipe"}  # P = 2 pipelines: segments of whole rounds
 CASES: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
     # case -> (schedule, generator options, TrainConfig overrides)
     **{name: (name, {}, {}) for name, info in SCHEDULES.items() if not info.synchronous},
-    "pipemare+warmup+cosine": ("pipemare", {"warmup_steps": 3},
-                               {"lr_schedule": "cosine", "lr_warmup": 1, "momentum": 0.9,
-                                "policy": PolicyOptions(anneal_steps=4)}),
+    "pipemare+warmup+cosine": (
+        "pipemare",
+        {"warmup_steps": 3},
+        {"lr_schedule": "cosine", "lr_warmup": 1, "momentum": 0.9, "policy": PolicyOptions(anneal_steps=4)},
+    ),
     "avgpipe+period3": ("avgpipe", {}, {"policy": PolicyOptions(averaging_period=3)}),
     "spectrain+adamw": ("spectrain", {}, {"optimizer": "adamw", "lr": 1e-2}),
     "xpipe+adamw": ("xpipe", {}, {"optimizer": "adamw", "lr": 1e-2}),
@@ -80,10 +81,19 @@ def _text(folder: Path) -> str:
 def _config(case: str, folder: Path, steps: int, every: int) -> TrainConfig:
     name, options, overrides = CASES[case]
     fields: dict[str, object] = dict(
-        schedule=name, num_stages=2, num_microbatches=T, model=MODEL, data=_text(folder), batch_size=2 * T + 1,
-        steps=steps, lr=0.05,
-        momentum=0.5, collect_parameters=True, options=tuple(options.items()),
-        save=str(folder / case.replace("+", "-")), save_every=every,
+        schedule=name,
+        num_stages=2,
+        num_microbatches=T,
+        model=MODEL,
+        data=_text(folder),
+        batch_size=2 * T + 1,
+        steps=steps,
+        lr=0.05,
+        momentum=0.5,
+        collect_parameters=True,
+        options=tuple(options.items()),
+        save=str(folder / case.replace("+", "-")),
+        save_every=every,
     )
     fields.update(overrides)
     return train_config(**fields)  # type: ignore[arg-type]
@@ -131,13 +141,25 @@ def test_segmented_run_equals_its_reference_and_reads_the_concatenated_versions(
     assert len(segments) == 3  # two drains
     run = build_schedule(config)
     rates = stream_rates(config, run).at if config.lr_scheduled else None
-    reference = run_stream_reference(segments, config.model, batch_size=config.batch_size,
-                                     optimizer_factory=optimizer_factory(config), options=config.policy,
-                                     lr_at=rates, data=_corpus(config))
+    reference = run_stream_reference(
+        segments,
+        config.model,
+        batch_size=config.batch_size,
+        optimizer_factory=optimizer_factory(config),
+        options=config.policy,
+        lr_at=rates,
+        data=_corpus(config),
+    )
     # The oracle without StreamCarry: one policy over the run's schedule, its drains mere flushes in one stream.
-    one = run_stream_reference(run, config.model, batch_size=config.batch_size,
-                               optimizer_factory=optimizer_factory(config), options=config.policy, lr_at=rates,
-                               data=_corpus(config))
+    one = run_stream_reference(
+        run,
+        config.model,
+        batch_size=config.batch_size,
+        optimizer_factory=optimizer_factory(config),
+        options=config.policy,
+        lr_at=rates,
+        data=_corpus(config),
+    )
     assert len(record.losses) == config.steps
     for oracle in (reference, one):
         torch.testing.assert_close(record.losses, oracle.losses, rtol=1e-5, atol=1e-6)
@@ -156,9 +178,13 @@ def test_segmented_run_equals_its_reference_and_reads_the_concatenated_versions(
 def test_a_drain_changes_the_stream(segmented: dict[str, tuple[TrainConfig, RunRecord]]) -> None:
     """The segments are streams of their own: one unbroken stream of the same steps trains otherwise."""
     config, record = segmented["pipedream"]
-    whole = run_stream_reference(build_schedule(dataclasses.replace(config, save=None, save_every=None)),
-                                 config.model, batch_size=config.batch_size,
-                                 optimizer_factory=optimizer_factory(config), data=_corpus(config))
+    whole = run_stream_reference(
+        build_schedule(dataclasses.replace(config, save=None, save_every=None)),
+        config.model,
+        batch_size=config.batch_size,
+        optimizer_factory=optimizer_factory(config),
+        data=_corpus(config),
+    )
     assert record.losses[:2] == pytest.approx(whole.losses[:2], rel=1e-5)  # the same first stream
     assert record.losses[2:] != pytest.approx(whole.losses[2:], rel=1e-5)
 
@@ -169,36 +195,61 @@ def test_one_stage_segmented_stream_is_plain_training_with_its_rates(name: str) 
     go on where the last one stopped, and each update take its step's rate."""
     spec = ModelSpec(kind="gpt", layers=2, hidden=8, heads=2, seq_len=8)
     options = (("num_pipelines", 1),) if name in AVG else ()
-    config = train_config(schedule=name, num_stages=1, num_microbatches=3, model=spec, batch_size=7, steps=5,
-                         lr=0.05, momentum=0.9, lr_schedule="cosine", lr_warmup=1, save="unused", save_every=2,
-                         options=options)
+    config = train_config(
+        schedule=name,
+        num_stages=1,
+        num_microbatches=3,
+        model=spec,
+        batch_size=7,
+        steps=5,
+        lr=0.05,
+        momentum=0.9,
+        lr_schedule="cosine",
+        lr_warmup=1,
+        save="unused",
+        save_every=2,
+        options=options,
+    )
     rates = stream_rates(config, build_schedule(config))
-    got = run_stream_reference(stream_schedules(config), spec, batch_size=7,
-                               optimizer_factory=optimizer_factory(config), lr_at=rates.at)
-    plain = run_plain(spec, steps=5, batch_size=7, num_microbatches=3, optimizer_factory=optimizer_factory(config),
-                      lr_at=rates.at)
+    got = run_stream_reference(
+        stream_schedules(config), spec, batch_size=7, optimizer_factory=optimizer_factory(config), lr_at=rates.at
+    )
+    plain = run_plain(
+        spec, steps=5, batch_size=7, num_microbatches=3, optimizer_factory=optimizer_factory(config), lr_at=rates.at
+    )
     torch.testing.assert_close(got.losses, plain.losses, rtol=1e-5, atol=1e-6)
     for name_, value in plain.parameters.items():
         torch.testing.assert_close(got.parameters[name_], value, rtol=1e-5, atol=1e-6)
 
 
 # ---- checkpoints --------------------------------------------------------------------------
-RESUMED = ["pipemare+warmup+cosine", "avgpipe+period3", "spectrain+adamw", "xpipe+adamw", "pipedream-2bw",
-           "pipedream", "wpipe"]
+RESUMED = [
+    "pipemare+warmup+cosine",
+    "avgpipe+period3",
+    "spectrain+adamw",
+    "xpipe+adamw",
+    "pipedream-2bw",
+    "pipedream",
+    "wpipe",
+]
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory: pytest.TempPathFactory,
-            segmented: dict[str, tuple[TrainConfig, RunRecord]]) -> dict[str, RunRecord]:
+def resumed(
+    tmp_path_factory: pytest.TempPathFactory, segmented: dict[str, tuple[TrainConfig, RunRecord]]
+) -> dict[str, RunRecord]:
     folder = tmp_path_factory.mktemp("first")
-    firsts = [dataclasses.replace(_config(case, folder, _steps(case)[1], _steps(case)[1]), save_every=None)
-              for case in RESUMED]
+    firsts = [
+        dataclasses.replace(_config(case, folder, _steps(case)[1], _steps(case)[1]), save_every=None)
+        for case in RESUMED
+    ]
     _launch(firsts)
     seconds = []
     for case, first in zip(RESUMED, firsts):
         steps, k = _steps(case)  # the rest drains where the straight run did (--save-every k)
-        seconds.append(dataclasses.replace(first, steps=steps - k, save=f"{first.save}-2", save_every=k,
-                                           resume=first.save))
+        seconds.append(
+            dataclasses.replace(first, steps=steps - k, save=f"{first.save}-2", save_every=k, resume=first.save)
+        )
     return dict(zip(RESUMED, _launch(seconds)))
 
 
@@ -219,7 +270,8 @@ def test_resumed_stream_equals_the_run_drained_at_the_checkpoint(
 
 
 def test_checkpoint_of_a_stream_holds_its_policy_state(
-        tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, torch.Tensor]]) -> None:
+    tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, torch.Tensor]]
+) -> None:
     config = dataclasses.replace(_config("pipemare+warmup+cosine", tmp_path, 3, 3), save_every=None)
     _launch([config])
     import json
@@ -252,17 +304,37 @@ GPT = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8)
 def test_evaluation_between_streams_is_the_weights_held_out_loss(tmp_path: Path, name: str) -> None:
     text = tmp_path / "text.txt"
     text.write_bytes(stdlib_sources(max_bytes=100_000))
-    config = train_config(schedule=name, num_stages=2, num_microbatches=2, model=GPT, batch_size=4, steps=4,
-                         data=str(text), eval_every=2, eval_batches=2, collect_parameters=True, lr=0.05)
+    config = train_config(
+        schedule=name,
+        num_stages=2,
+        num_microbatches=2,
+        model=GPT,
+        batch_size=4,
+        steps=4,
+        data=str(text),
+        eval_every=2,
+        eval_batches=2,
+        collect_parameters=True,
+        lr=0.05,
+    )
     (record,) = _launch([config])
     assert [at for at, _ in record.eval_losses] == [2, 4]
-    reference = run_stream_reference(stream_schedules(config), GPT, batch_size=4,
-                                     optimizer_factory=optimizer_factory(config),
-                                     data=ByteCorpus(text.read_bytes(), seq_len=GPT.seq_len, batch_size=4))
+    reference = run_stream_reference(
+        stream_schedules(config),
+        GPT,
+        batch_size=4,
+        optimizer_factory=optimizer_factory(config),
+        data=ByteCorpus(text.read_bytes(), seq_len=GPT.seq_len, batch_size=4),
+    )
     torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
     corpus = ByteCorpus(text.read_bytes(), seq_len=GPT.seq_len, batch_size=4)
-    first_replica = {n: v for r in record.ranks for s, params in r.parameters.items()
-                     if s == min(build_schedule(config).placement.replicas(s)) for n, v in params.items()}
+    first_replica = {
+        n: v
+        for r in record.ranks
+        for s, params in r.parameters.items()
+        if s == min(build_schedule(config).placement.replicas(s))
+        for n, v in params.items()
+    }
     model = nn.ModuleDict({str(i): layer for i, layer in enumerate(build_layers(GPT, range(GPT.num_layers)))})
     model.load_state_dict(first_replica)
     with torch.no_grad():
@@ -284,9 +356,19 @@ def test_pipemare_warmup_annealing_and_velocity_cross_drains_and_checkpoints(tmp
     the drains); resuming after 3 and after 6 must go on annealing from the checkpoint's count with its velocity;
     a run resumed after 2 keeps the one warm-up mini-batch left.
     """
-    base = train_config(schedule="pipemare", num_stages=3, num_microbatches=1, model=MODEL, data=_text(tmp_path),
-                       batch_size=3, lr=0.05, momentum=0.9, options=(("warmup_steps", 3),),
-                       policy=PolicyOptions(anneal_steps=4), collect_parameters=True)
+    base = train_config(
+        schedule="pipemare",
+        num_stages=3,
+        num_microbatches=1,
+        model=MODEL,
+        data=_text(tmp_path),
+        batch_size=3,
+        lr=0.05,
+        momentum=0.9,
+        options=(("warmup_steps", 3),),
+        policy=PolicyOptions(anneal_steps=4),
+        collect_parameters=True,
+    )
     straight = dataclasses.replace(base, steps=9, save=str(tmp_path / "straight"), save_every=3)
     firsts = [dataclasses.replace(base, steps=k, save=str(tmp_path / f"after{k}")) for k in (2, 3, 6)]
     firsts[2] = dataclasses.replace(firsts[2], save_every=3)
@@ -298,15 +380,23 @@ def test_pipemare_warmup_annealing_and_velocity_cross_drains_and_checkpoints(tmp
     run = build_schedule(straight)
     assert _flushed(run) == [True] * 3 + [False, False, True] * 2  # the warm-up, the drains
     assert staleness(run)[0] == 2  # stage 0's delay: the rescheduling depends on the updates counted
-    one = run_stream_reference(run, MODEL, batch_size=3, optimizer_factory=optimizer_factory(straight),
-                               options=straight.policy, data=_corpus(straight))
+    one = run_stream_reference(
+        run,
+        MODEL,
+        batch_size=3,
+        optimizer_factory=optimizer_factory(straight),
+        options=straight.policy,
+        data=_corpus(straight),
+    )
     torch.testing.assert_close(record.losses, one.losses, rtol=1e-5, atol=1e-6)
     for (stage, name), value in _stage_parameters(record).items():
         torch.testing.assert_close(value, one.stage_parameters[stage][name], rtol=1e-5, atol=1e-6)
     after2 = dataclasses.replace(base, steps=4, resume=firsts[0].save)
     assert _flushed(prepare(after2).schedule) == [True, False, False, True]  # the warm-up left after 2
-    resumed = [dataclasses.replace(base, steps=9 - k, save=str(tmp_path / f"r{k}"), save_every=3, resume=first.save)
-               for k, first in zip((3, 6), firsts[1:])]
+    resumed = [
+        dataclasses.replace(base, steps=9 - k, save=str(tmp_path / f"r{k}"), save_every=3, resume=first.save)
+        for k, first in zip((3, 6), firsts[1:])
+    ]
     for c in resumed:
         prepare(c)
     again = launch(_run_all, resumed, 3, LaunchOptions(timeout_s=90))
@@ -322,5 +412,4 @@ def _flushed(schedule: Schedule) -> list[bool]:
     """Per mini-batch (T = 1), whether stage 0 updates with it before any later mini-batch's forward."""
     row = schedule.actions[0]
     updates = [i for i, a in enumerate(row) if a.stage == 0 and a.op is Op.U]
-    return [not any(a.stage == 0 and a.op is Op.F and a.microbatch > m for a in row[:u])
-            for m, u in enumerate(updates)]
+    return [not any(a.stage == 0 and a.op is Op.F and a.microbatch > m for a in row[:u]) for m, u in enumerate(updates)]

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeweave.runtime.context import RankContext
 from pipeweave.errors import UserError
 from pipeweave.models.build import build_layers, check_tensor_parallel, tensor_parallel_plan
 from pipeweave.models.layers import Deferrable, WeightGradStore
 from pipeweave.models.spec import ModelSpec
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.run.launch import launch
 from pipeweave.runtime.stage.sequence_parallel import sum_partial
 from pipeweave.runtime.stage.tensor_parallel import TensorParallel, gather, split, split_layers
@@ -27,7 +27,9 @@ def _inputs(spec: ModelSpec, index: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
     if spec.kind == "gpt" and index == 0:
         return torch.randint(0, spec.vocab, (3, spec.seq_len), generator=g)
-    return torch.randn(3, spec.seq_len, spec.hidden, generator=g) if spec.kind == "gpt" else torch.randn(3, 8, generator=g)
+    return (
+        torch.randn(3, spec.seq_len, spec.hidden, generator=g) if spec.kind == "gpt" else torch.randn(3, 8, generator=g)
+    )
 
 
 def _run(layer: torch.nn.Module, x: torch.Tensor, defer: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -80,7 +82,9 @@ def _compare(context: RankContext, payload: tuple[ModelSpec, int, bool]) -> list
     return problems
 
 
-def _shard_of(name: str, whole: torch.Tensor, shape: torch.Size, rank: int, world: int, spec: ModelSpec) -> torch.Tensor:
+def _shard_of(
+    name: str, whole: torch.Tensor, shape: torch.Size, rank: int, world: int, spec: ModelSpec
+) -> torch.Tensor:
     if name.endswith("qkv.weight") or name.endswith("qkv.bias"):  # this rank's heads of Q, K and V
         return torch.cat([part.chunk(world)[rank] for part in whole.chunk(3)])
     if whole.shape[0] != shape[0]:
@@ -88,9 +92,17 @@ def _shard_of(name: str, whole: torch.Tensor, shape: torch.Size, rank: int, worl
     return whole.chunk(world, dim=1)[rank]
 
 
-@pytest.mark.parametrize(("spec", "index", "defer"), [
-    (GPT, 1, False), (GPT, 1, True), (GPT, 2, True), (GPT, 0, False), (MLP, 0, True),
-], ids=["gpt-block-B", "gpt-block-I+W", "gpt-head-I+W", "gpt-embedding", "mlp-I+W"])
+@pytest.mark.parametrize(
+    ("spec", "index", "defer"),
+    [
+        (GPT, 1, False),
+        (GPT, 1, True),
+        (GPT, 2, True),
+        (GPT, 0, False),
+        (MLP, 0, True),
+    ],
+    ids=["gpt-block-B", "gpt-block-I+W", "gpt-head-I+W", "gpt-embedding", "mlp-I+W"],
+)
 def test_a_split_layer_computes_what_the_whole_layer_does(spec: ModelSpec, index: int, defer: bool) -> None:
     # float32: the row-parallel sums partial products in another order; 1e-5 relative holds that.
     assert launch(_compare, (spec, index, defer), 2) == []
@@ -118,8 +130,9 @@ def _compare_sequence_parallel(context: RankContext, _: Any) -> list[str]:
     store.deferring = True
     y.backward(torch.randn(y_full.shape, generator=torch.Generator().manual_seed(3)).chunk(world, dim=1)[rank])
     store.deferring = False
-    problems = [n for n, p in cut.named_parameters() if p.grad is not None and n.endswith("weight")
-                and "norm" not in n]  # the weights' gradients wait for W
+    problems = [
+        n for n, p in cut.named_parameters() if p.grad is not None and n.endswith("weight") and "norm" not in n
+    ]  # the weights' gradients wait for W
     with pytest.MonkeyPatch.context() as patch:
         for name in ("all_gather", "reduce_scatter", "all_reduce"):
             patch.setattr(dist, name, _local_only)
@@ -145,12 +158,19 @@ def test_a_sequence_parallel_block_computes_the_whole_blocks_shard_with_w_local(
     assert launch(_compare_sequence_parallel, None, 2) == []
 
 
-@pytest.mark.parametrize(("spec", "size", "message"), [
-    (ModelSpec(kind="gpt", layers=1, hidden=16, heads=4, vocab=32), 3, "--heads 4 is not divisible by --tensor-parallel 3"),
-    (ModelSpec(kind="gpt", layers=1, hidden=12, heads=6, vocab=30), 4, "--heads 6 is not divisible"),
-    (ModelSpec(kind="gpt", layers=1, hidden=16, heads=2, vocab=33), 2, "the vocabulary 33 is not divisible"),
-    (ModelSpec(kind="mlp", layers=1, hidden=3), 8, "4 x --hidden 12 is not divisible by --tensor-parallel 8"),
-])
+@pytest.mark.parametrize(
+    ("spec", "size", "message"),
+    [
+        (
+            ModelSpec(kind="gpt", layers=1, hidden=16, heads=4, vocab=32),
+            3,
+            "--heads 4 is not divisible by --tensor-parallel 3",
+        ),
+        (ModelSpec(kind="gpt", layers=1, hidden=12, heads=6, vocab=30), 4, "--heads 6 is not divisible"),
+        (ModelSpec(kind="gpt", layers=1, hidden=16, heads=2, vocab=33), 2, "the vocabulary 33 is not divisible"),
+        (ModelSpec(kind="mlp", layers=1, hidden=3), 8, "4 x --hidden 12 is not divisible by --tensor-parallel 8"),
+    ],
+)
 def test_an_uneven_split_is_one_line(spec: ModelSpec, size: int, message: str) -> None:
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
         check_tensor_parallel(spec, size)
@@ -158,8 +178,11 @@ def test_an_uneven_split_is_one_line(spec: ModelSpec, size: int, message: str) -
 
 def test_a_tp_plan_naming_a_missing_module_is_one_line() -> None:
     layer: Any = build_layers(MLP, [0])[0]
-    with pytest.raises(UserError, match=r"tp_plan\[0\]: the TP plan names 'mlp.up', which is not a linear layer of "
-                                        r"it; give one of up, down"):
+    with pytest.raises(
+        UserError,
+        match=r"tp_plan\[0\]: the TP plan names 'mlp.up', which is not a linear layer of "
+        r"it; give one of up, down",
+    ):
         split(layer, {"mlp.up": "colwise"}, TensorParallel(None, 0, 2), "tp_plan[0]")
     with pytest.raises(UserError, match="style 'column' for 'up' is unknown"):
         split(layer, {"up": "column"}, TensorParallel(None, 0, 2), "tp_plan[0]")

@@ -40,8 +40,10 @@ def one_shared_parameter(num_microbatches: int) -> tuple[list[float], torch.Tens
     losses = []
     for step in range(STEPS):
         inputs, targets = source.batch(step)
-        parts = [loss(model(x), y) * (len(y) / batch)
-                 for x, y in zip(split_microbatches(inputs, num_microbatches), split_microbatches(targets, num_microbatches))]
+        parts = [
+            loss(model(x), y) * (len(y) / batch)
+            for x, y in zip(split_microbatches(inputs, num_microbatches), split_microbatches(targets, num_microbatches))
+        ]
         sum(parts).backward()  # type: ignore[union-attr]
         losses.append(sum(p.item() for p in parts))
         optimizer.step()
@@ -53,12 +55,16 @@ def one_shared_parameter(num_microbatches: int) -> tuple[list[float], torch.Tens
     ("name", "stages", "microbatches"),
     [("chimera", 2, 4), ("chimera", 4, 8), ("gems", 2, 4), ("dualpipe", 2, 4)],
 )
-def test_replicated_tied_reference_equals_1f1b_and_one_shared_parameter(name: str, stages: int, microbatches: int) -> None:
+def test_replicated_tied_reference_equals_1f1b_and_one_shared_parameter(
+    name: str, stages: int, microbatches: int
+) -> None:
     batch = batch_size(microbatches)
-    replicated = run_reference(generate(name, num_stages=stages, num_microbatches=microbatches), SPEC,
-                               steps=STEPS, batch_size=batch)
-    straight = run_reference(generate("1f1b", num_stages=stages, num_microbatches=microbatches), SPEC,
-                             steps=STEPS, batch_size=batch)
+    replicated = run_reference(
+        generate(name, num_stages=stages, num_microbatches=microbatches), SPEC, steps=STEPS, batch_size=batch
+    )
+    straight = run_reference(
+        generate("1f1b", num_stages=stages, num_microbatches=microbatches), SPEC, steps=STEPS, batch_size=batch
+    )
     losses, shared = one_shared_parameter(microbatches)
     assert replicated.losses == pytest.approx(straight.losses, rel=1e-5)
     assert replicated.losses == pytest.approx(losses, rel=1e-5)

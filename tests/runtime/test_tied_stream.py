@@ -30,18 +30,18 @@ from typing import Any
 
 import pytest
 import torch
+from config_defaults import train_config
 
+from pipeweave.config import TrainConfig
+from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.reference import run_reference, run_stream_reference
-from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import optimizer_factory, prepare, stream_schedules
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stage.tied import tied_groups
 from pipeweave.schedule import generate
 from pipeweave.sim.versions import staleness, tied_lag
-from pipeweave.errors import UserError
-from config_defaults import train_config
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 FILE = MODELS / "tiny_modules.py"
@@ -53,8 +53,17 @@ pytestmark = [pytest.mark.usefixtures("one_thread")]
 
 
 def _config(spec: ModelSpec, **overrides: Any) -> TrainConfig:
-    fields: dict[str, Any] = dict(schedule="pipedream-2bw", num_stages=2, num_microbatches=2, model=spec,
-                                  batch_size=4, steps=4, lr=0.05, momentum=0.9, collect_parameters=True)
+    fields: dict[str, Any] = dict(
+        schedule="pipedream-2bw",
+        num_stages=2,
+        num_microbatches=2,
+        model=spec,
+        batch_size=4,
+        steps=4,
+        lr=0.05,
+        momentum=0.9,
+        collect_parameters=True,
+    )
     fields.update(overrides)
     return train_config(**fields)
 
@@ -65,8 +74,12 @@ def _stage_parameters(record: RunRecord) -> dict[int, dict[str, torch.Tensor]]:
 
 def equals_reference_and_ties_agree(config: TrainConfig, record: RunRecord) -> None:
     """Losses and every stage's weights are the reference's (rtol 1e-5); each tie's copies end bitwise equal."""
-    reference = run_stream_reference(stream_schedules(config), config.model, batch_size=config.batch_size,
-                                     optimizer_factory=optimizer_factory(config))
+    reference = run_stream_reference(
+        stream_schedules(config),
+        config.model,
+        batch_size=config.batch_size,
+        optimizer_factory=optimizer_factory(config),
+    )
     torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
     got = _stage_parameters(record)
     for stage, params in got.items():
@@ -88,9 +101,14 @@ DECLARED = ModelSpec(kind="custom", entry=f"{FILE}:declared")
 @pytest.mark.timeout(240)
 def test_a_declared_tie_on_each_tied_stream_equals_its_reference() -> None:
     """2BW at T = D = 2 (lag 1) and T = 1 < D (lag 2); pipedream and ampnet, an update per microbatch (lag 2)."""
-    runs = _launch({"T=2": _config(DECLARED), "T=1": _config(DECLARED, num_microbatches=1, batch_size=2),
-                    "pipedream": _config(DECLARED, schedule="pipedream"),
-                    "ampnet": _config(DECLARED, schedule="ampnet")})
+    runs = _launch(
+        {
+            "T=2": _config(DECLARED),
+            "T=1": _config(DECLARED, num_microbatches=1, batch_size=2),
+            "pipedream": _config(DECLARED, schedule="pipedream"),
+            "ampnet": _config(DECLARED, schedule="ampnet"),
+        }
+    )
     for config, record in runs.values():
         equals_reference_and_ties_agree(config, record)
 
@@ -99,8 +117,9 @@ def test_a_one_minibatch_tied_stream_is_one_synchronous_step() -> None:
     """An independent oracle, in one process: a stream of one mini-batch has no staleness, so the rule (the
     first stage sums at its U, the last stage skips its tied members there and sums at the drain) must give
     one synchronous 1F1B step with the tie summed, bitwise; fails if either end's sum or the drain is dropped."""
-    stream = run_stream_reference(generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=1), DECLARED,
-                                  batch_size=4)
+    stream = run_stream_reference(
+        generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=1), DECLARED, batch_size=4
+    )
     step = run_reference(generate("1f1b", num_stages=2, num_microbatches=2), DECLARED, steps=1, batch_size=4)
     assert stream.losses == step.losses
     for got, want in zip(stream.stage_parameters, step.stage_parameters):
@@ -125,8 +144,9 @@ class _Recording(torch.optim.SGD):
         return out
 
 
-@pytest.mark.parametrize(("name", "t", "lag"), [("pipedream-2bw", 2, 1), ("pipedream-2bw", 1, 2),
-                                               ("pipedream", 2, 2), ("ampnet", 2, 2)])
+@pytest.mark.parametrize(
+    ("name", "t", "lag"), [("pipedream-2bw", 2, 1), ("pipedream-2bw", 1, 2), ("pipedream", 2, 2), ("ampnet", 2, 2)]
+)
 def test_the_last_stages_tied_copy_lags_as_the_simulator_says(name: str, t: int, lag: int) -> None:
     """After its U_(k+d) the last stage's copy is the first stage's after U_k, d = ``sim.versions.tied_lag``;
     after its first d updates still the initial value, and the drain's d steps bring it level."""
@@ -157,23 +177,35 @@ def test_the_report_shows_a_tied_lag_only_for_a_tie_between_parts_of_a_stream() 
 
 
 def _untrained(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    return run_reference(generate("1f1b", num_stages=1, num_microbatches=1), spec, steps=1, batch_size=4,
-                         optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.0)).parameters
+    return run_reference(
+        generate("1f1b", num_stages=1, num_microbatches=1),
+        spec,
+        steps=1,
+        batch_size=4,
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.0),
+    ).parameters
 
 
 def test_a_tie_on_another_stream_or_a_scheduled_rate_is_one_line() -> None:
     with pytest.raises(UserError, match=r"^tied parameters .* pipedream-2bw, pipedream, ampnet only, not pipemare; "):
-        run_stream_reference(generate("pipemare", num_stages=2, num_microbatches=2, num_steps=2), DECLARED,
-                             batch_size=4)
+        run_stream_reference(
+            generate("pipemare", num_stages=2, num_microbatches=2, num_steps=2), DECLARED, batch_size=4
+        )
     with pytest.raises(UserError, match="take a constant learning rate"):
         prepare(_config(DECLARED, lr_schedule="cosine"))
 
 
 GPT = ModelSpec(kind="gpt", layers=4, hidden=16, heads=2, seq_len=8, tie_embeddings=True)
 TIED_SEQUENTIAL = ModelSpec(kind="custom", entry=f"{FILE}:tied_sequential")
-SLOW = {"looped": _config(LOOPED), "tied sequential": _config(TIED_SEQUENTIAL),
-        "gpt2": _config(HF["gpt2"]), "llama": _config(HF["llama"]), "gpt": _config(GPT),
-        "gpt pipedream": _config(GPT, schedule="pipedream"), "llama ampnet": _config(HF["llama"], schedule="ampnet")}
+SLOW = {
+    "looped": _config(LOOPED),
+    "tied sequential": _config(TIED_SEQUENTIAL),
+    "gpt2": _config(HF["gpt2"]),
+    "llama": _config(HF["llama"]),
+    "gpt": _config(GPT),
+    "gpt pipedream": _config(GPT, schedule="pipedream"),
+    "llama ampnet": _config(HF["llama"], schedule="ampnet"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -185,8 +217,7 @@ def slow_runs() -> dict[str, tuple[TrainConfig, RunRecord]]:
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", list(SLOW))
-def test_split_and_hugging_face_ties_on_pipedream_2bw_equal_the_reference(slow_runs: dict[str, Any],
-                                                                          case: str) -> None:
+def test_split_and_hugging_face_ties_on_pipedream_2bw_equal_the_reference(slow_runs: dict[str, Any], case: str) -> None:
     equals_reference_and_ties_agree(*slow_runs[case])
 
 
@@ -215,30 +246,85 @@ def test_a_tied_stream_saved_halfway_and_resumed_equals_the_run_drained_there(tm
 def test_train_cli_trains_the_tied_gpt_on_pipedream_2bw(tmp_path: Path) -> None:
     """``pipeweave train -s pipedream-2bw --tie-embeddings`` (AdamW, the shared-memory transport): the losses are
     the reference's; pipemare refuses in one line."""
-    argv = ["--stages", "2", "--microbatches", "2", "--model", "gpt", "--tie-embeddings", "--layers", "4",
-            "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch", "4", "--steps", "4", "--lr", "0.05",
-            "--quiet"]
+    argv = [
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--model",
+        "gpt",
+        "--tie-embeddings",
+        "--layers",
+        "4",
+        "--hidden",
+        "16",
+        "--heads",
+        "2",
+        "--seq-len",
+        "8",
+        "--batch",
+        "4",
+        "--steps",
+        "4",
+        "--lr",
+        "0.05",
+        "--quiet",
+    ]
     record = tmp_path / "record.json"
-    run = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipedream-2bw", *argv,
-                          "--out", str(tmp_path), "--json", str(record)], capture_output=True, text=True,
-                         timeout=240, cwd=tmp_path)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeweave.cli",
+            "train",
+            "-s",
+            "pipedream-2bw",
+            *argv,
+            "--out",
+            str(tmp_path),
+            "--json",
+            str(record),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     adamw = optimizer_factory(_config(GPT, optimizer="adamw"))  # the gpt's default: the tie's first skip included
-    reference = run_stream_reference(generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=4), GPT,
-                                     batch_size=4, optimizer_factory=adamw)
+    reference = run_stream_reference(
+        generate("pipedream-2bw", num_stages=2, num_microbatches=2, num_steps=4),
+        GPT,
+        batch_size=4,
+        optimizer_factory=adamw,
+    )
     assert json.loads(record.read_text())["losses"] == pytest.approx(reference.losses, rel=1e-5)
-    bad = subprocess.run([sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipemare", *argv],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pipeweave.cli", "train", "-s", "pipemare", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert bad.returncode == 2
-    assert bad.stderr.strip().startswith("pipeweave train: error: tied parameters (tied embeddings) train on the "
-                                         "asynchronous pipedream-2bw, pipedream, ampnet only, not pipemare")
+    assert bad.stderr.strip().startswith(
+        "pipeweave train: error: tied parameters (tied embeddings) train on the "
+        "asynchronous pipedream-2bw, pipedream, ampnet only, not pipemare"
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("grid", [{"data_parallel": 2, "batch_size": 8}, {"tensor_parallel": 2},
-                                  {"num_stages": 3, "num_microbatches": 3, "batch_size": 6}], ids=["dp2", "tp2", "d3"])
+@pytest.mark.parametrize(
+    "grid",
+    [
+        {"data_parallel": 2, "batch_size": 8},
+        {"tensor_parallel": 2},
+        {"num_stages": 3, "num_microbatches": 3, "batch_size": 6},
+    ],
+    ids=["dp2", "tp2", "d3"],
+)
 def test_a_tied_stream_with_replicas_shards_or_a_middle_stage_equals_the_reference(grid: dict[str, int]) -> None:
     """PipeDream's hybrid (DP = 2, D = 2): each update sums the replicas' gradients, then the tie's halves.
     Tensor parallelism (TP = 2, D = 2): the tied embedding and head are whole on every process, each exchanging

@@ -25,13 +25,16 @@ from pipeweave.runtime.plain import run_plain
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
-def _two_nodes(tmp_path: Path, train: list[str], nproc: int = 1, codes: tuple[int, int] = (0, 0),
-               env: dict[str, str] | None = None) -> list[str]:
+
+def _two_nodes(
+    tmp_path: Path, train: list[str], nproc: int = 1, codes: tuple[int, int] = (0, 0), env: dict[str, str] | None = None
+) -> list[str]:
     """Run ``train`` under two torchrun "nodes" on loopback; return their logs' tails, assert their exit codes.
 
     Logs go to files, not pipes: a pipe nobody drains while we wait on the other
@@ -43,9 +46,24 @@ def _two_nodes(tmp_path: Path, train: list[str], nproc: int = 1, codes: tuple[in
     logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
     nodes = [
         subprocess.Popen(
-            [torchrun, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", str(nproc),
-             "--master-addr", "127.0.0.1", "--master-port", str(port), *train],
-            stdout=logs[n].open("w"), stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, **(env or {})},
+            [
+                torchrun,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                str(nproc),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                *train,
+            ],
+            stdout=logs[n].open("w"),
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+            env={**os.environ, **(env or {})},
         )
         for n in (0, 1)
     ]
@@ -63,14 +81,38 @@ def _two_nodes(tmp_path: Path, train: list[str], nproc: int = 1, codes: tuple[in
 
 def test_two_torchrun_nodes_on_loopback_train_exactly(tmp_path: Path) -> None:
     record = tmp_path / "record.json"
-    train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--microbatches", "3", "--model", "mlp",
-             "--layers", "4", "--hidden", "8", "--batch", "7", "--steps", "3", "--quiet", "--out", str(tmp_path),
-             "--json", str(record)]
+    train = [
+        "-m",
+        "pipeweave.cli",
+        "train",
+        "-s",
+        "1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "3",
+        "--model",
+        "mlp",
+        "--layers",
+        "4",
+        "--hidden",
+        "8",
+        "--batch",
+        "7",
+        "--steps",
+        "3",
+        "--quiet",
+        "--out",
+        str(tmp_path),
+        "--json",
+        str(record),
+    ]
     _two_nodes(tmp_path, train)
     report = json.loads(record.read_text())
     plain = run_plain(ModelSpec(kind="mlp", layers=4, hidden=8), steps=3, batch_size=7, num_microbatches=3)
     assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
     assert report["stages"] == 2 and len(report["weight_bytes"]) == 2
+
 
 def test_an_asynchronous_stream_across_two_torchrun_nodes_equals_the_reference(tmp_path: Path) -> None:
     """PipeDream's stream (weight stashing) under torchrun: gloo between the nodes, losses = the reference's."""
@@ -80,17 +122,50 @@ def test_an_asynchronous_stream_across_two_torchrun_nodes_equals_the_reference(t
     from pipeweave.schedule import generate
 
     record = tmp_path / "record.json"
-    train = ["-m", "pipeweave.cli", "train", "-s", "pipedream", "--stages", "2", "--microbatches", "3", "--model",
-             "mlp", "--layers", "4", "--hidden", "8", "--batch", "7", "--steps", "4", "--lr", "0.05",
-             "--momentum", "0.9", "--quiet", "--out", str(tmp_path), "--json", str(record)]
+    train = [
+        "-m",
+        "pipeweave.cli",
+        "train",
+        "-s",
+        "pipedream",
+        "--stages",
+        "2",
+        "--microbatches",
+        "3",
+        "--model",
+        "mlp",
+        "--layers",
+        "4",
+        "--hidden",
+        "8",
+        "--batch",
+        "7",
+        "--steps",
+        "4",
+        "--lr",
+        "0.05",
+        "--momentum",
+        "0.9",
+        "--quiet",
+        "--out",
+        str(tmp_path),
+        "--json",
+        str(record),
+    ]
     _two_nodes(tmp_path, train)
     report = json.loads(record.read_text())
     schedule = generate("pipedream", num_stages=2, num_microbatches=3, num_steps=4)
-    reference = run_reference(schedule, ModelSpec(kind="mlp", layers=4, hidden=8), steps=4, batch_size=7,
-                              optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+    reference = run_reference(
+        schedule,
+        ModelSpec(kind="mlp", layers=4, hidden=8),
+        steps=4,
+        batch_size=7,
+        optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    )
     assert report["transport"] == "gloo"
     assert report["losses"] == pytest.approx(reference.losses, rel=1e-5)
     assert report["weight_bytes"] == report["weight_bytes_simulated"]
+
 
 def _workers_of(marker: str) -> list[int]:
     """PIDs of live processes whose command line holds ``marker``."""
@@ -103,12 +178,14 @@ def _workers_of(marker: str) -> list[int]:
             continue
     return pids
 
+
 def _cpu_seconds(pid: int) -> float:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_killed_torchrun_node_ends_the_other_without_leftovers(tmp_path: Path) -> None:
@@ -119,15 +196,51 @@ def test_a_killed_torchrun_node_ends_the_other_without_leftovers(tmp_path: Path)
     assert torchrun is not None
     port = _free_port()
     out = tmp_path / "run"
-    train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--microbatches", "3", "--model", "mlp",
-             "--layers", "4", "--hidden", "8", "--batch", "7", "--steps", "1000000", "--timeout", "20",
-             "--out", str(out)]
+    train = [
+        "-m",
+        "pipeweave.cli",
+        "train",
+        "-s",
+        "1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "3",
+        "--model",
+        "mlp",
+        "--layers",
+        "4",
+        "--hidden",
+        "8",
+        "--batch",
+        "7",
+        "--steps",
+        "1000000",
+        "--timeout",
+        "20",
+        "--out",
+        str(out),
+    ]
     logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
     nodes = [
         subprocess.Popen(
-            [torchrun, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
-             "--master-addr", "127.0.0.1", "--master-port", str(port), *train],
-            stdout=logs[n].open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+            [
+                torchrun,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                *train,
+            ],
+            stdout=logs[n].open("w"),
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
         )
         for n in (0, 1)
     ]
@@ -157,9 +270,34 @@ def test_a_killed_torchrun_node_ends_the_other_without_leftovers(tmp_path: Path)
 def test_data_parallel_pipelines_across_two_torchrun_nodes(tmp_path: Path) -> None:
     """P = 2 replicas of a D = 2 pipeline on 2 nodes x 2 processes equal plain training on the global batch."""
     record = tmp_path / "record.json"
-    train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--data-parallel", "2",
-             "--microbatches", "3", "--model", "mlp", "--layers", "4", "--hidden", "8", "--batch", "14",
-             "--steps", "3", "--quiet", "--out", str(tmp_path), "--json", str(record)]
+    train = [
+        "-m",
+        "pipeweave.cli",
+        "train",
+        "-s",
+        "1f1b",
+        "--stages",
+        "2",
+        "--data-parallel",
+        "2",
+        "--microbatches",
+        "3",
+        "--model",
+        "mlp",
+        "--layers",
+        "4",
+        "--hidden",
+        "8",
+        "--batch",
+        "14",
+        "--steps",
+        "3",
+        "--quiet",
+        "--out",
+        str(tmp_path),
+        "--json",
+        str(record),
+    ]
     _two_nodes(tmp_path, train, nproc=2)
     report = json.loads(record.read_text())
     # The global batch of 14 samples is split into P x T = 6 microbatches.
@@ -172,10 +310,42 @@ def test_tensor_parallel_inside_each_of_two_torchrun_nodes(tmp_path: Path) -> No
     """TP = 2 inside each node (its 2 processes split every layer), the pipeline's 2 stages across the nodes."""
     record = tmp_path / "record.json"
     spec = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8)
-    train = ["-m", "pipeweave.cli", "train", "-s", "zb-h1", "--stages", "2", "--tensor-parallel", "2",
-             "--microbatches", "3", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "2",
-             "--seq-len", "8", "--batch", "6", "--steps", "3", "--optimizer", "sgd", "--lr", "0.1", "--quiet",
-             "--out", str(tmp_path), "--json", str(record)]
+    train = [
+        "-m",
+        "pipeweave.cli",
+        "train",
+        "-s",
+        "zb-h1",
+        "--stages",
+        "2",
+        "--tensor-parallel",
+        "2",
+        "--microbatches",
+        "3",
+        "--model",
+        "gpt",
+        "--layers",
+        "2",
+        "--hidden",
+        "16",
+        "--heads",
+        "2",
+        "--seq-len",
+        "8",
+        "--batch",
+        "6",
+        "--steps",
+        "3",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.1",
+        "--quiet",
+        "--out",
+        str(tmp_path),
+        "--json",
+        str(record),
+    ]
     _two_nodes(tmp_path, train, nproc=2)
     report = json.loads(record.read_text())
     plain = run_plain(spec, steps=3, batch_size=6, num_microbatches=3)
@@ -187,9 +357,30 @@ def test_two_torchrun_nodes_train_a_model_file_exactly(tmp_path: Path) -> None:
     """Your own model under torchrun: each node loads the file itself (``models.custom``)."""
     entry = f"{Path(__file__).resolve().parent.parent / 'models' / 'tiny_custom.py'}:model"
     record = tmp_path / "record.json"
-    train = ["-m", "pipeweave.cli", "train", "-s", "zb-h1", "--stages", "2", "--microbatches", "3", "--model", entry,
-             "--batch", "7", "--steps", "3", "--optimizer", "sgd", "--quiet", "--out", str(tmp_path),
-             "--json", str(record)]
+    train = [
+        "-m",
+        "pipeweave.cli",
+        "train",
+        "-s",
+        "zb-h1",
+        "--stages",
+        "2",
+        "--microbatches",
+        "3",
+        "--model",
+        entry,
+        "--batch",
+        "7",
+        "--steps",
+        "3",
+        "--optimizer",
+        "sgd",
+        "--quiet",
+        "--out",
+        str(tmp_path),
+        "--json",
+        str(record),
+    ]
     _two_nodes(tmp_path, train)
     report = json.loads(record.read_text())
     plain = run_plain(ModelSpec(kind="custom", entry=entry), steps=3, batch_size=7, num_microbatches=3)
@@ -197,7 +388,8 @@ def test_two_torchrun_nodes_train_a_model_file_exactly(tmp_path: Path) -> None:
 
 
 def test_a_killed_rank_restarted_by_torchrun_resumes_its_newest_checkpoint(
-        tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, Any]]) -> None:
+    tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, Any]]
+) -> None:
     """`torchrun --max-restarts 1 ... --save DIR --resume auto`: rank 1 is SIGKILLed once in step 5; torchrun
     restarts both ranks, which resume the checkpoint of step 4 (the dead run's lock is stale) and end the
     training as an uninterrupted run would: the same losses and final weights as plain training."""
@@ -207,16 +399,60 @@ def test_a_killed_rank_restarted_by_torchrun_resumes_its_newest_checkpoint(
     assert torchrun is not None
     entry = f"{Path(__file__).resolve().parent.parent / 'models' / 'dies_once.py'}:model"
     record, ck, marker = tmp_path / "record.json", tmp_path / "ck", tmp_path / "killed"
-    train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--microbatches", "2", "--model", entry,
-             "--batch", "8", "--steps", "8", "--optimizer", "sgd", "--save", str(ck), "--save-every", "2",
-             "--resume", "auto", "--quiet", "--out", str(tmp_path), "--json", str(record)]
+    train = [
+        "-m",
+        "pipeweave.cli",
+        "train",
+        "-s",
+        "1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--model",
+        entry,
+        "--batch",
+        "8",
+        "--steps",
+        "8",
+        "--optimizer",
+        "sgd",
+        "--save",
+        str(ck),
+        "--save-every",
+        "2",
+        "--resume",
+        "auto",
+        "--quiet",
+        "--out",
+        str(tmp_path),
+        "--json",
+        str(record),
+    ]
     log = tmp_path / "torchrun.log"
     # The rendezvous store shared with the ranks may hand a restarted gloo rank its dead peer's address
     # (pytorch/pytorch#135712); a store of the ranks' own per attempt does not.
     env = {**os.environ, "PIPEWEAVE_TEST_DIE_ONCE": str(marker), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    done = subprocess.run([torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
-                           "--monitor-interval", "0.5", *train], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                          cwd=tmp_path, env=env, timeout=150)
+    done = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--monitor-interval",
+            "0.5",
+            *train,
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+        env=env,
+        timeout=150,
+    )
     assert done.returncode == 0, log.read_text()[-3000:]
     assert marker.exists()  # rank 1 did die once
     report = json.loads(record.read_text())
@@ -224,8 +460,11 @@ def test_a_killed_rank_restarted_by_torchrun_resumes_its_newest_checkpoint(
     assert report["first_step"] == 4 and report["steps"] == 4  # the restart resumed step 4's checkpoint
     assert report["losses"] == pytest.approx(plain.losses[4:], rel=1e-5)
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000006", "step-000008"]
-    saved = {key.removeprefix("parameters/"): value for key, value in checkpoint_tensors(ck / "step-000008").items()
-             if key.startswith("parameters/")}
+    saved = {
+        key.removeprefix("parameters/"): value
+        for key, value in checkpoint_tensors(ck / "step-000008").items()
+        if key.startswith("parameters/")
+    }
     assert set(saved) == set(plain.parameters)
     for name, value in plain.parameters.items():
         torch.testing.assert_close(saved[name], value, rtol=1e-5, atol=1e-6)
@@ -240,15 +479,39 @@ def test_torchrun_ranks_that_profile_apart_train_rank_0s_partition(tmp_path: Pat
     alone, rank 0 would cut 2 + 4 layers, rank 1 4 + 2): every rank takes rank 0's layer counts
     (``agreement.agreed_plan``), and the run equals plain training."""
     record = tmp_path / "record.json"
-    train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--microbatches", "2", "--model",
-             f"{SPLIT_BY_RANK}:net", "--partition", "time", "--batch", "4", "--steps", "2", "--optimizer", "sgd",
-             "--timeout", "60", "--quiet", "--out", str(tmp_path), "--json", str(record)]
+    train = [
+        "-m",
+        "pipeweave.cli",
+        "train",
+        "-s",
+        "1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--model",
+        f"{SPLIT_BY_RANK}:net",
+        "--partition",
+        "time",
+        "--batch",
+        "4",
+        "--steps",
+        "2",
+        "--optimizer",
+        "sgd",
+        "--timeout",
+        "60",
+        "--quiet",
+        "--out",
+        str(tmp_path),
+        "--json",
+        str(record),
+    ]
     _two_nodes(tmp_path, train, env={"PIPEWEAVE_CACHE": str(tmp_path / "cache")})
     report = json.loads(record.read_text())
     embed, block, head = (32 * 16) * 4, (16 * 16 + 16) * 4, (16 * 32 + 32) * 4  # parameter bytes
     assert report["weight_bytes"] == [embed + block, 3 * block + head]  # rank 0's 2 + 4 layers
-    plain = run_plain(ModelSpec(kind="custom", entry=f"{SPLIT_BY_RANK}:net"), steps=2, batch_size=4,
-                      num_microbatches=2)
+    plain = run_plain(ModelSpec(kind="custom", entry=f"{SPLIT_BY_RANK}:net"), steps=2, batch_size=4, num_microbatches=2)
     assert report["losses"] == pytest.approx(plain.losses, rel=1e-5)
 
 
@@ -256,9 +519,30 @@ def test_torchrun_ranks_that_profile_apart_train_rank_0s_partition(tmp_path: Pat
 def test_torchrun_ranks_whose_model_cut_itself_apart_stop_in_one_line(tmp_path: Path) -> None:
     """A model file cut by ``pipeweave.pipeline(net, split_points=2)`` in each rank, each measuring apart: every
     rank stops before building a stage, with one line naming both splits (``agreement.check_split``)."""
-    train = ["-m", "pipeweave.cli", "train", "-s", "1f1b", "--stages", "2", "--microbatches", "2", "--model",
-             f"{SPLIT_BY_RANK}:profiled", "--batch", "4", "--steps", "2", "--optimizer", "sgd", "--timeout", "60",
-             "--quiet", "--out", str(tmp_path)]
+    train = [
+        "-m",
+        "pipeweave.cli",
+        "train",
+        "-s",
+        "1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "2",
+        "--model",
+        f"{SPLIT_BY_RANK}:profiled",
+        "--batch",
+        "4",
+        "--steps",
+        "2",
+        "--optimizer",
+        "sgd",
+        "--timeout",
+        "60",
+        "--quiet",
+        "--out",
+        str(tmp_path),
+    ]
     outputs = _two_nodes(tmp_path, train, codes=(1, 1), env={"PIPEWEAVE_CACHE": str(tmp_path / "cache")})
     line = "pipeweave: ranks chose different splits of the model (rank 1: cut at ['4'], layers 0-0 | 1-1, "
     assert line in outputs[0] and "rank 0: cut at ['2'], layers 0-0 | 1-1" in outputs[0], outputs
@@ -272,7 +556,6 @@ def test_a_torchrun_script_that_forms_the_group_first_profiles_on_rank_0_alone(t
     outputs = _two_nodes(tmp_path, [str(SPLIT_BY_RANK)], env={"PIPEWEAVE_CACHE": str(tmp_path / "cache")})
     said = [json.loads(next(line for line in out.splitlines() if line.startswith('{"cut at"'))) for out in outputs]
     assert [s["cut at"] for s in said] == [["2"], ["2"]]  # rank 1 alone cuts before child 4
-    plain = run_plain(ModelSpec(kind="custom", entry=f"{SPLIT_BY_RANK}:net"), steps=2, batch_size=4,
-                      num_microbatches=2)
+    plain = run_plain(ModelSpec(kind="custom", entry=f"{SPLIT_BY_RANK}:net"), steps=2, batch_size=4, num_microbatches=2)
     assert said[0]["losses"] == pytest.approx(plain.losses, rel=1e-5)
     assert (tmp_path / "cache" / "rank0").exists() and not (tmp_path / "cache" / "rank1").exists()

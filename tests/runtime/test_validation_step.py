@@ -14,18 +14,18 @@ from collections.abc import Callable, Iterable
 
 import pytest
 import torch
+from config_defaults import train_config
 
-from pipeweave.runtime.context import RankContext
+from pipeweave.config import TrainConfig
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.job import run_rank
-from pipeweave.runtime.run.record import RunRecord
-from pipeweave.runtime.run.launch import LaunchOptions, launch
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.plain import run_plain
-from pipeweave.runtime.stage.post_validation import PostValidation
+from pipeweave.runtime.run.job import run_rank
+from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import optimizer_factory, prepare
-from config_defaults import train_config
+from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.stage.post_validation import PostValidation
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -36,8 +36,14 @@ SPEC = ModelSpec(kind="mlp", layers=6, hidden=8)
 class _Synchronous:
     """What a barrier before the step gives: global norm, then skip or clip, then the torch optimizer."""
 
-    def __init__(self, params: list[torch.nn.Parameter], inner: torch.optim.Optimizer, max_norm: float | None,
-                 fault_step: int | None, norms: list[float]) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        inner: torch.optim.Optimizer,
+        max_norm: float | None,
+        fault_step: int | None,
+        norms: list[float],
+    ) -> None:
         self.params, self.inner, self.max_norm, self.fault_step, self.norms = params, inner, max_norm, fault_step, norms
         self.k = 0
 
@@ -54,25 +60,37 @@ class _Synchronous:
         self.inner.zero_grad(set_to_none=set_to_none)
 
 
-def _plain(optimizer: str, max_norm: float | None, fault_step: int | None,
-           norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+def _plain(
+    optimizer: str, max_norm: float | None, fault_step: int | None, norms: list[float] | None = None
+) -> dict[str, torch.Tensor]:
     torch_factory = train_config(optimizer=optimizer, lr=0.05, momentum=0.9 if optimizer == "sgd" else 0.0)
 
     def factory(params: Iterable[torch.nn.Parameter]) -> _Synchronous:
         params = list(params)
-        return _Synchronous(params, optimizer_factory(torch_factory)(params), max_norm, fault_step,
-                            norms if norms is not None else [])
+        return _Synchronous(
+            params, optimizer_factory(torch_factory)(params), max_norm, fault_step, norms if norms is not None else []
+        )
 
     make: Callable[..., object] = factory
-    return run_plain(SPEC, steps=STEPS, batch_size=2 * T, num_microbatches=T,
-                     optimizer_factory=make).parameters  # type: ignore[arg-type]
+    return run_plain(SPEC, steps=STEPS, batch_size=2 * T, num_microbatches=T, optimizer_factory=make).parameters  # type: ignore[arg-type]
 
 
 def _config(optimizer: str, options: PostValidation) -> TrainConfig:
-    return train_config(schedule="zb-auto", num_stages=RANKS, num_microbatches=T, model=SPEC, batch_size=2 * T,
-                       steps=STEPS, lr=0.05, momentum=0.9 if optimizer == "sgd" else 0.0, optimizer=optimizer,
-                       collect_parameters=True, options=(("memory_limit", 2.0), ("time_b", 2.0)),
-                       post_validation=options, on_nonfinite="skip")  # the NaN step is skipped, not the run stopped
+    return train_config(
+        schedule="zb-auto",
+        num_stages=RANKS,
+        num_microbatches=T,
+        model=SPEC,
+        batch_size=2 * T,
+        steps=STEPS,
+        lr=0.05,
+        momentum=0.9 if optimizer == "sgd" else 0.0,
+        optimizer=optimizer,
+        collect_parameters=True,
+        options=(("memory_limit", 2.0), ("time_b", 2.0)),
+        post_validation=options,
+        on_nonfinite="skip",
+    )  # the NaN step is skipped, not the run stopped
 
 
 def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
@@ -115,8 +133,14 @@ def test_distributed_post_validation_equals_synchronous_clip_and_skip(
 
 
 def test_post_validation_refuses_a_v_schedule() -> None:
-    config = train_config(schedule="zb-v-auto", num_stages=2, num_microbatches=4, model=SPEC, batch_size=8,
-                         post_validation=PostValidation(max_norm=1.0))
+    config = train_config(
+        schedule="zb-v-auto",
+        num_stages=2,
+        num_microbatches=4,
+        model=SPEC,
+        batch_size=8,
+        post_validation=PostValidation(max_norm=1.0),
+    )
     with pytest.raises(UserError, match="one stage per rank"):
         prepare(config)
     with pytest.raises(UserError, match="clip-grad-norm"):

@@ -14,39 +14,53 @@ import functools
 
 import pytest
 import torch
+from config_defaults import train_config
 
-from pipeweave.runtime.context import RankContext
+from pipeweave.config import TrainConfig
 from pipeweave.data import data_source, step_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.plain import TrainResult, run_plain
-from pipeweave.config import TrainConfig
+from pipeweave.runtime.report.trace import microbatch_factors
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import optimizer_factory, prepare
-from pipeweave.runtime.report.trace import microbatch_factors
 from pipeweave.runtime.run.record import RunRecord
-from config_defaults import train_config
 
 GPT = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=12)
 STEPS, MIN_SEQ_LEN = 3, 3
 
 
 def _config(schedule: str) -> TrainConfig:
-    return train_config(schedule=schedule, num_stages=2, num_microbatches=3, model=GPT, batch_size=5, steps=STEPS,
-                       min_seq_len=MIN_SEQ_LEN, collect_parameters=True)
+    return train_config(
+        schedule=schedule,
+        num_stages=2,
+        num_microbatches=3,
+        model=GPT,
+        batch_size=5,
+        steps=STEPS,
+        min_seq_len=MIN_SEQ_LEN,
+        collect_parameters=True,
+    )
 
 
 def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord | None]:
     return [run_rank(context, prepare(c)) for c in configs]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plain() -> TrainResult:
     config = _config("1f1b")
     source = data_source(GPT, batch_size=config.batch_size, min_seq_len=MIN_SEQ_LEN)
-    return run_plain(GPT, steps=STEPS, batch_size=config.batch_size, num_microbatches=config.num_microbatches,
-                     optimizer_factory=optimizer_factory(config), data=source)
+    return run_plain(
+        GPT,
+        steps=STEPS,
+        batch_size=config.batch_size,
+        num_microbatches=config.num_microbatches,
+        optimizer_factory=optimizer_factory(config),
+        data=source,
+    )
 
 
 def test_the_lengths_vary_from_microbatch_to_microbatch_and_step_to_step() -> None:
@@ -71,8 +85,13 @@ def test_variable_lengths_on_2_ranks_equal_plain_training(transport: str) -> Non
         for rank_record in record.ranks:
             for params in rank_record.parameters.values():
                 for name, value in params.items():
-                    torch.testing.assert_close(value, plain.parameters[name], rtol=1e-5, atol=1e-6,
-                                               msg=lambda m: f"{config.schedule} {name}: {m}")
+                    torch.testing.assert_close(
+                        value,
+                        plain.parameters[name],
+                        rtol=1e-5,
+                        atol=1e-6,
+                        msg=lambda m: f"{config.schedule} {name}: {m}",
+                    )
                     seen.add(name)
         assert seen == set(plain.parameters)
     # the report simulates each step with its microbatches' tokens: the lengths the ranks trained on

@@ -8,13 +8,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.fsdp import FullyShardedPart, shard_stage
-from pipeweave.runtime.stage.build import build_stage, stage_options
 from pipeweave.runtime.replicas import _buckets
 from pipeweave.runtime.run.checkpoint_state import stage_state
 from pipeweave.runtime.run.launch import launch
+from pipeweave.runtime.stage.build import build_stage, stage_options
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.zero import ZeroOptimizer, pad
 
@@ -26,8 +26,9 @@ def _params() -> list[nn.Parameter]:
     return [nn.Parameter(torch.randn(shape, generator=g)) for shape in ((7, 5), (5,), (3, 3), (11,))]
 
 
-def _step_both(zero: ZeroOptimizer, plain: torch.optim.Optimizer, whole: list[nn.Parameter], spans: list[range],
-               seed: int) -> None:
+def _step_both(
+    zero: ZeroOptimizer, plain: torch.optim.Optimizer, whole: list[nn.Parameter], spans: list[range], seed: int
+) -> None:
     """One step of the unsharded optimizer and of ``zero``, on the same random gradients (``zero`` given this
     rank's slice of each bucket's gradient, as the reduce-scatter would give it)."""
     grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + i)) for i, p in enumerate(whole)]
@@ -35,8 +36,9 @@ def _step_both(zero: ZeroOptimizer, plain: torch.optim.Optimizer, whole: list[nn
         p.grad = g.clone()
     plain.step()
     world, rank = dist.get_world_size(), dist.get_rank()
-    zero.set_gradients([pad(torch.cat([grads[i].reshape(-1) for i in span]), world).chunk(world)[rank].clone()
-                        for span in spans])
+    zero.set_gradients(
+        [pad(torch.cat([grads[i].reshape(-1) for i in span]), world).chunk(world)[rank].clone() for span in spans]
+    )
     zero.step()
 
 
@@ -131,12 +133,16 @@ def _zero3(context: RankContext, _: None) -> list[str]:
     with worker.whole_weights():
         with worker.whole_weights():  # nested (a checkpoint's save checks finiteness inside its own)
             pass
-        if any(not torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(worker.module.parameters(),
-                                                                              plain.module.parameters())):
+        if any(
+            not torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+            for a, b in zip(worker.module.parameters(), plain.module.parameters())
+        ):
             problems.append("not plain training's parameters inside gathered()")
         saved = stage_state(worker)  # as a checkpoint reads them, buffers too: nothing resharded meanwhile
-        if any(not torch.allclose(saved[f"parameters/{n}"], p, rtol=1e-6, atol=1e-7)
-               for n, p in plain.named_parameters().items()):
+        if any(
+            not torch.allclose(saved[f"parameters/{n}"], p, rtol=1e-6, atol=1e-7)
+            for n, p in plain.named_parameters().items()
+        ):
             problems.append("a checkpoint's state is not plain training's parameters")
         next(iter(worker.module.parameters())).data.fill_(7.0)  # as a checkpoint's values are loaded
     with worker.whole_weights():
@@ -144,8 +150,9 @@ def _zero3(context: RankContext, _: None) -> list[str]:
             problems.append("a value written inside gathered() is lost")
     state = part.whole_state(worker.optimizer)
     want = {n: plain.optimizer.state[p]["momentum_buffer"] for n, p in plain.named_parameters().items()}
-    if set(state) != set(want) or any(not torch.allclose(state[n]["momentum_buffer"], want[n], rtol=1e-6,
-                                                         atol=1e-7) for n in want):
+    if set(state) != set(want) or any(
+        not torch.allclose(state[n]["momentum_buffer"], want[n], rtol=1e-6, atol=1e-7) for n in want
+    ):
         problems.append("the gathered optimizer state is not plain training's")
     part.load_whole_state(worker.optimizer, {n: {"momentum_buffer": torch.ones_like(v)} for n, v in want.items()})
     if any(not bool((s["momentum_buffer"] == 1).all()) for s in part.whole_state(worker.optimizer).values()):

@@ -93,8 +93,10 @@ def test_steady_state_bubble_is_zero(name: str, d: int, t: int) -> None:
 
 def test_wpipe_steady_bubble_shrinks_with_t() -> None:
     # Measured with our greedy order, not the paper's ~0 (see schedule/wpipe.py).
-    b = [steady_bubble_ratio(simulate(generate("wpipe", num_stages=4, num_microbatches=t, num_steps=5)))
-         for t in (4, 8, 16)]
+    b = [
+        steady_bubble_ratio(simulate(generate("wpipe", num_stages=4, num_microbatches=t, num_steps=5)))
+        for t in (4, 8, 16)
+    ]
     assert b[0] > b[1] > b[2] and b[2] < 0.05
 
 
@@ -138,11 +140,15 @@ def _scan_every_unit(placement, routes, in_flight, admit):  # type: ignore[no-un
             for op, j, s in todo[r]:
                 route, i = routes[j], pos[s]
                 if op is Op.F:
-                    ok = (i == 0 or done_at.get((Op.F, j, route[i - 1]), t + 1) <= t) and \
-                        open_.get(s, 0) < in_flight(s) and (admit is None or admit(s, j, backs.get(s, 0)))
+                    ok = (
+                        (i == 0 or done_at.get((Op.F, j, route[i - 1]), t + 1) <= t)
+                        and open_.get(s, 0) < in_flight(s)
+                        and (admit is None or admit(s, j, backs.get(s, 0)))
+                    )
                 else:
-                    ok = done_at.get((Op.F, j, s), t + 1) <= t and \
-                        (i == len(route) - 1 or done_at.get((Op.B, j, route[i + 1]), t + 1) <= t)
+                    ok = done_at.get((Op.F, j, s), t + 1) <= t and (
+                        i == len(route) - 1 or done_at.get((Op.B, j, route[i + 1]), t + 1) <= t
+                    )
                 if ok:
                     ready.append(((op is Op.F, j, -i), (op, j, s)))
             if not ready:

@@ -121,7 +121,13 @@ def test_validator_over_the_grid() -> None:
 
 @pytest.mark.parametrize(
     ("d", "t", "needle"),
-    [(3, 6, "num_stages=3"), (1, 1, "num_stages=1"), (4, 6, "got 6; use 8"), (4, 2, "got 2; use 4"), (0, 4, "num_stages=0")],
+    [
+        (3, 6, "num_stages=3"),
+        (1, 1, "num_stages=1"),
+        (4, 6, "got 6; use 8"),
+        (4, 2, "got 2; use 4"),
+        (0, 4, "num_stages=0"),
+    ],
 )
 def test_rejections_are_one_line(d: int, t: int, needle: str) -> None:
     with pytest.raises(ScheduleError) as info:

@@ -25,8 +25,9 @@ def _schedules() -> list[tuple[str, int]]:
 def test_forward_only_walks_and_lowers(name: str, stages: int) -> None:
     info = SCHEDULES[name]
     try:
-        schedule = generate(name, num_stages=stages, num_microbatches=2 * stages,
-                            num_chunks=2 if info.chunks is None else None)
+        schedule = generate(
+            name, num_stages=stages, num_microbatches=2 * stages, num_chunks=2 if info.chunks is None else None
+        )
     except ScheduleError:
         pytest.skip(f"{name} does not take D={stages}")
     evaluation = forward_only(schedule)
@@ -78,7 +79,11 @@ def test_concatenate_refuses_synchronous_or_mismatched_segments() -> None:
     with pytest.raises(ScheduleError, match="1f1b is synchronous"):
         concatenate([generate("1f1b", num_stages=2, num_microbatches=2)])
     with pytest.raises(ScheduleError, match="share a placement and a policy"):
-        concatenate([generate("pipedream", num_stages=2, num_microbatches=2),
-                     generate("pipemare", num_stages=2, num_microbatches=2)])
+        concatenate(
+            [
+                generate("pipedream", num_stages=2, num_microbatches=2),
+                generate("pipemare", num_stages=2, num_microbatches=2),
+            ]
+        )
     with pytest.raises(ScheduleError, match="at least one"):
         concatenate([])

@@ -72,8 +72,13 @@ def test_more_chunks_shrink_the_bubble() -> None:
 
 @pytest.mark.parametrize(
     ("d", "t", "v", "needle"),
-    [(4, 6, 2, "num_microbatches=6 is not a multiple of num_stages=4"), (3, 7, 3, "use 9 microbatches"),
-     (4, 8, 0, "num_chunks=0"), (0, 8, 2, "num_stages=0"), (4, 0, 2, "num_microbatches=0")],
+    [
+        (4, 6, 2, "num_microbatches=6 is not a multiple of num_stages=4"),
+        (3, 7, 3, "use 9 microbatches"),
+        (4, 8, 0, "num_chunks=0"),
+        (0, 8, 2, "num_stages=0"),
+        (4, 0, 2, "num_microbatches=0"),
+    ],
 )
 def test_rejections_are_one_line(d: int, t: int, v: int, needle: str) -> None:
     with pytest.raises(ScheduleError, match=needle) as info:
@@ -89,8 +94,8 @@ def test_registry_passes_chunks() -> None:
 
 def test_rejected_microbatch_counts_would_deadlock_in_megatrons_order() -> None:
     # Why T must be a multiple of D: the same order with a short last group deadlocks.
-    from pipeweave.schedule.ir import Placement, Schedule, append_updates
     from pipeweave.schedule.interleaved import interleaved_order
+    from pipeweave.schedule.ir import Placement, Schedule, append_updates
     from pipeweave.schedule.validate import is_valid
 
     rows = [interleaved_order(r, 5, 7, 2) for r in range(5)]

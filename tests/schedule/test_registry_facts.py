@@ -43,9 +43,12 @@ def test_no_module_lists_schedule_names() -> None:
     """A fact about several schedules is a field of their entries (``SCHEDULES[name].searched``), not a
     tuple of their names somewhere else: adding a schedule then needs no edit outside its entry."""
     names = set(SCHEDULES)
-    found = [f"{path.relative_to(SRC)}:{line}: {held}"
-             for path in sorted(SRC.rglob("*.py")) if path != REGISTRY
-             for line, held in name_lists(path.read_text(), names)]
+    found = [
+        f"{path.relative_to(SRC)}:{line}: {held}"
+        for path in sorted(SRC.rglob("*.py"))
+        if path != REGISTRY
+        for line, held in name_lists(path.read_text(), names)
+    ]
     assert not found, "name lists outside schedule/registry.py (make them ScheduleInfo fields):\n" + "\n".join(found)
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from pipeweave.errors import UserError
 from pipeweave.schedule import generate
 from pipeweave.schedule.ir import Action, Op
-from pipeweave.schedule.levers import (Stash, StashPlan, check_stash, evicted_shares, parse_offload, partner,
-                                      plan_stash)
+from pipeweave.schedule.levers import Stash, StashPlan, check_stash, evicted_shares, parse_offload, partner, plan_stash
 from pipeweave.schedule.validate import InvalidSchedule
-from pipeweave.errors import UserError
 
 NAMES = (("1f1b", {}), ("zb-h1", {}), ("interleaved-1f1b", {"num_chunks": 2}))
 
@@ -42,8 +41,9 @@ def test_bpipe_pairs_rank_r_with_d_minus_1_minus_r_and_evicts_down_to_the_pairs_
     # 1F1B holds 4, 3, 2, 1 microbatches: pairs (0, 3) and (1, 2) have mean 2.5; rank 0 holds one
     # microbatch whole (the one just forwarded or about to be backwarded) and three others: 1 + 3 (1 - x) = 2.5.
     assert evicted_shares(s, StashPlan(balance=True), (1.0,) * 4, 0.5) == (0.5, 0.25, 0.0, 0.0)
-    assert evicted_shares(generate("1f1b", num_stages=3, num_microbatches=6), StashPlan(balance=True),
-                          (1.0,) * 3, 0.5) == (0.5, 0.0, 0.0)
+    assert evicted_shares(
+        generate("1f1b", num_stages=3, num_microbatches=6), StashPlan(balance=True), (1.0,) * 3, 0.5
+    ) == (0.5, 0.0, 0.0)
 
 
 def _moved(stash: Stash, rank: int, old: int, new: int) -> Stash:

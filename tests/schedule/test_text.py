@@ -104,7 +104,11 @@ def test_hand_written_csv_is_simulated(tmp_path: Path) -> None:
     assert s.name == "mine" and s.num_microbatches == 2
     t = simulate(s)
     assert [(str(e.action), e.start, e.end) for e in t.events[0]] == [
-        ("0F0", 0.0, 1.0), ("0F1", 1.0, 2.0), ("0B0", 5.0, 7.0), ("0B1", 7.0, 9.0), ("0U0", 9.0, 9.0),
+        ("0F0", 0.0, 1.0),
+        ("0F1", 1.0, 2.0),
+        ("0B0", 5.0, 7.0),
+        ("0B1", 7.0, 9.0),
+        ("0U0", 9.0, 9.0),
     ]
     assert compute_metrics(t).makespan == 9.0
 
@@ -115,12 +119,15 @@ def test_write_and_read_csv_files(tmp_path: Path) -> None:
     assert read_csv(tmp_path / "zb.csv", name="zb-h1") == s
 
 
-@pytest.mark.parametrize("text,match", [
-    ("0F0,0X1\n", "cannot read action '0X1'"),
-    ("", "holds no actions"),
-    ("0F0,1F0\n1B0\n", "stage 1 appears on ranks 0 and 1"),
-    ("0F0,0B0\n2F0,2B0\n", r"stages \[1\] have no actions"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("0F0,0X1\n", "cannot read action '0X1'"),
+        ("", "holds no actions"),
+        ("0F0,1F0\n1B0\n", "stage 1 appears on ranks 0 and 1"),
+        ("0F0,0B0\n2F0,2B0\n", r"stages \[1\] have no actions"),
+    ],
+)
 def test_bad_csv_is_one_clear_error(text: str, match: str) -> None:
     with pytest.raises(ScheduleError, match=match):
         from_csv(text)

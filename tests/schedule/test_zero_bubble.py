@@ -74,8 +74,10 @@ def test_zb_h2_is_bubble_free_at_equal_costs() -> None:
 
 @pytest.mark.parametrize(
     ("generator", "formula", "t_min"),
-    [(zb_h1, lambda d, f, b, w: (d - 1) * (f + b - w), lambda d: d),
-     (zb_h2, lambda d, f, b, w: (d - 1) * (f + b - 2 * w), lambda d: 2 * d - 1)],
+    [
+        (zb_h1, lambda d, f, b, w: (d - 1) * (f + b - w), lambda d: d),
+        (zb_h2, lambda d, f, b, w: (d - 1) * (f + b - 2 * w), lambda d: 2 * d - 1),
+    ],
 )
 def test_conditions_are_tight(generator: Generator, formula: Formula, t_min: Callable[[int], int]) -> None:
     # One microbatch fewer, or a W longer than F (or 2w > f + b for ZB-H2), and the form fails.
@@ -118,7 +120,9 @@ def test_zb_h1_keeps_1f1b_memory_and_beats_its_bubble() -> None:
 
 
 @pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
-@pytest.mark.parametrize(("d", "t", "needle"), [(0, 4, "num_stages=0"), (4, 0, "num_microbatches=0"), (4, -1, "num_microbatches=-1")])
+@pytest.mark.parametrize(
+    ("d", "t", "needle"), [(0, 4, "num_stages=0"), (4, 0, "num_microbatches=0"), (4, -1, "num_microbatches=-1")]
+)
 def test_rejections_are_one_line(name: str, d: int, t: int, needle: str) -> None:
     with pytest.raises(ScheduleError, match=needle) as info:
         generate(name, num_stages=d, num_microbatches=t)

@@ -8,12 +8,12 @@ import json
 import pytest
 
 from pipeweave.cli import main
+from pipeweave.schedule import generate
 from pipeweave.schedule.ir import ScheduleError
 from pipeweave.search.build import simulated_metrics, to_schedule
 from pipeweave.search.offload import candidates, choose_offload, offload_problem, offloaded_step
 from pipeweave.search.problem import Problem
 from pipeweave.sim import CostModel, compute_metrics, simulate
-from pipeweave.schedule import generate
 
 BUDGET = {"work_budget": 0, "timed": True}
 """The heuristic's first policy and the paper's timed warm-ups, on both sides of the comparison."""
@@ -27,16 +27,32 @@ def _brute_force(problem: Problem) -> float:
     return min(found[0] for parts in sets if (found := offloaded_step(problem, frozenset(parts), **BUDGET)))
 
 
-@pytest.mark.parametrize(("stages", "microbatches", "vshape", "cost", "limit", "bandwidth"), [
-    (3, 6, False, CostModel(), 0.4, 1.0), (4, 8, False, CostModel(), 0.5, 4.0), (4, 8, False, UNEVEN, 0.6, 4.0),
-    (3, 6, True, CostModel(), 0.6, 4.0), (4, 8, True, CostModel(), 0.5, 4.0)])
-def test_the_choice_is_within_5_percent_of_every_set(stages: int, microbatches: int, vshape: bool, cost: CostModel,
-                                                      limit: float, bandwidth: float) -> None:
-    problem = offload_problem(stages, microbatches, vshape=vshape, cost=cost, memory_limit=limit,
-                              host_bandwidth=bandwidth)
+@pytest.mark.parametrize(
+    ("stages", "microbatches", "vshape", "cost", "limit", "bandwidth"),
+    [
+        (3, 6, False, CostModel(), 0.4, 1.0),
+        (4, 8, False, CostModel(), 0.5, 4.0),
+        (4, 8, False, UNEVEN, 0.6, 4.0),
+        (3, 6, True, CostModel(), 0.6, 4.0),
+        (4, 8, True, CostModel(), 0.5, 4.0),
+    ],
+)
+def test_the_choice_is_within_5_percent_of_every_set(
+    stages: int, microbatches: int, vshape: bool, cost: CostModel, limit: float, bandwidth: float
+) -> None:
+    problem = offload_problem(
+        stages, microbatches, vshape=vshape, cost=cost, memory_limit=limit, host_bandwidth=bandwidth
+    )
     parts, result = choose_offload(problem, **BUDGET)
-    chosen = Problem(num_stages=stages, num_microbatches=microbatches, vshape=vshape, cost=cost,
-                     memory_limit=limit, host_bandwidth=bandwidth, offload=parts)
+    chosen = Problem(
+        num_stages=stages,
+        num_microbatches=microbatches,
+        vshape=vshape,
+        cost=cost,
+        memory_limit=limit,
+        host_bandwidth=bandwidth,
+        offload=parts,
+    )
     # Its schedule simulated with the memory actions: the heuristic's step, and peaks within the limit.
     metrics = simulated_metrics(chosen, to_schedule(chosen, result.order))
     assert max(metrics.span) == pytest.approx(result.span)
@@ -51,8 +67,7 @@ def test_the_choice_is_within_5_percent_of_every_set(stages: int, microbatches: 
 def test_an_offloaded_stage_holds_only_what_runs_and_w_needs() -> None:
     """At K = 1/2 rank 0 may hold 2 M_a: offloaded, it warms up deeper than its limit would let it keep."""
     problem = offload_problem(4, 8, vshape=False, cost=CostModel(), memory_limit=0.5, host_bandwidth=4.0)
-    instance = Problem(num_stages=4, num_microbatches=8, memory_limit=0.5, host_bandwidth=4.0,
-                       offload=frozenset({0}))
+    instance = Problem(num_stages=4, num_microbatches=8, memory_limit=0.5, host_bandwidth=4.0, offload=frozenset({0}))
     assert instance.costs.f[0] == 1.25 and instance.costs.b[0] == 1.25 and instance.costs.f[1] == 1.0
     found = offloaded_step(problem, frozenset({0}), **BUDGET)
     assert found is not None
@@ -62,15 +77,31 @@ def test_an_offloaded_stage_holds_only_what_runs_and_w_needs() -> None:
 
 
 def test_a_limit_no_offload_reaches_names_the_smallest_reachable() -> None:
-    with pytest.raises(ScheduleError, match=r"^--memory-limit 0.1 is below what any offload reaches; the "
-                                            r"smallest reachable is K=0.125 \(every part offloaded\)$"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^--memory-limit 0.1 is below what any offload reaches; the "
+        r"smallest reachable is K=0.125 \(every part offloaded\)$",
+    ):
         offload_problem(4, 8, vshape=True, cost=CostModel(), memory_limit=0.1, host_bandwidth=1.0)
     offload_problem(4, 8, vshape=True, cost=CostModel(), memory_limit=0.125, host_bandwidth=1.0)  # one chunk
 
 
 def test_search_says_what_it_offloaded(capsys: pytest.CaptureFixture[str]) -> None:
-    flags = ["search", "--stages", "3", "--microbatches", "6", "--memory-limit", "0.5", "--solver", "heuristic",
-             "--host-bandwidth", "4", "--offload", "auto"]
+    flags = [
+        "search",
+        "--stages",
+        "3",
+        "--microbatches",
+        "6",
+        "--memory-limit",
+        "0.5",
+        "--solver",
+        "heuristic",
+        "--host-bandwidth",
+        "4",
+        "--offload",
+        "auto",
+    ]
     assert main([*flags, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["offload_chosen"] and out["offload"] and out["memory_levers"]["offload"] == out["offload"]
@@ -80,8 +111,7 @@ def test_search_says_what_it_offloaded(capsys: pytest.CaptureFixture[str]) -> No
     fixed = json.loads(capsys.readouterr().out)
     assert fixed["span"] == out["span"] and not fixed["offload_chosen"] and fixed["offload"] == out["offload"]
     assert main(flags) == 0
-    assert f"offload {','.join(map(str, out['offload']))} (chosen per part with the schedule" in \
-        capsys.readouterr().out
+    assert f"offload {','.join(map(str, out['offload']))} (chosen per part with the schedule" in capsys.readouterr().out
     assert main([*flags[:-1], "auto", "--recompute", "auto"]) == 2
     assert "--recompute auto and --offload auto are chosen one at a time" in capsys.readouterr().err
     assert main(["simulate", "-s", "1f1b", "--stages", "2", "--microbatches", "2", "--offload", "auto"]) == 2

@@ -8,11 +8,11 @@ import pytest
 
 from pipeweave.errors import UserError
 from pipeweave.schedule.ir import ScheduleError
+from pipeweave.search.build import to_schedule
 from pipeweave.search.heuristic import heuristic
 from pipeweave.search.problem import Problem
 from pipeweave.search.recompute import choose_recompute, recompute_problem, with_recompute
 from pipeweave.sim import CostModel, compute_metrics, simulate
-from pipeweave.search.build import to_schedule
 
 COST = CostModel(f=1.0, b=1.0, w=1.0, replay_selective=0.4, kept_selective=0.55, kept_full=0.08)
 BUDGET = {"work_budget": 0, "timed": True}
@@ -32,8 +32,9 @@ def _brute_force(problem: Problem) -> float:
     return best
 
 
-@pytest.mark.parametrize(("stages", "microbatches", "limit"),
-                         [(3, 6, 0.5), (3, 9, 0.8), (4, 8, 0.35), (4, 8, 0.6), (4, 8, 0.8)])
+@pytest.mark.parametrize(
+    ("stages", "microbatches", "limit"), [(3, 6, 0.5), (3, 9, 0.8), (4, 8, 0.35), (4, 8, 0.6), (4, 8, 0.8)]
+)
 def test_the_choice_is_within_5_percent_of_every_assignment(stages: int, microbatches: int, limit: float) -> None:
     problem = recompute_problem(stages, microbatches, vshape=False, cost=COST, memory_limit=limit)
     modes, result = choose_recompute(problem, **BUDGET)
@@ -51,8 +52,11 @@ def test_the_choice_is_within_5_percent_of_every_assignment(stages: int, microba
 
 
 def test_a_limit_no_choice_reaches_names_the_smallest_reachable() -> None:
-    with pytest.raises(UserError, match=r"^--memory-limit 0.01 is below what any recomputation reaches; the "
-                                        r"smallest reachable is K=0.25 \(every part recomputing in full\)$"):
+    with pytest.raises(
+        UserError,
+        match=r"^--memory-limit 0.01 is below what any recomputation reaches; the "
+        r"smallest reachable is K=0.25 \(every part recomputing in full\)$",
+    ):
         recompute_problem(4, 8, vshape=False, cost=COST, memory_limit=0.01)
     # (0.08 + 0.92) / 4: one microbatch's input kept, and the rest replayed while its backward runs
     recompute_problem(4, 8, vshape=False, cost=COST, memory_limit=0.25)
@@ -63,8 +67,23 @@ def test_search_says_what_it_chose(capsys: pytest.CaptureFixture[str]) -> None:
 
     from pipeweave.cli import main
 
-    flags = ["search", "--stages", "3", "--microbatches", "6", "--time-limit", "2", "--solver", "heuristic",
-             "--time-selective", "0.4", "--activation-selective", "0.55", "--activation-full", "0.08"]
+    flags = [
+        "search",
+        "--stages",
+        "3",
+        "--microbatches",
+        "6",
+        "--time-limit",
+        "2",
+        "--solver",
+        "heuristic",
+        "--time-selective",
+        "0.4",
+        "--activation-selective",
+        "0.55",
+        "--activation-full",
+        "0.08",
+    ]
     assert main([*flags, "--recompute", "auto", "--memory-limit", "0.5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     # test_the_choice_is_within...'s case; full,full,none ties it (step 24.0), the lighter replay is found first

@@ -17,8 +17,9 @@ SPEC = ModelSpec(kind="mlp", layers=8, hidden=8)
 
 @functools.lru_cache(maxsize=1)
 def _one_f_one_b() -> TrainResult:
-    return run_reference(generate("1f1b", num_stages=4, num_microbatches=4, num_chunks=None), SPEC,
-                         steps=3, batch_size=8)
+    return run_reference(
+        generate("1f1b", num_stages=4, num_microbatches=4, num_chunks=None), SPEC, steps=3, batch_size=8
+    )
 
 
 @pytest.mark.parametrize("name,k", [("zb-auto", 1.0), ("zb-auto", 2.0), ("zb-v-auto", 1.0)])

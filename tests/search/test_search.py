@@ -18,9 +18,11 @@ from pipeweave.sim.metrics import peak_activations
 from pipeweave.sim.timeline import simulate
 
 # REFERENCE.md's 1.5B rows, p = 8: m, T_F, T_B, T_W, T_comm, published ZB-1p, ZB-2p bubble rates.
-REFERENCE_ROWS = [(24, 18.522, 18.086, 9.337, 0.601, 0.1585, 0.0433),
-                  (32, 18.513, 18.086, 9.331, 0.626, 0.1242, 0.0039),
-                  (64, 18.546, 18.097, 9.321, 0.762, 0.0674, 0.0026)]
+REFERENCE_ROWS = [
+    (24, 18.522, 18.086, 9.337, 0.601, 0.1585, 0.0433),
+    (32, 18.513, 18.086, 9.331, 0.626, 0.1242, 0.0039),
+    (64, 18.546, 18.097, 9.321, 0.762, 0.0674, 0.0026),
+]
 
 # (D, T, K, vshape, f, b, w, comm): uniform, uneven-ish times with comm, a V.
 CASES = [
@@ -41,8 +43,9 @@ def _problem(case: tuple) -> Problem:  # type: ignore[type-arg]
 def test_heuristic_is_valid_within_memory_and_not_below_the_bound(case: tuple) -> None:  # type: ignore[type-arg]
     problem = _problem(case)
     result = heuristic(problem)
-    checked = finish(problem, result.order, lower_bound=lower_bound(problem), solver="heuristic",
-                     solver_time=0.0, status="heuristic")  # validates and checks memory
+    checked = finish(
+        problem, result.order, lower_bound=lower_bound(problem), solver="heuristic", solver_time=0.0, status="heuristic"
+    )  # validates and checks memory
     assert abs(checked.span - result.span) < 1e-9  # the list schedule's times are the simulator's
     assert checked.span >= lower_bound(problem) - 1e-9
     assert all(p <= lim + 1e-9 for p, lim in zip(checked.metrics.peak_activations, problem.limit))
@@ -73,12 +76,14 @@ def test_back_ends_prove_the_hand_bound_from_a_poor_start(solver: str) -> None:
     poor = one_at_a_time(problem)
     model = build_model(problem, poor.span)
     start = time.perf_counter()
-    solved = solve_isolated(solver, model, incumbent_starts(model, poor.order),
-                            Budget(time.perf_counter() + 50, workers=1))
+    solved = solve_isolated(
+        solver, model, incumbent_starts(model, poor.order), Budget(time.perf_counter() + 50, workers=1)
+    )
     assert time.perf_counter() - start < 60
     assert solved.status == "optimal" and solved.order is not None
-    checked = finish(problem, solved.order, lower_bound=lower_bound(problem), solver=solver, solver_time=0.0,
-                     status=solved.status)  # validates and checks memory
+    checked = finish(
+        problem, solved.order, lower_bound=lower_bound(problem), solver=solver, solver_time=0.0, status=solved.status
+    )  # validates and checks memory
     assert poor.span == pytest.approx(72.0) and checked.span == pytest.approx(lower_bound(problem))
     assert checked.span == pytest.approx(32.0) and solved.bound / model.time_scale == pytest.approx(32.0)
 
@@ -110,8 +115,9 @@ def test_heuristic_reaches_the_papers_1p5b_rows(row: tuple, k: int) -> None:  # 
     m, f, b, w, c, *published = row
     problem = problem_from_times(8, m, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=k)
     result = heuristic(problem, work_budget=1, timed=False)  # its first policy alone: the paper's rules
-    checked = finish(problem, result.order, lower_bound=lower_bound(problem), solver="heuristic",
-                     solver_time=0.0, status="heuristic")  # validates and checks the memory limit
+    checked = finish(
+        problem, result.order, lower_bound=lower_bound(problem), solver="heuristic", solver_time=0.0, status="heuristic"
+    )  # validates and checks the memory limit
     peaks = peak_activations(simulate(checked.schedule, problem.cost), problem.costs)
     assert max(peaks) <= 8 * k + 1e-9  # K x D x M_a, M_a = 1
     assert checked.bubble_ratio <= published[k - 1] + 1e-3
@@ -160,11 +166,11 @@ def test_a_v_at_zb_vs_memory_is_never_worse_than_zb_v() -> None:
     from pipeweave.search.seeds import fits
     from pipeweave.sim import CostModel, simulate
 
-    problem = problem_from_times(8, 24, vshape=True, time_f=5.2, time_b=5.2, time_w=3.85, time_comm=0.4,
-                                 memory_limit=1)
+    problem = problem_from_times(8, 24, vshape=True, time_f=5.2, time_b=5.2, time_w=3.85, time_comm=0.4, memory_limit=1)
     zbv = generate("zb-v", num_stages=8, num_microbatches=24)
-    span = max(row[-1].end - row[0].start for row in simulate(zbv, CostModel(f=5.2, b=5.2, w=3.85, comm=0.4,
-                                                                              u=0.0)).events)
+    span = max(
+        row[-1].end - row[0].start for row in simulate(zbv, CostModel(f=5.2, b=5.2, w=3.85, comm=0.4, u=0.0)).events
+    )
     assert heuristic(problem).span <= span + 1e-9
     order = [[a for a in row if a.op.value != "U"] for row in zbv.actions]
     tight = problem_from_times(8, 24, vshape=True, memory_limit=0.5)

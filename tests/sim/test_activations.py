@@ -69,6 +69,20 @@ def test_the_step_is_shorter_by_the_messages_n_fold_cut() -> None:
     sp = simulate_layout(TINY, None, Layout(tp=2, network=NET, sequence_parallel=True), model)
     assert (makespan(plain), makespan(sp)) == pytest.approx((3 + 2 * 6, 3 + 2 * 3))
     # and the search's scalar times: the hop shrinks, compute and collectives do not
-    times = [layout_times(Layout(tp=2, network=NET, sequence_parallel=sp), f=1, b=1, w=1, comm=0.5, message=6.0,
-                          tp_collectives=2, num_ranks=2) for sp in (False, True)]
-    assert times == [pytest.approx((0.5 + 12, 0.5 + 12, 0.5, 0.5 + 6)), pytest.approx((0.5 + 12, 0.5 + 12, 0.5, 0.5 + 3))]
+    times = [
+        layout_times(
+            Layout(tp=2, network=NET, sequence_parallel=sp),
+            f=1,
+            b=1,
+            w=1,
+            comm=0.5,
+            message=6.0,
+            tp_collectives=2,
+            num_ranks=2,
+        )
+        for sp in (False, True)
+    ]
+    assert times == [
+        pytest.approx((0.5 + 12, 0.5 + 12, 0.5, 0.5 + 6)),
+        pytest.approx((0.5 + 12, 0.5 + 12, 0.5, 0.5 + 3)),
+    ]

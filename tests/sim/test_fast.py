@@ -14,22 +14,21 @@ import copy
 import math
 import pickle
 import random
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from pipeweave.schedule import SCHEDULES, ScheduleError, generate
+from pipeweave.schedule.dataflow import execute
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.schedule.validate import InvalidSchedule
-from pipeweave.sim import CostModel, compute_metrics, simulate
+from pipeweave.sim import CostModel, compute_metrics, rounds, simulate
 from pipeweave.sim.arrays import encode, schedule_arrays
+from pipeweave.sim.compiled import walk_times
 from pipeweave.sim.network import Link, Network
 from pipeweave.sim.parallel import Layout, simulate_layout
-from pipeweave.schedule.dataflow import execute
-from pipeweave.sim import rounds
-from pipeweave.sim.compiled import walk_times
 from pipeweave.sim.recompute import RECOMPUTE
 from pipeweave.sim.rounds import fast_times
 from pipeweave.sim.timeline import action_time, simulate_parts
@@ -62,12 +61,26 @@ def costs_for(schedule: Schedule, seed: int) -> CostModel:
     def values() -> list[float]:
         return [round(rng.uniform(0.3, 3.0), 3) for _ in range(n)]
 
-    cost = CostModel(f=values(), b=values(), w=values(), u=values(), comm=0.137 * seed, dispatch=0.011 * seed,
-                     activation=values(), mem_w=0.3, weight=values())
+    cost = CostModel(
+        f=values(),
+        b=values(),
+        w=values(),
+        u=values(),
+        comm=0.137 * seed,
+        dispatch=0.011 * seed,
+        activation=values(),
+        mem_w=0.3,
+        weight=values(),
+    )
     if seed != 2:
         return cost
-    return replace(cost, recompute=[rng.choice(RECOMPUTE) for _ in range(n)], replay_selective=values(),
-                   kept_selective=0.45, kept_full=0.1)
+    return replace(
+        cost,
+        recompute=[rng.choice(RECOMPUTE) for _ in range(n)],
+        replay_selective=values(),
+        kept_selective=0.45,
+        kept_full=0.1,
+    )
 
 
 ENGINES = {"rounds": math.inf, "compiled": 0}  # ``sim.rounds.COMPILED_FROM`` that makes "auto" take each
@@ -94,12 +107,26 @@ def same(fast: Callable[[], object], reference: object) -> None:
 def rounds_ran(schedule: Schedule, costs: object, delay: list[float] | None = None) -> bool:
     """Both fast engines (the rounds, and their walk where they are too slow; the compiled walk), not the
     reference, timed it."""
-    table = np.array([[action_time(costs, p, op) for op in (Op.F, Op.B, Op.I, Op.W, Op.U)]  # type: ignore[arg-type]
-                      for p in schedule.placement.stage_part])
+    table = np.array(
+        [
+            [action_time(costs, p, op) for op in (Op.F, Op.B, Op.I, Op.W, Op.U)]  # type: ignore[arg-type]
+            for p in schedule.placement.stage_part
+        ]
+    )
     comm = costs.comm  # type: ignore[attr-defined]
-    return all(fast_times(schedule, schedule_arrays(schedule), table, latency=(lambda a, b: comm) if comm else None,
-                          gap=costs.dispatch, update_delay=delay, engine=engine) is not None  # type: ignore[attr-defined]
-               for engine in ENGINES)
+    return all(
+        fast_times(
+            schedule,
+            schedule_arrays(schedule),
+            table,
+            latency=(lambda a, b: comm) if comm else None,
+            gap=costs.dispatch,
+            update_delay=delay,
+            engine=engine,
+        )
+        is not None  # type: ignore[attr-defined]
+        for engine in ENGINES
+    )
 
 
 @pytest.mark.parametrize("schedule", schedules(), ids=lambda s: f"{s.name}-D{s.num_ranks}-T{s.num_microbatches}")
@@ -116,8 +143,10 @@ def test_update_delay_is_the_reference_bit_for_bit(schedule: Schedule) -> None:
     costs = costs_for(schedule, 3).for_parts(num_parts=schedule.num_parts, num_ranks=schedule.num_ranks)
     delay = [round(0.7 + 0.913 * part, 3) for part in range(schedule.num_parts)]
     hop = lambda a, b: 0.05 * (a + 1) + 0.01 * b  # noqa: E731 - a latency per pair of stages
-    same(lambda: simulate_parts(schedule, costs, hop=hop, update_delay=delay),
-         simulate_parts(schedule, costs, hop=hop, update_delay=delay, fast=False))
+    same(
+        lambda: simulate_parts(schedule, costs, hop=hop, update_delay=delay),
+        simulate_parts(schedule, costs, hop=hop, update_delay=delay, fast=False),
+    )
     if schedule.is_synchronous:  # a part on two ranks: the fast engine walks in the reference's order
         assert rounds_ran(schedule, costs, delay)
 
@@ -125,21 +154,33 @@ def test_update_delay_is_the_reference_bit_for_bit(schedule: Schedule) -> None:
 @pytest.mark.parametrize("name", ["1f1b", "zb-v", "chimera", "interleaved-1f1b", "pipedream"])
 def test_a_layout_with_tp_and_dp_is_the_reference_bit_for_bit(name: str) -> None:
     schedule = generate(name, num_stages=4, num_microbatches=8)
-    net = Network(intra_node=Link(bandwidth=3e3, latency=0.013), inter_node=Link(bandwidth=7e2, latency=0.11),
-                  gpus_per_node=4)
+    net = Network(
+        intra_node=Link(bandwidth=3e3, latency=0.013), inter_node=Link(bandwidth=7e2, latency=0.11), gpus_per_node=4
+    )
     layout = Layout(tp=2, dp=3, zero=1, network=net)
     model = ModelBytes(message=1e3, tp_collectives=2, params=5e4)
     cost = costs_for(schedule, 1)
-    same(lambda: simulate_layout(schedule, cost, layout, model), simulate_layout(schedule, cost, layout, model, fast=False))
+    same(
+        lambda: simulate_layout(schedule, cost, layout, model),
+        simulate_layout(schedule, cost, layout, model, fast=False),
+    )
 
 
 @pytest.mark.parametrize("schedule", schedules(), ids=lambda s: f"{s.name}-D{s.num_ranks}-T{s.num_microbatches}")
 def test_the_walk_after_the_rounds_is_the_reference_bit_for_bit(schedule: Schedule) -> None:
     costs = costs_for(schedule, 2).for_parts(num_parts=schedule.num_parts, num_ranks=schedule.num_ranks)
-    table = np.array([[action_time(costs, p, op) for op in (Op.F, Op.B, Op.I, Op.W, Op.U)]
-                      for p in schedule.placement.stage_part])
-    found = fast_times(schedule, schedule_arrays(schedule), table, latency=lambda a, b: 0.05 * a + 0.1,
-                       gap=costs.dispatch, update_delay=None, min_per_round=math.inf)  # walk after 32 rounds
+    table = np.array(
+        [[action_time(costs, p, op) for op in (Op.F, Op.B, Op.I, Op.W, Op.U)] for p in schedule.placement.stage_part]
+    )
+    found = fast_times(
+        schedule,
+        schedule_arrays(schedule),
+        table,
+        latency=lambda a, b: 0.05 * a + 0.1,
+        gap=costs.dispatch,
+        update_delay=None,
+        min_per_round=math.inf,
+    )  # walk after 32 rounds
     assert found is not None
     reference = simulate_parts(schedule, costs, hop=lambda a, b: 0.05 * a + 0.1, fast=False)
     assert found[0].tolist() == [e.start for row in reference.events for e in row]
@@ -203,8 +244,10 @@ def test_long_reductions_of_parts_on_two_ranks_queue_as_in_the_reference(name: s
     schedule = generate(name, num_stages=4, num_microbatches=8)
     costs = costs_for(schedule, 1).for_parts(num_parts=schedule.num_parts, num_ranks=4)
     delay = [5.0 + 3.1 * part for part in range(schedule.num_parts)]
-    same(lambda: simulate_parts(schedule, costs, update_delay=delay),
-         simulate_parts(schedule, costs, update_delay=delay, fast=False))
+    same(
+        lambda: simulate_parts(schedule, costs, update_delay=delay),
+        simulate_parts(schedule, costs, update_delay=delay, fast=False),
+    )
     assert rounds_ran(schedule, costs, delay)
 
 
@@ -220,8 +263,10 @@ def test_larger_schedules_past_the_rounds_trial_are_the_reference_bit_for_bit(na
         same(lambda: simulate(schedule, cost), simulate(schedule, cost, fast=False))
         costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
         delay = [0.3 + 0.77 * part for part in range(schedule.num_parts)]
-        same(lambda: simulate_parts(schedule, costs, update_delay=delay),
-             simulate_parts(schedule, costs, update_delay=delay, fast=False))
+        same(
+            lambda: simulate_parts(schedule, costs, update_delay=delay),
+            simulate_parts(schedule, costs, update_delay=delay, fast=False),
+        )
 
 
 def test_a_deadlock_in_the_walk_leaves_the_schedule_to_the_reference() -> None:
@@ -230,11 +275,26 @@ def test_a_deadlock_in_the_walk_leaves_the_schedule_to_the_reference() -> None:
     # With min_per_round = inf the walk takes over from the first rounds, which cannot move either.
     good = generate("1f1b", num_stages=2, num_microbatches=2)
     f, b = (lambda s, j: Action(s, Op.F, j)), (lambda s, j: Action(s, Op.B, j))
-    bad = good.with_actions([[f(0, 0), b(0, 0), f(0, 1), b(0, 1), Action(0, Op.U, 0)],
-                             [f(1, 0), f(1, 1), b(1, 0), b(1, 1), Action(1, Op.U, 0)]])
+    bad = good.with_actions(
+        [
+            [f(0, 0), b(0, 0), f(0, 1), b(0, 1), Action(0, Op.U, 0)],
+            [f(1, 0), f(1, 1), b(1, 0), b(1, 1), Action(1, Op.U, 0)],
+        ]
+    )
     for engine in ENGINES:
-        assert fast_times(bad, schedule_arrays(bad), np.ones((bad.num_stages, 5)), latency=None, gap=0.0,
-                          update_delay=None, min_per_round=math.inf, engine=engine) is None
+        assert (
+            fast_times(
+                bad,
+                schedule_arrays(bad),
+                np.ones((bad.num_stages, 5)),
+                latency=None,
+                gap=0.0,
+                update_delay=None,
+                min_per_round=math.inf,
+                engine=engine,
+            )
+            is None
+        )
     with pytest.raises(InvalidSchedule):
         simulate(bad)
 
@@ -257,10 +317,19 @@ def test_the_walks_take_the_actions_in_the_reference_order(name: str) -> None:
     slot_to_action = {int(slot): k for k, slot in enumerate(loop.slots(np.arange(arrays.size)))}
     assert [actions[slot_to_action[k]] for k in order] == expected
     prev, nxt = rounds._neighbours(schedule.placement)
-    found = walk_times(arrays, stops, durations, neighbours=(prev, nxt),
-                       stage_rank=np.asarray(schedule.placement.stage_rank), hops=None, gap=0.0, extra=None,
-                       num_microbatches=schedule.num_microbatches)
+    found = walk_times(
+        arrays,
+        stops,
+        durations,
+        neighbours=(prev, nxt),
+        stage_rank=np.asarray(schedule.placement.stage_rank),
+        hops=None,
+        gap=0.0,
+        extra=None,
+        num_microbatches=schedule.num_microbatches,
+    )
     assert found is not None
     walked = found[2]
-    assert [actions[k] for k in np.argsort(np.where(walked < 0, len(walked), walked), kind="stable")
-            if walked[k] >= 0] == expected
+    assert [
+        actions[k] for k in np.argsort(np.where(walked < 0, len(walked), walked), kind="stable") if walked[k] >= 0
+    ] == expected

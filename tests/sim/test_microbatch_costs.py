@@ -35,7 +35,13 @@ def test_each_microbatch_takes_its_factor_of_the_time() -> None:
         assert [durations[f"{stage}F{j}"] for j in range(3)] == [2.0, 1.0, 0.5]
         assert [durations[f"{stage}B{j}"] for j in range(3)] == [2.0, 1.0, 0.5]
     assert [(str(e.action), e.start) for e in timeline.events[1] if e.action.op is not Op.U] == [
-        ("1F0", 2.0), ("1B0", 4.0), ("1F1", 6.0), ("1B1", 7.0), ("1F2", 8.5), ("1B2", 9.0)]
+        ("1F0", 2.0),
+        ("1B0", 4.0),
+        ("1F1", 6.0),
+        ("1B1", 7.0),
+        ("1F2", 8.5),
+        ("1B2", 9.0),
+    ]
     assert compute_metrics(timeline).makespan == 10.0
 
 

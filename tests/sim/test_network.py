@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 
 from pipeweave.errors import UserError
-from pipeweave.sim.network import (Link, Mesh, Network, all_gather_time, all_reduce_time, reduce_scatter_time,
-                                   slowest_link)
+from pipeweave.sim.network import (
+    Link,
+    Mesh,
+    Network,
+    all_gather_time,
+    all_reduce_time,
+    reduce_scatter_time,
+    slowest_link,
+)
 from pipeweave.sim.parallel import Layout
 
 FAST, SLOW = Link(bandwidth=100.0, latency=0.5), Link(bandwidth=10.0, latency=2.0)
@@ -20,12 +27,15 @@ def test_a_message_is_latency_plus_bytes_over_bandwidth() -> None:
     assert Link(bandwidth=4.0, latency=0.25).time(10.0) == 0.25 + 2.5
 
 
-@pytest.mark.parametrize("n,all_reduce,half", [
-    # 2(n-1) latencies + 2(n-1)/n x 1000 B / 100 B/s; reduce-scatter and all-gather are half of it.
-    (2, 2 * 0.5 + 10.0, 0.5 + 5.0),
-    (4, 6 * 0.5 + 15.0, 3 * 0.5 + 7.5),
-    (8, 14 * 0.5 + 17.5, 7 * 0.5 + 8.75),
-])
+@pytest.mark.parametrize(
+    "n,all_reduce,half",
+    [
+        # 2(n-1) latencies + 2(n-1)/n x 1000 B / 100 B/s; reduce-scatter and all-gather are half of it.
+        (2, 2 * 0.5 + 10.0, 0.5 + 5.0),
+        (4, 6 * 0.5 + 15.0, 3 * 0.5 + 7.5),
+        (8, 14 * 0.5 + 17.5, 7 * 0.5 + 8.75),
+    ],
+)
 def test_ring_collectives(n: int, all_reduce: float, half: float) -> None:
     assert all_reduce_time(1000.0, n, FAST) == pytest.approx(all_reduce)
     assert reduce_scatter_time(1000.0, n, FAST) == pytest.approx(half)
@@ -73,13 +83,16 @@ def test_the_slowest_group_sets_the_link() -> None:
     assert slowest_link(net, [(0, 1), (2, 3)]) == SLOW
 
 
-@pytest.mark.parametrize("make,needle", [
-    (lambda: Link(bandwidth=0.0), "bandwidth 0.0 is invalid"),
-    (lambda: Link(bandwidth=float("inf")), "bandwidth inf is invalid"),
-    (lambda: Link(bandwidth=1.0, latency=-1.0), "latency -1.0 is invalid"),
-    (lambda: Network(intra_node=FAST, inter_node=SLOW, gpus_per_node=0), "gpus_per_node=0"),
-    (lambda: Mesh(tp=0), "mesh tp=0 is invalid"),
-])
+@pytest.mark.parametrize(
+    "make,needle",
+    [
+        (lambda: Link(bandwidth=0.0), "bandwidth 0.0 is invalid"),
+        (lambda: Link(bandwidth=float("inf")), "bandwidth inf is invalid"),
+        (lambda: Link(bandwidth=1.0, latency=-1.0), "latency -1.0 is invalid"),
+        (lambda: Network(intra_node=FAST, inter_node=SLOW, gpus_per_node=0), "gpus_per_node=0"),
+        (lambda: Mesh(tp=0), "mesh tp=0 is invalid"),
+    ],
+)
 def test_bad_values_are_user_errors(make: object, needle: str) -> None:
     with pytest.raises(UserError, match=needle):
         make()  # type: ignore[operator]

@@ -7,8 +7,8 @@ import pytest
 from pipeweave.errors import UserError
 from pipeweave.schedule import SCHEDULES, Op, ScheduleError, generate
 from pipeweave.sim import CostModel, compute_metrics, simulate
-from pipeweave.sim.network import Link, Network, all_reduce_time
 from pipeweave.sim.communication import communication
+from pipeweave.sim.network import Link, Network, all_reduce_time
 from pipeweave.sim.parallel import Layout, layout_costs, layout_times, reduction_time, reduction_times, simulate_layout
 from pipeweave.sim.shards import RankMemory, Shares, rank_memory
 from pipeweave.sim.traffic import ModelBytes
@@ -47,15 +47,22 @@ def test_tp_splits_compute_and_adds_its_all_reduces_to_f_and_i() -> None:
     # N=2 on one node: each all-reduce of 10 B is 2(2-1) x 0.5 + 2(2-1)/2 x 10/100 = 1.1; two per F and per I.
     layout = Layout(tp=2, network=Network(intra_node=FAST, inter_node=SLOW, gpus_per_node=4))
     model = ModelBytes(message=10.0, tp_collectives=2)
-    costs = layout_costs(CostModel(f=2.0, b=2.0, w=2.0, u=1.0).for_parts(num_parts=2, num_ranks=2), layout,
-                         model.for_parts(num_parts=2, num_ranks=2), num_ranks=2)
+    costs = layout_costs(
+        CostModel(f=2.0, b=2.0, w=2.0, u=1.0).for_parts(num_parts=2, num_ranks=2),
+        layout,
+        model.for_parts(num_parts=2, num_ranks=2),
+        num_ranks=2,
+    )
     assert costs.f == pytest.approx((1 + 2.2,) * 2) and costs.b == pytest.approx((1 + 2.2,) * 2)
     assert costs.w == (1.0, 1.0) and costs.u == (1.0, 1.0)  # no collective in W; ZeRO 0 gathers nothing
     # and a hop of 10 B inside the node: 0.5 + 10/100 = 0.6
     #   rank 0 |F0 3.2|      .6       |           ...          .6 |B0 4.2    |
     #   rank 1 |  .6  |F0 3.8-7.0|B0 7.0-11.2|
-    t = rows(simulate_layout(generate("1f1b", num_stages=2, num_microbatches=1), CostModel(f=2.0, b=2.0, w=2.0),
-                             layout, model))
+    t = rows(
+        simulate_layout(
+            generate("1f1b", num_stages=2, num_microbatches=1), CostModel(f=2.0, b=2.0, w=2.0), layout, model
+        )
+    )
     assert [(a, pytest.approx(s), pytest.approx(e)) for a, s, e in t[1][:2]] == [("1F0", 3.8, 7.0), ("1B0", 7.0, 11.2)]
     assert t[0][1][:3] == ("0B0", pytest.approx(11.8), pytest.approx(16.0))
 
@@ -141,12 +148,15 @@ def test_gradients_go_in_buckets_each_paying_its_latency() -> None:
     assert reduction_times(ONE_STAGE, Layout(dp=2, tp=2, network=net), replicated) == (2 + 3 + 4,)
 
 
-@pytest.mark.parametrize("zero,rank0", [
-    # part 0: 8 B of parameters, gradients 1 B and optimizer state 2 B per parameter byte; N=2, P=4
-    (0, RankMemory(4.0, 4.0, 8.0)),
-    (1, RankMemory(4.0, 4.0, 2.0)),
-    (3, RankMemory(1.0, 1.0, 2.0)),
-])
+@pytest.mark.parametrize(
+    "zero,rank0",
+    [
+        # part 0: 8 B of parameters, gradients 1 B and optimizer state 2 B per parameter byte; N=2, P=4
+        (0, RankMemory(4.0, 4.0, 8.0)),
+        (1, RankMemory(4.0, 4.0, 2.0)),
+        (3, RankMemory(1.0, 1.0, 2.0)),
+    ],
+)
 def test_model_state_per_rank_per_zero_stage(zero: int, rank0: RankMemory) -> None:
     layout = Layout(tp=2, dp=4, zero=zero)
     memory = rank_memory(ONE_F_ONE_B, layout, ModelBytes(params=(8.0, 4.0), grads=1.0, optimizer=2.0))
@@ -157,8 +167,9 @@ def test_model_state_per_rank_per_zero_stage(zero: int, rank0: RankMemory) -> No
 
 def test_replicated_parameters_are_whole_on_every_tp_rank() -> None:
     # part 0: 8 B, 4 of them an embedding every TP rank holds whole: 4 / 2 + 4 = 6 B per GPU
-    memory = rank_memory(ONE_F_ONE_B, Layout(tp=2), ModelBytes(params=(8.0, 4.0), replicated=(4.0, 0.0), grads=1.0,
-                                                               optimizer=2.0))
+    memory = rank_memory(
+        ONE_F_ONE_B, Layout(tp=2), ModelBytes(params=(8.0, 4.0), replicated=(4.0, 0.0), grads=1.0, optimizer=2.0)
+    )
     assert memory[0] == RankMemory(6.0, 6.0, 12.0) and memory[1] == RankMemory(2.0, 2.0, 4.0)
     with pytest.raises(UserError, match="part 1 has 5 replicated parameter bytes of 4; give replicated <= params"):
         rank_memory(ONE_F_ONE_B, Layout(tp=2), ModelBytes(params=(8.0, 4.0), replicated=(0.0, 5.0)))
@@ -168,24 +179,37 @@ def test_a_vocabulary_head_gathers_its_logits_forward_and_all_reduces_its_input_
     # N=2 inside a node: all-gather of 40 B = 0.5 + 1/2 x 40/100 = 0.7; all-reduce of 10 B = 1.1
     layout = Layout(tp=2, network=Network(intra_node=FAST, inter_node=SLOW, gpus_per_node=4))
     head = ModelBytes(tp_message=10.0, tp_collectives=0, tp_backward=1, tp_gather=40.0)
-    costs = layout_costs(CostModel(f=0.0, b=0.0, w=0.0).for_parts(num_parts=1, num_ranks=1), layout,
-                         head.for_parts(num_parts=1, num_ranks=1), num_ranks=1)
+    costs = layout_costs(
+        CostModel(f=0.0, b=0.0, w=0.0).for_parts(num_parts=1, num_ranks=1),
+        layout,
+        head.for_parts(num_parts=1, num_ranks=1),
+        num_ranks=1,
+    )
     assert costs.f == pytest.approx((0.7,)) and costs.b == pytest.approx((1.1,)) and costs.w == (0.0,)
 
 
 def test_weight_stashing_keeps_a_copy_per_version() -> None:
     # PipeDream on D=2 stashes D - s versions on stage s: rank 0 holds 2 copies of its 8 B / N=2.
-    memory = rank_memory(generate("pipedream", num_stages=2, num_microbatches=4), Layout(tp=2),
-                         ModelBytes(params=(8.0, 8.0), grads=1.0, optimizer=0.0))
+    memory = rank_memory(
+        generate("pipedream", num_stages=2, num_microbatches=4),
+        Layout(tp=2),
+        ModelBytes(params=(8.0, 8.0), grads=1.0, optimizer=0.0),
+    )
     assert [m.params for m in memory] == [8.0, 4.0] and [m.grads for m in memory] == [4.0, 4.0]
 
 
-@pytest.mark.parametrize("make,needle", [
-    (lambda: Layout(tp=0), "layout tp=0 is invalid"),
-    (lambda: Layout(zero=2), "ZeRO stage 2 is invalid; give one of 0, 1, 3"),
-    (lambda: ModelBytes(params=-1.0), "params=-1.0 is invalid"),
-    (lambda: ModelBytes(message=(1.0, 2.0)).for_parts(num_parts=4, num_ranks=4), "message has 2 values for 4 parts"),
-])
+@pytest.mark.parametrize(
+    "make,needle",
+    [
+        (lambda: Layout(tp=0), "layout tp=0 is invalid"),
+        (lambda: Layout(zero=2), "ZeRO stage 2 is invalid; give one of 0, 1, 3"),
+        (lambda: ModelBytes(params=-1.0), "params=-1.0 is invalid"),
+        (
+            lambda: ModelBytes(message=(1.0, 2.0)).for_parts(num_parts=4, num_ranks=4),
+            "message has 2 values for 4 parts",
+        ),
+    ],
+)
 def test_bad_layouts_are_user_errors(make: object, needle: str) -> None:
     with pytest.raises(UserError, match=needle):
         make()  # type: ignore[operator]

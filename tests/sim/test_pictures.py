@@ -60,7 +60,9 @@ def test_trace_has_one_event_per_action(tmp_path: Path) -> None:
 def test_trace_scale() -> None:
     trace = chrome_trace(simulate(generate("gpipe", num_stages=1, num_microbatches=1)), us_per_unit=1.0)
     assert [(e["name"], e["ts"], e["dur"]) for e in trace["traceEvents"] if e["ph"] == "X"] == [
-        ("0F0", 0.0, 1.0), ("0B0", 1.0, 2.0), ("0U0", 3.0, 0.0),
+        ("0F0", 0.0, 1.0),
+        ("0B0", 1.0, 2.0),
+        ("0U0", 3.0, 0.0),
     ]
 
 

@@ -13,8 +13,9 @@ from pipeweave.sim import CostModel, compute_metrics, simulate
 
 
 def test_a_recomputing_part_replays_before_its_backward_and_keeps_its_share() -> None:
-    cost = CostModel(f=2.0, b=3.0, w=1.0, recompute="full,selective,none", replay_selective=0.5,
-                     kept_selective=0.4, kept_full=0.1)
+    cost = CostModel(
+        f=2.0, b=3.0, w=1.0, recompute="full,selective,none", replay_selective=0.5, kept_selective=0.4, kept_full=0.1
+    )
     parts = cost.for_parts(num_parts=3, num_ranks=3)
     assert parts.b == (5.0, 3.5, 3.0) and parts.f == (2.0,) * 3 and parts.w == (1.0,) * 3
     assert parts.activation == pytest.approx((0.1, 0.4, 1.0)) and parts.recompute == ("full", "selective", "none")
@@ -63,6 +64,7 @@ def test_the_replay_is_counted_with_the_memory_levers_too() -> None:
     levered = simulate_levers(schedule, cost.for_parts(num_parts=2, num_ranks=2), StashPlan())[0].peak_activations
     assert plain == levered == pytest.approx((2 * 0.1 + 0.9, 0.1 + 0.9))
     # part 0 offloaded: held only while its F or backward runs, the replay on top of its reload
-    offloaded = simulate_levers(schedule, cost.for_parts(num_parts=2, num_ranks=2),
-                                StashPlan(offload=frozenset({0})))[0].peak_activations
+    offloaded = simulate_levers(schedule, cost.for_parts(num_parts=2, num_ranks=2), StashPlan(offload=frozenset({0})))[
+        0
+    ].peak_activations
     assert offloaded[0] == pytest.approx(0.1 + 0.9)

@@ -179,8 +179,12 @@ def _cases() -> list[Schedule]:
 def test_simulator_equals_brute_force_relaxation(schedule: Schedule) -> None:
     rng = random.Random(f"{schedule.name}{schedule.num_ranks}{schedule.num_microbatches}")
     n = schedule.num_parts
-    cost = CostModel(f=[rng.uniform(0.5, 2) for _ in range(n)], b=[rng.uniform(0.5, 2) for _ in range(n)],
-                     w=[rng.uniform(0, 1) for _ in range(n)], comm=rng.choice([0.0, 0.3]))
+    cost = CostModel(
+        f=[rng.uniform(0.5, 2) for _ in range(n)],
+        b=[rng.uniform(0.5, 2) for _ in range(n)],
+        w=[rng.uniform(0, 1) for _ in range(n)],
+        comm=rng.choice([0.0, 0.3]),
+    )
     got = [[(e.start, e.end) for e in row] for row in simulate(schedule, cost).events]
     want = _reference(schedule, cost)
     for r, (g, w) in enumerate(zip(got, want)):
@@ -196,12 +200,15 @@ def test_concatenated_streams_already_wait_at_each_drain(name: str) -> None:
     rng = random.Random(name)
     d = 3
     for _ in range(4):
-        segments = [generate(name, num_stages=d, num_microbatches=d, num_steps=rng.randint(1, 3) * 2)
-                    for _ in range(3)]
+        segments = [generate(name, num_stages=d, num_microbatches=d, num_steps=rng.randint(1, 3) * 2) for _ in range(3)]
         n = segments[0].num_parts
-        cost = CostModel(f=[rng.uniform(0.5, 2) for _ in range(n)], b=[rng.uniform(0.5, 2) for _ in range(n)],
-                         w=[rng.uniform(0.1, 1) for _ in range(n)], u=[rng.uniform(0, 0.5) for _ in range(n)],
-                         comm=rng.choice([0.0, 0.3]))
+        cost = CostModel(
+            f=[rng.uniform(0.5, 2) for _ in range(n)],
+            b=[rng.uniform(0.5, 2) for _ in range(n)],
+            w=[rng.uniform(0.1, 1) for _ in range(n)],
+            u=[rng.uniform(0, 0.5) for _ in range(n)],
+            comm=rng.choice([0.0, 0.3]),
+        )
         whole = simulate(concatenate(segments), cost)
         offset, ends = 0.0, []
         for seg in segments:  # each stream on its own, after every rank has ended the last

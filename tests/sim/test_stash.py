@@ -14,14 +14,23 @@ from pipeweave.schedule.levers import StashPlan
 from pipeweave.sim import CostModel, compute_metrics, simulate
 from pipeweave.sim.levers import simulate_stash, stash_costs, stash_events, stash_peaks
 
-PLANS = (StashPlan(offload=frozenset({0, 1})), StashPlan(balance=True), StashPlan(offload=frozenset({1}), balance=True),
-         StashPlan(compress="bf16"))
+PLANS = (
+    StashPlan(offload=frozenset({0, 1})),
+    StashPlan(balance=True),
+    StashPlan(offload=frozenset({1}), balance=True),
+    StashPlan(compress="bf16"),
+)
 NAMES = (("1f1b", {}), ("zb-h1", {}), ("interleaved-1f1b", {"num_chunks": 2}), ("gpipe", {}))
 
 
 def _costs(s):
-    cost = CostModel(f=[1.1, 0.7, 1.3, 0.9, 1.0, 1.2, 0.8, 1.05][:s.num_parts], b=1.3, w=0.7, comm=0.1,
-                     activation=[1.0, 0.9, 1.1, 0.7, 1.0, 1.2, 0.8, 1.3][:s.num_parts])
+    cost = CostModel(
+        f=[1.1, 0.7, 1.3, 0.9, 1.0, 1.2, 0.8, 1.05][: s.num_parts],
+        b=1.3,
+        w=0.7,
+        comm=0.1,
+        activation=[1.0, 0.9, 1.1, 0.7, 1.0, 1.2, 0.8, 1.3][: s.num_parts],
+    )
     return cost.for_parts(num_parts=s.num_parts, num_ranks=s.num_ranks)
 
 
@@ -72,8 +81,23 @@ def test_compression_halves_the_peaks_and_keeps_the_time():
 
 def test_simulate_json_gives_peak_activations_with_the_levers_and_the_trace_shows_them(tmp_path):
     trace = tmp_path / "t.json"
-    out = subprocess.run([sys.executable, "-m", "pipeweave.cli", "simulate", "--balance-activations", "--offload", "3",
-                          "--json", "--trace", str(trace)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeweave.cli",
+            "simulate",
+            "--balance-activations",
+            "--offload",
+            "3",
+            "--json",
+            "--trace",
+            str(trace),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     data = json.loads(out)
     # The pairs' peaks meet (sim.levers.balanced_shares): rank 0 lends 3/7 of each microbatch, rank 1 1/5.
     assert data["memory_levers"]["moved_share"][:2] == [0.428571, 0.2]

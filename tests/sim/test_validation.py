@@ -91,17 +91,26 @@ def _stream_gradient_left(rows: list[list[Action]]) -> None:
     rows[0].pop()  # the stream's last U: its gradients are never applied
 
 
-BROKEN = [("1f1b", _move_u_first, {}), ("zb-h1", _u_twice, {}), ("gpipe", _no_u, {}),
-          ("1f1b", _swap_first_two, {}), ("zb-v", _forward_twice, {}), ("1f1b", _backward_missing, {}),
-          ("zb-h1", _weight_gradient_missing, {}), ("gems", _backward_missing, {}),
-          ("gems", _off_route, {}),
-          ("pipedream", _stream_first_u_renumbered, {}), ("pipedream", _stream_empty_u, {}),
-          ("pipedream", _stream_gradient_left, {})]
+BROKEN = [
+    ("1f1b", _move_u_first, {}),
+    ("zb-h1", _u_twice, {}),
+    ("gpipe", _no_u, {}),
+    ("1f1b", _swap_first_two, {}),
+    ("zb-v", _forward_twice, {}),
+    ("1f1b", _backward_missing, {}),
+    ("zb-h1", _weight_gradient_missing, {}),
+    ("gems", _backward_missing, {}),
+    ("gems", _off_route, {}),
+    ("pipedream", _stream_first_u_renumbered, {}),
+    ("pipedream", _stream_empty_u, {}),
+    ("pipedream", _stream_gradient_left, {}),
+]
 
 
 @pytest.mark.parametrize("name, change, options", BROKEN, ids=lambda x: getattr(x, "__name__", str(x)))
-def test_a_broken_schedule_gets_the_references_error(name: str, change: Callable[[list[list[Action]]], None],
-                                                     options: dict[str, object]) -> None:
+def test_a_broken_schedule_gets_the_references_error(
+    name: str, change: Callable[[list[list[Action]]], None], options: dict[str, object]
+) -> None:
     bad = _edit(name, change, **options)
     with pytest.raises(InvalidSchedule) as reference:
         validate(bad)

@@ -31,8 +31,9 @@ from pipeweave.weights.wpipe import weights_for_part
 Step = Callable[[int, StageWorker], None]  # (stage, its worker): the optimizer step of a U, or its stand-in
 
 
-@pytest.mark.parametrize("name", ["stash", "double_buffer", "pipemare", "prediction", "spectrain", "xpipe", "wpipe",
-                                  "avgpipe"])
+@pytest.mark.parametrize(
+    "name", ["stash", "double_buffer", "pipemare", "prediction", "spectrain", "xpipe", "wpipe", "avgpipe"]
+)
 def test_examples(name: str) -> None:
     result = doctest.testmod(importlib.import_module(f"pipeweave.weights.{name}"))
     assert result.failed == 0 and result.attempted > 0
@@ -55,17 +56,25 @@ class Run:
     live: dict[Action, dict[int, float]] = field(default_factory=dict)  # after each action: every stage's weight
 
 
-def drive(schedule: Schedule, rank: int, step: Step = _count_versions, options: PolicyOptions | None = None,
-          optimizer: type[torch.optim.Optimizer] = torch.optim.SGD) -> Run:
+def drive(
+    schedule: Schedule,
+    rank: int,
+    step: Step = _count_versions,
+    options: PolicyOptions | None = None,
+    optimizer: type[torch.optim.Optimizer] = torch.optim.SGD,
+) -> Run:
     """Run one rank's list through ``RankPolicy``: one one-layer part per stage, every weight 0 at first.
 
     ``step(stage, worker)`` makes each ``U``'s update (under ``torch.no_grad``).
     """
     spec = ModelSpec(kind="mlp", layers=schedule.num_parts, hidden=1)
     part = schedule.placement.stage_part
-    workers = {s: StageWorker(spec, range(part[s], part[s] + 1), batch_size=1,
-                              optimizer_factory=lambda ps: optimizer(ps, lr=0.1))
-               for s in schedule.placement.stages_on(rank)}
+    workers = {
+        s: StageWorker(
+            spec, range(part[s], part[s] + 1), batch_size=1, optimizer_factory=lambda ps: optimizer(ps, lr=0.1)
+        )
+        for s in schedule.placement.stages_on(rank)
+    }
     params = {s: list(w.module.parameters()) for s, w in workers.items()}
     with torch.no_grad():
         for ps in params.values():
@@ -236,6 +245,9 @@ def test_wpipe_and_ampnet_and_avgpipe() -> None:
     assert [b == g[-1] for g in groups for b in g] == [False, False, True, False, False, True]
     reps = [[torch.tensor([0.0, 3.0])], [torch.tensor([3.0, 0.0])], [torch.tensor([6.0, 6.0])]]
     elastic_average(reps, alpha=0.3)  # mean (3, 3): x + 0.3 (3 - x)
-    assert [r[0].tolist() for r in reps] == [pytest.approx([0.9, 3.0]), pytest.approx([3.0, 0.9]),
-                                             pytest.approx([5.1, 5.1])]
+    assert [r[0].tolist() for r in reps] == [
+        pytest.approx([0.9, 3.0]),
+        pytest.approx([3.0, 0.9]),
+        pytest.approx([5.1, 5.1]),
+    ]
     assert default_alpha(len(reps)) == pytest.approx(0.3)  # 0.9 / P, RankPolicy's alpha when none is given

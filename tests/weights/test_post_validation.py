@@ -49,8 +49,14 @@ def _post_validated(make: type, steps: int, max_norm: float) -> tuple[list[torch
     return [p.detach() for p in params], outcomes
 
 
-@pytest.mark.parametrize("make", [lambda: SGD(lr=0.05, momentum=0.9, weight_decay=0.01),
-                                  lambda: SGD(lr=0.05), lambda: AdamW(lr=0.01, weight_decay=0.1)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SGD(lr=0.05, momentum=0.9, weight_decay=0.01),
+        lambda: SGD(lr=0.05),
+        lambda: AdamW(lr=0.01, weight_decay=0.1),
+    ],
+)
 def test_post_validation_equals_synchronous_clip_and_skip(make: type) -> None:
     expected = _synchronous(make, 6, max_norm=20.0)
     got, outcomes = _post_validated(make, 6, max_norm=20.0)

@@ -34,9 +34,26 @@ MODEL_FLAGS = ("layers", "hidden", "vocab", "heads", "seq_len", "seed")
 
 def train_argv(name: str, args: argparse.Namespace, folder: Path) -> list[str]:
     """The ``pipeweave train`` command line of one approach, its outputs in ``folder``."""
-    argv = ["train", "-s", name, "--stages", str(args.stages), "--microbatches", str(args.microbatches),
-            "--steps", str(args.measure), "--batch", str(args.batch), "--model", args.model, "--quiet",
-            "--out", str(folder), "--json", str(folder / "train.json")]
+    argv = [
+        "train",
+        "-s",
+        name,
+        "--stages",
+        str(args.stages),
+        "--microbatches",
+        str(args.microbatches),
+        "--steps",
+        str(args.measure),
+        "--batch",
+        str(args.batch),
+        "--model",
+        args.model,
+        "--quiet",
+        "--out",
+        str(folder),
+        "--json",
+        str(folder / "train.json"),
+    ]
     for key in MODEL_FLAGS:
         if getattr(args, key, None) is not None:
             argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
@@ -51,8 +68,12 @@ def train_record(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """``pipeweave train --json``'s record of one run of ``name``, or ``{"error": its last line}``."""
     with tempfile.TemporaryDirectory(prefix="pipeweave-compare-") as tmp:
         folder = Path(tmp)
-        done = subprocess.run([sys.executable, "-m", "pipeweave.cli", *train_argv(name, args, folder)],
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, "-m", "pipeweave.cli", *train_argv(name, args, folder)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if done.returncode != 0:
             lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
             return {"error": lines[-1]}

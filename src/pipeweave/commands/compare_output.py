@@ -43,12 +43,19 @@ COLUMNS: tuple[tuple[str, str | None, str, str], ...] = (
 )
 
 
-def emit(rows: list[dict[str, Any]], args: argparse.Namespace, limit: tuple[float, str] | None,
-         skipped: list[dict[str, str]] | None = None) -> None:
+def emit(
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    limit: tuple[float, str] | None,
+    skipped: list[dict[str, str]] | None = None,
+) -> None:
     """Print the table (or the JSON object) and write the asked files; paths are checked before writing.
     ``skipped``: the approaches that cannot serve the setting, with their reasons."""
-    paths = {flag: output_file(f"--{flag}", value) for flag, value in (("csv", args.csv), ("markdown", args.markdown))
-             if value}
+    paths = {
+        flag: output_file(f"--{flag}", value)
+        for flag, value in (("csv", args.csv), ("markdown", args.markdown))
+        if value
+    }
     if args.plot:
         paths["plot"] = picture_file("--plot", args.plot)
     advice = recommend(rows, limit) if args.recommend or limit is not None else None
@@ -77,10 +84,18 @@ def emit(rows: list[dict[str, Any]], args: argparse.Namespace, limit: tuple[floa
 
 def _setting(args: argparse.Namespace) -> dict[str, Any]:
     model = {k: getattr(args, k, None) for k in ("model", "layers", "hidden", "heads", "seq_len", "vocab")}
-    return {"stages": args.stages, "microbatches": args.microbatches, "chunks": args.chunks, "batch": args.batch,
-            "model": {k: v for k, v in model.items() if v is not None}, "costs": args.costs or "profiled (cpu, 1 thread)",
-            "measure_steps": args.measure, "rounds": args.rounds if args.measure else None,
-            "convergence_steps": args.convergence, "seeds": args.seeds if args.convergence else None}
+    return {
+        "stages": args.stages,
+        "microbatches": args.microbatches,
+        "chunks": args.chunks,
+        "batch": args.batch,
+        "model": {k: v for k, v in model.items() if v is not None},
+        "costs": args.costs or "profiled (cpu, 1 thread)",
+        "measure_steps": args.measure,
+        "rounds": args.rounds if args.measure else None,
+        "convergence_steps": args.convergence,
+        "seeds": args.seeds if args.convergence else None,
+    }
 
 
 def cell(row: dict[str, Any], key: str, kind: str) -> str:
@@ -130,8 +145,10 @@ def _shown(rows: list[dict[str, Any]]) -> list[tuple[str, str | None, str, str]]
 def rich_table(rows: list[dict[str, Any]], setting: dict[str, Any]) -> Table:
     """The comparison as a rich table: synchronous rows, then asynchronous; best per column bold green."""
     columns = _shown(rows)
-    title = (f"D = {setting['stages']}, T = {setting['microbatches']}, v = {setting['chunks']}, batch "
-             f"{setting['batch']}, model {setting['model']}; costs {setting['costs']}")
+    title = (
+        f"D = {setting['stages']}, T = {setting['microbatches']}, v = {setting['chunks']}, batch "
+        f"{setting['batch']}, model {setting['model']}; costs {setting['costs']}"
+    )
     table = Table(title=title, show_lines=False, header_style="bold")
     table.add_column("approach", no_wrap=True)
     for header, *_ in columns:
@@ -162,20 +179,33 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
     writer = csv.DictWriter(buffer, fieldnames=keys, lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: " ".join(f"{x:g}" for x in v) if isinstance(v, list) and v and not isinstance(v[0], str)
-                         else v for k, v in row.items()})
+        writer.writerow(
+            {
+                k: " ".join(f"{x:g}" for x in v) if isinstance(v, list) and v and not isinstance(v[0], str) else v
+                for k, v in row.items()
+            }
+        )
     return buffer.getvalue()
 
 
-def to_markdown(rows: list[dict[str, Any]], setting: dict[str, Any],
-                advice: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None) -> str:
+def to_markdown(
+    rows: list[dict[str, Any]],
+    setting: dict[str, Any],
+    advice: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None,
+) -> str:
     """The table as Markdown, best values in bold, under the run's hardware, date and commit."""
     columns = _shown(rows)
     winners = {key: best(rows, key) for _, _, key, _ in columns}
-    lines = ["# pipeweave compare", "", f"{_provenance()}", "",
-             f"Setting: `{json.dumps(setting)}`", "",
-             "| approach | kind | " + " | ".join(_escaped(c[0]) for c in columns) + " |",
-             "|---|---|" + "---|" * len(columns)]
+    lines = [
+        "# pipeweave compare",
+        "",
+        f"{_provenance()}",
+        "",
+        f"Setting: `{json.dumps(setting)}`",
+        "",
+        "| approach | kind | " + " | ".join(_escaped(c[0]) for c in columns) + " |",
+        "|---|---|" + "---|" * len(columns),
+    ]
     for row in sorted(rows, key=lambda r: not r["synchronous"]):
         cells = []
         for _, lit, key, kind in columns:
@@ -196,8 +226,10 @@ def _advice_lines(advice: tuple[list[dict[str, Any]], list[dict[str, Any]]] | No
     if advice is None:
         return []
     ranked, excluded = advice
-    lines = ["Recommended (fits, fastest per sample first): " + ", ".join(
-        f"{r['name']} ({r['time_per_sample_s'] * 1e3:.3f} ms/sample)" for r in ranked)]
+    lines = [
+        "Recommended (fits, fastest per sample first): "
+        + ", ".join(f"{r['name']} ({r['time_per_sample_s'] * 1e3:.3f} ms/sample)" for r in ranked)
+    ]
     lines += [f"  excluded {e['name']}: {e['reason']}" for e in excluded]
     return lines
 
@@ -216,8 +248,16 @@ def _cpu_name() -> str:
 def _provenance() -> str:
     """Hardware, date and commit of this report."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                timeout=10,
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     cores = os.cpu_count()
@@ -226,6 +266,7 @@ def _provenance() -> str:
         torch = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch = "absent"
-    return (f"{now}, commit {commit}; {_cpu_name()} ({platform.machine()}, {cores} cores), "
-            f"Python {platform.python_version()} on {platform.system()}, torch {torch}")
-
+    return (
+        f"{now}, commit {commit}; {_cpu_name()} ({platform.machine()}, {cores} cores), "
+        f"Python {platform.python_version()} on {platform.system()}, torch {torch}"
+    )

@@ -38,8 +38,11 @@ def plot(rows: list[dict[str, Any]], path: Path, convergence: bool = False) -> N
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.2), squeeze=False)
     for ax, (x_key, y_key, y_label) in zip(axes[0], panels):
         _panel(ax, rows, x_key, y_key)
-        ax.set_xlabel("final held-out loss vs synchronous (mean over seeds)" if x_key == "convergence_mean"
-                      else "peak activations on the fullest rank (M_a)")
+        ax.set_xlabel(
+            "final held-out loss vs synchronous (mean over seeds)"
+            if x_key == "convergence_mean"
+            else "peak activations on the fullest rank (M_a)"
+        )
         ax.set_ylabel(y_label)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
@@ -65,5 +68,6 @@ def _panel(ax: Any, rows: list[dict[str, Any]], x_key: str, y_key: str) -> None:
     front = sorted((points[i][1], points[i][2]) for i in pareto([(x, y) for _, x, y in points]))
     if front:  # the front as a staircase through its points, each ringed
         ax.plot([p[0] for p in front], [p[1] for p in front], "k--", linewidth=1, drawstyle="steps-post")
-        ax.scatter([p[0] for p in front], [p[1] for p in front], s=170, facecolors="none", edgecolors="k",
-                   label="Pareto front")
+        ax.scatter(
+            [p[0] for p in front], [p[1] for p in front], s=170, facecolors="none", edgecolors="k", label="Pareto front"
+        )

@@ -67,8 +67,9 @@ def simulated_comparison(args: argparse.Namespace) -> tuple[list[dict[str, Any]]
     return (*simulated_rows(names, args, layer_costs(args, spec), spec), spec)
 
 
-def simulated_rows(names: list[str], args: argparse.Namespace, costs: LayerCosts, spec: Any = None
-                   ) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+def simulated_rows(
+    names: list[str], args: argparse.Namespace, costs: LayerCosts, spec: Any = None
+) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """The rows of the approaches that can serve D, T and the model (``spec``: its ties; None: untied), and each
     other one with its reason.
 
@@ -86,28 +87,41 @@ def simulated_rows(names: list[str], args: argparse.Namespace, costs: LayerCosts
                 raise
             skipped.append({"name": name, "reason": str(exc)})
     if not rows:
-        raise UserError(f"no approach can run D = {args.stages}, T = {args.microbatches} on this model "
-                        f"({skipped[0]['name']}: {skipped[0]['reason']})")
+        raise UserError(
+            f"no approach can run D = {args.stages}, T = {args.microbatches} on this model "
+            f"({skipped[0]['name']}: {skipped[0]['reason']})"
+        )
     return rows, skipped
 
 
 def _check(args: argparse.Namespace) -> None:
     """Each count, one line, before anything is profiled or run."""
-    for flag, value, least in (("--stages", args.stages, 1), ("--microbatches", args.microbatches, 1),
-                               ("--chunks", args.chunks, 1), ("--batch", args.batch, 1),
-                               ("--stream-steps", args.stream_steps, 3), ("--measure", args.measure, 1),
-                               ("--rounds", args.rounds, 1), ("--convergence", args.convergence, 1),
-                               ("--seeds", args.seeds, 1), ("--repeats", args.repeats, 1)):
+    for flag, value, least in (
+        ("--stages", args.stages, 1),
+        ("--microbatches", args.microbatches, 1),
+        ("--chunks", args.chunks, 1),
+        ("--batch", args.batch, 1),
+        ("--stream-steps", args.stream_steps, 3),
+        ("--measure", args.measure, 1),
+        ("--rounds", args.rounds, 1),
+        ("--convergence", args.convergence, 1),
+        ("--seeds", args.seeds, 1),
+        ("--repeats", args.repeats, 1),
+    ):
         if value is not None and value < least:
             raise UserError(f"{flag} {value} is invalid; give {flag} >= {least}")
     if args.batch % args.microbatches:
-        raise UserError(f"--batch {args.batch} is not divisible by --microbatches {args.microbatches}; give a "
-                        "multiple of the microbatch count")
+        raise UserError(
+            f"--batch {args.batch} is not divisible by --microbatches {args.microbatches}; give a "
+            "multiple of the microbatch count"
+        )
     if args.measure is not None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         if args.stages > cores:
-            raise UserError(f"--measure runs {args.stages} ranks but this machine has {cores} cores; give "
-                            f"--stages {cores} or fewer, or drop --measure")
+            raise UserError(
+                f"--measure runs {args.stages} ranks but this machine has {cores} cores; give "
+                f"--stages {cores} or fewer, or drop --measure"
+            )
     args.precision = "fp32"  # the profiler's, as train's default
 
 
@@ -129,8 +143,14 @@ def num_parts(name: str, args: argparse.Namespace) -> int:
     return args.stages * (SCHEDULES[name].chunks or args.chunks)
 
 
-def simulate_argv(name: str, args: argparse.Namespace, times: dict[str, list[float]],
-                  comm: float = 0.0, dispatch: float = 0.0, tied: bool = False) -> list[str]:
+def simulate_argv(
+    name: str,
+    args: argparse.Namespace,
+    times: dict[str, list[float]],
+    comm: float = 0.0,
+    dispatch: float = 0.0,
+    tied: bool = False,
+) -> list[str]:
     """The ``pipeweave simulate`` command line of one approach under per-part times (``tied``: ``--tied``)."""
     argv = ["-s", name, "--stages", str(args.stages), "--microbatches", str(args.microbatches), "--json"]
     argv += ["--tied"] if tied else []
@@ -167,18 +187,25 @@ def simulated_row(name: str, args: argparse.Namespace, costs: LayerCosts, spec: 
     out, timeline = run_simulate(simulate_argv(name, args, times, tied=tied))
     step = out["makespan"] if info.synchronous else minibatch_period(timeline, args.microbatches)
     part_bytes = CostModel(activation=times["activation"]).for_parts(num_parts=len(parts), num_ranks=args.stages)
-    row = {"name": name, "family": info.family, "synchronous": info.synchronous,
-           **literature(name, args), "closed_bubble": out["closed_form"]["bubble"],
-           "closed_bubble_value": out["closed_form"]["bubble_value"],
-           "closed_activations": info.activations, "closed_weights": info.weights,
-           "bubble_ratio": out["steady_bubble_ratio"] if not info.synchronous else out["bubble_ratio"],
-           "bubble_ratio_flush": out["bubble_ratio_flush"],
-           **{k: out[k] for k in ("peak_activations", "weight_versions", "staleness", "inconsistency")},
-           "peak_activation_bytes": list(peak_activations(timeline, part_bytes)),
-           "step_time_s": step, "samples_per_s": args.batch / step, **({"tied_lag": out["tied_lag"]} if tied else {})}
+    row = {
+        "name": name,
+        "family": info.family,
+        "synchronous": info.synchronous,
+        **literature(name, args),
+        "closed_bubble": out["closed_form"]["bubble"],
+        "closed_bubble_value": out["closed_form"]["bubble_value"],
+        "closed_activations": info.activations,
+        "closed_weights": info.weights,
+        "bubble_ratio": out["steady_bubble_ratio"] if not info.synchronous else out["bubble_ratio"],
+        "bubble_ratio_flush": out["bubble_ratio_flush"],
+        **{k: out[k] for k in ("peak_activations", "weight_versions", "staleness", "inconsistency")},
+        "peak_activation_bytes": list(peak_activations(timeline, part_bytes)),
+        "step_time_s": step,
+        "samples_per_s": args.batch / step,
+        **({"tied_lag": out["tied_lag"]} if tied else {}),
+    }
     if args.time_comm is not None or args.time_dispatch is not None:
-        comm, _ = run_simulate(simulate_argv(name, args, times, args.time_comm or 0.0, args.time_dispatch or 0.0,
-                                             tied))
+        comm, _ = run_simulate(simulate_argv(name, args, times, args.time_comm or 0.0, args.time_dispatch or 0.0, tied))
         row["bubble_ratio_comm"] = comm["steady_bubble_ratio"] if not info.synchronous else comm["bubble_ratio"]
     return row
 
@@ -187,5 +214,11 @@ def literature(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """The papers' claims for ``name`` (``compare_table.LITERATURE``), the bubble evaluated where it is arithmetic."""
     bubble, convergence, weights, activations, extra = LITERATURE.get(name, ("-",) * 5)
     names = {"D": float(args.stages), "T": float(args.microbatches), "v": float(args.chunks)}
-    return {"lit_bubble": bubble, "lit_bubble_value": evaluate(bubble, names), "lit_convergence": convergence,
-            "lit_weights": weights, "lit_activations": activations, "lit_extra": extra}
+    return {
+        "lit_bubble": bubble,
+        "lit_bubble_value": evaluate(bubble, names),
+        "lit_convergence": convergence,
+        "lit_weights": weights,
+        "lit_activations": activations,
+        "lit_extra": extra,
+    }

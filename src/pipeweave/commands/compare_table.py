@@ -62,8 +62,10 @@ def choose(names: str | None, every: bool, registry: Sequence[str]) -> list[str]
     given = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in given if n not in registry]
     if unknown or not given:
-        raise UserError(f"-s {names!r}: unknown approach {unknown[0] if unknown else '(none)'!r}; choose from: "
-                        f"{', '.join(registry)}")
+        raise UserError(
+            f"-s {names!r}: unknown approach {unknown[0] if unknown else '(none)'!r}; choose from: "
+            f"{', '.join(registry)}"
+        )
     return [n for n in registry if n in given]
 
 
@@ -90,9 +92,14 @@ def seed_summary(relative: Sequence[float]) -> dict[str, Any]:
     mean = sum(relative) / len(relative)
     classes = [classify(r) for r in relative]
     unstable = len(set(classes)) > 1
-    return {"relative": list(relative), "mean": mean, "spread": max(relative) - min(relative),
-            "classes": classes, "unstable": unstable,
-            "class": classify(mean) + (" (unstable)" if unstable else "")}
+    return {
+        "relative": list(relative),
+        "mean": mean,
+        "spread": max(relative) - min(relative),
+        "classes": classes,
+        "unstable": unstable,
+        "class": classify(mean) + (" (unstable)" if unstable else ""),
+    }
 
 
 def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -102,6 +109,7 @@ def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
         >>> pareto([(1, 5), (2, 2), (3, 3), (5, 1)])
         [0, 1, 3]
     """
+
     def dominated(i: int) -> bool:
         x, y = points[i]
         return any(a <= x and b <= y and (a, b) != (x, y) for a, b in points)
@@ -145,15 +153,17 @@ def parse_memory_limit(text: str) -> tuple[float, str]:
     except ValueError:
         value = math.nan
     if not (value > 0 and math.isfinite(value)) or (unit and unit not in _UNITS and unit != "m_a"):
-        raise UserError(f"--memory-limit {text!r} is invalid; give K > 0 in M_a (e.g. 4) or bytes with a unit "
-                        "(e.g. 64MiB, 2e9B)")
+        raise UserError(
+            f"--memory-limit {text!r} is invalid; give K > 0 in M_a (e.g. 4) or bytes with a unit (e.g. 64MiB, 2e9B)"
+        )
     if unit in ("", "m_a"):
         return value, "M_a"
     return value * _UNITS[unit], "bytes"
 
 
-def recommend(rows: Sequence[dict[str, Any]], limit: tuple[float, str] | None
-              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def recommend(
+    rows: Sequence[dict[str, Any]], limit: tuple[float, str] | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The rows that fit ``limit`` ranked by time per sample (measured where there is one), and each other
     row with its reason.
 
@@ -164,16 +174,22 @@ def recommend(rows: Sequence[dict[str, Any]], limit: tuple[float, str] | None
     for row in rows:
         need = _activation_need(row, limit[1] if limit else "M_a")
         if limit is not None and need is not None and need > limit[0] * (1 + 1e-9):
-            excluded.append({"name": row["name"], "reason": f"needs {_need_text(need, limit[1])} of activations on "
-                                                            f"its fullest rank, over the limit"})
+            excluded.append(
+                {
+                    "name": row["name"],
+                    "reason": f"needs {_need_text(need, limit[1])} of activations on its fullest rank, over the limit",
+                }
+            )
         elif time_per_sample(row) is None:
             excluded.append({"name": row["name"], "reason": "no time per sample"})
         else:
             fits.append(row)
     if not fits and rows:
         smallest = min(_activation_need(r, limit[1] if limit else "M_a") or math.inf for r in rows)
-        raise UserError(f"--memory-limit {_need_text(limit[0], limit[1]) if limit else '-'} fits none of the "
-                        f"approaches; the least any needs is {_need_text(smallest, limit[1] if limit else 'M_a')}")
+        raise UserError(
+            f"--memory-limit {_need_text(limit[0], limit[1]) if limit else '-'} fits none of the "
+            f"approaches; the least any needs is {_need_text(smallest, limit[1] if limit else 'M_a')}"
+        )
     ranked = sorted(fits, key=lambda r: time_per_sample(r) or math.inf)
     return [{"name": r["name"], "time_per_sample_s": time_per_sample(r)} for r in ranked], excluded
 

@@ -62,8 +62,9 @@ def schedule_for(name: str, setting: Setting) -> Schedule:
     info = SCHEDULES[name]
     d, t = setting.num_stages, setting.num_microbatches
     if info.synchronous:
-        return generate(name, num_stages=d, num_microbatches=t,
-                        num_chunks=setting.num_chunks if info.chunks is None else None)
+        return generate(
+            name, num_stages=d, num_microbatches=t, num_chunks=setting.num_chunks if info.chunks is None else None
+        )
     return generate(name, num_stages=d, num_microbatches=t, num_steps=stream_steps(name, setting.steps, {}))
 
 
@@ -71,7 +72,11 @@ def train_once(schedule: Schedule, setting: Setting, seed: int = 0) -> dict[str,
     """One run: per-mini-batch losses and the final held-out loss; ``seed`` sets the initialisation and data order."""
     task = replace(setting, spec=replace(setting.spec, seed=seed))
     result = run_reference(
-        schedule, task.spec, steps=task.steps, batch_size=task.batch_size, seed=seed,
+        schedule,
+        task.spec,
+        steps=task.steps,
+        batch_size=task.batch_size,
+        seed=seed,
         optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=task.lr, momentum=task.momentum),
     )
     return {"losses": result.losses, "eval_loss": evaluate(task, final_parameters(result.stage_parameters))}
@@ -122,8 +127,16 @@ def relative(eval_losses: dict[str, float], synchronous: list[str]) -> dict[str,
 def convergence_rows(rows: list[dict[str, Any]], args: argparse.Namespace, spec: ModelSpec) -> None:
     """Add each row's convergence columns: per seed its held-out and training loss, and the summary over seeds."""
     torch.set_num_threads(1)
-    setting = Setting(spec=spec, batch_size=args.batch, steps=args.convergence, lr=args.lr, momentum=args.momentum,
-                      num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks)
+    setting = Setting(
+        spec=spec,
+        batch_size=args.batch,
+        steps=args.convergence,
+        lr=args.lr,
+        momentum=args.momentum,
+        num_stages=args.stages,
+        num_microbatches=args.microbatches,
+        num_chunks=args.chunks,
+    )
     names = [r["name"] for r in rows]
     synchronous = [r["name"] for r in rows if r["synchronous"]] or [BASELINE]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in dict.fromkeys([*names, *synchronous])}
@@ -135,8 +148,15 @@ def convergence_rows(rows: list[dict[str, Any]], args: argparse.Namespace, spec:
     for row in rows:
         name = row["name"]
         summary = seed_summary([rel[name] for rel in per_seed])
-        row.update({"convergence_eval_loss": [r["eval_loss"] for r in runs[name]],
-                    "convergence_train_loss": [final(r["losses"]) for r in runs[name]],
-                    "convergence_relative": summary["relative"], "convergence_mean": summary["mean"],
-                    "convergence_spread": summary["spread"], "convergence_classes": summary["classes"],
-                    "convergence_unstable": summary["unstable"], "convergence_class": summary["class"]})
+        row.update(
+            {
+                "convergence_eval_loss": [r["eval_loss"] for r in runs[name]],
+                "convergence_train_loss": [final(r["losses"]) for r in runs[name]],
+                "convergence_relative": summary["relative"],
+                "convergence_mean": summary["mean"],
+                "convergence_spread": summary["spread"],
+                "convergence_classes": summary["classes"],
+                "convergence_unstable": summary["unstable"],
+                "convergence_class": summary["class"],
+            }
+        )

@@ -15,20 +15,30 @@ MODEL_OPTIONS = ("layers", "hidden", "vocab", "heads", "seq_len", "seed")
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model mlp|gpt|FILE.py:NAME`` and the built-in models' sizes (defaults: ``ModelSpec``'s)."""
     group = parser.add_argument_group("model")
-    group.add_argument("--model", default="gpt", metavar="gpt|mlp|FILE.py:NAME|hf:TYPE",
-                       help="a reference model (default gpt), or your own: the LayerModel, nn.Module or a function "
-                            "returning one, NAME in FILE.py or in an importable module (pipeweave.models.custom, "
-                            "pipeweave.models.pipeline), or a Hugging Face causal LM type (hf:gpt2, hf:llama)")
-    group.add_argument("--hf-config", metavar="JSON|FILE",
-                       help="hf:TYPE: its config's fields, a JSON object or a file holding one (built offline)")
+    group.add_argument(
+        "--model",
+        default="gpt",
+        metavar="gpt|mlp|FILE.py:NAME|hf:TYPE",
+        help="a reference model (default gpt), or your own: the LayerModel, nn.Module or a function "
+        "returning one, NAME in FILE.py or in an importable module (pipeweave.models.custom, "
+        "pipeweave.models.pipeline), or a Hugging Face causal LM type (hf:gpt2, hf:llama)",
+    )
+    group.add_argument(
+        "--hf-config",
+        metavar="JSON|FILE",
+        help="hf:TYPE: its config's fields, a JSON object or a file holding one (built offline)",
+    )
     group.add_argument("--layers", type=int, help="residual blocks")
     group.add_argument("--hidden", type=int, help="width h")
     group.add_argument("--vocab", type=int, help="gpt vocabulary size")
     group.add_argument("--heads", type=int, help="gpt attention heads")
     group.add_argument("--seq-len", type=int, help="gpt tokens per sample")
     group.add_argument("--seed", type=int, help="initialisation seed")
-    group.add_argument("--tie-embeddings", action="store_true",
-                       help="gpt: one matrix for the token embedding and the output head (gradients summed)")
+    group.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        help="gpt: one matrix for the token embedding and the output head (gradients summed)",
+    )
 
 
 def model_spec(args: argparse.Namespace, gpt_defaults: dict[str, int] | None = None) -> Any:
@@ -49,15 +59,23 @@ def model_spec(args: argparse.Namespace, gpt_defaults: dict[str, int] | None = N
     if args.model in ("mlp", "gpt"):
         return ModelSpec(kind=args.model, **given)
     if not is_entry(args.model):
-        raise UserError(f"--model {args.model!r} is unknown; choose gpt, mlp, FILE.py:NAME (your own model) or "
-                        "hf:TYPE (a Hugging Face model)")
+        raise UserError(
+            f"--model {args.model!r} is unknown; choose gpt, mlp, FILE.py:NAME (your own model) or "
+            "hf:TYPE (a Hugging Face model)"
+        )
     hf = args.model.startswith("hf:")
     sizes = [name for name in given if name not in (("seed", "seq_len") if hf else ("seed",))]
     if sizes:
         flag = "--" + sizes[0].replace("_", "-")
-        raise UserError(f"{flag} applies to the built-in models; {args.model}'s layers are its LayerModel's: "
-                        f"drop {flag}")
+        raise UserError(
+            f"{flag} applies to the built-in models; {args.model}'s layers are its LayerModel's: drop {flag}"
+        )
     if hf:
-        return ModelSpec(kind="custom", entry=args.model, seed=given.get("seed", 0), seq_len=given.get("seq_len", 128),
-                         hf_config=getattr(args, "hf_config", None))
+        return ModelSpec(
+            kind="custom",
+            entry=args.model,
+            seed=given.get("seed", 0),
+            seq_len=given.get("seq_len", 128),
+            hf_config=getattr(args, "hf_config", None),
+        )
     return ModelSpec(kind="custom", entry=args.model, seed=given.get("seed", 0))

@@ -16,11 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from pipeweave.commands.layout_options import (TP_REPLICATED, TP_SPLIT, add_layout_arguments, layout_from_args,
-                                              layout_report, state_split)
-from pipeweave.commands.recompute_options import add_recompute_argument
-from pipeweave.commands.model_options import add_model_arguments, model_spec
+from pipeweave.commands.layout_options import (
+    TP_REPLICATED,
+    TP_SPLIT,
+    add_layout_arguments,
+    layout_from_args,
+    layout_report,
+    state_split,
+)
 from pipeweave.commands.lever_options import add_stash_arguments, stash_plan
+from pipeweave.commands.model_options import add_model_arguments, model_spec
+from pipeweave.commands.recompute_options import add_recompute_argument
 from pipeweave.commands.units import check_cost_flags, format_bytes
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
@@ -28,15 +34,17 @@ from pipeweave.partition.recompute import kept_bytes, replay_time
 from pipeweave.schedule import generate
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim import CostModel, compute_metrics
+from pipeweave.sim.levers import levered_activations
 from pipeweave.sim.parallel import Layout, simulate_layout, tp_backward_time, tp_forward_time
 from pipeweave.sim.recompute import RECOMPUTE, spelled
-from pipeweave.sim.levers import levered_activations
 from pipeweave.sim.shards import Shares
 from pipeweave.sim.traffic import ModelBytes
 
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "partition", help="balance a model's layers over the stages",
+        "partition",
+        help="balance a model's layers over the stages",
         description="Cut a model into parts; predict per-part time and memory and the schedule's bubble.",
     )
     add_model_arguments(p)
@@ -45,12 +53,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("-s", "--schedule", default="1f1b", help="schedule name (default 1f1b)")
     p.add_argument("--microbatches", type=int, default=8, help="T, microbatches per step (default 8)")
     p.add_argument("--chunks", type=int, help="v, chunks per rank, for interleaved schedules")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per step, split into T microbatches (default 32)")
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="samples per step, split into T microbatches (default 32)"
+    )
     add_partition_arguments(p)
     add_stash_arguments(p, bandwidth=False)
     p.add_argument("--device", default="cpu", help="where to profile: the device the run uses (default cpu)")
-    p.add_argument("--precision", default="fp32", metavar="fp32|bf16",
-                   help="profile as the run computes: bf16, under bfloat16 autocast (default fp32)")
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        metavar="fp32|bf16",
+        help="profile as the run computes: bf16, under bfloat16 autocast (default fp32)",
+    )
     p.add_argument("--threads", type=int, default=1, help="intra-op threads while profiling, as per rank (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_recompute_argument(p, auto=True)
@@ -62,15 +76,25 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
     """``--partition METHOD`` and what the methods need (shared by ``partition`` and ``train``)."""
     group = parser.add_argument_group("partition")
     group.add_argument(
-        "--partition", default="uniform", metavar="METHOD",
+        "--partition",
+        default="uniform",
+        metavar="METHOD",
         help="uniform, parameters, type:REGEX, time, pipedream, memory or explicit (default uniform)",
     )
     group.add_argument("--memory-limit", type=float, metavar="BYTES", help="memory: bytes one rank may hold")
-    group.add_argument("--layers-per-stage", metavar="N,N,...",
-                       help="explicit: layer count of each part, e.g. 3,2,2,1 (the gpt's layers are its embedding, "
-                            "its --layers blocks and its head)")
-    group.add_argument("--optimizer-state", type=float, default=1.0, metavar="X",
-                       help="bytes of gradient and optimizer state per weight byte (SGD 1, Adam 3; default 1)")
+    group.add_argument(
+        "--layers-per-stage",
+        metavar="N,N,...",
+        help="explicit: layer count of each part, e.g. 3,2,2,1 (the gpt's layers are its embedding, "
+        "its --layers blocks and its head)",
+    )
+    group.add_argument(
+        "--optimizer-state",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="bytes of gradient and optimizer state per weight byte (SGD 1, Adam 3; default 1)",
+    )
     group.add_argument("--bandwidth", type=float, default=1e10, help="pipedream: bytes/s between ranks (default 1e10)")
     group.add_argument("--costs", metavar="FILE", help="per-layer costs (JSON) instead of profiling the model")
     group.add_argument("--repeats", type=int, default=5, help="timed runs per layer when profiling (default 5)")
@@ -98,8 +122,9 @@ def check_partition_arguments(args: argparse.Namespace) -> None:
     """
     parse_counts(args.layers_per_stage)
     if args.memory_limit is not None and math.isnan(args.memory_limit):
-        raise UserError("--memory-limit nan is invalid; give bytes per rank (--partition memory) or K "
-                        "(zb-auto, zb-v-auto)")
+        raise UserError(
+            "--memory-limit nan is invalid; give bytes per rank (--partition memory) or K (zb-auto, zb-v-auto)"
+        )
     check_cost_flags(args, (("--optimizer-state", "number of bytes per weight byte"),))
     if not 0 < args.bandwidth < math.inf:
         raise UserError(f"--bandwidth {args.bandwidth} is invalid; give finite bytes per second > 0, e.g. 1e10")
@@ -109,8 +134,11 @@ def check_partition_arguments(args: argparse.Namespace) -> None:
 
 def partition_context(args: argparse.Namespace, profile: MemoryProfile | None) -> PartitionContext:
     return PartitionContext(
-        counts=parse_counts(args.layers_per_stage), memory_limit=args.memory_limit, profile=profile,
-        bandwidth=args.bandwidth, recompute=getattr(args, "recompute", "none"),
+        counts=parse_counts(args.layers_per_stage),
+        memory_limit=args.memory_limit,
+        profile=profile,
+        bandwidth=args.bandwidth,
+        recompute=getattr(args, "recompute", "none"),
     )
 
 
@@ -124,8 +152,10 @@ def parse_counts(text: str | None) -> tuple[int, ...] | None:
         raise UserError(f"--layers-per-stage {text!r} is not a list of integers; write e.g. 3,2,2,1") from None
     negative = [c for c in counts if c < 0]
     if negative:
-        raise UserError(f"--layers-per-stage {text} has a negative layer count ({negative[0]}); give every part "
-                        "at least one layer, e.g. 3,2,2,1")
+        raise UserError(
+            f"--layers-per-stage {text} has a negative layer count ({negative[0]}); give every part "
+            "at least one layer, e.g. 3,2,2,1"
+        )
     return counts
 
 
@@ -142,8 +172,9 @@ def layer_costs(args: argparse.Namespace) -> LayerCosts:
     from pipeweave.commands.profiled import profiled_costs
 
     check_device(args.device)
-    return profiled_costs(args, model_spec(args), args.batch_size // args.microbatches, args.device,
-                          threads=args.threads)
+    return profiled_costs(
+        args, model_spec(args), args.batch_size // args.microbatches, args.device, threads=args.threads
+    )
 
 
 def check_device(device: str) -> None:
@@ -167,8 +198,9 @@ def check_device(device: str) -> None:
     if count == 0:
         raise UserError(f"--device {device}: this machine has no CUDA GPU torch can use; give --device cpu")
     if parsed.index is not None and parsed.index >= count:
-        raise UserError(f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; "
-                        "give one of them")
+        raise UserError(
+            f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; give one of them"
+        )
 
 
 def part_costs(costs: LayerCosts, plan: Partition) -> dict[str, list[float]]:
@@ -192,7 +224,9 @@ def part_costs(costs: LayerCosts, plan: Partition) -> dict[str, list[float]]:
 
 def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, Any]:
     """Partition ``costs`` for the schedule of ``args``; simulate the schedule with the parts' costs."""
-    schedule = generate(args.schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks)
+    schedule = generate(
+        args.schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks
+    )
     layout = layout_from_args(args, num_ranks=args.stages)
     profile = memory_profile(schedule, args, layout)
     balanced = layout_layer_costs(costs, layout, num_ranks=args.stages)
@@ -211,18 +245,33 @@ def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, A
     parts: list[dict[str, Any]] = []
     for k, (start, stop) in enumerate(plan.bounds):
         memory = profile.memory_of(costs, k, start, stop, plan.recompute[k]) if profile else None
-        parts.append({
-            "layers": list(range(start, stop)), "names": list(costs.names[start:stop]), "replicas": plan.replicas[k],
-            "time": on.f[k] + on.b[k] + on.w[k], "f": on.f[k], "b": on.b[k], "w": on.w[k], "memory": memory,
-            "recompute": plan.recompute[k],
-        })
+        parts.append(
+            {
+                "layers": list(range(start, stop)),
+                "names": list(costs.names[start:stop]),
+                "replicas": plan.replicas[k],
+                "time": on.f[k] + on.b[k] + on.w[k],
+                "f": on.f[k],
+                "b": on.b[k],
+                "w": on.w[k],
+                "memory": memory,
+                "recompute": plan.recompute[k],
+            }
+        )
     return {
-        "schedule": schedule.name, "stages": args.stages, "microbatches": args.microbatches,
-        "partition": partition_method(args), "recompute": spelled(plan.recompute),
-        "recompute_chosen": args.recompute == "auto", "parts": parts, "max_stage_time": max(float(p["time"]) for p in parts),
+        "schedule": schedule.name,
+        "stages": args.stages,
+        "microbatches": args.microbatches,
+        "partition": partition_method(args),
+        "recompute": spelled(plan.recompute),
+        "recompute_chosen": args.recompute == "auto",
+        "parts": parts,
+        "max_stage_time": max(float(p["time"]) for p in parts),
         "max_memory": max((float(p["memory"]) for p in parts if p["memory"] is not None), default=None),
-        "memory_limit": args.memory_limit, "bubble_ratio": metrics.bubble_ratio,
-        "bubble_ratio_flush": metrics.bubble_ratio_flush, "makespan": metrics.makespan,
+        "memory_limit": args.memory_limit,
+        "bubble_ratio": metrics.bubble_ratio,
+        "bubble_ratio_flush": metrics.bubble_ratio_flush,
+        "makespan": metrics.makespan,
         **({"layout": report[0], "layout_lines": report[1]} if report is not None else {}),
     }
 
@@ -237,9 +286,11 @@ def layout_layer_costs(costs: LayerCosts, layout: Layout, *, num_ranks: int) -> 
     forward = [tp_forward_time(layout, traffic, i, num_ranks=num_ranks) for i in layers]
     backward = [tp_backward_time(layout, traffic, i, num_ranks=num_ranks) for i in layers]
     return dataclasses.replace(
-        costs, forward=tuple(f / n + c for f, c in zip(costs.forward, forward)),
+        costs,
+        forward=tuple(f / n + c for f, c in zip(costs.forward, forward)),
         input_grad=tuple(b / n + c for b, c in zip(costs.input_grad, backward)),
-        weight_grad=tuple(w / n for w in costs.weight_grad))
+        weight_grad=tuple(w / n for w in costs.weight_grad),
+    )
 
 
 def layer_traffic(costs: LayerCosts, optimizer_state: float = 1.0) -> ModelBytes:
@@ -250,11 +301,16 @@ def layer_traffic(costs: LayerCosts, optimizer_state: float = 1.0) -> ModelBytes
     hidden = max((out for (forward, _, _), out in zip(split, costs.output) if forward), default=0.0)
     grads, optimizer = state_split(optimizer_state)
     return ModelBytes(
-        message=costs.output, tp_message=hidden, tp_collectives=[float(s[0]) for s in split],
+        message=costs.output,
+        tp_message=hidden,
+        tp_collectives=[float(s[0]) for s in split],
         tp_backward=[float(s[1]) for s in split],
-        tp_gather=[out if s[2] else 0.0 for s, out in zip(split, costs.output)], params=costs.params,
+        tp_gather=[out if s[2] else 0.0 for s, out in zip(split, costs.output)],
+        params=costs.params,
         replicated=[p if kind in TP_REPLICATED else 0.0 for kind, p in zip(costs.types, costs.params)],
-        grads=grads, optimizer=optimizer)
+        grads=grads,
+        optimizer=optimizer,
+    )
 
 
 def layer_bytes(costs: LayerCosts, plan: Partition, optimizer_state: float) -> ModelBytes:
@@ -266,9 +322,16 @@ def layer_bytes(costs: LayerCosts, plan: Partition, optimizer_state: float) -> M
         return [float(sum(values[start:stop])) for start, stop in plan.bounds]
 
     return ModelBytes(
-        message=[costs.output[stop - 1] for _, stop in plan.bounds], tp_message=layers.tp_message,
-        tp_collectives=total("tp_collectives"), tp_backward=total("tp_backward"), tp_gather=total("tp_gather"),
-        params=total("params"), replicated=total("replicated"), grads=layers.grads, optimizer=layers.optimizer)
+        message=[costs.output[stop - 1] for _, stop in plan.bounds],
+        tp_message=layers.tp_message,
+        tp_collectives=total("tp_collectives"),
+        tp_backward=total("tp_backward"),
+        tp_gather=total("tp_gather"),
+        params=total("params"),
+        replicated=total("replicated"),
+        grads=layers.grads,
+        optimizer=layers.optimizer,
+    )
 
 
 def memory_profile(schedule: Schedule, args: argparse.Namespace, layout: Layout | None = None) -> MemoryProfile | None:
@@ -303,8 +366,9 @@ def render(result: dict[str, Any]) -> str:
         layers = part["layers"]
         span = f"{layers[0]}-{layers[-1]} ({len(layers)})" if len(layers) > 1 else f"{layers[0]} (1)"
         memory = "-" if part["memory"] is None else _bytes(part["memory"])
-        lines.append(f"{k:>4}  {span:<14} {part['replicas']:>8}  {_seconds(part['time']):>10}  {memory:>12}  "
-                     f"{part['recompute']}")
+        lines.append(
+            f"{k:>4}  {span:<14} {part['replicas']:>8}  {_seconds(part['time']):>10}  {memory:>12}  {part['recompute']}"
+        )
     lines.append(
         f"slowest part {_seconds(result['max_stage_time'])}/microbatch; predicted step {_seconds(result['makespan'])}, "
         f"bubble {result['bubble_ratio']:.1%}"

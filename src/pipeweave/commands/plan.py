@@ -19,33 +19,57 @@ from typing import Any
 
 from pipeweave.errors import UserError
 
-
-CUSTOM_FLAGS = (("--peak-tflops", "peak dense BF16 TFLOP/s (with --costs, none: the profiling machine)"), ("--memory-gib", "memory per GPU, GiB"),
-                ("--memory-tbps", "HBM TB/s (default 2.039, an A100's)"),
-                ("--intra-node-gbps", "NVLink Gb/s per GPU and direction"),
-                ("--inter-node-gbps", "InfiniBand Gb/s per GPU and direction"))
+CUSTOM_FLAGS = (
+    ("--peak-tflops", "peak dense BF16 TFLOP/s (with --costs, none: the profiling machine)"),
+    ("--memory-gib", "memory per GPU, GiB"),
+    ("--memory-tbps", "HBM TB/s (default 2.039, an A100's)"),
+    ("--intra-node-gbps", "NVLink Gb/s per GPU and direction"),
+    ("--inter-node-gbps", "InfiniBand Gb/s per GPU and direction"),
+)
 """The figures of ``--gpu custom``."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declaration: one list of options
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "plan", help="choose TP x PP x DP, schedule, microbatch, recomputation and ZeRO for a cluster",
+        "plan",
+        help="choose TP x PP x DP, schedule, microbatch, recomputation and ZeRO for a cluster",
         description="Enumerate the parallel configurations of a GPT on N GPUs, prune what cannot fit or cannot "
         "win, simulate the rest, and print the best with their predicted step time, TFLOP/s, MFU, bubble and "
-        "memory per GPU.")
-    p.add_argument("--model", help="a preset (gpt-1.7b ... gpt-1t, gpt3-175b) or gpt with "
-                   "--layers --hidden --heads (default gpt)")
-    for flag, help_ in (("--layers", "l, transformer blocks"), ("--hidden", "h, hidden size"),
-                        ("--heads", "a, attention heads"), ("--seq-len", "s, tokens per sample (default 2048)"),
-                        ("--vocab", "V, vocabulary (default 51200)")):
+        "memory per GPU.",
+    )
+    p.add_argument(
+        "--model", help="a preset (gpt-1.7b ... gpt-1t, gpt3-175b) or gpt with --layers --hidden --heads (default gpt)"
+    )
+    for flag, help_ in (
+        ("--layers", "l, transformer blocks"),
+        ("--hidden", "h, hidden size"),
+        ("--heads", "a, attention heads"),
+        ("--seq-len", "s, tokens per sample (default 2048)"),
+        ("--vocab", "V, vocabulary (default 51200)"),
+    ):
         p.add_argument(flag, type=int, help=help_)
-    p.add_argument("--costs", metavar="FILE", nargs="+", help="plan a model from its profile (pipeweave partition "
-                   "--save-costs FILE): its measured times scaled to the GPU by the ratio of FLOP rates (TP 1); "
-                   "several profiles at other microbatch sizes: times interpolated between them")
-    p.add_argument("--profile-tflops", type=float, metavar="R", help="--costs: the profiling machine's effective "
-                   "TFLOP/s on these layers (default: the profile's counted FLOPs over its measured times)")
-    p.add_argument("--dispatch", type=float, default=0.0, metavar="SECONDS", help="--costs: the runtime's time "
-                   "between two actions of a rank (train's 'dispatch per action'; default 0)")
+    p.add_argument(
+        "--costs",
+        metavar="FILE",
+        nargs="+",
+        help="plan a model from its profile (pipeweave partition "
+        "--save-costs FILE): its measured times scaled to the GPU by the ratio of FLOP rates (TP 1); "
+        "several profiles at other microbatch sizes: times interpolated between them",
+    )
+    p.add_argument(
+        "--profile-tflops",
+        type=float,
+        metavar="R",
+        help="--costs: the profiling machine's effective "
+        "TFLOP/s on these layers (default: the profile's counted FLOPs over its measured times)",
+    )
+    p.add_argument(
+        "--dispatch",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="--costs: the runtime's time between two actions of a rank (train's 'dispatch per action'; default 0)",
+    )
     p.add_argument("--gpus", type=int, required=True, help="N, GPUs in the cluster")
     p.add_argument("--global-batch", type=int, required=True, metavar="B", help="B, samples per step")
     g = p.add_argument_group("hardware", "a preset, or custom with the five figures")
@@ -63,18 +87,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
     f.add_argument("--recompute", help="none, selective (attention) or full")
     f.add_argument("--zero", type=int, help="ZeRO stage 0, 1 or 3")
     o = p.add_argument_group("model of the run")
-    o.add_argument("--no-scatter-gather", action="store_true",
-                   help="pipeline messages sent whole by every TP rank (pipeweave's runtime), not split as Megatron")
-    o.add_argument("--sequence-parallel", action="store_true",
-                   help="with TP, norms and messages on 1/N of the sequence (Korthikanti et al.): fewer activation "
-                        "bytes, the same collectives")
-    o.add_argument("--no-dp-overlap", action="store_true",
-                   help="DP all-reduce after the backward (Megatron's local DDP), not overlapped with it")
+    o.add_argument(
+        "--no-scatter-gather",
+        action="store_true",
+        help="pipeline messages sent whole by every TP rank (pipeweave's runtime), not split as Megatron",
+    )
+    o.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with TP, norms and messages on 1/N of the sequence (Korthikanti et al.): fewer activation "
+        "bytes, the same collectives",
+    )
+    o.add_argument(
+        "--no-dp-overlap",
+        action="store_true",
+        help="DP all-reduce after the backward (Megatron's local DDP), not overlapped with it",
+    )
     p.add_argument("--top", type=int, default=10, help="configurations to show (default 10)")
     p.add_argument("--all", action="store_true", help="simulate every configuration that may fit (for --plot)")
     p.add_argument("--json", action="store_true", help="print one JSON object, best configuration first")
-    p.add_argument("--plot", metavar="FILE", help="draw step time against memory per GPU of the configurations simulated, the Pareto front "
-                   "marked (.png, .svg, .pdf; with --all: of the whole space)")
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="draw step time against memory per GPU of the configurations simulated, the Pareto front "
+        "marked (.png, .svg, .pdf; with --all: of the whole space)",
+    )
     p.add_argument("--explain", action="store_true", help="say why the best configuration wins")
     return p
 
@@ -93,8 +130,16 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} {value} is invalid; give an integer >= 1")
     evaluator = _evaluator(args, cluster)
     with _Bar(quiet=args.json) as progress:
-        plan = best_configurations(cluster, evaluator, args.gpus, args.global_batch, fixed, top=args.top,
-                                   exhaustive=args.all, progress=progress)
+        plan = best_configurations(
+            cluster,
+            evaluator,
+            args.gpus,
+            args.global_batch,
+            fixed,
+            top=args.top,
+            exhaustive=args.all,
+            progress=progress,
+        )
     if plot is not None:
         write_plot(plan, plot)
     if args.json:
@@ -118,21 +163,37 @@ def _cluster(args: argparse.Namespace) -> Any:
         peak = args.peak_tflops
         if peak is None and args.costs is not None:  # the profiling machine itself, at its measured rate
             peak = _profile_rate(args) / 1e12
-        gpu = custom_gpu(peak_tflops=peak, memory_gib=args.memory_gib,
-                         intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
-                         gpus_per_node=args.gpus_per_node or 8, memory_tbps=args.memory_tbps)
+        gpu = custom_gpu(
+            peak_tflops=peak,
+            memory_gib=args.memory_gib,
+            intra_node_gbps=args.intra_node_gbps,
+            inter_node_gbps=args.inter_node_gbps,
+            gpus_per_node=args.gpus_per_node or 8,
+            memory_tbps=args.memory_tbps,
+        )
     else:
-        given = [f for f in ("peak_tflops", "memory_gib", "memory_tbps", "intra_node_gbps", "inter_node_gbps")
-                 if getattr(args, f) is not None]
+        given = [
+            f
+            for f in ("peak_tflops", "memory_gib", "memory_tbps", "intra_node_gbps", "inter_node_gbps")
+            if getattr(args, f) is not None
+        ]
         if given:
-            raise UserError(f"--{given[0].replace('_', '-')} describes a custom GPU; give --gpu custom, or drop it "
-                            f"to use the {args.gpu} preset")
+            raise UserError(
+                f"--{given[0].replace('_', '-')} describes a custom GPU; give --gpu custom, or drop it "
+                f"to use the {args.gpu} preset"
+            )
         gpu = gpu_named(args.gpu)
         if args.gpus_per_node is not None:
             from dataclasses import replace
+
             gpu = replace(gpu, gpus_per_node=args.gpus_per_node)
-    return Cluster(model=_model(args, gpu), gpu=gpu, efficiency=A100_CALIBRATED,
-                   scatter_gather=not args.no_scatter_gather, sequence_parallel=args.sequence_parallel)
+    return Cluster(
+        model=_model(args, gpu),
+        gpu=gpu,
+        efficiency=A100_CALIBRATED,
+        scatter_gather=not args.no_scatter_gather,
+        sequence_parallel=args.sequence_parallel,
+    )
 
 
 def _model(args: argparse.Namespace, gpu: Any) -> Any:
@@ -143,23 +204,30 @@ def _model(args: argparse.Namespace, gpu: Any) -> Any:
     given = [f"--{k.replace('_', '-')}" for k, v in shape.items() if v is not None]
     if args.costs is not None:
         if args.model is not None or given:
-            raise UserError(f"{'--model' if args.model is not None else given[0]} describes a GPT; --costs "
-                            "plans the profiled model: give one of them")
+            raise UserError(
+                f"{'--model' if args.model is not None else given[0]} describes a GPT; --costs "
+                "plans the profiled model: give one of them"
+            )
         if args.sequence_parallel:
-            raise UserError("--sequence-parallel applies to a GPT shape; --costs plans the profiled model as it "
-                            "was measured: drop --sequence-parallel")
+            raise UserError(
+                "--sequence-parallel applies to a GPT shape; --costs plans the profiled model as it "
+                "was measured: drop --sequence-parallel"
+            )
         return _profiled(args, gpu)
     if args.profile_tflops is not None or args.dispatch:
         raise UserError("--profile-tflops and --dispatch apply to a profiled model; give --costs FILE or drop them")
     if args.model in (None, "gpt"):
         missing = [f"--{k}" for k in ("layers", "hidden", "heads") if shape[k] is None]
         if missing:
-            raise UserError(f"--model gpt needs {' '.join(missing)}; give them, or a preset such as --model gpt-1t, "
-                            "or --costs FILE")
+            raise UserError(
+                f"--model gpt needs {' '.join(missing)}; give them, or a preset such as --model gpt-1t, or --costs FILE"
+            )
         return Transformer(**{k: v for k, v in shape.items() if v is not None})
     if given:
-        raise UserError(f"{given[0]} changes the preset {args.model}; use --model gpt with --layers "
-                        "--hidden --heads for another shape")
+        raise UserError(
+            f"{given[0]} changes the preset {args.model}; use --model gpt with --layers "
+            "--hidden --heads for another shape"
+        )
     return model_named(args.model)
 
 
@@ -176,8 +244,14 @@ def _profiled(args: argparse.Namespace, gpu: Any) -> Any:
         raise UserError(f"--dispatch {args.dispatch} is invalid; give finite seconds >= 0, e.g. 0.001")
     target = None if gpu.name == "custom" and args.peak_tflops is None else gpu.peak_flops
     first, *others = (LayerCosts.load(path) for path in args.costs)
-    return profiled_model(first, target_flops=target, eta_max=A100_CALIBRATED.eta_max, rate=_profile_rate(args),
-                          name=f"profile {args.costs[0]}", others=tuple(others))
+    return profiled_model(
+        first,
+        target_flops=target,
+        eta_max=A100_CALIBRATED.eta_max,
+        rate=_profile_rate(args),
+        name=f"profile {args.costs[0]}",
+        others=tuple(others),
+    )
 
 
 def _profile_rate(args: argparse.Namespace) -> float:
@@ -190,8 +264,10 @@ def _profile_rate(args: argparse.Namespace) -> float:
     if args.profile_tflops is None:
         return profile_rate(*(LayerCosts.load(path) for path in args.costs))
     if not 0 < args.profile_tflops < math.inf:
-        raise UserError(f"--profile-tflops {args.profile_tflops} is invalid; give the profiling machine's finite "
-                        "TFLOP/s > 0, e.g. 0.003")
+        raise UserError(
+            f"--profile-tflops {args.profile_tflops} is invalid; give the profiling machine's finite "
+            "TFLOP/s > 0, e.g. 0.003"
+        )
     return float(args.profile_tflops * 1e12)
 
 
@@ -202,16 +278,27 @@ def _evaluator(args: argparse.Namespace, cluster: Any) -> Any:
 
     if args.costs is None:
         return Evaluator(cluster=cluster, batch=args.global_batch, overlap=not args.no_dp_overlap)
-    return ProfiledEvaluator(cluster=cluster, batch=args.global_batch, overlap=not args.no_dp_overlap,
-                             pipeline=Pipeline(dispatch=args.dispatch))
+    return ProfiledEvaluator(
+        cluster=cluster,
+        batch=args.global_batch,
+        overlap=not args.no_dp_overlap,
+        pipeline=Pipeline(dispatch=args.dispatch),
+    )
 
 
 def _fixed(args: argparse.Namespace) -> Any:
     from pipeweave.plan.space import Fixed
 
-    return Fixed(tp=args.tensor_parallel, pp=args.stages, dp=args.data_parallel, chunks=args.chunks,
-                 microbatch_size=args.microbatch_size, schedule=args.schedule, recompute=args.recompute,
-                 zero=args.zero)
+    return Fixed(
+        tp=args.tensor_parallel,
+        pp=args.stages,
+        dp=args.data_parallel,
+        chunks=args.chunks,
+        microbatch_size=args.microbatch_size,
+        schedule=args.schedule,
+        recompute=args.recompute,
+        zero=args.zero,
+    )
 
 
 class _Bar:
@@ -227,8 +314,14 @@ class _Bar:
         console = Console(stderr=True)
         if self.quiet or not console.is_terminal:
             return None
-        self.bar = Progress(TextColumn("[bold]plan"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            console=console, transient=True)
+        self.bar = Progress(
+            TextColumn("[bold]plan"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
         self.bar.start()
         self.task = self.bar.add_task("plan", total=None)
         return self.update

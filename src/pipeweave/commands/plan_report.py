@@ -30,49 +30,102 @@ def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: 
     """The best ``top`` configurations that fit, then one line on how the search went."""
     gpu, model = cluster.gpu, cluster.model
     size = f"{model.parameters / 1e9:.1f}B" if model.parameters >= 1e8 else f"{model.parameters / 1e6:.2f}M"
-    title = (f"{model.name} ({size}) on {args.gpus} x {gpu.name}, global batch "
-             f"{args.global_batch}")
+    title = f"{model.name} ({size}) on {args.gpus} x {gpu.name}, global batch {args.global_batch}"
     table = Table(title=title)
-    for name in ("#", "TPxPPxDP", "schedule", "b", "T", "recompute", "ZeRO", "step s", "TFLOP/s/GPU", "MFU",
-                 "bubble", "memory GiB (state+act+allow)", "headroom GiB"):
+    for name in (
+        "#",
+        "TPxPPxDP",
+        "schedule",
+        "b",
+        "T",
+        "recompute",
+        "ZeRO",
+        "step s",
+        "TFLOP/s/GPU",
+        "MFU",
+        "bubble",
+        "memory GiB (state+act+allow)",
+        "headroom GiB",
+    ):
         table.add_column(name, justify="left" if name in ("schedule", "recompute") else "right")
     for k, r in enumerate(plan.best[:top], 1):
         m = r.memory
         state = (m.params + m.grads + m.optimizer) / GIB
-        table.add_row(str(k), _split(r), _schedule(r), str(r.config.microbatch_size), str(r.config.microbatches),
-                      r.config.recompute, str(r.config.zero), f"{r.step_time:.4g}", f"{r.tflops_per_gpu:.3g}",
-                      f"{r.mfu:.3f}", f"{r.bubble_ratio:.3f}",
-                      f"{m.total / GIB:.1f} ({state:.1f}+{m.activations / GIB:.1f}+{m.allowance / GIB:.1f})",
-                      f"{(gpu.memory_bytes - m.total) / GIB:.1f}")
+        table.add_row(
+            str(k),
+            _split(r),
+            _schedule(r),
+            str(r.config.microbatch_size),
+            str(r.config.microbatches),
+            r.config.recompute,
+            str(r.config.zero),
+            f"{r.step_time:.4g}",
+            f"{r.tflops_per_gpu:.3g}",
+            f"{r.mfu:.3f}",
+            f"{r.bubble_ratio:.3f}",
+            f"{m.total / GIB:.1f} ({state:.1f}+{m.activations / GIB:.1f}+{m.allowance / GIB:.1f})",
+            f"{(gpu.memory_bytes - m.total) / GIB:.1f}",
+        )
     Console(width=200).print(table)
-    print(f"searched {plan.candidates} configurations in {plan.seconds:.1f} s: {plan.too_big} cannot fit "
-          f"(memory bound), {plan.bounded} cannot enter the top {top} (time bound), {plan.refused} shapes the "
-          f"schedule refuses, {len(plan.results)} simulated ({plan.simulations} timelines), "
-          f"{len(plan.results) - len(plan.best)} of them over {gpu.memory_bytes / GIB:.1f} GiB"
-          + (f"; {plan.auto_skipped} zb-auto configurations not searched (8 searches at most)"
-             if plan.auto_skipped else ""))
+    print(
+        f"searched {plan.candidates} configurations in {plan.seconds:.1f} s: {plan.too_big} cannot fit "
+        f"(memory bound), {plan.bounded} cannot enter the top {top} (time bound), {plan.refused} shapes the "
+        f"schedule refuses, {len(plan.results)} simulated ({plan.simulations} timelines), "
+        f"{len(plan.results) - len(plan.best)} of them over {gpu.memory_bytes / GIB:.1f} GiB"
+        + (
+            f"; {plan.auto_skipped} zb-auto configurations not searched (8 searches at most)"
+            if plan.auto_skipped
+            else ""
+        )
+    )
 
 
 def plan_json(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: int) -> dict[str, Any]:
     """One object: the model, the GPU, how the search went, and every simulated configuration, best first."""
     gpu, model = cluster.gpu, cluster.model
-    return {"model": _model_json(model),
-            "gpu": {"name": gpu.name, "peak_tflops": gpu.peak_flops / 1e12, "memory_gib": gpu.memory_bytes / GIB,
-                    "gpus_per_node": gpu.gpus_per_node},
-            "gpus": args.gpus, "global_batch": args.global_batch,
-            "search": {"candidates": plan.candidates, "too_big": plan.too_big, "bounded": plan.bounded,
-                       "refused": plan.refused, "simulations": plan.simulations, "seconds": plan.seconds,
-                       "auto_skipped": plan.auto_skipped, "top": top},
-            "configurations": [r.as_dict() for r in plan.results]}
+    return {
+        "model": _model_json(model),
+        "gpu": {
+            "name": gpu.name,
+            "peak_tflops": gpu.peak_flops / 1e12,
+            "memory_gib": gpu.memory_bytes / GIB,
+            "gpus_per_node": gpu.gpus_per_node,
+        },
+        "gpus": args.gpus,
+        "global_batch": args.global_batch,
+        "search": {
+            "candidates": plan.candidates,
+            "too_big": plan.too_big,
+            "bounded": plan.bounded,
+            "refused": plan.refused,
+            "simulations": plan.simulations,
+            "seconds": plan.seconds,
+            "auto_skipped": plan.auto_skipped,
+            "top": top,
+        },
+        "configurations": [r.as_dict() for r in plan.results],
+    }
 
 
 def _model_json(model: Any) -> dict[str, Any]:
     """A GPT's shape, or a profiled model's layers and its scaling to the GPU (``plan.profiled``)."""
     if isinstance(model, ProfiledModel):
-        return {"name": model.name, "layers": model.layers, "parameters": model.parameters,
-                "profile_microbatch_size": model.profile_microbatch, "time_scale": model.scale}
-    return {"name": model.name, "layers": model.layers, "hidden": model.hidden, "heads": model.heads,
-            "seq_len": model.seq_len, "vocab": model.vocab, "parameters": model.parameters}
+        return {
+            "name": model.name,
+            "layers": model.layers,
+            "parameters": model.parameters,
+            "profile_microbatch_size": model.profile_microbatch,
+            "time_scale": model.scale,
+        }
+    return {
+        "name": model.name,
+        "layers": model.layers,
+        "hidden": model.hidden,
+        "heads": model.heads,
+        "seq_len": model.seq_len,
+        "vocab": model.vocab,
+        "parameters": model.parameters,
+    }
 
 
 def write_plot(plan: Plan, path: Path) -> None:
@@ -85,15 +138,26 @@ def write_plot(plan: Plan, path: Path) -> None:
     fits = plan.best
     front = pareto_front(fits)
     fig, ax = plt.subplots(figsize=(8, 5))
-    ax.scatter([r.memory.total / GIB for r in fits], [r.step_time for r in fits], s=10, c="tab:blue", alpha=0.5,
-               label="configurations that fit")
-    ax.plot([r.memory.total / GIB for r in front], [r.step_time for r in front], "o-", c="tab:red",
-            label="Pareto front")
+    ax.scatter(
+        [r.memory.total / GIB for r in fits],
+        [r.step_time for r in fits],
+        s=10,
+        c="tab:blue",
+        alpha=0.5,
+        label="configurations that fit",
+    )
+    ax.plot(
+        [r.memory.total / GIB for r in front], [r.step_time for r in front], "o-", c="tab:red", label="Pareto front"
+    )
     shown = -1.0
     for r in front:  # label the front's points a few GiB apart, so that labels do not overlap
         if r.memory.total / GIB - shown >= 4:
-            ax.annotate(f"{_split(r)} {_schedule(r)} b={r.config.microbatch_size}",
-                        (r.memory.total / GIB, r.step_time), fontsize=7, rotation=20)
+            ax.annotate(
+                f"{_split(r)} {_schedule(r)} b={r.config.microbatch_size}",
+                (r.memory.total / GIB, r.step_time),
+                fontsize=7,
+                rotation=20,
+            )
             shown = r.memory.total / GIB
     ax.set_yscale("log")
     ax.set_xlabel("memory per GPU (GiB)")

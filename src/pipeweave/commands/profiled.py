@@ -15,10 +15,12 @@ from pipeweave.partition import LayerCosts
 from pipeweave.runtime.profile import profile_model
 
 
-def profiled_costs(args: argparse.Namespace, spec: Any, microbatch_size: int, device: str,
-                   threads: int | None = None) -> LayerCosts:
+def profiled_costs(
+    args: argparse.Namespace, spec: Any, microbatch_size: int, device: str, threads: int | None = None
+) -> LayerCosts:
     """The model's per-layer costs on ``device`` (cached), with ``--repeats``, ``--refresh`` and ``--precision``."""
     if threads is not None:
         torch.set_num_threads(threads)
-    return profile_model(spec, microbatch_size, device=device, repeats=args.repeats, refresh=args.refresh,
-                         precision=args.precision)
+    return profile_model(
+        spec, microbatch_size, device=device, repeats=args.repeats, refresh=args.refresh, precision=args.precision
+    )

@@ -20,10 +20,13 @@ from pipeweave.schedule.grid import format_rows
 
 
 def add_schedule_file_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--schedule-file", metavar="FILE",
-                        help="train a schedule written by hand: torch.distributed.pipelining's CSV (one row of "
-                             "actions such as 0F1 per rank) or pipeweave's text form; validated first; --stages "
-                             "and --microbatches come from it")
+    parser.add_argument(
+        "--schedule-file",
+        metavar="FILE",
+        help="train a schedule written by hand: torch.distributed.pipelining's CSV (one row of "
+        "actions such as 0F1 per rank) or pipeweave's text form; validated first; --stages "
+        "and --microbatches come from it",
+    )
 
 
 def schedule_from_file(args: argparse.Namespace) -> Schedule | None:
@@ -41,8 +44,9 @@ def schedule_from_file(args: argparse.Namespace) -> Schedule | None:
     if args.schedule_file is None:
         return None
     if args.schedule is not None:
-        raise UserError(f"-s {args.schedule} and --schedule-file {args.schedule_file} both name the schedule; "
-                        "give one of them")
+        raise UserError(
+            f"-s {args.schedule} and --schedule-file {args.schedule_file} both name the schedule; give one of them"
+        )
     path = Path(args.schedule_file)
     if not path.is_file():
         raise UserError(f"--schedule-file {args.schedule_file!r} is not a file; give the path of a CSV schedule")
@@ -50,8 +54,10 @@ def schedule_from_file(args: argparse.Namespace) -> Schedule | None:
     try:
         validate(schedule)
     except InvalidSchedule as exc:
-        raise UserError(f"--schedule-file {args.schedule_file} is invalid: {exc.reason}"
-                        f"{_where(exc)}; fix the file\n{_grid(schedule, exc)}") from None
+        raise UserError(
+            f"--schedule-file {args.schedule_file} is invalid: {exc.reason}"
+            f"{_where(exc)}; fix the file\n{_grid(schedule, exc)}"
+        ) from None
     return schedule
 
 

@@ -15,7 +15,8 @@ from pipeweave.schedule.registry import SCHEDULES
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "schedules", help="list the schedule names, their family and closed forms",
+        "schedules",
+        help="list the schedule names, their family and closed forms",
         description="List every schedule the registry knows (the -s values of simulate and train), "
         "with its paper, whether it is synchronous, its placement, and its bubble and memory closed forms "
         "(D stages, T microbatches, v chunks, M_a activations and M_theta weights of one stage); --json adds "
@@ -54,11 +55,25 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"schedules": entries}))
         return 0
     table = Table(title=f"{len(entries)} schedules (pipeweave simulate -s NAME)", show_lines=False)
-    for column, style in (("name", "bold"), ("family", ""), ("sync", ""), ("placement", ""), ("bubble", ""),
-                          ("activations", ""), ("weights", "")):
+    for column, style in (
+        ("name", "bold"),
+        ("family", ""),
+        ("sync", ""),
+        ("placement", ""),
+        ("bubble", ""),
+        ("activations", ""),
+        ("weights", ""),
+    ):
         table.add_column(column, style=style or None, no_wrap=column in ("name", "sync", "placement"))
     for e in entries:
-        table.add_row(e["name"], e["family"], "sync" if e["synchronous"] else "async", e["placement"],
-                      e["bubble"], e["activations"], e["weights"])
+        table.add_row(
+            e["name"],
+            e["family"],
+            "sync" if e["synchronous"] else "async",
+            e["placement"],
+            e["bubble"],
+            e["activations"],
+            e["weights"],
+        )
     Console(width=None if sys.stdout.isatty() else 140).print(table)
     return 0

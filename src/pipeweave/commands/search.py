@@ -8,24 +8,31 @@ import json
 import math
 from typing import Any
 
-from pipeweave.commands.recompute_options import AUTO, add_recompute_cost_arguments, recompute_costs
-from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, has_report,
-                                              layout_from_args, layout_report, model_bytes)
+from pipeweave.commands.layout_options import (
+    add_byte_arguments,
+    add_layout_arguments,
+    has_report,
+    layout_from_args,
+    layout_report,
+    model_bytes,
+)
 from pipeweave.commands.lever_options import add_stash_arguments, stash_plan
+from pipeweave.commands.recompute_options import AUTO, add_recompute_cost_arguments, recompute_costs
 from pipeweave.errors import UserError
-from pipeweave.schedule.levers import DEFAULT_BANDWIDTH
 from pipeweave.host import available_memory
+from pipeweave.schedule.levers import DEFAULT_BANDWIDTH
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import CostModel
-from pipeweave.sim.parallel import Layout, layout_times, simulate_layout
 from pipeweave.sim.levers import simulate_levers
+from pipeweave.sim.parallel import Layout, layout_times, simulate_layout
 from pipeweave.sim.recompute import spelled
 from pipeweave.sim.traffic import ModelBytes
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "search", help="search a zero-bubble schedule under a memory limit",
+        "search",
+        help="search a zero-bubble schedule under a memory limit",
         description="Heuristic and exact (CP-SAT or HiGHS) zero-bubble search; prints bubble, bound, gap.",
     )
     p.add_argument("--stages", type=int, required=True, help="D, ranks")
@@ -37,9 +44,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--time-comm", type=float, default=0.0, help="one hop between ranks")
     p.add_argument("--memory-limit", type=float, default=1.0, help="K: activation limit / (D x M_a); 1 ZB-1p, 2 ZB-2p")
     p.add_argument("--mem-w", type=float, default=0.5, help="M_W / M_a held between I and W (default 0.5)")
-    p.add_argument("--time-limit", type=float, default=10.0, help="seconds for the whole search; the solver stops then with its best so far")
-    p.add_argument("--work-limit", type=float, default=None,
-                   help="CP-SAT deterministic seconds; with --workers 1 the result is the same on every run")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=10.0,
+        help="seconds for the whole search; the solver stops then with its best so far",
+    )
+    p.add_argument(
+        "--work-limit",
+        type=float,
+        default=None,
+        help="CP-SAT deterministic seconds; with --workers 1 the result is the same on every run",
+    )
     p.add_argument("--workers", type=int, default=0, help="solver threads (0: the solver's default)")
     p.add_argument("--solver", choices=("cpsat", "highs", "heuristic"), default="cpsat")
     p.add_argument("--csv", metavar="FILE", help="write the schedule as CSV")
@@ -64,22 +80,34 @@ def run(args: argparse.Namespace) -> int:
     f, b, w, comm = _times(args, layout, model)
     levers = stash_plan(args, args.stages * (2 if args.v_shape or args.chunks == 2 else 1), auto=True)
     if (levers.active or args.offload == AUTO) and not layout.trivial:
-        raise UserError("--offload, --balance-activations and --compress-activations are searched on one pipeline; "
-                        "drop --tensor-parallel/--data-parallel or the memory levers")
+        raise UserError(
+            "--offload, --balance-activations and --compress-activations are searched on one pipeline; "
+            "drop --tensor-parallel/--data-parallel or the memory levers"
+        )
     # Compressed activations take kept x M_a: the same limit holds 1/kept as many.
     problem, chosen = _problem(args, f, b, w, comm, args.memory_limit / levers.kept, levers.offload)
     levers = dataclasses.replace(levers, offload=levers.offload | problem.offload)
-    result = exact(problem, solver=args.solver, time_limit=args.time_limit, workers=args.workers,
-                   work_limit=args.work_limit)
+    result = exact(
+        problem, solver=args.solver, time_limit=args.time_limit, workers=args.workers, work_limit=args.work_limit
+    )
     _write_files(args, result.schedule, problem.cost)
     modes = problem.costs.recompute or ("none",) * problem.num_parts
     report = _layout_report(args, result.schedule, layout, model, modes)
     levered = _levered(args, result.schedule, problem.cost, levers)
     if args.json:
-        print(json.dumps({**result.as_dict(), "recompute": spelled(modes), "recompute_chosen": chosen and
-                          args.recompute == AUTO, "offload": sorted(problem.offload),
-                          "offload_chosen": args.offload == AUTO,
-                          **({"layout": report[0]} if report else {}), **levered}))
+        print(
+            json.dumps(
+                {
+                    **result.as_dict(),
+                    "recompute": spelled(modes),
+                    "recompute_chosen": chosen and args.recompute == AUTO,
+                    "offload": sorted(problem.offload),
+                    "offload_chosen": args.offload == AUTO,
+                    **({"layout": report[0]} if report else {}),
+                    **levered,
+                }
+            )
+        )
         return 0
     _print_found(args, result, problem, modes, chosen, levered)
     for line in report[1] if report else ():
@@ -100,29 +128,37 @@ def _write_files(args: argparse.Namespace, schedule: Any, cost: CostModel) -> No
         plot_timeline(simulate(schedule, cost), args.plot)
 
 
-def _print_found(args: argparse.Namespace, result: Any, problem: Any, modes: tuple[str, ...], chosen: bool,
-                 levered: dict[str, Any]) -> None:
+def _print_found(
+    args: argparse.Namespace, result: Any, problem: Any, modes: tuple[str, ...], chosen: bool, levered: dict[str, Any]
+) -> None:
     """The found schedule in a few lines: its solver, the levers chosen, bubble, span and peaks."""
-    print(f"{result.schedule.name}: D={args.stages} T={args.microbatches} K={args.memory_limit} "
-          f"solver={result.solver} ({result.status}, {result.solver_time:.2f} s)")
+    print(
+        f"{result.schedule.name}: D={args.stages} T={args.microbatches} K={args.memory_limit} "
+        f"solver={result.solver} ({result.status}, {result.solver_time:.2f} s)"
+    )
     if set(modes) != {"none"} or args.recompute == AUTO:
         print(f"  recompute {spelled(modes)}" + (" (chosen per part with the schedule)" if chosen else ""))
     if args.offload == AUTO:
         shown = ",".join(map(str, sorted(problem.offload))) or "none"
-        print(f"  offload {shown} (chosen per part with the schedule, copies at {problem.host_bandwidth:g} M_a "
-              "per time unit)")
+        print(
+            f"  offload {shown} (chosen per part with the schedule, copies at {problem.host_bandwidth:g} M_a "
+            "per time unit)"
+        )
     print(f"  bubble ratio {result.bubble_ratio:.4f}  (bound {result.bubble_bound:.4f})")
     print(f"  max span {result.span:.4f}  lower bound {result.lower_bound:.4f}  gap {100 * result.gap:.2f} %")
     print(f"  peak activations {list(result.metrics.peak_activations)} (limit {problem.peak_limit[0]:g})")
     if levered:
-        print(f"  with the memory levers: makespan {levered['makespan']:g}, peak activations "
-              f"{levered['peak_activations']} (M_a of uncompressed activations)")
+        print(
+            f"  with the memory levers: makespan {levered['makespan']:g}, peak activations "
+            f"{levered['peak_activations']} (M_a of uncompressed activations)"
+        )
     if args.plot:
         print(f"  plot written to {args.plot}")
 
 
-def _problem(args: argparse.Namespace, f: float, b: float, w: float, comm: float,
-             memory_limit: float, offload: frozenset[int]) -> tuple[Any, bool]:
+def _problem(
+    args: argparse.Namespace, f: float, b: float, w: float, comm: float, memory_limit: float, offload: frozenset[int]
+) -> tuple[Any, bool]:
     """The instance of the flags, and whether its recomputation or offload per part was chosen (``--recompute
     auto``, ``search.recompute``; ``--offload auto``, ``search.offload``: with the heuristic's schedules; the
     exact search then refines the chosen one). ``offload``: the parts ``--offload`` names, searched with
@@ -136,16 +172,30 @@ def _problem(args: argparse.Namespace, f: float, b: float, w: float, comm: float
     bandwidth = args.host_bandwidth or DEFAULT_BANDWIDTH
     if args.offload == AUTO:
         if args.recompute == AUTO:
-            raise UserError("--recompute auto and --offload auto are chosen one at a time; give one of them a "
-                            "value (e.g. --recompute none)")
-        problem = offload_problem(args.stages, args.microbatches, vshape=vshape, cost=cost,
-                                  memory_limit=memory_limit, host_bandwidth=bandwidth)
+            raise UserError(
+                "--recompute auto and --offload auto are chosen one at a time; give one of them a "
+                "value (e.g. --recompute none)"
+            )
+        problem = offload_problem(
+            args.stages,
+            args.microbatches,
+            vshape=vshape,
+            cost=cost,
+            memory_limit=memory_limit,
+            host_bandwidth=bandwidth,
+        )
         return dataclasses.replace(problem, offload=choose_offload(problem)[0]), True
     if args.recompute != AUTO:
-        return Problem(num_stages=args.stages, num_microbatches=args.microbatches, vshape=vshape, cost=cost,
-                       memory_limit=memory_limit, offload=offload, host_bandwidth=bandwidth), False
-    problem = recompute_problem(args.stages, args.microbatches, vshape=vshape, cost=cost,
-                                memory_limit=memory_limit)
+        return Problem(
+            num_stages=args.stages,
+            num_microbatches=args.microbatches,
+            vshape=vshape,
+            cost=cost,
+            memory_limit=memory_limit,
+            offload=offload,
+            host_bandwidth=bandwidth,
+        ), False
+    problem = recompute_problem(args.stages, args.microbatches, vshape=vshape, cost=cost, memory_limit=memory_limit)
     return with_recompute(problem, choose_recompute(problem)[0]), True
 
 
@@ -163,17 +213,32 @@ def _times(args: argparse.Namespace, layout: Layout, model: ModelBytes) -> tuple
     if layout.trivial:
         return args.time_f, args.time_b, args.time_w, args.time_comm
     assert isinstance(model.message, float) and isinstance(model.tp_collectives, float)  # _check_arguments
-    return layout_times(layout, f=args.time_f, b=args.time_b, w=args.time_w, comm=args.time_comm,
-                        message=model.message, tp_collectives=model.tp_collectives, num_ranks=args.stages)
+    return layout_times(
+        layout,
+        f=args.time_f,
+        b=args.time_b,
+        w=args.time_w,
+        comm=args.time_comm,
+        message=model.message,
+        tp_collectives=model.tp_collectives,
+        num_ranks=args.stages,
+    )
 
 
-def _layout_report(args: argparse.Namespace, schedule: Any, layout: Layout,
-                   model: ModelBytes, modes: tuple[str, ...]) -> tuple[dict[str, Any], list[str]] | None:
+def _layout_report(
+    args: argparse.Namespace, schedule: Any, layout: Layout, model: ModelBytes, modes: tuple[str, ...]
+) -> tuple[dict[str, Any], list[str]] | None:
     """The found schedule on the layout, its hops on their own links and the DP reductions added."""
     if not has_report(layout, model):
         return None
-    cost = CostModel(f=args.time_f, b=args.time_b, w=args.time_w, comm=args.time_comm, mem_w=args.mem_w,
-                     **{**recompute_costs(args, auto=True), "recompute": modes})
+    cost = CostModel(
+        f=args.time_f,
+        b=args.time_b,
+        w=args.time_w,
+        comm=args.time_comm,
+        mem_w=args.mem_w,
+        **{**recompute_costs(args, auto=True), "recompute": modes},
+    )
     timeline = simulate_layout(schedule, cost, layout, model, check=False)
     makespan = bubble_metrics(timeline)[0]
     json_, lines = layout_report(schedule, cost, layout, model, makespan) or ({}, [])
@@ -189,14 +254,17 @@ def _check_arguments(args: argparse.Namespace) -> tuple[Layout, ModelBytes]:
         value = getattr(args, flag[2:])
         if value < 1:
             raise UserError(f"{flag} {value} is invalid; give {flag} >= 1")
-    check_cost_flags(args, (("--time-f", "time"), ("--time-b", "time"), ("--time-w", "time"),
-                            ("--time-comm", "latency")))
+    check_cost_flags(
+        args, (("--time-f", "time"), ("--time-b", "time"), ("--time-w", "time"), ("--time-comm", "latency"))
+    )
     if not 0.0 <= args.mem_w <= 1.0:
         raise UserError(f"--mem-w {args.mem_w} is invalid; give a fraction in [0, 1]")
     low = args.memory_limit * args.stages < 1.0 - 1e-9 and args.recompute == "none" and args.offload != AUTO
     if math.isnan(args.memory_limit) or low:
-        raise UserError(f"--memory-limit {args.memory_limit:g} holds less than one microbatch per rank; give K >= "
-                        f"1/{args.stages}, e.g. 1 (ZB-1p) or 2 (ZB-2p), or inf for no limit")
+        raise UserError(
+            f"--memory-limit {args.memory_limit:g} holds less than one microbatch per rank; give K >= "
+            f"1/{args.stages}, e.g. 1 (ZB-1p) or 2 (ZB-2p), or inf for no limit"
+        )
     if not args.time_limit > 0:
         raise UserError(f"--time-limit {args.time_limit} is invalid; give seconds > 0")
     if args.work_limit is not None and not args.work_limit > 0:
@@ -206,8 +274,10 @@ def _check_arguments(args: argparse.Namespace) -> tuple[Layout, ModelBytes]:
     _check_size(args)
     layout = layout_from_args(args, num_ranks=args.stages)
     model = model_bytes(args, args.stages * (2 if args.v_shape or args.chunks == 2 else 1))
-    for flag, value, text in (("--message-bytes", model.message, args.message_bytes),
-                              ("--tp-collectives", model.tp_collectives, args.tp_collectives)):
+    for flag, value, text in (
+        ("--message-bytes", model.message, args.message_bytes),
+        ("--tp-collectives", model.tp_collectives, args.tp_collectives),
+    ):
         if not isinstance(value, float):
             raise UserError(f"{flag} {text} is a list; the search takes one value for every part: give a single number")
     return layout, model
@@ -235,17 +305,21 @@ def _check_size(args: argparse.Namespace) -> None:
     size = f"--stages {args.stages} x --microbatches {args.microbatches}{' x 2 chunks' if chunks == 2 else ''}"
     free = available_memory()
     if free is not None and actions * BYTES_PER_ACTION > free:
-        raise UserError(f"{size} make {actions:.2g} actions, ~{_gib(actions * BYTES_PER_ACTION)} to search "
-                        f"({BYTES_PER_ACTION} B each), more than the {free / 2**30:.1f} GiB free here; give fewer "
-                        f"stages or microbatches (at most ~{free // BYTES_PER_ACTION:.2g} actions fit)")
+        raise UserError(
+            f"{size} make {actions:.2g} actions, ~{_gib(actions * BYTES_PER_ACTION)} to search "
+            f"({BYTES_PER_ACTION} B each), more than the {free / 2**30:.1f} GiB free here; give fewer "
+            f"stages or microbatches (at most ~{free // BYTES_PER_ACTION:.2g} actions fit)"
+        )
     seconds = actions * SECONDS_PER_ACTION
     allowed = max(10 * args.time_limit, MIN_UNSTOPPABLE_S)
     if seconds > allowed:
-        raise UserError(f"{size} make {actions:.2g} actions, ~{_duration(seconds)} of search that --time-limit "
-                        f"cannot stop (~{SECONDS_PER_ACTION * 1e6:.0f} us each), more than "
-                        f"{_duration(allowed)} (10 x --time-limit {args.time_limit:g}, at least "
-                        f"{MIN_UNSTOPPABLE_S:.0f} s); give fewer stages or microbatches "
-                        f"(at most ~{allowed / SECONDS_PER_ACTION:.2g} actions) or a larger --time-limit")
+        raise UserError(
+            f"{size} make {actions:.2g} actions, ~{_duration(seconds)} of search that --time-limit "
+            f"cannot stop (~{SECONDS_PER_ACTION * 1e6:.0f} us each), more than "
+            f"{_duration(allowed)} (10 x --time-limit {args.time_limit:g}, at least "
+            f"{MIN_UNSTOPPABLE_S:.0f} s); give fewer stages or microbatches "
+            f"(at most ~{allowed / SECONDS_PER_ACTION:.2g} actions) or a larger --time-limit"
+        )
 
 
 def _gib(n: float) -> str:

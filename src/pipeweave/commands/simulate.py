@@ -14,22 +14,27 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeweave.host import available_memory as _available_memory
-from pipeweave.commands.layout_options import (add_byte_arguments, add_layout_arguments, layout_from_args,
-                                              layout_report, model_bytes)
-from pipeweave.commands.simulate_report import as_json, print_report
-from pipeweave.commands.recompute_options import add_recompute_cost_arguments, recompute_costs
+from pipeweave.commands.layout_options import (
+    add_byte_arguments,
+    add_layout_arguments,
+    layout_from_args,
+    layout_report,
+    model_bytes,
+)
 from pipeweave.commands.lever_options import add_stash_arguments, stash_plan
+from pipeweave.commands.recompute_options import add_recompute_cost_arguments, recompute_costs
+from pipeweave.commands.simulate_report import as_json, print_report
 from pipeweave.commands.units import check_cost_flags, parse_values
 from pipeweave.errors import UserError
+from pipeweave.host import available_memory as _available_memory
 from pipeweave.schedule import InvalidSchedule, Schedule, generate, read_csv, write_csv
 from pipeweave.schedule.registry import SCHEDULES, ScheduleInfo, tied_streams
 from pipeweave.sim import CostModel, Metrics, compute_metrics, simulate
-from pipeweave.sim.parallel import simulate_layout
 from pipeweave.sim.levers import simulate_levers
-from pipeweave.sim.validation import check
+from pipeweave.sim.parallel import simulate_layout
 from pipeweave.sim.textline import format_timeline
 from pipeweave.sim.timeline import BYTES_PER_ACTION
+from pipeweave.sim.validation import check
 from pipeweave.sim.versions import staleness, tied_lag
 
 Times = float | list[float]
@@ -38,7 +43,8 @@ Times = float | list[float]
 # An argparse declaration, kept as one list of options (exempt from the 60-line rule for functions).
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "simulate", help="simulate a schedule: timeline, bubble, memory",
+        "simulate",
+        help="simulate a schedule: timeline, bubble, memory",
         description="Simulate a schedule under a cost model; print its timeline and metrics beside "
         "the closed forms. Times: a number, or a comma list with one value per part (uneven stages).",
     )
@@ -47,25 +53,46 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--microbatches", "-T", type=int, default=8, help="T, microbatches per step (default 8)")
     p.add_argument("--chunks", "-v", type=int, help="v, chunks per rank, for interleaved schedules")
     p.add_argument("--time-f", default="1", metavar="F", help="forward time (default 1)")
-    p.add_argument("--time-b", default="1", metavar="B",
-                   help="input-gradient time I (default 1); a full backward B takes b + w")
+    p.add_argument(
+        "--time-b", default="1", metavar="B", help="input-gradient time I (default 1); a full backward B takes b + w"
+    )
     p.add_argument("--time-w", default="1", metavar="W", help="weight-gradient time W (default 1)")
-    p.add_argument("--time-u", default="0", metavar="U",
-                   help="optimizer step time U (default 0, as in the papers' bubble formulas)")
+    p.add_argument(
+        "--time-u",
+        default="0",
+        metavar="U",
+        help="optimizer step time U (default 0, as in the papers' bubble formulas)",
+    )
     p.add_argument("--time-comm", type=float, default=0.0, metavar="C", help="latency of one hop (default 0)")
-    p.add_argument("--time-dispatch", type=float, default=0.0, metavar="G",
-                   help="a runtime's time between two actions of a rank (default 0; pipeweave train profiles its own)")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="K",
-                   help="zb-auto, zb-v-auto: activation limit per rank, K x the 1F1B peak D x M_a (default 1)")
-    p.add_argument("--mem-w", type=float, default=0.5, metavar="R",
-                   help="share of M_a still held between I and W (default 0.5)")
+    p.add_argument(
+        "--time-dispatch",
+        type=float,
+        default=0.0,
+        metavar="G",
+        help="a runtime's time between two actions of a rank (default 0; pipeweave train profiles its own)",
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        metavar="K",
+        help="zb-auto, zb-v-auto: activation limit per rank, K x the 1F1B peak D x M_a (default 1)",
+    )
+    p.add_argument(
+        "--mem-w", type=float, default=0.5, metavar="R", help="share of M_a still held between I and W (default 0.5)"
+    )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument("--plot", metavar="FILE", help="write a timeline picture (.png, .svg or .pdf)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in ui.perfetto.dev)")
     p.add_argument("--csv", metavar="FILE", help="export the schedule as CSV (torch.distributed.pipelining's form)")
-    p.add_argument("--from-csv", "--schedule-file", dest="from_csv", metavar="FILE",
-                   help="simulate a hand-written schedule instead of -s: torch's CSV or pipeweave's text form "
-                        "(as train --schedule-file)")
+    p.add_argument(
+        "--from-csv",
+        "--schedule-file",
+        dest="from_csv",
+        metavar="FILE",
+        help="simulate a hand-written schedule instead of -s: torch's CSV or pipeweave's text form "
+        "(as train --schedule-file)",
+    )
     p.add_argument("--width", type=int, default=100, help="columns of the text timeline (default 100)")
     from pipeweave.commands.stream_options import add_schedule_arguments
 
@@ -75,10 +102,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_stash_arguments(p, stream=True)
     g = p.add_argument_group("asynchronous schedules", "a stream of --steps mini-batches with no flush")
     g.add_argument("--steps", type=int, help="mini-batches in the stream (default 4; avgpipe: rounds of P)")
-    g.add_argument("--tied", action="store_true",
-                   help="the model ties its first and last stage (--tie-embeddings): staleness counts the tied "
-                        "members, and the JSON gives tied_lag (the asynchronous rule: docs/guide/your-model.md, "
-                        "Tied parameters)")
+    g.add_argument(
+        "--tied",
+        action="store_true",
+        help="the model ties its first and last stage (--tie-embeddings): staleness counts the tied "
+        "members, and the JSON gives tied_lag (the asynchronous rule: docs/guide/your-model.md, "
+        "Tied parameters)",
+    )
     add_schedule_arguments(g)
     return p
 
@@ -97,16 +127,22 @@ def parse_times(flag: str, text: str) -> Times:
 
 
 def _check_counts(args: argparse.Namespace) -> None:
-    for flag, value in (("--stages", args.stages), ("--microbatches", args.microbatches),
-                        ("--chunks", args.chunks), ("--width", args.width)):
+    for flag, value in (
+        ("--stages", args.stages),
+        ("--microbatches", args.microbatches),
+        ("--chunks", args.chunks),
+        ("--width", args.width),
+    ):
         if value is not None and value < 1:
             raise UserError(f"{flag} {value} is invalid; give {flag} >= 1")
     check_cost_flags(args, (("--time-comm", "latency"), ("--time-dispatch", "time")))
     if not 0.0 <= args.mem_w <= 1.0:
         raise UserError(f"--mem-w {args.mem_w} is invalid; give a fraction in [0, 1]")
     if args.memory_limit is not None and not args.memory_limit * args.stages >= 1.0 - 1e-9:  # nan too
-        raise UserError(f"--memory-limit {args.memory_limit:g} holds less than one microbatch per rank; give K >= "
-                        f"1/{args.stages}, e.g. 1 (ZB-1p) or 2 (ZB-2p), or inf for no limit")
+        raise UserError(
+            f"--memory-limit {args.memory_limit:g} holds less than one microbatch per rank; give K >= "
+            f"1/{args.stages}, e.g. 1 (ZB-1p) or 2 (ZB-2p), or inf for no limit"
+        )
     _check_size(args)
 
 
@@ -119,9 +155,11 @@ def _check_size(args: argparse.Namespace) -> None:
     actions = 3 * args.stages * args.microbatches * chunks * max(1, getattr(args, "steps", 1) or 1)
     free = _available_memory()
     if free is not None and actions * BYTES_PER_ACTION > free:
-        raise UserError(f"--stages {args.stages} x --microbatches {args.microbatches} make up to {actions:.2g} actions, "
-                        f"~{actions * BYTES_PER_ACTION / 2**30:.0f} GiB to simulate, more than the "
-                        f"{free / 2**30:.1f} GiB free here; give fewer stages or microbatches")
+        raise UserError(
+            f"--stages {args.stages} x --microbatches {args.microbatches} make up to {actions:.2g} actions, "
+            f"~{actions * BYTES_PER_ACTION / 2**30:.0f} GiB to simulate, more than the "
+            f"{free / 2**30:.1f} GiB free here; give fewer stages or microbatches"
+        )
 
 
 def _check_lengths(times: dict[str, Times], num_parts: int) -> None:
@@ -143,8 +181,9 @@ def _build(args: argparse.Namespace, times: dict[str, Times]) -> tuple[Schedule,
     if info is None:
         raise UserError(f"unknown schedule {args.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
     # Searched schedules take the cost model as options: hand them the scalar times.
-    cost = CostModel(f=times["--time-f"], b=times["--time-b"], w=times["--time-w"], comm=args.time_comm,
-                     mem_w=args.mem_w)
+    cost = CostModel(
+        f=times["--time-f"], b=times["--time-b"], w=times["--time-w"], comm=args.time_comm, mem_w=args.mem_w
+    )
     options: dict[str, object] = dict(cost.generator_options(info.generator))
     params = inspect.signature(info.generator).parameters
     if args.memory_limit is not None:
@@ -157,8 +196,9 @@ def _build(args: argparse.Namespace, times: dict[str, Times]) -> tuple[Schedule,
         options.update(schedule_options(args, args.schedule))
         if getattr(args, "steps", None) is not None:
             options["num_steps"] = args.steps
-    schedule = generate(args.schedule, num_stages=args.stages, num_microbatches=args.microbatches,
-                        num_chunks=args.chunks, **options)
+    schedule = generate(
+        args.schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks, **options
+    )
     return schedule, info
 
 
@@ -166,16 +206,26 @@ def _prepared(args: argparse.Namespace) -> tuple[Schedule, ScheduleInfo | None, 
     """The arguments checked: ``(schedule, info, cost, layout, model bytes)``, the schedule not yet validated."""
     _check_counts(args)
     _check_outputs(args)
-    times = {flag: parse_times(flag, getattr(args, flag[2:].replace("-", "_")))
-             for flag in ("--time-f", "--time-b", "--time-w", "--time-u")}
+    times = {
+        flag: parse_times(flag, getattr(args, flag[2:].replace("-", "_")))
+        for flag in ("--time-f", "--time-b", "--time-w", "--time-u")
+    }
     if not args.from_csv:  # the flags refused before the schedule is built (a CSV's D is known once read)
         layout_from_args(args, num_ranks=args.stages)
     schedule, info = _build(args, times)
     _check_lengths(times, schedule.num_parts)
     layout = layout_from_args(args, num_ranks=schedule.placement.ranks_per_pipeline)
     model = model_bytes(args, schedule.num_parts)
-    cost = CostModel(f=times["--time-f"], b=times["--time-b"], w=times["--time-w"], u=times["--time-u"],
-                     comm=args.time_comm, dispatch=args.time_dispatch, mem_w=args.mem_w, **recompute_costs(args))
+    cost = CostModel(
+        f=times["--time-f"],
+        b=times["--time-b"],
+        w=times["--time-w"],
+        u=times["--time-u"],
+        comm=args.time_comm,
+        dispatch=args.time_dispatch,
+        mem_w=args.mem_w,
+        **recompute_costs(args),
+    )
     cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)  # lengths checked
     return schedule, info, cost, layout, model
 
@@ -189,20 +239,26 @@ def _timeline(schedule: Schedule, cost: CostModel, layout: Any, model: Any) -> A
         InvalidSchedule: ``validate``'s error, word for word.
     """
     check(schedule)
-    return (simulate(schedule, cost, check=True) if layout.trivial
-            else simulate_layout(schedule, cost, layout, model, check=True))
+    return (
+        simulate(schedule, cost, check=True)
+        if layout.trivial
+        else simulate_layout(schedule, cost, layout, model, check=True)
+    )
 
 
-def _levered(args: argparse.Namespace, schedule: Schedule, cost: CostModel, layout: Any,
-             model: Any) -> tuple[Any, Metrics, dict[str, Any]]:
+def _levered(
+    args: argparse.Namespace, schedule: Schedule, cost: CostModel, layout: Any, model: Any
+) -> tuple[Any, Metrics, dict[str, Any]]:
     """The timeline to show, its metrics and the memory levers' JSON (empty without levers)."""
     plan = stash_plan(args, schedule.num_parts)
     if not plan.active:
         timeline = _timeline(schedule, cost, layout, model)
         return timeline, compute_metrics(timeline), {}
     if not layout.trivial:
-        raise UserError("--offload, --balance-activations and --compress-activations are simulated on one "
-                        "pipeline; drop --tensor-parallel/--data-parallel or the memory levers")
+        raise UserError(
+            "--offload, --balance-activations and --compress-activations are simulated on one "
+            "pipeline; drop --tensor-parallel/--data-parallel or the memory levers"
+        )
     check(schedule)
     costs = cost.for_parts(num_parts=schedule.num_parts, num_ranks=schedule.placement.ranks_per_pipeline)
     metrics, timeline, levers = simulate_levers(schedule, costs, plan, args.host_bandwidth, args.copy_stream)
@@ -234,8 +290,10 @@ def _tied(args: argparse.Namespace, schedule: Schedule, metrics: Metrics) -> Met
     if not getattr(args, "tied", False):
         return metrics
     if not schedule.is_synchronous and schedule.name not in tied_streams():
-        raise UserError(f"--tied: {schedule.name} does not train tied parameters; asynchronous schedules train "
-                        f"them on {', '.join(tied_streams())} only; choose one or drop --tied")
+        raise UserError(
+            f"--tied: {schedule.name} does not train tied parameters; asynchronous schedules train "
+            f"them on {', '.join(tied_streams())} only; choose one or drop --tied"
+        )
     return dataclasses.replace(metrics, staleness=staleness(schedule, tied=True))
 
 
@@ -271,9 +329,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _report_invalid(args: argparse.Namespace, schedule: Schedule, exc: InvalidSchedule) -> int:
     if args.json:
-        print(json.dumps({"schedule": schedule.name, "stages": schedule.num_ranks,
-                          "microbatches": schedule.num_microbatches, "valid": False, "reason": exc.reason,
-                          "rank": exc.rank, "step": exc.step}))
+        print(
+            json.dumps(
+                {
+                    "schedule": schedule.name,
+                    "stages": schedule.num_ranks,
+                    "microbatches": schedule.num_microbatches,
+                    "valid": False,
+                    "reason": exc.reason,
+                    "rank": exc.rank,
+                    "step": exc.step,
+                }
+            )
+        )
     else:
         print(f"pipeweave simulate: {exc}", file=sys.stderr)
     return 1

@@ -20,12 +20,21 @@ def _cost_dict(cost: CostModel) -> dict[str, Any]:
     def plain(v: Any) -> Any:
         return v if isinstance(v, (int, float)) else list(v)
 
-    return {"f": plain(cost.f), "b": plain(cost.b), "w": plain(cost.w), "u": plain(cost.u), "comm": cost.comm,
-            "dispatch": cost.dispatch, "mem_w": cost.mem_w, "recompute": cost.recompute}
+    return {
+        "f": plain(cost.f),
+        "b": plain(cost.b),
+        "w": plain(cost.w),
+        "u": plain(cost.u),
+        "comm": cost.comm,
+        "dispatch": cost.dispatch,
+        "mem_w": cost.mem_w,
+        "recompute": cost.recompute,
+    }
 
 
-def as_json(schedule: Schedule, info: ScheduleInfo | None, cost: CostModel, metrics: Metrics,
-             files: dict[str, str]) -> dict[str, Any]:
+def as_json(
+    schedule: Schedule, info: ScheduleInfo | None, cost: CostModel, metrics: Metrics, files: dict[str, str]
+) -> dict[str, Any]:
     out: dict[str, Any] = {
         "schedule": schedule.name,
         "family": info.family if info else "csv",
@@ -43,7 +52,10 @@ def as_json(schedule: Schedule, info: ScheduleInfo | None, cost: CostModel, metr
 
 
 _OPS: dict[type, Callable[[float, float], float]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
 }
 
 
@@ -56,6 +68,7 @@ def evaluate(formula: str, names: dict[str, float]) -> float | None:
         >>> evaluate("T M_a", {"T": 8}) is None
         True
     """
+
     def walk(node: ast.AST) -> float:
         if isinstance(node, ast.Expression):
             return walk(node.body)
@@ -87,19 +100,28 @@ def _short(values: tuple[float, ...] | tuple[int, ...], limit: int = 8) -> str:
     text = [f"{v:g}" for v in values]
     if len(text) <= limit:
         return ", ".join(text)
-    return ", ".join(text[: limit // 2]) + ", ..., " + ", ".join(text[-limit // 2:]) + f"  (max {max(values):g})"
+    return ", ".join(text[: limit // 2]) + ", ..., " + ", ".join(text[-limit // 2 :]) + f"  (max {max(values):g})"
 
 
-def print_report(schedule: Schedule, info: ScheduleInfo | None, cost: CostModel, metrics: Metrics,
-                  timeline_text: str, files: dict[str, str]) -> None:
+def print_report(
+    schedule: Schedule,
+    info: ScheduleInfo | None,
+    cost: CostModel,
+    metrics: Metrics,
+    timeline_text: str,
+    files: dict[str, str],
+) -> None:
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
     family = info.family if info else "CSV schedule"
     kind = "synchronous" if schedule.is_synchronous else "asynchronous"
     c = _cost_dict(cost)
-    console.print(f"[bold]{schedule.name}[/bold] ({family}, {kind}): D={schedule.num_ranks} ranks, "
-                  f"T={schedule.num_microbatches} microbatches, v={schedule.num_chunks}; "
-                  f"f={c['f']} b={c['b']} w={c['w']} comm={c['comm']}"
-                  + "".join(f" {k}={c[k]}" for k in ("u", "dispatch") if c[k]), soft_wrap=True)
+    console.print(
+        f"[bold]{schedule.name}[/bold] ({family}, {kind}): D={schedule.num_ranks} ranks, "
+        f"T={schedule.num_microbatches} microbatches, v={schedule.num_chunks}; "
+        f"f={c['f']} b={c['b']} w={c['w']} comm={c['comm']}"
+        + "".join(f" {k}={c[k]}" for k in ("u", "dispatch") if c[k]),
+        soft_wrap=True,
+    )
     print(timeline_text)
     forms = _closed_forms(schedule, info)
     bubble_form = forms.get("bubble", "")

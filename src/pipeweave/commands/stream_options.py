@@ -37,8 +37,12 @@ POLICY_FLAGS = {
 def add_schedule_arguments(g: Any) -> None:
     """The generator options of the asynchronous schedules, on a parser or argument group."""
     g.add_argument("--warmup-steps", type=int, help="pipemare: leading mini-batches run synchronously (default 0)")
-    g.add_argument("--vertical-sync", action="store_true", default=None,
-                   help="pipedream: every stage reads the version stage 0 read")
+    g.add_argument(
+        "--vertical-sync",
+        action="store_true",
+        default=None,
+        help="pipedream: every stage reads the version stage 0 read",
+    )
     g.add_argument("--update-every", type=int, help="pipedream, spectrain: microbatches per update (default 1)")
     g.add_argument("--min-update-frequency", type=int, help="ampnet: local gradients per update (default 1)")
     g.add_argument("--max-active-keys", type=int, help="ampnet: microbatches in flight (default D)")
@@ -50,16 +54,28 @@ def add_async_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "asynchronous schedules",
         "A stream of --steps mini-batches with no flush (avgpipe: --steps/P rounds of P pipelines). "
-        "Losses are per mini-batch, as its forwards computed them.")
-    g.add_argument("--momentum", type=float,
-                   help="SGD momentum (default 0.9 for spectrain/xpipe, which predict along it; 0 otherwise)")
+        "Losses are per mini-batch, as its forwards computed them.",
+    )
+    g.add_argument(
+        "--momentum",
+        type=float,
+        help="SGD momentum (default 0.9 for spectrain/xpipe, which predict along it; 0 otherwise)",
+    )
     add_schedule_arguments(g)
-    g.add_argument("--anneal-steps", type=int, metavar="K",
-                   help="pipemare: updates over which the step size lr/tau returns to lr (default 1000; 0: off)")
+    g.add_argument(
+        "--anneal-steps",
+        type=int,
+        metavar="K",
+        help="pipemare: updates over which the step size lr/tau returns to lr (default 1000; 0: off)",
+    )
     g.add_argument("--decay", type=float, help="pipemare: velocity moving-average weight gamma (default 0.9)")
     g.add_argument("--no-correction", action="store_true", help="pipemare: no discrepancy correction")
-    g.add_argument("--averaging-rate", type=float, metavar="ALPHA",
-                   help="avgpipe: elastic averaging rate toward the replicas' mean (default 0.9/P)")
+    g.add_argument(
+        "--averaging-rate",
+        type=float,
+        metavar="ALPHA",
+        help="avgpipe: elastic averaging rate toward the replicas' mean (default 0.9/P)",
+    )
     g.add_argument("--averaging-period", type=int, help="avgpipe: update rounds between averagings (default 1)")
 
 
@@ -85,9 +101,13 @@ def schedule_options(args: argparse.Namespace, schedule: str) -> dict[str, Any]:
         >>> schedule_options(argparse.Namespace(warmup_steps=2), "pipemare")
         {'warmup_steps': 2}
     """
-    flags = {flag: (option, ", ".join(n for n, info in SCHEDULES.items()
-                                      if option in inspect.signature(info.generator).parameters))
-             for flag, option in SCHEDULE_FLAGS.items()}
+    flags = {
+        flag: (
+            option,
+            ", ".join(n for n, info in SCHEDULES.items() if option in inspect.signature(info.generator).parameters),
+        )
+        for flag, option in SCHEDULE_FLAGS.items()
+    }
     return _given(args, flags, schedule)
 
 

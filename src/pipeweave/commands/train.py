@@ -31,17 +31,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """``pipeweave train``: one option per field of ``TrainConfig`` (``config.cli``), grouped by section, and
     ``--config``/``--print-config``."""
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "train", help="train a model with a pipeline schedule on local ranks, measured",
+        "train",
+        help="train a model with a pipeline schedule on local ranks, measured",
         description="Train on torch.distributed with any schedule; measure bubble, memory, throughput. "
         "An asynchronous schedule runs as one stream of --steps mini-batches, drained where --eval-every or "
         "--save-every stop it. Every option is a field of pipeweave.TrainConfig; a TOML file holds the same "
         "fields by section.",
     )
-    p.add_argument("--config", metavar="FILE.toml",
-                   help="read the configuration from a TOML file (sections as the groups below); options given "
-                        "here override it")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the resolved configuration as TOML (a file --config reads) and exit")
+    p.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="read the configuration from a TOML file (sections as the groups below); options given here override it",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration as TOML (a file --config reads) and exit",
+    )
     add_arguments(p, TrainConfig)
     return p
 

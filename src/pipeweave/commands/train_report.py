@@ -9,12 +9,10 @@ before the run by ``output_paths``) and prints the summary table.
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-
-from dataclasses import asdict
 
 from rich.console import Console
 from rich.table import Table
@@ -22,6 +20,7 @@ from rich.table import Table
 from pipeweave.commands.outputs import output_file, output_folder, picture_file, replaced_output, write_output
 from pipeweave.commands.split_names import split_fields
 from pipeweave.commands.units import format_bytes
+from pipeweave.config import TrainConfig
 from pipeweave.config.toml import dumps as dump_toml
 from pipeweave.durable import remove_stale_temporaries
 from pipeweave.errors import UserError
@@ -31,7 +30,6 @@ from pipeweave.runtime.run.checkpoint_files import newest
 from pipeweave.runtime.run.memory import MemoryEstimate
 from pipeweave.runtime.run.prepare import layer_ranges, learning_rates, segments, stream_rates
 from pipeweave.runtime.run.record import RunRecord
-from pipeweave.config import TrainConfig
 from pipeweave.runtime.stream import stream_updates
 from pipeweave.schedule import Schedule
 from pipeweave.sim.plot import plot_timeline
@@ -42,18 +40,32 @@ def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate |
     estimated per rank before the run (``runtime.run.memory``) beside the peaks measured."""
     config = record.config
     return {
-        "schedule": config.schedule.name, "stages": config.schedule.num_stages, "microbatches": config.schedule.num_microbatches,
-        "chunks": schedule.num_chunks, "ranks": schedule.num_ranks, "steps": config.training.steps,
-        "data_parallel": config.parallel.data_parallel, "tensor_parallel": config.parallel.tensor_parallel, "zero": config.parallel.zero,
+        "schedule": config.schedule.name,
+        "stages": config.schedule.num_stages,
+        "microbatches": config.schedule.num_microbatches,
+        "chunks": schedule.num_chunks,
+        "ranks": schedule.num_ranks,
+        "steps": config.training.steps,
+        "data_parallel": config.parallel.data_parallel,
+        "tensor_parallel": config.parallel.tensor_parallel,
+        "zero": config.parallel.zero,
         "sequence_parallel": config.parallel.sequence_parallel,
         "processes": schedule.num_ranks * config.parallel.tensor_parallel,
-        "batch": config.data.batch_size, "model": asdict(config.model), "optimizer": config.training.optimizer, "lr": config.training.lr,
-        "recompute": config.memory.recompute, "precision": config.training.precision, "first_step": record.first_step,
-        "losses": record.losses, "skipped_steps": record.skipped_steps,
+        "batch": config.data.batch_size,
+        "model": asdict(config.model),
+        "optimizer": config.training.optimizer,
+        "lr": config.training.lr,
+        "recompute": config.memory.recompute,
+        "precision": config.training.precision,
+        "first_step": record.first_step,
+        "losses": record.losses,
+        "skipped_steps": record.skipped_steps,
         "config": dump_toml(config),  # the run's TOML: pipeweave train --config train.json reruns it
         "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
-        "lr_schedule": config.training.lr_schedule, "lrs": _learning_rates(config, schedule, record),
-        "wall_s": record.wall_s, "paused_s": record.paused_s,
+        "lr_schedule": config.training.lr_schedule,
+        "lrs": _learning_rates(config, schedule, record),
+        "wall_s": record.wall_s,
+        "paused_s": record.paused_s,
         **({"streams": len(segments(config))} if config.is_stream else {}),
         "transport": record.transport,
         **({"save_failures": record.save_failures} if record.save_failures else {}),
@@ -100,8 +112,7 @@ def output_paths(config: TrainConfig) -> dict[str, Path]:
     return paths
 
 
-def write_outputs(schedule: Schedule, record: RunRecord, report: dict[str, Any],
-                  config: TrainConfig) -> dict[str, str]:
+def write_outputs(schedule: Schedule, record: RunRecord, report: dict[str, Any], config: TrainConfig) -> dict[str, str]:
     """Write the JSON record, the Chrome trace and the timeline plot, each whole or not at all; return their paths.
 
     Raises:
@@ -109,9 +120,11 @@ def write_outputs(schedule: Schedule, record: RunRecord, report: dict[str, Any],
     """
     paths = output_paths(config)
     failed: list[UserError] = []
-    for key, write in (("json", lambda: write_output(paths["json"], json.dumps(report, indent=2) + "\n")),
-                       ("trace", lambda: write_output(paths["trace"], json.dumps(chrome_trace(schedule, record)))),
-                       ("plot", lambda: _plot(schedule, record, report, paths["plot"]))):
+    for key, write in (
+        ("json", lambda: write_output(paths["json"], json.dumps(report, indent=2) + "\n")),
+        ("trace", lambda: write_output(paths["trace"], json.dumps(chrome_trace(schedule, record)))),
+        ("plot", lambda: _plot(schedule, record, report, paths["plot"])),
+    ):
         try:
             written = write()
         except UserError as exc:
@@ -134,8 +147,10 @@ def _plot(schedule: Schedule, record: RunRecord, report: dict[str, Any], path: P
         timeline, what = rebased(step_timeline(schedule, record, record.config.training.steps - 1)), "last step"
     else:
         timeline, what = rebased(stream_timeline(schedule, record)), "stream"
-    title = (f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  measured {what} (ms), "
-             f"bubble {report['bubble_ratio']:.3f} (simulated {report['bubble_ratio_simulated']:.3f})")
+    title = (
+        f"{report['schedule']}  D={report['stages']}  T={report['microbatches']}  measured {what} (ms), "
+        f"bubble {report['bubble_ratio']:.3f} (simulated {report['bubble_ratio_simulated']:.3f})"
+    )
     try:
         with replaced_output(path) as tmp:
             plot_timeline(timeline, tmp, title=title)
@@ -157,20 +172,29 @@ def _summary_table(report: dict[str, Any]) -> Table:
     """The measures of the run beside the simulator's, one row each, and the memory of every rank."""
     losses = report["losses"]
     model = report["model"]["entry"] or report["model"]["kind"]
-    grid = "".join(f"  {k}={report[key]}" for k, key in (("P", "data_parallel"), ("N", "tensor_parallel"))
-                   if report.get(key, 1) > 1)
+    grid = "".join(
+        f"  {k}={report[key]}"
+        for k, key in (("P", "data_parallel"), ("N", "tensor_parallel"))
+        if report.get(key, 1) > 1
+    )
     grid += " SP" if report.get("sequence_parallel") else ""
-    table = Table(title=f"{report['schedule']}  D={report['stages']}{grid}  T={report['microbatches']}  "
-                        f"{model}  {report['steps']} steps  ({report['transport']}"
-                        f"{', bf16 autocast' if report.get('precision') == 'bf16' else ''})", show_header=True)
+    table = Table(
+        title=f"{report['schedule']}  D={report['stages']}{grid}  T={report['microbatches']}  "
+        f"{model}  {report['steps']} steps  ({report['transport']}"
+        f"{', bf16 autocast' if report.get('precision') == 'bf16' else ''})",
+        show_header=True,
+    )
     table.add_column("measure")
     table.add_column("measured", justify="right")
     table.add_column("simulated", justify="right")
     table.add_row("loss first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}", "")
     evals = report.get("eval_losses")
     if evals:
-        table.add_row(f"held-out loss (step {evals[0]['step']} -> {evals[-1]['step']})",
-                      f"{evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}", "")
+        table.add_row(
+            f"held-out loss (step {evals[0]['step']} -> {evals[-1]['step']})",
+            f"{evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}",
+            "",
+        )
     per = "step time" if "weight_bytes_simulated" not in report else "time per mini-batch"
     table.add_row(per, _ms(report["step_time_s"]), _ms(report["makespan_simulated_s"]))
     rate = f"{report['samples_per_s']:.1f} samples/s"
@@ -178,8 +202,9 @@ def _summary_table(report: dict[str, Any]) -> Table:
         rate += f"  ({report['tokens_per_s']:.0f} tokens/s)"
     table.add_row("throughput", rate, "")
     table.add_row("bubble ratio", f"{report['bubble_ratio']:.3f}", f"{report['bubble_ratio_simulated']:.3f}")
-    table.add_row("bubble ratio (flush)", f"{report['bubble_ratio_flush']:.3f}",
-                  f"{report['bubble_ratio_flush_simulated']:.3f}")
+    table.add_row(
+        "bubble ratio (flush)", f"{report['bubble_ratio_flush']:.3f}", f"{report['bubble_ratio_flush_simulated']:.3f}"
+    )
     table.add_row("dispatch per action", f"{report['profiled_costs_s']['dispatch'] * 1e6:.0f} us", "")
     table.add_row("bubble, schedule alone", "", f"{report['bubble_ratio_simulated_no_dispatch']:.3f}")
     for key, what in (("staleness", "staleness / stage"), ("tied_lag", "tied lag / stage")):
@@ -192,16 +217,22 @@ def _summary_table(report: dict[str, Any]) -> Table:
 def _print_notes(console: Console, report: dict[str, Any]) -> None:
     """What else the user should know: time spent between streams, skipped updates, where a resumed run began."""
     if report.get("streams", 1) > 1:
-        console.print(f"{report['streams']} streams, drained between them to evaluate or save: "
-                      f"{report['paused_s']:.2f} s spent there, not in the times above")
+        console.print(
+            f"{report['streams']} streams, drained between them to evaluate or save: "
+            f"{report['paused_s']:.2f} s spent there, not in the times above"
+        )
     skipped = report.get("skipped_steps")
     if skipped:
         steps = ", ".join(str(k + 1) for k in skipped)
-        console.print(f"skipped the update of {len(skipped)} of {report['steps']} steps (loss or gradient norm not "
-                      f"finite; --on-nonfinite skip): step {steps} of this run")
+        console.print(
+            f"skipped the update of {len(skipped)} of {report['steps']} steps (loss or gradient norm not "
+            f"finite; --on-nonfinite skip): step {steps} of this run"
+        )
     if report.get("first_step"):
-        console.print(f"resumed after step {report['first_step']}: steps {report['first_step'] + 1}-"
-                      f"{report['first_step'] + report['steps']} of the training")
+        console.print(
+            f"resumed after step {report['first_step']}: steps {report['first_step'] + 1}-"
+            f"{report['first_step'] + report['steps']} of the training"
+        )
 
 
 def _memory_rows(table: Table, report: dict[str, Any]) -> None:
@@ -211,7 +242,8 @@ def _memory_rows(table: Table, report: dict[str, Any]) -> None:
     tensors = report.get("peak_tensor_bytes") or [0] * len(report["weight_bytes"])
     for r, (act, weight) in enumerate(zip(report["peak_activation_bytes"], report["weight_bytes"])):
         predicted = ([f"act {_bytes(estimated[r])}"] if estimated else []) + (
-            [f"weights {_bytes(simulated[r])}"] if simulated else [])
+            [f"weights {_bytes(simulated[r])}"] if simulated else []
+        )
         peak = f"  peak {_bytes(tensors[r])}" if tensors[r] else ""  # the process's tensors (stage.tensor_bytes)
         table.add_row(f"rank {r} memory", f"act {_bytes(act)}  weights {_bytes(weight)}{peak}", "  ".join(predicted))
 

@@ -48,8 +48,9 @@ def _check_transport(launch_: Any, plan: RunPlan, torchrun: bool, capacity: int 
     if launch_.transport != "shm":
         return
     if torchrun:
-        raise UserError("--transport shm needs ranks spawned by pipeweave on one host, not torchrun; "
-                        "use --transport gloo")
+        raise UserError(
+            "--transport shm needs ranks spawned by pipeweave on one host, not torchrun; use --transport gloo"
+        )
     why = shm.unavailable(plan.num_processes, capacity or shm.DEFAULT_CAPACITY)
     if why is not None:
         raise UserError(f"--transport shm cannot run here: {why}; use --transport gloo")
@@ -74,10 +75,12 @@ def _check_world(plan: RunPlan) -> None:
     world = int(os.environ.get("WORLD_SIZE", "0"))
     if under_torchrun() and world != plan.num_processes:
         c = plan.config.parallel
-        raise UserError(f"torchrun started {world} processes but --data-parallel {c.data_parallel} x "
-                        f"{plan.schedule.num_ranks // c.data_parallel} stage ranks x --tensor-parallel "
-                        f"{c.tensor_parallel} need {plan.num_processes}; give --nnodes x --nproc-per-node = "
-                        f"{plan.num_processes}")
+        raise UserError(
+            f"torchrun started {world} processes but --data-parallel {c.data_parallel} x "
+            f"{plan.schedule.num_ranks // c.data_parallel} stage ranks x --tensor-parallel "
+            f"{c.tensor_parallel} need {plan.num_processes}; give --nnodes x --nproc-per-node = "
+            f"{plan.num_processes}"
+        )
 
 
 def train(args: argparse.Namespace) -> int:
@@ -103,9 +106,15 @@ def run_config(config: TrainConfig, on_record: Any = None) -> int:
     out = None if log.json and log.trace and log.plot else log.out  # where the default outputs go
     if out is not None:
         output_folder("--out", Path(out))  # where its lock goes: a file in the way is one line here
-    same = out is not None and config.checkpoint.save is not None and Path(out).resolve() == Path(config.checkpoint.save).resolve()
-    with save_lock(config.checkpoint.save if _rank() == 0 else None), \
-            save_lock(out if _rank() == 0 and not same else None, flag="--out"):
+    same = (
+        out is not None
+        and config.checkpoint.save is not None
+        and Path(out).resolve() == Path(config.checkpoint.save).resolve()
+    )
+    with (
+        save_lock(config.checkpoint.save if _rank() == 0 else None),
+        save_lock(out if _rank() == 0 and not same else None, flag="--out"),
+    ):
         try:
             config = resolve_auto(config)
         except AlreadyTrained as done:  # a restarted command whose training had finished: nothing to do
@@ -129,8 +138,9 @@ def _launch(config: TrainConfig, on_record: Any = None) -> int:
     memory = estimate_memory(plan, capacity if _uses_rings(config, plan, capacity) else None)
     check_memory(memory, config, on_cpu=not torch.cuda.is_available())  # one line before anything is spawned
     launch_ = config.launch
-    options = LaunchOptions(threads=launch_.threads, timeout_s=launch_.timeout, transport=launch_.transport,
-                            shm_capacity=capacity)
+    options = LaunchOptions(
+        threads=launch_.threads, timeout_s=launch_.timeout, transport=launch_.transport, shm_capacity=capacity
+    )
     try:
         with progress:
             record = launch(run_rank, plan, plan.num_processes, options, on_progress=progress.update)
@@ -189,8 +199,14 @@ class _Progress:
 
     def __enter__(self) -> _Progress:
         if not self.quiet:
-            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[status]}"), TimeElapsedColumn(), transient=False)
+            self.bar = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(),
+                transient=False,
+            )
             self.bar.start()
             self.task = self.bar.add_task("train", total=self.config.training.steps, status="starting ranks...")
         return self

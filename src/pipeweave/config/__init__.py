@@ -10,6 +10,18 @@ from pipeweave.config.run_sections import CheckpointConfig, LaunchConfig, Loggin
 from pipeweave.config.sections import DataConfig, MemoryConfig, ParallelConfig, PartitionConfig, ScheduleConfig
 from pipeweave.config.train import TrainConfig
 
-__all__ = ["CheckpointConfig", "DataConfig", "LaunchConfig", "LoggingConfig", "MemoryConfig", "ModelSpec",
-           "ParallelConfig", "PartitionConfig", "PolicyOptions", "PostValidation", "ScheduleConfig", "TrainConfig",
-           "TrainingConfig"]
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "LaunchConfig",
+    "LoggingConfig",
+    "MemoryConfig",
+    "ModelSpec",
+    "ParallelConfig",
+    "PartitionConfig",
+    "PolicyOptions",
+    "PostValidation",
+    "ScheduleConfig",
+    "TrainConfig",
+    "TrainingConfig",
+]

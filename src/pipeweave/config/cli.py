@@ -134,6 +134,9 @@ def undocumented(cls: type) -> list[str]:
 
 def flag_names(cls: type) -> dict[str, str]:
     """Each option's long flag -> ``section.field`` (for messages and the contributor guide)."""
-    return {flag_of(f): f"{name}{SEP}{f.name}" for name, section in sections(cls) for f in dataclasses.fields(section)
-            if not option_of(f).internal and option_of(f).via is None}
-
+    return {
+        flag_of(f): f"{name}{SEP}{f.name}"
+        for name, section in sections(cls)
+        for f in dataclasses.fields(section)
+        if not option_of(f).internal and option_of(f).via is None
+    }

@@ -35,8 +35,10 @@ def model_word(word: str) -> dict[str, Any]:
     if word == "custom":  # a file's own spelling: kind and entry given apart
         return {}
     if ":" not in word:
-        raise UserError(f"--model {word!r} is unknown; choose gpt, mlp, FILE.py:NAME (your own model) or "
-                        "hf:TYPE (a Hugging Face model)")
+        raise UserError(
+            f"--model {word!r} is unknown; choose gpt, mlp, FILE.py:NAME (your own model) or "
+            "hf:TYPE (a Hugging Face model)"
+        )
     return {"kind": "custom", "entry": word}
 
 
@@ -86,14 +88,18 @@ class ModelSpec:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"{name}={value!r} is invalid; give an integer >= 1")
         if (self.kind == "custom") != (self.entry is not None):
-            raise UserError("a custom model needs its entry, and only a custom model takes one; "
-                            "give ModelSpec(kind='custom', entry='my_model.py:model')")
+            raise UserError(
+                "a custom model needs its entry, and only a custom model takes one; "
+                "give ModelSpec(kind='custom', entry='my_model.py:model')"
+            )
         if self.hf_config is not None and not (self.entry or "").startswith("hf:"):
             raise UserError("--hf-config applies to --model hf:NAME only; drop it or name a Hugging Face model")
         if self.tie_embeddings and self.kind != "gpt":
             raise UserError("tie_embeddings applies to the gpt only; drop it or use --model gpt")
         if self.kind == "gpt" and self.hidden % self.heads:
-            raise UserError(f"hidden={self.hidden} is not divisible by heads={self.heads}; choose heads dividing hidden")
+            raise UserError(
+                f"hidden={self.hidden} is not divisible by heads={self.heads}; choose heads dividing hidden"
+            )
         check_section(self)
 
     @staticmethod

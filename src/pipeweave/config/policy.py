@@ -37,8 +37,7 @@ class PolicyOptions:
     0.9
     """
 
-    anneal_steps: int = option(DEFAULT_ANNEAL_STEPS, metavar="K",
-                               check=at_least(0, "give K >= 0 (0: no rescheduling)"))
+    anneal_steps: int = option(DEFAULT_ANNEAL_STEPS, metavar="K", check=at_least(0, "give K >= 0 (0: no rescheduling)"))
     """pipemare: updates over which the step size lr/tau returns to lr (PipeMare's K; 0: off)."""
     decay: float = option(DEFAULT_DECAY, check=_fraction_below_one)
     """pipemare: velocity moving-average weight gamma."""

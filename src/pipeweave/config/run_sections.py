@@ -23,8 +23,9 @@ def check_precision(precision: str, flag: str = "--precision") -> None:
         UserError: e.g. fp16, which needs loss scaling.
     """
     if precision == "fp16":
-        raise UserError("--precision fp16 needs loss scaling, which pipeweave does not do; "
-                        "give bf16 (float32's range) or fp32")
+        raise UserError(
+            "--precision fp16 needs loss scaling, which pipeweave does not do; give bf16 (float32's range) or fp32"
+        )
     if precision not in PRECISIONS:
         raise UserError(f"--precision {precision!r} is unknown; give one of: {', '.join(PRECISIONS)}")
 
@@ -86,8 +87,11 @@ class TrainingConfig:
     """Clip and skip without a barrier (``runtime.stage.post_validation``): made from ``clip_grad_norm``."""
 
     def __post_init__(self) -> None:
-        if self.post_validation is None and isinstance(self.clip_grad_norm, (int, float)) \
-                and not isinstance(self.clip_grad_norm, bool):
+        if (
+            self.post_validation is None
+            and isinstance(self.clip_grad_norm, (int, float))
+            and not isinstance(self.clip_grad_norm, bool)
+        ):
             object.__setattr__(self, "post_validation", PostValidation(max_norm=self.clip_grad_norm))
         check_section(self)
 
@@ -112,8 +116,9 @@ class CheckpointConfig:
     another run's checkpoint is refused."""
     save_every: int | None = option(None, metavar="N")
     """With --save: also write a checkpoint every N steps; an asynchronous schedule drains its stream there."""
-    keep_checkpoints: int = option(2, metavar="K", check=at_least(
-        1, "give an integer >= 1 (the newest checkpoints kept in --save)"))
+    keep_checkpoints: int = option(
+        2, metavar="K", check=at_least(1, "give an integer >= 1 (the newest checkpoints kept in --save)")
+    )
     """The newest checkpoints of this run kept in --save DIR."""
     overwrite: bool = option(False)
     """Save into a DIR holding another run's checkpoints, removing them once this run's first checkpoint is
@@ -134,8 +139,9 @@ class CheckpointConfig:
         if self.save_every is not None and (self.save_every < 1 or self.save is None):
             raise UserError(f"--save-every {self.save_every} is invalid; give an integer >= 1 together with --save DIR")
         if self.resume == "auto" and self.save is None:
-            raise UserError("--resume auto resumes the newest checkpoint in --save DIR; give --save DIR too (or "
-                            "--resume DIR)")
+            raise UserError(
+                "--resume auto resumes the newest checkpoint in --save DIR; give --save DIR too (or --resume DIR)"
+            )
         if self.save_pretrained is not None and not self.collect_parameters:
             object.__setattr__(self, "collect_parameters", True)
 
@@ -169,8 +175,10 @@ class LoggingConfig:
 
 def _timeout(value: float, flag: str) -> None:
     if not 0 < value <= MAX_TIMEOUT_S:  # nan too
-        raise UserError(f"--timeout {value:g} is invalid; give the seconds a rank may wait on a peer, "
-                        f"> 0 and at most {MAX_TIMEOUT_S:.0f} (a week); default 25")
+        raise UserError(
+            f"--timeout {value:g} is invalid; give the seconds a rank may wait on a peer, "
+            f"> 0 and at most {MAX_TIMEOUT_S:.0f} (a week); default 25"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

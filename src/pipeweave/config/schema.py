@@ -51,13 +51,34 @@ class Option:
     """Set by another field's flag (``spread``), named here; the field has none of its own."""
 
 
-def option(default: Any = MISSING, *, default_factory: Any = MISSING, flags: tuple[str, ...] = (),
-           metavar: str | None = None, internal: bool = False, const: Any = None, negate: bool = False,
-           check: Callable[[Any, str], None] | None = None, parse: Callable[[str], Any] | None = None,
-           spread: Callable[[Any], dict[str, Any]] | None = None, via: str | None = None) -> Any:
+def option(
+    default: Any = MISSING,
+    *,
+    default_factory: Any = MISSING,
+    flags: tuple[str, ...] = (),
+    metavar: str | None = None,
+    internal: bool = False,
+    const: Any = None,
+    negate: bool = False,
+    check: Callable[[Any, str], None] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    spread: Callable[[Any], dict[str, Any]] | None = None,
+    via: str | None = None,
+) -> Any:
     """A configuration field: ``dataclasses.field`` with its ``Option``."""
-    meta = {KEY: Option(flags=flags, metavar=metavar, internal=internal, const=const, negate=negate, check=check,
-                        parse=parse, spread=spread, via=via)}
+    meta = {
+        KEY: Option(
+            flags=flags,
+            metavar=metavar,
+            internal=internal,
+            const=const,
+            negate=negate,
+            check=check,
+            parse=parse,
+            spread=spread,
+            via=via,
+        )
+    }
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -88,8 +109,13 @@ def field_docs(cls: type) -> dict[str, str]:
         if not isinstance(body, ast.ClassDef):
             continue
         for node, after in zip(body.body, body.body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
-                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[node.target.id] = inspect.cleandoc(after.value.value)
     return docs
 
@@ -164,9 +190,11 @@ def check_section(section: Any) -> None:
         choices = choices_of(hint)
         if value is not None and choices is not None and value not in choices:
             word = "unknown" if isinstance(value, str) else "invalid"
-            raise UserError(f"{flag_of(f)} {value!r} is {word}; choose one of: {', '.join(map(str, choices))}"
-                            if isinstance(value, str) else
-                            f"{flag_of(f)} {value} is {word}; choose one of: {', '.join(map(str, choices))}")
+            raise UserError(
+                f"{flag_of(f)} {value!r} is {word}; choose one of: {', '.join(map(str, choices))}"
+                if isinstance(value, str)
+                else f"{flag_of(f)} {value} is {word}; choose one of: {', '.join(map(str, choices))}"
+            )
         check = option_of(f).check
         if check is not None and value is not None:
             check(value, flag_of(f))
@@ -184,5 +212,6 @@ def at_least(low: int | float, fix: str = "give an integer >= 1") -> Callable[[A
 
 def sections(cls: type) -> list[tuple[str, type]]:
     """The sections of a configuration class: ``(field name, section class)`` in declaration order."""
-    return [(f.name, hints(cls)[f.name]) for f in dataclasses.fields(cls)
-            if dataclasses.is_dataclass(hints(cls)[f.name])]
+    return [
+        (f.name, hints(cls)[f.name]) for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints(cls)[f.name])
+    ]

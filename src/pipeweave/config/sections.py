@@ -66,9 +66,14 @@ class ScheduleConfig:
         check_section(self)
 
 
-GENERATOR_OPTIONS = {"warmup_steps": "warmup_steps", "vertical_sync": "vertical_sync", "update_every": "update_every",
-                     "min_update_frequency": "min_update_frequency", "max_active_keys": "max_active_keys",
-                     "pipelines": "num_pipelines"}
+GENERATOR_OPTIONS = {
+    "warmup_steps": "warmup_steps",
+    "vertical_sync": "vertical_sync",
+    "update_every": "update_every",
+    "min_update_frequency": "min_update_frequency",
+    "max_active_keys": "max_active_keys",
+    "pipelines": "num_pipelines",
+}
 """``ScheduleConfig`` field -> the generator's keyword it sets."""
 
 
@@ -216,8 +221,10 @@ def parse_counts(text: str) -> tuple[int, ...]:
         raise UserError(f"--layers-per-stage {text!r} is not a list of integers; write e.g. 3,2,2,1") from None
     negative = [c for c in counts if c < 0]
     if negative:
-        raise UserError(f"--layers-per-stage {text} has a negative layer count ({negative[0]}); give every part "
-                        "at least one layer, e.g. 3,2,2,1")
+        raise UserError(
+            f"--layers-per-stage {text} has a negative layer count ({negative[0]}); give every part "
+            "at least one layer, e.g. 3,2,2,1"
+        )
     return counts
 
 

@@ -49,8 +49,10 @@ def load(path: str | Path, cls: type) -> dict[str, dict[str, Any]]:
         try:
             text = json.loads(text)["config"]
         except (ValueError, KeyError, TypeError):
-            raise UserError(f"--config {path}: a JSON file here is a run's record (train.json) holding its "
-                            "configuration; this one holds none; give a TOML file") from None
+            raise UserError(
+                f"--config {path}: a JSON file here is a run's record (train.json) holding its "
+                "configuration; this one holds none; give a TOML file"
+            ) from None
     return parse(text, cls, str(path))
 
 
@@ -69,13 +71,14 @@ def parse(text: str, cls: type, where: str) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, values in data.items():
         if name not in known or not isinstance(values, dict):
-            raise UserError(f"{where}:{_line(text, None, name)}: [{name}] is no section{_closest(name, known)}; "
-                            f"sections are {', '.join(known)}")
+            raise UserError(
+                f"{where}:{_line(text, None, name)}: [{name}] is no section{_closest(name, known)}; "
+                f"sections are {', '.join(known)}"
+            )
         fields = {f.name: f for f in dataclasses.fields(known[name]) if not option_of(f).internal}
         for key, value in values.items():
             if key not in fields:
-                raise UserError(f"{where}:{_line(text, name, key)}: {key} is no key of [{name}]"
-                                f"{_closest(key, fields)}")
+                raise UserError(f"{where}:{_line(text, name, key)}: {key} is no key of [{name}]{_closest(key, fields)}")
             out.setdefault(name, {})[key] = tuple(value) if isinstance(value, list) else value
         try:
             dataclasses.replace(known[name](), **out.get(name, {})) if name != "model" else None

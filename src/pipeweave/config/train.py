@@ -27,8 +27,14 @@ from pipeweave.config.model import ModelSpec
 from pipeweave.config.policy import PolicyOptions
 from pipeweave.config.run_sections import CheckpointConfig, LaunchConfig, LoggingConfig, TrainingConfig
 from pipeweave.config.schema import check_section, flag_of, hints, sections
-from pipeweave.config.sections import (GENERATOR_OPTIONS, DataConfig, MemoryConfig, ParallelConfig, PartitionConfig,
-                                       ScheduleConfig)
+from pipeweave.config.sections import (
+    GENERATOR_OPTIONS,
+    DataConfig,
+    MemoryConfig,
+    ParallelConfig,
+    PartitionConfig,
+    ScheduleConfig,
+)
 from pipeweave.errors import UserError
 from pipeweave.schedule.registry import SCHEDULES, schedule_defaults
 
@@ -37,8 +43,13 @@ DEFAULT_SCHEDULE = "zb-h1"
 DEFAULT_STAGES, DEFAULT_MICROBATCHES = 2, 4
 PRIMARY = {"schedule": "name", "data": "path"}
 """Sections that a plain string names: ``schedule="1f1b"``, ``data="corpus.txt"``."""
-POLICY_TAKERS = {"anneal_steps": "pipemare", "decay": "pipemare", "correction": "pipemare",
-                 "averaging_rate": "avgpipe", "averaging_period": "avgpipe"}
+POLICY_TAKERS = {
+    "anneal_steps": "pipemare",
+    "decay": "pipemare",
+    "correction": "pipemare",
+    "averaging_rate": "avgpipe",
+    "averaging_period": "avgpipe",
+}
 """``PolicyOptions`` field -> the schedule whose policy reads it."""
 
 
@@ -103,8 +114,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name, cls in sections(type(self)):
             if not isinstance(getattr(self, name), cls):
-                raise UserError(f"{name}={getattr(self, name)!r} is a {type(getattr(self, name)).__name__}; give a "
-                                f"{cls.__name__}")
+                raise UserError(
+                    f"{name}={getattr(self, name)!r} is a {type(getattr(self, name)).__name__}; give a {cls.__name__}"
+                )
         _resolve_schedule(self)
         _resolve_training(self)
         if self.data.data_seed is None:
@@ -153,8 +165,7 @@ class TrainConfig:
             >>> TrainConfig(steps=5).replace(steps=7, data_parallel=2).training.steps
             7
         """
-        return dataclasses.replace(self, **{PRIMARY.get(k, k) if isinstance(v, str) else k: v
-                                            for k, v in flat.items()})
+        return dataclasses.replace(self, **{PRIMARY.get(k, k) if isinstance(v, str) else k: v for k, v in flat.items()})
 
     @property
     def is_stream(self) -> bool:
@@ -169,7 +180,8 @@ class TrainConfig:
         """``--clip-grad-norm`` with tensor or data parallelism: one all-reduce of the norm at ``U``
         (``runtime.clip``) instead of post-validation, which passes whole stages' norms down one pipeline."""
         return self.training.post_validation is not None and (
-            self.parallel.tensor_parallel > 1 or self.parallel.data_parallel > 1)
+            self.parallel.tensor_parallel > 1 or self.parallel.data_parallel > 1
+        )
 
     @property
     def variable_shapes(self) -> bool:
@@ -208,10 +220,14 @@ def _resolve_schedule(config: TrainConfig) -> None:
     name = s.schedule_path if s.schedule_path is not None else s.name or DEFAULT_SCHEDULE
     written = s.written
     unread = s.schedule_path is not None and written is None  # sized by the file once it is read (resolve)
-    stages = s.num_stages if s.num_stages is not None or unread else \
-        written.num_ranks if written else DEFAULT_STAGES
-    micro = s.num_microbatches if s.num_microbatches is not None or unread else \
-        written.num_microbatches if written else DEFAULT_MICROBATCHES
+    stages = s.num_stages if s.num_stages is not None or unread else written.num_ranks if written else DEFAULT_STAGES
+    micro = (
+        s.num_microbatches
+        if s.num_microbatches is not None or unread
+        else written.num_microbatches
+        if written
+        else DEFAULT_MICROBATCHES
+    )
     options = dict(s.options)
     for key, keyword in GENERATOR_OPTIONS.items():
         value = getattr(s, key)
@@ -227,8 +243,11 @@ def _resolve_training(config: TrainConfig) -> None:
     t = config.training
     optimizer = t.optimizer or ("sgd" if config.model.kind == "mlp" else "adamw")
     lr = t.lr if t.lr is not None else (3e-3 if optimizer == "adamw" else 0.1)
-    momentum = t.momentum if t.momentum is not None else \
-        float(schedule_defaults(config.schedule.name or "").get("momentum", 0.0))
+    momentum = (
+        t.momentum
+        if t.momentum is not None
+        else float(schedule_defaults(config.schedule.name or "").get("momentum", 0.0))
+    )
     _set(config, "training", optimizer=optimizer, lr=lr, momentum=momentum)
 
 
@@ -254,16 +273,24 @@ def _check_schedule_file(config: TrainConfig, schedule: Any) -> None:
     """A schedule from a file is synchronous, and the run's sizes are its own (one line otherwise)."""
     s = config.schedule
     if not schedule.is_synchronous:
-        raise UserError(f"--schedule-file {s.name}: train takes synchronous schedules from a file, this one "
-                        f"has policy {schedule.policy.value}; use -s NAME for an asynchronous schedule")
-    for flag, given, own in (("--stages", s.num_stages, schedule.num_ranks),
-                             ("--microbatches", s.num_microbatches, schedule.num_microbatches)):
+        raise UserError(
+            f"--schedule-file {s.name}: train takes synchronous schedules from a file, this one "
+            f"has policy {schedule.policy.value}; use -s NAME for an asynchronous schedule"
+        )
+    for flag, given, own in (
+        ("--stages", s.num_stages, schedule.num_ranks),
+        ("--microbatches", s.num_microbatches, schedule.num_microbatches),
+    ):
         if given != own:
-            raise UserError(f"{flag} {given} conflicts with --schedule-file {s.name}, which has {own}; "
-                            f"drop {flag} (the file sets it)")
+            raise UserError(
+                f"{flag} {given} conflicts with --schedule-file {s.name}, which has {own}; "
+                f"drop {flag} (the file sets it)"
+            )
     if s.num_chunks is not None and s.num_chunks != schedule.num_chunks:
-        raise UserError(f"--chunks {s.num_chunks} conflicts with --schedule-file {s.name}, which has "
-                        f"{schedule.num_chunks} per rank; drop --chunks (the file sets it)")
+        raise UserError(
+            f"--chunks {s.num_chunks} conflicts with --schedule-file {s.name}, which has "
+            f"{schedule.num_chunks} per rank; drop --chunks (the file sets it)"
+        )
 
 
 def _check_min_seq_len(config: TrainConfig, length: int) -> None:
@@ -278,5 +305,7 @@ def _check_min_seq_len(config: TrainConfig, length: int) -> None:
         flag = "--seq-len " if not where else ""
         raise UserError(f"--min-seq-len {length} is invalid; give a length in [1, {flag}{longest}]{where}")
     if config.is_stream:
-        raise UserError(f"--min-seq-len applies to synchronous schedules; {config.schedule.name} is asynchronous; "
-                        "drop --min-seq-len or use a synchronous schedule")
+        raise UserError(
+            f"--min-seq-len applies to synchronous schedules; {config.schedule.name} is asynchronous; "
+            "drop --min-seq-len or use a synchronous schedule"
+        )

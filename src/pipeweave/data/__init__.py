@@ -26,7 +26,11 @@ class DataSource(Protocol):
 
 
 def data_source(
-    spec: ModelSpec, *, batch_size: int, seed: int = 0, path: str | os.PathLike[str] | None = None,
+    spec: ModelSpec,
+    *,
+    batch_size: int,
+    seed: int = 0,
+    path: str | os.PathLike[str] | None = None,
     min_seq_len: int | None = None,
 ) -> DataSource:
     """The model's data: fixed random regression for the mlp, byte windows of a corpus for the gpt,
@@ -48,14 +52,17 @@ def data_source(
         (4, 8)
     """
     if min_seq_len is not None and spec.kind == "mlp":
-        raise UserError(f"--min-seq-len applies to models of sequences (gpt, hf:TYPE, your own); a "
-                        f"{spec.kind} model brings fixed shapes: drop --min-seq-len")
+        raise UserError(
+            f"--min-seq-len applies to models of sequences (gpt, hf:TYPE, your own); a "
+            f"{spec.kind} model brings fixed shapes: drop --min-seq-len"
+        )
     if spec.kind == "custom":
         if path is not None:
             raise UserError("--data applies to --model gpt only; a custom model brings its own dataset: drop --data")
         model = spec.custom
-        return DatasetSource(model.dataset, batch_size=batch_size, seed=seed, eval_dataset=model.eval_dataset,
-                             min_seq_len=min_seq_len)
+        return DatasetSource(
+            model.dataset, batch_size=batch_size, seed=seed, eval_dataset=model.eval_dataset, min_seq_len=min_seq_len
+        )
     if spec.kind == "mlp":
         if path is not None:
             raise UserError("--data applies to --model gpt only; drop --data or use --model gpt")
@@ -73,8 +80,9 @@ def longest_sequence(spec: ModelSpec) -> int:
         UserError: the mlp, or a custom dataset of no sequences (``dataset.sequence_length``).
     """
     if spec.kind == "mlp":
-        raise UserError("--min-seq-len applies to models of sequences (gpt, hf:TYPE, your own), not mlp; drop "
-                        "--min-seq-len")
+        raise UserError(
+            "--min-seq-len applies to models of sequences (gpt, hf:TYPE, your own), not mlp; drop --min-seq-len"
+        )
     return spec.seq_len if spec.kind == "gpt" else sequence_length(spec.custom.dataset)
 
 
@@ -119,6 +127,13 @@ def split_microbatches(batch: Boundary, num_microbatches: int) -> list[Boundary]
 
 
 __all__ = [
-    "ByteCorpus", "DataSource", "DatasetSource", "RandomRegression", "data_source", "read_text_file",
-    "split_microbatches", "stdlib_sources", "step_microbatches",
+    "ByteCorpus",
+    "DataSource",
+    "DatasetSource",
+    "RandomRegression",
+    "data_source",
+    "read_text_file",
+    "split_microbatches",
+    "stdlib_sources",
+    "step_microbatches",
 ]

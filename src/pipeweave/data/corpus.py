@@ -86,9 +86,13 @@ def read_text_file(path: str | os.PathLike[str], whole_bytes: int | None = None)
 
 def _kind(mode: int) -> str:
     """What a file that is not a regular one is, for messages."""
-    for test, name in ((stat.S_ISCHR, "a character device (read without end)"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISFIFO, "a FIFO (read without end)"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISDIR, "a directory")):
+    for test, name in (
+        (stat.S_ISCHR, "a character device (read without end)"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO (read without end)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -173,8 +177,9 @@ class ByteCorpus:
         (True, torch.int64)
     """
 
-    def __init__(self, text: Text | None = None, *, seq_len: int, batch_size: int, seed: int = 0,
-                 min_seq_len: int | None = None) -> None:
+    def __init__(
+        self, text: Text | None = None, *, seq_len: int, batch_size: int, seed: int = 0, min_seq_len: int | None = None
+    ) -> None:
         text = stdlib_sources() if text is None else text
         if len(text) < seq_len + 1:
             raise UserError(
@@ -217,8 +222,10 @@ class ByteCorpus:
             UserError: the text is too short to hold any window out.
         """
         if not self.held_out:
-            raise UserError(f"the corpus has {len(self.tokens)} bytes, too few to hold out a window of "
-                            f"seq_len+1={self.seq_len + 1} for evaluation; give a longer text or a smaller seq_len")
+            raise UserError(
+                f"the corpus has {len(self.tokens)} bytes, too few to hold out a window of "
+                f"seq_len+1={self.seq_len + 1} for evaluation; give a longer text or a smaller seq_len"
+            )
         return self._windows(-(self.seed * 1_000_003 + k + 1), self.held_out)
 
     def _windows(self, seed: int, segments: Segments) -> tuple[torch.Tensor, torch.Tensor]:

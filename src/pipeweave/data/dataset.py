@@ -35,8 +35,9 @@ class DatasetSource:
         (True, 4)
     """
 
-    def __init__(self, dataset: Any, *, batch_size: int, seed: int = 0, eval_dataset: Any = None,
-                 min_seq_len: int | None = None) -> None:
+    def __init__(
+        self, dataset: Any, *, batch_size: int, seed: int = 0, eval_dataset: Any = None, min_seq_len: int | None = None
+    ) -> None:
         if batch_size < 1:
             raise UserError(f"batch_size={batch_size} is invalid; give batch_size >= 1")
         self.dataset, self.eval_dataset = dataset, eval_dataset
@@ -44,8 +45,10 @@ class DatasetSource:
         self._orders: dict[int, torch.Tensor] = {}
         self.min_seq_len, self.seq_len = min_seq_len, sequence_length(dataset) if min_seq_len is not None else None
         if min_seq_len is not None and not 1 <= min_seq_len <= (self.seq_len or 0):
-            raise UserError(f"--min-seq-len {min_seq_len} is invalid; give a length in [1, {self.seq_len}] (the "
-                            "dataset's sequences)")
+            raise UserError(
+                f"--min-seq-len {min_seq_len} is invalid; give a length in [1, {self.seq_len}] (the "
+                "dataset's sequences)"
+            )
 
     def microbatch_lengths(self, step: int, num_microbatches: int) -> list[int] | None:
         """The sequence length of each microbatch of step ``step`` (None: the samples' own), as the gpt's
@@ -88,8 +91,10 @@ def _collate(dataset: Any, indices: list[int], name: str) -> tuple[Boundary, Bou
     batch = default_collate([dataset[i] for i in indices])
     pair = [normalize(x) for x in batch] if isinstance(batch, (list, tuple)) else []
     if len(pair) != 2 or not all(isinstance(t, torch.Tensor) for x in pair for t in tensors(x)):
-        raise UserError(f"the model's {name} must give (input, target) pairs, each a tensor or a tuple of "
-                        f"tensors; sample {indices[0]} collates to {type(batch).__name__}")
+        raise UserError(
+            f"the model's {name} must give (input, target) pairs, each a tensor or a tuple of "
+            f"tensors; sample {indices[0]} collates to {type(batch).__name__}"
+        )
     return pair[0], pair[1]
 
 
@@ -102,10 +107,15 @@ def sequence_length(dataset: Any) -> int:
     """
     sample = dataset[0]
     pair = list(sample) if isinstance(sample, (tuple, list)) else []
-    if len(pair) != 2 or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in pair) \
-            or pair[0].shape[0] != pair[1].shape[0]:
+    if (
+        len(pair) != 2
+        or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in pair)
+        or pair[0].shape[0] != pair[1].shape[0]
+    ):
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pair]
-        raise UserError(f"--min-seq-len cuts sequences (dimension 0 of a sample's input and target); the model's "
-                        f"samples are {shapes}: give inputs and targets that are sequences of one length, or drop "
-                        "--min-seq-len")
+        raise UserError(
+            f"--min-seq-len cuts sequences (dimension 0 of a sample's input and target); the model's "
+            f"samples are {shapes}: give inputs and targets that are sequences of one length, or drop "
+            "--min-seq-len"
+        )
     return int(pair[0].shape[0])

@@ -77,8 +77,9 @@ def roots(out: Boundary, grad: Boundary) -> tuple[list[torch.Tensor], list[torch
     return [o for o, _ in pairs], [g for _, g in pairs]
 
 
-def split(batch: Boundary, num_microbatches: int,
-          split_one: Callable[[torch.Tensor, int], Sequence[torch.Tensor]]) -> list[Boundary]:
+def split(
+    batch: Boundary, num_microbatches: int, split_one: Callable[[torch.Tensor, int], Sequence[torch.Tensor]]
+) -> list[Boundary]:
     """Microbatches of ``batch``: each tensor split by ``split_one``, tuples zipped back together."""
     if not isinstance(batch, tuple):
         return list(split_one(batch, num_microbatches))

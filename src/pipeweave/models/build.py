@@ -40,15 +40,16 @@ def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Modul
     layers = []
     for index in layer_indices:
         if not 0 <= index < spec.num_layers:
-            raise UserError(f"layer {index} is outside the model's {spec.num_layers} layers; give 0..{spec.num_layers - 1}")
+            raise UserError(
+                f"layer {index} is outside the model's {spec.num_layers} layers; give 0..{spec.num_layers - 1}"
+            )
         if spec.kind == "custom":
             layers.append(build_custom_layer(spec.custom, index, layer_seed(spec, index)))
         else:
             layers.append(build(spec, index, layer_generator(spec, index)))
     if spec.kind == "custom" and spec.custom.tied:  # one Parameter per tied group among these layers
         model = spec.custom
-        tie(model.tied, dict(zip(layer_indices, layers)),
-            lambda k: build_custom_layer(model, k, layer_seed(spec, k)))
+        tie(model.tied, dict(zip(layer_indices, layers)), lambda k: build_custom_layer(model, k, layer_seed(spec, k)))
     return layers
 
 
@@ -58,8 +59,10 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
         return
     if spec.kind == "custom":
         if spec.custom.tp_plan is None:
-            raise UserError(f"--tensor-parallel {size}: the model {spec.entry} has no tp_plan; give its LayerModel "
-                            "a tp_plan (per layer, {module name: 'colwise' or 'rowwise'}), or --tensor-parallel 1")
+            raise UserError(
+                f"--tensor-parallel {size}: the model {spec.entry} has no tp_plan; give its LayerModel "
+                "a tp_plan (per layer, {module name: 'colwise' or 'rowwise'}), or --tensor-parallel 1"
+            )
         return
     (mlp if spec.kind == "mlp" else gpt).check_tensor_parallel(spec, size)
 
@@ -91,6 +94,8 @@ def check_selective(spec: ModelSpec) -> None:
     if spec.kind == "mlp":
         raise UserError(f"--recompute selective: {mlp.SELECTIVE_NONE}")
     if spec.kind == "custom" and spec.custom.selective is None:
-        raise UserError(f"--recompute selective: the model {spec.entry} names no selective region; give its "
-                        "LayerModel a selective list (per layer, the submodules to replay, e.g. ['attn.core']), "
-                        "or --recompute full or none")
+        raise UserError(
+            f"--recompute selective: the model {spec.entry} names no selective region; give its "
+            "LayerModel a selective list (per layer, the submodules to replay, e.g. ['attn.core']), "
+            "or --recompute full or none"
+        )

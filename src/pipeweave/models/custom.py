@@ -128,25 +128,34 @@ class LayerModel:
             raise UserError("LayerModel.layers must be a non-empty list of functions that build one layer each")
         for k, build in enumerate(self.layers):
             if not callable(build) or isinstance(build, nn.Module):
-                raise UserError(f"LayerModel.layers[{k}] is {type(build).__name__}, not a function; write "
-                                f"lambda: <the layer> so that only the rank that holds it builds it")
+                raise UserError(
+                    f"LayerModel.layers[{k}] is {type(build).__name__}, not a function; write "
+                    f"lambda: <the layer> so that only the rank that holds it builds it"
+                )
         if not callable(self.loss):
             raise UserError(f"LayerModel.loss is {type(self.loss).__name__}; give a function (output, target) -> loss")
         if self.tp_plan is not None and (isinstance(self.tp_plan, Mapping) or len(self.tp_plan) != len(self.layers)):
-            raise UserError(f"LayerModel.tp_plan must be a list with one entry per layer ({len(self.layers)}): a "
-                            "dict {module name: 'colwise' or 'rowwise'} or None")
+            raise UserError(
+                f"LayerModel.tp_plan must be a list with one entry per layer ({len(self.layers)}): a "
+                "dict {module name: 'colwise' or 'rowwise'} or None"
+            )
         check_groups(self.tied, len(self.layers))
-        if self.selective is not None and (isinstance(self.selective, (str, Mapping))
-                                           or len(self.selective) != len(self.layers)):
-            raise UserError(f"LayerModel.selective must be a list with one entry per layer ({len(self.layers)}): a "
-                            "list of submodule names to replay under --recompute selective, or None")
+        if self.selective is not None and (
+            isinstance(self.selective, (str, Mapping)) or len(self.selective) != len(self.layers)
+        ):
+            raise UserError(
+                f"LayerModel.selective must be a list with one entry per layer ({len(self.layers)}): a "
+                "list of submodule names to replay under --recompute selective, or None"
+            )
         for name in ("dataset", "eval_dataset"):
             data = getattr(self, name)
             if data is None and name == "eval_dataset":
                 continue
             if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-                raise UserError(f"LayerModel.{name} is {type(data).__name__}; give a map-style dataset "
-                                "(__len__ and __getitem__ returning (input, target)), e.g. a TensorDataset")
+                raise UserError(
+                    f"LayerModel.{name} is {type(data).__name__}; give a map-style dataset "
+                    "(__len__ and __getitem__ returning (input, target)), e.g. a TensorDataset"
+                )
             if len(data) < 1:
                 raise UserError(f"LayerModel.{name} is empty; give at least one (input, target) pair")
 
@@ -156,7 +165,7 @@ def is_entry(text: str) -> bool:
     return ":" in text
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_model(entry: str) -> LayerModel | nn.Module:
     """The ``LayerModel`` (or plain ``nn.Module``) that ``entry`` names, loaded once per process.
 
@@ -186,8 +195,10 @@ def load_model(entry: str) -> LayerModel | nn.Module:
     if isinstance(value, nn.Module):  # split by pipeweave.pipeline (models.pipeline.from_module)
         return value
     if not isinstance(value, LayerModel):
-        raise UserError(f"--model {entry} gives {type(value).__name__}, not a pipeweave.models.LayerModel; "
-                        "return LayerModel(layers=..., loss=..., dataset=...) or an nn.Module")
+        raise UserError(
+            f"--model {entry} gives {type(value).__name__}, not a pipeweave.models.LayerModel; "
+            "return LayerModel(layers=..., loss=..., dataset=...) or an nn.Module"
+        )
     return value
 
 
@@ -201,8 +212,9 @@ def _module(where: str, entry: str) -> Any:
         try:
             return importlib.import_module(where)
         except ImportError as e:
-            raise UserError(f"--model {entry}: cannot import {where} ({e}); give FILE.py:NAME or an importable "
-                            "module") from None
+            raise UserError(
+                f"--model {entry}: cannot import {where} ({e}); give FILE.py:NAME or an importable module"
+            ) from None
     path = Path(where).resolve()
     if not path.is_file():
         raise UserError(f"--model {entry}: no file {where}; give the path of the Python file that defines the model")
@@ -245,8 +257,10 @@ def entry_of(factory: Callable[[], LayerModel]) -> str:
     """
     name = getattr(factory, "__qualname__", "")
     if not name.isidentifier():
-        raise UserError(f"{name or factory!r} is not a module-level function; define the model factory at the top "
-                        "level of a module or script")
+        raise UserError(
+            f"{name or factory!r} is not a module-level function; define the model factory at the top "
+            "level of a module or script"
+        )
     module = sys.modules.get(factory.__module__)
     by_file = factory.__module__ in ("__main__", "__mp_main__") or factory.__module__.startswith(_FILE_MODULE)
     if by_file and getattr(module, "__file__", None):  # the running script, or a file loaded by its path
@@ -265,7 +279,7 @@ def hold(model: LayerModel, digest: str) -> str:
 def fingerprint(entry: str) -> str:
     """A digest of the source that defines ``entry`` (profile caches must not outlive an edit of it)."""
     if entry.startswith(HELD):
-        return entry[len(HELD):]
+        return entry[len(HELD) :]
     where = entry.rpartition(":")[0]
     if where.endswith(".py"):
         path: str | None = str(Path(where).resolve())
@@ -287,8 +301,10 @@ def build_layer(model: LayerModel, index: int, seed: int) -> nn.Module:
         except Exception as e:
             raise UserError(f"building layer {index} of the model raised {_where(e)}; fix its builder") from None
     if not isinstance(layer, nn.Module):
-        raise UserError(f"layer {index} of the model is {type(layer).__name__}, not a torch.nn.Module; "
-                        "each builder must return one module")
+        raise UserError(
+            f"layer {index} of the model is {type(layer).__name__}, not a torch.nn.Module; "
+            "each builder must return one module"
+        )
     return deferrable(layer)
 
 
@@ -335,29 +351,41 @@ def probe(model: LayerModel, seeds: Sequence[int], inputs: Boundary, targets: Bo
                 x = boundary.call(layer, x)
             except Exception as e:
                 given = "the dataset's inputs" if index == 0 else f"the output of layer {index - 1}"
-                raise UserError(f"layer {index} of the model fails on {given}: {_where(e)}; check the "
-                                "layer list") from None
+                raise UserError(
+                    f"layer {index} of the model fails on {given}: {_where(e)}; check the layer list"
+                ) from None
             if not isinstance(x, torch.Tensor) and not (
-                    isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x)):
-                raise UserError(f"layer {index} of the model returns {type(x).__name__}; each layer must "
-                                "return a tensor or a tuple of tensors (the next layer's arguments)")
+                isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x)
+            ):
+                raise UserError(
+                    f"layer {index} of the model returns {type(x).__name__}; each layer must "
+                    "return a tensor or a tuple of tensors (the next layer's arguments)"
+                )
             if isinstance(x, tuple) and len(x) > boundary.MAX_TENSORS:
-                raise UserError(f"layer {index} of the model returns a tuple of {len(x)} tensors; a stage "
-                                f"boundary carries at most {boundary.MAX_TENSORS}: group some of them")
+                raise UserError(
+                    f"layer {index} of the model returns a tuple of {len(x)} tensors; a stage "
+                    f"boundary carries at most {boundary.MAX_TENSORS}: group some of them"
+                )
             if index + 1 < len(seeds):  # a boundary: microbatches are split and sent along dimension 0
                 for t in tensors(x):
                     if t.dim() == 0 or len(t) != samples:
-                        raise UserError(f"layer {index} of the model returns shape {tuple(t.shape)} for "
-                                        f"{samples} samples; keep the samples in dimension 0 between layers "
-                                        "(e.g. batch_first=True)")
+                        raise UserError(
+                            f"layer {index} of the model returns shape {tuple(t.shape)} for "
+                            f"{samples} samples; keep the samples in dimension 0 between layers "
+                            "(e.g. batch_first=True)"
+                        )
                 padding = 8 * len(x) if isinstance(x, tuple) else 0
                 largest = max(largest, -(-boundary.nbytes(x) // samples) + padding)
         try:
             loss = model.loss(x, targets)
         except Exception as e:
-            raise UserError(f"the model's loss fails on the last layer's output and the targets: {_where(e)}; "
-                            "check the loss and the dataset's targets") from None
+            raise UserError(
+                f"the model's loss fails on the last layer's output and the targets: {_where(e)}; "
+                "check the loss and the dataset's targets"
+            ) from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-        raise UserError(f"the model's loss gives {type(loss).__name__} {getattr(loss, 'shape', '')}; it must "
-                        "return the mean loss, a floating-point scalar tensor")
+        raise UserError(
+            f"the model's loss gives {type(loss).__name__} {getattr(loss, 'shape', '')}; it must "
+            "return the mean loss, a floating-point scalar tensor"
+        )
     return largest

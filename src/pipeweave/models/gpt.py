@@ -93,8 +93,11 @@ def selective_plan(layer: nn.Module) -> tuple[str, ...]:
 
 def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
     """One line if ``size`` ranks cannot split the gpt's heads, MLP or vocabulary evenly."""
-    check_divisible([("--heads", spec.heads), ("--hidden", spec.hidden)]
-                    + ([] if spec.tie_embeddings else [("the vocabulary", spec.vocab)]), size)
+    check_divisible(
+        [("--heads", spec.heads), ("--hidden", spec.hidden)]
+        + ([] if spec.tie_embeddings else [("the vocabulary", spec.vocab)]),
+        size,
+    )
 
 
 def tensor_parallel_plan(spec: ModelSpec, layer: nn.Module) -> dict[str, str]:

@@ -34,12 +34,34 @@ from pipeweave.errors import UserError
 from pipeweave.models.layers import Linear, TransposedLinear
 
 _ATEN = torch.ops.aten
-_RANDOM = {_ATEN.dropout.default, _ATEN.native_dropout.default, _ATEN.bernoulli.default, _ATEN.rand.default,
-           _ATEN.randn.default, _ATEN.randint.default, _ATEN.rand_like.default, _ATEN.randn_like.default,
-           # the same as torch.fx records them (models.tracing's fallback)
-           torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
-           torch.randperm, torch.bernoulli, torch.normal, torch.multinomial, torch.dropout,
-           torch.nn.functional.dropout, "bernoulli_", "uniform_", "normal_", "random_", "exponential_"}
+_RANDOM = {
+    _ATEN.dropout.default,
+    _ATEN.native_dropout.default,
+    _ATEN.bernoulli.default,
+    _ATEN.rand.default,
+    _ATEN.randn.default,
+    _ATEN.randint.default,
+    _ATEN.rand_like.default,
+    _ATEN.randn_like.default,
+    # the same as torch.fx records them (models.tracing's fallback)
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.rand_like,
+    torch.randn_like,
+    torch.randint_like,
+    torch.randperm,
+    torch.bernoulli,
+    torch.normal,
+    torch.multinomial,
+    torch.dropout,
+    torch.nn.functional.dropout,
+    "bernoulli_",
+    "uniform_",
+    "normal_",
+    "random_",
+    "exponential_",
+}
 _CALLS = ("call_function", "call_method", "call_module")
 """Nodes that compute (export's graphs have only ``call_function``; fx's have methods and leaf modules)."""
 
@@ -51,8 +73,10 @@ def check_split_points(module: nn.Module, split_points: Sequence[str]) -> None:
         if point not in names:
             parent = point.rsplit(".", 1)[0]
             near = [n for n in names if n.rsplit(".", 1)[0] == parent and n != parent][:6] or names[:6]
-            raise UserError(f"split point {point!r} names no submodule of {type(module).__name__}; name one of its "
-                            f"modules, e.g. {', '.join(near)}")
+            raise UserError(
+                f"split point {point!r} names no submodule of {type(module).__name__}; name one of its "
+                f"modules, e.g. {', '.join(near)}"
+            )
     if len(set(split_points)) != len(split_points):
         raise UserError(f"split points {list(split_points)} name a module twice; give each once")
 
@@ -102,11 +126,14 @@ def _replicable(graph: fx.Graph, parameters: set[str]) -> set[fx.Node]:
     """Nodes computed from constants and buffers alone (no input, no parameter, nothing random)."""
     out: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op == "get_attr" and node.target not in parameters:
-            out.add(node)
-        elif isinstance(node.meta.get("val"), torch.SymInt):  # a size: read back from a crossing tensor
-            out.add(node)
-        elif node.op in _CALLS[:2] and node.target not in _RANDOM and all(a in out for a in node.all_input_nodes):
+        if (
+            node.op == "get_attr"
+            and node.target not in parameters
+            or isinstance(node.meta.get("val"), torch.SymInt)
+            or node.op in _CALLS[:2]
+            and node.target not in _RANDOM
+            and all(a in out for a in node.all_input_nodes)
+        ):
             out.add(node)
     return out
 
@@ -149,8 +176,10 @@ class _PartBuilder:
                         return self.graph.call_function(_ATEN.sym_size.int, (self.env[source], dim))
             if node.op == "call_function":  # a size computed from sizes (heads x batch): from its own inputs
                 return self.graph.node_copy(node, self.value)
-        raise UserError(f"the split passes {node.name} ({type(wanted).__name__}) between parts, which is not a "
-                        "tensor; move the split point so that only tensors cross it")
+        raise UserError(
+            f"the split passes {node.name} ({type(wanted).__name__}) between parts, which is not a "
+            "tensor; move the split point so that only tensors cross it"
+        )
 
 
 def split_graph(root: fx.GraphModule, split_points: Sequence[str]) -> list[fx.GraphModule]:
@@ -185,8 +214,9 @@ def split_graph(root: fx.GraphModule, split_points: Sequence[str]) -> list[fx.Gr
     return modules
 
 
-def _live_values(graph: fx.Graph, part: dict[fx.Node, int], replicable: set[fx.Node],
-                 num_parts: int) -> list[list[fx.Node]]:
+def _live_values(
+    graph: fx.Graph, part: dict[fx.Node, int], replicable: set[fx.Node], num_parts: int
+) -> list[list[fx.Node]]:
     """Per part boundary k, the values made before part k and used from part k on (sent, not recomputed)."""
     live: list[list[fx.Node]] = [[] for _ in range(num_parts)]
     for node in graph.nodes:
@@ -203,8 +233,10 @@ def _live_values(graph: fx.Graph, part: dict[fx.Node, int], replicable: set[fx.N
 def _check_tensors(nodes: list[fx.Node], part: int) -> None:
     for node in nodes:
         if not isinstance(node.meta.get("val"), torch.Tensor):
-            raise UserError(f"at the start of part {part} the value {node.name} ({type(node.meta.get('val')).__name__}) "
-                            "would cross between parts, and only tensors can; move the split point")
+            raise UserError(
+                f"at the start of part {part} the value {node.name} ({type(node.meta.get('val')).__name__}) "
+                "would cross between parts, and only tensors can; move the split point"
+            )
 
 
 def _deferrable(module: fx.GraphModule) -> fx.GraphModule:
@@ -230,6 +262,7 @@ def _deferrable(module: fx.GraphModule) -> fx.GraphModule:
 
 def _layer_for(module: fx.GraphModule, node: fx.Node) -> nn.Module | None:
     """A deferrable layer computing ``node`` from its parameters, or None if it is not such a product."""
+
     def parameter(arg: Any) -> nn.Parameter | None:
         if isinstance(arg, fx.Node) and arg.op == "get_attr" and _is_parameter(module, str(arg.target)):
             return module.get_parameter(str(arg.target))

@@ -46,8 +46,10 @@ def config_fields(text: str | None) -> dict[str, Any]:
     try:
         fields = json.loads(source)
     except json.JSONDecodeError as e:
-        raise UserError(f"--hf-config {text[:60]!r} is not a JSON object ({e.msg}) nor a file holding one; give "
-                        "e.g. '{\"n_layer\": 2, \"n_embd\": 64}'") from None
+        raise UserError(
+            f"--hf-config {text[:60]!r} is not a JSON object ({e.msg}) nor a file holding one; give "
+            'e.g. \'{"n_layer": 2, "n_embd": 64}\''
+        ) from None
     if not isinstance(fields, dict):
         raise UserError(f"--hf-config gives {type(fields).__name__}; give a JSON object of config fields")
     return fields
@@ -59,15 +61,16 @@ def build_module(entry: str, config_text: str | None, seed: int) -> nn.Module:
         import transformers
     except ImportError:
         raise UserError(f"--model {entry} needs transformers; pip install -c constraints.txt -e '.[hf]'") from None
-    name = entry[len(PREFIX):]
+    name = entry[len(PREFIX) :]
     fields = {"use_cache": False, **config_fields(config_text)}
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # token ids of the full vocabulary are cleared below, not warned of
     try:
         config = transformers.AutoConfig.for_model(name, **fields)
     except ValueError as e:
-        raise UserError(f"--model {entry}: {str(e).split('.')[0]}; name a transformers model type "
-                        "such as gpt2 or llama") from None
+        raise UserError(
+            f"--model {entry}: {str(e).split('.')[0]}; name a transformers model type such as gpt2 or llama"
+        ) from None
     finally:
         transformers.logging.set_verbosity(verbosity)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults of the full vocabulary: none here
@@ -82,7 +85,7 @@ def build_module(entry: str, config_text: str | None, seed: int) -> nn.Module:
     return module  # type: ignore[no-any-return]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_model(entry: str, config_text: str | None, seq_len: int, seed: int) -> LayerModel:
     """The ``LayerModel`` of ``hf:NAME`` with ``--hf-config``, on the byte corpus (loaded once per process)."""
     module = build_module(entry, config_text, seed)

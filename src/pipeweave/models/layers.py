@@ -72,8 +72,9 @@ def _deferring(store: WeightGradStore | None) -> bool:
     return store is not None and store.deferring
 
 
-def _linear_weight_grads(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, gy: torch.Tensor,
-                         transposed: bool = False) -> None:
+def _linear_weight_grads(
+    weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, gy: torch.Tensor, transposed: bool = False
+) -> None:
     """Accumulate ``gy^T x`` into ``weight.grad`` (``x^T gy`` for a transposed weight, (in, out)), and
     ``sum(gy)`` into ``bias.grad``.
 
@@ -108,8 +109,9 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any,
-                transposed: bool = False) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any, transposed: bool = False
+    ) -> torch.Tensor:
         x, y = linear_forward(ctx, x, weight, bias, store, transposed)
         ctx.save_for_backward(x)
         return y
@@ -120,8 +122,9 @@ class _LinearFn(torch.autograd.Function):
         return linear_backward(ctx, x, gy), None, None, None, None
 
 
-def linear_forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any,
-                   transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_forward(
+    ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any, transposed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A deferrable linear's forward inside an autograd function's ``forward``: ``(x as the product read it, y)``;
     what its backward (``linear_backward``) needs besides ``x`` kept on ``ctx``."""
     # Parameters travel as attributes: a saved tensor unpacks to a different
@@ -174,9 +177,10 @@ class _LayerNormFn(torch.autograd.Function):
         # alive until W. Zero bubble's own implementation defers its linear layers'.
         x, mean, rstd = ctx.saved_tensors
         mask = [bool(ctx.needs_input_grad[0]), True, True]
-        return (*torch.ops.aten.native_layer_norm_backward(
-            gy, x, [x.shape[-1]], mean, rstd, ctx.weight, ctx.bias, mask
-        ), None)
+        return (
+            *torch.ops.aten.native_layer_norm_backward(gy, x, [x.shape[-1]], mean, rstd, ctx.weight, ctx.bias, mask),
+            None,
+        )
 
 
 def _embedding_weight_grads(idx: torch.Tensor, gy: torch.Tensor, token: torch.Tensor, position: torch.Tensor) -> None:

@@ -30,8 +30,10 @@ def build_layer(spec: ModelSpec, index: int, generator: torch.Generator) -> nn.M
     return MLPBlock(spec.hidden, generator=generator)
 
 
-SELECTIVE_NONE = ("the mlp has no selective region: its blocks are two GEMMs around a GELU, nothing both cheap to "
-                  "replay and large to keep; give --recompute full or none")
+SELECTIVE_NONE = (
+    "the mlp has no selective region: its blocks are two GEMMs around a GELU, nothing both cheap to "
+    "replay and large to keep; give --recompute full or none"
+)
 """Why ``--recompute selective`` is refused on the mlp (``models.build.selective_plan``)."""
 
 

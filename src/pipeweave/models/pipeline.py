@@ -26,9 +26,9 @@ embeddings) found and kept as one group (``models.tied``)::
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 import functools
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,8 +41,15 @@ from pipeweave.models.graph_split import check_split_points, cuts, split_graph
 from pipeweave.models.tracing import trace
 
 
-def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequence[str] | None = None, *,
-             loss: Callable[[Any, Any], torch.Tensor], dataset: Any, eval_dataset: Any = None) -> LayerModel:
+def pipeline(
+    module: nn.Module,
+    example_inputs: Any = None,
+    split_points: Sequence[str] | None = None,
+    *,
+    loss: Callable[[Any, Any], torch.Tensor],
+    dataset: Any,
+    eval_dataset: Any = None,
+) -> LayerModel:
     """``module`` as a ``LayerModel``: cut at ``split_points`` (module names), its parameters shared.
 
     Args:
@@ -68,8 +75,10 @@ def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequen
     if not isinstance(module, nn.Module):
         raise UserError(f"pipeweave.pipeline takes an nn.Module, not {type(module).__name__}")
     if isinstance(split_points, (int, str)):
-        raise UserError(f"split_points={split_points!r} is not a list of module names; give e.g. ['blocks.2'], or "
-                        "an int D through pipeweave.pipeline (D parts balanced by the profiler)")
+        raise UserError(
+            f"split_points={split_points!r} is not a list of module names; give e.g. ['blocks.2'], or "
+            "an int D through pipeweave.pipeline (D parts balanced by the profiler)"
+        )
     points = list(split_points) if split_points is not None else block_starts(module)
     check_split_points(module, points)
     module.train()
@@ -82,8 +91,14 @@ def pipeline(module: nn.Module, example_inputs: Any = None, split_points: Sequen
         leaves = {n for n in {*points, *_blocks(module)} if not any(p.startswith(n + ".") for p in points)}
         root = trace(module, inputs if isinstance(inputs, tuple) else (inputs,), leaves)
         parts, starts = split_graph(root, points), cuts(root.graph, points)
-    return LayerModel(layers=[functools.partial(_copy, part) for part in parts], loss=loss, dataset=dataset,
-                      eval_dataset=eval_dataset, tied=shared_parameters(parts), split_points=tuple(starts))
+    return LayerModel(
+        layers=[functools.partial(_copy, part) for part in parts],
+        loss=loss,
+        dataset=dataset,
+        eval_dataset=eval_dataset,
+        tied=shared_parameters(parts),
+        split_points=tuple(starts),
+    )
 
 
 def _copy(part: nn.Module) -> nn.Module:
@@ -93,7 +108,7 @@ def _copy(part: nn.Module) -> nn.Module:
         return copy.deepcopy(part)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def from_module(entry: str) -> LayerModel:
     """The plain module ``--model FILE.py:NAME`` names, split by ``pipeline`` with the ``loss`` and ``dataset``
     (optional: ``eval_dataset``, ``split_points``) its file defines beside it, as a LayerModel has them.
@@ -105,15 +120,20 @@ def from_module(entry: str) -> LayerModel:
     assert isinstance(net, nn.Module)
     lacking = [name for name in ("loss", "dataset") if not hasattr(where, name)]
     if lacking:
-        raise UserError(f"--model {entry} is an nn.Module; define {' and '.join(lacking)} beside it in its file "
-                        "(loss(output, target) -> the mean loss; a dataset of (input, target) pairs), as a "
-                        "LayerModel has them")
+        raise UserError(
+            f"--model {entry} is an nn.Module; define {' and '.join(lacking)} beside it in its file "
+            "(loss(output, target) -> the mean loss; a dataset of (input, target) pairs), as a "
+            "LayerModel has them"
+        )
     points = getattr(where, "split_points", None)
     if isinstance(points, int):
-        raise UserError(f"--model {entry}: split_points = {points} asks for a split balanced by the profiler, which "
-                        "the command line does by itself: drop split_points and give --partition time")
-    return pipeline(net, None, points, loss=where.loss, dataset=where.dataset,
-                    eval_dataset=getattr(where, "eval_dataset", None))
+        raise UserError(
+            f"--model {entry}: split_points = {points} asks for a split balanced by the profiler, which "
+            "the command line does by itself: drop split_points and give --partition time"
+        )
+    return pipeline(
+        net, None, points, loss=where.loss, dataset=where.dataset, eval_dataset=getattr(where, "eval_dataset", None)
+    )
 
 
 def block_starts(module: nn.Module) -> list[str]:
@@ -123,8 +143,9 @@ def block_starts(module: nn.Module) -> list[str]:
         return [name for name, _ in module.named_children()][1:]
     blocks = _blocks(module)
     if not blocks:
-        raise UserError(f"{type(module).__name__} has no nn.ModuleList of blocks to split before; give split_points "
-                        "(module names)")
+        raise UserError(
+            f"{type(module).__name__} has no nn.ModuleList of blocks to split before; give split_points (module names)"
+        )
     return blocks
 
 
@@ -138,8 +159,10 @@ def _sequential_parts(module: nn.Sequential, points: list[str]) -> list[nn.Modul
     names = [name for name, _ in module.named_children()]
     starts = sorted(names.index(p) for p in points if p in names)
     if len(starts) != len(points):
-        raise UserError(f"split points of an nn.Sequential name its children ({', '.join(names[:6])}, ...); "
-                        f"{[p for p in points if p not in names][0]!r} is not one")
+        raise UserError(
+            f"split points of an nn.Sequential name its children ({', '.join(names[:6])}, ...); "
+            f"{[p for p in points if p not in names][0]!r} is not one"
+        )
     bounds = [0, *starts, len(names)]
     children = list(module.children())
     # Children keep their names: a layer's "<k>.<child>.<name>" is the module's "<child>.<name>" behind "<k>."

@@ -39,8 +39,9 @@ PRECISIONS = ("fp32", "bf16")
 def check(precision: str) -> str:
     """``precision`` if it is one of ``PRECISIONS``; one line naming the value otherwise."""
     if precision == "fp16":
-        raise UserError("--precision fp16 needs loss scaling, which pipeweave does not do; "
-                        "give bf16 (float32's range) or fp32")
+        raise UserError(
+            "--precision fp16 needs loss scaling, which pipeweave does not do; give bf16 (float32's range) or fp32"
+        )
     if precision not in PRECISIONS:
         raise UserError(f"--precision {precision!r} is unknown; give one of: {', '.join(PRECISIONS)}")
     return precision

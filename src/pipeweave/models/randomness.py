@@ -57,8 +57,15 @@ def _generators(device: torch.device) -> list[torch.Generator]:
     return generators
 
 
-def run_keyed(layers: Iterable[tuple[int, nn.Module]], x: Boundary, *, seed: int, step: int, microbatch: int,
-              device: torch.device | str = "cpu") -> Boundary:
+def run_keyed(
+    layers: Iterable[tuple[int, nn.Module]],
+    x: Boundary,
+    *,
+    seed: int,
+    step: int,
+    microbatch: int,
+    device: torch.device | str = "cpu",
+) -> Boundary:
     """Run ``(index, layer)`` pairs in turn on ``x``, torch's generator reseeded by the key before each.
 
     Args:

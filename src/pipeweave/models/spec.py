@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pipeweave.errors import UserError
 from pipeweave.config.model import KINDS, ModelSpec  # noqa: F401  (re-exported: the model section)
-
+from pipeweave.errors import UserError
 
 LossFn = Callable[[Any, Any], torch.Tensor]  # (output, target): a tensor or a tuple of tensors each
 

@@ -30,5 +30,7 @@ def check_divisible(what: Sequence[tuple[str, int]], size: int) -> None:
     """One line naming the first dimension that ``size`` ranks cannot split evenly."""
     for name, value in what:
         if value % size:
-            raise UserError(f"{name} {value} is not divisible by --tensor-parallel {size}; give a tensor-parallel "
-                            f"degree that divides it")
+            raise UserError(
+                f"{name} {value} is not divisible by --tensor-parallel {size}; give a tensor-parallel "
+                f"degree that divides it"
+            )

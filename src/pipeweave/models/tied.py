@@ -27,13 +27,17 @@ def check_groups(groups: Sequence[Sequence[str]], num_layers: int) -> None:
     """One line for a group that is not a list of two or more global names of layers of the model."""
     for group in groups:
         if isinstance(group, str) or len(group) < 2:
-            raise UserError(f"tied group {group!r} is not a list of two or more parameter names; give e.g. "
-                            "[['0.weight', '5.out.weight']]")
+            raise UserError(
+                f"tied group {group!r} is not a list of two or more parameter names; give e.g. "
+                "[['0.weight', '5.out.weight']]"
+            )
         for name in group:
             head, dot, rest = str(name).partition(".")
             if not (head.isdigit() and dot and rest and int(head) < num_layers):
-                raise UserError(f"tied parameter {name!r} is not '<layer>.<name in layer>' with a layer below "
-                                f"{num_layers}; write e.g. '0.weight'")
+                raise UserError(
+                    f"tied parameter {name!r} is not '<layer>.<name in layer>' with a layer below "
+                    f"{num_layers}; write e.g. '0.weight'"
+                )
 
 
 def parameter(layer: nn.Module, name: str) -> nn.Parameter:
@@ -46,8 +50,9 @@ def parameter(layer: nn.Module, name: str) -> nn.Parameter:
         return layer.get_parameter(name)
     except AttributeError:
         names = [n for n, _ in layer.named_parameters()][:6]
-        raise UserError(f"tied parameter {name!r} is not a parameter of its layer; its parameters include "
-                        f"{', '.join(names)}") from None
+        raise UserError(
+            f"tied parameter {name!r} is not a parameter of its layer; its parameters include {', '.join(names)}"
+        ) from None
 
 
 def tie(groups: Sequence[Sequence[str]], layers: Mapping[int, nn.Module], build: Callable[[int], nn.Module]) -> None:
@@ -69,8 +74,10 @@ def tie(groups: Sequence[Sequence[str]], layers: Mapping[int, nn.Module], build:
         for name in held:
             mine = parameter(layers[layer_of(name)], name.partition(".")[2])
             if mine.shape != value.shape:
-                raise UserError(f"tied parameters {first} {tuple(value.shape)} and {name} {tuple(mine.shape)} "
-                                "differ in shape; tie parameters of one shape")
+                raise UserError(
+                    f"tied parameters {first} {tuple(value.shape)} and {name} {tuple(mine.shape)} "
+                    "differ in shape; tie parameters of one shape"
+                )
             _replace(layers[layer_of(name)], mine, shared)
         if shared is not value:
             with torch.no_grad():

@@ -49,16 +49,20 @@ def trace(module: nn.Module, example_inputs: tuple[Any, ...], leaves: Collection
         return fx_trace(module, example_inputs, leaves)
     except Exception as e:
         fx_refused = f"{type(e).__name__}: {_first_line(e)}"
-    raise UserError(f"torch.export cannot trace {type(module).__name__}: {refused} (nor torch.fx: {fx_refused}); "
-                    "make its forward traceable (no Python branches on tensor values outside its blocks: torch.cond), "
-                    "or give an nn.Sequential or a pipeweave LayerModel, which need no tracing") from None
+    raise UserError(
+        f"torch.export cannot trace {type(module).__name__}: {refused} (nor torch.fx: {fx_refused}); "
+        "make its forward traceable (no Python branches on tensor values outside its blocks: torch.cond), "
+        "or give an nn.Sequential or a pipeweave LayerModel, which need no tracing"
+    ) from None
 
 
 def export(module: nn.Module, example_inputs: tuple[Any, ...]) -> fx.GraphModule:
     """``torch.export``'s graph of the module (non-strict), dimensions 0 and 1 of every input dynamic where the
     module lets them be (``Dim.AUTO``): the batch, and a sequence's length (``--min-seq-len``)."""
-    dims = tuple({d: torch.export.Dim.AUTO for d in range(min(x.dim(), 2))} if isinstance(x, torch.Tensor) else None
-                 for x in example_inputs)
+    dims = tuple(
+        {d: torch.export.Dim.AUTO for d in range(min(x.dim(), 2))} if isinstance(x, torch.Tensor) else None
+        for x in example_inputs
+    )
     return torch.export.export(module, example_inputs, dynamic_shapes=dims, strict=False).module()
 
 

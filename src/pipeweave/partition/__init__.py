@@ -6,6 +6,13 @@ from pipeweave.partition.pipedream import pipedream_plan, plan_time
 from pipeweave.partition.problem import LayerCosts, Partition
 
 __all__ = [
-    "LayerCosts", "MemoryProfile", "PARTITIONERS", "Partition", "PartitionContext", "Partitioner",
-    "partition", "pipedream_plan", "plan_time",
+    "LayerCosts",
+    "MemoryProfile",
+    "PARTITIONERS",
+    "Partition",
+    "PartitionContext",
+    "Partitioner",
+    "partition",
+    "pipedream_plan",
+    "plan_time",
 ]

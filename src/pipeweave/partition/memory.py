@@ -99,11 +99,11 @@ class MemoryProfile:
                     "partition for a synchronous schedule"
                 ) from exc
         ranks = tuple(part_rank[p] for p in range(n))
-        return cls(activations=tuple(acts), weights=tuple(weights), state=state, ranks=ranks,
-                   weight_share=weight_share)
+        return cls(activations=tuple(acts), weights=tuple(weights), state=state, ranks=ranks, weight_share=weight_share)
 
-    def part_memory(self, costs: LayerCosts, part: int, starts: np.ndarray, stop: int,
-                    recompute: str = "none") -> np.ndarray:
+    def part_memory(
+        self, costs: LayerCosts, part: int, starts: np.ndarray, stop: int, recompute: str = "none"
+    ) -> np.ndarray:
         """Bytes part ``part`` needs when it is layers ``[start, stop)``, for every start.
 
         A part keeps its layers' activations and its own output (the layers' outputs inside the part
@@ -113,9 +113,11 @@ class MemoryProfile:
         """
         par = costs.prefix("params")
         kept = kept_bytes(costs, starts, stop, recompute)
-        result: np.ndarray = self.activations[part] * kept + replayed_bytes(costs, starts, stop, recompute) + (
-            self.weights[part] * self.weight_share + self.state
-        ) * (par[stop] - par[starts])
+        result: np.ndarray = (
+            self.activations[part] * kept
+            + replayed_bytes(costs, starts, stop, recompute)
+            + (self.weights[part] * self.weight_share + self.state) * (par[stop] - par[starts])
+        )
         return result
 
     def memory_of(self, costs: LayerCosts, part: int, start: int, stop: int, recompute: str = "none") -> float:

@@ -115,9 +115,7 @@ def matching(costs: LayerCosts, regex: str) -> np.ndarray:
         pattern = re.compile(regex, re.IGNORECASE)
     except re.error as exc:
         raise UserError(f"type:{regex} is not a valid regular expression ({exc}); fix the pattern") from exc
-    hits = np.array(
-        [1.0 if pattern.search(t) or pattern.search(n) else 0.0 for t, n in zip(costs.types, costs.names)]
-    )
+    hits = np.array([1.0 if pattern.search(t) or pattern.search(n) else 0.0 for t, n in zip(costs.types, costs.names)])
     if not hits.any():
         kinds = ", ".join(sorted(set(costs.types)))
         raise UserError(f"type:{regex} matches no layer; the layer types are: {kinds}")
@@ -152,7 +150,9 @@ def explicit(costs: LayerCosts, num_parts: int, context: PartitionContext) -> Pa
     if counts is None:
         raise UserError("--partition explicit needs --layers-per-stage, e.g. --layers-per-stage 3,2,2,1")
     if len(counts) != num_parts:
-        raise UserError(f"--layers-per-stage {_csv(counts)} gives {len(counts)} parts for {num_parts}; give one count per part")
+        raise UserError(
+            f"--layers-per-stage {_csv(counts)} gives {len(counts)} parts for {num_parts}; give one count per part"
+        )
     if any(c < 1 for c in counts):
         raise UserError(f"--layers-per-stage {_csv(counts)} has an empty part; give every part at least one layer")
     if sum(counts) != costs.num_layers:
@@ -192,11 +192,13 @@ def memory(costs: LayerCosts, num_parts: int, context: PartitionContext) -> Part
         raise UserError(f"memory profile of {profile.num_parts} parts for {num_parts}; profile the same schedule")
     if not profile.one_part_per_rank:
         raise UserError(
-            "--partition memory needs one part per rank; use a schedule with one chunk per rank "
-            "or --partition time"
+            "--partition memory needs one part per rank; use a schedule with one chunk per rank or --partition time"
         )
-    modes = [RECOMPUTE] * num_parts if context.recompute == "auto" else [
-        (m,) for m in per_part(context.recompute, num_parts)]
+    modes = (
+        [RECOMPUTE] * num_parts
+        if context.recompute == "auto"
+        else [(m,) for m in per_part(context.recompute, num_parts)]
+    )
     choice = _Choice(costs, profile, modes, context.memory_limit)
     result = balanced(costs.num_layers, num_parts, choice.time, choice.memory, allowed=choice.fits)
     if result is None:
@@ -205,12 +207,16 @@ def memory(costs: LayerCosts, num_parts: int, context: PartitionContext) -> Part
         how = "any split and recomputation needs" if context.recompute == "auto" else "any split needs"
         raise UserError(
             f"--memory-limit {context.memory_limit:.4g} bytes is below the least {how} ({least[0]:.4g} bytes); "
-            + ("raise the limit or add stages" if context.recompute == "auto"
-               else "raise the limit, add stages or recompute activations (--recompute auto)")
+            + (
+                "raise the limit or add stages"
+                if context.recompute == "auto"
+                else "raise the limit, add stages or recompute activations (--recompute auto)"
+            )
         )
     plan = Partition(tuple(result[1]))
-    return Partition(plan.counts, recompute=tuple(choice.mode(k, start, stop) for k, (start, stop)
-                                                  in enumerate(plan.bounds)))
+    return Partition(
+        plan.counts, recompute=tuple(choice.mode(k, start, stop) for k, (start, stop) in enumerate(plan.bounds))
+    )
 
 
 class _Choice:
@@ -288,8 +294,10 @@ def partition(method: str, costs: LayerCosts, num_parts: int, context: Partition
     if name == "type":
         context = PartitionContext(**{**context.__dict__, "regex": arg})
     if context.recompute == "auto" and name != "memory":
-        raise UserError(f"--recompute auto is chosen by --partition memory under --memory-limit, not by {method}; "
-                        "give --partition memory or the modes (none, selective, full or one per part)")
+        raise UserError(
+            f"--recompute auto is chosen by --partition memory under --memory-limit, not by {method}; "
+            "give --partition memory or the modes (none, selective, full or one per part)"
+        )
     plan = PARTITIONERS[name](costs, num_parts, context)
     if name == "memory":
         return plan

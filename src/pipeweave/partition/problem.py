@@ -18,8 +18,17 @@ import numpy as np
 from pipeweave.errors import UserError
 from pipeweave.sim.cost import MAX_COST
 
-_PER_LAYER = ("forward", "input_grad", "weight_grad", "activation", "params", "output", "flops",
-              "selective_forward", "selective_activation")
+_PER_LAYER = (
+    "forward",
+    "input_grad",
+    "weight_grad",
+    "activation",
+    "params",
+    "output",
+    "flops",
+    "selective_forward",
+    "selective_activation",
+)
 _OPTIONAL = ("output", "flops", "selective_forward", "selective_activation")
 """Fields a costs file may leave out (older files): 0, 0, 0 and ``activation``."""
 
@@ -31,8 +40,10 @@ def _floats(name: str, values: Sequence[float], num_layers: int) -> tuple[float,
     if any(not np.isfinite(v) or v < 0 for v in out):
         raise UserError(f"{name}={_short(values)} has a negative or non-finite cost; give costs >= 0")
     if name != "flops" and sum(out) > MAX_COST:  # each is >= 0: no single one is larger either
-        raise UserError(f"{name} sums to {sum(out):g} over the layers, more than {MAX_COST:.0e}; give seconds and "
-                        "bytes (larger costs overflow the simulator's sums or drown the smaller ones)")
+        raise UserError(
+            f"{name} sums to {sum(out):g} over the layers, more than {MAX_COST:.0e}; give seconds and "
+            "bytes (larger costs overflow the simulator's sums or drown the smaller ones)"
+        )
     return out
 
 
@@ -123,9 +134,13 @@ class LayerCosts:
         """``num_layers`` identical layers (a model with no profile)."""
         n = num_layers
         return cls(
-            names=tuple(f"layers.{i}" for i in range(n)), types=("Layer",) * n,
-            forward=(f,) * n, input_grad=(b,) * n, weight_grad=(w,) * n,
-            activation=(1.0,) * n, params=(1.0,) * n,
+            names=tuple(f"layers.{i}" for i in range(n)),
+            types=("Layer",) * n,
+            forward=(f,) * n,
+            input_grad=(b,) * n,
+            weight_grad=(w,) * n,
+            activation=(1.0,) * n,
+            params=(1.0,) * n,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -151,15 +166,19 @@ class LayerCosts:
         try:
             data = json.loads(Path(path).read_bytes().decode("utf-8-sig"))
         except UnicodeDecodeError as exc:
-            raise UserError(f"cannot read costs from {str(path)!r}: byte {exc.start} is not UTF-8 text; give the "
-                            "JSON file of layer costs that --save-costs writes") from None
+            raise UserError(
+                f"cannot read costs from {str(path)!r}: byte {exc.start} is not UTF-8 text; give the "
+                "JSON file of layer costs that --save-costs writes"
+            ) from None
         except OSError as exc:
-            raise UserError(f"cannot read costs from {str(path)!r} ({exc.strerror or exc}); give a JSON file of "
-                            "layer costs") from None
+            raise UserError(
+                f"cannot read costs from {str(path)!r} ({exc.strerror or exc}); give a JSON file of layer costs"
+            ) from None
         except (json.JSONDecodeError, RecursionError) as exc:
             reason = exc if isinstance(exc, json.JSONDecodeError) else "nested too deep"
-            raise UserError(f"cannot read costs from {str(path)!r} ({reason}); give a JSON file of layer "
-                            "costs") from None
+            raise UserError(
+                f"cannot read costs from {str(path)!r} ({reason}); give a JSON file of layer costs"
+            ) from None
         if not isinstance(data, dict):
             raise UserError(f"costs file {str(path)!r} holds no JSON object; give one object of per-layer lists")
         try:
@@ -167,8 +186,10 @@ class LayerCosts:
         except UserError as exc:
             raise UserError(f"costs file {str(path)!r}: {exc}") from None
         except (TypeError, ValueError) as exc:  # a field of the wrong JSON type
-            raise UserError(f"costs file {str(path)!r} has a field of the wrong type ({exc}); give lists of "
-                            "names and of numbers, one value per layer") from None
+            raise UserError(
+                f"costs file {str(path)!r} has a field of the wrong type ({exc}); give lists of "
+                "names and of numbers, one value per layer"
+            ) from None
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))

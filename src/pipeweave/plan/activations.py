@@ -56,8 +56,9 @@ def activation_profile(schedule: Schedule) -> Profile:
     return tuple(profile)
 
 
-def peaks(profile: Profile, *, held: float, stash: float, held_last: float, stash_last: float,
-          during: float) -> tuple[float, ...]:
+def peaks(
+    profile: Profile, *, held: float, stash: float, held_last: float, stash_last: float, during: float
+) -> tuple[float, ...]:
     """Per rank, the peak bytes under these sizes (per microbatch of the ordinary and the last part, and one
     replayed block).
 

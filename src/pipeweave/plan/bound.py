@@ -71,7 +71,9 @@ def memory_bound(config: Config, evaluator: Evaluator) -> float:
     copies = 2 if SCHEDULES[config.schedule].placement is PlacementKind.BIDIRECTIONAL else 1
     per_gpu = model.parameters * copies / (config.tp * config.pp)
     shard = 1.0 / config.dp
-    state = per_gpu * (PARAM_BYTES * (shard if config.zero == 3 else 1.0)
-                       + GRAD_BYTES * (shard if config.zero == 3 else 1.0)
-                       + OPTIMIZER_BYTES * (shard if config.zero >= 1 else 1.0))
+    state = per_gpu * (
+        PARAM_BYTES * (shard if config.zero == 3 else 1.0)
+        + GRAD_BYTES * (shard if config.zero == 3 else 1.0)
+        + OPTIMIZER_BYTES * (shard if config.zero >= 1 else 1.0)
+    )
     return state + evaluator.least_activation(config) + ALLOWANCE_BYTES

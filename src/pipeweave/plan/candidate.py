@@ -59,8 +59,10 @@ class Config:
     @property
     def label(self) -> str:
         v = f" v={self.chunks}" if self.takes_chunks else ""
-        return (f"TP{self.tp} PP{self.pp} DP{self.dp} {self.schedule}{v} b={self.microbatch_size} "
-                f"T={self.microbatches} rc={self.recompute} Z{self.zero}")
+        return (
+            f"TP{self.tp} PP{self.pp} DP{self.dp} {self.schedule}{v} b={self.microbatch_size} "
+            f"T={self.microbatches} rc={self.recompute} Z{self.zero}"
+        )
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

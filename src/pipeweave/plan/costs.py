@@ -130,8 +130,13 @@ def block_times(cluster: Cluster, *, tp: int, microbatch_size: int, recompute: s
     replay = {"none": 0.0, "selective": attention + softmax, "full": forward + elementwise + collective}[recompute]
     tp_i = collective * (2 if recompute == "full" else 1)
     # I: each weighted GEMM's input gradient (its own size) and attention's two backward products each.
-    return BlockTimes(f=forward + elementwise + collective, i=weighted + 2 * (attention + elementwise) + collective
-                      + replay, w=weighted, tp_f=collective, tp_i=tp_i)
+    return BlockTimes(
+        f=forward + elementwise + collective,
+        i=weighted + 2 * (attention + elementwise) + collective + replay,
+        w=weighted,
+        tp_f=collective,
+        tp_i=tp_i,
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -142,8 +147,9 @@ def head_times(cluster: Cluster, *, tp: int, microbatch_size: int) -> tuple[floa
     return t, t + tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size), tp), t
 
 
-def part_times(cluster: Cluster, *, num_parts: int, tp: int, microbatch_size: int,
-               recompute: str) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+def part_times(
+    cluster: Cluster, *, num_parts: int, tp: int, microbatch_size: int, recompute: str
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     """Per part (``layers / num_parts`` blocks each), ``(f, i, w)``: the head on the last, the embedding's
     all-reduce on the first.
 

@@ -32,8 +32,12 @@ class Path:
 
     def length(self, f: tuple[float, ...], i: tuple[float, ...], w: tuple[float, ...], hop: float) -> float:
         """The chain's time under per-part times ``f``, ``i``, ``w`` and ``hop`` per message."""
-        return (sum(n * t for n, t in zip(self.f, f)) + sum(n * t for n, t in zip(self.i, i))
-                + sum(n * t for n, t in zip(self.w, w)) + self.hops * hop)
+        return (
+            sum(n * t for n, t in zip(self.f, f))
+            + sum(n * t for n, t in zip(self.i, i))
+            + sum(n * t for n, t in zip(self.w, w))
+            + self.hops * hop
+        )
 
 
 def critical_path(timeline: Timeline) -> Path:
@@ -52,13 +56,15 @@ def critical_path(timeline: Timeline) -> Path:
     parts = schedule.num_parts
     counts = {Op.F: [0] * parts, Op.I: [0] * parts, Op.W: [0] * parts}
     hops = 0
-    rank, n = max(((r, len(row) - 1) for r, row in enumerate(timeline.events) if row),
-                  key=lambda rn: timeline.events[rn[0]][rn[1]].end)
+    rank, n = max(
+        ((r, len(row) - 1) for r, row in enumerate(timeline.events) if row),
+        key=lambda rn: timeline.events[rn[0]][rn[1]].end,
+    )
     while True:
         event = timeline.events[rank][n]
         stage, op, j = event.action
         part = placement.stage_part[stage]
-        for counted in ((Op.I, Op.W) if op is Op.B else (op,) if op in counts else ()):
+        for counted in (Op.I, Op.W) if op is Op.B else (op,) if op in counts else ():
             counts[counted][part] += 1
         found = _predecessor(timeline, where, rank, n)
         if found is None:
@@ -69,8 +75,7 @@ def critical_path(timeline: Timeline) -> Path:
     return Path(tuple(counts[Op.F]), tuple(counts[Op.I]), tuple(counts[Op.W]), hops)
 
 
-def _predecessor(timeline: Timeline, where: dict[Key, tuple[int, int]], rank: int,
-                 n: int) -> tuple[int, int] | None:
+def _predecessor(timeline: Timeline, where: dict[Key, tuple[int, int]], rank: int, n: int) -> tuple[int, int] | None:
     """The action whose end ``timeline.events[rank][n]`` waited for: its input, or the one before it on its rank."""
     event = timeline.events[rank][n]
     stage, op, j = event.action

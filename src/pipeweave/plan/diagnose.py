@@ -15,8 +15,9 @@ from pipeweave.plan.search import Plan
 from pipeweave.plan.space import Fixed, divisors, splits, tensor_parallel_sizes
 
 
-def check_plan(space: Sequence[Config], cluster: Cluster, gpus: int, batch: int, fixed: Fixed,
-               plan: Plan | None = None) -> None:
+def check_plan(
+    space: Sequence[Config], cluster: Cluster, gpus: int, batch: int, fixed: Fixed, plan: Plan | None = None
+) -> None:
     """Raise the one-line reason when ``space`` is empty, or when ``plan`` found nothing that fits.
 
     Raises:
@@ -27,13 +28,16 @@ def check_plan(space: Sequence[Config], cluster: Cluster, gpus: int, batch: int,
         _check_profiled(model, fixed)
     elif not tensor_parallel_sizes(model, per_node, fixed):
         good = [t for t in divisors(per_node) if model.heads % t == 0 and model.hidden % t == 0]
-        raise UserError(f"--tensor-parallel {fixed.tp} does not divide the {model.heads} heads (and hidden "
-                        f"{model.hidden}) or the {per_node} GPUs of a node; give one of {good}")
+        raise UserError(
+            f"--tensor-parallel {fixed.tp} does not divide the {model.heads} heads (and hidden "
+            f"{model.hidden}) or the {per_node} GPUs of a node; give one of {good}"
+        )
     if not splits(model, gpus, batch, per_node, Fixed(tp=fixed.tp)):
         raise UserError(_no_split(cluster, gpus, batch, fixed))
     if not space:
-        raise UserError(f"no configuration of {gpus} GPUs matches the fixed dimensions "
-                        f"({_fixed_text(fixed)}); fix fewer of them")
+        raise UserError(
+            f"no configuration of {gpus} GPUs matches the fixed dimensions ({_fixed_text(fixed)}); fix fewer of them"
+        )
     if plan is not None and not plan.best:
         raise UserError(_too_big(cluster, gpus, plan))
 
@@ -41,11 +45,15 @@ def check_plan(space: Sequence[Config], cluster: Cluster, gpus: int, batch: int,
 def _check_profiled(model: ProfiledModel, fixed: Fixed) -> None:
     """What a profiled model cannot do: split a layer over TP ranks, recompute attention alone."""
     if fixed.tp not in (None, 1):
-        raise UserError(f"--tensor-parallel {fixed.tp}: a model planned from --costs runs with TP 1 (its profile "
-                        "does not say how to split a layer); drop --tensor-parallel or give 1")
+        raise UserError(
+            f"--tensor-parallel {fixed.tp}: a model planned from --costs runs with TP 1 (its profile "
+            "does not say how to split a layer); drop --tensor-parallel or give 1"
+        )
     if fixed.recompute not in (None, *model.recomputations):
-        raise UserError(f"--recompute {fixed.recompute}: a model planned from --costs recomputes none or full "
-                        "(its profile does not isolate attention); give one of those")
+        raise UserError(
+            f"--recompute {fixed.recompute}: a model planned from --costs recomputes none or full "
+            "(its profile does not isolate attention); give one of those"
+        )
 
 
 def _fixed_text(fixed: Fixed) -> str:
@@ -64,9 +72,11 @@ def _no_split(cluster: Cluster, gpus: int, batch: int, fixed: Fixed) -> str:
     else:
         tp = f"TP {fixed.tp}" if fixed.tp else f"TP dividing the {model.heads} heads and the {per_node} GPUs of a node"
         pp = f"PP dividing the {model.layers} layers"
-    return (f"{gpus} GPUs split into no TP x PP x DP with {tp}, {pp} and DP "
-            f"dividing the global batch {batch}; give --gpus {' or '.join(map(str, nearest))}, or a --global-batch "
-            f"with more divisors")
+    return (
+        f"{gpus} GPUs split into no TP x PP x DP with {tp}, {pp} and DP "
+        f"dividing the global batch {batch}; give --gpus {' or '.join(map(str, nearest))}, or a --global-batch "
+        f"with more divisors"
+    )
 
 
 def _nearby(n: int) -> list[int]:
@@ -86,9 +96,13 @@ def _too_big(cluster: Cluster, gpus: int, plan: Plan) -> str:
     if isinstance(cluster.model, ProfiledModel):
         tp_note = "; a profiled model runs at TP 1"
     elif max(tensor_parallel_sizes(cluster.model, cluster.gpu.gpus_per_node, Fixed())) < cluster.gpu.gpus_per_node:
-        tp_note = (f"; its {cluster.model.heads} heads allow TP up to "
-                   f"{max(tensor_parallel_sizes(cluster.model, cluster.gpu.gpus_per_node, Fixed()))} only, heads a "
-                   f"multiple of {cluster.gpu.gpus_per_node} would allow TP {cluster.gpu.gpus_per_node}")
-    return (f"{cluster.model.name} ({cluster.model.parameters / 1e9:.3g}B parameters) fits on no split of {gpus} "
-            f"GPUs of {memory / GIB:.1f} GiB: the smallest needs {need / GIB:.1f} GiB per GPU ({label}){tp_note}; "
-            f"give about {factor}x the GPUs (--gpus {factor * gpus}) or a GPU with more memory")
+        tp_note = (
+            f"; its {cluster.model.heads} heads allow TP up to "
+            f"{max(tensor_parallel_sizes(cluster.model, cluster.gpu.gpus_per_node, Fixed()))} only, heads a "
+            f"multiple of {cluster.gpu.gpus_per_node} would allow TP {cluster.gpu.gpus_per_node}"
+        )
+    return (
+        f"{cluster.model.name} ({cluster.model.parameters / 1e9:.3g}B parameters) fits on no split of {gpus} "
+        f"GPUs of {memory / GIB:.1f} GiB: the smallest needs {need / GIB:.1f} GiB per GPU ({label}){tp_note}; "
+        f"give about {factor}x the GPUs (--gpus {factor * gpus}) or a GPU with more memory"
+    )

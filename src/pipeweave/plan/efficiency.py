@@ -42,8 +42,10 @@ class Efficiency:
 
     def __post_init__(self) -> None:
         if not 0 < self.eta_max <= 1 or not self.n_half >= 0:
-            raise UserError(f"matmul efficiency eta_max={self.eta_max}, n_half={self.n_half} is invalid; "
-                            "give 0 < eta_max <= 1 and n_half >= 0")
+            raise UserError(
+                f"matmul efficiency eta_max={self.eta_max}, n_half={self.n_half} is invalid; "
+                "give 0 < eta_max <= 1 and n_half >= 0"
+            )
 
     def of(self, gemm: Gemm) -> float:
         """The fraction of peak ``gemm`` runs at."""
@@ -64,8 +66,12 @@ ETA_GRID = tuple(round(0.30 + 0.01 * k, 2) for k in range(71))
 N_HALF_GRID = tuple(10.0 * k for k in range(61))
 
 
-def calibrate(predict: Callable[[Efficiency], Iterable[tuple[float, float]]], *,
-              eta_grid: Iterable[float] = ETA_GRID, n_half_grid: Iterable[float] = N_HALF_GRID) -> Efficiency:
+def calibrate(
+    predict: Callable[[Efficiency], Iterable[tuple[float, float]]],
+    *,
+    eta_grid: Iterable[float] = ETA_GRID,
+    n_half_grid: Iterable[float] = N_HALF_GRID,
+) -> Efficiency:
     """The grid point that minimises the mean squared relative error of ``predict``'s (predicted, published) pairs.
 
     Args:

@@ -57,9 +57,15 @@ class Result:
     def as_dict(self) -> dict[str, object]:
         """The configuration and its figures; those of a configuration not simulated (it does not fit) null."""
         out = self.config.as_dict()
-        timed = {"step_time_s": self.step_time, "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
-                 "bubble_ratio": self.bubble_ratio, "compute_s": self.compute, "tp_comm_s": self.tp_comm,
-                 "dp_exposed_s": self.dp_exposed}
+        timed = {
+            "step_time_s": self.step_time,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "bubble_ratio": self.bubble_ratio,
+            "compute_s": self.compute,
+            "tp_comm_s": self.tp_comm,
+            "dp_exposed_s": self.dp_exposed,
+        }
         out.update({k: v if math.isfinite(self.step_time) else None for k, v in timed.items()})
         out.update(memory_gib=round(self.memory.total / 2**30, 3), fits=self.fits, memory=self.memory.as_dict())
         return out
@@ -80,8 +86,13 @@ class Evaluator:
     """``times``' answers (the search asks for each configuration's several times)."""
 
     def layout(self, config: Config) -> Layout:
-        return Layout(tp=config.tp, dp=config.dp, zero=config.zero, network=self.cluster.gpu.network(),
-                      sequence_parallel=self.cluster.sequence_parallel)
+        return Layout(
+            tp=config.tp,
+            dp=config.dp,
+            zero=config.zero,
+            network=self.cluster.gpu.network(),
+            sequence_parallel=self.cluster.sequence_parallel,
+        )
 
     def times(self, config: Config, num_parts: int) -> Times:
         """``(f, i, w, hop)`` of the configuration's parts."""
@@ -102,8 +113,13 @@ class Evaluator:
 
     def part_times(self, config: Config, num_parts: int) -> tuple[tuple[float, ...], ...]:
         """Per part, seconds of F, I and W on one TP rank (``plan.costs``)."""
-        return part_times(self.cluster, num_parts=num_parts, tp=config.tp, microbatch_size=config.microbatch_size,
-                          recompute=config.recompute)
+        return part_times(
+            self.cluster,
+            num_parts=num_parts,
+            tp=config.tp,
+            microbatch_size=config.microbatch_size,
+            recompute=config.recompute,
+        )
 
     def hop(self, config: Config, num_parts: int) -> float:
         """Seconds of a pipeline message (inter-node as soon as a pipeline spans two nodes)."""
@@ -122,13 +138,23 @@ class Evaluator:
     def memory(self, config: Config, schedule: Schedule, layout: Layout) -> GPUMemory:
         """The fullest GPU's bytes (``plan.memory``)."""
         peaks = self.pipeline.peaks(config, schedule, transformer(self.cluster), self.cluster.sequence_parallel)
-        return gpu_memory(schedule, transformer(self.cluster), layout, microbatch_size=config.microbatch_size,
-                          recompute=config.recompute, peaks=peaks)
+        return gpu_memory(
+            schedule,
+            transformer(self.cluster),
+            layout,
+            microbatch_size=config.microbatch_size,
+            recompute=config.recompute,
+            peaks=peaks,
+        )
 
     def least_activation(self, config: Config) -> float:
         """Bytes of one microbatch's activations on one part: what any rank holds at least."""
-        held = block_activation_bytes(transformer(self.cluster), tp=config.tp, recompute=config.recompute,
-                                      sequence_parallel=self.cluster.sequence_parallel)[0]
+        held = block_activation_bytes(
+            transformer(self.cluster),
+            tp=config.tp,
+            recompute=config.recompute,
+            sequence_parallel=self.cluster.sequence_parallel,
+        )[0]
         return held * (transformer(self.cluster).layers // self.num_parts(config)) * config.microbatch_size
 
     def step_flops(self, recompute: str) -> float:
@@ -152,22 +178,40 @@ class Evaluator:
         memory = self.memory(config, schedule, layout)
         fits = memory.total <= self.cluster.gpu.memory_bytes
         if not fits and not time_unfit:
-            return Result(config=config, step_time=math.inf, tflops_per_gpu=0.0, mfu=0.0, bubble_ratio=math.nan,
-                          memory=memory, fits=False, compute=math.nan, tp_comm=math.nan, dp_exposed=math.nan)
+            return Result(
+                config=config,
+                step_time=math.inf,
+                tflops_per_gpu=0.0,
+                mfu=0.0,
+                bubble_ratio=math.nan,
+                memory=memory,
+                fits=False,
+                compute=math.nan,
+                tp_comm=math.nan,
+                dp_exposed=math.nan,
+            )
         summary = self.pipeline.summary(config, schedule, times)
         step = max(summary.makespan, self.dp_tail(config, layout, summary))
         gpus, peak = config.gpus, self.cluster.gpu.peak_flops
         tp = self.tp_comm(config)
-        return Result(config=config, step_time=step,
-                      tflops_per_gpu=self.step_flops(config.recompute) / step / gpus / 1e12,
-                      mfu=self.step_flops("none") / step / gpus / peak,
-                      bubble_ratio=summary.bubble_ratio, memory=memory, fits=fits, compute=summary.busy - tp,
-                      tp_comm=tp, dp_exposed=step - summary.makespan)
+        return Result(
+            config=config,
+            step_time=step,
+            tflops_per_gpu=self.step_flops(config.recompute) / step / gpus / 1e12,
+            mfu=self.step_flops("none") / step / gpus / peak,
+            bubble_ratio=summary.bubble_ratio,
+            memory=memory,
+            fits=fits,
+            compute=summary.busy - tp,
+            tp_comm=tp,
+            dp_exposed=step - summary.makespan,
+        )
 
     def tp_comm(self, config: Config) -> float:
         """Seconds one rank spends in TP all-reduces per step: T microbatches of its L / D blocks."""
-        block = block_times(self.cluster, tp=config.tp, microbatch_size=config.microbatch_size,
-                            recompute=config.recompute)
+        block = block_times(
+            self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, recompute=config.recompute
+        )
         return config.microbatches * transformer(self.cluster).layers / config.pp * (block.tp_f + block.tp_i)
 
     def dp_tail(self, config: Config, layout: Layout, summary: Summary) -> float:

@@ -55,13 +55,19 @@ class ProfiledEvaluator(Evaluator):
         parts = self.num_parts(config)
         f, i, w, hop = times
         unit = sum(f) / parts
-        return {"time_f": 1.0, "time_b": round(sum(i) / parts / unit, 1), "time_w": round(sum(w) / parts / unit, 1),
-                "time_comm": round(hop / unit, 1), "memory_limit": 2.0}
+        return {
+            "time_f": 1.0,
+            "time_b": round(sum(i) / parts / unit, 1),
+            "time_w": round(sum(w) / parts / unit, 1),
+            "time_comm": round(hop / unit, 1),
+            "memory_limit": 2.0,
+        }
 
     def memory(self, config: Config, schedule: Schedule, layout: Layout) -> GPUMemory:
         parts = schedule.num_parts
-        held, stash, during = self.model.part_activations(parts, microbatch_size=config.microbatch_size,
-                                                          recompute=config.recompute)
+        held, stash, during = self.model.part_activations(
+            parts, microbatch_size=config.microbatch_size, recompute=config.recompute
+        )
         acts = held_peaks(schedule.actions, schedule.placement.stage_part, held, stash, during, during)
         return fullest_gpu(schedule, self.model.part_parameters(parts), layout, acts)
 
@@ -69,8 +75,9 @@ class ProfiledEvaluator(Evaluator):
         return 0.0
 
     def least_activation(self, config: Config) -> float:
-        held = self.model.part_activations(self.num_parts(config), microbatch_size=config.microbatch_size,
-                                           recompute=config.recompute)[0]
+        held = self.model.part_activations(
+            self.num_parts(config), microbatch_size=config.microbatch_size, recompute=config.recompute
+        )[0]
         return min(held)
 
     def step_flops(self, recompute: str) -> float:

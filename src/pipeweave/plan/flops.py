@@ -58,8 +58,14 @@ def block_gemms(model: Transformer, *, microbatch_size: int, tp: int) -> tuple[G
     """
     b, s, h, d = microbatch_size, model.seq_len, model.hidden, model.head_dim
     tokens, heads = b * s, b * model.heads // tp
-    return (Gemm(tokens, h, 3 * h // tp), Gemm(s, d, s, heads, weight=False), Gemm(s, s, d, heads, weight=False),
-            Gemm(tokens, h // tp, h), Gemm(tokens, h, 4 * h // tp), Gemm(tokens, 4 * h // tp, h))
+    return (
+        Gemm(tokens, h, 3 * h // tp),
+        Gemm(s, d, s, heads, weight=False),
+        Gemm(s, s, d, heads, weight=False),
+        Gemm(tokens, h // tp, h),
+        Gemm(tokens, h, 4 * h // tp),
+        Gemm(tokens, 4 * h // tp, h),
+    )
 
 
 def head_gemm(model: Transformer, *, microbatch_size: int, tp: int) -> Gemm:

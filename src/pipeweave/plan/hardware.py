@@ -68,24 +68,46 @@ class GPU:
 
     def network(self) -> Network:
         """The cluster's links, for ``sim.parallel.Layout``."""
-        return Network(intra_node=Link(bandwidth=self.intra_node, latency=self.latency),
-                       inter_node=Link(bandwidth=self.inter_node, latency=self.latency),
-                       gpus_per_node=self.gpus_per_node)
+        return Network(
+            intra_node=Link(bandwidth=self.intra_node, latency=self.latency),
+            inter_node=Link(bandwidth=self.inter_node, latency=self.latency),
+            gpus_per_node=self.gpus_per_node,
+        )
 
 
 GPUS: dict[str, GPU] = {
-    "a100-80gb": GPU(name="a100-80gb", peak_flops=312e12, memory_bytes=81920 * MIB, intra_node=300 * GB,
-                     inter_node=200e9 / 8),
-    "h100-sxm": GPU(name="h100-sxm", peak_flops=989e12, memory_bytes=81559 * MIB, intra_node=450 * GB,
-                    inter_node=400e9 / 8, memory_bandwidth=3.35e12),
-    "h200": GPU(name="h200", peak_flops=989e12, memory_bytes=143771 * MIB, intra_node=450 * GB, inter_node=400e9 / 8,
-                memory_bandwidth=4.8e12),
+    "a100-80gb": GPU(
+        name="a100-80gb", peak_flops=312e12, memory_bytes=81920 * MIB, intra_node=300 * GB, inter_node=200e9 / 8
+    ),
+    "h100-sxm": GPU(
+        name="h100-sxm",
+        peak_flops=989e12,
+        memory_bytes=81559 * MIB,
+        intra_node=450 * GB,
+        inter_node=400e9 / 8,
+        memory_bandwidth=3.35e12,
+    ),
+    "h200": GPU(
+        name="h200",
+        peak_flops=989e12,
+        memory_bytes=143771 * MIB,
+        intra_node=450 * GB,
+        inter_node=400e9 / 8,
+        memory_bandwidth=4.8e12,
+    ),
 }
 """The presets, by ``--gpu`` name (sources in the module docstring)."""
 
 
-def custom_gpu(*, peak_tflops: float, memory_gib: float, intra_node_gbps: float, inter_node_gbps: float,
-               gpus_per_node: int, memory_tbps: float | None = None) -> GPU:
+def custom_gpu(
+    *,
+    peak_tflops: float,
+    memory_gib: float,
+    intra_node_gbps: float,
+    inter_node_gbps: float,
+    gpus_per_node: int,
+    memory_tbps: float | None = None,
+) -> GPU:
     """A GPU from ``--gpu custom``'s flags: TFLOP/s, GiB and Gb/s (as network cards are sold).
 
     Example:
@@ -93,16 +115,28 @@ def custom_gpu(*, peak_tflops: float, memory_gib: float, intra_node_gbps: float,
         ...            gpus_per_node=4).intra_node / 1e9
         100.0
     """
-    for flag, value in (("--peak-tflops", peak_tflops), ("--memory-gib", memory_gib),
-                        ("--intra-node-gbps", intra_node_gbps), ("--inter-node-gbps", inter_node_gbps)):
+    for flag, value in (
+        ("--peak-tflops", peak_tflops),
+        ("--memory-gib", memory_gib),
+        ("--intra-node-gbps", intra_node_gbps),
+        ("--inter-node-gbps", inter_node_gbps),
+    ):
         if value is None or not 0 < value < math.inf:
-            raise UserError(f"--gpu custom needs {flag} > 0 (got {value}); give e.g. --peak-tflops 312 "
-                            "--memory-gib 80 --intra-node-gbps 2400 --inter-node-gbps 200")
+            raise UserError(
+                f"--gpu custom needs {flag} > 0 (got {value}); give e.g. --peak-tflops 312 "
+                "--memory-gib 80 --intra-node-gbps 2400 --inter-node-gbps 200"
+            )
     if memory_tbps is not None and not 0 < memory_tbps < math.inf:
         raise UserError(f"--memory-tbps {memory_tbps} is invalid; give the HBM bandwidth in TB/s > 0, e.g. 2.039")
-    return GPU(name="custom", peak_flops=peak_tflops * 1e12, memory_bytes=memory_gib * GIB,
-               intra_node=intra_node_gbps * 1e9 / 8, inter_node=inter_node_gbps * 1e9 / 8,
-               gpus_per_node=gpus_per_node, memory_bandwidth=(memory_tbps or 2.039) * 1e12)
+    return GPU(
+        name="custom",
+        peak_flops=peak_tflops * 1e12,
+        memory_bytes=memory_gib * GIB,
+        intra_node=intra_node_gbps * 1e9 / 8,
+        inter_node=inter_node_gbps * 1e9 / 8,
+        gpus_per_node=gpus_per_node,
+        memory_bandwidth=(memory_tbps or 2.039) * 1e12,
+    )
 
 
 def gpu_named(name: str) -> GPU:

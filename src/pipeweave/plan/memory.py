@@ -70,8 +70,9 @@ class GPUMemory:
         return {n: round(getattr(self, n) / GIB, 3) for n in names}
 
 
-def block_activation_bytes(model: Transformer, *, tp: int, recompute: str,
-                           sequence_parallel: bool = False) -> tuple[float, float, float]:
+def block_activation_bytes(
+    model: Transformer, *, tp: int, recompute: str, sequence_parallel: bool = False
+) -> tuple[float, float, float]:
     """``(held, stash, during)`` of one block for a microbatch of 1: held from F to the backward, still held
     between I and W, and used on top while a backward replays the forward.
 
@@ -97,20 +98,26 @@ def block_activation_bytes(model: Transformer, *, tp: int, recompute: str,
     return share(terms.input, terms.input), stash, full
 
 
-def part_activation_bytes(model: Transformer, num_parts: int, tp: int, recompute: str,
-                          sequence_parallel: bool = False) -> dict[str, float]:
+def part_activation_bytes(
+    model: Transformer, num_parts: int, tp: int, recompute: str, sequence_parallel: bool = False
+) -> dict[str, float]:
     """A part's activation bytes for a microbatch of one sample, as ``plan.activations.peaks`` takes them: held
     and stashed by an ordinary part and by the last (the head's FP32 logits too), and one replayed block."""
     per = model.layers // num_parts
-    held, stash, during = block_activation_bytes(model, tp=tp, recompute=recompute,
-                                                 sequence_parallel=sequence_parallel)
+    held, stash, during = block_activation_bytes(model, tp=tp, recompute=recompute, sequence_parallel=sequence_parallel)
     logits = 4.0 * model.seq_len * model.vocab / tp
-    return {"held": per * held, "stash": per * stash, "held_last": per * held + logits,
-            "stash_last": per * stash + logits, "during": during}
+    return {
+        "held": per * held,
+        "stash": per * stash,
+        "held_last": per * held + logits,
+        "stash_last": per * stash + logits,
+        "during": during,
+    }
 
 
-def activation_peaks(schedule: Schedule, model: Transformer, tp: int, recompute: str,
-                     sequence_parallel: bool = False) -> tuple[float, ...]:
+def activation_peaks(
+    schedule: Schedule, model: Transformer, tp: int, recompute: str, sequence_parallel: bool = False
+) -> tuple[float, ...]:
     """Per rank, the peak activation bytes of ``schedule`` for microbatches of one sample (scale by b), walked by
     the simulator's ``held_peaks`` (``plan.activations`` finds the same for many sizes at once).
 
@@ -139,8 +146,15 @@ def part_parameters(model: Transformer, num_parts: int) -> tuple[float, ...]:
     return tuple(params)
 
 
-def gpu_memory(schedule: Schedule, model: Transformer, layout: Layout, *, microbatch_size: int, recompute: str,
-               peaks: tuple[float, ...] | None = None) -> GPUMemory:
+def gpu_memory(
+    schedule: Schedule,
+    model: Transformer,
+    layout: Layout,
+    *,
+    microbatch_size: int,
+    recompute: str,
+    peaks: tuple[float, ...] | None = None,
+) -> GPUMemory:
     """The fullest GPU of ``schedule`` on the layout (module docstring); ``peaks``: ``activation_peaks``' result
     if known.
 
@@ -153,16 +167,21 @@ def gpu_memory(schedule: Schedule, model: Transformer, layout: Layout, *, microb
         6
     """
     params = part_parameters(model, schedule.num_parts)
-    acts = [p * microbatch_size for p in peaks or activation_peaks(schedule, model, layout.tp, recompute,
-                                                                   layout.sequence_parallel)]
+    acts = [
+        p * microbatch_size
+        for p in peaks or activation_peaks(schedule, model, layout.tp, recompute, layout.sequence_parallel)
+    ]
     return fullest_gpu(schedule, params, layout, acts)
 
 
 def fullest_gpu(schedule: Schedule, params: Sequence[float], layout: Layout, acts: Sequence[float]) -> GPUMemory:
     """The GPU whose model state (``params`` per part, 16 bytes each) and activations (``acts`` bytes per rank)
     are the most, with the allowance (module docstring)."""
-    state = ModelBytes(params=tuple(p * PARAM_BYTES for p in params), grads=GRAD_BYTES / PARAM_BYTES,
-                       optimizer=OPTIMIZER_BYTES / PARAM_BYTES)
+    state = ModelBytes(
+        params=tuple(p * PARAM_BYTES for p in params),
+        grads=GRAD_BYTES / PARAM_BYTES,
+        optimizer=OPTIMIZER_BYTES / PARAM_BYTES,
+    )
     ranks = rank_memory(schedule, layout, state)
     worst = max(range(len(ranks)), key=lambda r: ranks[r].total + acts[r])
     gathered = max(params) * PARAM_BYTES / layout.tp if layout.zero == 3 else 0.0

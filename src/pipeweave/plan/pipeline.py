@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from pipeweave.plan.activations import Profile, activation_profile, peaks
 from pipeweave.plan.candidate import Config
 from pipeweave.plan.costs import Cluster, transformer
 from pipeweave.plan.critical import Path, critical_path
-from pipeweave.plan.activations import Profile, activation_profile, peaks
 from pipeweave.plan.memory import PARAM_BYTES, block_activation_bytes, part_activation_bytes, part_parameters
 from pipeweave.plan.transformer import Transformer
 from pipeweave.schedule import generate
@@ -77,8 +78,9 @@ def summarise(timeline: Timeline, costs: Times) -> Summary:
     spans = [row[-1].end - row[0].start for row in rows]
     makespan = max(row[-1].end for row in rows) - min(row[0].start for row in rows)
     ratio = 1.0 - sum(busy) / (len(timeline.events) * max(spans)) if max(spans) > 0 else 0.0
-    return Summary(makespan, ratio, max(busy), parts, tuple(grad_end), tuple(bwd_start), tuple(order),
-                   part_holders(schedule))
+    return Summary(
+        makespan, ratio, max(busy), parts, tuple(grad_end), tuple(bwd_start), tuple(order), part_holders(schedule)
+    )
 
 
 def _stages_by_rank(schedule: Schedule) -> list[list[int]]:
@@ -120,8 +122,13 @@ class Pipeline:
         if key not in self.schedules:
             chunks = config.chunks if config.takes_chunks else None
             try:
-                self.schedules[key] = generate(config.schedule, num_stages=config.pp,
-                                               num_microbatches=config.microbatches, num_chunks=chunks, **options)
+                self.schedules[key] = generate(
+                    config.schedule,
+                    num_stages=config.pp,
+                    num_microbatches=config.microbatches,
+                    num_chunks=chunks,
+                    **options,
+                )
             except ScheduleError:
                 self.schedules[key] = None
         return self.schedules[key]
@@ -133,8 +140,7 @@ class Pipeline:
         if found is None:
             f, i, w, hop = times
             self.simulations += 1
-            timeline = simulate(schedule, CostModel(f=f, b=i, w=w, comm=hop, dispatch=self.dispatch),
-                                check=False)
+            timeline = simulate(schedule, CostModel(f=f, b=i, w=w, comm=hop, dispatch=self.dispatch), check=False)
             found = self.summaries[key] = summarise(timeline, times)
             if not config.searched and config.shape not in self.references:
                 self.references[config.shape] = critical_path(timeline)
@@ -146,8 +152,9 @@ class Pipeline:
         path = self.references.get(config.shape)
         return 0.0 if path is None else path.length(*times)
 
-    def peaks(self, config: Config, schedule: Schedule, model: Transformer,
-              sequence_parallel: bool = False) -> tuple[float, ...]:
+    def peaks(
+        self, config: Config, schedule: Schedule, model: Transformer, sequence_parallel: bool = False
+    ) -> tuple[float, ...]:
         """Per rank, activation bytes per sample of a microbatch (``plan.memory.activation_peaks``), from the
         schedule's profile walked once (``plan.activations``)."""
         key = id(schedule)
@@ -169,12 +176,19 @@ def auto_options(config: Config, cluster: Cluster, times: Times) -> dict[str, ob
     parts = config.pp * config.chunks
     f, i, w, hop = times
     model, gpu = transformer(cluster), cluster.gpu
-    held, stash, _ = block_activation_bytes(model, tp=config.tp, recompute=config.recompute,
-                                            sequence_parallel=cluster.sequence_parallel)
+    held, stash, _ = block_activation_bytes(
+        model, tp=config.tp, recompute=config.recompute, sequence_parallel=cluster.sequence_parallel
+    )
     per_rank = model.layers / config.pp * held * config.microbatch_size  # M_a of one D-th
     state = max(part_parameters(model, parts)) * config.chunks * 16 / config.tp
     room = gpu.memory_bytes - state - 3 * 2**30
     limit = max(1.0, min(2.0, int(2 * room / (config.pp * per_rank)) / 2)) if per_rank else 2.0
     unit = sum(f) / parts
-    return {"time_f": 1.0, "time_b": round(sum(i) / parts / unit, 1), "time_w": round(sum(w) / parts / unit, 1),
-            "time_comm": round(hop / unit, 1), "memory_limit": limit, "mem_w": round(min(1.0, stash / held), 1)}
+    return {
+        "time_f": 1.0,
+        "time_b": round(sum(i) / parts / unit, 1),
+        "time_w": round(sum(w) / parts / unit, 1),
+        "time_comm": round(hop / unit, 1),
+        "memory_limit": limit,
+        "mem_w": round(min(1.0, stash / held), 1),
+    }

@@ -76,8 +76,10 @@ class ProfiledModel:
 
     def __post_init__(self) -> None:
         if self.profile_microbatch < 1 or not 0 < self.scale < math.inf:
-            raise UserError(f"profile microbatch {self.profile_microbatch}, scale {self.scale} are invalid; give "
-                            "a profile of >= 1 sample per microbatch and finite rates > 0")
+            raise UserError(
+                f"profile microbatch {self.profile_microbatch}, scale {self.scale} are invalid; give "
+                "a profile of >= 1 sample per microbatch and finite rates > 0"
+            )
 
     @property
     def layers(self) -> int:
@@ -104,8 +106,9 @@ class ProfiledModel:
     def _per_part(self, name: str, num_parts: int, factor: float) -> tuple[float, ...]:
         return tuple(self.costs.total(name, a, z) * factor for a, z in self.bounds(num_parts))
 
-    def part_times(self, num_parts: int, *, microbatch_size: int,
-                   recompute: str) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    def part_times(
+        self, num_parts: int, *, microbatch_size: int, recompute: str
+    ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
         """Per part, target seconds of F, I (the replayed F in it with recomputation) and W."""
         f = self._times("forward", num_parts, microbatch_size)
         i = self._times("input_grad", num_parts, microbatch_size)
@@ -123,19 +126,23 @@ class ProfiledModel:
             return tuple(self.scale * b / m * costs.total(name, a, z) for a, z in self.bounds(num_parts))
         (m0, c0), (m1, c1) = below[-1], above[0]
         w = (b - m0) / (m1 - m0)
-        return tuple(self.scale * ((1 - w) * c0.total(name, a, z) + w * c1.total(name, a, z))
-                     for a, z in self.bounds(num_parts))
+        return tuple(
+            self.scale * ((1 - w) * c0.total(name, a, z) + w * c1.total(name, a, z)) for a, z in self.bounds(num_parts)
+        )
 
     def part_parameters(self, num_parts: int) -> tuple[float, ...]:
         return self._per_part("params", num_parts, 1.0 / PROFILE_PARAM_BYTES)
 
-    def part_activations(self, num_parts: int, *, microbatch_size: int,
-                         recompute: str) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    def part_activations(
+        self, num_parts: int, *, microbatch_size: int, recompute: str
+    ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
         """Per part, bytes ``(held, stash, during)`` for one microbatch of ``microbatch_size``: held from F to
         the backward, held between I and W, used on top while a replayed forward runs (module docstring)."""
         factor = microbatch_size / self.profile_microbatch
-        whole = tuple(self.costs.total("activation", a, z) * factor + self.costs.output[z - 1] * factor
-                      for a, z in self.bounds(num_parts))
+        whole = tuple(
+            self.costs.total("activation", a, z) * factor + self.costs.output[z - 1] * factor
+            for a, z in self.bounds(num_parts)
+        )
         if recompute != "full":
             return whole, whole, (0.0,) * num_parts
         inputs = tuple(self.costs.output[a - 1] * factor if a else 0.0 for a, _ in self.bounds(num_parts))
@@ -165,14 +172,22 @@ def profile_rate(*profiles: LayerCosts) -> float:
     seconds = sum(c.time_of(0, c.num_layers) for c in profiles)
     flops = sum(sum(c.flops) for c in profiles)
     if any(sum(c.flops) <= 0 for c in profiles) or seconds <= 0:
-        raise UserError("the profile holds no counted FLOPs (written before pipeweave counted them) or no times; "
-                        "profile again (pipeweave partition --refresh --save-costs FILE) or give --profile-tflops")
+        raise UserError(
+            "the profile holds no counted FLOPs (written before pipeweave counted them) or no times; "
+            "profile again (pipeweave partition --refresh --save-costs FILE) or give --profile-tflops"
+        )
     return flops / seconds
 
 
-def profiled_model(costs: LayerCosts, *, target_flops: float | None, eta_max: float,
-                   rate: float | None = None, name: str = "profiled",
-                   others: tuple[LayerCosts, ...] = ()) -> ProfiledModel:
+def profiled_model(
+    costs: LayerCosts,
+    *,
+    target_flops: float | None,
+    eta_max: float,
+    rate: float | None = None,
+    name: str = "profiled",
+    others: tuple[LayerCosts, ...] = (),
+) -> ProfiledModel:
     """The profile scaled to a target of peak ``target_flops`` (None: the profiling machine itself).
 
     Args:

@@ -47,9 +47,17 @@ class Row:
         """The published configuration in the planner's terms."""
         dp = self.gpus // (self.tp * self.pp)
         schedule = "1f1b" if self.chunks == 1 else "interleaved-1f1b"
-        return Config(tp=self.tp, pp=self.pp, dp=dp, chunks=self.chunks, microbatch_size=self.microbatch_size,
-                      microbatches=self.batch // (dp * self.microbatch_size), schedule=schedule,
-                      recompute="full", zero=0)
+        return Config(
+            tp=self.tp,
+            pp=self.pp,
+            dp=dp,
+            chunks=self.chunks,
+            microbatch_size=self.microbatch_size,
+            microbatches=self.batch // (dp * self.microbatch_size),
+            schedule=schedule,
+            recompute="full",
+            zero=0,
+        )
 
 
 TABLE_1 = (

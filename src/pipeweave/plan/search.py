@@ -53,8 +53,16 @@ class Plan:
         return [r for r in self.results if r.fits]
 
 
-def search(space: Iterable[Config], evaluator: Evaluator, *, top: int = 10, exhaustive: bool = False,
-           auto_searches: int = 8, tolerance: float = 0.0, progress: Progress | None = None) -> Plan:
+def search(
+    space: Iterable[Config],
+    evaluator: Evaluator,
+    *,
+    top: int = 10,
+    exhaustive: bool = False,
+    auto_searches: int = 8,
+    tolerance: float = 0.0,
+    progress: Progress | None = None,
+) -> Plan:
     """The best ``top`` configurations of ``space`` (module docstring); ``exhaustive`` simulates every one that
     may fit (for ``--plot`` over the whole space); at most ``auto_searches`` zb-auto searches (about a second
     each, more at large D), the most promising first: the others are skipped, and counted. With a
@@ -70,8 +78,16 @@ def search(space: Iterable[Config], evaluator: Evaluator, *, top: int = 10, exha
             gc.enable()
 
 
-def _search(configs: list[Config], evaluator: Evaluator, top: int, exhaustive: bool, auto_searches: int,
-            tolerance: float, progress: Progress | None, started: float) -> Plan:
+def _search(
+    configs: list[Config],
+    evaluator: Evaluator,
+    top: int,
+    exhaustive: bool,
+    auto_searches: int,
+    tolerance: float,
+    progress: Progress | None,
+    started: float,
+) -> Plan:
     """``search``'s loop (with the collector paused)."""
     bounds, fitting, queue = _candidates(configs, evaluator)
     done = len(configs) - len(fitting)
@@ -109,11 +125,22 @@ def _search(configs: list[Config], evaluator: Evaluator, top: int, exhaustive: b
         progress(len(configs), len(configs))
     results.sort(key=lambda r: (not r.fits, r.step_time if r.fits else r.memory.total))
     least = _least_memory(results, configs, bounds)
-    return Plan(results, len(configs), len(configs) - len(fitting), bounded, refused,
-                evaluator.pipeline.simulations, time.perf_counter() - started, least, skipped)
+    return Plan(
+        results,
+        len(configs),
+        len(configs) - len(fitting),
+        bounded,
+        refused,
+        evaluator.pipeline.simulations,
+        time.perf_counter() - started,
+        least,
+        skipped,
+    )
 
 
-def _candidates(configs: list[Config], evaluator: Evaluator) -> tuple[list[float], list[Config], list[tuple[float, int, bool]]]:
+def _candidates(
+    configs: list[Config], evaluator: Evaluator
+) -> tuple[list[float], list[Config], list[tuple[float, int, bool]]]:
     """Each configuration's memory bound, those whose bound fits the GPU, and a heap of the latter by time bound:
     ``(time bound, index in the fitting ones, rescaled)``."""
     limit = evaluator.cluster.gpu.memory_bytes

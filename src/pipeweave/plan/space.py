@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 from pipeweave.errors import UserError
 from pipeweave.plan.candidate import Config
-from pipeweave.sim.recompute import RECOMPUTE
 from pipeweave.plan.profiled import Model
 from pipeweave.schedule.registry import SCHEDULES, PlacementKind
 from pipeweave.sim.parallel import ZERO_STAGES
+from pipeweave.sim.recompute import RECOMPUTE
 
 
 def synchronous() -> list[str]:
@@ -43,8 +43,10 @@ class Fixed:
 
     def __post_init__(self) -> None:
         if self.schedule is not None and self.schedule not in synchronous():
-            raise UserError(f"-s {self.schedule!r} is not a synchronous schedule the planner can size; choose one "
-                            f"of: {', '.join(synchronous())}")
+            raise UserError(
+                f"-s {self.schedule!r} is not a synchronous schedule the planner can size; choose one "
+                f"of: {', '.join(synchronous())}"
+            )
         if self.recompute is not None and self.recompute not in RECOMPUTE:
             raise UserError(f"--recompute {self.recompute!r} is invalid; choose one of: {', '.join(RECOMPUTE)}")
         if self.zero is not None and self.zero not in ZERO_STAGES:
@@ -59,8 +61,16 @@ class Fixed:
         return fixed is None or fixed == value
 
 
-FLAGS = {"tp": "--tensor-parallel", "pp": "--stages", "dp": "--data-parallel", "chunks": "--chunks",
-         "microbatch_size": "--microbatch-size", "schedule": "-s", "recompute": "--recompute", "zero": "--zero"}
+FLAGS = {
+    "tp": "--tensor-parallel",
+    "pp": "--stages",
+    "dp": "--data-parallel",
+    "chunks": "--chunks",
+    "microbatch_size": "--microbatch-size",
+    "schedule": "-s",
+    "recompute": "--recompute",
+    "zero": "--zero",
+}
 
 
 def divisors(n: int) -> list[int]:
@@ -116,6 +126,14 @@ def configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixe
                 for b in (b for b in divisors(batch // dp) if fixed.allows("microbatch_size", b)):
                     for recompute in (r for r in model.recomputations if fixed.allows("recompute", r)):
                         for zero in (z for z in (ZERO_STAGES if dp > 1 else (0,)) if fixed.allows("zero", z)):
-                            yield Config(tp=tp, pp=pp, dp=dp, chunks=chunks, microbatch_size=b,
-                                         microbatches=batch // (dp * b), schedule=schedule, recompute=recompute,
-                                         zero=zero)
+                            yield Config(
+                                tp=tp,
+                                pp=pp,
+                                dp=dp,
+                                chunks=chunks,
+                                microbatch_size=b,
+                                microbatches=batch // (dp * b),
+                                schedule=schedule,
+                                recompute=recompute,
+                                zero=zero,
+                            )

@@ -34,13 +34,20 @@ class Transformer:
     name: str = "gpt"
 
     def __post_init__(self) -> None:
-        for flag, value in (("--layers", self.layers), ("--hidden", self.hidden), ("--heads", self.heads),
-                            ("--seq-len", self.seq_len), ("--vocab", self.vocab)):
+        for flag, value in (
+            ("--layers", self.layers),
+            ("--hidden", self.hidden),
+            ("--heads", self.heads),
+            ("--seq-len", self.seq_len),
+            ("--vocab", self.vocab),
+        ):
             if value < 1:
                 raise UserError(f"{flag} {value} is invalid; give an integer >= 1")
         if self.hidden % self.heads:
-            raise UserError(f"--hidden {self.hidden} is not a multiple of --heads {self.heads}; give heads that "
-                            f"divide the hidden size, e.g. {self.hidden // 128 or 1} (head size 128)")
+            raise UserError(
+                f"--hidden {self.hidden} is not a multiple of --heads {self.heads}; give heads that "
+                f"divide the hidden size, e.g. {self.hidden // 128 or 1} (head size 128)"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -78,12 +85,22 @@ def _gpt(name: str, layers: int, hidden: int, heads: int) -> Transformer:
     return Transformer(name=name, layers=layers, hidden=hidden, heads=heads, seq_len=2048, vocab=51200)
 
 
-MODELS: dict[str, Transformer] = {m.name: m for m in (
-    _gpt("gpt-1.7b", 24, 2304, 24), _gpt("gpt-3.6b", 30, 3072, 32), _gpt("gpt-7.5b", 36, 4096, 32),
-    _gpt("gpt-18b", 40, 6144, 48), _gpt("gpt-39b", 48, 8192, 64), _gpt("gpt-76b", 60, 10240, 80),
-    _gpt("gpt-145b", 80, 12288, 96), _gpt("gpt-310b", 96, 16384, 128), _gpt("gpt-530b", 105, 20480, 128),
-    _gpt("gpt-1t", 128, 25600, 160), _gpt("gpt3-175b", 96, 12288, 96),
-)}
+MODELS: dict[str, Transformer] = {
+    m.name: m
+    for m in (
+        _gpt("gpt-1.7b", 24, 2304, 24),
+        _gpt("gpt-3.6b", 30, 3072, 32),
+        _gpt("gpt-7.5b", 36, 4096, 32),
+        _gpt("gpt-18b", 40, 6144, 48),
+        _gpt("gpt-39b", 48, 8192, 64),
+        _gpt("gpt-76b", 60, 10240, 80),
+        _gpt("gpt-145b", 80, 12288, 96),
+        _gpt("gpt-310b", 96, 16384, 128),
+        _gpt("gpt-530b", 105, 20480, 128),
+        _gpt("gpt-1t", 128, 25600, 160),
+        _gpt("gpt3-175b", 96, 12288, 96),
+    )
+}
 """Named shapes, by ``--model`` (Megatron-LM's Table 1 and GPT-3 175B)."""
 
 
@@ -95,6 +112,7 @@ def model_named(name: str) -> Transformer:
     """
     model = MODELS.get(name)
     if model is None:
-        raise UserError(f"unknown --model {name!r}; choose one of: {', '.join(MODELS)}, or gpt with "
-                        "--layers --hidden --heads")
+        raise UserError(
+            f"unknown --model {name!r}; choose one of: {', '.join(MODELS)}, or gpt with --layers --hidden --heads"
+        )
     return model

@@ -27,18 +27,18 @@ import torch
 from pipeweave.errors import StuckError
 from pipeweave.models.boundary import Boundary
 from pipeweave.runtime.clip import GlobalNormClip
-from pipeweave.runtime.stage.sequence_parallel import PartialGradients
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.nonfinite import LossAgreement
 from pipeweave.runtime.replicas import DEFAULT_BUCKET_BYTES, ReplicaReduction, all_reduce_gradients
-from pipeweave.runtime.context import RankContext
+from pipeweave.runtime.stage.levers import Packed, host_store, stash_away, stash_back
+from pipeweave.runtime.stage.policy import RankPolicy
+from pipeweave.runtime.stage.sequence_parallel import PartialGradients
+from pipeweave.runtime.stage.tied import TiedGradients, tied_groups
+from pipeweave.runtime.stage.tied_stream import StreamTies
+from pipeweave.runtime.stage.worker import Combine, StageWorker
 from pipeweave.runtime.transport.mesh import replica_rank_sets
 from pipeweave.runtime.transport.p2p import P2P
 from pipeweave.runtime.transport.partner import PartnerLink
-from pipeweave.runtime.stage.worker import Combine, StageWorker
-from pipeweave.runtime.stage.policy import RankPolicy
-from pipeweave.runtime.stage.levers import Packed, host_store, stash_away, stash_back
-from pipeweave.runtime.stage.tied import TiedGradients, tied_groups
-from pipeweave.runtime.stage.tied_stream import StreamTies
 from pipeweave.schedule.grid import format_rows
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.schedule.lower import LoweredSchedule
@@ -108,13 +108,23 @@ class Executor:
         self.p2p = P2P(lowered, rank, microbatch_sizes, device, variable_shapes=variable_shapes, context=context)
         self.evaluating = evaluate
         """F runs as ``StageWorker.evaluate``; no gradient is prepared or exchanged."""
-        self._exchanges({} if evaluate else workers, policy is not None, combine_replicas, bucket_bytes, zero,
-                        clip_norm, sum_over)
+        self._exchanges(
+            {} if evaluate else workers, policy is not None, combine_replicas, bucket_bytes, zero, clip_norm, sum_over
+        )
         self.dispatch: dict[Op, Callable[[Action], None]] = {
-            Op.F: self.forward, Op.B: self.backward, Op.I: self.backward_input, Op.W: self.backward_weight,
-            Op.U: self.update, Op.SEND_F: self.send_forward, Op.RECV_F: self.recv_forward,
-            Op.SEND_B: self.send_backward, Op.RECV_B: self.recv_backward,
-            Op.OFFLOAD: self.offload, Op.RELOAD: self.reload, Op.EVICT: self.evict, Op.LOAD: self.load,
+            Op.F: self.forward,
+            Op.B: self.backward,
+            Op.I: self.backward_input,
+            Op.W: self.backward_weight,
+            Op.U: self.update,
+            Op.SEND_F: self.send_forward,
+            Op.RECV_F: self.recv_forward,
+            Op.SEND_B: self.send_backward,
+            Op.RECV_B: self.recv_backward,
+            Op.OFFLOAD: self.offload,
+            Op.RELOAD: self.reload,
+            Op.EVICT: self.evict,
+            Op.LOAD: self.load,
         }
         self.partner, self.store = partner, self._offload_store()
         self.peak_activation_bytes = 0
@@ -139,13 +149,26 @@ class Executor:
         self.step_loss: float | None = None
         """Of the last step, with ``on_nonfinite``: its loss, every rank's share summed (the same on every rank)."""
 
-    def _exchanges(self, exchanging: dict[int, StageWorker], stream: bool, combine_replicas: bool,
-                   bucket_bytes: int, zero: int, clip_norm: float | None, sum_over: Any) -> None:
+    def _exchanges(
+        self,
+        exchanging: dict[int, StageWorker],
+        stream: bool,
+        combine_replicas: bool,
+        bucket_bytes: int,
+        zero: int,
+        clip_norm: float | None,
+        sum_over: Any,
+    ) -> None:
         """The gradient exchanges of ``exchanging`` (the training executor's workers; none when evaluating):
         the replicas' sums, the ties', the clipping, and ``combine``, what each ``U`` runs of them."""
-        self.replicas = ReplicaReduction(self.placement, self.row, exchanging if combine_replicas else {},
-                                         _replica_groups(self.placement, self.context) if exchanging and
-                                         combine_replicas else {}, bucket_bytes, zero)
+        self.replicas = ReplicaReduction(
+            self.placement,
+            self.row,
+            exchanging if combine_replicas else {},
+            _replica_groups(self.placement, self.context) if exchanging and combine_replicas else {},
+            bucket_bytes,
+            zero,
+        )
         self.tied = self._ties(exchanging, self.evaluating, stream)
         unclipped = clip_norm is None or self.evaluating
         self.clip = None if unclipped else GlobalNormClip(clip_norm, self.workers, self.context.mesh)
@@ -164,8 +187,14 @@ class Executor:
         around = None if sum_over is None else functools.partial(all_reduce_gradients, group=sum_over)
         combine = {}
         for s in exchanging:
-            steps = [ties.get(s) if first else None, around, self.replicas.hooks.get(s), partial.get(s),
-                     None if first else ties.get(s), clip.get(s)]
+            steps = [
+                ties.get(s) if first else None,
+                around,
+                self.replicas.hooks.get(s),
+                partial.get(s),
+                None if first else ties.get(s),
+                clip.get(s),
+            ]
             combine[s] = chain([step for step in steps if step is not None])
         return combine
 
@@ -177,8 +206,14 @@ class Executor:
             tied = StreamTies(self.lowered.schedule, exchanging, self.p2p)
             self.p2p.tied_message = tied.message()
         else:
-            tied = TiedGradients(self.placement, exchanging, self.rank, self.p2p.tag_limit,
-                                 first=bool(self.replicas.at_update), context=self.context)  # ZeRO-1: whole first
+            tied = TiedGradients(
+                self.placement,
+                exchanging,
+                self.rank,
+                self.p2p.tag_limit,
+                first=bool(self.replicas.at_update),
+                context=self.context,
+            )  # ZeRO-1: whole first
         if not evaluate and any(tied_groups(w.spec) for w in self.workers.values()):
             for line in self.placement.pipelines:
                 if line[0] != line[-1]:
@@ -231,8 +266,10 @@ class Executor:
             self._run(a)
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise StuckError(f"rank {self.rank} stuck at its action {i} ({a}): {first}",
-                             format_rows(self.lowered.actions, [(self.rank, i)])) from exc
+            raise StuckError(
+                f"rank {self.rank} stuck at its action {i} ({a}): {first}",
+                format_rows(self.lowered.actions, [(self.rank, i)]),
+            ) from exc
 
     def _run(self, a: Action) -> None:
         handler = self.dispatch.get(a.op)
@@ -313,8 +350,10 @@ class Executor:
         self._kept: dict[tuple[int, int], int | None] = {}  # BPipe: the meter key of what an EVICT kept here
         for a in self.row:
             if a.op.is_memory and not self.workers[a.stage].stashing:
-                raise RuntimeError(f"rank {self.rank}: stage {a.stage} moves activations ({a}) but was not built "
-                                   "stashing them: build it with stashing=True (runtime.run.workers)")
+                raise RuntimeError(
+                    f"rank {self.rank}: stage {a.stage} moves activations ({a}) but was not built "
+                    "stashing them: build it with stashing=True (runtime.run.workers)"
+                )
         if not any(a.op is Op.OFFLOAD for a in self.row):
             return None
         store = host_store(self.device)
@@ -393,6 +432,8 @@ def _replica_groups(placement: Any, context: RankContext) -> dict[int, Any]:
     if not replica_rank_sets(placement):
         return {}
     if context.mesh is None:
-        raise RuntimeError("replicas on several ranks sum their gradients over the run's mesh: build it first "
-                           "and give it in the executor's context (transport.mesh.build_mesh, RankContext.with_mesh)")
+        raise RuntimeError(
+            "replicas on several ranks sum their gradients over the run's mesh: build it first "
+            "and give it in the executor's context (transport.mesh.build_mesh, RankContext.with_mesh)"
+        )
     return context.mesh.replica_groups

@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pipeweave.runtime.stage.tensor_parallel import split_of
 from pipeweave.runtime.stage.build import Stage
+from pipeweave.runtime.stage.tensor_parallel import split_of
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 # torch.distributed.fsdp and torch.distributed.tensor are imported where a part is sharded, not here: they
 # cost every rank process about 0.8 s of start-up, and only ``--zero 3`` needs them (a DTensor exists only
 # once they are imported, so the checks below import nothing new).
+
 
 class FullyShardedPart:
     """A stage's part under ``fully_shard``, one FSDP unit per layer; the worker's ``shards`` (``shard_stage``).
@@ -151,9 +152,11 @@ class FullyShardedPart:
 
     def whole_state(self, optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
         """The optimizer's state per global parameter name, whole (a collective of the replicas)."""
-        return {name: {k: v.full_tensor() if _is_dtensor(v) else v
-                       for k, v in optimizer.state[p].items()}
-                for name, p in self.sharded.items() if p in optimizer.state}
+        return {
+            name: {k: v.full_tensor() if _is_dtensor(v) else v for k, v in optimizer.state[p].items()}
+            for name, p in self.sharded.items()
+            if p in optimizer.state
+        }
 
     def load_whole_state(self, optimizer: Any, states: dict[str, dict[str, torch.Tensor]]) -> None:
         """Take this replica's rows of ``states`` (per global name, whole, as ``whole_state`` gives them)."""

@@ -53,8 +53,7 @@ class LossAgreement:
             each stage rank's share counted once, not once per tensor-parallel process.
     """
 
-    def __init__(self, row: Sequence[Action], placement: Placement, device: torch.device,
-                 group: Any = None) -> None:
+    def __init__(self, row: Sequence[Action], placement: Placement, device: torch.device, group: Any = None) -> None:
         self.group = group
         self.expected = sum(1 for a in row if a.op is Op.F and placement.next_stage(a.stage) is None)
         """Losses this rank computes per step (its last stages' forwards)."""

@@ -11,10 +11,10 @@ from torch import nn
 from pipeweave.data import DataSource, data_source, step_microbatches
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary, num_samples
+from pipeweave.models.build import build_layers
 from pipeweave.models.precision import autocast
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
-from pipeweave.models.build import build_layers
 from pipeweave.models.spec import ModelSpec, loss_fn
 from pipeweave.runtime.stage.lr_schedule import set_lr
 from pipeweave.runtime.stage.worker import OptimizerFactory, sgd
@@ -85,8 +85,10 @@ def run_plain(
     losses = []
     for step in range(steps):
         pairs = zip(*step_microbatches(source, step, num_microbatches))
-        step_losses = [_microbatch_loss(model, spec, loss, x, target, batch_size, precision, step, j)
-                       for j, (x, target) in enumerate(pairs)]
+        step_losses = [
+            _microbatch_loss(model, spec, loss, x, target, batch_size, precision, step, j)
+            for j, (x, target) in enumerate(pairs)
+        ]
         losses.append(sum(step_losses))
         if lr_at is not None:
             set_lr(optimizer, lr_at(step))
@@ -95,8 +97,17 @@ def run_plain(
     return TrainResult(losses, {k: p.detach().clone() for k, p in model.named_parameters()})
 
 
-def _microbatch_loss(model: nn.ModuleDict, spec: ModelSpec, loss: Callable[..., torch.Tensor], x: Boundary,
-                     target: Boundary, batch_size: int, precision: str, step: int, j: int) -> float:
+def _microbatch_loss(
+    model: nn.ModuleDict,
+    spec: ModelSpec,
+    loss: Callable[..., torch.Tensor],
+    x: Boundary,
+    target: Boundary,
+    batch_size: int,
+    precision: str,
+    step: int,
+    j: int,
+) -> float:
     """Forward and backward of microbatch ``j`` of ``step``, its loss scaled by its share of the mini-batch."""
     with autocast(precision, torch.device("cpu")):
         if is_keyed(spec):  # dropout masks keyed as the pipeline's (models.randomness)
@@ -107,4 +118,3 @@ def _microbatch_loss(model: nn.ModuleDict, spec: ModelSpec, loss: Callable[..., 
         mb_loss = loss(x, target) * (num_samples(target) / batch_size)
     mb_loss.backward()
     return mb_loss.item()
-

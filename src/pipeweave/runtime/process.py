@@ -54,8 +54,7 @@ def keep_freed_host_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(
-            libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
     except (OSError, AttributeError):  # pragma: no cover - musl or another C library
         return False
 
@@ -84,8 +83,9 @@ def die_with_process(pid: int, started: int | None, poll_s: float = 0.5) -> None
     later one given the same PID. The thread needs the GIL only to exit, and
     a thread blocked in a write (``os.write`` releases the GIL) does not hold it.
     """
-    threading.Thread(target=_exit_when_gone, args=(pid, started, poll_s), name="pipeweave-die-with",
-                     daemon=True).start()
+    threading.Thread(
+        target=_exit_when_gone, args=(pid, started, poll_s), name="pipeweave-die-with", daemon=True
+    ).start()
 
 
 def start_time(pid: int) -> int | None:

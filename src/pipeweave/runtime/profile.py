@@ -44,8 +44,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipeweave.errors import UserError
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary, num_samples, tensors
-from pipeweave.models.custom import fingerprint
 from pipeweave.models.build import selective_plan
+from pipeweave.models.custom import fingerprint
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.spec import ModelSpec
 from pipeweave.partition.problem import LayerCosts
@@ -75,10 +75,17 @@ def cache_key(spec: ModelSpec, microbatch_size: int, device: torch.device, preci
     """What a profile depends on; its hash names the cache file."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
-        "spec": asdict(spec), "source": fingerprint(spec.entry) if spec.entry else None,  # a custom model's code
-        "microbatch_size": microbatch_size, "device": str(device.type), "device_name": name,
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "host_memory": "kept",
-        "precision": precision, "counted": "flops", "selective": 1,  # profiles before these fields are measured again
+        "spec": asdict(spec),
+        "source": fingerprint(spec.entry) if spec.entry else None,  # a custom model's code
+        "microbatch_size": microbatch_size,
+        "device": str(device.type),
+        "device_name": name,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "host_memory": "kept",
+        "precision": precision,
+        "counted": "flops",
+        "selective": 1,  # profiles before these fields are measured again
     }
 
 
@@ -102,12 +109,20 @@ def _never_steps(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def _profile_layer(
-    spec: ModelSpec, index: int, x: Boundary, target: Boundary, *, warmup: int, repeats: int,
-    device: torch.device, precision: str,
+    spec: ModelSpec,
+    index: int,
+    x: Boundary,
+    target: Boundary,
+    *,
+    warmup: int,
+    repeats: int,
+    device: torch.device,
+    precision: str,
 ) -> tuple[dict[str, Any], Boundary]:
     """Costs of layer ``index`` on input ``x``; returns them and the layer's output."""
-    worker = StageWorker(spec, [index], batch_size=num_samples(x), device=device, precision=precision,
-                         optimizer_factory=_never_steps)
+    worker = StageWorker(
+        spec, [index], batch_size=num_samples(x), device=device, precision=precision, optimizer_factory=_never_steps
+    )
     layer = worker.module[str(index)]
     timed = _timer(device)
     times: dict[str, list[float]] = {"forward": [], "input_grad": [], "weight_grad": [], "selective_forward": []}
@@ -130,16 +145,22 @@ def _profile_layer(
     costs = {key: statistics.median(values) for key, values in times.items()}
     activation = max(0, kept - output_bytes)
     costs.update(
-        name=f"layers.{index}", type=type(layer).__name__, params=worker.weight_bytes(),
-        activation=activation, output=output_bytes, flops=float(counter.get_total_flops()),
+        name=f"layers.{index}",
+        type=type(layer).__name__,
+        params=worker.weight_bytes(),
+        activation=activation,
+        output=output_bytes,
+        flops=float(counter.get_total_flops()),
         selective_activation=_selective_kept(spec, index, x, target, device, precision) - output_bytes
-        if region.modules else activation,
+        if region.modules
+        else activation,
     )
     return costs, boundary.apply(torch.Tensor.detach, out)
 
 
-def _microbatch(worker: StageWorker, mb: int, x: Boundary, target: Boundary,
-                timed: Callable[[Callable[[], Any]], tuple[float, Any]]) -> tuple[float, float, float, Boundary]:
+def _microbatch(
+    worker: StageWorker, mb: int, x: Boundary, target: Boundary, timed: Callable[[Callable[[], Any]], tuple[float, Any]]
+) -> tuple[float, float, float, Boundary]:
     """One microbatch's F, I and W through ``worker``, each timed: ``(f, i, w, output)``."""
     f, out = timed(lambda: worker.forward(mb, x, target if worker.is_last else None))
     grad = None if worker.is_last else _gradient_like(out)
@@ -162,8 +183,9 @@ class _RegionClock:
 
     def __init__(self, modules: list[torch.nn.Module], device: torch.device) -> None:
         self.modules, self.device, self.total, self._start = modules, device, 0.0, 0.0
-        self.handles = [h for m in modules for h in (m.register_forward_pre_hook(self._enter),
-                                                     m.register_forward_hook(self._exit))]
+        self.handles = [
+            h for m in modules for h in (m.register_forward_pre_hook(self._enter), m.register_forward_hook(self._exit))
+        ]
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -181,11 +203,13 @@ class _RegionClock:
             handle.remove()
 
 
-def _selective_kept(spec: ModelSpec, index: int, x: Boundary, target: Boundary, device: torch.device,
-                    precision: str) -> int:
+def _selective_kept(
+    spec: ModelSpec, index: int, x: Boundary, target: Boundary, device: torch.device, precision: str
+) -> int:
     """Bytes one microbatch keeps in the layer under selective recomputation, its output included."""
-    worker = StageWorker(spec, [index], batch_size=num_samples(x), device=device, precision=precision,
-                         recompute="selective")
+    worker = StageWorker(
+        spec, [index], batch_size=num_samples(x), device=device, precision=precision, recompute="selective"
+    )
     worker.forward(0, x, target if worker.is_last else None)
     return worker.activation_bytes()
 
@@ -242,14 +266,28 @@ def profile_model(
     x, target = (boundary.to(part, device) for part in sample_input(spec, microbatch_size, generator))
     rows = []
     for index in range(spec.num_layers):
-        row, x = _profile_layer(spec, index, x, target, warmup=warmup, repeats=repeats, device=device,
-                                precision=precision)
+        row, x = _profile_layer(
+            spec, index, x, target, warmup=warmup, repeats=repeats, device=device, precision=precision
+        )
         rows.append(row)
     costs = LayerCosts(
-        **{field: [row[field] for row in rows] for field in ("forward", "input_grad", "weight_grad", "activation", "params",
-                                                             "output", "flops", "selective_forward",
-                                                             "selective_activation")},
-        names=[row["name"] for row in rows], types=[row["type"] for row in rows], meta=key,
+        **{
+            field: [row[field] for row in rows]
+            for field in (
+                "forward",
+                "input_grad",
+                "weight_grad",
+                "activation",
+                "params",
+                "output",
+                "flops",
+                "selective_forward",
+                "selective_activation",
+            )
+        },
+        names=[row["name"] for row in rows],
+        types=[row["type"] for row in rows],
+        meta=key,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -22,8 +22,13 @@ from pipeweave.runtime.stage.policy import PolicyOptions, RankPolicy, Read, Sche
 from pipeweave.runtime.stage.tied import TiedGradients
 from pipeweave.runtime.stage.tied_stream import StreamTies
 from pipeweave.runtime.stage.worker import OptimizerFactory, StageWorker
-from pipeweave.runtime.stream import (StreamData, StreamPosition, check_stream_model, microbatches_per_minibatch,
-                                      minibatch_losses)
+from pipeweave.runtime.stream import (
+    StreamData,
+    StreamPosition,
+    check_stream_model,
+    microbatches_per_minibatch,
+    minibatch_losses,
+)
 from pipeweave.runtime.walk import Walk, build_workers, run_step, trained_parameters
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.sim.recompute import Recompute
@@ -72,16 +77,34 @@ def run_reference(
     """
     if not schedule.is_synchronous:  # a stream: run once, its mini-batches are the steps (runtime.stream)
         _check_stream_steps(schedule, steps)
-        return run_stream_reference(schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
-                                    seed=seed, recompute=recompute, data=data, parts=parts, precision=precision,
-                                    lr_at=lr_at)
-    workers = build_workers(schedule, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
-                            recompute=recompute, parts=parts, precision=precision)
+        return run_stream_reference(
+            schedule,
+            spec,
+            batch_size=batch_size,
+            optimizer_factory=optimizer_factory,
+            seed=seed,
+            recompute=recompute,
+            data=data,
+            parts=parts,
+            precision=precision,
+            lr_at=lr_at,
+        )
+    workers = build_workers(
+        schedule,
+        spec,
+        batch_size=batch_size,
+        optimizer_factory=optimizer_factory,
+        recompute=recompute,
+        parts=parts,
+        precision=precision,
+    )
     ties = TiedGradients(schedule.placement, dict(enumerate(workers)))  # ties.hooks: the tied stages' U run them
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
     t = schedule.num_microbatches
-    losses = [_step(schedule, workers, step_microbatches(source, step, t), None if lr_at is None else lr_at(step),
-                    ties) for step in range(steps)]
+    losses = [
+        _step(schedule, workers, step_microbatches(source, step, t), None if lr_at is None else lr_at(step), ties)
+        for step in range(steps)
+    ]
     parameters, stage_parameters = trained_parameters(workers)
     peaks = [w.peak_activation_bytes() for w in workers]
     return TrainResult(losses, parameters, stage_parameters, peaks)
@@ -91,12 +114,19 @@ def _check_stream_steps(schedule: Schedule, steps: int) -> None:
     """A stream's mini-batches are the run's steps: refuse another count."""
     minibatches = schedule.num_steps * len(schedule.placement.pipelines)
     if steps != minibatches:
-        raise UserError(f"the asynchronous {schedule.name} stream covers {minibatches} mini-batches, not "
-                        f"steps={steps}; generate it with num_steps for {steps} mini-batches")
+        raise UserError(
+            f"the asynchronous {schedule.name} stream covers {minibatches} mini-batches, not "
+            f"steps={steps}; generate it with num_steps for {steps} mini-batches"
+        )
 
 
-def _step(schedule: Schedule, workers: list[StageWorker], microbatches: tuple[list[Boundary], list[Boundary]],
-          lr: float | None, ties: TiedGradients) -> float:
+def _step(
+    schedule: Schedule,
+    workers: list[StageWorker],
+    microbatches: tuple[list[Boundary], list[Boundary]],
+    lr: float | None,
+    ties: TiedGradients,
+) -> float:
     """One synchronous step on ``microbatches`` (inputs, targets; at learning rate ``lr``, if given); the
     mini-batch mean loss."""
     if lr is not None:
@@ -121,8 +151,14 @@ class StreamResult(TrainResult):
 class _StreamWalk(Walk):
     """The reference walk of a stream: a rank's U follows its own backwards; the policy brackets each action."""
 
-    def __init__(self, schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Boundary],
-                 targets: Sequence[Boundary], policies: dict[int, RankPolicy]) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        workers: list[StageWorker],
+        inputs: Sequence[Boundary],
+        targets: Sequence[Boundary],
+        policies: dict[int, RankPolicy],
+    ) -> None:
         super().__init__(schedule, workers, inputs, targets)
         self.policy_of = {s: policies[r] for r, policy in policies.items() for s in policy.states}
         self.ties = StreamTies(schedule, dict(enumerate(workers)))  # its hooks: what the tied stages' U run
@@ -183,8 +219,15 @@ def run_stream_reference(
     if first.is_synchronous:
         raise UserError(f"schedule {first.name} is synchronous; run it with run_reference")
     check_stream_model(spec, first.name, lr_at is not None)
-    workers = build_workers(first, spec, batch_size=batch_size, optimizer_factory=optimizer_factory,
-                            recompute=recompute, parts=parts, precision=precision)
+    workers = build_workers(
+        first,
+        spec,
+        batch_size=batch_size,
+        optimizer_factory=optimizer_factory,
+        recompute=recompute,
+        parts=parts,
+        precision=precision,
+    )
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
     t = microbatches_per_minibatch(first)
     result = StreamResult([], {}, [], [], weight_bytes=[0] * first.num_ranks)
@@ -197,9 +240,17 @@ def run_stream_reference(
     return result
 
 
-def _run_stream(stream: Schedule, workers: list[StageWorker], source: DataSource, t: int,
-                options: PolicyOptions | None, lr_at: Callable[[int], float] | None, carry: StreamCarry,
-                position: StreamPosition, result: StreamResult) -> StreamCarry:
+def _run_stream(
+    stream: Schedule,
+    workers: list[StageWorker],
+    source: DataSource,
+    t: int,
+    options: PolicyOptions | None,
+    lr_at: Callable[[int], float] | None,
+    carry: StreamCarry,
+    position: StreamPosition,
+    result: StreamResult,
+) -> StreamCarry:
     """Walk one stream of a run (``position``: where it starts) into ``result``; what its policies carry on."""
     for w in workers:
         w.start_at(position.minibatches)
@@ -209,8 +260,9 @@ def _run_stream(stream: Schedule, workers: list[StageWorker], source: DataSource
         for r in range(stream.num_ranks)
     }
     total = stream.num_microbatches
-    inputs, targets = (StreamData(source, num_microbatches=t, length=total, part=part, first=position.minibatches)
-                       for part in (0, 1))
+    inputs, targets = (
+        StreamData(source, num_microbatches=t, length=total, part=part, first=position.minibatches) for part in (0, 1)
+    )
     state = _StreamWalk(stream, workers, inputs, targets, policies)
     run_step(stream, workers, [], [], state=state)
     state.ties.drain()

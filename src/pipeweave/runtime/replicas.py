@@ -60,8 +60,15 @@ class ReplicaReduction:
             run's build step ``shard_replica`` (``runtime.run.workers``).
     """
 
-    def __init__(self, placement: Placement, row: Sequence[Action], workers: dict[int, StageWorker],
-                 groups: dict[int, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES, zero: int = 0) -> None:
+    def __init__(
+        self,
+        placement: Placement,
+        row: Sequence[Action],
+        workers: dict[int, StageWorker],
+        groups: dict[int, Any],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        zero: int = 0,
+    ) -> None:
         self.placement, self.workers, self.groups = placement, workers, groups
         self.bucket_bytes = bucket_bytes
         # Per replicated part on this rank: its local replica stages, ascending.
@@ -97,7 +104,9 @@ class ReplicaReduction:
         self._left = dict(self.grad_actions)
         self._pending.clear()
         for part in sorted(self._left):
-            if self._left[part] == 0 and part not in self.at_update:  # replicas that saw no microbatch contribute their zeros at once
+            if (
+                self._left[part] == 0 and part not in self.at_update
+            ):  # replicas that saw no microbatch contribute their zeros at once
                 self._launch(part)
 
     def after(self, a: Action) -> None:

@@ -62,7 +62,9 @@ def stream_steps(name: str, steps: int, options: dict[str, Any]) -> int:
     """
     p = pipelines_per_round(name, options)
     if steps % p:
-        raise UserError(f"--steps {steps} is not a multiple of avgpipe's P={p} pipelines; give --steps {steps - steps % p + p}")
+        raise UserError(
+            f"--steps {steps} is not a multiple of avgpipe's P={p} pipelines; give --steps {steps - steps % p + p}"
+        )
     return steps // p
 
 
@@ -97,8 +99,17 @@ class StreamData(Sequence[Boundary]):
         (True, 6)
     """
 
-    def __init__(self, source: DataSource, *, num_microbatches: int, length: int, part: int,
-                 device: torch.device | str = "cpu", first: int = 0, piece: tuple[int, int] = (0, 1)) -> None:
+    def __init__(
+        self,
+        source: DataSource,
+        *,
+        num_microbatches: int,
+        length: int,
+        part: int,
+        device: torch.device | str = "cpu",
+        first: int = 0,
+        piece: tuple[int, int] = (0, 1),
+    ) -> None:
         self.source, self.t, self.length, self.part, self.device = source, num_microbatches, length, part, device
         self.piece = piece
         self.first = first  # the data source's batch of the stream's mini-batch 0
@@ -165,8 +176,9 @@ class StreamPosition:
         self.updates += stream_updates(segment)
 
 
-def split_by_minibatch(records: list[tuple[Action, int, int]], t: int, num_minibatches: int
-                       ) -> list[list[tuple[Action, int, int]]]:
+def split_by_minibatch(
+    records: list[tuple[Action, int, int]], t: int, num_minibatches: int
+) -> list[list[tuple[Action, int, int]]]:
     """A rank's records of the whole stream, grouped by mini-batch (a U joins its last backward's)."""
     groups: list[list[tuple[Action, int, int]]] = [[] for _ in range(num_minibatches)]
     backward = 0  # mini-batch of the rank's last backward

@@ -43,7 +43,11 @@ def build_workers(
     modes = per_part(recompute, schedule.num_parts)
     return [
         StageWorker(
-            spec, parts[part], batch_size=batch_size, optimizer_factory=optimizer_factory, recompute=modes[part],
+            spec,
+            parts[part],
+            batch_size=batch_size,
+            optimizer_factory=optimizer_factory,
+            recompute=modes[part],
             precision=precision,
         )
         for part in schedule.placement.stage_part
@@ -64,8 +68,14 @@ def sum_replica_gradients(replicas: list[StageWorker]) -> None:
 class Walk:
     """The state of one step's walk: tensors in flight between stages and what has run."""
 
-    def __init__(self, schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Boundary],
-                 targets: Sequence[Boundary], combine: Mapping[int, Combine] | None = None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        workers: list[StageWorker],
+        inputs: Sequence[Boundary],
+        targets: Sequence[Boundary],
+        combine: Mapping[int, Combine] | None = None,
+    ) -> None:
         self.schedule, self.workers = schedule, workers
         self.combine = combine or {}  # per stage, what its U runs after the replicas' sum (the ties')
         self.inputs, self.targets = inputs, targets
@@ -145,9 +155,14 @@ def _weight_grad_counts(schedule: Schedule) -> dict[int, int]:
     return counts
 
 
-def run_step(schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Boundary],
-             targets: Sequence[Boundary], state: Walk | None = None,
-             combine: Mapping[int, Combine] | None = None) -> float:
+def run_step(
+    schedule: Schedule,
+    workers: list[StageWorker],
+    inputs: Sequence[Boundary],
+    targets: Sequence[Boundary],
+    state: Walk | None = None,
+    combine: Mapping[int, Combine] | None = None,
+) -> float:
     """Run one step of a synchronous schedule; returns the mini-batch mean loss.
 
     ``state`` replaces the walk's state (``runtime.reference`` walks an asynchronous stream with its own);
@@ -169,8 +184,10 @@ def run_step(schedule: Schedule, workers: list[StageWorker], inputs: Sequence[Bo
         if not progressed:
             stuck = {r: str(row[ptr[r]]) for r, row in enumerate(schedule.actions) if ptr[r] < len(row)}
             marks = [(r, ptr[r]) for r in stuck]
-            raise StuckError(f"schedule {schedule.name} is stuck; next actions per rank: {stuck}",
-                             format_rows(schedule.actions, marks))
+            raise StuckError(
+                f"schedule {schedule.name} is stuck; next actions per rank: {stuck}",
+                format_rows(schedule.actions, marks),
+            )
     # Summed in microbatch order, as plain training sums them.
     return sum(state.losses[j] for j in sorted(state.losses))
 

@@ -41,8 +41,13 @@ class ZeroOptimizer:
         group: the part's replica group.
     """
 
-    def __init__(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 params: Sequence[nn.Parameter], spans: Sequence[range], group: Any) -> None:
+    def __init__(
+        self,
+        factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        params: Sequence[nn.Parameter],
+        spans: Sequence[range],
+        group: Any,
+    ) -> None:
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.buckets = [[params[i] for i in span] for span in spans]
         self.shards = [nn.Parameter(self._slice(bucket)) for bucket in self.buckets]
@@ -120,8 +125,12 @@ class ZeroOptimizer:
                 dist.all_gather_single(gathered[key], value.contiguous(), group=self.group)
             offset = 0
             for p in bucket:
-                out.append({k: v if v.dim() == 0 else v[offset : offset + p.numel()].view_as(p).clone()
-                            for k, v in gathered.items()})
+                out.append(
+                    {
+                        k: v if v.dim() == 0 else v[offset : offset + p.numel()].view_as(p).clone()
+                        for k, v in gathered.items()
+                    }
+                )
                 offset += p.numel()
         return out
 
@@ -144,8 +153,12 @@ class ZeroOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this replica keeps (its slices')."""
-        return sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor))
+        return sum(
+            v.numel() * v.element_size()
+            for s in self.inner.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        )
 
 
 def pad(flat: torch.Tensor, size: int) -> torch.Tensor:

@@ -41,6 +41,4 @@ def ampnet(
     """
     keys = num_stages if max_active_keys is None else max_active_keys
     check_positive("max_active_keys", keys, "give max_active_keys >= 1 (microbatches in flight)")
-    return async_1f1b(
-        "ampnet", WeightPolicy.NONE, num_stages, num_microbatches, num_steps, min_update_frequency, keys
-    )
+    return async_1f1b("ampnet", WeightPolicy.NONE, num_stages, num_microbatches, num_steps, min_update_frequency, keys)

@@ -62,11 +62,18 @@ def avgpipe(
         return backwards_done >= (j // (p * t)) * t  # a replica's earlier mini-batches are done
 
     rows = greedy_stream(
-        placement, [placement.pipelines[owner[j]] for j in range(total)],
-        lambda s: d - position[s], replica_in_order,
+        placement,
+        [placement.pipelines[owner[j]] for j in range(total)],
+        lambda s: d - position[s],
+        replica_in_order,
     )
     rows = add_updates(rows, every(t, total))
     return Schedule(
-        "avgpipe", placement, total, tuple(map(tuple, rows)), microbatch_pipeline=owner,
-        policy=WeightPolicy.AVERAGING, num_steps=num_steps,
+        "avgpipe",
+        placement,
+        total,
+        tuple(map(tuple, rows)),
+        microbatch_pipeline=owner,
+        policy=WeightPolicy.AVERAGING,
+        num_steps=num_steps,
     )

@@ -50,9 +50,7 @@ def data_parallel(schedule: Schedule, num_replicas: int) -> Schedule:
         pipelines=tuple(tuple(p * stages + s for s in line) for p in range(num_replicas) for line in base.pipelines),
     )
     lines = len(base.pipelines)
-    route = tuple(
-        p * lines + schedule.pipeline_of_microbatch(j) for p in range(num_replicas) for j in range(mbs)
-    )
+    route = tuple(p * lines + schedule.pipeline_of_microbatch(j) for p in range(num_replicas) for j in range(mbs))
 
     def shift(a: Action, p: int) -> Action:
         # U's microbatch field counts updates: it is the same in every replica.
@@ -60,6 +58,11 @@ def data_parallel(schedule: Schedule, num_replicas: int) -> Schedule:
 
     actions = tuple(tuple(shift(a, p) for a in row) for p in range(num_replicas) for row in schedule.actions)
     return Schedule(
-        name=schedule.name, placement=placement, num_microbatches=num_replicas * mbs, actions=actions,
-        microbatch_pipeline=route, policy=schedule.policy, num_steps=schedule.num_steps,
+        name=schedule.name,
+        placement=placement,
+        num_microbatches=num_replicas * mbs,
+        actions=actions,
+        microbatch_pipeline=route,
+        policy=schedule.policy,
+        num_steps=schedule.num_steps,
     )

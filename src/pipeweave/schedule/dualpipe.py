@@ -168,9 +168,6 @@ def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
     _check_depth("dualpipe-v", num_stages, num_microbatches, even=False)
     d, t = num_stages, num_microbatches
     placement = Placement.vshape(d)
-    rows = [
-        list(_actions(deepseek_program(d, r, t), (r, 2 * d - 1 - r), (range(t), range(t))))
-        for r in range(d)
-    ]
+    rows = [list(_actions(deepseek_program(d, r, t), (r, 2 * d - 1 - r), (range(t), range(t)))) for r in range(d)]
     append_updates(rows, placement)
     return Schedule("dualpipe-v", placement, t, tuple(map(tuple, rows)))

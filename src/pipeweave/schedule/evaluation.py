@@ -38,6 +38,11 @@ def forward_only(schedule: Schedule) -> Schedule:
     if schedule.is_synchronous:
         return schedule.with_actions([[a for a in row if a.op is Op.F] for row in schedule.actions])
     t = schedule.num_microbatches // (max(1, schedule.num_steps) * len(schedule.placement.pipelines))
-    return Schedule(schedule.name, schedule.placement, t,
-                    tuple(tuple(a for a in row if a.op is Op.F and a.microbatch < t) for row in schedule.actions),
-                    microbatch_pipeline=schedule.microbatch_pipeline[:t], policy=WeightPolicy.SYNC)
+    return Schedule(
+        schedule.name,
+        schedule.placement,
+        t,
+        tuple(tuple(a for a in row if a.op is Op.F and a.microbatch < t) for row in schedule.actions),
+        microbatch_pipeline=schedule.microbatch_pipeline[:t],
+        policy=WeightPolicy.SYNC,
+    )

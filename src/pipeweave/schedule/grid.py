@@ -24,8 +24,7 @@ def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, max_ste
     return format_rows(schedule.actions, () if mark is None else (mark,), max_steps)
 
 
-def format_rows(rows: Sequence[Sequence[Action]], marks: Collection[tuple[int, int]] = (),
-                max_steps: int = 48) -> str:
+def format_rows(rows: Sequence[Sequence[Action]], marks: Collection[tuple[int, int]] = (), max_steps: int = 48) -> str:
     """``format_grid`` of any action lists (a lowered schedule's too), every ``(rank, step)`` of ``marks``
     bracketed; the columns shown are around the earliest mark.
 

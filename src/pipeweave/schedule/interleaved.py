@@ -66,7 +66,7 @@ def interleaved_order(rank: int, num_ranks: int, num_microbatches: int, num_chun
     row = forwards[:warmup]
     for k in range(len(forwards) - warmup):
         row += [forwards[warmup + k], backwards[k]]
-    return row + backwards[len(forwards) - warmup:]
+    return row + backwards[len(forwards) - warmup :]
 
 
 def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:

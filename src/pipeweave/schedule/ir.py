@@ -216,8 +216,10 @@ class Placement:
             ([-1, 0, 1], [1, 2, -1])
         """
         stages = range(self.num_stages)
-        return ([-1 if (p := self.prev_stage(s)) is None else p for s in stages],
-                [-1 if (q := self.next_stage(s)) is None else q for s in stages])
+        return (
+            [-1 if (p := self.prev_stage(s)) is None else p for s in stages],
+            [-1 if (q := self.next_stage(s)) is None else q for s in stages],
+        )
 
     def pipeline_of(self, stage: int) -> int:
         return self._position[stage][0]

@@ -57,8 +57,9 @@ class StashPlan:
 
     def __post_init__(self) -> None:
         if self.compress is not None and self.compress not in COMPRESSIONS:
-            raise ScheduleError(f"--compress-activations {self.compress} is not supported; give one of "
-                                f"{', '.join(COMPRESSIONS)}")
+            raise ScheduleError(
+                f"--compress-activations {self.compress} is not supported; give one of {', '.join(COMPRESSIONS)}"
+            )
 
     @property
     def active(self) -> bool:
@@ -88,8 +89,10 @@ def parse_offload(text: str, num_parts: int) -> frozenset[int]:
     parts = set()
     for token in text.split(","):
         if not token.strip().isdigit() or int(token) >= num_parts:
-            raise ScheduleError(f"--offload {text}: {token.strip()!r} is not a part; give all, none or part "
-                                f"numbers 0..{num_parts - 1}, comma-separated")
+            raise ScheduleError(
+                f"--offload {text}: {token.strip()!r} is not a part; give all, none or part "
+                f"numbers 0..{num_parts - 1}, comma-separated"
+            )
         parts.add(int(token))
     return frozenset(parts)
 
@@ -124,8 +127,13 @@ class Stash:
         return self.share[self.schedule.placement.stage_rank[a.stage]]
 
 
-def plan_stash(schedule: Schedule, plan: StashPlan, held: Sequence[float] | None = None,
-               mem_w: float = 0.5, shares: Sequence[float] | None = None) -> Stash:
+def plan_stash(
+    schedule: Schedule,
+    plan: StashPlan,
+    held: Sequence[float] | None = None,
+    mem_w: float = 0.5,
+    shares: Sequence[float] | None = None,
+) -> Stash:
     """The memory actions of ``plan`` on ``schedule``, lowered into its rows.
 
     Args:
@@ -137,8 +145,11 @@ def plan_stash(schedule: Schedule, plan: StashPlan, held: Sequence[float] | None
         shares: BPipe's share per rank, instead of ``evicted_shares`` (``sim.levers.balanced_shares``).
     """
     held = held if held is not None else (1.0,) * schedule.num_parts
-    share = (tuple(shares) if shares is not None else evicted_shares(schedule, plan, held, mem_w)) if plan.balance \
+    share = (
+        (tuple(shares) if shares is not None else evicted_shares(schedule, plan, held, mem_w))
+        if plan.balance
         else (0.0,) * schedule.num_ranks
+    )
     part_of = schedule.placement.stage_part
     rows = []
     for rank, row in enumerate(schedule.actions):
@@ -151,10 +162,12 @@ def plan_stash(schedule: Schedule, plan: StashPlan, held: Sequence[float] | None
             if a.op is Op.F and away is not None:
                 out.append(Action(a.stage, away, a.microbatch))
         rows.append(tuple(out))
-    offloaded = [r for r in range(schedule.num_ranks)
-                 if all(part_of[s] in plan.offload for s in schedule.placement.stages_on(r))]
-    return Stash(schedule, plan, tuple(rows), tuple(1.0 if r in offloaded else share[r]
-                                                    for r in range(schedule.num_ranks)))
+    offloaded = [
+        r for r in range(schedule.num_ranks) if all(part_of[s] in plan.offload for s in schedule.placement.stages_on(r))
+    ]
+    return Stash(
+        schedule, plan, tuple(rows), tuple(1.0 if r in offloaded else share[r] for r in range(schedule.num_ranks))
+    )
 
 
 def own_peaks(schedule: Schedule, held: Sequence[float], mem_w: float) -> list[float]:
@@ -165,8 +178,17 @@ def own_peaks(schedule: Schedule, held: Sequence[float], mem_w: float) -> list[f
         now = peak = 0.0
         for s, op, _ in row:
             h = held[part_of[s]]
-            now += h if op is Op.F else -h if op is Op.B else h * (mem_w - 1) if op is Op.I else \
-                -h * mem_w if op is Op.W else 0.0
+            now += (
+                h
+                if op is Op.F
+                else -h
+                if op is Op.B
+                else h * (mem_w - 1)
+                if op is Op.I
+                else -h * mem_w
+                if op is Op.W
+                else 0.0
+            )
             peak = max(peak, now)
         peaks.append(peak)
     return peaks

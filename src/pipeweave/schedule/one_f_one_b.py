@@ -36,8 +36,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     check_positive("num_microbatches", num_microbatches)
     placement = Placement.straight(num_stages)
     rows = [
-        [Action(r, op, j) for op, j in one_f_one_b_order(r, num_stages, num_microbatches)]
-        for r in range(num_stages)
+        [Action(r, op, j) for op, j in one_f_one_b_order(r, num_stages, num_microbatches)] for r in range(num_stages)
     ]
     append_updates(rows, placement)
     return Schedule("1f1b", placement, num_microbatches, tuple(map(tuple, rows)))

@@ -46,8 +46,12 @@ def async_1f1b(
     total = num_steps * num_microbatches
     rows = add_updates(straight_rows(num_stages, total, in_flight), every(update_every, total))
     return Schedule(
-        name, Placement.straight(num_stages), total, tuple(map(tuple, rows)),
-        policy=policy, num_steps=num_steps,
+        name,
+        Placement.straight(num_stages),
+        total,
+        tuple(map(tuple, rows)),
+        policy=policy,
+        num_steps=num_steps,
     )
 
 
@@ -87,6 +91,10 @@ def pipedream_2bw(num_stages: int, num_microbatches: int, *, num_steps: int = DE
         ['1F0', '1B0', '1F1', '1B1', '1U0', '1F2', '1B2', '1F3', '1B3', '1U1']
     """
     return async_1f1b(
-        "pipedream-2bw", WeightPolicy.DOUBLE_BUFFER, num_stages, num_microbatches, num_steps,
+        "pipedream-2bw",
+        WeightPolicy.DOUBLE_BUFFER,
+        num_stages,
+        num_microbatches,
+        num_steps,
         update_every=num_microbatches,
     )

@@ -53,6 +53,10 @@ def pipemare(
         rows.append(row)
     rows = add_updates(rows, every(t, total))
     return Schedule(
-        "pipemare", Placement.straight(d), total, tuple(map(tuple, rows)),
-        policy=WeightPolicy.DISCREPANCY_CORRECTION, num_steps=num_steps,
+        "pipemare",
+        Placement.straight(d),
+        total,
+        tuple(map(tuple, rows)),
+        policy=WeightPolicy.DISCREPANCY_CORRECTION,
+        num_steps=num_steps,
     )

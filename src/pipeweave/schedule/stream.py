@@ -74,8 +74,10 @@ def concatenate(segments: Sequence[Schedule]) -> Schedule:
         if seg.is_synchronous:
             raise ScheduleError(f"{seg.name} is synchronous: its steps already end in a flush; concatenate streams")
         if (seg.placement, seg.policy) != (first.placement, first.policy):
-            raise ScheduleError(f"segments of one run share a placement and a policy; {seg.name} differs from "
-                                f"{first.name}: generate every segment with the same D, T and options")
+            raise ScheduleError(
+                f"segments of one run share a placement and a policy; {seg.name} differs from "
+                f"{first.name}: generate every segment with the same D, T and options"
+            )
     if len(segments) == 1:
         return first
     rows: list[list[Action]] = [[] for _ in first.actions]
@@ -95,9 +97,15 @@ def concatenate(segments: Sequence[Schedule]) -> Schedule:
             updates[stage] = updates.get(stage, 0) + n
         pipelines += seg.microbatch_pipeline or [0] * seg.num_microbatches
         microbatches += seg.num_microbatches
-    return Schedule(first.name, first.placement, microbatches, tuple(map(tuple, rows)),
-                    microbatch_pipeline=tuple(pipelines) if any(pipelines) else (), policy=first.policy,
-                    num_steps=sum(seg.num_steps for seg in segments))
+    return Schedule(
+        first.name,
+        first.placement,
+        microbatches,
+        tuple(map(tuple, rows)),
+        microbatch_pipeline=tuple(pipelines) if any(pipelines) else (),
+        policy=first.policy,
+        num_steps=sum(seg.num_steps for seg in segments),
+    )
 
 
 def stream_order(warmup: int, total: int) -> list[tuple[Op, int]]:
@@ -121,10 +129,7 @@ def straight_rows(num_stages: int, total: int, in_flight: int | None = None) -> 
     D - r microbatches in flight; a smaller bound leaves ranks idle.
     """
     cap = num_stages if in_flight is None else min(in_flight, num_stages)
-    return [
-        [Action(r, op, j) for op, j in stream_order(max(cap - r - 1, 0), total)]
-        for r in range(num_stages)
-    ]
+    return [[Action(r, op, j) for op, j in stream_order(max(cap - r - 1, 0), total)] for r in range(num_stages)]
 
 
 def every(n: int, total: int) -> Boundary:
@@ -204,11 +209,29 @@ class _GreedyStream:
     unit, so a unit costs no call set-up (the hot path of long streams).
     """
 
-    __slots__ = ("routes", "in_flight", "admit", "rank_of", "pos", "stages_of", "coming", "backward", "forward",
-                 "open_", "backs", "rows", "free")
+    __slots__ = (
+        "routes",
+        "in_flight",
+        "admit",
+        "rank_of",
+        "pos",
+        "stages_of",
+        "coming",
+        "backward",
+        "forward",
+        "open_",
+        "backs",
+        "rows",
+        "free",
+    )
 
-    def __init__(self, placement: Placement, routes: Sequence[tuple[int, ...]], in_flight: Callable[[int], int],
-                 admit: Callable[[int, int, int], bool] | None) -> None:
+    def __init__(
+        self,
+        placement: Placement,
+        routes: Sequence[tuple[int, ...]],
+        in_flight: Callable[[int], int],
+        admit: Callable[[int, int, int], bool] | None,
+    ) -> None:
         n = placement.num_ranks
         self.routes, self.in_flight, self.admit = routes, in_flight, admit
         self.rank_of = rank_of = placement.stage_rank

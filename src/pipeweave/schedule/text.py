@@ -114,16 +114,25 @@ def _header(schedule: Schedule) -> str:
 
 def _parse_header(line: str, name: str, rows: list[list[Action]]) -> Schedule:
     try:
-        fields = dict(item.strip().split("=", 1) for item in line[len(_HEADER):].split(";"))
+        fields = dict(item.strip().split("=", 1) for item in line[len(_HEADER) :].split(";"))
 
         def ints(key: str) -> tuple[int, ...]:
             return tuple(int(v) for v in fields[key].split())
 
-        placement = Placement(ints("stage_rank"), ints("stage_part"),
-                              tuple(tuple(int(v) for v in p.split()) for p in fields["pipelines"].split("|")))
-        return Schedule(name, placement, int(fields["num_microbatches"]), tuple(tuple(r) for r in rows),
-                        microbatch_pipeline=ints("microbatch_pipeline"), policy=WeightPolicy(fields["policy"]),
-                        num_steps=int(fields["num_steps"]))
+        placement = Placement(
+            ints("stage_rank"),
+            ints("stage_part"),
+            tuple(tuple(int(v) for v in p.split()) for p in fields["pipelines"].split("|")),
+        )
+        return Schedule(
+            name,
+            placement,
+            int(fields["num_microbatches"]),
+            tuple(tuple(r) for r in rows),
+            microbatch_pipeline=ints("microbatch_pipeline"),
+            policy=WeightPolicy(fields["policy"]),
+            num_steps=int(fields["num_steps"]),
+        )
     except (KeyError, ValueError) as exc:
         if isinstance(exc, ScheduleError):
             raise
@@ -175,8 +184,10 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
         raise ScheduleError("the CSV holds no actions; give one row of actions per rank")
     for rank, row in enumerate(rows):
         if not row:  # torch would read it as a rank with nothing to do: a pipeline has none
-            raise ScheduleError(f"line {row_lines[rank]} holds no actions, so rank {rank} would have none; "
-                                "give every rank its row of actions and delete blank lines between rows")
+            raise ScheduleError(
+                f"line {row_lines[rank]} holds no actions, so rank {rank} would have none; "
+                "give every rank its row of actions and delete blank lines between rows"
+            )
     if header is not None:
         schedule = _parse_header(header, name, rows)
         if schedule.is_synchronous and not any(a.op is Op.U for row in rows for a in row):
@@ -188,8 +199,7 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
         for a in row:
             if stage_rank.setdefault(a.stage, rank) != rank:
                 raise ScheduleError(
-                    f"stage {a.stage} appears on ranks {stage_rank[a.stage]} and {rank}; "
-                    "a stage lives on one rank"
+                    f"stage {a.stage} appears on ranks {stage_rank[a.stage]} and {rank}; a stage lives on one rank"
                 )
     num_stages = max(stage_rank) + 1
     missing = [s for s in range(num_stages) if s not in stage_rank]

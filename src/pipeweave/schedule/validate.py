@@ -106,17 +106,23 @@ def check_actions(schedule: Schedule) -> None:
         if not a.op.is_compute:
             raise InvalidSchedule(f"{a} is a communication action; give compute actions only", schedule, rank, step)
         if not 0 <= a.stage < placement.num_stages:
-            raise InvalidSchedule(f"{a} names stage {a.stage}, but there are {placement.num_stages}", schedule, rank, step)
+            raise InvalidSchedule(
+                f"{a} names stage {a.stage}, but there are {placement.num_stages}", schedule, rank, step
+            )
         if placement.stage_rank[a.stage] != rank:
             raise InvalidSchedule(
                 f"{a} runs on rank {rank}, but stage {a.stage} is placed on rank {placement.stage_rank[a.stage]}",
-                schedule, rank, step,
+                schedule,
+                rank,
+                step,
             )
         if a.op is not Op.U:
             if not 0 <= a.microbatch < schedule.num_microbatches:
                 raise InvalidSchedule(
                     f"{a} names microbatch {a.microbatch}, but there are {schedule.num_microbatches}",
-                    schedule, rank, step,
+                    schedule,
+                    rank,
+                    step,
                 )
             if a.stage not in schedule.route(a.microbatch):
                 raise InvalidSchedule(
@@ -162,17 +168,24 @@ def check_order(schedule: Schedule) -> None:
         if need.op is Op.W and need.microbatch == -1:
             raise InvalidSchedule(
                 f"{action} waits for every weight gradient of part {need.stage}, which never all arrive",
-                schedule, rank, step,
+                schedule,
+                rank,
+                step,
             )
         producer = _producer(need, position)
         if producer is not None and producer[0] == rank:
             raise InvalidSchedule(
                 f"{action} needs {_name(need, position)}, which rank {rank} only runs later, at step {producer[1]}",
-                schedule, rank, step,
+                schedule,
+                rank,
+                step,
             )
     rank = min(run.waiting_for)
-    chain = [f"rank {r} step {run.done[r]} ({schedule.actions[r][run.done[r]]}) waits for "
-             f"{_name(run.waiting_for[r], position)}" for r in sorted(run.waiting_for)]
+    chain = [
+        f"rank {r} step {run.done[r]} ({schedule.actions[r][run.done[r]]}) waits for "
+        f"{_name(run.waiting_for[r], position)}"
+        for r in sorted(run.waiting_for)
+    ]
     raise InvalidSchedule("deadlock: " + "; ".join(chain), schedule, rank, run.done[rank])
 
 
@@ -198,7 +211,8 @@ def check_updates(schedule: Schedule) -> None:
             if counts[s] != 1:
                 raise InvalidSchedule(
                     f"stage {s} has {counts[s]} U actions; a synchronous schedule updates each stage once",
-                    schedule, rank,
+                    schedule,
+                    rank,
                 )
         updated: set[int] = set()
         for step, a in enumerate(row):
@@ -207,7 +221,9 @@ def check_updates(schedule: Schedule) -> None:
             elif a.stage in updated:
                 raise InvalidSchedule(
                     f"{a} comes after {a.stage}U0: a synchronous step updates a stage after all its work",
-                    schedule, rank, step,
+                    schedule,
+                    rank,
+                    step,
                 )
 
 
@@ -230,16 +246,19 @@ def check_stream_updates(schedule: Schedule) -> None:
             elif a.op is Op.U:
                 k = updates.get(a.stage, 0)
                 if a.microbatch != k:
-                    raise InvalidSchedule(f"{a} should be {a.stage}U{k}: number a stage's updates 0, 1, ...",
-                                          schedule, rank, step)
+                    raise InvalidSchedule(
+                        f"{a} should be {a.stage}U{k}: number a stage's updates 0, 1, ...", schedule, rank, step
+                    )
                 if not pending.get(a.stage):
-                    raise InvalidSchedule(f"{a} applies no gradient: give it a B or W of stage {a.stage} first",
-                                          schedule, rank, step)
+                    raise InvalidSchedule(
+                        f"{a} applies no gradient: give it a B or W of stage {a.stage} first", schedule, rank, step
+                    )
                 updates[a.stage], pending[a.stage] = k + 1, 0
         for s, n in pending.items():
             if n:
-                raise InvalidSchedule(f"stage {s} ends with {n} gradient(s) no U applies; end its list with a U",
-                                      schedule, rank)
+                raise InvalidSchedule(
+                    f"stage {s} ends with {n} gradient(s) no U applies; end its list with a U", schedule, rank
+                )
 
 
 def check_lowering(schedule: Schedule) -> None:

@@ -24,5 +24,10 @@ def xpipe(num_stages: int, num_microbatches: int, *, num_steps: int = DEFAULT_NU
         ['0F0', '0F1', '0B0', '0F2', '0B1', '0U0', '0F3', '0B2', '0B3', '0U1']
     """
     return async_1f1b(
-        "xpipe", WeightPolicy.BELLWETHER_PREDICTION, num_stages, num_microbatches, num_steps, update_every=num_microbatches
+        "xpipe",
+        WeightPolicy.BELLWETHER_PREDICTION,
+        num_stages,
+        num_microbatches,
+        num_steps,
+        update_every=num_microbatches,
     )

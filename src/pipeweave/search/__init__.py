@@ -13,6 +13,17 @@ from pipeweave.search.heuristic import Policy, heuristic, list_schedule
 from pipeweave.search.problem import Problem, problem_from_times
 
 __all__ = [
-    "DEFAULT_SOLVER", "Policy", "Problem", "SOLVERS", "SearchResult", "exact", "finish", "heuristic",
-    "list_schedule", "lower_bound", "problem_from_times", "rank_bounds", "to_schedule",
+    "DEFAULT_SOLVER",
+    "Policy",
+    "Problem",
+    "SOLVERS",
+    "SearchResult",
+    "exact",
+    "finish",
+    "heuristic",
+    "list_schedule",
+    "lower_bound",
+    "problem_from_times",
+    "rank_bounds",
+    "to_schedule",
 ]

@@ -84,8 +84,10 @@ def _f_end(problem: Problem, stage: int) -> float:
 def _max_forward_time(problem: Problem, rank: int) -> float:
     """Most F time a rank can run holding at most its limit (fractional knapsack)."""
     costs, room, t = problem.costs, problem.limit[rank] + MEMORY_EPS, problem.num_microbatches
-    items = sorted(((costs.f[s], costs.activation[s]) for s in problem.stages_on(rank)),
-                   key=lambda fa: -fa[0] / fa[1] if fa[1] > 0 else -math.inf)
+    items = sorted(
+        ((costs.f[s], costs.activation[s]) for s in problem.stages_on(rank)),
+        key=lambda fa: -fa[0] / fa[1] if fa[1] > 0 else -math.inf,
+    )
     total = 0.0
     for f, a in items:
         count = t if a <= 0 else min(t, room / a)

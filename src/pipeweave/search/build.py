@@ -9,8 +9,8 @@ from pipeweave.schedule.ir import Action, Schedule, WeightPolicy, append_updates
 from pipeweave.schedule.levers import StashPlan
 from pipeweave.schedule.validate import InvalidSchedule, validate
 from pipeweave.search.problem import MEMORY_EPS, Problem
-from pipeweave.sim.metrics import Metrics, compute_metrics
 from pipeweave.sim.levers import simulate_levers
+from pipeweave.sim.metrics import Metrics, compute_metrics
 from pipeweave.sim.timeline import simulate
 
 
@@ -20,8 +20,9 @@ def to_schedule(problem: Problem, order: list[list[Action]], *, name: str = "", 
     if updates:
         append_updates(rows, problem.placement)
     label = name or ("zb-v-auto" if problem.vshape else "zb-auto")
-    return Schedule(label, problem.placement, problem.num_microbatches,
-                    tuple(tuple(r) for r in rows), policy=WeightPolicy.SYNC)
+    return Schedule(
+        label, problem.placement, problem.num_microbatches, tuple(tuple(r) for r in rows), policy=WeightPolicy.SYNC
+    )
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,19 @@ class SearchResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "schedule": self.schedule.name, "stages": self.schedule.num_ranks,
-            "microbatches": self.schedule.num_microbatches, "chunks": self.schedule.num_chunks,
-            "span": self.span, "makespan": self.makespan, "bubble_ratio": self.bubble_ratio,
-            "lower_bound": self.lower_bound, "bubble_ratio_bound": self.bubble_bound, "gap": self.gap,
-            "solver": self.solver, "solver_time": self.solver_time, "status": self.status,
+            "schedule": self.schedule.name,
+            "stages": self.schedule.num_ranks,
+            "microbatches": self.schedule.num_microbatches,
+            "chunks": self.schedule.num_chunks,
+            "span": self.span,
+            "makespan": self.makespan,
+            "bubble_ratio": self.bubble_ratio,
+            "lower_bound": self.lower_bound,
+            "bubble_ratio_bound": self.bubble_bound,
+            "gap": self.gap,
+            "solver": self.solver,
+            "solver_time": self.solver_time,
+            "status": self.status,
             "peak_activations": list(self.metrics.peak_activations),
         }
 
@@ -80,8 +89,16 @@ def simulated_metrics(problem: Problem, schedule: Schedule) -> Metrics:
     return simulate_levers(schedule, costs, plan, problem.host_bandwidth)[0]
 
 
-def finish(problem: Problem, order: list[list[Action]], *, lower_bound: float, solver: str,
-           solver_time: float, status: str, name: str = "") -> SearchResult:
+def finish(
+    problem: Problem,
+    order: list[list[Action]],
+    *,
+    lower_bound: float,
+    solver: str,
+    solver_time: float,
+    status: str,
+    name: str = "",
+) -> SearchResult:
     """Validate and simulate an order, check its memory, and attach bound and gap.
 
     Raises:
@@ -95,12 +112,24 @@ def finish(problem: Problem, order: list[list[Action]], *, lower_bound: float, s
         r = over[0]
         raise InvalidSchedule(
             f"rank {r} holds {metrics.peak_activations[r]} of activations over its limit {problem.peak_limit[r]}",
-            schedule, r)
+            schedule,
+            r,
+        )
     span = max(metrics.span)
     bound = min(lower_bound, span)  # guards float noise; a real violation is caught by tests
     gap = (span - bound) / span if span > 0 else 0.0
-    return SearchResult(schedule, span, metrics.makespan, metrics.bubble_ratio, bound,
-                        max(0.0, gap) if gap > 1e-9 else 0.0, solver, solver_time, status, metrics)
+    return SearchResult(
+        schedule,
+        span,
+        metrics.makespan,
+        metrics.bubble_ratio,
+        bound,
+        max(0.0, gap) if gap > 1e-9 else 0.0,
+        solver,
+        solver_time,
+        status,
+        metrics,
+    )
 
 
 __all__ = ["MEMORY_EPS", "SearchResult", "finish", "to_schedule"]

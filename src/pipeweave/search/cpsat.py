@@ -20,9 +20,16 @@ class _Stream(cp_model.CpSolverSolutionCallback):
         self.report([self.value(s) for s in self.start])
 
 
-def solve_cpsat(model: Model, warm: list[int], time_limit: float, workers: int, *,
-                work_limit: float | None = None, seed: int = 0,
-                on_solution: Callable[[list[int]], None] | None = None) -> Solved:
+def solve_cpsat(
+    model: Model,
+    warm: list[int],
+    time_limit: float,
+    workers: int,
+    *,
+    work_limit: float | None = None,
+    seed: int = 0,
+    on_solution: Callable[[list[int]], None] | None = None,
+) -> Solved:
     """Minimise the max span of ``model`` with CP-SAT, hinted with the ``warm`` starts.
 
     Run it through ``exact.exact`` (or ``isolate.solve_isolated``): this solver's

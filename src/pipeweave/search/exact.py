@@ -28,7 +28,11 @@ from pipeweave.schedule.ir import Action
 from pipeweave.search.bound import lower_bound
 from pipeweave.search.build import SearchResult, finish
 from pipeweave.search.exact_model import (
-    Model, Solved, build_model, incumbent_starts, order_from_starts,
+    Model,
+    Solved,
+    build_model,
+    incumbent_starts,
+    order_from_starts,
 )
 from pipeweave.search.heuristic import Result, evaluate, heuristic
 from pipeweave.search.isolate import Budget, solve_isolated
@@ -38,9 +42,16 @@ SOLVERS = ("cpsat", "highs", "heuristic")
 DEFAULT_SOLVER = "cpsat"  # measured faster and tighter than HiGHS: benchmarks/search/README.md
 
 
-def exact(problem: Problem, *, solver: str = DEFAULT_SOLVER, time_limit: float = 10.0,
-          workers: int = 0, heuristic_budget: float | None = None, work_limit: float | None = None,
-          seed: int = 0) -> SearchResult:
+def exact(
+    problem: Problem,
+    *,
+    solver: str = DEFAULT_SOLVER,
+    time_limit: float = 10.0,
+    workers: int = 0,
+    heuristic_budget: float | None = None,
+    work_limit: float | None = None,
+    seed: int = 0,
+) -> SearchResult:
     """The best schedule a time-limited exact search finds, warm-started from the heuristic.
 
     Never worse than the heuristic (it is the incumbent), never below the bound.
@@ -92,8 +103,9 @@ def exact(problem: Problem, *, solver: str = DEFAULT_SOLVER, time_limit: float =
                 best = candidate
     elif solver != "heuristic":
         status = "optimal"  # the heuristic meets the bound
-    result = finish(problem, best.order, lower_bound=bound, solver=solver,
-                    solver_time=time.perf_counter() - t0, status=status)
+    result = finish(
+        problem, best.order, lower_bound=bound, solver=solver, solver_time=time.perf_counter() - t0, status=status
+    )
     if result.gap == 0.0 and status != "optimal":  # the hand bound closed what the solver left open
         result = dataclasses.replace(result, status="optimal")
     return result
@@ -116,5 +128,14 @@ def _checked(problem: Problem, order: list[list[Action]]) -> Result | None:
     return evaluate(problem, order)
 
 
-__all__ = ["DEFAULT_SOLVER", "SOLVERS", "Model", "Solved", "build_model", "exact", "incumbent_starts",
-           "order_from_starts", "solve_isolated"]
+__all__ = [
+    "DEFAULT_SOLVER",
+    "SOLVERS",
+    "Model",
+    "Solved",
+    "build_model",
+    "exact",
+    "incumbent_starts",
+    "order_from_starts",
+    "solve_isolated",
+]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.search.problem import Problem
 
+
 def _integer_scale(values: list[float], top: float = 1e7) -> tuple[float, bool]:
     """The least power of ten making every value integral (True), else an approximate one."""
     for k in range(7):
@@ -87,8 +88,10 @@ def build_model(problem: Problem, incumbent_span: float) -> Model:
 
     preds: list[list[tuple[int, int]]] = [[] for _ in actions]
     for i, (s, op, j) in enumerate(actions):
+
         def after(other: Action, lag: int) -> None:
             preds[i].append((index[other], lag))
+
         if j > 0:
             after(Action(s, op, j - 1), dur(Action(s, op, j - 1)))
         if op is Op.F and place.prev_stage(s) is not None:
@@ -107,9 +110,22 @@ def build_model(problem: Problem, incumbent_span: float) -> Model:
     starts = [round(x * t_scale) for x in problem.start_offset]
     release = _release(actions, preds, [dur(a) for a in actions])
     horizon = max(starts) + math.ceil(incumbent_span * t_scale) + 1
-    return Model(problem, t_scale, actions, index, [dur(a) for a in actions], release, preds, rank_of,
-                 rank_actions, [delta(a) for a in actions],
-                 [math.floor(x * m_scale + 1e-6) for x in problem.limit], starts, horizon, t_exact and m_exact)
+    return Model(
+        problem,
+        t_scale,
+        actions,
+        index,
+        [dur(a) for a in actions],
+        release,
+        preds,
+        rank_of,
+        rank_actions,
+        [delta(a) for a in actions],
+        [math.floor(x * m_scale + 1e-6) for x in problem.limit],
+        starts,
+        horizon,
+        t_exact and m_exact,
+    )
 
 
 def _release(actions: list[Action], preds: list[list[tuple[int, int]]], duration: list[int]) -> list[int]:
@@ -157,8 +173,9 @@ def order_from_starts(model: Model, starts: list[int]) -> list[list[Action]]:
     """Per rank, its actions sorted by start (ties: shorter first, then dependency order)."""
     rows: list[list[Action]] = []
     for r in range(model.problem.num_ranks):
-        idx = sorted(model.rank_actions[r],
-                     key=lambda i: (starts[i], starts[i] + model.duration[i], _topo_key(model.actions[i])))
+        idx = sorted(
+            model.rank_actions[r], key=lambda i: (starts[i], starts[i] + model.duration[i], _topo_key(model.actions[i]))
+        )
         rows.append([model.actions[i] for i in idx])
     return rows
 

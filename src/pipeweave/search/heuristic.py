@@ -234,13 +234,23 @@ def _hops(problem: Problem) -> tuple[list[float], list[float]]:
     """Per stage, the time an F's output takes to the next stage and an I's gradient to the stage before."""
     place = problem.placement
     stages = range(place.num_stages)
-    return ([problem.hop(s, place.next_stage(s)) for s in stages],
-            [problem.hop(s, place.prev_stage(s)) for s in stages])
+    return (
+        [problem.hop(s, place.next_stage(s)) for s in stages],
+        [problem.hop(s, place.prev_stage(s)) for s in stages],
+    )
 
 
 def _choose(
-    rank: _Rank, now: float, policy: Policy, nf: list[int], ni: list[int], nw: list[int],
-    f_ready: list[list[float]], i_ready: list[list[float]], activation: tuple[float, ...], t: int,
+    rank: _Rank,
+    now: float,
+    policy: Policy,
+    nf: list[int],
+    ni: list[int],
+    nw: list[int],
+    f_ready: list[list[float]],
+    i_ready: list[list[float]],
+    activation: tuple[float, ...],
+    t: int,
 ) -> Action | None:
     """The action a free rank starts at ``now``, or None to wait."""
     if policy.f_first and rank.in_flight < rank.cap:
@@ -267,18 +277,27 @@ def _next_i(rank: _Rank, nf: list[int], ni: list[int], i_ready: list[list[float]
     return min((i_ready[s][ni[s]] for s in rank.stages if ni[s] < nf[s]), default=math.inf)
 
 
-def _next_f(rank: _Rank, nf: list[int], f_ready: list[list[float]], activation: tuple[float, ...],
-            t: int) -> float:
+def _next_f(rank: _Rank, nf: list[int], f_ready: list[list[float]], activation: tuple[float, ...], t: int) -> float:
     """When the next F the rank may run (cap and memory) is known to arrive (inf: not known)."""
     if rank.in_flight >= rank.cap:
         return math.inf
-    return min((f_ready[s][nf[s]] for s in rank.stages
-                if nf[s] < t and rank.held + activation[s] <= rank.limit), default=math.inf)
+    return min(
+        (f_ready[s][nf[s]] for s in rank.stages if nf[s] < t and rank.held + activation[s] <= rank.limit),
+        default=math.inf,
+    )
 
 
 def _fill_gap(
-    rank: _Rank, now: float, policy: Policy, nf: list[int], ni: list[int], nw: list[int],
-    f_ready: list[list[float]], i_ready: list[list[float]], activation: tuple[float, ...], t: int,
+    rank: _Rank,
+    now: float,
+    policy: Policy,
+    nf: list[int],
+    ni: list[int],
+    nw: list[int],
+    f_ready: list[list[float]],
+    i_ready: list[list[float]],
+    activation: tuple[float, ...],
+    t: int,
 ) -> Action | None:
     """Greedy, but never start what would still run when a known gradient arrives."""
     action = _greedy(rank, now, policy, nf, nw, ni, f_ready, activation, t)
@@ -296,8 +315,15 @@ def _fill_gap(
 
 
 def _greedy(
-    rank: _Rank, now: float, policy: Policy, nf: list[int], nw: list[int], ni: list[int],
-    f_ready: list[list[float]], activation: tuple[float, ...], t: int,
+    rank: _Rank,
+    now: float,
+    policy: Policy,
+    nf: list[int],
+    nw: list[int],
+    ni: list[int],
+    f_ready: list[list[float]],
+    activation: tuple[float, ...],
+    t: int,
 ) -> Action | None:
     """F if the warm-up cap and memory allow it, else the oldest W, else wait."""
     w_first = rank.pending_w > policy.w_lag
@@ -314,7 +340,12 @@ def _greedy(
 
 
 def _forward(
-    rank: _Rank, now: float, nf: list[int], f_ready: list[list[float]], activation: tuple[float, ...], t: int,
+    rank: _Rank,
+    now: float,
+    nf: list[int],
+    f_ready: list[list[float]],
+    activation: tuple[float, ...],
+    t: int,
 ) -> Action | None:
     """An arrived F that fits in memory, or None.
 
@@ -335,8 +366,7 @@ def _forward(
 
 def _result(problem: Problem, ranks: list[_Rank]) -> Result:
     span = max(rk.free_at - rk.starts[0] for rk in ranks)
-    return Result([rk.order for rk in ranks], [rk.starts for rk in ranks], span,
-                  max(rk.free_at for rk in ranks))
+    return Result([rk.order for rk in ranks], [rk.starts for rk in ranks], span, max(rk.free_at for rk in ranks))
 
 
 def policies(problem: Problem) -> Iterator[Policy]:
@@ -352,23 +382,35 @@ def policies(problem: Problem) -> Iterator[Policy]:
     # W only where it delays no F and no I, unless waiting makes this rank the idlest (the paper's
     # rule): reaches REFERENCE.md's six 1.5B rows (ZB-1p at 1F1B's depth, ZB-2p at ZB-H2's).
     paper = Policy(slope=1.0, lookahead=True, f_first=True, look_f=True, balance=True)
-    first_straight = [paper, Policy(lookahead=True, f_first=True, look_f=True, balance=True),
-                      Policy(lookahead=True, f_first=True, look_f=True),
-                      Policy(extra=1, slope=1.0, lookahead=True, f_first=True, look_f=True, balance=True),
-                      Policy(slope=1.0, lookahead=True, f_first=True), Policy(slope=1.0),
-                      Policy(extra=1, slope=1.0), Policy(extra=1, slope=1.0, f_first=True)]
+    first_straight = [
+        paper,
+        Policy(lookahead=True, f_first=True, look_f=True, balance=True),
+        Policy(lookahead=True, f_first=True, look_f=True),
+        Policy(extra=1, slope=1.0, lookahead=True, f_first=True, look_f=True, balance=True),
+        Policy(slope=1.0, lookahead=True, f_first=True),
+        Policy(slope=1.0),
+        Policy(extra=1, slope=1.0),
+        Policy(extra=1, slope=1.0, f_first=True),
+    ]
     seen: set[Policy] = set()
     for p in first_v if problem.vshape else first_straight:
         seen.add(p)
         yield p
     # Most promising first: the budget may stop the walk after a few policies.
     # (lookahead, look_f, balance): the last two refine the lookahead, so they need it.
-    looks = ((True, True, True), (True, False, True), (True, True, False), (True, False, False),
-             (False, False, False))
+    looks = ((True, True, True), (True, False, True), (True, True, False), (True, False, False), (False, False, False))
     grid = itertools.product(deep, (True, False), looks, lags, slopes, list(dict.fromkeys(extras)))
     for first, f_first, (look, look_f, balance), lag, slope, extra in grid:
-        p = Policy(extra=extra, slope=slope, w_lag=lag, deep_first=first, lookahead=look, f_first=f_first,
-                   look_f=look_f, balance=balance)
+        p = Policy(
+            extra=extra,
+            slope=slope,
+            w_lag=lag,
+            deep_first=first,
+            lookahead=look,
+            f_first=f_first,
+            look_f=look_f,
+            balance=balance,
+        )
         if p not in seen:
             seen.add(p)
             yield p
@@ -380,8 +422,11 @@ def timed_policies(problem: Problem) -> list[Policy]:
     if problem.vshape:
         return []
     rules = Policy(lookahead=True, f_first=True, look_f=True, balance=True)
-    return [Policy(timed=k, lookahead=r.lookahead, f_first=r.f_first, look_f=r.look_f, balance=r.balance)
-            for k in (1, 2) for r in (rules, Policy())]
+    return [
+        Policy(timed=k, lookahead=r.lookahead, f_first=r.f_first, look_f=r.look_f, balance=r.balance)
+        for k in (1, 2)
+        for r in (rules, Policy())
+    ]
 
 
 def one_at_a_time(problem: Problem) -> Result:
@@ -402,9 +447,11 @@ def evaluate(problem: Problem, order: Order) -> Result:
     from pipeweave.schedule.dataflow import execute
     from pipeweave.search.build import to_schedule
 
-    run = execute(to_schedule(problem, order, updates=False),
-                  duration=lambda a: problem.duration(a.stage, a.op),
-                  latency=(lambda x, y: problem.costs.comm) if problem.costs.comm else None)
+    run = execute(
+        to_schedule(problem, order, updates=False),
+        duration=lambda a: problem.duration(a.stage, a.op),
+        latency=(lambda x, y: problem.costs.comm) if problem.costs.comm else None,
+    )
     if not run.complete:
         raise ValueError("the order cannot complete")  # pragma: no cover - callers pass valid orders
     span = max(row_end[-1] - row_start[0] for row_start, row_end in zip(run.start, run.end))
@@ -418,8 +465,14 @@ def evaluate(problem: Problem, order: Order) -> Result:
 WORK_BUDGET = 75_000
 
 
-def heuristic(problem: Problem, *, budget_s: float | None = None, work_budget: int = WORK_BUDGET,
-              timed: bool = True, seeds: bool = True) -> Result:
+def heuristic(
+    problem: Problem,
+    *,
+    budget_s: float | None = None,
+    work_budget: int = WORK_BUDGET,
+    timed: bool = True,
+    seeds: bool = True,
+) -> Result:
     """The best list schedule over the first policies of ``policies(problem)``.
 
     Args:

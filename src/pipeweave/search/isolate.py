@@ -90,10 +90,13 @@ def _child(sender: Any, solver: str, model: Model, warm: list[int], limit: float
 
     if solver == "cpsat":
         from pipeweave.search.cpsat import solve_cpsat
-        solved = solve_cpsat(model, warm, limit, budget.workers, work_limit=budget.work_limit,
-                             seed=budget.seed, on_solution=report)
+
+        solved = solve_cpsat(
+            model, warm, limit, budget.workers, work_limit=budget.work_limit, seed=budget.seed, on_solution=report
+        )
     else:
         from pipeweave.search.milp import solve_milp
+
         solved = solve_milp(model, warm, limit, budget.workers)
     sender.send(("done", solved))
     sender.close()

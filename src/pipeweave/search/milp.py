@@ -60,8 +60,13 @@ def solve_milp(model: Model, warm: list[int], time_limit: float, workers: int) -
     """
     n, big = len(model.actions), float(model.horizon)
     anc = _ancestors(model)
-    pairs = [(i, k) for members in model.rank_actions for a, i in enumerate(members) for k in members[a + 1:]
-             if not (anc[i] >> k) & 1 and not (anc[k] >> i) & 1]
+    pairs = [
+        (i, k)
+        for members in model.rank_actions
+        for a, i in enumerate(members)
+        for k in members[a + 1 :]
+        if not (anc[i] >> k) & 1 and not (anc[k] >> i) & 1
+    ]
     span_col, z0 = n, n + 1
     pair_col = {pair: z0 + q for q, pair in enumerate(pairs)}
     rows = _Rows()
@@ -88,8 +93,15 @@ def solve_milp(model: Model, warm: list[int], time_limit: float, workers: int) -
     if pairs:
         cols = np.arange(z0, z0 + len(pairs), dtype=np.int32)
         h.changeColsIntegrality(len(pairs), cols, np.array([highspy.HighsVarType.kInteger] * len(pairs)))
-    h.addRows(len(rows.lower), np.array(rows.lower), np.array(rows.upper), len(rows.index),
-              np.array(rows.starts, dtype=np.int32), np.array(rows.index, dtype=np.int32), np.array(rows.value))
+    h.addRows(
+        len(rows.lower),
+        np.array(rows.lower),
+        np.array(rows.upper),
+        len(rows.index),
+        np.array(rows.starts, dtype=np.int32),
+        np.array(rows.index, dtype=np.int32),
+        np.array(rows.value),
+    )
     _warm_start(h, model, warm, pairs)
     h.run()
     status = h.getModelStatus()
@@ -102,8 +114,9 @@ def solve_milp(model: Model, warm: list[int], time_limit: float, workers: int) -
     return Solved(order_from_starts(model, starts), float(info.mip_dual_bound), word)
 
 
-def _memory_rows(model: Model, rows: _Rows, rank: int, members: list[int], anc: list[int],
-                 pair_col: dict[tuple[int, int], int]) -> None:
+def _memory_rows(
+    model: Model, rows: _Rows, rank: int, members: list[int], anc: list[int], pair_col: dict[tuple[int, int], int]
+) -> None:
     """At each F's start, what the rank holds is within its limit."""
     for f in members:
         if model.delta_sign(f) < 0:
@@ -129,8 +142,10 @@ def _memory_rows(model: Model, rows: _Rows, rank: int, members: list[int], anc: 
 def _warm_start(h: highspy.Highs, model: Model, warm: list[int], pairs: list[tuple[int, int]]) -> None:
     n = len(model.actions)
     span = max(warm[i] + model.duration[i] - model.start[model.rank_of[i]] for i in range(n))
-    before = [1.0 if (warm[i], warm[i] + model.duration[i]) <= (warm[k], warm[k] + model.duration[k]) else 0.0
-              for i, k in pairs]
+    before = [
+        1.0 if (warm[i], warm[i] + model.duration[i]) <= (warm[k], warm[k] + model.duration[k]) else 0.0
+        for i, k in pairs
+    ]
     solution = highspy.HighsSolution()
     solution.col_value = [float(x) for x in warm] + [float(span)] + before
     solution.value_valid = True

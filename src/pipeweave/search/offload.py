@@ -78,8 +78,11 @@ def choose_offload(problem: Problem, **budget: Any) -> tuple[frozenset[int], Res
         if found is not None and (best is None or found[0] < best[0] * (1 - 1e-9)):
             best = found[0], parts
     while best is not None:
-        changed = [(found[0], parts) for parts in (best[1] ^ {p} for p in range(problem.num_parts))
-                   if (found := step(parts)) is not None and found[0] < best[0] * (1 - 1e-9)]
+        changed = [
+            (found[0], parts)
+            for parts in (best[1] ^ {p} for p in range(problem.num_parts))
+            if (found := step(parts)) is not None and found[0] < best[0] * (1 - 1e-9)
+        ]
         if not changed:
             break
         best = min(changed, key=lambda c: (c[0], len(c[1])))
@@ -90,20 +93,28 @@ def choose_offload(problem: Problem, **budget: Any) -> tuple[frozenset[int], Res
     return best[1], found[1]
 
 
-def offload_problem(num_stages: int, num_microbatches: int, *, vshape: bool, cost: CostModel,
-                    memory_limit: float, host_bandwidth: float) -> Problem:
+def offload_problem(
+    num_stages: int, num_microbatches: int, *, vshape: bool, cost: CostModel, memory_limit: float, host_bandwidth: float
+) -> Problem:
     """The instance with every part offloaded, for ``choose_offload``.
 
     Raises:
         ScheduleError: the limit is below what any offload reaches; it names the least that is (every part
             offloaded: a rank holds one microbatch of one part at a time).
     """
-    options: dict[str, Any] = {"num_stages": num_stages, "num_microbatches": num_microbatches, "vshape": vshape,
-                               "cost": cost, "host_bandwidth": host_bandwidth}
+    options: dict[str, Any] = {
+        "num_stages": num_stages,
+        "num_microbatches": num_microbatches,
+        "vshape": vshape,
+        "cost": cost,
+        "host_bandwidth": host_bandwidth,
+    }
     parts = Problem(**options, memory_limit=float("inf")).num_parts
     try:
         return Problem(**options, memory_limit=memory_limit, offload=frozenset(range(parts)))
     except ScheduleError as error:
         least = str(error).rsplit(">= ", 1)[-1]
-        raise ScheduleError(f"--memory-limit {memory_limit:g} is below what any offload reaches; the smallest "
-                            f"reachable is K={least} (every part offloaded)") from None
+        raise ScheduleError(
+            f"--memory-limit {memory_limit:g} is below what any offload reaches; the smallest "
+            f"reachable is K={least} (every part offloaded)"
+        ) from None

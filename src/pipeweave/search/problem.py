@@ -66,15 +66,18 @@ class Problem:
                 raise ScheduleError(f"{name}={value!r} is invalid; give an integer >= 1")
         d = self.num_stages
         placement = Placement.vshape(d) if self.vshape else Placement.straight(d)
-        costs = _with_copies(self.cost.for_parts(num_parts=placement.num_parts, num_ranks=d), self.offload,
-                             self.host_bandwidth)
+        costs = _with_copies(
+            self.cost.for_parts(num_parts=placement.num_parts, num_ranks=d), self.offload, self.host_bandwidth
+        )
         object.__setattr__(self, "placement", placement)
         object.__setattr__(self, "costs", costs)
         # K counts in microbatches kept without recomputation: the same bytes whatever the parts recompute.
         plain = replace(self.cost, recompute="none").for_parts(num_parts=placement.num_parts, num_ranks=d)
         per_mb = [sum(plain.activation[s] for s in placement.stages_on(r)) for r in range(d)]
-        replay = [max((costs.replayed[s] for s in placement.stages_on(r)), default=0.0) if costs.replayed else 0.0
-                  for r in range(d)]
+        replay = [
+            max((costs.replayed[s] for s in placement.stages_on(r)), default=0.0) if costs.replayed else 0.0
+            for r in range(d)
+        ]
         stored = [self._least_held(costs, r) + x for r, x in enumerate(replay)]
         limit = tuple(self.memory_limit * d * m for m in per_mb)
         if not all(x >= m * (1.0 - MEMORY_EPS) for x, m in zip(limit, stored)) or math.isnan(self.memory_limit):
@@ -123,8 +126,12 @@ class Problem:
 
     def actions_on(self, rank: int) -> list[Action]:
         """Every F, I, W of a rank (in no particular order)."""
-        return [Action(s, op, j) for s in self.stages_on(rank) for op in (Op.F, Op.I, Op.W)
-                for j in range(self.num_microbatches)]
+        return [
+            Action(s, op, j)
+            for s in self.stages_on(rank)
+            for op in (Op.F, Op.I, Op.W)
+            for j in range(self.num_microbatches)
+        ]
 
     def _least_held(self, costs: PartCosts, rank: int) -> float:
         """What ``rank`` holds with one microbatch in flight: every stage's M_a, but an offloaded stage's
@@ -178,5 +185,6 @@ def problem_from_times(
     if isinstance(memory_limit, float) and math.isnan(memory_limit):
         raise ScheduleError("memory_limit=nan is invalid; give a number such as 1 or 2")
     cost = CostModel(f=time_f, b=time_b, w=time_w, comm=time_comm, mem_w=mem_w)
-    return Problem(num_stages=num_stages, num_microbatches=num_microbatches, vshape=vshape,
-                   cost=cost, memory_limit=memory_limit)
+    return Problem(
+        num_stages=num_stages, num_microbatches=num_microbatches, vshape=vshape, cost=cost, memory_limit=memory_limit
+    )

@@ -41,8 +41,10 @@ def candidates(problem: Problem) -> list[tuple[str, ...]]:
     found: list[tuple[str, ...]] = []
     for full in range(d + 1):  # ranks below ``full`` recompute in full, below ``recomputing`` selective
         for recomputing in range(full, d + 1):
-            modes = tuple("full" if rank_of[part] < full else "selective" if rank_of[part] < recomputing else "none"
-                          for part in range(problem.num_parts))
+            modes = tuple(
+                "full" if rank_of[part] < full else "selective" if rank_of[part] < recomputing else "none"
+                for part in range(problem.num_parts)
+            )
             if modes not in found:
                 found.append(modes)
     return sorted(found, key=lambda m: sum(x != "none" for x in m))
@@ -76,8 +78,9 @@ def choose_recompute(problem: Problem, **budget: Any) -> tuple[tuple[str, ...], 
     return best
 
 
-def recompute_problem(num_stages: int, num_microbatches: int, *, vshape: bool, cost: CostModel,
-                      memory_limit: float) -> Problem:
+def recompute_problem(
+    num_stages: int, num_microbatches: int, *, vshape: bool, cost: CostModel, memory_limit: float
+) -> Problem:
     """The instance with every part recomputing in full, for ``choose_recompute``.
 
     Raises:
@@ -85,17 +88,29 @@ def recompute_problem(num_stages: int, num_microbatches: int, *, vshape: bool, c
     """
     full = dataclasses.replace(cost, recompute="full")
     try:
-        return Problem(num_stages=num_stages, num_microbatches=num_microbatches, vshape=vshape, cost=full,
-                       memory_limit=memory_limit)
+        return Problem(
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            vshape=vshape,
+            cost=full,
+            memory_limit=memory_limit,
+        )
     except ScheduleError:
-        loose = Problem(num_stages=num_stages, num_microbatches=num_microbatches, vshape=vshape, cost=full,
-                        memory_limit=math.inf)
-        plain = dataclasses.replace(cost, recompute="none").for_parts(num_parts=loose.num_parts,
-                                                                       num_ranks=num_stages)
+        loose = Problem(
+            num_stages=num_stages, num_microbatches=num_microbatches, vshape=vshape, cost=full, memory_limit=math.inf
+        )
+        plain = dataclasses.replace(cost, recompute="none").for_parts(num_parts=loose.num_parts, num_ranks=num_stages)
         replayed = loose.costs.replayed  # one backward's replay on top (``Problem.limit``)
-        held = [(sum(loose.costs.activation[s] for s in loose.stages_on(r))
-                 + max(replayed[s] for s in loose.stages_on(r)),
-                 sum(plain.activation[s] for s in loose.stages_on(r))) for r in range(num_stages)]
+        held = [
+            (
+                sum(loose.costs.activation[s] for s in loose.stages_on(r))
+                + max(replayed[s] for s in loose.stages_on(r)),
+                sum(plain.activation[s] for s in loose.stages_on(r)),
+            )
+            for r in range(num_stages)
+        ]
         least = max((m / (num_stages * p) for m, p in held if p > 0), default=0.0)
-        raise ScheduleError(f"--memory-limit {memory_limit:g} is below what any recomputation reaches; the "
-                            f"smallest reachable is K={least:.4g} (every part recomputing in full)") from None
+        raise ScheduleError(
+            f"--memory-limit {memory_limit:g} is below what any recomputation reaches; the "
+            f"smallest reachable is K={least:.4g} (every part recomputing in full)"
+        ) from None

@@ -6,5 +6,15 @@ from pipeweave.sim.parallel import Layout, simulate_layout
 from pipeweave.sim.timeline import Event, Timeline, simulate
 from pipeweave.sim.traffic import ModelBytes
 
-__all__ = ["CostModel", "Event", "Layout", "Metrics", "ModelBytes", "PartCosts", "Timeline", "compute_metrics",
-           "simulate", "simulate_layout"]
+__all__ = [
+    "CostModel",
+    "Event",
+    "Layout",
+    "Metrics",
+    "ModelBytes",
+    "PartCosts",
+    "Timeline",
+    "compute_metrics",
+    "simulate",
+    "simulate_layout",
+]

@@ -50,13 +50,24 @@ def gpt_block_activations(*, seq_len: int, hidden: int, heads: int, microbatch_s
         (114, 10)
     """
     sbh = float(seq_len * hidden * microbatch_size)
-    return BlockActivations(held=34 * sbh + 5.0 * heads * seq_len * seq_len * microbatch_size,
-                            held_replicated=10 * sbh, scores=5.0 * heads * seq_len * seq_len * microbatch_size,
-                            stash=14 * sbh, stash_replicated=4 * sbh, input=2 * sbh)
+    return BlockActivations(
+        held=34 * sbh + 5.0 * heads * seq_len * seq_len * microbatch_size,
+        held_replicated=10 * sbh,
+        scores=5.0 * heads * seq_len * seq_len * microbatch_size,
+        stash=14 * sbh,
+        stash_replicated=4 * sbh,
+        input=2 * sbh,
+    )
 
 
-def rank_activations(schedule: Schedule, cost: CostModel | None, layout: Layout, model: ModelBytes, *,
-                     sequence_parallel: bool | None = None) -> tuple[float, ...]:
+def rank_activations(
+    schedule: Schedule,
+    cost: CostModel | None,
+    layout: Layout,
+    model: ModelBytes,
+    *,
+    sequence_parallel: bool | None = None,
+) -> tuple[float, ...]:
     """Per pipeline rank, the peak activation bytes one of its GPUs holds: the simulator's walk of M_a
     (``sim.metrics.held_peaks``, in the schedule's order) with each part's M_a its ``ModelBytes.activation``
     on one TP rank (``PartBytes.tp_rank_activation``). The cost model's recomputation keeps its fractions of
@@ -79,5 +90,6 @@ def rank_activations(schedule: Schedule, cost: CostModel | None, layout: Layout,
     split = layout.sequence_parallel if sequence_parallel is None else sequence_parallel
     per_gpu = tuple(parts.tp_rank_activation(k, layout.tp, sequence_parallel=split) for k in range(num_parts))
     costs = replace(cost or CostModel(), activation=per_gpu).for_parts(num_parts=num_parts, num_ranks=num_ranks)
-    return held_peaks(schedule.actions, schedule.placement.stage_part, costs.activation,
-                      [a * costs.mem_w for a in costs.activation])
+    return held_peaks(
+        schedule.actions, schedule.placement.stage_part, costs.activation, [a * costs.mem_w for a in costs.activation]
+    )

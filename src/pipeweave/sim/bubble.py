@@ -14,7 +14,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipeweave.schedule.ir import Op
-from pipeweave.sim.timeline import Times, Timeline
+from pipeweave.sim.timeline import Timeline, Times
 
 _COMPUTE = frozenset(op for op in Op if op.is_compute)
 

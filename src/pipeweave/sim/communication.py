@@ -8,8 +8,16 @@ from dataclasses import dataclass
 from pipeweave.schedule.ir import Op, Schedule
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import CostModel
-from pipeweave.sim.parallel import (Layout, gather_time, hop_function, part_holders, reduction_times, simulate_layout,
-                                    tp_backward_time, tp_forward_time)
+from pipeweave.sim.parallel import (
+    Layout,
+    gather_time,
+    hop_function,
+    part_holders,
+    reduction_times,
+    simulate_layout,
+    tp_backward_time,
+    tp_forward_time,
+)
 from pipeweave.sim.traffic import ModelBytes, PartBytes
 
 
@@ -20,8 +28,10 @@ def tp_time_per_rank(schedule: Schedule, layout: Layout, parts: PartBytes) -> tu
     forward = [tp_forward_time(layout, parts, k, num_ranks=num_ranks) for k in parts_]
     backward = [tp_backward_time(layout, parts, k, num_ranks=num_ranks) for k in parts_]
     part_of = schedule.placement.stage_part
-    return tuple(sum(forward[part_of[s]] if op is Op.F else backward[part_of[s]]
-                     for s, op, _ in row if op in (Op.F, Op.I, Op.B)) for row in schedule.actions)
+    return tuple(
+        sum(forward[part_of[s]] if op is Op.F else backward[part_of[s]] for s, op, _ in row if op in (Op.F, Op.I, Op.B))
+        for row in schedule.actions
+    )
 
 
 @dataclass(frozen=True)
@@ -40,12 +50,24 @@ class Communication:
     """What the DP reductions add to the step: its makespan minus the makespan with them free."""
 
     def as_dict(self) -> dict[str, object]:
-        return {"tp_per_rank": list(self.tp_per_rank), "pipeline_hop": self.hop, "dp_reduction": list(self.reduction),
-                "zero_gather": list(self.gather), "dp_exposed": self.exposed}
+        return {
+            "tp_per_rank": list(self.tp_per_rank),
+            "pipeline_hop": self.hop,
+            "dp_reduction": list(self.reduction),
+            "zero_gather": list(self.gather),
+            "dp_exposed": self.exposed,
+        }
 
 
-def communication(schedule: Schedule, cost: CostModel | None, layout: Layout, model: ModelBytes | None = None, *,
-                  makespan: float | None = None, split_compute: bool = True) -> Communication:
+def communication(
+    schedule: Schedule,
+    cost: CostModel | None,
+    layout: Layout,
+    model: ModelBytes | None = None,
+    *,
+    makespan: float | None = None,
+    split_compute: bool = True,
+) -> Communication:
     """The communication of ``schedule`` on the layout (``makespan``: the full simulation's, if known).
 
     Example:
@@ -63,16 +85,22 @@ def communication(schedule: Schedule, cost: CostModel | None, layout: Layout, mo
     hop = hop_function(schedule, layout, parts, comm)
     pairs = {(a, b) for a in range(schedule.num_stages) for b in (schedule.placement.next_stage(a),) if b is not None}
     if makespan is None:
-        makespan = bubble_metrics(simulate_layout(schedule, cost, layout, model, check=False,
-                                                  split_compute=split_compute))[0]
-    free = bubble_metrics(simulate_layout(schedule, cost, layout, model, check=False, split_compute=split_compute,
-                                          reduce=False))[0]
+        makespan = bubble_metrics(
+            simulate_layout(schedule, cost, layout, model, check=False, split_compute=split_compute)
+        )[0]
+    free = bubble_metrics(
+        simulate_layout(schedule, cost, layout, model, check=False, split_compute=split_compute, reduce=False)
+    )[0]
     return Communication(
         tp_per_rank=tp_time_per_rank(schedule, layout, parts),
-        hop=max((hop(a, b) for a, b in pairs if schedule.placement.stage_rank[a] != schedule.placement.stage_rank[b]),
-                default=0.0),
+        hop=max(
+            (hop(a, b) for a, b in pairs if schedule.placement.stage_rank[a] != schedule.placement.stage_rank[b]),
+            default=0.0,
+        ),
         reduction=reduction_times(schedule, layout, parts),
-        gather=tuple(gather_time(layout, parts.tp_rank_params(k, layout.tp), num_ranks=num_ranks, holders=h)
-                     for k, h in enumerate(part_holders(schedule))),
+        gather=tuple(
+            gather_time(layout, parts.tp_rank_params(k, layout.tp), num_ranks=num_ranks, holders=h)
+            for k, h in enumerate(part_holders(schedule))
+        ),
         exposed=max(0.0, makespan - free),
     )

@@ -21,7 +21,7 @@ import numba
 import numpy as np
 from numpy.typing import NDArray
 
-from pipeweave.sim.arrays import B, F, I, W, ScheduleArrays
+from pipeweave.sim.arrays import B, F, I, ScheduleArrays, W
 
 FloatArray = NDArray[np.float64]
 
@@ -45,8 +45,25 @@ def _input(made, neighbour, s, j, k, t, stage_rank):  # type: ignore[no-untyped-
 
 @numba.njit(cache=True, nogil=True)
 def _walk(  # type: ignore[no-untyped-def]  # one flat loop, for speed
-    offsets, stops, stage, op, microbatch, cell, width, extra, prev, nxt, stage_rank,
-    hop_prev, hop_next, has_latency, t, gap, start, end, walked,
+    offsets,
+    stops,
+    stage,
+    op,
+    microbatch,
+    cell,
+    width,
+    extra,
+    prev,
+    nxt,
+    stage_rank,
+    hop_prev,
+    hop_next,
+    has_latency,
+    t,
+    gap,
+    start,
+    end,
+    walked,
 ):  # noqa: ANN001
     """Fill ``start`` and ``end`` (and ``walked``: per action, its place in the walk) of the actions before each
     rank's stop; return ``DONE``, ``UNORDERED`` or ``DEADLOCK``."""
@@ -124,10 +141,18 @@ def _walk(  # type: ignore[no-untyped-def]  # one flat loop, for speed
     return DONE
 
 
-def walk_times(arrays: ScheduleArrays, stops: NDArray[np.integer], durations: FloatArray, *,
-               neighbours: tuple[NDArray[np.int64], NDArray[np.int64]], stage_rank: NDArray[np.int64],
-               hops: tuple[FloatArray, FloatArray] | None, gap: float, extra: FloatArray | None,
-               num_microbatches: int) -> tuple[FloatArray, FloatArray, NDArray[np.int64]] | None:
+def walk_times(
+    arrays: ScheduleArrays,
+    stops: NDArray[np.integer],
+    durations: FloatArray,
+    *,
+    neighbours: tuple[NDArray[np.int64], NDArray[np.int64]],
+    stage_rank: NDArray[np.int64],
+    hops: tuple[FloatArray, FloatArray] | None,
+    gap: float,
+    extra: FloatArray | None,
+    num_microbatches: int,
+) -> tuple[FloatArray, FloatArray, NDArray[np.int64]] | None:
     """Start, end and place in the walk of every action before its rank's stop (``sim.rounds._loop_ends``;
     the others are left at inf, inf and -1); None where the reference must explain the schedule.
 
@@ -157,8 +182,24 @@ def walk_times(arrays: ScheduleArrays, stops: NDArray[np.integer], durations: Fl
     walked = np.full(n, -1, dtype=np.int64)
     no_hops = np.zeros(len(stage_rank))
     hop_prev, hop_next = hops if hops is not None else (no_hops, no_hops)
-    outcome = _walk(arrays.offsets, stops.astype(np.int64), arrays.stage, arrays.op, arrays.microbatch,
-                    np.ascontiguousarray(durations, dtype=np.float64).ravel(), durations.shape[1],
-                    extra if extra is not None else np.zeros(0), *neighbours, stage_rank, hop_prev, hop_next,
-                    hops is not None, num_microbatches, float(gap), start, end, walked)
+    outcome = _walk(
+        arrays.offsets,
+        stops.astype(np.int64),
+        arrays.stage,
+        arrays.op,
+        arrays.microbatch,
+        np.ascontiguousarray(durations, dtype=np.float64).ravel(),
+        durations.shape[1],
+        extra if extra is not None else np.zeros(0),
+        *neighbours,
+        stage_rank,
+        hop_prev,
+        hop_next,
+        hops is not None,
+        num_microbatches,
+        float(gap),
+        start,
+        end,
+        walked,
+    )
     return (start, end, walked) if outcome == DONE else None

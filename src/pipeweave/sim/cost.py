@@ -41,8 +41,10 @@ def cost_problem(value: float, what: str = "time") -> str | None:
     if value < 0:
         return f"is invalid; give a {what} >= 0"
     if value > MAX_COST:
-        return (f"is too large; give a {what} <= {MAX_COST:.0e} (larger ones overflow the simulator's sums "
-                "or drown the smaller costs)")
+        return (
+            f"is too large; give a {what} <= {MAX_COST:.0e} (larger ones overflow the simulator's sums "
+            "or drown the smaller costs)"
+        )
     return None
 
 
@@ -134,8 +136,7 @@ class CostModel:
         """
         params = inspect.signature(generator).parameters
         values = {"time_f": self.f, "time_b": self.b, "time_w": self.w, "time_comm": self.comm, "mem_w": self.mem_w}
-        return {key: float(value) for key, value in values.items()
-                if key in params and isinstance(value, (int, float))}
+        return {key: float(value) for key, value in values.items() if key in params and isinstance(value, (int, float))}
 
     def for_parts(self, *, num_parts: int, num_ranks: int) -> PartCosts:
         """Resolve every value to one number per part.
@@ -159,17 +160,39 @@ class CostModel:
         micro = None if self.microbatch is None else tuple(float(v) for v in self.microbatch)
         modes = per_part(self.recompute, num_parts)
         if set(modes) == {"none"}:
-            return PartCosts(f=f, b=b, w=resolve("w"), u=resolve("u"), comm=self.comm, dispatch=self.dispatch,
-                             activation=activation, mem_w=self.mem_w, weight=resolve("weight"), microbatch=micro)
+            return PartCosts(
+                f=f,
+                b=b,
+                w=resolve("w"),
+                u=resolve("u"),
+                comm=self.comm,
+                dispatch=self.dispatch,
+                activation=activation,
+                mem_w=self.mem_w,
+                weight=resolve("weight"),
+                microbatch=micro,
+            )
         replay = {"none": (0.0,) * num_parts, "selective": resolve("replay_selective"), "full": f}
-        kept = {"none": (1.0,) * num_parts, "selective": self._fractions("kept_selective", num_parts),
-                "full": self._fractions("kept_full", num_parts)}
+        kept = {
+            "none": (1.0,) * num_parts,
+            "selective": self._fractions("kept_selective", num_parts),
+            "full": self._fractions("kept_full", num_parts),
+        }
         stored = tuple(a * kept[m][k] for k, (a, m) in enumerate(zip(activation, modes)))
         return PartCosts(
-            f=f, b=tuple(x + replay[m][k] for k, (x, m) in enumerate(zip(b, modes))), w=resolve("w"), u=resolve("u"),
-            comm=self.comm, dispatch=self.dispatch, activation=stored, mem_w=self.mem_w, weight=resolve("weight"),
-            microbatch=micro, recompute=modes,
-            replayed=tuple(a - s if m == "full" else 0.0 for a, s, m in zip(activation, stored, modes)))
+            f=f,
+            b=tuple(x + replay[m][k] for k, (x, m) in enumerate(zip(b, modes))),
+            w=resolve("w"),
+            u=resolve("u"),
+            comm=self.comm,
+            dispatch=self.dispatch,
+            activation=stored,
+            mem_w=self.mem_w,
+            weight=resolve("weight"),
+            microbatch=micro,
+            recompute=modes,
+            replayed=tuple(a - s if m == "full" else 0.0 for a, s, m in zip(activation, stored, modes)),
+        )
 
     def _fractions(self, name: str, num_parts: int) -> tuple[float, ...]:
         """A fraction per part: a scalar for every part (not scaled like times), or the per-part list."""

@@ -39,7 +39,6 @@ from pipeweave.sim.metrics import Metrics, compute_metrics
 from pipeweave.sim.timeline import Event, Timeline, simulate, simulate_parts
 
 
-
 def stash_costs(costs: PartCosts, plan: StashPlan) -> PartCosts:
     """``costs`` with the activation memory a stage keeps under ``plan``'s compression."""
     if plan.kept == 1.0:
@@ -66,8 +65,15 @@ def stash_extra(stash: Stash, costs: PartCosts, bandwidth: float) -> dict[Action
     return extra
 
 
-def simulate_stash(schedule: Schedule, costs: PartCosts, plan: StashPlan, *, bandwidth: float = DEFAULT_BANDWIDTH,
-                   copy_stream: bool = False, **options: object) -> tuple[Timeline, Stash, dict[Action, float]]:
+def simulate_stash(
+    schedule: Schedule,
+    costs: PartCosts,
+    plan: StashPlan,
+    *,
+    bandwidth: float = DEFAULT_BANDWIDTH,
+    copy_stream: bool = False,
+    **options: object,
+) -> tuple[Timeline, Stash, dict[Action, float]]:
     """Simulate ``schedule`` with ``plan``'s memory actions: the timeline (memory actions folded in),
     the lowered stash and the folded times. ``copy_stream``: offload's copies beside the compute (the
     module docstring). ``options`` go to ``simulate_parts``.
@@ -94,8 +100,9 @@ def simulate_stash(schedule: Schedule, costs: PartCosts, plan: StashPlan, *, ban
     return simulate_parts(schedule, costs, extra=extra, **options), stash, extra  # type: ignore[arg-type]
 
 
-def stream_extra(stash: Stash, costs: PartCosts, bandwidth: float, extra: dict[Action, float],
-                 plain: Timeline) -> dict[Action, float]:
+def stream_extra(
+    stash: Stash, costs: PartCosts, bandwidth: float, extra: dict[Action, float], plain: Timeline
+) -> dict[Action, float]:
     """``extra`` with offload's copies on a side stream (module docstring): none for an ``OFFLOAD``, and for
     a ``RELOAD`` what its copy exceeds the rank's wait before the backward in ``plain`` (no copies)."""
     part_of = stash.schedule.placement.stage_part
@@ -140,8 +147,9 @@ def balanced_shares(schedule: Schedule, costs: PartCosts, plan: StashPlan, round
     return tuple(shares)
 
 
-def stash_events(stash: Stash, timeline: Timeline, extra: dict[Action, float],
-                 stream: float | None = None) -> tuple[tuple[Event, ...], ...]:
+def stash_events(
+    stash: Stash, timeline: Timeline, extra: dict[Action, float], stream: float | None = None
+) -> tuple[tuple[Event, ...], ...]:
     """Per rank, its events with the memory actions split out of the F and backwards they were folded into;
     ``stream``: the bandwidth of offload's copies on a side stream (``stream_extra``), each then timed whole
     beside the compute: an ``OFFLOAD`` from its F's end, a ``RELOAD`` up to its backward's compute."""
@@ -151,8 +159,11 @@ def stash_events(stash: Stash, timeline: Timeline, extra: dict[Action, float],
         out: list[Event] = []
         for a in lowered:
             s, op, j = a
-            copy = None if stream is None or op not in (Op.OFFLOAD, Op.RELOAD) or timeline.costs is None else \
-                timeline.costs.activation[stash.schedule.placement.stage_part[s]] / stream
+            copy = (
+                None
+                if stream is None or op not in (Op.OFFLOAD, Op.RELOAD) or timeline.costs is None
+                else timeline.costs.activation[stash.schedule.placement.stage_part[s]] / stream
+            )
             if copy is not None and op is Op.OFFLOAD:
                 end = timed[Action(s, Op.F, j)].end
                 out.append(Event(a, end, end + copy))
@@ -169,8 +180,13 @@ def stash_events(stash: Stash, timeline: Timeline, extra: dict[Action, float],
             else:
                 e = timed[a]
                 cut = extra.get(a, 0.0)
-                out.append(Event(a, e.start, e.end - cut) if op is Op.F else Event(a, e.start + cut, e.end)
-                           if op.computes_input_grad else e)
+                out.append(
+                    Event(a, e.start, e.end - cut)
+                    if op is Op.F
+                    else Event(a, e.start + cut, e.end)
+                    if op.computes_input_grad
+                    else e
+                )
         rows.append(tuple(out))
     return tuple(rows)
 
@@ -187,9 +203,16 @@ def stash_peaks(stash: Stash, events: Sequence[Sequence[Event]], costs: PartCost
             s, op, _ = a
             held = costs.activation[placement.stage_part[s]]
             moved = stash.moved(a) * held if op.is_memory else 0.0
-            own = {Op.F: (start, held), Op.B: (end, -held), Op.I: (end, held * (costs.mem_w - 1)),
-                   Op.W: (end, -held * costs.mem_w), Op.OFFLOAD: (end, -moved), Op.EVICT: (end, -moved),
-                   Op.RELOAD: (start, moved), Op.LOAD: (start, moved)}.get(op)
+            own = {
+                Op.F: (start, held),
+                Op.B: (end, -held),
+                Op.I: (end, held * (costs.mem_w - 1)),
+                Op.W: (end, -held * costs.mem_w),
+                Op.OFFLOAD: (end, -moved),
+                Op.EVICT: (end, -moved),
+                Op.RELOAD: (start, moved),
+                Op.LOAD: (start, moved),
+            }.get(op)
             if own is not None:
                 changes[rank].append((own[0], 1, k, own[1]))
             replayed = costs.replayed[placement.stage_part[s]] if costs.replayed and op in (Op.B, Op.I) else 0.0
@@ -210,12 +233,18 @@ def stash_peaks(stash: Stash, events: Sequence[Sequence[Event]], costs: PartCost
 
 def plan_dict(plan: StashPlan, shares: tuple[float, ...], bandwidth: float) -> dict[str, Any]:
     """The levers as ``--json`` reports them."""
-    return {"offload": sorted(plan.offload), "balance_activations": plan.balance,
-            "compress_activations": plan.compress, "host_bandwidth": bandwidth, "moved_share": list(shares)}
+    return {
+        "offload": sorted(plan.offload),
+        "balance_activations": plan.balance,
+        "compress_activations": plan.compress,
+        "host_bandwidth": bandwidth,
+        "moved_share": list(shares),
+    }
 
 
-def simulate_levers(schedule: Schedule, costs: PartCosts, plan: StashPlan, bandwidth: float | None = None,
-                    copy_stream: bool = False) -> tuple[Metrics, Timeline, dict[str, Any]]:
+def simulate_levers(
+    schedule: Schedule, costs: PartCosts, plan: StashPlan, bandwidth: float | None = None, copy_stream: bool = False
+) -> tuple[Metrics, Timeline, dict[str, Any]]:
     """Metrics with ``plan`` applied (``peak_activations`` per rank with the memory actions), the timeline
     to show (memory actions as their own events) and the levers' JSON; ``copy_stream``: offload's copies
     beside the compute (CUDA's side stream; the module docstring).
@@ -230,10 +259,15 @@ def simulate_levers(schedule: Schedule, costs: PartCosts, plan: StashPlan, bandw
     """
     bandwidth = bandwidth or DEFAULT_BANDWIDTH
     comm = costs.comm
-    timeline, stash, extra = simulate_stash(schedule, costs, plan, bandwidth=bandwidth, copy_stream=copy_stream,
-                                            hop=(lambda src, dst: comm) if comm else None)
-    shown = Timeline(schedule, stash_events(stash, timeline, extra, bandwidth if copy_stream else None),
-                     timeline.costs)
+    timeline, stash, extra = simulate_stash(
+        schedule,
+        costs,
+        plan,
+        bandwidth=bandwidth,
+        copy_stream=copy_stream,
+        hop=(lambda src, dst: comm) if comm else None,
+    )
+    shown = Timeline(schedule, stash_events(stash, timeline, extra, bandwidth if copy_stream else None), timeline.costs)
     assert timeline.costs is not None
     metrics = compute_metrics(timeline)
     metrics = dataclasses.replace(metrics, peak_activations=stash_peaks(stash, shown.events, timeline.costs))
@@ -258,5 +292,7 @@ def levered_activations(schedule: Schedule, activations: tuple[float, ...], plan
     after = simulate_levers(schedule, costs, plan)[0].peak_activations
     rank_of = schedule.placement.stage_rank
     stage_of = {part: stage for stage, part in enumerate(schedule.placement.stage_part)}
-    return tuple(round(a * after[rank_of[stage_of[k]]] / before[rank_of[stage_of[k]]], 9) if before[
-        rank_of[stage_of[k]]] else a for k, a in enumerate(activations))
+    return tuple(
+        round(a * after[rank_of[stage_of[k]]] / before[rank_of[stage_of[k]]], 9) if before[rank_of[stage_of[k]]] else a
+        for k, a in enumerate(activations)
+    )

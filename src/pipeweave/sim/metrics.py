@@ -26,8 +26,8 @@ from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.sim.arrays import schedule_arrays
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import PartCosts
-from pipeweave.sim.timeline import Timeline
 from pipeweave.sim.steady import steady_bubble_ratio
+from pipeweave.sim.timeline import Timeline
 from pipeweave.sim.versions import inconsistency, staleness, weight_copies
 
 
@@ -63,9 +63,14 @@ def peak_activations(timeline: Timeline, costs: PartCosts) -> tuple[float, ...]:
     return held_peaks(rows, timeline.schedule.placement.stage_part, held, stash, replayed, replayed)
 
 
-def held_peaks(rows: Iterable[Iterable[Action]], part_of: Sequence[int], held: Sequence[float],
-               stash: Sequence[float], during_b: Sequence[float] | None = None,
-               during_i: Sequence[float] | None = None) -> tuple[float, ...]:
+def held_peaks(
+    rows: Iterable[Iterable[Action]],
+    part_of: Sequence[int],
+    held: Sequence[float],
+    stash: Sequence[float],
+    during_b: Sequence[float] | None = None,
+    during_i: Sequence[float] | None = None,
+) -> tuple[float, ...]:
     """Per rank, the peak memory held for backwards, walking each rank's actions in their order.
 
     Per part: an ``F`` adds ``held`` (what a microbatch keeps from its F to its
@@ -104,8 +109,9 @@ def held_peaks(rows: Iterable[Iterable[Action]], part_of: Sequence[int], held: S
     return tuple(peaks)
 
 
-def _array_peaks(schedule: Schedule, held: Sequence[float], stash: Sequence[float],
-                 replayed: Sequence[float] | None = None) -> tuple[float, ...]:
+def _array_peaks(
+    schedule: Schedule, held: Sequence[float], stash: Sequence[float], replayed: Sequence[float] | None = None
+) -> tuple[float, ...]:
     """``held_peaks`` of a schedule's own rows over its arrays: per rank, the running sum of what
     each action adds (F: held, B: -held, I: stash - held, W: -stash, U: 0), summed in order as
     the reference does (``np.add.accumulate`` adds left to right), and its peak; with ``replayed``,

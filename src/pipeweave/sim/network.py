@@ -151,18 +151,21 @@ class Mesh:
 
     def tp_groups(self) -> list[tuple[int, ...]]:
         """Every tensor-parallel group: the ranks of one (dp, pp) coordinate."""
-        return [tuple(self.rank(dp=d, pp=p, tp=t) for t in range(self.tp))
-                for d in range(self.dp) for p in range(self.pp)]
+        return [
+            tuple(self.rank(dp=d, pp=p, tp=t) for t in range(self.tp)) for d in range(self.dp) for p in range(self.pp)
+        ]
 
     def dp_groups(self) -> list[tuple[int, ...]]:
         """Every data-parallel group: the ranks of one (pp, tp) coordinate."""
-        return [tuple(self.rank(dp=d, pp=p, tp=t) for d in range(self.dp))
-                for p in range(self.pp) for t in range(self.tp)]
+        return [
+            tuple(self.rank(dp=d, pp=p, tp=t) for d in range(self.dp)) for p in range(self.pp) for t in range(self.tp)
+        ]
 
     def hop_pairs(self, a: int, b: int) -> list[tuple[int, int]]:
         """The global rank pairs that carry a message from pipeline rank ``a`` to ``b``: one per (dp, tp)."""
-        return [(self.rank(dp=d, pp=a, tp=t), self.rank(dp=d, pp=b, tp=t))
-                for d in range(self.dp) for t in range(self.tp)]
+        return [
+            (self.rank(dp=d, pp=a, tp=t), self.rank(dp=d, pp=b, tp=t)) for d in range(self.dp) for t in range(self.tp)
+        ]
 
 
 def slowest_link(network: Network, groups: Iterable[Iterable[int]]) -> Link:

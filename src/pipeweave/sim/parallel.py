@@ -52,8 +52,15 @@ from dataclasses import dataclass, replace
 from pipeweave.errors import UserError
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.cost import CostModel, PartCosts, cost_problem
-from pipeweave.sim.network import (Link, Mesh, Network, all_gather_time, all_reduce_time, reduce_scatter_time,
-                                   slowest_link)
+from pipeweave.sim.network import (
+    Link,
+    Mesh,
+    Network,
+    all_gather_time,
+    all_reduce_time,
+    reduce_scatter_time,
+    slowest_link,
+)
 from pipeweave.sim.timeline import Timeline, simulate, simulate_parts
 from pipeweave.sim.traffic import ModelBytes, PartBytes
 
@@ -159,8 +166,9 @@ def tp_forward_time(layout: Layout, parts: PartBytes, part: int, *, num_ranks: i
     if link is None:
         return 0.0
     gather = parts.tp_gather[part]
-    return (parts.tp_forward[part] * _all_reduce(layout, parts.tp_message[part], link)
-            + (all_gather_time(gather, layout.tp, link) if gather else 0.0))
+    return parts.tp_forward[part] * _all_reduce(layout, parts.tp_message[part], link) + (
+        all_gather_time(gather, layout.tp, link) if gather else 0.0
+    )
 
 
 def tp_backward_time(layout: Layout, parts: PartBytes, part: int, *, num_ranks: int) -> float:
@@ -214,8 +222,15 @@ def _buckets(nbytes: float, bucket: float) -> list[float]:
     return [bucket] * full + ([rest] if rest > 0 else [])
 
 
-def layout_costs(costs: PartCosts, layout: Layout, parts: PartBytes, *, num_ranks: int,
-                 split_compute: bool = True, holders: Sequence[tuple[int, ...]] = ()) -> PartCosts:
+def layout_costs(
+    costs: PartCosts,
+    layout: Layout,
+    parts: PartBytes,
+    *,
+    num_ranks: int,
+    split_compute: bool = True,
+    holders: Sequence[tuple[int, ...]] = (),
+) -> PartCosts:
     """Per-part costs on the layout: compute / N (unless ``split_compute`` is False, for times already
     per TP rank), TP all-reduces added to F and I, ZeRO's all-gather added to U (over the part's
     ``holders`` too, ``part_holders``, where a pipeline has a part more than once).
@@ -230,8 +245,10 @@ def layout_costs(costs: PartCosts, layout: Layout, parts: PartBytes, *, num_rank
     k = range(len(costs.f))
     forward = [tp_forward_time(layout, parts, part, num_ranks=num_ranks) for part in k]
     backward = [tp_backward_time(layout, parts, part, num_ranks=num_ranks) for part in k]
-    gather = [gather_time(layout, parts.tp_rank_params(part, layout.tp), num_ranks=num_ranks, holders=h)
-              for part, h in zip(k, holders or [()] * len(k))]
+    gather = [
+        gather_time(layout, parts.tp_rank_params(part, layout.tp), num_ranks=num_ranks, holders=h)
+        for part, h in zip(k, holders or [()] * len(k))
+    ]
     return replace(
         costs,
         f=tuple(f / n + c for f, c in zip(costs.f, forward)),
@@ -241,8 +258,18 @@ def layout_costs(costs: PartCosts, layout: Layout, parts: PartBytes, *, num_rank
     )
 
 
-def layout_times(layout: Layout, *, f: float, b: float, w: float, comm: float, message: float,
-                 tp_collectives: float, num_ranks: int, split_compute: bool = True) -> tuple[float, float, float, float]:
+def layout_times(
+    layout: Layout,
+    *,
+    f: float,
+    b: float,
+    w: float,
+    comm: float,
+    message: float,
+    tp_collectives: float,
+    num_ranks: int,
+    split_compute: bool = True,
+) -> tuple[float, float, float, float]:
     """``(f, b, w, comm)`` of one D-th of the model on the layout, for a search that takes scalar times:
     ``layout_costs``' rules, and ``comm`` plus the slowest hop between neighbouring pipeline ranks
     (``message_bytes`` of ``message``).
@@ -295,12 +322,23 @@ def part_holders(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
 def reduction_times(schedule: Schedule, layout: Layout, parts: PartBytes) -> tuple[float, ...]:
     """Per part, its DP reduction (``reduction_time`` of its gradient bytes, over its holders too)."""
     num_ranks = schedule.placement.ranks_per_pipeline
-    return tuple(reduction_time(layout, parts.tp_rank_params(part, layout.tp) * parts.grads, num_ranks=num_ranks,
-                                holders=h) for part, h in enumerate(part_holders(schedule)))
+    return tuple(
+        reduction_time(layout, parts.tp_rank_params(part, layout.tp) * parts.grads, num_ranks=num_ranks, holders=h)
+        for part, h in enumerate(part_holders(schedule))
+    )
 
 
-def simulate_layout(schedule: Schedule, cost: CostModel | None, layout: Layout, model: ModelBytes | None = None, *,
-                    check: bool = True, split_compute: bool = True, reduce: bool = True, fast: bool = True) -> Timeline:
+def simulate_layout(
+    schedule: Schedule,
+    cost: CostModel | None,
+    layout: Layout,
+    model: ModelBytes | None = None,
+    *,
+    check: bool = True,
+    split_compute: bool = True,
+    reduce: bool = True,
+    fast: bool = True,
+) -> Timeline:
     """Time one pipeline of ``schedule`` on the layout: ``simulate`` with TP and DP added.
 
     Args:
@@ -325,8 +363,14 @@ def simulate_layout(schedule: Schedule, cost: CostModel | None, layout: Layout, 
         return simulate(schedule, cost, check=check, fast=fast)
     num_ranks, num_parts = schedule.placement.ranks_per_pipeline, schedule.num_parts
     parts = (model or ModelBytes()).for_parts(num_parts=num_parts, num_ranks=num_ranks)
-    costs = layout_costs(cost.for_parts(num_parts=num_parts, num_ranks=num_ranks), layout, parts,
-                         num_ranks=num_ranks, split_compute=split_compute, holders=part_holders(schedule))
+    costs = layout_costs(
+        cost.for_parts(num_parts=num_parts, num_ranks=num_ranks),
+        layout,
+        parts,
+        num_ranks=num_ranks,
+        split_compute=split_compute,
+        holders=part_holders(schedule),
+    )
     delays = reduction_times(schedule, layout, parts) if reduce else None
     hop = hop_function(schedule, layout, parts, costs.comm) if layout.network is not None or costs.comm else None
     return simulate_parts(schedule, costs, check=check, hop=hop, update_delay=delays, fast=fast)

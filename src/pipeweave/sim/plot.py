@@ -35,8 +35,17 @@ COLOURS = {
     Op.EVICT: (0.60, 0.45, 0.35),
     Op.LOAD: (0.80, 0.68, 0.58),
 }
-_NAMES = {Op.F: "F forward", Op.B: "B backward", Op.I: "I input grad", Op.W: "W weight grad", Op.U: "U update",
-          Op.OFFLOAD: "offload", Op.RELOAD: "reload", Op.EVICT: "evict (BPipe)", Op.LOAD: "load (BPipe)"}
+_NAMES = {
+    Op.F: "F forward",
+    Op.B: "B backward",
+    Op.I: "I input grad",
+    Op.W: "W weight grad",
+    Op.U: "U update",
+    Op.OFFLOAD: "offload",
+    Op.RELOAD: "reload",
+    Op.EVICT: "evict (BPipe)",
+    Op.LOAD: "load (BPipe)",
+}
 FORMATS = (".png", ".svg", ".pdf")
 """The picture formats ``plot_timeline`` writes, by file extension."""
 _MAX_LABELS = 4000  # text artists are slow (benchmarks/simulator/README.md); past this many, boxes stay unlabelled
@@ -83,11 +92,17 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
     fig_w, row_h = 12.0, min(0.45, max(0.12, 8.0 / max(1, num_ranks)))
     fig, ax = plt.subplots(figsize=(fig_w, max(2.2, row_h * num_ranks + 1.4)))
     boxes, colours, ticks, labels = _boxes(timeline)
-    ax.add_collection(PolyCollection(boxes, facecolors=colours, edgecolors="white" if len(boxes) < 5000 else "none",
-                                     linewidths=0.5))
+    ax.add_collection(
+        PolyCollection(boxes, facecolors=colours, edgecolors="white" if len(boxes) < 5000 else "none", linewidths=0.5)
+    )
     if ticks:
-        ax.vlines([t for t, _ in ticks], [r - 0.45 for _, r in ticks], [r + 0.45 for _, r in ticks],
-                  colors=[COLOURS[Op.U]], linewidths=1.0)
+        ax.vlines(
+            [t for t, _ in ticks],
+            [r - 0.45 for _, r in ticks],
+            [r + 0.45 for _, r in ticks],
+            colors=[COLOURS[Op.U]],
+            linewidths=1.0,
+        )
     makespan, _, _, ratio, _, _ = bubble_metrics(timeline)
     start = min((row[0].start for row in timeline.events if row), default=0.0)
     ax.set_xlim(start, start + max(makespan, 1e-9))
@@ -97,10 +112,18 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
     ax.set_yticks(range(0, num_ranks, step), [f"rank {r}" for r in range(0, num_ranks, step)])
     ax.set_xlabel("time")
     ops = {e.action.op for row in timeline.events for e in row}
-    fig.legend(handles=[Patch(color=COLOURS[op], label=_NAMES[op]) for op in COLOURS if op in ops],
-               loc="lower center", ncol=5, frameon=False, fontsize=9)
-    ax.set_title(title or f"{schedule.name}   D={num_ranks}   T={schedule.num_microbatches}"
-                 f"{f'   v={schedule.num_chunks}' if schedule.num_chunks > 1 else ''}   bubble ratio {ratio:.3f}")
+    fig.legend(
+        handles=[Patch(color=COLOURS[op], label=_NAMES[op]) for op in COLOURS if op in ops],
+        loc="lower center",
+        ncol=5,
+        frameon=False,
+        fontsize=9,
+    )
+    ax.set_title(
+        title
+        or f"{schedule.name}   D={num_ranks}   T={schedule.num_microbatches}"
+        f"{f'   v={schedule.num_chunks}' if schedule.num_chunks > 1 else ''}   bubble ratio {ratio:.3f}"
+    )
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     fig.tight_layout(rect=(0, 0.35 / fig.get_size_inches()[1], 1, 1))  # room for the legend below
@@ -113,8 +136,9 @@ Box = list[tuple[float, float]]
 _Label = tuple[float, float, int, int, str]  # start, end, rank, microbatch, text colour
 
 
-def _boxes(timeline: Timeline) -> tuple[list[Box], list[tuple[float, float, float]], list[tuple[float, int]],
-                                        list[_Label]]:
+def _boxes(
+    timeline: Timeline,
+) -> tuple[list[Box], list[tuple[float, float, float]], list[tuple[float, int]], list[_Label]]:
     """Rectangles and colours of every box, U ticks, and the labels to write."""
     schedule = timeline.schedule
     chunk = chunk_of_stages(schedule)
@@ -140,8 +164,7 @@ def _boxes(timeline: Timeline) -> tuple[list[Box], list[tuple[float, float, floa
     return boxes, colours, ticks, labels
 
 
-def _label(ax: Axes, fig: Figure, labels: list[_Label], makespan: float,
-           num_ranks: int) -> None:
+def _label(ax: Axes, fig: Figure, labels: list[_Label], makespan: float, num_ranks: int) -> None:
     """Write microbatch numbers into the boxes wide and tall enough for them."""
     width_in = fig.get_size_inches()[0] * 0.85
     points_per_unit = width_in * 72 / max(makespan, 1e-9)
@@ -149,7 +172,9 @@ def _label(ax: Axes, fig: Figure, labels: list[_Label], makespan: float,
     font = max(4.0, min(8.0, row_points * 0.55))
     if row_points < 6:
         return
-    fitting = [label for label in labels if (label[1] - label[0]) * points_per_unit >= font * 0.65 * len(str(label[3])) + 2]
+    fitting = [
+        label for label in labels if (label[1] - label[0]) * points_per_unit >= font * 0.65 * len(str(label[3])) + 2
+    ]
     if len(fitting) > _MAX_LABELS:
         return
     for t0, t1, r, j, colour in fitting:

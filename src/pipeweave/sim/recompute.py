@@ -41,8 +41,10 @@ def parse_recompute(value: Recompute) -> tuple[str, ...]:
     bad = [m for m in modes if m not in RECOMPUTE]
     if not modes or bad:
         shown = value if isinstance(value, str) else ",".join(map(str, value))
-        raise UserError(f"--recompute {shown!r} is invalid; give one of {', '.join(RECOMPUTE)}, or one per part "
-                        "comma-separated, e.g. selective,none")
+        raise UserError(
+            f"--recompute {shown!r} is invalid; give one of {', '.join(RECOMPUTE)}, or one per part "
+            "comma-separated, e.g. selective,none"
+        )
     return modes
 
 
@@ -60,8 +62,10 @@ def per_part(value: Recompute, num_parts: int) -> tuple[str, ...]:
     if len(modes) == 1:
         return modes * num_parts
     if len(modes) != num_parts:
-        raise UserError(f"--recompute {','.join(modes)} gives {len(modes)} modes for {num_parts} parts; give one "
-                        "mode for every part or one per part")
+        raise UserError(
+            f"--recompute {','.join(modes)} gives {len(modes)} modes for {num_parts} parts; give one "
+            "mode for every part or one per part"
+        )
     return modes
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipeweave.schedule.ir import Placement, Schedule
-from pipeweave.sim.arrays import B, F, I, U, W, ScheduleArrays
+from pipeweave.sim.arrays import B, F, I, ScheduleArrays, U, W
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.integer]  # int32 or int64 (sim.arrays)
@@ -60,10 +60,18 @@ own schedules (``train``'s estimates in every rank) never load numba."""
 Engine = Literal["auto", "rounds", "compiled"]
 
 
-def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray, *, latency: Latency | None,
-               gap: float, update_delay: Sequence[float] | None,
-               min_per_round: float = MIN_PER_ROUND, extra: FloatArray | None = None,
-               engine: Engine = "auto") -> tuple[FloatArray, FloatArray] | None:
+def fast_times(
+    schedule: Schedule,
+    arrays: ScheduleArrays,
+    durations: FloatArray,
+    *,
+    latency: Latency | None,
+    gap: float,
+    update_delay: Sequence[float] | None,
+    min_per_round: float = MIN_PER_ROUND,
+    extra: FloatArray | None = None,
+    engine: Engine = "auto",
+) -> tuple[FloatArray, FloatArray] | None:
     """Start and end of every action (in ``arrays``' order), or None where the reference must do it.
 
     Args:
@@ -118,9 +126,15 @@ def fast_times(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray
     return start, end
 
 
-def _compiled(schedule: Schedule, arrays: ScheduleArrays, stops: IntArray, durations: FloatArray,
-              latency: Latency | None, gap: float, extra: FloatArray | None
-              ) -> tuple[FloatArray, FloatArray, IntArray] | None:
+def _compiled(
+    schedule: Schedule,
+    arrays: ScheduleArrays,
+    stops: IntArray,
+    durations: FloatArray,
+    latency: Latency | None,
+    gap: float,
+    extra: FloatArray | None,
+) -> tuple[FloatArray, FloatArray, IntArray] | None:
     """``sim.compiled.walk_times`` on the schedule's neighbours and hops (numba: loaded by the first call)."""
     from pipeweave.sim.compiled import walk_times
 
@@ -128,8 +142,17 @@ def _compiled(schedule: Schedule, arrays: ScheduleArrays, stops: IntArray, durat
     prev, nxt = _neighbours(placement)
     stage_rank = np.asarray(placement.stage_rank, dtype=np.int64)
     hops = None if latency is None else (_hops(latency, prev, stage_rank), _hops(latency, nxt, stage_rank))
-    return walk_times(arrays, stops, durations, neighbours=(prev, nxt), stage_rank=stage_rank, hops=hops, gap=gap,
-                      extra=extra, num_microbatches=schedule.num_microbatches)
+    return walk_times(
+        arrays,
+        stops,
+        durations,
+        neighbours=(prev, nxt),
+        stage_rank=stage_rank,
+        hops=hops,
+        gap=gap,
+        extra=extra,
+        num_microbatches=schedule.num_microbatches,
+    )
 
 
 def _replicated(schedule: Schedule) -> bool:
@@ -165,8 +188,16 @@ class _Loop:
     than the work done in it.
     """
 
-    def __init__(self, schedule: Schedule, arrays: ScheduleArrays, stops: IntArray, durations: FloatArray,
-                 latency: Latency | None, gap: float, extra: FloatArray | None = None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        arrays: ScheduleArrays,
+        stops: IntArray,
+        durations: FloatArray,
+        latency: Latency | None,
+        gap: float,
+        extra: FloatArray | None = None,
+    ) -> None:
         n, num_ranks = arrays.size, schedule.num_ranks
         size = n + 2 * num_ranks
         self.gap = gap
@@ -210,8 +241,9 @@ class _Loop:
         made_g[_keys(stage[g], mb[g], t)] = slot(g)
         # An own-rank input must come earlier in the row: F before its B/I, I before its W (a W's
         # (stage, microbatch) has an I, never a B: ``well_formed``).
-        ordered = bool((made_f[_keys(stage[g], mb[g], t)] < slot(g)).all()
-                       and (made_g[_keys(stage[w], mb[w], t)] < slot(w)).all())
+        ordered = bool(
+            (made_f[_keys(stage[g], mb[g], t)] < slot(g)).all() and (made_g[_keys(stage[w], mb[w], t)] < slot(w)).all()
+        )
         for idx, made, neighbour in ((f, made_f, prev), (g, made_g, nxt)):
             has = neighbour >= 0
             across = has & (stage_rank[neighbour] != stage_rank)  # per stage: its input comes from another rank
@@ -352,9 +384,16 @@ def _hops(latency: Latency, neighbour: NDArray[np.int64], stage_rank: IntArray) 
     return out
 
 
-def _run_updates(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArray, gap: float,
-                 delay: Sequence[float] | None, start: FloatArray, end: FloatArray,
-                 walked: IntArray | None = None) -> bool:
+def _run_updates(
+    schedule: Schedule,
+    arrays: ScheduleArrays,
+    durations: FloatArray,
+    gap: float,
+    delay: Sequence[float] | None,
+    start: FloatArray,
+    end: FloatArray,
+    walked: IntArray | None = None,
+) -> bool:
     """Time the synchronous ``U`` at the rows' ends, as the reference does (False: leave it to it).
 
     ``U`` of a part waits for every weight gradient of the part; with
@@ -389,8 +428,15 @@ def _run_updates(schedule: Schedule, arrays: ScheduleArrays, durations: FloatArr
     return True
 
 
-def _reduce(arrays: ScheduleArrays, grads: NDArray[np.bool_], parts: IntArray, num_parts: int,
-            delay: Sequence[float], done: list[float], walked: IntArray | None) -> bool:
+def _reduce(
+    arrays: ScheduleArrays,
+    grads: NDArray[np.bool_],
+    parts: IntArray,
+    num_parts: int,
+    delay: Sequence[float],
+    done: list[float],
+    walked: IntArray | None,
+) -> bool:
     """Add each part's reduction to ``done``: launched by the weight gradient that completes the part
     (the last one walked, ``walked``; else the last in row order, which must then be on one rank),
     on its rank's stream, after the reductions that rank launched earlier in its row."""

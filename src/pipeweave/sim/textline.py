@@ -18,8 +18,16 @@ from __future__ import annotations
 from pipeweave.schedule.ir import Op, Schedule
 from pipeweave.sim.timeline import Timeline
 
-_NAMES = {Op.F: "forward", Op.B: "backward", Op.I: "input grad", Op.W: "weight grad", Op.OFFLOAD: "offload",
-          Op.RELOAD: "reload", Op.EVICT: "evict", Op.LOAD: "load"}
+_NAMES = {
+    Op.F: "forward",
+    Op.B: "backward",
+    Op.I: "input grad",
+    Op.W: "weight grad",
+    Op.OFFLOAD: "offload",
+    Op.RELOAD: "reload",
+    Op.EVICT: "evict",
+    Op.LOAD: "load",
+}
 _LETTERS = {Op.OFFLOAD: "O", Op.RELOAD: "R", Op.EVICT: "E", Op.LOAD: "L"}  # memory actions (schedule.levers)
 
 

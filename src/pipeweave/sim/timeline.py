@@ -19,11 +19,11 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
+from pipeweave.errors import UserError
 from pipeweave.schedule.dataflow import execute
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.schedule.validate import InvalidSchedule, check_actions, check_order
 from pipeweave.sim.arrays import schedule_arrays
-from pipeweave.errors import UserError
 from pipeweave.sim.cost import CostModel, PartCosts
 from pipeweave.sim.rounds import fast_times
 
@@ -77,8 +77,14 @@ class Timeline:
     times: Times | None
     _events: tuple[tuple[Event, ...], ...] | None
 
-    def __init__(self, schedule: Schedule, events: tuple[tuple[Event, ...], ...] | None = None,
-                 costs: PartCosts | None = None, *, times: Times | None = None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        events: tuple[tuple[Event, ...], ...] | None = None,
+        costs: PartCosts | None = None,
+        *,
+        times: Times | None = None,
+    ) -> None:
         if events is None and times is None:
             raise ValueError("a Timeline needs its events or its times")
         for name, value in (("schedule", schedule), ("costs", costs), ("times", times), ("_events", events)):
@@ -89,8 +95,9 @@ class Timeline:
         if self._events is None:
             assert self.times is not None
             rows = zip(self.schedule.actions, self.times.rows())
-            object.__setattr__(self, "_events", tuple(
-                tuple(map(Event, row, starts, ends)) for row, (starts, ends) in rows))
+            object.__setattr__(
+                self, "_events", tuple(tuple(map(Event, row, starts, ends)) for row, (starts, ends) in rows)
+            )
         assert self._events is not None
         return self._events
 
@@ -113,8 +120,9 @@ class Timeline:
         return _timeline, (self.schedule, self._events, self.costs, self.times)
 
 
-def _timeline(schedule: Schedule, events: tuple[tuple[Event, ...], ...] | None, costs: PartCosts | None,
-              times: Times | None) -> Timeline:
+def _timeline(
+    schedule: Schedule, events: tuple[tuple[Event, ...], ...] | None, costs: PartCosts | None, times: Times | None
+) -> Timeline:
     """``Timeline``'s constructor with its keyword, for ``Timeline.__reduce__``."""
     return Timeline(schedule, events, costs, times=times)
 
@@ -144,8 +152,9 @@ def duration_table(costs: PartCosts, part_of: Sequence[int]) -> NDArray[np.float
         [1.0, 1.5, 1.0, 0.5, 0.0]
     """
     b, w = np.asarray(costs.b, dtype=np.float64), np.asarray(costs.w, dtype=np.float64)
-    per_part = np.stack((np.asarray(costs.f, dtype=np.float64), b + w, b, w, np.asarray(costs.u, dtype=np.float64)),
-                        axis=1)
+    per_part = np.stack(
+        (np.asarray(costs.f, dtype=np.float64), b + w, b, w, np.asarray(costs.u, dtype=np.float64)), axis=1
+    )
     return per_part[np.asarray(part_of, dtype=np.intp)].reshape(len(part_of), 5)
 
 
@@ -174,10 +183,16 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, check: bool =
     return simulate_parts(schedule, costs, check=check, hop=(lambda src, dst: comm) if comm else None, fast=fast)
 
 
-def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
-                   hop: Callable[[int, int], float] | None = None,
-                   update_delay: Sequence[float] | None = None, fast: bool = True,
-                   extra: Mapping[Action, float] | None = None) -> Timeline:
+def simulate_parts(
+    schedule: Schedule,
+    costs: PartCosts,
+    *,
+    check: bool = True,
+    hop: Callable[[int, int], float] | None = None,
+    update_delay: Sequence[float] | None = None,
+    fast: bool = True,
+    extra: Mapping[Action, float] | None = None,
+) -> Timeline:
     """Time every action of ``schedule`` under costs already resolved per part (``simulate``'s core).
 
     Args:
@@ -201,10 +216,16 @@ def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
     arrays = schedule_arrays(schedule) if fast else None
     if arrays is not None and arrays.ok:
         table = duration_table(costs, part_of)
-        added = None if not extra else np.fromiter(
-            (extra.get(a, 0.0) for row in schedule.actions for a in row), dtype=np.float64, count=arrays.size)
-        found = fast_times(schedule, arrays, table, latency=hop, gap=costs.dispatch, update_delay=update_delay,
-                           extra=added)
+        added = (
+            None
+            if not extra
+            else np.fromiter(
+                (extra.get(a, 0.0) for row in schedule.actions for a in row), dtype=np.float64, count=arrays.size
+            )
+        )
+        found = fast_times(
+            schedule, arrays, table, latency=hop, gap=costs.dispatch, update_delay=update_delay, extra=added
+        )
         if found is not None:
             return Timeline(schedule, costs=costs, times=Times(found[0], found[1], arrays.offsets))
     if check:
@@ -212,8 +233,9 @@ def simulate_parts(schedule: Schedule, costs: PartCosts, *, check: bool = True,
     with _gc_paused():
         per_stage = _op_times(costs, part_of)
         duration = None if not extra else (lambda a: per_stage[a.stage][a.op] + extra.get(a, 0.0))
-        run = execute(schedule, duration, latency=hop, op_times=per_stage, gap=costs.dispatch,
-                      update_delay=update_delay)
+        run = execute(
+            schedule, duration, latency=hop, op_times=per_stage, gap=costs.dispatch, update_delay=update_delay
+        )
         if not run.complete:
             check_order(schedule)  # raises with the explanation
             raise InvalidSchedule("the schedule cannot complete", schedule)  # pragma: no cover
@@ -232,8 +254,14 @@ def _op_times(costs: PartCosts, part_of: Sequence[int]) -> list[dict[Op, float]]
     return [{op: action_time(costs, part, op) for op in Op} for part in part_of]
 
 
-def _per_microbatch(schedule: Schedule, costs: PartCosts, op_times: Sequence[dict[Op, float]], check: bool,
-                    hop: Callable[[int, int], float] | None, update_delay: Sequence[float] | None) -> Timeline:
+def _per_microbatch(
+    schedule: Schedule,
+    costs: PartCosts,
+    op_times: Sequence[dict[Op, float]],
+    check: bool,
+    hop: Callable[[int, int], float] | None,
+    update_delay: Sequence[float] | None,
+) -> Timeline:
     """``simulate_parts`` where each microbatch's F, B, I and W take their part's time x its factor.
 
     Raises:
@@ -241,8 +269,10 @@ def _per_microbatch(schedule: Schedule, costs: PartCosts, op_times: Sequence[dic
     """
     factors = costs.microbatch or ()
     if len(factors) != schedule.num_microbatches:
-        raise UserError(f"cost microbatch has {len(factors)} factors for {schedule.num_microbatches} microbatches; "
-                        "give one per microbatch")
+        raise UserError(
+            f"cost microbatch has {len(factors)} factors for {schedule.num_microbatches} microbatches; "
+            "give one per microbatch"
+        )
     if check:
         check_actions(schedule)
 
@@ -254,7 +284,9 @@ def _per_microbatch(schedule: Schedule, costs: PartCosts, op_times: Sequence[dic
     if not run.complete:
         check_order(schedule)  # raises with the explanation
         raise InvalidSchedule("the schedule cannot complete", schedule)  # pragma: no cover
-    events = tuple(tuple(map(Event, row, starts, ends)) for row, starts, ends in zip(schedule.actions, run.start, run.end))
+    events = tuple(
+        tuple(map(Event, row, starts, ends)) for row, starts, ends in zip(schedule.actions, run.start, run.end)
+    )
     return Timeline(schedule, events, costs)
 
 

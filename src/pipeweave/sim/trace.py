@@ -38,11 +38,18 @@ def chrome_trace(timeline: Timeline, *, us_per_unit: float = 1000.0) -> dict[str
     for rank, row in enumerate(timeline.events):
         for e in row:
             s, op, j = e.action
-            events.append({
-                "name": str(e.action), "cat": op.value, "ph": "X", "pid": rank, "tid": 0,
-                "ts": e.start * us_per_unit, "dur": (e.end - e.start) * us_per_unit,
-                "args": {"stage": s, "microbatch": j, "op": op.value},
-            })
+            events.append(
+                {
+                    "name": str(e.action),
+                    "cat": op.value,
+                    "ph": "X",
+                    "pid": rank,
+                    "tid": 0,
+                    "ts": e.start * us_per_unit,
+                    "dur": (e.end - e.start) * us_per_unit,
+                    "args": {"stage": s, "microbatch": j, "op": op.value},
+                }
+            )
     schedule = timeline.schedule
     return {
         "traceEvents": events,

@@ -67,12 +67,24 @@ class PartBytes:
         """
         if not self.activation:
             return 0.0
-        return tp_rank_share(self.activation[part], self.replicated_activation[part], tp,
-                             split_replicated=sequence_parallel)
+        return tp_rank_share(
+            self.activation[part], self.replicated_activation[part], tp, split_replicated=sequence_parallel
+        )
 
 
-_FIELDS = ("message", "tp_collectives", "tp_backward", "tp_message", "tp_gather", "params", "replicated", "grads",
-           "optimizer", "activation", "replicated_activation")
+_FIELDS = (
+    "message",
+    "tp_collectives",
+    "tp_backward",
+    "tp_message",
+    "tp_gather",
+    "params",
+    "replicated",
+    "grads",
+    "optimizer",
+    "activation",
+    "replicated_activation",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,14 +150,22 @@ class ModelBytes:
             return tuple(float(v) for v in value)
 
         parts = PartBytes(
-            message=resolve("message", 1.0), tp_message=resolve("tp_message", 1.0, "message"),
-            tp_forward=resolve("tp_collectives", scale), tp_backward=resolve("tp_backward", scale, "tp_collectives"),
-            tp_gather=resolve("tp_gather", scale), params=resolve("params", scale),
-            replicated=resolve("replicated", scale), grads=self.grads, optimizer=self.optimizer,
-            activation=resolve("activation", scale), replicated_activation=resolve("replicated_activation", scale))
-        for what, whole, kept, fix in (("parameter", parts.params, parts.replicated, "replicated <= params"),
-                                       ("activation", parts.activation, parts.replicated_activation,
-                                        "replicated_activation <= activation")):
+            message=resolve("message", 1.0),
+            tp_message=resolve("tp_message", 1.0, "message"),
+            tp_forward=resolve("tp_collectives", scale),
+            tp_backward=resolve("tp_backward", scale, "tp_collectives"),
+            tp_gather=resolve("tp_gather", scale),
+            params=resolve("params", scale),
+            replicated=resolve("replicated", scale),
+            grads=self.grads,
+            optimizer=self.optimizer,
+            activation=resolve("activation", scale),
+            replicated_activation=resolve("replicated_activation", scale),
+        )
+        for what, whole, kept, fix in (
+            ("parameter", parts.params, parts.replicated, "replicated <= params"),
+            ("activation", parts.activation, parts.replicated_activation, "replicated_activation <= activation"),
+        ):
             for k, (p, r) in enumerate(zip(whole, kept)):
                 if r > p:
                     raise UserError(f"part {k} has {r:g} replicated {what} bytes of {p:g}; give {fix}")

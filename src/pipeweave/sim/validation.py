@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeweave.schedule.ir import Schedule
 from pipeweave.schedule.validate import validate
-from pipeweave.sim.arrays import B, U, W, ScheduleArrays, schedule_arrays
+from pipeweave.sim.arrays import B, ScheduleArrays, U, W, schedule_arrays
 
 
 def updates_ok(schedule: Schedule, a: ScheduleArrays) -> bool:

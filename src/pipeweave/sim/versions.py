@@ -230,8 +230,10 @@ def tied_lag(schedule: Schedule) -> tuple[int, ...]:
         for a, n in seen.items():
             if a.op is Op.U and a.stage == line[-1]:
                 if n > a.microbatch:
-                    raise ScheduleError(f"{schedule.name}: {Action(line[0], Op.U, a.microbatch)} comes before {a}; "
-                                        "a tie between them would wait in a cycle")
+                    raise ScheduleError(
+                        f"{schedule.name}: {Action(line[0], Op.U, a.microbatch)} comes before {a}; "
+                        "a tie between them would wait in a cycle"
+                    )
                 lag[line[-1]] = max(lag[line[-1]], a.microbatch + 1 - n, 1)
     return tuple(lag)
 
@@ -251,9 +253,15 @@ def _updates_before(schedule: Schedule, stage: int) -> dict[Action, int]:
             while ptr[r] < len(row):
                 s, op, j = a = row[ptr[r]]
                 prev, nxt = placement.prev_stage(s), placement.next_stage(s)
-                needs = ([(prev, "F", j)] if op is Op.F and prev is not None else
-                         [(s, "F", j)] + ([(nxt, "G", j)] if nxt is not None else []) if op.computes_input_grad else
-                         [(s, "G", j)] if op is Op.W else [])
+                needs = (
+                    [(prev, "F", j)]
+                    if op is Op.F and prev is not None
+                    else [(s, "F", j)] + ([(nxt, "G", j)] if nxt is not None else [])
+                    if op.computes_input_grad
+                    else [(s, "G", j)]
+                    if op is Op.W
+                    else []
+                )
                 if any(n not in done for n in needs):
                     break
                 clock[r] = max([clock[r]] + [done[n] for n in needs] + [j + 1 if op is Op.U and s == stage else 0])

@@ -50,4 +50,3 @@ def elastic_average(replicas: Sequence[Sequence[torch.Tensor]], alpha: float) ->
             mean = torch.stack([t.detach() for t in tensors]).mean(dim=0)
             for t in tensors:
                 t.add_(mean - t, alpha=alpha)
-

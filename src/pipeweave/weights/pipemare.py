@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from pipeweave.config.policy import DEFAULT_ANNEAL_STEPS, DEFAULT_DECAY  # PipeMare's K and gamma
 
+from pipeweave.config.policy import DEFAULT_ANNEAL_STEPS, DEFAULT_DECAY  # PipeMare's K and gamma
 
 
 def rescheduled_lr(base_lr: float, delay: int, step: int, anneal_steps: int = DEFAULT_ANNEAL_STEPS) -> float:
@@ -70,8 +70,12 @@ class DiscrepancyCorrection:
         3.0
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], decay: float = DEFAULT_DECAY,
-                 velocity: Sequence[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        decay: float = DEFAULT_DECAY,
+        velocity: Sequence[torch.Tensor] | None = None,
+    ) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay={decay} is invalid; give 0 <= decay < 1")
         self.params = list(params)

@@ -87,8 +87,9 @@ class SGD:
 class AdamW:
     """AdamW (decoupled weight decay, bias-corrected), torch.optim.AdamW's update, invertible."""
 
-    def __init__(self, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01) -> None:
+    def __init__(
+        self, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01
+    ) -> None:
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.t = 0
         self.m: dict[int, torch.Tensor] = {}

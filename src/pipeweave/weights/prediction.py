@@ -52,7 +52,9 @@ def update_direction(optimizer: torch.optim.Optimizer, params: Sequence[torch.Te
 
 
 def predict_weights(
-    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], distance: int,
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    distance: int,
     out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """The weights ``distance`` steps ahead, ``p - distance x update_direction``, into ``out`` if given.
@@ -79,7 +81,9 @@ def predict_weights(
 def check_predictable(optimizer: torch.optim.Optimizer) -> None:
     """Raise UserError unless prediction has a direction to follow."""
     if isinstance(optimizer, torch.optim.SGD) and not optimizer.param_groups[0]["momentum"]:
-        raise UserError("spectrain/xpipe predict weights from the optimizer's momentum; "
-                        "give --momentum 0.9 (sgd) or --optimizer adamw")
+        raise UserError(
+            "spectrain/xpipe predict weights from the optimizer's momentum; "
+            "give --momentum 0.9 (sgd) or --optimizer adamw"
+        )
     if not isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)):
         raise UserError(f"weight prediction needs momentum SGD or Adam(W), not {type(optimizer).__name__}")

@@ -17,7 +17,10 @@ import torch
 
 
 def predict(
-    weights: Sequence[torch.Tensor], velocity: Sequence[torch.Tensor | None], lr: float, distance: int,
+    weights: Sequence[torch.Tensor],
+    velocity: Sequence[torch.Tensor | None],
+    lr: float,
+    distance: int,
     out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """w_hat = w - s lr v, elementwise, into ``out`` if given (a missing velocity, before the first step: w).

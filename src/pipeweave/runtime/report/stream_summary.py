@@ -35,8 +35,12 @@ def stream_timeline(schedule: Schedule, record: RunRecord) -> Any:
     """The whole measured stream as one ``Timeline`` of compute actions (seconds on rank 0's clock)."""
     rows = []
     for rank in record.ranks:
-        events = [Event(Action(s, Op(op), j), t0, t1) for group in rank.records for s, op, j, t0, t1 in group
-                  if op in _COMPUTE]
+        events = [
+            Event(Action(s, Op(op), j), t0, t1)
+            for group in rank.records
+            for s, op, j, t0, t1 in group
+            if op in _COMPUTE
+        ]
         rows.append(tuple(sorted(events, key=lambda e: e.start)))
     return Timeline(schedule, tuple(rows))
 
@@ -74,23 +78,33 @@ def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     alone = simulate(schedule, replace(cost, dispatch=0.0), check=False)
     m, p = bubble_metrics(measured), bubble_metrics(predicted)
     part_bytes = part_weight_bytes(record.config.model, layer_ranges(record.config, schedule))
-    out.update({
-        "bubble_ratio": steady_bubble_ratio(measured), "bubble_ratio_stream": m[3], "bubble_ratio_flush": m[4],
-        "bubble_overhead": m[5], "makespan_s": m[0],
-        "bubble_ratio_simulated": steady_bubble_ratio(predicted), "bubble_ratio_stream_simulated": p[3],
-        "bubble_ratio_simulated_no_dispatch": steady_bubble_ratio(alone),
-        "bubble_ratio_flush_simulated": p[4], "makespan_simulated_s": minibatch_period(predicted, t),
-        "step_time_s": minibatch_period(measured, t),
-        "weight_bytes": [r.weight_bytes for r in record.ranks],
-        "weight_bytes_simulated": list(weight_copies(schedule, CostModel(weight=part_bytes).for_parts(
-            num_parts=schedule.num_parts, num_ranks=schedule.num_ranks))),
-    })
+    out.update(
+        {
+            "bubble_ratio": steady_bubble_ratio(measured),
+            "bubble_ratio_stream": m[3],
+            "bubble_ratio_flush": m[4],
+            "bubble_overhead": m[5],
+            "makespan_s": m[0],
+            "bubble_ratio_simulated": steady_bubble_ratio(predicted),
+            "bubble_ratio_stream_simulated": p[3],
+            "bubble_ratio_simulated_no_dispatch": steady_bubble_ratio(alone),
+            "bubble_ratio_flush_simulated": p[4],
+            "makespan_simulated_s": minibatch_period(predicted, t),
+            "step_time_s": minibatch_period(measured, t),
+            "weight_bytes": [r.weight_bytes for r in record.ranks],
+            "weight_bytes_simulated": list(
+                weight_copies(
+                    schedule,
+                    CostModel(weight=part_bytes).for_parts(num_parts=schedule.num_parts, num_ranks=schedule.num_ranks),
+                )
+            ),
+        }
+    )
     out.update(staleness_figures(schedule, record.config.model, layer_ranges(record.config, schedule)))
     out["samples_per_s"] = record.config.data.batch_size / out["step_time_s"]
     if out.get("tokens_per_s"):
         out["tokens_per_s"] = out["samples_per_s"] * record.config.model.seq_len
     return out
-
 
 
 def staleness_figures(schedule: Schedule, spec: ModelSpec, parts: Sequence[range]) -> dict[str, list[int]]:

@@ -17,13 +17,12 @@ from typing import Any
 from pipeweave.data import longest_sequence
 from pipeweave.data.corpus import microbatch_lengths
 from pipeweave.runtime.run.prepare import segments
-from pipeweave.runtime.run.sizes import microbatch_sizes, step_tokens
 from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.sizes import microbatch_sizes, step_tokens
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.sim import CostModel, Event, Timeline, simulate
-from pipeweave.sim.timeline import simulate_parts
 from pipeweave.sim.bubble import bubble_metrics
-
+from pipeweave.sim.timeline import simulate_parts
 
 _COMPUTE = {op.value for op in Op if op.is_compute}  # records hold op strings
 _RECV = {op.value for op in Op if op.is_recv}
@@ -43,8 +42,10 @@ def step_timeline(schedule: Schedule, record: RunRecord, step: int) -> Timeline:
 def rebased(timeline: Timeline, scale: float = 1e3) -> Timeline:
     """The same timeline starting at 0, times multiplied by ``scale`` (default: seconds to ms)."""
     origin = min((row[0].start for row in timeline.events if row), default=0.0)
-    events = tuple(tuple(Event(e.action, (e.start - origin) * scale, (e.end - origin) * scale) for e in row)
-                   for row in timeline.events)
+    events = tuple(
+        tuple(Event(e.action, (e.start - origin) * scale, (e.end - origin) * scale) for e in row)
+        for row in timeline.events
+    )
     return Timeline(timeline.schedule, events, timeline.costs)
 
 
@@ -110,8 +111,14 @@ def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = No
         b.append(i_time if i_time is not None else (mean(part, "B") or 0.0))
         w.append(mean(part, "W") or 0.0 if i_time is not None else 0.0)
         u.append(mean(part, "U") or 0.0)
-    return CostModel(f=f, b=b, w=w, u=u, comm=comm if comm is not None else hop_latency(schedule, record),
-                     dispatch=dispatch_time(record))
+    return CostModel(
+        f=f,
+        b=b,
+        w=w,
+        u=u,
+        comm=comm if comm is not None else hop_latency(schedule, record),
+        dispatch=dispatch_time(record),
+    )
 
 
 def dispatch_time(record: RunRecord) -> float:
@@ -128,8 +135,11 @@ def dispatch_time(record: RunRecord) -> float:
     # so each stream's records are put back in time order first (between two streams
     # of a run a rank waits for the others to drain: not dispatch).
     if record.config.is_stream:
-        stretches = [sorted((a for m in range(first, first + steps) for a in rank.records[m]), key=lambda a: a[3])
-                     for rank in record.ranks for first, steps in segments(record.config)]
+        stretches = [
+            sorted((a for m in range(first, first + steps) for a in rank.records[m]), key=lambda a: a[3])
+            for rank in record.ranks
+            for first, steps in segments(record.config)
+        ]
     else:
         stretches = [rank.records[k] for rank in record.ranks for k in measured_steps(record.config.training.steps)]
     gaps: list[float] = []
@@ -214,8 +224,11 @@ def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     """
     cost = profile_costs(schedule, record)
     factors = microbatch_factors(schedule, record)
-    costs = [cost] if factors is None else [replace(cost, microbatch=factors[k])
-                                            for k in measured_steps(record.config.training.steps)]
+    costs = (
+        [cost]
+        if factors is None
+        else [replace(cost, microbatch=factors[k]) for k in measured_steps(record.config.training.steps)]
+    )
     copies = copy_times(schedule, record)
     extra = copy_extra(schedule, copies)
     sims = [bubble_metrics(_simulated(schedule, c, extra)) for c in costs]
@@ -249,11 +262,19 @@ def measured_summary(schedule: Schedule, record: RunRecord, cost: CostModel) -> 
         "bubble_ratio": statistics.median(m[3] for m in per_step),
         "bubble_ratio_flush": statistics.median(m[4] for m in per_step),
         "bubble_overhead": statistics.median(m[5] for m in per_step),
-        "profiled_costs_s": {"f": list(_values(cost.f)), "b": list(_values(cost.b)), "w": list(_values(cost.w)),
-                             "u": list(_values(cost.u)), "comm": cost.comm, "dispatch": cost.dispatch},
+        "profiled_costs_s": {
+            "f": list(_values(cost.f)),
+            "b": list(_values(cost.b)),
+            "w": list(_values(cost.w)),
+            "u": list(_values(cost.u)),
+            "comm": cost.comm,
+            "dispatch": cost.dispatch,
+        },
         "peak_activation_bytes": [r.peak_activation_bytes for r in record.ranks],
         "peak_tensor_bytes": [r.peak_tensor_bytes for r in record.ranks],
-        "peak_tensor_bytes_source": "cuda max_memory_allocated" if record.transport == "nccl" else "cpu tracked tensors",
+        "peak_tensor_bytes_source": "cuda max_memory_allocated"
+        if record.transport == "nccl"
+        else "cpu tracked tensors",
         "weight_bytes": [r.weight_bytes for r in record.ranks],
     }
 
@@ -261,7 +282,9 @@ def measured_summary(schedule: Schedule, record: RunRecord, cost: CostModel) -> 
 def _mean_length(schedule: Schedule, record: RunRecord) -> float:
     """The gpt's tokens per sample over the run: ``seq_len``, or the mean of variable lengths (per sample)."""
     config = record.config
-    tokens = [step_tokens(config, schedule.num_microbatches, record.first_step + k) or 0 for k in range(config.training.steps)]
+    tokens = [
+        step_tokens(config, schedule.num_microbatches, record.first_step + k) or 0 for k in range(config.training.steps)
+    ]
     return sum(tokens) / (config.data.batch_size * config.training.steps)
 
 
@@ -277,9 +300,16 @@ def chrome_trace(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
         events.append({"name": "process_name", "ph": "M", "pid": rank.rank, "args": {"name": f"rank {rank.rank}"}})
         for k, step in enumerate(record.ranks[rank.rank].records):
             for s, op, j, t0, t1 in step:
-                events.append({
-                    "name": f"{s}{op}{j}", "cat": "compute" if op in _COMPUTE else "comm", "ph": "X",
-                    "pid": rank.rank, "tid": 0 if op in _COMPUTE else 1,
-                    "ts": (t0 - origin) * 1e6, "dur": (t1 - t0) * 1e6, "args": {"step": k},
-                })
+                events.append(
+                    {
+                        "name": f"{s}{op}{j}",
+                        "cat": "compute" if op in _COMPUTE else "comm",
+                        "ph": "X",
+                        "pid": rank.rank,
+                        "tid": 0 if op in _COMPUTE else 1,
+                        "ts": (t0 - origin) * 1e6,
+                        "dur": (t1 - t0) * 1e6,
+                        "args": {"step": k},
+                    }
+                )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": schedule.name}}

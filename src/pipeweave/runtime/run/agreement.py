@@ -22,7 +22,6 @@ wait on messages that never come. So:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -112,4 +111,5 @@ def check_split(plan: RunPlan) -> None:
         raise RanksDisagree(
             f"ranks chose different splits of the model (rank {other}: {splits[other]}; rank 0: {splits[0]}): "
             "they measured its costs apart (torchrun, nothing cached); give every rank rank 0's cuts by name "
-            "(split_points=[module names]) or layer counts (--layers-per-stage)")
+            "(split_points=[module names]) or layer counts (--layers-per-stage)"
+        )

@@ -72,22 +72,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeweave.config import TrainConfig
 from pipeweave.durable import reason
 from pipeweave.errors import Diverged, UserError
 from pipeweave.runtime.nonfinite import nonfinite_parts
 from pipeweave.runtime.run import checkpoint_files, checkpoint_state
 from pipeweave.runtime.run.checkpoint_files import SaveFailed
 from pipeweave.runtime.run.checkpoint_parts import read_parts
-from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.run.checkpoint_storage import read, write
-from pipeweave.config import TrainConfig
 from pipeweave.runtime.stage.policy import StreamCarry
+from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Placement
 
-
-_MODEL_FIELDS = ("kind", "entry", "layers", "hidden", "vocab", "heads", "seq_len", "tie_embeddings",
-                 "hf_config")  # not the seed
+_MODEL_FIELDS = (
+    "kind",
+    "entry",
+    "layers",
+    "hidden",
+    "vocab",
+    "heads",
+    "seq_len",
+    "tie_embeddings",
+    "hf_config",
+)  # not the seed
 
 
 def check(config: TrainConfig, meta: dict[str, Any]) -> None:
@@ -101,11 +109,15 @@ def check(config: TrainConfig, meta: dict[str, Any]) -> None:
     there = {k: meta["model"].get(k) for k in _MODEL_FIELDS}
     if here != there:
         differ = ", ".join(f"{k}={there[k]!r} (this run {here[k]!r})" for k in _MODEL_FIELDS if here[k] != there[k])
-        raise UserError(f"--resume {config.checkpoint.resume} holds another model: {differ}; give the model options it was "
-                        "saved with")
+        raise UserError(
+            f"--resume {config.checkpoint.resume} holds another model: {differ}; give the model options it was "
+            "saved with"
+        )
     if meta["optimizer"] != config.training.optimizer:
-        raise UserError(f"--resume {config.checkpoint.resume} holds {meta['optimizer']} state and this run uses "
-                        f"--optimizer {config.training.optimizer}; give --optimizer {meta['optimizer']}")
+        raise UserError(
+            f"--resume {config.checkpoint.resume} holds {meta['optimizer']} state and this run uses "
+            f"--optimizer {config.training.optimizer}; give --optimizer {meta['optimizer']}"
+        )
 
 
 def updates(meta: dict[str, Any]) -> int:
@@ -114,8 +126,16 @@ def updates(meta: dict[str, Any]) -> int:
 
 
 # ---- save ------------------------------------------------------------------------
-def save(config: TrainConfig, parts: Sequence[range], placement: Placement, workers: dict[int, StageWorker],
-         steps: int, *, carry: StreamCarry | None = None, run: str = "") -> str | None:
+def save(
+    config: TrainConfig,
+    parts: Sequence[range],
+    placement: Placement,
+    workers: dict[int, StageWorker],
+    steps: int,
+    *,
+    carry: StreamCarry | None = None,
+    run: str = "",
+) -> str | None:
     """Write the checkpoint of ``steps`` trained steps to ``config.checkpoint.save``; every process calls it (it synchronises).
 
     ``parts``: the layers of each part; ``workers``: this process's stages; ``carry``: an asynchronous run's
@@ -132,8 +152,15 @@ def save(config: TrainConfig, parts: Sequence[range], placement: Placement, work
         return _save(config, parts, placement, workers, steps, carry, run)
 
 
-def _save(config: TrainConfig, parts: Sequence[range], placement: Placement, workers: dict[int, StageWorker],
-          steps: int, carry: StreamCarry | None, run: str) -> str | None:
+def _save(
+    config: TrainConfig,
+    parts: Sequence[range],
+    placement: Placement,
+    workers: dict[int, StageWorker],
+    steps: int,
+    carry: StreamCarry | None,
+    run: str,
+) -> str | None:
     assert config.checkpoint.save is not None
     check_finite(config.checkpoint.save, parts, placement, workers, f"step {steps} of the training")
     root = Path(config.checkpoint.save)
@@ -151,8 +178,11 @@ def _save(config: TrainConfig, parts: Sequence[range], placement: Placement, wor
         if failure is None:
             manifest = _manifest(config, parts, steps, carry, run)
             manifest["files"] = sorted((entry for w, _, _ in every for entry in w), key=lambda e: e["name"])
-            failure = _attempt(lambda: checkpoint_files.commit(folder, manifest, config.checkpoint.keep_checkpoints,
-                                                               config.checkpoint.overwrite))
+            failure = _attempt(
+                lambda: checkpoint_files.commit(
+                    folder, manifest, config.checkpoint.keep_checkpoints, config.checkpoint.overwrite
+                )
+            )
         if failure is not None:
             failure += checkpoint_files.abandon(folder)
     said: str | None = _from_rank0(failure)  # the checkpoint is current (or abandoned) before any rank goes on
@@ -163,19 +193,29 @@ def _describe(folder: Path, process: int) -> tuple[list[dict[str, Any]], str | N
     """This process's share of the manifest's file list: every world-th file of ``folder``, hashed (or why not)."""
     names = sorted(p.name for p in folder.iterdir() if p.is_file())
     try:
-        return [checkpoint_files.describe(folder / name) for name in names[process::dist.get_world_size()]], None
+        return [checkpoint_files.describe(folder / name) for name in names[process :: dist.get_world_size()]], None
     except OSError as exc:
         return [], f"cannot read {exc.filename or folder}: {reason(exc)}"
 
 
-def _manifest(config: TrainConfig, parts: Sequence[range], steps: int, carry: StreamCarry | None,
-              run: str) -> dict[str, Any]:
-    return {"run": run, "steps": steps, "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": asdict(config.model), "optimizer": config.training.optimizer, "lr": config.training.lr,
-            "momentum": config.training.momentum, "schedule": config.schedule.name, "data_parallel": config.parallel.data_parallel,
-            "updates": steps if carry is None else carry.updates,
-            **({} if carry is None or not carry.velocity else {"annealed": carry.annealed}),
-            "parts": [[r.start, r.stop] for r in parts], "writer": f"torch.distributed.checkpoint {torch.__version__}"}
+def _manifest(
+    config: TrainConfig, parts: Sequence[range], steps: int, carry: StreamCarry | None, run: str
+) -> dict[str, Any]:
+    return {
+        "run": run,
+        "steps": steps,
+        "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": asdict(config.model),
+        "optimizer": config.training.optimizer,
+        "lr": config.training.lr,
+        "momentum": config.training.momentum,
+        "schedule": config.schedule.name,
+        "data_parallel": config.parallel.data_parallel,
+        "updates": steps if carry is None else carry.updates,
+        **({} if carry is None or not carry.velocity else {"annealed": carry.annealed}),
+        "parts": [[r.start, r.stop] for r in parts],
+        "writer": f"torch.distributed.checkpoint {torch.__version__}",
+    }
 
 
 def _attempt(step: Callable[[], Any]) -> str | None:
@@ -193,8 +233,9 @@ def _from_rank0(value: Any) -> Any:
     return box[0]
 
 
-def check_finite(folder: str | None, parts: Sequence[range], placement: Placement, workers: dict[int, StageWorker],
-                 after: str) -> None:
+def check_finite(
+    folder: str | None, parts: Sequence[range], placement: Placement, workers: dict[int, StageWorker], after: str
+) -> None:
     """Raise ``Diverged`` on every rank if a part's parameters are not finite (every rank calls it).
 
     ``folder``: the run's checkpoint folder, if any (what it holds is said); ``after``: when, for the message.
@@ -203,8 +244,10 @@ def check_finite(folder: str | None, parts: Sequence[range], placement: Placemen
     if bad:
         named = ", ".join(f"part {p} (layers {parts[p].start}-{parts[p].stop - 1})" for p in bad[:3])
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        raise Diverged(f"the weights of {named}{more} are not finite after {after}; {refused(folder)}; "
-                       "lower --lr or use --clip-grad-norm")
+        raise Diverged(
+            f"the weights of {named}{more} are not finite after {after}; {refused(folder)}; "
+            "lower --lr or use --clip-grad-norm"
+        )
 
 
 def refused(folder: str | None) -> str:

@@ -128,8 +128,10 @@ def find(where: str) -> Checkpoint:
     if (folder / MANIFEST).is_file():
         manifest = _read_manifest(folder / MANIFEST)
         if manifest is None:
-            raise UserError(f"--resume {where}: its {MANIFEST} is unreadable or not a {FORMAT} (or /2) manifest; "
-                            f"{_instead(folder.parent, None)}")
+            raise UserError(
+                f"--resume {where}: its {MANIFEST} is unreadable or not a {FORMAT} (or /2) manifest; "
+                f"{_instead(folder.parent, None)}"
+            )
         return Checkpoint(folder, manifest)
     found = newest(folder)
     damaged = [d for d in _damaged(folder) if found is None or _step_of(d) > found.steps]
@@ -173,8 +175,10 @@ def check_save(save: str, run: str, resumed: Checkpoint | None, overwrite: bool)
     if resumed is not None and resumed.folder.resolve() == there.folder.resolve():
         return
     name = LEGACY_META if there.legacy else there.folder.name
-    raise UserError(f"--save {save} holds a checkpoint of another run ({name}, {there.steps} steps); resume it "
-                    f"with --resume {save}, or pass --overwrite to replace it")
+    raise UserError(
+        f"--save {save} holds a checkpoint of another run ({name}, {there.steps} steps); resume it "
+        f"with --resume {save}, or pass --overwrite to replace it"
+    )
 
 
 def _read_manifest(path: Path) -> dict[str, Any] | None:

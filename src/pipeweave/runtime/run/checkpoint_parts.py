@@ -47,8 +47,13 @@ def _flat(saved: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
     flat = {f"{prefix}{PARAMETERS}{name}": v for name, v in saved["parameters"].items()}
     flat.update({f"{prefix}{BUFFERS}{name}": v for name, v in saved.get("buffers", {}).items()})
     for name, state in saved["optimizer"].items():
-        flat.update({f"{prefix}{OPTIMIZER}{name}/{field}": v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                     for field, v in state.items() if v is not None})
+        flat.update(
+            {
+                f"{prefix}{OPTIMIZER}{name}/{field}": v if isinstance(v, torch.Tensor) else torch.tensor(v)
+                for field, v in state.items()
+                if v is not None
+            }
+        )
     return flat
 
 
@@ -59,6 +64,8 @@ def _read_part(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise UserError(f"cannot read the checkpoint part {path} ({reason(exc)}); resume another checkpoint") from None
     except Exception as exc:  # noqa: BLE001 - truncated (EOFError), not a zip, or not tensors only
-        raise UserError(f"the checkpoint part {path} is damaged or not pipeweave's ({type(exc).__name__}); resume "
-                        "another checkpoint") from None
+        raise UserError(
+            f"the checkpoint part {path} is damaged or not pipeweave's ({type(exc).__name__}); resume "
+            "another checkpoint"
+        ) from None
     return state

@@ -99,8 +99,12 @@ def rank_state(placement: Placement, workers: dict[int, StageWorker], carry: Str
         prefix = f"{REPLICAS}{replica}/" if replica else ""
         state.update(stage_state(worker, prefix, buffers=bool(replica) or placement.replicas(stage)[0] == stage))
         if carry is not None and stage in carry.velocity:
-            state.update({f"{prefix}{VELOCITY}{name}": _saved(worker, name, v)
-                          for name, v in zip(worker.named_parameters(), carry.velocity[stage])})
+            state.update(
+                {
+                    f"{prefix}{VELOCITY}{name}": _saved(worker, name, v)
+                    for name, v in zip(worker.named_parameters(), carry.velocity[stage])
+                }
+            )
     return state
 
 
@@ -138,26 +142,36 @@ def optimizer_state(worker: StageWorker) -> dict[str, dict[str, torch.Tensor]]:
             if isinstance(inner, SGD):
                 out[names[id(p)]] = {"momentum_buffer": inner.buf.get(i)}
             elif i in inner.m:
-                out[names[id(p)]] = {"step": torch.tensor(float(inner.t)), "exp_avg": inner.m[i],
-                                     "exp_avg_sq": inner.v[i]}
+                out[names[id(p)]] = {
+                    "step": torch.tensor(float(inner.t)),
+                    "exp_avg": inner.m[i],
+                    "exp_avg_sq": inner.v[i],
+                }
     else:
         out = {names[id(p)]: dict(state) for p, state in optimizer.state.items()}
-    tensors = {name: {k: v.detach() if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in state.items()
-                      if v is not None} for name, state in out.items()}
+    tensors = {
+        name: {
+            k: v.detach() if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in state.items() if v is not None
+        }
+        for name, state in out.items()
+    }
     return {name: state for name, state in tensors.items() if state}
 
 
 def persistent_buffers(worker: StageWorker) -> dict[str, torch.Tensor]:
     """The worker's persistent buffers by global name: what ``state_dict()`` holds besides the parameters."""
-    return {f"{prefix}{'.' if prefix else ''}{name}": b
-            for prefix, module in worker.module.named_modules()
-            for name, b in module.named_buffers(recurse=False)
-            if name not in module._non_persistent_buffers_set}
+    return {
+        f"{prefix}{'.' if prefix else ''}{name}": b
+        for prefix, module in worker.module.named_modules()
+        for name, b in module.named_buffers(recurse=False)
+        if name not in module._non_persistent_buffers_set
+    }
 
 
 # ---- load ------------------------------------------------------------------------
-def destinations(saved: Mapping[str, tuple[torch.Size, torch.dtype]], workers: dict[int, StageWorker],
-                 resume: str) -> dict[str, torch.Tensor]:
+def destinations(
+    saved: Mapping[str, tuple[torch.Size, torch.dtype]], workers: dict[int, StageWorker], resume: str
+) -> dict[str, torch.Tensor]:
     """What this rank reads of a checkpoint holding ``saved`` (key -> global size and dtype): a fresh tensor for
     every key of its stages' layers, shaped as the stage's own (``_saved`` of it), to load into.
 
@@ -170,8 +184,10 @@ def destinations(saved: Mapping[str, tuple[torch.Size, torch.dtype]], workers: d
         own = stage_state(worker, prefix)
         for key, template in own.items():
             if key in saved and saved[key][0] != template.shape:
-                raise UserError(f"--resume {resume} holds {key} of shape {list(saved[key][0])} and this model's is "
-                                f"{list(template.shape)}; resume with the model it was saved with")
+                raise UserError(
+                    f"--resume {resume} holds {key} of shape {list(saved[key][0])} and this model's is "
+                    f"{list(template.shape)}; resume with the model it was saved with"
+                )
             if key in saved:
                 wanted.setdefault(key, torch.empty_like(template))
         like = {name: own[f"{prefix}{PARAMETERS}{name}"] for name in worker.named_parameters()}
@@ -179,22 +195,26 @@ def destinations(saved: Mapping[str, tuple[torch.Size, torch.dtype]], workers: d
             name = _parameter_of(key, prefix)
             if name in like and key not in wanted:
                 template = like[name]
-                wanted[key] = (torch.empty_like(template) if size == template.shape and dtype == template.dtype
-                               else torch.empty(size, dtype=dtype))
+                wanted[key] = (
+                    torch.empty_like(template)
+                    if size == template.shape and dtype == template.dtype
+                    else torch.empty(size, dtype=dtype)
+                )
     return wanted
 
 
 def _parameter_of(key: str, prefix: str) -> str | None:
     """The parameter an optimizer state or velocity key under ``prefix`` belongs to (None: another kind of key)."""
     if key.startswith(f"{prefix}{OPTIMIZER}"):
-        return key[len(prefix) + len(OPTIMIZER):].rpartition("/")[0]
+        return key[len(prefix) + len(OPTIMIZER) :].rpartition("/")[0]
     if key.startswith(f"{prefix}{VELOCITY}"):
-        return key[len(prefix) + len(VELOCITY):]
+        return key[len(prefix) + len(VELOCITY) :]
     return None
 
 
-def apply(values: Mapping[str, torch.Tensor], workers: dict[int, StageWorker], steps: int,
-          resume: str) -> dict[int, list[torch.Tensor]]:
+def apply(
+    values: Mapping[str, torch.Tensor], workers: dict[int, StageWorker], steps: int, resume: str
+) -> dict[int, list[torch.Tensor]]:
     """Set every local stage's parameters, buffers and optimizer state from ``values`` (keys as saved; ``steps``:
     the checkpoint's). Returns each stage's PipeMare velocity, where the checkpoint has one.
 
@@ -209,8 +229,10 @@ def apply(values: Mapping[str, torch.Tensor], workers: dict[int, StageWorker], s
         wanted = [f"{prefix}{PARAMETERS}{n}" for n in mine] + [f"{prefix}{BUFFERS}{n}" for n in my_buffers]
         missing = [key.removeprefix(prefix).partition("/")[2] for key in wanted if key not in values]
         if missing:
-            raise UserError(f"--resume {resume} has no values for {', '.join(missing[:3])}"
-                            f"{' ...' if len(missing) > 3 else ''}; save the checkpoint again")
+            raise UserError(
+                f"--resume {resume} has no values for {', '.join(missing[:3])}"
+                f"{' ...' if len(missing) > 3 else ''}; save the checkpoint again"
+            )
         with torch.no_grad():
             for name, p in mine.items():
                 p.copy_(_local(worker, name, values[f"{prefix}{PARAMETERS}{name}"]))
@@ -224,8 +246,9 @@ def apply(values: Mapping[str, torch.Tensor], workers: dict[int, StageWorker], s
         load_optimizer_state(worker, states, steps)
         velocity = [values.get(f"{prefix}{VELOCITY}{name}") for name in mine]
         if all(v is not None for v in velocity):
-            velocities[stage] = [_local(worker, n, v).to(p.device) for v, (n, p) in zip(velocity, mine.items())
-                                 if v is not None]
+            velocities[stage] = [
+                _local(worker, n, v).to(p.device) for v, (n, p) in zip(velocity, mine.items()) if v is not None
+            ]
     return velocities
 
 

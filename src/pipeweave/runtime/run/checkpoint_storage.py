@@ -83,8 +83,11 @@ def read(folder: Path, wanted: Callable[[Shapes], dict[str, torch.Tensor]]) -> d
 
     reader = FileSystemReader(folder)
     try:
-        saved = {key: (m.size, m.properties.dtype) for key, m in reader.read_metadata().state_dict_metadata.items()
-                 if isinstance(m, TensorStorageMetadata)}
+        saved = {
+            key: (m.size, m.properties.dtype)
+            for key, m in reader.read_metadata().state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)
+        }
         values = wanted(saved)
         with warnings.catch_warnings():  # one process (a tool, a test) has no group: DCP says so, loudly
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
@@ -94,8 +97,9 @@ def read(folder: Path, wanted: Callable[[Shapes], dict[str, torch.Tensor]]) -> d
     except OSError as exc:
         raise UserError(f"cannot read the checkpoint {folder} ({reason(exc)}); resume another checkpoint") from None
     except (CheckpointException, Exception) as exc:  # noqa: BLE001 - damaged after its manifest was checked
-        raise UserError(f"the checkpoint {folder} is damaged or not pipeweave's ({type(exc).__name__}); resume "
-                        "another checkpoint") from None
+        raise UserError(
+            f"the checkpoint {folder} is damaged or not pipeweave's ({type(exc).__name__}); resume another checkpoint"
+        ) from None
     return values
 
 

@@ -74,13 +74,21 @@ class Divergence:
 
     def at_end(self, placement: Placement) -> None:
         """The run's steps are done: refuse to end with non-finite weights (every rank calls it)."""
-        checkpoint.check_finite(self.plan.config.checkpoint.save, self.plan.parts, placement, self.workers,
-                                where(self.plan, self.plan.config.training.steps - 1))
+        checkpoint.check_finite(
+            self.plan.config.checkpoint.save,
+            self.plan.parts,
+            placement,
+            self.workers,
+            where(self.plan, self.plan.config.training.steps - 1),
+        )
 
     def _stop(self, what: str, step: int) -> None:
         config = self.plan.config
-        fix = "lower --lr or use --clip-grad-norm" if config.training.post_validation is None else \
-            "lower --lr or --clip-grad-norm, or give --on-nonfinite skip"
+        fix = (
+            "lower --lr or use --clip-grad-norm"
+            if config.training.post_validation is None
+            else "lower --lr or --clip-grad-norm, or give --on-nonfinite skip"
+        )
         raise Diverged(f"{what} at {where(self.plan, step)}; {checkpoint.refused(config.checkpoint.save)}; {fix}")
 
 

@@ -26,8 +26,9 @@ def context() -> Any:
     ctx = mp.get_context("forkserver")
     # torch.optim imports torch._dynamo on first use: seconds per rank unless preloaded; so does a checkpoint
     # torch.distributed.checkpoint (0.7 s: it imports DTensor), which the launcher itself never needs.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint",
-                                "pipeweave.runtime.run.job"])
+    ctx.set_forkserver_preload(
+        ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "pipeweave.runtime.run.job"]
+    )
     return ctx
 
 

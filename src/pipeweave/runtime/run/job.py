@@ -21,14 +21,15 @@ import contextlib
 import time
 from typing import Any
 
+from pipeweave.config import TrainConfig
 from pipeweave.data import data_source
-from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.context import RankContext
+from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.agreement import agreed_plan
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
-from pipeweave.config import TrainConfig
+from pipeweave.runtime.run.part_memory import part_memory
 from pipeweave.runtime.run.prepare import RunPlan, learning_rates, offloaded
 from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
 from pipeweave.runtime.run.step_log import StepLog
@@ -37,14 +38,13 @@ from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.stage.lr_schedule import set_lr
 from pipeweave.runtime.stage.tensor_bytes import peak_tensor_bytes
 from pipeweave.runtime.transport.clock import align_clocks
+from pipeweave.runtime.transport.partner import PartnerLink, pair_groups
 from pipeweave.schedule import lower
 from pipeweave.schedule.ir import Op
+from pipeweave.schedule.levers import Stash, StashPlan, lower_stash, partner, plan_stash
+from pipeweave.schedule.lower import LoweredSchedule
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.levers import balanced_shares
-from pipeweave.schedule.lower import LoweredSchedule
-from pipeweave.schedule.levers import Stash, StashPlan, lower_stash, partner, plan_stash
-from pipeweave.runtime.run.part_memory import part_memory
-from pipeweave.runtime.transport.partner import PartnerLink, pair_groups
 
 
 def lowered(plan: RunPlan) -> tuple[LoweredSchedule, Stash | None]:
@@ -59,8 +59,9 @@ def lowered(plan: RunPlan) -> tuple[LoweredSchedule, Stash | None]:
         parts = part_memory(config, plan.parts, ("I",) if any(a.op is Op.I for a in plan.schedule.actions[0]) else ())
         held = [float(p.held) for p in parts]
         mem_w = min(1.0, max(p.stash / p.held if p.held else 0.0 for p in parts))
-        costs = CostModel(activation=held, mem_w=mem_w).for_parts(num_parts=plan.schedule.num_parts,
-                                                                  num_ranks=plan.schedule.num_ranks)
+        costs = CostModel(activation=held, mem_w=mem_w).for_parts(
+            num_parts=plan.schedule.num_parts, num_ranks=plan.schedule.num_ranks
+        )
         shares = balanced_shares(plan.schedule, costs, levers)
     stash = plan_stash(plan.schedule, levers, held, mem_w, shares)
     return lower_stash(low, stash), stash
@@ -74,8 +75,12 @@ def partner_link(stash: Stash | None, rank: int, workers: dict[int, Any]) -> Par
     other = partner(rank, num_ranks)
     if other is None or not (stash.share[rank] > 0 or stash.share[other] > 0):
         return None  # alone, or a pair already balanced: nothing to lend
-    link = PartnerLink(other, groups[rank], owner=stash.share[rank] > 0,
-                       held_now=lambda: sum(w.activation_bytes() for w in workers.values()))
+    link = PartnerLink(
+        other,
+        groups[rank],
+        owner=stash.share[rank] > 0,
+        held_now=lambda: sum(w.activation_bytes() for w in workers.values()),
+    )
     link.share = stash.share[rank]
     return link
 
@@ -90,16 +95,27 @@ def _end_levers(link: PartnerLink | None, executor: Executor) -> int:
     return max(executor.peak_activation_bytes, link.peak if link is not None else 0)
 
 
-def executor_of(plan: RunPlan, context: RankContext, workers: dict[int, Any], low: LoweredSchedule,
-              stash: Stash | None) -> tuple[Executor, PartnerLink | None]:
+def executor_of(
+    plan: RunPlan, context: RankContext, workers: dict[int, Any], low: LoweredSchedule, stash: Stash | None
+) -> tuple[Executor, PartnerLink | None]:
     """The rank's executor of ``low`` with the run's options, the checkpoint resumed into its workers, and its
     side of BPipe's pair (None without ``--balance-activations``)."""
     config, rank = plan.config, context.stage_rank
     link = partner_link(stash, rank, workers) if config.memory.balance_activations else None
-    executor = Executor(low, rank, workers, plan.microbatch_sizes, context.device, context=context,
-                        on_nonfinite=config.training.on_nonfinite, bucket_bytes=int(config.parallel.bucket_mb * 2**20),
-                        zero=config.parallel.zero, clip_norm=_clip_norm(config), partner=link,
-                        variable_shapes=config.variable_shapes)
+    executor = Executor(
+        low,
+        rank,
+        workers,
+        plan.microbatch_sizes,
+        context.device,
+        context=context,
+        on_nonfinite=config.training.on_nonfinite,
+        bucket_bytes=int(config.parallel.bucket_mb * 2**20),
+        zero=config.parallel.zero,
+        clip_norm=_clip_norm(config),
+        partner=link,
+        variable_shapes=config.variable_shapes,
+    )
     if config.checkpoint.resume is not None:  # the workers were built sharded (ZeRO): the optimizers it loads into
         assert plan.resumed is not None
         checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
@@ -123,8 +139,13 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     workers = build_workers(plan, rank, device, context=context, row=low.actions[rank])
     done = plan.steps_done  # the data goes on from the batch after the checkpoint's last (the workers' steps_done)
     executor, link = executor_of(plan, context, workers, low, stash)
-    source = data_source(config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path,
-                         min_seq_len=config.data.min_seq_len)
+    source = data_source(
+        config.model,
+        batch_size=config.data.batch_size,
+        seed=config.data.data_seed,
+        path=config.data.path,
+        min_seq_len=config.data.min_seq_len,
+    )
     offset = align_clocks(process, world)
     t = plan.schedule.num_microbatches
     mine = RankRecord(rank, [], [], 0, 0, {})
@@ -168,4 +189,8 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
 
 def _clip_norm(config: TrainConfig) -> float | None:
     """The norm ``runtime.clip`` clips to (None where post-validation clips, or nothing does)."""
-    return config.training.post_validation.max_norm if config.clips_by_collective and config.training.post_validation else None
+    return (
+        config.training.post_validation.max_norm
+        if config.clips_by_collective and config.training.post_validation
+        else None
+    )

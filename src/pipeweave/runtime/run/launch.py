@@ -41,8 +41,14 @@ import torch.distributed as dist
 
 from pipeweave.errors import Diverged, RanksDisagree, StuckError
 from pipeweave.runtime.context import RankContext
-from pipeweave.runtime.process import (device_for, die_with_parent, die_with_process, keep_freed_host_memory,
-                                       start_time, under_torchrun)
+from pipeweave.runtime.process import (
+    device_for,
+    die_with_parent,
+    die_with_process,
+    keep_freed_host_memory,
+    start_time,
+    under_torchrun,
+)
 from pipeweave.runtime.run import forkserver
 from pipeweave.runtime.transport import shm
 
@@ -54,8 +60,11 @@ _GRACE_S = 2.0  # how long terminated ranks get before SIGKILL
 _SETTLE_S = 0.3  # after a first failure, how long to wait for a likelier root cause
 # What the launcher says when a signal ends the run; SIGTERM and SIGHUP (an ssh
 # terminal closed) stop every rank as Ctrl-C does. Exit code: 128 + the number.
-_STOPS = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "terminated (SIGTERM)",
-          signal.SIGHUP: "hung up (SIGHUP)"}
+_STOPS = {
+    signal.SIGINT: "interrupted (Ctrl-C)",
+    signal.SIGTERM: "terminated (SIGTERM)",
+    signal.SIGHUP: "hung up (SIGHUP)",
+}
 
 
 class _Stop(BaseException):
@@ -129,8 +138,11 @@ def _join_torchrun(
     rank = int(os.environ["RANK"])
     sink = (lambda value: on_progress(0, value)) if rank == 0 and on_progress is not None else None
     if world != num_ranks:
-        raise RankFailure(f"torchrun started {world} processes but the schedule needs {num_ranks} ranks; "
-                          f"give --nnodes x --nproc-per-node = {num_ranks}", 2)
+        raise RankFailure(
+            f"torchrun started {world} processes but the schedule needs {num_ranks} ranks; "
+            f"give --nnodes x --nproc-per-node = {num_ranks}",
+            2,
+        )
     device = _prepare_rank(rank, options)
     ours = not dist.is_initialized()  # a script may have formed it first (pipelining: rank 0 chose the split)
     if ours:
@@ -139,8 +151,16 @@ def _join_torchrun(
             timeout=datetime.timedelta(seconds=options.timeout_s),
         )
     try:
-        value = fn(RankContext(process=rank, world=world, device=device,
-                               timeout=datetime.timedelta(seconds=options.timeout_s), sink=sink), payload)
+        value = fn(
+            RankContext(
+                process=rank,
+                world=world,
+                device=device,
+                timeout=datetime.timedelta(seconds=options.timeout_s),
+                sink=sink,
+            ),
+            payload,
+        )
         # Every rank's last messages (the gather to rank 0) must have left before the
         # group goes: tearing gloo down under an in-flight op aborts the process
         # ("terminate called without an active exception"), seen under CPU contention.
@@ -183,9 +203,7 @@ def exit_torchrun_rank(code: int) -> None:
 
 
 # ---- spawned ranks -----------------------------------------------------------
-def _spawn(
-    fn: RankFn, payload: Any, num_ranks: int, options: LaunchOptions, on_progress: ProgressFn | None
-) -> Any:
+def _spawn(fn: RankFn, payload: Any, num_ranks: int, options: LaunchOptions, on_progress: ProgressFn | None) -> Any:
     store = dist.TCPStore("127.0.0.1", 0, num_ranks + 1, is_master=True, wait_for_workers=False)
     ctx = forkserver.context()
     procs: list[Any] = []
@@ -258,8 +276,12 @@ def _watch(procs: list[Any], results: Any, options: LaunchOptions, on_progress: 
             else:
                 failures.append((rank, *value))
         for rank, p in enumerate(procs):
-            if rank not in done and p.exitcode is not None and p.exitcode != 0 and \
-                    not any(f[0] == rank for f in failures):
+            if (
+                rank not in done
+                and p.exitcode is not None
+                and p.exitcode != 0
+                and not any(f[0] == rank for f in failures)
+            ):
                 failures.append((rank, _exit_cause(rank, p.exitcode), False, ""))
         if failures:
             first_failure = first_failure or time.monotonic()
@@ -307,8 +329,15 @@ def _detail(exc: BaseException) -> str:
 
 
 def _child(
-    fn: RankFn, payload: Any, rank: int, world: int, port: int, options: LaunchOptions, results: Any,
-    channels: Any, launcher: tuple[int, int | None],
+    fn: RankFn,
+    payload: Any,
+    rank: int,
+    world: int,
+    port: int,
+    options: LaunchOptions,
+    results: Any,
+    channels: Any,
+    launcher: tuple[int, int | None],
 ) -> None:
     die_with_process(*launcher)  # first: the launcher may be gone already
     # Ctrl-C and a terminal's hangup reach the whole foreground process group; only the launcher acts on them.
@@ -318,16 +347,24 @@ def _child(
     die_with_parent()
     try:
         device = _prepare_rank(rank, options)
-        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
-                              timeout=datetime.timedelta(seconds=options.timeout_s))
+        store = dist.TCPStore(
+            "127.0.0.1", port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=options.timeout_s)
+        )
         dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+            "nccl" if device.type == "cuda" else "gloo",
+            store=store,
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=options.timeout_s),
         )
-        context = RankContext(process=rank, world=world, device=device,
-                              timeout=datetime.timedelta(seconds=options.timeout_s),
-                              sink=lambda value: results.put(("progress", rank, value)),
-                              transport=shm.connect(rank, channels) if channels is not None else None)
+        context = RankContext(
+            process=rank,
+            world=world,
+            device=device,
+            timeout=datetime.timedelta(seconds=options.timeout_s),
+            sink=lambda value: results.put(("progress", rank, value)),
+            transport=shm.connect(rank, channels) if channels is not None else None,
+        )
         value = fn(context, payload)
         dist.barrier()  # nothing in flight when the group is destroyed (see _join_torchrun)
         # Plain pickle bytes: torch's queue pickler would share tensors through

@@ -64,22 +64,22 @@ host's memory.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pipeweave import host
+from pipeweave.config import TrainConfig
 from pipeweave.errors import UserError
 from pipeweave.runtime.process import under_torchrun
-from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.prepare import RunPlan, offloaded
 from pipeweave.runtime.run.part_memory import part_memory, sharded_layers
+from pipeweave.runtime.run.prepare import RunPlan, offloaded
 from pipeweave.runtime.run.sizes import PROCESS_BYTES, RANK_BYTES_PER_ACTION, SPAWN_BYTES
 from pipeweave.schedule.ir import Op
-from pipeweave.sim.cost import CostModel
 from pipeweave.schedule.levers import StashPlan
-from pipeweave.sim.metrics import held_peaks, version_metrics
+from pipeweave.sim.cost import CostModel
 from pipeweave.sim.levers import simulate_levers
+from pipeweave.sim.metrics import held_peaks, version_metrics
 
 OPTIMIZER_STATE = {"sgd": 0, "sgd+momentum": 1, "adamw": 2}
 """Copies of a part's weights its optimizer keeps: SGD's momentum buffer, AdamW's two moments."""
@@ -105,9 +105,15 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON record's fields: ``memory_estimate_bytes`` per rank, and its parts."""
-        return {"memory_estimate_bytes": list(self.per_rank),
-                "memory_estimate": {"activations": list(self.activations), "weights_and_optimizer": list(self.weights),
-                                    "message_rings": list(self.rings), "rank_process": list(self.processes)}}
+        return {
+            "memory_estimate_bytes": list(self.per_rank),
+            "memory_estimate": {
+                "activations": list(self.activations),
+                "weights_and_optimizer": list(self.weights),
+                "message_rings": list(self.rings),
+                "rank_process": list(self.processes),
+            },
+        }
 
 
 def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEstimate:
@@ -120,20 +126,29 @@ def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEs
     activations = levered_activations(config, schedule, parts)
     part_weights = [p.weights for p in parts]
     if config.parallel.zero == 3 and config.parallel.data_parallel > 1:
-        weights = fully_sharded(config, schedule, part_weights, sharded_layers(config, plan.parts, config.parallel.data_parallel),
-                                activations)
+        weights = fully_sharded(
+            config,
+            schedule,
+            part_weights,
+            sharded_layers(config, plan.parts, config.parallel.data_parallel),
+            activations,
+        )
     else:
-        costs = CostModel(weight=[float(w) for w in part_weights]).for_parts(num_parts=schedule.num_parts,
-                                                                             num_ranks=schedule.num_ranks)
+        costs = CostModel(weight=[float(w) for w in part_weights]).for_parts(
+            num_parts=schedule.num_parts, num_ranks=schedule.num_ranks
+        )
         weights = _weights(config, schedule, part_weights, version_metrics(schedule, costs)[0])
     ranks = schedule.num_ranks
-    copies = config.parallel.tensor_parallel * (config.parallel.data_parallel if config.is_stream else 1)  # processes per rank
+    copies = config.parallel.tensor_parallel * (
+        config.parallel.data_parallel if config.is_stream else 1
+    )  # processes per rank
     processes = ranks * copies
     rings = 0 if ring_capacity is None else (processes - 1) * ring_capacity  # one ring from every peer
     actions = sum(len(row) for row in schedule.actions)
     process = PROCESS_BYTES + actions * RANK_BYTES_PER_ACTION
-    return MemoryEstimate(tuple(int(a) for a in activations), tuple(int(w) for w in weights), (rings,) * ranks,
-                          (process,) * ranks, copies)
+    return MemoryEstimate(
+        tuple(int(a) for a in activations), tuple(int(w) for w in weights), (rings,) * ranks, (process,) * ranks, copies
+    )
 
 
 def levered_activations(config: TrainConfig, schedule: Any, parts: list[Any]) -> tuple[float, ...]:
@@ -150,7 +165,8 @@ def levered_activations(config: TrainConfig, schedule: Any, parts: list[Any]) ->
     if not config.memory.balance_activations:
         return peaks
     costs = CostModel(activation=[float(p.held) for p in parts], mem_w=0.0).for_parts(
-        num_parts=schedule.num_parts, num_ranks=schedule.num_ranks)
+        num_parts=schedule.num_parts, num_ranks=schedule.num_ranks
+    )
     before = simulate_levers(schedule, costs, StashPlan(offload=away))[0].peak_activations
     after = simulate_levers(schedule, costs, StashPlan(offload=away, balance=True))[0].peak_activations
     return tuple(p * a / b if b else p for p, a, b in zip(peaks, after, before))
@@ -173,8 +189,13 @@ def _weights(config: TrainConfig, schedule: Any, part_weights: list[int], copies
     return weights
 
 
-def fully_sharded(config: TrainConfig, schedule: Any, part_weights: list[int],
-                  layers: list[list[tuple[int, int]]] | None, activations: Sequence[float]) -> list[float]:
+def fully_sharded(
+    config: TrainConfig,
+    schedule: Any,
+    part_weights: list[int],
+    layers: list[list[tuple[int, int]]] | None,
+    activations: Sequence[float],
+) -> list[float]:
     """Per rank under ``--zero 3`` (module docstring): per stage its parameter and optimizer-state shards and its
     whole gradients, and the largest gathered layer twice -- or, at the reduction, where no activation is held,
     one layer beside the gradient shards, where that exceeds the rank's ``activations`` and two layers.
@@ -226,8 +247,12 @@ def check_memory(estimate: MemoryEstimate, config: TrainConfig, on_cpu: bool = T
     free = host.available_memory()
     n = estimate.tensor_parallel
     here = [p // n for p in ranks_here(len(estimate.per_rank) * n)]  # this host's processes, by their rank
-    terms = {"activations": estimate.activations, "weights and optimizer state": estimate.weights,
-             "message rings": estimate.rings, "processes": estimate.processes}
+    terms = {
+        "activations": estimate.activations,
+        "weights and optimizer state": estimate.weights,
+        "message rings": estimate.rings,
+        "processes": estimate.processes,
+    }
     if not on_cpu:
         terms = {"processes": estimate.processes}
     sums = {name: sum(values[r] for r in here) for name, values in terms.items()}
@@ -240,19 +265,25 @@ def check_memory(estimate: MemoryEstimate, config: TrainConfig, on_cpu: bool = T
     parts = ", ".join(f"{name} {value / size:.1f}" for name, value in sums.items() if value)
     noun = "processes" if n > 1 else "ranks"
     where = f"{len(here)} {noun} on this host" if under_torchrun() else f"{len(here)} {noun}"
-    raise UserError(f"this run needs ~{need / size:.1f} {unit} ({where}: {parts}) and {free / size:.1f} {unit} "
-                    f"is free; {_hint(max(sums, key=lambda k: sums[k]), config)}")
+    raise UserError(
+        f"this run needs ~{need / size:.1f} {unit} ({where}: {parts}) and {free / size:.1f} {unit} "
+        f"is free; {_hint(max(sums, key=lambda k: sums[k]), config)}"
+    )
 
 
 def _hint(largest: str, config: TrainConfig) -> str:
     """The fix for the largest term."""
     if largest == "activations":
         levers = "" if config.memory.offload else " or --offload (the first parts)"
-        return ("reduce --batch" + levers if config.memory.recompute == "full"
-                else f"reduce --batch or add --recompute (selective or full){levers}")
+        return (
+            "reduce --batch" + levers
+            if config.memory.recompute == "full"
+            else f"reduce --batch or add --recompute (selective or full){levers}"
+        )
     if largest == "weights and optimizer state":
-        return "give a smaller model (--layers, --hidden)" + (" or --optimizer sgd" if config.training.optimizer == "adamw"
-                                                                else "")
+        return "give a smaller model (--layers, --hidden)" + (
+            " or --optimizer sgd" if config.training.optimizer == "adamw" else ""
+        )
     if largest == "message rings":
         return "use --transport gloo"
     return "give fewer stages or --data-parallel replicas"

@@ -34,8 +34,9 @@ class Milestones:
         final_save_failure: why the checkpoint after the last step could not be written (None: it was).
     """
 
-    def __init__(self, plan: RunPlan, schedule: Schedule, context: RankContext, workers: dict[int, StageWorker],
-                 source: Any) -> None:
+    def __init__(
+        self, plan: RunPlan, schedule: Schedule, context: RankContext, workers: dict[int, StageWorker], source: Any
+    ) -> None:
         self.plan, self.schedule, self.rank, self.workers = plan, schedule, context.stage_rank, workers
         self.context, self.device, self.source = context, context.device, source
         self.eval_losses: list[tuple[int, float]] = []
@@ -55,9 +56,18 @@ class Milestones:
             self.eval_losses.append((done + end, loss))
             if self.context.reporting:
                 self.context.progress({"eval": len(self.eval_losses) - 1, "loss": loss})
-        if config.checkpoint.save is not None and (last or end % (config.checkpoint.save_every or config.training.steps) == 0):
-            failure = checkpoint.save(config, self.plan.parts, self.schedule.placement, self.workers,
-                                      done + end, carry=carry, run=self.plan.run_id)
+        if config.checkpoint.save is not None and (
+            last or end % (config.checkpoint.save_every or config.training.steps) == 0
+        ):
+            failure = checkpoint.save(
+                config,
+                self.plan.parts,
+                self.schedule.placement,
+                self.workers,
+                done + end,
+                carry=carry,
+                run=self.plan.run_id,
+            )
             if failure is not None:
                 self.save_failures.append(failure)
                 if last:
@@ -69,22 +79,41 @@ class Milestones:
         """This rank's share of the mean loss over the held-out batches, through the forward-only schedule."""
         if self._evaluator is None:
             evaluation = forward_only(self.schedule)
-            sizes = (self.plan.microbatch_sizes if self.piece[1] == 1 else
-                     replica_microbatch_sizes(self.plan.config, self.piece[0]))
-            self._evaluator = Executor(lower(evaluation), self.rank, self.workers,
-                                       sizes[: evaluation.num_microbatches], self.device, evaluate=True,
-                                       context=self.context)
+            sizes = (
+                self.plan.microbatch_sizes
+                if self.piece[1] == 1
+                else replica_microbatch_sizes(self.plan.config, self.piece[0])
+            )
+            self._evaluator = Executor(
+                lower(evaluation),
+                self.rank,
+                self.workers,
+                sizes[: evaluation.num_microbatches],
+                self.device,
+                evaluate=True,
+                context=self.context,
+            )
         evaluator, batches = self._evaluator, self.plan.config.data.eval_batches
         t = evaluator.lowered.schedule.num_microbatches
-        total = sum(evaluator.run_step(*rank_microbatches(self.source, k, t, self.device, self.workers,
-                                                          held_out=True, piece=self.piece))[0]
-                    for k in range(batches))
+        total = sum(
+            evaluator.run_step(
+                *rank_microbatches(self.source, k, t, self.device, self.workers, held_out=True, piece=self.piece)
+            )[0]
+            for k in range(batches)
+        )
         return total / batches
 
 
-def rank_microbatches(source: Any, k: int, t: int, device: torch.device, workers: dict[int, StageWorker], *,
-                      held_out: bool = False, piece: tuple[int, int] = (0, 1)
-                      ) -> tuple[list[boundary.Boundary], list[boundary.Boundary]]:
+def rank_microbatches(
+    source: Any,
+    k: int,
+    t: int,
+    device: torch.device,
+    workers: dict[int, StageWorker],
+    *,
+    held_out: bool = False,
+    piece: tuple[int, int] = (0, 1),
+) -> tuple[list[boundary.Boundary], list[boundary.Boundary]]:
     """Batch ``k``'s inputs and targets (held-out batch ``k``), each split into ``t`` microbatches on ``device``
     (``piece=(p, P)``: data-parallel replica p's piece of each, ``stream.replica_pieces``).
 

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from pipeweave.config import TrainConfig
 from pipeweave.data import data_source
 from pipeweave.errors import UserError
 from pipeweave.models import boundary
@@ -49,7 +50,6 @@ from pipeweave.models.build import build_layers
 from pipeweave.models.custom import fingerprint
 from pipeweave.runtime.fsdp import padded_shard_bytes
 from pipeweave.runtime.profile import default_cache_dir
-from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.sizes import microbatch_sizes
 from pipeweave.runtime.stage.build import STEPS, Stage, StageOptions, build_stage, stage_options
 from pipeweave.runtime.stage.memory import ActivationMeter
@@ -76,8 +76,12 @@ class PartMemory:
     """One copy of the part's parameters."""
 
 
-def part_memory(config: TrainConfig, parts: Sequence[range], backwards: tuple[str, ...] = ("B", "I"),
-                cache_dir: Path | str | None = None) -> list[PartMemory]:
+def part_memory(
+    config: TrainConfig,
+    parts: Sequence[range],
+    backwards: tuple[str, ...] = ("B", "I"),
+    cache_dir: Path | str | None = None,
+) -> list[PartMemory]:
     """Each part's bytes for one microbatch of the run's largest size (see the module docstring), cached.
 
     ``backwards``: the backward ops to measure, ``B`` and/or ``I`` (``_measure``); a part's
@@ -85,11 +89,19 @@ def part_memory(config: TrainConfig, parts: Sequence[range], backwards: tuple[st
     measurements are kept (None: ``memory/`` beside the profiler's cache).
     """
     size = max(microbatch_sizes(config)[: config.schedule.num_microbatches * config.parallel.data_parallel])
-    key = {"spec": asdict(config.model), "source": fingerprint(config.model.entry) if config.model.entry else None,
-           "parts": [[p.start, p.stop] for p in parts], "size": size, "backwards": list(backwards),
-           "precision": config.training.precision, "recompute": config.memory.recompute, "torch": torch.__version__,
-           "compress": config.memory.compress_activations,
-           "tensor_parallel": config.parallel.tensor_parallel, **({"sequence_parallel": True} if config.parallel.sequence_parallel else {})}
+    key = {
+        "spec": asdict(config.model),
+        "source": fingerprint(config.model.entry) if config.model.entry else None,
+        "parts": [[p.start, p.stop] for p in parts],
+        "size": size,
+        "backwards": list(backwards),
+        "precision": config.training.precision,
+        "recompute": config.memory.recompute,
+        "torch": torch.__version__,
+        "compress": config.memory.compress_activations,
+        "tensor_parallel": config.parallel.tensor_parallel,
+        **({"sequence_parallel": True} if config.parallel.sequence_parallel else {}),
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir().parent / "memory"
     path = path / f"{digest}.json"
@@ -118,8 +130,9 @@ def _measured(config: TrainConfig, parts: Sequence[range], size: int, backwards:
         return _extrapolated(config, parts, size, backwards)
 
 
-def _extrapolated(config: TrainConfig, parts: Sequence[range], size: int,
-                  backwards: tuple[str, ...]) -> list[PartMemory]:
+def _extrapolated(
+    config: TrainConfig, parts: Sequence[range], size: int, backwards: tuple[str, ...]
+) -> list[PartMemory]:
     """Each part's bytes for ``size`` samples, from CPU runs of one and two (bytes affine in the size)."""
     one = _measure(config, parts, 1, "cpu", backwards)
     if size == 1:
@@ -129,16 +142,26 @@ def _extrapolated(config: TrainConfig, parts: Sequence[range], size: int,
     def at(x: int, y: int) -> int:
         return x + (y - x) * (size - 1)
 
-    return [PartMemory(at(p.held, q.held), at(p.stash, q.stash), at(p.during_b, q.during_b),
-                       at(p.during_i, q.during_i), p.weights) for p, q in zip(one, two)]
+    return [
+        PartMemory(
+            at(p.held, q.held), at(p.stash, q.stash), at(p.during_b, q.during_b), at(p.during_i, q.during_i), p.weights
+        )
+        for p, q in zip(one, two)
+    ]
 
 
 def _part_weight_bytes(config: TrainConfig, parts: Sequence[range]) -> list[int]:
     """Bytes of each part's parameters, counted on the meta device (nothing allocated; all the CPU's if it fails)."""
     try:
         with torch.device("meta"), _AsOnCpu():
-            return [sum(p.numel() * p.element_size() for layer in build_layers(config.model, list(part))
-                        for p in layer.parameters()) for part in parts]
+            return [
+                sum(
+                    p.numel() * p.element_size()
+                    for layer in build_layers(config.model, list(part))
+                    for p in layer.parameters()
+                )
+                for part in parts
+            ]
     except UserError:
         raise
     except Exception:  # a custom layer built from data: measured on the CPU, which its probe already ran
@@ -158,17 +181,25 @@ def sharded_layers(config: TrainConfig, parts: Sequence[range], replicas: int) -
     """
     try:
         with torch.device("meta"), _AsOnCpu():
-            return [[(sum(padded_shard_bytes(p.shape, p.element_size(), replicas) for p in layer.parameters()),
-                      sum(p.numel() * p.element_size() for p in layer.parameters()))
-                     for layer in build_layers(config.model, list(part))] for part in parts]
+            return [
+                [
+                    (
+                        sum(padded_shard_bytes(p.shape, p.element_size(), replicas) for p in layer.parameters()),
+                        sum(p.numel() * p.element_size() for p in layer.parameters()),
+                    )
+                    for layer in build_layers(config.model, list(part))
+                ]
+                for part in parts
+            ]
     except UserError:
         raise
     except Exception:  # a custom layer built from data
         return None
 
 
-def _measure(config: TrainConfig, parts: Sequence[range], size: int, device: str,
-             backwards: tuple[str, ...] = ("B", "I")) -> list[PartMemory]:
+def _measure(
+    config: TrainConfig, parts: Sequence[range], size: int, device: str, backwards: tuple[str, ...] = ("B", "I")
+) -> list[PartMemory]:
     """One microbatch of ``size`` samples through each part in turn on ``device``: F, then each of ``backwards``.
 
     A ``B`` (with its own F) measures what a full backward uses on top of what
@@ -177,13 +208,22 @@ def _measure(config: TrainConfig, parts: Sequence[range], size: int, device: str
     x, target = _sample(config, size, device)
     found = []
     # On the meta device, layers are built there (any modes active slow autograd on the CPU: none there)
-    with torch.device(device) if device == "meta" else contextlib.nullcontext(), \
-            _AsOnCpu() if device == "meta" else contextlib.nullcontext():
+    with (
+        torch.device(device) if device == "meta" else contextlib.nullcontext(),
+        _AsOnCpu() if device == "meta" else contextlib.nullcontext(),
+    ):
         for part, mode in zip(parts, config.memory.recompute_of(len(parts))):
-            options = stage_options(config.model, part, batch_size=config.data.batch_size, recompute=mode,
-                                    device=device, precision=config.training.precision, optimizer_factory=_no_optimizer,
-                                    compress=config.memory.compress_activations is not None,
-                                    tensor_parallel=_measuring(config))
+            options = stage_options(
+                config.model,
+                part,
+                batch_size=config.data.batch_size,
+                recompute=mode,
+                device=device,
+                precision=config.training.precision,
+                optimizer_factory=_no_optimizer,
+                compress=config.memory.compress_activations is not None,
+                tensor_parallel=_measuring(config),
+            )
             worker = StageWorker.from_stage(build_stage(options, (*STEPS, _meta_meter) if device == "meta" else STEPS))
             out = worker.forward(0, x, target if worker.is_last else None)
             held, during, stash = worker.activation_bytes(), {"B": 0, "I": 0}, 0
@@ -218,7 +258,9 @@ def _sample(config: TrainConfig, size: int, device: str) -> tuple[Boundary, Boun
     """A microbatch of ``size`` samples shaped as the model's data (a custom model's own first samples on the CPU)."""
     spec = config.model
     if spec.kind != "custom":
-        shape, dtype = ((size, spec.hidden), torch.float32) if spec.kind == "mlp" else ((size, spec.seq_len), torch.long)
+        shape, dtype = (
+            ((size, spec.hidden), torch.float32) if spec.kind == "mlp" else ((size, spec.seq_len), torch.long)
+        )
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
     inputs, targets = data_source(spec, batch_size=min(size, 2), seed=config.data.data_seed).batch(0)
 
@@ -273,26 +315,47 @@ class _AsOnCpu(TorchFunctionMode):
             plain = options.get("attn_mask") is None and not options.get("dropout_p") and not options.get("enable_gqa")
             causal, scale = bool(options.get("is_causal", False)), options.get("scale")
             q, k, v = args[:3]
-            sq, sk, sv = (torch.empty(1, *t.shape[1:-2], 1, t.shape[-1], dtype=t.dtype, device="cpu") for t in (q, k, v))
+            sq, sk, sv = (
+                torch.empty(1, *t.shape[1:-2], 1, t.shape[-1], dtype=t.dtype, device="cpu") for t in (q, k, v)
+            )
             if plain and torch._fused_sdp_choice(sq, sk, sv, is_causal=causal, scale=scale) == _FLASH:
-                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal,
-                                                                                  scale=scale)[0]
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, is_causal=causal, scale=scale
+                )[0]
         return func(*args, **kwargs)
 
 
 _FLASH = 1  # torch's SDPBackend.FLASH_ATTENTION, as _fused_sdp_choice returns it
-_INITIALISERS = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_, torch.Tensor.exponential_,
-                 torch.Tensor.log_normal_, torch.Tensor.cauchy_, torch.Tensor.geometric_}
-_FLOAT32_UNDER_AUTOCAST = {F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
-                           F.kl_div, F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.log_softmax}
+_INITIALISERS = {
+    torch.Tensor.normal_,
+    torch.Tensor.uniform_,
+    torch.Tensor.random_,
+    torch.Tensor.exponential_,
+    torch.Tensor.log_normal_,
+    torch.Tensor.cauchy_,
+    torch.Tensor.geometric_,
+}
+_FLOAT32_UNDER_AUTOCAST = {
+    F.cross_entropy,
+    F.nll_loss,
+    F.mse_loss,
+    F.l1_loss,
+    F.smooth_l1_loss,
+    F.huber_loss,
+    F.kl_div,
+    F.binary_cross_entropy,
+    F.binary_cross_entropy_with_logits,
+    F.log_softmax,
+}
 """The losses CPU autocast computes in float32 (its fp32 policy), cast so on meta tensors too."""
 
 
 def _float32(value: Any) -> Any:
     """A low-precision floating meta tensor in float32, as autocast casts it; anything else as it is."""
-    if isinstance(value, torch.Tensor) and value.device.type == "meta" and value.dtype in (torch.bfloat16,
-                                                                                              torch.float16):
+    if (
+        isinstance(value, torch.Tensor)
+        and value.device.type == "meta"
+        and value.dtype in (torch.bfloat16, torch.float16)
+    ):
         return value.float()
     return value
-
-

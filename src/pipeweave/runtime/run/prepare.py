@@ -19,13 +19,13 @@ step boundary to evaluate or save at, so the run drains it after every
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeweave.config import TrainConfig
 from pipeweave.data import data_source
 from pipeweave.errors import UserError
 from pipeweave.models.build import check_selective, check_tensor_parallel
@@ -34,7 +34,6 @@ from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
 from pipeweave.runtime.run import checkpoint, checkpoint_files
 from pipeweave.runtime.run.checkpoint_files import Checkpoint
-from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.sizes import check_batch, check_layers, check_sizes, microbatch_sizes, probe_model
 from pipeweave.runtime.stage.lr_schedule import LrSchedule
 from pipeweave.runtime.stage.post_validation import check_post_validation
@@ -114,7 +113,9 @@ def prepare(config: TrainConfig) -> RunPlan:
     source = None
     if config.data.path is not None or (config.model.kind == "gpt" and config.model.vocab < 256):
         # the file is read on the first and last ranks; a bad one is one line here, not a failing rank
-        source = data_source(config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path)
+        source = data_source(
+            config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path
+        )
     if config.is_stream:
         stream_rates(config, schedule, updates_done)
     else:
@@ -143,8 +144,10 @@ def resolve_auto(config: TrainConfig) -> TrainConfig:
     if found is None:
         return config.replace(resume=None)
     if found.steps >= config.training.steps:
-        raise AlreadyTrained(f"--resume auto: {found.folder} holds {found.steps} steps of --steps {config.training.steps}; "
-                             "nothing is left to train (give a larger --steps to train on)")
+        raise AlreadyTrained(
+            f"--resume auto: {found.folder} holds {found.steps} steps of --steps {config.training.steps}; "
+            "nothing is left to train (give a larger --steps to train on)"
+        )
     return config.replace(resume=str(found.folder), steps=config.training.steps - found.steps)
 
 
@@ -165,8 +168,10 @@ def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
     if not schedule.is_synchronous and config.parallel.data_parallel != 1:
         _check_stream_data_parallel(config)
     if not schedule.is_synchronous and config.training.on_nonfinite == "skip":
-        raise UserError(f"--on-nonfinite skip applies to synchronous schedules; {config.schedule.name} is asynchronous "
-                        "(its stages update per microbatch: no step to skip); use --on-nonfinite stop")
+        raise UserError(
+            f"--on-nonfinite skip applies to synchronous schedules; {config.schedule.name} is asynchronous "
+            "(its stages update per microbatch: no step to skip); use --on-nonfinite stop"
+        )
     if not schedule.is_synchronous:
         check_stream_model(config.model, config.schedule.name, config.training.lr_scheduled)
     validate(schedule)
@@ -175,8 +180,12 @@ def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
     check_layers(config, schedule.num_parts)
     if "selective" in config.memory.recompute_of(schedule.num_parts):
         check_selective(config.model)
-    check_batch(config, config.schedule.num_microbatches * config.parallel.data_parallel if config.is_stream
-                else schedule.num_microbatches)
+    check_batch(
+        config,
+        config.schedule.num_microbatches * config.parallel.data_parallel
+        if config.is_stream
+        else schedule.num_microbatches,
+    )
 
 
 def offloaded(config: TrainConfig, schedule: Schedule) -> frozenset[int]:
@@ -186,10 +195,19 @@ def offloaded(config: TrainConfig, schedule: Schedule) -> frozenset[int]:
 
 def _check_levers(config: TrainConfig, schedule: Schedule) -> None:
     """``--offload`` and ``--compress-activations``: parts that exist, a synchronous schedule, no recomputation."""
-    if not config.memory.offload and config.memory.compress_activations is None and not config.memory.balance_activations:
+    if (
+        not config.memory.offload
+        and config.memory.compress_activations is None
+        and not config.memory.balance_activations
+    ):
         return
-    flag = "--offload" if config.memory.offload else "--balance-activations" if config.memory.balance_activations \
+    flag = (
+        "--offload"
+        if config.memory.offload
+        else "--balance-activations"
+        if config.memory.balance_activations
         else "--compress-activations"
+    )
     if config.memory.balance_activations and (config.parallel.data_parallel > 1 or config.parallel.tensor_parallel > 1):
         raise UserError("--balance-activations pairs the ranks of one pipeline; drop --data-parallel/--tensor-parallel")
     if config.memory.offload:
@@ -204,8 +222,10 @@ def _check_stream_data_parallel(config: TrainConfig) -> None:
     """A stream takes ``--data-parallel`` where its entry says so (``DataParallel.ASYNCHRONOUS``: PipeDream's)."""
     if SCHEDULES[config.schedule.name].data_parallel is not DataParallel.ASYNCHRONOUS:
         takers = [n for n, info in SCHEDULES.items() if info.data_parallel is DataParallel.ASYNCHRONOUS]
-        raise UserError(f"--data-parallel with the asynchronous {config.schedule.name} is not supported; use one of "
-                        f"{', '.join(takers)}, a synchronous schedule, or --data-parallel 1")
+        raise UserError(
+            f"--data-parallel with the asynchronous {config.schedule.name} is not supported; use one of "
+            f"{', '.join(takers)}, a synchronous schedule, or --data-parallel 1"
+        )
 
 
 def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
@@ -225,16 +245,24 @@ def _check_sequence_parallel(config: TrainConfig) -> None:
     """Sequence parallelism shards the gpt's sequence evenly over the tensor-parallel group, ZeRO and ties aside."""
     n, spec = config.parallel.tensor_parallel, config.model
     if n == 1:
-        raise UserError("--sequence-parallel shards activations over the tensor-parallel group; give "
-                        "--tensor-parallel N > 1")
+        raise UserError(
+            "--sequence-parallel shards activations over the tensor-parallel group; give --tensor-parallel N > 1"
+        )
     if spec.kind != "gpt":
-        raise UserError(f"--sequence-parallel applies to the gpt (a sequence to shard); --model {spec.kind} has "
-                        "none: drop --sequence-parallel")
+        raise UserError(
+            f"--sequence-parallel applies to the gpt (a sequence to shard); --model {spec.kind} has "
+            "none: drop --sequence-parallel"
+        )
     if spec.seq_len % n:
-        raise UserError(f"--seq-len {spec.seq_len} is not divisible by --tensor-parallel {n}; give a sequence "
-                        "length that divides evenly for --sequence-parallel")
-    for on, flag in ((config.parallel.zero, f"--zero {config.parallel.zero}"), (spec.tie_embeddings, "--tie-embeddings"),
-                     (config.data.min_seq_len is not None, "--min-seq-len")):
+        raise UserError(
+            f"--seq-len {spec.seq_len} is not divisible by --tensor-parallel {n}; give a sequence "
+            "length that divides evenly for --sequence-parallel"
+        )
+    for on, flag in (
+        (config.parallel.zero, f"--zero {config.parallel.zero}"),
+        (spec.tie_embeddings, "--tie-embeddings"),
+        (config.data.min_seq_len is not None, "--min-seq-len"),
+    ):
         if on:
             raise UserError(f"--sequence-parallel with {flag} is not supported; drop one of them")
 
@@ -242,41 +270,57 @@ def _check_sequence_parallel(config: TrainConfig) -> None:
 def _check_clip(config: TrainConfig, schedule: Schedule) -> None:
     """Clipping by a collective (``runtime.clip``): one ``U`` per rank and step, every rank's at the step's end."""
     if config.is_stream:
-        raise UserError(f"--clip-grad-norm with --tensor-parallel/--data-parallel applies to synchronous "
-                        f"schedules; {config.schedule.name} is asynchronous: drop --clip-grad-norm")
+        raise UserError(
+            f"--clip-grad-norm with --tensor-parallel/--data-parallel applies to synchronous "
+            f"schedules; {config.schedule.name} is asynchronous: drop --clip-grad-norm"
+        )
     placement = schedule.placement
     if any(len(placement.stages_on(r)) != 1 for r in range(schedule.num_ranks)):
-        raise UserError(f"--clip-grad-norm with --tensor-parallel/--data-parallel needs one stage per rank; "
-                        f"{config.schedule.name} places several on a rank: use 1f1b, zb-h1, zb-h2 or gpipe")
+        raise UserError(
+            f"--clip-grad-norm with --tensor-parallel/--data-parallel needs one stage per rank; "
+            f"{config.schedule.name} places several on a rank: use 1f1b, zb-h1, zb-h2 or gpipe"
+        )
 
 
 def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
     """ZeRO shards one replica of a part per data-parallel rank, stepped as a synchronous step's ``U``."""
     if config.is_stream:  # its replicas update at every U from a blocking all-reduce; its policies keep versions
-        raise UserError(f"--zero {config.parallel.zero} with the asynchronous {config.schedule.name} is not supported (its "
-                        "weight versions are whole copies); use --zero 0 or a synchronous schedule")
+        raise UserError(
+            f"--zero {config.parallel.zero} with the asynchronous {config.schedule.name} is not supported (its "
+            "weight versions are whole copies); use --zero 0 or a synchronous schedule"
+        )
     base = schedule.placement.num_stages // config.parallel.data_parallel  # the stages of one pipeline replica
     if base != schedule.placement.num_parts:
-        raise UserError(f"--zero {config.parallel.zero} shards data-parallel replicas; {config.schedule.name} replicates parts "
-                        "inside its pipeline: use --zero 0 with it")
+        raise UserError(
+            f"--zero {config.parallel.zero} shards data-parallel replicas; {config.schedule.name} replicates parts "
+            "inside its pipeline: use --zero 0 with it"
+        )
     if config.parallel.zero == 3 and config.parallel.data_parallel > 1 and tied_groups(config.model):
         # FSDP2 shards each layer's parameters apart, and reduces them in its own hooks: a tie's two copies are
         # summed on whole gradients (runtime.stage.tied), which FSDP keeps only inside its backward.
-        raise UserError(f"--zero 3 with tied parameters ({', '.join(tied_groups(config.model)[0])}) is not "
-                        "supported; use --zero 1 (or 0) with them")
+        raise UserError(
+            f"--zero 3 with tied parameters ({', '.join(tied_groups(config.model)[0])}) is not "
+            "supported; use --zero 1 (or 0) with them"
+        )
 
 
 def _check_evaluation(config: TrainConfig, source: Any) -> None:
     """``--eval-every`` has held-out data to evaluate on (``source``: ``--data``'s corpus, if given)."""
     if config.model.kind == "mlp":
-        raise UserError("--eval-every applies to --model gpt or a custom model (the mlp fits fixed random "
-                        "targets: there is nothing held out to generalise to); drop it or change --model")
+        raise UserError(
+            "--eval-every applies to --model gpt or a custom model (the mlp fits fixed random "
+            "targets: there is nothing held out to generalise to); drop it or change --model"
+        )
     if config.model.kind == "custom" and config.model.custom.eval_dataset is None:
-        raise UserError(f"--eval-every needs held-out data and {config.model.entry} has no eval_dataset; give "
-                        "LayerModel(eval_dataset=...) or drop --eval-every")
+        raise UserError(
+            f"--eval-every needs held-out data and {config.model.entry} has no eval_dataset; give "
+            "LayerModel(eval_dataset=...) or drop --eval-every"
+        )
     if config.data.path is not None and not source.held_out:
-        raise UserError(f"--data {config.data.path} is too short to hold out a window of seq_len+1="
-                        f"{config.model.seq_len + 1} bytes for evaluation; give a longer file or drop --eval-every")
+        raise UserError(
+            f"--data {config.data.path} is too short to hold out a window of seq_len+1="
+            f"{config.model.seq_len + 1} bytes for evaluation; give a longer file or drop --eval-every"
+        )
 
 
 def build_schedule(config: TrainConfig, steps_done: int = 0) -> Schedule:
@@ -294,8 +338,13 @@ def build_schedule(config: TrainConfig, steps_done: int = 0) -> Schedule:
     if config.schedule.written is not None:
         base = config.schedule.written
     else:
-        base = generate(config.schedule.name, num_stages=config.schedule.num_stages, num_microbatches=config.schedule.num_microbatches,
-                        num_chunks=config.schedule.num_chunks, **dict(config.schedule.options))
+        base = generate(
+            config.schedule.name,
+            num_stages=config.schedule.num_stages,
+            num_microbatches=config.schedule.num_microbatches,
+            num_chunks=config.schedule.num_chunks,
+            **dict(config.schedule.options),
+        )
     return data_parallel(base, config.parallel.data_parallel) if config.parallel.data_parallel != 1 else base
 
 
@@ -323,17 +372,26 @@ def segments(config: TrainConfig) -> list[tuple[int, int]]:
 def stream_schedules(config: TrainConfig, steps_done: int = 0) -> list[Schedule]:
     """An asynchronous run's streams, one per ``segments`` entry, each generated for its steps (sizes checked first)."""
     check_sizes(config)
-    return [generate(config.schedule.name, num_stages=config.schedule.num_stages, num_microbatches=config.schedule.num_microbatches,
-                     num_chunks=config.schedule.num_chunks, **segment_options(config, steps_done + first, steps))
-            for first, steps in segments(config)]
+    return [
+        generate(
+            config.schedule.name,
+            num_stages=config.schedule.num_stages,
+            num_microbatches=config.schedule.num_microbatches,
+            num_chunks=config.schedule.num_chunks,
+            **segment_options(config, steps_done + first, steps),
+        )
+        for first, steps in segments(config)
+    ]
 
 
 def check_segment_steps(config: TrainConfig, flag: str, every: int) -> None:
     """Refuse a drain inside an AvgPipe round: every stream is whole rounds of P mini-batches."""
     p = pipelines_per_round(config.schedule.name, dict(config.schedule.options))
     if every % p:
-        raise UserError(f"{flag} {every} is not a multiple of avgpipe's P={p} pipelines (each stream between two "
-                        f"drains is whole rounds); give {flag} {every - every % p + p}")
+        raise UserError(
+            f"{flag} {every} is not a multiple of avgpipe's P={p} pipelines (each stream between two "
+            f"drains is whole rounds); give {flag} {every - every % p + p}"
+        )
 
 
 def segment_options(config: TrainConfig, first: int, steps: int) -> dict[str, Any]:

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeweave.runtime.run import prepare
 from pipeweave.config import TrainConfig
-from pipeweave.runtime.stage.tensor_parallel import gather
-from pipeweave.runtime.stage.shards import gathered
-from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.context import RankContext
+from pipeweave.runtime.run import prepare
+from pipeweave.runtime.stage.shards import gathered
+from pipeweave.runtime.stage.tensor_parallel import gather
+from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Action
 
 
@@ -110,16 +110,21 @@ def final_parameters(config: TrainConfig, workers: dict[int, StageWorker]) -> di
     if not config.checkpoint.collect_parameters:
         return {}
     with gathered(workers):  # ZeRO-3's slices too
-        return {s: {k: _whole(p, w).cpu().clone() for k, p in w.named_parameters().items()}
-                for s, w in workers.items()}
+        return {s: {k: _whole(p, w).cpu().clone() for k, p in w.named_parameters().items()} for s, w in workers.items()}
 
 
 def _whole(param: torch.Tensor, worker: StageWorker) -> torch.Tensor:
     return param.detach() if worker.tensor_parallel is None else gather(param, worker.tensor_parallel)
 
 
-def gather_run(config: TrainConfig, mine: RankRecord, context: RankContext, started: float,
-               first_step: int = 0, first_update: int | None = None) -> RunRecord | None:
+def gather_run(
+    config: TrainConfig,
+    mine: RankRecord,
+    context: RankContext,
+    started: float,
+    first_step: int = 0,
+    first_update: int | None = None,
+) -> RunRecord | None:
     """Gather every rank's record on process 0: the ``RunRecord`` there, None elsewhere.
 
     Under tensor parallelism the record holds one process per stage rank, its ``tp`` coordinate 0's.
@@ -136,8 +141,14 @@ def gather_run(config: TrainConfig, mine: RankRecord, context: RankContext, star
     gathered = gathered[:: config.parallel.tensor_parallel]  # per stage rank its tp-0 process's (its group runs alike)
     if config.is_stream and config.parallel.data_parallel > 1:  # replicas around the stream: their shares of the loss
         gathered = _fold_replicas(gathered, config.parallel.data_parallel)
-    return RunRecord(config, sorted(gathered, key=lambda r: r.rank), time.perf_counter() - started,
-                     used_transport(context), first_step, first_step if first_update is None else first_update)
+    return RunRecord(
+        config,
+        sorted(gathered, key=lambda r: r.rank),
+        time.perf_counter() - started,
+        used_transport(context),
+        first_step,
+        first_step if first_update is None else first_update,
+    )
 
 
 def _fold_replicas(records: list[Any], replicas: int) -> list[Any]:
@@ -165,10 +176,11 @@ def close_pauses(record: RunRecord) -> float:
     removed = 0.0
     segments = prepare.segments(record.config)
     for (first, steps), (nxt, _) in zip(segments, segments[1:]):
-        end = max((a[4] for r in record.ranks for m in range(first, first + steps) for a in r.records[m]),
-                  default=0.0)
-        start = min((a[3] for r in record.ranks for m in range(nxt, record.config.training.steps) for a in r.records[m]),
-                    default=end)
+        end = max((a[4] for r in record.ranks for m in range(first, first + steps) for a in r.records[m]), default=0.0)
+        start = min(
+            (a[3] for r in record.ranks for m in range(nxt, record.config.training.steps) for a in r.records[m]),
+            default=end,
+        )
         pause = start - end
         if pause <= 0:
             continue

@@ -49,8 +49,10 @@ def _check_outputs(config: TrainConfig) -> None:
     log_dir = config.logging.log_dir
     if log_dir is not None:
         if importlib.util.find_spec("tensorboard") is None:
-            raise UserError(f"--log-dir {log_dir} writes TensorBoard event files and needs the tensorboard package; "
-                            "pip install 'pipeweave[tensorboard]', or drop --log-dir")
+            raise UserError(
+                f"--log-dir {log_dir} writes TensorBoard event files and needs the tensorboard package; "
+                "pip install 'pipeweave[tensorboard]', or drop --log-dir"
+            )
         output_folder("--log-dir", log_dir)
     folder = config.checkpoint.save_pretrained
     if folder is not None and not is_hf(config.model.entry):
@@ -61,11 +63,20 @@ def partition_arguments(config: TrainConfig) -> argparse.Namespace:
     """The partition section as the options the partitioner's helpers read (shared with ``pipeweave partition``)."""
     p, m = config.partition, config.memory
     return argparse.Namespace(
-        partition=p.method, memory_limit=p.memory_limit, optimizer_state=p.optimizer_state, bandwidth=p.bandwidth,
-        costs=p.costs, repeats=p.repeats, refresh=p.refresh, precision=config.training.precision,
+        partition=p.method,
+        memory_limit=p.memory_limit,
+        optimizer_state=p.optimizer_state,
+        bandwidth=p.bandwidth,
+        costs=p.costs,
+        repeats=p.repeats,
+        refresh=p.refresh,
+        precision=config.training.precision,
         layers_per_stage=None if p.layers_per_stage is None else ",".join(map(str, p.layers_per_stage)),
-        recompute=m.recompute, offload=m.offload, balance_activations=m.balance_activations,
-        compress_activations=m.compress_activations)
+        recompute=m.recompute,
+        offload=m.offload,
+        balance_activations=m.balance_activations,
+        compress_activations=m.compress_activations,
+    )
 
 
 def _microbatch(config: TrainConfig) -> int:
@@ -104,13 +115,18 @@ def _with_partition(config: TrainConfig) -> TrainConfig:
     searched = info is not None and info.searched
     if args.memory_limit is not None and args.partition != "memory" and not searched:
         # Otherwise --memory-limit would be ignored: say so instead.
-        raise UserError(f"--memory-limit {args.memory_limit:g} applies to --partition memory (bytes per rank) and to "
-                        f"zb-auto/zb-v-auto (K x the 1F1B peak); add one of them or drop it")
-    base = build_schedule(config.replace(data_parallel=1, recompute="none" if args.recompute == AUTO else
-                                         config.memory.recompute))  # one replica: the parts
+        raise UserError(
+            f"--memory-limit {args.memory_limit:g} applies to --partition memory (bytes per rank) and to "
+            f"zb-auto/zb-v-auto (K x the 1F1B peak); add one of them or drop it"
+        )
+    base = build_schedule(
+        config.replace(data_parallel=1, recompute="none" if args.recompute == AUTO else config.memory.recompute)
+    )  # one replica: the parts
     if args.recompute == AUTO and partition_method(args) != "memory":
-        raise UserError("--recompute auto is chosen by --partition memory under --memory-limit; add them, or give "
-                        "the modes (none, selective, full or one per part)")
+        raise UserError(
+            "--recompute auto is chosen by --partition memory under --memory-limit; add them, or give "
+            "the modes (none, selective, full or one per part)"
+        )
     plan = layers_per_part(args, config.model, base, _microbatch(config), _device())
     if plan is None:
         return config
@@ -134,8 +150,10 @@ def layers_per_part(
         return None
     counts = None if args.layers_per_stage is None else tuple(int(c) for c in args.layers_per_stage.split(","))
     if counts is not None and sum(counts) != spec.num_layers:  # the layers named: a gpt has more than --layers
-        raise UserError(f"--layers-per-stage {args.layers_per_stage} sums to {sum(counts)} layers but the model has "
-                        f"{spec.layers_described}; make the counts sum to {spec.num_layers}")
+        raise UserError(
+            f"--layers-per-stage {args.layers_per_stage} sums to {sum(counts)} layers but the model has "
+            f"{spec.layers_described}; make the counts sum to {spec.num_layers}"
+        )
     if method == "explicit" or args.costs:
         costs = LayerCosts.load(args.costs) if args.costs else LayerCosts.uniform(spec.num_layers)
     else:

@@ -65,13 +65,16 @@ def _take(path: Path, mine: dict[str, Any], flag: str) -> None:
         except FileExistsError:
             owner = _read(path)
             if owner is not None and _alive(owner):
-                raise UserError(f"{flag} {path.parent} is in use by another run (pid {owner.get('pid')} on "
-                                f"{owner.get('host')}); wait for it to end or give another {flag} folder (if "
-                                f"that run is gone, remove {path})") from None
+                raise UserError(
+                    f"{flag} {path.parent} is in use by another run (pid {owner.get('pid')} on "
+                    f"{owner.get('host')}); wait for it to end or give another {flag} folder (if "
+                    f"that run is gone, remove {path})"
+                ) from None
             _take_over(path, owner)
         except OSError as exc:
-            raise UserError(f"{flag} {path.parent}: cannot create {path} ({reason(exc)}); give a writable "
-                            "folder") from None
+            raise UserError(
+                f"{flag} {path.parent}: cannot create {path} ({reason(exc)}); give a writable folder"
+            ) from None
     raise UserError(f"{flag} {path.parent}: other runs keep taking {path}; give another {flag} folder")
 
 

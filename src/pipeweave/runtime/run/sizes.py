@@ -24,14 +24,14 @@ from collections.abc import Sequence
 import torch
 
 from pipeweave import host
+from pipeweave.config import TrainConfig
 from pipeweave.data import data_source, split_microbatches
 from pipeweave.data.corpus import microbatch_lengths
 from pipeweave.errors import UserError
-from pipeweave.models.custom import probe
 from pipeweave.models.build import build_layers
+from pipeweave.models.custom import probe
 from pipeweave.models.spec import ModelSpec, layer_seed
 from pipeweave.runtime.process import under_torchrun
-from pipeweave.config import TrainConfig
 from pipeweave.schedule import SCHEDULES, Schedule
 from pipeweave.sim.timeline import BYTES_PER_ACTION
 
@@ -65,23 +65,29 @@ def check_sizes(config: TrainConfig) -> None:
         return
     actions = action_estimate(config, parts)
     if actions * BYTES_PER_ACTION > free:
-        raise UserError(f"{_size(config, parts)} make up to ~{actions:.2g} actions, ~{_gib(actions * BYTES_PER_ACTION)} "
-                        f"to build and simulate ({BYTES_PER_ACTION} B each), more than the {free / 2**30:.1f} GiB "
-                        f"free here; give fewer stages or microbatches{' or steps' if config.is_stream else ''} "
-                        f"(at most ~{free // BYTES_PER_ACTION:.2g} actions fit)")
+        raise UserError(
+            f"{_size(config, parts)} make up to ~{actions:.2g} actions, ~{_gib(actions * BYTES_PER_ACTION)} "
+            f"to build and simulate ({BYTES_PER_ACTION} B each), more than the {free / 2**30:.1f} GiB "
+            f"free here; give fewer stages or microbatches{' or steps' if config.is_stream else ''} "
+            f"(at most ~{free // BYTES_PER_ACTION:.2g} actions fit)"
+        )
     ranks = d * config.parallel.data_parallel * config.parallel.tensor_parallel
     if not under_torchrun() and SPAWN_BYTES + ranks * PROCESS_BYTES > free:
-        raise UserError(f"{_size(config, None)} start {ranks} rank processes here, "
-                        f"~{_gib(SPAWN_BYTES + ranks * PROCESS_BYTES)} at ~{PROCESS_BYTES >> 20} MiB each and "
-                        f"{SPAWN_BYTES >> 20} MiB once before any tensor, more than the {free / 2**30:.1f} GiB free; "
-                        f"give fewer stages (at most ~{max(0, free - SPAWN_BYTES) // PROCESS_BYTES} ranks fit)")
+        raise UserError(
+            f"{_size(config, None)} start {ranks} rank processes here, "
+            f"~{_gib(SPAWN_BYTES + ranks * PROCESS_BYTES)} at ~{PROCESS_BYTES >> 20} MiB each and "
+            f"{SPAWN_BYTES >> 20} MiB once before any tensor, more than the {free / 2**30:.1f} GiB free; "
+            f"give fewer stages (at most ~{max(0, free - SPAWN_BYTES) // PROCESS_BYTES} ranks fit)"
+        )
 
 
 def check_batch(config: TrainConfig, microbatches: int) -> None:
     """The batch makes ``microbatches`` microbatches of at least one sample."""
     if config.data.batch_size < microbatches:
-        raise UserError(f"--batch {config.data.batch_size} cannot make {microbatches} microbatches; "
-                        "increase --batch or reduce --microbatches")
+        raise UserError(
+            f"--batch {config.data.batch_size} cannot make {microbatches} microbatches; "
+            "increase --batch or reduce --microbatches"
+        )
 
 
 def check_layers(config: TrainConfig, parts: int) -> None:
@@ -165,14 +171,18 @@ def step_tokens(config: TrainConfig, num_microbatches: int, step: int) -> int | 
         return None
     if config.data.min_seq_len is None:
         return config.data.batch_size * config.model.seq_len
-    lengths = microbatch_lengths(config.data.data_seed, step, num_microbatches, config.data.min_seq_len, config.model.seq_len)
+    lengths = microbatch_lengths(
+        config.data.data_seed, step, num_microbatches, config.data.min_seq_len, config.model.seq_len
+    )
     return sum(n * length for n, length in zip(microbatch_sizes(config), lengths))
 
 
 def replica_microbatch_sizes(config: TrainConfig, replica: int) -> list[int]:
     """An asynchronous run's microbatch sizes on data-parallel ``replica``: its piece of each microbatch
     (``stream.StreamData``'s ``piece``), every mini-batch's."""
-    whole = [len(m) for m in split_microbatches(torch.empty(config.data.batch_size, 0), config.schedule.num_microbatches)]
+    whole = [
+        len(m) for m in split_microbatches(torch.empty(config.data.batch_size, 0), config.schedule.num_microbatches)
+    ]
     p = config.parallel.data_parallel
     return [len(split_microbatches(torch.empty(size, 0), p)[replica]) for size in whole] * config.training.steps
 
@@ -186,7 +196,7 @@ def probe_model(spec: ModelSpec, seed: int) -> int:
     return _probe(spec, seed)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(spec: ModelSpec, seed: int) -> int:
     inputs, targets = data_source(spec, batch_size=2, seed=seed).batch(0)
     return probe(spec.custom, [layer_seed(spec, k) for k in range(spec.num_layers)], inputs, targets)
@@ -194,8 +204,10 @@ def _probe(spec: ModelSpec, seed: int) -> int:
 
 def part_weight_bytes(spec: ModelSpec, parts: Sequence[range]) -> list[float]:
     """Bytes of one copy of each part's weights (M_theta), counted from the model's layers."""
-    return [float(sum(p.numel() * p.element_size() for layer in build_layers(spec, list(part))
-                      for p in layer.parameters())) for part in parts]
+    return [
+        float(sum(p.numel() * p.element_size() for layer in build_layers(spec, list(part)) for p in layer.parameters()))
+        for part in parts
+    ]
 
 
 def largest_message_bytes(config: TrainConfig, schedule: Schedule, parts: Sequence[range]) -> int:

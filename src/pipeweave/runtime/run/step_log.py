@@ -42,10 +42,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.run.prepare import RunPlan
 from pipeweave.runtime.run.sizes import step_tokens
 from pipeweave.runtime.stage.lr_schedule import LrSchedule
-from pipeweave.runtime.context import RankContext
 from pipeweave.schedule.ir import Op
 
 _COMPUTE = frozenset(op.value for op in Op if op.is_compute)  # records hold op strings

@@ -13,21 +13,20 @@ saving) is the user's.
 
 from __future__ import annotations
 
-from typing import Any
-
 import datetime
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipeweave.config import TrainConfig
 from pipeweave.data import split_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models import boundary
-from pipeweave.runtime.run.agreement import agreed_plan
-from pipeweave.config import TrainConfig
-from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.process import device_for
+from pipeweave.runtime.run.agreement import agreed_plan
+from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.job import executor_of, lowered
 from pipeweave.runtime.run.prepare import learning_rates, prepare
 from pipeweave.runtime.run.workers import build_workers, join_mesh
@@ -62,12 +61,21 @@ class Pipeline:
         plan = agreed_plan(prepare(config))  # every rank builds rank 0's split, or all stop in one line
         world = dist.get_world_size()
         if world != plan.num_processes:
-            raise UserError(f"the process group has {world} processes but the run needs {plan.num_processes} "
-                            f"(schedule ranks x tensor parallel); start {plan.num_processes} processes")
+            raise UserError(
+                f"the process group has {world} processes but the run needs {plan.num_processes} "
+                f"(schedule ranks x tensor parallel); start {plan.num_processes} processes"
+            )
         self.config, self.schedule = config, plan.schedule
         process = dist.get_rank()
-        context = join_mesh(plan, RankContext(process=process, world=world, device=device_for(process),
-                                              timeout=datetime.timedelta(seconds=config.launch.timeout)))
+        context = join_mesh(
+            plan,
+            RankContext(
+                process=process,
+                world=world,
+                device=device_for(process),
+                timeout=datetime.timedelta(seconds=config.launch.timeout),
+            ),
+        )
         self.device = context.device
         if self.device.type == "cuda":  # NCCL's messages and collectives go from the current device
             torch.cuda.set_device(self.device)
@@ -119,8 +127,10 @@ class Pipeline:
         if not any(w.is_first or w.is_last for w in self._workers.values()):
             return [], []
         t = self.schedule.num_microbatches
-        return ([boundary.to(m, self.device) for m in split_microbatches(inputs, t)],
-                [boundary.to(m, self.device) for m in split_microbatches(targets, t)])
+        return (
+            [boundary.to(m, self.device) for m in split_microbatches(inputs, t)],
+            [boundary.to(m, self.device) for m in split_microbatches(targets, t)],
+        )
 
     def _summed(self, share: float) -> float:
         """The loss where several ranks hold last stages (replicas of the last part): every pipeline rank's
@@ -138,12 +148,18 @@ def _check(config: TrainConfig) -> None:
         UserError: no process group, an asynchronous schedule, or a whole-run option.
     """
     if not (dist.is_available() and dist.is_initialized()):
-        raise UserError("Pipeline needs a process group on every rank: run under torchrun, or call "
-                        "torch.distributed.init_process_group first (pipeweave.train starts its own ranks)")
+        raise UserError(
+            "Pipeline needs a process group on every rank: run under torchrun, or call "
+            "torch.distributed.init_process_group first (pipeweave.train starts its own ranks)"
+        )
     if config.is_stream:
-        raise UserError(f"{config.schedule.name} is asynchronous: its stream spans steps and cannot stop after each; "
-                        "train it with pipeweave.train, or choose a synchronous schedule")
+        raise UserError(
+            f"{config.schedule.name} is asynchronous: its stream spans steps and cannot stop after each; "
+            "train it with pipeweave.train, or choose a synchronous schedule"
+        )
     for field, flag in _RUN_ONLY:
         if getattr(config, field) is not None:
-            raise UserError(f"{flag} is an option of a whole run (pipeweave.train); with Pipeline your loop "
-                            f"saves, resumes, evaluates and logs: drop {flag}")
+            raise UserError(
+                f"{flag} is an option of a whole run (pipeweave.train); with Pipeline your loop "
+                f"saves, resumes, evaluates and logs: drop {flag}"
+            )

@@ -19,15 +19,26 @@ from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones
 from pipeweave.runtime.run.prepare import RunPlan, stream_rates
-from pipeweave.runtime.run.record import (RankRecord, RunRecord, close_pauses, final_parameters, gather_run,
-                                          seconds_since)
+from pipeweave.runtime.run.record import (
+    RankRecord,
+    RunRecord,
+    close_pauses,
+    final_parameters,
+    gather_run,
+    seconds_since,
+)
 from pipeweave.runtime.run.sizes import replica_microbatch_sizes
-from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.run.step_log import StepLog
+from pipeweave.runtime.run.workers import build_workers, join_mesh
 from pipeweave.runtime.stage.policy import RankPolicy, Read, StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.stream import (StreamData, StreamPosition, check_stream_model, minibatch_losses,
-                                      split_by_minibatch)
+from pipeweave.runtime.stream import (
+    StreamData,
+    StreamPosition,
+    check_stream_model,
+    minibatch_losses,
+    split_by_minibatch,
+)
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import Schedule, lower
 from pipeweave.schedule.ir import Action
@@ -59,7 +70,9 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         assert plan.resumed is not None
         carry = checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     rates = stream_rates(config, plan.schedule, plan.updates_done).at if config.training.lr_scheduled else None
-    source = data_source(config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path)
+    source = data_source(
+        config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path
+    )
     offset = align_clocks(context.process, context.world)
     milestones = Milestones(plan, plan.streams[0], context, workers, source)  # any stream: same placement
     done = _Streamed()
@@ -81,10 +94,19 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         milestones.reached(end, carry)
     log.close()
     divergence.at_end(plan.streams[0].placement)
-    records = [seconds_since(g, offset) for g in split_by_minibatch(done.timings, config.schedule.num_microbatches,
-                                                                    config.training.steps)]
-    mine = RankRecord(rank, done.losses, records, done.peak_activations, done.peak_weights,
-                      final_parameters(config, workers), eval_losses=milestones.eval_losses)
+    records = [
+        seconds_since(g, offset)
+        for g in split_by_minibatch(done.timings, config.schedule.num_microbatches, config.training.steps)
+    ]
+    mine = RankRecord(
+        rank,
+        done.losses,
+        records,
+        done.peak_activations,
+        done.peak_weights,
+        final_parameters(config, workers),
+        eval_losses=milestones.eval_losses,
+    )
     mine.versions = done.versions
     run = gather_run(config, mine, context, started, plan.steps_done, plan.updates_done)
     if run is not None:
@@ -93,8 +115,16 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     return run
 
 
-def _run_stream(plan: RunPlan, stream: Schedule, segment: tuple[int, int], context: RankContext,
-                workers: dict[int, StageWorker], source: Any, policy: RankPolicy, done: _Streamed) -> None:
+def _run_stream(
+    plan: RunPlan,
+    stream: Schedule,
+    segment: tuple[int, int],
+    context: RankContext,
+    workers: dict[int, StageWorker],
+    source: Any,
+    policy: RankPolicy,
+    done: _Streamed,
+) -> None:
     """Run one stream of the run (``segment``: its first mini-batch of this run, and how many) into ``done``.
 
     Data-parallel replicas around the stream (``joined.outside``) each run their piece of every microbatch.
@@ -108,11 +138,29 @@ def _run_stream(plan: RunPlan, stream: Schedule, segment: tuple[int, int], conte
         w.start_at(plan.steps_done + first)  # dropout keys: (steps before the stream, microbatch in it)
     # AvgPipe's replicas train apart (averaged by the policy): no gradient sums between them. PipeDream's
     # hybrid: every update sums the gradients of the replicas laid out around the stream.
-    executor = Executor(lower(stream), joined.stage_rank, workers, sizes[: stream.num_microbatches], device,
-                        policy=policy, combine_replicas=False, context=context,
-                        sum_over=joined.dp_group if joined.outside else None)
-    data, targets = (StreamData(source, num_microbatches=t, length=stream.num_microbatches, part=part,
-                                device=device, first=plan.steps_done + first, piece=piece) for part in (0, 1))
+    executor = Executor(
+        lower(stream),
+        joined.stage_rank,
+        workers,
+        sizes[: stream.num_microbatches],
+        device,
+        policy=policy,
+        combine_replicas=False,
+        context=context,
+        sum_over=joined.dp_group if joined.outside else None,
+    )
+    data, targets = (
+        StreamData(
+            source,
+            num_microbatches=t,
+            length=stream.num_microbatches,
+            part=part,
+            device=device,
+            first=plan.steps_done + first,
+            piece=piece,
+        )
+        for part in (0, 1)
+    )
     _, ran = executor.run_step(data, targets)
     mine = {j: float(x) for j, x in executor.losses_by_microbatch.items()}
     done.losses += minibatch_losses(mine, t, steps)

@@ -42,8 +42,16 @@ from pipeweave.schedule.ir import Action
 
 def join_mesh(plan: RunPlan, context: RankContext) -> RankContext:
     """``context`` in the run's mesh, every group created (every process calls this at its start)."""
-    return context.with_mesh(build_mesh(context.process, context.world, plan.schedule.placement,
-                                        plan.config.parallel.data_parallel, plan.config.parallel.tensor_parallel, context.device))
+    return context.with_mesh(
+        build_mesh(
+            context.process,
+            context.world,
+            plan.schedule.placement,
+            plan.config.parallel.data_parallel,
+            plan.config.parallel.tensor_parallel,
+            context.device,
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,9 @@ def apply_sharding(stage: Stage, run: RankBuild) -> None:
     if not config.parallel.zero or mesh is None or part not in mesh.replica_groups:
         return
     dp_mesh = mesh.device_mesh["dp"] if config.parallel.zero == 3 and mesh.device_mesh is not None else None
-    shard_replica(stage, config.parallel.zero, mesh.replica_groups[part], dp_mesh, int(config.parallel.bucket_mb * 2**20))
+    shard_replica(
+        stage, config.parallel.zero, mesh.replica_groups[part], dp_mesh, int(config.parallel.bucket_mb * 2**20)
+    )
 
 
 def apply_weight_policy(stage: Stage, run: RankBuild) -> None:
@@ -72,8 +82,16 @@ def apply_weight_policy(stage: Stage, run: RankBuild) -> None:
     collective at ``U`` (``TrainConfig.clips_by_collective``: ``runtime.clip``, the executor's)."""
     config = run.plan.config
     if config.training.post_validation is not None and not config.clips_by_collective:
-        stage.optimizer = validated_optimizer(config.training.post_validation, run.schedule, run.index, stage,
-                                              config.training.optimizer, config.training.lr, config.training.momentum, run.context)
+        stage.optimizer = validated_optimizer(
+            config.training.post_validation,
+            run.schedule,
+            run.index,
+            stage,
+            config.training.optimizer,
+            config.training.lr,
+            config.training.momentum,
+            run.context,
+        )
 
 
 RunStep = Callable[[Stage, RankBuild], None]
@@ -81,8 +99,14 @@ RUN_STEPS: tuple[RunStep, ...] = (apply_sharding, apply_weight_policy)
 """The run's steps of a stage, in order, after the stage's own (``stage.build.STEPS``; module docstring)."""
 
 
-def build_workers(plan: RunPlan, rank: int, device: torch.device, schedule: Schedule | None = None,
-                  context: RankContext | None = None, row: Sequence[Action] = ()) -> dict[int, StageWorker]:
+def build_workers(
+    plan: RunPlan,
+    rank: int,
+    device: torch.device,
+    schedule: Schedule | None = None,
+    context: RankContext | None = None,
+    row: Sequence[Action] = (),
+) -> dict[int, StageWorker]:
     """A ``StageWorker`` per stage of ``schedule`` (default: the plan's) placed on stage rank ``rank``, built by
     the stage's steps then the run's (module docstring).
 
@@ -104,17 +128,24 @@ def build_workers(plan: RunPlan, rank: int, device: torch.device, schedule: Sche
     return workers
 
 
-def _options(plan: RunPlan, schedule: Schedule, s: int, device: torch.device, context: RankContext,
-             row: Sequence[Action]) -> StageOptions:
+def _options(
+    plan: RunPlan, schedule: Schedule, s: int, device: torch.device, context: RankContext, row: Sequence[Action]
+) -> StageOptions:
     """Stage ``s``'s own options, from the run's configuration."""
     config, part = plan.config, schedule.placement.stage_part[s]
     tp = None if context.mesh is None else context.mesh.tensor_parallel_group
     if tp is not None:
         tp = dataclasses.replace(tp, sequence_parallel=config.parallel.sequence_parallel)
-    return build.stage_options(config.model, plan.parts[part], batch_size=config.data.batch_size,
-                               optimizer_factory=optimizer_factory(config),
-                               recompute=config.memory.recompute_of(schedule.num_parts)[part], device=device,
-                               precision=config.training.precision, tensor_parallel=tp,
-                               compress=config.memory.compress_activations is not None,
-                               stashing=any(a.op.is_memory and a.stage == s for a in row),
-                               steps_done=plan.steps_done)
+    return build.stage_options(
+        config.model,
+        plan.parts[part],
+        batch_size=config.data.batch_size,
+        optimizer_factory=optimizer_factory(config),
+        recompute=config.memory.recompute_of(schedule.num_parts)[part],
+        device=device,
+        precision=config.training.precision,
+        tensor_parallel=tp,
+        compress=config.memory.compress_activations is not None,
+        stashing=any(a.op.is_memory and a.stage == s for a in row),
+        steps_done=plan.steps_done,
+    )

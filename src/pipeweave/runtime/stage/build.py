@@ -72,9 +72,16 @@ class StageOptions:
     steps_done: int = 0
 
 
-def stage_options(spec: ModelSpec, layer_indices: Iterable[int], *, batch_size: int,
-                  optimizer_factory: OptimizerFactory | None = None, recompute: bool | str = False,
-                  device: torch.device | str = "cpu", **rest: Any) -> StageOptions:
+def stage_options(
+    spec: ModelSpec,
+    layer_indices: Iterable[int],
+    *,
+    batch_size: int,
+    optimizer_factory: OptimizerFactory | None = None,
+    recompute: bool | str = False,
+    device: torch.device | str = "cpu",
+    **rest: Any,
+) -> StageOptions:
     """``StageOptions`` from ``StageWorker``'s arguments.
 
     Raises:
@@ -88,9 +95,15 @@ def stage_options(spec: ModelSpec, layer_indices: Iterable[int], *, batch_size: 
     modes = parse_recompute(recompute)
     if len(modes) != 1:
         raise UserError(f"recompute={recompute!r} gives several modes; a stage takes its own part's one")
-    return StageOptions(spec=spec, layer_indices=range(indices[0], indices[-1] + 1), batch_size=batch_size,
-                        optimizer_factory=optimizer_factory or sgd(), recompute=modes[0],
-                        device=torch.device(device), **rest)
+    return StageOptions(
+        spec=spec,
+        layer_indices=range(indices[0], indices[-1] + 1),
+        batch_size=batch_size,
+        optimizer_factory=optimizer_factory or sgd(),
+        recompute=modes[0],
+        device=torch.device(device),
+        **rest,
+    )
 
 
 @dataclass
@@ -140,8 +153,10 @@ class Sealed:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if not name.startswith("_") and getattr(self, "_sealed", False):
-            raise AttributeError(f"{type(self).__name__}.{name} is fixed once the stage is built; give it to the "
-                                 f"build (runtime.stage.build, runtime.run.workers) instead of setting it after")
+            raise AttributeError(
+                f"{type(self).__name__}.{name} is fixed once the stage is built; give it to the "
+                f"build (runtime.stage.build, runtime.run.workers) instead of setting it after"
+            )
         object.__setattr__(self, name, value)
 
 
@@ -188,8 +203,14 @@ def apply_optimizer(stage: Stage, options: StageOptions) -> None:
     stage.optimizer = options.optimizer_factory(params or [nn.Parameter(torch.zeros(1, device=options.device))])
 
 
-STEPS: tuple[StageStep, ...] = (split_layers, apply_tensor_parallel, apply_recompute, place, apply_memory_levers,
-                                apply_optimizer)
+STEPS: tuple[StageStep, ...] = (
+    split_layers,
+    apply_tensor_parallel,
+    apply_recompute,
+    place,
+    apply_memory_levers,
+    apply_optimizer,
+)
 """A stage's own steps, in order (module docstring)."""
 
 

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from pipeweave.models.boundary import tensors
-from pipeweave.runtime.stage.memory import ActivationMeter, _Held, unpack as unpack_held
+from pipeweave.runtime.stage.memory import ActivationMeter, _Held
+from pipeweave.runtime.stage.memory import unpack as unpack_held
 
 
 @dataclass
@@ -109,10 +110,11 @@ def unpack(packed: Packed, buffer: torch.Tensor) -> None:
     each holder back at its view of it."""
     rebuilt: dict[int, torch.UntypedStorage] = {}
     for s in packed.segments:
-        rebuilt[s.key] = buffer[s.offset:s.offset + s.size].clone().untyped_storage()
+        rebuilt[s.key] = buffer[s.offset : s.offset + s.size].clone().untyped_storage()
     for owner, attribute, (key, dtype, offset, size, stride) in packed.views:
-        _point(owner, attribute, torch.empty(0, dtype=dtype, device=buffer.device).set_(rebuilt[key], offset, size,
-                                                                                           stride))
+        _point(
+            owner, attribute, torch.empty(0, dtype=dtype, device=buffer.device).set_(rebuilt[key], offset, size, stride)
+        )
     packed.views = []
 
 
@@ -134,8 +136,9 @@ def _unpack(held: _Held) -> torch.Tensor:
     return held.tensor.to(torch.float32) if isinstance(held, _Compressed) else unpack_held(held)
 
 
-def stash_hooks(meter: ActivationMeter, saved: list[Any] | None, *, counted: bool,
-                compress_except: list[torch.Tensor] | None = None) -> Any:
+def stash_hooks(
+    meter: ActivationMeter, saved: list[Any] | None, *, counted: bool, compress_except: list[torch.Tensor] | None = None
+) -> Any:
     """Saved-tensor hooks of a forward: each saved tensor counted by ``meter`` (if ``counted``) and kept in
     ``saved`` too (if given, for ``stash_away``); with ``compress_except`` (the stage's inputs, which it
     keeps whole anyway), every other float32 tensor (parameters aside) stashed in bfloat16 (lossy)."""
@@ -162,11 +165,11 @@ def stash_away(worker: Any, mb: int) -> Packed:
     """
     record = worker._saved[mb]
     if record.held is None:
-        raise RuntimeError(f"stage {worker.layer_indices} did not keep microbatch {mb}'s saved tensors; "
-                           "set stashing before its F")
+        raise RuntimeError(
+            f"stage {worker.layer_indices} did not keep microbatch {mb}'s saved tensors; set stashing before its F"
+        )
     holders: list[tuple[Any, str]] = [(h, "tensor") for h in record.held]
-    holders += [(t, "data") for b in (record.input, record.output, record.target) if b is not None
-                for t in tensors(b)]
+    holders += [(t, "data") for b in (record.input, record.output, record.target) if b is not None for t in tensors(b)]
     packed = pack(holders, worker.meter.exclude)
     for h in record.held:
         if h.key is not None:

@@ -49,8 +49,10 @@ class LrSchedule:
         if self.warmup < 0:
             raise UserError(f"--lr-warmup {self.warmup} is invalid; give an integer >= 0")
         if self.kind != "constant" and self.decay_steps <= self.warmup:
-            raise UserError(f"--lr-decay-steps {self.decay_steps} (where the decay ends; default: the run's last "
-                            f"step) must exceed --lr-warmup {self.warmup}; give a later one or a shorter warm-up")
+            raise UserError(
+                f"--lr-decay-steps {self.decay_steps} (where the decay ends; default: the run's last "
+                f"step) must exceed --lr-warmup {self.warmup}; give a later one or a shorter warm-up"
+            )
 
     def at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based, over the whole training)."""

@@ -46,8 +46,7 @@ from collections.abc import Callable
 import torch
 
 from pipeweave.errors import UserError
-from pipeweave.runtime.stage.reads import (Corrected, PolicyOptions, Read, ScheduleTables, StreamCarry,
-                                           stage_reads)
+from pipeweave.runtime.stage.reads import Corrected, PolicyOptions, Read, ScheduleTables, StreamCarry, stage_reads
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Action, Op, Schedule, WeightPolicy
 from pipeweave.weights.avgpipe import default_alpha, elastic_average
@@ -76,9 +75,15 @@ class RankPolicy:
         policy.enter(a); run(a); policy.exit(a)
     """
 
-    def __init__(self, schedule: Schedule, workers: dict[int, StageWorker], options: PolicyOptions | None = None,
-                 tables: ScheduleTables | None = None, lr_at: Callable[[int], float] | None = None,
-                 carry: StreamCarry | None = None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        workers: dict[int, StageWorker],
+        options: PolicyOptions | None = None,
+        tables: ScheduleTables | None = None,
+        lr_at: Callable[[int], float] | None = None,
+        carry: StreamCarry | None = None,
+    ) -> None:
         self.options = options or PolicyOptions()
         self.lr_at = lr_at
         self.before = carry or StreamCarry()
@@ -122,8 +127,11 @@ class RankPolicy:
         updates = max((state.version for state in self.states.values()), default=0)  # every stage makes as many
         corrected = {s: state for s, state in self.states.items() if isinstance(state, Corrected)}
         annealed = self.before.annealed + max((max(0, c.version - c.warmup) for c in corrected.values()), default=0)
-        return StreamCarry(self.before.updates + updates, annealed,
-                           {s: [v.clone() for v in c.correction.velocity] for s, c in corrected.items()})
+        return StreamCarry(
+            self.before.updates + updates,
+            annealed,
+            {s: [v.clone() for v in c.correction.velocity] for s, c in corrected.items()},
+        )
 
     def held_bytes(self) -> int:
         """Weight bytes held now by this rank's stages."""

@@ -24,7 +24,6 @@ not yet supported. Straight placements only (one stage per rank, no replicas):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,8 +33,8 @@ from pipeweave.config.policy import PostValidation  # noqa: F401  (re-exported: 
 from pipeweave.errors import UserError
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.stage.build import Stage
-from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stage.tied import repeated_members
+from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Schedule
 from pipeweave.weights.post_validation import SGD, AdamW, GradState, PostValidatedStep
 
@@ -48,9 +47,11 @@ def check_post_validation(schedule: Schedule) -> None:
     """Raise UserError unless post-validation applies to ``schedule``."""
     placement = schedule.placement
     if schedule.num_chunks != 1 or len(placement.pipelines) != 1 or placement.num_parts != schedule.num_ranks:
-        raise UserError(f"post-validation needs one stage per rank and no replicas; {schedule.name} has "
-                        f"{schedule.num_chunks} chunks and {len(placement.pipelines)} pipelines; "
-                        "use a straight schedule such as zb-auto, zb-h2 or 1f1b")
+        raise UserError(
+            f"post-validation needs one stage per rank and no replicas; {schedule.name} has "
+            f"{schedule.num_chunks} chunks and {len(placement.pipelines)} pipelines; "
+            "use a straight schedule such as zb-auto, zb-h2 or 1f1b"
+        )
 
 
 class ValidatedOptimizer:
@@ -63,8 +64,15 @@ class ValidatedOptimizer:
         launch(run_rank, config, 4)
     """
 
-    def __init__(self, worker: StageWorker | Stage, stage: int, schedule: Schedule, options: PostValidation,
-                 inner: SGD | AdamW, context: RankContext | None = None) -> None:
+    def __init__(
+        self,
+        worker: StageWorker | Stage,
+        stage: int,
+        schedule: Schedule,
+        options: PostValidation,
+        inner: SGD | AdamW,
+        context: RankContext | None = None,
+    ) -> None:
         self.context = context if context is not None else RankContext()
         placement = schedule.placement
         self.params = list(worker.module.parameters())
@@ -118,8 +126,16 @@ class ValidatedOptimizer:
         self._sends.clear()
 
 
-def validated_optimizer(options: PostValidation, schedule: Schedule, index: int, stage: Stage, optimizer: str,
-                        lr: float, momentum: float = 0.0, context: RankContext | None = None) -> ValidatedOptimizer:
+def validated_optimizer(
+    options: PostValidation,
+    schedule: Schedule,
+    index: int,
+    stage: Stage,
+    optimizer: str,
+    lr: float,
+    momentum: float = 0.0,
+    context: RankContext | None = None,
+) -> ValidatedOptimizer:
     """Stage ``index``'s post-validated optimizer, in place of its torch one (a build step of the stage).
 
     Args:

@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeweave.config.policy import PolicyOptions  # noqa: F401  (re-exported: a section of the configuration)
-from pipeweave.errors import UserError
 from pipeweave.runtime.stage.lr_schedule import set_lr
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Action, Op, Schedule, WeightPolicy
 from pipeweave.sim.versions import applied_to, current_versions, staleness
 from pipeweave.weights.double_buffer import DoubleBuffer
-from pipeweave.weights.pipemare import DEFAULT_ANNEAL_STEPS, DEFAULT_DECAY, DiscrepancyCorrection, rescheduled_lr
+from pipeweave.weights.pipemare import DiscrepancyCorrection, rescheduled_lr
 from pipeweave.weights.prediction import check_predictable, predict_weights
 from pipeweave.weights.stash import VerticalSyncStash, WeightStash
 from pipeweave.weights.wpipe import weights_for_part
@@ -104,7 +103,9 @@ class _Stage:
 class _Stored(_Stage):
     """Stash, vertical sync, double buffer: the backward reads the copy its forward read."""
 
-    def __init__(self, worker: StageWorker, store: WeightStash, tables: ScheduleTables, stage: int, vertical: bool) -> None:
+    def __init__(
+        self, worker: StageWorker, store: WeightStash, tables: ScheduleTables, stage: int, vertical: bool
+    ) -> None:
         super().__init__(worker)
         self.store, self.tables, self.stage, self.vertical = store, tables, stage, vertical
 
@@ -137,8 +138,9 @@ class _Stored(_Stage):
 class Corrected(_Stage):
     """PipeMare: step size rescheduled by the stage's delay; backward weights extrapolated back."""
 
-    def __init__(self, worker: StageWorker, tables: ScheduleTables, stage: int, options: PolicyOptions,
-                 carry: StreamCarry) -> None:
+    def __init__(
+        self, worker: StageWorker, tables: ScheduleTables, stage: int, options: PolicyOptions, carry: StreamCarry
+    ) -> None:
         super().__init__(worker)
         self.correction = DiscrepancyCorrection(self.params, decay=options.decay, velocity=carry.velocity.get(stage))
         self.annealed = carry.annealed
@@ -173,8 +175,11 @@ class Corrected(_Stage):
     def before_update(self) -> None:
         k = self.version - self.warmup  # the synchronous warm-up keeps lr; the stream's updates count from 0
         for group, lr in zip(self.worker.optimizer.param_groups, self.base_lr):
-            group["lr"] = lr if k < 0 or self.options.anneal_steps == 0 else rescheduled_lr(
-                lr, self.delay, self.annealed + k, self.options.anneal_steps)
+            group["lr"] = (
+                lr
+                if k < 0 or self.options.anneal_steps == 0
+                else rescheduled_lr(lr, self.delay, self.annealed + k, self.options.anneal_steps)
+            )
         self.correction.before_update()
 
     def after_update(self) -> None:
@@ -257,8 +262,14 @@ class _Bellwether(_Stage):
         return 1 + len(self.cache)
 
 
-def stage_reads(schedule: Schedule, stage: int, worker: StageWorker, tables: ScheduleTables,
-                 options: PolicyOptions, carry: StreamCarry) -> _Stage:
+def stage_reads(
+    schedule: Schedule,
+    stage: int,
+    worker: StageWorker,
+    tables: ScheduleTables,
+    options: PolicyOptions,
+    carry: StreamCarry,
+) -> _Stage:
     policy = schedule.policy
     params = list(worker.module.parameters())
     if policy is WeightPolicy.STASH:

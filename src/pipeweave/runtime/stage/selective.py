@@ -49,8 +49,10 @@ def checkpoint_submodules(spec: ModelSpec, layers: Iterable[tuple[int, nn.Module
             try:
                 module = layer.get_submodule(name)
             except AttributeError:
-                raise UserError(f"--recompute selective: layer {index} ({type(layer).__name__}) has no submodule "
-                                f"{name!r}; name one of its submodules in LayerModel.selective") from None
+                raise UserError(
+                    f"--recompute selective: layer {index} ({type(layer).__name__}) has no submodule "
+                    f"{name!r}; name one of its submodules in LayerModel.selective"
+                ) from None
             module.forward = _replayed(module.forward)  # type: ignore[method-assign]
             wrapped += 1
     return wrapped

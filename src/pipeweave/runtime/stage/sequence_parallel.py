@@ -105,8 +105,9 @@ class _GatheredLinearFn(torch.autograd.Function):
     (deferred to ``W`` with the gathered input: ``W`` stays local) and reduce-scatters the input gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any,
-                tp: TensorParallel) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any, tp: TensorParallel
+    ) -> torch.Tensor:
         ctx.tp = tp
         whole, y = linear_forward(ctx, _gather(x, tp), weight, bias, store)
         ctx.save_for_backward(_own(whole, tp))  # (as the product read it: cast under autocast)
@@ -119,8 +120,9 @@ class _GatheredLinearFn(torch.autograd.Function):
         return None if gx is None else _reduce_scatter(gx, ctx.tp), None, None, None, None
 
 
-def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any,
-                    tp: TensorParallel) -> torch.Tensor:
+def gathered_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: Any, tp: TensorParallel
+) -> torch.Tensor:
     """``linear(gather_from_sequence(x))`` holding ``x``'s shard, not the gathered whole, from F to the backward
     (as Megatron-LM's sequence-parallel linear does): the paper's ``34 s b h / N`` per block."""
     return _GatheredLinearFn.apply(x, weight, bias, store, tp)  # type: ignore[no-any-return]

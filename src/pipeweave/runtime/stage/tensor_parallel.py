@@ -197,8 +197,9 @@ class ColumnParallelLinear(Deferrable):
     otherwise the output stays split, for a row-parallel layer or a per-head computation next.
     """
 
-    def __init__(self, full: Linear, tp: TensorParallel, rows: tuple[torch.Tensor, ...], *,
-                 gather_output: bool = False) -> None:
+    def __init__(
+        self, full: Linear, tp: TensorParallel, rows: tuple[torch.Tensor, ...], *, gather_output: bool = False
+    ) -> None:
         super().__init__()
         self.tp, self.gather_output = tp, gather_output
         split = Split(0, rows)
@@ -244,8 +245,10 @@ def _colwise_qkv(full: Linear, tp: TensorParallel) -> ColumnParallelLinear:
     divides by the group's size: ``models.tensor_parallel.check_divisible``)."""
     width = full.weight.shape[0] // 3
     per_rank = width // tp.size
-    rows = tuple(torch.cat([torch.arange(part * width + r * per_rank, part * width + (r + 1) * per_rank)
-                            for part in range(3)]) for r in range(tp.size))
+    rows = tuple(
+        torch.cat([torch.arange(part * width + r * per_rank, part * width + (r + 1) * per_rank) for part in range(3)])
+        for r in range(tp.size)
+    )
     return ColumnParallelLinear(full, tp, rows)
 
 
@@ -274,8 +277,9 @@ def split(layer: nn.Module, plan: Mapping[str, str], tp: TensorParallel, where: 
     return layer
 
 
-def split_layers(spec: ModelSpec, indices: Sequence[int], layers: Sequence[nn.Module],
-                 tp: TensorParallel) -> list[nn.Module]:
+def split_layers(
+    spec: ModelSpec, indices: Sequence[int], layers: Sequence[nn.Module], tp: TensorParallel
+) -> list[nn.Module]:
     """A stage's layers (``indices`` of ``spec``) split over ``tp`` by the model's plan; sequence-parallel too
     where ``tp`` says so (``stage.sequence_parallel``)."""
     cut = [split(layer, tensor_parallel_plan(spec, i, layer), tp, f"layer {i}") for i, layer in zip(indices, layers)]
@@ -310,6 +314,8 @@ def check_entry(layer: nn.Module, name: str, style: str, where: str) -> Linear:
         raise UserError(f"{where}: style {style!r} for {name!r} is unknown; choose one of: {', '.join(STYLES)}")
     linears = [n for n, m in layer.named_modules() if isinstance(m, Linear)]
     if name not in linears:
-        raise UserError(f"{where}: the TP plan names {name!r}, which is not a linear layer of it; give one of "
-                        f"{', '.join(linears) or 'none (it has no linear layer)'}")
+        raise UserError(
+            f"{where}: the TP plan names {name!r}, which is not a linear layer of it; give one of "
+            f"{', '.join(linears) or 'none (it has no linear layer)'}"
+        )
     return layer.get_submodule(name)  # type: ignore[return-value]

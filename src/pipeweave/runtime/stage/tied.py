@@ -28,15 +28,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-
 from torch import nn
 
 from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec
 from pipeweave.models.tied import layer_of
-from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.context import RankContext
+from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Placement
+
 
 def tied_groups(spec: ModelSpec) -> list[list[str]]:
     """The model's tied groups by global name (``models.tied``)."""
@@ -66,8 +66,11 @@ def tied_names(worker: StageWorker) -> list[list[str]]:
 
 def split_groups(worker: StageWorker) -> list[int]:
     """The groups of which this worker holds some members but not all: those it must exchange."""
-    return [g for g, (mine, group) in enumerate(zip(tied_names(worker), tied_groups(worker.spec)))
-            if mine and len(mine) < len(group)]
+    return [
+        g
+        for g, (mine, group) in enumerate(zip(tied_names(worker), tied_groups(worker.spec)))
+        if mine and len(mine) < len(group)
+    ]
 
 
 def repeated_members(worker: StageWorker) -> set[int]:
@@ -97,8 +100,10 @@ def tie_peer(placement: Placement, stage: int, worker: StageWorker) -> int | Non
     split = split_groups(worker)
     if split:
         group = tied_groups(worker.spec)[split[0]]
-        raise UserError(f"tied parameters {', '.join(group)} lie in stage {stage}, inside the pipeline; tied groups "
-                        "must lie in one stage or in the first and last (re-partition, e.g. --partition uniform)")
+        raise UserError(
+            f"tied parameters {', '.join(group)} lie in stage {stage}, inside the pipeline; tied groups "
+            "must lie in one stage or in the first and last (re-partition, e.g. --partition uniform)"
+        )
     return stage if holds else None
 
 
@@ -129,8 +134,16 @@ class TiedGradients:
         hooks: per tied stage of this process, what its ``U`` runs (``StageWorker.update(combine=...)``).
     """
 
-    def __init__(self, placement: Placement, workers: dict[int, StageWorker], rank: int | None = None,
-                 tag_base: int = 0, *, first: bool = False, context: RankContext | None = None) -> None:
+    def __init__(
+        self,
+        placement: Placement,
+        workers: dict[int, StageWorker],
+        rank: int | None = None,
+        tag_base: int = 0,
+        *,
+        first: bool = False,
+        context: RankContext | None = None,
+    ) -> None:
         self.placement, self.workers, self.rank, self.tag_base = placement, workers, rank, tag_base
         self.context = context if context is not None else RankContext()
         self._pending: set[tuple[int, int]] = set()  # local pairs summed once, awaiting the second U
@@ -185,6 +198,7 @@ class TiedGradients:
 
 def hook(combine: Callable[[int], None], stage: int) -> Callable[[StageWorker], None]:
     """What ``stage``'s ``U`` runs: ``combine(stage)``."""
+
     def run(worker: StageWorker) -> None:
         combine(stage)
 
@@ -229,7 +243,7 @@ def unflatten(flat: torch.Tensor, like: dict[int, torch.Tensor]) -> dict[int, to
     """``flatten``'s inverse: views of ``flat`` shaped as the groups of ``like``."""
     out, offset = {}, 0
     for g, t in like.items():
-        out[g] = flat[offset: offset + t.numel()].view_as(t)
+        out[g] = flat[offset : offset + t.numel()].view_as(t)
         offset += t.numel()
     return out
 

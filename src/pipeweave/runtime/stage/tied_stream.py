@@ -58,8 +58,18 @@ import torch
 
 from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec
-from pipeweave.runtime.stage.tied import (flatten, hook, partial_sums, split_groups, summed, tie_peer, tied_groups,
-                                         tied_names, unflatten, write_sums)
+from pipeweave.runtime.stage.tied import (
+    flatten,
+    hook,
+    partial_sums,
+    split_groups,
+    summed,
+    tie_peer,
+    tied_groups,
+    tied_names,
+    unflatten,
+    write_sums,
+)
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Schedule
 from pipeweave.schedule.registry import tied_streams
@@ -71,12 +81,16 @@ def check_stream_ties(spec: ModelSpec, schedule: str, lr_scheduled: bool) -> Non
     if not tied_groups(spec):
         return
     if schedule not in tied_streams():
-        raise UserError(f"tied parameters (tied embeddings) train on the asynchronous {', '.join(tied_streams())} "
-                        f"only, not {schedule}; choose one of them or a synchronous schedule, or untie them "
-                        "(drop --tie-embeddings, tie_word_embeddings=false)")
+        raise UserError(
+            f"tied parameters (tied embeddings) train on the asynchronous {', '.join(tied_streams())} "
+            f"only, not {schedule}; choose one of them or a synchronous schedule, or untie them "
+            "(drop --tie-embeddings, tie_word_embeddings=false)"
+        )
     if lr_scheduled:
-        raise UserError(f"tied parameters on {schedule} take a constant learning rate (the last stage applies each "
-                        "tied update some updates later); drop --lr-schedule and --lr-warmup, or untie them")
+        raise UserError(
+            f"tied parameters on {schedule} take a constant learning rate (the last stage applies each "
+            "tied update some updates later); drop --lr-schedule and --lr-warmup, or untie them"
+        )
 
 
 class StreamTies:
@@ -163,8 +177,10 @@ class StreamTies:
         if k < self.lag[stage]:
             _drop(worker)
         else:
-            write_sums(worker, summed(unflatten(self._receive(peer, k - self.lag[stage]), mine),
-                                      unflatten(kept.popleft(), mine)))
+            write_sums(
+                worker,
+                summed(unflatten(self._receive(peer, k - self.lag[stage]), mine), unflatten(kept.popleft(), mine)),
+            )
         kept.append(flat)
 
     def _send(self, stage: int, k: int, flat: torch.Tensor) -> None:

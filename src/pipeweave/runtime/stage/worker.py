@@ -86,8 +86,8 @@ from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
 from pipeweave.models.spec import ModelSpec, loss_fn
 from pipeweave.runtime.stage.build import OptimizerFactory, Sealed, Stage, build_stage, sgd, stage_options
-from pipeweave.runtime.stage.memory import Metered, own, unpack
 from pipeweave.runtime.stage.levers import stash_hooks
+from pipeweave.runtime.stage.memory import Metered, own, unpack
 from pipeweave.runtime.stage.tensor_parallel import TensorParallel
 
 __all__ = ["Combine", "OptimizerFactory", "StageWorker", "sgd"]
@@ -156,10 +156,20 @@ class StageWorker(Sealed, Metered):
         stashing: bool = False,
         steps_done: int = 0,
     ) -> None:
-        options = stage_options(spec, layer_indices, batch_size=batch_size, optimizer_factory=optimizer_factory,
-                                recompute=recompute, device=device, track_memory=track_memory, precision=precision,
-                                tensor_parallel=tensor_parallel, compress=compress, stashing=stashing,
-                                steps_done=steps_done)
+        options = stage_options(
+            spec,
+            layer_indices,
+            batch_size=batch_size,
+            optimizer_factory=optimizer_factory,
+            recompute=recompute,
+            device=device,
+            track_memory=track_memory,
+            precision=precision,
+            tensor_parallel=tensor_parallel,
+            compress=compress,
+            stashing=stashing,
+            steps_done=steps_done,
+        )
         self._adopt(build_stage(options))
 
     @classmethod
@@ -255,8 +265,14 @@ class StageWorker(Sealed, Metered):
 
     def _run_layers(self, x: Boundary, target: Boundary | None, mb: int | None, step: int) -> Boundary:
         if self.keyed and mb is not None:  # models.randomness: the masks plain training draws
-            x = run_keyed(zip(self.layer_indices, self.module.values()), x, seed=self.spec.seed, step=step,
-                          microbatch=mb, device=self.device)
+            x = run_keyed(
+                zip(self.layer_indices, self.module.values()),
+                x,
+                seed=self.spec.seed,
+                step=step,
+                microbatch=mb,
+                device=self.device,
+            )
         else:
             for layer in self.module.values():
                 x = boundary.call(layer, x)
@@ -348,7 +364,9 @@ class StageWorker(Sealed, Metered):
         pipeline) is told through its ``skip_step``.
         """
         if self._weight_grads:
-            raise RuntimeError(f"U on stage {self.layer_indices} with W pending for microbatches {list(self._weight_grads)}")
+            raise RuntimeError(
+                f"U on stage {self.layer_indices} with W pending for microbatches {list(self._weight_grads)}"
+            )
         if combine is not None:
             combine(self)
         if not skip:
@@ -392,8 +410,12 @@ class StageWorker(Sealed, Metered):
     # ---- helpers -------------------------------------------------------------
     def _hooks(self, saved: list[Any] | None = None, x: Boundary | None = None) -> Any:
         if saved is not None or (self.compress and x is not None):  # F, moving or compressing (stage.levers)
-            return stash_hooks(self.meter, saved, counted=self.track_memory,
-                               compress_except=None if not self.compress or x is None else tensors(x))
+            return stash_hooks(
+                self.meter,
+                saved,
+                counted=self.track_memory,
+                compress_except=None if not self.compress or x is None else tensors(x),
+            )
         if not self.track_memory:
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self.meter.pack, unpack)

@@ -107,16 +107,18 @@ def replica_rank_sets(placement: Placement) -> dict[int, tuple[int, ...]]:
     return out
 
 
-def build_mesh(process: int, world: int, placement: Placement, data_parallel: int, tensor_parallel: int,
-               device: torch.device) -> Mesh:
+def build_mesh(
+    process: int, world: int, placement: Placement, data_parallel: int, tensor_parallel: int, device: torch.device
+) -> Mesh:
     """This process's ``Mesh``, every group created (a collective call: every process of the run calls it)."""
     ranks = world // tensor_parallel
     outside = placement.num_ranks != ranks  # an asynchronous schedule's replicas, laid out around it
     mesh = Mesh(data_parallel, ranks // data_parallel, tensor_parallel, process, outside=outside)
     if tensor_parallel == 1 and not outside and not replica_rank_sets(placement):
         return mesh
-    mesh.device_mesh = init_device_mesh(device.type, (data_parallel, mesh.stages, tensor_parallel),
-                                        mesh_dim_names=("dp", "pp", "tp"))
+    mesh.device_mesh = init_device_mesh(
+        device.type, (data_parallel, mesh.stages, tensor_parallel), mesh_dim_names=("dp", "pp", "tp")
+    )
     mesh.tp_group = mesh.device_mesh.get_group("tp")
     mesh.dp_group = mesh.device_mesh.get_group("dp")
     mesh.pipeline_group = _group_per_tp([list(range(ranks))], mesh)[0] if tensor_parallel > 1 else None

@@ -22,8 +22,16 @@ import torch
 from pipeweave.models.boundary import MAX_TENSORS
 
 DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 )
 MAX_DIMS = 8
 META_LEN = 1 + MAX_TENSORS * (2 + MAX_DIMS)
@@ -90,12 +98,14 @@ class Layout:
         device = tensors[0].device if tensors else torch.device("cpu")
         buffer = torch.empty(self.nbytes(samples), dtype=torch.uint8, device=device)
         for t, (offset, n) in zip(tensors, self.spans(samples)):
-            buffer[offset:offset + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+            buffer[offset : offset + n].copy_(t.contiguous().view(-1).view(torch.uint8))
         return buffer
 
     def unpack(self, buffer: torch.Tensor, samples: int) -> tuple[torch.Tensor, ...]:
-        return tuple(buffer[offset:offset + n].view(dtype).view(samples, *sample)
-                     for (dtype, sample), (offset, n) in zip(self.entries, self.spans(samples)))
+        return tuple(
+            buffer[offset : offset + n].view(dtype).view(samples, *sample)
+            for (dtype, sample), (offset, n) in zip(self.entries, self.spans(samples))
+        )
 
     def encode(self) -> torch.Tensor:
         if len(self.entries) > MAX_TENSORS:
@@ -112,6 +122,6 @@ class Layout:
         entries, at = [], 1
         for _ in range(-values[0]):
             ndim = values[at + 1]
-            entries.append((DTYPES[values[at]], tuple(values[at + 2:at + 2 + ndim])))
+            entries.append((DTYPES[values[at]], tuple(values[at + 2 : at + 2 + ndim])))
             at += 2 + MAX_DIMS
         return cls(tuple(entries))

@@ -59,7 +59,11 @@ def message_key(lowered: LoweredSchedule, a: Action) -> Key:
 
 
 def rank_sends(
-    lowered: LoweredSchedule, rank: int, *, with_meta: bool, tied: dict[int, int] | None = None,
+    lowered: LoweredSchedule,
+    rank: int,
+    *,
+    with_meta: bool,
+    tied: dict[int, int] | None = None,
     meta_every_message: bool = False,
 ) -> list[tuple[int, Key]]:
     """Every message ``rank`` sends in one step, as ``(destination rank, key)`` in posting order.
@@ -94,7 +98,11 @@ def rank_sends(
 
 
 def send_order(
-    lowered: LoweredSchedule, rank: int, *, with_meta: bool, tied: dict[int, int] | None = None,
+    lowered: LoweredSchedule,
+    rank: int,
+    *,
+    with_meta: bool,
+    tied: dict[int, int] | None = None,
     meta_every_message: bool = False,
 ) -> dict[int, list[Key]]:
     """Per destination rank, the keys ``rank`` sends in one step, in posting order (``rank_sends``)."""

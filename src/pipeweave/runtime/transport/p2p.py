@@ -44,6 +44,7 @@ from pipeweave.runtime.transport.order import KINDS, META, TIED, Key, message_ke
 from pipeweave.schedule.ir import Action
 from pipeweave.schedule.lower import LoweredSchedule
 
+
 @dataclass
 class _Posted:
     work: Any  # dist.Work, or shm.RecvWork under --transport shm
@@ -137,9 +138,18 @@ class P2P:
         if orders is None:
             orders = self._orders[self._first_step] = {
                 peer: keys
-                for peer in range(len(self.lowered.actions)) if peer != self.rank
-                for keys in [send_order(self.lowered, peer, with_meta=self._first_step, tied=self.tied,
-                                        meta_every_message=self.variable_shapes).get(self.rank, [])] if keys
+                for peer in range(len(self.lowered.actions))
+                if peer != self.rank
+                for keys in [
+                    send_order(
+                        self.lowered,
+                        peer,
+                        with_meta=self._first_step,
+                        tied=self.tied,
+                        meta_every_message=self.variable_shapes,
+                    ).get(self.rank, [])
+                ]
+                if keys
             }
         self._queues = {peer: deque(keys) for peer, keys in orders.items()}
         self._first_step = False
@@ -179,8 +189,10 @@ class P2P:
             sent = self._sent[stream] = (tensor.dtype, tuple(shape[1:]), tensor.element_size() * math.prod(shape[1:]))
             self._isend(tensor_meta(tensor).to(self.device), peer, (key[0], key[1], META))
         elif tuple(shape[1:]) != sent[1] or tensor.dtype != sent[0]:
-            raise ValueError(f"{a}: a {tensor.dtype} tensor of per-sample shape {tuple(shape[1:])} in a stream "
-                             f"announced as {sent[0]} {sent[1]}")
+            raise ValueError(
+                f"{a}: a {tensor.dtype} tensor of per-sample shape {tuple(shape[1:])} in a stream "
+                f"announced as {sent[0]} {sent[1]}"
+            )
         self._forget_finished_sends()
         self._isend(tensor, peer, key, sent[2] * shape[0])
 
@@ -188,8 +200,10 @@ class P2P:
         samples = self.sizes[a.microbatch]
         for t in tensors:
             if not t.shape or t.shape[0] != samples:
-                raise ValueError(f"{a}: a tuple's tensor of shape {tuple(t.shape)} does not have the microbatch "
-                                 f"({samples}) as dimension 0")
+                raise ValueError(
+                    f"{a}: a tuple's tensor of shape {tuple(t.shape)} does not have the microbatch "
+                    f"({samples}) as dimension 0"
+                )
         layout = Layout.of(tensors)
         stream = key[:2]
         sent = self._sent_layouts.get(stream)
@@ -231,8 +245,9 @@ class P2P:
         """Post the send; ``nbytes``: the (contiguous) tensor's bytes, when known."""
         ring = self.context.transport  # --transport shm: the same messages, in the same order, through shared memory
         dst = self.context.process_of(peer)  # the peer stage rank's process with this tensor-parallel coordinate
-        work: Any = (ring.isend(tensor, dst, self.tag(key), nbytes) if ring
-                     else dist.isend(tensor, dst=dst, tag=self.tag(key)))
+        work: Any = (
+            ring.isend(tensor, dst, self.tag(key), nbytes) if ring else dist.isend(tensor, dst=dst, tag=self.tag(key))
+        )
         assert work is not None
         if work is not shm.SENT:  # a record already in the ring needs no waiting (and no tensor)
             self._pending_sends.append((work, tensor))
@@ -275,7 +290,12 @@ class P2P:
                     return
                 queue.popleft()
                 return
-            if nxt[2] != META and nxt[1] != TIED and nxt[:2] not in self._shapes and not self._read_meta(nxt[:2], block):
+            if (
+                nxt[2] != META
+                and nxt[1] != TIED
+                and nxt[:2] not in self._shapes
+                and not self._read_meta(nxt[:2], block)
+            ):
                 return
             queue.popleft()
             self._post(peer, nxt)
@@ -324,8 +344,9 @@ class P2P:
                 nbytes = sample_bytes * samples
         ring = self.context.transport
         src = self.context.process_of(peer)
-        work: Any = (ring.irecv(buffer, src, self.tag(key), nbytes) if ring
-                     else dist.irecv(buffer, src=src, tag=self.tag(key)))
+        work: Any = (
+            ring.irecv(buffer, src, self.tag(key), nbytes) if ring else dist.irecv(buffer, src=src, tag=self.tag(key))
+        )
         assert work is not None
         self._posted[key] = _Posted(work, buffer, layout, self.sizes[key[2]] if layout is not None else 0)
 

@@ -159,7 +159,9 @@ def _nbytes(tensor: torch.Tensor, nbytes: int | None) -> int:
     if nbytes is not None:  # P2P: contiguous by construction, size known (no tensor call on the hot path)
         return nbytes
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
-        raise ValueError(f"shm carries contiguous CPU tensors, got a {tensor.device} tensor of strides {tensor.stride()}")
+        raise ValueError(
+            f"shm carries contiguous CPU tensors, got a {tensor.device} tensor of strides {tensor.stride()}"
+        )
     return int(tensor.nbytes)
 
 
@@ -304,8 +306,10 @@ class ShmTransport:
             start = (read + pad) % capacity
             tag, size = words[start // 8], words[start // 8 + 1]
             if (tag, size) != (work.tag, n):  # pragma: no cover - an ordering bug
-                raise RuntimeError(f"rank {self.rank}: shm record from rank {peer} has tag {tag} "
-                                   f"({size} bytes), expected tag {work.tag} ({n} bytes)")
+                raise RuntimeError(
+                    f"rank {self.rank}: shm record from rank {peer} has tag {tag} "
+                    f"({size} bytes), expected tag {work.tag} ({n} bytes)"
+                )
             if n:
                 _memmove(work.address + work.offset, channel.address + start + _HEADER, n)
             ctrl[8] = read + pad + length
