@@ -111,21 +111,7 @@ class Executor:
         self._exchanges(
             {} if evaluate else workers, policy is not None, combine_replicas, bucket_bytes, zero, clip_norm, sum_over
         )
-        self.dispatch: dict[Op, Callable[[Action], None]] = {
-            Op.F: self.forward,
-            Op.B: self.backward,
-            Op.I: self.backward_input,
-            Op.W: self.backward_weight,
-            Op.U: self.update,
-            Op.SEND_F: self.send_forward,
-            Op.RECV_F: self.recv_forward,
-            Op.SEND_B: self.send_backward,
-            Op.RECV_B: self.recv_backward,
-            Op.OFFLOAD: self.offload,
-            Op.RELOAD: self.reload,
-            Op.EVICT: self.evict,
-            Op.LOAD: self.load,
-        }
+        self.dispatch = self._dispatch_table()
         self.partner, self.store = partner, self._offload_store()
         self.peak_activation_bytes = 0
         # Of the last step: thread CPU ns per action (parallel to the records), process CPU ns of the step.
@@ -148,6 +134,24 @@ class Executor:
         self.skip_nonfinite = on_nonfinite == "skip"
         self.step_loss: float | None = None
         """Of the last step, with ``on_nonfinite``: its loss, every rank's share summed (the same on every rank)."""
+
+    def _dispatch_table(self) -> dict[Op, Callable[[Action], None]]:
+        """The method that runs each op."""
+        return {
+            Op.F: self.forward,
+            Op.B: self.backward,
+            Op.I: self.backward_input,
+            Op.W: self.backward_weight,
+            Op.U: self.update,
+            Op.SEND_F: self.send_forward,
+            Op.RECV_F: self.recv_forward,
+            Op.SEND_B: self.send_backward,
+            Op.RECV_B: self.recv_backward,
+            Op.OFFLOAD: self.offload,
+            Op.RELOAD: self.reload,
+            Op.EVICT: self.evict,
+            Op.LOAD: self.load,
+        }
 
     def _exchanges(
         self,
