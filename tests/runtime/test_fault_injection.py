@@ -150,6 +150,7 @@ def _temporary(*folders: Path) -> list[str]:
 KINDS = ("launcher", "rank", "hup")
 
 
+@pytest.mark.slow  # 70-75 s: in the whole suite (.ci/run), out of the README's quick selection
 def test_a_run_killed_ten_times_resumes_to_the_uninterrupted_result(
     tmp_path: Path, checkpoint_tensors: Callable[[Path], dict[str, torch.Tensor]]
 ) -> None:

@@ -44,6 +44,7 @@ class ScheduleInfo:
     """What the registry knows of one schedule family.
 
     Example:
+        >>> from pipeweave.schedule.registry import SCHEDULES
         >>> info = SCHEDULES["zb-h1"]
         >>> info.family, info.synchronous, info.chunks
         ('zero bubble ZB-H1', True, 1)
