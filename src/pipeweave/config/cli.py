@@ -54,9 +54,9 @@ def argument(section: type, f: Field[Any]) -> tuple[tuple[str, ...], dict[str, A
     choices = choices_of(base)
     if opt.parse is not None:
         pass  # parsed in ``build``, so that its one line is the run's (argparse would swallow it)
-    elif choices is not None and isinstance(choices[0], str):
+    elif choices is not None and isinstance(choices[0], str) and opt.check is None:
         kwargs["type"], kwargs["choices"] = str, choices
-    elif choices is not None:  # numbers: the field's check says what is valid, in one line
+    elif choices is not None:  # numbers, or a field with its own words: its check says what is valid
         kwargs["type"], kwargs["metavar"] = type(choices[0]), "{" + ",".join(map(str, choices)) + "}"
     elif base in (int, float):
         kwargs["type"] = base

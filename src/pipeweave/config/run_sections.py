@@ -72,7 +72,7 @@ class TrainingConfig:
     lr_decay_steps: int | None = option(None, metavar="N")
     """The step where the decay ends (default: the last step, or a stream's last update, of this run; give the
     same one when resuming)."""
-    precision: str = option("fp32", metavar="fp32|bf16", check=check_precision)
+    precision: Literal["fp32", "bf16"] = option("fp32", check=check_precision)
     """bf16: mixed precision, every forward under torch.autocast to bfloat16 (parameters, gradients and
     optimizer state float32)."""
     clip_grad_norm: float | None = option(None, metavar="NORM", check=_norm)

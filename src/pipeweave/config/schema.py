@@ -187,6 +187,9 @@ def check_section(section: Any) -> None:
         want = _kind(value, hint)
         if want is not None:
             raise UserError(f"{f.name}={value!r} is a {type(value).__name__}; give {want}")
+        check = option_of(f).check
+        if check is not None and value is not None:  # its own words first (fp16: needs loss scaling)
+            check(value, flag_of(f))
         choices = choices_of(hint)
         if value is not None and choices is not None and value not in choices:
             word = "unknown" if isinstance(value, str) else "invalid"
@@ -195,9 +198,6 @@ def check_section(section: Any) -> None:
                 if isinstance(value, str)
                 else f"{flag_of(f)} {value} is {word}; choose one of: {', '.join(map(str, choices))}"
             )
-        check = option_of(f).check
-        if check is not None and value is not None:
-            check(value, flag_of(f))
 
 
 def at_least(low: int | float, fix: str = "give an integer >= 1") -> Callable[[Any, str], None]:

@@ -30,20 +30,14 @@ from typing import Any
 
 import torch
 
-from pipeweave.errors import UserError
+from pipeweave.config.run_sections import PRECISIONS, check_precision  # noqa: F401  (PRECISIONS re-exported)
 
-PRECISIONS = ("fp32", "bf16")
 """What ``--precision`` takes."""
 
 
 def check(precision: str) -> str:
-    """``precision`` if it is one of ``PRECISIONS``; one line naming the value otherwise."""
-    if precision == "fp16":
-        raise UserError(
-            "--precision fp16 needs loss scaling, which pipeweave does not do; give bf16 (float32's range) or fp32"
-        )
-    if precision not in PRECISIONS:
-        raise UserError(f"--precision {precision!r} is unknown; give one of: {', '.join(PRECISIONS)}")
+    """``precision`` if it is one of ``PRECISIONS``; one line naming the value otherwise (``config``'s check)."""
+    check_precision(precision)
     return precision
 
 
