@@ -11,8 +11,8 @@ import torch
 from pipeweave.cli import main
 from pipeweave.config import TrainConfig
 from pipeweave.models import ModelSpec
-from pipeweave.plan.space import Fixed, configurations
-from pipeweave.plan.transformer import Transformer
+from pipeweave.planner.space import Fixed, configurations
+from pipeweave.planner.transformer import Transformer
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.run.prepare import prepare
 from pipeweave.schedule import (

@@ -28,8 +28,8 @@ def test_import_lists_the_public_names_and_imports_no_torch() -> None:
         "pipeline",
         "Pipeline",
         "simulate",
-        "search_schedule",
-        "plan_cluster",
+        "search",
+        "plan",
         "compare",
         "SCHEDULES",
         "ScheduleInfo",
@@ -57,13 +57,13 @@ def test_unknown_names_are_attribute_errors() -> None:
 
 
 def test_the_subpackages_keep_their_names() -> None:
-    """``pipeweave.search`` and ``pipeweave.plan`` stay the subpackages, beside the functions."""
-    import pipeweave.plan.search
-    import pipeweave.search.offload
+    """``pipeweave.autoschedule`` and ``pipeweave.planner`` stay the subpackages, beside the functions."""
+    import pipeweave.autoschedule.offload
+    import pipeweave.planner.search
 
-    assert inspect.ismodule(pipeweave.search) and inspect.ismodule(pipeweave.plan)
-    assert pipeweave.search.offload.__name__ == "pipeweave.search.offload"
-    assert callable(pipeweave.search_schedule) and callable(pipeweave.plan_cluster)
+    assert inspect.ismodule(pipeweave.autoschedule) and inspect.ismodule(pipeweave.planner)
+    assert pipeweave.autoschedule.offload.__name__ == "pipeweave.autoschedule.offload"
+    assert callable(pipeweave.search) and callable(pipeweave.plan)
 
 
 def _printed(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, object]:
@@ -111,13 +111,13 @@ def test_simulate_a_given_schedule() -> None:
 
 
 def test_search_is_the_command(capsys: pytest.CaptureFixture[str]) -> None:
-    result = pipeweave.search_schedule(3, 6, memory_limit=1.0, solver="heuristic")
+    result = pipeweave.search(3, 6, memory_limit=1.0, solver="heuristic")
     out = _printed(capsys, ["search", "--stages", "3", "--microbatches", "6", "--solver", "heuristic", "--json"])
     assert out["bubble_ratio"] == result.bubble_ratio and out["lower_bound"] == result.lower_bound
 
 
 def test_plan_is_the_command(capsys: pytest.CaptureFixture[str]) -> None:
-    plan = pipeweave.plan_cluster("gpt-1.7b", 16, 32, top=3)
+    plan = pipeweave.plan("gpt-1.7b", 16, 32, top=3)
     out = _printed(
         capsys, ["plan", "--model", "gpt-1.7b", "--gpus", "16", "--global-batch", "32", "--top", "3", "--json"]
     )
@@ -130,7 +130,7 @@ def test_plan_is_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     "call, message",
     [
         (lambda: pipeweave.simulate("nope"), "unknown schedule 'nope'"),
-        (lambda: pipeweave.plan_cluster("gpt-1.7b", 8, 16, pipeline=2), "unknown dimension 'pipeline'"),
+        (lambda: pipeweave.plan("gpt-1.7b", 8, 16, pipeline=2), "unknown dimension 'pipeline'"),
         (lambda: pipeweave.compare(["1f1b"], depth=3), "unknown model option 'depth'"),
         (lambda: pipeweave.compare(["nope"], model="mlp", layers=4, hidden=8), "nope"),
     ],

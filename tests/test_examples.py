@@ -23,7 +23,7 @@ COMMANDS = {
     "torchrun_train.py": TORCHRUN,
     "hf_model.py": [sys.executable],
     "custom_schedule.py": [sys.executable],
-    "plan_cluster.py": [sys.executable],
+    "plan.py": [sys.executable],
     "compare_schedules.py": [sys.executable],
 }
 """Each example and how it is started."""
@@ -83,8 +83,8 @@ def test_custom_schedule() -> None:
 def test_plan_cluster() -> None:
     import pipeweave
 
-    out = _run("plan_cluster.py")
-    best = pipeweave.plan_cluster("gpt-1.7b", gpus=64, global_batch=256, gpu="h100-sxm", top=3).best[0]
+    out = _run("plan.py")
+    best = pipeweave.plan("gpt-1.7b", gpus=64, global_batch=256, gpu="h100-sxm", top=3).best[0]
     assert f"TP {best.config.tp} x PP {best.config.pp} x DP {best.config.dp}" in out.splitlines()[1]
     assert len(re.findall(r"^TP \d+ x PP \d+ x DP \d+ ", out, re.M)) == 3
     assert "with 1f1b on 4 stages: step" in out

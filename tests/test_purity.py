@@ -1,4 +1,4 @@
-"""``schedule/``, ``sim/``, ``search/`` and ``plan/`` import no torch (DESIGN.md: only the runtime does)."""
+"""``schedule/``, ``sim/``, ``autoschedule/`` and ``planner/`` import no torch (DESIGN.md: only the runtime does)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 import pipeweave
 
-PURE = ("schedule", "sim", "search", "plan")
+PURE = ("schedule", "sim", "autoschedule", "planner")
 ROOT = Path(pipeweave.__file__).parent
 
 # Imports the named modules (or every module of the pure packages) and prints
@@ -53,7 +53,7 @@ def _modules(pkg: str) -> list[Path]:
 
 def test_importing_every_pure_module_leaves_torch_out() -> None:
     data = _probe([])
-    assert data["torch"] is False, "importing schedule/, sim/ or search/ pulled in torch"
+    assert data["torch"] is False, "importing schedule/, sim/ or autoschedule/ pulled in torch"
     assert isinstance(data["count"], int) and data["count"] >= 20
     failed = data["failed"]
     assert isinstance(failed, list)

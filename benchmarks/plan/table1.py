@@ -12,16 +12,16 @@ import argparse
 import time
 from collections.abc import Iterable
 
-from pipeweave.plan.candidate import Config
-from pipeweave.plan.costs import Cluster
-from pipeweave.plan.efficiency import A100_CALIBRATED, calibrate
-from pipeweave.plan.evaluate import Evaluator, Result
-from pipeweave.plan.explain import parts
-from pipeweave.plan.hardware import GPUS
-from pipeweave.plan.memory import GIB
-from pipeweave.plan.published import CALIBRATION, PREDICTION, TABLE_1, Row
-from pipeweave.plan.search import search
-from pipeweave.plan.space import Fixed, configurations
+from pipeweave.planner.candidate import Config
+from pipeweave.planner.costs import Cluster
+from pipeweave.planner.efficiency import A100_CALIBRATED, calibrate
+from pipeweave.planner.evaluate import Evaluator, Result
+from pipeweave.planner.explain import parts
+from pipeweave.planner.hardware import GPUS
+from pipeweave.planner.memory import GIB
+from pipeweave.planner.published import CALIBRATION, PREDICTION, TABLE_1, Row
+from pipeweave.planner.search import search
+from pipeweave.planner.space import Fixed, configurations
 
 MEGATRON_2021 = ("1f1b", "interleaved-1f1b")
 

@@ -16,10 +16,10 @@ import math
 import time
 from typing import Any
 
-from pipeweave.search import exact, heuristic, lower_bound, problem_from_times
-from pipeweave.search.exact import _checked, build_model, incumbent_starts
-from pipeweave.search.heuristic import one_at_a_time
-from pipeweave.search.isolate import Budget, solve_isolated
+from pipeweave.autoschedule import exact, heuristic, lower_bound, problem_from_times
+from pipeweave.autoschedule.exact import _checked, build_model, incumbent_starts
+from pipeweave.autoschedule.heuristic import one_at_a_time
+from pipeweave.autoschedule.isolate import Budget, solve_isolated
 from pipeweave.sim.metrics import peak_activations
 from pipeweave.sim.timeline import simulate
 

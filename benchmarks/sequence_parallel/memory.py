@@ -49,8 +49,8 @@ def measure(schedule: str, sequence_parallel: bool, folder: Path) -> dict[str, A
 
 def predicted_ratio() -> float:
     """``plan.memory``'s held bytes of a block, SP over TP alone, at TP = 2 (Korthikanti et al., Table 2)."""
-    from pipeweave.plan.memory import block_activation_bytes
-    from pipeweave.plan.transformer import Transformer
+    from pipeweave.planner.memory import block_activation_bytes
+    from pipeweave.planner.transformer import Transformer
 
     model = Transformer(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq_len=SEQ_LEN)
     sp, tp = (block_activation_bytes(model, tp=2, recompute="none", sequence_parallel=on)[0] for on in (True, False))

@@ -1,14 +1,14 @@
-"""The public functions behind ``pipeweave.simulate``, ``search_schedule``, ``plan_cluster`` and ``compare``.
+"""The public functions behind ``pipeweave.simulate``, ``search``, ``plan`` and ``compare``.
 
 Each takes plain values (registry names, sizes, a ``CostModel``) and returns
 the library's own result objects. ``pipeweave plan`` and ``pipeweave compare``
 run the same code (``best_configurations``, ``commands.compare_run.simulated_comparison``);
-``simulate`` and ``search_schedule`` give the numbers of ``pipeweave simulate``
-and ``pipeweave search`` (``tests/test_api.py``). ``pipeweave.search`` and ``pipeweave.plan`` name the
-subpackages that do the work (the zero-bubble search, the planner), which
-the import system binds onto ``pipeweave`` whenever one of their modules
-is imported, so the functions carry longer names: ``search_schedule``,
-``plan_cluster``.
+``simulate`` and ``search`` give the numbers of ``pipeweave simulate``
+and ``pipeweave search`` (``tests/test_api.py``). The work is done by the
+subpackages ``pipeweave.autoschedule`` (the zero-bubble search) and
+``pipeweave.planner`` (the cluster planner), named apart from the functions so
+that importing one of their modules never rebinds ``pipeweave.search`` or
+``pipeweave.plan``.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def simulate(
     return Simulation(schedule, timeline, compute_metrics(timeline))
 
 
-def search_schedule(
+def search(
     num_stages: int,
     num_microbatches: int,
     *,
@@ -135,11 +135,11 @@ def search_schedule(
         A ``search.SearchResult``: ``schedule``, ``bubble_ratio``, ``span``, ``lower_bound``, ``gap``, ``metrics``.
 
     Example:
-        >>> result = search_schedule(4, 8, memory_limit=2.0, solver="heuristic")
+        >>> result = search(4, 8, memory_limit=2.0, solver="heuristic")
         >>> result.bubble_ratio, result.schedule.num_ranks
         (0.0, 4)
     """
-    from pipeweave.search import Problem, exact
+    from pipeweave.autoschedule import Problem, exact
 
     problem = Problem(
         num_stages=num_stages,
@@ -161,10 +161,10 @@ _FIXED = {
     "recompute": "recompute",
     "zero": "zero",
 }
-"""``plan_cluster``'s keyword -> ``plan.space.Fixed``'s field."""
+"""``plan``'s keyword -> ``planner.space.Fixed``'s field."""
 
 
-def plan_cluster(
+def plan(
     model: Any,
     gpus: int,
     global_batch: int,
@@ -181,9 +181,9 @@ def plan_cluster(
     (``pipeweave plan``).
 
     Args:
-        model: a preset name (``"gpt-1.7b"`` ... ``"gpt-1t"``, ``"gpt3-175b"``) or a ``plan.transformer.Transformer``.
+        model: a preset name (``"gpt-1.7b"`` ... ``"gpt-1t"``, ``"gpt3-175b"``) or a ``planner.transformer.Transformer``.
         gpus, global_batch: N GPUs, B samples per step.
-        gpu: a preset name (``"a100-80gb"``, ``"h100-sxm"``, ``"h200"``) or a ``plan.hardware.GPU``.
+        gpu: a preset name (``"a100-80gb"``, ``"h100-sxm"``, ``"h200"``) or a ``planner.hardware.GPU``.
         top: how many of the best are exact (``best[:top]``: no configuration left out beats them);
             ``exhaustive``: simulate every one that may fit.
         sequence_parallel, scatter_gather, dp_overlap: the model of the run (``plan --sequence-parallel``,
@@ -192,28 +192,28 @@ def plan_cluster(
             ``microbatch_size``, ``schedule``, ``recompute``, ``zero``.
 
     Returns:
-        A ``plan.search.Plan``: ``best`` lists the simulated configurations that fit, fastest first (each a
-        ``plan.evaluate.Result``: ``config``, ``step_time``, ``mfu``, ``memory``, ``bubble``, ...).
+        A ``planner.search.Plan``: ``best`` lists the simulated configurations that fit, fastest first (each a
+        ``planner.evaluate.Result``: ``config``, ``step_time``, ``mfu``, ``memory``, ``bubble``, ...).
 
     Raises:
         UserError: an unknown preset or fixed dimension, or nothing fits (the reason).
 
     Example:
-        >>> plan = plan_cluster("gpt-1.7b", gpus=8, global_batch=16, tensor_parallel=1, zero=0, top=3)
-        >>> best = plan.best[0].config
+        >>> result = plan("gpt-1.7b", gpus=8, global_batch=16, tensor_parallel=1, zero=0, top=3)
+        >>> best = result.best[0].config
         >>> best.tp * best.pp * best.dp
         8
     """
-    from pipeweave.plan.costs import Cluster
-    from pipeweave.plan.efficiency import A100_CALIBRATED
-    from pipeweave.plan.evaluate import Evaluator
-    from pipeweave.plan.hardware import gpu_named
-    from pipeweave.plan.space import Fixed
-    from pipeweave.plan.transformer import model_named
+    from pipeweave.planner.costs import Cluster
+    from pipeweave.planner.efficiency import A100_CALIBRATED
+    from pipeweave.planner.evaluate import Evaluator
+    from pipeweave.planner.hardware import gpu_named
+    from pipeweave.planner.space import Fixed
+    from pipeweave.planner.transformer import model_named
 
     unknown = sorted(set(fixed) - set(_FIXED))
     if unknown:
-        raise UserError(f"plan_cluster(): unknown dimension {unknown[0]!r}; give one of {', '.join(_FIXED)}")
+        raise UserError(f"plan(): unknown dimension {unknown[0]!r}; give one of {', '.join(_FIXED)}")
     cluster = Cluster(
         model=model_named(model) if isinstance(model, str) else model,
         gpu=gpu_named(gpu) if isinstance(gpu, str) else gpu,
@@ -237,24 +237,24 @@ def best_configurations(
     exhaustive: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> Any:
-    """The planner's search over the configurations of ``cluster`` on ``gpus`` (``plan.search.search``), each
-    count checked first and the answer checked after (``plan.diagnose.check_plan``: why nothing fits).
+    """The planner's search over the configurations of ``cluster`` on ``gpus`` (``planner.search.search``), each
+    count checked first and the answer checked after (``planner.diagnose.check_plan``: why nothing fits).
 
     Raises:
         UserError: a count below 1, or a space with nothing that fits (the reason).
     """
-    from pipeweave.plan.diagnose import check_plan
-    from pipeweave.plan.search import search
-    from pipeweave.plan.space import configurations
+    from pipeweave.planner.diagnose import check_plan
+    from pipeweave.planner.search import search as search_space
+    from pipeweave.planner.space import configurations
 
     for name, value in (("gpus", gpus), ("global batch", global_batch), ("top", top)):
         if value < 1:
             raise UserError(f"{name} {value} is invalid; give an integer >= 1")
     space = list(configurations(cluster.model, gpus, global_batch, cluster.gpu.gpus_per_node, fixed))
     check_plan(space, cluster, gpus, global_batch, fixed)
-    plan = search(space, evaluator, top=top, exhaustive=exhaustive, progress=progress)
-    check_plan(space, cluster, gpus, global_batch, fixed, plan)
-    return plan
+    found = search_space(space, evaluator, top=top, exhaustive=exhaustive, progress=progress)
+    check_plan(space, cluster, gpus, global_batch, fixed, found)
+    return found
 
 
 @dataclass(frozen=True)

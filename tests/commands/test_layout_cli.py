@@ -285,7 +285,7 @@ def test_partition_refuses_bad_values_before_profiling(cli_error: CliError, argv
     ],
 )
 def test_search_refuses_bad_values_in_one_line(cli_error: CliError, argv: list[str], needle: str) -> None:
-    err = cli_error(["search", "--stages", "2", "--microbatches", "4", *argv], "pipeweave.search.exact")
+    err = cli_error(["search", "--stages", "2", "--microbatches", "4", *argv], "pipeweave.autoschedule.exact")
     assert needle in err
 
 

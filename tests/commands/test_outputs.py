@@ -47,7 +47,7 @@ def test_an_unwritable_output_is_one_line_before_any_work(
 ) -> None:
     work = {
         "simulate": "pipeweave.commands.simulate.simulate",
-        "search": "pipeweave.search.exact",
+        "search": "pipeweave.autoschedule.exact",
         "partition": "pipeweave.commands.partition.layer_costs",
         "train": "pipeweave.runtime.run.launch._spawn",
     }

@@ -20,7 +20,7 @@ from pipeweave.sim import CostModel
 
 WORK = {
     "simulate": "pipeweave.commands.simulate.simulate",
-    "search": "pipeweave.search.exact",
+    "search": "pipeweave.autoschedule.exact",
     "partition": "pipeweave.commands.partition.plan_and_predict",
 }
 

@@ -16,8 +16,8 @@ from pipeweave.cli import main
 def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], free: int | None) -> str:
     with (
         patch("pipeweave.commands.search.available_memory", return_value=free),
-        patch("pipeweave.search.exact", side_effect=AssertionError("searched a problem too large")),
-        patch("pipeweave.search.problem_from_times", side_effect=AssertionError("built a problem too large")),
+        patch("pipeweave.autoschedule.exact", side_effect=AssertionError("searched a problem too large")),
+        patch("pipeweave.autoschedule.problem_from_times", side_effect=AssertionError("built a problem too large")),
     ):
         code = main(["search", *argv])
     captured = capsys.readouterr()
@@ -52,7 +52,7 @@ def test_a_search_far_beyond_its_time_limit_is_one_line(capsys: pytest.CaptureFi
 def test_a_larger_time_limit_lets_it_run(capsys: pytest.CaptureFixture[str]) -> None:
     with (
         patch("pipeweave.commands.search.available_memory", return_value=2**40),
-        patch("pipeweave.search.exact", side_effect=RuntimeError("ran")),
+        patch("pipeweave.autoschedule.exact", side_effect=RuntimeError("ran")),
         pytest.raises(RuntimeError, match="ran"),
     ):
         main(["search", "--stages", "1000", "--microbatches", "2000", "--time-limit", "30"])
@@ -60,7 +60,7 @@ def test_a_larger_time_limit_lets_it_run(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_the_command_line_itself_answers_at_once(capsys: pytest.CaptureFixture[str]) -> None:
     # No patch: this machine's own free memory. 3e10 actions fit nowhere.
-    with patch("pipeweave.search.exact", side_effect=AssertionError("searched")):
+    with patch("pipeweave.autoschedule.exact", side_effect=AssertionError("searched")):
         assert main(["search", "--stages", "100000", "--microbatches", "100000"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "make 3e+10 actions" in err and "give fewer stages or microbatches" in err

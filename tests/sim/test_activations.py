@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeweave.plan.memory import activation_peaks
-from pipeweave.plan.transformer import Transformer
+from pipeweave.planner.memory import activation_peaks
+from pipeweave.planner.transformer import Transformer
 from pipeweave.schedule import generate
 from pipeweave.sim.activations import gpt_block_activations, rank_activations
 from pipeweave.sim.network import Link, Network

@@ -60,7 +60,7 @@ def add_stash_arguments(
 
 def stash_plan(args: argparse.Namespace, num_parts: int, *, auto: bool = False) -> StashPlan:
     """The levers the flags ask for (``StashPlan()`` when none); ``auto``: the command takes ``--offload auto``
-    (``search.offload`` chooses the parts; the plan holds none of them).
+    (``autoschedule.offload`` chooses the parts; the plan holds none of them).
 
     Raises:
         UserError: a bad ``--offload`` part or ``--host-bandwidth``.

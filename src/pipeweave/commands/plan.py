@@ -1,5 +1,5 @@
 """``pipeweave plan``: the data/tensor/pipeline split, schedule, microbatch size, recomputation and ZeRO stage
-for a GPT on a cluster, predicted by the simulator (``pipeweave.plan``).
+for a GPT on a cluster, predicted by the simulator (``pipeweave.planner``).
 
     pipeweave plan --model gpt-1t --gpus 3072 --gpu a100-80gb --global-batch 3072
 
@@ -155,9 +155,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _cluster(args: argparse.Namespace) -> Any:
-    from pipeweave.plan.costs import Cluster
-    from pipeweave.plan.efficiency import A100_CALIBRATED
-    from pipeweave.plan.hardware import custom_gpu, gpu_named
+    from pipeweave.planner.costs import Cluster
+    from pipeweave.planner.efficiency import A100_CALIBRATED
+    from pipeweave.planner.hardware import custom_gpu, gpu_named
 
     if args.gpu == "custom":
         peak = args.peak_tflops
@@ -198,7 +198,7 @@ def _cluster(args: argparse.Namespace) -> Any:
 
 def _model(args: argparse.Namespace, gpu: Any) -> Any:
     """The model: from ``--costs`` scaled to ``gpu``, a preset, or ``--model gpt`` with its shape."""
-    from pipeweave.plan.transformer import Transformer, model_named
+    from pipeweave.planner.transformer import Transformer, model_named
 
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq_len", "vocab")}
     given = [f"--{k.replace('_', '-')}" for k, v in shape.items() if v is not None]
@@ -232,13 +232,13 @@ def _model(args: argparse.Namespace, gpu: Any) -> Any:
 
 
 def _profiled(args: argparse.Namespace, gpu: Any) -> Any:
-    """``--costs FILE`` scaled to ``gpu`` (``plan.profiled``); a custom GPU without a peak is the profiling
+    """``--costs FILE`` scaled to ``gpu`` (``planner.profiled``); a custom GPU without a peak is the profiling
     machine, at the profile's measured rate."""
     import math
 
     from pipeweave.partition import LayerCosts
-    from pipeweave.plan.efficiency import A100_CALIBRATED
-    from pipeweave.plan.profiled import profiled_model
+    from pipeweave.planner.efficiency import A100_CALIBRATED
+    from pipeweave.planner.profiled import profiled_model
 
     if not 0 <= args.dispatch < math.inf:
         raise UserError(f"--dispatch {args.dispatch} is invalid; give finite seconds >= 0, e.g. 0.001")
@@ -259,7 +259,7 @@ def _profile_rate(args: argparse.Namespace) -> float:
     import math
 
     from pipeweave.partition import LayerCosts
-    from pipeweave.plan.profiled import profile_rate
+    from pipeweave.planner.profiled import profile_rate
 
     if args.profile_tflops is None:
         return profile_rate(*(LayerCosts.load(path) for path in args.costs))
@@ -272,9 +272,9 @@ def _profile_rate(args: argparse.Namespace) -> float:
 
 
 def _evaluator(args: argparse.Namespace, cluster: Any) -> Any:
-    from pipeweave.plan.evaluate import Evaluator
-    from pipeweave.plan.evaluate_profiled import ProfiledEvaluator
-    from pipeweave.plan.pipeline import Pipeline
+    from pipeweave.planner.evaluate import Evaluator
+    from pipeweave.planner.evaluate_profiled import ProfiledEvaluator
+    from pipeweave.planner.pipeline import Pipeline
 
     if args.costs is None:
         return Evaluator(cluster=cluster, batch=args.global_batch, overlap=not args.no_dp_overlap)
@@ -287,7 +287,7 @@ def _evaluator(args: argparse.Namespace, cluster: Any) -> Any:
 
 
 def _fixed(args: argparse.Namespace) -> Any:
-    from pipeweave.plan.space import Fixed
+    from pipeweave.planner.space import Fixed
 
     return Fixed(
         tp=args.tensor_parallel,

@@ -9,12 +9,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipeweave.plan.costs import Cluster
-from pipeweave.plan.evaluate import Result
-from pipeweave.plan.explain import explain
-from pipeweave.plan.memory import GIB
-from pipeweave.plan.profiled import ProfiledModel
-from pipeweave.plan.search import Plan
+from pipeweave.planner.costs import Cluster
+from pipeweave.planner.evaluate import Result
+from pipeweave.planner.explain import explain
+from pipeweave.planner.memory import GIB
+from pipeweave.planner.profiled import ProfiledModel
+from pipeweave.planner.search import Plan
 
 
 def _split(r: Result) -> str:
@@ -108,7 +108,7 @@ def plan_json(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: in
 
 
 def _model_json(model: Any) -> dict[str, Any]:
-    """A GPT's shape, or a profiled model's layers and its scaling to the GPU (``plan.profiled``)."""
+    """A GPT's shape, or a profiled model's layers and its scaling to the GPU (``planner.profiled``)."""
     if isinstance(model, ProfiledModel):
         return {
             "name": model.name,

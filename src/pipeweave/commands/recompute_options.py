@@ -56,7 +56,7 @@ def add_recompute_cost_arguments(parser: argparse.ArgumentParser, *, auto: bool 
 
 def recompute_costs(args: argparse.Namespace, *, auto: bool = False) -> dict[str, Any]:
     """The ``CostModel`` fields of ``add_recompute_cost_arguments``' flags, checked (one line each); ``auto``
-    gives every part ``full`` (the least memory, where ``search.recompute`` starts).
+    gives every part ``full`` (the least memory, where ``autoschedule.recompute`` starts).
 
     Raises:
         UserError: an unknown mode, a time that is not >= 0, a fraction outside [0, 1].

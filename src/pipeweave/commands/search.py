@@ -69,8 +69,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeweave.autoschedule import exact
     from pipeweave.commands.outputs import output_file, picture_file
-    from pipeweave.search import exact
 
     layout, model = _check_arguments(args)
     if args.csv:
@@ -160,12 +160,12 @@ def _problem(
     args: argparse.Namespace, f: float, b: float, w: float, comm: float, memory_limit: float, offload: frozenset[int]
 ) -> tuple[Any, bool]:
     """The instance of the flags, and whether its recomputation or offload per part was chosen (``--recompute
-    auto``, ``search.recompute``; ``--offload auto``, ``search.offload``: with the heuristic's schedules; the
+    auto``, ``autoschedule.recompute``; ``--offload auto``, ``autoschedule.offload``: with the heuristic's schedules; the
     exact search then refines the chosen one). ``offload``: the parts ``--offload`` names, searched with
     their memory and copies (``Problem.offload``)."""
-    from pipeweave.search import Problem
-    from pipeweave.search.offload import choose_offload, offload_problem
-    from pipeweave.search.recompute import choose_recompute, recompute_problem, with_recompute
+    from pipeweave.autoschedule import Problem
+    from pipeweave.autoschedule.offload import choose_offload, offload_problem
+    from pipeweave.autoschedule.recompute import choose_recompute, recompute_problem, with_recompute
 
     cost = CostModel(f=f, b=b, w=w, comm=comm, mem_w=args.mem_w, **recompute_costs(args, auto=True))
     vshape = args.v_shape or args.chunks == 2

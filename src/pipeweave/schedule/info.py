@@ -77,7 +77,7 @@ class ScheduleInfo:
     chunks: int | None = None
     """Fixed chunks per rank (2 for V shapes), or None when ``--chunks`` applies (default 1)."""
     searched: bool = False
-    """True when built by ``pipeweave.search`` for the run's own costs: its generator takes ``time_f``,
+    """True when built by ``pipeweave.autoschedule`` for the run's own costs: its generator takes ``time_f``,
     ``time_b``, ``time_w`` and ``memory_limit``, which ``train`` and the planner fill in."""
     defaults: tuple[tuple[str, float], ...] = ()
     """``(option, value)`` pairs: its defaults of run options where they differ from the usual ones, e.g.

@@ -35,7 +35,7 @@ from pipeweave.schedule.zero_bubble import zb_h1, zb_h2
 Times = float | Sequence[float]  # a scalar per D-th of the model, or one value per part
 
 
-# zb-auto and zb-v-auto live in pipeweave.search, which imports schedule.ir: importing
+# zb-auto and zb-v-auto live in pipeweave.autoschedule, which imports schedule.ir: importing
 # it here at module level would be a cycle (search -> schedule package -> registry ->
 # search), so these wrappers import it when called. Their signatures are the options.
 def _zb_auto(
@@ -51,7 +51,7 @@ def _zb_auto(
     solver: str = "heuristic",
     time_limit: float = 10.0,
 ) -> Schedule:
-    from pipeweave.search.registry_entries import zb_auto
+    from pipeweave.autoschedule.registry_entries import zb_auto
 
     return zb_auto(
         num_stages,
@@ -80,7 +80,7 @@ def _zb_v_auto(
     solver: str = "heuristic",
     time_limit: float = 10.0,
 ) -> Schedule:
-    from pipeweave.search.registry_entries import zb_v_auto
+    from pipeweave.autoschedule.registry_entries import zb_v_auto
 
     return zb_v_auto(
         num_stages,

@@ -8,7 +8,7 @@ attention's and the MLP's inner tensors) and leaves ``10 s b h`` whole on every
 rank (the two layer norms' inputs, the inputs of attention's and the MLP's
 first GEMMs, the two dropout masks): ``s b h (10 + 24/N + 5 a s / (h N))``.
 Sequence parallelism splits those 10 too, along the sequence:
-``s b h (34/N + 5 a s / (h N))``. ``plan.memory`` builds the planner's
+``s b h (34/N + 5 a s / (h N))``. ``planner.memory`` builds the planner's
 memory from these terms; ``rank_activations`` walks them over a schedule.
 """
 

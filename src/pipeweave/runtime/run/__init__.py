@@ -1,6 +1,6 @@
 """A training run (layer 5 of ``pipeweave.runtime``): configured, planned, launched, recorded.
 
-``config.TrainConfig`` describes a run (values only); ``plan.prepare`` checks
+``pipeweave.config.TrainConfig`` describes a run (values only); ``prepare.prepare`` checks
 it and resolves what every rank needs into a ``RunPlan``; ``launch.launch``
 starts the ranks (spawned locally from a ``forkserver``, or under torchrun),
 each running ``job.run_rank`` (synchronous schedules) or ``stream_job.run_stream_rank``

@@ -7,7 +7,7 @@ through the ``Executor`` -- evaluating and saving where due
 and gather everything measured to rank 0, which returns
 it as a ``RunRecord``. An asynchronous schedule runs as streams instead
 (``stream_job.run_stream_rank``). The ``RunPlan`` comes from
-``plan.prepare(config)``, run once before anything is spawned.
+``prepare.prepare(config)``, run once before anything is spawned.
 
 Example::
 

@@ -1,0 +1,79 @@
+"""Lower bounds on a configuration's step time and memory, without its schedule: what lets the search
+skip most of the space and still return the exact best configurations.
+
+- **Time**: a rank must do all its own work, and cannot start before the first
+  microbatch has crossed the parts before its first one (their F and one hop
+  each); with two pipelines in opposite directions (Chimera, DualPipe, GEMS)
+  both ends start at once, so only the work counts. And the last part's last
+  backward comes after all of its T forwards and backwards, which start once
+  the first microbatch reached it; that backward's gradient must then cross
+  every earlier part's backward back to the first (a whole B each where the
+  schedule does not split it into I and W, an I and the first part's last W
+  where it does): for GPipe and 1F1B this is their makespan, (T + D - 1)(f + b).
+  The naive schedule runs one microbatch at a time: T (f + b) over all parts.
+  The simulated step is never shorter: it adds the waits of the schedule, the
+  DP reduction's tail.
+- **Memory**: the model state of an average rank (the fullest holds at least
+  as much), one microbatch's activations of one part, and the allowance.
+"""
+
+from __future__ import annotations
+
+from pipeweave.planner.candidate import Config
+from pipeweave.planner.evaluate import Evaluator
+from pipeweave.planner.memory import ALLOWANCE_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
+from pipeweave.schedule.registry import SCHEDULES, PlacementKind
+
+
+def rank_of_part(schedule: str, part: int, num_ranks: int) -> int:
+    """The pipeline rank holding ``part`` (looped and straight: k mod D; V: down then back up).
+
+    Example:
+        >>> [rank_of_part("zb-v", k, 2) for k in range(4)]
+        [0, 1, 1, 0]
+    """
+    if SCHEDULES[schedule].placement is PlacementKind.V_SHAPE and part >= num_ranks:
+        return 2 * num_ranks - 1 - part
+    return part % num_ranks
+
+
+def time_bound(config: Config, evaluator: Evaluator) -> float:
+    """Seconds no simulation of ``config`` can beat (module docstring)."""
+    d = config.pp
+    if SCHEDULES[config.schedule].placement is PlacementKind.BIDIRECTIONAL:
+        f, i, w, _ = evaluator.times(config, d)
+        cost = [a + b + c for a, b, c in zip(f, i, w)]
+        return max(config.microbatches / 2 * (cost[r] + cost[d - 1 - r]) for r in range(d))
+    parts = d * config.chunks
+    f, i, w, hop = evaluator.times(config, parts)
+    if config.schedule == "naive":  # one microbatch at a time, through every part and back
+        return config.microbatches * sum(map(sum, (f, i, w)))
+    busy, start = [0.0] * d, [-1.0] * d
+    reach = 0.0  # when microbatch 0 can reach part k
+    for k in range(parts):
+        r = rank_of_part(config.schedule, k, d)
+        busy[r] += config.microbatches * (f[k] + i[k] + w[k])
+        if start[r] < 0:
+            start[r] = reach
+        reach += f[k] + hop
+    last = parts - 1
+    ranks = [rank_of_part(config.schedule, k, d) for k in range(parts)]
+    reach_last = sum(f[k] + (hop if ranks[k] != ranks[k + 1] else 0.0) for k in range(last))
+    whole = not SCHEDULES[config.schedule].splits_backward  # every backward one B: I and W together
+    back = sum(i[k] + (w[k] if whole else 0.0) + (hop if ranks[k] != ranks[k + 1] else 0.0) for k in range(last))
+    drain = reach_last + config.microbatches * (f[last] + i[last] + (w[last] if whole else 0.0)) + back
+    return max(max(s + b for s, b in zip(start, busy)), drain + (0.0 if whole else w[0]))
+
+
+def memory_bound(config: Config, evaluator: Evaluator) -> float:
+    """Bytes the fullest GPU of ``config`` holds at least (module docstring)."""
+    model = evaluator.cluster.model
+    copies = 2 if SCHEDULES[config.schedule].placement is PlacementKind.BIDIRECTIONAL else 1
+    per_gpu = model.parameters * copies / (config.tp * config.pp)
+    shard = 1.0 / config.dp
+    state = per_gpu * (
+        PARAM_BYTES * (shard if config.zero == 3 else 1.0)
+        + GRAD_BYTES * (shard if config.zero == 3 else 1.0)
+        + OPTIMIZER_BYTES * (shard if config.zero >= 1 else 1.0)
+    )
+    return state + evaluator.least_activation(config) + ALLOWANCE_BYTES

@@ -1,0 +1,183 @@
+"""Seconds per action of one part on a cluster: F, I and W from FLOPs, TP collectives, recomputation, messages.
+
+A block's F, I and W are its GEMMs (``planner.flops``) at the rate of
+``planner.efficiency``, on one of N tensor-parallel ranks, plus its element-wise
+kernels, memory-bound, at the GPU's HBM bandwidth. Their traffic is counted
+kernel by kernel as Megatron-LM fuses them, in bytes per sample of a
+microbatch (16-bit tensors, 1-byte dropout masks): each layer norm reads and
+writes s h elements (4 s h bytes), each bias-dropout-add reads two and writes
+one with a mask (7 s h), the bias-GeLU reads and writes 4 s h / N elements
+(16 s h / N), the scaled-masked softmax reads and writes the scores (4 a s^2 /
+N) and their dropout reads, writes and masks them (5 a s^2 / N): in all
+``s h (22 + 16/N) + 9 a s^2 / N``, the layer norms and dropouts being
+replicated on the N ranks without sequence parallelism. The backward of these
+kernels reads what they saved and the output gradient and writes the input
+gradient: counted as twice the forward's traffic, in I. The tensor-parallel
+all-reduces are ``sim.parallel``'s model (Megatron-LM without sequence
+parallelism: two of the block's activation, b x s x h in 16 bits, in F, two in
+I; a ring on the TP group's link), and they block the computation. Recomputation
+(Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models", 2022) adds to I what is replayed before the backward: "selective" the
+two attention products, "full" the whole forward with its all-reduces. The
+vocabulary head (last part) is a column-parallel GEMM whose input gradient is
+all-reduced; the vocabulary-parallel embedding (first part) all-reduces its
+output in F. Pipeline messages carry the activation; with Megatron-LM's
+scatter/gather optimisation (Narayanan et al., SC21, section 4.1) each of the N
+ranks sends 1/N of it over the inter-node link and the receiving node
+all-gathers it over NVLink, without it each sends the whole activation (what
+pipeweave's runtime does without sequence parallelism). With sequence
+parallelism (``Cluster.sequence_parallel``, Korthikanti et al. section 4.2.2)
+the activation between blocks is already split along the sequence: each rank
+sends its 1/N and nothing is gathered; the TP collectives move the same bytes
+(an all-gather and a reduce-scatter for each all-reduce), and the activations
+held shrink (``planner.memory``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from pipeweave.planner.efficiency import Efficiency
+from pipeweave.planner.flops import block_gemms, head_gemm
+from pipeweave.planner.hardware import GPU
+from pipeweave.planner.profiled import Model
+from pipeweave.planner.transformer import Transformer
+from pipeweave.sim.network import all_gather_time, all_reduce_time
+
+BYTES_PER_ELEMENT = 2
+"""Activations and their gradients in BF16."""
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """Seconds of one block's F, I and W on one TP rank, TP collectives included."""
+
+    f: float
+    i: float
+    w: float
+    tp_f: float
+    """Of ``f``, the TP all-reduces."""
+    tp_i: float
+    """Of ``i``, the TP all-reduces (those of a full recomputation's replayed forward too)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """What the costs depend on besides the configuration: the model, the GPU and the GEMM efficiency."""
+
+    model: Model
+    """A GPT (``planner.transformer``) or a profiled model (``planner.profiled``, whose costs do not come from here)."""
+    gpu: GPU
+    efficiency: Efficiency
+    scatter_gather: bool = True
+    """Megatron-LM's scatter/gather of pipeline messages over the TP ranks (module docstring)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism with TP (module docstring): smaller messages and activations, the same collectives."""
+
+
+def transformer(cluster: Cluster) -> Transformer:
+    """The cluster's GPT: the costs of this module are a GPT's (a profiled model's are ``planner.profiled``'s)."""
+    if not isinstance(cluster.model, Transformer):
+        raise TypeError(f"{cluster.model.name} is not a GPT shape; its costs come from plan.profiled")
+    return cluster.model
+
+
+def activation_bytes(model: Transformer, microbatch_size: int) -> float:
+    """Bytes of one microbatch's activation between blocks: b x s x h in 16 bits."""
+    return float(microbatch_size * model.seq_len * model.hidden * BYTES_PER_ELEMENT)
+
+
+def tp_all_reduce(cluster: Cluster, nbytes: float, tp: int) -> float:
+    """One all-reduce over a TP group inside a node (the planner keeps TP groups on one node)."""
+    return all_reduce_time(nbytes, tp, cluster.gpu.network().intra_node) if tp > 1 else 0.0
+
+
+def elementwise_bytes(model: Transformer, tp: int) -> tuple[float, float]:
+    """``(all, of which attention scores)``: HBM bytes the element-wise kernels of one block's forward read and
+    write, for a microbatch of one sample, on one of ``tp`` ranks (module docstring's count).
+
+    Example:
+        >>> m = Transformer(layers=1, hidden=1024, heads=16, seq_len=1024)
+        >>> [x / (1024 * 1024) for x in elementwise_bytes(m, 1)]
+        [182.0, 144.0]
+    """
+    s, h, a = model.seq_len, model.hidden, model.heads
+    scores = 9.0 * a * s * s / tp
+    return s * h * (22 + 16 / tp) + scores, scores
+
+
+@functools.lru_cache(maxsize=4096)
+def block_times(cluster: Cluster, *, tp: int, microbatch_size: int, recompute: str) -> BlockTimes:
+    """F, I, W of one block (module docstring).
+
+    Example:
+        >>> from pipeweave.planner.hardware import GPUS
+        >>> from pipeweave.planner.transformer import MODELS
+        >>> c = Cluster(model=MODELS["gpt-1.7b"], gpu=GPUS["a100-80gb"], efficiency=Efficiency(eta_max=1, n_half=0))
+        >>> t = block_times(c, tp=1, microbatch_size=1, recompute="none")
+        >>> round((t.i + t.w) / t.f, 6)  # the backward is twice the forward
+        2.0
+    """
+    peak, eff = cluster.gpu.peak_flops, cluster.efficiency
+    gemms = block_gemms(transformer(cluster), microbatch_size=microbatch_size, tp=tp)
+    forward = sum(eff.seconds(g, peak) for g in gemms)
+    weighted = sum(eff.seconds(g, peak) for g in gemms if g.weight)
+    attention = forward - weighted
+    bandwidth = cluster.gpu.memory_bandwidth
+    elementwise, softmax = (x * microbatch_size / bandwidth for x in elementwise_bytes(transformer(cluster), tp))
+    collective = 2 * tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size), tp)
+    replay = {"none": 0.0, "selective": attention + softmax, "full": forward + elementwise + collective}[recompute]
+    tp_i = collective * (2 if recompute == "full" else 1)
+    # I: each weighted GEMM's input gradient (its own size) and attention's two backward products each.
+    return BlockTimes(
+        f=forward + elementwise + collective,
+        i=weighted + 2 * (attention + elementwise) + collective + replay,
+        w=weighted,
+        tp_f=collective,
+        tp_i=tp_i,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def head_times(cluster: Cluster, *, tp: int, microbatch_size: int) -> tuple[float, float, float]:
+    """``(f, i, w)`` of the vocabulary head: one GEMM each, I's input gradient all-reduced over TP."""
+    gemm = head_gemm(transformer(cluster), microbatch_size=microbatch_size, tp=tp)
+    t = cluster.efficiency.seconds(gemm, cluster.gpu.peak_flops)
+    return t, t + tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size), tp), t
+
+
+def part_times(
+    cluster: Cluster, *, num_parts: int, tp: int, microbatch_size: int, recompute: str
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """Per part (``layers / num_parts`` blocks each), ``(f, i, w)``: the head on the last, the embedding's
+    all-reduce on the first.
+
+    Example:
+        >>> from pipeweave.planner.hardware import GPUS
+        >>> from pipeweave.planner.transformer import MODELS
+        >>> c = Cluster(model=MODELS["gpt-1.7b"], gpu=GPUS["a100-80gb"], efficiency=Efficiency(eta_max=1, n_half=0))
+        >>> f, i, w = part_times(c, num_parts=4, tp=1, microbatch_size=1, recompute="none")
+        >>> f[0] == f[1] < f[3]
+        True
+    """
+    block = block_times(cluster, tp=tp, microbatch_size=microbatch_size, recompute=recompute)
+    head = head_times(cluster, tp=tp, microbatch_size=microbatch_size)
+    per = transformer(cluster).layers // num_parts
+    f, i, w = [per * block.f] * num_parts, [per * block.i] * num_parts, [per * block.w] * num_parts
+    f[0] += tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size), tp)
+    f[-1], i[-1], w[-1] = f[-1] + head[0], i[-1] + head[1], w[-1] + head[2]
+    return tuple(f), tuple(i), tuple(w)
+
+
+def hop_time(cluster: Cluster, *, tp: int, microbatch_size: int, inter_node: bool) -> float:
+    """A pipeline message between neighbouring stages (module docstring)."""
+    net = cluster.gpu.network()
+    nbytes = activation_bytes(transformer(cluster), microbatch_size)
+    if cluster.sequence_parallel and tp > 1:  # each rank's shard of the sequence, to its peer
+        return (net.inter_node if inter_node else net.intra_node).time(nbytes / tp)
+    if not inter_node:
+        return net.intra_node.time(nbytes)
+    if cluster.scatter_gather and tp > 1:
+        return net.inter_node.time(nbytes / tp) + all_gather_time(nbytes, tp, net.intra_node)
+    return net.inter_node.time(nbytes)

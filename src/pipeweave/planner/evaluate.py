@@ -1,0 +1,231 @@
+"""One configuration's predicted step: its schedule simulated under the cluster's costs, the DP reduction's
+tail, throughput and memory.
+
+The schedule is simulated (``sim.timeline.simulate``) with per-part F, I, W from
+``planner.costs`` and one hop time for every pipeline message (the slowest: inter-node
+as soon as a pipeline spans two nodes). The data-parallel reduction of each part
+then follows ``sim.parallel``'s model, from the timeline: it starts when the
+part's last weight gradient ends (``overlap=False``; Megatron-LM's "local" DDP)
+or, with DDP's bucketed overlap, when the part's last backward starts, its
+buckets going out as the backward produces them; reductions on one rank run one
+after another; each ``U`` waits for its part's reduction and adds ZeRO's
+all-gather. ZeRO 3 also gathers a part's parameters before each of its F and I
+(FSDP, resharding after each use); prefetched, the gather hides behind the
+action's compute and only what exceeds it counts. The step ends at the last ``U`` (steps end in a barrier: the
+gradient norm's all-reduce).
+
+Throughput: TFLOP/s per GPU as Megatron-LM counts it (the FLOPs executed,
+recomputation included: its equation 3 for full recomputation) over step time
+and GPUs; MFU counts the model's FLOPs only (no recomputation; PaLM's
+definition, Chowdhery et al. 2022, appendix B) against the GPU's peak.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pipeweave.planner.candidate import Config
+from pipeweave.planner.costs import Cluster, block_times, hop_time, part_times, transformer
+from pipeweave.planner.flops import step_flops
+from pipeweave.planner.memory import GPUMemory, block_activation_bytes, gpu_memory
+from pipeweave.planner.pipeline import Pipeline, Summary, Times, auto_options
+from pipeweave.schedule.ir import Schedule
+from pipeweave.sim.parallel import Layout, gather_time, reduction_time
+
+
+@dataclass(frozen=True)
+class Result:
+    """The prediction for one configuration."""
+
+    config: Config
+    step_time: float
+    """Seconds per step."""
+    tflops_per_gpu: float
+    mfu: float
+    bubble_ratio: float
+    memory: GPUMemory
+    fits: bool
+    compute: float
+    """Seconds of the busiest rank's F, I and W, TP all-reduces excluded."""
+    tp_comm: float
+    """Seconds the busiest rank spends in TP all-reduces."""
+    dp_exposed: float
+    """Seconds the DP reduction and ZeRO's all-gather add past the pipeline's end."""
+
+    def as_dict(self) -> dict[str, object]:
+        """The configuration and its figures; those of a configuration not simulated (it does not fit) null."""
+        out = self.config.as_dict()
+        timed = {
+            "step_time_s": self.step_time,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "bubble_ratio": self.bubble_ratio,
+            "compute_s": self.compute,
+            "tp_comm_s": self.tp_comm,
+            "dp_exposed_s": self.dp_exposed,
+        }
+        out.update({k: v if math.isfinite(self.step_time) else None for k, v in timed.items()})
+        out.update(memory_gib=round(self.memory.total / 2**30, 3), fits=self.fits, memory=self.memory.as_dict())
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluator:
+    """Predicts configurations of one model on one cluster, caching schedules and timelines by shape."""
+
+    cluster: Cluster
+    batch: int
+    """B, samples per step (global batch)."""
+    overlap: bool = True
+    """DDP's overlap of the reduction with the last backward (False: after it)."""
+    pipeline: Pipeline = field(default_factory=Pipeline)
+    """Schedules, memory peaks and timeline summaries, cached by shape."""
+    known_times: dict[tuple[object, ...], Times] = field(default_factory=dict, repr=False)
+    """``times``' answers (the search asks for each configuration's several times)."""
+
+    def layout(self, config: Config) -> Layout:
+        return Layout(
+            tp=config.tp,
+            dp=config.dp,
+            zero=config.zero,
+            network=self.cluster.gpu.network(),
+            sequence_parallel=self.cluster.sequence_parallel,
+        )
+
+    def times(self, config: Config, num_parts: int) -> Times:
+        """``(f, i, w, hop)`` of the configuration's parts."""
+        key = (config.tp, config.pp, config.dp, num_parts, config.microbatch_size, config.recompute, config.zero == 3)
+        found = self.known_times.get(key)
+        if found is None:
+            found = self.known_times[key] = self._times(config, num_parts)
+        return found
+
+    def _times(self, config: Config, num_parts: int) -> Times:
+        f, i, w = self.part_times(config, num_parts)
+        if config.zero == 3:  # FSDP gathers a part's parameters before each F and each I, prefetched
+            layout = self.layout(config)
+            params = self.param_bytes(config, num_parts)
+            gather = [gather_time(layout, p, num_ranks=config.pp) for p in params]
+            f, i = tuple(map(max, f, gather)), tuple(map(max, i, gather))
+        return f, i, w, self.hop(config, num_parts)
+
+    def part_times(self, config: Config, num_parts: int) -> tuple[tuple[float, ...], ...]:
+        """Per part, seconds of F, I and W on one TP rank (``planner.costs``)."""
+        return part_times(
+            self.cluster,
+            num_parts=num_parts,
+            tp=config.tp,
+            microbatch_size=config.microbatch_size,
+            recompute=config.recompute,
+        )
+
+    def hop(self, config: Config, num_parts: int) -> float:
+        """Seconds of a pipeline message (inter-node as soon as a pipeline spans two nodes)."""
+        del num_parts  # every GPT part sends one activation
+        inter = config.tp * config.pp > self.cluster.gpu.gpus_per_node
+        return hop_time(self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, inter_node=inter)
+
+    def param_bytes(self, config: Config, num_parts: int) -> Sequence[float]:
+        """Per part, the BF16 parameter (and gradient) bytes one TP rank holds."""
+        return self.pipeline.tp_rank_param_bytes(config, transformer(self.cluster), num_parts)
+
+    def auto_options(self, config: Config, times: Times) -> dict[str, object]:
+        """The options of a searched schedule (zb-auto), none for the others."""
+        return auto_options(config, self.cluster, times) if config.searched else {}
+
+    def memory(self, config: Config, schedule: Schedule, layout: Layout) -> GPUMemory:
+        """The fullest GPU's bytes (``planner.memory``)."""
+        peaks = self.pipeline.peaks(config, schedule, transformer(self.cluster), self.cluster.sequence_parallel)
+        return gpu_memory(
+            schedule,
+            transformer(self.cluster),
+            layout,
+            microbatch_size=config.microbatch_size,
+            recompute=config.recompute,
+            peaks=peaks,
+        )
+
+    def least_activation(self, config: Config) -> float:
+        """Bytes of one microbatch's activations on one part: what any rank holds at least."""
+        held = block_activation_bytes(
+            transformer(self.cluster),
+            tp=config.tp,
+            recompute=config.recompute,
+            sequence_parallel=self.cluster.sequence_parallel,
+        )[0]
+        return held * (transformer(self.cluster).layers // self.num_parts(config)) * config.microbatch_size
+
+    def step_flops(self, recompute: str) -> float:
+        """FLOPs of a step as Megatron-LM counts them (``planner.flops``)."""
+        return step_flops(transformer(self.cluster), self.batch, recompute=recompute)
+
+    @staticmethod
+    def num_parts(config: Config) -> int:
+        """Parts of the configuration's schedule: D x v (chunks of a looped or V placement), D otherwise."""
+        return config.pp * config.chunks
+
+    def evaluate(self, config: Config, *, time_unfit: bool = False) -> Result | None:
+        """The prediction, or None when the schedule family cannot serve this (D, T, v). The memory comes
+        first: a configuration that does not fit is not simulated (its times are inf and 0) unless
+        ``time_unfit``."""
+        times = self.times(config, self.num_parts(config))
+        schedule = self.pipeline.schedule(config, self.auto_options(config, times))
+        if schedule is None:
+            return None
+        layout = self.layout(config)
+        memory = self.memory(config, schedule, layout)
+        fits = memory.total <= self.cluster.gpu.memory_bytes
+        if not fits and not time_unfit:
+            return Result(
+                config=config,
+                step_time=math.inf,
+                tflops_per_gpu=0.0,
+                mfu=0.0,
+                bubble_ratio=math.nan,
+                memory=memory,
+                fits=False,
+                compute=math.nan,
+                tp_comm=math.nan,
+                dp_exposed=math.nan,
+            )
+        summary = self.pipeline.summary(config, schedule, times)
+        step = max(summary.makespan, self.dp_tail(config, layout, summary))
+        gpus, peak = config.gpus, self.cluster.gpu.peak_flops
+        tp = self.tp_comm(config)
+        return Result(
+            config=config,
+            step_time=step,
+            tflops_per_gpu=self.step_flops(config.recompute) / step / gpus / 1e12,
+            mfu=self.step_flops("none") / step / gpus / peak,
+            bubble_ratio=summary.bubble_ratio,
+            memory=memory,
+            fits=fits,
+            compute=summary.busy - tp,
+            tp_comm=tp,
+            dp_exposed=step - summary.makespan,
+        )
+
+    def tp_comm(self, config: Config) -> float:
+        """Seconds one rank spends in TP all-reduces per step: T microbatches of its L / D blocks."""
+        block = block_times(
+            self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, recompute=config.recompute
+        )
+        return config.microbatches * transformer(self.cluster).layers / config.pp * (block.tp_f + block.tp_i)
+
+    def dp_tail(self, config: Config, layout: Layout, summary: Summary) -> float:
+        """When the last ``U`` ends, its part's DP reduction and ZeRO all-gather done (module docstring)."""
+        params = self.param_bytes(config, summary.num_parts)
+        end = 0.0
+        for rank_parts in summary.update_order:
+            stream = free = 0.0
+            for part in rank_parts:
+                holders = summary.holders[part]
+                reduce = reduction_time(layout, params[part], num_ranks=config.pp, holders=holders)
+                start = summary.last_backward_start[part] if self.overlap else summary.last_grad_end[part]
+                stream = max(stream, start) + reduce
+                done = max(stream, summary.last_grad_end[part])
+                free = max(free, done) + gather_time(layout, params[part], num_ranks=config.pp, holders=holders)
+            end = max(end, free)
+        return end

@@ -1,0 +1,189 @@
+"""Bytes one GPU holds: model state by ZeRO stage, activations at the schedule's peak, and an allowance.
+
+- **Model state** (``sim.shards.rank_memory``): mixed-precision Adam as the
+  ZeRO paper counts it (Rajbhandari et al., SC20, section 3.1): 2 bytes of BF16
+  parameters, 2 of gradients and 12 of optimizer state (an FP32 master copy and
+  two moments) per parameter, 16 in all, split over the N tensor-parallel ranks
+  (the vocabulary-parallel embedding and head too) and sharded over the P
+  replicas by the ZeRO stage. The first part holds the embeddings, the last a
+  copy of the tied head (Megatron-LM keeps both when they sit on two stages).
+- **Activations** of one block for one microbatch, in bytes (Korthikanti et al.
+  2022, Table 2, tensor parallel without sequence parallelism; the terms are
+  ``sim.activations``', shared with ``pipeweave simulate``):
+  ``s b h (10 + 24/N + 5 a s / (h N))`` with no recomputation;
+  ``s b h (10 + 24/N)`` with selective recomputation (attention's scores are
+  replayed); ``2 s b h`` with full recomputation (the block's input only). The
+  head keeps its FP32 logits, ``4 b s V / N``. Between I and W a block still
+  holds the inputs of its four weight GEMMs, ``s b h (4 + 10/N)`` (the
+  zero-bubble paper's M_W). With sequence parallelism (``Layout.sequence_parallel``,
+  the paper's section 4.2.2 and Table 2) the ``10 s b h`` every tensor-parallel
+  rank held whole (layer norms, dropout masks, the GEMMs' gathered inputs,
+  which Megatron-LM stores sharded and all-gathers again in the backward) are
+  split too: ``34 s b h / N`` (``+ 5 a s^2 b / N``); the block's input
+  ``2 s b h / N``; M_W ``14 s b h / N``. A backward with recomputation holds one replayed
+  block (or its attention scores) on top while it runs. The peak per rank is
+  walked over the schedule's own order (``sim.metrics.held_peaks``), so every
+  schedule's activation memory comes from the simulator, not a closed form.
+- **Allowance**: ``ALLOWANCE_BYTES`` for the CUDA context, cuBLAS and NCCL
+  workspaces and the allocator's fragmentation, plus, with ZeRO 3, one part's
+  gathered BF16 parameters (transient, ``sim.shards``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipeweave.planner.transformer import Transformer
+from pipeweave.schedule.ir import Schedule
+from pipeweave.sim.activations import gpt_block_activations
+from pipeweave.sim.metrics import held_peaks
+from pipeweave.sim.parallel import Layout
+from pipeweave.sim.shards import rank_memory
+from pipeweave.sim.traffic import ModelBytes, tp_rank_share
+
+GIB = 2.0**30
+ALLOWANCE_BYTES = 3 * GIB
+"""Beyond model state and activations: ~0.5 GiB of CUDA context, NCCL buffers (~1 GiB at the defaults of
+NCCL_BUFFSIZE over a few communicators), cuBLAS workspaces, fragmentation of the caching allocator."""
+PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2.0, 2.0, 12.0
+"""Per parameter: BF16 weights and gradients, Adam's FP32 master copy and two moments (ZeRO paper, 3.1)."""
+
+
+@dataclass(frozen=True)
+class GPUMemory:
+    """Bytes of the fullest GPU, by kind."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    allowance: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.allowance
+
+    def as_dict(self) -> dict[str, float]:
+        """GiB by kind, and the total."""
+        names = ("params", "grads", "optimizer", "activations", "allowance", "total")
+        return {n: round(getattr(self, n) / GIB, 3) for n in names}
+
+
+def block_activation_bytes(
+    model: Transformer, *, tp: int, recompute: str, sequence_parallel: bool = False
+) -> tuple[float, float, float]:
+    """``(held, stash, during)`` of one block for a microbatch of 1: held from F to the backward, still held
+    between I and W, and used on top while a backward replays the forward.
+
+    Example:
+        >>> m = Transformer(layers=1, hidden=1024, heads=16, seq_len=1024)
+        >>> [round(x / (1024 * 1024)) for x in block_activation_bytes(m, tp=1, recompute="none")]
+        [114, 14, 0]
+        >>> [round(x / (1024 * 1024)) for x in block_activation_bytes(m, tp=2, recompute="selective",
+        ...                                                           sequence_parallel=True)]
+        [17, 7, 40]
+    """
+    terms = gpt_block_activations(seq_len=model.seq_len, hidden=model.hidden, heads=model.heads)
+
+    def share(total: float, replicated: float) -> float:
+        return tp_rank_share(total, replicated, tp, split_replicated=sequence_parallel)
+
+    full, stash = share(terms.held, terms.held_replicated), share(terms.stash, terms.stash_replicated)
+    scores = terms.scores / tp
+    if recompute == "none":
+        return full, stash, 0.0
+    if recompute == "selective":
+        return full - scores, stash, scores
+    return share(terms.input, terms.input), stash, full
+
+
+def part_activation_bytes(
+    model: Transformer, num_parts: int, tp: int, recompute: str, sequence_parallel: bool = False
+) -> dict[str, float]:
+    """A part's activation bytes for a microbatch of one sample, as ``planner.activations.peaks`` takes them: held
+    and stashed by an ordinary part and by the last (the head's FP32 logits too), and one replayed block."""
+    per = model.layers // num_parts
+    held, stash, during = block_activation_bytes(model, tp=tp, recompute=recompute, sequence_parallel=sequence_parallel)
+    logits = 4.0 * model.seq_len * model.vocab / tp
+    return {
+        "held": per * held,
+        "stash": per * stash,
+        "held_last": per * held + logits,
+        "stash_last": per * stash + logits,
+        "during": during,
+    }
+
+
+def activation_peaks(
+    schedule: Schedule, model: Transformer, tp: int, recompute: str, sequence_parallel: bool = False
+) -> tuple[float, ...]:
+    """Per rank, the peak activation bytes of ``schedule`` for microbatches of one sample (scale by b), walked by
+    the simulator's ``held_peaks`` (``planner.activations`` finds the same for many sizes at once).
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> from pipeweave.planner.activations import activation_profile, peaks
+        >>> m, s = Transformer(layers=8, hidden=256, heads=4, seq_len=64), generate("zb-h1", num_stages=4,
+        ...                                                                          num_microbatches=8)
+        >>> activation_peaks(s, m, 2, "full") == peaks(activation_profile(s), **part_activation_bytes(m, 4, 2, "full"))
+        True
+    """
+    sizes = part_activation_bytes(model, schedule.num_parts, tp, recompute, sequence_parallel)
+    parts = schedule.num_parts
+    held_k = [sizes["held"]] * (parts - 1) + [sizes["held_last"]]
+    stash_k = [sizes["stash"]] * (parts - 1) + [sizes["stash_last"]]
+    extra = [sizes["during"]] * parts  # one block replayed at a time
+    return held_peaks(schedule.actions, schedule.placement.stage_part, held_k, stash_k, extra, extra)
+
+
+def part_parameters(model: Transformer, num_parts: int) -> tuple[float, ...]:
+    """Parameters per part: ``layers / num_parts`` blocks, the embeddings on the first, the head on the last."""
+    per = model.layers // num_parts * model.layer_parameters
+    params = [float(per)] * num_parts
+    params[0] += model.embedding_parameters
+    params[-1] += model.vocab * model.hidden
+    return tuple(params)
+
+
+def gpu_memory(
+    schedule: Schedule,
+    model: Transformer,
+    layout: Layout,
+    *,
+    microbatch_size: int,
+    recompute: str,
+    peaks: tuple[float, ...] | None = None,
+) -> GPUMemory:
+    """The fullest GPU of ``schedule`` on the layout (module docstring); ``peaks``: ``activation_peaks``' result
+    if known.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> m = Transformer(layers=4, hidden=1024, heads=16, seq_len=1024, vocab=1024)
+        >>> mem = gpu_memory(generate("1f1b", num_stages=2, num_microbatches=4), m, Layout(tp=2),
+        ...                  microbatch_size=1, recompute="full")
+        >>> round(mem.optimizer / mem.params)
+        6
+    """
+    params = part_parameters(model, schedule.num_parts)
+    acts = [
+        p * microbatch_size
+        for p in peaks or activation_peaks(schedule, model, layout.tp, recompute, layout.sequence_parallel)
+    ]
+    return fullest_gpu(schedule, params, layout, acts)
+
+
+def fullest_gpu(schedule: Schedule, params: Sequence[float], layout: Layout, acts: Sequence[float]) -> GPUMemory:
+    """The GPU whose model state (``params`` per part, 16 bytes each) and activations (``acts`` bytes per rank)
+    are the most, with the allowance (module docstring)."""
+    state = ModelBytes(
+        params=tuple(p * PARAM_BYTES for p in params),
+        grads=GRAD_BYTES / PARAM_BYTES,
+        optimizer=OPTIMIZER_BYTES / PARAM_BYTES,
+    )
+    ranks = rank_memory(schedule, layout, state)
+    worst = max(range(len(ranks)), key=lambda r: ranks[r].total + acts[r])
+    gathered = max(params) * PARAM_BYTES / layout.tp if layout.zero == 3 else 0.0
+    state_r = ranks[worst]
+    return GPUMemory(state_r.params, state_r.grads, state_r.optimizer, acts[worst], ALLOWANCE_BYTES + gathered)

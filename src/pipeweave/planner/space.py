@@ -1,0 +1,139 @@
+"""The planner's space: every split of N GPUs into TP x PP x DP, chunks, microbatch size, schedule,
+recomputation and ZeRO stage that the model's shape allows, with what the user fixed.
+
+The rules are Megatron-LM's: TP inside a node (N divides the GPUs per node) and
+dividing the heads; PP dividing the layers into equal parts (D x v of them for
+v chunks per rank); DP dividing the global batch B, and the microbatch size b
+dividing B / DP, so that T = B / (DP x b). Schedules: the registry's
+synchronous ones (``pipeweave schedules``), zb-auto and zb-v-auto included;
+at D = 1 there is no pipeline and only ``1f1b`` (plain gradient accumulation)
+is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pipeweave.errors import UserError
+from pipeweave.planner.candidate import Config
+from pipeweave.planner.profiled import Model
+from pipeweave.schedule.registry import SCHEDULES, PlacementKind
+from pipeweave.sim.parallel import ZERO_STAGES
+from pipeweave.sim.recompute import RECOMPUTE
+
+
+def synchronous() -> list[str]:
+    """The registry's synchronous schedules, in its order, read when called (an entry added later counts)."""
+    return [name for name, info in SCHEDULES.items() if info.synchronous]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fixed:
+    """The dimensions the user fixed (None: searched)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    chunks: int | None = None
+    microbatch_size: int | None = None
+    schedule: str | None = None
+    recompute: str | None = None
+    zero: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule is not None and self.schedule not in synchronous():
+            raise UserError(
+                f"-s {self.schedule!r} is not a synchronous schedule the planner can size; choose one "
+                f"of: {', '.join(synchronous())}"
+            )
+        if self.recompute is not None and self.recompute not in RECOMPUTE:
+            raise UserError(f"--recompute {self.recompute!r} is invalid; choose one of: {', '.join(RECOMPUTE)}")
+        if self.zero is not None and self.zero not in ZERO_STAGES:
+            raise UserError(f"--zero {self.zero} is invalid; give 0, 1 or 3")
+        for name in ("tp", "pp", "dp", "chunks", "microbatch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"{FLAGS[name]} {value} is invalid; give an integer >= 1")
+
+    def allows(self, name: str, value: object) -> bool:
+        fixed = getattr(self, name)
+        return fixed is None or fixed == value
+
+
+FLAGS = {
+    "tp": "--tensor-parallel",
+    "pp": "--stages",
+    "dp": "--data-parallel",
+    "chunks": "--chunks",
+    "microbatch_size": "--microbatch-size",
+    "schedule": "-s",
+    "recompute": "--recompute",
+    "zero": "--zero",
+}
+
+
+def divisors(n: int) -> list[int]:
+    """Ascending divisors of ``n``.
+
+    Example:
+        >>> divisors(12)
+        [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tensor_parallel_sizes(model: Model, gpus_per_node: int, fixed: Fixed) -> list[int]:
+    """TP sizes inside a node that split the heads (and the hidden size) evenly."""
+    return [t for t in divisors(gpus_per_node) if model.splits_tensors(t) and fixed.allows("tp", t)]
+
+
+def splits(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> list[tuple[int, int, int]]:
+    """Every ``(tp, pp, dp)`` with tp x pp x dp = gpus, pp dividing the layers, dp the batch.
+
+    Example:
+        >>> from pipeweave.planner.transformer import Transformer
+        >>> m = Transformer(layers=4, hidden=64, heads=4)
+        >>> splits(m, 4, 8, 2, Fixed())
+        [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1)]
+    """
+    out = []
+    for tp in tensor_parallel_sizes(model, gpus_per_node, fixed):
+        for pp in divisors(gpus // tp) if gpus % tp == 0 else ():
+            if model.splits_into(pp) and fixed.allows("pp", pp):
+                dp = gpus // (tp * pp)
+                if batch % dp == 0 and fixed.allows("dp", dp):
+                    out.append((tp, pp, dp))
+    return out
+
+
+def chunk_counts(model: Model, schedule: str, pp: int) -> list[int]:
+    """The chunks v a schedule may run with at D = ``pp`` (its layers split evenly into D x v parts)."""
+    info = SCHEDULES[schedule]
+    if info.chunks is None:  # --chunks v: looped, D x v parts
+        return [v for v in range(2, model.layers // pp + 1) if model.splits_into(pp * v)]
+    if info.placement is PlacementKind.BIDIRECTIONAL:  # one part per rank and direction, D even
+        return [1] if pp % 2 == 0 else []
+    return [info.chunks] if model.splits_into(pp * info.chunks) else []
+
+
+def configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> Iterator[Config]:
+    """The space (module docstring), in a fixed order."""
+    for tp, pp, dp in splits(model, gpus, batch, gpus_per_node, fixed):
+        names = ["1f1b"] if pp == 1 else synchronous()
+        for schedule in (n for n in names if fixed.allows("schedule", n)):
+            for chunks in (v for v in chunk_counts(model, schedule, pp) if fixed.allows("chunks", v)):
+                for b in (b for b in divisors(batch // dp) if fixed.allows("microbatch_size", b)):
+                    for recompute in (r for r in model.recomputations if fixed.allows("recompute", r)):
+                        for zero in (z for z in (ZERO_STAGES if dp > 1 else (0,)) if fixed.allows("zero", z)):
+                            yield Config(
+                                tp=tp,
+                                pp=pp,
+                                dp=dp,
+                                chunks=chunks,
+                                microbatch_size=b,
+                                microbatches=batch // (dp * b),
+                                schedule=schedule,
+                                recompute=recompute,
+                                zero=zero,
+                            )
