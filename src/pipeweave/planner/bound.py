@@ -22,7 +22,8 @@ from __future__ import annotations
 from pipeweave.planner.candidate import Config
 from pipeweave.planner.evaluate import Evaluator
 from pipeweave.planner.memory import ALLOWANCE_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
-from pipeweave.schedule.registry import SCHEDULES, PlacementKind
+from pipeweave.schedule.info import PlacementKind
+from pipeweave.schedule.registry import SCHEDULES
 
 
 def rank_of_part(schedule: str, part: int, num_ranks: int) -> int:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pipeweave.errors import UserError
 from pipeweave.planner.candidate import Config
 from pipeweave.planner.profiled import Model
-from pipeweave.schedule.registry import SCHEDULES, PlacementKind
+from pipeweave.schedule.info import PlacementKind
+from pipeweave.schedule.registry import SCHEDULES
 from pipeweave.sim.parallel import ZERO_STAGES
 from pipeweave.sim.recompute import RECOMPUTE
 

@@ -2,6 +2,7 @@
 
 from pipeweave.schedule.dataflow import Execution, execute
 from pipeweave.schedule.grid import format_grid
+from pipeweave.schedule.info import DataParallel, PlacementKind, ScheduleInfo
 from pipeweave.schedule.ir import (
     Action,
     Op,
@@ -11,7 +12,7 @@ from pipeweave.schedule.ir import (
     WeightPolicy,
 )
 from pipeweave.schedule.lower import LoweredSchedule, lower
-from pipeweave.schedule.registry import SCHEDULES, DataParallel, PlacementKind, ScheduleInfo, generate
+from pipeweave.schedule.registry import SCHEDULES, generate
 from pipeweave.schedule.text import from_csv, parse_action, parse_actions, read_csv, to_csv, write_csv
 from pipeweave.schedule.validate import InvalidSchedule, is_valid, validate
 
