@@ -28,6 +28,7 @@ from pipeweave.commands.lever_options import add_stash_arguments, stash_plan
 from pipeweave.commands.model_options import add_model_arguments, model_spec
 from pipeweave.commands.recompute_options import add_recompute_argument
 from pipeweave.commands.units import check_cost_flags, format_bytes
+from pipeweave.config.sections import parse_counts as counts_of
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
 from pipeweave.partition.recompute import kept_bytes, replay_time
@@ -143,20 +144,8 @@ def partition_context(args: argparse.Namespace, profile: MemoryProfile | None) -
 
 
 def parse_counts(text: str | None) -> tuple[int, ...] | None:
-    """``"3,2,2,1"`` -> ``(3, 2, 2, 1)``."""
-    if text is None:
-        return None
-    try:
-        counts = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise UserError(f"--layers-per-stage {text!r} is not a list of integers; write e.g. 3,2,2,1") from None
-    negative = [c for c in counts if c < 0]
-    if negative:
-        raise UserError(
-            f"--layers-per-stage {text} has a negative layer count ({negative[0]}); give every part "
-            "at least one layer, e.g. 3,2,2,1"
-        )
-    return counts
+    """``"3,2,2,1"`` -> ``(3, 2, 2, 1)``; None stays None (``config.sections.parse_counts``'s words)."""
+    return None if text is None else counts_of(text)
 
 
 def layer_costs(args: argparse.Namespace) -> LayerCosts:
