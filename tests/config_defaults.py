@@ -1,6 +1,6 @@
 """The defaults ``TrainConfig`` had before its defaults became ``pipeweave train``'s, for the tests' small runs.
 
-``train_config(**flat)`` is ``TrainConfig.of`` over them: a test that sets no
+``train_config(**flat)`` is ``TrainConfig`` over them: a test that sets no
 schedule, model, batch, steps or optimizer runs what it always ran.
 """
 
@@ -22,5 +22,5 @@ LIBRARY = {
 
 
 def train_config(**flat: Any) -> TrainConfig:
-    """``TrainConfig.of(**flat)`` over ``LIBRARY``."""
-    return TrainConfig.of(**{**LIBRARY, **flat})
+    """``TrainConfig(**flat)`` over ``LIBRARY``."""
+    return TrainConfig(**{**LIBRARY, **flat})

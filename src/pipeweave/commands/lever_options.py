@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
 
 from pipeweave.commands.recompute_options import AUTO
 from pipeweave.errors import UserError
@@ -76,18 +75,3 @@ def stash_plan(args: argparse.Namespace, num_parts: int, *, auto: bool = False) 
         balance=bool(getattr(args, "balance_activations", False)),
         compress=getattr(args, "compress_activations", None),
     )
-
-
-def train_levers(args: argparse.Namespace) -> dict[str, Any]:
-    """``TrainConfig``'s fields of the levers (parts checked against the schedule by the run's plan).
-
-    Raises:
-        UserError: an ``--offload`` part that is no number.
-    """
-    if args.offload not in (None, "all", "none"):
-        parse_offload(args.offload, 1 << 30)  # numbers; the run's plan checks them against the schedule's parts
-    return {
-        "offload": None if args.offload in (None, "none") else args.offload,
-        "compress_activations": args.compress_activations,
-        "balance_activations": args.balance_activations,
-    }

@@ -6,11 +6,9 @@ import argparse
 from typing import Any
 
 from pipeweave.commands.units import parse_values
+from pipeweave.config.sections import AUTO  # noqa: F401  (--recompute auto, re-exported)
 from pipeweave.errors import UserError
 from pipeweave.sim.recompute import RECOMPUTE, parse_recompute
-
-AUTO = "auto"
-"""``--recompute auto`` (``search``, ``partition --partition memory``): the command chooses per part."""
 
 
 def add_recompute_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, auto: bool = False) -> None:

@@ -8,8 +8,8 @@ the file and line, and the closest valid key.
 
 Example:
     >>> from pipeweave.config.train import TrainConfig
-    >>> text = dumps(TrainConfig.of(num_stages=4, steps=5))
-    >>> loads(text, TrainConfig) == TrainConfig.of(num_stages=4, steps=5)
+    >>> text = dumps(TrainConfig(num_stages=4, steps=5))
+    >>> loads(text, TrainConfig) == TrainConfig(num_stages=4, steps=5)
     True
 """
 

@@ -10,7 +10,7 @@ partitioner chooses, a searched schedule's costs, a schedule file) is resolved
 once per run by ``runtime.run.resolve``.
 
 Example:
-    >>> config = TrainConfig.of(num_stages=4, tensor_parallel=2, steps=5)
+    >>> config = TrainConfig(num_stages=4, tensor_parallel=2, steps=5)
     >>> config.schedule.num_stages, config.parallel.tensor_parallel, config.training.optimizer
     (4, 2, 'adamw')
 """
@@ -133,16 +133,6 @@ class TrainConfig:
         """
         for name, _ in sections(type(self)):
             check_section(getattr(self, name))
-
-    @classmethod
-    def of(cls, **flat: Any) -> TrainConfig:
-        """``TrainConfig(**flat)``: a configuration from sections or fields by name.
-
-        Example:
-            >>> TrainConfig.of(schedule="1f1b", num_stages=4).schedule.num_stages
-            4
-        """
-        return cls(**flat)
 
     def get(self, name: str) -> Any:
         """The value of a section's field by its name alone: ``config.get("tensor_parallel")``."""
