@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import MISSING, Field
 from typing import Any
 
-from pipeweave.config.schema import choices_of, field_docs, flag_of, help_of, hints, option_of, sections, unoptional
+from pipeweave.config.schema import choices_of, flag_of, help_of, hints, option_of, sections, unoptional
 
 SEP = "."
 """Between section and field in the namespace's names: ``parallel.tensor_parallel``."""
@@ -119,17 +119,6 @@ def from_arguments(args: argparse.Namespace, cls: type, base: dict[str, dict[str
     for name, fields in given(args).items():
         values.setdefault(name, {}).update(fields)
     return build(cls, values)
-
-
-def undocumented(cls: type) -> list[str]:
-    """The fields of ``cls``'s sections that lack a docstring or a type (a test keeps this empty)."""
-    missing = []
-    for name, section in sections(cls):
-        docs = field_docs(section)
-        for f in dataclasses.fields(section):
-            if not docs.get(f.name) or f.name not in hints(section):
-                missing.append(f"{name}.{f.name}")
-    return missing
 
 
 def flag_names(cls: type) -> dict[str, str]:
