@@ -347,6 +347,16 @@ def test_bad_input_is_one_line(cli_error: Any, costs: str, monkeypatch: pytest.M
         "pipeweave.commands.compare_measure.train_record",
     )
     assert "--measure runs 4 ranks but this machine has 2 cores; give --stages 2 or fewer" in err
+    for flag, value, mode in [
+        ("--lr", "0.1", "--convergence"),
+        ("--momentum", "0.5", "--convergence"),
+        ("--seeds", "3", "--convergence"),
+        ("--rounds", "2", "--measure"),
+        ("--memory-limit", "4", "--recommend"),
+    ]:  # ignored before: an option of a mode not asked for
+        assert f"{flag} {value} applies to {mode} only; give {mode} too, or drop {flag}" in cli_error(
+            [*base, "-s", "gpipe", flag, value]
+        )
 
 
 def test_default_set_skips_what_cannot_serve_the_setting(

@@ -44,6 +44,11 @@ TIMEOUT = "is invalid; give the seconds a rank may wait on a peer, > 0 and at mo
         (["--lr", "-inf"], "--lr -inf is invalid"),
         (["--repeats", "0", "--partition", "time"], "--repeats 0 is invalid; give an integer >= 1"),
         (["--optimizer-state", "nan"], "--optimizer-state nan is invalid"),
+        (
+            ["--zero", "1"],
+            "--zero 1 shards over the --data-parallel replicas and this run has one; give --data-parallel",
+        ),
+        (["--zero", "3"], "--zero 3 shards over the --data-parallel replicas"),
     ],
 )
 def test_train_refuses_a_bad_flag_before_spawning(argv: list[str], message: str, cli_error: Callable[..., str]) -> None:
@@ -97,3 +102,14 @@ def test_two_runs_writing_one_out_folder_at_once_is_one_line(tmp_path: Path, cli
     err = cli_error([*TRAIN, "--out", str(out)], *NOTHING_DONE)
     assert f"--out {out} is in use by another run (pid {os.getpid()} on " in err
     assert "give another --out folder" in err
+
+
+def test_more_spawned_ranks_than_the_cores_can_serve_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, cli_error: Callable[..., str]
+) -> None:
+    from pipeweave.commands import train_run
+
+    monkeypatch.setattr(train_run, "cpu_cores", lambda: 1)  # 16 processes a core: 2 x 2 x 8 = 32 is too many
+    argv = ["--model", "gpt", "--heads", "8", "--hidden", "32", "--layers", "2", "--schedule", "1f1b"]
+    err = cli_error([*TRAIN, *argv, "--stages", "2", "--data-parallel", "2", "--tensor-parallel", "8"], *NOTHING_DONE)
+    assert "= 32 processes on 1 CPU cores: over 16 a core" in err and "give at most 16 processes here" in err, err

@@ -182,6 +182,14 @@ def test_a_bad_resume_is_one_line_before_spawning(tmp_path: Path) -> None:
         )
     with pytest.raises(UserError, match="give --optimizer sgd"):
         prepare(dataclasses.replace(base, optimizer="adamw", resume=str(tmp_path / "ckpt")))
+    reseeded = train_config(
+        schedule="1f1b", num_stages=2, num_microbatches=2, model=dataclasses.replace(MLP, seed=3), batch_size=4, steps=1
+    )
+    with pytest.raises(UserError, match=r"run with --data-seed 0 and this run has --data-seed 3 .*give --data-seed 0"):
+        prepare(dataclasses.replace(reseeded, resume=str(tmp_path / "ckpt")))  # the data seed follows the model's
+    with pytest.raises(UserError, match=r"run with --batch 4 and this run has --batch 8 .*; give --batch 4$"):
+        prepare(base.replace(batch_size=8, resume=str(tmp_path / "ckpt")))
+    prepare(reseeded.replace(data_seed=0, resume=str(tmp_path / "ckpt")))  # the same data: resumes
     (tmp_path / "ckpt" / "step-000001" / "__1_0.distcp").unlink()
     with pytest.raises(
         UserError,

@@ -88,7 +88,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     depth.add_argument(
         "--rounds",
         type=int,
-        default=1,
         help="--measure: alternating rounds, the median of each figure kept (default 1)",
     )
     depth.add_argument(
@@ -101,12 +100,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     depth.add_argument(
         "--seeds",
         type=int,
-        default=1,
         metavar="K",
         help="--convergence: seeds 0..K-1 (initialisation and data order; default 1)",
     )
-    depth.add_argument("--lr", type=float, default=0.3, help="--convergence: SGD learning rate (default 0.3)")
-    depth.add_argument("--momentum", type=float, default=0.9, help="--convergence: SGD momentum (default 0.9)")
+    depth.add_argument("--lr", type=float, help="--convergence: SGD learning rate (default 0.3)")
+    depth.add_argument("--momentum", type=float, help="--convergence: SGD momentum (default 0.9)")
     out = p.add_argument_group("outputs")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     out.add_argument("--csv", metavar="FILE", help="write one row per approach (CSV)")

@@ -10,7 +10,6 @@ the reference executor (``commands.convergence``).
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from pipeweave.commands.compare_output import emit
@@ -21,6 +20,7 @@ from pipeweave.commands.simulate import add_parser as add_simulate_parser
 from pipeweave.commands.simulate import simulated
 from pipeweave.commands.simulate_report import evaluate
 from pipeweave.errors import UserError
+from pipeweave.host import cpu_cores
 from pipeweave.models.spec import uniform_parts
 from pipeweave.partition import LayerCosts, Partition
 from pipeweave.runtime.report.stream_summary import minibatch_period
@@ -94,8 +94,24 @@ def simulated_rows(
     return rows, skipped
 
 
+DEPENDENT = {
+    "rounds": ("measure", 1),
+    "seeds": ("convergence", 1),
+    "lr": ("convergence", 0.3),
+    "momentum": ("convergence", 0.9),
+    "memory_limit": ("recommend", None),
+}
+"""Options that only one mode of compare reads: dest -> (the mode's dest, the default once it is given)."""
+
+
 def _check(args: argparse.Namespace) -> None:
-    """Each count, one line, before anything is profiled or run."""
+    """Each count, one line, before anything is profiled or run; an option given without the one it serves."""
+    for dest, (owner, default) in DEPENDENT.items():
+        value = getattr(args, dest)
+        if value is not None and not getattr(args, owner):
+            flag, needs = "--" + dest.replace("_", "-"), "--" + owner
+            raise UserError(f"{flag} {value} applies to {needs} only; give {needs} too, or drop {flag}")
+        setattr(args, dest, default if value is None else value)
     for flag, value, least in (
         ("--stages", args.stages, 1),
         ("--microbatches", args.microbatches, 1),
@@ -116,7 +132,7 @@ def _check(args: argparse.Namespace) -> None:
             "multiple of the microbatch count"
         )
     if args.measure is not None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = cpu_cores()
         if args.stages > cores:
             raise UserError(
                 f"--measure runs {args.stages} ranks but this machine has {cores} cores; give "

@@ -24,6 +24,7 @@ from pipeweave.config.cli import from_arguments
 from pipeweave.config.toml import dumps as dump_toml
 from pipeweave.config.toml import load as load_toml
 from pipeweave.errors import UserError
+from pipeweave.host import cpu_cores
 from pipeweave.models.hf import save_pretrained
 from pipeweave.runtime.process import under_torchrun
 from pipeweave.runtime.run.job import run_rank
@@ -70,8 +71,14 @@ def _uses_rings(config: TrainConfig, plan: RunPlan, capacity: int | None) -> boo
     return config.launch.transport == "shm" or shm.unavailable(plan.num_processes, capacity) is None
 
 
+PROCESSES_PER_CORE = 16
+"""Most rank processes ``train`` spawns per CPU core: beyond it each gets too little time to answer its peers
+within ``--timeout`` (the 16 ranks of a 4 x 4 mesh still run on 1 core)."""
+
+
 def _check_world(plan: RunPlan) -> None:
-    """Under torchrun, the processes started are the run's P x D x N (one line before any group forms)."""
+    """Under torchrun, the processes started are the run's P x D x N; spawned CPU ranks, at most
+    ``PROCESSES_PER_CORE`` per core (one line before any group forms)."""
     world = int(os.environ.get("WORLD_SIZE", "0"))
     if under_torchrun() and world != plan.num_processes:
         c = plan.config.parallel
@@ -80,6 +87,15 @@ def _check_world(plan: RunPlan) -> None:
             f"{plan.schedule.num_ranks // c.data_parallel} stage ranks x --tensor-parallel "
             f"{c.tensor_parallel} need {plan.num_processes}; give --nnodes x --nproc-per-node = "
             f"{plan.num_processes}"
+        )
+    cores = cpu_cores()
+    if not under_torchrun() and not torch.cuda.is_available() and plan.num_processes > PROCESSES_PER_CORE * cores:
+        c = plan.config.parallel
+        raise UserError(
+            f"--data-parallel {c.data_parallel} x {plan.schedule.num_ranks // c.data_parallel} stage ranks x "
+            f"--tensor-parallel {c.tensor_parallel} = {plan.num_processes} processes on {cores} CPU cores: over "
+            f"{PROCESSES_PER_CORE} a core, ranks starve and time out waiting on each other; give at most "
+            f"{PROCESSES_PER_CORE * cores} processes here, or spread them over hosts with torchrun"
         )
 
 

@@ -122,6 +122,11 @@ class TrainConfig:
         if self.data.data_seed is None:
             _set(self, "data", data_seed=self.model.seed)
         _check_applies(self)
+        if self.parallel.zero and self.parallel.data_parallel == 1:
+            raise UserError(
+                f"--zero {self.parallel.zero} shards over the --data-parallel replicas and this run has one; give "
+                "--data-parallel 2 or more, or drop --zero"
+            )
         if self.data.min_seq_len is not None:
             _check_min_seq_len(self, self.data.min_seq_len)
 

@@ -113,10 +113,47 @@ def check(config: TrainConfig, meta: dict[str, Any]) -> None:
             f"--resume {config.checkpoint.resume} holds another model: {differ}; give the model options it was "
             "saved with"
         )
+    _check_data(config, meta)
     if meta["optimizer"] != config.training.optimizer:
         raise UserError(
             f"--resume {config.checkpoint.resume} holds {meta['optimizer']} state and this run uses "
             f"--optimizer {config.training.optimizer}; give --optimizer {meta['optimizer']}"
+        )
+
+
+_DATA_FLAGS = {"path": "--data", "data_seed": "--data-seed", "batch_size": "--batch", "min_seq_len": "--min-seq-len"}
+"""What decides the data a step trains on (batches are indexed by step): a resumed run keeps them."""
+
+
+def data_order(config: TrainConfig) -> dict[str, Any]:
+    """The fields of ``config`` that decide which samples each step trains on (a checkpoint's ``"data"``)."""
+    order = {k: getattr(config.data, k) for k in _DATA_FLAGS}
+    if order["path"] is not None:
+        order["path"] = str(Path(order["path"]).resolve())
+    return order
+
+
+def _check_data(config: TrainConfig, meta: dict[str, Any]) -> None:
+    """Resuming continues the saved data order; another seed, batch or file would silently change it."""
+    if "data" not in meta:  # written before checkpoints recorded it
+        return
+    here, there = data_order(config), meta["data"]
+    differ = [k for k in _DATA_FLAGS if here[k] != there.get(k)]
+    if differ:
+
+        def said(values: dict[str, Any]) -> str:
+            return ", ".join(
+                f"{_DATA_FLAGS[k]} {values.get(k)}" if values.get(k) is not None else f"no {_DATA_FLAGS[k]}"
+                for k in differ
+            )
+
+        fix = " ".join(f"{_DATA_FLAGS[k]} {there[k]}" for k in differ if there.get(k) is not None)
+        drop = " ".join(_DATA_FLAGS[k] for k in differ if there.get(k) is None)
+        raise UserError(
+            f"--resume {config.checkpoint.resume} continues the data of a run with {said(there)} and this run has "
+            f"{said(here)} (a step's batch depends on them); "
+            + " and ".join(x for x in (fix and f"give {fix}", drop and f"drop {drop}") if x)
+            + (" (--data-seed sets the data order apart from --seed)" if "data_seed" in differ else "")
         )
 
 
@@ -206,6 +243,7 @@ def _manifest(
         "steps": steps,
         "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": asdict(config.model),
+        "data": data_order(config),
         "optimizer": config.training.optimizer,
         "lr": config.training.lr,
         "momentum": config.training.momentum,
