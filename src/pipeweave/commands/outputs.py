@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeweave.durable import reason, replacing, write_atomic
+from pipeweave.durable import replacing, write_atomic
 from pipeweave.errors import UserError
+from pipeweave.side_output import cannot_write
 
 
 def picture_file(flag: str, value: str | os.PathLike[str]) -> Path:
@@ -90,7 +91,7 @@ def write_output(path: Path, data: str | bytes) -> None:
     try:
         write_atomic(path, data)
     except OSError as exc:
-        raise UserError(f"cannot write {path}: {reason(exc)}") from None
+        raise UserError(cannot_write(path, exc)) from None
 
 
 @contextmanager
@@ -104,4 +105,4 @@ def replaced_output(path: Path) -> Iterator[Path]:
         with replacing(path) as tmp:
             yield tmp
     except OSError as exc:
-        raise UserError(f"cannot write {path}: {reason(exc)}") from None
+        raise UserError(cannot_write(path, exc)) from None
