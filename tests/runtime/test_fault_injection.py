@@ -13,7 +13,7 @@ The side outputs fail too (``pipeweave.side_output``): a full ``--log-dir``,
 a full ``--out`` and a checkpoint folder made read-only in the middle of a
 run each end in one line, the run trained to its end, its record written
 and the exit code ``OUTPUT_FAILED``. A full disk is a file-size limit
-(``RLIMIT_FSIZE``) set on the process that writes there once it runs:
+(``RLIMIT_FSIZE``) set on the processes that write there once they run:
 Python ignores the SIGXFSZ it raises, so the write fails (``File too
 large``) as a full disk's does.
 """
@@ -211,17 +211,10 @@ def _waiting_for(found: Callable[[], object], proc: subprocess.Popen[str]) -> ob
     raise AssertionError("the run ended before the fault could be injected")
 
 
-def _writing_into(pid: int, folder: Path) -> tuple[int, Path] | None:
-    """The process below ``pid`` holding a file in ``folder`` open, and that file."""
-    for child in _descendants(pid):
-        try:
-            for fd in (Path("/proc") / str(child) / "fd").iterdir():
-                target = Path(os.readlink(fd))
-                if folder in target.parents:
-                    return child, target
-        except OSError:
-            continue
-    return None
+def _ranks(pid: int) -> list[int]:
+    """The run's rank processes (the fork server's children) once both are there."""
+    ranks = [child for child, parent in _descendants(pid).items() if parent != pid]
+    return ranks if len(ranks) == 2 else []
 
 
 def _outcome(proc: subprocess.Popen[str]) -> list[str]:
@@ -236,9 +229,10 @@ def test_a_full_log_dir_is_one_warning_and_the_run_ends_with_its_record(tmp_path
     """The log writer's ENOSPC escaped its thread: `rank 1 failed: OSError`, two tracebacks, no record."""
     tb, out = tmp_path / "tb", tmp_path / "out"
     proc = subprocess.Popen(_quick(out, "--steps", "60", "--log-dir", str(tb)), stderr=subprocess.PIPE, text=True)
-    writer, events = _waiting_for(lambda: _writing_into(proc.pid, tb), proc)  # type: ignore[misc]
-    resource.prlimit(writer, resource.RLIMIT_FSIZE, (1, 1))  # its disk is full from now on
+    for rank in _waiting_for(lambda: _ranks(proc.pid), proc):  # type: ignore[attr-defined]
+        resource.prlimit(rank, resource.RLIMIT_FSIZE, (4096, 4096))  # a few steps' events fit, then the disk is full
     lines = _outcome(proc)
+    (events,) = tb.rglob("events.out.tfevents.*")
     line = f"cannot write {events}: File too large"
     assert lines == [f"pipeweave train: warning: {line}; logging stops, the run goes on"], lines
     assert proc.returncode == OUTPUT_FAILED
@@ -252,7 +246,7 @@ def test_a_full_out_after_the_run_is_one_line_and_its_own_exit_code(tmp_path: Pa
     """A full `--out` exited 2, the code of a usage error, after a run that had trained."""
     out = tmp_path / "out"
     proc = subprocess.Popen(_quick(out, "--steps", "12"), stderr=subprocess.PIPE, text=True)
-    _waiting_for(lambda: [c for c, parent in _descendants(proc.pid).items() if parent != proc.pid], proc)  # ranks
+    _waiting_for(lambda: _ranks(proc.pid), proc)
     resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (20_000, 20_000))  # the launcher's disk: the record fits
     lines = _outcome(proc)
     trace, plot = out / "trace.json", out / "timeline.png"
