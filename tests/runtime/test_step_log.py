@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 
 from pipeweave.cli import main
+from pipeweave.runtime.run.step_log import EventFile
+from pipeweave.side_output import SideOutput
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -90,6 +93,22 @@ def test_logged_scalars_are_the_json_records(tmp_path: Path) -> None:
     for r in (0, 1):
         assert len(logged[f"memory/rank{r}_bytes"]) == steps and all(v > 0 for _, v in logged[f"memory/rank{r}_bytes"])
     assert len(list(folder.glob("events.out.tfevents.*"))) == 1  # one process writes
+
+
+def test_an_event_file_whose_folder_is_removed_fails_its_next_write_once(tmp_path: Path) -> None:
+    """A removed ``--log-dir`` took the events without a word: the file was gone, its writes went nowhere."""
+    said: list[str] = []
+    log = SideOutput(tmp_path / "tb", said.append)
+    events = log.attempt(lambda: EventFile(tmp_path / "tb" / "run"))
+    assert events is not None
+    log.path = events.path  # as StepLog names it
+    assert log.attempt(lambda: events.add_scalars({"train/loss": 1.0}, 0)) is None
+    assert said == [] and _scalars(tmp_path / "tb" / "run")["train/loss"] == [(0, 1.0)]
+    shutil.rmtree(tmp_path / "tb")
+    for step in (1, 2):
+        log.attempt(lambda: events.add_scalars({"train/loss": 1.0}, step))  # noqa: B023 - called at once
+    assert said == [f"cannot write {events.path}: removed while the run wrote it"]
+    events.abandon()
 
 
 def test_log_dir_is_refused_in_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

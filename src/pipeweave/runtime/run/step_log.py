@@ -38,6 +38,7 @@ Scalars, at the step of the training (0-based, the resumed steps counted):
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import socket
@@ -216,7 +217,8 @@ class EventFile:
     """A TensorBoard event file, written where it is called (the log thread): each step's scalars as one event.
 
     ``events.out.tfevents.<time>.<host>.<pid>`` in ``folder`` (created), as TensorBoard's own writers name
-    theirs; each record flushed as written, so a failed write raises at the step it belongs to.
+    theirs; each record flushed as written, so a failed write raises at the step it belongs to, and so does
+    a write into a file removed meanwhile (a removed folder), which the system would accept and lose.
     """
 
     def __init__(self, folder: Path) -> None:
@@ -251,3 +253,5 @@ class EventFile:
     def _put(self, event: Any) -> None:
         self.records.write(event.SerializeToString())
         self.file.flush()
+        if os.fstat(self.file.fileno()).st_nlink == 0:  # its folder removed: the writes would go nowhere, unsaid
+            raise FileNotFoundError(errno.ENOENT, "removed while the run wrote it", str(self.path))
