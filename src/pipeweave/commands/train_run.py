@@ -161,9 +161,14 @@ def _launch(config: TrainConfig, on_record: Any = None) -> int:
     if not quiet:
         print_summary(report, paths)
     folder = config.checkpoint.save_pretrained
-    if folder is not None:
-        save_pretrained(config.model.entry, config.model.hf_config, _final_parameters(record), folder)
-        if not quiet:
+    if folder is not None:  # a side output too: a failed write is one line, after the record is safe
+        export = SideOutput(folder)
+        export.attempt(
+            lambda: save_pretrained(config.model.entry, config.model.hf_config, _final_parameters(record), folder)
+        )
+        if export.failure is not None:
+            failed.append(export)
+        elif not quiet:
             print(f"saved (transformers): {folder}")
     return _said_failures(record, failed)
 
