@@ -224,6 +224,7 @@ def _outcome(proc: subprocess.Popen[str]) -> list[str]:
     return [line for line in err.splitlines() if line.strip()]
 
 
+@pytest.mark.slow  # a fresh launcher and fork server: ~7 s of CPU (55-60 s at a load of 14 on 2 cores)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prlimit and /proc as on Linux")
 def test_a_full_log_dir_is_one_warning_and_the_run_ends_with_its_record(tmp_path: Path) -> None:
     """The log writer's ENOSPC escaped its thread: `rank 1 failed: OSError`, two tracebacks, no record."""
@@ -241,6 +242,7 @@ def test_a_full_log_dir_is_one_warning_and_the_run_ends_with_its_record(tmp_path
     assert sorted(p.name for p in out.iterdir()) == ["timeline.png", "trace.json", "train.json"]
 
 
+@pytest.mark.slow  # a fresh launcher and fork server: ~7 s of CPU (55-60 s at a load of 14 on 2 cores)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prlimit and /proc as on Linux")
 def test_a_full_out_after_the_run_is_one_line_and_its_own_exit_code(tmp_path: Path) -> None:
     """A full `--out` exited 2, the code of a usage error, after a run that had trained."""
@@ -270,6 +272,7 @@ def _without_overriding_permissions() -> None:
                 raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
+@pytest.mark.slow  # a fresh launcher and fork server: ~7 s of CPU (55-60 s at a load of 14 on 2 cores)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="capabilities as on Linux")
 def test_a_checkpoint_folder_made_read_only_mid_run_is_one_warning_and_the_run_ends_with_its_record(
     tmp_path: Path,
