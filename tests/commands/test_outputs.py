@@ -8,6 +8,7 @@ from unittest.mock import patch
 import pytest
 
 from pipeweave.cli import main
+from pipeweave.commands.outputs import output_folder
 
 SIMULATE = ["simulate", "-s", "1f1b", "--stages", "2", "--microbatches", "4"]
 SEARCH = ["search", "--stages", "2", "--microbatches", "2", "--solver", "heuristic"]
@@ -58,12 +59,18 @@ def test_an_unwritable_output_is_one_line_before_any_work(
     assert err.startswith(f"pipeweave {command[0]}: error: ") and message.format(**places) in err, err
 
 
-def test_missing_folders_of_outputs_are_made(places: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_file_in_a_missing_folder_is_refused_a_folder_option_is_made(
+    places: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`compare --markdown /nonexistent/dir/x.md` created /nonexistent/dir: a typo in a path made folders."""
     new = Path(places["new"])
-    assert (
-        main(
-            [*SIMULATE, "--plot", str(new / "t.png"), "--trace", str(new / "t.json"), "--csv", str(new / "s" / "t.csv")]
-        )
-        == 0
-    )
-    assert (new / "t.png").stat().st_size > 0 and (new / "t.json").is_file() and (new / "s" / "t.csv").is_file()
+    with patch("pipeweave.commands.compare_run.simulated_comparison", side_effect=AssertionError("worked first")):
+        assert main(["compare", "--markdown", str(new / "x.md")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"pipeweave compare: error: --markdown {new}/x.md: no folder {new}; create it or give another path"
+    for flag in ("--plot", "--trace", "--csv"):
+        suffix = {"--plot": "png", "--trace": "json", "--csv": "csv"}[flag]
+        assert main([*SIMULATE, flag, str(new / f"t.{suffix}")]) == 2
+        assert f"no folder {new}; create it" in capsys.readouterr().err
+    assert not new.parent.exists()
+    assert output_folder("--out", new / "out") == new / "out" and (new / "out").is_dir()  # a run's own folder

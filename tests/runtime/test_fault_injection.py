@@ -8,13 +8,23 @@ After every kill no process of the run is left; at the end the final
 parameters equal an uninterrupted run's bitwise, the last run's losses equal
 the uninterrupted run's for the same steps, and no temporary file is left in
 the checkpoint or output folders.
+
+The side outputs fail too (``pipeweave.side_output``): a full ``--log-dir``,
+a full ``--out`` and a checkpoint folder made read-only in the middle of a
+run each end in one line, the run trained to its end, its record written
+and the exit code ``OUTPUT_FAILED``. A full disk is a file-size limit
+(``RLIMIT_FSIZE``) set on the processes that write there once they run:
+Python ignores the SIGXFSZ it raises, so the write fails (``File too
+large``) as a full disk's does.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -26,6 +36,7 @@ import pytest
 import torch
 
 from pipeweave.runtime.run import checkpoint_files
+from pipeweave.side_output import OUTPUT_FAILED
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
 
@@ -181,3 +192,106 @@ def test_a_run_killed_ten_times_resumes_to_the_uninterrupted_result(
     assert all(torch.equal(straight_params[k], params[k]) for k in params)
     assert _temporary(save, out) == []
     assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+def _quick(out: Path, *more: str) -> list[str]:
+    """A run of the tiny mlp on 2 ranks (gloo: no shared-memory ring that a file-size limit would refuse)."""
+    mlp = ["--model", "mlp", "--layers", "4", "--hidden", "8", "--batch", "8", "--microbatches", "2", "-s", "1f1b"]
+    return [sys.executable, "-m", "pipeweave.cli", "train", *mlp, "--quiet", "--out", str(out), "--transport", "gloo",
+            "--timeout", "30", *more]  # fmt: skip
+
+
+def _waiting_for(found: Callable[[], object], proc: subprocess.Popen[str]) -> object:
+    """Poll ``found()`` until it is something, while the run lives (at most 60 s)."""
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        if thing := found():
+            return thing
+        time.sleep(0.005)
+    raise AssertionError("the run ended before the fault could be injected")
+
+
+def _ranks(pid: int) -> list[int]:
+    """The run's rank processes (the fork server's children) once both are there."""
+    ranks = [child for child, parent in _descendants(pid).items() if parent != pid]
+    return ranks if len(ranks) == 2 else []
+
+
+def _outcome(proc: subprocess.Popen[str]) -> list[str]:
+    """The run's lines on stderr, once it ended with no traceback."""
+    _, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err, err
+    return [line for line in err.splitlines() if line.strip()]
+
+
+@pytest.mark.slow  # a fresh launcher and fork server: ~7 s of CPU (55-60 s at a load of 14 on 2 cores)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prlimit and /proc as on Linux")
+def test_a_full_log_dir_is_one_warning_and_the_run_ends_with_its_record(tmp_path: Path) -> None:
+    """The log writer's ENOSPC escaped its thread: `rank 1 failed: OSError`, two tracebacks, no record."""
+    tb, out = tmp_path / "tb", tmp_path / "out"
+    proc = subprocess.Popen(_quick(out, "--steps", "60", "--log-dir", str(tb)), stderr=subprocess.PIPE, text=True)
+    for rank in _waiting_for(lambda: _ranks(proc.pid), proc):  # type: ignore[attr-defined]
+        resource.prlimit(rank, resource.RLIMIT_FSIZE, (4096, 4096))  # a few steps' events fit, then the disk is full
+    lines = _outcome(proc)
+    (events,) = tb.rglob("events.out.tfevents.*")
+    line = f"cannot write {events}: File too large"
+    assert lines == [f"pipeweave train: warning: {line}; logging stops, the run goes on"], lines
+    assert proc.returncode == OUTPUT_FAILED
+    record = json.loads((out / "train.json").read_text())
+    assert len(record["losses"]) == 60 and record["output_failures"] == [line]
+    assert sorted(p.name for p in out.iterdir()) == ["timeline.png", "trace.json", "train.json"]
+
+
+@pytest.mark.slow  # a fresh launcher and fork server: ~7 s of CPU (55-60 s at a load of 14 on 2 cores)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prlimit and /proc as on Linux")
+def test_a_full_out_after_the_run_is_one_line_and_its_own_exit_code(tmp_path: Path) -> None:
+    """A full `--out` exited 2, the code of a usage error, after a run that had trained."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(_quick(out, "--steps", "12"), stderr=subprocess.PIPE, text=True)
+    _waiting_for(lambda: _ranks(proc.pid), proc)
+    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (20_000, 20_000))  # the launcher's disk: the record fits
+    lines = _outcome(proc)
+    trace, plot = out / "trace.json", out / "timeline.png"
+    assert lines == [f"pipeweave train: error: cannot write {trace}: File too large; nor {plot}"], lines
+    assert proc.returncode == OUTPUT_FAILED
+    record = json.loads((out / "train.json").read_text())
+    assert len(record["losses"]) == 12
+    assert record["output_failures"] == [
+        f"cannot write {trace}: File too large",
+        f"cannot write {plot}: File too large",
+    ]
+    assert sorted(p.name for p in out.iterdir()) == ["train.json"]  # no half-written file, no temporary one
+
+
+def _without_overriding_permissions() -> None:
+    """A root process ignores a folder's permissions; without CAP_DAC_OVERRIDE (and its reading half) it cannot."""
+    if os.geteuid() == 0:
+        prctl, capbset_drop = ctypes.CDLL(None, use_errno=True).prctl, 24  # PR_CAPBSET_DROP: gone at exec
+        for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if prctl(capbset_drop, capability, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.mark.slow  # a fresh launcher and fork server: ~7 s of CPU (55-60 s at a load of 14 on 2 cores)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="capabilities as on Linux")
+def test_a_checkpoint_folder_made_read_only_mid_run_is_one_warning_and_the_run_ends_with_its_record(
+    tmp_path: Path,
+) -> None:
+    """Every save after the folder turned read-only said a line of its own, and the run exited 1."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    argv = _quick(out, "--steps", "6", "--save", str(ck), "--save-every", "1")
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, preexec_fn=_without_overriding_permissions)
+    _waiting_for(lambda: _newest_steps(ck) >= 2, proc)
+    ck.chmod(0o555)
+    try:
+        lines = _outcome(proc)
+    finally:
+        ck.chmod(0o755)
+    assert proc.returncode == OUTPUT_FAILED, lines
+    assert len(lines) == 1 and lines[0].startswith("pipeweave train: warning: cannot "), lines
+    assert ": Permission denied; the newest checkpoint kept is " in lines[0], lines
+    record = json.loads((out / "train.json").read_text())
+    kept = _newest_steps(ck)
+    assert len(record["losses"]) == 6 and len(record["save_failures"]) == 6 - kept
+    assert record["save_failures"][0] == lines[0].removeprefix("pipeweave train: warning: ")
+    assert sorted(p.name for p in out.iterdir()) == ["timeline.png", "trace.json", "train.json"]

@@ -43,6 +43,22 @@ COLUMNS: tuple[tuple[str, str | None, str, str], ...] = (
 )
 
 
+def output_paths(args: argparse.Namespace) -> dict[str, Path]:
+    """The files ``--csv``, ``--markdown`` and ``--plot`` ask for, each checked writable (``commands.outputs``).
+
+    Raises:
+        UserError: one that cannot be written, in one line.
+    """
+    paths = {
+        flag: output_file(f"--{flag}", value)
+        for flag, value in (("csv", args.csv), ("markdown", args.markdown))
+        if value
+    }
+    if args.plot:
+        paths["plot"] = picture_file("--plot", args.plot)
+    return paths
+
+
 def emit(
     rows: list[dict[str, Any]],
     args: argparse.Namespace,
@@ -51,13 +67,7 @@ def emit(
 ) -> None:
     """Print the table (or the JSON object) and write the asked files; paths are checked before writing.
     ``skipped``: the approaches that cannot serve the setting, with their reasons."""
-    paths = {
-        flag: output_file(f"--{flag}", value)
-        for flag, value in (("csv", args.csv), ("markdown", args.markdown))
-        if value
-    }
-    if args.plot:
-        paths["plot"] = picture_file("--plot", args.plot)
+    paths = output_paths(args)
     advice = recommend(rows, limit) if args.recommend or limit is not None else None
     setting = _setting(args)
     if "csv" in paths:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pipeweave.commands.compare_output import emit
+from pipeweave.commands.compare_output import emit, output_paths
 from pipeweave.commands.compare_table import LITERATURE, choose, parse_memory_limit, recommend
 from pipeweave.commands.model_options import model_spec
 from pipeweave.commands.partition import part_costs
@@ -38,6 +38,7 @@ DEFAULT_GPT = {"layers": 6, "hidden": 128, "heads": 4, "seq_len": 64}
 def compare(args: argparse.Namespace) -> int:
     """``pipeweave compare ARGS``: the rows at the asked depth, then the outputs; the exit code."""
     limit = parse_memory_limit(args.memory_limit) if args.memory_limit is not None else None
+    output_paths(args)  # a file that cannot be written is one line before any profiling or run
     rows, skipped, spec = simulated_comparison(args)
     if limit is not None and limit[1] == "M_a":
         recommend(rows, limit)  # a limit nothing fits: one line before anything runs (M_a do not depend on a run)

@@ -2,8 +2,8 @@
 
 A training run that learns only at its end that ``--json`` names a folder, or
 that ``--plot`` has a suffix matplotlib cannot draw, would lose what it
-measured; so every command checks its output paths first, creating their
-folders as it would have anyway. ``write_output`` and ``replaced_output``
+measured; so every command checks its output paths first: a file's folder
+must exist, a folder option's folder is created. ``write_output`` and ``replaced_output``
 write a file whole or not at all (a temporary file renamed into place), and
 a failure is one line naming the path and the OS's reason.
 """
@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeweave.durable import reason, replacing, write_atomic
+from pipeweave.durable import replacing, write_atomic
 from pipeweave.errors import UserError
+from pipeweave.side_output import cannot_write
 
 
 def picture_file(flag: str, value: str | os.PathLike[str]) -> Path:
@@ -41,10 +42,20 @@ def picture_file(flag: str, value: str | os.PathLike[str]) -> Path:
 
 
 def output_file(flag: str, value: str | os.PathLike[str]) -> Path:
-    """``value`` of option ``flag`` as a file this command can write; its folder is created.
+    """``value`` of option ``flag`` as a file this command can write, in a folder that exists.
+
+    A file option's folder is not created, as a shell's ``>`` creates none: a typo in it
+    (``--markdown /nonexistent/dir/x.md``) is one line, not a tree of folders. Folder options
+    (``output_folder``: ``--out``, ``--save``, ``--log-dir``) name folders the command owns, and are made.
 
     Raises:
-        UserError: the path is a folder, or its folder cannot be made or written.
+        UserError: the path is a folder, its folder does not exist, or it cannot be written.
+
+    Example:
+        >>> output_file("--markdown", "/nonexistent/dir/x.md")
+        Traceback (most recent call last):
+        ...
+        pipeweave.errors.UserError: --markdown /nonexistent/dir/x.md: no folder /nonexistent/dir; create it or give another path
     """
     path = Path(value)
     if path.is_dir():
@@ -52,10 +63,8 @@ def output_file(flag: str, value: str | os.PathLike[str]) -> Path:
     blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise UserError(f"{flag} {value}: {blocking} is a file, not a folder; give another path")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"{flag} {value}: cannot create its folder ({exc.strerror}); give a writable path") from exc
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {value}: no folder {path.parent}; create it or give another path")
     writable = os.access(path.parent, os.W_OK) and (not path.exists() or os.access(path, os.W_OK))
     if not path.parent.is_dir() or not writable:
         raise UserError(f"{flag} {value} cannot be written; give a writable path")
@@ -90,7 +99,7 @@ def write_output(path: Path, data: str | bytes) -> None:
     try:
         write_atomic(path, data)
     except OSError as exc:
-        raise UserError(f"cannot write {path}: {reason(exc)}") from None
+        raise UserError(cannot_write(path, exc)) from None
 
 
 @contextmanager
@@ -104,4 +113,4 @@ def replaced_output(path: Path) -> Iterator[Path]:
         with replacing(path) as tmp:
             yield tmp
     except OSError as exc:
-        raise UserError(f"cannot write {path}: {reason(exc)}") from None
+        raise UserError(cannot_write(path, exc)) from None

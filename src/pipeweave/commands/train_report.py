@@ -17,12 +17,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipeweave.commands.outputs import output_file, output_folder, picture_file, replaced_output, write_output
+from pipeweave.commands.outputs import output_file, output_folder, picture_file
 from pipeweave.commands.split_names import split_fields
 from pipeweave.commands.units import format_bytes
 from pipeweave.config import TrainConfig
 from pipeweave.config.toml import dumps as dump_toml
-from pipeweave.durable import remove_stale_temporaries
+from pipeweave.durable import remove_stale_temporaries, replacing, write_atomic
 from pipeweave.errors import UserError
 from pipeweave.runtime.report.stream_summary import stream_timeline, summarize_stream
 from pipeweave.runtime.report.trace import chrome_trace, rebased, step_timeline, summarize
@@ -32,6 +32,7 @@ from pipeweave.runtime.run.prepare import layer_ranges, learning_rates, segments
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stream import stream_updates
 from pipeweave.schedule import Schedule
+from pipeweave.side_output import SideOutput
 from pipeweave.sim.plot import plot_timeline
 
 
@@ -96,12 +97,10 @@ def output_paths(config: TrainConfig) -> dict[str, Path]:
     Raises:
         UserError: a path that cannot be written (``commands.outputs``).
     """
-    args, save = config.logging, config.checkpoint.save
+    args = config.logging
     out = Path(args.out)
     if not (args.json and args.trace and args.plot):
         output_folder("--out", out)
-    if save is not None:
-        output_folder("--save", save)  # written by every rank, at the end or every --save-every steps
     paths = {
         "json": output_file("--json", args.json) if args.json else output_file("--out", out / "train.json"),
         "trace": output_file("--trace", args.trace) if args.trace else output_file("--out", out / "trace.json"),
@@ -112,37 +111,48 @@ def output_paths(config: TrainConfig) -> dict[str, Path]:
     return paths
 
 
-def write_outputs(schedule: Schedule, record: RunRecord, report: dict[str, Any], config: TrainConfig) -> dict[str, str]:
-    """Write the JSON record, the Chrome trace and the timeline plot, each whole or not at all; return their paths.
+def write_outputs(
+    schedule: Schedule, record: RunRecord, report: dict[str, Any], config: TrainConfig
+) -> tuple[dict[str, str], list[SideOutput]]:
+    """Write the Chrome trace, the timeline plot and the JSON record, each whole or not at all (``side_output``).
 
-    Raises:
-        UserError: a file could not be written (its path and the OS's reason); the others are written.
+    The record is written last and lists, beside the run's failed saves, every output that could not be written
+    (``output_failures``: these files', the log's).
+
+    Returns:
+        The paths written (and the newest checkpoint's), and the outputs that could not be written (each with
+        its ``failure``: the path and the OS's reason).
     """
-    paths = output_paths(config)
-    failed: list[UserError] = []
-    for key, write in (
-        ("json", lambda: write_output(paths["json"], json.dumps(report, indent=2) + "\n")),
-        ("trace", lambda: write_output(paths["trace"], json.dumps(chrome_trace(schedule, record)))),
-        ("plot", lambda: _plot(schedule, record, report, paths["plot"])),
-    ):
-        try:
-            written = write()
-        except UserError as exc:
-            failed.append(exc)
-            written = False
-        if written is False:
-            del paths[key]
-    if failed:
-        raise failed[0]
+    try:
+        paths = output_paths(config)  # checked again: a folder removed in the run is made again
+    except UserError as exc:  # nothing can be written there now
+        folder = SideOutput(config.logging.out)
+        folder.failure = str(exc)
+        return {}, [folder]
+    outputs = {key: SideOutput(path) for key, path in paths.items()}
+    outputs["trace"].attempt(lambda: write_atomic(paths["trace"], json.dumps(chrome_trace(schedule, record))))
+    if outputs["plot"].attempt(lambda: _plot(schedule, record, report, paths["plot"])) is False:
+        del outputs["plot"]  # no matplotlib: no plot, and nothing failed
+    failed = [o for o in outputs.values() if o.failure is not None]
+    lines = [line for line in (record.log_failure, *(o.failure for o in failed)) if line is not None]
+    if lines:
+        report = {**report, "output_failures": lines}
+    outputs["json"].attempt(lambda: write_atomic(paths["json"], json.dumps(report, indent=2) + "\n"))
+    failed = [o for o in outputs.values() if o.failure is not None]
+    written = {key: str(paths[key]) for key, output in outputs.items() if output.failure is None}
     if record.config.checkpoint.save is not None:
         saved = newest(Path(record.config.checkpoint.save))
         if saved is not None:
-            paths["checkpoint"] = saved.folder
-    return {k: str(v) for k, v in paths.items()}
+            written["checkpoint"] = str(saved.folder)
+    return written, failed
 
 
 def _plot(schedule: Schedule, record: RunRecord, report: dict[str, Any], path: Path) -> bool:
-    """Draw the measured timeline with ``pipeweave.sim.plot``, whole or not at all; False without matplotlib."""
+    """Draw the measured timeline with ``pipeweave.sim.plot``, whole or not at all; False without matplotlib.
+
+    Raises:
+        OSError: the file could not be written.
+    """
     if schedule.is_synchronous:
         timeline, what = rebased(step_timeline(schedule, record, record.config.training.steps - 1)), "last step"
     else:
@@ -152,7 +162,7 @@ def _plot(schedule: Schedule, record: RunRecord, report: dict[str, Any], path: P
         f"bubble {report['bubble_ratio']:.3f} (simulated {report['bubble_ratio_simulated']:.3f})"
     )
     try:
-        with replaced_output(path) as tmp:
+        with replacing(path) as tmp:
             plot_timeline(timeline, tmp, title=title)
     except ImportError:
         return False

@@ -34,7 +34,9 @@ from pipeweave.runtime.run.prepare import AlreadyTrained, RunPlan, prepare, reso
 from pipeweave.runtime.run.resolve import resolve
 from pipeweave.runtime.run.save_lock import save_lock
 from pipeweave.runtime.run.sizes import largest_message_bytes
+from pipeweave.runtime.run.step_log import log_folder
 from pipeweave.runtime.transport import shm
+from pipeweave.side_output import OUTPUT_FAILED, SideOutput
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
@@ -167,24 +169,38 @@ def _launch(config: TrainConfig, on_record: Any = None) -> int:
     if on_record is not None:
         on_record(record)
     report = build_report(schedule, record, memory)
-    unsaved = record.final_save_failure  # why the last checkpoint is not there: said once the record is safe
-    try:
-        paths = write_outputs(schedule, record, report, config)
-    except BaseException:
-        if unsaved:
-            print(f"pipeweave train: error: {unsaved}", file=sys.stderr)
-        raise
+    if config.logging.log_dir is not None:  # each run its own folder there (runtime.run.step_log)
+        report["log_dir"] = str(log_folder(config.logging.log_dir, plan.run_id))
+    paths, failed = write_outputs(schedule, record, report, config)
+    if "log_dir" in report and record.log_failure is None:
+        paths["log"] = report["log_dir"]
     if not quiet:
         print_summary(report, paths)
     folder = config.checkpoint.save_pretrained
-    if folder is not None:
-        save_pretrained(config.model.entry, config.model.hf_config, _final_parameters(record), folder)
-        if not quiet:
+    if folder is not None:  # a side output too: a failed write is one line, after the record is safe
+        export = SideOutput(folder)
+        export.attempt(
+            lambda: save_pretrained(config.model.entry, config.model.hf_config, _final_parameters(record), folder)
+        )
+        if export.failure is not None:
+            failed.append(export)
+        elif not quiet:
             print(f"saved (transformers): {folder}")
-    if unsaved:
+    return _said_failures(record, failed)
+
+
+def _said_failures(record: Any, failed: list[SideOutput]) -> int:
+    """The exit code of a run that trained: ``OUTPUT_FAILED`` where an output is missing or incomplete, each
+    failure said once (``side_output``): the log's and a save's before the last were said in the run, the files
+    at its end in one line."""
+    unsaved = record.final_save_failure
+    if unsaved is not None and record.save_failures == [unsaved]:  # the first failed save: not said yet
         print(f"pipeweave train: error: {unsaved}", file=sys.stderr)
-        return 1
-    return 0
+    if failed:
+        nor = "".join(f"; nor {o.path}" for o in failed[1:])
+        print(f"pipeweave train: error: {failed[0].failure}{nor}", file=sys.stderr)
+    incomplete = unsaved is not None or failed or record.log_failure is not None
+    return OUTPUT_FAILED if incomplete else 0
 
 
 def _final_parameters(record: Any) -> dict[str, torch.Tensor]:

@@ -166,8 +166,9 @@ class LoggingConfig:
     quiet: bool = option(False)
     """No progress bar and no summary."""
     log_dir: str | None = option(None, metavar="DIR")
-    """Write every step's loss, learning rate, throughput, bubble and memory as TensorBoard event files into DIR
-    (tensorboard --logdir DIR); needs pip install 'pipeweave[tensorboard]'."""
+    """Write every step's loss, learning rate, throughput, bubble and memory as TensorBoard event files into
+    DIR/<run id>, a folder per run (a resumed run continues its run's; tensorboard --logdir DIR); needs pip install
+    'pipeweave[tensorboard]'."""
 
     def __post_init__(self) -> None:
         check_section(self)

@@ -288,7 +288,10 @@ def commit(folder: Path, manifest: dict[str, Any], keep: int, overwrite: bool) -
     try:
         write_atomic(root / LATEST, target.name + "\n")
     except OSError:  # the checkpoint is whole and newest by its serial; a stale pointer would mislead
-        (root / LATEST).unlink(missing_ok=True)
+        try:
+            (root / LATEST).unlink(missing_ok=True)
+        except OSError:  # a folder made read-only: the pointer stays; --resume goes by the serials, not by it
+            pass
     prune(done, keep, overwrite)
     return done
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from pipeweave.durable import reason
 from pipeweave.errors import UserError
+from pipeweave.side_output import cannot_write
 
 Shapes = dict[str, tuple[torch.Size, torch.dtype]]
 """A checkpoint's tensors: key -> global size and dtype (what DCP's metadata says of each)."""
@@ -54,11 +55,11 @@ def write(folder: Path, state: dict[str, Any]) -> tuple[str | None, bool]:
         save(state, storage_writer=writer)
     except CheckpointException as exc:  # raised on every process, holding every process's failure
         if first:
-            return f"cannot write {first[0].filename}: {reason(first[0])}", True
+            return cannot_write(first[0].filename, first[0]), True
         errors = [error for error, _ in exc.failures.values()]
         cause = next((e for e in errors if isinstance(e, OSError)), None)
         if cause is not None:
-            return f"cannot write {cause.filename or folder}: {reason(cause)}", False
+            return cannot_write(cause.filename or folder, cause), False
         if any(isinstance(e, RuntimeError) and "unexpected pos" in str(e) for e in errors):
             return f"cannot write {folder}: another process's write failed", False
         raise (errors[0] if errors else exc) from None

@@ -174,6 +174,7 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         divergence.after_step(step, executor.step_loss)  # stops every rank here, or counts a skipped update
         milestones.reached(step + 1)
     log.close()
+    mine.log_failure = log.failure
     divergence.at_end(plan.schedule.placement)
     mine.peak_activation_bytes = _end_levers(link, executor)
     mine.peak_tensor_bytes = max(peaks, default=0)

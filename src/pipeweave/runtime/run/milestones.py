@@ -72,8 +72,8 @@ class Milestones:
                 self.save_failures.append(failure)
                 if last:
                     self.final_save_failure = failure
-                elif self.rank == 0 and self.context.reporting:  # stage rank 0's first process: once
-                    self.context.progress({"checkpoint_failed": failure})
+                elif len(self.save_failures) == 1 and self.rank == 0 and self.context.reporting:
+                    self.context.progress({"checkpoint_failed": failure})  # said once, by stage rank 0's first process
 
     def _evaluate(self) -> float:
         """This rank's share of the mean loss over the held-out batches, through the forward-only schedule."""

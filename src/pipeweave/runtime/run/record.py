@@ -52,6 +52,8 @@ class RankRecord:
     peak_tensor_bytes: int = 0
     """The process's peak tensor bytes in the measured step (``stage.tensor_bytes``: CUDA's max_memory_allocated,
     or on the CPU the tensors created in it and alive at once; 0 where not measured: streams)."""
+    log_failure: str | None = None
+    """Why this process's ``--log-dir`` log stopped (``StepLog.failure``; None: whole, or not its writer)."""
 
 
 @dataclass
@@ -73,6 +75,11 @@ class RunRecord:
     """Per checkpoint that could not be written, the one line saying why (``checkpoint.save``)."""
     final_save_failure: str | None = None
     """Why the checkpoint after the last step could not be written (None: it was, or none was asked for)."""
+
+    @property
+    def log_failure(self) -> str | None:
+        """Why the ``--log-dir`` log stopped before the run's end (None: it is whole, or none was asked for)."""
+        return next((r.log_failure for r in self.ranks if r.log_failure is not None), None)
 
     @property
     def losses(self) -> list[float]:

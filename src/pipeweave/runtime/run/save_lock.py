@@ -48,7 +48,10 @@ def save_lock(folder: str | None, flag: str = "--save") -> Iterator[None]:
         yield
     finally:
         if _read(path) == mine:
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:  # a folder made read-only: the lock stays, stale, and the next run takes it over
+                pass
 
 
 def owner_of(pid: int) -> dict[str, Any]:

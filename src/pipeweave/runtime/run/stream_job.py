@@ -106,6 +106,7 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         done.peak_weights,
         final_parameters(config, workers),
         eval_losses=milestones.eval_losses,
+        log_failure=log.failure,
     )
     mine.versions = done.versions
     run = gather_run(config, mine, context, started, plan.steps_done, plan.updates_done)
