@@ -2,8 +2,9 @@
 
 Before: ``n_embd`` not divisible by ``n_head`` was a ValueError traceback (llama's: huggingface_hub's
 validation error), ``activation_function: "banana"`` a KeyError, a value of the wrong type a validation
-traceback, a misspelt key (``n_embed``) an attribute nothing read, and ``--seq-len`` beyond
-``n_positions`` was blamed on the layer list ("layer 0 of the model fails on the dataset's inputs").
+traceback, a zero or negative size a ZeroDivisionError or RuntimeError, a misspelt key (``n_embed``) an
+attribute nothing read, and ``--seq-len`` beyond ``n_positions`` was blamed on the layer list ("layer 0 of
+the model fails on the dataset's inputs").
 """
 
 from __future__ import annotations
@@ -51,6 +52,16 @@ LLAMA = {
             "hf:gpt2",
             {"n_head": "two"},
             "--hf-config n_head='two' is refused by transformers (Field 'n_head' expected int, got str",
+        ),
+        (
+            "hf:gpt2",
+            {"n_head": 0},
+            "--hf-config n_head=0 is refused by transformers (integer division or modulo by zero)",
+        ),
+        (
+            "hf:gpt2",
+            {"n_embd": -4},
+            "--hf-config n_embd=-4 is refused by transformers (Trying to create tensor with negative dimension -4",
         ),
         ("hf:gpt2", {"n_embed": 64}, "--hf-config key 'n_embed' is not a field of GPT2Config; did you mean 'n_embd'?"),
         (

@@ -70,9 +70,10 @@ def _check_positions(entry: str, config: Any, seq_len: int) -> None:
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and seq_len > positions:
         name = getattr(type(config), "attribute_map", {}).get("max_position_embeddings", "max_position_embeddings")
+        shorter = f"--seq-len {positions} or less, or " if positions >= 1 else ""
         raise UserError(
-            f"--seq-len {seq_len} is longer than {entry}'s {name}={positions} (--hf-config); give --seq-len "
-            f"{positions} or less, or {name} >= {seq_len} in --hf-config"
+            f"--seq-len {seq_len} is longer than {entry}'s {name}={positions} (--hf-config); give {shorter}"
+            f"{name} >= {seq_len} in --hf-config"
         )
 
 

@@ -75,7 +75,7 @@ def built(entry: str, fields: dict[str, Any], build: Callable[[], Any]) -> Any:
     """``build()`` (the model from its config), with what transformers refuses then as one line."""
     try:
         return build()
-    except (KeyError, ValueError, TypeError) as e:
+    except (KeyError, ValueError, TypeError, ZeroDivisionError, RuntimeError) as e:  # n_head 0, n_embd -4
         raise UserError(refusal(entry, fields, e)) from None
 
 
@@ -136,10 +136,18 @@ def _field_named(message: str, fields: dict[str, Any]) -> str | None:
 
 
 def _field_valued(error: Exception, fields: dict[str, Any]) -> str | None:
-    """The given field whose value a KeyError is (``activation_function: "banana"`` -> KeyError('banana'))."""
-    if not isinstance(error, KeyError) or not error.args:
-        return None
-    return next((k for k, v in fields.items() if isinstance(v, str) and v == error.args[0]), None)
+    """The given field whose value the error is about: a KeyError's key (``activation_function: "banana"``),
+    the one zero a ZeroDivisionError divided by, the one number the message quotes (``negative dimension -4``)."""
+    if isinstance(error, KeyError):
+        return next((k for k, v in fields.items() if isinstance(v, str) and error.args and v == error.args[0]), None)
+    numbers = {k: v for k, v in fields.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if isinstance(error, ZeroDivisionError):
+        named = [k for k, v in numbers.items() if v == 0]
+    else:
+        quoted = set(re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w.])", str(error)))
+        named = [k for k, v in numbers.items() if str(v) in quoted]
+        named = [k for k in named if numbers[k] <= 0] if len(named) > 1 else named  # of several, the one below 1
+    return named[0] if len(named) == 1 else None
 
 
 def _unknown_value(field: str, value: Any, text: str) -> str:
