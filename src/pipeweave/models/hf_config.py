@@ -92,9 +92,8 @@ def _refuse_unknown(cls: type, default: Any, fields: dict[str, Any], entry: str)
     if not unknown:
         return
     base = {f.name for f in dataclasses.fields(cls.__mro__[1])} if dataclasses.is_dataclass(cls.__mro__[1]) else set()
-    own = sorted(
-        known - base - _CONSUMED
-    )  # the model's own fields first: num_layers -> num_hidden_layers, not num_labels
+    # the model's own fields first: num_layers -> num_hidden_layers, not the base class's num_labels
+    own = sorted(known - base - _CONSUMED)
     close = difflib.get_close_matches(unknown[0], own, n=1) or difflib.get_close_matches(unknown[0], sorted(known), n=1)
     fix = f"did you mean {close[0]!r}?" if close else f"give fields of {cls.__name__} (transformers' {entry[3:]})"
     raise UserError(f"--hf-config key {unknown[0]!r} is not a field of {cls.__name__}; {fix}")
@@ -122,7 +121,7 @@ def refusal(entry: str, fields: dict[str, Any], error: Exception) -> str:
     """transformers' refusal of ``fields`` as one line: the field, its value, the fix."""
     cause = error.__cause__ if error.__cause__ is not None else error
     text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-    field = getattr(error, "field", None) or _field_named(str(error), fields) or _field_valued(error, fields)
+    field = _field_named(str(error), fields) or _field_valued(error, fields)
     if isinstance(error, KeyError) and field is not None:
         return _unknown_value(field, fields[field], text)
     if field is not None:
