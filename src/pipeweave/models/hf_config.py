@@ -23,6 +23,8 @@ from pipeweave.errors import UserError
 
 _CONSUMED = {"torch_dtype", "num_labels", "output_attentions", "attn_implementation", "name_or_path"}
 """Keys every config's ``__post_init__`` takes that are not its fields (transformers' ``PreTrainedConfig``)."""
+_ACTIVATION = re.compile(r"(^|_)act")
+"""Fields naming an activation: gpt2's ``activation_function``, llama's ``hidden_act``, ..."""
 _ROPE_LEGACY = {"rope_scaling", "rope_theta"}
 """Keys a config with ``rope_parameters`` turns into them."""
 
@@ -65,6 +67,9 @@ def make_config(transformers: Any, entry: str, fields: dict[str, Any]) -> Any:
     cls = type(default)
     _refuse_unknown(cls, default, fields, entry)
     _check_heads(cls, default, fields)
+    for key, value in fields.items():  # before the model (and its module) is built: a KeyError then
+        if isinstance(value, str) and _ACTIVATION.search(key):
+            _check_activation(key, value)
     try:
         return cls(**{"use_cache": False, **fields})
     except Exception as e:  # noqa: BLE001 - huggingface_hub's strict validation errors share no base with ValueError
@@ -149,12 +154,22 @@ def _field_valued(error: Exception, fields: dict[str, Any]) -> str | None:
     return named[0] if len(named) == 1 else None
 
 
-def _unknown_value(field: str, value: Any, text: str) -> str:
+def _check_activation(field: str, value: str) -> None:
     from transformers.activations import ACT2FN
 
-    if re.search(r"(^|_)act", field) and value not in ACT2FN:  # activation_function, hidden_act, ...
+    if value not in ACT2FN:
         names = sorted(ACT2FN)
-        close = difflib.get_close_matches(str(value), names, n=1)
+        close = difflib.get_close_matches(value, names, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        return f"--hf-config {field}={value!r} is no activation transformers knows; {hint}choose one of: {', '.join(names)}"
+        raise UserError(
+            f"--hf-config {field}={value!r} is no activation transformers knows; {hint}choose one of: {', '.join(names)}"
+        )
+
+
+def _unknown_value(field: str, value: Any, text: str) -> str:
+    if _ACTIVATION.search(field) and isinstance(value, str):
+        try:
+            _check_activation(field, value)
+        except UserError as e:
+            return str(e)
     return f"--hf-config {field}={value!r} is a name transformers does not know ({text}); give {field} one it does"
