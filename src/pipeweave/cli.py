@@ -2,13 +2,15 @@
 
 A subcommand module defines ``add_parser(subparsers) -> argparse.ArgumentParser``
 and ``run(args) -> int``. User errors (``UserError``) print one line and exit 2; Ctrl-C
-one line and exit 130.
+one line and exit 130; output into a closed pipe (``pipeweave schedules --json | head -c 10``) ends the
+command quietly with 141, the status a shell gives a command SIGPIPE ended (as ``cat`` in ``cat FILE | head``).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -17,6 +19,9 @@ from pipeweave.errors import UserError
 
 # Subcommands in the order ``pipeweave --help`` lists them.
 COMMANDS = ("schedules", "simulate", "partition", "train", "search", "plan", "compare")
+CLOSED_PIPE = 128 + 13
+"""The exit status of a command whose output went into a closed pipe: 128 + SIGPIPE, as the shell reports
+``cat``'s in ``cat FILE | head`` (``set -o pipefail`` scripts expect it of a producer ``head`` stopped)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +67,21 @@ def _attach_negative_values(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``pipeweave ARGV``; the exit code. Ctrl-C is one line and exit code 130 wherever it lands,
-    in the subcommands' imports (numpy, torch: seconds) as in their work."""
+    in the subcommands' imports (numpy, torch: seconds) as in their work. Output into a closed pipe ends
+    it quietly (``CLOSED_PIPE``)."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader is gone (head): nothing more to say, to it or on stderr
+        # the recipe of Python's signal docs: stdout onto devnull, so the flush at exit cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return CLOSED_PIPE
+    except SystemExit as exc:  # rich's tables take the same recipe, then exit 1: the same status as the rest
+        if isinstance(exc.__context__, BrokenPipeError):
+            return CLOSED_PIPE
+        raise
+
+
+def _main(argv: Sequence[str] | None) -> int:
     name = "pipeweave"
     try:
         parser = build_parser()
@@ -71,7 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         name = f"pipeweave {args.command}"
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit
+        return code
     except UserError as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ The distributed runs are in ``tests/runtime/test_split_module.py``.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -127,8 +128,15 @@ def test_a_declared_tie_starts_as_its_first_member_and_is_one_parameter_in_one_b
         (["blocks.7"], "split point 'blocks.7' names no submodule of Looped; name one of its modules, e.g. blocks.0"),
         (["blocks.1", "blocks.1"], "name a module twice"),
         (["blocks"], None),
+        (2.5, "split_points=2.5 is a float, not a list of module names; give e.g. ['blocks.2'], an int D"),
+        ([None], "split_points=[None] holds None, a NoneType; give module names (strings), e.g. ['blocks.2']"),
+        (
+            ["blocks.2", "blocks.1"],
+            "out of the order the forward runs them; give them in order: ['blocks.1', 'blocks.2']",
+        ),
+        (["embed", "blocks.1"], "split point 'embed' is where Looped's forward starts: it would leave an empty first"),
     ],
-)
+)  # the last four were a TypeError, an AttributeError, a silent sort and a cut silently dropped
 def test_bad_split_points_are_one_line(points: list[str], message: str | None) -> None:
     tokens = torch.zeros(2, tiny_modules.SEQ, dtype=torch.long)
     if message is None:  # a container is a module too: the cut falls before its first block
@@ -141,8 +149,14 @@ def test_bad_split_points_are_one_line(points: list[str], message: str | None) -
             == 2
         )
         return
-    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(UserError, match=re.escape(message)):
         pipeweave.pipeline(tiny_modules.Looped(), (tokens,), points, loss=tiny_modules.token_loss, dataset=DATA)
+
+
+def test_split_points_of_an_nn_sequential_out_of_order_are_one_line() -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    with pytest.raises(UserError, match=re.escape("split points ['2', '1'] are out of the order the forward runs")):
+        pipeweave.pipeline(net, None, ["2", "1"], loss=nn.functional.mse_loss, dataset=DATA)  # was sorted silently
 
 
 class _Branchy(nn.Module):  # the branch is in the forward itself, outside the blocks: fx cannot keep it whole

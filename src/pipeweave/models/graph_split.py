@@ -81,7 +81,7 @@ def check_split_points(module: nn.Module, split_points: Sequence[str]) -> None:
         raise UserError(f"split points {list(split_points)} name a module twice; give each once")
 
 
-def _first_calls(graph: fx.Graph, split_points: Sequence[str]) -> dict[str, int]:
+def first_calls(graph: fx.Graph, split_points: Sequence[str]) -> dict[str, int]:
     """Per split point, the position among the compute nodes of the first one issued inside its module.
 
     Raises:
@@ -100,11 +100,21 @@ def _first_calls(graph: fx.Graph, split_points: Sequence[str]) -> dict[str, int]
     return first
 
 
+def opening(graph: fx.Graph, module_names: set[str]) -> int:
+    """The position among the compute nodes of the first one the module itself issues (``module_names``: its
+    modules' names, the root's ``""`` included); export's guards and size reads before it are bookkeeping."""
+    nodes = [n for n in graph.nodes if n.op in _CALLS]
+    for index, node in enumerate(nodes):
+        if any(path in module_names for path, _ in node.meta.get("nn_module_stack", {}).values()):
+            return index
+    return 0
+
+
 def cuts(graph: fx.Graph, split_points: Sequence[str]) -> list[str]:
     """The split points that start a part, in execution order: one per place (a split before everything cuts
     nothing; of two starting at one node, the first named)."""
     starts: dict[int, str] = {}
-    for point, index in sorted(_first_calls(graph, split_points).items(), key=lambda item: item[1]):
+    for point, index in sorted(first_calls(graph, split_points).items(), key=lambda item: item[1]):
         if index > 0:
             starts.setdefault(index, point)
     return list(starts.values())
@@ -116,7 +126,7 @@ def part_of_nodes(graph: fx.Graph, split_points: Sequence[str]) -> dict[fx.Node,
     Raises:
         UserError: a split point whose module the forward never calls.
     """
-    first = _first_calls(graph, split_points)
+    first = first_calls(graph, split_points)
     starts = sorted({index for index in first.values() if index > 0})
     nodes = [n for n in graph.nodes if n.op in _CALLS]
     return {node: sum(1 for s in starts if s <= index) for index, node in enumerate(nodes)}

@@ -14,8 +14,6 @@ into a folder ``from_pretrained`` loads.
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +21,7 @@ from torch import nn
 
 from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel
+from pipeweave.models.hf_config import built, config_fields, make_config
 from pipeweave.models.pipeline import pipeline
 
 PREFIX = "hf:"
@@ -34,61 +33,54 @@ def is_hf(entry: str | None) -> bool:
     return entry is not None and entry.startswith(PREFIX)
 
 
-def config_fields(text: str | None) -> dict[str, Any]:
-    """The JSON object ``--hf-config`` gives, inline or in a file.
+def build_module(entry: str, config_text: str | None, seed: int, seq_len: int | None = None) -> nn.Module:
+    """The ``transformers`` model from its config, initialised from ``seed`` (the same on every rank).
 
     Raises:
-        UserError: neither a JSON object nor a file holding one.
+        UserError: transformers missing; a config field it does not know or refuses (``models.hf_config``);
+            ``seq_len`` (tokens a sample) beyond the positions the model embeds.
     """
-    if text is None:
-        return {}
-    source = Path(text).read_text() if not text.lstrip().startswith("{") and Path(text).is_file() else text
-    try:
-        fields = json.loads(source)
-    except json.JSONDecodeError as e:
-        raise UserError(
-            f"--hf-config {text[:60]!r} is not a JSON object ({e.msg}) nor a file holding one; give "
-            'e.g. \'{"n_layer": 2, "n_embd": 64}\''
-        ) from None
-    if not isinstance(fields, dict):
-        raise UserError(f"--hf-config gives {type(fields).__name__}; give a JSON object of config fields")
-    return fields
-
-
-def build_module(entry: str, config_text: str | None, seed: int) -> nn.Module:
-    """The ``transformers`` model from its config, initialised from ``seed`` (the same on every rank)."""
     try:
         import transformers
     except ImportError:
         raise UserError(f"--model {entry} needs transformers; pip install -c constraints.txt -e '.[hf]'") from None
-    name = entry[len(PREFIX) :]
-    fields = {"use_cache": False, **config_fields(config_text)}
+    fields = config_fields(config_text)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # token ids of the full vocabulary are cleared below, not warned of
     try:
-        config = transformers.AutoConfig.for_model(name, **fields)
-    except ValueError as e:
-        raise UserError(
-            f"--model {entry}: {str(e).split('.')[0]}; name a transformers model type such as gpt2 or llama"
-        ) from None
+        config = make_config(transformers, entry, fields)
     finally:
         transformers.logging.set_verbosity(verbosity)
+    if seq_len is not None:
+        _check_positions(entry, config, seq_len)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults of the full vocabulary: none here
         value = getattr(config, key, None)
         if key not in fields and isinstance(value, int) and value >= config.vocab_size:
             setattr(config, key, None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        module = transformers.AutoModelForCausalLM.from_config(config)
+        module = built(entry, fields, lambda: transformers.AutoModelForCausalLM.from_config(config))
     if getattr(module, "loss_type", None) is None:  # the loss transformers falls back to, chosen without its warning
         module.loss_type = "ForCausalLM"
     return module  # type: ignore[no-any-return]
 
 
+def _check_positions(entry: str, config: Any, seq_len: int) -> None:
+    """``--seq-len`` within the config's positions (``max_position_embeddings``; gpt2's ``n_positions``)."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and seq_len > positions:
+        name = getattr(type(config), "attribute_map", {}).get("max_position_embeddings", "max_position_embeddings")
+        shorter = f"--seq-len {positions} or less, or " if positions >= 1 else ""
+        raise UserError(
+            f"--seq-len {seq_len} is longer than {entry}'s {name}={positions} (--hf-config); give {shorter}"
+            f"{name} >= {seq_len} in --hf-config"
+        )
+
+
 @functools.cache
 def hf_model(entry: str, config_text: str | None, seq_len: int, seed: int) -> LayerModel:
     """The ``LayerModel`` of ``hf:NAME`` with ``--hf-config``, on the byte corpus (loaded once per process)."""
-    module = build_module(entry, config_text, seed)
+    module = build_module(entry, config_text, seed, seq_len)
     vocab = module.config.vocab_size
     if vocab < 256:
         raise UserError(f"--hf-config vocab_size={vocab} cannot hold bytes; give a vocab_size >= 256")

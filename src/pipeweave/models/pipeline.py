@@ -37,7 +37,7 @@ from torch import nn
 
 from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel, entry_module, load_model
-from pipeweave.models.graph_split import check_split_points, cuts, split_graph
+from pipeweave.models.graph_split import check_split_points, cuts, first_calls, opening, split_graph
 from pipeweave.models.tracing import trace
 
 
@@ -63,7 +63,9 @@ def pipeline(
         loss, dataset, eval_dataset: as ``LayerModel``'s.
 
     Raises:
-        UserError: a split point naming no module, a module neither ``torch.export`` nor ``torch.fx`` can trace.
+        UserError: split points that are no list of strings, that name no module, that are out of the order
+            the forward runs them or start where it starts (cutting nothing); a module neither
+            ``torch.export`` nor ``torch.fx`` can trace.
 
     Example:
         >>> data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
@@ -74,22 +76,22 @@ def pipeline(
     """
     if not isinstance(module, nn.Module):
         raise UserError(f"pipeweave.pipeline takes an nn.Module, not {type(module).__name__}")
-    if isinstance(split_points, (int, str)):
-        raise UserError(
-            f"split_points={split_points!r} is not a list of module names; give e.g. ['blocks.2'], or "
-            "an int D through pipeweave.pipeline (D parts balanced by the profiler)"
-        )
-    points = list(split_points) if split_points is not None else block_starts(module)
+    points = _names(split_points) if split_points is not None else block_starts(module)
     check_split_points(module, points)
     module.train()
     if isinstance(module, nn.Sequential):
-        parts = _sequential_parts(module, points)
         names = [name for name, _ in module.named_children()]
-        starts = sorted(points, key=names.index)
+        parts = _sequential_parts(module, points)
+        if split_points is not None:
+            _check_order(module, points, {p: names.index(p) for p in points})
+        starts = points
     else:
         inputs = example_inputs if example_inputs is not None else _example(dataset)
         leaves = {n for n in {*points, *_blocks(module)} if not any(p.startswith(n + ".") for p in points)}
         root = trace(module, inputs if isinstance(inputs, tuple) else (inputs,), leaves)
+        if split_points is not None:  # the automatic cuts may start where the forward does: that one cuts nothing
+            start = opening(root.graph, {name for name, _ in module.named_modules()})
+            _check_order(module, points, {p: max(0, i - start) for p, i in first_calls(root.graph, points).items()})
         parts, starts = split_graph(root, points), cuts(root.graph, points)
     return LayerModel(
         layers=[functools.partial(_copy, part) for part in parts],
@@ -99,6 +101,38 @@ def pipeline(
         tied=shared_parameters(parts),
         split_points=tuple(starts),
     )
+
+
+def _names(split_points: Any) -> list[str]:
+    """``split_points`` as a list of module names, or one line saying what it is instead."""
+    if isinstance(split_points, (str, bytes)) or not isinstance(split_points, (list, tuple)):
+        raise UserError(
+            f"split_points={split_points!r} is a {type(split_points).__name__}, not a list of module names; give "
+            "e.g. ['blocks.2'], an int D through pipeweave.pipeline (D parts balanced by the profiler), or None"
+        )
+    bad = [p for p in split_points if not isinstance(p, str)]
+    if bad:
+        raise UserError(
+            f"split_points={list(split_points)!r} holds {bad[0]!r}, a {type(bad[0]).__name__}; give module "
+            "names (strings), e.g. ['blocks.2']"
+        )
+    return list(split_points)
+
+
+def _check_order(module: nn.Module, points: list[str], position: dict[str, int]) -> None:
+    """Split points given in the order the module runs them, none where its forward starts (it would cut
+    nothing); ``position``: where each starts among the module's computations."""
+    at_start = [p for p in points if position.get(p) == 0]
+    if at_start:
+        raise UserError(
+            f"split point {at_start[0]!r} is where {type(module).__name__}'s forward starts: it would leave an "
+            "empty first layer; drop it"
+        )
+    ordered = sorted(points, key=position.__getitem__)
+    if ordered != points:
+        raise UserError(
+            f"split points {points} are out of the order the forward runs them; give them in order: {ordered}"
+        )
 
 
 def _copy(part: nn.Module) -> nn.Module:

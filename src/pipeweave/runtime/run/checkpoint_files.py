@@ -48,6 +48,7 @@ from typing import Any
 
 from pipeweave.durable import fsync_dir, reason, remove_stale_temporaries, write_atomic
 from pipeweave.errors import UserError
+from pipeweave.runtime.run import checkpoint_manifest
 
 FORMAT = "pipeweave-checkpoint/3"
 """Written by DCP (``runtime.run.checkpoint``)."""
@@ -186,7 +187,10 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") in (FORMAT, PARTS) else None
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, PARTS):
+        return None
+    checkpoint_manifest.check(manifest, path)  # edited by hand: one line, before anything reads a field
+    return manifest
 
 
 def _legacy(root: Path) -> Checkpoint | None:
@@ -196,6 +200,7 @@ def _legacy(root: Path) -> Checkpoint | None:
         return None
     if not isinstance(meta, dict) or meta.get("format") != LEGACY:
         return None
+    checkpoint_manifest.check({**meta, "files": [{"name": n} for n in meta.get("files", [])]}, root / LEGACY_META)
     return Checkpoint(root, {**meta, "files": [{"name": n} for n in meta["files"]]}, legacy=True)
 
 
