@@ -60,6 +60,7 @@ SCHEMA: dict[str, tuple[bool, tuple[Check, str]]] = {
     # field: (required, (valid, what it must be))
     "steps": (True, _integer(1)),
     "model": (True, ((lambda v: isinstance(v, dict)), "an object of the model's options")),
+    "data": (False, ((lambda v: isinstance(v, dict)), "an object of the data options")),
     "optimizer": (True, _string()),
     "files": (True, _files()),
     "run": (False, _string()),
