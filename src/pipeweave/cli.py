@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from pipeweave import __version__
-from pipeweave.errors import UserError
+from pipeweave.errors import OutputNotWritten, UserError
 
 # Subcommands in the order ``pipeweave --help`` lists them.
 COMMANDS = ("schedules", "simulate", "partition", "train", "search", "plan", "compare")
@@ -95,7 +95,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return code
     except UserError as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
-        return 2
+        return OutputNotWritten.EXIT_CODE if isinstance(exc, OutputNotWritten) else 2
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130

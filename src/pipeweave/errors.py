@@ -8,6 +8,16 @@ class UserError(ValueError):
     """Bad input from the user: the message names the value and the fix."""
 
 
+class OutputNotWritten(UserError):
+    """The work is done but one of its output files could not be written (a full disk, a folder made read-only).
+
+    The command line reports it as a ``UserError`` (one line naming the file and the operating system's reason)
+    with exit code 3 (``EXIT_CODE``), the code ``pipeweave train`` gives a run trained without all its outputs.
+    """
+
+    EXIT_CODE = 3
+
+
 class StuckError(RuntimeError):
     """A schedule stopped progressing (a deadlock, or a peer that never sent).
 

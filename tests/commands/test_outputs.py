@@ -74,3 +74,16 @@ def test_a_file_in_a_missing_folder_is_refused_a_folder_option_is_made(
         assert f"no folder {new}; create it" in capsys.readouterr().err
     assert not new.parent.exists()
     assert output_folder("--out", new / "out") == new / "out" and (new / "out").is_dir()  # a run's own folder
+
+
+def test_an_output_that_fails_after_the_work_is_exit_3_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """compare's files are written after it simulated (or measured): a full disk then is exit 3, as train's."""
+    full = OSError(28, "No space left on device")
+    argv = ["compare", "-s", "gpipe", "-D", "2", "-T", "4", "--model", "mlp", "--layers", "4", "--hidden", "8"]
+    with patch("pipeweave.commands.outputs.write_atomic", side_effect=full):
+        code = main([*argv, "--csv", str(tmp_path / "rows.csv")])
+    err = capsys.readouterr().err.strip()
+    assert code == 3, err
+    assert err == f"pipeweave compare: error: cannot write {tmp_path / 'rows.csv'}: No space left on device", err

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pipeweave.durable import replacing, write_atomic
-from pipeweave.errors import UserError
+from pipeweave.errors import OutputNotWritten, UserError
 from pipeweave.side_output import cannot_write
 
 
@@ -94,12 +94,12 @@ def write_output(path: Path, data: str | bytes) -> None:
     """Write an output file whole or not at all (``durable.write_atomic``).
 
     Raises:
-        UserError: one line naming the path and the OS's reason (no space left, permission denied).
+        OutputNotWritten: one line naming the path and the OS's reason (no space left, permission denied).
     """
     try:
         write_atomic(path, data)
     except OSError as exc:
-        raise UserError(cannot_write(path, exc)) from None
+        raise OutputNotWritten(cannot_write(path, exc)) from None
 
 
 @contextmanager
@@ -107,10 +107,10 @@ def replaced_output(path: Path) -> Iterator[Path]:
     """A temporary path for a writer that takes a path (a plot), moved onto ``path`` when whole, else removed.
 
     Raises:
-        UserError: as ``write_output``.
+        OutputNotWritten: as ``write_output``.
     """
     try:
         with replacing(path) as tmp:
             yield tmp
     except OSError as exc:
-        raise UserError(cannot_write(path, exc)) from None
+        raise OutputNotWritten(cannot_write(path, exc)) from None
