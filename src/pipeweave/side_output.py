@@ -20,8 +20,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from pipeweave.durable import reason
+from pipeweave.errors import OutputNotWritten
 
-OUTPUT_FAILED = 3
+OUTPUT_FAILED = OutputNotWritten.EXIT_CODE
 """The exit code of a run that trained but could not write an output: a checkpoint, its record, trace, plot or log
 (0: all written; 1: the run failed; 2: a usage error, nothing run)."""
 
