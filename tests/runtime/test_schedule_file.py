@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch_orders import TORCH_CLASSES, torch_order, write_torch_csv
 
 from pipeweave.cli import build_parser
 from pipeweave.errors import UserError
@@ -134,3 +135,40 @@ def test_simulate_takes_the_same_file(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["simulate", "--schedule-file", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["stages"], out["microbatches"], out["valid"]) == (2, 4, True)
+
+
+def _trains_as_plain(path: Path, *extra: str) -> None:
+    """``pipeweave train --schedule-file path``: every loss and every final weight equal plain training's."""
+    config = dataclasses.replace(_config(path, *extra), collect_parameters=True)
+    plan = prepare(config)
+    record = launch(run_rank, plan, plan.num_processes, LaunchOptions(timeout_s=90))
+    plain = run_plain(
+        config.model,
+        steps=config.steps,
+        batch_size=config.batch_size,
+        num_microbatches=config.num_microbatches,
+        optimizer_factory=optimizer_factory(config),
+    )
+    torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
+    seen = set()
+    for rank_record in record.ranks:
+        for params in rank_record.parameters.values():
+            for name, value in params.items():
+                torch.testing.assert_close(value, plain.parameters[name], rtol=1e-5, atol=1e-6)
+                seen.add(name)
+    assert seen == set(plain.parameters)
+
+
+TORCH_SLOW = [pytest.param(c, marks=pytest.mark.slow) for c in TORCH_CLASSES if c != "ScheduleDualPipeV"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("cls_name", ["ScheduleDualPipeV", *TORCH_SLOW])
+def test_torch_own_orders_train_as_plain_training(cls_name: str, tmp_path: Path) -> None:
+    """torch's own schedule classes' orders (D=2, two stages a rank, T=4), as its _dump_csv writes them;
+    DualPipeV's holds (0F3;3B0)OVERLAP_F_B actions, run as their F then their B."""
+    path = tmp_path / f"{cls_name}.csv"
+    write_torch_csv(torch_order(cls_name, 2, 4), path)
+    assert ("OVERLAP_F_B" in path.read_text()) == (cls_name == "ScheduleDualPipeV")
+    _trains_as_plain(path)

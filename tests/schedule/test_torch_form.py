@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from collections import defaultdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from torch_orders import TORCH_CLASSES, torch_order, write_torch_csv
 
 from pipeweave.schedule import SCHEDULES, Op, Schedule, ScheduleError, from_csv, generate, read_csv, validate
 from pipeweave.schedule.torch_form import to_torch_csv, torch_refusal
@@ -155,36 +156,14 @@ def test_a_memory_action_is_refused_by_name_and_an_unknown_format_too() -> None:
         to_torch_csv(s, format="comms")
 
 
-def _torch_order(cls_name: str, num_ranks: int, num_microbatches: int) -> dict[int, list]:
-    """torch's own schedule class's ``pipeline_order`` (every rank's), from stand-in stages of rank 0."""
-    cls = getattr(schedules, cls_name)
-    v_shape = cls_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-    n = 2 * num_ranks
-    ids = (0, n - 1) if v_shape else (0, num_ranks)
-    stages = [
-        SimpleNamespace(num_stages=n, group_size=num_ranks, group_rank=0, stage_index=i, submod=torch.nn.Linear(1, 1))
-        for i in ids
-    ]
-    return cls(stages, n_microbatches=num_microbatches, loss_fn=torch.nn.functional.mse_loss).pipeline_order
-
-
-TORCH_CLASSES = [
-    "ScheduleInterleaved1F1B",
-    "ScheduleInterleavedZeroBubble",
-    "ScheduleZBVZeroBubble",
-    "ScheduleDualPipeV",
-]
-
-
 @pytest.mark.parametrize("cls_name", TORCH_CLASSES)
 @pytest.mark.parametrize(("num_ranks", "num_microbatches"), [(2, 4), (4, 8)])
 def test_torch_own_orders_read_validate_and_keep_their_order(
-    cls_name: str, num_ranks: int, num_microbatches: int, tmp_path: Path
+    cls_name: str, num_ranks: int, num_microbatches: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    order = _torch_order(cls_name, num_ranks, num_microbatches)
+    order = torch_order(cls_name, num_ranks, num_microbatches)
     path = tmp_path / "torch.csv"
-    with path.open("w", newline="") as f:  # as torch's _dump_csv writes it
-        csv.writer(f).writerows(order[r] for r in sorted(order))
+    write_torch_csv(order, path)
     schedule = read_csv(path)
     validate(schedule)
     expected = []
@@ -197,6 +176,11 @@ def test_torch_own_orders_read_validate_and_keep_their_order(
     assert [[str(a) for a in row if a.op is not Op.U] for row in schedule.actions] == expected
     if cls_name == "ScheduleDualPipeV":
         assert "OVERLAP_F_B" in path.read_text()  # the grouped action was read, as its F then its B
+    from pipeweave.cli import main
+
+    assert main(["simulate", "--from-csv", str(path), "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert (simulated["valid"], simulated["stages"], simulated["microbatches"]) == (True, num_ranks, num_microbatches)
 
 
 def test_torch_comms_form_reads_and_its_stage_only_actions_are_dropped(tmp_path: Path) -> None:
