@@ -206,7 +206,10 @@ def test_torch_comms_form_reads_and_its_stage_only_actions_are_dropped(tmp_path:
             "0F0,0SEND_F0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n",
             r"1SEND_B0 sends to rank 0, which has no 0RECV_B0; pair every SEND",
         ),
-        ("0F0,0FOO0,0B0\n1F0,1B0\n", r"line 1: cannot read action '0FOO0'"),
+        (
+            "0F0,0FOO0,0B0\n1F0,1B0\n",
+            r"line 1: cannot read action .0FOO0.; write .* e.g. 2F0 \(torch.s <stage>UNSHARD, ",
+        ),
         (
             "(0F0;1F0)OVERLAP_X,0B0\n1F0,1B0\n",
             r"cannot read action '\(0F0;1F0\)OVERLAP_X': torch's only grouped action",
@@ -214,10 +217,17 @@ def test_torch_comms_form_reads_and_its_stage_only_actions_are_dropped(tmp_path:
         ("(0F0;0SEND_F0)OVERLAP_F_B,0B0\n1F0,1B0\n", r"cannot run .*: its part '0SEND_F0' is no F, B, I or W action"),
     ],
 )
-def test_bad_torch_input_is_one_line(text: str, match: str) -> None:
+def test_bad_torch_input_is_one_line(text: str, match: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ScheduleError, match=match) as caught:
         from_csv(text)
     assert "\n" not in str(caught.value)
+    from pipeweave.cli import main
+
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    assert main(["simulate", "--from-csv", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"pipeweave simulate: error: '{path}': ")
 
 
 def test_simulate_csv_writes_torch_forms_and_refuses_in_one_line(

@@ -63,7 +63,8 @@ def parse_action(text: str) -> Action:
         shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "..."
         raise ScheduleError(
             f"cannot read action {shown}; write <stage><op><microbatch> with op one of "
-            "F B I W U SEND_F RECV_F SEND_B RECV_B OFFLOAD RELOAD EVICT LOAD, e.g. 2F0"
+            "F B I W U SEND_F RECV_F SEND_B RECV_B OFFLOAD RELOAD EVICT LOAD, e.g. 2F0 (torch's <stage>UNSHARD, "
+            "<stage>RESHARD, <stage>REDUCE_GRAD and (<F>;<B>)OVERLAP_F_B are read too)"
         )
     stage, op, microbatch = match.groups()
     return Action(int(stage), Op(op), int(microbatch))
