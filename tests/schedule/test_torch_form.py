@@ -16,6 +16,7 @@ import pytest
 from torch_orders import TORCH_CLASSES, torch_order, write_torch_csv
 
 from pipeweave.schedule import SCHEDULES, Op, Schedule, ScheduleError, from_csv, generate, read_csv, validate
+from pipeweave.schedule import parse_action as parse
 from pipeweave.schedule.torch_form import to_torch_csv, torch_refusal
 
 torch = pytest.importorskip("torch")
@@ -181,6 +182,15 @@ def test_torch_own_orders_read_validate_and_keep_their_order(
     assert main(["simulate", "--from-csv", str(path), "--json"]) == 0
     simulated = json.loads(capsys.readouterr().out)
     assert (simulated["valid"], simulated["stages"], simulated["microbatches"]) == (True, num_ranks, num_microbatches)
+
+
+def test_a_send_on_another_stage_s_rank_is_one_line_under_a_header() -> None:
+    from pipeweave.schedule.text import check_pairs
+
+    placement = generate("1f1b", num_stages=2, num_microbatches=1).placement
+    rows = [[parse("0F0"), parse("0B0")], [parse("0SEND_F0"), parse("1F0"), parse("1B0")]]
+    with pytest.raises(ScheduleError, match=r"^rank 1's 0SEND_F0 acts for stage 0, which lives on rank 0; a SEND"):
+        check_pairs(rows, placement)
 
 
 def test_torch_comms_form_reads_and_its_stage_only_actions_are_dropped(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import csv
 import io
 import re
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 
 from pipeweave.schedule.ir import Action, Op, Placement, Schedule, ScheduleError
@@ -94,6 +94,11 @@ def check_pairs(rows: list[list[Action]], placement: Placement) -> None:
     recvs: Counter[tuple[int, Action]] = Counter()
     for rank, row in enumerate(rows):
         for a in row:
+            if a.op.is_comm and a.stage < placement.num_stages and placement.stage_rank[a.stage] != rank:
+                raise ScheduleError(
+                    f"rank {rank}'s {a} acts for stage {a.stage}, which lives on rank {placement.stage_rank[a.stage]}; "
+                    "a SEND or RECV goes on its stage's rank"
+                )
             if a.op.is_send:
                 recv = _counterpart(placement, a)
                 if recv is None:
@@ -145,13 +150,13 @@ def _comms_rows(schedule: Schedule) -> list[list[Action]]:
     (torch's runtime matches point-to-point messages between two ranks in order)."""
     lowered = lower(schedule)
     placement = schedule.placement
-    sent: dict[tuple[int, int], list[Action]] = {}  # (sender, receiver) -> receives in the sender's order
+    sent: dict[tuple[int, int], deque[Action]] = {}  # (sender, receiver) -> receives in the sender's order
     for rank, row in enumerate(lowered.actions):
         for a in row:
             if a.op.is_send:
                 recv = _counterpart(placement, a)
                 assert recv is not None  # lowering sends only to a neighbour
-                sent.setdefault((rank, placement.stage_rank[recv.stage]), []).append(recv)
+                sent.setdefault((rank, placement.stage_rank[recv.stage]), deque()).append(recv)
     rows = []
     for rank, row in enumerate(lowered.actions):
         out: list[Action] = []
@@ -160,7 +165,7 @@ def _comms_rows(schedule: Schedule) -> list[list[Action]]:
             if a.op.is_recv:
                 queue = sent[(lowered.peer(a), rank)]
                 while a not in posted:  # this receive, and the peer's earlier ones not yet posted
-                    nxt = queue.pop(0)
+                    nxt = queue.popleft()
                     out.append(nxt)
                     posted.add(nxt)
             elif a.op is not Op.U:
