@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 JOB = Path(__file__).with_name("torch_runtime_job.py")
 STEPS = 2
-# (name, simulate's flags, --csv-format); every name gets the compute_only form, two the compute_comms one too
+# (name, simulate's flags, --csv-format): the compute_only form, and three compute_comms ones, the last with
+# --zero 3's UNSHARD/RESHARD, run on blocks sharded by FSDP2 beside the compute_only file that torch lowers itself
 SCHEDULES = [
     ("zb-h1", ["-s", "zb-h1"], "compute_only"),
     ("zb-h2", ["-s", "zb-h2"], "compute_only"),
@@ -33,6 +35,8 @@ SCHEDULES = [
     ("dualpipe-v", ["-s", "dualpipe-v"], "compute_only"),
     ("interleaved-1f1b-comms", ["-s", "interleaved-1f1b", "--chunks", "2"], "compute_comms"),
     ("zb-v-comms", ["-s", "zb-v"], "compute_comms"),
+    ("zb-v-fsdp", ["-s", "zb-v", "--zero", "3", "--data-parallel", "2"], "compute_comms"),
+    ("zb-v-fsdp-torch", ["-s", "zb-v"], "compute_only"),
 ]
 
 
@@ -88,9 +92,27 @@ def _exported(tmp_path: Path, num_ranks: int, num_microbatches: int) -> list[dic
         assert schedule.num_microbatches == num_microbatches
         stage_rank = list(schedule.placement.stage_rank)
         jobs.append(
-            {"name": name, "csv": str(path), "format": fmt, "microbatches": num_microbatches, "stage_rank": stage_rank}
+            {
+                "name": name,
+                "csv": str(path),
+                "format": fmt,
+                "microbatches": num_microbatches,
+                "stage_rank": stage_rank,
+                "fsdp": "-fsdp" in name,  # the blocks under FSDP2: UNSHARD/RESHARD run
+            }
         )
     return jobs
+
+
+def _trained(out: Path, job: dict[str, Any], num_ranks: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """A job's losses (from the rank holding the last stage) and every stage's final weights."""
+    losses: list[list[float]] = []
+    weights: dict[str, torch.Tensor] = {}
+    for rank in range(num_ranks):
+        record = torch.load(out / f"{job['name']}-rank{rank}.pt")
+        losses = record["losses"] or losses
+        weights.update(record["weights"])
+    return losses, weights
 
 
 def _check(tmp_path: Path, num_ranks: int, num_microbatches: int, capsys: pytest.CaptureFixture[str]) -> None:
@@ -104,28 +126,27 @@ def _check(tmp_path: Path, num_ranks: int, num_microbatches: int, capsys: pytest
         [sys.executable, str(JOB), str(tmp_path / "spec.json")], capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    by_name = {job["name"]: job for job in jobs}
     for job in jobs:
-        stages = len(job["stage_rank"])
-        losses, weights = _plain(stages, num_microbatches)
-        seen = {}
-        for rank in range(num_ranks):
-            record = torch.load(out / f"{job['name']}-rank{rank}.pt")
-            if record["losses"] is not None:
-                torch.testing.assert_close(record["losses"], losses, rtol=1e-5, atol=1e-7, msg=job["name"])
-                seen["losses"] = True
-            for key, value in record["weights"].items():
-                stage, rest = key.split(".", 1)
-                torch.testing.assert_close(
-                    value, weights[f"{stage}.{rest}"], rtol=1e-5, atol=1e-7, msg=f"{job['name']} {key}"
-                )
-                seen[key] = True
-        assert seen.keys() == {"losses", *weights}, job["name"]
+        if job["name"] == "zb-v-fsdp-torch":
+            continue
+        losses, weights = _trained(out, job, num_ranks)
+        if job["fsdp"]:  # torch's own lowering of the same order under FSDP2 (which itself is off plain training)
+            expected = _trained(out, by_name["zb-v-fsdp-torch"], num_ranks)
+        else:
+            expected = _plain(len(job["stage_rank"]), num_microbatches)
+        torch.testing.assert_close(losses, expected[0], rtol=1e-5, atol=1e-7, msg=job["name"])
+        assert weights.keys() == expected[1].keys(), job["name"]
+        for key, value in weights.items():
+            torch.testing.assert_close(value, expected[1][key], rtol=1e-5, atol=1e-7, msg=f"{job['name']} {key}")
     assert {j["name"] for j in jobs if len(j["stage_rank"]) == 2 * num_ranks} == {
         "interleaved-1f1b",
         "zb-v",
         "dualpipe-v",
         "interleaved-1f1b-comms",
         "zb-v-comms",
+        "zb-v-fsdp",
+        "zb-v-fsdp-torch",
     }
 
 

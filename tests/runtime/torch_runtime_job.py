@@ -3,7 +3,8 @@
 ``python torch_runtime_job.py SPEC.json`` spawns ``world`` ranks; for each job of the spec (a CSV file, its
 format, its stage -> rank map and microbatch count) every rank builds torch's ``PipelineStage`` for each
 stage it holds (stage s is block s of ``model``), loads the file with ``_load_csv`` and trains ``steps``
-steps of SGD. Each rank saves ``<out>/<job>-rank<r>.pt``: its stages' final weights and, where it holds
+steps of SGD; with ``fsdp`` each stage's block is sharded (FSDP2, a data-parallel group of one), so that
+the file's ``UNSHARD``/``RESHARD`` actions run for real. Each rank saves ``<out>/<job>-rank<r>.pt``: its stages' final weights and, where it holds
 the last stage, the per-microbatch losses of every step. No pipeweave code runs here.
 """
 
@@ -41,6 +42,13 @@ def _train(rank: int, world: int, job: dict[str, Any], steps: int, out: Path) ->
     num_stages = len(stage_rank)
     blocks = model(num_stages)
     mine = [s for s, r in enumerate(stage_rank) if r == rank]
+    if job.get("fsdp"):  # each stage's block sharded (FSDP2) over a data-parallel group of one rank
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+        for s in mine:
+            fully_shard(blocks[s], mesh=mesh["dp"], reshard_after_forward=True)
     stages = [PipelineStage(blocks[s], s, num_stages, torch.device("cpu")) for s in mine]
     schedule = _PipelineScheduleRuntime(stages, n_microbatches=job["microbatches"], loss_fn=nn.functional.mse_loss)
     schedule._load_csv(job["csv"], format=job["format"])
@@ -56,7 +64,8 @@ def _train(rank: int, world: int, job: dict[str, Any], steps: int, out: Path) ->
         else:
             schedule.step(*args)
         optimizer.step()
-    weights = {f"{s}.{k}": v.detach().clone() for s in mine for k, v in blocks[s].state_dict().items()}
+    state = {f"{s}.{k}": v for s in mine for k, v in blocks[s].state_dict().items()}
+    weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
     torch.save({"losses": losses or None, "weights": weights}, out / f"{job['name']}-rank{rank}.pt")
 
 
