@@ -1,7 +1,8 @@
 """pipeweave's exported schedules train on torch.distributed.pipelining's own runtime as plain training does.
 
-``pipeweave simulate --csv`` writes zb-h1, zb-h2, interleaved-1f1b, zb-v, dualpipe-v and a zb-auto schedule
-found by ``pipeweave search`` (one and two stages per rank); ``torch_runtime_job.py`` loads each into
+``pipeweave simulate --csv`` writes every synchronous schedule torch can run (naive, gpipe, 1f1b, zb-h1, zb-h2,
+interleaved-1f1b, zb-v, dualpipe-v, and zb-auto and zb-v-auto as ``pipeweave search`` finds them; one and two
+stages per rank); ``torch_runtime_job.py`` loads each into
 torch's ``_PipelineScheduleRuntime`` on gloo and trains it; every microbatch's loss and every final weight
 must equal plain (unpipelined) training's, rtol 1e-5. Two ranks run by default, four under ``-m slow``.
 """
@@ -28,6 +29,9 @@ STEPS = 2
 # (name, simulate's flags, --csv-format): the compute_only form, and three compute_comms ones, the last with
 # --zero 3's UNSHARD/RESHARD, run on blocks sharded by FSDP2 beside the compute_only file that torch lowers itself
 SCHEDULES = [
+    ("naive", ["-s", "naive"], "compute_only"),
+    ("gpipe", ["-s", "gpipe"], "compute_only"),
+    ("1f1b", ["-s", "1f1b"], "compute_only"),
     ("zb-h1", ["-s", "zb-h1"], "compute_only"),
     ("zb-h2", ["-s", "zb-h2"], "compute_only"),
     ("interleaved-1f1b", ["-s", "interleaved-1f1b", "--chunks", "2"], "compute_only"),
@@ -69,10 +73,15 @@ def _plain(num_stages: int, num_microbatches: int) -> tuple[list[list[float]], d
 
 def _exported(tmp_path: Path, num_ranks: int, num_microbatches: int) -> list[dict[str, object]]:
     sizes = ["--stages", str(num_ranks), "--microbatches", str(num_microbatches)]
-    found = tmp_path / "found.csv"  # pipeweave's own form, as search writes it
+    found, found_v = tmp_path / "found.csv", tmp_path / "found-v.csv"  # pipeweave's own form, as search writes it
     assert main(["search", *sizes, "--solver", "heuristic", "--csv", str(found)]) == 0
+    assert main(["search", *sizes, "--v-shape", "--solver", "heuristic", "--csv", str(found_v)]) == 0
     jobs = []
-    for name, flags, fmt in [*SCHEDULES, ("zb-auto", ["--from-csv", str(found)], "compute_only")]:
+    searched = [
+        ("zb-auto", ["--from-csv", str(found)], "compute_only"),
+        ("zb-v-auto", ["--from-csv", str(found_v)], "compute_only"),
+    ]
+    for name, flags, fmt in [*SCHEDULES, *searched]:
         path = tmp_path / f"{name}.csv"
         assert (
             main(
@@ -147,6 +156,7 @@ def _check(tmp_path: Path, num_ranks: int, num_microbatches: int, capsys: pytest
         "zb-v-comms",
         "zb-v-fsdp",
         "zb-v-fsdp-torch",
+        "zb-v-auto",
     }
 
 
