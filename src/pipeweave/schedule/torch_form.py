@@ -178,8 +178,8 @@ def _stage_cells(row: list[Action], microbatches: int, shard: bool) -> list[str]
     """Cells of one comms row: ``REDUCE_GRAD`` after each stage's last weight gradient, with ``shard``
     ``UNSHARD`` before a stage's first action and ``RESHARD`` after its last."""
     grads: Counter[int] = Counter()
-    first = {}
-    last = {}
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
     for i, a in enumerate(row):
         first.setdefault(a.stage, i)
         last[a.stage] = i
