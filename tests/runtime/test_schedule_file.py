@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch_orders import TORCH_CLASSES, torch_order, write_torch_csv
 
 from pipeweave.cli import build_parser
+from pipeweave.config import TrainConfig
 from pipeweave.errors import UserError
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.run.job import run_rank
@@ -67,22 +69,7 @@ def test_a_hand_written_csv_schedule_trains_as_plain_training(tmp_path: Path) ->
     assert (config.num_stages, config.num_microbatches) == (2, 4)  # from the file
     assert plan.schedule.actions[0][2:4] == (Action(0, Op.F, 2), Action(0, Op.B, 0))  # as written, run as written
     assert plan.schedule.actions[1][-1] == Action(1, Op.U, 0)
-    record = launch(run_rank, plan, plan.num_processes, LaunchOptions(timeout_s=60))
-    plain = run_plain(
-        config.model,
-        steps=config.steps,
-        batch_size=config.batch_size,
-        num_microbatches=config.num_microbatches,
-        optimizer_factory=optimizer_factory(config),
-    )
-    torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
-    seen = set()
-    for rank_record in record.ranks:
-        for params in rank_record.parameters.values():
-            for name, value in params.items():
-                torch.testing.assert_close(value, plain.parameters[name], rtol=1e-5, atol=1e-6)
-                seen.add(name)
-    assert seen == set(plain.parameters)
+    _trains_as_plain(config)
 
 
 def test_sizes_come_from_the_file_and_a_conflict_is_one_line(tmp_path: Path) -> None:
@@ -134,3 +121,39 @@ def test_simulate_takes_the_same_file(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["simulate", "--schedule-file", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["stages"], out["microbatches"], out["valid"]) == (2, 4, True)
+
+
+def _trains_as_plain(config: TrainConfig) -> None:
+    """``pipeweave train`` with ``config``: every loss and every final weight equal plain training's."""
+    plan = prepare(config)
+    record = launch(run_rank, plan, plan.num_processes, LaunchOptions(timeout_s=90))
+    plain = run_plain(
+        config.model,
+        steps=config.steps,
+        batch_size=config.batch_size,
+        num_microbatches=config.num_microbatches,
+        optimizer_factory=optimizer_factory(config),
+    )
+    torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
+    seen = set()
+    for rank_record in record.ranks:
+        for params in rank_record.parameters.values():
+            for name, value in params.items():
+                torch.testing.assert_close(value, plain.parameters[name], rtol=1e-5, atol=1e-6)
+                seen.add(name)
+    assert seen == set(plain.parameters)
+
+
+TORCH_SLOW = [pytest.param(c, marks=pytest.mark.slow) for c in TORCH_CLASSES if c != "ScheduleDualPipeV"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("cls_name", ["ScheduleDualPipeV", *TORCH_SLOW])
+def test_torch_own_orders_train_as_plain_training(cls_name: str, tmp_path: Path) -> None:
+    """torch's own schedule classes' orders (D=2, two stages a rank, T=4), as its _dump_csv writes them;
+    DualPipeV's holds (0F3;3B0)OVERLAP_F_B actions, run as their F then their B."""
+    path = tmp_path / f"{cls_name}.csv"
+    write_torch_csv(torch_order(cls_name, 2, 4), path)
+    assert ("OVERLAP_F_B" in path.read_text()) == (cls_name == "ScheduleDualPipeV")
+    _trains_as_plain(dataclasses.replace(_config(path), collect_parameters=True))

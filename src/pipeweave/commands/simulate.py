@@ -84,7 +84,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument("--plot", metavar="FILE", help="write a timeline picture (.png, .svg or .pdf)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in ui.perfetto.dev)")
-    p.add_argument("--csv", metavar="FILE", help="export the schedule as CSV (torch.distributed.pipelining's form)")
+    p.add_argument(
+        "--csv",
+        metavar="FILE",
+        help="export the schedule as the CSV torch.distributed.pipelining's _PipelineScheduleRuntime._load_csv "
+        "reads (torchtitan's pipeline_parallel_schedule_csv); a schedule torch cannot run is refused",
+    )
+    p.add_argument(
+        "--csv-format",
+        choices=("compute_only", "compute_comms", "pipeweave"),
+        default="compute_only",
+        help="--csv's form: torch's compute_only (F, B, I, W; default), torch's compute_comms (with "
+        "SEND_F/RECV_F/SEND_B/RECV_B, REDUCE_GRAD, and UNSHARD/RESHARD under --zero 3; load it with "
+        "format='compute_comms'), or pipeweave's own (updates as U, a header line for what torch cannot carry)",
+    )
     p.add_argument(
         "--from-csv",
         "--schedule-file",
@@ -311,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     except InvalidSchedule as exc:
         return _report_invalid(args, schedule, exc)
     report = layout_report(schedule, cost, layout, model, metrics.makespan)
-    files = _write_files(args, schedule, timeline)
+    files = _write_files(args, schedule, timeline, stash_plan(args, schedule.num_parts))
     metrics = _tied(args, schedule, metrics)
     if args.json:
         out = _tied_json(args, schedule, as_json(schedule, info, cost, metrics, files))
@@ -357,10 +370,26 @@ def _check_outputs(args: argparse.Namespace) -> None:
         picture_file("--plot", args.plot)
 
 
-def _write_files(args: argparse.Namespace, schedule: Schedule, timeline: Any) -> dict[str, str]:
+def _write_csv(args: argparse.Namespace, schedule: Schedule, plan: Any) -> None:
+    """``--csv``: pipeweave's form, or torch's (refused in one line naming an action torch cannot carry)."""
+    if args.csv_format == "pipeweave":
+        write_csv(schedule, args.csv)
+        return
+    from pipeweave.schedule.levers import plan_stash
+    from pipeweave.schedule.torch_form import to_torch_csv
+
+    levered = schedule.with_actions(plan_stash(schedule, plan).actions) if plan.active else schedule
+    try:
+        text = to_torch_csv(levered, format=args.csv_format, shard=getattr(args, "zero", 0) == 3)
+    except UserError as exc:
+        raise UserError(f"--csv: {exc}; or give --csv-format pipeweave, pipeweave's own form") from None
+    Path(args.csv).write_text(text)
+
+
+def _write_files(args: argparse.Namespace, schedule: Schedule, timeline: Any, plan: Any) -> dict[str, str]:
     files: dict[str, str] = {}
     if args.csv:
-        write_csv(schedule, args.csv)
+        _write_csv(args, schedule, plan)
         files["csv"] = args.csv
     if args.plot:
         from pipeweave.sim.plot import plot_timeline  # matplotlib only when asked

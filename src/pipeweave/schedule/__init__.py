@@ -14,6 +14,7 @@ from pipeweave.schedule.ir import (
 from pipeweave.schedule.lower import LoweredSchedule, lower
 from pipeweave.schedule.registry import SCHEDULES, generate
 from pipeweave.schedule.text import from_csv, parse_action, parse_actions, read_csv, to_csv, write_csv
+from pipeweave.schedule.torch_form import to_torch_csv, torch_refusal
 from pipeweave.schedule.validate import InvalidSchedule, is_valid, validate
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "parse_actions",
     "read_csv",
     "to_csv",
+    "to_torch_csv",
+    "torch_refusal",
     "validate",
     "write_csv",
 ]

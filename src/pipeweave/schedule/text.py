@@ -5,7 +5,9 @@ The CSV has one row per rank and one action per cell, as written by
 empty cells (torch's idle steps) are skipped on reading. torch has no ``U``:
 exporting with ``updates=False`` drops them, and reading a CSV without any
 ``U`` appends each stage's update at the end of its rank, as torch does
-implicitly after a step.
+implicitly after a step. torch's full vocabulary (``OVERLAP_F_B``, ``UNSHARD``,
+``RESHARD``, ``REDUCE_GRAD``, its ``compute_comms`` format) is read as
+``schedule.torch_form`` says, which also writes exactly what torch loads.
 
 Schedules torch's form cannot carry (several pipelines, as in Chimera, GEMS,
 DualPipe, AvgPipe or data parallelism, a stage that is not its part, or an
@@ -41,6 +43,7 @@ from pipeweave.schedule.ir import (
     WeightPolicy,
     append_updates,
 )
+from pipeweave.schedule.torch_form import check_pairs, is_torch_token, torch_token_actions
 
 _ACTION = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|OFFLOAD|RELOAD|EVICT|LOAD|F|B|I|W|U)(\d+)\s*$")
 
@@ -60,7 +63,8 @@ def parse_action(text: str) -> Action:
         shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "..."
         raise ScheduleError(
             f"cannot read action {shown}; write <stage><op><microbatch> with op one of "
-            "F B I W U SEND_F RECV_F SEND_B RECV_B OFFLOAD RELOAD EVICT LOAD, e.g. 2F0"
+            "F B I W U SEND_F RECV_F SEND_B RECV_B OFFLOAD RELOAD EVICT LOAD, e.g. 2F0 (torch's <stage>UNSHARD, "
+            "<stage>RESHARD, <stage>REDUCE_GRAD and (<F>;<B>)OVERLAP_F_B are read too)"
         )
     stage, op, microbatch = match.groups()
     return Action(int(stage), Op(op), int(microbatch))
@@ -85,6 +89,14 @@ def _cells(line: str) -> list[str]:
     cells = next(csv.reader([line]), [])
     tokens = (t.strip("[]") for c in cells for t in c.split())
     return [t for t in tokens if t and t != "None"]
+
+
+def _row_actions(tokens: list[str]) -> list[Action]:
+    """A row's actions: torch's grouped and stage-only actions read as ``torch_form`` says."""
+    out: list[Action] = []
+    for token in tokens:
+        out.extend(torch_token_actions(token) if is_torch_token(token) else [parse_action(token)])
+    return out
 
 
 def torch_compatible(schedule: Schedule) -> bool:
@@ -174,7 +186,7 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
         if line.startswith("#"):
             continue
         try:
-            rows.append([parse_action(c) for c in _cells(line)])
+            rows.append(_row_actions(_cells(line)))
         except ScheduleError as exc:
             raise ScheduleError(f"line {line_no}: {exc}") from None
         row_lines.append(line_no)
@@ -190,6 +202,7 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
             )
     if header is not None:
         schedule = _parse_header(header, name, rows)
+        rows = _compute_only(rows, schedule.placement)
         if schedule.is_synchronous and not any(a.op is Op.U for row in rows for a in row):
             append_updates(rows, schedule.placement)
             schedule = schedule.with_actions(rows)
@@ -209,10 +222,17 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
     placement = Placement(tuple(stage_rank[s] for s in stages), stages, (stages,))
     compute = [a for row in rows for a in row if a.op.is_compute and a.op is not Op.U]
     t = num_microbatches if num_microbatches is not None else 1 + max(a.microbatch for a in compute)
+    rows = [[a for a in row if a.op.is_compute] for row in _compute_only(rows, placement)]
     if not any(a.op is Op.U for row in rows for a in row):
         append_updates(rows, placement)
-    rows = [[a for a in row if a.op.is_compute] for row in rows]
     return Schedule(name, placement, t, tuple(tuple(r) for r in rows), policy=WeightPolicy.SYNC)
+
+
+def _compute_only(rows: list[list[Action]], placement: Placement) -> list[list[Action]]:
+    """The rows without sends and receives, once checked to pair (torch's ``compute_comms`` form)."""
+    if any(a.op.is_comm for row in rows for a in row):
+        check_pairs(rows, placement)
+    return [[a for a in row if not a.op.is_comm] for row in rows]
 
 
 def write_csv(schedule: Schedule, path: str | Path, *, updates: bool = True) -> None:
