@@ -83,10 +83,10 @@ def check_counts(cluster: Cluster, gpus: int, batch: int, fixed: Fixed) -> None:
 def _no_count_fits(cluster: Cluster, fixed: Fixed, floor: float) -> str:
     """What no count of GPUs can go below (``planner.floor``), and what would bring it under the GPU's memory."""
     model, memory = cluster.model, cluster.gpu.memory_bytes
+    tp = fixed.tp or largest_tensor_parallel(cluster)
     return (
         f"{model.name} ({model.parameters / 1e9:.3g}B parameters) fits on no count of GPUs of {memory / GIB:.1f} "
-        f"GiB: with one block per GPU, b = {fixed.microbatch_size or 1} and TP {largest_tensor_parallel(cluster)} "
-        f"at most, a GPU still holds {floor / GIB:.1f} GiB of activations and allowance; give "
+        f"GiB: with one block per GPU, b = {fixed.microbatch_size or 1} and TP {tp} at most, a GPU still holds {floor / GIB:.1f} GiB of activations and allowance; give "
         f"{'; or '.join(what_would_fit(cluster, fixed))}"
     )
 
