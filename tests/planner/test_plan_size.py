@@ -189,3 +189,11 @@ def test_the_links_of_a_mesh_are_those_of_every_group() -> None:
     assert parallel._group_links(huge, 1) == (net.intra_node, net.inter_node)
     assert parallel.gather_time(huge, 1e6, num_ranks=1, holders=(0,)) == 0.0  # ZeRO 0: nothing gathered
     assert time.perf_counter() - started < QUICK
+
+
+def test_a_fixed_dimension_that_no_count_fits_is_given_its_value_that_would(cli_error: CliError) -> None:
+    err = _timed_error(cli_error, "--gpus", "64", "--global-batch", "64", "--microbatch-size", "1000000000000")
+    assert "fits on no count of GPUs" in err and "give --microbatch-size 1 (3.2 GiB)" in err, err
+    shape = ["--model", "gpt", "--layers", "24", "--hidden", "2304", "--heads", "24", "--seq-len", "32768"]
+    err = cli_error(["plan", *shape, "--gpus", "64", "--global-batch", "64", "--tensor-parallel", "1"])
+    assert "give --tensor-parallel 8 (" in err and "--seq-len 25095 or shorter" in err, err

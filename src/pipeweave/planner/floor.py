@@ -15,6 +15,7 @@ heads that split further, or a GPU with more memory (each with its figure).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from pipeweave.planner.costs import Cluster
 from pipeweave.planner.memory import ALLOWANCE_BYTES, GIB, block_activation_bytes
@@ -61,16 +62,28 @@ def what_would_fit(cluster: Cluster, fixed: Fixed) -> list[str]:
     floor's memory, always last."""
     memory, model = cluster.gpu.memory_bytes, cluster.model
     found = []
-    for flag in ("recompute", "tp", "microbatch_size"):
-        if (
-            getattr(fixed, flag) is not None
-            and (need := floor_bytes(cluster, replace(fixed, **{flag: None}))) <= memory
-        ):
-            found.append(f"drop {_FLAGS[flag]} {getattr(fixed, flag)} ({need / GIB:.1f} GiB)")
+    for flag in ("recompute", "tp", "microbatch_size"):  # a fixed dimension given its best value instead
+        if getattr(fixed, flag) is None:
+            continue
+        value, need = min(
+            ((v, floor_bytes(cluster, replace(fixed, **{flag: v}))) for v in _values(cluster, flag)),
+            key=lambda pair: pair[1],
+        )
+        if need <= memory:
+            found.append(f"{_FLAGS[flag]} {value} ({need / GIB:.1f} GiB)")
     if isinstance(model, Transformer):
         found += _gpt_remedies(cluster, fixed)
     found.append(f"a GPU of at least {floor_bytes(cluster, fixed) / GIB:.0f} GiB")
     return found
+
+
+def _values(cluster: Cluster, flag: str) -> list[Any]:
+    """The values a fixed dimension could take instead (the floor's: b = 1 is the least)."""
+    if flag == "recompute":
+        return list(cluster.model.recomputations)
+    if flag == "tp":
+        return list(tensor_parallel_sizes(cluster.model, cluster.gpu.gpus_per_node, Fixed())) or [1]
+    return [1]
 
 
 _FLAGS = {"recompute": "--recompute", "tp": "--tensor-parallel", "microbatch_size": "--microbatch-size"}
