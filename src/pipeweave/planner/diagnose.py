@@ -196,11 +196,11 @@ def _too_big(cluster: Cluster, gpus: int, plan: Plan, fixed: Fixed, space: Seque
     least = min(c.microbatch_size for c in space)
     if least > 1 and fixed.microbatch_size is None:
         found = {(c.tp, cells_per_microbatch(c.schedule, c.pp, c.chunks), c.dp) for c in space}  # (tp, parts, dp)
-        return f"{head}; " + _batch_limited(cluster, gpus, plan_batch(space), least, sorted(found))
+        return f"{head}; " + _batch_limited(cluster, gpus, _batch_of(space), least, sorted(found))
     return head + _more_gpus(cluster, gpus, need)
 
 
-def plan_batch(space: Sequence[Config]) -> int:
+def _batch_of(space: Sequence[Config]) -> int:
     """The global batch of a space: DP x b x T of any of its configurations."""
     c = space[0]
     return c.dp * c.microbatch_size * c.microbatches
