@@ -125,8 +125,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
         type=float,
         default=10.0,
         metavar="SECONDS",
-        help="stop the search after this long once something fits, and say how much the configurations left "
-        "could still gain (default 10; 0: search to the exact top)",
+        help="stop the search after this many CPU seconds once something fits, and say how much the "
+        "configurations left could still gain (default 10; 0: search to the exact top)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object, best configuration first")
     p.add_argument(
