@@ -71,6 +71,12 @@ def test_the_nearest_counts_are_those_a_walk_would_find() -> None:
         for gpus in (7, 13, 97, 1000, counts.largest - 1):
             walk = sorted(usable - {gpus}, key=lambda n: (abs(n - gpus), n))[:3]
             assert counts.nearest(gpus) == walk, (batch, gpus)
+            assert counts.at_least(gpus) == min(n for n in usable if n >= gpus), (batch, gpus)
+
+
+def test_more_gpus_are_advised_as_a_count_that_splits(cli_error: CliError) -> None:
+    err = cli_error(["plan", "--model", "gpt-1t", "--gpus", "8", "--global-batch", "64"])
+    assert "give about 32x the GPUs (--gpus 256)" in err, err  # 30x is 240, which no TP x PP x DP makes
 
 
 def _splits(gpus: int, batch: int) -> bool:

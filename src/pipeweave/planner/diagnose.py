@@ -164,6 +164,14 @@ class SplitCounts:
     def largest(self) -> int:
         return max(self.units, default=0) * max(self.replicas, default=0)
 
+    def at_least(self, gpus: int) -> int:
+        """The least count of ``gpus`` or more (0: none)."""
+        above = []
+        for unit in self.units:
+            k = bisect.bisect_left(self.replicas, gpus / unit)
+            above += [unit * self.replicas[k]] if k < len(self.replicas) else []
+        return min(above, default=0)
+
     def nearest(self, gpus: int, count: int = 3) -> list[int]:
         """The ``count`` counts closest to ``gpus`` (``gpus`` itself excluded), the smaller first on a tie."""
         found: set[int] = set()
@@ -197,7 +205,7 @@ def _too_big(cluster: Cluster, gpus: int, plan: Plan, fixed: Fixed, space: Seque
     if least > 1 and fixed.microbatch_size is None:
         found = {(c.tp, cells_per_microbatch(c.schedule, c.pp, c.chunks), c.dp) for c in space}  # (tp, parts, dp)
         return f"{head}; " + _batch_limited(cluster, gpus, _batch_of(space), least, sorted(found))
-    return head + _more_gpus(cluster, gpus, need)
+    return head + _more_gpus(cluster, gpus, need, split_counts(cluster, _batch_of(space), Fixed(tp=fixed.tp)))
 
 
 def _batch_of(space: Sequence[Config]) -> int:
@@ -206,8 +214,9 @@ def _batch_of(space: Sequence[Config]) -> int:
     return c.dp * c.microbatch_size * c.microbatches
 
 
-def _more_gpus(cluster: Cluster, gpus: int, need: float) -> str:
-    """How many more GPUs would give room (a fifth of the memory left for what does not shrink)."""
+def _more_gpus(cluster: Cluster, gpus: int, need: float, counts: SplitCounts) -> str:
+    """How many more GPUs would give room (a fifth of the memory left for what does not shrink): the least
+    count that splits at or above that, at most the largest."""
     memory, model = cluster.gpu.memory_bytes, cluster.model
     factor = max(2, math.ceil(need / (0.8 * memory)))
     tp_note, most = "", largest_tensor_parallel(cluster)
@@ -219,4 +228,7 @@ def _more_gpus(cluster: Cluster, gpus: int, need: float) -> str:
             f"; its {model.heads} heads allow TP up to {most} only, heads a multiple of {per_node} would allow "
             f"TP {per_node}"
         )
-    return f"{tp_note}; give about {factor}x the GPUs (--gpus {factor * gpus}) or a GPU with more memory"
+    if gpus >= counts.largest:
+        return f"{tp_note}; no split uses more than these {gpus} GPUs: give a GPU with more memory, or a larger batch"
+    more = counts.at_least(factor * gpus) or counts.largest
+    return f"{tp_note}; give about {more / gpus:.0f}x the GPUs (--gpus {more}) or a GPU with more memory"
