@@ -236,23 +236,26 @@ def best_configurations(
     top: int,
     exhaustive: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    time_limit: float | None = None,
 ) -> Any:
-    """The planner's search over the configurations of ``cluster`` on ``gpus`` (``planner.search.search``), each
-    count checked first and the answer checked after (``planner.diagnose.check_plan``: why nothing fits).
+    """The planner's search over the configurations of ``cluster`` on ``gpus`` (``planner.search.search``, which
+    stops after ``time_limit`` seconds once something fits), each count checked first and the answer checked
+    after (``planner.diagnose.check_plan``: why nothing fits).
 
     Raises:
         UserError: a count below 1, or a space with nothing that fits (the reason).
     """
-    from pipeweave.planner.diagnose import check_plan
+    from pipeweave.planner.diagnose import check_counts, check_plan
     from pipeweave.planner.search import search as search_space
     from pipeweave.planner.space import configurations
 
     for name, value in (("gpus", gpus), ("global batch", global_batch), ("top", top)):
         if value < 1:
             raise UserError(f"{name} {value} is invalid; give an integer >= 1")
+    check_counts(cluster, gpus, global_batch, fixed)
     space = list(configurations(cluster.model, gpus, global_batch, cluster.gpu.gpus_per_node, fixed))
     check_plan(space, cluster, gpus, global_batch, fixed)
-    found = search_space(space, evaluator, top=top, exhaustive=exhaustive, progress=progress)
+    found = search_space(space, evaluator, top=top, exhaustive=exhaustive, progress=progress, time_limit=time_limit)
     check_plan(space, cluster, gpus, global_batch, fixed, found)
     return found
 

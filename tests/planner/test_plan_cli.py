@@ -69,6 +69,8 @@ def test_the_search_returns_the_exhaustive_top(capsys: pytest.CaptureFixture[str
         "64",
         "--top",
         "5",
+        "--time-limit",
+        "0",  # exact, however loaded the machine
     ]
     pruned = plan_json(capsys, *argv)["configurations"]
     every = plan_json(capsys, *argv, "--all")["configurations"]

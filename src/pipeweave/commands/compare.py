@@ -37,7 +37,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     choose.add_argument("--all", action="store_true", help="every registered approach, the searched ones too")
     p.add_argument("--stages", "-D", type=int, default=4, help="D, pipeline ranks (default 4)")
-    p.add_argument("--microbatches", "-T", type=int, default=8, help="T, microbatches per step (default 8)")
+    p.add_argument(
+        "--microbatches",
+        "-T",
+        type=int,
+        default=8,
+        help="T, microbatches per step (default 8); D x T x chunks x --stream-steps within simulate's limit",
+    )
     p.add_argument(
         "--chunks",
         "-v",

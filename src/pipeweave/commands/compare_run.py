@@ -17,7 +17,7 @@ from pipeweave.commands.compare_table import LITERATURE, choose, parse_memory_li
 from pipeweave.commands.model_options import model_spec
 from pipeweave.commands.partition import part_costs
 from pipeweave.commands.simulate import add_parser as add_simulate_parser
-from pipeweave.commands.simulate import simulated
+from pipeweave.commands.simulate import check_simulation_size, simulated
 from pipeweave.commands.simulate_report import evaluate
 from pipeweave.errors import UserError
 from pipeweave.host import cpu_cores
@@ -127,6 +127,9 @@ def _check(args: argparse.Namespace) -> None:
     ):
         if value is not None and value < least:
             raise UserError(f"{flag} {value} is invalid; give {flag} >= {least}")
+    check_simulation_size(
+        args.stages, args.microbatches, chunks=args.chunks or 2, steps=args.stream_steps, steps_flag="--stream-steps"
+    )
     if args.batch % args.microbatches:
         raise UserError(
             f"--batch {args.batch} is not divisible by --microbatches {args.microbatches}; give a "

@@ -27,6 +27,7 @@ from pipeweave.commands.layout_options import (
 from pipeweave.commands.lever_options import add_stash_arguments, stash_plan
 from pipeweave.commands.model_options import add_model_arguments, model_spec
 from pipeweave.commands.recompute_options import add_recompute_argument
+from pipeweave.commands.simulate import MAX_ACTIONS, check_simulation_size
 from pipeweave.commands.units import check_cost_flags, format_bytes
 from pipeweave.config.sections import parse_counts as counts_of
 from pipeweave.errors import UserError
@@ -34,6 +35,7 @@ from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionC
 from pipeweave.partition.recompute import kept_bytes, replay_time
 from pipeweave.schedule import generate
 from pipeweave.schedule.ir import Schedule
+from pipeweave.schedule.registry import SCHEDULES
 from pipeweave.sim import CostModel, compute_metrics
 from pipeweave.sim.levers import levered_activations
 from pipeweave.sim.parallel import Layout, simulate_layout, tp_backward_time, tp_forward_time
@@ -52,7 +54,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--save-costs", metavar="FILE", help="write the per-layer costs used (JSON)")
     p.add_argument("--stages", type=int, required=True, help="D, pipeline ranks")
     p.add_argument("-s", "--schedule", default="1f1b", help="schedule name (default 1f1b)")
-    p.add_argument("--microbatches", type=int, default=8, help="T, microbatches per step (default 8)")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=8,
+        help=f"T, microbatches per step (default 8); D x T x chunks at most {MAX_ACTIONS // 3}, as simulate",
+    )
     p.add_argument("--chunks", type=int, help="v, chunks per rank, for interleaved schedules")
     p.add_argument(
         "--batch-size", type=int, default=32, help="samples per step, split into T microbatches (default 32)"
@@ -380,6 +387,9 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid; give an integer >= 1")
     check_partition_arguments(args)
+    check_simulation_size(  # before the profiling: the partitioned schedule is simulated
+        args.stages, args.microbatches, chunks=args.chunks or getattr(SCHEDULES.get(args.schedule), "chunks", 1) or 1
+    )
     layout_from_args(args, num_ranks=args.stages)  # its flags refused before the profiling
     if args.save_costs:
         from pipeweave.commands.outputs import output_file

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
 from pipeweave.errors import UserError
+from pipeweave.planner.space import MAX_CELLS, MAX_CONFIGURATIONS
 
 CUSTOM_FLAGS = (
     ("--peak-tflops", "peak dense BF16 TFLOP/s (with --costs, none: the profiling machine)"),
@@ -70,8 +72,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
         metavar="SECONDS",
         help="--costs: the runtime's time between two actions of a rank (train's 'dispatch per action'; default 0)",
     )
-    p.add_argument("--gpus", type=int, required=True, help="N, GPUs in the cluster")
-    p.add_argument("--global-batch", type=int, required=True, metavar="B", help="B, samples per step")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        required=True,
+        help="N, GPUs in the cluster: at most TP x PP x DP can use (the largest TP, the layers, the batch)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        required=True,
+        metavar="B",
+        help=f"B, samples per step; microbatches start at the size that keeps D x v x T within {MAX_CELLS} "
+        f"(part, microbatch) pairs, the most a step simulates, and the space within {MAX_CONFIGURATIONS} "
+        "configurations",
+    )
     g = p.add_argument_group("hardware", "a preset, or custom with the five figures")
     g.add_argument("--gpu", default="a100-80gb", help="a100-80gb (default), h100-sxm, h200 or custom")
     for flag, help_ in CUSTOM_FLAGS:
@@ -105,6 +120,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
     )
     p.add_argument("--top", type=int, default=10, help="configurations to show (default 10)")
     p.add_argument("--all", action="store_true", help="simulate every configuration that may fit (for --plot)")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="stop the search after this many CPU seconds once something fits, and say how much the "
+        "configurations left could still gain (default 10; 0: search to the exact top)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object, best configuration first")
     p.add_argument(
         "--plot",
@@ -123,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.top < 1:
         raise UserError(f"--top {args.top} is invalid; give an integer >= 1")
+    if not 0 <= args.time_limit < math.inf:
+        raise UserError(f"--time-limit {args.time_limit} is invalid; give finite seconds >= 0 (0: no limit)")
     plot = picture_file("--plot", args.plot) if args.plot else None
     cluster, fixed = _cluster(args), _fixed(args)
     for flag, value in (("--gpus", args.gpus), ("--global-batch", args.global_batch)):
@@ -139,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
             top=args.top,
             exhaustive=args.all,
             progress=progress,
+            time_limit=args.time_limit or None,
         )
     if plot is not None:
         write_plot(plan, plot)

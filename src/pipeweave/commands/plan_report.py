@@ -78,6 +78,11 @@ def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: 
             else ""
         )
     )
+    if plan.unsettled:
+        print(
+            f"stopped at --time-limit: {plan.unsettled} configurations not simulated, none faster than "
+            f"{plan.unsettled_bound:.4g} s a step (--time-limit 0 searches to the exact top)"
+        )
 
 
 def plan_json(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: int) -> dict[str, Any]:
@@ -101,6 +106,8 @@ def plan_json(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: in
             "simulations": plan.simulations,
             "seconds": plan.seconds,
             "auto_skipped": plan.auto_skipped,
+            "unsettled": plan.unsettled,
+            "unsettled_bound_s": plan.unsettled_bound if plan.unsettled else None,
             "top": top,
         },
         "configurations": [r.as_dict() for r in plan.results],

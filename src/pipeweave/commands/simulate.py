@@ -50,7 +50,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("-s", "--schedule", default="1f1b", help="registry name (pipeweave schedules; default 1f1b)")
     p.add_argument("--stages", "-D", type=int, default=4, help="D, pipeline ranks (default 4)")
-    p.add_argument("--microbatches", "-T", type=int, default=8, help="T, microbatches per step (default 8)")
+    p.add_argument(
+        "--microbatches",
+        "-T",
+        type=int,
+        default=8,
+        help=f"T, microbatches per step (default 8); D x T x chunks x steps at most {MAX_ACTIONS // 3} "
+        "(about 10 s of simulation)",
+    )
     p.add_argument("--chunks", "-v", type=int, help="v, chunks per rank, for interleaved schedules")
     p.add_argument("--time-f", default="1", metavar="F", help="forward time (default 1)")
     p.add_argument(
@@ -159,19 +166,42 @@ def _check_counts(args: argparse.Namespace) -> None:
     _check_size(args)
 
 
+MAX_ACTIONS = 2**21
+"""The most actions a simulation is asked for: ~10 s to generate, simulate and report at ~5 us each (the
+``--microbatches`` help of simulate, partition and compare says so)."""
+
+
 def _check_size(args: argparse.Namespace) -> None:
-    """Refuse, in one line, a simulation too large for this machine's free memory (it would swap, then be killed)."""
     if args.stages is None or args.microbatches is None or args.schedule not in SCHEDULES:
         return
     chunks = args.chunks or SCHEDULES[args.schedule].chunks or 1
+    check_simulation_size(args.stages, args.microbatches, chunks=chunks, steps=getattr(args, "steps", 1) or 1)
+
+
+def check_simulation_size(
+    stages: int, microbatches: int, *, chunks: int = 1, steps: int = 1, steps_flag: str = "--steps"
+) -> None:
+    """Refuse, in one line, a simulation of more than ``MAX_ACTIONS`` actions (it would run for minutes) or
+    larger than this machine's free memory (it would swap, then be killed).
+
+    Raises:
+        UserError: naming the counts, the limit and the fix.
+    """
     # F, B (or I and W) per microbatch, chunk and stage; U's are few
-    actions = 3 * args.stages * args.microbatches * chunks * max(1, getattr(args, "steps", 1) or 1)
+    actions = 3 * stages * microbatches * chunks * max(1, steps)
+    counts = f"--stages {stages} x --microbatches {microbatches}"
+    counts += f" x {chunks} chunks" if chunks > 1 else ""
+    counts += f" x {steps_flag} {steps}" if steps > 1 else ""
     free = _available_memory()
     if free is not None and actions * BYTES_PER_ACTION > free:
         raise UserError(
-            f"--stages {args.stages} x --microbatches {args.microbatches} make up to {actions:.2g} actions, "
-            f"~{actions * BYTES_PER_ACTION / 2**30:.0f} GiB to simulate, more than the "
-            f"{free / 2**30:.1f} GiB free here; give fewer stages or microbatches"
+            f"{counts} make up to {actions:.2g} actions, ~{actions * BYTES_PER_ACTION / 2**30:.0f} GiB to "
+            f"simulate, more than the {free / 2**30:.1f} GiB free here; give fewer stages, microbatches or chunks"
+        )
+    if actions > MAX_ACTIONS:
+        raise UserError(
+            f"{counts} make up to {actions:.2g} actions, more than the {MAX_ACTIONS:.2g} a simulation answers "
+            f"in about 10 s; give fewer stages, microbatches or chunks (at most {MAX_ACTIONS:.2g} actions)"
         )
 
 

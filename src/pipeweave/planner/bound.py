@@ -11,6 +11,9 @@ skip most of the space and still return the exact best configurations.
   schedule does not split it into I and W, an I and the first part's last W
   where it does): for GPipe and 1F1B this is their makespan, (T + D - 1)(f + b).
   The naive schedule runs one microbatch at a time: T (f + b) over all parts.
+  And with replicas, every part's gradients are reduced within the step, a
+  rank's parts one after another (``Evaluator.dp_tail``): no step is shorter
+  than the busiest rank's reductions (on a million replicas, what decides).
   The simulated step is never shorter: it adds the waits of the schedule, the
   DP reduction's tail.
 - **Memory**: the model state of an average rank (the fullest holds at least
@@ -24,6 +27,7 @@ from pipeweave.planner.evaluate import Evaluator
 from pipeweave.planner.memory import ALLOWANCE_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
 from pipeweave.schedule.info import PlacementKind
 from pipeweave.schedule.registry import SCHEDULES
+from pipeweave.sim.parallel import reduction_time
 
 
 def rank_of_part(schedule: str, part: int, num_ranks: int) -> int:
@@ -40,6 +44,38 @@ def rank_of_part(schedule: str, part: int, num_ranks: int) -> int:
 
 def time_bound(config: Config, evaluator: Evaluator) -> float:
     """Seconds no simulation of ``config`` can beat (module docstring)."""
+    return max(_pipeline_bound(config, evaluator), reduction_bound(config, evaluator))
+
+
+def reduction_bound(config: Config, evaluator: Evaluator) -> float:
+    """Seconds the busiest pipeline rank spends reducing its parts' gradients over the replicas (0 without
+    replicas); two pipelines in opposite directions hold part k on ranks k and D - 1 - k, which reduce it
+    together."""
+    placement = SCHEDULES[config.schedule].placement
+    if config.dp == 1:
+        return 0.0
+    parts = evaluator.num_parts(config)
+    key = (config.tp, config.pp, config.dp, parts, config.zero, placement)
+    found = evaluator.known_reductions.get(key)
+    if found is None:
+        layout, params, busiest = evaluator.layout(config), evaluator.param_bytes(config, parts), [0.0] * config.pp
+        for k in range(parts):
+            holders = _holders(config.schedule, k, config.pp)
+            for r in holders:
+                busiest[r] += reduction_time(layout, params[k], num_ranks=config.pp, holders=holders)
+        found = evaluator.known_reductions[key] = max(busiest)
+    return found
+
+
+def _holders(schedule: str, part: int, num_ranks: int) -> tuple[int, ...]:
+    """The pipeline ranks holding ``part``: one, or both directions' of a bidirectional schedule."""
+    if SCHEDULES[schedule].placement is PlacementKind.BIDIRECTIONAL:
+        return tuple(sorted({part, num_ranks - 1 - part}))
+    return (rank_of_part(schedule, part, num_ranks),)
+
+
+def _pipeline_bound(config: Config, evaluator: Evaluator) -> float:
+    """The pipeline's own bound: its work, its fill and its drain (module docstring)."""
     d = config.pp
     if SCHEDULES[config.schedule].placement is PlacementKind.BIDIRECTIONAL:
         f, i, w, _ = evaluator.times(config, d)

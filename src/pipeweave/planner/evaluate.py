@@ -84,6 +84,8 @@ class Evaluator:
     """Schedules, memory peaks and timeline summaries, cached by shape."""
     known_times: dict[tuple[object, ...], Times] = field(default_factory=dict, repr=False)
     """``times``' answers (the search asks for each configuration's several times)."""
+    known_reductions: dict[tuple[object, ...], float] = field(default_factory=dict, repr=False)
+    """``planner.bound.reduction_bound``'s answers, by what they depend on."""
 
     def layout(self, config: Config) -> Layout:
         return Layout(

@@ -7,13 +7,16 @@ simulated (``planner.evaluate``), until the next bound is no better than the
 can enter the top, since a simulation is never below its bound. Before a
 configuration is simulated, a simulation of its shape under other times may
 raise its bound (its critical path: ``planner.critical``); it then waits its turn again. The answer is
-the one an exhaustive search would give for those ``top``.
+the one an exhaustive search would give for those ``top``. With a ``time_limit``, the search stops once it
+has run that long and found a configuration that fits: the configurations left unsimulated are counted, with
+the least step time any of them could reach (the next bound), so the answer says how far from exact it may be.
 """
 
 from __future__ import annotations
 
 import gc
 import heapq
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -47,6 +50,10 @@ class Plan:
     """The least memory a configuration needs (simulated, or its bound when none was) and its label."""
     auto_skipped: int = 0
     """zb-auto configurations left out once the searches allowed were spent."""
+    unsettled: int = 0
+    """Configurations neither simulated nor ruled out when the time limit stopped the search (0: exact)."""
+    unsettled_bound: float = 0.0
+    """The least step time any of the ``unsettled`` could reach (their least time bound)."""
 
     @property
     def best(self) -> list[Result]:
@@ -62,17 +69,21 @@ def search(
     auto_searches: int = 8,
     tolerance: float = 0.0,
     progress: Progress | None = None,
+    time_limit: float | None = None,
 ) -> Plan:
     """The best ``top`` configurations of ``space`` (module docstring); ``exhaustive`` simulates every one that
     may fit (for ``--plot`` over the whole space); at most ``auto_searches`` zb-auto searches (about a second
     each, more at large D), the most promising first: the others are skipped, and counted. With a
     ``tolerance`` t, a configuration is skipped once its bound is within t of the ``top``-th best: one
-    skipped could beat that one by less than t x its step (0: the exact top)."""
+    skipped could beat that one by less than t x its step (0: the exact top). ``time_limit``: seconds after
+    which the search stops once something fits, in CPU seconds of this process (module docstring; None: never)."""
     started = time.perf_counter()
     collecting = gc.isenabled()
     gc.disable()  # millions of short-lived event tuples, no cycles: the collector would only walk them
     try:
-        return _search(list(space), evaluator, top, exhaustive, auto_searches, tolerance, progress, started)
+        # CPU seconds, not the wall clock's: the same answer on a loaded machine as on an idle one
+        deadline = math.inf if time_limit is None else time.process_time() + time_limit
+        return _search(list(space), evaluator, top, exhaustive, auto_searches, tolerance, progress, (started, deadline))
     finally:
         if collecting:
             gc.enable()
@@ -86,15 +97,16 @@ def _search(
     auto_searches: int,
     tolerance: float,
     progress: Progress | None,
-    started: float,
+    clock: tuple[float, float],
 ) -> Plan:
-    """``search``'s loop (with the collector paused)."""
+    """``search``'s loop (with the collector paused); ``clock``: when it started, when it must stop."""
+    started, deadline = clock
     bounds, fitting, queue = _candidates(configs, evaluator)
     done = len(configs) - len(fitting)
     best: list[float] = []  # a max-heap (negated) of the top step times that fit
     results: list[Result] = []
     refused = bounded = skipped = 0
-    while queue:
+    while queue and not (best and time.process_time() > deadline):
         bound, k, rescaled = heapq.heappop(queue)
         if not exhaustive and len(best) >= top and bound * (1 + tolerance) >= -best[0]:
             bounded = len(queue) + 1
@@ -135,6 +147,8 @@ def _search(
         time.perf_counter() - started,
         least,
         skipped,
+        0 if bounded else len(queue),  # left by the time limit: the other ends empty the queue or bound it
+        queue[0][0] if queue and not bounded else 0.0,
     )
 
 

@@ -7,11 +7,22 @@ v chunks per rank); DP dividing the global batch B, and the microbatch size b
 dividing B / DP, so that T = B / (DP x b). Schedules: the registry's
 synchronous ones (``pipeweave schedules``), zb-auto and zb-v-auto included;
 at D = 1 there is no pipeline and only ``1f1b`` (plain gradient accumulation)
-is kept.
+is kept. ZeRO 1 and 3 only where the runtime shards a schedule's replicas
+(``ScheduleInfo.zero``: not the bidirectional ones, which hold two copies of
+each part).
+
+Two limits keep the space one that can be enumerated and simulated in seconds:
+a schedule of at most ``MAX_CELLS`` (part, microbatch) pairs, D x v x T (so
+the microbatch size b starts where T = B / (DP x b) fits), and at most
+``MAX_CONFIGURATIONS`` configurations in all (beyond, one line asks to fix a
+dimension). Divisors are found in O(sqrt n), so any count up to 10^12 costs
+milliseconds.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -74,14 +85,41 @@ FLAGS = {
 }
 
 
+MAX_CELLS = 2**15
+"""The most (part, microbatch) pairs, D x v x T, of a schedule the planner simulates: ~100k actions, about a
+second to generate and simulate, and every published Megatron-LM configuration (``planner.published``)."""
+MAX_CONFIGURATIONS = 50_000
+"""The most configurations the planner bounds: ~10 s at ~0.2 ms each (``pipeweave plan --help``)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _divisors(n: int) -> tuple[int, ...]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
+
+
 def divisors(n: int) -> list[int]:
-    """Ascending divisors of ``n``.
+    """Ascending divisors of ``n``, in O(sqrt n) (10^12: ~0.1 s, then cached).
 
     Example:
         >>> divisors(12)
         [1, 2, 3, 4, 6, 12]
     """
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return list(_divisors(n))
+
+
+def microbatch_sizes(batch: int, dp: int, parts: int) -> list[int]:
+    """The microbatch sizes b dividing ``batch`` / ``dp`` whose T = batch / (dp x b) microbatches over ``parts``
+    parts stay within ``MAX_CELLS`` (the divisors of the whole batch found once, and filtered).
+
+    Example:
+        >>> microbatch_sizes(64, 2, 4)
+        [1, 2, 4, 8, 16, 32]
+        >>> microbatch_sizes(2**20, 1, 4)[:3]  # T <= 2^15 / 4
+        [128, 256, 512]
+    """
+    per_replica, most = batch // dp, MAX_CELLS // parts
+    return [b for b in _divisors(batch) if per_replica % b == 0 and per_replica // b <= most]
 
 
 def tensor_parallel_sizes(model: Model, gpus_per_node: int, fixed: Fixed) -> list[int]:
@@ -111,22 +149,53 @@ def splits(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed
 def chunk_counts(model: Model, schedule: str, pp: int) -> list[int]:
     """The chunks v a schedule may run with at D = ``pp`` (its layers split evenly into D x v parts)."""
     info = SCHEDULES[schedule]
-    if info.chunks is None:  # --chunks v: looped, D x v parts
-        return [v for v in range(2, model.layers // pp + 1) if model.splits_into(pp * v)]
+    if info.chunks is None:  # --chunks v: looped, D x v parts (at most MAX_CELLS: T >= 1)
+        return [v for v in range(2, min(model.layers, MAX_CELLS) // pp + 1) if model.splits_into(pp * v)]
     if info.placement is PlacementKind.BIDIRECTIONAL:  # one part per rank and direction, D even
         return [1] if pp % 2 == 0 else []
     return [info.chunks] if model.splits_into(pp * info.chunks) else []
 
 
+def cells_per_microbatch(schedule: str, pp: int, chunks: int) -> int:
+    """The stages a microbatch crosses: D x v, and both directions' D of a bidirectional schedule."""
+    both = SCHEDULES[schedule].placement is PlacementKind.BIDIRECTIONAL
+    return pp * (2 if both else chunks)
+
+
+def zero_stages(schedule: str, dp: int) -> tuple[int, ...]:
+    """The ZeRO stages a configuration may use: 1 and 3 only with replicas to shard over, and only where the
+    runtime shards the schedule's (``ScheduleInfo.zero``)."""
+    return ZERO_STAGES if dp > 1 and SCHEDULES[schedule].zero else (0,)
+
+
 def configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> Iterator[Config]:
-    """The space (module docstring), in a fixed order."""
+    """The space (module docstring), in a fixed order.
+
+    Raises:
+        UserError: more than ``MAX_CONFIGURATIONS`` of them (when the one past the limit is reached).
+    """
+    for count, config in enumerate(_configurations(model, gpus, batch, gpus_per_node, fixed), 1):
+        if count > MAX_CONFIGURATIONS:
+            raise UserError(
+                f"--gpus {gpus} with --global-batch {batch} make more than {MAX_CONFIGURATIONS} configurations "
+                "to search (the planner's limit, ~10 s); fix some of them (--microbatch-size, --stages, "
+                "--data-parallel, -s), or give a --global-batch with fewer divisors"
+            )
+        yield config
+
+
+def _configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> Iterator[Config]:
     for tp, pp, dp in splits(model, gpus, batch, gpus_per_node, fixed):
         names = ["1f1b"] if pp == 1 else synchronous()
         for schedule in (n for n in names if fixed.allows("schedule", n)):
             for chunks in (v for v in chunk_counts(model, schedule, pp) if fixed.allows("chunks", v)):
-                for b in (b for b in divisors(batch // dp) if fixed.allows("microbatch_size", b)):
+                for b in (
+                    b
+                    for b in microbatch_sizes(batch, dp, cells_per_microbatch(schedule, pp, chunks))
+                    if fixed.allows("microbatch_size", b)
+                ):
                     for recompute in (r for r in model.recomputations if fixed.allows("recompute", r)):
-                        for zero in (z for z in (ZERO_STAGES if dp > 1 else (0,)) if fixed.allows("zero", z)):
+                        for zero in (z for z in zero_stages(schedule, dp) if fixed.allows("zero", z)):
                             yield Config(
                                 tp=tp,
                                 pp=pp,

@@ -59,7 +59,6 @@ from pipeweave.sim.network import (
     all_gather_time,
     all_reduce_time,
     reduce_scatter_time,
-    slowest_link,
 )
 from pipeweave.sim.timeline import Timeline, simulate, simulate_parts
 from pipeweave.sim.traffic import ModelBytes, PartBytes
@@ -124,7 +123,13 @@ class Layout:
         """The link of a message from pipeline rank ``a`` to ``b`` (inter-node when any (dp, tp) pair crosses)."""
         if self.network is None:
             return None
-        return slowest_link(self.network, self.mesh(num_ranks=num_ranks).hop_pairs(a, b))
+        mesh, net = self.mesh(num_ranks=num_ranks), self.network
+        # a pair's nodes repeat when d grows by a node's worth of D x N ranks: one period of replicas tells all
+        period = min(mesh.dp, net.gpus_per_node // math.gcd(mesh.pp * mesh.tp, net.gpus_per_node))
+        pairs = (
+            (mesh.rank(dp=d, pp=a, tp=t), mesh.rank(dp=d, pp=b, tp=t)) for d in range(period) for t in range(mesh.tp)
+        )
+        return _link(net, any(net.node(x) != net.node(y) for x, y in pairs))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -132,8 +137,20 @@ def _group_links(layout: Layout, num_ranks: int) -> tuple[Link | None, Link | No
     """``(tp link, dp link)``, once per layout: every group of the mesh is looked at (thousands on a cluster)."""
     if layout.network is None:
         return None, None
-    mesh = layout.mesh(num_ranks=num_ranks)
-    return slowest_link(layout.network, mesh.tp_groups()), slowest_link(layout.network, mesh.dp_groups())
+    mesh, net = layout.mesh(num_ranks=num_ranks), layout.network
+    g, stride = net.gpus_per_node, mesh.pp * mesh.tp
+    # Ranks ascend along a group and a node is a run of ranks, so a group spans two nodes exactly when its first
+    # and last do; and the pattern repeats every node's worth of groups: never a walk over millions of them.
+    tp_cross = any(
+        net.node(k * mesh.tp) != net.node(k * mesh.tp + mesh.tp - 1)
+        for k in range(min(mesh.dp * mesh.pp, g // math.gcd(mesh.tp, g)))
+    )
+    dp_cross = any(net.node(c) != net.node(c + (mesh.dp - 1) * stride) for c in range(min(stride, g)))
+    return _link(net, tp_cross), _link(net, dp_cross)
+
+
+def _link(network: Network, crosses: bool) -> Link:
+    return network.inter_node if crosses else network.intra_node
 
 
 def tp_collective_time(layout: Layout, nbytes: float, *, num_ranks: int) -> float:
@@ -208,9 +225,13 @@ def _reduction_group(layout: Layout, num_ranks: int, holders: tuple[int, ...]) -
     """``(ranks, link)`` of the collective that combines a part's gradients held on pipeline ranks ``holders``."""
     if len(holders) <= 1 or layout.network is None:
         return layout.dp, layout.dp_link(num_ranks=num_ranks)
-    mesh = layout.mesh(num_ranks=num_ranks)
-    groups = [[mesh.rank(dp=d, pp=a, tp=t) for d in range(layout.dp) for a in holders] for t in range(layout.tp)]
-    return layout.dp * len(holders), slowest_link(layout.network, groups)
+    mesh, net = layout.mesh(num_ranks=num_ranks), layout.network
+    low, high = min(holders), max(holders)  # a group's least and greatest ranks (``_group_links``: they decide)
+    crosses = any(
+        net.node(mesh.rank(dp=0, pp=low, tp=t)) != net.node(mesh.rank(dp=layout.dp - 1, pp=high, tp=t))
+        for t in range(layout.tp)
+    )
+    return layout.dp * len(holders), _link(net, crosses)
 
 
 def _buckets(nbytes: float, bucket: float) -> list[float]:
