@@ -9,7 +9,7 @@ poll every 5 ms until none of those processes is alive (a zombie counts as
 gone) and none of those entries is left. Prints one JSON object per round and
 the medians per rank count.
 
-    PYTHONPATH=src python benchmarks/cleanup/killed_launcher.py --ranks 2 4 --rounds 5
+    PYTHONPATH=src python benchmarks/cleanup/killed_launcher.py --ranks 2 4 --rounds 5 --json results.json
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 SHM = Path("/dev/shm")
 
@@ -98,7 +99,7 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def one_round(ranks: int, warm_s: float) -> dict[str, float | int]:
+def one_round(ranks: int, warm_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.Popen(
             command(ranks, Path(tmp)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -145,28 +146,34 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warm", type=float, default=3.0, help="seconds of training before the kill")
+    parser.add_argument("--json", type=Path, help="also write the rounds and medians here")
     args = parser.parse_args()
-    results = []
+    load_before = os.getloadavg()[0]
+    results: list[dict[str, Any]] = []
     for _ in range(args.rounds):
         for ranks in args.ranks:
             row = one_round(ranks, args.warm)
             print(json.dumps(row), flush=True)
             results.append(row)
+    summary = []
     for ranks in args.ranks:
         rows = [r for r in results if r["ranks"] == ranks]
-        print(
-            json.dumps(
-                {
-                    "ranks": ranks,
-                    "rounds": len(rows),
-                    "median_processes_gone_s": statistics.median(r["processes_gone_s"] for r in rows),
-                    "max_processes_gone_s": max(r["processes_gone_s"] for r in rows),
-                    "median_ranks_gone_s": statistics.median(r["ranks_gone_s"] for r in rows),
-                    "median_shm_clean_s": statistics.median(r["shm_clean_s"] for r in rows),
-                    "load_average": os.getloadavg()[0],
-                }
-            )
+        summary.append(
+            {
+                "ranks": ranks,
+                "rounds": len(rows),
+                "median_processes_gone_s": statistics.median(r["processes_gone_s"] for r in rows),
+                "max_processes_gone_s": max(r["processes_gone_s"] for r in rows),
+                "median_ranks_gone_s": statistics.median(r["ranks_gone_s"] for r in rows),
+                "median_shm_clean_s": statistics.median(r["shm_clean_s"] for r in rows),
+            }
         )
+        print(json.dumps(summary[-1]))
+    if args.json is not None:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        load = {"start": load_before, "end": os.getloadavg()[0], "cpus": os.cpu_count()}
+        record = {"commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": load}
+        args.json.write_text(json.dumps({**record, "summary": summary, "rounds": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
