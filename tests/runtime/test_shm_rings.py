@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from config_defaults import train_config
-from test_fault_injection import _descendants  # noqa: PLC2701 - the suite's own helper
+from processes import descendants
 
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.run.launch import LaunchOptions, launch
@@ -128,7 +128,7 @@ def test_a_ring_that_cannot_be_mapped_ends_the_run_in_one_line_leaving_nothing(t
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     helpers: set[int] = set()
     while proc.poll() is None:  # the fork server and the resource tracker it starts first
-        helpers |= set(_descendants(proc.pid))
+        helpers |= set(descendants(proc.pid))
         time.sleep(0.05)
     _, err = proc.communicate()
     assert proc.returncode == 1, err
@@ -160,6 +160,28 @@ def test_auto_falls_back_to_gloo_and_a_pair_without_a_ring_talks_over_the_group(
     fallen = launch(run_rank_transport, plan, 3, LaunchOptions(transport="auto"))
     assert partly[0] == "shm" and fallen[0] != "shm"
     assert partly[1] == fallen[1]  # the same losses either way
+
+
+def test_the_fork_server_leaves_without_finalizing_torch(tmp_path: Path) -> None:
+    """A killed launcher's run was gone only once its fork server had finalized torch (2.4-5 s under load,
+    benchmarks/cleanup/README.md): the server's last preload makes it leave through ``os._exit`` at once."""
+    import multiprocessing.forkserver
+
+    from pipeweave.runtime.run import forkserver
+
+    forkserver.context()
+    preload = multiprocessing.forkserver._forkserver._preload_modules  # type: ignore[attr-defined]
+    assert preload[-1] == "pipeweave.runtime.run.forkserver_exit"
+    marker = tmp_path / "finalized"
+    script = (
+        "import atexit, pathlib, sys\n"
+        f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'x')  # an earlier handler: runs after\n"
+        "import pipeweave.runtime.run.forkserver_exit\n"
+        "print('flushed', end='')\n"
+        "sys.exit(3)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "flushed") and not marker.exists()
 
 
 def run_rank_transport(context: object, plan: object) -> tuple[str, list[float]] | None:
