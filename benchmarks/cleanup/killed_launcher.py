@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from processes import descendants  # noqa: E402 - the suite's view of a run's processes
+
 SHM = Path("/dev/shm")
 
 
@@ -57,23 +60,6 @@ def command(ranks: int, out: Path) -> list[str]:
         "--out",
         str(out),
     ]
-
-
-def descendants(pid: int) -> dict[int, int]:
-    """Every process below ``pid``, with its parent."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found: dict[int, int] = {}
-    frontier = {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier and child not in found}
-        found.update({child: parents[child] for child in frontier})
-    return found
 
 
 def shm_entries(pids: set[int]) -> set[str]:
