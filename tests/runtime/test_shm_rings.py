@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -95,6 +96,28 @@ def test_tensor_parallel_and_replicas_around_a_stream_have_rings_of_their_own() 
     }
     synchronous = prepare(replace(stream, schedule="1f1b"))  # a step's tie goes through the process group
     assert (0, 2) not in message_rings(synchronous.config, synchronous.schedule, synchronous.num_processes)
+
+
+def test_rings_beyond_the_address_space_limit_are_unavailable(monkeypatch) -> None:
+    import resource
+
+    rings = shm.all_pairs(2, 64 << 20)
+    assert shm.unavailable(rings) is None or "address-space" not in str(shm.unavailable(rings))
+    real = resource.getrlimit
+
+    def tight(what: int) -> tuple[int, int]:
+        if what != resource.RLIMIT_AS:
+            return real(what)
+        with open("/proc/self/status") as f:
+            size = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+        return size + (100 << 20), real(what)[1]
+
+    monkeypatch.setattr(resource, "getrlimit", tight)
+    why = shm.unavailable(rings)
+    if why is not None and why.startswith("the address-space"):
+        assert re.fullmatch(r"the address-space limit \(ulimit -v\) leaves \d+ MiB, the rings need 128 MiB", why)
+    else:  # another reason came first (not x86-64, CUDA, /dev/shm too small)
+        assert why is not None
 
 
 # The launcher of `pipeweave train --transport shm`, its address space limited as it makes the rings: the first
