@@ -17,7 +17,11 @@ and passed down. Two ways in:
   Children ignore SIGINT and SIGHUP (the launcher owns them) and die with the
   launcher however it ends (SIGKILL, the OOM killer:
   ``process.die_with_process``); the fork server they came from leaves with
-  its last child, so nothing is left behind.
+  the launcher, at once (``forkserver_exit``), so nothing is left behind:
+  within about a second of a SIGKILL (benchmarks/cleanup/README.md). The
+  shared-memory rings (``shm``, made here before spawning: a failure is one
+  line) leave no segment in ``/dev/shm`` once mapped; their semaphores go
+  with the launcher, or with multiprocessing's resource tracker if it was killed.
 - **torchrun** (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set): the process
   joins the existing group; torchrun's agents watch the processes and the
   process-group timeout ends ranks whose peer on another node vanished.
