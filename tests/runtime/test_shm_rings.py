@@ -115,7 +115,7 @@ def test_rings_beyond_the_address_space_limit_are_unavailable(monkeypatch) -> No
     monkeypatch.setattr(resource, "getrlimit", tight)
     why = shm.unavailable(rings)
     if why is not None and why.startswith("the address-space"):
-        assert re.fullmatch(r"the address-space limit \(ulimit -v\) leaves \d+ MiB, the rings need 128 MiB", why)
+        assert re.fullmatch(r"the address-space limit \(ulimit -v\) leaves \d+ MiB, 256 MiB wanted for the rings", why)
     else:  # another reason came first (not x86-64, CUDA, /dev/shm too small)
         assert why is not None
 

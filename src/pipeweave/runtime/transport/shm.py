@@ -12,10 +12,11 @@ hands each rank its own rings alone. A ring that cannot be made (no memory,
 an address-space limit) ends the launch in one line naming the bytes needed
 (``RingsFailed``), with the rings made so far freed and no segment left in
 ``/dev/shm``. A pair without a ring (a caller's own ``rings``) talks over
-the process group. The sender copies each
-message into the ring as one record -- a 64-byte header (tag, bytes) then the
-payload, 64-byte aligned, skipping to the ring's start when it would not fit
-before its end -- advances the ``written`` counter and releases the semaphore;
+the process group.
+
+The sender copies each message into the ring as one record -- a 64-byte
+header (tag, bytes) then the payload, 64-byte aligned, skipping to the
+ring's start when it would not fit before its end -- advances the ``written`` counter and releases the semaphore;
 the receiver copies the record out, advances ``read`` and acquires it once.
 Both counters count bytes since the start and each has a single writer, so the
 ring needs no lock. The receiver acquires the semaphore before it reads a
@@ -180,7 +181,7 @@ def unavailable(rings: Rings) -> str | None:
         return f"/dev/shm has {free >> 20} MiB free, {2 * need >> 20} MiB wanted"
     room = _address_space_left()
     if room is not None and room < 2 * need:
-        return f"the address-space limit (ulimit -v) leaves {room >> 20} MiB, the rings need {need >> 20} MiB"
+        return f"the address-space limit (ulimit -v) leaves {room >> 20} MiB, {2 * need >> 20} MiB wanted for the rings"
     return None
 
 
