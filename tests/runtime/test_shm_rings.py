@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from config_defaults import train_config
 from processes import descendants
 
@@ -120,6 +121,42 @@ def test_rings_beyond_the_address_space_limit_are_unavailable(monkeypatch) -> No
         assert why is not None
 
 
+def test_a_rank_that_cannot_map_its_rings_fails_in_one_line(monkeypatch) -> None:
+    """A rank maps its rings in ``connect`` (inside its error handling), not while multiprocessing unpickles them."""
+    import multiprocessing
+
+    made = shm.make_channels(multiprocessing.get_context("spawn"), {(0, 1): 1 << 16})[(0, 1)]
+    arrived = _arrived(made)
+    assert arrived.buffer is None  # nothing mapped on arrival
+
+    def fail(fd: int, size: int) -> None:
+        raise RuntimeError(
+            f"unable to mmap {size} bytes from file <filename not specified>: Cannot allocate memory (12)"
+        )
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_fd_cpu", fail)
+    with pytest.raises(shm.RingsFailed, match=r"^cannot make the shared-memory message rings: 1 ring needs 0.1 MiB"):
+        shm.connect(1, {(0, 1): arrived})
+    assert arrived._fd is None  # its descriptor closed
+    monkeypatch.undo()
+    transport = shm.connect(1, {(0, 1): _arrived(made)})
+    made.buffer[200] = 7  # the same bytes in both
+    assert transport.incoming[0].buffer is not None and int(transport.incoming[0].buffer[200]) == 7
+
+
+def _arrived(made: shm.Channel) -> shm.Channel:
+    """``made`` as a spawned rank unpickles it: its descriptor inherited, not yet mapped."""
+    fd, size = made.buffer.untyped_storage()._share_fd_cpu_()
+
+    class Inherited:  # in place of multiprocessing's DupFd
+        def detach(self) -> int:
+            return os.dup(fd)
+
+    channel = shm.Channel.__new__(shm.Channel)
+    channel.__setstate__({"capacity": made.capacity, "fd": Inherited(), "size": size, "ready": made.ready})
+    return channel
+
+
 # The launcher of `pipeweave train --transport shm`, its address space limited as it makes the rings: the first
 # ring's plain allocation fits, its shared mapping does not -- torch then leaves its /dev/shm segment behind.
 _LIMITED = textwrap.dedent(
@@ -157,7 +194,7 @@ def test_a_ring_that_cannot_be_mapped_ends_the_run_in_one_line_leaving_nothing(t
     assert proc.returncode == 1, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert lines[0].startswith("pipeweave: cannot make the shared-memory message rings: 2 rings need 26 MiB")
+    assert lines[0].startswith("pipeweave: cannot make the shared-memory message rings: 2 rings need 26.0 MiB")
     assert "out of memory or address space (ulimit -v?); use --transport gloo" in lines[0]
     assert not list(Path("/dev/shm").glob(f"torch_{proc.pid}_*"))
     deadline = time.monotonic() + 10

@@ -45,6 +45,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import glob
+import multiprocessing.reduction
 import os
 import platform
 import resource
@@ -105,10 +106,27 @@ class Channel:
         int(self._array[_CTRL::_PAGE].sum())
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"capacity": self.capacity, "buffer": self.buffer, "ready": self.ready}
+        # The ring's descriptor, not the mapped ring: the rank maps it in ``attach``, inside its own error
+        # handling (a mapping that fails is then the rank's one line, not a traceback of its bootstrap).
+        fd, size = self.buffer.untyped_storage()._share_fd_cpu_()
+        return {"capacity": self.capacity, "fd": multiprocessing.reduction.DupFd(fd), "size": size, "ready": self.ready}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.capacity, self.ready, self._size = state["capacity"], state["ready"], state["size"]
+        self._fd: int | None = state["fd"].detach()
+        self.buffer: torch.Tensor | None = None
+
+    def attach(self) -> None:
+        """Map the ring in this process, where it arrived pickled (``connect``); a no-op where it was made."""
+        if self.buffer is not None:
+            return
+        assert self._fd is not None
+        try:
+            storage = torch.UntypedStorage._new_shared_fd_cpu(self._fd, self._size)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+        self.buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
         self._views()
 
 
@@ -234,7 +252,8 @@ def _failure(rings: Rings, exc: BaseException) -> str:
     why = "out of memory or address space (ulimit -v?)" if short else text[:160]
     largest = max(rings.values()) if rings else 0
     return (
-        f"cannot make the shared-memory message rings: {len(rings)} rings need {ring_bytes(rings) / 2**20:.0f} MiB "
+        f"cannot make the shared-memory message rings: {len(rings)} ring{'s' * (len(rings) != 1)} need"
+        f"{'' if len(rings) != 1 else 's'} {ring_bytes(rings) / 2**20:.1f} MiB "
         f"(the largest {largest / 2**20:.0f} MiB): {why}; use --transport gloo, fewer ranks or a smaller --batch"
     )
 
@@ -441,8 +460,22 @@ class ShmTransport:
 
 def connect(rank: int, channels: dict[tuple[int, int], Channel]) -> ShmTransport:
     """This rank's shared-memory transport over ``channels`` (a spawned rank, before its work starts), every
-    ring's pages mapped; it goes in the rank's ``RankContext.transport``, which ``P2P`` sends through."""
+    ring mapped and its pages touched; it goes in the rank's ``RankContext.transport``, which ``P2P`` sends through.
+
+    Raises:
+        RingsFailed: a ring could not be mapped here (out of memory or address space).
+    """
+    try:
+        for channel in channels.values():
+            channel.attach()
+    except (RuntimeError, OSError) as exc:
+        raise RingsFailed(_failure(channels_rings(channels), exc)) from None
     transport = ShmTransport(rank, channels)
     for channel in (*transport.outgoing.values(), *transport.incoming.values()):
         channel.map_pages()
     return transport
+
+
+def channels_rings(channels: dict[tuple[int, int], Channel]) -> dict[tuple[int, int], int]:
+    """The rings ``channels`` are: ``(sender, receiver) -> bytes``."""
+    return {pair: channel.capacity for pair, channel in channels.items()}
