@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import descendants
 
 from pipeweave.runtime.run import checkpoint_files
 from pipeweave.side_output import OUTPUT_FAILED
@@ -78,23 +79,6 @@ def _command(save: Path, out: Path) -> list[str]:
     ]
 
 
-def _descendants(pid: int) -> dict[int, int]:
-    """Every process below ``pid`` (its fork server, the ranks under it), each with its parent."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found: dict[int, int] = {}
-    frontier = {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier and child not in found}
-        found.update({child: parents[child] for child in frontier})
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -128,7 +112,7 @@ def _kill_once(save: Path, out: Path, rng: random.Random, how: str) -> None:
     while _newest_steps(save) < target and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     time.sleep(rng.uniform(0.0, 0.02))  # anywhere in the next step, its save included
-    seen = _descendants(proc.pid)
+    seen = descendants(proc.pid)
     ranks = sorted(child for child, parent in seen.items() if parent != proc.pid)  # the fork server's children
     if proc.poll() is None:
         if how == "rank" and ranks:

@@ -20,8 +20,8 @@ from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, launch
-from pipeweave.runtime.run.prepare import build_schedule, layer_ranges, optimizer_factory, prepare
-from pipeweave.runtime.run.sizes import largest_message_bytes
+from pipeweave.runtime.run.prepare import build_schedule, optimizer_factory, prepare
+from pipeweave.runtime.run.sizes import largest_message_bytes, message_rings
 from pipeweave.runtime.transport import shm
 from pipeweave.schedule import ScheduleError
 
@@ -161,7 +161,7 @@ def test_a_small_ring_wraps_queues_and_keeps_order() -> None:
     """Both ends in one process: records wrap, pad and queue behind a full ring, arriving intact in order."""
     import multiprocessing
 
-    channels = shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1024)
+    channels = shm.make_channels(multiprocessing.get_context("spawn"), shm.all_pairs(2, 1024))
     sender, receiver = shm.ShmTransport(0, channels), shm.ShmTransport(1, channels)
     sizes = [7, 100, 50, 1, 200, 3, 90, 64, 150, 5] * 3  # float32: 28 to 800 bytes, records of 128 to 896
     sent = [torch.arange(n, dtype=torch.float32) + 1000 * i for i, n in enumerate(sizes)]
@@ -179,7 +179,7 @@ def test_a_small_ring_wraps_queues_and_keeps_order() -> None:
 def test_a_message_larger_than_the_ring_streams_through_in_records() -> None:
     import multiprocessing
 
-    channels = shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1024)
+    channels = shm.make_channels(multiprocessing.get_context("spawn"), shm.all_pairs(2, 1024))
     sender, receiver = shm.ShmTransport(0, channels), shm.ShmTransport(1, channels)
     big = torch.arange(3000, dtype=torch.float64)  # 24,000 bytes through a 1,024-byte ring: 94 records of 256
     small = torch.tensor([7, 8], dtype=torch.int32)
@@ -245,7 +245,7 @@ def test_auto_takes_shm_here_and_gloo_when_asked() -> None:
     )
     auto = launch(run_rank, prepare(config), 2, LaunchOptions(transport="auto"))
     gloo = launch(run_rank, prepare(config), 2, LaunchOptions(transport="gloo"))
-    assert auto.transport == ("shm" if shm.unavailable(2) is None else "gloo")
+    assert auto.transport == ("shm" if shm.unavailable(shm.all_pairs(2)) is None else "gloo")
     assert gloo.transport == "gloo"
     assert auto.losses == gloo.losses
 
@@ -258,9 +258,7 @@ def test_rings_are_sized_for_the_largest_message() -> None:
         batch_size=30,
         model=ModelSpec(kind="mlp", layers=4, hidden=64),
     )
-    assert (
-        largest_message_bytes(mlp, prepare(mlp).schedule, layer_ranges(mlp, prepare(mlp).schedule)) == 8 * 64 * 4
-    )  # microbatches of 8, 8, 7, 7 samples
+    assert largest_message_bytes(mlp) == 8 * 64 * 4  # microbatches of 8, 8, 7, 7 samples
     gpt = train_config(
         schedule="1f1b",
         num_stages=2,
@@ -268,13 +266,13 @@ def test_rings_are_sized_for_the_largest_message() -> None:
         batch_size=64,
         model=ModelSpec(kind="gpt", layers=2, hidden=512, heads=8, seq_len=256),
     )
-    assert (
-        largest_message_bytes(gpt, prepare(gpt).schedule, layer_ranges(gpt, prepare(gpt).schedule))
-        == 32 * 256 * 512 * 4
-    )  # 16 MiB
+    assert largest_message_bytes(gpt) == 32 * 256 * 512 * 4  # 16 MiB
     sp = replace(gpt, tensor_parallel=2, sequence_parallel=True)  # each process sends its half of the sequence
-    assert largest_message_bytes(sp, prepare(sp).schedule, layer_ranges(sp, prepare(sp).schedule)) == 32 * 128 * 512 * 4
-    assert shm.capacity_for(16 << 20) == 49 << 20 and shm.capacity_for(100) == shm.DEFAULT_CAPACITY
+    assert largest_message_bytes(sp) == 32 * 128 * 512 * 4
+    assert shm.capacity_for(16 << 20) == 49 << 20 and shm.capacity_for(100) == (1 << 20) + 300
+    assert shm.capacity_for(1 << 40) == shm.MAX_CAPACITY  # a larger message streams through in records
+    rings = message_rings(gpt, prepare(gpt).schedule, 2)
+    assert rings == {(0, 1): 49 << 20, (1, 0): 49 << 20}
     chimera = train_config(
         schedule="chimera",
         num_stages=2,
@@ -282,11 +280,7 @@ def test_rings_are_sized_for_the_largest_message() -> None:
         batch_size=4,
         model=ModelSpec(kind="mlp", layers=4, hidden=64),
     )
-    block = 2 * 64 + 2 * 64 * 256 + 256 + 64  # LayerNorm, Linear(h, 4h), Linear(4h, h)
-    assert (
-        largest_message_bytes(chimera, prepare(chimera).schedule, layer_ranges(chimera, prepare(chimera).schedule))
-        == 2 * block * 4
-    )  # a part's gradient: 2 blocks
+    assert largest_message_bytes(chimera) == 2 * 64 * 4  # a part's gradient is summed by a collective, not sent
 
 
 def test_shm_is_refused_in_one_line_where_it_cannot_run() -> None:
@@ -310,7 +304,7 @@ def test_shm_is_refused_in_one_line_where_it_cannot_run() -> None:
     ):
         _check_transport(argparse.Namespace(transport="shm"), schedule, torchrun=True)
     _check_transport(argparse.Namespace(transport="auto"), schedule, torchrun=True)  # auto: gloo, no error
-    assert shm.unavailable(2, capacity=1 << 60) is not None  # no /dev/shm holds that
+    assert shm.unavailable(shm.all_pairs(2, 1 << 60)) is not None  # no /dev/shm holds that
 
 
 def test_a_queued_message_keeps_its_tensor_alive_and_odd_tensors_are_refused() -> None:
@@ -318,7 +312,7 @@ def test_a_queued_message_keeps_its_tensor_alive_and_odd_tensors_are_refused() -
     import gc
     import multiprocessing
 
-    channels = shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1024)
+    channels = shm.make_channels(multiprocessing.get_context("spawn"), shm.all_pairs(2, 1024))
     sender, receiver = shm.ShmTransport(0, channels), shm.ShmTransport(1, channels)
     works = [sender.isend(torch.full((100,), float(i)), 1, tag=i) for i in range(6)]  # 400 bytes each: 2 fit
     assert not works[-1].is_completed()
@@ -330,7 +324,7 @@ def test_a_queued_message_keeps_its_tensor_alive_and_odd_tensors_are_refused() -
         assert torch.equal(got.buffer, torch.full((100,), float(i))), i
     with pytest.raises(ValueError, match="contiguous"):
         sender.isend(torch.ones(4, 3).t(), 1, tag=9)
-    odd = shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1000)  # rounded to whole records
+    odd = shm.make_channels(multiprocessing.get_context("spawn"), shm.all_pairs(2, 1000))  # rounded to whole records
     assert odd[0, 1].capacity == 1024
     sender, receiver = shm.ShmTransport(0, odd), shm.ShmTransport(1, odd)
     for i in range(5):
@@ -348,7 +342,7 @@ def test_a_stream_refuses_a_tensor_unlike_the_one_it_announced() -> None:
     from pipeweave.schedule.ir import Action, Op
 
     context = RankContext(
-        transport=shm.connect(0, shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1 << 16))
+        transport=shm.connect(0, shm.make_channels(multiprocessing.get_context("spawn"), shm.all_pairs(2, 1 << 16)))
     )
     p2p = P2P(
         lower(generate("1f1b", num_stages=2, num_microbatches=3)), 0, [2, 2, 1], torch.device("cpu"), context=context
@@ -376,7 +370,7 @@ def test_a_received_message_is_not_kept_by_the_transport() -> None:
     from pipeweave.schedule import generate, lower
     from pipeweave.schedule.ir import Action, Op
 
-    channels = shm.make_channels(multiprocessing.get_context("spawn"), 2, capacity=1 << 16)
+    channels = shm.make_channels(multiprocessing.get_context("spawn"), shm.all_pairs(2, 1 << 16))
     sender = shm.ShmTransport(0, channels)
     context = RankContext(transport=shm.connect(1, channels))
     p2p = P2P(

@@ -33,7 +33,7 @@ from pipeweave.runtime.run.memory import check_memory, estimate_memory
 from pipeweave.runtime.run.prepare import AlreadyTrained, RunPlan, prepare, resolve_auto
 from pipeweave.runtime.run.resolve import resolve
 from pipeweave.runtime.run.save_lock import save_lock
-from pipeweave.runtime.run.sizes import largest_message_bytes
+from pipeweave.runtime.run.sizes import message_rings
 from pipeweave.runtime.run.step_log import log_folder
 from pipeweave.runtime.transport import shm
 from pipeweave.side_output import OUTPUT_FAILED, SideOutput
@@ -46,31 +46,28 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     return resolve(from_arguments(args, TrainConfig, base))
 
 
-def _check_transport(launch_: Any, plan: RunPlan, torchrun: bool, capacity: int | None = None) -> None:
-    """``--transport shm`` needs CPU ranks spawned here on x86-64 with room in /dev/shm (one line otherwise)."""
+def _check_transport(launch_: Any, plan: RunPlan, torchrun: bool, rings: shm.Rings | None = None) -> None:
+    """``--transport shm`` needs CPU ranks spawned here on x86-64 with room for its rings (one line otherwise)."""
     if launch_.transport != "shm":
         return
     if torchrun:
         raise UserError(
             "--transport shm needs ranks spawned by pipeweave on one host, not torchrun; use --transport gloo"
         )
-    why = shm.unavailable(plan.num_processes, capacity or shm.DEFAULT_CAPACITY)
+    why = shm.unavailable(rings if rings is not None else shm.all_pairs(plan.num_processes))
     if why is not None:
         raise UserError(f"--transport shm cannot run here: {why}; use --transport gloo")
 
 
-def _ring_capacity(config: TrainConfig, plan: RunPlan, torchrun: bool) -> int | None:
-    """Shared-memory rings sized for this run's largest message (``shm.capacity_for``), if rings may be used."""
+def _rings(config: TrainConfig, plan: RunPlan, torchrun: bool) -> shm.Rings | None:
+    """The shared-memory rings of this run (``sizes.message_rings``) where rings may be used: ``--transport shm``,
+    or auto where ``shm.unavailable`` finds nothing against them; None otherwise."""
     if config.launch.transport == "gloo" or torchrun:
         return None
-    return shm.capacity_for(largest_message_bytes(plan.config, plan.schedule, plan.parts))
-
-
-def _uses_rings(config: TrainConfig, plan: RunPlan, capacity: int | None) -> bool:
-    """Whether the launcher allocates shared-memory rings for this run (``--transport shm``, or auto where they work)."""
-    if capacity is None:
-        return False
-    return config.launch.transport == "shm" or shm.unavailable(plan.num_processes, capacity) is None
+    rings = message_rings(plan.config, plan.schedule, plan.num_processes)
+    if config.launch.transport == "auto" and shm.unavailable(rings) is not None:
+        return None
+    return rings
 
 
 PROCESSES_PER_CORE = 16
@@ -150,14 +147,14 @@ def _launch(config: TrainConfig, on_record: Any = None) -> int:
         print(split)
     output_paths(config)  # likewise: a run must not learn at its end that it cannot write its record
     progress = _Progress(plan.config, schedule.num_ranks, quiet=quiet or (under_torchrun() and _rank() != 0))
-    capacity = _ring_capacity(config, plan, under_torchrun())
-    _check_transport(config.launch, plan, under_torchrun(), capacity)
+    rings = _rings(config, plan, under_torchrun())
+    _check_transport(config.launch, plan, under_torchrun(), rings)
     _check_world(plan)
-    memory = estimate_memory(plan, capacity if _uses_rings(config, plan, capacity) else None)
+    memory = estimate_memory(plan, rings)
     check_memory(memory, config, on_cpu=not torch.cuda.is_available())  # one line before anything is spawned
     launch_ = config.launch
     options = LaunchOptions(
-        threads=launch_.threads, timeout_s=launch_.timeout, transport=launch_.transport, shm_capacity=capacity
+        threads=launch_.threads, timeout_s=launch_.timeout, transport=launch_.transport, shm_rings=rings
     )
     try:
         with progress:

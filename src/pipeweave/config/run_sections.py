@@ -197,9 +197,9 @@ class LaunchConfig:
     """Seconds a rank may wait on a peer before failing (under torchrun no launcher watches the other node: this
     timeout is what ends a rank whose remote peer died)."""
     transport: Literal["auto", "gloo", "shm"] = option("auto")
-    """Point-to-point messages of spawned CPU ranks: shm, shared-memory rings between the ranks on this host
-    (collectives stay on gloo), or gloo; auto: shm on x86-64 with room in /dev/shm, gloo otherwise and under
-    torchrun, NCCL on CUDA."""
+    """Point-to-point messages of spawned CPU ranks: shm, shared-memory rings between the ranks on this host that
+    exchange messages, each sized for the largest (collectives stay on gloo), or gloo; auto: shm on x86-64 with
+    room for the rings in /dev/shm and the address space, gloo otherwise and under torchrun, NCCL on CUDA."""
 
     def __post_init__(self) -> None:
         check_section(self)

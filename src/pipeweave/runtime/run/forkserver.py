@@ -4,7 +4,8 @@ A fresh server process imports torch once per launcher process and forks
 every rank from it: forking the launcher itself could inherit its OpenMP
 threads, spawning would re-import torch in every rank (seconds each on a busy
 machine). Here: its context, its start with the terminal's group signals held
-back, and its end when a run is stopped while its ranks were starting.
+back, its end when a run is stopped while its ranks were starting, and its
+quick exit when its launcher goes (``forkserver_exit``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,16 @@ def context() -> Any:
     ctx = mp.get_context("forkserver")
     # torch.optim imports torch._dynamo on first use: seconds per rank unless preloaded; so does a checkpoint
     # torch.distributed.checkpoint (0.7 s: it imports DTensor), which the launcher itself never needs.
+    # Last: the server then leaves at once when its launcher goes, without finalizing torch (``forkserver_exit``).
     ctx.set_forkserver_preload(
-        ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "pipeweave.runtime.run.job"]
+        [
+            "torch",
+            "torch.distributed",
+            "torch._dynamo",
+            "torch.distributed.checkpoint",
+            "pipeweave.runtime.run.job",
+            "pipeweave.runtime.run.forkserver_exit",
+        ]
     )
     return ctx
 

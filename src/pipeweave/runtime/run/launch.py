@@ -17,7 +17,11 @@ and passed down. Two ways in:
   Children ignore SIGINT and SIGHUP (the launcher owns them) and die with the
   launcher however it ends (SIGKILL, the OOM killer:
   ``process.die_with_process``); the fork server they came from leaves with
-  its last child, so nothing is left behind.
+  the launcher, at once (``forkserver_exit``), so nothing is left behind:
+  within about a second of a SIGKILL (benchmarks/cleanup/README.md). The
+  shared-memory rings (``shm``, made here before spawning: a failure is one
+  line) leave no segment in ``/dev/shm`` once mapped; their semaphores go
+  with the launcher, or with multiprocessing's resource tracker if it was killed.
 - **torchrun** (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set): the process
   joins the existing group; torchrun's agents watch the processes and the
   process-group timeout ends ranks whose peer on another node vanished.
@@ -76,7 +80,7 @@ class _Stop(BaseException):
 
 
 class RankFailure(RuntimeError):
-    """A rank failed; ``cause`` is the one line printed for the user."""
+    """A rank failed, or the ranks could not be started; ``cause`` is the one line printed for the user."""
 
     def __init__(self, cause: str, exit_code: int = 1) -> None:
         super().__init__(cause)
@@ -97,7 +101,11 @@ class LaunchOptions:
     """Point-to-point messages of spawned ranks: ``gloo``, ``shm`` (``runtime.transport.shm``; collectives stay on gloo),
     or ``auto``: ``shm`` where ``shm.unavailable`` finds nothing against it, else gloo (NCCL on CUDA)."""
     shm_capacity: int | None = None
-    """Bytes of each shared-memory ring (default ``shm.DEFAULT_CAPACITY``); see ``shm.capacity_for``."""
+    """Bytes of each shared-memory ring where ``shm_rings`` is not given (default ``shm.DEFAULT_CAPACITY``)."""
+    shm_rings: shm.Rings | None = None
+    """The shared-memory rings to make, ``(sender process, receiver process) -> bytes``: the pairs that exchange
+    messages (``transport.order.message_pairs``), each sized by ``shm.capacity_for``; a pair without a ring
+    talks over the process group. None: every ordered pair, ``shm_capacity`` bytes each."""
     keep_host_memory: bool = True
     """Keep freed host memory for reuse in each rank (``keep_freed_host_memory``)."""
 
@@ -115,7 +123,8 @@ def launch(
     convention of ``fn``), and only rank 0's own progress reaches ``on_progress``.
 
     Raises:
-        RankFailure: a rank raised, died or the run was interrupted.
+        RankFailure: a rank raised, died or the run was interrupted, or the shared-memory rings asked for
+            could not be made.
 
     Example:
         >>> launch(lambda context, p: context.process, None, 1)  # doctest: +SKIP
@@ -237,21 +246,45 @@ def _rank_processes(
     ctx: Any, fn: RankFn, payload: Any, num_ranks: int, port: int, options: LaunchOptions, results: Any
 ) -> tuple[list[Any], Any]:
     """One (unstarted) process per rank, and the shared-memory channels they will talk over, if any."""
-    channels = None
-    if options.transport in ("shm", "auto"):  # allocated here, before spawning, and handed to every rank
-        capacity = options.shm_capacity or shm.DEFAULT_CAPACITY
-        if options.transport == "shm" or shm.unavailable(num_ranks, capacity) is None:
-            channels = shm.make_channels(ctx, num_ranks, capacity)
+    channels = _channels(ctx, num_ranks, options)
     launcher = (os.getpid(), start_time(os.getpid()))  # whom the ranks die with
     return [
         ctx.Process(
             target=_child,
-            args=(fn, payload, rank, num_ranks, port, options, results, channels, launcher),
+            args=(fn, payload, rank, num_ranks, port, options, results, _own(channels, rank), launcher),
             daemon=True,
             name=f"pipeweave-rank{rank}",
         )
         for rank in range(num_ranks)
     ], channels
+
+
+def _channels(ctx: Any, num_ranks: int, options: LaunchOptions) -> dict[tuple[int, int], shm.Channel] | None:
+    """The shared-memory rings of the launch, made here before spawning; None: the process group carries the
+    messages (``gloo``, or ``auto`` where rings cannot be used or made).
+
+    Raises:
+        RankFailure: ``shm`` was asked for and a ring could not be made (its one line printed).
+    """
+    if options.transport not in ("shm", "auto"):
+        return None
+    rings = options.shm_rings
+    if rings is None:
+        rings = shm.all_pairs(num_ranks, options.shm_capacity or shm.DEFAULT_CAPACITY)
+    if options.transport == "auto" and shm.unavailable(rings) is not None:
+        return None
+    try:
+        return shm.make_channels(ctx, rings)
+    except shm.RingsFailed as failure:
+        if options.transport == "auto":
+            return None
+        _report(str(failure), options)
+        raise RankFailure(str(failure), 1) from None
+
+
+def _own(channels: dict[tuple[int, int], shm.Channel] | None, rank: int) -> dict[tuple[int, int], shm.Channel] | None:
+    """The rings ``rank`` sends or receives on: a rank maps no other pair's."""
+    return None if channels is None else {pair: c for pair, c in channels.items() if rank in pair}
 
 
 def _raise_stop(signum: int, frame: Any) -> None:

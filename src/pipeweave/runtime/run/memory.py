@@ -30,7 +30,8 @@
   gradient is copied into the reduce-scatter's input beside the reduced
   shards (one layer plus the gradient shards, counted where larger);
 - **message rings**: the shared-memory rings a rank receives on
-  (``transport.shm``: one per peer, ``capacity_for`` the largest message), where they are used;
+  (``sizes.message_rings``: one from each process that sends it messages, ``shm.capacity_for`` the largest
+  message), where they are used -- each ring counted once, at its receiver;
 - **rank process**: a rank's own memory before any tensor and its copy of the
   schedule (``sizes.PROCESS_BYTES``, ``sizes.RANK_BYTES_PER_ACTION``); spawned
   ranks add, once, the fork server they start from (``sizes.SPAWN_BYTES``).
@@ -64,7 +65,7 @@ host's memory.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,7 @@ from pipeweave.runtime.process import under_torchrun
 from pipeweave.runtime.run.part_memory import part_memory, sharded_layers
 from pipeweave.runtime.run.prepare import RunPlan, offloaded
 from pipeweave.runtime.run.sizes import PROCESS_BYTES, RANK_BYTES_PER_ACTION, SPAWN_BYTES
+from pipeweave.runtime.transport.shm import ring_bytes
 from pipeweave.schedule.ir import Op
 from pipeweave.schedule.levers import StashPlan
 from pipeweave.sim.cost import CostModel
@@ -116,8 +118,9 @@ class MemoryEstimate:
         }
 
 
-def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEstimate:
-    """What each rank of ``plan`` needs; ``ring_capacity``: its shared-memory rings' (None: no rings)."""
+def estimate_memory(plan: RunPlan, rings: Mapping[tuple[int, int], int] | None = None) -> MemoryEstimate:
+    """What each rank of ``plan`` needs; ``rings``: its shared-memory rings, ``(sender process, receiver
+    process) -> bytes`` (``sizes.message_rings``; None: no rings)."""
     config, schedule = plan.config, plan.schedule
     ops = {a.op for row in schedule.actions for a in row}
     # A full backward without recomputation frees as it goes (0 on top, measured): only the others are run here
@@ -142,13 +145,26 @@ def estimate_memory(plan: RunPlan, ring_capacity: int | None = None) -> MemoryEs
     copies = config.parallel.tensor_parallel * (
         config.parallel.data_parallel if config.is_stream else 1
     )  # processes per rank
-    processes = ranks * copies
-    rings = 0 if ring_capacity is None else (processes - 1) * ring_capacity  # one ring from every peer
+    received = _rings_received(rings or {}, ranks, config.parallel.tensor_parallel)
     actions = sum(len(row) for row in schedule.actions)
     process = PROCESS_BYTES + actions * RANK_BYTES_PER_ACTION
     return MemoryEstimate(
-        tuple(int(a) for a in activations), tuple(int(w) for w in weights), (rings,) * ranks, (process,) * ranks, copies
+        tuple(int(a) for a in activations), tuple(int(w) for w in weights), received, (process,) * ranks, copies
     )
+
+
+def _rings_received(rings: Mapping[tuple[int, int], int], ranks: int, tensor_parallel: int) -> tuple[int, ...]:
+    """Per rank, the bytes of the rings its first process receives on (every process of a rank alike).
+
+    Example:
+        >>> _rings_received({(0, 1): 1 << 20, (1, 0): 1 << 20, (1, 2): 1 << 20}, 3, 1)[2] == (1 << 20) + 128
+        True
+    """
+    into = [0] * ranks
+    for (_, receiver), capacity in rings.items():
+        if receiver % tensor_parallel == 0 and receiver // tensor_parallel < ranks:
+            into[receiver // tensor_parallel] += ring_bytes({(0, 0): capacity})
+    return tuple(into)
 
 
 def levered_activations(config: TrainConfig, schedule: Any, parts: list[Any]) -> tuple[float, ...]:

@@ -11,7 +11,7 @@ estimates what the run then needs per rank.
 A custom model is measured by running two samples through its layers
 (``models.custom.probe``, once per model and seed in a process); the built-in
 models' sizes follow from their shapes. The launcher sizes its shared-memory
-rings with ``largest_message_bytes``; the report sets the measured weight
+rings with ``message_rings``; the report sets the measured weight
 bytes beside ``part_weight_bytes`` x the simulated copies.
 """
 
@@ -32,6 +32,10 @@ from pipeweave.models.build import build_layers
 from pipeweave.models.custom import probe
 from pipeweave.models.spec import ModelSpec, layer_seed
 from pipeweave.runtime.process import under_torchrun
+from pipeweave.runtime.stage.tied import tied_groups
+from pipeweave.runtime.transport import shm
+from pipeweave.runtime.transport.mesh import process_pairs
+from pipeweave.runtime.transport.order import message_pairs
 from pipeweave.schedule import SCHEDULES, Schedule
 from pipeweave.sim.timeline import BYTES_PER_ACTION
 
@@ -210,13 +214,15 @@ def part_weight_bytes(spec: ModelSpec, parts: Sequence[range]) -> list[float]:
     ]
 
 
-def largest_message_bytes(config: TrainConfig, schedule: Schedule, parts: Sequence[range]) -> int:
-    """Bytes of the largest point-to-point message a run sends (what a shared-memory ring must hold).
+def largest_message_bytes(config: TrainConfig) -> int:
+    """Bytes of the largest point-to-point message a run sends between stages (what a shared-memory ring holds).
 
     A microbatch's activation or input gradient (float32, (b, h) for the
     mlp, (b, seq, h) for the gpt -- (b, seq / N, h) with sequence parallelism --
-    a custom model's largest as ``probe_model`` finds it) and, where parts are replicated (Chimera, GEMS, DualPipe), a
-    part's whole gradient, counted from its layers.
+    a custom model's largest as ``probe_model`` finds it). Replicated parts'
+    gradients (Chimera, GEMS, DualPipe) are summed by collectives, not sent
+    point to point; a stream's tied halves are (``runtime.stage.tied_stream``,
+    one per update), streaming through a smaller ring in records.
     """
     model = config.model
     if model.kind == "custom":
@@ -224,8 +230,30 @@ def largest_message_bytes(config: TrainConfig, schedule: Schedule, parts: Sequen
     else:
         shards = config.parallel.tensor_parallel if config.parallel.sequence_parallel else 1
         per_sample = model.hidden * (model.seq_len // shards if model.kind == "gpt" else 1) * 4
-    largest = max(microbatch_sizes(config)) * per_sample
-    placement = schedule.placement
-    if any(len(placement.replicas(s)) > 1 for s in range(placement.num_stages)):
-        largest = max(largest, int(max(part_weight_bytes(model, parts))))  # float32, as sent
-    return largest
+    return max(microbatch_sizes(config)) * per_sample
+
+
+def message_rings(config: TrainConfig, schedule: Schedule, num_processes: int) -> dict[tuple[int, int], int]:
+    """The shared-memory rings of a spawned run, ``(sender process, receiver process) -> bytes``.
+
+    One per ordered pair of processes that exchange messages
+    (``transport.order.message_pairs``: neighbouring stages on two ranks,
+    and a stream's tied ends; ``transport.mesh.process_pairs``: in each
+    tensor-parallel coordinate and each replica around a stream), each
+    holding two of the largest messages (``shm.capacity_for``).
+
+    Example:
+        >>> from pipeweave.runtime.run.prepare import prepare
+        >>> plan = prepare(TrainConfig(schedule="1f1b", num_stages=4, num_microbatches=4, batch_size=16))
+        >>> sorted(message_rings(plan.config, plan.schedule, plan.num_processes))
+        [(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2)]
+    """
+    n = config.parallel.tensor_parallel
+    ties = config.is_stream and bool(tied_groups(config.model))
+    pairs = message_pairs(schedule.placement, ties=ties)
+    replicas = max(1, num_processes // (n * schedule.num_ranks))
+    capacity = shm.capacity_for(largest_message_bytes(config))
+    return {
+        pair: capacity
+        for pair in process_pairs(pairs, stage_ranks=schedule.num_ranks, tensor_parallel=n, replicas=replicas)
+    }

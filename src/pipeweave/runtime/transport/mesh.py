@@ -96,6 +96,29 @@ class Mesh:
         return TensorParallel(self.tp_group, self.tp_rank, self.tensor_parallel)
 
 
+def process_pairs(
+    pairs: set[tuple[int, int]], *, stage_ranks: int, tensor_parallel: int = 1, replicas: int = 1
+) -> set[tuple[int, int]]:
+    """The pairs of processes that ``pairs`` of stage ranks (``transport.order.message_pairs``) connect.
+
+    A message goes between the processes of the two stage ranks with one
+    ``tp`` coordinate (``Mesh.process_of``), in every ``tp`` coordinate and,
+    for an asynchronous schedule of ``stage_ranks`` ranks with ``replicas``
+    data-parallel replicas laid out around it, in every replica.
+
+    Example:
+        >>> sorted(process_pairs({(0, 1)}, stage_ranks=2, tensor_parallel=2))
+        [(0, 2), (1, 3)]
+    """
+    n = tensor_parallel
+    return {
+        ((r * stage_ranks + a) * n + t, (r * stage_ranks + b) * n + t)
+        for a, b in pairs
+        for t in range(n)
+        for r in range(replicas)
+    }
+
+
 def replica_rank_sets(placement: Placement) -> dict[int, tuple[int, ...]]:
     """Per part whose replicas lie on more than one stage rank, those stage ranks, ascending."""
     out: dict[int, tuple[int, ...]] = {}

@@ -17,11 +17,15 @@ by message kind as the executor runs them; a receiver posts its receives from
 a peer in exactly that peer's order (computed the same way on every rank),
 waiting on them in its own order. Tags are still unique per message, which
 gloo matches on, so both transports see the same pairing.
+
+``message_pairs`` gives the ordered pairs of ranks that exchange any message
+at all: the launcher makes shared-memory rings for those alone
+(``transport.shm``).
 """
 
 from __future__ import annotations
 
-from pipeweave.schedule.ir import Action, Op
+from pipeweave.schedule.ir import Action, Op, Placement
 from pipeweave.schedule.lower import LoweredSchedule
 
 META = -1  # microbatch field of a metadata message
@@ -110,3 +114,33 @@ def send_order(
     for peer, key in rank_sends(lowered, rank, with_meta=with_meta, tied=tied, meta_every_message=meta_every_message):
         order.setdefault(peer, []).append(key)
     return order
+
+
+def message_pairs(placement: Placement, *, ties: bool = False) -> set[tuple[int, int]]:
+    """Every ordered pair ``(sender, receiver)`` of ranks that the lowered schedule sends messages between.
+
+    ``schedule.lower`` inserts a send wherever a stage and its next stage in
+    their pipeline lie on two ranks: activations go one way, input gradients
+    the other. ``ties``: the ends of each pipeline on two ranks exchange
+    tied gradients through this transport too (an asynchronous stream's,
+    ``runtime.stage.tied_stream``; a synchronous step's go through the
+    process group, ``runtime.stage.tied``). Replicas' gradient sums and
+    tensor-parallel collectives go through process groups, never here.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> sorted(message_pairs(generate("1f1b", num_stages=3, num_microbatches=3).placement))
+        [(0, 1), (1, 0), (1, 2), (2, 1)]
+    """
+    rank_of = placement.stage_rank
+    pairs: set[tuple[int, int]] = set()
+    for stage in range(placement.num_stages):
+        following = placement.next_stage(stage)
+        if following is not None and rank_of[following] != rank_of[stage]:
+            pairs |= {(rank_of[stage], rank_of[following]), (rank_of[following], rank_of[stage])}
+    if ties:
+        for line in placement.pipelines:
+            first, last = rank_of[line[0]], rank_of[line[-1]]
+            if first != last:
+                pairs |= {(first, last), (last, first)}
+    return pairs

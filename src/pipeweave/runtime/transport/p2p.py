@@ -246,7 +246,9 @@ class P2P:
         ring = self.context.transport  # --transport shm: the same messages, in the same order, through shared memory
         dst = self.context.process_of(peer)  # the peer stage rank's process with this tensor-parallel coordinate
         work: Any = (
-            ring.isend(tensor, dst, self.tag(key), nbytes) if ring else dist.isend(tensor, dst=dst, tag=self.tag(key))
+            ring.isend(tensor, dst, self.tag(key), nbytes)
+            if ring and dst in ring.outgoing  # a pair without a ring talks over the process group
+            else dist.isend(tensor, dst=dst, tag=self.tag(key))
         )
         assert work is not None
         if work is not shm.SENT:  # a record already in the ring needs no waiting (and no tensor)
@@ -345,7 +347,9 @@ class P2P:
         ring = self.context.transport
         src = self.context.process_of(peer)
         work: Any = (
-            ring.irecv(buffer, src, self.tag(key), nbytes) if ring else dist.irecv(buffer, src=src, tag=self.tag(key))
+            ring.irecv(buffer, src, self.tag(key), nbytes)
+            if ring and src in ring.incoming
+            else dist.irecv(buffer, src=src, tag=self.tag(key))
         )
         assert work is not None
         self._posted[key] = _Posted(work, buffer, layout, self.sizes[key[2]] if layout is not None else 0)

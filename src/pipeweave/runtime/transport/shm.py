@@ -4,11 +4,19 @@
 ``unavailable`` finds nothing against it: a message costs less CPU through it
 than through gloo (measured in benchmarks/runtime/README.md).
 
-Per ordered rank pair, the launcher allocates before spawning a byte ring in
-shared memory (a torch uint8 tensor) and a semaphore. The sender copies each
-message into the ring as one record -- a 64-byte header (tag, bytes) then the
-payload, 64-byte aligned, skipping to the ring's start when it would not fit
-before its end -- advances the ``written`` counter and releases the semaphore;
+Per ordered pair of ranks that exchange messages (``transport.order.message_pairs``:
+neighbours in a pipeline, not every pair), the launcher allocates before
+spawning a byte ring in shared memory (a torch uint8 tensor) and a semaphore,
+each ring sized for the largest message it carries (``capacity_for``), and
+hands each rank its own rings alone. A ring that cannot be made (no memory,
+an address-space limit) ends the launch in one line naming the bytes needed
+(``RingsFailed``), with the rings made so far freed and no segment left in
+``/dev/shm``. A pair without a ring (a caller's own ``rings``) talks over
+the process group.
+
+The sender copies each message into the ring as one record -- a 64-byte
+header (tag, bytes) then the payload, 64-byte aligned, skipping to the
+ring's start when it would not fit before its end -- advances the ``written`` counter and releases the semaphore;
 the receiver copies the record out, advances ``read`` and acquires it once.
 Both counters count bytes since the start and each has a single writer, so the
 ring needs no lock. The receiver acquires the semaphore before it reads a
@@ -36,10 +44,14 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import glob
+import multiprocessing.reduction
 import os
 import platform
+import resource
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -50,15 +62,27 @@ _ALIGN = 64
 _PAGE = 4096
 _SLICE_S = 0.002  # blocking slice while own sends are queued behind a full ring
 _memmove = ctypes.memmove
-DEFAULT_CAPACITY = 8 << 20  # per ordered pair (8 ranks: 56 pairs, 448 MiB of /dev/shm); any message size streams
+DEFAULT_CAPACITY = 8 << 20  # per ring where the caller knows no message size; any message size streams
+MAX_CAPACITY = 256 << 20  # a larger message streams through in records (a quarter of the ring each)
+_SLACK = 1 << 20  # headers and the padding skipped at the ring's end; the smallest ring
+
+Rings = Mapping[tuple[int, int], int]
+"""The rings of a launch: ``(sender, receiver) -> bytes`` of the ring."""
+
+
+class RingsFailed(RuntimeError):
+    """The rings could not be made; the message is one line with the bytes they need and the fix."""
 
 
 class Channel:
     """One ordered pair's ring: ``buffer`` (control block then data) and its ``ready`` semaphore."""
 
     def __init__(self, ctx: Any, capacity: int) -> None:
-        self.capacity = -(-capacity // _ALIGN) * _ALIGN  # whole 64-byte records, every one aligned
-        self.buffer = torch.zeros(_CTRL + capacity, dtype=torch.uint8).share_memory_()
+        self.capacity = _whole(capacity)
+        # Made in shared memory at once (zero-filled by the kernel): no private copy first, whose zero fill would
+        # start OpenMP threads (libgomp aborts the process where it cannot, under an address-space limit).
+        storage = torch.UntypedStorage._new_shared(_CTRL + self.capacity)
+        self.buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
         self.ready = ctx.Semaphore(0)
         self._views()
 
@@ -82,64 +106,156 @@ class Channel:
         int(self._array[_CTRL::_PAGE].sum())
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"capacity": self.capacity, "buffer": self.buffer, "ready": self.ready}
+        # The ring's descriptor, not the mapped ring: the rank maps it in ``attach``, inside its own error
+        # handling (a mapping that fails is then the rank's one line, not a traceback of its bootstrap).
+        fd, size = self.buffer.untyped_storage()._share_fd_cpu_()
+        return {"capacity": self.capacity, "fd": multiprocessing.reduction.DupFd(fd), "size": size, "ready": self.ready}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.capacity, self.ready, self._size = state["capacity"], state["ready"], state["size"]
+        self._fd: int | None = state["fd"].detach()
+        self.buffer: torch.Tensor | None = None
+
+    def attach(self) -> None:
+        """Map the ring in this process, where it arrived pickled (``connect``); a no-op where it was made."""
+        if self.buffer is not None:
+            return
+        assert self._fd is not None
+        try:
+            storage = torch.UntypedStorage._new_shared_fd_cpu(self._fd, self._size)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+        self.buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
         self._views()
 
 
 def capacity_for(largest_message: int) -> int:
-    """A ring that holds two of the largest messages at once (and at least ``DEFAULT_CAPACITY``).
+    """A ring that holds two of the largest messages at once: three messages' bytes plus 1 MiB, at most
+    ``MAX_CAPACITY``.
 
     A message that does not fit waits, in part, for its sender's next call into
     the transport, which may come only after the sender's next compute action:
     sized so, back-to-back messages never wait on the receiver. Three messages'
     bytes plus 1 MiB: two messages, their headers and the padding skipped at
-    the ring's end (less than one record, a quarter of the ring).
+    the ring's end (less than one record, a quarter of the ring). Above
+    ``MAX_CAPACITY`` a message streams through in records.
 
     Example:
-        >>> capacity_for(1 << 10) == DEFAULT_CAPACITY, capacity_for(16 << 20) >> 20
-        (True, 49)
+        >>> capacity_for(1 << 10) >> 10, capacity_for(16 << 20) >> 20, capacity_for(1 << 30) >> 20
+        (1027, 49, 256)
     """
-    return max(DEFAULT_CAPACITY, 3 * largest_message + (1 << 20))
+    return min(MAX_CAPACITY, 3 * largest_message + _SLACK)
 
 
-def unavailable(num_ranks: int, capacity: int = DEFAULT_CAPACITY) -> str | None:
-    """Why rings for ``num_ranks`` spawned ranks cannot be used on this host, or None if they can.
-
-    Checks the CPU architecture (the ring's ordering argument, module docstring)
-    and that ``/dev/shm`` has room for every pair's ring twice over: a ring
-    beyond the room would fault (SIGBUS) at its first message, not at allocation.
+def all_pairs(num_ranks: int, capacity: int = DEFAULT_CAPACITY) -> dict[tuple[int, int], int]:
+    """A ring of ``capacity`` bytes for every ordered pair of ``num_ranks`` ranks (for callers that know no pairs).
 
     Example:
-        >>> unavailable(2, capacity=1 << 60) is not None   # no host has 4 x 2^60 bytes of /dev/shm
+        >>> sorted(all_pairs(3, 1 << 12).items())[:2]
+        [((0, 1), 4096), ((0, 2), 4096)]
+    """
+    return {(s, r): capacity for s in range(num_ranks) for r in range(num_ranks) if s != r}
+
+
+def ring_bytes(rings: Rings) -> int:
+    """Bytes of shared memory ``rings`` take (each ring's control block and data, whole records).
+
+    Example:
+        >>> ring_bytes({(0, 1): 1 << 20, (1, 0): 1 << 20}) == 2 * ((1 << 20) + 128)
+        True
+    """
+    return sum(_CTRL + _whole(capacity) for capacity in rings.values())
+
+
+def _whole(capacity: int) -> int:
+    return -(-capacity // _ALIGN) * _ALIGN  # whole 64-byte records, every one aligned
+
+
+def unavailable(rings: Rings) -> str | None:
+    """Why ``rings`` cannot be used on this host, or None if they can.
+
+    Checks the CPU architecture (the ring's ordering argument, module
+    docstring), that ``/dev/shm`` has room for every ring twice over (a ring
+    beyond the room would fault, SIGBUS, at its first message, not at
+    allocation) and that the address-space limit (``ulimit -v``) leaves room
+    to map them in the launcher.
+
+    Example:
+        >>> unavailable(all_pairs(2, capacity=1 << 60)) is not None   # no host has 4 x 2^60 bytes of /dev/shm
         True
     """
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "this CPU is not x86-64"
     if torch.cuda.is_available():
         return "CUDA ranks use NCCL"
-    need = 2 * num_ranks * (num_ranks - 1) * (_CTRL + capacity)
+    need = ring_bytes(rings)
     try:
         stat = os.statvfs("/dev/shm")
     except OSError:
         return "no /dev/shm"
     free = stat.f_bavail * stat.f_frsize
-    if free < need:
-        return f"/dev/shm has {free >> 20} MiB free, {need >> 20} MiB wanted"
+    if free < 2 * need:
+        return f"/dev/shm has {free >> 20} MiB free, {2 * need >> 20} MiB wanted"
+    room = _address_space_left()
+    if room is not None and room < 2 * need:
+        return f"the address-space limit (ulimit -v) leaves {room >> 20} MiB, {2 * need >> 20} MiB wanted for the rings"
     return None
 
 
-def make_channels(ctx: Any, num_ranks: int, capacity: int = DEFAULT_CAPACITY) -> dict[tuple[int, int], Channel]:
-    """Every ordered pair's channel, ``(sender, receiver) -> Channel`` (called by the launcher before spawning).
+def _address_space_left() -> int | None:
+    """Bytes this process may still map under its address-space limit (``RLIMIT_AS``); None: no limit."""
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            size = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):  # pragma: no cover - no /proc
+        return None
+    return max(0, limit - size)
+
+
+def make_channels(ctx: Any, rings: Rings) -> dict[tuple[int, int], Channel]:
+    """Each ring's channel, ``(sender, receiver) -> Channel`` (called by the launcher before spawning).
+
+    Raises:
+        RingsFailed: a ring could not be made (out of memory or address space, too many open files); the
+            rings made so far are freed and no segment of this process is left in ``/dev/shm``.
 
     Example:
         >>> import multiprocessing
-        >>> sorted(make_channels(multiprocessing.get_context("spawn"), 2, 1 << 12))
+        >>> sorted(make_channels(multiprocessing.get_context("spawn"), all_pairs(2, 1 << 12)))
         [(0, 1), (1, 0)]
     """
-    return {(s, r): Channel(ctx, capacity) for s in range(num_ranks) for r in range(num_ranks) if s != r}
+    pattern = f"/dev/shm/torch_{os.getpid()}_*"  # torch's segments, unlinked once mapped: left where mapping failed
+    before = set(glob.glob(pattern))
+    channels: dict[tuple[int, int], Channel] = {}
+    try:
+        for pair, capacity in sorted(rings.items()):
+            channels[pair] = Channel(ctx, capacity)
+    except (RuntimeError, OSError, MemoryError) as exc:
+        channels.clear()
+        for leftover in set(glob.glob(pattern)) - before:
+            try:
+                os.unlink(leftover)
+            except OSError:  # pragma: no cover - gone already
+                pass
+        raise RingsFailed(_failure(rings, exc)) from None
+    return channels
+
+
+def _failure(rings: Rings, exc: BaseException) -> str:
+    """One line: what the rings need, what failed, the fix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    short = "Cannot allocate memory" in text or isinstance(exc, MemoryError)
+    why = "out of memory or address space (ulimit -v?)" if short else text[:160]
+    largest = max(rings.values()) if rings else 0
+    return (
+        f"cannot make the shared-memory message rings: {len(rings)} ring{'s' * (len(rings) != 1)} need"
+        f"{'' if len(rings) != 1 else 's'} {ring_bytes(rings) / 2**20:.1f} MiB "
+        f"(the largest {largest / 2**20:.0f} MiB): {why}; use --transport gloo, fewer ranks or a smaller --batch"
+    )
 
 
 def _record(pos: int, nbytes: int, capacity: int) -> tuple[int, int]:
@@ -344,8 +460,22 @@ class ShmTransport:
 
 def connect(rank: int, channels: dict[tuple[int, int], Channel]) -> ShmTransport:
     """This rank's shared-memory transport over ``channels`` (a spawned rank, before its work starts), every
-    ring's pages mapped; it goes in the rank's ``RankContext.transport``, which ``P2P`` sends through."""
+    ring mapped and its pages touched; it goes in the rank's ``RankContext.transport``, which ``P2P`` sends through.
+
+    Raises:
+        RingsFailed: a ring could not be mapped here (out of memory or address space).
+    """
+    try:
+        for channel in channels.values():
+            channel.attach()
+    except (RuntimeError, OSError) as exc:
+        raise RingsFailed(_failure(channels_rings(channels), exc)) from None
     transport = ShmTransport(rank, channels)
     for channel in (*transport.outgoing.values(), *transport.incoming.values()):
         channel.map_pages()
     return transport
+
+
+def channels_rings(channels: dict[tuple[int, int], Channel]) -> dict[tuple[int, int], int]:
+    """The rings ``channels`` are: ``(sender, receiver) -> bytes``."""
+    return {pair: channel.capacity for pair, channel in channels.items()}
