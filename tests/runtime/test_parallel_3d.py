@@ -403,7 +403,7 @@ TINY = [
         ),
         (
             ["--sequence-parallel", "--tensor-parallel", "2", "--model", "mlp", "--hidden", "8"],
-            "--sequence-parallel applies to the gpt (a sequence to shard); --model mlp has none",
+            "--sequence-parallel applies to the gpt and the llama (a sequence to shard); --model mlp has none",
         ),
         (
             ["--sequence-parallel", "--tensor-parallel", "2", "--data-parallel", "2", "--zero", "1"],
