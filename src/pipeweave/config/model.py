@@ -87,7 +87,7 @@ class ModelSpec:
     kv_heads: int | None = option(None)
     """llama only: key/value heads of grouped-query attention (Ainslie et al. 2023), each shared by
     heads / kv_heads query heads; must divide ``heads``. Default: ``heads`` (multi-head attention)."""
-    ffn_hidden: int | None = option(None)
+    ffn_hidden: int | None = option(None, metavar="WIDTH")
     """llama only: the SwiGLU MLP's intermediate size. Default: Llama's 2/3 x 4h rounded up to a multiple
     of 256 (11008 at h = 4096, as Llama 2 7B)."""
 
