@@ -420,6 +420,14 @@ TINY = [
             ["--sequence-parallel", "--tensor-parallel", "2", "--data-parallel", "2", "--zero", "1"],
             "--sequence-parallel with --zero 1 is not supported; drop one of them",
         ),
+        (
+            ["--tensor-parallel", "2", "--model", "llama", "--heads", "4", "--kv-heads", "1"],
+            "--kv-heads 1 is not divisible by --tensor-parallel 2; give a tensor-parallel degree that divides it",
+        ),
+        (
+            ["--tensor-parallel", "4", "--model", "llama", "--heads", "4", "--ffn-hidden", "6"],
+            "--ffn-hidden 6 is not divisible by --tensor-parallel 4",
+        ),
     ],
     ids=[
         "heads",
@@ -437,6 +445,8 @@ TINY = [
         "sp-seq-len",
         "sp-mlp",
         "sp-zero",
+        "llama-kv-heads",
+        "llama-ffn",
     ],
 )
 def test_bad_parallel_input_is_one_line_before_spawning(
