@@ -248,7 +248,9 @@ def test_llama_block_is_exactly_rmsnorm_rotary_gqa_and_swiglu() -> None:
 
 def test_llama_head_is_untied_unless_asked_and_has_no_position_table() -> None:
     spec = ModelSpec(kind="llama", layers=1, hidden=8, heads=2)
-    embedding, _, head = build_layers(spec, range(3))
+    embedding, block, head = build_layers(spec, range(3))
+    # the gpt's class names: partition's tensor-parallel costs (commands.layout_options.TP_SPLIT) key on them
+    assert [type(m).__name__ for m in (embedding, block, head)] == ["Embedding", "Block", "Head"]
     assert embedding.position is None and [n for n, _ in embedding.named_parameters()] == ["token"]
     assert not torch.equal(head.out.weight, embedding.token)
     tied = ModelSpec(kind="llama", layers=1, hidden=8, heads=2, tie_embeddings=True)
