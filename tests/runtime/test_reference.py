@@ -120,7 +120,7 @@ def test_every_synchronous_schedule_equals_plain_training_gpt(name: str, recompu
     _assert_replicas_agree(result)
 
 
-@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
 @pytest.mark.parametrize("name", SYNC)
 def test_every_synchronous_schedule_equals_plain_training_llama(name: str, num_stages: int) -> None:
     schedule = _schedule(name, num_stages, None)
