@@ -319,22 +319,12 @@ def compare(
 
     from pipeweave.commands.compare import add_parser
     from pipeweave.commands.compare_run import simulated_comparison
+    from pipeweave.commands.model_options import MODEL_OPTIONS
 
     parser = argparse.ArgumentParser(prog="pipeweave")
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["compare"])
-    known = {
-        "layers",
-        "hidden",
-        "heads",
-        "seq_len",
-        "vocab",
-        "kv_heads",
-        "ffn_hidden",
-        "seed",
-        "tie_embeddings",
-        "hf_config",
-    }
+    known = {*MODEL_OPTIONS, "tie_embeddings", "hf_config"}
     unknown = sorted(set(model_options) - known)
     if unknown:
         raise UserError(f"compare(): unknown model option {unknown[0]!r}; give one of {', '.join(sorted(known))}")
