@@ -81,7 +81,7 @@ def _cases(ranks: int) -> dict[str, TrainConfig]:
         schedule="zb-h1",
         num_stages=ranks,
         num_microbatches=2 * ranks,
-        model=ModelSpec(kind="llama", layers=4, hidden=32, heads=4, kv_heads=2, seq_len=16, ffn_hidden=48),
+        model=ModelSpec(kind="llama", layers=2, hidden=16, heads=4, kv_heads=2, seq_len=16, ffn_hidden=32),
         batch_size=4 * ranks - 1,
         steps=STEPS,
         recompute="selective",
