@@ -255,3 +255,34 @@ def test_llama_head_is_untied_unless_asked_and_has_no_position_table() -> None:
     assert not torch.equal(head.out.weight, embedding.token)
     tied = ModelSpec(kind="llama", layers=1, hidden=8, heads=2, tie_embeddings=True)
     assert torch.equal(build_layers(tied, [2])[0].out.weight, build_layers(tied, [0])[0].token)
+
+
+def test_llama_block_defers_its_weight_gradients_and_i_plus_w_is_b() -> None:
+    """Zero bubble's I computes the block's input gradient and its RMSNorm scales (elementwise, as LayerNorm's);
+    the fused QKV, gate/up and the projections wait for W, and I + W equals B bitwise."""
+    spec = ModelSpec(kind="llama", layers=1, hidden=16, heads=4, kv_heads=2, ffn_hidden=24)
+    g = torch.Generator().manual_seed(0)
+    x, gy = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
+
+    def backward(defer: bool) -> dict[str, torch.Tensor]:
+        (block,) = build_layers(spec, [1])
+        store = WeightGradStore()
+        for module in block.modules():
+            if isinstance(module, Deferrable):
+                module.grad_store = store
+        xr = x.clone().requires_grad_()
+        y = block(xr)
+        store.deferring = defer
+        y.backward(gy)
+        store.deferring = False
+        if defer:
+            assert {n for n, p in block.named_parameters() if p.grad is not None} == {"norm1.weight", "norm2.weight"}
+            assert len(store.pending) == 4  # qkv, proj, gate_up, down
+            for fn, _ in store.pending:
+                fn()
+        return {"x": xr.grad, **{n: p.grad for n, p in block.named_parameters()}}
+
+    split, whole = backward(True), backward(False)
+    assert split.keys() == whole.keys()
+    for name, value in whole.items():
+        assert torch.equal(split[name], value), name
