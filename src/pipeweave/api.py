@@ -304,10 +304,11 @@ def compare(
         schedules: registry names (default: every one but the searched zb-auto and zb-v-auto).
         num_stages, num_microbatches, num_chunks: D, T, and v of the schedules that take it.
         batch: samples per mini-batch; the profiled microbatch is ``batch // num_microbatches``.
-        model: ``"gpt"``, ``"mlp"``, ``"FILE.py:NAME"`` or ``"hf:TYPE"`` (as ``pipeweave train --model``).
+        model: ``"gpt"``, ``"llama"``, ``"mlp"``, ``"FILE.py:NAME"`` or ``"hf:TYPE"`` (as ``pipeweave train
+            --model``).
         costs: a per-layer costs file (``pipeweave partition --save-costs``) instead of profiling (cached).
         model_options: the model's sizes: ``layers``, ``hidden``, ``heads``, ``seq_len``, ``vocab``, ``seed``,
-            ``tie_embeddings``, ``hf_config``.
+            ``tie_embeddings``, ``hf_config`` (the llama's also ``kv_heads``, ``ffn_hidden``).
 
     Raises:
         UserError: an unknown option or name, or a setting no approach can serve.
@@ -321,11 +322,12 @@ def compare(
 
     from pipeweave.commands.compare import add_parser
     from pipeweave.commands.compare_run import simulated_comparison
+    from pipeweave.commands.model_options import MODEL_OPTIONS
 
     parser = argparse.ArgumentParser(prog="pipeweave")
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["compare"])
-    known = {"layers", "hidden", "heads", "seq_len", "vocab", "seed", "tie_embeddings", "hf_config"}
+    known = {*MODEL_OPTIONS, "tie_embeddings", "hf_config"}
     unknown = sorted(set(model_options) - known)
     if unknown:
         raise UserError(f"compare(): unknown model option {unknown[0]!r}; give one of {', '.join(sorted(known))}")

@@ -23,6 +23,8 @@ FLAGS = {  # each shipped file as the flags that say the same (shlex-split)
     "--clip-grad-norm 1.0 --transport gloo",
     "async.toml": "--model mlp --layers 8 --hidden 32 -s pipemare --stages 4 --microbatches 4 --warmup-steps 2 "
     "--batch 16 --steps 12 --optimizer sgd --lr 0.05 --anneal-steps 8 --decay 0.9",
+    "llama.toml": "--model llama --layers 4 --hidden 128 --heads 8 --kv-heads 2 --seq-len 64 -s zb-h1 --stages 2 "
+    "--microbatches 4 --batch 16 --recompute selective --steps 30",
     "hf.toml": "--model hf:gpt2 --hf-config "
     '\'{"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "n_positions": 64}\' '
     "--seq-len 32 -s 1f1b --stages 2 --microbatches 4 --batch 8 --steps 4",

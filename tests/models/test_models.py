@@ -20,6 +20,13 @@ from pipeweave.models.layers import Deferrable, Embedding, LayerNorm, Linear, We
         ({"layers": 0}, "layers=0"),
         ({"hidden": -1}, "hidden=-1"),
         ({"kind": "gpt", "hidden": 10, "heads": 3}, "heads=3"),
+        ({"kind": "llama", "heads": 4, "kv_heads": 3}, "--kv-heads 3 does not divide --heads 4"),
+        ({"kind": "llama", "ffn_hidden": 0}, "--ffn-hidden 0 is invalid"),
+        ({"kind": "llama", "kv_heads": 0}, "--kv-heads 0 is invalid"),
+        ({"kind": "llama", "hidden": 12, "heads": 4}, "head width hidden/heads = 3 is odd"),
+        ({"kind": "gpt", "kv_heads": 2}, "--kv-heads applies to the llama only"),
+        ({"kind": "mlp", "ffn_hidden": 64}, "--ffn-hidden applies to the llama only"),
+        ({"kind": "mlp", "tie_embeddings": True}, "tie_embeddings applies to the gpt and the llama"),
     ],
 )
 def test_spec_rejects_bad_values_in_one_line(kwargs: dict[str, object], word: str) -> None:
@@ -31,6 +38,16 @@ def test_spec_rejects_bad_values_in_one_line(kwargs: dict[str, object], word: st
 def test_num_layers_counts_gpt_embedding_and_head() -> None:
     assert ModelSpec(kind="mlp", layers=5).num_layers == 5
     assert ModelSpec(kind="gpt", layers=5).num_layers == 7
+    assert ModelSpec(kind="llama", layers=5).num_layers == 7
+
+
+@pytest.mark.parametrize(
+    "hidden, ffn",
+    [(4096, 11008), (5120, 13824), (128, 512), (16, 256)],  # Llama 2 7B and 13B's widths, then tiny ones
+)
+def test_llama_ffn_default_is_two_thirds_of_4h_rounded_up_to_256(hidden: int, ffn: int) -> None:
+    assert ModelSpec(kind="llama", hidden=hidden, heads=4).ffn_width == ffn
+    assert ModelSpec(kind="llama", hidden=hidden, heads=4, ffn_hidden=40).ffn_width == 40
 
 
 @pytest.mark.parametrize("num_layers, num_parts", [(1, 1), (5, 2), (7, 3), (8, 8), (10, 4)])
@@ -47,7 +64,7 @@ def test_uniform_parts_rejects_more_parts_than_layers() -> None:
         uniform_parts(3, 4)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("kind", ["mlp", "gpt", "llama"])
 def test_layer_initialisation_depends_only_on_seed_and_index(kind: str) -> None:
     spec = ModelSpec(kind=kind, layers=3, hidden=8, heads=2, seq_len=4)
     whole = build_layers(spec, range(spec.num_layers))
@@ -56,9 +73,9 @@ def test_layer_initialisation_depends_only_on_seed_and_index(kind: str) -> None:
         for (name, a), (_, b) in zip(alone.named_parameters(), whole[k].named_parameters()):
             assert torch.equal(a, b), (k, name)
     # Two blocks of one model, and one block of two seeds, differ.
-    assert not torch.equal(whole[1].up.weight, whole[2].up.weight)
+    assert not torch.equal(whole[1].down.weight, whole[2].down.weight)
     other = build_layers(ModelSpec(kind=kind, layers=3, hidden=8, heads=2, seq_len=4, seed=1), [1])[0]
-    assert not torch.equal(other.up.weight, whole[1].up.weight)
+    assert not torch.equal(other.down.weight, whole[1].down.weight)
 
 
 def test_mlp_block_is_exactly_the_issue_formula() -> None:
@@ -74,8 +91,9 @@ def test_mlp_block_is_exactly_the_issue_formula() -> None:
     assert block.up.weight.shape == (24, 6) and block.down.weight.shape == (6, 24)
 
 
-def test_gpt_is_causal_and_maps_bytes_to_logits() -> None:
-    spec = ModelSpec(kind="gpt", layers=2, hidden=8, heads=2, seq_len=6)
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_transformer_is_causal_and_maps_bytes_to_logits(kind: str) -> None:
+    spec = ModelSpec(kind=kind, layers=2, hidden=8, heads=2, seq_len=6)
     layers = build_layers(spec, range(spec.num_layers))
     idx = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
 
@@ -186,3 +204,85 @@ def test_linear_under_autocast_is_torch_autocast_linear_bitwise(defer: bool) -> 
         (xg.grad, xr.grad),
     ):
         assert torch.equal(ours, theirs)
+
+
+def _llama_block_by_hand(block: torch.nn.Module, x: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """A llama block written out: RMSNorm, rotary (pairs (i, i + d/2)), each key/value head repeated for its
+    group of query heads, causal softmax attention, SwiGLU."""
+    batch, seq, hidden = x.shape
+    d, ffn = hidden // heads, block.down.weight.shape[1]
+
+    def rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+    def heads_of(t: torch.Tensor) -> torch.Tensor:
+        return t.view(batch, seq, -1, d).transpose(1, 2)
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        angle = torch.arange(seq)[:, None] * 10_000.0 ** (-torch.arange(0, d, 2) / d)
+        a, b = t[..., : d // 2], t[..., d // 2 :]
+        return torch.cat((a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()), -1)
+
+    wq, wk, wv = block.attn.qkv.weight.split([hidden, kv_heads * d, kv_heads * d])
+    n = rms(x, block.norm1.weight)
+    q, k, v = rotate(heads_of(n @ wq.T)), rotate(heads_of(n @ wk.T)), heads_of(n @ wv.T)
+    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(d) + torch.full((seq, seq), -math.inf).triu(1)
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, hidden)
+    x = x + y @ block.attn.proj.weight.T
+    gate, up = (rms(x, block.norm2.weight) @ block.gate_up.weight.T).split([ffn, ffn], -1)
+    return x + (F.silu(gate) * up) @ block.down.weight.T
+
+
+def test_llama_block_is_exactly_rmsnorm_rotary_gqa_and_swiglu() -> None:
+    spec = ModelSpec(kind="llama", layers=1, hidden=16, heads=4, kv_heads=2, ffn_hidden=24)
+    (block,) = build_layers(spec, [1])
+    with torch.no_grad():
+        block.norm1.weight.uniform_(0.5, 1.5)  # non-trivial scales, so the check covers them
+        block.norm2.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(block(x), _llama_block_by_hand(block, x, 4, 2), rtol=1e-5, atol=1e-5)
+    assert block.attn.qkv.weight.shape == (16 + 2 * 8, 16) and block.gate_up.weight.shape == (48, 16)
+    assert all(not name.endswith("bias") for name, _ in block.named_parameters())
+
+
+def test_llama_head_is_untied_unless_asked_and_has_no_position_table() -> None:
+    spec = ModelSpec(kind="llama", layers=1, hidden=8, heads=2)
+    embedding, block, head = build_layers(spec, range(3))
+    # the gpt's class names: partition's tensor-parallel costs (commands.layout_options.TP_SPLIT) key on them
+    assert [type(m).__name__ for m in (embedding, block, head)] == ["Embedding", "Block", "Head"]
+    assert embedding.position is None and [n for n, _ in embedding.named_parameters()] == ["token"]
+    assert not torch.equal(head.out.weight, embedding.token)
+    tied = ModelSpec(kind="llama", layers=1, hidden=8, heads=2, tie_embeddings=True)
+    assert torch.equal(build_layers(tied, [2])[0].out.weight, build_layers(tied, [0])[0].token)
+
+
+def test_llama_block_defers_its_weight_gradients_and_i_plus_w_is_b() -> None:
+    """Zero bubble's I computes the block's input gradient and its RMSNorm scales (elementwise, as LayerNorm's);
+    the fused QKV, gate/up and the projections wait for W, and I + W equals B bitwise."""
+    spec = ModelSpec(kind="llama", layers=1, hidden=16, heads=4, kv_heads=2, ffn_hidden=24)
+    g = torch.Generator().manual_seed(0)
+    x, gy = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
+
+    def backward(defer: bool) -> dict[str, torch.Tensor]:
+        (block,) = build_layers(spec, [1])
+        store = WeightGradStore()
+        for module in block.modules():
+            if isinstance(module, Deferrable):
+                module.grad_store = store
+        xr = x.clone().requires_grad_()
+        y = block(xr)
+        store.deferring = defer
+        y.backward(gy)
+        store.deferring = False
+        if defer:
+            assert {n for n, p in block.named_parameters() if p.grad is not None} == {"norm1.weight", "norm2.weight"}
+            assert len(store.pending) == 4  # qkv, proj, gate_up, down
+            for fn, _ in store.pending:
+                fn()
+        return {"x": xr.grad, **{n: p.grad for n, p in block.named_parameters()}}
+
+    split, whole = backward(True), backward(False)
+    assert split.keys() == whole.keys()
+    for name, value in whole.items():
+        assert torch.equal(split[name], value), name

@@ -46,10 +46,10 @@ def shared_parameter_training(spec: ModelSpec, steps: int, batch: int, microbatc
     return losses
 
 
-def test_tied_copies_start_equal_and_only_for_the_gpt() -> None:
+def test_tied_copies_start_equal_and_only_for_the_transformers() -> None:
     first, last = build_layers(SPEC, [0])[0], build_layers(SPEC, [SPEC.num_layers - 1])[0]
     assert torch.equal(first.token, last.out.weight)
-    with pytest.raises(UserError, match="gpt only"):
+    with pytest.raises(UserError, match="applies to the gpt and the llama"):
         ModelSpec(kind="mlp", tie_embeddings=True)
 
 

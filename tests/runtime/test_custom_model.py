@@ -293,7 +293,7 @@ def test_size_options_and_bad_contracts_are_refused() -> None:
     with pytest.raises(UserError, match="needs its entry"):
         ModelSpec(kind="custom")
     mlp_eval = train_config(model=ModelSpec(kind="mlp", layers=2, hidden=4), eval_every=1)
-    with pytest.raises(UserError, match="--eval-every applies to --model gpt or a custom model"):
+    with pytest.raises(UserError, match="--eval-every applies to --model gpt, llama or a custom model"):
         prepare(mlp_eval)
 
 

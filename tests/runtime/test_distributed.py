@@ -75,6 +75,18 @@ def _cases(ranks: int) -> dict[str, TrainConfig]:
             config = _config(name, ranks, recompute)
             if config is not None:
                 cases[f"{name}{'+recompute' if recompute else ''}"] = config
+    # the llama (grouped-query attention, rotary, SwiGLU) on zero bubble's split backward, with selective
+    # recomputation of its attention cores
+    cases["llama-zb-h1"] = train_config(
+        schedule="zb-h1",
+        num_stages=ranks,
+        num_microbatches=2 * ranks,
+        model=ModelSpec(kind="llama", layers=2, hidden=16, heads=4, kv_heads=2, seq_len=16, ffn_hidden=32),
+        batch_size=4 * ranks - 1,
+        steps=STEPS,
+        recompute="selective",
+        collect_parameters=True,
+    )
     if ranks == 2:  # a transformer (3-d activations, int64 tokens in), and AdamW, once each
         gpt = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8)
         cases["gpt-1f1b"] = train_config(
@@ -143,7 +155,7 @@ def _names() -> list[str]:
     names = [n for n, info in SCHEDULES.items() if info.synchronous]
     return (
         [f"{n}{suffix}" for n in names for suffix in ("", "+recompute")]
-        + ["gpt-1f1b", "1f1b-adamw"]
+        + ["gpt-1f1b", "1f1b-adamw", "llama-zb-h1"]
         + [_bf16_case(n, r) for n, r in BF16]
         + ["gpt-zb-h1-bf16"]
     )

@@ -38,6 +38,7 @@ STEPS = 2
 GPT = ModelSpec(kind="gpt", layers=2, hidden=16, heads=4, seq_len=8)
 MLP = ModelSpec(kind="mlp", layers=4, hidden=8)
 WIDE = ModelSpec(kind="gpt", layers=4, hidden=32, heads=4, seq_len=32)
+LLAMA = ModelSpec(kind="llama", layers=2, hidden=32, heads=4, kv_heads=2, seq_len=16, ffn_hidden=48)
 CUSTOM = f"{Path(__file__).resolve().parent.parent / 'models' / 'tiny_custom.py'}"
 
 
@@ -121,6 +122,14 @@ CASES_4 = {  # each pair of the dimensions at 2: 4 processes
         eval_every=2,
         eval_batches=1,
     ),
+    # The llama: 4 query and 2 key/value heads, each rank 2 and 1 of them; SwiGLU's gate and up split apart; its
+    # attention cores replayed under sequence parallelism; tied (against the reference).
+    "tp-pp-llama": _config("zb-h1", LLAMA, tp=2, dp=1, stages=2),
+    "tp-pp-llama-sequence-parallel": _config(
+        "zb-h1", LLAMA, tp=2, dp=1, stages=2, sequence_parallel=True, recompute="selective"
+    ),
+    "tp-pp-llama-tied": _config("1f1b", dataclasses.replace(LLAMA, tie_embeddings=True), tp=2, dp=1, stages=2),
+    "tp-pp-llama-pipedream": _config("pipedream", LLAMA, tp=2, dp=1, stages=2, steps=4, batch_size=8),
     # Its memory against TP alone, on a gpt whose blocks (not the vocabulary head) hold most activations.
     "tp-pp-wide": _config("1f1b", WIDE, tp=2, dp=1, stages=2, steps=1),
     "tp-pp-wide-sequence-parallel": _config("1f1b", WIDE, tp=2, dp=1, stages=2, steps=1, sequence_parallel=True),
@@ -174,6 +183,8 @@ SLOW = {  # (processes, config): further ZeRO-3 and clipping cases, in the slow 
 }
 MEMORY = ("tp-pp-wide", "tp-pp-wide-sequence-parallel")  # compared with each other
 AGAINST_REFERENCE = (
+    "tp-pp-llama-tied",
+    "tp-pp-llama-pipedream",
     "tp-pp-pipedream",
     "tp-pp-pipedream-sequence-parallel",
     "tp-pp-tied",
@@ -403,11 +414,19 @@ TINY = [
         ),
         (
             ["--sequence-parallel", "--tensor-parallel", "2", "--model", "mlp", "--hidden", "8"],
-            "--sequence-parallel applies to the gpt (a sequence to shard); --model mlp has none",
+            "--sequence-parallel applies to the gpt and the llama (a sequence to shard); --model mlp has none",
         ),
         (
             ["--sequence-parallel", "--tensor-parallel", "2", "--data-parallel", "2", "--zero", "1"],
             "--sequence-parallel with --zero 1 is not supported; drop one of them",
+        ),
+        (
+            ["--tensor-parallel", "2", "--model", "llama", "--heads", "4", "--kv-heads", "1"],
+            "--kv-heads 1 is not divisible by --tensor-parallel 2; give a tensor-parallel degree that divides it",
+        ),
+        (
+            ["--tensor-parallel", "4", "--model", "llama", "--heads", "4", "--ffn-hidden", "6"],
+            "--ffn-hidden 6 is not divisible by --tensor-parallel 4",
         ),
     ],
     ids=[
@@ -426,6 +445,8 @@ TINY = [
         "sp-seq-len",
         "sp-mlp",
         "sp-zero",
+        "llama-kv-heads",
+        "llama-ffn",
     ],
 )
 def test_bad_parallel_input_is_one_line_before_spawning(

@@ -31,6 +31,7 @@ from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule import generate
 
 GPT = ModelSpec(kind="gpt", layers=4, hidden=8, heads=2, seq_len=8)  # 6 layers: D x v up to 3 x 2
+LLAMA = ModelSpec(kind="llama", layers=4, hidden=32, heads=4, kv_heads=2, seq_len=8, ffn_hidden=48)
 FILE = Path(__file__).resolve().parents[1] / "models" / "tiny_custom.py"
 NOISY = ModelSpec(kind="custom", entry=f"{FILE}:noisy_selective")
 TEXT = bytes(range(256)) * 8
@@ -53,7 +54,7 @@ def _plain(spec: ModelSpec, num_microbatches: int, own_text: bool = True) -> Tra
         steps=STEPS,
         batch_size=batch,
         num_microbatches=num_microbatches,
-        data=_data(batch) if spec.kind == "gpt" and own_text else None,
+        data=_data(batch) if spec.is_transformer and own_text else None,
     )
 
 
@@ -84,6 +85,16 @@ def test_recomputation_per_part_equals_plain_training_bitwise(name: str, num_sta
     for mode in _modes(schedule.num_parts):
         result = run_reference(schedule, GPT, steps=STEPS, batch_size=batch, recompute=mode, data=_data(batch))
         _assert_bitwise(result, _plain(GPT, schedule.num_microbatches))
+
+
+def test_llama_recomputation_per_part_equals_plain_training_bitwise() -> None:
+    """Its attention core (grouped-query, on rotated q and k) replayed selectively, its blocks fully, or a mix;
+    on zero bubble's split backward."""
+    schedule = generate("zb-h1", num_stages=2, num_microbatches=4)
+    batch = 2 * schedule.num_microbatches + 1
+    for mode in _modes(schedule.num_parts):
+        result = run_reference(schedule, LLAMA, steps=STEPS, batch_size=batch, recompute=mode, data=_data(batch))
+        _assert_bitwise(result, _plain(LLAMA, schedule.num_microbatches))
 
 
 def test_selective_replays_dropout_with_the_forwards_masks() -> None:

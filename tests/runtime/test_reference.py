@@ -23,6 +23,8 @@ from pipeweave.schedule import SCHEDULES, Action, Op, Schedule, ScheduleError, W
 
 MLP = ModelSpec(kind="mlp", layers=6, hidden=8)  # 6 layers: room for D x v = 3 x 2 parts
 GPT = ModelSpec(kind="gpt", layers=2, hidden=8, heads=2, seq_len=8)  # 4 layers: D x v up to 4
+# Grouped-query (2 query heads per key/value head), rotary, SwiGLU; 6 layers: D x v up to 6.
+LLAMA = ModelSpec(kind="llama", layers=4, hidden=32, heads=4, kv_heads=2, seq_len=8, ffn_hidden=48)
 TEXT = bytes(range(256)) * 8
 STEPS = 2
 SYNC = [name for name, info in SCHEDULES.items() if info.synchronous]
@@ -115,6 +117,15 @@ def test_every_synchronous_schedule_equals_plain_training_gpt(name: str, recompu
     schedule = _schedule(name, 2, None)
     result = _run(schedule, GPT, recompute=recompute)
     _assert_equal_training(result, _plain(GPT, schedule.num_microbatches))
+    _assert_replicas_agree(result)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+@pytest.mark.parametrize("name", SYNC)
+def test_every_synchronous_schedule_equals_plain_training_llama(name: str, num_stages: int) -> None:
+    schedule = _schedule(name, num_stages, None)
+    result = _run(schedule, LLAMA, recompute=num_stages == 3)  # recomputation replays rotary and GQA exactly
+    _assert_equal_training(result, _plain(LLAMA, schedule.num_microbatches))
     _assert_replicas_agree(result)
 
 

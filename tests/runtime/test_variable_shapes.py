@@ -29,15 +29,16 @@ from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
 
 GPT = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=12)
+LLAMA = ModelSpec(kind="llama", layers=2, hidden=16, heads=4, kv_heads=2, seq_len=12, ffn_hidden=32)
 STEPS, MIN_SEQ_LEN = 3, 3
 
 
-def _config(schedule: str) -> TrainConfig:
+def _config(schedule: str, model: ModelSpec = GPT) -> TrainConfig:
     return train_config(
         schedule=schedule,
         num_stages=2,
         num_microbatches=3,
-        model=GPT,
+        model=model,
         batch_size=5,
         steps=STEPS,
         min_seq_len=MIN_SEQ_LEN,
@@ -50,11 +51,11 @@ def _run_all(context: RankContext, configs: list[TrainConfig]) -> list[RunRecord
 
 
 @functools.cache
-def _plain() -> TrainResult:
-    config = _config("1f1b")
-    source = data_source(GPT, batch_size=config.batch_size, min_seq_len=MIN_SEQ_LEN)
+def _plain(model: ModelSpec) -> TrainResult:
+    config = _config("1f1b", model)
+    source = data_source(model, batch_size=config.batch_size, min_seq_len=MIN_SEQ_LEN)
     return run_plain(
-        GPT,
+        model,
         steps=STEPS,
         batch_size=config.batch_size,
         num_microbatches=config.num_microbatches,
@@ -76,10 +77,10 @@ def test_the_lengths_vary_from_microbatch_to_microbatch_and_step_to_step() -> No
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", ["gloo", "shm"])
 def test_variable_lengths_on_2_ranks_equal_plain_training(transport: str) -> None:
-    configs = [_config("1f1b"), _config("zb-h1")]
+    configs = [_config("1f1b"), _config("zb-h1"), _config("zb-h1", LLAMA)]  # the llama: rotary on each length
     records = launch(_run_all, configs, 2, LaunchOptions(timeout_s=60, transport=transport))
-    plain = _plain()
     for config, record in zip(configs, records):
+        plain = _plain(config.model)
         torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
         seen = set()
         for rank_record in record.ranks:

@@ -27,12 +27,13 @@ GBPS = 1e9 / 8
 
 TP_SPLIT = {"Block": (2, 2, False), "MLPBlock": (1, 1, False), "Head": (0, 1, True)}
 """Per layer type, how pipeweave's tensor-parallel layers split it (Megatron-LM without sequence parallelism):
-``(all-reduces in F, all-reduces in I, all-gathers its output in F)``. The gpt's ``Block`` all-reduces
+``(all-reduces in F, all-reduces in I, all-gathers its output in F)``. The gpt's ``Block`` (and the llama's,
+of the same class name and the same collectives) all-reduces
 behind attention's and the MLP's row-parallel projections, and in front of their column-parallel inputs
 backward; the mlp's ``MLPBlock`` (column then row) once each way; the gpt's ``Head`` (column-parallel by
 vocabulary) gathers its logits and all-reduces its input gradient. Other layers are not split."""
 TP_REPLICATED = ("Embedding",)
-"""Layer types every TP rank holds whole (the gpt's token and position embeddings)."""
+"""Layer types every TP rank holds whole (the gpt's token and position embeddings, the llama's token table)."""
 
 
 def add_layout_arguments(

@@ -7,18 +7,19 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pipeweave.config.model import BUILT_IN, TRANSFORMERS
 from pipeweave.errors import UserError
 
-MODEL_OPTIONS = ("layers", "hidden", "vocab", "heads", "seq_len", "seed")
+MODEL_OPTIONS = ("layers", "hidden", "vocab", "heads", "seq_len", "kv_heads", "ffn_hidden", "seed")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--model mlp|gpt|FILE.py:NAME`` and the built-in models' sizes (defaults: ``ModelSpec``'s)."""
+    """``--model mlp|gpt|llama|FILE.py:NAME`` and the built-in models' sizes (defaults: ``ModelSpec``'s)."""
     group = parser.add_argument_group("model")
     group.add_argument(
         "--model",
         default="gpt",
-        metavar="gpt|mlp|FILE.py:NAME|hf:TYPE",
+        metavar="gpt|llama|mlp|FILE.py:NAME|hf:TYPE",
         help="a reference model (default gpt), or your own: the LayerModel, nn.Module or a function "
         "returning one, NAME in FILE.py or in an importable module (pipeweave.models.custom, "
         "pipeweave.models.pipeline), or a Hugging Face causal LM type (hf:gpt2, hf:llama)",
@@ -30,21 +31,23 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--layers", type=int, help="residual blocks")
     group.add_argument("--hidden", type=int, help="width h")
-    group.add_argument("--vocab", type=int, help="gpt vocabulary size")
-    group.add_argument("--heads", type=int, help="gpt attention heads")
-    group.add_argument("--seq-len", type=int, help="gpt tokens per sample")
+    group.add_argument("--vocab", type=int, help="gpt/llama vocabulary size")
+    group.add_argument("--heads", type=int, help="gpt/llama attention heads")
+    group.add_argument("--seq-len", type=int, help="gpt/llama tokens per sample")
+    group.add_argument("--kv-heads", type=int, help="llama key/value heads (grouped-query attention)")
+    group.add_argument("--ffn-hidden", type=int, help="llama SwiGLU MLP width")
     group.add_argument("--seed", type=int, help="initialisation seed")
     group.add_argument(
         "--tie-embeddings",
         action="store_true",
-        help="gpt: one matrix for the token embedding and the output head (gradients summed)",
+        help="gpt/llama: one matrix for the token embedding and the output head (gradients summed)",
     )
 
 
 def model_spec(args: argparse.Namespace, gpt_defaults: dict[str, int] | None = None) -> Any:
-    """The ``ModelSpec`` the model options describe (torch is imported only here); for ``--model gpt``,
-    ``gpt_defaults`` fill the sizes left unset (and are set on ``args``, so that the record shows them)."""
-    if args.model == "gpt":
+    """The ``ModelSpec`` the model options describe (torch is imported only here); for ``--model gpt`` (or
+    llama), ``gpt_defaults`` fill the sizes left unset (and are set on ``args``, so that the record shows them)."""
+    if args.model in TRANSFORMERS:
         for name, value in (gpt_defaults or {}).items():
             if getattr(args, name, None) is None:
                 setattr(args, name, value)
@@ -56,11 +59,11 @@ def model_spec(args: argparse.Namespace, gpt_defaults: dict[str, int] | None = N
         given["tie_embeddings"] = True
     if getattr(args, "hf_config", None) is not None and not args.model.startswith("hf:"):
         raise UserError("--hf-config applies to --model hf:TYPE only; drop it or name a Hugging Face model")
-    if args.model in ("mlp", "gpt"):
+    if args.model in BUILT_IN:
         return ModelSpec(kind=args.model, **given)
     if not is_entry(args.model):
         raise UserError(
-            f"--model {args.model!r} is unknown; choose gpt, mlp, FILE.py:NAME (your own model) or "
+            f"--model {args.model!r} is unknown; choose gpt, llama, mlp, FILE.py:NAME (your own model) or "
             "hf:TYPE (a Hugging Face model)"
         )
     hf = args.model.startswith("hf:")

@@ -13,11 +13,17 @@ from typing import Any
 from pipeweave.config.schema import check_section, option
 from pipeweave.errors import UserError
 
-KINDS = ("mlp", "gpt", "custom")
-BUILT_IN = ("mlp", "gpt")
+KINDS = ("mlp", "gpt", "llama", "custom")
+BUILT_IN = ("mlp", "gpt", "llama")
 """The reference models ``--model`` names; any other word is an entry (``FILE.py:NAME``, ``hf:TYPE``)."""
-SIZES = ("layers", "hidden", "vocab", "heads", "seq_len")
+TRANSFORMERS = ("gpt", "llama")
+"""The built-in decoder-only transformers: an embedding, ``layers`` blocks, a head; tokens in, logits out."""
+SIZES = ("layers", "hidden", "vocab", "heads", "seq_len", "kv_heads", "ffn_hidden")
 """The built-in models' size fields (an entry's layers are its own)."""
+LLAMA_ONLY = ("kv_heads", "ffn_hidden")
+"""Fields of the llama alone (the gpt's attention is multi-head, its MLP 4h)."""
+FFN_MULTIPLE = 256
+"""The llama's default MLP width is rounded up to a multiple of this (Llama 2's ``multiple_of``)."""
 
 
 def model_word(word: str) -> dict[str, Any]:
@@ -36,7 +42,7 @@ def model_word(word: str) -> dict[str, Any]:
         return {}
     if ":" not in word:
         raise UserError(
-            f"--model {word!r} is unknown; choose gpt, mlp, FILE.py:NAME (your own model) or "
+            f"--model {word!r} is unknown; choose gpt, llama, mlp, FILE.py:NAME (your own model) or "
             "hf:TYPE (a Hugging Face model)"
         )
     return {"kind": "custom", "entry": word}
@@ -46,7 +52,7 @@ def model_word(word: str) -> dict[str, Any]:
 class ModelSpec:
     """A model, as the command line's ``--model ... --layers --hidden`` describe it.
 
-    A built-in reference model (the mlp, the gpt), or your own (``kind="custom"``,
+    A built-in reference model (the mlp, the gpt, the llama), or your own (``kind="custom"``,
     ``entry``; see ``models.custom``), for which the size fields do not apply.
 
     Example:
@@ -56,26 +62,34 @@ class ModelSpec:
         4
     """
 
-    kind: str = option("gpt", flags=("--model",), metavar="gpt|mlp|FILE.py:NAME|hf:TYPE", spread=model_word)
-    """``"mlp"`` (residual MLP blocks, MSE), ``"gpt"`` (byte-level transformer, cross-entropy) or
-    ``"custom"`` (your own ``LayerModel``, named by ``entry``; ``models.custom``)."""
+    kind: str = option("gpt", flags=("--model",), metavar="gpt|llama|mlp|FILE.py:NAME|hf:TYPE", spread=model_word)
+    """``"mlp"`` (residual MLP blocks, MSE), ``"gpt"`` (byte-level GPT-2 transformer, cross-entropy),
+    ``"llama"`` (byte-level Llama transformer: RMSNorm, rotary positions, grouped-query attention, SwiGLU;
+    cross-entropy) or ``"custom"`` (your own ``LayerModel``, named by ``entry``; ``models.custom``)."""
     layers: int = option(4)
-    """Residual blocks: MLP blocks, or transformer blocks (the gpt adds an embedding and a head layer)."""
+    """Residual blocks: MLP blocks, or transformer blocks (the gpt and the llama add an embedding and a head
+    layer)."""
     hidden: int = option(128)
     """Width h of the residual stream."""
     vocab: int = option(256)
-    """gpt only: vocabulary size; 256 means bytes."""
+    """gpt and llama: vocabulary size; 256 means bytes."""
     heads: int = option(4)
-    """gpt only: attention heads; must divide ``hidden``."""
+    """gpt and llama: attention (query) heads; must divide ``hidden``."""
     seq_len: int = option(128)
-    """gpt only: tokens per sample (context length)."""
+    """gpt and llama: tokens per sample (context length)."""
     seed: int = option(0)
     """Initialisation seed; layer k is seeded by (seed, k), so any rank builds it identically."""
     entry: str | None = option(None, via="--model")
     """custom only: ``FILE.py:NAME`` or ``module:NAME`` of a ``LayerModel`` or a function returning one."""
     tie_embeddings: bool = option(False)
-    """gpt only: the head's output weight starts equal to the token embedding and their gradients
+    """gpt and llama: the head's output weight starts equal to the token embedding and their gradients
     are summed before every update (``pipeweave.runtime.stage.tied``), so the two stay identical."""
+    kv_heads: int | None = option(None)
+    """llama only: key/value heads of grouped-query attention (Ainslie et al. 2023), each shared by
+    heads / kv_heads query heads; must divide ``heads``. Default: ``heads`` (multi-head attention)."""
+    ffn_hidden: int | None = option(None, metavar="WIDTH")
+    """llama only: the SwiGLU MLP's intermediate size. Default: Llama's 2/3 x 4h rounded up to a multiple
+    of 256 (11008 at h = 4096, as Llama 2 7B)."""
 
     hf_config: str | None = option(None, metavar="JSON|FILE")
     """``hf:NAME`` only: the model's config fields, a JSON object or a file holding one (``models.hf``)."""
@@ -94,13 +108,38 @@ class ModelSpec:
             )
         if self.hf_config is not None and not (self.entry or "").startswith("hf:"):
             raise UserError("--hf-config applies to --model hf:NAME only; drop it or name a Hugging Face model")
-        if self.tie_embeddings and self.kind != "gpt":
-            raise UserError("tie_embeddings applies to the gpt only; drop it or use --model gpt")
-        if self.kind == "gpt" and self.hidden % self.heads:
+        if self.tie_embeddings and not self.is_transformer:
+            raise UserError("tie_embeddings applies to the gpt and the llama; drop it or use --model gpt or llama")
+        if self.is_transformer and self.hidden % self.heads:
             raise UserError(
                 f"hidden={self.hidden} is not divisible by heads={self.heads}; choose heads dividing hidden"
             )
         check_section(self)
+        self._check_llama()
+
+    def _check_llama(self) -> None:
+        """The llama's own fields: given only to it, the kv heads dividing the heads, an even head width."""
+        for name in LLAMA_ONLY:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            flag = "--" + name.replace("_", "-")
+            if self.kind != "llama":
+                raise UserError(f"{flag} applies to the llama only; drop it or use --model llama")
+            if value < 1:
+                raise UserError(f"{flag} {value} is invalid; give an integer >= 1")
+        if self.kind != "llama":
+            return
+        if self.heads % self.kv_head_count:
+            raise UserError(
+                f"--kv-heads {self.kv_head_count} does not divide --heads {self.heads}; give a divisor of "
+                f"{self.heads} (1 for multi-query, {self.heads} for multi-head attention)"
+            )
+        if (self.hidden // self.heads) % 2:
+            raise UserError(
+                f"the head width hidden/heads = {self.hidden // self.heads} is odd; rotary positions turn pairs "
+                "of features: give --hidden and --heads whose quotient is even"
+            )
 
     @staticmethod
     def check_given(given: dict[str, Any]) -> None:
@@ -110,28 +149,57 @@ class ModelSpec:
     def unused_fields(self) -> set[str]:
         """Fields that do not apply to this model (an entry's sizes are its own): left out of its TOML."""
         if self.kind == "mlp":
-            return {"vocab", "heads", "seq_len", "tie_embeddings", "hf_config"}
+            return {"vocab", "heads", "seq_len", "tie_embeddings", "hf_config", *LLAMA_ONLY}
+        if self.kind == "gpt":
+            return set(LLAMA_ONLY)
         if self.entry is None:
             return set()
         hf = self.entry.startswith("hf:")
         return {name for name in SIZES + ("tie_embeddings",) if not (hf and name == "seq_len")}
 
     @property
+    def is_transformer(self) -> bool:
+        """A built-in transformer (``TRANSFORMERS``): token sequences in, an embedding layer, blocks, a head.
+
+        Example:
+            >>> ModelSpec(kind="llama").is_transformer, ModelSpec(kind="mlp").is_transformer
+            (True, False)
+        """
+        return self.kind in TRANSFORMERS
+
+    @property
+    def kv_head_count(self) -> int:
+        """The llama's key/value heads: ``kv_heads``, or ``heads`` where not given."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def ffn_width(self) -> int:
+        """The llama's MLP width: ``ffn_hidden``, or 2/3 x 4h rounded up to a multiple of ``FFN_MULTIPLE``.
+
+        Example:
+            >>> ModelSpec(kind="llama", hidden=4096, heads=32).ffn_width
+            11008
+        """
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return -(-(8 * self.hidden // 3) // FFN_MULTIPLE) * FFN_MULTIPLE
+
+    @property
     def num_layers(self) -> int:
         """Layers of the lazy layer list: the unit that parts are cut from."""
         if self.kind == "custom":
             return len(self.custom.layers)
-        return self.layers + 2 if self.kind == "gpt" else self.layers
+        return self.layers + 2 if self.is_transformer else self.layers
 
     @property
     def layers_described(self) -> str:
-        """``num_layers`` in words, for messages: the gpt's are its blocks, its embedding and its head.
+        """``num_layers`` in words, for messages: a transformer's are its blocks, its embedding and its head.
 
         Example:
             >>> ModelSpec(kind="gpt", layers=4, hidden=32, heads=2).layers_described
             '6 (the embedding, 4 blocks, the head)'
         """
-        if self.kind == "gpt":
+        if self.is_transformer:
             return f"{self.num_layers} (the embedding, {self.layers} block{'s' * (self.layers != 1)}, the head)"
         return str(self.num_layers)
 

@@ -296,7 +296,7 @@ def _check_min_seq_len(config: TrainConfig, length: int) -> None:
 
     longest = longest_sequence(config.model)
     if not 1 <= length <= longest:
-        where = "" if config.model.kind == "gpt" or is_hf(config.model.entry) else " (the dataset's sequences)"
+        where = "" if config.model.is_transformer or is_hf(config.model.entry) else " (the dataset's sequences)"
         flag = "--seq-len " if not where else ""
         raise UserError(f"--min-seq-len {length} is invalid; give a length in [1, {flag}{longest}]{where}")
     if config.is_stream:

@@ -53,19 +53,21 @@ def data_source(
     """
     if min_seq_len is not None and spec.kind == "mlp":
         raise UserError(
-            f"--min-seq-len applies to models of sequences (gpt, hf:TYPE, your own); a "
+            f"--min-seq-len applies to models of sequences (gpt, llama, hf:TYPE, your own); a "
             f"{spec.kind} model brings fixed shapes: drop --min-seq-len"
         )
     if spec.kind == "custom":
         if path is not None:
-            raise UserError("--data applies to --model gpt only; a custom model brings its own dataset: drop --data")
+            raise UserError(
+                "--data applies to --model gpt or llama; a custom model brings its own dataset: drop --data"
+            )
         model = spec.custom
         return DatasetSource(
             model.dataset, batch_size=batch_size, seed=seed, eval_dataset=model.eval_dataset, min_seq_len=min_seq_len
         )
     if spec.kind == "mlp":
         if path is not None:
-            raise UserError("--data applies to --model gpt only; drop --data or use --model gpt")
+            raise UserError("--data applies to --model gpt or llama; drop --data or use --model gpt")
         return RandomRegression(hidden=spec.hidden, batch_size=batch_size, seed=seed)
     if spec.vocab < 256:
         raise UserError(f"vocab={spec.vocab} cannot hold bytes; give vocab >= 256 for the byte-level corpus")
@@ -81,9 +83,9 @@ def longest_sequence(spec: ModelSpec) -> int:
     """
     if spec.kind == "mlp":
         raise UserError(
-            "--min-seq-len applies to models of sequences (gpt, hf:TYPE, your own), not mlp; drop --min-seq-len"
+            "--min-seq-len applies to models of sequences (gpt, llama, hf:TYPE, your own), not mlp; drop --min-seq-len"
         )
-    return spec.seq_len if spec.kind == "gpt" else sequence_length(spec.custom.dataset)
+    return spec.seq_len if spec.is_transformer else sequence_length(spec.custom.dataset)
 
 
 def step_microbatches(source: DataSource, step: int, num_microbatches: int) -> tuple[list[Boundary], list[Boundary]]:

@@ -1,4 +1,4 @@
-"""Models as lazy layer lists: the reference residual MLP and byte-level GPT, and your own (``LayerModel``)."""
+"""Models as lazy layer lists: the reference residual MLP, byte-level GPT and Llama, and your own (``LayerModel``)."""
 
 from pipeweave.models.build import build_layers
 from pipeweave.models.custom import LayerModel

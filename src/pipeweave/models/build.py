@@ -9,14 +9,19 @@ replica and in plain training.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from types import ModuleType
 
 from torch import nn
 
 from pipeweave.errors import UserError
-from pipeweave.models import gpt, mlp
+from pipeweave.models import gpt, llama, mlp
 from pipeweave.models.custom import build_layer as build_custom_layer
 from pipeweave.models.spec import ModelSpec, layer_generator, layer_seed
 from pipeweave.models.tied import tie
+
+FAMILIES: dict[str, ModuleType] = {"mlp": mlp, "gpt": gpt, "llama": llama}
+"""The built-in models by kind: each module gives ``build_layer``, ``check_tensor_parallel`` and
+``tensor_parallel_plan`` (and, a transformer, ``selective_plan``)."""
 
 
 def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Module]:
@@ -35,7 +40,6 @@ def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Modul
         >>> bool(torch.equal(a[0].up.weight, b[1].up.weight))
         True
     """
-    build = mlp.build_layer if spec.kind == "mlp" else gpt.build_layer
     layer_indices = list(layer_indices)
     layers = []
     for index in layer_indices:
@@ -46,7 +50,7 @@ def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Modul
         if spec.kind == "custom":
             layers.append(build_custom_layer(spec.custom, index, layer_seed(spec, index)))
         else:
-            layers.append(build(spec, index, layer_generator(spec, index)))
+            layers.append(FAMILIES[spec.kind].build_layer(spec, index, layer_generator(spec, index)))
     if spec.kind == "custom" and spec.custom.tied:  # one Parameter per tied group among these layers
         model = spec.custom
         tie(model.tied, dict(zip(layer_indices, layers)), lambda k: build_custom_layer(model, k, layer_seed(spec, k)))
@@ -64,7 +68,7 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
                 "a tp_plan (per layer, {module name: 'colwise' or 'rowwise'}), or --tensor-parallel 1"
             )
         return
-    (mlp if spec.kind == "mlp" else gpt).check_tensor_parallel(spec, size)
+    FAMILIES[spec.kind].check_tensor_parallel(spec, size)
 
 
 def tensor_parallel_plan(spec: ModelSpec, index: int, layer: nn.Module) -> Mapping[str, str]:
@@ -73,19 +77,19 @@ def tensor_parallel_plan(spec: ModelSpec, index: int, layer: nn.Module) -> Mappi
     if spec.kind == "custom":
         plans = spec.custom.tp_plan
         return (plans[index] or {}) if plans is not None else {}
-    return (mlp if spec.kind == "mlp" else gpt).tensor_parallel_plan(spec, layer)
+    return FAMILIES[spec.kind].tensor_parallel_plan(spec, layer)  # type: ignore[no-any-return]
 
 
 def selective_plan(spec: ModelSpec, index: int, layer: nn.Module) -> tuple[str, ...]:
-    """The submodules of layer ``index`` that ``--recompute selective`` replays (``sim.recompute``): the gpt's
-    attention core, a custom model's ``LayerModel.selective`` entry.
+    """The submodules of layer ``index`` that ``--recompute selective`` replays (``sim.recompute``): a built-in
+    transformer's attention core, a custom model's ``LayerModel.selective`` entry.
 
     Raises:
         UserError: a model that names no selective region (the mlp, a custom model without ``selective``).
     """
     check_selective(spec)
-    if spec.kind == "gpt":
-        return gpt.selective_plan(layer)
+    if spec.is_transformer:
+        return FAMILIES[spec.kind].selective_plan(layer)  # type: ignore[no-any-return]
     return tuple(spec.custom.selective[index] or ())
 
 

@@ -77,12 +77,17 @@ def build_layer(spec: ModelSpec, index: int, generator: torch.Generator) -> nn.M
     if index == 0:
         return Embedding(spec.vocab, spec.hidden, spec.seq_len, generator=generator)
     if index == spec.num_layers - 1:
-        head = Head(spec.hidden, spec.vocab, generator=generator)
-        if spec.tie_embeddings:  # the token table's initialisation, drawn without building layer 0
-            with torch.no_grad():
-                head.out.weight.copy_(Embedding.initial_token(spec.vocab, spec.hidden, layer_generator(spec, 0)))
-        return head
+        return tie_head(spec, Head(spec.hidden, spec.vocab, generator=generator))
     return Block(spec.hidden, spec.heads, generator=generator)
+
+
+def tie_head(spec: ModelSpec, head: nn.Module) -> nn.Module:
+    """``head`` with its ``out.weight`` starting as the token table where ``tie_embeddings`` (that table's
+    initialisation, drawn without building layer 0)."""
+    if spec.tie_embeddings:
+        with torch.no_grad():
+            head.out.weight.copy_(Embedding.initial_token(spec.vocab, spec.hidden, layer_generator(spec, 0)))
+    return head
 
 
 def selective_plan(layer: nn.Module) -> tuple[str, ...]:

@@ -183,12 +183,16 @@ class _LayerNormFn(torch.autograd.Function):
         )
 
 
-def _embedding_weight_grads(idx: torch.Tensor, gy: torch.Tensor, token: torch.Tensor, position: torch.Tensor) -> None:
+def _embedding_weight_grads(
+    idx: torch.Tensor, gy: torch.Tensor, token: torch.Tensor, position: torch.Tensor | None
+) -> None:
     """Accumulate the token and position gradients into ``.grad`` in place (as the linear layer does)."""
     width = gy.shape[-1]
     if token.grad is None:
         token.grad = torch.zeros_like(token)
     token.grad.index_add_(0, idx.reshape(-1), gy.reshape(-1, width))
+    if position is None:
+        return
     if position.grad is None:
         position.grad = torch.zeros_like(position)
     position.grad[: gy.shape[-2]] += gy.reshape(-1, gy.shape[-2], width).sum(0)
@@ -196,11 +200,14 @@ def _embedding_weight_grads(idx: torch.Tensor, gy: torch.Tensor, token: torch.Te
 
 class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, idx: torch.Tensor, token: torch.Tensor, position: torch.Tensor, store: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any, idx: torch.Tensor, token: torch.Tensor, position: torch.Tensor | None, store: Any
+    ) -> torch.Tensor:
         ctx.save_for_backward(idx)
         ctx.token, ctx.position = token, position
         ctx.store = store
-        return F.embedding(idx, token) + position[: idx.shape[-1]]
+        y = F.embedding(idx, token)
+        return y if position is None else y + position[: idx.shape[-1]]
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
@@ -257,6 +264,16 @@ class TransposedLinear(Linear):
         return _LinearFn.apply(x, self.weight, self.bias, self.grad_store, True)  # type: ignore[no-untyped-call,no-any-return]
 
 
+class FusedLinear(Linear):
+    """A ``Linear`` whose output features are several projections side by side, ``parts`` wide each (grouped-query
+    attention's Q, K and V; SwiGLU's gate and up): one GEMM for all. Tensor parallelism splits each part apart
+    (style ``colwise_fused``), so a rank's output holds its share of every part, in the same order."""
+
+    def __init__(self, in_features: int, parts: tuple[int, ...], *, generator: torch.Generator) -> None:
+        super().__init__(in_features, sum(parts), generator=generator, bias=False)
+        self.parts = parts
+
+
 class LayerNorm(nn.Module):
     """Layer normalisation over the last dimension with an affine weight and bias."""
 
@@ -271,12 +288,17 @@ class LayerNorm(nn.Module):
 
 
 class Embedding(Deferrable):
-    """Token plus learned position embedding: ``token[idx] + position[:seq]``."""
+    """Token plus learned position embedding: ``token[idx] + position[:seq]``; the token alone where
+    ``max_len`` is None (positions given by the attention itself: rotary)."""
 
-    def __init__(self, vocab: int, width: int, max_len: int, *, generator: torch.Generator) -> None:
+    def __init__(self, vocab: int, width: int, max_len: int | None, *, generator: torch.Generator) -> None:
         super().__init__()
         self.token = nn.Parameter(self.initial_token(vocab, width, generator))
-        self.position = nn.Parameter(torch.empty(max_len, width).normal_(0.0, 0.02, generator=generator))
+        self.position = (
+            None
+            if max_len is None
+            else nn.Parameter(torch.empty(max_len, width).normal_(0.0, 0.02, generator=generator))
+        )
 
     @staticmethod
     def initial_token(vocab: int, width: int, generator: torch.Generator) -> torch.Tensor:

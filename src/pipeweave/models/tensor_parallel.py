@@ -6,13 +6,17 @@ split, Shoeybi et al. 2019; the runtime's ``stage.tensor_parallel`` applies it):
 - ``colwise``: output features split (the weight's rows); the input comes whole;
 - ``colwise_qkv``: a fused Q, K, V projection split by heads, each rank
   keeping its heads' rows of each of the three;
+- ``colwise_fused``: a ``models.layers.FusedLinear`` (several projections
+  side by side, of the widths its ``parts`` give: grouped-query attention's
+  Q, K, V; SwiGLU's gate and up) split part by part, each rank keeping its
+  share of each, in order;
 - ``colwise_gather``: ``colwise``, the outputs gathered whole after it (a
   vocabulary head before its loss);
 - ``rowwise``: input features split (the weight's columns), the partial
   outputs summed, then the bias.
 
 The built-in models give theirs (``gpt.tensor_parallel_plan``,
-``mlp.tensor_parallel_plan``); a custom ``LayerModel`` its ``tp_plan``. The
+``llama.tensor_parallel_plan``, ``mlp.tensor_parallel_plan``); a custom ``LayerModel`` its ``tp_plan``. The
 layer's own code must work on its rank's share of the features: the gpt's
 attention reads the number of heads it holds from its projection's width.
 """
@@ -23,7 +27,7 @@ from collections.abc import Sequence
 
 from pipeweave.errors import UserError
 
-STYLES = ("colwise", "colwise_qkv", "colwise_gather", "rowwise")
+STYLES = ("colwise", "colwise_qkv", "colwise_fused", "colwise_gather", "rowwise")
 
 
 def check_divisible(what: Sequence[tuple[str, int]], size: int) -> None:

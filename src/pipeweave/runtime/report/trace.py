@@ -252,7 +252,7 @@ def measured_summary(schedule: Schedule, record: RunRecord, cost: CostModel) -> 
     times = step_times(record)
     step_time = statistics.median(times[k] for k in steps)
     samples = config.data.batch_size / step_time
-    tokens = samples * _mean_length(schedule, record) if config.model.kind == "gpt" else None
+    tokens = samples * _mean_length(schedule, record) if config.model.is_transformer else None
     return {
         "step_time_s": step_time,
         "step_times_s": times,

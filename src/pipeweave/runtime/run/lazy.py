@@ -15,19 +15,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeweave.models import gpt, mlp
+from pipeweave.models.build import FAMILIES
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.prepare import RunPlan
 from pipeweave.runtime.run.record import RunRecord
 
-_FAMILIES = {"mlp": mlp, "gpt": gpt}
-
 
 @contextlib.contextmanager
 def recording_builds(kind: str) -> Iterator[list[int]]:
     """Within the block, every layer index the ``kind`` family's factory builds is appended to the list."""
-    family = _FAMILIES[kind]
+    family = FAMILIES[kind]
     factory = family.build_layer
     built: list[int] = []
 

@@ -111,7 +111,7 @@ def prepare(config: TrainConfig) -> RunPlan:
         check_post_validation(schedule)
     run_id = _check_checkpoints(config, resumed)
     source = None
-    if config.data.path is not None or (config.model.kind == "gpt" and config.model.vocab < 256):
+    if config.data.path is not None or (config.model.is_transformer and config.model.vocab < 256):
         # the file is read on the first and last ranks; a bad one is one line here, not a failing rank
         source = data_source(
             config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path
@@ -242,16 +242,16 @@ def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
 
 
 def _check_sequence_parallel(config: TrainConfig) -> None:
-    """Sequence parallelism shards the gpt's sequence evenly over the tensor-parallel group, ZeRO and ties aside."""
+    """Sequence parallelism shards a transformer's sequence evenly over the tensor-parallel group, ZeRO and ties aside."""
     n, spec = config.parallel.tensor_parallel, config.model
     if n == 1:
         raise UserError(
             "--sequence-parallel shards activations over the tensor-parallel group; give --tensor-parallel N > 1"
         )
-    if spec.kind != "gpt":
+    if not spec.is_transformer:
         raise UserError(
-            f"--sequence-parallel applies to the gpt (a sequence to shard); --model {spec.kind} has "
-            "none: drop --sequence-parallel"
+            f"--sequence-parallel applies to the gpt and the llama (a sequence to shard); --model {spec.kind} "
+            "has none: drop --sequence-parallel"
         )
     if spec.seq_len % n:
         raise UserError(
@@ -308,7 +308,7 @@ def _check_evaluation(config: TrainConfig, source: Any) -> None:
     """``--eval-every`` has held-out data to evaluate on (``source``: ``--data``'s corpus, if given)."""
     if config.model.kind == "mlp":
         raise UserError(
-            "--eval-every applies to --model gpt or a custom model (the mlp fits fixed random "
+            "--eval-every applies to --model gpt, llama or a custom model (the mlp fits fixed random "
             "targets: there is nothing held out to generalise to); drop it or change --model"
         )
     if config.model.kind == "custom" and config.model.custom.eval_dataset is None:

@@ -168,10 +168,10 @@ def microbatch_sizes(config: TrainConfig) -> list[int]:
 
 
 def step_tokens(config: TrainConfig, num_microbatches: int, step: int) -> int | None:
-    """The gpt's tokens in step ``step`` of the training (``num_microbatches``: the schedule's, every
+    """A built-in transformer's tokens in step ``step`` of the training (``num_microbatches``: the schedule's, every
     replica's): batch x ``seq_len``, or, with ``min_seq_len``, each microbatch's samples x its own length;
     None for other models."""
-    if config.model.kind != "gpt":
+    if not config.model.is_transformer:
         return None
     if config.data.min_seq_len is None:
         return config.data.batch_size * config.model.seq_len
@@ -218,7 +218,7 @@ def largest_message_bytes(config: TrainConfig) -> int:
     """Bytes of the largest point-to-point message a run sends between stages (what a shared-memory ring holds).
 
     A microbatch's activation or input gradient (float32, (b, h) for the
-    mlp, (b, seq, h) for the gpt -- (b, seq / N, h) with sequence parallelism --
+    mlp, (b, seq, h) for the gpt and the llama -- (b, seq / N, h) with sequence parallelism --
     a custom model's largest as ``probe_model`` finds it). Replicated parts'
     gradients (Chimera, GEMS, DualPipe) are summed by collectives, not sent
     point to point; a stream's tied halves are (``runtime.stage.tied_stream``,
@@ -229,7 +229,7 @@ def largest_message_bytes(config: TrainConfig) -> int:
         per_sample = probe_model(model, config.data.data_seed)
     else:
         shards = config.parallel.tensor_parallel if config.parallel.sequence_parallel else 1
-        per_sample = model.hidden * (model.seq_len // shards if model.kind == "gpt" else 1) * 4
+        per_sample = model.hidden * (model.seq_len // shards if model.is_transformer else 1) * 4
     return max(microbatch_sizes(config)) * per_sample
 
 

@@ -53,7 +53,7 @@ from torch import nn
 
 from pipeweave.errors import UserError
 from pipeweave.models.build import build_layers, tensor_parallel_plan
-from pipeweave.models.layers import Deferrable, Linear, _accumulate, _deferring, _LinearFn
+from pipeweave.models.layers import Deferrable, FusedLinear, Linear, _accumulate, _deferring, _LinearFn
 from pipeweave.models.spec import ModelSpec
 from pipeweave.models.tensor_parallel import STYLES
 from pipeweave.runtime.stage.sequence_parallel import gathered_linear, reduce_scatter_to_sequence, shard_sequence
@@ -240,21 +240,36 @@ def _colwise(full: Linear, tp: TensorParallel, *, gather_output: bool = False) -
     return ColumnParallelLinear(full, tp, _indices(full.weight.shape[0], tp.size), gather_output=gather_output)
 
 
-def _colwise_qkv(full: Linear, tp: TensorParallel) -> ColumnParallelLinear:
-    """A fused QKV projection (rows: Q, K, V) split by heads: this rank's heads of each (the head count
-    divides by the group's size: ``models.tensor_parallel.check_divisible``)."""
-    width = full.weight.shape[0] // 3
-    per_rank = width // tp.size
+def _colwise_parts(full: Linear, tp: TensorParallel, parts: Sequence[int]) -> ColumnParallelLinear:
+    """A fused projection (rows: ``parts`` side by side) split part by part: this rank's share of each, in
+    order (each part divides by the group's size: ``models.tensor_parallel.check_divisible``)."""
+    starts = [sum(parts[:k]) for k in range(len(parts))]
     rows = tuple(
-        torch.cat([torch.arange(part * width + r * per_rank, part * width + (r + 1) * per_rank) for part in range(3)])
+        torch.cat(
+            [
+                start + torch.arange(r * width // tp.size, (r + 1) * width // tp.size)
+                for start, width in zip(starts, parts)
+            ]
+        )
         for r in range(tp.size)
     )
     return ColumnParallelLinear(full, tp, rows)
 
 
+def _colwise_qkv(full: Linear, tp: TensorParallel) -> ColumnParallelLinear:
+    """A fused QKV projection (rows: Q, K, V of one width) split by heads: this rank's heads of each."""
+    return _colwise_parts(full, tp, [full.weight.shape[0] // 3] * 3)
+
+
+def _colwise_fused(full: Linear, tp: TensorParallel) -> ColumnParallelLinear:
+    """A ``FusedLinear`` split part by part (grouped-query attention's Q, K, V; SwiGLU's gate and up)."""
+    return _colwise_parts(full, tp, full.parts)  # type: ignore[attr-defined]
+
+
 _STYLE = {
     "colwise": _colwise,
     "colwise_qkv": _colwise_qkv,
+    "colwise_fused": _colwise_fused,
     "colwise_gather": lambda full, tp: _colwise(full, tp, gather_output=True),
     "rowwise": lambda full, tp: RowParallelLinear(full, tp, _indices(full.weight.shape[1], tp.size)),
 }
@@ -318,4 +333,10 @@ def check_entry(layer: nn.Module, name: str, style: str, where: str) -> Linear:
             f"{where}: the TP plan names {name!r}, which is not a linear layer of it; give one of "
             f"{', '.join(linears) or 'none (it has no linear layer)'}"
         )
-    return layer.get_submodule(name)  # type: ignore[return-value]
+    module = layer.get_submodule(name)
+    if style == "colwise_fused" and not isinstance(module, FusedLinear):
+        raise UserError(
+            f"{where}: style colwise_fused for {name!r} needs a FusedLinear (its parts' widths); build it as "
+            "pipeweave.models.layers.FusedLinear, or give colwise or colwise_qkv"
+        )
+    return module  # type: ignore[return-value]

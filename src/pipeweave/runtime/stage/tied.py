@@ -1,7 +1,7 @@
 """Tied weights across stages: parameters that are one (an embedding and the head), kept identical by summing
 their gradients.
 
-A model's tied groups (``models.tied``: the gpt's token table and head with
+A model's tied groups (``models.tied``: a built-in transformer's token table and head with
 ``tie_embeddings``; a ``LayerModel``'s declared ``tied``; those
 ``pipeweave.pipeline`` finds) start equal. A group whose members all sit in
 one stage needs nothing at run time beyond a sum of its distinct copies. A
@@ -40,7 +40,7 @@ from pipeweave.schedule.ir import Placement
 
 def tied_groups(spec: ModelSpec) -> list[list[str]]:
     """The model's tied groups by global name (``models.tied``)."""
-    if spec.kind == "gpt":
+    if spec.is_transformer:
         return [["0.token", f"{spec.num_layers - 1}.out.weight"]] if spec.tie_embeddings else []
     return [list(g) for g in spec.custom.tied] if spec.kind == "custom" else []
 
