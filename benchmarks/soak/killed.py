@@ -1,0 +1,167 @@
+"""``soak.py kill``: a rank SIGKILLed under ``torchrun --max-restarts``, the run resumed with ``--resume auto``.
+
+The same training as ``soak.py run`` on 2 ranks, started by ``torchrun
+--standalone --nproc-per-node 2 --max-restarts 3`` with ``--save DIR
+--save-every K --resume auto`` (docs/guide/torchrun.md). At each of
+``--kill-at`` minutes the rank ``--kill-rank`` gets SIGKILL; torchrun stops
+the other rank and starts both again, and they resume the newest checkpoint.
+Measured from the samples and the TensorBoard events:
+
+- time to recover: from the kill to the first step logged after it by a
+  restarted rank (and to the restarted rank's process appearing);
+- the end: torchrun's exit code, and the last attempt's losses (its record's
+  ``losses`` from ``first_step`` on) against those of an uninterrupted
+  torchrun run of the same command, step by step;
+- the levels: each process's resident memory, descriptors and threads, and
+  the run's ``/dev/shm`` bytes, averaged over the minute before the first
+  kill and over the restarted run after it recovered (its first
+  ``--settle-s`` left out), side by side;
+- what is left: processes of the run alive after torchrun exits, and
+  ``/dev/shm`` files named after one of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import analyse
+import soak
+
+SETTLE_S = 20.0
+
+
+def torchrun_command(work: Path, steps: int, save_every: int) -> list[str]:
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        raise SystemExit("torchrun not found beside this Python nor on PATH")
+    launch = ["--standalone", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "3"]
+    train = [*soak.train_args(2, steps), *soak.outputs(work, save_every, resume=True)]
+    return [torchrun, *launch, "--monitor-interval", "0.5", "-m", "pipeweave.cli", "train", *train]
+
+
+class Killer:
+    """Called after every sample: SIGKILLs the rank at each due time, notes when its successor appears."""
+
+    def __init__(self, kill_at_s: list[float], rank: int) -> None:
+        self.due, self.label = sorted(kill_at_s), f"rank{rank}"
+        self.kills: list[dict[str, float | int]] = []
+
+    def __call__(self, sampler: soak.Sampler) -> None:
+        now = time.time() - sampler.began
+        pid = sampler.pid_of(self.label)
+        last = self.kills[-1] if self.kills else None
+        if last is not None and "restarted_s" not in last and pid is not None and pid != last["pid"]:
+            last["restarted_s"] = round(now, 2)
+        if self.due and now >= self.due[0] and pid is not None and (last is None or "restarted_s" in last):
+            os.kill(pid, signal.SIGKILL)
+            self.kills.append({"at_s": round(time.time() - sampler.began, 2), "pid": pid})
+            self.due.pop(0)
+
+
+def _levels(rows: list[dict[str, str]], first: float, last: float) -> dict[tuple[str, str], float]:
+    picked: dict[tuple[str, str], list[float]] = {}
+    for row in rows:
+        if first <= float(row["t_s"]) < last:
+            for metric in analyse.METRICS:
+                if row.get(metric, "") != "":
+                    picked.setdefault((row["process"], metric), []).append(float(row[metric]))
+    return {key: statistics.fmean(values) for key, values in picked.items()}
+
+
+def _recovery(kills: list[dict], events: list[analyse.StepEvent], began: float) -> None:
+    for kill in kills:
+        restarted = kill.get("restarted_s", kill["at_s"])
+        after = [e for e in events if e.wall - began > restarted]
+        if after:
+            kill["first_step_after_s"] = round(after[0].wall - began, 2)
+            kill["recovered_after_s"] = round(after[0].wall - began - kill["at_s"], 2)
+            kill["resumed_at_step"] = after[0].step
+
+
+def _compare(killed: Path, reference: Path) -> dict[str, object]:
+    mine, theirs = json.loads(killed.read_text()), json.loads(reference.read_text())
+    first = mine["first_step"]
+    expected = theirs["losses"][first:]
+    diffs = [abs(a - b) for a, b in zip(mine["losses"], expected)]
+    return {
+        "last_attempt_first_step": first,
+        "steps_compared": len(diffs),
+        "losses_equal": len(mine["losses"]) == len(expected) and max(diffs, default=0.0) == 0.0,
+        "max_abs_loss_difference": max(diffs, default=0.0),
+        "final_loss": mine["losses"][-1],
+        "reference_final_loss": theirs["losses"][-1],
+    }
+
+
+def _table(meta: dict, levels: tuple[dict, dict]) -> str:
+    lines = ["| kill at (s) | rank process back (s) | first step after (s) | recovered after (s) | resumed at step |"]
+    lines.append("|---:|---:|---:|---:|---:|")
+    for k in meta["kills"]:
+        cells = [k.get(key, "-") for key in ("at_s", "restarted_s", "first_step_after_s", "recovered_after_s")]
+        lines.append("| " + " | ".join(str(c) for c in [*cells, k.get("resumed_at_step", "-")]) + " |")
+    c = meta["comparison"]
+    lines += [
+        "",
+        f"torchrun exit code {meta['exit_code']}; the last attempt trained steps {c['last_attempt_first_step']} "
+        f"to {meta['steps'] - 1}: {c['steps_compared']} losses, equal to the uninterrupted run's: "
+        f"{c['losses_equal']} (largest difference {c['max_abs_loss_difference']:.3g}); final loss "
+        f"{c['final_loss']:.6f} vs {c['reference_final_loss']:.6f}. Processes left: "
+        f"{meta['processes_alive'] or 'none'}; /dev/shm files left: {meta['shm_files_named_after_the_run'] or 'none'}.",
+        "",
+        "| process | metric | before the kill | after the restart | change |",
+        "|---|---|---:|---:|---:|",
+    ]
+    before, after = levels
+    for key in sorted(set(before) & set(after), key=lambda k: (k[0] != "run", k)):
+        unit = analyse.METRICS[key[1]]
+        scale = 2**20 if unit else 1
+        b, a = before[key] / scale, after[key] / scale
+        lines.append(f"| {key[0]} | {key[1].removesuffix('_bytes')} {unit} | {b:.1f} | {a:.1f} | {a - b:+.1f} |")
+    return "\n".join(lines)
+
+
+def kill_mode(args: argparse.Namespace) -> None:
+    name = args.name or "soak-torchrun-kill"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"pipeweave-{name}-"))
+    step_s = args.step_s or soak.probe_step_s(2, work)
+    steps = max(20, round(args.minutes * 60 / step_s))
+    save_every = max(1, round(args.save_minutes * 60 / step_s))
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712 (the guide)
+    killer = Killer([m * 60 for m in args.kill_at], args.kill_rank)
+    runs = {}
+    for attempt, hook in (("killed", killer), ("reference", None)):
+        (work / attempt).mkdir()
+        command = torchrun_command(work / attempt, steps, save_every)
+        log = work / attempt / "torchrun.log"
+        runs[attempt] = soak.watch(command, args.sample_every, 4 * args.minutes * 60 + 300, log, env, hook)
+    sampler, code = runs["killed"]
+    train = " ".join(command[command.index("train") + 1 :]).replace(str(work / "reference"), "WORK")
+    meta = {**soak.machine(), "work": str(work / "killed"), "probe_step_s": step_s, "steps": steps}
+    meta.update(save_every=save_every, began=sampler.began, exit_code=code, reference_exit_code=runs["reference"][1])
+    meta["command"] = "torchrun " + " ".join(command[1 : command.index("train")]) + " train " + train
+    meta.update(kills=killer.kills, kills_s=[k["at_s"] for k in killer.kills], **sampler.leftovers())
+    events = analyse.step_events(work / "killed" / "tb")
+    _recovery(killer.kills, events, sampler.began)
+    meta["comparison"] = _compare(work / "killed" / "record.json", work / "reference" / "record.json")
+    soak.write_results(name, out, sampler, args, meta)
+    rows = analyse.read_csv(out / f"{name}.csv")
+    first = killer.kills[0]
+    recovered = max(k.get("first_step_after_s", k["at_s"]) for k in killer.kills) + SETTLE_S
+    levels = (_levels(rows, first["at_s"] - 60, first["at_s"]), _levels(rows, recovered, meta["last_step_s"]))
+    text = _table(meta, levels)
+    (out / f"{name}.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (out / f"{name}-kill.md").write_text(text + "\n")
+    if args.readme:
+        soak.replace_marked(Path(args.readme), f"{name}-kill", text)
+    print(text)
