@@ -17,6 +17,7 @@ previous sample).
 from __future__ import annotations
 
 import csv
+import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -125,7 +126,11 @@ def growth(rows: list[dict[str, str]], warmup_s: float, end_s: float | None) -> 
             if len(points) < 2:
                 continue
             per_s = slope(points)
-            found.append(Growth(process, metric, points[0][1], points[-1][1], per_s * 3600, per_s / steps_per_s * 1e3, len(points)))
+            found.append(
+                Growth(
+                    process, metric, points[0][1], points[-1][1], per_s * 3600, per_s / steps_per_s * 1e3, len(points)
+                )
+            )
     return found
 
 
@@ -202,3 +207,45 @@ def plot(rows: list[dict[str, str]], path: Path, title: str, marks: list[float] 
     figure.tight_layout()
     figure.savefig(path, dpi=80)
     plt.close(figure)
+
+
+def actions_per_step(trace: Path) -> dict[int, float]:
+    """Per rank, the actions it recorded in a step, from the run's Chrome trace (``train --trace``)."""
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    steps = 1 + max((e["args"]["step"] for e in events), default=0)
+    counts: dict[int, int] = {}
+    for e in events:
+        counts[e["pid"]] = counts.get(e["pid"], 0) + 1
+    return {rank: n / steps for rank, n in sorted(counts.items())}
+
+
+def record_bytes_per_step(actions: int, steps: int = 500) -> float:
+    """Python heap bytes a step of ``actions`` actions adds to a ``RankRecord`` (``records`` rows and
+    ``action_cpu_s``, as ``runtime.run.job`` appends them), measured with tracemalloc on rows of the same shape."""
+    import random
+    import tracemalloc
+
+    ops = ["F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]  # interned, as Op values are
+    records: list[list[tuple[int, str, int, float, float]]] = []
+    cpu: list[list[float]] = []
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for _ in range(steps):
+        records.append([(0, random.choice(ops), j, random.random(), random.random()) for j in range(actions)])
+        cpu.append([random.random() for _ in range(actions)])
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return grown / steps
+
+
+def record_note(per_rank: dict[str, float], actions: dict[str, float]) -> str:
+    """One sentence: what the run's record adds per step on each rank."""
+    cells = [
+        f"rank {r}: {actions[r]:.0f} actions, {per_rank[r] / 1024:.1f} KiB ({per_rank[r] * 1e3 / 2**20:.1f} MiB "
+        "per 1000 steps)"
+        for r in sorted(per_rank)
+    ]
+    return (
+        "The run's record keeps every action of every step for its trace (`RankRecord.records` and "
+        "`action_cpu_s`); rows of the same shape take, per step, by tracemalloc: " + "; ".join(cells) + "."
+    )

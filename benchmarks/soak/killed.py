@@ -5,7 +5,7 @@ The same training as ``soak.py run`` on 2 ranks, started by ``torchrun
 --save-every K --resume auto`` (docs/guide/torchrun.md). At each of
 ``--kill-at`` minutes the rank ``--kill-rank`` gets SIGKILL; torchrun stops
 the other rank and starts both again, and they resume the newest checkpoint.
-Measured from the samples and the TensorBoard events:
+Measured from the samples and the TensorBoard events (``NAME-restarts.md``):
 
 - time to recover: from the kill to the first step logged after it by a
   restarted rank (and to the restarted rank's process appearing);
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -88,6 +89,9 @@ def _recovery(kills: list[dict], events: list[analyse.StepEvent], began: float) 
 
 
 def _compare(killed: Path, reference: Path) -> dict[str, object]:
+    if not (killed.exists() and reference.exists()):
+        missing = [str(p) for p in (killed, reference) if not p.exists()]
+        return {"last_attempt_first_step": -1, "steps_compared": 0, "losses_equal": False, "missing": missing}
     mine, theirs = json.loads(killed.read_text()), json.loads(reference.read_text())
     first = mine["first_step"]
     expected = theirs["losses"][first:]
@@ -113,8 +117,8 @@ def _table(meta: dict, levels: tuple[dict, dict]) -> str:
         "",
         f"torchrun exit code {meta['exit_code']}; the last attempt trained steps {c['last_attempt_first_step']} "
         f"to {meta['steps'] - 1}: {c['steps_compared']} losses, equal to the uninterrupted run's: "
-        f"{c['losses_equal']} (largest difference {c['max_abs_loss_difference']:.3g}); final loss "
-        f"{c['final_loss']:.6f} vs {c['reference_final_loss']:.6f}. Processes left: "
+        f"{c['losses_equal']} (largest difference {c.get('max_abs_loss_difference', math.nan):.3g}); final loss "
+        f"{c.get('final_loss', math.nan):.6f} vs {c.get('reference_final_loss', math.nan):.6f}. Processes left: "
         f"{meta['processes_alive'] or 'none'}; /dev/shm files left: {meta['shm_files_named_after_the_run'] or 'none'}.",
         "",
         "| process | metric | before the kill | after the restart | change |",
@@ -130,7 +134,7 @@ def _table(meta: dict, levels: tuple[dict, dict]) -> str:
 
 
 def kill_mode(args: argparse.Namespace) -> None:
-    name = args.name or "soak-torchrun-kill"
+    name = args.name or "soak-torchrun"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"pipeweave-{name}-"))
@@ -155,13 +159,18 @@ def kill_mode(args: argparse.Namespace) -> None:
     _recovery(killer.kills, events, sampler.began)
     meta["comparison"] = _compare(work / "killed" / "record.json", work / "reference" / "record.json")
     soak.write_results(name, out, sampler, args, meta)
-    rows = analyse.read_csv(out / f"{name}.csv")
-    first = killer.kills[0]
-    recovered = max(k.get("first_step_after_s", k["at_s"]) for k in killer.kills) + SETTLE_S
-    levels = (_levels(rows, first["at_s"] - 60, first["at_s"]), _levels(rows, recovered, meta["last_step_s"]))
-    text = _table(meta, levels)
-    (out / f"{name}.json").write_text(json.dumps(meta, indent=1) + "\n")
-    (out / f"{name}-kill.md").write_text(text + "\n")
-    if args.readme:
-        soak.replace_marked(Path(args.readme), f"{name}-kill", text)
-    print(text)
+    print(restart_report(out / f"{name}.csv", meta, args.readme))
+
+
+def restart_report(csv: Path, meta: dict, readme: str | None) -> str:
+    """NAME-restarts.md from NAME.csv and the kills, recovery and comparison in ``meta``; returns its text."""
+    rows = analyse.read_csv(csv)
+    kills = meta["kills"]
+    recovered = max(k.get("first_step_after_s", k["at_s"]) for k in kills) + SETTLE_S
+    before = _levels(rows, kills[0]["at_s"] - 60, kills[0]["at_s"])
+    text = _table(meta, (before, _levels(rows, recovered, meta["last_step_s"])))
+    name = f"{csv.stem}-restarts"
+    csv.with_name(f"{name}.md").write_text(text + "\n")
+    if readme:
+        soak.replace_marked(Path(readme), name, text)
+    return text

@@ -18,7 +18,8 @@ Three modes (``python benchmarks/soak/soak.py MODE --help``):
            to recover, compares the final losses with an uninterrupted
            torchrun run of the same command, and the levels of every metric
            before the kill with those after the restart.
-``table``  computes ``NAME.md`` and ``NAME.png`` again from a kept CSV.
+``table``  computes ``NAME.md`` and ``NAME.png`` again from a kept CSV and
+           its ``NAME.json`` (and a kill run's ``NAME-restarts.md``).
 
 With ``--readme FILE`` the table also replaces the text between
 ``<!-- soak:NAME -->`` and ``<!-- /soak:NAME -->`` in FILE.
@@ -175,6 +176,9 @@ def summarize(csv: Path, args: argparse.Namespace, meta: dict[str, object], even
     warmup, window = first_step + args.warmup_minutes * 60, args.window_minutes * 60
     end = meta.get("last_step_s") or float(rows[-1]["t_s"])
     found = analyse.growth(rows, warmup, end)
+    work = Path(str(meta.get("work", "")))
+    if events is None and (work / "tb").is_dir():
+        events = analyse.step_events(work / "tb")
     if events is None:  # the CSV's per-sample medians stand in for the events
         began = 0.0
         events = [
@@ -186,6 +190,13 @@ def summarize(csv: Path, args: argparse.Namespace, meta: dict[str, object], even
         began = float(meta["began"])
     medians = analyse.step_medians(events, began, warmup, window)
     text = analyse.table(found, medians, window, (end - warmup) / 3600)
+    if "record_bytes_per_step" not in meta and (work / "out" / "trace.json").is_file():
+        actions = analyse.actions_per_step(work / "out" / "trace.json")
+        meta["record_actions_per_step"] = {str(r): n for r, n in actions.items()}
+        meta["record_bytes_per_step"] = {str(r): analyse.record_bytes_per_step(round(n)) for r, n in actions.items()}
+        csv.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    if "record_bytes_per_step" in meta:
+        text += "\n\n" + analyse.record_note(meta["record_bytes_per_step"], meta["record_actions_per_step"])
     heading = f"`{meta['command']}`\n\n{meta['date_utc']} UTC, commit {meta['commit']}, "
     heading += f"load average at start {meta['load_at_start'][0]:.1f}, exit code {meta.get('exit_code')}.\n\n"
     csv.with_suffix(".md").write_text(heading + text + "\n")
@@ -263,7 +274,12 @@ def main(argv: list[str] | None = None) -> None:
         killed.kill_mode(args)
     else:
         csv = Path(args.csv)
-        print(summarize(csv, args, json.loads(csv.with_suffix(".json").read_text())))
+        meta = json.loads(csv.with_suffix(".json").read_text())
+        print(summarize(csv, args, meta))
+        if "kills" in meta:
+            import killed
+
+            print(killed.restart_report(csv, meta, args.readme))
 
 
 if __name__ == "__main__":
