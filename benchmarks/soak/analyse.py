@@ -36,7 +36,14 @@ COLUMNS = [
     "step",
     "step_time_s",
 ]
-METRICS = {"rss_bytes": "MiB", "fds": "", "threads": "", "shm_bytes": "MiB", "shm_delta_bytes": "MiB"}
+METRICS = {
+    "rss_bytes": "MiB",
+    "fds": "",
+    "threads": "",
+    "shm_bytes": "MiB",
+    "shm_delta_bytes": "MiB",
+    "step_time_s": "ms",
+}
 
 
 @dataclass
@@ -94,6 +101,8 @@ def series(rows: list[dict[str, str]], process: str, metric: str) -> list[tuple[
 def _scaled(value: float, unit: str) -> str:
     if unit == "MiB":
         return f"{value / 2**20:.2f}"
+    if unit == "ms":
+        return f"{value * 1e3:.1f}"
     return f"{value:.0f}" if float(value).is_integer() else f"{value:.2f}"
 
 
@@ -153,7 +162,7 @@ def table(found: list[Growth], medians: tuple[float, float], window_s: float, ho
     ]
     for g in found:
         unit = METRICS[g.metric]
-        name = f"{g.metric.removesuffix('_bytes')} ({unit})" if unit else g.metric
+        name = f"{g.metric.removesuffix('_bytes').removesuffix('_s')} ({unit})" if unit else g.metric
         rate = _scaled(g.per_hour, unit) if unit else f"{g.per_hour:.2f}"
         per_steps = _scaled(g.per_1k_steps, unit) if unit else f"{g.per_1k_steps:.3f}"
         cells = [g.process, name, _scaled(g.start, unit), _scaled(g.end, unit), rate, per_steps, str(g.samples)]
@@ -219,7 +228,7 @@ def actions_per_step(trace: Path) -> dict[int, float]:
     return {rank: n / steps for rank, n in sorted(counts.items())}
 
 
-def record_bytes_per_step(actions: int, steps: int = 500) -> float:
+def record_bytes_per_step(actions: int, steps: int = 2000) -> float:
     """Python heap bytes a step of ``actions`` actions adds to a ``RankRecord`` (``records`` rows and
     ``action_cpu_s``, as ``runtime.run.job`` appends them), measured with tracemalloc on rows of the same shape."""
     import random

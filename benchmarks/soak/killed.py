@@ -14,8 +14,8 @@ Measured from the samples and the TensorBoard events (``NAME-restarts.md``):
   torchrun run of the same command, step by step;
 - the levels: each process's resident memory, descriptors and threads, and
   the run's ``/dev/shm`` bytes, averaged over the minute before the first
-  kill and over the restarted run after it recovered (its first
-  ``--settle-s`` left out), side by side;
+  kill and over the last restarted run, each from ``SETTLE_S`` after its
+  first step to its end, side by side;
 - what is left: processes of the run alive after torchrun exits, and
   ``/dev/shm`` files named after one of them.
 """
@@ -127,9 +127,10 @@ def _table(meta: dict, levels: tuple[dict, dict]) -> str:
     before, after = levels
     for key in sorted(set(before) & set(after), key=lambda k: (k[0] != "run", k)):
         unit = analyse.METRICS[key[1]]
-        scale = 2**20 if unit else 1
+        scale = {"MiB": 2**20, "ms": 1e-3}.get(unit, 1)
         b, a = before[key] / scale, after[key] / scale
-        lines.append(f"| {key[0]} | {key[1].removesuffix('_bytes')} {unit} | {b:.1f} | {a:.1f} | {a - b:+.1f} |")
+        metric = f"{key[1].removesuffix('_bytes').removesuffix('_s')} ({unit})" if unit else key[1]
+        lines.append(f"| {key[0]} | {metric} | {b:.1f} | {a:.1f} | {a - b:+.1f} |")
     return "\n".join(lines)
 
 
@@ -167,8 +168,11 @@ def restart_report(csv: Path, meta: dict, readme: str | None) -> str:
     rows = analyse.read_csv(csv)
     kills = meta["kills"]
     recovered = max(k.get("first_step_after_s", k["at_s"]) for k in kills) + SETTLE_S
-    before = _levels(rows, kills[0]["at_s"] - 60, kills[0]["at_s"])
-    text = _table(meta, (before, _levels(rows, recovered, meta["last_step_s"])))
+    first_step = min(float(r["t_s"]) for r in rows if r["process"] == "run" and r["step"] != "")
+    before = _levels(rows, max(kills[0]["at_s"] - 60, first_step + SETTLE_S), kills[0]["at_s"])
+    heading = f"`{meta['command']}`\n\n{meta['date_utc']} UTC, commit {meta['commit']}, "
+    heading += f"load average at start {meta['load_at_start'][0]:.1f}.\n\n"
+    text = heading + _table(meta, (before, _levels(rows, recovered, meta["last_step_s"])))
     name = f"{csv.stem}-restarts"
     csv.with_name(f"{name}.md").write_text(text + "\n")
     if readme:
