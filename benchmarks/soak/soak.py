@@ -41,8 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import analyse  # noqa: E402
-import procs  # noqa: E402
+import analyse  # noqa: E402 - found through the sys.path entry above
+import procs  # noqa: E402 - found through the sys.path entry above
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["--model", "gpt", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq-len", "64", "--batch", "8"]

@@ -14,9 +14,9 @@ import pytest
 SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak"
 sys.path.insert(0, str(SOAK))
 
-import analyse  # noqa: E402
-import procs  # noqa: E402
-import soak  # noqa: E402
+import analyse  # noqa: E402 - found through the sys.path entry above
+import procs  # noqa: E402 - found through the sys.path entry above
+import soak  # noqa: E402 - found through the sys.path entry above
 
 MIB = 2**20
 
