@@ -329,3 +329,26 @@ def test_zb_auto_is_searched_for_the_profiled_costs_and_its_memory_limit(tmp_pat
     peaks = compute_metrics(simulate(schedule, cost)).peak_activations
     assert max(peaks) <= 2 * 2 + 1e-9  # K x D x M_a
     assert max(peaks) > 2  # the limit is used: deeper than 1F1B's D x M_a
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_the_progress_sink_keeps_nothing_per_step(quiet: bool) -> None:
+    """The launcher's progress sink forgets a step once every rank's loss share is in: before, it kept a dict
+    per step for the whole run, and a 35-minute soak of 12376 steps (benchmarks/soak) saw the launcher's
+    resident memory grow by 0.3 MiB per 1000 steps."""
+    from pipeweave.commands.train_run import _Progress
+    from pipeweave.config import TrainConfig
+
+    config = TrainConfig()
+    with _Progress(config, world=2, quiet=quiet) as progress:
+        for step in range(50):
+            for rank in (1, 0):
+                progress.update(rank, {"step": step, "loss": 0.5})
+            if step % 10 == 9:
+                for rank in (0, 1):
+                    progress.update(rank, {"eval": step + 1, "loss": 0.25})
+        progress.update(0, {"step": 50, "loss": 0.5})  # a step still waiting for rank 1's share
+        assert progress.shares == {50: {0: 0.5}} and progress.eval_shares == {}
+        assert progress.eval_text == "  held-out 0.5000"
+        if not quiet:
+            assert progress.loss_text == "loss 1.0000"

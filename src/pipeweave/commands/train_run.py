@@ -251,21 +251,27 @@ class _Progress:
         if "eval" in value:  # a held-out loss share: shown beside the training loss once every rank's is in
             shares = self.eval_shares.setdefault(value["eval"], {})
             shares[rank] = value["loss"]
-            if len(shares) == self._num_reporting() and self._sees_every_share:
-                self.eval_text = f"  held-out {sum(shares.values()):.4f}"
-                if self.bar is not None:
-                    self.bar.update(self.task, status=f"{self.loss_text}{self.eval_text}{self.rate_text}")
+            if len(shares) == self._num_reporting():
+                del self.eval_shares[value["eval"]]  # whole: nothing is kept per evaluation
+                if self._sees_every_share:
+                    self.eval_text = f"  held-out {sum(shares.values()):.4f}"
+                    if self.bar is not None:
+                        self.bar.update(self.task, status=f"{self.loss_text}{self.eval_text}{self.rate_text}")
             return
         step = value["step"]
-        self.shares.setdefault(step, {})[rank] = value["loss"]
-        if self.bar is None or len(self.shares[step]) < self._num_reporting():
+        shares = self.shares.setdefault(step, {})
+        shares[rank] = value["loss"]
+        if len(shares) < self._num_reporting():
+            return
+        del self.shares[step]  # whole: nothing is kept per step, so a long run's launcher stays flat (soak)
+        if self.bar is None:
             return
         if step == 0 or self.config.is_stream:  # a stream reports its mini-batches at its end: no rate
             self.started = time.perf_counter()
             rate = ""
         else:
             rate = f"  {self.config.data.batch_size * step / (time.perf_counter() - self.started):.1f} samples/s"
-        loss = f"loss {sum(self.shares[step].values()):.4f}" if self._sees_every_share else ""
+        loss = f"loss {sum(shares.values()):.4f}" if self._sees_every_share else ""
         self.loss_text, self.rate_text = loss, rate
         self.bar.update(self.task, completed=step + 1, status=f"{loss}{self.eval_text}{rate}")
 
