@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.report.stream_summary import summarize_stream
@@ -42,7 +42,7 @@ def main() -> None:
         if info.synchronous:
             continue
         config = TrainConfig(schedule=name, num_stages=2, num_microbatches=8, batch_size=256, steps=args.steps,
-                             model=ModelSpec(kind="mlp", layers=8, hidden=args.hidden), lr=0.01, momentum=0.9)
+                             model=ModelSpec(kind="mlp", layers=8, hidden=args.hidden), optimizer="sgd", lr=0.01, momentum=0.9)
         prepare(config).schedule
         before = os.getloadavg()[0]
         record = launch(run_rank, prepare(config), build_schedule(config).num_ranks, LaunchOptions(threads=1, transport=args.transport))

@@ -33,14 +33,14 @@ def _run(offload: str | None, steps: int) -> dict[str, Any]:
     """One training run in this process's launcher: its summary (as ``train --json``) and its CPU times."""
     from pipeweave.models.spec import ModelSpec
     from pipeweave.runtime.report.trace import measured_steps, step_times, summarize
-    from pipeweave.runtime.run.config import TrainConfig
+    from pipeweave.config import TrainConfig
     from pipeweave.runtime.run.job import run_rank
     from pipeweave.runtime.run.launch import LaunchOptions, launch
     from pipeweave.runtime.run.prepare import prepare
 
     spec = ModelSpec(kind="gpt", layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq_len=SEQ)
     plan = prepare(TrainConfig(schedule="1f1b", num_stages=STAGES, num_microbatches=T, model=spec, batch_size=BATCH,
-                               steps=steps, optimizer="sgd", offload=offload))
+                               steps=steps, optimizer="sgd", lr=0.1, momentum=0.0, offload=offload))
     record = launch(run_rank, plan, plan.num_processes, LaunchOptions(transport="auto"))
     summary = summarize(plan.schedule, record)
     counted = measured_steps(steps)

@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.reference import run_reference
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.part_memory import part_memory
 from pipeweave.runtime.run.prepare import prepare
 from pipeweave.schedule import generate
@@ -53,7 +53,7 @@ def _held(mode: str, cache: str) -> list[int]:
     """Per part, what a microbatch holds from its F to its backward under ``mode`` (``part_memory``; ``cache``:
     one folder per kernel, which its key does not name)."""
     config = TrainConfig(schedule="1f1b", num_stages=STAGES, num_microbatches=MICROBATCHES, batch_size=BATCH,
-                         model=SPEC, recompute=mode)
+                         model=SPEC, recompute=mode, steps=10, optimizer="sgd", lr=0.1, momentum=0.0)
     return [p.held for p in part_memory(config, prepare(config).parts, ("B",), cache_dir=cache)]
 
 

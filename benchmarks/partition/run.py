@@ -18,7 +18,7 @@ import torch
 
 from pipeweave.models import ModelSpec
 from pipeweave.partition import LayerCosts, MemoryProfile, PartitionContext, partition
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.profile import profile_model
@@ -43,7 +43,7 @@ def predicted(costs: LayerCosts, counts: tuple[int, ...], schedule_name: str, st
 def measure(spec: ModelSpec, counts: tuple[int, ...], args: argparse.Namespace) -> dict[str, object]:
     config = TrainConfig(
         schedule=args.schedule, num_stages=args.stages, num_microbatches=args.microbatches, model=spec,
-        batch_size=args.batch, steps=args.steps, lr=0.01, layers_per_part=counts, data=args.data,
+        batch_size=args.batch, steps=args.steps, optimizer="sgd", lr=0.01, momentum=0.0, layers_per_part=counts, data=args.data,
     )
     schedule = prepare(config).schedule
     record = launch(run_rank, prepare(config), schedule.num_ranks, LaunchOptions(threads=1, timeout_s=120, transport="auto"))

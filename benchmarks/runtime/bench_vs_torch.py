@@ -34,7 +34,7 @@ from torch import nn
 
 from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.plain import run_plain
@@ -86,7 +86,7 @@ def ours(context: RankContext, name: str, chunks: int | None, steps: int, warmup
     world = context.world
     config = TrainConfig(schedule=name, num_stages=world, num_microbatches=T, num_chunks=chunks,
                          model=ModelSpec(kind="mlp", layers=LAYERS, hidden=HIDDEN), batch_size=BATCH,
-                         steps=steps + warmup, lr=0.01)
+                         steps=steps + warmup, optimizer="sgd", lr=0.01, momentum=0.0)
     record = run_rank(context, prepare(config))
     if record is None:
         return None

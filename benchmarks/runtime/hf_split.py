@@ -32,7 +32,7 @@ from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
 from pipeweave.models.hf import ByteWindows
 from pipeweave.runtime.report.trace import summarize
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import build_schedule, prepare
@@ -84,7 +84,7 @@ def ours(context: RankContext, steps: int, warmup: int) -> dict[str, Any] | None
     world = context.world
     config = TrainConfig(schedule="1f1b", num_stages=world, num_microbatches=T, batch_size=BATCH,
                          model=ModelSpec(kind="custom", entry=f"{os.path.abspath(__file__)}:model"),
-                         steps=steps + warmup, lr=LR)
+                         steps=steps + warmup, optimizer="sgd", lr=LR, momentum=0.0)
     record = run_rank(context, prepare(config))
     if record is None:
         return None

@@ -39,7 +39,7 @@ from pipeweave.models import ModelSpec
 from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.nonfinite import LossAgreement
 from pipeweave.runtime.process import device_for
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.milestones import rank_microbatches
 from pipeweave.runtime.run.prepare import prepare
 from pipeweave.runtime.run.workers import build_workers
@@ -77,7 +77,7 @@ def bench(context: RankContext, payload: dict[str, Any]) -> dict[str, Any] | Non
     rank, world = context.process, context.world
     spec, batch, t = MODELS[payload["model"]]
     config = TrainConfig(schedule=payload["schedule"], num_stages=world, num_microbatches=t, model=spec,
-                         batch_size=batch, lr=1e-3)
+                         batch_size=batch, steps=10, optimizer="sgd", lr=1e-3, momentum=0.0)
     plan, device = prepare(config), device_for(rank)
     workers = build_workers(plan, rank, device)
     executors = {way: Executor(lower(plan.schedule), rank, workers, plan.microbatch_sizes, device, on_nonfinite=way)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from pipeweave.runtime.context import RankContext
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.prepare import prepare
 from pipeweave.runtime.run.step_log import StepLog
 
@@ -38,7 +38,8 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         plan = prepare(TrainConfig(schedule="1f1b", num_stages=1, num_microbatches=4, batch_size=8, steps=10,
-                                   model=ModelSpec(kind="mlp", layers=2, hidden=8), log_dir=folder))
+                                   model=ModelSpec(kind="mlp", layers=2, hidden=8), optimizer="sgd", lr=0.1,
+                                   momentum=0.0, log_dir=folder))
         actions = [("F", j) for j in range(4)] + [("B", j) for j in range(4)] + [("U", 0)]
         records = [(0, op, j, 1e-3 * i, 1e-3 * i + 8e-4) for i, (op, j) in enumerate(actions)]
         log = StepLog(plan, RankContext(), None)

@@ -26,7 +26,7 @@ from typing import Any
 
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.report.trace import step_times
-from pipeweave.runtime.run.config import TrainConfig
+from pipeweave.config import TrainConfig
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import prepare

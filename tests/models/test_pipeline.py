@@ -323,3 +323,15 @@ def test_masks_positions_and_rotary_tables_recomputed_per_part_follow_the_sequen
             x = call(layer, x)
         logits = x.logits if hasattr(x, "logits") else x
         torch.testing.assert_close(logits, net(tokens[:, :length]).logits, rtol=0, atol=0)
+
+
+def test_an_example_sliced_out_of_longer_windows_traces_a_graph_that_takes_contiguous_batches() -> None:
+    """``windows[:2, :-1]`` (inputs cut from (input, target) windows, as a dataset holds them) is strided; the
+    batches the ranks feed are contiguous: the traced graph takes them and computes the module."""
+    from pipeweave.models.tracing import export
+
+    torch.manual_seed(0)
+    net = tiny_modules.Looped()
+    windows = torch.randint(0, tiny_modules.VOCAB, (3, tiny_modules.SEQ + 1))
+    tokens = windows[:, :-1].contiguous()
+    torch.testing.assert_close(export(net, (windows[:2, :-1],))(tokens), net(tokens), rtol=0, atol=0)

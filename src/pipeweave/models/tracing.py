@@ -58,7 +58,12 @@ def trace(module: nn.Module, example_inputs: tuple[Any, ...], leaves: Collection
 
 def export(module: nn.Module, example_inputs: tuple[Any, ...]) -> fx.GraphModule:
     """``torch.export``'s graph of the module (non-strict), dimensions 0 and 1 of every input dynamic where the
-    module lets them be (``Dim.AUTO``): the batch, and a sequence's length (``--min-seq-len``)."""
+    module lets them be (``Dim.AUTO``): the batch, and a sequence's length (``--min-seq-len``).
+
+    The examples are traced contiguous, as the ranks' batches come: with a dynamic length, the strides of an
+    example cut from longer windows (``windows[:2, :-1]``) would become guards that every contiguous batch fails.
+    """
+    example_inputs = tuple(x.contiguous() if isinstance(x, torch.Tensor) else x for x in example_inputs)
     dims = tuple(
         {d: torch.export.Dim.AUTO for d in range(min(x.dim(), 2))} if isinstance(x, torch.Tensor) else None
         for x in example_inputs
