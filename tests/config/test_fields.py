@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 import pytest
 
@@ -110,3 +111,25 @@ def test_fields_read_by_name_and_sections_replace_alike() -> None:
     assert config.num_stages == config.schedule.num_stages == 4 and config.get("tensor_parallel") == 2
     assert dataclasses.replace(config, steps=3).training.steps == 3
     assert config.replace(schedule="gpipe").schedule.num_stages == 4  # a name keeps the section's other fields
+
+
+def test_every_default_shown_in_help_is_the_one_a_run_uses() -> None:
+    """``--help``'s "(default X)" is the value ``TrainConfig()`` holds: the default model is a small gpt whose
+    --seq-len is 64, where ModelSpec's own field says 128 (the help showed 128)."""
+    import argparse
+
+    from pipeweave.config import TrainConfig
+    from pipeweave.config.cli import SEP, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, TrainConfig)
+    used = TrainConfig()
+    shown = 0
+    for action in parser._actions:
+        said = re.search(r"\(default (.+)\)$", action.help or "")
+        if said is None or SEP not in action.dest:
+            continue
+        section, name = action.dest.split(SEP)
+        assert said.group(1) == str(getattr(getattr(used, section), name)), (action.option_strings, said.group(1))
+        shown += 1
+    assert shown > 20

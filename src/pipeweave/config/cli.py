@@ -34,20 +34,24 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     for name, section in sections(cls):
         doc = (section.__doc__ or "").strip().split("\n")[0]
         group = parser.add_argument_group(name, doc)
+        defaults = next(f for f in dataclasses.fields(cls) if f.name == name).default_factory()  # type: ignore[misc]
         for f in dataclasses.fields(section):
             if option_of(f).internal or option_of(f).via is not None:
                 continue
-            flags, kwargs = argument(section, f)
+            flags, kwargs = argument(section, f, getattr(defaults, f.name))
             group.add_argument(*flags, dest=f"{name}{SEP}{f.name}", default=argparse.SUPPRESS, **kwargs)
 
 
-def argument(section: type, f: Field[Any]) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """The flags and ``add_argument`` keywords of one field."""
+def argument(section: type, f: Field[Any], default: Any = MISSING) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The flags and ``add_argument`` keywords of one field; ``default``: the value the command uses when the
+    option is not given (the configuration's default section's, which may differ from the field's: the default
+    model is a small gpt), shown in its help."""
     opt = option_of(f)
     flags = opt.flags or ("--" + f.name.replace("_", "-"),)
     base, _ = unoptional(hints(section)[f.name])
     text = help_of(section, f)
-    default = f.default if f.default is not MISSING else None
+    if default is MISSING:
+        default = f.default if f.default is not MISSING else None
     if base is bool and opt.const is None:
         return flags, {"action": "store_false" if opt.negate else "store_true", "help": text}
     kwargs: dict[str, Any] = {"help": text + ("" if default in (None, False, ()) else f" (default {default})")}
