@@ -197,7 +197,7 @@ def _waiting_for(found: Callable[[], object], proc: subprocess.Popen[str]) -> ob
 
 def _ranks(pid: int) -> list[int]:
     """The run's rank processes (the fork server's children) once both are there."""
-    ranks = [child for child, parent in _descendants(pid).items() if parent != pid]
+    ranks = [child for child, parent in descendants(pid).items() if parent != pid]
     return ranks if len(ranks) == 2 else []
 
 
