@@ -183,7 +183,19 @@ def test_custom_gpu(capsys: pytest.CaptureFixture[str]) -> None:
         ),
         (["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "-s", "pipedream"], ["not a synchronous"]),
         (["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "--peak-tflops", "100"], ["--gpu custom"]),
-        (["--model", "llama", "--gpus", "32", "--global-batch", "512"], ["unknown --model"]),
+        (["--model", "llama2", "--gpus", "32", "--global-batch", "512"], ["unknown --model 'llama2'", "llama3-8b"]),
+        (
+            ["--model", "llama", "--layers", "4", "--hidden", "512", "--heads", "8", "--kv-heads", "3"]
+            + ["--gpus", "8", "--global-batch", "8"],
+            ["--kv-heads 3 does not divide --heads 8", "give a divisor"],
+        ),
+        (
+            ["--model", "llama", "--layers", "4", "--hidden", "512", "--heads", "8", "--ffn-hidden", "0"]
+            + ["--gpus", "8", "--global-batch", "8"],
+            ["--ffn-hidden 0 is invalid"],
+        ),
+        (["--model", "llama", "--gpus", "32", "--global-batch", "512"], ["--model llama needs --layers --hidden"]),
+        (["--model", "llama3-8b", "--layers", "4", "--gpus", "8", "--global-batch", "8"], ["changes the preset"]),
         (["--model", "gpt", "--gpus", "32", "--global-batch", "512"], ["--model gpt needs --layers --hidden --heads"]),
     ],
 )

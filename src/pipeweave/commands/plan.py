@@ -20,6 +20,19 @@ from typing import Any
 
 from pipeweave.errors import UserError
 from pipeweave.planner.space import MAX_CELLS, MAX_CONFIGURATIONS
+from pipeweave.planner.transformer import ATTENTIONS
+
+MODEL_FLAGS = (
+    ("--layers", "l, transformer blocks"),
+    ("--hidden", "h, hidden size"),
+    ("--heads", "a, attention (query) heads"),
+    ("--kv-heads", "key/value heads, dividing --heads (grouped-query attention; default --heads)"),
+    ("--ffn-hidden", "f, the MLP's size (default 4h for gpt's GeLU; llama's SwiGLU: 8h/3 rounded up to 256)"),
+    ("--seq-len", "s, tokens per sample (default 2048)"),
+    ("--vocab", "V, vocabulary (default 51200)"),
+)
+"""The shape of ``--model gpt`` or ``--model llama``, named as ``train`` names them."""
+SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "seq_len", "vocab")
 
 CUSTOM_FLAGS = (
     ("--peak-tflops", "peak dense BF16 TFLOP/s (with --costs, none: the profiling machine)"),
@@ -40,16 +53,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
         "memory per GPU.",
     )
     p.add_argument(
-        "--model", help="a preset (gpt-1.7b ... gpt-1t, gpt3-175b) or gpt with --layers --hidden --heads (default gpt)"
+        "--model",
+        help="a preset (gpt-1.7b ... gpt-1t, gpt3-125m ... gpt3-175b, bloom-176b, llama3-8b, llama3-70b, "
+        "llama3-405b), or gpt or llama with --layers --hidden --heads (default gpt)",
     )
-    for flag, help_ in (
-        ("--layers", "l, transformer blocks"),
-        ("--hidden", "h, hidden size"),
-        ("--heads", "a, attention heads"),
-        ("--seq-len", "s, tokens per sample (default 2048)"),
-        ("--vocab", "V, vocabulary (default 51200)"),
-    ):
+    for flag, help_ in MODEL_FLAGS:
         p.add_argument(flag, type=int, help=help_)
+    p.add_argument(
+        "--attention",
+        choices=ATTENTIONS,
+        help="flash (default; no s x s scores stored or moved) or math (the unfused kernels); presets too",
+    )
+    p.add_argument(
+        "--tie-embeddings", action="store_true", help="llama: the head shares the token embedding (gpt: always)"
+    )
     p.add_argument(
         "--costs",
         metavar="FILE",
@@ -223,16 +240,19 @@ def _cluster(args: argparse.Namespace) -> Any:
 
 
 def _model(args: argparse.Namespace, gpu: Any) -> Any:
-    """The model: from ``--costs`` scaled to ``gpu``, a preset, or ``--model gpt`` with its shape."""
-    from pipeweave.planner.transformer import Transformer, model_named
+    """The model: from ``--costs`` scaled to ``gpu``, a preset, or ``--model gpt`` or ``llama`` with its shape."""
+    from dataclasses import replace
 
-    shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq_len", "vocab")}
+    from pipeweave.planner.transformer import LLAMA, Transformer, model_named
+
+    shape = {k: getattr(args, k) for k in SHAPE}
     given = [f"--{k.replace('_', '-')}" for k, v in shape.items() if v is not None]
     if args.costs is not None:
-        if args.model is not None or given:
+        described = [f for f in ("--attention", "--tie-embeddings") if getattr(args, f[2:].replace("-", "_"))]
+        if args.model is not None or given or described:
             raise UserError(
-                f"{'--model' if args.model is not None else given[0]} describes a GPT; --costs "
-                "plans the profiled model: give one of them"
+                f"{'--model' if args.model is not None else (given + described)[0]} describes a transformer; "
+                "--costs plans the profiled model: give one of them"
             )
         if args.sequence_parallel:
             raise UserError(
@@ -242,19 +262,27 @@ def _model(args: argparse.Namespace, gpu: Any) -> Any:
         return _profiled(args, gpu)
     if args.profile_tflops is not None or args.dispatch:
         raise UserError("--profile-tflops and --dispatch apply to a profiled model; give --costs FILE or drop them")
-    if args.model in (None, "gpt"):
+    kernel = {"attention": args.attention} if args.attention else {}
+    if args.model in (None, "gpt", "llama"):
+        kind = args.model or "gpt"
         missing = [f"--{k}" for k in ("layers", "hidden", "heads") if shape[k] is None]
         if missing:
             raise UserError(
-                f"--model gpt needs {' '.join(missing)}; give them, or a preset such as --model gpt-1t, or --costs FILE"
+                f"--model {kind} needs {' '.join(missing)}; give them, or a preset such as --model gpt-1t or "
+                "llama3-8b, or --costs FILE"
             )
-        return Transformer(**{k: v for k, v in shape.items() if v is not None})
-    if given:
+        for flag, value in (("--kv-heads", args.kv_heads), ("--ffn-hidden", args.ffn_hidden)):
+            if value is not None and value < 1:
+                raise UserError(f"{flag} {value} is invalid; give an integer >= 1")
+        sizes = {k: v for k, v in shape.items() if v is not None}
+        architecture = {**LLAMA, "tied": args.tie_embeddings} if kind == "llama" else {}
+        return Transformer(name=kind, **sizes, **architecture, **kernel)
+    if given or args.tie_embeddings:
         raise UserError(
-            f"{given[0]} changes the preset {args.model}; use --model gpt with --layers "
-            "--hidden --heads for another shape"
+            f"{(given or ['--tie-embeddings'])[0]} changes the preset {args.model}; use --model gpt or llama with "
+            "--layers --hidden --heads for another shape"
         )
-    return model_named(args.model)
+    return replace(model_named(args.model), **kernel)
 
 
 def _profiled(args: argparse.Namespace, gpu: Any) -> Any:

@@ -131,6 +131,11 @@ def _model_json(model: Any) -> dict[str, Any]:
         "heads": model.heads,
         "seq_len": model.seq_len,
         "vocab": model.vocab,
+        "kv_heads": model.kv_heads,
+        "ffn_hidden": model.ffn_hidden,
+        "mlp": model.mlp,
+        "attention": model.attention,
+        "tied": model.tied,
         "parameters": model.parameters,
     }
 

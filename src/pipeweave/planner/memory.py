@@ -9,7 +9,9 @@
   copy of the tied head (Megatron-LM keeps both when they sit on two stages).
 - **Activations** of one block for one microbatch, in bytes (Korthikanti et al.
   2022, Table 2, tensor parallel without sequence parallelism; the terms are
-  ``sim.activations``', shared with ``pipeweave simulate``):
+  ``sim.activations``', shared with ``pipeweave simulate``, and re-derived there
+  for grouped-query attention, SwiGLU, FlashAttention and no dropout; docs/guide/plan.md).
+  For a GPT with the unfused attention:
   ``s b h (10 + 24/N + 5 a s / (h N))`` with no recomputation;
   ``s b h (10 + 24/N)`` with selective recomputation (attention's scores are
   replayed); ``2 s b h`` with full recomputation (the block's input only). The
@@ -77,14 +79,23 @@ def block_activation_bytes(
     between I and W, and used on top while a backward replays the forward.
 
     Example:
-        >>> m = Transformer(layers=1, hidden=1024, heads=16, seq_len=1024)
+        >>> m = Transformer(layers=1, hidden=1024, heads=16, seq_len=1024, attention="math")
         >>> [round(x / (1024 * 1024)) for x in block_activation_bytes(m, tp=1, recompute="none")]
         [114, 14, 0]
         >>> [round(x / (1024 * 1024)) for x in block_activation_bytes(m, tp=2, recompute="selective",
         ...                                                           sequence_parallel=True)]
         [17, 7, 40]
     """
-    terms = gpt_block_activations(seq_len=model.seq_len, hidden=model.hidden, heads=model.heads)
+    terms = gpt_block_activations(
+        seq_len=model.seq_len,
+        hidden=model.hidden,
+        heads=model.heads,
+        kv_heads=model.kv_heads,
+        ffn_hidden=model.ffn_hidden,
+        gated=model.gated,
+        flash=model.flash,
+        dropout=model.dropout,
+    )
 
     def share(total: float, replicated: float) -> float:
         return tp_rank_share(total, replicated, tp, split_replicated=sequence_parallel)
