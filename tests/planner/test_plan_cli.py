@@ -113,6 +113,18 @@ def test_table_explain_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert main(["plan", *SMALL, "--explain", "--plot", str(picture), "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "TFLOP/s/GPU" in out and "#2 TP" in out and "mostly" in out and picture.stat().st_size > 1000
+    terms = ["BF16 weights", "FP32 main-gradient buffer", "FP32 master weights", "Adam's two moments"]
+    terms += ["activations", "CUDA context", "largest collective's workspace", "allocator fragmentation (5 %)"]
+    assert all(t in out for t in terms), out
+
+
+def test_zero_2_shards_the_gradients_and_is_never_proposed(capsys: pytest.CaptureFixture[str]) -> None:
+    fixed = ["--tensor-parallel", "1", "--stages", "1", "--microbatch-size", "16"]
+    one, two = (plan_json(capsys, *SMALL, *fixed, "--zero", z)["configurations"][0] for z in ("1", "2"))
+    assert two["memory"]["grads"] == pytest.approx(one["memory"]["grads"] / 32, rel=1e-3)
+    assert two["memory"]["master"] == one["memory"]["master"] and two["step_time_s"] == one["step_time_s"]
+    searched = plan_json(capsys, *SMALL, "--all")["configurations"]
+    assert {c["zero"] for c in searched} == {0, 1, 3}  # train runs these
 
 
 def test_custom_gpu(capsys: pytest.CaptureFixture[str]) -> None:

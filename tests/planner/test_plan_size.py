@@ -75,8 +75,10 @@ def test_the_nearest_counts_are_those_a_walk_would_find() -> None:
 
 
 def test_more_gpus_are_advised_as_a_count_that_splits(cli_error: CliError) -> None:
-    err = cli_error(["plan", "--model", "gpt-1t", "--gpus", "8", "--global-batch", "64"])
+    err = cli_error(["plan", "--model", "gpt-1t", "--gpus", "8", "--global-batch", "64", "--grads", "bf16"])
     assert "give about 32x the GPUs (--gpus 256)" in err, err  # 30x is 240, which no TP x PP x DP makes
+    err = cli_error(["plan", "--model", "gpt-1t", "--gpus", "8", "--global-batch", "64"])  # FP32 main gradients
+    assert "give about 64x the GPUs (--gpus 512)" in err, err  # 34x is 272, which no TP x PP x DP makes
 
 
 def _splits(gpus: int, batch: int) -> bool:

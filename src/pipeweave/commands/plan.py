@@ -117,7 +117,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
     f.add_argument("--microbatch-size", type=int, metavar="b", help="b, samples per microbatch")
     f.add_argument("-s", "--schedule", help="a synchronous registry schedule (pipeweave schedules)")
     f.add_argument("--recompute", help="none, selective (attention) or full")
-    f.add_argument("--zero", type=int, help="ZeRO stage 0, 1 or 3")
+    f.add_argument("--zero", type=int, help="ZeRO stage 0, 1 or 3 (2: accounted for, not run by train)")
     o = p.add_argument_group("model of the run")
     o.add_argument(
         "--no-scatter-gather",
@@ -129,6 +129,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
         action="store_true",
         help="with TP, norms and messages on 1/N of the sequence (Korthikanti et al.): fewer activation "
         "bytes, the same collectives",
+    )
+    o.add_argument(
+        "--grads",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="gradients in Megatron-LM's FP32 main-gradient buffer (default) or in BF16",
+    )
+    o.add_argument(
+        "--optimizer", choices=("adam", "sgd"), default="adam", help="Adam (two FP32 moments; default) or SGD (one)"
+    )
+    o.add_argument(
+        "--fragmentation",
+        type=float,
+        default=0.05,
+        metavar="F",
+        help="the caching allocator's margin, a fraction of the rest of the memory (default 0.05)",
     )
     o.add_argument(
         "--no-dp-overlap",
@@ -190,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_table(plan, cluster, args, top=args.top)
     if args.explain:
-        for line in explain_lines(plan):
+        for line in explain_lines(plan, cluster):
             print(line)
     if plot is not None:
         print(f"plot: {plot}")
@@ -201,6 +217,7 @@ def _cluster(args: argparse.Namespace) -> Any:
     from pipeweave.planner.costs import Cluster
     from pipeweave.planner.efficiency import A100_CALIBRATED
     from pipeweave.planner.hardware import custom_gpu, gpu_named
+    from pipeweave.planner.memory import StateBytes
 
     if args.gpu == "custom":
         peak = args.peak_tflops
@@ -236,6 +253,7 @@ def _cluster(args: argparse.Namespace) -> Any:
         efficiency=A100_CALIBRATED,
         scatter_gather=not args.no_scatter_gather,
         sequence_parallel=args.sequence_parallel,
+        state=StateBytes(grads=args.grads, optimizer=args.optimizer, fragmentation=args.fragmentation),
     )
 
 

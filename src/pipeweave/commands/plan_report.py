@@ -11,7 +11,7 @@ from rich.table import Table
 
 from pipeweave.planner.costs import Cluster
 from pipeweave.planner.evaluate import Result
-from pipeweave.planner.explain import explain
+from pipeweave.planner.explain import explain, memory_terms
 from pipeweave.planner.memory import GIB
 from pipeweave.planner.profiled import ProfiledModel
 from pipeweave.planner.search import Plan
@@ -50,7 +50,7 @@ def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: 
         table.add_column(name, justify="left" if name in ("schedule", "recompute") else "right")
     for k, r in enumerate(plan.best[:top], 1):
         m = r.memory
-        state = (m.params + m.grads + m.optimizer) / GIB
+        state = m.state / GIB
         table.add_row(
             str(k),
             _split(r),
@@ -190,5 +190,8 @@ def pareto_front(results: list[Result]) -> list[Result]:
     return front
 
 
-def explain_lines(plan: Plan) -> list[str]:
-    return explain(plan.best)
+def explain_lines(plan: Plan, cluster: Cluster) -> list[str]:
+    lines = explain(plan.best)
+    if plan.best:
+        lines.append(memory_terms(plan.best[0], cluster.state))
+    return lines

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pipeweave.planner.efficiency import Efficiency
 from pipeweave.planner.flops import block_gemms, head_gemm
 from pipeweave.planner.hardware import GPU
+from pipeweave.planner.memory import StateBytes
 from pipeweave.planner.profiled import Model
 from pipeweave.planner.transformer import Transformer
 from pipeweave.sim.network import all_gather_time, all_reduce_time
@@ -81,6 +82,8 @@ class Cluster:
     """Megatron-LM's scatter/gather of pipeline messages over the TP ranks (module docstring)."""
     sequence_parallel: bool = False
     """Sequence parallelism with TP (module docstring): smaller messages and activations, the same collectives."""
+    state: StateBytes = StateBytes()
+    """How the framework holds model state (``planner.memory``)."""
 
 
 def transformer(cluster: Cluster) -> Transformer:
