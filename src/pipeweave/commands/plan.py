@@ -105,7 +105,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
         "configurations",
     )
     g = p.add_argument_group("hardware", "a preset, or custom with the five figures")
-    g.add_argument("--gpu", default="a100-80gb", help="a100-80gb (default), h100-sxm, h200 or custom")
+    g.add_argument(
+        "--gpu",
+        default="a100-80gb",
+        help="a100-80gb (default), a100-40gb, h100-sxm, h100-pcie, h200, b200, mi300x or custom",
+    )
     for flag, help_ in CUSTOM_FLAGS:
         g.add_argument(flag, type=float, help=f"custom: {help_}")
     g.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
