@@ -116,6 +116,19 @@ def test_table_explain_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     terms = ["BF16 weights", "FP32 main-gradient buffer", "FP32 master weights", "Adam's two moments"]
     terms += ["activations", "CUDA context", "largest collective's workspace", "allocator fragmentation (5 %)"]
     assert all(t in out for t in terms), out
+    assert "not modelled for this run:" in out and "- the optimizer step's time" in out, out
+
+
+def test_what_is_not_modelled_follows_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    gpt = plan_json(capsys, *SMALL, "--tensor-parallel", "1", "--stages", "1", "--zero", "0")["not_modelled"]
+    assert isinstance(gpt, list) and not any("TP collectives" in e or "FlashAttention" in e for e in gpt), gpt
+    assert any("DP reduction as a hierarchical collective" in e for e in gpt), gpt
+    llama = ["--model", "llama3-8b", "--gpus", "16", "--global-batch", "16", "--gpu", "h100-sxm"]
+    fixed = ["--tensor-parallel", "8", "--stages", "2", "-s", "zb-h1", "--zero", "0"]
+    out = plan_json(capsys, *llama, *fixed)["not_modelled"]
+    assert isinstance(out, list)
+    for words in ("FlashAttention's causal skipping", "TP collectives", "W deferral", "h100-sxm's own", "uneven"):
+        assert any(words in e for e in out), (words, out)
 
 
 def test_zero_2_shards_the_gradients_and_is_never_proposed(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,6 +15,7 @@ from pipeweave.planner.explain import explain, memory_terms
 from pipeweave.planner.memory import GIB
 from pipeweave.planner.profiled import ProfiledModel
 from pipeweave.planner.search import Plan
+from pipeweave.planner.unmodelled import not_modelled
 
 
 def _split(r: Result) -> str:
@@ -111,6 +112,7 @@ def plan_json(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: in
             "top": top,
         },
         "configurations": [r.as_dict() for r in plan.results],
+        "not_modelled": _not_modelled(plan, cluster),
     }
 
 
@@ -191,7 +193,14 @@ def pareto_front(results: list[Result]) -> list[Result]:
 
 
 def explain_lines(plan: Plan, cluster: Cluster) -> list[str]:
+    """``explain``'s comparison, #1's memory term by term, and what the prediction leaves out."""
     lines = explain(plan.best)
     if plan.best:
         lines.append(memory_terms(plan.best[0], cluster.state))
+    lines.append("not modelled for this run:")
+    lines += [f"- {effect}" for effect in _not_modelled(plan, cluster)]
     return lines
+
+
+def _not_modelled(plan: Plan, cluster: Cluster) -> list[str]:
+    return not_modelled(cluster, plan.best[0].config if plan.best else None)
