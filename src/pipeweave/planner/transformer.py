@@ -14,7 +14,8 @@ Presets, each with its source:
   sequence 2048, vocabulary 51,200, learned positions, GeLU 4h, tied head,
   dropout, and the unfused attention those runs used (the planner's calibration).
 - ``gpt3-125m`` ... ``gpt3-175b``: GPT-3 (Brown et al. 2020, Table 2.1; 13B's
-  d_model is 5120, the table's 5140 is not a multiple of its 40 heads of 128):
+  d_model is 5120, the table's 5140 is not a multiple of its 40 heads of 128, and
+  1.3B (XL) has 16 heads of 128, the table's 24 heads of 128 not making its 2048):
   sequence 2048, GPT-2's BPE vocabulary of 50,257.
 - ``bloom-176b``: BigScience, "BLOOM: A 176B-Parameter Open-Access Multilingual
   Language Model" (2022), Table 3: 70 layers, h 14,336, 112 heads, vocabulary
