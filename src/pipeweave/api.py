@@ -181,9 +181,11 @@ def plan(
     (``pipeweave plan``).
 
     Args:
-        model: a preset name (``"gpt-1.7b"`` ... ``"gpt-1t"``, ``"gpt3-175b"``) or a ``planner.transformer.Transformer``.
+        model: a preset name (``"gpt-1.7b"`` ... ``"gpt-1t"``, ``"gpt3-175b"``, ``"llama3-8b"``, ...:
+            ``planner.transformer.MODELS``) or a ``planner.transformer.Transformer``.
         gpus, global_batch: N GPUs, B samples per step.
-        gpu: a preset name (``"a100-80gb"``, ``"h100-sxm"``, ``"h200"``) or a ``planner.hardware.GPU``.
+        gpu: a preset name (``"a100-80gb"``, ``"h100-sxm"``, ``"b200"``, ...: ``planner.hardware.GPUS``) or a
+            ``planner.hardware.GPU``.
         top: how many of the best are exact (``best[:top]``: no configuration left out beats them);
             ``exhaustive``: simulate every one that may fit.
         sequence_parallel, scatter_gather, dp_overlap: the model of the run (``plan --sequence-parallel``,

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from pipeweave.cli import main
+from pipeweave.planner.space import Fixed, configurations
+from pipeweave.planner.transformer import MODELS
 
 CliError = Callable[..., str]
 
@@ -113,6 +115,31 @@ def test_table_explain_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert main(["plan", *SMALL, "--explain", "--plot", str(picture), "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "TFLOP/s/GPU" in out and "#2 TP" in out and "mostly" in out and picture.stat().st_size > 1000
+    terms = ["BF16 weights", "FP32 main-gradient buffer", "FP32 master weights", "Adam's two moments"]
+    terms += ["activations", "CUDA context", "largest collective's workspace", "allocator fragmentation (5 %)"]
+    assert all(t in out for t in terms), out
+    assert "not modelled for this run:" in out and "- the optimizer step's time" in out, out
+
+
+def test_what_is_not_modelled_follows_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    gpt = plan_json(capsys, *SMALL, "--tensor-parallel", "1", "--stages", "1", "--zero", "0")["not_modelled"]
+    assert isinstance(gpt, list) and not any("TP collectives" in e or "FlashAttention" in e for e in gpt), gpt
+    assert any("DP reduction as a hierarchical collective" in e for e in gpt), gpt
+    llama = ["--model", "llama3-8b", "--gpus", "16", "--global-batch", "16", "--gpu", "h100-sxm"]
+    fixed = ["--tensor-parallel", "8", "--stages", "2", "-s", "zb-h1", "--zero", "0"]
+    out = plan_json(capsys, *llama, *fixed)["not_modelled"]
+    assert isinstance(out, list)
+    for words in ("FlashAttention's causal skipping", "TP collectives", "W deferral", "h100-sxm's own", "uneven"):
+        assert any(words in e for e in out), (words, out)
+
+
+def test_zero_2_shards_the_gradients_and_is_never_proposed(capsys: pytest.CaptureFixture[str]) -> None:
+    fixed = ["--tensor-parallel", "1", "--stages", "1", "--microbatch-size", "16"]
+    one, two = (plan_json(capsys, *SMALL, *fixed, "--zero", z)["configurations"][0] for z in ("1", "2"))
+    assert two["memory"]["grads"] == pytest.approx(one["memory"]["grads"] / 32, rel=1e-3)
+    assert two["memory"]["master"] == one["memory"]["master"] and two["step_time_s"] == one["step_time_s"]
+    searched = configurations(MODELS["gpt-1.7b"], 32, 512, 8, Fixed())
+    assert {c.zero for c in searched} == {0, 1, 3}  # train runs these
 
 
 def test_custom_gpu(capsys: pytest.CaptureFixture[str]) -> None:
@@ -183,7 +210,19 @@ def test_custom_gpu(capsys: pytest.CaptureFixture[str]) -> None:
         ),
         (["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "-s", "pipedream"], ["not a synchronous"]),
         (["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "--peak-tflops", "100"], ["--gpu custom"]),
-        (["--model", "llama", "--gpus", "32", "--global-batch", "512"], ["unknown --model"]),
+        (["--model", "llama2", "--gpus", "32", "--global-batch", "512"], ["unknown --model 'llama2'", "llama3-8b"]),
+        (
+            ["--model", "llama", "--layers", "4", "--hidden", "512", "--heads", "8", "--kv-heads", "3"]
+            + ["--gpus", "8", "--global-batch", "8"],
+            ["--kv-heads 3 does not divide --heads 8", "give a divisor"],
+        ),
+        (
+            ["--model", "llama", "--layers", "4", "--hidden", "512", "--heads", "8", "--ffn-hidden", "0"]
+            + ["--gpus", "8", "--global-batch", "8"],
+            ["--ffn-hidden 0 is invalid"],
+        ),
+        (["--model", "llama", "--gpus", "32", "--global-batch", "512"], ["--model llama needs --layers --hidden"]),
+        (["--model", "llama3-8b", "--layers", "4", "--gpus", "8", "--global-batch", "8"], ["changes the preset"]),
         (["--model", "gpt", "--gpus", "32", "--global-batch", "512"], ["--model gpt needs --layers --hidden --heads"]),
     ],
 )

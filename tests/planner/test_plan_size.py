@@ -75,8 +75,10 @@ def test_the_nearest_counts_are_those_a_walk_would_find() -> None:
 
 
 def test_more_gpus_are_advised_as_a_count_that_splits(cli_error: CliError) -> None:
-    err = cli_error(["plan", "--model", "gpt-1t", "--gpus", "8", "--global-batch", "64"])
+    err = cli_error(["plan", "--model", "gpt-1t", "--gpus", "8", "--global-batch", "64", "--grads", "bf16"])
     assert "give about 32x the GPUs (--gpus 256)" in err, err  # 30x is 240, which no TP x PP x DP makes
+    err = cli_error(["plan", "--model", "gpt-1t", "--gpus", "8", "--global-batch", "64"])  # FP32 main gradients
+    assert "give about 64x the GPUs (--gpus 512)" in err, err  # 34x is 272, which no TP x PP x DP makes
 
 
 def _splits(gpus: int, batch: int) -> bool:
@@ -113,6 +115,7 @@ def test_a_billion_gpus_and_a_trillion_samples_answer_within_the_time_limit(
 
 def test_a_model_no_count_fits_is_told_what_would(cli_error: CliError) -> None:
     shape = ["--model", "gpt", "--layers", "24", "--hidden", "2304", "--heads", "24", "--seq-len", "131072"]
+    shape += ["--attention", "math"]  # the stored s x s scores: what makes a long sequence fit nowhere
     started = time.perf_counter()
     err = cli_error(["plan", *shape, "--gpus", "64", "--global-batch", "64"])
     assert time.perf_counter() - started < QUICK
@@ -121,7 +124,7 @@ def test_a_model_no_count_fits_is_told_what_would(cli_error: CliError) -> None:
     gpu = gpu_named("a100-80gb")
 
     def floor(seq_len: int) -> float:
-        model = Transformer(layers=24, hidden=2304, heads=24, seq_len=seq_len)
+        model = Transformer(layers=24, hidden=2304, heads=24, seq_len=seq_len, attention="math")
         return floor_bytes(Cluster(model=model, gpu=gpu, efficiency=A100_CALIBRATED))
 
     assert floor(72413) <= gpu.memory_bytes < floor(72414)
@@ -201,5 +204,6 @@ def test_a_fixed_dimension_that_no_count_fits_is_given_its_value_that_would(cli_
     err = _timed_error(cli_error, "--gpus", "64", "--global-batch", "64", "--microbatch-size", "1000000000000")
     assert "fits on no count of GPUs" in err and "give --microbatch-size 1 (3.2 GiB)" in err, err
     shape = ["--model", "gpt", "--layers", "24", "--hidden", "2304", "--heads", "24", "--seq-len", "32768"]
+    shape += ["--attention", "math"]
     err = cli_error(["plan", *shape, "--gpus", "64", "--global-batch", "64", "--tensor-parallel", "1"])
     assert "give --tensor-parallel 8 (" in err and "--seq-len 25095 or shorter" in err, err

@@ -147,7 +147,8 @@ def test_plan_costs_on_a_gpu_and_on_the_profiling_machine(capsys: pytest.Capture
 @pytest.mark.parametrize(
     "extra, words",
     [
-        (["--model", "gpt-1.7b"], ["--model describes a GPT", "give one of them"]),
+        (["--model", "gpt-1.7b"], ["--model describes a transformer", "give one of them"]),
+        (["--attention", "math"], ["--attention describes a transformer", "give one of them"]),
         (["--tensor-parallel", "2"], ["runs with TP 1"]),
         (["--sequence-parallel"], ["--sequence-parallel applies to a GPT shape", "drop --sequence-parallel"]),
         (["--recompute", "selective"], ["recomputes none or full"]),

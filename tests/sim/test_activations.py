@@ -37,7 +37,7 @@ def test_sequence_parallelism_lowers_the_activation_peak_by_table_2s_ratio(tp: i
 def test_the_planner_holds_the_same_blocks() -> None:
     # plan.memory builds on the same terms: its first rank (no head's logits there) of 1F1B (B only: no M_W)
     schedule = generate("1f1b", num_stages=4, num_microbatches=8)
-    model = Transformer(layers=4 * LAYERS, hidden=H, heads=A, seq_len=S)
+    model = Transformer(layers=4 * LAYERS, hidden=H, heads=A, seq_len=S, attention="math")
     for sp in (False, True):
         planned = activation_peaks(schedule, model, 4, "none", sp)[0] * B  # per sample of a microbatch
         simulated = rank_activations(schedule, None, Layout(tp=4, sequence_parallel=sp), gpt_part())[0]

@@ -20,6 +20,19 @@ from typing import Any
 
 from pipeweave.errors import UserError
 from pipeweave.planner.space import MAX_CELLS, MAX_CONFIGURATIONS
+from pipeweave.planner.transformer import ATTENTIONS
+
+MODEL_FLAGS = (
+    ("--layers", "l, transformer blocks"),
+    ("--hidden", "h, hidden size"),
+    ("--heads", "a, attention (query) heads"),
+    ("--kv-heads", "key/value heads, dividing --heads (grouped-query attention; default --heads)"),
+    ("--ffn-hidden", "f, the MLP's size (default 4h for gpt's GeLU; llama's SwiGLU: 8h/3 rounded up to 256)"),
+    ("--seq-len", "s, tokens per sample (default 2048)"),
+    ("--vocab", "V, vocabulary (default 51200)"),
+)
+"""The shape of ``--model gpt`` or ``--model llama``, named as ``train`` names them."""
+SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "seq_len", "vocab")
 
 CUSTOM_FLAGS = (
     ("--peak-tflops", "peak dense BF16 TFLOP/s (with --costs, none: the profiling machine)"),
@@ -40,16 +53,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
         "memory per GPU.",
     )
     p.add_argument(
-        "--model", help="a preset (gpt-1.7b ... gpt-1t, gpt3-175b) or gpt with --layers --hidden --heads (default gpt)"
+        "--model",
+        help="a preset (gpt-1.7b ... gpt-1t, gpt3-125m ... gpt3-175b, bloom-176b, llama3-8b, llama3-70b, "
+        "llama3-405b), or gpt or llama with --layers --hidden --heads (default gpt)",
     )
-    for flag, help_ in (
-        ("--layers", "l, transformer blocks"),
-        ("--hidden", "h, hidden size"),
-        ("--heads", "a, attention heads"),
-        ("--seq-len", "s, tokens per sample (default 2048)"),
-        ("--vocab", "V, vocabulary (default 51200)"),
-    ):
+    for flag, help_ in MODEL_FLAGS:
         p.add_argument(flag, type=int, help=help_)
+    p.add_argument(
+        "--attention",
+        choices=ATTENTIONS,
+        help="flash (default; no s x s scores stored or moved) or math (the unfused kernels); presets too",
+    )
+    p.add_argument(
+        "--tie-embeddings", action="store_true", help="llama: the head shares the token embedding (gpt: always)"
+    )
     p.add_argument(
         "--costs",
         metavar="FILE",
@@ -88,7 +105,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
         "configurations",
     )
     g = p.add_argument_group("hardware", "a preset, or custom with the five figures")
-    g.add_argument("--gpu", default="a100-80gb", help="a100-80gb (default), h100-sxm, h200 or custom")
+    g.add_argument(
+        "--gpu",
+        default="a100-80gb",
+        help="a100-80gb (default), a100-40gb, h100-sxm, h100-pcie, h200, b200, mi300x or custom",
+    )
     for flag, help_ in CUSTOM_FLAGS:
         g.add_argument(flag, type=float, help=f"custom: {help_}")
     g.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
@@ -100,7 +121,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
     f.add_argument("--microbatch-size", type=int, metavar="b", help="b, samples per microbatch")
     f.add_argument("-s", "--schedule", help="a synchronous registry schedule (pipeweave schedules)")
     f.add_argument("--recompute", help="none, selective (attention) or full")
-    f.add_argument("--zero", type=int, help="ZeRO stage 0, 1 or 3")
+    f.add_argument("--zero", type=int, help="ZeRO stage 0, 1 or 3 (2: accounted for, not run by train)")
     o = p.add_argument_group("model of the run")
     o.add_argument(
         "--no-scatter-gather",
@@ -112,6 +133,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
         action="store_true",
         help="with TP, norms and messages on 1/N of the sequence (Korthikanti et al.): fewer activation "
         "bytes, the same collectives",
+    )
+    o.add_argument(
+        "--grads",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="gradients in Megatron-LM's FP32 main-gradient buffer (default) or in BF16",
+    )
+    o.add_argument(
+        "--optimizer", choices=("adam", "sgd"), default="adam", help="Adam (two FP32 moments; default) or SGD (one)"
+    )
+    o.add_argument(
+        "--fragmentation",
+        type=float,
+        default=0.05,
+        metavar="F",
+        help="the caching allocator's margin, a fraction of the rest of the memory (default 0.05)",
     )
     o.add_argument(
         "--no-dp-overlap",
@@ -173,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_table(plan, cluster, args, top=args.top)
     if args.explain:
-        for line in explain_lines(plan):
+        for line in explain_lines(plan, cluster):
             print(line)
     if plot is not None:
         print(f"plot: {plot}")
@@ -184,6 +221,7 @@ def _cluster(args: argparse.Namespace) -> Any:
     from pipeweave.planner.costs import Cluster
     from pipeweave.planner.efficiency import A100_CALIBRATED
     from pipeweave.planner.hardware import custom_gpu, gpu_named
+    from pipeweave.planner.memory import StateBytes
 
     if args.gpu == "custom":
         peak = args.peak_tflops
@@ -219,20 +257,24 @@ def _cluster(args: argparse.Namespace) -> Any:
         efficiency=A100_CALIBRATED,
         scatter_gather=not args.no_scatter_gather,
         sequence_parallel=args.sequence_parallel,
+        state=StateBytes(grads=args.grads, optimizer=args.optimizer, fragmentation=args.fragmentation),
     )
 
 
 def _model(args: argparse.Namespace, gpu: Any) -> Any:
-    """The model: from ``--costs`` scaled to ``gpu``, a preset, or ``--model gpt`` with its shape."""
-    from pipeweave.planner.transformer import Transformer, model_named
+    """The model: from ``--costs`` scaled to ``gpu``, a preset, or ``--model gpt`` or ``llama`` with its shape."""
+    from dataclasses import replace
 
-    shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq_len", "vocab")}
+    from pipeweave.planner.transformer import LLAMA, Transformer, model_named
+
+    shape = {k: getattr(args, k) for k in SHAPE}
     given = [f"--{k.replace('_', '-')}" for k, v in shape.items() if v is not None]
     if args.costs is not None:
-        if args.model is not None or given:
+        described = [f for f in ("--attention", "--tie-embeddings") if getattr(args, f[2:].replace("-", "_"))]
+        if args.model is not None or given or described:
             raise UserError(
-                f"{'--model' if args.model is not None else given[0]} describes a GPT; --costs "
-                "plans the profiled model: give one of them"
+                f"{'--model' if args.model is not None else (given + described)[0]} describes a transformer; "
+                "--costs plans the profiled model: give one of them"
             )
         if args.sequence_parallel:
             raise UserError(
@@ -242,19 +284,27 @@ def _model(args: argparse.Namespace, gpu: Any) -> Any:
         return _profiled(args, gpu)
     if args.profile_tflops is not None or args.dispatch:
         raise UserError("--profile-tflops and --dispatch apply to a profiled model; give --costs FILE or drop them")
-    if args.model in (None, "gpt"):
+    kernel = {"attention": args.attention} if args.attention else {}
+    if args.model in (None, "gpt", "llama"):
+        kind = args.model or "gpt"
         missing = [f"--{k}" for k in ("layers", "hidden", "heads") if shape[k] is None]
         if missing:
             raise UserError(
-                f"--model gpt needs {' '.join(missing)}; give them, or a preset such as --model gpt-1t, or --costs FILE"
+                f"--model {kind} needs {' '.join(missing)}; give them, or a preset such as --model gpt-1t or "
+                "llama3-8b, or --costs FILE"
             )
-        return Transformer(**{k: v for k, v in shape.items() if v is not None})
-    if given:
+        for flag, value in (("--kv-heads", args.kv_heads), ("--ffn-hidden", args.ffn_hidden)):
+            if value is not None and value < 1:
+                raise UserError(f"{flag} {value} is invalid; give an integer >= 1")
+        sizes = {k: v for k, v in shape.items() if v is not None}
+        architecture = {**LLAMA, "tied": args.tie_embeddings} if kind == "llama" else {}
+        return Transformer(name=kind, **sizes, **architecture, **kernel)
+    if given or args.tie_embeddings:
         raise UserError(
-            f"{given[0]} changes the preset {args.model}; use --model gpt with --layers "
-            "--hidden --heads for another shape"
+            f"{(given or ['--tie-embeddings'])[0]} changes the preset {args.model}; use --model gpt or llama with "
+            "--layers --hidden --heads for another shape"
         )
-    return model_named(args.model)
+    return replace(model_named(args.model), **kernel)
 
 
 def _profiled(args: argparse.Namespace, gpu: Any) -> Any:

@@ -11,10 +11,11 @@ from rich.table import Table
 
 from pipeweave.planner.costs import Cluster
 from pipeweave.planner.evaluate import Result
-from pipeweave.planner.explain import explain
+from pipeweave.planner.explain import explain, memory_terms
 from pipeweave.planner.memory import GIB
 from pipeweave.planner.profiled import ProfiledModel
 from pipeweave.planner.search import Plan
+from pipeweave.planner.unmodelled import not_modelled
 
 
 def _split(r: Result) -> str:
@@ -50,7 +51,7 @@ def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: 
         table.add_column(name, justify="left" if name in ("schedule", "recompute") else "right")
     for k, r in enumerate(plan.best[:top], 1):
         m = r.memory
-        state = (m.params + m.grads + m.optimizer) / GIB
+        state = m.state / GIB
         table.add_row(
             str(k),
             _split(r),
@@ -111,6 +112,7 @@ def plan_json(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: in
             "top": top,
         },
         "configurations": [r.as_dict() for r in plan.results],
+        "not_modelled": _not_modelled(plan, cluster),
     }
 
 
@@ -131,6 +133,11 @@ def _model_json(model: Any) -> dict[str, Any]:
         "heads": model.heads,
         "seq_len": model.seq_len,
         "vocab": model.vocab,
+        "kv_heads": model.kv_heads,
+        "ffn_hidden": model.ffn_hidden,
+        "mlp": model.mlp,
+        "attention": model.attention,
+        "tied": model.tied,
         "parameters": model.parameters,
     }
 
@@ -185,5 +192,15 @@ def pareto_front(results: list[Result]) -> list[Result]:
     return front
 
 
-def explain_lines(plan: Plan) -> list[str]:
-    return explain(plan.best)
+def explain_lines(plan: Plan, cluster: Cluster) -> list[str]:
+    """``explain``'s comparison, #1's memory term by term, and what the prediction leaves out."""
+    lines = explain(plan.best)
+    if plan.best:
+        lines.append(memory_terms(plan.best[0], cluster.state))
+    lines.append("not modelled for this run:")
+    lines += [f"- {effect}" for effect in _not_modelled(plan, cluster)]
+    return lines
+
+
+def _not_modelled(plan: Plan, cluster: Cluster) -> list[str]:
+    return not_modelled(cluster, plan.best[0].config if plan.best else None)

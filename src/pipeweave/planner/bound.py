@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pipeweave.planner.candidate import Config
 from pipeweave.planner.evaluate import Evaluator
-from pipeweave.planner.memory import ALLOWANCE_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
+from pipeweave.planner.memory import ALLOWANCE_BYTES
 from pipeweave.schedule.info import PlacementKind
 from pipeweave.schedule.registry import SCHEDULES
 from pipeweave.sim.parallel import reduction_time
@@ -107,10 +107,5 @@ def memory_bound(config: Config, evaluator: Evaluator) -> float:
     model = evaluator.cluster.model
     copies = 2 if SCHEDULES[config.schedule].placement is PlacementKind.BIDIRECTIONAL else 1
     per_gpu = model.parameters * copies / (config.tp * config.pp)
-    shard = 1.0 / config.dp
-    state = per_gpu * (
-        PARAM_BYTES * (shard if config.zero == 3 else 1.0)
-        + GRAD_BYTES * (shard if config.zero == 3 else 1.0)
-        + OPTIMIZER_BYTES * (shard if config.zero >= 1 else 1.0)
-    )
+    state = per_gpu * evaluator.cluster.state.sharded(config.zero, config.dp)
     return state + evaluator.least_activation(config) + ALLOWANCE_BYTES

@@ -10,7 +10,14 @@ one with a mask (7 s h), the bias-GeLU reads and writes 4 s h / N elements
 (16 s h / N), the scaled-masked softmax reads and writes the scores (4 a s^2 /
 N) and their dropout reads, writes and masks them (5 a s^2 / N): in all
 ``s h (22 + 16/N) + 9 a s^2 / N``, the layer norms and dropouts being
-replicated on the N ranks without sequence parallelism. The backward of these
+replicated on the N ranks without sequence parallelism. Per kind: without dropout
+a residual add reads two and writes one (6 s h); SwiGLU reads the gate and the up
+projection and writes their product (6 s f / N; GeLU 4 s f / N); rotary positions
+read and write Q and K (4 s (h + h_kv) / N); FlashAttention moves no scores (its
+reads of Q, K, V are counted with its GEMMs), the unfused softmax reads and writes
+them (4 a s^2 / N) and their dropout 5 a s^2 / N more. FlashAttention's backward
+recomputes the scores Q K^T (Dao et al. 2022, algorithm 4): its I holds that
+product once more, 2.5 times the attention products' forward. The backward of these
 kernels reads what they saved and the output gradient and writes the input
 gradient: counted as twice the forward's traffic, in I. The tensor-parallel
 all-reduces are ``sim.parallel``'s model (Megatron-LM without sequence
@@ -41,6 +48,7 @@ from dataclasses import dataclass
 from pipeweave.planner.efficiency import Efficiency
 from pipeweave.planner.flops import block_gemms, head_gemm
 from pipeweave.planner.hardware import GPU
+from pipeweave.planner.memory import StateBytes
 from pipeweave.planner.profiled import Model
 from pipeweave.planner.transformer import Transformer
 from pipeweave.sim.network import all_gather_time, all_reduce_time
@@ -74,6 +82,8 @@ class Cluster:
     """Megatron-LM's scatter/gather of pipeline messages over the TP ranks (module docstring)."""
     sequence_parallel: bool = False
     """Sequence parallelism with TP (module docstring): smaller messages and activations, the same collectives."""
+    state: StateBytes = StateBytes()
+    """How the framework holds model state (``planner.memory``)."""
 
 
 def transformer(cluster: Cluster) -> Transformer:
@@ -98,13 +108,19 @@ def elementwise_bytes(model: Transformer, tp: int) -> tuple[float, float]:
     write, for a microbatch of one sample, on one of ``tp`` ranks (module docstring's count).
 
     Example:
-        >>> m = Transformer(layers=1, hidden=1024, heads=16, seq_len=1024)
+        >>> m = Transformer(layers=1, hidden=1024, heads=16, seq_len=1024, attention="math")
         >>> [x / (1024 * 1024) for x in elementwise_bytes(m, 1)]
         [182.0, 144.0]
+        >>> from dataclasses import replace
+        >>> [x / (1024 * 1024) for x in elementwise_bytes(replace(m, attention="flash"), 1)]
+        [38.0, 0.0]
     """
-    s, h, a = model.seq_len, model.hidden, model.heads
-    scores = 9.0 * a * s * s / tp
-    return s * h * (22 + 16 / tp) + scores, scores
+    s, h, a, f = model.seq_len, model.hidden, model.heads, model.ffn_hidden
+    norms_and_adds = s * h * (8 + (14 if model.dropout else 12))
+    activation = (6 if model.gated else 4) * s * f / tp
+    rotary = 4.0 * s * (h + model.kv_hidden) / tp if model.positions == "rotary" else 0.0
+    scores = 0.0 if model.flash else (9.0 if model.dropout else 4.0) * a * s * s / tp
+    return norms_and_adds + activation + rotary + scores, scores
 
 
 @functools.lru_cache(maxsize=4096)
@@ -129,10 +145,12 @@ def block_times(cluster: Cluster, *, tp: int, microbatch_size: int, recompute: s
     collective = 2 * tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size), tp)
     replay = {"none": 0.0, "selective": attention + softmax, "full": forward + elementwise + collective}[recompute]
     tp_i = collective * (2 if recompute == "full" else 1)
-    # I: each weighted GEMM's input gradient (its own size) and attention's two backward products each.
+    # I: each weighted GEMM's input gradient (its own size) and attention's two backward products each (and
+    # FlashAttention's recomputed scores).
+    backward_attention = (2.5 if transformer(cluster).flash else 2.0) * attention
     return BlockTimes(
         f=forward + elementwise + collective,
-        i=weighted + 2 * (attention + elementwise) + collective + replay,
+        i=weighted + backward_attention + 2 * elementwise + collective + replay,
         w=weighted,
         tp_f=collective,
         tp_i=tp_i,

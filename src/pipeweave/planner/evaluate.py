@@ -91,7 +91,7 @@ class Evaluator:
         return Layout(
             tp=config.tp,
             dp=config.dp,
-            zero=config.zero,
+            zero=min(config.zero, 1) if config.zero == 2 else config.zero,  # ZeRO 2 moves ZeRO 1's bytes
             network=self.cluster.gpu.network(),
             sequence_parallel=self.cluster.sequence_parallel,
         )
@@ -147,6 +147,8 @@ class Evaluator:
             microbatch_size=config.microbatch_size,
             recompute=config.recompute,
             peaks=peaks,
+            state=self.cluster.state,
+            zero2=config.zero == 2,
         )
 
     def least_activation(self, config: Config) -> float:

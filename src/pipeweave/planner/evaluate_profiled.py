@@ -69,7 +69,11 @@ class ProfiledEvaluator(Evaluator):
             parts, microbatch_size=config.microbatch_size, recompute=config.recompute
         )
         acts = held_peaks(schedule.actions, schedule.placement.stage_part, held, stash, during, during)
-        return fullest_gpu(schedule, self.model.part_parameters(parts), layout, acts)
+        message = self.model.boundary_bytes(parts, config.microbatch_size) if parts > 1 else 0.0
+        params = self.model.part_parameters(parts)
+        return fullest_gpu(
+            schedule, params, layout, acts, state=self.cluster.state, message=message, zero2=config.zero == 2
+        )
 
     def tp_comm(self, config: Config) -> float:
         return 0.0

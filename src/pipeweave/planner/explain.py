@@ -4,7 +4,7 @@ next ones', and what their memory is."""
 from __future__ import annotations
 
 from pipeweave.planner.evaluate import Result
-from pipeweave.planner.memory import GIB
+from pipeweave.planner.memory import GIB, StateBytes
 
 
 def parts(r: Result) -> dict[str, float]:
@@ -17,6 +17,28 @@ def parts(r: Result) -> dict[str, float]:
         "bubble": max(0.0, pipeline - r.compute - r.tp_comm),
         "DP tail": r.dp_exposed,
     }
+
+
+def memory_terms(r: Result, state: StateBytes) -> str:
+    """The fullest GPU's memory, term by term (``planner.memory``)."""
+    m = r.memory
+    grads = "FP32 main-gradient buffer" if state.grads == "fp32" else "BF16"
+    moments = "Adam's two moments" if state.optimizer == "adam" else "SGD's momentum"
+    terms = (
+        ("BF16 weights", m.params),
+        (f"gradients ({grads})", m.grads),
+        ("FP32 master weights", m.master),
+        (moments, m.optimizer),
+        ("activations", m.activations),
+        ("CUDA context, cuBLAS and NCCL buffers", m.context),
+        ("the largest collective's workspace", m.workspace),
+        (f"allocator fragmentation ({100 * state.fragmentation:g} %)", m.fragmentation),
+    )
+    return (
+        f"memory of #1's fullest GPU (ZeRO {r.config.zero}): "
+        + " + ".join(f"{name} {value / GIB:.2f}" for name, value in terms)
+        + f" = {m.total / GIB:.2f} GiB"
+    )
 
 
 def explain(results: list[Result], *, others: int = 3) -> list[str]:

@@ -31,7 +31,7 @@ def floor_bytes(cluster: Cluster, fixed: Fixed | None = None) -> float:
     Example:
         >>> from pipeweave.planner.efficiency import A100_CALIBRATED
         >>> from pipeweave.planner.hardware import gpu_named
-        >>> m = Transformer(layers=2, hidden=1024, heads=16, seq_len=2048)
+        >>> m = Transformer(layers=2, hidden=1024, heads=16, seq_len=2048, attention="math")
         >>> round(floor_bytes(Cluster(model=m, gpu=gpu_named("a100-80gb"), efficiency=A100_CALIBRATED)) / GIB, 2)
         3.11
     """
@@ -101,8 +101,12 @@ def _gpt_remedies(cluster: Cluster, fixed: Fixed) -> list[str]:
         found.append(f"--sequence-parallel ({need / GIB:.1f} GiB)")
     if fixed.tp is None and max(tensor_parallel_sizes(model, per_node, fixed), default=1) < per_node:
         heads = per_node * max(1, round(model.heads / per_node))
-        if model.hidden % heads == 0 and (
-            (need := floor_bytes(replace(cluster, model=replace(model, heads=heads)), fixed)) <= memory
+        kv_heads = heads if model.kv_heads == model.heads else model.kv_heads
+        if (
+            model.hidden % heads == 0
+            and heads % kv_heads == 0
+            and (need := floor_bytes(replace(cluster, model=replace(model, heads=heads, kv_heads=kv_heads)), fixed))
+            <= memory
         ):
             found.append(f"heads a multiple of {per_node}, for TP {per_node} ({need / GIB:.1f} GiB)")
     seq_len = _longest_sequence(cluster, fixed)

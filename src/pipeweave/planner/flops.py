@@ -1,18 +1,22 @@
-"""FLOPs of a GPT, by GEMM, after a tensor-parallel split (Narayanan et al., SC21, section 5.1, equation 3).
+"""FLOPs of a transformer, by GEMM, after a tensor-parallel split (Narayanan et al., SC21, section 5.1, equation 3,
+generalised to grouped-query attention and SwiGLU).
 
 One block's forward on a microbatch of b samples is six matrix multiplies
-(2 m n k FLOPs each), per tensor-parallel rank of N:
+(2 m n k FLOPs each), per tensor-parallel rank of N, with h_kv the width of K
+(and of V: key/value heads x d; h without grouping) and f the MLP's size:
 
 | GEMM | m x k x n | FLOPs |
 |---|---|---|
-| QKV (column-parallel) | bs x h x 3h/N | 6 b s h^2 / N |
+| QKV (column-parallel) | bs x h x (h + 2 h_kv)/N | 2 b s h (h + 2 h_kv) / N |
 | scores Q K^T (a/N heads) | s x d x s, b a/N times | 2 b s^2 h / N |
 | context (scores V) | s x s x d, b a/N times | 2 b s^2 h / N |
 | projection (row-parallel) | bs x h/N x h | 2 b s h^2 / N |
-| MLP up (column-parallel) | bs x h x 4h/N | 8 b s h^2 / N |
-| MLP down (row-parallel) | bs x 4h/N x h | 8 b s h^2 / N |
+| MLP up (column-parallel) | bs x h x f/N (2f/N: SwiGLU's gate and up) | 2 b s h f / N (x 2) |
+| MLP down (row-parallel) | bs x f/N x h | 2 b s h f / N |
 
-24 b s h^2 + 4 b s^2 h in all, Megatron's count. Each GEMM with weights has two
+24 b s h^2 + 4 b s^2 h in all for a GPT (h_kv = h, f = 4h, GeLU), Megatron's count.
+The attention products are counted whole, as Megatron counts them, with FlashAttention too (a causal
+kernel skips about half of them: ``planner.explain``'s list of what is not modelled). Each GEMM with weights has two
 of the same size backward, the input gradient (``I``) and the weight gradient
 (``W``); the two attention products have two backward each, both in ``I``. The
 vocabulary head is bs x h x V/N (2 b s h V / N FLOPs forward). Equation 3 for a
@@ -56,34 +60,36 @@ def block_gemms(model: Transformer, *, microbatch_size: int, tp: int) -> tuple[G
         >>> sum(g.flops for g in block_gemms(m, microbatch_size=1, tp=1)) == 24 * 512 * 1024**2 + 4 * 512**2 * 1024
         True
     """
-    b, s, h, d = microbatch_size, model.seq_len, model.hidden, model.head_dim
+    b, s, h, d, f = microbatch_size, model.seq_len, model.hidden, model.head_dim, model.ffn_hidden
     tokens, heads = b * s, b * model.heads // tp
     return (
-        Gemm(tokens, h, 3 * h // tp),
+        Gemm(tokens, h, (h + 2 * model.kv_hidden) // tp),
         Gemm(s, d, s, heads, weight=False),
         Gemm(s, s, d, heads, weight=False),
         Gemm(tokens, h // tp, h),
-        Gemm(tokens, h, 4 * h // tp),
-        Gemm(tokens, 4 * h // tp, h),
+        Gemm(tokens, h, (1 + model.gated) * f // tp),
+        Gemm(tokens, f // tp, h),
     )
 
 
 def head_gemm(model: Transformer, *, microbatch_size: int, tp: int) -> Gemm:
-    """The vocabulary head's forward GEMM on one of ``tp`` ranks (column-parallel by vocabulary)."""
-    return Gemm(microbatch_size * model.seq_len, model.hidden, model.vocab // tp)
+    """The vocabulary head's forward GEMM on one of ``tp`` ranks (column-parallel by vocabulary, padded to split)."""
+    return Gemm(microbatch_size * model.seq_len, model.hidden, -(-model.vocab // tp))
 
 
 def step_flops(model: Transformer, batch: int, *, recompute: str = "full") -> float:
     """FLOPs of one step on ``batch`` samples: Megatron's equation 3 with ``recompute`` "full", the model's
-    own (72 instead of 96) with "none", and the attention products once more with "selective".
+    own (72 instead of 96) with "none", and the attention products once more with "selective" (the GEMMs
+    of the module docstring's table, l times, and the head).
 
     Example:
         >>> m = Transformer(layers=2, hidden=64, heads=2, seq_len=128, vocab=1000)
         >>> step_flops(m, 4) == 96 * 4 * 128 * 2 * 64**2 * (1 + 128 / (6 * 64) + 1000 / (16 * 2 * 64))
         True
     """
-    b, s, l, h, v = batch, model.seq_len, model.layers, model.hidden, model.vocab
-    blocks = 24 * b * s * l * h * h * (1 + s / (6 * h))
-    head = 2 * b * s * h * v
-    extra = {"none": 0.0, "selective": 4 * b * s * s * h * l, "full": blocks}[recompute]
+    gemms = block_gemms(model, microbatch_size=batch, tp=1)
+    blocks = model.layers * sum(g.flops for g in gemms)
+    attention = model.layers * sum(g.flops for g in gemms if not g.weight)
+    head = 2.0 * batch * model.seq_len * model.hidden * model.vocab
+    extra = {"none": 0.0, "selective": attention, "full": blocks}[recompute]
     return 3 * (blocks + head) + extra

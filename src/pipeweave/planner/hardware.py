@@ -1,4 +1,5 @@
-"""GPUs and their clusters as the planner sees them: peak dense BF16 rate, memory, NVLink and InfiniBand.
+"""GPUs and their clusters as the planner sees them: peak dense BF16 rate, memory and its bandwidth, NVLink (or
+xGMI, or PCIe) and the network, GPUs per node (8 for every preset).
 
 Bandwidths are per GPU and per direction (``sim.network``'s convention). Sources,
 the vendors' datasheets:
@@ -14,9 +15,24 @@ the vendors' datasheets:
 - H200 SXM 141GB (NVIDIA H200 datasheet, 2024): the H100's compute (989 TFLOP/s
   dense BF16), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s total; DGX H200 has the DGX H100's
   network (8 x 400 Gb/s).
+- A100 40GB SXM (the A100 datasheet, 2021): the 80GB's compute and NVLink, 40 GB
+  HBM2 at 1,555 GB/s; DGX A100 (40GB) has the same 8 HDR 200 Gb/s cards.
+- H100 PCIe 80GB (NVIDIA H100 PCIe product brief PB-11133-001, 2022): 756 TFLOP/s
+  dense BF16 (1,513 with sparsity), 80 GB HBM2e at 2.0 TB/s; its NVLink bridge
+  (600 GB/s) joins pairs of cards only, so a node's 8 GPUs talk over PCIe Gen5
+  x16, 64 GB/s per direction; one 400 Gb/s ConnectX-7 per GPU assumed (as a DGX).
+- B200 (NVIDIA HGX B200 specifications, 2024, at 1,000 W): 2,250 TFLOP/s dense
+  BF16 (4,500 with sparsity), 180 GB HBM3e at 8 TB/s (DGX B200: 1,440 GB and 64
+  TB/s for 8), NVLink 5 at 1.8 TB/s total (900 per direction); DGX B200 (its user
+  guide): 8 ConnectX-7 400 Gb/s cards, one per GPU.
+- MI300X (AMD Instinct MI300X data sheet, 2023): 1,307 TFLOP/s dense BF16 (2,615
+  with sparsity), 192 GB HBM3 at 5.3 TB/s, seven Infinity Fabric (xGMI) links of
+  128 GB/s (64 per direction) to the other 7 GPUs of its 8-GPU platform: 448 GB/s
+  per direction in all; 8 x 400 Gb/s network cards per node, one per GPU.
 
-Memory is what ``nvidia-smi`` reports as the card's total (81,920 MiB on an A100
-80GB, 81,559 MiB on an H100 80GB, 143,771 MiB on an H200): the "80 GB" of the
+Memory is what ``nvidia-smi`` reports as the card's total (40,960 MiB on an A100
+40GB, 81,920 on an A100 80GB, 81,559 on an H100 80GB, 143,771 on an H200, 183,359
+on a B200; ``rocm-smi``: 205,822,885,888 bytes on an MI300X): the "80 GB" of the
 datasheets is in fact about 80 GiB.
 """
 
@@ -75,26 +91,29 @@ class GPU:
         )
 
 
+def _preset(name: str, tflops: float, memory: float, nvlink_gbs: float, hbm_tbps: float, nic_gbps: float) -> GPU:
+    """A preset from its datasheet's units: dense BF16 TFLOP/s, bytes, GB/s per direction, TB/s, Gb/s per GPU."""
+    return GPU(
+        name=name,
+        peak_flops=tflops * 1e12,
+        memory_bytes=memory,
+        intra_node=nvlink_gbs * GB,
+        inter_node=nic_gbps * 1e9 / 8,
+        memory_bandwidth=hbm_tbps * 1e12,
+    )
+
+
 GPUS: dict[str, GPU] = {
-    "a100-80gb": GPU(
-        name="a100-80gb", peak_flops=312e12, memory_bytes=81920 * MIB, intra_node=300 * GB, inter_node=200e9 / 8
-    ),
-    "h100-sxm": GPU(
-        name="h100-sxm",
-        peak_flops=989e12,
-        memory_bytes=81559 * MIB,
-        intra_node=450 * GB,
-        inter_node=400e9 / 8,
-        memory_bandwidth=3.35e12,
-    ),
-    "h200": GPU(
-        name="h200",
-        peak_flops=989e12,
-        memory_bytes=143771 * MIB,
-        intra_node=450 * GB,
-        inter_node=400e9 / 8,
-        memory_bandwidth=4.8e12,
-    ),
+    g.name: g
+    for g in (
+        _preset("a100-80gb", 312, 81920 * MIB, 300, 2.039, 200),
+        _preset("a100-40gb", 312, 40960 * MIB, 300, 1.555, 200),
+        _preset("h100-sxm", 989, 81559 * MIB, 450, 3.35, 400),
+        _preset("h100-pcie", 756, 81559 * MIB, 64, 2.0, 400),
+        _preset("h200", 989, 143771 * MIB, 450, 4.8, 400),
+        _preset("b200", 2250, 183359 * MIB, 900, 8.0, 400),
+        _preset("mi300x", 1307, 205822885888.0, 448, 5.3, 400),
+    )
 }
 """The presets, by ``--gpu`` name (sources in the module docstring)."""
 

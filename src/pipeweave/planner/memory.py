@@ -1,15 +1,23 @@
 """Bytes one GPU holds: model state by ZeRO stage, activations at the schedule's peak, and an allowance.
 
-- **Model state** (``sim.shards.rank_memory``): mixed-precision Adam as the
-  ZeRO paper counts it (Rajbhandari et al., SC20, section 3.1): 2 bytes of BF16
-  parameters, 2 of gradients and 12 of optimizer state (an FP32 master copy and
-  two moments) per parameter, 16 in all, split over the N tensor-parallel ranks
-  (the vocabulary-parallel embedding and head too) and sharded over the P
-  replicas by the ZeRO stage. The first part holds the embeddings, the last a
-  copy of the tied head (Megatron-LM keeps both when they sit on two stages).
+- **Model state** (``sim.shards.rank_memory``), per parameter, as the frameworks
+  hold it (``StateBytes``): the BF16 weights (2 bytes); the gradients, in
+  Megatron-LM's FP32 main-gradient buffer (4 bytes, its default for BF16
+  training: gradients accumulate and are reduced in FP32) or in BF16 (2,
+  PyTorch DDP or FSDP with BF16 reduction); the FP32 master weights mixed
+  precision keeps (4); the optimizer's state, Adam's two FP32 moments (8) or
+  SGD's momentum (4) -- 18 bytes with Megatron's defaults, the ZeRO paper's 16
+  (Rajbhandari et al., SC20, section 3.1) with BF16 gradients. All of it is
+  split over the N tensor-parallel ranks (the vocabulary-parallel embedding and
+  head too) and sharded over the P replicas by the ZeRO stage: ZeRO 1 the master
+  weights and the moments, ZeRO 2 the gradients too, ZeRO 3 the weights too.
+  The first part holds the embeddings, the last a copy of the tied head
+  (Megatron-LM keeps both when they sit on two stages) or the untied head.
 - **Activations** of one block for one microbatch, in bytes (Korthikanti et al.
   2022, Table 2, tensor parallel without sequence parallelism; the terms are
-  ``sim.activations``', shared with ``pipeweave simulate``):
+  ``sim.activations``', shared with ``pipeweave simulate``, and re-derived there
+  for grouped-query attention, SwiGLU, FlashAttention and no dropout; docs/guide/plan.md).
+  For a GPT with the unfused attention:
   ``s b h (10 + 24/N + 5 a s / (h N))`` with no recomputation;
   ``s b h (10 + 24/N)`` with selective recomputation (attention's scores are
   replayed); ``2 s b h`` with full recomputation (the block's input only). The
@@ -24,9 +32,14 @@
   block (or its attention scores) on top while it runs. The peak per rank is
   walked over the schedule's own order (``sim.metrics.held_peaks``), so every
   schedule's activation memory comes from the simulator, not a closed form.
-- **Allowance**: ``ALLOWANCE_BYTES`` for the CUDA context, cuBLAS and NCCL
-  workspaces and the allocator's fragmentation, plus, with ZeRO 3, one part's
-  gathered BF16 parameters (transient, ``sim.shards``).
+- **Allowance**: ``ALLOWANCE_BYTES`` for the CUDA context, cuBLAS's workspaces
+  and NCCL's own channel buffers; the **workspace of the largest collective**, the
+  transient buffer it writes beyond what is counted above: with ZeRO 3 one
+  part's gathered BF16 parameters (``sim.shards``), with tensor parallelism the
+  all-gathered b s h activation of sequence parallelism or the out-of-place
+  pipeline receive buffer (2 b s h bytes), whichever is largest; and the caching
+  allocator's **fragmentation**, ``StateBytes.fragmentation`` (5 %) of all the
+  rest (PyTorch's reserved-but-unallocated memory, a few percent in steady state).
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipeweave.errors import UserError
 from pipeweave.planner.transformer import Transformer
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.activations import gpt_block_activations
@@ -45,29 +59,96 @@ from pipeweave.sim.traffic import ModelBytes, tp_rank_share
 GIB = 2.0**30
 ALLOWANCE_BYTES = 3 * GIB
 """Beyond model state and activations: ~0.5 GiB of CUDA context, NCCL buffers (~1 GiB at the defaults of
-NCCL_BUFFSIZE over a few communicators), cuBLAS workspaces, fragmentation of the caching allocator."""
-PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2.0, 2.0, 12.0
-"""Per parameter: BF16 weights and gradients, Adam's FP32 master copy and two moments (ZeRO paper, 3.1)."""
+NCCL_BUFFSIZE over a few communicators), cuBLAS workspaces (the collectives' and the allocator's apart)."""
+PARAM_BYTES = 2.0
+"""Per parameter: BF16 weights."""
+GRADIENTS = {"fp32": 4.0, "bf16": 2.0}
+"""Bytes of a parameter's gradient: Megatron-LM's FP32 main-gradient buffer, or BF16."""
+OPTIMIZERS = {"adam": 8.0, "sgd": 4.0}
+"""Bytes of a parameter's optimizer state beyond the master weights: Adam's two FP32 moments, SGD's momentum."""
+MASTER_BYTES = 4.0
+"""Per parameter: the FP32 master weights of mixed precision."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateBytes:
+    """How the framework holds model state, and the allocator's margin (module docstring).
+
+    Example:
+        >>> StateBytes().per_parameter, StateBytes(grads="bf16").per_parameter
+        (18.0, 16.0)
+    """
+
+    grads: str = "fp32"
+    """``GRADIENTS``: Megatron-LM's FP32 main-gradient buffer (default) or BF16."""
+    optimizer: str = "adam"
+    """``OPTIMIZERS``."""
+    fragmentation: float = 0.05
+    """The caching allocator's reserved-but-unallocated memory, a fraction of the rest."""
+
+    def __post_init__(self) -> None:
+        if self.grads not in GRADIENTS:
+            raise UserError(f"--grads {self.grads!r} is unknown; choose one of: {', '.join(GRADIENTS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"--optimizer {self.optimizer!r} is unknown; choose one of: {', '.join(OPTIMIZERS)}")
+        if not 0 <= self.fragmentation < 1:
+            raise UserError(f"--fragmentation {self.fragmentation} is invalid; give a fraction in [0, 1), e.g. 0.05")
+
+    @property
+    def grad_bytes(self) -> float:
+        return GRADIENTS[self.grads]
+
+    @property
+    def moment_bytes(self) -> float:
+        return OPTIMIZERS[self.optimizer]
+
+    @property
+    def per_parameter(self) -> float:
+        """Bytes of model state per parameter, unsharded."""
+        return PARAM_BYTES + self.grad_bytes + MASTER_BYTES + self.moment_bytes
+
+    def sharded(self, zero: int, dp: int) -> float:
+        """Bytes per parameter one GPU holds under ZeRO ``zero`` over ``dp`` replicas."""
+        shard = 1.0 / dp
+        return (
+            PARAM_BYTES * (shard if zero >= 3 else 1.0)
+            + self.grad_bytes * (shard if zero >= 2 else 1.0)
+            + (MASTER_BYTES + self.moment_bytes) * (shard if zero >= 1 else 1.0)
+        )
 
 
 @dataclass(frozen=True)
 class GPUMemory:
-    """Bytes of the fullest GPU, by kind."""
+    """Bytes of the fullest GPU, by kind (module docstring)."""
 
     params: float
     grads: float
+    master: float
     optimizer: float
     activations: float
-    allowance: float
+    context: float
+    """``ALLOWANCE_BYTES``."""
+    workspace: float
+    """The largest collective's transient buffer."""
+    fragmentation: float
+
+    @property
+    def allowance(self) -> float:
+        """What is neither model state nor activations."""
+        return self.context + self.workspace + self.fragmentation
+
+    @property
+    def state(self) -> float:
+        return self.params + self.grads + self.master + self.optimizer
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.allowance
+        return self.state + self.activations + self.allowance
 
     def as_dict(self) -> dict[str, float]:
         """GiB by kind, and the total."""
-        names = ("params", "grads", "optimizer", "activations", "allowance", "total")
-        return {n: round(getattr(self, n) / GIB, 3) for n in names}
+        names = ("params", "grads", "master", "optimizer", "activations", "context", "workspace", "fragmentation")
+        return {n: round(getattr(self, n) / GIB, 3) for n in (*names, "allowance", "total")}
 
 
 def block_activation_bytes(
@@ -77,14 +158,23 @@ def block_activation_bytes(
     between I and W, and used on top while a backward replays the forward.
 
     Example:
-        >>> m = Transformer(layers=1, hidden=1024, heads=16, seq_len=1024)
+        >>> m = Transformer(layers=1, hidden=1024, heads=16, seq_len=1024, attention="math")
         >>> [round(x / (1024 * 1024)) for x in block_activation_bytes(m, tp=1, recompute="none")]
         [114, 14, 0]
         >>> [round(x / (1024 * 1024)) for x in block_activation_bytes(m, tp=2, recompute="selective",
         ...                                                           sequence_parallel=True)]
         [17, 7, 40]
     """
-    terms = gpt_block_activations(seq_len=model.seq_len, hidden=model.hidden, heads=model.heads)
+    terms = gpt_block_activations(
+        seq_len=model.seq_len,
+        hidden=model.hidden,
+        heads=model.heads,
+        kv_heads=model.kv_heads,
+        ffn_hidden=model.ffn_hidden,
+        gated=model.gated,
+        flash=model.flash,
+        dropout=model.dropout,
+    )
 
     def share(total: float, replicated: float) -> float:
         return tp_rank_share(total, replicated, tp, split_replicated=sequence_parallel)
@@ -154,6 +244,8 @@ def gpu_memory(
     microbatch_size: int,
     recompute: str,
     peaks: tuple[float, ...] | None = None,
+    state: StateBytes = StateBytes(),
+    zero2: bool = False,
 ) -> GPUMemory:
     """The fullest GPU of ``schedule`` on the layout (module docstring); ``peaks``: ``activation_peaks``' result
     if known.
@@ -163,27 +255,46 @@ def gpu_memory(
         >>> m = Transformer(layers=4, hidden=1024, heads=16, seq_len=1024, vocab=1024)
         >>> mem = gpu_memory(generate("1f1b", num_stages=2, num_microbatches=4), m, Layout(tp=2),
         ...                  microbatch_size=1, recompute="full")
-        >>> round(mem.optimizer / mem.params)
-        6
+        >>> round(mem.grads / mem.params), round(mem.master / mem.params), round(mem.optimizer / mem.params)
+        (2, 2, 4)
     """
     params = part_parameters(model, schedule.num_parts)
     acts = [
         p * microbatch_size
         for p in peaks or activation_peaks(schedule, model, layout.tp, recompute, layout.sequence_parallel)
     ]
-    return fullest_gpu(schedule, params, layout, acts)
+    message = 2.0 * microbatch_size * model.seq_len * model.hidden if layout.tp > 1 or schedule.num_parts > 1 else 0.0
+    return fullest_gpu(schedule, params, layout, acts, state=state, message=message, zero2=zero2)
 
 
-def fullest_gpu(schedule: Schedule, params: Sequence[float], layout: Layout, acts: Sequence[float]) -> GPUMemory:
-    """The GPU whose model state (``params`` per part, 16 bytes each) and activations (``acts`` bytes per rank)
-    are the most, with the allowance (module docstring)."""
-    state = ModelBytes(
+def fullest_gpu(
+    schedule: Schedule,
+    params: Sequence[float],
+    layout: Layout,
+    acts: Sequence[float],
+    *,
+    state: StateBytes = StateBytes(),
+    message: float = 0.0,
+    zero2: bool = False,
+) -> GPUMemory:
+    """The GPU whose model state (``params`` per part, ``state``'s bytes each) and activations (``acts`` bytes
+    per rank) are the most, with the allowance (module docstring; ``message``: bytes of one activation between
+    blocks, for the collectives' workspace; ``zero2``: ZeRO 2, the layout's ZeRO 1 with the gradients sharded
+    too, its collectives ZeRO 1's)."""
+    moments = MASTER_BYTES + state.moment_bytes
+    model_bytes = ModelBytes(
         params=tuple(p * PARAM_BYTES for p in params),
-        grads=GRAD_BYTES / PARAM_BYTES,
-        optimizer=OPTIMIZER_BYTES / PARAM_BYTES,
+        grads=state.grad_bytes / PARAM_BYTES,
+        optimizer=moments / PARAM_BYTES,
     )
-    ranks = rank_memory(schedule, layout, state)
+    ranks = rank_memory(schedule, layout, model_bytes)
     worst = max(range(len(ranks)), key=lambda r: ranks[r].total + acts[r])
+    r = ranks[worst]
+    grads = r.grads / layout.dp if zero2 else r.grads
     gathered = max(params) * PARAM_BYTES / layout.tp if layout.zero == 3 else 0.0
-    state_r = ranks[worst]
-    return GPUMemory(state_r.params, state_r.grads, state_r.optimizer, acts[worst], ALLOWANCE_BYTES + gathered)
+    workspace = max(gathered, message)
+    master, optimizer = r.optimizer * MASTER_BYTES / moments, r.optimizer * state.moment_bytes / moments
+    rest = r.params + grads + r.optimizer + acts[worst] + ALLOWANCE_BYTES + workspace
+    return GPUMemory(
+        r.params, grads, master, optimizer, acts[worst], ALLOWANCE_BYTES, workspace, state.fragmentation * rest
+    )

@@ -16,7 +16,13 @@ from pipeweave.planner.activations import Profile, activation_profile, peaks
 from pipeweave.planner.candidate import Config
 from pipeweave.planner.costs import Cluster, transformer
 from pipeweave.planner.critical import Path, critical_path
-from pipeweave.planner.memory import PARAM_BYTES, block_activation_bytes, part_activation_bytes, part_parameters
+from pipeweave.planner.memory import (
+    ALLOWANCE_BYTES,
+    PARAM_BYTES,
+    block_activation_bytes,
+    part_activation_bytes,
+    part_parameters,
+)
 from pipeweave.planner.transformer import Transformer
 from pipeweave.schedule import generate
 from pipeweave.schedule.ir import Op, Schedule, ScheduleError
@@ -180,8 +186,8 @@ def auto_options(config: Config, cluster: Cluster, times: Times) -> dict[str, ob
         model, tp=config.tp, recompute=config.recompute, sequence_parallel=cluster.sequence_parallel
     )
     per_rank = model.layers / config.pp * held * config.microbatch_size  # M_a of one D-th
-    state = max(part_parameters(model, parts)) * config.chunks * 16 / config.tp
-    room = gpu.memory_bytes - state - 3 * 2**30
+    state = max(part_parameters(model, parts)) * config.chunks * cluster.state.per_parameter / config.tp
+    room = gpu.memory_bytes - state - ALLOWANCE_BYTES
     limit = max(1.0, min(2.0, int(2 * room / (config.pp * per_rank)) / 2)) if per_rank else 2.0
     unit = sum(f) / parts
     return {

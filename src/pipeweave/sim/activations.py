@@ -8,8 +8,10 @@ attention's and the MLP's inner tensors) and leaves ``10 s b h`` whole on every
 rank (the two layer norms' inputs, the inputs of attention's and the MLP's
 first GEMMs, the two dropout masks): ``s b h (10 + 24/N + 5 a s / (h N))``.
 Sequence parallelism splits those 10 too, along the sequence:
-``s b h (34/N + 5 a s / (h N))``. ``planner.memory`` builds the planner's
-memory from these terms; ``rank_activations`` walks them over a schedule.
+``s b h (34/N + 5 a s / (h N))``. ``gpt_block_activations`` re-derives these
+terms for grouped-query attention, SwiGLU, FlashAttention and no dropout.
+``planner.memory`` builds the planner's memory from these terms;
+``rank_activations`` walks them over a schedule.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class BlockActivations:
     held_replicated: float
     """Of ``held``, what every TP rank keeps whole without sequence parallelism: ``10 s b h``."""
     scores: float
-    """Of ``held``, attention's scores, softmax and its dropout mask, all split by TP: ``5 a s^2 b``."""
+    """Of ``held``, attention's scores, softmax and its dropout mask, all split by TP: ``5 a s^2 b`` (0 with
+    FlashAttention)."""
     stash: float
     """Still held between I and W, the inputs of the four weight GEMMs (zero-bubble's M_W): ``14 s b h``."""
     stash_replicated: float
@@ -41,20 +44,50 @@ class BlockActivations:
     """The block's input, all a full recomputation keeps: ``2 s b h``, whole on every TP rank without SP."""
 
 
-def gpt_block_activations(*, seq_len: int, hidden: int, heads: int, microbatch_size: int = 1) -> BlockActivations:
-    """Table 2's terms of one block (module docstring).
+def gpt_block_activations(
+    *,
+    seq_len: int,
+    hidden: int,
+    heads: int,
+    microbatch_size: int = 1,
+    kv_heads: int | None = None,
+    ffn_hidden: int | None = None,
+    gated: bool = False,
+    flash: bool = False,
+    dropout: bool = True,
+) -> BlockActivations:
+    """Table 2's terms of one block (module docstring), re-derived for grouped-query attention (``kv_heads``),
+    an MLP of size ``ffn_hidden`` (default 4h; ``gated``: SwiGLU), FlashAttention (``flash``: no s x s scores,
+    the softmax's FP32 log-sum-exp per head and token instead) and no dropout: the derivation is in
+    docs/guide/plan.md ("Activations, per kind").
 
     Example:
         >>> a = gpt_block_activations(seq_len=1024, hidden=1024, heads=16)
         >>> round(a.held / 2**20), round(a.held_replicated / 2**20)  # s b h (34 + 5 a s / h), 10 s b h
         (114, 10)
+        >>> a = gpt_block_activations(seq_len=1024, hidden=1024, heads=16, kv_heads=4, ffn_hidden=2816,
+        ...                           gated=True, flash=True, dropout=False)
+        >>> round(a.held / 2**20), round(a.scores / 2**20)  # s b h (8 + 2 + 4 r + 2 + 6 f / h), no scores
+        (30, 0)
     """
-    sbh = float(seq_len * hidden * microbatch_size)
+    b, s, h = microbatch_size, seq_len, hidden
+    sbh = float(s * h * b)
+    r = (kv_heads or heads) / heads
+    f = (ffn_hidden or 4 * h) / h
+    masks = 2 * sbh if dropout else 0.0  # after attention and after the MLP, 1 byte an element
+    replicated = 8 * sbh + masks  # two norms' inputs, the QKV and first MLP GEMMs' inputs (2 s b h each)
+    qkv = (2 + 4 * r) * sbh  # Q, K and V, what the attention core's backward reads
+    context = 2 * sbh  # the projection's input (FlashAttention's output, which its backward reads too)
+    mlp = (6 if gated else 4) * f * sbh  # GeLU's input and output; SwiGLU's gate, up and their product
+    if flash:
+        scores, statistics = 0.0, 4.0 * heads * s * b
+    else:
+        scores, statistics = (2 + 3 * dropout) * heads * s * s * b, 0.0  # softmax (its dropout mask and output)
     return BlockActivations(
-        held=34 * sbh + 5.0 * heads * seq_len * seq_len * microbatch_size,
-        held_replicated=10 * sbh,
-        scores=5.0 * heads * seq_len * seq_len * microbatch_size,
-        stash=14 * sbh,
+        held=replicated + qkv + context + mlp + scores + statistics,
+        held_replicated=replicated,
+        scores=scores,
+        stash=4 * sbh + context + 2 * f * sbh,
         stash_replicated=4 * sbh,
         input=2 * sbh,
     )

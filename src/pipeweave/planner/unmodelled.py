@@ -1,0 +1,94 @@
+"""What the planner leaves out of a prediction, said for the run at hand (``plan --explain``, ``--json``).
+
+A prediction is a simulated schedule under modelled costs (``planner.costs``,
+``planner.memory``); what those costs do not hold is listed here, each effect
+only where the run has it: the effects of its model (FlashAttention, a large
+vocabulary, a profile), of its configuration (TP, ZeRO, recomputation, a split
+backward, a pipeline) and of its cluster (another GPU than the calibration's,
+several nodes).
+"""
+
+from __future__ import annotations
+
+from pipeweave.planner.candidate import Config
+from pipeweave.planner.costs import Cluster
+from pipeweave.planner.transformer import Transformer
+from pipeweave.schedule.registry import SCHEDULES
+
+CALIBRATED_ON = ("a100-80gb", "a100-40gb")
+"""The GPUs of Megatron-LM's Table 1, on which the GEMM efficiency is fitted."""
+
+
+def not_modelled(cluster: Cluster, config: Config | None) -> list[str]:
+    """The effects the prediction of ``config`` on ``cluster`` leaves out (module docstring); ``config`` None:
+    those of the model and the cluster only.
+
+    Example:
+        >>> from pipeweave.planner.efficiency import A100_CALIBRATED
+        >>> from pipeweave.planner.hardware import GPUS
+        >>> from pipeweave.planner.transformer import MODELS
+        >>> c = Cluster(model=MODELS["llama3-8b"], gpu=GPUS["h100-sxm"], efficiency=A100_CALIBRATED)
+        >>> any("causal" in line for line in not_modelled(c, None))
+        True
+    """
+    out = [
+        "the optimizer step's time (its memory is counted)",
+        "kernel launches and the framework's time between actions, beyond what the GEMM efficiency fitted on "
+        "Megatron-LM's Table 1 holds",
+        "the data loader, stragglers, clock throttling and step-to-step variance",
+    ]
+    out += _model(cluster)
+    if cluster.gpu.name not in CALIBRATED_ON:
+        out.append(
+            f"a GEMM efficiency of {cluster.gpu.name}'s own: the A100 fit (eta_max "
+            f"{cluster.efficiency.eta_max}, n_half {cluster.efficiency.n_half:g}) is reused as a fraction of its peak"
+        )
+    if cluster.gpu.name == "mi300x":
+        out.append("RCCL's reach over the xGMI mesh: the links' datasheet aggregate is taken as one link's rate")
+    if config is not None:
+        out += _config(cluster, config)
+    return out
+
+
+def _model(cluster: Cluster) -> list[str]:
+    model = cluster.model
+    if not isinstance(model, Transformer):
+        return ["what one FLOP-rate ratio cannot capture of a profiled model (planner/profiled.py lists it)"]
+    out = []
+    if model.flash:
+        out.append(
+            "FlashAttention's causal skipping of the masked half of the scores (its products counted whole, as "
+            "Megatron-LM counts them) and its own kernel efficiency (timed as GEMMs of the head size)"
+        )
+    if model.norm == "rmsnorm" or model.positions == "rotary":
+        out.append("fusion of RMSNorm and rotary kernels (their memory traffic counted unfused)")
+    if model.vocab * model.hidden > 2 * model.layer_parameters:
+        out.append(
+            "uneven stages (the head's part gets as many blocks as the others: its "
+            f"{model.vocab:,} x {model.hidden} head weighs {model.vocab * model.hidden / model.layer_parameters:.1f} "
+            "blocks)"
+        )
+    out.append("the cross-entropy's temporaries beyond the stored FP32 logits, and kernels' scratch buffers")
+    return out
+
+
+def _config(cluster: Cluster, config: Config) -> list[str]:
+    out = []
+    if config.tp > 1:
+        out.append("overlap of the TP collectives with the GEMMs (they are counted as blocking)")
+    if config.dp > 1:
+        out.append(
+            "the DP reduction as a hierarchical collective (intra- then inter-node): it is one ring on the "
+            "slowest link, with no contention with pipeline traffic"
+        )
+    if config.zero == 2:
+        out.append("ZeRO 2 is accounted for, but pipeweave train does not run it")
+    if config.zero == 3:
+        out.append("FSDP's prefetch contending with compute for memory bandwidth, and its reshard's cost")
+    if config.recompute != "none":
+        out.append("the RNG state a recomputed forward keeps, and a replay's peak beyond one block")
+    if config.pp > 1 and SCHEDULES[config.schedule].splits_backward:
+        out.append("W deferral's cost: a split backward's two smaller GEMMs run at the whole backward's efficiency")
+    if config.tp * config.pp * config.dp > cluster.gpu.gpus_per_node:
+        out.append("the network's topology beyond nodes and links (rail-optimised fabrics, oversubscription)")
+    return out
