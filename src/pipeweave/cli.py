@@ -12,6 +12,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from pipeweave import __version__
@@ -84,8 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     name = "pipeweave"
     try:
+        started = time.process_time()  # a command's CPU budget counts from here (plan --time-limit)
         parser = build_parser()
         args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
+        args.cpu_started = started
         if not hasattr(args, "run"):
             parser.print_help()
             return 2

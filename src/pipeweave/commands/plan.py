@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from typing import Any
 
 from pipeweave.errors import UserError
@@ -160,10 +161,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
     p.add_argument(
         "--time-limit",
         type=float,
-        default=10.0,
+        default=6.0,
         metavar="SECONDS",
-        help="stop the search after this many CPU seconds once something fits, and say how much the "
-        "configurations left could still gain (default 10; 0: search to the exact top)",
+        help="stop the search once the command has used this many CPU seconds (from its start: imports and "
+        "bounding count) and something fits, and say how much the configurations left could still gain "
+        "(default 6; 0: search to the exact top)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object, best configuration first")
     p.add_argument(
@@ -201,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             top=args.top,
             exhaustive=args.all,
             progress=progress,
-            time_limit=args.time_limit or None,
+            time_limit=max(0.0, args.time_limit - _cpu_used(args)) if args.time_limit else None,
         )
     if plot is not None:
         write_plot(plan, plot)
@@ -410,3 +412,9 @@ class _Bar:
         if self.bar is not None:
             self.bar.stop()
         sys.stderr.flush()
+
+
+def _cpu_used(args: argparse.Namespace) -> float:
+    """CPU seconds the command has used so far (``cli`` notes its start; in-process callers without it: none)."""
+    started = getattr(args, "cpu_started", None)
+    return 0.0 if started is None else time.process_time() - started

@@ -14,7 +14,7 @@ from pipeweave.planner.evaluate import Result
 from pipeweave.planner.explain import explain, memory_terms
 from pipeweave.planner.memory import GIB
 from pipeweave.planner.profiled import ProfiledModel
-from pipeweave.planner.search import Plan
+from pipeweave.planner.search import AUTO_CELLS, Plan
 from pipeweave.planner.unmodelled import not_modelled
 
 
@@ -74,7 +74,8 @@ def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: 
         f"schedule refuses, {len(plan.results)} simulated ({plan.simulations} timelines), "
         f"{len(plan.results) - len(plan.best)} of them over {gpu.memory_bytes / GIB:.1f} GiB"
         + (
-            f"; {plan.auto_skipped} zb-auto configurations not searched (8 searches at most)"
+            f"; {plan.auto_skipped} zb-auto configurations not searched (8 searches at most, of D x v x T <= "
+            f"{AUTO_CELLS} cells)"
             if plan.auto_skipped
             else ""
         )

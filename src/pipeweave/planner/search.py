@@ -60,6 +60,12 @@ class Plan:
         return [r for r in self.results if r.fits]
 
 
+AUTO_CELLS = 4096
+"""The largest zb-auto search the planner runs, in (stage, microbatch) cells D x v x T: its list scheduling
+grows with them (T = 2000 on D = 8 takes seconds per search), while zb-h1/zb-h2, evaluated beside it, come
+within a bubble of (D - 1) / T of it there."""
+
+
 def search(
     space: Iterable[Config],
     evaluator: Evaluator,
@@ -73,7 +79,8 @@ def search(
 ) -> Plan:
     """The best ``top`` configurations of ``space`` (module docstring); ``exhaustive`` simulates every one that
     may fit (for ``--plot`` over the whole space); at most ``auto_searches`` zb-auto searches (about a second
-    each, more at large D), the most promising first: the others are skipped, and counted. With a
+    each, more at large D), the most promising first, none over ``AUTO_CELLS``: the others are skipped, and
+    counted. With a
     ``tolerance`` t, a configuration is skipped once its bound is within t of the ``top``-th best: one
     skipped could beat that one by less than t x its step (0: the exact top). ``time_limit``: seconds after
     which the search stops once something fits, in CPU seconds of this process (module docstring; None: never)."""
@@ -114,7 +121,7 @@ def _search(
         config = fitting[k]
         times = evaluator.times(config, evaluator.num_parts(config))
         if config.searched and not evaluator.pipeline.has_schedule(config, evaluator.auto_options(config, times)):
-            if auto_searches <= 0:
+            if auto_searches <= 0 or config.pp * config.chunks * config.microbatches > AUTO_CELLS:
                 skipped += 1
                 continue
             auto_searches -= 1
