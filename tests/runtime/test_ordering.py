@@ -39,6 +39,7 @@ from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.runtime.run.sizes import microbatch_sizes
 from pipeweave.runtime.run.workers import build_workers
+from pipeweave.runtime.transport import p2p
 from pipeweave.runtime.transport.mesh import Mesh, replica_rank_sets
 from pipeweave.runtime.transport.order import message_key, rank_sends
 from pipeweave.schedule import SCHEDULES, ScheduleError, generate, lower
@@ -77,6 +78,7 @@ class InOrderTransport:
         self.sent: dict[tuple[int, int], list[int]] = {}  # (src, dst) -> tags in posting order
         self.posted: dict[tuple[int, int], list[int]] = {}
         self.mismatches: list[str] = []
+        self.groups: dict[int, list[list[tuple[bool, int, int]]]] = {}  # rank -> its groups: (send?, peer, tag)
         self.calls: dict[tuple[int, int], list[int]] = {}  # (part, rank) -> all-reduces called
         self.collectives: dict[tuple[int, int], dict[int, tuple[torch.Tensor, _Work]]] = {}
 
@@ -101,6 +103,11 @@ class InOrderTransport:
                         t.copy_(total)
                     w.done.set()
         return work
+
+    def post_group(self, ops: list[tuple[bool, torch.Tensor, int, int]]) -> list[_Work]:
+        """``transport.p2p.post_group``: the group's messages posted in order (one work each, as gloo's)."""
+        self.groups.setdefault(self.local.rank, []).append([(send, peer, tag) for send, _, peer, tag in ops])
+        return [self.isend(t, peer, tag=tag) if send else self.irecv(t, peer, tag=tag) for send, t, peer, tag in ops]
 
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> _Work:
         return self._post(self.local.rank, dst, tensor, tag, sending=True)
@@ -215,13 +222,20 @@ def _cases() -> dict[str, TrainConfig]:
 CASES = _cases()
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_posting_order_matches_per_pair_and_losses_equal_reference(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = CASES[case]
+def _installed(monkeypatch: pytest.MonkeyPatch) -> InOrderTransport:
+    """A fresh ``InOrderTransport`` in place of the process group's messages, groups and all-reduces."""
     transport = InOrderTransport()
+    monkeypatch.setattr(p2p, "post_group", transport.post_group)
     monkeypatch.setattr(dist, "isend", transport.isend)
     monkeypatch.setattr(dist, "irecv", transport.irecv)
     monkeypatch.setattr(dist, "all_reduce", transport.all_reduce)
+    return transport
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_posting_order_matches_per_pair_and_losses_equal_reference(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = CASES[case]
+    transport = _installed(monkeypatch)
     losses = _run_threads(config, transport)
     assert not transport.mismatches, transport.mismatches
     assert transport.sent, "no message crossed ranks"
@@ -255,3 +269,38 @@ def test_rank_sends_are_what_the_receivers_consume(case: str) -> None:
                 if a.op in (Op.RECV_F, Op.RECV_B) and lowered.peer(a) == rank:
                     consumed[(peer, message_key(lowered, a))] += 1
         assert sent == +consumed, case
+
+
+GROUP_CASES = ("1f1b-2ranks", "zb-h1-3ranks", "interleaved-1f1b-2ranks", "1f1b-gpt-tied")
+
+
+def _gap_sends(lowered: Any, rank: int, p2p_of_rank: p2p.P2P) -> list[list[int]]:
+    """The tags of the sends of each gap between two compute actions of ``rank``'s row (gaps without one left out)."""
+    gaps: list[list[int]] = [[]]
+    for a in lowered.actions[rank]:
+        if a.op.is_compute:
+            gaps.append([])
+        elif a.op.is_send:
+            gaps[-1].append(p2p_of_rank.tag(message_key(lowered, a)))
+    return [gap for gap in gaps if gap]
+
+
+@pytest.mark.parametrize("case", GROUP_CASES)
+def test_each_gap_is_one_group_in_one_order_on_both_ends(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank posts the sends between two compute actions as one group (``p2p.post_group``), and the messages of
+    every pair go out in the sender's groups in the order the receiver's groups post them."""
+    config = CASES[case]
+    transport = _installed(monkeypatch)
+    _run_threads(config, transport)
+    lowered = lower(prepare(config).schedule)
+    sizes = microbatch_sizes(config)
+    for rank, groups in transport.groups.items():
+        tags = p2p.P2P(lowered, rank, sizes, torch.device("cpu"))
+        span = len(sizes) + 1  # a metadata message's tag is a multiple of it (P2P.tag)
+        sends = [[tag for send, _, tag in group if send and tag % span] for group in groups]
+        assert [s for s in sends if s] == _gap_sends(lowered, rank, tags) * STEPS, f"{case}: rank {rank}"
+    pairs = {(rank, peer) for rank, groups in transport.groups.items() for group in groups for _, peer, _ in group}
+    for a, b in pairs:
+        sent = [tag for group in transport.groups[a] for send, peer, tag in group if send and peer == b]
+        posted = [tag for group in transport.groups.get(b, []) for send, peer, tag in group if not send and peer == a]
+        assert sent == posted, f"{case}: rank {a} -> {b}"

@@ -132,16 +132,36 @@ def test_distributed_post_validation_equals_synchronous_clip_and_skip(
     assert seen == set(expected)
 
 
-def test_post_validation_refuses_a_v_schedule() -> None:
-    config = train_config(
-        schedule="zb-v-auto",
+def _clipped(schedule: str) -> TrainConfig:
+    """A 2-stage run of ``schedule`` post-validated (clipping at 1)."""
+    return train_config(
+        schedule=schedule,
         num_stages=2,
         num_microbatches=4,
         model=SPEC,
         batch_size=8,
         post_validation=PostValidation(max_norm=1.0),
     )
+
+
+def test_post_validation_refuses_a_v_schedule() -> None:
     with pytest.raises(UserError, match="one stage per rank"):
-        prepare(config)
+        prepare(_clipped("zb-v-auto"))
     with pytest.raises(UserError, match="clip-grad-norm"):
         PostValidation(max_norm=0.0)
+
+
+def test_post_validation_is_refused_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its messages are paired by gloo tag, which NCCL ignores: one line before anything runs, never a wrong run."""
+    import pipeweave.runtime.run.prepare as prepare_module
+    from pipeweave.runtime.stage.post_validation import validated_optimizer
+    from pipeweave.schedule import generate
+
+    monkeypatch.setattr(prepare_module, "device_for", lambda rank: torch.device("cuda", rank), raising=False)
+    with pytest.raises(UserError, match=r"^--clip-grad-norm on CUDA: .*NCCL ignores.*CUDA_VISIBLE_DEVICES") as error:
+        prepare(_clipped("1f1b"))
+    assert "\n" not in str(error.value)
+    schedule = generate("1f1b", num_stages=2, num_microbatches=4)
+    cuda = RankContext(device=torch.device("cuda", 0))
+    with pytest.raises(UserError, match="on CUDA"):
+        validated_optimizer(PostValidation(max_norm=1.0), schedule, 0, None, "sgd", 0.1, context=cuda)  # type: ignore[arg-type]

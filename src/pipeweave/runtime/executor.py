@@ -245,6 +245,8 @@ class Executor:
         step_cpu = time.process_time_ns()
         for i, a in enumerate(self.row):
             self.p2p.post_ahead(i)
+            if a.op.is_compute:
+                self.p2p.flush()  # the messages of the gap before this action go out as one group
             if self.store is not None and i + 1 < len(self.row) and self.row[i + 1].op is Op.RELOAD:
                 self.store.prefetch(self.row[i + 1][::2])  # CUDA: its copy runs beside action i
             c0, t0 = cpu(), clock()

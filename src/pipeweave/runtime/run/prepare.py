@@ -32,6 +32,7 @@ from pipeweave.models.build import check_selective, check_tensor_parallel
 from pipeweave.models.spec import uniform_parts
 from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
+from pipeweave.runtime.process import device_for
 from pipeweave.runtime.run import checkpoint, checkpoint_files
 from pipeweave.runtime.run.checkpoint_files import Checkpoint
 from pipeweave.runtime.run.sizes import check_batch, check_layers, check_sizes, microbatch_sizes, probe_model
@@ -108,7 +109,7 @@ def prepare(config: TrainConfig) -> RunPlan:
     if config.clips_by_collective:
         _check_clip(config, schedule)
     elif config.training.post_validation is not None:
-        check_post_validation(schedule)
+        check_post_validation(schedule, device_for(0))  # the ranks' device kind (CUDA wherever it is available)
     run_id = _check_checkpoints(config, resumed)
     source = None
     if config.data.path is not None or (config.model.is_transformer and config.model.vocab < 256):

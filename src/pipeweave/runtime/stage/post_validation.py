@@ -17,8 +17,10 @@ No all-reduce and no barrier: the state travels down the pipeline with the
 stages' own ``U`` order, and the only wait is for the complete state, before
 the stage's next forward. The result equals synchronous clipping and skipping
 to float rounding (tests/runtime/test_validation_step.py). Messages use gloo
-tags above the schedule transport's; NCCL ignores tags, so on GPUs this is
-not yet supported. Straight placements only (one stage per rank, no replicas):
+tags above the schedule transport's and CPU tensors; NCCL ignores tags (it
+pairs a pair's messages in posting order) and carries CUDA tensors only, so a
+run on CUDA is refused in one line (``check_post_validation``) rather than
+run. Straight placements only (one stage per rank, no replicas):
 1F1B, ZB-H1/H2, zb-auto.
 """
 
@@ -43,8 +45,21 @@ _TAG_PARTIAL = 1 << 28
 _TAG_TOTAL = _TAG_PARTIAL + 1
 
 
-def check_post_validation(schedule: Schedule) -> None:
-    """Raise UserError unless post-validation applies to ``schedule``."""
+def check_post_validation(schedule: Schedule, device: torch.device | str = "cpu") -> None:
+    """Raise UserError unless post-validation applies to ``schedule`` on ranks computing on ``device``.
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> check_post_validation(generate("1f1b", num_stages=2, num_microbatches=2), "cuda")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        pipeweave.errors.UserError: --clip-grad-norm on CUDA: ...
+    """
+    if torch.device(device).type == "cuda":
+        raise UserError(
+            "--clip-grad-norm on CUDA: its post-validation pairs messages by gloo tag, which NCCL ignores; "
+            "train without --clip-grad-norm, or on the CPU (CUDA_VISIBLE_DEVICES= hides the GPUs)"
+        )
     placement = schedule.placement
     if schedule.num_chunks != 1 or len(placement.pipelines) != 1 or placement.num_parts != schedule.num_ranks:
         raise UserError(
@@ -147,9 +162,9 @@ def validated_optimizer(
         context: this rank's run context (the process of each stage rank, the wait timeout).
 
     Raises:
-        UserError: a schedule it does not apply to, or an unknown optimizer.
+        UserError: a schedule it does not apply to, a CUDA device, or an unknown optimizer.
     """
-    check_post_validation(schedule)
+    check_post_validation(schedule, context.device if context is not None else "cpu")
     inner: SGD | AdamW
     if optimizer == "sgd":
         inner = SGD(lr=lr, momentum=momentum)

@@ -1,8 +1,15 @@
-"""Point-to-point transport of a lowered schedule: isend/irecv posted in one per-pair order.
+"""Point-to-point transport of a lowered schedule: one group of sends and receives per gap, in one per-pair order.
 
 Every message is named by a key ``(sender stage, kind, microbatch)`` and
 posted in the order ``transport.order`` derives from the lowered schedule,
-the same on both ends of a pair (as NCCL needs).
+the same on both ends of a pair (as NCCL needs). Over the process group the
+messages a rank posts between two compute actions go out together, as one
+``torch.distributed.batch_isend_irecv`` group (``post_group``; Megatron-LM
+and torch.distributed.pipelining batch theirs alike), in that order: the
+executor closes a group (``flush``) before each compute action,
+and the transport closes it before it waits on anything. Under
+``--transport shm`` a pair with a ring posts each message into its ring at
+once instead (a ring needs no grouping).
 
 Shapes travel once: the first message of each ``(sender stage, kind)``
 activation stream is preceded by a small metadata tensor holding the dtype
@@ -47,10 +54,43 @@ from pipeweave.schedule.lower import LoweredSchedule
 
 @dataclass
 class _Posted:
-    work: Any  # dist.Work, or shm.RecvWork under --transport shm
+    work: Any  # dist.Work, or shm.RecvWork under --transport shm; None until its group is posted
     buffer: torch.Tensor
     layout: Layout | None = None  # a packed tuple, unpacked when waited
     samples: int = 0
+
+
+@dataclass
+class _Sent:
+    work: Any  # None until its group is posted
+    tensor: torch.Tensor  # kept alive until the send completes
+
+
+class _GroupWork:
+    """The works of a group that completes as one (a backend that coalesces, NCCL, returns one for all)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self.works:
+            work.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+GroupOp = tuple[bool, torch.Tensor, int, int]
+"""A message of a group: ``(is a send, tensor, peer process, tag)``."""
+
+
+def post_group(ops: list[GroupOp]) -> list[Any]:
+    """Post ``ops`` in order as one ``batch_isend_irecv`` group: one work per message, or one for the group
+    where the backend coalesces (NCCL)."""
+    return dist.batch_isend_irecv(  # type: ignore[no-any-return]
+        [dist.P2POp(dist.isend if send else dist.irecv, tensor, peer, tag=tag) for send, tensor, peer, tag in ops]
+    )
 
 
 class P2P:
@@ -61,7 +101,7 @@ class P2P:
         rank: this rank in ``lowered`` (its stage rank: ``context.process_of`` gives the process of each).
         microbatch_sizes: size of dimension 0 of every microbatch.
         device: where received tensors live (CPU for gloo, this rank's GPU for NCCL).
-        lookahead: receives are posted ahead up to this many compute actions.
+        lookahead: receives are posted ahead up to this many compute actions after the end of the current gap.
         variable_shapes: every message carries its own metadata (per-sample shapes that change).
         context: the rank's run context: the processes of the stage ranks (its mesh), the shared-memory
             transport if any, how long a wait may take.
@@ -92,7 +132,8 @@ class P2P:
         self._sent_layouts: dict[tuple[int, int], Layout] = {}  # streams of tuples
         # Per stream received: dtype, per-sample shape and bytes (read from its metadata), or a tuple's layout.
         self._shapes: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int] | Layout] = {}
-        self._pending_sends: list[tuple[Any, torch.Tensor]] = []
+        self._pending_sends: list[_Sent] = []
+        self._group: list[tuple[GroupOp, _Posted | _Sent]] = []  # posted since the last compute action
         self._posted: dict[Key, _Posted] = {}
         self._queues: dict[int, deque[Key]] = {}
         self._next_compute = self._compute_positions()
@@ -111,13 +152,15 @@ class P2P:
         others; None: a synchronous step's, posted by ``runtime.stage.tied`` itself."""
 
     def _compute_positions(self) -> list[int]:
-        """For each position, the index of the lookahead-th compute action after it."""
+        """For each position, the index of the lookahead-th compute action after the one that ends its gap
+        (itself, for a compute action): every position of a gap posts the same receives, so the first one posts
+        them with the gap's sends, in the gap's one group."""
         compute = [i for i, a in enumerate(self.row) if a.op.is_compute]
         out, k = [], 0
         for i in range(len(self.row)):
-            while k < len(compute) and compute[k] <= i:
+            while k < len(compute) and compute[k] < i:
                 k += 1
-            target = k + self.lookahead - 1
+            target = k + self.lookahead
             out.append(compute[target] if target < len(compute) else len(self.row))
         return out
 
@@ -156,8 +199,9 @@ class P2P:
 
     def end_step(self) -> None:
         """Wait for every send of the step (lazily, only now)."""
-        for work, _ in self._pending_sends:
-            work.wait(self.context.timeout)
+        self.flush()
+        for sent in self._pending_sends:
+            sent.work.wait(self.context.timeout)
         self._pending_sends.clear()
         if self._posted or any(self._queues.values()):  # pragma: no cover - lowering bug
             raise RuntimeError(f"rank {self.rank}: unreceived messages at the end of a step")
@@ -219,7 +263,7 @@ class P2P:
     def _forget_finished_sends(self) -> None:
         """Drop finished sends (a look every ``_PRUNE_AT`` held): their buffers may go before the step ends."""
         if len(self._pending_sends) >= _PRUNE_AT:
-            self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
+            self._pending_sends = [s for s in self._pending_sends if s.work is None or not s.work.is_completed()]
 
     def before_update(self, stage: int) -> None:
         """At ``U`` of ``stage``: if it is tied across ranks, post every receive its peer sends before the tie.
@@ -232,6 +276,7 @@ class P2P:
         rank_of = self.lowered.schedule.placement.stage_rank
         if other is not None and rank_of[other] != self.rank:
             self._post_through(rank_of[other], (other, TIED, 0), block=True)
+        self.flush()  # the tied exchange (runtime.stage.tied) comes after every message posted before it
 
     def send_tied(self, stage: int, k: int, peer: int, flat: torch.Tensor) -> None:
         """Post a stream's tied message: ``stage``'s half of its k-th update, to rank ``peer`` (non-blocking)."""
@@ -245,14 +290,25 @@ class P2P:
         """Post the send; ``nbytes``: the (contiguous) tensor's bytes, when known."""
         ring = self.context.transport  # --transport shm: the same messages, in the same order, through shared memory
         dst = self.context.process_of(peer)  # the peer stage rank's process with this tensor-parallel coordinate
-        work: Any = (
-            ring.isend(tensor, dst, self.tag(key), nbytes)
-            if ring and dst in ring.outgoing  # a pair without a ring talks over the process group
-            else dist.isend(tensor, dst=dst, tag=self.tag(key))
-        )
-        assert work is not None
+        if not (ring and dst in ring.outgoing):  # a pair without a ring talks over the process group, grouped
+            sent = _Sent(None, tensor)
+            self._group.append(((True, tensor, dst, self.tag(key)), sent))
+            self._pending_sends.append(sent)
+            return
+        work = ring.isend(tensor, dst, self.tag(key), nbytes)
         if work is not shm.SENT:  # a record already in the ring needs no waiting (and no tensor)
-            self._pending_sends.append((work, tensor))
+            self._pending_sends.append(_Sent(work, tensor))
+
+    def flush(self) -> None:
+        """Post every message gathered since the last call as one group (``post_group``), in posting order."""
+        if not self._group:
+            return
+        group, self._group = self._group, []
+        works = post_group([op for op, _ in group])
+        if len(works) != len(group):  # coalesced: every message completes with the group
+            works = [_GroupWork(works)] * len(group)
+        for (_, holder), work in zip(group, works):
+            holder.work = work
 
     # ---- receives -------------------------------------------------------
     def post_ahead(self, index: int) -> None:
@@ -264,6 +320,7 @@ class P2P:
         """Whether the message of the RECV action ``a`` is here already (its receive is posted if not yet)."""
         key = message_key(self.lowered, a)
         self._post_through(self.lowered.peer(a), key, block=False)
+        self.flush()  # asked before a wait: what is gathered goes out now
         posted = self._posted.get(key)
         return posted is not None and bool(posted.work.is_completed())
 
@@ -274,6 +331,7 @@ class P2P:
 
     def _take(self, key: Key, peer: int) -> _Posted:
         self._post_through(peer, key, block=True)
+        self.flush()
         posted = self._posted.pop(key)  # a synchronous tie waits on its own (stage.tied)
         posted.work.wait(self.context.timeout)
         return posted
@@ -312,8 +370,9 @@ class P2P:
         meta = self._posted.get((stream[0], stream[1], META))
         if meta is None:  # pragma: no cover - the meta is always queued first
             raise RuntimeError(f"rank {self.rank}: no shape handshake for stream {stream}")
-        if not block and not meta.work.is_completed():
+        if not block and (meta.work is None or not meta.work.is_completed()):
             return False
+        self.flush()
         meta.work.wait(self.context.timeout)
         del self._posted[(stream[0], stream[1], META)]
         described = read_meta(meta.buffer.cpu().tolist())
@@ -346,13 +405,12 @@ class P2P:
                 nbytes = sample_bytes * samples
         ring = self.context.transport
         src = self.context.process_of(peer)
-        work: Any = (
-            ring.irecv(buffer, src, self.tag(key), nbytes)
-            if ring and src in ring.incoming
-            else dist.irecv(buffer, src=src, tag=self.tag(key))
-        )
-        assert work is not None
-        self._posted[key] = _Posted(work, buffer, layout, self.sizes[key[2]] if layout is not None else 0)
+        posted = _Posted(None, buffer, layout, self.sizes[key[2]] if layout is not None else 0)
+        if ring and src in ring.incoming:
+            posted.work = ring.irecv(buffer, src, self.tag(key), nbytes)
+        else:
+            self._group.append(((False, buffer, src, self.tag(key)), posted))
+        self._posted[key] = posted
 
 
 _PRUNE_AT = 4  # unfinished sends held before looking for finished ones (a look costs a call per send)
