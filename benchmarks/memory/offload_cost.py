@@ -40,7 +40,8 @@ def _run(offload: str | None, steps: int) -> dict[str, Any]:
 
     spec = ModelSpec(kind="gpt", layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq_len=SEQ)
     plan = prepare(TrainConfig(schedule="1f1b", num_stages=STAGES, num_microbatches=T, model=spec, batch_size=BATCH,
-                               steps=steps, optimizer="sgd", lr=0.1, momentum=0.0, offload=offload))
+                               steps=steps, optimizer="sgd", lr=0.1, momentum=0.0, offload=offload,
+                               trace_steps=steps))
     record = launch(run_rank, plan, plan.num_processes, LaunchOptions(transport="auto"))
     summary = summarize(plan.schedule, record)
     counted = measured_steps(steps)

@@ -86,7 +86,8 @@ def ours(context: RankContext, name: str, chunks: int | None, steps: int, warmup
     world = context.world
     config = TrainConfig(schedule=name, num_stages=world, num_microbatches=T, num_chunks=chunks,
                          model=ModelSpec(kind="mlp", layers=LAYERS, hidden=HIDDEN), batch_size=BATCH,
-                         steps=steps + warmup, optimizer="sgd", lr=0.01, momentum=0.0)
+                         steps=steps + warmup, optimizer="sgd", lr=0.01, momentum=0.0,
+                         trace_steps=steps + warmup)  # every step's actions
     record = run_rank(context, prepare(config))
     if record is None:
         return None

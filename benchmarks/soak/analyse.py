@@ -247,14 +247,27 @@ def record_bytes_per_step(actions: int, steps: int = 2000) -> float:
     return grown / steps
 
 
-def record_note(per_rank: dict[str, float], actions: dict[str, float]) -> str:
-    """One sentence: what the run's record adds per step on each rank."""
+def traced_steps(trace: Path) -> list[int] | None:
+    """The steps the run's Chrome trace kept, ``[kept, of]`` (its ``otherData``); None from a run at a commit
+    that kept every step without saying so."""
+    other = json.loads(trace.read_text()).get("otherData", {})
+    return [other["steps"][1], other["of"]] if "of" in other else None
+
+
+def record_note(per_rank: dict[str, float], actions: dict[str, float], traced: list[int] | None = None) -> str:
+    """One sentence: what the run's record adds per step on each rank (``traced``: ``traced_steps``)."""
     cells = [
         f"rank {r}: {actions[r]:.0f} actions, {per_rank[r] / 1024:.1f} KiB ({per_rank[r] * 1e3 / 2**20:.1f} MiB "
         "per 1000 steps)"
         for r in sorted(per_rank)
     ]
+    rows = "rows of the same shape take, per step, by tracemalloc: " + "; ".join(cells) + "."
+    if traced is not None and traced[0] < traced[1]:
+        return (
+            f"The run's record kept every action of its first {traced[0]} steps of {traced[1]} only "
+            f"(`--trace-steps`; beyond them a step's loss, CPU time and end); had it kept every step, {rows}"
+        )
     return (
         "The run's record keeps every action of every step for its trace (`RankRecord.records` and "
-        "`action_cpu_s`); rows of the same shape take, per step, by tracemalloc: " + "; ".join(cells) + "."
+        f"`action_cpu_s`); {rows}"
     )

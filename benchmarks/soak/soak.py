@@ -194,9 +194,12 @@ def summarize(csv: Path, args: argparse.Namespace, meta: dict[str, object], even
         actions = analyse.actions_per_step(work / "out" / "trace.json")
         meta["record_actions_per_step"] = {str(r): n for r, n in actions.items()}
         meta["record_bytes_per_step"] = {str(r): analyse.record_bytes_per_step(round(n)) for r, n in actions.items()}
+        meta["record_traced_steps"] = analyse.traced_steps(work / "out" / "trace.json")
         csv.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
     if "record_bytes_per_step" in meta:
-        text += "\n\n" + analyse.record_note(meta["record_bytes_per_step"], meta["record_actions_per_step"])
+        text += "\n\n" + analyse.record_note(
+            meta["record_bytes_per_step"], meta["record_actions_per_step"], meta.get("record_traced_steps")
+        )
     heading = f"`{meta['command']}`\n\n{meta['date_utc']} UTC, commit {meta['commit']}, "
     heading += f"load average at start {meta['load_at_start'][0]:.1f}, exit code {meta.get('exit_code')}.\n\n"
     csv.with_suffix(".md").write_text(heading + text + "\n")

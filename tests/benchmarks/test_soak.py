@@ -96,3 +96,17 @@ def test_the_table_mode_computes_the_table_and_plot_from_a_kept_csv(tmp_path: Pa
     assert page.startswith("above\n<!-- soak:soak-x -->\n`pipeweave train X`") and page.endswith("below\n")
     assert "old" not in page and table.strip() in page
     assert csv.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_record_note_says_which_steps_the_trace_kept(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.json"
+    events = [{"ph": "X", "pid": r, "args": {"step": k}} for r in (0, 1) for k in range(64) for _ in range(21)]
+    trace.write_text(
+        json.dumps({"traceEvents": events, "otherData": {"schedule": "zb-h1", "steps": [1, 64], "of": 3000}})
+    )
+    assert analyse.traced_steps(trace) == [64, 3000] and analyse.actions_per_step(trace) == {0: 21.0, 1: 21.0}
+    note = analyse.record_note({"0": 3600.0}, {"0": 21.0}, analyse.traced_steps(trace))
+    assert note.startswith("The run's record kept every action of its first 64 steps of 3000 only")
+    trace.write_text(json.dumps({"traceEvents": events, "otherData": {"schedule": "zb-h1"}}))  # an older run's
+    assert analyse.traced_steps(trace) is None
+    assert analyse.record_note({"0": 3600.0}, {"0": 21.0}, None).startswith("The run's record keeps every action")

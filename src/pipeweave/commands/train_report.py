@@ -25,7 +25,7 @@ from pipeweave.config.toml import dumps as dump_toml
 from pipeweave.durable import remove_stale_temporaries, replacing, write_atomic
 from pipeweave.errors import UserError
 from pipeweave.runtime.report.stream_summary import stream_timeline, summarize_stream
-from pipeweave.runtime.report.trace import chrome_trace, rebased, step_timeline, summarize
+from pipeweave.runtime.report.trace import chrome_trace, rebased, step_timeline, summarize, window
 from pipeweave.runtime.run.checkpoint_files import newest
 from pipeweave.runtime.run.memory import MemoryEstimate
 from pipeweave.runtime.run.prepare import layer_ranges, learning_rates, segments, stream_rates
@@ -71,6 +71,7 @@ def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate |
         "transport": record.transport,
         **({"save_failures": record.save_failures} if record.save_failures else {}),
         **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
+        "traced_steps": window(record),
         **(memory.as_dict() if memory is not None else {}),
         **split_fields(config.model, layer_ranges(config, schedule)),  # a model cut at module names
     }
@@ -154,7 +155,9 @@ def _plot(schedule: Schedule, record: RunRecord, report: dict[str, Any], path: P
         OSError: the file could not be written.
     """
     if schedule.is_synchronous:
-        timeline, what = rebased(step_timeline(schedule, record, record.config.training.steps - 1)), "last step"
+        last = window(record)  # the last step whose every action the record kept
+        timeline = rebased(step_timeline(schedule, record, last - 1))
+        what = "last step" if last == record.config.training.steps else f"step {last}"
     else:
         timeline, what = rebased(stream_timeline(schedule, record)), "stream"
     title = (
@@ -237,6 +240,12 @@ def _print_notes(console: Console, report: dict[str, Any]) -> None:
         console.print(
             f"skipped the update of {len(skipped)} of {report['steps']} steps (loss or gradient norm not "
             f"finite; --on-nonfinite skip): step {steps} of this run"
+        )
+    traced = report.get("traced_steps", report["steps"])
+    if traced < report["steps"]:
+        console.print(
+            f"trace: steps 1-{traced} of {report['steps']} (bubble, dispatch and profiled costs over them; "
+            f"losses, step time and throughput over every step; --trace-steps N)"
         )
     if report.get("first_step"):
         console.print(

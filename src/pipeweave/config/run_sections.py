@@ -169,6 +169,9 @@ class LoggingConfig:
     """Write every step's loss, learning rate, throughput, bubble and memory as TensorBoard event files into
     DIR/<run id>, a folder per run (a resumed run continues its run's; tensorboard --logdir DIR); needs pip install
     'pipeweave[tensorboard]'."""
+    trace_steps: int = option(64, metavar="N", check=at_least(1))
+    """Keep the times of every action for the first N steps only: the trace, the plot, the bubble and the
+    profiled costs cover those; every step's loss and time are kept whatever N (a long run's memory stays flat)."""
 
     def __post_init__(self) -> None:
         check_section(self)

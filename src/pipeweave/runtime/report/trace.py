@@ -54,11 +54,29 @@ def measured_steps(config_steps: int) -> range:
     return range(1 if config_steps > 1 else 0, config_steps)
 
 
+def recorded_steps(record: RunRecord) -> range:
+    """The measured steps whose every action the record kept (``RankRecord.records``: the first
+    ``LoggingConfig.trace_steps`` of a longer synchronous run): those of ``measured_steps`` among them."""
+    return measured_steps(window(record))
+
+
+def window(record: RunRecord) -> int:
+    """How many steps, from the first, the record kept every action of (all of a stream's)."""
+    return min(len(r.records) for r in record.ranks)
+
+
 def step_times(record: RunRecord) -> list[float]:
-    """Per step, seconds from the previous step's last end (first step: its first start) to its last end."""
-    ends = [max(r.records[k][-1][4] for r in record.ranks) for k in range(record.config.training.steps)]
+    """Per step (every step, beyond the recorded window), seconds from the previous step's last end (first step:
+    its first start) to its last end."""
+    steps = record.config.training.steps
+    ends = [max(_ends(r)[k] for r in record.ranks) for k in range(steps)]
     first = min(r.records[0][0][3] for r in record.ranks)
     return [ends[0] - first] + [b - a for a, b in zip(ends, ends[1:])]
+
+
+def _ends(rank: Any) -> list[float]:
+    """A rank's ``step_ends``; a record built without them (all its steps kept): its rows' last ends."""
+    return rank.step_ends or [row[-1][4] for row in rank.records]
 
 
 def microbatch_factors(schedule: Schedule, record: RunRecord) -> list[list[float]] | None:
@@ -95,7 +113,7 @@ def profile_costs(schedule: Schedule, record: RunRecord, comm: float | None = No
     part_of = schedule.placement.stage_part
     factors = microbatch_factors(schedule, record)
     for rank in record.ranks:
-        for k in measured_steps(record.config.training.steps):
+        for k in recorded_steps(record):
             for s, op, j, t0, t1 in rank.records[k]:
                 scale = factors[k][j] if factors is not None and op in _PER_MICROBATCH else 1.0
                 durations.setdefault((part_of[s], op), []).append((t1 - t0) / scale)
@@ -141,7 +159,7 @@ def dispatch_time(record: RunRecord) -> float:
             for first, steps in segments(record.config)
         ]
     else:
-        stretches = [rank.records[k] for rank in record.ranks for k in measured_steps(record.config.training.steps)]
+        stretches = [rank.records[k] for rank in record.ranks for k in recorded_steps(record)]
     gaps: list[float] = []
     for stretch in stretches:
         last_end: float | None = None
@@ -161,7 +179,7 @@ def copy_times(schedule: Schedule, record: RunRecord) -> dict[str, dict[str, flo
     rank's own time: ``runtime.stage.levers``); empty without memory actions."""
     durations: dict[tuple[int, str], list[float]] = {}
     for rank in record.ranks:
-        for k in measured_steps(record.config.training.steps):
+        for k in recorded_steps(record):
             for s, op, _, t0, t1 in rank.records[k]:
                 if op in _MEMORY:
                     durations.setdefault((s, op), []).append(t1 - t0)
@@ -199,7 +217,7 @@ def hop_latency(schedule: Schedule, record: RunRecord) -> float:
     recvs: dict[tuple[int, str, int], float] = {}
     placement = schedule.placement
     for rank in record.ranks:
-        for k in measured_steps(record.config.training.steps):
+        for k in recorded_steps(record):
             for s, op, j, t0, t1 in rank.records[k]:
                 if op == "SEND_F":
                     sends[(k, f"F{s}", j)] = t0
@@ -224,11 +242,7 @@ def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     """
     cost = profile_costs(schedule, record)
     factors = microbatch_factors(schedule, record)
-    costs = (
-        [cost]
-        if factors is None
-        else [replace(cost, microbatch=factors[k]) for k in measured_steps(record.config.training.steps)]
-    )
+    costs = [cost] if factors is None else [replace(cost, microbatch=factors[k]) for k in recorded_steps(record)]
     copies = copy_times(schedule, record)
     extra = copy_extra(schedule, copies)
     sims = [bubble_metrics(_simulated(schedule, c, extra)) for c in costs]
@@ -247,8 +261,8 @@ def summarize(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
 def measured_summary(schedule: Schedule, record: RunRecord, cost: CostModel) -> dict[str, Any]:
     """The measured figures of a run, per step, beside the costs profiled from it (``cost``)."""
     config = record.config
+    per_step = [bubble_metrics(step_timeline(schedule, record, k)) for k in recorded_steps(record)]
     steps = measured_steps(config.training.steps)
-    per_step = [bubble_metrics(step_timeline(schedule, record, k)) for k in steps]
     times = step_times(record)
     step_time = statistics.median(times[k] for k in steps)
     samples = config.data.batch_size / step_time
@@ -293,7 +307,8 @@ def _values(value: float | Sequence[float]) -> Sequence[float]:
 
 
 def chrome_trace(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
-    """Every recorded action of every step as Chrome trace events (one process row per rank)."""
+    """Every recorded action of every recorded step as Chrome trace events (one process row per rank); its
+    ``otherData`` says which steps (``steps``: the first and last, 1-based, of ``of``)."""
     events: list[dict[str, Any]] = []
     origin = min(r.records[0][0][3] for r in record.ranks)
     for rank in record.ranks:
@@ -312,4 +327,5 @@ def chrome_trace(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
                         "args": {"step": k},
                     }
                 )
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": schedule.name}}
+    kept = {"steps": [1, window(record)], "of": record.config.training.steps}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": schedule.name, **kept}}

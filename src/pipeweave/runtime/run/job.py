@@ -161,14 +161,12 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         measured = step == 0 or config.memory.memory_every_step
         with peak_tensor_bytes(device, peaks) if measured else contextlib.nullcontext():
             loss, timings = executor.run_step(*rank_microbatches(source, done + step, t, device, workers))
-        mine.losses.append(loss)
-        mine.step_cpu_s.append(executor.step_cpu_ns * 1e-9)
-        mine.action_cpu_s.append([c * 1e-9 for c in executor.action_cpu_ns])
+        row = seconds_since(timings, offset)
+        mine.add_step(loss, row, executor.step_cpu_ns, executor.action_cpu_ns, keep=step < config.logging.trace_steps)
         if step == 0 and not (config.memory.memory_every_step or config.variable_shapes):  # varying shapes: every step
             for w in workers.values():
                 w.track_memory_from_now(False)
-        mine.records.append(seconds_since(timings, offset))
-        log.after_step(step, loss, mine.records[-1])
+        log.after_step(step, loss, row)
         if context.reporting:  # a tensor-parallel group's processes run alike: one reports
             context.progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
         divergence.after_step(step, executor.step_loss)  # stops every rank here, or counts a skipped update

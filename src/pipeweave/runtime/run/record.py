@@ -33,7 +33,8 @@ class RankRecord:
     losses: list[float]
     """Per step, this rank's share of the loss (sums of scaled microbatch losses)."""
     records: list[list[tuple[int, str, int, float, float]]]
-    """Per step, ``(stage, op, microbatch, start s, end s)`` on rank 0's clock."""
+    """Per step of the recorded window, ``(stage, op, microbatch, start s, end s)`` on rank 0's clock: a
+    synchronous run's first ``LoggingConfig.trace_steps`` steps (``add_step``), a stream's every step."""
     peak_activation_bytes: int
     weight_bytes: int
     """Bytes of this rank's weights; streams: the peak of every version and extra buffer held."""
@@ -42,7 +43,9 @@ class RankRecord:
     step_cpu_s: list[float] = field(default_factory=list)
     """Per step, CPU seconds of this rank's process (every thread, gloo's included)."""
     action_cpu_s: list[list[float]] = field(default_factory=list)
-    """Per step, thread CPU seconds of each recorded action (parallel to ``records``)."""
+    """Per step of the recorded window, thread CPU seconds of each recorded action (parallel to ``records``)."""
+    step_ends: list[float] = field(default_factory=list)
+    """Per step (every step, beyond the window), the end of this rank's last action of it, on rank 0's clock."""
     versions: dict[Any, tuple[int, int]] = field(default_factory=dict)
     """Streams: per F/B/I/W action, the ``(version, target)`` it read (``runtime.stage.policy``)."""
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
@@ -54,6 +57,23 @@ class RankRecord:
     or on the CPU the tensors created in it and alive at once; 0 where not measured: streams)."""
     log_failure: str | None = None
     """Why this process's ``--log-dir`` log stopped (``StepLog.failure``; None: whole, or not its writer)."""
+
+    def add_step(
+        self,
+        loss: float,
+        row: list[tuple[int, str, int, float, float]],
+        cpu_ns: int,
+        action_cpu_ns: list[int],
+        keep: bool,
+    ) -> None:
+        """A synchronous step's loss share, process CPU time and end; its rows (``records``) and their CPU times
+        too where ``keep`` (the first ``LoggingConfig.trace_steps`` steps): what stays is O(1) a step beyond them."""
+        self.losses.append(loss)
+        self.step_cpu_s.append(cpu_ns * 1e-9)
+        self.step_ends.append(row[-1][4])
+        if keep:
+            self.records.append(row)
+            self.action_cpu_s.append([c * 1e-9 for c in action_cpu_ns])
 
 
 @dataclass
@@ -195,4 +215,5 @@ def close_pauses(record: RunRecord) -> float:
         for r in record.ranks:
             for m in range(nxt, record.config.training.steps):
                 r.records[m] = [(s, op, j, t0 - pause, t1 - pause) for s, op, j, t0, t1 in r.records[m]]
+            r.step_ends[nxt:] = [t - pause for t in r.step_ends[nxt:]]
     return removed

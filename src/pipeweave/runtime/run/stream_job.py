@@ -109,6 +109,7 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         log_failure=log.failure,
     )
     mine.versions = done.versions
+    mine.step_ends = [group[-1][4] if group else 0.0 for group in records]
     run = gather_run(config, mine, context, started, plan.steps_done, plan.updates_done)
     if run is not None:
         run.paused_s = close_pauses(run)
