@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pipeweave.config import TrainConfig
 from pipeweave.data import data_source
 from pipeweave.errors import UserError
@@ -45,6 +43,7 @@ from pipeweave.schedule import SCHEDULES, DataParallel, Schedule, generate, vali
 from pipeweave.schedule.data_parallel import data_parallel
 from pipeweave.schedule.levers import parse_offload
 from pipeweave.schedule.stream import concatenate
+from pipeweave.weights.optimizers import build_optimizer
 
 
 @dataclass(frozen=True)
@@ -109,6 +108,11 @@ def prepare(config: TrainConfig) -> RunPlan:
         _check_clip(config, schedule)
     elif config.training.post_validation is not None:
         check_post_validation(schedule)
+        if config.training.optimizer not in ("sgd", "adamw"):
+            raise UserError(
+                f"--clip-grad-norm's post-validated step inverts sgd or adamw, not --optimizer "
+                f"{config.training.optimizer}; give --optimizer sgd or adamw, or drop --clip-grad-norm"
+            )
     run_id = _check_checkpoints(config, resumed)
     source = None
     if config.data.path is not None or (config.model.kind == "gpt" and config.model.vocab < 256):
@@ -441,9 +445,7 @@ def stream_rates(config: TrainConfig, schedule: Schedule, first_update: int = 0)
 
 
 def optimizer_factory(config: TrainConfig) -> OptimizerFactory:
-    """Builds each stage's optimizer: ``config.training.optimizer`` at ``config.training.lr`` (SGD with ``config.training.momentum``)."""
-    lr = config.training.lr
-    if config.training.optimizer == "adamw":
-        return lambda params: torch.optim.AdamW(params, lr=lr)
-    momentum = config.training.momentum
-    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
+    """Builds each stage's optimizer: ``config.training.optimizer`` of ``weights.optimizers`` at
+    ``config.training.lr`` (with ``config.training.momentum`` where it takes one)."""
+    name, lr, momentum = config.training.optimizer, config.training.lr, config.training.momentum or 0.0
+    return lambda params: build_optimizer(name, params, lr, momentum)
