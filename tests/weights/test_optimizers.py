@@ -163,3 +163,13 @@ def test_the_post_validated_step_refuses_an_optimizer_it_cannot_invert() -> None
     config = TrainConfig(schedule="1f1b", num_stages=2, optimizer="rmsprop", clip_grad_norm=1.0, model=SPEC)
     with pytest.raises(UserError, match="inverts sgd or adamw, not --optimizer rmsprop; give --optimizer sgd"):
         prepare(config)
+
+
+def test_a_prediction_without_a_direction_is_refused_before_spawning() -> None:
+    from pipeweave.config import TrainConfig
+    from pipeweave.runtime.run.prepare import prepare
+
+    for schedule in ("spectrain", "xpipe"):
+        config = TrainConfig(schedule=schedule, num_stages=2, optimizer="sgd", momentum=0.0, model=SPEC)
+        with pytest.raises(UserError, match="give --momentum 0.9 \\(sgd\\) or another --optimizer"):
+            prepare(config)
