@@ -14,12 +14,13 @@ import torch
 from pipeweave.cli import main
 from pipeweave.commands import compare_measure
 from pipeweave.commands.compare_table import classify, pareto, parse_memory_limit, recommend, seed_summary
-from pipeweave.commands.convergence import Setting, evaluate, final_parameters
+from pipeweave.commands.convergence import ADAPTIVE_LR, OPTIMIZER_ROWS, Setting, evaluate, final_parameters
 from pipeweave.models import ModelSpec
 from pipeweave.partition import LayerCosts
 from pipeweave.runtime.reference import run_reference
 from pipeweave.schedule import generate
 from pipeweave.schedule.registry import SCHEDULES
+from pipeweave.weights.optimizers import AdaBelief
 
 # A residual mlp of 8 blocks with uneven, made-up per-layer costs (no profiling in these tests), exact in
 # binary so that per-part sums are the same however they are added.
@@ -183,6 +184,32 @@ def test_convergence_columns_equal_the_reference_executor(capsys: pytest.Capture
     assert rows["pipedream"]["convergence_relative"] == relative
     assert rows["pipedream"]["convergence_mean"] == sum(relative) / 2
     assert rows["1f1b"]["convergence_class"] == "excellent"
+
+
+def test_predicting_approaches_gain_a_convergence_row_per_optimizer(
+    capsys: pytest.CaptureFixture[str], costs: str
+) -> None:
+    """XGrad: xpipe+adabelief (and each other optimizer) is XPipe trained with it, relative to 1f1b with it."""
+    argv = ["compare", "-s", "1f1b,xpipe", "-D", "2", "-T", "2", "--batch", "4", *MODEL, "--costs", costs]
+    out = run_json(capsys, [*argv, "--convergence", "3", "--lr", "0.05", "--json"])
+    rows = {r["name"]: r for r in out["approaches"]}
+    assert set(rows) == {"1f1b", "xpipe", *(f"xpipe+{o}" for o in OPTIMIZER_ROWS)}
+    spec = ModelSpec(kind="mlp", layers=8, hidden=8)
+    setting = Setting(spec=spec, batch_size=4, steps=3, lr=ADAPTIVE_LR, optimizer="adabelief")
+    losses = {}
+    for name, schedule in (
+        ("1f1b", generate("1f1b", num_stages=2, num_microbatches=2)),
+        ("xpipe", generate("xpipe", num_stages=2, num_microbatches=2, num_steps=3)),
+    ):
+        result = run_reference(
+            schedule, spec, steps=3, batch_size=4, seed=0, optimizer_factory=lambda ps: AdaBelief(ps, lr=ADAPTIVE_LR)
+        )
+        losses[name] = evaluate(setting, final_parameters(result.stage_parameters))
+    row = rows["xpipe+adabelief"]
+    assert row["convergence_eval_loss"] == [losses["xpipe"]]
+    assert row["convergence_relative"] == [losses["xpipe"] / losses["1f1b"] - 1]
+    assert row["convergence_eval_loss"] != rows["xpipe"]["convergence_eval_loss"]
+    assert row["samples_per_s"] == rows["xpipe"]["samples_per_s"]  # the same schedule, simulated
 
 
 def test_measured_columns_are_trains_record(

@@ -93,7 +93,10 @@ def test_flags_and_defaults_are_pipeweave_trains() -> None:
     ("given", "message"),
     [
         ({"zero": 2}, "--zero 2 is invalid; choose one of: 0, 1, 3"),
-        ({"optimizer": "lamb"}, "--optimizer 'lamb' is unknown; choose one of: sgd, adamw"),
+        (
+            {"optimizer": "lamb"},
+            "--optimizer 'lamb' is unknown; choose one of: sgd, nesterov, adam, adamw, rmsprop, adabelief",
+        ),
         ({"tensor_parallel": "2"}, "tensor_parallel='2' is a str; give an integer >= 1"),
         ({"warp": 1}, "'warp' is no field of TrainConfig"),
         ({"decay": 0.5}, "--decay applies to pipemare, not zb-h1; drop it"),

@@ -14,7 +14,8 @@ Each case must give:
 
 Independent oracles without the simulator: on one stage a stream with one
 update per mini-batch is plain training; a prediction swaps in exactly
-w - s lr v. A synchronous schedule in the same group records no versions and
+w - s lr v, and with any other optimizer its own look-ahead (``weights.optimizers``,
+itself checked against each optimizer's published rule in tests/weights). A synchronous schedule in the same group records no versions and
 still equals the reference.
 """
 
@@ -45,7 +46,8 @@ from pipeweave.schedule import SCHEDULES, generate
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.versions import read_versions, weight_copies
-from pipeweave.weights.prediction import update_direction
+from pipeweave.weights.optimizers import build_optimizer
+from pipeweave.weights.prediction import predict_weights, update_direction
 
 RANKS = (2, 3)
 STEPS = 4  # mini-batches: warm-up, two steady, drain
@@ -57,6 +59,13 @@ VARIANTS: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
     "pipemare+warmup": ("pipemare", {"warmup_steps": 1}, {}),
     "xpipe+adamw": ("xpipe", {}, {"optimizer": "adamw", "lr": 1e-2}),
     "spectrain+adamw": ("spectrain", {}, {"optimizer": "adamw", "lr": 1e-2}),
+    # XGrad: prediction along each optimizer's own next step (RMSprop without momentum: its square average)
+    "xpipe+adam": ("xpipe", {}, {"optimizer": "adam", "lr": 1e-2}),
+    "xpipe+rmsprop": ("xpipe", {}, {"optimizer": "rmsprop", "lr": 1e-2, "momentum": 0.0}),
+    "spectrain+rmsprop": ("spectrain", {}, {"optimizer": "rmsprop", "lr": 1e-2, "momentum": 0.0}),
+    "xpipe+adabelief": ("xpipe", {}, {"optimizer": "adabelief", "lr": 1e-2}),
+    "spectrain+adabelief": ("spectrain", {}, {"optimizer": "adabelief", "lr": 1e-2}),
+    "spectrain+nesterov": ("spectrain", {}, {"optimizer": "nesterov"}),
     "pipedream+bf16": ("pipedream", {}, {"precision": "bf16"}),
     "pipedream+cosine": ("pipedream", {}, {"lr_schedule": "cosine", "lr_warmup": 1}),
     "pipemare+linear": ("pipemare", {"warmup_steps": 1}, {"lr_schedule": "linear", "lr_warmup": 2}),
@@ -206,6 +215,34 @@ def test_spectrain_swaps_in_w_minus_s_lr_v_and_restores_the_live_weights() -> No
     torch.testing.assert_close(p.detach(), live - 1 * 0.5 * 1.0)  # s = 1, lr = 0.5, v = 1
     policy.exit(a)
     assert torch.equal(p.detach(), live)
+
+
+@pytest.mark.parametrize("optimizer", ["nesterov", "adam", "adamw", "rmsprop", "adabelief"])
+def test_a_prediction_swaps_in_the_optimizers_own_look_ahead(optimizer: str) -> None:
+    """XGrad: the weights a predicted F reads are ``predict_weights`` (the optimizer's next step s times)."""
+    schedule = generate("spectrain", num_stages=2, num_microbatches=2, num_steps=2)
+    worker = StageWorker(
+        ModelSpec(kind="mlp", layers=2, hidden=4),
+        range(1),
+        batch_size=2,
+        optimizer_factory=lambda ps: build_optimizer(
+            optimizer, ps, lr=0.5, momentum=0.9 if optimizer == "nesterov" else 0
+        ),
+    )
+    params = list(worker.module.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    worker.optimizer.step()
+    live = [p.detach().clone() for p in params]
+    want = predict_weights(worker.optimizer, params, 1)
+    policy = RankPolicy(schedule, {0: worker})
+    a = Action(0, Op.F, 1)
+    policy.enter(a)
+    for p, w, before in zip(params, want, live):
+        torch.testing.assert_close(p.detach(), w, rtol=0, atol=0)
+        assert not torch.equal(w, before)
+    policy.exit(a)
+    assert all(torch.equal(p.detach(), before) for p, before in zip(params, live))
 
 
 def test_update_direction_of_adam_is_lr_m_hat_over_sqrt_v_hat() -> None:

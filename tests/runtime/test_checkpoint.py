@@ -137,6 +137,18 @@ CASES = {
 }
 
 
+def _optimizer_case(optimizer: str, first: tuple[str, int], second: tuple[str, int], **fields: object):
+    """(first run, second run) with ``optimizer``, each a (schedule, stages)."""
+    common = dict(num_microbatches=4, model=MLP, batch_size=8, optimizer=optimizer, **fields)
+    return tuple(train_config(schedule=name, num_stages=d, **common) for name, d in (first, second))
+
+
+# each optimizer's state goes on exactly: RMSprop's square average (and last gradient), AdaBelief's belief
+CASES["rmsprop 1f1b -> gpipe"] = _optimizer_case("rmsprop", ("1f1b", 2), ("gpipe", 2), lr=1e-2)
+CASES["adabelief 1f1b D=2 -> zb-h1 D=3"] = _optimizer_case("adabelief", ("1f1b", 2), ("zb-h1", 3), lr=1e-2)
+CASES["nesterov gpipe -> 1f1b"] = _optimizer_case("nesterov", ("gpipe", 2), ("1f1b", 2), momentum=0.9)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_resumed_training_equals_straight_training(tmp_path: Path, case: str) -> None:
     first, second = CASES[case]

@@ -101,6 +101,10 @@ def _cases(ranks: int) -> dict[str, TrainConfig]:
         adamw = _config("1f1b", ranks, False, optimizer="adamw", lr=1e-2)
         assert adamw is not None
         cases["1f1b-adamw"] = adamw
+        for name, optimizer, fields in OPTIMIZER_CASES:  # the registry's others, over split backward and chunks
+            config = _config(name, ranks, False, optimizer=optimizer, **fields)
+            assert config is not None
+            cases[f"{name}-{optimizer}"] = config
         cases["gpt-zb-h1-bf16"] = train_config(
             schedule="zb-h1",
             num_stages=2,
@@ -120,6 +124,14 @@ def _cases(ranks: int) -> dict[str, TrainConfig]:
     return cases
 
 
+OPTIMIZER_CASES = (
+    ("gpipe", "nesterov", {"lr": 0.05, "momentum": 0.9}),
+    ("1f1b", "adam", {"lr": 1e-2}),
+    ("zb-h1", "rmsprop", {"lr": 1e-3, "momentum": 0.5}),
+    ("interleaved-1f1b", "adabelief", {"lr": 1e-2}),
+)
+"""Every other optimizer of ``weights.optimizers``, each on one schedule (2 ranks)."""
+
 BF16 = (("1f1b", False), ("zb-h1", True), ("interleaved-1f1b", False), ("chimera", False))
 """Schedules also checked under ``--precision bf16``: split backward, recomputation, chunks, replicas."""
 
@@ -137,10 +149,16 @@ def runs(request: pytest.FixtureRequest) -> tuple[int, dict[str, tuple[TrainConf
 
 @functools.cache
 def _plain(
-    model: ModelSpec, batch_size: int, num_microbatches: int, optimizer: str, lr: float, precision: str = "fp32"
+    model: ModelSpec,
+    batch_size: int,
+    num_microbatches: int,
+    optimizer: str,
+    lr: float,
+    precision: str = "fp32",
+    momentum: float = 0.0,
 ) -> TrainResult:
     """Plain training, shared by the schedules that run the same model and batch."""
-    config = train_config(optimizer=optimizer, lr=lr)
+    config = train_config(optimizer=optimizer, lr=lr, momentum=momentum)
     return run_plain(
         model,
         steps=STEPS,
@@ -156,6 +174,7 @@ def _names() -> list[str]:
     return (
         [f"{n}{suffix}" for n in names for suffix in ("", "+recompute")]
         + ["gpt-1f1b", "1f1b-adamw", "llama-zb-h1"]
+        + [f"{name}-{optimizer}" for name, optimizer, _ in OPTIMIZER_CASES]
         + [_bf16_case(n, r) for n, r in BF16]
         + ["gpt-zb-h1-bf16"]
     )
@@ -172,7 +191,13 @@ def test_distributed_run_equals_plain_training_and_reference(
     schedule = build_schedule(config)
     optimizer = optimizer_factory(config)
     plain = _plain(
-        config.model, config.batch_size, config.num_microbatches, config.optimizer, config.lr, config.precision
+        config.model,
+        config.batch_size,
+        config.num_microbatches,
+        config.optimizer,
+        config.lr,
+        config.precision,
+        config.momentum,
     )
     reference = run_reference(
         schedule,

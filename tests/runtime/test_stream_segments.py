@@ -68,6 +68,9 @@ CASES: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
     "avgpipe+period3": ("avgpipe", {}, {"policy": PolicyOptions(averaging_period=3)}),
     "spectrain+adamw": ("spectrain", {}, {"optimizer": "adamw", "lr": 1e-2}),
     "xpipe+adamw": ("xpipe", {}, {"optimizer": "adamw", "lr": 1e-2}),
+    # the state a prediction reads goes on too: RMSprop's last gradient and square average, AdaBelief's belief
+    "xpipe+rmsprop": ("xpipe", {}, {"optimizer": "rmsprop", "lr": 1e-3, "momentum": 0.0}),
+    "spectrain+adabelief": ("spectrain", {}, {"optimizer": "adabelief", "lr": 1e-2}),
 }
 
 
@@ -228,6 +231,8 @@ RESUMED = [
     "avgpipe+period3",
     "spectrain+adamw",
     "xpipe+adamw",
+    "xpipe+rmsprop",
+    "spectrain+adabelief",
     "pipedream-2bw",
     "pipedream",
     "wpipe",

@@ -17,6 +17,7 @@ from pipeweave.runtime.run.launch import launch
 from pipeweave.runtime.stage.build import build_stage, stage_options
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.zero import ZeroOptimizer, pad
+from pipeweave.weights.optimizers import build_optimizer
 
 pytestmark = pytest.mark.distributed
 
@@ -66,10 +67,11 @@ def test_zero1_keeps_a_slice_of_the_state_and_steps_as_the_whole_optimizer(bucke
     assert diff == 0.0  # elementwise: the slice's update is bitwise the whole one's
 
 
-def _whole_state(context: RankContext, bucket_bytes: int) -> list[str]:
+def _whole_state(context: RankContext, optimizer: str) -> list[str]:
     """Problems of ``whole_state``/``load_whole_state``: the gathered state is the unsharded optimizer's, and a
-    fresh ZeRO optimizer loading it steps on as the unsharded one does."""
-    factory = lambda ps: torch.optim.AdamW(ps, lr=0.1)  # noqa: E731
+    fresh ZeRO optimizer loading it steps on as the unsharded one does (``optimizer`` of the registry)."""
+    bucket_bytes = 60
+    factory = lambda ps: build_optimizer(optimizer, ps, lr=0.1)  # noqa: E731
     sharded, whole = _params(), _params()
     spans = _buckets(sharded, bucket_bytes)
     zero, plain = ZeroOptimizer(factory, sharded, spans, dist.group.WORLD), factory(whole)
@@ -88,8 +90,9 @@ def _whole_state(context: RankContext, bucket_bytes: int) -> list[str]:
     return problems
 
 
-def test_zero1_state_gathers_whole_and_loads_back() -> None:
-    assert launch(_whole_state, 60, 2) == []
+@pytest.mark.parametrize("optimizer", ["adamw", "rmsprop", "adabelief"])
+def test_zero1_state_gathers_whole_and_loads_back(optimizer: str) -> None:
+    assert launch(_whole_state, optimizer, 2) == []
 
 
 def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,11 @@ deterministic, one thread); an asynchronous approach runs as one stream of
 STEPS mini-batches. The trained weights (AvgPipe: its replicas' mean) are
 evaluated on held-out batches, the same for every run; the class of each
 approach's loss relative to synchronous training follows ``compare_table.classify``.
+
+SpecTrain and XPipe predict weights along the optimizer's own next step
+(XGrad), so each gains a row per optimizer of ``OPTIMIZER_ROWS``
+(``spectrain+adam``, ...), trained with that optimizer (torch's defaults) at ``ADAPTIVE_LR`` and
+compared with synchronous training under the same optimizer.
 """
 
 from __future__ import annotations
@@ -28,11 +33,19 @@ from pipeweave.models.spec import loss_fn
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.stream import stream_steps
 from pipeweave.schedule import SCHEDULES, Schedule, generate
+from pipeweave.weights.optimizers import build_optimizer
 
 EVAL_SEED = 12345
 """The held-out batches' seed, the same for every run and seed."""
 BASELINE = "1f1b"
 """Synchronous training, run as the baseline when no synchronous approach is compared."""
+PREDICTED = ("spectrain", "xpipe")
+"""The approaches that predict along the optimizer's next step: a row per optimizer each."""
+OPTIMIZER_ROWS = ("adam", "adamw", "rmsprop", "adabelief")
+"""The optimizers of those rows (the approach's own row trains with momentum SGD)."""
+ADAPTIVE_LR = 3e-3
+"""Their learning rate (train's default for them; ``--lr`` and ``--momentum`` are SGD's: RMSprop runs
+without momentum, its step the last gradient over its square average's root)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +68,8 @@ class Setting:
     """T."""
     num_chunks: int = 2
     """v of the schedules that take it (interleaved-1f1b)."""
+    optimizer: str = "sgd"
+    """The optimizer (``weights.optimizers``); sgd with ``momentum`` at ``lr``."""
 
 
 def schedule_for(name: str, setting: Setting) -> Schedule:
@@ -77,7 +92,7 @@ def train_once(schedule: Schedule, setting: Setting, seed: int = 0) -> dict[str,
         steps=task.steps,
         batch_size=task.batch_size,
         seed=seed,
-        optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=task.lr, momentum=task.momentum),
+        optimizer_factory=lambda ps: build_optimizer(task.optimizer, ps, task.lr, task.momentum),
     )
     return {"losses": result.losses, "eval_loss": evaluate(task, final_parameters(result.stage_parameters))}
 
@@ -137,14 +152,41 @@ def convergence_rows(rows: list[dict[str, Any]], args: argparse.Namespace, spec:
         num_microbatches=args.microbatches,
         num_chunks=args.chunks,
     )
-    names = [r["name"] for r in rows]
+    rows.extend(optimizer_rows(rows))
+    for optimizer in dict.fromkeys(r.get("optimizer", "sgd") for r in rows):
+        group = [r for r in rows if r.get("optimizer", "sgd") == optimizer]
+        task = setting if optimizer == "sgd" else replace(setting, optimizer=optimizer, lr=ADAPTIVE_LR, momentum=0.0)
+        _fill(group, task, args.seeds)
+
+
+def optimizer_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A row per optimizer of ``OPTIMIZER_ROWS`` for each predicting approach: its simulated columns, named
+    ``<approach>+<optimizer>`` (its own measurement, if any, is the SGD row's and not copied)."""
+    return [
+        {
+            **{k: v for k, v in row.items() if not k.startswith("measured")},
+            "name": f"{row['name']}+{optimizer}",
+            "approach": row["name"],
+            "optimizer": optimizer,
+        }
+        for row in rows
+        if row["name"] in PREDICTED and "optimizer" not in row
+        for optimizer in OPTIMIZER_ROWS
+    ]
+
+
+def _fill(rows: list[dict[str, Any]], setting: Setting, seeds: int) -> None:
+    """The convergence columns of ``rows``, all trained with ``setting``'s optimizer, relative to synchronous
+    training with it."""
+    approach = {r["name"]: r.get("approach", r["name"]) for r in rows}
+    names = list(approach)
     synchronous = [r["name"] for r in rows if r["synchronous"]] or [BASELINE]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in dict.fromkeys([*names, *synchronous])}
-    first = spec.seed
-    for seed in range(first, first + args.seeds):
+    first = setting.spec.seed
+    for seed in range(first, first + seeds):
         for name in runs:
-            runs[name].append(train_once(schedule_for(name, setting), setting, seed))
-    per_seed = [relative({n: r[k]["eval_loss"] for n, r in runs.items()}, synchronous) for k in range(args.seeds)]
+            runs[name].append(train_once(schedule_for(approach.get(name, name), setting), setting, seed))
+    per_seed = [relative({n: r[k]["eval_loss"] for n, r in runs.items()}, synchronous) for k in range(seeds)]
     for row in rows:
         name = row["name"]
         summary = seed_summary([rel[name] for rel in per_seed])

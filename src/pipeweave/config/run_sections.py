@@ -47,6 +47,10 @@ def _norm(value: float, flag: str) -> None:
         raise UserError(f"--clip-grad-norm {value} is invalid; give a norm > 0")
 
 
+OptimizerName = Literal["sgd", "nesterov", "adam", "adamw", "rmsprop", "adabelief"]
+"""The optimizers of ``weights.optimizers.OPTIMIZERS`` (a test keeps the two the same)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
     """How long and with what optimizer the model trains, at what precision, and what a bad step does.
@@ -58,12 +62,15 @@ class TrainingConfig:
 
     steps: int = option(30, check=at_least(1))
     """Optimizer steps (an asynchronous schedule: mini-batches of its stream)."""
-    optimizer: Literal["sgd", "adamw"] | None = option(None)
-    """The optimizer (default sgd for the mlp, adamw otherwise)."""
+    optimizer: OptimizerName | None = option(None)
+    """The optimizer (default sgd for the mlp, adamw otherwise): sgd (with --momentum), nesterov (SGD with
+    Nesterov momentum), adam, adamw, rmsprop (with --momentum), adabelief; spectrain/xpipe predict weights
+    along its own next step."""
     lr: float | None = option(None, check=_lr)
-    """Learning rate (default 3e-3 for adamw, 0.1 for sgd)."""
+    """Learning rate (default 0.1 for sgd and nesterov, 3e-3 for the others)."""
     momentum: float | None = option(None, check=_momentum)
-    """SGD momentum (default: the schedule's, 0.9 for spectrain/xpipe which predict along it; 0 otherwise)."""
+    """Momentum of sgd, nesterov and rmsprop (default: 0.9 for nesterov, else the schedule's, 0.9 for
+    spectrain/xpipe which predict along it; 0 otherwise)."""
     lr_schedule: Literal["constant", "cosine", "linear"] = option("constant")
     """After --lr-warmup, keep --lr or decay it to a tenth by --lr-decay-steps; an asynchronous schedule counts
     each stage's updates as steps."""

@@ -237,12 +237,16 @@ def _resolve_training(config: TrainConfig) -> None:
     """The optimizer, learning rate and momentum left to their defaults, which depend on the model and schedule."""
     t = config.training
     optimizer = t.optimizer or ("sgd" if config.model.kind == "mlp" else "adamw")
-    lr = t.lr if t.lr is not None else (3e-3 if optimizer == "adamw" else 0.1)
+    lr = t.lr if t.lr is not None else (0.1 if optimizer in ("sgd", "nesterov") else 3e-3)
     momentum = (
         t.momentum
         if t.momentum is not None
+        else 0.9
+        if optimizer == "nesterov"
         else float(schedule_defaults(config.schedule.name or "").get("momentum", 0.0))
     )
+    if optimizer == "nesterov" and not momentum:
+        raise UserError("--optimizer nesterov needs a momentum; give --momentum 0.9 (or drop --momentum 0)")
     _set(config, "training", optimizer=optimizer, lr=lr, momentum=momentum)
 
 

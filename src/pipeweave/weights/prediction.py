@@ -1,11 +1,14 @@
-"""Weight prediction (SpecTrain, XPipe): the weights s updates ahead, along the optimizer's next step.
+"""Weight prediction (SpecTrain, XPipe, XGrad): the weights s updates ahead, along the optimizer's own next step.
 
 SpecTrain (``weights.spectrain``, Chen et al., arXiv 1809.02839) predicts
 w - s lr v with v momentum SGD's velocity; XPipe (``weights.xpipe``, Guan et
 al., arXiv 1911.04610) w - s lr m_hat / (sqrt(v_hat) + eps) with Adam's
-moments. ``update_direction`` gives lr v or lr m_hat / (sqrt(v_hat) + eps) by
-the optimizer's type, so both schedules run with either optimizer. Which action
-predicts, for which s, and how long a prediction is kept is ``runtime.stage.policy``'s.
+moments; XGrad (Guan et al., arXiv 2305.18352) generalises both to whichever
+optimizer trains the weights. Here every optimizer of ``weights.optimizers``
+declares its next update from its state (direction and decoupled decay), and
+the prediction is that update taken s times (``optimizers.look_ahead``), so
+both schedules run with any of them. Which action predicts, for which s, and
+how long a prediction is kept is ``runtime.stage.policy``'s.
 """
 
 from __future__ import annotations
@@ -15,15 +18,15 @@ from collections.abc import Sequence
 import torch
 
 from pipeweave.errors import UserError
-from pipeweave.weights.spectrain import predict
-from pipeweave.weights.xpipe import adam_direction
+from pipeweave.weights.optimizers import look_ahead, next_steps, optimizer_entry
 
 
 def update_direction(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The optimizer's next step per parameter, from its state: lr v (momentum SGD), lr m_hat/(sqrt(v_hat)+eps) (Adam).
+    """The direction of the optimizer's next step per parameter (``weights.optimizers``): lr v (momentum SGD),
+    lr m_hat/(sqrt(v_hat)+eps) (Adam), ... (zeros before its first step; a decoupled decay is apart).
 
     Raises:
-        UserError: an optimizer without such a state (plain SGD, others).
+        UserError: an optimizer outside the registry.
 
     Example:
         >>> p = torch.nn.Parameter(torch.tensor([1.0]))
@@ -32,23 +35,7 @@ def update_direction(optimizer: torch.optim.Optimizer, params: Sequence[torch.Te
         >>> round(update_direction(opt, [p])[0].item(), 6)   # lr x momentum buffer = 0.1 x 2
         0.2
     """
-    group = optimizer.param_groups[0]
-    lr = float(group["lr"])
-    out = []
-    for p in params:
-        state = optimizer.state.get(p, {})
-        if isinstance(optimizer, torch.optim.SGD):
-            buf = state.get("momentum_buffer")
-            out.append(torch.zeros_like(p) if buf is None else lr * buf)
-        elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            if not state:
-                out.append(torch.zeros_like(p))
-                continue
-            step = int(state["step"])
-            out.append(lr * adam_direction(state["exp_avg"], state["exp_avg_sq"], step, group["betas"], group["eps"]))
-        else:
-            raise UserError(f"weight prediction needs momentum SGD or Adam(W), not {type(optimizer).__name__}")
-    return out
+    return [torch.zeros_like(p) if s is None else s.direction for p, s in zip(params, next_steps(optimizer, params))]
 
 
 def predict_weights(
@@ -57,9 +44,7 @@ def predict_weights(
     distance: int,
     out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """The weights ``distance`` steps ahead, ``p - distance x update_direction``, into ``out`` if given.
-
-    With momentum SGD it is SpecTrain's fused pass (``weights.spectrain.predict``).
+    """The weights ``distance`` steps ahead (the optimizer's next step taken ``distance`` times), into ``out``.
 
     Example:
         >>> p = torch.nn.Parameter(torch.tensor([1.0]))
@@ -69,21 +54,16 @@ def predict_weights(
         0.2
     """
     targets = list(out) if out is not None else [torch.empty_like(p) for p in params]
-    if isinstance(optimizer, torch.optim.SGD):
-        velocity = [optimizer.state.get(p, {}).get("momentum_buffer") for p in params]
-        return predict(params, velocity, float(optimizer.param_groups[0]["lr"]), distance, out=targets)
-    with torch.no_grad():
-        for p, d, t in zip(params, update_direction(optimizer, params), targets):
-            torch.sub(p, d, alpha=distance, out=t)
+    for p, step, t in zip(params, next_steps(optimizer, params), targets):
+        look_ahead(p, step, distance, t)
     return targets
 
 
 def check_predictable(optimizer: torch.optim.Optimizer) -> None:
-    """Raise UserError unless prediction has a direction to follow."""
+    """Raise UserError unless prediction has a direction to follow (SGD needs momentum)."""
+    optimizer_entry(optimizer)
     if isinstance(optimizer, torch.optim.SGD) and not optimizer.param_groups[0]["momentum"]:
         raise UserError(
             "spectrain/xpipe predict weights from the optimizer's momentum; "
-            "give --momentum 0.9 (sgd) or --optimizer adamw"
+            "give --momentum 0.9 (sgd) or another --optimizer (adam, adamw, rmsprop, adabelief)"
         )
-    if not isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)):
-        raise UserError(f"weight prediction needs momentum SGD or Adam(W), not {type(optimizer).__name__}")

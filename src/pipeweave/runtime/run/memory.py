@@ -82,9 +82,7 @@ from pipeweave.schedule.levers import StashPlan
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.levers import simulate_levers
 from pipeweave.sim.metrics import held_peaks, version_metrics
-
-OPTIMIZER_STATE = {"sgd": 0, "sgd+momentum": 1, "adamw": 2}
-"""Copies of a part's weights its optimizer keeps: SGD's momentum buffer, AdamW's two moments."""
+from pipeweave.weights.optimizers import OPTIMIZERS
 
 
 @dataclass(frozen=True)
@@ -236,10 +234,9 @@ def fully_sharded(
 
 
 def optimizer_copies(config: TrainConfig) -> int:
-    """Copies of a part's weights its optimizer keeps (``OPTIMIZER_STATE``)."""
-    if config.training.optimizer == "sgd":
-        return OPTIMIZER_STATE["sgd+momentum" if config.training.momentum else "sgd"]
-    return OPTIMIZER_STATE[config.training.optimizer]
+    """Copies of a part's weights its optimizer keeps (``weights.optimizers``: SGD's momentum buffer, Adam's
+    two moments, ...)."""
+    return OPTIMIZERS[config.training.optimizer].state_copies(config.training.momentum or 0.0)
 
 
 def ranks_here(num_ranks: int) -> range:
@@ -298,7 +295,7 @@ def _hint(largest: str, config: TrainConfig) -> str:
         )
     if largest == "weights and optimizer state":
         return "give a smaller model (--layers, --hidden)" + (
-            " or --optimizer sgd" if config.training.optimizer == "adamw" else ""
+            " or --optimizer sgd" if optimizer_copies(config) > 1 else ""
         )
     if largest == "message rings":
         return "use --transport gloo"

@@ -44,8 +44,11 @@ from pipeweave.runtime.stage.worker import OptimizerFactory
 from pipeweave.runtime.stream import check_stream_model, pipelines_per_round, stream_steps, stream_updates
 from pipeweave.schedule import SCHEDULES, DataParallel, Schedule, generate, validate
 from pipeweave.schedule.data_parallel import data_parallel
+from pipeweave.schedule.ir import WeightPolicy
 from pipeweave.schedule.levers import parse_offload
 from pipeweave.schedule.stream import concatenate
+from pipeweave.weights.optimizers import build_optimizer
+from pipeweave.weights.prediction import check_predictable
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,11 @@ def prepare(config: TrainConfig) -> RunPlan:
         _check_clip(config, schedule)
     elif config.training.post_validation is not None:
         check_post_validation(schedule, device_for(0))  # the ranks' device kind (CUDA wherever it is available)
+        if config.training.optimizer not in ("sgd", "adamw"):
+            raise UserError(
+                f"--clip-grad-norm's post-validated step inverts sgd or adamw, not --optimizer "
+                f"{config.training.optimizer}; give --optimizer sgd or adamw, or drop --clip-grad-norm"
+            )
     run_id = _check_checkpoints(config, resumed)
     source = None
     if config.data.path is not None or (config.model.is_transformer and config.model.vocab < 256):
@@ -175,6 +183,8 @@ def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
         )
     if not schedule.is_synchronous:
         check_stream_model(config.model, config.schedule.name, config.training.lr_scheduled)
+    if schedule.policy in (WeightPolicy.PREDICTION, WeightPolicy.BELLWETHER_PREDICTION):
+        check_predictable(optimizer_factory(config)([torch.nn.Parameter(torch.zeros(1))]))  # before spawning
     validate(schedule)
     _check_levers(config, schedule)
     _check_parallel(config, schedule)
@@ -442,9 +452,7 @@ def stream_rates(config: TrainConfig, schedule: Schedule, first_update: int = 0)
 
 
 def optimizer_factory(config: TrainConfig) -> OptimizerFactory:
-    """Builds each stage's optimizer: ``config.training.optimizer`` at ``config.training.lr`` (SGD with ``config.training.momentum``)."""
-    lr = config.training.lr
-    if config.training.optimizer == "adamw":
-        return lambda params: torch.optim.AdamW(params, lr=lr)
-    momentum = config.training.momentum
-    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
+    """Builds each stage's optimizer: ``config.training.optimizer`` of ``weights.optimizers`` at
+    ``config.training.lr`` (with ``config.training.momentum`` where it takes one)."""
+    name, lr, momentum = config.training.optimizer, config.training.lr, config.training.momentum or 0.0
+    return lambda params: build_optimizer(name, params, lr, momentum)

@@ -25,11 +25,11 @@ copied aside or freed, when a stage updates or averages.
 | vertical sync | the version stage 0 read | same | as stash, pending forwards too |
 | none (AMPNet), averaging (AvgPipe) | live | live | 1 (AvgPipe: P replicas per rank) |
 | discrepancy correction (PipeMare) | live | live - gap x velocity, in place | 2 (velocity) |
-| prediction (SpecTrain) | live - s x direction | same | 2 (prediction buffer) |
+| prediction (SpecTrain) | the optimizer's next step taken s times | same | 2 (prediction buffer) |
 | prediction, bellwether (XPipe) | cached per mini-batch and pass | same | 1 + live caches |
 
-Prediction needs an optimizer with a next-step direction (momentum SGD, Adam,
-AdamW); plain SGD is refused. Weight memory is measured after every action,
+Prediction follows any optimizer of ``weights.optimizers`` (its next step from
+its state); plain SGD, which has none, is refused. Weight memory is measured after every action,
 before its releases: the peak over a rank of the sum of its stages' held bytes.
 
 A run that evaluates or saves drains its stream there and starts the next
