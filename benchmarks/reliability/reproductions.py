@@ -66,7 +66,7 @@ CASES: list[tuple[str, str, str | None]] = [
             "import sys, torch, pipeweave\n"
             "try:\n"
             "    pipeweave.pipeline(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), "
-            "torch.zeros(2, 4), split_points=2.5)\n"
+            "(torch.zeros(2, 4),), split_points=2.5, loss=torch.nn.functional.mse_loss, dataset=[])\n"
             "except pipeweave.errors.UserError as e:\n"
             "    print(e, file=sys.stderr); sys.exit(2)"
         ),
