@@ -27,6 +27,7 @@ import torch
 
 from pipeweave.commands.compare_table import seed_summary
 from pipeweave.data import data_source
+from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.models.build import build_layers
 from pipeweave.models.spec import loss_fn
@@ -39,10 +40,9 @@ EVAL_SEED = 12345
 """The held-out batches' seed, the same for every run and seed."""
 BASELINE = "1f1b"
 """Synchronous training, run as the baseline when no synchronous approach is compared."""
-PREDICTED = ("spectrain", "xpipe")
-"""The approaches that predict along the optimizer's next step: a row per optimizer each."""
 OPTIMIZER_ROWS = ("adam", "adamw", "rmsprop", "adabelief")
-"""The optimizers of those rows (the approach's own row trains with momentum SGD)."""
+"""The optimizers of the rows of the approaches that predict weights (``WeightPolicy.predicts``; the approach's
+own row trains with momentum SGD)."""
 ADAPTIVE_LR = 3e-3
 """Their learning rate (train's default for them; ``--lr`` and ``--momentum`` are SGD's: RMSprop runs
 without momentum, its step the last gradient over its square average's root)."""
@@ -170,9 +170,19 @@ def optimizer_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "optimizer": optimizer,
         }
         for row in rows
-        if row["name"] in PREDICTED and "optimizer" not in row
+        if "optimizer" not in row and _predicts(row["name"])
         for optimizer in OPTIMIZER_ROWS
     ]
+
+
+def _predicts(name: str) -> bool:
+    """Whether approach ``name`` predicts weights along the optimizer's next step (a row per optimizer each)."""
+    if name not in SCHEDULES:
+        return False
+    try:
+        return generate(name, num_stages=2, num_microbatches=4).policy.predicts
+    except UserError:  # a schedule that has no D = 2 form predicts nothing here either
+        return False
 
 
 def _fill(rows: list[dict[str, Any]], setting: Setting, seeds: int) -> None:

@@ -133,6 +133,11 @@ class WeightPolicy(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def predicts(self) -> bool:
+        """True when actions read weights predicted along the optimizer's next steps (SpecTrain, XPipe)."""
+        return self in (WeightPolicy.PREDICTION, WeightPolicy.BELLWETHER_PREDICTION)
+
 
 @dataclass(frozen=True)
 class Placement:

@@ -44,7 +44,6 @@ from pipeweave.runtime.stage.worker import OptimizerFactory
 from pipeweave.runtime.stream import check_stream_model, pipelines_per_round, stream_steps, stream_updates
 from pipeweave.schedule import SCHEDULES, DataParallel, Schedule, generate, validate
 from pipeweave.schedule.data_parallel import data_parallel
-from pipeweave.schedule.ir import WeightPolicy
 from pipeweave.schedule.levers import parse_offload
 from pipeweave.schedule.stream import concatenate
 from pipeweave.weights.optimizers import build_optimizer
@@ -183,7 +182,7 @@ def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:
         )
     if not schedule.is_synchronous:
         check_stream_model(config.model, config.schedule.name, config.training.lr_scheduled)
-    if schedule.policy in (WeightPolicy.PREDICTION, WeightPolicy.BELLWETHER_PREDICTION):
+    if schedule.policy.predicts:
         check_predictable(optimizer_factory(config)([torch.nn.Parameter(torch.zeros(1))]))  # before spawning
     validate(schedule)
     _check_levers(config, schedule)
