@@ -110,6 +110,8 @@ if __name__ == "__main__":  # a user's torchrun script: the group first, so rank
         model=ModelSpec.of(profiled),
     )
     record = launch(run_rank, prepare(config), 2)
-    print(json.dumps({"cut at": list(config.model.custom.split_points), "losses": record and record.losses}))
+    print(
+        json.dumps({"cut at": list(config.model.custom.split_points), "losses": record and record.losses}), flush=True
+    )
     dist.barrier()  # both ranks done with the group before either tears it down (gloo aborts otherwise)
     dist.destroy_process_group()
