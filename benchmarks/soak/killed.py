@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import analyse
-import soak
+import runs as soak  # the helpers soak.py's modes share (not soak.py: it dispatches here)
 
 SETTLE_S = 20.0
 
