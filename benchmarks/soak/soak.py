@@ -60,7 +60,7 @@ def run_mode(args: argparse.Namespace) -> None:
     command = [sys.executable, "-m", "pipeweave.cli", "train", *train]
     meta = {**machine(), "work": str(work), "probe_step_s": step_s, "steps": steps, "save_every": save_every}
     meta["command"] = "pipeweave train " + " ".join(train).replace(str(work), "WORK")
-    deadline = 2 * args.minutes * 60 + 300
+    deadline = (args.deadline_minutes or 2 * args.minutes + 5) * 60
     sampler, code = watch(command, args.sample_every, deadline, work / "train.log", dict(os.environ))
     meta.update(began=sampler.began, exit_code=code, load_at_end=os.getloadavg(), **sampler.leftovers())
     meta["log_tail"] = (work / "train.log").read_text()[-2000:]
@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
     run.add_argument("--steps", type=int, help="steps (default: --minutes worth, from a probe run)")
     run.add_argument("--step-s", type=float, help="seconds a step takes (default: a probe run's median)")
+    run.add_argument(
+        "--deadline-minutes", type=float, help="SIGINT the run after this long (default 2 x --minutes + 5; raise it on a loaded machine)"
+    )
     _common(run)
     kill = modes.add_parser("kill", help="under torchrun --max-restarts, one rank SIGKILLed, compared")
     kill.add_argument("--minutes", type=float, default=3.0)
