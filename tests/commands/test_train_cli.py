@@ -262,7 +262,7 @@ def test_misplaced_options_are_one_line_before_spawning(
     [
         ("gpt", None, "cannot read --data"),
         ("gpt", "abc", "the corpus has 3 bytes, fewer than one window of seq_len+1=9"),
-        ("mlp", "abc" * 100, "--data applies to --model gpt or llama"),
+        ("mlp", "abc" * 100, "--data applies to --model gpt, llama or hf:"),
     ],
 )
 def test_a_bad_data_file_is_one_line_before_spawning(

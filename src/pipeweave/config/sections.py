@@ -82,6 +82,11 @@ def _text_file(value: str, flag: str) -> None:
         raise UserError(f"{flag} '' is invalid; give a text file")
 
 
+def _not_empty(value: str, flag: str) -> None:
+    if not value:
+        raise UserError(f"{flag} '' is invalid; give a field name or a path")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """What the model trains on, in what batches, and what it is evaluated on.
@@ -94,7 +99,16 @@ class DataConfig:
     batch_size: int = option(16, flags=("--batch", "--batch-size"), check=at_least(1))
     """Samples per step, split into T microbatches (the last ones may be smaller)."""
     path: str | None = option(None, flags=("--data",), metavar="FILE", check=_text_file)
-    """gpt: a text file to train on (default: the Python standard library's sources)."""
+    """gpt, llama, hf:: what to train on (default: the Python standard library's sources): a text file, a JSON
+    Lines or Parquet file of documents, or a folder written by datasets' save_to_disk; documents are encoded by
+    --tokenizer (bytes without one), cached beside the data, and packed into --seq-len windows."""
+    text_field: str = option("text", metavar="FIELD", check=_not_empty)
+    """The field holding each document's text in a JSON Lines, Parquet or datasets --data."""
+    tokenizer: str | None = option(None, metavar="PATH", check=_not_empty)
+    """A local Hugging Face tokenizer (a save_pretrained folder or a tokenizer.json) that encodes --data
+    (default: bytes; for --model hf:PATH the tokenizer saved in PATH)."""
+    eval_path: str | None = option(None, flags=("--eval-data",), metavar="FILE", check=_text_file)
+    """Held-out documents for --eval-every, read and encoded as --data (default: part of --data held out)."""
     data_seed: int | None = option(None)
     """Seed of the data order (default: the model's --seed)."""
     min_seq_len: int | None = option(None, metavar="N")

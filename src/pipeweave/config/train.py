@@ -129,6 +129,7 @@ class TrainConfig:
             )
         if self.data.min_seq_len is not None:
             _check_min_seq_len(self, self.data.min_seq_len)
+        _check_documents(self)
 
     def check(self) -> None:
         """Check every section's fields again (a config is checked on construction; this is for one changed by force).
@@ -290,6 +291,18 @@ def _check_schedule_file(config: TrainConfig, schedule: Any) -> None:
             f"--chunks {s.num_chunks} conflicts with --schedule-file {s.name}, which has "
             f"{schedule.num_chunks} per rank; drop --chunks (the file sets it)"
         )
+
+
+def _check_documents(config: TrainConfig) -> None:
+    """--tokenizer, --text-field and --eval-data read --data's documents, --eval-data for --eval-every."""
+    data = config.data
+    if data.path is None and (data.tokenizer is not None or data.eval_path is not None):
+        flag = "--tokenizer" if data.tokenizer is not None else "--eval-data"
+        raise UserError(f"{flag} encodes the documents of --data and none is given; give --data FILE or drop {flag}")
+    if data.eval_path is not None and data.eval_every is None:
+        raise UserError(f"--eval-data {data.eval_path} is evaluated by --eval-every; give --eval-every N")
+    if config.model.kind == "mlp" and data.path is not None:
+        raise UserError("--data applies to --model gpt, llama or hf:; the mlp fits fixed random targets: drop --data")
 
 
 def _check_min_seq_len(config: TrainConfig, length: int) -> None:

@@ -12,12 +12,16 @@ from typing import Protocol
 
 import torch
 
+from pipeweave.data import documents
 from pipeweave.data.corpus import ByteCorpus, read_text_file, stdlib_sources
 from pipeweave.data.dataset import DatasetSource, sequence_length
+from pipeweave.data.packed import TokenCorpus
 from pipeweave.data.synthetic import RandomRegression
+from pipeweave.data.tokenized import load_tokenizer, tokenize
 from pipeweave.errors import UserError
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary, num_samples
+from pipeweave.models.hf import default_tokenizer, hf_vocab, is_hf
 from pipeweave.models.spec import ModelSpec
 
 
@@ -32,19 +36,28 @@ def data_source(
     seed: int = 0,
     path: str | os.PathLike[str] | None = None,
     min_seq_len: int | None = None,
+    text_field: str = "text",
+    tokenizer: str | os.PathLike[str] | None = None,
+    eval_path: str | os.PathLike[str] | None = None,
 ) -> DataSource:
     """The model's data: fixed random regression for the mlp, byte windows of a corpus for the gpt,
-    a custom model's own dataset (``DatasetSource``).
+    a custom model's own dataset (``DatasetSource``), the tokenized documents of ``path`` (``TokenCorpus``).
 
     Args:
         spec: the model.
         batch_size: samples per mini-batch.
         seed: data seed.
-        path: gpt only: a text file to train on instead of the standard library sources.
+        path: gpt, llama or hf:: a text, JSON Lines or Parquet file, or a ``datasets`` folder, to train on
+            instead of the standard library sources (``data.documents``).
         min_seq_len: sequences of variable length (``ByteCorpus``, ``DatasetSource``), each microbatch its own.
+        text_field: the documents' field in a JSON Lines, Parquet or ``datasets`` file.
+        tokenizer: a local Hugging Face tokenizer (folder or tokenizer.json) that encodes ``path``; None:
+            bytes (for ``hf:PATH``: the tokenizer saved in PATH, if any).
+        eval_path: held-out documents for evaluation, read and encoded as ``path``.
 
     Raises:
-        UserError: a path or min_seq_len given for the mlp, min_seq_len for a dataset of no sequences, a gpt vocabulary too small for bytes, an unreadable file.
+        UserError: a path or min_seq_len given for the mlp, min_seq_len for a dataset of no sequences, a
+            vocabulary too small for the tokens, an unreadable file or record.
 
     Example:
         >>> x, y = data_source(ModelSpec(kind="mlp", hidden=8), batch_size=4).batch(0)
@@ -56,10 +69,25 @@ def data_source(
             f"--min-seq-len applies to models of sequences (gpt, llama, hf:TYPE, your own); a "
             f"{spec.kind} model brings fixed shapes: drop --min-seq-len"
         )
+    if spec.kind != "mlp" and (tokenizer is not None or eval_path is not None or _is_documents(path)):
+        if path is None:
+            raise UserError("--tokenizer and --eval-data encode --data's documents; give --data FILE")
+        return documents_source(
+            spec,
+            path,
+            batch_size=batch_size,
+            seed=seed,
+            min_seq_len=min_seq_len,
+            text_field=text_field,
+            tokenizer=tokenizer,
+            eval_path=eval_path,
+        )
     if spec.kind == "custom":
+        if path is not None and is_hf(spec.entry):
+            return documents_source(spec, path, batch_size=batch_size, seed=seed, min_seq_len=min_seq_len)
         if path is not None:
             raise UserError(
-                "--data applies to --model gpt or llama; a custom model brings its own dataset: drop --data"
+                "--data applies to --model gpt, llama or hf:; a custom model brings its own dataset: drop --data"
             )
         model = spec.custom
         return DatasetSource(
@@ -67,12 +95,59 @@ def data_source(
         )
     if spec.kind == "mlp":
         if path is not None:
-            raise UserError("--data applies to --model gpt or llama; drop --data or use --model gpt")
+            raise UserError(
+                "--data applies to --model gpt, llama or hf:; the mlp fits fixed random targets: drop --data"
+            )
         return RandomRegression(hidden=spec.hidden, batch_size=batch_size, seed=seed)
     if spec.vocab < 256:
         raise UserError(f"vocab={spec.vocab} cannot hold bytes; give vocab >= 256 for the byte-level corpus")
     text = None if path is None else read_text_file(path)
     return ByteCorpus(text, seq_len=spec.seq_len, batch_size=batch_size, seed=seed, min_seq_len=min_seq_len)
+
+
+def _is_documents(path: str | os.PathLike[str] | None) -> bool:
+    """A ``--data`` of records (JSON Lines, Parquet, a ``datasets`` folder) rather than one text."""
+    return path is not None and documents.kind(path) != "text"
+
+
+def documents_source(
+    spec: ModelSpec,
+    path: str | os.PathLike[str],
+    *,
+    batch_size: int,
+    seed: int = 0,
+    min_seq_len: int | None = None,
+    text_field: str = "text",
+    tokenizer: str | os.PathLike[str] | None = None,
+    eval_path: str | os.PathLike[str] | None = None,
+) -> TokenCorpus:
+    """``path``'s documents encoded by ``tokenizer`` (cached: ``data.tokenized``), as windows of the model's
+    sequence length; a Hugging Face model's targets are its inputs (it shifts them inside its loss).
+
+    Raises:
+        UserError: a bad file or tokenizer; a tokenizer whose ids the model's vocabulary cannot hold.
+    """
+    hf = is_hf(spec.entry)
+    coder = load_tokenizer(tokenizer if tokenizer is not None else (default_tokenizer(spec.entry) if hf else None))
+    vocab = hf_vocab(spec.entry, spec.hf_config) if hf else spec.vocab
+    if coder.vocab_size > vocab:
+        what = f"--tokenizer {coder.path}" if coder.path is not None else "bytes (no --tokenizer)"
+        fix = "vocab_size in --hf-config" if hf else "--vocab"
+        raise UserError(
+            f"{what} has {coder.vocab_size} tokens, more than the model's vocabulary of {vocab}; give {fix} "
+            f">= {coder.vocab_size}, or a smaller tokenizer"
+        )
+    stream = tokenize(path, text_field, coder)
+    held = None if eval_path is None else tokenize(eval_path, text_field, coder)
+    return TokenCorpus(
+        stream,
+        seq_len=spec.seq_len,
+        batch_size=batch_size,
+        seed=seed,
+        min_seq_len=min_seq_len,
+        shifted=not hf,
+        held_out=held,
+    )
 
 
 def longest_sequence(spec: ModelSpec) -> int:
@@ -133,7 +208,9 @@ __all__ = [
     "DataSource",
     "DatasetSource",
     "RandomRegression",
+    "TokenCorpus",
     "data_source",
+    "documents_source",
     "read_text_file",
     "split_microbatches",
     "stdlib_sources",

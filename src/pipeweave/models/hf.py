@@ -14,6 +14,7 @@ into a folder ``from_pretrained`` loads.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,3 +127,27 @@ def save_pretrained(entry: str, config_text: str | None, parameters: dict[str, t
     if lacking:
         raise UserError(f"the run's parameters lack {lacking[0]} of {entry}; save from a run of the same model")
     module.save_pretrained(folder)
+
+
+def hf_vocab(entry: str, config_text: str | None) -> int:
+    """The vocabulary size of ``hf:NAME`` with ``--hf-config`` (its config alone: no model built).
+
+    Raises:
+        UserError: as ``build_module``.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(f"--model {entry} needs transformers; pip install -c constraints.txt -e '.[hf]'") from None
+    return int(make_config(transformers, entry, config_fields(config_text)).vocab_size)
+
+
+def default_tokenizer(entry: str | None) -> str | None:
+    """The tokenizer saved beside an ``hf:PATH`` model (a folder holding tokenizer.json or
+    tokenizer_config.json), or None."""
+    if entry is None or not is_hf(entry):
+        return None
+    folder = Path(entry[len(PREFIX) :])
+    if folder.is_dir() and any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return str(folder)
+    return None

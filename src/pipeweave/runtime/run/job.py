@@ -22,7 +22,6 @@ import time
 from typing import Any
 
 from pipeweave.config import TrainConfig
-from pipeweave.data import data_source
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.executor import Executor
 from pipeweave.runtime.run import checkpoint
@@ -30,7 +29,7 @@ from pipeweave.runtime.run.agreement import agreed_plan
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
 from pipeweave.runtime.run.part_memory import part_memory
-from pipeweave.runtime.run.prepare import RunPlan, learning_rates, offloaded
+from pipeweave.runtime.run.prepare import RunPlan, learning_rates, offloaded, run_data
 from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
 from pipeweave.runtime.run.step_log import StepLog
 from pipeweave.runtime.run.stream_job import run_stream_rank
@@ -139,13 +138,7 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     workers = build_workers(plan, rank, device, context=context, row=low.actions[rank])
     done = plan.steps_done  # the data goes on from the batch after the checkpoint's last (the workers' steps_done)
     executor, link = executor_of(plan, context, workers, low, stash)
-    source = data_source(
-        config.model,
-        batch_size=config.data.batch_size,
-        seed=config.data.data_seed,
-        path=config.data.path,
-        min_seq_len=config.data.min_seq_len,
-    )
+    source = run_data(config)
     offset = align_clocks(process, world)
     t = plan.schedule.num_microbatches
     mine = RankRecord(rank, [], [], 0, 0, {})

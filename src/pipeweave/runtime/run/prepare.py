@@ -120,10 +120,9 @@ def prepare(config: TrainConfig) -> RunPlan:
     run_id = _check_checkpoints(config, resumed)
     source = None
     if config.data.path is not None or (config.model.is_transformer and config.model.vocab < 256):
-        # the file is read on the first and last ranks; a bad one is one line here, not a failing rank
-        source = data_source(
-            config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path
-        )
+        # the file is read (and its documents encoded into the cache the ranks map) here, before any rank
+        # starts: a bad one is one line here, not a failing rank
+        source = run_data(config)
     if config.is_stream:
         stream_rates(config, schedule, updates_done)
     else:
@@ -314,6 +313,21 @@ def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
         )
 
 
+def run_data(config: TrainConfig) -> Any:
+    """The run's data source (``data.data_source`` with the data section's every field)."""
+    data = config.data
+    return data_source(
+        config.model,
+        batch_size=data.batch_size,
+        seed=data.data_seed,
+        path=data.path,
+        min_seq_len=data.min_seq_len,
+        text_field=data.text_field,
+        tokenizer=data.tokenizer,
+        eval_path=data.eval_path,
+    )
+
+
 def _check_evaluation(config: TrainConfig, source: Any) -> None:
     """``--eval-every`` has held-out data to evaluate on (``source``: ``--data``'s corpus, if given)."""
     if config.model.kind == "mlp":
@@ -329,7 +343,7 @@ def _check_evaluation(config: TrainConfig, source: Any) -> None:
     if config.data.path is not None and not source.held_out:
         raise UserError(
             f"--data {config.data.path} is too short to hold out a window of seq_len+1="
-            f"{config.model.seq_len + 1} bytes for evaluation; give a longer file or drop --eval-every"
+            f"{config.model.seq_len + 1} tokens for evaluation; give --eval-data, a longer file or drop --eval-every"
         )
 
 

@@ -12,13 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeweave.data import data_source
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.executor import Executor, Record
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones
-from pipeweave.runtime.run.prepare import RunPlan, stream_rates
+from pipeweave.runtime.run.prepare import RunPlan, run_data, stream_rates
 from pipeweave.runtime.run.record import (
     RankRecord,
     RunRecord,
@@ -70,9 +69,7 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         assert plan.resumed is not None
         carry = checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     rates = stream_rates(config, plan.schedule, plan.updates_done).at if config.training.lr_scheduled else None
-    source = data_source(
-        config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path
-    )
+    source = run_data(config)
     offset = align_clocks(context.process, context.world)
     milestones = Milestones(plan, plan.streams[0], context, workers, source)  # any stream: same placement
     done = _Streamed()
