@@ -1,4 +1,5 @@
-"""Hugging Face causal language models (``--model hf:gpt2 --hf-config '{...}'``), built offline from a config.
+"""Hugging Face causal language models (``--model hf:gpt2 --hf-config '{...}'``), built offline from a config,
+or from a folder of pretrained weights (``--model hf:PATH``: ``models.pretrained``).
 
 ``hf:NAME`` names a ``transformers`` model type (``gpt2``, ``llama``, any
 causal LM ``AutoModelForCausalLM`` knows); ``--hf-config`` is a JSON object,
@@ -13,6 +14,7 @@ into a folder ``from_pretrained`` loads.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel
 from pipeweave.models.hf_config import built, config_fields, make_config
 from pipeweave.models.pipeline import pipeline
+from pipeweave.models.pretrained import Weights, folder_of, loaded_layer
 
 PREFIX = "hf:"
 _CORPUS_BYTES = 1 << 20  # 1 MiB of the standard library's sources: enough windows for a demo run
@@ -46,12 +49,7 @@ def build_module(entry: str, config_text: str | None, seed: int, seq_len: int | 
     except ImportError:
         raise UserError(f"--model {entry} needs transformers; pip install -c constraints.txt -e '.[hf]'") from None
     fields = config_fields(config_text)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # token ids of the full vocabulary are cleared below, not warned of
-    try:
-        config = make_config(transformers, entry, fields)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
+    config = model_config(transformers, entry, config_text)
     if seq_len is not None:
         _check_positions(entry, config, seq_len)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults of the full vocabulary: none here
@@ -64,6 +62,37 @@ def build_module(entry: str, config_text: str | None, seed: int, seq_len: int | 
     if getattr(module, "loss_type", None) is None:  # the loss transformers falls back to, chosen without its warning
         module.loss_type = "ForCausalLM"
     return module  # type: ignore[no-any-return]
+
+
+def model_config(transformers: Any, entry: str, config_text: str | None) -> Any:
+    """The config of ``hf:TYPE`` with ``--hf-config``, or the config.json of the folder ``hf:PATH``.
+
+    Raises:
+        UserError: as ``models.hf_config.make_config``; ``--hf-config`` given with a folder (its config.json
+            sets the model); a config.json transformers cannot read.
+    """
+    folder = folder_of(entry)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # token ids of the full vocabulary are cleared below, not warned of
+    try:
+        if folder is None:
+            return make_config(transformers, entry, config_fields(config_text))
+        if config_text is not None:
+            raise UserError(
+                f"--model {entry} is a pretrained folder whose config.json sets the model; drop --hf-config"
+            )
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(
+                f"{folder / 'config.json'} is no config transformers can read ({first}); give the folder "
+                "save_pretrained wrote"
+            ) from None
+        config.use_cache = False  # training: no key/value cache (one in the output cannot be traced)
+        return config
+    finally:
+        transformers.logging.set_verbosity(verbosity)
 
 
 def _check_positions(entry: str, config: Any, seq_len: int) -> None:
@@ -87,7 +116,15 @@ def hf_model(entry: str, config_text: str | None, seq_len: int, seed: int) -> La
         raise UserError(f"--hf-config vocab_size={vocab} cannot hold bytes; give a vocab_size >= 256")
     data = ByteWindows(seq_len)
     loss = functools.partial(_causal_lm_loss, module.loss_function, vocab)
-    return pipeline(module, (data.tokens[:2],), split_points=None, loss=loss, dataset=data)
+    folder = folder_of(entry)
+    weights = None if folder is None else Weights(folder)
+    if weights is not None:
+        weights.check(module)  # before the module is traced: a folder that cannot serve it is one line
+    model = pipeline(module, (data.tokens[:2],), split_points=None, loss=loss, dataset=data)
+    if weights is None:
+        return model
+    load = weights.loader(module)
+    return dataclasses.replace(model, layers=[functools.partial(loaded_layer, build, load) for build in model.layers])
 
 
 def _causal_lm_loss(loss_function: Any, vocab: int, logits: Any, labels: torch.Tensor) -> torch.Tensor:
@@ -139,7 +176,7 @@ def hf_vocab(entry: str, config_text: str | None) -> int:
         import transformers
     except ImportError:
         raise UserError(f"--model {entry} needs transformers; pip install -c constraints.txt -e '.[hf]'") from None
-    return int(make_config(transformers, entry, config_fields(config_text)).vocab_size)
+    return int(model_config(transformers, entry, config_text).vocab_size)
 
 
 def default_tokenizer(entry: str | None) -> str | None:
