@@ -90,6 +90,10 @@ class TrainingConfig:
     on_nonfinite: Literal["stop", "skip"] = option("stop")
     """A step whose loss (or, with --clip-grad-norm, gradient norm) is NaN or inf: stop the run there, exit code
     1, the last checkpoint kept; or skip that step's update on every stage and go on (synchronous schedules)."""
+    compile: bool = option(False)
+    """Run each layer through torch.compile (inductor), the split backward (I, then W) kept: the deferrable
+    linear layers stay eager, what lies between them is compiled; the compile time is reported apart from the
+    step time."""
     post_validation: PostValidation | None = option(None, internal=True)
     """Clip and skip without a barrier (``runtime.stage.post_validation``): made from ``clip_grad_norm``."""
 
