@@ -210,10 +210,12 @@ class LaunchConfig:
     timeout: float = option(25.0, check=_timeout)
     """Seconds a rank may wait on a peer before failing (under torchrun no launcher watches the other node: this
     timeout is what ends a rank whose remote peer died)."""
-    transport: Literal["auto", "gloo", "shm"] = option("auto")
+    transport: Literal["auto", "gloo", "shm", "host"] = option("auto")
     """Point-to-point messages of spawned CPU ranks: shm, shared-memory rings between the ranks on this host that
     exchange messages, each sized for the largest (collectives stay on gloo), or gloo; auto: shm on x86-64 with
-    room for the rings in /dev/shm and the address space, gloo otherwise and under torchrun, NCCL on CUDA."""
+    room for the rings in /dev/shm and the address space, gloo otherwise and under torchrun, NCCL on CUDA; host:
+    ranks sharing one GPU (more ranks than GPUs), their messages staged through pinned host buffers over gloo -- a
+    harness to check CUDA paths on one GPU, not a fast mode; refused under torchrun (NCCL)."""
 
     def __post_init__(self) -> None:
         check_section(self)

@@ -22,6 +22,7 @@ from pipeweave.runtime.run import prepare
 from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.stage.tensor_parallel import gather
 from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.transport.host import HostTransport
 from pipeweave.schedule.ir import Action
 
 
@@ -130,8 +131,11 @@ class RunRecord:
 
 
 def used_transport(context: RankContext) -> str:
-    """This rank's point-to-point transport: ``shm`` (``runtime.transport.shm``) or the process group's backend."""
-    return "shm" if context.transport is not None else str(dist.get_backend())
+    """This rank's point-to-point transport: ``shm`` (``runtime.transport.shm``), ``host`` (``transport.host``) or
+    the process group's backend."""
+    if context.transport is None:
+        return str(dist.get_backend())
+    return "host" if isinstance(context.transport, HostTransport) else "shm"
 
 
 def seconds_since(timings: Sequence[tuple[Action, int, int]], offset: int) -> list[tuple[int, str, int, float, float]]:
