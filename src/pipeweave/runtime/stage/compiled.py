@@ -42,5 +42,5 @@ def compile_layers(layers: Iterable[nn.Module], backend: str = BACKEND) -> None:
     for layer in layers:
         for module in layer.modules():
             if isinstance(module, Deferrable):
-                module.forward = torch.compiler.disable(module.forward)  # type: ignore[method-assign]
+                module.forward = torch.compiler.disable(module.forward)  # type: ignore[no-untyped-call]
         layer.compile(backend=backend)
