@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 from config_defaults import train_config
 
+from pipeweave.commands.train_report import _cuda_peaks
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.executor import Executor
+from pipeweave.runtime.report.trace import device_figures
 from pipeweave.runtime.run.prepare import prepare
+from pipeweave.runtime.run.record import RankRecord
 from pipeweave.runtime.run.workers import build_workers
 from pipeweave.runtime.transport.timing import CudaEventTimer, HostTimer, action_timer
 from pipeweave.schedule import lower
@@ -115,3 +120,23 @@ def test_the_executor_records_the_timer_s_times() -> None:
     _, records = executor.run_step(data, [torch.zeros(2, 4)] * 2)
     assert [(t0, t1) for _, t0, t1 in records] == [(1000 + 2 * i, 1001 + 2 * i) for i in range(len(records))]
     assert executor.step_memory is None
+
+
+def test_cuda_figures_reach_the_record_and_the_summary() -> None:
+    """A CUDA run's per-step allocator peaks go into the record's figures and the summary's memory rows; a
+    CPU run's say the host clock; ``--compile``'s first-step excess is its compile time."""
+    ranks = [RankRecord(r, [], [], 0, 0, {}) for r in range(2)]
+    for r, rank in enumerate(ranks):
+        for step in range(3):
+            rank.add_step(1.0, [(0, "F", 0, 0.0, 1.0)], 0, [], keep=False, memory=(100 * (r + 1) + step, 4096))
+    record = SimpleNamespace(ranks=ranks, config=SimpleNamespace(training=SimpleNamespace(compile=True)))
+    figures = device_figures(record, [5.0, 1.0, 1.2], range(1, 3))  # type: ignore[arg-type]
+    assert figures["timing_source"] == "cuda events"
+    assert figures["cuda_peak_allocated_bytes"] == [[100, 101, 102], [200, 201, 202]]
+    assert figures["cuda_peak_reserved_bytes"] == [[4096] * 3] * 2
+    assert figures["compile_s"] == pytest.approx(5.0 - 1.1)
+    assert _cuda_peaks(figures, 1) == "  cuda allocated 202 B reserved 4.0 KiB"
+    for rank in ranks:
+        rank.cuda_allocated.clear()
+    record.config.training.compile = False
+    assert device_figures(record, [5.0, 1.0], range(1, 2)) == {"timing_source": "host clock"}  # type: ignore[arg-type]
