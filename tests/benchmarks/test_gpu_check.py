@@ -61,8 +61,9 @@ def test_refuses_without_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.slow  # 30-60 s: six short runs on spawned ranks
+@pytest.mark.slow  # 1-3 min on two shared cores: a dozen short runs on spawned ranks, one compiled
 def test_dry_run_end_to_end_without_solvers(tmp_path: Path) -> None:
+    check = _check_module()
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
     env = dict(os.environ, PYTHON=sys.executable)
@@ -81,6 +82,13 @@ def test_dry_run_end_to_end_without_solvers(tmp_path: Path) -> None:
     assert result["solvers"] == {"ortools": False, "highspy": False}
     rows = {row["case"]: row for row in result["rows"]}
     exact = [case for case in rows if case.startswith("exact/") and not rows[case]["result"].startswith("skipped")]
-    assert len(exact) == 5 and all(rows[case]["result"] == "pass" for case in exact)
-    assert {"planner/h64/F", "planner/h64/I", "planner/h64/W", "overhead/one-stage"} <= set(rows)
+    assert len(exact) >= len(check.EXACT_CASES) and all(rows[case]["result"] == "pass" for case in exact)
+    assert "exact/1f1b, 2 ranks sharing the GPU" in exact and "exact/zb-h1 --compile" in exact
+    fp16 = [case for case in rows if "fp16" in case]  # run where --precision fp16 exists, else skipped saying so
+    assert len(fp16) == 1 and (rows[fp16[0]]["result"] == "pass") == check.fp16_available()
+    planned = {f"planner/{kind}/h64/{op}" for kind in ("gpt", "llama") for op in "FIW"}
+    assert planned | {"overhead/one-stage"} <= set(rows)
+    shared = [case for case in rows if case.startswith(("bubble/", "memory/"))]
+    assert len(shared) == 2 and "(host clock)" in rows[shared[0]]["measured"]  # the dry run's timer: the CPU's
+    assert not any(row["result"].startswith("skipped") for case, row in rows.items() if case not in fp16)
     assert "| exact/zb-h1 --recompute selective |" in (out / "results.md").read_text()

@@ -147,6 +147,7 @@ def test_a_stage_is_built_by_its_steps_in_order() -> None:
         "apply_tensor_parallel",
         "apply_recompute",
         "place",
+        "apply_compile",
         "apply_memory_levers",
         "apply_optimizer",
     ]

@@ -214,6 +214,8 @@ def _summary_table(report: dict[str, Any]) -> Table:
     if report.get("tokens_per_s"):
         rate += f"  ({report['tokens_per_s']:.0f} tokens/s)"
     table.add_row("throughput", rate, "")
+    if "compile_s" in report:
+        table.add_row("compile (first step over the rest)", f"{report['compile_s']:.2f} s", "")
     table.add_row("bubble ratio", f"{report['bubble_ratio']:.3f}", f"{report['bubble_ratio_simulated']:.3f}")
     table.add_row(
         "bubble ratio (flush)", f"{report['bubble_ratio_flush']:.3f}", f"{report['bubble_ratio_flush_simulated']:.3f}"
@@ -264,7 +266,16 @@ def _memory_rows(table: Table, report: dict[str, Any]) -> None:
             [f"weights {_bytes(simulated[r])}"] if simulated else []
         )
         peak = f"  peak {_bytes(tensors[r])}" if tensors[r] else ""  # the process's tensors (stage.tensor_bytes)
+        peak += _cuda_peaks(report, r)
         table.add_row(f"rank {r} memory", f"act {_bytes(act)}  weights {_bytes(weight)}{peak}", "  ".join(predicted))
+
+
+def _cuda_peaks(report: dict[str, Any], r: int) -> str:
+    """Rank ``r``'s largest peak allocated and reserved bytes of a step, from the CUDA allocator (CUDA runs)."""
+    allocated, reserved = report.get("cuda_peak_allocated_bytes"), report.get("cuda_peak_reserved_bytes")
+    if not allocated or not allocated[r]:
+        return ""
+    return f"  cuda allocated {_bytes(max(allocated[r]))} reserved {_bytes(max(reserved[r]))}"
 
 
 def _ms(seconds: float) -> str:

@@ -28,7 +28,7 @@ from pipeweave.host import cpu_cores
 from pipeweave.models.hf import save_pretrained
 from pipeweave.runtime.process import under_torchrun
 from pipeweave.runtime.run.job import run_rank
-from pipeweave.runtime.run.launch import LaunchOptions, RankFailure, exit_torchrun_rank, launch
+from pipeweave.runtime.run.launch import HOST_UNDER_NCCL, LaunchOptions, RankFailure, exit_torchrun_rank, launch
 from pipeweave.runtime.run.memory import check_memory, estimate_memory
 from pipeweave.runtime.run.prepare import AlreadyTrained, RunPlan, prepare, resolve_auto
 from pipeweave.runtime.run.resolve import resolve
@@ -47,7 +47,17 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _check_transport(launch_: Any, plan: RunPlan, torchrun: bool, rings: shm.Rings | None = None) -> None:
-    """``--transport shm`` needs CPU ranks spawned here on x86-64 with room for its rings (one line otherwise)."""
+    """``--transport shm`` needs CPU ranks spawned here on x86-64 with room for its rings; ``--transport host``
+    ranks spawned here (NCCL's group under torchrun); more CUDA ranks than GPUs need ``--transport host`` (one
+    line otherwise)."""
+    if launch_.transport == "host" and torchrun:
+        raise UserError(HOST_UNDER_NCCL)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and not torchrun and launch_.transport != "host" and plan.num_processes > gpus:
+        raise UserError(
+            f"{plan.num_processes} ranks on {gpus} GPU(s): NCCL refuses two ranks on one GPU; give --transport host "
+            "(messages staged through host memory: a check harness, not a fast mode) or as many GPUs as ranks"
+        )
     if launch_.transport != "shm":
         return
     if torchrun:
@@ -62,7 +72,7 @@ def _check_transport(launch_: Any, plan: RunPlan, torchrun: bool, rings: shm.Rin
 def _rings(config: TrainConfig, plan: RunPlan, torchrun: bool) -> shm.Rings | None:
     """The shared-memory rings of this run (``sizes.message_rings``) where rings may be used: ``--transport shm``,
     or auto where ``shm.unavailable`` finds nothing against them; None otherwise."""
-    if config.launch.transport == "gloo" or torchrun:
+    if config.launch.transport in ("gloo", "host") or torchrun:
         return None
     rings = message_rings(plan.config, plan.schedule, plan.num_processes)
     if config.launch.transport == "auto" and shm.unavailable(rings) is not None:

@@ -90,6 +90,10 @@ class TrainingConfig:
     on_nonfinite: Literal["stop", "skip"] = option("stop")
     """A step whose loss (or, with --clip-grad-norm, gradient norm) is NaN or inf: stop the run there, exit code
     1, the last checkpoint kept; or skip that step's update on every stage and go on (synchronous schedules)."""
+    compile: bool = option(False)
+    """Run each layer through torch.compile (inductor), the split backward (I, then W) kept: the deferrable
+    linear layers stay eager, what lies between them is compiled; the compile time is reported apart from the
+    step time."""
     post_validation: PostValidation | None = option(None, internal=True)
     """Clip and skip without a barrier (``runtime.stage.post_validation``): made from ``clip_grad_norm``."""
 
@@ -206,10 +210,12 @@ class LaunchConfig:
     timeout: float = option(25.0, check=_timeout)
     """Seconds a rank may wait on a peer before failing (under torchrun no launcher watches the other node: this
     timeout is what ends a rank whose remote peer died)."""
-    transport: Literal["auto", "gloo", "shm"] = option("auto")
+    transport: Literal["auto", "gloo", "shm", "host"] = option("auto")
     """Point-to-point messages of spawned CPU ranks: shm, shared-memory rings between the ranks on this host that
     exchange messages, each sized for the largest (collectives stay on gloo), or gloo; auto: shm on x86-64 with
-    room for the rings in /dev/shm and the address space, gloo otherwise and under torchrun, NCCL on CUDA."""
+    room for the rings in /dev/shm and the address space, gloo otherwise and under torchrun, NCCL on CUDA; host:
+    ranks sharing one GPU (more ranks than GPUs), their messages staged through pinned host buffers over gloo -- a
+    harness to check CUDA paths on one GPU, not a fast mode; refused under torchrun (NCCL)."""
 
     def __post_init__(self) -> None:
         check_section(self)

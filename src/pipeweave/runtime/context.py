@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pipeweave.runtime.transport.host import HostTransport
 from pipeweave.runtime.transport.mesh import Mesh
 from pipeweave.runtime.transport.shm import ShmTransport
 
@@ -47,8 +48,9 @@ class RankContext:
     sink: ProgressSink | None = None
     """Where ``progress`` reports go: the launcher's queue in a spawned rank, the caller's callback on rank 0
     under torchrun, nowhere otherwise."""
-    transport: ShmTransport | None = None
-    """The shared-memory rings of spawned CPU ranks (``--transport shm``); None: gloo or NCCL."""
+    transport: ShmTransport | HostTransport | None = None
+    """The shared-memory rings of spawned CPU ranks (``--transport shm``), or the host-staged messages of ranks
+    sharing a GPU (``--transport host``, ``transport.host``); None: gloo or NCCL."""
     mesh: Mesh | None = None
     """This process's place in the run's device mesh and its groups (``transport.mesh``); None: a run
     without tensor parallelism or replicas on several ranks, or before the mesh is built."""

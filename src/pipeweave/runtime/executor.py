@@ -39,11 +39,12 @@ from pipeweave.runtime.stage.worker import Combine, StageWorker
 from pipeweave.runtime.transport.mesh import replica_rank_sets
 from pipeweave.runtime.transport.p2p import P2P
 from pipeweave.runtime.transport.partner import PartnerLink
+from pipeweave.runtime.transport.timing import action_timer
 from pipeweave.schedule.grid import format_rows
 from pipeweave.schedule.ir import Action, Op
 from pipeweave.schedule.lower import LoweredSchedule
 
-Record = tuple[Action, int, int]  # action, start and end in perf_counter_ns
+Record = tuple[Action, int, int]  # action, start and end in perf_counter_ns (``transport.timing``)
 
 
 class Executor:
@@ -117,6 +118,10 @@ class Executor:
         # Of the last step: thread CPU ns per action (parallel to the records), process CPU ns of the step.
         self.action_cpu_ns: list[int] = []
         self.step_cpu_ns = 0
+        self.timer = action_timer(device)
+        """Marks each action's start and end: the host clock on the CPU, CUDA events on a GPU (``transport.timing``)."""
+        self.step_memory: tuple[int, int] | None = None
+        """Of the last step on CUDA: the allocator's peak allocated and reserved bytes (None on the CPU)."""
         # Per-step state: what flows between actions, keyed by (stage, microbatch).
         self._inputs: dict[tuple[int, int], Boundary] = {}
         self._outputs: dict[tuple[int, int], Boundary] = {}
@@ -238,10 +243,11 @@ class Executor:
         self.replicas.begin_step()
         if self.agreement is not None:
             self.agreement.begin_step()
-        records: list[Record] = []
+        marks: list[Any] = []  # each action's start and end (``transport.timing``), resolved after the step
         # CPU time beside wall time: robust to other processes sharing the cores.
         self.action_cpu_ns = cpu_ns = []
-        clock, cpu = time.perf_counter_ns, time.thread_time_ns
+        timer, cpu = self.timer, time.thread_time_ns
+        timer.begin_step()
         step_cpu = time.process_time_ns()
         for i, a in enumerate(self.row):
             self.p2p.post_ahead(i)
@@ -249,14 +255,18 @@ class Executor:
                 self.p2p.flush()  # the messages of the gap before this action go out as one group
             if self.store is not None and i + 1 < len(self.row) and self.row[i + 1].op is Op.RELOAD:
                 self.store.prefetch(self.row[i + 1][::2])  # CUDA: its copy runs beside action i
-            c0, t0 = cpu(), clock()
+            c0 = cpu()
+            marks.append(timer.mark())
             self._run_or_explain(i, a)
-            records.append((a, t0, clock()))
+            marks.append(timer.mark())
             cpu_ns.append(cpu() - c0)
         if isinstance(self.tied, StreamTies):
             self.tied.drain()  # the last ends' owed tied update, before the stream's last messages are waited
         self.p2p.end_step()
         self.step_cpu_ns = time.process_time_ns() - step_cpu
+        times = timer.resolve(marks)  # CUDA: the step's one synchronisation
+        records: list[Record] = [(a, times[2 * i], times[2 * i + 1]) for i, a in enumerate(self.row)]
+        self.step_memory = timer.step_memory()
         if self._inputs or self._outputs or self._grads_in or self._grads_out:  # pragma: no cover
             raise RuntimeError(f"rank {self.rank}: tensors left over at the end of a step")
         loss = float(torch.stack(self._losses).sum()) if self._losses else 0.0

@@ -286,11 +286,29 @@ def measured_summary(schedule: Schedule, record: RunRecord, cost: CostModel) -> 
         },
         "peak_activation_bytes": [r.peak_activation_bytes for r in record.ranks],
         "peak_tensor_bytes": [r.peak_tensor_bytes for r in record.ranks],
-        "peak_tensor_bytes_source": "cuda max_memory_allocated"
-        if record.transport == "nccl"
-        else "cpu tracked tensors",
+        "peak_tensor_bytes_source": "cuda max_memory_allocated" if on_cuda(record) else "cpu tracked tensors",
         "weight_bytes": [r.weight_bytes for r in record.ranks],
+        **device_figures(record, times, steps),
     }
+
+
+def on_cuda(record: RunRecord) -> bool:
+    """Whether the run's ranks ran on CUDA (they recorded the allocator's peaks, ``transport.timing``)."""
+    return any(r.cuda_allocated for r in record.ranks)
+
+
+def device_figures(record: RunRecord, times: Sequence[float], steps: range) -> dict[str, Any]:
+    """Where the times come from; on CUDA, per rank and step, the allocator's peak allocated and reserved bytes;
+    with ``--compile``, the compile time: the first step's time beyond the median of the others (the step time
+    leaves the first step out)."""
+    figures: dict[str, Any] = {"timing_source": "cuda events" if on_cuda(record) else "host clock"}
+    if on_cuda(record):
+        figures["cuda_peak_allocated_bytes"] = [r.cuda_allocated for r in record.ranks]
+        figures["cuda_peak_reserved_bytes"] = [r.cuda_reserved for r in record.ranks]
+    if record.config.training.compile:
+        later = [times[k] for k in steps if k > 0]
+        figures["compile_s"] = max(0.0, times[0] - statistics.median(later)) if later else times[0]
+    return figures
 
 
 def _mean_length(schedule: Schedule, record: RunRecord) -> float:

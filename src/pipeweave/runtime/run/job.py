@@ -155,7 +155,8 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         with peak_tensor_bytes(device, peaks) if measured else contextlib.nullcontext():
             loss, timings = executor.run_step(*rank_microbatches(source, done + step, t, device, workers))
         row = seconds_since(timings, offset)
-        mine.add_step(loss, row, executor.step_cpu_ns, executor.action_cpu_ns, keep=step < config.logging.trace_steps)
+        keep = step < config.logging.trace_steps
+        mine.add_step(loss, row, executor.step_cpu_ns, executor.action_cpu_ns, keep, executor.step_memory)
         if step == 0 and not (config.memory.memory_every_step or config.variable_shapes):  # varying shapes: every step
             for w in workers.values():
                 w.track_memory_from_now(False)

@@ -55,8 +55,13 @@ from pipeweave.runtime.process import (
 )
 from pipeweave.runtime.run import forkserver
 from pipeweave.runtime.transport import shm
+from pipeweave.runtime.transport.host import HostTransport
 
 RankFn = Callable[[RankContext, Any], Any]
+HOST_UNDER_NCCL = (
+    "--transport host stages the messages of ranks pipeweave spawns on one GPU over a gloo group; under "
+    "torchrun the group is NCCL's, one GPU per rank: drop --transport host"
+)
 ProgressFn = Callable[[int, Any], None]
 
 _VERDICTS = (Diverged, RanksDisagree)  # raised by every rank alike: rank 0's message is the cause, as is
@@ -99,6 +104,7 @@ class LaunchOptions:
     """Do not print the cause (the caller reports it)."""
     transport: str = "gloo"
     """Point-to-point messages of spawned ranks: ``gloo``, ``shm`` (``runtime.transport.shm``; collectives stay on gloo),
+    ``host`` (``runtime.transport.host``: ranks sharing a GPU, a gloo group, messages staged through host memory),
     or ``auto``: ``shm`` where ``shm.unavailable`` finds nothing against it, else gloo (NCCL on CUDA)."""
     shm_capacity: int | None = None
     """Bytes of each shared-memory ring where ``shm_rings`` is not given (default ``shm.DEFAULT_CAPACITY``)."""
@@ -152,6 +158,8 @@ def _join_torchrun(
             f"give --nnodes x --nproc-per-node = {num_ranks}",
             2,
         )
+    if options.transport == "host":
+        raise RankFailure(HOST_UNDER_NCCL, 2)
     device = _prepare_rank(rank, options)
     ours = not dist.is_initialized()  # a script may have formed it first (pipelining: rank 0 chose the split)
     if ours:
@@ -384,7 +392,7 @@ def _child(
             "127.0.0.1", port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=options.timeout_s)
         )
         dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
+            backend_for(device, options),
             store=store,
             rank=rank,
             world_size=world,
@@ -396,7 +404,7 @@ def _child(
             device=device,
             timeout=datetime.timedelta(seconds=options.timeout_s),
             sink=lambda value: results.put(("progress", rank, value)),
-            transport=shm.connect(rank, channels) if channels is not None else None,
+            transport=_transport(rank, world, channels, options),
         )
         value = fn(context, payload)
         dist.barrier()  # nothing in flight when the group is destroyed (see _join_torchrun)
@@ -408,6 +416,20 @@ def _child(
         results.put(("error", rank, (_describe(rank, exc), _is_consequence(exc), _detail(exc))))
         sys.stderr.flush()
         os._exit(1)
+
+
+def backend_for(device: torch.device, options: LaunchOptions) -> str:
+    """The process group's backend: NCCL on CUDA, gloo on the CPU and for ``--transport host`` (ranks sharing
+    a GPU, which NCCL refuses)."""
+    return "nccl" if device.type == "cuda" and options.transport != "host" else "gloo"
+
+
+def _transport(rank: int, world: int, channels: Any, options: LaunchOptions) -> Any:
+    """What carries this spawned rank's messages besides its process group: the shared-memory rings, the
+    host-staged transport, or nothing."""
+    if options.transport == "host":
+        return HostTransport(rank, world)
+    return shm.connect(rank, channels) if channels is not None else None
 
 
 def _describe(rank: int, exc: BaseException) -> str:

@@ -22,6 +22,7 @@ from pipeweave.runtime.run import prepare
 from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.stage.tensor_parallel import gather
 from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.transport.host import HostTransport
 from pipeweave.schedule.ir import Action
 
 
@@ -57,6 +58,11 @@ class RankRecord:
     or on the CPU the tensors created in it and alive at once; 0 where not measured: streams)."""
     log_failure: str | None = None
     """Why this process's ``--log-dir`` log stopped (``StepLog.failure``; None: whole, or not its writer)."""
+    cuda_allocated: list[int] = field(default_factory=list)
+    """CUDA ranks, per step: the caching allocator's peak allocated bytes in it (``transport.timing``; empty on
+    the CPU)."""
+    cuda_reserved: list[int] = field(default_factory=list)
+    """CUDA ranks, per step: the caching allocator's peak reserved bytes in it (empty on the CPU)."""
 
     def add_step(
         self,
@@ -65,11 +71,16 @@ class RankRecord:
         cpu_ns: int,
         action_cpu_ns: list[int],
         keep: bool,
+        memory: tuple[int, int] | None = None,
     ) -> None:
-        """A synchronous step's loss share, process CPU time and end; its rows (``records``) and their CPU times
-        too where ``keep`` (the first ``LoggingConfig.trace_steps`` steps): what stays is O(1) a step beyond them."""
+        """A synchronous step's loss share, process CPU time and end, and on CUDA its peak allocated and reserved
+        bytes (``memory``); its rows (``records``) and their CPU times too where ``keep`` (the first
+        ``LoggingConfig.trace_steps`` steps): what stays is O(1) a step beyond them."""
         self.losses.append(loss)
         self.step_cpu_s.append(cpu_ns * 1e-9)
+        if memory is not None:
+            self.cuda_allocated.append(memory[0])
+            self.cuda_reserved.append(memory[1])
         self.step_ends.append(row[-1][4])
         if keep:
             self.records.append(row)
@@ -120,8 +131,11 @@ class RunRecord:
 
 
 def used_transport(context: RankContext) -> str:
-    """This rank's point-to-point transport: ``shm`` (``runtime.transport.shm``) or the process group's backend."""
-    return "shm" if context.transport is not None else str(dist.get_backend())
+    """This rank's point-to-point transport: ``shm`` (``runtime.transport.shm``), ``host`` (``transport.host``) or
+    the process group's backend."""
+    if context.transport is None:
+        return str(dist.get_backend())
+    return "host" if isinstance(context.transport, HostTransport) else "shm"
 
 
 def seconds_since(timings: Sequence[tuple[Action, int, int]], offset: int) -> list[tuple[int, str, int, float, float]]:

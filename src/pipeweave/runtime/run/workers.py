@@ -33,6 +33,7 @@ from pipeweave.runtime.replicas import shard_replica
 from pipeweave.runtime.run.prepare import RunPlan, optimizer_factory
 from pipeweave.runtime.stage import build
 from pipeweave.runtime.stage.build import Stage, StageOptions
+from pipeweave.runtime.stage.compiled import BACKEND
 from pipeweave.runtime.stage.post_validation import validated_optimizer
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.transport.mesh import build_mesh
@@ -148,4 +149,5 @@ def _options(
         compress=config.memory.compress_activations is not None,
         stashing=any(a.op.is_memory and a.stage == s for a in row),
         steps_done=plan.steps_done,
+        compile=BACKEND if config.training.compile else None,
     )

@@ -8,6 +8,7 @@ the order they run::
     apply_tensor_parallel   each layer cut over the process's tp group by the model's plan
     apply_recompute         selective recomputation: the model's named submodules checkpointed
     place                   the layers on the device, the deferred weight gradients' store wired in
+    apply_compile           --compile: each layer through torch.compile, the split backward kept
     apply_memory_levers     saved tensors compressed (bfloat16) and/or kept per microbatch to move them
     apply_optimizer         the optimizer over the parameters
 
@@ -39,6 +40,7 @@ from pipeweave.errors import UserError
 from pipeweave.models.build import build_layers
 from pipeweave.models.layers import Deferrable, WeightGradStore
 from pipeweave.models.spec import ModelSpec
+from pipeweave.runtime.stage.compiled import compile_layers
 from pipeweave.runtime.stage.memory import ActivationMeter
 from pipeweave.runtime.stage.selective import checkpoint_submodules
 from pipeweave.runtime.stage.shards import Shards
@@ -70,6 +72,8 @@ class StageOptions:
     compress: bool = False
     stashing: bool = False
     steps_done: int = 0
+    compile: str | None = None
+    """The ``torch.compile`` backend the layers are compiled with (``stage.compiled``); None: eager."""
 
 
 def stage_options(
@@ -190,6 +194,12 @@ def place(stage: Stage, options: StageOptions) -> None:
     stage.meter = ActivationMeter({p.untyped_storage().data_ptr() for p in stage.module.parameters()})
 
 
+def apply_compile(stage: Stage, options: StageOptions) -> None:
+    """``--compile``: each layer through ``torch.compile``, its deferrable modules eager (``stage.compiled``)."""
+    if options.compile is not None:
+        compile_layers(stage.module.values(), backend=options.compile)
+
+
 def apply_memory_levers(stage: Stage, options: StageOptions) -> None:
     """Saved tensors compressed from F to the backward, and/or kept per microbatch where memory actions move
     them (OFFLOAD, BPipe's EVICT: ``stage.levers``)."""
@@ -208,6 +218,7 @@ STEPS: tuple[StageStep, ...] = (
     apply_tensor_parallel,
     apply_recompute,
     place,
+    apply_compile,
     apply_memory_levers,
     apply_optimizer,
 )

@@ -127,7 +127,8 @@ class StageWorker(Sealed, Metered):
             (``stage.tensor_parallel``, by the model's plan); every rank of the group runs the same
             actions on its shard.
         compress: saved tensors kept in bfloat16 from F to the backward; ``stashing``: kept per microbatch
-            (memory actions move them: ``stage.levers``); ``steps_done``: updates done before (a resumed run).
+            (memory actions move them: ``stage.levers``); ``steps_done``: updates done before (a resumed run);
+            ``compile``: the ``torch.compile`` backend of the layers (``stage.compiled``; None: eager).
 
     Raises:
         UserError: an empty or non-consecutive layer range, or batch_size < 1.
@@ -155,6 +156,7 @@ class StageWorker(Sealed, Metered):
         compress: bool = False,
         stashing: bool = False,
         steps_done: int = 0,
+        compile: str | None = None,
     ) -> None:
         options = stage_options(
             spec,
@@ -169,6 +171,7 @@ class StageWorker(Sealed, Metered):
             compress=compress,
             stashing=stashing,
             steps_done=steps_done,
+            compile=compile,
         )
         self._adopt(build_stage(options))
 
