@@ -43,7 +43,7 @@ def table() -> None:
                                    .evaluate(r.config()).tflops_per_gpu, r.tflops_per_gpu)  # type: ignore[union-attr]
                                   for r in CALIBRATION))
     print(f"calibrated on {[r.model for r in CALIBRATION]}: {fitted} (stored: {A100_CALIBRATED})\n")
-    print("| model | TP | PP | v | GPUs | B | b | use | published TFLOP/s | predicted | error | within 15 % "
+    print("| model | TP | PP | v | GPUs | B | b | use | published TFLOP/s | predicted | error | within 10 % "
           "| bubble | memory GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in TABLE_1:
@@ -52,7 +52,7 @@ def table() -> None:
         use = "calibration" if row in CALIBRATION else "prediction"
         print(f"| {row.model} | {row.tp} | {row.pp} | {row.chunks} | {row.gpus} | {row.batch} | "
               f"{row.microbatch_size} | {use} | {row.tflops_per_gpu:.0f} | {r.tflops_per_gpu:.1f} | "
-              f"{100 * error:+.1f} % | {'yes' if abs(error) <= 0.15 else 'NO'} | {r.bubble_ratio:.3f} | "
+              f"{100 * error:+.1f} % | {'yes' if abs(error) <= 0.10 else 'NO'} | {r.bubble_ratio:.3f} | "
               f"{r.memory.total / GIB:.1f} |")
 
 

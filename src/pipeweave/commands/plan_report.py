@@ -11,7 +11,7 @@ from rich.table import Table
 
 from pipeweave.planner.costs import Cluster
 from pipeweave.planner.evaluate import Result
-from pipeweave.planner.explain import explain, memory_terms
+from pipeweave.planner.explain import explain, memory_terms, time_terms
 from pipeweave.planner.memory import GIB
 from pipeweave.planner.profiled import ProfiledModel
 from pipeweave.planner.search import AUTO_CELLS, Plan
@@ -197,6 +197,7 @@ def explain_lines(plan: Plan, cluster: Cluster) -> list[str]:
     """``explain``'s comparison, #1's memory term by term, and what the prediction leaves out."""
     lines = explain(plan.best)
     if plan.best:
+        lines.append(time_terms(plan.best[0]))
         lines.append(memory_terms(plan.best[0], cluster.state))
     lines.append("not modelled for this run:")
     lines += [f"- {effect}" for effect in _not_modelled(plan, cluster)]
