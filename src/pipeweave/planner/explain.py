@@ -25,7 +25,7 @@ def time_terms(r: Result) -> str:
     outlasts the pipeline."""
     return (
         "time of #1's step (s): "
-        + ", ".join(f"{name} {value:.3f}" for name, value in r.terms.items())
+        + ", ".join(f"{name} {value:.4g}" for name, value in r.terms.items())
         + (f"; step {r.step_time:.3f}")
     )
 
