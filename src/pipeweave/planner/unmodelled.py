@@ -87,7 +87,11 @@ def _config(cluster: Cluster, config: Config) -> list[str]:
     if config.recompute != "none":
         out.append("the RNG state a recomputed forward keeps, and a replay's peak beyond one block")
     if config.pp > 1 and SCHEDULES[config.schedule].splits_backward:
-        out.append("W deferral's cost: a split backward's two smaller GEMMs run at the whole backward's efficiency")
+        out.append(
+            "W deferral's cost beyond its own GEMMs (I and W are timed as separate GEMMs, each at its size's "
+            "efficiency): a deferred W re-reads from HBM the operands a whole backward may find in L2, and "
+            "launches its kernels apart"
+        )
     if config.tp * config.pp * config.dp > cluster.gpu.gpus_per_node:
         out.append("the network's topology beyond nodes and links (rail-optimised fabrics, oversubscription)")
     return out
