@@ -11,8 +11,8 @@ when the action producing the part's last weight gradients starts (a B, or a
 split backward's W: its I produces none), its buckets going out as it produces
 them; reductions on one rank run one after another; each ``U`` waits for its
 part's reduction, then runs the optimizer step (memory-bound:
-``planner.costs.update_time``) and ZeRO's all-gather. ZeRO 3 also gathers a part's parameters before each of its F and I
-(FSDP, resharding after each use); prefetched, the gather hides behind the
+``planner.costs.update_time``) and ZeRO's all-gather. ZeRO 3 also gathers a
+part's parameters before each of its F and I (FSDP, resharding after each use); prefetched, the gather hides behind the
 action's compute and only what exceeds it counts. The step ends at the last ``U`` (steps end in a barrier: the
 gradient norm's all-reduce).
 
