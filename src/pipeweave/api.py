@@ -240,14 +240,16 @@ def best_configurations(
     progress: Callable[[int, int], None] | None = None,
     time_limit: float | None = None,
 ) -> Any:
-    """The planner's search over the configurations of ``cluster`` on ``gpus`` (``planner.search.search``, which
-    stops after ``time_limit`` seconds once something fits), each count checked first and the answer checked
-    after (``planner.diagnose.check_plan``: why nothing fits).
+    """The planner's search over the configurations of ``cluster`` on ``gpus`` that ``pipeweave train`` runs
+    (``planner.runnable``; ``planner.search.search``, which stops after ``time_limit`` seconds once something
+    fits), each count checked first and the answer checked after (``planner.diagnose.check_plan``: why nothing
+    fits).
 
     Raises:
         UserError: a count below 1, or a space with nothing that fits (the reason).
     """
     from pipeweave.planner.diagnose import check_counts, check_plan
+    from pipeweave.planner.runnable import refusal
     from pipeweave.planner.search import search as search_space
     from pipeweave.planner.space import configurations
 
@@ -256,6 +258,11 @@ def best_configurations(
             raise UserError(f"{name} {value} is invalid; give an integer >= 1")
     check_counts(cluster, gpus, global_batch, fixed)
     space = list(configurations(cluster.model, gpus, global_batch, cluster.gpu.gpus_per_node, fixed))
+    # only what train runs (planner.runnable); what was fixed to a value it refuses is still evaluated, and
+    # each row then says why train refuses it
+    space = [
+        c for c in space if refusal(c, cluster.model, sequence_parallel=cluster.sequence_parallel) is None
+    ] or space
     check_plan(space, cluster, gpus, global_batch, fixed)
     found = search_space(space, evaluator, top=top, exhaustive=exhaustive, progress=progress, time_limit=time_limit)
     check_plan(space, cluster, gpus, global_batch, fixed, found)

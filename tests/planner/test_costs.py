@@ -3,6 +3,8 @@ paper's bytes, Korthikanti et al.'s activations, and the simulator's peak."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pipeweave.planner.candidate import Config
@@ -142,7 +144,8 @@ def test_memory_uses_the_simulated_peak_and_zero_shares() -> None:
 
 
 def test_zero_3_gathers_before_each_f_and_i() -> None:
-    cluster = Cluster(model=MODELS["gpt-1.7b"], gpu=GPUS["a100-80gb"], efficiency=IDEAL)
+    one_per_node = replace(GPUS["a100-80gb"], gpus_per_node=1)  # the replicas on 32 nodes: a ring on the network
+    cluster = Cluster(model=MODELS["gpt-1.7b"], gpu=one_per_node, efficiency=IDEAL)
     ev = Evaluator(cluster=cluster, batch=512)
     base = Config(
         tp=1, pp=1, dp=32, chunks=1, microbatch_size=1, microbatches=16, schedule="1f1b", recompute="none", zero=1

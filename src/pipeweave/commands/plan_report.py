@@ -11,9 +11,10 @@ from rich.table import Table
 
 from pipeweave.planner.costs import Cluster
 from pipeweave.planner.evaluate import Result
-from pipeweave.planner.explain import explain, memory_terms
+from pipeweave.planner.explain import explain, memory_terms, time_terms
 from pipeweave.planner.memory import GIB
 from pipeweave.planner.profiled import ProfiledModel
+from pipeweave.planner.runnable import command_line, refusal, train_command
 from pipeweave.planner.search import AUTO_CELLS, Plan
 from pipeweave.planner.unmodelled import not_modelled
 
@@ -68,6 +69,7 @@ def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: 
             f"{(gpu.memory_bytes - m.total) / GIB:.1f}",
         )
     Console(width=200).print(table)
+    print_commands(plan, cluster, args, top=top)
     print(
         f"searched {plan.candidates} configurations in {plan.seconds:.1f} s: {plan.too_big} cannot fit "
         f"(memory bound), {plan.bounded} cannot enter the top {top} (time bound), {plan.refused} shapes the "
@@ -85,6 +87,14 @@ def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: 
             f"stopped at --time-limit: {plan.unsettled} configurations not simulated, none faster than "
             f"{plan.unsettled_bound:.4g} s a step (--time-limit 0 searches to the exact top)"
         )
+
+
+def print_commands(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: int) -> None:
+    """Each row's ``pipeweave train`` command, by its number (``train_run``)."""
+    print("each row's run, as pipeweave train runs it:")
+    for k, r in enumerate(plan.best[:top], 1):
+        command, refused = train_run(r, cluster, args)
+        print(f"#{k} {command}" if command else f"#{k} not run by pipeweave train: {refused}")
 
 
 def plan_json(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: int) -> dict[str, Any]:
@@ -112,9 +122,31 @@ def plan_json(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: in
             "unsettled_bound_s": plan.unsettled_bound if plan.unsettled else None,
             "top": top,
         },
-        "configurations": [r.as_dict() for r in plan.results],
+        "configurations": [_row_json(r, cluster, args) for r in plan.results],
         "not_modelled": _not_modelled(plan, cluster),
     }
+
+
+def train_run(r: Result, cluster: Cluster, args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``(command, None)``: the ``pipeweave train`` line that runs ``r``'s configuration
+    (``planner.runnable``); ``(None, reason)`` where train refuses it (a dimension fixed to such a value)."""
+    reason = refusal(r.config, cluster.model, sequence_parallel=cluster.sequence_parallel)
+    if reason is not None:
+        return None, reason
+    args_ = train_command(
+        r.config,
+        cluster.model,
+        batch=args.global_batch,
+        sequence_parallel=cluster.sequence_parallel,
+        optimizer=cluster.state.optimizer,
+    )
+    return command_line(args_), None
+
+
+def _row_json(r: Result, cluster: Cluster, args: argparse.Namespace) -> dict[str, Any]:
+    """``Result.as_dict`` with the run: ``train_command`` (null where train refuses it) and ``refused_by_train``."""
+    command, refused = train_run(r, cluster, args)
+    return {**r.as_dict(), "train_command": command, "refused_by_train": refused}
 
 
 def _model_json(model: Any) -> dict[str, Any]:
@@ -197,6 +229,7 @@ def explain_lines(plan: Plan, cluster: Cluster) -> list[str]:
     """``explain``'s comparison, #1's memory term by term, and what the prediction leaves out."""
     lines = explain(plan.best)
     if plan.best:
+        lines.append(time_terms(plan.best[0]))
         lines.append(memory_terms(plan.best[0], cluster.state))
     lines.append("not modelled for this run:")
     lines += [f"- {effect}" for effect in _not_modelled(plan, cluster)]

@@ -27,8 +27,10 @@ I; a ring on the TP group's link), and they block the computation. Recomputation
 Models", 2022) adds to I what is replayed before the backward: "selective" the
 two attention products, "full" the whole forward with its all-reduces. The
 vocabulary head (last part) is a column-parallel GEMM whose input gradient is
-all-reduced; the vocabulary-parallel embedding (first part) all-reduces its
-output in F. Pipeline messages carry the activation; with Megatron-LM's
+all-reduced, followed by the FP32 cross-entropy's memory traffic
+(``LOSS_BYTES``); the vocabulary-parallel embedding (first part) all-reduces its
+output in F. The optimizer step is memory-bound (``update_time``). Collectives
+on NVLink move at NCCL's share of its line rate (``planner.hardware.NCCL_NVLINK``). Pipeline messages carry the activation; with Megatron-LM's
 scatter/gather optimisation (Narayanan et al., SC21, section 4.1) each of the N
 ranks sends 1/N of it over the inter-node link and the receiving node
 all-gathers it over NVLink, without it each sends the whole activation (what
@@ -68,6 +70,13 @@ class BlockTimes:
     """Of ``f``, the TP all-reduces."""
     tp_i: float
     """Of ``i``, the TP all-reduces (those of a full recomputation's replayed forward too)."""
+    gemm_f: float = 0.0
+    """Of ``f``, the GEMMs (attention's products included); I runs them once more (2.5 times attention's with
+    FlashAttention), W the weighted ones once more."""
+    elementwise_f: float = 0.0
+    """Of ``f``, the element-wise kernels; I runs twice their traffic."""
+    replay: float = 0.0
+    """Of ``i``, the forward a recomputation replays."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,15 +163,46 @@ def block_times(cluster: Cluster, *, tp: int, microbatch_size: int, recompute: s
         w=weighted,
         tp_f=collective,
         tp_i=tp_i,
+        gemm_f=forward,
+        elementwise_f=elementwise,
+        replay=replay,
     )
+
+
+LOSS_BYTES = (38.0, 22.0)
+"""HBM bytes per logit of the vocabulary-parallel cross-entropy, forward and backward, as Megatron-LM computes
+it in FP32 with one kernel per step: forward, the BF16 logits cast to FP32 (read 2, write 4), their maximum
+(read 4), the maximum subtracted (read and write 4 each), exponentiated (the same), summed (read 4) and
+normalised into the softmax kept for the backward (read and write 4): 38; backward, the one-hot target
+subtracted from the softmax (read and write 4), scaled by the loss's gradient (the same), cast back to BF16
+(read 4, write 2): 22. Its three all-reduces over TP (the maximum, the sum, the target's logit) carry b x s
+numbers each: left out."""
 
 
 @functools.lru_cache(maxsize=4096)
 def head_times(cluster: Cluster, *, tp: int, microbatch_size: int) -> tuple[float, float, float]:
-    """``(f, i, w)`` of the vocabulary head: one GEMM each, I's input gradient all-reduced over TP."""
-    gemm = head_gemm(transformer(cluster), microbatch_size=microbatch_size, tp=tp)
+    """``(f, i, w)`` of the vocabulary head and the loss on the last stage: the head's GEMM in each, the
+    cross-entropy's memory traffic (``LOSS_BYTES`` per logit, ``b s V / N`` logits a TP rank) in F and I, and
+    I's input gradient all-reduced over TP."""
+    model = transformer(cluster)
+    gemm = head_gemm(model, microbatch_size=microbatch_size, tp=tp)
     t = cluster.efficiency.seconds(gemm, cluster.gpu.peak_flops)
-    return t, t + tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size), tp), t
+    loss_f, loss_i = (b * gemm.m * gemm.n / cluster.gpu.memory_bandwidth for b in LOSS_BYTES)
+    return t + loss_f, t + loss_i + tp_all_reduce(cluster, activation_bytes(model, microbatch_size), tp), t
+
+
+def update_time(cluster: Cluster, parameters: float, *, zero: int, dp: int) -> float:
+    """Seconds of the optimizer step over ``parameters`` (one TP rank's of a part), memory-bound at the GPU's
+    HBM bandwidth (``planner.memory.StateBytes.update_bytes``).
+
+    Example:
+        >>> from pipeweave.planner.hardware import GPUS
+        >>> from pipeweave.planner.transformer import MODELS
+        >>> c = Cluster(model=MODELS["gpt-1.7b"], gpu=GPUS["a100-80gb"], efficiency=Efficiency(eta_max=1, n_half=0))
+        >>> round(update_time(c, 1e9, zero=0, dp=8) * 1e3, 1)  # 42 bytes a parameter at 2.039 TB/s
+        20.6
+    """
+    return parameters * cluster.state.update_bytes(zero, dp) / cluster.gpu.memory_bandwidth
 
 
 def part_times(

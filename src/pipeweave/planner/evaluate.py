@@ -4,13 +4,15 @@ tail, throughput and memory.
 The schedule is simulated (``sim.timeline.simulate``) with per-part F, I, W from
 ``planner.costs`` and one hop time for every pipeline message (the slowest: inter-node
 as soon as a pipeline spans two nodes). The data-parallel reduction of each part
-then follows ``sim.parallel``'s model, from the timeline: it starts when the
-part's last weight gradient ends (``overlap=False``; Megatron-LM's "local" DDP)
-or, with DDP's bucketed overlap, when the part's last backward starts, its
-buckets going out as the backward produces them; reductions on one rank run one
-after another; each ``U`` waits for its part's reduction and adds ZeRO's
-all-gather. ZeRO 3 also gathers a part's parameters before each of its F and I
-(FSDP, resharding after each use); prefetched, the gather hides behind the
+then follows ``sim.parallel``'s model (hierarchical across nodes), from the
+timeline: it starts when the part's last weight gradient ends
+(``overlap=False``; Megatron-LM's "local" DDP) or, with DDP's bucketed overlap,
+when the action producing the part's last weight gradients starts (a B, or a
+split backward's W: its I produces none), its buckets going out as it produces
+them; reductions on one rank run one after another; each ``U`` waits for its
+part's reduction, then runs the optimizer step (memory-bound:
+``planner.costs.update_time``) and ZeRO's all-gather. ZeRO 3 also gathers a
+part's parameters before each of its F and I (FSDP, resharding after each use); prefetched, the gather hides behind the
 action's compute and only what exceeds it counts. The step ends at the last ``U`` (steps end in a barrier: the
 gradient norm's all-reduce).
 
@@ -27,9 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeweave.planner.candidate import Config
-from pipeweave.planner.costs import Cluster, block_times, hop_time, part_times, transformer
+from pipeweave.planner.costs import Cluster, block_times, head_times, hop_time, part_times, transformer, update_time
 from pipeweave.planner.flops import step_flops
-from pipeweave.planner.memory import GPUMemory, block_activation_bytes, gpu_memory
+from pipeweave.planner.memory import PARAM_BYTES, GPUMemory, block_activation_bytes, gpu_memory
 from pipeweave.planner.pipeline import Pipeline, Summary, Times, auto_options
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.parallel import Layout, gather_time, reduction_time
@@ -52,7 +54,9 @@ class Result:
     tp_comm: float
     """Seconds the busiest rank spends in TP all-reduces."""
     dp_exposed: float
-    """Seconds the DP reduction and ZeRO's all-gather add past the pipeline's end."""
+    """Seconds the DP reduction, the optimizer step and ZeRO's all-gather add past the pipeline's end."""
+    terms: dict[str, float] = field(default_factory=dict)
+    """The step's time term by term, in seconds (``Evaluator.terms``): what ``plan --explain`` prints."""
 
     def as_dict(self) -> dict[str, object]:
         """The configuration and its figures; those of a configuration not simulated (it does not fit) null."""
@@ -67,6 +71,7 @@ class Result:
             "dp_exposed_s": self.dp_exposed,
         }
         out.update({k: v if math.isfinite(self.step_time) else None for k, v in timed.items()})
+        out["terms_s"] = dict(self.terms) if math.isfinite(self.step_time) else None
         out.update(memory_gib=round(self.memory.total / 2**30, 3), fits=self.fits, memory=self.memory.as_dict())
         return out
 
@@ -198,6 +203,7 @@ class Evaluator:
         step = max(summary.makespan, self.dp_tail(config, layout, summary))
         gpus, peak = config.gpus, self.cluster.gpu.peak_flops
         tp = self.tp_comm(config)
+        terms = self.terms(config, layout, summary, step)
         return Result(
             config=config,
             step_time=step,
@@ -209,7 +215,28 @@ class Evaluator:
             compute=summary.busy - tp,
             tp_comm=tp,
             dp_exposed=step - summary.makespan,
+            terms=terms,
         )
+
+    def work_terms(self, config: Config) -> dict[str, float]:
+        """``terms``' work of the rank holding the head: its blocks' GEMMs, element-wise kernels, TP collectives
+        and replayed forwards, and the head and the loss (``planner.costs``)."""
+        model = transformer(self.cluster)
+        block = block_times(
+            self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, recompute=config.recompute
+        )
+        blocks = config.microbatches * model.layers / config.pp
+        attention = block.gemm_f - block.w
+        gemm = block.gemm_f + 2 * block.w + (2.5 if model.flash else 2.0) * attention
+        replay = block.replay - (block.tp_f if config.recompute == "full" else 0.0)
+        head = head_times(self.cluster, tp=config.tp, microbatch_size=config.microbatch_size)
+        return {
+            "GEMMs": blocks * gemm,
+            "element-wise kernels": blocks * 3 * block.elementwise_f,
+            "TP collectives": blocks * (block.tp_f + block.tp_i),
+            "recomputation": blocks * replay,
+            "head and loss": config.microbatches * sum(head),
+        }
 
     def tp_comm(self, config: Config) -> float:
         """Seconds one rank spends in TP all-reduces per step: T microbatches of its L / D blocks."""
@@ -218,18 +245,51 @@ class Evaluator:
         )
         return config.microbatches * transformer(self.cluster).layers / config.pp * (block.tp_f + block.tp_i)
 
+    def update(self, config: Config, param_bytes: float) -> float:
+        """Seconds of the optimizer step of a part whose TP rank holds ``param_bytes`` of BF16 weights."""
+        return update_time(self.cluster, param_bytes / PARAM_BYTES, zero=config.zero, dp=config.dp)
+
     def dp_tail(self, config: Config, layout: Layout, summary: Summary) -> float:
-        """When the last ``U`` ends, its part's DP reduction and ZeRO all-gather done (module docstring)."""
+        """When the last ``U`` ends: its part's DP reduction, optimizer step and ZeRO all-gather done (module
+        docstring)."""
         params = self.param_bytes(config, summary.num_parts)
+        starts = summary.last_grad_start if self.overlap else summary.last_grad_end
         end = 0.0
         for rank_parts in summary.update_order:
             stream = free = 0.0
             for part in rank_parts:
                 holders = summary.holders[part]
                 reduce = reduction_time(layout, params[part], num_ranks=config.pp, holders=holders)
-                start = summary.last_backward_start[part] if self.overlap else summary.last_grad_end[part]
-                stream = max(stream, start) + reduce
+                stream = max(stream, starts[part]) + reduce
                 done = max(stream, summary.last_grad_end[part])
-                free = max(free, done) + gather_time(layout, params[part], num_ranks=config.pp, holders=holders)
+                gather = gather_time(layout, params[part], num_ranks=config.pp, holders=holders)
+                free = max(free, done) + self.update(config, params[part]) + gather
             end = max(end, free)
         return end
+
+    def terms(self, config: Config, layout: Layout, summary: Summary, step: float) -> dict[str, float]:
+        """The step term by term, in seconds, on the pipeline rank that holds the head (its T microbatches of L /
+        D blocks and the head): GEMMs, element-wise kernels, TP collectives, recomputation's replay, the head
+        and the loss, then the rest of the pipeline's span (bubble, waits, messages), and the per-step work of
+        the busiest rank: its DP reductions (overlapped with the backward where the schedule and DDP allow),
+        optimizer steps and ZeRO all-gathers, and what of them the step waits for past the pipeline's end."""
+        out = self.work_terms(config)
+        out["pipeline bubble, waits and messages"] = max(0.0, summary.makespan - sum(out.values()))
+        params = self.param_bytes(config, summary.num_parts)
+        busiest = {"DP reduction": 0.0, "optimizer step": 0.0, "ZeRO all-gather": 0.0}
+        for rank_parts in summary.update_order:
+            per = {
+                "DP reduction": sum(
+                    reduction_time(layout, params[k], num_ranks=config.pp, holders=summary.holders[k])
+                    for k in rank_parts
+                ),
+                "optimizer step": sum(self.update(config, params[k]) for k in rank_parts),
+                "ZeRO all-gather": sum(
+                    gather_time(layout, params[k], num_ranks=config.pp, holders=summary.holders[k]) for k in rank_parts
+                ),
+            }
+            if sum(per.values()) > sum(busiest.values()):
+                busiest = per
+        out.update(busiest)
+        out["of which past the pipeline's end"] = step - summary.makespan
+        return out

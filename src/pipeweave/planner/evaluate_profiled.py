@@ -75,6 +75,12 @@ class ProfiledEvaluator(Evaluator):
             schedule, params, layout, acts, state=self.cluster.state, message=message, zero2=config.zero == 2
         )
 
+    def work_terms(self, config: Config) -> dict[str, float]:
+        """One term: the profiled F, I and W of the rank holding the last part (``part_times``)."""
+        f, i, w = self.part_times(config, self.num_parts(config))
+        last = [k for k in range(len(f)) if k % config.pp == (len(f) - 1) % config.pp]
+        return {"profiled F, I and W": config.microbatches * sum(f[k] + i[k] + w[k] for k in last)}
+
     def tp_comm(self, config: Config) -> float:
         return 0.0
 

@@ -19,6 +19,17 @@ def parts(r: Result) -> dict[str, float]:
     }
 
 
+def time_terms(r: Result) -> str:
+    """#1's step, term by term (``Evaluator.terms``): the work of the rank holding the head, the rest of the
+    pipeline's span, and the busiest rank's DP reductions, optimizer steps and ZeRO all-gathers with what of them
+    outlasts the pipeline."""
+    return (
+        "time of #1's step (s): "
+        + ", ".join(f"{name} {value:.4g}" for name, value in r.terms.items())
+        + (f"; step {r.step_time:.3f}")
+    )
+
+
 def memory_terms(r: Result, state: StateBytes) -> str:
     """The fullest GPU's memory, term by term (``planner.memory``)."""
     m = r.memory

@@ -47,6 +47,11 @@ from pipeweave.sim.network import Link, Network
 GB = 1e9
 GIB = 2.0**30
 MIB = 2.0**20
+NCCL_NVLINK = 370 / 450
+"""The share of NVLink's line rate NCCL's collectives move: about 20 % goes to its protocol (NCCL's maintainer,
+NVIDIA/nccl-tests issue 212, 2024: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an
+effective NVLink bandwidth of 370GB/s"). ``GPU.network`` applies it to every intra-node link (the datasheets
+give line rates); the network cards' rate is taken as it is."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +70,7 @@ class GPU:
     memory_bytes: float
     """Device memory in bytes."""
     intra_node: float
-    """NVLink bytes per second, per GPU and direction."""
+    """NVLink bytes per second, per GPU and direction: the line rate (``network`` takes ``NCCL_NVLINK`` of it)."""
     inter_node: float
     """InfiniBand bytes per second, per GPU and direction."""
     memory_bandwidth: float = 2.039e12
@@ -85,7 +90,7 @@ class GPU:
     def network(self) -> Network:
         """The cluster's links, for ``sim.parallel.Layout``."""
         return Network(
-            intra_node=Link(bandwidth=self.intra_node, latency=self.latency),
+            intra_node=Link(bandwidth=self.intra_node * NCCL_NVLINK, latency=self.latency),
             inter_node=Link(bandwidth=self.inter_node, latency=self.latency),
             gpus_per_node=self.gpus_per_node,
         )

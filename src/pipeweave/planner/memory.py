@@ -116,6 +116,24 @@ class StateBytes:
             + (MASTER_BYTES + self.moment_bytes) * (shard if zero >= 1 else 1.0)
         )
 
+    def update_bytes(self, zero: int, dp: int) -> float:
+        """HBM bytes the optimizer step moves per parameter of the part a GPU holds (its time:
+        ``planner.costs.update_time``), its kernels memory-bound: the gradient norm for clipping reads the
+        gradients; the optimizer reads the FP32 master weights, the gradients and its state and writes the
+        master weights and the state; the BF16 weights are written from the master weights (read 4, write 2);
+        the gradient buffer is zeroed for the next step. On the shard a ZeRO stage leaves the GPU: ZeRO 1 and up
+        update 1/dp of the parameters (the gradient buffer, whole below ZeRO 2, is zeroed whole).
+
+        Example:
+            >>> StateBytes().update_bytes(0, 1)  # 4 + (4 + 4 + 8) + (4 + 8) + (4 + 2) + 4
+            42.0
+        """
+        shard = 1.0 / dp if zero >= 1 else 1.0
+        grads = self.grad_bytes
+        step = grads + (MASTER_BYTES + grads + self.moment_bytes) + (MASTER_BYTES + self.moment_bytes)
+        copy = MASTER_BYTES + PARAM_BYTES
+        return (step + copy) * shard + grads * (shard if zero >= 2 else 1.0)
+
 
 @dataclass(frozen=True)
 class GPUMemory:

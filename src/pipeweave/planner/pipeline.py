@@ -50,6 +50,9 @@ class Summary:
     """Per rank, the parts of its ``U`` actions in order."""
     holders: tuple[tuple[int, ...], ...]
     """Per part, the pipeline ranks holding it (``sim.parallel.part_holders``)."""
+    last_grad_start: tuple[float, ...] = ()
+    """Per part, the start of its last weight gradient (W or B): where its gradients begin to be final, so where
+    a reduction overlapped with the backward can begin (a split backward's I produces none)."""
 
 
 def summarise(timeline: Timeline, costs: Times) -> Summary:
@@ -58,7 +61,7 @@ def summarise(timeline: Timeline, costs: Times) -> Summary:
     schedule = timeline.schedule
     part_of, parts = schedule.placement.stage_part, schedule.num_parts
     f, i, w, _ = costs
-    grad_end, bwd_start = [0.0] * parts, [0.0] * parts
+    grad_end, bwd_start, grad_start = [0.0] * parts, [0.0] * parts, [0.0] * parts
     order: list[tuple[int, ...]] = []
     busy = [0.0] * schedule.num_ranks
     for stage, rank in enumerate(schedule.placement.stage_rank):
@@ -73,6 +76,7 @@ def summarise(timeline: Timeline, costs: Times) -> Summary:
                 continue
             if stage in need_grad and (op is Op.W or op is Op.B):
                 grad_end[part] = max(grad_end[part], end)
+                grad_start[part] = max(grad_start[part], start)
                 need_grad.discard(stage)
             if stage in need_bwd and (op is Op.I or op is Op.B):
                 bwd_start[part] = max(bwd_start[part], start)
@@ -85,7 +89,15 @@ def summarise(timeline: Timeline, costs: Times) -> Summary:
     makespan = max(row[-1].end for row in rows) - min(row[0].start for row in rows)
     ratio = 1.0 - sum(busy) / (len(timeline.events) * max(spans)) if max(spans) > 0 else 0.0
     return Summary(
-        makespan, ratio, max(busy), parts, tuple(grad_end), tuple(bwd_start), tuple(order), part_holders(schedule)
+        makespan,
+        ratio,
+        max(busy),
+        parts,
+        tuple(grad_end),
+        tuple(bwd_start),
+        tuple(order),
+        part_holders(schedule),
+        tuple(grad_start),
     )
 
 

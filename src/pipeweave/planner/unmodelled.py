@@ -32,7 +32,6 @@ def not_modelled(cluster: Cluster, config: Config | None) -> list[str]:
         True
     """
     out = [
-        "the optimizer step's time (its memory is counted)",
         "kernel launches and the framework's time between actions, beyond what the GEMM efficiency fitted on "
         "Megatron-LM's Table 1 holds",
         "the data loader, stragglers, clock throttling and step-to-step variance",
@@ -78,8 +77,8 @@ def _config(cluster: Cluster, config: Config) -> list[str]:
         out.append("overlap of the TP collectives with the GEMMs (they are counted as blocking)")
     if config.dp > 1:
         out.append(
-            "the DP reduction as a hierarchical collective (intra- then inter-node): it is one ring on the "
-            "slowest link, with no contention with pipeline traffic"
+            "contention of the DP reduction with pipeline and TP traffic on the links, and NCCL's trees (its "
+            "collectives are rings, hierarchical across nodes)"
         )
     if config.zero == 2:
         out.append("ZeRO 2 is accounted for, but pipeweave train does not run it")
@@ -88,7 +87,11 @@ def _config(cluster: Cluster, config: Config) -> list[str]:
     if config.recompute != "none":
         out.append("the RNG state a recomputed forward keeps, and a replay's peak beyond one block")
     if config.pp > 1 and SCHEDULES[config.schedule].splits_backward:
-        out.append("W deferral's cost: a split backward's two smaller GEMMs run at the whole backward's efficiency")
+        out.append(
+            "W deferral's cost beyond its own GEMMs (I and W are timed as separate GEMMs, each at its size's "
+            "efficiency): a deferred W re-reads from HBM the operands a whole backward may find in L2, and "
+            "launches its kernels apart"
+        )
     if config.tp * config.pp * config.dp > cluster.gpu.gpus_per_node:
         out.append("the network's topology beyond nodes and links (rail-optimised fabrics, oversubscription)")
     return out

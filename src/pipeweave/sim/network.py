@@ -89,6 +89,43 @@ def all_gather_time(nbytes: float, n: int, link: Link) -> float:
     return reduce_scatter_time(nbytes, n, link)
 
 
+def hierarchical_time(kind: str, nbytes: float, per_node: int, nodes: int, network: Network) -> float:
+    """A collective over ``per_node`` x ``nodes`` ranks, ``per_node`` of them on each node, done as NCCL and
+    Megatron-LM's hierarchical reductions do it: inside each node over NVLink, then between nodes on the
+    ``1 / per_node`` share each rank holds, every rank of a node on its own network card at once.
+
+    - ``all_reduce``: a reduce-scatter inside the node, an all-reduce of the share between the nodes, an
+      all-gather inside the node;
+    - ``reduce_scatter``: inside the node, then of the share between the nodes;
+    - ``all_gather``: of the share between the nodes, then inside the node.
+
+    With one rank per node it is the flat ring on the network; on one node, the ring on NVLink.
+
+    Example:
+        >>> net = Network(intra_node=Link(bandwidth=8.0), inter_node=Link(bandwidth=1.0), gpus_per_node=4)
+        >>> hierarchical_time("all_reduce", 16.0, 4, 2, net)  # 2 x 3/4 x 16/8 + 2 x 1/2 x 4/1
+        7.0
+        >>> hierarchical_time("all_reduce", 16.0, 1, 2, net) == all_reduce_time(16.0, 2, net.inter_node)
+        True
+    """
+    if kind not in HIERARCHICAL:
+        raise ValueError(f"collective {kind!r} is unknown; one of {', '.join(HIERARCHICAL)}")
+    inside, between = (
+        _ring_time(n, k, link, passes=1)
+        for n, k, link in (
+            (nbytes, per_node, network.intra_node),
+            (nbytes / per_node, nodes, network.inter_node),
+        )
+    )
+    if kind == "all_reduce":
+        return 2 * inside + 2 * between
+    return inside + between
+
+
+HIERARCHICAL = ("all_reduce", "reduce_scatter", "all_gather")
+"""The collectives ``hierarchical_time`` costs."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Network:
     """The links of a cluster of nodes.

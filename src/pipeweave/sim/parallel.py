@@ -20,7 +20,11 @@ The model follows what pipeweave's runtime does on a (dp, pp, tp) mesh
   launched when the part's last weight gradient of the step ends; it runs
   beside the rank's remaining backward work and the part's ``U`` waits for it
   (``schedule.dataflow.execute``'s ``update_delay``), so only what sticks out
-  past the backward costs time. Where one pipeline holds a part twice
+  past the backward costs time. A group with several ranks on each of
+  several nodes reduces hierarchically, inside the nodes then between them on
+  each rank's share (``sim.network.hierarchical_time``, as NCCL does), so the
+  network carries 1/k of the bytes per rank for k ranks a node; the ring's
+  2(n - 1) latencies make it grow with the replicas. Where one pipeline holds a part twice
   (Chimera, GEMS) both copies join the same collective, over 2P ranks;
 - **ZeRO** (Rajbhandari et al., SC20): stage 1 shards the optimizer state over
   the P replicas and all-gathers the updated parameters after ``U``; stage 3
@@ -58,6 +62,7 @@ from pipeweave.sim.network import (
     Network,
     all_gather_time,
     all_reduce_time,
+    hierarchical_time,
     reduce_scatter_time,
 )
 from pipeweave.sim.timeline import Timeline, simulate, simulate_parts
@@ -208,6 +213,10 @@ def reduction_time(layout: Layout, grad_bytes: float, *, num_ranks: int, holders
     n, link = _reduction_group(layout, num_ranks, holders)
     if link is None or n == 1 or grad_bytes == 0:
         return 0.0
+    split = _node_split(layout, num_ranks, holders)
+    if split is not None:
+        kind = "all_reduce" if layout.zero == 0 else "reduce_scatter"
+        return sum(_hierarchical(kind, size, split, layout) for size in _buckets(grad_bytes, layout.bucket_bytes))
     collective = all_reduce_time if layout.zero == 0 else reduce_scatter_time
     return sum(collective(size, n, link) for size in _buckets(grad_bytes, layout.bucket_bytes))
 
@@ -217,7 +226,40 @@ def gather_time(layout: Layout, param_bytes: float, *, num_ranks: int, holders: 
     n, link = _reduction_group(layout, num_ranks, holders)
     if link is None or layout.zero == 0 or n == 1:
         return 0.0
+    split = _node_split(layout, num_ranks, holders)
+    if split is not None:
+        return sum(
+            _hierarchical("all_gather", size, split, layout) for size in _buckets(param_bytes, layout.bucket_bytes)
+        )
     return sum(all_gather_time(size, n, link) for size in _buckets(param_bytes, layout.bucket_bytes))
+
+
+def _hierarchical(kind: str, nbytes: float, split: tuple[int, int], layout: Layout) -> float:
+    assert layout.network is not None
+    return hierarchical_time(kind, nbytes, *split, layout.network)
+
+
+@functools.lru_cache(maxsize=4096)
+def _node_split(layout: Layout, num_ranks: int, holders: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(ranks per node, nodes)`` of a data-parallel group that has several ranks on each of several nodes
+    (then reduced hierarchically: ``sim.network.hierarchical_time``), None otherwise (a flat ring: the group
+    on one node, one rank per node, a part held twice in a pipeline, or groups that straddle nodes unevenly).
+
+    Example:
+        >>> from pipeweave.sim.network import Link, Network
+        >>> net = Network(intra_node=Link(bandwidth=1.0), inter_node=Link(bandwidth=1.0), gpus_per_node=8)
+        >>> _node_split(Layout(tp=2, dp=16, network=net), 1, ()), _node_split(Layout(tp=8, dp=16, network=net), 1, ())
+        ((4, 4), None)
+    """
+    if layout.network is None or len(holders) > 1:
+        return None
+    stride, per_node = num_ranks * layout.tp, layout.network.gpus_per_node  # a group's ranks are stride apart
+    if stride >= per_node or per_node % stride:
+        return None
+    share = per_node // stride
+    if layout.dp <= share or layout.dp % share:
+        return None
+    return share, layout.dp // share
 
 
 @functools.lru_cache(maxsize=4096)
