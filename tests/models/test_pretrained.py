@@ -96,7 +96,10 @@ def test_sharded_weights_are_read_through_the_index(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved-1f1b"])
+@pytest.mark.parametrize(
+    "schedule",
+    ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow), pytest.param("interleaved-1f1b", marks=pytest.mark.slow)],
+)
 def test_trains_from_its_weights_as_transformers_own_model_in_a_plain_loop(
     saved: Path, schedule: str, tmp_path: Path
 ) -> None:
