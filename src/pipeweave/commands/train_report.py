@@ -61,6 +61,7 @@ def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate |
         "first_step": record.first_step,
         "losses": record.losses,
         "skipped_steps": record.skipped_steps,
+        **_loss_scaling(record),
         "config": dump_toml(config),  # the run's TOML: pipeweave train --config train.json reruns it
         "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
         "lr_schedule": config.training.lr_schedule,
@@ -227,6 +228,13 @@ def _summary_table(report: dict[str, Any]) -> Table:
     return table
 
 
+def _loss_scaling(record: RunRecord) -> dict[str, Any]:
+    """``--precision fp16``: each step's loss scale and the steps whose gradients overflowed (``runtime.loss_scale``)."""
+    if record.config.training.precision != "fp16" or not record.ranks:
+        return {}
+    return {"loss_scales": list(record.ranks[0].loss_scales), "overflow_steps": record.overflow_steps}
+
+
 def _print_notes(console: Console, report: dict[str, Any]) -> None:
     """What else the user should know: time spent between streams, skipped updates, where a resumed run began."""
     if report.get("streams", 1) > 1:
@@ -240,6 +248,12 @@ def _print_notes(console: Console, report: dict[str, Any]) -> None:
         console.print(
             f"skipped the update of {len(skipped)} of {report['steps']} steps (loss or gradient norm not "
             f"finite; --on-nonfinite skip): step {steps} of this run"
+        )
+    overflowed = report.get("overflow_steps")
+    if overflowed:
+        console.print(
+            f"fp16: the gradients of {len(overflowed)} of {report['steps']} steps overflowed, their update skipped "
+            f"and the loss scale lowered (now {report['loss_scales'][-1]:g} at the last step)"
         )
     traced = report.get("traced_steps", report["steps"])
     if traced < report["steps"]:
