@@ -21,12 +21,13 @@ from config_defaults import train_config
 from pipeweave.config import TrainConfig
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
-from pipeweave.runtime.loss_scale import LossScale
+from pipeweave.runtime.loss_scale import LossScale, check_row
 from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import optimizer_factory
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.schedule import SCHEDULES
+from pipeweave.schedule.ir import Action, Op
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_distributed import _config as distributed_config  # noqa: E402
@@ -201,3 +202,11 @@ def test_loss_scale_follows_grad_scaler() -> None:
 def test_fp16_refusals_are_one_line(fields: dict[str, object], said: str) -> None:
     with pytest.raises(UserError, match=said.replace("(", r"\(").replace(")", r"\)")):
         train_config(**{"precision": "fp16", "num_stages": 2, **fields})
+
+
+def test_a_written_schedule_with_a_backward_after_its_first_update_is_refused() -> None:
+    """The overflow check at a rank's first U must see every gradient of the step: a later W is one line."""
+    row = [Action(0, Op.F, 0), Action(0, Op.I, 0), Action(0, Op.U, 0), Action(0, Op.W, 0)]
+    check_row(row[:2] + row[3:] + row[2:3], 0)  # U last: fine
+    with pytest.raises(UserError, match=r"rank 0: --precision fp16 checks every gradient .* and 0W0 comes after it"):
+        check_row(row, 0)

@@ -280,6 +280,11 @@ class Executor:
         self.step_loss = None if self.agreement is None else self.agreement.total()
         return loss, records
 
+    @property
+    def overflowed(self) -> bool:
+        """Whether the last step's fp16 gradients overflowed on some rank, its updates skipped (``loss_scale``)."""
+        return self.scaling is not None and bool(self.scaling.overflowed[-1:] == [True])
+
     def _run_or_explain(self, i: int, a: Action) -> None:
         """Run action ``i`` of the row; a receive that fails (its peer timed out or died) is this rank stuck there."""
         if not a.op.is_recv:

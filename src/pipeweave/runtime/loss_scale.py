@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeweave.errors import UserError
 from pipeweave.runtime.clip import applied_gradients
 from pipeweave.runtime.fsdp import FullyShardedPart
 from pipeweave.runtime.stage.worker import StageWorker
@@ -116,11 +117,16 @@ class LossScale:
 
 
 def check_row(row: Sequence[Action], rank: int) -> None:
-    """Refuse a row with a backward after its first ``U``: the overflow check there must cover every gradient."""
+    """Refuse a row with a backward after its first ``U`` (a written schedule's): the overflow check there must
+    cover every gradient of the step.
+
+    Raises:
+        UserError: one line naming the rank and the two actions.
+    """
     updates = [i for i, a in enumerate(row) if a.op is Op.U]
     late = [a for a in row[updates[0] :] if a.op in (Op.B, Op.I, Op.W)] if updates else []
     if late:
-        raise RuntimeError(
+        raise UserError(
             f"rank {rank}: --precision fp16 checks every gradient of the step at the rank's first U, "
             f"and {late[0]} comes after it ({row[updates[0]]}); use a schedule whose U follow every backward"
         )

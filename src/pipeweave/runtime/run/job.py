@@ -124,11 +124,6 @@ def executor_of(
     return executor, link
 
 
-def _overflowed(scaling: LossScaling | None) -> bool:
-    """Whether the step just done overflowed in fp16, its update skipped by the loss scaling."""
-    return scaling is not None and scaling.overflowed[-1]
-
-
 def _scaled(scaling: LossScaling | None) -> tuple[list[int], list[float]]:
     """fp16's record: the steps that overflowed and each step's loss scale (nothing without loss scaling)."""
     if scaling is None:
@@ -203,7 +198,7 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         log.after_step(step, loss, row)
         if context.reporting:  # a tensor-parallel group's processes run alike: one reports
             context.progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
-        divergence.after_step(step, executor.step_loss, _overflowed(scaling))  # stops every rank, or counts a skip
+        divergence.after_step(step, executor.step_loss, executor.overflowed)  # stops every rank, or counts a skip
         milestones.reached(step + 1)
     log.close()
     mine.log_failure = log.failure
