@@ -18,13 +18,14 @@ import pytest
 import torch
 from config_defaults import train_config
 
+from pipeweave.commands.train_report import build_report
 from pipeweave.config import TrainConfig
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.loss_scale import LossScale, check_row
 from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.prepare import optimizer_factory
+from pipeweave.runtime.run.prepare import build_schedule, optimizer_factory
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.schedule import SCHEDULES
 from pipeweave.schedule.ir import Action, Op
@@ -145,6 +146,8 @@ def test_the_overflowing_step_moves_no_weight(runs: dict[str, tuple[TrainConfig,
     (record,) = launch(_run_all, [config.replace(steps=1)], 2, LaunchOptions(timeout_s=60))
     initial = run_plain(config.model, steps=0, batch_size=config.batch_size, num_microbatches=4).parameters
     assert record.overflow_steps == [0]
+    report = build_report(build_schedule(config), record)  # the JSON record says it
+    assert report["overflow_steps"] == [0] and report["loss_scales"] == [2.0**40]
     for rank_record in record.ranks:
         for params in rank_record.parameters.values():
             for name, value in params.items():

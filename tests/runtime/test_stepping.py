@@ -59,18 +59,6 @@ CONFIGS = {
         lr_warmup=2,
         lr_schedule="cosine",
     ),
-    "mlp-1f1b-fp16-clip": TrainConfig(  # step 0 overflows at 2**40: skipped, not a divergence (post-validation)
-        schedule="1f1b",
-        num_stages=2,
-        num_microbatches=4,
-        steps=STEPS,
-        batch_size=7,
-        model=ModelSpec(kind="mlp", layers=4, hidden=8),
-        precision="fp16",
-        loss_scale=2.0**40,
-        loss_scale_backoff=2.0**-30,
-        clip_grad_norm=1.0,
-    ),
     "gpt-tp2": TrainConfig(
         schedule="1f1b",
         num_stages=1,
@@ -90,6 +78,11 @@ CONFIGS = {
         model=ModelSpec(kind="mlp", layers=2, hidden=8),
     ),
 }
+
+# fp16, step 0 overflowing at 2**40: skipped, not a divergence (under post-validation's 'skipped' outcome too)
+CONFIGS["mlp-1f1b-fp16-clip"] = CONFIGS["mlp-1f1b-adamw"].replace(
+    precision="fp16", loss_scale=2.0**40, loss_scale_backoff=2.0**-30, clip_grad_norm=1.0
+)
 
 
 def _trained(context: RankContext, configs: list[TrainConfig]) -> list[object]:

@@ -195,7 +195,7 @@ def _summary_table(report: dict[str, Any]) -> Table:
     table = Table(
         title=f"{report['schedule']}  D={report['stages']}{grid}  T={report['microbatches']}  "
         f"{model}  {report['steps']} steps  ({report['transport']}"
-        f"{', bf16 autocast' if report.get('precision') == 'bf16' else ''})",
+        f"{_autocast.get(report.get('precision', ''), '')})",
         show_header=True,
     )
     table.add_column("measure")
@@ -228,6 +228,10 @@ def _summary_table(report: dict[str, Any]) -> Table:
     return table
 
 
+_autocast = {"bf16": ", bf16 autocast", "fp16": ", fp16 autocast, loss scaled"}
+"""What the summary's title says of a run's precision."""
+
+
 def _loss_scaling(record: RunRecord) -> dict[str, Any]:
     """``--precision fp16``: each step's loss scale and the steps whose gradients overflowed (``runtime.loss_scale``)."""
     if record.config.training.precision != "fp16" or not record.ranks:
@@ -253,7 +257,7 @@ def _print_notes(console: Console, report: dict[str, Any]) -> None:
     if overflowed:
         console.print(
             f"fp16: the gradients of {len(overflowed)} of {report['steps']} steps overflowed, their update skipped "
-            f"and the loss scale lowered (now {report['loss_scales'][-1]:g} at the last step)"
+            f"and the loss scale lowered; the last step's scale: {report['loss_scales'][-1]:g}"
         )
     traced = report.get("traced_steps", report["steps"])
     if traced < report["steps"]:
