@@ -35,6 +35,7 @@ RUNTIME_LAYERS: dict[str, int] = {
     "zero": 3,
     "fsdp": 3,
     "clip": 3,
+    "loss_scale": 3,
     "run": 4,
     "report": 5,
 }

@@ -230,8 +230,13 @@ def test_an_asynchronous_run_evaluates_saves_and_resumes_between_its_streams(tmp
             "--save-every 3 is not a multiple of avgpipe's P=2 pipelines (each stream between two drains is whole "
             "rounds); give --save-every 4",
         ),
-        (["--precision", "fp16"], "--precision fp16 needs loss scaling, which pipeweave does not do; give bf16"),
-        (["--precision", "bfloat16"], "--precision 'bfloat16' is unknown; give one of: fp32, bf16"),
+        (
+            ["--precision", "fp16", "-s", "pipedream"],
+            "--precision fp16 skips the update of a step whose gradients overflow, and pipedream updates per "
+            "microbatch with no step to skip; give --precision bf16 or a synchronous schedule",
+        ),
+        (["--precision", "fp16", "--loss-scale-backoff", "2"], "--loss-scale-backoff 2.0 is invalid; give a factor"),
+        (["--precision", "bfloat16"], "--precision 'bfloat16' is unknown; give one of: fp32, bf16, fp16"),
         (
             ["--layers-per-stage", "1,2"],
             "--layers-per-stage 1,2 sums to 3 layers but the model has 4; make the counts sum to 4",

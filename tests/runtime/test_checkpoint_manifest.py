@@ -17,6 +17,7 @@ from config_defaults import train_config
 
 from pipeweave.config import ModelSpec
 from pipeweave.errors import UserError
+from pipeweave.runtime.loss_scale import LossScale
 from pipeweave.runtime.run import checkpoint, checkpoint_manifest
 from pipeweave.runtime.run.prepare import prepare
 
@@ -42,6 +43,10 @@ def _edited(tmp_path: Path, **fields: Any) -> Path:
         ({"files": [{"name": "../x"}]}, "\"files\" is [{'name': '../x'}], not a list of {name, bytes, sha256}"),
         ({"model": {"kind": "mlp", "layers": 4, "hidden": "8"}}, "\"model\": hidden='8' is invalid"),
         ({"model": {"kind": "mlp", "layers": 4, "width": 8}}, "\"model\" holds 'width', no model option"),
+        (
+            {"loss_scale": {"scale": "big", "_growth_tracker": 0}},
+            "\"loss_scale\" is {'scale': 'big', '_growth_tracker': 0}, not an object of the loss scale",
+        ),
     ],
 )
 def test_a_manifest_edited_by_hand_is_one_line_naming_the_file_and_the_field(
@@ -61,6 +66,7 @@ def test_what_a_save_writes_and_the_saved_fixture_keep_to_the_schema() -> None:
     written.update(
         format="pipeweave-checkpoint/3", serial=1, files=[{"name": "__0_0.distcp", "bytes": 1, "sha256": ""}]
     )
+    written["loss_scale"] = LossScale().state_dict()  # --precision fp16's, written by checkpoint.save
     checkpoint_manifest.check(written, Path("manifest.json"))
     assert set(written) - {"format"} <= set(checkpoint_manifest.SCHEMA)  # every field written has its check
     checkpoint_manifest.check(json.loads((SAVED / "step-000002" / "manifest.json").read_text()), SAVED)

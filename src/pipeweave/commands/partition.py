@@ -70,8 +70,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--precision",
         default="fp32",
-        metavar="fp32|bf16",
-        help="profile as the run computes: bf16, under bfloat16 autocast (default fp32)",
+        metavar="fp32|bf16|fp16",
+        help="profile as the run computes: bf16 or fp16, under bfloat16 or float16 autocast (default fp32)",
     )
     p.add_argument("--threads", type=int, default=1, help="intra-op threads while profiling, as per rank (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

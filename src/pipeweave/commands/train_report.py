@@ -61,6 +61,7 @@ def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate |
         "first_step": record.first_step,
         "losses": record.losses,
         "skipped_steps": record.skipped_steps,
+        **_loss_scaling(record),
         "config": dump_toml(config),  # the run's TOML: pipeweave train --config train.json reruns it
         "eval_losses": [{"step": at, "loss": loss} for at, loss in record.eval_losses],
         "lr_schedule": config.training.lr_schedule,
@@ -194,7 +195,7 @@ def _summary_table(report: dict[str, Any]) -> Table:
     table = Table(
         title=f"{report['schedule']}  D={report['stages']}{grid}  T={report['microbatches']}  "
         f"{model}  {report['steps']} steps  ({report['transport']}"
-        f"{', bf16 autocast' if report.get('precision') == 'bf16' else ''})",
+        f"{_autocast.get(report.get('precision', ''), '')})",
         show_header=True,
     )
     table.add_column("measure")
@@ -229,6 +230,17 @@ def _summary_table(report: dict[str, Any]) -> Table:
     return table
 
 
+_autocast = {"bf16": ", bf16 autocast", "fp16": ", fp16 autocast, loss scaled"}
+"""What the summary's title says of a run's precision."""
+
+
+def _loss_scaling(record: RunRecord) -> dict[str, Any]:
+    """``--precision fp16``: each step's loss scale and the steps whose gradients overflowed (``runtime.loss_scale``)."""
+    if record.config.training.precision != "fp16" or not record.ranks:
+        return {}
+    return {"loss_scales": list(record.ranks[0].loss_scales), "overflow_steps": record.overflow_steps}
+
+
 def _print_notes(console: Console, report: dict[str, Any]) -> None:
     """What else the user should know: time spent between streams, skipped updates, where a resumed run began."""
     if report.get("streams", 1) > 1:
@@ -242,6 +254,12 @@ def _print_notes(console: Console, report: dict[str, Any]) -> None:
         console.print(
             f"skipped the update of {len(skipped)} of {report['steps']} steps (loss or gradient norm not "
             f"finite; --on-nonfinite skip): step {steps} of this run"
+        )
+    overflowed = report.get("overflow_steps")
+    if overflowed:
+        console.print(
+            f"fp16: the gradients of {len(overflowed)} of {report['steps']} steps overflowed, their update skipped "
+            f"and the loss scale lowered; the last step's scale: {report['loss_scales'][-1]:g}"
         )
     traced = report.get("traced_steps", report["steps"])
     if traced < report["steps"]:

@@ -10,7 +10,7 @@ from pipeweave.config.policy import PostValidation
 from pipeweave.config.schema import at_least, check_section, option
 from pipeweave.errors import UserError
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 MAX_TIMEOUT_S = 7 * 86400.0
 """The longest --timeout: a week. A rank blocked longer on a peer has lost it; far larger values overflow
 the process group's timeout (a timedelta, then milliseconds in C++)."""
@@ -20,12 +20,8 @@ def check_precision(precision: str, flag: str = "--precision") -> None:
     """One line unless ``precision`` is one of ``PRECISIONS``.
 
     Raises:
-        UserError: e.g. fp16, which needs loss scaling.
+        UserError: e.g. ``bfloat16`` (the name is bf16).
     """
-    if precision == "fp16":
-        raise UserError(
-            "--precision fp16 needs loss scaling, which pipeweave does not do; give bf16 (float32's range) or fp32"
-        )
     if precision not in PRECISIONS:
         raise UserError(f"--precision {precision!r} is unknown; give one of: {', '.join(PRECISIONS)}")
 
@@ -40,6 +36,21 @@ def _lr(value: float, flag: str) -> None:
 def _momentum(value: float, flag: str) -> None:
     if not 0.0 <= value < 1.0:
         raise UserError(f"--momentum {value} is invalid; give 0 <= momentum < 1")
+
+
+def _scale(value: float, flag: str) -> None:
+    if not 0 < value < math.inf:  # nan too
+        raise UserError(f"{flag} {value} is invalid; give a finite loss scale > 0 (default 65536.0, 2**16)")
+
+
+def _growth(value: float, flag: str) -> None:
+    if not 1 < value < math.inf:
+        raise UserError(f"{flag} {value} is invalid; give a finite factor > 1 (default 2.0)")
+
+
+def _backoff(value: float, flag: str) -> None:
+    if not 0 < value < 1:
+        raise UserError(f"{flag} {value} is invalid; give a factor in (0, 1) (default 0.5)")
 
 
 def _norm(value: float, flag: str) -> None:
@@ -79,9 +90,22 @@ class TrainingConfig:
     lr_decay_steps: int | None = option(None, metavar="N")
     """The step where the decay ends (default: the last step, or a stream's last update, of this run; give the
     same one when resuming)."""
-    precision: Literal["fp32", "bf16"] = option("fp32", check=check_precision)
+    precision: Literal["fp32", "bf16", "fp16"] = option("fp32", check=check_precision)
     """bf16: mixed precision, every forward under torch.autocast to bfloat16 (parameters, gradients and
-    optimizer state float32)."""
+    optimizer state float32); fp16: the same in float16 with dynamic loss scaling, torch.amp.GradScaler's
+    (--loss-scale...; synchronous schedules)."""
+    loss_scale: float = option(65536.0, metavar="S", check=_scale)
+    """--precision fp16: the loss scale of the first step (torch.amp.GradScaler's init_scale, 2**16); a resumed
+    run goes on with its checkpoint's."""
+    loss_scale_growth: float = option(2.0, metavar="F", check=_growth)
+    """--precision fp16: the factor the loss scale grows by after --loss-scale-interval steps in a row without an
+    overflow (GradScaler's growth_factor)."""
+    loss_scale_backoff: float = option(0.5, metavar="F", check=_backoff)
+    """--precision fp16: the factor the loss scale is lowered by at a step whose gradients overflow (inf or NaN
+    on any rank), whose update every stage skips (GradScaler's backoff_factor)."""
+    loss_scale_interval: int = option(2000, metavar="N", check=at_least(1))
+    """--precision fp16: steps in a row without an overflow before the loss scale grows (GradScaler's
+    growth_interval)."""
     clip_grad_norm: float | None = option(None, metavar="NORM", check=_norm)
     """Clip the global gradient norm; steps are post-validated (optimistic step, exact rollback on NaN/inf or
     clipping), so no global barrier precedes the update; a NaN/inf norm stops the run, or skips the step with

@@ -188,7 +188,7 @@ def check_section(section: Any) -> None:
         if want is not None:
             raise UserError(f"{f.name}={value!r} is a {type(value).__name__}; give {want}")
         check = option_of(f).check
-        if check is not None and value is not None:  # its own words first (fp16: needs loss scaling)
+        if check is not None and value is not None:  # its own words first (--lr inf: finite)
             check(value, flag_of(f))
         choices = choices_of(hint)
         if value is not None and choices is not None and value not in choices:

@@ -130,6 +130,7 @@ class TrainConfig:
         if self.data.min_seq_len is not None:
             _check_min_seq_len(self, self.data.min_seq_len)
         _check_documents(self)
+        _check_loss_scaling(self)
 
     def check(self) -> None:
         """Check every section's fields again (a config is checked on construction; this is for one changed by force).
@@ -249,6 +250,21 @@ def _resolve_training(config: TrainConfig) -> None:
     if optimizer == "nesterov" and not momentum:
         raise UserError("--optimizer nesterov needs a momentum; give --momentum 0.9 (or drop --momentum 0)")
     _set(config, "training", optimizer=optimizer, lr=lr, momentum=momentum)
+
+
+def _check_loss_scaling(config: TrainConfig) -> None:
+    """fp16's loss scaling needs a step to skip; its options apply to fp16 alone."""
+    training = config.training
+    if training.precision == "fp16" and config.is_stream:
+        raise UserError(
+            f"--precision fp16 skips the update of a step whose gradients overflow, and {config.schedule.name} "
+            "updates per microbatch with no step to skip; give --precision bf16 or a synchronous schedule"
+        )
+    if training.precision != "fp16":
+        default = TrainingConfig()
+        for f in dataclasses.fields(TrainingConfig):
+            if f.name.startswith("loss_scale") and getattr(training, f.name) != getattr(default, f.name):
+                raise UserError(f"{flag_of(f)} applies to --precision fp16; give --precision fp16 or drop it")
 
 
 def _check_applies(config: TrainConfig) -> None:

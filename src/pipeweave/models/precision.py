@@ -1,4 +1,4 @@
-"""Numeric precision of a run: float32, or bfloat16 mixed precision through ``torch.autocast``.
+"""Numeric precision of a run: float32, or bfloat16 or float16 mixed precision through ``torch.autocast``.
 
 ``bf16`` is PyTorch's automatic mixed precision: parameters, gradients and
 optimizer state stay float32; inside each layer call autocast runs the matmuls
@@ -10,17 +10,22 @@ precision. Backward passes run outside autocast, as PyTorch recommends; the
 layers of ``models.layers`` accumulate their bfloat16 weight gradients into
 float32 ``.grad`` as autograd does for ``nn.Linear``.
 
-float16 is refused: without loss scaling its gradients underflow, and bfloat16
-has float32's range.
+``fp16`` is the same with float16, whose range is small (up to 65504, down to
+about 6e-8): its gradients underflow unless the loss is scaled, so a run in
+fp16 scales it dynamically as ``torch.amp.GradScaler`` does
+(``runtime.loss_scale``; plain training uses GradScaler itself).
 
 Example:
     >>> with autocast("bf16", torch.device("cpu")):
     ...     torch.ones(2, 3).matmul(torch.ones(3, 1)).dtype
     torch.bfloat16
-    >>> check("fp16")
+    >>> with autocast("fp16", torch.device("cpu")):
+    ...     torch.ones(2, 3).matmul(torch.ones(3, 1)).dtype
+    torch.float16
+    >>> check("bfloat16")
     Traceback (most recent call last):
     ...
-    pipeweave.errors.UserError: --precision fp16 needs loss scaling, which pipeweave does not do; give bf16 (float32's range) or fp32
+    pipeweave.errors.UserError: --precision 'bfloat16' is unknown; give one of: fp32, bf16, fp16
 """
 
 from __future__ import annotations
@@ -42,10 +47,12 @@ def check(precision: str) -> str:
 
 
 def autocast(precision: str, device: torch.device) -> Any:
-    """The context a forward runs in: ``torch.autocast`` to bfloat16 for ``bf16``, nothing for ``fp32``."""
+    """The context a forward runs in: ``torch.autocast`` to bfloat16 for ``bf16``, to float16 for ``fp16``,
+    nothing for ``fp32``."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(autocast_device_type(device), dtype=torch.bfloat16)
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    return torch.autocast(autocast_device_type(device), dtype=dtype)
 
 
 def autocast_device_type(device: torch.device) -> str:

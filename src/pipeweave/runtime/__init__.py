@@ -20,6 +20,7 @@ in layers, each importing only from layers below it (a test keeps it so):
    ``zero`` (ZeRO-1: the optimizer state sharded), ``fsdp`` (ZeRO-3 by FSDP2's
    ``fully_shard``: the parameters too),
    ``clip`` (the global gradient norm over shards and replicas, clipped at U),
+   ``loss_scale`` (fp16's dynamic loss scale: GradScaler's, one for the run, overflows agreed at U),
    ``walk`` and ``reference`` (every stage in one process: the tests' oracle),
    ``plain`` (single-process training, the exactness baseline), ``profile``
    (per-layer costs), ``stream`` (what an asynchronous stream is at run time),

@@ -67,11 +67,11 @@ class GlobalNormClip:
         self.norms.append(norm)
         # torch.nn.utils.clip_grad_norm_'s factor, in float32 as it computes it
         factor = torch.clamp(self.max_norm / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0)
-        for grad in _applied(worker):
+        for grad in applied_gradients(worker):
             grad.mul_(factor.to(grad.device))
 
 
-def _applied(worker: StageWorker) -> list[torch.Tensor]:
+def applied_gradients(worker: StageWorker) -> list[torch.Tensor]:
     """The gradients the worker's optimizer steps on: ZeRO's slices, or the parameters' own."""
     optimizer = worker.optimizer
     if isinstance(worker.shards, FullyShardedPart):

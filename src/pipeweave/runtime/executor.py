@@ -28,6 +28,7 @@ from pipeweave.errors import StuckError
 from pipeweave.models.boundary import Boundary
 from pipeweave.runtime.clip import GlobalNormClip
 from pipeweave.runtime.context import RankContext
+from pipeweave.runtime.loss_scale import LossScale, LossScaling, check_row
 from pipeweave.runtime.nonfinite import LossAgreement
 from pipeweave.runtime.replicas import DEFAULT_BUCKET_BYTES, ReplicaReduction, all_reduce_gradients
 from pipeweave.runtime.stage.levers import Packed, host_store, stash_away, stash_back
@@ -76,6 +77,9 @@ class Executor:
         variable_shapes: messages whose per-sample shape changes (sequences of variable length): each
             carries its own metadata (``transport.p2p``).
         context: this rank's run context (``runtime.context``): its mesh and groups, its transport, its waits.
+        loss_scale: ``--precision fp16``'s scale (``runtime.loss_scale``): every loss's backward starts from it,
+            the first ``U`` of each step agrees on an overflow with every rank, each ``U`` unscales (before
+            clipping) and skips after an overflow. None: no loss scaling.
 
     Example:
         ex = Executor(lower(schedule), rank, workers, sizes, torch.device("cpu"))
@@ -101,11 +105,13 @@ class Executor:
         variable_shapes: bool = False,
         context: RankContext | None = None,
         sum_over: Any = None,
+        loss_scale: LossScale | None = None,
     ) -> None:
         self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
         self.context = context = context if context is not None else RankContext()
         self.placement = lowered.schedule.placement
         self.row = lowered.actions[rank]
+        self.scaling = None if loss_scale is None or evaluate else self._scaling(loss_scale, policy)
         self.p2p = P2P(lowered, rank, microbatch_sizes, device, variable_shapes=variable_shapes, context=context)
         self.evaluating = evaluate
         """F runs as ``StageWorker.evaluate``; no gradient is prepared or exchanged."""
@@ -139,6 +145,13 @@ class Executor:
         self.skip_nonfinite = on_nonfinite == "skip"
         self.step_loss: float | None = None
         """Of the last step, with ``on_nonfinite``: its loss, every rank's share summed (the same on every rank)."""
+
+    def _scaling(self, scale: LossScale, policy: RankPolicy | None) -> LossScaling:
+        """This rank's side of the run's loss scaling, where a step's updates can wait for its overflow check."""
+        if policy is not None:
+            raise RuntimeError("loss scaling skips a step's updates, and a stream's stages update per microbatch")
+        check_row(self.row, self.rank)
+        return LossScaling(scale, self.workers)
 
     def _dispatch_table(self) -> dict[Op, Callable[[Action], None]]:
         """The method that runs each op."""
@@ -193,6 +206,7 @@ class Executor:
         ties = self.tied.hooks
         first = isinstance(self.tied, TiedGradients) and self.tied.first
         clip = self.clip.hooks if self.clip is not None else {}
+        unscale = self.scaling.hooks if self.scaling is not None else {}
         around = None if sum_over is None else functools.partial(all_reduce_gradients, group=sum_over)
         combine = {}
         for s in exchanging:
@@ -202,6 +216,7 @@ class Executor:
                 self.replicas.hooks.get(s),
                 partial.get(s),
                 None if first else ties.get(s),
+                unscale.get(s),
                 clip.get(s),
             ]
             combine[s] = chain([step for step in steps if step is not None])
@@ -241,6 +256,8 @@ class Executor:
         self._prepared = False
         self.p2p.begin_step()
         self.replicas.begin_step()
+        if self.scaling is not None:
+            self.scaling.begin_step()
         if self.agreement is not None:
             self.agreement.begin_step()
         marks: list[Any] = []  # each action's start and end (``transport.timing``), resolved after the step
@@ -272,6 +289,11 @@ class Executor:
         loss = float(torch.stack(self._losses).sum()) if self._losses else 0.0
         self.step_loss = None if self.agreement is None else self.agreement.total()
         return loss, records
+
+    @property
+    def overflowed(self) -> bool:
+        """Whether the last step's fp16 gradients overflowed on some rank, its updates skipped (``loss_scale``)."""
+        return self.scaling is not None and bool(self.scaling.overflowed[-1:] == [True])
 
     def _run_or_explain(self, i: int, a: Action) -> None:
         """Run action ``i`` of the row; a receive that fails (its peer timed out or died) is this rank stuck there."""
@@ -339,7 +361,10 @@ class Executor:
     def _backward(self, a: Action, run: Callable[[int, Boundary | None], Boundary | None]) -> None:
         s, _, j = a
         nxt = self.placement.next_stage(s)
-        grad_output = None if nxt is None else self._grads_in.pop((s, j))
+        if nxt is not None:
+            grad_output = self._grads_in.pop((s, j))
+        else:  # the loss: from 1, or from the loss scale
+            grad_output = None if self.scaling is None else self.scaling.root()
         grad_input = run(j, grad_output)
         prev = self.placement.prev_stage(s)
         if prev is None:
@@ -356,6 +381,8 @@ class Executor:
     def update(self, a: Action) -> None:
         self.p2p.before_update(a.stage)  # a tied exchange takes its place in the per-pair order
         skip = self.skip_nonfinite and not math.isfinite(cast(LossAgreement, self.agreement).total())
+        if self.scaling is not None:
+            skip = self.scaling.skip() or skip  # every rank's check, at the first U of the step
         self.workers[a.stage].update(skip=skip, combine=self.combine.get(a.stage))
 
     # ---- memory (schedule.levers) ---------------------------------------------

@@ -50,6 +50,8 @@ def run_plain(
     data: DataSource | None = None,
     lr_at: Callable[[int], float] | None = None,
     precision: str = "fp32",
+    scaler: torch.amp.GradScaler | None = None,
+    clip_grad_norm: float | None = None,
 ) -> TrainResult:
     """Train the whole model in one process, accumulating gradients over the microbatches of each step.
 
@@ -66,7 +68,12 @@ def run_plain(
         seed: data seed.
         data: a data source (default ``data_source(spec, ...)``).
         lr_at: the learning rate of each step (``LrSchedule.at``); None keeps the optimizer's.
-        precision: ``fp32`` or ``bf16`` (forwards under bfloat16 autocast, ``models.precision``).
+        precision: ``fp32``, ``bf16`` or ``fp16`` (forwards under bfloat16 or float16 autocast,
+            ``models.precision``).
+        scaler: ``fp16``'s loss scaling (default ``torch.amp.GradScaler("cpu")``, its defaults): each
+            microbatch's backward from ``scaler.scale(loss)``, then ``scaler.step`` and ``scaler.update``.
+        clip_grad_norm: clip the gradient norm to this before each step (``torch.nn.utils.clip_grad_norm_``;
+            under ``fp16`` after ``scaler.unscale_``, as PyTorch's AMP recipe does).
 
     Raises:
         UserError: fewer samples than microbatches.
@@ -82,19 +89,39 @@ def run_plain(
     optimizer = (optimizer_factory or sgd())(list(model.parameters()))
     loss = loss_fn(spec)
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
+    if precision == "fp16" and scaler is None:
+        scaler = torch.amp.GradScaler("cpu")
     losses = []
     for step in range(steps):
         pairs = zip(*step_microbatches(source, step, num_microbatches))
         step_losses = [
-            _microbatch_loss(model, spec, loss, x, target, batch_size, precision, step, j)
+            _microbatch_loss(model, spec, loss, x, target, batch_size, precision, step, j, scaler)
             for j, (x, target) in enumerate(pairs)
         ]
         losses.append(sum(step_losses))
         if lr_at is not None:
             set_lr(optimizer, lr_at(step))
-        optimizer.step()
+        _step(optimizer, list(model.parameters()), scaler if precision == "fp16" else None, clip_grad_norm)
         optimizer.zero_grad(set_to_none=True)
     return TrainResult(losses, {k: p.detach().clone() for k, p in model.named_parameters()})
+
+
+def _step(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    scaler: torch.amp.GradScaler | None,
+    clip_grad_norm: float | None,
+) -> None:
+    """The optimizer step: gradients unscaled (fp16), clipped, then applied -- or skipped where one overflowed."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+    if scaler is None:
+        optimizer.step()
+        return
+    scaler.step(optimizer)  # skipped if a gradient is inf or NaN
+    scaler.update()
 
 
 def _microbatch_loss(
@@ -107,6 +134,7 @@ def _microbatch_loss(
     precision: str,
     step: int,
     j: int,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> float:
     """Forward and backward of microbatch ``j`` of ``step``, its loss scaled by its share of the mini-batch."""
     with autocast(precision, torch.device("cpu")):
@@ -116,5 +144,5 @@ def _microbatch_loss(
             for layer in model.values():
                 x = boundary.call(layer, x)
         mb_loss = loss(x, target) * (num_samples(target) / batch_size)
-    mb_loss.backward()
+    (scaler.scale(mb_loss) if scaler is not None and precision == "fp16" else mb_loss).backward()
     return mb_loss.item()

@@ -37,6 +37,11 @@ def build_workers(
 ) -> list[StageWorker]:
     """One worker per stage of ``schedule``; part k gets ``parts[k]`` (default: uniform) and its own
     recomputation (``recompute``: one mode for every part or one per part, ``sim.recompute``)."""
+    if precision == "fp16":  # its gradients would underflow: loss scaling is the distributed run's
+        raise UserError(
+            "the reference executor has no loss scaling for --precision fp16; give bf16 or fp32, or train fp16 "
+            "with pipeweave train (runtime.loss_scale)"
+        )
     parts = parts if parts is not None else uniform_parts(spec.num_layers, schedule.num_parts)
     if len(parts) != schedule.num_parts:
         raise UserError(f"{len(parts)} layer ranges given for {schedule.num_parts} parts; give one per part")

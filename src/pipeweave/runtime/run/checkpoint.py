@@ -172,11 +172,14 @@ def save(
     *,
     carry: StreamCarry | None = None,
     run: str = "",
+    loss_scale: dict[str, Any] | None = None,
 ) -> str | None:
     """Write the checkpoint of ``steps`` trained steps to ``config.checkpoint.save``; every process calls it (it synchronises).
 
     ``parts``: the layers of each part; ``workers``: this process's stages; ``carry``: an asynchronous run's
-    policy state after its drained stream (this process's stages); ``run``: the run's id (``RunPlan.run_id``).
+    policy state after its drained stream (this process's stages); ``run``: the run's id (``RunPlan.run_id``);
+    ``loss_scale``: ``--precision fp16``'s scale and growth counter (``LossScale.state_dict``, the same on every
+    process), kept in the manifest.
     Process 0 of the default group (not stage rank 0: the N processes of a tensor-parallel group share one)
     creates the staging folder and commits it.
 
@@ -186,7 +189,7 @@ def save(
     """
     assert config.checkpoint.save is not None
     with gathered(workers):  # ZeRO-3's parameters whole while they are checked and written
-        return _save(config, parts, placement, workers, steps, carry, run)
+        return _save(config, parts, placement, workers, steps, carry, run, loss_scale)
 
 
 def _save(
@@ -197,6 +200,7 @@ def _save(
     steps: int,
     carry: StreamCarry | None,
     run: str,
+    loss_scale: dict[str, Any] | None = None,
 ) -> str | None:
     assert config.checkpoint.save is not None
     check_finite(config.checkpoint.save, parts, placement, workers, f"step {steps} of the training")
@@ -214,6 +218,8 @@ def _save(
         failure = next((e for _, e, _ in sorted(every, key=lambda said: not said[2]) if e), None)
         if failure is None:
             manifest = _manifest(config, parts, steps, carry, run)
+            if loss_scale is not None:
+                manifest["loss_scale"] = loss_scale
             manifest["files"] = sorted((entry for w, _, _ in every for entry in w), key=lambda e: e["name"])
             failure = _attempt(
                 lambda: checkpoint_files.commit(

@@ -56,6 +56,13 @@ def _files() -> tuple[Check, str]:
     return (lambda v: isinstance(v, list) and all(entry(e) for e in v)), "a list of {name, bytes, sha256}"
 
 
+def _loss_scale() -> tuple[Check, str]:
+    def valid(v: Any) -> bool:
+        return isinstance(v, dict) and _number()[0](v.get("scale")) and _integer(0)[0](v.get("_growth_tracker"))
+
+    return valid, "an object of the loss scale (a number >= 0) and its _growth_tracker (an integer >= 0)"
+
+
 SCHEMA: dict[str, tuple[bool, tuple[Check, str]]] = {
     # field: (required, (valid, what it must be))
     "steps": (True, _integer(1)),
@@ -74,6 +81,7 @@ SCHEMA: dict[str, tuple[bool, tuple[Check, str]]] = {
     "parts": (False, _parts()),
     "saved": (False, _string()),
     "writer": (False, _string()),
+    "loss_scale": (False, _loss_scale()),  # --precision fp16's (runtime.loss_scale)
 }
 """Each field a manifest holds: whether every format has it, and the check of its value."""
 

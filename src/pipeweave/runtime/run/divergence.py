@@ -55,8 +55,12 @@ class Divergence:
         self.plan, self.workers = plan, workers
         self.skipped_steps: list[int] = []
 
-    def after_step(self, step: int, loss: float | None) -> None:
-        """Step ``step`` of this run is done; ``loss``: its loss summed over the ranks (``Executor.step_loss``)."""
+    def after_step(self, step: int, loss: float | None, overflowed: bool = False) -> None:
+        """Step ``step`` of this run is done; ``loss``: its loss summed over the ranks (``Executor.step_loss``);
+        ``overflowed``: its fp16 gradients overflowed, the update skipped by the loss scaling
+        (``runtime.loss_scale``), which a non-finite gradient norm then only repeats."""
+        if overflowed and (loss is None or math.isfinite(loss)):
+            return
         what = _nonfinite(loss, self.workers)
         if what is None:
             return

@@ -24,6 +24,7 @@ from typing import Any
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.executor import Executor
+from pipeweave.runtime.loss_scale import LossScale, LossScaling
 from pipeweave.runtime.run import checkpoint
 from pipeweave.runtime.run.agreement import agreed_plan
 from pipeweave.runtime.run.divergence import Divergence
@@ -108,6 +109,7 @@ def executor_of(
         plan.microbatch_sizes,
         context.device,
         context=context,
+        loss_scale=_loss_scale(plan, context.device),
         on_nonfinite=config.training.on_nonfinite,
         bucket_bytes=int(config.parallel.bucket_mb * 2**20),
         zero=config.parallel.zero,
@@ -119,6 +121,31 @@ def executor_of(
         assert plan.resumed is not None
         checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
     return executor, link
+
+
+def _scaled(scaling: LossScaling | None) -> tuple[list[int], list[float]]:
+    """fp16's record: the steps that overflowed and each step's loss scale (nothing without loss scaling)."""
+    if scaling is None:
+        return [], []
+    return [k for k, o in enumerate(scaling.overflowed) if o], list(scaling.scales)
+
+
+def _loss_scale(plan: RunPlan, device: Any) -> LossScale | None:
+    """``--precision fp16``'s loss scale (``runtime.loss_scale``), the resumed checkpoint's where it has one."""
+    training = plan.config.training
+    if training.precision != "fp16":
+        return None
+    scale = LossScale(
+        training.loss_scale,
+        growth_factor=training.loss_scale_growth,
+        backoff_factor=training.loss_scale_backoff,
+        growth_interval=training.loss_scale_interval,
+        device=device,
+    )
+    saved = None if plan.resumed is None else plan.resumed.manifest.get("loss_scale")
+    if saved is not None:
+        scale.load_state_dict(saved)
+    return scale
 
 
 def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
@@ -144,6 +171,8 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     mine = RankRecord(rank, [], [], 0, 0, {})
     peaks: list[int] = []  # per measured step, the process's peak tensor bytes (stage.tensor_bytes)
     milestones = Milestones(plan, plan.schedule, context, workers, source)
+    scaling = executor.scaling
+    milestones.loss_scale = None if scaling is None else scaling.scale
     divergence = Divergence(plan, workers)
     rates = learning_rates(config, done) if config.training.lr_scheduled else None
     log = StepLog(plan, context, rates)
@@ -163,7 +192,7 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         log.after_step(step, loss, row)
         if context.reporting:  # a tensor-parallel group's processes run alike: one reports
             context.progress({"step": step, "loss": loss, "time": (timings[-1][2] - offset) * 1e-9})
-        divergence.after_step(step, executor.step_loss)  # stops every rank here, or counts a skipped update
+        divergence.after_step(step, executor.step_loss, executor.overflowed)  # stops every rank, or counts a skip
         milestones.reached(step + 1)
     log.close()
     mine.log_failure = log.failure
@@ -174,6 +203,7 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     mine.parameters = final_parameters(config, workers)
     mine.eval_losses = milestones.eval_losses
     mine.skipped_steps = divergence.skipped_steps
+    mine.overflow_steps, mine.loss_scales = _scaled(scaling)
     run = gather_run(config, mine, context, started, done)
     if run is not None:
         run.save_failures, run.final_save_failure = milestones.save_failures, milestones.final_save_failure

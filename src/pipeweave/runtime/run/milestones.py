@@ -43,6 +43,8 @@ class Milestones:
         self.save_failures: list[str] = []
         self.final_save_failure: str | None = None
         self._evaluator: Executor | None = None
+        self.loss_scale: Any = None
+        """``--precision fp16``'s ``LossScale``, saved with every checkpoint (set by the run)."""
         joined = context.mesh
         # PipeDream's hybrid: this replica's piece of every held-out microbatch (as of every training one)
         self.piece = (joined.dp_rank, joined.data_parallel) if joined is not None and joined.outside else (0, 1)
@@ -67,6 +69,7 @@ class Milestones:
                 done + end,
                 carry=carry,
                 run=self.plan.run_id,
+                loss_scale=None if self.loss_scale is None else self.loss_scale.state_dict(),
             )
             if failure is not None:
                 self.save_failures.append(failure)

@@ -53,6 +53,11 @@ class RankRecord:
     """Per evaluation, ``(steps trained, this rank's share of the held-out loss)`` (``TrainConfig.eval_every``)."""
     skipped_steps: list[int] = field(default_factory=list)
     """The steps of this run (0-based) whose update was skipped (``TrainConfig.on_nonfinite``; alike on every rank)."""
+    overflow_steps: list[int] = field(default_factory=list)
+    """``--precision fp16``: the steps of this run (0-based) whose gradients overflowed, their update skipped and
+    the loss scale lowered (``runtime.loss_scale``; alike on every rank)."""
+    loss_scales: list[float] = field(default_factory=list)
+    """``--precision fp16``: per step, the loss scale its backward started from (alike on every rank)."""
     peak_tensor_bytes: int = 0
     """The process's peak tensor bytes in the measured step (``stage.tensor_bytes``: CUDA's max_memory_allocated,
     or on the CPU the tensors created in it and alive at once; 0 where not measured: streams)."""
@@ -122,6 +127,12 @@ class RunRecord:
         """The steps of this run (indices of ``losses``) whose update every stage skipped: a non-finite loss
         or gradient norm under ``--on-nonfinite skip`` (``runtime.run.divergence``)."""
         return list(self.ranks[0].skipped_steps)
+
+    @property
+    def overflow_steps(self) -> list[int]:
+        """``--precision fp16``: the steps of this run whose gradients overflowed somewhere, their update skipped
+        on every stage and the loss scale lowered (``runtime.loss_scale``)."""
+        return list(self.ranks[0].overflow_steps)
 
     @property
     def eval_losses(self) -> list[tuple[int, float]]:

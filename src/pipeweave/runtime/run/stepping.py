@@ -117,7 +117,7 @@ class Pipeline:
                 set_lr(w.optimizer, self._rates.at(self.steps_done))
         xs, ys = self._microbatches(inputs, targets)
         share, _ = self._executor.run_step(xs, ys)
-        self._divergence.after_step(self.steps_done, self._executor.step_loss)
+        self._divergence.after_step(self.steps_done, self._executor.step_loss, self._executor.overflowed)
         self.steps_done += 1
         loss = self._summed(share) if self._shared else share
         return loss if self.has_loss else None

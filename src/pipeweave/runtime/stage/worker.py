@@ -27,8 +27,10 @@ Tensors in and out (microbatch ``mb`` is the IR's microbatch index):
   the sum over microbatches is the mini-batch mean loss.
 - ``backward(mb, grad_output)`` (B) / ``backward_input(mb, grad_output)`` (I):
   ``grad_output`` is the gradient of this stage's output received from the
-  next stage (None on the last stage: the loss is the root). Returns the
-  gradient of the stage input to send back, or None on the first stage.
+  next stage; on the last stage None (the loss is the root) or the gradient
+  the loss's backward starts from (``--precision fp16``: the loss scale,
+  ``runtime.loss_scale``). Returns the gradient of the stage input to send
+  back, or None on the first stage.
 - ``backward_weight(mb)`` (W): accumulates the weight gradients that I
   deferred. B accumulates them at once.
 - A custom model's layers may pass tuples of tensors (``models.boundary``):
@@ -122,7 +124,8 @@ class StageWorker(Sealed, Metered):
             names (``stage.selective``: the gpt's attention core).
         device: where the layers live; inputs must be given on it.
         track_memory: count activation bytes with saved-tensor hooks.
-        precision: ``fp32``, or ``bf16`` (every forward under bfloat16 autocast; ``models.precision``).
+        precision: ``fp32``, ``bf16`` or ``fp16`` (every forward under bfloat16 or float16 autocast;
+            ``models.precision``; fp16's loss scale is the last stage's ``grad_output``).
         tensor_parallel: this rank's tensor-parallel group: the layers are split over it
             (``stage.tensor_parallel``, by the model's plan); every rank of the group runs the same
             actions on its shard.
@@ -321,8 +324,8 @@ class StageWorker(Sealed, Metered):
         self.store.deferring = defer
         try:
             if isinstance(out, torch.Tensor):
-                if out.requires_grad:
-                    torch.autograd.backward(out, None if self.is_last else grad_output)
+                if out.requires_grad:  # the last stage: from 1, or from the loss scale given
+                    torch.autograd.backward(out, grad_output)
             else:  # a tuple: from its floating-point outputs that have a graph
                 assert grad_output is not None
                 outputs, grads = boundary.roots(out, grad_output)
