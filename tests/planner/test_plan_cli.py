@@ -175,11 +175,11 @@ def test_custom_gpu(capsys: pytest.CaptureFixture[str]) -> None:
                 "--heads",
                 "24",
                 "--gpus",
-                "7",
+                "29",
                 "--global-batch",
                 "512",
             ],
-            ["7 GPUs split into no TP x PP x DP", "give --gpus 6 or 8"],
+            ["29 GPUs split into no TP x PP x DP", "PP at most the 24 layers", "give --gpus 28 or 30"],
         ),
         (
             ["--model", "gpt-1.7b", "--gpus", "32", "--global-batch", "512", "--tensor-parallel", "5"],
