@@ -90,3 +90,31 @@ def test_memory_counts_the_embedding_and_head_weights() -> None:
     costs = _transformer(0.01, 3.0)
     plan = partition("memory", costs, 3, PartitionContext(memory_limit=5.0, profile=profile))
     assert plan.counts == (3, 4, 3)  # the embedding + 2 blocks, 4 blocks, 2 blocks + the head: 5 bytes each
+
+
+def test_train_resolves_the_first_and_last_stage_blocks() -> None:
+    from config_defaults import train_config
+
+    from pipeweave.models import ModelSpec
+    from pipeweave.runtime.run.resolve import resolve
+
+    llama = ModelSpec(kind="llama", layers=10, hidden=16, heads=2, seq_len=8)
+    config = resolve(train_config(model=llama, num_stages=4, first_stage_layers=1, last_stage_layers=1))
+    assert config.partition.layers_per_part == (2, 4, 4, 2)  # 1 block + embedding, 8 shared, 1 block + head
+    looped = train_config(model=llama, schedule="interleaved-1f1b", num_stages=2, num_chunks=2, last_stage_layers=4)
+    assert resolve(looped).partition.layers_per_part == (3, 2, 2, 5)  # the model's last part, on rank 1
+
+
+def test_partition_command_counts_a_transformers_blocks(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from pipeweave.cli import main
+
+    costs = tmp_path / "costs.json"
+    LayerCosts.uniform(12).save(costs)
+    argv = ["partition", "--model", "gpt", "--layers", "10", "--costs", str(costs), "--stages", "4", "--json"]
+    assert main([*argv, "--first-stage-layers", "1"]) == 0
+    parts = json.loads(capsys.readouterr().out)["parts"]
+    assert [len(p["layers"]) for p in parts] == [2, 3, 3, 4]
+    assert main([*argv, "--partition", "time", "--last-stage-layers", "1"]) == 2
+    assert "--last-stage-layers applies to --partition uniform, not --partition time" in capsys.readouterr().err

@@ -109,3 +109,16 @@ def test_a_llama_of_126_layers_trains_on_16_stages_with_the_split_the_planner_ch
     per_block = weights[1] // blocks[1]
     assert all(weights[k] == blocks[k] * per_block for k in range(1, 15))
     assert weights[0] - blocks[0] * per_block == 256 * 16 * 4  # the token embedding, float32
+
+
+def test_the_bounds_of_two_splits_are_their_own() -> None:
+    from pipeweave.planner.bound import reduction_bound, time_bound
+
+    # the even split, and one with 8 blocks beside the embedding: its first part reduces the most gradients
+    even, heavy = (replace(_bloom_on_12(b), dp=2) for b in (even_blocks(70, 12), (8,) + (6,) * 10 + (2,)))
+    shared = Evaluator(cluster=_cluster(BLOOM), batch=192)
+    for config in (even, heavy):  # the second asked after the first: no answer of the first reused
+        alone = Evaluator(cluster=_cluster(BLOOM), batch=192)
+        assert reduction_bound(config, shared) == reduction_bound(config, alone)
+        assert time_bound(config, shared) == time_bound(config, alone)
+    assert reduction_bound(heavy, shared) > reduction_bound(even, shared)
