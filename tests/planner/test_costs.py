@@ -207,14 +207,19 @@ def test_time_bound_is_below_the_simulated_step_and_exact_for_1f1b(schedule: str
     ],
 )
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_the_profile_walk_finds_held_peaks_own_peaks(schedule: str, chunks: int | None, recompute: str) -> None:
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
+def test_the_profile_walk_finds_held_peaks_own_peaks(
+    schedule: str, chunks: int | None, recompute: str, uneven: bool
+) -> None:
     from pipeweave.planner.activations import activation_profile, peaks
     from pipeweave.planner.memory import activation_peaks, part_activation_bytes
 
     model = MODELS["gpt-39b"]
     s = generate(schedule, num_stages=4, num_microbatches=8, num_chunks=chunks)
-    sizes = part_activation_bytes(model, s.num_parts, 8, recompute)
-    assert peaks(activation_profile(s), **sizes) == pytest.approx(activation_peaks(s, model, 8, recompute))
+    blocks = tuple(1 + 5 * (k % 3) for k in range(s.num_parts)) if uneven else ()  # every part its own size
+    sizes = part_activation_bytes(model, s.num_parts, 8, recompute, blocks=blocks)
+    walked = activation_peaks(s, model, 8, recompute, blocks=blocks)
+    assert peaks(activation_profile(s), **sizes) == pytest.approx(walked)
 
 
 def test_the_planner_with_sequence_parallelism_holds_fewer_activations_and_sends_smaller_messages() -> None:

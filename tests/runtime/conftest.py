@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from pipeweave.models.build import build_layers
 from pipeweave.models.spec import loss_fn
 from pipeweave.runtime.reference import run_reference
-from pipeweave.runtime.run.prepare import build_schedule, optimizer_factory
+from pipeweave.runtime.run.prepare import build_schedule, layer_ranges, optimizer_factory
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +40,14 @@ def equals_reference() -> Callable[[Any, Any], None]:
     reference executor's on the same schedule (rtol 1e-5, atol 1e-6)."""
 
     def check(config: Any, record: Any) -> None:
+        schedule = build_schedule(config)
         reference = run_reference(
-            build_schedule(config),
+            schedule,
             config.model,
             steps=config.steps,
             batch_size=config.batch_size,
             optimizer_factory=optimizer_factory(config),
+            parts=layer_ranges(config, schedule),  # the run's split (uniform, or --layers-per-stage's)
         )
         torch.testing.assert_close(record.losses, reference.losses, rtol=1e-5, atol=1e-6)
         for rank_record in record.ranks:

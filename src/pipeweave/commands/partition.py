@@ -29,6 +29,7 @@ from pipeweave.commands.model_options import add_model_arguments, model_spec
 from pipeweave.commands.recompute_options import add_recompute_argument
 from pipeweave.commands.simulate import MAX_ACTIONS, check_simulation_size
 from pipeweave.commands.units import check_cost_flags, format_bytes
+from pipeweave.config.model import TRANSFORMERS
 from pipeweave.config.sections import parse_counts as counts_of
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
@@ -96,6 +97,14 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
         help="explicit: layer count of each part, e.g. 3,2,2,1 (the gpt's layers are its embedding, "
         "its --layers blocks and its head)",
     )
+    for end, part in (("first", "embedding"), ("last", "head")):
+        group.add_argument(
+            f"--{end}-stage-layers",
+            type=int,
+            metavar="N",
+            help=f"uniform: blocks of the {end} part, the {part} besides (Megatron-LM's {end} pipeline stage); "
+            "the parts between share the rest evenly",
+        )
     group.add_argument(
         "--optimizer-state",
         type=float,
@@ -115,6 +124,13 @@ def partition_method(args: argparse.Namespace) -> str:
     Raises:
         UserError: ``--layers-per-stage`` beside another method, which would ignore it.
     """
+    ends = [f for f in ("first_stage_layers", "last_stage_layers") if getattr(args, f, None) is not None]
+    if ends and (args.partition != "uniform" or args.layers_per_stage is not None):
+        given = "--layers-per-stage" if args.layers_per_stage is not None else f"--partition {args.partition}"
+        raise UserError(
+            f"--{ends[0].replace('_', '-')} applies to --partition uniform, not {given}; drop one of them "
+            "(--layers-per-stage gives every part's count)"
+        )
     if args.layers_per_stage is None:
         return str(args.partition)
     if args.partition not in ("uniform", "explicit"):
@@ -146,6 +162,9 @@ def partition_context(args: argparse.Namespace, profile: MemoryProfile | None) -
         memory_limit=args.memory_limit,
         profile=profile,
         bandwidth=args.bandwidth,
+        first=getattr(args, "first_stage_layers", None),
+        last=getattr(args, "last_stage_layers", None),
+        ends=getattr(args, "ends", 0),
         recompute=getattr(args, "recompute", "none"),
     )
 
@@ -395,6 +414,7 @@ def run(args: argparse.Namespace) -> int:
         from pipeweave.commands.outputs import output_file
 
         output_file("--save-costs", args.save_costs)  # before the profiling, which takes a while
+    args.ends = 1 if args.model in TRANSFORMERS else 0  # --first/last-stage-layers count a transformer's blocks
     costs = layer_costs(args)
     if args.save_costs:
         costs.save(args.save_costs)

@@ -16,6 +16,7 @@ from pipeweave.planner.memory import GIB
 from pipeweave.planner.profiled import ProfiledModel
 from pipeweave.planner.runnable import command_line, refusal, train_command
 from pipeweave.planner.search import AUTO_CELLS, Plan
+from pipeweave.planner.split import split_label
 from pipeweave.planner.unmodelled import not_modelled
 
 
@@ -38,6 +39,7 @@ def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: 
         "#",
         "TPxPPxDP",
         "schedule",
+        "blocks/stage",
         "b",
         "T",
         "recompute",
@@ -57,6 +59,7 @@ def print_table(plan: Plan, cluster: Cluster, args: argparse.Namespace, *, top: 
             str(k),
             _split(r),
             _schedule(r),
+            split_label(r.config.blocks),
             str(r.config.microbatch_size),
             str(r.config.microbatches),
             r.config.recompute,

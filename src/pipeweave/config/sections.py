@@ -277,6 +277,11 @@ class PartitionConfig:
     layers_per_stage: tuple[int, ...] | None = option(None, metavar="N,N,...", parse=parse_counts)
     """explicit: layer count of each part, e.g. 3,2,2,1 (the gpt's layers are its embedding, its --layers blocks
     and its head)."""
+    first_stage_layers: int | None = option(None, metavar="N", check=at_least(0, "give blocks >= 0"))
+    """uniform: blocks of the first part, the embedding besides (Megatron-LM's first pipeline stage; Llama 3
+    puts one block fewer there); the parts between share the rest evenly."""
+    last_stage_layers: int | None = option(None, metavar="N", check=at_least(0, "give blocks >= 0"))
+    """uniform: blocks of the last part, the head besides (Megatron-LM's last pipeline stage)."""
     optimizer_state: float = option(1.0, metavar="X", check=_finite_cost("number of bytes per weight byte"))
     """Bytes of gradient and optimizer state per weight byte (SGD 1, Adam 3)."""
     bandwidth: float = option(1e10, check=_bandwidth)
@@ -292,3 +297,10 @@ class PartitionConfig:
 
     def __post_init__(self) -> None:
         check_section(self)
+        ends = [f for f in ("first_stage_layers", "last_stage_layers") if getattr(self, f) is not None]
+        if ends and (self.method != "uniform" or self.layers_per_stage is not None):
+            given = "--layers-per-stage" if self.layers_per_stage is not None else f"--partition {self.method}"
+            raise UserError(
+                f"--{ends[0].replace('_', '-')} applies to --partition uniform, not {given}; drop one of them "
+                "(--layers-per-stage gives every part's count)"
+            )

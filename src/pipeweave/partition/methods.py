@@ -38,6 +38,13 @@ class PartitionContext:
     """``memory``: the schedule's activation and weight profile (default: flat)."""
     bandwidth: float = 1e10
     """``pipedream``: bytes per second between ranks (10 GB/s by default, a PCIe-class link)."""
+    first: int | None = None
+    """``uniform``: blocks of the first part (Megatron's first pipeline stage), None: as the others."""
+    last: int | None = None
+    """``uniform``: blocks of the last part, None: as the others."""
+    ends: int = 0
+    """Layers the first and the last part hold beyond their blocks: 1 for a transformer (its embedding, its
+    head), whose ``first`` and ``last`` count blocks as Megatron-LM counts them; 0 for a stack of layers."""
     recompute: str = "none"
     """Recomputation per part (``sim.recompute``: one mode, or one per part), or ``auto``: ``memory`` chooses
     each part's with the split (the fastest that fits the limit)."""
@@ -58,15 +65,56 @@ def check_parts(costs: LayerCosts, num_parts: int) -> None:
 
 
 def uniform(costs: LayerCosts, num_parts: int, context: PartitionContext) -> Partition:
-    """Equal layer counts; the first ``n mod K`` parts get one more (DeepSpeed's ``uniform``).
+    """Equal layer counts; the first ``n mod K`` parts get one more (DeepSpeed's ``uniform``). With
+    ``context.first`` or ``context.last`` those parts take that many blocks and the parts between share the
+    rest as evenly (Megatron-LM's ``--decoder-first/last-pipeline-num-layers``, never refused for a count
+    that does not divide).
 
     Example:
         >>> uniform(LayerCosts.uniform(7), 3, PartitionContext()).counts
         (3, 2, 2)
+        >>> uniform(LayerCosts.uniform(128), 16, PartitionContext(first=7, last=7, ends=1)).counts[:2]  # Llama 3
+        (8, 8)
     """
     check_parts(costs, num_parts)
-    size, extra = divmod(costs.num_layers, num_parts)
-    return Partition(tuple(size + (1 if k < extra else 0) for k in range(num_parts)))
+    if context.first is None and context.last is None:
+        return Partition(_even(costs.num_layers, num_parts))
+    return Partition(_ends_fixed(costs.num_layers, num_parts, context))
+
+
+def _even(num_layers: int, num_parts: int) -> tuple[int, ...]:
+    size, extra = divmod(num_layers, num_parts)
+    return tuple(size + (1 if k < extra else 0) for k in range(num_parts))
+
+
+def _ends_fixed(num_layers: int, num_parts: int, context: PartitionContext) -> tuple[int, ...]:
+    """``uniform``'s counts with the first and/or last part's blocks given (in layers, ends included)."""
+    given = {"--first-stage-layers": context.first, "--last-stage-layers": context.last}
+    named = " and ".join(f"{flag} {n}" for flag, n in given.items() if n is not None)
+    if num_parts < 2:
+        raise UserError(f"{named} needs at least 2 parts, not {num_parts}; add stages or drop it")
+    blocks = num_layers - 2 * context.ends
+    fixed = [n for n in (context.first, context.last) if n is not None]
+    for n in fixed:
+        if n < 0 or (context.ends == 0 and n < 1):
+            raise UserError(f"{named}: {n} is invalid; give at least {1 - context.ends} layer(s)")
+    between = num_parts - len(fixed)
+    rest = blocks - sum(fixed)
+    what = "blocks" if context.ends else "layers"
+    if between == 0 and rest != 0:
+        raise UserError(
+            f"{named} give {sum(fixed)} {what} to the only 2 parts, the model has {blocks}; make them add up to "
+            f"{blocks}"
+        )
+    if rest < between:
+        raise UserError(
+            f"{named} leave {rest} of the model's {blocks} {what} for the other {between} part(s); make them "
+            f"add up to at most {blocks - between} (one or more for each other part)"
+        )
+    middle = list(_even(rest, between)) if between else []
+    first = context.first if context.first is not None else middle.pop(0)
+    last = context.last if context.last is not None else middle.pop()
+    return (first + context.ends, *middle, last + context.ends)
 
 
 def _split(costs: LayerCosts, num_parts: int, primary: PartCost, secondary: PartCost) -> Partition:

@@ -55,7 +55,7 @@ def reduction_bound(config: Config, evaluator: Evaluator) -> float:
     if config.dp == 1:
         return 0.0
     parts = evaluator.num_parts(config)
-    key = (config.tp, config.pp, config.dp, parts, config.zero, placement)
+    key = (config.tp, config.pp, config.dp, parts, config.zero, placement, config.blocks)
     found = evaluator.known_reductions.get(key)
     if found is None:
         layout, params, busiest = evaluator.layout(config), evaluator.param_bytes(config, parts), [0.0] * config.pp

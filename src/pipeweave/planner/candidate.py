@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from pipeweave.planner.split import split_label
 from pipeweave.schedule.registry import SCHEDULES
 
 
@@ -36,6 +37,8 @@ class Config:
     """"none", "selective" (attention) or "full"."""
     zero: int
     """ZeRO stage: 0, 1 or 3."""
+    blocks: tuple[int, ...] = ()
+    """Blocks of each part, part 0 first (``planner.split``); empty: the layers split evenly."""
 
     @property
     def searched(self) -> bool:
@@ -59,9 +62,10 @@ class Config:
     @property
     def label(self) -> str:
         v = f" v={self.chunks}" if self.takes_chunks else ""
+        split = f" split={split_label(self.blocks)}" if self.blocks else ""
         return (
             f"TP{self.tp} PP{self.pp} DP{self.dp} {self.schedule}{v} b={self.microbatch_size} "
-            f"T={self.microbatches} rc={self.recompute} Z{self.zero}"
+            f"T={self.microbatches} rc={self.recompute} Z{self.zero}{split}"
         )
 
     def as_dict(self) -> dict[str, object]:

@@ -45,6 +45,7 @@ held shrink (``planner.memory``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeweave.planner.efficiency import Efficiency
@@ -52,6 +53,7 @@ from pipeweave.planner.flops import block_gemms, head_gemm
 from pipeweave.planner.hardware import GPU
 from pipeweave.planner.memory import StateBytes
 from pipeweave.planner.profiled import Model
+from pipeweave.planner.split import blocks_of
 from pipeweave.planner.transformer import Transformer
 from pipeweave.sim.network import all_gather_time, all_reduce_time
 
@@ -206,10 +208,10 @@ def update_time(cluster: Cluster, parameters: float, *, zero: int, dp: int) -> f
 
 
 def part_times(
-    cluster: Cluster, *, num_parts: int, tp: int, microbatch_size: int, recompute: str
+    cluster: Cluster, *, num_parts: int, tp: int, microbatch_size: int, recompute: str, blocks: Sequence[int] = ()
 ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
-    """Per part (``layers / num_parts`` blocks each), ``(f, i, w)``: the head on the last, the embedding's
-    all-reduce on the first.
+    """Per part (``blocks`` blocks each, default the even split: ``planner.split``), ``(f, i, w)``: the head on
+    the last, the embedding's all-reduce on the first.
 
     Example:
         >>> from pipeweave.planner.hardware import GPUS
@@ -218,11 +220,14 @@ def part_times(
         >>> f, i, w = part_times(c, num_parts=4, tp=1, microbatch_size=1, recompute="none")
         >>> f[0] == f[1] < f[3]
         True
+        >>> f, i, w = part_times(c, num_parts=4, tp=1, microbatch_size=1, recompute="none", blocks=(6, 7, 6, 5))
+        >>> f[0] < f[1]
+        True
     """
     block = block_times(cluster, tp=tp, microbatch_size=microbatch_size, recompute=recompute)
     head = head_times(cluster, tp=tp, microbatch_size=microbatch_size)
-    per = transformer(cluster).layers // num_parts
-    f, i, w = [per * block.f] * num_parts, [per * block.i] * num_parts, [per * block.w] * num_parts
+    counts = blocks_of(transformer(cluster), num_parts, blocks)
+    f, i, w = [n * block.f for n in counts], [n * block.i for n in counts], [n * block.w for n in counts]
     f[0] += tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size), tp)
     f[-1], i[-1], w[-1] = f[-1] + head[0], i[-1] + head[1], w[-1] + head[2]
     return tuple(f), tuple(i), tuple(w)

@@ -17,9 +17,11 @@ from pipeweave.planner.profiled import ProfiledModel
 from pipeweave.planner.search import Plan
 from pipeweave.planner.space import (
     MAX_CELLS,
+    UNEVEN_SLACK,
     Fixed,
     cells_per_microbatch,
     divisors,
+    searched_parts,
     splits,
     tensor_parallel_sizes,
 )
@@ -136,7 +138,7 @@ def _no_split(cluster: Cluster, gpus: int, batch: int, fixed: Fixed) -> str:
         tp, pp = "TP 1", f"PP at most the {model.layers} layers"
     else:
         tp = f"TP {fixed.tp}" if fixed.tp else f"TP dividing the {model.heads} heads and the {per_node} GPUs of a node"
-        pp = f"PP dividing the {model.layers} layers"
+        pp = f"PP cutting the {model.layers} layers evenly or nearly (at most {UNEVEN_SLACK:.0%} idle)"
     counts = split_counts(cluster, batch, Fixed(tp=fixed.tp))
     if gpus > counts.largest:
         return (
@@ -186,8 +188,11 @@ def split_counts(cluster: Cluster, batch: int, fixed: Fixed) -> SplitCounts:
     """The counts of GPUs ``cluster``'s model splits over with ``batch`` (``SplitCounts``), in O(sqrt) of each
     figure: never a walk over the counts themselves."""
     model, per_node = cluster.model, cluster.gpu.gpus_per_node
-    stages = range(1, min(model.layers, MAX_CELLS) + 1) if isinstance(model, ProfiledModel) else divisors(model.layers)
-    pps = [p for p in stages if model.splits_into(p) and fixed.allows("pp", p)]
+    pps = [
+        p
+        for p in range(1, min(model.layers, MAX_CELLS) + 1)
+        if searched_parts(model, p, fixed) and fixed.allows("pp", p)
+    ]
     units = {t * p for t in tensor_parallel_sizes(model, per_node, fixed) for p in pps}
     return SplitCounts(tuple(sorted(units)), tuple(d for d in divisors(batch) if fixed.allows("dp", d)))
 

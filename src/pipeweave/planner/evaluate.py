@@ -33,6 +33,7 @@ from pipeweave.planner.costs import Cluster, block_times, head_times, hop_time, 
 from pipeweave.planner.flops import step_flops
 from pipeweave.planner.memory import PARAM_BYTES, GPUMemory, block_activation_bytes, gpu_memory
 from pipeweave.planner.pipeline import Pipeline, Summary, Times, auto_options
+from pipeweave.planner.split import blocks_of
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.parallel import Layout, gather_time, reduction_time
 
@@ -103,7 +104,16 @@ class Evaluator:
 
     def times(self, config: Config, num_parts: int) -> Times:
         """``(f, i, w, hop)`` of the configuration's parts."""
-        key = (config.tp, config.pp, config.dp, num_parts, config.microbatch_size, config.recompute, config.zero == 3)
+        key = (
+            config.tp,
+            config.pp,
+            config.dp,
+            num_parts,
+            config.microbatch_size,
+            config.recompute,
+            config.zero == 3,
+            config.blocks,
+        )
         found = self.known_times.get(key)
         if found is None:
             found = self.known_times[key] = self._times(config, num_parts)
@@ -126,6 +136,7 @@ class Evaluator:
             tp=config.tp,
             microbatch_size=config.microbatch_size,
             recompute=config.recompute,
+            blocks=config.blocks,
         )
 
     def hop(self, config: Config, num_parts: int) -> float:
@@ -154,6 +165,7 @@ class Evaluator:
             peaks=peaks,
             state=self.cluster.state,
             zero2=config.zero == 2,
+            blocks=config.blocks,
         )
 
     def least_activation(self, config: Config) -> float:
@@ -164,7 +176,8 @@ class Evaluator:
             recompute=config.recompute,
             sequence_parallel=self.cluster.sequence_parallel,
         )[0]
-        return held * (transformer(self.cluster).layers // self.num_parts(config)) * config.microbatch_size
+        fewest = min(blocks_of(transformer(self.cluster), self.num_parts(config), config.blocks))
+        return held * fewest * config.microbatch_size
 
     def step_flops(self, recompute: str) -> float:
         """FLOPs of a step as Megatron-LM counts them (``planner.flops``)."""
@@ -239,11 +252,18 @@ class Evaluator:
         }
 
     def tp_comm(self, config: Config) -> float:
-        """Seconds one rank spends in TP all-reduces per step: T microbatches of its L / D blocks."""
+        """Seconds the busiest rank spends in TP all-reduces per step: T microbatches of its blocks (L / D where
+        they split evenly)."""
         block = block_times(
             self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, recompute=config.recompute
         )
-        return config.microbatches * transformer(self.cluster).layers / config.pp * (block.tp_f + block.tp_i)
+        return config.microbatches * self.rank_blocks(config) * (block.tp_f + block.tp_i)
+
+    def rank_blocks(self, config: Config) -> float:
+        """Blocks of the pipeline rank holding the most: L / D, or the largest part of an uneven split."""
+        if not config.blocks:
+            return transformer(self.cluster).layers / config.pp
+        return float(max(config.blocks)) * config.chunks
 
     def update(self, config: Config, param_bytes: float) -> float:
         """Seconds of the optimizer step of a part whose TP rank holds ``param_bytes`` of BF16 weights."""

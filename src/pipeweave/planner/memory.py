@@ -46,8 +46,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pipeweave.errors import UserError
+from pipeweave.planner.split import blocks_of
 from pipeweave.planner.transformer import Transformer
 from pipeweave.schedule.ir import Schedule
 from pipeweave.sim.activations import gpt_block_activations
@@ -207,24 +209,33 @@ def block_activation_bytes(
 
 
 def part_activation_bytes(
-    model: Transformer, num_parts: int, tp: int, recompute: str, sequence_parallel: bool = False
-) -> dict[str, float]:
-    """A part's activation bytes for a microbatch of one sample, as ``planner.activations.peaks`` takes them: held
-    and stashed by an ordinary part and by the last (the head's FP32 logits too), and one replayed block."""
-    per = model.layers // num_parts
+    model: Transformer,
+    num_parts: int,
+    tp: int,
+    recompute: str,
+    sequence_parallel: bool = False,
+    blocks: Sequence[int] = (),
+) -> dict[str, Any]:
+    """Per part, its activation bytes for a microbatch of one sample, as ``planner.activations.peaks`` takes
+    them: held and stashed (the last part's with the head's FP32 logits), and one replayed block; ``blocks``:
+    blocks per part (``planner.split``; default even)."""
+    counts = blocks_of(model, num_parts, blocks)
     held, stash, during = block_activation_bytes(model, tp=tp, recompute=recompute, sequence_parallel=sequence_parallel)
-    logits = 4.0 * model.seq_len * model.vocab / tp
+    logits = [0.0] * (num_parts - 1) + [4.0 * model.seq_len * model.vocab / tp]
     return {
-        "held": per * held,
-        "stash": per * stash,
-        "held_last": per * held + logits,
-        "stash_last": per * stash + logits,
+        "held": tuple(n * held + x for n, x in zip(counts, logits)),
+        "stash": tuple(n * stash + x for n, x in zip(counts, logits)),
         "during": during,
     }
 
 
 def activation_peaks(
-    schedule: Schedule, model: Transformer, tp: int, recompute: str, sequence_parallel: bool = False
+    schedule: Schedule,
+    model: Transformer,
+    tp: int,
+    recompute: str,
+    sequence_parallel: bool = False,
+    blocks: Sequence[int] = (),
 ) -> tuple[float, ...]:
     """Per rank, the peak activation bytes of ``schedule`` for microbatches of one sample (scale by b), walked by
     the simulator's ``held_peaks`` (``planner.activations`` finds the same for many sizes at once).
@@ -237,18 +248,16 @@ def activation_peaks(
         >>> activation_peaks(s, m, 2, "full") == peaks(activation_profile(s), **part_activation_bytes(m, 4, 2, "full"))
         True
     """
-    sizes = part_activation_bytes(model, schedule.num_parts, tp, recompute, sequence_parallel)
-    parts = schedule.num_parts
-    held_k = [sizes["held"]] * (parts - 1) + [sizes["held_last"]]
-    stash_k = [sizes["stash"]] * (parts - 1) + [sizes["stash_last"]]
-    extra = [sizes["during"]] * parts  # one block replayed at a time
-    return held_peaks(schedule.actions, schedule.placement.stage_part, held_k, stash_k, extra, extra)
+    sizes = part_activation_bytes(model, schedule.num_parts, tp, recompute, sequence_parallel, blocks)
+    extra = [sizes["during"]] * schedule.num_parts  # one block replayed at a time
+    part_of = schedule.placement.stage_part
+    return held_peaks(schedule.actions, part_of, list(sizes["held"]), list(sizes["stash"]), extra, extra)
 
 
-def part_parameters(model: Transformer, num_parts: int) -> tuple[float, ...]:
-    """Parameters per part: ``layers / num_parts`` blocks, the embeddings on the first, the head on the last."""
-    per = model.layers // num_parts * model.layer_parameters
-    params = [float(per)] * num_parts
+def part_parameters(model: Transformer, num_parts: int, blocks: Sequence[int] = ()) -> tuple[float, ...]:
+    """Parameters per part: its blocks (``blocks``, default the even split), the embeddings on the first, the head
+    on the last."""
+    params = [float(n * model.layer_parameters) for n in blocks_of(model, num_parts, blocks)]
     params[0] += model.embedding_parameters
     params[-1] += model.vocab * model.hidden
     return tuple(params)
@@ -264,9 +273,10 @@ def gpu_memory(
     peaks: tuple[float, ...] | None = None,
     state: StateBytes = StateBytes(),
     zero2: bool = False,
+    blocks: Sequence[int] = (),
 ) -> GPUMemory:
     """The fullest GPU of ``schedule`` on the layout (module docstring); ``peaks``: ``activation_peaks``' result
-    if known.
+    if known; ``blocks``: blocks per part (default even).
 
     Example:
         >>> from pipeweave.schedule import generate
@@ -276,10 +286,10 @@ def gpu_memory(
         >>> round(mem.grads / mem.params), round(mem.master / mem.params), round(mem.optimizer / mem.params)
         (2, 2, 4)
     """
-    params = part_parameters(model, schedule.num_parts)
+    params = part_parameters(model, schedule.num_parts, blocks)
     acts = [
         p * microbatch_size
-        for p in peaks or activation_peaks(schedule, model, layout.tp, recompute, layout.sequence_parallel)
+        for p in peaks or activation_peaks(schedule, model, layout.tp, recompute, layout.sequence_parallel, blocks)
     ]
     message = 2.0 * microbatch_size * model.seq_len * model.hidden if layout.tp > 1 or schedule.num_parts > 1 else 0.0
     return fullest_gpu(schedule, params, layout, acts, state=state, message=message, zero2=zero2)

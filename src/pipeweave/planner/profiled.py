@@ -93,6 +93,10 @@ class ProfiledModel:
         """Whether the layers can be cut into ``parts`` non-empty parts."""
         return 1 <= parts <= self.layers
 
+    def splits_evenly(self, parts: int) -> bool:
+        """``splits_into``: a profiled model's parts are cut as ``train --partition uniform`` cuts them."""
+        return self.splits_into(parts)
+
     @staticmethod
     def splits_tensors(tp: int) -> bool:
         """TP 1 only (module docstring)."""

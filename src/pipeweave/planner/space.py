@@ -2,8 +2,11 @@
 recomputation and ZeRO stage that the model's shape allows, with what the user fixed.
 
 The rules are Megatron-LM's: TP inside a node (N divides the GPUs per node) and
-dividing the heads; PP dividing the layers into equal parts (D x v of them for
-v chunks per rank); DP dividing the global batch B, and the microbatch size b
+dividing the heads; PP up to the layers, its blocks split evenly where they
+divide and, where they do not, unevenly (``planner.split``: the even split, and
+the one balancing the head and the embedding where it is faster; within
+``UNEVEN_SLACK`` unless ``--stages`` is fixed),
+interleaved chunks v dividing them into D x v equal parts; DP dividing the global batch B, and the microbatch size b
 dividing B / DP, so that T = B / (DP x b). Schedules: the registry's
 synchronous ones (``pipeweave schedules``), zb-auto and zb-v-auto included;
 at D = 1 there is no pipeline and only ``1f1b`` (plain gradient accumulation)
@@ -25,10 +28,13 @@ import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import product
 
 from pipeweave.errors import UserError
 from pipeweave.planner.candidate import Config
 from pipeweave.planner.profiled import Model
+from pipeweave.planner.split import candidate_blocks
+from pipeweave.planner.transformer import Transformer
 from pipeweave.schedule.info import PlacementKind
 from pipeweave.schedule.registry import SCHEDULES
 from pipeweave.sim.parallel import ZERO_STAGES
@@ -139,21 +145,44 @@ def splits(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed
     out = []
     for tp in tensor_parallel_sizes(model, gpus_per_node, fixed):
         for pp in divisors(gpus // tp) if gpus % tp == 0 else ():
-            if model.splits_into(pp) and fixed.allows("pp", pp):
+            if searched_parts(model, pp, fixed) and fixed.allows("pp", pp):
                 dp = gpus // (tp * pp)
                 if batch % dp == 0 and fixed.allows("dp", dp):
                     out.append((tp, pp, dp))
     return out
 
 
-def chunk_counts(model: Model, schedule: str, pp: int) -> list[int]:
-    """The chunks v a schedule may run with at D = ``pp`` (its layers split evenly into D x v parts)."""
+UNEVEN_SLACK = 0.05
+"""How unevenly the free search cuts the blocks: the most loaded of D parts holds at most 5 % more than an even
+share, ceil(L / D) x D <= 1.05 L (126 blocks on 16 stages, 70 on 12: yes; 128 on 48: no, 16 of its 144 block
+slots idle). A fixed ``--stages`` is searched however unevenly it cuts them."""
+
+
+def searched_parts(model: Model, parts: int, fixed: Fixed) -> bool:
+    """Whether the space cuts the blocks into ``parts`` parts: evenly, within ``UNEVEN_SLACK``, or any way the
+    user fixed.
+
+    Example:
+        >>> from pipeweave.planner.transformer import Transformer
+        >>> m = Transformer(layers=126, hidden=64, heads=4)
+        >>> searched_parts(m, 16, Fixed()), searched_parts(m, 40, Fixed()), searched_parts(m, 40, Fixed(pp=40))
+        (True, False, True)
+    """
+    if not model.splits_into(parts):
+        return False
+    even = model.splits_evenly(parts) or -(-model.layers // parts) * parts <= (1 + UNEVEN_SLACK) * model.layers
+    return even or fixed.pp is not None
+
+
+def chunk_counts(model: Model, schedule: str, pp: int, fixed: Fixed | None = None) -> list[int]:
+    """The chunks v a schedule may run with at D = ``pp`` (interleaved: its layers split evenly into D x v
+    parts)."""
     info = SCHEDULES[schedule]
     if info.chunks is None:  # --chunks v: looped, D x v parts (at most MAX_CELLS: T >= 1)
-        return [v for v in range(2, min(model.layers, MAX_CELLS) // pp + 1) if model.splits_into(pp * v)]
+        return [v for v in range(2, min(model.layers, MAX_CELLS) // pp + 1) if model.splits_evenly(pp * v)]
     if info.placement is PlacementKind.BIDIRECTIONAL:  # one part per rank and direction, D even
         return [1] if pp % 2 == 0 else []
-    return [info.chunks] if model.splits_into(pp * info.chunks) else []
+    return [info.chunks] if searched_parts(model, pp * info.chunks, fixed or Fixed()) else []
 
 
 def cells_per_microbatch(schedule: str, pp: int, chunks: int) -> int:
@@ -192,18 +221,28 @@ def configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixe
         yield config
 
 
+def part_blocks(model: Model, num_parts: int, recompute: str) -> list[tuple[int, ...]]:
+    """The splits of a transformer's blocks the space holds (``planner.split.candidate_blocks``: even, and
+    balanced where faster); a profiled model's one (``train --partition uniform``'s)."""
+    if isinstance(model, Transformer):
+        return candidate_blocks(model, num_parts, recompute)
+    return [()]
+
+
 def _configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> Iterator[Config]:
     for tp, pp, dp in splits(model, gpus, batch, gpus_per_node, fixed):
         names = ["1f1b"] if pp == 1 else synchronous()
         for schedule in (n for n in names if fixed.allows("schedule", n)):
-            for chunks in (v for v in chunk_counts(model, schedule, pp) if fixed.allows("chunks", v)):
+            for chunks in (v for v in chunk_counts(model, schedule, pp, fixed) if fixed.allows("chunks", v)):
                 for b in (
                     b
                     for b in microbatch_sizes(batch, dp, cells_per_microbatch(schedule, pp, chunks))
                     if fixed.allows("microbatch_size", b)
                 ):
                     for recompute in (r for r in model.recomputations if fixed.allows("recompute", r)):
-                        for zero in _zero_stages(schedule, dp, fixed):
+                        for zero, blocks in product(
+                            _zero_stages(schedule, dp, fixed), part_blocks(model, pp * chunks, recompute)
+                        ):
                             yield Config(
                                 tp=tp,
                                 pp=pp,
@@ -214,4 +253,5 @@ def _configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fix
                                 schedule=schedule,
                                 recompute=recompute,
                                 zero=zero,
+                                blocks=blocks,
                             )

@@ -153,7 +153,11 @@ class Transformer:
     """What a GPT can recompute (``planner.costs``)."""
 
     def splits_into(self, parts: int) -> bool:
-        """Whether the blocks split into ``parts`` equal parts (Megatron-LM's rule)."""
+        """Whether the blocks split into ``parts`` non-empty parts (evenly or not: ``planner.split``)."""
+        return 1 <= parts <= self.layers
+
+    def splits_evenly(self, parts: int) -> bool:
+        """Whether the blocks split into ``parts`` equal parts (Megatron-LM's rule for interleaved chunks)."""
         return parts >= 1 and self.layers % parts == 0
 
     def splits_tensors(self, tp: int) -> bool:

@@ -61,12 +61,6 @@ def _model(cluster: Cluster) -> list[str]:
         )
     if model.norm == "rmsnorm" or model.positions == "rotary":
         out.append("fusion of RMSNorm and rotary kernels (their memory traffic counted unfused)")
-    if model.vocab * model.hidden > 2 * model.layer_parameters:
-        out.append(
-            "uneven stages (the head's part gets as many blocks as the others: its "
-            f"{model.vocab:,} x {model.hidden} head weighs {model.vocab * model.hidden / model.layer_parameters:.1f} "
-            "blocks)"
-        )
     out.append("the cross-entropy's temporaries beyond the stored FP32 logits, and kernels' scratch buffers")
     return out
 

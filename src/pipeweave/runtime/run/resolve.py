@@ -72,6 +72,9 @@ def partition_arguments(config: TrainConfig) -> argparse.Namespace:
         refresh=p.refresh,
         precision=config.training.precision,
         layers_per_stage=None if p.layers_per_stage is None else ",".join(map(str, p.layers_per_stage)),
+        first_stage_layers=p.first_stage_layers,
+        last_stage_layers=p.last_stage_layers,
+        ends=1 if config.model.is_transformer else 0,
         recompute=m.recompute,
         offload=m.offload,
         balance_activations=m.balance_activations,
@@ -146,7 +149,7 @@ def layers_per_part(
         UserError: the method's errors, or a PipeDream plan that replicates parts.
     """
     method = partition_method(args)
-    if method == "uniform":
+    if method == "uniform" and args.first_stage_layers is None and args.last_stage_layers is None:
         return None
     counts = None if args.layers_per_stage is None else tuple(int(c) for c in args.layers_per_stage.split(","))
     if counts is not None and sum(counts) != spec.num_layers:  # the layers named: a gpt has more than --layers
@@ -154,7 +157,7 @@ def layers_per_part(
             f"--layers-per-stage {args.layers_per_stage} sums to {sum(counts)} layers but the model has "
             f"{spec.layers_described}; make the counts sum to {spec.num_layers}"
         )
-    if method == "explicit" or args.costs:
+    if method in ("explicit", "uniform") or args.costs:
         costs = LayerCosts.load(args.costs) if args.costs else LayerCosts.uniform(spec.num_layers)
     else:
         costs = profiled_costs(args, spec, microbatch_size, device)
