@@ -238,7 +238,9 @@ class Evaluator:
         block = block_times(
             self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, recompute=config.recompute
         )
-        blocks = config.microbatches * model.layers / config.pp
+        # the head's rank: the last part's, and every D-th part before it (an uneven split: its own counts)
+        own = sum(config.blocks[config.pp - 1 :: config.pp]) if config.blocks else model.layers / config.pp
+        blocks = config.microbatches * own
         attention = block.gemm_f - block.w
         gemm = block.gemm_f + 2 * block.w + (2.5 if model.flash else 2.0) * attention
         replay = block.replay - (block.tp_f if config.recompute == "full" else 0.0)

@@ -22,6 +22,7 @@ import shlex
 import typing
 
 from pipeweave.planner.candidate import Config
+from pipeweave.planner.split import blocks_of, runtime_counts
 from pipeweave.planner.transformer import Transformer
 
 
@@ -74,15 +75,14 @@ def refusal(config: Config, model: object, *, sequence_parallel: bool = False) -
 
 
 def layers_per_part(config: Config, model: object) -> tuple[int, ...]:
-    """The layers of each part as ``train --layers-per-stage`` counts them: the planner's equal share of the
-    blocks, and a transformer's embedding on the first part and its head on the last."""
+    """The layers of each part as ``train --layers-per-stage`` counts them: the planner's split of the blocks
+    (``config.blocks``, uneven where it chose so, else the even split), and a transformer's embedding on the
+    first part and its head on the last (``planner.split.runtime_counts``)."""
     parts = config.pp * config.chunks
-    layers: int = model.layers
-    counts = [layers // parts] * parts
     if isinstance(model, Transformer):
-        counts[0] += 1
-        counts[-1] += 1
-    return tuple(counts)
+        return runtime_counts(blocks_of(model, parts, config.blocks))
+    layers: int = model.layers
+    return tuple([layers // parts] * parts)
 
 
 def model_flags(model: object) -> list[str]:
