@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from pipeweave.commands.compare_table import classify
-from pipeweave.commands.convergence import Setting, final, schedule_for as approach_schedule, train_once
+from pipeweave.commands.compare_table import classify, seed_summary
+from pipeweave.commands.convergence import ADAPTIVE_LR, Setting, final, schedule_for as approach_schedule, train_once
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.report.stream_summary import minibatch_period
 from pipeweave.schedule import SCHEDULES, generate
@@ -155,13 +155,15 @@ def main() -> None:
     parser.add_argument("--fast", action="store_true", help="1f1b for the synchronous schedules (equal losses)")
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order (default 0)")
     parser.add_argument("--seeds", nargs="+", type=int, help="print the per-seed table of these seeds' results")
+    parser.add_argument("--optimizer", default="sgd", help="sgd (the task's lr, momentum 0.9) or an adaptive one of "
+                        f"weights.optimizers at compare's lr {ADAPTIVE_LR:g}, no momentum (default sgd)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    task = TASKS[args.task]
+    task = with_optimizer(TASKS[args.task], args.optimizer)
     if args.seeds:
-        print(seeds_table(args.task, args.seeds))
+        print(seeds_table(args.task, args.seeds, args.optimizer))
         return
-    path = results_path(args.task, args.seed)
+    path = results_path(args.task, args.seed, args.optimizer)
     results: list[dict[str, Any]] = json.loads(path.read_text())["runs"] if path.exists() else []
     if not args.plot_only:
         names = args.only or [n for n in SCHEDULES if n not in SKIP and (not args.fast or n == "1f1b"
@@ -174,33 +176,44 @@ def main() -> None:
                   f"(generate {r['generate_s']:.1f} s)", flush=True)
             path.write_text(json.dumps({"task": args.task, "D": D, "T": T, "seed": args.seed, "runs": results},
                                        indent=1))
-    if args.seed == 0:
+    if args.seed == 0 and args.optimizer == "sgd":
         plot(results, args.task, task)
     print(table(results))
 
 
-def results_path(task: str, seed: int) -> Path:
-    return HERE / (f"results_{task}.json" if seed == 0 else f"results_{task}_seed{seed}.json")
+def with_optimizer(task: Setting, optimizer: str) -> Setting:
+    """``task`` trained with ``optimizer``: SGD as the task says, any other as ``pipeweave compare
+    --convergence`` trains its optimizer rows (``ADAPTIVE_LR``, no momentum: RMSprop's step is then its last
+    gradient over its square average's root)."""
+    if optimizer == "sgd":
+        return task
+    return replace(task, optimizer=optimizer, lr=ADAPTIVE_LR, momentum=0.0)
 
 
-def seeds_table(task: str, seeds: list[int]) -> str:
-    """Per schedule, its final model loss vs synchronous training of the same seed, for each seed."""
+def results_path(task: str, seed: int, optimizer: str = "sgd") -> Path:
+    name = task if optimizer == "sgd" else f"{task}_{optimizer}"
+    return HERE / (f"results_{name}.json" if seed == 0 else f"results_{name}_seed{seed}.json")
+
+
+def seeds_table(task: str, seeds: list[int], optimizer: str = "sgd") -> str:
+    """Per schedule, its final model loss vs synchronous training of the same seed and optimizer, for each seed;
+    their mean and spread (max - min) and the classes (``compare_table.seed_summary``)."""
     rel: dict[str, list[float]] = {}
     for seed in seeds:
-        runs = json.loads(results_path(task, seed).read_text())["runs"]
+        runs = json.loads(results_path(task, seed, optimizer).read_text())["runs"]
         sync = [r["eval_loss"] for r in runs if r["synchronous"]]
         base = sum(sync) / len(sync)
         for r in runs:
             if not r["synchronous"]:
                 rel.setdefault(r["schedule"], []).append(r["eval_loss"] / base - 1)
-    lines = [f"| schedule | vs sync, seeds {' / '.join(map(str, seeds))} | mean | class per seed | class of the mean |",
-             "|---|---|---:|---|---|"]
+    lines = [f"| schedule | vs sync, seeds {' / '.join(map(str, seeds))} | mean | spread | class per seed | "
+             "class of the mean |", "|---|---|---:|---:|---|---|"]
     for name, values in sorted(rel.items(), key=lambda kv: sum(kv[1]) / len(kv[1])):
         if len(values) != len(seeds):
             continue
-        mean = sum(values) / len(values)
-        lines.append(f"| {name} | {' / '.join(f'{v:+.2%}' for v in values)} | {mean:+.2%} | "
-                     f"{' / '.join(classify(v) for v in values)} | {classify(mean)} |")
+        summary = seed_summary(values)
+        lines.append(f"| {name} | {' / '.join(f'{v:+.2%}' for v in values)} | {summary['mean']:+.2%} | "
+                     f"{summary['spread']:.2%} | {' / '.join(summary['classes'])} | {summary['class']} |")
     return "\n".join(lines)
 
 

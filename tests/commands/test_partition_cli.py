@@ -95,6 +95,13 @@ def test_pipedream_replicates_on_fast_links(head_heavy: Path, capsys: pytest.Cap
     )
     assert sum(p["replicas"] for p in result["parts"]) == 4
     assert sum(len(p["layers"]) for p in result["parts"]) == 8
+    # NOAM: ceil(workers / replicas of the input stage), PipeDream's microbatches in flight
+    assert result["noam"] == -(-4 // result["parts"][0]["replicas"])
+    argv = ["--costs", str(head_heavy), "--stages", "4", "--partition", "pipedream", "--bandwidth", "1e12"]
+    assert main(argv) == 0
+    assert f"NOAM {result['noam']}: ceil(4 ranks / {result['parts'][0]['replicas']} input replicas)" in (
+        capsys.readouterr().out
+    )
 
 
 @pytest.mark.parametrize(

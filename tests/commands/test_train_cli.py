@@ -141,6 +141,22 @@ def test_a_tied_module_split_on_pipedream_2bw_says_where_it_was_cut_and_its_tied
     assert rows["staleness / stage"] == "1 1" and rows["tied lag / stage"] == "0 1"
 
 
+def test_pipedream_prints_noam_and_in_flight_sets_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """PipeDream's summary shows the microbatches stage 0 held in flight (NOAM, by default D:
+    tests/schedule/test_asynchronous.py), measured from the ranks' records beside the schedule's;
+    ``--in-flight N`` sets it."""
+    from pipeweave.cli import main
+
+    mlp = ["--model", "mlp", "--layers", "3", "--hidden", "8", "--batch", "4", "--steps", "2", "--microbatches", "2"]
+    argv = ["train", "-s", "pipedream", "--stages", "3", "--in-flight", "2", *mlp, "--json", str(tmp_path / "t.json")]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["in_flight"] == report["in_flight_simulated"] == 2  # NOAM would be 3
+    rows = {line.split("│")[1].strip(): line.split("│")[2:4] for line in capsys.readouterr().out.splitlines()
+            if line.count("│") == 4}  # fmt: skip
+    assert [v.strip() for v in rows["in flight at stage 0"]] == ["2", "2"] and "(NOAM)" in rows
+
+
 @pytest.mark.slow  # 23 s; resuming on another schedule is in the default run in-process (runtime/test_checkpoint.py)
 def test_save_then_resume_on_another_schedule_continues_the_gpt_run(tmp_path: Path) -> None:
     gpt = ["--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch", "4"]

@@ -61,6 +61,7 @@ VARIANTS: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
     "spectrain+adamw": ("spectrain", {}, {"optimizer": "adamw", "lr": 1e-2}),
     # XGrad: prediction along each optimizer's own next step (RMSprop without momentum: its square average)
     "xpipe+adam": ("xpipe", {}, {"optimizer": "adam", "lr": 1e-2}),
+    "spectrain+adam": ("spectrain", {}, {"optimizer": "adam", "lr": 1e-2}),
     "xpipe+rmsprop": ("xpipe", {}, {"optimizer": "rmsprop", "lr": 1e-2, "momentum": 0.0}),
     "spectrain+rmsprop": ("spectrain", {}, {"optimizer": "rmsprop", "lr": 1e-2, "momentum": 0.0}),
     "xpipe+adabelief": ("xpipe", {}, {"optimizer": "adabelief", "lr": 1e-2}),

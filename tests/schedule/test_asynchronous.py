@@ -6,6 +6,8 @@ import pytest
 
 from pipeweave.schedule import Action, Op, ScheduleError, generate, validate
 from pipeweave.schedule.dataflow import consumed_gradients
+from pipeweave.schedule.pipedream import noam
+from pipeweave.schedule.stream import peak_in_flight
 from pipeweave.schedule.validate import InvalidSchedule
 from pipeweave.sim import simulate
 from pipeweave.sim.steady import steady_bubble_ratio
@@ -50,6 +52,27 @@ def test_pipedream_updates_after_every_microbatch() -> None:
     groups = consumed_gradients(s)
     assert len(groups) == 3 * 6
     assert all(grads == (Action(u.stage, Op.B, u.microbatch),) for u, grads in groups.items())
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 4])
+def test_pipedream_admits_noam_microbatches_by_default_and_in_flight_when_given(d: int) -> None:
+    """NOAM = ceil(workers / input replicas) = D on D straight stages; ``in_flight`` sets what stage 0 admits,
+    and stage s still holds at most D - s (more adds nothing on a straight pipeline)."""
+    assert noam(d) == d
+    default = generate("pipedream", num_stages=d, num_microbatches=4, num_steps=2)
+    assert [peak_in_flight(row, s) for s, row in enumerate(default.actions)] == [d - s for s in range(d)]
+    for n in range(1, d + 2):
+        s = generate("pipedream", num_stages=d, num_microbatches=4, num_steps=2, in_flight=n)
+        validate(s)
+        assert [peak_in_flight(row, k) for k, row in enumerate(s.actions)] == [max(1, min(n, d) - k) for k in range(d)]
+    # One in flight: each microbatch's backward before the next forward (no staleness, naive model parallelism)
+    one = generate("pipedream", num_stages=d, num_microbatches=2, num_steps=1, in_flight=1)
+    assert rows(one)[0][:3] == ["0F0", "0B0", "0U0"]
+
+
+def test_pipedream_in_flight_below_one_is_one_line() -> None:
+    with pytest.raises(ScheduleError, match=r"^in_flight=0 is invalid; give in_flight >= 1 .*NOAM is 3\)$"):
+        generate("pipedream", num_stages=3, num_microbatches=2, in_flight=0)
 
 
 def test_ampnet_update_frequency_and_bound() -> None:

@@ -36,6 +36,7 @@ from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionC
 from pipeweave.partition.recompute import kept_bytes, replay_time
 from pipeweave.schedule import generate
 from pipeweave.schedule.ir import Schedule
+from pipeweave.schedule.pipedream import noam
 from pipeweave.schedule.registry import SCHEDULES
 from pipeweave.sim import CostModel, compute_metrics
 from pipeweave.sim.levers import levered_activations
@@ -281,6 +282,7 @@ def plan_and_predict(args: argparse.Namespace, costs: LayerCosts) -> dict[str, A
         "recompute": spelled(plan.recompute),
         "recompute_chosen": args.recompute == "auto",
         "parts": parts,
+        "noam": noam(args.stages, plan.replicas[0]),  # PipeDream's microbatches in flight: ranks / input replicas
         "max_stage_time": max(float(p["time"]) for p in parts),
         "max_memory": max((float(p["memory"]) for p in parts if p["memory"] is not None), default=None),
         "memory_limit": args.memory_limit,
@@ -390,6 +392,9 @@ def render(result: dict[str, Any]) -> str:
     )
     if result["recompute_chosen"]:
         lines.append(f"recompute chosen per part with the split: {result['recompute']}")
+    if result["partition"] == "pipedream":
+        replicas = result["parts"][0]["replicas"]
+        lines.append(f"NOAM {result['noam']}: ceil({result['stages']} ranks / {replicas} input replicas) in flight")
     return "\n".join(lines + result.get("layout_lines", []))
 
 

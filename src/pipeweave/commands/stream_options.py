@@ -28,6 +28,11 @@ def add_schedule_arguments(g: Any) -> None:
         help="pipedream: every stage reads the version stage 0 read",
     )
     g.add_argument("--update-every", type=int, help="pipedream, spectrain: microbatches per update (default 1)")
+    g.add_argument(
+        "--in-flight",
+        type=int,
+        help="pipedream: microbatches stage 0 admits before its first backward (default NOAM = D)",
+    )
     g.add_argument("--min-update-frequency", type=int, help="ampnet: local gradients per update (default 1)")
     g.add_argument("--max-active-keys", type=int, help="ampnet: microbatches in flight (default D)")
     g.add_argument("--pipelines", type=int, metavar="P", help="avgpipe: replicated pipelines (default 2)")

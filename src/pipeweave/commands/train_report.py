@@ -223,6 +223,9 @@ def _summary_table(report: dict[str, Any]) -> Table:
     )
     table.add_row("dispatch per action", f"{report['profiled_costs_s']['dispatch'] * 1e6:.0f} us", "")
     table.add_row("bubble, schedule alone", "", f"{report['bubble_ratio_simulated_no_dispatch']:.3f}")
+    if "in_flight" in report:  # streams: the microbatches stage 0 admits (PipeDream's NOAM)
+        noam = " (NOAM)" if report["schedule"] == "pipedream" else ""
+        table.add_row(f"in flight at stage 0{noam}", str(report["in_flight"]), str(report["in_flight_simulated"]))
     for key, what in (("staleness", "staleness / stage"), ("tied_lag", "tied lag / stage")):
         if key in report:  # streams (runtime.report.stream_summary.staleness_figures), in updates
             table.add_row(what, "", " ".join(str(n) for n in report[key]))

@@ -50,6 +50,8 @@ class ScheduleConfig:
     """pipedream: every stage reads the version stage 0 read."""
     update_every: int | None = option(None)
     """pipedream, spectrain: microbatches per update (default 1)."""
+    in_flight: int | None = option(None)
+    """pipedream: microbatches stage 0 admits before its first backward (default NOAM = D)."""
     min_update_frequency: int | None = option(None)
     """ampnet: local gradients per update (default 1)."""
     max_active_keys: int | None = option(None)
@@ -70,6 +72,7 @@ GENERATOR_OPTIONS = {
     "warmup_steps": "warmup_steps",
     "vertical_sync": "vertical_sync",
     "update_every": "update_every",
+    "in_flight": "in_flight",
     "min_update_frequency": "min_update_frequency",
     "max_active_keys": "max_active_keys",
     "pipelines": "num_pipelines",

@@ -8,6 +8,11 @@ Both run 1F1B without a flush over a stream of mini-batches (``stream.py``):
   D - s versions of its in-flight microbatches (policy STASH). With
   ``vertical_sync`` every stage reads the version stage 0 read for that
   microbatch (policy VERTICAL_SYNC). ``update_every`` > 1 accumulates gradients.
+  Stage 0 admits NOAM microbatches before its first backward ("number of
+  optimal active minibatches", ceil(workers / replicas of the input stage),
+  ``noam``): D on a straight pipeline, the least that keeps every rank busy;
+  ``in_flight`` sets another (fewer leave ranks idle, more add nothing on D
+  straight stages: stage s still holds at most D - s).
 - ``pipedream-2bw``: gradients coalesced over the T microbatches of a
   mini-batch, one update per mini-batch; forwards read the newest version and
   backwards the version their forward read, so with T >= D two versions
@@ -23,6 +28,16 @@ from __future__ import annotations
 
 from pipeweave.schedule.ir import Placement, Schedule, WeightPolicy, check_positive
 from pipeweave.schedule.stream import DEFAULT_NUM_STEPS, add_updates, check_stream, every, straight_rows
+
+
+def noam(num_ranks: int, input_replicas: int = 1) -> int:
+    """PipeDream's NOAM: ceil(workers / replicas of the input stage), the microbatches admitted in flight.
+
+    Example:
+        >>> noam(4), noam(4, input_replicas=2), noam(3, input_replicas=2)
+        (4, 2, 2)
+    """
+    return -(-num_ranks // input_replicas)
 
 
 def async_1f1b(
@@ -62,6 +77,7 @@ def pipedream(
     num_steps: int = DEFAULT_NUM_STEPS,
     vertical_sync: bool = False,
     update_every: int = 1,
+    in_flight: int | None = None,
 ) -> Schedule:
     """PipeDream: 1F1B without a flush, weight stashing, an update per microbatch.
 
@@ -71,6 +87,10 @@ def pipedream(
         num_steps: mini-batches in the stream (default 4).
         vertical_sync: every stage reads the version stage 0 read (default False).
         update_every: microbatches whose gradients one update applies (paper: 1).
+        in_flight: microbatches stage 0 admits before its first backward (default NOAM = D, ``noam``).
+
+    Raises:
+        ScheduleError: ``in_flight`` < 1.
 
     Example:
         >>> s = pipedream(4, 4)
@@ -78,7 +98,9 @@ def pipedream(
         (<WeightPolicy.STASH: 'stash'>, 16, ['0F0', '0F1', '0F2', '0F3', '0B0', '0U0'])
     """
     policy = WeightPolicy.VERTICAL_SYNC if vertical_sync else WeightPolicy.STASH
-    return async_1f1b("pipedream", policy, num_stages, num_microbatches, num_steps, update_every)
+    admitted = noam(num_stages) if in_flight is None else in_flight
+    check_positive("in_flight", admitted, f"give in_flight >= 1 (microbatches in flight; NOAM is {noam(num_stages)})")
+    return async_1f1b("pipedream", policy, num_stages, num_microbatches, num_steps, update_every, admitted)
 
 
 def pipedream_2bw(num_stages: int, num_microbatches: int, *, num_steps: int = DEFAULT_NUM_STEPS) -> Schedule:

@@ -6,7 +6,7 @@ nothing is stashed: each forward and each backward reads weights predicted for
 the version its gradient will be applied to, w_hat = w - s lr v with v the
 momentum SGD velocity and s the version distance of that stage and pass
 (policy PREDICTION; ``sim.versions.read_versions`` gives s per action,
-``weights.spectrain`` the prediction).
+``weights.prediction`` the prediction, along any optimizer's own next step).
 """
 
 from __future__ import annotations

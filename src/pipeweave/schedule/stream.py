@@ -32,7 +32,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from pipeweave.schedule.ir import Action, Op, Placement, Schedule, ScheduleError, check_positive
 
@@ -130,6 +131,26 @@ def straight_rows(num_stages: int, total: int, in_flight: int | None = None) -> 
     """
     cap = num_stages if in_flight is None else min(in_flight, num_stages)
     return [[Action(r, op, j) for op, j in stream_order(max(cap - r - 1, 0), total)] for r in range(num_stages)]
+
+
+def peak_in_flight(order: Iterable[Sequence[Any]], stage: int) -> int:
+    """The most microbatches of ``stage`` between their F and their backward (B or I) along ``order``, whose
+    entries begin ``(stage, op, microbatch)``, op an ``Op`` or its letter: PipeDream's NOAM at stage 0.
+
+    Example:
+        >>> peak_in_flight(straight_rows(3, 6)[0], 0), peak_in_flight([(0, "F", 0), (0, "B", 0)], 0)
+        (3, 1)
+    """
+    held = peak = 0
+    for s, op, *_ in order:
+        if s != stage:
+            continue
+        if str(op) == "F":
+            held += 1
+            peak = max(peak, held)
+        elif str(op) in ("B", "I"):
+            held -= 1
+    return peak
 
 
 def every(n: int, total: int) -> Boundary:

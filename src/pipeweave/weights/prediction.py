@@ -1,9 +1,8 @@
 """Weight prediction (SpecTrain, XPipe, XGrad): the weights s updates ahead, along the optimizer's own next step.
 
-SpecTrain (``weights.spectrain``, Chen et al., arXiv 1809.02839) predicts
-w - s lr v with v momentum SGD's velocity; XPipe (``weights.xpipe``, Guan et
-al., arXiv 1911.04610) w - s lr m_hat / (sqrt(v_hat) + eps) with Adam's
-moments; XGrad (Guan et al., arXiv 2305.18352) generalises both to whichever
+SpecTrain (Chen et al., arXiv 1809.02839) predicts w - s lr v with v momentum
+SGD's velocity; XPipe (``weights.xpipe``, Guan et al., arXiv 1911.04610)
+w - s lr m_hat / (sqrt(v_hat) + eps) with Adam's moments; XGrad (Guan et al., arXiv 2305.18352) generalises both to whichever
 optimizer trains the weights. Here every optimizer of ``weights.optimizers``
 declares its next update from its state (direction and decoupled decay), and
 the prediction is that update taken s times (``optimizers.look_ahead``), so

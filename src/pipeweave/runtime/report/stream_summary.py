@@ -23,6 +23,7 @@ from pipeweave.runtime.run.sizes import part_weight_bytes
 from pipeweave.runtime.stage.tied import spans_parts
 from pipeweave.runtime.stream import microbatches_per_minibatch
 from pipeweave.schedule.ir import Action, Op, Schedule
+from pipeweave.schedule.stream import peak_in_flight
 from pipeweave.sim import CostModel, Event, Timeline, simulate
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.steady import steady_bubble_ratio
@@ -68,7 +69,7 @@ def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     the fill and drain. ``step_time_s`` is the time per mini-batch,
     ``weight_bytes`` the peak of every weight version and buffer per rank,
     beside ``weight_bytes_simulated`` = ``sim.versions.weight_copies`` x each part's bytes; ``staleness``
-    (and ``tied_lag``) as ``staleness_figures``.
+    (and ``tied_lag``) as ``staleness_figures``, ``in_flight`` as ``in_flight_figures``.
     """
     cost = profile_costs(schedule, record)
     out = measured_summary(schedule, record, cost)  # per-mini-batch times, throughput, profiled costs, memory
@@ -101,10 +102,25 @@ def summarize_stream(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
         }
     )
     out.update(staleness_figures(schedule, record.config.model, layer_ranges(record.config, schedule)))
+    out.update(in_flight_figures(schedule, record))
     out["samples_per_s"] = record.config.data.batch_size / out["step_time_s"]
     if out.get("tokens_per_s"):
         out["tokens_per_s"] = out["samples_per_s"] * record.config.model.seq_len
     return out
+
+
+def in_flight_figures(schedule: Schedule, record: RunRecord) -> dict[str, int]:
+    """``in_flight``: the most microbatches stage 0 held between F and backward in the recorded actions of its
+    rank (PipeDream's NOAM), beside ``in_flight_simulated``, the schedule's."""
+    stage = schedule.placement.pipelines[0][0]
+    rank = schedule.placement.stage_rank[stage]
+    recorded = sorted(  # kept per mini-batch (``split_by_minibatch``): back in the order the rank ran them
+        (rec for r in record.ranks if r.rank == rank for step in r.records for rec in step), key=lambda rec: rec[3]
+    )
+    return {
+        "in_flight": peak_in_flight(recorded, stage),
+        "in_flight_simulated": peak_in_flight(schedule.actions[rank], stage),
+    }
 
 
 def staleness_figures(schedule: Schedule, spec: ModelSpec, parts: Sequence[range]) -> dict[str, list[int]]:
