@@ -70,13 +70,13 @@ def step_times(record: RunRecord) -> list[float]:
     its first start) to its last end."""
     steps = record.config.training.steps
     ends = [max(_ends(r)[k] for r in record.ranks) for k in range(steps)]
-    first = min(r.records[0][0][3] for r in record.ranks)
+    first = min(row[0][3] for r in record.ranks for row in r.records if row)  # AvgPipe: a rank skips steps
     return [ends[0] - first] + [b - a for a, b in zip(ends, ends[1:])]
 
 
 def _ends(rank: Any) -> list[float]:
     """A rank's ``step_ends``; a record built without them (all its steps kept): its rows' last ends."""
-    return rank.step_ends or [row[-1][4] for row in rank.records]
+    return rank.step_ends or [row[-1][4] if row else float("-inf") for row in rank.records]
 
 
 def microbatch_factors(schedule: Schedule, record: RunRecord) -> list[list[float]] | None:
@@ -310,7 +310,7 @@ def chrome_trace(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
     """Every recorded action of every recorded step as Chrome trace events (one process row per rank); its
     ``otherData`` says which steps (``steps``: the first and last, 1-based, of ``of``)."""
     events: list[dict[str, Any]] = []
-    origin = min(r.records[0][0][3] for r in record.ranks)
+    origin = min(row[0][3] for r in record.ranks for row in r.records if row)
     for rank in record.ranks:
         events.append({"name": "process_name", "ph": "M", "pid": rank.rank, "args": {"name": f"rank {rank.rank}"}})
         for k, step in enumerate(record.ranks[rank.rank].records):

@@ -30,6 +30,7 @@ from pipeweave.runtime.run.record import (
 from pipeweave.runtime.run.sizes import replica_microbatch_sizes
 from pipeweave.runtime.run.step_log import StepLog
 from pipeweave.runtime.run.workers import build_workers, join_mesh
+from pipeweave.runtime.stage.averaging import CollectiveExchange
 from pipeweave.runtime.stage.policy import RankPolicy, Read, StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stream import (
@@ -41,7 +42,7 @@ from pipeweave.runtime.stream import (
 )
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import Schedule, lower
-from pipeweave.schedule.ir import Action
+from pipeweave.schedule.ir import Action, WeightPolicy
 
 
 @dataclass
@@ -79,7 +80,9 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     divergence = Divergence(plan, workers)
     log = StepLog(plan, context, None)
     for (first, steps), stream in zip(plan.segments, plan.streams):
-        policy = RankPolicy(stream, workers, config.policy, lr_at=rates, carry=carry)
+        policy = RankPolicy(
+            stream, workers, config.policy, lr_at=rates, carry=carry, exchange=_exchange(stream, joined)
+        )
         _run_stream(plan, stream, (first, steps), context, workers, source, policy, done)
         carry = policy.carry()
         end = first + steps
@@ -171,3 +174,10 @@ def _run_stream(
     done.peak_activations = max(done.peak_activations, executor.peak_activation_bytes)
     done.peak_weights = max(done.peak_weights, policy.peak_weight_bytes)
     done.position.advance(stream, t)
+
+
+def _exchange(stream: Schedule, mesh: Any) -> CollectiveExchange | None:
+    """AvgPipe on ranks of their own: its replicas average by an all-reduce over their ranks' groups."""
+    if stream.policy is not WeightPolicy.AVERAGING or not mesh.replica_groups:
+        return None
+    return CollectiveExchange(mesh.replica_groups, len(stream.placement.replicas(0)))
