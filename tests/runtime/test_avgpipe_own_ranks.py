@@ -20,6 +20,7 @@ from pipeweave.data.corpus import ByteCorpus, stdlib_sources
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.reference import run_stream_reference
+from pipeweave.runtime.report.trace import chrome_trace
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import build_schedule, optimizer_factory, prepare
@@ -117,3 +118,17 @@ def test_the_averaging_moves_the_replicas(runs: dict[str, tuple[TrainConfig, Run
     )
     measured = {s: p for r in record.ranks for s, p in r.parameters.items()}
     assert spread([measured[s] for s in range(4)]) < 0.5 * spread(apart.stage_parameters)
+
+
+@pytest.mark.parametrize(("case", "rounds"), [("every round", [1, 2, 3, 4]), ("every second round", [2, 4])])
+def test_each_averaging_is_in_the_record_and_the_trace(
+    runs: dict[str, tuple[TrainConfig, RunRecord]], case: str, rounds: list[int]
+) -> None:
+    """8 mini-batches, P = 2: 4 update rounds per replica; an all-reduce every --avg-every of them, per rank."""
+    config, record = runs[case]
+    for rank_record in record.ranks:
+        assert [n for _, n, _, _ in rank_record.averaging] == rounds
+        assert all(t1 >= t0 for _, _, t0, t1 in rank_record.averaging)
+    trace = chrome_trace(build_schedule(config), record)
+    names = sorted(e["name"] for e in trace["traceEvents"] if "AVG" in e.get("name", ""))
+    assert names == sorted(f"{s}AVG{n}" for s in range(4) for n in rounds)

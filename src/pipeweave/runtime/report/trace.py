@@ -307,8 +307,9 @@ def _values(value: float | Sequence[float]) -> Sequence[float]:
 
 
 def chrome_trace(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
-    """Every recorded action of every recorded step as Chrome trace events (one process row per rank); its
-    ``otherData`` says which steps (``steps``: the first and last, 1-based, of ``of``)."""
+    """Every recorded action of every recorded step as Chrome trace events (one process row per rank; AvgPipe's
+    averaging all-reduces on a row of their own); its ``otherData`` says which steps (``steps``: the first and
+    last, 1-based, of ``of``)."""
     events: list[dict[str, Any]] = []
     origin = min(row[0][3] for r in record.ranks for row in r.records if row)
     for rank in record.ranks:
@@ -327,5 +328,24 @@ def chrome_trace(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
                         "args": {"step": k},
                     }
                 )
+    events += _averaging_events(record, origin)
     kept = {"steps": [1, window(record)], "of": record.config.training.steps}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": schedule.name, **kept}}
+
+
+def _averaging_events(record: RunRecord, origin: float) -> list[dict[str, Any]]:
+    """AvgPipe on ranks of their own: each averaging's all-reduce, from its start to its mean in hand (tid 2)."""
+    return [
+        {
+            "name": f"{s}AVG{n}",
+            "cat": "comm",
+            "ph": "X",
+            "pid": rank.rank,
+            "tid": 2,
+            "ts": (t0 - origin) * 1e6,
+            "dur": (t1 - t0) * 1e6,
+            "args": {"averaging round": n},
+        }
+        for rank in record.ranks
+        for s, n, t0, t1 in rank.averaging
+    ]

@@ -57,6 +57,9 @@ class RankRecord:
     or on the CPU the tensors created in it and alive at once; 0 where not measured: streams)."""
     log_failure: str | None = None
     """Why this process's ``--log-dir`` log stopped (``StepLog.failure``; None: whole, or not its writer)."""
+    averaging: list[tuple[int, int, float, float]] = field(default_factory=list)
+    """AvgPipe on ranks of their own: per averaging, ``(stage, round, start s, end s)`` on rank 0's clock, from the
+    all-reduce's start to its mean in hand (``runtime.stage.averaging``)."""
 
     def add_step(
         self,

@@ -55,6 +55,7 @@ class _Streamed:
     peak_activations: int = 0
     peak_weights: int = 0
     position: StreamPosition = field(default_factory=StreamPosition)
+    averaging: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
@@ -78,13 +79,12 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     milestones = Milestones(plan, plan.streams[0], context, workers, source)  # any stream: same placement
     done = _Streamed()
     divergence = Divergence(plan, workers)
-    log = StepLog(plan, context, None)
+    log, exchange = StepLog(plan, context, None), _exchange(plan.streams[0], joined)
     for (first, steps), stream in zip(plan.segments, plan.streams):
-        policy = RankPolicy(
-            stream, workers, config.policy, lr_at=rates, carry=carry, exchange=_exchange(stream, joined)
-        )
+        policy = RankPolicy(stream, workers, config.policy, lr_at=rates, carry=carry, exchange=exchange)
         _run_stream(plan, stream, (first, steps), context, workers, source, policy, done)
         carry = policy.carry()
+        done.averaging += policy.averaging_events  # the drain applied the last ones
         end = first + steps
         groups = split_by_minibatch(done.timings, config.schedule.num_microbatches, end)
         for m in range(first, end):
@@ -112,6 +112,7 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         log_failure=log.failure,
     )
     mine.versions = done.versions
+    mine.averaging = [(s, n, (t0 - offset) * 1e-9, (t1 - offset) * 1e-9) for s, n, t0, t1 in done.averaging]
     mine.step_ends = [group[-1][4] if group else 0.0 for group in records]
     run = gather_run(config, mine, context, started, plan.steps_done, plan.updates_done)
     if run is not None:

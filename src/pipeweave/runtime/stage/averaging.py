@@ -15,6 +15,7 @@ updates a replica's weights do not change, so x is still x_n then: the pull is
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -111,12 +112,15 @@ class DelayedAveraging:
     ) -> None:
         self.exchange, self.part_of, self.period = exchange, part_of, period
         self.alpha = default_alpha(replicas) if alpha is None else alpha
-        self.pending: dict[int, tuple[int, Pending]] = {}  # stage -> (round, exchange in flight)
+        self.pending: dict[int, tuple[int, int, Pending]] = {}  # stage -> (round, start ns, exchange in flight)
+        self.events: list[tuple[int, int, int, int]] = []
+        """Per exchange: (stage, round, start, end) in perf_counter ns, from its start to the mean in hand."""
 
     def after_update(self, stage: int, round_: int, params: Sequence[torch.Tensor]) -> None:
         """Round ``round_`` (counted over the run) is made: start its exchange if it is due."""
         if round_ % self.period == 0:
-            self.pending[stage] = (round_, self.exchange.start(self.part_of[stage], round_, params))
+            started = time.perf_counter_ns()
+            self.pending[stage] = (round_, started, self.exchange.start(self.part_of[stage], round_, params))
 
     def waiting_on(self, stage: int) -> tuple[int, int] | None:
         """(part, round) whose exchange the stage's next update needs, or None."""
@@ -128,9 +132,11 @@ class DelayedAveraging:
         """Before the stage's next update (or at the drain): pull its weights toward the round's mean."""
         if stage not in self.pending:
             return
-        _, pending = self.pending.pop(stage)
+        round_, started, pending = self.pending.pop(stage)
+        means = pending.mean()
+        self.events.append((stage, round_, started, time.perf_counter_ns()))
         with torch.no_grad():
-            for p, mean in zip(params, pending.mean()):
+            for p, mean in zip(params, means):
                 p.add_(mean.to(p.dtype) - p, alpha=self.alpha)
 
     def drain(self, params_of: dict[int, Sequence[torch.Tensor]]) -> None:

@@ -153,6 +153,11 @@ class RankPolicy:
         self.peak_weight_bytes = max(self.peak_weight_bytes, self.held_bytes())
 
     # ---- AvgPipe -------------------------------------------------------------------
+    @property
+    def averaging_events(self) -> list[tuple[int, int, int, int]]:
+        """AvgPipe on ranks of their own: per exchange, (stage, round, start ns, end ns) (``DelayedAveraging``)."""
+        return self._delayed.events if self._delayed else []
+
     def waiting_on(self, stage: int) -> tuple[int, int] | None:
         """AvgPipe on ranks of their own: (part, round) of the averaging the stage's next ``U`` applies, or None."""
         return self._delayed.waiting_on(stage) if self._delayed else None
