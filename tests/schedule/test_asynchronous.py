@@ -212,3 +212,22 @@ def test_greedy_stream_equals_the_list_scheduler_by_its_definition(name: str, mo
                     slow = generate(name, num_stages=d, num_microbatches=t, num_steps=steps, **extra)
                     monkeypatch.undo()
                     assert fast.actions == slow.actions, (d, t, steps, extra)
+
+
+def test_avgpipe_on_ranks_of_their_own() -> None:
+    """P pipelines on P x D ranks: pipeline q runs the lone pipeline's order on its own mini-batches m P + q.
+    rank 0 | 0F0 0F1 0B0 0B1 0U0 0F4 ...     (pipeline 0: mini-batches 0, 2)
+    rank 2 | 2F2 2F3 2B2 2B3 2U0 2F6 ...     (pipeline 1: mini-batches 1, 3)
+    """
+    for d, t, p, steps in [(2, 2, 2, 2), (3, 2, 3, 2), (1, 1, 2, 1), (4, 5, 2, 3)]:
+        s = generate("avgpipe", num_stages=d, num_microbatches=t, num_steps=steps, num_pipelines=p, own_ranks=True)
+        validate(s)
+        lone = generate("avgpipe", num_stages=d, num_microbatches=t, num_steps=steps, num_pipelines=1)
+        assert s.num_ranks == p * d and s.placement.stage_rank == tuple(range(p * d))
+        for q in range(p):
+            for i in range(d):
+                row = s.actions[q * d + i]
+                assert {a.microbatch // t % p for a in row if a.op is not Op.U} == {q}
+                assert [(a.op, a.stage - q * d) for a in row] == [(a.op, a.stage) for a in lone.actions[i]]
+    first = rows(generate("avgpipe", num_stages=2, num_microbatches=2, num_steps=2, own_ranks=True))[2][:6]
+    assert first == ["2F2", "2F3", "2B2", "2B3", "2U0", "2F6"]
