@@ -132,3 +132,26 @@ def test_each_averaging_is_in_the_record_and_the_trace(
     trace = chrome_trace(build_schedule(config), record)
     names = sorted(e["name"] for e in trace["traceEvents"] if "AVG" in e.get("name", ""))
     assert names == sorted(f"{s}AVG{n}" for s in range(4) for n in rounds)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_each_pipelines_replica_exactly(tmp_path: Path) -> None:
+    """Each pipeline's replica is saved under its own keys (``replicas/<i>/``): 4 steps, saved, then 4 resumed,
+    train as 8 steps drained at 4 (a drain applies the averaging in flight, as a save does)."""
+    import dataclasses
+
+    base = _config(tmp_path, 1)
+    full = dataclasses.replace(base, save=str(tmp_path / "full"), save_every=4)
+    first = dataclasses.replace(base, steps=4, save=str(tmp_path / "first"))
+    for c in (full, first):
+        prepare(c)
+    whole, _ = launch(_run_all, [full, first], 4, LaunchOptions(timeout_s=120))
+    resumed = dataclasses.replace(base, steps=4, resume=str(tmp_path / "first"))
+    prepare(resumed)
+    (rest,) = launch(_run_all, [resumed], 4, LaunchOptions(timeout_s=120))
+    assert rest.losses == whole.losses[4:]
+    ends = {s: p for r in rest.ranks for s, p in r.parameters.items()}
+    for r in whole.ranks:
+        for s, params in r.parameters.items():
+            for name, value in params.items():
+                torch.testing.assert_close(ends[s][name], value, rtol=0, atol=0)

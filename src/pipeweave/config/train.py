@@ -261,10 +261,6 @@ def _check_applies(config: TrainConfig) -> None:
             takers = [n for n, i in SCHEDULES.items() if keyword in inspect.signature(i.generator).parameters]
             flag = flag_of(next(f for f in dataclasses.fields(ScheduleConfig) if f.name == key))
             raise UserError(f"{flag} applies to {', '.join(takers)}, not {name}; drop it")
-    if config.schedule.own_ranks and (config.checkpoint.save is not None or config.checkpoint.resume is not None):
-        # A checkpoint keys a part's values by its replica among one rank's stages: pipelines on ranks of their
-        # own would all write the first replica's keys.
-        raise UserError("--save/--resume with avgpipe --own-ranks are not supported yet; drop --own-ranks to save")
     default = PolicyOptions()
     for f in dataclasses.fields(PolicyOptions):
         taker = POLICY_TAKERS[f.name]

@@ -15,7 +15,7 @@ from typing import Any
 from pipeweave.data import data_source
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.executor import Executor, Record
-from pipeweave.runtime.run import checkpoint
+from pipeweave.runtime.run import checkpoint, checkpoint_state
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones
 from pipeweave.runtime.run.prepare import RunPlan, stream_rates
@@ -70,7 +70,8 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     carry = StreamCarry()
     if config.checkpoint.resume is not None:
         assert plan.resumed is not None
-        carry = checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
+        apart = checkpoint_state.apart_replicas(plan.schedule.placement, workers)
+        carry = checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers, apart)
     rates = stream_rates(config, plan.schedule, plan.updates_done).at if config.training.lr_scheduled else None
     source = data_source(
         config.model, batch_size=config.data.batch_size, seed=config.data.data_seed, path=config.data.path
