@@ -266,6 +266,7 @@ def test_an_asynchronous_run_evaluates_saves_and_resumes_between_its_streams(tmp
             ["--model", "gpt", "--heads", "2", "--layers", "1", "--stages", "4"],
             "4 parts (zb-h1, D=4) need at least 4 layers, the model has 3 (the embedding, 1 block, the head)",
         ),
+        (["-s", "avgpipe", "--own-ranks", "--avg-every", "0"], "--avg-every 0 is invalid; give N >= 1 rounds"),
     ],
 )
 def test_misplaced_options_are_one_line_before_spawning(

@@ -114,13 +114,46 @@ def test_steady_state_bubble_is_zero(name: str, d: int, t: int) -> None:
     assert steady_bubble_ratio(simulate(s)) == pytest.approx(0.0, abs=1e-12)
 
 
-def test_wpipe_steady_bubble_shrinks_with_t() -> None:
-    # Measured with our greedy order, not the paper's ~0 (see schedule/wpipe.py).
-    b = [
-        steady_bubble_ratio(simulate(generate("wpipe", num_stages=4, num_microbatches=t, num_steps=5)))
-        for t in (4, 8, 16)
+def test_wpipe_golden() -> None:
+    # 2GW at D = T = 2 (stages 0, 1: G0; 2, 3: G1), three periods. G1 runs each period as 1F1B and updates
+    # before the next period's forwards; G0's forwards of period k + 1 come before its backwards of period k:
+    #   rank 0 | 0F0 0F1 2F0 2F1 2B0 0F2 2B1 2U0 0F3 0B0 | 2F2 0B1 0U0 2F3 2B2 0F4 2B3 2U1 0F5 0B2 | 2F4 0B3 ...
+    #   rank 1 | 1F0 1F1 3F0 3B0 3F1 3B1 3U0 1F2 1B0 1F3 1B1 1U0 | 3F2 3B2 3F3 3B3 3U1 1F4 1B2 1F5 1B3 1U1 | ...
+    assert [" ".join(row) for row in rows(generate("wpipe", num_stages=2, num_microbatches=2, num_steps=3))] == [
+        "0F0 0F1 2F0 2F1 2B0 0F2 2B1 2U0 0F3 0B0 2F2 0B1 0U0 2F3 2B2 0F4 2B3 2U1 0F5 0B2 2F4 0B3 0U1 2F5 2B4 2B5 "
+        "2U2 0B4 0B5 0U2",
+        "1F0 1F1 3F0 3B0 3F1 3B1 3U0 1F2 1B0 1F3 1B1 1U0 3F2 3B2 3F3 3B3 3U1 1F4 1B2 1F5 1B3 1U1 3F4 3B4 3F5 3B5 "
+        "3U2 1B4 1B5 1U2",
     ]
-    assert b[0] > b[1] > b[2] and b[2] < 0.05
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 4, 5, 8])
+def test_wpipe_steady_state_is_the_rule_and_has_no_bubble(d: int) -> None:
+    """The paper's ~0 at f = 1, B = 2 for every T >= D; two G0 versions, one G1 version, G0 one update stale."""
+    from pipeweave.schedule.wpipe import period_slots
+    from pipeweave.sim.versions import stage_weights, staleness
+
+    for t in (d, d + 1, 2 * d + 1):
+        s = generate("wpipe", num_stages=d, num_microbatches=t, num_steps=5)
+        assert steady_bubble_ratio(simulate(s)) == pytest.approx(0.0, abs=1e-12), (d, t)
+        assert [w.versions for w in stage_weights(s)] == [2] * d + [1] * d
+        assert staleness(s) == (1,) * d + (0,) * d
+        for r in range(d):  # period 2 (no warm-up nor drain left): the rule's list, microbatches numbered
+            computes = [a for a in s.actions[r] if a.op is not Op.U]
+            period = [a for a in computes if a.stage >= d and a.microbatch // t == 2]
+            start = computes.index(period[0])
+            kinds = [("F" if a.op is Op.F else "B") + ("1" if a.stage >= d else "0") for a in computes[start:]]
+            assert kinds[: 4 * t] == [k for k, _ in period_slots(d, t, r)], (d, t, r)
+
+
+def test_wpipe_short_periods_keep_two_versions() -> None:
+    """T < D (outside the paper's setting): list-scheduled under the same two rules, still a double buffer."""
+    from pipeweave.sim.versions import stage_weights, staleness
+
+    for d, t in [(3, 2), (4, 3), (5, 2), (3, 1)]:
+        s = generate("wpipe", num_stages=d, num_microbatches=t, num_steps=5)
+        validate(s)
+        assert max(w.versions for w in stage_weights(s)) <= 2 and staleness(s)[d:] == (0,) * d
 
 
 def test_flush_warmup_makes_a_bubble() -> None:
@@ -202,3 +235,22 @@ def test_greedy_stream_equals_the_list_scheduler_by_its_definition(name: str, mo
                     slow = generate(name, num_stages=d, num_microbatches=t, num_steps=steps, **extra)
                     monkeypatch.undo()
                     assert fast.actions == slow.actions, (d, t, steps, extra)
+
+
+def test_avgpipe_on_ranks_of_their_own() -> None:
+    """P pipelines on P x D ranks: pipeline q runs the lone pipeline's order on its own mini-batches m P + q.
+    rank 0 | 0F0 0F1 0B0 0B1 0U0 0F4 ...     (pipeline 0: mini-batches 0, 2)
+    rank 2 | 2F2 2F3 2B2 2B3 2U0 2F6 ...     (pipeline 1: mini-batches 1, 3)
+    """
+    for d, t, p, steps in [(2, 2, 2, 2), (3, 2, 3, 2), (1, 1, 2, 1), (4, 5, 2, 3)]:
+        s = generate("avgpipe", num_stages=d, num_microbatches=t, num_steps=steps, num_pipelines=p, own_ranks=True)
+        validate(s)
+        lone = generate("avgpipe", num_stages=d, num_microbatches=t, num_steps=steps, num_pipelines=1)
+        assert s.num_ranks == p * d and s.placement.stage_rank == tuple(range(p * d))
+        for q in range(p):
+            for i in range(d):
+                row = s.actions[q * d + i]
+                assert {a.microbatch // t % p for a in row if a.op is not Op.U} == {q}
+                assert [(a.op, a.stage - q * d) for a in row] == [(a.op, a.stage) for a in lone.actions[i]]
+    first = rows(generate("avgpipe", num_stages=2, num_microbatches=2, num_steps=2, own_ranks=True))[2][:6]
+    assert first == ["2F2", "2F3", "2B2", "2B3", "2U0", "2F6"]

@@ -213,3 +213,19 @@ def test_weight_stashing_keeps_a_copy_per_version() -> None:
 def test_bad_layouts_are_user_errors(make: object, needle: str) -> None:
     with pytest.raises(UserError, match=needle):
         make()  # type: ignore[operator]
+
+
+def test_avgpipe_on_ranks_of_their_own_pays_an_all_reduce_of_each_part_between_its_replicas() -> None:
+    """P = 2 pipelines of D = 2 on 4 ranks: part i's replicas on ranks i and 2 + i, one all-reduce of its
+    parameters per averaging; across nodes when a node holds one pipeline. Shared ranks average in place."""
+    model = ModelBytes(params=8.0)
+    own = generate("avgpipe", num_stages=2, num_microbatches=2, own_ranks=True)
+    one_node = Layout(network=Network(intra_node=FAST, inter_node=SLOW, gpus_per_node=4))
+    two_nodes = Layout(network=Network(intra_node=FAST, inter_node=SLOW, gpus_per_node=2))
+    inside = communication(own, None, one_node, model).averaging
+    across = communication(own, None, two_nodes, model).averaging
+    assert inside == (all_reduce_time(8.0, 2, FAST),) * 2
+    assert across == (all_reduce_time(8.0, 2, SLOW),) * 2 and across[0] > inside[0]
+    assert communication(own, None, two_nodes, model).as_dict()["avg_all_reduce"] == list(across)
+    shared = generate("avgpipe", num_stages=2, num_microbatches=2)
+    assert communication(shared, None, two_nodes, model).averaging == ()

@@ -349,6 +349,11 @@ def layout_lines(layout: Layout, comm: Communication | None, memory: tuple[RankM
             f"sticking out past the backward {unit(comm.exposed)}"
             + (f"; ZeRO all-gather after U, max {unit(max(comm.gather))}" if any(comm.gather) else "")
         )
+        if comm.averaging:
+            lines.append(
+                f"  AvgPipe averaging all-reduce per part, max {unit(max(comm.averaging))}, every --avg-every "
+                "rounds, overlapped with the next mini-batch"
+            )
     if memory is not None and any(m.total for m in memory):
         worst = max(memory, key=lambda m: m.total)
         lines.append(

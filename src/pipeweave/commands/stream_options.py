@@ -36,6 +36,12 @@ def add_schedule_arguments(g: Any) -> None:
     g.add_argument("--min-update-frequency", type=int, help="ampnet: local gradients per update (default 1)")
     g.add_argument("--max-active-keys", type=int, help="ampnet: microbatches in flight (default D)")
     g.add_argument("--pipelines", type=int, metavar="P", help="avgpipe: replicated pipelines (default 2)")
+    g.add_argument(
+        "--own-ranks",
+        action="store_true",
+        default=None,
+        help="avgpipe: each pipeline on D ranks of its own (P x D ranks, averaged by an all-reduce)",
+    )
 
 
 def _given(args: argparse.Namespace, flags: dict[str, tuple[str, str]], schedule: str) -> dict[str, Any]:

@@ -45,8 +45,10 @@ class PolicyOptions:
     """pipemare: discrepancy correction of the backward weights (``--no-correction``: none)."""
     averaging_rate: float | None = option(None, metavar="ALPHA", check=_rate)
     """avgpipe: elastic averaging rate toward the replicas' mean (None: 0.9/P, EASGD's beta = 0.9)."""
-    averaging_period: int = option(1, check=at_least(1))
-    """avgpipe: update rounds between averagings."""
+    averaging_period: int = option(
+        1, flags=("--avg-every", "--averaging-period"), metavar="N", check=at_least(1, "give N >= 1 rounds")
+    )
+    """avgpipe: average the pipelines' replicas every N update rounds (AvgPipe's communication period)."""
 
     def __post_init__(self) -> None:
         check_section(self)

@@ -58,6 +58,9 @@ class ScheduleConfig:
     """ampnet: microbatches in flight (default D)."""
     pipelines: int | None = option(None, metavar="P")
     """avgpipe: replicated pipelines (default 2)."""
+    own_ranks: bool | None = option(None)
+    """avgpipe: each pipeline on D ranks of its own, P x D processes averaging by an all-reduce (the paper's
+    layout); default: the P pipelines share D ranks and average in place."""
     written: Schedule | None = option(None, internal=True)
     """The schedule read from ``schedule_path`` and validated (``runtime.run.resolve``)."""
     options: tuple[tuple[str, Any], ...] = option((), internal=True)
@@ -76,6 +79,7 @@ GENERATOR_OPTIONS = {
     "min_update_frequency": "min_update_frequency",
     "max_active_keys": "max_active_keys",
     "pipelines": "num_pipelines",
+    "own_ranks": "own_ranks",
 }
 """``ScheduleConfig`` field -> the generator's keyword it sets."""
 

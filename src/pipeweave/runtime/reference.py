@@ -17,6 +17,7 @@ from pipeweave.errors import UserError
 from pipeweave.models.boundary import Boundary
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.plain import TrainResult
+from pipeweave.runtime.stage.averaging import LocalExchange
 from pipeweave.runtime.stage.lr_schedule import set_lr
 from pipeweave.runtime.stage.policy import PolicyOptions, RankPolicy, Read, ScheduleTables, StreamCarry
 from pipeweave.runtime.stage.tied import TiedGradients
@@ -158,14 +159,22 @@ class _StreamWalk(Walk):
         inputs: Sequence[Boundary],
         targets: Sequence[Boundary],
         policies: dict[int, RankPolicy],
+        exchange: LocalExchange | None = None,
     ) -> None:
         super().__init__(schedule, workers, inputs, targets)
         self.policy_of = {s: policies[r] for r, policy in policies.items() for s in policy.states}
+        self.exchange = exchange
         self.ties = StreamTies(schedule, dict(enumerate(workers)))  # its hooks: what the tied stages' U run
 
     def ready(self, a: Action) -> bool:
         # U(s, k) applies the gradients its rank ran since U(s, k-1) (dataflow.consumed_gradients); a tied
         # stage's also its partner's half (runtime.stage.tied_stream), as the distributed U waits for it.
+        # AvgPipe on ranks of their own: a U applies the averaging of the round before, as the distributed U
+        # waits for its all-reduce; every replica must have sent that round.
+        if a.op is Op.U:
+            waiting = self.policy_of[a.stage].waiting_on(a.stage)
+            if waiting is not None and self.exchange is not None and not self.exchange.complete(*waiting):
+                return False
         return self.ties.ready(a.stage) if a.op is Op.U else super().ready(a)
 
     def run(self, a: Action) -> None:
@@ -255,15 +264,18 @@ def _run_stream(
     for w in workers:
         w.start_at(position.minibatches)
     tables = ScheduleTables(stream)
+    exchange = LocalExchange(len(stream.placement.replicas(0)))  # used by AvgPipe on ranks of their own only
     policies = {
-        r: RankPolicy(stream, {s: workers[s] for s in stream.placement.stages_on(r)}, options, tables, lr_at, carry)
+        r: RankPolicy(
+            stream, {s: workers[s] for s in stream.placement.stages_on(r)}, options, tables, lr_at, carry, exchange
+        )
         for r in range(stream.num_ranks)
     }
     total = stream.num_microbatches
     inputs, targets = (
         StreamData(source, num_microbatches=t, length=total, part=part, first=position.minibatches) for part in (0, 1)
     )
-    state = _StreamWalk(stream, workers, inputs, targets, policies)
+    state = _StreamWalk(stream, workers, inputs, targets, policies, exchange)
     run_step(stream, workers, [], [], state=state)
     state.ties.drain()
     result.losses += minibatch_losses(state.losses, t, total // t)

@@ -344,7 +344,7 @@ SCHEDULES: dict[str, ScheduleInfo] = {
         generator=wpipe,
         family="WPipe (double-grouped weight updates)",
         synchronous=False,
-        bubble="~0 (steady state)",
+        bubble="0 in steady state (2GW order, T >= D, f = 1, B = 2)",
         activations="see simulate",
         weights="<= 2 M_theta",
         chunks=2,

@@ -1,13 +1,15 @@
 """What a layout's communication costs one step: TP all-reduces per rank, the slowest pipeline message,
-each part's DP reduction, and how much of the reductions sticks out past the backward (``sim.parallel``)."""
+each part's DP reduction, how much of the reductions sticks out past the backward (``sim.parallel``), and
+AvgPipe's averaging of the replicas of each part between pipelines on ranks of their own."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeweave.schedule.ir import Op, Schedule
+from pipeweave.schedule.ir import Op, Schedule, WeightPolicy
 from pipeweave.sim.bubble import bubble_metrics
 from pipeweave.sim.cost import CostModel
+from pipeweave.sim.network import all_reduce_time
 from pipeweave.sim.parallel import (
     Layout,
     gather_time,
@@ -48,6 +50,9 @@ class Communication:
     """Per part, ZeRO's parameter all-gather after ``U``."""
     exposed: float
     """What the DP reductions add to the step: its makespan minus the makespan with them free."""
+    averaging: tuple[float, ...] = ()
+    """AvgPipe on ranks of their own: per part, the all-reduce of its parameters over its P replicas' ranks
+    that each averaging round costs (``averaging_times``); empty for every other schedule."""
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -56,7 +61,35 @@ class Communication:
             "dp_reduction": list(self.reduction),
             "zero_gather": list(self.gather),
             "dp_exposed": self.exposed,
+            "avg_all_reduce": list(self.averaging),
         }
+
+
+def averaging_times(schedule: Schedule, layout: Layout, parts: PartBytes) -> tuple[float, ...]:
+    """AvgPipe with its P pipelines on ranks of their own (``avgpipe(..., own_ranks=True)``): per part, one
+    all-reduce of its parameter bytes (one TP rank's) over the P ranks holding its replicas, on the link between
+    the farthest two of them. It runs every ``--avg-every`` rounds, overlapped with the next mini-batch; empty
+    for every other schedule (AvgPipe's shared ranks average in place).
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> from pipeweave.sim.network import Link, Network
+        >>> net = Network(intra_node=Link(bandwidth=1.0), inter_node=Link(bandwidth=1.0))
+        >>> s = generate("avgpipe", num_stages=2, num_microbatches=2, own_ranks=True)
+        >>> parts = ModelBytes(params=4.0).for_parts(num_parts=2, num_ranks=2)
+        >>> averaging_times(s, Layout(network=net), parts)  # ring all-reduce of 4 bytes on 2 ranks: 2 (2-1)/2 x 4
+        (4.0, 4.0)
+    """
+    placement = schedule.placement
+    if schedule.policy is not WeightPolicy.AVERAGING or placement.num_ranks == placement.ranks_per_pipeline:
+        return ()
+    out = []
+    for part in range(schedule.num_parts):
+        ranks = sorted({placement.stage_rank[s] for s in placement.replicas(placement.stage_part.index(part))})
+        link = layout.hop_link(ranks[0], ranks[-1], num_ranks=placement.num_ranks)
+        nbytes = parts.tp_rank_params(part, layout.tp)
+        out.append(0.0 if link is None else all_reduce_time(nbytes, len(ranks), link))
+    return tuple(out)
 
 
 def communication(
@@ -103,4 +136,5 @@ def communication(
             for k, h in enumerate(part_holders(schedule))
         ),
         exposed=max(0.0, makespan - free),
+        averaging=averaging_times(schedule, layout, parts),
     )

@@ -70,13 +70,13 @@ def step_times(record: RunRecord) -> list[float]:
     its first start) to its last end."""
     steps = record.config.training.steps
     ends = [max(_ends(r)[k] for r in record.ranks) for k in range(steps)]
-    first = min(r.records[0][0][3] for r in record.ranks)
+    first = min(row[0][3] for r in record.ranks for row in r.records if row)  # AvgPipe: a rank skips steps
     return [ends[0] - first] + [b - a for a, b in zip(ends, ends[1:])]
 
 
 def _ends(rank: Any) -> list[float]:
     """A rank's ``step_ends``; a record built without them (all its steps kept): its rows' last ends."""
-    return rank.step_ends or [row[-1][4] for row in rank.records]
+    return rank.step_ends or [row[-1][4] if row else float("-inf") for row in rank.records]
 
 
 def microbatch_factors(schedule: Schedule, record: RunRecord) -> list[list[float]] | None:
@@ -325,10 +325,11 @@ def _values(value: float | Sequence[float]) -> Sequence[float]:
 
 
 def chrome_trace(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
-    """Every recorded action of every recorded step as Chrome trace events (one process row per rank); its
-    ``otherData`` says which steps (``steps``: the first and last, 1-based, of ``of``)."""
+    """Every recorded action of every recorded step as Chrome trace events (one process row per rank; AvgPipe's
+    averaging all-reduces on a row of their own); its ``otherData`` says which steps (``steps``: the first and
+    last, 1-based, of ``of``)."""
     events: list[dict[str, Any]] = []
-    origin = min(r.records[0][0][3] for r in record.ranks)
+    origin = min(row[0][3] for r in record.ranks for row in r.records if row)
     for rank in record.ranks:
         events.append({"name": "process_name", "ph": "M", "pid": rank.rank, "args": {"name": f"rank {rank.rank}"}})
         for k, step in enumerate(record.ranks[rank.rank].records):
@@ -345,5 +346,24 @@ def chrome_trace(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
                         "args": {"step": k},
                     }
                 )
+    events += _averaging_events(record, origin)
     kept = {"steps": [1, window(record)], "of": record.config.training.steps}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": schedule.name, **kept}}
+
+
+def _averaging_events(record: RunRecord, origin: float) -> list[dict[str, Any]]:
+    """AvgPipe on ranks of their own: each averaging's all-reduce, from its start to its mean in hand (tid 2)."""
+    return [
+        {
+            "name": f"{s}AVG{n}",
+            "cat": "comm",
+            "ph": "X",
+            "pid": rank.rank,
+            "tid": 2,
+            "ts": (t0 - origin) * 1e6,
+            "dur": (t1 - t0) * 1e6,
+            "args": {"averaging round": n},
+        }
+        for rank in record.ranks
+        for s, n, t0, t1 in rank.averaging
+    ]

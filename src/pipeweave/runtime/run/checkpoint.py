@@ -302,23 +302,28 @@ def refused(folder: str | None) -> str:
 
 
 # ---- resume ----------------------------------------------------------------------
-def load(resume: str | Path, meta: dict[str, Any], workers: dict[int, StageWorker]) -> StreamCarry:
+def load(
+    resume: str | Path, meta: dict[str, Any], workers: dict[int, StageWorker], apart: dict[int, int] | None = None
+) -> StreamCarry:
     """Set every local worker's parameters, buffers and optimizer state from the checkpoint folder ``resume``
     (``meta``: its manifest, read and its files verified once before the run: ``checkpoint_files.find`` and
     ``verify``). Every rank calls it: DCP's load is collective; each rank reads the keys of its own layers.
 
     Returns what an asynchronous run's next stream takes from it (``StreamCarry``; a synchronous run ignores it):
-    the updates made, PipeMare's annealing count and, where saved, each local stage's velocity.
+    the updates made, PipeMare's annealing count and, where saved, each local stage's velocity. ``apart``: AvgPipe's
+    replicas on ranks of their own, each read from its own keys (``checkpoint_state.apart_replicas``).
     """
     with gathered(workers):  # ZeRO-3: whole parameters to load into; their slices taken again before freed
-        return _load(Path(resume), meta, workers)
+        return _load(Path(resume), meta, workers, apart)
 
 
-def _load(folder: Path, meta: dict[str, Any], workers: dict[int, StageWorker]) -> StreamCarry:
+def _load(
+    folder: Path, meta: dict[str, Any], workers: dict[int, StageWorker], apart: dict[int, int] | None
+) -> StreamCarry:
     if meta.get("format") == checkpoint_files.FORMAT:
-        values = read(folder, lambda saved: checkpoint_state.destinations(saved, workers, str(folder)))
+        values = read(folder, lambda saved: checkpoint_state.destinations(saved, workers, str(folder), apart))
     else:  # a checkpoint of part files, written before DCP
         values = read_parts(folder, meta, workers)
     carry = StreamCarry(updates(meta), int(meta.get("annealed", 0)))
-    carry.velocity = checkpoint_state.apply(values, workers, int(meta["steps"]), str(folder))
+    carry.velocity = checkpoint_state.apply(values, workers, int(meta["steps"]), str(folder), apart)
     return carry

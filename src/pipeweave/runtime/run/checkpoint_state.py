@@ -47,7 +47,7 @@ the gathered parameters.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -92,8 +92,9 @@ def rank_state(placement: Placement, workers: dict[int, StageWorker], carry: Str
     AvgPipe's local replicas are saved apart, as they train apart).
     """
     state: dict[str, Any] = {}
+    apart = apart_replicas(placement, workers) if carry is not None else {}
     for stage, worker in workers.items():
-        replica = worker_replica(worker, stage, workers)
+        replica = apart.get(stage, worker_replica(worker, stage, workers))
         if replica and carry is None:
             continue  # a second copy of these layers on this rank: equal values, the same keys
         prefix = f"{REPLICAS}{replica}/" if replica else ""
@@ -170,17 +171,22 @@ def persistent_buffers(worker: StageWorker) -> dict[str, torch.Tensor]:
 
 # ---- load ------------------------------------------------------------------------
 def destinations(
-    saved: Mapping[str, tuple[torch.Size, torch.dtype]], workers: dict[int, StageWorker], resume: str
+    saved: Mapping[str, tuple[torch.Size, torch.dtype]],
+    workers: dict[int, StageWorker],
+    resume: str,
+    apart: Mapping[int, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """What this rank reads of a checkpoint holding ``saved`` (key -> global size and dtype): a fresh tensor for
     every key of its stages' layers, shaped as the stage's own (``_saved`` of it), to load into.
+
+    ``apart``: replicas that train apart on ranks of their own (``apart_replicas``).
 
     Raises:
         UserError: the checkpoint ``resume`` holds one of them in another shape (another model).
     """
     wanted: dict[str, torch.Tensor] = {}
     for stage, worker in workers.items():
-        prefix = _prefix(worker, stage, workers, saved)
+        prefix = _prefix(worker, stage, workers, saved, apart)
         own = stage_state(worker, prefix)
         for key, template in own.items():
             if key in saved and saved[key][0] != template.shape:
@@ -213,7 +219,11 @@ def _parameter_of(key: str, prefix: str) -> str | None:
 
 
 def apply(
-    values: Mapping[str, torch.Tensor], workers: dict[int, StageWorker], steps: int, resume: str
+    values: Mapping[str, torch.Tensor],
+    workers: dict[int, StageWorker],
+    steps: int,
+    resume: str,
+    apart: Mapping[int, int] | None = None,
 ) -> dict[int, list[torch.Tensor]]:
     """Set every local stage's parameters, buffers and optimizer state from ``values`` (keys as saved; ``steps``:
     the checkpoint's). Returns each stage's PipeMare velocity, where the checkpoint has one.
@@ -223,7 +233,7 @@ def apply(
     """
     velocities: dict[int, list[torch.Tensor]] = {}
     for stage, worker in workers.items():
-        prefix = _prefix(worker, stage, workers, values)
+        prefix = _prefix(worker, stage, workers, values, apart)
         mine = worker.named_parameters()
         my_buffers = persistent_buffers(worker)
         wanted = [f"{prefix}{PARAMETERS}{n}" for n in mine] + [f"{prefix}{BUFFERS}{n}" for n in my_buffers]
@@ -252,13 +262,30 @@ def apply(
     return velocities
 
 
-def _prefix(worker: StageWorker, stage: int, workers: dict[int, StageWorker], saved: Mapping[str, Any]) -> str:
+def _prefix(
+    worker: StageWorker,
+    stage: int,
+    workers: dict[int, StageWorker],
+    saved: Mapping[str, Any],
+    apart: Mapping[int, int] | None = None,
+) -> str:
     """Where ``stage``'s values are among ``saved``: its AvgPipe replica's keys where the checkpoint has them,
     else the first replica's (another schedule resumes from the first replica)."""
-    replica = worker_replica(worker, stage, workers)
+    replica = (apart or {}).get(stage, worker_replica(worker, stage, workers))
     first = next(iter(worker.named_parameters()), None)
     prefix = f"{REPLICAS}{replica}/"
     return prefix if replica and f"{prefix}{PARAMETERS}{first}" in saved else ""
+
+
+def apart_replicas(placement: Placement, stages: Iterable[int]) -> dict[int, int]:
+    """Per stage of ``stages`` whose part has replicas on several ranks, its place among them: AvgPipe's pipelines
+    on ranks of their own train apart and save apart (``replicas/<i>/``), like its replicas sharing a rank."""
+    out = {}
+    for stage in stages:
+        replicas = placement.replicas(stage)
+        if len({placement.stage_rank[s] for s in replicas}) > 1:
+            out[stage] = replicas.index(stage)
+    return out
 
 
 def worker_replica(worker: StageWorker, stage: int, workers: dict[int, StageWorker]) -> int:

@@ -68,6 +68,9 @@ class RankRecord:
     the CPU)."""
     cuda_reserved: list[int] = field(default_factory=list)
     """CUDA ranks, per step: the caching allocator's peak reserved bytes in it (empty on the CPU)."""
+    averaging: list[tuple[int, int, float, float]] = field(default_factory=list)
+    """AvgPipe on ranks of their own: per averaging, ``(stage, round, start s, end s)`` on rank 0's clock, from the
+    all-reduce's start to its mean in hand (``runtime.stage.averaging``)."""
 
     def add_step(
         self,

@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.executor import Executor, Record
-from pipeweave.runtime.run import checkpoint
+from pipeweave.runtime.run import checkpoint, checkpoint_state
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones
 from pipeweave.runtime.run.prepare import RunPlan, run_data, stream_rates
@@ -29,6 +29,7 @@ from pipeweave.runtime.run.record import (
 from pipeweave.runtime.run.sizes import replica_microbatch_sizes
 from pipeweave.runtime.run.step_log import StepLog
 from pipeweave.runtime.run.workers import build_workers, join_mesh
+from pipeweave.runtime.stage.averaging import CollectiveExchange
 from pipeweave.runtime.stage.policy import RankPolicy, Read, StreamCarry
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.runtime.stream import (
@@ -40,7 +41,7 @@ from pipeweave.runtime.stream import (
 )
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import Schedule, lower
-from pipeweave.schedule.ir import Action
+from pipeweave.schedule.ir import Action, WeightPolicy
 
 
 @dataclass
@@ -53,6 +54,7 @@ class _Streamed:
     peak_activations: int = 0
     peak_weights: int = 0
     position: StreamPosition = field(default_factory=StreamPosition)
+    averaging: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
@@ -67,18 +69,20 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     carry = StreamCarry()
     if config.checkpoint.resume is not None:
         assert plan.resumed is not None
-        carry = checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers)
+        apart = checkpoint_state.apart_replicas(plan.schedule.placement, workers)
+        carry = checkpoint.load(plan.resumed.folder, plan.resumed.manifest, workers, apart)
     rates = stream_rates(config, plan.schedule, plan.updates_done).at if config.training.lr_scheduled else None
     source = run_data(config)
     offset = align_clocks(context.process, context.world)
     milestones = Milestones(plan, plan.streams[0], context, workers, source)  # any stream: same placement
     done = _Streamed()
     divergence = Divergence(plan, workers)
-    log = StepLog(plan, context, None)
+    log, exchange = StepLog(plan, context, None), _exchange(plan.streams[0], joined)
     for (first, steps), stream in zip(plan.segments, plan.streams):
-        policy = RankPolicy(stream, workers, config.policy, lr_at=rates, carry=carry)
+        policy = RankPolicy(stream, workers, config.policy, lr_at=rates, carry=carry, exchange=exchange)
         _run_stream(plan, stream, (first, steps), context, workers, source, policy, done)
         carry = policy.carry()
+        done.averaging += policy.averaging_events  # the drain applied the last ones
         end = first + steps
         groups = split_by_minibatch(done.timings, config.schedule.num_microbatches, end)
         for m in range(first, end):
@@ -106,6 +110,7 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         log_failure=log.failure,
     )
     mine.versions = done.versions
+    mine.averaging = [(s, n, (t0 - offset) * 1e-9, (t1 - offset) * 1e-9) for s, n, t0, t1 in done.averaging]
     mine.step_ends = [group[-1][4] if group else 0.0 for group in records]
     run = gather_run(config, mine, context, started, plan.steps_done, plan.updates_done)
     if run is not None:
@@ -168,3 +173,10 @@ def _run_stream(
     done.peak_activations = max(done.peak_activations, executor.peak_activation_bytes)
     done.peak_weights = max(done.peak_weights, policy.peak_weight_bytes)
     done.position.advance(stream, t)
+
+
+def _exchange(stream: Schedule, mesh: Any) -> CollectiveExchange | None:
+    """AvgPipe on ranks of their own: its replicas average by an all-reduce over their ranks' groups."""
+    if stream.policy is not WeightPolicy.AVERAGING or not mesh.replica_groups:
+        return None
+    return CollectiveExchange(mesh.replica_groups, len(stream.placement.replicas(0)))

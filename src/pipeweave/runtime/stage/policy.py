@@ -46,6 +46,7 @@ from collections.abc import Callable
 import torch
 
 from pipeweave.errors import UserError
+from pipeweave.runtime.stage.averaging import DelayedAveraging, Exchange
 from pipeweave.runtime.stage.reads import Corrected, PolicyOptions, Read, ScheduleTables, StreamCarry, stage_reads
 from pipeweave.runtime.stage.worker import StageWorker
 from pipeweave.schedule.ir import Action, Op, Schedule, WeightPolicy
@@ -65,6 +66,8 @@ class RankPolicy:
         lr_at: the learning rate of a stage's k-th update (``LrSchedule.at``), before PipeMare's
             rescheduling; None keeps the optimizer's.
         carry: what the run's previous stream (or a checkpoint) left (``StreamCarry``).
+        exchange: AvgPipe on ranks of their own: how this rank's replicas meet the others
+            (``runtime.stage.averaging``).
 
     Attributes:
         versions: per F/B/I/W run, ``(version, target)`` as ``sim.versions.read_versions`` defines them.
@@ -83,6 +86,7 @@ class RankPolicy:
         tables: ScheduleTables | None = None,
         lr_at: Callable[[int], float] | None = None,
         carry: StreamCarry | None = None,
+        exchange: Exchange | None = None,
     ) -> None:
         self.options = options or PolicyOptions()
         self.lr_at = lr_at
@@ -94,13 +98,16 @@ class RankPolicy:
         self.versions: dict[Action, Read] = {}
         self.peak_weight_bytes = 0
         self._live: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its live data) while swapped
-        self._averaging = self._averaging_groups(schedule, workers)
+        self._delayed = self._delayed_averaging(schedule, workers, exchange)
+        self._averaging = {} if self._delayed else self._averaging_groups(schedule, workers)
 
     def enter(self, a: Action) -> None:
         state = self.states[a.stage]
         if a.op is Op.U:
             if self.lr_at is not None:
                 state.set_base_lr(self.lr_at(self.before.updates + state.version))
+            if self._delayed:
+                self._delayed.apply(a.stage, state.params)
             state.before_update()
             return
         tensors, read = state.read(a)
@@ -115,6 +122,8 @@ class RankPolicy:
         if a.op is Op.U:
             state.after_update()
             self._average(a.stage)
+            if self._delayed:
+                self._delayed.after_update(a.stage, self.before.updates + state.version, state.params)
         self._measure()
         for p, live in self._live:
             p.data = live
@@ -123,7 +132,10 @@ class RankPolicy:
             state.done(a)
 
     def carry(self) -> StreamCarry:
-        """What this stream leaves the next (call it once the stream has drained)."""
+        """What this stream leaves the next (call it once the stream has drained; an averaging still in flight
+        is applied first)."""
+        if self._delayed:
+            self._delayed.drain({s: state.params for s, state in self.states.items()})
         updates = max((state.version for state in self.states.values()), default=0)  # every stage makes as many
         corrected = {s: state for s, state in self.states.items() if isinstance(state, Corrected)}
         annealed = self.before.annealed + max((max(0, c.version - c.warmup) for c in corrected.values()), default=0)
@@ -141,6 +153,30 @@ class RankPolicy:
         self.peak_weight_bytes = max(self.peak_weight_bytes, self.held_bytes())
 
     # ---- AvgPipe -------------------------------------------------------------------
+    @property
+    def averaging_events(self) -> list[tuple[int, int, int, int]]:
+        """AvgPipe on ranks of their own: per exchange, (stage, round, start ns, end ns) (``DelayedAveraging``)."""
+        return self._delayed.events if self._delayed else []
+
+    def waiting_on(self, stage: int) -> tuple[int, int] | None:
+        """AvgPipe on ranks of their own: (part, round) of the averaging the stage's next ``U`` applies, or None."""
+        return self._delayed.waiting_on(stage) if self._delayed else None
+
+    def _delayed_averaging(
+        self, schedule: Schedule, workers: dict[int, StageWorker], exchange: Exchange | None
+    ) -> DelayedAveraging | None:
+        placement = schedule.placement
+        if schedule.policy is not WeightPolicy.AVERAGING or not workers:
+            return None
+        replicas = placement.replicas(next(iter(workers)))
+        if len(replicas) < 2 or len({placement.stage_rank[s] for s in replicas}) == 1:
+            return None  # the replicas share a rank: averaged in place (``_average``)
+        if exchange is None:
+            raise UserError("avgpipe with pipelines on ranks of their own needs an exchange between its replicas")
+        part_of = {s: placement.stage_part[s] for s in workers}
+        alpha = self.options.averaging_rate
+        return DelayedAveraging(exchange, part_of, len(replicas), self.options.averaging_period, alpha)
+
     def _averaging_groups(self, schedule: Schedule, workers: dict[int, StageWorker]) -> dict[int, tuple[int, ...]]:
         if schedule.policy is not WeightPolicy.AVERAGING:
             return {}
