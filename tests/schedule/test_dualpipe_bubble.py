@@ -10,6 +10,8 @@ exact in floating point and the comparisons below are equalities.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 
 from pipeweave.schedule.dualpipe import dualpipe, dualpipe_v
@@ -31,39 +33,58 @@ def deepseek_bubble(pp: int, f_and_b: float, b: float, w: float) -> float:
     return (pp / 2 - 1) * (f_and_b + b - 3 * w)
 
 
-def simulated(
-    name: str, d: int, t: int, f: float, b: float, w: float
-) -> tuple[float, int, float, float, float, list[float]]:
-    """Idle over the widest span, PP, one stage's F, I, W, and each rank's idle within its own span."""
+class Run(NamedTuple):
+    """One simulated step: PP, one stage's F, I, W, and per rank its busy time, first start and last end."""
+
+    pp: int
+    f: float
+    i: float
+    w: float
+    busy: list[float]
+    starts: list[float]
+    ends: list[float]
+
+    @property
+    def idle(self) -> float:
+        """Every rank's idle time over the widest span (all ranks are equally busy)."""
+        return max(e - s for s, e in zip(self.starts, self.ends)) - self.busy[0]
+
+
+def simulated(name: str, d: int, t: int, f: float, b: float, w: float) -> Run:
     schedule = (dualpipe if name == "dualpipe" else dualpipe_v)(d, t)
-    m = compute_metrics(simulate(schedule, CostModel(f=f, b=b, w=w)))
-    assert len(set(m.busy)) == 1  # every rank does the same work
+    timeline = simulate(schedule, CostModel(f=f, b=b, w=w))
+    metrics = compute_metrics(timeline)
+    busy = list(metrics.busy)
+    assert len(set(busy)) == 1  # every rank does the same work
     chunks = 1 if name == "dualpipe" else 2  # a dualpipe-v rank holds two stages, each half its costs
-    pp = d if name == "dualpipe" else 2 * d
-    own_idle = [m.span[r] - m.busy[r] for r in range(d)]
-    return max(m.span) - m.busy[0], pp, f / chunks, b / chunks, w / chunks, own_idle
+    starts = [min(e.start for e in row) for row in timeline.events]
+    ends = [max(e.end for e in row) for row in timeline.events]
+    assert [end - start for start, end in zip(starts, ends)] == list(metrics.span)  # the metrics' span
+    return Run(d * chunks, f / chunks, b / chunks, w / chunks, busy, starts, ends)
 
 
 @pytest.mark.parametrize(("f", "b", "w"), INSIDE)
 def test_idle_is_the_derived_form_and_deepseeks_less_one_input_gradient_per_hop(f: int, b: int, w: int) -> None:
     for name, d, t in cases():
-        idle, pp, f_s, i_s, w_s, own_idle = simulated(name, d, t, f, b, w)
-        b_s = i_s + w_s
-        assert idle == (pp / 2 - 1) * (f_s + b_s - 2 * w_s), (name, d, t)
-        assert deepseek_bubble(pp, f_s + b_s, b_s, w_s) - idle == (pp / 2 - 1) * i_s, (name, d, t)
-        # The derivation's steps: the middle ranks never wait; rank h starts (n-1-h) F before
-        # them and ends (n-1-h)(I - W) after them, so it idles (n-1-h)(F + I - W) in its own span.
-        n = pp // 2
-        hs = [min(r, pp - 1 - r) for r in range(d)]
-        assert own_idle == [(n - 1 - h) * (f_s + i_s - w_s) for h in hs], (name, d, t)
+        r = simulated(name, d, t, f, b, w)
+        n, full_b = r.pp // 2, r.i + r.w
+        assert r.idle == (n - 1) * (r.f + full_b - 2 * r.w), (name, d, t)
+        assert deepseek_bubble(r.pp, r.f + full_b, full_b, r.w) - r.idle == (n - 1) * r.i, (name, d, t)
+        # The derivation's steps: the middle ranks (h = n-1) never wait; rank h starts h F after
+        # the end ranks and ends (n-1-h)(I - W) after the middle, so idles (n-1-h)(F + I - W) itself.
+        hs = [min(rank, r.pp - 1 - rank) for rank in range(d)]
+        assert r.starts == [h * r.f for h in hs], (name, d, t)
+        assert [end - r.ends[n - 1] for end in r.ends] == [(n - 1 - h) * (r.i - r.w) for h in hs], (name, d, t)
+        own = [end - start - busy for start, end, busy in zip(r.starts, r.ends, r.busy)]
+        assert own == [(n - 1 - h) * (r.f + r.i - r.w) for h in hs], (name, d, t)
 
 
 @pytest.mark.parametrize(("f", "b", "w"), OUTSIDE)
 def test_idle_elsewhere_is_never_below_the_derived_form(f: int, b: int, w: int) -> None:
     above = 0
     for name, d, t in cases():
-        idle, pp, f_s, i_s, w_s, _ = simulated(name, d, t, f, b, w)
-        form = (pp / 2 - 1) * (f_s + i_s - w_s)
-        assert idle >= form, (name, d, t)
-        above += idle > form
+        r = simulated(name, d, t, f, b, w)
+        form = (r.pp // 2 - 1) * (r.f + r.i - r.w)
+        assert r.idle >= form, (name, d, t)
+        above += r.idle > form
     assert above  # outside the region the form is a lower bound, reached only sometimes
