@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeweave.schedule.dualpipe import dualpipe, dualpipe_v, overlapped_pairs
+from pipeweave.schedule.dualpipe import dualpipe, dualpipe_pairs, dualpipe_v, dualpipe_v_pairs
 from pipeweave.schedule.ir import Op
 
 # DualPipe, 6 ranks (n = 3), 12 microbatches (6 per direction); keyed by h = min(r, D-1-r).
@@ -67,7 +67,7 @@ def generated(schedule_actions: tuple[object, ...]) -> list[str]:
 
 def test_dualpipe_is_the_references_order_action_for_action() -> None:
     d, t = 6, 12
-    schedule, pairs = dualpipe(d, t), overlapped_pairs("dualpipe", d, t)
+    schedule, pairs = dualpipe(d, t), dualpipe_pairs(d, t)
     for rank in range(d):
         h = min(rank, d - 1 - rank)
         want, want_pairs = reference_row(DUALPIPE_6_12[h], rank, d, swap=rank >= d // 2, offset=t // 2)
@@ -77,7 +77,7 @@ def test_dualpipe_is_the_references_order_action_for_action() -> None:
 
 def test_dualpipe_v_is_the_references_order_action_for_action() -> None:
     d, t = 3, 7
-    schedule, pairs = dualpipe_v(d, t), overlapped_pairs("dualpipe-v", d, t)
+    schedule, pairs = dualpipe_v(d, t), dualpipe_v_pairs(d, t)
     for rank in range(d):
         want, want_pairs = reference_row(DUALPIPE_V_3_7[rank], rank, d, swap=False, offset=0)
         assert generated(schedule.actions[rank]) == want, rank
@@ -88,8 +88,9 @@ def test_dualpipe_v_is_the_references_order_action_for_action() -> None:
     ("name", "d", "t"), [("dualpipe", 2, 4), ("dualpipe", 4, 10), ("dualpipe-v", 2, 5), ("dualpipe-v", 4, 9)]
 )
 def test_overlapped_pairs_are_a_forward_then_a_backward_of_the_other_stage(name: str, d: int, t: int) -> None:
-    schedule = (dualpipe if name == "dualpipe" else dualpipe_v)(d, t)
-    for rank, pairs in enumerate(overlapped_pairs(name, d, t)):
+    generator, pairs_of = (dualpipe, dualpipe_pairs) if name == "dualpipe" else (dualpipe_v, dualpipe_v_pairs)
+    schedule = generator(d, t)
+    for rank, pairs in enumerate(pairs_of(d, t)):
         row = schedule.actions[rank]
         for f, b in pairs:
             assert b == f + 1 and row[f].op is Op.F and row[b].op is Op.B and row[f].stage != row[b].stage

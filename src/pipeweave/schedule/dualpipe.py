@@ -23,8 +23,8 @@ the nearer end and C the microbatches per phase::
 The order of compute is DeepSeek's action for action (tests/schedule/
 test_dualpipe_reference.py holds the reference's order transcribed by hand).
 DeepSeek runs the F and B of steps 4 and 5 as one overlapped ``F&B`` call
-(all of them but the first F0 B1 of the middle ranks); ``overlapped_pairs``
-names those pairs, and here they still run one after the other.
+(all of them but the first F0 B1 of the middle ranks); ``dualpipe_pairs`` and
+``dualpipe_v_pairs`` name those pairs, and here they still run one after the other.
 
 Idle time (docs/guide/dualpipe.md derives it). With F, I, W the times of one
 stage's forward, input-gradient and weight-gradient (B = I + W), PP the
@@ -113,31 +113,44 @@ def deepseek_pairs(half: int, h: int, per_phase: int) -> list[tuple[int, int]]:
     return pairs
 
 
-def overlapped_pairs(name: str, num_stages: int, num_microbatches: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per rank, the (F, B) positions in ``Schedule.actions[rank]`` that DeepSeek overlaps as ``F&B``.
+Pairs = tuple[tuple[tuple[int, int], ...], ...]
+
+
+def dualpipe_pairs(num_stages: int, num_microbatches: int) -> Pairs:
+    """Per rank of ``dualpipe``, the (F, B) positions in ``Schedule.actions[rank]`` DeepSeek overlaps as ``F&B``.
 
     Args:
-        name: ``"dualpipe"`` or ``"dualpipe-v"``.
-        num_stages: D, as for the generator.
-        num_microbatches: T, as for the generator.
+        num_stages: D, as for ``dualpipe``.
+        num_microbatches: T, as for ``dualpipe``.
 
     Raises:
-        ScheduleError: a name other than those two, or sizes the generator refuses.
+        ScheduleError: sizes ``dualpipe`` refuses.
 
     Example:
-        >>> overlapped_pairs("dualpipe-v", 1, 2)  # one rank: 0F0 1F0 0F1 1B0 [1F1 0B0] 1B1 0I1 0W1
+        >>> dualpipe_pairs(2, 4)  # both ranks are middle ranks: 0F0 3F2 0F1 3B2 [3F3 0B0] 3B3 0I1 0W1
+        (((4, 5),), ((4, 5),))
+    """
+    _check_depth("dualpipe", num_stages, num_microbatches, even=True)
+    d, half, per_phase = num_stages, num_stages // 2, num_microbatches // 2
+    return tuple(tuple(deepseek_pairs(half, min(r, d - 1 - r), per_phase)) for r in range(d))
+
+
+def dualpipe_v_pairs(num_stages: int, num_microbatches: int) -> Pairs:
+    """Per rank of ``dualpipe-v``, the (F, B) positions in ``Schedule.actions[rank]`` DeepSeek overlaps as ``F&B``.
+
+    Args:
+        num_stages: D, as for ``dualpipe_v``.
+        num_microbatches: T, as for ``dualpipe_v``.
+
+    Raises:
+        ScheduleError: sizes ``dualpipe_v`` refuses.
+
+    Example:
+        >>> dualpipe_v_pairs(1, 2)  # one rank: 0F0 1F0 0F1 1B0 [1F1 0B0] 1B1 0I1 0W1
         (((4, 5),),)
     """
-    if name not in ("dualpipe", "dualpipe-v"):
-        raise ScheduleError(f"overlapped pairs exist for dualpipe and dualpipe-v, not {name!r}")
-    even = name == "dualpipe"
-    _check_depth(name, num_stages, num_microbatches, even=even)
-    d = num_stages
-    if even:
-        shapes = [(d // 2, min(r, d - 1 - r), num_microbatches // 2) for r in range(d)]
-    else:
-        shapes = [(d, r, num_microbatches) for r in range(d)]
-    return tuple(tuple(deepseek_pairs(*shape)) for shape in shapes)
+    _check_depth("dualpipe-v", num_stages, num_microbatches, even=False)
+    return tuple(tuple(deepseek_pairs(num_stages, r, num_microbatches)) for r in range(num_stages))
 
 
 def _actions(steps: list[Step], stages: tuple[int, int], microbatches: tuple[range, range]) -> Iterator[Action]:
