@@ -136,14 +136,7 @@ def dualpipe_pairs(num_stages: int, num_microbatches: int) -> Pairs:
 
 
 def dualpipe_v_pairs(num_stages: int, num_microbatches: int) -> Pairs:
-    """Per rank of ``dualpipe-v``, the (F, B) positions in ``Schedule.actions[rank]`` DeepSeek overlaps as ``F&B``.
-
-    Args:
-        num_stages: D, as for ``dualpipe_v``.
-        num_microbatches: T, as for ``dualpipe_v``.
-
-    Raises:
-        ScheduleError: sizes ``dualpipe_v`` refuses.
+    """``dualpipe_pairs`` for ``dualpipe-v`` (its D and T, and the sizes it refuses).
 
     Example:
         >>> dualpipe_v_pairs(1, 2)  # one rank: 0F0 1F0 0F1 1B0 [1F1 0B0] 1B1 0I1 0W1
