@@ -28,6 +28,16 @@ SIZES: dict[str, list[str]] = {
     "interleaved-1f1b": ["--chunks", "2"],
 }
 
+# Pictures of one guide each, beside the gallery: file name -> ``pipeweave simulate`` arguments.
+# docs/guide/dualpipe.md: DeepSeek's own sizes (8 ranks and 20 microbatches; DualPipeV 4 ranks
+# and 10) at f = 3, b = 2, w = 1, inside the region where its idle-time form holds exactly.
+FIGURES: dict[str, list[str]] = {
+    "dualpipe-d8-t20": ["-s", "dualpipe", "--stages", "8", "--microbatches", "20",
+                        "--time-f", "3", "--time-b", "2", "--time-w", "1"],
+    "dualpipe-v-d4-t10": ["-s", "dualpipe-v", "--stages", "4", "--microbatches", "10",
+                          "--time-f", "3", "--time-b", "2", "--time-w", "1"],
+}
+
 
 def pipeweave(*args: str) -> str:
     """Runs ``pipeweave ARGS`` with this interpreter and returns what it printed."""
@@ -83,6 +93,9 @@ def main() -> None:
         name = str(e["name"])
         pipeweave("simulate", "-s", name, "--stages", "4", "--microbatches", "8", *SIZES.get(name, []),
                   "--plot", str(IMAGES / f"{name}.png"))
+        print(f"docs/img/{name}.png")
+    for name, args in FIGURES.items():
+        pipeweave("simulate", *args, "--plot", str(IMAGES / f"{name}.png"))
         print(f"docs/img/{name}.png")
     SCHEDULES_PAGE.write_text(schedules_page(SCHEDULES_PAGE.read_text(), entries))
     print(f"{SCHEDULES_PAGE.relative_to(ROOT)}: table of {len(entries)} schedules")

@@ -16,26 +16,26 @@ the nearer end and C the microbatches per phase::
 
 - ``dualpipe``: ``Placement.bidirectional`` (2 M_theta per rank), D even,
   n = D/2, h = min(r, D-1-r), C = T/2: microbatches 0..C-1 go down from rank
-  0, C..T-1 go up from rank D-1. DeepSeek's table gives the bubble
-  (PP/2-1)(F&B + B - 3W) with F&B an overlapped forward+backward pair and
-  PP+1 microbatches of activations on the heaviest rank.
+  0, C..T-1 go up from rank D-1.
 - ``dualpipe-v``: ``Placement.vshape`` (2 chunks per rank, M_theta per rank),
   n = D, h = r, C = T: every microbatch goes down the ranks and back up.
 
-Our simulator runs one action at a time per rank, so F&B reads F + B (B a
-full backward, b + w) and DeepSeek's bubble reads (D/2-1)(f + 2b - w). What
-the simulator gives, exactly, at f = b = w per stage, no communication, and
-T >= 2D (tests/schedule/test_dualpipe.py checks it on the grid): every rank
-is busy 3 T f and idles, over the widest span,
+The order of compute is DeepSeek's action for action (tests/schedule/
+test_dualpipe_reference.py holds the reference's order transcribed by hand).
+DeepSeek runs the F and B of steps 4 and 5 as one overlapped ``F&B`` call
+(all of them but the first F0 B1 of the middle ranks); ``dualpipe_pairs`` and
+``dualpipe_v_pairs`` name those pairs, and here they still run one after the other.
 
-    dualpipe:    (D/2 - 1) f     bubble ratio (D-2)/(6T+D-2)
-    dualpipe-v:  (D - 1) f/2     bubble ratio (D-1)/(6T+D-1)   (chunks cost f/2)
+Idle time (docs/guide/dualpipe.md derives it). With F, I, W the times of one
+stage's forward, input-gradient and weight-gradient (B = I + W), PP the
+stages of one pipeline (D for dualpipe, 2D for dualpipe-v, so n = PP/2) and
+no communication time, the simulator gives every rank, over the widest span,
 
-i.e. half of DeepSeek's (D/2-1)(f + 2b - w) = (D/2-1) 2f for dualpipe: our
-lowering sends every output as soon as it is made, while DeepSeek's step
-batches some sends with the next chunk's compute (to overlap them), which an
-idealised zero-latency model does not charge. Other cost ratios give other
-(piecewise linear) idle times; no closed form is claimed for them.
+    idle = (PP/2 - 1)(F + B - 2W)       whenever W <= I <= F <= B,
+
+for any T the generator accepts, and never less at other ratios. DeepSeek's
+table gives (PP/2 - 1)(F&B + B - 3W); read with F&B = F + B (no overlap) that
+is the simulated idle plus (PP/2 - 1)(B - W), one input-gradient time per hop.
 Peak activations: D + 1 microbatches on every rank for dualpipe (DeepSeek's
 PP + 1), D + 1/2 M_a for dualpipe-v (2D + 1 chunk activations of M_a/2).
 """
@@ -86,6 +86,64 @@ def deepseek_program(half: int, h: int, per_phase: int) -> list[Step]:
     steps += [(0, Op.W), (0, Op.I)] * rest
     steps += [(0, Op.W)] * (h + 1)
     return steps
+
+
+def deepseek_pairs(half: int, h: int, per_phase: int) -> list[tuple[int, int]]:
+    """The steps of ``deepseek_program`` that DeepSeek runs as one overlapped ``F&B``, as (F, B) indices.
+
+    Steps 4 and 5 call ``_forward_backward_chunk`` for F0 B1 and F1 B0 (step 4) and F1 B0
+    (step 5); the middle ranks (h = n - 1) run their first F0 and B1 one after the other
+    ("to further reduce bubble size", DeepSeek's note).
+
+    Example:
+        >>> deepseek_pairs(1, 0, 2)  # F0 F1 [F0 B1] [F1 B0] B1 I0 W0; the first pair runs apart
+        [(4, 5)]
+    """
+    rest = half - h - 1
+    start = 2 * rest + 2 * (h + 1) + 3 * rest
+    main = per_phase - 2 * half + h + 1
+    pairs = []
+    for i in range(main):
+        k = start + 4 * i
+        if i > 0 or h < half - 1:
+            pairs.append((k, k + 1))
+        pairs.append((k + 2, k + 3))
+    k = start + 4 * main
+    pairs += [(k + 3 * i + 1, k + 3 * i + 2) for i in range(rest)]
+    return pairs
+
+
+Pairs = tuple[tuple[tuple[int, int], ...], ...]
+
+
+def dualpipe_pairs(num_stages: int, num_microbatches: int) -> Pairs:
+    """Per rank of ``dualpipe``, the (F, B) positions in ``Schedule.actions[rank]`` DeepSeek overlaps as ``F&B``.
+
+    Args:
+        num_stages: D, as for ``dualpipe``.
+        num_microbatches: T, as for ``dualpipe``.
+
+    Raises:
+        ScheduleError: sizes ``dualpipe`` refuses.
+
+    Example:
+        >>> dualpipe_pairs(2, 4)  # both ranks are middle ranks: 0F0 3F2 0F1 3B2 [3F3 0B0] 3B3 0I1 0W1
+        (((4, 5),), ((4, 5),))
+    """
+    _check_depth("dualpipe", num_stages, num_microbatches, even=True)
+    d, half, per_phase = num_stages, num_stages // 2, num_microbatches // 2
+    return tuple(tuple(deepseek_pairs(half, min(r, d - 1 - r), per_phase)) for r in range(d))
+
+
+def dualpipe_v_pairs(num_stages: int, num_microbatches: int) -> Pairs:
+    """``dualpipe_pairs`` for ``dualpipe-v`` (its D and T, and the sizes it refuses).
+
+    Example:
+        >>> dualpipe_v_pairs(1, 2)  # one rank: 0F0 1F0 0F1 1B0 [1F1 0B0] 1B1 0I1 0W1
+        (((4, 5),),)
+    """
+    _check_depth("dualpipe-v", num_stages, num_microbatches, even=False)
+    return tuple(tuple(deepseek_pairs(num_stages, r, num_microbatches)) for r in range(num_stages))
 
 
 def _actions(steps: list[Step], stages: tuple[int, int], microbatches: tuple[range, range]) -> Iterator[Action]:
