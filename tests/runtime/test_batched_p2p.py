@@ -10,6 +10,7 @@ import torch.distributed as dist
 from config_defaults import train_config
 
 from pipeweave.config import TrainConfig
+from pipeweave.config.policy import PostValidation
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.plain import run_plain
@@ -225,3 +226,31 @@ def test_receive_pool_does_not_grow_from_step_2_to_step_50(name: str) -> None:
         assert seen[49][:2] == (count, nbytes), (rank, seen[1], seen[49])  # measured at step 2 and step 50
         assert {s[:2] for s in seen[1:]} == {(count, nbytes)}, rank  # and every step between
         assert all(s[2] == 0 for s in seen), rank  # every buffer back in the pool when a step ends
+
+
+def test_post_validation_messages_sit_in_the_pair_order_on_both_ends() -> None:
+    """Post-validation's states (``runtime.stage.post_validation``) go through ``post_group`` at each ``U``:
+    on both ends of every pair between the same two steps' messages, so NCCL pairs them without tags."""
+    from pipeweave.runtime.stage import post_validation
+
+    steps, ranks = 3, 3
+    config = train_config(
+        schedule="zb-h1",
+        num_stages=ranks,
+        num_microbatches=4,
+        batch_size=8,
+        steps=steps,
+        model=ModelSpec(kind="mlp", layers=6, hidden=8),
+        post_validation=PostValidation(max_norm=0.01),  # clipped: the total matters
+    )
+    per_step = launch(_record_groups, config, ranks, LaunchOptions(transport="gloo"))
+    every = [[group for step in rank_steps for group in step] for rank_steps in per_step]
+    tags = {post_validation._TAG_PARTIAL: ranks - 1, post_validation._TAG_TOTAL: ranks - 1}
+    for tag, pairs in tags.items():  # every state a step travels in a group (down the pipeline; from the last)
+        assert sum(op[2] == tag for groups in every for group in groups for op in group if op[0]) == pairs * steps
+    for a in range(ranks):
+        for b in range(ranks):
+            sent = [(tag, n) for group in every[a] for send, peer, tag, n in group if send and peer == b]
+            received = [(tag, n) for group in every[b] for send, peer, tag, n in group if not send and peer == a]
+            assert sent == received, (a, b)
+    assert _sequential_groups_finish(every)
