@@ -83,4 +83,5 @@ def test_dry_run_end_to_end_without_solvers(tmp_path: Path) -> None:
     exact = [case for case in rows if case.startswith("exact/") and not rows[case]["result"].startswith("skipped")]
     assert len(exact) == 5 and all(rows[case]["result"] == "pass" for case in exact)
     assert {"planner/h64/F", "planner/h64/I", "planner/h64/W", "overhead/one-stage"} <= set(rows)
+    assert rows["p2p/streams"]["result"] == "pass", rows["p2p/streams"]  # the transport's CUDA branches, on CPU
     assert "| exact/zb-h1 --recompute selective |" in (out / "results.md").read_text()

@@ -254,3 +254,18 @@ def test_post_validation_messages_sit_in_the_pair_order_on_both_ends() -> None:
             received = [(tag, n) for group in every[b] for send, peer, tag, n in group if not send and peer == a]
             assert sent == received, (a, b)
     assert _sequential_groups_finish(every)
+
+
+def test_the_cuda_branches_run_in_the_gpu_checks_loopback_on_the_cpu() -> None:
+    """``benchmarks/gpu/p2p_streams.py`` (the GPU check's ``p2p/streams``): exact and no pool growth here too."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "p2p_streams.py"
+    spec = importlib.util.spec_from_file_location("p2p_streams", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.run(torch.device("cpu"), 8, 5)
+    assert out["difference"] == 0.0 and out["off_stream"] == 0
+    assert out["pools"][1] == out["pools"][4] and out["pools"][1][1][0] > 0
