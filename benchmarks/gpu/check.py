@@ -355,6 +355,25 @@ def shared_gpu(sizes: Sizes, device: torch.device, dry_run: bool) -> list[Row]:
     ]
 
 
+def streams(device: torch.device, dry_run: bool) -> list[Row]:
+    """The transport's CUDA branches in one process (``p2p_streams``): exact, the pool not growing, every group
+    posted from the communication stream."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:  # loaded from its file (the tests do), not run as a script
+        sys.path.insert(0, here)
+    import p2p_streams
+
+    steps = 4 if dry_run else 20
+    out = p2p_streams.run(device, 16 if dry_run else 4096, steps)
+    second, last = out["pools"][1], out["pools"][-1]
+    ok = out["difference"] == 0.0 and second == last and out["off_stream"] == 0
+    measured = (
+        f"difference {out['difference']:.1e}; pool (buffers, bytes) per side step 2 {second}, step {steps} {last}; "
+        f"{out['off_stream']} groups off the stream"
+    )
+    return [Row("p2p/streams", measured, "0; the same; 0", "pass" if ok else "FAIL")]
+
+
 def _installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -414,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = DRY_SIZES if args.dry_run else GPU_SIZES
     started = time.perf_counter()
     rows = exactness(sizes, device) + planner(sizes, device, args.dry_run) + overhead(sizes, device, args.dry_run)
-    rows += shared_gpu(sizes, device, args.dry_run)
+    rows += shared_gpu(sizes, device, args.dry_run) + streams(device, args.dry_run)
     write(args.out, rows, environment(device), time.perf_counter() - started)
     print((args.out / "results.md").read_text())
     return 1 if any(r.result == "FAIL" for r in rows) else 0

@@ -91,4 +91,5 @@ def test_dry_run_end_to_end_without_solvers(tmp_path: Path) -> None:
     shared = [case for case in rows if case.startswith(("bubble/", "memory/"))]
     assert len(shared) == 2 and "(host clock)" in rows[shared[0]]["measured"]  # the dry run's timer: the CPU's
     assert not any(row["result"].startswith("skipped") for case, row in rows.items() if case not in fp16)
+    assert rows["p2p/streams"]["result"] == "pass", rows["p2p/streams"]  # the transport's CUDA branches, on CPU
     assert "| exact/zb-h1 --recompute selective |" in (out / "results.md").read_text()

@@ -105,6 +105,7 @@ def prepare(config: TrainConfig) -> RunPlan:
     streams = stream_schedules(config, steps_done) if config.is_stream else []
     schedule = concatenate(streams) if streams else build_schedule(config)
     _check_schedule(config, schedule)
+    check_nccl_groups(config, schedule, device_for(0))
     parts = layer_ranges(config, schedule)
     if config.model.kind == "custom":
         probe_model(config.model, config.data.data_seed)
@@ -168,6 +169,27 @@ def _check_checkpoints(config: TrainConfig, resumed: Checkpoint | None) -> str:
     if config.checkpoint.save is not None:
         checkpoint_files.check_save(config.checkpoint.save, run_id, resumed, config.checkpoint.overwrite)
     return run_id
+
+
+def check_nccl_groups(config: TrainConfig, schedule: Schedule, device: torch.device) -> None:
+    """On NCCL, a schedule of one stage per rank: with two (interleaved chunks, a V, two pipelines), a rank's
+    groups of sends and receives can wait on a neighbour's in a cycle under NCCL's one stream per rank (rank 0
+    sends to rank 1 in one gap and receives from it in a later one while rank 1 does the same the other way
+    round: ``tests/runtime/test_batched_p2p.py`` replays interleaved-1f1b and zb-v), which a message larger
+    than NCCL's buffers turns into a hang.
+
+    Raises:
+        UserError: a schedule of several stages per rank on CUDA ranks that talk over NCCL.
+    """
+    if device.type != "cuda" or config.launch.transport == "host" or schedule.num_ranks == 1:
+        return
+    stages = len(schedule.placement.stage_rank) // schedule.num_ranks
+    if stages > 1:
+        raise UserError(
+            f"-s {config.schedule.name} puts {stages} stages on a rank, whose point-to-point groups can wait on "
+            "each other in a cycle under NCCL (not yet NCCL-safe); give a schedule of one stage per rank (1f1b, "
+            "zb-h1, ...), or --transport host for ranks sharing one GPU"
+        )
 
 
 def _check_schedule(config: TrainConfig, schedule: Schedule) -> None:

@@ -16,12 +16,21 @@ At its ``U`` a stage:
 No all-reduce and no barrier: the state travels down the pipeline with the
 stages' own ``U`` order, and the only wait is for the complete state, before
 the stage's next forward. The result equals synchronous clipping and skipping
-to float rounding (tests/runtime/test_validation_step.py). Messages use gloo
-tags above the schedule transport's and CPU tensors; NCCL ignores tags (it
-pairs a pair's messages in posting order) and carries CUDA tensors only, so a
-run on CUDA is refused in one line (``check_post_validation``) rather than
-run. Straight placements only (one stage per rank, no replicas):
-1F1B, ZB-H1/H2, zb-auto.
+to float rounding (tests/runtime/test_validation_step.py).
+
+Its messages are ordered like the schedule's, by construction, so NCCL (which
+ignores tags and pairs a pair's messages in posting order) pairs them as gloo
+does: each is a tensor on the rank's device, posted as a group of its own
+through the transport's ``post_group`` (on the same communicator as the
+schedule's groups), at the stage's ``U``. In a synchronous step every rank
+has posted all of the step's schedule messages before its ``U``
+(``P2P.before_update`` closes the last group) and posts the next step's
+after it, and each ordered pair of ranks carries one post-validation message
+a step (the partial state down the pipeline, the total from the last rank),
+so on both ends of every pair it sits between the same two steps' messages
+(``tests/runtime/test_batched_p2p.py`` records both ends). Tags above the
+transport's are kept: unique, which gloo matches on. Straight placements only
+(one stage per rank, no replicas): 1F1B, ZB-H1/H2, zb-auto.
 """
 
 from __future__ import annotations
@@ -29,7 +38,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from pipeweave.config.policy import PostValidation  # noqa: F401  (re-exported: made from --clip-grad-norm)
 from pipeweave.errors import UserError
@@ -37,6 +45,7 @@ from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.stage.build import Stage
 from pipeweave.runtime.stage.tied import repeated_members
 from pipeweave.runtime.stage.worker import StageWorker
+from pipeweave.runtime.transport import p2p
 from pipeweave.schedule.ir import Schedule
 from pipeweave.weights.post_validation import SGD, AdamW, GradState, PostValidatedStep
 
@@ -46,20 +55,16 @@ _TAG_TOTAL = _TAG_PARTIAL + 1
 
 
 def check_post_validation(schedule: Schedule, device: torch.device | str = "cpu") -> None:
-    """Raise UserError unless post-validation applies to ``schedule`` on ranks computing on ``device``.
+    """Raise UserError unless post-validation applies to ``schedule`` (on any device: its messages are NCCL-safe).
 
     Example:
         >>> from pipeweave.schedule import generate
-        >>> check_post_validation(generate("1f1b", num_stages=2, num_microbatches=2), "cuda")  # doctest: +ELLIPSIS
+        >>> check_post_validation(generate("1f1b", num_stages=2, num_microbatches=2), "cuda")
+        >>> check_post_validation(generate("interleaved-1f1b", num_stages=2, num_microbatches=2, num_chunks=2))
         Traceback (most recent call last):
         ...
-        pipeweave.errors.UserError: --clip-grad-norm on CUDA: ...
+        pipeweave.errors.UserError: post-validation needs one stage per rank and no replicas; interleaved-1f1b has 2 chunks and 1 pipelines; use a straight schedule such as zb-auto, zb-h2 or 1f1b
     """
-    if torch.device(device).type == "cuda":
-        raise UserError(
-            "--clip-grad-norm on CUDA: its post-validation pairs messages by gloo tag, which NCCL ignores; "
-            "train without --clip-grad-norm, or on the CPU (CUDA_VISIBLE_DEVICES= hides the GPUs)"
-        )
     placement = schedule.placement
     if schedule.num_chunks != 1 or len(placement.pipelines) != 1 or placement.num_parts != schedule.num_ranks:
         raise UserError(
@@ -176,14 +181,15 @@ def validated_optimizer(
 
 
 def _isend(context: RankContext, state: GradState, dst: int, tag: int) -> Any:
-    return dist.isend(_pack(state), context.process_of(dst), tag=tag)
+    """Post ``state`` to stage rank ``dst`` as a group of its own (module docstring): its work."""
+    message = torch.tensor([state.sq_norm, 1.0 if state.nonfinite else 0.0], dtype=torch.float64)
+    (work, *_) = p2p.post_group([(True, message.to(context.device), context.process_of(dst), tag)])
+    return work
 
 
 def _recv(context: RankContext, src: int, tag: int) -> GradState:
-    buffer = torch.zeros(2, dtype=torch.float64)
-    dist.irecv(buffer, context.process_of(src), tag=tag).wait(context.timeout)
-    return GradState(float(buffer[0]), bool(buffer[1] != 0))
-
-
-def _pack(state: GradState) -> torch.Tensor:
-    return torch.tensor([state.sq_norm, 1.0 if state.nonfinite else 0.0], dtype=torch.float64)
+    buffer = torch.zeros(2, dtype=torch.float64, device=context.device)
+    (work, *_) = p2p.post_group([(False, buffer, context.process_of(src), tag)])
+    work.wait(context.timeout)
+    sq_norm, nonfinite = buffer.tolist()
+    return GradState(float(sq_norm), nonfinite != 0)

@@ -28,9 +28,14 @@ A tuple of tensors (a custom model's layers may pass several,
 described by its stream's metadata (``runtime.transport.message``); the receiver
 unpacks views of the buffer. An input gradient of a tuple is a tuple too.
 
-Every message is received into a buffer of its own, freed when its consumer
-lets go of it (reusing buffers across steps would hold all T of a step's
-messages at once, against what 1F1B saves, and a stream's forever).
+Every message of a fixed-shape stream is received into a buffer of its
+stream's pool (``buffers.RecvPool``), which makes a buffer only when all of
+that shape are held by their consumers and takes one back when its consumer
+lets go of it: as many buffers as the stream had alive at once, no more in
+later steps. A run of variable shapes receives every message into a buffer
+of its own. On CUDA the groups are posted from a communication stream of
+their own, the compute stream waits only where an action takes a received
+tensor, and a sent tensor lives until its send is done (``buffers.CommStream``).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import torch.distributed as dist
 
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.transport import shm
+from pipeweave.runtime.transport.buffers import CommStream, RecvPool
 from pipeweave.runtime.transport.message import META_LEN, Layout, read_meta, tensor_meta
 from pipeweave.runtime.transport.order import KINDS, META, TIED, Key, message_key, send_order
 from pipeweave.schedule.ir import Action
@@ -101,7 +107,9 @@ class P2P:
         rank: this rank in ``lowered`` (its stage rank: ``context.process_of`` gives the process of each).
         microbatch_sizes: size of dimension 0 of every microbatch.
         device: where received tensors live (CPU for gloo, this rank's GPU for NCCL).
-        lookahead: receives are posted ahead up to this many compute actions after the end of the current gap.
+        lookahead: receives from a peer on a shared-memory ring are posted ahead up to this many compute
+            actions after the end of the current gap; those over the process group in their own gap's group
+            (a group posted ahead would hold up every later group of the rank on NCCL's one stream).
         variable_shapes: every message carries its own metadata (per-sample shapes that change).
         context: the rank's run context: the processes of the stage ranks (its mesh), the shared-memory
             transport if any, how long a wait may take.
@@ -136,13 +144,24 @@ class P2P:
         self._group: list[tuple[GroupOp, _Posted | _Sent]] = []  # posted since the last compute action
         self._posted: dict[Key, _Posted] = {}
         self._queues: dict[int, deque[Key]] = {}
-        self._next_compute = self._compute_positions()
-        # Per position, (peer, key) of every receive up to the lookahead-th compute action after it.
+        ahead, gap = self._compute_positions(lookahead), self._compute_positions(0)
+        ring = self.context.transport
+        # Per position, (peer, key) of every receive up to the lookahead-th compute action after it (a ring's
+        # peer) or to the end of the gap (a peer over the process group: the gap's group, the same on NCCL).
         self._ahead = [
-            [(lowered.peer(a), message_key(lowered, a)) for a in self.row[i:stop] if a.op.is_recv]
-            for i, stop in enumerate(self._next_compute)
+            [
+                (lowered.peer(a), message_key(lowered, a))
+                for j, a in enumerate(self.row[i:stop], i)
+                if a.op.is_recv
+                and (j < gap[i] or bool(ring and self.context.process_of(lowered.peer(a)) in ring.incoming))
+            ]
+            for i, stop in enumerate(ahead)
         ]
         self._first_step = True
+        self.pool = RecvPool(device)
+        """The receive buffers of fixed-shape streams (``buffers.RecvPool``)."""
+        self.comm = CommStream(device)
+        """Where groups are posted and received tensors are waited for (``buffers.CommStream``)."""
         # Per peer, the keys it sends here, first step (with metadata) and later: computed once.
         self._orders: dict[bool, dict[int, list[Key]]] = {}
         self.tied: dict[int, int] = {}
@@ -151,8 +170,8 @@ class P2P:
         """A stream's tied messages (``runtime.stage.tied_stream``): dtype and length, posted in order like the
         others; None: a synchronous step's, posted by ``runtime.stage.tied`` itself."""
 
-    def _compute_positions(self) -> list[int]:
-        """For each position, the index of the lookahead-th compute action after the one that ends its gap
+    def _compute_positions(self, lookahead: int) -> list[int]:
+        """For each position, the index of the ``lookahead``-th compute action after the one that ends its gap
         (itself, for a compute action): every position of a gap posts the same receives, so the first one posts
         them with the gap's sends, in the gap's one group."""
         compute = [i for i, a in enumerate(self.row) if a.op.is_compute]
@@ -160,7 +179,7 @@ class P2P:
         for i in range(len(self.row)):
             while k < len(compute) and compute[k] < i:
                 k += 1
-            target = k + self.lookahead
+            target = k + lookahead
             out.append(compute[target] if target < len(compute) else len(self.row))
         return out
 
@@ -200,9 +219,9 @@ class P2P:
     def end_step(self) -> None:
         """Wait for every send of the step (lazily, only now)."""
         self.flush()
-        for sent in self._pending_sends:
-            sent.work.wait(self.context.timeout)
-        self._pending_sends.clear()
+        sends = self._pending_sends
+        self.comm.retire([s.work for s in sends], [s.tensor for s in sends], self.context.timeout)
+        sends.clear()
         if self._posted or any(self._queues.values()):  # pragma: no cover - lowering bug
             raise RuntimeError(f"rank {self.rank}: unreceived messages at the end of a step")
 
@@ -304,7 +323,7 @@ class P2P:
         if not self._group:
             return
         group, self._group = self._group, []
-        works = post_group([op for op, _ in group])
+        works = self.comm.post(lambda: post_group([op for op, _ in group]))
         if len(works) != len(group):  # coalesced: every message completes with the group
             works = [_GroupWork(works)] * len(group)
         for (_, holder), work in zip(group, works):
@@ -312,7 +331,7 @@ class P2P:
 
     # ---- receives -------------------------------------------------------
     def post_ahead(self, index: int) -> None:
-        """Post the receives of the actions before the next ``lookahead`` compute actions."""
+        """Post the receives of the gap of ``index`` (from a ring's peer: up to the ``lookahead``-th compute action)."""
         for peer, key in self._ahead[index]:
             self._post_through(peer, key, block=False)
 
@@ -333,7 +352,7 @@ class P2P:
         self._post_through(peer, key, block=True)
         self.flush()
         posted = self._posted.pop(key)  # a synchronous tie waits on its own (stage.tied)
-        posted.work.wait(self.context.timeout)
+        self.comm.consume(posted.work, self.context.timeout)
         return posted
 
     def _post_through(self, peer: int, key: Key, *, block: bool) -> None:
@@ -373,7 +392,7 @@ class P2P:
         if not block and (meta.work is None or not meta.work.is_completed()):
             return False
         self.flush()
-        meta.work.wait(self.context.timeout)
+        self.comm.consume(meta.work, self.context.timeout)
         del self._posted[(stream[0], stream[1], META)]
         described = read_meta(meta.buffer.cpu().tolist())
         if isinstance(described, Layout):
@@ -398,19 +417,29 @@ class P2P:
             samples = self.sizes[key[2]]
             if isinstance(shape, Layout):
                 layout, nbytes = shape, shape.nbytes(samples)
-                buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                buffer = self._buffer(key, torch.uint8, (nbytes,))
             else:
                 dtype, sample, sample_bytes = shape
-                buffer = torch.empty((samples, *sample), dtype=dtype, device=self.device)
+                buffer = self._buffer(key, dtype, (samples, *sample))
                 nbytes = sample_bytes * samples
         ring = self.context.transport
         src = self.context.process_of(peer)
         posted = _Posted(None, buffer, layout, self.sizes[key[2]] if layout is not None else 0)
         if ring and src in ring.incoming:
             posted.work = ring.irecv(buffer, src, self.tag(key), nbytes)
+        elif key[2] == META:  # alone in its group: waiting for it (to post its data's receive) waits for no more
+            self.flush()
+            self._group.append(((False, buffer, src, self.tag(key)), posted))
+            self.flush()
         else:
             self._group.append(((False, buffer, src, self.tag(key)), posted))
         self._posted[key] = posted
+
+    def _buffer(self, key: Key, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The receive buffer of message ``key``: from its stream's pool, or its own where shapes vary."""
+        if self.variable_shapes:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        return self.pool.take(key[:2], dtype, shape)
 
 
 _PRUNE_AT = 4  # unfinished sends held before looking for finished ones (a look costs a call per send)
