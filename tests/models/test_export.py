@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from pipeweave.cli import main
 from pipeweave.commands.train_run import run_config
 from pipeweave.config import TrainConfig
 from pipeweave.models.spec import ModelSpec
@@ -42,6 +43,7 @@ def _trained(folder: Path, out: Path, **options: Any) -> Any:
         model=ModelSpec(kind="custom", entry=f"hf:{folder}", seq_len=8),
         transport="gloo",
         save_pretrained=str(out),
+        save=str(out.parent / "checkpoints"),
         collect_parameters=True,
         **options,
     )
@@ -54,7 +56,11 @@ def _trained(folder: Path, out: Path, **options: Any) -> Any:
     ("kind", "options"), [("gpt2", {}), pytest.param("llama", {"data_parallel": 2, "zero": 1}, marks=pytest.mark.slow)]
 )
 def test_from_pretrained_gives_back_the_trained_weights_each_rank_writing_its_parts(
-    kind: str, options: dict[str, Any], tmp_path: Path
+    kind: str,
+    options: dict[str, Any],
+    tmp_path: Path,
+    cli_error: Callable[..., str],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     source = _saved(tmp_path / "source", kind)
     out = tmp_path / "saved"
@@ -85,6 +91,25 @@ def test_from_pretrained_gives_back_the_trained_weights_each_rank_writing_its_pa
         assert loaded.lm_head.weight is loaded.transformer.wte.weight  # still tied, written once
         assert "lm_head.weight" not in index["weight_map"]
     assert (out / "special_tokens_map.json").read_text() == (source / "special_tokens_map.json").read_text()
+    exported = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "checkpoints"), str(exported)]) == 0  # the checkpoint of the same run
+    assert _tensors(exported).keys() == _tensors(out).keys()
+    for name, value in _tensors(exported).items():
+        torch.testing.assert_close(value, _tensors(out)[name], rtol=0, atol=0, msg=name)
+    assert (exported / "special_tokens_map.json").is_file() and (exported / "config.json").is_file()
+    manifest = tmp_path / "checkpoints" / "step-000002" / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "model": {"kind": "mlp"}}))
+    capsys.readouterr()  # transformers' progress bars
+    err = cli_error(["export", str(tmp_path / "checkpoints"), str(tmp_path / "other")])
+    assert "its checkpoint is of --model mlp, not an hf: model; export writes" in err, err
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's shards, through its index."""
+    from safetensors.torch import load_file
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return {k: v for shard in sorted(set(index["weight_map"].values())) for k, v in load_file(folder / shard).items()}
 
 
 def test_a_folder_that_cannot_be_written_is_one_line(
