@@ -16,11 +16,14 @@ import transformers
 from pipeweave.cli import main
 from pipeweave.commands.train_run import run_config
 from pipeweave.config import TrainConfig
+from pipeweave.errors import UserError
 from pipeweave.models.spec import ModelSpec
 
 MODELS = Path(__file__).resolve().parent
 sys.path.insert(0, str(MODELS))
 from tiny_hf import saved_model  # noqa: E402
+
+GPT2_FIELDS = {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 300, "n_positions": 16}
 
 
 def _saved(folder: Path, kind: str) -> Path:
@@ -121,3 +124,28 @@ def test_a_folder_that_cannot_be_written_is_one_line(
     argv = ["train", "--model", f"hf:{source}", "--seq-len", "8", "--steps", "1", "--quiet"]
     err = cli_error([*argv, "--save-pretrained", str(tmp_path / "file" / "out")], "pipeweave.runtime.run.launch._spawn")
     assert "--save-pretrained" in err and "is a file, not a folder; give another path" in err, err
+
+
+def test_shards_of_an_hf_type_model_are_joined_with_its_config(tmp_path: Path) -> None:
+    from pipeweave.models.export import finish, saved_names, shard_name, write_shard
+    from pipeweave.models.hf import build_module
+
+    entry, fields = "hf:gpt2", json.dumps(GPT2_FIELDS)
+    module = build_module(entry, fields, seed=3)
+    names = saved_names(entry, fields)
+    state = {names[k]: v for k, v in module.state_dict().items() if k in names}
+    assert "lm_head.weight" not in state  # tied: written once, under the embedding's name
+    half = sorted(state)[: len(state) // 2]
+    write_shard(tmp_path / shard_name(0, 3), {k: state[k] for k in half})
+    write_shard(tmp_path / shard_name(1, 3), {})  # a rank whose tensors another wrote
+    write_shard(tmp_path / shard_name(2, 3), {k: v for k, v in state.items() if k not in half})
+    (tmp_path / "model-00001-of-00009.safetensors").write_text("")  # an earlier save's shard
+    finish(entry, fields, str(tmp_path), 3)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [shard_name(0, 3), shard_name(2, 3)]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert loaded.config.n_embd == GPT2_FIELDS["n_embd"] and loaded.config.bos_token_id is None
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    (tmp_path / shard_name(0, 3)).unlink()  # a rank that could not write
+    with pytest.raises(UserError, match=r"model-00001-of-00003.safetensors was not written; save again"):
+        finish(entry, fields, str(tmp_path), 3)

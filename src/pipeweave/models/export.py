@@ -22,7 +22,7 @@ import torch
 
 from pipeweave.durable import reason, replacing, write_atomic
 from pipeweave.errors import OutputNotWritten
-from pipeweave.models.hf import import_transformers, meta_module, model_config
+from pipeweave.models.hf import import_transformers, meta_module, trained_config
 from pipeweave.models.pretrained import INDEX, SINGLE, folder_of, state_groups
 
 TOKENIZER_FILES = (
@@ -109,7 +109,7 @@ def _write_config(entry: str, config_text: str | None, path: Path) -> None:
     """config.json (a folder's own, copied), and the tokenizer files of the folder ``hf:PATH``."""
     source = folder_of(entry)
     if source is None:
-        config = model_config(import_transformers(entry), entry, config_text)
+        config = trained_config(import_transformers(entry), entry, config_text)
         config.use_cache = True  # off only while training
         write_atomic(path / "config.json", config.to_json_string())
         return

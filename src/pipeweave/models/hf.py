@@ -46,7 +46,7 @@ def build_module(entry: str, config_text: str | None, seed: int, seq_len: int | 
     """
     transformers = import_transformers(entry)
     fields = config_fields(config_text)
-    config = _trained_config(transformers, entry, config_text)
+    config = trained_config(transformers, entry, config_text)
     if seq_len is not None:
         _check_positions(entry, config, seq_len)
     with torch.random.fork_rng(devices=[]):
@@ -64,7 +64,7 @@ def meta_module(entry: str, config_text: str | None) -> nn.Module:
         UserError: as ``build_module``.
     """
     transformers = import_transformers(entry)
-    config = _trained_config(transformers, entry, config_text)
+    config = trained_config(transformers, entry, config_text)
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-any-return]
 
@@ -78,7 +78,7 @@ def import_transformers(entry: str) -> Any:
     return transformers
 
 
-def _trained_config(transformers: Any, entry: str, config_text: str | None) -> Any:
+def trained_config(transformers: Any, entry: str, config_text: str | None) -> Any:
     """``model_config``, its token ids outside the vocabulary cleared where ``--hf-config`` does not set them."""
     fields = config_fields(config_text)
     config = model_config(transformers, entry, config_text)
