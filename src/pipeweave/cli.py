@@ -19,7 +19,7 @@ from pipeweave import __version__
 from pipeweave.errors import OutputNotWritten, UserError
 
 # Subcommands in the order ``pipeweave --help`` lists them.
-COMMANDS = ("schedules", "simulate", "partition", "train", "search", "plan", "compare")
+COMMANDS = ("schedules", "simulate", "partition", "train", "search", "plan", "compare", "export")
 CLOSED_PIPE = 128 + 13
 """The exit status of a command whose output went into a closed pipe: 128 + SIGPIPE, as the shell reports
 ``cat``'s in ``cat FILE | head`` (``set -o pipefail`` scripts expect it of a producer ``head`` stopped)."""

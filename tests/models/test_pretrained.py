@@ -4,6 +4,7 @@ parts' tensors alone (issue 32). Every model here is made in the test (``from_co
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from unittest.mock import patch
@@ -18,40 +19,16 @@ from pipeweave.errors import UserError
 from pipeweave.models.pretrained import Weights
 from pipeweave.models.spec import ModelSpec
 
-GPT2 = {
-    "n_layer": 3,
-    "n_embd": 16,
-    "n_head": 2,
-    "vocab_size": 300,
-    "n_positions": 32,
-    "resid_pdrop": 0.0,
-    "embd_pdrop": 0.0,
-    "attn_pdrop": 0.0,
-}
-LLAMA = {
-    "num_hidden_layers": 3,
-    "hidden_size": 16,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 24,
-    "vocab_size": 300,
-    "max_position_embeddings": 32,
-    "tie_word_embeddings": False,
-}
+MODELS = Path(__file__).resolve().parent
+sys.path.insert(0, str(MODELS))
+from tiny_hf import saved_model  # noqa: E402
+
 NOTHING_SPAWNED = ("pipeweave.runtime.run.launch._spawn",)
-
-
-def _saved(folder: Path, kind: str, seed: int = 11, shard: str | None = None) -> Path:
-    config = transformers.AutoConfig.for_model(kind, **(GPT2 if kind == "gpt2" else LLAMA))
-    torch.manual_seed(seed)  # weights no seed of pipeweave's would give: loaded, not initialised
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(folder, **({} if shard is None else {"max_shard_size": shard}))
-    return folder
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _saved(tmp_path_factory.mktemp(request.param), request.param)
+    return saved_model(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def test_each_layer_holds_the_files_tensors_and_reads_only_its_own(saved: Path) -> None:
@@ -83,7 +60,7 @@ def _recording(load: Callable[..., torch.nn.Module], read: list[str]) -> Callabl
 
 
 def test_sharded_weights_are_read_through_the_index(tmp_path: Path) -> None:
-    folder = _saved(tmp_path, "llama", shard="20KB")
+    folder = saved_model(tmp_path, "llama", shard="20KB")
     assert (folder / "model.safetensors.index.json").is_file()
     weights = Weights(folder)
     assert len(set(weights.file_of.values())) > 1
@@ -152,7 +129,7 @@ def test_a_folder_that_cannot_serve_its_model_is_one_line(
     bare.mkdir()
     err = cli_error(_cli(bare), *NOTHING_SPAWNED)
     assert "has no config.json; give a folder written by save_pretrained" in err, err
-    sharded, wrong = _saved(tmp_path / "sharded", "llama", shard="20KB"), _saved(tmp_path / "wrong", "gpt2")
+    sharded, wrong = saved_model(tmp_path / "sharded", "llama", shard="20KB"), saved_model(tmp_path / "wrong", "gpt2")
     capsys.readouterr()  # save_pretrained's progress bar
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     missing = sorted(set(index["weight_map"].values()))[-1]
@@ -170,7 +147,7 @@ def test_a_folder_that_cannot_serve_its_model_is_one_line(
 
 
 def test_weights_without_safetensors_are_one_line(tmp_path: Path) -> None:
-    folder = _saved(tmp_path, "gpt2")
+    folder = saved_model(tmp_path, "gpt2")
     (folder / "model.safetensors").unlink()
     with pytest.raises(UserError, match="has no model.safetensors or model.safetensors.index.json"):
         Weights(folder)

@@ -25,7 +25,7 @@ from pipeweave.config.toml import dumps as dump_toml
 from pipeweave.config.toml import load as load_toml
 from pipeweave.errors import UserError
 from pipeweave.host import cpu_cores
-from pipeweave.models.hf import save_pretrained
+from pipeweave.models.export import finish
 from pipeweave.runtime.process import under_torchrun
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import HOST_UNDER_NCCL, LaunchOptions, RankFailure, exit_torchrun_rank, launch
@@ -126,6 +126,8 @@ def run_config(config: TrainConfig, on_record: Any = None) -> int:
     code. ``on_record(record)`` receives rank 0's record (``pipeweave.train``)."""
     if config.checkpoint.save is not None:
         output_folder("--save", config.checkpoint.save)  # where the lock goes: a file in the way is one line here
+    if config.checkpoint.save_pretrained is not None:  # where the ranks write their shards, checked before training
+        output_folder("--save-pretrained", config.checkpoint.save_pretrained)
     # One run at a time writes into a folder: locked before anything reads or writes it (rank 0 under torchrun).
     log = config.logging
     out = None if log.json and log.trace and log.plot else log.out  # where the default outputs go
@@ -186,9 +188,8 @@ def _launch(config: TrainConfig, on_record: Any = None) -> int:
     folder = config.checkpoint.save_pretrained
     if folder is not None:  # a side output too: a failed write is one line, after the record is safe
         export = SideOutput(folder)
-        export.attempt(
-            lambda: save_pretrained(config.model.entry, config.model.hf_config, _final_parameters(record), folder)
-        )
+        ranks = plan.streams[0].num_ranks if plan.streams else schedule.num_ranks  # the shards the ranks wrote
+        export.attempt(lambda: finish(config.model.entry or "", config.model.hf_config, folder, ranks))
         if export.failure is not None:
             failed.append(export)
         elif not quiet:
@@ -208,16 +209,6 @@ def _said_failures(record: Any, failed: list[SideOutput]) -> int:
         print(f"pipeweave train: error: {failed[0].failure}{nor}", file=sys.stderr)
     incomplete = unsaved is not None or failed or record.log_failure is not None
     return OUTPUT_FAILED if incomplete else 0
-
-
-def _final_parameters(record: Any) -> dict[str, torch.Tensor]:
-    """Every stage's final parameters by global name (the first replica's where parts are replicated)."""
-    out: dict[str, torch.Tensor] = {}
-    for rank in record.ranks:
-        for params in rank.parameters.values():
-            for name, value in params.items():
-                out.setdefault(name, value)
-    return out
 
 
 def _rank() -> int:

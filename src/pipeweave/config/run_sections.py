@@ -164,10 +164,11 @@ class CheckpointConfig:
     checkpoint in --save DIR if there is one, else from scratch, --steps counting the whole training (for
     torchrun --max-restarts)."""
     save_pretrained: str | None = option(None, metavar="DIR")
-    """hf:TYPE: after training, write the model with transformers' save_pretrained into DIR (from_pretrained
-    loads it)."""
+    """hf: models: after training, write the model into DIR as transformers' from_pretrained loads it: sharded
+    safetensors (each rank writes its own parts') with model.safetensors.index.json, config.json, and the tokenizer
+    of an hf:PATH folder."""
     collect_parameters: bool = option(False, internal=True)
-    """Send every stage's final parameters to rank 0 (``save_pretrained``, tests)."""
+    """Send every stage's final parameters to rank 0 (tests)."""
 
     def __post_init__(self) -> None:
         check_section(self)
@@ -177,8 +178,6 @@ class CheckpointConfig:
             raise UserError(
                 "--resume auto resumes the newest checkpoint in --save DIR; give --save DIR too (or --resume DIR)"
             )
-        if self.save_pretrained is not None and not self.collect_parameters:
-            object.__setattr__(self, "collect_parameters", True)
 
 
 @dataclass(frozen=True, kw_only=True)

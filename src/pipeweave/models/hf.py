@@ -44,24 +44,49 @@ def build_module(entry: str, config_text: str | None, seed: int, seq_len: int | 
         UserError: transformers missing; a config field it does not know or refuses (``models.hf_config``);
             ``seq_len`` (tokens a sample) beyond the positions the model embeds.
     """
-    try:
-        import transformers
-    except ImportError:
-        raise UserError(f"--model {entry} needs transformers; pip install -c constraints.txt -e '.[hf]'") from None
+    transformers = import_transformers(entry)
     fields = config_fields(config_text)
-    config = model_config(transformers, entry, config_text)
+    config = trained_config(transformers, entry, config_text)
     if seq_len is not None:
         _check_positions(entry, config, seq_len)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults of the full vocabulary: none here
-        value = getattr(config, key, None)
-        if key not in fields and isinstance(value, int) and value >= config.vocab_size:
-            setattr(config, key, None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = built(entry, fields, lambda: transformers.AutoModelForCausalLM.from_config(config))
     if getattr(module, "loss_type", None) is None:  # the loss transformers falls back to, chosen without its warning
         module.loss_type = "ForCausalLM"
     return module  # type: ignore[no-any-return]
+
+
+def meta_module(entry: str, config_text: str | None) -> nn.Module:
+    """The ``transformers`` model of ``hf:NAME`` on the meta device: its names, shapes and tied groups, no memory.
+
+    Raises:
+        UserError: as ``build_module``.
+    """
+    transformers = import_transformers(entry)
+    config = trained_config(transformers, entry, config_text)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-any-return]
+
+
+def import_transformers(entry: str) -> Any:
+    """The ``transformers`` package (one line where it is missing)."""
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(f"--model {entry} needs transformers; pip install -c constraints.txt -e '.[hf]'") from None
+    return transformers
+
+
+def trained_config(transformers: Any, entry: str, config_text: str | None) -> Any:
+    """``model_config``, its token ids outside the vocabulary cleared where ``--hf-config`` does not set them."""
+    fields = config_fields(config_text)
+    config = model_config(transformers, entry, config_text)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults of the full vocabulary: none here
+        value = getattr(config, key, None)
+        if key not in fields and isinstance(value, int) and value >= config.vocab_size:
+            setattr(config, key, None)
+    return config
 
 
 def model_config(transformers: Any, entry: str, config_text: str | None) -> Any:
@@ -172,11 +197,7 @@ def hf_vocab(entry: str, config_text: str | None) -> int:
     Raises:
         UserError: as ``build_module``.
     """
-    try:
-        import transformers
-    except ImportError:
-        raise UserError(f"--model {entry} needs transformers; pip install -c constraints.txt -e '.[hf]'") from None
-    return int(model_config(transformers, entry, config_text).vocab_size)
+    return int(model_config(import_transformers(entry), entry, config_text).vocab_size)
 
 
 def default_tokenizer(entry: str | None) -> str | None:

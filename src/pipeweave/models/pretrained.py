@@ -94,7 +94,7 @@ class Weights:
         Raises:
             UserError: a tensor missing, or of another shape than the module's.
         """
-        for names, tensor in _state_groups(module):
+        for names, tensor in state_groups(module):
             held = [n for n in names if n in self.file_of]
             if not held:
                 raise UserError(
@@ -110,7 +110,7 @@ class Weights:
 
     def loader(self, module: nn.Module) -> Callable[[nn.Module], nn.Module]:
         """``load(part)``: a part of ``module`` (its names the module's) with its tensors read from the files."""
-        alias = {n: [m for m in names if m in self.file_of][0] for names, _ in _state_groups(module) for n in names}
+        alias = {n: [m for m in names if m in self.file_of][0] for names, _ in state_groups(module) for n in names}
         return lambda part: self.load(part, alias)
 
     def load(self, part: nn.Module, alias: dict[str, str]) -> nn.Module:
@@ -128,7 +128,7 @@ class Weights:
         return part
 
 
-def _state_groups(module: nn.Module) -> Iterable[tuple[list[str], torch.Tensor]]:
+def state_groups(module: nn.Module) -> Iterable[tuple[list[str], torch.Tensor]]:
     """Each parameter or persistent buffer of ``module`` once, with every name it goes by (tied ones: several)."""
     groups: dict[int, tuple[list[str], torch.Tensor]] = {}
     persistent = set(module.state_dict(keep_vars=True))

@@ -31,6 +31,7 @@ from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones, rank_microbatches
 from pipeweave.runtime.run.part_memory import part_memory
 from pipeweave.runtime.run.prepare import RunPlan, learning_rates, offloaded, run_data
+from pipeweave.runtime.run.pretrained_save import save_parts
 from pipeweave.runtime.run.record import RankRecord, RunRecord, final_parameters, gather_run, seconds_since
 from pipeweave.runtime.run.step_log import StepLog
 from pipeweave.runtime.run.stream_job import run_stream_rank
@@ -201,6 +202,7 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     mine.peak_tensor_bytes = max(peaks, default=0)
     mine.weight_bytes = sum(w.weight_bytes() for w in workers.values())
     mine.parameters = final_parameters(config, workers)
+    save_parts(config, context, workers, plan.schedule.num_ranks)
     mine.eval_losses = milestones.eval_losses
     mine.skipped_steps = divergence.skipped_steps
     mine.overflow_steps, mine.loss_scales = _scaled(scaling)

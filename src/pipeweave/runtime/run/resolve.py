@@ -56,7 +56,9 @@ def _check_outputs(config: TrainConfig) -> None:
         output_folder("--log-dir", log_dir)
     folder = config.checkpoint.save_pretrained
     if folder is not None and not is_hf(config.model.entry):
-        raise UserError(f"--save-pretrained {folder} applies to --model hf:TYPE; use --save for a checkpoint")
+        raise UserError(
+            f"--save-pretrained {folder} applies to hf: models (--model hf:TYPE or hf:PATH); use --save for a checkpoint"
+        )
 
 
 def partition_arguments(config: TrainConfig) -> argparse.Namespace:

@@ -18,6 +18,7 @@ from pipeweave.runtime.run import checkpoint, checkpoint_state
 from pipeweave.runtime.run.divergence import Divergence
 from pipeweave.runtime.run.milestones import Milestones
 from pipeweave.runtime.run.prepare import RunPlan, run_data, stream_rates
+from pipeweave.runtime.run.pretrained_save import save_parts
 from pipeweave.runtime.run.record import (
     RankRecord,
     RunRecord,
@@ -99,6 +100,7 @@ def run_stream_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         seconds_since(g, offset)
         for g in split_by_minibatch(done.timings, config.schedule.num_microbatches, config.training.steps)
     ]
+    save_parts(config, context, workers, plan.streams[0].num_ranks)
     mine = RankRecord(
         rank,
         done.losses,
