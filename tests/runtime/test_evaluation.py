@@ -112,7 +112,7 @@ def test_evaluation_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
         prepare(train_config(model=ModelSpec(kind="mlp"), eval_every=2))
     short = tmp_path / "short.txt"
     short.write_bytes(b"x" * 15)
-    with pytest.raises(UserError, match="too short to hold out a window of seq_len\\+1=9 bytes"):
+    with pytest.raises(UserError, match="too short to hold out a window of seq_len\\+1=9 tokens"):
         prepare(train_config(model=GPT, data=str(short), eval_every=2, batch_size=4))
     with pytest.raises(UserError, match="--eval-batches 0 is invalid"):
         train_config(model=GPT, eval_every=2, eval_batches=0)

@@ -51,8 +51,8 @@ def _reference(name: str, counts: tuple[int, ...], spec: ModelSpec, chunks: int 
         ("1f1b", None, (1, 6)),  # the embedding alone on the first stage
         ("zb-h1", None, (6, 1)),  # the head alone on the last
         ("interleaved-1f1b", 2, (1, 3, 2, 1)),  # looped: ranks 0, 1, 0, 1
-        ("zb-v", None, (2, 1, 3, 1)),  # V-shaped: the embedding's and the head's parts both on rank 0
-        ("dualpipe-v", None, (1, 2, 1, 3)),
+        pytest.param("zb-v", None, (2, 1, 3, 1), marks=pytest.mark.slow),  # V: embedding and head on rank 0
+        pytest.param("dualpipe-v", None, (1, 2, 1, 3), marks=pytest.mark.slow),
     ],
 )
 def test_uneven_parts_equal_plain_training(name: str, chunks: int | None, counts: tuple[int, ...]) -> None:
@@ -96,6 +96,7 @@ TP_CASES = {  # tensor parallelism 2 x 2 stages (4 processes), every part its ow
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_uneven_parts_under_tensor_parallelism(equals_reference: Any) -> None:
     records = launch(_run_all, list(TP_CASES.values()), 4, LaunchOptions(timeout_s=120))
