@@ -28,7 +28,7 @@ import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import product
+from itertools import islice, product
 
 from pipeweave.errors import UserError
 from pipeweave.planner.candidate import Config
@@ -133,7 +133,9 @@ def tensor_parallel_sizes(model: Model, gpus_per_node: int, fixed: Fixed) -> lis
     return [t for t in divisors(gpus_per_node) if model.splits_tensors(t) and fixed.allows("tp", t)]
 
 
-def splits(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> list[tuple[int, int, int]]:
+def splits(
+    model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed, uneven: bool = True
+) -> list[tuple[int, int, int]]:
     """Every ``(tp, pp, dp)`` with tp x pp x dp = gpus, pp dividing the layers, dp the batch.
 
     Example:
@@ -145,7 +147,7 @@ def splits(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed
     out = []
     for tp in tensor_parallel_sizes(model, gpus_per_node, fixed):
         for pp in divisors(gpus // tp) if gpus % tp == 0 else ():
-            if searched_parts(model, pp, fixed) and fixed.allows("pp", pp):
+            if searched_parts(model, pp, fixed, uneven) and fixed.allows("pp", pp):
                 dp = gpus // (tp * pp)
                 if batch % dp == 0 and fixed.allows("dp", dp):
                     out.append((tp, pp, dp))
@@ -158,9 +160,9 @@ share, ceil(L / D) x D <= 1.05 L (126 blocks on 16 stages, 70 on 12: yes; 128 on
 slots idle). A fixed ``--stages`` is searched however unevenly it cuts them."""
 
 
-def searched_parts(model: Model, parts: int, fixed: Fixed) -> bool:
-    """Whether the space cuts the blocks into ``parts`` parts: evenly, within ``UNEVEN_SLACK``, or any way the
-    user fixed.
+def searched_parts(model: Model, parts: int, fixed: Fixed, uneven: bool = True) -> bool:
+    """Whether the space cuts the blocks into ``parts`` parts: evenly, within ``UNEVEN_SLACK`` (where ``uneven``),
+    or any way the user fixed.
 
     Example:
         >>> from pipeweave.planner.transformer import Transformer
@@ -170,11 +172,12 @@ def searched_parts(model: Model, parts: int, fixed: Fixed) -> bool:
     """
     if not model.splits_into(parts):
         return False
-    even = model.splits_evenly(parts) or -(-model.layers // parts) * parts <= (1 + UNEVEN_SLACK) * model.layers
+    slack = -(-model.layers // parts) * parts <= (1 + UNEVEN_SLACK) * model.layers
+    even = model.splits_evenly(parts) or (uneven and slack)
     return even or fixed.pp is not None
 
 
-def chunk_counts(model: Model, schedule: str, pp: int, fixed: Fixed | None = None) -> list[int]:
+def chunk_counts(model: Model, schedule: str, pp: int, fixed: Fixed | None = None, uneven: bool = True) -> list[int]:
     """The chunks v a schedule may run with at D = ``pp`` (interleaved: its layers split evenly into D x v
     parts)."""
     info = SCHEDULES[schedule]
@@ -182,7 +185,7 @@ def chunk_counts(model: Model, schedule: str, pp: int, fixed: Fixed | None = Non
         return [v for v in range(2, min(model.layers, MAX_CELLS) // pp + 1) if model.splits_evenly(pp * v)]
     if info.placement is PlacementKind.BIDIRECTIONAL:  # one part per rank and direction, D even
         return [1] if pp % 2 == 0 else []
-    return [info.chunks] if searched_parts(model, pp * info.chunks, fixed or Fixed()) else []
+    return [info.chunks] if searched_parts(model, pp * info.chunks, fixed or Fixed(), uneven) else []
 
 
 def cells_per_microbatch(schedule: str, pp: int, chunks: int) -> int:
@@ -208,10 +211,15 @@ def _zero_stages(schedule: str, dp: int, fixed: Fixed) -> tuple[int, ...]:
 def configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> Iterator[Config]:
     """The space (module docstring), in a fixed order.
 
+    Where the space with uneven splits (depths within ``UNEVEN_SLACK``, and each depth's balanced split beside
+    its even one) holds more than ``MAX_CONFIGURATIONS``, the even splits alone are searched.
+
     Raises:
-        UserError: more than ``MAX_CONFIGURATIONS`` of them (when the one past the limit is reached).
+        UserError: more than ``MAX_CONFIGURATIONS`` even then (when the one past the limit is reached).
     """
-    for count, config in enumerate(_configurations(model, gpus, batch, gpus_per_node, fixed), 1):
+    every = _configurations(model, gpus, batch, gpus_per_node, fixed, uneven=True)
+    uneven = sum(1 for _ in islice(every, MAX_CONFIGURATIONS + 1)) <= MAX_CONFIGURATIONS
+    for count, config in enumerate(_configurations(model, gpus, batch, gpus_per_node, fixed, uneven), 1):
         if count > MAX_CONFIGURATIONS:
             raise UserError(
                 f"--gpus {gpus} with --global-batch {batch} make more than {MAX_CONFIGURATIONS} configurations "
@@ -221,19 +229,21 @@ def configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixe
         yield config
 
 
-def part_blocks(model: Model, num_parts: int, recompute: str) -> list[tuple[int, ...]]:
+def part_blocks(model: Model, num_parts: int, recompute: str, uneven: bool = True) -> list[tuple[int, ...]]:
     """The splits of a transformer's blocks the space holds (``planner.split.candidate_blocks``: even, and
-    balanced where faster); a profiled model's one (``train --partition uniform``'s)."""
+    balanced where faster, unless not ``uneven``); a profiled model's one (``train --partition uniform``'s)."""
     if isinstance(model, Transformer):
-        return candidate_blocks(model, num_parts, recompute)
+        return candidate_blocks(model, num_parts, recompute)[: None if uneven else 1]
     return [()]
 
 
-def _configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> Iterator[Config]:
-    for tp, pp, dp in splits(model, gpus, batch, gpus_per_node, fixed):
+def _configurations(
+    model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed, uneven: bool
+) -> Iterator[Config]:
+    for tp, pp, dp in splits(model, gpus, batch, gpus_per_node, fixed, uneven):
         names = ["1f1b"] if pp == 1 else synchronous()
         for schedule in (n for n in names if fixed.allows("schedule", n)):
-            for chunks in (v for v in chunk_counts(model, schedule, pp, fixed) if fixed.allows("chunks", v)):
+            for chunks in (v for v in chunk_counts(model, schedule, pp, fixed, uneven) if fixed.allows("chunks", v)):
                 for b in (
                     b
                     for b in microbatch_sizes(batch, dp, cells_per_microbatch(schedule, pp, chunks))
@@ -241,7 +251,7 @@ def _configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fix
                 ):
                     for recompute in (r for r in model.recomputations if fixed.allows("recompute", r)):
                         for zero, blocks in product(
-                            _zero_stages(schedule, dp, fixed), part_blocks(model, pp * chunks, recompute)
+                            _zero_stages(schedule, dp, fixed), part_blocks(model, pp * chunks, recompute, uneven)
                         ):
                             yield Config(
                                 tp=tp,
