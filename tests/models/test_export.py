@@ -56,7 +56,11 @@ def _trained(folder: Path, out: Path, **options: Any) -> Any:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("kind", "options"), [("gpt2", {}), pytest.param("llama", {"data_parallel": 2, "zero": 1}, marks=pytest.mark.slow)]
+    ("kind", "options"),
+    [
+        pytest.param("gpt2", {}, marks=pytest.mark.slow),
+        pytest.param("llama", {"data_parallel": 2, "zero": 1}, marks=pytest.mark.slow),
+    ],
 )
 def test_from_pretrained_gives_back_the_trained_weights_each_rank_writing_its_parts(
     kind: str,
