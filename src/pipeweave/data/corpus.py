@@ -228,7 +228,10 @@ class ByteCorpus:
             )
         return self._windows(-(self.seed * 1_000_003 + k + 1), self.held_out)
 
-    def _windows(self, seed: int, segments: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows(
+        self, seed: int, segments: Segments, tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Windows of ``tokens`` (default: the corpus's own) at offsets drawn within ``segments``."""
         offsets = _draw(segments, self.seq_len, self.batch_size, torch.Generator().manual_seed(seed))
-        windows = self.tokens[offsets[:, None] + self._window].long()
+        windows = (self.tokens if tokens is None else tokens)[offsets[:, None] + self._window].long()
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

@@ -76,14 +76,12 @@ class TokenCorpus(ByteCorpus):
                 f"the data has too few tokens to hold out a window of seq_len+1={self.seq_len + 1} for evaluation; "
                 "give --eval-data, a longer file or a smaller seq_len"
             )
-        train, self.tokens = self.tokens, self._eval_tokens
-        try:
-            return self._windows(-(self.seed * 1_000_003 + k + 1), self.held_out)
-        finally:
-            self.tokens = train
+        return self._windows(-(self.seed * 1_000_003 + k + 1), self.held_out, self._eval_tokens)
 
-    def _windows(self, seed: int, segments: Segments) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = super()._windows(seed, segments)
+    def _windows(
+        self, seed: int, segments: Segments, tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = super()._windows(seed, segments, tokens)
         if self.shifted:
             return inputs, targets
         return inputs, inputs.clone()
