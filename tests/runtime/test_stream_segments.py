@@ -42,8 +42,9 @@ from pipeweave.runtime.plain import run_plain
 from pipeweave.runtime.reference import run_stream_reference
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.prepare import build_schedule, optimizer_factory, prepare, stream_rates, stream_schedules
+from pipeweave.runtime.run.prepare import build_schedule, optimizer_factory, prepare, stream_rates
 from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.streams import stream_schedules
 from pipeweave.runtime.stage.policy import PolicyOptions
 from pipeweave.schedule import SCHEDULES, Schedule
 from pipeweave.schedule.ir import Op

@@ -37,8 +37,9 @@ from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.reference import run_reference, run_stream_reference
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.prepare import optimizer_factory, prepare, stream_schedules
+from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.streams import stream_schedules
 from pipeweave.runtime.stage.tied import tied_groups
 from pipeweave.schedule import generate
 from pipeweave.sim.versions import staleness, tied_lag

@@ -28,8 +28,9 @@ from pipeweave.runtime.report.stream_summary import stream_timeline, summarize_s
 from pipeweave.runtime.report.trace import chrome_trace, rebased, step_timeline, summarize, window
 from pipeweave.runtime.run.checkpoint_files import newest
 from pipeweave.runtime.run.memory import MemoryEstimate
-from pipeweave.runtime.run.prepare import layer_ranges, learning_rates, segments, stream_rates
+from pipeweave.runtime.run.prepare import layer_ranges, learning_rates, stream_rates
 from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.streams import segments
 from pipeweave.runtime.stream import stream_updates
 from pipeweave.schedule import Schedule
 from pipeweave.side_output import SideOutput

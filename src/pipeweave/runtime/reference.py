@@ -206,7 +206,7 @@ def run_stream_reference(
 
     Args:
         schedule: an asynchronous schedule (its ``num_steps`` mini-batches are the run), or the
-            streams of a run that drains between them (``runtime.run.prepare.stream_schedules``), run one
+            streams of a run that drains between them (``runtime.run.streams.stream_schedules``), run one
             after the other on the same workers, each policy taking the last one's ``StreamCarry``.
         spec, batch_size, optimizer_factory, seed, recompute, data, parts, precision: as ``run_reference``.
         lr_at: the learning rate of each stage's k-th update (``LrSchedule.at``); None keeps the optimizer's.

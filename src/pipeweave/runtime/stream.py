@@ -4,7 +4,7 @@ An asynchronous schedule is one stream across many mini-batches with no flush
 (``schedule.stream``), so a run executes it once, start to end -- unless it
 stops to evaluate or save (``--eval-every K``, ``--save-every K``): a stream
 has no step boundary to do that at, so the run drains it after every K-th
-mini-batch and starts the next (``runtime.run.prepare.segments``), as PipeDream's
+mini-batch and starts the next (``runtime.run.streams.segments``), as PipeDream's
 runtime flushes at the end of an epoch to validate. Each segment is a stream
 of its own -- its warm-up, staleness and PipeMare delays are its own -- and
 its policy takes over what the last one carried (``policy.StreamCarry``:

@@ -16,9 +16,9 @@ from typing import Any
 
 from pipeweave.data import longest_sequence
 from pipeweave.data.corpus import microbatch_lengths
-from pipeweave.runtime.run.prepare import segments
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.sizes import microbatch_sizes, step_tokens
+from pipeweave.runtime.run.streams import segments
 from pipeweave.schedule.ir import Action, Op, Schedule
 from pipeweave.sim import CostModel, Event, Timeline, simulate
 from pipeweave.sim.bubble import bubble_metrics

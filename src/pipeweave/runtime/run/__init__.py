@@ -1,7 +1,8 @@
 """A training run (layer 5 of ``pipeweave.runtime``): configured, planned, launched, recorded.
 
 ``pipeweave.config.TrainConfig`` describes a run (values only); ``prepare.prepare`` checks
-it and resolves what every rank needs into a ``RunPlan``; ``launch.launch``
+it and resolves what every rank needs into a ``RunPlan`` (an asynchronous run's
+streams and where it drains between them: ``streams``); ``launch.launch``
 starts the ranks (spawned locally from a ``forkserver``, or under torchrun),
 each running ``job.run_rank`` (synchronous schedules) or ``stream_job.run_stream_rank``
 (asynchronous streams), evaluating and saving at ``milestones``

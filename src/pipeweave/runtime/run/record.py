@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.context import RankContext
-from pipeweave.runtime.run import prepare
+from pipeweave.runtime.run import streams
 from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.stage.tensor_parallel import gather
 from pipeweave.runtime.stage.worker import StageWorker
@@ -229,7 +229,7 @@ def close_pauses(record: RunRecord) -> float:
     all events is kept. Returns the seconds taken out.
     """
     removed = 0.0
-    segments = prepare.segments(record.config)
+    segments = streams.segments(record.config)
     for (first, steps), (nxt, _) in zip(segments, segments[1:]):
         end = max((a[4] for r in record.ranks for m in range(first, first + steps) for a in r.records[m]), default=0.0)
         start = min(

@@ -1,6 +1,6 @@
 """An asynchronous run on one rank: its streams through the ``Executor``, one after the other (``runtime.stream``).
 
-Between two streams (``prepare.segments``) nothing is in flight: the run
+Between two streams (``streams.segments``) nothing is in flight: the run
 checks the stream's losses (``divergence``), evaluates and saves there, and
 the next stream's policy takes the last one's ``StreamCarry``. Records are numbered as the run's schedule (the streams
 concatenated) numbers its actions.
