@@ -341,7 +341,7 @@ def test_train_cli_trains_a_model_file(tmp_path: Path) -> None:
         "pipeweave.models.precision",
         "pipeweave.runtime.stream",
         "pipeweave.config.train",
-        "pipeweave.runtime.run.prepare",
+        "pipeweave.runtime.run.streams",
     ],
 )
 def test_examples(name: str) -> None:
