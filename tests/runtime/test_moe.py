@@ -51,6 +51,8 @@ CASES = {
     "gpt-dualpipe-v": _config(dataclasses.replace(GPT, moe_router="sigmoid"), "dualpipe-v"),
     "llama-starved-1f1b-recompute": _config(STARVED, "1f1b", t=4, recompute="full"),
     "gpt-capacity-zb-h1-adamw": _config(dataclasses.replace(GPT, moe_capacity=1.0), "zb-h1", optimizer="adamw"),
+    # fp16: the auxiliary losses' gradients carry the loss scale as the main loss's do
+    "gpt-1f1b-fp16": _config(GPT, "1f1b", precision="fp16", loss_scale=2.0**10, lr=0.05),
 }
 
 
@@ -72,10 +74,18 @@ def records() -> dict[str, RunRecord]:
 
 
 def _plain(config: TrainConfig) -> TrainResult:
-    """Plain training of the run's model, batch and optimizer (every replica's microbatches in one process)."""
+    """Plain training of the run's model, batch, optimizer and precision (every replica's microbatches in one
+    process; fp16 with GradScaler from the run's scale)."""
     t, factory = config.num_microbatches * config.data_parallel, optimizer_factory(config)
+    scaler = torch.amp.GradScaler("cpu", init_scale=config.loss_scale) if config.precision == "fp16" else None
     return run_plain(
-        config.model, steps=STEPS, batch_size=config.batch_size, num_microbatches=t, optimizer_factory=factory
+        config.model,
+        steps=STEPS,
+        batch_size=config.batch_size,
+        num_microbatches=t,
+        optimizer_factory=factory,
+        precision=config.precision,
+        scaler=scaler,
     )
 
 
