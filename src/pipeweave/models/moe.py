@@ -36,13 +36,20 @@ it, within the same I (its router's weight gradient deferred to W like every
 linear layer's, ``models.layers``). Each microbatch's auxiliary loss is scaled by
 its share of the mini-batch, as its main loss is (``AuxLosses``); the stage (or
 plain training) adds the values to the loss it reports.
+
+An expert no token chose runs on no rows: its weight gradient is zero (not
+missing), and under tensor parallelism (each expert split as the dense MLP
+is, ``tensor_parallel_plan``; the router whole on every rank, so the ranks of
+a group route alike) it takes part in the same collectives as the others.
+The rows per expert are read on the host (``dispatch``'s ``counts``): one
+device synchronisation per layer on CUDA, as an all-to-all's split sizes need.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -268,8 +275,8 @@ class MoE(nn.Module):
             if self.aux_losses is not None:
                 self.aux_losses.values.append(aux.detach() * share)
             if torch.is_grad_enabled():
-                y = AuxLossInjection.apply(y, aux, share, self.aux_losses)
-        return y.reshape(x.shape)  # type: ignore[no-any-return]
+                y = AuxLossInjection.apply(y, aux, share, self.aux_losses)  # type: ignore[no-untyped-call]
+        return y.reshape(x.shape)
 
 
 def moe_experts(spec: ModelSpec) -> int:
@@ -289,5 +296,5 @@ def tensor_parallel_plan(moe: MoE, prefix: str = "moe.") -> dict[str, str]:
     return {
         f"{prefix}experts.local.{i}.{name}": style
         for i, expert in enumerate(moe.experts.local)
-        for name, style in expert.TP_PLAN.items()
+        for name, style in cast(dict[str, str], expert.TP_PLAN).items()
     }
