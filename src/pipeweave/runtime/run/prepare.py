@@ -82,10 +82,10 @@ class RunPlan:
 
     @property
     def num_processes(self) -> int:
-        """P x D x N: the schedule's ranks (P replicas of D; an asynchronous schedule's D, run by P replicas
-        outside it), each a tensor-parallel group of N processes."""
+        """P x D x C x N: the schedule's ranks (P replicas of D; an asynchronous schedule's D, run by P replicas
+        outside it), each C context-parallel groups of N tensor-parallel processes."""
         outside = self.config.parallel.data_parallel if self.config.is_stream else 1
-        return self.schedule.num_ranks * outside * self.config.parallel.tensor_parallel
+        return self.schedule.num_ranks * outside * self.config.parallel.per_stage_rank
 
 
 def prepare(config: TrainConfig) -> RunPlan:
