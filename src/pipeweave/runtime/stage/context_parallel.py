@@ -51,6 +51,7 @@ from torch import nn
 
 from pipeweave.models.build import selective_plan
 from pipeweave.models.context_parallel import SequenceShard
+from pipeweave.models.precision import autocast_device_type
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.transport.mesh import ContextParallel
 
@@ -161,6 +162,11 @@ class _RingAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+        with torch.autocast(autocast_device_type(q.device), enabled=False):  # float32 under bf16/fp16 autocast
+            return _RingAttentionFn._forward(ctx, q, k, v, cp)
+
+    @staticmethod
+    def _forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
         batch, heads, length, width = q.shape
         kv_heads = k.shape[1]
         dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
