@@ -59,22 +59,31 @@ KEYS = -2
 """The sequence dimension of queries, keys and values (``(batch, heads, seq, head width)``)."""
 
 
-def _ring_exchange(send: torch.Tensor, cp: ContextParallel, tag: int = 0) -> tuple[torch.Tensor, list[Any]]:
-    """Start sending ``send`` to the next rank of the ring and receiving the previous rank's into a new tensor
-    (``tag``: the key/value blocks 0, their gradients 1, which travel at the same time in the backward)."""
-    received = torch.empty_like(send)
-    after = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size)
-    before = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size)
-    ops = [
-        dist.P2POp(dist.isend, send, after, cp.group, tag),
-        dist.P2POp(dist.irecv, received, before, cp.group, tag),
-    ]
-    return received, dist.batch_isend_irecv(ops)
+class _Passing:
+    """``send`` on its way to the next rank of the ring, the previous rank's block on its way here (``wait``).
 
+    ``tag``: the key/value blocks 0, their gradients 1, which travel at the same time in the backward. Over
+    gloo a CUDA tensor is staged through the host (gloo carries none from rank to rank: ``--transport host``).
+    """
 
-def _wait(works: Sequence[Any]) -> None:
-    for work in works:
-        work.wait()
+    def __init__(self, send: torch.Tensor, cp: ContextParallel, tag: int = 0) -> None:
+        self.device = send.device
+        staged = send.device.type != "cpu" and dist.get_backend(cp.group) == "gloo"
+        self.sent = send.cpu() if staged else send  # kept until the send completes
+        self.received = torch.empty_like(self.sent)
+        after = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size)
+        before = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size)
+        ops = [
+            dist.P2POp(dist.isend, self.sent, after, cp.group, tag),
+            dist.P2POp(dist.irecv, self.received, before, cp.group, tag),
+        ]
+        self.works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> torch.Tensor:
+        """The previous rank's block, once here (on ``send``'s device)."""
+        for work in self.works:
+            work.wait()
+        return self.received.to(self.device)
 
 
 def _pairs(q_chunks: Sequence[int], k_chunks: Sequence[int]) -> list[list[tuple[int, bool]]]:
@@ -177,12 +186,11 @@ class _RingAttentionFn(torch.autograd.Function):
         out, lse = None, None
         for j in range(cp.size):
             src = (cp.rank - j) % cp.size
-            ahead = _ring_exchange(kv, cp) if j < cp.size - 1 else None
+            ahead = _Passing(kv, cp) if j < cp.size - 1 else None
             block_out, block_lse = _attend(qf, kv[0], kv[1], _pairs(mine, SequenceShard(src, cp.size).chunks()), scale)
             out, lse = _combine(out, lse, block_out, block_lse)
             if ahead is not None:
-                _wait(ahead[1])
-                kv = ahead[0]
+                kv = ahead.wait()
         assert out is not None and lse is not None
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp = cp
@@ -204,17 +212,14 @@ class _RingAttentionFn(torch.autograd.Function):
         mine = SequenceShard(cp.rank, cp.size).chunks()
         for j in range(cp.size):
             src = (cp.rank - j) % cp.size
-            ahead = _ring_exchange(kv, cp) if j < cp.size - 1 else None
+            ahead = _Passing(kv, cp) if j < cp.size - 1 else None
             pairs = _pairs(mine, SequenceShard(src, cp.size).chunks())
             block_dq, block_dk, block_dv = _attend_backward(qf, kv[0], kv[1], saved, pairs, scale)
             dq += block_dq
             dkv = dkv + torch.stack([block_dk, block_dv])
-            passed, works = _ring_exchange(dkv, cp, tag=1)  # on to the next rank; after the last step home to its owner
-            _wait(works)
-            dkv = passed
+            dkv = _Passing(dkv, cp, tag=1).wait()  # on to the next rank; after the last step home to its owner
             if ahead is not None:
-                _wait(ahead[1])
-                kv = ahead[0]
+                kv = ahead.wait()
         dk, dv = dkv.squeeze(3)
         return (
             dq.reshape(batch, heads, length, width).to(q.dtype),
