@@ -345,11 +345,6 @@ def _check_context_parallel(config: TrainConfig) -> None:
         (config.data.min_seq_len is not None, "--min-seq-len", "drop --min-seq-len"),
         (config.memory.balance_activations, "--balance-activations", "drop --balance-activations"),
         (config.training.compile, "--compile", "drop --compile"),
-        (
-            config.checkpoint.save is not None or config.checkpoint.resume is not None,
-            "--save/--resume",
-            "drop --save and --resume",
-        ),
     )
     for on, what, fix in unsupported:
         if on:
