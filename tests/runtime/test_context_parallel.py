@@ -35,6 +35,7 @@ from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stage.context_parallel import RingAttention
+from pipeweave.runtime.stage.post_validation import PostValidation
 from pipeweave.runtime.transport.mesh import ContextParallel, Mesh
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -79,6 +80,8 @@ CASES_4 = {  # CP = 2 with a second dimension at 2: 4 processes
     "llama-pp-recompute-full": _config(LLAMA, stages=2, recompute="full"),
     # tied embedding and head (against the reference executor: plain training does not tie them)
     "gpt-pp-tied": _config(dataclasses.replace(GPT, tie_embeddings=True), stages=2),
+    # the global norm clipped to 0.5, the cp group's summed gradients counted once, the TP shards each
+    "gpt-tp-clip": _config(GPT, tp=2, post_validation=PostValidation(max_norm=0.5)),
 }
 
 
@@ -97,13 +100,23 @@ def runs_4() -> dict[str, RunRecord]:
 
 
 @functools.cache
-def _plain(model: ModelSpec, batch_size: int, microbatches: int, precision: str) -> TrainResult:
+def _plain(model: ModelSpec, batch_size: int, microbatches: int, precision: str, clip: float | None) -> TrainResult:
     """Plain training of ``model`` (SGD, lr 0.1: ``config_defaults``), shared by the cases of one model and batch."""
-    return run_plain(model, steps=STEPS, batch_size=batch_size, num_microbatches=microbatches, precision=precision)
+    return run_plain(
+        model,
+        steps=STEPS,
+        batch_size=batch_size,
+        num_microbatches=microbatches,
+        precision=precision,
+        clip_grad_norm=clip,
+    )
 
 
 def _assert_equals_plain(config: TrainConfig, record: RunRecord) -> None:
-    plain = _plain(config.model, config.batch_size, config.num_microbatches * config.data_parallel, config.precision)
+    clip = None if config.post_validation is None else config.post_validation.max_norm
+    plain = _plain(
+        config.model, config.batch_size, config.num_microbatches * config.data_parallel, config.precision, clip
+    )
     final = {name: value for r in record.ranks for held in r.parameters.values() for name, value in held.items()}
     # bf16: plain training's attention rounds to bfloat16 where the ring computes in float32
     tolerance = dict(rtol=1e-2, atol=1e-3) if config.precision == "bf16" else dict(rtol=1e-5, atol=1e-6)

@@ -176,10 +176,10 @@ class TrainConfig:
 
     @property
     def clips_by_collective(self) -> bool:
-        """``--clip-grad-norm`` with tensor or data parallelism: one all-reduce of the norm at ``U``
+        """``--clip-grad-norm`` with tensor, context or data parallelism: one all-reduce of the norm at ``U``
         (``runtime.clip``) instead of post-validation, which passes whole stages' norms down one pipeline."""
         return self.training.post_validation is not None and (
-            self.parallel.tensor_parallel > 1 or self.parallel.data_parallel > 1
+            self.parallel.per_stage_rank > 1 or self.parallel.data_parallel > 1
         )
 
     @property
@@ -341,7 +341,6 @@ def _check_context_parallel(config: TrainConfig) -> None:
         (config.is_stream, f"the asynchronous {config.schedule.name}", "use a synchronous schedule (1f1b, zb-h1, ...)"),
         (config.parallel.sequence_parallel, "--sequence-parallel", "drop --sequence-parallel"),
         (config.parallel.zero, f"--zero {config.parallel.zero}", "use --zero 0"),
-        (config.training.post_validation is not None, "--clip-grad-norm", "drop --clip-grad-norm"),
         (config.data.min_seq_len is not None, "--min-seq-len", "drop --min-seq-len"),
         (config.memory.balance_activations, "--balance-activations", "drop --balance-activations"),
         (config.training.compile, "--compile", "drop --compile"),
