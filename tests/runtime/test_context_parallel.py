@@ -74,6 +74,8 @@ CASES_4 = {  # CP = 2 with a second dimension at 2: 4 processes
     "llama-pp-dualpipe-v": _config(LLAMA, stages=2, schedule="dualpipe-v", num_microbatches=4, batch_size=4),
     "gpt-tp": _config(GPT, tp=2),
     "llama-tp": _config(LLAMA, tp=2),
+    # sequence parallelism inside the cp slice: norms on seq / (C N) tokens, the ring on the slice gathered
+    "llama-tp-sequence-parallel": _config(LLAMA, tp=2, sequence_parallel=True),
     "gpt-dp": _config(GPT, dp=2),
     # the attention cores replayed at the backward (their ring too), and the first stage's whole forward
     "gpt-pp-recompute-selective": _config(GPT, stages=2, recompute="selective"),
@@ -226,7 +228,6 @@ def test_process_numbering_puts_cp_between_pp_and_tp() -> None:
         ),
         (dict(context_parallel=0), "--context-parallel 0 is invalid; give C >= 1"),
         (dict(schedule="pipedream"), "--context-parallel 2 with the asynchronous pipedream is not supported yet"),
-        (dict(tp=2, sequence_parallel=True), "--context-parallel 2 with --sequence-parallel is not supported yet"),
         (dict(dp=2, zero=1), "--context-parallel 2 with --zero 1 is not supported yet; use --zero 0"),
         (dict(compile=True), "--context-parallel 2 with --compile is not supported yet; drop --compile"),
     ],
@@ -260,3 +261,11 @@ def _train(config: TrainConfig) -> RunRecord:
     record = launch(run_rank, plan, plan.num_processes, LaunchOptions(timeout_s=120))
     assert record is not None
     return record
+
+
+def test_sequence_parallelism_needs_the_slice_divisible_by_tp() -> None:
+    config = _config(dataclasses.replace(GPT, seq_len=12), tp=4, sequence_parallel=True)
+    with pytest.raises(
+        UserError, match=r"^--seq-len 12 / --context-parallel 2 = 6 is not divisible by --tensor-parallel 4"
+    ):
+        prepare(config)

@@ -339,7 +339,6 @@ def _check_context_parallel(config: TrainConfig) -> None:
         )
     unsupported = (
         (config.is_stream, f"the asynchronous {config.schedule.name}", "use a synchronous schedule (1f1b, zb-h1, ...)"),
-        (config.parallel.sequence_parallel, "--sequence-parallel", "drop --sequence-parallel"),
         (config.parallel.zero, f"--zero {config.parallel.zero}", "use --zero 0"),
         (config.data.min_seq_len is not None, "--min-seq-len", "drop --min-seq-len"),
         (config.memory.balance_activations, "--balance-activations", "drop --balance-activations"),
