@@ -50,9 +50,10 @@ def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate |
         "steps": config.training.steps,
         "data_parallel": config.parallel.data_parallel,
         "tensor_parallel": config.parallel.tensor_parallel,
+        "context_parallel": config.parallel.context_parallel,
         "zero": config.parallel.zero,
         "sequence_parallel": config.parallel.sequence_parallel,
-        "processes": schedule.num_ranks * config.parallel.tensor_parallel,
+        "processes": schedule.num_ranks * config.parallel.per_stage_rank,
         "batch": config.data.batch_size,
         "model": asdict(config.model),
         "optimizer": config.training.optimizer,
@@ -189,7 +190,7 @@ def _summary_table(report: dict[str, Any]) -> Table:
     model = report["model"]["entry"] or report["model"]["kind"]
     grid = "".join(
         f"  {k}={report[key]}"
-        for k, key in (("P", "data_parallel"), ("N", "tensor_parallel"))
+        for k, key in (("P", "data_parallel"), ("C", "context_parallel"), ("N", "tensor_parallel"))
         if report.get(key, 1) > 1
     )
     grid += " SP" if report.get("sequence_parallel") else ""

@@ -86,15 +86,14 @@ within ``--timeout`` (the 16 ranks of a 4 x 4 mesh still run on 1 core)."""
 
 
 def _check_world(plan: RunPlan) -> None:
-    """Under torchrun, the processes started are the run's P x D x N; spawned CPU ranks, at most
+    """Under torchrun, the processes started are the run's P x D x C x N; spawned CPU ranks, at most
     ``PROCESSES_PER_CORE`` per core (one line before any group forms)."""
     world = int(os.environ.get("WORLD_SIZE", "0"))
     if under_torchrun() and world != plan.num_processes:
         c = plan.config.parallel
         raise UserError(
             f"torchrun started {world} processes but --data-parallel {c.data_parallel} x "
-            f"{plan.schedule.num_ranks // c.data_parallel} stage ranks x --tensor-parallel "
-            f"{c.tensor_parallel} need {plan.num_processes}; give --nnodes x --nproc-per-node = "
+            f"{plan.schedule.num_ranks // c.data_parallel} stage ranks x {_inner(c)} need {plan.num_processes}; give --nnodes x --nproc-per-node = "
             f"{plan.num_processes}"
         )
     cores = cpu_cores()
@@ -102,10 +101,17 @@ def _check_world(plan: RunPlan) -> None:
         c = plan.config.parallel
         raise UserError(
             f"--data-parallel {c.data_parallel} x {plan.schedule.num_ranks // c.data_parallel} stage ranks x "
-            f"--tensor-parallel {c.tensor_parallel} = {plan.num_processes} processes on {cores} CPU cores: over "
+            f"{_inner(c)} = {plan.num_processes} processes on {cores} CPU cores: over "
             f"{PROCESSES_PER_CORE} a core, ranks starve and time out waiting on each other; give at most "
             f"{PROCESSES_PER_CORE * cores} processes here, or spread them over hosts with torchrun"
         )
+
+
+def _inner(c: Any) -> str:
+    """A stage rank's processes as the messages above name them: ``--tensor-parallel N``, with context
+    parallelism ``--context-parallel C x --tensor-parallel N``."""
+    cp = f"--context-parallel {c.context_parallel} x " if c.context_parallel > 1 else ""
+    return f"{cp}--tensor-parallel {c.tensor_parallel}"
 
 
 def train(args: argparse.Namespace) -> int:

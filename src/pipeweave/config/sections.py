@@ -140,7 +140,8 @@ def _bucket(value: float, flag: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """How the pipeline composes with tensor and data parallelism on one device mesh (P x D x N processes).
+    """How the pipeline composes with tensor, context and data parallelism on one device mesh (P x D x C x N
+    processes).
 
     Example:
     >>> ParallelConfig(data_parallel=2, tensor_parallel=2, zero=1).zero
@@ -152,6 +153,9 @@ class ParallelConfig:
     tensor_parallel: int = option(1, metavar="N", check=at_least(1, "give N >= 1 processes per stage (1: none)"))
     """Processes splitting every stage's layers (Megatron's tensor parallelism); processes P x D x N on one
     device mesh."""
+    context_parallel: int = option(1, metavar="C", check=at_least(1, "give C >= 1 processes per sequence (1: none)"))
+    """Processes splitting every sequence (gpt, llama): each holds 2 of its 2C chunks (the load-balanced causal
+    layout) and the attention passes keys and values around them (ring attention); processes P x D x C x N."""
     sequence_parallel: bool = option(False)
     """With --tensor-parallel N > 1 (gpt): layer norms and residual adds on 1/N of the sequence,
     all-gather/reduce-scatter instead of all-reduce (Korthikanti et al. 2022)."""
@@ -163,6 +167,12 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_section(self)
+
+    @property
+    def per_stage_rank(self) -> int:
+        """C x N: the processes of one stage rank (its context- and tensor-parallel groups), which run its
+        actions alike."""
+        return self.context_parallel * self.tensor_parallel
 
 
 def _recompute(value: str | bool, flag: str) -> None:

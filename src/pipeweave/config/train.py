@@ -127,6 +127,8 @@ class TrainConfig:
                 f"--zero {self.parallel.zero} shards over the --data-parallel replicas and this run has one; give "
                 "--data-parallel 2 or more, or drop --zero"
             )
+        if self.parallel.context_parallel > 1:
+            _check_context_parallel(self)
         if self.data.min_seq_len is not None:
             _check_min_seq_len(self, self.data.min_seq_len)
         _check_documents(self)
@@ -174,10 +176,10 @@ class TrainConfig:
 
     @property
     def clips_by_collective(self) -> bool:
-        """``--clip-grad-norm`` with tensor or data parallelism: one all-reduce of the norm at ``U``
+        """``--clip-grad-norm`` with tensor, context or data parallelism: one all-reduce of the norm at ``U``
         (``runtime.clip``) instead of post-validation, which passes whole stages' norms down one pipeline."""
         return self.training.post_validation is not None and (
-            self.parallel.tensor_parallel > 1 or self.parallel.data_parallel > 1
+            self.parallel.per_stage_rank > 1 or self.parallel.data_parallel > 1
         )
 
     @property
@@ -319,6 +321,37 @@ def _check_documents(config: TrainConfig) -> None:
         raise UserError(f"--eval-data {data.eval_path} is evaluated by --eval-every; give --eval-every N")
     if config.model.kind == "mlp" and data.path is not None:
         raise UserError("--data applies to --model gpt, llama or hf:; the mlp fits fixed random targets: drop --data")
+
+
+def _check_context_parallel(config: TrainConfig) -> None:
+    """``--context-parallel C``: a built-in transformer whose sequences cut into 2C equal chunks, without the
+    options it does not compose with yet (one line each)."""
+    c, spec = config.parallel.context_parallel, config.model
+    if not spec.is_transformer:
+        raise UserError(
+            f"--context-parallel {c} splits the sequence of the gpt's or the llama's attention; --model "
+            f"{spec.entry if spec.kind == 'custom' else spec.kind} has no such attention: drop --context-parallel"
+        )
+    if spec.seq_len % (2 * c):
+        raise UserError(
+            f"--seq-len {spec.seq_len} is not divisible by 2 x --context-parallel {c} = {2 * c} (the load-balanced "
+            f"chunks); give a sequence length that is a multiple of {2 * c}"
+        )
+    unsupported = (
+        (config.is_stream, f"the asynchronous {config.schedule.name}", "use a synchronous schedule (1f1b, zb-h1, ...)"),
+        (config.parallel.zero, f"--zero {config.parallel.zero}", "use --zero 0"),
+        (config.data.min_seq_len is not None, "--min-seq-len", "drop --min-seq-len"),
+        (config.memory.balance_activations, "--balance-activations", "drop --balance-activations"),
+        (config.training.compile, "--compile", "drop --compile"),
+        (
+            bool(spec.moe_experts),
+            f"--moe-experts {spec.moe_experts}",
+            "drop --context-parallel (the load-balancing loss would be a slice's, not the sequence's)",
+        ),
+    )
+    for on, what, fix in unsupported:
+        if on:
+            raise UserError(f"--context-parallel {c} with {what} is not supported yet; {fix}")
 
 
 def _check_min_seq_len(config: TrainConfig, length: int) -> None:

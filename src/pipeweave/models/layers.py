@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeweave.models.context_parallel import SequenceShard
 from pipeweave.models.precision import autocast_device_type
 
 WeightGrad = Callable[[], None]
@@ -184,9 +185,14 @@ class _LayerNormFn(torch.autograd.Function):
 
 
 def _embedding_weight_grads(
-    idx: torch.Tensor, gy: torch.Tensor, token: torch.Tensor, position: torch.Tensor | None
+    idx: torch.Tensor,
+    gy: torch.Tensor,
+    token: torch.Tensor,
+    position: torch.Tensor | None,
+    at: torch.Tensor | None = None,
 ) -> None:
-    """Accumulate the token and position gradients into ``.grad`` in place (as the linear layer does)."""
+    """Accumulate the token and position gradients into ``.grad`` in place (as the linear layer does); ``at``:
+    the global positions of the tokens (context parallelism), None for ``0..seq-1``."""
     width = gy.shape[-1]
     if token.grad is None:
         token.grad = torch.zeros_like(token)
@@ -195,29 +201,40 @@ def _embedding_weight_grads(
         return
     if position.grad is None:
         position.grad = torch.zeros_like(position)
-    position.grad[: gy.shape[-2]] += gy.reshape(-1, gy.shape[-2], width).sum(0)
+    summed = gy.reshape(-1, gy.shape[-2], width).sum(0)
+    if at is None:
+        position.grad[: gy.shape[-2]] += summed
+    else:
+        position.grad.index_add_(0, at, summed)
 
 
 class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, idx: torch.Tensor, token: torch.Tensor, position: torch.Tensor | None, store: Any
+        ctx: Any,
+        idx: torch.Tensor,
+        token: torch.Tensor,
+        position: torch.Tensor | None,
+        store: Any,
+        at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ctx.save_for_backward(idx)
-        ctx.token, ctx.position = token, position
+        ctx.token, ctx.position, ctx.at = token, position, at
         ctx.store = store
         y = F.embedding(idx, token)
-        return y if position is None else y + position[: idx.shape[-1]]
+        if position is None:
+            return y
+        return y + (position[: idx.shape[-1]] if at is None else position.index_select(0, at))
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
         (idx,) = ctx.saved_tensors
-        token, position = ctx.token, ctx.position
+        token, position, at = ctx.token, ctx.position, ctx.at
         if _deferring(ctx.store):
-            ctx.store.defer(lambda: _embedding_weight_grads(idx, gy, token, position), (idx, gy))
+            ctx.store.defer(lambda: _embedding_weight_grads(idx, gy, token, position, at), (idx, gy))
         else:
-            _embedding_weight_grads(idx, gy, token, position)
-        return None, None, None, None
+            _embedding_weight_grads(idx, gy, token, position, at)
+        return None, None, None, None, None
 
 
 class Deferrable(nn.Module):
@@ -289,7 +306,12 @@ class LayerNorm(nn.Module):
 
 class Embedding(Deferrable):
     """Token plus learned position embedding: ``token[idx] + position[:seq]``; the token alone where
-    ``max_len`` is None (positions given by the attention itself: rotary)."""
+    ``max_len`` is None (positions given by the attention itself: rotary).
+
+    ``sequence``: which part of every sequence ``idx`` holds under context parallelism (``models.context_parallel``:
+    its tokens' positions are their global ones); None for whole sequences."""
+
+    sequence: SequenceShard | None = None
 
     def __init__(self, vocab: int, width: int, max_len: int | None, *, generator: torch.Generator) -> None:
         super().__init__()
@@ -306,4 +328,5 @@ class Embedding(Deferrable):
         return torch.empty(vocab, width).normal_(0.0, 0.02, generator=generator)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return _EmbeddingFn.apply(idx, self.token, self.position, self.grad_store)  # type: ignore[no-untyped-call,no-any-return]
+        at = None if self.sequence is None else self.sequence.positions(idx.shape[-1], idx.device)
+        return _EmbeddingFn.apply(idx, self.token, self.position, self.grad_store, at)  # type: ignore[no-untyped-call,no-any-return]

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeweave.models import moe
+from pipeweave.models.context_parallel import SequenceShard
 from pipeweave.models.gpt import tie_head
 from pipeweave.models.layers import Embedding, FusedLinear, Linear
 from pipeweave.models.spec import ModelSpec
@@ -36,12 +37,14 @@ NORM_EPS = 1e-5
 """RMSNorm's epsilon (Llama 2 and 3)."""
 
 
-def rotary(x: torch.Tensor, theta: float = ROPE_THETA) -> torch.Tensor:
+def rotary(x: torch.Tensor, theta: float = ROPE_THETA, positions: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` of shape (batch, heads, seq, d) with position p's feature pairs ``(i, i + d/2)`` turned by the angle
-    ``p theta^(-2i/d)`` (the half-split pairing of Hugging Face's Llama), computed in float32."""
+    ``p theta^(-2i/d)`` (the half-split pairing of Hugging Face's Llama), computed in float32. ``positions``: the
+    tokens' global positions (a context-parallel slice's, ``models.context_parallel``); None: ``0..seq-1``."""
     seq, width = x.shape[-2], x.shape[-1]
     inverse = theta ** (-torch.arange(0, width, 2, dtype=torch.float32, device=x.device) / width)
-    angle = torch.outer(torch.arange(seq, dtype=torch.float32, device=x.device), inverse)  # (seq, d/2)
+    at = torch.arange(seq, device=x.device) if positions is None else positions
+    angle = torch.outer(at.to(torch.float32), inverse)  # (seq, d/2)
     cos, sin = angle.cos(), angle.sin()
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
@@ -60,7 +63,12 @@ class AttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention with rotary positions."""
+    """Grouped-query causal self-attention with rotary positions.
+
+    ``sequence``: which part of every sequence the input holds under context parallelism
+    (``models.context_parallel``: rotary positions are the global ones); None for whole sequences."""
+
+    sequence: SequenceShard | None = None
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, *, generator: torch.Generator) -> None:
         super().__init__()
@@ -77,7 +85,8 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.group * kv, kv, kv], dim=-1)
         # (batch, seq, heads x head width) -> (batch, heads, seq, head width): the heads held here
         q, k, v = (t.view(batch, seq, -1, self.head_width).transpose(1, 2) for t in (q, k, v))
-        y = self.core(rotary(q), rotary(k), v)
+        at = None if self.sequence is None else self.sequence.positions(seq, x.device)
+        y = self.core(rotary(q, positions=at), rotary(k, positions=at), v)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 

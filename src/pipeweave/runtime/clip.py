@@ -12,7 +12,9 @@ once (Megatron-LM's ``clip_grad_norm_fp32`` does the same):
 - under ZeRO each replica's slices of the reduced gradient (distinct by construction: ``runtime.zero``'s
   slices at stage 1, FSDP2's rows at stage 3, ``runtime.fsdp``);
   without ZeRO the reduced gradient, equal on every replica, on ``dp`` rank 0 only;
-- of tied embedding and head (``runtime.stage.tied``), which hold one shared gradient, the embedding's.
+- of tied embedding and head (``runtime.stage.tied``), which hold one shared gradient, the embedding's;
+- under context parallelism, where every process of a ``cp`` group holds the same gradients once they are
+  summed over it (``runtime.stage.context_parallel``, before the clipping), on its ``cp`` rank 0 only.
 
 The norm needs every stage's gradients, so each ``U`` waits for the whole pipeline's backward (the barrier
 Megatron-LM pays too; post-validation, ``runtime.stage.post_validation``, avoids it where it applies: one
@@ -54,13 +56,14 @@ class GlobalNormClip:
     def __init__(self, max_norm: float, workers: dict[int, StageWorker], joined: Mesh | None = None) -> None:
         self.max_norm = max_norm
         self.tp_rank, self.dp_rank = (0, 0) if joined is None else (joined.tp_rank, joined.dp_rank)
+        self.counts = joined is None or joined.cp_rank == 0  # a cp group's gradients are alike: its rank 0's count
         self.norms: list[float] = []
         # The gradients the optimizer applies are clipped: replicas summed (or sliced), ties summed first.
         self.hooks: dict[int, Callable[[StageWorker], None]] = {stage: self._clip for stage in workers}
 
     def _clip(self, worker: StageWorker) -> None:
         squares = torch.zeros(1, dtype=torch.float64, device=worker.device)
-        for grad in _distinct(worker, self.tp_rank, self.dp_rank):
+        for grad in _distinct(worker, self.tp_rank, self.dp_rank) if self.counts else ():
             squares += grad.double().pow(2).sum()
         dist.all_reduce(squares)
         norm = math.sqrt(float(squares))

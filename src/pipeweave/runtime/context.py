@@ -65,17 +65,19 @@ class RankContext:
             self.sink(value)
 
     def process_of(self, stage_rank: int) -> int:
-        """The process of ``stage_rank`` with this process's ``tp`` coordinate (itself without a mesh)."""
+        """The process of ``stage_rank`` with this process's ``cp`` and ``tp`` coordinates (itself without a mesh)."""
         return stage_rank if self.mesh is None else self.mesh.process_of(stage_rank)
 
     @property
     def reporting(self) -> bool:
-        """Whether this process reports for its stage rank: its ``tp`` coordinate is 0 (the others run alike)."""
-        return self.mesh is None or self.mesh.tp_rank == 0
+        """Whether this process reports for its stage rank: its ``cp`` and ``tp`` coordinates are 0 (the others run
+        alike; a context-parallel group's losses are already the whole sequences')."""
+        return self.mesh is None or (self.mesh.tp_rank == 0 and self.mesh.cp_rank == 0)
 
     @property
     def pipeline_group(self) -> Any:
-        """The group of this ``tp`` coordinate's processes (None: the default group, without tensor parallelism)."""
+        """The group of this ``(cp, tp)`` coordinate's processes (None: the default group, without tensor or
+        context parallelism)."""
         return None if self.mesh is None else self.mesh.pipeline_group
 
     @property

@@ -200,10 +200,16 @@ class Executor:
 
     def _combines(self, exchanging: dict[int, StageWorker], sum_over: Any) -> dict[int, Combine]:
         """Each stage's gradient exchanges, in order: a stream's replicas around it (``sum_over``), the replicas'
-        sum, sequence parallelism's partial sums over ``tp`` (sums over dp and tp commute), the ties' (before all
+        sum, sequence parallelism's partial sums over ``tp`` and context parallelism's over ``cp`` (sums over dp,
+        tp and cp commute), the ties' (before all
         of them under ZeRO-1: a tie is summed whole, then sliced), the global norm's clipping (of what the
         optimizer applies)."""
         partial = PartialGradients(exchanging).hooks
+        sequence = {  # context parallelism: each rank's gradients from its part of every sequence
+            s: functools.partial(all_reduce_gradients, group=w.context_parallel.group)
+            for s, w in exchanging.items()
+            if w.context_parallel is not None
+        }
         ties = self.tied.hooks
         first = isinstance(self.tied, TiedGradients) and self.tied.first
         clip = self.clip.hooks if self.clip is not None else {}
@@ -216,6 +222,7 @@ class Executor:
                 around,
                 self.replicas.hooks.get(s),
                 partial.get(s),
+                sequence.get(s),
                 None if first else ties.get(s),
                 unscale.get(s),
                 clip.get(s),

@@ -140,10 +140,10 @@ def estimate_memory(plan: RunPlan, rings: Mapping[tuple[int, int], int] | None =
         )
         weights = _weights(config, schedule, part_weights, version_metrics(schedule, costs)[0])
     ranks = schedule.num_ranks
-    copies = config.parallel.tensor_parallel * (
+    copies = config.parallel.per_stage_rank * (
         config.parallel.data_parallel if config.is_stream else 1
     )  # processes per rank
-    received = _rings_received(rings or {}, ranks, config.parallel.tensor_parallel)
+    received = _rings_received(rings or {}, ranks, config.parallel.per_stage_rank)
     actions = sum(len(row) for row in schedule.actions)
     process = PROCESS_BYTES + actions * RANK_BYTES_PER_ACTION
     return MemoryEstimate(

@@ -101,6 +101,7 @@ def part_memory(
         "compress": config.memory.compress_activations,
         "tensor_parallel": config.parallel.tensor_parallel,
         **({"sequence_parallel": True} if config.parallel.sequence_parallel else {}),
+        **({"context_parallel": config.parallel.context_parallel} if config.parallel.context_parallel > 1 else {}),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir().parent / "memory"
@@ -255,12 +256,14 @@ def _no_optimizer(params: Any) -> Any:
 
 
 def _sample(config: TrainConfig, size: int, device: str) -> tuple[Boundary, Boundary]:
-    """A microbatch of ``size`` samples shaped as the model's data (a custom model's own first samples on the CPU)."""
+    """A microbatch of ``size`` samples shaped as the model's data (a custom model's own first samples on the CPU).
+
+    Under context parallelism a rank's slice of the sequence (``--seq-len / C`` tokens): its attention over them
+    keeps what ring attention keeps (queries, keys, values, output and log-sum-exp of the slice)."""
     spec = config.model
     if spec.kind != "custom":
-        shape, dtype = (
-            ((size, spec.hidden), torch.float32) if spec.kind == "mlp" else ((size, spec.seq_len), torch.long)
-        )
+        seq = spec.seq_len // config.parallel.context_parallel
+        shape, dtype = ((size, spec.hidden), torch.float32) if spec.kind == "mlp" else ((size, seq), torch.long)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
     inputs, targets = data_source(spec, batch_size=min(size, 2), seed=config.data.data_seed).batch(0)
 

@@ -82,10 +82,10 @@ class RunPlan:
 
     @property
     def num_processes(self) -> int:
-        """P x D x N: the schedule's ranks (P replicas of D; an asynchronous schedule's D, run by P replicas
-        outside it), each a tensor-parallel group of N processes."""
+        """P x D x C x N: the schedule's ranks (P replicas of D; an asynchronous schedule's D, run by P replicas
+        outside it), each C context-parallel groups of N tensor-parallel processes."""
         outside = self.config.parallel.data_parallel if self.config.is_stream else 1
-        return self.schedule.num_ranks * outside * self.config.parallel.tensor_parallel
+        return self.schedule.num_ranks * outside * self.config.parallel.per_stage_rank
 
 
 def prepare(config: TrainConfig) -> RunPlan:
@@ -285,9 +285,11 @@ def _check_sequence_parallel(config: TrainConfig) -> None:
             f"--sequence-parallel applies to the gpt and the llama (a sequence to shard); --model {spec.kind} "
             "has none: drop --sequence-parallel"
         )
-    if spec.seq_len % n:
+    c = config.parallel.context_parallel  # each process holds seq / C tokens of a sequence
+    if spec.seq_len // c % n:
+        held = f"--seq-len {spec.seq_len}" + (f" / --context-parallel {c} = {spec.seq_len // c}" if c > 1 else "")
         raise UserError(
-            f"--seq-len {spec.seq_len} is not divisible by --tensor-parallel {n}; give a sequence "
+            f"{held} is not divisible by --tensor-parallel {n}; give a sequence "
             "length that divides evenly for --sequence-parallel"
         )
     for on, flag in (

@@ -182,7 +182,8 @@ def gather_run(
 ) -> RunRecord | None:
     """Gather every rank's record on process 0: the ``RunRecord`` there, None elsewhere.
 
-    Under tensor parallelism the record holds one process per stage rank, its ``tp`` coordinate 0's.
+    Under tensor and context parallelism the record holds one process per stage rank, its ``(cp, tp)``
+    coordinate 0's (its last stages' losses are the whole sequences', ``stage.context_parallel``).
 
     ``first_step``/``first_update``: what the resumed checkpoint had done, read
     when the run started (a run saving to the folder it resumed from rewrites it).
@@ -193,7 +194,7 @@ def gather_run(
     if rank != 0:
         return None
     assert gathered is not None
-    gathered = gathered[:: config.parallel.tensor_parallel]  # per stage rank its tp-0 process's (its group runs alike)
+    gathered = gathered[:: config.parallel.per_stage_rank]  # per stage rank its first process's (its group runs alike)
     if config.is_stream and config.parallel.data_parallel > 1:  # replicas around the stream: their shares of the loss
         gathered = _fold_replicas(gathered, config.parallel.data_parallel)
     return RunRecord(

@@ -75,7 +75,7 @@ def check_sizes(config: TrainConfig) -> None:
             f"free here; give fewer stages or microbatches{' or steps' if config.is_stream else ''} "
             f"(at most ~{free // BYTES_PER_ACTION:.2g} actions fit)"
         )
-    ranks = d * config.parallel.data_parallel * config.parallel.tensor_parallel
+    ranks = d * config.parallel.data_parallel * config.parallel.per_stage_rank
     if not under_torchrun() and SPAWN_BYTES + ranks * PROCESS_BYTES > free:
         raise UserError(
             f"{_size(config, None)} start {ranks} rank processes here, "
@@ -228,7 +228,9 @@ def largest_message_bytes(config: TrainConfig) -> int:
     if model.kind == "custom":
         per_sample = probe_model(model, config.data.data_seed)
     else:
-        shards = config.parallel.tensor_parallel if config.parallel.sequence_parallel else 1
+        shards = config.parallel.context_parallel * (
+            config.parallel.tensor_parallel if config.parallel.sequence_parallel else 1
+        )
         per_sample = model.hidden * (model.seq_len // shards if model.is_transformer else 1) * 4
     return max(microbatch_sizes(config)) * per_sample
 
@@ -248,7 +250,7 @@ def message_rings(config: TrainConfig, schedule: Schedule, num_processes: int) -
         >>> sorted(message_rings(plan.config, plan.schedule, plan.num_processes))
         [(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2)]
     """
-    n = config.parallel.tensor_parallel
+    n = config.parallel.per_stage_rank  # every (cp, tp) coordinate its own rings
     ties = config.is_stream and bool(tied_groups(config.model))
     pairs = message_pairs(schedule.placement, ties=ties)
     replicas = max(1, num_processes // (n * schedule.num_ranks))

@@ -95,7 +95,7 @@ class StepLog:
             return
         run_id = [plan.run_id]  # process 0's: under torchrun each process drew its own for a run not resumed
         dist.broadcast_object_list(run_id, src=0, device=self.device)
-        if process == writer_stage_rank(plan) * config.parallel.tensor_parallel:  # dp and tp coordinates 0
+        if process == writer_stage_rank(plan) * config.parallel.per_stage_rank:  # dp, cp and tp coordinates 0
             folder = log_folder(config.logging.log_dir, run_id[0])
             self.output = SideOutput(folder, _warn)
             self.writer = self.output.attempt(lambda: EventFile(folder))

@@ -6,7 +6,8 @@
 ``tensor_parallel`` splits a layer's linear layers over a ``tp`` group (Megatron's
 column/row-parallel layers, their collectives, the shards' splits);
 ``sequence_parallel`` shards the activations between them along the sequence
-(Korthikanti et al.'s all-gather/reduce-scatter pairs); ``policy``
+(Korthikanti et al.'s all-gather/reduce-scatter pairs); ``context_parallel``
+splits every sequence over a ``cp`` group (ring attention); ``policy``
 binds an asynchronous schedule's weight policy (which version each action
 reads; the tensor code is ``pipeweave.weights``); ``post_validation``
 replaces the optimizer step by an optimistic one with exact rollback;

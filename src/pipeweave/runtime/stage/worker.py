@@ -86,12 +86,14 @@ import torch
 
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary, num_samples, tensors
+from pipeweave.models.context_parallel import SequenceShard
 from pipeweave.models.layers import WeightGrad
 from pipeweave.models.precision import autocast
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
 from pipeweave.models.spec import ModelSpec, loss_fn
 from pipeweave.runtime.stage.build import OptimizerFactory, Sealed, Stage, build_stage, sgd, stage_options
+from pipeweave.runtime.stage.context_parallel import ContextParallel, summed_loss
 from pipeweave.runtime.stage.levers import stash_hooks
 from pipeweave.runtime.stage.memory import Metered, own, unpack
 from pipeweave.runtime.stage.tensor_parallel import TensorParallel
@@ -133,6 +135,10 @@ class StageWorker(Sealed, Metered):
         tensor_parallel: this rank's tensor-parallel group: the layers are split over it
             (``stage.tensor_parallel``, by the model's plan); every rank of the group runs the same
             actions on its shard.
+        context_parallel: this rank's context-parallel group: every sequence is split over it
+            (``stage.context_parallel``): the first stage takes this rank's part of the tokens, the last its
+            part of the targets, and returns the whole sequence's loss (the group's shares summed), while
+            its backward starts from this rank's share.
         compress: saved tensors kept in bfloat16 from F to the backward; ``stashing``: kept per microbatch
             (memory actions move them: ``stage.levers``); ``steps_done``: updates done before (a resumed run);
             ``compile``: the ``torch.compile`` backend of the layers (``stage.compiled``; None: eager).
@@ -160,6 +166,7 @@ class StageWorker(Sealed, Metered):
         track_memory: bool = True,
         precision: str = "fp32",
         tensor_parallel: TensorParallel | None = None,
+        context_parallel: ContextParallel | None = None,
         compress: bool = False,
         stashing: bool = False,
         steps_done: int = 0,
@@ -175,6 +182,7 @@ class StageWorker(Sealed, Metered):
             track_memory=track_memory,
             precision=precision,
             tensor_parallel=tensor_parallel,
+            context_parallel=context_parallel,
             compress=compress,
             stashing=stashing,
             steps_done=steps_done,
@@ -194,6 +202,7 @@ class StageWorker(Sealed, Metered):
         options, indices = stage.options, stage.options.layer_indices
         self.spec, self.layer_indices, self.batch_size = options.spec, indices, options.batch_size
         self.recompute, self.tensor_parallel = options.recompute, options.tensor_parallel
+        self.context_parallel = options.context_parallel
         self.is_first, self.is_last = indices.start == 0, indices.stop == options.spec.num_layers
         self.module, self.store, self.shards, self.meter = stage.module, stage.store, stage.shards, stage.meter
         self.optimizer_factory = options.optimizer_factory
@@ -242,6 +251,7 @@ class StageWorker(Sealed, Metered):
         x = boundary.apply(self._input, x)
         target = None if target is None else boundary.apply(own, target)
         self.aux_losses.take()  # nothing but this F's
+        x, target = self._sequence_part(x, target)
         if self.recompute == "full":
             with torch.no_grad():
                 out = self._run(x, target, mb, self.steps_done)
@@ -253,7 +263,7 @@ class StageWorker(Sealed, Metered):
             held = [self._hold(t) for t in tensors(x)] + [self._hold(t) for t in tensors(out)]
             record = _Microbatch(x, out, target, held, self.steps_done, saved)
         self._saved[mb] = record
-        return self._with_aux_loss(boundary.apply(torch.Tensor.detach, out))
+        return self._with_aux_loss(self._whole_loss(boundary.apply(torch.Tensor.detach, out)))
 
     def _with_aux_loss(self, out: Boundary) -> Boundary:
         """The last stage's loss with its MoE layers' auxiliary losses added; another stage keeps them for
@@ -270,6 +280,21 @@ class StageWorker(Sealed, Metered):
         aux, self._aux_loss = self._aux_loss, None
         return aux
 
+    def _sequence_part(self, x: Boundary, target: Boundary | None) -> tuple[Boundary, Boundary | None]:
+        """Under context parallelism, this rank's part of the tokens (a first stage) and of the targets (a last)."""
+        cp = self.context_parallel
+        if cp is None:
+            return x, target
+        shard = SequenceShard(cp.rank, cp.size)
+        x = shard.take(x) if self.is_first else x  # type: ignore[arg-type]
+        return x, None if target is None else shard.take(target)  # type: ignore[arg-type]
+
+    def _whole_loss(self, out: Boundary) -> Boundary:
+        """A last stage's output under context parallelism: the whole sequence's loss, the group's shares summed."""
+        if self.context_parallel is None or not self.is_last:
+            return out
+        return summed_loss(out, self.context_parallel)  # type: ignore[arg-type]
+
     def _input(self, t: torch.Tensor) -> torch.Tensor:
         t = own(t.detach())
         if not self.is_first and t.is_floating_point():
@@ -281,9 +306,10 @@ class StageWorker(Sealed, Metered):
         if self.is_last and target is None:
             raise RuntimeError("the last stage needs the microbatch's target to compute the loss")
         self.module.eval()  # dropout off, batch norm on its running statistics (custom models)
+        x, target = self._sequence_part(x, target)
         try:
             with torch.no_grad():
-                return self._run(x, target, None, self.steps_done)
+                return self._whole_loss(self._run(x, target, None, self.steps_done))
         finally:
             self.module.train()
             self.aux_losses.take()  # an evaluation reports the model's loss alone
@@ -308,8 +334,10 @@ class StageWorker(Sealed, Metered):
         if not self.is_last:
             return x
         assert target is not None
-        # The microbatch's share of the mini-batch: the shares' sum makes the mean loss.
-        return self.loss(x, target) * (num_samples(target) / self.batch_size)
+        # The microbatch's share of the mini-batch (and a context-parallel rank's of the sequence, its tokens
+        # 1/C of it): the shares' sum makes the mean loss.
+        share = num_samples(target) / self.batch_size
+        return self.loss(x, target) * (share if self.context_parallel is None else share / self.context_parallel.size)
 
     # ---- B, I, W -----------------------------------------------------------
     def backward(self, mb: int, grad_output: Boundary | None = None) -> Boundary | None:

@@ -1,23 +1,27 @@
-"""The device mesh of a run: data x pipeline x tensor parallelism, and the process groups each needs.
+"""The device mesh of a run: data x pipeline x context x tensor parallelism, and the process groups each needs.
 
-A run of P pipeline replicas of a D-rank schedule with N-way tensor
-parallelism has P x D x N processes on one ``torch.distributed.DeviceMesh``
-of shape ``(P, D, N)``, dimensions named ``dp``, ``pp``, ``tp``, in
-Megatron-LM's order: TP innermost (a TP group on consecutive ranks, one node),
-then the pipeline, then data parallelism, so process ``dp*D*N + pp*N + tp``.
-The lowered schedule (``schedule.data_parallel`` already lays the P replicas
-out as ``dp*D + pp``) is run by every TP rank alike: its **stage rank** is
-``process // N``, and its messages go to the process of the peer stage rank
-with the same ``tp`` coordinate (``process_of``).
+A run of P pipeline replicas of a D-rank schedule with C-way context
+parallelism and N-way tensor parallelism has P x D x C x N processes on one
+``torch.distributed.DeviceMesh`` of shape ``(P, D, C, N)``, dimensions named
+``dp``, ``pp``, ``cp``, ``tp``, in Megatron-LM's order: TP innermost (a TP
+group on consecutive ranks, one node), then CP, then the pipeline, then data
+parallelism, so process ``((dp*D + pp)*C + cp)*N + tp``; without context
+parallelism (C = 1) the mesh is ``(P, D, N)`` with ``dp``, ``pp``, ``tp``
+and process ``dp*D*N + pp*N + tp``. The lowered schedule
+(``schedule.data_parallel`` already lays the P replicas out as ``dp*D + pp``)
+is run by every process of a stage rank's C x N alike: its **stage rank** is
+``process // (C*N)``, and its messages go to the process of the peer stage
+rank with the same ``cp`` and ``tp`` coordinates (``process_of``).
 
-Groups: ``tp`` (the N ranks that split each layer), ``pipeline`` (the P x D
-processes of one ``tp`` coordinate, which sum the loss), and per replicated
-part the processes holding its replicas with this ``tp`` coordinate
-(``Mesh.replica_groups``: the ``dp`` dimension's group for plain data
-parallelism, groups of their own for Chimera, GEMS or DualPipe, whose
+Groups: ``tp`` (the N ranks that split each layer), ``cp`` (the C ranks that
+split each sequence, ``runtime.stage.context_parallel``), ``pipeline`` (the
+P x D processes of one ``(cp, tp)`` coordinate, which sum the loss), and per
+replicated part the processes holding its replicas with this ``(cp, tp)``
+coordinate (``Mesh.replica_groups``: the ``dp`` dimension's group for plain
+data parallelism, groups of their own for Chimera, GEMS or DualPipe, whose
 replicas share a pipeline). Every process creates every group in one order,
-as ``torch.distributed`` asks. Without tensor parallelism or replicas on
-several ranks no group is created: process and stage rank coincide.
+as ``torch.distributed`` asks. Without tensor or context parallelism or
+replicas on several ranks no group is created: process and stage rank coincide.
 """
 
 from __future__ import annotations
@@ -48,6 +52,16 @@ class TensorParallel:
     """Activations between the tensor-parallel regions sharded along the sequence (``stage.sequence_parallel``)."""
 
 
+@dataclass(frozen=True)
+class ContextParallel:
+    """A process's place in its context-parallel group: the group, its rank in it, its size C."""
+
+    group: Any
+    """The ``torch.distributed`` process group of the C processes that split each sequence."""
+    rank: int
+    size: int
+
+
 @dataclass
 class Mesh:
     """One process's coordinates in the run's mesh, and the groups it takes part in."""
@@ -67,26 +81,39 @@ class Mesh:
     """The schedule is one replica's (an asynchronous one's D ranks), the P replicas laid out around it; else
     it holds them (``schedule.data_parallel``: ranks ``dp*D + pp``)."""
     dp_group: Any = None
-    """The processes of this one's (pp, tp) coordinate across the replicas (with ``outside``)."""
+    """The processes of this one's (pp, cp, tp) coordinate across the replicas (with ``outside``)."""
+    context_parallel: int = 1
+    """C: processes splitting every sequence (``runtime.stage.context_parallel``)."""
+    cp_group: Any = None
+
+    @property
+    def per_stage_rank(self) -> int:
+        """C x N: the processes of one stage rank, which run its actions alike."""
+        return self.context_parallel * self.tensor_parallel
 
     @property
     def stage_rank(self) -> int:
         """This process's rank in the lowered schedule (``dp*D + pp``; with ``outside``, ``pp``)."""
-        rank = self.process // self.tensor_parallel
+        rank = self.process // self.per_stage_rank
         return rank % self.stages if self.outside else rank
 
     @property
     def dp_rank(self) -> int:
-        return self.process // (self.stages * self.tensor_parallel)
+        return self.process // (self.stages * self.per_stage_rank)
 
     @property
     def tp_rank(self) -> int:
         return self.process % self.tensor_parallel
 
+    @property
+    def cp_rank(self) -> int:
+        return self.process // self.tensor_parallel % self.context_parallel
+
     def process_of(self, stage_rank: int) -> int:
-        """The process of ``stage_rank`` with this process's ``tp`` (and, ``outside``, ``dp``) coordinate."""
+        """The process of ``stage_rank`` with this process's ``cp`` and ``tp`` (and, ``outside``, ``dp``)
+        coordinates."""
         first = self.dp_rank * self.stages if self.outside else 0
-        return (first + stage_rank) * self.tensor_parallel + self.tp_rank
+        return (first + stage_rank) * self.per_stage_rank + self.process % self.per_stage_rank
 
     @property
     def tensor_parallel_group(self) -> TensorParallel | None:
@@ -95,6 +122,13 @@ class Mesh:
             return None
         return TensorParallel(self.tp_group, self.tp_rank, self.tensor_parallel)
 
+    @property
+    def context_parallel_group(self) -> ContextParallel | None:
+        """What the stage workers split their sequences over (None without context parallelism)."""
+        if self.context_parallel == 1:
+            return None
+        return ContextParallel(self.cp_group, self.cp_rank, self.context_parallel)
+
 
 def process_pairs(
     pairs: set[tuple[int, int]], *, stage_ranks: int, tensor_parallel: int = 1, replicas: int = 1
@@ -102,7 +136,8 @@ def process_pairs(
     """The pairs of processes that ``pairs`` of stage ranks (``transport.order.message_pairs``) connect.
 
     A message goes between the processes of the two stage ranks with one
-    ``tp`` coordinate (``Mesh.process_of``), in every ``tp`` coordinate and,
+    ``tp`` coordinate (``Mesh.process_of``), in every ``tp`` coordinate (give
+    ``tensor_parallel`` C x N under context parallelism: every ``(cp, tp)`` one) and,
     for an asynchronous schedule of ``stage_ranks`` ranks with ``replicas``
     data-parallel replicas laid out around it, in every replica.
 
@@ -131,20 +166,37 @@ def replica_rank_sets(placement: Placement) -> dict[int, tuple[int, ...]]:
 
 
 def build_mesh(
-    process: int, world: int, placement: Placement, data_parallel: int, tensor_parallel: int, device: torch.device
+    process: int,
+    world: int,
+    placement: Placement,
+    data_parallel: int,
+    tensor_parallel: int,
+    device: torch.device,
+    context_parallel: int = 1,
 ) -> Mesh:
     """This process's ``Mesh``, every group created (a collective call: every process of the run calls it)."""
-    ranks = world // tensor_parallel
+    inner = tensor_parallel * context_parallel
+    ranks = world // inner
     outside = placement.num_ranks != ranks  # an asynchronous schedule's replicas, laid out around it
-    mesh = Mesh(data_parallel, ranks // data_parallel, tensor_parallel, process, outside=outside)
-    if tensor_parallel == 1 and not outside and not replica_rank_sets(placement):
-        return mesh
-    mesh.device_mesh = init_device_mesh(
-        device.type, (data_parallel, mesh.stages, tensor_parallel), mesh_dim_names=("dp", "pp", "tp")
+    mesh = Mesh(
+        data_parallel,
+        ranks // data_parallel,
+        tensor_parallel,
+        process,
+        outside=outside,
+        context_parallel=context_parallel,
     )
+    if inner == 1 and not outside and not replica_rank_sets(placement):
+        return mesh
+    if context_parallel > 1:
+        shape, names = (data_parallel, mesh.stages, context_parallel, tensor_parallel), ("dp", "pp", "cp", "tp")
+    else:
+        shape, names = (data_parallel, mesh.stages, tensor_parallel), ("dp", "pp", "tp")
+    mesh.device_mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     mesh.tp_group = mesh.device_mesh.get_group("tp")
+    mesh.cp_group = mesh.device_mesh.get_group("cp") if context_parallel > 1 else None
     mesh.dp_group = mesh.device_mesh.get_group("dp")
-    mesh.pipeline_group = _group_per_tp([list(range(ranks))], mesh)[0] if tensor_parallel > 1 else None
+    mesh.pipeline_group = _group_per_tp([list(range(ranks))], mesh)[0] if inner > 1 else None
     sets = replica_rank_sets(placement)
     # Plain data parallelism: a part's replicas are a slice of the mesh's dp dimension, whose group exists.
     along_dp = {part: r == tuple(range(r[0], ranks, mesh.stages)) and r[0] < mesh.stages for part, r in sets.items()}
@@ -156,14 +208,15 @@ def build_mesh(
 
 
 def _group_per_tp(stage_rank_sets: list[list[int]], mesh: Mesh) -> list[Any]:
-    """For each set of stage ranks, the group of its processes with this ``tp`` coordinate.
+    """For each set of stage ranks, the group of its processes with this ``(cp, tp)`` coordinate.
 
-    Every process creates the groups of every ``tp`` coordinate, in one order; it keeps its own.
+    Every process creates the groups of every ``(cp, tp)`` coordinate, in one order; it keeps its own.
     """
     mine: list[Any] = []
+    inner = mesh.per_stage_rank
     for ranks in stage_rank_sets:
-        for t in range(mesh.tensor_parallel):
-            group = dist.new_group([r * mesh.tensor_parallel + t for r in ranks])
-            if t == mesh.tp_rank:
+        for t in range(inner):
+            group = dist.new_group([r * inner + t for r in ranks])
+            if t == mesh.process % inner:
                 mine.append(group)
     return mine
