@@ -68,7 +68,7 @@ class Executor:
             (an asynchronous run's data-parallel replicas laid out around the stream: PipeDream's hybrid).
         bucket_bytes: the size of the buckets of that sum (``runtime.replicas``).
         zero: the ZeRO stage of data-parallel replicas (``runtime.zero``): 1 optimizer state sharded over
-            them, 3 parameters too.
+            them, 2 gradients too, 3 parameters too.
         clip_norm: clip the global gradient norm to this at every ``U`` (``runtime.clip``; None: no clipping).
         partner: this rank's side of BPipe's pair (``transport.partner``), for EVICT and LOAD.
         on_nonfinite: a synchronous run's ``TrainConfig.on_nonfinite``: every rank learns each step's
