@@ -454,8 +454,9 @@ class Executor:
         """
         if self.policy is None and not self.evaluating and not self._prepared and not self.p2p.arrived(a):
             self._prepared = True
-            for worker in self.workers.values():
-                worker.prepare_gradients()
+            for stage, worker in self.workers.items():
+                if self.placement.stage_part[stage] not in self.replicas.per_action:  # ZeRO-2 keeps none whole
+                    worker.prepare_gradients()
 
 
 def chain(steps: Sequence[Combine]) -> Combine | None:

@@ -106,10 +106,12 @@ class ReplicaReduction:
         self._left: dict[int, int] = {}
         self._pending: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # part -> (work, bucket) until combined
         self.peak_gradient_bytes = 0
-        """The most gradient bytes (the parameters' whole gradients, ZeRO's slices) this rank held at a ``U``'s
-        combine, over the steps so far: what a ZeRO stage keeps of the gradients once they are reduced."""
+        """The most gradient bytes (the parameters' whole gradients, ZeRO's slices) this rank held between its
+        actions: after each compute action of the first step, and at every ``U``'s combine."""
+        self._steps = 0
 
     def begin_step(self) -> None:
+        self._steps += 1
         self._left = dict(self.grad_actions)
         self._pending.clear()
         for part in sorted(self._left):
@@ -125,6 +127,8 @@ class ReplicaReduction:
             self._left[part] -= 1
             if part in self.per_action or (self._left[part] == 0 and part not in self.at_update):
                 self._launch(part)
+        if self._steps == 1 and self.local:  # measured in the first step, as the activations are
+            self.peak_gradient_bytes = max(self.peak_gradient_bytes, self._held_bytes())
 
     def _launch(self, part: int) -> None:
         if part in self.fully_sharded:

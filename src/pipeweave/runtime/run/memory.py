@@ -20,7 +20,9 @@
   gradient between actions (``runtime.replicas`` reduce-scatters after each
   B or W), and per rank on top its largest part's whole gradient, which a
   B or W writes before the reduce-scatter takes it, with the slice that
-  reduce-scatter returns (1/P). ``--zero 3`` (FSDP2, ``runtime.fsdp``) keeps per
+  reduce-scatter returns (1/P). (Left out: the few whole gradients a
+  split backward's I writes itself, a block's layer norms', held until the
+  W after it.) ``--zero 3`` (FSDP2, ``runtime.fsdp``) keeps per
   stage the shards of the parameters and of the optimizer state, each
   parameter's dim 0 padded to a multiple of P as FSDP pads it
   (``part_memory.sharded_layers``), and the part's gradients, which the
