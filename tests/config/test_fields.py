@@ -92,7 +92,7 @@ def test_flags_and_defaults_are_pipeweave_trains() -> None:
 @pytest.mark.parametrize(
     ("given", "message"),
     [
-        ({"zero": 2}, "--zero 2 is invalid; choose one of: 0, 1, 3"),
+        ({"zero": 4}, "--zero 4 is invalid; choose one of: 0, 1, 2, 3"),
         (
             {"optimizer": "lamb"},
             "--optimizer 'lamb' is unknown; choose one of: sgd, nesterov, adam, adamw, rmsprop, adabelief",

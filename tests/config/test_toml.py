@@ -64,7 +64,7 @@ def test_options_override_the_file(capsys: pytest.CaptureFixture[str]) -> None:
             '\n[parallel]\ntensor_parallel = "2"\n',
             "run.toml:3: [parallel] tensor_parallel='2' is a str; give an integer",
         ),
-        ("[parallel]\nzero = 2\n", "run.toml:2: [parallel] --zero 2 is invalid; choose one of: 0, 1, 3"),
+        ("[parallel]\nzero = 4\n", "run.toml:2: [parallel] --zero 4 is invalid; choose one of: 0, 1, 2, 3"),
         ('[training]\noptimizer = "lamb"\n', "run.toml:2: [training] --optimizer 'lamb' is unknown; choose one of"),
         ("[training\nsteps = 3\n", "run.toml: "),
     ],

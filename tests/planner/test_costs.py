@@ -13,7 +13,7 @@ from pipeweave.planner.efficiency import Efficiency
 from pipeweave.planner.evaluate import Evaluator
 from pipeweave.planner.flops import block_gemms, head_gemm, step_flops
 from pipeweave.planner.hardware import GPUS
-from pipeweave.planner.memory import StateBytes, block_activation_bytes, gpu_memory
+from pipeweave.planner.memory import StateBytes, block_activation_bytes, fullest_gpu, gpu_memory
 from pipeweave.planner.published import TABLE_1
 from pipeweave.planner.transformer import MODELS
 from pipeweave.schedule import generate
@@ -124,8 +124,13 @@ def test_memory_uses_the_simulated_peak_and_zero_shares() -> None:
     assert (base.grads, base.master, base.optimizer) == (2 * base.params, 2 * base.params, 4 * base.params)
     assert zero1.optimizer == pytest.approx(base.optimizer / 32) and zero1.params == base.params
     assert zero1.master == pytest.approx(base.master / 32) and zero1.grads == base.grads
+    # ZeRO 2 as train --zero 2 holds it: 1/32 slices, and while a backward runs the part whole with its slice
     zero2 = gpu_memory(schedule, m, Layout(tp=8, dp=32, zero=1), microbatch_size=4, recompute="full", zero2=True)
-    assert zero2.grads == pytest.approx(base.grads / 32) and zero2.master == zero1.master
+    assert zero2.grads == pytest.approx(base.grads * (1 + 2 / 32)) and zero2.master == zero1.master
+    # four equal parts per GPU over P = 2 (interleaved): 4/2 + 1 + 1/2 = 3.5 parts' gradients against 4
+    looped = generate("interleaved-1f1b", num_stages=2, num_microbatches=4, num_chunks=4)
+    one, two = (fullest_gpu(looped, [1e9] * 8, Layout(dp=2, zero=1), [0.0, 0.0], zero2=z2) for z2 in (False, True))
+    assert two.grads == pytest.approx(one.grads * 3.5 / 4)
     bf16 = gpu_memory(
         schedule,
         m,

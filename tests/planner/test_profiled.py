@@ -13,7 +13,7 @@ from pipeweave.cli import main
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts
 from pipeweave.planner.candidate import Config
-from pipeweave.planner.costs import Cluster, activation_bytes, block_times, head_times
+from pipeweave.planner.costs import Cluster, activation_bytes, block_times, deferral_times, head_times
 from pipeweave.planner.efficiency import A100_CALIBRATED
 from pipeweave.planner.evaluate import Evaluator
 from pipeweave.planner.evaluate_profiled import ProfiledEvaluator
@@ -21,21 +21,25 @@ from pipeweave.planner.hardware import GPU
 from pipeweave.planner.memory import block_activation_bytes, part_parameters
 from pipeweave.planner.profiled import ProfiledModel, profiled_model
 from pipeweave.planner.transformer import Transformer
+from pipeweave.schedule.registry import SCHEDULES
 
 CliError = Callable[..., str]
 GPT = Transformer(layers=8, hidden=1024, heads=16, seq_len=1024, vocab=4096)
 GPU_ = GPU(name="custom", peak_flops=100e12, memory_bytes=80 * 2**30, intra_node=1e9, inter_node=1e8, gpus_per_node=2)
 
 
-def _gpt_as_profile(model: Transformer, cluster: Cluster, num_parts: int) -> LayerCosts:
+def _gpt_as_profile(model: Transformer, cluster: Cluster, num_parts: int, split: bool) -> LayerCosts:
     """The GPT's own TP-1 costs (``planner.costs``, ``planner.memory``) written as a profile of its blocks, for one
     sample: the embedding's parameters on the first block, the head's times, parameters and logits on the last;
-    each block's output the activation between blocks, which a part's last block keeps (so less of the rest)."""
+    each block's output the activation between blocks, which a part's last block keeps (so less of the rest).
+    ``split``: for a schedule that defers W, whose cost a profile's W holds (``runtime.profile`` times a deferred
+    W), the GPT's W with it (``planner.costs.deferral_times``)."""
     block = block_times(cluster, tp=1, microbatch_size=1, recompute="none")
     head = head_times(cluster, tp=1, microbatch_size=1)
+    deferral = deferral_times(cluster, tp=1, microbatch_size=1) if split else (0.0, 0.0)
     n = model.layers
-    f, i, w = [block.f] * n, [block.i] * n, [block.w] * n
-    f[-1], i[-1], w[-1] = f[-1] + head[0], i[-1] + head[1], w[-1] + head[2]
+    f, i, w = [block.f] * n, [block.i] * n, [block.w + deferral[0]] * n
+    f[-1], i[-1], w[-1] = f[-1] + head[0], i[-1] + head[1], w[-1] + head[2] + deferral[1]
     params = [4.0 * model.layer_parameters] * n
     params[0] += 4.0 * model.embedding_parameters
     params[-1] += 4.0 * model.vocab * model.hidden
@@ -62,7 +66,7 @@ def _gpt_as_profile(model: Transformer, cluster: Cluster, num_parts: int) -> Lay
 )
 def test_the_gpts_own_costs_as_a_profile_give_the_gpts_prediction(schedule: str, pp: int, chunks: int) -> None:
     cluster = Cluster(model=GPT, gpu=GPU_, efficiency=A100_CALIBRATED)
-    profile = _gpt_as_profile(GPT, cluster, pp * chunks)
+    profile = _gpt_as_profile(GPT, cluster, pp * chunks, SCHEDULES[schedule].splits_backward)
     model = ProfiledModel(costs=profile, profile_microbatch=1)
     assert model.part_parameters(pp * chunks) == part_parameters(GPT, pp * chunks)
     config = Config(

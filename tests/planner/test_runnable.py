@@ -62,7 +62,7 @@ def test_what_train_refuses_is_never_proposed(capsys: pytest.CaptureFixture[str]
     assert {r["zero"] for r in plan_rows(capsys, *tied)} == {0, 1}  # no ZeRO 3 with the tied head
     assert not any(r["tp"] > 1 for r in plan_rows(capsys, *tied, "--sequence-parallel"))  # nor SP with a tie
     untied = ["--model", "llama", *TINY, "--gpus", "4", "--global-batch", "8", "--gpus-per-node", "4"]
-    assert {r["zero"] for r in plan_rows(capsys, *untied)} == set(train_zero_stages())
+    assert {r["zero"] for r in plan_rows(capsys, *untied)} == set(train_zero_stages()) - {2}  # 2 does not pay here
     # a value fixed that train refuses is still evaluated, each row saying why train refuses it
     (row, *_) = plan_rows(capsys, *tied, "--zero", "3", "--data-parallel", "2")
     assert row["train_command"] is None and "--zero 3 with a tied head" in row["refused_by_train"]
@@ -94,4 +94,30 @@ def test_the_table_prints_each_rows_command(capsys: pytest.CaptureFixture[str]) 
 def test_the_top_plan_of_a_small_model_trains_through_its_command(capsys: pytest.CaptureFixture[str]) -> None:
     (top, *_) = plan_rows(capsys, "--model", "gpt", *TINY, "--gpus", "2", "--global-batch", "8", "--stages", "2")
     words = shlex.split(top["train_command"])
+    assert main([*words[1:], "--steps", "2", "--quiet"]) == 0
+
+
+ZERO2 = ["--model", "llama", *TINY[2:], "--layers", "8", "--kv-heads", "2", "--ffn-hidden", "96"]
+ZERO2_FIXED = ["--gpus", "4", "--global-batch", "8", "-s", "interleaved-1f1b", "--stages", "2", "--data-parallel", "2"]
+
+
+def test_zero_2_is_proposed_where_it_pays_and_train_accepts_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """Four parts per GPU (v = 4) over P = 2 replicas: ZeRO 2 holds 4/2 + 1 + 1/2 = 3.5 parts' gradients,
+    ZeRO 1 four. Proposed there, each such row with a command ``train`` accepts, and less memory than ZeRO 1's
+    row of the same shape; at v = 2 it would hold 3 against 2, and is not proposed."""
+    rows = plan_rows(capsys, *ZERO2, *ZERO2_FIXED)
+    zero2 = [r for r in rows if r["zero"] == 2]
+    assert zero2 and all(r["chunks"] == 4 for r in zero2)
+    shape = ("microbatch_size", "chunks", "recompute", "tp")
+    for row in zero2:
+        accepted(row["train_command"])
+        (one,) = (r for r in rows if r["zero"] == 1 and all(r[k] == row[k] for k in shape))
+        assert row["memory"]["grads"] <= one["memory"]["grads"]  # GiB to 3 places (exact: test_costs)
+
+
+@pytest.mark.slow  # a 4-rank training run
+def test_a_zero_2_plan_trains_through_its_command(capsys: pytest.CaptureFixture[str]) -> None:
+    (top, *_) = plan_rows(capsys, *ZERO2, *ZERO2_FIXED, "--zero", "2", "--chunks", "4")
+    words = shlex.split(top["train_command"])
+    assert "--zero" in words and words[words.index("--zero") + 1] == "2"
     assert main([*words[1:], "--steps", "2", "--quiet"]) == 0

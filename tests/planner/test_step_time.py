@@ -9,7 +9,15 @@ from dataclasses import replace
 import pytest
 
 from pipeweave.planner.candidate import Config
-from pipeweave.planner.costs import LOSS_BYTES, Cluster, head_times, tp_all_reduce, update_time
+from pipeweave.planner.costs import (
+    LOSS_BYTES,
+    Cluster,
+    deferral_times,
+    head_times,
+    part_times,
+    tp_all_reduce,
+    update_time,
+)
 from pipeweave.planner.efficiency import A100_CALIBRATED
 from pipeweave.planner.evaluate import Evaluator
 from pipeweave.planner.flops import head_gemm
@@ -118,3 +126,31 @@ def test_the_terms_add_up_to_the_step(schedule: str, chunks: int) -> None:
     assert r.terms["TP collectives"] == pytest.approx(r.tp_comm)
     assert all(v >= 0 for v in r.terms.values()) and r.terms["DP reduction"] > 0 and r.terms["ZeRO all-gather"] > 0
     assert r.as_dict()["terms_s"] == r.terms
+
+
+def test_a_deferred_w_reads_its_output_gradients_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """W deferral's cost (``planner.costs``, docs/guide/plan.md): every W of a split backward reads its GEMMs'
+    output gradients again, 2 b s bytes per unit of output width on a TP rank (QKV 3h/N, out h, up 4h/N, down h;
+    the head V/N), at the rate model's streaming rate ``peak eta_max / n_half``; a whole backward pays nothing;
+    zb-h1's predicted step includes it, and drops without it."""
+    c, b, tp = cluster(), 2, 2
+    s, h, vocab = SMALL.seq_len, SMALL.hidden, SMALL.vocab
+    per_byte = A100_CALIBRATED.n_half / (A100.peak_flops * A100_CALIBRATED.eta_max)
+    block, head = deferral_times(c, tp=tp, microbatch_size=b)
+    assert block == pytest.approx(2 * b * s * (3 * h / tp + h + 4 * h / tp + h) * per_byte)
+    assert head == pytest.approx(2 * b * s * (vocab / tp) * per_byte)
+    whole, split = (
+        part_times(c, num_parts=4, tp=tp, microbatch_size=b, recompute="none", split_backward=x) for x in (False, True)
+    )
+    assert whole[:2] == split[:2]
+    for k, (w, deferred) in enumerate(zip(whole[2], split[2])):  # two blocks a part, the head on the last
+        assert deferred - w == pytest.approx(2 * block + (head if k == 3 else 0.0))
+    zb, plain = (config(tp=tp, pp=4, microbatch_size=b, microbatches=16, schedule=n) for n in ("zb-h1", "1f1b"))
+    with_it = Evaluator(cluster=c, batch=32).evaluate(zb)
+    assert with_it is not None and with_it.terms["W deferral's re-reads"] == pytest.approx(16 * (2 * block + head))
+    unsplit = Evaluator(cluster=c, batch=32).evaluate(plain)
+    assert unsplit is not None and unsplit.terms["W deferral's re-reads"] == 0.0
+    for module in ("pipeweave.planner.costs", "pipeweave.planner.evaluate"):
+        monkeypatch.setattr(f"{module}.deferral_times", lambda *_, **__: (0.0, 0.0))
+    without = Evaluator(cluster=c, batch=32).evaluate(zb)
+    assert without is not None and without.step_time < with_it.step_time

@@ -450,22 +450,28 @@ ZERO3 = train_config(
 
 
 @pytest.mark.parametrize(
-    "resume_as",
+    ("saved_as", "resume_as"),
     [
-        dict(schedule="1f1b", zero=1),
-        pytest.param(dict(data_parallel=1, zero=0, num_microbatches=4), marks=pytest.mark.slow),
+        (dict(), dict(schedule="1f1b", zero=1)),
+        pytest.param(dict(), dict(data_parallel=1, zero=0, num_microbatches=4), marks=pytest.mark.slow),
+        (dict(zero=2), dict(schedule="1f1b", zero=1)),
+        pytest.param(dict(zero=1), dict(zero=2), marks=pytest.mark.slow),
     ],
-    ids=["zero1", "zero0-one-replica"],
+    ids=["zero3-as-zero1", "zero3-as-zero0-one-replica", "zero2-as-zero1", "zero1-as-zero2"],
 )
-def test_a_zero3_checkpoint_resumes_at_another_zero_stage(tmp_path: Path, resume_as: dict[str, object]) -> None:
-    """Saved at ZeRO-3 (every replica's slices gathered whole, written once), resumed with ZeRO-1 on two
-    replicas or without ZeRO on one: the uninterrupted run's losses and parameters (rtol 1e-5, atol 1e-6)."""
+def test_a_zero_checkpoint_resumes_at_another_zero_stage(
+    tmp_path: Path, saved_as: dict[str, object], resume_as: dict[str, object]
+) -> None:
+    """Saved at ZeRO-3 (every replica's slices gathered whole, written once) or 2 (the optimizer's slices
+    gathered as ZeRO-1's), resumed with ZeRO-1 on two replicas, without ZeRO on one, or at ZeRO-2: the
+    uninterrupted run's losses and parameters (rtol 1e-5, atol 1e-6)."""
+    saved = dataclasses.replace(ZERO3, **saved_as)  # type: ignore[arg-type]
     straight = _train(
-        dataclasses.replace(ZERO3, steps=STEPS, save=str(tmp_path), save_every=FIRST, collect_parameters=True)
+        dataclasses.replace(saved, steps=STEPS, save=str(tmp_path), save_every=FIRST, collect_parameters=True)
     )
     resumed = _train(
         dataclasses.replace(
-            ZERO3, steps=STEPS - FIRST, resume=str(tmp_path / f"step-{FIRST:06d}"), collect_parameters=True, **resume_as
+            saved, steps=STEPS - FIRST, resume=str(tmp_path / f"step-{FIRST:06d}"), collect_parameters=True, **resume_as
         )
     )  # type: ignore[arg-type]
     torch.testing.assert_close(resumed.losses, straight.losses[FIRST:], rtol=1e-5, atol=1e-6)

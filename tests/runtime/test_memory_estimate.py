@@ -169,9 +169,12 @@ def test_zero_stages_shrink_the_weights_and_optimizer_state_per_rank() -> None:
     holds 8w (per part: parameters, gradient, two moments); ZeRO-1 6w (the moments, a parameter slice and a reduced
     gradient slice at 1/4); ZeRO-3 5.5w (per part the whole gradient and three shards at 1/4, and one layer -- here
     a part -- gathered twice: the all-gather's output beside the parameters)."""
-    figures = {z: estimate_memory(prepare(replace(INTERLEAVED, zero=z))).weights for z in (0, 1, 3)}
-    for z0, z1, z3 in zip(*figures.values()):
+    figures = {z: estimate_memory(prepare(replace(INTERLEAVED, zero=z))).weights for z in (0, 1, 2, 3)}
+    for z0, z1, z2, z3 in zip(*figures.values()):
         assert (z1 / z0, z3 / z0) == pytest.approx((6 / 8, 5.5 / 8))
+        # ZeRO-2: per part the parameters and four slices at 1/4 (2 x 2w), and during a backward one part's whole
+        # gradient with the slice its reduce-scatter returns (1.25w)
+        assert z2 / z0 == pytest.approx(5.25 / 8)
 
 
 def test_zero3_counts_shards_padded_as_fsdp_pads_them() -> None:

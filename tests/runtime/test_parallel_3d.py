@@ -377,7 +377,15 @@ TINY = [
             "--heads 4 is not divisible by --tensor-parallel 3; give a tensor-parallel degree",
         ),
         (["--tensor-parallel", "0"], "--tensor-parallel 0 is invalid; give N >= 1"),
-        (["--zero", "2"], "--zero 2 is invalid; choose one of: 0, 1, 3"),
+        (["--zero", "4"], "--zero 4 is invalid; choose one of: 0, 1, 2, 3"),
+        (
+            ["--data-parallel", "2", "--zero", "2", "--tie-embeddings"],
+            "--zero 2 with tied parameters (0.token, 3.out.weight) is not supported; use --zero 1",
+        ),
+        (
+            ["--data-parallel", "2", "--zero", "2", "--precision", "fp16"],
+            "--zero 2 with --precision fp16 is not supported; use --zero 1 or --precision bf16",
+        ),
         (
             ["-s", "pipedream", "--data-parallel", "2", "--zero", "3"],
             "--zero 3 with the asynchronous pipedream is not supported",
@@ -432,7 +440,9 @@ TINY = [
     ids=[
         "heads",
         "zero-degree",
-        "zero-2",
+        "zero-4",
+        "zero2-tied",
+        "zero2-fp16",
         "zero3-async",
         "zero3-tied",
         "bucket",

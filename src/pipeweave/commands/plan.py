@@ -122,7 +122,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
     f.add_argument("--microbatch-size", type=int, metavar="b", help="b, samples per microbatch")
     f.add_argument("-s", "--schedule", help="a synchronous registry schedule (pipeweave schedules)")
     f.add_argument("--recompute", help="none, selective (attention) or full")
-    f.add_argument("--zero", type=int, help="ZeRO stage 0, 1 or 3 (2: accounted for, not run by train)")
+    f.add_argument("--zero", type=int, help="ZeRO stage 0, 1, 2 or 3")
     o = p.add_argument_group("model of the run")
     o.add_argument(
         "--no-scatter-gather",

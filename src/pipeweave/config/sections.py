@@ -159,9 +159,10 @@ class ParallelConfig:
     sequence_parallel: bool = option(False)
     """With --tensor-parallel N > 1 (gpt): layer norms and residual adds on 1/N of the sequence,
     all-gather/reduce-scatter instead of all-reduce (Korthikanti et al. 2022)."""
-    zero: Literal[0, 1, 3] = option(0, metavar="STAGE")
-    """ZeRO stage of data parallelism: 0 (none), 1 (optimizer state sharded over the P replicas) or 3 (parameters
-    too: gathered before each F, B, I and freed after)."""
+    zero: Literal[0, 1, 2, 3] = option(0, metavar="STAGE")
+    """ZeRO stage of data parallelism: 0 (none), 1 (optimizer state sharded over the P replicas), 2 (gradients too:
+    reduce-scattered after each B or W, each replica keeping its slice) or 3 (parameters too: gathered before each
+    F, B, I and freed after)."""
     bucket_mb: float = option(25.0, metavar="MIB", check=_bucket)
     """MiB of gradients per all-reduce across replicas."""
 

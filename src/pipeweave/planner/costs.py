@@ -40,6 +40,20 @@ the activation between blocks is already split along the sequence: each rank
 sends its 1/N and nothing is gathered; the TP collectives move the same bytes
 (an all-gather and a reduce-scatter for each all-reduce), and the activations
 held shrink (``planner.memory``).
+
+W deferral (a schedule that splits the backward, ``ScheduleInfo.splits_backward``):
+I and W are the same GEMMs a whole backward runs (each weighted GEMM's input
+gradient in I, its weight gradient in W, each at its own size's efficiency), so
+their products cost what B's do. What the split adds is traffic: a whole
+backward computes a layer's weight gradient right after its input gradient,
+from the output gradient dY both read, still in the GPU's L2 cache; a
+deferred W reads dY again from HBM, ``b s n`` elements of 16 bits for each
+weighted GEMM of output width n on a TP rank (the head's too: ``b s V / N``), charged
+at the rate model's own streaming rate (``Efficiency.streaming_seconds``:
+``peak eta_max / n_half`` bytes a second). Its other operand, the layer's
+input saved in F, comes from HBM in either backward. ``deferral_times``; in a
+block, ``2 b s ((h + 2 h_kv) / N + h + (1 + gated) f / N + h)`` bytes (the
+row-parallel output and down projections' dY is whole on every TP rank).
 """
 
 from __future__ import annotations
@@ -79,6 +93,8 @@ class BlockTimes:
     """Of ``f``, the element-wise kernels; I runs twice their traffic."""
     replay: float = 0.0
     """Of ``i``, the forward a recomputation replays."""
+    deferral: float = 0.0
+    """What a deferred W adds to ``w``: its output gradients read again from HBM (module docstring)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +175,7 @@ def block_times(cluster: Cluster, *, tp: int, microbatch_size: int, recompute: s
     # I: each weighted GEMM's input gradient (its own size) and attention's two backward products each (and
     # FlashAttention's recomputed scores).
     backward_attention = (2.5 if transformer(cluster).flash else 2.0) * attention
+    deferral = sum(eff.streaming_seconds(BYTES_PER_ELEMENT * g.m * g.n * g.count, peak) for g in gemms if g.weight)
     return BlockTimes(
         f=forward + elementwise + collective,
         i=weighted + backward_attention + 2 * elementwise + collective + replay,
@@ -168,6 +185,7 @@ def block_times(cluster: Cluster, *, tp: int, microbatch_size: int, recompute: s
         gemm_f=forward,
         elementwise_f=elementwise,
         replay=replay,
+        deferral=deferral,
     )
 
 
@@ -193,6 +211,26 @@ def head_times(cluster: Cluster, *, tp: int, microbatch_size: int) -> tuple[floa
     return t + loss_f, t + loss_i + tp_all_reduce(cluster, activation_bytes(model, microbatch_size), tp), t
 
 
+def deferral_times(cluster: Cluster, *, tp: int, microbatch_size: int) -> tuple[float, float]:
+    """``(block, head)``: seconds a deferred W adds to one block's W and to the head's (module docstring: its
+    output gradients, ``b s n`` elements per weighted GEMM of width n on a TP rank, read again at the rate model's
+    streaming rate).
+
+    Example:
+        >>> from pipeweave.planner.efficiency import A100_CALIBRATED
+        >>> from pipeweave.planner.hardware import GPUS
+        >>> from pipeweave.planner.transformer import MODELS
+        >>> c = Cluster(model=MODELS["gpt-1.7b"], gpu=GPUS["a100-80gb"], efficiency=A100_CALIBRATED)
+        >>> block, _ = deferral_times(c, tp=1, microbatch_size=1)
+        >>> t = block_times(c, tp=1, microbatch_size=1, recompute="none")
+        >>> round(block / t.w, 3)  # GPT, h 2304: 9 s h outputs for 24 s h^2 FLOPs: 0.75 n_half / h = 0.023 at most
+        0.022
+    """
+    block = block_times(cluster, tp=tp, microbatch_size=microbatch_size, recompute="none").deferral
+    head = head_gemm(transformer(cluster), microbatch_size=microbatch_size, tp=tp)
+    return block, cluster.efficiency.streaming_seconds(BYTES_PER_ELEMENT * head.m * head.n, cluster.gpu.peak_flops)
+
+
 def update_time(cluster: Cluster, parameters: float, *, zero: int, dp: int) -> float:
     """Seconds of the optimizer step over ``parameters`` (one TP rank's of a part), memory-bound at the GPU's
     HBM bandwidth (``planner.memory.StateBytes.update_bytes``).
@@ -208,10 +246,18 @@ def update_time(cluster: Cluster, parameters: float, *, zero: int, dp: int) -> f
 
 
 def part_times(
-    cluster: Cluster, *, num_parts: int, tp: int, microbatch_size: int, recompute: str, blocks: Sequence[int] = ()
+    cluster: Cluster,
+    *,
+    num_parts: int,
+    tp: int,
+    microbatch_size: int,
+    recompute: str,
+    blocks: Sequence[int] = (),
+    split_backward: bool = False,
 ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     """Per part (``blocks`` blocks each, default the even split: ``planner.split``), ``(f, i, w)``: the head on
-    the last, the embedding's all-reduce on the first.
+    the last, the embedding's all-reduce on the first; ``split_backward``: W deferred (``deferral_times`` added
+    to every W).
 
     Example:
         >>> from pipeweave.planner.hardware import GPUS
@@ -230,6 +276,10 @@ def part_times(
     f, i, w = [n * block.f for n in counts], [n * block.i for n in counts], [n * block.w for n in counts]
     f[0] += tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size), tp)
     f[-1], i[-1], w[-1] = f[-1] + head[0], i[-1] + head[1], w[-1] + head[2]
+    if split_backward:
+        block_deferral, head_deferral = deferral_times(cluster, tp=tp, microbatch_size=microbatch_size)
+        w = [x + n * block_deferral for x, n in zip(w, counts)]
+        w[-1] += head_deferral
     return tuple(f), tuple(i), tuple(w)
 
 

@@ -57,6 +57,23 @@ class Efficiency:
         """Time of ``gemm`` on a GPU of ``peak_flops``."""
         return gemm.flops / (peak_flops * self.of(gemm))
 
+    def streaming_seconds(self, nbytes: float, peak_flops: float) -> float:
+        """The time the rate model charges for moving ``nbytes`` of a GEMM's operands through memory.
+
+        ``seconds`` is ``flops / (peak eta_max) x (1 + n_half / n)``: for a GEMM whose smallest dimension is n
+        and whose two others are p and q, the second term is ``2 p q n_half / (peak eta_max)``, the time of
+        streaming its largest matrix (p x q, ``2 p q`` bytes in 16 bits) at ``peak eta_max / n_half`` bytes a
+        second (A100: 2.9 TB/s with ``A100_CALIBRATED``, against its HBM's 2.0: the part of the traffic a GEMM
+        does not hide behind its products). Operand bytes a GEMM reads beyond its own are charged at that rate.
+
+        Example:
+            >>> e = Efficiency(eta_max=0.5, n_half=100)
+            >>> g = Gemm(1000, 1000, 10)  # the 1000 x 1000 matrix: 2 MB
+            >>> round(e.seconds(g, 1e12) - g.flops / 0.5e12, 12) == round(e.streaming_seconds(2e6, 1e12), 12)
+            True
+        """
+        return nbytes * self.n_half / (peak_flops * self.eta_max)
+
 
 A100_CALIBRATED = Efficiency(eta_max=0.66, n_half=70.0)
 """Fitted by ``calibrate`` on Table 1's rows without pipeline parallelism (1.7B, 3.6B, 7.5B, 18.4B);

@@ -11,7 +11,11 @@ when the action producing the part's last weight gradients starts (a B, or a
 split backward's W: its I produces none), its buckets going out as it produces
 them; reductions on one rank run one after another; each ``U`` waits for its
 part's reduction, then runs the optimizer step (memory-bound:
-``planner.costs.update_time``) and ZeRO's all-gather. ZeRO 3 also gathers a
+``planner.costs.update_time``) and ZeRO's all-gather. ZeRO 2 reduce-scatters
+a part's gradient after each of its T backwards (``runtime.replicas``): T
+reductions of ZeRO 1's bytes on the rank's stream, the first T - 1 from the
+end of the part's first weight gradient on, the last from the end of its
+last (a lower bound where they crowd each other). ZeRO 3 also gathers a
 part's parameters before each of its F and I (FSDP, resharding after each use); prefetched, the gather hides behind the
 action's compute and only what exceeds it counts. The step ends at the last ``U`` (steps end in a barrier: the
 gradient norm's all-reduce).
@@ -29,12 +33,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeweave.planner.candidate import Config
-from pipeweave.planner.costs import Cluster, block_times, head_times, hop_time, part_times, transformer, update_time
+from pipeweave.planner.costs import (
+    Cluster,
+    block_times,
+    deferral_times,
+    head_times,
+    hop_time,
+    part_times,
+    transformer,
+    update_time,
+)
 from pipeweave.planner.flops import step_flops
 from pipeweave.planner.memory import PARAM_BYTES, GPUMemory, block_activation_bytes, gpu_memory
 from pipeweave.planner.pipeline import Pipeline, Summary, Times, auto_options
 from pipeweave.planner.split import blocks_of
 from pipeweave.schedule.ir import Schedule
+from pipeweave.schedule.registry import SCHEDULES
 from pipeweave.sim.parallel import Layout, gather_time, reduction_time
 
 
@@ -97,7 +111,7 @@ class Evaluator:
         return Layout(
             tp=config.tp,
             dp=config.dp,
-            zero=min(config.zero, 1) if config.zero == 2 else config.zero,  # ZeRO 2 moves ZeRO 1's bytes
+            zero=min(config.zero, 1) if config.zero == 2 else config.zero,  # ZeRO 2: ZeRO 1's bytes T times
             network=self.cluster.gpu.network(),
             sequence_parallel=self.cluster.sequence_parallel,
         )
@@ -113,6 +127,7 @@ class Evaluator:
             config.recompute,
             config.zero == 3,
             config.blocks,
+            SCHEDULES[config.schedule].splits_backward,
         )
         found = self.known_times.get(key)
         if found is None:
@@ -137,6 +152,7 @@ class Evaluator:
             microbatch_size=config.microbatch_size,
             recompute=config.recompute,
             blocks=config.blocks,
+            split_backward=SCHEDULES[config.schedule].splits_backward,
         )
 
     def hop(self, config: Config, num_parts: int) -> float:
@@ -245,12 +261,17 @@ class Evaluator:
         gemm = block.gemm_f + 2 * block.w + (2.5 if model.flash else 2.0) * attention
         replay = block.replay - (block.tp_f if config.recompute == "full" else 0.0)
         head = head_times(self.cluster, tp=config.tp, microbatch_size=config.microbatch_size)
+        deferred = 0.0
+        if SCHEDULES[config.schedule].splits_backward:
+            per_block, per_head = deferral_times(self.cluster, tp=config.tp, microbatch_size=config.microbatch_size)
+            deferred = blocks * per_block + config.microbatches * per_head
         return {
             "GEMMs": blocks * gemm,
             "element-wise kernels": blocks * 3 * block.elementwise_f,
             "TP collectives": blocks * (block.tp_f + block.tp_i),
             "recomputation": blocks * replay,
             "head and loss": config.microbatches * sum(head),
+            "W deferral's re-reads": deferred,
         }
 
     def tp_comm(self, config: Config) -> float:
@@ -282,7 +303,11 @@ class Evaluator:
             for part in rank_parts:
                 holders = summary.holders[part]
                 reduce = reduction_time(layout, params[part], num_ranks=config.pp, holders=holders)
-                stream = max(stream, starts[part]) + reduce
+                if config.zero == 2:  # one reduce-scatter after each of its T backwards (runtime.replicas)
+                    stream = max(stream, summary.first_grad_end[part]) + (config.microbatches - 1) * reduce
+                    stream = max(stream, summary.last_grad_end[part]) + reduce
+                else:
+                    stream = max(stream, starts[part]) + reduce
                 done = max(stream, summary.last_grad_end[part])
                 gather = gather_time(layout, params[part], num_ranks=config.pp, holders=holders)
                 free = max(free, done) + self.update(config, params[part]) + gather
@@ -304,7 +329,8 @@ class Evaluator:
                 "DP reduction": sum(
                     reduction_time(layout, params[k], num_ranks=config.pp, holders=summary.holders[k])
                     for k in rank_parts
-                ),
+                )
+                * (config.microbatches if config.zero == 2 else 1),
                 "optimizer step": sum(self.update(config, params[k]) for k in rank_parts),
                 "ZeRO all-gather": sum(
                     gather_time(layout, params[k], num_ranks=config.pp, holders=summary.holders[k]) for k in rank_parts

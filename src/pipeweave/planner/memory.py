@@ -11,6 +11,11 @@
   split over the N tensor-parallel ranks (the vocabulary-parallel embedding and
   head too) and sharded over the P replicas by the ZeRO stage: ZeRO 1 the master
   weights and the moments, ZeRO 2 the gradients too, ZeRO 3 the weights too.
+  ZeRO 2 as ``pipeweave train --zero 2`` holds it (``runtime.replicas``): the
+  1/P slices of every part's gradient, and, while a B or W runs, that part's
+  whole gradient of the microbatch with the 1/P slice its reduce-scatter
+  returns (``zero2_grads``) -- so it saves over ZeRO 1 only where a GPU holds
+  several parts (v of them: ``v/P + 1 + 1/P < v``).
   The first part holds the embeddings, the last a copy of the tied head
   (Megatron-LM keeps both when they sit on two stages) or the untied head.
 - **Activations** of one block for one microbatch, in bytes (Korthikanti et al.
@@ -316,9 +321,10 @@ def fullest_gpu(
         optimizer=moments / PARAM_BYTES,
     )
     ranks = rank_memory(schedule, layout, model_bytes)
-    worst = max(range(len(ranks)), key=lambda r: ranks[r].total + acts[r])
+    held = zero2_grads(schedule, params, [r.grads for r in ranks], layout.dp) if zero2 else [r.grads for r in ranks]
+    worst = max(range(len(ranks)), key=lambda r: ranks[r].total - ranks[r].grads + held[r] + acts[r])
     r = ranks[worst]
-    grads = r.grads / layout.dp if zero2 else r.grads
+    grads = held[worst]
     gathered = max(params) * PARAM_BYTES / layout.tp if layout.zero == 3 else 0.0
     workspace = max(gathered, message)
     master, optimizer = r.optimizer * MASTER_BYTES / moments, r.optimizer * state.moment_bytes / moments
@@ -326,3 +332,22 @@ def fullest_gpu(
     return GPUMemory(
         r.params, grads, master, optimizer, acts[worst], ALLOWANCE_BYTES, workspace, state.fragmentation * rest
     )
+
+
+def zero2_grads(schedule: Schedule, params: Sequence[float], grads: Sequence[float], dp: int) -> list[float]:
+    """Per rank, the gradient bytes of ZeRO 2 as ``pipeweave train --zero 2`` holds them (module docstring), from
+    ``grads``, each rank's whole gradients (its parts' ``params``, in proportion).
+
+    Example:
+        >>> from pipeweave.schedule import generate
+        >>> s = generate("interleaved-1f1b", num_stages=2, num_microbatches=4, num_chunks=4)
+        >>> zero2_grads(s, [1.0] * 8, [4.0, 4.0], dp=8)  # 4/8 sliced, and one part whole with its slice
+        [1.625, 1.625]
+    """
+    placement = schedule.placement
+    out = []
+    for rank, whole in enumerate(grads):
+        mine = [params[placement.stage_part[s]] for s in placement.stages_on(rank)]
+        largest = whole * max(mine) / sum(mine) if sum(mine) > 0 else 0.0
+        out.append(whole / dp + largest * (1.0 + 1.0 / dp))
+    return out

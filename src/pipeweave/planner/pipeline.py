@@ -9,6 +9,7 @@ timeline is a ``Summary`` (a few numbers per part), not its events.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +54,8 @@ class Summary:
     last_grad_start: tuple[float, ...] = ()
     """Per part, the start of its last weight gradient (W or B): where its gradients begin to be final, so where
     a reduction overlapped with the backward can begin (a split backward's I produces none)."""
+    first_grad_end: tuple[float, ...] = ()
+    """Per part, the end of its first weight gradient (W or B): where ZeRO 2, reducing after each, begins."""
 
 
 def summarise(timeline: Timeline, costs: Times) -> Summary:
@@ -84,6 +87,7 @@ def summarise(timeline: Timeline, costs: Times) -> Summary:
             if not need_grad and not need_bwd:
                 break
         order.append(tuple(reversed(updates)))
+    first = _first_grad_ends(timeline, parts)
     rows = [row for row in timeline.events if row]
     spans = [row[-1].end - row[0].start for row in rows]
     makespan = max(row[-1].end for row in rows) - min(row[0].start for row in rows)
@@ -98,7 +102,23 @@ def summarise(timeline: Timeline, costs: Times) -> Summary:
         tuple(order),
         part_holders(schedule),
         tuple(grad_start),
+        first,
     )
+
+
+def _first_grad_ends(timeline: Timeline, parts: int) -> tuple[float, ...]:
+    """Per part, the end of its first W or B on any rank (each row read up to its stages' first ones)."""
+    part_of = timeline.schedule.placement.stage_part
+    first = [math.inf] * parts
+    for row, rank_stages in zip(timeline.events, _stages_by_rank(timeline.schedule)):
+        need = set(rank_stages)
+        for (stage, op, _), _, end in row:
+            if stage in need and (op is Op.W or op is Op.B):
+                first[part_of[stage]] = min(first[part_of[stage]], end)
+                need.discard(stage)
+                if not need:
+                    break
+    return tuple(0.0 if math.isinf(t) else t for t in first)
 
 
 def _stages_by_rank(schedule: Schedule) -> list[list[int]]:

@@ -3,8 +3,9 @@
 The planner proposes only configurations ``train`` runs for the model at hand
 (``refusal``), by the runtime's own rules (``runtime.run.prepare``): the ZeRO
 stages ``--zero`` offers (read from ``ParallelConfig``, so a stage the runtime
-gains is proposed with it); no ZeRO 3 over replicas with a tied head (FSDP
-shards the tie's two copies apart); sequence parallelism only with TP > 1, no
+gains is proposed with it); no ZeRO 2 or 3 over replicas with a tied head (a
+tie is summed on whole gradients, which ZeRO 2 keeps only inside the action
+that made them and FSDP only inside its backward); sequence parallelism only with TP > 1, no
 ZeRO, no tie, and a sequence the TP ranks split; an untied head's vocabulary
 split evenly by TP. Each proposal carries the ``train`` command that runs it
 (``train_command``): the model's flags as ``train`` names them, the schedule,
@@ -55,10 +56,9 @@ def refusal(config: Config, model: object, *, sequence_parallel: bool = False) -
             f"--zero {config.zero} is not run by pipeweave train (it runs {', '.join(map(str, train_zero_stages()))})"
         )
     tied = isinstance(model, Transformer) and model.tied
-    if config.zero == 3 and config.dp > 1 and tied:
-        return (
-            "--zero 3 with a tied head is not run by pipeweave train (FSDP shards the two copies apart); use --zero 1"
-        )
+    if config.zero >= 2 and config.dp > 1 and tied:
+        why = "FSDP shards the two copies apart" if config.zero == 3 else "it keeps no whole gradient to sum the tie"
+        return f"--zero {config.zero} with a tied head is not run by pipeweave train ({why}); use --zero 1"
     if not isinstance(model, Transformer):
         return None
     if sequence_parallel and config.tp > 1:

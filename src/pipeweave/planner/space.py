@@ -12,7 +12,10 @@ synchronous ones (``pipeweave schedules``), zb-auto and zb-v-auto included;
 at D = 1 there is no pipeline and only ``1f1b`` (plain gradient accumulation)
 is kept. ZeRO 1 and 3 only where the runtime shards a schedule's replicas
 (``ScheduleInfo.zero``: not the bidirectional ones, which hold two copies of
-each part).
+each part), and ZeRO 2 there too where it holds fewer gradient bytes than
+ZeRO 1: ``train --zero 2`` keeps every part's gradient in 1/P slices but one
+part's whole while its B or W runs (``planner.memory``), so with v parts per
+rank where ``v (P - 1) > P + 1``.
 
 Two limits keep the space one that can be enumerated and simulated in seconds:
 a schedule of at most ``MAX_CELLS`` (part, microbatch) pairs, D x v x T (so
@@ -194,18 +197,27 @@ def cells_per_microbatch(schedule: str, pp: int, chunks: int) -> int:
     return pp * (2 if both else chunks)
 
 
-def zero_stages(schedule: str, dp: int) -> tuple[int, ...]:
-    """The ZeRO stages a configuration may use: 1 and 3 only with replicas to shard over, and only where the
-    runtime shards the schedule's (``ScheduleInfo.zero``)."""
-    return ZERO_STAGES if dp > 1 and SCHEDULES[schedule].zero else (0,)
+def zero_stages(schedule: str, dp: int, chunks: int = 1) -> tuple[int, ...]:
+    """The ZeRO stages a configuration may use: 1, 2 and 3 only with replicas to shard over, and only where the
+    runtime shards the schedule's (``ScheduleInfo.zero``); 2 only where it pays, with ``chunks`` parts per rank
+    (module docstring).
+
+    Example:
+        >>> zero_stages("1f1b", 8), zero_stages("interleaved-1f1b", 8, chunks=2), zero_stages("1f1b", 1)
+        ((0, 1, 3), (0, 1, 2, 3), (0,))
+    """
+    if dp == 1 or not SCHEDULES[schedule].zero:
+        return (0,)
+    return (0, 1, 2, 3) if chunks * (dp - 1) > dp + 1 else ZERO_STAGES
 
 
-def _zero_stages(schedule: str, dp: int, fixed: Fixed) -> tuple[int, ...]:
-    """``zero_stages``, or ZeRO 2 where it is fixed: accounted for (``planner.memory``), never proposed, since
-    ``train`` does not run it."""
+def _zero_stages(schedule: str, dp: int, chunks: int, fixed: Fixed) -> tuple[int, ...]:
+    """``zero_stages`` the user allows, or ZeRO 2 where it is fixed and the schedule is sharded (evaluated where
+    it does not pay too)."""
+    stages = zero_stages(schedule, dp, chunks)
     if fixed.zero == 2:
-        return (2,) if 1 in zero_stages(schedule, dp) else ()
-    return tuple(z for z in zero_stages(schedule, dp) if fixed.allows("zero", z))
+        return (2,) if 1 in stages else ()
+    return tuple(z for z in stages if fixed.allows("zero", z))
 
 
 def configurations(model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed) -> Iterator[Config]:
@@ -251,7 +263,8 @@ def _configurations(
                 ):
                     for recompute in (r for r in model.recomputations if fixed.allows("recompute", r)):
                         for zero, blocks in product(
-                            _zero_stages(schedule, dp, fixed), part_blocks(model, pp * chunks, recompute, uneven)
+                            _zero_stages(schedule, dp, chunks, fixed),
+                            part_blocks(model, pp * chunks, recompute, uneven),
                         ):
                             yield Config(
                                 tp=tp,

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pipeweave.planner.candidate import Config
 from pipeweave.planner.costs import Cluster
 from pipeweave.planner.transformer import Transformer
-from pipeweave.schedule.registry import SCHEDULES
 
 CALIBRATED_ON = ("a100-80gb", "a100-40gb")
 """The GPUs of Megatron-LM's Table 1, on which the GEMM efficiency is fitted."""
@@ -75,17 +74,14 @@ def _config(cluster: Cluster, config: Config) -> list[str]:
             "collectives are rings, hierarchical across nodes)"
         )
     if config.zero == 2:
-        out.append("ZeRO 2 is accounted for, but pipeweave train does not run it")
+        out.append(
+            "ZeRO 2's T reduce-scatters crowding each other on the links (timed back to back from the part's "
+            "first weight gradient)"
+        )
     if config.zero == 3:
         out.append("FSDP's prefetch contending with compute for memory bandwidth, and its reshard's cost")
     if config.recompute != "none":
         out.append("the RNG state a recomputed forward keeps, and a replay's peak beyond one block")
-    if config.pp > 1 and SCHEDULES[config.schedule].splits_backward:
-        out.append(
-            "W deferral's cost beyond its own GEMMs (I and W are timed as separate GEMMs, each at its size's "
-            "efficiency): a deferred W re-reads from HBM the operands a whole backward may find in L2, and "
-            "launches its kernels apart"
-        )
     if config.tp * config.pp * config.dp > cluster.gpu.gpus_per_node:
         out.append("the network's topology beyond nodes and links (rail-optimised fabrics, oversubscription)")
     return out

@@ -17,7 +17,7 @@ in layers, each importing only from layers below it (a test keeps it so):
    ``pipeweave.weights``), post-validated optimizer steps, learning-rate schedules.
 4. executors -- ``executor`` (one rank interprets its lowered actions),
    ``replicas`` (a part's replicas' gradients summed by bucketed collectives),
-   ``zero`` (ZeRO-1: the optimizer state sharded), ``fsdp`` (ZeRO-3 by FSDP2's
+   ``zero`` (ZeRO-1 and 2: the optimizer state, and the gradients, sharded), ``fsdp`` (ZeRO-3 by FSDP2's
    ``fully_shard``: the parameters too),
    ``clip`` (the global gradient norm over shards and replicas, clipped at U),
    ``loss_scale`` (fp16's dynamic loss scale: GradScaler's, one for the run, overflows agreed at U),

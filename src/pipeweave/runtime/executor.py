@@ -68,7 +68,7 @@ class Executor:
             (an asynchronous run's data-parallel replicas laid out around the stream: PipeDream's hybrid).
         bucket_bytes: the size of the buckets of that sum (``runtime.replicas``).
         zero: the ZeRO stage of data-parallel replicas (``runtime.zero``): 1 optimizer state sharded over
-            them, 3 parameters too.
+            them, 2 gradients too, 3 parameters too.
         clip_norm: clip the global gradient norm to this at every ``U`` (``runtime.clip``; None: no clipping).
         partner: this rank's side of BPipe's pair (``transport.partner``), for EVICT and LOAD.
         on_nonfinite: a synchronous run's ``TrainConfig.on_nonfinite``: every rank learns each step's
@@ -473,8 +473,9 @@ class Executor:
         """
         if self.policy is None and not self.evaluating and not self._prepared and not self.p2p.arrived(a):
             self._prepared = True
-            for worker in self.workers.values():
-                worker.prepare_gradients()
+            for stage, worker in self.workers.items():
+                if self.placement.stage_part[stage] not in self.replicas.per_action:  # ZeRO-2 keeps none whole
+                    worker.prepare_gradients()
 
 
 def chain(steps: Sequence[Combine]) -> Combine | None:

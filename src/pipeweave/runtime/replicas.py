@@ -16,7 +16,12 @@ With ZeRO-1 (``zero=1``, ``runtime.zero``) each bucket is reduce-scattered
 instead, and the part's optimizer, sharded, steps the slice it receives and
 all-gathers the parameters after; a part holding tied parameters
 (``stage.tied``) is reduced at its ``U`` instead, after the tie's sum, which
-must see whole gradients, not slices. With ZeRO-3 (``zero=3``) the part is
+must see whole gradients, not slices. With ZeRO-2 (``zero=2``) the part's
+gradient is reduce-scattered after each action that adds to it instead of
+once (a microbatch's ``B`` or ``W``), the whole gradients freed as each
+bucket is flattened; the slices received are added into the optimizer's
+(``ZeroOptimizer.accumulate_gradients``), a reduce-scatter waited for when
+the part's next one is launched, or at its ``U``. With ZeRO-3 (``zero=3``) the part is
 FSDP2's (``runtime.fsdp``): launching its reduction is FSDP's reduce-scatter,
 driven at the same point.
 
@@ -54,8 +59,8 @@ class ReplicaReduction:
         workers: this rank's stage workers; ``hooks`` holds what each replica's ``U`` runs first.
         groups: per replicated part spanning several ranks, the process group of its replicas.
         bucket_bytes: the size of a bucket (the last one of a part may be smaller).
-        zero: the ZeRO stage (0, 1 or 3) of the parts whose replicas lie one per rank on several ranks: their
-            workers were built with ``zero.ZeroOptimizer``s over the same buckets (1), or their layers fully
+        zero: the ZeRO stage (0, 1, 2 or 3) of the parts whose replicas lie one per rank on several ranks: their
+            workers were built with ``zero.ZeroOptimizer``s over the same buckets (1, 2), or their layers fully
             sharded over the run's ``dp`` mesh (3: ``fsdp.FullyShardedPart``, ``worker.shards``), by the
             run's build step ``shard_replica`` (``runtime.run.workers``).
     """
@@ -86,6 +91,7 @@ class ReplicaReduction:
             if part in self.local and a.op.computes_weight_grad:
                 self.grad_actions[part] += 1
         self.sharded = {part for part in self.local if zero and part in groups}
+        self.per_action = {part for part in self.sharded if zero == 2}  # ZeRO-2: reduced after each B or W
         # ZeRO-1 parts holding tied parameters: reduced at U, after the tie's sum (``TiedGradients(first=True)``).
         self.at_update = {part for part in self.sharded if zero == 1 and any(tied_names(workers[self.local[part][0]]))}
         self.fully_sharded: dict[int, FullyShardedPart] = {}
@@ -99,8 +105,13 @@ class ReplicaReduction:
                 assert isinstance(worker.optimizer, ZeroOptimizer), "build the stage sharded (shard_replica)"
         self._left: dict[int, int] = {}
         self._pending: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # part -> (work, bucket) until combined
+        self.peak_gradient_bytes = 0
+        """The most gradient bytes (the parameters' whole gradients, ZeRO's slices) this rank held between its
+        actions: after each compute action of the first step, and at every ``U``'s combine."""
+        self._steps = 0
 
     def begin_step(self) -> None:
+        self._steps += 1
         self._left = dict(self.grad_actions)
         self._pending.clear()
         for part in sorted(self._left):
@@ -114,19 +125,27 @@ class ReplicaReduction:
         part = self.placement.stage_part[a.stage]
         if part in self._left and a.op.computes_weight_grad:
             self._left[part] -= 1
-            if self._left[part] == 0 and part not in self.at_update:
+            if part in self.per_action or (self._left[part] == 0 and part not in self.at_update):
                 self._launch(part)
+        if self._steps == 1 and self.local:  # measured in the first step, as the activations are
+            self.peak_gradient_bytes = max(self.peak_gradient_bytes, self._held_bytes())
 
     def _launch(self, part: int) -> None:
         if part in self.fully_sharded:
             self.fully_sharded[part].reduce()
             return
+        if part in self.per_action:
+            self._settle(part)  # the part's previous reduce-scatter, added into the slices stepped
         grads = [w.gradients() for w in (self.workers[s] for s in self.local[part])]
+        params = list(self.workers[self.local[part][0]].module.parameters())
         buckets = []
         for span in _buckets(grads[0], self.bucket_bytes):
             flat = _flatten([grads[0][i] for i in span])
             for other in grads[1:]:  # local replicas first, in stage order
                 flat += _flatten([other[i] for i in span])
+            if part in self.per_action:  # ZeRO-2: the whole gradients go as soon as the bucket holds them
+                for i in span:
+                    params[i].grad = None
             group = self.groups.get(part)
             if part in self.sharded:  # ZeRO: this rank's slice of the sum only
                 flat = pad(flat, dist.get_world_size(group))
@@ -151,18 +170,43 @@ class ReplicaReduction:
         if part in self.sharded:
             for work, _ in buckets:
                 work.wait()
-            cast(ZeroOptimizer, worker.optimizer).set_gradients([mine for _, mine in buckets])
-            return
-        grads = [self.workers[s].gradients() for s in self.local[part]]
-        for span, (work, flat) in zip(_buckets(grads[0], self.bucket_bytes), buckets):
-            if work is not None:
-                work.wait()
-            for replica in grads:
-                _unflatten(flat, [replica[i] for i in span])
+            optimizer = cast(ZeroOptimizer, worker.optimizer)
+            if part in self.per_action:
+                optimizer.accumulate_gradients([mine for _, mine in buckets])
+            else:
+                optimizer.set_gradients([mine for _, mine in buckets])
+        else:
+            grads = [self.workers[s].gradients() for s in self.local[part]]
+            for span, (work, flat) in zip(_buckets(grads[0], self.bucket_bytes), buckets):
+                if work is not None:
+                    work.wait()
+                for replica in grads:
+                    _unflatten(flat, [replica[i] for i in span])
+        self.peak_gradient_bytes = max(self.peak_gradient_bytes, self._held_bytes())
+
+    def _settle(self, part: int) -> None:
+        """ZeRO-2: wait for the part's pending reduce-scatter and add its slices into the optimizer's."""
+        buckets = self._pending.pop(part, [])
+        for work, _ in buckets:
+            work.wait()
+        if buckets:
+            worker = self.workers[self.local[part][0]]
+            cast(ZeroOptimizer, worker.optimizer).accumulate_gradients([mine for _, mine in buckets])
+
+    def _held_bytes(self) -> int:
+        """Gradient bytes this rank holds now: the parameters' whole gradients and ZeRO's slices."""
+        held = 0
+        for worker in self.workers.values():
+            held += sum(
+                p.grad.numel() * p.grad.element_size() for p in worker.module.parameters() if p.grad is not None
+            )
+            if isinstance(worker.optimizer, ZeroOptimizer):
+                held += worker.optimizer.gradient_bytes()
+        return held
 
 
 def shard_replica(stage: Stage, zero: int, group: Any, dp_mesh: Any, bucket_bytes: int) -> None:
-    """A build step of a data-parallel replica's stage: ZeRO-1, its optimizer state sharded over the replicas'
+    """A build step of a data-parallel replica's stage: ZeRO-1 or 2, its optimizer state sharded over the replicas'
     ``group`` (``zero.ZeroOptimizer`` over the buckets ``ReplicaReduction`` reduce-scatters), or ZeRO-3, its
     layers fully sharded over ``dp_mesh`` (``fsdp.shard_stage``)."""
     if zero == 3:

@@ -1,4 +1,4 @@
-"""ZeRO stage 1: the optimizer state of a data-parallel part sharded over its replicas.
+"""ZeRO stages 1 and 2: the optimizer state (and, stage 2, the gradients) of a data-parallel part sharded over its replicas.
 
 Rajbhandari et al. (ZeRO, SC 2020), stage 1: each of the P replicas of a part
 keeps the optimizer state (SGD's momentum, AdamW's two moments) of 1/P of the
@@ -13,6 +13,16 @@ the same as an all-reduce's (a reduce-scatter and an all-gather).
 
 The slices follow the buckets: each bucket's parameters flattened, padded to
 a multiple of P, cut into P equal pieces.
+
+Stage 2 shards the gradients too: ``runtime.replicas`` reduce-scatters a
+part's gradient after every action that adds to it (each ``B`` or ``W``, one
+microbatch's), frees the parameters' whole gradients at once and adds the
+slice it receives into the slice this replica steps
+(``accumulate_gradients``), as DeepSpeed's stage 2 reduces at every
+micro-step of gradient accumulation. Between actions a replica so keeps 1/P
+of the part's gradient instead of all of it; the price is T reduce-scatters
+a step instead of one (the same bytes each), and one microbatch's whole
+gradient of the part while its ``B`` or ``W`` runs.
 
 Stage 3 is FSDP2's (``runtime.fsdp``): the parameters sharded too, by
 ``torch.distributed.fsdp.fully_shard``, per layer.
@@ -73,6 +83,18 @@ class ZeroOptimizer:
         """This replica's slices of the summed gradient (what the reduce-scatter of each bucket gave it)."""
         for shard, grad in zip(self.shards, shard_grads):
             shard.grad = grad
+
+    def accumulate_gradients(self, shard_grads: Sequence[torch.Tensor]) -> None:
+        """Add a reduce-scatter's slices into this replica's gradient slices (ZeRO-2: one per ``B`` or ``W``)."""
+        for shard, grad in zip(self.shards, shard_grads):
+            if shard.grad is None:
+                shard.grad = grad
+            else:
+                shard.grad += grad
+
+    def gradient_bytes(self) -> int:
+        """Bytes of the gradient slices this replica holds."""
+        return sum(s.grad.numel() * s.grad.element_size() for s in self.shards if s.grad is not None)
 
     def step(self) -> None:
         self.inner.step()

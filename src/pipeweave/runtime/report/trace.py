@@ -288,6 +288,7 @@ def measured_summary(schedule: Schedule, record: RunRecord, cost: CostModel) -> 
         "peak_tensor_bytes": [r.peak_tensor_bytes for r in record.ranks],
         "peak_tensor_bytes_source": "cuda max_memory_allocated" if on_cuda(record) else "cpu tracked tensors",
         "weight_bytes": [r.weight_bytes for r in record.ranks],
+        "gradient_bytes": [r.gradient_bytes for r in record.ranks],
         **device_figures(record, times, steps),
     }
 

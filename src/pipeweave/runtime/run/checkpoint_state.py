@@ -35,7 +35,7 @@ write each shard once as ``DTensor.from_local(shard, tp_mesh, [Shard(dim)])``
 -- column-parallel rows on dim 0, row-parallel columns on dim 1, the fused
 QKV viewed as ``(3, width, in)`` on dim 1 -- and reshard on load.)
 
-ZeRO-1 (``runtime.zero``) and ZeRO-3 (``runtime.fsdp``): the optimizer state
+ZeRO-1 and 2 (``runtime.zero``) and ZeRO-3 (``runtime.fsdp``): the optimizer state
 of a part (at 3 its parameters too) is sharded over its replicas;
 ``optimizer_state`` gathers it whole per parameter (every replica calls it,
 as every rank saves; the parameters are whole inside the checkpoint's

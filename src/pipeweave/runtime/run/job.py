@@ -200,6 +200,7 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
     divergence.at_end(plan.schedule.placement)
     mine.peak_activation_bytes = _end_levers(link, executor)
     mine.peak_tensor_bytes = max(peaks, default=0)
+    mine.gradient_bytes = executor.replicas.peak_gradient_bytes
     mine.weight_bytes = sum(w.weight_bytes() for w in workers.values())
     mine.parameters = final_parameters(config, workers)
     save_parts(config, context, workers, plan.schedule.num_ranks)

@@ -16,7 +16,13 @@
   predictions), one gradient per stage, and the optimizer's state per stage
   (SGD with momentum 1x, AdamW 2x the part's weights; 1/P of it under
   ``--zero 1``, with the slices of the parameters and of the reduced gradient
-  it steps, 1/P each). ``--zero 3`` (FSDP2, ``runtime.fsdp``) keeps per
+  it steps, 1/P each). ``--zero 2`` keeps the slices alone, no whole
+  gradient between actions (``runtime.replicas`` reduce-scatters after each
+  B or W), and per rank on top its largest part's whole gradient, which a
+  B or W writes before the reduce-scatter takes it, with the slice that
+  reduce-scatter returns (1/P). (Left out: the few whole gradients a
+  split backward's I writes itself, a block's layer norms', held until the
+  W after it.) ``--zero 3`` (FSDP2, ``runtime.fsdp``) keeps per
   stage the shards of the parameters and of the optimizer state, each
   parameter's dim 0 padded to a multiple of P as FSDP pads it
   (``part_memory.sharded_layers``), and the part's gradients, which the
@@ -94,6 +100,10 @@ class MemoryEstimate:
     """Weight copies, gradients and optimizer state."""
     rings: tuple[int, ...]
     processes: tuple[int, ...]
+    gradients: tuple[int, ...] = ()
+    """Of ``weights``, the gradient bytes a rank keeps from one action to the next (whole under ZeRO 0, whole with
+    the reduced slices beside them under ZeRO 1, the slices alone under ZeRO 2, ``runtime.replicas``): what the
+    run measures as ``gradient_bytes``."""
     tensor_parallel: int = 1
     """Processes per rank (N; P x N for an asynchronous schedule's replicas around it), each needing the
     rank's figures."""
@@ -110,6 +120,7 @@ class MemoryEstimate:
             "memory_estimate": {
                 "activations": list(self.activations),
                 "weights_and_optimizer": list(self.weights),
+                "gradients": list(self.gradients),
                 "message_rings": list(self.rings),
                 "rank_process": list(self.processes),
             },
@@ -147,7 +158,12 @@ def estimate_memory(plan: RunPlan, rings: Mapping[tuple[int, int], int] | None =
     actions = sum(len(row) for row in schedule.actions)
     process = PROCESS_BYTES + actions * RANK_BYTES_PER_ACTION
     return MemoryEstimate(
-        tuple(int(a) for a in activations), tuple(int(w) for w in weights), received, (process,) * ranks, copies
+        tuple(int(a) for a in activations),
+        tuple(int(w) for w in weights),
+        received,
+        (process,) * ranks,
+        tuple(int(g) for g in held_gradients(config, schedule, part_weights)),
+        copies,
     )
 
 
@@ -190,17 +206,31 @@ def _weights(config: TrainConfig, schedule: Any, part_weights: list[int], copies
     """Per rank: weight copies (``copies``, whole), gradients and optimizer state, by ZeRO stage (module docstring)."""
     zero = config.parallel.zero if config.parallel.data_parallel > 1 else 0  # nothing to shard without replicas
     p = config.parallel.data_parallel if zero else 1
-    # Per stage, in part weights: the gradient, and the optimizer state (ZeRO: the slices of it, of the parameters
-    # and of the reduced gradient, the replicas sharing the rest).
-    per_stage = 1 + (optimizer_copies(config) + (2 if zero else 0)) / p
+    # Per stage, in part weights: the gradient (ZeRO-2: between actions, none whole), and the optimizer state
+    # (ZeRO: the slices of it, of the parameters and of the reduced gradient, the replicas sharing the rest).
+    per_stage = (0 if zero == 2 else 1) + (optimizer_copies(config) + (2 if zero else 0)) / p
     weights = [0.0] * len(copies) if zero == 3 else list(copies)  # ZeRO-3: the slices are the parameters
     part_of = schedule.placement.stage_part
     for stage, rank in enumerate(schedule.placement.stage_rank):
         weights[rank] += per_stage * part_weights[part_of[stage]]
-    if zero == 3:  # no layer sizes (``fully_sharded``): one part whole at a time, an upper bound
-        for rank, row in enumerate(schedule.actions):
-            weights[rank] += max((part_weights[part_of[a.stage]] for a in row), default=0)
+    # ZeRO-3, no layer sizes (``fully_sharded``): one part whole at a time, an upper bound. ZeRO-2: a B or W's
+    # whole gradient of its part, and the slice its reduce-scatter returns.
+    during = {3: 1.0, 2: 1.0 + 1.0 / p}.get(zero, 0.0)
+    for rank, row in enumerate(schedule.actions):
+        weights[rank] += during * max((part_weights[part_of[a.stage]] for a in row), default=0)
     return weights
+
+
+def held_gradients(config: TrainConfig, schedule: Any, part_weights: list[int]) -> list[float]:
+    """Per rank, the gradient bytes kept from one action to the next (``MemoryEstimate.gradients``): per stage its
+    part's whole (ZeRO 0 and 3: FSDP's deferred reduction keeps them whole), whole plus the 1/P slices reduced
+    into (ZeRO 1), or the slices alone (ZeRO 2)."""
+    zero = config.parallel.zero if config.parallel.data_parallel > 1 else 0
+    per_stage = {1: 1.0 + 1.0 / config.parallel.data_parallel, 2: 1.0 / config.parallel.data_parallel}.get(zero, 1.0)
+    held = [0.0] * schedule.num_ranks
+    for stage, rank in enumerate(schedule.placement.stage_rank):
+        held[rank] += per_stage * part_weights[schedule.placement.stage_part[stage]]
+    return held
 
 
 def fully_sharded(

@@ -330,13 +330,16 @@ def _check_zero(config: TrainConfig, schedule: Schedule) -> None:
             f"--zero {config.parallel.zero} shards data-parallel replicas; {config.schedule.name} replicates parts "
             "inside its pipeline: use --zero 0 with it"
         )
-    if config.parallel.zero == 3 and config.parallel.data_parallel > 1 and tied_groups(config.model):
-        # FSDP2 shards each layer's parameters apart, and reduces them in its own hooks: a tie's two copies are
-        # summed on whole gradients (runtime.stage.tied), which FSDP keeps only inside its backward.
+    if config.parallel.zero >= 2 and config.parallel.data_parallel > 1 and tied_groups(config.model):
+        # A tie's two copies are summed on whole gradients (runtime.stage.tied): FSDP2 keeps them only inside its
+        # backward, ZeRO-2 only inside the action that made them (runtime.replicas).
         raise UserError(
-            f"--zero 3 with tied parameters ({', '.join(tied_groups(config.model)[0])}) is not "
+            f"--zero {config.parallel.zero} with tied parameters ({', '.join(tied_groups(config.model)[0])}) is not "
             "supported; use --zero 1 (or 0) with them"
         )
+    if config.parallel.zero == 2 and config.training.precision == "fp16":
+        # The overflow check reads whole gradients before U (runtime.loss_scale); ZeRO-2 keeps slices of them.
+        raise UserError("--zero 2 with --precision fp16 is not supported; use --zero 1 or --precision bf16")
 
 
 def run_data(config: TrainConfig) -> Any:

@@ -61,6 +61,10 @@ class RankRecord:
     peak_tensor_bytes: int = 0
     """The process's peak tensor bytes in the measured step (``stage.tensor_bytes``: CUDA's max_memory_allocated,
     or on the CPU the tensors created in it and alive at once; 0 where not measured: streams)."""
+    gradient_bytes: int = 0
+    """The most gradient bytes this rank held between its actions (``runtime.replicas``: whole gradients under
+    ZeRO 0 and 1, ZeRO-1's reduced slices beside them at ``U``, ZeRO-2's slices alone; 0 where no part of the
+    rank is replicated over ranks)."""
     log_failure: str | None = None
     """Why this process's ``--log-dir`` log stopped (``StepLog.failure``; None: whole, or not its writer)."""
     cuda_allocated: list[int] = field(default_factory=list)

@@ -12,7 +12,7 @@ the run, nothing patched afterwards. In order (``stage.build.STEPS``, then ``RUN
     stage.build.apply_memory_levers    compressed saved tensors (--compress-activations); kept per microbatch
                                        where the lowered schedule moves them (--offload, --balance-activations)
     stage.build.apply_optimizer        the optimizer (--optimizer, --lr, --momentum)
-    apply_sharding                     ZeRO-1 or ZeRO-3 over the part's data-parallel replicas (--zero)
+    apply_sharding                     ZeRO-1, 2 or 3 over the part's data-parallel replicas (--zero)
     apply_weight_policy                the post-validated step (--clip-grad-norm on a straight schedule)
 
 The stage's own options (``_options``) come from the run's configuration; the
