@@ -175,6 +175,9 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
             need = -1  # waiter code of missing data, -1 when all is there
             if op is F:
                 p = prev[s]
+                if p == -2:  # a stage shared by pipelines (PipeDream's replicated stages): by route
+                    p = schedule.prev_of(s, j)
+                    p = -1 if p is None else p
                 if p >= 0:
                     t_dep = fwd.get(base + p)
                     if t_dep is None:
@@ -186,6 +189,9 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
             elif op in input_grad:
                 t_dep = fwd.get(base + s)
                 q = nxt[s]
+                if q == -2:
+                    q = schedule.next_of(s, j)
+                    q = -1 if q is None else q
                 if t_dep is None:
                     need = (base + s) * 4 + _FWD
                 else:
