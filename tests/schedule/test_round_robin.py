@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pipeweave.schedule import ScheduleError, generate, lower, validate
+from pipeweave.schedule import ScheduleError, generate, lower, parse_action, validate
 from pipeweave.schedule.ir import Op
 from pipeweave.schedule.round_robin import averages_replicas, minibatch_pipelines, replica_in_flight
 from pipeweave.schedule.stream import peak_in_flight
+from pipeweave.schedule.validate import InvalidSchedule
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.metrics import compute_metrics
 from pipeweave.sim.timeline import simulate
@@ -125,3 +126,21 @@ def test_a_part_replicated_as_the_planner_balances_it_fills_the_pipeline_as_a_st
     bubble = compute_metrics(simulate(replicated, slow)).bubble_ratio
     assert bubble == pytest.approx(compute_metrics(simulate(straight)).bubble_ratio)
     assert bubble < 0.1
+
+
+def test_validator_sees_the_replicas_meet_at_every_update() -> None:
+    """1F1B-RR's replicas all-reduce at U(., k): an order where replica 1 reaches its U0 only after a
+    backward that waits (through part 1's order) on replica 0's F2, which replica 0 runs after its U0,
+    deadlocks at run time; the validator says so, and the simulator times each U at the last replica's."""
+    rows = [
+        "0F0 0B0 0U0 0F2 0B2 0F4 0B4 0F6 0B6 0U1",
+        "1F1 1F3 1B1 1B3 1U0 1F5 1F7 1B5 1B7 1U1",  # U0 after 1B3, which needs 2B2, which needs 0F2
+        " ".join(f"2F{j} 2B{j} 2U{j}" for j in range(8)),
+    ]
+    s = generate("pipedream", num_stages=3, num_microbatches=8, num_steps=1, replicas=(2, 1))
+    bad = s.with_actions([[parse_action(t) for t in row.split()] for row in rows])
+    with pytest.raises(InvalidSchedule, match="0U0 waits for every weight gradient of part 0"):
+        validate(bad)
+    timeline = simulate(s)  # at f = b = 1: replica 1's U0 waits for its own B1 and for replica 0's B0
+    at = {str(e.action): e for row in timeline.events for e in row}
+    assert at["0U0"].start == at["1U0"].start == max(at["0B0"].end, at["1B1"].end) > at["0B0"].end
