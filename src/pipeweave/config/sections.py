@@ -49,7 +49,7 @@ def parse_counts(
     return counts
 
 
-def _parse_replicas(text: str) -> tuple[int, ...]:
+def parse_replicas(text: str) -> tuple[int, ...]:
     """``--stage-replicas 2,1``: ranks per part (``schedule.round_robin`` checks them against the ranks)."""
     counts = parse_counts(text, "--stage-replicas", "rank", "2,1")
     if 0 in counts:
@@ -85,7 +85,7 @@ class ScheduleConfig:
     """pipedream, spectrain: microbatches per update (default 1)."""
     in_flight: int | None = option(None)
     """pipedream: microbatches stage 0 admits before its first backward (default NOAM = ceil(D / input replicas))."""
-    stage_replicas: tuple[int, ...] | None = option(None, metavar="N,N,...", parse=_parse_replicas)
+    stage_replicas: tuple[int, ...] | None = option(None, metavar="N,N,...", parse=parse_replicas)
     """pipedream: ranks per part, e.g. 2,1 (part 0 on two ranks taking alternate microbatches, PipeDream's
     1F1B-RR; --stages is their sum); --partition pipedream chooses them."""
     min_update_frequency: int | None = option(None)
