@@ -31,7 +31,7 @@ def add_schedule_arguments(g: Any) -> None:
     g.add_argument(
         "--in-flight",
         type=int,
-        help="pipedream: microbatches stage 0 admits before its first backward (default NOAM = D)",
+        help="pipedream: microbatches stage 0 admits before its first backward (default NOAM = ceil(D / input replicas))",
     )
     g.add_argument(
         "--stage-replicas",
