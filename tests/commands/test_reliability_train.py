@@ -69,6 +69,11 @@ TIMEOUT = "is invalid; give the seconds a rank may wait on a peer, > 0 and at mo
             "(synchronous) cannot; give -s pipedream, or replicate whole pipelines with --data-parallel",
         ),
         (
+            ["-s", "pipedream", "--stage-replicas", "2,1", "--model", "gpt", "--tie-embeddings"],
+            "--stage-replicas 2,1 routes microbatches through several pipelines, whose ends a tie cannot pair; "
+            "drop --tie-embeddings",
+        ),
+        (
             ["-s", "pipedream", "--stage-replicas", "2,1", "--data-parallel", "2"],
             "--stage-replicas 2,1 runs one process per replica, without --data-parallel 2; drop one of them",
         ),

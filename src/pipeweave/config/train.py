@@ -287,6 +287,11 @@ def _check_replicas(config: TrainConfig) -> None:
             f"--stage-replicas {text} needs {sum(replicas)} processes but --stages is {config.schedule.num_stages}; "
             f"give --stages {sum(replicas)} or counts summing to {config.schedule.num_stages}"
         )
+    if config.model.is_transformer and config.model.tie_embeddings:  # a tie's exchange knows one pipeline's ends
+        raise UserError(
+            f"--stage-replicas {text} routes microbatches through several pipelines, whose ends a tie cannot pair; "
+            "drop --tie-embeddings (or --stage-replicas)"
+        )
     for flag, value in (
         ("--data-parallel", config.parallel.data_parallel),
         ("--tensor-parallel", config.parallel.tensor_parallel),
