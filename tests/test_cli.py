@@ -187,6 +187,12 @@ def test_simulate_invalid_csv(capsys: pytest.CaptureFixture[str], tmp_path: Path
         (["--plot", "x.gif"], "end the file name in .png, .svg or .pdf"),
         (["--from-csv", "/nonexistent/x.csv"], "is not a file"),
         (["-s", "gpipe", "--chunks", "3"], "drop --chunks"),
+        (["-s", "1f1b", "--stage-replicas", "2,1"], "--stage-replicas applies to pipedream, not 1f1b; drop it"),
+        (["-s", "1f1b", "--in-flight", "2"], "--in-flight applies to pipedream, not 1f1b; drop it"),
+        (
+            ["-s", "pipedream", "--stages", "4", "--stage-replicas", "2,1"],
+            "stage replicas 2,1 need 3 processes but the pipeline has 4; give --stages 3 or counts summing to 4",
+        ),
     ],
 )
 def test_simulate_user_errors_are_one_line_exit_2(
@@ -265,3 +271,14 @@ def test_simulate_tied_counts_the_tied_members_staleness_and_lag(capsys: pytest.
         .err.strip()
         .endswith("train them on pipedream-2bw, pipedream, ampnet only; choose one or drop --tied")
     )
+
+
+def test_simulate_pipedream_with_replicated_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--stage-replicas 2,1``: part 0 on ranks 0 and 1 (1F1B-RR), its replicas' staleness and copies."""
+    assert main(["simulate", "-s", "pipedream", "--stages", "3", "--microbatches", "4", "--json"]) == 0
+    straight = json.loads(capsys.readouterr().out)
+    argv = ["simulate", "-s", "pipedream", "--stages", "3", "--microbatches", "4", "--stage-replicas", "2,1", "--json"]
+    assert main(argv) == 0
+    replicated = json.loads(capsys.readouterr().out)
+    assert replicated["staleness"] == [1, 1, 0] and straight["staleness"] == [2, 1, 0]
+    assert replicated["weight_versions"] == [2, 2, 1] and straight["weight_versions"] == [3, 2, 1]

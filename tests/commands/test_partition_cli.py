@@ -99,9 +99,10 @@ def test_pipedream_replicates_on_fast_links(head_heavy: Path, capsys: pytest.Cap
     assert result["noam"] == -(-4 // result["parts"][0]["replicas"])
     argv = ["--costs", str(head_heavy), "--stages", "4", "--partition", "pipedream", "--bandwidth", "1e12"]
     assert main(argv) == 0
-    assert f"NOAM {result['noam']}: ceil(4 ranks / {result['parts'][0]['replicas']} input replicas)" in (
-        capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    assert f"NOAM {result['noam']}: ceil(4 ranks / {result['parts'][0]['replicas']} input replicas)" in out
+    counts = ",".join(str(p["replicas"]) for p in result["parts"])
+    assert f"train runs it: -s pipedream --stages 4 --partition pipedream (--stage-replicas {counts}" in out
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,34 @@ TIMEOUT = "is invalid; give the seconds a rank may wait on a peer, > 0 and at mo
             "--zero 1 shards over the --data-parallel replicas and this run has one; give --data-parallel",
         ),
         (["--zero", "3"], "--zero 3 shards over the --data-parallel replicas"),
+        # PipeDream's replicated stages (1F1B-RR): a replication the processes cannot hold, or a schedule without it
+        (
+            ["-s", "pipedream", "--stage-replicas", "2,1", "--stages", "4"],
+            "--stage-replicas 2,1 needs 3 processes but --stages is 4; give --stages 3 or counts summing to 4",
+        ),
+        (
+            ["-s", "pipedream", "--stage-replicas", "2,1", "--microbatches", "3"],
+            "3 microbatches do not deal evenly to 2 replicas; give --microbatches a multiple of 2",
+        ),
+        (["-s", "pipedream", "--stage-replicas", "2,0"], "--stage-replicas 2,0 gives a part no rank; give every part"),
+        (
+            ["-s", "pipedream", "--stage-replicas", "2,x"],
+            "--stage-replicas '2,x' is not a list of integers; write e.g. 2,1",
+        ),
+        (
+            ["-s", "1f1b", "--stage-replicas", "2,1"],
+            "--stage-replicas 2,1 deals microbatches to replicated parts, which pipedream's 1F1B-RR runs and 1f1b "
+            "(synchronous) cannot; give -s pipedream, or replicate whole pipelines with --data-parallel",
+        ),
+        (
+            ["-s", "pipedream", "--stage-replicas", "2,1", "--model", "gpt", "--tie-embeddings"],
+            "--stage-replicas 2,1 routes microbatches through several pipelines, whose ends a tie cannot pair; "
+            "drop --tie-embeddings",
+        ),
+        (
+            ["-s", "pipedream", "--stage-replicas", "2,1", "--data-parallel", "2"],
+            "--stage-replicas 2,1 runs one process per replica, without --data-parallel 2; drop one of them",
+        ),
     ],
 )
 def test_train_refuses_a_bad_flag_before_spawning(argv: list[str], message: str, cli_error: Callable[..., str]) -> None:

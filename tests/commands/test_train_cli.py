@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -154,7 +155,50 @@ def test_pipedream_prints_noam_and_in_flight_sets_it(tmp_path: Path, capsys: pyt
     assert report["in_flight"] == report["in_flight_simulated"] == 2  # NOAM would be 3
     rows = {line.split("│")[1].strip(): line.split("│")[2:4] for line in capsys.readouterr().out.splitlines()
             if line.count("│") == 4}  # fmt: skip
-    assert [v.strip() for v in rows["in flight at stage 0"]] == ["2", "2"] and "(NOAM)" in rows
+    assert [v.strip() for v in rows["in flight at stage 0"]] == ["2", "2"] and "(NOAM ceil(3/1) = 3)" in rows
+    assert report["noam"] == 3 and "stage_replicas" not in report
+
+
+def _head_heavy_costs(path: Path) -> Path:
+    """Six layers, the first two 4x as slow and light in parameters: PipeDream's planner gives them two
+    ranks and the other four one (``partition.pipedream``: the heavy weights make replicating those costly)."""
+    from pipeweave.partition.problem import LayerCosts
+
+    n, heavy = 6, range(2)
+    times = tuple(4.0 if i in heavy else 1.0 for i in range(n))
+    costs = LayerCosts.uniform(n)
+    params = tuple(1e9 if i in heavy else 5e10 for i in range(n))
+    costs = dataclasses.replace(costs, forward=times, input_grad=times, weight_grad=times, params=params)
+    costs.save(path)
+    return path
+
+
+def test_partition_pipedream_trains_its_replicated_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--partition pipedream`` replicating part 0 on 3 processes: 1F1B-RR runs it, equal to the reference
+    executor (tests/runtime/test_replicated_stages.py compares more), the summary saying NOAM and the replicas."""
+    from pipeweave.cli import main
+    from pipeweave.config import TrainConfig
+    from pipeweave.config.toml import loads
+    from pipeweave.runtime.reference import run_reference
+    from pipeweave.runtime.run.prepare import build_schedule, layer_ranges, optimizer_factory
+    from pipeweave.runtime.run.resolve import resolve
+
+    costs = str(_head_heavy_costs(tmp_path / "costs.json"))
+    mlp = ["--model", "mlp", "--layers", "6", "--hidden", "8", "--batch", "8", "--steps", "2", "--microbatches", "4"]
+    argv = ["train", "-s", "pipedream", "--stages", "3", "--partition", "pipedream", "--costs", costs, *mlp]
+    assert main([*argv, "--json", str(tmp_path / "t.json"), "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["stage_replicas"] == [2, 1] and report["noam"] == 2 == report["in_flight"]
+    out = capsys.readouterr().out
+    assert "replicas 2,1 (1F1B-RR)" in out and "(NOAM ceil(3/2) = 2)" in out
+    config = resolve(loads(report["config"], TrainConfig))  # the run's TOML reruns it: same plan, same replicas
+    schedule = build_schedule(config)
+    parts = layer_ranges(config, schedule)
+    reference = run_reference(
+        schedule, config.model, steps=2, batch_size=8, optimizer_factory=optimizer_factory(config), parts=parts
+    )
+    assert schedule.placement.stage_part == (0, 0, 1) and config.partition.layers_per_part == (2, 4)
+    assert report["losses"] == pytest.approx(reference.losses, rel=1e-5)
 
 
 @pytest.mark.slow  # 23 s; resuming on another schedule is in the default run in-process (runtime/test_checkpoint.py)

@@ -53,13 +53,27 @@ def test_bidirectional_has_two_replicas_per_part(d: int) -> None:
     assert p.pipeline_of(0) == 0 and p.pipeline_of(d) == 1
 
 
-def test_placement_rejects_mismatched_and_shared_stages() -> None:
+def test_placement_rejects_mismatched_stages_and_repeated_pipelines() -> None:
     with pytest.raises(ScheduleError, match="stage ranks"):
         Placement((0, 1), (0,), ((0,),))
     with pytest.raises(ScheduleError, match="visits parts"):
         Placement((0, 1), (1, 0), ((0, 1),))
     with pytest.raises(ScheduleError, match="two pipelines"):
         Placement((0, 1), (0, 1), ((0, 1), (0, 1)))
+
+
+def test_shared_stage_has_its_neighbours_per_pipeline() -> None:
+    """PipeDream's replicated part 0 on two ranks, part 1 on one: stage 2 lies on both pipelines."""
+    p = Placement((0, 1, 2), (0, 0, 1), ((0, 2), (1, 2)))
+    assert p.shared and not Placement.straight(3).shared
+    assert p.neighbours() == ([-1, -1, -2], [2, 2, -1])  # -2: ask per microbatch
+    assert p.next_stage(0) == p.next_stage(1) == 2 and p.next_stage(2) is None
+    assert (p.prev_stage(2, 0), p.prev_stage(2, 1)) == (0, 1)
+    with pytest.raises(ScheduleError, match="per microbatch"):
+        p.prev_stage(2)
+    s = Schedule("x", p, 4, ((), (), ()), microbatch_pipeline=(0, 1, 0, 1))
+    assert s.microbatches_of(2) == [0, 1, 2, 3] and s.microbatches_of(1) == [1, 3]
+    assert [s.prev_of(2, j) for j in range(4)] == [0, 1, 0, 1] and s.next_of(1, 3) == 2
 
 
 def test_schedule_properties_and_routes() -> None:

@@ -395,6 +395,12 @@ def render(result: dict[str, Any]) -> str:
     if result["partition"] == "pipedream":
         replicas = result["parts"][0]["replicas"]
         lines.append(f"NOAM {result['noam']}: ceil({result['stages']} ranks / {replicas} input replicas) in flight")
+        counts = [part["replicas"] for part in result["parts"]]
+        if max(counts) > 1:  # what trains it: pipedream's 1F1B-RR, a process per replica
+            lines.append(
+                f"train runs it: -s pipedream --stages {sum(counts)} --partition pipedream "
+                f"(--stage-replicas {','.join(map(str, counts))}: a process per replica, 1F1B-RR)"
+            )
     return "\n".join(lines + result.get("layout_lines", []))
 
 

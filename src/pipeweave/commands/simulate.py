@@ -233,12 +233,11 @@ def _build(args: argparse.Namespace, times: dict[str, Times]) -> tuple[Schedule,
         if "memory_limit" not in params:
             raise UserError(f"--memory-limit applies to zb-auto and zb-v-auto, not {args.schedule}; drop it")
         options["memory_limit"] = args.memory_limit
-    if not info.synchronous:  # the stream's length and its generator's options
-        from pipeweave.commands.stream_options import schedule_options
+    from pipeweave.commands.stream_options import schedule_options
 
-        options.update(schedule_options(args, args.schedule))
-        if getattr(args, "steps", None) is not None:
-            options["num_steps"] = args.steps
+    options.update(schedule_options(args, args.schedule))  # a flag of another schedule: one line
+    if not info.synchronous and getattr(args, "steps", None) is not None:  # the stream's length
+        options["num_steps"] = args.steps
     schedule = generate(
         args.schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks, **options
     )

@@ -31,7 +31,13 @@ def add_schedule_arguments(g: Any) -> None:
     g.add_argument(
         "--in-flight",
         type=int,
-        help="pipedream: microbatches stage 0 admits before its first backward (default NOAM = D)",
+        help="pipedream: microbatches stage 0 admits before its first backward (default NOAM = ceil(D / input replicas))",
+    )
+    g.add_argument(
+        "--stage-replicas",
+        type=_replicas,
+        metavar="N,N,...",
+        help="pipedream: ranks per part, e.g. 2,1 (PipeDream's 1F1B-RR; --stages is their sum)",
     )
     g.add_argument("--min-update-frequency", type=int, help="ampnet: local gradients per update (default 1)")
     g.add_argument("--max-active-keys", type=int, help="ampnet: microbatches in flight (default D)")
@@ -42,6 +48,16 @@ def add_schedule_arguments(g: Any) -> None:
         default=None,
         help="avgpipe: each pipeline on D ranks of its own (P x D ranks, averaged by an all-reduce)",
     )
+
+
+def _replicas(text: str) -> tuple[int, ...]:
+    """``--stage-replicas`` as ``train`` reads it (its message, in argparse's one line)."""
+    from pipeweave.config.sections import parse_replicas
+
+    try:
+        return parse_replicas(text)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _given(args: argparse.Namespace, flags: dict[str, tuple[str, str]], schedule: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.run.streams import segments
 from pipeweave.runtime.stream import stream_updates
 from pipeweave.schedule import Schedule
+from pipeweave.schedule.pipedream import noam
 from pipeweave.side_output import SideOutput
 from pipeweave.sim.plot import plot_timeline
 
@@ -71,6 +72,7 @@ def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate |
         "wall_s": record.wall_s,
         "paused_s": record.paused_s,
         **({"streams": len(segments(config))} if config.is_stream else {}),
+        **_replication(config),
         "transport": record.transport,
         **({"save_failures": record.save_failures} if record.save_failures else {}),
         **(summarize(schedule, record) if schedule.is_synchronous else summarize_stream(schedule, record)),
@@ -78,6 +80,18 @@ def build_report(schedule: Schedule, record: RunRecord, memory: MemoryEstimate |
         **(memory.as_dict() if memory is not None else {}),
         **split_fields(config.model, layer_ranges(config, schedule)),  # a model cut at module names
     }
+
+
+def _replication(config: TrainConfig) -> dict[str, Any]:
+    """pipedream: ``noam``, the microbatches its input replicas admit by default (ceil(D / r_0)), and with
+    replicated parts (1F1B-RR) ``stage_replicas``, the ranks of each part."""
+    if config.schedule.name != "pipedream":
+        return {}
+    replicas = config.schedule.stage_replicas
+    out: dict[str, Any] = {"noam": noam(config.schedule.num_stages, replicas[0] if replicas else 1)}
+    if replicas is not None:
+        out["stage_replicas"] = list(replicas)
+    return out
 
 
 def _learning_rates(config: TrainConfig, schedule: Schedule, record: RunRecord) -> list[float]:
@@ -194,6 +208,8 @@ def _summary_table(report: dict[str, Any]) -> Table:
         if report.get(key, 1) > 1
     )
     grid += " SP" if report.get("sequence_parallel") else ""
+    if report.get("stage_replicas"):  # PipeDream's replicated parts, one process per replica (1F1B-RR)
+        grid += f"  replicas {','.join(map(str, report['stage_replicas']))} (1F1B-RR)"
     table = Table(
         title=f"{report['schedule']}  D={report['stages']}{grid}  T={report['microbatches']}  "
         f"{model}  {report['steps']} steps  ({report['transport']}"
@@ -226,7 +242,8 @@ def _summary_table(report: dict[str, Any]) -> Table:
     table.add_row("dispatch per action", f"{report['profiled_costs_s']['dispatch'] * 1e6:.0f} us", "")
     table.add_row("bubble, schedule alone", "", f"{report['bubble_ratio_simulated_no_dispatch']:.3f}")
     if "in_flight" in report:  # streams: the microbatches stage 0 admits (PipeDream's NOAM)
-        noam = " (NOAM)" if report["schedule"] == "pipedream" else ""
+        replicas = (report.get("stage_replicas") or [1])[0]
+        noam = f" (NOAM ceil({report['stages']}/{replicas}) = {report['noam']})" if "noam" in report else ""
         table.add_row(f"in flight at stage 0{noam}", str(report["in_flight"]), str(report["in_flight_simulated"]))
     for key, what in (("staleness", "staleness / stage"), ("tied_lag", "tied lag / stage")):
         if key in report:  # streams (runtime.report.stream_summary.staleness_figures), in updates

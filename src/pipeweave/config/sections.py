@@ -24,6 +24,39 @@ AUTO = "auto"
 """``--recompute auto``: chosen per part by ``--partition memory`` under ``--memory-limit``."""
 
 
+def parse_counts(
+    text: str, flag: str = "--layers-per-stage", what: str = "layer", example: str = "3,2,2,1"
+) -> tuple[int, ...]:
+    """``"3,2,2,1"`` -> ``(3, 2, 2, 1)`` (``flag``, ``what`` is counted and ``example``: what an error names).
+
+    Raises:
+        UserError: not a list of integers, or a negative count.
+
+    Example:
+        >>> parse_counts("3,2,2,1")
+        (3, 2, 2, 1)
+    """
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"{flag} {text!r} is not a list of integers; write e.g. {example}") from None
+    negative = [c for c in counts if c < 0]
+    if negative:
+        raise UserError(
+            f"{flag} {text} has a negative {what} count ({negative[0]}); give every part at least one {what}, "
+            f"e.g. {example}"
+        )
+    return counts
+
+
+def parse_replicas(text: str) -> tuple[int, ...]:
+    """``--stage-replicas 2,1``: ranks per part (``schedule.round_robin`` checks them against the ranks)."""
+    counts = parse_counts(text, "--stage-replicas", "rank", "2,1")
+    if 0 in counts:
+        raise UserError(f"--stage-replicas {text} gives a part no rank; give every part at least one rank, e.g. 2,1")
+    return counts
+
+
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
     """Which schedule runs, on how many ranks and microbatches (``pipeweave schedules`` lists them).
@@ -51,7 +84,10 @@ class ScheduleConfig:
     update_every: int | None = option(None)
     """pipedream, spectrain: microbatches per update (default 1)."""
     in_flight: int | None = option(None)
-    """pipedream: microbatches stage 0 admits before its first backward (default NOAM = D)."""
+    """pipedream: microbatches stage 0 admits before its first backward (default NOAM = ceil(D / input replicas))."""
+    stage_replicas: tuple[int, ...] | None = option(None, metavar="N,N,...", parse=parse_replicas)
+    """pipedream: ranks per part, e.g. 2,1 (part 0 on two ranks taking alternate microbatches, PipeDream's
+    1F1B-RR; --stages is their sum); --partition pipedream chooses them."""
     min_update_frequency: int | None = option(None)
     """ampnet: local gradients per update (default 1)."""
     max_active_keys: int | None = option(None)
@@ -76,6 +112,7 @@ GENERATOR_OPTIONS = {
     "vertical_sync": "vertical_sync",
     "update_every": "update_every",
     "in_flight": "in_flight",
+    "stage_replicas": "replicas",
     "min_update_frequency": "min_update_frequency",
     "max_active_keys": "max_active_keys",
     "pipelines": "num_pipelines",
@@ -235,29 +272,6 @@ class MemoryConfig:
     def recomputes(self) -> bool:
         """Whether any part recomputes."""
         return self.recompute != AUTO and any(m != "none" for m in parse_recompute(self.recompute))
-
-
-def parse_counts(text: str) -> tuple[int, ...]:
-    """``"3,2,2,1"`` -> ``(3, 2, 2, 1)``.
-
-    Raises:
-        UserError: not a list of integers, or a negative count.
-
-    Example:
-        >>> parse_counts("3,2,2,1")
-        (3, 2, 2, 1)
-    """
-    try:
-        counts = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise UserError(f"--layers-per-stage {text!r} is not a list of integers; write e.g. 3,2,2,1") from None
-    negative = [c for c in counts if c < 0]
-    if negative:
-        raise UserError(
-            f"--layers-per-stage {text} has a negative layer count ({negative[0]}); give every part "
-            "at least one layer, e.g. 3,2,2,1"
-        )
-    return counts
 
 
 def _finite_cost(what: str) -> Any:

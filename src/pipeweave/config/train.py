@@ -121,6 +121,7 @@ class TrainConfig:
         _resolve_training(self)
         if self.data.data_seed is None:
             _set(self, "data", data_seed=self.model.seed)
+        _check_replicas(self)
         _check_applies(self)
         if self.parallel.zero and self.parallel.data_parallel == 1:
             raise UserError(
@@ -220,6 +221,8 @@ def _resolve_schedule(config: TrainConfig) -> None:
     written = s.written
     unread = s.schedule_path is not None and written is None  # sized by the file once it is read (resolve)
     stages = s.num_stages if s.num_stages is not None or unread else written.num_ranks if written else DEFAULT_STAGES
+    if s.num_stages is None and s.stage_replicas is not None:  # one process per replica
+        stages = sum(s.stage_replicas)
     micro = (
         s.num_microbatches
         if s.num_microbatches is not None or unread
@@ -267,6 +270,38 @@ def _check_loss_scaling(config: TrainConfig) -> None:
         for f in dataclasses.fields(TrainingConfig):
             if f.name.startswith("loss_scale") and getattr(training, f.name) != getattr(default, f.name):
                 raise UserError(f"{flag_of(f)} applies to --precision fp16; give --precision fp16 or drop it")
+
+
+def _check_replicas(config: TrainConfig) -> None:
+    """``--stage-replicas``: pipedream's alone, one process per replica, no other parallelism around it."""
+    replicas = config.schedule.stage_replicas
+    if replicas is None:
+        return
+    text, name = ",".join(map(str, replicas)), config.schedule.name
+    if name != "pipedream":
+        kind = "synchronous" if not config.is_stream else "asynchronous"
+        raise UserError(
+            f"--stage-replicas {text} deals microbatches to replicated parts, which pipedream's 1F1B-RR runs and "
+            f"{name} ({kind}) cannot; give -s pipedream, or replicate whole pipelines with --data-parallel"
+        )
+    if sum(replicas) != config.schedule.num_stages:
+        raise UserError(
+            f"--stage-replicas {text} needs {sum(replicas)} processes but --stages is {config.schedule.num_stages}; "
+            f"give --stages {sum(replicas)} or counts summing to {config.schedule.num_stages}"
+        )
+    if config.model.is_transformer and config.model.tie_embeddings:  # a tie's exchange knows one pipeline's ends
+        raise UserError(
+            f"--stage-replicas {text} routes microbatches through several pipelines, whose ends a tie cannot pair; "
+            "drop --tie-embeddings (or --stage-replicas)"
+        )
+    for flag, value in (
+        ("--data-parallel", config.parallel.data_parallel),
+        ("--tensor-parallel", config.parallel.tensor_parallel),
+    ):
+        if value != 1:
+            raise UserError(
+                f"--stage-replicas {text} runs one process per replica, without {flag} {value}; drop one of them"
+            )
 
 
 def _check_applies(config: TrainConfig) -> None:

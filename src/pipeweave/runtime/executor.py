@@ -66,6 +66,8 @@ class Executor:
             replicas train apart (AvgPipe's, averaged by its policy instead).
         sum_over: a group whose processes sum each stage's gradients at every ``U`` before anything else
             (an asynchronous run's data-parallel replicas laid out around the stream: PipeDream's hybrid).
+        average_over: a group whose processes average each stage's gradients at every ``U`` before anything
+            else (the replicas of this rank's part in PipeDream's 1F1B-RR, ``schedule.round_robin``).
         bucket_bytes: the size of the buckets of that sum (``runtime.replicas``).
         zero: the ZeRO stage of data-parallel replicas (``runtime.zero``): 1 optimizer state sharded over
             them, 2 gradients too, 3 parameters too.
@@ -106,17 +108,25 @@ class Executor:
         context: RankContext | None = None,
         sum_over: Any = None,
         loss_scale: LossScale | None = None,
+        average_over: Any = None,
     ) -> None:
         self.lowered, self.rank, self.workers, self.device = lowered, rank, workers, device
         self.context = context = context if context is not None else RankContext()
         self.placement = lowered.schedule.placement
+        self.schedule = lowered.schedule
         self.row = lowered.actions[rank]
         self.scaling = None if loss_scale is None or evaluate else self._scaling(loss_scale, policy)
         self.p2p = P2P(lowered, rank, microbatch_sizes, device, variable_shapes=variable_shapes, context=context)
         self.evaluating = evaluate
         """F runs as ``StageWorker.evaluate``; no gradient is prepared or exchanged."""
         self._exchanges(
-            {} if evaluate else workers, policy is not None, combine_replicas, bucket_bytes, zero, clip_norm, sum_over
+            {} if evaluate else workers,
+            policy is not None,
+            combine_replicas,
+            bucket_bytes,
+            zero,
+            clip_norm,
+            (sum_over, average_over),
         )
         self.dispatch = self._dispatch_table()
         self.partner, self.store = partner, self._offload_store()
@@ -180,7 +190,7 @@ class Executor:
         bucket_bytes: int,
         zero: int,
         clip_norm: float | None,
-        sum_over: Any,
+        around: tuple[Any, Any],
     ) -> None:
         """The gradient exchanges of ``exchanging`` (the training executor's workers; none when evaluating):
         the replicas' sums, the ties', the clipping, and ``combine``, what each ``U`` runs of them."""
@@ -195,13 +205,13 @@ class Executor:
         self.tied = self._ties(exchanging, self.evaluating, stream)
         unclipped = clip_norm is None or self.evaluating
         self.clip = None if unclipped else GlobalNormClip(clip_norm, self.workers, self.context.mesh)
-        self.combine = self._combines(exchanging, sum_over)
+        self.combine = self._combines(exchanging, *around)
         """Per stage, what its ``U`` runs before the optimizer step (``StageWorker.update(combine=...)``)."""
 
-    def _combines(self, exchanging: dict[int, StageWorker], sum_over: Any) -> dict[int, Combine]:
-        """Each stage's gradient exchanges, in order: a stream's replicas around it (``sum_over``), the replicas'
-        sum, sequence parallelism's partial sums over ``tp`` and context parallelism's over ``cp`` (sums over dp,
-        tp and cp commute), the ties' (before all
+    def _combines(self, exchanging: dict[int, StageWorker], sum_over: Any, average_over: Any) -> dict[int, Combine]:
+        """Each stage's gradient exchanges, in order: a stream's replicas around it (``sum_over``) or of its part
+        (``average_over``), the replicas' sum, sequence parallelism's partial sums over ``tp`` and context
+        parallelism's over ``cp`` (sums over dp, tp and cp commute), the ties' (before all
         of them under ZeRO-1: a tie is summed whole, then sliced), the global norm's clipping (of what the
         optimizer applies)."""
         partial = PartialGradients(exchanging).hooks
@@ -215,6 +225,8 @@ class Executor:
         clip = self.clip.hooks if self.clip is not None else {}
         unscale = self.scaling.hooks if self.scaling is not None else {}
         around = None if sum_over is None else functools.partial(all_reduce_gradients, group=sum_over)
+        if average_over is not None:
+            around = functools.partial(all_reduce_gradients, group=average_over, average=True)
         combine = {}
         for s in exchanging:
             steps = [
@@ -343,9 +355,9 @@ class Executor:
     # ---- compute -----------------------------------------------------------
     def forward(self, a: Action) -> None:
         s, _, j = a
-        prev = self.placement.prev_stage(s)
+        prev = self.schedule.prev_of(s, j)
         x = self._data[j] if prev is None else self._inputs.pop((s, j))
-        nxt = self.placement.next_stage(s)
+        nxt = self.schedule.next_of(s, j)
         target = self._targets[j] if nxt is None else None
         worker = self.workers[s]
         out = worker.evaluate(x, target) if self.evaluating else worker.forward(j, x, target=target)
@@ -379,13 +391,13 @@ class Executor:
 
     def _backward(self, a: Action, run: Callable[[int, Boundary | None], Boundary | None]) -> None:
         s, _, j = a
-        nxt = self.placement.next_stage(s)
+        nxt = self.schedule.next_of(s, j)
         if nxt is not None:
             grad_output = self._grads_in.pop((s, j))
         else:  # the loss: from 1, or from the loss scale
             grad_output = None if self.scaling is None else self.scaling.root()
         grad_input = run(j, grad_output)
-        prev = self.placement.prev_stage(s)
+        prev = self.schedule.prev_of(s, j)
         if prev is None:
             return
         assert grad_input is not None, f"{a}: stage input has no gradient"

@@ -22,7 +22,7 @@ from pipeweave.runtime.stage.lr_schedule import set_lr
 from pipeweave.runtime.stage.policy import PolicyOptions, RankPolicy, Read, ScheduleTables, StreamCarry
 from pipeweave.runtime.stage.tied import TiedGradients
 from pipeweave.runtime.stage.tied_stream import StreamTies
-from pipeweave.runtime.stage.worker import OptimizerFactory, StageWorker
+from pipeweave.runtime.stage.worker import Combine, OptimizerFactory, StageWorker
 from pipeweave.runtime.stream import (
     StreamData,
     StreamPosition,
@@ -30,8 +30,10 @@ from pipeweave.runtime.stream import (
     microbatches_per_minibatch,
     minibatch_losses,
 )
-from pipeweave.runtime.walk import Walk, build_workers, run_step, trained_parameters
+from pipeweave.runtime.walk import Walk, build_workers, mean_replica_gradients, run_step, trained_parameters
+from pipeweave.schedule.dataflow import consumed_gradients
 from pipeweave.schedule.ir import Action, Op, Schedule
+from pipeweave.schedule.round_robin import averages_replicas, minibatch_pipelines
 from pipeweave.sim.recompute import Recompute
 
 
@@ -113,7 +115,7 @@ def run_reference(
 
 def _check_stream_steps(schedule: Schedule, steps: int) -> None:
     """A stream's mini-batches are the run's steps: refuse another count."""
-    minibatches = schedule.num_steps * len(schedule.placement.pipelines)
+    minibatches = schedule.num_steps * minibatch_pipelines(schedule)
     if steps != minibatches:
         raise UserError(
             f"the asynchronous {schedule.name} stream covers {minibatches} mini-batches, not "
@@ -165,15 +167,19 @@ class _StreamWalk(Walk):
         self.policy_of = {s: policies[r] for r, policy in policies.items() for s in policy.states}
         self.exchange = exchange
         self.ties = StreamTies(schedule, dict(enumerate(workers)))  # its hooks: what the tied stages' U run
+        self.averaged = ReplicaMeans(schedule, workers) if averages_replicas(schedule) else None
 
     def ready(self, a: Action) -> bool:
         # U(s, k) applies the gradients its rank ran since U(s, k-1) (dataflow.consumed_gradients); a tied
         # stage's also its partner's half (runtime.stage.tied_stream), as the distributed U waits for it.
         # AvgPipe on ranks of their own: a U applies the averaging of the round before, as the distributed U
         # waits for its all-reduce; every replica must have sent that round.
+        # PipeDream's replicated stages (1F1B-RR): a U waits for its replicas' gradients, as their all-reduce does.
         if a.op is Op.U:
             waiting = self.policy_of[a.stage].waiting_on(a.stage)
             if waiting is not None and self.exchange is not None and not self.exchange.complete(*waiting):
+                return False
+            if self.averaged is not None and not self.averaged.ready(a):
                 return False
         return self.ties.ready(a.stage) if a.op is Op.U else super().ready(a)
 
@@ -181,11 +187,45 @@ class _StreamWalk(Walk):
         policy = self.policy_of[a.stage]
         policy.enter(a)
         if a.op is Op.U:
-            # No replica sum: AvgPipe's replicas train apart. A tied stage's U sums its ties (tied_stream).
-            self.workers[a.stage].update(combine=self.ties.hooks.get(a.stage))
+            # No replica sum: AvgPipe's replicas train apart; 1F1B-RR's average (``ReplicaMeans``), before
+            # the rest, as the distributed executor's ``average_over``. A tied stage's U sums its ties (tied_stream).
+            tie = self.ties.hooks.get(a.stage)
+            combine = tie if self.averaged is None else self.averaged.hook(a, then=tie)
+            self.workers[a.stage].update(combine=combine)
         else:
             super().run(a)
+            if self.averaged is not None and a.op.computes_weight_grad:
+                self.averaged.done.add(a)
         policy.exit(a)
+
+
+class ReplicaMeans:
+    """PipeDream's replicated stages in one process: ``U(s, k)`` of every replica of a part waits for the
+    gradients each replica's own ``U(r, k)`` applies, and the first of them sets every replica's gradients to
+    their mean (what the replicas' all-reduce gives, ``runtime.replicas.all_reduce_gradients``)."""
+
+    def __init__(self, schedule: Schedule, workers: list[StageWorker]) -> None:
+        self.placement, self.workers = schedule.placement, workers
+        self.consumed = consumed_gradients(schedule)
+        self.done: set[Action] = set()  # weight-gradient actions run
+        self.averaged: set[tuple[int, int]] = set()  # (part, update)
+
+    def ready(self, a: Action) -> bool:
+        replicas = self.placement.replicas(a.stage)
+        return all(g in self.done for r in replicas for g in self.consumed[Action(r, Op.U, a.microbatch)])
+
+    def hook(self, a: Action, then: Combine | None = None) -> Combine:
+        """What ``a`` (a ``U``) runs first: its part's mean, once per update; then ``then``."""
+
+        def average(worker: StageWorker) -> None:
+            key = (self.placement.stage_part[a.stage], a.microbatch)
+            if key not in self.averaged:
+                self.averaged.add(key)
+                mean_replica_gradients([self.workers[r] for r in self.placement.replicas(a.stage)])
+            if then is not None:
+                then(worker)
+
+        return average
 
 
 def run_stream_reference(

@@ -216,12 +216,17 @@ def shard_replica(stage: Stage, zero: int, group: Any, dp_mesh: Any, bucket_byte
     stage.optimizer = ZeroOptimizer(stage.optimizer_factory, params, _buckets(params, bucket_bytes), group)
 
 
-def all_reduce_gradients(worker: StageWorker, group: Any) -> None:
+def all_reduce_gradients(worker: StageWorker, group: Any, average: bool = False) -> None:
     """Sum ``worker``'s gradients over ``group`` in place (an asynchronous schedule's data-parallel replicas, at
-    each ``U``: blocking, not bucketed -- a replica's update waits for its peers' gradients of the same group)."""
+    each ``U``: blocking, not bucketed -- a replica's update waits for its peers' gradients of the same group).
+
+    ``average``: divide the sum by the group's size, as DDP does (PipeDream's replicated stages, 1F1B-RR: each
+    replica's gradient is one whole microbatch's, ``schedule.round_robin``)."""
     grads = worker.gradients()
     flat = _flatten(grads)
     dist.all_reduce(flat, group=group)
+    if average:
+        flat /= dist.get_world_size(group)
     _unflatten(flat, grads)
 
 

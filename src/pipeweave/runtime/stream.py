@@ -48,6 +48,7 @@ from pipeweave.runtime.stage.policy import Read
 from pipeweave.runtime.stage.tied_stream import check_stream_ties
 from pipeweave.schedule.avgpipe import DEFAULT_PIPELINES
 from pipeweave.schedule.ir import Action, Op, Schedule
+from pipeweave.schedule.round_robin import minibatch_pipelines
 
 
 def stream_steps(name: str, steps: int, options: dict[str, Any]) -> int:
@@ -82,7 +83,7 @@ def stream_updates(schedule: Schedule) -> int:
 
 def microbatches_per_minibatch(schedule: Schedule) -> int:
     """T: the stream's microbatches over its mini-batches (AvgPipe: one per pipeline and round)."""
-    return schedule.num_microbatches // (max(1, schedule.num_steps) * len(schedule.placement.pipelines))
+    return schedule.num_microbatches // (max(1, schedule.num_steps) * minibatch_pipelines(schedule))
 
 
 class StreamData(Sequence[Boundary]):

@@ -70,6 +70,14 @@ def sum_replica_gradients(replicas: list[StageWorker]) -> None:
             t.copy_(total)
 
 
+def mean_replica_gradients(replicas: list[StageWorker]) -> None:
+    """Set every replica's gradients to their mean (what an averaging all-reduce would give)."""
+    sum_replica_gradients(replicas)
+    for w in replicas:
+        for g in w.gradients():
+            g.div_(len(replicas))
+
+
 class Walk:
     """The state of one step's walk: tensors in flight between stages and what has run."""
 
@@ -96,10 +104,10 @@ class Walk:
         placement = self.schedule.placement
         s, op, j = a
         if op is Op.F:
-            prev = placement.prev_stage(s)
+            prev = self.schedule.prev_of(s, j)
             return prev is None or (prev, j) in self.outputs
         if op.computes_input_grad:
-            nxt = placement.next_stage(s)
+            nxt = self.schedule.next_of(s, j)
             return (s, j) in self.forwarded and (nxt is None or (nxt, j) in self.grads)
         if op is Op.W:
             return (s, j) in self.input_done
@@ -112,7 +120,7 @@ class Walk:
         placement = self.schedule.placement
         s, op, j = a
         worker = self.workers[s]
-        prev, nxt = placement.prev_stage(s), placement.next_stage(s)
+        prev, nxt = (None, None) if op is Op.U else (self.schedule.prev_of(s, j), self.schedule.next_of(s, j))
         if op is Op.F:
             x = self.inputs[j] if prev is None else self.outputs.pop((prev, j))
             out = worker.forward(j, x, self.targets[j] if nxt is None else None)

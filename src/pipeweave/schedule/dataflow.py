@@ -11,7 +11,10 @@ the data it needs exists (DESIGN.md, dependencies):
   stage holding the same part (the replicas' gradients are combined first);
 - under an asynchronous policy ``U(s, k)`` applies the weight gradients of
   stage s that its rank ran since ``U(s, k-1)`` (``consumed_gradients``): they
-  precede it on its own rank, so the order alone satisfies the dependency.
+  precede it on its own rank, so the order alone satisfies the dependency;
+  where the replicas of a part average their gradients (PipeDream's 1F1B-RR,
+  ``round_robin.averages_replicas``), ``U(s, k)`` also waits until every
+  replica has reached its own ``U(., k)``: their all-reduce.
 
 Sends are non-blocking (the runtime's ``isend`` is waited lazily), so with sends
 and receives inserted the schedule deadlocks exactly when this execution gets
@@ -26,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pipeweave.schedule.ir import Action, Op, Schedule
+from pipeweave.schedule.round_robin import averages_replicas
 
 # Keys of produced data: (kind, stage, microbatch). Kinds:
 _FWD, _GRAD, _IGRAD, _PART = 0, 1, 2, 3  # activation, input grad, I done, part's grads all done
@@ -159,6 +163,8 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
     delay = update_delay if update_delay is not None and any(update_delay) else None
     stream = [0.0] * n  # per rank, when its communication stream is free (update_delay's reductions)
     last_w: dict[int, float] = {}  # asynchronous, per stage: the end of its latest weight gradient
+    meet = _meeting_parts(schedule)  # part -> its replicas, whose U(., k) meet in an all-reduce (1F1B-RR)
+    arrived: dict[int, dict[int, float]] = {}  # per update key (k * S + part): replica stage -> when it got there
     waiters: dict[int, list[int]] = {}
     queue = deque(range(n))
     F, I, W, U = Op.F, Op.I, Op.W, Op.U
@@ -175,6 +181,9 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
             need = -1  # waiter code of missing data, -1 when all is there
             if op is F:
                 p = prev[s]
+                if p == -2:  # a stage shared by pipelines (PipeDream's replicated stages): by route
+                    p = schedule.prev_of(s, j)
+                    p = -1 if p is None else p
                 if p >= 0:
                     t_dep = fwd.get(base + p)
                     if t_dep is None:
@@ -186,6 +195,9 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
             elif op in input_grad:
                 t_dep = fwd.get(base + s)
                 q = nxt[s]
+                if q == -2:
+                    q = schedule.next_of(s, j)
+                    q = -1 if q is None else q
                 if t_dep is None:
                     need = (base + s) * 4 + _FWD
                 else:
@@ -210,6 +222,16 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
                     need = (base + part_of[s]) * 4 + _PART
                 else:
                     t0 = t_dep if t_dep > t0 else t0
+            elif op is U and meet and part_of[s] in meet:  # 1F1B-RR: every replica's U(., k), then together
+                key = base + part_of[s]
+                got = arrived.setdefault(key, {})
+                got.setdefault(s, t0)
+                if len(got) < meet[part_of[s]]:
+                    need = key * 4 + _PART
+                else:
+                    t_dep = max(got.values())
+                    t0 = t_dep if t_dep > t0 else t0
+                    _wake(waiters, blocked, queue, key * 4 + _PART)
             elif op is U and delay is not None:  # asynchronous: its rank's gradients since the last U, reduced
                 t_dep = last_w.pop(s, None)
                 if t_dep is not None:
@@ -254,6 +276,15 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
                         queue.append(w)
         ptr[r], clock[r] = i, t
     return starts_of, ends_of, ptr, blocked
+
+
+def _meeting_parts(schedule: Schedule) -> dict[int, int]:
+    """Per part whose replicas average their gradients at every ``U`` of a stream (1F1B-RR), its replica count."""
+    if not averages_replicas(schedule):
+        return {}
+    placement = schedule.placement
+    counts = {placement.stage_part[s]: len(placement.replicas(s)) for s in range(placement.num_stages)}
+    return {part: n for part, n in counts.items() if n > 1}
 
 
 def _wake(waiters: dict[int, list[int]], blocked: dict[int, int], queue: deque[int], code: int) -> None:

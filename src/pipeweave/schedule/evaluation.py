@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 from pipeweave.schedule.ir import Op, Schedule, WeightPolicy
+from pipeweave.schedule.round_robin import minibatch_pipelines
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -37,7 +38,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     """
     if schedule.is_synchronous:
         return schedule.with_actions([[a for a in row if a.op is Op.F] for row in schedule.actions])
-    t = schedule.num_microbatches // (max(1, schedule.num_steps) * len(schedule.placement.pipelines))
+    t = schedule.num_microbatches // (max(1, schedule.num_steps) * minibatch_pipelines(schedule))
     return Schedule(
         schedule.name,
         schedule.placement,

@@ -6,7 +6,11 @@ Vocabulary (DESIGN.md, after the survey of Guan et al. 2024):
   part placed on a **rank**. Schedules that replicate parts (Chimera, GEMS,
   DualPipe, data parallelism) have several stages per part;
 - a **pipeline** is the sequence of stages, one per part in part order, that a
-  microbatch traverses; every microbatch is routed through exactly one pipeline;
+  microbatch traverses; every microbatch is routed through exactly one pipeline.
+  Pipelines may share a stage (PipeDream's replicated stages: microbatch m
+  visits replica m mod r_k of part k, so an unreplicated part lies on every
+  route): a shared stage's neighbours then depend on the microbatch
+  (``Schedule.prev_of``, ``Schedule.next_of``);
 - an **action** is ``(stage, op, microbatch)``, written ``"2F0"``; for ``U`` the
   microbatch field counts the stage's updates.
 """
@@ -146,7 +150,8 @@ class Placement:
     Args:
         stage_rank: rank of each stage.
         stage_part: part held by each stage.
-        pipelines: per pipeline, its stages in part order (part 0 first).
+        pipelines: per pipeline, its stages in part order (part 0 first); a stage may lie on several
+            (``shared``), always at its part's position.
 
     Example:
         >>> p = Placement.straight(4)
@@ -160,6 +165,7 @@ class Placement:
     # Derived lookups, filled in __post_init__.
     _position: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
     _replicas: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _around: tuple[tuple[int, ...], tuple[int, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.stage_rank) != len(self.stage_part):
@@ -169,6 +175,12 @@ class Placement:
             )
         num_parts = self.num_parts
         position: list[tuple[int, int]] = [(-1, -1)] * self.num_stages
+        if len(set(self.pipelines)) < len(self.pipelines):
+            first = next(p for p, line in enumerate(self.pipelines) if self.pipelines.index(line) != p)
+            raise ScheduleError(
+                f"pipeline {first} repeats pipeline {self.pipelines.index(self.pipelines[first])}: two pipelines "
+                "must differ in some stage; give each microbatch route once"
+            )
         for p, pipeline in enumerate(self.pipelines):
             if [self.stage_part[s] for s in pipeline] != list(range(num_parts)):
                 raise ScheduleError(
@@ -176,14 +188,22 @@ class Placement:
                     f"it must visit parts 0..{num_parts - 1} in order"
                 )
             for i, s in enumerate(pipeline):
-                if position[s] != (-1, -1):
-                    raise ScheduleError(f"stage {s} belongs to two pipelines; give each its own")
-                position[s] = (p, i)
+                if position[s] == (-1, -1):
+                    position[s] = (p, i)
+        # Per stage, its neighbours before and after on each pipeline it lies on: -2 where they differ.
+        prev: list[set[int]] = [set() for _ in range(self.num_stages)]
+        nxt: list[set[int]] = [set() for _ in range(self.num_stages)]
+        for line in self.pipelines:
+            for i, s in enumerate(line):
+                prev[s].add(line[i - 1] if i else -1)
+                nxt[s].add(line[i + 1] if i + 1 < len(line) else -1)
         replicas: list[list[int]] = [[] for _ in range(num_parts)]
         for s, part in enumerate(self.stage_part):
             replicas[part].append(s)
         object.__setattr__(self, "_position", tuple(position))
         object.__setattr__(self, "_replicas", tuple(tuple(r) for r in replicas))
+        around = tuple(tuple(-1 if not n else min(n) if len(n) == 1 else -2 for n in side) for side in (prev, nxt))
+        object.__setattr__(self, "_around", around)
 
     @property
     def num_stages(self) -> int:
@@ -202,32 +222,55 @@ class Placement:
         """Ranks one pipeline spans (D); a data-parallel grid of P pipelines has P x D ranks."""
         return len({self.stage_rank[s] for s in self.pipelines[0]}) if self.pipelines else 0
 
-    def next_stage(self, stage: int) -> int | None:
-        """The stage after ``stage`` in its pipeline, or None for the last."""
-        p, i = self._position[stage]
-        pipeline = self.pipelines[p]
-        return pipeline[i + 1] if i + 1 < len(pipeline) else None
+    @property
+    def shared(self) -> bool:
+        """Some stage lies on several pipelines with other neighbours on each (PipeDream's replicated stages)."""
+        return -2 in self._around[0] or -2 in self._around[1]
 
-    def prev_stage(self, stage: int) -> int | None:
-        """The stage before ``stage`` in its pipeline, or None for the first."""
-        p, i = self._position[stage]
+    def next_stage(self, stage: int, pipeline: int | None = None) -> int | None:
+        """The stage after ``stage`` in its pipeline (``pipeline``: in that one, for a shared stage), or None."""
+        p, i = self._line(stage, pipeline, 1)
+        line = self.pipelines[p]
+        return line[i + 1] if i + 1 < len(line) else None
+
+    def prev_stage(self, stage: int, pipeline: int | None = None) -> int | None:
+        """The stage before ``stage`` in its pipeline (``pipeline``: in that one, for a shared stage), or None."""
+        p, i = self._line(stage, pipeline, 0)
         return self.pipelines[p][i - 1] if i > 0 else None
+
+    def _line(self, stage: int, pipeline: int | None, side: int) -> tuple[int, int]:
+        """``(pipeline, position)`` of ``stage``, its first pipeline unless given; refused where the pipelines
+        disagree on the neighbour on ``side`` (0: before, 1: after)."""
+        p, i = self._position[stage]
+        if pipeline is not None:
+            return pipeline, i
+        if self._around[side][stage] == -2:
+            raise ScheduleError(
+                f"stage {stage} lies on several pipelines with other neighbours on each; "
+                "ask per microbatch (Schedule.prev_of, Schedule.next_of)"
+            )
+        return p, i
 
     def neighbours(self) -> tuple[list[int], list[int]]:
         """Per stage, the stage before it and the stage after it in its pipeline (-1: none), as lists for hot loops.
+
+        A shared stage's entry (``shared``) is -2 where its pipelines disagree: ask per microbatch.
 
         Example:
             >>> Placement.straight(3).neighbours()
             ([-1, 0, 1], [1, 2, -1])
         """
-        stages = range(self.num_stages)
-        return (
-            [-1 if (p := self.prev_stage(s)) is None else p for s in stages],
-            [-1 if (q := self.next_stage(s)) is None else q for s in stages],
-        )
+        return list(self._around[0]), list(self._around[1])
 
     def pipeline_of(self, stage: int) -> int:
+        """The (first) pipeline ``stage`` lies on."""
         return self._position[stage][0]
+
+    def on_pipeline(self, stage: int, pipeline: int) -> bool:
+        """Whether ``stage`` lies on ``pipeline``."""
+        i = self._position[stage][1]
+        line = self.pipelines[pipeline]
+        return i < len(line) and line[i] == stage
 
     def replicas(self, stage: int) -> tuple[int, ...]:
         """All stages (``stage`` included) that hold the same part."""
@@ -334,8 +377,16 @@ class Schedule:
 
     def microbatches_of(self, stage: int) -> list[int]:
         """The microbatches that flow through ``stage``."""
-        p = self.placement.pipeline_of(stage)
-        return [j for j in range(self.num_microbatches) if self.pipeline_of_microbatch(j) == p]
+        on = self.placement.on_pipeline
+        return [j for j in range(self.num_microbatches) if on(stage, self.pipeline_of_microbatch(j))]
+
+    def prev_of(self, stage: int, microbatch: int) -> int | None:
+        """The stage before ``stage`` on ``microbatch``'s route, or None."""
+        return self.placement.prev_stage(stage, self.pipeline_of_microbatch(microbatch))
+
+    def next_of(self, stage: int, microbatch: int) -> int | None:
+        """The stage after ``stage`` on ``microbatch``'s route, or None."""
+        return self.placement.next_stage(stage, self.pipeline_of_microbatch(microbatch))
 
     def iter_actions(self) -> Iterator[tuple[int, int, Action]]:
         """Yield ``(rank, step, action)`` for every action."""

@@ -29,16 +29,16 @@ class LoweredSchedule:
 
     def peer(self, a: Action) -> int:
         """The rank on the other side of a communication action."""
-        placement = self.schedule.placement
+        schedule = self.schedule
         if a.op in (Op.SEND_F, Op.RECV_B):
-            other = placement.next_stage(a.stage)
+            other = schedule.next_of(a.stage, a.microbatch)
         elif a.op in (Op.RECV_F, Op.SEND_B):
-            other = placement.prev_stage(a.stage)
+            other = schedule.prev_of(a.stage, a.microbatch)
         else:
             raise ValueError(f"{a} is not a communication action")
         if other is None:
             raise ValueError(f"{a} has no peer stage")
-        return placement.stage_rank[other]
+        return schedule.placement.stage_rank[other]
 
 
 def lower(schedule: Schedule) -> LoweredSchedule:
@@ -61,16 +61,16 @@ def lower(schedule: Schedule) -> LoweredSchedule:
         for a in row:
             s, op, j = a
             if op is Op.F:
-                if crosses(s, placement.prev_stage(s)):
+                if crosses(s, schedule.prev_of(s, j)):
                     out.append(Action(s, Op.RECV_F, j))
                 out.append(a)
-                if crosses(s, placement.next_stage(s)):
+                if crosses(s, schedule.next_of(s, j)):
                     out.append(Action(s, Op.SEND_F, j))
             elif op.computes_input_grad:
-                if crosses(s, placement.next_stage(s)):
+                if crosses(s, schedule.next_of(s, j)):
                     out.append(Action(s, Op.RECV_B, j))
                 out.append(a)
-                if crosses(s, placement.prev_stage(s)):
+                if crosses(s, schedule.prev_of(s, j)):
                     out.append(Action(s, Op.SEND_B, j))
             else:
                 out.append(a)

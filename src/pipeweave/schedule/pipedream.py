@@ -12,7 +12,8 @@ Both run 1F1B without a flush over a stream of mini-batches (``stream.py``):
   optimal active minibatches", ceil(workers / replicas of the input stage),
   ``noam``): D on a straight pipeline, the least that keeps every rank busy;
   ``in_flight`` sets another (fewer leave ranks idle, more add nothing on D
-  straight stages: stage s still holds at most D - s).
+  straight stages: stage s still holds at most D - s). ``replicas`` runs part
+  k on r_k ranks that take its microbatches in turn (1F1B-RR, ``round_robin``).
 - ``pipedream-2bw``: gradients coalesced over the T microbatches of a
   mini-batch, one update per mini-batch; forwards read the newest version and
   backwards the version their forward read, so with T >= D two versions
@@ -26,7 +27,11 @@ Stage 3 of 4, one update per microbatch (``pipedream``, steady state)::
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 from pipeweave.schedule.ir import Placement, Schedule, WeightPolicy, check_positive
+from pipeweave.schedule.round_robin import check_replicas, round_robin_placement, round_robin_rows
 from pipeweave.schedule.stream import DEFAULT_NUM_STEPS, add_updates, check_stream, every, straight_rows
 
 
@@ -78,6 +83,7 @@ def pipedream(
     vertical_sync: bool = False,
     update_every: int = 1,
     in_flight: int | None = None,
+    replicas: Sequence[int] | None = None,
 ) -> Schedule:
     """PipeDream: 1F1B without a flush, weight stashing, an update per microbatch.
 
@@ -87,10 +93,13 @@ def pipedream(
         num_steps: mini-batches in the stream (default 4).
         vertical_sync: every stage reads the version stage 0 read (default False).
         update_every: microbatches whose gradients one update applies (paper: 1).
-        in_flight: microbatches stage 0 admits before its first backward (default NOAM = D, ``noam``).
+        in_flight: microbatches stage 0 admits before its first backward (default NOAM = D, ``noam``;
+            with ``replicas``, at each input replica: ceil(D / r_0)).
+        replicas: per part, the ranks it runs on (PipeDream's planner; ``round_robin``): D = their sum,
+            microbatch m on replica m mod r_k of part k; default one each (D parts).
 
     Raises:
-        ScheduleError: ``in_flight`` < 1.
+        ScheduleError: ``in_flight`` < 1, or ``replicas`` the ranks cannot hold (``round_robin.check_replicas``).
 
     Example:
         >>> s = pipedream(4, 4)
@@ -98,9 +107,28 @@ def pipedream(
         (<WeightPolicy.STASH: 'stash'>, 16, ['0F0', '0F1', '0F2', '0F3', '0B0', '0U0'])
     """
     policy = WeightPolicy.VERTICAL_SYNC if vertical_sync else WeightPolicy.STASH
-    admitted = noam(num_stages) if in_flight is None else in_flight
-    check_positive("in_flight", admitted, f"give in_flight >= 1 (microbatches in flight; NOAM is {noam(num_stages)})")
-    return async_1f1b("pipedream", policy, num_stages, num_microbatches, num_steps, update_every, admitted)
+    replicated = replicas is not None and any(r != 1 for r in replicas)
+    if replicas is not None:
+        check_replicas(replicas, num_stages, num_microbatches)
+    best = noam(num_stages, replicas[0] if replicas else 1)
+    admitted = best if in_flight is None else in_flight
+    check_positive("in_flight", admitted, f"give in_flight >= 1 (microbatches in flight; NOAM is {best})")
+    if not replicated:
+        return async_1f1b("pipedream", policy, num_stages, num_microbatches, num_steps, update_every, admitted)
+    assert replicas is not None
+    check_stream(num_stages, num_microbatches, num_steps)
+    check_positive("update_every", update_every, "give update_every >= 1 (microbatches per update)")
+    total, lines = num_steps * num_microbatches, math.lcm(*replicas)
+    rows = round_robin_rows(replicas, total, admitted, update_every)
+    return Schedule(
+        "pipedream",
+        round_robin_placement(replicas),
+        total,
+        tuple(map(tuple, rows)),
+        microbatch_pipeline=tuple(m % lines for m in range(total)) if lines > 1 else (),
+        policy=policy,
+        num_steps=num_steps,
+    )
 
 
 def pipedream_2bw(num_stages: int, num_microbatches: int, *, num_steps: int = DEFAULT_NUM_STEPS) -> Schedule:

@@ -66,7 +66,7 @@ def _actions_look_valid(schedule: Schedule) -> bool:
     stage_rank, t, mbp = placement.stage_rank, schedule.num_microbatches, schedule.microbatch_pipeline
     num_stages = len(stage_rank)
     stage_pipe = [placement.pipeline_of(s) for s in range(num_stages)]
-    if schedule.num_ranks != placement.num_ranks:
+    if schedule.num_ranks != placement.num_ranks or placement.shared:  # shared stages: the detailed pass
         return False
     masks: dict[int, int] = {}
     updates: set[tuple[int, int]] = set()

@@ -146,6 +146,8 @@ def well_formed(schedule: Schedule, a: ScheduleArrays) -> bool:
         return False  # an action twice
     has = mark[:-1].view("<i4")
     fine = (has == 0x0101) | (has == 0x01010001)  # F + B, or F + I + W
+    if placement.shared:  # a stage on several routes: the detailed pass (``validate.check_actions``)
+        return False
     if len(placement.pipelines) > 1:  # the pairs routed through the stage, and nothing on the others
         stage_pipe, mb_pipe = _pipeline_of(schedule)
         routed = (stage_pipe[:, None] == mb_pipe[None, :]).ravel()

@@ -116,7 +116,7 @@ def communication(
     parts = (model or ModelBytes()).for_parts(num_parts=num_parts, num_ranks=num_ranks)
     comm = (cost or CostModel()).comm
     hop = hop_function(schedule, layout, parts, comm)
-    pairs = {(a, b) for a in range(schedule.num_stages) for b in (schedule.placement.next_stage(a),) if b is not None}
+    pairs = {(a, b) for line in schedule.placement.pipelines for a, b in zip(line, line[1:])}
     if makespan is None:
         makespan = bubble_metrics(
             simulate_layout(schedule, cost, layout, model, check=False, split_compute=split_compute)

@@ -39,6 +39,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pipeweave.schedule.ir import Placement, Schedule
+from pipeweave.schedule.round_robin import averages_replicas
 from pipeweave.sim.arrays import B, F, I, ScheduleArrays, U, W
 
 FloatArray = NDArray[np.float64]
@@ -96,8 +97,8 @@ def fast_times(
     """
     delay = update_delay if update_delay is not None and any(update_delay) else None
     sync = schedule.is_synchronous
-    if not arrays.ok or (delay is not None and not sync):
-        return None
+    if not arrays.ok or (delay is not None and not sync) or averages_replicas(schedule):
+        return None  # the in-order walk (``schedule.dataflow``): 1F1B-RR's replicas meet at every U
     stops = _loop_ends(arrays, sync)
     if stops is None:
         return None

@@ -242,7 +242,6 @@ def _updates_before(schedule: Schedule, stage: int) -> dict[Action, int]:
     """Per action, how many updates of ``stage`` come before it (a ``U`` of ``stage`` counting itself) in the
     order the dependencies impose: each rank's row, F after the previous stage's F, a backward after its F
     and the next stage's input gradient, W after I."""
-    placement = schedule.placement
     done: dict[tuple[int, str, int], int] = {}  # per (stage, F | G | W, microbatch), its place in the order
     out: dict[Action, int] = {}
     ptr, clock = [0] * schedule.num_ranks, [0] * schedule.num_ranks
@@ -252,7 +251,7 @@ def _updates_before(schedule: Schedule, stage: int) -> dict[Action, int]:
         for r, row in enumerate(schedule.actions):
             while ptr[r] < len(row):
                 s, op, j = a = row[ptr[r]]
-                prev, nxt = placement.prev_stage(s), placement.next_stage(s)
+                prev, nxt = schedule.prev_of(s, j), schedule.next_of(s, j)
                 needs = (
                     [(prev, "F", j)]
                     if op is Op.F and prev is not None

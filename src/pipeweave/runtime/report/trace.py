@@ -215,7 +215,6 @@ def hop_latency(schedule: Schedule, record: RunRecord) -> float:
     """The smallest observed send-start to receive-end delay between ranks (0 without messages)."""
     sends: dict[tuple[int, str, int], float] = {}
     recvs: dict[tuple[int, str, int], float] = {}
-    placement = schedule.placement
     for rank in record.ranks:
         for k in recorded_steps(record):
             for s, op, j, t0, t1 in rank.records[k]:
@@ -224,9 +223,9 @@ def hop_latency(schedule: Schedule, record: RunRecord) -> float:
                 elif op == "SEND_B":
                     sends[(k, f"B{s}", j)] = t0
                 elif op == "RECV_F":
-                    recvs[(k, f"F{placement.prev_stage(s)}", j)] = t1
+                    recvs[(k, f"F{schedule.prev_of(s, j)}", j)] = t1
                 elif op == "RECV_B":
-                    recvs[(k, f"B{placement.next_stage(s)}", j)] = t1
+                    recvs[(k, f"B{schedule.next_of(s, j)}", j)] = t1
     delays = [recvs[key] - sends[key] for key in sends if key in recvs]
     return max(0.0, min(delays)) if delays else 0.0
 

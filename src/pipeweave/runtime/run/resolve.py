@@ -135,7 +135,15 @@ def _with_partition(config: TrainConfig) -> TrainConfig:
     plan = layers_per_part(args, config.model, base, _microbatch(config), _device())
     if plan is None:
         return config
-    chosen = {"recompute": spelled(plan.recompute)} if args.recompute == AUTO else {}
+    chosen: dict[str, Any] = {"recompute": spelled(plan.recompute)} if args.recompute == AUTO else {}
+    if base.name == "pipedream" and partition_method(args) == "pipedream" and max(plan.replicas) > 1:
+        given = config.schedule.stage_replicas  # a rerun's (its TOML keeps them): the plan must agree
+        if given is not None and tuple(given) != plan.replicas:
+            raise UserError(
+                f"--partition pipedream replicates parts {','.join(map(str, plan.replicas))}, not --stage-replicas "
+                f"{','.join(map(str, given))}; drop --stage-replicas, or give --partition time for their layers"
+            )
+        chosen["stage_replicas"] = plan.replicas  # PipeDream's plan replicates parts: its 1F1B-RR runs them
     return config.replace(layers_per_part=plan.counts, **chosen)
 
 
@@ -148,7 +156,8 @@ def layers_per_part(
     Costs come from ``--costs`` or the profiler (cached) on ``device``.
 
     Raises:
-        UserError: the method's errors, or a PipeDream plan that replicates parts.
+        UserError: the method's errors, or a PipeDream plan that replicates parts for a schedule other than
+            pipedream (whose 1F1B-RR runs them: ``schedule.round_robin``).
     """
     method = partition_method(args)
     if method == "uniform" and args.first_stage_layers is None and args.last_stage_layers is None:
@@ -166,10 +175,13 @@ def layers_per_part(
     if costs.num_layers != spec.num_layers:
         raise UserError(f"--costs has {costs.num_layers} layers for a model of {spec.num_layers}; profile this model")
     profile = memory_profile(schedule, args)
-    plan = partition(method, costs, schedule.num_parts, partition_context(args, profile))
-    if plan.num_parts != schedule.num_parts:
+    # PipeDream's planner places parts on the ranks, replicating some (run by pipedream's 1F1B-RR).
+    parts = schedule.num_ranks if method == "pipedream" and schedule.name == "pipedream" else schedule.num_parts
+    plan = partition(method, costs, parts, partition_context(args, profile))
+    if plan.num_parts != schedule.num_parts and schedule.name != "pipedream":
         raise UserError(
-            f"--partition {method} replicates parts {list(plan.replicas)}; train one replica per part "
-            "with --partition time, or replicate whole pipelines with --data-parallel"
+            f"--partition {method} replicates parts {list(plan.replicas)}, which pipedream's 1F1B-RR runs and "
+            f"{schedule.name} cannot; give -s pipedream, train one replica per part with --partition time, or "
+            "replicate whole pipelines with --data-parallel"
         )
     return plan

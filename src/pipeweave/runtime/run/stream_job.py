@@ -43,6 +43,7 @@ from pipeweave.runtime.stream import (
 from pipeweave.runtime.transport.clock import align_clocks
 from pipeweave.schedule import Schedule, lower
 from pipeweave.schedule.ir import Action, WeightPolicy
+from pipeweave.schedule.round_robin import averages_replicas
 
 
 @dataclass
@@ -143,7 +144,8 @@ def _run_stream(
     for w in workers.values():
         w.start_at(plan.steps_done + first)  # dropout keys: (steps before the stream, microbatch in it)
     # AvgPipe's replicas train apart (averaged by the policy): no gradient sums between them. PipeDream's
-    # hybrid: every update sums the gradients of the replicas laid out around the stream.
+    # hybrid: every update sums the gradients of the replicas laid out around the stream; its replicated
+    # stages (1F1B-RR): every update averages those of the part's replicas, as DDP does in PipeDream.
     executor = Executor(
         lower(stream),
         joined.stage_rank,
@@ -154,6 +156,7 @@ def _run_stream(
         combine_replicas=False,
         context=context,
         sum_over=joined.dp_group if joined.outside else None,
+        average_over=_part_group(stream, joined) if averages_replicas(stream) else None,
     )
     data, targets = (
         StreamData(
@@ -175,6 +178,12 @@ def _run_stream(
     done.peak_activations = max(done.peak_activations, executor.peak_activation_bytes)
     done.peak_weights = max(done.peak_weights, policy.peak_weight_bytes)
     done.position.advance(stream, t)
+
+
+def _part_group(stream: Schedule, mesh: Any) -> Any:
+    """The group of the replicas of this rank's part (1F1B-RR, one stage per rank), None for an unreplicated one."""
+    (stage,) = stream.placement.stages_on(mesh.stage_rank)
+    return mesh.replica_groups.get(stream.placement.stage_part[stage])
 
 
 def _exchange(stream: Schedule, mesh: Any) -> CollectiveExchange | None:

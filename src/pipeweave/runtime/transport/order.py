@@ -44,16 +44,16 @@ def message_key(lowered: LoweredSchedule, a: Action) -> Key:
         >>> message_key(low, Action(1, Op.RECV_F, 1))
         (0, 0, 1)
     """
-    placement = lowered.schedule.placement
+    schedule = lowered.schedule
     if a.op is Op.SEND_F:
         return (a.stage, FWD, a.microbatch)
     if a.op is Op.SEND_B:
         return (a.stage, BWD, a.microbatch)
     if a.op is Op.RECV_F:
-        sender = placement.prev_stage(a.stage)
+        sender = schedule.prev_of(a.stage, a.microbatch)
         direction = FWD
     elif a.op is Op.RECV_B:
-        sender = placement.next_stage(a.stage)
+        sender = schedule.next_of(a.stage, a.microbatch)
         direction = BWD
     else:
         raise ValueError(f"{a} is not a communication action")
@@ -84,7 +84,7 @@ def rank_sends(
         [(0, (1, 1, 0)), (0, (1, 1, 1))]
     """
     out: list[tuple[int, Key]] = []
-    announced: set[tuple[int, int]] = set()
+    announced: set[tuple[int, int, int]] = set()  # (peer, stage, kind): a shared stage announces to each peer
     rank_of = lowered.schedule.placement.stage_rank
     updates: dict[int, int] = {}
     for a in lowered.actions[rank]:
@@ -94,8 +94,8 @@ def rank_sends(
         if a.op.is_send:
             key = message_key(lowered, a)
             peer = lowered.peer(a)
-            if meta_every_message or (with_meta and key[:2] not in announced):
-                announced.add(key[:2])
+            if meta_every_message or (with_meta and (peer, *key[:2]) not in announced):
+                announced.add((peer, key[0], key[1]))
                 out.append((peer, (key[0], key[1], META)))
             out.append((peer, key))
     return out
@@ -134,10 +134,10 @@ def message_pairs(placement: Placement, *, ties: bool = False) -> set[tuple[int,
     """
     rank_of = placement.stage_rank
     pairs: set[tuple[int, int]] = set()
-    for stage in range(placement.num_stages):
-        following = placement.next_stage(stage)
-        if following is not None and rank_of[following] != rank_of[stage]:
-            pairs |= {(rank_of[stage], rank_of[following]), (rank_of[following], rank_of[stage])}
+    for line in placement.pipelines:  # a shared stage (PipeDream's replicas) has a neighbour per pipeline
+        for stage, following in zip(line, line[1:]):
+            if rank_of[following] != rank_of[stage]:
+                pairs |= {(rank_of[stage], rank_of[following]), (rank_of[following], rank_of[stage])}
     if ties:
         for line in placement.pipelines:
             first, last = rank_of[line[0]], rank_of[line[-1]]

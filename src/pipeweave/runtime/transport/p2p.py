@@ -135,9 +135,10 @@ class P2P:
         self.lookahead = lookahead
         self.row = lowered.actions[rank]
         self._span = len(self.sizes) + 1
-        # Per (stage, kind) stream sent: dtype, per-sample shape and bytes (announced by its metadata).
-        self._sent: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int]] = {}
-        self._sent_layouts: dict[tuple[int, int], Layout] = {}  # streams of tuples
+        # Per (peer, stage, kind) stream sent: dtype, per-sample shape and bytes (announced by its metadata; per
+        # peer: a stage shared by pipelines, PipeDream's replicated stages, sends one stream to several ranks).
+        self._sent: dict[tuple[int, int, int], tuple[torch.dtype, tuple[int, ...], int]] = {}
+        self._sent_layouts: dict[tuple[int, int, int], Layout] = {}  # streams of tuples
         # Per stream received: dtype, per-sample shape and bytes (read from its metadata), or a tuple's layout.
         self._shapes: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int] | Layout] = {}
         self._pending_sends: list[_Sent] = []
@@ -246,7 +247,7 @@ class P2P:
             )
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        stream = key[:2]
+        stream = (peer, key[0], key[1])
         sent = self._sent.get(stream)
         if sent is None or self.variable_shapes:
             sent = self._sent[stream] = (tensor.dtype, tuple(shape[1:]), tensor.element_size() * math.prod(shape[1:]))
@@ -268,7 +269,7 @@ class P2P:
                     f"({samples}) as dimension 0"
                 )
         layout = Layout.of(tensors)
-        stream = key[:2]
+        stream = (peer, key[0], key[1])
         sent = self._sent_layouts.get(stream)
         if sent is None or self.variable_shapes:
             sent = self._sent_layouts[stream] = layout
