@@ -117,8 +117,7 @@ class Executor:
         self.row = lowered.actions[rank]
         self.scaling = None if loss_scale is None or evaluate else self._scaling(loss_scale, policy)
         self.p2p = P2P(lowered, rank, microbatch_sizes, device, variable_shapes=variable_shapes, context=context)
-        self.evaluating = evaluate
-        """F runs as ``StageWorker.evaluate``; no gradient is prepared or exchanged."""
+        self.evaluating = evaluate  # F runs as ``StageWorker.evaluate``; no gradient is prepared or exchanged
         self._exchanges(
             {} if evaluate else workers,
             policy is not None,
@@ -130,14 +129,7 @@ class Executor:
         )
         self.dispatch = self._dispatch_table()
         self.partner, self.store = partner, self._offload_store()
-        self.peak_activation_bytes = 0
-        # Of the last step: thread CPU ns per action (parallel to the records), process CPU ns of the step.
-        self.action_cpu_ns: list[int] = []
-        self.step_cpu_ns = 0
-        self.timer = action_timer(device)
-        """Marks each action's start and end: the host clock on the CPU, CUDA events on a GPU (``transport.timing``)."""
-        self.step_memory: tuple[int, int] | None = None
-        """Of the last step on CUDA: the allocator's peak allocated and reserved bytes (None on the CPU)."""
+        self._measures(device)
         # Per-step state: what flows between actions, keyed by (stage, microbatch).
         self._inputs: dict[tuple[int, int], Boundary] = {}
         self._outputs: dict[tuple[int, int], Boundary] = {}
@@ -156,6 +148,17 @@ class Executor:
         self.skip_nonfinite = on_nonfinite == "skip"
         self.step_loss: float | None = None
         """Of the last step, with ``on_nonfinite``: its loss, every rank's share summed (the same on every rank)."""
+
+    def _measures(self, device: torch.device) -> None:
+        """What the executor measures of each step."""
+        self.peak_activation_bytes = 0
+        # Of the last step: thread CPU ns per action (parallel to the records), process CPU ns of the step.
+        self.action_cpu_ns: list[int] = []
+        self.step_cpu_ns = 0
+        self.timer = action_timer(device)
+        """Marks each action's start and end: the host clock on the CPU, CUDA events on a GPU (``transport.timing``)."""
+        self.step_memory: tuple[int, int] | None = None
+        """Of the last step on CUDA: the allocator's peak allocated and reserved bytes (None on the CPU)."""
 
     def _scaling(self, scale: LossScale, policy: RankPolicy | None) -> LossScaling:
         """This rank's side of the run's loss scaling, where a step's updates can wait for its overflow check."""
