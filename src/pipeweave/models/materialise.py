@@ -36,24 +36,14 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 from pipeweave.errors import UserError
 
 Init = Callable[[nn.Module], None]
 """A module's own initialisation of its tensors (``reset_parameters``, transformers' ``_init_weights``)."""
 
-_ATEN = torch.ops.aten
-_DRAWS = {
-    _ATEN.normal_,
-    _ATEN.uniform_,
-    _ATEN.bernoulli_,
-    _ATEN.random_,
-    _ATEN.exponential_,
-    _ATEN.geometric_,
-    _ATEN.cauchy_,
-    _ATEN.log_normal_,
-}
+_DRAWS = {"normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"}
 """The in-place random fills every init function comes down to (``trunc_normal_`` and ``kaiming_uniform_`` too)."""
 
 
@@ -107,19 +97,25 @@ def meta_parameters() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-class _SeedPerTensor(TorchDispatchMode):
-    """Seeds torch's CPU generator from ``(seed, name)`` before each random fill of a named tensor."""
+class _SeedPerTensor(TorchFunctionMode):
+    """Seeds torch's CPU generator from ``(seed, name)`` before each random fill of a named tensor.
+
+    A function mode, not a dispatch mode: entering a dispatch mode imports torch's compiler stack (about 90 MB
+    resident), which a rank building an ``nn.Sequential`` would otherwise never load.
+    """
 
     def __init__(self, seed: int, names: Mapping[int, str]) -> None:
         super().__init__()
         self.seed, self.names = seed, names
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.overloadpacket in _DRAWS and not args[0].is_meta:
-            name = self.names.get(args[0].untyped_storage().data_ptr())
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # torch.nn.init's functions pass it by name
+        if getattr(func, "__name__", None) in _DRAWS and isinstance(target, torch.Tensor) and not target.is_meta:
+            name = self.names.get(target.untyped_storage().data_ptr())
             if name is not None:
                 torch.manual_seed(tensor_seed(self.seed, name))
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 def _first_names(module: nn.Module) -> dict[int, str]:
