@@ -61,18 +61,19 @@ def _assert_parts_equal_whole(spec: ModelSpec, whole: dict[str, torch.Tensor]) -
                         torch.testing.assert_close(tensor, whole[name], rtol=0, atol=0, msg=f"{num_parts} {name}")
 
 
-@pytest.mark.parametrize("entry", sorted(HF))
+@pytest.mark.parametrize("entry", [pytest.param("hf:gpt2", marks=pytest.mark.slow), "hf:llama"])
 def test_an_hf_models_parts_materialised_apart_are_the_whole_model_built_on_one_rank(entry: str) -> None:
     from pipeweave.models.hf import build_module
 
     spec = ModelSpec(kind="custom", entry=entry, hf_config=json.dumps(HF[entry]), seq_len=8, seed=5)
     whole = build_module(spec.entry or "", spec.hf_config, spec.seed)
-    _assert_parts_equal_whole(spec, dict(whole.state_dict()))
+    _assert_parts_equal_whole(spec, dict(whole.named_parameters(remove_duplicate=False)) | dict(whole.named_buffers()))
     layers = build_layers(spec, range(spec.num_layers))  # and they compute the whole model's forward
     x = spec.custom.dataset.tokens[:2]
     for layer in layers:
         x = layer(x)
-    torch.testing.assert_close(x.logits, whole(spec.custom.dataset.tokens[:2]).logits, rtol=0, atol=0)
+    logits = x.logits if hasattr(x, "logits") else x
+    torch.testing.assert_close(logits, whole(spec.custom.dataset.tokens[:2]).logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("entry", sorted(HF))
@@ -99,7 +100,7 @@ def test_a_meta_modules_parts_materialise_by_reset_parameters_and_equal_the_whol
     torch.testing.assert_close(whole["scale"], torch.arange(8.0))  # the buffer computed in the constructor
     assert net.embed.weight.is_meta and not net.scale.is_meta  # the module itself is left as it was
     bound = 1 / 8**0.5  # the tied weight: the last holder's reset_parameters (the head's) wins, as in apply()
-    assert float(whole["embed.weight"].abs().max()) <= bound
+    assert float(whole["embed.weight"].detach().abs().max()) <= bound
 
 
 def _hold(model: object) -> str:

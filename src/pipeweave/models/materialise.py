@@ -5,7 +5,7 @@ under ``torch.device("meta")``) is built without memory first: its
 parameters live on the meta device (shapes only) while its buffers --
 rotary tables, masks, functions of the config -- are computed as written
 (``meta_parameters``, as accelerate's ``init_empty_weights`` keeps them), and
-it is traced and cut on meta tensors. A rank then builds each of its layers
+it is traced and cut on fake tensors (``on_fake``). A rank then builds each of its layers
 by ``materialise``: a copy of the part whose tensors are read from pretrained
 files, or initialised by the module's own init function (transformers'
 ``_init_weights``, torch's ``reset_parameters``) run on the modules that hold
@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from pipeweave.errors import UserError
@@ -218,20 +219,53 @@ class Initialiser:
 
 
 @contextlib.contextmanager
-def on_meta(module: nn.Module) -> Iterator[None]:
-    """Inside, ``module``'s buffers are on the meta device too (to trace it with meta tensors); restored after."""
-    saved = [(m, key, b) for m in module.modules() for key, b in m._buffers.items() if b is not None]
-    for m, key, b in saved:
-        m._buffers[key] = b.to("meta")
+def on_fake(module: nn.Module) -> Iterator[FakeTensorMode]:
+    """Inside, ``module``'s parameters and buffers are fake tensors on the CPU (shapes, no memory: what a trace
+    needs); restored after. Fake rather than meta: a forward that asks its device (transformers' mixtures of
+    experts take another path off the CPU) is traced as it runs on the CPU."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes: dict[int, torch.Tensor] = {}
+    saved = [
+        (table, key, t) for m in module.modules() for table in (m._parameters, m._buffers) for key, t in table.items()
+    ]
+    for table, key, t in saved:
+        if t is not None:
+            table[key] = fakes.setdefault(id(t), _fake(mode, t))
     try:
-        yield
+        yield mode
     finally:
-        for m, key, b in saved:
-            m._buffers[key] = b
+        for table, key, t in saved:
+            table[key] = t
+
+
+def _fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    if t.is_meta:
+        with mode:
+            fake = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    else:
+        fake = mode.from_tensor(t)
+    return nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+
+
+def traced_to_meta(part: fx.GraphModule) -> fx.GraphModule:
+    """A part cut from a graph traced on fake tensors (``on_fake``), its tensors made meta tensors (a tied one stays
+    one) and its graph's devices read from its input (``on_input_device``)."""
+    meta: dict[int, torch.Tensor] = {}
+    for m in part.modules():
+        for table in (m._parameters, m._buffers):
+            for key, t in table.items():
+                if isinstance(t, FakeTensor):
+                    table[key] = meta.setdefault(id(t), _on_meta(t))
+    return on_input_device(part)
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    data = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
 
 
 def on_input_device(part: fx.GraphModule) -> fx.GraphModule:
-    """``part`` (traced on meta tensors) with every ``device=meta`` its graph holds -- tensors its forward makes
+    """``part`` (traced on fake CPU tensors) with every CPU device its graph names -- tensors its forward makes
     from shapes alone: positions, masks -- read from its first input instead, so it runs where it is placed (the
     graphs nested in it too: export's ``wrap_with_autocast`` bodies)."""
     for module in part.modules():
@@ -243,14 +277,14 @@ def on_input_device(part: fx.GraphModule) -> fx.GraphModule:
 def _read_device_from_input(part: fx.GraphModule) -> None:
     graph = part.graph
     first = next((n for n in graph.nodes if n.op == "placeholder"), None)
-    uses = [n for n in graph.nodes if _meta_device_in((n.args, n.kwargs))]
+    uses = [n for n in graph.nodes if _traced_device_in((n.args, n.kwargs))]
     if first is None or not uses:
         return
     with graph.inserting_after(first):
         device = graph.call_function(getattr, (first, "device"))
 
     def swap(value: Any) -> Any:
-        return device if isinstance(value, torch.device) and value.type == "meta" else value
+        return device if _is_traced_device(value) else value
 
     for node in uses:
         node.args = fx.node.map_aggregate(node.args, swap)
@@ -258,9 +292,13 @@ def _read_device_from_input(part: fx.GraphModule) -> None:
     part.recompile()
 
 
-def _meta_device_in(value: Any) -> bool:
+def _is_traced_device(value: Any) -> bool:
+    return isinstance(value, torch.device) and value.type in ("cpu", "meta")
+
+
+def _traced_device_in(value: Any) -> bool:
     found: list[bool] = []
-    fx.node.map_aggregate(value, lambda v: found.append(isinstance(v, torch.device) and v.type == "meta"))
+    fx.node.map_aggregate(value, lambda v: found.append(_is_traced_device(v)))
     return any(found)
 
 
@@ -271,7 +309,12 @@ def materialise(
 
     ``read(names)`` gives the values of the whole model's tensors ``names`` (``initialised``, or a pretrained
     folder's files); a tensor the part holds under several names (a tied one, pipeweave's deferrable linears'
-    aliases) is read once, under the first of them the whole model knows.
+    aliases) is read once, under the first of them the whole model knows. Under ``torch.device("meta")`` (what
+    counts a part's bytes) nothing is read: the copy stays on the meta device.
+
+    Raises:
+        UserError: a tensor of the part on the meta device that the whole model does not name (a constant
+            the trace made of a tensor the forward builds from nothing).
     """
     part = copy.deepcopy(part)
     known = set(whole_names)
@@ -279,6 +322,14 @@ def materialise(
     for name, t in [*part.named_parameters(remove_duplicate=False), *part.named_buffers(remove_duplicate=False)]:
         if name in known:
             name_of.setdefault(id(t), name)
+    left = [n for n, t in [*part.named_parameters(), *part.named_buffers()] if t.is_meta and id(t) not in name_of]
+    if left:
+        raise UserError(
+            f"{left[0]} of a part is on the meta device and the model names no such tensor; build the module's "
+            "tensors in its constructor (a tensor made in forward from no input is traced as a constant)"
+        )
+    if torch.empty(0).is_meta:  # counting bytes under torch.device("meta"): shapes are all it needs
+        return part
     values = read(sorted(set(name_of.values())))
     done: dict[int, torch.Tensor] = {}
     for module in part.modules():
@@ -288,12 +339,6 @@ def materialise(
                     if id(t) not in done:
                         done[id(t)] = _as(t, values[name_of[id(t)]])
                     table[key] = done[id(t)]
-    left = [n for n, t in [*part.named_parameters(), *part.named_buffers()] if t.is_meta]
-    if left:
-        raise UserError(
-            f"{left[0]} of a part is on the meta device and the model names no such tensor; build the module's "
-            "tensors in its constructor (a tensor made in forward from no input is traced as a constant)"
-        )
     return part
 
 

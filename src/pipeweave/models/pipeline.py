@@ -24,7 +24,7 @@ embeddings) found and kept as one group (``models.tied``)::
 
 A module whose parameters are on the meta device (built inside
 ``models.materialise.meta_parameters()``, or ``torch.device("meta")``) is
-traced and cut on meta tensors, holding no memory; each rank then
+traced and cut on fake tensors, holding no memory; each rank then
 materialises only its own layers, initialised by the module's own init
 (``param_init``; by default each submodule's ``reset_parameters``) under a
 seed per tensor name, so a part's weights are the whole model's, whatever
@@ -50,7 +50,7 @@ from torch import nn
 from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel, entry_module, load_model
 from pipeweave.models.graph_split import check_split_points, cuts, first_calls, opening, split_graph
-from pipeweave.models.materialise import Init, Initialiser, is_meta, materialise, on_input_device, on_meta
+from pipeweave.models.materialise import Init, Initialiser, is_meta, materialise, on_fake, traced_to_meta
 from pipeweave.models.tracing import trace
 
 
@@ -109,13 +109,13 @@ def pipeline(
         inputs = example_inputs if example_inputs is not None else _example(dataset)
         leaves = {n for n in {*points, *_blocks(module)} if not any(p.startswith(n + ".") for p in points)}
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        with on_meta(module) if meta else contextlib.nullcontext():  # traced on meta tensors: no memory
-            root = trace(module, tuple(_meta(x) for x in inputs) if meta else inputs, leaves)
+        with on_fake(module) if meta else contextlib.nullcontext() as fake:  # traced on fake tensors: no memory
+            root = trace(module, tuple(_fake(fake, x) for x in inputs) if fake else inputs, leaves)
         if split_points is not None:  # the automatic cuts may start where the forward does: that one cuts nothing
             start = opening(root.graph, {name for name, _ in module.named_modules()})
             _check_order(module, points, {p: max(0, i - start) for p, i in first_calls(root.graph, points).items()})
         parts, starts = split_graph(root, points), cuts(root.graph, points)
-        parts = [on_input_device(part) for part in parts] if meta else parts
+        parts = [traced_to_meta(part) for part in parts] if meta else parts
     if meta:
         source = Initialiser(module, param_init=param_init, seed=seed)
         layers = [functools.partial(materialise, part, source.names, source) for part in parts]
@@ -131,9 +131,9 @@ def pipeline(
     )
 
 
-def _meta(x: Any) -> Any:
-    """An example input as a meta tensor (shapes only), to trace a meta module with."""
-    return x.to("meta") if isinstance(x, torch.Tensor) else x
+def _fake(mode: Any, x: Any) -> Any:
+    """An example input as a fake tensor of ``mode`` (shapes only), to trace a meta module with."""
+    return mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
 
 
 def _names(split_points: Any) -> list[str]:
@@ -178,7 +178,8 @@ def _copy(part: nn.Module) -> nn.Module:
 @functools.cache
 def from_module(entry: str) -> LayerModel:
     """The plain module ``--model FILE.py:NAME`` names, split by ``pipeline`` with the ``loss`` and ``dataset``
-    (optional: ``eval_dataset``, ``split_points``) its file defines beside it, as a LayerModel has them.
+    (optional: ``eval_dataset``, ``split_points``, and ``param_init`` for a module built on the meta device) its
+    file defines beside it, as a LayerModel has them.
 
     Raises:
         UserError: the file lacks the loss or the dataset.
@@ -199,7 +200,13 @@ def from_module(entry: str) -> LayerModel:
             "the command line does by itself: drop split_points and give --partition time"
         )
     return pipeline(
-        net, None, points, loss=where.loss, dataset=where.dataset, eval_dataset=getattr(where, "eval_dataset", None)
+        net,
+        None,
+        points,
+        loss=where.loss,
+        dataset=where.dataset,
+        eval_dataset=getattr(where, "eval_dataset", None),
+        param_init=getattr(where, "param_init", None),
     )
 
 
