@@ -247,10 +247,10 @@ def _fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
 
 
-def traced_to_meta(part: fx.GraphModule) -> fx.GraphModule:
-    """A part cut from a graph traced on fake tensors (``on_fake``), its tensors made meta tensors (a tied one stays
-    one) and its graph's devices read from its input (``on_input_device``)."""
-    meta: dict[int, torch.Tensor] = {}
+def traced_to_meta(part: fx.GraphModule, meta: dict[int, torch.Tensor]) -> fx.GraphModule:
+    """A part cut from a graph traced on fake tensors (``on_fake``), its tensors made meta tensors and its graph's
+    devices read from its input (``on_input_device``). ``meta``, shared by the parts of one graph, keeps a tensor
+    that several parts hold one object (a tied embedding and head: ``models.pipeline.shared_parameters``)."""
     for m in part.modules():
         for table in (m._parameters, m._buffers):
             for key, t in table.items():

@@ -115,7 +115,9 @@ def pipeline(
             start = opening(root.graph, {name for name, _ in module.named_modules()})
             _check_order(module, points, {p: max(0, i - start) for p, i in first_calls(root.graph, points).items()})
         parts, starts = split_graph(root, points), cuts(root.graph, points)
-        parts = [traced_to_meta(part) for part in parts] if meta else parts
+        if meta:
+            tensors: dict[int, torch.Tensor] = {}
+            parts = [traced_to_meta(part, tensors) for part in parts]
     if meta:
         source = Initialiser(module, param_init=param_init, seed=seed)
         layers = [functools.partial(materialise, part, source.names, source) for part in parts]
