@@ -168,20 +168,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", default="llama,hf:llama,pretrained")
     parser.add_argument("--parts", default="1,2,4")
+    parser.add_argument("--ranks", help="only these ranks of each D (default: all)")
+    parser.add_argument("--folder", help="a pretrained folder this script saved before, to reuse (kept)")
     args = parser.parse_args()
     if args.rank_job:
         model, parts, rank = args.rank_job
         print(json.dumps(rank_job(model, int(parts), int(rank))))
         return
-    folder = Path(tempfile.mkdtemp(prefix="pipeweave-build-memory-"))
+    folder = Path(args.folder or tempfile.mkdtemp(prefix="pipeweave-build-memory-"))
     try:
         models = args.models.split(",")
-        if "pretrained" in models:
+        if "pretrained" in models and not args.folder:
             _save_folder(folder)
         for model in models:
             name = f"hf:{folder}" if model == "pretrained" else model
             for parts in map(int, args.parts.split(",")):
-                for rank in range(parts):
+                for rank in [r for r in range(parts) if not args.ranks or str(r) in args.ranks.split(",")]:
                     rounds = [_run_rank(name, parts, rank) for _ in range(args.rounds)]
                     row = rounds[0] | {"model": model}
                     for key in ("build_peak", "step_peak", "built_s"):
@@ -189,7 +191,8 @@ def main() -> None:
                         row[key + "_rounds"] = [r[key] for r in rounds]
                     print(json.dumps(row), flush=True)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        if not args.folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
