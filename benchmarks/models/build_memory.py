@@ -39,7 +39,7 @@ LLAMA = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
-"""A Llama-shaped model of 193 million parameters (774 MB in float32)."""
+"""A Llama-shaped model of 201 million parameters (766 MiB in float32)."""
 BUILT_IN = {"kind": "llama", "layers": 12, "hidden": 1024, "heads": 16, "kv_heads": 4, "ffn_hidden": 2816,
             "vocab": 32000}
 """pipeweave's own llama of about the same shape (its byte vocabulary widened to 32,000 tokens)."""
