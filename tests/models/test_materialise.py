@@ -221,3 +221,22 @@ def test_a_mixture_of_experts_that_asks_its_device_is_traced_as_on_the_cpu_and_m
         x = layer(x)
     logits = x.logits if hasattr(x, "logits") else x
     torch.testing.assert_close(logits, whole(spec.custom.dataset.tokens[:2]).logits, rtol=0, atol=0)
+
+
+def test_the_public_pipeline_takes_a_meta_module_with_its_own_init_and_seed() -> None:
+    import pipeweave
+
+    with meta_parameters():
+        net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+
+    def ones(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.constant_(module.weight, 1.0)
+            nn.init.normal_(module.bias)
+
+    model = pipeweave.pipeline(net, None, ["2"], loss=nn.functional.mse_loss, dataset=data, param_init=ones, seed=7)
+    first, last = (build() for build in model.layers)
+    assert bool((first.get_parameter("0.weight") == 1).all()) and bool((last.get_parameter("2.weight") == 1).all())
+    again = pipeweave.pipeline(net, None, ["2"], loss=nn.functional.mse_loss, dataset=data, param_init=ones, seed=8)
+    assert not torch.equal(again.layers[1]().get_parameter("2.bias"), last.get_parameter("2.bias"))  # the seed
