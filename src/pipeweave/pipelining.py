@@ -50,11 +50,14 @@ def pipeline(
     loss: Callable[[Any, Any], torch.Tensor],
     dataset: Any,
     eval_dataset: Any = None,
+    param_init: Callable[[nn.Module], None] | None = None,
+    seed: int | None = None,
 ) -> LayerModel:
     """``module`` as a ``LayerModel``, cut at ``split_points``: module names, or D parts balanced by time.
 
     Args:
-        module, example_inputs, loss, dataset, eval_dataset: as ``models.pipeline.pipeline``'s; with
+        module, example_inputs, loss, dataset, eval_dataset, param_init, seed: as ``models.pipeline.pipeline``'s
+            (``param_init`` and ``seed``: for a module on the meta device, materialised per part); with
             ``split_points=D`` the example inputs' samples are the profiled microbatch's.
         split_points: module names, each starting a new layer; an int D: the D-way split of least slowest
             part among the cuts before the blocks of the module's ``nn.ModuleList`` s, by profiled time;
@@ -68,15 +71,16 @@ def pipeline(
         >>> m.split_points   # where the profiler's balanced split cut
         ('blocks.2',)
     """
+    given = {"loss": loss, "dataset": dataset, "eval_dataset": eval_dataset, "param_init": param_init, "seed": seed}
     if not isinstance(split_points, int) or isinstance(split_points, bool):
-        return split_at(module, example_inputs, split_points, loss=loss, dataset=dataset, eval_dataset=eval_dataset)
+        return split_at(module, example_inputs, split_points, **given)
     num_parts = split_points
     if num_parts < 1:
         raise UserError(f"split_points={num_parts} parts is invalid; give D >= 1 parts or a list of module names")
-    pieces = split_at(module, example_inputs, None, loss=loss, dataset=dataset, eval_dataset=eval_dataset)
+    pieces = split_at(module, example_inputs, None, **given)
     samples = num_samples(example_inputs) if example_inputs is not None else 2
     chosen = balanced_points(pieces, num_parts, samples, _digest(module, pieces, samples))
-    return split_at(module, example_inputs, chosen, loss=loss, dataset=dataset, eval_dataset=eval_dataset)
+    return split_at(module, example_inputs, chosen, **given)
 
 
 def balanced_points(pieces: LayerModel, num_parts: int, microbatch_size: int, digest: str) -> list[str]:

@@ -51,10 +51,11 @@ def test_each_layer_holds_the_files_tensors_and_reads_only_its_own(saved: Path) 
         assert set(read) <= set(state), (k, real)
 
 
-def _recording(load: Callable[..., torch.nn.Module], read: list[str]) -> Callable[..., torch.nn.Module]:
-    def wrapped(self: Weights, part: torch.nn.Module, alias: dict[str, str]) -> torch.nn.Module:
-        read.extend(n for n in part.state_dict() if n in alias)
-        return load(self, part, alias)
+def _recording(load: Callable[..., dict[str, torch.Tensor]], read: list[str]) -> Callable[..., dict[str, torch.Tensor]]:
+    def wrapped(self: Weights, names: list[str], alias: dict[str, str]) -> dict[str, torch.Tensor]:
+        values = load(self, names, alias)
+        read.extend(values)
+        return values
 
     return wrapped
 

@@ -25,8 +25,9 @@ from torch import nn
 from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel
 from pipeweave.models.hf_config import built, config_fields, make_config
+from pipeweave.models.materialise import Initialiser, materialise, meta_parameters
 from pipeweave.models.pipeline import pipeline
-from pipeweave.models.pretrained import Weights, folder_of, loaded_layer
+from pipeweave.models.pretrained import Weights, folder_of
 
 PREFIX = "hf:"
 _CORPUS_BYTES = 1 << 20  # 1 MiB of the standard library's sources: enough windows for a demo run
@@ -38,19 +39,31 @@ def is_hf(entry: str | None) -> bool:
 
 
 def build_module(entry: str, config_text: str | None, seed: int, seq_len: int | None = None) -> nn.Module:
-    """The ``transformers`` model from its config, initialised from ``seed`` (the same on every rank).
+    """The whole ``transformers`` model on this process, initialised as the ranks initialise their parts: its own
+    ``_init_weights`` under a seed per tensor name (``models.materialise``), the same for any split.
 
     Raises:
         UserError: transformers missing; a config field it does not know or refuses (``models.hf_config``);
             ``seq_len`` (tokens a sample) beyond the positions the model embeds.
+    """
+    module = meta_built(entry, config_text, seq_len)
+    source = Initialiser(module, param_init=module._init_weights, seed=seed)
+    return materialise(module, source.names, source)
+
+
+def meta_built(entry: str, config_text: str | None, seq_len: int | None = None) -> nn.Module:
+    """The ``transformers`` model with its parameters on the meta device (no memory) and its buffers computed
+    (rotary tables: ``models.materialise.meta_parameters``).
+
+    Raises:
+        UserError: as ``build_module``.
     """
     transformers = import_transformers(entry)
     fields = config_fields(config_text)
     config = trained_config(transformers, entry, config_text)
     if seq_len is not None:
         _check_positions(entry, config, seq_len)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with meta_parameters():
         module = built(entry, fields, lambda: transformers.AutoModelForCausalLM.from_config(config))
     if getattr(module, "loss_type", None) is None:  # the loss transformers falls back to, chosen without its warning
         module.loss_type = "ForCausalLM"
@@ -134,8 +147,13 @@ def _check_positions(entry: str, config: Any, seq_len: int) -> None:
 
 @functools.cache
 def hf_model(entry: str, config_text: str | None, seq_len: int, seed: int) -> LayerModel:
-    """The ``LayerModel`` of ``hf:NAME`` with ``--hf-config``, on the byte corpus (loaded once per process)."""
-    module = build_module(entry, config_text, seed, seq_len)
+    """The ``LayerModel`` of ``hf:NAME`` with ``--hf-config``, on the byte corpus (described once per process).
+
+    The model is built and traced on the meta device; each layer, when a rank builds it, materialises its own
+    tensors alone: read from the pretrained folder's files (``hf:PATH``), or initialised by the model's own
+    ``_init_weights`` under a seed per tensor name (``models.materialise``).
+    """
+    module = meta_built(entry, config_text, seq_len)
     vocab = module.config.vocab_size
     if vocab < 256:
         raise UserError(f"--hf-config vocab_size={vocab} cannot hold bytes; give a vocab_size >= 256")
@@ -145,11 +163,31 @@ def hf_model(entry: str, config_text: str | None, seq_len: int, seed: int) -> La
     weights = None if folder is None else Weights(folder)
     if weights is not None:
         weights.check(module)  # before the module is traced: a folder that cannot serve it is one line
-    model = pipeline(module, (data.tokens[:2],), split_points=None, loss=loss, dataset=data)
+    model = pipeline(
+        module,
+        (data.tokens[:2],),
+        split_points=None,
+        loss=loss,
+        dataset=data,
+        param_init=module._init_weights,
+        seed=seed,
+    )
     if weights is None:
         return model
-    load = weights.loader(module)
-    return dataclasses.replace(model, layers=[functools.partial(loaded_layer, build, load) for build in model.layers])
+    layers = []
+    for build in model.layers:  # materialise(part, names, the initialiser): the files read instead
+        part, names, initialiser = build.args
+        read = functools.partial(_read_pretrained, weights.reader(module), initialiser)
+        layers.append(functools.partial(materialise, part, names, read))
+    return dataclasses.replace(model, layers=layers)
+
+
+def _read_pretrained(files: Any, computed: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` from the pretrained files; those no file holds (buffers of the config: rotary
+    tables) computed as the model computes them."""
+    values = files(names)
+    missing = [n for n in names if n not in values]
+    return values | (computed(missing) if missing else {})
 
 
 def _causal_lm_loss(loss_function: Any, vocab: int, logits: Any, labels: torch.Tensor) -> torch.Tensor:

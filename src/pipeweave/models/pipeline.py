@@ -21,10 +21,22 @@ embeddings) found and kept as one group (``models.tied``)::
 
     net = MyTransformer()
     model = pipeweave.pipeline(net, (tokens[:2],), ["blocks.2"], loss=my_loss, dataset=data)
+
+A module whose parameters are on the meta device (built inside
+``models.materialise.meta_parameters()``, or ``torch.device("meta")``) is
+traced and cut on fake tensors, holding no memory; each rank then
+materialises only its own layers, initialised by the module's own init
+(``param_init``; by default each submodule's ``reset_parameters``) under a
+seed per tensor name, so a part's weights are the whole model's, whatever
+the split (``models.materialise``)::
+
+    with pipeweave.models.materialise.meta_parameters():
+        net = MyTransformer()
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import warnings
@@ -38,6 +50,7 @@ from torch import nn
 from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel, entry_module, load_model
 from pipeweave.models.graph_split import check_split_points, cuts, first_calls, opening, split_graph
+from pipeweave.models.materialise import Init, Initialiser, is_meta, materialise, on_fake, traced_to_meta
 from pipeweave.models.tracing import trace
 
 
@@ -49,6 +62,8 @@ def pipeline(
     loss: Callable[[Any, Any], torch.Tensor],
     dataset: Any,
     eval_dataset: Any = None,
+    param_init: Init | None = None,
+    seed: int | None = None,
 ) -> LayerModel:
     """``module`` as a ``LayerModel``: cut at ``split_points`` (module names), its parameters shared.
 
@@ -61,6 +76,10 @@ def pipeline(
         split_points: module names, each starting a new layer; None: before every block of the module's
             ``nn.ModuleList`` s (an ``nn.Sequential``: every child).
         loss, dataset, eval_dataset: as ``LayerModel``'s.
+        param_init: for a module on the meta device, a submodule's own initialisation of its tensors (default:
+            its ``reset_parameters``, where it has one), run as each rank materialises its layers.
+        seed: for a module on the meta device, the seed of its tensors' draws (``models.materialise``);
+            None: each layer's seed (``--seed`` and the layer's index).
 
     Raises:
         UserError: split points that are no list of strings, that name no module, that are out of the order
@@ -79,6 +98,7 @@ def pipeline(
     points = _names(split_points) if split_points is not None else block_starts(module)
     check_split_points(module, points)
     module.train()
+    meta = is_meta(module)
     if isinstance(module, nn.Sequential):
         names = [name for name, _ in module.named_children()]
         parts = _sequential_parts(module, points)
@@ -88,19 +108,34 @@ def pipeline(
     else:
         inputs = example_inputs if example_inputs is not None else _example(dataset)
         leaves = {n for n in {*points, *_blocks(module)} if not any(p.startswith(n + ".") for p in points)}
-        root = trace(module, inputs if isinstance(inputs, tuple) else (inputs,), leaves)
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        with on_fake(module) if meta else contextlib.nullcontext() as fake:  # traced on fake tensors: no memory
+            root = trace(module, tuple(_fake(fake, x) for x in inputs) if fake else inputs, leaves)
         if split_points is not None:  # the automatic cuts may start where the forward does: that one cuts nothing
             start = opening(root.graph, {name for name, _ in module.named_modules()})
             _check_order(module, points, {p: max(0, i - start) for p, i in first_calls(root.graph, points).items()})
         parts, starts = split_graph(root, points), cuts(root.graph, points)
+        if meta:
+            tensors: dict[int, torch.Tensor] = {}
+            parts = [traced_to_meta(part, tensors) for part in parts]
+    if meta:
+        source = Initialiser(module, param_init=param_init, seed=seed)
+        layers = [functools.partial(materialise, part, source.names, source) for part in parts]
+    else:
+        layers = [functools.partial(_copy, part) for part in parts]
     return LayerModel(
-        layers=[functools.partial(_copy, part) for part in parts],
+        layers=layers,
         loss=loss,
         dataset=dataset,
         eval_dataset=eval_dataset,
         tied=shared_parameters(parts),
         split_points=tuple(starts),
     )
+
+
+def _fake(mode: Any, x: Any) -> Any:
+    """An example input as a fake tensor of ``mode`` (shapes only), to trace a meta module with."""
+    return mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
 
 
 def _names(split_points: Any) -> list[str]:
@@ -145,7 +180,8 @@ def _copy(part: nn.Module) -> nn.Module:
 @functools.cache
 def from_module(entry: str) -> LayerModel:
     """The plain module ``--model FILE.py:NAME`` names, split by ``pipeline`` with the ``loss`` and ``dataset``
-    (optional: ``eval_dataset``, ``split_points``) its file defines beside it, as a LayerModel has them.
+    (optional: ``eval_dataset``, ``split_points``, and ``param_init`` for a module built on the meta device) its
+    file defines beside it, as a LayerModel has them.
 
     Raises:
         UserError: the file lacks the loss or the dataset.
@@ -166,7 +202,13 @@ def from_module(entry: str) -> LayerModel:
             "the command line does by itself: drop split_points and give --partition time"
         )
     return pipeline(
-        net, None, points, loss=where.loss, dataset=where.dataset, eval_dataset=getattr(where, "eval_dataset", None)
+        net,
+        None,
+        points,
+        loss=where.loss,
+        dataset=where.dataset,
+        eval_dataset=getattr(where, "eval_dataset", None),
+        param_init=getattr(where, "param_init", None),
     )
 
 

@@ -14,6 +14,7 @@ whichever of its names the files hold.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -108,24 +109,25 @@ class Weights:
                     f"config.json {list(tensor.shape)}; give the config.json its weights were saved with"
                 )
 
-    def loader(self, module: nn.Module) -> Callable[[nn.Module], nn.Module]:
-        """``load(part)``: a part of ``module`` (its names the module's) with its tensors read from the files."""
+    def reader(self, module: nn.Module) -> Callable[[list[str]], dict[str, torch.Tensor]]:
+        """``read(names)``: the tensors of ``module`` (the model, on the meta device) of these names, read from the
+        files (``models.materialise.materialise`` takes it)."""
         alias = {n: [m for m in names if m in self.file_of][0] for names, _ in state_groups(module) for n in names}
-        return lambda part: self.load(part, alias)
+        return functools.partial(self.load, alias=alias)
 
-    def load(self, part: nn.Module, alias: dict[str, str]) -> nn.Module:
-        """Copy into ``part``'s tensors the files' tensors of the same names (``alias``: the name a file holds)."""
-        state = part.state_dict()
+    def load(self, names: list[str], alias: dict[str, str]) -> dict[str, torch.Tensor]:
+        """The files' tensors of ``names`` (``alias``: the name a file holds each by), each shard opened once;
+        names the files do not hold (buffers computed from the config) are left out."""
         wanted: dict[str, list[str]] = {}
-        for name in state:
+        for name in names:
             if name in alias:
                 wanted.setdefault(self.file_of[alias[name]], []).append(name)
-        with torch.no_grad():
-            for file, names in wanted.items():
-                with _open(self.folder / file) as shard:
-                    for name in names:
-                        state[name].copy_(shard.get_tensor(alias[name]))
-        return part
+        values = {}
+        for file, held in wanted.items():
+            with _open(self.folder / file) as shard:
+                for name in held:
+                    values[name] = shard.get_tensor(alias[name])
+        return values
 
 
 def state_groups(module: nn.Module) -> Iterable[tuple[list[str], torch.Tensor]]:
@@ -148,8 +150,3 @@ def _open(path: Path) -> Any:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as exc:
         raise UserError(f"{path} is no safetensors file safetensors can open ({exc}); save it again") from None
-
-
-def loaded_layer(build: Callable[[], nn.Module], load: Callable[[nn.Module], nn.Module]) -> nn.Module:
-    """A layer built by ``build`` (its copy of a part) with its pretrained tensors read (``Weights.loader``)."""
-    return load(build())
