@@ -346,9 +346,37 @@ def chrome_trace(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
                         "args": {"step": k},
                     }
                 )
-    events += _averaging_events(record, origin)
+    events += _averaging_events(record, origin) + _pair_events(schedule, record, origin)
     kept = {"steps": [1, window(record)], "of": record.config.training.steps}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": schedule.name, **kept}}
+
+
+def _pair_events(schedule: Schedule, record: RunRecord, origin: float) -> list[dict[str, Any]]:
+    """Each F&B pair of each recorded step (tid 3): from its F half's start to its B half's end; ``exposed`` is
+    the time between the halves (the B half's message still on its way: what the pair did not hide)."""
+    if not schedule.pairs:
+        return []
+    second = {(f.stage, f.op.value, f.microbatch): (b.stage, b.op.value, b.microbatch) for f, b in schedule.pairs}
+    out = []
+    for rank in record.ranks:
+        for k, step in enumerate(rank.records):
+            at = {(s, op, j): (t0, t1) for s, op, j, t0, t1 in step}
+            for f, b in second.items():
+                if f in at and b in at:
+                    (f0, f1), (b0, b1) = at[f], at[b]
+                    out.append(
+                        {
+                            "name": f"F&B {''.join(map(str, f))};{''.join(map(str, b))}",
+                            "cat": "F&B",
+                            "ph": "X",
+                            "pid": rank.rank,
+                            "tid": 3,
+                            "ts": (f0 - origin) * 1e6,
+                            "dur": (b1 - f0) * 1e6,
+                            "args": {"step": k, "exposed_us": (b0 - f1) * 1e6},
+                        }
+                    )
+    return out
 
 
 def _averaging_events(record: RunRecord, origin: float) -> list[dict[str, Any]]:
