@@ -17,6 +17,7 @@ import pytest
 
 from pipeweave.schedule import generate
 from pipeweave.sim import CostModel, compute_metrics, simulate
+from pipeweave.sim.textline import format_timeline
 from pipeweave.sim.trace import chrome_trace
 
 
@@ -56,3 +57,12 @@ def test_the_trace_shows_each_pair_and_what_it_left_exposed() -> None:
     pairs = [e for e in trace["traceEvents"] if e.get("cat") == "F&B"]
     assert [(e["name"], e["pid"], e["tid"]) for e in pairs] == [("F&B 3F3;0B0", 0, 1), ("F&B 1F1;2B2", 1, 1)]
     assert all(e["args"]["exposed"] == 0.0 for e in pairs)
+
+
+def test_the_text_timeline_marks_each_pairs_second_half() -> None:
+    cost = CostModel(comm=1.0, comm_rendezvous=True)
+    text = format_timeline(simulate(generate("dualpipe", num_stages=2, num_microbatches=4), cost), width=70)
+    assert text.splitlines()[0].rstrip() == "rank 0 |F0  ....f2  F1  b2      ....f3  &B0     b3      ....I1  W1"
+    assert "&: an F&B pair's second half" in text
+    serial = simulate(generate("dualpipe", num_stages=2, num_microbatches=4, overlap_fb=False), cost)
+    assert "&" not in format_timeline(serial, width=70)
