@@ -10,7 +10,8 @@ bubbles show where they are. 1F1B on 3 ranks and 4 microbatches, f = b = w = 1
     legend: F forward, B backward, . idle, 1 column = 0.5 time units
 
 A box is its op letter and microbatch number, padded with spaces to its
-length; without room for the number only the letter is drawn.
+length; without room for the number only the letter is drawn. The second
+half of an F&B pair (``Schedule.pairs``) is marked ``&``: ``F3&b0``.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def format_timeline(timeline: Timeline, *, width: int = 100, max_ranks: int = 32
     shown = list(range(len(rows)))
     if len(rows) > max_ranks:
         shown = shown[: max_ranks // 2] + [-1] + shown[len(rows) - max_ranks // 2 :]
+    seconds = {b for _, b in schedule.pairs}
     lines = []
     for r in shown:
         if r < 0:
@@ -107,7 +109,8 @@ def format_timeline(timeline: Timeline, *, width: int = 100, max_ranks: int = 32
             s, op, j = e.action
             letter = _LETTERS.get(op, op.value)
             letter = letter if chunk[s] == 0 else letter.lower()
-            boxes.append((e.start, e.end, letter, f"{letter}{j}"))
+            mark = "&" if e.action in seconds else ""
+            boxes.append((e.start, e.end, letter, f"{mark}{letter}{j}"))
         lines.append(f"{f'rank {r}'.ljust(label_width - 2)} |{_render_row(boxes, origin, scale, columns)}")
     lines.append(_legend(timeline, scale, any(c > 0 for c in chunk)))
     return "\n".join(lines)
@@ -118,6 +121,8 @@ def _legend(timeline: Timeline, scale: float, chunked: bool) -> str:
     parts = [f"{_LETTERS.get(op, op.value)} {_NAMES[op]}" for op in _NAMES if op in ops]
     if chunked:
         parts.append("lower case: a later chunk or direction")
+    if timeline.schedule.pairs:
+        parts.append("&: an F&B pair's second half")
     unit = 1 / scale
     parts.append(". idle")
     parts.append(f"1 column = {unit:.3g} time unit{'s' if unit != 1 else ''}")
