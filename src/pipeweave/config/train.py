@@ -127,6 +127,8 @@ class TrainConfig:
                 f"--zero {self.parallel.zero} shards over the --data-parallel replicas and this run has one; give "
                 "--data-parallel 2 or more, or drop --zero"
             )
+        if self.parallel.expert_parallel > 1:
+            _check_expert_parallel(self)
         if self.data.min_seq_len is not None:
             _check_min_seq_len(self, self.data.min_seq_len)
         _check_documents(self)
@@ -265,6 +267,26 @@ def _check_loss_scaling(config: TrainConfig) -> None:
         for f in dataclasses.fields(TrainingConfig):
             if f.name.startswith("loss_scale") and getattr(training, f.name) != getattr(default, f.name):
                 raise UserError(f"{flag_of(f)} applies to --precision fp16; give --precision fp16 or drop it")
+
+
+def _check_expert_parallel(config: TrainConfig) -> None:
+    """--expert-parallel E splits E of the synchronous run's data-parallel replicas' experts among them; the
+    model's own rules (it has experts, E divides them) are the plan's (``runtime.run.resolve``)."""
+    ep, parallel = config.parallel.expert_parallel, config.parallel
+    if parallel.data_parallel % ep:
+        raise UserError(
+            f"--expert-parallel {ep} splits the experts over that many of the --data-parallel "
+            f"{parallel.data_parallel} replicas; give a divisor of {parallel.data_parallel}, or a multiple of {ep} as --data-parallel"
+        )
+    if parallel.zero:
+        raise UserError(
+            f"--zero {parallel.zero} does not shard expert-parallel experts; drop --zero or --expert-parallel"
+        )
+    if config.is_stream:
+        raise UserError(
+            f"--expert-parallel {ep} needs a synchronous schedule (its replicas exchange tokens within one step); "
+            f"{config.schedule.name} is asynchronous: choose e.g. 1f1b"
+        )
 
 
 def _check_applies(config: TrainConfig) -> None:

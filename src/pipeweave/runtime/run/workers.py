@@ -51,6 +51,7 @@ def join_mesh(plan: RunPlan, context: RankContext) -> RankContext:
             plan.config.parallel.data_parallel,
             plan.config.parallel.tensor_parallel,
             context.device,
+            plan.config.parallel.expert_parallel,
         )
     )
 

@@ -1,4 +1,4 @@
-"""The device mesh of a run: data x pipeline x tensor parallelism, and the process groups each needs.
+"""The device mesh of a run: data x pipeline x tensor parallelism (experts split over ``ep``), and its process groups.
 
 A run of P pipeline replicas of a D-rank schedule with N-way tensor
 parallelism has P x D x N processes on one ``torch.distributed.DeviceMesh``
@@ -18,6 +18,15 @@ parallelism, groups of their own for Chimera, GEMS or DualPipe, whose
 replicas share a pipeline). Every process creates every group in one order,
 as ``torch.distributed`` asks. Without tensor parallelism or replicas on
 several ranks no group is created: process and stage rank coincide.
+
+Expert parallelism (``--expert-parallel E``) splits the ``dp`` dimension as
+Megatron-LM and torchtitan do: the E consecutive replicas ``dp = g*E + j``
+(``j < E``) of one (pp, tp) coordinate form an ``ep`` group, each holding
+1/E of every mixture-of-experts layer's experts (``ep`` rank j: the j-th
+share) and exchanging tokens by all-to-all (``stage.expert_parallel``). A
+part's dense parameters are summed over its replica group as before; its
+experts only over the replicas holding the same share, those of one ``j``
+(``Mesh.expert_groups``; none where P = E: each share is held once).
 """
 
 from __future__ import annotations
@@ -48,6 +57,17 @@ class TensorParallel:
     """Activations between the tensor-parallel regions sharded along the sequence (``stage.sequence_parallel``)."""
 
 
+@dataclass(frozen=True)
+class ExpertParallel:
+    """A process's place in its expert-parallel group: the group, its rank in it (which share of the experts it
+    holds), its size E."""
+
+    group: Any
+    """The ``torch.distributed`` process group of the E processes exchanging tokens by all-to-all."""
+    rank: int
+    size: int
+
+
 @dataclass
 class Mesh:
     """One process's coordinates in the run's mesh, and the groups it takes part in."""
@@ -68,6 +88,13 @@ class Mesh:
     it holds them (``schedule.data_parallel``: ranks ``dp*D + pp``)."""
     dp_group: Any = None
     """The processes of this one's (pp, tp) coordinate across the replicas (with ``outside``)."""
+    expert_parallel: int = 1
+    """E: replicas of one (pp, tp) coordinate splitting the experts among them (1: every replica holds all)."""
+    ep_group: Any = None
+    """The E processes of this one's ``ep`` group (E > 1): the experts' all-to-all."""
+    expert_groups: dict[int, Any] = field(default_factory=dict)
+    """Per replicated part on this process (E > 1): the group summing its experts' gradients (the part's
+    replicas holding this process's share), None where no other process holds it."""
 
     @property
     def stage_rank(self) -> int:
@@ -83,6 +110,11 @@ class Mesh:
     def tp_rank(self) -> int:
         return self.process % self.tensor_parallel
 
+    @property
+    def ep_rank(self) -> int:
+        """Which share of the experts this process holds: its place in its ``ep`` group."""
+        return self.dp_rank % self.expert_parallel
+
     def process_of(self, stage_rank: int) -> int:
         """The process of ``stage_rank`` with this process's ``tp`` (and, ``outside``, ``dp``) coordinate."""
         first = self.dp_rank * self.stages if self.outside else 0
@@ -94,6 +126,13 @@ class Mesh:
         if self.tensor_parallel == 1:
             return None
         return TensorParallel(self.tp_group, self.tp_rank, self.tensor_parallel)
+
+    @property
+    def expert_parallel_group(self) -> ExpertParallel | None:
+        """What the stage workers split their experts over (None without expert parallelism)."""
+        if self.expert_parallel == 1:
+            return None
+        return ExpertParallel(self.ep_group, self.ep_rank, self.expert_parallel)
 
 
 def process_pairs(
@@ -131,12 +170,19 @@ def replica_rank_sets(placement: Placement) -> dict[int, tuple[int, ...]]:
 
 
 def build_mesh(
-    process: int, world: int, placement: Placement, data_parallel: int, tensor_parallel: int, device: torch.device
+    process: int,
+    world: int,
+    placement: Placement,
+    data_parallel: int,
+    tensor_parallel: int,
+    device: torch.device,
+    expert_parallel: int = 1,
 ) -> Mesh:
     """This process's ``Mesh``, every group created (a collective call: every process of the run calls it)."""
     ranks = world // tensor_parallel
     outside = placement.num_ranks != ranks  # an asynchronous schedule's replicas, laid out around it
     mesh = Mesh(data_parallel, ranks // data_parallel, tensor_parallel, process, outside=outside)
+    mesh.expert_parallel = expert_parallel
     if tensor_parallel == 1 and not outside and not replica_rank_sets(placement):
         return mesh
     mesh.device_mesh = init_device_mesh(
@@ -152,7 +198,28 @@ def build_mesh(
     created = dict(zip(others, _group_per_tp([list(sets[part]) for part in others], mesh)))
     for part in sets:
         mesh.replica_groups[part] = mesh.device_mesh.get_group("dp") if along_dp[part] else created[part]
+    if expert_parallel > 1:
+        _expert_groups(mesh, sets)
     return mesh
+
+
+def _expert_groups(mesh: Mesh, sets: dict[int, tuple[int, ...]]) -> None:
+    """``mesh``'s ``ep`` group and, per replicated part, the group of its replicas holding this share of the
+    experts (``ep`` coordinate ``dp % E``); every process creates every group, in one order."""
+    E, D = mesh.expert_parallel, mesh.stages
+    ep_sets = [[(g * E + j) * D + pp for j in range(E)] for g in range(mesh.data_parallel // E) for pp in range(D)]
+    mine = mesh.process // mesh.tensor_parallel
+    for ranks, group in zip(ep_sets, _group_per_tp(ep_sets, mesh)):
+        if mine in ranks:
+            mesh.ep_group = group
+    for part, ranks in sets.items():
+        shares = [[r for r in ranks if r // D % E == j] for j in range(E)]
+        held = [share for share in shares if len(share) > 1]
+        for share, group in zip(held, _group_per_tp(held, mesh)):
+            if mine in share:
+                mesh.expert_groups[part] = group
+        if mine in ranks:
+            mesh.expert_groups.setdefault(part, None)
 
 
 def _group_per_tp(stage_rank_sets: list[list[int]], mesh: Mesh) -> list[Any]:
