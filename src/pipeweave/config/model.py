@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pipeweave.config.schema import check_section, option
 from pipeweave.errors import UserError
@@ -20,6 +20,8 @@ TRANSFORMERS = ("gpt", "llama")
 """The built-in decoder-only transformers: an embedding, ``layers`` blocks, a head; tokens in, logits out."""
 SIZES = ("layers", "hidden", "vocab", "heads", "seq_len", "kv_heads", "ffn_hidden")
 """The built-in models' size fields (an entry's layers are its own)."""
+MOE = ("moe_experts", "moe_top_k", "moe_every", "moe_router", "moe_capacity", "moe_aux_loss")
+"""The mixture-of-experts fields (``models.moe``): the gpt's and the llama's."""
 LLAMA_ONLY = ("kv_heads", "ffn_hidden")
 """Fields of the llama alone (the gpt's attention is multi-head, its MLP 4h)."""
 FFN_MULTIPLE = 256
@@ -91,6 +93,23 @@ class ModelSpec:
     """llama only: the SwiGLU MLP's intermediate size. Default: Llama's 2/3 x 4h rounded up to a multiple
     of 256 (11008 at h = 4096, as Llama 2 7B)."""
 
+    moe_experts: int | None = option(None, metavar="E")
+    """gpt and llama: experts per mixture-of-experts layer (``models.moe``: a router sends each token to
+    --moe-top-k of them, each the model's own MLP). Default (or 0): a dense MLP in every block."""
+    moe_top_k: int = option(2, metavar="K")
+    """--moe-experts: experts each token is routed to; their gates renormalised to sum to 1 where K > 1."""
+    moe_every: int = option(1, metavar="N")
+    """--moe-experts: every N-th block has experts (blocks N, 2N, ...), the others a dense MLP."""
+    moe_router: Literal["softmax", "sigmoid"] = option("softmax")
+    """--moe-experts: the router's scores, softmax probabilities (Switch, GShard, Mixtral) or sigmoid scores
+    (DeepSeek-V3)."""
+    moe_capacity: float | None = option(None, metavar="FACTOR")
+    """--moe-experts: each expert takes at most FACTOR x tokens x K / E assignments of a microbatch, the rest
+    dropped (Switch, GShard: first choices served first, in token order). Default: dropless."""
+    moe_aux_loss: float = option(0.01, metavar="COEF")
+    """--moe-experts: weight of the load-balancing auxiliary loss, E x sum over experts of (share of the
+    assignments) x (mean probability) (Switch), added to the objective of every MoE layer; 0: none."""
+
     hf_config: str | None = option(None, metavar="JSON|FILE")
     """``hf:NAME`` only: the model's config fields, a JSON object or a file holding one (``models.hf``)."""
 
@@ -116,6 +135,7 @@ class ModelSpec:
             )
         check_section(self)
         self._check_llama()
+        self._check_moe()
 
     def _check_llama(self) -> None:
         """The llama's own fields: given only to it, the kv heads dividing the heads, an even head width."""
@@ -141,6 +161,32 @@ class ModelSpec:
                 "of features: give --hidden and --heads whose quotient is even"
             )
 
+    def _check_moe(self) -> None:
+        """The mixture-of-experts fields: experts on the gpt or the llama only, top-k among them, sizes >= 1."""
+        if not self.moe_experts:
+            return
+        if self.moe_experts < 0:
+            raise UserError(f"--moe-experts {self.moe_experts} is invalid; give a number of experts >= 1 (0: dense)")
+        if not self.is_transformer:
+            raise UserError(
+                f"--moe-experts {self.moe_experts} applies to --model gpt or llama (their blocks' MLP becomes the "
+                f"experts), not to --model {self.entry or self.kind}; drop --moe-experts or use --model gpt or llama"
+            )
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise UserError(
+                f"--moe-top-k {self.moe_top_k} is invalid for --moe-experts {self.moe_experts}; give a top-k "
+                f"from 1 to {self.moe_experts}"
+            )
+        if self.moe_every < 1:
+            raise UserError(f"--moe-every {self.moe_every} is invalid; give an integer >= 1 (1: every block)")
+        if self.moe_capacity is not None and not self.moe_capacity > 0:
+            raise UserError(
+                f"--moe-capacity {self.moe_capacity} is invalid; give a capacity factor > 0 (e.g. 1.25), or "
+                "leave it out for dropless routing"
+            )
+        if not self.moe_aux_loss >= 0:
+            raise UserError(f"--moe-aux-loss {self.moe_aux_loss} is invalid; give a coefficient >= 0 (0: none)")
+
     @staticmethod
     def check_given(given: dict[str, Any]) -> None:
         """Refuse fields a command line or file gives together that do not go together (``check_given``)."""
@@ -149,13 +195,13 @@ class ModelSpec:
     def unused_fields(self) -> set[str]:
         """Fields that do not apply to this model (an entry's sizes are its own): left out of its TOML."""
         if self.kind == "mlp":
-            return {"vocab", "heads", "seq_len", "tie_embeddings", "hf_config", *LLAMA_ONLY}
+            return {"vocab", "heads", "seq_len", "tie_embeddings", "hf_config", *LLAMA_ONLY, *MOE}
         if self.kind == "gpt":
             return set(LLAMA_ONLY)
         if self.entry is None:
             return set()
         hf = self.entry.startswith("hf:")
-        return {name for name in SIZES + ("tie_embeddings",) if not (hf and name == "seq_len")}
+        return {name for name in SIZES + ("tie_embeddings",) + MOE if not (hf and name == "seq_len")}
 
     @property
     def is_transformer(self) -> bool:
@@ -251,7 +297,7 @@ def check_given(given: dict[str, Any]) -> None:
     hf = entry.startswith("hf:")
     if given.get("hf_config") is not None and not hf:
         raise UserError("--hf-config applies to --model hf:TYPE only; drop it or name a Hugging Face model")
-    sizes = [name for name in SIZES + ("tie_embeddings",) if name in given and not (hf and name == "seq_len")]
+    sizes = [name for name in SIZES + ("tie_embeddings",) + MOE if name in given and not (hf and name == "seq_len")]
     if sizes:
         flag = "--" + sizes[0].replace("_", "-")
         raise UserError(f"{flag} applies to the built-in models; {entry}'s layers are its LayerModel's: drop {flag}")

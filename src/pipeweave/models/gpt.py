@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeweave.models import moe
 from pipeweave.models.layers import Embedding, LayerNorm, Linear
 from pipeweave.models.spec import ModelSpec, layer_generator
 from pipeweave.models.tensor_parallel import check_divisible
@@ -45,18 +46,24 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
+    """``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``; the MLP a mixture of experts of such MLPs where ``spec``
+    gives the block experts (``models.moe``)."""
 
-    def __init__(self, hidden: int, heads: int, *, generator: torch.Generator) -> None:
+    def __init__(self, hidden: int, heads: int, *, generator: torch.Generator, spec: ModelSpec | None = None) -> None:
         super().__init__()
         self.norm1 = LayerNorm(hidden)
         self.attn = Attention(hidden, heads, generator=generator)
         self.norm2 = LayerNorm(hidden)
-        self.up = Linear(hidden, 4 * hidden, generator=generator)
-        self.down = Linear(4 * hidden, hidden, generator=generator)
+        if spec is not None:
+            self.moe = moe.MoE(spec, generator=generator)
+        else:
+            self.up = Linear(hidden, 4 * hidden, generator=generator)
+            self.down = Linear(4 * hidden, hidden, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
+        if hasattr(self, "moe"):
+            return x + self.moe(self.norm2(x))
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
@@ -78,7 +85,8 @@ def build_layer(spec: ModelSpec, index: int, generator: torch.Generator) -> nn.M
         return Embedding(spec.vocab, spec.hidden, spec.seq_len, generator=generator)
     if index == spec.num_layers - 1:
         return tie_head(spec, Head(spec.hidden, spec.vocab, generator=generator))
-    return Block(spec.hidden, spec.heads, generator=generator)
+    experts = spec if moe.is_moe_block(spec, index) else None
+    return Block(spec.hidden, spec.heads, generator=generator, spec=experts)
 
 
 def tie_head(spec: ModelSpec, head: nn.Module) -> nn.Module:
@@ -97,7 +105,8 @@ def selective_plan(layer: nn.Module) -> tuple[str, ...]:
 
 
 def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
-    """One line if ``size`` ranks cannot split the gpt's heads, MLP or vocabulary evenly."""
+    """One line if ``size`` ranks cannot split the gpt's heads, MLP or vocabulary evenly, or it has experts."""
+    moe.check_tensor_parallel(spec, size)
     check_divisible(
         [("--heads", spec.heads), ("--hidden", spec.hidden)]
         + ([] if spec.tie_embeddings else [("the vocabulary", spec.vocab)]),

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeweave.models import moe
 from pipeweave.models.gpt import tie_head
 from pipeweave.models.layers import Embedding, FusedLinear, Linear
 from pipeweave.models.spec import ModelSpec
@@ -81,19 +82,25 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """``x + attn(norm1(x))`` then ``x + down(silu(gate) * up)`` of ``norm2(x)``."""
+    """``x + attn(norm1(x))`` then ``x + down(silu(gate) * up)`` of ``norm2(x)``; a mixture of experts of such
+    MLPs where ``experts`` (``models.moe``)."""
 
-    def __init__(self, spec: ModelSpec, *, generator: torch.Generator) -> None:
+    def __init__(self, spec: ModelSpec, *, generator: torch.Generator, experts: bool = False) -> None:
         super().__init__()
         hidden, ffn = spec.hidden, spec.ffn_width
         self.norm1 = nn.RMSNorm(hidden, eps=NORM_EPS)
         self.attn = Attention(hidden, spec.heads, spec.kv_head_count, generator=generator)
         self.norm2 = nn.RMSNorm(hidden, eps=NORM_EPS)
-        self.gate_up = FusedLinear(hidden, (ffn, ffn), generator=generator)
-        self.down = Linear(ffn, hidden, generator=generator, bias=False)
+        if experts:
+            self.moe = moe.MoE(spec, generator=generator)
+        else:
+            self.gate_up = FusedLinear(hidden, (ffn, ffn), generator=generator)
+            self.down = Linear(ffn, hidden, generator=generator, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
+        if hasattr(self, "moe"):
+            return x + self.moe(self.norm2(x))
         gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)  # this rank's share of each, under TP
         return x + self.down(F.silu(gate) * up)
 
@@ -116,7 +123,7 @@ def build_layer(spec: ModelSpec, index: int, generator: torch.Generator) -> nn.M
         return Embedding(spec.vocab, spec.hidden, None, generator=generator)
     if index == spec.num_layers - 1:
         return tie_head(spec, Head(spec.hidden, spec.vocab, generator=generator))
-    return Block(spec, generator=generator)
+    return Block(spec, generator=generator, experts=moe.is_moe_block(spec, index))
 
 
 def selective_plan(layer: nn.Module) -> tuple[str, ...]:
@@ -127,7 +134,8 @@ def selective_plan(layer: nn.Module) -> tuple[str, ...]:
 
 def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
     """One line if ``size`` ranks cannot split the llama's query heads, key/value heads, MLP or vocabulary
-    evenly."""
+    evenly, or it has experts."""
+    moe.check_tensor_parallel(spec, size)
     check_divisible(
         [("--heads", spec.heads), ("--kv-heads", spec.kv_head_count), ("--ffn-hidden", spec.ffn_width)]
         + ([] if spec.tie_embeddings else [("the vocabulary", spec.vocab)]),

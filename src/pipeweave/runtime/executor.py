@@ -136,6 +136,7 @@ class Executor:
         self._data: Sequence[Boundary] = ()
         self._targets: Sequence[Boundary] = ()
         self._losses: list[torch.Tensor] = []
+        self._aux_losses: list[torch.Tensor] = []  # MoE stages' other than the last (models.moe)
         # Asynchronous schedules: the policy, and every microbatch's loss, for per-mini-batch losses.
         self.policy = policy
         self.losses_by_microbatch: dict[int, torch.Tensor] = {}
@@ -253,7 +254,7 @@ class Executor:
         scaled microbatch losses computed here; summed over ranks it is the
         mini-batch mean loss.
         """
-        self._data, self._targets, self._losses = data, targets, []
+        self._data, self._targets, self._losses, self._aux_losses = data, targets, [], []
         self._prepared = False
         self.p2p.begin_step()
         self.replicas.begin_step()
@@ -287,7 +288,8 @@ class Executor:
         self.step_memory = timer.step_memory()
         if self._inputs or self._outputs or self._grads_in or self._grads_out:  # pragma: no cover
             raise RuntimeError(f"rank {self.rank}: tensors left over at the end of a step")
-        loss = float(torch.stack(self._losses).sum()) if self._losses else 0.0
+        shares = self._losses + self._aux_losses
+        loss = float(torch.stack(shares).sum()) if shares else 0.0
         self.step_loss = None if self.agreement is None else self.agreement.total()
         return loss, records
 
@@ -347,11 +349,21 @@ class Executor:
             if self.agreement is not None:
                 self.agreement.loss_added(self._losses)
             if self.policy is not None:
-                self.losses_by_microbatch[j] = loss
-        elif self.placement.stage_rank[nxt] == self.rank:
-            self._inputs[(nxt, j)] = out  # a neighbour on this rank: no message
+                self.losses_by_microbatch[j] = self.losses_by_microbatch.get(j, 0) + loss
         else:
-            self._outputs[(s, j)] = out
+            self._aux_loss(j, worker.take_aux_loss())
+            if self.placement.stage_rank[nxt] == self.rank:
+                self._inputs[(nxt, j)] = out  # a neighbour on this rank: no message
+            else:
+                self._outputs[(s, j)] = out
+
+    def _aux_loss(self, j: int, aux: torch.Tensor | None) -> None:
+        """A stage's MoE auxiliary losses (``models.moe``), not the last: part of this rank's share of the loss."""
+        if aux is None:
+            return
+        self._aux_losses.append(aux)
+        if self.policy is not None:
+            self.losses_by_microbatch[j] = self.losses_by_microbatch.get(j, 0) + aux
 
     def backward(self, a: Action) -> None:
         self._backward(a, self.workers[a.stage].backward)

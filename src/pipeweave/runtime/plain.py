@@ -12,6 +12,7 @@ from pipeweave.data import DataSource, data_source, step_microbatches
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary, num_samples
 from pipeweave.models.build import build_layers
+from pipeweave.models.moe import AuxLosses, attach_aux_losses
 from pipeweave.models.precision import autocast
 from pipeweave.models.precision import check as precision_check
 from pipeweave.models.randomness import is_keyed, run_keyed
@@ -57,7 +58,8 @@ def run_plain(
 
     Each microbatch's loss is scaled by its share of the mini-batch, so the
     accumulated gradient is the mini-batch mean loss's gradient whatever the
-    split (the last microbatch may be smaller).
+    split (the last microbatch may be smaller). A mixture of experts' auxiliary
+    losses are scaled alike and are part of the loss (``models.moe``).
 
     Args:
         spec: the model (its seed fixes the initialisation).
@@ -87,6 +89,7 @@ def run_plain(
     precision_check(precision)
     model = nn.ModuleDict({str(i): layer for i, layer in enumerate(build_layers(spec, range(spec.num_layers)))})
     optimizer = (optimizer_factory or sgd())(list(model.parameters()))
+    aux = attach_aux_losses(model, batch_size)
     loss = loss_fn(spec)
     source = data if data is not None else data_source(spec, batch_size=batch_size, seed=seed)
     if precision == "fp16" and scaler is None:
@@ -95,7 +98,7 @@ def run_plain(
     for step in range(steps):
         pairs = zip(*step_microbatches(source, step, num_microbatches))
         step_losses = [
-            _microbatch_loss(model, spec, loss, x, target, batch_size, precision, step, j, scaler)
+            _microbatch_loss(model, spec, loss, x, target, batch_size, precision, step, j, scaler) + _taken(aux)
             for j, (x, target) in enumerate(pairs)
         ]
         losses.append(sum(step_losses))
@@ -104,6 +107,12 @@ def run_plain(
         _step(optimizer, list(model.parameters()), scaler if precision == "fp16" else None, clip_grad_norm)
         optimizer.zero_grad(set_to_none=True)
     return TrainResult(losses, {k: p.detach().clone() for k, p in model.named_parameters()})
+
+
+def _taken(aux: AuxLosses) -> float:
+    """The auxiliary losses of the microbatch just run (0 without experts)."""
+    value = aux.take()
+    return 0.0 if value is None else value.item()
 
 
 def _step(

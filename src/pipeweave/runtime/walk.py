@@ -117,9 +117,12 @@ class Walk:
             x = self.inputs[j] if prev is None else self.outputs.pop((prev, j))
             out = worker.forward(j, x, self.targets[j] if nxt is None else None)
             if nxt is None:
-                self.losses[j] = cast(torch.Tensor, out).item()
+                self.losses[j] = self.losses.get(j, 0.0) + cast(torch.Tensor, out).item()
             else:
                 self.outputs[(s, j)] = out
+                aux = worker.take_aux_loss()  # an MoE stage's share of the objective (models.moe)
+                if aux is not None:
+                    self.losses[j] = self.losses.get(j, 0.0) + aux.item()
             self.forwarded.add((s, j))
         elif op.computes_input_grad:
             grad_output = None if nxt is None else self.grads.pop((nxt, j))

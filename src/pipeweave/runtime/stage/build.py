@@ -39,6 +39,7 @@ from torch import nn
 from pipeweave.errors import UserError
 from pipeweave.models.build import build_layers
 from pipeweave.models.layers import Deferrable, WeightGradStore
+from pipeweave.models.moe import AuxLosses, attach_aux_losses
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.stage.compiled import compile_layers
 from pipeweave.runtime.stage.memory import ActivationMeter
@@ -126,6 +127,8 @@ class Stage:
     """Counts the activation bytes held for backwards, parameters left out (``place`` makes it)."""
     compress: bool = False
     stashing: bool = False
+    aux_losses: AuxLosses = field(default_factory=AuxLosses)
+    """The auxiliary losses its MoE layers computed (``models.moe``), each scaled by its microbatch's share."""
 
     # What the steps of a run read of a stage, as they read it of a built worker.
     @property
@@ -184,13 +187,14 @@ def apply_recompute(stage: Stage, options: StageOptions) -> None:
 
 
 def place(stage: Stage, options: StageOptions) -> None:
-    """The layers on the device, named by layer index; deferrable layers given the stage's W store; the
-    activation meter, which counts every storage but the parameters'."""
+    """The layers on the device, named by layer index; deferrable layers given the stage's W store, MoE layers
+    its auxiliary losses' record; the activation meter, which counts every storage but the parameters'."""
     stage.module = nn.ModuleDict({str(i): layer for i, layer in zip(options.layer_indices, stage.layers)})
     stage.module.to(options.device)
     for m in stage.module.modules():
         if isinstance(m, Deferrable):
             m.grad_store = stage.store
+    stage.aux_losses = attach_aux_losses(stage.module, options.batch_size)
     stage.meter = ActivationMeter({p.untyped_storage().data_ptr() for p in stage.module.parameters()})
 
 

@@ -24,7 +24,11 @@ Tensors in and out (microbatch ``mb`` is the IR's microbatch index):
   (send it to the next stage as is). On the last stage pass ``target`` (the
   microbatch's slice of the targets); it returns the microbatch's loss scaled
   by its share of the mini-batch, ``mean_loss * b / batch_size``, detached:
-  the sum over microbatches is the mini-batch mean loss.
+  the sum over microbatches is the mini-batch mean loss. A mixture of
+  experts' auxiliary losses (``models.moe``) are part of the objective on
+  the stage that computes them: the last stage's are added to the loss it
+  returns; another stage's are ``take_aux_loss()`` after its F (the
+  executors add them to the loss they report).
 - ``backward(mb, grad_output)`` (B) / ``backward_input(mb, grad_output)`` (I):
   ``grad_output`` is the gradient of this stage's output received from the
   next stage; on the last stage None (the loss is the root) or the gradient
@@ -206,6 +210,8 @@ class StageWorker(Sealed, Metered):
         self._buffers = list(self.module.buffers())  # running statistics, left as F left them by a replay
         # Saved tensors in bfloat16 from F to the backward; what autograd saves kept per microbatch (stage.levers).
         self.compress, self.stashing = stage.compress, stage.stashing
+        self.aux_losses = stage.aux_losses
+        self._aux_loss: torch.Tensor | None = None
         self._sealed = True
 
     @property
@@ -235,6 +241,7 @@ class StageWorker(Sealed, Metered):
             raise RuntimeError("the last stage needs the microbatch's target to compute the loss")
         x = boundary.apply(self._input, x)
         target = None if target is None else boundary.apply(own, target)
+        self.aux_losses.take()  # nothing but this F's
         if self.recompute == "full":
             with torch.no_grad():
                 out = self._run(x, target, mb, self.steps_done)
@@ -246,7 +253,22 @@ class StageWorker(Sealed, Metered):
             held = [self._hold(t) for t in tensors(x)] + [self._hold(t) for t in tensors(out)]
             record = _Microbatch(x, out, target, held, self.steps_done, saved)
         self._saved[mb] = record
-        return boundary.apply(torch.Tensor.detach, out)
+        return self._with_aux_loss(boundary.apply(torch.Tensor.detach, out))
+
+    def _with_aux_loss(self, out: Boundary) -> Boundary:
+        """The last stage's loss with its MoE layers' auxiliary losses added; another stage keeps them for
+        ``take_aux_loss``."""
+        aux = self.aux_losses.take()
+        if not self.is_last:
+            self._aux_loss = aux
+            return out
+        return out if aux is None else out + aux  # type: ignore[operator]
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """The auxiliary losses (scaled, detached) of the last F on a stage other than the last, once; None
+        where it has no MoE layer (the last stage's are inside the loss its F returns)."""
+        aux, self._aux_loss = self._aux_loss, None
+        return aux
 
     def _input(self, t: torch.Tensor) -> torch.Tensor:
         t = own(t.detach())
@@ -264,6 +286,7 @@ class StageWorker(Sealed, Metered):
                 return self._run(x, target, None, self.steps_done)
         finally:
             self.module.train()
+            self.aux_losses.take()  # an evaluation reports the model's loss alone
 
     def _run(self, x: Boundary, target: Boundary | None, mb: int | None, step: int) -> Boundary:
         with autocast(self.precision, self.device):
@@ -319,6 +342,7 @@ class StageWorker(Sealed, Metered):
             kept = [b.clone() for b in self._buffers]  # F already updated the running statistics
             with torch.enable_grad(), self._hooks():
                 out = self._run(record.input, record.target, mb, record.step)
+            self.aux_losses.take()  # F recorded them
         if not self.is_last and grad_output is None:
             raise RuntimeError("a backward on a stage other than the last needs grad_output")
         self.store.deferring = defer
