@@ -6,6 +6,8 @@ the run, nothing patched afterwards. In order (``stage.build.STEPS``, then ``RUN
 
     stage.build.split_layers           the part's layers, from the model's seed: plain training's
     stage.build.apply_tensor_parallel  cut over the process's tp group (--tensor-parallel, --sequence-parallel)
+    stage.build.apply_expert_parallel  the MoE layers' share of the experts of the process's ep group
+                                       (--expert-parallel)
     stage.build.apply_recompute        selective recomputation (--recompute)
     stage.build.place                  on the device, the W store wired in, the activation meter
     stage.build.apply_memory_levers    compressed saved tensors (--compress-activations); kept per microbatch
@@ -147,6 +149,7 @@ def _options(
         device=device,
         precision=config.training.precision,
         tensor_parallel=tp,
+        expert_parallel=None if context.mesh is None else context.mesh.expert_parallel_group,
         compress=config.memory.compress_activations is not None,
         stashing=any(a.op.is_memory and a.stage == s for a in row),
         steps_done=plan.steps_done,

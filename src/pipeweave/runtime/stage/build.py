@@ -6,6 +6,7 @@ the order they run::
 
     split_layers            the part's layers, initialised from (seed, layer index): plain training's
     apply_tensor_parallel   each layer cut over the process's tp group by the model's plan
+    apply_expert_parallel   each MoE layer's share of the experts kept, tokens sent to them by all-to-all
     apply_recompute         selective recomputation: the model's named submodules checkpointed
     place                   the layers on the device, the deferred weight gradients' store wired in
     apply_compile           --compile: each layer through torch.compile, the split backward kept
@@ -42,6 +43,7 @@ from pipeweave.models.layers import Deferrable, WeightGradStore
 from pipeweave.models.moe import AuxLosses, attach_aux_losses
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.stage.compiled import compile_layers
+from pipeweave.runtime.stage.expert_parallel import ExpertParallel, shard_experts
 from pipeweave.runtime.stage.memory import ActivationMeter
 from pipeweave.runtime.stage.selective import checkpoint_submodules
 from pipeweave.runtime.stage.shards import Shards
@@ -70,6 +72,8 @@ class StageOptions:
     track_memory: bool = True
     precision: str = "fp32"
     tensor_parallel: TensorParallel | None = None
+    expert_parallel: ExpertParallel | None = None
+    """The ``ep`` group the MoE layers' experts are split over (``stage.expert_parallel``); None: all here."""
     compress: bool = False
     stashing: bool = False
     steps_done: int = 0
@@ -179,6 +183,14 @@ def apply_tensor_parallel(stage: Stage, options: StageOptions) -> None:
         stage.layers = split_over_tp(options.spec, list(options.layer_indices), stage.layers, tp)
 
 
+def apply_expert_parallel(stage: Stage, options: StageOptions) -> None:
+    """Each MoE layer keeps its ``ep`` rank's share of the experts, tokens exchanged by all-to-all
+    (``stage.expert_parallel``)."""
+    if options.expert_parallel is not None:
+        for layer in stage.layers:
+            shard_experts(layer, options.expert_parallel)
+
+
 def apply_recompute(stage: Stage, options: StageOptions) -> None:
     """Selective recomputation: the submodules the model names replay at the backward (``stage.selective``).
     Full recomputation is the worker's F itself (it keeps only the stage input)."""
@@ -220,6 +232,7 @@ def apply_optimizer(stage: Stage, options: StageOptions) -> None:
 STEPS: tuple[StageStep, ...] = (
     split_layers,
     apply_tensor_parallel,
+    apply_expert_parallel,
     apply_recompute,
     place,
     apply_compile,

@@ -37,10 +37,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeweave.errors import UserError
+from pipeweave.models.moe import LocalDispatch, MoE, Routing
 from pipeweave.runtime.transport.all_to_all import all_to_all, exchange_counts
 from pipeweave.runtime.transport.mesh import ExpertParallel
 
-__all__ = ["ExpertDispatch", "ExpertParallel", "ExpertTraffic", "is_expert", "mark_expert"]
+__all__ = [
+    "AllToAllDispatch",
+    "ExpertDispatch",
+    "ExpertParallel",
+    "ExpertShare",
+    "ExpertTraffic",
+    "is_expert",
+    "mark_expert",
+    "shard_experts",
+    "traffic_of",
+]
 
 
 def mark_expert(module: nn.Module) -> None:
@@ -163,3 +175,71 @@ def _by_expert(received: torch.Tensor) -> torch.Tensor:
     target = lengths.cumsum(0) - lengths  # each segment's start in the expert-major order
     shift = torch.repeat_interleave(starts - target, lengths, output_size=total)
     return torch.arange(total, device=received.device) + shift
+
+
+@dataclass(frozen=True)
+class _Handles:
+    local: Any
+    exchange: _Handle
+
+
+class AllToAllDispatch:
+    """The MoE layer's dispatcher across an ``ep`` group (``models.moe``'s seam): the local grouping by expert
+    (``LocalDispatch``) over every expert of the layer, then the all-to-all to the experts' ranks; ``combine``
+    the reverse all-to-all, then the gates' weighted sum."""
+
+    def __init__(self, ep: ExpertParallel, num_experts: int, traffic: ExpertTraffic) -> None:
+        self.grouping = LocalDispatch(num_experts)
+        self.exchange = ExpertDispatch(ep, num_experts, traffic)
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, list[int], _Handles]:
+        rows, counts, local = self.grouping.dispatch(x, routing)
+        mine, per_expert, handle = self.exchange.dispatch(rows, torch.tensor(counts, device=x.device))
+        return mine, per_expert.tolist(), _Handles(local, handle)
+
+    def combine(self, y: torch.Tensor, handle: _Handles) -> torch.Tensor:
+        return self.grouping.combine(self.exchange.combine(y, handle.exchange), handle.local)
+
+
+class ExpertShare(nn.Module):
+    """One ``ep`` rank's share of a layer's experts, named by their index in the whole layer (``local.<e>``, as
+    ``models.moe.Experts`` names them all), so that its parameters are plain training's by name."""
+
+    def __init__(self, experts: dict[int, nn.Module]) -> None:
+        super().__init__()
+        self.local = nn.ModuleDict({str(e): expert for e, expert in experts.items()})
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows grouped by local expert (``counts`` each) -> their outputs, in that order (an expert with no row
+        runs on none: its gradient is zero)."""
+        return torch.cat([expert(chunk) for expert, chunk in zip(self.local.values(), rows.split(counts))])
+
+
+def shard_experts(layer: nn.Module, ep: ExpertParallel) -> None:
+    """Keep ``ep``'s share of the experts of every ``MoE`` under ``layer`` (built whole, plain training's
+    weights), mark them (``is_expert``) and give each layer the all-to-all dispatcher.
+
+    Raises:
+        UserError: a layer's experts do not split evenly over the ``ep`` group.
+    """
+    for moe in [m for m in layer.modules() if isinstance(m, MoE)]:
+        num = len(moe.experts.local)
+        if num % ep.size:
+            raise UserError(
+                f"--moe-experts {num} do not split over --expert-parallel {ep.size}; give a number of experts "
+                f"divisible by {ep.size}, or an --expert-parallel dividing {num}"
+            )
+        share = num // ep.size
+        ids = range(ep.rank * share, (ep.rank + 1) * share)
+        moe.experts = ExpertShare({e: moe.experts.local[e] for e in ids})
+        mark_expert(moe.experts)
+        moe.dispatcher = AllToAllDispatch(ep, num, ExpertTraffic())
+
+
+def traffic_of(module: nn.Module) -> dict[str, ExpertTraffic]:
+    """The traffic counters of ``module``'s expert-parallel MoE layers, by the layer's name."""
+    return {
+        name: m.dispatcher.exchange.traffic
+        for name, m in module.named_modules()
+        if isinstance(m, MoE) and isinstance(m.dispatcher, AllToAllDispatch)
+    }
