@@ -30,6 +30,7 @@ from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
 from pipeweave.runtime.run.prepare import prepare
 from pipeweave.runtime.run.record import RunRecord
+from pipeweave.runtime.run.resolve import resolve
 from pipeweave.runtime.stage.post_validation import PostValidation
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -162,3 +163,9 @@ def test_expert_parallelism_the_model_refuses_is_one_line(model: ModelSpec, mess
     with pytest.raises(UserError, match=message) as caught:
         prepare(config)
     assert "\n" not in str(caught.value)
+
+
+def test_the_command_lines_configuration_resolves_with_expert_parallelism() -> None:
+    """``resolve`` finds the parts on one replica (``--data-parallel 1``): expert parallelism goes with it."""
+    config = resolve(train_config(model=GPT, data_parallel=2, expert_parallel=2, num_microbatches=2, batch_size=8))
+    assert config.parallel.expert_parallel == 2
