@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipeweave.config import ModelSpec, TrainConfig
 from pipeweave.config.cli import add_arguments, from_arguments
 from pipeweave.errors import UserError
-from pipeweave.models.build import build_layers
+from pipeweave.models.build import build_layers, tensor_parallel_plan
 from pipeweave.models.moe import MoE, Routing, attach_aux_losses
 from pipeweave.runtime.run.prepare import prepare
 from pipeweave.runtime.stage.worker import StageWorker
@@ -186,9 +186,23 @@ def test_bad_options_are_one_line_naming_the_value(fields: dict[str, object], wo
     assert words in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_experts_refuse_tensor_parallelism_in_one_line() -> None:
-    with pytest.raises(UserError, match="--moe-experts 4 does not combine with --tensor-parallel 2") as caught:
-        prepare(train_config(model=GPT, num_stages=2, tensor_parallel=2, batch_size=4))
+def test_experts_split_over_tensor_parallel_ranks_as_the_dense_mlp() -> None:
+    """Each expert's plan is the dense block's MLP plan under its name; the router stays whole."""
+    for spec in (GPT, LLAMA):
+        dense_spec = dataclasses.replace(spec, moe_experts=None)
+        dense = tensor_parallel_plan(dense_spec, 1, build_layers(dense_spec, [1])[0])
+        plan = tensor_parallel_plan(spec, 1, build_layers(spec, [1])[0])
+        mlp = {k: v for k, v in dense.items() if not k.startswith("attn.")}
+        assert plan == {
+            **{k: v for k, v in dense.items() if k.startswith("attn.")},
+            **{f"moe.experts.local.{e}.{k}": v for e in range(4) for k, v in mlp.items()},
+        }
+
+
+def test_experts_refuse_sequence_parallelism_in_one_line() -> None:
+    config = train_config(model=GPT, num_stages=2, tensor_parallel=2, sequence_parallel=True, batch_size=4)
+    with pytest.raises(UserError, match="--sequence-parallel with --moe-experts 4 is not supported") as caught:
+        prepare(config)
     assert "\n" not in str(caught.value)
 
 

@@ -33,7 +33,7 @@ STARVED = ModelSpec(kind="llama", layers=2, hidden=16, heads=2, seq_len=2, ffn_h
 
 
 def _config(spec: ModelSpec, schedule: str, t: int = 4, **rest: object) -> TrainConfig:
-    return train_config(
+    fields: dict[str, object] = dict(
         schedule=schedule,
         num_stages=2,
         num_microbatches=t,
@@ -41,8 +41,8 @@ def _config(spec: ModelSpec, schedule: str, t: int = 4, **rest: object) -> Train
         batch_size=2 * t - 1,  # uneven microbatches: each auxiliary loss weighted by its share
         steps=STEPS,
         collect_parameters=True,
-        **rest,
     )
+    return train_config(**{**fields, **rest})  # type: ignore[arg-type]
 
 
 CASES = {
@@ -51,6 +51,13 @@ CASES = {
     "gpt-dualpipe-v": _config(dataclasses.replace(GPT, moe_router="sigmoid"), "dualpipe-v"),
     "llama-starved-1f1b-recompute": _config(STARVED, "1f1b", t=4, recompute="full"),
     "gpt-capacity-zb-h1-adamw": _config(dataclasses.replace(GPT, moe_capacity=1.0), "zb-h1", optimizer="adamw"),
+}
+
+
+PARALLEL = {  # 4 processes: experts split over 2 tensor-parallel ranks as the dense MLP is; 2 data-parallel replicas
+    "tp-pp-gpt-1f1b": _config(GPT, "1f1b", tensor_parallel=2),
+    "tp-pp-llama-zb-h1-starved": _config(dataclasses.replace(STARVED, seq_len=4), "zb-h1", tensor_parallel=2),
+    "dp-pp-gpt-zb-h1": _config(GPT, "zb-h1", data_parallel=2, batch_size=15),
 }
 
 
@@ -65,8 +72,8 @@ def records() -> dict[str, RunRecord]:
 
 
 def _plain(config: TrainConfig) -> TrainResult:
-    """Plain training of the run's model, batch and optimizer."""
-    t, factory = config.num_microbatches, optimizer_factory(config)
+    """Plain training of the run's model, batch and optimizer (every replica's microbatches in one process)."""
+    t, factory = config.num_microbatches * config.data_parallel, optimizer_factory(config)
     return run_plain(
         config.model, steps=STEPS, batch_size=config.batch_size, num_microbatches=t, optimizer_factory=factory
     )
@@ -86,6 +93,20 @@ def test_moe_on_two_ranks_equals_plain_training(records: dict[str, RunRecord], c
     assert set(final) == set(plain.parameters) and any(".moe.experts." in name for name in final)
     for name, value in final.items():
         torch.testing.assert_close(value, plain.parameters[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_moe_with_tensor_and_data_parallelism_equals_plain_training() -> None:
+    ran = launch(_run_all, list(PARALLEL.values()), 4, LaunchOptions(timeout_s=120))
+    for (case, config), record in zip(PARALLEL.items(), ran):
+        assert record is not None
+        plain, final = _plain(config), _final(record)
+        torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=0, msg=case)
+        assert set(final) == set(plain.parameters), case
+        for name, value in final.items():
+            torch.testing.assert_close(value, plain.parameters[name], rtol=1e-5, atol=1e-6, msg=f"{case}: {name}")
 
 
 @pytest.mark.distributed

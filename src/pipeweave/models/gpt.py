@@ -105,8 +105,7 @@ def selective_plan(layer: nn.Module) -> tuple[str, ...]:
 
 
 def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
-    """One line if ``size`` ranks cannot split the gpt's heads, MLP or vocabulary evenly, or it has experts."""
-    moe.check_tensor_parallel(spec, size)
+    """One line if ``size`` ranks cannot split the gpt's heads, MLP (or experts) or vocabulary evenly."""
     check_divisible(
         [("--heads", spec.heads), ("--hidden", spec.hidden)]
         + ([] if spec.tie_embeddings else [("the vocabulary", spec.vocab)]),
@@ -116,9 +115,10 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
 
 def tensor_parallel_plan(spec: ModelSpec, layer: nn.Module) -> dict[str, str]:
     """Megatron's split of a gpt layer (``models.tensor_parallel``): attention by heads, the MLP column then
-    row, the head by vocabulary. The embedding stays whole on every rank; so does a head tied to it."""
+    row (each expert's alike), the head by vocabulary. The embedding stays whole on every rank; so does a head tied to it."""
     if isinstance(layer, Block):
-        return {"attn.qkv": "colwise_qkv", "attn.proj": "rowwise", "up": "colwise", "down": "rowwise"}
+        mlp = moe.tensor_parallel_plan(layer.moe) if hasattr(layer, "moe") else {"up": "colwise", "down": "rowwise"}
+        return {"attn.qkv": "colwise_qkv", "attn.proj": "rowwise", **mlp}
     if isinstance(layer, Head) and not spec.tie_embeddings:
         return {"out": "colwise_gather"}
     return {}

@@ -134,8 +134,7 @@ def selective_plan(layer: nn.Module) -> tuple[str, ...]:
 
 def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
     """One line if ``size`` ranks cannot split the llama's query heads, key/value heads, MLP or vocabulary
-    evenly, or it has experts."""
-    moe.check_tensor_parallel(spec, size)
+    evenly (each expert's MLP as the dense one)."""
     check_divisible(
         [("--heads", spec.heads), ("--kv-heads", spec.kv_head_count), ("--ffn-hidden", spec.ffn_width)]
         + ([] if spec.tie_embeddings else [("the vocabulary", spec.vocab)]),
@@ -148,7 +147,12 @@ def tensor_parallel_plan(spec: ModelSpec, layer: nn.Module) -> dict[str, str]:
     the MLP's gate and up column-wise and its down projection row-wise, the head by vocabulary. The embedding
     stays whole on every rank; so does a head tied to it."""
     if isinstance(layer, Block):
-        return {"attn.qkv": "colwise_fused", "attn.proj": "rowwise", "gate_up": "colwise_fused", "down": "rowwise"}
+        mlp = (
+            moe.tensor_parallel_plan(layer.moe)
+            if hasattr(layer, "moe")
+            else {"gate_up": "colwise_fused", "down": "rowwise"}
+        )
+        return {"attn.qkv": "colwise_fused", "attn.proj": "rowwise", **mlp}
     if isinstance(layer, Head) and not spec.tie_embeddings:
         return {"out": "colwise_gather"}
     return {}

@@ -49,7 +49,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeweave.config.model import ModelSpec
-from pipeweave.errors import UserError
 from pipeweave.models.layers import FusedLinear, Linear
 
 
@@ -182,6 +181,9 @@ class LocalDispatch:
 class GeluExpert(nn.Module):
     """The gpt's MLP: ``down(gelu(up(x)))``, 4h wide."""
 
+    TP_PLAN = {"up": "colwise", "down": "rowwise"}
+    """Its tensor-parallel split, the dense MLP's (``models.tensor_parallel``)."""
+
     def __init__(self, hidden: int, *, generator: torch.Generator) -> None:
         super().__init__()
         self.up = Linear(hidden, 4 * hidden, generator=generator)
@@ -193,6 +195,9 @@ class GeluExpert(nn.Module):
 
 class SwiGLUExpert(nn.Module):
     """The llama's MLP: ``down(silu(gate) * up)``, ``ffn`` wide."""
+
+    TP_PLAN = {"gate_up": "colwise_fused", "down": "rowwise"}
+    """Its tensor-parallel split, the dense MLP's (``models.tensor_parallel``)."""
 
     def __init__(self, hidden: int, ffn: int, *, generator: torch.Generator) -> None:
         super().__init__()
@@ -272,10 +277,11 @@ def is_moe_block(spec: ModelSpec, index: int) -> bool:
     return moe_experts(spec) > 0 and index % spec.moe_every == 0
 
 
-def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
-    """One line: experts are not split over tensor-parallel ranks."""
-    if moe_experts(spec) and size > 1:
-        raise UserError(
-            f"--moe-experts {spec.moe_experts} does not combine with --tensor-parallel {size} (experts are not "
-            "split over tensor-parallel ranks); give --tensor-parallel 1"
-        )
+def tensor_parallel_plan(moe: MoE, prefix: str = "moe.") -> dict[str, str]:
+    """Megatron's split of each expert, as of the dense MLP (``models.tensor_parallel``); the router stays whole
+    on every rank, so every rank routes alike and runs each expert's share on the same rows."""
+    return {
+        f"{prefix}experts.local.{i}.{name}": style
+        for i, expert in enumerate(moe.experts.local)
+        for name, style in expert.TP_PLAN.items()
+    }

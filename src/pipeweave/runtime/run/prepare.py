@@ -311,6 +311,7 @@ def _check_sequence_parallel(config: TrainConfig) -> None:
         (config.parallel.zero, f"--zero {config.parallel.zero}"),
         (spec.tie_embeddings, "--tie-embeddings"),
         (config.data.min_seq_len is not None, "--min-seq-len"),
+        (bool(spec.moe_experts), f"--moe-experts {spec.moe_experts}"),  # an expert's rows are no sequence shard
     ):
         if on:
             raise UserError(f"--sequence-parallel with {flag} is not supported; drop one of them")
