@@ -5,7 +5,8 @@ processes: each process holds 2 of every layer's experts, tokens exchanged by al
 group), 1F1B, ZB-H1 (the experts' W deferred) and DualPipe-V (two stages of the V on each rank, replicas
 inside the pipeline) give plain training's losses and final weights; so does ``--data-parallel 4`` with
 ``--expert-parallel 2`` on one stage, where each share of the experts is held twice and summed over its own
-group of 2, and is clipped to the same global norm. A router that leaves experts without a token (8 experts, one token per microbatch and rank) still
+group of 2, and is clipped to the same global norm; so does EP = 2 with TP = 2 (each expert split over
+``tp`` as the dense MLP is, each ``tp`` coordinate exchanging its shards' tokens). A router that leaves experts without a token (8 experts, one token per microbatch and rank) still
 trains, replayed under recomputation: no hang, those experts' gradients zero. Tolerance as
 ``test_parallel_3d``'s: float32 reduction order, rtol 1e-5.
 """
@@ -68,6 +69,8 @@ CASES = {
     # --clip-grad-norm by one all-reduce: each share of the experts counted once, on its first holder.
     "gpt-dp4-1f1b-clip": _config(GPT, "1f1b", dp=4, stages=1, post_validation=PostValidation(max_norm=0.5)),
     "llama-starved-1f1b-recompute": _config(STARVED, "1f1b", recompute="full"),
+    # With tensor parallelism: each tp coordinate its own ep group, its experts' shards exchanging tokens.
+    "llama-tp2-zb-h1": _config(LLAMA, "zb-h1", stages=1, tensor_parallel=2),
 }
 
 
