@@ -3,6 +3,7 @@ process computing every expert on every token; uneven splits, an expert without 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from pipeweave.runtime.transport.all_to_all import all_to_all
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
 EXPERTS, HIDDEN = 4, 3
+DELAY_S = 0.25
 
 
 def _tokens(rank: int, routes: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,9 +37,23 @@ def _apply(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> tor
     return torch.einsum("nh,nho->no", x, weights[experts])
 
 
-def _through_experts(context: RankContext, routes: list[list[int]]) -> list[Any] | None:
+class _Slower:
+    """A posted exchange's work, completing ``DELAY_S`` after it has (``RankContext.delayed``'s part)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self) -> bool:
+        self.work.wait()
+        time.sleep(DELAY_S)
+        return True
+
+
+def _through_experts(context: RankContext, payload: tuple[list[list[int]], bool]) -> list[Any] | None:
     rank = context.process
-    dispatch = ExpertDispatch(ExpertParallel(dist.group.WORLD, rank, 2), EXPERTS, ExpertTraffic())
+    routes, slower = payload
+    ep = ExpertParallel(dist.group.WORLD, rank, 2, delayed=_Slower if slower else None)
+    dispatch = ExpertDispatch(ep, EXPERTS, ExpertTraffic())
     x, experts = _tokens(rank, routes)
     x.requires_grad_(True)
     mine = _weights()[dispatch.first : dispatch.first + dispatch.local].clone().requires_grad_(True)
@@ -48,7 +64,8 @@ def _through_experts(context: RankContext, routes: list[list[int]]) -> list[Any]
     y = dispatch.combine(_apply(rows, local, mine), handle)
     out = torch.empty_like(y).index_copy(0, order, y)
     out.pow(2).sum().backward()
-    result = (rank, out.detach(), x.grad, mine.grad, dispatch.traffic.rows, dispatch.traffic.calls)
+    traffic = dispatch.traffic
+    result = (rank, out.detach(), x.grad, mine.grad, traffic.rows, traffic.calls, traffic.seconds)
     gathered: list[Any] | None = [None] * 2 if rank == 0 else None
     dist.gather_object(result, gathered, dst=0)
     return gathered
@@ -75,10 +92,21 @@ def _plain(routes: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, to
     ],
 )
 def test_dispatch_and_combine_equal_every_expert_in_one_process(routes: list[list[int]]) -> None:
-    results = launch(_through_experts, routes, 2, LaunchOptions(timeout_s=60))
+    _check(routes, launch(_through_experts, (routes, False), 2, LaunchOptions(timeout_s=60)))
+
+
+def test_an_injected_delay_slows_each_exchange_and_changes_nothing_else() -> None:
+    """``ExpertParallel.delayed`` (the run's ``RankContext.delayed``) is waited on for all four exchanges."""
+    routes = [[0, 3, 1, 2, 2, 0], [1, 1, 3]]
+    results = launch(_through_experts, (routes, True), 2, LaunchOptions(timeout_s=60))
+    _check(routes, results)
+    assert all(seconds >= 4 * DELAY_S for *_, seconds in results)
+
+
+def _check(routes: list[list[int]], results: list[Any]) -> None:
     plain = _plain(routes)
     whole = torch.zeros(EXPERTS, HIDDEN, HIDDEN)
-    for rank, out, gx, gw, rows, calls in results:
+    for rank, out, gx, gw, rows, calls, _ in results:
         torch.testing.assert_close(out, plain[rank][0])
         torch.testing.assert_close(gx, plain[rank][1])
         whole[2 * rank : 2 * rank + 2] = gw

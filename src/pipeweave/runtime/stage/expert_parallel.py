@@ -78,8 +78,6 @@ class ExpertTraffic:
     seconds: float = 0.0
     """Wall-clock seconds inside the all-to-alls, forward and backward (CUDA synchronised around each)."""
     calls: int = 0
-    delay_s: float = 0.0
-    """Seconds each all-to-all sleeps before it starts: an injected link delay (tests and benchmarks only)."""
 
     def add(self, rows: torch.Tensor) -> None:
         self.rows = rows.cpu() if self.rows is None else self.rows + rows.cpu()
@@ -140,12 +138,10 @@ class ExpertDispatch:
         return self._exchange(y.index_select(0, inverse), handle.sent, handle.received)
 
     def _exchange(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
-        return all_to_all(x, output_splits, input_splits, self.ep.group, self._timed)
+        return all_to_all(x, output_splits, input_splits, self.ep.group, self._timed, self.ep.delayed)
 
     def _timed(self, exchange: Any) -> Any:
-        """Run ``exchange()`` counted in ``traffic`` (after the injected delay, if any)."""
-        if self.traffic.delay_s:
-            time.sleep(self.traffic.delay_s)
+        """Run ``exchange()`` counted in ``traffic``."""
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         if cuda:
             torch.cuda.synchronize()

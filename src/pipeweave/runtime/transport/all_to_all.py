@@ -42,6 +42,10 @@ Around = Callable[[Callable[[], torch.Tensor]], torch.Tensor]
 """Runs an exchange given as a thunk and returns its result: where a caller times (or delays) each one."""
 
 
+Delayed = Callable[[Any], Any]
+"""Takes a posted collective's work, returns the work to wait on (``RankContext.delayed``'s signature)."""
+
+
 def _run(exchange: Callable[[], torch.Tensor]) -> torch.Tensor:
     return exchange()
 
@@ -49,36 +53,52 @@ def _run(exchange: Callable[[], torch.Tensor]) -> torch.Tensor:
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any, around: Around
+        ctx: Any,
+        x: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: Any,
+        around: Around,
+        delayed: Delayed | None,
     ) -> Any:
-        ctx.splits, ctx.group, ctx.around = (output_splits, input_splits), group, around
-        return around(lambda: _exchange(x, output_splits, input_splits, group))
+        ctx.splits, ctx.group, ctx.around, ctx.delayed = (output_splits, input_splits), group, around, delayed
+        return around(lambda: _exchange(x, output_splits, input_splits, group, delayed))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         output_splits, input_splits = ctx.splits
-        back = ctx.around(lambda: _exchange(grad, input_splits, output_splits, ctx.group))
-        return back, None, None, None, None
+        back = ctx.around(lambda: _exchange(grad, input_splits, output_splits, ctx.group, ctx.delayed))
+        return back, None, None, None, None, None
 
 
 def all_to_all(
-    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any, around: Around = _run
+    x: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: Any,
+    around: Around = _run,
+    delayed: Delayed | None = None,
 ) -> torch.Tensor:
     """Rows of ``x`` (dimension 0) to every rank of ``group``: ``input_splits[j]`` rows to rank j, in rank order;
     returns the ``sum(output_splits)`` rows received, ``output_splits[i]`` from rank i, in rank order.
     Differentiable: the gradient goes back by the reverse all-to-all. ``around`` runs each exchange, this one
-    and its backward's (e.g. timing it).
+    and its backward's (e.g. timing it); ``delayed``, where given, takes each exchange's posted work and returns
+    what to wait on instead (an injected link delay, a testing aid: ``RankContext.delayed``).
 
     Raises:
         ValueError: ``input_splits`` does not add up to ``x``'s rows.
     """
     if sum(input_splits) != x.shape[0]:
         raise ValueError(f"input splits {input_splits} add up to {sum(input_splits)} rows, not x's {x.shape[0]}")
-    return _AllToAll.apply(x, list(output_splits), list(input_splits), group, around)
+    return _AllToAll.apply(x, list(output_splits), list(input_splits), group, around, delayed)
 
 
-def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
+def _exchange(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any, delayed: Delayed | None
+) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+    work = dist.all_to_all_single(out, x, output_splits, input_splits, group=group, async_op=delayed is not None)
+    if delayed is not None:
+        delayed(work).wait()
     return out

@@ -66,6 +66,9 @@ class ExpertParallel:
     """The ``torch.distributed`` process group of the E processes exchanging tokens by all-to-all."""
     rank: int
     size: int
+    delayed: Any = None
+    """What each all-to-all's posted work passes through before the wait (``RankContext.delayed``: an injected
+    link delay, a testing aid); None: waited on as it is."""
 
 
 @dataclass
