@@ -220,3 +220,10 @@ def test_the_command_line_sets_the_options() -> None:
 def test_a_dense_model_keeps_its_parameter_names() -> None:
     block = build_layers(dataclasses.replace(GPT, moe_experts=0), [1])[0]
     assert {"up.weight", "down.weight"} <= {n for n, _ in block.named_parameters()}
+
+
+def test_a_block_builds_on_the_meta_device_with_the_cpus_expert_seeds() -> None:
+    """The experts' seeds are drawn on the CPU, so a block builds without data (``torch.device("meta")``)."""
+    with torch.device("meta"):
+        (block,) = build_layers(GPT, [1])
+    assert block.moe.experts.local[0].up.weight.is_meta  # type: ignore[union-attr,index]

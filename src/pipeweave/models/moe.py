@@ -216,7 +216,7 @@ class Experts(nn.Module):
     def __init__(self, spec: ModelSpec, *, generator: torch.Generator, expert_ids: range | None = None) -> None:
         super().__init__()
         num = moe_experts(spec)
-        seeds = torch.randint(2**62, (num,), generator=generator).tolist()
+        seeds = torch.randint(2**62, (num,), generator=generator, device="cpu").tolist()  # on the CPU under meta too
         self.expert_ids = expert_ids if expert_ids is not None else range(num)
         self.local = nn.ModuleList(_expert(spec, torch.Generator().manual_seed(seeds[e])) for e in self.expert_ids)
 
