@@ -172,3 +172,25 @@ def test_the_command_lines_configuration_resolves_with_expert_parallelism() -> N
     """``resolve`` finds the parts on one replica (``--data-parallel 1``): expert parallelism goes with it."""
     config = resolve(train_config(model=GPT, data_parallel=2, expert_parallel=2, num_microbatches=2, batch_size=8))
     assert config.parallel.expert_parallel == 2
+
+
+def _run_one(context: RankContext, config: TrainConfig) -> RunRecord | None:
+    return run_rank(context, prepare(config))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed_ep", [2, 1])
+def test_a_checkpoint_resumes_with_the_experts_split_or_whole(tmp_path: Path, resumed_ep: int) -> None:
+    """Each ``ep`` rank saves its share under the experts' global names (DCP): 2 steps, saved, then 2 more
+    resumed -- with the experts split alike, or whole on every replica -- end where 4 steps straight do."""
+    base = _config(GPT, "1f1b", num_microbatches=2, batch_size=8, momentum=0.9)
+    options = LaunchOptions(timeout_s=120)
+    whole = launch(_run_one, base.replace(steps=4), 4, options)
+    launch(_run_one, base.replace(save=str(tmp_path)), 4, options)
+    resumed = launch(_run_one, base.replace(resume=str(tmp_path), expert_parallel=resumed_ep), 4, options)
+    torch.testing.assert_close(resumed.losses, whole.losses[2:], rtol=1e-6, atol=0)
+    final, expected = _final(resumed), _final(whole)
+    assert set(final) == set(expected)
+    for name, values in final.items():
+        for value in values:
+            torch.testing.assert_close(value, expected[name][0], rtol=1e-5, atol=1e-7, msg=name)
