@@ -72,6 +72,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--time-comm", type=float, default=0.0, metavar="C", help="latency of one hop (default 0)")
     p.add_argument(
+        "--comm-rendezvous",
+        action="store_true",
+        help="a hop's C starts only once its receive is posted (before the action that takes it, or before an "
+        "F&B pair's F half), as gloo and NCCL move messages and as --comm-delay-ms runs measure",
+    )
+    p.add_argument(
         "--time-dispatch",
         type=float,
         default=0.0,
@@ -233,12 +239,11 @@ def _build(args: argparse.Namespace, times: dict[str, Times]) -> tuple[Schedule,
         if "memory_limit" not in params:
             raise UserError(f"--memory-limit applies to zb-auto and zb-v-auto, not {args.schedule}; drop it")
         options["memory_limit"] = args.memory_limit
-    if not info.synchronous:  # the stream's length and its generator's options
-        from pipeweave.commands.stream_options import schedule_options
+    from pipeweave.commands.stream_options import schedule_options
 
-        options.update(schedule_options(args, args.schedule))
-        if getattr(args, "steps", None) is not None:
-            options["num_steps"] = args.steps
+    options.update(schedule_options(args, args.schedule))  # a generator's options (--no-overlap-fb, a stream's)
+    if not info.synchronous and getattr(args, "steps", None) is not None:  # the stream's length
+        options["num_steps"] = args.steps
     schedule = generate(
         args.schedule, num_stages=args.stages, num_microbatches=args.microbatches, num_chunks=args.chunks, **options
     )
@@ -265,6 +270,7 @@ def _prepared(args: argparse.Namespace) -> tuple[Schedule, ScheduleInfo | None, 
         w=times["--time-w"],
         u=times["--time-u"],
         comm=args.time_comm,
+        comm_rendezvous=args.comm_rendezvous,
         dispatch=args.time_dispatch,
         mem_w=args.mem_w,
         **recompute_costs(args),

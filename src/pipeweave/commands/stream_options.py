@@ -1,4 +1,4 @@
-"""The asynchronous schedules' generator options on ``pipeweave simulate``'s command line (they change the
+"""The schedules' generator options (the asynchronous ones', DualPipe's F&B overlap) on ``pipeweave simulate``'s command line (they change the
 order, so the simulator sees them). ``pipeweave train`` has the same options as fields of its configuration's
 schedule section (``config.sections.GENERATOR_OPTIONS``); a flag given to a schedule that does not take it
 is one error line.
@@ -42,6 +42,13 @@ def add_schedule_arguments(g: Any) -> None:
         default=None,
         help="avgpipe: each pipeline on D ranks of its own (P x D ranks, averaged by an all-reduce)",
     )
+    g.add_argument(
+        "--no-overlap-fb",
+        dest="overlap_fb",
+        action="store_false",
+        default=None,
+        help="dualpipe, dualpipe-v: run the F&B pairs one after the other (default: overlapped)",
+    )
 
 
 def _given(args: argparse.Namespace, flags: dict[str, tuple[str, str]], schedule: str) -> dict[str, Any]:
@@ -51,7 +58,8 @@ def _given(args: argparse.Namespace, flags: dict[str, tuple[str, str]], schedule
         if value is None:
             continue
         if schedule not in takers.split(", "):
-            raise UserError(f"--{flag.replace('_', '-')} applies to {takers}, not {schedule}; drop it")
+            shown = "--no-overlap-fb" if flag == "overlap_fb" else f"--{flag.replace('_', '-')}"  # a negated flag
+            raise UserError(f"{shown} applies to {takers}, not {schedule}; drop it")
         out[key] = value
     return out
 

@@ -219,6 +219,11 @@ def _timeout(value: float, flag: str) -> None:
         )
 
 
+def _delay(value: float, flag: str) -> None:
+    if not 0 <= value <= MAX_TIMEOUT_S * 1000:  # nan too
+        raise UserError(f"{flag} {value:g} is invalid; give milliseconds >= 0 (0: no delay)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     """How the ranks are started and talk: threads, the wait for a peer, the point-to-point transport.
@@ -239,6 +244,16 @@ class LaunchConfig:
     room for the rings in /dev/shm and the address space, gloo otherwise and under torchrun, NCCL on CUDA; host:
     ranks sharing one GPU (more ranks than GPUs), their messages staged through pinned host buffers over gloo -- a
     harness to check CUDA paths on one GPU, not a fast mode; refused under torchrun (NCCL)."""
+    comm_delay_ms: float = option(0.0, metavar="MS", check=_delay)
+    """A testing aid: every message between pipeline ranks (and any collective routed through
+    ``RankContext.delayed``) completes MS milliseconds after its transfer, as over a link that much slower; the
+    delay runs beside the rank's compute, so a schedule can hide it (F&B pairs; docs/guide/dualpipe.md). Needs
+    --transport gloo; 0: off."""
 
     def __post_init__(self) -> None:
         check_section(self)
+        if self.comm_delay_ms and self.transport != "gloo":
+            raise UserError(
+                f"--comm-delay-ms {self.comm_delay_ms:g} delays the process group's messages, and --transport "
+                f"{self.transport} may carry them otherwise; give --transport gloo"
+            )

@@ -61,6 +61,9 @@ class ScheduleConfig:
     own_ranks: bool | None = option(None)
     """avgpipe: each pipeline on D ranks of its own, P x D processes averaging by an all-reduce (the paper's
     layout); default: the P pipelines share D ranks and average in place."""
+    overlap_fb: bool | None = option(None, flags=("--no-overlap-fb",), negate=True)
+    """dualpipe, dualpipe-v: run DeepSeek's F&B pairs (one microbatch's F beside another's B) one after the other;
+    default: overlapped, the B half's messages moving while the F half computes (the same results either way)."""
     written: Schedule | None = option(None, internal=True)
     """The schedule read from ``schedule_path`` and validated (``runtime.run.resolve``)."""
     options: tuple[tuple[str, Any], ...] = option((), internal=True)
@@ -80,6 +83,7 @@ GENERATOR_OPTIONS = {
     "max_active_keys": "max_active_keys",
     "pipelines": "num_pipelines",
     "own_ranks": "own_ranks",
+    "overlap_fb": "overlap_fb",
 }
 """``ScheduleConfig`` field -> the generator's keyword it sets."""
 

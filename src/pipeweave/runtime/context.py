@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pipeweave.runtime.transport.delay import delayed
 from pipeweave.runtime.transport.host import HostTransport
 from pipeweave.runtime.transport.mesh import Mesh
 from pipeweave.runtime.transport.shm import ShmTransport
@@ -54,6 +55,15 @@ class RankContext:
     mesh: Mesh | None = None
     """This process's place in the run's device mesh and its groups (``transport.mesh``); None: a run
     without tensor parallelism or replicas on several ranks, or before the mesh is built."""
+    comm_delay: float = 0.0
+    """Seconds every message between ranks takes beyond its transfer (``--comm-delay-ms``, a testing aid;
+    ``transport.delay``); 0: none."""
+
+    def delayed(self, work: Any) -> Any:
+        """``work`` (a posted message's, or a collective's posted with ``async_op=True``) completing the run's
+        ``comm_delay`` after it would have: the one hook every communication a run wants measured as slower
+        calls (``transport.delay``; the point-to-point messages already do)."""
+        return delayed(work, self.comm_delay, self.timeout)
 
     def with_mesh(self, mesh: Mesh | None) -> RankContext:
         """This context, in the run's ``mesh``."""

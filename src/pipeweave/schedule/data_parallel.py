@@ -65,4 +65,5 @@ def data_parallel(schedule: Schedule, num_replicas: int) -> Schedule:
         microbatch_pipeline=route,
         policy=schedule.policy,
         num_steps=schedule.num_steps,
+        pairs=tuple((shift(f, p), shift(b, p)) for p in range(num_replicas) for f, b in schedule.pairs),
     )

@@ -13,9 +13,12 @@ the data it needs exists (DESIGN.md, dependencies):
   stage s that its rank ran since ``U(s, k-1)`` (``consumed_gradients``): they
   precede it on its own rank, so the order alone satisfies the dependency.
 
-Sends are non-blocking (the runtime's ``isend`` is waited lazily), so with sends
-and receives inserted the schedule deadlocks exactly when this execution gets
-stuck. The same walk times a schedule when given durations: it is the core of
+An F&B pair (``Schedule.pairs``) runs as its F then its B or I; checked
+strictly (``strict_pairs``), its F waits for the inputs of both halves, so a
+pair whose B half needs what its F half makes -- on this rank or through
+another -- is stuck. Sends are non-blocking (the runtime's ``isend`` is waited
+lazily), so with sends and receives inserted the schedule deadlocks exactly
+when this execution gets stuck. The same walk times a schedule when given durations: it is the core of
 the simulator, kept here so that ``schedule`` needs nothing from ``sim``.
 """
 
@@ -25,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from pipeweave.schedule.ir import Action, Op, Schedule
+from pipeweave.schedule.ir import Action, Op, Schedule, pair_positions
 
 # Keys of produced data: (kind, stage, microbatch). Kinds:
 _FWD, _GRAD, _IGRAD, _PART = 0, 1, 2, 3  # activation, input grad, I done, part's grads all done
@@ -79,6 +82,8 @@ def execute(
     op_times: Sequence[Mapping[Op, float]] | None = None,
     gap: float = 0.0,
     update_delay: Sequence[float] | None = None,
+    strict_pairs: bool = False,
+    rendezvous: bool = False,
 ) -> Execution:
     """Run every rank's list in order over the data dependencies.
 
@@ -98,6 +103,11 @@ def execute(
             for the reductions the same rank started before it (one
             communication stream per rank, as NCCL's collectives on one
             process group run in order).
+        strict_pairs: an F&B pair's F waits for both halves' inputs (the validator's rule: each half's
+            communication may then move while the other computes, with nothing of one waiting on the other).
+        rendezvous: a message between ranks moves only once its receive is posted: ``latency`` counts from
+            the later of its producer's end and the post, at the end of the receiving rank's action before
+            the one that takes it -- or before an F&B pair's F half, for its B half (``CostModel.comm_rendezvous``).
 
     Example:
         >>> from pipeweave.schedule import generate
@@ -106,7 +116,11 @@ def execute(
     """
     if op_times is None or duration is not None:
         op_times = [{op: 0.0 for op in Op}] * schedule.num_stages
-    start, end, done, blocked = _walk(schedule, duration, latency, op_times, gap, update_delay)
+    pairs = (strict_pairs or rendezvous) and bool(schedule.pairs)
+    halves = [pair_positions(row, schedule.pairs) for row in schedule.actions] if pairs else None
+    start, end, done, blocked = _walk(
+        schedule, duration, latency, op_times, gap, update_delay, halves if strict_pairs else None, rendezvous, halves
+    )
     waiting = {r: _describe(_decode(code, schedule.num_stages)) for r, code in blocked.items()}
     rows = schedule.actions
     for r in range(len(rows)):
@@ -129,6 +143,9 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
     op_times: Sequence[Mapping[Op, float]],
     gap: float = 0.0,
     update_delay: Sequence[float] | None = None,
+    strict: Sequence[Mapping[int, int]] | None = None,
+    rendezvous: bool = False,
+    halves: Sequence[Mapping[int, int]] | None = None,
 ) -> tuple[list[list[float]], list[list[float]], list[int], dict[int, int]]:
     """The in-order walk: ``(start, end, done, blocked)``, ``blocked[rank]`` a waiter code.
 
@@ -137,7 +154,8 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
     the code ``key * 4 + kind``. The loop does integer arithmetic and dict
     lookups only, in one function, because in steady state 1F1B blocks after
     almost every action and any per-resume set-up is paid that often (tuple
-    keys and a dependency list per action were 2-3x slower).
+    keys and a dependency list per action were 2-3x slower). ``strict``: per rank, F half -> B half of its
+    F&B pairs, checked strictly; ``halves`` the same, for ``rendezvous``'s posts.
     """
     placement = schedule.placement
     S = placement.num_stages
@@ -163,6 +181,8 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
     queue = deque(range(n))
     F, I, W, U = Op.F, Op.I, Op.W, Op.U
     input_grad, weight_grad = _INPUT_GRAD, _WEIGHT_GRAD
+    seconds = [set(h.values()) for h in halves] if rendezvous and halves is not None else None
+    post = 0.0  # rendezvous: when this action's receives are posted
     while queue:
         r = queue.popleft()
         row, starts, ends = rows[r], starts_of[r], ends_of[r]
@@ -172,6 +192,8 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
             s, op, j = a
             base = j * S
             t0 = t + gap if gap and i else t
+            if rendezvous:  # posted when the action before ends; a B half's with its F half, one earlier
+                post = (ends[i - 2] if i >= 2 else 0.0) if seconds is not None and i in seconds[r] else t
             need = -1  # waiter code of missing data, -1 when all is there
             if op is F:
                 p = prev[s]
@@ -181,8 +203,10 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
                         need = (base + p) * 4 + _FWD
                     else:
                         if latency is not None and rank_of[p] != r:
-                            t_dep += latency(p, s)
+                            t_dep = (post if rendezvous and post > t_dep else t_dep) + latency(p, s)
                         t0 = t_dep if t_dep > t0 else t0
+                if need < 0 and strict is not None and i in strict[r]:
+                    need = _half_needs(row[strict[r][i]], S, nxt, fwd, grad)
             elif op in input_grad:
                 t_dep = fwd.get(base + s)
                 q = nxt[s]
@@ -196,7 +220,7 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
                             need = (base + q) * 4 + _GRAD
                         else:
                             if latency is not None and rank_of[q] != r:
-                                t_dep += latency(q, s)
+                                t_dep = (post if rendezvous and post > t_dep else t_dep) + latency(q, s)
                             t0 = t_dep if t_dep > t0 else t0
             elif op is W:
                 t_dep = igrad.get(base + s)
@@ -254,6 +278,16 @@ def _walk(  # noqa: C901 - one flat loop, for speed (see the docstring)
                         queue.append(w)
         ptr[r], clock[r] = i, t
     return starts_of, ends_of, ptr, blocked
+
+
+def _half_needs(b: Action, S: int, nxt: Sequence[int], fwd: Mapping[int, float], grad: Mapping[int, float]) -> int:
+    """The waiter code of what an F&B pair's B (or I) half ``b`` still misses, -1 when all is there."""
+    s, _, j = b
+    base = j * S
+    if base + s not in fwd:
+        return (base + s) * 4 + _FWD
+    q = nxt[s]
+    return (base + q) * 4 + _GRAD if q >= 0 and base + q not in grad else -1
 
 
 def _wake(waiters: dict[int, list[int]], blocked: dict[int, int], queue: deque[int], code: int) -> None:

@@ -24,7 +24,10 @@ The order of compute is DeepSeek's action for action (tests/schedule/
 test_dualpipe_reference.py holds the reference's order transcribed by hand).
 DeepSeek runs the F and B of steps 4 and 5 as one overlapped ``F&B`` call
 (all of them but the first F0 B1 of the middle ranks); ``dualpipe_pairs`` and
-``dualpipe_v_pairs`` name those pairs, and here they still run one after the other.
+``dualpipe_v_pairs`` name those pairs, and both generators make them the
+schedule's F&B pairs (``Schedule.pairs``) unless ``overlap_fb=False``: the
+order is the same either way, the pairs say which communication may move
+while the other half computes (docs/guide/dualpipe.md, "F&B overlap").
 
 Idle time (docs/guide/dualpipe.md derives it). With F, I, W the times of one
 stage's forward, input-gradient and weight-gradient (B = I + W), PP the
@@ -178,12 +181,18 @@ def _check_depth(name: str, num_stages: int, num_microbatches: int, even: bool) 
         )
 
 
-def dualpipe(num_stages: int, num_microbatches: int) -> Schedule:
+def _paired(rows: list[list[Action]], pairs: Pairs) -> tuple[tuple[Action, Action], ...]:
+    """The F&B pairs of ``rows`` at the positions ``pairs`` gives per rank."""
+    return tuple((rows[r][f], rows[r][b]) for r, positions in enumerate(pairs) for f, b in positions)
+
+
+def dualpipe(num_stages: int, num_microbatches: int, *, overlap_fb: bool = True) -> Schedule:
     """DualPipe: two opposite pipelines, T/2 microbatches each.
 
     Args:
         num_stages: D, the number of ranks (even).
         num_microbatches: T, even and at least 2D (as DeepSeek's reference requires).
+        overlap_fb: run DeepSeek's F&B pairs overlapped (``dualpipe_pairs``); False: one after the other.
 
     Raises:
         ScheduleError: odd D, odd T or T < 2D.
@@ -204,17 +213,19 @@ def dualpipe(num_stages: int, num_microbatches: int) -> Schedule:
         if r >= half:  # phase 0 is the stage nearer the start of its pipeline
             stages, mbs = (stages[1], stages[0]), (up, down)
         rows.append(list(_actions(deepseek_program(half, h, per_phase), stages, mbs)))
+    pairs = _paired(rows, dualpipe_pairs(num_stages, num_microbatches)) if overlap_fb else ()
     append_updates(rows, placement)
     pipelines = tuple(int(j >= per_phase) for j in range(num_microbatches))
-    return Schedule("dualpipe", placement, num_microbatches, tuple(map(tuple, rows)), pipelines)
+    return Schedule("dualpipe", placement, num_microbatches, tuple(map(tuple, rows)), pipelines, pairs=pairs)
 
 
-def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
+def dualpipe_v(num_stages: int, num_microbatches: int, *, overlap_fb: bool = True) -> Schedule:
     """DualPipeV: DualPipe cut in half, a V of 2D stages on D ranks.
 
     Args:
         num_stages: D, the number of ranks.
         num_microbatches: T >= 2D.
+        overlap_fb: run DeepSeek's F&B pairs overlapped (``dualpipe_v_pairs``); False: one after the other.
 
     Raises:
         ScheduleError: T < 2D.
@@ -227,5 +238,6 @@ def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
     d, t = num_stages, num_microbatches
     placement = Placement.vshape(d)
     rows = [list(_actions(deepseek_program(d, r, t), (r, 2 * d - 1 - r), (range(t), range(t)))) for r in range(d)]
+    pairs = _paired(rows, dualpipe_v_pairs(d, t)) if overlap_fb else ()
     append_updates(rows, placement)
-    return Schedule("dualpipe-v", placement, t, tuple(map(tuple, rows)))
+    return Schedule("dualpipe-v", placement, t, tuple(map(tuple, rows)), pairs=pairs)

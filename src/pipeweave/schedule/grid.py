@@ -1,4 +1,4 @@
-"""A compact text grid of a schedule: one row per rank, one column per step.
+"""A compact text grid of a schedule: one row per rank, one column per step (an F&B pair one, ``3F5&0B0``).
 
 Example (1F1B, 2 stages, 3 microbatches)::
 
@@ -21,10 +21,29 @@ def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, max_ste
         mark: a cell to highlight as ``[1B0]``, e.g. the step a validator rejects.
         max_steps: columns shown; around ``mark`` when it is given.
     """
-    return format_rows(schedule.actions, () if mark is None else (mark,), max_steps)
+    return format_rows(schedule.actions, () if mark is None else (mark,), max_steps, schedule.pairs)
 
 
-def format_rows(rows: Sequence[Sequence[Action]], marks: Collection[tuple[int, int]] = (), max_steps: int = 48) -> str:
+def _cells(row: Sequence[Action], second: dict[Action, Action]) -> tuple[list[str], list[int]]:
+    """A row's cells, an F&B pair one cell ``3F5&0B0``, and the cell of each action."""
+    cells: list[str] = []
+    column: list[int] = []
+    for i, a in enumerate(row):
+        if i and second.get(row[i - 1]) == a:
+            column.append(len(cells) - 1)
+            continue
+        b = second.get(a)
+        cells.append(str(a) if b is None else f"{a}&{b}")
+        column.append(len(cells) - 1)
+    return cells, column
+
+
+def format_rows(
+    rows: Sequence[Sequence[Action]],
+    marks: Collection[tuple[int, int]] = (),
+    max_steps: int = 48,
+    pairs: Sequence[tuple[Action, Action]] = (),
+) -> str:
     """``format_grid`` of any action lists (a lowered schedule's too), every ``(rank, step)`` of ``marks``
     bracketed; the columns shown are around the earliest mark.
 
@@ -34,8 +53,11 @@ def format_rows(rows: Sequence[Sequence[Action]], marks: Collection[tuple[int, i
         rank 0 | 0F0 [0F1] 0B0  0B1  0U0
         rank 1 |[1F0] 1B0  1F1  1B1  1U0
     """
+    second = dict(pairs)
+    laid = [_cells(row, second) for row in rows]
+    cells = [c for c, _ in laid]
+    marks = {(r, laid[r][1][k]) for r, k in marks if 0 <= r < len(laid) and 0 <= k < len(laid[r][1])}
     mark = min(marks, key=lambda m: m[1]) if marks else None
-    cells = [[str(a) for a in row] for row in rows]
     width = max((len(c) for row in cells for c in row), default=3) + 2
     longest = max((len(row) for row in cells), default=0)
     lo = 0

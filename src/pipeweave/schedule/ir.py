@@ -8,7 +8,11 @@ Vocabulary (DESIGN.md, after the survey of Guan et al. 2024):
 - a **pipeline** is the sequence of stages, one per part in part order, that a
   microbatch traverses; every microbatch is routed through exactly one pipeline;
 - an **action** is ``(stage, op, microbatch)``, written ``"2F0"``; for ``U`` the
-  microbatch field counts the stage's updates.
+  microbatch field counts the stage's updates;
+- an **F&B pair** (DeepSeek-V3's overlapped forward and backward, torch's
+  ``OVERLAP_F_B``) is an F and the B or I right after it on the same rank, run
+  as one action: the communication of one half moves while the other computes
+  (``Schedule.pairs``), written ``(3F5;0B0)OVERLAP_F_B`` as torch writes it.
 """
 
 from __future__ import annotations
@@ -281,6 +285,9 @@ class Schedule:
             (empty means every microbatch uses pipeline 0).
         policy: the weight policy.
         num_steps: optimizer steps the schedule covers (1 for synchronous ones).
+        pairs: the F&B pairs: ``(F, B or I)`` actions of one rank, the second right after the first in its
+            list, run as one overlapped action (``pair_positions``; the validator checks that neither half
+            needs the other). Without pairs, or wherever a pass ignores them, the two run one after the other.
 
     Example:
         >>> from pipeweave.schedule import generate
@@ -296,6 +303,7 @@ class Schedule:
     microbatch_pipeline: tuple[int, ...] = ()
     policy: WeightPolicy = WeightPolicy.SYNC
     num_steps: int = 1
+    pairs: tuple[tuple[Action, Action], ...] = ()
 
     def __post_init__(self) -> None:
         if self.microbatch_pipeline and len(self.microbatch_pipeline) != self.num_microbatches:
@@ -344,15 +352,19 @@ class Schedule:
                 yield rank, step, action
 
     def with_actions(self, actions: Sequence[Sequence[Action]]) -> Schedule:
-        """A copy with other action lists (for passes and mutation tests)."""
+        """A copy with other action lists (for passes and mutation tests); the F&B pairs both of whose
+        halves are still there stay pairs."""
+        rows = tuple(tuple(row) for row in actions)
+        kept = {a for row in rows for a in row} if self.pairs else set()
         return Schedule(
             name=self.name,
             placement=self.placement,
             num_microbatches=self.num_microbatches,
-            actions=tuple(tuple(row) for row in actions),
+            actions=rows,
             microbatch_pipeline=self.microbatch_pipeline,
             policy=self.policy,
             num_steps=self.num_steps,
+            pairs=tuple(p for p in self.pairs if p[0] in kept and p[1] in kept),
         )
 
 
@@ -367,3 +379,17 @@ def append_updates(rows: list[list[Action]], placement: Placement) -> None:
     """Append ``U`` (update 0) of every stage, at the end of its rank's list."""
     for stage, rank in enumerate(placement.stage_rank):
         rows[rank].append(Action(stage, Op.U, 0))
+
+
+def pair_positions(row: Sequence[Action], pairs: Sequence[tuple[Action, Action]]) -> dict[int, int]:
+    """In one rank's list (compute or lowered), the position of each F&B pair's F half -> its B (or I) half's.
+
+    Example:
+        >>> row = [Action(0, Op.F, 0), Action(3, Op.F, 2), Action(0, Op.SEND_F, 2), Action(0, Op.B, 0)]
+        >>> pair_positions(row, [(Action(3, Op.F, 2), Action(0, Op.B, 0))])
+        {1: 3}
+    """
+    if not pairs:
+        return {}
+    where = {a: i for i, a in enumerate(row) if a.op is Op.F or a.op.computes_input_grad}
+    return {where[f]: where[b] for f, b in pairs if f in where and b in where}

@@ -7,7 +7,9 @@ exporting with ``updates=False`` drops them, and reading a CSV without any
 ``U`` appends each stage's update at the end of its rank, as torch does
 implicitly after a step. torch's full vocabulary (``OVERLAP_F_B``, ``UNSHARD``,
 ``RESHARD``, ``REDUCE_GRAD``, its ``compute_comms`` format) is read as
-``schedule.torch_form`` says, which also writes exactly what torch loads.
+``schedule.torch_form`` says, which also writes exactly what torch loads. An
+``OVERLAP_F_B`` of an F and a B or I is an F&B pair (``Schedule.pairs``), and
+pairs are written so.
 
 Schedules torch's form cannot carry (several pipelines, as in Chimera, GEMS,
 DualPipe, AvgPipe or data parallelism, a stage that is not its part, or an
@@ -24,11 +26,14 @@ ignored::
 
     rank 0 | 0F0 0F1 0B0 0B1 0U0
     rank 1 | 1F0 1B0 1F1 1B1 1U0
+
+where an F&B pair is one cell, ``3F5&0B0``.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import re
 from collections.abc import Iterable
@@ -43,7 +48,7 @@ from pipeweave.schedule.ir import (
     WeightPolicy,
     append_updates,
 )
-from pipeweave.schedule.torch_form import check_pairs, is_torch_token, torch_token_actions
+from pipeweave.schedule.torch_form import check_pairs, is_torch_token, row_cells, torch_token_actions
 
 _ACTION = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|OFFLOAD|RELOAD|EVICT|LOAD|F|B|I|W|U)(\d+)\s*$")
 
@@ -91,11 +96,17 @@ def _cells(line: str) -> list[str]:
     return [t for t in tokens if t and t != "None"]
 
 
-def _row_actions(tokens: list[str]) -> list[Action]:
-    """A row's actions: torch's grouped and stage-only actions read as ``torch_form`` says."""
+def _row_actions(tokens: list[str], pairs: list[tuple[Action, Action]]) -> list[Action]:
+    """A row's actions: torch's grouped and stage-only actions read as ``torch_form`` says; an
+    ``(<F>;<B or I>)OVERLAP_F_B`` is appended to ``pairs`` too (an F&B pair, ``Schedule.pairs``)."""
     out: list[Action] = []
     for token in tokens:
-        out.extend(torch_token_actions(token) if is_torch_token(token) else [parse_action(token)])
+        if "&" in token:  # the grid's F&B pair, 3F5&0B0
+            token = f"({token.replace('&', ';')})OVERLAP_F_B"
+        actions = torch_token_actions(token) if is_torch_token(token) else [parse_action(token)]
+        if token.startswith("(") and len(actions) == 2 and actions[0].op is Op.F and actions[1].op.computes_input_grad:
+            pairs.append((actions[0], actions[1]))
+        out.extend(actions)
     return out
 
 
@@ -164,7 +175,7 @@ def to_csv(schedule: Schedule, *, updates: bool = True) -> str:
         out.write(_header(schedule))
     writer = csv.writer(out, lineterminator="\n")
     for row in schedule.actions:
-        writer.writerow([str(a) for a in row if updates or a.op is not Op.U])
+        writer.writerow(row_cells(row, schedule.pairs, updates=updates))
     return out.getvalue()
 
 
@@ -181,12 +192,13 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
     """
     header = next((line for line in text.splitlines() if line.startswith(_HEADER)), None)
     rows: list[list[Action]] = []
+    pairs: list[tuple[Action, Action]] = []
     row_lines: list[int] = []  # each row's line in the text, counting comment lines
     for line_no, line in enumerate(text.splitlines(), start=1):
         if line.startswith("#"):
             continue
         try:
-            rows.append(_row_actions(_cells(line)))
+            rows.append(_row_actions(_cells(line), pairs))
         except ScheduleError as exc:
             raise ScheduleError(f"line {line_no}: {exc}") from None
         row_lines.append(line_no)
@@ -201,7 +213,7 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
                 "give every rank its row of actions and delete blank lines between rows"
             )
     if header is not None:
-        schedule = _parse_header(header, name, rows)
+        schedule = dataclasses.replace(_parse_header(header, name, rows), pairs=tuple(pairs))
         rows = _compute_only(rows, schedule.placement)
         if schedule.is_synchronous and not any(a.op is Op.U for row in rows for a in row):
             append_updates(rows, schedule.placement)
@@ -225,7 +237,7 @@ def from_csv(text: str, *, name: str = "csv", num_microbatches: int | None = Non
     rows = [[a for a in row if a.op.is_compute] for row in _compute_only(rows, placement)]
     if not any(a.op is Op.U for row in rows for a in row):
         append_updates(rows, placement)
-    return Schedule(name, placement, t, tuple(tuple(r) for r in rows), policy=WeightPolicy.SYNC)
+    return Schedule(name, placement, t, tuple(tuple(r) for r in rows), policy=WeightPolicy.SYNC, pairs=tuple(pairs))
 
 
 def _compute_only(rows: list[list[Action]], placement: Placement) -> list[list[Action]]:

@@ -13,7 +13,7 @@ rank, one action per cell:
 
 torch also writes ``(0F7;7B3)OVERLAP_F_B``: a forward and a backward of two
 stages of one rank, overlapped (DualPipe-V). pipeweave reads it as the F then
-the B; ``UNSHARD``, ``RESHARD`` and ``REDUCE_GRAD`` are dropped on reading
+the B, an F&B pair (``Schedule.pairs``), and writes its pairs so; ``UNSHARD``, ``RESHARD`` and ``REDUCE_GRAD`` are dropped on reading
 (pipeweave's runtime gathers and reduces where its own configuration says),
 and a comms-format file's sends and receives, once checked to pair, are
 dropped too: pipeweave lowers the compute order itself.
@@ -73,6 +73,26 @@ def torch_token_actions(token: str) -> list[Action]:
         stage, op, microbatch = compute.groups()
         out.append(Action(int(stage), Op(op), int(microbatch)))
     return out
+
+
+def row_cells(row: Iterable[Action], pairs: Iterable[tuple[Action, Action]], *, updates: bool = True) -> list[str]:
+    """One rank's cells: an action each, an F&B pair as torch writes it, ``(<F>;<B>)OVERLAP_F_B``.
+
+    Example:
+        >>> f, b = Action(3, Op.F, 5), Action(0, Op.B, 0)
+        >>> row_cells([Action(0, Op.F, 2), f, b, Action(0, Op.U, 0)], [(f, b)], updates=False)
+        ['0F2', '(3F5;0B0)OVERLAP_F_B']
+    """
+    second = {f: b for f, b in pairs}
+    cells: list[str] = []
+    skip: Action | None = None
+    for a in row:
+        if a == skip or (not updates and a.op is Op.U):
+            continue
+        b = second.get(a)
+        cells.append(str(a) if b is None else f"({a};{b})OVERLAP_F_B")
+        skip = b
+    return cells
 
 
 def _counterpart(placement: Placement, send: Action) -> Action | None:
@@ -221,7 +241,7 @@ def to_torch_csv(schedule: Schedule, *, format: str = "compute_only", shard: boo
     if reason is not None:
         raise ScheduleError(f"{schedule.name} cannot be written for torch.distributed.pipelining: {reason}")
     if format == "compute_only":
-        rows: Iterable[list[str]] = ([str(a) for a in row if a.op is not Op.U] for row in schedule.actions)
+        rows: Iterable[list[str]] = (row_cells(row, schedule.pairs, updates=False) for row in schedule.actions)
     else:
         rows = (_stage_cells(row, schedule.num_microbatches, shard) for row in _comms_rows(schedule))
     out = io.StringIO()

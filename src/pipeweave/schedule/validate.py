@@ -43,6 +43,7 @@ def validate(schedule: Schedule) -> None:
         >>> validate(generate("zb-h1", num_stages=4, num_microbatches=8))
     """
     check_actions(schedule)
+    check_overlap(schedule)
     check_order(schedule)
     check_updates(schedule)
     check_stream_updates(schedule)
@@ -156,9 +157,44 @@ def _check_microbatch(schedule: Schedule, seen: dict[Action, tuple[int, int]], s
         raise InvalidSchedule(f"{s}I{j} is missing: {s}W{j} has no input-gradient half", schedule, *wgt)
 
 
+def check_overlap(schedule: Schedule) -> None:
+    """F&B pairs (``Schedule.pairs``): each an F and the B or I right after it on its rank, of another stage or
+    microbatch, no action in two pairs. That neither half needs the other, also through other ranks, is
+    ``check_order``'s: it starts a pair only once both halves' inputs are there."""
+    if not schedule.pairs:
+        return
+    position = {a: (r, k) for r, k, a in schedule.iter_actions()}
+    paired: set[Action] = set()
+    for f, b in schedule.pairs:
+        name = f"F&B pair ({f};{b})"
+        if f.op is not Op.F or not b.op.computes_input_grad:
+            raise InvalidSchedule(f"{name} is not an F and a B or I; write (<F>;<B or I>)", schedule)
+        if f not in position or b not in position:
+            missing = f if f not in position else b
+            raise InvalidSchedule(f"{name} names {missing}, which no rank runs; pair two actions of a rank", schedule)
+        rank, step = position[f]
+        if position[b] != (rank, step + 1):
+            raise InvalidSchedule(
+                f"{name}: {b} must come right after {f} on rank {rank}; put the halves side by side",
+                schedule,
+                rank,
+                step,
+            )
+        if f[::2] == b[::2]:
+            raise InvalidSchedule(
+                f"{name}: {b} needs what {f} makes; pair another microbatch's B", schedule, rank, step
+            )
+        if f in paired or b in paired:
+            raise InvalidSchedule(
+                f"{name}: {f if f in paired else b} is in two pairs; give it one", schedule, rank, step
+            )
+        paired.update((f, b))
+
+
 def check_order(schedule: Schedule) -> None:
-    """Run the schedule in order; explain the first stuck rank (order or deadlock)."""
-    run = execute(schedule)
+    """Run the schedule in order, each F&B pair once both halves' inputs are there; explain the first stuck rank
+    (order or deadlock)."""
+    run = execute(schedule, strict_pairs=True)
     if run.complete:
         return
     position = {a: (r, k) for r, k, a in schedule.iter_actions()}
@@ -175,18 +211,25 @@ def check_order(schedule: Schedule) -> None:
         producer = _producer(need, position)
         if producer is not None and producer[0] == rank:
             raise InvalidSchedule(
-                f"{action} needs {_name(need, position)}, which rank {rank} only runs later, at step {producer[1]}",
+                f"{_as_pair(action, schedule)} needs {_name(need, position)}, which rank {rank} only runs "
+                f"later, at step {producer[1]}",
                 schedule,
                 rank,
                 step,
             )
     rank = min(run.waiting_for)
     chain = [
-        f"rank {r} step {run.done[r]} ({schedule.actions[r][run.done[r]]}) waits for "
+        f"rank {r} step {run.done[r]} ({_as_pair(schedule.actions[r][run.done[r]], schedule)}) waits for "
         f"{_name(run.waiting_for[r], position)}"
         for r in sorted(run.waiting_for)
     ]
     raise InvalidSchedule("deadlock: " + "; ".join(chain), schedule, rank, run.done[rank])
+
+
+def _as_pair(action: Action, schedule: Schedule) -> str:
+    """``action``, or the F&B pair it starts (which waits for both halves' inputs)."""
+    b = next((b for f, b in schedule.pairs if f == action), None)
+    return str(action) if b is None else f"F&B pair ({action};{b})"
 
 
 def _producer(need: Action, position: dict[Action, tuple[int, int]]) -> tuple[int, int] | None:

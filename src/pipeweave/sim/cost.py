@@ -68,6 +68,11 @@ class CostModel:
     updates are frequent (the per-microbatch updaters of the asynchronous family) or uneven (weight stashing)."""
     comm: float = 0.0
     """Latency of one hop between stages on different ranks."""
+    comm_rendezvous: bool = False
+    """A hop's ``comm`` starts only once its receive is posted, as gloo and NCCL move a message: at the end of
+    the receiving rank's action before the one that takes it, or before an F&B pair's F half for its B half
+    (``Schedule.pairs``: that half's message moves while the F half computes). False: every message moves
+    from its producer's end, as if received long before (a pair then costs what its halves cost apart)."""
     dispatch: float = 0.0
     """Host time a rank spends between two consecutive actions of its own (posting sends and
     receives, bookkeeping): idle in the bubble, as a runtime's is. 0 for the schedule alone;
@@ -166,6 +171,7 @@ class CostModel:
                 w=resolve("w"),
                 u=resolve("u"),
                 comm=self.comm,
+                comm_rendezvous=self.comm_rendezvous,
                 dispatch=self.dispatch,
                 activation=activation,
                 mem_w=self.mem_w,
@@ -185,6 +191,7 @@ class CostModel:
             w=resolve("w"),
             u=resolve("u"),
             comm=self.comm,
+            comm_rendezvous=self.comm_rendezvous,
             dispatch=self.dispatch,
             activation=stored,
             mem_w=self.mem_w,
@@ -221,6 +228,8 @@ class PartCosts:
     """Per part, its recomputation mode (empty: none anywhere)."""
     microbatch: tuple[float, ...] | None = None
     """Per microbatch, a factor on its F, B, I and W times (``CostModel.microbatch``)."""
+    comm_rendezvous: bool = False
+    """``CostModel.comm_rendezvous``."""
     replayed: tuple[float, ...] = ()
     """Per part, the activation memory its recomputation replays and holds on top of ``activation`` while one
     backward (B or I) runs: under ``full``, M_a less what the part keeps; 0 otherwise (``CostModel.recompute``;

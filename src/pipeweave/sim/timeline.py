@@ -213,7 +213,8 @@ def simulate_parts(
     part_of = schedule.placement.stage_part
     if costs.microbatch is not None:  # per-microbatch times: the reference walk, an action at a time
         return _per_microbatch(schedule, costs, _op_times(costs, part_of), check, hop, update_delay)
-    arrays = schedule_arrays(schedule) if fast else None
+    rendezvous = costs.comm_rendezvous and hop is not None  # the reference walk alone posts receives
+    arrays = schedule_arrays(schedule) if fast and not rendezvous else None
     if arrays is not None and arrays.ok:
         table = duration_table(costs, part_of)
         added = (
@@ -234,7 +235,13 @@ def simulate_parts(
         per_stage = _op_times(costs, part_of)
         duration = None if not extra else (lambda a: per_stage[a.stage][a.op] + extra.get(a, 0.0))
         run = execute(
-            schedule, duration, latency=hop, op_times=per_stage, gap=costs.dispatch, update_delay=update_delay
+            schedule,
+            duration,
+            latency=hop,
+            op_times=per_stage,
+            gap=costs.dispatch,
+            update_delay=update_delay,
+            rendezvous=rendezvous,
         )
         if not run.complete:
             check_order(schedule)  # raises with the explanation
@@ -280,7 +287,9 @@ def _per_microbatch(
         base = op_times[a.stage][a.op]
         return base * factors[a.microbatch] if a.op in _PER_MICROBATCH else base
 
-    run = execute(schedule, duration, hop, gap=costs.dispatch, update_delay=update_delay)
+    run = execute(
+        schedule, duration, hop, gap=costs.dispatch, update_delay=update_delay, rendezvous=costs.comm_rendezvous
+    )
     if not run.complete:
         check_order(schedule)  # raises with the explanation
         raise InvalidSchedule("the schedule cannot complete", schedule)  # pragma: no cover

@@ -2,7 +2,11 @@
 
 One process per rank (named "rank r", sorted by rank), one complete event
 (``"ph": "X"``) per action, named as the action (``"1F3"``), with category its
-op and ``args`` its stage, microbatch and op. Trace times are microseconds;
+op and ``args`` its stage, microbatch and op; each F&B pair (``Schedule.pairs``)
+is one more event on a second track of its rank, ``F&B 3F5;0B0`` from its F
+half's start to its B half's end, whose ``args`` give ``exposed``: the time
+between the halves, when the B half's message had not yet arrived -- the
+communication the pair did not hide. Trace times are microseconds;
 the timeline's time unit is mapped to ``us_per_unit`` of them (default 1000:
 one unit reads as 1 ms, so f = b = w = 1 shows millisecond boxes). ``U``
 takes no time and appears as a zero-length event.
@@ -51,6 +55,7 @@ def chrome_trace(timeline: Timeline, *, us_per_unit: float = 1000.0) -> dict[str
                 }
             )
     schedule = timeline.schedule
+    events += _pair_events(timeline, us_per_unit)
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -61,6 +66,31 @@ def chrome_trace(timeline: Timeline, *, us_per_unit: float = 1000.0) -> dict[str
             "us_per_time_unit": us_per_unit,
         },
     }
+
+
+def _pair_events(timeline: Timeline, us_per_unit: float) -> list[dict[str, Any]]:
+    """One event per F&B pair, on track 1 of its rank: the pair's span, and what its B half waited."""
+    if not timeline.schedule.pairs:
+        return []
+    out = []
+    for rank, row in enumerate(timeline.events):
+        at = {e.action: e for e in row}
+        for f, b in timeline.schedule.pairs:
+            if f in at and b in at:
+                first, second = at[f], at[b]
+                out.append(
+                    {
+                        "name": f"F&B {f};{b}",
+                        "cat": "F&B",
+                        "ph": "X",
+                        "pid": rank,
+                        "tid": 1,
+                        "ts": first.start * us_per_unit,
+                        "dur": (second.end - first.start) * us_per_unit,
+                        "args": {"exposed": (second.start - first.end) * us_per_unit},
+                    }
+                )
+    return out
 
 
 def write_trace(timeline: Timeline, path: str | Path, *, us_per_unit: float = 1000.0) -> Path:

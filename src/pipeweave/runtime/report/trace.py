@@ -346,24 +346,47 @@ def chrome_trace(schedule: Schedule, record: RunRecord) -> dict[str, Any]:
                         "args": {"step": k},
                     }
                 )
-    events += _averaging_events(record, origin)
+    events += _averaging_events(record, origin) + _pair_events(schedule, record, origin)
     kept = {"steps": [1, window(record)], "of": record.config.training.steps}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": schedule.name, **kept}}
+
+
+def _pair_events(schedule: Schedule, record: RunRecord, origin: float) -> list[dict[str, Any]]:
+    """Each F&B pair of each recorded step (tid 3): from its F half's start to its B half's end; ``exposed_us`` is
+    the time between the halves (the B half's message still on its way: what the pair did not hide)."""
+    second = {(f.stage, f.op.value, f.microbatch): (b.stage, b.op.value, b.microbatch) for f, b in schedule.pairs}
+    out = []
+    for rank in record.ranks:
+        for k, step in enumerate(rank.records):
+            at = {(s, op, j): (t0, t1) for s, op, j, t0, t1 in step}
+            for (f, b), ((f0, f1), (b0, b1)) in (
+                (p, (at[p[0]], at[p[1]])) for p in second.items() if p[0] in at and p[1] in at
+            ):
+                name = f"F&B {''.join(map(str, f))};{''.join(map(str, b))}"
+                out.append(
+                    _span(name, "F&B", rank.rank, 3, f0 - origin, b1 - origin, step=k, exposed_us=(b0 - f1) * 1e6)
+                )
+    return out
+
+
+def _span(name: str, cat: str, pid: int, tid: int, start: float, end: float, **args: Any) -> dict[str, Any]:
+    """A complete trace event from ``start`` to ``end`` (seconds from the trace's origin)."""
+    return {
+        "name": name,
+        "cat": cat,
+        "ph": "X",
+        "pid": pid,
+        "tid": tid,
+        "ts": start * 1e6,
+        "dur": (end - start) * 1e6,
+        "args": args,
+    }
 
 
 def _averaging_events(record: RunRecord, origin: float) -> list[dict[str, Any]]:
     """AvgPipe on ranks of their own: each averaging's all-reduce, from its start to its mean in hand (tid 2)."""
     return [
-        {
-            "name": f"{s}AVG{n}",
-            "cat": "comm",
-            "ph": "X",
-            "pid": rank.rank,
-            "tid": 2,
-            "ts": (t0 - origin) * 1e6,
-            "dur": (t1 - t0) * 1e6,
-            "args": {"averaging round": n},
-        }
+        _span(f"{s}AVG{n}", "comm", rank.rank, 2, t0 - origin, t1 - origin, **{"averaging round": n})
         for rank in record.ranks
         for s, n, t0, t1 in rank.averaging
     ]

@@ -44,7 +44,9 @@ from pipeweave.schedule.ir import Action
 
 
 def join_mesh(plan: RunPlan, context: RankContext) -> RankContext:
-    """``context`` in the run's mesh, every group created (every process calls this at its start)."""
+    """``context`` in the run's mesh, every group created, with the run's ``--comm-delay-ms`` (every process calls
+    this at its start)."""
+    context = dataclasses.replace(context, comm_delay=plan.config.launch.comm_delay_ms / 1000)
     return context.with_mesh(
         build_mesh(
             context.process,

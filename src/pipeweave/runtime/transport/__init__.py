@@ -6,6 +6,7 @@ rings of ``shm``, or ``host``'s buffers (ranks sharing one GPU); ``message``
 describes what a message holds (dtypes, shapes, packed tuples) in its one-time
 metadata; ``timing`` marks each action's start and end (host clock or CUDA
 events); ``clock`` aligns the ranks' clocks on rank 0's; ``mesh`` is the run's device mesh (dp x pp x tp), its process groups,
-and which process a stage rank's messages go to. It imports only
+and which process a stage rank's messages go to; ``delay`` slows messages (and any collective routed
+through it) by a fixed, hideable delay, a testing aid (``--comm-delay-ms``). It imports only
 ``runtime.process`` of the runtime.
 """

@@ -36,6 +36,12 @@ later steps. A run of variable shapes receives every message into a buffer
 of its own. On CUDA the groups are posted from a communication stream of
 their own, the compute stream waits only where an action takes a received
 tensor, and a sent tensor lives until its send is done (``buffers.CommStream``).
+
+An F&B pair (``Schedule.pairs``) is one gap wide: the receives of its B half
+are posted in the group before its F half, so they move (on CUDA, on the
+communication stream) while the F half computes, and are waited only before
+the B half; the F half's sends go out between the halves, while the B half
+computes. The order of compute, and so every result, is the same as without.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from pipeweave.runtime.transport import shm
 from pipeweave.runtime.transport.buffers import CommStream, RecvPool
 from pipeweave.runtime.transport.message import META_LEN, Layout, read_meta, tensor_meta
 from pipeweave.runtime.transport.order import KINDS, META, TIED, Key, message_key, send_order
-from pipeweave.schedule.ir import Action
+from pipeweave.schedule.ir import Action, pair_positions
 from pipeweave.schedule.lower import LoweredSchedule
 
 
@@ -144,7 +150,7 @@ class P2P:
         self._group: list[tuple[GroupOp, _Posted | _Sent]] = []  # posted since the last compute action
         self._posted: dict[Key, _Posted] = {}
         self._queues: dict[int, deque[Key]] = {}
-        ahead, gap = self._compute_positions(lookahead), self._compute_positions(0)
+        ahead, gap = self._compute_positions(lookahead), self._pair_gaps(self._compute_positions(0))
         ring = self.context.transport
         # Per position, (peer, key) of every receive up to the lookahead-th compute action after it (a ring's
         # peer) or to the end of the gap (a peer over the process group: the gap's group, the same on NCCL).
@@ -182,6 +188,13 @@ class P2P:
             target = k + lookahead
             out.append(compute[target] if target < len(compute) else len(self.row))
         return out
+
+    def _pair_gaps(self, gap: list[int]) -> list[int]:
+        """``gap`` with an F&B pair's two halves as one action (``Schedule.pairs``): the receives of its B half
+        go out in the group before its F half, so they move while the F half computes; its F half's sends
+        still go out between the halves (the executor flushes before each compute action)."""
+        halves = pair_positions(self.row, self.lowered.schedule.pairs)
+        return [halves.get(k, k) for k in gap]
 
     def tag(self, key: Key) -> int:
         """A unique non-negative tag per key within a step (gloo matches on it; NCCL ignores it)."""
@@ -327,7 +340,7 @@ class P2P:
         if len(works) != len(group):  # coalesced: every message completes with the group
             works = [_GroupWork(works)] * len(group)
         for (_, holder), work in zip(group, works):
-            holder.work = work
+            holder.work = self.context.delayed(work)  # --comm-delay-ms: each message completes that much later
 
     # ---- receives -------------------------------------------------------
     def post_ahead(self, index: int) -> None:
