@@ -40,6 +40,7 @@ from test_parallel_3d import _plain  # noqa: E402
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
 
 STEPS = 2
+DELAY_MS = 20.0
 GPT = ModelSpec(kind="gpt", layers=2, hidden=16, heads=2, seq_len=8, moe_experts=4, moe_top_k=2)
 LLAMA = ModelSpec(kind="llama", layers=2, hidden=16, heads=2, seq_len=8, ffn_hidden=24, moe_experts=4, moe_top_k=2)
 STARVED = ModelSpec(kind="llama", layers=2, hidden=16, heads=2, seq_len=1, ffn_hidden=24, moe_experts=8, moe_top_k=1)
@@ -71,6 +72,8 @@ CASES = {
     "llama-starved-1f1b-recompute": _config(STARVED, "1f1b", recompute="full"),
     # With tensor parallelism: each tp coordinate its own ep group, its experts' shards exchanging tokens.
     "llama-tp2-zb-h1": _config(LLAMA, "zb-h1", stages=1, tensor_parallel=2),
+    # --comm-delay-ms (a testing aid, transport.delay): every all-to-all of the experts waits the delay too.
+    "gpt-1f1b-delayed": _config(GPT, "1f1b", comm_delay_ms=DELAY_MS, transport="gloo"),
 }
 
 
@@ -117,6 +120,15 @@ def test_each_process_holds_its_share_of_the_experts(records: dict[str, RunRecor
         for layers in r.expert_rows:
             assert all(set(rows) == {2 * share, 2 * share + 1} for rows in layers.values())
         assert all(s > 0 for s in r.all_to_all_s)
+
+
+def test_the_injected_delay_slows_every_all_to_all(records: dict[str, RunRecord]) -> None:
+    """``--comm-delay-ms``: each of a step's all-to-alls (dispatch and combine, F and backward, per MoE layer
+    and microbatch) takes at least the delay."""
+    config = CASES["gpt-1f1b-delayed"]
+    for r in records["gpt-1f1b-delayed"].ranks:
+        exchanges = 4 * config.num_microbatches * len(r.expert_rows[0])
+        assert all(s >= exchanges * DELAY_MS / 1000 for s in r.all_to_all_s), (r.rank, r.all_to_all_s)
 
 
 def test_experts_without_tokens_train_with_zero_gradients(records: dict[str, RunRecord]) -> None:

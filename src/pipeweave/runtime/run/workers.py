@@ -38,7 +38,7 @@ from pipeweave.runtime.stage.build import Stage, StageOptions
 from pipeweave.runtime.stage.compiled import BACKEND
 from pipeweave.runtime.stage.post_validation import validated_optimizer
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.transport.mesh import build_mesh
+from pipeweave.runtime.transport.mesh import ExpertParallel, build_mesh
 from pipeweave.schedule import Schedule
 from pipeweave.schedule.ir import Action
 
@@ -151,9 +151,17 @@ def _options(
         device=device,
         precision=config.training.precision,
         tensor_parallel=tp,
-        expert_parallel=None if context.mesh is None else context.mesh.expert_parallel_group,
+        expert_parallel=_expert_parallel(context),
         compress=config.memory.compress_activations is not None,
         stashing=any(a.op.is_memory and a.stage == s for a in row),
         steps_done=plan.steps_done,
         compile=BACKEND if config.training.compile else None,
     )
+
+
+def _expert_parallel(context: RankContext) -> ExpertParallel | None:
+    """The process's ``ep`` group, its all-to-alls delayed as the run's messages are (``--comm-delay-ms``)."""
+    ep = None if context.mesh is None else context.mesh.expert_parallel_group
+    if ep is None or not context.comm_delay:
+        return ep
+    return dataclasses.replace(ep, delayed=context.delayed)
