@@ -23,6 +23,7 @@ import torch
 from config_defaults import train_config
 
 from pipeweave.config import TrainConfig
+from pipeweave.data import data_source
 from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.context import RankContext
@@ -63,7 +64,7 @@ def _config(spec: ModelSpec, schedule: str, *, dp: int = 2, stages: int = 2, **r
 
 
 CASES = {
-    "gpt-1f1b": _config(GPT, "1f1b"),
+    "gpt-1f1b": _config(GPT, "1f1b", eval_every=STEPS, eval_batches=2),  # evaluated at the end, experts split
     "llama-zb-h1": _config(LLAMA, "zb-h1"),
     "gpt-dualpipe-v": _config(dataclasses.replace(GPT, moe_router="sigmoid"), "dualpipe-v"),
     "gpt-dp4-zb-h1": _config(GPT, "zb-h1", dp=4, stages=1, momentum=0.9),
@@ -120,6 +121,18 @@ def test_each_process_holds_its_share_of_the_experts(records: dict[str, RunRecor
         for layers in r.expert_rows:
             assert all(set(rows) == {2 * share, 2 * share + 1} for rows in layers.values())
         assert all(s > 0 for s in r.all_to_all_s)
+
+
+def test_the_replicas_evaluate_the_held_out_loss_of_the_trained_weights(
+    records: dict[str, RunRecord], held_out_loss: Any
+) -> None:
+    """An evaluation exchanges tokens as training does: the replicas' shares sum to the loss of the final
+    weights computed whole in one process."""
+    config, record = CASES["gpt-1f1b"], records["gpt-1f1b"]
+    final = {name: values[0] for name, values in _final(record).items()}
+    source = data_source(GPT, batch_size=config.batch_size, seed=config.seed)
+    assert [at for at, _ in record.eval_losses] == [STEPS]
+    assert record.eval_losses[0][1] == pytest.approx(held_out_loss(GPT, final, source, 2), rel=1e-5)
 
 
 def test_the_injected_delay_slows_every_all_to_all(records: dict[str, RunRecord]) -> None:
