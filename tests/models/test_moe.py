@@ -67,6 +67,18 @@ def _router_grad_without_aux(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return moe.router.gate.weight.grad  # type: ignore[return-value]
 
 
+def test_the_auxiliary_losses_gradient_carries_the_loss_scale() -> None:
+    """fp16: a backward started from the loss scale S gives every gradient, the auxiliary loss's included, S x."""
+    x, g = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    grads = []
+    for scale in (1.0, 8.0):
+        moe = _moe()
+        attach_aux_losses(moe, batch_size=None).grad_scale = scale
+        (moe(x) * g * scale).sum().backward()
+        grads.append(moe.router.gate.weight.grad)
+    torch.testing.assert_close(grads[1], 8 * grads[0])
+
+
 def test_the_auxiliary_loss_is_recorded_scaled_by_the_microbatch_share() -> None:
     moe = _moe()
     losses = attach_aux_losses(moe, batch_size=8)

@@ -11,13 +11,14 @@ import torch
 from config_defaults import train_config
 
 from pipeweave.config import TrainConfig
+from pipeweave.errors import UserError
 from pipeweave.models import ModelSpec
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.plain import TrainResult, run_plain
 from pipeweave.runtime.reference import run_reference
 from pipeweave.runtime.run.job import run_rank
 from pipeweave.runtime.run.launch import LaunchOptions, launch
-from pipeweave.runtime.run.prepare import optimizer_factory, prepare
+from pipeweave.runtime.run.prepare import build_schedule, optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.schedule import SCHEDULES, ScheduleError, generate
 
@@ -51,6 +52,8 @@ CASES = {
     "gpt-dualpipe-v": _config(dataclasses.replace(GPT, moe_router="sigmoid"), "dualpipe-v"),
     "llama-starved-1f1b-recompute": _config(STARVED, "1f1b", t=4, recompute="full"),
     "gpt-capacity-zb-h1-adamw": _config(dataclasses.replace(GPT, moe_capacity=1.0), "zb-h1", optimizer="adamw"),
+    # fp16: the auxiliary losses' gradients carry the loss scale as the main loss's do
+    "gpt-1f1b-fp16": _config(GPT, "1f1b", precision="fp16", loss_scale=2.0**10, lr=0.05),
 }
 
 
@@ -72,10 +75,18 @@ def records() -> dict[str, RunRecord]:
 
 
 def _plain(config: TrainConfig) -> TrainResult:
-    """Plain training of the run's model, batch and optimizer (every replica's microbatches in one process)."""
+    """Plain training of the run's model, batch, optimizer and precision (every replica's microbatches in one
+    process; fp16 with GradScaler from the run's scale)."""
     t, factory = config.num_microbatches * config.data_parallel, optimizer_factory(config)
+    scaler = torch.amp.GradScaler("cpu", init_scale=config.loss_scale) if config.precision == "fp16" else None
     return run_plain(
-        config.model, steps=STEPS, batch_size=config.batch_size, num_microbatches=t, optimizer_factory=factory
+        config.model,
+        steps=STEPS,
+        batch_size=config.batch_size,
+        num_microbatches=t,
+        optimizer_factory=factory,
+        precision=config.precision,
+        scaler=scaler,
     )
 
 
@@ -123,29 +134,47 @@ def test_experts_without_tokens_train_with_zero_gradients(records: dict[str, Run
     assert all(torch.isfinite(v).all() for v in final.values())
 
 
-def _synchronous_schedules() -> list[str]:
-    return [name for name, info in SCHEDULES.items() if info.synchronous]
+def _schedule_config(name: str) -> TrainConfig | None:
+    """The MoE gpt on 2 ranks of ``name`` with the first T it accepts (None: no such schedule for 4 layers)."""
+    chunks = 2 if SCHEDULES[name].chunks is None else None
+    for t in (4, 6, 8):
+        config = _config(GPT, name, t=t, num_chunks=chunks)
+        try:
+            if prepare(config).schedule.num_ranks == 2:
+                return config
+        except (ScheduleError, UserError):
+            continue
+    return None
 
 
-@pytest.mark.parametrize("name", _synchronous_schedules())
+SYNCHRONOUS = [name for name, info in SCHEDULES.items() if info.synchronous]
+
+
+@pytest.mark.parametrize("name", SYNCHRONOUS)
 def test_every_synchronous_schedule_trains_moe_as_plain_training(name: str) -> None:
     """In process (the reference executor): the same losses and weights as plain training, the aux loss in both."""
-    for t in (4, 6, 8):
-        try:
-            schedule = generate(
-                name, num_stages=2, num_microbatches=t, num_chunks=2 if SCHEDULES[name].chunks is None else None
-            )
-        except (ScheduleError, TypeError):
-            continue
-        if schedule.num_parts <= GPT.num_layers:
-            break
-    else:
+    config = _schedule_config(name)
+    if config is None:
         pytest.skip(f"{name} has no 2-rank schedule for a 4-layer model")
-    got = run_reference(schedule, GPT, steps=STEPS, batch_size=2 * t - 1)
-    want = run_plain(GPT, steps=STEPS, batch_size=2 * t - 1, num_microbatches=t)
+    got = run_reference(build_schedule(config), GPT, steps=STEPS, batch_size=config.batch_size)
+    want = _plain(config)
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=1e-5, atol=0)
     for key, value in want.parameters.items():
         torch.testing.assert_close(got.parameters[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_every_synchronous_schedule_on_two_ranks_equals_plain_training() -> None:
+    configs = {name: c for name in SYNCHRONOUS if (c := _schedule_config(name)) is not None}
+    ran = launch(_run_all, list(configs.values()), 2, LaunchOptions(timeout_s=300))
+    for (name, config), record in zip(configs.items(), ran):
+        assert record is not None
+        plain = _plain(config)
+        torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=0, msg=name)
+        for key, value in _final(record).items():
+            torch.testing.assert_close(value, plain.parameters[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
 
 
 def test_the_reported_loss_includes_the_auxiliary_loss() -> None:

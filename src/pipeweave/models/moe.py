@@ -56,12 +56,16 @@ class AuxLosses:
     """The auxiliary losses the MoE layers of a stage (or of plain training) computed since the last ``take``.
 
     ``batch_size`` (the mini-batch's samples) scales each microbatch's loss by its share, ``samples /
-    batch_size``, as the main loss is scaled; None: unscaled (a layer used alone).
+    batch_size``, as the main loss is scaled; None: unscaled (a layer used alone). ``grad_scale``: fp16's loss
+    scale, set by whoever scales the main loss's backward (``runtime.loss_scale``, plain training).
     """
 
     def __init__(self, batch_size: int | None = None) -> None:
         self.batch_size = batch_size
         self.values: list[torch.Tensor] = []
+        self.grad_scale: torch.Tensor | float = 1.0
+        """The factor every gradient of the step carries: ``--precision fp16``'s loss scale (the backward of the
+        main loss starts from it, so the auxiliary losses' gradients carry it too); read at each backward."""
 
     def share(self, samples: int) -> float:
         """The factor of a microbatch of ``samples`` samples."""
@@ -83,18 +87,20 @@ def attach_aux_losses(module: nn.Module, batch_size: int | None) -> AuxLosses:
 
 
 class AuxLossInjection(torch.autograd.Function):
-    """``y`` unchanged; in the backward, the auxiliary loss ``aux`` gets gradient ``scale`` (its weight in the
-    objective), so its graph (the router) trains from whatever stage computed it."""
+    """``y`` unchanged; in the backward, the auxiliary loss ``aux`` (0-d) gets gradient ``share`` (its weight in
+    the objective) times ``losses.grad_scale`` (fp16's loss scale; 1 without ``losses``), so its graph (the
+    router) trains from whatever stage computed it."""
 
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale, ctx.aux_shape, ctx.aux_dtype = scale, aux.shape, aux.dtype
+    def forward(ctx: Any, y: torch.Tensor, aux: torch.Tensor, share: float, losses: AuxLosses | None) -> torch.Tensor:
+        ctx.share, ctx.losses, ctx.aux_dtype = share, losses, aux.dtype
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
-        grad_aux = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=gy.device)
-        return gy, grad_aux, None
+        scale = 1.0 if ctx.losses is None else ctx.losses.grad_scale
+        grad_aux = torch.as_tensor(scale, dtype=ctx.aux_dtype, device=gy.device) * ctx.share
+        return gy, grad_aux, None, None
 
 
 @dataclass(frozen=True)
@@ -262,7 +268,7 @@ class MoE(nn.Module):
             if self.aux_losses is not None:
                 self.aux_losses.values.append(aux.detach() * share)
             if torch.is_grad_enabled():
-                y = AuxLossInjection.apply(y, aux, share)
+                y = AuxLossInjection.apply(y, aux, share, self.aux_losses)
         return y.reshape(x.shape)  # type: ignore[no-any-return]
 
 

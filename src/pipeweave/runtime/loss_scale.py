@@ -158,8 +158,11 @@ class LossScaling:
         return self.scale.scale
 
     def begin_step(self) -> None:
-        """A step begins: its first ``U`` agrees on an overflow again."""
+        """A step begins: its first ``U`` agrees on an overflow again; MoE layers' auxiliary losses start their
+        backward from the scale too (``models.moe``)."""
         self._inverse = None
+        for worker in self.workers.values():
+            worker.aux_losses.grad_scale = self.scale.scale
 
     def skip(self) -> bool:
         """Whether this step's updates are skipped: at the step's first ``U``, the check and the all-reduce,

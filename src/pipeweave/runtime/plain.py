@@ -96,6 +96,8 @@ def run_plain(
         scaler = torch.amp.GradScaler("cpu")
     losses = []
     for step in range(steps):
+        if scaler is not None and precision == "fp16":  # the auxiliary losses' backward scaled as the loss's
+            aux.grad_scale = scaler.get_scale()
         pairs = zip(*step_microbatches(source, step, num_microbatches))
         step_losses = [
             _microbatch_loss(model, spec, loss, x, target, batch_size, precision, step, j, scaler) + _taken(aux)
