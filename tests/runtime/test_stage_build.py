@@ -146,6 +146,7 @@ def test_a_stage_is_built_by_its_steps_in_order() -> None:
         "split_layers",
         "apply_tensor_parallel",
         "apply_context_parallel",
+        "apply_expert_parallel",
         "apply_recompute",
         "place",
         "apply_compile",

@@ -206,6 +206,9 @@ class ParallelConfig:
     F, B, I and freed after)."""
     bucket_mb: float = option(25.0, metavar="MIB", check=_bucket)
     """MiB of gradients per all-reduce across replicas."""
+    expert_parallel: int = option(1, metavar="E", check=at_least(1, "give E >= 1 ranks per expert group (1: none)"))
+    """Split each mixture-of-experts layer's experts over E of the --data-parallel replicas (E divides P),
+    tokens exchanged by all-to-all; the experts' gradients summed over the P/E replicas holding the same ones."""
 
     def __post_init__(self) -> None:
         check_section(self)

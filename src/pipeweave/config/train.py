@@ -130,6 +130,8 @@ class TrainConfig:
             )
         if self.parallel.context_parallel > 1:
             _check_context_parallel(self)
+        if self.parallel.expert_parallel > 1:
+            _check_expert_parallel(self)
         if self.data.min_seq_len is not None:
             _check_min_seq_len(self, self.data.min_seq_len)
         _check_documents(self)
@@ -302,6 +304,26 @@ def _check_replicas(config: TrainConfig) -> None:
             raise UserError(
                 f"--stage-replicas {text} runs one process per replica, without {flag} {value}; drop one of them"
             )
+
+
+def _check_expert_parallel(config: TrainConfig) -> None:
+    """--expert-parallel E splits E of the synchronous run's data-parallel replicas' experts among them; the
+    model's own rules (it has experts, E divides them) are the plan's (``runtime.run.resolve``)."""
+    ep, parallel = config.parallel.expert_parallel, config.parallel
+    if parallel.data_parallel % ep:
+        raise UserError(
+            f"--expert-parallel {ep} splits the experts over that many of the --data-parallel "
+            f"{parallel.data_parallel} replicas; give a divisor of {parallel.data_parallel}, or a multiple of {ep} as --data-parallel"
+        )
+    if parallel.zero:
+        raise UserError(
+            f"--zero {parallel.zero} does not shard expert-parallel experts; drop --zero or --expert-parallel"
+        )
+    if config.is_stream:
+        raise UserError(
+            f"--expert-parallel {ep} needs a synchronous schedule (its replicas exchange tokens within one step); "
+            f"{config.schedule.name} is asynchronous: choose e.g. 1f1b"
+        )
 
 
 def _check_applies(config: TrainConfig) -> None:

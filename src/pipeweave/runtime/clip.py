@@ -11,7 +11,8 @@ once (Megatron-LM's ``clip_grad_norm_fp32`` does the same):
   process of the group holds whole (norms, the embedding) on its ``tp`` rank 0 only;
 - under ZeRO each replica's slices of the reduced gradient (distinct by construction: ``runtime.zero``'s
   slices at stage 1, FSDP2's rows at stage 3, ``runtime.fsdp``);
-  without ZeRO the reduced gradient, equal on every replica, on ``dp`` rank 0 only;
+  without ZeRO the reduced gradient, equal on every replica, on ``dp`` rank 0 only -- an expert-parallel
+  share of the experts (``stage.expert_parallel``) on the first replica holding it, ``dp`` rank < E;
 - of tied embedding and head (``runtime.stage.tied``), which hold one shared gradient, the embedding's;
 - under context parallelism, where every process of a ``cp`` group holds the same gradients once they are
   summed over it (``runtime.stage.context_parallel``, before the clipping), on its ``cp`` rank 0 only.
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pipeweave.runtime.fsdp import FullyShardedPart
+from pipeweave.runtime.stage.expert_parallel import is_expert
 from pipeweave.runtime.stage.tensor_parallel import split_of
 from pipeweave.runtime.stage.tied import repeated_members
 from pipeweave.runtime.stage.worker import StageWorker
@@ -57,13 +59,14 @@ class GlobalNormClip:
         self.max_norm = max_norm
         self.tp_rank, self.dp_rank = (0, 0) if joined is None else (joined.tp_rank, joined.dp_rank)
         self.counts = joined is None or joined.cp_rank == 0  # a cp group's gradients are alike: its rank 0's count
+        self.expert_parallel = 1 if joined is None else joined.expert_parallel
         self.norms: list[float] = []
         # The gradients the optimizer applies are clipped: replicas summed (or sliced), ties summed first.
         self.hooks: dict[int, Callable[[StageWorker], None]] = {stage: self._clip for stage in workers}
 
     def _clip(self, worker: StageWorker) -> None:
         squares = torch.zeros(1, dtype=torch.float64, device=worker.device)
-        for grad in _distinct(worker, self.tp_rank, self.dp_rank) if self.counts else ():
+        for grad in _distinct(worker, self.tp_rank, self.dp_rank, self.expert_parallel) if self.counts else ():
             squares += grad.double().pow(2).sum()
         dist.all_reduce(squares)
         norm = math.sqrt(float(squares))
@@ -84,7 +87,7 @@ def applied_gradients(worker: StageWorker) -> list[torch.Tensor]:
     return worker.gradients()
 
 
-def _distinct(worker: StageWorker, tp_rank: int, dp_rank: int) -> Iterator[torch.Tensor]:
+def _distinct(worker: StageWorker, tp_rank: int, dp_rank: int, expert_parallel: int = 1) -> Iterator[torch.Tensor]:
     """The gradients (or pieces) this process counts in the global norm, no element counted twice anywhere."""
     tied = repeated_members(worker)  # of a tied group, the first member counts for all
     optimizer = worker.optimizer
@@ -95,5 +98,6 @@ def _distinct(worker: StageWorker, tp_rank: int, dp_rank: int) -> Iterator[torch
     if isinstance(optimizer, ZeroOptimizer) or isinstance(worker.shards, FullyShardedPart):
         owner = worker.shards if isinstance(worker.shards, FullyShardedPart) else optimizer
         yield from (piece for param, piece in owner.owned_gradients() if counted(param))
-    elif dp_rank == 0:
-        yield from (p.grad for p in worker.module.parameters() if p.grad is not None and counted(p))
+    else:
+        first = (p for p in worker.module.parameters() if (dp_rank < expert_parallel if is_expert(p) else dp_rank == 0))
+        yield from (p.grad for p in first if p.grad is not None and counted(p))

@@ -204,6 +204,7 @@ class Executor:
             _replica_groups(self.placement, self.context) if exchanging and combine_replicas else {},
             bucket_bytes,
             zero,
+            self.context.mesh.expert_groups if self.context.mesh is not None else None,
         )
         self.tied = self._ties(exchanging, self.evaluating, stream)
         unclipped = clip_norm is None or self.evaluating

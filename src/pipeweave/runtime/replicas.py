@@ -12,6 +12,11 @@ as soon as the last action of the step that adds to the part's gradients
 while the rank computes the rest of its backward, and the part's ``U`` waits
 for it. Replicas on this rank are summed first, in stage order.
 
+Under expert parallelism (``Mesh.expert_groups``) a part's parameters go in
+buckets of two kinds: the dense ones, summed over the part's replica group,
+and the experts (``stage.expert_parallel.is_expert``), summed only over the
+replicas that hold the same experts -- the others hold other experts.
+
 With ZeRO-1 (``zero=1``, ``runtime.zero``) each bucket is reduce-scattered
 instead, and the part's optimizer, sharded, steps the slice it receives and
 all-gathers the parameters after; a part holding tied parameters
@@ -41,6 +46,7 @@ import torch.distributed as dist
 
 from pipeweave.runtime.fsdp import FullyShardedPart, shard_stage
 from pipeweave.runtime.stage.build import Stage
+from pipeweave.runtime.stage.expert_parallel import is_expert
 from pipeweave.runtime.stage.tied import tied_names
 from pipeweave.runtime.stage.worker import Combine, StageWorker
 from pipeweave.runtime.zero import ZeroOptimizer, pad
@@ -63,6 +69,8 @@ class ReplicaReduction:
             workers were built with ``zero.ZeroOptimizer``s over the same buckets (1, 2), or their layers fully
             sharded over the run's ``dp`` mesh (3: ``fsdp.FullyShardedPart``, ``worker.shards``), by the
             run's build step ``shard_replica`` (``runtime.run.workers``).
+        expert_groups: under expert parallelism, per replicated part, the group summing its experts' gradients
+            (None: no other rank holds this rank's experts); its dense parameters stay ``groups``'s.
     """
 
     def __init__(
@@ -73,6 +81,7 @@ class ReplicaReduction:
         groups: dict[int, Any],
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         zero: int = 0,
+        expert_groups: dict[int, Any] | None = None,
     ) -> None:
         self.placement, self.workers, self.groups = placement, workers, groups
         self.bucket_bytes = bucket_bytes
@@ -90,6 +99,8 @@ class ReplicaReduction:
             part = placement.stage_part[a.stage]
             if part in self.local and a.op.computes_weight_grad:
                 self.grad_actions[part] += 1
+        self.spans = {part: self._spans(part, expert_groups or {}) for part in self.local}
+        """Per part, its buckets: the indices of the parameters in each, and the group summing it."""
         self.sharded = {part for part in self.local if zero and part in groups}
         self.per_action = {part for part in self.sharded if zero == 2}  # ZeRO-2: reduced after each B or W
         # ZeRO-1 parts holding tied parameters: reduced at U, after the tie's sum (``TiedGradients(first=True)``).
@@ -109,6 +120,17 @@ class ReplicaReduction:
         """The most gradient bytes (the parameters' whole gradients, ZeRO's slices) this rank held between its
         actions: after each compute action of the first step, and at every ``U``'s combine."""
         self._steps = 0
+
+    def _spans(self, part: int, expert_groups: dict[int, Any]) -> list[tuple[Sequence[int], Any]]:
+        params = list(self.workers[self.local[part][0]].module.parameters())  # ``gradients()``'s order
+        if part not in expert_groups:
+            return [(span, self.groups.get(part)) for span in _buckets(params, self.bucket_bytes)]
+        spans: list[tuple[Sequence[int], Any]] = []
+        for expert, group in ((False, self.groups.get(part)), (True, expert_groups[part])):
+            kind = [i for i, p in enumerate(params) if is_expert(p) == expert]
+            buckets = _buckets([params[i] for i in kind], self.bucket_bytes)
+            spans += [([kind[i] for i in span], group) for span in buckets]
+        return spans
 
     def begin_step(self) -> None:
         self._steps += 1
@@ -139,14 +161,13 @@ class ReplicaReduction:
         grads = [w.gradients() for w in (self.workers[s] for s in self.local[part])]
         params = list(self.workers[self.local[part][0]].module.parameters())
         buckets = []
-        for span in _buckets(grads[0], self.bucket_bytes):
+        for span, group in self.spans[part]:
             flat = _flatten([grads[0][i] for i in span])
             for other in grads[1:]:  # local replicas first, in stage order
                 flat += _flatten([other[i] for i in span])
             if part in self.per_action:  # ZeRO-2: the whole gradients go as soon as the bucket holds them
                 for i in span:
                     params[i].grad = None
-            group = self.groups.get(part)
             if part in self.sharded:  # ZeRO: this rank's slice of the sum only
                 flat = pad(flat, dist.get_world_size(group))
                 mine = flat.new_empty(flat.numel() // dist.get_world_size(group))
@@ -177,7 +198,7 @@ class ReplicaReduction:
                 optimizer.set_gradients([mine for _, mine in buckets])
         else:
             grads = [self.workers[s].gradients() for s in self.local[part]]
-            for span, (work, flat) in zip(_buckets(grads[0], self.bucket_bytes), buckets):
+            for (span, _), (work, flat) in zip(self.spans[part], buckets):
                 if work is not None:
                     work.wait()
                 for replica in grads:

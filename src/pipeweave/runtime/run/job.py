@@ -187,6 +187,7 @@ def run_rank(context: RankContext, plan: RunPlan) -> RunRecord | None:
         row = seconds_since(timings, offset)
         keep = step < config.logging.trace_steps
         mine.add_step(loss, row, executor.step_cpu_ns, executor.action_cpu_ns, keep, executor.step_memory)
+        mine.add_expert_traffic(workers)
         if step == 0 and not (config.memory.memory_every_step or config.variable_shapes):  # varying shapes: every step
             for w in workers.values():
                 w.track_memory_from_now(False)

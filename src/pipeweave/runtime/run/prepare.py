@@ -264,6 +264,8 @@ def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
     """Tensor parallelism splits this model evenly; it and ZeRO compose with the run's other options."""
     if config.parallel.zero:
         _check_zero(config, schedule)
+    if config.parallel.expert_parallel > 1:
+        _check_expert_parallel(config)
     n = config.parallel.tensor_parallel
     if config.parallel.sequence_parallel:
         _check_sequence_parallel(config)
@@ -271,6 +273,21 @@ def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
         return
     check_tensor_parallel(config.model, n)
     check_plans(config.model)
+
+
+def _check_expert_parallel(config: TrainConfig) -> None:
+    """Expert parallelism splits the model's experts evenly over the ``ep`` group."""
+    ep, experts = config.parallel.expert_parallel, config.model.moe_experts or 0
+    if not experts:
+        raise UserError(
+            f"--expert-parallel {ep} splits a mixture of experts' experts and --model {config.model.kind} has none; "
+            f"give --moe-experts (a multiple of {ep}), or drop --expert-parallel"
+        )
+    if experts % ep:
+        raise UserError(
+            f"--moe-experts {experts} is not divisible by --expert-parallel {ep}; give a multiple of {ep} experts, "
+            f"or an --expert-parallel dividing {experts}"
+        )
 
 
 def _check_sequence_parallel(config: TrainConfig) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from pipeweave.config import TrainConfig
 from pipeweave.runtime.context import RankContext
 from pipeweave.runtime.run import streams
+from pipeweave.runtime.stage.expert_parallel import traffic_of
 from pipeweave.runtime.stage.shards import gathered
 from pipeweave.runtime.stage.tensor_parallel import gather
 from pipeweave.runtime.stage.worker import StageWorker
@@ -75,6 +76,19 @@ class RankRecord:
     averaging: list[tuple[int, int, float, float]] = field(default_factory=list)
     """AvgPipe on ranks of their own: per averaging, ``(stage, round, start s, end s)`` on rank 0's clock, from the
     all-reduce's start to its mean in hand (``runtime.stage.averaging``)."""
+
+    expert_rows: list[dict[str, dict[int, int]]] = field(default_factory=list)
+    """--expert-parallel: per step, per MoE layer of this rank (by module name), the rows (token copies) each
+    of its experts received from every rank of its ``ep`` group (``stage.expert_parallel``)."""
+    all_to_all_s: list[float] = field(default_factory=list)
+    """--expert-parallel: per step, seconds this rank spent inside its experts' all-to-alls, F and backward."""
+
+    def add_expert_traffic(self, workers: dict[int, StageWorker]) -> None:
+        """The step's expert-parallel traffic (nothing without expert-parallel layers)."""
+        taken = {name: t.take() for w in workers.values() for name, t in traffic_of(w.module).items()}
+        if taken:
+            self.expert_rows.append({name: rows for name, (rows, _) in taken.items()})
+            self.all_to_all_s.append(sum(seconds for _, seconds in taken.values()))
 
     def add_step(
         self,

@@ -125,7 +125,12 @@ def _with_partition(config: TrainConfig) -> TrainConfig:
             f"zb-auto/zb-v-auto (K x the 1F1B peak); add one of them or drop it"
         )
     base = build_schedule(
-        config.replace(data_parallel=1, zero=0, recompute="none" if args.recompute == AUTO else config.memory.recompute)
+        config.replace(
+            data_parallel=1,
+            expert_parallel=1,
+            zero=0,
+            recompute="none" if args.recompute == AUTO else config.memory.recompute,
+        )
     )  # one replica: the parts
     if args.recompute == AUTO and partition_method(args) != "memory":
         raise UserError(

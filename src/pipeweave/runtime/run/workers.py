@@ -7,6 +7,8 @@ the run, nothing patched afterwards. In order (``stage.build.STEPS``, then ``RUN
     stage.build.split_layers           the part's layers, from the model's seed: plain training's
     stage.build.apply_tensor_parallel  cut over the process's tp group (--tensor-parallel, --sequence-parallel)
     stage.build.apply_context_parallel ring attention over the process's cp group (--context-parallel)
+    stage.build.apply_expert_parallel  the MoE layers' share of the experts of the process's ep group
+                                       (--expert-parallel)
     stage.build.apply_recompute        selective recomputation (--recompute)
     stage.build.place                  on the device, the W store wired in, the activation meter
     stage.build.apply_memory_levers    compressed saved tensors (--compress-activations); kept per microbatch
@@ -37,7 +39,7 @@ from pipeweave.runtime.stage.build import Stage, StageOptions
 from pipeweave.runtime.stage.compiled import BACKEND
 from pipeweave.runtime.stage.post_validation import validated_optimizer
 from pipeweave.runtime.stage.worker import StageWorker
-from pipeweave.runtime.transport.mesh import build_mesh
+from pipeweave.runtime.transport.mesh import ExpertParallel, build_mesh
 from pipeweave.schedule import Schedule
 from pipeweave.schedule.ir import Action
 
@@ -55,6 +57,7 @@ def join_mesh(plan: RunPlan, context: RankContext) -> RankContext:
             plan.config.parallel.tensor_parallel,
             context.device,
             plan.config.parallel.context_parallel,
+            plan.config.parallel.expert_parallel,
         )
     )
 
@@ -151,8 +154,17 @@ def _options(
         precision=config.training.precision,
         tensor_parallel=tp,
         context_parallel=None if context.mesh is None else context.mesh.context_parallel_group,
+        expert_parallel=_expert_parallel(context),
         compress=config.memory.compress_activations is not None,
         stashing=any(a.op.is_memory and a.stage == s for a in row),
         steps_done=plan.steps_done,
         compile=BACKEND if config.training.compile else None,
     )
+
+
+def _expert_parallel(context: RankContext) -> ExpertParallel | None:
+    """The process's ``ep`` group, its all-to-alls delayed as the run's messages are (``--comm-delay-ms``)."""
+    ep = None if context.mesh is None else context.mesh.expert_parallel_group
+    if ep is None or not context.comm_delay:
+        return ep
+    return dataclasses.replace(ep, delayed=context.delayed)

@@ -7,6 +7,7 @@ the order they run::
     split_layers            the part's layers, initialised from (seed, layer index): plain training's
     apply_tensor_parallel   each layer cut over the process's tp group by the model's plan
     apply_context_parallel  attention by ring attention over the process's cp group, positions global
+    apply_expert_parallel   each MoE layer's share of the experts kept, tokens sent to them by all-to-all
     apply_recompute         selective recomputation: the model's named submodules checkpointed
     place                   the layers on the device, the deferred weight gradients' store wired in
     apply_compile           --compile: each layer through torch.compile, the split backward kept
@@ -44,6 +45,7 @@ from pipeweave.models.moe import AuxLosses, attach_aux_losses
 from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.stage.compiled import compile_layers
 from pipeweave.runtime.stage.context_parallel import ContextParallel, shard_layers
+from pipeweave.runtime.stage.expert_parallel import ExpertParallel, shard_experts
 from pipeweave.runtime.stage.memory import ActivationMeter
 from pipeweave.runtime.stage.selective import checkpoint_submodules
 from pipeweave.runtime.stage.shards import Shards
@@ -73,6 +75,8 @@ class StageOptions:
     precision: str = "fp32"
     tensor_parallel: TensorParallel | None = None
     context_parallel: ContextParallel | None = None
+    expert_parallel: ExpertParallel | None = None
+    """The ``ep`` group the MoE layers' experts are split over (``stage.expert_parallel``); None: all here."""
     compress: bool = False
     stashing: bool = False
     steps_done: int = 0
@@ -190,6 +194,14 @@ def apply_context_parallel(stage: Stage, options: StageOptions) -> None:
         shard_layers(options.spec, list(options.layer_indices), stage.layers, cp)
 
 
+def apply_expert_parallel(stage: Stage, options: StageOptions) -> None:
+    """Each MoE layer keeps its ``ep`` rank's share of the experts, tokens exchanged by all-to-all
+    (``stage.expert_parallel``)."""
+    if options.expert_parallel is not None:
+        for layer in stage.layers:
+            shard_experts(layer, options.expert_parallel)
+
+
 def apply_recompute(stage: Stage, options: StageOptions) -> None:
     """Selective recomputation: the submodules the model names replay at the backward (``stage.selective``).
     Full recomputation is the worker's F itself (it keeps only the stage input)."""
@@ -232,6 +244,7 @@ STEPS: tuple[StageStep, ...] = (
     split_layers,
     apply_tensor_parallel,
     apply_context_parallel,
+    apply_expert_parallel,
     apply_recompute,
     place,
     apply_compile,

@@ -1,4 +1,5 @@
-"""The device mesh of a run: data x pipeline x context x tensor parallelism, and the process groups each needs.
+"""The device mesh of a run: data x pipeline x context x tensor parallelism (experts split over ``ep``), and its
+process groups.
 
 A run of P pipeline replicas of a D-rank schedule with C-way context
 parallelism and N-way tensor parallelism has P x D x C x N processes on one
@@ -22,6 +23,15 @@ data parallelism, groups of their own for Chimera, GEMS or DualPipe, whose
 replicas share a pipeline). Every process creates every group in one order,
 as ``torch.distributed`` asks. Without tensor or context parallelism or
 replicas on several ranks no group is created: process and stage rank coincide.
+
+Expert parallelism (``--expert-parallel E``) splits the ``dp`` dimension as
+Megatron-LM and torchtitan do: the E consecutive replicas ``dp = g*E + j``
+(``j < E``) of one (pp, cp, tp) coordinate form an ``ep`` group, each holding
+1/E of every mixture-of-experts layer's experts (``ep`` rank j: the j-th
+share) and exchanging tokens by all-to-all (``stage.expert_parallel``). A
+part's dense parameters are summed over its replica group as before; its
+experts only over the replicas holding the same share, those of one ``j``
+(``Mesh.expert_groups``; none where P = E: each share is held once).
 """
 
 from __future__ import annotations
@@ -62,6 +72,20 @@ class ContextParallel:
     size: int
 
 
+@dataclass(frozen=True)
+class ExpertParallel:
+    """A process's place in its expert-parallel group: the group, its rank in it (which share of the experts it
+    holds), its size E."""
+
+    group: Any
+    """The ``torch.distributed`` process group of the E processes exchanging tokens by all-to-all."""
+    rank: int
+    size: int
+    delayed: Any = None
+    """What each all-to-all's posted work passes through before the wait (``RankContext.delayed``: an injected
+    link delay, a testing aid); None: waited on as it is."""
+
+
 @dataclass
 class Mesh:
     """One process's coordinates in the run's mesh, and the groups it takes part in."""
@@ -85,6 +109,13 @@ class Mesh:
     context_parallel: int = 1
     """C: processes splitting every sequence (``runtime.stage.context_parallel``)."""
     cp_group: Any = None
+    expert_parallel: int = 1
+    """E: replicas of one (pp, cp, tp) coordinate splitting the experts among them (1: every replica holds all)."""
+    ep_group: Any = None
+    """The E processes of this one's ``ep`` group (E > 1): the experts' all-to-all."""
+    expert_groups: dict[int, Any] = field(default_factory=dict)
+    """Per replicated part on this process (E > 1): the group summing its experts' gradients (the part's
+    replicas holding this process's share), None where no other process holds it."""
 
     @property
     def per_stage_rank(self) -> int:
@@ -109,6 +140,11 @@ class Mesh:
     def cp_rank(self) -> int:
         return self.process // self.tensor_parallel % self.context_parallel
 
+    @property
+    def ep_rank(self) -> int:
+        """Which share of the experts this process holds: its place in its ``ep`` group."""
+        return self.dp_rank % self.expert_parallel
+
     def process_of(self, stage_rank: int) -> int:
         """The process of ``stage_rank`` with this process's ``cp`` and ``tp`` (and, ``outside``, ``dp``)
         coordinates."""
@@ -128,6 +164,13 @@ class Mesh:
         if self.context_parallel == 1:
             return None
         return ContextParallel(self.cp_group, self.cp_rank, self.context_parallel)
+
+    @property
+    def expert_parallel_group(self) -> ExpertParallel | None:
+        """What the stage workers split their experts over (None without expert parallelism)."""
+        if self.expert_parallel == 1:
+            return None
+        return ExpertParallel(self.ep_group, self.ep_rank, self.expert_parallel)
 
 
 def process_pairs(
@@ -173,6 +216,7 @@ def build_mesh(
     tensor_parallel: int,
     device: torch.device,
     context_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> Mesh:
     """This process's ``Mesh``, every group created (a collective call: every process of the run calls it)."""
     inner = tensor_parallel * context_parallel
@@ -185,6 +229,7 @@ def build_mesh(
         process,
         outside=outside,
         context_parallel=context_parallel,
+        expert_parallel=expert_parallel,
     )
     if inner == 1 and not outside and not replica_rank_sets(placement):
         return mesh
@@ -204,7 +249,28 @@ def build_mesh(
     created = dict(zip(others, _group_per_tp([list(sets[part]) for part in others], mesh)))
     for part in sets:
         mesh.replica_groups[part] = mesh.device_mesh.get_group("dp") if along_dp[part] else created[part]
+    if expert_parallel > 1:
+        _expert_groups(mesh, sets)
     return mesh
+
+
+def _expert_groups(mesh: Mesh, sets: dict[int, tuple[int, ...]]) -> None:
+    """``mesh``'s ``ep`` group and, per replicated part, the group of its replicas holding this share of the
+    experts (``ep`` coordinate ``dp % E``); every process creates every group, in one order."""
+    E, D = mesh.expert_parallel, mesh.stages
+    ep_sets = [[(g * E + j) * D + pp for j in range(E)] for g in range(mesh.data_parallel // E) for pp in range(D)]
+    mine = mesh.process // mesh.per_stage_rank
+    for ranks, group in zip(ep_sets, _group_per_tp(ep_sets, mesh)):
+        if mine in ranks:
+            mesh.ep_group = group
+    for part, ranks in sets.items():
+        shares = [[r for r in ranks if r // D % E == j] for j in range(E)]
+        held = [share for share in shares if len(share) > 1]
+        for share, group in zip(held, _group_per_tp(held, mesh)):
+            if mine in share:
+                mesh.expert_groups[part] = group
+        if mine in ranks:
+            mesh.expert_groups.setdefault(part, None)
 
 
 def _group_per_tp(stage_rank_sets: list[list[int]], mesh: Mesh) -> list[Any]:
