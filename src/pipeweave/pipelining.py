@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,11 +50,12 @@ def pipeline(
     loss: Callable[[Any, Any], torch.Tensor],
     dataset: Any,
     eval_dataset: Any = None,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> LayerModel:
     """``module`` as a ``LayerModel``, cut at ``split_points``: module names, or D parts balanced by time.
 
     Args:
-        module, example_inputs, loss, dataset, eval_dataset: as ``models.pipeline.pipeline``'s; with
+        module, example_inputs, loss, dataset, eval_dataset, tp_plan: as ``models.pipeline.pipeline``'s; with
             ``split_points=D`` the example inputs' samples are the profiled microbatch's.
         split_points: module names, each starting a new layer; an int D: the D-way split of least slowest
             part among the cuts before the blocks of the module's ``nn.ModuleList`` s, by profiled time;
@@ -69,14 +70,18 @@ def pipeline(
         ('blocks.2',)
     """
     if not isinstance(split_points, int) or isinstance(split_points, bool):
-        return split_at(module, example_inputs, split_points, loss=loss, dataset=dataset, eval_dataset=eval_dataset)
+        return split_at(
+            module, example_inputs, split_points, loss=loss, dataset=dataset, eval_dataset=eval_dataset, tp_plan=tp_plan
+        )
     num_parts = split_points
     if num_parts < 1:
         raise UserError(f"split_points={num_parts} parts is invalid; give D >= 1 parts or a list of module names")
     pieces = split_at(module, example_inputs, None, loss=loss, dataset=dataset, eval_dataset=eval_dataset)
     samples = num_samples(example_inputs) if example_inputs is not None else 2
     chosen = balanced_points(pieces, num_parts, samples, _digest(module, pieces, samples))
-    return split_at(module, example_inputs, chosen, loss=loss, dataset=dataset, eval_dataset=eval_dataset)
+    return split_at(
+        module, example_inputs, chosen, loss=loss, dataset=dataset, eval_dataset=eval_dataset, tp_plan=tp_plan
+    )
 
 
 def balanced_points(pieces: LayerModel, num_parts: int, microbatch_size: int, digest: str) -> list[str]:

@@ -25,6 +25,7 @@ from torch import nn
 from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel
 from pipeweave.models.hf_config import built, config_fields, make_config
+from pipeweave.models.hf_tp import hf_tp_plan
 from pipeweave.models.pipeline import pipeline
 from pipeweave.models.pretrained import Weights, folder_of, loaded_layer
 
@@ -145,7 +146,7 @@ def hf_model(entry: str, config_text: str | None, seq_len: int, seed: int) -> La
     weights = None if folder is None else Weights(folder)
     if weights is not None:
         weights.check(module)  # before the module is traced: a folder that cannot serve it is one line
-    model = pipeline(module, (data.tokens[:2],), split_points=None, loss=loss, dataset=data)
+    model = pipeline(module, (data.tokens[:2],), split_points=None, loss=loss, dataset=data, tp_plan=hf_tp_plan(module))
     if weights is None:
         return model
     load = weights.loader(module)
