@@ -39,12 +39,12 @@ OPT = {  # a model type whose config declares no tensor-parallel plan
 }
 
 
-def _config(spec: ModelSpec, schedule: str, stages: int, out: Path, **extra: Any) -> TrainConfig:
+def _config(spec: ModelSpec, schedule: str, stages: int, out: Path, batch_size: int = 4, **extra: Any) -> TrainConfig:
     return TrainConfig(
         schedule=schedule,
         num_stages=stages,
         num_microbatches=4,
-        batch_size=4,
+        batch_size=batch_size,
         steps=2,
         quiet=True,
         out=str(out / "record"),
@@ -52,6 +52,7 @@ def _config(spec: ModelSpec, schedule: str, stages: int, out: Path, **extra: Any
         transport="gloo",
         tensor_parallel=2,
         collect_parameters=True,
+        optimizer="sgd",  # AdamW would scale the rounding of a gradient that is exactly 0 (a key bias's) to lr
         **extra,
     )
 
@@ -95,8 +96,8 @@ def test_pretrained_hf_models_split_over_two_ranks_train_as_transformers_own_mod
     trained = _parameters(record)
     mine = dict(own.named_parameters(remove_duplicate=False))
     assert set(trained) <= set(mine)
-    for name, value in trained.items():  # atol: GPT-2's key bias, whose exact gradient is 0, holds rounding alone
-        torch.testing.assert_close(value, mine[name].detach(), rtol=1e-5, atol=1e-5, msg=name)
+    for name, value in trained.items():
+        torch.testing.assert_close(value, mine[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))  # shards joined per tensor
     for name, value in loaded.named_parameters(remove_duplicate=False):
         if name in trained:
@@ -104,13 +105,17 @@ def test_pretrained_hf_models_split_over_two_ranks_train_as_transformers_own_mod
 
 
 @pytest.mark.distributed
-def test_a_module_split_by_its_own_tp_plan_trains_as_plain_training(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "schedule"), [("attending", "zb-h1"), pytest.param("sequential_plan", "1f1b", marks=pytest.mark.slow)]
+)
+def test_a_module_split_by_its_own_tp_plan_trains_as_plain_training(name: str, schedule: str, tmp_path: Path) -> None:
     from pipeweave.runtime.plain import run_plain
+    from pipeweave.runtime.run.prepare import optimizer_factory
 
-    spec = ModelSpec(kind="custom", entry=f"{MODULE}:attending")
-    config = _config(spec, "zb-h1", 2, tmp_path, batch_size=8)
+    spec = ModelSpec(kind="custom", entry=f"{MODULE}:{name}")
+    config = _config(spec, schedule, 2, tmp_path, batch_size=8)
     record = _trained(config)
-    plain = run_plain(spec, steps=2, batch_size=8, num_microbatches=4)
+    plain = run_plain(spec, steps=2, batch_size=8, num_microbatches=4, optimizer_factory=optimizer_factory(config))
     torch.testing.assert_close(record.losses, plain.losses, rtol=1e-5, atol=1e-6)
     seen = set()
     for rank in record.ranks:
