@@ -82,6 +82,7 @@ def _parameters(record: Any) -> dict[str, torch.Tensor]:
         ("gpt2", "zb-h1", 1),
         pytest.param("llama", "zb-h1", 2, marks=pytest.mark.slow),
         pytest.param("gpt2", "1f1b", 2, marks=pytest.mark.slow),
+        pytest.param("llama", "interleaved-1f1b", 2, marks=pytest.mark.slow),
     ],
 )
 def test_pretrained_hf_models_split_over_two_ranks_train_as_transformers_own_model(
@@ -90,8 +91,9 @@ def test_pretrained_hf_models_split_over_two_ranks_train_as_transformers_own_mod
     folder = saved_model(tmp_path / "source", kind)
     out = tmp_path / "saved"
     spec = ModelSpec(kind="custom", entry=f"hf:{folder}", seq_len=8)
-    record = _trained(_config(spec, schedule, stages, tmp_path, save_pretrained=str(out)))
-    losses, own = transformers_run(folder, _config(spec, schedule, stages, tmp_path))
+    chunks = {"num_chunks": 2} if schedule == "interleaved-1f1b" else {}
+    record = _trained(_config(spec, schedule, stages, tmp_path, save_pretrained=str(out), **chunks))
+    losses, own = transformers_run(folder, _config(spec, schedule, stages, tmp_path, **chunks))
     torch.testing.assert_close(record.losses, losses, rtol=1e-5, atol=1e-6)  # the first: transformers' forward
     trained = _parameters(record)
     mine = dict(own.named_parameters(remove_duplicate=False))
@@ -105,9 +107,7 @@ def test_pretrained_hf_models_split_over_two_ranks_train_as_transformers_own_mod
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    ("name", "schedule"), [("attending", "zb-h1"), pytest.param("sequential_plan", "1f1b", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize(("name", "schedule"), [("attending", "zb-h1"), ("sequential_plan", "1f1b")])
 def test_a_module_split_by_its_own_tp_plan_trains_as_plain_training(name: str, schedule: str, tmp_path: Path) -> None:
     from pipeweave.runtime.plain import run_plain
     from pipeweave.runtime.run.prepare import optimizer_factory
