@@ -235,3 +235,21 @@ def test_a_colwise_layer_without_its_rowwise_partner_is_one_line(tmp_path: Path)
     spec = ModelSpec(kind="custom", entry=pipeweave.models.custom.hold(model, "tp-partner"))
     with pytest.raises(UserError, match=r"blocks.0.down takes 32 features on a tensor-parallel shard and is given 16"):
         check_plans(spec, 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_traced_parts_head_count_is_its_shards(device: str) -> None:
+    from tiny_tp_module import HEADS, Attending, _tokens, tp_plan
+
+    import pipeweave
+    from pipeweave.runtime.stage.tensor_parallel import split
+    from pipeweave.runtime.transport.mesh import MEASURING, TensorParallel
+
+    model = pipeweave.pipeline(Attending(), loss=lambda y, t: y.sum(), dataset=_tokens(8, 0), tp_plan=tp_plan)
+    block = model.layers[1]().to(device)
+    views = [n for n in block.graph.nodes if n.target == torch.ops.aten.view.default and len(n.args[1]) == 4]
+    assert [n.args[1][2] for n in views] == [HEADS] * 3  # Q, K, V: the head count, a literal in the graph
+    block = split(block, model.tp_plan[1], TensorParallel(MEASURING, 1, 2), "layer 1")
+    assert [n.args[1][2] for n in views] == [HEADS // 2] * 3
+    x = torch.randn(3, 5, 16, device=device)
+    assert block(x).shape == (3, 5, 16)  # (no all-reduce here: the shapes alone)

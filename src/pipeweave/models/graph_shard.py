@@ -98,6 +98,11 @@ class _FakeRun(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "call_function" and n.target == _ATEN._assert_tensor_metadata.default:
             return None
+        if n.op == "get_attr":  # shapes alone: a fake CPU tensor, wherever the part's tensors are (meta, a GPU)
+            value = self.fetch_attr(str(n.target))
+            if isinstance(value, torch.Tensor):
+                return torch.empty(value.shape, dtype=value.dtype)
+            return value
         if n.op == "call_module":
             result = self._module(n)
         else:
