@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -52,12 +52,14 @@ def pipeline(
     eval_dataset: Any = None,
     param_init: Callable[[nn.Module], None] | None = None,
     seed: int | None = None,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> LayerModel:
     """``module`` as a ``LayerModel``, cut at ``split_points``: module names, or D parts balanced by time.
 
     Args:
-        module, example_inputs, loss, dataset, eval_dataset, param_init, seed: as ``models.pipeline.pipeline``'s
-            (``param_init`` and ``seed``: for a module on the meta device, materialised per part); with
+        module, example_inputs, loss, dataset, eval_dataset, param_init, seed, tp_plan: as
+            ``models.pipeline.pipeline``'s (``param_init`` and ``seed``: for a module on the meta device,
+            materialised per part); with
             ``split_points=D`` the example inputs' samples are the profiled microbatch's.
         split_points: module names, each starting a new layer; an int D: the D-way split of least slowest
             part among the cuts before the blocks of the module's ``nn.ModuleList`` s, by profiled time;
@@ -71,7 +73,14 @@ def pipeline(
         >>> m.split_points   # where the profiler's balanced split cut
         ('blocks.2',)
     """
-    given = {"loss": loss, "dataset": dataset, "eval_dataset": eval_dataset, "param_init": param_init, "seed": seed}
+    given = {
+        "loss": loss,
+        "dataset": dataset,
+        "eval_dataset": eval_dataset,
+        "param_init": param_init,
+        "seed": seed,
+        "tp_plan": tp_plan,
+    }
     if not isinstance(split_points, int) or isinstance(split_points, bool):
         return split_at(module, example_inputs, split_points, **given)
     num_parts = split_points

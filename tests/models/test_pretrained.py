@@ -14,14 +14,13 @@ import torch
 import transformers
 
 from pipeweave.config import TrainConfig
-from pipeweave.data import split_microbatches
 from pipeweave.errors import UserError
 from pipeweave.models.pretrained import Weights
 from pipeweave.models.spec import ModelSpec
 
 MODELS = Path(__file__).resolve().parent
 sys.path.insert(0, str(MODELS))
-from tiny_hf import saved_model  # noqa: E402
+from tiny_hf import saved_model, transformers_run  # noqa: E402
 
 NOTHING_SPAWNED = ("pipeweave.runtime.run.launch._spawn",)
 
@@ -81,10 +80,9 @@ def test_sharded_weights_are_read_through_the_index(tmp_path: Path) -> None:
 def test_trains_from_its_weights_as_transformers_own_model_in_a_plain_loop(
     saved: Path, schedule: str, tmp_path: Path
 ) -> None:
-    from pipeweave.data import data_source
     from pipeweave.runtime.run.job import run_rank
     from pipeweave.runtime.run.launch import LaunchOptions, launch
-    from pipeweave.runtime.run.prepare import optimizer_factory, prepare
+    from pipeweave.runtime.run.prepare import prepare
 
     spec = ModelSpec(kind="custom", entry=f"hf:{saved}", seq_len=8)
     config = TrainConfig(
@@ -101,21 +99,7 @@ def test_trains_from_its_weights_as_transformers_own_model_in_a_plain_loop(
     )
     plan = prepare(config)
     record = launch(run_rank, plan, plan.num_processes, LaunchOptions(timeout_s=120))
-    own = transformers.AutoModelForCausalLM.from_pretrained(str(saved))
-    own.train()
-    optimizer = optimizer_factory(config)(list(own.parameters()))
-    source = data_source(spec, batch_size=4, seed=config.data.data_seed)
-    losses = []
-    for step in range(3):
-        inputs, _ = source.batch(step)
-        total = torch.zeros(())
-        for x in split_microbatches(inputs, 4):
-            loss = own(input_ids=x, labels=x).loss * (len(x) / len(inputs))
-            loss.backward()
-            total += loss.detach()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(total))
+    losses, _ = transformers_run(saved, config)
     torch.testing.assert_close(record.losses, losses, rtol=1e-5, atol=1e-6)
 
 

@@ -4,6 +4,7 @@ load with ``--model hf:PATH``, made in the test (nothing downloaded)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -36,3 +37,27 @@ def saved_model(folder: Path, kind: str, seed: int = 11, shard: str | None = Non
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder, **({} if shard is None else {"max_shard_size": shard}))
     return folder
+
+
+def transformers_run(folder: Path, config: Any) -> tuple[list[float], Any]:
+    """transformers' own model of ``folder`` trained by a plain loop on ``config``'s batches, microbatches,
+    optimizer and steps: its per-step losses and the trained model."""
+    from pipeweave.data import data_source, split_microbatches
+    from pipeweave.runtime.run.prepare import optimizer_factory
+
+    own = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    own.train()
+    optimizer = optimizer_factory(config)(list(own.parameters()))
+    source = data_source(config.model, batch_size=config.batch_size, seed=config.data.data_seed)
+    losses = []
+    for step in range(config.steps):
+        inputs, _ = source.batch(step)
+        total = torch.zeros(())
+        for x in split_microbatches(inputs, config.num_microbatches):
+            loss = own(input_ids=x, labels=x).loss * (len(x) / len(inputs))
+            loss.backward()
+            total += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(total))
+    return losses, own

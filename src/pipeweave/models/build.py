@@ -14,7 +14,7 @@ from types import ModuleType
 from torch import nn
 
 from pipeweave.errors import UserError
-from pipeweave.models import gpt, llama, mlp
+from pipeweave.models import gpt, hf_tp, llama, mlp
 from pipeweave.models.custom import build_layer as build_custom_layer
 from pipeweave.models.spec import ModelSpec, layer_generator, layer_seed
 from pipeweave.models.tied import tie
@@ -62,10 +62,18 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
     if size == 1:
         return
     if spec.kind == "custom":
+        hf = spec.entry is not None and spec.entry.startswith("hf:")
+        if hf:  # its config alone, before the model is built
+            from pipeweave.models.hf import import_transformers, model_config
+
+            hf_tp.check_sizes(model_config(import_transformers(spec.entry), spec.entry, spec.hf_config), size)
+        if spec.custom.tp_plan is None and hf:
+            raise hf_tp.no_plan(spec.entry, size)
         if spec.custom.tp_plan is None:
             raise UserError(
                 f"--tensor-parallel {size}: the model {spec.entry} has no tp_plan; give its LayerModel "
-                "a tp_plan (per layer, {module name: 'colwise' or 'rowwise'}), or --tensor-parallel 1"
+                "a tp_plan (per layer, {module name: 'colwise' or 'rowwise'}), or pipeweave.pipeline(..., "
+                "tp_plan={module name pattern: style}), or --tensor-parallel 1"
             )
         return
     FAMILIES[spec.kind].check_tensor_parallel(spec, size)

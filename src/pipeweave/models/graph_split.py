@@ -158,6 +158,7 @@ class _PartBuilder:
         self.live_in = live_in
         for k, node in enumerate(live_in):
             self.env[node] = self.graph.placeholder(f"in_{k}_{node.name}")
+            self.env[node].meta["val"] = node.meta.get("val")  # its shape: what a tensor-parallel split reads
 
     def value(self, node: fx.Node) -> Any:
         if node in self.env:

@@ -25,6 +25,7 @@ from torch import nn
 from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel
 from pipeweave.models.hf_config import built, config_fields, make_config
+from pipeweave.models.hf_tp import hf_tp_plan
 from pipeweave.models.materialise import Initialiser, materialise, meta_parameters
 from pipeweave.models.pipeline import pipeline
 from pipeweave.models.pretrained import Weights, folder_of
@@ -171,6 +172,7 @@ def hf_model(entry: str, config_text: str | None, seq_len: int, seed: int) -> La
         dataset=data,
         param_init=module._init_weights,
         seed=seed,
+        tp_plan=hf_tp_plan(module),
     )
     if weights is None:
         return model

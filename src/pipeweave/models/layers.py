@@ -157,9 +157,8 @@ def linear_backward(ctx: Any, x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    if transposed:
-        assert bias is not None
-        return torch.addmm(bias, x, weight)
+    if transposed:  # a row-parallel shard's bias is added after the sum (``stage.tensor_parallel``)
+        return torch.addmm(bias, x, weight) if bias is not None else x.matmul(weight)
     return F.linear(x, weight, bias)
 
 
@@ -248,6 +247,9 @@ class Deferrable(nn.Module):
 class Linear(Deferrable):
     """``y = x W^T + b``, PyTorch's default uniform(-1/sqrt(in), 1/sqrt(in)) initialisation."""
 
+    transposed = False
+    """Whether ``weight`` is (in, out) (``TransposedLinear``) rather than (out, in)."""
+
     def __init__(self, in_features: int, out_features: int, *, generator: torch.Generator, bias: bool = True) -> None:
         super().__init__()
         bound = 1.0 / math.sqrt(in_features)
@@ -276,6 +278,8 @@ class Linear(Deferrable):
 class TransposedLinear(Linear):
     """``y = b + x W`` with ``W`` of shape (in, out): transformers' ``Conv1D`` (GPT-2), as ``aten.addmm``
     computes it, on the same parameters; its weight gradient ``x^T gy`` is deferred as ``Linear``'s is."""
+
+    transposed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _LinearFn.apply(x, self.weight, self.bias, self.grad_store, True)  # type: ignore[no-untyped-call,no-any-return]

@@ -41,7 +41,7 @@ import copy
 import functools
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel, entry_module, load_model
 from pipeweave.models.graph_split import check_split_points, cuts, first_calls, opening, split_graph
 from pipeweave.models.materialise import Init, Initialiser, is_meta, materialise, on_fake, traced_to_meta
+from pipeweave.models.tp_patterns import layer_plans
 from pipeweave.models.tracing import trace
 
 
@@ -64,6 +65,7 @@ def pipeline(
     eval_dataset: Any = None,
     param_init: Init | None = None,
     seed: int | None = None,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> LayerModel:
     """``module`` as a ``LayerModel``: cut at ``split_points`` (module names), its parameters shared.
 
@@ -80,11 +82,15 @@ def pipeline(
             its ``reset_parameters``, where it has one), run as each rank materialises its layers.
         seed: for a module on the meta device, the seed of its tensors' draws (``models.materialise``);
             None: each layer's seed (``--seed`` and the layer's index).
+        tp_plan: for ``--tensor-parallel N``: the module's linear layers to split, by name pattern and style,
+            as torch's ``parallelize_module`` takes them: ``{"layers.*.attn.q": "colwise", "layers.*.attn.o":
+            "rowwise"}`` (``models.tp_patterns``). The module's code must run on a share of the heads: sizes
+            it reads from its tensors, or writes as literals in the traced graph (``models.graph_shard``).
 
     Raises:
         UserError: split points that are no list of strings, that name no module, that are out of the order
             the forward runs them or start where it starts (cutting nothing); a module neither
-            ``torch.export`` nor ``torch.fx`` can trace.
+            ``torch.export`` nor ``torch.fx`` can trace; a ``tp_plan`` entry that names no linear layer.
 
     Example:
         >>> data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
@@ -130,6 +136,7 @@ def pipeline(
         eval_dataset=eval_dataset,
         tied=shared_parameters(parts),
         split_points=tuple(starts),
+        tp_plan=None if tp_plan is None else [plan or None for plan in layer_plans(module, parts, tp_plan)],
     )
 
 
@@ -180,8 +187,8 @@ def _copy(part: nn.Module) -> nn.Module:
 @functools.cache
 def from_module(entry: str) -> LayerModel:
     """The plain module ``--model FILE.py:NAME`` names, split by ``pipeline`` with the ``loss`` and ``dataset``
-    (optional: ``eval_dataset``, ``split_points``, and ``param_init`` for a module built on the meta device) its
-    file defines beside it, as a LayerModel has them.
+    (optional: ``eval_dataset``, ``split_points``, ``tp_plan``, and ``param_init`` for a module built on the
+    meta device) its file defines beside it, as a LayerModel has them.
 
     Raises:
         UserError: the file lacks the loss or the dataset.
@@ -209,6 +216,7 @@ def from_module(entry: str) -> LayerModel:
         dataset=where.dataset,
         eval_dataset=getattr(where, "eval_dataset", None),
         param_init=getattr(where, "param_init", None),
+        tp_plan=getattr(where, "tp_plan", None),
     )
 
 

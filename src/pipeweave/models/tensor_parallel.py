@@ -16,9 +16,11 @@ split, Shoeybi et al. 2019; the runtime's ``stage.tensor_parallel`` applies it):
   outputs summed, then the bias.
 
 The built-in models give theirs (``gpt.tensor_parallel_plan``,
-``llama.tensor_parallel_plan``, ``mlp.tensor_parallel_plan``); a custom ``LayerModel`` its ``tp_plan``. The
-layer's own code must work on its rank's share of the features: the gpt's
-attention reads the number of heads it holds from its projection's width.
+``llama.tensor_parallel_plan``, ``mlp.tensor_parallel_plan``); a custom ``LayerModel`` its ``tp_plan``;
+``pipeweave.pipeline(..., tp_plan=...)`` module-name patterns, resolved per layer (``models.tp_patterns``),
+and an ``hf:`` model transformers' own plan (``models.hf_tp``). The layer's own code must work on its rank's
+share of the features: the gpt's attention reads the number of heads it holds from its projection's width;
+a traced part's literal sizes are rewritten for its shard (``models.graph_shard``).
 """
 
 from __future__ import annotations

@@ -272,7 +272,7 @@ def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
     if n == 1:
         return
     check_tensor_parallel(config.model, n)
-    check_plans(config.model)
+    check_plans(config.model, n)
 
 
 def _check_expert_parallel(config: TrainConfig) -> None:
@@ -296,6 +296,12 @@ def _check_sequence_parallel(config: TrainConfig) -> None:
     if n == 1:
         raise UserError(
             "--sequence-parallel shards activations over the tensor-parallel group; give --tensor-parallel N > 1"
+        )
+    if spec.kind == "custom":
+        raise UserError(
+            f"--sequence-parallel applies to the built-in gpt and llama, whose norms run on a sequence shard; "
+            f"--model {spec.entry} computes positions and masks from the sequence it is given, which a shard "
+            "would shorten: drop --sequence-parallel"
         )
     if not spec.is_transformer:
         raise UserError(

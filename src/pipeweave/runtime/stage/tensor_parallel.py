@@ -49,10 +49,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from pipeweave.errors import UserError
 from pipeweave.models.build import build_layers, tensor_parallel_plan
+from pipeweave.models.graph_shard import local_sizes, whole_shapes
 from pipeweave.models.layers import Deferrable, FusedLinear, Linear, _accumulate, _deferring, _LinearFn
 from pipeweave.models.spec import ModelSpec
 from pipeweave.models.tensor_parallel import STYLES
@@ -195,22 +196,26 @@ class ColumnParallelLinear(Deferrable):
 
     ``gather_output``: concatenate every rank's outputs (a vocabulary head before its loss);
     otherwise the output stays split, for a row-parallel layer or a per-head computation next.
+    A ``TransposedLinear`` (transformers' ``Conv1D``, weight (in, out)) keeps its weight's columns.
     """
 
     def __init__(
         self, full: Linear, tp: TensorParallel, rows: tuple[torch.Tensor, ...], *, gather_output: bool = False
     ) -> None:
         super().__init__()
-        self.tp, self.gather_output = tp, gather_output
-        split = Split(0, rows)
+        self.tp, self.gather_output, self.transposed = tp, gather_output, full.transposed
+        split = Split(1 if full.transposed else 0, rows)
         self.weight = _shard(full.weight, tp, split)
         self.bias = _shard(full.bias, tp, split)
+        self.output_width = sum(len(r) for r in rows) if gather_output else len(rows[tp.rank])
+        """The width of this rank's output (``models.graph_shard`` reads it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.sequence_parallel:  # x: this rank's sequence shard (``stage.sequence_parallel``)
             y = gathered_linear(x, self.weight, self.bias, self.grad_store, self.tp)
         else:
-            y = _LinearFn.apply(_CopyToTensorParallel.apply(x, self.tp.group), self.weight, self.bias, self.grad_store)
+            x = _CopyToTensorParallel.apply(x, self.tp.group)
+            y = _LinearFn.apply(x, self.weight, self.bias, self.grad_store, self.transposed)
         return _GatherFromTensorParallel.apply(y, self.tp) if self.gather_output else y  # type: ignore[no-any-return]
 
 
@@ -220,12 +225,14 @@ class RowParallelLinear(Deferrable):
 
     def __init__(self, full: Linear, tp: TensorParallel, cols: tuple[torch.Tensor, ...]) -> None:
         super().__init__()
-        self.tp = tp
-        self.weight = _shard(full.weight, tp, Split(1, cols))
+        self.tp, self.transposed = tp, full.transposed
+        self.weight = _shard(full.weight, tp, Split(0 if full.transposed else 1, cols))
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+        self.output_width = _width(full, out=True)
+        """The width of the output, whole (``models.graph_shard`` reads it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _LinearFn.apply(x, self.weight, None, self.grad_store)
+        y = _LinearFn.apply(x, self.weight, None, self.grad_store, self.transposed)
         if self.tp.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.tp)
         else:
@@ -236,8 +243,13 @@ class RowParallelLinear(Deferrable):
         return y if self.bias is None else _AddBiasFn.apply(y, self.bias, store)  # type: ignore[no-any-return]
 
 
+def _width(full: Linear, *, out: bool) -> int:
+    """The output (``out``) or input features of ``full``, whichever way its weight lies."""
+    return int(full.weight.shape[0 if out != full.transposed else 1])
+
+
 def _colwise(full: Linear, tp: TensorParallel, *, gather_output: bool = False) -> ColumnParallelLinear:
-    return ColumnParallelLinear(full, tp, _indices(full.weight.shape[0], tp.size), gather_output=gather_output)
+    return ColumnParallelLinear(full, tp, _indices(_width(full, out=True), tp.size), gather_output=gather_output)
 
 
 def _colwise_parts(full: Linear, tp: TensorParallel, parts: Sequence[int]) -> ColumnParallelLinear:
@@ -258,7 +270,7 @@ def _colwise_parts(full: Linear, tp: TensorParallel, parts: Sequence[int]) -> Co
 
 def _colwise_qkv(full: Linear, tp: TensorParallel) -> ColumnParallelLinear:
     """A fused QKV projection (rows: Q, K, V of one width) split by heads: this rank's heads of each."""
-    return _colwise_parts(full, tp, [full.weight.shape[0] // 3] * 3)
+    return _colwise_parts(full, tp, [_width(full, out=True) // 3] * 3)
 
 
 def _colwise_fused(full: Linear, tp: TensorParallel) -> ColumnParallelLinear:
@@ -271,25 +283,44 @@ _STYLE = {
     "colwise_qkv": _colwise_qkv,
     "colwise_fused": _colwise_fused,
     "colwise_gather": lambda full, tp: _colwise(full, tp, gather_output=True),
-    "rowwise": lambda full, tp: RowParallelLinear(full, tp, _indices(full.weight.shape[1], tp.size)),
+    "rowwise": lambda full, tp: RowParallelLinear(full, tp, _indices(_width(full, out=False), tp.size)),
 }
 
 
 def split(layer: nn.Module, plan: Mapping[str, str], tp: TensorParallel, where: str) -> nn.Module:
     """``layer`` with the linear submodules ``plan`` names (``{"attn.proj": "rowwise"}``) split over ``tp``.
 
+    A traced part (``pipeweave.pipeline``'s ``fx.GraphModule``) keeps its parameters' own names (bound to the
+    shards), and the sizes its graph computes with are made its shard's (``models.graph_shard``).
+
     Raises:
         UserError: an unknown style, or a name that is not one of the layer's linear layers (``where`` says
-            which layer, in the message).
+            which layer, in the message); a traced part whose code cannot run on its shard.
     """
+    whole = whole_shapes(layer) if plan and isinstance(layer, fx.GraphModule) else None
     for name, style in plan.items():
-        module = check_entry(layer, name, style, where)
+        module = check_entry(layer, name, style, where, tp.size)
         parallel = _STYLE[style](module, tp)
+        _rebind(layer, module, parallel)
         if name:
             layer.set_submodule(name, parallel)
         else:
             layer = parallel
+    if whole is not None:
+        local_sizes(layer, whole, where)  # type: ignore[arg-type]
     return layer
+
+
+def _rebind(layer: nn.Module, full: nn.Module, parallel: nn.Module) -> None:
+    """Every other name in ``layer`` of ``full``'s weight and bias (a traced part's ``model.layers.0.mlp.up_proj
+    .weight``) now names ``parallel``'s."""
+    for old, new in ((full.weight, parallel.weight), (full.bias, parallel.bias)):
+        if old is None:
+            continue
+        for module in layer.modules():
+            for key, param in module._parameters.items():
+                if param is old:
+                    module._parameters[key] = new
 
 
 def split_layers(
@@ -303,15 +334,19 @@ def split_layers(
     return cut
 
 
-def check_plans(spec: ModelSpec) -> None:
-    """Every entry of a custom model's ``tp_plan`` names one of its layer's linear layers and a known style.
+def check_plans(spec: ModelSpec, size: int) -> None:
+    """Every entry of a custom model's ``tp_plan`` names one of its layer's linear layers and a known style, and
+    each planned layer splits over ``size`` ranks (its widths divide; a traced part's code runs on its shard).
 
-    Each planned layer is built on the meta device (no memory; on the CPU if it cannot be built there).
+    Each planned layer is built on the meta device (no memory; on the CPU if it cannot be built there); of
+    layers with one plan (a transformer's blocks), the first.
     """
     plans = spec.custom.tp_plan if spec.kind == "custom" else None
+    seen: set[tuple[tuple[str, str], ...]] = set()
     for index, plan in enumerate(plans or []):
-        if not plan:
+        if not plan or tuple(plan.items()) in seen:
             continue
+        seen.add(tuple(plan.items()))
         try:
             with torch.device("meta"):
                 (layer,) = build_layers(spec, [index])
@@ -319,11 +354,10 @@ def check_plans(spec: ModelSpec) -> None:
             raise
         except Exception:  # a layer built from data
             (layer,) = build_layers(spec, [index])
-        for name, style in plan.items():
-            check_entry(layer, name, style, f"tp_plan[{index}]")
+        split(layer, plan, TensorParallel(MEASURING, 0, size), f"tp_plan[{index}]")
 
 
-def check_entry(layer: nn.Module, name: str, style: str, where: str) -> Linear:
+def check_entry(layer: nn.Module, name: str, style: str, where: str, size: int = 1) -> Linear:
     """The linear submodule ``name`` of ``layer`` a plan may split with ``style`` (one line if it may not)."""
     if style not in STYLES:
         raise UserError(f"{where}: style {style!r} for {name!r} is unknown; choose one of: {', '.join(STYLES)}")
@@ -334,6 +368,13 @@ def check_entry(layer: nn.Module, name: str, style: str, where: str) -> Linear:
             f"{', '.join(linears) or 'none (it has no linear layer)'}"
         )
     module = layer.get_submodule(name)
+    width = _width(module, out=style != "rowwise")  # type: ignore[arg-type]
+    parts = 3 if style == "colwise_qkv" else 1
+    if width % parts or width // parts % size:
+        raise UserError(
+            f"{where}: {name}'s {width} {'input' if style == 'rowwise' else 'output'} features are not divisible "
+            f"{'in 3 ' if parts == 3 else ''}by --tensor-parallel {size}; give a tensor-parallel degree that divides them"
+        )
     if style == "colwise_fused" and not isinstance(module, FusedLinear):
         raise UserError(
             f"{where}: style colwise_fused for {name!r} needs a FusedLinear (its parts' widths); build it as "
