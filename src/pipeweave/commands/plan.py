@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from pipeweave.commands.model_options import add_moe_arguments, moe_fields
 from pipeweave.errors import UserError
 from pipeweave.planner.space import MAX_CELLS, MAX_CONFIGURATIONS
 from pipeweave.planner.transformer import ATTENTIONS
@@ -68,6 +69,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
     p.add_argument(
         "--tie-embeddings", action="store_true", help="llama: the head shares the token embedding (gpt: always)"
     )
+    add_moe_arguments(p)
     p.add_argument(
         "--costs",
         metavar="FILE",
@@ -123,6 +125,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
     f.add_argument("-s", "--schedule", help="a synchronous registry schedule (pipeweave schedules)")
     f.add_argument("--recompute", help="none, selective (attention) or full")
     f.add_argument("--zero", type=int, help="ZeRO stage 0, 1 or 3 (2: accounted for, not run by train)")
+    f.add_argument("--expert-parallel", type=int, metavar="E", help="EP, of the DP ranks, splitting the experts")
+    f.add_argument("--context-parallel", type=int, metavar="C", help="C, ranks splitting each sequence (ring)")
     o = p.add_argument_group("model of the run")
     o.add_argument(
         "--no-scatter-gather",
@@ -271,6 +275,7 @@ def _model(args: argparse.Namespace, gpu: Any) -> Any:
 
     shape = {k: getattr(args, k) for k in SHAPE}
     given = [f"--{k.replace('_', '-')}" for k, v in shape.items() if v is not None]
+    given += [f"--{k.replace('_', '-')}" for k in moe_fields(args)]
     if args.costs is not None:
         described = [f for f in ("--attention", "--tie-embeddings") if getattr(args, f[2:].replace("-", "_"))]
         if args.model is not None or given or described:
@@ -300,7 +305,7 @@ def _model(args: argparse.Namespace, gpu: Any) -> Any:
                 raise UserError(f"{flag} {value} is invalid; give an integer >= 1")
         sizes = {k: v for k, v in shape.items() if v is not None}
         architecture = {**LLAMA, "tied": args.tie_embeddings} if kind == "llama" else {}
-        return Transformer(name=kind, **sizes, **architecture, **kernel)
+        return Transformer(name=kind, **sizes, **architecture, **kernel, **moe_fields(args))
     if given or args.tie_embeddings:
         raise UserError(
             f"{(given or ['--tie-embeddings'])[0]} changes the preset {args.model}; use --model gpt or llama with "
@@ -376,6 +381,8 @@ def _fixed(args: argparse.Namespace) -> Any:
         schedule=args.schedule,
         recompute=args.recompute,
         zero=args.zero,
+        ep=args.expert_parallel,
+        cp=args.context_parallel,
     )
 
 
