@@ -182,3 +182,18 @@ def test_train_command_and_refusals() -> None:
 def test_bad_moe_shape_is_one_line() -> None:
     with pytest.raises(UserError, match="--moe-top-k 9"):
         replace(MOE, moe_top_k=9)
+
+
+def test_plan_command_takes_trains_moe_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeweave.cli import main
+
+    tiny = ["plan", "--model", "llama", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq-len", "32"]
+    tiny += ["--vocab", "256", "--gpus", "4", "--global-batch", "8", "--gpus-per-node", "4", "--time-limit", "0"]
+    assert main([*tiny, "--moe-experts", "4", "--expert-parallel", "2", "--explain", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "--moe-experts 4 --moe-top-k 2" in out and "--expert-parallel 2" in out
+    assert "expert all-to-all" in out and "load imbalance among the experts" in out
+    assert main([*tiny, "--moe-top-k", "2"]) != 0
+    assert "--moe-top-k describes the experts; give --moe-experts E" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama3-8b", "--moe-experts", "8", "--gpus", "8", "--global-batch", "8"]) != 0
+    assert "--moe-experts changes the preset" in capsys.readouterr().err
