@@ -197,3 +197,21 @@ def test_plan_command_takes_trains_moe_flags(capsys: pytest.CaptureFixture[str])
     assert "--moe-top-k describes the experts; give --moe-experts E" in capsys.readouterr().err
     assert main(["plan", "--model", "llama3-8b", "--moe-experts", "8", "--gpus", "8", "--global-batch", "8"]) != 0
     assert "--moe-experts changes the preset" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--expert-parallel", "2"], "--expert-parallel 2 splits the experts, and llama has none"),
+        (["--moe-experts", "6", "--expert-parallel", "4"], "--expert-parallel 4 splits the experts"),
+        (["--context-parallel", "3"], "--context-parallel 3 splits each sequence into 2C = 6 chunks"),
+    ],
+)
+def test_plan_refuses_parallelism_the_model_cannot_take(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    from pipeweave.cli import main
+
+    tiny = ["plan", "--model", "llama", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq-len", "32"]
+    assert main([*tiny, "--gpus", "4", "--global-batch", "8", *argv]) != 0
+    assert message in capsys.readouterr().err

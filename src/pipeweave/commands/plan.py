@@ -193,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--time-limit {args.time_limit} is invalid; give finite seconds >= 0 (0: no limit)")
     plot = picture_file("--plot", args.plot) if args.plot else None
     cluster, fixed = _cluster(args), _fixed(args)
+    _check_parallel(args, cluster.model)
     for flag, value in (("--gpus", args.gpus), ("--global-batch", args.global_batch)):
         if value < 1:
             raise UserError(f"{flag} {value} is invalid; give an integer >= 1")
@@ -367,6 +368,23 @@ def _evaluator(args: argparse.Namespace, cluster: Any) -> Any:
         overlap=not args.no_dp_overlap,
         pipeline=Pipeline(dispatch=args.dispatch),
     )
+
+
+def _check_parallel(args: argparse.Namespace, model: Any) -> None:
+    """A fixed --expert-parallel needs experts it divides; a fixed --context-parallel, 2C dividing the sequence."""
+    ep, cp = args.expert_parallel, args.context_parallel
+    experts = getattr(model, "moe_experts", 0)
+    if ep is not None and ep > 1 and (not experts or experts % ep):
+        raise UserError(
+            f"--expert-parallel {ep} splits the experts, and {model.name} has {experts or 'none'}; give "
+            "--moe-experts a multiple of it (a gpt or llama), or drop --expert-parallel"
+        )
+    seq = getattr(model, "seq_len", 0)
+    if cp is not None and cp > 1 and (not seq or seq % (2 * cp)):
+        raise UserError(
+            f"--context-parallel {cp} splits each sequence into 2C = {2 * cp} chunks; give a --seq-len they "
+            f"divide (a gpt or llama), e.g. {2 * cp * 1024}, or another C"
+        )
 
 
 def _fixed(args: argparse.Namespace) -> Any:

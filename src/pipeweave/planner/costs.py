@@ -39,7 +39,8 @@ parallelism (``Cluster.sequence_parallel``, Korthikanti et al. section 4.2.2)
 the activation between blocks is already split along the sequence: each rank
 sends its 1/N and nothing is gathered; the TP collectives move the same bytes
 (an all-gather and a reduce-scatter for each all-reduce), and the activations
-held shrink (``planner.memory``).
+held shrink (``planner.memory``). Experts' all-to-alls and context parallelism's
+ring are ``planner.moe``'s (added to a block's F and I; a cp rank's tokens are s / C).
 """
 
 from __future__ import annotations

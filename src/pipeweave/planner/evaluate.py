@@ -306,7 +306,10 @@ class Evaluator:
             "recomputation": blocks * (replay - (block.a2a + block.ring_f if config.recompute == "full" else 0.0)),
             "head and loss": config.microbatches * sum(head),
         }
-        return out | moe_terms(config, block, blocks, model.moe_experts > 0)
+        full, moe = config.recompute == "full", model.moe_experts > 0
+        return out | moe_terms(
+            blocks=blocks, a2a=block.a2a, ring_f=block.ring_f, ring_i=block.ring_i, full=full, moe=moe, cp=config.cp
+        )
 
     def tp_comm(self, config: Config) -> float:
         """Seconds the busiest rank spends in TP all-reduces per step: T microbatches of its blocks (L / D where

@@ -57,7 +57,7 @@ class Gemm:
 def block_gemms(model: Transformer, *, microbatch_size: int, tp: int, ep: int = 1, cp: int = 1) -> tuple[Gemm, ...]:
     """The forward GEMMs of one block on one of ``tp`` ranks (table in the module docstring), of ``cp``
     context-parallel ranks (each the s / C tokens of its chunks, their queries against all s keys: attention's
-    products divided by C too), with experts (``planner.moe.moe_gemms``) on the share of blocks that have them.
+    products divided by C too), with experts (``moe_gemms``) on the share of blocks that have them.
 
     Example:
         >>> m = Transformer(layers=1, hidden=1024, heads=16, seq_len=512)
@@ -66,8 +66,6 @@ def block_gemms(model: Transformer, *, microbatch_size: int, tp: int, ep: int = 
         >>> sum(g.flops for g in block_gemms(m, microbatch_size=1, tp=1, cp=2)) == 12 * 512 * 1024**2 + 2 * 512**2 * 1024
         True
     """
-    from pipeweave.planner.moe import moe_gemms
-
     b, s, h, d, f = microbatch_size, model.seq_len, model.hidden, model.head_dim, model.ffn_hidden
     local = s // cp
     tokens, heads = b * local, b * model.heads // tp
@@ -80,6 +78,28 @@ def block_gemms(model: Transformer, *, microbatch_size: int, tp: int, ep: int = 
         Gemm(tokens, h // tp, h),
         *mlp,
         *moe_gemms(model, tokens=tokens, tp=tp, ep=ep),
+    )
+
+
+def moe_gemms(model: Transformer, *, tokens: int, tp: int, ep: int) -> tuple[Gemm, ...]:
+    """The forward GEMMs of a MoE block's router and experts on one rank (``tokens`` = b s / C of its own), their
+    counts the share of blocks with experts (``planner.moe``'s module docstring); none for a dense model.
+
+    Example:
+        >>> m = Transformer(layers=2, hidden=64, heads=4, seq_len=32, moe_experts=4, moe_top_k=2)
+        >>> router, up, down = moe_gemms(m, tokens=32, tp=1, ep=2)
+        >>> router.flops == 2 * 32 * 64 * 4, up.flops == 2 * (2 * 32 * 64 * 256), up.count
+        (True, True, 2.0)
+    """
+    if not model.moe_experts:
+        return ()
+    experts, k, h, f = model.moe_experts, model.moe_top_k, model.hidden, model.ffn_hidden
+    share, local = model.moe_fraction, experts / ep
+    routed = k * tokens * ep / experts  # tokens an expert computes, on average
+    return (
+        Gemm(tokens, h, experts, share),
+        Gemm(routed, h, (1 + model.gated) * f // tp, share * local),
+        Gemm(routed, f // tp, h, share * local),
     )
 
 

@@ -40,6 +40,10 @@
   pipeline receive buffer (2 b s h bytes), whichever is largest; and the caching
   allocator's **fragmentation**, ``StateBytes.fragmentation`` (5 %) of all the
   rest (PyTorch's reserved-but-unallocated memory, a few percent in steady state).
+- **Experts and context parallelism** (``planner.moe``): an EP rank holds E / EP of
+  each MoE block's experts; a MoE block holds the MLP's activations k times, the
+  dispatch buffers and the router's probabilities; the all-to-all's receive buffer
+  is a collective's workspace; a cp rank holds a C-th of every activation.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 **Mixture of experts** (``Transformer.moe_experts`` E, top-k k, on every n-th
 block). Per MoE block and token: the router, one h x E GEMM; the experts, k of
 the model's MLP (so k times its FLOPs), each local expert one GEMM of the tokens
-routed to it, k b s EP / E of them on average (``moe_gemms``: their size sets
-their efficiency); parameters E MLPs and the router, an EP rank holding E / EP
+routed to it, k b s EP / E of them on average (``planner.flops.moe_gemms``: their
+size sets their efficiency); parameters E MLPs and the router, an EP rank holding E / EP
 experts (``Transformer.expert_parameters``). Activations held (``moe_activations``):
 the MLP's k - 1 more times, and the dispatch buffers, the permuted token copies
 k s b h each way (the experts' input and their output before the gates weigh
@@ -36,40 +36,12 @@ inside a node when TP x C <= GPUs per node.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING
 
-from pipeweave.planner.flops import Gemm
 from pipeweave.planner.hardware import GPU
 from pipeweave.planner.transformer import Transformer
 
-if TYPE_CHECKING:
-    from pipeweave.planner.candidate import Config
-    from pipeweave.planner.costs import BlockTimes
-
 BYTES = 2
 """Tokens and their gradients in BF16."""
-
-
-def moe_gemms(model: Transformer, *, tokens: int, tp: int, ep: int) -> tuple[Gemm, ...]:
-    """The forward GEMMs of a MoE block's router and experts on one rank (``tokens`` = b s / C of its own), their
-    counts the share of blocks with experts (module docstring); none for a dense model.
-
-    Example:
-        >>> m = Transformer(layers=2, hidden=64, heads=4, seq_len=32, moe_experts=4, moe_top_k=2)
-        >>> router, up, down = moe_gemms(m, tokens=32, tp=1, ep=2)
-        >>> router.flops == 2 * 32 * 64 * 4, up.flops == 2 * (2 * 32 * 64 * 256), up.count
-        (True, True, 2.0)
-    """
-    if not model.moe_experts:
-        return ()
-    experts, k, h, f = model.moe_experts, model.moe_top_k, model.hidden, model.ffn_hidden
-    share, local = model.moe_fraction, experts / ep
-    routed = k * tokens * ep / experts  # tokens an expert computes, on average
-    return (
-        Gemm(tokens, h, experts, share),
-        Gemm(routed, h, (1 + model.gated) * f // tp, share * local),
-        Gemm(routed, f // tp, h, share * local),
-    )
 
 
 def moe_activations(model: Transformer) -> tuple[float, float, float]:
@@ -173,14 +145,22 @@ def fb_pairs(schedule: str) -> bool:
     return "overlap_fb" in inspect.signature(SCHEDULES[schedule].generator).parameters
 
 
-def moe_terms(config: Config, block: BlockTimes, blocks: float, moe: bool) -> dict[str, float]:
+def moe_terms(
+    *, blocks: float, a2a: float, ring_f: float, ring_i: float, full: bool, moe: bool, cp: int
+) -> dict[str, float]:
     """``plan --explain``'s terms of the experts and the ring on the rank holding the head, ``blocks`` block
-    passes (T x its blocks): the all-to-alls as counted before F&B pairs hide any (two in F, two in the
-    backward, two more in a full replay) and the ring's exposed time; none where the run has neither."""
+    passes (T x its blocks) of one block's ``a2a`` (its two all-to-alls), ``ring_f`` and ``ring_i``: the
+    all-to-alls as counted before F&B pairs hide any (two in F, two in the backward, two more in a ``full``
+    replay) and the ring's exposed time; none where the run has neither.
+
+    Example:
+        >>> moe_terms(blocks=10, a2a=0.5, ring_f=0.0, ring_i=0.0, full=False, moe=True, cp=1)
+        {'expert all-to-all (before F&B overlap)': 10.0}
+    """
     out = {}
-    replays = 1.0 if config.recompute == "full" else 0.0
+    replays = 1.0 if full else 0.0
     if moe:
-        out["expert all-to-all (before F&B overlap)"] = blocks * block.a2a * (2 + replays)
-    if config.cp > 1:
-        out["CP ring (not hidden)"] = blocks * (block.ring_f * (1 + replays) + block.ring_i)
+        out["expert all-to-all (before F&B overlap)"] = blocks * a2a * (2 + replays)
+    if cp > 1:
+        out["CP ring (not hidden)"] = blocks * (ring_f * (1 + replays) + ring_i)
     return out
