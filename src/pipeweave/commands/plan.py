@@ -49,7 +49,7 @@ CUSTOM_FLAGS = (
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declaration: one list of options
     p: argparse.ArgumentParser = subparsers.add_parser(
         "plan",
-        help="choose TP x PP x DP, schedule, microbatch, recomputation and ZeRO for a cluster",
+        help="choose TP x PP x DP (and CP, EP), schedule, microbatch, recomputation and ZeRO for a cluster",
         description="Enumerate the parallel configurations of a GPT on N GPUs, prune what cannot fit or cannot "
         "win, simulate the rest, and print the best with their predicted step time, TFLOP/s, MFU, bubble and "
         "memory per GPU.",

@@ -35,6 +35,7 @@ inside a node when TP x C <= GPUs per node.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from pipeweave.planner.hardware import GPU
@@ -133,6 +134,7 @@ def fb_hidden(*, a2a_f: float, a2a_i: float, compute_f: float, compute_i: float,
     return paired * min(a2a_f, compute_i), paired * min(a2a_i, compute_f)
 
 
+@functools.cache
 def fb_pairs(schedule: str) -> bool:
     """Whether a registry schedule makes F&B pairs (its generator takes ``overlap_fb``: dualpipe, dualpipe-v).
 
