@@ -40,8 +40,21 @@ def accepted(command: str) -> None:
         ["--model", "gpt", *TINY],
         ["--model", "llama", *TINY, "--kv-heads", "2", "--ffn-hidden", "96"],
         ["--model", "gpt", *TINY, "--sequence-parallel"],
+        [
+            "--model",
+            "llama",
+            *TINY,
+            "--kv-heads",
+            "2",
+            "--ffn-hidden",
+            "96",
+            "--moe-experts",
+            "4",
+            "--expert-parallel",
+            "2",
+        ],
     ],
-    ids=["gpt", "llama", "gpt-sequence-parallel"],
+    ids=["gpt", "llama", "gpt-sequence-parallel", "llama-experts"],
 )
 def test_every_proposed_configuration_is_one_train_accepts(
     capsys: pytest.CaptureFixture[str], model: list[str]
@@ -51,7 +64,7 @@ def test_every_proposed_configuration_is_one_train_accepts(
     seen = set()
     for row in rows:
         assert row["refused_by_train"] is None and row["train_command"].startswith("pipeweave train ")
-        shape = (*(row[k] for k in ("schedule", "pp", "chunks", "tp", "zero")), row["recompute"] == "selective")
+        shape = (*(row[k] for k in ("schedule", "pp", "chunks", "tp", "zero", "ep")), row["recompute"] == "selective")
         if shape not in seen:  # train's checks once per shape of what they check
             seen.add(shape)
             accepted(row["train_command"])

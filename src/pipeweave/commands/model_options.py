@@ -82,3 +82,35 @@ def model_spec(args: argparse.Namespace, gpt_defaults: dict[str, int] | None = N
             hf_config=getattr(args, "hf_config", None),
         )
     return ModelSpec(kind="custom", entry=args.model, seed=given.get("seed", 0))
+
+
+MOE_OPTIONS = ("moe_experts", "moe_top_k", "moe_every")
+"""The mixture-of-experts options ``plan`` shares with ``train`` (``ModelSpec``'s fields, their help and flags)."""
+
+
+def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--moe-experts E --moe-top-k K --moe-every N`` as ``train`` declares them (``config.model.ModelSpec``),
+    left None when not given."""
+    import dataclasses
+
+    from pipeweave.config.cli import argument
+    from pipeweave.config.model import ModelSpec
+
+    group = parser.add_argument_group("mixture of experts", "gpt or llama (a preset's own experts otherwise)")
+    for f in dataclasses.fields(ModelSpec):
+        if f.name in MOE_OPTIONS:
+            flags, kwargs = argument(ModelSpec, f)
+            group.add_argument(*flags, dest=f.name, default=None, **kwargs)
+
+
+def moe_fields(args: argparse.Namespace) -> dict[str, int]:
+    """The ``planner.transformer.Transformer`` fields of the MoE options given (``add_moe_arguments``).
+
+    Raises:
+        UserError: --moe-top-k or --moe-every without --moe-experts.
+    """
+    given = {name: getattr(args, name) for name in MOE_OPTIONS if getattr(args, name, None) is not None}
+    if given and not given.get("moe_experts"):
+        flag = "--" + next(iter(given)).replace("_", "-")
+        raise UserError(f"{flag} describes the experts; give --moe-experts E with it, or drop it")
+    return given

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from pipeweave.commands.model_options import add_moe_arguments, moe_fields
 from pipeweave.errors import UserError
 from pipeweave.planner.space import MAX_CELLS, MAX_CONFIGURATIONS
 from pipeweave.planner.transformer import ATTENTIONS
@@ -48,7 +49,7 @@ CUSTOM_FLAGS = (
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declaration: one list of options
     p: argparse.ArgumentParser = subparsers.add_parser(
         "plan",
-        help="choose TP x PP x DP, schedule, microbatch, recomputation and ZeRO for a cluster",
+        help="choose TP x PP x DP (and CP, EP), schedule, microbatch, recomputation and ZeRO for a cluster",
         description="Enumerate the parallel configurations of a GPT on N GPUs, prune what cannot fit or cannot "
         "win, simulate the rest, and print the best with their predicted step time, TFLOP/s, MFU, bubble and "
         "memory per GPU.",
@@ -68,6 +69,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
     p.add_argument(
         "--tie-embeddings", action="store_true", help="llama: the head shares the token embedding (gpt: always)"
     )
+    add_moe_arguments(p)
     p.add_argument(
         "--costs",
         metavar="FILE",
@@ -123,6 +125,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse declarat
     f.add_argument("-s", "--schedule", help="a synchronous registry schedule (pipeweave schedules)")
     f.add_argument("--recompute", help="none, selective (attention) or full")
     f.add_argument("--zero", type=int, help="ZeRO stage 0, 1, 2 or 3")
+    f.add_argument("--expert-parallel", type=int, metavar="E", help="EP, of the DP ranks, splitting the experts")
+    f.add_argument("--context-parallel", type=int, metavar="C", help="C, ranks splitting each sequence (ring)")
     o = p.add_argument_group("model of the run")
     o.add_argument(
         "--no-scatter-gather",
@@ -189,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--time-limit {args.time_limit} is invalid; give finite seconds >= 0 (0: no limit)")
     plot = picture_file("--plot", args.plot) if args.plot else None
     cluster, fixed = _cluster(args), _fixed(args)
+    _check_parallel(args, cluster.model)
     for flag, value in (("--gpus", args.gpus), ("--global-batch", args.global_batch)):
         if value < 1:
             raise UserError(f"{flag} {value} is invalid; give an integer >= 1")
@@ -271,6 +276,7 @@ def _model(args: argparse.Namespace, gpu: Any) -> Any:
 
     shape = {k: getattr(args, k) for k in SHAPE}
     given = [f"--{k.replace('_', '-')}" for k, v in shape.items() if v is not None]
+    given += [f"--{k.replace('_', '-')}" for k in moe_fields(args)]
     if args.costs is not None:
         described = [f for f in ("--attention", "--tie-embeddings") if getattr(args, f[2:].replace("-", "_"))]
         if args.model is not None or given or described:
@@ -300,7 +306,7 @@ def _model(args: argparse.Namespace, gpu: Any) -> Any:
                 raise UserError(f"{flag} {value} is invalid; give an integer >= 1")
         sizes = {k: v for k, v in shape.items() if v is not None}
         architecture = {**LLAMA, "tied": args.tie_embeddings} if kind == "llama" else {}
-        return Transformer(name=kind, **sizes, **architecture, **kernel)
+        return Transformer(name=kind, **sizes, **architecture, **kernel, **moe_fields(args))
     if given or args.tie_embeddings:
         raise UserError(
             f"{(given or ['--tie-embeddings'])[0]} changes the preset {args.model}; use --model gpt or llama with "
@@ -364,6 +370,23 @@ def _evaluator(args: argparse.Namespace, cluster: Any) -> Any:
     )
 
 
+def _check_parallel(args: argparse.Namespace, model: Any) -> None:
+    """A fixed --expert-parallel needs experts it divides; a fixed --context-parallel, 2C dividing the sequence."""
+    ep, cp = args.expert_parallel, args.context_parallel
+    experts = getattr(model, "moe_experts", 0)
+    if ep is not None and ep > 1 and (not experts or experts % ep):
+        raise UserError(
+            f"--expert-parallel {ep} splits the experts, and {model.name} has {experts or 'none'}; give "
+            "--moe-experts a multiple of it (a gpt or llama), or drop --expert-parallel"
+        )
+    seq = getattr(model, "seq_len", 0)
+    if cp is not None and cp > 1 and (not seq or seq % (2 * cp)):
+        raise UserError(
+            f"--context-parallel {cp} splits each sequence into 2C = {2 * cp} chunks; give a --seq-len they "
+            f"divide (a gpt or llama), e.g. {2 * cp * 1024}, or another C"
+        )
+
+
 def _fixed(args: argparse.Namespace) -> Any:
     from pipeweave.planner.space import Fixed
 
@@ -376,6 +399,8 @@ def _fixed(args: argparse.Namespace) -> Any:
         schedule=args.schedule,
         recompute=args.recompute,
         zero=args.zero,
+        ep=args.expert_parallel,
+        cp=args.context_parallel,
     )
 
 

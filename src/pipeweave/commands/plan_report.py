@@ -21,7 +21,9 @@ from pipeweave.planner.unmodelled import not_modelled
 
 
 def _split(r: Result) -> str:
-    return f"{r.config.tp}x{r.config.pp}x{r.config.dp}"
+    c = r.config
+    extra = (f" CP{c.cp}" if c.cp > 1 else "") + (f" EP{c.ep}" if c.ep > 1 else "")
+    return f"{c.tp}x{c.pp}x{c.dp}{extra}"
 
 
 def _schedule(r: Result) -> str:

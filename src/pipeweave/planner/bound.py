@@ -55,7 +55,7 @@ def reduction_bound(config: Config, evaluator: Evaluator) -> float:
     if config.dp == 1:
         return 0.0
     parts = evaluator.num_parts(config)
-    key = (config.tp, config.pp, config.dp, parts, config.zero, placement, config.blocks)
+    key = (config.tp, config.pp, config.dp, parts, config.zero, placement, config.blocks, config.ep, config.cp)
     found = evaluator.known_reductions.get(key)
     if found is None:
         layout, params, busiest = evaluator.layout(config), evaluator.param_bytes(config, parts), [0.0] * config.pp
@@ -106,6 +106,7 @@ def memory_bound(config: Config, evaluator: Evaluator) -> float:
     """Bytes the fullest GPU of ``config`` holds at least (module docstring)."""
     model = evaluator.cluster.model
     copies = 2 if SCHEDULES[config.schedule].placement is PlacementKind.BIDIRECTIONAL else 1
-    per_gpu = model.parameters * copies / (config.tp * config.pp)
-    state = per_gpu * evaluator.cluster.state.sharded(config.zero, config.dp)
+    experts = model.layers * getattr(model, "expert_parameters", 0.0) * (1 - 1 / config.ep)  # on other EP ranks
+    per_gpu = (model.parameters - experts) * copies / (config.tp * config.pp)
+    state = per_gpu * evaluator.cluster.state.sharded(config.zero, config.dp * config.cp)
     return state + evaluator.least_activation(config) + ALLOWANCE_BYTES

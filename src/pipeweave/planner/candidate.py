@@ -10,7 +10,7 @@ from pipeweave.schedule.registry import SCHEDULES
 
 @dataclass(frozen=True, kw_only=True, order=True)
 class Config:
-    """A parallel configuration: N = tp x pp x dp GPUs, T = B / (dp x microbatch_size) microbatches.
+    """A parallel configuration: N = tp x cp x pp x dp GPUs, T = B / (dp x microbatch_size) microbatches.
 
     Example:
         >>> c = Config(tp=8, pp=64, dp=6, chunks=1, microbatch_size=1, microbatches=512, schedule="1f1b",
@@ -39,6 +39,11 @@ class Config:
     """ZeRO stage: 0, 1 or 3."""
     blocks: tuple[int, ...] = ()
     """Blocks of each part, part 0 first (``planner.split``); empty: the layers split evenly."""
+    ep: int = 1
+    """Expert-parallel ranks (``train --expert-parallel``): of the dp replicas, each group of ep splits the
+    experts (``planner.moe``); 1: every rank holds them all."""
+    cp: int = 1
+    """C, context-parallel ranks (``train --context-parallel``), each the s / C tokens of a sequence."""
 
     @property
     def searched(self) -> bool:
@@ -52,7 +57,7 @@ class Config:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def shape(self) -> tuple[str, int, int, int]:
@@ -63,8 +68,9 @@ class Config:
     def label(self) -> str:
         v = f" v={self.chunks}" if self.takes_chunks else ""
         split = f" split={split_label(self.blocks)}" if self.blocks else ""
+        extra = (f" CP{self.cp}" if self.cp > 1 else "") + (f" EP{self.ep}" if self.ep > 1 else "")
         return (
-            f"TP{self.tp} PP{self.pp} DP{self.dp} {self.schedule}{v} b={self.microbatch_size} "
+            f"TP{self.tp} PP{self.pp} DP{self.dp}{extra} {self.schedule}{v} b={self.microbatch_size} "
             f"T={self.microbatches} rc={self.recompute} Z{self.zero}{split}"
         )
 

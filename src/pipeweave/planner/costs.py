@@ -39,7 +39,8 @@ parallelism (``Cluster.sequence_parallel``, Korthikanti et al. section 4.2.2)
 the activation between blocks is already split along the sequence: each rank
 sends its 1/N and nothing is gathered; the TP collectives move the same bytes
 (an all-gather and a reduce-scatter for each all-reduce), and the activations
-held shrink (``planner.memory``).
+held shrink (``planner.memory``). Experts' all-to-alls and context parallelism's
+ring are ``planner.moe``'s (added to a block's F and I; a cp rank's tokens are s / C).
 
 W deferral (a schedule that splits the backward, ``ScheduleInfo.splits_backward``):
 I and W are the same GEMMs a whole backward runs (each weighted GEMM's input
@@ -66,6 +67,7 @@ from pipeweave.planner.efficiency import Efficiency
 from pipeweave.planner.flops import block_gemms, head_gemm
 from pipeweave.planner.hardware import GPU
 from pipeweave.planner.memory import StateBytes
+from pipeweave.planner.moe import all_to_all_time, ring_time
 from pipeweave.planner.profiled import Model
 from pipeweave.planner.split import blocks_of
 from pipeweave.planner.transformer import Transformer
@@ -95,6 +97,12 @@ class BlockTimes:
     """Of ``i``, the forward a recomputation replays."""
     deferral: float = 0.0
     """What a deferred W adds to ``w``: its output gradients read again from HBM (module docstring)."""
+    a2a: float = 0.0
+    """Of ``f``, and of ``i`` again, the experts' two all-to-alls (``planner.moe``); of a full replay too."""
+    ring_f: float = 0.0
+    """Of ``f``, context parallelism's ring not hidden behind attention (``planner.moe.ring_time``)."""
+    ring_i: float = 0.0
+    """Of ``i``, the ring's backward not hidden."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,9 +128,10 @@ def transformer(cluster: Cluster) -> Transformer:
     return cluster.model
 
 
-def activation_bytes(model: Transformer, microbatch_size: int) -> float:
-    """Bytes of one microbatch's activation between blocks: b x s x h in 16 bits."""
-    return float(microbatch_size * model.seq_len * model.hidden * BYTES_PER_ELEMENT)
+def activation_bytes(model: Transformer, microbatch_size: int, cp: int = 1) -> float:
+    """Bytes of one microbatch's activation between blocks: b x s x h in 16 bits (s / C on one of ``cp``
+    context-parallel ranks)."""
+    return float(microbatch_size * model.seq_len * model.hidden * BYTES_PER_ELEMENT) / cp
 
 
 def tp_all_reduce(cluster: Cluster, nbytes: float, tp: int) -> float:
@@ -151,8 +160,11 @@ def elementwise_bytes(model: Transformer, tp: int) -> tuple[float, float]:
 
 
 @functools.lru_cache(maxsize=4096)
-def block_times(cluster: Cluster, *, tp: int, microbatch_size: int, recompute: str) -> BlockTimes:
-    """F, I, W of one block (module docstring).
+def block_times(
+    cluster: Cluster, *, tp: int, microbatch_size: int, recompute: str, ep: int = 1, cp: int = 1, pp: int = 1
+) -> BlockTimes:
+    """F, I, W of one block (module docstring), on one of ``cp`` context-parallel ranks, its experts over ``ep``
+    ranks (``planner.moe``; ``pp``: where the EP group lies).
 
     Example:
         >>> from pipeweave.planner.hardware import GPUS
@@ -162,23 +174,34 @@ def block_times(cluster: Cluster, *, tp: int, microbatch_size: int, recompute: s
         >>> round((t.i + t.w) / t.f, 6)  # the backward is twice the forward
         2.0
     """
-    peak, eff = cluster.gpu.peak_flops, cluster.efficiency
-    gemms = block_gemms(transformer(cluster), microbatch_size=microbatch_size, tp=tp)
+    peak, eff, model = cluster.gpu.peak_flops, cluster.efficiency, transformer(cluster)
+    gemms = block_gemms(model, microbatch_size=microbatch_size, tp=tp, ep=ep, cp=cp)
     forward = sum(eff.seconds(g, peak) for g in gemms)
     weighted = sum(eff.seconds(g, peak) for g in gemms if g.weight)
     attention = forward - weighted
     bandwidth = cluster.gpu.memory_bandwidth
-    elementwise, softmax = (x * microbatch_size / bandwidth for x in elementwise_bytes(transformer(cluster), tp))
-    collective = 2 * tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size), tp)
-    replay = {"none": 0.0, "selective": attention + softmax, "full": forward + elementwise + collective}[recompute]
-    tp_i = collective * (2 if recompute == "full" else 1)
+    elementwise, softmax = (x * microbatch_size / bandwidth / cp for x in elementwise_bytes(model, tp))
+    collective = 2 * tp_all_reduce(cluster, activation_bytes(model, microbatch_size, cp), tp)
+    a2a = 2 * all_to_all_time(model, cluster.gpu, microbatch_size=microbatch_size, tp=tp, ep=ep, cp=cp, pp=pp)
     # I: each weighted GEMM's input gradient (its own size) and attention's two backward products each (and
     # FlashAttention's recomputed scores).
-    backward_attention = (2.5 if transformer(cluster).flash else 2.0) * attention
+    backward_attention = (2.5 if model.flash else 2.0) * attention
     deferral = sum(eff.streaming_seconds(BYTES_PER_ELEMENT * g.m * g.n * g.count, peak) for g in gemms if g.weight)
+    ring_f, ring_i = ring_time(
+        model,
+        cluster.gpu,
+        microbatch_size=microbatch_size,
+        tp=tp,
+        cp=cp,
+        attention_f=attention,
+        attention_i=backward_attention,
+    )
+    full = forward + elementwise + collective + a2a + ring_f
+    replay = {"none": 0.0, "selective": attention + softmax, "full": full}[recompute]
+    tp_i = collective * (2 if recompute == "full" else 1)
     return BlockTimes(
-        f=forward + elementwise + collective,
-        i=weighted + backward_attention + 2 * elementwise + collective + replay,
+        f=full,
+        i=weighted + backward_attention + 2 * elementwise + collective + a2a + ring_i + replay,
         w=weighted,
         tp_f=collective,
         tp_i=tp_i,
@@ -186,6 +209,9 @@ def block_times(cluster: Cluster, *, tp: int, microbatch_size: int, recompute: s
         elementwise_f=elementwise,
         replay=replay,
         deferral=deferral,
+        a2a=a2a,
+        ring_f=ring_f,
+        ring_i=ring_i,
     )
 
 
@@ -200,18 +226,18 @@ numbers each: left out."""
 
 
 @functools.lru_cache(maxsize=4096)
-def head_times(cluster: Cluster, *, tp: int, microbatch_size: int) -> tuple[float, float, float]:
+def head_times(cluster: Cluster, *, tp: int, microbatch_size: int, cp: int = 1) -> tuple[float, float, float]:
     """``(f, i, w)`` of the vocabulary head and the loss on the last stage: the head's GEMM in each, the
     cross-entropy's memory traffic (``LOSS_BYTES`` per logit, ``b s V / N`` logits a TP rank) in F and I, and
-    I's input gradient all-reduced over TP."""
+    I's input gradient all-reduced over TP (the s / C tokens of one of ``cp`` ranks)."""
     model = transformer(cluster)
-    gemm = head_gemm(model, microbatch_size=microbatch_size, tp=tp)
+    gemm = head_gemm(model, microbatch_size=microbatch_size, tp=tp, cp=cp)
     t = cluster.efficiency.seconds(gemm, cluster.gpu.peak_flops)
     loss_f, loss_i = (b * gemm.m * gemm.n / cluster.gpu.memory_bandwidth for b in LOSS_BYTES)
-    return t + loss_f, t + loss_i + tp_all_reduce(cluster, activation_bytes(model, microbatch_size), tp), t
+    return t + loss_f, t + loss_i + tp_all_reduce(cluster, activation_bytes(model, microbatch_size, cp), tp), t
 
 
-def deferral_times(cluster: Cluster, *, tp: int, microbatch_size: int) -> tuple[float, float]:
+def deferral_times(cluster: Cluster, *, tp: int, microbatch_size: int, cp: int = 1) -> tuple[float, float]:
     """``(block, head)``: seconds a deferred W adds to one block's W and to the head's (module docstring: its
     output gradients, ``b s n`` elements per weighted GEMM of width n on a TP rank, read again at the rate model's
     streaming rate).
@@ -226,8 +252,8 @@ def deferral_times(cluster: Cluster, *, tp: int, microbatch_size: int) -> tuple[
         >>> round(block / t.w, 3)  # GPT, h 2304: 9 s h outputs for 24 s h^2 FLOPs: 0.75 n_half / h = 0.023 at most
         0.022
     """
-    block = block_times(cluster, tp=tp, microbatch_size=microbatch_size, recompute="none").deferral
-    head = head_gemm(transformer(cluster), microbatch_size=microbatch_size, tp=tp)
+    block = block_times(cluster, tp=tp, microbatch_size=microbatch_size, recompute="none", cp=cp).deferral
+    head = head_gemm(transformer(cluster), microbatch_size=microbatch_size, tp=tp, cp=cp)
     return block, cluster.efficiency.streaming_seconds(BYTES_PER_ELEMENT * head.m * head.n, cluster.gpu.peak_flops)
 
 
@@ -254,6 +280,9 @@ def part_times(
     recompute: str,
     blocks: Sequence[int] = (),
     split_backward: bool = False,
+    ep: int = 1,
+    cp: int = 1,
+    pp: int = 1,
 ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     """Per part (``blocks`` blocks each, default the even split: ``planner.split``), ``(f, i, w)``: the head on
     the last, the embedding's all-reduce on the first; ``split_backward``: W deferred (``deferral_times`` added
@@ -270,23 +299,23 @@ def part_times(
         >>> f[0] < f[1]
         True
     """
-    block = block_times(cluster, tp=tp, microbatch_size=microbatch_size, recompute=recompute)
-    head = head_times(cluster, tp=tp, microbatch_size=microbatch_size)
+    block = block_times(cluster, tp=tp, microbatch_size=microbatch_size, recompute=recompute, ep=ep, cp=cp, pp=pp)
+    head = head_times(cluster, tp=tp, microbatch_size=microbatch_size, cp=cp)
     counts = blocks_of(transformer(cluster), num_parts, blocks)
     f, i, w = [n * block.f for n in counts], [n * block.i for n in counts], [n * block.w for n in counts]
-    f[0] += tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size), tp)
+    f[0] += tp_all_reduce(cluster, activation_bytes(transformer(cluster), microbatch_size, cp), tp)
     f[-1], i[-1], w[-1] = f[-1] + head[0], i[-1] + head[1], w[-1] + head[2]
     if split_backward:
-        block_deferral, head_deferral = deferral_times(cluster, tp=tp, microbatch_size=microbatch_size)
+        block_deferral, head_deferral = deferral_times(cluster, tp=tp, microbatch_size=microbatch_size, cp=cp)
         w = [x + n * block_deferral for x, n in zip(w, counts)]
         w[-1] += head_deferral
     return tuple(f), tuple(i), tuple(w)
 
 
-def hop_time(cluster: Cluster, *, tp: int, microbatch_size: int, inter_node: bool) -> float:
-    """A pipeline message between neighbouring stages (module docstring)."""
+def hop_time(cluster: Cluster, *, tp: int, microbatch_size: int, inter_node: bool, cp: int = 1) -> float:
+    """A pipeline message between neighbouring stages (module docstring; a cp rank's s / C tokens)."""
     net = cluster.gpu.network()
-    nbytes = activation_bytes(transformer(cluster), microbatch_size)
+    nbytes = activation_bytes(transformer(cluster), microbatch_size, cp)
     if cluster.sequence_parallel and tp > 1:  # each rank's shard of the sequence, to its peer
         return (net.inter_node if inter_node else net.intra_node).time(nbytes / tp)
     if not inter_node:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from pipeweave.planner.candidate import Config
 from pipeweave.planner.costs import (
+    BlockTimes,
     Cluster,
     block_times,
     deferral_times,
@@ -45,9 +46,10 @@ from pipeweave.planner.costs import (
 )
 from pipeweave.planner.flops import step_flops
 from pipeweave.planner.memory import PARAM_BYTES, GPUMemory, block_activation_bytes, gpu_memory
+from pipeweave.planner.moe import fb_hidden, fb_pairs, moe_terms
 from pipeweave.planner.pipeline import Pipeline, Summary, Times, auto_options
 from pipeweave.planner.split import blocks_of
-from pipeweave.schedule.ir import Schedule
+from pipeweave.schedule.ir import Op, Schedule
 from pipeweave.schedule.registry import SCHEDULES
 from pipeweave.sim.parallel import Layout, gather_time, reduction_time
 
@@ -110,7 +112,7 @@ class Evaluator:
     def layout(self, config: Config) -> Layout:
         return Layout(
             tp=config.tp,
-            dp=config.dp,
+            dp=config.dp * config.cp,  # a cp group reduces its gradients as replicas do (planner.moe)
             zero=min(config.zero, 1) if config.zero == 2 else config.zero,  # ZeRO 2: ZeRO 1's bytes T times
             network=self.cluster.gpu.network(),
             sequence_parallel=self.cluster.sequence_parallel,
@@ -128,6 +130,9 @@ class Evaluator:
             config.zero == 3,
             config.blocks,
             SCHEDULES[config.schedule].splits_backward,
+            config.ep,
+            config.cp,
+            config.schedule if fb_pairs(config.schedule) else "",
         )
         found = self.known_times.get(key)
         if found is None:
@@ -136,6 +141,7 @@ class Evaluator:
 
     def _times(self, config: Config, num_parts: int) -> Times:
         f, i, w = self.part_times(config, num_parts)
+        f, i = self.fb_overlap(config, num_parts, f, i)
         if config.zero == 3:  # FSDP gathers a part's parameters before each F and each I, prefetched
             layout = self.layout(config)
             params = self.param_bytes(config, num_parts)
@@ -153,13 +159,52 @@ class Evaluator:
             recompute=config.recompute,
             blocks=config.blocks,
             split_backward=SCHEDULES[config.schedule].splits_backward,
+            ep=config.ep,
+            cp=config.cp,
+            pp=config.pp,
+        )
+
+    def fb_overlap(
+        self, config: Config, num_parts: int, f: tuple[float, ...], i: tuple[float, ...]
+    ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """``f`` and ``i`` less the experts' all-to-all the schedule's F&B pairs hide (``planner.moe.fb_hidden``),
+        on the share of its F that run paired; as they are where it has no pairs or no all-to-all."""
+        if config.ep <= 1 or not fb_pairs(config.schedule) or not getattr(self.cluster.model, "moe_experts", 0):
+            return f, i
+        block = self.block(config)
+        schedule = self.pipeline.schedule(config, {})
+        forwards = sum(1 for row in schedule.actions for a in row if a[1] is Op.F) if schedule else 0
+        if not forwards or not schedule.pairs:
+            return f, i
+        hide_f, hide_i = fb_hidden(
+            a2a_f=block.a2a,
+            a2a_i=block.a2a,
+            compute_f=block.f - block.a2a,
+            compute_i=block.i - block.a2a,
+            paired=len(schedule.pairs) / forwards,
+        )
+        counts = blocks_of(transformer(self.cluster), num_parts, config.blocks)
+        return tuple(x - n * hide_f for x, n in zip(f, counts)), tuple(x - n * hide_i for x, n in zip(i, counts))
+
+    def block(self, config: Config) -> BlockTimes:
+        """One block's times under the configuration (``planner.costs.block_times``)."""
+        return block_times(
+            self.cluster,
+            tp=config.tp,
+            microbatch_size=config.microbatch_size,
+            recompute=config.recompute,
+            ep=config.ep,
+            cp=config.cp,
+            pp=config.pp,
         )
 
     def hop(self, config: Config, num_parts: int) -> float:
         """Seconds of a pipeline message (inter-node as soon as a pipeline spans two nodes)."""
         del num_parts  # every GPT part sends one activation
         inter = config.tp * config.pp > self.cluster.gpu.gpus_per_node
-        return hop_time(self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, inter_node=inter)
+        return hop_time(
+            self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, inter_node=inter, cp=config.cp
+        )
 
     def param_bytes(self, config: Config, num_parts: int) -> Sequence[float]:
         """Per part, the BF16 parameter (and gradient) bytes one TP rank holds."""
@@ -172,6 +217,7 @@ class Evaluator:
     def memory(self, config: Config, schedule: Schedule, layout: Layout) -> GPUMemory:
         """The fullest GPU's bytes (``planner.memory``)."""
         peaks = self.pipeline.peaks(config, schedule, transformer(self.cluster), self.cluster.sequence_parallel)
+        extra = {"ep": config.ep, "cp": config.cp} if config.ep > 1 or config.cp > 1 else {}
         return gpu_memory(
             schedule,
             transformer(self.cluster),
@@ -182,6 +228,7 @@ class Evaluator:
             state=self.cluster.state,
             zero2=config.zero == 2,
             blocks=config.blocks,
+            **extra,
         )
 
     def least_activation(self, config: Config) -> float:
@@ -191,6 +238,7 @@ class Evaluator:
             tp=config.tp,
             recompute=config.recompute,
             sequence_parallel=self.cluster.sequence_parallel,
+            cp=config.cp,
         )[0]
         fewest = min(blocks_of(transformer(self.cluster), self.num_parts(config), config.blocks))
         return held * fewest * config.microbatch_size
@@ -251,35 +299,37 @@ class Evaluator:
         """``terms``' work of the rank holding the head: its blocks' GEMMs, element-wise kernels, TP collectives
         and replayed forwards, and the head and the loss (``planner.costs``)."""
         model = transformer(self.cluster)
-        block = block_times(
-            self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, recompute=config.recompute
-        )
+        block = self.block(config)
         # the head's rank: the last part's, and every D-th part before it (an uneven split: its own counts)
         own = sum(config.blocks[config.pp - 1 :: config.pp]) if config.blocks else model.layers / config.pp
         blocks = config.microbatches * own
         attention = block.gemm_f - block.w
         gemm = block.gemm_f + 2 * block.w + (2.5 if model.flash else 2.0) * attention
         replay = block.replay - (block.tp_f if config.recompute == "full" else 0.0)
-        head = head_times(self.cluster, tp=config.tp, microbatch_size=config.microbatch_size)
+        head = head_times(self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, cp=config.cp)
         deferred = 0.0
         if SCHEDULES[config.schedule].splits_backward:
-            per_block, per_head = deferral_times(self.cluster, tp=config.tp, microbatch_size=config.microbatch_size)
+            per_block, per_head = deferral_times(
+                self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, cp=config.cp
+            )
             deferred = blocks * per_block + config.microbatches * per_head
-        return {
+        out = {
             "GEMMs": blocks * gemm,
             "element-wise kernels": blocks * 3 * block.elementwise_f,
             "TP collectives": blocks * (block.tp_f + block.tp_i),
-            "recomputation": blocks * replay,
+            "recomputation": blocks * (replay - (block.a2a + block.ring_f if config.recompute == "full" else 0.0)),
             "head and loss": config.microbatches * sum(head),
             "W deferral's re-reads": deferred,
         }
+        full, moe = config.recompute == "full", model.moe_experts > 0
+        return out | moe_terms(
+            blocks=blocks, a2a=block.a2a, ring_f=block.ring_f, ring_i=block.ring_i, full=full, moe=moe, cp=config.cp
+        )
 
     def tp_comm(self, config: Config) -> float:
         """Seconds the busiest rank spends in TP all-reduces per step: T microbatches of its blocks (L / D where
         they split evenly)."""
-        block = block_times(
-            self.cluster, tp=config.tp, microbatch_size=config.microbatch_size, recompute=config.recompute
-        )
+        block = self.block(config)
         return config.microbatches * self.rank_blocks(config) * (block.tp_f + block.tp_i)
 
     def rank_blocks(self, config: Config) -> float:

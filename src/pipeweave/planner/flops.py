@@ -35,10 +35,12 @@ from pipeweave.planner.transformer import Transformer
 class Gemm:
     """One matrix multiply of a forward, repeated ``count`` times (batched attention): m x k times k x n."""
 
-    m: int
+    m: float
     k: int
     n: int
-    count: int = 1
+    count: float = 1
+    """Repeats: batched attention's heads, an expert's GEMM on each local expert (fractional: the share of
+    blocks with experts, ``block_gemms``)."""
     weight: bool = True
     """True for a layer's weight (its backward has a W); False for attention's activation products."""
 
@@ -52,29 +54,59 @@ class Gemm:
         return min(self.m, self.k, self.n)
 
 
-def block_gemms(model: Transformer, *, microbatch_size: int, tp: int) -> tuple[Gemm, ...]:
-    """The forward GEMMs of one block on one of ``tp`` ranks (table in the module docstring).
+def block_gemms(model: Transformer, *, microbatch_size: int, tp: int, ep: int = 1, cp: int = 1) -> tuple[Gemm, ...]:
+    """The forward GEMMs of one block on one of ``tp`` ranks (table in the module docstring), of ``cp``
+    context-parallel ranks (each the s / C tokens of its chunks, their queries against all s keys: attention's
+    products divided by C too), with experts (``moe_gemms``) on the share of blocks that have them.
 
     Example:
         >>> m = Transformer(layers=1, hidden=1024, heads=16, seq_len=512)
         >>> sum(g.flops for g in block_gemms(m, microbatch_size=1, tp=1)) == 24 * 512 * 1024**2 + 4 * 512**2 * 1024
         True
+        >>> sum(g.flops for g in block_gemms(m, microbatch_size=1, tp=1, cp=2)) == 12 * 512 * 1024**2 + 2 * 512**2 * 1024
+        True
     """
     b, s, h, d, f = microbatch_size, model.seq_len, model.hidden, model.head_dim, model.ffn_hidden
-    tokens, heads = b * s, b * model.heads // tp
+    local = s // cp
+    tokens, heads = b * local, b * model.heads // tp
+    dense = 1.0 - model.moe_fraction
+    mlp = (Gemm(tokens, h, (1 + model.gated) * f // tp, dense), Gemm(tokens, f // tp, h, dense)) if dense else ()
     return (
         Gemm(tokens, h, (h + 2 * model.kv_hidden) // tp),
-        Gemm(s, d, s, heads, weight=False),
-        Gemm(s, s, d, heads, weight=False),
+        Gemm(local, d, s, heads, weight=False),
+        Gemm(local, s, d, heads, weight=False),
         Gemm(tokens, h // tp, h),
-        Gemm(tokens, h, (1 + model.gated) * f // tp),
-        Gemm(tokens, f // tp, h),
+        *mlp,
+        *moe_gemms(model, tokens=tokens, tp=tp, ep=ep),
     )
 
 
-def head_gemm(model: Transformer, *, microbatch_size: int, tp: int) -> Gemm:
-    """The vocabulary head's forward GEMM on one of ``tp`` ranks (column-parallel by vocabulary, padded to split)."""
-    return Gemm(microbatch_size * model.seq_len, model.hidden, -(-model.vocab // tp))
+def moe_gemms(model: Transformer, *, tokens: int, tp: int, ep: int) -> tuple[Gemm, ...]:
+    """The forward GEMMs of a MoE block's router and experts on one rank (``tokens`` = b s / C of its own), their
+    counts the share of blocks with experts (``planner.moe``'s module docstring); none for a dense model.
+
+    Example:
+        >>> m = Transformer(layers=2, hidden=64, heads=4, seq_len=32, moe_experts=4, moe_top_k=2)
+        >>> router, up, down = moe_gemms(m, tokens=32, tp=1, ep=2)
+        >>> router.flops == 2 * 32 * 64 * 4, up.flops == 2 * (2 * 32 * 64 * 256), up.count
+        (True, True, 2.0)
+    """
+    if not model.moe_experts:
+        return ()
+    experts, k, h, f = model.moe_experts, model.moe_top_k, model.hidden, model.ffn_hidden
+    share, local = model.moe_fraction, experts / ep
+    routed = k * tokens * ep / experts  # tokens an expert computes, on average
+    return (
+        Gemm(tokens, h, experts, share),
+        Gemm(routed, h, (1 + model.gated) * f // tp, share * local),
+        Gemm(routed, f // tp, h, share * local),
+    )
+
+
+def head_gemm(model: Transformer, *, microbatch_size: int, tp: int, cp: int = 1) -> Gemm:
+    """The vocabulary head's forward GEMM on one of ``tp`` ranks (column-parallel by vocabulary, padded to split),
+    on the s / C tokens of one of ``cp`` ranks."""
+    return Gemm(microbatch_size * model.seq_len // cp, model.hidden, -(-model.vocab // tp))
 
 
 def step_flops(model: Transformer, batch: int, *, recompute: str = "full") -> float:

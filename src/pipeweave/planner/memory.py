@@ -45,6 +45,10 @@
   pipeline receive buffer (2 b s h bytes), whichever is largest; and the caching
   allocator's **fragmentation**, ``StateBytes.fragmentation`` (5 %) of all the
   rest (PyTorch's reserved-but-unallocated memory, a few percent in steady state).
+- **Experts and context parallelism** (``planner.moe``): an EP rank holds E / EP of
+  each MoE block's experts; a MoE block holds the MLP's activations k times, the
+  dispatch buffers and the router's probabilities; the all-to-all's receive buffer
+  is a collective's workspace; a cp rank holds a C-th of every activation.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeweave.errors import UserError
+from pipeweave.planner.moe import moe_activations
 from pipeweave.planner.split import blocks_of
 from pipeweave.planner.transformer import Transformer
 from pipeweave.schedule.ir import Schedule
@@ -177,10 +182,11 @@ class GPUMemory:
 
 
 def block_activation_bytes(
-    model: Transformer, *, tp: int, recompute: str, sequence_parallel: bool = False
+    model: Transformer, *, tp: int, recompute: str, sequence_parallel: bool = False, cp: int = 1
 ) -> tuple[float, float, float]:
     """``(held, stash, during)`` of one block for a microbatch of 1: held from F to the backward, still held
-    between I and W, and used on top while a backward replays the forward.
+    between I and W, and used on top while a backward replays the forward; with experts, a MoE block's share
+    added (``planner.moe.moe_activations``); on one of ``cp`` context-parallel ranks, a C-th of each.
 
     Example:
         >>> m = Transformer(layers=1, hidden=1024, heads=16, seq_len=1024, attention="math")
@@ -202,10 +208,12 @@ def block_activation_bytes(
     )
 
     def share(total: float, replicated: float) -> float:
-        return tp_rank_share(total, replicated, tp, split_replicated=sequence_parallel)
+        return tp_rank_share(total, replicated, tp, split_replicated=sequence_parallel) / cp
 
-    full, stash = share(terms.held, terms.held_replicated), share(terms.stash, terms.stash_replicated)
-    scores = terms.scores / tp
+    split, whole, experts = moe_activations(model)
+    full = share(terms.held + split + whole, terms.held_replicated + whole)
+    stash = share(terms.stash + experts, terms.stash_replicated)
+    scores = terms.scores / tp / cp
     if recompute == "none":
         return full, stash, 0.0
     if recompute == "selective":
@@ -220,13 +228,16 @@ def part_activation_bytes(
     recompute: str,
     sequence_parallel: bool = False,
     blocks: Sequence[int] = (),
+    cp: int = 1,
 ) -> dict[str, Any]:
     """Per part, its activation bytes for a microbatch of one sample, as ``planner.activations.peaks`` takes
     them: held and stashed (the last part's with the head's FP32 logits), and one replayed block; ``blocks``:
-    blocks per part (``planner.split``; default even)."""
+    blocks per part (``planner.split``; default even); on one of ``cp`` context-parallel ranks."""
     counts = blocks_of(model, num_parts, blocks)
-    held, stash, during = block_activation_bytes(model, tp=tp, recompute=recompute, sequence_parallel=sequence_parallel)
-    logits = [0.0] * (num_parts - 1) + [4.0 * model.seq_len * model.vocab / tp]
+    held, stash, during = block_activation_bytes(
+        model, tp=tp, recompute=recompute, sequence_parallel=sequence_parallel, cp=cp
+    )
+    logits = [0.0] * (num_parts - 1) + [4.0 * model.seq_len * model.vocab / tp / cp]
     return {
         "held": tuple(n * held + x for n, x in zip(counts, logits)),
         "stash": tuple(n * stash + x for n, x in zip(counts, logits)),
@@ -241,6 +252,7 @@ def activation_peaks(
     recompute: str,
     sequence_parallel: bool = False,
     blocks: Sequence[int] = (),
+    cp: int = 1,
 ) -> tuple[float, ...]:
     """Per rank, the peak activation bytes of ``schedule`` for microbatches of one sample (scale by b), walked by
     the simulator's ``held_peaks`` (``planner.activations`` finds the same for many sizes at once).
@@ -253,16 +265,17 @@ def activation_peaks(
         >>> activation_peaks(s, m, 2, "full") == peaks(activation_profile(s), **part_activation_bytes(m, 4, 2, "full"))
         True
     """
-    sizes = part_activation_bytes(model, schedule.num_parts, tp, recompute, sequence_parallel, blocks)
+    sizes = part_activation_bytes(model, schedule.num_parts, tp, recompute, sequence_parallel, blocks, cp)
     extra = [sizes["during"]] * schedule.num_parts  # one block replayed at a time
     part_of = schedule.placement.stage_part
     return held_peaks(schedule.actions, part_of, list(sizes["held"]), list(sizes["stash"]), extra, extra)
 
 
-def part_parameters(model: Transformer, num_parts: int, blocks: Sequence[int] = ()) -> tuple[float, ...]:
-    """Parameters per part: its blocks (``blocks``, default the even split), the embeddings on the first, the head
-    on the last."""
-    params = [float(n * model.layer_parameters) for n in blocks_of(model, num_parts, blocks)]
+def part_parameters(model: Transformer, num_parts: int, blocks: Sequence[int] = (), ep: int = 1) -> tuple[float, ...]:
+    """Parameters per part on one rank: its blocks (``blocks``, default the even split), their experts split over
+    ``ep`` ranks (E / EP each), the embeddings on the first, the head on the last."""
+    block = model.layer_parameters - model.expert_parameters * (1 - 1 / ep)
+    params = [float(n * block) for n in blocks_of(model, num_parts, blocks)]
     params[0] += model.embedding_parameters
     params[-1] += model.vocab * model.hidden
     return tuple(params)
@@ -279,9 +292,12 @@ def gpu_memory(
     state: StateBytes = StateBytes(),
     zero2: bool = False,
     blocks: Sequence[int] = (),
+    ep: int = 1,
+    cp: int = 1,
 ) -> GPUMemory:
     """The fullest GPU of ``schedule`` on the layout (module docstring); ``peaks``: ``activation_peaks``' result
-    if known; ``blocks``: blocks per part (default even).
+    if known; ``blocks``: blocks per part (default even); ``ep``, ``cp``: expert- and context-parallel ranks
+    (``planner.moe``).
 
     Example:
         >>> from pipeweave.schedule import generate
@@ -291,12 +307,16 @@ def gpu_memory(
         >>> round(mem.grads / mem.params), round(mem.master / mem.params), round(mem.optimizer / mem.params)
         (2, 2, 4)
     """
-    params = part_parameters(model, schedule.num_parts, blocks)
+    params = part_parameters(model, schedule.num_parts, blocks, ep)
     acts = [
         p * microbatch_size
-        for p in peaks or activation_peaks(schedule, model, layout.tp, recompute, layout.sequence_parallel, blocks)
+        for p in peaks or activation_peaks(schedule, model, layout.tp, recompute, layout.sequence_parallel, blocks, cp)
     ]
-    message = 2.0 * microbatch_size * model.seq_len * model.hidden if layout.tp > 1 or schedule.num_parts > 1 else 0.0
+    message = (
+        2.0 * microbatch_size * model.seq_len * model.hidden / cp if layout.tp > 1 or schedule.num_parts > 1 else 0.0
+    )
+    if model.moe_experts and ep > 1:  # the all-to-all's receive buffer: k b s h / C in BF16
+        message = max(message, 2.0 * model.moe_top_k * microbatch_size * model.seq_len * model.hidden / cp)
     return fullest_gpu(schedule, params, layout, acts, state=state, message=message, zero2=zero2)
 
 

@@ -199,14 +199,14 @@ class Pipeline:
         if key not in self.profiles:
             self.profiles[key] = activation_profile(schedule)
         sizes = part_activation_bytes(
-            model, schedule.num_parts, config.tp, config.recompute, sequence_parallel, config.blocks
+            model, schedule.num_parts, config.tp, config.recompute, sequence_parallel, config.blocks, config.cp
         )
         return peaks(self.profiles[key], **sizes)
 
     @staticmethod
     def tp_rank_param_bytes(config: Config, model: Transformer, num_parts: int) -> Sequence[float]:
-        """Per part, the BF16 parameter (and gradient) bytes one TP rank holds."""
-        return [p * PARAM_BYTES / config.tp for p in part_parameters(model, num_parts, config.blocks)]
+        """Per part, the BF16 parameter (and gradient) bytes one TP rank holds (of the experts, its EP rank's)."""
+        return [p * PARAM_BYTES / config.tp for p in part_parameters(model, num_parts, config.blocks, config.ep)]
 
 
 def auto_options(config: Config, cluster: Cluster, times: Times) -> dict[str, object]:
@@ -217,10 +217,15 @@ def auto_options(config: Config, cluster: Cluster, times: Times) -> dict[str, ob
     f, i, w, hop = times
     model, gpu = transformer(cluster), cluster.gpu
     held, stash, _ = block_activation_bytes(
-        model, tp=config.tp, recompute=config.recompute, sequence_parallel=cluster.sequence_parallel
+        model, tp=config.tp, recompute=config.recompute, sequence_parallel=cluster.sequence_parallel, cp=config.cp
     )
     per_rank = model.layers / config.pp * held * config.microbatch_size  # M_a of one D-th
-    state = max(part_parameters(model, parts, config.blocks)) * config.chunks * cluster.state.per_parameter / config.tp
+    state = (
+        max(part_parameters(model, parts, config.blocks, config.ep))
+        * config.chunks
+        * cluster.state.per_parameter
+        / config.tp
+    )
     room = gpu.memory_bytes - state - ALLOWANCE_BYTES
     limit = max(1.0, min(2.0, int(2 * room / (config.pp * per_rank)) / 2)) if per_rank else 2.0
     unit = sum(f) / parts

@@ -13,7 +13,10 @@ the mesh, the global batch and its microbatches, recomputation, ZeRO, BF16
 mixed precision and the optimizer the memory was counted for, and the planner's
 split of the layers as ``--partition explicit --layers-per-stage`` (the
 runtime's gpt and llama count the embedding and the head as layers of their
-own: the first and the last part carry one more).
+own: the first and the last part carry one more). Expert parallelism dividing
+DP and the experts, without ZeRO, and context parallelism whose 2C chunks split
+the sequence, as ``train`` checks them; the model's experts as ``--moe-experts
+--moe-top-k --moe-every``.
 """
 
 from __future__ import annotations
@@ -60,7 +63,10 @@ def refusal(config: Config, model: object, *, sequence_parallel: bool = False) -
         why = "FSDP shards the two copies apart" if config.zero == 3 else "it keeps no whole gradient to sum the tie"
         return f"--zero {config.zero} with a tied head is not run by pipeweave train ({why}); use --zero 1"
     if not isinstance(model, Transformer):
-        return None
+        return None if config.ep == config.cp == 1 else "--expert-parallel and --context-parallel need a gpt or llama"
+    problem = _moe_refusal(config, model)
+    if problem is not None:
+        return problem
     if sequence_parallel and config.tp > 1:
         if config.zero or tied:
             what = f"--zero {config.zero}" if config.zero else "a tied head"
@@ -71,6 +77,30 @@ def refusal(config: Config, model: object, *, sequence_parallel: bool = False) -
         return (
             f"an untied head's vocabulary {model.vocab} does not split over TP {config.tp}; give a --vocab it divides"
         )
+    return None
+
+
+def _moe_refusal(config: Config, model: Transformer) -> str | None:
+    """``refusal``'s rules of expert and context parallelism (``config.train``'s and ``runtime.run.resolve``'s):
+    EP divides DP and the experts, with no ZeRO; 2C divides the sequence.
+
+    Example:
+        >>> from pipeweave.planner.transformer import MODELS
+        >>> c = Config(tp=1, pp=1, dp=4, chunks=1, microbatch_size=1, microbatches=8, schedule="1f1b",
+        ...            recompute="full", zero=1, ep=2)
+        >>> _moe_refusal(c, MODELS["mixtral-8x7b"])
+        '--expert-parallel 2 with --zero 1 is not run by pipeweave train; drop --zero'
+    """
+    if config.ep > 1:
+        if not model.moe_experts or model.moe_experts % config.ep or config.dp % config.ep:
+            return (
+                f"--expert-parallel {config.ep} needs --moe-experts and --data-parallel {config.dp} it divides "
+                f"(experts: {model.moe_experts})"
+            )
+        if config.zero:
+            return f"--expert-parallel {config.ep} with --zero {config.zero} is not run by pipeweave train; drop --zero"
+    if config.cp > 1 and model.seq_len % (2 * config.cp):
+        return f"--context-parallel {config.cp} needs --seq-len {model.seq_len} divisible by 2C = {2 * config.cp}"
     return None
 
 
@@ -97,6 +127,8 @@ def model_flags(model: object) -> list[str]:
     flags += ["--seq-len", model.seq_len, "--vocab", model.vocab]
     if model.tied:
         flags.append("--tie-embeddings")
+    if model.moe_experts:
+        flags += ["--moe-experts", model.moe_experts, "--moe-top-k", model.moe_top_k, "--moe-every", model.moe_every]
     return [str(f) for f in flags]
 
 
@@ -120,6 +152,10 @@ def train_command(
     if config.takes_chunks:
         args += ["--chunks", str(config.chunks)]
     args += ["--data-parallel", str(config.dp), "--tensor-parallel", str(config.tp)]
+    if config.ep > 1:
+        args += ["--expert-parallel", str(config.ep)]
+    if config.cp > 1:  # the runtime's flag of context parallelism
+        args += ["--context-parallel", str(config.cp)]
     if sequence_parallel and config.tp > 1:
         args.append("--sequence-parallel")
     args += ["--recompute", config.recompute, "--zero", str(config.zero)]

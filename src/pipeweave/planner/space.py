@@ -1,5 +1,5 @@
-"""The planner's space: every split of N GPUs into TP x PP x DP, chunks, microbatch size, schedule,
-recomputation and ZeRO stage that the model's shape allows, with what the user fixed.
+"""The planner's space: every split of N GPUs into TP x CP x PP x DP (and EP of the DP ranks), chunks,
+microbatch size, schedule, recomputation and ZeRO stage that the model's shape allows, with what the user fixed.
 
 The rules are Megatron-LM's: TP inside a node (N divides the GPUs per node) and
 dividing the heads; PP up to the layers, its blocks split evenly where they
@@ -15,7 +15,10 @@ is kept. ZeRO 1 and 3 only where the runtime shards a schedule's replicas
 each part), and ZeRO 2 there too where it holds fewer gradient bytes than
 ZeRO 1: ``train --zero 2`` keeps every part's gradient in 1/P slices but one
 part's whole while its B or W runs (``planner.memory``), so with v parts per
-rank where ``v (P - 1) > P + 1``.
+rank where ``v (P - 1) > P + 1``. Context parallelism C divides the GPUs and
+splits the sequence into 2C chunks of at least ``MIN_CP_CHUNK`` tokens; expert
+parallelism EP, for a model with experts, divides DP and the experts, and runs
+without ZeRO (as ``train`` does).
 
 Two limits keep the space one that can be enumerated and simulated in seconds:
 a schedule of at most ``MAX_CELLS`` (part, microbatch) pairs, D x v x T (so
@@ -30,7 +33,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice, product
 
 from pipeweave.errors import UserError
@@ -61,6 +64,8 @@ class Fixed:
     schedule: str | None = None
     recompute: str | None = None
     zero: int | None = None
+    ep: int | None = None
+    cp: int | None = None
 
     def __post_init__(self) -> None:
         if self.schedule is not None and self.schedule not in synchronous():
@@ -72,7 +77,7 @@ class Fixed:
             raise UserError(f"--recompute {self.recompute!r} is invalid; choose one of: {', '.join(RECOMPUTE)}")
         if self.zero is not None and self.zero not in (*ZERO_STAGES, 2):
             raise UserError(f"--zero {self.zero} is invalid; give 0, 1, 2 or 3")
-        for name in ("tp", "pp", "dp", "chunks", "microbatch_size"):
+        for name in ("tp", "pp", "dp", "chunks", "microbatch_size", "ep", "cp"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"{FLAGS[name]} {value} is invalid; give an integer >= 1")
@@ -91,6 +96,8 @@ FLAGS = {
     "schedule": "-s",
     "recompute": "--recompute",
     "zero": "--zero",
+    "ep": "--expert-parallel",
+    "cp": "--context-parallel",
 }
 
 
@@ -249,7 +256,53 @@ def part_blocks(model: Model, num_parts: int, recompute: str, uneven: bool = Tru
     return [()]
 
 
+MIN_CP_CHUNK = 1024
+"""The fewest tokens of each of the 2C chunks a free search gives context parallelism: shorter chunks leave too
+little attention to hide the ring behind (``planner.moe``); a fixed ``--context-parallel`` is searched anyway."""
+
+
+def context_parallel_sizes(model: Model, gpus: int, fixed: Fixed) -> list[int]:
+    """The C searched: 1, and for a transformer the divisors of the GPUs that split its sequence into 2C chunks
+    of at least ``MIN_CP_CHUNK`` tokens; the fixed C where it divides the GPUs and 2C the sequence.
+
+    Example:
+        >>> from pipeweave.planner.transformer import Transformer
+        >>> m = Transformer(layers=4, hidden=64, heads=4, seq_len=8192)
+        >>> context_parallel_sizes(m, 16, Fixed()), context_parallel_sizes(m, 16, Fixed(cp=8))
+        ([1, 2, 4], [8])
+    """
+    seq = model.seq_len if isinstance(model, Transformer) else 0
+    if fixed.cp is not None:
+        return [fixed.cp] if gpus % fixed.cp == 0 and (fixed.cp == 1 or seq % (2 * fixed.cp) == 0) else []
+    return [c for c in divisors(gpus) if c == 1 or (seq % (2 * c) == 0 and seq // (2 * c) >= MIN_CP_CHUNK)]
+
+
+def expert_parallel_sizes(model: Model, dp: int, fixed: Fixed) -> list[int]:
+    """The EP searched for ``dp`` replicas: 1, and for a model with E experts the divisors of dp that divide E
+    (``train``'s rules: ``planner.runnable``).
+
+    Example:
+        >>> from pipeweave.planner.transformer import Transformer
+        >>> m = Transformer(layers=4, hidden=64, heads=4, moe_experts=8)
+        >>> expert_parallel_sizes(m, 12, Fixed()), expert_parallel_sizes(m, 12, Fixed(ep=8))
+        ([1, 2, 4], [])
+    """
+    experts = getattr(model, "moe_experts", 0)
+    sizes = [e for e in divisors(dp) if experts % e == 0] if experts else [1]
+    return [e for e in sizes if fixed.allows("ep", e)]
+
+
 def _configurations(
+    model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed, uneven: bool
+) -> Iterator[Config]:
+    for cp in context_parallel_sizes(model, gpus, fixed):
+        for config in _configurations_at(model, gpus // cp, batch, gpus_per_node, fixed, uneven):
+            for ep in expert_parallel_sizes(model, config.dp, fixed):
+                if ep == 1 or config.zero == 0:  # train runs no ZeRO with expert parallelism
+                    yield replace(config, ep=ep, cp=cp) if ep > 1 or cp > 1 else config
+
+
+def _configurations_at(
     model: Model, gpus: int, batch: int, gpus_per_node: int, fixed: Fixed, uneven: bool
 ) -> Iterator[Config]:
     for tp, pp, dp in splits(model, gpus, batch, gpus_per_node, fixed, uneven):

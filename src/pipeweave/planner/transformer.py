@@ -24,6 +24,10 @@ Presets, each with its source:
   (2024), Table 3: 32/80/126 layers, h 4096/8192/16,384, 32/64/128 heads, 8
   key/value heads, SwiGLU of 14,336/28,672/53,248, vocabulary 128,256, RMSNorm,
   rotary positions, untied head, sequence 8192 (pre-training).
+- ``mixtral-8x7b``: Jiang et al., "Mixtral of Experts" (2024), Table 1: 32 layers,
+  h 4096, 32 heads, 8 key/value heads, SwiGLU of 14,336 in each of 8 experts, top-2,
+  vocabulary 32,000, Llama's architecture (46.7B parameters, 12.9B active); sequence
+  4096 here (the paper's context is 32k, its training sequence unpublished).
 """
 
 from __future__ import annotations
@@ -91,6 +95,12 @@ class Transformer:
     """The linear layers have biases (GPT) or not (Llama)."""
     dropout: bool = True
     """Dropout after attention's softmax and after each sublayer (GPT); its 1-byte masks are activations."""
+    moe_experts: int = 0
+    """E, experts of each mixture-of-experts block (``train --moe-experts``; ``planner.moe``); 0: dense MLPs."""
+    moe_top_k: int = 2
+    """k, experts each token is routed to."""
+    moe_every: int = 1
+    """Every n-th block has experts (blocks n, 2n, ...), the others a dense MLP."""
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -122,6 +132,11 @@ class Transformer:
         ):
             if choice not in allowed:
                 raise UserError(f"{field_name} {choice!r} is unknown; choose one of: {', '.join(allowed)}")
+        if self.moe_experts and not (1 <= self.moe_top_k <= self.moe_experts and self.moe_every >= 1):
+            raise UserError(
+                f"--moe-top-k {self.moe_top_k} (--moe-every {self.moe_every}) is invalid for --moe-experts "
+                f"{self.moe_experts}; give a top-k from 1 to {self.moe_experts} and --moe-every >= 1"
+            )
         if not self.kv_heads:
             object.__setattr__(self, "kv_heads", self.heads)
         if not self.ffn_hidden:
@@ -165,15 +180,34 @@ class Transformer:
         return all(n % tp == 0 for n in (self.heads, self.kv_heads, self.hidden, self.ffn_hidden))
 
     @property
+    def moe_fraction(self) -> float:
+        """Of the blocks, the share with experts: floor(l / n) / l (0 for a dense model)."""
+        return (self.layers // self.moe_every) / self.layers if self.moe_experts else 0.0
+
+    @property
+    def mlp_parameters(self) -> int:
+        """One MLP's (one expert's): (2 or 3) h f weights and their biases."""
+        h, f, mats = self.hidden, self.ffn_hidden, 2 + self.gated
+        return mats * h * f + ((mats - 1) * f + h if self.bias else 0)
+
+    @property
+    def expert_parameters(self) -> float:
+        """Of a block's parameters on average, the experts' (E MLPs on each MoE block): what EP ranks split."""
+        return self.moe_fraction * self.moe_experts * self.mlp_parameters
+
+    @property
     def layer_parameters(self) -> int:
         """Parameters of one block: QKV h (h + 2 h_kv), projection h^2, MLP (2 or 3) h f, their biases, two norms
-        (12 h^2 + 13 h for a GPT)."""
-        h, kv, f = self.hidden, self.kv_hidden, self.ffn_hidden
-        mats = 2 + self.gated
-        weights = h * (h + 2 * kv) + h * h + mats * h * f
-        biases = (h + 2 * kv) + h + (mats - 1) * f + h if self.bias else 0
+        (12 h^2 + 13 h for a GPT); with experts, on average over the blocks, a MoE block's MLP being E of them
+        and its router h E."""
+        h, kv = self.hidden, self.kv_hidden
+        attention = h * (h + 2 * kv) + h * h + ((h + 2 * kv) + h if self.bias else 0)
         norms = 2 * (2 * h if self.norm == "layernorm" else h)
-        return weights + biases + norms
+        dense = attention + norms + self.mlp_parameters
+        if not self.moe_experts:
+            return dense
+        moe = self.moe_fraction * ((self.moe_experts - 1) * self.mlp_parameters + h * self.moe_experts)
+        return round(dense + moe)
 
     @property
     def embedding_parameters(self) -> int:
@@ -254,6 +288,19 @@ MODELS: dict[str, Transformer] = {
         _llama3("llama3-8b", 32, 4096, 32, 14336),
         _llama3("llama3-70b", 80, 8192, 64, 28672),
         _llama3("llama3-405b", 126, 16384, 128, 53248),
+        Transformer(
+            name="mixtral-8x7b",
+            layers=32,
+            hidden=4096,
+            heads=32,
+            kv_heads=8,
+            ffn_hidden=14336,
+            seq_len=4096,
+            vocab=32000,
+            moe_experts=8,
+            moe_top_k=2,
+            **LLAMA,
+        ),
     )
 }
 """Named shapes, by ``--model`` (sources in the module docstring)."""

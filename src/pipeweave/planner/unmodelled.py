@@ -61,6 +61,12 @@ def _model(cluster: Cluster) -> list[str]:
     if model.norm == "rmsnorm" or model.positions == "rotary":
         out.append("fusion of RMSNorm and rotary kernels (their memory traffic counted unfused)")
     out.append("the cross-entropy's temporaries beyond the stored FP32 logits, and kernels' scratch buffers")
+    if model.moe_experts:
+        out.append(
+            "load imbalance among the experts (every expert is given k b s / E tokens of each microbatch, the "
+            "busiest rank waits for none), tokens a --moe-capacity would drop, and the router's top-k and "
+            "permutation kernels (their memory traffic)"
+        )
     return out
 
 
@@ -82,6 +88,16 @@ def _config(cluster: Cluster, config: Config) -> list[str]:
         out.append("FSDP's prefetch contending with compute for memory bandwidth, and its reshard's cost")
     if config.recompute != "none":
         out.append("the RNG state a recomputed forward keeps, and a replay's peak beyond one block")
-    if config.tp * config.pp * config.dp > cluster.gpu.gpus_per_node:
+    if config.ep > 1:
+        out.append(
+            "the all-to-all's uneven splits and the inter-node share of an EP group that spans nodes (all of its "
+            "bytes move at the slower link); expert gradients reduced over DP / EP ranks, counted over DP"
+        )
+    if config.cp > 1:
+        out.append(
+            "ring attention's per-step kernel launches and its causal chunks' uneven steps (each step 1/C of "
+            "the attention); the ring's bytes beside the DP and TP traffic on the links"
+        )
+    if config.tp * config.cp * config.pp * config.dp > cluster.gpu.gpus_per_node:
         out.append("the network's topology beyond nodes and links (rail-optimised fabrics, oversubscription)")
     return out

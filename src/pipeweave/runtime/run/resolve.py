@@ -105,7 +105,7 @@ def _with_searched_costs(config: TrainConfig) -> TrainConfig:
     options = dict(config.schedule.options)
     if config.partition.memory_limit is not None and config.partition.method != "memory":
         options["memory_limit"] = config.partition.memory_limit
-    parts = build_schedule(config.replace(data_parallel=1, zero=0))
+    parts = build_schedule(config.replace(data_parallel=1, expert_parallel=1, zero=0))
     costs = profile_model(config.model, _microbatch(config), device=_device(), precision=config.training.precision)
     ranges = layer_ranges(config, parts)
     for key, per_layer in (("time_f", costs.forward), ("time_b", costs.input_grad), ("time_w", costs.weight_grad)):
