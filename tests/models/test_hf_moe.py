@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from pipeweave.models.spec import ModelSpec
 MODELS = Path(__file__).resolve().parent
 sys.path.insert(0, str(MODELS))
 from tiny_hf import MIXTRAL, module_run  # noqa: E402
+
+NOTHING_SPAWNED = "pipeweave.runtime.run.launch._spawn"
 
 
 def _config(spec: ModelSpec, schedule: str, out: Path, **extra: Any) -> TrainConfig:
@@ -65,3 +68,20 @@ def test_an_hf_mixtral_on_two_pipeline_ranks_trains_as_transformers_own_model(sc
     assert {n for n in mine if ".experts." in n} <= set(trained)  # every expert trained, on some stage
     for name, value in trained.items():
         torch.testing.assert_close(value, mine[name].detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _cli(config: dict[str, Any], *extra: str) -> list[str]:
+    return ["train", "--model", "hf:mixtral", "--hf-config", json.dumps(config), "--seq-len", "8", "--steps", "1",
+            "--quiet", "--stages", "2", *extra]  # fmt: skip
+
+
+def test_what_an_hf_mixture_of_experts_cannot_take_is_one_line(cli_error: Callable[..., str]) -> None:
+    err = cli_error(_cli(MIXTRAL, "--data-parallel", "2", "--expert-parallel", "2"), NOTHING_SPAWNED)
+    assert "--expert-parallel 2 splits pipeweave's own MoE layers, not the experts of --model hf:mixtral" in err
+    assert "drop --expert-parallel, or use --model llama --moe-experts E" in err
+    err = cli_error(_cli(MIXTRAL, "--tensor-parallel", "2"), NOTHING_SPAWNED)
+    assert "hf:mixtral's tensor-parallel plan splits model.layers.*.mlp.experts.gate_up_proj by 'packed_colwise'" in err
+    assert "give --tensor-parallel 1" in err
+    err = cli_error(_cli({**MIXTRAL, "output_router_logits": True}), NOTHING_SPAWNED)
+    assert "--model hf:mixtral with output_router_logits=true: its router auxiliary loss spans" in err
+    assert "drop it from --hf-config" in err
