@@ -70,6 +70,26 @@ def test_an_hf_mixtral_on_two_pipeline_ranks_trains_as_transformers_own_model(sc
         torch.testing.assert_close(value, mine[name].detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def test_its_parts_equal_the_whole_model_whichever_experts_the_router_leaves_without_tokens() -> None:
+    from pipeweave.models.build import build_layers
+
+    config = {**MIXTRAL, "num_local_experts": 8, "num_experts_per_tok": 1}  # 8 tokens a sample: experts left out
+    spec = ModelSpec(kind="custom", entry="hf:mixtral", hf_config=json.dumps(config), seq_len=8, seed=3)
+    layers = build_layers(spec, range(spec.num_layers))
+    whole = build_module(spec.entry or "", spec.hf_config, spec.seed)
+    chosen: list[frozenset[int]] = []
+    whole.model.layers[0].mlp.gate.register_forward_hook(
+        lambda m, a, out: chosen.append(frozenset(out[2].flatten().tolist()))
+    )
+    for start in (0, 2, 100, 500, 1000):
+        x = spec.custom.dataset.tokens[start : start + 1]
+        for layer in layers:
+            x = layer(x)
+        logits = x.logits if hasattr(x, "logits") else x
+        torch.testing.assert_close(logits, whole(spec.custom.dataset.tokens[start : start + 1]).logits, rtol=0, atol=0)
+    assert len(set(chosen)) > 1 and all(len(c) < 8 for c in chosen), chosen  # the inputs route differently
+
+
 def _cli(config: dict[str, Any], *extra: str) -> list[str]:
     return ["train", "--model", "hf:mixtral", "--hf-config", json.dumps(config), "--seq-len", "8", "--steps", "1",
             "--quiet", "--stages", "2", *extra]  # fmt: skip
