@@ -22,7 +22,7 @@ from pipeweave.models.spec import ModelSpec
 
 MODELS = Path(__file__).resolve().parent
 sys.path.insert(0, str(MODELS))
-from tiny_hf import MIXTRAL, module_run  # noqa: E402
+from tiny_hf import MIXTRAL, QWEN2_MOE, module_run  # noqa: E402
 
 NOTHING_SPAWNED = "pipeweave.runtime.run.launch._spawn"
 
@@ -45,11 +45,21 @@ def _config(spec: ModelSpec, schedule: str, out: Path, **extra: Any) -> TrainCon
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
-def test_an_hf_mixtral_on_two_pipeline_ranks_trains_as_transformers_own_model(schedule: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "schedule"),
+    [
+        ("mixtral", "1f1b"),
+        pytest.param("mixtral", "zb-h1", marks=pytest.mark.slow),
+        pytest.param("qwen2_moe", "zb-h1", marks=pytest.mark.slow),
+    ],
+)
+def test_an_hf_mixture_of_experts_on_two_pipeline_ranks_trains_as_transformers_own_model(
+    kind: str, schedule: str, tmp_path: Path
+) -> None:
     from pipeweave.commands.train_run import run_config
 
-    spec = ModelSpec(kind="custom", entry="hf:mixtral", hf_config=json.dumps(MIXTRAL), seq_len=8, seed=3)
+    fields = MIXTRAL if kind == "mixtral" else QWEN2_MOE
+    spec = ModelSpec(kind="custom", entry=f"hf:{kind}", hf_config=json.dumps(fields), seq_len=8, seed=3)
     config = _config(spec, schedule, tmp_path)
     records: list[Any] = []
     assert run_config(config, records.append) == 0

@@ -40,6 +40,19 @@ MIXTRAL = {  # Mixtral's sparse MoE block: 4 experts, each token to 2
     "num_local_experts": 4,
     "num_experts_per_tok": 2,
 }
+QWEN2_MOE = {  # Qwen2-MoE's: 4 routed experts (top-2, gates not renormalised) beside a gated shared expert
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 24,
+    "shared_expert_intermediate_size": 48,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 300,
+    "max_position_embeddings": 32,
+}
 
 
 def saved_model(folder: Path, kind: str, seed: int = 11, shard: str | None = None) -> Path:
