@@ -68,7 +68,9 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
 
             hf_tp.check_sizes(model_config(import_transformers(spec.entry), spec.entry, spec.hf_config), size)
         if spec.custom.tp_plan is None and hf:
-            raise hf_tp.no_plan(spec.entry, size)
+            from pipeweave.models.hf import meta_module
+
+            raise hf_tp.no_plan(spec.entry, size, hf_tp.untaken_style(meta_module(spec.entry, spec.hf_config)))
         if spec.custom.tp_plan is None:
             raise UserError(
                 f"--tensor-parallel {size}: the model {spec.entry} has no tp_plan; give its LayerModel "

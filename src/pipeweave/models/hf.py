@@ -146,6 +146,20 @@ def _check_positions(entry: str, config: Any, seq_len: int) -> None:
         )
 
 
+def _check_router_loss(entry: str, config: Any) -> None:
+    """No router auxiliary loss (``output_router_logits``): transformers' MoE models (Mixtral, Qwen2-MoE) sum
+    every layer's routing counts and probabilities before multiplying them, so the term couples blocks a
+    pipeline holds on different stages; pipeweave trains them on the cross-entropy alone, as transformers
+    does by default."""
+    if getattr(config, "output_router_logits", False):
+        fix = "set it false in config.json" if folder_of(entry) is not None else "drop it from --hf-config"
+        raise UserError(
+            f"--model {entry} with output_router_logits=true: its router auxiliary loss spans the routers of every "
+            f"layer, which a pipeline splits over stages; {fix} (the model trains on its cross-entropy), or use "
+            "--model llama --moe-experts E, whose auxiliary loss pipeweave adds per block"
+        )
+
+
 @functools.cache
 def hf_model(entry: str, config_text: str | None, seq_len: int, seed: int) -> LayerModel:
     """The ``LayerModel`` of ``hf:NAME`` with ``--hf-config``, on the byte corpus (described once per process).
@@ -155,6 +169,7 @@ def hf_model(entry: str, config_text: str | None, seq_len: int, seed: int) -> La
     ``_init_weights`` under a seed per tensor name (``models.materialise``).
     """
     module = meta_built(entry, config_text, seq_len)
+    _check_router_loss(entry, module.config)
     vocab = module.config.vocab_size
     if vocab < 256:
         raise UserError(f"--hf-config vocab_size={vocab} cannot hold bytes; give a vocab_size >= 256")

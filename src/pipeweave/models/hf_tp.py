@@ -77,8 +77,21 @@ def check_sizes(config: Any, size: int) -> None:
     check_divisible([(name, value) for name, value in sizes if isinstance(value, int)], size)
 
 
-def no_plan(entry: str, size: int) -> UserError:
-    """The line for an ``hf:`` model without a plan pipeweave applies."""
+def untaken_style(module: nn.Module) -> tuple[str, str] | None:
+    """The first (pattern, style) of ``module``'s declared plan that pipeweave does not apply (a mixture of
+    experts' ``packed_colwise``, ``moe_tp_experts``), or None."""
+    declared = dict(getattr(module, "tp_plan", None) or getattr(module, "_tp_plan", None) or {})
+    return next(((p, s) for p, s in declared.items() if s not in _STYLES and s not in _WHOLE), None)
+
+
+def no_plan(entry: str, size: int, untaken: tuple[str, str] | None = None) -> UserError:
+    """The line for an ``hf:`` model without a plan pipeweave applies (``untaken``: the style it declares that
+    pipeweave does not apply)."""
+    if untaken is not None:
+        return UserError(
+            f"--tensor-parallel {size}: {entry}'s tensor-parallel plan splits {untaken[0]} by '{untaken[1]}', a "
+            "style pipeweave does not apply (a mixture of experts' layers are kept whole); give --tensor-parallel 1"
+        )
     return UserError(
         f"--tensor-parallel {size}: {entry} declares no tensor-parallel plan pipeweave applies (transformers' "
         "base_model_tp_plan, styles colwise/rowwise); split it with pipeweave.pipeline(module, ..., "

@@ -29,6 +29,7 @@ from pipeweave.config import TrainConfig
 from pipeweave.data import data_source
 from pipeweave.errors import UserError
 from pipeweave.models.build import check_selective, check_tensor_parallel
+from pipeweave.models.hf import is_hf
 from pipeweave.models.spec import uniform_parts
 from pipeweave.partition.methods import PartitionContext, explicit
 from pipeweave.partition.problem import LayerCosts, Partition
@@ -278,6 +279,12 @@ def _check_parallel(config: TrainConfig, schedule: Schedule) -> None:
 def _check_expert_parallel(config: TrainConfig) -> None:
     """Expert parallelism splits the model's experts evenly over the ``ep`` group."""
     ep, experts = config.parallel.expert_parallel, config.model.moe_experts or 0
+    if is_hf(config.model.entry):
+        raise UserError(
+            f"--expert-parallel {ep} splits pipeweave's own MoE layers, not the experts of --model "
+            f"{config.model.entry} (transformers' own, kept whole on each stage); drop --expert-parallel, or use "
+            f"--model llama --moe-experts E (E a multiple of {ep})"
+        )
     if not experts:
         raise UserError(
             f"--expert-parallel {ep} splits a mixture of experts' experts and --model {config.model.kind} has none; "
