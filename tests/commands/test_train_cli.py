@@ -282,7 +282,17 @@ def test_an_asynchronous_run_evaluates_saves_and_resumes_between_its_streams(tmp
     [
         (["--clip-grad-norm", "0"], "--clip-grad-norm 0.0 is invalid; give a norm > 0"),
         (["-s", "chimera", "--clip-grad-norm", "1"], "post-validation needs one stage per rank"),
-        (["-s", "1f1b", "--memory-limit", "2"], "--memory-limit 2 applies to --partition memory"),
+        (
+            ["-s", "1f1b", "--memory-limit", "2e9"],
+            "--memory-limit 2e+09 (bytes per rank) applies to --partition memory",
+        ),
+        (
+            ["-s", "zb-auto", "--memory-limit", "2"],
+            "--memory-limit 2 is bytes per rank now; the activation multiple K is --activation-limit 2",
+        ),
+        (["-s", "1f1b", "--activation-limit", "2"], "--activation-limit applies to zb-auto, zb-v-auto, not 1f1b"),
+        (["-s", "zb-auto", "--activation-limit", "0"], "--activation-limit 0.0 is invalid; give K > 0"),
+        (["--partition", "memory", "--memory-limit", "lots"], "--memory-limit 'lots' is invalid; give bytes per rank"),
         (["--resume", "no-such-folder"], "--resume no-such-folder: no checkpoint there"),
         (["--eval-every", "2"], "--eval-every applies to --model gpt"),
         (
@@ -361,7 +371,7 @@ def test_a_bad_data_file_is_one_line_before_spawning(
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
 
 
-def test_zb_auto_is_searched_for_the_profiled_costs_and_its_memory_limit(tmp_path: Path) -> None:
+def test_zb_auto_is_searched_for_the_profiled_costs_and_its_activation_limit(tmp_path: Path) -> None:
     from pipeweave.cli import build_parser
     from pipeweave.commands.train_run import build_config
     from pipeweave.sim import CostModel, compute_metrics, simulate
@@ -381,13 +391,13 @@ def test_zb_auto_is_searched_for_the_profiled_costs_and_its_memory_limit(tmp_pat
             "4",
             "--hidden",
             "16",
-            "--memory-limit",
+            "--activation-limit",
             "2",
         ]
     )
     config = build_config(args)
     options = dict(config.schedule_options)
-    assert options["memory_limit"] == 2
+    assert options["activation_limit"] == 2
     for key in ("time_f", "time_b", "time_w"):  # one profiled time per part, in seconds
         assert len(options[key]) == 2 and all(t > 0 for t in options[key])
     schedule = prepare(config).schedule
