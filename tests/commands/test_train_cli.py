@@ -333,6 +333,20 @@ def test_misplaced_options_are_one_line_before_spawning(
     assert message in err and len(err.splitlines()) == 1
 
 
+def test_a_config_file_with_k_as_memory_limit_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeweave.cli import main
+
+    path = tmp_path / "zb.toml"
+    schedule = '[schedule]\nname = "zb-auto"\nnum_stages = 2\nnum_microbatches = 4\n'
+    path.write_text(f'[model]\nkind = "mlp"\nlayers = 4\nhidden = 8\n{schedule}[partition]\nmemory_limit = 1.5\n')
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--memory-limit 1.5 is bytes per rank now; the activation multiple K is --activation-limit 1.5")
+    path.write_text(f'[model]\nkind = "mlp"\nlayers = 4\nhidden = 8\n{schedule}activation_limit = 1.5\n')
+    assert main(["train", "--config", str(path), "--print-config"]) == 0
+    assert "activation_limit = 1.5" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("model", "text", "message"),
     [
