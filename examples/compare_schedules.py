@@ -14,7 +14,7 @@ if __name__ == "__main__":
         m = pipeweave.simulate(name, num_stages=4, num_microbatches=8, cost=cost).metrics
         print(f"{name:<8} bubble {m.bubble_ratio:.3f}  peak activations {max(m.peak_activations):g} M_a")
 
-    found = pipeweave.search(4, 8, memory_limit=1.0, cost=cost, solver="heuristic")
+    found = pipeweave.search(4, 8, activation_limit=1.0, cost=cost, solver="heuristic")
     print(f"searched under 1F1B's memory: bubble {found.bubble_ratio:.3f} (bound {found.bubble_bound:.3f})")
 
     table = pipeweave.compare(["gpipe", "1f1b", "zb-h1", "pipedream-2bw"], num_stages=2, num_microbatches=4,

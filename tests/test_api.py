@@ -97,9 +97,10 @@ def test_simulate_is_the_command(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_simulate_searches_under_the_cost(capsys: pytest.CaptureFixture[str]) -> None:
-    sim = pipeweave.simulate("zb-auto", 3, 6, cost=pipeweave.CostModel(f=2.0), memory_limit=2.0)
+    sim = pipeweave.simulate("zb-auto", 3, 6, cost=pipeweave.CostModel(f=2.0), activation_limit=2.0)
     out = _printed(
-        capsys, ["simulate", "-s", "zb-auto", "-D", "3", "-T", "6", "--time-f", "2", "--memory-limit", "2", "--json"]
+        capsys,
+        ["simulate", "-s", "zb-auto", "-D", "3", "-T", "6", "--time-f", "2", "--activation-limit", "2", "--json"],
     )
     assert out["bubble_ratio"] == sim.metrics.bubble_ratio
     assert out["peak_activations"] == list(sim.metrics.peak_activations)
@@ -111,9 +112,19 @@ def test_simulate_a_given_schedule() -> None:
 
 
 def test_search_is_the_command(capsys: pytest.CaptureFixture[str]) -> None:
-    result = pipeweave.search(3, 6, memory_limit=1.0, solver="heuristic")
+    result = pipeweave.search(3, 6, activation_limit=1.0, solver="heuristic")
     out = _printed(capsys, ["search", "--stages", "3", "--microbatches", "6", "--solver", "heuristic", "--json"])
     assert out["bubble_ratio"] == result.bubble_ratio and out["lower_bound"] == result.lower_bound
+
+
+def test_memory_limit_keyword_names_the_activation_limit() -> None:
+    line = "memory_limit=2 is bytes per rank now; the activation multiple K is activation_limit=2"
+    with pytest.raises(UserError, match=f"^{line}$"):
+        pipeweave.search(3, 6, memory_limit=2.0, solver="heuristic")
+    with pytest.raises(UserError, match=f"^{line}$"):
+        pipeweave.simulate("zb-auto", 3, 6, memory_limit=2.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'k'"):
+        pipeweave.search(3, 6, k=2.0)
 
 
 def test_plan_is_the_command(capsys: pytest.CaptureFixture[str]) -> None:

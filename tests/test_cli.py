@@ -210,7 +210,7 @@ def test_bad_csv_text_is_a_user_error(capsys: pytest.CaptureFixture[str], tmp_pa
     assert "cannot read action 'zzz'" in err and err.count("\n") == 0
 
 
-def test_simulate_zb_auto_takes_its_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_zb_auto_takes_its_activation_limit(capsys: pytest.CaptureFixture[str]) -> None:
     peaks = {}
     for k in (1, 2):
         assert (
@@ -223,7 +223,7 @@ def test_simulate_zb_auto_takes_its_memory_limit(capsys: pytest.CaptureFixture[s
                     "4",
                     "--microbatches",
                     "8",
-                    "--memory-limit",
+                    "--activation-limit",
                     str(k),
                     "--json",
                 ]
@@ -232,8 +232,19 @@ def test_simulate_zb_auto_takes_its_memory_limit(capsys: pytest.CaptureFixture[s
         )
         peaks[k] = max(json.loads(capsys.readouterr().out)["peak_activations"])
     assert peaks[1] <= 4 < peaks[2] <= 8  # K x D x M_a, and K = 2 is used
-    assert main(["simulate", "-s", "1f1b", "--memory-limit", "2"]) == 2
-    assert "applies to zb-auto and zb-v-auto" in capsys.readouterr().err
+    assert main(["simulate", "-s", "1f1b", "--activation-limit", "2"]) == 2
+    assert "--activation-limit applies to zb-auto, zb-v-auto, not 1f1b; drop it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["simulate", "search"])
+def test_memory_limit_is_bytes_and_k_is_the_activation_limit(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    zb = ["-s", "zb-auto"] if command == "simulate" else ["--stages", "4", "--microbatches", "8"]
+    assert main([command, *zb, "--memory-limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--memory-limit 2 is bytes per rank now; the activation multiple K is --activation-limit 2" in err
+    assert err.count("\n") == 1
+    assert main([command, *zb, "--memory-limit", "8GiB"]) == 2
+    assert f"--memory-limit 8GiB is bytes per rank, which {command} does not take" in capsys.readouterr().err
 
 
 def test_a_simulation_larger_than_free_memory_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

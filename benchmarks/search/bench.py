@@ -35,7 +35,7 @@ def rows(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for m, f, b, w, c, z1, z2 in ROWS:
         for k, published in ((1, z1), (2, z2)):
-            p = problem_from_times(8, m, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=k)
+            p = problem_from_times(8, m, time_f=f, time_b=b, time_w=w, time_comm=c, activation_limit=k)
             t0 = time.perf_counter()
             h = heuristic(p)
             h_s = time.perf_counter() - t0
@@ -52,7 +52,7 @@ def big(args: argparse.Namespace) -> None:
           "search s (limit) | total s | bound |")
     print("|---|---|---|---|---|---|---|---|---|")
     for v, k in ((False, 1), (False, 2), (True, 1)):
-        p = problem_from_times(32, 256, memory_limit=k, time_comm=0.1, vshape=v)
+        p = problem_from_times(32, 256, activation_limit=k, time_comm=0.1, vshape=v)
         t0 = time.perf_counter()
         h = heuristic(p)
         h_s = time.perf_counter() - t0
@@ -68,7 +68,7 @@ def small(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     times = ((1.0, 1.0, 1.0, 0.0), (1.0, 2.0, 1.0, 0.5))
     for (d, t), v, k, (f, b, w, c) in itertools.product(((2, 4), (3, 6), (4, 8)), (False, True), (1, 2), times):
-        p = problem_from_times(d, t, vshape=v, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=k)
+        p = problem_from_times(d, t, vshape=v, time_f=f, time_b=b, time_w=w, time_comm=c, activation_limit=k)
         r = exact(p, solver="cpsat", time_limit=60, workers=1)
         print(f"| {d} | {t} | {'V' if v else 'straight'} | {k} | {f:g}, {b:g}, {w:g}, {c:g} | "
               f"{heuristic(p).span:g} | {r.span:g} | {r.lower_bound:.4g} | {r.status} | {r.solver_time:.1f} |",
@@ -81,7 +81,7 @@ def compare(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|")
     for d, t, k, v in ((3, 6, 1, False), (4, 8, 1, False), (4, 8, 1.5, False), (8, 24, 1, False),
                        (3, 6, 1, True), (4, 8, 1, True)):
-        p = problem_from_times(d, t, vshape=v, memory_limit=k, time_b=2.0, time_comm=0.5)
+        p = problem_from_times(d, t, vshape=v, activation_limit=k, time_b=2.0, time_comm=0.5)
         poor = one_at_a_time(p)
         model = build_model(p, poor.span)
         warm = incumbent_starts(model, poor.order)
@@ -109,7 +109,7 @@ def before_after(name: str, p: Any, option: str) -> str:
         span = heuristic(p, **{option: on}).span
         cells.append((1 - p.work(0) / span, time.process_time() - t0))
     (old, old_s), (new, new_s) = cells
-    return (f"| {name} | {p.num_stages} | {p.num_microbatches} | {p.memory_limit:g} | "
+    return (f"| {name} | {p.num_stages} | {p.num_microbatches} | {p.activation_limit:g} | "
             f"{1 - p.work(0) / lower_bound(p):.4f} | {old:.4f} | **{new:.4f}** | {old_s:.2f} | {new_s:.2f} |")
 
 
@@ -122,7 +122,7 @@ def warmup(args: argparse.Namespace) -> None:
     cases += [("f=b=w=1 c=0.1", d, 3 * d, (1.0, 1.0, 1.0, 0.1)) for d in (16, 32)]
     for name, d, t, (f, b, w, c) in cases:
         for k in (1, 2):
-            p = problem_from_times(d, t, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=k)
+            p = problem_from_times(d, t, time_f=f, time_b=b, time_w=w, time_comm=c, activation_limit=k)
             print(before_after(name, p, "timed"), flush=True)
 
 
@@ -135,7 +135,7 @@ def seeds(args: argparse.Namespace) -> None:
         for d, t in ((8, 24), (16, 48), (16, 64), (32, 96)):
             for k in (1, 2):
                 p = problem_from_times(d, t, vshape=vshape, time_f=f, time_b=b, time_w=w, time_comm=c,
-                                       memory_limit=k)
+                                       activation_limit=k)
                 print(before_after("zb-v-auto" if vshape else "zb-auto", p, "seeds"), flush=True)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeweave.errors import UserError
+from pipeweave.errors import UserError, renamed_activation_limit
 from pipeweave.schedule.ir import Schedule
 from pipeweave.schedule.registry import SCHEDULES, generate
 from pipeweave.sim.cost import CostModel
@@ -76,7 +76,7 @@ def simulate(
         cost: per-part times and memory (default: f = b = w = 1, no communication). Searched schedules
             (zb-auto, zb-v-auto) are searched under its scalar times.
         steps: mini-batches of an asynchronous schedule's stream.
-        options: the generator's own options, e.g. ``memory_limit=2.0`` for zb-auto.
+        options: the generator's own options, e.g. ``activation_limit=2.0`` for zb-auto.
 
     Raises:
         UserError: an unknown name.
@@ -98,6 +98,8 @@ def simulate(
         info = SCHEDULES.get(schedule)
         if info is None:
             raise UserError(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+        if info.searched and "memory_limit" in options:  # K's former name
+            raise renamed_activation_limit(options["memory_limit"], keyword=True)
         if steps is not None:
             options["num_steps"] = steps
         options = {**cost.generator_options(info.generator), **options}
@@ -113,40 +115,49 @@ def search(
     num_stages: int,
     num_microbatches: int,
     *,
-    memory_limit: float = 1.0,
+    activation_limit: float = 1.0,
     cost: CostModel | None = None,
     v_shape: bool = False,
     solver: str = "cpsat",
     time_limit: float = 10.0,
     workers: int = 0,
     work_limit: float | None = None,
+    **former: float,
 ) -> Any:
     """The best zero-bubble schedule found under a memory limit, with its proven bound (``pipeweave search``).
 
     Args:
         num_stages, num_microbatches: D and T.
-        memory_limit: K, activations per rank as a multiple of 1F1B's peak D x M_a (1: ZB-1p's, 2: ZB-2p's).
+        activation_limit: K, activations per rank as a multiple of 1F1B's peak D x M_a (1: ZB-1p's, 2: ZB-2p's).
+        former: ``memory_limit``, K's former name (bytes per rank elsewhere), refused in one line.
         cost: times of one D-th of the model and ``mem_w`` (default f = b = w = 1).
         v_shape: two chunks per rank in a V (zb-v-auto) instead of one stage per rank.
         solver: ``"cpsat"``, ``"highs"`` or ``"heuristic"`` (no exact search).
         time_limit, workers, work_limit: the solver's wall seconds, threads and deterministic seconds.
 
+    Raises:
+        UserError: ``memory_limit=`` given (its line names ``activation_limit=``). TypeError: another unknown keyword.
+
     Returns:
         A ``search.SearchResult``: ``schedule``, ``bubble_ratio``, ``span``, ``lower_bound``, ``gap``, ``metrics``.
 
     Example:
-        >>> result = search(4, 8, memory_limit=2.0, solver="heuristic")
+        >>> result = search(4, 8, activation_limit=2.0, solver="heuristic")
         >>> result.bubble_ratio, result.schedule.num_ranks
         (0.0, 4)
     """
     from pipeweave.autoschedule import Problem, exact
 
+    if "memory_limit" in former:
+        raise renamed_activation_limit(former["memory_limit"], keyword=True)
+    if former:
+        raise TypeError(f"search() got an unexpected keyword argument {next(iter(former))!r}")
     problem = Problem(
         num_stages=num_stages,
         num_microbatches=num_microbatches,
         vshape=v_shape,
         cost=cost if cost is not None else CostModel(),
-        memory_limit=memory_limit,
+        activation_limit=activation_limit,
     )
     return exact(problem, solver=solver, time_limit=time_limit, workers=workers, work_limit=work_limit)
 

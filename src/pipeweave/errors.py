@@ -47,3 +47,26 @@ class RanksDisagree(UserError):
     the launcher prints its message as is, as for ``Diverged``: one line
     naming both splits and the fix.
     """
+
+
+BYTES_AT_LEAST = 1024.0
+"""The least ``--memory-limit`` taken as bytes per rank: below it, a value can only be the activation multiple K
+that ``--memory-limit`` once meant for the searched schedules (1: ZB-1p's, 2: ZB-2p's)."""
+
+
+def renamed_activation_limit(value: float, keyword: bool = False) -> UserError:
+    """The one line for K given under its former name, ``--memory-limit`` (or ``memory_limit=`` with ``keyword``).
+
+    Example:
+        >>> str(renamed_activation_limit(2.0))
+        '--memory-limit 2 is bytes per rank now; the activation multiple K is --activation-limit 2'
+        >>> str(renamed_activation_limit(2.0, keyword=True))
+        'memory_limit=2 is bytes per rank now; the activation multiple K is activation_limit=2'
+    """
+    if keyword:
+        return UserError(
+            f"memory_limit={value:g} is bytes per rank now; the activation multiple K is activation_limit={value:g}"
+        )
+    return UserError(
+        f"--memory-limit {value:g} is bytes per rank now; the activation multiple K is --activation-limit {value:g}"
+    )

@@ -41,7 +41,7 @@ def test_the_choice_is_within_5_percent_of_every_set(
     stages: int, microbatches: int, vshape: bool, cost: CostModel, limit: float, bandwidth: float
 ) -> None:
     problem = offload_problem(
-        stages, microbatches, vshape=vshape, cost=cost, memory_limit=limit, host_bandwidth=bandwidth
+        stages, microbatches, vshape=vshape, cost=cost, activation_limit=limit, host_bandwidth=bandwidth
     )
     parts, result = choose_offload(problem, **BUDGET)
     chosen = Problem(
@@ -49,7 +49,7 @@ def test_the_choice_is_within_5_percent_of_every_set(
         num_microbatches=microbatches,
         vshape=vshape,
         cost=cost,
-        memory_limit=limit,
+        activation_limit=limit,
         host_bandwidth=bandwidth,
         offload=parts,
     )
@@ -66,8 +66,10 @@ def test_the_choice_is_within_5_percent_of_every_set(
 
 def test_an_offloaded_stage_holds_only_what_runs_and_w_needs() -> None:
     """At K = 1/2 rank 0 may hold 2 M_a: offloaded, it warms up deeper than its limit would let it keep."""
-    problem = offload_problem(4, 8, vshape=False, cost=CostModel(), memory_limit=0.5, host_bandwidth=4.0)
-    instance = Problem(num_stages=4, num_microbatches=8, memory_limit=0.5, host_bandwidth=4.0, offload=frozenset({0}))
+    problem = offload_problem(4, 8, vshape=False, cost=CostModel(), activation_limit=0.5, host_bandwidth=4.0)
+    instance = Problem(
+        num_stages=4, num_microbatches=8, activation_limit=0.5, host_bandwidth=4.0, offload=frozenset({0})
+    )
     assert instance.costs.f[0] == 1.25 and instance.costs.b[0] == 1.25 and instance.costs.f[1] == 1.0
     found = offloaded_step(problem, frozenset({0}), **BUDGET)
     assert found is not None
@@ -79,11 +81,11 @@ def test_an_offloaded_stage_holds_only_what_runs_and_w_needs() -> None:
 def test_a_limit_no_offload_reaches_names_the_smallest_reachable() -> None:
     with pytest.raises(
         ScheduleError,
-        match=r"^--memory-limit 0.1 is below what any offload reaches; the "
+        match=r"^--activation-limit 0.1 is below what any offload reaches; the "
         r"smallest reachable is K=0.125 \(every part offloaded\)$",
     ):
-        offload_problem(4, 8, vshape=True, cost=CostModel(), memory_limit=0.1, host_bandwidth=1.0)
-    offload_problem(4, 8, vshape=True, cost=CostModel(), memory_limit=0.125, host_bandwidth=1.0)  # one chunk
+        offload_problem(4, 8, vshape=True, cost=CostModel(), activation_limit=0.1, host_bandwidth=1.0)
+    offload_problem(4, 8, vshape=True, cost=CostModel(), activation_limit=0.125, host_bandwidth=1.0)  # one chunk
 
 
 def test_search_says_what_it_offloaded(capsys: pytest.CaptureFixture[str]) -> None:
@@ -93,7 +95,7 @@ def test_search_says_what_it_offloaded(capsys: pytest.CaptureFixture[str]) -> No
         "3",
         "--microbatches",
         "6",
-        "--memory-limit",
+        "--activation-limit",
         "0.5",
         "--solver",
         "heuristic",
@@ -121,6 +123,6 @@ def test_search_says_what_it_offloaded(capsys: pytest.CaptureFixture[str]) -> No
 def test_the_heuristic_keeps_every_offloaded_schedule_within_the_limit() -> None:
     """An offloaded I brings its microbatch back: the heuristic runs a pending W first when that would not
     fit, so no set of parts is lost to a reload over the limit."""
-    problem = offload_problem(4, 8, vshape=False, cost=CostModel(), memory_limit=0.5, host_bandwidth=1.0)
+    problem = offload_problem(4, 8, vshape=False, cost=CostModel(), activation_limit=0.5, host_bandwidth=1.0)
     for parts in candidates(problem):
         assert offloaded_step(problem, parts, **BUDGET) is not None, sorted(parts)

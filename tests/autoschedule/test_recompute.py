@@ -36,7 +36,7 @@ def _brute_force(problem: Problem) -> float:
     ("stages", "microbatches", "limit"), [(3, 6, 0.5), (3, 9, 0.8), (4, 8, 0.35), (4, 8, 0.6), (4, 8, 0.8)]
 )
 def test_the_choice_is_within_5_percent_of_every_assignment(stages: int, microbatches: int, limit: float) -> None:
-    problem = recompute_problem(stages, microbatches, vshape=False, cost=COST, memory_limit=limit)
+    problem = recompute_problem(stages, microbatches, vshape=False, cost=COST, activation_limit=limit)
     modes, result = choose_recompute(problem, **BUDGET)
     chosen = with_recompute(problem, modes)
     # The chosen schedule simulated under its own recomputation: its step, and its memory within the limit.
@@ -54,12 +54,12 @@ def test_the_choice_is_within_5_percent_of_every_assignment(stages: int, microba
 def test_a_limit_no_choice_reaches_names_the_smallest_reachable() -> None:
     with pytest.raises(
         UserError,
-        match=r"^--memory-limit 0.01 is below what any recomputation reaches; the "
+        match=r"^--activation-limit 0.01 is below what any recomputation reaches; the "
         r"smallest reachable is K=0.25 \(every part recomputing in full\)$",
     ):
-        recompute_problem(4, 8, vshape=False, cost=COST, memory_limit=0.01)
+        recompute_problem(4, 8, vshape=False, cost=COST, activation_limit=0.01)
     # (0.08 + 0.92) / 4: one microbatch's input kept, and the rest replayed while its backward runs
-    recompute_problem(4, 8, vshape=False, cost=COST, memory_limit=0.25)
+    recompute_problem(4, 8, vshape=False, cost=COST, activation_limit=0.25)
 
 
 def test_search_says_what_it_chose(capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,10 +84,10 @@ def test_search_says_what_it_chose(capsys: pytest.CaptureFixture[str]) -> None:
         "--activation-full",
         "0.08",
     ]
-    assert main([*flags, "--recompute", "auto", "--memory-limit", "0.5", "--json"]) == 0
+    assert main([*flags, "--recompute", "auto", "--activation-limit", "0.5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     # test_the_choice_is_within...'s case; full,full,none ties it (step 24.0), the lighter replay is found first
     assert out["recompute_chosen"] and out["recompute"] == "full,selective,none"
     assert max(out["peak_activations"]) <= 0.5 * 3
-    assert main([*flags, "--recompute", "auto", "--memory-limit", "0.5"]) == 0
+    assert main([*flags, "--recompute", "auto", "--activation-limit", "0.5"]) == 0
     assert "recompute full,selective,none (chosen per part with the schedule)" in capsys.readouterr().out

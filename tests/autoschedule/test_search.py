@@ -36,7 +36,7 @@ CASES = [
 
 def _problem(case: tuple) -> Problem:  # type: ignore[type-arg]
     d, t, k, v, f, b, w, c = case
-    return problem_from_times(d, t, vshape=v, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=k)
+    return problem_from_times(d, t, vshape=v, time_f=f, time_b=b, time_w=w, time_comm=c, activation_limit=k)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -54,17 +54,17 @@ def test_heuristic_is_valid_within_memory_and_not_below_the_bound(case: tuple) -
 def test_bound_matches_closed_forms_where_they_hold() -> None:
     # f = b = w = 1, no comm: ZB-H2's zero bubble at 2D M_a, ZB-H1's (D-1)(f+b-w) at D M_a.
     d, t = 4, 8
-    assert lower_bound(problem_from_times(d, t, memory_limit=2)) == pytest.approx(3 * t)
-    assert lower_bound(problem_from_times(d, t, memory_limit=1)) == pytest.approx(3 * t + (d - 1) * 1)
+    assert lower_bound(problem_from_times(d, t, activation_limit=2)) == pytest.approx(3 * t)
+    assert lower_bound(problem_from_times(d, t, activation_limit=1)) == pytest.approx(3 * t + (d - 1) * 1)
     # and the heuristic reaches both, so both are optimal
-    assert heuristic(problem_from_times(d, t, memory_limit=2)).span == pytest.approx(3 * t)
-    assert heuristic(problem_from_times(d, t, memory_limit=1)).span == pytest.approx(3 * t + d - 1)
+    assert heuristic(problem_from_times(d, t, activation_limit=2)).span == pytest.approx(3 * t)
+    assert heuristic(problem_from_times(d, t, activation_limit=1)).span == pytest.approx(3 * t + d - 1)
 
 
 def test_bound_reproduces_the_papers_zb_1p_rows() -> None:
     # REFERENCE.md, 1.5B model, p = 8: the published ZB-1p bubble rates are this bound's.
     for m, f, b, w, c, published, _ in REFERENCE_ROWS:
-        p = problem_from_times(8, m, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=1)
+        p = problem_from_times(8, m, time_f=f, time_b=b, time_w=w, time_comm=c, activation_limit=1)
         assert 1 - p.work(0) / lower_bound(p) == pytest.approx(published, abs=6e-5)
 
 
@@ -89,7 +89,7 @@ def test_back_ends_prove_the_hand_bound_from_a_poor_start(solver: str) -> None:
 
 
 def test_exact_proves_a_v_instance_the_heuristic_misses() -> None:
-    problem = problem_from_times(3, 6, vshape=True, time_f=1, time_b=2, time_w=1, time_comm=0.5, memory_limit=1)
+    problem = problem_from_times(3, 6, vshape=True, time_f=1, time_b=2, time_w=1, time_comm=0.5, activation_limit=1)
     start = time.perf_counter()
     result = exact(problem, solver="cpsat", time_limit=50, workers=1)
     assert time.perf_counter() - start < 60
@@ -113,7 +113,7 @@ def test_exact_is_never_worse_than_the_heuristic_nor_below_the_bound() -> None:
 @pytest.mark.parametrize("k", [1, 2])
 def test_heuristic_reaches_the_papers_1p5b_rows(row: tuple, k: int) -> None:  # type: ignore[type-arg]
     m, f, b, w, c, *published = row
-    problem = problem_from_times(8, m, time_f=f, time_b=b, time_w=w, time_comm=c, memory_limit=k)
+    problem = problem_from_times(8, m, time_f=f, time_b=b, time_w=w, time_comm=c, activation_limit=k)
     result = heuristic(problem, work_budget=1, timed=False)  # its first policy alone: the paper's rules
     checked = finish(
         problem, result.order, lower_bound=lower_bound(problem), solver="heuristic", solver_time=0.0, status="heuristic"
@@ -126,7 +126,7 @@ def test_heuristic_reaches_the_papers_1p5b_rows(row: tuple, k: int) -> None:  # 
 
 def test_uneven_parts_are_accepted() -> None:
     cost = CostModel(f=(1.0, 2.0, 1.0), b=(1.0, 2.0, 1.5), w=(0.5, 1.0, 0.5), comm=0.2)
-    problem = Problem(num_stages=3, num_microbatches=5, cost=cost, memory_limit=1)
+    problem = Problem(num_stages=3, num_microbatches=5, cost=cost, activation_limit=1)
     result = exact(problem, solver="heuristic")
     validate(result.schedule)
     assert result.span >= result.lower_bound >= max(problem.work(r) for r in range(3)) - 1e-9
@@ -134,12 +134,12 @@ def test_uneven_parts_are_accepted() -> None:
 
 def test_registry_names_validate() -> None:
     for name, k in [("zb-auto", 1.0), ("zb-auto", 2.0), ("zb-v-auto", 1.0)]:
-        validate(generate(name, num_stages=4, num_microbatches=8, memory_limit=k))
+        validate(generate(name, num_stages=4, num_microbatches=8, activation_limit=k))
 
 
 @pytest.mark.slow
 def test_heuristic_handles_32_by_256_in_about_a_second() -> None:
-    problem = problem_from_times(32, 256, memory_limit=1, time_comm=0.1)
+    problem = problem_from_times(32, 256, activation_limit=1, time_comm=0.1)
     start = time.perf_counter()
     result = heuristic(problem)
     elapsed = time.perf_counter() - start
@@ -151,7 +151,7 @@ def test_timed_warm_up_reaches_the_bound_at_d32_where_the_depth_formulas_do_not(
     # ZB-2p at D = 32, T = 96 with times like the zero-bubble paper's largest models (f ~ b ~ 10.4,
     # w ~ 7.7, comm ~ 0.4): with a hop back per rank, the paper's timed warm-up is deeper than any
     # integer slope of ZB-H2's 2D - 2r - 1 (benchmarks/search/README.md).
-    problem = problem_from_times(32, 96, time_f=10.4, time_b=10.4, time_w=7.7, time_comm=0.4, memory_limit=2)
+    problem = problem_from_times(32, 96, time_f=10.4, time_b=10.4, time_w=7.7, time_comm=0.4, activation_limit=2)
     bound = lower_bound(problem)
     assert heuristic(problem).span == pytest.approx(bound, rel=1e-9)
     assert heuristic(problem, timed=False).span > bound * (1 + 1e-3)
@@ -166,12 +166,14 @@ def test_a_v_at_zb_vs_memory_is_never_worse_than_zb_v() -> None:
     from pipeweave.schedule import generate
     from pipeweave.sim import CostModel, simulate
 
-    problem = problem_from_times(8, 24, vshape=True, time_f=5.2, time_b=5.2, time_w=3.85, time_comm=0.4, memory_limit=1)
+    problem = problem_from_times(
+        8, 24, vshape=True, time_f=5.2, time_b=5.2, time_w=3.85, time_comm=0.4, activation_limit=1
+    )
     zbv = generate("zb-v", num_stages=8, num_microbatches=24)
     span = max(
         row[-1].end - row[0].start for row in simulate(zbv, CostModel(f=5.2, b=5.2, w=3.85, comm=0.4, u=0.0)).events
     )
     assert heuristic(problem).span <= span + 1e-9
     order = [[a for a in row if a.op.value != "U"] for row in zbv.actions]
-    tight = problem_from_times(8, 24, vshape=True, memory_limit=0.5)
+    tight = problem_from_times(8, 24, vshape=True, activation_limit=0.5)
     assert fits(problem, order) and not fits(tight, order)

@@ -13,8 +13,9 @@ import torch
 
 from pipeweave.cli import main
 from pipeweave.commands import compare_measure
-from pipeweave.commands.compare_table import classify, pareto, parse_memory_limit, recommend, seed_summary
+from pipeweave.commands.compare_table import classify, pareto, recommend, seed_summary
 from pipeweave.commands.convergence import ADAPTIVE_LR, OPTIMIZER_ROWS, Setting, evaluate, final_parameters
+from pipeweave.commands.units import memory_bytes
 from pipeweave.models import ModelSpec
 from pipeweave.partition import LayerCosts
 from pipeweave.runtime.reference import run_reference
@@ -350,7 +351,7 @@ def test_class_rule_on_fixed_numbers() -> None:
 
 def test_pareto_recommend_and_limits() -> None:
     assert pareto([(4, 0.3), (1, 0.3), (8, 0.0), (8, 0.1)]) == [1, 2]
-    assert parse_memory_limit("4") == (4.0, "M_a") and parse_memory_limit("2MiB") == (2.0 * 2**20, "bytes")
+    assert memory_bytes("2MiB") == 2.0 * 2**20 and memory_bytes("2e9") == 2e9
     rows = [
         {"name": "gpipe", "peak_activations": [8, 8], "samples_per_s": 100.0},
         {"name": "1f1b", "peak_activations": [2, 1], "samples_per_s": 90.0, "measured_samples_per_s": 80.0},
@@ -364,10 +365,16 @@ def test_pareto_recommend_and_limits() -> None:
 def test_bad_input_is_one_line(cli_error: Any, costs: str, monkeypatch: pytest.MonkeyPatch) -> None:
     base = ["compare", "-D", "2", "-T", "4", *MODEL, "--costs", costs]
     assert "unknown approach 'gpipe2'" in cli_error([*base, "-s", "gpipe,gpipe2"])
-    assert "fits none of the approaches; the least any needs is 2 M_a" in cli_error(
-        [*base, "-s", "gpipe,1f1b", "--recommend", "--memory-limit", "0.5"]
+    assert "--activation-limit (0.5 M_a per rank) fits none of the approaches; the least any needs is 2 M_a" in (
+        cli_error([*base, "-s", "gpipe,1f1b", "--recommend", "--activation-limit", "0.25"])
     )
-    assert "--memory-limit 'lots' is invalid" in cli_error([*base, "--memory-limit", "lots"])
+    assert "--memory-limit 'lots' is invalid" in cli_error([*base, "--recommend", "--memory-limit", "lots"])
+    assert "--memory-limit 4 is bytes per rank now; the activation multiple K is --activation-limit 4" in cli_error(
+        [*base, "-s", "gpipe", "--recommend", "--memory-limit", "4"]
+    )
+    assert "both limit --recommend; give one of them" in cli_error(
+        [*base, "--recommend", "--memory-limit", "1GiB", "--activation-limit", "1"]
+    )
     monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1}, raising=False)
     err = cli_error(
         ["compare", "-D", "4", *MODEL, "--costs", costs, "--measure", "2"],
@@ -379,7 +386,8 @@ def test_bad_input_is_one_line(cli_error: Any, costs: str, monkeypatch: pytest.M
         ("--momentum", "0.5", "--convergence"),
         ("--seeds", "3", "--convergence"),
         ("--rounds", "2", "--measure"),
-        ("--memory-limit", "4", "--recommend"),
+        ("--memory-limit", "1GiB", "--recommend"),
+        ("--activation-limit", "1.5", "--recommend"),
     ]:  # ignored before: an option of a mode not asked for
         assert f"{flag} {value} applies to {mode} only; give {mode} too, or drop {flag}" in cli_error(
             [*base, "-s", "gpipe", flag, value]

@@ -80,6 +80,8 @@ def test_memory_fits_a_limit_that_time_exceeds(head_heavy: Path, capsys: pytest.
     fitted = run_json(capsys, [*base, "--partition", "memory", "--memory-limit", str(limit)])
     assert fitted["max_memory"] <= limit
     assert [len(p["layers"]) for p in fitted["parts"]] == [5, 3]  # 4 x 5 KiB = 20 KiB on part 0
+    in_units = run_json(capsys, [*base, "--partition", "memory", "--memory-limit", "20KiB"])
+    assert in_units["parts"] == fitted["parts"] and in_units["memory_limit"] == limit
 
 
 def test_explicit_and_table(head_heavy: Path, capsys: pytest.CaptureFixture[str]) -> None:

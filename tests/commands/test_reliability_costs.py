@@ -47,13 +47,13 @@ LARGE = "is too large; give a {what} <= 1e+15"
         ("--time-comm", "inf", "--time-comm inf is invalid" + FINITE.format(what="latency")),
         ("--time-comm", "1e308", "--time-comm 1e+308 " + LARGE.format(what="latency")),
         ("--time-dispatch", "1e300", "--time-dispatch 1e+300 " + LARGE.format(what="time")),
-        ("--memory-limit", "nan", "--memory-limit nan holds less than one microbatch per rank; give K >= 1/4"),
+        ("--activation-limit", "nan", "--activation-limit nan holds less than one microbatch per rank; give K >= 1/4"),
     ],
 )
 def test_simulate_refuses_a_non_finite_or_absurd_cost(
     flag: str, value: str, message: str, cli_error: Callable[..., str]
 ) -> None:
-    schedule = ["-s", "zb-auto"] if flag == "--memory-limit" else []
+    schedule = ["-s", "zb-auto"] if flag == "--activation-limit" else []
     err = cli_error(["simulate", *schedule, flag, value], WORK["simulate"])
     assert message in err, err
 
@@ -71,7 +71,7 @@ def test_simulate_takes_costs_up_to_the_bound(capsys: pytest.CaptureFixture[str]
         ("--time-b", "inf", "--time-b inf is invalid" + FINITE.format(what="time")),
         ("--time-w", "1e308", "--time-w 1e+308 " + LARGE.format(what="time")),
         ("--time-comm", "nan", "--time-comm nan is invalid" + FINITE.format(what="latency")),
-        ("--memory-limit", "nan", "--memory-limit nan holds less than one microbatch per rank; give K >= 1/4"),
+        ("--activation-limit", "nan", "--activation-limit nan holds less than one microbatch per rank; give K >= 1/4"),
         ("--work-limit", "nan", "--work-limit nan is invalid; give deterministic seconds > 0"),
     ],
 )
@@ -121,7 +121,7 @@ def test_partition_refuses_non_finite_or_absurd_layer_costs(
             "--bandwidth nan is invalid; give finite bytes per second > 0",
         ),
         (["--partition", "pipedream", "--bandwidth", "inf"], "--bandwidth inf is invalid"),
-        (["--partition", "memory", "--memory-limit", "nan"], "--memory-limit nan is invalid; give bytes per rank"),
+        (["--partition", "memory", "--memory-limit", "nan"], "--memory-limit 'nan' is invalid; give bytes per rank"),
     ],
 )
 def test_partition_refuses_a_non_finite_or_absurd_flag(

@@ -282,7 +282,17 @@ def test_an_asynchronous_run_evaluates_saves_and_resumes_between_its_streams(tmp
     [
         (["--clip-grad-norm", "0"], "--clip-grad-norm 0.0 is invalid; give a norm > 0"),
         (["-s", "chimera", "--clip-grad-norm", "1"], "post-validation needs one stage per rank"),
-        (["-s", "1f1b", "--memory-limit", "2"], "--memory-limit 2 applies to --partition memory"),
+        (
+            ["-s", "1f1b", "--memory-limit", "2e9"],
+            "--memory-limit 2e+09 (bytes per rank) applies to --partition memory",
+        ),
+        (
+            ["-s", "zb-auto", "--memory-limit", "2"],
+            "--memory-limit 2 is bytes per rank now; the activation multiple K is --activation-limit 2",
+        ),
+        (["-s", "1f1b", "--activation-limit", "2"], "--activation-limit applies to zb-auto, zb-v-auto, not 1f1b"),
+        (["-s", "zb-auto", "--activation-limit", "0"], "--activation-limit 0.0 is invalid; give K > 0"),
+        (["--partition", "memory", "--memory-limit", "lots"], "--memory-limit 'lots' is invalid; give bytes per rank"),
         (["--resume", "no-such-folder"], "--resume no-such-folder: no checkpoint there"),
         (["--eval-every", "2"], "--eval-every applies to --model gpt"),
         (
@@ -323,6 +333,20 @@ def test_misplaced_options_are_one_line_before_spawning(
     assert message in err and len(err.splitlines()) == 1
 
 
+def test_a_config_file_with_k_as_memory_limit_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeweave.cli import main
+
+    path = tmp_path / "zb.toml"
+    schedule = '[schedule]\nname = "zb-auto"\nnum_stages = 2\nnum_microbatches = 4\n'
+    path.write_text(f'[model]\nkind = "mlp"\nlayers = 4\nhidden = 8\n{schedule}[partition]\nmemory_limit = 1.5\n')
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--memory-limit 1.5 is bytes per rank now; the activation multiple K is --activation-limit 1.5")
+    path.write_text(f'[model]\nkind = "mlp"\nlayers = 4\nhidden = 8\n{schedule}activation_limit = 1.5\n')
+    assert main(["train", "--config", str(path), "--print-config"]) == 0
+    assert "activation_limit = 1.5" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("model", "text", "message"),
     [
@@ -361,7 +385,7 @@ def test_a_bad_data_file_is_one_line_before_spawning(
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
 
 
-def test_zb_auto_is_searched_for_the_profiled_costs_and_its_memory_limit(tmp_path: Path) -> None:
+def test_zb_auto_is_searched_for_the_profiled_costs_and_its_activation_limit(tmp_path: Path) -> None:
     from pipeweave.cli import build_parser
     from pipeweave.commands.train_run import build_config
     from pipeweave.sim import CostModel, compute_metrics, simulate
@@ -381,13 +405,13 @@ def test_zb_auto_is_searched_for_the_profiled_costs_and_its_memory_limit(tmp_pat
             "4",
             "--hidden",
             "16",
-            "--memory-limit",
+            "--activation-limit",
             "2",
         ]
     )
     config = build_config(args)
     options = dict(config.schedule_options)
-    assert options["memory_limit"] == 2
+    assert options["activation_limit"] == 2
     for key in ("time_f", "time_b", "time_w"):  # one profiled time per part, in seconds
         assert len(options[key]) == 2 and all(t > 0 for t in options[key])
     schedule = prepare(config).schedule

@@ -29,7 +29,7 @@ FLAGS = {  # each shipped file as the flags that say the same (shlex-split)
     '\'{"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "n_positions": 64}\' '
     "--seq-len 32 -s 1f1b --stages 2 --microbatches 4 --batch 8 --steps 4",
     "zb-auto.toml": "--model gpt --layers 6 --hidden 64 --heads 4 --seq-len 32 -s zb-auto --stages 4 "
-    "--microbatches 8 --batch 16 --memory-limit 1.5 --steps 4",
+    "--microbatches 8 --batch 16 --activation-limit 1.5 --steps 4",
 }
 
 

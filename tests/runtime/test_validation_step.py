@@ -87,7 +87,7 @@ def _config(optimizer: str, options: PostValidation) -> TrainConfig:
         momentum=0.9 if optimizer == "sgd" else 0.0,
         optimizer=optimizer,
         collect_parameters=True,
-        options=(("memory_limit", 2.0), ("time_b", 2.0)),
+        options=(("activation_limit", 2.0), ("time_b", 2.0)),
         post_validation=options,
         on_nonfinite="skip",
     )  # the NaN step is skipped, not the run stopped

@@ -100,7 +100,7 @@ def test_splits_backward_iff_the_schedule_has_i_and_w(name: str) -> None:
 def test_searched_iff_the_generator_takes_the_runs_costs(name: str) -> None:
     """``train`` and the planner give a searched schedule its costs and memory limit as generator options."""
     params = inspect.signature(SCHEDULES[name].generator).parameters
-    takes = {"time_f", "time_b", "time_w", "memory_limit"} <= set(params)
+    takes = {"time_f", "time_b", "time_w", "activation_limit"} <= set(params)
     assert SCHEDULES[name].searched == takes
 
 

@@ -29,11 +29,11 @@ def lower_bound(problem: Problem) -> float:
 
     Example:
         >>> from pipeweave.autoschedule.problem import problem_from_times
-        >>> lower_bound(problem_from_times(4, 8, memory_limit=2))  # ZB-H2 reaches it
+        >>> lower_bound(problem_from_times(4, 8, activation_limit=2))  # ZB-H2 reaches it
         24.0
     """
     if problem.offload:  # offloaded stages hold memory only while they run: bounded by time alone (weaker, valid)
-        problem = dataclasses.replace(problem, memory_limit=math.inf)
+        problem = dataclasses.replace(problem, activation_limit=math.inf)
     return max(rank_bounds(problem))
 
 

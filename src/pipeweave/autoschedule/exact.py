@@ -75,7 +75,7 @@ def exact(
 
     Example:
         >>> from pipeweave.autoschedule.problem import problem_from_times
-        >>> r = exact(problem_from_times(2, 3, memory_limit=1), time_limit=5)
+        >>> r = exact(problem_from_times(2, 3, activation_limit=1), time_limit=5)
         >>> r.span, r.gap
         (10.0, 0.0)
     """

@@ -204,7 +204,7 @@ def timed_depths(problem: Problem, *, overshoot: bool) -> list[int]:
 
     Example:
         >>> from pipeweave.autoschedule.problem import problem_from_times
-        >>> timed_depths(problem_from_times(4, 16, memory_limit=2), overshoot=False)
+        >>> timed_depths(problem_from_times(4, 16, activation_limit=2), overshoot=False)
         [7, 5, 3, 1]
     """
     d, t, c = problem.num_stages, problem.num_microbatches, problem.costs
@@ -488,7 +488,7 @@ def heuristic(
 
     Example:
         >>> from pipeweave.autoschedule.problem import problem_from_times
-        >>> heuristic(problem_from_times(4, 8, memory_limit=2)).span
+        >>> heuristic(problem_from_times(4, 8, activation_limit=2)).span
         24.0
     """
     from pipeweave.autoschedule.bound import lower_bound

@@ -94,7 +94,13 @@ def choose_offload(problem: Problem, **budget: Any) -> tuple[frozenset[int], Res
 
 
 def offload_problem(
-    num_stages: int, num_microbatches: int, *, vshape: bool, cost: CostModel, memory_limit: float, host_bandwidth: float
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    vshape: bool,
+    cost: CostModel,
+    activation_limit: float,
+    host_bandwidth: float,
 ) -> Problem:
     """The instance with every part offloaded, for ``choose_offload``.
 
@@ -109,12 +115,12 @@ def offload_problem(
         "cost": cost,
         "host_bandwidth": host_bandwidth,
     }
-    parts = Problem(**options, memory_limit=float("inf")).num_parts
+    parts = Problem(**options, activation_limit=float("inf")).num_parts
     try:
-        return Problem(**options, memory_limit=memory_limit, offload=frozenset(range(parts)))
+        return Problem(**options, activation_limit=activation_limit, offload=frozenset(range(parts)))
     except ScheduleError as error:
         least = str(error).rsplit(">= ", 1)[-1]
         raise ScheduleError(
-            f"--memory-limit {memory_limit:g} is below what any offload reaches; the smallest "
+            f"--activation-limit {activation_limit:g} is below what any offload reaches; the smallest "
             f"reachable is K={least} (every part offloaded)"
         ) from None

@@ -27,7 +27,7 @@ class Problem:
     """One instance of automatic zero-bubble scheduling.
 
     Example:
-        >>> p = Problem(num_stages=4, num_microbatches=8, memory_limit=1.0)
+        >>> p = Problem(num_stages=4, num_microbatches=8, activation_limit=1.0)
         >>> p.limit, p.start_offset
         ((4.0, 4.0, 4.0, 4.0), (0.0, 1.0, 2.0, 3.0))
     """
@@ -40,7 +40,7 @@ class Problem:
     """Two chunks per rank in a V (ZB-V) instead of one straight stage per rank."""
     cost: CostModel = field(default_factory=CostModel)
     """Times and memory; a scalar is the cost of one D-th of the model."""
-    memory_limit: float = 1.0
+    activation_limit: float = 1.0
     """K: per-rank activation limit as a multiple of the 1F1B peak D x M_a (``math.inf``: none)."""
     offload: frozenset[int] = frozenset()
     """Parts whose saved activations go to host memory after F and come back before I (``schedule.levers``):
@@ -79,12 +79,12 @@ class Problem:
             for r in range(d)
         ]
         stored = [self._least_held(costs, r) + x for r, x in enumerate(replay)]
-        limit = tuple(self.memory_limit * d * m for m in per_mb)
-        if not all(x >= m * (1.0 - MEMORY_EPS) for x, m in zip(limit, stored)) or math.isnan(self.memory_limit):
+        limit = tuple(self.activation_limit * d * m for m in per_mb)
+        if not all(x >= m * (1.0 - MEMORY_EPS) for x, m in zip(limit, stored)) or math.isnan(self.activation_limit):
             least = max((m / (d * p) for m, p in zip(stored, per_mb) if p > 0), default=1.0 / d)
             raise ScheduleError(
-                f"memory_limit={self.memory_limit!r} holds less than one microbatch per rank; "
-                f"give memory_limit >= {least:.4g}" + (f" (1/{d})" if least == 1.0 / d else "")
+                f"activation_limit={self.activation_limit!r} holds less than one microbatch per rank; "
+                f"give activation_limit >= {least:.4g}" + (f" (1/{d})" if least == 1.0 / d else "")
             )
         object.__setattr__(self, "peak_limit", limit)
         object.__setattr__(self, "limit", tuple(x - y for x, y in zip(limit, replay)))
@@ -170,7 +170,7 @@ def problem_from_times(
     time_b: float = 1.0,
     time_w: float = 1.0,
     time_comm: float = 0.0,
-    memory_limit: float = 1.0,
+    activation_limit: float = 1.0,
     mem_w: float = 0.5,
 ) -> Problem:
     """An instance from scalar times (per D-th of the model), as the CLI takes them.
@@ -179,12 +179,16 @@ def problem_from_times(
         UserError: a negative time, mem_w outside [0, 1], or a limit below one microbatch.
 
     Example:
-        >>> problem_from_times(8, 24, time_f=18.522, memory_limit=2).limit[0]
+        >>> problem_from_times(8, 24, time_f=18.522, activation_limit=2).limit[0]
         16.0
     """
-    if isinstance(memory_limit, float) and math.isnan(memory_limit):
-        raise ScheduleError("memory_limit=nan is invalid; give a number such as 1 or 2")
+    if isinstance(activation_limit, float) and math.isnan(activation_limit):
+        raise ScheduleError("activation_limit=nan is invalid; give a number such as 1 or 2")
     cost = CostModel(f=time_f, b=time_b, w=time_w, comm=time_comm, mem_w=mem_w)
     return Problem(
-        num_stages=num_stages, num_microbatches=num_microbatches, vshape=vshape, cost=cost, memory_limit=memory_limit
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        vshape=vshape,
+        cost=cost,
+        activation_limit=activation_limit,
     )

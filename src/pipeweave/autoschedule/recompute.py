@@ -79,7 +79,7 @@ def choose_recompute(problem: Problem, **budget: Any) -> tuple[tuple[str, ...], 
 
 
 def recompute_problem(
-    num_stages: int, num_microbatches: int, *, vshape: bool, cost: CostModel, memory_limit: float
+    num_stages: int, num_microbatches: int, *, vshape: bool, cost: CostModel, activation_limit: float
 ) -> Problem:
     """The instance with every part recomputing in full, for ``choose_recompute``.
 
@@ -93,11 +93,15 @@ def recompute_problem(
             num_microbatches=num_microbatches,
             vshape=vshape,
             cost=full,
-            memory_limit=memory_limit,
+            activation_limit=activation_limit,
         )
     except ScheduleError:
         loose = Problem(
-            num_stages=num_stages, num_microbatches=num_microbatches, vshape=vshape, cost=full, memory_limit=math.inf
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            vshape=vshape,
+            cost=full,
+            activation_limit=math.inf,
         )
         plain = dataclasses.replace(cost, recompute="none").for_parts(num_parts=loose.num_parts, num_ranks=num_stages)
         replayed = loose.costs.replayed  # one backward's replay on top (``Problem.limit``)
@@ -111,6 +115,6 @@ def recompute_problem(
         ]
         least = max((m / (num_stages * p) for m, p in held if p > 0), default=0.0)
         raise ScheduleError(
-            f"--memory-limit {memory_limit:g} is below what any recomputation reaches; the "
+            f"--activation-limit {activation_limit:g} is below what any recomputation reaches; the "
             f"smallest reachable is K={least:.4g} (every part recomputing in full)"
         ) from None

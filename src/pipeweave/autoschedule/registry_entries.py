@@ -18,7 +18,7 @@ def plan(
     num_microbatches: int,
     *,
     vshape: bool,
-    memory_limit: float,
+    activation_limit: float,
     mem_w: float,
     time_f: Value,
     time_b: Value,
@@ -30,7 +30,11 @@ def plan(
     """The searched schedule of one instance (see ``zb_auto``)."""
     cost = CostModel(f=time_f, b=time_b, w=time_w, comm=time_comm, mem_w=mem_w)
     problem = Problem(
-        num_stages=num_stages, num_microbatches=num_microbatches, vshape=vshape, cost=cost, memory_limit=memory_limit
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        vshape=vshape,
+        cost=cost,
+        activation_limit=activation_limit,
     )
     # Every rank of a run builds its schedule itself, so they must agree: one worker and a
     # deterministic work limit make CP-SAT's result independent of the clock; the wall limit
@@ -42,7 +46,7 @@ def zb_auto(
     num_stages: int,
     num_microbatches: int,
     *,
-    memory_limit: float = 1.0,
+    activation_limit: float = 1.0,
     mem_w: float = 0.5,
     time_f: Value = 1.0,
     time_b: Value = 1.0,
@@ -56,7 +60,7 @@ def zb_auto(
     Args:
         num_stages: D.
         num_microbatches: T.
-        memory_limit: K, the per-rank activation limit as a multiple of 1F1B's
+        activation_limit: K, the per-rank activation limit as a multiple of 1F1B's
             peak D x M_a: 1 for ZB-1p, 2 for ZB-2p.
         mem_w: M_W / M_a, the activation still held between I and W (paper: 0.5).
         time_f, time_b, time_w, time_comm: the costs to plan for (b is I's time).
@@ -69,7 +73,7 @@ def zb_auto(
         ScheduleError: a limit below one microbatch per rank, or an unknown solver.
 
     Example:
-        >>> s = zb_auto(4, 8, memory_limit=2)
+        >>> s = zb_auto(4, 8, activation_limit=2)
         >>> [str(a) for a in s.actions[3][:4]]
         ['3F0', '3I0', '3F1', '3I1']
     """
@@ -77,7 +81,7 @@ def zb_auto(
         num_stages,
         num_microbatches,
         vshape=False,
-        memory_limit=memory_limit,
+        activation_limit=activation_limit,
         mem_w=mem_w,
         time_f=time_f,
         time_b=time_b,
@@ -92,7 +96,7 @@ def zb_v_auto(
     num_stages: int,
     num_microbatches: int,
     *,
-    memory_limit: float = 1.0,
+    activation_limit: float = 1.0,
     mem_w: float = 0.5,
     time_f: Value = 1.0,
     time_b: Value = 1.0,
@@ -111,7 +115,7 @@ def zb_v_auto(
         num_stages,
         num_microbatches,
         vshape=True,
-        memory_limit=memory_limit,
+        activation_limit=activation_limit,
         mem_w=mem_w,
         time_f=time_f,
         time_b=time_b,

@@ -31,7 +31,7 @@ def seed_orders(problem: Problem) -> Iterator[list[list[Action]]]:
 
     Example:
         >>> from pipeweave.autoschedule.problem import problem_from_times
-        >>> [len(o[0]) for o in seed_orders(problem_from_times(4, 8, memory_limit=2))]
+        >>> [len(o[0]) for o in seed_orders(problem_from_times(4, 8, activation_limit=2))]
         [24, 24]
     """
     for make in SEEDS[problem.vshape]:

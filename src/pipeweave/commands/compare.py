@@ -123,12 +123,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     out.add_argument(
         "--recommend",
         action="store_true",
-        help="rank the approaches that fit --memory-limit by time per sample, each exclusion's reason",
+        help="rank the approaches that fit --activation-limit or --memory-limit by time per sample, each "
+        "exclusion's reason",
+    )
+    out.add_argument(
+        "--activation-limit",
+        type=float,
+        metavar="K",
+        help="--recommend: activations one rank may hold as a multiple of 1F1B's peak D x M_a (e.g. 1, 2)",
     )
     out.add_argument(
         "--memory-limit",
-        metavar="K|BYTES",
-        help="--recommend: activations one rank may hold: K (in M_a, e.g. 4) or bytes with a unit (e.g. 64MiB, 2e9B)",
+        metavar="BYTES",
+        help="--recommend: activation bytes one rank may hold, measured or simulated (e.g. 64MiB, 2e9)",
     )
     return p
 

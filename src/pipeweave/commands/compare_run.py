@@ -10,15 +10,17 @@ the reference executor (``commands.convergence``).
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from pipeweave.commands.compare_output import emit, output_paths
-from pipeweave.commands.compare_table import LITERATURE, choose, parse_memory_limit, recommend
+from pipeweave.commands.compare_table import LITERATURE, choose, recommend
 from pipeweave.commands.model_options import model_spec
 from pipeweave.commands.partition import part_costs
 from pipeweave.commands.simulate import add_parser as add_simulate_parser
 from pipeweave.commands.simulate import check_simulation_size, simulated
 from pipeweave.commands.simulate_report import evaluate
+from pipeweave.commands.units import memory_bytes
 from pipeweave.errors import UserError
 from pipeweave.host import cpu_cores
 from pipeweave.models.spec import uniform_parts
@@ -37,7 +39,7 @@ DEFAULT_GPT = {"layers": 6, "hidden": 128, "heads": 4, "seq_len": 64}
 
 def compare(args: argparse.Namespace) -> int:
     """``pipeweave compare ARGS``: the rows at the asked depth, then the outputs; the exit code."""
-    limit = parse_memory_limit(args.memory_limit) if args.memory_limit is not None else None
+    limit = activation_limit(args)
     output_paths(args)  # a file that cannot be written is one line before any profiling or run
     rows, skipped, spec = simulated_comparison(args)
     if limit is not None and limit[1] == "M_a":
@@ -101,8 +103,30 @@ DEPENDENT = {
     "lr": ("convergence", 0.3),
     "momentum": ("convergence", 0.9),
     "memory_limit": ("recommend", None),
+    "activation_limit": ("recommend", None),
 }
 """Options that only one mode of compare reads: dest -> (the mode's dest, the default once it is given)."""
+
+
+def activation_limit(args: argparse.Namespace) -> tuple[float, str] | None:
+    """``--recommend``'s limit: ``(K x D, "M_a")`` from ``--activation-limit K``, ``(bytes, "bytes")`` from
+    ``--memory-limit BYTES``, or None.
+
+    Raises:
+        UserError: both given, a K that is not > 0, or bytes that are not a size (K under its former name too).
+    """
+    if args.activation_limit is not None and args.memory_limit is not None:
+        raise UserError(
+            f"--activation-limit {args.activation_limit:g} and --memory-limit {args.memory_limit} both limit "
+            "--recommend; give one of them"
+        )
+    if args.memory_limit is not None:
+        return memory_bytes(args.memory_limit), "bytes"
+    if args.activation_limit is None:
+        return None
+    if not (args.activation_limit > 0 and math.isfinite(args.activation_limit)):
+        raise UserError(f"--activation-limit {args.activation_limit} is invalid; give K > 0, e.g. 1 (ZB-1p) or 2")
+    return args.activation_limit * args.stages, "M_a"
 
 
 def _check(args: argparse.Namespace) -> None:

@@ -9,7 +9,6 @@ best per column, on the Pareto front, or fit a memory limit. No torch, no numpy.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -137,30 +136,6 @@ def scalar(value: Any) -> float | None:
     return float(value)
 
 
-_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_memory_limit(text: str) -> tuple[float, str]:
-    """``"4"`` -> (4.0, "M_a"); ``"64MiB"`` -> (67108864.0, "bytes").
-
-    Raises:
-        UserError: anything else, or a limit that is not > 0.
-    """
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    try:
-        value = float(match.group(1)) if match else math.nan
-    except ValueError:
-        value = math.nan
-    if not (value > 0 and math.isfinite(value)) or (unit and unit not in _UNITS and unit != "m_a"):
-        raise UserError(
-            f"--memory-limit {text!r} is invalid; give K > 0 in M_a (e.g. 4) or bytes with a unit (e.g. 64MiB, 2e9B)"
-        )
-    if unit in ("", "m_a"):
-        return value, "M_a"
-    return value * _UNITS[unit], "bytes"
-
-
 def recommend(
     rows: Sequence[dict[str, Any]], limit: tuple[float, str] | None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -186,8 +161,9 @@ def recommend(
             fits.append(row)
     if not fits and rows:
         smallest = min(_activation_need(r, limit[1] if limit else "M_a") or math.inf for r in rows)
+        flag = "--memory-limit" if limit and limit[1] == "bytes" else "--activation-limit"
         raise UserError(
-            f"--memory-limit {_need_text(limit[0], limit[1]) if limit else '-'} fits none of the "
+            f"{flag} ({_need_text(limit[0], limit[1]) if limit else '-'} per rank) fits none of the "
             f"approaches; the least any needs is {_need_text(smallest, limit[1] if limit else 'M_a')}"
         )
     ranked = sorted(fits, key=lambda r: time_per_sample(r) or math.inf)

@@ -23,7 +23,7 @@ def add_stash_arguments(
         default=None,
         help="offload the saved activations of these parts to host memory after F and reload them "
         "before the backward: all, or part numbers comma-separated (default none)"
-        + ("; auto: the parts chosen with the schedule under --memory-limit" if auto else ""),
+        + ("; auto: the parts chosen with the schedule under --activation-limit" if auto else ""),
     )
     g.add_argument(
         "--balance-activations",

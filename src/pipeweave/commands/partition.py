@@ -30,6 +30,7 @@ from pipeweave.commands.recompute_options import add_recompute_argument
 from pipeweave.commands.simulate import MAX_ACTIONS, check_simulation_size
 from pipeweave.commands.units import check_cost_flags, format_bytes
 from pipeweave.config.model import TRANSFORMERS
+from pipeweave.config.sections import parse_bytes
 from pipeweave.config.sections import parse_counts as counts_of
 from pipeweave.errors import UserError
 from pipeweave.partition import LayerCosts, MemoryProfile, Partition, PartitionContext, partition
@@ -91,7 +92,7 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="METHOD",
         help="uniform, parameters, type:REGEX, time, pipedream, memory or explicit (default uniform)",
     )
-    group.add_argument("--memory-limit", type=float, metavar="BYTES", help="memory: bytes one rank may hold")
+    group.add_argument("--memory-limit", metavar="BYTES", help="memory: bytes one rank may hold, e.g. 8GiB or 2e9")
     group.add_argument(
         "--layers-per-stage",
         metavar="N,N,...",
@@ -146,10 +147,8 @@ def check_partition_arguments(args: argparse.Namespace) -> None:
         UserError: a count list with a negative count, a nan or infinite number, or too few repeats.
     """
     parse_counts(args.layers_per_stage)
-    if args.memory_limit is not None and math.isnan(args.memory_limit):
-        raise UserError(
-            "--memory-limit nan is invalid; give bytes per rank (--partition memory) or K (zb-auto, zb-v-auto)"
-        )
+    if isinstance(args.memory_limit, str):  # train's is parsed already (``config.sections.parse_bytes``)
+        args.memory_limit = parse_bytes(args.memory_limit)
     check_cost_flags(args, (("--optimizer-state", "number of bytes per weight byte"),))
     if not 0 < args.bandwidth < math.inf:
         raise UserError(f"--bandwidth {args.bandwidth} is invalid; give finite bytes per second > 0, e.g. 1e10")

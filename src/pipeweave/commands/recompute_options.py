@@ -22,7 +22,11 @@ def add_recompute_argument(parser: argparse.ArgumentParser | argparse._ArgumentG
         metavar="|".join(RECOMPUTE + ((AUTO,) if auto else ())),
         help="activation recomputation: none, selective (the attention core, Korthikanti et al.) or full, for "
         "every part or one per part comma-separated, e.g. full,selective,none,none (bare: full)"
-        + ("; auto: chosen per part under --memory-limit" if auto else ""),
+        + (
+            "; auto: chosen per part under the limit (search: --activation-limit, partition: --memory-limit)"
+            if auto
+            else ""
+        ),
     )
 
 

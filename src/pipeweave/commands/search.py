@@ -42,7 +42,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     for op, text in (("f", "forward"), ("b", "input-gradient (I)"), ("w", "weight-gradient (W)")):
         p.add_argument(f"--time-{op}", type=float, default=1.0, help=f"{text} time of one D-th of the model")
     p.add_argument("--time-comm", type=float, default=0.0, help="one hop between ranks")
-    p.add_argument("--memory-limit", type=float, default=1.0, help="K: activation limit / (D x M_a); 1 ZB-1p, 2 ZB-2p")
+    p.add_argument(
+        "--activation-limit",
+        type=float,
+        default=1.0,
+        metavar="K",
+        help="activations per rank as a multiple of 1F1B's peak D x M_a; 1 ZB-1p, 2 ZB-2p",
+    )
+    p.add_argument("--memory-limit", metavar="BYTES", help=argparse.SUPPRESS)  # K's former name: refused in one line
     p.add_argument("--mem-w", type=float, default=0.5, help="M_W / M_a held between I and W (default 0.5)")
     p.add_argument(
         "--time-limit",
@@ -85,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             "drop --tensor-parallel/--data-parallel or the memory levers"
         )
     # Compressed activations take kept x M_a: the same limit holds 1/kept as many.
-    problem, chosen = _problem(args, f, b, w, comm, args.memory_limit / levers.kept, levers.offload)
+    problem, chosen = _problem(args, f, b, w, comm, args.activation_limit / levers.kept, levers.offload)
     levers = dataclasses.replace(levers, offload=levers.offload | problem.offload)
     result = exact(
         problem, solver=args.solver, time_limit=args.time_limit, workers=args.workers, work_limit=args.work_limit
@@ -133,7 +140,7 @@ def _print_found(
 ) -> None:
     """The found schedule in a few lines: its solver, the levers chosen, bubble, span and peaks."""
     print(
-        f"{result.schedule.name}: D={args.stages} T={args.microbatches} K={args.memory_limit} "
+        f"{result.schedule.name}: D={args.stages} T={args.microbatches} K={args.activation_limit} "
         f"solver={result.solver} ({result.status}, {result.solver_time:.2f} s)"
     )
     if set(modes) != {"none"} or args.recompute == AUTO:
@@ -157,7 +164,13 @@ def _print_found(
 
 
 def _problem(
-    args: argparse.Namespace, f: float, b: float, w: float, comm: float, memory_limit: float, offload: frozenset[int]
+    args: argparse.Namespace,
+    f: float,
+    b: float,
+    w: float,
+    comm: float,
+    activation_limit: float,
+    offload: frozenset[int],
 ) -> tuple[Any, bool]:
     """The instance of the flags, and whether its recomputation or offload per part was chosen (``--recompute
     auto``, ``autoschedule.recompute``; ``--offload auto``, ``autoschedule.offload``: with the heuristic's schedules; the
@@ -181,7 +194,7 @@ def _problem(
             args.microbatches,
             vshape=vshape,
             cost=cost,
-            memory_limit=memory_limit,
+            activation_limit=activation_limit,
             host_bandwidth=bandwidth,
         )
         return dataclasses.replace(problem, offload=choose_offload(problem)[0]), True
@@ -191,11 +204,13 @@ def _problem(
             num_microbatches=args.microbatches,
             vshape=vshape,
             cost=cost,
-            memory_limit=memory_limit,
+            activation_limit=activation_limit,
             offload=offload,
             host_bandwidth=bandwidth,
         ), False
-    problem = recompute_problem(args.stages, args.microbatches, vshape=vshape, cost=cost, memory_limit=memory_limit)
+    problem = recompute_problem(
+        args.stages, args.microbatches, vshape=vshape, cost=cost, activation_limit=activation_limit
+    )
     return with_recompute(problem, choose_recompute(problem)[0]), True
 
 
@@ -248,7 +263,7 @@ def _layout_report(
 
 def _check_arguments(args: argparse.Namespace) -> tuple[Layout, ModelBytes]:
     """Every flag's value, then the problem's size, in one line each before any work."""
-    from pipeweave.commands.units import check_cost_flags
+    from pipeweave.commands.units import check_cost_flags, refuse_memory_limit
 
     for flag in ("--stages", "--microbatches"):
         value = getattr(args, flag[2:])
@@ -259,10 +274,11 @@ def _check_arguments(args: argparse.Namespace) -> tuple[Layout, ModelBytes]:
     )
     if not 0.0 <= args.mem_w <= 1.0:
         raise UserError(f"--mem-w {args.mem_w} is invalid; give a fraction in [0, 1]")
-    low = args.memory_limit * args.stages < 1.0 - 1e-9 and args.recompute == "none" and args.offload != AUTO
-    if math.isnan(args.memory_limit) or low:
+    refuse_memory_limit(args, "search")
+    low = args.activation_limit * args.stages < 1.0 - 1e-9 and args.recompute == "none" and args.offload != AUTO
+    if math.isnan(args.activation_limit) or low:
         raise UserError(
-            f"--memory-limit {args.memory_limit:g} holds less than one microbatch per rank; give K >= "
+            f"--activation-limit {args.activation_limit:g} holds less than one microbatch per rank; give K >= "
             f"1/{args.stages}, e.g. 1 (ZB-1p) or 2 (ZB-2p), or inf for no limit"
         )
     if not args.time_limit > 0:

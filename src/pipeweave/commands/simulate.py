@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from pipeweave.commands.layout_options import (
 from pipeweave.commands.lever_options import add_stash_arguments, stash_plan
 from pipeweave.commands.recompute_options import add_recompute_cost_arguments, recompute_costs
 from pipeweave.commands.simulate_report import as_json, print_report
-from pipeweave.commands.units import check_cost_flags, parse_values
+from pipeweave.commands.units import check_cost_flags, parse_values, refuse_memory_limit
 from pipeweave.errors import UserError
 from pipeweave.host import available_memory as _available_memory
 from pipeweave.schedule import InvalidSchedule, Schedule, generate, read_csv, write_csv
@@ -85,12 +84,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a runtime's time between two actions of a rank (default 0; pipeweave train profiles its own)",
     )
     p.add_argument(
-        "--memory-limit",
+        "--activation-limit",
         type=float,
         default=None,
         metavar="K",
         help="zb-auto, zb-v-auto: activation limit per rank, K x the 1F1B peak D x M_a (default 1)",
     )
+    p.add_argument("--memory-limit", metavar="BYTES", help=argparse.SUPPRESS)  # K's former name: refused in one line
     p.add_argument(
         "--mem-w", type=float, default=0.5, metavar="R", help="share of M_a still held between I and W (default 0.5)"
     )
@@ -164,9 +164,10 @@ def _check_counts(args: argparse.Namespace) -> None:
     check_cost_flags(args, (("--time-comm", "latency"), ("--time-dispatch", "time")))
     if not 0.0 <= args.mem_w <= 1.0:
         raise UserError(f"--mem-w {args.mem_w} is invalid; give a fraction in [0, 1]")
-    if args.memory_limit is not None and not args.memory_limit * args.stages >= 1.0 - 1e-9:  # nan too
+    refuse_memory_limit(args, "simulate")
+    if args.activation_limit is not None and not args.activation_limit * args.stages >= 1.0 - 1e-9:  # nan too
         raise UserError(
-            f"--memory-limit {args.memory_limit:g} holds less than one microbatch per rank; give K >= "
+            f"--activation-limit {args.activation_limit:g} holds less than one microbatch per rank; give K >= "
             f"1/{args.stages}, e.g. 1 (ZB-1p) or 2 (ZB-2p), or inf for no limit"
         )
     _check_size(args)
@@ -234,11 +235,6 @@ def _build(args: argparse.Namespace, times: dict[str, Times]) -> tuple[Schedule,
         f=times["--time-f"], b=times["--time-b"], w=times["--time-w"], comm=args.time_comm, mem_w=args.mem_w
     )
     options: dict[str, object] = dict(cost.generator_options(info.generator))
-    params = inspect.signature(info.generator).parameters
-    if args.memory_limit is not None:
-        if "memory_limit" not in params:
-            raise UserError(f"--memory-limit applies to zb-auto and zb-v-auto, not {args.schedule}; drop it")
-        options["memory_limit"] = args.memory_limit
     from pipeweave.commands.stream_options import schedule_options
 
     options.update(schedule_options(args, args.schedule))  # a generator's options (--no-overlap-fb, a stream's)

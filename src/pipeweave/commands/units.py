@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from pipeweave.errors import UserError
+from pipeweave.config.sections import parse_bytes
+from pipeweave.errors import BYTES_AT_LEAST, UserError, renamed_activation_limit
 from pipeweave.sim.cost import cost_problem
 
 
@@ -15,6 +16,39 @@ def format_bytes(n: float, digits: int = 1) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
     return f"{n:.{digits}f} GiB"
+
+
+def memory_bytes(text: str, flag: str = "--memory-limit") -> float:
+    """``--memory-limit`` where it once meant the activation multiple K: bytes per rank (``parse_bytes``), a
+    bare number below ``BYTES_AT_LEAST`` refused as K under its former name.
+
+    Raises:
+        UserError: not a size > 0, or a bare number below ``BYTES_AT_LEAST`` (the line names ``--activation-limit``).
+
+    Example:
+        >>> memory_bytes("8GiB")
+        8589934592.0
+    """
+    value = parse_bytes(text, flag)
+    if value < BYTES_AT_LEAST and not text.strip()[-1:].isalpha():
+        raise renamed_activation_limit(value)
+    return value
+
+
+def refuse_memory_limit(args: argparse.Namespace, command: str) -> None:
+    """``--memory-limit`` given to a command that takes the activation multiple K (``--activation-limit``) only.
+
+    Raises:
+        UserError: K under its former name (the line names ``--activation-limit``), or bytes, which ``command``
+            does not take.
+    """
+    if args.memory_limit is None:
+        return
+    memory_bytes(args.memory_limit)
+    raise UserError(
+        f"--memory-limit {args.memory_limit} is bytes per rank, which {command} does not take; "
+        "give the activation multiple K as --activation-limit K"
+    )
 
 
 def check_cost_flags(args: argparse.Namespace, flags: tuple[tuple[str, str], ...]) -> None:

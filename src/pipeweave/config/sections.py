@@ -10,6 +10,7 @@ in one place, ``TrainConfig.__post_init__`` (cheap defaults) and
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -57,6 +58,11 @@ def parse_replicas(text: str) -> tuple[int, ...]:
     return counts
 
 
+def _activations(value: float, flag: str) -> None:
+    if not value > 0:  # nan too
+        raise UserError(f"{flag} {value} is invalid; give K > 0, e.g. 1 (ZB-1p) or 2 (ZB-2p), or inf for no limit")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
     """Which schedule runs, on how many ranks and microbatches (``pipeweave schedules`` lists them).
@@ -100,11 +106,14 @@ class ScheduleConfig:
     overlap_fb: bool | None = option(None, flags=("--no-overlap-fb",), negate=True)
     """dualpipe, dualpipe-v: run DeepSeek's F&B pairs (one microbatch's F beside another's B) one after the other;
     default: overlapped, the B half's messages moving while the F half computes (the same results either way)."""
+    activation_limit: float | None = option(None, metavar="K", check=_activations)
+    """zb-auto, zb-v-auto: activations per rank as a multiple of 1F1B's peak D x M_a (default 1: ZB-1p's; 2:
+    ZB-2p's)."""
     written: Schedule | None = option(None, internal=True)
     """The schedule read from ``schedule_path`` and validated (``runtime.run.resolve``)."""
     options: tuple[tuple[str, Any], ...] = option((), internal=True)
     """Options of the schedule's generator: the generator fields above that are set, and what the run adds (a
-    searched schedule's memory limit and per-part costs), e.g. ``(("warmup_steps", 2),)``."""
+    searched schedule's per-part costs), e.g. ``(("warmup_steps", 2),)``."""
 
     def __post_init__(self) -> None:
         check_section(self)
@@ -121,6 +130,7 @@ GENERATOR_OPTIONS = {
     "pipelines": "num_pipelines",
     "own_ranks": "own_ranks",
     "overlap_fb": "overlap_fb",
+    "activation_limit": "activation_limit",
 }
 """``ScheduleConfig`` field -> the generator's keyword it sets."""
 
@@ -290,9 +300,34 @@ def _finite_cost(what: str) -> Any:
     return check
 
 
-def _not_nan(value: float, flag: str) -> None:
-    if math.isnan(value):
-        raise UserError(f"{flag} nan is invalid; give bytes per rank (--partition memory) or K (zb-auto, zb-v-auto)")
+BYTE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str, flag: str = "--memory-limit") -> float:
+    """``"64MiB"`` -> 67108864.0, ``"2e9"`` -> 2e9: a size in bytes > 0, bare or with a unit (B, kB, MB, GB, KiB,
+    MiB, GiB).
+
+    Raises:
+        UserError: not a finite size > 0.
+
+    Example:
+        >>> parse_bytes("8GiB"), parse_bytes("2e9")
+        (8589934592.0, 2000000000.0)
+    """
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    try:
+        value = float(match.group(1)) if match else math.nan
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)) or unit not in ("", *BYTE_UNITS):
+        raise UserError(f"{flag} {text!r} is invalid; give bytes per rank, e.g. 64MiB, 8GiB or 2e9")
+    return value * BYTE_UNITS.get(unit, 1)
+
+
+def _bytes(value: float, flag: str) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise UserError(f"{flag} {value} is invalid; give bytes per rank > 0, e.g. 8GiB or 2e9")
 
 
 def _bandwidth(value: float, flag: str) -> None:
@@ -311,8 +346,9 @@ class PartitionConfig:
 
     method: str = option("uniform", flags=("--partition",), metavar="METHOD")
     """uniform, parameters, type:REGEX, time, pipedream, memory or explicit."""
-    memory_limit: float | None = option(None, metavar="BYTES", check=_not_nan)
-    """memory: bytes one rank may hold; zb-auto, zb-v-auto: K, their activation limit as K x the 1F1B peak."""
+    memory_limit: float | None = option(None, metavar="BYTES", parse=parse_bytes, check=_bytes)
+    """memory: bytes one rank may hold, e.g. 8GiB or 2e9 (the activation multiple K of zb-auto and zb-v-auto is
+    --activation-limit)."""
     layers_per_stage: tuple[int, ...] | None = option(None, metavar="N,N,...", parse=parse_counts)
     """explicit: layer count of each part, e.g. 3,2,2,1 (the gpt's layers are its embedding, its --layers blocks
     and its head)."""

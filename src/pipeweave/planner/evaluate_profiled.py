@@ -60,7 +60,7 @@ class ProfiledEvaluator(Evaluator):
             "time_b": round(sum(i) / parts / unit, 1),
             "time_w": round(sum(w) / parts / unit, 1),
             "time_comm": round(hop / unit, 1),
-            "memory_limit": 2.0,
+            "activation_limit": 2.0,
         }
 
     def memory(self, config: Config, schedule: Schedule, layout: Layout) -> GPUMemory:

@@ -234,6 +234,6 @@ def auto_options(config: Config, cluster: Cluster, times: Times) -> dict[str, ob
         "time_b": round(sum(i) / parts / unit, 1),
         "time_w": round(sum(w) / parts / unit, 1),
         "time_comm": round(hop / unit, 1),
-        "memory_limit": limit,
+        "activation_limit": limit,
         "mem_w": round(min(1.0, stash / held), 1),
     }

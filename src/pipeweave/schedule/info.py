@@ -78,7 +78,7 @@ class ScheduleInfo:
     """Fixed chunks per rank (2 for V shapes), or None when ``--chunks`` applies (default 1)."""
     searched: bool = False
     """True when built by ``pipeweave.autoschedule`` for the run's own costs: its generator takes ``time_f``,
-    ``time_b``, ``time_w`` and ``memory_limit``, which ``train`` and the planner fill in."""
+    ``time_b``, ``time_w`` and ``activation_limit``, which ``train`` and the planner fill in."""
     defaults: tuple[tuple[str, float], ...] = ()
     """``(option, value)`` pairs: its defaults of run options where they differ from the usual ones, e.g.
     ``(("momentum", 0.9),)`` for SpecTrain and XPipe, which predict the weights along the momentum."""

@@ -20,7 +20,7 @@ from pipeweave.commands.profiled import profiled_costs
 from pipeweave.commands.schedule_file import schedule_from_file
 from pipeweave.config import TrainConfig
 from pipeweave.config.sections import AUTO
-from pipeweave.errors import UserError
+from pipeweave.errors import BYTES_AT_LEAST, UserError, renamed_activation_limit
 from pipeweave.models.hf import is_hf
 from pipeweave.partition import LayerCosts, Partition, partition
 from pipeweave.runtime.profile import profile_model
@@ -95,16 +95,14 @@ def _device() -> str:
 def _with_searched_costs(config: TrainConfig) -> TrainConfig:
     """zb-auto/zb-v-auto: plan with this model's per-part F, I, W times, profiled per layer (cached).
 
-    ``--memory-limit K`` is their activation limit (K x the 1F1B peak) unless it is
-    the memory partitioner's byte budget. The numbers travel in the config, so every
+    ``--activation-limit K`` (a generator option of the schedule section) is their
+    activation limit, K x the 1F1B peak. The numbers travel in the config, so every
     rank searches the same instance and builds the same schedule.
     """
     info = SCHEDULES.get(config.schedule.name or "")
     if info is None or not info.searched:
         return config
     options = dict(config.schedule.options)
-    if config.partition.memory_limit is not None and config.partition.method != "memory":
-        options["memory_limit"] = config.partition.memory_limit
     parts = build_schedule(config.replace(data_parallel=1, expert_parallel=1, zero=0))
     costs = profile_model(config.model, _microbatch(config), device=_device(), precision=config.training.precision)
     ranges = layer_ranges(config, parts)
@@ -118,11 +116,13 @@ def _with_partition(config: TrainConfig) -> TrainConfig:
     args = partition_arguments(config)
     info = SCHEDULES.get(config.schedule.name or "")
     searched = info is not None and info.searched
-    if args.memory_limit is not None and args.partition != "memory" and not searched:
-        # Otherwise --memory-limit would be ignored: say so instead.
+    if args.memory_limit is not None and args.partition != "memory":
+        # Otherwise --memory-limit would be ignored: say so instead (K of zb-auto under its former name too).
+        if searched and args.memory_limit < BYTES_AT_LEAST:
+            raise renamed_activation_limit(args.memory_limit)
         raise UserError(
-            f"--memory-limit {args.memory_limit:g} applies to --partition memory (bytes per rank) and to "
-            f"zb-auto/zb-v-auto (K x the 1F1B peak); add one of them or drop it"
+            f"--memory-limit {args.memory_limit:g} (bytes per rank) applies to --partition memory; add it or drop "
+            "--memory-limit" + (" (zb-auto's activation multiple K is --activation-limit K)" if searched else "")
         )
     base = build_schedule(
         config.replace(
