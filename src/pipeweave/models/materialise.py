@@ -246,16 +246,16 @@ class Initialiser:
         """The tensors ``names``; those in ``slices`` as their slice of the whole tensor, initialised one module
         at a time (its whole tensors, then the slices kept: the same values whatever the split)."""
         seed = self.seed if self.seed is not None else torch.initial_seed()
-        slices = slices or {}
-        values = initialised(self.whole, [n for n in names if n not in slices], seed=seed, init=self.init)
+        if not slices:
+            return initialised(self.whole, names, seed=seed, init=self.init)
         by_module: dict[str, list[str]] = {}
         for name in names:
-            if name in slices:
-                by_module.setdefault(name.rpartition(".")[0], []).append(name)
-        for group in by_module.values():
+            by_module.setdefault(name.rpartition(".")[0], []).append(name)
+        values: dict[str, torch.Tensor] = {}
+        for group in by_module.values():  # a module's init draws all its tensors: each module's run once
             whole = initialised(self.whole, group, seed=seed, init=self.init)
             with torch.no_grad():
-                values |= {n: whole[n].index_select(slices[n][0], slices[n][1]) for n in group}
+                values |= {n: whole[n].index_select(*slices[n]) if n in slices else whole[n] for n in group}
             del whole
         return values
 
