@@ -8,7 +8,7 @@ replica and in plain training.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 
 from torch import nn
@@ -16,6 +16,7 @@ from torch import nn
 from pipeweave.errors import UserError
 from pipeweave.models import gpt, hf_tp, llama, mlp
 from pipeweave.models.custom import build_layer as build_custom_layer
+from pipeweave.models.materialise import Cut
 from pipeweave.models.spec import ModelSpec, layer_generator, layer_seed
 from pipeweave.models.tied import tie
 
@@ -24,12 +25,16 @@ FAMILIES: dict[str, ModuleType] = {"mlp": mlp, "gpt": gpt, "llama": llama}
 ``tensor_parallel_plan`` (and, a transformer, ``selective_plan``)."""
 
 
-def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Module]:
+def build_layers(
+    spec: ModelSpec, layer_indices: Iterable[int], cut: Callable[[int], Cut] | None = None
+) -> list[nn.Module]:
     """Build only the layers with the given indices, each initialised from its own seed.
 
     Args:
         spec: the model.
         layer_indices: indices in ``range(spec.num_layers)``.
+        cut: per layer index, how this rank splits it (its tensor-parallel shard: ``models.materialise.Cut``);
+            a layer built on the meta device is split before it is materialised, and reads its slices alone.
 
     Raises:
         UserError: an index outside the model.
@@ -48,9 +53,10 @@ def build_layers(spec: ModelSpec, layer_indices: Iterable[int]) -> list[nn.Modul
                 f"layer {index} is outside the model's {spec.num_layers} layers; give 0..{spec.num_layers - 1}"
             )
         if spec.kind == "custom":
-            layers.append(build_custom_layer(spec.custom, index, layer_seed(spec, index)))
+            layers.append(build_custom_layer(spec.custom, index, layer_seed(spec, index), cut and cut(index)))
         else:
-            layers.append(FAMILIES[spec.kind].build_layer(spec, index, layer_generator(spec, index)))
+            layer = FAMILIES[spec.kind].build_layer(spec, index, layer_generator(spec, index))
+            layers.append(layer if cut is None else cut(index).split(layer))
     if spec.kind == "custom" and spec.custom.tied:  # one Parameter per tied group among these layers
         model = spec.custom
         tie(model.tied, dict(zip(layer_indices, layers)), lambda k: build_custom_layer(model, k, layer_seed(spec, k)))

@@ -74,6 +74,7 @@ from pipeweave.errors import UserError
 from pipeweave.models import boundary
 from pipeweave.models.boundary import Boundary, num_samples, tensors
 from pipeweave.models.layers import Linear
+from pipeweave.models.materialise import Cut, MetaLayer
 from pipeweave.models.tied import check_groups
 
 LayerBuilder = Callable[[], nn.Module]
@@ -290,12 +291,18 @@ def fingerprint(entry: str) -> str:
     return hashlib.sha256(text).hexdigest()[:16]
 
 
-def build_layer(model: LayerModel, index: int, seed: int) -> nn.Module:
-    """Layer ``index`` of ``model``, initialised from torch's generator seeded by ``seed``, deferrable Linears."""
+def build_layer(model: LayerModel, index: int, seed: int, cut: Cut | None = None) -> nn.Module:
+    """Layer ``index`` of ``model``, initialised from torch's generator seeded by ``seed``, deferrable Linears.
+
+    ``cut``: the layer split by ``cut.split`` (its tensor-parallel shard); a layer built on the meta device
+    (``models.materialise.MetaLayer``) is split before its tensors are read, and reads its slices alone.
+    """
+    builder = model.layers[index]
+    meta = cut is not None and isinstance(builder, MetaLayer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            layer = model.layers[index]()
+            layer = builder(cut=_deferrable_first(cut)) if meta and cut is not None else builder()
         except UserError:
             raise
         except Exception as e:
@@ -305,7 +312,13 @@ def build_layer(model: LayerModel, index: int, seed: int) -> nn.Module:
             f"layer {index} of the model is {type(layer).__name__}, not a torch.nn.Module; "
             "each builder must return one module"
         )
-    return deferrable(layer)
+    layer = deferrable(layer)
+    return layer if cut is None or meta else cut.split(layer)
+
+
+def _deferrable_first(cut: Cut) -> Cut:
+    """``cut`` splitting the layer's deferrable Linears (what a plan names), its ``nn.Linear`` made them first."""
+    return Cut(lambda layer: cut.split(deferrable(layer)), cut.slice_of)
 
 
 def deferrable(module: nn.Module) -> nn.Module:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel
 from pipeweave.models.hf_config import built, config_fields, make_config
 from pipeweave.models.hf_tp import hf_tp_plan
-from pipeweave.models.materialise import Initialiser, materialise, meta_parameters
+from pipeweave.models.materialise import Initialiser, MetaLayer, Slice, materialise, meta_parameters
 from pipeweave.models.pipeline import pipeline
 from pipeweave.models.pretrained import Weights, folder_of
 
@@ -195,16 +196,19 @@ def hf_model(entry: str, config_text: str | None, seq_len: int, seed: int) -> La
     for build in model.layers:  # materialise(part, names, the initialiser): the files read instead
         part, names, initialiser = build.args
         read = functools.partial(_read_pretrained, weights.reader(module), initialiser)
-        layers.append(functools.partial(materialise, part, names, read))
+        layers.append(MetaLayer(materialise, part, names, read))
     return dataclasses.replace(model, layers=layers)
 
 
-def _read_pretrained(files: Any, computed: Any, names: list[str]) -> dict[str, torch.Tensor]:
-    """The tensors ``names`` from the pretrained files; those no file holds (buffers of the config: rotary
-    tables) computed as the model computes them."""
-    values = files(names)
+def _read_pretrained(
+    files: Any, computed: Any, names: list[str], slices: Mapping[str, Slice] | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` from the pretrained files (those in ``slices``: that slice alone); those no file
+    holds (buffers of the config: rotary tables) computed as the model computes them."""
+    slices = slices or {}
+    values = files(names, slices)
     missing = [n for n in names if n not in values]
-    return values | (computed(missing) if missing else {})
+    return values | (computed(missing, {n: slices[n] for n in missing if n in slices}) if missing else {})
 
 
 def _causal_lm_loss(loss_function: Any, vocab: int, logits: Any, labels: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,13 @@ them and on their ancestors, children first, as ``transformers``'
 the model stay on the meta device while the init runs: writing to them is a
 no-op, so a part costs its own bytes and not the model's.
 
+A layer that a rank splits over its tensor-parallel group is split first, on
+the meta device (``Cut``), and then materialised: each split tensor is read as
+its rank's slice alone (``Slice``) -- from the files, only those rows or
+columns (safetensors' ``get_slice``); initialised, the whole tensor of one
+module at a time, its slice kept -- so a rank never holds the whole layer and
+its shard is exactly the whole tensor's slice, for any N.
+
 What makes a part's weights independent of which other parts are
 materialised beside it -- so that any D, N or P, and plain training,
 start from one set of weights -- is the seeding rule: before every random
@@ -29,9 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +52,26 @@ from pipeweave.errors import UserError
 
 Init = Callable[[nn.Module], None]
 """A module's own initialisation of its tensors (``reset_parameters``, transformers' ``_init_weights``)."""
+
+Slice = tuple[int, torch.Tensor]
+"""A rank's shard of a whole tensor: along a dimension, the indices of the whole it holds (int64)."""
+
+Read = Callable[[list[str], Mapping[str, Slice]], Mapping[str, Any]]
+"""``read(names, slices)``: the whole model's tensors ``names``; those in ``slices`` as that slice alone."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How a rank cuts a layer before its tensors are read (``materialise``).
+
+    ``split`` turns the layer on the meta device into this rank's (its tensor-parallel shards, on the meta
+    device too); ``slice_of`` gives, for a tensor of the split layer, the slice of the whole tensor it holds
+    (None: it is whole).
+    """
+
+    split: Callable[[nn.Module], nn.Module]
+    slice_of: Callable[[torch.Tensor], Slice | None]
+
 
 _DRAWS = {"normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"}
 """The in-place random fills every init function comes down to (``trunc_normal_`` and ``kaiming_uniform_`` too)."""
@@ -213,9 +242,22 @@ class Initialiser:
         self.names = [n for n, _ in whole.named_parameters(remove_duplicate=False)]
         self.names += [n for n, _ in whole.named_buffers(remove_duplicate=False)]
 
-    def __call__(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def __call__(self, names: list[str], slices: Mapping[str, Slice] | None = None) -> dict[str, torch.Tensor]:
+        """The tensors ``names``; those in ``slices`` as their slice of the whole tensor, initialised one module
+        at a time (its whole tensors, then the slices kept: the same values whatever the split)."""
         seed = self.seed if self.seed is not None else torch.initial_seed()
-        return initialised(self.whole, names, seed=seed, init=self.init)
+        if not slices:
+            return initialised(self.whole, names, seed=seed, init=self.init)
+        by_module: dict[str, list[str]] = {}
+        for name in names:
+            by_module.setdefault(name.rpartition(".")[0], []).append(name)
+        values: dict[str, torch.Tensor] = {}
+        for group in by_module.values():  # a module's init draws all its tensors: each module's run once
+            whole = initialised(self.whole, group, seed=seed, init=self.init)
+            with torch.no_grad():
+                values |= {n: whole[n].index_select(*slices[n]) if n in slices else whole[n] for n in group}
+            del whole
+        return values
 
 
 @contextlib.contextmanager
@@ -302,21 +344,27 @@ def _traced_device_in(value: Any) -> bool:
     return any(found)
 
 
-def materialise(
-    part: nn.Module, whole_names: Iterable[str], read: Callable[[list[str]], Mapping[str, Any]]
-) -> nn.Module:
+class MetaLayer(functools.partial):  # type: ignore[type-arg]
+    """A layer builder ``MetaLayer(materialise, part, names, read)``: called, the part materialised; called with
+    ``cut=`` (``Cut``), split first and only its rank's slices read (``models.custom.build_layer``)."""
+
+
+def materialise(part: nn.Module, whole_names: Iterable[str], read: Read, cut: Cut | None = None) -> nn.Module:
     """A copy of the meta ``part`` (its tensors named as in the whole model) with every tensor read by ``read``.
 
-    ``read(names)`` gives the values of the whole model's tensors ``names`` (``initialised``, or a pretrained
-    folder's files); a tensor the part holds under several names (a tied one, pipeweave's deferrable linears'
-    aliases) is read once, under the first of them the whole model knows. Under ``torch.device("meta")`` (what
-    counts a part's bytes) nothing is read: the copy stays on the meta device.
+    ``read(names, slices)`` gives the values of the whole model's tensors ``names`` (``Initialiser``, or a
+    pretrained folder's files); a tensor the part holds under several names (a tied one, pipeweave's deferrable
+    linears' aliases) is read once, under the first of them the whole model knows. ``cut``: the copy is split
+    first (on the meta device) and each tensor it splits is read as its slice alone. Under
+    ``torch.device("meta")`` (what counts a part's bytes) nothing is read: the copy stays on the meta device.
 
     Raises:
         UserError: a tensor of the part on the meta device that the whole model does not name (a constant
             the trace made of a tensor the forward builds from nothing).
     """
     part = copy.deepcopy(part)
+    if cut is not None:
+        part = cut.split(part)
     known = set(whole_names)
     name_of: dict[int, str] = {}
     for name, t in [*part.named_parameters(remove_duplicate=False), *part.named_buffers(remove_duplicate=False)]:
@@ -330,7 +378,9 @@ def materialise(
         )
     if torch.empty(0).is_meta:  # counting bytes under torch.device("meta"): shapes are all it needs
         return part
-    values = read(sorted(set(name_of.values())))
+    cuts = {} if cut is None else {i: cut.slice_of(t) for i, t in _tensors(part) if i in name_of}
+    slices = {name_of[i]: s for i, s in cuts.items() if s is not None}
+    values = read(sorted(set(name_of.values())), slices)
     done: dict[int, torch.Tensor] = {}
     for module in part.modules():
         for table in (module._parameters, module._buffers):
@@ -342,7 +392,30 @@ def materialise(
     return part
 
 
+def _tensors(part: nn.Module) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each tensor object ``part`` holds by a name, once, by its id."""
+    seen = {
+        id(t): t
+        for _, t in [*part.named_parameters(remove_duplicate=False), *part.named_buffers(remove_duplicate=False)]
+    }
+    return iter(seen.items())
+
+
 def _as(like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` in ``like``'s dtype, a Parameter where ``like`` is one."""
+    """``value`` in ``like``'s dtype and shape, a Parameter where ``like`` is one, with what was set on ``like``
+    (a tensor-parallel shard's ``Split``).
+
+    Raises:
+        UserError: a value of another shape (a slice read unlike the shard it fills).
+    """
+    if value.shape != like.shape:
+        raise UserError(
+            f"a tensor of shape {list(value.shape)} was read for one of {list(like.shape)}; give weights of the "
+            "model's config"
+        )
     value = value.to(like.dtype) if value.dtype != like.dtype else value
-    return nn.Parameter(value, requires_grad=like.requires_grad) if isinstance(like, nn.Parameter) else value
+    if not isinstance(like, nn.Parameter):
+        return value
+    param = nn.Parameter(value, requires_grad=like.requires_grad)
+    param.__dict__.update(like.__dict__)
+    return param

@@ -50,7 +50,7 @@ from torch import nn
 from pipeweave.errors import UserError
 from pipeweave.models.custom import LayerModel, entry_module, load_model
 from pipeweave.models.graph_split import check_split_points, cuts, first_calls, opening, split_graph
-from pipeweave.models.materialise import Init, Initialiser, is_meta, materialise, on_fake, traced_to_meta
+from pipeweave.models.materialise import Init, Initialiser, MetaLayer, is_meta, materialise, on_fake, traced_to_meta
 from pipeweave.models.tp_patterns import layer_plans
 from pipeweave.models.tracing import trace
 
@@ -126,7 +126,7 @@ def pipeline(
             parts = [traced_to_meta(part, tensors) for part in parts]
     if meta:
         source = Initialiser(module, param_init=param_init, seed=seed)
-        layers = [functools.partial(materialise, part, source.names, source) for part in parts]
+        layers = [MetaLayer(materialise, part, source.names, source) for part in parts]
     else:
         layers = [functools.partial(_copy, part) for part in parts]
     return LayerModel(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from pipeweave.errors import UserError
+from pipeweave.models.materialise import Slice
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -109,15 +110,19 @@ class Weights:
                     f"config.json {list(tensor.shape)}; give the config.json its weights were saved with"
                 )
 
-    def reader(self, module: nn.Module) -> Callable[[list[str]], dict[str, torch.Tensor]]:
-        """``read(names)``: the tensors of ``module`` (the model, on the meta device) of these names, read from the
-        files (``models.materialise.materialise`` takes it)."""
+    def reader(self, module: nn.Module) -> Callable[..., dict[str, torch.Tensor]]:
+        """``read(names, slices)``: the tensors of ``module`` (the model, on the meta device) of these names, read
+        from the files (``models.materialise.materialise`` takes it)."""
         alias = {n: [m for m in names if m in self.file_of][0] for names, _ in state_groups(module) for n in names}
         return functools.partial(self.load, alias=alias)
 
-    def load(self, names: list[str], alias: dict[str, str]) -> dict[str, torch.Tensor]:
+    def load(
+        self, names: list[str], slices: Mapping[str, Slice] | None = None, *, alias: dict[str, str]
+    ) -> dict[str, torch.Tensor]:
         """The files' tensors of ``names`` (``alias``: the name a file holds each by), each shard opened once;
-        names the files do not hold (buffers computed from the config) are left out."""
+        names the files do not hold (buffers computed from the config) are left out. A name in ``slices`` is read
+        as that slice alone (``read_slice``: the rest of the tensor is never read)."""
+        slices = slices or {}
         wanted: dict[str, list[str]] = {}
         for name in names:
             if name in alias:
@@ -126,8 +131,22 @@ class Weights:
         for file, held in wanted.items():
             with _open(self.folder / file) as shard:
                 for name in held:
-                    values[name] = shard.get_tensor(alias[name])
+                    if name in slices:
+                        values[name] = read_slice(shard, alias[name], *slices[name])
+                    else:
+                        values[name] = shard.get_tensor(alias[name])
         return values
+
+
+def read_slice(shard: Any, name: str, dim: int, indices: torch.Tensor) -> torch.Tensor:
+    """The indices ``indices`` along ``dim`` of the tensor ``name`` of an open safetensors file, reading those
+    alone: one ``get_slice`` read per run of consecutive indices (a fused projection's share: one per part)."""
+    view = shard.get_slice(name)
+    starts = [0, *(k for k in range(1, len(indices)) if indices[k] != indices[k - 1] + 1)]
+    ends = [*starts[1:], len(indices)]
+    lead = (slice(None),) * dim
+    pieces = [view[(*lead, slice(int(indices[a]), int(indices[b - 1]) + 1))] for a, b in zip(starts, ends)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
 def state_groups(module: nn.Module) -> Iterable[tuple[list[str], torch.Tensor]]:

@@ -4,8 +4,9 @@ A stage of a run is built as torchtitan's ``parallelize_*`` makes a model
 parallel: step by step, each a function of the stage under construction and
 the run, nothing patched afterwards. In order (``stage.build.STEPS``, then ``RUN_STEPS``)::
 
-    stage.build.split_layers           the part's layers, from the model's seed: plain training's
-    stage.build.apply_tensor_parallel  cut over the process's tp group (--tensor-parallel, --sequence-parallel)
+    stage.build.split_layers           the part's layers, from the model's seed: plain training's, cut over the
+                                       process's tp group as they are built (--tensor-parallel)
+    stage.build.apply_tensor_parallel  sequence parallelism over the tp group (--sequence-parallel)
     stage.build.apply_context_parallel ring attention over the process's cp group (--context-parallel)
     stage.build.apply_expert_parallel  the MoE layers' share of the experts of the process's ep group
                                        (--expert-parallel)

@@ -5,7 +5,8 @@ and its ``StageOptions`` and filling in what it owns; ``STEPS`` lists them in
 the order they run::
 
     split_layers            the part's layers, initialised from (seed, layer index): plain training's
-    apply_tensor_parallel   each layer cut over the process's tp group by the model's plan
+    apply_tensor_parallel   sequence parallelism over the process's tp group (each layer was cut by the
+                            model's plan as split_layers built it: only this rank's shard materialised)
     apply_context_parallel  attention by ring attention over the process's cp group, positions global
     apply_expert_parallel   each MoE layer's share of the experts kept, tokens sent to them by all-to-all
     apply_recompute         selective recomputation: the model's named submodules checkpointed
@@ -48,9 +49,9 @@ from pipeweave.runtime.stage.context_parallel import ContextParallel, shard_laye
 from pipeweave.runtime.stage.expert_parallel import ExpertParallel, shard_experts
 from pipeweave.runtime.stage.memory import ActivationMeter
 from pipeweave.runtime.stage.selective import checkpoint_submodules
+from pipeweave.runtime.stage.sequence_parallel import shard_sequence
 from pipeweave.runtime.stage.shards import Shards
-from pipeweave.runtime.stage.tensor_parallel import TensorParallel
-from pipeweave.runtime.stage.tensor_parallel import split_layers as split_over_tp
+from pipeweave.runtime.stage.tensor_parallel import TensorParallel, cut_over
 from pipeweave.sim.recompute import parse_recompute
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -175,15 +176,20 @@ class Sealed:
 
 
 def split_layers(stage: Stage, options: StageOptions) -> None:
-    """The part's layers, built whole from ``(seed, layer index)``: plain training's weights."""
-    stage.layers = build_layers(options.spec, list(options.layer_indices))
+    """The part's layers, built from ``(seed, layer index)``: plain training's weights; over a tensor-parallel
+    group, each cut by the model's plan as it is built (a layer built on the meta device materialises only this
+    rank's shard: ``stage.tensor_parallel.cut_over``)."""
+    tp = options.tensor_parallel
+    cut = cut_over(options.spec, tp) if tp is not None and tp.size > 1 else None
+    stage.layers = build_layers(options.spec, list(options.layer_indices), cut)
 
 
 def apply_tensor_parallel(stage: Stage, options: StageOptions) -> None:
-    """Each layer cut over the tensor-parallel group by the model's plan (``stage.tensor_parallel``)."""
+    """The layers (cut over the tensor-parallel group as they were built) sequence-parallel where the group
+    says so (``stage.sequence_parallel``)."""
     tp = options.tensor_parallel
-    if tp is not None and tp.size > 1:
-        stage.layers = split_over_tp(options.spec, list(options.layer_indices), stage.layers, tp)
+    if tp is not None and tp.size > 1 and tp.sequence_parallel:
+        shard_sequence(list(options.layer_indices), stage.layers, tp)
 
 
 def apply_context_parallel(stage: Stage, options: StageOptions) -> None:

@@ -24,8 +24,10 @@ matmuls are ``models.layers``'s deferrable ``Linear``, so ``I`` runs the
 collectives (they are on the input gradient's path) and ``W`` is local work
 on the shard, as the zero-bubble paper runs it inside Megatron's layers.
 
-Every rank builds the full layer from the layer's seed and keeps its slice,
-so the shards are exactly plain training's weights, cut; each shard carries
+Every rank's shards are exactly plain training's weights, cut: a built-in
+layer is built whole from the layer's seed and its slice kept; a layer built
+on the meta device (``hf:``, ``pipeweave.pipeline()``) is split there and
+reads only its slices (``cut_over``, ``models.materialise``). Each shard carries
 its ``Split`` (``gather`` puts the whole back, ``shard`` cuts a whole one).
 Parameters outside the split layers (norms, embeddings, biases of
 row-parallel layers) are replicated: their inputs and gradients are the same
@@ -43,7 +45,8 @@ Example (on each rank of a group of 2)::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +58,7 @@ from pipeweave.errors import UserError
 from pipeweave.models.build import build_layers, tensor_parallel_plan
 from pipeweave.models.graph_shard import local_sizes, whole_shapes
 from pipeweave.models.layers import Deferrable, FusedLinear, Linear, _accumulate, _deferring, _LinearFn
+from pipeweave.models.materialise import Cut, Slice
 from pipeweave.models.spec import ModelSpec
 from pipeweave.models.tensor_parallel import STYLES
 from pipeweave.runtime.stage.sequence_parallel import gathered_linear, reduce_scatter_to_sequence, shard_sequence
@@ -332,6 +336,26 @@ def split_layers(
     if tp.sequence_parallel:
         shard_sequence(indices, cut, tp)
     return cut
+
+
+def cut_over(spec: ModelSpec, tp: TensorParallel) -> Callable[[int], Cut]:
+    """Per layer index, how this rank of ``tp`` cuts that layer of ``spec`` by the model's plan (``build_layers``
+    splits it as it builds it; a layer built on the meta device reads only this rank's slice of each split
+    tensor: ``models.materialise``)."""
+
+    def cut(index: int) -> Cut:
+        def split_layer(layer: nn.Module) -> nn.Module:
+            return split(layer, tensor_parallel_plan(spec, index, layer), tp, f"layer {index}")
+
+        return Cut(split_layer, functools.partial(slice_of, rank=tp.rank))
+
+    return cut
+
+
+def slice_of(param: torch.Tensor, rank: int) -> Slice | None:
+    """The slice of the whole parameter that ``rank``'s shard ``param`` holds (None: ``param`` is whole)."""
+    how = split_of(param)
+    return None if how is None else (how.dim, how.owned[rank])
 
 
 def check_plans(spec: ModelSpec, size: int) -> None:
