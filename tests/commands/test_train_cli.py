@@ -142,6 +142,7 @@ def test_a_tied_module_split_on_pipedream_2bw_says_where_it_was_cut_and_its_tied
     assert rows["staleness / stage"] == "1 1" and rows["tied lag / stage"] == "0 1"
 
 
+@pytest.mark.slow  # a 3-process run
 def test_pipedream_prints_noam_and_in_flight_sets_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """PipeDream's summary shows the microbatches stage 0 held in flight (NOAM, by default D:
     tests/schedule/test_asynchronous.py), measured from the ranks' records beside the schedule's;
@@ -173,6 +174,7 @@ def _head_heavy_costs(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # a 3-process run
 def test_partition_pipedream_trains_its_replicated_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--partition pipedream`` replicating part 0 on 3 processes: 1F1B-RR runs it, equal to the reference
     executor (tests/runtime/test_replicated_stages.py compares more), the summary saying NOAM and the replicas."""

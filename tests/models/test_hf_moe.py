@@ -24,6 +24,8 @@ MODELS = Path(__file__).resolve().parent
 sys.path.insert(0, str(MODELS))
 from tiny_hf import MIXTRAL, QWEN2_MOE, module_run  # noqa: E402
 
+pytestmark = pytest.mark.slow  # transformers' models on several processes: the slow set (.ci/run)
+
 NOTHING_SPAWNED = "pipeweave.runtime.run.launch._spawn"
 
 

@@ -26,6 +26,8 @@ MODELS = Path(__file__).resolve().parent
 sys.path.insert(0, str(MODELS))
 from tiny_hf import GPT2, LLAMA, saved_model, transformers_run  # noqa: E402
 
+pytestmark = pytest.mark.slow  # transformers' models on several processes: the slow set (.ci/run)
+
 MODULE = MODELS / "tiny_tp_module.py"
 NOTHING_SPAWNED = "pipeweave.runtime.run.launch._spawn"
 OPT = {  # a model type whose config declares no tensor-parallel plan

@@ -137,6 +137,8 @@ from pipeweave.models.pipeline import pipeline
 from pipeweave.runtime.stage.tensor_parallel import slice_of, split
 from pipeweave.runtime.transport.mesh import MEASURING, TensorParallel
 
+pytestmark = pytest.mark.slow  # transformers' models on several processes: the slow set (.ci/run)
+
 # Every tensor of 128 KiB or more mapped on allocation and unmapped on free (a fixed threshold: glibc's
 # dynamic one would move freed tensors to the heap, whose holes count as resident): the peak resident set is
 # then the bytes live at the peak, what the build itself holds.

@@ -38,7 +38,7 @@ from pipeweave.runtime.stage.context_parallel import RingAttention
 from pipeweave.runtime.stage.post_validation import PostValidation
 from pipeweave.runtime.transport.mesh import ContextParallel, Mesh
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(300)]
 
 STEPS = 2
 GPT = ModelSpec(kind="gpt", layers=2, hidden=16, heads=4, seq_len=64)

@@ -38,7 +38,12 @@ from pipeweave.runtime.stage.post_validation import PostValidation
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_parallel_3d import _plain  # noqa: E402
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.distributed,
+    pytest.mark.timeout(300),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 STEPS = 2
 DELAY_MS = 20.0

@@ -32,7 +32,12 @@ from pipeweave.schedule.stream import peak_in_flight
 from pipeweave.sim.cost import CostModel
 from pipeweave.sim.versions import staleness, weight_copies
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.distributed,
+    pytest.mark.timeout(300),
+]
 
 CASES = {
     "2,1": (2, 1),

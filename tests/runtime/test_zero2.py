@@ -27,7 +27,7 @@ from pipeweave.runtime.run.prepare import optimizer_factory, prepare
 from pipeweave.runtime.run.record import RunRecord
 from pipeweave.runtime.stage.post_validation import PostValidation
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(300)]
 
 GPT = ModelSpec(kind="gpt", layers=2, hidden=16, heads=4, seq_len=8)
 MLP = ModelSpec(kind="mlp", layers=4, hidden=8)
