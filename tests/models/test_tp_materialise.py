@@ -22,6 +22,8 @@ from pipeweave.models.spec import ModelSpec
 from pipeweave.runtime.stage.tensor_parallel import cut_over, split, split_of
 from pipeweave.runtime.transport.mesh import MEASURING, TensorParallel
 
+pytestmark = pytest.mark.slow  # several processes, transformers' models: the slow set (.ci/run)
+
 MODELS = Path(__file__).resolve().parent
 sys.path.insert(0, str(MODELS))
 from tiny_hf import GPT2, LLAMA, saved_model  # noqa: E402
@@ -136,8 +138,6 @@ from pipeweave.models.materialise import Cut, meta_parameters
 from pipeweave.models.pipeline import pipeline
 from pipeweave.runtime.stage.tensor_parallel import slice_of, split
 from pipeweave.runtime.transport.mesh import MEASURING, TensorParallel
-
-pytestmark = pytest.mark.slow  # transformers' models on several processes: the slow set (.ci/run)
 
 # Every tensor of 128 KiB or more mapped on allocation and unmapped on free (a fixed threshold: glibc's
 # dynamic one would move freed tensors to the heap, whose holes count as resident): the peak resident set is
